@@ -1,0 +1,233 @@
+/*
+ * layout.c -- which slice of a weight each rank owns, and the copy that cuts
+ * it out.  Everything a sharded layer needs to know about its shape comes
+ * from here, so the index math lives in exactly one place.
+ *
+ * Not here: anything Python.  The glue in module.c parses arguments, releases
+ * the GIL and turns the error codes into exceptions.
+ */
+#include "layout.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <string.h>
+
+#define FAIL(code, ...)                          \
+    do {                                         \
+        if (err && errlen)                       \
+            snprintf(err, errlen, __VA_ARGS__);  \
+        return (code);                           \
+    } while (0)
+
+static int check_group(int64_t parts, int64_t rank, char *err, size_t errlen)
+{
+    if (parts < 1)
+        FAIL(SF_EINVAL, "tensor_parallel_size=%" PRId64 " must be >= 1", parts);
+    if (rank < 0 || rank >= parts)
+        FAIL(SF_EINVAL, "rank=%" PRId64 " outside [0, %" PRId64 ")", rank, parts);
+    return SF_OK;
+}
+
+int sf_split_units(int64_t units, int64_t parts, int64_t rank,
+                   int64_t *start, int64_t *count, char *err, size_t errlen)
+{
+    int rc = check_group(parts, rank, err, errlen);
+    if (rc)
+        return rc;
+    if (units < 0)
+        FAIL(SF_EINVAL, "cannot split %" PRId64 " units", units);
+    int64_t base = units / parts, extra = units % parts;
+    *count = base + (rank < extra ? 1 : 0);
+    *start = rank * base + (rank < extra ? rank : extra);
+    return SF_OK;
+}
+
+int sf_heads_layout(int64_t num_heads, int64_t num_kv_heads, int64_t parts, int64_t rank,
+                    int64_t *q_start, int64_t *q_count,
+                    int64_t *kv_start, int64_t *kv_count, char *err, size_t errlen)
+{
+    int rc = check_group(parts, rank, err, errlen);
+    if (rc)
+        return rc;
+    if (num_heads < 1 || num_kv_heads < 1)
+        FAIL(SF_EINVAL, "num_attention_heads=%" PRId64 " and num_key_value_heads=%" PRId64
+             " must both be >= 1", num_heads, num_kv_heads);
+    if (num_heads % num_kv_heads != 0)
+        FAIL(SF_ESPLIT, "num_attention_heads=%" PRId64 " is not a multiple of "
+             "num_key_value_heads=%" PRId64, num_heads, num_kv_heads);
+    int64_t group = num_heads / num_kv_heads;
+
+    if (num_kv_heads >= parts) {
+        rc = sf_split_units(num_kv_heads, parts, rank, kv_start, kv_count, err, errlen);
+        if (rc)
+            return rc;
+        *q_start = *kv_start * group;
+        *q_count = *kv_count * group;
+        return SF_OK;
+    }
+    /* Fewer KV heads than ranks: replicate each KV head over `replicas` ranks. */
+    if (parts % num_kv_heads != 0) {
+        if (group == 1)
+            FAIL(SF_ESPLIT, "num_attention_heads=%" PRId64 " cannot be split over "
+                 "tensor_parallel_size=%" PRId64 " (every rank needs at least one head)",
+                 num_heads, parts);
+        FAIL(SF_ESPLIT, "num_key_value_heads=%" PRId64 " cannot be split over "
+             "tensor_parallel_size=%" PRId64 " (fewer KV heads than ranks must divide "
+             "the number of ranks, so that each KV head is replicated on the same "
+             "number of ranks)", num_kv_heads, parts);
+    }
+    int64_t replicas = parts / num_kv_heads;
+    if (group < replicas)
+        FAIL(SF_ESPLIT, "num_attention_heads=%" PRId64 " cannot be split over "
+             "tensor_parallel_size=%" PRId64 " (every rank needs at least one head; "
+             "num_key_value_heads=%" PRId64 ")", num_heads, parts, num_kv_heads);
+    int64_t within_start = 0, within_count = 0;
+    rc = sf_split_units(group, replicas, rank % replicas, &within_start, &within_count,
+                        err, errlen);
+    if (rc)
+        return rc;
+    *kv_start = rank / replicas;
+    *kv_count = 1;
+    *q_start = *kv_start * group + within_start;
+    *q_count = within_count;
+    return SF_OK;
+}
+
+int sf_vocab_layout(int64_t vocab, int64_t parts, int64_t rank, int64_t multiple,
+                    int64_t *padded, int64_t *start, int64_t *per_rank, int64_t *real,
+                    char *err, size_t errlen)
+{
+    int rc = check_group(parts, rank, err, errlen);
+    if (rc)
+        return rc;
+    if (vocab < 1)
+        FAIL(SF_EINVAL, "vocab_size=%" PRId64 " must be >= 1", vocab);
+    if (multiple < 1)
+        FAIL(SF_EINVAL, "make_vocab_size_divisible_by=%" PRId64 " must be >= 1", multiple);
+    int64_t step = parts * multiple;
+    *padded = (vocab + step - 1) / step * step;
+    *per_rank = *padded / parts;
+    *start = rank * *per_rank;
+    int64_t end = *start + *per_rank;
+    if (end > vocab)
+        end = vocab;
+    *real = end > *start ? end - *start : 0;
+    return SF_OK;
+}
+
+/* Copy a box (all of shard's dims, with `dim` restricted to [s_off, s_off+len)
+ * in the shard and [f_off, f_off+len) in the full tensor). */
+static void copy_box(const sf_strided *full, const sf_strided *shard, int dim,
+                     int64_t f_off, int64_t s_off, int64_t len, int itemsize, int to_full)
+{
+    int nd = full->ndim;
+    int64_t idx[32] = {0};
+    int64_t box[32];
+    for (int d = 0; d < nd; d++)
+        box[d] = d == dim ? len : shard->shape[d];
+    for (int d = 0; d < nd; d++)
+        if (box[d] == 0)
+            return;
+    int last = nd - 1;
+    int inner_memcpy = full->strides[last] == 1 && shard->strides[last] == 1;
+    for (;;) {
+        /* Offsets of the row starting at idx (idx[last] == 0). */
+        char *f = full->data, *s = shard->data;
+        for (int d = 0; d < last; d++) {
+            int64_t fi = idx[d] + (d == dim ? f_off : 0);
+            int64_t si = idx[d] + (d == dim ? s_off : 0);
+            f += fi * full->strides[d] * itemsize;
+            s += si * shard->strides[d] * itemsize;
+        }
+        if (last == dim) {
+            f += f_off * full->strides[last] * itemsize;
+            s += s_off * shard->strides[last] * itemsize;
+        }
+        char *dst = to_full ? f : s;
+        const char *src = to_full ? s : f;
+        int64_t dst_stride = (to_full ? full->strides[last] : shard->strides[last]) * itemsize;
+        int64_t src_stride = (to_full ? shard->strides[last] : full->strides[last]) * itemsize;
+        if (inner_memcpy) {
+            memcpy(dst, src, (size_t)(box[last] * itemsize));
+        } else {
+            for (int64_t i = 0; i < box[last]; i++)
+                memcpy(dst + i * dst_stride, src + i * src_stride, (size_t)itemsize);
+        }
+        /* Advance the multi-index over dims 0..last-1. */
+        int d = last - 1;
+        while (d >= 0) {
+            if (++idx[d] < box[d])
+                break;
+            idx[d] = 0;
+            d--;
+        }
+        if (d < 0)
+            return;
+    }
+}
+
+static void zero_box(const sf_strided *t, int dim, int64_t off, int64_t len, int itemsize)
+{
+    /* Zeroing is a copy from nothing: reuse copy_box's walk with a scratch
+     * zero row would need a buffer; walk directly instead. */
+    int nd = t->ndim;
+    int64_t idx[32] = {0};
+    int64_t box[32];
+    for (int d = 0; d < nd; d++)
+        box[d] = d == dim ? len : t->shape[d];
+    for (int d = 0; d < nd; d++)
+        if (box[d] == 0)
+            return;
+    for (;;) {
+        char *p = t->data;
+        for (int d = 0; d < nd; d++)
+            p += (idx[d] + (d == dim ? off : 0)) * t->strides[d] * itemsize;
+        memset(p, 0, (size_t)itemsize);
+        int d = nd - 1;
+        while (d >= 0) {
+            if (++idx[d] < box[d])
+                break;
+            idx[d] = 0;
+            d--;
+        }
+        if (d < 0)
+            return;
+    }
+}
+
+int sf_copy_ranges(const sf_strided *full, const sf_strided *shard, int dim,
+                   const sf_range *ranges, int n, int itemsize, int to_full,
+                   char *err, size_t errlen)
+{
+    if (full->ndim != shard->ndim)
+        FAIL(SF_EINVAL, "full tensor has %d dimensions but shard has %d",
+             full->ndim, shard->ndim);
+    if (full->ndim < 1 || full->ndim > 32)
+        FAIL(SF_EINVAL, "tensors must have 1 to 32 dimensions, got %d", full->ndim);
+    if (dim < 0 || dim >= full->ndim)
+        FAIL(SF_EINVAL, "dim=%d outside [0, %d)", dim, full->ndim);
+    for (int d = 0; d < full->ndim; d++)
+        if (d != dim && full->shape[d] != shard->shape[d])
+            FAIL(SF_EINVAL, "full and shard differ in dimension %d (%" PRId64 " vs %" PRId64 ")",
+                 d, full->shape[d], shard->shape[d]);
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) {
+        const sf_range *r = &ranges[i];
+        if (r->offset < 0 || r->length < 0 || r->offset + r->length > full->shape[dim])
+            FAIL(SF_ERANGE, "range %d [%" PRId64 ", %" PRId64 ") outside dimension %d of "
+                 "size %" PRId64, i, r->offset, r->offset + r->length, dim, full->shape[dim]);
+        total += r->length;
+    }
+    if (total > shard->shape[dim])
+        FAIL(SF_ERANGE, "ranges cover %" PRId64 " indices but the shard holds %" PRId64
+             " along dimension %d", total, shard->shape[dim], dim);
+
+    int64_t s_off = 0;
+    for (int i = 0; i < n; i++) {
+        copy_box(full, shard, dim, ranges[i].offset, s_off, ranges[i].length, itemsize, to_full);
+        s_off += ranges[i].length;
+    }
+    if (!to_full && s_off < shard->shape[dim])
+        zero_box(shard, dim, s_off, shard->shape[dim] - s_off, itemsize);
+    return SF_OK;
+}

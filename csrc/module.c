@@ -1,0 +1,337 @@
+/*
+ * module.c -- shardformer._C: the CPython glue.
+ *
+ * Each function here parses and checks its arguments, releases the GIL around
+ * work that touches tensor memory, calls a plain C function from layout.c (or
+ * the sharder engine), and turns error codes into Python exceptions.  No
+ * computation lives here.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#define PY_ARRAY_UNIQUE_SYMBOL shardformer_ARRAY_API
+#include <numpy/arrayobject.h>
+
+#include "layout.h"
+#include "sharder.h"
+#include "tensor_view.h"
+
+#define ERRLEN 512
+
+static int check_status(int rc, const char *err)
+{
+    if (rc == SF_OK)
+        return 0;
+    PyErr_SetString(rc == SF_ERANGE ? PyExc_IndexError : PyExc_ValueError, err);
+    return -1;
+}
+
+PyDoc_STRVAR(split_units_doc,
+"split_units(units, parts, rank) -> (start, count)\n\n"
+"Units [start, start+count) of `units` belong to `rank` of `parts`; the first\n"
+"units % parts ranks hold one unit more.");
+
+static PyObject *py_split_units(PyObject *self, PyObject *args)
+{
+    (void)self;
+    long long units, parts, rank;
+    if (!PyArg_ParseTuple(args, "LLL:split_units", &units, &parts, &rank))
+        return NULL;
+    int64_t start = 0, count = 0;
+    char err[ERRLEN] = "";
+    if (check_status(sf_split_units(units, parts, rank, &start, &count, err, ERRLEN), err))
+        return NULL;
+    return Py_BuildValue("(LL)", (long long)start, (long long)count);
+}
+
+PyDoc_STRVAR(heads_layout_doc,
+"heads_layout(num_heads, num_kv_heads, parts, rank) -> (q_start, q_count, kv_start, kv_count)\n\n"
+"The attention heads held by `rank`.  KV heads are split over the ranks (the\n"
+"query heads of a KV head stay with it); with fewer KV heads than ranks each\n"
+"KV head is replicated on parts / num_kv_heads ranks that split its queries.");
+
+static PyObject *py_heads_layout(PyObject *self, PyObject *args)
+{
+    (void)self;
+    long long heads, kv, parts, rank;
+    if (!PyArg_ParseTuple(args, "LLLL:heads_layout", &heads, &kv, &parts, &rank))
+        return NULL;
+    int64_t qs = 0, qc = 0, ks = 0, kc = 0;
+    char err[ERRLEN] = "";
+    if (check_status(sf_heads_layout(heads, kv, parts, rank, &qs, &qc, &ks, &kc, err, ERRLEN),
+                     err))
+        return NULL;
+    return Py_BuildValue("(LLLL)", (long long)qs, (long long)qc, (long long)ks, (long long)kc);
+}
+
+PyDoc_STRVAR(vocab_layout_doc,
+"vocab_layout(vocab, parts, rank, multiple) -> (padded, start, per_rank, real)\n\n"
+"The vocabulary padded to a multiple of parts*multiple and split evenly: rows\n"
+"[start, start+per_rank) of the padded table, the first `real` of them real.");
+
+static PyObject *py_vocab_layout(PyObject *self, PyObject *args)
+{
+    (void)self;
+    long long vocab, parts, rank, multiple;
+    if (!PyArg_ParseTuple(args, "LLLL:vocab_layout", &vocab, &parts, &rank, &multiple))
+        return NULL;
+    int64_t padded = 0, start = 0, per = 0, real = 0;
+    char err[ERRLEN] = "";
+    if (check_status(sf_vocab_layout(vocab, parts, rank, multiple, &padded, &start, &per, &real,
+                                     err, ERRLEN), err))
+        return NULL;
+    return Py_BuildValue("(LLLL)", (long long)padded, (long long)start, (long long)per,
+                         (long long)real);
+}
+
+/* Parse a sequence of (offset, length) pairs; returns a PyMem buffer. */
+static sf_range *parse_ranges(PyObject *seq, Py_ssize_t *n)
+{
+    PyObject *fast = PySequence_Fast(seq, "ranges: expected a sequence of (offset, length)");
+    if (fast == NULL)
+        return NULL;
+    *n = PySequence_Fast_GET_SIZE(fast);
+    sf_range *ranges = PyMem_Calloc((size_t)(*n > 0 ? *n : 1), sizeof(sf_range));
+    if (ranges == NULL) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return NULL;
+    }
+    for (Py_ssize_t i = 0; i < *n; i++) {
+        long long off, len;
+        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "LL;ranges item: (offset, length)",
+                              &off, &len)) {
+            PyMem_Free(ranges);
+            Py_DECREF(fast);
+            return NULL;
+        }
+        ranges[i].offset = off;
+        ranges[i].length = len;
+    }
+    Py_DECREF(fast);
+    return ranges;
+}
+
+static PyObject *copy_ranges_impl(PyObject *args, PyObject *kwargs, int to_full)
+{
+    static char *kwlist[] = {"full", "shard", "dim", "ranges", NULL};
+    PyObject *full_obj, *shard_obj, *ranges_obj;
+    int dim;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOiO", kwlist, &full_obj, &shard_obj, &dim,
+                                     &ranges_obj))
+        return NULL;
+    sf_view full, shard;
+    if (sf_view_acquire(full_obj, "full", &full) < 0)
+        return NULL;
+    if (sf_view_acquire(shard_obj, "shard", &shard) < 0) {
+        sf_view_release(&full);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    Py_ssize_t n = 0;
+    sf_range *ranges = NULL;
+    sf_view *dst = to_full ? &full : &shard;
+    const char *dst_name = to_full ? "full" : "shard";
+    if (sf_check_cpu(&full, "full") < 0 || sf_check_cpu(&shard, "shard") < 0 ||
+        sf_check_same_dtype(&full, "full", &shard, "shard") < 0 ||
+        sf_check_writable(dst, dst_name) < 0)
+        goto done;
+    if (full.ndim != shard.ndim) {
+        PyErr_Format(PyExc_ValueError, "full has %d dimensions but shard has %d", full.ndim,
+                     shard.ndim);
+        goto done;
+    }
+    if (dim < 0)
+        dim += full.ndim;
+    if (dim < 0 || dim >= full.ndim) {
+        PyErr_Format(PyExc_IndexError, "dim out of range for a %d-dimensional tensor", full.ndim);
+        goto done;
+    }
+    ranges = parse_ranges(ranges_obj, &n);
+    if (ranges == NULL)
+        goto done;
+    if (n > INT32_MAX) {
+        PyErr_SetString(PyExc_ValueError, "ranges: too many ranges");
+        goto done;
+    }
+    sf_strided f = {full.data, full.ndim, full.shape, full.strides};
+    sf_strided s = {shard.data, shard.ndim, shard.shape, shard.strides};
+    char err[ERRLEN] = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = sf_copy_ranges(&f, &s, dim, ranges, (int)n, full.itemsize, to_full, err, ERRLEN);
+    Py_END_ALLOW_THREADS
+    if (check_status(rc, err) == 0)
+        result = Py_NewRef(Py_None);
+done:
+    PyMem_Free(ranges);
+    sf_view_release(&full);
+    sf_view_release(&shard);
+    return result;
+}
+
+PyDoc_STRVAR(copy_shard_doc,
+"copy_shard(full, shard, dim, ranges)\n\n"
+"Copy the (offset, length) ranges of `full` along `dim` into `shard`, back to\n"
+"back, and zero the rest of `shard` along `dim` (vocabulary padding).  CPU\n"
+"tensors of one dtype; `full` may be strided; `shard` must be writable.");
+
+static PyObject *py_copy_shard(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    (void)self;
+    return copy_ranges_impl(args, kwargs, 0);
+}
+
+PyDoc_STRVAR(place_shard_doc,
+"place_shard(full, shard, dim, ranges)\n\n"
+"The inverse of copy_shard: write the back-to-back pieces of `shard` into the\n"
+"(offset, length) ranges of `full` along `dim`.");
+
+static PyObject *py_place_shard(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    (void)self;
+    return copy_ranges_impl(args, kwargs, 1);
+}
+
+PyDoc_STRVAR(gather_index_doc,
+"gather_index(rank_ranges, full_length, chunk) -> numpy.ndarray[int64]\n\n"
+"Index plan to reassemble a dimension gathered from all ranks.  Rank r's\n"
+"shard (the pieces of its ranges, back to back) sits at [r*chunk, (r+1)*chunk)\n"
+"of the gathered buffer; element i of the result is where full index i is\n"
+"found.  Every full index must be covered by some rank.");
+
+static PyObject *py_gather_index(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *per_rank;
+    long long full_len, chunk;
+    if (!PyArg_ParseTuple(args, "OLL:gather_index", &per_rank, &full_len, &chunk))
+        return NULL;
+    if (full_len < 0 || chunk < 0) {
+        PyErr_SetString(PyExc_ValueError, "full_length and chunk must be >= 0");
+        return NULL;
+    }
+    PyObject *fast = PySequence_Fast(per_rank, "rank_ranges: expected a sequence per rank");
+    if (fast == NULL)
+        return NULL;
+    npy_intp dims[1] = {(npy_intp)full_len};
+    PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(1, dims, NPY_INT64);
+    if (out == NULL) {
+        Py_DECREF(fast);
+        return NULL;
+    }
+    int64_t *idx = (int64_t *)PyArray_DATA(out);
+    for (npy_intp i = 0; i < dims[0]; i++)
+        idx[i] = -1;
+    for (Py_ssize_t r = 0; r < PySequence_Fast_GET_SIZE(fast); r++) {
+        Py_ssize_t n = 0;
+        sf_range *ranges = parse_ranges(PySequence_Fast_GET_ITEM(fast, r), &n);
+        if (ranges == NULL)
+            goto fail;
+        int64_t pos = 0;
+        for (Py_ssize_t k = 0; k < n; k++) {
+            if (ranges[k].offset < 0 || ranges[k].length < 0 ||
+                ranges[k].offset + ranges[k].length > full_len ||
+                pos + ranges[k].length > chunk) {
+                PyErr_Format(PyExc_ValueError,
+                             "rank %zd range (%lld, %lld) does not fit full length %lld "
+                             "with chunk %lld", r, (long long)ranges[k].offset,
+                             (long long)ranges[k].length, full_len, chunk);
+                PyMem_Free(ranges);
+                goto fail;
+            }
+            for (int64_t j = 0; j < ranges[k].length; j++)
+                if (idx[ranges[k].offset + j] < 0)
+                    idx[ranges[k].offset + j] = (int64_t)r * chunk + pos + j;
+            pos += ranges[k].length;
+        }
+        PyMem_Free(ranges);
+    }
+    for (npy_intp i = 0; i < dims[0]; i++) {
+        if (idx[i] < 0) {
+            PyErr_Format(PyExc_ValueError, "full index %lld is held by no rank", (long long)i);
+            goto fail;
+        }
+    }
+    Py_DECREF(fast);
+    return (PyObject *)out;
+fail:
+    Py_DECREF(fast);
+    Py_DECREF(out);
+    return NULL;
+}
+
+PyDoc_STRVAR(tensor_info_doc,
+"tensor_info(t) -> dict\n\n"
+"What _C sees of a tensor through DLPack: dtype, device, shape, strides,\n"
+"contiguity.  For tests and debugging.");
+
+static PyObject *py_tensor_info(PyObject *self, PyObject *arg)
+{
+    (void)self;
+    sf_view v;
+    if (sf_view_acquire(arg, "t", &v) < 0)
+        return NULL;
+    PyObject *shape = PyTuple_New(v.ndim), *strides = PyTuple_New(v.ndim);
+    PyObject *result = NULL;
+    if (shape && strides) {
+        for (int d = 0; d < v.ndim; d++) {
+            PyTuple_SET_ITEM(shape, d, PyLong_FromLongLong(v.shape[d]));
+            PyTuple_SET_ITEM(strides, d, PyLong_FromLongLong(v.strides[d]));
+        }
+        result = Py_BuildValue("{s:s,s:i,s:i,s:O,s:O,s:O,s:O,s:i}", "dtype",
+                               sf_dtype_name(v.dtype), "device_type", (int)v.device.device_type,
+                               "device_id", (int)v.device.device_id, "shape", shape, "strides",
+                               strides, "contiguous", sf_view_is_contiguous(&v) ? Py_True : Py_False,
+                               "readonly", v.readonly ? Py_True : Py_False, "itemsize",
+                               v.itemsize);
+    }
+    Py_XDECREF(shape);
+    Py_XDECREF(strides);
+    sf_view_release(&v);
+    return result;
+}
+
+PyDoc_STRVAR(sharder_plan_doc,
+"sharder_plan(root, model_name, entries, tp_size, rank) -> (ops, matched)\n\n"
+"Walk the module tree, match policy entries, resolve and validate every\n"
+"substitution; change nothing.  See csrc/sharder.c.");
+
+PyDoc_STRVAR(sharder_apply_doc,
+"sharder_apply(ops, process_group) -> int\n\n"
+"Apply a plan from sharder_plan, consuming the list.");
+
+static PyMethodDef methods[] = {
+    {"split_units", py_split_units, METH_VARARGS, split_units_doc},
+    {"heads_layout", py_heads_layout, METH_VARARGS, heads_layout_doc},
+    {"vocab_layout", py_vocab_layout, METH_VARARGS, vocab_layout_doc},
+    {"copy_shard", (PyCFunction)(void (*)(void))py_copy_shard, METH_VARARGS | METH_KEYWORDS,
+     copy_shard_doc},
+    {"place_shard", (PyCFunction)(void (*)(void))py_place_shard, METH_VARARGS | METH_KEYWORDS,
+     place_shard_doc},
+    {"gather_index", py_gather_index, METH_VARARGS, gather_index_doc},
+    {"tensor_info", py_tensor_info, METH_O, tensor_info_doc},
+    {"sharder_plan", (PyCFunction)(void (*)(void))sf_sharder_plan, METH_VARARGS | METH_KEYWORDS,
+     sharder_plan_doc},
+    {"sharder_apply", (PyCFunction)(void (*)(void))sf_sharder_apply,
+     METH_VARARGS | METH_KEYWORDS, sharder_apply_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT,
+    "shardformer._C",
+    "shardformer's C core: shard layouts, shard copies and the sharder engine.",
+    -1,
+    methods,
+    NULL,
+    NULL,
+    NULL,
+    NULL,
+};
+
+PyMODINIT_FUNC PyInit__C(void)
+{
+    import_array();
+    return PyModule_Create(&module_def);
+}

@@ -1,0 +1,18 @@
+"""shardformer: tensor-parallel HuggingFace transformers with one call.
+
+    from shardformer import ShardConfig, ShardFormer
+    model, shared_params = ShardFormer(shard_config=ShardConfig()).optimize(model)
+"""
+from .config import ShardConfig
+from .policy import ModulePolicyDescription, Policy, SubModuleReplacementDescription
+from .shardformer import ShardFormer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ModulePolicyDescription",
+    "Policy",
+    "ShardConfig",
+    "ShardFormer",
+    "SubModuleReplacementDescription",
+]

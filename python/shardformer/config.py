@@ -1,0 +1,106 @@
+"""ShardConfig: what optimize() should do to a model."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+# Switches whose implementation has not landed yet, with where it is tracked.
+# Switching one on is an error rather than a silent no-op.
+_NOT_YET = {
+    "enable_flash_attention": "the C attention kernel (C kernels issue)",
+    "enable_jit_fused": "the fused elementwise C kernels (C kernels issue)",
+    "enable_sequence_parallelism": "sequence parallelism",
+    "enable_sequence_overlap": "sequence parallelism with communication overlap",
+}
+
+# extra_kwargs understood by the built-in policies, with their defaults.
+EXTRA_KWARGS_DEFAULTS = {
+    # Vocabulary-parallel tables are padded to a multiple of tp_size * this.
+    "make_vocab_size_divisible_by": 64,
+    # LM heads return full-vocabulary logits (True) or this rank's shard (False,
+    # for cross_entropy_1d).
+    "gather_output": True,
+}
+
+
+@dataclass
+class ShardConfig:
+    """How to shard a model.
+
+    tensor_parallel_process_group: the group the model is split over (None =
+        the default world group; a single process without torch.distributed
+        initialized shards to size 1).
+    pipeline_stage_manager: pipeline stages (not available yet).
+    enable_tensor_parallelism: split attention heads, MLP features,
+        vocabularies and classifier heads over the group.
+    enable_fused_normalization: replace LayerNorm / RMSNorm modules by fused ones.
+    enable_flash_attention, enable_jit_fused: fused kernels (not available yet).
+    enable_sequence_parallelism, enable_sequence_overlap: (not available yet);
+        overlap requires sequence parallelism.
+    enable_all_optimization: switches on fused normalization, flash attention
+        and jit fused operators.
+    extra_kwargs: policy options, see EXTRA_KWARGS_DEFAULTS.
+    """
+
+    tensor_parallel_process_group: Any = None
+    pipeline_stage_manager: Any = None
+    enable_tensor_parallelism: bool = True
+    enable_fused_normalization: bool = False
+    enable_flash_attention: bool = False
+    enable_jit_fused: bool = False
+    enable_sequence_parallelism: bool = False
+    enable_sequence_overlap: bool = False
+    enable_all_optimization: bool = False
+    extra_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("enable_tensor_parallelism", "enable_fused_normalization", "enable_flash_attention",
+                     "enable_jit_fused", "enable_sequence_parallelism", "enable_sequence_overlap",
+                     "enable_all_optimization"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"ShardConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if not isinstance(self.extra_kwargs, dict):
+            raise TypeError(f"ShardConfig.extra_kwargs must be a dict, got {type(self.extra_kwargs).__name__}")
+        unknown = set(self.extra_kwargs) - set(EXTRA_KWARGS_DEFAULTS)
+        if unknown:
+            raise ValueError(f"ShardConfig.extra_kwargs: unknown keys {sorted(unknown)}; "
+                             f"known: {sorted(EXTRA_KWARGS_DEFAULTS)}")
+        multiple = self.extra_kwargs.get("make_vocab_size_divisible_by", 1)
+        if not isinstance(multiple, int) or multiple < 1:
+            raise ValueError(f"ShardConfig.extra_kwargs['make_vocab_size_divisible_by'] must be an int >= 1, "
+                             f"got {multiple!r}")
+        if self.enable_sequence_overlap and not self.enable_sequence_parallelism:
+            raise ValueError("ShardConfig: enable_sequence_overlap=True needs enable_sequence_parallelism=True")
+        if self.enable_sequence_parallelism and not self.enable_tensor_parallelism:
+            raise ValueError("ShardConfig: enable_sequence_parallelism=True needs enable_tensor_parallelism=True")
+        if self.enable_all_optimization:
+            self.enable_fused_normalization = True
+            self.enable_flash_attention = True
+            self.enable_jit_fused = True
+        if self.pipeline_stage_manager is not None:
+            raise NotImplementedError("ShardConfig.pipeline_stage_manager: pipeline parallelism is not "
+                                      "available in this version of shardformer")
+        for name, what in _NOT_YET.items():
+            if getattr(self, name):
+                reason = " (switched on by enable_all_optimization)" if self.enable_all_optimization \
+                    and name in ("enable_flash_attention", "enable_jit_fused") else ""
+                raise NotImplementedError(f"ShardConfig.{name}=True{reason}: {what} is not available "
+                                          "in this version of shardformer")
+
+    def option(self, name: str):
+        """An extra_kwargs option, or its default."""
+        return self.extra_kwargs.get(name, EXTRA_KWARGS_DEFAULTS[name])
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        if not dist.is_available() or not dist.is_initialized():
+            return 1
+        return dist.get_world_size(self.tensor_parallel_process_group)
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        if not dist.is_available() or not dist.is_initialized():
+            return 0
+        return dist.get_rank(self.tensor_parallel_process_group)

@@ -1,0 +1,40 @@
+"""Collectives (with backend dispatch) and the autograd region operators."""
+from .collectives import (
+    all_gather_into_tensor,
+    all_reduce,
+    backend_for,
+    broadcast,
+    rank,
+    recv,
+    reduce_scatter_tensor,
+    send,
+    world_size,
+)
+from .mappings import (
+    copy_to_tp_region,
+    gather_from_sequence_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    reduce_scatter_to_sequence_region,
+    scatter_to_tp_region,
+    sync_replicated_grad,
+)
+
+__all__ = [
+    "all_gather_into_tensor",
+    "all_reduce",
+    "backend_for",
+    "broadcast",
+    "rank",
+    "recv",
+    "reduce_scatter_tensor",
+    "send",
+    "world_size",
+    "copy_to_tp_region",
+    "gather_from_sequence_region",
+    "gather_from_tp_region",
+    "reduce_from_tp_region",
+    "reduce_scatter_to_sequence_region",
+    "scatter_to_tp_region",
+    "sync_replicated_grad",
+]

@@ -1,0 +1,221 @@
+"""The region operators: every collective that autograd sees, as a conjugate pair.
+
+Tensor-parallel layers move activations between three kinds of region:
+replicated (every rank holds the whole tensor), parallel (each rank holds a
+slice of the last dimension) and, with sequence parallelism, sequence-split.
+Each operator below is named after the transition it makes and does one
+collective forward and its conjugate backward:
+
+    operator                            forward            backward
+    copy_to_tp_region                   identity           all-reduce
+    reduce_from_tp_region               all-reduce         identity
+    scatter_to_tp_region                keep own slice     all-gather
+    gather_from_tp_region               all-gather         keep own slice
+    gather_from_sequence_region         all-gather (seq)   reduce-scatter (seq)
+    reduce_scatter_to_sequence_region   reduce-scatter     all-gather (seq)
+    sync_replicated_grad                identity           sum grads over ranks
+                                                           that hold the same rows
+
+Slices follow a `DimShard`, so uneven splits, padding and fused layouts
+gather back to exactly the full tensor.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..layout import DimShard
+from . import collectives as C
+
+
+def _gather_dim(x: torch.Tensor, dim: int, shard: DimShard, group) -> torch.Tensor:
+    """Full tensor along `dim` from every rank's shard (padding stripped)."""
+    x = x.movedim(dim, 0)
+    chunk = shard.chunk
+    if x.shape[0] < chunk:
+        pad = x.new_zeros((chunk - x.shape[0],) + tuple(x.shape[1:]))
+        x = torch.cat([x, pad], 0)
+    buf = x.new_empty((chunk * shard.tp_size,) + tuple(x.shape[1:]))
+    C.all_gather_into_tensor(buf, x.contiguous(), group)
+    index = shard.gather_index.to(buf.device)
+    return buf.index_select(0, index).movedim(0, dim)
+
+
+def _split_dim(x: torch.Tensor, dim: int, shard: DimShard) -> torch.Tensor:
+    """This rank's shard of a full tensor along `dim` (padding zero-filled)."""
+    pieces = [x.narrow(dim, off, n) for off, n in shard.ranges]
+    pad = shard.length - shard.real
+    if pad:
+        shape = list(x.shape)
+        shape[dim] = pad
+        pieces.append(x.new_zeros(shape))
+    if len(pieces) == 1:
+        return pieces[0].contiguous()
+    return torch.cat(pieces, dim)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return C.all_reduce(grad.contiguous().clone(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return C.all_reduce(x.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, shard, group):
+        ctx.dim, ctx.shard, ctx.group = dim, shard, group
+        return _split_dim(x, dim, shard)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_dim(grad, ctx.dim, ctx.shard, ctx.group), None, None, None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, shard, group):
+        ctx.dim, ctx.shard = dim, shard
+        return _gather_dim(x, dim, shard, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_dim(grad, ctx.dim, ctx.shard), None, None, None
+
+
+def _even_chunks(x: torch.Tensor, dim: int, n: int) -> None:
+    if x.shape[dim] % n:
+        raise ValueError(
+            f"sequence dimension {dim} of length {x.shape[dim]} is not divisible by "
+            f"the tensor-parallel size {n}"
+        )
+
+
+def _all_gather_seq(x, dim, group):
+    n = C.world_size(group)
+    x0 = x.movedim(dim, 0).contiguous()
+    buf = x0.new_empty((x0.shape[0] * n,) + tuple(x0.shape[1:]))
+    C.all_gather_into_tensor(buf, x0, group)
+    return buf.movedim(0, dim)
+
+
+def _reduce_scatter_seq(x, dim, group):
+    n = C.world_size(group)
+    _even_chunks(x, dim, n)
+    x0 = x.movedim(dim, 0).contiguous()
+    out = x0.new_empty((x0.shape[0] // n,) + tuple(x0.shape[1:]))
+    C.reduce_scatter_tensor(out, x0, group)
+    return out.movedim(0, dim)
+
+
+class _GatherFromSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _all_gather_seq(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.dim, ctx.group), None, None
+
+
+class _ReduceScatterToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return _reduce_scatter_seq(x, dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.dim, ctx.group), None, None
+
+
+class _SyncReplicatedGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w, dim, shard, group):
+        ctx.dim, ctx.shard, ctx.group = dim, shard, group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Every rank scatters its gradient into a zero full-size buffer at its
+        # rows; the sum over the group is then, at each row, the sum over the
+        # ranks that hold that row.
+        shard, dim = ctx.shard, ctx.dim
+        g = grad.movedim(dim, 0)
+        full = g.new_zeros((shard.full,) + tuple(g.shape[1:]))
+        pos = 0
+        for off, n in shard.ranges:
+            full[off:off + n] += g[pos:pos + n]
+            pos += n
+        C.all_reduce(full, ctx.group)
+        out = torch.cat([full[off:off + n] for off, n in shard.ranges], 0)
+        return out.movedim(0, dim), None, None, None
+
+
+def copy_to_tp_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Enter a parallel region from a replicated one: identity forward,
+    all-reduce of the gradient backward (each rank contributed a partial dX)."""
+    if C.world_size(group) == 1:
+        return x
+    return _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp_region(x: torch.Tensor, group=None) -> torch.Tensor:
+    """Leave a parallel region by summing partial results: all-reduce forward,
+    identity backward."""
+    if C.world_size(group) == 1:
+        return x
+    return _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_tp_region(x: torch.Tensor, dim: int, shard: DimShard, group=None) -> torch.Tensor:
+    """Keep this rank's slice of `dim` forward; all-gather the gradient backward."""
+    if shard.tp_size == 1:
+        return x
+    return _ScatterToTP.apply(x, dim, shard, group)
+
+
+def gather_from_tp_region(x: torch.Tensor, dim: int, shard: DimShard, group=None) -> torch.Tensor:
+    """All-gather the shards of `dim` into the full tensor forward (uneven and
+    padded shards reassembled); keep this rank's slice of the gradient backward."""
+    if shard.tp_size == 1 and shard.real == shard.full and shard.length == shard.full:
+        return x
+    return _GatherFromTP.apply(x, dim, shard, group)
+
+
+def gather_from_sequence_region(x: torch.Tensor, dim: int = 1, group=None) -> torch.Tensor:
+    """Sequence-split -> replicated: all-gather along `dim` forward,
+    reduce-scatter of the gradient backward."""
+    if C.world_size(group) == 1:
+        return x
+    return _GatherFromSeq.apply(x, dim, group)
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, dim: int = 1, group=None) -> torch.Tensor:
+    """Partial sums -> sequence-split: reduce-scatter along `dim` forward,
+    all-gather of the gradient backward."""
+    if C.world_size(group) == 1:
+        return x
+    return _ReduceScatterToSeq.apply(x, dim, group)
+
+
+def sync_replicated_grad(w: torch.Tensor, dim: int, shard: DimShard, group=None) -> torch.Tensor:
+    """Identity forward; backward, sums the gradient of rows held by several
+    ranks (KV heads replicated when there are fewer KV heads than ranks)."""
+    if not shard.replicated:
+        return w
+    return _SyncReplicatedGrad.apply(w, dim, shard, group)

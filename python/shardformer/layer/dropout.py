@@ -1,0 +1,86 @@
+"""Dropout that is correct under tensor parallelism.
+
+A replicated activation (the output of a row-parallel layer, the residual
+stream) must be dropped with the *same* mask on every rank, or the ranks'
+copies drift apart.  A parallel activation (each rank's heads or features)
+needs *different* masks, or the ranks' slices are correlated.  Both layers
+draw from their own generator, seeded once per module from a seed agreed over
+the group (broadcast from rank 0) and advanced per call, so they neither read
+nor disturb torch's global RNG:
+
+    DropoutForReplicatedInput   seed(step)          same mask on every rank
+    DropoutForParallelInput     seed(step, rank)    a different mask per rank
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .parallel_module import ParallelModule
+
+_MASK64 = (1 << 63) - 1
+
+
+def _agreed_seed(process_group) -> int:
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
+        src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
+        dist.broadcast(seed, src, group=process_group)
+    return int(seed.item())
+
+
+class _SeededDropout(ParallelModule):
+    per_rank_mask = False
+
+    def __init__(self, p: float = 0.5, inplace: bool = False, process_group=None, seed: int | None = None):
+        super().__init__(process_group)
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"dropout probability has to be between 0 and 1, got {p}")
+        self.p, self.inplace = p, inplace
+        self.seed = _agreed_seed(process_group) if seed is None else seed
+        self.step = 0
+
+    @classmethod
+    def from_native_module(cls, module: nn.Module, process_group=None, **kwargs):
+        p = getattr(module, "p", None)
+        if p is None:
+            raise TypeError(f"{cls.__name__} needs a module with a dropout probability 'p', "
+                            f"got {type(module).__name__}")
+        return cls(p=p, inplace=getattr(module, "inplace", False), process_group=process_group,
+                   seed=kwargs.get("seed"))
+
+    def _generator(self, device) -> torch.Generator:
+        self.step += 1
+        mix = self.seed * 1_000_003 + self.step * 7919
+        if self.per_rank_mask:
+            mix += (self.tp_rank + 1) * 104_729_999
+        g = torch.Generator(device=device)
+        g.manual_seed(mix & _MASK64)
+        return g
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        if self.p == 1.0:
+            return x.zero_() if self.inplace else torch.zeros_like(x)
+        keep = torch.empty_like(x).bernoulli_(1.0 - self.p, generator=self._generator(x.device))
+        scale = 1.0 / (1.0 - self.p)
+        if self.inplace:
+            return x.mul_(keep).mul_(scale)
+        return x * keep * scale
+
+    def extra_repr(self) -> str:
+        return f"p={self.p}, inplace={self.inplace}"
+
+
+class DropoutForReplicatedInput(_SeededDropout):
+    """Dropout on a tensor replicated over the TP group: the same mask on every rank."""
+
+    per_rank_mask = False
+
+
+class DropoutForParallelInput(_SeededDropout):
+    """Dropout on a tensor split over the TP group: a different mask on each rank."""
+
+    per_rank_mask = True

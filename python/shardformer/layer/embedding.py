@@ -1,0 +1,138 @@
+"""Parallel embeddings.
+
+VocabParallelEmbedding1D: the table E [V, d] is split by rows (vocabulary),
+padded to V' = a multiple of tp_size * make_vocab_size_divisible_by; rank i
+holds rows [i V'/p, (i+1) V'/p).  Each rank looks up the ids that fall in its
+rows, writes zeros for the others, and reduce_from_tp_region sums the
+partial lookups (all-reduce forward, identity backward): exactly one rank
+contributes each token's row.
+
+Embedding1D: the table is split by columns (embedding dimension); each rank
+looks up its columns and gather_from_tp_region all-gathers them (backward:
+each rank keeps its columns of the gradient).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..distributed.mappings import gather_from_tp_region, reduce_from_tp_region
+from ..layout import DimShard, Split, Vocab
+from .parallel_module import ParallelModule, check_param, group_size_and_rank, shard_of
+
+
+class _EmbeddingShard(ParallelModule):
+    split_dim = 0
+
+    @classmethod
+    def _spec(cls, kwargs):
+        raise NotImplementedError
+
+    @classmethod
+    def plan_shard(cls, module, tp_size, rank, **kwargs):
+        weight = check_param(module, "weight", 2, cls.__name__)
+        what = "num_embeddings" if cls.split_dim == 0 else "embedding_dim"
+        return cls._spec(kwargs).resolve(weight.shape[cls.split_dim], tp_size, rank, what=what)
+
+    @classmethod
+    def from_native_module(cls, module: nn.Module, process_group=None, plan: DimShard | None = None,
+                           **kwargs):
+        tp_size, rank = group_size_and_rank(process_group)
+        if plan is None:
+            plan = cls.plan_shard(module, tp_size, rank, **kwargs)
+        weight = module.weight
+        if cls.split_dim == 0:
+            kwargs.pop("split", None)
+        layer = cls(weight.shape[0], weight.shape[1], padding_idx=getattr(module, "padding_idx", None),
+                    process_group=process_group, shard=plan, dtype=weight.dtype,
+                    device=weight.device, **kwargs)
+        with torch.no_grad():
+            layer.weight.copy_(shard_of(weight, cls.split_dim, plan))
+        layer.weight.requires_grad_(weight.requires_grad)
+        return layer
+
+    def __init__(self, num_embeddings, embedding_dim, padding_idx=None, process_group=None,
+                 shard: DimShard | None = None, dtype=None, device=None, **kwargs):
+        super().__init__(process_group)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        full = num_embeddings if self.split_dim == 0 else embedding_dim
+        if shard is None:
+            shard = self._spec(kwargs).resolve(full, self.tp_size, self.tp_rank)
+        self.shard = shard
+        self.padding_idx = padding_idx
+        shape = [num_embeddings, embedding_dim]
+        shape[self.split_dim] = shard.length
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
+        self.sharded_params["weight"] = (self.split_dim, shard)
+
+    def reset_parameters(self) -> None:
+        """nn.Embedding's initialization (N(0, 1), padding row zeroed)."""
+        nn.init.normal_(self.weight)
+        local = self._local_padding_idx()
+        if local is not None:
+            with torch.no_grad():
+                self.weight[local].zero_()
+
+    def _local_padding_idx(self):
+        return None
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, local={tuple(self.weight.shape)}, "
+                f"tp={self.tp_rank}/{self.tp_size}")
+
+
+class VocabParallelEmbedding1D(_EmbeddingShard):
+    """Embedding with the vocabulary (rows) split and padded; see module doc."""
+
+    split_dim = 0
+
+    @classmethod
+    def _spec(cls, kwargs):
+        return Vocab(kwargs.get("make_vocab_size_divisible_by", 64))
+
+    def __init__(self, num_embeddings, embedding_dim, padding_idx=None, process_group=None,
+                 make_vocab_size_divisible_by: int = 64, **kwargs):
+        super().__init__(num_embeddings, embedding_dim, padding_idx, process_group,
+                         make_vocab_size_divisible_by=make_vocab_size_divisible_by, **kwargs)
+        self.make_vocab_size_divisible_by = make_vocab_size_divisible_by
+        self.vocab_start = self.tp_rank * self.shard.length
+        self.vocab_end = self.vocab_start + self.shard.real  # real rows only
+        if kwargs.get("shard") is None:
+            self.reset_parameters()
+
+    def _local_padding_idx(self):
+        p = self.padding_idx
+        if p is not None and self.vocab_start <= p < self.vocab_end:
+            return p - self.vocab_start
+        return None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight, self._local_padding_idx())
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp_region(out, self.process_group)
+
+
+class Embedding1D(_EmbeddingShard):
+    """Embedding with the embedding dimension (columns) split, gathered after lookup."""
+
+    split_dim = 1
+
+    @classmethod
+    def _spec(cls, kwargs):
+        return kwargs.get("split") or Split()
+
+    def __init__(self, num_embeddings, embedding_dim, padding_idx=None, process_group=None,
+                 **kwargs):
+        super().__init__(num_embeddings, embedding_dim, padding_idx, process_group, **kwargs)
+        if kwargs.get("shard") is None:
+            self.reset_parameters()
+
+    def _local_padding_idx(self):
+        return self.padding_idx
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        out = F.embedding(input_ids, self.weight, self.padding_idx)
+        return gather_from_tp_region(out, -1, self.shard, self.process_group)

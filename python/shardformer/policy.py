@@ -1,0 +1,128 @@
+"""Policy: what to replace in a model, as data.
+
+A policy maps module classes (or, for remote code, class names) to a
+ModulePolicyDescription: attributes to set, parameter callables, sub-modules
+to swap for parallel layers, and methods to replace.  The sharder resolves
+the whole description against the model and validates it before it changes
+anything.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from torch import nn
+
+from .config import ShardConfig
+
+
+@dataclass
+class SubModuleReplacementDescription:
+    """Replace the sub-module at `suffix` (dotted, relative to the matched
+    module; `*` matches every child of a ModuleList / ModuleDict) by
+    `target_module.from_native_module(native, process_group, **kwargs)`.
+    A missing sub-module is an error unless `ignore_if_not_exist`."""
+
+    suffix: str
+    target_module: Any
+    kwargs: dict[str, Any] | None = None
+    ignore_if_not_exist: bool = False
+
+
+@dataclass
+class ModulePolicyDescription:
+    """What to do to each module of one class.
+
+    attribute_replacement: {dotted attribute: value}; a value may be a
+        shardformer.layout.PerRank, resolved to this rank's value.
+    param_replacement: callables fn(module) run on the module.
+    sub_module_replacement: SubModuleReplacementDescription list.
+    method_replacement: {method name: function(self, ...)} bound to the module.
+    """
+
+    attribute_replacement: dict[str, Any] = field(default_factory=dict)
+    param_replacement: list[Callable[[nn.Module], None]] = field(default_factory=list)
+    sub_module_replacement: list[SubModuleReplacementDescription] = field(default_factory=list)
+    method_replacement: dict[str, Callable] = field(default_factory=dict)
+
+
+class Policy(ABC):
+    """Base class of model policies.  optimize() calls, in order:
+    set_model, set_shard_config, config_sanity_check, module_policy (then the
+    sharder plans and validates), preprocess, (the sharder applies),
+    postprocess, get_shared_params."""
+
+    def __init__(self) -> None:
+        self.model: nn.Module | None = None
+        self.shard_config: ShardConfig | None = None
+
+    def set_model(self, model: nn.Module) -> None:
+        self.model = model
+
+    def set_shard_config(self, shard_config: ShardConfig) -> None:
+        self.shard_config = shard_config
+
+    @property
+    def tp_size(self) -> int:
+        return self.shard_config.tensor_parallel_size
+
+    @property
+    def process_group(self):
+        return self.shard_config.tensor_parallel_process_group
+
+    def config_sanity_check(self) -> None:
+        """Raise if the model's configuration is one this policy cannot shard."""
+
+    def preprocess(self) -> nn.Module:
+        """Runs after validation, before substitution; must not fail."""
+        return self.model
+
+    @abstractmethod
+    def module_policy(self) -> dict[Any, ModulePolicyDescription]:
+        """{module class or class name: ModulePolicyDescription}."""
+
+    def postprocess(self) -> nn.Module:
+        """Runs after substitution (e.g. re-tie shared weights)."""
+        return self.model
+
+    def get_shared_params(self) -> list[dict[int, nn.Parameter]]:
+        """Parameters shared across pipeline stages ({stage: param} per set)."""
+        return []
+
+    # Helpers shared by the built-in policies.
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return self.shard_config.enable_tensor_parallelism
+
+    def vocab_kwargs(self) -> dict[str, Any]:
+        """kwargs for VocabParallelEmbedding1D / VocabParallelLMHead1D."""
+        return {"make_vocab_size_divisible_by": self.shard_config.option("make_vocab_size_divisible_by")}
+
+    def lm_head_kwargs(self) -> dict[str, Any]:
+        return dict(self.vocab_kwargs(), gather_output=self.shard_config.option("gather_output"))
+
+    def tie_weight(self, source: str, target: str, name: str = "weight") -> None:
+        """Make module `target`'s parameter `name` the same Parameter as
+        module `source`'s (e.g. an LM head tied to the input embedding)."""
+        src = self.model.get_submodule(source)
+        setattr(self.model.get_submodule(target), name, getattr(src, name))
+
+    def ties_word_embeddings(self) -> bool:
+        config = getattr(self.model, "config", None)
+        get_text_config = getattr(config, "get_text_config", None)
+        text_config = get_text_config() if callable(get_text_config) else config
+        return bool(getattr(text_config, "tie_word_embeddings", False))
+
+    @staticmethod
+    def append_or_create_submodule_replacement(
+        description: SubModuleReplacementDescription | list[SubModuleReplacementDescription],
+        policy: dict[Any, ModulePolicyDescription],
+        target_key: Any,
+    ) -> dict[Any, ModulePolicyDescription]:
+        """Add sub-module replacements to policy[target_key], creating the entry."""
+        items = description if isinstance(description, list) else [description]
+        entry = policy.setdefault(target_key, ModulePolicyDescription())
+        entry.sub_module_replacement.extend(items)
+        return policy

@@ -1,0 +1,145 @@
+"""A persistent pool of CPU rank processes for distributed tests.
+
+Starting a process group costs seconds (spawn, import torch and transformers,
+rendezvous); a suite of hundreds of model checks cannot pay that per test.
+The pool starts `world_size` processes once, joined in one gloo group, with
+sub-groups made up front: tensor-parallel size k uses ranks [0, k).  A test
+sends a module-level function; each rank in the group runs
+`fn(ctx, *args)` and the results come back as a list indexed by rank.
+
+A rank that raises sends its traceback back; the pool then waits briefly for
+the others and restarts itself if any is stuck in a collective, so one
+failing test never hangs the suite.
+"""
+from __future__ import annotations
+
+import importlib
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+@dataclass
+class RankContext:
+    rank: int
+    world_size: int
+    tp_size: int
+    group: object  # the ProcessGroup of ranks [0, tp_size)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, conn) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.path.insert(0, TESTS_DIR)
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    groups = {}
+    for k in range(1, world_size + 1):
+        g = dist.new_group(list(range(k)))  # collective: every rank makes every group
+        groups[k] = g
+    conn.send(("ready", rank))
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        module_name, fn_name, tp_size, args, kwargs = msg
+        if rank >= tp_size:
+            conn.send(("ok", None))
+            continue
+        try:
+            fn = getattr(importlib.import_module(module_name), fn_name)
+            ctx = RankContext(rank, world_size, tp_size, groups[tp_size])
+            conn.send(("ok", fn(ctx, *args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - report everything to the driver
+            conn.send(("error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    def __init__(self, world_size: int = 4, call_timeout: float = 600.0):
+        self.world_size = world_size
+        self.call_timeout = call_timeout
+        self.procs = []
+        self.conns = []
+
+    def start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.procs, self.conns = [], []
+        for r in range(self.world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(r, self.world_size, port, child), daemon=True)
+            p.start()
+            self.procs.append(p)
+            self.conns.append(parent)
+        for r, c in enumerate(self.conns):
+            if not c.poll(300):
+                self.stop()
+                raise RuntimeError(f"rank {r} did not start within 300 s")
+            c.recv()
+
+    def stop(self) -> None:
+        for c in self.conns:
+            try:
+                c.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+        deadline = time.time() + 10
+        for p in self.procs:
+            p.join(max(0.1, deadline - time.time()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+        self.procs, self.conns = [], []
+
+    def run(self, fn, tp_size: int, *args, **kwargs) -> list:
+        """Run fn(ctx, *args, **kwargs) on ranks [0, tp_size); results by rank."""
+        if tp_size > self.world_size:
+            raise ValueError(f"tp_size={tp_size} > pool size {self.world_size}")
+        if not self.procs or not all(p.is_alive() for p in self.procs):
+            self.stop()
+            self.start()
+        msg = (fn.__module__, fn.__name__, tp_size, args, kwargs)
+        for c in self.conns:
+            c.send(msg)
+        results, errors = [None] * self.world_size, []
+        deadline = time.time() + self.call_timeout
+        pending = set(range(self.world_size))
+        while pending:
+            # After a failure, the other ranks get a short grace period.
+            limit = min(deadline, (time.time() + 20) if errors else deadline)
+            ready = [r for r in pending if self.conns[r].poll(0.05)]
+            for r in ready:
+                try:
+                    status, value = self.conns[r].recv()
+                except EOFError:
+                    status, value = "error", f"rank {r} died"
+                pending.discard(r)
+                if status == "ok":
+                    results[r] = value
+                else:
+                    errors.append(f"--- rank {r} ---\n{value}")
+            if pending and time.time() > limit:
+                self.stop()  # stuck ranks: restart the pool on the next call
+                errors.append(f"ranks {sorted(pending)} did not finish (pool restarted)")
+                break
+        if errors:
+            raise AssertionError(f"{fn.__name__} failed on the rank pool:\n" + "\n".join(errors))
+        return results[:tp_size]
