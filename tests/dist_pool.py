@@ -6,6 +6,8 @@ The pool starts `world_size` processes once, joined in one gloo group, with
 sub-groups made up front: tensor-parallel size k uses ranks [0, k).  A test
 sends a module-level function; each rank in the group runs
 `fn(ctx, *args)` and the results come back as a list indexed by rank.
+Arguments and results cross pipes by pickle: pass NumPy arrays or plain
+values, not torch tensors (those would travel as shared-memory handles).
 
 A rank that raises sends its traceback back; the pool then waits briefly for
 the others and restarts itself if any is stuck in a collective, so one
@@ -73,7 +75,7 @@ def _worker(rank: int, world_size: int, port: int, conn) -> None:
 
 
 class RankPool:
-    def __init__(self, world_size: int = 4, call_timeout: float = 600.0):
+    def __init__(self, world_size: int = 4, call_timeout: float = 240.0):
         self.world_size = world_size
         self.call_timeout = call_timeout
         self.procs = []

@@ -66,18 +66,29 @@ def check_outputs(tag, out, ref, tol):
 
 
 def check_model(ctx, name: str, dtype_name: str = "float32", steps: int = 1, config=None) -> dict:
-    """Forward, loss, every gradient and the outputs after an SGD step, against
-    the unsharded model.  Returns the max errors seen."""
+    """check_sharded for the model-zoo class `name`."""
     dtype = getattr(torch, dtype_name)
+    return check_sharded(ctx, lambda: model_zoo.build(name, dtype), model_zoo.make_inputs(name), name=name,
+                         dtype=dtype, steps=steps, config=config)
+
+
+def check_sharded(ctx, build, inputs: dict, name: str, dtype=torch.float32, steps: int = 1, config=None,
+                  policy=None) -> dict:
+    """Forward, loss, every gradient and the outputs after SGD steps of
+    build() sharded over ctx.group, against build() unsharded.  Returns the
+    max relative errors seen; raises AssertionError on any mismatch."""
     tol = TOL[dtype]
     torch.manual_seed(0)
-    model = model_zoo.build(name, dtype)
+    model = build()
     model.train()
     ref = copy.deepcopy(model)
+    full_numel = sum(p.numel() for p in ref.parameters())
     shard_config = ShardConfig(tensor_parallel_process_group=ctx.group, **(config or {}))
-    sharded, _ = ShardFormer(shard_config=shard_config).optimize(model)
-    inputs = model_zoo.make_inputs(name)
-    report = {"tp": ctx.tp_size}
+    sharded, _ = ShardFormer(shard_config=shard_config).optimize(model, policy=policy)
+    local_numel = sum(p.numel() for p in sharded.parameters())
+    report = {"tp": ctx.tp_size, "param_fraction": local_numel / full_numel}
+    if ctx.tp_size > 1 and shard_config.enable_tensor_parallelism and not local_numel < full_numel:
+        raise AssertionError(f"{name}: rank holds {local_numel} of {full_numel} parameters: nothing was sharded")
 
     out, exp = sharded(**inputs), ref(**inputs)
     report["forward"] = max(check_outputs(name, out, exp, tol).values())
@@ -108,9 +119,10 @@ def check_model(ctx, name: str, dtype_name: str = "float32", steps: int = 1, con
         worst = max(worst, assert_close(f"{name} grad of {pname}", p.grad, expected, tol))
     report["grad"] = worst
 
+    opt, ref_opt = torch.optim.SGD(sharded.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
     for _ in range(steps):
-        torch.optim.SGD(sharded.parameters(), lr=0.1).step()
-        torch.optim.SGD(ref.parameters(), lr=0.1).step()
+        opt.step()
+        ref_opt.step()
     with torch.no_grad():
         out2, exp2 = sharded(**inputs), ref(**inputs)
     report["after_step"] = max(check_outputs(f"{name} after step", out2, exp2, tol).values())

@@ -21,6 +21,10 @@ import torch.distributed as dist
 
 BACKENDS = ("torch", "shm", "nccl")
 
+# torch renamed the flat-tensor collectives (2.13 deprecates the old names).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 # Which C backends this build provides, with the reason when one is missing.
 _UNAVAILABLE = {
     "shm": "the shared-memory backend is not built into this version of shardformer._C",
@@ -83,7 +87,7 @@ def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group=None) -> to
         out.copy_(t)
         return out
     backend_for(t, group)
-    dist.all_gather_into_tensor(out, t.contiguous(), group=group)
+    _all_gather_single(out, t.contiguous(), group=group)
     return out
 
 
@@ -99,7 +103,7 @@ def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group=None) -> tor
         out.copy_(t)
         return out
     backend_for(t, group)
-    dist.reduce_scatter_single(out, t.contiguous(), group=group)
+    _reduce_scatter_single(out, t.contiguous(), group=group)
     return out
 
 

@@ -1,0 +1,121 @@
+"""The sharder: custom policies, error reporting, and the promise that a failed
+optimize() leaves the model exactly as it was."""
+import pytest
+import torch
+from torch import nn
+
+import custom_models
+import rank_checks
+from shardformer import ModulePolicyDescription, Policy, ShardConfig, ShardFormer
+from shardformer import SubModuleReplacementDescription as Sub
+from shardformer.layer import Linear1D_Col
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("which", ["block", "star"])
+def test_custom_policy_on_user_module(pool, which, tp):
+    reports = pool.run(rank_checks.custom_policy, tp, which)
+    assert all(r["param_fraction"] < 0.75 for r in reports)
+
+
+@pytest.mark.parametrize(
+    "name, overrides, tp, expected",
+    [
+        ("LlamaForCausalLM", dict(num_attention_heads=6, num_key_value_heads=3), 4,
+         ["LlamaForCausalLM", "model.layers.0.self_attn", "num_key_value_heads=3", "tensor_parallel_size=4"]),
+        ("LlamaForCausalLM", dict(num_attention_heads=2, num_key_value_heads=2, head_dim=48), 4,
+         ["LlamaForCausalLM", "model.layers.0", "num_attention_heads=2", "tensor_parallel_size=4"]),
+        ("GPT2LMHeadModel", dict(n_head=3, n_embd=48), 4,
+         ["GPT2LMHeadModel", "transformer.h.0.attn", "num_attention_heads=3", "tensor_parallel_size=4"]),
+        ("BertForMaskedLM", dict(num_attention_heads=3), 4,
+         ["BertForMaskedLM", "bert.encoder.layer.0.attention.self", "num_attention_heads=3"]),
+    ],
+)
+def test_heads_that_cannot_be_split(pool, name, overrides, tp, expected):
+    messages = pool.run(rank_checks.bad_shard_leaves_model_unchanged, tp, name, overrides)
+    for text in expected:
+        assert text in messages[0], f"{text!r} not in {messages[0]!r}"
+
+
+def test_missing_suffix_is_reported_and_model_unchanged(pool):
+    messages = pool.run(rank_checks.bad_shard_leaves_model_unchanged, 2, "LlamaForCausalLM", {}, "missing_suffix")
+    assert "LlamaForCausalLM" in messages[0] and "embed_tokens" in messages[0] and "'missing'" in messages[0]
+
+
+def test_unknown_model_class_lists_supported():
+    with pytest.raises(ValueError) as err:
+        ShardFormer(ShardConfig()).optimize(nn.Sequential(nn.Linear(2, 2)))
+    text = str(err.value)
+    assert "Sequential" in text and "LlamaForCausalLM" in text and "policy=" in text
+
+
+def test_policy_matching_nothing_is_an_error():
+    class Nothing(Policy):
+        def module_policy(self):
+            return {nn.Conv2d: ModulePolicyDescription(sub_module_replacement=[Sub("x", Linear1D_Col)])}
+
+    model = custom_models.ToyModel()
+    with pytest.raises(ValueError, match="matched no module"):
+        ShardFormer(ShardConfig()).optimize(model, policy=Nothing())
+
+
+def test_attribute_that_does_not_exist():
+    class BadAttr(Policy):
+        def module_policy(self):
+            return {custom_models.ToyBlock: ModulePolicyDescription(attribute_replacement={"attn.headz": 1})}
+
+    model = custom_models.ToyModel()
+    before = repr(model)
+    with pytest.raises(ValueError, match=r"ToyModel: blocks\.0\.attn\.headz: .*'headz'"):
+        ShardFormer(ShardConfig()).optimize(model, policy=BadAttr())
+    assert repr(model) == before
+
+
+def test_optimize_twice_is_an_error():
+    model = custom_models.ToyModel()
+    sf = ShardFormer(ShardConfig())
+    sf.optimize(model, policy=custom_models.ToyPolicy())
+    with pytest.raises(ValueError, match="already been sharded"):
+        sf.optimize(model, policy=custom_models.ToyPolicy())
+
+
+def test_single_process_shards_to_size_one():
+    """Without torch.distributed, optimize() shards to TP=1 and the model is unchanged numerically."""
+    torch.manual_seed(0)
+    model = custom_models.ToyModel()
+    inputs = custom_models.toy_inputs()
+    ref = model(**inputs)["logits"].detach()
+    ShardFormer(ShardConfig()).optimize(model, policy=custom_models.ToyPolicy())
+    assert isinstance(model.blocks[0].fc1, Linear1D_Col)
+    torch.testing.assert_close(model(**inputs)["logits"], ref, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_policy_description_types():
+    class Bad(Policy):
+        def module_policy(self):
+            return {custom_models.ToyBlock: {"sub_module_replacement": []}}
+
+    with pytest.raises(TypeError, match="ModulePolicyDescription"):
+        ShardFormer(ShardConfig()).optimize(custom_models.ToyModel(), policy=Bad())
+
+    class NoFactory(Policy):
+        def module_policy(self):
+            return {custom_models.ToyBlock: ModulePolicyDescription(sub_module_replacement=[Sub("fc1", nn.Linear)])}
+
+    with pytest.raises(TypeError, match="from_native_module"):
+        ShardFormer(ShardConfig()).optimize(custom_models.ToyModel(), policy=NoFactory())
+
+
+def test_shard_config_validation():
+    with pytest.raises(ValueError, match="enable_sequence_parallelism"):
+        ShardConfig(enable_sequence_overlap=True)
+    with pytest.raises(TypeError, match="enable_fused_normalization"):
+        ShardConfig(enable_fused_normalization="yes")
+    with pytest.raises(ValueError, match="unknown keys"):
+        ShardConfig(extra_kwargs={"make_vocab_divisible": 8})
+    with pytest.raises(NotImplementedError, match="enable_flash_attention"):
+        ShardConfig(enable_all_optimization=True)
+    with pytest.raises(NotImplementedError, match="pipeline"):
+        ShardConfig(pipeline_stage_manager=object())
+    cfg = ShardConfig(enable_fused_normalization=True)
+    assert cfg.enable_tensor_parallelism and cfg.tensor_parallel_size == 1
