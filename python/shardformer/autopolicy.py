@@ -49,6 +49,15 @@ _add("bert", "bert.modeling_bert", {
     "BertForQuestionAnswering": "BertForQuestionAnsweringPolicy",
 })
 
+# --- decoder-only language-model families (opt, bloom, falcon, mistral, ...) ---
+# (end of decoder-only families)
+
+# --- encoder and encoder-decoder text/audio families (roberta, t5, whisper, ...) ---
+# (end of encoder and encoder-decoder families)
+
+# --- vision and multimodal families (vit, beit, swin, sam, blip2) ---
+# (end of vision and multimodal families)
+
 
 def register_policy(key: str, family: str, policy_class: str) -> None:
     """Register shardformer.policies.<family>.<policy_class> for model class `key`
