@@ -104,7 +104,14 @@ int sf_vocab_layout(int64_t vocab, int64_t parts, int64_t rank, int64_t multiple
         FAIL(SF_EINVAL, "vocab_size=%" PRId64 " must be >= 1", vocab);
     if (multiple < 1)
         FAIL(SF_EINVAL, "make_vocab_size_divisible_by=%" PRId64 " must be >= 1", multiple);
+    /* parts * multiple and the rounded-up vocabulary must fit in int64. */
+    if (multiple > INT64_MAX / parts)
+        FAIL(SF_EINVAL, "tensor_parallel_size=%" PRId64 " * make_vocab_size_divisible_by=%"
+             PRId64 " overflows int64", parts, multiple);
     int64_t step = parts * multiple;
+    if (vocab > INT64_MAX - (step - 1))
+        FAIL(SF_EINVAL, "vocab_size=%" PRId64 " padded to a multiple of %" PRId64
+             " overflows int64", vocab, step);
     *padded = (vocab + step - 1) / step * step;
     *per_rank = *padded / parts;
     *start = rank * *per_rank;
@@ -147,11 +154,13 @@ static void copy_box(const sf_strided *full, const sf_strided *shard, int dim,
         const char *src = to_full ? s : f;
         int64_t dst_stride = (to_full ? full->strides[last] : shard->strides[last]) * itemsize;
         int64_t src_stride = (to_full ? shard->strides[last] : full->strides[last]) * itemsize;
+        /* memmove: full and shard may be views of the same memory (nothing
+         * forbids copy_shard(x, x, ...)), and overlapping memcpy is undefined. */
         if (inner_memcpy) {
-            memcpy(dst, src, (size_t)(box[last] * itemsize));
+            memmove(dst, src, (size_t)(box[last] * itemsize));
         } else {
             for (int64_t i = 0; i < box[last]; i++)
-                memcpy(dst + i * dst_stride, src + i * src_stride, (size_t)itemsize);
+                memmove(dst + i * dst_stride, src + i * src_stride, (size_t)itemsize);
         }
         /* Advance the multi-index over dims 0..last-1. */
         int d = last - 1;
@@ -213,14 +222,19 @@ int sf_copy_ranges(const sf_strided *full, const sf_strided *shard, int dim,
     int64_t total = 0;
     for (int i = 0; i < n; i++) {
         const sf_range *r = &ranges[i];
-        if (r->offset < 0 || r->length < 0 || r->offset + r->length > full->shape[dim])
-            FAIL(SF_ERANGE, "range %d [%" PRId64 ", %" PRId64 ") outside dimension %d of "
-                 "size %" PRId64, i, r->offset, r->offset + r->length, dim, full->shape[dim]);
+        /* Written so that nothing overflows: offset + length may not fit. */
+        if (r->offset < 0 || r->length < 0 || r->offset > full->shape[dim] ||
+            r->length > full->shape[dim] - r->offset)
+            FAIL(SF_ERANGE, "range %d (offset %" PRId64 ", length %" PRId64 ") outside "
+                 "dimension %d of size %" PRId64, i, r->offset, r->length, dim,
+                 full->shape[dim]);
+        /* total <= shard->shape[dim] so far, so the subtraction cannot overflow. */
+        if (r->length > shard->shape[dim] - total)
+            FAIL(SF_ERANGE, "ranges cover more indices than the shard holds (%" PRId64
+                 ") along dimension %d: range %d adds %" PRId64 " to the %" PRId64
+                 " before it", shard->shape[dim], dim, i, r->length, total);
         total += r->length;
     }
-    if (total > shard->shape[dim])
-        FAIL(SF_ERANGE, "ranges cover %" PRId64 " indices but the shard holds %" PRId64
-             " along dimension %d", total, shard->shape[dim], dim);
 
     int64_t s_off = 0;
     for (int i = 0; i < n; i++) {

@@ -84,31 +84,58 @@ static PyObject *py_vocab_layout(PyObject *self, PyObject *args)
                          (long long)real);
 }
 
-/* Parse a sequence of (offset, length) pairs; returns a PyMem buffer. */
+/* Parse a sequence of (offset, length) pairs (tuples, lists or any other
+ * sequences of two integers); returns a PyMem buffer, or NULL with TypeError
+ * (or OverflowError) set.  Both levels are snapshotted into tuples first, so
+ * that an __index__ that mutates the caller's lists cannot pull items out
+ * from under us. */
 static sf_range *parse_ranges(PyObject *seq, Py_ssize_t *n)
 {
-    PyObject *fast = PySequence_Fast(seq, "ranges: expected a sequence of (offset, length)");
-    if (fast == NULL)
+    if (!PySequence_Check(seq) || PyUnicode_Check(seq) || PyBytes_Check(seq)) {
+        PyErr_Format(PyExc_TypeError,
+                     "ranges: expected a sequence of (offset, length) pairs, got %.100s",
+                     Py_TYPE(seq)->tp_name);
         return NULL;
-    *n = PySequence_Fast_GET_SIZE(fast);
+    }
+    PyObject *items = PySequence_Tuple(seq);
+    if (items == NULL)
+        return NULL;
+    *n = PyTuple_GET_SIZE(items);
     sf_range *ranges = PyMem_Calloc((size_t)(*n > 0 ? *n : 1), sizeof(sf_range));
     if (ranges == NULL) {
-        Py_DECREF(fast);
+        Py_DECREF(items);
         PyErr_NoMemory();
         return NULL;
     }
     for (Py_ssize_t i = 0; i < *n; i++) {
-        long long off, len;
-        if (!PyArg_ParseTuple(PySequence_Fast_GET_ITEM(fast, i), "LL;ranges item: (offset, length)",
-                              &off, &len)) {
+        PyObject *item = PyTuple_GET_ITEM(items, i);
+        PyObject *pair = NULL;
+        if (PySequence_Check(item) && !PyUnicode_Check(item) && !PyBytes_Check(item))
+            pair = PySequence_Tuple(item);
+        else
+            PyErr_Format(PyExc_TypeError, "ranges item %zd: expected an (offset, length) "
+                         "pair, got %.100s", i, Py_TYPE(item)->tp_name);
+        if (pair != NULL && PyTuple_GET_SIZE(pair) != 2) {
+            PyErr_Format(PyExc_TypeError, "ranges item %zd: expected an (offset, length) "
+                         "pair, got %zd values", i, PyTuple_GET_SIZE(pair));
+            Py_CLEAR(pair);
+        }
+        long long off = -1, len = -1;
+        if (pair != NULL) {
+            off = PyLong_AsLongLong(PyTuple_GET_ITEM(pair, 0));
+            if (!(off == -1 && PyErr_Occurred()))
+                len = PyLong_AsLongLong(PyTuple_GET_ITEM(pair, 1));
+            Py_DECREF(pair);
+        }
+        if (PyErr_Occurred()) {
             PyMem_Free(ranges);
-            Py_DECREF(fast);
+            Py_DECREF(items);
             return NULL;
         }
         ranges[i].offset = off;
         ranges[i].length = len;
     }
-    Py_DECREF(fast);
+    Py_DECREF(items);
     return ranges;
 }
 
@@ -211,9 +238,24 @@ static PyObject *py_gather_index(PyObject *self, PyObject *args)
         PyErr_SetString(PyExc_ValueError, "full_length and chunk must be >= 0");
         return NULL;
     }
-    PyObject *fast = PySequence_Fast(per_rank, "rank_ranges: expected a sequence per rank");
+    if (!PySequence_Check(per_rank) || PyUnicode_Check(per_rank) || PyBytes_Check(per_rank)) {
+        PyErr_Format(PyExc_TypeError, "rank_ranges: expected a sequence per rank, got %.100s",
+                     Py_TYPE(per_rank)->tp_name);
+        return NULL;
+    }
+    /* A tuple snapshot: parsing may run Python code (__index__) that could
+     * change a list we iterate over. */
+    PyObject *fast = PySequence_Tuple(per_rank);
     if (fast == NULL)
         return NULL;
+    /* Positions in the gathered buffer go up to nranks * chunk: keep it in int64. */
+    Py_ssize_t nranks = PyTuple_GET_SIZE(fast);
+    if (nranks > 0 && chunk > INT64_MAX / nranks) {
+        PyErr_Format(PyExc_ValueError, "%zd ranks with chunk %lld overflow int64", nranks,
+                     chunk);
+        Py_DECREF(fast);
+        return NULL;
+    }
     npy_intp dims[1] = {(npy_intp)full_len};
     PyArrayObject *out = (PyArrayObject *)PyArray_SimpleNew(1, dims, NPY_INT64);
     if (out == NULL) {
@@ -223,16 +265,17 @@ static PyObject *py_gather_index(PyObject *self, PyObject *args)
     int64_t *idx = (int64_t *)PyArray_DATA(out);
     for (npy_intp i = 0; i < dims[0]; i++)
         idx[i] = -1;
-    for (Py_ssize_t r = 0; r < PySequence_Fast_GET_SIZE(fast); r++) {
+    for (Py_ssize_t r = 0; r < nranks; r++) {
         Py_ssize_t n = 0;
-        sf_range *ranges = parse_ranges(PySequence_Fast_GET_ITEM(fast, r), &n);
+        sf_range *ranges = parse_ranges(PyTuple_GET_ITEM(fast, r), &n);
         if (ranges == NULL)
             goto fail;
         int64_t pos = 0;
         for (Py_ssize_t k = 0; k < n; k++) {
-            if (ranges[k].offset < 0 || ranges[k].length < 0 ||
-                ranges[k].offset + ranges[k].length > full_len ||
-                pos + ranges[k].length > chunk) {
+            /* Overflow-safe form of offset + length > full_len, pos + length > chunk. */
+            if (ranges[k].offset < 0 || ranges[k].length < 0 || ranges[k].offset > full_len ||
+                ranges[k].length > full_len - ranges[k].offset ||
+                ranges[k].length > chunk - pos) {
                 PyErr_Format(PyExc_ValueError,
                              "rank %zd range (%lld, %lld) does not fit full length %lld "
                              "with chunk %lld", r, (long long)ranges[k].offset,

@@ -157,6 +157,17 @@ static PyObject *entry_for(PyObject *entries, PyObject *module)
     return entry; /* borrowed */
 }
 
+/* PyArg_ParseTuple raises SystemError on a non-tuple; policy data comes from
+ * Python, so say TypeError instead. */
+static int check_tuple(PyObject *obj, const char *what)
+{
+    if (PyTuple_Check(obj))
+        return 0;
+    PyErr_Format(PyExc_TypeError, "%s: expected a tuple, got %.100s", what,
+                 Py_TYPE(obj)->tp_name);
+    return -1;
+}
+
 static int add_op(plan_ctx *ctx, PyObject *op)
 {
     if (op == NULL)
@@ -350,6 +361,8 @@ static int resolve_suffix(plan_ctx *ctx, PyObject *module, PyObject *mpath, PyOb
 static int plan_module(plan_ctx *ctx, PyObject *module, PyObject *mpath, PyObject *entry)
 {
     PyObject *attrs, *params, *subs, *methods;
+    if (check_tuple(entry, "policy entry") < 0)
+        return -1;
     if (!PyArg_ParseTuple(entry, "O!O!O!O!;policy entry", &PyTuple_Type, &attrs, &PyTuple_Type,
                           &params, &PyTuple_Type, &subs, &PyTuple_Type, &methods))
         return -1;
@@ -364,7 +377,8 @@ static int plan_module(plan_ctx *ctx, PyObject *module, PyObject *mpath, PyObjec
     int rc = 0;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(attrs) && rc == 0; i++) {
         PyObject *dotted, *value;
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(attrs, i), "UO;attribute_replacement item",
+        if (check_tuple(PyTuple_GET_ITEM(attrs, i), "attribute_replacement item") < 0 ||
+            !PyArg_ParseTuple(PyTuple_GET_ITEM(attrs, i), "UO;attribute_replacement item",
                               &dotted, &value))
             rc = -1;
         else
@@ -376,7 +390,8 @@ static int plan_module(plan_ctx *ctx, PyObject *module, PyObject *mpath, PyObjec
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(subs) && rc == 0; i++) {
         PyObject *suffix, *target, *kwargs;
         int ignore_missing;
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(subs, i), "UOO!p;sub_module_replacement item",
+        if (check_tuple(PyTuple_GET_ITEM(subs, i), "sub_module_replacement item") < 0 ||
+            !PyArg_ParseTuple(PyTuple_GET_ITEM(subs, i), "UOO!p;sub_module_replacement item",
                               &suffix, &target, &PyDict_Type, &kwargs, &ignore_missing)) {
             rc = -1;
             break;
@@ -393,7 +408,8 @@ static int plan_module(plan_ctx *ctx, PyObject *module, PyObject *mpath, PyObjec
     }
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(methods) && rc == 0; i++) {
         PyObject *name, *fn;
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(methods, i), "UO;method_replacement item", &name,
+        if (check_tuple(PyTuple_GET_ITEM(methods, i), "method_replacement item") < 0 ||
+            !PyArg_ParseTuple(PyTuple_GET_ITEM(methods, i), "UO;method_replacement item", &name,
                               &fn)) {
             rc = -1;
             break;
@@ -464,8 +480,13 @@ PyObject *sf_sharder_plan(PyObject *self, PyObject *args, PyObject *kwargs)
             goto done;
         }
         if (entry != NULL) {
+            /* entry is borrowed from the dict, and planning runs Python code
+             * (plan_shard, PerRank.resolve) that could drop it from there. */
+            Py_INCREF(entry);
             ctx.matched++;
-            if (plan_module(&ctx, module, mpath, entry) < 0) {
+            int rc = plan_module(&ctx, module, mpath, entry);
+            Py_DECREF(entry);
+            if (rc < 0) {
                 Py_DECREF(item);
                 goto done;
             }
@@ -518,6 +539,10 @@ static int apply_op(PyObject *op, PyObject *process_group)
         PyErr_SetString(PyExc_TypeError, "sharder_apply: malformed plan op");
         return -1;
     }
+    if (!PyUnicode_Check(PyTuple_GET_ITEM(op, 0))) {
+        PyErr_SetString(PyExc_TypeError, "sharder_apply: malformed plan op (tag is not a str)");
+        return -1;
+    }
     const char *tag = PyUnicode_AsUTF8(PyTuple_GET_ITEM(op, 0));
     if (tag == NULL)
         return -1;
@@ -533,6 +558,11 @@ static int apply_op(PyObject *op, PyObject *process_group)
     if (strcmp(tag, OP_SUB) == 0 && PyTuple_GET_SIZE(op) == 8) {
         PyObject *parent = PyTuple_GET_ITEM(op, 2), *name = PyTuple_GET_ITEM(op, 3);
         PyObject *target = PyTuple_GET_ITEM(op, 4), *native = PyTuple_GET_ITEM(op, 5);
+        if (!PyDict_Check(PyTuple_GET_ITEM(op, 6))) {
+            PyErr_SetString(PyExc_TypeError, "sharder_apply: malformed plan op (kwargs is not "
+                            "a dict)");
+            return -1;
+        }
         PyObject *kwargs = PyDict_Copy(PyTuple_GET_ITEM(op, 6));
         PyObject *plan = PyTuple_GET_ITEM(op, 7);
         if (kwargs == NULL)
@@ -577,7 +607,10 @@ PyObject *sf_sharder_apply(PyObject *self, PyObject *args, PyObject *kwargs)
                                      &ops, &process_group))
         return NULL;
     Py_ssize_t n = PyList_GET_SIZE(ops);
-    for (Py_ssize_t i = 0; i < n; i++) {
+    /* Re-read the size every step: an op runs Python code that could shrink
+     * the list (n only feeds the messages). */
+    Py_ssize_t i;
+    for (i = 0; i < PyList_GET_SIZE(ops); i++) {
         PyObject *op = PyList_GET_ITEM(ops, i);
         Py_INCREF(op);
         if (PyList_SetItem(ops, i, Py_NewRef(Py_None)) < 0) {
@@ -603,5 +636,5 @@ PyObject *sf_sharder_apply(PyObject *self, PyObject *args, PyObject *kwargs)
         }
         Py_DECREF(op);
     }
-    return PyLong_FromSsize_t(n);
+    return PyLong_FromSsize_t(i);
 }

@@ -1,0 +1,800 @@
+"""Memory safety of shardformer._C: AddressSanitizer, reference leaks, warnings.
+
+test_asan_driver
+    Builds the extension with AddressSanitizer (setup.py honours
+    SHARDFORMER_ASAN=1) into a temporary directory -- the in-place .so is not
+    touched -- and runs DRIVER in a subprocess with gcc's libasan preloaded
+    (python itself is not instrumented).  The driver loads the ASan build
+    under the name "shardformer._C" with ExtensionFileLoader *before*
+    importing shardformer, so every `from . import _C` in the package gets
+    the instrumented module (the driver checks this).  It then runs every C
+    entry point, success and error paths, ITERATIONS times.  PYTHONMALLOC=malloc
+    sends every Python object allocation to ASan's malloc, so a use-after-free
+    or overflow of a Python object (not only of our own buffers) is caught.
+    The test asserts exit status 0, "DRIVER OK" on stdout and no
+    "ERROR: AddressSanitizer" on stderr.
+
+    test_unit_tests_under_asan runs all of test_c_core.py the same way.
+
+    Leak checking is *off* under ASan (ASAN_OPTIONS=detect_leaks=0): CPython
+    and torch leave plenty of memory allocated at exit, so LeakSanitizer
+    reports would be noise.  Leaks of our own are checked by the next test.
+
+test_no_reference_leaks
+    Runs the same driver against the normal (in-place, -O3) build in "leaks"
+    mode.  Each of ~80 cases is a single _C call -- every entry point, success
+    and each kind of error path -- on inputs built once.  After a warm-up a
+    case runs ITERATIONS times in each of two windows, and in each window we
+    measure the growth of live pymalloc blocks (sys.getallocatedblocks(), a
+    refcount-leak detector: a leaked tuple, int, capsule or array header is a
+    block) and of the memory traced by tracemalloc (which also sees larger
+    PyMem buffers, e.g. the range list of a call with many ranges).  One
+    leaked object per call grows *both* windows by >= ITERATIONS blocks; the
+    test fails when the smaller window grows by more than ITERATIONS / 10
+    blocks or 16 bytes per call.  Each checkpoint clears CPython's type
+    attribute cache (sys._clear_type_cache(): it holds a reference to up to
+    4096 looked-up attribute names, hundreds of blocks of bounded noise) and
+    collects garbage; what remains is a handful of blocks.  (Checked by hand:
+    dropping the PyMem_Free of the range buffer or the view release of
+    tensor_info makes both windows grow by ~ITERATIONS and the test fail.)
+    gc.freeze() after the imports keeps the gc.collect() of each checkpoint
+    cheap.  The "asan" scenarios also check that the refcount of a NumPy array
+    handed to _C is unchanged: NumPy's DLPack capsule holds a reference to
+    its array, so a capsule that is never released shows there.
+
+test_sources_compile_warning_free
+    gcc -std=c11 -Wall -Wextra -Werror on each csrc/*.c, with -fsyntax-only
+    (as the extension's contract says) and with -O2 (which enables the
+    flow-based warnings such as -Wmaybe-uninitialized).
+
+test_valgrind_driver (optional)
+    The driver under valgrind memcheck, only when SHARDFORMER_VALGRIND=1
+    (it takes minutes): no invalid reads/writes in frames of our module.
+"""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+CSRC = sorted(glob.glob(os.path.join(ROOT, "csrc", "*.c")))
+
+# ---------------------------------------------------------------------------
+# The driver: argv = MODE SO ITERATIONS
+#   MODE  "asan": run every scenario ITERATIONS times
+#         "leaks": warm up, then check allocations do not grow
+#   SO    path of the _C build to load as shardformer._C ("-" = installed)
+# ---------------------------------------------------------------------------
+DRIVER = r'''
+import gc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import time
+
+MODE, SO, ITERATIONS = sys.argv[1], sys.argv[2], int(sys.argv[3])
+sys.path.insert(0, sys.argv[4])  # tests/, for test_c_core's helpers
+
+if SO != "-":
+    loader = importlib.machinery.ExtensionFileLoader("shardformer._C", SO)
+    spec = importlib.util.spec_from_file_location("shardformer._C", SO, loader=loader)
+    _C = importlib.util.module_from_spec(spec)
+    sys.modules["shardformer._C"] = _C
+    loader.exec_module(_C)
+
+import numpy as np
+import torch
+from torch import nn
+
+import shardformer
+import shardformer.layout
+from shardformer import _C as C_in_package
+
+if SO != "-":
+    assert C_in_package is _C and shardformer.layout._C is _C, "ASan build not in use"
+    assert os.path.samefile(_C.__file__, SO)
+    shardformer._C = _C
+else:
+    _C = C_in_package
+
+from test_c_core import FakeTensor, layout_cases  # noqa: E402
+from shardformer.layout import PerRank  # noqa: E402
+
+INT64_MAX = 2**63 - 1
+
+
+def expect(exc, fn, *args, match=None, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except exc as e:
+        if match is not None and match not in str(e):
+            raise AssertionError(f"{fn.__name__}: {e!r} does not mention {match!r}")
+        return
+    raise AssertionError(f"{fn.__name__}{args!r} did not raise {exc.__name__}")
+
+
+# --- layout arithmetic --------------------------------------------------------
+
+def scenario_layout_math(i):
+    for units in range(0, 9):
+        for parts in range(1, 5):
+            total = sum(_C.split_units(units, parts, r)[1] for r in range(parts))
+            assert total == units
+    for h, kv, p in [(8, 2, 4), (6, 2, 4), (7, 1, 3), (32, 8, 4), (5, 5, 2)]:
+        q = sum(_C.heads_layout(h, kv, p, r)[1] for r in range(p))
+        assert q == h
+    for v, p, m in [(10, 3, 4), (1, 4, 1), (50257, 4, 64)]:
+        assert sum(_C.vocab_layout(v, p, r, m)[3] for r in range(p)) == v
+    expect(ValueError, _C.split_units, 5, 0, 0, match="tensor_parallel_size=0")
+    expect(ValueError, _C.split_units, 5, 2, 2, match="rank=2")
+    expect(ValueError, _C.split_units, -1, 2, 0)
+    expect(TypeError, _C.split_units, "5", 2, 0)
+    expect(OverflowError, _C.split_units, 2**64, 2, 0)
+    expect(ValueError, _C.heads_layout, 6, 4, 2, 0, match="num_key_value_heads=4")
+    expect(ValueError, _C.heads_layout, 4, 3, 4, 0)
+    expect(ValueError, _C.heads_layout, 2, 1, 4, 0, match="tensor_parallel_size=4")
+    expect(ValueError, _C.heads_layout, 0, 1, 1, 0)
+    expect(ValueError, _C.heads_layout, 4, 4, 0, 0)
+    expect(ValueError, _C.heads_layout, 4, 4, 2, 5)
+    expect(TypeError, _C.heads_layout, 4, 4, 2)
+    expect(ValueError, _C.vocab_layout, 0, 2, 0, 1, match="vocab_size=0")
+    expect(ValueError, _C.vocab_layout, 10, 2, 0, 0)
+    expect(ValueError, _C.vocab_layout, 10, 2, 3, 1)
+    expect(ValueError, _C.vocab_layout, 10, 2**62, 0, 4, match="overflows")
+    expect(ValueError, _C.vocab_layout, INT64_MAX, 2, 0, 1, match="overflows")
+    expect(TypeError, _C.vocab_layout, 10, 2, 0, None)
+
+
+class Sneaky:
+    """An int-like whose __index__ empties a list (the one being parsed)."""
+
+    def __init__(self, victim):
+        self.victim = victim
+
+    def __index__(self):
+        self.victim.clear()
+        return 1
+
+
+# --- copy_shard / place_shard ---------------------------------------------------
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64]
+SHAPES = [(7,), (5, 6), (3, 4, 5), (2, 3, 4, 5)]
+GEN = torch.Generator().manual_seed(0)
+
+
+def variants(shape, dtype):
+    base = torch.randint(-50, 50, shape, generator=GEN).to(dtype)
+    yield base
+    rev = torch.randint(-50, 50, tuple(reversed(shape)), generator=GEN).to(dtype)
+    yield rev.permute(*reversed(range(len(shape))))
+    big = torch.randint(-50, 50, tuple(2 * s + 1 for s in shape), generator=GEN).to(dtype)
+    yield big[tuple(slice(1, None, 2) for _ in shape)]
+
+
+def scenario_copy_place_torch(i):
+    dtype = DTYPES[i % len(DTYPES)]
+    shape = SHAPES[(i // len(DTYPES)) % len(SHAPES)]
+    for dim in range(len(shape)):
+        size = shape[dim]
+        range_lists = [[], [(0, size)], [(size - 1, 1), (0, 1)], [(1, size - 2)], [(size, 0)]]
+        for full in variants(shape, dtype):
+            for ranges in range_lists:
+                real = sum(n for _, n in ranges)
+                for pad in (0, 3):
+                    sshape = list(shape)
+                    sshape[dim] = real + pad
+                    shard = torch.full(sshape, 9, dtype=dtype)
+                    _C.copy_shard(full, shard, dim, ranges)
+                    parts = [full.narrow(dim, o, n) for o, n in ranges]
+                    zshape = list(shape)
+                    zshape[dim] = pad
+                    parts.append(torch.zeros(zshape, dtype=dtype))
+                    assert torch.equal(shard, torch.cat(parts, dim))
+                    back = torch.zeros(tuple(reversed(shape)), dtype=dtype).permute(
+                        *reversed(range(len(shape))))
+                    _C.place_shard(back, shard, dim, ranges)
+                    for o, n in ranges:
+                        assert torch.equal(back.narrow(dim, o, n), full.narrow(dim, o, n))
+    # Many ranges (a heap-allocated range buffer past pymalloc's small sizes).
+    x = torch.arange(200.0)
+    many = [(k, 1) for k in range(0, 200, 2)]
+    out = torch.empty(100)
+    _C.copy_shard(x, out, 0, many)
+    assert torch.equal(out, x[::2])
+    # Storage offsets and stride-0 sources.
+    _C.copy_shard(x[150:], out[:50], 0, [(0, 50)])
+    assert torch.equal(out[:50], x[150:])
+    e = torch.ones(1, 4).expand(3, 4)
+    o = torch.empty(3, 2)
+    _C.copy_shard(e, o, 1, [(1, 2)])
+    assert torch.equal(o, torch.ones(3, 2))
+    # Source and destination in the same memory.
+    a = torch.arange(8.0)
+    _C.copy_shard(a, a, 0, [(1, 6)])
+    assert a.tolist() == [1, 2, 3, 4, 5, 6, 0, 0]
+    z = torch.arange(12.0).reshape(3, 4)
+    _C.place_shard(z, z[:, 1:], 1, [(0, 3)])
+    # Zero-size tensors.
+    _C.copy_shard(torch.empty(0, 4), torch.empty(0, 2), 1, [(1, 2)])
+    _C.place_shard(torch.empty(3, 0), torch.empty(3, 0), 0, [(0, 3)])
+
+
+def scenario_copy_place_numpy(i):
+    x = np.arange(30, dtype=np.float32).reshape(5, 6)
+    refs = [sys.getrefcount(x)]
+    out = np.full((5, 4), 7, dtype=np.float32)
+    _C.copy_shard(x, out, 1, [(4, 2), (0, 1)])
+    assert np.array_equal(out[:, :3], x[:, [4, 5, 0]]) and not out[:, 3].any()
+    _C.copy_shard(np.asfortranarray(x), out, 1, [(0, 4)])
+    assert np.array_equal(out, x[:, :4])
+    rev = x[::-1, ::-1]
+    o2 = np.empty((2, 6), np.float32)
+    _C.copy_shard(rev, o2, 0, [(3, 2)])
+    assert np.array_equal(o2, rev[3:5])
+    t = torch.zeros(5, 6)
+    _C.place_shard(t, out, 1, [(1, 4)])
+    assert torch.equal(t[:, 1:5], torch.from_numpy(x[:, :4]))
+    ro = x.copy()
+    ro.flags.writeable = False
+    _C.copy_shard(ro, o2, 0, [(0, 2)])
+    expect(ValueError, _C.copy_shard, x, ro, 0, [(0, 5)], match="shard: tensor is read-only")
+    expect(ValueError, _C.place_shard, ro, out, 1, [], match="full: tensor is read-only")
+    assert sys.getrefcount(x) == refs[0], "a DLPack capsule of x was not released"
+
+
+def scenario_copy_errors(i):
+    f = torch.arange(5.0)
+    s = torch.zeros(4)
+    for fn in (_C.copy_shard, _C.place_shard):
+        expect(TypeError, fn, f, s.double(), 0, [], match="dtype")
+        expect(TypeError, fn, f.bfloat16(), s.half(), 0, [], match="bfloat16")
+        expect(TypeError, fn, [1.0], s, 0, [], match="full:")
+        expect(TypeError, fn, f, None, 0, [], match="shard:")
+        expect(TypeError, fn, f.requires_grad_(), s, 0, [], match="full: cannot export")
+        f.requires_grad_(False)
+        expect(ValueError, fn, torch.zeros(2, 5), s, 0, [], match="dimensions")
+        expect(ValueError, fn, torch.zeros(2, 5), torch.zeros(3, 4), 1, [], match="differ")
+        for ranges in ([(0, 6)], [(-1, 1)], [(0, -1)], [(6, 0)], [(1, INT64_MAX)],
+                       [(INT64_MAX, 1)], [(1, INT64_MAX), (0, 2)], [(0, 3), (0, 3)]):
+            expect(IndexError, fn, f, s, 0, ranges)
+        for ranges in (3, None, "ab", [3], [None], [(0,)], [(0, 1, 2)], [("a", 1)],
+                       [(0.5, 1)], {0: 1}):
+            expect(TypeError, fn, f, s, 0, ranges)
+        expect(OverflowError, fn, f, s, 0, [(2**64, 0)])
+        expect(IndexError, fn, f, s, 1, [], match="dim out of range")
+        expect(IndexError, fn, f, s, -2, [])
+        expect(OverflowError, fn, f, s, 2**40, [])
+        expect(TypeError, fn, f, s, "0", [])
+        expect(IndexError, fn, torch.tensor(1.0), torch.tensor(1.0), 0, [])
+        expect(TypeError, fn, f, s, 0)
+        expect(TypeError, fn, f, s, 0, [], bogus=1)
+    # __index__ that mutates the caller's ranges list while it is parsed.
+    ranges = [(0, Sneaky(ranges)), (1, 1), (2, 1)]
+    ranges[0][1].victim = ranges
+    out = torch.zeros(3)
+    _C.copy_shard(f, out, 0, ranges)
+    assert out.tolist() == [0.0, 1.0, 2.0]
+
+
+# --- gather_index ----------------------------------------------------------------
+
+CASES = list(layout_cases())
+
+
+def scenario_gather_index(i):
+    for spec, full_len in CASES[i % 7::7]:
+        for tp in range(1, 5):
+            try:
+                shards = [spec.resolve(full_len, tp, r) for r in range(tp)]
+            except ValueError:
+                continue
+            full = torch.arange(full_len * 2, dtype=torch.float32).reshape(full_len, 2)
+            chunk = shards[0].chunk
+            buf = torch.full((tp * chunk, 2), -1.0)
+            for r, ds in enumerate(shards):
+                _C.copy_shard(full, buf[r * chunk: r * chunk + ds.length], 0, ds.ranges)
+            idx = _C.gather_index(shards[0].all_ranges, full_len, chunk)
+            assert torch.equal(buf[torch.from_numpy(idx)], full)
+    expect(ValueError, _C.gather_index, [[(0, 2)], [(3, 1)]], 4, 2, match="held by no rank")
+    expect(ValueError, _C.gather_index, [[(0, 3)]], 4, 2, match="does not fit")
+    expect(ValueError, _C.gather_index, [[(0, 1), (1, INT64_MAX)]], 4, 2)
+    expect(ValueError, _C.gather_index, [[(INT64_MAX, 2)]], 4, 2)
+    expect(ValueError, _C.gather_index, [[(0, 1)], [(1, 1)]], 2, INT64_MAX, match="overflow")
+    expect(ValueError, _C.gather_index, [], -1, 0)
+    for bad in (None, 3, "ab", [3], [[3]], [[(0, 1, 2)]], [[(0.0, 1)]]):
+        expect(TypeError, _C.gather_index, bad, 1, 1)
+    assert _C.gather_index([], 0, 0).shape == (0,)
+    per_rank = []
+    per_rank.extend([[(0, Sneaky(per_rank))], [(1, 1)]])
+    assert _C.gather_index(per_rank, 2, 1).tolist() == [0, 1]
+
+
+# --- tensor_info and hand-made capsules ---------------------------------------------
+
+# Made once: building ctypes structures has allocation noise of its own.
+BASE = np.arange(12, dtype=np.float32).reshape(3, 4)
+FLAT = np.arange(10, dtype=np.int64)
+FAKE_OK = [FakeTensor(BASE, versioned=False), FakeTensor(BASE, strides=None)]
+FAKE_OFFSET = FakeTensor(FLAT[3:], byte_offset=24)
+FAKE_RO = FakeTensor(BASE, flags=1)
+FAKE_GPU = FakeTensor(BASE, device_type=2)
+FAKE_BAD = [(FakeTensor(BASE, **kwargs), exc) for kwargs, exc in [
+    (dict(major=2), TypeError), (dict(ndim=17, shape=(1,) * 17, strides=(1,) * 17), ValueError),
+    (dict(ndim=-1), ValueError), (dict(shape=(3, -4)), ValueError), (dict(bits=0), TypeError),
+    (dict(bits=12), TypeError), (dict(lanes=4), TypeError), (dict(capsule="bogus"), TypeError),
+    (dict(capsule="not_a_capsule"), TypeError)]]
+
+
+class Raises:
+    def __dlpack__(self, **kw):
+        raise RuntimeError("no")
+
+
+def scenario_tensor_info(i):
+    assert _C.tensor_info(torch.zeros(2, 3))["strides"] == (3, 1)
+    assert _C.tensor_info(torch.zeros(2, 3, dtype=torch.bfloat16).t())["dtype"] == "bfloat16"
+    assert _C.tensor_info(torch.arange(10)[2:])["shape"] == (8,)
+    assert _C.tensor_info(torch.tensor(1.0))["shape"] == ()
+    assert _C.tensor_info(np.arange(6.0)[::-1])["strides"] == (-1,)
+    ro = np.zeros(3)
+    ro.flags.writeable = False
+    assert _C.tensor_info(ro)["readonly"] is True
+    expect(TypeError, _C.tensor_info, [1, 2], match="t: expected a tensor")
+    expect(TypeError, _C.tensor_info, torch.ones(2, requires_grad=True))
+    out = np.zeros((3, 2), np.float32)
+    for fake in FAKE_OK:
+        _C.copy_shard(fake, out, 1, [(2, 2)])
+        assert np.array_equal(out, BASE[:, 2:])
+    got = np.zeros(7, np.int64)
+    _C.copy_shard(FAKE_OFFSET, got, 0, [(0, 7)])
+    assert got.tolist() == list(range(3, 10))
+    expect(ValueError, _C.place_shard, FAKE_RO, out, 1, [], match="read-only")
+    expect(ValueError, _C.copy_shard, FAKE_GPU, out, 1, [], match="CPU")
+    for fake, exc in FAKE_BAD:
+        expect(exc, _C.tensor_info, fake)
+        expect(exc, _C.copy_shard, BASE, fake, 0, [])
+    expect(TypeError, _C.tensor_info, Raises(), match="cannot export")
+
+
+# --- sharder ----------------------------------------------------------------------------
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(2, 2)
+        self.num_heads = 8
+
+
+class Root(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.shared = self.blocks[0]  # reachable twice: planned once
+
+
+class Target:
+    @staticmethod
+    def plan_shard(module, tp, rank, **kw):
+        return (tp, rank)
+
+    @staticmethod
+    def from_native_module(module, pg, **kw):
+        assert kw["plan"] == (2, 1)
+        return nn.Identity()
+
+
+def fwd(self, x):
+    return x
+
+
+class Failing:
+    @staticmethod
+    def plan_shard(module, tp, rank):
+        raise ValueError("cannot")
+
+
+DROPPING = {}
+
+
+class Clears:
+    """plan_shard drops the policy entry being planned from its dict."""
+
+    @staticmethod
+    def plan_shard(module, tp, rank):
+        DROPPING.clear()
+        return None
+
+
+def scenario_sharder(i):
+    root = Root()
+    entries = {Block: ((("num_heads", PerRank(lambda tp, r: 8 // tp)),),
+                       (lambda m: None,),
+                       (("proj", Target, {"k": i}, False),),
+                       (("forward", fwd),))}
+    ops, matched = _C.sharder_plan(root, "Root", entries, 2, 1)
+    assert matched == 2 and len(ops) == 8
+    assert _C.sharder_apply(ops, None) == 8
+    assert root.blocks[1].num_heads == 4 and isinstance(root.blocks[0].proj, nn.Identity)
+    by_name = {"Root": ((), (), (("blocks.*.proj", Target, {}, False),), ())}
+    ops, _ = _C.sharder_plan(Root(), "M", by_name, 1, 0)
+    assert len(ops) == 2
+    # Argument validation.
+    expect(TypeError, _C.sharder_plan, 42, "M", {}, 1, 0, match="torch.nn.Module")
+    expect(TypeError, _C.sharder_plan, Root(), 5, {}, 1, 0)
+    expect(TypeError, _C.sharder_plan, Root(), "M", [], 1, 0)
+    expect(TypeError, _C.sharder_plan, Root(), "M", {}, 1.0, 0)
+    expect(TypeError, _C.sharder_plan, Root(), "M", {}, 1, None)
+    for entry in ([(), (), (), ()], "abcd", ((), ()), ([], (), (), ()), ((1,), (), (), ()),
+                  ((("a",),), (), (), ()), (((1, 2),), (), (), ()),
+                  ((), (), (("proj", Target, {}),), ()), ((), (), (("proj", Target, [], 0),), ()),
+                  ((), (), (["proj", Target, {}, 0],), ()), ((), (), (), (("f",),)),
+                  ((), (), (), (("f", 3),)), ((), (), (), ("forward",))):
+        expect(TypeError, _C.sharder_plan, Root(), "M", {Block: entry}, 1, 0)
+    for entry, match in [(((), (), (("proj", Failing, {}, False),), ()), "M: blocks.0.proj"),
+                         (((), (), (("nope", Target, {}, False),), ()), "no sub-module"),
+                         (((("nope", 1),), (), (), ()), "does not have"),
+                         (((), (), (("proj", Target, {}, False),) * 2, ()), "two policy")]:
+        expect(ValueError, _C.sharder_plan, Root(), "M", {Block: entry}, 1, 0, match=match)
+    expect(TypeError, _C.sharder_apply, (), None)
+    expect(TypeError, _C.sharder_apply, [])
+    for op in (42, (), ("attr",), (1, "p"), ("bogus", "p"), ("attr", "p", 1),
+               ("sub", "p", Root(), "x", Target, nn.Linear(1, 1), [], None),
+               ("sub", "p", Root(), "x", object, nn.Linear(1, 1), {}, None),
+               ("param", "p", nn.Linear(1, 1), 3), ("attr", "p", 3, "real", 1),
+               ("method", "p", 3, "f", fwd)):
+        expect(RuntimeError, _C.sharder_apply, [op], None, match="applying the shard plan")
+    # Regression: the policy entry dropped from the dict while planning.
+    dropping = DROPPING
+    dropping[Root] = ((), (), (("blocks.0.proj", Clears, {}, False),
+                               ("blocks.1.proj", Clears, {}, False)), ())
+    ops, _ = _C.sharder_plan(Root(), "M", dropping, 1, 0)
+    assert len(ops) == 2
+    # Regression: the op list shrinking while it is applied.
+    shrinking = []
+    shrinking.extend([("param", "a", nn.Linear(1, 1), lambda m: shrinking.clear()),
+                      ("param", "b", nn.Linear(1, 1), lambda m: None)])
+    assert _C.sharder_apply(shrinking, None) == 1
+
+
+SCENARIOS = [scenario_layout_math, scenario_copy_place_torch, scenario_copy_place_numpy,
+             scenario_copy_errors, scenario_gather_index, scenario_tensor_info,
+             scenario_sharder]
+
+if MODE == "asan":
+    for scenario in SCENARIOS:
+        t0 = time.perf_counter()
+        for i in range(ITERATIONS):
+            scenario(i)
+        print(f"{scenario.__name__}: {ITERATIONS} runs in {time.perf_counter() - t0:.1f}s",
+              flush=True)
+elif MODE == "leaks":
+    import tracemalloc
+
+    def checkpoint():
+        # The type attribute cache keeps a reference to the name of every
+        # attribute looked up (up to 4096), e.g. the strings the sharder
+        # makes with PyObject_GetAttrString: bounded, but not a leak of ours.
+        sys._clear_type_cache()
+        gc.collect()
+        return sys.getallocatedblocks(), tracemalloc.get_traced_memory()[0]
+
+    # Each case is one _C call (success or error path) on inputs built once,
+    # so that a leak of one object per call shows as ITERATIONS blocks while
+    # the loop itself allocates nothing that survives an iteration.
+    T2 = torch.arange(30.0).reshape(5, 6)
+    T2_STRIDED = torch.arange(120.0).reshape(10, 12)[::2, ::2]
+    S2 = torch.zeros(5, 4)
+    N2 = np.asfortranarray(np.arange(30.0).reshape(5, 6))
+    NS2 = np.zeros((5, 4))
+    RO = np.zeros((5, 4))
+    RO.flags.writeable = False
+    GRAD = torch.ones(5, 6, requires_grad=True)
+    X200 = torch.arange(200.0)
+    O100 = torch.zeros(100)
+    MANY = [(k, 1) for k in range(0, 200, 2)]
+    ROOT = Root()
+    PLAN_ENTRIES = {Block: ((("num_heads", PerRank(lambda tp, r: 8 // tp)),),
+                            (lambda m: None,),
+                            (("proj", Target, {"k": 1}, False),),
+                            (("forward", fwd),))}
+    IDENTITY = nn.Identity()
+
+    class Reuse:
+        @staticmethod
+        def from_native_module(module, pg, **kw):
+            return IDENTITY
+
+    HOST = Block()
+    OPS = [("attr", "a", HOST, "num_heads", 4), ("param", "p", HOST, lambda m: None),
+           ("sub", "s", HOST, "proj", Reuse, IDENTITY, {"k": 1}, (1, 2)),
+           ("method", "m", HOST, "forward", fwd)]
+    GATHER_OK = [[(0, 2)], [(2, 2)], [(4, 1)]]
+
+    def raises_type_error(tp, r):
+        raise TypeError("boom")
+
+    cases = {
+        "split_units": lambda: _C.split_units(10, 3, 1),
+        "split_units/error": lambda: expect(ValueError, _C.split_units, 5, 2, 7),
+        "split_units/type": lambda: expect(TypeError, _C.split_units, "5", 2, 0),
+        "heads_layout": lambda: _C.heads_layout(6, 2, 4, 3),
+        "heads_layout/multiple": lambda: expect(ValueError, _C.heads_layout, 6, 4, 2, 0),
+        "heads_layout/too_few": lambda: expect(ValueError, _C.heads_layout, 2, 1, 4, 0),
+        "vocab_layout": lambda: _C.vocab_layout(50257, 4, 3, 64),
+        "vocab_layout/error": lambda: expect(ValueError, _C.vocab_layout, 0, 2, 0, 1),
+        "vocab_layout/overflow": lambda: expect(ValueError, _C.vocab_layout, 10, 2**62, 0, 4),
+        "copy_shard": lambda: _C.copy_shard(T2_STRIDED, S2, 1, [(4, 2), (0, 1)]),
+        "copy_shard/numpy": lambda: _C.copy_shard(N2, NS2, 1, ((1, 4),)),
+        "copy_shard/many_ranges": lambda: _C.copy_shard(X200, O100, 0, MANY),
+        "place_shard": lambda: _C.place_shard(T2.clone(), S2, 1, [[0, 3]]),
+        "copy_shard/read_only": lambda: expect(ValueError, _C.copy_shard, N2, RO, 1, []),
+        "copy_shard/dtype": lambda: expect(TypeError, _C.copy_shard, T2, NS2, 1, []),
+        "copy_shard/full_not_tensor": lambda: expect(TypeError, _C.copy_shard, [1], S2, 1, []),
+        "copy_shard/shard_not_tensor": lambda: expect(TypeError, _C.copy_shard, T2, [1], 1, []),
+        "copy_shard/full_grad": lambda: expect(TypeError, _C.copy_shard, GRAD, S2, 1, []),
+        "copy_shard/shard_grad": lambda: expect(TypeError, _C.place_shard, T2, GRAD, 1, []),
+        "copy_shard/ndim": lambda: expect(ValueError, _C.copy_shard, T2, O100, 0, []),
+        "copy_shard/shape": lambda: expect(ValueError, _C.copy_shard, T2, S2, 0, []),
+        "copy_shard/range": lambda: expect(IndexError, _C.copy_shard, T2, S2, 1, [(5, 2)]),
+        "copy_shard/overflow": lambda: expect(IndexError, _C.copy_shard, T2, S2, 1,
+                                              [(1, INT64_MAX), (0, 2)]),
+        "copy_shard/too_long": lambda: expect(IndexError, _C.copy_shard, T2, S2, 1, [(0, 5)]),
+        "copy_shard/ranges_int": lambda: expect(TypeError, _C.copy_shard, T2, S2, 1, 3),
+        "copy_shard/second_item": lambda: expect(TypeError, _C.copy_shard, T2, S2, 1,
+                                                 [(0, 1), (0, "a")]),
+        "copy_shard/item_size": lambda: expect(TypeError, _C.copy_shard, T2, S2, 1,
+                                               [(0, 1), (0, 1, 2)]),
+        "copy_shard/item_overflow": lambda: expect(OverflowError, _C.copy_shard, T2, S2, 1,
+                                                   [(0, 2**70)]),
+        "copy_shard/dim": lambda: expect(IndexError, _C.copy_shard, T2, S2, 2, []),
+        "copy_shard/args": lambda: expect(TypeError, _C.copy_shard, T2, S2, 1),
+        "copy_shard/cpu": lambda: expect(ValueError, _C.copy_shard, BASE, FAKE_GPU, 1, []),
+        "copy_shard/fake_legacy": lambda: _C.copy_shard(FAKE_OK[0], BASE.copy(), 1, [(0, 4)]),
+        "copy_shard/fake_offset": lambda: _C.copy_shard(FAKE_OFFSET, FLAT[:7].copy(), 0,
+                                                        [(0, 7)]),
+        "place_shard/fake_read_only": lambda: expect(ValueError, _C.place_shard, FAKE_RO,
+                                                     BASE, 1, []),
+        "gather_index": lambda: _C.gather_index(GATHER_OK, 5, 2),
+        "gather_index/uncovered": lambda: expect(ValueError, _C.gather_index, GATHER_OK, 6, 2),
+        "gather_index/range": lambda: expect(ValueError, _C.gather_index, [[(0, 1)], [(3, 3)]],
+                                             5, 2),
+        "gather_index/type": lambda: expect(TypeError, _C.gather_index, [[(0, 1)], [3]], 5, 2),
+        "gather_index/overflow": lambda: expect(ValueError, _C.gather_index, GATHER_OK, 5,
+                                                INT64_MAX),
+        "gather_index/negative": lambda: expect(ValueError, _C.gather_index, [], -1, 0),
+        "tensor_info": lambda: _C.tensor_info(T2_STRIDED),
+        "tensor_info/numpy": lambda: _C.tensor_info(RO),
+        "tensor_info/not_tensor": lambda: expect(TypeError, _C.tensor_info, 3),
+        "tensor_info/raises": lambda: expect(TypeError, _C.tensor_info, Raises()),
+        "tensor_info/legacy": lambda: _C.tensor_info(FAKE_OK[0]),
+        "tensor_info/null_strides": lambda: _C.tensor_info(FAKE_OK[1]),
+        "sharder_plan": lambda: _C.sharder_plan(ROOT, "Root", PLAN_ENTRIES, 2, 1),
+        "sharder_plan/by_name": lambda: _C.sharder_plan(
+            ROOT, "M", {"Root": ((), (), (("blocks.*.proj", Target, {}, False),), ())}, 1, 0),
+        "sharder_plan/plan_shard_raises": lambda: expect(
+            ValueError, _C.sharder_plan, ROOT, "M",
+            {Block: ((), (), (("proj", Failing, {}, False),), ())}, 1, 0),
+        "sharder_plan/missing": lambda: expect(
+            ValueError, _C.sharder_plan, ROOT, "M",
+            {Block: ((), (), (("nope", Target, {}, False),), ())}, 1, 0),
+        "sharder_plan/attr_missing": lambda: expect(
+            ValueError, _C.sharder_plan, ROOT, "M", {Block: ((("nope", 1),), (), (), ())}, 1, 0),
+        "sharder_plan/per_rank_raises": lambda: expect(
+            TypeError, _C.sharder_plan, ROOT, "M",
+            {Block: ((("num_heads", PerRank(raises_type_error)),), (), (), ())}, 1, 0),
+        "sharder_plan/twice": lambda: expect(
+            ValueError, _C.sharder_plan, ROOT, "M",
+            {Block: ((), (), (("proj", Target, {}, False),) * 2, ())}, 1, 0),
+        "sharder_plan/root": lambda: expect(TypeError, _C.sharder_plan, 42, "M", {}, 1, 0),
+        "sharder_plan/entry": lambda: expect(TypeError, _C.sharder_plan, ROOT, "M",
+                                             {Block: [(), (), (), ()]}, 1, 0),
+        "sharder_plan/sub_item": lambda: expect(TypeError, _C.sharder_plan, ROOT, "M",
+                                                {Block: ((), (), (("proj", Target),), ())}, 1, 0),
+        "sharder_plan/method": lambda: expect(TypeError, _C.sharder_plan, ROOT, "M",
+                                              {Block: ((), (), (), (("f", 3),))}, 1, 0),
+        "sharder_apply": lambda: _C.sharder_apply(list(OPS), None),
+        "sharder_apply/malformed": lambda: expect(RuntimeError, _C.sharder_apply,
+                                                  [OPS[0], ("sub", "p")], None),
+        "sharder_apply/factory_missing": lambda: expect(
+            RuntimeError, _C.sharder_apply, [("sub", "s", HOST, "proj", object, IDENTITY, {},
+                                              None)], None),
+        "sharder_apply/type": lambda: expect(TypeError, _C.sharder_apply, (), None),
+    }
+    for fake, exc in FAKE_BAD:
+        cases[f"tensor_info/{fake.__dict__.get('capsule')}/{len(cases)}"] = (
+            lambda fake=fake, exc=exc: expect(exc, _C.tensor_info, fake))
+        cases[f"copy_shard/bad_capsule/{len(cases)}"] = (
+            lambda fake=fake, exc=exc: expect(exc, _C.copy_shard, BASE, fake, 0, []))
+
+    gc.collect()
+    gc.freeze()  # torch's many objects out of the way: gc.collect() stays cheap
+    tracemalloc.start()
+    failures = []
+    t_start = time.perf_counter()
+    for name, case in cases.items():
+        for _ in range(100):  # warm-up: caches, free lists, lazy imports
+            case()
+        # Two windows: a leak grows both by >= ITERATIONS blocks; caches and
+        # free lists still settling show in one at most.
+        marks = [checkpoint()]
+        for window in range(2):
+            for _ in range(ITERATIONS):
+                case()
+            marks.append(checkpoint())
+        blocks = [b1 - b0 for (b0, _), (b1, _) in zip(marks, marks[1:])]
+        traced = [t1 - t0 for (_, t0), (_, t1) in zip(marks, marks[1:])]
+        print(f"{name}: 2 x {ITERATIONS} calls, blocks {blocks[0]:+d} {blocks[1]:+d}, "
+              f"traced bytes {traced[0]:+d} {traced[1]:+d}", flush=True)
+        if min(blocks) > ITERATIONS // 10 or min(traced) > 16 * ITERATIONS:
+            failures.append(name)
+    print(f"leak check: {len(cases)} cases in {time.perf_counter() - t_start:.1f}s")
+    tracemalloc.stop()
+    if failures:
+        sys.exit("allocations grow per call in: " + ", ".join(failures))
+else:
+    sys.exit(f"unknown mode {MODE}")
+print("DRIVER OK")
+'''
+
+
+def _run_driver(tmp_path, mode, so, iterations, env_extra=None, prefix=(), timeout=300):
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER)
+    env = dict(os.environ)
+    env.update(env_extra or {})
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = list(prefix) + [sys.executable, str(driver), mode, so, str(iterations), TESTS]
+    return subprocess.run(cmd, cwd=str(tmp_path), env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _libasan():
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("gcc is not installed")
+    out = subprocess.run([gcc, "-print-file-name=libasan.so"], capture_output=True,
+                         text=True).stdout.strip()
+    # gcc prints the bare name back when it has no such library.
+    if not os.path.isabs(out) or not os.path.exists(out):
+        pytest.skip(f"gcc has no libasan.so (got {out!r})")
+    return os.path.realpath(out)
+
+
+@pytest.fixture(scope="module")
+def asan_build(tmp_path_factory):
+    libasan = _libasan()
+    base = tmp_path_factory.mktemp("asan_build")
+    env = dict(os.environ, SHARDFORMER_ASAN="1")
+    proc = subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(base / "lib"),
+         "--build-temp", str(base / "tmp")],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    found = glob.glob(str(base / "lib" / "shardformer" / "_C*.so"))
+    assert len(found) == 1, found
+    so = found[0]
+    # Make sure it really is instrumented.
+    if shutil.which("nm"):
+        syms = subprocess.run(["nm", "-D", so], capture_output=True, text=True).stdout
+        assert "__asan_" in syms, "the ASan build has no ASan symbols"
+    return so, libasan
+
+
+ASAN_OPTIONS = ":".join([
+    "detect_leaks=0",  # see the module docstring
+    "halt_on_error=1",
+    "abort_on_error=0",
+    "exitcode=86",
+    "detect_stack_use_after_return=1",
+    "strict_string_checks=1",
+    "check_initialization_order=1",
+    "allocator_may_return_null=1",
+])
+
+
+def test_asan_driver(asan_build, tmp_path):
+    so, libasan = asan_build
+    env = {"LD_PRELOAD": libasan, "ASAN_OPTIONS": ASAN_OPTIONS, "PYTHONMALLOC": "malloc"}
+    proc = _run_driver(tmp_path, "asan", so, 200, env, timeout=240)
+    report = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-8000:]}"
+    assert "ERROR: AddressSanitizer" not in proc.stderr, report
+    assert proc.returncode == 0, report
+    assert "DRIVER OK" in proc.stdout, report
+
+
+PRELOAD_AND_PYTEST = r"""
+import importlib.machinery, importlib.util, sys
+so = sys.argv[1]
+loader = importlib.machinery.ExtensionFileLoader("shardformer._C", so)
+spec = importlib.util.spec_from_file_location("shardformer._C", so, loader=loader)
+mod = importlib.util.module_from_spec(spec)
+sys.modules["shardformer._C"] = mod
+loader.exec_module(mod)
+import pytest
+import shardformer.layout
+assert shardformer.layout._C is mod
+sys.exit(pytest.main(sys.argv[2:]))
+"""
+
+
+def test_unit_tests_under_asan(asan_build, tmp_path):
+    """test_c_core.py, all of it, against the ASan build."""
+    so, libasan = asan_build
+    env = dict(os.environ, LD_PRELOAD=libasan, PYTHONMALLOC="malloc",
+               ASAN_OPTIONS=ASAN_OPTIONS)
+    proc = subprocess.run(
+        [sys.executable, "-c", PRELOAD_AND_PYTEST, so, "-q", "-p", "no:cacheprovider",
+         os.path.join(TESTS, "test_c_core.py")],
+        cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=240)
+    report = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-8000:]}"
+    assert "ERROR: AddressSanitizer" not in proc.stderr, report
+    assert proc.returncode == 0, report
+    assert " passed" in proc.stdout and "failed" not in proc.stdout, report
+
+
+def test_no_reference_leaks(tmp_path):
+    """See the module docstring: allocations must not grow per call."""
+    proc = _run_driver(tmp_path, "leaks", "-", 500, timeout=240)
+    report = f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, report
+    assert "DRIVER OK" in proc.stdout, report
+
+
+def _compile_flags():
+    import numpy
+
+    return ["-std=c11", "-Wall", "-Wextra", "-Werror",
+            "-I" + sysconfig.get_paths()["include"], "-I" + numpy.get_include(),
+            "-I" + os.path.join(ROOT, "csrc")]
+
+
+@pytest.mark.parametrize("source", CSRC, ids=os.path.basename)
+def test_sources_compile_warning_free(source, tmp_path):
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("gcc is not installed")
+    flags = _compile_flags()
+    proc = subprocess.run([gcc, *flags, "-fsyntax-only", source], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    # -O2 turns on the flow-based warnings (-Wmaybe-uninitialized & co).
+    obj = tmp_path / "out.o"
+    proc = subprocess.run([gcc, *flags, "-O2", "-fPIC", "-c", source, "-o", str(obj)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+@pytest.mark.skipif(os.environ.get("SHARDFORMER_VALGRIND") != "1",
+                    reason="slow; set SHARDFORMER_VALGRIND=1 to run the driver under valgrind")
+def test_valgrind_driver(tmp_path):
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        pytest.skip("valgrind is not installed")
+    log = tmp_path / "valgrind.log"
+    proc = _run_driver(
+        tmp_path, "asan", "-", 2, {"PYTHONMALLOC": "malloc"},
+        prefix=[valgrind, "--tool=memcheck", "--error-limit=no", "--num-callers=30",
+                f"--log-file={log}"],
+        timeout=1800)
+    text = log.read_text()
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "DRIVER OK" in proc.stdout
+    assert "ERROR SUMMARY" in text, text[-2000:]
+    # The loader, Python and torch have valgrind noise of their own; only
+    # errors whose stack passes through our module count.  Error reports are
+    # separated by an empty "==PID== " line.
+    blocks = re.split(r"(?m)^==\d+== ?$", text)
+    kinds = ("Invalid read", "Invalid write", "Invalid free", "uninitialised",
+             "Conditional jump", "overlap", "Mismatched free")
+    ours = [b for b in blocks if "_C.cpython" in b and any(k in b for k in kinds)]
+    assert not ours, "\n\n".join(ours[:5])
