@@ -50,9 +50,125 @@ _add("bert", "bert.modeling_bert", {
 })
 
 # --- decoder-only language-model families (opt, bloom, falcon, mistral, ...) ---
+_add("mistral", "mistral.modeling_mistral", {
+    "MistralModel": "MistralModelPolicy",
+    "MistralForCausalLM": "MistralForCausalLMPolicy",
+    "MistralForSequenceClassification": "MistralForSequenceClassificationPolicy",
+    "MistralForTokenClassification": "MistralForTokenClassificationPolicy",
+    "MistralForQuestionAnswering": "MistralForQuestionAnsweringPolicy",
+})
+_add("qwen2", "qwen2.modeling_qwen2", {
+    "Qwen2Model": "Qwen2ModelPolicy",
+    "Qwen2ForCausalLM": "Qwen2ForCausalLMPolicy",
+    "Qwen2ForSequenceClassification": "Qwen2ForSequenceClassificationPolicy",
+    "Qwen2ForTokenClassification": "Qwen2ForTokenClassificationPolicy",
+    "Qwen2ForQuestionAnswering": "Qwen2ForQuestionAnsweringPolicy",
+})
+_add("qwen3", "qwen3.modeling_qwen3", {
+    "Qwen3Model": "Qwen3ModelPolicy",
+    "Qwen3ForCausalLM": "Qwen3ForCausalLMPolicy",
+    "Qwen3ForSequenceClassification": "Qwen3ForSequenceClassificationPolicy",
+    "Qwen3ForTokenClassification": "Qwen3ForTokenClassificationPolicy",
+    "Qwen3ForQuestionAnswering": "Qwen3ForQuestionAnsweringPolicy",
+})
+_add("gemma", "gemma.modeling_gemma", {
+    "GemmaModel": "GemmaModelPolicy",
+    "GemmaForCausalLM": "GemmaForCausalLMPolicy",
+    "GemmaForSequenceClassification": "GemmaForSequenceClassificationPolicy",
+    "GemmaForTokenClassification": "GemmaForTokenClassificationPolicy",
+})
+_add("gemma2", "gemma2.modeling_gemma2", {
+    "Gemma2Model": "Gemma2ModelPolicy",
+    "Gemma2ForCausalLM": "Gemma2ForCausalLMPolicy",
+    "Gemma2ForSequenceClassification": "Gemma2ForSequenceClassificationPolicy",
+    "Gemma2ForTokenClassification": "Gemma2ForTokenClassificationPolicy",
+})
+_add("gemma3", "gemma3.modeling_gemma3", {
+    "Gemma3TextModel": "Gemma3TextModelPolicy",
+    "Gemma3ForCausalLM": "Gemma3ForCausalLMPolicy",
+    "Gemma3TextForSequenceClassification": "Gemma3TextForSequenceClassificationPolicy",
+})
+_add("phi3", "phi3.modeling_phi3", {
+    "Phi3Model": "Phi3ModelPolicy",
+    "Phi3ForCausalLM": "Phi3ForCausalLMPolicy",
+    "Phi3ForSequenceClassification": "Phi3ForSequenceClassificationPolicy",
+    "Phi3ForTokenClassification": "Phi3ForTokenClassificationPolicy",
+})
+_add("mixtral", "mixtral.modeling_mixtral", {
+    "MixtralModel": "MixtralModelPolicy",
+    "MixtralForCausalLM": "MixtralForCausalLMPolicy",
+    "MixtralForSequenceClassification": "MixtralForSequenceClassificationPolicy",
+    "MixtralForTokenClassification": "MixtralForTokenClassificationPolicy",
+    "MixtralForQuestionAnswering": "MixtralForQuestionAnsweringPolicy",
+})
+_add("glm", "glm.modeling_glm", {
+    "GlmModel": "GlmModelPolicy",
+    "GlmForCausalLM": "GlmForCausalLMPolicy",
+    "GlmForSequenceClassification": "GlmForSequenceClassificationPolicy",
+    "GlmForTokenClassification": "GlmForTokenClassificationPolicy",
+})
+_add("opt", "opt.modeling_opt", {
+    "OPTModel": "OPTModelPolicy",
+    "OPTForCausalLM": "OPTForCausalLMPolicy",
+    "OPTForSequenceClassification": "OPTForSequenceClassificationPolicy",
+    "OPTForQuestionAnswering": "OPTForQuestionAnsweringPolicy",
+})
+_add("gpt_neo", "gpt_neo.modeling_gpt_neo", {
+    "GPTNeoModel": "GPTNeoModelPolicy",
+    "GPTNeoForCausalLM": "GPTNeoForCausalLMPolicy",
+    "GPTNeoForSequenceClassification": "GPTNeoForSequenceClassificationPolicy",
+    "GPTNeoForTokenClassification": "GPTNeoForTokenClassificationPolicy",
+    "GPTNeoForQuestionAnswering": "GPTNeoForQuestionAnsweringPolicy",
+})
+_add("gptj", "gptj.modeling_gptj", {
+    "GPTJModel": "GPTJModelPolicy",
+    "GPTJForCausalLM": "GPTJForCausalLMPolicy",
+    "GPTJForSequenceClassification": "GPTJForSequenceClassificationPolicy",
+    "GPTJForQuestionAnswering": "GPTJForQuestionAnsweringPolicy",
+})
+_add("bloom", "bloom.modeling_bloom", {
+    "BloomModel": "BloomModelPolicy",
+    "BloomForCausalLM": "BloomForCausalLMPolicy",
+    "BloomForSequenceClassification": "BloomForSequenceClassificationPolicy",
+    "BloomForTokenClassification": "BloomForTokenClassificationPolicy",
+    "BloomForQuestionAnswering": "BloomForQuestionAnsweringPolicy",
+})
+_add("falcon", "falcon.modeling_falcon", {
+    "FalconModel": "FalconModelPolicy",
+    "FalconForCausalLM": "FalconForCausalLMPolicy",
+    "FalconForSequenceClassification": "FalconForSequenceClassificationPolicy",
+    "FalconForTokenClassification": "FalconForTokenClassificationPolicy",
+    "FalconForQuestionAnswering": "FalconForQuestionAnsweringPolicy",
+})
 # (end of decoder-only families)
 
 # --- encoder and encoder-decoder text/audio families (roberta, t5, whisper, ...) ---
+_add("roberta", "roberta.modeling_roberta", {
+    f"Roberta{c}": f"Roberta{c}Policy" for c in (
+        "Model", "ForMaskedLM", "ForCausalLM", "ForSequenceClassification", "ForTokenClassification",
+        "ForQuestionAnswering", "ForMultipleChoice")
+})
+_add("albert", "albert.modeling_albert", {
+    f"Albert{c}": f"Albert{c}Policy" for c in (
+        "Model", "ForPreTraining", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification",
+        "ForQuestionAnswering", "ForMultipleChoice")
+})
+_add("ernie", "ernie.modeling_ernie", {
+    f"Ernie{c}": f"Ernie{c}Policy" for c in (
+        "Model", "ForPreTraining", "ForCausalLM", "ForMaskedLM", "ForNextSentencePrediction",
+        "ForSequenceClassification", "ForMultipleChoice", "ForTokenClassification", "ForQuestionAnswering")
+})
+_add("t5", "t5.modeling_t5", {
+    f"T5{c}": f"T5{c}Policy" for c in (
+        "Model", "ForConditionalGeneration", "EncoderModel", "ForSequenceClassification",
+        "ForTokenClassification", "ForQuestionAnswering")
+})
+_add("whisper", "whisper.modeling_whisper", {
+    f"Whisper{c}": f"Whisper{c}Policy" for c in (
+        "Model", "ForConditionalGeneration", "ForCausalLM", "ForAudioClassification")
+})
+# ChatGLM2 ships as remote code: bare class names match its dynamic modules.
+_REGISTRY.update({c: ("chatglm2", f"{c}Policy") for c in ("ChatGLMModel", "ChatGLMForConditionalGeneration")})
 # (end of encoder and encoder-decoder families)
 
 # --- vision and multimodal families (vit, beit, swin, sam, blip2) ---

@@ -222,6 +222,11 @@ class Heads:
     def qkv(self) -> Fused:
         return Fused((self.q, self.kv, self.kv))
 
+    @property
+    def grouped_qkv(self) -> "GroupedQKV":
+        """Fused rows grouped per KV head: [q_1 .. q_g | k | v] for each group."""
+        return GroupedQKV(self)
+
     def local_heads(self) -> PerRank:
         return PerRank(lambda tp, r: self.layout(tp, r)[1], f"query heads of {self}")
 
@@ -271,3 +276,41 @@ class HeadSplit(SplitSpec):
         if self.part == "q":
             return f"num_attention_heads={h.num_heads}{dim}"
         return f"num_key_value_heads={h.kv_heads}{dim}"
+
+
+@dataclass(frozen=True)
+class GroupedQKV(SplitSpec):
+    """A fused projection whose rows are grouped per KV head, each group
+    [q_1 .. q_g | k | v] with g = num_heads / num_kv_heads (Falcon's
+    new_decoder_architecture).  Each rank keeps, for every KV head it holds,
+    its query heads of that group followed by the group's k and v, so its
+    shard has the same grouped layout with its own head counts."""
+
+    heads: Heads
+
+    def expected_full(self):
+        h = self.heads
+        return None if h.head_dim is None else (h.num_heads + 2 * h.kv_heads) * h.head_dim
+
+    def _rank_ranges(self, full, tp_size, rank):
+        h = self.heads
+        if h.num_heads % h.kv_heads:
+            raise ValueError(f"num_attention_heads={h.num_heads} is not a multiple of num_kv_heads={h.kv_heads}")
+        rows = h.num_heads + 2 * h.kv_heads
+        if full % rows:
+            raise ValueError(f"length {full} is not a multiple of the {rows} grouped q/k/v heads")
+        hd, g = full // rows, h.num_heads // h.kv_heads
+        qs, qc, ks, kc = h.layout(tp_size, rank)
+        ranges, length = [], 0
+        for j in range(ks, ks + kc):
+            base = j * (g + 2) * hd
+            first, last = max(qs, j * g), min(qs + qc, (j + 1) * g)
+            if last > first:
+                ranges.append((base + (first - j * g) * hd, (last - first) * hd))
+            ranges.append((base + g * hd, 2 * hd))
+            length += (max(last - first, 0) + 2) * hd
+        return ranges, length
+
+    def describe(self):
+        h = self.heads
+        return f"GroupedQKV(num_heads={h.num_heads}, num_kv_heads={h.kv_heads}, head_dim={h.head_dim})"

@@ -92,10 +92,12 @@ class VocabParallelEmbedding1D(_EmbeddingShard):
         return Vocab(kwargs.get("make_vocab_size_divisible_by", 64))
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, process_group=None,
-                 make_vocab_size_divisible_by: int = 64, **kwargs):
+                 make_vocab_size_divisible_by: int = 64, embed_scale: float | None = None, **kwargs):
         super().__init__(num_embeddings, embedding_dim, padding_idx, process_group,
                          make_vocab_size_divisible_by=make_vocab_size_divisible_by, **kwargs)
         self.make_vocab_size_divisible_by = make_vocab_size_divisible_by
+        # Multiplies the looked-up rows (Gemma's scaled embeddings: sqrt(hidden)).
+        self.embed_scale = embed_scale
         self.vocab_start = self.tp_rank * self.shard.length
         self.vocab_end = self.vocab_start + self.shard.real  # real rows only
         if kwargs.get("shard") is None:
@@ -112,11 +114,16 @@ class VocabParallelEmbedding1D(_EmbeddingShard):
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight, self._local_padding_idx())
         out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp_region(out, self.process_group)
+        out = reduce_from_tp_region(out, self.process_group)
+        if self.embed_scale is not None:
+            out = out * torch.tensor(self.embed_scale, dtype=self.weight.dtype)
+        return out
 
 
 class Embedding1D(_EmbeddingShard):
-    """Embedding with the embedding dimension (columns) split, gathered after lookup."""
+    """Embedding with the embedding dimension (columns) split, gathered after
+    lookup; with `gather_output=False` each rank keeps its columns (e.g. a
+    relative-position bias table [buckets, heads] split by heads)."""
 
     split_dim = 1
 
@@ -125,8 +132,9 @@ class Embedding1D(_EmbeddingShard):
         return kwargs.get("split") or Split()
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, process_group=None,
-                 **kwargs):
+                 gather_output: bool = True, **kwargs):
         super().__init__(num_embeddings, embedding_dim, padding_idx, process_group, **kwargs)
+        self.gather_output = gather_output
         if kwargs.get("shard") is None:
             self.reset_parameters()
 
@@ -135,4 +143,6 @@ class Embedding1D(_EmbeddingShard):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         out = F.embedding(input_ids, self.weight, self.padding_idx)
+        if not self.gather_output:
+            return out
         return gather_from_tp_region(out, -1, self.shard, self.process_group)

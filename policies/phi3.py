@@ -1,0 +1,55 @@
+"""Phi-3: the Llama-shaped decoder with a fused qkv_proj ([q | k | v] rows, GQA)
+and a fused gate_up_proj ([gate | up] rows).  Both are split as Fused specs, so
+each rank keeps its query heads, its (possibly replicated) KV heads and its
+slices of gate and up; see policies/mistral.py for the layout table.
+
+Phi3Attention cuts q from k/v at config.num_attention_heads * head_dim and k
+from v at self.num_key_value_heads * head_dim, so each rank's attention gets
+its own head counts: num_key_value_heads directly, and a per-rank copy of the
+config (shared by all layers of the rank) with num_attention_heads and
+num_key_value_heads set to the rank's counts.
+"""
+from __future__ import annotations
+
+import copy
+
+from shardformer.layout import Heads, PerRank
+from shardformer.policies.mistral import DecoderPolicy
+
+
+class Phi3Policy(DecoderPolicy):
+    hf_module, prefix = "phi3.modeling_phi3", "Phi3"
+    mlp = "fused"
+    fused_qkv = True
+
+    def attention_attributes(self, heads: Heads) -> dict:
+        config, local_configs = self.text_config(), {}
+
+        def local_config(tp, rank):
+            if (tp, rank) not in local_configs:
+                _, q, _, kv = heads.layout(tp, rank)
+                local = copy.copy(config)
+                local.num_attention_heads, local.num_key_value_heads = q, kv
+                local_configs[(tp, rank)] = local
+            return local_configs[(tp, rank)]
+
+        return dict(super().attention_attributes(heads), **{
+            "self_attn.num_key_value_heads": heads.local_kv_heads(),
+            "self_attn.config": PerRank(local_config, f"config with this rank's heads of {heads}"),
+        })
+
+
+class Phi3ModelPolicy(Phi3Policy):
+    pass
+
+
+class Phi3ForCausalLMPolicy(Phi3Policy):
+    model_class, head = "Phi3ForCausalLM", "lm_head"
+
+
+class Phi3ForSequenceClassificationPolicy(Phi3Policy):
+    model_class, head = "Phi3ForSequenceClassification", "score"
+
+
+class Phi3ForTokenClassificationPolicy(Phi3Policy):
+    model_class, head = "Phi3ForTokenClassification", "score"

@@ -1,0 +1,106 @@
+"""Mixture-of-experts feed-forward with every expert split by tensor parallelism.
+
+HF stores the E experts of a sparse MoE block as fused 3-D parameters
+(Mixtral, Qwen2-MoE style):
+
+    gate_up_proj [E, 2I, H]   rows [gate | up] of every expert
+    down_proj    [E, H, I]
+
+For token x routed to expert e with weight w:  y += w * W2_e (act(G_e x) * U_e x).
+
+FusedExperts1D splits the intermediate features I of every expert over the
+p ranks, like a column-parallel gate/up followed by a row-parallel down:
+rank i keeps G_e[I_i], U_e[I_i] (its slice of each fused segment) and
+W2_e[:, I_i], and computes a partial y_i; reduce_from_tp_region sums them
+(all-reduce forward, identity backward).  The router stays replicated, so
+every rank sends the same tokens to the same experts; the hidden states and
+the routing weights enter through copy_to_tp_region (identity forward,
+all-reduce of the gradient backward), because each rank's gradient of them
+only sees its partial y_i.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..distributed.mappings import copy_to_tp_region, reduce_from_tp_region
+from ..layout import DimShard, Fused, Split
+from .parallel_module import ParallelModule, check_param, group_size_and_rank, shard_of
+
+
+class FusedExperts1D(ParallelModule):
+    """E experts with fused [gate | up] and down weights, intermediate features split.
+
+    forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H],
+    the signature of HF's experts modules.
+    """
+
+    @classmethod
+    def plan_shard(cls, module, tp_size, rank, **kwargs) -> tuple[DimShard, DimShard]:
+        name = type(module).__name__
+        gate_up = check_param(module, "gate_up_proj", 3, cls.__name__)
+        down = check_param(module, "down_proj", 3, cls.__name__)
+        experts, two_inter, hidden = gate_up.shape
+        if down.shape[0] != experts or down.shape[1] != hidden or 2 * down.shape[2] != two_inter:
+            raise ValueError(f"{cls.__name__}: {name}.gate_up_proj {tuple(gate_up.shape)} and down_proj "
+                             f"{tuple(down.shape)} are not [E, 2I, H] and [E, H, I]")
+        if getattr(module, "is_transposed", False) or not getattr(module, "is_concatenated", True):
+            raise ValueError(f"{cls.__name__}: {name} stores its experts transposed or with gate/up "
+                             "interleaved; only [E, 2I, H] with [gate | up] rows is supported")
+        if getattr(module, "has_bias", False) or getattr(module, "gate_up_proj_bias", None) is not None:
+            raise ValueError(f"{cls.__name__}: {name} has expert biases, which this layer does not support")
+        up_shard = Fused.equal(2).resolve(two_inter, tp_size, rank, what="gate_up_proj features")
+        down_shard = Split().resolve(down.shape[2], tp_size, rank, what="down_proj intermediate features")
+        return up_shard, down_shard
+
+    def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, act_fn: nn.Module,
+                 process_group=None, plan: tuple[DimShard, DimShard] | None = None, dtype=None, device=None):
+        super().__init__(process_group)
+        if plan is None:
+            plan = (Fused.equal(2).resolve(2 * intermediate_dim, self.tp_size, self.tp_rank),
+                    Split().resolve(intermediate_dim, self.tp_size, self.tp_rank))
+        up_shard, down_shard = plan
+        self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_dim, intermediate_dim
+        self.act_fn = act_fn
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, up_shard.length, hidden_dim,
+                                                     dtype=dtype, device=device))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, down_shard.length,
+                                                  dtype=dtype, device=device))
+        self.sharded_params["gate_up_proj"] = (1, up_shard)
+        self.sharded_params["down_proj"] = (2, down_shard)
+
+    @classmethod
+    def from_native_module(cls, module: nn.Module, process_group=None, plan=None, **kwargs):
+        tp_size, rank = group_size_and_rank(process_group)
+        if plan is None:
+            plan = cls.plan_shard(module, tp_size, rank)
+        gate_up, down = module.gate_up_proj, module.down_proj
+        layer = cls(gate_up.shape[0], gate_up.shape[2], down.shape[2], module.act_fn, process_group,
+                    plan=plan, dtype=gate_up.dtype, device=gate_up.device)
+        with torch.no_grad():
+            layer.gate_up_proj.copy_(shard_of(gate_up, 1, plan[0]))
+            layer.down_proj.copy_(shard_of(down, 2, plan[1]))
+        layer.gate_up_proj.requires_grad_(gate_up.requires_grad)
+        layer.down_proj.requires_grad_(down.requires_grad)
+        return layer
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        # hidden [T, H]; top_k_index, top_k_weights [T, k]
+        x = copy_to_tp_region(hidden_states, self.process_group)
+        weights = copy_to_tp_region(top_k_weights, self.process_group)
+        out = torch.zeros_like(x)
+        for e in torch.unique(top_k_index).tolist():
+            if not 0 <= e < self.num_experts:
+                continue
+            token_idx, slot = torch.where(top_k_index == e)
+            gate, up = F.linear(x[token_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(self.act_fn(gate) * up, self.down_proj[e])
+            out.index_add_(0, token_idx, (y * weights[token_idx, slot, None]).to(out.dtype))
+        return reduce_from_tp_region(out, self.process_group)
+
+    def extra_repr(self) -> str:
+        return (f"num_experts={self.num_experts}, hidden={self.hidden_dim}, "
+                f"intermediate={self.intermediate_dim}, local={self.down_proj.shape[2]}, "
+                f"tp={self.tp_rank}/{self.tp_size}")

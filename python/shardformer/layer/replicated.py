@@ -1,0 +1,52 @@
+"""Replicated parameters applied inside a tensor-parallel region.
+
+Some small modules keep their full parameters on every rank but act on
+per-rank data, e.g. Qwen3's / Gemma3's q_norm and k_norm, RMSNorms over
+head_dim applied to this rank's heads only.  Forward is unchanged; each rank's
+parameter gradient is then the part from its own heads, so the full gradient
+is the sum over ranks:
+
+    dW = sum_i dW_i      (all-reduce of every parameter gradient, backward)
+
+A KV head replicated on several ranks is counted correctly too: each rank's
+gradient of it only carries its own query heads.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .. import distributed as D
+from .parallel_module import group_size_and_rank
+
+_MARK = "_shardformer_grad_all_reduce"
+
+
+def _all_reduce_hook(group):
+    def hook(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        D.all_reduce(grad, group)
+        return grad
+    return hook
+
+
+class ReplicatedInParallelRegion:
+    """Keeps the native module (same class, same parameters) and all-reduces
+    its parameters' gradients over the group in backward."""
+
+    @classmethod
+    def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, **kwargs):
+        if not any(True for _ in module.parameters()):
+            raise ValueError(f"{cls.__name__}: {type(module).__name__} has no parameters to keep in sync")
+        return None
+
+    @classmethod
+    def from_native_module(cls, module: nn.Module, process_group=None, plan=None, **kwargs) -> nn.Module:
+        tp_size, _ = group_size_and_rank(process_group)
+        if tp_size == 1 or getattr(module, _MARK, False):
+            return module
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_hook(_all_reduce_hook(process_group))
+        object.__setattr__(module, _MARK, True)
+        return module
