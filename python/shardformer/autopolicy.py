@@ -172,6 +172,27 @@ _REGISTRY.update({c: ("chatglm2", f"{c}Policy") for c in ("ChatGLMModel", "ChatG
 # (end of encoder and encoder-decoder families)
 
 # --- vision and multimodal families (vit, beit, swin, sam, blip2) ---
+_add("vit", "vit.modeling_vit", {
+    "ViTModel": "ViTModelPolicy",
+    "ViTForImageClassification": "ViTForImageClassificationPolicy",
+    "ViTForMaskedImageModeling": "ViTForMaskedImageModelingPolicy",
+})
+_add("beit", "beit.modeling_beit", {
+    "BeitModel": "BeitModelPolicy",
+    "BeitForImageClassification": "BeitForImageClassificationPolicy",
+    "BeitForMaskedImageModeling": "BeitForMaskedImageModelingPolicy",
+    "BeitForSemanticSegmentation": "BeitForSemanticSegmentationPolicy",
+})
+_add("swin", "swin.modeling_swin", {
+    "SwinModel": "SwinModelPolicy",
+    "SwinForImageClassification": "SwinForImageClassificationPolicy",
+    "SwinForMaskedImageModeling": "SwinForMaskedImageModelingPolicy",
+})
+_add("swinv2", "swinv2.modeling_swinv2", {
+    "Swinv2Model": "Swinv2ModelPolicy",
+    "Swinv2ForImageClassification": "Swinv2ForImageClassificationPolicy",
+    "Swinv2ForMaskedImageModeling": "Swinv2ForMaskedImageModelingPolicy",
+})
 # (end of vision and multimodal families)
 
 
