@@ -16,6 +16,9 @@
 #include "sharder.h"
 #include "tensor_view.h"
 
+int sf_register_comm(PyObject *m);
+int sf_register_kernels(PyObject *m);
+
 #define ERRLEN 512
 
 static int check_status(int rc, const char *err)
@@ -376,5 +379,10 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC PyInit__C(void)
 {
     import_array();
-    return PyModule_Create(&module_def);
+    PyObject *m = PyModule_Create(&module_def);
+    if (m && sf_register_comm(m) < 0)
+        Py_CLEAR(m);
+    if (m && sf_register_kernels(m) < 0)
+        Py_CLEAR(m);
+    return m;
 }

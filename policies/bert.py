@@ -80,6 +80,12 @@ class BertPolicy(Policy):
                 norms.append(Sub("crossattention.output.LayerNorm", FusedLayerNorm))
             self.append_or_create_submodule_replacement(norms, policy, hf.BertLayer)
             self.append_or_create_submodule_replacement(Sub("LayerNorm", FusedLayerNorm), policy, hf.BertEmbeddings)
+        if self.shard_config.enable_jit_fused:
+            from shardformer.ops import bert_intermediate_forward, gelu_kind
+            kind = gelu_kind(self.model.config.hidden_act)
+            if kind is not None:   # the intermediate GeLU by the C kernel
+                policy.setdefault(hf.BertIntermediate, ModulePolicyDescription()).method_replacement["forward"] = \
+                    bert_intermediate_forward(kind)
         return policy
 
 

@@ -70,6 +70,12 @@ class GPT2Policy(Policy):
             self.append_or_create_submodule_replacement(
                 [Sub("ln_1", FusedLayerNorm), Sub("ln_2", FusedLayerNorm)], policy, hf.GPT2Block)
             self.append_or_create_submodule_replacement(Sub("ln_f", FusedLayerNorm), policy, hf.GPT2Model)
+        if self.shard_config.enable_jit_fused:
+            from shardformer.ops import gelu_kind, gpt2_mlp_forward
+            kind = gelu_kind(self.model.config.activation_function)
+            if kind is not None:   # the MLP's GeLU by the C kernel
+                policy.setdefault(hf.GPT2MLP, ModulePolicyDescription()).method_replacement["forward"] = \
+                    gpt2_mlp_forward(kind)
         return policy
 
 

@@ -63,6 +63,11 @@ class LlamaPolicy(Policy):
                 [Sub("input_layernorm", FusedRMSNorm), Sub("post_attention_layernorm", FusedRMSNorm)],
                 policy, hf.LlamaDecoderLayer)
             self.append_or_create_submodule_replacement(Sub("norm", FusedRMSNorm), policy, hf.LlamaModel)
+        if self.shard_config.enable_jit_fused:
+            if getattr(cfg, "hidden_act", None) in ("silu", "swish"):   # SwiGLU in one C kernel
+                from shardformer.ops import llama_mlp_forward
+                policy.setdefault(hf.LlamaMLP, ModulePolicyDescription()).method_replacement["forward"] = \
+                    llama_mlp_forward
         return policy
 
 

@@ -10,7 +10,6 @@ import torch.distributed as dist
 # Switching one on is an error rather than a silent no-op.
 _NOT_YET = {
     "enable_flash_attention": "the C attention kernel (C kernels issue)",
-    "enable_jit_fused": "the fused elementwise C kernels (C kernels issue)",
     "enable_sequence_parallelism": "sequence parallelism",
     "enable_sequence_overlap": "sequence parallelism with communication overlap",
 }

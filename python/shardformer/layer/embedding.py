@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import ops
 from ..distributed.mappings import gather_from_tp_region, reduce_from_tp_region
 from ..layout import DimShard, Split, Vocab
 from .parallel_module import ParallelModule, check_param, group_size_and_rank, shard_of
@@ -110,10 +111,15 @@ class VocabParallelEmbedding1D(_EmbeddingShard):
         return None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
-        local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local_ids, self.weight, self._local_padding_idx())
-        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.weight.device.type == "cpu" and self.weight.dtype in ops.FLOAT_DTYPES:
+            # one pass in C: our rows looked up, other ids zeroed; backward scatter-adds
+            out = ops.vocab_embedding(input_ids, self.weight, self.vocab_start,
+                                      self.vocab_end - self.vocab_start, self._local_padding_idx())
+        else:
+            outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+            local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
+            out = F.embedding(local_ids, self.weight, self._local_padding_idx())
+            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
         out = reduce_from_tp_region(out, self.process_group)
         if self.embed_scale is not None:
             out = out * torch.tensor(self.embed_scale, dtype=self.weight.dtype)

@@ -21,74 +21,74 @@ from __future__ import annotations
 
 import torch
 
+from .. import ops
 from ..distributed import collectives as C
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Forward: the C kernel reads each row of the shard once for its local
+    max, sum-exp, target logit (and sum of logits when smoothing); two small
+    all-reduces combine them (max of the maxima, then the sum of the
+    rescaled sum-exps, target logits and logit sums stacked together).
+    Backward: the C kernel writes g * (softmax - (1-eps) onehot - eps/V) for
+    the real columns and 0 for padding into one new tensor, the gradient (or
+    into the logits themselves with inplace_backward); only the logits and a
+    float per row are kept in between."""
+
     @staticmethod
     def forward(ctx, logits, labels, vocab_start, vocab_real, vocab_size, ignore_index,
-                label_smoothing, reduction, group):
-        z = logits.float()
+                label_smoothing, reduction, group, inplace):
+        z = ops._data(logits, "cross_entropy_1d logits")
         local_v = z.shape[-1]
-        real = z[..., :vocab_real]
-        m = real.max(dim=-1).values if vocab_real > 0 else z.new_full(z.shape[:-1], float("-inf"))
+        z2 = z.reshape(-1, local_v)
+        y = ops._ids(labels, "cross_entropy_1d labels").reshape(-1)
+        eps = float(label_smoothing)
+        mx, se, tg, sz = ops.xent_stats(z2, y, vocab_start, vocab_real, ignore_index, eps > 0)
+        m = mx.clone()
         C.all_reduce(m, group, op="max")
-        shifted = real - m.unsqueeze(-1)
-        exp = shifted.exp()
-        sum_exp = exp.sum(dim=-1)
-        C.all_reduce(sum_exp, group)
-
-        ignored = labels == ignore_index
-        local_label = labels - vocab_start
-        mine = (local_label >= 0) & (local_label < vocab_real) & ~ignored
-        safe = local_label.clamp(0, max(vocab_real - 1, 0))
-        target = torch.where(mine, shifted.gather(-1, safe.unsqueeze(-1)).squeeze(-1) if vocab_real
-                             else torch.zeros_like(m), torch.zeros_like(m))
-        C.all_reduce(target, group)
-        log_s = sum_exp.log()
-        loss = log_s - target
-        if label_smoothing > 0:
-            sum_shifted = shifted.sum(dim=-1)
-            C.all_reduce(sum_shifted, group)
-            smooth = log_s - sum_shifted / vocab_size
-            loss = (1 - label_smoothing) * loss + label_smoothing * smooth
+        # exp(mx - m) is 0 for a shard with no real column (mx = -inf)
+        parts = [se * torch.exp(mx - m), tg] + ([sz] if sz is not None else [])
+        stacked = torch.stack(parts)
+        C.all_reduce(stacked, group)
+        lse = m + stacked[0].log()
+        loss = lse - stacked[1]
+        if eps > 0:
+            loss = (1 - eps) * loss + eps * (lse - stacked[2] / vocab_size)
+        ignored = y == ignore_index
         loss = loss.masked_fill(ignored, 0.0)
         count = (~ignored).sum()
-
-        softmax = torch.zeros_like(z)
-        softmax[..., :vocab_real] = exp / sum_exp.unsqueeze(-1)
-        ctx.save_for_backward(softmax, safe, mine, ignored, count)
-        ctx.vocab_real, ctx.vocab_size, ctx.eps = vocab_real, vocab_size, label_smoothing
-        ctx.reduction, ctx.dtype, ctx.local_v = reduction, logits.dtype, local_v
+        ctx.save_for_backward(z2, y, lse, ignored, count)
+        ctx.args = (vocab_start, vocab_real, vocab_size, ignore_index, eps, reduction)
+        ctx.shape = logits.shape
+        # in place only into the caller's own memory (not a contiguous copy of it)
+        ctx.inplace = inplace and z2.data_ptr() == logits.data_ptr() and logits.dtype == z2.dtype
         if reduction == "mean":
             return loss.sum() / count.clamp(min=1)
         if reduction == "sum":
             return loss.sum()
-        return loss
+        return loss.reshape(labels.shape)
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, safe, mine, ignored, count = ctx.saved_tensors
-        eps = ctx.eps
-        g = softmax
-        if ctx.vocab_real:
-            onehot = torch.zeros_like(g)
-            onehot.scatter_(-1, safe.unsqueeze(-1), mine.unsqueeze(-1).to(g.dtype))
-            g[..., :ctx.vocab_real] -= (1 - eps) * onehot[..., :ctx.vocab_real] + eps / ctx.vocab_size
-        g = g.masked_fill(ignored.unsqueeze(-1), 0.0)
-        if ctx.reduction == "mean":
-            g = g * (grad / count.clamp(min=1))
-        elif ctx.reduction == "sum":
-            g = g * grad
+        z2, y, lse, ignored, count = ctx.saved_tensors
+        vocab_start, vocab_real, vocab_size, ignore_index, eps, reduction = ctx.args
+        grad = grad.detach().float()
+        if reduction == "mean":
+            scale = (grad / count.clamp(min=1)).expand(y.shape)
+        elif reduction == "sum":
+            scale = grad.expand(y.shape)
         else:
-            g = g * grad.unsqueeze(-1)
-        return g.to(ctx.dtype), None, None, None, None, None, None, None, None
+            scale = grad.reshape(-1)
+        scale = scale.masked_fill(ignored, 0.0).contiguous()
+        g = ops.xent_grad(z2, y, vocab_start, vocab_real, ignore_index, lse, scale, eps, vocab_size,
+                          out=z2 if ctx.inplace else None)
+        return g.reshape(ctx.shape), None, None, None, None, None, None, None, None, None
 
 
 def cross_entropy_1d(vocab_parallel_logits: torch.Tensor, labels: torch.Tensor, *,
                      vocab_size: int, vocab_start: int | None = None, ignore_index: int = -100,
                      label_smoothing: float = 0.0, reduction: str = "mean",
-                     process_group=None) -> torch.Tensor:
+                     process_group=None, inplace_backward: bool = False) -> torch.Tensor:
     """Cross-entropy of logits split over the vocabulary (see the module doc).
 
     `vocab_parallel_logits` [..., V_local] is this rank's shard as produced by
@@ -96,6 +96,10 @@ def cross_entropy_1d(vocab_parallel_logits: torch.Tensor, labels: torch.Tensor, 
     vocab_start + V_local) of the padded vocabulary, of which those below
     `vocab_size` are real.  `vocab_start` defaults to rank * V_local.
     Equals F.cross_entropy on the gathered, unpadded logits.
+
+    inplace_backward=True writes the gradient into the logits' own memory
+    instead of a new tensor (saving one logits-sized buffer); the logits must
+    not be read after backward (true for logits that only feed this loss).
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
@@ -110,4 +114,4 @@ def cross_entropy_1d(vocab_parallel_logits: torch.Tensor, labels: torch.Tensor, 
     vocab_real = max(0, min(local_v, vocab_size - vocab_start))
     return _VocabParallelCrossEntropy.apply(vocab_parallel_logits, labels, vocab_start, vocab_real,
                                             vocab_size, ignore_index, label_smoothing, reduction,
-                                            process_group)
+                                            process_group, bool(inplace_backward))

@@ -1,14 +1,22 @@
-"""Normalization layers as single fused calls (F.layer_norm / F.rms_norm).
+"""Normalization layers backed by the C kernels (shardformer.ops).
 
-These replace HF's hand-composed normalizations (e.g. LlamaRMSNorm's
-pow-mean-rsqrt chain) by one fused op over the same parameters; nothing is
-sharded.  The C kernels behind `enable_fused_normalization` plug in here.
+These replace HF's LayerNorms and hand-composed RMSNorms (e.g. LlamaRMSNorm's
+pow-mean-rsqrt chain) by one fused C kernel over the same parameters, forward
+and backward; nothing is sharded.  Inputs the kernels do not take (a
+normalized shape of several dimensions, a non-CPU device) go through
+F.layer_norm / F.rms_norm instead.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .. import ops
+
+
+def _kernel_ok(x, normalized_shape) -> bool:
+    return x.device.type == "cpu" and len(normalized_shape) == 1 and x.dtype in ops.FLOAT_DTYPES
 
 
 def _eps_of(module) -> float:
@@ -38,6 +46,8 @@ class FusedLayerNorm(nn.Module):
         return cls(shape, _eps_of(module), weight, getattr(module, "bias", None))
 
     def forward(self, x):
+        if _kernel_ok(x, self.normalized_shape):
+            return ops.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
         return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
 
     def extra_repr(self):
@@ -62,6 +72,10 @@ class FusedRMSNorm(nn.Module):
         return cls(weight.shape, _eps_of(module), weight)
 
     def forward(self, x):
+        if _kernel_ok(x, self.normalized_shape):
+            if self.weight.dtype == x.dtype:   # one kernel, weight applied in float32
+                return ops.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+            return ops.rms_norm(x, self.normalized_shape, None, self.eps) * self.weight
         dtype = x.dtype
         y = F.rms_norm(x.float(), self.normalized_shape, None, self.eps).to(dtype)
         return y * self.weight

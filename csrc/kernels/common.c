@@ -1,0 +1,218 @@
+/*
+ * common.c -- dtype conversion of rows, exp / max / sum-exp over fp32 rows
+ * (AVX2+FMA with a runtime check, plain C otherwise), and the row-parallel
+ * thread driver.
+ */
+#define _GNU_SOURCE
+#include "common.h"
+
+#include <math.h>
+#include <pthread.h>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define SFK_X86 1
+#endif
+
+void sfk_load(sfk_dtype t, const void *src, int64_t n, float *dst)
+{
+    if (t == SFK_F32) {
+        memcpy(dst, src, (size_t)n * 4);
+    } else if (t == SFK_BF16) {
+        const uint16_t *s = src;
+        for (int64_t i = 0; i < n; i++) dst[i] = sfk_bf16_to_f32(s[i]);
+    } else {
+        const uint16_t *s = src;
+        for (int64_t i = 0; i < n; i++) dst[i] = sfk_f16_to_f32(s[i]);
+    }
+}
+
+void sfk_store(sfk_dtype t, const float *src, int64_t n, void *dst)
+{
+    if (t == SFK_F32) {
+        if ((const void *)src != dst) memmove(dst, src, (size_t)n * 4);
+    } else if (t == SFK_BF16) {
+        uint16_t *d = dst;
+        for (int64_t i = 0; i < n; i++) d[i] = sfk_f32_to_bf16(src[i]);
+    } else {
+        uint16_t *d = dst;
+        for (int64_t i = 0; i < n; i++) d[i] = sfk_f32_to_f16(src[i]);
+    }
+}
+
+const float *sfk_row(sfk_dtype t, const void *base, int64_t row, int64_t n, float *scratch)
+{
+    const char *p = (const char *)base + (size_t)(row * n) * (size_t)sfk_size(t);
+    if (t == SFK_F32) return (const float *)p;
+    sfk_load(t, p, n, scratch);
+    return scratch;
+}
+
+/* ---- exp ---------------------------------------------------------------- */
+
+static int g_avx2 = -1;
+
+int sfk_has_avx2(void)
+{
+#ifdef SFK_X86
+    if (g_avx2 < 0) {
+        __builtin_cpu_init();
+        g_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    }
+    return g_avx2;
+#else
+    return 0;
+#endif
+}
+
+#ifdef SFK_X86
+#define AVX2 __attribute__((target("avx2,fma")))
+
+/* exp(x) = 2^k e^r, k = round(x / ln2), |r| <= ln2/2; e^r by its Taylor
+ * polynomial to degree 6 (relative error < 2e-7 on that interval).  Below
+ * -87.3 the result flushes to 0 (covers -inf). */
+AVX2 static inline __m256 exp8(__m256 x)
+{
+    const __m256 hi = _mm256_set1_ps(88.37f), lo = _mm256_set1_ps(-87.33f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145751953125f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(1.428606765330187045e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(under, y);
+}
+
+AVX2 static void exp_avx2(const float *src, float *dst, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(dst + i, exp8(_mm256_loadu_ps(src + i)));
+    for (; i < n; i++) dst[i] = expf(src[i]);
+}
+
+AVX2 static float hsum8(__m256 v)
+{
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+    return _mm_cvtss_f32(s);
+}
+
+AVX2 static float sum_exp_avx2(const float *x, int64_t n, float shift)
+{
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    __m256 sh = _mm256_set1_ps(shift);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {
+        acc0 = _mm256_add_ps(acc0, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), sh)));
+        acc1 = _mm256_add_ps(acc1, exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i + 8), sh)));
+    }
+    float s = hsum8(_mm256_add_ps(acc0, acc1));
+    for (; i < n; i++) s += expf(x[i] - shift);
+    return s;
+}
+
+AVX2 static float max_avx2(const float *x, int64_t n)
+{
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+    float b[8];
+    _mm256_storeu_ps(b, m);
+    float r = -INFINITY;
+    for (int j = 0; j < 8; j++) r = b[j] > r ? b[j] : r;
+    for (; i < n; i++) r = x[i] > r ? x[i] : r;
+    return r;
+}
+#endif
+
+void sfk_exp(const float *src, float *dst, int64_t n)
+{
+#ifdef SFK_X86
+    if (sfk_has_avx2()) { exp_avx2(src, dst, n); return; }
+#endif
+    for (int64_t i = 0; i < n; i++) dst[i] = expf(src[i]);
+}
+
+float sfk_sum_exp(const float *x, int64_t n, float shift)
+{
+#ifdef SFK_X86
+    if (sfk_has_avx2()) return sum_exp_avx2(x, n, shift);
+#endif
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; i++) s += expf(x[i] - shift);
+    return s;
+}
+
+float sfk_max(const float *x, int64_t n)
+{
+#ifdef SFK_X86
+    if (sfk_has_avx2()) return max_avx2(x, n);
+#endif
+    float r = -INFINITY;
+    for (int64_t i = 0; i < n; i++) r = x[i] > r ? x[i] : r;
+    return r;
+}
+
+/* ---- threads ------------------------------------------------------------ */
+
+#define SFK_MAX_THREADS 64
+static int g_threads = 1;
+
+void sfk_set_num_threads(int n)
+{
+    g_threads = n < 1 ? 1 : n > SFK_MAX_THREADS ? SFK_MAX_THREADS : n;
+}
+
+int sfk_get_num_threads(void) { return g_threads; }
+
+int sfk_threads_for(int64_t rows, int64_t cost)
+{
+    int t = g_threads;
+    if (rows < t) t = (int)(rows > 0 ? rows : 1);
+    if (rows * (cost > 0 ? cost : 1) < SFK_PAR_MIN) t = 1;
+    return t;
+}
+
+typedef struct {
+    sfk_rows_fn fn;
+    void *ctx;
+    int64_t r0, r1;
+    int tid;
+} job;
+
+static void *run_job(void *arg)
+{
+    job *j = arg;
+    j->fn(j->ctx, j->r0, j->r1, j->tid);
+    return NULL;
+}
+
+void sfk_parallel_rows(int64_t rows, int nthreads, sfk_rows_fn fn, void *ctx)
+{
+    if (rows <= 0) return;
+    if (nthreads <= 1) { fn(ctx, 0, rows, 0); return; }
+    job jobs[SFK_MAX_THREADS];
+    pthread_t th[SFK_MAX_THREADS];
+    int started[SFK_MAX_THREADS] = {0};
+    for (int t = 0; t < nthreads; t++) {
+        jobs[t] = (job){fn, ctx, rows * t / nthreads, rows * (t + 1) / nthreads, t};
+        /* thread 0's share runs here; a thread that fails to start runs here too */
+        if (t > 0) started[t] = pthread_create(&th[t], NULL, run_job, &jobs[t]) == 0;
+    }
+    run_job(&jobs[0]);
+    for (int t = 1; t < nthreads; t++) {
+        if (started[t]) pthread_join(th[t], NULL);
+        else run_job(&jobs[t]);
+    }
+}

@@ -1,0 +1,167 @@
+/*
+ * cross_entropy.c -- vocabulary-shard cross-entropy, forward statistics and
+ * backward softmax-minus-target, row by row (see cross_entropy.h).
+ *
+ * The forward reads each row once: blocks of SFK_XB columns are brought into
+ * L1 (converted to fp32 for 16-bit types), their max merged into the running
+ * max (rescaling the running sum when it grows), then summed as exp(z - max).
+ */
+#include "cross_entropy.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+#define SFK_XB 2048
+
+typedef struct {
+    sfk_dtype t;
+    const void *logits;
+    void *grad;
+    int64_t n, real, vocab_start, ignore_index, vocab;
+    const int64_t *labels;
+    float *max, *sumexp, *target, *sumz;
+    const float *lse, *scale;
+    float eps;
+    int err;
+} xent_ctx;
+
+static int64_t local_label(const xent_ctx *c, int64_t r)
+{
+    int64_t y = c->labels[r];
+    if (y == c->ignore_index) return -1;
+    y -= c->vocab_start;
+    return (y >= 0 && y < c->real) ? y : -1;
+}
+
+static void forward_rows(void *arg, int64_t r0, int64_t r1, int tid)
+{
+    (void)tid;
+    xent_ctx *c = arg;
+    const size_t es = (size_t)sfk_size(c->t);
+    float *buf = c->t == SFK_F32 ? NULL : malloc(SFK_XB * sizeof(float));
+    if (c->t != SFK_F32 && !buf) { c->err = SFK_ENOMEM; return; }
+    for (int64_t r = r0; r < r1; r++) {
+        const char *row = (const char *)c->logits + (size_t)(r * c->n) * es;
+        float m = -INFINITY, s = 0.0f, sz = 0.0f;
+        for (int64_t j0 = 0; j0 < c->real; j0 += SFK_XB) {
+            int64_t len = c->real - j0 < SFK_XB ? c->real - j0 : SFK_XB;
+            const float *z;
+            if (buf) { sfk_load(c->t, row + (size_t)j0 * es, len, buf); z = buf; }
+            else z = (const float *)row + j0;
+            float bm = sfk_max(z, len);
+            if (bm > m) {
+                if (s != 0.0f) s *= expf(m - bm);
+                m = bm;
+            }
+            if (m != -INFINITY) s += sfk_sum_exp(z, len, m);
+            if (c->sumz)
+                for (int64_t j = 0; j < len; j++) sz += z[j];
+        }
+        c->max[r] = m;
+        c->sumexp[r] = s;
+        if (c->sumz) c->sumz[r] = sz;
+        int64_t y = local_label(c, r);
+        float zy = 0.0f;
+        if (y >= 0) {
+            const char *p = row + (size_t)y * es;
+            zy = c->t == SFK_F32 ? *(const float *)p
+               : c->t == SFK_BF16 ? sfk_bf16_to_f32(*(const uint16_t *)p)
+                                   : sfk_f16_to_f32(*(const uint16_t *)p);
+        }
+        c->target[r] = zy;
+    }
+    free(buf);
+}
+
+static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
+{
+    (void)tid;
+    xent_ctx *c = arg;
+    const size_t es = (size_t)sfk_size(c->t);
+    float *buf = c->t == SFK_F32 ? NULL : malloc(SFK_XB * sizeof(float));
+    if (c->t != SFK_F32 && !buf) { c->err = SFK_ENOMEM; return; }
+    const float smooth = c->vocab > 0 ? c->eps / (float)c->vocab : 0.0f;
+    for (int64_t r = r0; r < r1; r++) {
+        const char *row = (const char *)c->logits + (size_t)(r * c->n) * es;
+        char *grow = (char *)c->grad + (size_t)(r * c->n) * es;
+        const float g = c->scale[r];
+        if (g == 0.0f) {                         /* ignored row: zero gradient */
+            memset(grow, 0, (size_t)c->n * es);
+            continue;
+        }
+        const float lse = c->lse[r], off = g * smooth;
+        for (int64_t j0 = 0; j0 < c->real; j0 += SFK_XB) {
+            int64_t len = c->real - j0 < SFK_XB ? c->real - j0 : SFK_XB;
+            float *out;
+            if (buf) { sfk_load(c->t, row + (size_t)j0 * es, len, buf); out = buf; }
+            else {
+                out = (float *)grow + j0;
+                if ((const void *)row != (void *)grow)
+                    memcpy(out, (const float *)row + j0, (size_t)len * 4);
+            }
+            for (int64_t j = 0; j < len; j++) out[j] -= lse;
+            sfk_exp(out, out, len);
+            for (int64_t j = 0; j < len; j++) out[j] = g * out[j] - off;
+            if (buf) sfk_store(c->t, buf, len, grow + (size_t)j0 * es);
+        }
+        if (c->n > c->real)
+            memset(grow + (size_t)c->real * es, 0, (size_t)(c->n - c->real) * es);
+        int64_t y = local_label(c, r);
+        if (y >= 0) {
+            char *p = grow + (size_t)y * es;
+            float d = g * (1.0f - c->eps);
+            if (c->t == SFK_F32) *(float *)p -= d;
+            else {
+                /* recompute the entry in fp32 so it is rounded once */
+                const char *zp = row == grow ? NULL : row + (size_t)y * es;
+                float v;
+                if (zp) {
+                    float z = c->t == SFK_BF16 ? sfk_bf16_to_f32(*(const uint16_t *)zp)
+                                               : sfk_f16_to_f32(*(const uint16_t *)zp);
+                    v = g * expf(z - lse) - off - d;
+                } else {
+                    v = (c->t == SFK_BF16 ? sfk_bf16_to_f32(*(uint16_t *)p)
+                                          : sfk_f16_to_f32(*(uint16_t *)p)) - d;
+                }
+                *(uint16_t *)p = c->t == SFK_BF16 ? sfk_f32_to_bf16(v) : sfk_f32_to_f16(v);
+            }
+        }
+    }
+    free(buf);
+}
+
+static int check(sfk_dtype t, int64_t rows, int64_t n, int64_t real)
+{
+    if ((t != SFK_F32 && t != SFK_F16 && t != SFK_BF16) || rows < 0 || n < 0 || real < 0 || real > n)
+        return SFK_EINVAL;
+    return SFK_OK;
+}
+
+int sfk_xent_forward(sfk_dtype t, const void *logits, int64_t rows, int64_t n, int64_t real,
+                     const int64_t *labels, int64_t vocab_start, int64_t ignore_index,
+                     float *max, float *sumexp, float *target, float *sumz)
+{
+    if (check(t, rows, n, real) || (rows > 0 && (!labels || !max || !sumexp || !target ||
+                                                 (n > 0 && !logits))))
+        return SFK_EINVAL;
+    xent_ctx c = {.t = t, .logits = logits, .n = n, .real = real, .vocab_start = vocab_start,
+                  .ignore_index = ignore_index, .labels = labels, .max = max, .sumexp = sumexp,
+                  .target = target, .sumz = sumz};
+    sfk_parallel_rows(rows, sfk_threads_for(rows, real), forward_rows, &c);
+    return c.err;
+}
+
+int sfk_xent_backward(sfk_dtype t, const void *logits, void *grad, int64_t rows, int64_t n,
+                      int64_t real, const int64_t *labels, int64_t vocab_start,
+                      int64_t ignore_index, const float *lse, const float *scale,
+                      float eps, int64_t vocab)
+{
+    if (check(t, rows, n, real) || vocab < 0 ||
+        (rows > 0 && (!labels || !lse || !scale || (n > 0 && (!logits || !grad)))))
+        return SFK_EINVAL;
+    xent_ctx c = {.t = t, .logits = logits, .grad = grad, .n = n, .real = real,
+                  .vocab_start = vocab_start, .ignore_index = ignore_index, .vocab = vocab,
+                  .labels = labels, .lse = lse, .scale = scale, .eps = eps};
+    sfk_parallel_rows(rows, sfk_threads_for(rows, n), backward_rows, &c);
+    return c.err;
+}

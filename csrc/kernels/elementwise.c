@@ -1,0 +1,324 @@
+/*
+ * elementwise.c -- bias+GeLU, SwiGLU and bias+dropout+residual-add, forward
+ * and backward (see elementwise.h).  Each works on one row (or, for SwiGLU,
+ * one chunk of the flat arrays) at a time in fp32 buffers; the
+ * exponentials go through the vectorized sfk_exp.
+ */
+#include "elementwise.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+#define CLONES __attribute__((target_clones("avx2", "default")))
+#define CHUNK 4096
+#define SQRT1_2 0.70710678118654752f
+#define INV_SQRT_2PI 0.39894228040143268f
+#define K_TANH 0.79788456080286536f   /* sqrt(2 / pi) */
+#define C_TANH 0.044715f
+
+typedef struct {
+    sfk_dtype t;
+    const void *a, *b2, *c3;       /* inputs (meaning per op) */
+    void *o1, *o2;                 /* outputs */
+    const float *bias;
+    float *part;                   /* per-thread [n] partial bias gradients */
+    int64_t n, numel;
+    int flag;
+    float p;
+    uint64_t seed;
+    int err;
+} ew_ctx;
+
+static float *bufs(ew_ctx *c, int64_t k)
+{
+    float *b = malloc((size_t)k * (size_t)(c->n > 0 ? c->n : 1) * sizeof(float));
+    if (!b) c->err = SFK_ENOMEM;
+    return b;
+}
+
+static void *at(const ew_ctx *c, const void *base, int64_t r)
+{
+    return (char *)base + (size_t)(r * c->n) * (size_t)sfk_size(c->t);
+}
+
+/* fp32 arrays are used in place; 16-bit ones go through fp32 buffers. */
+static const float *in_row(const ew_ctx *c, const void *base, int64_t r, int64_t len, float *buf)
+{
+    if (c->t == SFK_F32) return (const float *)at(c, base, r);
+    sfk_load(c->t, at(c, base, r), len, buf);
+    return buf;
+}
+
+static float *out_row(const ew_ctx *c, void *base, int64_t r, float *buf)
+{
+    return c->t == SFK_F32 ? (float *)at(c, base, r) : buf;
+}
+
+/* ---- bias + GeLU -------------------------------------------------------- */
+
+/* u = x + b in place; e gets exp(2 k (u + c u^3)) (tanh form) or nothing. */
+/* u = x + b (b may be NULL). */
+CLONES static void add_bias(float *restrict u, const float *restrict x, const float *restrict b,
+                            int64_t n)
+{
+    if (b) for (int64_t i = 0; i < n; i++) u[i] = x[i] + b[i];
+    else memcpy(u, x, (size_t)n * sizeof(float));
+}
+
+CLONES static void tanh_arg(const float *restrict u, float *restrict e, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) e[i] = -2.0f * K_TANH * (u[i] + C_TANH * u[i] * u[i] * u[i]);
+}
+
+/* From e = exp(-2a): s = sigmoid(2a) = 1 / (1 + e) = (1 + tanh a) / 2 and
+ * 1 - s = e s = (1 - tanh a) / 2, both without cancellation in either tail. */
+static inline float sig_from(float e) { return isinf(e) ? 0.0f : 1.0f / (1.0f + e); }
+static inline float one_minus_sig_from(float e) { return isinf(e) ? 1.0f : e / (1.0f + e); }
+
+/* Erf GeLU pieces from e = exp(-u^2 / 2): cdf = Phi(u) = (1 + erf(u / sqrt 2)) / 2,
+ * with erfc(z) = t P(t) exp(-z^2), t = 1 / (1 + p z) (Abramowitz & Stegun
+ * 7.1.26, |error| < 1.5e-7) on |u|, reflected for u < 0: no cancellation in
+ * the left tail, where Phi is tiny. */
+CLONES static void erf_arg(const float *restrict u, float *restrict e, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) e[i] = -0.5f * u[i] * u[i];
+}
+
+CLONES static void phi_from(const float *restrict u, const float *restrict e, float *restrict cdf,
+                            int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) {
+        float z = fabsf(u[i]) * SQRT1_2, t = 1.0f / (1.0f + 0.3275911f * z);
+        float poly = t * (0.254829592f + t * (-0.284496736f + t * (1.421413741f
+                   + t * (-1.453152027f + t * 1.061405429f))));
+        float half_erf = 0.5f - 0.5f * poly * e[i];      /* erf(z) / 2 */
+        cdf[i] = 0.5f + copysignf(half_erf, u[i]);       /* branch-free: vectorizes */
+    }
+}
+
+CLONES static void gelu_fwd_rows(void *arg, int64_t r0, int64_t r1, int tid)
+{
+    (void)tid;
+    ew_ctx *c = arg;
+    const int64_t n = c->n;
+    float *u = bufs(c, 4), *e = u ? u + n : NULL, *cdf = u ? u + 2 * n : NULL;
+    if (!u) return;
+    for (int64_t r = r0; r < r1; r++) {
+        add_bias(u, in_row(c, c->a, r, n, u + 3 * n), c->bias, n);
+        float *y = out_row(c, c->o1, r, u + 3 * n);
+        if (c->flag) {
+            tanh_arg(u, e, n);
+            sfk_exp(e, e, n);
+            for (int64_t i = 0; i < n; i++) y[i] = u[i] * sig_from(e[i]);
+        } else {
+            erf_arg(u, e, n);
+            sfk_exp(e, e, n);
+            phi_from(u, e, cdf, n);
+            for (int64_t i = 0; i < n; i++) y[i] = u[i] * cdf[i];
+        }
+        if (c->t != SFK_F32) sfk_store(c->t, y, n, at(c, c->o1, r));
+    }
+    free(u);
+}
+
+CLONES static void gelu_bwd_rows(void *arg, int64_t r0, int64_t r1, int tid)
+{
+    ew_ctx *c = arg;
+    const int64_t n = c->n;
+    float *u = bufs(c, 5), *e = u ? u + n : NULL, *cdf = u ? u + 2 * n : NULL;
+    if (!u) return;
+    float *db = c->part ? c->part + (size_t)tid * n : NULL;
+    for (int64_t r = r0; r < r1; r++) {
+        add_bias(u, in_row(c, c->b2, r, n, u + 3 * n), c->bias, n);
+        const float *dy = in_row(c, c->a, r, n, u + 4 * n);
+        float *g = out_row(c, c->o1, r, u + 3 * n);
+        if (c->flag) {
+            tanh_arg(u, e, n);
+            sfk_exp(e, e, n);
+            for (int64_t i = 0; i < n; i++) {
+                /* 0.5 (1 + th) + 0.5 x (1 - th^2) k (1 + 3 c x^2), th = 2 s - 1 */
+                float s = sig_from(e[i]), x = u[i];
+                g[i] = dy[i] * (s + 2.0f * x * s * one_minus_sig_from(e[i]) * K_TANH
+                                        * (1.0f + 3.0f * C_TANH * x * x));
+            }
+        } else {
+            erf_arg(u, e, n);
+            sfk_exp(e, e, n);
+            phi_from(u, e, cdf, n);
+            for (int64_t i = 0; i < n; i++) g[i] = dy[i] * (cdf[i] + u[i] * e[i] * INV_SQRT_2PI);
+        }
+        if (db) for (int64_t i = 0; i < n; i++) db[i] += g[i];
+        if (c->t != SFK_F32) sfk_store(c->t, g, n, at(c, c->o1, r));
+    }
+    free(u);
+}
+
+/* ---- SwiGLU ------------------------------------------------------------- */
+
+CLONES static void swiglu_rows(void *arg, int64_t r0, int64_t r1, int tid)
+{
+    (void)tid;
+    ew_ctx *c = arg;
+    const int64_t n = c->n;
+    float *buf = bufs(c, 6);
+    if (!buf) return;
+    float *e = buf, *o1 = buf + n, *o2 = buf + 2 * n;
+    for (int64_t r = r0; r < r1; r++) {
+        int64_t len = c->numel - r * n < n ? c->numel - r * n : n;
+        const float *g = in_row(c, c->b2, r, len, buf + 3 * n);
+        const float *u = in_row(c, c->c3, r, len, buf + 4 * n);
+        for (int64_t i = 0; i < len; i++) e[i] = -g[i];
+        sfk_exp(e, e, len);                         /* e = exp(-g) */
+        float *y1 = out_row(c, c->o1, r, o1);
+        if (!c->a) {                                /* forward */
+            for (int64_t i = 0; i < len; i++) y1[i] = g[i] / (1.0f + e[i]) * u[i];
+        } else {
+            const float *d = in_row(c, c->a, r, len, buf + 5 * n);   /* dy */
+            float *y2 = out_row(c, c->o2, r, o2);
+            for (int64_t i = 0; i < len; i++) {
+                float sg = 1.0f / (1.0f + e[i]), gi = g[i], ui = u[i], di = d[i];
+                y1[i] = di * ui * sg * (1.0f + gi * (1.0f - sg));
+                y2[i] = di * gi * sg;
+            }
+            if (c->t != SFK_F32) sfk_store(c->t, y2, len, at(c, c->o2, r));
+        }
+        if (c->t != SFK_F32) sfk_store(c->t, y1, len, at(c, c->o1, r));
+    }
+    free(buf);
+}
+
+/* ---- bias + dropout + residual ------------------------------------------ */
+
+static inline uint32_t mix32(uint32_t h)
+{
+    h ^= h >> 16;
+    h *= 0x85ebca6bu;
+    h ^= h >> 13;
+    h *= 0xc2b2ae35u;
+    return h ^ (h >> 16);
+}
+
+/* Key of row `row`: a hash of (seed, row); element i of the row keeps when
+ * the top 24 bits of mix32(key + i * golden) are >= p * 2^24. */
+static inline uint32_t row_key(uint64_t seed, int64_t row)
+{
+    return mix32((uint32_t)seed ^ mix32((uint32_t)(seed >> 32) ^ mix32((uint32_t)row * 0x9e3779b9u
+                                                                        + (uint32_t)((uint64_t)row >> 32))));
+}
+
+static inline int keep_at(uint32_t key, int64_t i, uint32_t thresh)
+{
+    return (mix32(key + (uint32_t)i * 0x9e3779b9u) >> 8) >= thresh;
+}
+
+static uint32_t threshold(float p) { return (uint32_t)((double)p * 16777216.0); }
+
+int sfk_dropout_keep(uint64_t seed, int64_t index, int64_t n, float p)
+{
+    return p <= 0.0f || (n > 0 && keep_at(row_key(seed, index / n), index % n, threshold(p)));
+}
+
+CLONES static void bda_rows(void *arg, int64_t r0, int64_t r1, int tid)
+{
+    ew_ctx *c = arg;
+    const int64_t n = c->n;
+    float *x = bufs(c, 2), *rr = x ? x + n : NULL;
+    if (!x) return;
+    const float scale = c->p > 0.0f ? (c->p < 1.0f ? 1.0f / (1.0f - c->p) : 0.0f) : 1.0f;
+    const uint32_t thresh = threshold(c->p);
+    float *db = c->part ? c->part + (size_t)tid * n : NULL;
+    for (int64_t r = r0; r < r1; r++) {
+        sfk_load(c->t, at(c, c->a, r), n, x);       /* forward: x; backward: dy */
+        if (c->c3) {                                /* forward */
+            if (c->bias) for (int64_t i = 0; i < n; i++) x[i] += c->bias[i];
+            sfk_load(c->t, at(c, c->c3, r), n, rr);
+        }
+        if (c->p > 0.0f) {
+            const uint32_t key = row_key(c->seed, r);
+            for (int64_t i = 0; i < n; i++) x[i] = keep_at(key, i, thresh) ? x[i] * scale : 0.0f;
+        }
+        if (c->c3)
+            for (int64_t i = 0; i < n; i++) x[i] += rr[i];
+        if (db) for (int64_t i = 0; i < n; i++) db[i] += x[i];
+        sfk_store(c->t, x, n, at(c, c->o1, r));
+    }
+    free(x);
+}
+
+/* ---- drivers ------------------------------------------------------------ */
+
+static int bad(sfk_dtype t, int64_t rows, int64_t n)
+{
+    return (t != SFK_F32 && t != SFK_F16 && t != SFK_BF16) || rows < 0 || n < 0;
+}
+
+/* Run fn over rows with per-thread bias-gradient partials summed into db. */
+static int run_with_db(ew_ctx *c, int64_t rows, int64_t cost, sfk_rows_fn fn, float *db)
+{
+    int nt = sfk_threads_for(rows, cost);
+    if (db) {
+        c->part = calloc((size_t)nt * (size_t)(c->n > 0 ? c->n : 1), sizeof(float));
+        if (!c->part) return SFK_ENOMEM;
+    }
+    sfk_parallel_rows(rows, nt, fn, c);
+    if (db) {
+        for (int64_t i = 0; i < c->n; i++) {
+            float s = 0.0f;
+            for (int k = 0; k < nt; k++) s += c->part[(size_t)k * c->n + i];
+            db[i] = s;
+        }
+        free(c->part);
+    }
+    return c->err;
+}
+
+int sfk_bias_gelu_forward(sfk_dtype t, const void *x, const float *b, int64_t rows, int64_t n,
+                          int tanh_approx, void *y)
+{
+    if (bad(t, rows, n) || (rows * n > 0 && (!x || !y))) return SFK_EINVAL;
+    ew_ctx c = {.t = t, .a = x, .o1 = y, .bias = b, .n = n, .flag = tanh_approx};
+    return run_with_db(&c, rows, n * 8, gelu_fwd_rows, NULL);
+}
+
+int sfk_bias_gelu_backward(sfk_dtype t, const void *dy, const void *x, const float *b,
+                           int64_t rows, int64_t n, int tanh_approx, void *dx, float *db)
+{
+    if (bad(t, rows, n) || (rows * n > 0 && (!x || !dy || !dx))) return SFK_EINVAL;
+    ew_ctx c = {.t = t, .a = dy, .b2 = x, .o1 = dx, .bias = b, .n = n, .flag = tanh_approx};
+    return run_with_db(&c, rows, n * 8, gelu_bwd_rows, db);
+}
+
+int sfk_swiglu_forward(sfk_dtype t, const void *gate, const void *up, int64_t numel, void *y)
+{
+    if (bad(t, 0, numel) || (numel > 0 && (!gate || !up || !y))) return SFK_EINVAL;
+    ew_ctx c = {.t = t, .b2 = gate, .c3 = up, .o1 = y, .n = CHUNK, .numel = numel};
+    return run_with_db(&c, (numel + CHUNK - 1) / CHUNK, CHUNK * 4, swiglu_rows, NULL);
+}
+
+int sfk_swiglu_backward(sfk_dtype t, const void *dy, const void *gate, const void *up,
+                        int64_t numel, void *dgate, void *dup)
+{
+    if (bad(t, 0, numel) || (numel > 0 && (!dy || !gate || !up || !dgate || !dup)))
+        return SFK_EINVAL;
+    ew_ctx c = {.t = t, .a = dy, .b2 = gate, .c3 = up, .o1 = dgate, .o2 = dup, .n = CHUNK,
+                .numel = numel};
+    return run_with_db(&c, (numel + CHUNK - 1) / CHUNK, CHUNK * 6, swiglu_rows, NULL);
+}
+
+int sfk_bias_dropout_add_forward(sfk_dtype t, const void *x, const float *b, const void *res,
+                                 int64_t rows, int64_t n, float p, uint64_t seed, void *y)
+{
+    if (bad(t, rows, n) || !(p >= 0.0f && p <= 1.0f) || (rows * n > 0 && (!x || !res || !y)))
+        return SFK_EINVAL;
+    ew_ctx c = {.t = t, .a = x, .c3 = res, .o1 = y, .bias = b, .n = n, .p = p, .seed = seed};
+    return run_with_db(&c, rows, n * 4, bda_rows, NULL);
+}
+
+int sfk_bias_dropout_add_backward(sfk_dtype t, const void *dy, int64_t rows, int64_t n, float p,
+                                  uint64_t seed, void *dx, float *db)
+{
+    if (bad(t, rows, n) || !(p >= 0.0f && p <= 1.0f) || (rows * n > 0 && (!dy || !dx)))
+        return SFK_EINVAL;
+    ew_ctx c = {.t = t, .a = dy, .o1 = dx, .n = n, .p = p, .seed = seed};
+    return run_with_db(&c, rows, n * 4, bda_rows, db);
+}

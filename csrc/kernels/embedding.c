@@ -1,0 +1,60 @@
+/*
+ * embedding.c -- vocabulary-parallel embedding lookup and its scatter-add
+ * (see embedding.h).  Forward copies rows (split over threads by ids);
+ * backward runs on one thread, since two ids may hit the same row.
+ */
+#include "embedding.h"
+
+#include <stdlib.h>
+
+typedef struct {
+    sfk_dtype t;
+    const void *w;
+    const int64_t *ids;
+    void *out;
+    int64_t d, real, vocab_start;
+} emb_ctx;
+
+static void lookup_rows(void *arg, int64_t i0, int64_t i1, int tid)
+{
+    (void)tid;
+    emb_ctx *c = arg;
+    const size_t row = (size_t)c->d * (size_t)sfk_size(c->t);
+    for (int64_t i = i0; i < i1; i++) {
+        int64_t k = c->ids[i] - c->vocab_start;
+        char *o = (char *)c->out + (size_t)i * row;
+        if (k >= 0 && k < c->real) memcpy(o, (const char *)c->w + (size_t)k * row, row);
+        else memset(o, 0, row);
+    }
+}
+
+int sfk_embedding_forward(sfk_dtype t, const void *weight, int64_t d, int64_t real,
+                          const int64_t *ids, int64_t count, int64_t vocab_start, void *out)
+{
+    if ((t != SFK_F32 && t != SFK_F16 && t != SFK_BF16) || d < 0 || real < 0 || count < 0 ||
+        (count > 0 && (!ids || (d > 0 && (!out || (real > 0 && !weight))))))
+        return SFK_EINVAL;
+    emb_ctx c = {t, weight, ids, out, d, real, vocab_start};
+    sfk_parallel_rows(count, sfk_threads_for(count, d), lookup_rows, &c);
+    return SFK_OK;
+}
+
+int sfk_embedding_backward(sfk_dtype t, const void *dout, const int64_t *ids, int64_t count,
+                           int64_t d, int64_t real, int64_t vocab_start, int64_t padding_local,
+                           float *dweight)
+{
+    if ((t != SFK_F32 && t != SFK_F16 && t != SFK_BF16) || d < 0 || real < 0 || count < 0 ||
+        (count > 0 && d > 0 && (!ids || !dout || (real > 0 && !dweight))))
+        return SFK_EINVAL;
+    float *buf = t == SFK_F32 ? NULL : malloc((size_t)(d > 0 ? d : 1) * sizeof(float));
+    if (t != SFK_F32 && !buf) return SFK_ENOMEM;
+    for (int64_t i = 0; i < count; i++) {
+        int64_t k = ids[i] - vocab_start;
+        if (k < 0 || k >= real || k == padding_local) continue;
+        const float *g = sfk_row(t, dout, i, d, buf);
+        float *w = dweight + (size_t)k * (size_t)d;
+        for (int64_t j = 0; j < d; j++) w[j] += g[j];
+    }
+    free(buf);
+    return SFK_OK;
+}

@@ -1,0 +1,22 @@
+/*
+ * embedding.h -- lookup in this rank's rows of a vocabulary-split table.
+ *
+ * The table W [rows, d] holds vocabulary ids [vocab_start, vocab_start +
+ * real) in its first `real` rows (the rest is padding).
+ *   forward:  out[i] = W[ids[i] - vocab_start] when the id is one of ours, else 0
+ *   backward: dW[ids[i] - vocab_start] += dout[i] for our ids, skipping
+ *             padding_idx (local row index, -1 for none); dW is fp32 and
+ *             accumulates (the caller zeroes it).
+ */
+#ifndef SHARDFORMER_KERNELS_EMBEDDING_H
+#define SHARDFORMER_KERNELS_EMBEDDING_H
+
+#include "common.h"
+
+int sfk_embedding_forward(sfk_dtype t, const void *weight, int64_t d, int64_t real,
+                          const int64_t *ids, int64_t count, int64_t vocab_start, void *out);
+int sfk_embedding_backward(sfk_dtype t, const void *dout, const int64_t *ids, int64_t count,
+                           int64_t d, int64_t real, int64_t vocab_start, int64_t padding_local,
+                           float *dweight);
+
+#endif

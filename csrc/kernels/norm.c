@@ -1,0 +1,183 @@
+/*
+ * norm.c -- LayerNorm / RMSNorm forward and backward, one row at a time
+ * (see norm.h).  Statistics are two passes over a row already in cache; the
+ * weight gradients accumulate in per-thread fp32 buffers summed at the end.
+ */
+#include "norm.h"
+
+#include <math.h>
+#include <stdlib.h>
+
+#define CLONES __attribute__((target_clones("avx2", "default")))
+#define LANES 8
+
+typedef struct {
+    int rms;
+    sfk_dtype t;
+    const void *x, *dy;
+    void *y, *dx;
+    int64_t n;
+    const float *w, *b;
+    float eps;
+    float *mean, *rstd;
+    const float *cmean, *crstd;
+    float *part;            /* per-thread [2, n] partial dw, db */
+    int err;
+} norm_ctx;
+
+/* Sums in LANES independent accumulators: vectorizable without reordering
+ * being left to the compiler, and more accurate than one running sum. */
+CLONES static float row_sum(const float *x, int64_t n)
+{
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int k = 0; k < LANES; k++) acc[k] += x[i + k];
+    float s = 0.0f;
+    for (int k = 0; k < LANES; k++) s += acc[k];
+    for (; i < n; i++) s += x[i];
+    return s;
+}
+
+CLONES static float row_sqdev(const float *x, int64_t n, float mu)
+{
+    float acc[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int k = 0; k < LANES; k++) { float d = x[i + k] - mu; acc[k] += d * d; }
+    float s = 0.0f;
+    for (int k = 0; k < LANES; k++) s += acc[k];
+    for (; i < n; i++) { float d = x[i] - mu; s += d * d; }
+    return s;
+}
+
+CLONES static void row_affine(float *restrict out, const float *restrict x, int64_t n, float mu,
+                              float rs, const float *restrict w, const float *restrict b)
+{
+    if (w && b) for (int64_t i = 0; i < n; i++) out[i] = (x[i] - mu) * rs * w[i] + b[i];
+    else if (w) for (int64_t i = 0; i < n; i++) out[i] = (x[i] - mu) * rs * w[i];
+    else if (b) for (int64_t i = 0; i < n; i++) out[i] = (x[i] - mu) * rs + b[i];
+    else for (int64_t i = 0; i < n; i++) out[i] = (x[i] - mu) * rs;
+}
+
+static void forward_rows(void *arg, int64_t r0, int64_t r1, int tid)
+{
+    (void)tid;
+    norm_ctx *c = arg;
+    const int64_t n = c->n;
+    float *buf = c->t == SFK_F32 ? NULL : malloc((size_t)n * 2 * sizeof(float));
+    if (c->t != SFK_F32 && !buf) { c->err = SFK_ENOMEM; return; }
+    for (int64_t r = r0; r < r1; r++) {
+        const float *x = sfk_row(c->t, c->x, r, n, buf);
+        float mu = 0.0f, var;
+        if (c->rms) var = row_sqdev(x, n, 0.0f) / (float)n;
+        else {
+            mu = row_sum(x, n) / (float)n;
+            var = row_sqdev(x, n, mu) / (float)n;
+        }
+        float rs = 1.0f / sqrtf(var + c->eps);
+        float *out = buf ? buf + n : (float *)c->y + r * n;
+        row_affine(out, x, n, mu, rs, c->w, c->rms ? NULL : c->b);
+        if (buf) sfk_store(c->t, out, n, (char *)c->y + (size_t)(r * n) * 2);
+        if (c->mean) c->mean[r] = mu;
+        c->rstd[r] = rs;
+    }
+    free(buf);
+}
+
+/* dx row and the row's contribution to dw / db (w, dw, db all present). */
+CLONES static void row_backward(int rms, const float *restrict dy, const float *restrict x,
+                                int64_t n, const float *restrict w, float mu, float rs,
+                                float *restrict dx, float *restrict dw, float *restrict db)
+{
+    float ag[LANES] = {0}, agx[LANES] = {0};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int k = 0; k < LANES; k++) {
+            float xh = (x[i + k] - mu) * rs, d = dy[i + k], g = d * w[i + k];
+            ag[k] += g;
+            agx[k] += g * xh;
+            dw[i + k] += d * xh;
+            db[i + k] += d;
+        }
+    float sg = 0.0f, sgx = 0.0f;
+    for (int k = 0; k < LANES; k++) { sg += ag[k]; sgx += agx[k]; }
+    for (; i < n; i++) {
+        float xh = (x[i] - mu) * rs, d = dy[i], g = d * w[i];
+        sg += g;
+        sgx += g * xh;
+        dw[i] += d * xh;
+        db[i] += d;
+    }
+    const float mg = rms ? 0.0f : sg / (float)n, mgx = sgx / (float)n;
+    for (i = 0; i < n; i++) {
+        float xh = (x[i] - mu) * rs;
+        dx[i] = rs * (dy[i] * w[i] - mg - xh * mgx);
+    }
+}
+
+static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
+{
+    norm_ctx *c = arg;
+    const int64_t n = c->n;
+    float *buf = c->t == SFK_F32 ? NULL : malloc((size_t)n * 3 * sizeof(float));
+    if (c->t != SFK_F32 && !buf) { c->err = SFK_ENOMEM; return; }
+    float *dw = c->part + (size_t)tid * 2 * n, *db = dw + n;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *dy = sfk_row(c->t, c->dy, r, n, buf);
+        const float *x = sfk_row(c->t, c->x, r, n, buf ? buf + n : NULL);
+        float *dx = buf ? buf + 2 * n : (float *)c->dx + r * n;
+        row_backward(c->rms, dy, x, n, c->w, c->rms ? 0.0f : c->cmean[r], c->crstd[r], dx, dw, db);
+        if (buf) sfk_store(c->t, dx, n, (char *)c->dx + (size_t)(r * n) * 2);
+    }
+    free(buf);
+}
+
+static int bad(sfk_dtype t, int64_t rows, int64_t n)
+{
+    return (t != SFK_F32 && t != SFK_F16 && t != SFK_BF16) || rows < 0 || n < 0;
+}
+
+int sfk_norm_forward(int rms, sfk_dtype t, const void *x, int64_t rows, int64_t n,
+                     const float *w, const float *b, float eps, void *y, float *mean,
+                     float *rstd)
+{
+    if (bad(t, rows, n) || (rows > 0 && (!rstd || (n > 0 && (!x || !y)))))
+        return SFK_EINVAL;
+    norm_ctx c = {.rms = rms, .t = t, .x = x, .y = y, .n = n, .w = w, .b = b, .eps = eps,
+                  .mean = mean, .rstd = rstd};
+    sfk_parallel_rows(rows, sfk_threads_for(rows, n), forward_rows, &c);
+    return c.err;
+}
+
+int sfk_norm_backward(int rms, sfk_dtype t, const void *dy, const void *x, int64_t rows,
+                      int64_t n, const float *w, const float *mean, const float *rstd,
+                      void *dx, float *dw, float *db)
+{
+    if (bad(t, rows, n) || (rows > 0 && (!rstd || (!rms && !mean) || (n > 0 && (!x || !dy || !dx)))))
+        return SFK_EINVAL;
+    int nt = sfk_threads_for(rows, 3 * n);
+    norm_ctx c = {.rms = rms, .t = t, .x = x, .dy = dy, .dx = dx, .n = n, .w = w,
+                  .cmean = mean, .crstd = rstd};
+    /* per-thread [dw, db] partials; a missing weight is a weight of ones */
+    size_t nn = (size_t)(n > 0 ? n : 1);
+    c.part = calloc((size_t)nt * 2 * nn + (w ? 0 : nn), sizeof(float));
+    if (!c.part) return SFK_ENOMEM;
+    if (!w) {
+        float *ones = c.part + (size_t)nt * 2 * nn;
+        for (int64_t i = 0; i < n; i++) ones[i] = 1.0f;
+        c.w = ones;
+    }
+    sfk_parallel_rows(rows, nt, backward_rows, &c);
+    for (int64_t i = 0; i < n; i++) {
+        float sw = 0.0f, sb = 0.0f;
+        for (int k = 0; k < nt; k++) {
+            sw += c.part[(size_t)k * 2 * n + i];
+            sb += c.part[(size_t)k * 2 * n + n + i];
+        }
+        if (dw) dw[i] = sw;
+        if (db) db[i] = sb;
+    }
+    free(c.part);
+    return c.err;
+}
