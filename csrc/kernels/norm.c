@@ -9,7 +9,6 @@
 #include <stdlib.h>
 
 #define CLONES __attribute__((target_clones("avx2", "default")))
-#define LANES 8
 
 typedef struct {
     int rms;
@@ -25,29 +24,21 @@ typedef struct {
     int err;
 } norm_ctx;
 
-/* Sums in LANES independent accumulators: vectorizable without reordering
- * being left to the compiler, and more accurate than one running sum. */
+/* Row sums as SIMD reductions: lane-wise partial sums combined at the end
+ * (vectorized without -ffast-math, and more accurate than one running sum). */
 CLONES static float row_sum(const float *x, int64_t n)
 {
-    float acc[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int k = 0; k < LANES; k++) acc[k] += x[i + k];
     float s = 0.0f;
-    for (int k = 0; k < LANES; k++) s += acc[k];
-    for (; i < n; i++) s += x[i];
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += x[i];
     return s;
 }
 
 CLONES static float row_sqdev(const float *x, int64_t n, float mu)
 {
-    float acc[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int k = 0; k < LANES; k++) { float d = x[i + k] - mu; acc[k] += d * d; }
     float s = 0.0f;
-    for (int k = 0; k < LANES; k++) s += acc[k];
-    for (; i < n; i++) { float d = x[i] - mu; s += d * d; }
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) { float d = x[i] - mu; s += d * d; }
     return s;
 }
 
@@ -85,24 +76,16 @@ static void forward_rows(void *arg, int64_t r0, int64_t r1, int tid)
     free(buf);
 }
 
-/* dx row and the row's contribution to dw / db (w, dw, db all present). */
+/* dx row and the row's contribution to dw / db (w, dw, db all present).
+ * The two row sums are SIMD reductions (lane-wise partial sums, combined at
+ * the end), so the loop is one vectorized pass over x, dy and w. */
 CLONES static void row_backward(int rms, const float *restrict dy, const float *restrict x,
                                 int64_t n, const float *restrict w, float mu, float rs,
                                 float *restrict dx, float *restrict dw, float *restrict db)
 {
-    float ag[LANES] = {0}, agx[LANES] = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES)
-        for (int k = 0; k < LANES; k++) {
-            float xh = (x[i + k] - mu) * rs, d = dy[i + k], g = d * w[i + k];
-            ag[k] += g;
-            agx[k] += g * xh;
-            dw[i + k] += d * xh;
-            db[i + k] += d;
-        }
     float sg = 0.0f, sgx = 0.0f;
-    for (int k = 0; k < LANES; k++) { sg += ag[k]; sgx += agx[k]; }
-    for (; i < n; i++) {
+#pragma omp simd reduction(+ : sg, sgx)
+    for (int64_t i = 0; i < n; i++) {
         float xh = (x[i] - mu) * rs, d = dy[i], g = d * w[i];
         sg += g;
         sgx += g * xh;
@@ -110,7 +93,8 @@ CLONES static void row_backward(int rms, const float *restrict dy, const float *
         db[i] += d;
     }
     const float mg = rms ? 0.0f : sg / (float)n, mgx = sgx / (float)n;
-    for (i = 0; i < n; i++) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; i++) {
         float xh = (x[i] - mu) * rs;
         dx[i] = rs * (dy[i] * w[i] - mg - xh * mgx);
     }
