@@ -100,6 +100,18 @@ AVX2 static void exp_avx2(const float *src, float *dst, int64_t n)
     for (; i < n; i++) dst[i] = expf(src[i]);
 }
 
+AVX2 static void scaled_exp_avx2(const float *src, float *dst, int64_t n, float shift, float scale,
+                                  float off)
+{
+    const __m256 sh = _mm256_set1_ps(shift), sc = _mm256_set1_ps(scale), of = _mm256_set1_ps(off);
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(src + i), sh));
+        _mm256_storeu_ps(dst + i, _mm256_fmsub_ps(sc, e, of));
+    }
+    for (; i < n; i++) dst[i] = scale * expf(src[i] - shift) - off;
+}
+
 AVX2 static float hsum8(__m256 v)
 {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -142,6 +154,14 @@ void sfk_exp(const float *src, float *dst, int64_t n)
     if (sfk_has_avx2()) { exp_avx2(src, dst, n); return; }
 #endif
     for (int64_t i = 0; i < n; i++) dst[i] = expf(src[i]);
+}
+
+void sfk_scaled_exp(const float *src, float *dst, int64_t n, float shift, float scale, float off)
+{
+#ifdef SFK_X86
+    if (sfk_has_avx2()) { scaled_exp_avx2(src, dst, n, shift, scale, off); return; }
+#endif
+    for (int64_t i = 0; i < n; i++) dst[i] = scale * expf(src[i] - shift) - off;
 }
 
 float sfk_sum_exp(const float *x, int64_t n, float shift)

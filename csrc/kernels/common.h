@@ -71,6 +71,8 @@ static inline int sfk_size(sfk_dtype t) { return t == SFK_F32 ? 4 : 2; }
 /* dst[i] = exp(src[i]); exp(-inf) = 0.  AVX2 where the CPU has it. */
 void sfk_exp(const float *src, float *dst, int64_t n);
 /* sum_i exp(x[i] - shift), without storing the exponentials. */
+/* dst = scale * exp(src - shift) - off, in one pass (dst may be src). */
+void sfk_scaled_exp(const float *src, float *dst, int64_t n, float shift, float scale, float off);
 float sfk_sum_exp(const float *x, int64_t n, float shift);
 float sfk_max(const float *x, int64_t n);    /* -inf for n == 0 */
 int sfk_has_avx2(void);

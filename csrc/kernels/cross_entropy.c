@@ -92,17 +92,14 @@ static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
         const float lse = c->lse[r], off = g * smooth;
         for (int64_t j0 = 0; j0 < c->real; j0 += SFK_XB) {
             int64_t len = c->real - j0 < SFK_XB ? c->real - j0 : SFK_XB;
-            float *out;
-            if (buf) { sfk_load(c->t, row + (size_t)j0 * es, len, buf); out = buf; }
-            else {
-                out = (float *)grow + j0;
-                if ((const void *)row != (void *)grow)
-                    memcpy(out, (const float *)row + j0, (size_t)len * 4);
+            /* g * softmax - g * eps / V, straight from the logits (fp32) or via buf */
+            if (buf) {
+                sfk_load(c->t, row + (size_t)j0 * es, len, buf);
+                sfk_scaled_exp(buf, buf, len, lse, g, off);
+                sfk_store(c->t, buf, len, grow + (size_t)j0 * es);
+            } else {
+                sfk_scaled_exp((const float *)row + j0, (float *)grow + j0, len, lse, g, off);
             }
-            for (int64_t j = 0; j < len; j++) out[j] -= lse;
-            sfk_exp(out, out, len);
-            for (int64_t j = 0; j < len; j++) out[j] = g * out[j] - off;
-            if (buf) sfk_store(c->t, buf, len, grow + (size_t)j0 * es);
         }
         if (c->n > c->real)
             memset(grow + (size_t)c->real * es, 0, (size_t)(c->n - c->real) * es);
