@@ -193,6 +193,15 @@ _add("swinv2", "swinv2.modeling_swinv2", {
     "Swinv2ForImageClassification": "Swinv2ForImageClassificationPolicy",
     "Swinv2ForMaskedImageModeling": "Swinv2ForMaskedImageModelingPolicy",
 })
+_add("sam", "sam.modeling_sam", {
+    "SamModel": "SamModelPolicy",
+    "SamVisionModel": "SamVisionModelPolicy",
+})
+_add("blip2", "blip_2.modeling_blip_2", {
+    f"Blip2{c}": f"Blip2{c}Policy" for c in (
+        "Model", "ForConditionalGeneration", "ForImageTextRetrieval", "VisionModel", "QFormerModel",
+        "TextModelWithProjection", "VisionModelWithProjection")
+})
 # (end of vision and multimodal families)
 
 

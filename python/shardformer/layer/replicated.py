@@ -32,21 +32,36 @@ def _all_reduce_hook(group):
 
 class ReplicatedInParallelRegion:
     """Keeps the native module (same class, same parameters) and all-reduces
-    its parameters' gradients over the group in backward."""
+    its parameters' gradients over the group in backward.  kwarg
+    `params=(name, ...)` limits this to those parameters of the module itself
+    (e.g. SAM's rel_pos_h / rel_pos_w beside the attention's split qkv)."""
+
+    @staticmethod
+    def _selected(module: nn.Module, params=None) -> list[nn.Parameter]:
+        if params is None:
+            return list(module.parameters())
+        out = []
+        for name in params:
+            p = getattr(module, name, None)
+            if not isinstance(p, nn.Parameter):
+                raise TypeError(f"ReplicatedInParallelRegion: {type(module).__name__} has no parameter '{name}'")
+            out.append(p)
+        return out
 
     @classmethod
-    def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, **kwargs):
-        if not any(True for _ in module.parameters()):
+    def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, params=None, **kwargs):
+        if not cls._selected(module, params):
             raise ValueError(f"{cls.__name__}: {type(module).__name__} has no parameters to keep in sync")
         return None
 
     @classmethod
-    def from_native_module(cls, module: nn.Module, process_group=None, plan=None, **kwargs) -> nn.Module:
+    def from_native_module(cls, module: nn.Module, process_group=None, plan=None, params=None,
+                           **kwargs) -> nn.Module:
         tp_size, _ = group_size_and_rank(process_group)
-        if tp_size == 1 or getattr(module, _MARK, False):
+        if tp_size == 1:
             return module
-        for p in module.parameters():
-            if p.requires_grad:
+        for p in cls._selected(module, params):
+            if p.requires_grad and not getattr(p, _MARK, False):   # one hook per parameter
                 p.register_hook(_all_reduce_hook(process_group))
-        object.__setattr__(module, _MARK, True)
+                setattr(p, _MARK, True)
         return module

@@ -1,0 +1,204 @@
+"""BLIP-2: the vision encoder, the Q-Former and the language model split over
+the tensor-parallel group.
+
+    Blip2Attention (vision) .qkv            Linear1D_Col, split Fused(q, k, v) per head (the
+                                            bias [q_bias | 0 | v_bias] is cut the same way)
+    Blip2Attention .projection              Linear1D_Row (input split by the same heads)
+    Blip2EncoderLayer .mlp.fc1 / fc2        Linear1D_Col / Linear1D_Row
+    Q-Former attention and cross attention  query / key / value Linear1D_Col (per head; the
+                                            cross attention's key / value read the image
+                                            features), output.dense Linear1D_Row
+    Q-Former intermediate(_query).dense     Linear1D_Col
+             output(_query).dense           Linear1D_Row
+    Q-Former text embeddings                VocabParallelEmbedding1D (retrieval / text models)
+    Q-Former dropouts on hidden states      DropoutForReplicatedInput
+    language_model                          the language model's own policy, found in the
+                                            registry by its class (OPT, T5, Llama, ...) and
+                                            composed in: its layers, vocabulary-parallel
+                                            embedding and LM head, and its re-tying
+    language_projection, vision_projection, Linear1D_Col, gathered
+    text_projection, itm_head
+
+Blip2Attention reshapes its fused output as [3, num_heads, embed_dim //
+num_heads] with embed_dim the *input* width, which does not hold for one
+rank's heads; its forward is replaced by one that reshapes by head_dim (the
+attention itself is still HF's attention interface).  The Q-Former attention
+infers its head count from the projection width.  Patch and position
+embeddings, query tokens and layer norms stay replicated.
+"""
+from __future__ import annotations
+
+import torch
+
+from shardformer.autopolicy import get_autopolicy
+from shardformer.layer import (
+    DropoutForReplicatedInput,
+    FusedLayerNorm,
+    Linear1D_Col,
+    Linear1D_Row,
+    VocabParallelEmbedding1D,
+)
+from shardformer.layout import Heads
+from shardformer.policy import ModulePolicyDescription, Policy
+from shardformer.policy import SubModuleReplacementDescription as Sub
+
+
+def _hf():
+    from transformers.models.blip_2 import modeling_blip_2
+
+    return modeling_blip_2
+
+
+def vision_attention_forward(self, hidden_states: torch.Tensor, **kwargs):
+    """Blip2Attention.forward over this rank's heads: qkv rows [3, local heads, head_dim]."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    bsz, tgt_len, _ = hidden_states.shape
+    qkv = self.qkv(hidden_states).reshape(bsz, tgt_len, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, _hf().eager_attention_forward)
+    out, weights = attention(self, qkv[0], qkv[1], qkv[2], attention_mask=None,
+                             dropout=self.attention_dropout if self.training else 0.0, scaling=self.scale, **kwargs)
+    return self.projection(out.reshape(bsz, tgt_len, -1).contiguous()), weights
+
+
+def _heads(cfg) -> Heads:
+    n = cfg.num_attention_heads
+    return Heads(n, n, cfg.hidden_size // n)
+
+
+def vision_policy(hf, vision_cfg) -> dict:
+    heads = _heads(vision_cfg)
+    return {
+        hf.Blip2Attention: ModulePolicyDescription(
+            attribute_replacement={"num_heads": heads.local_heads()},
+            sub_module_replacement=[Sub("qkv", Linear1D_Col, kwargs={"split": heads.qkv}),
+                                    Sub("projection", Linear1D_Row, kwargs={"split": heads.q})],
+            method_replacement={"forward": vision_attention_forward}),
+        hf.Blip2EncoderLayer: ModulePolicyDescription(sub_module_replacement=[
+            Sub("mlp.fc1", Linear1D_Col), Sub("mlp.fc2", Linear1D_Row)]),
+    }
+
+
+def qformer_policy(hf, qformer_cfg, vocab_kwargs: dict) -> dict:
+    heads = _heads(qformer_cfg)
+    # The text feed-forward (intermediate / output) exists with use_qformer_text_input.
+    feed_forward = [Sub("intermediate_query.dense", Linear1D_Col), Sub("output_query.dense", Linear1D_Row),
+                    Sub("output_query.dropout", DropoutForReplicatedInput)]
+    feed_forward += [Sub(s, cls, ignore_if_not_exist=True) for s, cls in (
+        ("intermediate.dense", Linear1D_Col), ("output.dense", Linear1D_Row), ("output.dropout", DropoutForReplicatedInput))]
+    return {
+        # Self and cross attention alike.
+        hf.Blip2QFormerMultiHeadAttention: ModulePolicyDescription(
+            attribute_replacement={"num_attention_heads": heads.local_heads(),
+                                   "all_head_size": heads.local_width(heads.head_dim)},
+            sub_module_replacement=[Sub(p, Linear1D_Col, kwargs={"split": heads.q})
+                                    for p in ("query", "key", "value")]),
+        hf.Blip2QFormerAttention: ModulePolicyDescription(sub_module_replacement=[
+            Sub("output.dense", Linear1D_Row, kwargs={"split": heads.q}),
+            Sub("output.dropout", DropoutForReplicatedInput)]),
+        hf.Blip2QFormerLayer: ModulePolicyDescription(sub_module_replacement=feed_forward),
+        hf.Blip2QFormerModel: ModulePolicyDescription(sub_module_replacement=[
+            Sub("dropout", DropoutForReplicatedInput)]),
+        hf.Blip2TextEmbeddings: ModulePolicyDescription(sub_module_replacement=[
+            Sub("word_embeddings", VocabParallelEmbedding1D, kwargs=vocab_kwargs)]),
+    }
+
+
+def merge_policies(policy: dict, other: dict) -> dict:
+    """Add `other`'s descriptions to `policy` (one description per key)."""
+    for key, desc in other.items():
+        mine = policy.setdefault(key, ModulePolicyDescription())
+        mine.attribute_replacement.update(desc.attribute_replacement)
+        mine.param_replacement.extend(desc.param_replacement)
+        mine.sub_module_replacement.extend(desc.sub_module_replacement)
+        mine.method_replacement.update(desc.method_replacement)
+    return policy
+
+
+class Blip2Policy(Policy):
+    """Class attributes: `parts` the model holds ("vision", "qformer"; a
+    language_model is composed in when present) and the projection `heads`."""
+
+    parts: tuple[str, ...] = ("vision", "qformer")
+    heads: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._language: Policy | None = None
+
+    def language_policy(self) -> Policy | None:
+        """The registered policy of the language model, bound to it."""
+        lm = getattr(self.model, "language_model", None)
+        if lm is None:
+            return None
+        if self._language is None:
+            self._language = get_autopolicy(lm)
+        self._language.set_model(lm)
+        self._language.set_shard_config(self.shard_config)
+        return self._language
+
+    def config_sanity_check(self):
+        inner = self.language_policy()
+        if inner is not None:
+            inner.config_sanity_check()
+
+    def module_policy(self):
+        hf = _hf()
+        cfg = self.model.config
+        policy = {}
+        if self.tensor_parallel:
+            if "vision" in self.parts:
+                merge_policies(policy, vision_policy(hf, getattr(cfg, "vision_config", cfg)))
+            if "qformer" in self.parts:
+                merge_policies(policy, qformer_policy(hf, getattr(cfg, "qformer_config", cfg), self.vocab_kwargs()))
+            for head in self.heads:
+                self.append_or_create_submodule_replacement(
+                    Sub(head, Linear1D_Col, kwargs={"gather_output": True}), policy, type(self.model))
+        if self.shard_config.enable_fused_normalization and "vision" in self.parts:
+            self.append_or_create_submodule_replacement(
+                [Sub("layer_norm1", FusedLayerNorm), Sub("layer_norm2", FusedLayerNorm)], policy, hf.Blip2EncoderLayer)
+        inner = self.language_policy()
+        if inner is not None:
+            merge_policies(policy, inner.module_policy())
+        return policy
+
+    def preprocess(self):
+        inner = self.language_policy()
+        if inner is not None:
+            inner.preprocess()
+        return super().preprocess()   # the base's model-wide switches (flash attention)
+
+    def postprocess(self):
+        inner = self.language_policy()
+        if inner is not None:
+            inner.postprocess()
+        return self.model
+
+
+class Blip2VisionModelPolicy(Blip2Policy):
+    parts = ("vision",)
+
+
+class Blip2QFormerModelPolicy(Blip2Policy):
+    parts = ("qformer",)
+
+
+class Blip2ModelPolicy(Blip2Policy):
+    heads = ("language_projection",)
+
+
+class Blip2ForConditionalGenerationPolicy(Blip2Policy):
+    heads = ("language_projection",)
+
+
+class Blip2ForImageTextRetrievalPolicy(Blip2Policy):
+    heads = ("vision_projection", "text_projection", "itm_head")
+
+
+class Blip2TextModelWithProjectionPolicy(Blip2Policy):
+    parts = ("qformer",)
+    heads = ("text_projection",)
+
+
+class Blip2VisionModelWithProjectionPolicy(Blip2Policy):
+    heads = ("vision_projection",)
