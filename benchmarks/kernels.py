@@ -18,14 +18,31 @@ shardformer.ops.set_num_threads set together).  ratio = torch / ours
   bias_dropout_add   ops.bias_dropout_add vs r + F.dropout(x + b), p = 0.1
   vocab_embedding    ops.vocab_embedding vs masked F.embedding (the torch path
                      VocabParallelEmbedding1D had), 32000 x 1024 table, half ours
+  attention_causal   ops.attention(causal) vs F.scaled_dot_product_attention(is_causal),
+                     [1 x 8 heads x S x 64], S = 512, 1024, 2048
+  attention_alibi    ops.attention(causal, alibi_slopes) vs SDPA with the ALiBi +
+                     causal bias materialized as a float [1, 8, S, S] mask
+  attention_alibi_eager     ... vs HF's eager attention (llama's eager_attention_forward)
+                     on the same materialized mask
+  attention_window   ops.attention(causal, window=S/8) vs SDPA with a materialized
+                     boolean sliding-window mask; attention_window_eager: vs HF eager
+                     on the additive mask HF builds for it
 
 Peak memory of cross-entropy (largest size): the growth of peak RSS (VmHWM,
 reset through /proc/self/clear_refs) over one fwd+bwd in a fresh process
 whose logits are already allocated -- the temporaries plus the gradient.
+The attention rows at the largest S (1 thread) carry the same measure (after
+one warm-up step, whose gradients are dropped at the start of the measured
+one), with the reference's materialized mask counted (built inside the step).
+
+At 2 threads the C kernels start their own threads per call while torch's
+OpenMP workers may still spin after the torch op before (OMP_WAIT_POLICY
+unset): on a 2-core machine that costs ours the second core.  Setting
+OMP_WAIT_POLICY=PASSIVE shows the kernels' own scaling.
 
 Writes benchmarks/results/kernels.json and, when matplotlib is installed,
 kernels.png (time vs size, ours vs torch).
-    /work/venv/bin/python benchmarks/kernels.py [--reps 5] [--quick]
+    /work/venv/bin/python benchmarks/kernels.py [--reps 5] [--quick] [--ops attention,...]
 """
 from __future__ import annotations
 
@@ -125,23 +142,112 @@ def ce_peak_growth_mib(rows, vocab, which):
         return None
 
 
-def cases(quick):
+_ATT_PEAK_SCRIPT = """
+import sys, torch
+sys.path.insert(0, sys.argv[4])
+import kernels
+def status():
+    with open('/proc/self/status') as f:
+        return {l.split(':')[0]: int(l.split()[1]) for l in f if l.startswith(('VmHWM', 'VmRSS'))}
+torch.set_num_threads(1)
+S, op, which = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+ours, ref = kernels.attention_pair(op, S)
+run = ours if which == 'ours' else ref
+run()  # warm-up: one-time allocations of torch's autograd and thread pools
+with open('/proc/self/clear_refs', 'w') as f:
+    f.write('5')
+before = status()['VmRSS']
+run()
+print((status()['VmHWM'] - before) / 1024)
+"""
+
+ATT_B, ATT_H, ATT_D = 1, 8, 64
+
+
+def _hf_eager():
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    class _M(torch.nn.Module):
+        num_key_value_groups = 1
+    return eager_attention_forward, _M()
+
+
+def attention_pair(op, S):
+    """(ours, ref) fwd+bwd closures of attention case `op` at sequence S; the
+    reference builds its materialized mask inside the step (as a model does
+    once per forward)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(ATT_B, ATT_H, S, ATT_D, generator=g).requires_grad_() for _ in range(3))
+    slopes = torch.tensor([2.0 ** (-8 * (h + 1) / ATT_H) for h in range(ATT_H)])
+    window = S // 8
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None]
+    if op == "attention_causal":
+        return (fwd_bwd(lambda q, k, v: ops.attention(q, k, v, causal=True), q, k, v),
+                fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v))
+    if op.startswith("attention_alibi"):
+        def mask():
+            bias = -slopes.view(1, ATT_H, 1, 1) * (i - j).abs().float()
+            return bias.masked_fill(j > i, torch.finfo(torch.float32).min)
+        ours = fwd_bwd(lambda q, k, v: ops.attention(q, k, v, causal=True, alibi_slopes=slopes), q, k, v)
+    else:
+        def mask():
+            vis = (j <= i) & (i - j < window)
+            if op.endswith("_eager"):
+                return torch.zeros(1, 1, S, S).masked_fill(~vis, torch.finfo(torch.float32).min)
+            return vis.view(1, 1, S, S)
+        ours = fwd_bwd(lambda q, k, v: ops.attention(q, k, v, causal=True, window=window), q, k, v)
+    if op.endswith("_eager"):
+        eager, module = _hf_eager()
+        ref = fwd_bwd(lambda q, k, v: eager(module, q, k, v, mask(), scaling=ATT_D ** -0.5)[0], q, k, v)
+    else:
+        ref = fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=mask()), q, k, v)
+    return ours, ref
+
+
+def att_peak_growth_mib(S, op, which):
+    """Growth of peak RSS over one attention fwd+bwd in a fresh process, in MiB."""
+    import subprocess
+    import sys
+    try:
+        out = subprocess.run([sys.executable, "-c", _ATT_PEAK_SCRIPT, str(S), op, which, HERE],
+                             capture_output=True, text=True, check=True, timeout=600)
+        return float(out.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError, OSError):
+        return None
+
+
+ATT_OPS = ("attention_causal", "attention_alibi", "attention_alibi_eager", "attention_window",
+           "attention_window_eager")
+
+
+def att_sizes(quick):
+    return [512, 1024] if quick else [512, 1024, 2048]
+
+
+def cases(quick, want=lambda op: True):
+    """(op, numel, size, ours, ref) of every case `want` accepts (inputs built lazily)."""
+    for S in att_sizes(quick):
+        for op in ATT_OPS:
+            if not want(op):
+                continue
+            ours, ref = attention_pair(op, S)
+            yield (op, ATT_B * ATT_H * S * S, f"S={S}", ours, ref)
     V = 32000
     ce_rows = [512, 1024, 2048] if quick else [512, 1024, 2048, 4096]
-    for rows in ce_rows:
+    for rows in ce_rows if want("cross_entropy") else []:
         z = torch.randn(rows, V, requires_grad=True)
         y = torch.randint(0, V, (rows,))
         yield ("cross_entropy", rows * V, f"{rows}x{V}",
                fwd_bwd(lambda z: cross_entropy_1d(z, y, vocab_size=V), z),
                fwd_bwd(lambda z: F.cross_entropy(z, y), z))
-    for rows in ce_rows:
+    for rows in ce_rows if want("cross_entropy_tp2") else []:
         z = torch.randn(rows, V // 2, requires_grad=True)
         y = torch.randint(0, V // 2, (rows,))
         yield ("cross_entropy_tp2", rows * V // 2, f"{rows}x{V // 2}",
                fwd_bwd(lambda z: cross_entropy_1d(z, y, vocab_size=V, vocab_start=0), z),
                fwd_bwd(lambda z: megatron_ce(z, y), z))
     norm_sizes = [(2048, 1024), (4096, 1024), (4096, 4096)] if not quick else [(2048, 1024), (4096, 1024)]
-    for rows, h in norm_sizes:
+    for rows, h in norm_sizes if want("layer_norm") or want("rms_norm") else []:
         x = torch.randn(rows, h, requires_grad=True)
         w, b = torch.randn(h, requires_grad=True), torch.randn(h, requires_grad=True)
         yield ("layer_norm", rows * h, f"{rows}x{h}",
@@ -151,7 +257,7 @@ def cases(quick):
                fwd_bwd(lambda x, w: ops.rms_norm(x, (h,), w, 1e-6), x, w),
                fwd_bwd(lambda x, w: F.rms_norm(x, (h,), w, 1e-6), x, w))
     ew_sizes = [(1024, 4096), (4096, 4096)] if not quick else [(1024, 4096)]
-    for rows, h in ew_sizes:
+    for rows, h in ew_sizes if any(want(o) for o in ("bias_gelu_none", "swiglu", "bias_dropout_add")) else []:
         x, r = torch.randn(rows, h, requires_grad=True), torch.randn(rows, h, requires_grad=True)
         b = torch.randn(h, requires_grad=True)
         for appr in ("none", "tanh"):
@@ -163,6 +269,8 @@ def cases(quick):
         yield ("bias_dropout_add", rows * h, f"{rows}x{h}",
                fwd_bwd(lambda x, b, r: ops.bias_dropout_add(x, b, r, 0.1), x, b, r),
                fwd_bwd(lambda x, b, r: r + F.dropout(x + b, 0.1), x, b, r))
+    if not want("vocab_embedding"):
+        return
     w = torch.randn(V // 2, 1024, requires_grad=True)
     for n in ([2048, 8192] if not quick else [2048]):
         ids = torch.randint(0, V, (n,))
@@ -179,15 +287,22 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="fewer, smaller sizes")
+    ap.add_argument("--ops", default="", help="comma-separated op-name prefixes to run (default: all)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "kernels.json"))
     args = ap.parse_args()
+    wanted = [w for w in args.ops.split(",") if w]
+
+    def want(op):
+        return not wanted or any(op.startswith(w) for w in wanted)
     torch.manual_seed(0)
     rows = []
     ce_rows_max = 2048 if args.quick else 4096
     for threads in (1, 2):
         torch.set_num_threads(threads)
         ops.set_num_threads(threads)
-        for op, numel, size, ours, ref in cases(args.quick):
+        for op, numel, size, ours, ref in cases(args.quick, want):
+            if not want(op):
+                continue
             t_ours, t_torch = timed_pair(ours, ref, args.reps)
             row = {"op": op, "size": size, "numel": numel, "threads": threads, "ours_s": t_ours,
                    "torch_s": t_torch, "ratio": t_torch / t_ours}
@@ -196,12 +311,19 @@ def main():
                 row["peak_growth_mib_ours"] = ce_peak_growth_mib(rows_n, 32000, "ours")
                 row["peak_growth_mib_torch"] = ce_peak_growth_mib(rows_n, 32000, "torch")
                 row["logits_mib"] = numel * 4 / 2**20
+            if op.startswith("attention") and threads == 1 and size == f"S={att_sizes(args.quick)[-1]}":
+                S = att_sizes(args.quick)[-1]
+                row["peak_growth_mib_ours"] = att_peak_growth_mib(S, op, "ours")
+                row["peak_growth_mib_torch"] = att_peak_growth_mib(S, op, "torch")
             rows.append(row)
             print(f"{op:18s} {size:>12s} thr={threads} ours {t_ours * 1e3:9.2f} ms  torch {t_torch * 1e3:9.2f} ms  "
                   f"x{t_torch / t_ours:5.2f}" + (f"  peak+ ours {row['peak_growth_mib_ours']:.0f} MiB torch "
                                                f"{row['peak_growth_mib_torch']:.0f} MiB (logits "
                                                f"{row['logits_mib']:.0f} MiB)" if "logits_mib" in row and
-                                               row["peak_growth_mib_ours"] is not None else ""), flush=True)
+                                               row["peak_growth_mib_ours"] is not None else "")
+                  + (f"  peak+ ours {row['peak_growth_mib_ours']:.0f} MiB torch {row['peak_growth_mib_torch']:.0f} MiB"
+                     if op.startswith("attention") and row.get("peak_growth_mib_ours") is not None
+                     and row.get("peak_growth_mib_torch") is not None else ""), flush=True)
     ops.set_num_threads(1)
     meta = {"torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
             "avx2": bool(__import__("shardformer._C", fromlist=["x"]).kernel_has_avx2()), "reps": args.reps,

@@ -10,6 +10,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "kernels/attention.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/elementwise.h"
 #include "kernels/embedding.h"
@@ -459,6 +460,188 @@ static PyObject *py_embedding_backward(PyObject *self, PyObject *args)
     return finish(&vs, rc);
 }
 
+/* ---- attention ---------------------------------------------------------- */
+
+/* `v` (optional) as a bias / mask read at (b, h, i, j) of [B, H, Sq, Sk]:
+ * 4-D, each dimension 1 (broadcast, stride 0) or the full size. */
+static int broadcast_strides(views *vs, const sf_view *v, const char *name, const int64_t full[4],
+                             int64_t st[4])
+{
+    for (int d = 0; d < 4; d++) st[d] = 0;
+    if (!v) return 0;
+    int ok = v->ndim == 4;
+    for (int d = 0; ok && d < 4; d++) ok = v->shape[d] == full[d] || v->shape[d] == 1;
+    if (!ok) {
+        PyErr_Format(PyExc_ValueError, "%s: %s must be 4-D and broadcast to [B, H, Sq, Sk] = "
+                     "[%lld, %lld, %lld, %lld] (each dimension 1 or that size), got %d-D", vs->fn,
+                     name, (long long)full[0], (long long)full[1], (long long)full[2],
+                     (long long)full[3], v->ndim);
+        return -1;
+    }
+    for (int d = 0; d < 4; d++) st[d] = v->shape[d] == 1 ? 0 : v->strides[d];
+    return 0;
+}
+
+/* q, k, v shapes, GQA, the optional alibi / bias / mask, and the scalar
+ * options into *a.  -1 with an exception. */
+static int attn_params(views *vs, const sf_view *q, const sf_view *k, const sf_view *v,
+                       const sf_view *alibi, const sf_view *bias, const sf_view *mask, float scale,
+                       int causal, long long window, float p, unsigned long long seed, sfk_attn *a)
+{
+    if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4) {
+        PyErr_Format(PyExc_ValueError, "%s: q, k, v must be 4-D [B, H, S, D], got %d-D, %d-D, %d-D",
+                     vs->fn, q->ndim, k->ndim, v->ndim);
+        return -1;
+    }
+    for (int d = 0; d < 4; d++)
+        if (k->shape[d] != v->shape[d]) {
+            PyErr_Format(PyExc_ValueError, "%s: k and v shapes differ in dimension %d (%lld vs %lld)",
+                         vs->fn, d, (long long)k->shape[d], (long long)v->shape[d]);
+            return -1;
+        }
+    if (q->shape[0] != k->shape[0] || q->shape[3] != k->shape[3]) {
+        PyErr_Format(PyExc_ValueError, "%s: q [%lld, ., ., %lld] and k [%lld, ., ., %lld] differ in "
+                     "batch or head size", vs->fn, (long long)q->shape[0], (long long)q->shape[3],
+                     (long long)k->shape[0], (long long)k->shape[3]);
+        return -1;
+    }
+    if (q->shape[1] > 0 && (k->shape[1] == 0 || q->shape[1] % k->shape[1] != 0)) {
+        PyErr_Format(PyExc_ValueError, "%s: %lld query heads are not a multiple of %lld key-value "
+                     "heads", vs->fn, (long long)q->shape[1], (long long)k->shape[1]);
+        return -1;
+    }
+    if (same_dtype(vs, q, "q", k, "k") || same_dtype(vs, q, "q", v, "v")) return -1;
+    if (window < 0 || !(p >= 0.0f && p <= 1.0f)) {
+        PyErr_Format(PyExc_ValueError, "%s: window=%lld must be >= 0 and dropout=%g in [0, 1]",
+                     vs->fn, window, (double)p);
+        return -1;
+    }
+    *a = (sfk_attn){.t = kdtype(q), .B = q->shape[0], .Hq = q->shape[1], .Hkv = k->shape[1],
+                    .Sq = q->shape[2], .Sk = k->shape[2], .D = q->shape[3], .scale = scale,
+                    .causal = causal, .window = window, .dropout = p, .seed = seed};
+    const int64_t full[4] = {a->B, a->Hq, a->Sq, a->Sk};
+    if (want_numel(vs, alibi, "alibi_slopes", a->Hq) ||
+        broadcast_strides(vs, bias, "bias", full, a->bias_st) ||
+        broadcast_strides(vs, mask, "mask", full, a->mask_st))
+        return -1;
+    a->alibi = FLOATP(alibi);
+    a->bias = FLOATP(bias);
+    a->mask = mask ? (const uint8_t *)mask->data : NULL;
+    return 0;
+}
+
+/* A boolean / uint8 mask (K_DATA-like check for bytes). */
+static int take_mask(views *vs, PyObject *obj, sf_view **out)
+{
+    if (take(vs, obj, "mask", -1, 0, 1, out) < 0) return -1;
+    if (*out && !(((*out)->dtype.code == SF_DL_BOOL || (*out)->dtype.code == SF_DL_UINT) &&
+                  (*out)->dtype.bits == 8)) {
+        PyErr_Format(PyExc_TypeError, "%s: mask must be bool or uint8, got %s", vs->fn,
+                     sf_dtype_name((*out)->dtype));
+        return -1;
+    }
+    return 0;
+}
+
+static PyObject *py_attention_forward(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *o[8];
+    float scale, p;
+    int causal;
+    long long window;
+    unsigned long long seed;
+    if (!PyArg_ParseTuple(args, "OOOOOfpLOOOfK:attention_forward", &o[0], &o[1], &o[2], &o[3],
+                          &o[4], &scale, &causal, &window, &o[5], &o[6], &o[7], &p, &seed))
+        return NULL;
+    views vs = {.fn = "attention_forward"};
+    sf_view *q, *k, *v, *out, *lse, *al, *bi, *mk;
+    if (take(&vs, o[0], "q", K_DATA, 0, 0, &q) || take(&vs, o[1], "k", K_DATA, 0, 0, &k) ||
+        take(&vs, o[2], "v", K_DATA, 0, 0, &v) || take(&vs, o[3], "out", K_DATA, 1, 0, &out) ||
+        take(&vs, o[4], "lse", K_F32, 1, 0, &lse) || take(&vs, o[5], "alibi_slopes", K_F32, 0, 1, &al) ||
+        take(&vs, o[6], "bias", K_F32, 0, 1, &bi) || take_mask(&vs, o[7], &mk))
+        return fail(&vs);
+    sfk_attn a;
+    if (attn_params(&vs, q, k, v, al, bi, mk, scale, causal, window, p, seed, &a) ||
+        want_numel(&vs, out, "out", q->numel) || same_dtype(&vs, q, "q", out, "out") ||
+        want_numel(&vs, lse, "lse", a.B * a.Hq * a.Sq))
+        return fail(&vs);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = sfk_attention_forward(&a, q->data, k->data, v->data, out->data, FLOATP(lse));
+    Py_END_ALLOW_THREADS
+    return finish(&vs, rc);
+}
+
+static PyObject *py_attention_backward(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *o[13];
+    float scale, p;
+    int causal;
+    long long window;
+    unsigned long long seed;
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOfpLOOOfK:attention_backward", &o[0], &o[1], &o[2],
+                          &o[3], &o[4], &o[5], &o[6], &o[7], &o[8], &o[9], &scale, &causal,
+                          &window, &o[10], &o[11], &o[12], &p, &seed))
+        return NULL;
+    views vs = {.fn = "attention_backward"};
+    sf_view *q, *k, *v, *out, *dout, *lse, *dq, *dk, *dv, *db, *al, *bi, *mk;
+    /* MAXV views at most: q k v out dout lse dq dk dv dbias + alibi bias mask = 13 */
+    if (take(&vs, o[0], "q", K_DATA, 0, 0, &q) || take(&vs, o[1], "k", K_DATA, 0, 0, &k) ||
+        take(&vs, o[2], "v", K_DATA, 0, 0, &v) || take(&vs, o[3], "out", K_DATA, 0, 0, &out) ||
+        take(&vs, o[4], "dout", K_DATA, 0, 0, &dout) || take(&vs, o[5], "lse", K_F32, 0, 0, &lse) ||
+        take(&vs, o[6], "dq", K_DATA, 1, 0, &dq) || take(&vs, o[7], "dk", K_DATA, 1, 0, &dk) ||
+        take(&vs, o[8], "dv", K_DATA, 1, 0, &dv) || take(&vs, o[9], "dbias", K_F32, 1, 1, &db) ||
+        take(&vs, o[10], "alibi_slopes", K_F32, 0, 1, &al) ||
+        take(&vs, o[11], "bias", K_F32, 0, 1, &bi) || take_mask(&vs, o[12], &mk))
+        return fail(&vs);
+    sfk_attn a;
+    if (attn_params(&vs, q, k, v, al, bi, mk, scale, causal, window, p, seed, &a) ||
+        want_numel(&vs, out, "out", q->numel) || want_numel(&vs, dout, "dout", q->numel) ||
+        want_numel(&vs, dq, "dq", q->numel) || want_numel(&vs, dk, "dk", k->numel) ||
+        want_numel(&vs, dv, "dv", k->numel) || same_dtype(&vs, q, "q", out, "out") ||
+        same_dtype(&vs, q, "q", dout, "dout") || same_dtype(&vs, q, "q", dq, "dq") ||
+        same_dtype(&vs, q, "q", dk, "dk") || same_dtype(&vs, q, "q", dv, "dv") ||
+        want_numel(&vs, lse, "lse", a.B * a.Hq * a.Sq) ||
+        want_numel(&vs, db, "dbias", a.B * a.Hq * a.Sq * a.Sk))
+        return fail(&vs);
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = sfk_attention_backward(&a, q->data, k->data, v->data, out->data, dout->data, FLOATP(lse),
+                                dq->data, dk->data, dv->data, FLOATP(db));
+    Py_END_ALLOW_THREADS
+    return finish(&vs, rc);
+}
+
+static PyObject *py_attention_dropout_keep(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *obj;
+    float p;
+    unsigned long long seed;
+    if (!PyArg_ParseTuple(args, "OfK:attention_dropout_keep", &obj, &p, &seed))
+        return NULL;
+    views vs = {.fn = "attention_dropout_keep"};
+    sf_view *keep;
+    if (take(&vs, obj, "keep", -1, 1, 0, &keep))
+        return fail(&vs);
+    if (keep->ndim != 4 || keep->dtype.code != SF_DL_UINT || keep->dtype.bits != 8 ||
+        !(p >= 0.0f && p <= 1.0f)) {
+        PyErr_Format(PyExc_ValueError, "attention_dropout_keep: keep must be a 4-D uint8 "
+                     "[B, H, Sq, Sk] tensor and p=%g in [0, 1]", (double)p);
+        return fail(&vs);
+    }
+    sfk_attn a = {.t = SFK_F32, .B = keep->shape[0], .Hq = keep->shape[1], .Hkv = 1,
+                  .Sq = keep->shape[2], .Sk = keep->shape[3], .D = 0, .dropout = p, .seed = seed};
+    if (a.Hq == 0) a.Hkv = 0;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = sfk_attention_dropout_keep(&a, (uint8_t *)keep->data);
+    Py_END_ALLOW_THREADS
+    return finish(&vs, rc);
+}
+
 /* ---- threads ------------------------------------------------------------ */
 
 static PyObject *py_set_threads(PyObject *self, PyObject *args)
@@ -515,6 +698,14 @@ static PyMethodDef kernel_methods[] = {
      "embedding_forward(weight, ids, vocab_start, vocab_real, out)"},
     {"embedding_backward", py_embedding_backward, METH_VARARGS,
      "embedding_backward(dout, ids, vocab_start, vocab_real, padding_local, dweight)"},
+    {"attention_forward", py_attention_forward, METH_VARARGS,
+     "attention_forward(q, k, v, out, lse, scale, causal, window, alibi_slopes|None, bias|None, "
+     "mask|None, dropout, seed): flash-style attention (csrc/kernels/attention.h)."},
+    {"attention_backward", py_attention_backward, METH_VARARGS,
+     "attention_backward(q, k, v, out, dout, lse, dq, dk, dv, dbias|None, scale, causal, window, "
+     "alibi_slopes|None, bias|None, mask|None, dropout, seed)"},
+    {"attention_dropout_keep", py_attention_dropout_keep, METH_VARARGS,
+     "attention_dropout_keep(keep, p, seed): the dropout draws of attention as uint8 [B, H, Sq, Sk]."},
     {"kernel_set_num_threads", py_set_threads, METH_VARARGS,
      "kernel_set_num_threads(n): threads the kernels split rows over (large inputs only)."},
     {"kernel_get_num_threads", py_get_threads, METH_NOARGS, "kernel_get_num_threads() -> int"},

@@ -466,9 +466,60 @@ def scenario_sharder(i):
     assert _C.sharder_apply(shrinking, None) == 1
 
 
+def _attention_args(dtype, B=2, Hq=4, Hkv=2, Sq=37, Sk=70, D=13):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, Hq, Sq, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, Hkv, Sk, D, generator=g).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+def scenario_attention(i):
+    """Every option of the attention kernel, forward and backward, 1 and 2
+    threads, fp32 / bf16 / fp16, and the argument errors."""
+    from shardformer import ops
+
+    dtype = (torch.float32, torch.bfloat16, torch.float16)[i % 3]
+    ops.set_num_threads(1 + i % 2)
+    try:
+        q, k, v = (t.requires_grad_() for t in _attention_args(dtype))
+        pad = torch.ones(2, 70, dtype=torch.bool)
+        pad[1, :20] = False
+        bias = torch.randn(4, 37, 70, requires_grad=True)
+        opts = [dict(causal=True), dict(window=9, mask=pad), dict(causal=True, window=5, bias=bias),
+                dict(alibi_slopes=torch.rand(4), mask=torch.rand(2, 1, 37, 70) > 0.5),
+                dict(causal=True, dropout_p=0.2, seed=i)]
+        out = ops.attention(q, k, v, **opts[i % len(opts)])
+        out.float().sum().backward()
+        # the other alignment: more queries than keys (rows with no key at all)
+        q2, k2, v2 = _attention_args(dtype, 1, 2, 1, 70, 9, 64)
+        ops.attention(q2, k2, v2, causal=True)
+        # one (batch, kv head) pair: at 2 threads the backward splits its key tiles
+        q3, k3, v3 = (t.requires_grad_() for t in _attention_args(dtype, 1, 2, 1, 70, 200, 13))
+        ops.attention(q3, k3, v3, causal=True, window=(0, 40)[i % 2]).float().sum().backward()
+        ops.attention_dropout_mask((1, 2, 3, 5), 0.5, i)
+    finally:
+        ops.set_num_threads(1)
+    q, k, v = _attention_args(torch.float32)
+    out, lse = torch.empty_like(q), torch.empty(2, 4, 37)
+    args = (1.0, False, 0, None, None, None, 0.0, 0)
+    expect(ValueError, _C.attention_forward, q, k[:, :1, :, :5].contiguous(), v, out, lse, *args)
+    expect(ValueError, _C.attention_forward, q, torch.randn(2, 3, 70, 13), torch.randn(2, 3, 70, 13),
+           out, lse, *args, match="multiple")
+    expect(ValueError, _C.attention_forward, q, k, v, out, torch.empty(5), *args, match="lse")
+    expect(TypeError, _C.attention_forward, q, k, v, out, lse, 1.0, False, 0, None, None,
+           torch.ones(1, 1, 1, 70), 0.0, 0, match="mask")
+    expect(ValueError, _C.attention_forward, q, k, v, out, lse, 1.0, False, 0, None,
+           torch.zeros(2, 3, 37, 70), None, 0.0, 0, match="broadcast")
+    expect(ValueError, _C.attention_forward, q, k, v, out, lse, 1.0, False, -1, None, None, None,
+           0.0, 0, match="window")
+    expect(ValueError, _C.attention_backward, q, k, v, out, out, lse, q, k, v,
+           torch.empty(3), 1.0, False, 0, None, None, None, 0.0, 0, match="dbias")
+    expect(ValueError, _C.attention_dropout_keep, torch.empty(2, 2), 0.5, 0)
+
+
 SCENARIOS = [scenario_layout_math, scenario_copy_place_torch, scenario_copy_place_numpy,
              scenario_copy_errors, scenario_gather_index, scenario_tensor_info,
-             scenario_sharder]
+             scenario_sharder, scenario_attention]
 
 if MODE == "asan":
     for scenario in SCENARIOS:
@@ -523,7 +574,24 @@ elif MODE == "leaks":
     def raises_type_error(tp, r):
         raise TypeError("boom")
 
+    ATT_Q, ATT_K, ATT_V = _attention_args(torch.float32)
+    ATT_OUT, ATT_LSE = torch.empty_like(ATT_Q), torch.empty(2, 4, 37)
+    ATT_DQ, ATT_DK, ATT_DV = torch.empty_like(ATT_Q), torch.empty_like(ATT_K), torch.empty_like(ATT_V)
+    ATT_MASK = torch.ones(2, 1, 1, 70, dtype=torch.bool)
+    ATT_BIAS = torch.zeros(1, 4, 37, 70)
+    ATT_DB = torch.empty(2, 4, 37, 70)
+    ATT_SLOPES = torch.ones(4)
     cases = {
+        "attention_forward": lambda: _C.attention_forward(
+            ATT_Q, ATT_K, ATT_V, ATT_OUT, ATT_LSE, 0.5, True, 4, ATT_SLOPES, ATT_BIAS, ATT_MASK, 0.1, 3),
+        "attention_backward": lambda: _C.attention_backward(
+            ATT_Q, ATT_K, ATT_V, ATT_OUT, ATT_OUT, ATT_LSE, ATT_DQ, ATT_DK, ATT_DV, ATT_DB, 0.5, True, 4,
+            ATT_SLOPES, ATT_BIAS, ATT_MASK, 0.1, 3),
+        "attention_forward/error": lambda: expect(
+            ValueError, _C.attention_forward, ATT_Q, ATT_K, ATT_V, ATT_OUT, ATT_DB, 0.5, False, 0, None,
+            None, None, 0.0, 0),
+        "attention_dropout_keep": lambda: _C.attention_dropout_keep(
+            torch.empty(1, 2, 3, 4, dtype=torch.uint8), 0.5, 7),
         "split_units": lambda: _C.split_units(10, 3, 1),
         "split_units/error": lambda: expect(ValueError, _C.split_units, 5, 2, 7),
         "split_units/type": lambda: expect(TypeError, _C.split_units, "5", 2, 0),

@@ -375,8 +375,7 @@ def test_vocab_parallel_cross_entropy_bf16(pool, tp):
 
 @pytest.mark.parametrize("name", ["LlamaForCausalLM", "GPT2LMHeadModel", "BertForMaskedLM"])
 def test_models_with_fused_kernels(pool, name):
-    pool.run(model_check.check_model, 2, name,
-             config={"enable_fused_normalization": True, "enable_jit_fused": True})
+    pool.run(model_check.check_model, 2, name, config={"enable_all_optimization": True})
 
 
 @pytest.mark.parametrize("name", ["LlamaForCausalLM", "GPT2LMHeadModel", "BertForMaskedLM"])
@@ -407,12 +406,19 @@ def test_threads_match_single_thread():
             loss.backward()
             outs.append((loss.detach(), z.grad.clone(), ops.layer_norm(x, (300,), w), ops.swiglu(x, x)))
     finally:
-        ops.set_num_threads(1)
+        ops.set_num_threads(None)
     for o in outs[1:]:
         for a, b in zip(outs[0], o):
             assert torch.equal(a, b)
     with pytest.raises(ValueError, match="outside"):
         ops.set_num_threads(0)
+    torch_threads = torch.get_num_threads()
+    try:   # unpinned, the kernels follow torch's thread count at the next call
+        torch.set_num_threads(2)
+        ops.layer_norm(x, (300,), w)
+        assert ops.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(torch_threads)
 
 
 def test_empty_inputs():

@@ -113,8 +113,10 @@ def test_shard_config_validation():
         ShardConfig(enable_fused_normalization="yes")
     with pytest.raises(ValueError, match="unknown keys"):
         ShardConfig(extra_kwargs={"make_vocab_divisible": 8})
-    with pytest.raises(NotImplementedError, match="enable_flash_attention"):
-        ShardConfig(enable_all_optimization=True)
+    every = ShardConfig(enable_all_optimization=True)
+    assert every.enable_fused_normalization and every.enable_flash_attention and every.enable_jit_fused
+    with pytest.raises(NotImplementedError, match="enable_sequence_parallelism"):
+        ShardConfig(enable_sequence_parallelism=True)
     with pytest.raises(NotImplementedError, match="pipeline"):
         ShardConfig(pipeline_stage_manager=object())
     cfg = ShardConfig(enable_fused_normalization=True)

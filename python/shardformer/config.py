@@ -9,7 +9,6 @@ import torch.distributed as dist
 # Switches whose implementation has not landed yet, with where it is tracked.
 # Switching one on is an error rather than a silent no-op.
 _NOT_YET = {
-    "enable_flash_attention": "the C attention kernel (C kernels issue)",
     "enable_sequence_parallelism": "sequence parallelism",
     "enable_sequence_overlap": "sequence parallelism with communication overlap",
 }
@@ -35,7 +34,10 @@ class ShardConfig:
     enable_tensor_parallelism: split attention heads, MLP features,
         vocabularies and classifier heads over the group.
     enable_fused_normalization: replace LayerNorm / RMSNorm modules by fused ones.
-    enable_flash_attention, enable_jit_fused: fused kernels (not available yet).
+    enable_flash_attention: attention by the C flash-style kernel
+        (shardformer.ops.attention) in every layer whose HF attention goes through
+        transformers' AttentionInterface; other layers keep theirs (with a warning).
+    enable_jit_fused: fused C kernels for the MLP activations.
     enable_sequence_parallelism, enable_sequence_overlap: (not available yet);
         overlap requires sequence parallelism.
     enable_all_optimization: switches on fused normalization, flash attention

@@ -16,6 +16,8 @@ cast back to the parameter's dtype.
     vocab_embedding(ids, W, ...)  rows of W for ids in [start, start + real), 0 elsewhere
     xent_stats / xent_grad        the local halves of vocabulary-parallel cross-entropy
                                   (shardformer.layer.loss combines them across ranks)
+    attention(q, k, v, ...)       softmax(scale q k^T + bias + masks) v, flash style
+                                  (never an [Sq, Sk] matrix); see attention()
 """
 from __future__ import annotations
 
@@ -28,17 +30,34 @@ from . import _C
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def set_num_threads(n: int) -> None:
-    """Threads the kernels split rows over, for inputs large enough to pay."""
-    _C.kernel_set_num_threads(int(n))
+# Threads the kernels use: torch's intra-op count unless set_num_threads pinned one.
+_pinned_threads: int | None = None
+
+
+def set_num_threads(n: int | None) -> None:
+    """Threads the kernels split rows over (for inputs large enough to pay);
+    None = follow torch.get_num_threads(), the default."""
+    global _pinned_threads
+    _C.kernel_set_num_threads(min(torch.get_num_threads(), 64) if n is None else int(n))  # checks n
+    _pinned_threads = None if n is None else int(n)
 
 
 def get_num_threads() -> int:
     return _C.kernel_get_num_threads()
 
 
+def _follow_torch_threads() -> None:
+    if _pinned_threads is None:
+        n = min(torch.get_num_threads(), 64)
+        if n != _C.kernel_get_num_threads():
+            _C.kernel_set_num_threads(n)
+
+
 def _data(t: torch.Tensor, what: str) -> torch.Tensor:
-    """`t` ready for C: detached, contiguous, CPU, a float dtype."""
+    """`t` ready for C: detached, contiguous, CPU, a float dtype.  Every op
+    passes its inputs through here first, so this is also where the kernels'
+    thread count catches up with torch's (see set_num_threads)."""
+    _follow_torch_threads()
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what}: expected a tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
@@ -277,6 +296,129 @@ def xent_grad(logits2d, labels1d, vocab_start, vocab_real, ignore_index, lse, sc
     _C.xent_backward(logits2d, labels1d, vocab_start, vocab_real, ignore_index,
                      lse.contiguous(), scale.contiguous(), float(eps), vocab, out)
     return out
+
+
+# ---- attention --------------------------------------------------------------
+
+class _Attention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, bias, scale, causal, window, alibi, mask, p, seed):
+        qd, kd, vd = _data(q, "attention q"), _data(k, "attention k"), _data(v, "attention v")
+        out = torch.empty_like(qd)
+        lse = torch.empty(qd.shape[:3], dtype=torch.float32)
+        bd = None if bias is None else bias.detach().float().contiguous()
+        _C.attention_forward(qd, kd, vd, out, lse, scale, causal, window, alibi, bd, mask, p, seed)
+        ctx.save_for_backward(qd, kd, vd, out, lse, bd, alibi, mask)
+        ctx.args = (scale, causal, window, p, seed)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        qd, kd, vd, out, lse, bd, alibi, mask = ctx.saved_tensors
+        out = out.detach()
+        scale, causal, window, p, seed = ctx.args
+        dout = _data(dout, "attention grad").to(qd.dtype).contiguous()
+        dq, dk, dv = torch.empty_like(qd), torch.empty_like(kd), torch.empty_like(vd)
+        want_db = bd is not None and ctx.needs_input_grad[3]
+        ds = torch.empty(*qd.shape[:3], kd.shape[2], dtype=torch.float32) if want_db else None
+        _C.attention_backward(qd, kd, vd, out, dout, lse, dq, dk, dv, ds, scale, causal, window, alibi,
+                              bd, mask, p, seed)
+        dbias = None
+        if want_db:
+            dims = [d for d in range(4) if bd.shape[d] == 1 and ds.shape[d] != 1]
+            dbias = (ds.sum(dim=dims, keepdim=True) if dims else ds).to(ctx.bias_dtype)
+        return dq, dk, dv, dbias, None, None, None, None, None, None, None
+
+
+def _as_4d(t: torch.Tensor, what: str, B, H, Sq, Sk) -> torch.Tensor:
+    """t as a 4-D tensor broadcastable to [B, H, Sq, Sk]: 2-D [B, Sk] is a per-key
+    mask, 3-D [H, Sq, Sk] a per-head one; anything else must be 4-D."""
+    if t.dim() == 2:
+        t = t[:, None, None, :]
+    elif t.dim() == 3:
+        t = t[None]
+    if t.dim() != 4 or any(s not in (1, f) for s, f in zip(t.shape, (B, H, Sq, Sk))):
+        raise ValueError(f"{what}: shape {tuple(t.shape)} does not broadcast to [B, H, Sq, Sk] = "
+                         f"{[B, H, Sq, Sk]} (2-D [B, Sk], 3-D [H, Sq, Sk] or 4-D with dimensions 1 or full)")
+    if t.device.type != "cpu":
+        raise ValueError(f"{what}: the C kernels run on CPU tensors, got device {t.device}")
+    return t
+
+
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask=None, bias=None,
+              window: int | None = None, alibi_slopes=None, dropout_p: float = 0.0, training: bool = True,
+              seed: int | None = None):
+    """Attention by the C flash-style kernel (csrc/kernels/attention.h).
+
+    q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] (Hq a multiple of Hkv: query head h
+    reads key-value head h // (Hq // Hkv)), CPU, float32 / float16 / bfloat16
+    (accumulated in float32).  Returns o [B, Hq, Sq, D]:
+
+        s_ij = scale q_i . k_j + bias_ij - slope_h |i + Sk - Sq - j|
+        s_ij = -inf where mask_ij is False, or (causal) j > i + Sk - Sq, or
+               (window W) i + Sk - Sq - j >= W  (and j - (i + Sk - Sq) >= W when not causal)
+        o_i  = sum_j softmax_j(s_ij) z_ij / (1 - p) v_j
+
+    Queries are the last Sq of the Sk positions (bottom-right causal alignment,
+    as for decoding with a KV cache).  scale defaults to 1 / sqrt(D).  mask:
+    bool, [B, Sk] (key padding), [H, Sq, Sk] or 4-D broadcastable to
+    [B, Hq, Sq, Sk]; a floating-point mask is additive and joins the bias.
+    bias: additive, same shapes, differentiable (its gradient is summed over
+    the dimensions it broadcasts).  alibi_slopes: [Hq].  A row with every key
+    masked gives 0.  Dropout p (training only): z_ij drawn from `seed` (from
+    torch's generator when None) by a counter-based hash, redrawn in backward,
+    never stored; ops.attention_dropout_mask shows the draws.
+    """
+    for t, what in ((q, "attention q"), (k, "attention k"), (v, "attention v")):
+        _data(t, what)  # device / dtype checks, before any work
+        if t.dim() != 4:
+            raise ValueError(f"{what}: expected 4-D [B, H, S, D], got shape {tuple(t.shape)}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError(f"attention: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"attention: k {tuple(k.shape)} and v {tuple(v.shape)} shapes differ")
+    B, Hq, Sq, D = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    if k.shape[0] != B or k.shape[3] != D:
+        raise ValueError(f"attention: q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head size")
+    if Hq and (Hkv == 0 or Hq % Hkv):
+        raise ValueError(f"attention: {Hq} query heads are not a multiple of {Hkv} key-value heads")
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    window = 0 if window is None else int(window)
+    if window < 0:
+        raise ValueError(f"attention: window must be >= 0 (0 or None: no window), got {window}")
+    p = float(dropout_p) if training else 0.0
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"attention: dropout_p must be in [0, 1], got {p}")
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item()) if p > 0 else 0
+    if mask is not None:
+        mask = _as_4d(mask, "attention mask", B, Hq, Sq, Sk)
+        if mask.dtype.is_floating_point:
+            bias = mask if bias is None else bias + mask
+            mask = None
+        elif mask.dtype in (torch.bool, torch.uint8):
+            mask = mask.contiguous().view(torch.uint8)
+        else:
+            raise TypeError(f"attention mask: expected bool or a float (additive) mask, got {mask.dtype}")
+    if bias is not None:
+        bias = _as_4d(bias, "attention bias", B, Hq, Sq, Sk)
+        if not bias.dtype.is_floating_point:
+            raise TypeError(f"attention bias: expected a floating-point tensor, got {bias.dtype}")
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.detach().float().contiguous().reshape(-1)
+        if alibi_slopes.numel() != Hq:
+            raise ValueError(f"attention: alibi_slopes has {alibi_slopes.numel()} elements, expected {Hq} "
+                             "(one per query head)")
+    return _Attention.apply(q, k, v, bias, scale, bool(causal), window, alibi_slopes, mask, p, int(seed))
+
+
+def attention_dropout_mask(shape, p: float, seed: int) -> torch.Tensor:
+    """The keep draws z [B, H, Sq, Sk] (bool) attention() uses for (p, seed)."""
+    keep = torch.empty(tuple(shape), dtype=torch.uint8)
+    _C.attention_dropout_keep(keep, float(p), int(seed))
+    return keep.bool()
 
 
 # ---- fused module forwards (method replacements under enable_jit_fused) -----
