@@ -29,13 +29,14 @@ FEATURES = {
     "generate()": ("test_generate_matches_unsharded",),
     "bf16": ("test_bf16_forward",),
     "fused normalization": ("test_fused_normalization",),
-    "jit fused": ("test_jit_fused",),
+    "jit fused": ("test_models_with_fused_kernels",),
     "flash attention": ("test_flash_attention",),
     "full state dict": ("test_state_dict_round_trip",),
 }
 BEGIN, END = "<!-- support-matrix:begin -->", "<!-- support-matrix:end -->"
 TEST_FILES = ["tests/test_models.py", "tests/test_models_decoders.py", "tests/test_models_encoders.py",
-              "tests/test_models_vision.py", "tests/test_generate_checkpoint.py", "tests/test_kernels.py"]
+              "tests/test_models_vision.py", "tests/test_generate_checkpoint.py", "tests/test_kernels.py",
+              "tests/test_attention.py"]
 
 
 def registry() -> dict[str, list[str]]:
@@ -88,6 +89,14 @@ def table(families: dict[str, list[str]], results) -> str:
     return "\n".join(lines)
 
 
+def class_list(families: dict[str, list[str]]) -> str:
+    """The registered classes of each family, as a two-column table."""
+    lines = ["| family | registered classes |", "|---|---|"]
+    for family, classes in families.items():
+        lines.append(f"| {family} | " + ", ".join(f"`{c}`" for c in classes) + " |")
+    return "\n".join(lines)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--junit", help="an existing pytest --junitxml file (default: run the model tests)")
@@ -99,6 +108,8 @@ def main():
         junit = os.path.join(tempfile.mkdtemp(), "results.xml")
         run_tests(junit)
     text = table(families, outcomes(junit, {c for cs in families.values() for c in cs}))
+    text += "\n\nA cell counts the classes of the family for which every test of that feature passed.\n\n"
+    text += class_list(families)
     print(text)
     if args.write:
         with open(args.write) as f:
