@@ -91,16 +91,21 @@ def run(rank: int, args, port: int) -> None:
     reference = None
     if rank == 0:
         with torch.no_grad():
+            model(ids)                                   # warm-up
+            t0 = time.perf_counter()
             reference = model(ids).logits
-        log(rank, f"unsharded {type(model).__name__}: {full_bytes / 2**20:.1f} MiB of parameters")
+            ref_s = time.perf_counter() - t0
+        log(rank, f"unsharded {type(model).__name__}: {full_bytes / 2**20:.1f} MiB of parameters, "
+                  f"forward {ids.numel() / ref_s:,.0f} tokens/s on this rank's {torch.get_num_threads()} thread(s)")
 
     t0 = time.perf_counter()
     model, _ = ShardFormer(shard_config=ShardConfig()).optimize(model)
     shard_s = time.perf_counter() - t0
     local_bytes = param_bytes(model)
 
-    # 1. logits
+    # 1. logits (the first call also sets up the group's communicator: warm up)
     with torch.no_grad():
+        model(ids)
         t0 = time.perf_counter()
         logits = model(ids).logits
         fwd_s = time.perf_counter() - t0

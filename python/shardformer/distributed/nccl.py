@@ -106,13 +106,23 @@ class NcclCommunicator:
         self._call("all_reduce", t.data_ptr(), t.data_ptr(), t.numel(), t, _OPS[op])
         return t
 
+    def _pair(self, what: str, big: torch.Tensor, small: torch.Tensor) -> None:
+        """NCCL trusts the counts: check big = size x small, same dtype and device."""
+        self._args(big)
+        if big.dtype != small.dtype or big.device != small.device:
+            raise ValueError(f"NCCL {what}: tensors differ: {big.dtype} on {big.device} vs "
+                             f"{small.dtype} on {small.device}")
+        if big.numel() != small.numel() * self.size:
+            raise ValueError(f"NCCL {what}: {big.numel()} elements != {self.size} ranks x "
+                             f"{small.numel()} elements")
+
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        self._args(out)
+        self._pair("all_gather", out, t)
         self._call("all_gather", t.data_ptr(), out.data_ptr(), t.numel(), t, 0)
         return out
 
     def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        self._args(out)
+        self._pair("reduce_scatter", t, out)
         self._call("reduce_scatter", t.data_ptr(), out.data_ptr(), out.numel(), t, _OPS[op])
         return out
 
