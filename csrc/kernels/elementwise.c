@@ -56,98 +56,115 @@ static float *out_row(const ew_ctx *c, void *base, int64_t r, float *buf)
 
 /* ---- bias + GeLU -------------------------------------------------------- */
 
-/* u = x + b in place; e gets exp(2 k (u + c u^3)) (tanh form) or nothing. */
-/* u = x + b (b may be NULL). */
-CLONES static void add_bias(float *restrict u, const float *restrict x, const float *restrict b,
-                            int64_t n)
-{
-    if (b) for (int64_t i = 0; i < n; i++) u[i] = x[i] + b[i];
-    else memcpy(u, x, (size_t)n * sizeof(float));
-}
-
-CLONES static void tanh_arg(const float *restrict u, float *restrict e, int64_t n)
-{
-    for (int64_t i = 0; i < n; i++) e[i] = -2.0f * K_TANH * (u[i] + C_TANH * u[i] * u[i] * u[i]);
-}
-
 /* From e = exp(-2a): s = sigmoid(2a) = 1 / (1 + e) = (1 + tanh a) / 2 and
- * 1 - s = e s = (1 - tanh a) / 2, both without cancellation in either tail. */
-static inline float sig_from(float e) { return isinf(e) ? 0.0f : 1.0f / (1.0f + e); }
-static inline float one_minus_sig_from(float e) { return isinf(e) ? 1.0f : e / (1.0f + e); }
+ * 1 - s = e / (1 + e) = 1 / (1 + 1 / e) = (1 - tanh a) / 2, both without
+ * cancellation in either tail, and branch-free (IEEE division takes e = 0 and
+ * e = inf to the limits 0 and 1), so the loops over them vectorize. */
+static inline float sig_from(float e) { return 1.0f / (1.0f + e); }
+static inline float one_minus_sig_from(float e) { return 1.0f / (1.0f + 1.0f / e); }
 
-/* Erf GeLU pieces from e = exp(-u^2 / 2): cdf = Phi(u) = (1 + erf(u / sqrt 2)) / 2,
- * with erfc(z) = t P(t) exp(-z^2), t = 1 / (1 + p z) (Abramowitz & Stegun
- * 7.1.26, |error| < 1.5e-7) on |u|, reflected for u < 0: no cancellation in
- * the left tail, where Phi is tiny. */
-CLONES static void erf_arg(const float *restrict u, float *restrict e, int64_t n)
+/* Phi(u) = (1 + erf(u / sqrt 2)) / 2 from e = exp(-u^2 / 2), with
+ * erfc(z) = t P(t) exp(-z^2), t = 1 / (1 + p z) (Abramowitz & Stegun 7.1.26,
+ * |error| < 1.5e-7) on |u|, reflected for u < 0: no cancellation in the left
+ * tail, where Phi is tiny.  Branch-free, so the loops calling it vectorize. */
+static inline float phi_from(float u, float e)
 {
-    for (int64_t i = 0; i < n; i++) e[i] = -0.5f * u[i] * u[i];
+    float z = fabsf(u) * SQRT1_2, t = 1.0f / (1.0f + 0.3275911f * z);
+    float poly = t * (0.254829592f + t * (-0.284496736f + t * (1.421413741f
+               + t * (-1.453152027f + t * 1.061405429f))));
+    return 0.5f + copysignf(0.5f - 0.5f * poly * e, u);
 }
 
-CLONES static void phi_from(const float *restrict u, const float *restrict e, float *restrict cdf,
-                            int64_t n)
+/* One row in three passes: u = x + b with the exponent e of its form
+ * (erf: -u^2 / 2; tanh: -2 k (u + c u^3)), then e = exp(e) (vectorized), then
+ * the output from u and e alone. */
+CLONES static void gelu_prep(float *restrict u, float *restrict e, const float *restrict x,
+                             const float *restrict b, int64_t n, int tanh_form)
 {
-    for (int64_t i = 0; i < n; i++) {
-        float z = fabsf(u[i]) * SQRT1_2, t = 1.0f / (1.0f + 0.3275911f * z);
-        float poly = t * (0.254829592f + t * (-0.284496736f + t * (1.421413741f
-                   + t * (-1.453152027f + t * 1.061405429f))));
-        float half_erf = 0.5f - 0.5f * poly * e[i];      /* erf(z) / 2 */
-        cdf[i] = 0.5f + copysignf(half_erf, u[i]);       /* branch-free: vectorizes */
+    if (tanh_form) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) {
+            float v = b ? x[i] + b[i] : x[i];
+            u[i] = v;
+            e[i] = -2.0f * K_TANH * (v + C_TANH * v * v * v);
+        }
+    } else {
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) {
+            float v = b ? x[i] + b[i] : x[i];
+            u[i] = v;
+            e[i] = -0.5f * v * v;
+        }
     }
 }
 
-CLONES static void gelu_fwd_rows(void *arg, int64_t r0, int64_t r1, int tid)
+/* y = u Phi(u) (erf) or u sigmoid(2a) (tanh). */
+CLONES static void gelu_out(float *restrict y, const float *restrict u, const float *restrict e,
+                            int64_t n, int tanh_form)
+{
+    if (tanh_form) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) y[i] = u[i] * sig_from(e[i]);
+    } else {
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) y[i] = u[i] * phi_from(u[i], e[i]);
+    }
+}
+
+/* g = dy * gelu'(u), and db += g when db is given.
+ * erf: gelu' = Phi(u) + u phi(u), phi(u) = e / sqrt(2 pi);
+ * tanh: 0.5 (1 + th) + 0.5 u (1 - th^2) k (1 + 3 c u^2), th = 2 s - 1. */
+CLONES static void gelu_grad(float *restrict g, const float *restrict dy, const float *restrict u,
+                             const float *restrict e, float *restrict db, int64_t n, int tanh_form)
+{
+    if (tanh_form) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) {
+            float s = sig_from(e[i]), x = u[i];
+            g[i] = dy[i] * (s + 2.0f * x * s * one_minus_sig_from(e[i]) * K_TANH
+                                    * (1.0f + 3.0f * C_TANH * x * x));
+        }
+    } else {
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++)
+            g[i] = dy[i] * (phi_from(u[i], e[i]) + u[i] * e[i] * INV_SQRT_2PI);
+    }
+    if (db) {
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) db[i] += g[i];
+    }
+}
+
+static void gelu_fwd_rows(void *arg, int64_t r0, int64_t r1, int tid)
 {
     (void)tid;
     ew_ctx *c = arg;
     const int64_t n = c->n;
-    float *u = bufs(c, 4), *e = u ? u + n : NULL, *cdf = u ? u + 2 * n : NULL;
+    float *u = bufs(c, 3), *e = u ? u + n : NULL;
     if (!u) return;
     for (int64_t r = r0; r < r1; r++) {
-        add_bias(u, in_row(c, c->a, r, n, u + 3 * n), c->bias, n);
-        float *y = out_row(c, c->o1, r, u + 3 * n);
-        if (c->flag) {
-            tanh_arg(u, e, n);
-            sfk_exp(e, e, n);
-            for (int64_t i = 0; i < n; i++) y[i] = u[i] * sig_from(e[i]);
-        } else {
-            erf_arg(u, e, n);
-            sfk_exp(e, e, n);
-            phi_from(u, e, cdf, n);
-            for (int64_t i = 0; i < n; i++) y[i] = u[i] * cdf[i];
-        }
+        gelu_prep(u, e, in_row(c, c->a, r, n, u + 2 * n), c->bias, n, c->flag);
+        sfk_exp(e, e, n);
+        float *y = out_row(c, c->o1, r, u + 2 * n);
+        gelu_out(y, u, e, n, c->flag);
         if (c->t != SFK_F32) sfk_store(c->t, y, n, at(c, c->o1, r));
     }
     free(u);
 }
 
-CLONES static void gelu_bwd_rows(void *arg, int64_t r0, int64_t r1, int tid)
+static void gelu_bwd_rows(void *arg, int64_t r0, int64_t r1, int tid)
 {
     ew_ctx *c = arg;
     const int64_t n = c->n;
-    float *u = bufs(c, 5), *e = u ? u + n : NULL, *cdf = u ? u + 2 * n : NULL;
+    float *u = bufs(c, 4), *e = u ? u + n : NULL;
     if (!u) return;
     float *db = c->part ? c->part + (size_t)tid * n : NULL;
     for (int64_t r = r0; r < r1; r++) {
-        add_bias(u, in_row(c, c->b2, r, n, u + 3 * n), c->bias, n);
-        const float *dy = in_row(c, c->a, r, n, u + 4 * n);
-        float *g = out_row(c, c->o1, r, u + 3 * n);
-        if (c->flag) {
-            tanh_arg(u, e, n);
-            sfk_exp(e, e, n);
-            for (int64_t i = 0; i < n; i++) {
-                /* 0.5 (1 + th) + 0.5 x (1 - th^2) k (1 + 3 c x^2), th = 2 s - 1 */
-                float s = sig_from(e[i]), x = u[i];
-                g[i] = dy[i] * (s + 2.0f * x * s * one_minus_sig_from(e[i]) * K_TANH
-                                        * (1.0f + 3.0f * C_TANH * x * x));
-            }
-        } else {
-            erf_arg(u, e, n);
-            sfk_exp(e, e, n);
-            phi_from(u, e, cdf, n);
-            for (int64_t i = 0; i < n; i++) g[i] = dy[i] * (cdf[i] + u[i] * e[i] * INV_SQRT_2PI);
-        }
-        if (db) for (int64_t i = 0; i < n; i++) db[i] += g[i];
+        gelu_prep(u, e, in_row(c, c->b2, r, n, u + 2 * n), c->bias, n, c->flag);
+        sfk_exp(e, e, n);
+        const float *dy = in_row(c, c->a, r, n, u + 3 * n);
+        float *g = out_row(c, c->o1, r, u + 2 * n);
+        gelu_grad(g, dy, u, e, db, n, c->flag);
         if (c->t != SFK_F32) sfk_store(c->t, g, n, at(c, c->o1, r));
     }
     free(u);
