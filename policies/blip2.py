@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import torch
 
-from shardformer.autopolicy import get_autopolicy
 from shardformer.layer import (
     DropoutForReplicatedInput,
     FusedLayerNorm,
@@ -39,7 +38,7 @@ from shardformer.layer import (
     VocabParallelEmbedding1D,
 )
 from shardformer.layout import Heads
-from shardformer.policy import ModulePolicyDescription, Policy
+from shardformer.policy import ModulePolicyDescription, Policy, merge_policies
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
 
@@ -104,17 +103,6 @@ def qformer_policy(hf, qformer_cfg, vocab_kwargs: dict) -> dict:
     }
 
 
-def merge_policies(policy: dict, other: dict) -> dict:
-    """Add `other`'s descriptions to `policy` (one description per key)."""
-    for key, desc in other.items():
-        mine = policy.setdefault(key, ModulePolicyDescription())
-        mine.attribute_replacement.update(desc.attribute_replacement)
-        mine.param_replacement.extend(desc.param_replacement)
-        mine.sub_module_replacement.extend(desc.sub_module_replacement)
-        mine.method_replacement.update(desc.method_replacement)
-    return policy
-
-
 class Blip2Policy(Policy):
     """Class attributes: `parts` the model holds ("vision", "qformer"; a
     language_model is composed in when present) and the projection `heads`."""
@@ -122,20 +110,10 @@ class Blip2Policy(Policy):
     parts: tuple[str, ...] = ("vision", "qformer")
     heads: tuple[str, ...] = ()
 
-    def __init__(self) -> None:
-        super().__init__()
-        self._language: Policy | None = None
-
     def language_policy(self) -> Policy | None:
         """The registered policy of the language model, bound to it."""
         lm = getattr(self.model, "language_model", None)
-        if lm is None:
-            return None
-        if self._language is None:
-            self._language = get_autopolicy(lm)
-        self._language.set_model(lm)
-        self._language.set_shard_config(self.shard_config)
-        return self._language
+        return None if lm is None else self.sub_policy(lm)
 
     def config_sanity_check(self):
         inner = self.language_policy()

@@ -87,6 +87,9 @@ _add("gemma3", "gemma3.modeling_gemma3", {
     "Gemma3TextModel": "Gemma3TextModelPolicy",
     "Gemma3ForCausalLM": "Gemma3ForCausalLMPolicy",
     "Gemma3TextForSequenceClassification": "Gemma3TextForSequenceClassificationPolicy",
+    "Gemma3Model": "Gemma3ModelPolicy",
+    "Gemma3ForConditionalGeneration": "Gemma3ForConditionalGenerationPolicy",
+    "Gemma3ForSequenceClassification": "Gemma3ForSequenceClassificationPolicy",
 })
 _add("phi3", "phi3.modeling_phi3", {
     "Phi3Model": "Phi3ModelPolicy",

@@ -122,6 +122,22 @@ class Policy(ABC):
         text_config = get_text_config() if callable(get_text_config) else config
         return bool(getattr(text_config, "tie_word_embeddings", False))
 
+    def sub_policy(self, module: nn.Module) -> "Policy":
+        """The registered policy of `module`, a model inside this one (a
+        multimodal model's language model, say), bound to it and to this
+        shard config: a policy composes it by merging its module_policy()
+        (merge_policies) and forwarding its sanity check, pre- and
+        postprocess.  Made once per module."""
+        from .autopolicy import get_autopolicy
+
+        cache = self.__dict__.setdefault("_sub_policies", {})
+        inner = cache.get(id(module))
+        if inner is None:
+            inner = cache[id(module)] = get_autopolicy(module)
+        inner.set_model(module)
+        inner.set_shard_config(self.shard_config)
+        return inner
+
     @staticmethod
     def append_or_create_submodule_replacement(
         description: SubModuleReplacementDescription | list[SubModuleReplacementDescription],
@@ -133,3 +149,15 @@ class Policy(ABC):
         entry = policy.setdefault(target_key, ModulePolicyDescription())
         entry.sub_module_replacement.extend(items)
         return policy
+
+
+def merge_policies(policy: dict[Any, ModulePolicyDescription],
+                   other: dict[Any, ModulePolicyDescription]) -> dict[Any, ModulePolicyDescription]:
+    """Add `other`'s descriptions to `policy` (one description per key); returns `policy`."""
+    for key, desc in other.items():
+        mine = policy.setdefault(key, ModulePolicyDescription())
+        mine.attribute_replacement.update(desc.attribute_replacement)
+        mine.param_replacement.extend(desc.param_replacement)
+        mine.sub_module_replacement.extend(desc.sub_module_replacement)
+        mine.method_replacement.update(desc.method_replacement)
+    return policy
