@@ -12,6 +12,7 @@ Nothing in the table is written by hand.
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import re
 import subprocess
@@ -34,9 +35,9 @@ FEATURES = {
     "full state dict": ("test_state_dict_round_trip",),
 }
 BEGIN, END = "<!-- support-matrix:begin -->", "<!-- support-matrix:end -->"
-TEST_FILES = ["tests/test_models.py", "tests/test_models_decoders.py", "tests/test_models_encoders.py",
-              "tests/test_models_vision.py", "tests/test_generate_checkpoint.py", "tests/test_kernels.py",
-              "tests/test_attention.py"]
+# every tests/test_models*.py, and the files holding the feature tests above
+TEST_FILES = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "tests", "test_models*.py"))) + [
+    "tests/test_generate_checkpoint.py", "tests/test_kernels.py", "tests/test_attention.py"]
 
 
 def registry() -> dict[str, list[str]]:
