@@ -34,6 +34,8 @@ def parse_args():
     p.add_argument("--new-tokens", type=int, default=8, help="greedy generation steps")
     p.add_argument("--steps", type=int, default=3, help="training steps")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--all-optimization", action="store_true",
+                   help="also switch on the C kernels (fused norms, SwiGLU, flash attention)")
     return p.parse_args()
 
 
@@ -99,7 +101,7 @@ def run(rank: int, args, port: int) -> None:
                   f"forward {ids.numel() / ref_s:,.0f} tokens/s on this rank's {torch.get_num_threads()} thread(s)")
 
     t0 = time.perf_counter()
-    model, _ = ShardFormer(shard_config=ShardConfig()).optimize(model)
+    model, _ = ShardFormer(shard_config=ShardConfig(enable_all_optimization=args.all_optimization)).optimize(model)
     shard_s = time.perf_counter() - t0
     local_bytes = param_bytes(model)
 

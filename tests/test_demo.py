@@ -3,12 +3,14 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_demo_on_local_checkpoint(tmp_path):
+@pytest.mark.parametrize("extra", [[], ["--all-optimization"]], ids=["plain", "all_optimization"])
+def test_demo_on_local_checkpoint(tmp_path, extra):
     import transformers
 
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=100, num_hidden_layers=2,
@@ -17,7 +19,7 @@ def test_demo_on_local_checkpoint(tmp_path):
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "ckpt")
     out = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "llama_tp.py"), "--model",
-                          str(tmp_path / "ckpt"), "--tp", "2", "--seq", "16", "--steps", "2", "--new-tokens", "3"],
+                          str(tmp_path / "ckpt"), "--tp", "2", "--seq", "16", "--steps", "2", "--new-tokens", "3", *extra],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "logits vs unsharded" in out.stdout and "-> OK" in out.stdout
