@@ -182,44 +182,16 @@ static void matmul_acc_tn(int64_t M, int64_t N, int64_t K, const float *A, int64
     matmul_acc_any(M, N, K, A, 1, lda, B, ldb, C, ldc);
 }
 
-/* ---- dropout draws ------------------------------------------------------ */
-
-static inline uint32_t mix(uint32_t h)
-{
-    h ^= h >> 16;
-    h *= 0x7feb352du;
-    h ^= h >> 15;
-    h *= 0x846ca68bu;
-    return h ^ (h >> 16);
-}
-
-/* Key of query row (b, h, i), flattened to `row`; z_ij = 1 when the top 24
- * bits of mix(key + j * golden) are >= dropout * 2^24. */
-static inline uint32_t row_key(uint64_t seed, int64_t row)
-{
-    uint32_t r = (uint32_t)row * 0x9e3779b9u + mix((uint32_t)((uint64_t)row >> 32));
-    return mix((uint32_t)seed ^ mix((uint32_t)(seed >> 32) + mix(r)));
-}
-
-static inline int kept(uint32_t key, int64_t j, uint32_t thresh)
-{
-    return (mix(key + (uint32_t)j * 0x9e3779b9u) >> 8) >= thresh;
-}
-
-static uint32_t threshold(float p) { return (uint32_t)((double)p * 16777216.0); }
+/* Dropout draws: common.h's sfk_dropout_*, keyed by the flattened query row (b, h, i). */
 
 /* ---- shared pieces ------------------------------------------------------ */
 
-/* Sum in 8 independent lanes (vectorizes without reassociation). */
+/* A SIMD reduction: lane-wise partial sums combined at the end (as norm.c). */
 static float row_sum(const float *x, int64_t n)
 {
-    float acc[8] = {0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int k = 0; k < 8; k++) acc[k] += x[i + k];
     float s = 0.0f;
-    for (int k = 0; k < 8; k++) s += acc[k];
-    for (; i < n; i++) s += x[i];
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; i++) s += x[i];
     return s;
 }
 
@@ -356,7 +328,7 @@ static void forward_rows(void *arg, int64_t r0, int64_t r1, int tid)
     float *Kt = l + BQ, *Vf = Kt + Skr * D;
     int64_t cached = -1;
     const float inv = a->dropout < 1.0f ? 1.0f / (1.0f - a->dropout) : 0.0f;
-    const uint32_t thresh = threshold(a->dropout);
+    const uint32_t thresh = sfk_dropout_threshold(a->dropout);
     for (int64_t r = r0; r < r1; r++) {
         const int64_t bh = r / c->nqt, b = bh / a->Hq, h = bh % a->Hq;
         const int64_t i0 = (r % c->nqt) * BQ, ni = a->Sq - i0 < BQ ? a->Sq - i0 : BQ;
@@ -392,9 +364,9 @@ static void forward_rows(void *arg, int64_t r0, int64_t r1, int tid)
                 if (alpha != 1.0f)
                     for (int64_t d = 0; d < D; d++) acc[i * D + d] *= alpha;
                 if (a->dropout > 0.0f) {
-                    const uint32_t key = row_key(a->seed, bh * a->Sq + i0 + i);
+                    const uint32_t key = sfk_dropout_key(a->seed, bh * a->Sq + i0 + i);
                     for (int64_t j = 0; j < nj; j++)
-                        s[j] = kept(key, j0 + j, thresh) ? s[j] * inv : 0.0f;
+                        s[j] = sfk_dropout_kept(key, j0 + j, thresh) ? s[j] * inv : 0.0f;
                 }
             }
             matmul_acc(ni, D, nj, S, BK, V, D, acc, D);
@@ -474,7 +446,7 @@ static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
     float *dVa = dKa + BK * D, *Kt = dVa + BK * D, *Vt = Kt + D * BK, *S = Vt + D * BK;
     float *dP = S + BQ * BK, *T = dP + BQ * BK, *delta = T + BK * BQ, *dQbuf = delta + g * Sq;
     const float inv = a->dropout < 1.0f ? 1.0f / (1.0f - a->dropout) : 0.0f;
-    const uint32_t thresh = threshold(a->dropout);
+    const uint32_t thresh = sfk_dropout_threshold(a->dropout);
     for (int64_t r = r0; r < r1; r++) {
         const int64_t pair = r / c->nsplit, part = r % c->nsplit;
         const int64_t b = pair / a->Hkv, h0 = (pair % a->Hkv) * g, kvrow = pair * a->Sk;
@@ -519,11 +491,11 @@ static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
                     const float *Pd = S;        /* p with the dropout applied */
                     if (a->dropout > 0.0f) {
                         for (int64_t i = 0; i < ni; i++) {
-                            const uint32_t key = row_key(a->seed, qrow + i0 + i);
+                            const uint32_t key = sfk_dropout_key(a->seed, qrow + i0 + i);
                             const float *s = S + i * BK;
                             float *pd = T + i * BK, *dp = dP + i * BK;
                             for (int64_t j = 0; j < nj; j++) {
-                                const int z = kept(key, j0 + j, thresh);
+                                const int z = sfk_dropout_kept(key, j0 + j, thresh);
                                 pd[j] = z ? s[j] * inv : 0.0f;
                                 dp[j] = z ? dp[j] * inv : 0.0f;
                             }
@@ -620,11 +592,11 @@ int sfk_attention_dropout_keep(const sfk_attn *a, uint8_t *keep)
     if (bad(a)) return SFK_EINVAL;
     const int64_t rows = a->B * a->Hq * a->Sq;
     if (rows > 0 && a->Sk > 0 && !keep) return SFK_EINVAL;
-    const uint32_t thresh = threshold(a->dropout);
+    const uint32_t thresh = sfk_dropout_threshold(a->dropout);
     for (int64_t r = 0; r < rows; r++) {
-        const uint32_t key = row_key(a->seed, r);
+        const uint32_t key = sfk_dropout_key(a->seed, r);
         for (int64_t j = 0; j < a->Sk; j++)
-            keep[r * a->Sk + j] = (uint8_t)(a->dropout <= 0.0f || kept(key, j, thresh));
+            keep[r * a->Sk + j] = (uint8_t)(a->dropout <= 0.0f || sfk_dropout_kept(key, j, thresh));
     }
     return SFK_OK;
 }

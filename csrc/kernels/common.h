@@ -16,6 +16,32 @@ typedef enum { SFK_F32 = 0, SFK_F16 = 1, SFK_BF16 = 2 } sfk_dtype;
 /* Return codes of the kernels. */
 enum { SFK_OK = 0, SFK_EINVAL = -1, SFK_ENOMEM = -2 };
 
+/* Dropout draws, counter-based so backward redraws them instead of storing a
+ * mask: row `row` gets a key hashed from (seed, row), and element j of the
+ * row is kept when the top 24 bits of mix(key + j * golden) are >= p * 2^24.
+ * Shared by bias-dropout-add and attention. */
+static inline uint32_t sfk_mix32(uint32_t h)
+{
+    h ^= h >> 16;
+    h *= 0x85ebca6bu;
+    h ^= h >> 13;
+    h *= 0xc2b2ae35u;
+    return h ^ (h >> 16);
+}
+
+static inline uint32_t sfk_dropout_key(uint64_t seed, int64_t row)
+{
+    uint32_t r = sfk_mix32((uint32_t)row * 0x9e3779b9u + (uint32_t)((uint64_t)row >> 32));
+    return sfk_mix32((uint32_t)seed ^ sfk_mix32((uint32_t)(seed >> 32) ^ r));
+}
+
+static inline int sfk_dropout_kept(uint32_t key, int64_t j, uint32_t thresh)
+{
+    return (sfk_mix32(key + (uint32_t)j * 0x9e3779b9u) >> 8) >= thresh;
+}
+
+static inline uint32_t sfk_dropout_threshold(float p) { return (uint32_t)((double)p * 16777216.0); }
+
 static inline uint32_t sfk_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float sfk_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 

@@ -206,33 +206,10 @@ CLONES static void swiglu_rows(void *arg, int64_t r0, int64_t r1, int tid)
 
 /* ---- bias + dropout + residual ------------------------------------------ */
 
-static inline uint32_t mix32(uint32_t h)
-{
-    h ^= h >> 16;
-    h *= 0x85ebca6bu;
-    h ^= h >> 13;
-    h *= 0xc2b2ae35u;
-    return h ^ (h >> 16);
-}
-
-/* Key of row `row`: a hash of (seed, row); element i of the row keeps when
- * the top 24 bits of mix32(key + i * golden) are >= p * 2^24. */
-static inline uint32_t row_key(uint64_t seed, int64_t row)
-{
-    return mix32((uint32_t)seed ^ mix32((uint32_t)(seed >> 32) ^ mix32((uint32_t)row * 0x9e3779b9u
-                                                                        + (uint32_t)((uint64_t)row >> 32))));
-}
-
-static inline int keep_at(uint32_t key, int64_t i, uint32_t thresh)
-{
-    return (mix32(key + (uint32_t)i * 0x9e3779b9u) >> 8) >= thresh;
-}
-
-static uint32_t threshold(float p) { return (uint32_t)((double)p * 16777216.0); }
-
 int sfk_dropout_keep(uint64_t seed, int64_t index, int64_t n, float p)
 {
-    return p <= 0.0f || (n > 0 && keep_at(row_key(seed, index / n), index % n, threshold(p)));
+    return p <= 0.0f ||
+           (n > 0 && sfk_dropout_kept(sfk_dropout_key(seed, index / n), index % n, sfk_dropout_threshold(p)));
 }
 
 CLONES static void bda_rows(void *arg, int64_t r0, int64_t r1, int tid)
@@ -242,7 +219,7 @@ CLONES static void bda_rows(void *arg, int64_t r0, int64_t r1, int tid)
     float *x = bufs(c, 2), *rr = x ? x + n : NULL;
     if (!x) return;
     const float scale = c->p > 0.0f ? (c->p < 1.0f ? 1.0f / (1.0f - c->p) : 0.0f) : 1.0f;
-    const uint32_t thresh = threshold(c->p);
+    const uint32_t thresh = sfk_dropout_threshold(c->p);
     float *db = c->part ? c->part + (size_t)tid * n : NULL;
     for (int64_t r = r0; r < r1; r++) {
         sfk_load(c->t, at(c, c->a, r), n, x);       /* forward: x; backward: dy */
@@ -251,8 +228,8 @@ CLONES static void bda_rows(void *arg, int64_t r0, int64_t r1, int tid)
             sfk_load(c->t, at(c, c->c3, r), n, rr);
         }
         if (c->p > 0.0f) {
-            const uint32_t key = row_key(c->seed, r);
-            for (int64_t i = 0; i < n; i++) x[i] = keep_at(key, i, thresh) ? x[i] * scale : 0.0f;
+            const uint32_t key = sfk_dropout_key(c->seed, r);
+            for (int64_t i = 0; i < n; i++) x[i] = sfk_dropout_kept(key, i, thresh) ? x[i] * scale : 0.0f;
         }
         if (c->c3)
             for (int64_t i = 0; i < n; i++) x[i] += rr[i];
