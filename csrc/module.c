@@ -344,8 +344,9 @@ PyDoc_STRVAR(sharder_plan_doc,
 "substitution; change nothing.  See csrc/sharder.c.");
 
 PyDoc_STRVAR(sharder_apply_doc,
-"sharder_apply(ops, process_group) -> int\n\n"
-"Apply a plan from sharder_plan, consuming the list.");
+"sharder_apply(ops, process_group, adopt=None) -> int\n\n"
+"Apply a plan from sharder_plan, consuming the list.  adopt(path, native,\n"
+"replacement), when given, runs before each sub-module swap.");
 
 static PyMethodDef methods[] = {
     {"split_units", py_split_units, METH_VARARGS, split_units_doc},

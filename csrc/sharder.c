@@ -533,7 +533,7 @@ done:
     return result;
 }
 
-static int apply_op(PyObject *op, PyObject *process_group)
+static int apply_op(PyObject *op, PyObject *process_group, PyObject *adopt)
 {
     if (!PyTuple_Check(op) || PyTuple_GET_SIZE(op) < 2) {
         PyErr_SetString(PyExc_TypeError, "sharder_apply: malformed plan op");
@@ -579,6 +579,18 @@ static int apply_op(PyObject *op, PyObject *process_group)
         Py_DECREF(kwargs);
         if (replacement == NULL)
             return -1;
+        /* adopt(path, native, replacement): the replacement takes over what
+         * the native module carried at run time (training flag, hooks,
+         * frozen parameters) before it enters the tree. */
+        if (adopt != Py_None) {
+            PyObject *r = PyObject_CallFunctionObjArgs(adopt, PyTuple_GET_ITEM(op, 1), native,
+                                                       replacement, NULL);
+            if (r == NULL) {
+                Py_DECREF(replacement);
+                return -1;
+            }
+            Py_DECREF(r);
+        }
         int rc = PyObject_SetAttr(parent, name, replacement);
         Py_DECREF(replacement);
         return rc;
@@ -595,17 +607,24 @@ static int apply_op(PyObject *op, PyObject *process_group)
     return -1;
 }
 
-/* sharder_apply(ops, process_group) -> number of ops applied.  The plan list
- * is consumed: each op is dropped once applied, so the last reference to a
- * replaced module (and its full weights) goes as early as possible. */
+/* sharder_apply(ops, process_group, adopt=None) -> number of ops applied.
+ * The plan list is consumed: each op is dropped once applied, so the last
+ * reference to a replaced module (and its full weights) goes as early as
+ * possible.  `adopt`, when not None, is called as adopt(path, native,
+ * replacement) for every sub-module swap, before the swap. */
 PyObject *sf_sharder_apply(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     (void)self;
-    static char *kwlist[] = {"ops", "process_group", NULL};
-    PyObject *ops, *process_group;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O:sharder_apply", kwlist, &PyList_Type,
-                                     &ops, &process_group))
+    static char *kwlist[] = {"ops", "process_group", "adopt", NULL};
+    PyObject *ops, *process_group, *adopt = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O|O:sharder_apply", kwlist, &PyList_Type,
+                                     &ops, &process_group, &adopt))
         return NULL;
+    if (adopt != Py_None && !PyCallable_Check(adopt)) {
+        PyErr_Format(PyExc_TypeError, "sharder_apply: adopt must be callable or None, got %s",
+                     Py_TYPE(adopt)->tp_name);
+        return NULL;
+    }
     Py_ssize_t n = PyList_GET_SIZE(ops);
     /* Re-read the size every step: an op runs Python code that could shrink
      * the list (n only feeds the messages). */
@@ -617,7 +636,7 @@ PyObject *sf_sharder_apply(PyObject *self, PyObject *args, PyObject *kwargs)
             Py_DECREF(op);
             return NULL;
         }
-        int rc = apply_op(op, process_group);
+        int rc = apply_op(op, process_group, adopt);
         if (rc < 0) {
             PyObject *path = PyTuple_Check(op) && PyTuple_GET_SIZE(op) > 1
                                  ? PyTuple_GET_ITEM(op, 1) : Py_None;

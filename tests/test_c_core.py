@@ -1112,3 +1112,29 @@ def test_regression_ranges_mutated_by_index():
 
     per_rank.extend([[(0, SneakyOuter())], [(1, 1)]])
     assert _C.gather_index(per_rank, 2, 1).tolist() == [0, 1]
+
+
+def test_sharder_apply_adopt_callback():
+    """adopt(path, native, replacement) runs for every sub-module swap, before
+    the swap; its exception aborts the apply; a non-callable is refused."""
+    root = Root()
+    ops, _ = _C.sharder_plan(root, "Root", entries_for_block(), 2, 1)
+    natives = [root.blocks[0].proj, root.blocks[1].proj]
+    seen = []
+
+    def adopt(path, native, replacement):
+        seen.append((path, native, replacement, getattr(root.blocks[len(seen)], "proj") is native))
+
+    assert _C.sharder_apply(ops, "pg", adopt) == 8
+    assert [s[0] for s in seen] == ["blocks.0.proj", "blocks.1.proj"]
+    assert [s[1] for s in seen] == natives and all(s[3] for s in seen)   # called before the swap
+    assert [s[2] for s in seen] == [root.blocks[0].proj, root.blocks[1].proj]
+    with pytest.raises(TypeError, match="adopt must be callable"):
+        _C.sharder_apply([], None, 3)
+
+    def refuse(path, native, replacement):
+        raise ValueError("no")
+
+    ops, _ = _C.sharder_plan(Root(), "Root", entries_for_block(), 2, 1)
+    with pytest.raises(RuntimeError, match="blocks.0.proj.*no"):
+        _C.sharder_apply(ops, "pg", adopt=refuse)

@@ -1,15 +1,34 @@
-"""Full (HuggingFace-shaped) state dicts of sharded models.
+"""Full (HuggingFace-shaped) checkpoints of sharded models.
 
-gather_full_state_dict(model): every rank of the group gets the unsharded
-tensors, padding stripped, under the HuggingFace names; the result loads into
-the unsharded model with load_state_dict.
+gather_full_state_dict(model, rank0_only=False, offload_to_cpu=False): the
+unsharded tensors, padding stripped, contiguous, under the HuggingFace names;
+the result loads into the unsharded model with load_state_dict and saves with
+safetensors.  Collective over each tensor-parallel group.  With rank0_only,
+shards travel to the group's first rank only (torch.distributed.gather) and
+the other ranks get {}: at no point does any rank other than the first hold
+more than its own shards plus one full tensor's worth of receive buffers.
 
 load_full_state_dict(model, state_dict): cut this rank's shards out of full
 tensors, so a checkpoint saved at one TP size loads at any other.
+
+save_pretrained(model, save_directory, **kwargs): HuggingFace's
+`save_pretrained` on a sharded model (optimize() binds it over the model's
+own, and `push_to_hub` through it).  Every rank of the tensor-parallel group
+calls it; the group that holds global rank 0 gathers to that rank, which
+writes an ordinary HF checkpoint (config, generation config, safetensors)
+that plain `transformers` loads back unsharded; the others wait for it.
+
+`model.state_dict()` on a sharded model stays what torch makes it: this
+rank's shards under the HF names (use it, per rank, to resume at the same
+TP size; use the functions here for anything HF-shaped).
 """
 from __future__ import annotations
 
+import os
+import tempfile
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from .distributed.mappings import _gather_dim
@@ -33,23 +52,79 @@ def _named_tensors(model: nn.Module):
     yield from model.named_buffers(remove_duplicate=False)
 
 
+def _group_root(group) -> int:
+    """Global rank of the first rank of `group` (None: the default group)."""
+    if group is None or not dist.is_initialized():
+        return 0
+    return dist.get_global_rank(group, 0)
+
+
+def _is_group_root(group) -> bool:
+    return not dist.is_initialized() or dist.get_rank(group) == 0
+
+
+def _gather_dim_to_root(x: torch.Tensor, dim: int, shard, group) -> torch.Tensor | None:
+    """Like _gather_dim, but only the group's first rank receives (and
+    returns) the full tensor; the others send their shard and get None."""
+    if not dist.is_initialized() or shard.tp_size == 1:
+        return _gather_dim(x, dim, shard, group)
+    x = x.movedim(dim, 0)
+    if x.shape[0] < shard.chunk:
+        pad = x.new_zeros((shard.chunk - x.shape[0],) + tuple(x.shape[1:]))
+        x = torch.cat([x, pad], 0)
+    x = x.contiguous()
+    root = _is_group_root(group)
+    bufs = [torch.empty_like(x) for _ in range(shard.tp_size)] if root else None
+    dist.gather(x, bufs, dst=_group_root(group), group=group)
+    if not root:
+        return None
+    full = torch.cat(bufs, 0)
+    return full.index_select(0, shard.gather_index.to(full.device)).movedim(0, dim)
+
+
+def _owned(t: torch.Tensor, offload_to_cpu: bool) -> torch.Tensor:
+    """A contiguous tensor of our own (never a view of the model's storage)."""
+    t = t.detach()
+    if offload_to_cpu and t.device.type != "cpu":
+        return t.to("cpu", memory_format=torch.contiguous_format)
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 @torch.no_grad()
-def gather_full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded state dict (collective: every rank of each group must call it)."""
+def gather_full_state_dict(model: nn.Module, rank0_only: bool = False,
+                           offload_to_cpu: bool = False) -> dict[str, torch.Tensor]:
+    """Unsharded, contiguous state dict under the HuggingFace names.
+
+    Collective: every rank of the model's tensor-parallel group(s) must call
+    it, with the same arguments.  rank0_only=True: the full tensors are
+    gathered to each group's first rank only; every other rank returns {}.
+    offload_to_cpu=True: each full tensor is moved to the CPU as soon as it
+    is gathered (a CUDA model never holds more than one full tensor on the
+    GPU).  Tied parameters come back as one tensor under each name, as in
+    the unsharded model's state_dict()."""
     info = _shard_info(model)
     persistent = set(model.state_dict().keys())
+    groups = list({id(g): g for _, _, g in info.values()}.values()) or [None]
+    keep = not rank0_only or all(_is_group_root(g) for g in groups)
     out: dict[str, torch.Tensor] = {}
-    gathered: dict[int, torch.Tensor] = {}
+    gathered: dict[int, torch.Tensor | None] = {}
     for name, t in _named_tensors(model):
         if name not in persistent:
             continue
         if id(t) in info:
             if id(t) not in gathered:
                 dim, shard, group = info[id(t)]
-                gathered[id(t)] = _gather_dim(t.detach(), dim, shard, group).clone()
+                if rank0_only:
+                    full = _gather_dim_to_root(t.detach(), dim, shard, group)
+                else:
+                    full = _gather_dim(t.detach(), dim, shard, group)
+                gathered[id(t)] = None if full is None else _owned(full, offload_to_cpu)
+            if keep and gathered[id(t)] is not None:
+                out[name] = gathered[id(t)]
+        elif keep:
+            if id(t) not in gathered:
+                gathered[id(t)] = _owned(t, offload_to_cpu)
             out[name] = gathered[id(t)]
-        else:
-            out[name] = t.detach().clone()
     return out
 
 
@@ -80,3 +155,85 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
         missing = [m for m in missing if m in persistent]
         if missing:
             raise KeyError(f"load_full_state_dict: missing keys {missing[:10]}{'...' if len(missing) > 10 else ''}")
+
+
+def _sharded_group(model: nn.Module):
+    groups = {id(g): g for _, _, g in _shard_info(model).values()}
+    if len(groups) > 1:
+        raise ValueError(f"{type(model).__name__}: save_pretrained: the model is sharded over "
+                         f"{len(groups)} different process groups; gather with gather_full_state_dict "
+                         f"and save from one rank instead")
+    return next(iter(groups.values())) if groups else None
+
+
+def _check_full(model: nn.Module, state_dict: dict) -> None:
+    """A state_dict handed to save_pretrained must be HF-shaped, not a shard."""
+    shapes = {}
+    for module_name, module in model.named_modules():
+        if isinstance(module, ParallelModule):
+            for pname, (dim, shard) in module.sharded_params.items():
+                t = getattr(module, pname, None)
+                if t is not None:
+                    full = list(t.shape)
+                    full[dim] = shard.full
+                    shapes[f"{module_name}.{pname}" if module_name else pname] = (tuple(full), dim, shard)
+    for name, (full, dim, shard) in shapes.items():
+        if name in state_dict and tuple(state_dict[name].shape) != full:
+            raise ValueError(
+                f"{type(model).__name__}: save_pretrained(state_dict=...): {name} has shape "
+                f"{tuple(state_dict[name].shape)}, the unsharded model's is {full} (this looks like "
+                f"a rank's shard, {shard.length} of {shard.full} along dim {dim}); pass "
+                f"gather_full_state_dict(model) or no state_dict")
+
+
+def save_pretrained(model: nn.Module, save_directory, **kwargs):
+    """HuggingFace save_pretrained for a sharded model (collective over its
+    tensor-parallel group; see the module docstring).  Keyword arguments are
+    HF's (max_shard_size, variant, safe_serialization, push_to_hub, ...).
+    `state_dict`, if given, must be full (HF-shaped); `is_main_process=False`
+    on every rank skips writing, as in HF."""
+    hf_save = type(model).save_pretrained
+    group = _sharded_group(model)
+    writes = _group_root(group) == 0          # the group that holds global rank 0 writes
+    state_dict = kwargs.pop("state_dict", None)
+    is_main = kwargs.pop("is_main_process", True)
+    if state_dict is not None:
+        _check_full(model, state_dict)
+    elif writes:
+        state_dict = gather_full_state_dict(model, rank0_only=True, offload_to_cpu=True)
+    root = not dist.is_initialized() or dist.get_rank() == 0
+    error = None
+    if root:
+        try:
+            hf_save(model, save_directory, state_dict=state_dict, is_main_process=is_main, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - the others must not wait forever
+            error = e
+    if dist.is_initialized() and writes and dist.get_world_size(group) > 1:
+        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
+        dist.broadcast(flag, src=0, group=group)
+        if error is None and flag.item():
+            raise RuntimeError(f"{type(model).__name__}: save_pretrained failed on rank 0 "
+                               f"(see its error); nothing complete was written to {save_directory}")
+    if error is not None:
+        raise error
+
+
+def push_to_hub(model: nn.Module, *args, **kwargs):
+    """HF's push_to_hub on a sharded model: rank 0 uploads, through
+    save_pretrained above; every other rank takes part in the gather only."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        return type(model).push_to_hub(model, *args, **kwargs)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_pretrained(model, os.path.join(tmp, "unused"))
+    return None
+
+
+def bind_hf_methods(model: nn.Module) -> None:
+    """Make model.save_pretrained / model.push_to_hub the collective versions
+    above (instance attributes: the class's methods stay as they were)."""
+    import types
+
+    if callable(getattr(type(model), "save_pretrained", None)):
+        model.__dict__["save_pretrained"] = types.MethodType(save_pretrained, model)
+    if callable(getattr(type(model), "push_to_hub", None)):
+        model.__dict__["push_to_hub"] = types.MethodType(push_to_hub, model)

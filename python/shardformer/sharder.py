@@ -11,7 +11,9 @@ from typing import Any
 from torch import nn
 
 from . import _C
+from .checkpoint import bind_hf_methods
 from .config import ShardConfig
+from .inherit import Inheritance, check_replaceable
 from .policy import ModulePolicyDescription, Policy, SubModuleReplacementDescription
 
 SHARDED_MARK = "_shardformer_sharded"
@@ -66,8 +68,12 @@ class ModelSharder:
             keys = ", ".join(k if isinstance(k, str) else k.__qualname__ for k in entries)
             raise ValueError(f"{name}: {type(policy).__name__} matched no module of the model "
                              f"(policy keys: {keys})")
+        check_replaceable(name, ops)
+        inheritance = Inheritance(model)
         policy.model = policy.preprocess()
-        _C.sharder_apply(ops, cfg.tensor_parallel_process_group)
+        _C.sharder_apply(ops, cfg.tensor_parallel_process_group, inheritance)
         self.model = policy.postprocess()
+        inheritance.finish(self.model, name)
+        bind_hf_methods(self.model)
         object.__setattr__(self.model, SHARDED_MARK, True)
         return policy.get_shared_params()

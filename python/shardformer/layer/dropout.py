@@ -10,8 +10,18 @@ nor disturb torch's global RNG:
 
     DropoutForReplicatedInput   seed(step)          same mask on every rank
     DropoutForParallelInput     seed(step, rank)    a different mask per rank
+
+Gradient checkpointing runs a layer's forward a second time inside backward
+and needs the same masks as the first time.  torch restores its global RNG
+for that; our generators are keyed by `step`, so each module remembers the
+steps it drew (most recent last) and a forward that runs inside the
+autograd engine (a recomputation) takes the most recent one back instead of
+drawing a new step: backward recomputes layers in reverse order, so even a
+module shared by several layers (ALBERT) gets each layer's step back.
 """
 from __future__ import annotations
+
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -20,6 +30,13 @@ from torch import nn
 from .parallel_module import ParallelModule
 
 _MASK64 = (1 << 63) - 1
+_REPLAY_DEPTH = 4096   # steps remembered per module for recomputation
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs (a checkpointed forward being
+    recomputed), False in an ordinary forward."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def _agreed_seed(process_group) -> int:
@@ -40,6 +57,7 @@ class _SeededDropout(ParallelModule):
         self.p, self.inplace = p, inplace
         self.seed = _agreed_seed(process_group) if seed is None else seed
         self.step = 0
+        self._drawn: deque[int] = deque(maxlen=_REPLAY_DEPTH)
 
     @classmethod
     def from_native_module(cls, module: nn.Module, process_group=None, **kwargs):
@@ -50,9 +68,16 @@ class _SeededDropout(ParallelModule):
         return cls(p=p, inplace=getattr(module, "inplace", False), process_group=process_group,
                    seed=kwargs.get("seed"))
 
-    def _generator(self, device) -> torch.Generator:
+    def _next_step(self) -> int:
+        if _in_backward() and self._drawn:
+            return self._drawn.pop()            # recomputation: the same mask again
         self.step += 1
-        mix = self.seed * 1_000_003 + self.step * 7919
+        self._drawn.append(self.step)
+        return self.step
+
+    def _generator(self, device) -> torch.Generator:
+        step = self._next_step()
+        mix = self.seed * 1_000_003 + step * 7919
         if self.per_rank_mask:
             mix += (self.tp_rank + 1) * 104_729_999
         g = torch.Generator(device=device)

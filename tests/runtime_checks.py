@@ -1,0 +1,238 @@
+"""Rank-side checks that a sharded model keeps the run-time state of the model
+it came from: eval/train, frozen parameters, hooks, HF flags, gradient
+checkpointing (issue 10).  Each function runs on every rank of the pool."""
+from __future__ import annotations
+
+import copy
+import importlib
+import warnings
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+import model_check
+import model_zoo
+from shardformer import ShardConfig, ShardFormer
+from shardformer.autopolicy import _REGISTRY
+
+ZOOS = ("model_zoo", "zoo_decoders", "zoo_encoders", "zoo_vision", "zoo_gemma3mm")
+DROPOUT = 0.25
+
+
+def zoo_of(name: str):
+    for z in ZOOS:
+        mod = importlib.import_module(z)
+        if name in mod.MODELS:
+            return mod
+    raise KeyError(name)
+
+
+def family_classes() -> dict[str, list[str]]:
+    """family -> the registered classes that some test zoo can build."""
+    names = set()
+    for z in ZOOS:
+        names.update(importlib.import_module(z).MODELS)
+    out: dict[str, list[str]] = {}
+    for key, (family, _) in sorted(_REGISTRY.items()):
+        cls = key.rsplit(".", 1)[-1]
+        if cls in names:
+            out.setdefault(family, []).append(cls)
+    return out
+
+
+def _with_dropout(cfg: PretrainedConfig, p: float, seen=None) -> list[str]:
+    """Set every float dropout probability of `cfg` (and its sub-configs) to p."""
+    seen = seen if seen is not None else set()
+    if id(cfg) in seen:
+        return []
+    seen.add(id(cfg))
+    changed = []
+    for key, value in list(vars(cfg).items()):
+        if isinstance(value, PretrainedConfig):
+            changed += [f"{key}.{c}" for c in _with_dropout(value, p, seen)]
+        elif isinstance(value, float) and not isinstance(value, bool) and (
+                "dropout" in key or "pdrop" in key or key == "layerdrop"):
+            setattr(cfg, key, p)
+            changed.append(key)
+    return changed
+
+
+def build_with_dropout(name: str, p: float = DROPOUT) -> nn.Module:
+    """The zoo's model `name` (its weights), rebuilt from a config whose every
+    dropout probability is p."""
+    zoo = zoo_of(name)
+    base = zoo.build(name)
+    if not isinstance(base.config, PretrainedConfig):
+        return base  # tests/chatglm2_local.py's replica has no dropout (the training flags are still checked)
+    cfg = copy.deepcopy(base.config)
+    changed = _with_dropout(cfg, p)
+    if not changed:
+        raise AssertionError(f"{name}: its config has no dropout probability to set")
+    torch.manual_seed(0)
+    model = type(base)(cfg)
+    model.load_state_dict(base.state_dict())
+    return model.to(next(base.parameters()).dtype)
+
+
+def eval_matches(ctx, names: list[str]) -> dict:
+    """model.eval() before optimize(): with every dropout > 0 in the config,
+    the sharded model's outputs equal the unsharded model's in eval mode, and
+    no module of the sharded model is left in training mode."""
+    report = {}
+    for name in names:
+        model = build_with_dropout(name)
+        inputs = zoo_of(name).make_inputs(name)
+        model.eval()
+        ref = copy.deepcopy(model)
+        ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
+        training = [n for n, m in model.named_modules() if m.training]
+        assert not training, f"{name}: modules left in training mode after optimize(): {training[:8]}"
+        with torch.no_grad():
+            got, exp = model(**inputs), ref(**inputs)
+        errs = model_check.check_outputs(f"{name} (eval, dropout {DROPOUT})", got, exp, model_check.TOL[torch.float32])
+        report[name] = max(errs.values()) if errs else 0.0
+    return report
+
+
+def train_eval_follow(ctx, name: str) -> dict:
+    """optimize() in training mode; later eval()/train() reach every module,
+    and eval() gives the unsharded eval outputs.  In training mode the dropout
+    masks differ, so the outputs must differ from eval's (dropout is live)."""
+    model = build_with_dropout(name)
+    inputs = zoo_of(name).make_inputs(name)
+    model.train()
+    ref = copy.deepcopy(model).eval()
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
+    assert all(m.training for m in model.modules())
+    model.eval()
+    assert not any(m.training for m in model.modules())
+    with torch.no_grad():
+        got, exp = model(**inputs), ref(**inputs)
+        model_check.check_outputs(name, got, exp, model_check.TOL[torch.float32])
+        model.train()
+        assert all(m.training for m in model.modules())
+        noisy = model_check.output_tensors(model(**inputs))
+    key = next(k for k in noisy if k in model_check.output_tensors(exp))
+    diff = model_check.rel_err(noisy[key], model_check.output_tensors(exp)[key])
+    assert diff > 1e-3, f"{name}: training-mode output equals eval output ({diff:.2e}): dropout is not running"
+    return {"train_vs_eval": diff}
+
+
+def frozen_stay_frozen(ctx) -> dict:
+    """Parameters frozen before optimize() stay frozen (their shards too), get
+    no gradient; the trainable ones still match the unsharded gradients."""
+    zoo = model_zoo
+    model = zoo.build("LlamaForCausalLM")
+    inputs = zoo.make_inputs("LlamaForCausalLM")
+    frozen = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+              "model.layers.0.mlp.down_proj.weight", "model.norm.weight")
+    for n, p in model.named_parameters():
+        if n in frozen:
+            p.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    wrong = [n for n, f in flags.items() if f == (n in frozen)]
+    assert not wrong, f"requires_grad not carried over for {wrong}"
+    model(**inputs).loss.backward()
+    ref(**inputs).loss.backward()
+    for n, p in model.named_parameters():
+        assert (p.grad is None) == (n in frozen), f"{n}: grad {'missing' if p.grad is None else 'present'}"
+    return {"frozen": sorted(n for n, f in flags.items() if not f)}
+
+
+def hooks_carried(ctx) -> dict:
+    """A forward hook the user put on a module that gets replaced still runs
+    (on the parallel layer), sees the same full output for a row-parallel
+    layer, and its handle still removes it."""
+    zoo = model_zoo
+    model = zoo.build("LlamaForCausalLM").eval()
+    inputs = zoo.make_inputs("LlamaForCausalLM")
+    seen, ref_seen = [], []
+    handle = model.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, a, out: seen.append(out.detach()))
+    ref = copy.deepcopy(model)
+    ref.model.layers[1].mlp.down_proj._forward_hooks.clear()
+    ref.model.layers[1].mlp.down_proj.register_forward_hook(lambda m, a, out: ref_seen.append(out.detach()))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
+    msgs = [str(w.message) for w in caught if "model.layers.1.mlp.down_proj" in str(w.message)]
+    assert msgs, f"no warning about the carried hook; got {[str(w.message) for w in caught]}"
+    assert type(model.model.layers[1].mlp.down_proj).__name__ == "Linear1D_Row"
+    with torch.no_grad():
+        model(**inputs)
+        ref(**inputs)
+    assert len(seen) == 1 and len(ref_seen) == 1, (len(seen), len(ref_seen))
+    model_check.assert_close("hooked output", seen[0], ref_seen[0], model_check.TOL[torch.float32])
+    handle.remove()
+    with torch.no_grad():
+        model(**inputs)
+    assert len(seen) == 1, "handle.remove() did not remove the carried hook"
+    return {"calls": len(seen)}
+
+
+def hf_flags_carried(ctx) -> dict:
+    zoo = model_zoo
+    model = zoo.build("LlamaForCausalLM")
+    before = {n for n, m in model.named_modules() if getattr(m, "_is_hf_initialized", False)}
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
+    after = {n for n, m in model.named_modules() if getattr(m, "_is_hf_initialized", False)}
+    missing = sorted(before - after)
+    assert before and not missing, f"_is_hf_initialized lost on {missing[:8]} ({len(before)} had it)"
+    return {"flagged": len(after)}
+
+
+def patched_forward_refused(ctx) -> dict:
+    """A module whose forward was patched on the instance cannot be replaced
+    faithfully: optimize() refuses before changing anything."""
+    zoo = model_zoo
+    model = zoo.build("LlamaForCausalLM")
+    target = model.model.layers[0].self_attn.o_proj
+    target.forward = lambda x: x
+    before = {n: p for n, p in model.named_parameters()}
+    try:
+        ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
+    except ValueError as e:
+        msg = str(e)
+    else:
+        raise AssertionError("optimize() accepted a module with a patched forward")
+    assert "model.layers.0.self_attn.o_proj" in msg and "LlamaForCausalLM" in msg, msg
+    assert model.model.layers[0].self_attn.o_proj is target
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys() and all(after[n] is before[n] for n in before)
+    return {"message": msg}
+
+
+def _grads_after_step(model, inputs, seed: int) -> dict[str, torch.Tensor]:
+    for m in model.modules():
+        if hasattr(m, "step") and hasattr(m, "seed") and hasattr(m, "per_rank_mask"):
+            m.step = 0
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    out = model(**inputs)
+    probe = {}
+    model_check.loss_of(out, probe).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def checkpointing_matches(ctx, name: str, use_reentrant: bool) -> dict:
+    """Gradient checkpointing on a sharded model with live dropout gives the
+    same gradients as without it: the recomputed forward must draw the same
+    dropout masks as the first (ours from their own generators, HF's from
+    torch's, which checkpointing restores)."""
+    model = build_with_dropout(name, 0.2)
+    inputs = zoo_of(name).make_inputs(name)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
+    model.train()
+    plain = _grads_after_step(model, inputs, seed=11)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    assert any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    ckpt = _grads_after_step(model, inputs, seed=11)
+    assert plain.keys() == ckpt.keys(), sorted(set(plain) ^ set(ckpt))
+    worst = 0.0
+    for n in plain:
+        worst = max(worst, model_check.assert_close(f"{name} checkpointed grad of {n}", ckpt[n], plain[n],
+                                                    model_check.TOL[torch.float32]))
+    # and the masks were live: a different seed for torch's RNG changes HF's dropout
+    return {"worst": worst}

@@ -1,0 +1,117 @@
+"""Rank-side checks of saving a sharded model (issue 10): HF's
+save_pretrained writes a full checkpoint that plain transformers loads, and
+gather_full_state_dict's rank0_only / contiguity contracts."""
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+
+import model_check
+from runtime_checks import zoo_of
+from shardformer import ShardConfig, ShardFormer
+from shardformer.checkpoint import _shard_info, gather_full_state_dict
+
+
+def _trained_pair(ctx, name: str):
+    """(sharded, unsharded) after one identical SGD step, so that a checkpoint
+    holding the initial weights would not pass."""
+    zoo = zoo_of(name)
+    model = zoo.build(name)
+    inputs = zoo.make_inputs(name)
+    ref = copy.deepcopy(model)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
+    for m in (model, ref):
+        probe = {}
+        model_check.loss_of(m(**inputs), probe).backward()
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    return model.eval(), ref.eval(), inputs
+
+
+def save_and_reload(ctx, name: str, directory: str) -> dict:
+    """model.save_pretrained(dir) on every rank of the group; rank 0 then
+    loads dir with plain transformers (no shardformer involved) and compares
+    with the unsharded model after the same step: weights and outputs."""
+    import safetensors.torch
+    import transformers
+
+    model, ref, inputs = _trained_pair(ctx, name)
+    model.save_pretrained(directory)
+    files = sorted(os.listdir(directory))
+    if ctx.rank != 0:
+        return {"files": files}
+    assert "config.json" in files and any(f.endswith(".safetensors") for f in files), files
+    # The files hold the full (HF) shapes, nothing of one rank's shard.
+    shapes = {}
+    for f in files:
+        if f.endswith(".safetensors"):
+            with safetensors.safe_open(os.path.join(directory, f), "pt") as fh:
+                shapes.update({k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()})
+    exp_shapes = {k: tuple(v.shape) for k, v in ref.state_dict().items()}
+    wrong = {k: (s, exp_shapes[k]) for k, s in shapes.items() if k in exp_shapes and s != exp_shapes[k]}
+    assert not wrong, f"{name}: saved shapes differ from the unsharded model's: {wrong}"
+    # The kernels the unsharded reference runs with (eager attention; its experts
+    # implementation: from_pretrained would pick grouped_mm, which our odd sizes do not fit).
+    impl = {"attn_implementation": ref.config._attn_implementation}
+    if getattr(ref.config, "_experts_implementation", None):
+        impl["experts_implementation"] = ref.config._experts_implementation
+    loaded = getattr(transformers, type(ref).__name__).from_pretrained(directory, **impl)
+    loaded.eval()
+    got_sd, exp_sd = loaded.state_dict(), ref.state_dict()
+    assert got_sd.keys() == exp_sd.keys(), sorted(set(got_sd) ^ set(exp_sd))
+    for k in exp_sd:
+        model_check.assert_close(f"{name} reloaded {k}", got_sd[k], exp_sd[k], model_check.TOL[torch.float32])
+    with torch.no_grad():
+        errs = model_check.check_outputs(f"{name} reloaded", loaded(**inputs), ref(**inputs),
+                                         model_check.TOL[torch.float32])
+    return {"files": files, "err": max(errs.values()) if errs else 0.0, "tensors": len(shapes)}
+
+
+def save_shard_refused(ctx, name: str, directory: str) -> str:
+    """save_pretrained(state_dict=model.state_dict()) with a rank's shards is
+    refused on every rank, before anything is written."""
+    model, _, _ = _trained_pair(ctx, name)
+    try:
+        model.save_pretrained(directory, state_dict=model.state_dict())
+    except ValueError as e:
+        msg = str(e)
+    else:
+        raise AssertionError("a rank's shards were accepted as a full state dict")
+    assert not os.path.exists(directory) or not os.listdir(directory), os.listdir(directory)
+    return msg
+
+
+def gather_modes(ctx, name: str) -> dict:
+    """rank0_only: rank 0 gets every tensor, equal to the default gather's,
+    the other ranks {}; every tensor is contiguous and owns its memory (not
+    a view of the model), and safetensors saves rank 0's dict."""
+    import safetensors.torch
+
+    model, ref, _ = _trained_pair(ctx, name)
+    everywhere = gather_full_state_dict(model)
+    root_only = gather_full_state_dict(model, rank0_only=True, offload_to_cpu=True)
+    exp = ref.state_dict()
+    assert everywhere.keys() == exp.keys(), sorted(set(everywhere) ^ set(exp))
+    params = {p.data_ptr() for p in model.parameters()}
+    for k, t in everywhere.items():
+        assert t.is_contiguous(), f"{k} is not contiguous"
+        assert t.data_ptr() not in params, f"{k} shares memory with the model"
+        model_check.assert_close(f"{name} gathered {k}", t, exp[k], model_check.TOL[torch.float32])
+    if ctx.rank != 0:
+        assert root_only == {}, f"rank {ctx.rank} got {len(root_only)} tensors with rank0_only"
+        return {"n": 0}
+    assert root_only.keys() == everywhere.keys()
+    for k, t in root_only.items():
+        assert t.is_contiguous() and torch.equal(t, everywhere[k]), k
+    # safetensors refuses shared tensors: drop tied duplicates as HF does
+    seen, unique = set(), {}
+    for k, t in root_only.items():
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            unique[k] = t
+    blob = safetensors.torch.save(unique)
+    back = safetensors.torch.load(blob)
+    assert all(torch.equal(back[k], unique[k]) for k in unique)
+    sharded = sum(1 for _ in _shard_info(model))
+    return {"n": len(root_only), "sharded": sharded}
