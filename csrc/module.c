@@ -12,6 +12,7 @@
 #define PY_ARRAY_UNIQUE_SYMBOL shardformer_ARRAY_API
 #include <numpy/arrayobject.h>
 
+#include "fingerprint.h"
 #include "layout.h"
 #include "sharder.h"
 #include "tensor_view.h"
@@ -223,6 +224,48 @@ static PyObject *py_place_shard(PyObject *self, PyObject *args, PyObject *kwargs
     return copy_ranges_impl(args, kwargs, 1);
 }
 
+PyDoc_STRVAR(fingerprint_doc,
+"fingerprint(tensor, seed=0) -> int\n\n"
+"64-bit fingerprint (not cryptographic) of a contiguous CPU tensor's bytes,\n"
+"continuing from `seed`: equal tensors of equal dtype and shape give equal\n"
+"values on every rank.  Runs without the GIL.");
+
+static PyObject *py_fingerprint(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    (void)self;
+    static char *kwlist[] = {"tensor", "seed", NULL};
+    PyObject *obj, *seed_obj = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O|O!:fingerprint", kwlist, &obj, &PyLong_Type,
+                                     &seed_obj))
+        return NULL;
+    /* "K" would wrap negative and oversized seeds silently: convert checked. */
+    unsigned long long seed = seed_obj ? PyLong_AsUnsignedLongLong(seed_obj) : 0;
+    if (seed_obj && PyErr_Occurred())
+        return NULL;
+    sf_view v;
+    if (sf_view_acquire(obj, "tensor", &v) < 0)
+        return NULL;
+    PyObject *result = NULL;
+    if (sf_check_cpu(&v, "tensor") < 0 || sf_check_contiguous(&v, "tensor") < 0)
+        goto done;
+    /* numel and itemsize are non-negative (sf_view_acquire); the product is
+     * checked against SIZE_MAX before it is formed. */
+    if (v.itemsize > 0 && (uint64_t)v.numel > (uint64_t)SIZE_MAX / (uint64_t)v.itemsize) {
+        PyErr_Format(PyExc_OverflowError, "tensor: %lld elements of %d bytes overflow size_t",
+                     (long long)v.numel, v.itemsize);
+        goto done;
+    }
+    size_t nbytes = (size_t)v.numel * (size_t)v.itemsize;
+    uint64_t h;
+    Py_BEGIN_ALLOW_THREADS
+    h = sf_fingerprint(v.data, nbytes, (uint64_t)seed);
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromUnsignedLongLong((unsigned long long)h);
+done:
+    sf_view_release(&v);
+    return result;
+}
+
 PyDoc_STRVAR(gather_index_doc,
 "gather_index(rank_ranges, full_length, chunk) -> numpy.ndarray[int64]\n\n"
 "Index plan to reassemble a dimension gathered from all ranks.  Rank r's\n"
@@ -357,6 +400,8 @@ static PyMethodDef methods[] = {
     {"place_shard", (PyCFunction)(void (*)(void))py_place_shard, METH_VARARGS | METH_KEYWORDS,
      place_shard_doc},
     {"gather_index", py_gather_index, METH_VARARGS, gather_index_doc},
+    {"fingerprint", (PyCFunction)(void (*)(void))py_fingerprint, METH_VARARGS | METH_KEYWORDS,
+     fingerprint_doc},
     {"tensor_info", py_tensor_info, METH_O, tensor_info_doc},
     {"sharder_plan", (PyCFunction)(void (*)(void))sf_sharder_plan, METH_VARARGS | METH_KEYWORDS,
      sharder_plan_doc},

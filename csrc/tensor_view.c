@@ -126,6 +126,12 @@ int sf_view_acquire(PyObject *obj, const char *argname, sf_view *v)
             return -1;
         }
         v->shape[d] = t->shape[d];
+        if (t->shape[d] != 0 && v->numel > INT64_MAX / t->shape[d]) {
+            PyErr_Format(PyExc_OverflowError, "%s: the element count overflows int64 at "
+                         "dimension %d", argname, d);
+            Py_DECREF(capsule);
+            return -1;
+        }
         v->numel *= t->shape[d];
     }
     /* NULL strides mean compact row-major: spell them out. */

@@ -677,6 +677,12 @@ elif MODE == "leaks":
             RuntimeError, _C.sharder_apply, [("sub", "s", HOST, "proj", object, IDENTITY, {},
                                               None)], None),
         "sharder_apply/type": lambda: expect(TypeError, _C.sharder_apply, (), None),
+        "sharder_apply/adopt": lambda: _C.sharder_apply(list(OPS), None, lambda *a: None),
+        "sharder_apply/adopt_type": lambda: expect(TypeError, _C.sharder_apply, [], None, 3),
+        "fingerprint": lambda: _C.fingerprint(BASE),
+        "fingerprint/seed": lambda: _C.fingerprint(BASE, seed=2**64 - 1),
+        "fingerprint/strided": lambda: expect(ValueError, _C.fingerprint, T2_STRIDED),
+        "fingerprint/not_tensor": lambda: expect(TypeError, _C.fingerprint, 3),
     }
     for fake, exc in FAKE_BAD:
         cases[f"tensor_info/{fake.__dict__.get('capsule')}/{len(cases)}"] = (

@@ -1138,3 +1138,26 @@ def test_sharder_apply_adopt_callback():
     ops, _ = _C.sharder_plan(Root(), "Root", entries_for_block(), 2, 1)
     with pytest.raises(RuntimeError, match="blocks.0.proj.*no"):
         _C.sharder_apply(ops, "pg", adopt=refuse)
+
+
+def test_fingerprint_kernel():
+    """One ulp anywhere changes it; equal bytes give equal values; every tail
+    length of 0..40 bytes is covered; the seed chains; bad input raises."""
+    t = torch.randn(1000, 37)
+    h = _C.fingerprint(t)
+    assert _C.fingerprint(t.clone()) == h
+    for index in [(0, 0), (500, 17), (999, 36)]:
+        u = t.clone()
+        u[index] = torch.nextafter(u[index], torch.tensor(1e9))
+        assert _C.fingerprint(u) != h, index
+    assert _C.fingerprint(t, seed=5) != h
+    assert _C.fingerprint(t, seed=2**64 - 1) != h
+    base = torch.arange(40, dtype=torch.uint8)
+    assert len({_C.fingerprint(base[:n]) for n in range(41)}) == 41
+    assert _C.fingerprint(np.arange(10, dtype=np.int64)) == _C.fingerprint(torch.arange(10))
+    with pytest.raises(ValueError, match="contiguous"):
+        _C.fingerprint(t.t())
+    with pytest.raises(TypeError):
+        _C.fingerprint([1, 2])
+    with pytest.raises(OverflowError):
+        _C.fingerprint(t, seed=-1)

@@ -20,6 +20,12 @@ EXTRA_KWARGS_DEFAULTS = {
     # LM heads return full-vocabulary logits (True) or this rank's shard (False,
     # for cross_entropy_1d).
     "gather_output": True,
+    # optimize() checks that every rank holds the same weights (a fingerprint
+    # per tensor, all-gathered) and raises if not; False skips the check.
+    "check_replicas": True,
+    # Broadcast rank 0's parameters and buffers to the group before sharding,
+    # so the other ranks' weights do not matter.
+    "broadcast_weights": False,
 }
 
 
@@ -68,6 +74,10 @@ class ShardConfig:
         if unknown:
             raise ValueError(f"ShardConfig.extra_kwargs: unknown keys {sorted(unknown)}; "
                              f"known: {sorted(EXTRA_KWARGS_DEFAULTS)}")
+        for key in ("gather_output", "check_replicas", "broadcast_weights"):
+            if not isinstance(self.extra_kwargs.get(key, False), bool):
+                raise TypeError(f"ShardConfig.extra_kwargs[{key!r}] must be a bool, "
+                                f"got {self.extra_kwargs[key]!r}")
         multiple = self.extra_kwargs.get("make_vocab_size_divisible_by", 1)
         if not isinstance(multiple, int) or multiple < 1:
             raise ValueError(f"ShardConfig.extra_kwargs['make_vocab_size_divisible_by'] must be an int >= 1, "

@@ -14,6 +14,7 @@ from . import _C
 from .checkpoint import bind_hf_methods
 from .config import ShardConfig
 from .inherit import Inheritance, check_replaceable
+from .replicas import broadcast_weights, check_same_model
 from .policy import ModulePolicyDescription, Policy, SubModuleReplacementDescription
 
 SHARDED_MARK = "_shardformer_sharded"
@@ -58,6 +59,11 @@ class ModelSharder:
         name = type(model).__name__
         if getattr(model, SHARDED_MARK, False):
             raise ValueError(f"{name}: this model has already been sharded by optimize()")
+        group = cfg.tensor_parallel_process_group
+        if cfg.option("broadcast_weights"):
+            check_same_model(model, group, name, content=False)
+        elif cfg.option("check_replicas"):
+            check_same_model(model, group, name)
         policy.set_model(model)
         policy.set_shard_config(cfg)
         policy.config_sanity_check()
@@ -69,6 +75,8 @@ class ModelSharder:
             raise ValueError(f"{name}: {type(policy).__name__} matched no module of the model "
                              f"(policy keys: {keys})")
         check_replaceable(name, ops)
+        if cfg.option("broadcast_weights"):      # the plan is valid: now rank 0's weights everywhere
+            broadcast_weights(model, group)
         inheritance = Inheritance(model)
         policy.model = policy.preprocess()
         _C.sharder_apply(ops, cfg.tensor_parallel_process_group, inheritance)
