@@ -39,6 +39,8 @@ def save_and_reload(ctx, name: str, directory: str) -> dict:
     model, ref, inputs = _trained_pair(ctx, name)
     model.save_pretrained(directory)
     files = sorted(os.listdir(directory))
+    leftovers = [f for f in os.listdir(os.path.dirname(directory)) if ".partial-" in f]
+    assert not leftovers, f"temporary directories left beside the checkpoint: {leftovers}"
     if ctx.rank != 0:
         return {"files": files}
     assert "config.json" in files and any(f.endswith(".safetensors") for f in files), files
@@ -115,3 +117,28 @@ def gather_modes(ctx, name: str) -> dict:
     assert all(torch.equal(back[k], unique[k]) for k in unique)
     sharded = sum(1 for _ in _shard_info(model))
     return {"n": len(root_only), "sharded": sharded}
+
+
+def failed_save_leaves_nothing(ctx, directory: str) -> str:
+    """A write that fails on rank 0 (here: an unwritable tensor type) raises
+    on every rank and leaves no directory under the name."""
+    model, _, _ = _trained_pair(ctx, "LlamaForCausalLM")
+    hf_save = type(model).save_pretrained
+
+    def broken(self, d, **kwargs):
+        with open(os.path.join(d, "config.json"), "w") as f:
+            f.write("{")                         # half of a checkpoint ...
+        raise OSError("disk full")               # ... then the failure
+
+    type(model).save_pretrained = broken
+    try:
+        model.save_pretrained(directory)
+    except (OSError, RuntimeError) as e:
+        msg = f"{type(e).__name__}: {e}"
+    else:
+        raise AssertionError("a failed save did not raise")
+    finally:
+        type(model).save_pretrained = hf_save
+    assert not os.path.exists(directory), os.listdir(directory)
+    assert not [f for f in os.listdir(os.path.dirname(directory)) if ".partial-" in f]
+    return msg

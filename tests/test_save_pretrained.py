@@ -38,3 +38,8 @@ def test_save_pretrained_refuses_a_shard(pool, tmp_path):
 def test_gather_full_state_dict_modes(pool, name, tp):
     reports = pool.run(save_checks.gather_modes, tp, name)
     assert reports[0]["n"] > 0 and all(r["n"] == 0 for r in reports[1:])
+
+
+def test_failed_save_raises_everywhere_and_leaves_nothing(pool, tmp_path):
+    msgs = pool.run(save_checks.failed_save_leaves_nothing, 2, str(tmp_path / "ckpt"))
+    assert msgs[0] == "OSError: disk full" and "failed on rank 0" in msgs[1], msgs

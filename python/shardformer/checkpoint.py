@@ -16,7 +16,8 @@ save_pretrained(model, save_directory, **kwargs): HuggingFace's
 own, and `push_to_hub` through it).  Every rank of the tensor-parallel group
 calls it; the group that holds global rank 0 gathers to that rank, which
 writes an ordinary HF checkpoint (config, generation config, safetensors)
-that plain `transformers` loads back unsharded; the others wait for it.
+that plain `transformers` loads back unsharded; the others wait for it.  A
+new directory appears complete or not at all (written beside it, renamed).
 
 `model.state_dict()` on a sharded model stays what torch makes it: this
 rank's shards under the HF names (use it, per rank, to resume at the same
@@ -186,6 +187,27 @@ def _check_full(model: nn.Module, state_dict: dict) -> None:
                 f"gather_full_state_dict(model) or no state_dict")
 
 
+def _write_atomically(write, directory: str) -> None:
+    """write(dir) into a new directory: into a temporary sibling first, renamed
+    into place once complete (a crash leaves no half-written checkpoint under
+    the name).  An existing directory is written in place, as HF does (HF
+    removes the weight files of an earlier save there)."""
+    if os.path.exists(directory):
+        write(directory)
+        return
+    parent = os.path.dirname(os.path.abspath(directory))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.partial-", dir=parent)
+    try:
+        write(tmp)
+        os.rename(tmp, directory)
+    except BaseException:
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def save_pretrained(model: nn.Module, save_directory, **kwargs):
     """HuggingFace save_pretrained for a sharded model (collective over its
     tensor-parallel group; see the module docstring).  Keyword arguments are
@@ -205,7 +227,13 @@ def save_pretrained(model: nn.Module, save_directory, **kwargs):
     error = None
     if root:
         try:
-            hf_save(model, save_directory, state_dict=state_dict, is_main_process=is_main, **kwargs)
+            def write(directory):
+                hf_save(model, directory, state_dict=state_dict, is_main_process=is_main, **kwargs)
+
+            if kwargs.get("push_to_hub"):          # HF names the repo after the directory
+                write(save_directory)
+            else:
+                _write_atomically(write, os.fspath(save_directory))
         except BaseException as e:  # noqa: BLE001 - the others must not wait forever
             error = e
     if dist.is_initialized() and writes and dist.get_world_size(group) > 1:
