@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 
+from ._versions import check_transformers_version
 from .policy import Policy
 
 _T = "transformers.models"
@@ -225,6 +226,7 @@ def _key_of(model) -> tuple[str, str]:
 
 def get_autopolicy(model) -> Policy:
     """A fresh policy instance for `model`, found by its class."""
+    check_transformers_version()
     full, bare = _key_of(model)
     found = _REGISTRY.get(full) or _REGISTRY.get(bare)
     if found is None:

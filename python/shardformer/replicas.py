@@ -70,7 +70,7 @@ def _all_gather(values: list[int], group) -> torch.Tensor:
     """[ranks, len(values)] int64 table of every rank's values."""
     local = torch.tensor(values, dtype=torch.int64, device=_comm_device(group))
     out = local.new_empty((dist.get_world_size(group) * local.numel(),))
-    dist.all_gather_into_tensor(out, local, group=group)
+    collectives.all_gather_into_tensor(out, local, group)
     return out.view(dist.get_world_size(group), local.numel()).cpu()
 
 

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The lower end of the supported transformers range: a second venv,
+# .venv-compat, with requirements-compat.txt (the same pins as
+# requirements-dev.txt but transformers at shardformer/_versions.py's
+# TRANSFORMERS_MIN), and the tests that go through transformers (about two
+# minutes on 2 cores; the venv's first install about one more).
+# scripts/test.sh runs the whole suite at the upper end (.venv); CI runs both.
+# Idempotent: the venv is (re)installed only when the requirements, setup.py,
+# pyproject.toml, the C sources or the Python interpreter change (a stamp in
+# .venv-compat).  shardformer is installed editable, so Python changes need no
+# reinstall.  Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=.venv-compat
+
+# The selection: every test that goes through transformers, i.e. the suite without the tests of the
+# C core alone (asan, c_core), the wheel build (packaging) and the demo / pretrained checkpoints
+# (those need requirements-models.txt).  One line: tests/test_transformers_version.py reads it and
+# checks that it collects tests.
+SUBSET=(tests --ignore=tests/test_asan.py --ignore=tests/test_c_core.py --ignore=tests/test_packaging.py --ignore=tests/test_demo.py --ignore=tests/test_pretrained.py)
+
+if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv "$VENV"
+fi
+stamp=$( { "$VENV/bin/python" --version; cat requirements-compat.txt setup.py pyproject.toml;
+           find csrc -type f \( -name '*.c' -o -name '*.h' \) | LC_ALL=C sort | xargs cat; } | sha256sum | cut -d' ' -f1)
+# The venv as the stamp says: the C extension loads and transformers is the pinned one.
+env_ok() {
+    "$VENV/bin/python" - "$(sed -n 's/^transformers==//p' requirements-compat.txt)" <<'PYEOF' 2>/dev/null
+import importlib.metadata, sys
+import shardformer._C  # noqa: F401
+sys.exit(importlib.metadata.version("transformers") != sys.argv[1])
+PYEOF
+}
+if [ "$(cat "$VENV/.shardformer-stamp" 2>/dev/null || true)" != "$stamp" ] || ! env_ok; then
+    # The editable install rebuilds the in-tree C extension that .venv uses too:
+    # take scripts/setup_env.sh's lock so the two never build it at once.
+    if command -v flock >/dev/null 2>&1; then
+        exec 9>"${TMPDIR:-/tmp}/shardformer-setup-$(pwd | sha256sum | cut -c1-16).lock"
+        flock 9
+    fi
+    quiet_pip() {
+        grep -v -e "^WARNING: Location '.*' is ignored" -e '^Requirement already satisfied' \
+            -e '^Looking in indexes:' -e '^Looking in links:' || true
+    }
+    t0=$SECONDS
+    echo "test_compat: installing requirements-compat.txt into $VENV"
+    rm -f "$VENV/.shardformer-stamp"
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip 2>&1 | quiet_pip || true
+    "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r requirements-compat.txt 2>&1 | quiet_pip
+    echo "test_compat: building shardformer into $VENV (pip install -e .) ($(( SECONDS - t0 )) s)"
+    # --no-build-isolation: build against the pinned numpy/setuptools just installed.
+    PYTHONWARNINGS="ignore:Editable installation" SHARDFORMER_WERROR=1 "$VENV/bin/python" -m pip install -q \
+        --disable-pip-version-check --no-build-isolation --no-deps -e . 2>&1 | quiet_pip
+    echo "$stamp" > "$VENV/.shardformer-stamp"
+    echo "test_compat: $VENV ready ($(( SECONDS - t0 )) s)"
+    exec 9>&- || true
+fi
+"$VENV/bin/python" -c "import transformers, shardformer._C; print('test_compat: transformers', transformers.__version__, 'in $VENV')"
+# pytest's own status: 5 (nothing collected) fails the run like any failure.
+# (-p no:cacheprovider: leave .venv's --last-failed record alone.)
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${SUBSET[@]}" "$@"
