@@ -58,3 +58,28 @@ def test_patched_forward_refused_before_changes(pool):
 @pytest.mark.parametrize("name", ["BertForMaskedLM", "LlamaForCausalLM"])
 def test_gradient_checkpointing_same_gradients(pool, name, use_reentrant):
     pool.run(runtime_checks.checkpointing_matches, 2, name, use_reentrant)
+
+
+def test_modules_added_by_postprocess_follow_their_parent():
+    """A module a policy's postprocess creates (no module it replaces) takes
+    its parent's training flag; replaced ones take the replaced module's,
+    even when the user left parts of the model in different modes."""
+    import torch
+
+    from custom_models import ToyModel, ToyPolicy
+    from shardformer import ShardConfig, ShardFormer
+
+    class AddsADropout(ToyPolicy):
+        def postprocess(self):
+            self.model.blocks[0].extra = torch.nn.Dropout(0.5)   # new, under an eval parent
+            self.model.extra = torch.nn.Dropout(0.5)             # new, under the train root
+            return self.model
+
+    torch.manual_seed(0)
+    model = ToyModel()
+    model.blocks[0].eval()                                       # mixed modes, as a user may leave them
+    ShardFormer(ShardConfig()).optimize(model, policy=AddsADropout())
+    assert model.training and model.extra.training
+    assert not model.blocks[0].training and not model.blocks[0].extra.training
+    assert not model.blocks[0].fc1.training and model.blocks[1].fc1.training
+    assert type(model.blocks[0].fc1).__name__ == "Linear1D_Col"

@@ -25,6 +25,7 @@ the native module's own forward, which the replacement does not have.
 from __future__ import annotations
 
 import warnings
+import weakref
 
 from torch import nn
 
@@ -59,8 +60,11 @@ class Inheritance:
     """The sharder's `adopt` callback, plus the pass over the finished tree."""
 
     def __init__(self, model: nn.Module):
-        self.original = {id(m) for m in model.modules()}
-        self.adopted: set[int] = set()
+        # Weak sets, not ids: a replaced module is freed during apply and its
+        # id may be reused by a new one; and holding the originals would keep
+        # their full weights alive.
+        self.original = weakref.WeakSet(model.modules())
+        self.adopted: weakref.WeakSet = weakref.WeakSet()
         self.hooked: list[str] = []
         self.tensor_hooked: list[str] = []
 
@@ -73,7 +77,7 @@ class Inheritance:
             if id(m) in kept:
                 continue
             m.training = training
-            self.adopted.add(id(m))
+            self.adopted.add(m)
         if not isinstance(native, nn.Module):
             return
         self._requires_grad(path, native, replacement)
@@ -112,7 +116,7 @@ class Inheritance:
         stack = [(model, model.training)]
         while stack:
             module, parent_training = stack.pop()
-            if id(module) not in self.original and id(module) not in self.adopted:
+            if module not in self.original and module not in self.adopted:
                 module.training = parent_training
             for child in module.children():
                 stack.append((child, module.training))
