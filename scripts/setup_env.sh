@@ -13,11 +13,13 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VPY=.venv/bin/python
 STAMP=.venv/.shardformer-setup-stamp
+# shellcheck source=scripts/lib.sh
+. scripts/lib.sh
 
 stamp() {
     # Names and contents of everything the installed environment depends on.
     {
-        ls requirements-dev.txt requirements-models.txt setup.py pyproject.toml scripts/setup_env.sh 2>/dev/null
+        ls requirements-dev.txt requirements-models.txt setup.py pyproject.toml scripts/setup_env.sh scripts/lib.sh 2>/dev/null
         find csrc -type f \( -name '*.c' -o -name '*.h' \) 2>/dev/null | LC_ALL=C sort
     } | while IFS= read -r f; do printf '%s\n' "$f"; cat "$f"; done | sha256sum | cut -d' ' -f1
 }
@@ -47,17 +49,8 @@ if [ -z "${SHARDFORMER_SETUP_FORCE:-}" ] && [ -x "$VPY" ] && [ -f "$STAMP" ] \
 fi
 
 # One setup at a time per checkout (scripts/test.sh and scripts/demo.sh may run side by side).
-if command -v flock >/dev/null 2>&1; then
-    exec 9>"${TMPDIR:-/tmp}/shardformer-setup-$(pwd | sha256sum | cut -c1-16).lock"
-    flock 9
-fi
+take_setup_lock
 
-# pip's own noise: this machine's pip configuration names index and find-links
-# folders (some may not exist), and "already satisfied" lines say nothing new.
-quiet_pip() {
-    grep -v -e "^WARNING: Location '.*' is ignored" -e '^Requirement already satisfied' \
-        -e '^Looking in indexes:' -e '^Looking in links:' || true
-}
 pip_install() {
     "$VPY" -m pip install --disable-pip-version-check --progress-bar off "$@" 2>&1 | quiet_pip
 }

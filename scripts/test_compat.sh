@@ -13,6 +13,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=.venv-compat
+# shellcheck source=scripts/lib.sh
+. scripts/lib.sh
 
 # The selection: every test that goes through transformers, i.e. the suite without the tests of the
 # C core alone (asan, c_core), the wheel build (packaging) and the demo / pretrained checkpoints
@@ -35,15 +37,8 @@ PYEOF
 }
 if [ "$(cat "$VENV/.shardformer-stamp" 2>/dev/null || true)" != "$stamp" ] || ! env_ok; then
     # The editable install rebuilds the in-tree C extension that .venv uses too:
-    # take scripts/setup_env.sh's lock so the two never build it at once.
-    if command -v flock >/dev/null 2>&1; then
-        exec 9>"${TMPDIR:-/tmp}/shardformer-setup-$(pwd | sha256sum | cut -c1-16).lock"
-        flock 9
-    fi
-    quiet_pip() {
-        grep -v -e "^WARNING: Location '.*' is ignored" -e '^Requirement already satisfied' \
-            -e '^Looking in indexes:' -e '^Looking in links:' || true
-    }
+    # take the setup lock (scripts/lib.sh) so the two never build it at once.
+    take_setup_lock
     t0=$SECONDS
     echo "test_compat: installing requirements-compat.txt into $VENV"
     rm -f "$VENV/.shardformer-stamp"

@@ -17,6 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 from checkpoints import CheckpointNotInstalled, minilm_dir, smollm2_gguf  # noqa: E402
+from sentence_embeddings import SENTENCES  # noqa: E402  (the example's own sentences)
 
 from launcher import run_killing_group
 
@@ -38,14 +39,6 @@ if SMOLLM2 and importlib.util.find_spec("gguf") is None:
 
 needs_minilm = pytest.mark.skipif(MINILM is None, reason=f"all-MiniLM-L6-v2: {MINILM_MISSING}")
 needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason=f"SmolLM2-135M-Instruct: {SMOLLM2_MISSING}")
-
-SENTENCES = [
-    "A man is playing a guitar on the street.",
-    "Someone performs music outdoors with a guitar.",
-    "The stock market fell sharply this morning.",
-    "Share prices dropped at the opening of trading.",
-    "My cat sleeps on the windowsill all afternoon.",
-]
 
 
 def _rel_err(a, b) -> float:
