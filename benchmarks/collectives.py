@@ -2,7 +2,9 @@
 vs torch.distributed over gloo, on the CPU ranks of this machine.
 
 For 2 and 4 ranks (one process each, one thread each, joined by gloo over
-loopback TCP), each collective (all_reduce sum, all_gather, reduce_scatter,
+loopback TCP), both communicators of the world group taken through
+`shardformer.distributed.get_communicator` (SHARDFORMER_COMM forced to
+"shm", then "torch"), each collective (all_reduce sum, all_gather, reduce_scatter,
 broadcast) and each message size from 1 KiB to 64 MiB of fp32 (the size is the
 full buffer: the all-reduced tensor, the gathered output, the reduce-scatter
 input), both backends run in the same processes, alternately.  A measurement
@@ -69,13 +71,20 @@ def _worker(rank, size, port, args, q):
     import torch
     import torch.distributed as dist
 
-    from shardformer.distributed import collectives as coll
-    from shardformer.distributed import shm
+    from shardformer.distributed import get_communicator, reset_communicators
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=size, timeout=datetime.timedelta(seconds=600))
-    comm = shm.ShmCommunicator(None)
+    # Both backends' communicators of the world group, through the one interface:
+    # SHARDFORMER_COMM is read when a communicator is made, so force each in turn.
+    os.environ["SHARDFORMER_COMM"] = "torch"
+    gloo = get_communicator(None, "cpu")
+    reset_communicators()
+    os.environ["SHARDFORMER_COMM"] = "shm"
+    comm = get_communicator(None, "cpu")
+    assert (gloo.backend, comm.backend) == ("torch", "shm"), (gloo, comm)
+    shm_comm = comm.shm  # the ShmCommunicator: its all-reduce algorithms and info()
 
     def slowest(x: float) -> float:
         t = torch.tensor([x], dtype=torch.float64)
@@ -103,29 +112,29 @@ def _worker(rank, size, port, args, q):
         for name in COLLECTIVES:
             calls = {
                 "all_reduce": (lambda: comm.all_reduce(x),
-                               lambda: dist.all_reduce(x)),
-                "all_gather": (lambda: comm.all_gather(full, part),
-                               lambda: coll._all_gather_single(full, part)),
-                "reduce_scatter": (lambda: comm.reduce_scatter(part, full),
-                                   lambda: coll._reduce_scatter_single(part, full)),
+                               lambda: gloo.all_reduce(x)),
+                "all_gather": (lambda: comm.all_gather_into_tensor(full, part),
+                               lambda: gloo.all_gather_into_tensor(full, part)),
+                "reduce_scatter": (lambda: comm.reduce_scatter_tensor(part, full),
+                                   lambda: gloo.reduce_scatter_tensor(part, full)),
                 "broadcast": (lambda: comm.broadcast(x, 0),
-                              lambda: dist.broadcast(x, 0)),
+                              lambda: gloo.broadcast(x, 0)),
             }[name]
             t_shm = measure(calls[0], iters)
             t_gloo = measure(calls[1], iters)
             row = {"ranks": size, "collective": name, "bytes": nbytes, "iters": iters,
                    "shm_s": t_shm, "gloo_s": t_gloo}
             if name == "all_reduce":
-                row["oneshot_s"] = measure(lambda: comm.all_reduce(x, "sum", 1), iters)
-                row["rsag_s"] = measure(lambda: comm.all_reduce(x, "sum", 2), iters)
+                row["oneshot_s"] = measure(lambda: shm_comm.all_reduce(x, "sum", 1), iters)
+                row["rsag_s"] = measure(lambda: shm_comm.all_reduce(x, "sum", 2), iters)
             results.append(row)
             if rank == 0:
                 print(f"  P={size} {name:15s} {nbytes:>10d} B  shm {t_shm * 1e6:10.1f} us  "
                       f"gloo {t_gloo * 1e6:10.1f} us  x{t_gloo / t_shm:6.1f}", flush=True)
     if rank == 0:
-        q.put({"results": results, "oneshot_max": comm.info()["oneshot_max"],
-               "workspace": comm.info()["workspace"]})
-    comm.close()
+        q.put({"results": results, "oneshot_max": shm_comm.info()["oneshot_max"],
+               "workspace": shm_comm.info()["workspace"]})
+    shm_comm.close()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,20 +1,22 @@
 /*
  * comm_module.c -- the CPython glue of the collectives in csrc/comm/.
  *
- * Parses and checks arguments (tensors arrive through DLPack as sf_views),
- * releases the GIL around every wait and copy, and turns error codes into
- * exceptions: TimeoutError for a peer that never arrived, ValueError for bad
- * arguments, OSError for the system, RuntimeError for NCCL and broken
- * communicators.  No collective logic lives here.
+ * Parses arguments, takes tensors through the one DLPack gate (sf_take:
+ * CPU tensors for shm, CUDA tensors for NCCL), releases the GIL around every
+ * wait and copy, and turns the sf_status of csrc/comm/ into exceptions with
+ * the one mapper (sf_set_pyerr): TimeoutError for a peer that never arrived,
+ * ValueError for bad arguments, OSError for the system, RuntimeError for NCCL
+ * and broken communicators.  No collective logic lives here.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
 #include "comm/nccl.h"
 #include "comm/shm.h"
+#include "cpu_features.h"
+#include "glue.h"
 #include "tensor_view.h"
 
-#define ERRLEN 768
 #define SHM_CAPSULE "shardformer.shm_comm"
 #define NCCL_CAPSULE "shardformer.nccl_comm"
 
@@ -47,16 +49,6 @@ static sf_shm *shm_from(PyObject *cap)
     return b->comm;
 }
 
-static PyObject *raise_comm(int rc, const char *err)
-{
-    PyObject *type = rc == SF_COMM_ETIMEOUT ? PyExc_TimeoutError
-                   : rc == SF_COMM_EINVAL   ? PyExc_ValueError
-                   : rc == SF_COMM_ESYS     ? PyExc_OSError
-                                            : PyExc_RuntimeError;
-    PyErr_SetString(type, err);
-    return NULL;
-}
-
 static PyObject *wrap_shm(sf_shm *c)
 {
     shm_box *b = PyMem_Malloc(sizeof(*b));
@@ -73,21 +65,19 @@ static PyObject *wrap_shm(sf_shm *c)
     return cap;
 }
 
-static int red_dtype(const sf_view *v, const char *argname, sf_red_dtype *t)
+/* The dtypes the reductions know (sf_take checks against this set first). */
+#define RED_DTYPES (SF_DT_F32 | SF_DT_F16 | SF_DT_BF16 | SF_DT_F64 | SF_DT_I32 | SF_DT_I64)
+
+static sf_red_dtype red_dtype(const sf_view *v)
 {
-    int code = v->dtype.code, bits = v->dtype.bits;
-    if (code == SF_DL_FLOAT && bits == 32) *t = SF_RED_F32;
-    else if (code == SF_DL_FLOAT && bits == 16) *t = SF_RED_F16;
-    else if (code == SF_DL_BFLOAT && bits == 16) *t = SF_RED_BF16;
-    else if (code == SF_DL_FLOAT && bits == 64) *t = SF_RED_F64;
-    else if (code == SF_DL_INT && bits == 32) *t = SF_RED_I32;
-    else if (code == SF_DL_INT && bits == 64) *t = SF_RED_I64;
-    else {
-        PyErr_Format(PyExc_TypeError, "%s: dtype %s cannot be reduced (float32, float16, "
-                     "bfloat16, float64, int32 or int64)", argname, sf_dtype_name(v->dtype));
-        return -1;
+    switch (sf_dtype_bit(v->dtype)) {
+    case SF_DT_F16: return SF_RED_F16;
+    case SF_DT_BF16: return SF_RED_BF16;
+    case SF_DT_F64: return SF_RED_F64;
+    case SF_DT_I32: return SF_RED_I32;
+    case SF_DT_I64: return SF_RED_I64;
+    default: return SF_RED_F32;
     }
-    return 0;
 }
 
 static int red_op(const char *op, sf_red_op *out)
@@ -101,17 +91,13 @@ static int red_op(const char *op, sf_red_op *out)
     return 0;
 }
 
-/* A CPU, contiguous view; writable when `write`. */
-static int take(PyObject *obj, const char *name, int write, sf_view *v)
+/* A CPU, contiguous view of a reducible dtype (or any dtype when `bytes`);
+ * writable when `write`.  0 or -1 with an exception (sf_take). */
+static int take_cpu(const char *fn, PyObject *obj, const char *name, int write, int bytes,
+                    sf_view *v)
 {
-    if (sf_view_acquire(obj, name, v))
-        return -1;
-    if (sf_check_cpu(v, name) || sf_check_contiguous(v, name) ||
-        (write && sf_check_writable(v, name))) {
-        sf_view_release(v);
-        return -1;
-    }
-    return 0;
+    return sf_take(fn, obj, name, bytes ? SF_DT_ANY : RED_DTYPES,
+                   SF_TAKE_CONTIGUOUS | (write ? SF_TAKE_WRITE : 0), v) < 0 ? -1 : 0;
 }
 
 /* ---- shm: setup ---------------------------------------------------------- */
@@ -129,13 +115,13 @@ static PyObject *py_shm_create(PyObject *self, PyObject *args)
         return PyErr_Format(PyExc_ValueError, "shm_create: workspace=%zd and p2p=%zd must be "
                             "positive", workspace, p2p);
     sf_shm *c = NULL;
-    char err[ERRLEN] = "";
-    int rc;
+    sf_error err = {0};
+    sf_status rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = sf_shm_create(name, nranks, (size_t)workspace, (size_t)p2p, nonce, &c, err, ERRLEN);
+    rc = sf_shm_create(name, nranks, (size_t)workspace, (size_t)p2p, nonce, &c, &err);
     Py_END_ALLOW_THREADS
-    if (rc)
-        return raise_comm(rc, err);
+    if (sf_set_pyerr(rc, &err))
+        return NULL;
     return wrap_shm(c);
 }
 
@@ -148,13 +134,13 @@ static PyObject *py_shm_attach(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "siiK:shm_attach", &name, &nranks, &rank, &nonce))
         return NULL;
     sf_shm *c = NULL;
-    char err[ERRLEN] = "";
-    int rc;
+    sf_error err = {0};
+    sf_status rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = sf_shm_attach(name, nranks, rank, nonce, &c, err, ERRLEN);
+    rc = sf_shm_attach(name, nranks, rank, nonce, &c, &err);
     Py_END_ALLOW_THREADS
-    if (rc)
-        return raise_comm(rc, err);
+    if (sf_set_pyerr(rc, &err))
+        return NULL;
     return wrap_shm(c);
 }
 
@@ -164,10 +150,10 @@ static PyObject *py_shm_unlink(PyObject *self, PyObject *arg)
     const char *name = PyUnicode_AsUTF8(arg);
     if (!name)
         return NULL;
-    char err[ERRLEN] = "";
-    int rc = sf_shm_unlink(name, err, ERRLEN);
-    if (rc)
-        return raise_comm(rc, err);
+    sf_error err = {0};
+    sf_status rc = sf_shm_unlink(name, &err);
+    if (sf_set_pyerr(rc, &err))
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -215,6 +201,26 @@ static PyObject *py_shm_info(PyObject *self, PyObject *cap)
 
 /* ---- shm: collectives ---------------------------------------------------- */
 
+/* big.numel == nranks * small.numel (checked multiplication); 0 or -1 with
+ * ValueError / OverflowError naming `bigname`. */
+static int check_blocks(const char *fn, const char *bigname, const sf_view *big,
+                        const sf_view *small, int nranks)
+{
+    int64_t want;
+    if (sf_mul_overflows(small->numel, (int64_t)nranks, &want)) {
+        PyErr_Format(PyExc_OverflowError, "%s: %d ranks x %lld elements overflow int64", fn,
+                     nranks, (long long)small->numel);
+        return -1;
+    }
+    if (big->numel != want) {
+        PyErr_Format(PyExc_ValueError, "%s: %s has %lld elements, expected %lld = %d ranks x "
+                     "%lld", fn, bigname, (long long)big->numel, (long long)want, nranks,
+                     (long long)small->numel);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *py_shm_all_reduce(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -230,21 +236,17 @@ static PyObject *py_shm_all_reduce(PyObject *self, PyObject *args)
     if (algo < 0 || algo > 2)
         return PyErr_Format(PyExc_ValueError, "shm_all_reduce: algo=%d not in 0..2", algo);
     sf_view v;
-    if (take(obj, "tensor", 1, &v))
+    if (take_cpu(NULL, obj, "tensor", 1, 0, &v))
         return NULL;
-    sf_red_dtype t;
-    if (red_dtype(&v, "tensor", &t)) {
-        sf_view_release(&v);
-        return NULL;
-    }
-    char err[ERRLEN] = "";
-    int rc;
+    sf_red_dtype t = red_dtype(&v);
+    sf_error err = {0};
+    sf_status rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = sf_shm_all_reduce(c, v.data, (size_t)v.numel, t, op, (sf_ar_algo)algo, err, ERRLEN);
+    rc = sf_shm_all_reduce(c, v.data, (size_t)v.numel, t, op, (sf_ar_algo)algo, &err);
     Py_END_ALLOW_THREADS
     sf_view_release(&v);
-    if (rc)
-        return raise_comm(rc, err);
+    if (sf_set_pyerr(rc, &err))
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -258,31 +260,24 @@ static PyObject *py_shm_all_gather(PyObject *self, PyObject *args)
     if (!c)
         return NULL;
     sf_view out, in;
-    if (take(oo, "out", 1, &out))
+    if (take_cpu(NULL, oo, "out", 1, 1, &out))
         return NULL;
-    if (take(io, "tensor", 0, &in)) {
+    if (take_cpu(NULL, io, "tensor", 0, 1, &in)) {
         sf_view_release(&out);
         return NULL;
     }
     PyObject *res = NULL;
-    if (sf_check_same_dtype(&out, "out", &in, "tensor") == 0) {
-        if (out.numel != in.numel * sf_shm_nranks(c)) {
-            PyErr_Format(PyExc_ValueError, "shm_all_gather: out has %lld elements, expected "
-                         "%lld = %d ranks x %lld", (long long)out.numel,
-                         (long long)in.numel * sf_shm_nranks(c), sf_shm_nranks(c),
-                         (long long)in.numel);
-        } else {
-            char err[ERRLEN] = "";
-            int rc;
-            Py_BEGIN_ALLOW_THREADS
-            rc = sf_shm_all_gather(c, out.data, in.data, (size_t)in.numel * (size_t)in.itemsize,
-                                   err, ERRLEN);
-            Py_END_ALLOW_THREADS
-            if (rc)
-                raise_comm(rc, err);
-            else
-                res = Py_NewRef(Py_None);
-        }
+    sf_error err = {0};
+    size_t bytes = 0;
+    if (!sf_set_pyerr(sf_check_same_dtype(&out, "out", &in, "tensor", &err), &err) &&
+        !check_blocks("shm_all_gather", "out", &out, &in, sf_shm_nranks(c)) &&
+        !sf_set_pyerr(sf_view_nbytes(&in, "tensor", &bytes, &err), &err)) {
+        sf_status rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = sf_shm_all_gather(c, out.data, in.data, bytes, &err);
+        Py_END_ALLOW_THREADS
+        if (!sf_set_pyerr(rc, &err))
+            res = Py_NewRef(Py_None);
     }
     sf_view_release(&in);
     sf_view_release(&out);
@@ -301,32 +296,23 @@ static PyObject *py_shm_reduce_scatter(PyObject *self, PyObject *args)
     if (!c || red_op(op_name, &op))
         return NULL;
     sf_view out, in;
-    if (take(oo, "out", 1, &out))
+    if (take_cpu(NULL, oo, "out", 1, 0, &out))
         return NULL;
-    if (take(io, "tensor", 0, &in)) {
+    if (take_cpu(NULL, io, "tensor", 0, 0, &in)) {
         sf_view_release(&out);
         return NULL;
     }
     PyObject *res = NULL;
-    sf_red_dtype t;
-    if (sf_check_same_dtype(&out, "out", &in, "tensor") == 0 && red_dtype(&in, "tensor", &t) == 0) {
-        if (in.numel != out.numel * sf_shm_nranks(c)) {
-            PyErr_Format(PyExc_ValueError, "shm_reduce_scatter: input has %lld elements, "
-                         "expected %lld = %d ranks x %lld", (long long)in.numel,
-                         (long long)out.numel * sf_shm_nranks(c), sf_shm_nranks(c),
-                         (long long)out.numel);
-        } else {
-            char err[ERRLEN] = "";
-            int rc;
-            Py_BEGIN_ALLOW_THREADS
-            rc = sf_shm_reduce_scatter(c, out.data, in.data, (size_t)out.numel, t, op, err,
-                                       ERRLEN);
-            Py_END_ALLOW_THREADS
-            if (rc)
-                raise_comm(rc, err);
-            else
-                res = Py_NewRef(Py_None);
-        }
+    sf_error err = {0};
+    if (!sf_set_pyerr(sf_check_same_dtype(&out, "out", &in, "tensor", &err), &err) &&
+        !check_blocks("shm_reduce_scatter", "input", &in, &out, sf_shm_nranks(c))) {
+        sf_red_dtype t = red_dtype(&in);
+        sf_status rc;
+        Py_BEGIN_ALLOW_THREADS
+        rc = sf_shm_reduce_scatter(c, out.data, in.data, (size_t)out.numel, t, op, &err);
+        Py_END_ALLOW_THREADS
+        if (!sf_set_pyerr(rc, &err))
+            res = Py_NewRef(Py_None);
     }
     sf_view_release(&in);
     sf_view_release(&out);
@@ -334,11 +320,11 @@ static PyObject *py_shm_reduce_scatter(PyObject *self, PyObject *args)
 }
 
 /* broadcast, send and recv move bytes: one tensor, one rank argument. */
-typedef int (*bytes_fn)(sf_shm *, void *, size_t, int, char *, size_t);
+typedef sf_status (*bytes_fn)(sf_shm *, void *, size_t, int, sf_error *);
 
-static int send_adapter(sf_shm *c, void *buf, size_t n, int peer, char *err, size_t len)
+static sf_status send_adapter(sf_shm *c, void *buf, size_t n, int peer, sf_error *err)
 {
-    return sf_shm_send(c, buf, n, peer, err, len);
+    return sf_shm_send(c, buf, n, peer, err);
 }
 
 static PyObject *bytes_call(PyObject *args, const char *fmt, bytes_fn fn, int write)
@@ -351,16 +337,19 @@ static PyObject *bytes_call(PyObject *args, const char *fmt, bytes_fn fn, int wr
     if (!c)
         return NULL;
     sf_view v;
-    if (take(obj, "tensor", write, &v))
+    if (take_cpu(NULL, obj, "tensor", write, 1, &v))
         return NULL;
-    char err[ERRLEN] = "";
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = fn(c, v.data, (size_t)v.numel * (size_t)v.itemsize, peer, err, ERRLEN);
-    Py_END_ALLOW_THREADS
+    sf_error err = {0};
+    size_t bytes = 0;
+    sf_status rc = sf_view_nbytes(&v, "tensor", &bytes, &err);
+    if (rc == SF_OK) {
+        Py_BEGIN_ALLOW_THREADS
+        rc = fn(c, v.data, bytes, peer, &err);
+        Py_END_ALLOW_THREADS
+    }
     sf_view_release(&v);
-    if (rc)
-        return raise_comm(rc, err);
+    if (sf_set_pyerr(rc, &err))
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -389,13 +378,13 @@ static PyObject *py_shm_barrier(PyObject *self, PyObject *cap)
     sf_shm *c = shm_from(cap);
     if (!c)
         return NULL;
-    char err[ERRLEN] = "";
-    int rc;
+    sf_error err = {0};
+    sf_status rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = sf_shm_barrier(c, err, ERRLEN);
+    rc = sf_shm_barrier(c, &err);
     Py_END_ALLOW_THREADS
-    if (rc)
-        return raise_comm(rc, err);
+    if (sf_set_pyerr(rc, &err))
+        return NULL;
     Py_RETURN_NONE;
 }
 
@@ -425,18 +414,18 @@ static PyObject *py_reduce_buffers(PyObject *self, PyObject *args)
     const void *src[SF_SHM_MAX_RANKS];
     Py_ssize_t got = 0;
     PyObject *res = NULL;
-    sf_red_dtype t;
-    if (take(oo, "out", 1, &out)) {
+    sf_error err = {0};
+    sf_status rc;
+    if (take_cpu("reduce_buffers", oo, "out", 1, 0, &out)) {
         Py_DECREF(items);
         return NULL;
     }
-    if (red_dtype(&out, "out", &t))
-        goto done;
     for (; got < k; got++) {
-        if (take(PySequence_Fast_GET_ITEM(items, got), "inputs[i]", 0, &in[got]))
+        if (take_cpu("reduce_buffers", PySequence_Fast_GET_ITEM(items, got), "inputs[i]", 0, 0,
+                     &in[got]))
             goto done;
         src[got] = in[got].data;
-        if (sf_check_same_dtype(&out, "out", &in[got], "inputs[i]") ||
+        if (sf_set_pyerr(sf_check_same_dtype(&out, "out", &in[got], "inputs[i]", &err), &err) ||
             in[got].numel != out.numel) {
             if (!PyErr_Occurred())
                 PyErr_Format(PyExc_ValueError, "reduce_buffers: inputs[%zd] has %lld elements, "
@@ -447,9 +436,10 @@ static PyObject *py_reduce_buffers(PyObject *self, PyObject *args)
         }
     }
     Py_BEGIN_ALLOW_THREADS
-    sf_reduce(t, op, out.data, src, (int)k, (size_t)out.numel, simd);
+    rc = sf_reduce(red_dtype(&out), op, out.data, src, (int)k, (size_t)out.numel, simd, &err);
     Py_END_ALLOW_THREADS
-    res = Py_NewRef(Py_None);
+    if (!sf_set_pyerr(rc, &err))
+        res = Py_NewRef(Py_None);
 done:
     for (Py_ssize_t i = 0; i < got; i++)
         sf_view_release(&in[i]);
@@ -462,7 +452,20 @@ static PyObject *py_cpu_has_avx2(PyObject *self, PyObject *noargs)
 {
     (void)self;
     (void)noargs;
-    return PyBool_FromLong(sf_cpu_has_avx2());
+    return PyBool_FromLong(sf_cpu_has_simd());
+}
+
+static PyObject *py_cpu_features(PyObject *self, PyObject *noargs)
+{
+    (void)self;
+    (void)noargs;
+    unsigned f = sf_cpu_features();
+    return Py_BuildValue("{s:O,s:O,s:O,s:O,s:O,s:O}", "avx2", f & SF_CPU_AVX2 ? Py_True : Py_False,
+                         "fma", f & SF_CPU_FMA ? Py_True : Py_False, "f16c",
+                         f & SF_CPU_F16C ? Py_True : Py_False, "avx512f",
+                         f & SF_CPU_AVX512F ? Py_True : Py_False, "simd",
+                         sf_cpu_has_simd() ? Py_True : Py_False, "avx512",
+                         sf_cpu_has_avx512() ? Py_True : Py_False);
 }
 
 /* ---- NCCL ----------------------------------------------------------------- */
@@ -473,15 +476,13 @@ static PyObject *py_nccl_load(PyObject *self, PyObject *args)
     const char *path = NULL;
     if (!PyArg_ParseTuple(args, "|z:nccl_load", &path))
         return NULL;
-    char err[ERRLEN] = "";
-    int rc;
+    sf_error err = {0};
+    sf_status rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = sf_nccl_load(path, err, ERRLEN);
+    rc = sf_nccl_load(path, &err);
     Py_END_ALLOW_THREADS
-    if (rc) {
-        PyErr_SetString(PyExc_OSError, err);
+    if (sf_set_pyerr(rc, &err))
         return NULL;
-    }
     return Py_BuildValue("(is)", sf_nccl_version(), sf_nccl_path());
 }
 
@@ -490,16 +491,44 @@ static PyObject *py_nccl_unique_id(PyObject *self, PyObject *noargs)
     (void)self;
     (void)noargs;
     unsigned char id[SF_NCCL_UNIQUE_ID_BYTES];
-    char err[ERRLEN] = "";
-    if (sf_nccl_unique_id(id, err, ERRLEN)) {
-        PyErr_SetString(PyExc_RuntimeError, err);
+    sf_error err = {0};
+    if (sf_set_pyerr(sf_nccl_unique_id(id, &err), &err))
         return NULL;
-    }
     return PyBytes_FromStringAndSize((const char *)id, SF_NCCL_UNIQUE_ID_BYTES);
 }
 
-/* The capsule has no destructor: NCCL communicators are destroyed explicitly
- * (nccl_comm_destroy), never from garbage collection. */
+/* The capsule owns a box with the communicator and its size.  Its destructor
+ * frees the box only: NCCL communicators are destroyed explicitly
+ * (nccl_comm_destroy, which empties the box), never by garbage collection. */
+typedef struct {
+    void *comm;
+    int nranks, rank;
+} nccl_box;
+
+static void nccl_capsule_free(PyObject *cap)
+{
+    nccl_box *b = PyCapsule_GetPointer(cap, NCCL_CAPSULE);
+    if (b)
+        PyMem_Free(b);
+    else
+        PyErr_Clear();
+}
+
+static nccl_box *nccl_from(const char *fn, PyObject *cap)
+{
+    if (!PyCapsule_IsValid(cap, NCCL_CAPSULE)) {
+        PyErr_Format(PyExc_TypeError, "%s: expected an NCCL communicator (from nccl_comm_init), "
+                     "got %.100s", fn, Py_TYPE(cap)->tp_name);
+        return NULL;
+    }
+    nccl_box *b = PyCapsule_GetPointer(cap, NCCL_CAPSULE);
+    if (b && !b->comm) {
+        PyErr_Format(PyExc_ValueError, "%s: the NCCL communicator is destroyed", fn);
+        return NULL;
+    }
+    return b;
+}
+
 static PyObject *py_nccl_comm_init(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -511,17 +540,30 @@ static PyObject *py_nccl_comm_init(PyObject *self, PyObject *args)
     if (idlen != SF_NCCL_UNIQUE_ID_BYTES)
         return PyErr_Format(PyExc_ValueError, "nccl_comm_init: unique id has %zd bytes, "
                             "expected %d", idlen, SF_NCCL_UNIQUE_ID_BYTES);
+    nccl_box *b = PyMem_Malloc(sizeof(*b));
+    if (!b)
+        return PyErr_NoMemory();
     void *comm = NULL;
-    char err[ERRLEN] = "";
-    int rc;
+    sf_error err = {0};
+    sf_status rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = sf_nccl_comm_init(&comm, nranks, (const unsigned char *)id, rank, err, ERRLEN);
+    rc = sf_nccl_comm_init(&comm, nranks, (const unsigned char *)id, rank, &err);
     Py_END_ALLOW_THREADS
-    if (rc) {
-        PyErr_SetString(PyExc_RuntimeError, err);
+    if (sf_set_pyerr(rc, &err)) {
+        PyMem_Free(b);
         return NULL;
     }
-    return PyCapsule_New(comm, NCCL_CAPSULE, NULL);
+    b->comm = comm;
+    b->nranks = nranks;
+    b->rank = rank;
+    PyObject *cap = PyCapsule_New(b, NCCL_CAPSULE, nccl_capsule_free);
+    if (!cap) {
+        Py_BEGIN_ALLOW_THREADS
+        sf_nccl_comm_destroy(comm, 1, &err);
+        Py_END_ALLOW_THREADS
+        PyMem_Free(b);
+    }
+    return cap;
 }
 
 static PyObject *py_nccl_comm_destroy(PyObject *self, PyObject *args)
@@ -531,69 +573,205 @@ static PyObject *py_nccl_comm_destroy(PyObject *self, PyObject *args)
     int abort_it = 0;
     if (!PyArg_ParseTuple(args, "O|p:nccl_comm_destroy", &cap, &abort_it))
         return NULL;
-    void *comm = PyCapsule_GetPointer(cap, NCCL_CAPSULE);
-    if (!comm)
+    if (!PyCapsule_IsValid(cap, NCCL_CAPSULE))
+        return PyErr_Format(PyExc_TypeError, "nccl_comm_destroy: expected an NCCL communicator, "
+                            "got %.100s", Py_TYPE(cap)->tp_name);
+    nccl_box *b = PyCapsule_GetPointer(cap, NCCL_CAPSULE);
+    if (!b)
         return NULL;
-    char err[ERRLEN] = "";
-    int rc;
+    void *comm = b->comm;
+    b->comm = NULL;  /* destroyed once, whatever NCCL says */
+    sf_error err = {0};
+    sf_status rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = sf_nccl_comm_destroy(comm, abort_it, err, ERRLEN);
+    rc = sf_nccl_comm_destroy(comm, abort_it, &err);
     Py_END_ALLOW_THREADS
-    if (rc) {
-        PyErr_SetString(PyExc_RuntimeError, err);
+    if (sf_set_pyerr(rc, &err))
         return NULL;
-    }
     Py_RETURN_NONE;
 }
 
-/* nccl_call(kind, comm, send_ptr, recv_ptr, count, dtype, op_or_peer, stream)
- * kind: "all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "recv".
- * Pointers and the stream are integers (device memory never crosses DLPack
- * here, so no stream synchronization is implied). */
-static PyObject *py_nccl_call(PyObject *self, PyObject *args)
+/* The dtypes NCCL has codes for, and the codes (ncclDataType_t). */
+#define NCCL_DTYPES (SF_DT_I8 | SF_DT_U8 | SF_DT_I32 | SF_DT_I64 | SF_DT_F16 | SF_DT_F32 | \
+                     SF_DT_F64 | SF_DT_BF16)
+
+static int nccl_dtype(const sf_view *v)
+{
+    switch (sf_dtype_bit(v->dtype)) {
+    case SF_DT_I8: return SF_NCCL_INT8;
+    case SF_DT_U8: return SF_NCCL_UINT8;
+    case SF_DT_I32: return SF_NCCL_INT32;
+    case SF_DT_I64: return SF_NCCL_INT64;
+    case SF_DT_F16: return SF_NCCL_FLOAT16;
+    case SF_DT_F64: return SF_NCCL_FLOAT64;
+    case SF_DT_BF16: return SF_NCCL_BFLOAT16;
+    default: return SF_NCCL_FLOAT32;
+    }
+}
+
+static int nccl_op(const char *fn, const char *op, int *out)
+{
+    if (!strcmp(op, "sum")) *out = SF_NCCL_SUM;
+    else if (!strcmp(op, "prod")) *out = SF_NCCL_PROD;
+    else if (!strcmp(op, "max")) *out = SF_NCCL_MAX;
+    else if (!strcmp(op, "min")) *out = SF_NCCL_MIN;
+    else {
+        PyErr_Format(PyExc_ValueError, "%s: reduction op '%s': expected 'sum', 'prod', 'max' or "
+                     "'min'", fn, op);
+        return -1;
+    }
+    return 0;
+}
+
+/* One NCCL collective: its tensors (a CUDA, contiguous view each, taken and
+ * checked before the communicator is even looked at, so a CPU tensor or a
+ * bad dtype is refused whether or not NCCL is there), the communicator, the
+ * op or peer, and the stream (a cudaStream_t as an integer). */
+typedef enum { NC_ALL_REDUCE, NC_ALL_GATHER, NC_REDUCE_SCATTER, NC_BROADCAST, NC_SEND,
+               NC_RECV } nccl_kind;
+
+static PyObject *nccl_collective(nccl_kind kind, const char *fn, PyObject *cap, PyObject *out_obj,
+                                 PyObject *in_obj, const char *op_name, int peer,
+                                 unsigned long long stream)
+{
+    /* out: written (all_gather, reduce_scatter: the result; all_reduce,
+     * broadcast, recv: the tensor itself); in: read (all_gather,
+     * reduce_scatter, send). */
+    sf_view out = {0}, in = {0};
+    int have_out = out_obj != NULL, have_in = in_obj != NULL;
+    PyObject *res = NULL;
+    int op = SF_NCCL_SUM;
+    if (have_out && sf_take(fn, out_obj, kind == NC_ALL_GATHER || kind == NC_REDUCE_SCATTER
+                            ? "out" : "tensor", NCCL_DTYPES,
+                            SF_TAKE_CUDA | SF_TAKE_CONTIGUOUS | SF_TAKE_WRITE, &out) < 0)
+        return NULL;
+    if (have_in && sf_take(fn, in_obj, "tensor", NCCL_DTYPES, SF_TAKE_CUDA | SF_TAKE_CONTIGUOUS,
+                           &in) < 0)
+        goto done;
+    if (have_out && have_in) {
+        sf_error err = {0};
+        if (sf_set_pyerr(sf_check_same_dtype(&out, "out", &in, "tensor", &err), &err))
+            goto done;
+        if (out.device.device_id != in.device.device_id) {
+            PyErr_Format(PyExc_ValueError, "%s: out is on CUDA device %d but tensor on device %d",
+                         fn, (int)out.device.device_id, (int)in.device.device_id);
+            goto done;
+        }
+    }
+    if (op_name && nccl_op(fn, op_name, &op))
+        goto done;
+    nccl_box *b = nccl_from(fn, cap);
+    if (!b)
+        goto done;
+    if (kind == NC_ALL_GATHER && check_blocks(fn, "out", &out, &in, b->nranks))
+        goto done;
+    if (kind == NC_REDUCE_SCATTER && check_blocks(fn, "tensor", &in, &out, b->nranks))
+        goto done;
+    if ((kind == NC_BROADCAST || kind == NC_SEND || kind == NC_RECV) &&
+        (peer < 0 || peer >= b->nranks)) {
+        PyErr_Format(PyExc_ValueError, "%s: %s rank %d not in [0, %d)", fn,
+                     kind == NC_BROADCAST ? "root" : "peer", peer, b->nranks);
+        goto done;
+    }
+    const int dtype = nccl_dtype(have_out ? &out : &in);
+    const uintptr_t st = (uintptr_t)stream;
+    void *comm = b->comm;
+    sf_error err = {0};
+    sf_status rc = SF_OK;
+    Py_BEGIN_ALLOW_THREADS
+    switch (kind) {
+    case NC_ALL_REDUCE:
+        rc = sf_nccl_all_reduce(comm, out.data, out.data, (size_t)out.numel, dtype, op, st, &err);
+        break;
+    case NC_ALL_GATHER:
+        rc = sf_nccl_all_gather(comm, in.data, out.data, (size_t)in.numel, dtype, st, &err);
+        break;
+    case NC_REDUCE_SCATTER:
+        rc = sf_nccl_reduce_scatter(comm, in.data, out.data, (size_t)out.numel, dtype, op, st,
+                                    &err);
+        break;
+    case NC_BROADCAST:
+        rc = sf_nccl_broadcast(comm, out.data, out.data, (size_t)out.numel, dtype, peer, st, &err);
+        break;
+    case NC_SEND:
+        rc = sf_nccl_send(comm, in.data, (size_t)in.numel, dtype, peer, st, &err);
+        break;
+    case NC_RECV:
+        rc = sf_nccl_recv(comm, out.data, (size_t)out.numel, dtype, peer, st, &err);
+        break;
+    }
+    Py_END_ALLOW_THREADS
+    if (!sf_set_pyerr(rc, &err))
+        res = Py_NewRef(Py_None);
+done:
+    sf_view_release(&in);
+    sf_view_release(&out);
+    return res;
+}
+
+static PyObject *py_nccl_all_reduce(PyObject *self, PyObject *args)
 {
     (void)self;
-    const char *kind;
-    PyObject *cap;
-    unsigned long long sp, rp, stream;
-    Py_ssize_t count;
-    int dtype, arg;
-    if (!PyArg_ParseTuple(args, "sOKKniiK:nccl_call", &kind, &cap, &sp, &rp, &count, &dtype,
-                          &arg, &stream))
+    PyObject *cap, *t;
+    const char *op = "sum";
+    unsigned long long stream = 0;
+    if (!PyArg_ParseTuple(args, "OO|sK:nccl_all_reduce", &cap, &t, &op, &stream))
         return NULL;
-    void *comm = PyCapsule_GetPointer(cap, NCCL_CAPSULE);
-    if (!comm)
+    return nccl_collective(NC_ALL_REDUCE, "nccl_all_reduce", cap, t, NULL, op, 0, stream);
+}
+
+static PyObject *py_nccl_all_gather(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *cap, *out, *t;
+    unsigned long long stream = 0;
+    if (!PyArg_ParseTuple(args, "OOO|K:nccl_all_gather", &cap, &out, &t, &stream))
         return NULL;
-    if (count < 0 || dtype < SF_NCCL_INT8 || dtype > SF_NCCL_BFLOAT16)
-        return PyErr_Format(PyExc_ValueError, "nccl_call: count=%zd or dtype=%d out of range",
-                            count, dtype);
-    const void *s = (const void *)(uintptr_t)sp;
-    void *r = (void *)(uintptr_t)rp;
-    size_t n = (size_t)count;
-    uintptr_t st = (uintptr_t)stream;
-    char err[ERRLEN] = "";
-    int rc = -1;
-    Py_BEGIN_ALLOW_THREADS
-    if (!strcmp(kind, "all_reduce"))
-        rc = sf_nccl_all_reduce(comm, s, r, n, dtype, arg, st, err, ERRLEN);
-    else if (!strcmp(kind, "all_gather"))
-        rc = sf_nccl_all_gather(comm, s, r, n, dtype, st, err, ERRLEN);
-    else if (!strcmp(kind, "reduce_scatter"))
-        rc = sf_nccl_reduce_scatter(comm, s, r, n, dtype, arg, st, err, ERRLEN);
-    else if (!strcmp(kind, "broadcast"))
-        rc = sf_nccl_broadcast(comm, s, r, n, dtype, arg, st, err, ERRLEN);
-    else if (!strcmp(kind, "send"))
-        rc = sf_nccl_send(comm, s, n, dtype, arg, st, err, ERRLEN);
-    else if (!strcmp(kind, "recv"))
-        rc = sf_nccl_recv(comm, r, n, dtype, arg, st, err, ERRLEN);
-    Py_END_ALLOW_THREADS
-    if (rc == -1)
-        return PyErr_Format(PyExc_ValueError, "nccl_call: unknown collective %s", kind);
-    if (rc) {
-        PyErr_SetString(PyExc_RuntimeError, err);
+    return nccl_collective(NC_ALL_GATHER, "nccl_all_gather", cap, out, t, NULL, 0, stream);
+}
+
+static PyObject *py_nccl_reduce_scatter(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *cap, *out, *t;
+    const char *op = "sum";
+    unsigned long long stream = 0;
+    if (!PyArg_ParseTuple(args, "OOO|sK:nccl_reduce_scatter", &cap, &out, &t, &op, &stream))
         return NULL;
-    }
-    Py_RETURN_NONE;
+    return nccl_collective(NC_REDUCE_SCATTER, "nccl_reduce_scatter", cap, out, t, op, 0, stream);
+}
+
+static PyObject *py_nccl_broadcast(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *cap, *t;
+    int root;
+    unsigned long long stream = 0;
+    if (!PyArg_ParseTuple(args, "OOi|K:nccl_broadcast", &cap, &t, &root, &stream))
+        return NULL;
+    return nccl_collective(NC_BROADCAST, "nccl_broadcast", cap, t, NULL, NULL, root, stream);
+}
+
+static PyObject *py_nccl_send(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *cap, *t;
+    int peer;
+    unsigned long long stream = 0;
+    if (!PyArg_ParseTuple(args, "OOi|K:nccl_send", &cap, &t, &peer, &stream))
+        return NULL;
+    return nccl_collective(NC_SEND, "nccl_send", cap, NULL, t, NULL, peer, stream);
+}
+
+static PyObject *py_nccl_recv(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *cap, *t;
+    int peer;
+    unsigned long long stream = 0;
+    if (!PyArg_ParseTuple(args, "OOi|K:nccl_recv", &cap, &t, &peer, &stream))
+        return NULL;
+    return nccl_collective(NC_RECV, "nccl_recv", cap, t, NULL, NULL, peer, stream);
 }
 
 static PyMethodDef comm_methods[] = {
@@ -618,7 +796,11 @@ static PyMethodDef comm_methods[] = {
     {"shm_barrier", py_shm_barrier, METH_O, "shm_barrier(comm)"},
     {"reduce_buffers", py_reduce_buffers, METH_VARARGS,
      "reduce_buffers(out, inputs, op='sum', simd=True): out = op over inputs (the shm kernels)."},
-    {"cpu_has_avx2", py_cpu_has_avx2, METH_NOARGS, "True when the AVX2 kernels run here."},
+    {"cpu_has_avx2", py_cpu_has_avx2, METH_NOARGS,
+     "True when the SIMD kernels run here (AVX2, FMA and F16C: cpu_features()['simd'])."},
+    {"cpu_features", py_cpu_features, METH_NOARGS,
+     "cpu_features() -> dict: the one CPU probe of the C core (avx2, fma, f16c, avx512f, and "
+     "simd / avx512: what the kernels use)."},
     {"nccl_load", py_nccl_load, METH_VARARGS,
      "nccl_load(path=None) -> (version, path); OSError with the reason when it cannot."},
     {"nccl_unique_id", py_nccl_unique_id, METH_NOARGS, "nccl_unique_id() -> 128 bytes"},
@@ -626,8 +808,16 @@ static PyMethodDef comm_methods[] = {
      "nccl_comm_init(nranks, unique_id, rank) -> comm"},
     {"nccl_comm_destroy", py_nccl_comm_destroy, METH_VARARGS,
      "nccl_comm_destroy(comm, abort=False)"},
-    {"nccl_call", py_nccl_call, METH_VARARGS,
-     "nccl_call(kind, comm, send_ptr, recv_ptr, count, dtype, op_or_peer, stream)"},
+    {"nccl_all_reduce", py_nccl_all_reduce, METH_VARARGS,
+     "nccl_all_reduce(comm, t, op='sum', stream=0): in place; t a contiguous CUDA tensor."},
+    {"nccl_all_gather", py_nccl_all_gather, METH_VARARGS,
+     "nccl_all_gather(comm, out, t, stream=0): out = concat over ranks of t."},
+    {"nccl_reduce_scatter", py_nccl_reduce_scatter, METH_VARARGS,
+     "nccl_reduce_scatter(comm, out, t, op='sum', stream=0): out = own block of the reduced t."},
+    {"nccl_broadcast", py_nccl_broadcast, METH_VARARGS,
+     "nccl_broadcast(comm, t, root, stream=0)"},
+    {"nccl_send", py_nccl_send, METH_VARARGS, "nccl_send(comm, t, peer, stream=0)"},
+    {"nccl_recv", py_nccl_recv, METH_VARARGS, "nccl_recv(comm, t, peer, stream=0)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -44,8 +44,12 @@ static inline uint64_t load64(const unsigned char *p)
     return w;
 }
 
-uint64_t sf_fingerprint(const void *data, size_t nbytes, uint64_t seed)
+sf_status sf_fingerprint(const void *data, size_t nbytes, uint64_t seed, uint64_t *out,
+                         sf_error *err)
 {
+    if (!out || (nbytes > 0 && !data))
+        return sf_fail(err, SF_EINVAL, "fingerprint: %s is NULL (%zu bytes to read)",
+                       out ? "data" : "out", nbytes);
     const unsigned char *p = (const unsigned char *)data;
     uint64_t a = seed + K1 + K2, b = seed + K2, c = seed, d = seed - K1;
     size_t i = 0;
@@ -61,5 +65,6 @@ uint64_t sf_fingerprint(const void *data, size_t nbytes, uint64_t seed)
         h = rotl(h ^ fold(0, load64(p + i)), 27) * K1 + K3;
     for (; i < nbytes; i++)
         h = rotl(h ^ ((uint64_t)p[i] * K3), 11) * K1;
-    return avalanche(h ^ seed);
+    *out = avalanche(h ^ seed);
+    return SF_OK;
 }

@@ -12,9 +12,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* Fingerprint of bytes [data, data + nbytes), continuing from `seed` (the
- * fingerprint of what came before, or 0): chaining calls over consecutive
- * chunks gives a fingerprint of the whole that depends on the chunking. */
-uint64_t sf_fingerprint(const void *data, size_t nbytes, uint64_t seed);
+#include "status.h"
+
+/* *out = the fingerprint of bytes [data, data + nbytes), continuing from
+ * `seed` (the fingerprint of what came before, or 0): chaining calls over
+ * consecutive chunks gives a fingerprint of the whole that depends on the
+ * chunking.  EINVAL for a NULL data or out pointer with bytes to read. */
+sf_status sf_fingerprint(const void *data, size_t nbytes, uint64_t seed, uint64_t *out,
+                         sf_error *err);
 
 #endif

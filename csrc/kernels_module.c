@@ -1,15 +1,20 @@
 /*
  * kernels_module.c -- the CPython glue of csrc/kernels/.
  *
- * Every function takes its inputs and preallocated outputs as tensors
- * (through DLPack), checks device, dtype, contiguity, writability and sizes
- * before touching anything, releases the GIL around the kernel and turns its
- * return code into an exception.  Outputs are allocated by the caller
+ * Every function takes its inputs and preallocated outputs as tensors through
+ * the one DLPack gate (sf_take: device, dtype, contiguity, writability), checks
+ * the sizes that relate them before touching anything, releases the GIL
+ * around the kernel and turns the sf_status it returns into an exception with
+ * the one mapper (sf_set_pyerr).  Scalar arguments (vocab_real, p, window,
+ * ...) are checked by the kernels themselves, whose messages name the kernel,
+ * the argument and the numbers.  Outputs are allocated by the caller
  * (shardformer.ops), so nothing here creates tensors.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include "cpu_features.h"
+#include "glue.h"
 #include "kernels/attention.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/elementwise.h"
@@ -19,8 +24,7 @@
 
 #define MAXV 14
 
-enum { K_DATA = 0, K_F32 = 1, K_I64 = 2 };
-
+/* The tensor arguments of one call, released together. */
 typedef struct {
     sf_view v[MAXV];
     int n;
@@ -33,38 +37,32 @@ static void drop(views *vs)
     vs->n = 0;
 }
 
-/* Acquire `obj` as argument `name` of kind K_*, or NULL for None when
- * `optional`.  Sets *out (NULL for None).  -1 with an exception. */
-static int take(views *vs, PyObject *obj, const char *name, int kind, int writable, int optional,
-                sf_view **out)
+/* sf_take `obj` as argument `name` (dtypes SF_DT_*, flags SF_TAKE_*) into the
+ * next slot of vs; *out is the view, or NULL for None when SF_TAKE_OPTIONAL.
+ * -1 with an exception. */
+static int arg(views *vs, PyObject *obj, const char *name, unsigned dtypes, unsigned flags,
+               sf_view **out)
 {
     *out = NULL;
-    if (obj == Py_None) {
-        if (optional) return 0;
-        PyErr_Format(PyExc_TypeError, "%s: %s must be a tensor, not None", vs->fn, name);
-        return -1;
-    }
     sf_view *v = &vs->v[vs->n];
-    if (sf_view_acquire(obj, name, v) < 0) return -1;
-    vs->n++;
-    /* an empty tensor has nothing to lay out (torch gives them odd strides) */
-    if (sf_check_cpu(v, name) < 0 || (v->numel > 0 && sf_check_contiguous(v, name) < 0)) return -1;
-    if (writable && sf_check_writable(v, name) < 0) return -1;
-    int code = v->dtype.code, bits = v->dtype.bits;
-    if (kind == K_DATA && sf_check_float(v, name) < 0) return -1;
-    if (kind == K_F32 && !(code == SF_DL_FLOAT && bits == 32)) {
-        PyErr_Format(PyExc_TypeError, "%s: %s must be float32, got %s", vs->fn, name,
-                     sf_dtype_name(v->dtype));
-        return -1;
+    int rc = sf_take(vs->fn, obj, name, dtypes, flags | SF_TAKE_CONTIGUOUS, v);
+    if (rc < 0) return -1;
+    if (rc == 0) {
+        vs->n++;
+        *out = v;
     }
-    if (kind == K_I64 && !(code == SF_DL_INT && bits == 64)) {
-        PyErr_Format(PyExc_TypeError, "%s: %s must be int64, got %s", vs->fn, name,
-                     sf_dtype_name(v->dtype));
-        return -1;
-    }
-    *out = v;
     return 0;
 }
+
+/* Shorthands: data in (float32/float16/bfloat16), data out, fp32 in / out,
+ * int64 ids, each optionally None. */
+#define IN SF_DT_FLOAT, 0
+#define OUT SF_DT_FLOAT, SF_TAKE_WRITE
+#define F32 SF_DT_F32, 0
+#define F32_OUT SF_DT_F32, SF_TAKE_WRITE
+#define F32_OPT SF_DT_F32, SF_TAKE_OPTIONAL
+#define F32_OUT_OPT SF_DT_F32, SF_TAKE_WRITE | SF_TAKE_OPTIONAL
+#define I64 SF_DT_I64, 0
 
 static sfk_dtype kdtype(const sf_view *v)
 {
@@ -74,11 +72,19 @@ static sfk_dtype kdtype(const sf_view *v)
 
 static int64_t last_dim(const sf_view *v) { return v->ndim ? v->shape[v->ndim - 1] : 1; }
 
-static int64_t lead_rows(const sf_view *v)
+/* numel / last_dim without dividing (last_dim may be 0): the product of the
+ * leading dimensions, which cannot overflow (a prefix of numel's product is
+ * bounded by numel unless a later dimension is 0: then checked). */
+static int lead_rows(views *vs, const sf_view *v, int64_t *rows)
 {
     int64_t r = 1;
-    for (int d = 0; d + 1 < v->ndim; d++) r *= v->shape[d];
-    return r;
+    for (int d = 0; d + 1 < v->ndim; d++)
+        if (sf_mul_overflows(r, v->shape[d], &r)) {
+            PyErr_Format(PyExc_OverflowError, "%s: the leading dimensions overflow int64", vs->fn);
+            return -1;
+        }
+    *rows = r;
+    return 0;
 }
 
 static int want_numel(views *vs, const sf_view *v, const char *name, int64_t n)
@@ -91,21 +97,30 @@ static int want_numel(views *vs, const sf_view *v, const char *name, int64_t n)
     return 0;
 }
 
+/* a * b, or -1 with OverflowError naming what it counts. */
+static int mul(views *vs, const char *what, int64_t a, int64_t b, int64_t *out)
+{
+    if (sf_mul_overflows(a, b, out)) {
+        PyErr_Format(PyExc_OverflowError, "%s: %s (%lld x %lld) overflows int64", vs->fn, what,
+                     (long long)a, (long long)b);
+        return -1;
+    }
+    return 0;
+}
+
 static int same_dtype(views *vs, const sf_view *a, const char *an, const sf_view *b,
                       const char *bn)
 {
     (void)vs;
-    return (a && b) ? sf_check_same_dtype(a, an, b, bn) : 0;
+    if (!a || !b) return 0;
+    sf_error err = {0};
+    return sf_set_pyerr(sf_check_same_dtype(a, an, b, bn, &err), &err);
 }
 
-static PyObject *finish(views *vs, int rc)
+static PyObject *finish(views *vs, sf_status rc, const sf_error *err)
 {
     drop(vs);
-    if (rc == SFK_ENOMEM) return PyErr_NoMemory();
-    if (rc != SFK_OK) {
-        PyErr_Format(PyExc_ValueError, "%s: invalid arguments (kernel returned %d)", vs->fn, rc);
-        return NULL;
-    }
+    if (sf_set_pyerr(rc, err)) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -115,7 +130,15 @@ static PyObject *fail(views *vs)
     return NULL;
 }
 
-#define VOIDP(v) ((v) ? (void *)(v)->data : NULL)
+/* Run a kernel without the GIL: `rc = call;` */
+#define RUN(call)                                                             \
+    sf_error err = {0};                                                       \
+    sf_status rc;                                                             \
+    Py_BEGIN_ALLOW_THREADS                                                    \
+    rc = (call);                                                              \
+    Py_END_ALLOW_THREADS                                                      \
+    return finish(&vs, rc, &err)
+
 #define FLOATP(v) ((v) ? (float *)(v)->data : NULL)
 
 /* ---- cross-entropy ------------------------------------------------------ */
@@ -130,26 +153,18 @@ static PyObject *py_xent_forward(PyObject *self, PyObject *args)
         return NULL;
     views vs = {.fn = "xent_forward"};
     sf_view *z, *y, *mx, *se, *tg, *sz;
-    if (take(&vs, o[0], "logits", K_DATA, 0, 0, &z) || take(&vs, o[1], "labels", K_I64, 0, 0, &y) ||
-        take(&vs, o[2], "max", K_F32, 1, 0, &mx) || take(&vs, o[3], "sumexp", K_F32, 1, 0, &se) ||
-        take(&vs, o[4], "target", K_F32, 1, 0, &tg) || take(&vs, o[5], "sumz", K_F32, 1, 1, &sz))
+    if (arg(&vs, o[0], "logits", IN, &z) || arg(&vs, o[1], "labels", I64, &y) ||
+        arg(&vs, o[2], "max", F32_OUT, &mx) || arg(&vs, o[3], "sumexp", F32_OUT, &se) ||
+        arg(&vs, o[4], "target", F32_OUT, &tg) || arg(&vs, o[5], "sumz", F32_OUT_OPT, &sz))
         return fail(&vs);
-    int64_t n = last_dim(z), rows = lead_rows(z);
+    int64_t n = last_dim(z), rows = 0;
+    if (lead_rows(&vs, z, &rows)) return fail(&vs);
     if (want_numel(&vs, y, "labels", rows) || want_numel(&vs, mx, "max", rows) ||
         want_numel(&vs, se, "sumexp", rows) || want_numel(&vs, tg, "target", rows) ||
         want_numel(&vs, sz, "sumz", rows))
         return fail(&vs);
-    if (real < 0 || real > n) {
-        PyErr_Format(PyExc_ValueError, "xent_forward: vocab_real=%lld outside [0, %lld] (logits "
-                     "have %lld columns)", real, (long long)n, (long long)n);
-        return fail(&vs);
-    }
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = sfk_xent_forward(kdtype(z), z->data, rows, n, real, (const int64_t *)y->data, vstart,
-                          ignore, FLOATP(mx), FLOATP(se), FLOATP(tg), FLOATP(sz));
-    Py_END_ALLOW_THREADS
-    return finish(&vs, rc);
+    RUN(sfk_xent_forward(kdtype(z), z->data, rows, n, real, (const int64_t *)y->data, vstart,
+                          ignore, FLOATP(mx), FLOATP(se), FLOATP(tg), FLOATP(sz), &err));
 }
 
 static PyObject *py_xent_backward(PyObject *self, PyObject *args)
@@ -163,26 +178,18 @@ static PyObject *py_xent_backward(PyObject *self, PyObject *args)
         return NULL;
     views vs = {.fn = "xent_backward"};
     sf_view *z, *y, *lse, *sc, *g;
-    if (take(&vs, o[0], "logits", K_DATA, 0, 0, &z) || take(&vs, o[1], "labels", K_I64, 0, 0, &y) ||
-        take(&vs, o[2], "lse", K_F32, 0, 0, &lse) || take(&vs, o[3], "scale", K_F32, 0, 0, &sc) ||
-        take(&vs, o[4], "grad", K_DATA, 1, 0, &g))
+    if (arg(&vs, o[0], "logits", IN, &z) || arg(&vs, o[1], "labels", I64, &y) ||
+        arg(&vs, o[2], "lse", F32, &lse) || arg(&vs, o[3], "scale", F32, &sc) ||
+        arg(&vs, o[4], "grad", OUT, &g))
         return fail(&vs);
-    int64_t n = last_dim(z), rows = lead_rows(z);
+    int64_t n = last_dim(z), rows = 0;
+    if (lead_rows(&vs, z, &rows)) return fail(&vs);
     if (want_numel(&vs, y, "labels", rows) || want_numel(&vs, lse, "lse", rows) ||
         want_numel(&vs, sc, "scale", rows) || want_numel(&vs, g, "grad", z->numel) ||
         same_dtype(&vs, z, "logits", g, "grad"))
         return fail(&vs);
-    if (real < 0 || real > n || vocab < 0) {
-        PyErr_Format(PyExc_ValueError, "xent_backward: vocab_real=%lld outside [0, %lld] or "
-                     "vocab=%lld < 0", real, (long long)n, vocab);
-        return fail(&vs);
-    }
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = sfk_xent_backward(kdtype(z), z->data, g->data, rows, n, real, (const int64_t *)y->data,
-                           vstart, ignore, FLOATP(lse), FLOATP(sc), eps, vocab);
-    Py_END_ALLOW_THREADS
-    return finish(&vs, rc);
+    RUN(sfk_xent_backward(kdtype(z), z->data, g->data, rows, n, real, (const int64_t *)y->data,
+                           vstart, ignore, FLOATP(lse), FLOATP(sc), eps, vocab, &err));
 }
 
 /* ---- norms -------------------------------------------------------------- */
@@ -198,21 +205,18 @@ static PyObject *py_norm_forward(PyObject *self, PyObject *args)
         return NULL;
     views vs = {.fn = "norm_forward"};
     sf_view *x, *w, *b, *y, *mu, *rs;
-    if (take(&vs, o[0], "x", K_DATA, 0, 0, &x) || take(&vs, o[1], "weight", K_F32, 0, 1, &w) ||
-        take(&vs, o[2], "bias", K_F32, 0, 1, &b) || take(&vs, o[3], "y", K_DATA, 1, 0, &y) ||
-        take(&vs, o[4], "mean", K_F32, 1, 1, &mu) || take(&vs, o[5], "rstd", K_F32, 1, 0, &rs))
+    if (arg(&vs, o[0], "x", IN, &x) || arg(&vs, o[1], "weight", F32_OPT, &w) ||
+        arg(&vs, o[2], "bias", F32_OPT, &b) || arg(&vs, o[3], "y", OUT, &y) ||
+        arg(&vs, o[4], "mean", F32_OUT_OPT, &mu) || arg(&vs, o[5], "rstd", F32_OUT, &rs))
         return fail(&vs);
-    int64_t n = last_dim(x), rows = lead_rows(x);
+    int64_t n = last_dim(x), rows = 0;
+    if (lead_rows(&vs, x, &rows)) return fail(&vs);
     if (want_numel(&vs, w, "weight", n) || want_numel(&vs, b, "bias", n) ||
         want_numel(&vs, y, "y", x->numel) || same_dtype(&vs, x, "x", y, "y") ||
         want_numel(&vs, mu, "mean", rows) || want_numel(&vs, rs, "rstd", rows))
         return fail(&vs);
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = sfk_norm_forward(rms, kdtype(x), x->data, rows, n, FLOATP(w), FLOATP(b), eps, y->data,
-                          FLOATP(mu), FLOATP(rs));
-    Py_END_ALLOW_THREADS
-    return finish(&vs, rc);
+    RUN(sfk_norm_forward(rms, kdtype(x), x->data, rows, n, FLOATP(w), FLOATP(b), eps, y->data,
+                          FLOATP(mu), FLOATP(rs), &err));
 }
 
 static PyObject *py_norm_backward(PyObject *self, PyObject *args)
@@ -225,24 +229,21 @@ static PyObject *py_norm_backward(PyObject *self, PyObject *args)
         return NULL;
     views vs = {.fn = "norm_backward"};
     sf_view *dy, *x, *w, *mu, *rs, *dx, *dw, *db;
-    if (take(&vs, o[0], "dy", K_DATA, 0, 0, &dy) || take(&vs, o[1], "x", K_DATA, 0, 0, &x) ||
-        take(&vs, o[2], "weight", K_F32, 0, 1, &w) || take(&vs, o[3], "mean", K_F32, 0, rms, &mu) ||
-        take(&vs, o[4], "rstd", K_F32, 0, 0, &rs) || take(&vs, o[5], "dx", K_DATA, 1, 0, &dx) ||
-        take(&vs, o[6], "dweight", K_F32, 1, 1, &dw) || take(&vs, o[7], "dbias", K_F32, 1, 1, &db))
+    if (arg(&vs, o[0], "dy", IN, &dy) || arg(&vs, o[1], "x", IN, &x) ||
+        arg(&vs, o[2], "weight", F32_OPT, &w) || arg(&vs, o[3], "mean", SF_DT_F32, rms ? SF_TAKE_OPTIONAL : 0, &mu) ||
+        arg(&vs, o[4], "rstd", F32, &rs) || arg(&vs, o[5], "dx", OUT, &dx) ||
+        arg(&vs, o[6], "dweight", F32_OUT_OPT, &dw) || arg(&vs, o[7], "dbias", F32_OUT_OPT, &db))
         return fail(&vs);
-    int64_t n = last_dim(x), rows = lead_rows(x);
+    int64_t n = last_dim(x), rows = 0;
+    if (lead_rows(&vs, x, &rows)) return fail(&vs);
     if (want_numel(&vs, dy, "dy", x->numel) || want_numel(&vs, dx, "dx", x->numel) ||
         same_dtype(&vs, x, "x", dy, "dy") || same_dtype(&vs, x, "x", dx, "dx") ||
         want_numel(&vs, w, "weight", n) || want_numel(&vs, dw, "dweight", n) ||
         want_numel(&vs, db, "dbias", n) || want_numel(&vs, mu, "mean", rows) ||
         want_numel(&vs, rs, "rstd", rows))
         return fail(&vs);
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = sfk_norm_backward(rms, kdtype(x), dy->data, x->data, rows, n, FLOATP(w), FLOATP(mu),
-                           FLOATP(rs), dx->data, FLOATP(dw), FLOATP(db));
-    Py_END_ALLOW_THREADS
-    return finish(&vs, rc);
+    RUN(sfk_norm_backward(rms, kdtype(x), dy->data, x->data, rows, n, FLOATP(w), FLOATP(mu),
+                           FLOATP(rs), dx->data, FLOATP(dw), FLOATP(db), &err));
 }
 
 /* ---- elementwise -------------------------------------------------------- */
@@ -256,18 +257,15 @@ static PyObject *py_bias_gelu_forward(PyObject *self, PyObject *args)
         return NULL;
     views vs = {.fn = "bias_gelu_forward"};
     sf_view *x, *b, *y;
-    if (take(&vs, o[0], "x", K_DATA, 0, 0, &x) || take(&vs, o[1], "bias", K_F32, 0, 1, &b) ||
-        take(&vs, o[2], "y", K_DATA, 1, 0, &y))
+    if (arg(&vs, o[0], "x", IN, &x) || arg(&vs, o[1], "bias", F32_OPT, &b) ||
+        arg(&vs, o[2], "y", OUT, &y))
         return fail(&vs);
-    int64_t n = last_dim(x), rows = lead_rows(x);
+    int64_t n = last_dim(x), rows = 0;
+    if (lead_rows(&vs, x, &rows)) return fail(&vs);
     if (want_numel(&vs, b, "bias", n) || want_numel(&vs, y, "y", x->numel) ||
         same_dtype(&vs, x, "x", y, "y"))
         return fail(&vs);
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = sfk_bias_gelu_forward(kdtype(x), x->data, FLOATP(b), rows, n, approx, y->data);
-    Py_END_ALLOW_THREADS
-    return finish(&vs, rc);
+    RUN(sfk_bias_gelu_forward(kdtype(x), x->data, FLOATP(b), rows, n, approx, y->data, &err));
 }
 
 static PyObject *py_bias_gelu_backward(PyObject *self, PyObject *args)
@@ -280,21 +278,18 @@ static PyObject *py_bias_gelu_backward(PyObject *self, PyObject *args)
         return NULL;
     views vs = {.fn = "bias_gelu_backward"};
     sf_view *dy, *x, *b, *dx, *db;
-    if (take(&vs, o[0], "dy", K_DATA, 0, 0, &dy) || take(&vs, o[1], "x", K_DATA, 0, 0, &x) ||
-        take(&vs, o[2], "bias", K_F32, 0, 1, &b) || take(&vs, o[3], "dx", K_DATA, 1, 0, &dx) ||
-        take(&vs, o[4], "dbias", K_F32, 1, 1, &db))
+    if (arg(&vs, o[0], "dy", IN, &dy) || arg(&vs, o[1], "x", IN, &x) ||
+        arg(&vs, o[2], "bias", F32_OPT, &b) || arg(&vs, o[3], "dx", OUT, &dx) ||
+        arg(&vs, o[4], "dbias", F32_OUT_OPT, &db))
         return fail(&vs);
-    int64_t n = last_dim(x), rows = lead_rows(x);
+    int64_t n = last_dim(x), rows = 0;
+    if (lead_rows(&vs, x, &rows)) return fail(&vs);
     if (want_numel(&vs, b, "bias", n) || want_numel(&vs, db, "dbias", n) ||
         want_numel(&vs, dy, "dy", x->numel) || want_numel(&vs, dx, "dx", x->numel) ||
         same_dtype(&vs, x, "x", dy, "dy") || same_dtype(&vs, x, "x", dx, "dx"))
         return fail(&vs);
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = sfk_bias_gelu_backward(kdtype(x), dy->data, x->data, FLOATP(b), rows, n, approx,
-                                dx->data, FLOATP(db));
-    Py_END_ALLOW_THREADS
-    return finish(&vs, rc);
+    RUN(sfk_bias_gelu_backward(kdtype(x), dy->data, x->data, FLOATP(b), rows, n, approx,
+                                dx->data, FLOATP(db), &err));
 }
 
 static PyObject *py_swiglu_forward(PyObject *self, PyObject *args)
@@ -305,17 +300,13 @@ static PyObject *py_swiglu_forward(PyObject *self, PyObject *args)
         return NULL;
     views vs = {.fn = "swiglu_forward"};
     sf_view *g, *u, *y;
-    if (take(&vs, o[0], "gate", K_DATA, 0, 0, &g) || take(&vs, o[1], "up", K_DATA, 0, 0, &u) ||
-        take(&vs, o[2], "y", K_DATA, 1, 0, &y))
+    if (arg(&vs, o[0], "gate", IN, &g) || arg(&vs, o[1], "up", IN, &u) ||
+        arg(&vs, o[2], "y", OUT, &y))
         return fail(&vs);
     if (want_numel(&vs, u, "up", g->numel) || want_numel(&vs, y, "y", g->numel) ||
         same_dtype(&vs, g, "gate", u, "up") || same_dtype(&vs, g, "gate", y, "y"))
         return fail(&vs);
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = sfk_swiglu_forward(kdtype(g), g->data, u->data, g->numel, y->data);
-    Py_END_ALLOW_THREADS
-    return finish(&vs, rc);
+    RUN(sfk_swiglu_forward(kdtype(g), g->data, u->data, g->numel, y->data, &err));
 }
 
 static PyObject *py_swiglu_backward(PyObject *self, PyObject *args)
@@ -326,20 +317,16 @@ static PyObject *py_swiglu_backward(PyObject *self, PyObject *args)
         return NULL;
     views vs = {.fn = "swiglu_backward"};
     sf_view *dy, *g, *u, *dg, *du;
-    if (take(&vs, o[0], "dy", K_DATA, 0, 0, &dy) || take(&vs, o[1], "gate", K_DATA, 0, 0, &g) ||
-        take(&vs, o[2], "up", K_DATA, 0, 0, &u) || take(&vs, o[3], "dgate", K_DATA, 1, 0, &dg) ||
-        take(&vs, o[4], "dup", K_DATA, 1, 0, &du))
+    if (arg(&vs, o[0], "dy", IN, &dy) || arg(&vs, o[1], "gate", IN, &g) ||
+        arg(&vs, o[2], "up", IN, &u) || arg(&vs, o[3], "dgate", OUT, &dg) ||
+        arg(&vs, o[4], "dup", OUT, &du))
         return fail(&vs);
     if (want_numel(&vs, dy, "dy", g->numel) || want_numel(&vs, u, "up", g->numel) ||
         want_numel(&vs, dg, "dgate", g->numel) || want_numel(&vs, du, "dup", g->numel) ||
         same_dtype(&vs, g, "gate", dy, "dy") || same_dtype(&vs, g, "gate", u, "up") ||
         same_dtype(&vs, g, "gate", dg, "dgate") || same_dtype(&vs, g, "gate", du, "dup"))
         return fail(&vs);
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = sfk_swiglu_backward(kdtype(g), dy->data, g->data, u->data, g->numel, dg->data, du->data);
-    Py_END_ALLOW_THREADS
-    return finish(&vs, rc);
+    RUN(sfk_swiglu_backward(kdtype(g), dy->data, g->data, u->data, g->numel, dg->data, du->data, &err));
 }
 
 static PyObject *py_bda_forward(PyObject *self, PyObject *args)
@@ -353,24 +340,17 @@ static PyObject *py_bda_forward(PyObject *self, PyObject *args)
         return NULL;
     views vs = {.fn = "bias_dropout_add_forward"};
     sf_view *x, *b, *r, *y;
-    if (take(&vs, o[0], "x", K_DATA, 0, 0, &x) || take(&vs, o[1], "bias", K_F32, 0, 1, &b) ||
-        take(&vs, o[2], "residual", K_DATA, 0, 0, &r) || take(&vs, o[3], "y", K_DATA, 1, 0, &y))
+    if (arg(&vs, o[0], "x", IN, &x) || arg(&vs, o[1], "bias", F32_OPT, &b) ||
+        arg(&vs, o[2], "residual", IN, &r) || arg(&vs, o[3], "y", OUT, &y))
         return fail(&vs);
-    int64_t n = last_dim(x), rows = lead_rows(x);
+    int64_t n = last_dim(x), rows = 0;
+    if (lead_rows(&vs, x, &rows)) return fail(&vs);
     if (want_numel(&vs, b, "bias", n) || want_numel(&vs, r, "residual", x->numel) ||
         want_numel(&vs, y, "y", x->numel) || same_dtype(&vs, x, "x", r, "residual") ||
         same_dtype(&vs, x, "x", y, "y"))
         return fail(&vs);
-    if (!(p >= 0.0f && p <= 1.0f)) {
-        PyErr_Format(PyExc_ValueError, "bias_dropout_add_forward: p=%g outside [0, 1]", (double)p);
-        return fail(&vs);
-    }
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = sfk_bias_dropout_add_forward(kdtype(x), x->data, FLOATP(b), r->data, rows, n, p, seed,
-                                      y->data);
-    Py_END_ALLOW_THREADS
-    return finish(&vs, rc);
+    RUN(sfk_bias_dropout_add_forward(kdtype(x), x->data, FLOATP(b), r->data, rows, n, p, seed,
+                                      y->data, &err));
 }
 
 static PyObject *py_bda_backward(PyObject *self, PyObject *args)
@@ -383,22 +363,15 @@ static PyObject *py_bda_backward(PyObject *self, PyObject *args)
         return NULL;
     views vs = {.fn = "bias_dropout_add_backward"};
     sf_view *dy, *dx, *db;
-    if (take(&vs, o[0], "dy", K_DATA, 0, 0, &dy) || take(&vs, o[1], "dx", K_DATA, 1, 0, &dx) ||
-        take(&vs, o[2], "dbias", K_F32, 1, 1, &db))
+    if (arg(&vs, o[0], "dy", IN, &dy) || arg(&vs, o[1], "dx", OUT, &dx) ||
+        arg(&vs, o[2], "dbias", F32_OUT_OPT, &db))
         return fail(&vs);
-    int64_t n = last_dim(dy), rows = lead_rows(dy);
+    int64_t n = last_dim(dy), rows = 0;
+    if (lead_rows(&vs, dy, &rows)) return fail(&vs);
     if (want_numel(&vs, dx, "dx", dy->numel) || want_numel(&vs, db, "dbias", n) ||
         same_dtype(&vs, dy, "dy", dx, "dx"))
         return fail(&vs);
-    if (!(p >= 0.0f && p <= 1.0f)) {
-        PyErr_Format(PyExc_ValueError, "bias_dropout_add_backward: p=%g outside [0, 1]", (double)p);
-        return fail(&vs);
-    }
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = sfk_bias_dropout_add_backward(kdtype(dy), dy->data, rows, n, p, seed, dx->data, FLOATP(db));
-    Py_END_ALLOW_THREADS
-    return finish(&vs, rc);
+    RUN(sfk_bias_dropout_add_backward(kdtype(dy), dy->data, rows, n, p, seed, dx->data, FLOATP(db), &err));
 }
 
 /* ---- embedding ---------------------------------------------------------- */
@@ -412,23 +385,20 @@ static PyObject *py_embedding_forward(PyObject *self, PyObject *args)
         return NULL;
     views vs = {.fn = "embedding_forward"};
     sf_view *w, *ids, *out;
-    if (take(&vs, o[0], "weight", K_DATA, 0, 0, &w) || take(&vs, o[1], "ids", K_I64, 0, 0, &ids) ||
-        take(&vs, o[2], "out", K_DATA, 1, 0, &out))
+    if (arg(&vs, o[0], "weight", IN, &w) || arg(&vs, o[1], "ids", I64, &ids) ||
+        arg(&vs, o[2], "out", OUT, &out))
         return fail(&vs);
     if (w->ndim != 2 || real < 0 || real > w->shape[0]) {
         PyErr_Format(PyExc_ValueError, "embedding_forward: weight must be 2-D with at least "
                      "vocab_real=%lld rows, got %d-D", real, w->ndim);
         return fail(&vs);
     }
-    int64_t d = w->shape[1];
-    if (want_numel(&vs, out, "out", ids->numel * d) || same_dtype(&vs, w, "weight", out, "out"))
+    int64_t d = w->shape[1], nout;
+    if (mul(&vs, "ids x embedding size", ids->numel, d, &nout) ||
+        want_numel(&vs, out, "out", nout) || same_dtype(&vs, w, "weight", out, "out"))
         return fail(&vs);
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = sfk_embedding_forward(kdtype(w), w->data, d, real, (const int64_t *)ids->data,
-                               ids->numel, vstart, out->data);
-    Py_END_ALLOW_THREADS
-    return finish(&vs, rc);
+    RUN(sfk_embedding_forward(kdtype(w), w->data, d, real, (const int64_t *)ids->data,
+                               ids->numel, vstart, out->data, &err));
 }
 
 static PyObject *py_embedding_backward(PyObject *self, PyObject *args)
@@ -441,23 +411,20 @@ static PyObject *py_embedding_backward(PyObject *self, PyObject *args)
         return NULL;
     views vs = {.fn = "embedding_backward"};
     sf_view *dout, *ids, *dw;
-    if (take(&vs, o[0], "dout", K_DATA, 0, 0, &dout) || take(&vs, o[1], "ids", K_I64, 0, 0, &ids) ||
-        take(&vs, o[2], "dweight", K_F32, 1, 0, &dw))
+    if (arg(&vs, o[0], "dout", IN, &dout) || arg(&vs, o[1], "ids", I64, &ids) ||
+        arg(&vs, o[2], "dweight", F32_OUT, &dw))
         return fail(&vs);
     if (dw->ndim != 2 || real < 0 || real > dw->shape[0]) {
         PyErr_Format(PyExc_ValueError, "embedding_backward: dweight must be 2-D with at least "
                      "vocab_real=%lld rows, got %d-D", real, dw->ndim);
         return fail(&vs);
     }
-    int64_t d = dw->shape[1];
-    if (want_numel(&vs, dout, "dout", ids->numel * d))
+    int64_t d = dw->shape[1], nout;
+    if (mul(&vs, "ids x embedding size", ids->numel, d, &nout) ||
+        want_numel(&vs, dout, "dout", nout))
         return fail(&vs);
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = sfk_embedding_backward(kdtype(dout), dout->data, (const int64_t *)ids->data, ids->numel,
-                                d, real, vstart, pad, FLOATP(dw));
-    Py_END_ALLOW_THREADS
-    return finish(&vs, rc);
+    RUN(sfk_embedding_backward(kdtype(dout), dout->data, (const int64_t *)ids->data, ids->numel,
+                                d, real, vstart, pad, FLOATP(dw), &err));
 }
 
 /* ---- attention ---------------------------------------------------------- */
@@ -482,11 +449,12 @@ static int broadcast_strides(views *vs, const sf_view *v, const char *name, cons
     return 0;
 }
 
-/* q, k, v shapes, GQA, the optional alibi / bias / mask, and the scalar
- * options into *a.  -1 with an exception. */
+/* q, k, v shapes, the optional alibi / bias / mask, and the scalar options
+ * into *a, with the element counts of lse and dbias.  -1 with an exception. */
 static int attn_params(views *vs, const sf_view *q, const sf_view *k, const sf_view *v,
                        const sf_view *alibi, const sf_view *bias, const sf_view *mask, float scale,
-                       int causal, long long window, float p, unsigned long long seed, sfk_attn *a)
+                       int causal, long long window, float p, unsigned long long seed, sfk_attn *a,
+                       int64_t sz[2])
 {
     if (q->ndim != 4 || k->ndim != 4 || v->ndim != 4) {
         PyErr_Format(PyExc_ValueError, "%s: q, k, v must be 4-D [B, H, S, D], got %d-D, %d-D, %d-D",
@@ -505,17 +473,8 @@ static int attn_params(views *vs, const sf_view *q, const sf_view *k, const sf_v
                      (long long)k->shape[0], (long long)k->shape[3]);
         return -1;
     }
-    if (q->shape[1] > 0 && (k->shape[1] == 0 || q->shape[1] % k->shape[1] != 0)) {
-        PyErr_Format(PyExc_ValueError, "%s: %lld query heads are not a multiple of %lld key-value "
-                     "heads", vs->fn, (long long)q->shape[1], (long long)k->shape[1]);
-        return -1;
-    }
     if (same_dtype(vs, q, "q", k, "k") || same_dtype(vs, q, "q", v, "v")) return -1;
-    if (window < 0 || !(p >= 0.0f && p <= 1.0f)) {
-        PyErr_Format(PyExc_ValueError, "%s: window=%lld must be >= 0 and dropout=%g in [0, 1]",
-                     vs->fn, window, (double)p);
-        return -1;
-    }
+    /* window, dropout and the GQA ratio are the kernel's to check (sfk_attention_*) */
     *a = (sfk_attn){.t = kdtype(q), .B = q->shape[0], .Hq = q->shape[1], .Hkv = k->shape[1],
                     .Sq = q->shape[2], .Sk = k->shape[2], .D = q->shape[3], .scale = scale,
                     .causal = causal, .window = window, .dropout = p, .seed = seed};
@@ -527,21 +486,12 @@ static int attn_params(views *vs, const sf_view *q, const sf_view *k, const sf_v
     a->alibi = FLOATP(alibi);
     a->bias = FLOATP(bias);
     a->mask = mask ? (const uint8_t *)mask->data : NULL;
-    return 0;
+    return mul(vs, "B x Hq", a->B, a->Hq, &sz[0]) || mul(vs, "B x Hq x Sq", sz[0], a->Sq, &sz[0]) ||
+           mul(vs, "B x Hq x Sq x Sk", sz[0], a->Sk, &sz[1]) ? -1 : 0;
 }
 
-/* A boolean / uint8 mask (K_DATA-like check for bytes). */
-static int take_mask(views *vs, PyObject *obj, sf_view **out)
-{
-    if (take(vs, obj, "mask", -1, 0, 1, out) < 0) return -1;
-    if (*out && !(((*out)->dtype.code == SF_DL_BOOL || (*out)->dtype.code == SF_DL_UINT) &&
-                  (*out)->dtype.bits == 8)) {
-        PyErr_Format(PyExc_TypeError, "%s: mask must be bool or uint8, got %s", vs->fn,
-                     sf_dtype_name((*out)->dtype));
-        return -1;
-    }
-    return 0;
-}
+/* A boolean / uint8 mask, optional. */
+#define MASK SF_DT_BOOL | SF_DT_U8, SF_TAKE_OPTIONAL
 
 static PyObject *py_attention_forward(PyObject *self, PyObject *args)
 {
@@ -556,21 +506,18 @@ static PyObject *py_attention_forward(PyObject *self, PyObject *args)
         return NULL;
     views vs = {.fn = "attention_forward"};
     sf_view *q, *k, *v, *out, *lse, *al, *bi, *mk;
-    if (take(&vs, o[0], "q", K_DATA, 0, 0, &q) || take(&vs, o[1], "k", K_DATA, 0, 0, &k) ||
-        take(&vs, o[2], "v", K_DATA, 0, 0, &v) || take(&vs, o[3], "out", K_DATA, 1, 0, &out) ||
-        take(&vs, o[4], "lse", K_F32, 1, 0, &lse) || take(&vs, o[5], "alibi_slopes", K_F32, 0, 1, &al) ||
-        take(&vs, o[6], "bias", K_F32, 0, 1, &bi) || take_mask(&vs, o[7], &mk))
+    if (arg(&vs, o[0], "q", IN, &q) || arg(&vs, o[1], "k", IN, &k) ||
+        arg(&vs, o[2], "v", IN, &v) || arg(&vs, o[3], "out", OUT, &out) ||
+        arg(&vs, o[4], "lse", F32_OUT, &lse) || arg(&vs, o[5], "alibi_slopes", F32_OPT, &al) ||
+        arg(&vs, o[6], "bias", F32_OPT, &bi) || arg(&vs, o[7], "mask", MASK, &mk))
         return fail(&vs);
     sfk_attn a;
-    if (attn_params(&vs, q, k, v, al, bi, mk, scale, causal, window, p, seed, &a) ||
+    int64_t sz[2];
+    if (attn_params(&vs, q, k, v, al, bi, mk, scale, causal, window, p, seed, &a, sz) ||
         want_numel(&vs, out, "out", q->numel) || same_dtype(&vs, q, "q", out, "out") ||
-        want_numel(&vs, lse, "lse", a.B * a.Hq * a.Sq))
+        want_numel(&vs, lse, "lse", sz[0]))
         return fail(&vs);
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = sfk_attention_forward(&a, q->data, k->data, v->data, out->data, FLOATP(lse));
-    Py_END_ALLOW_THREADS
-    return finish(&vs, rc);
+    RUN(sfk_attention_forward(&a, q->data, k->data, v->data, out->data, FLOATP(lse), &err));
 }
 
 static PyObject *py_attention_backward(PyObject *self, PyObject *args)
@@ -588,30 +535,26 @@ static PyObject *py_attention_backward(PyObject *self, PyObject *args)
     views vs = {.fn = "attention_backward"};
     sf_view *q, *k, *v, *out, *dout, *lse, *dq, *dk, *dv, *db, *al, *bi, *mk;
     /* MAXV views at most: q k v out dout lse dq dk dv dbias + alibi bias mask = 13 */
-    if (take(&vs, o[0], "q", K_DATA, 0, 0, &q) || take(&vs, o[1], "k", K_DATA, 0, 0, &k) ||
-        take(&vs, o[2], "v", K_DATA, 0, 0, &v) || take(&vs, o[3], "out", K_DATA, 0, 0, &out) ||
-        take(&vs, o[4], "dout", K_DATA, 0, 0, &dout) || take(&vs, o[5], "lse", K_F32, 0, 0, &lse) ||
-        take(&vs, o[6], "dq", K_DATA, 1, 0, &dq) || take(&vs, o[7], "dk", K_DATA, 1, 0, &dk) ||
-        take(&vs, o[8], "dv", K_DATA, 1, 0, &dv) || take(&vs, o[9], "dbias", K_F32, 1, 1, &db) ||
-        take(&vs, o[10], "alibi_slopes", K_F32, 0, 1, &al) ||
-        take(&vs, o[11], "bias", K_F32, 0, 1, &bi) || take_mask(&vs, o[12], &mk))
+    if (arg(&vs, o[0], "q", IN, &q) || arg(&vs, o[1], "k", IN, &k) ||
+        arg(&vs, o[2], "v", IN, &v) || arg(&vs, o[3], "out", IN, &out) ||
+        arg(&vs, o[4], "dout", IN, &dout) || arg(&vs, o[5], "lse", F32, &lse) ||
+        arg(&vs, o[6], "dq", OUT, &dq) || arg(&vs, o[7], "dk", OUT, &dk) ||
+        arg(&vs, o[8], "dv", OUT, &dv) || arg(&vs, o[9], "dbias", F32_OUT_OPT, &db) ||
+        arg(&vs, o[10], "alibi_slopes", F32_OPT, &al) ||
+        arg(&vs, o[11], "bias", F32_OPT, &bi) || arg(&vs, o[12], "mask", MASK, &mk))
         return fail(&vs);
     sfk_attn a;
-    if (attn_params(&vs, q, k, v, al, bi, mk, scale, causal, window, p, seed, &a) ||
+    int64_t sz[2];
+    if (attn_params(&vs, q, k, v, al, bi, mk, scale, causal, window, p, seed, &a, sz) ||
         want_numel(&vs, out, "out", q->numel) || want_numel(&vs, dout, "dout", q->numel) ||
         want_numel(&vs, dq, "dq", q->numel) || want_numel(&vs, dk, "dk", k->numel) ||
         want_numel(&vs, dv, "dv", k->numel) || same_dtype(&vs, q, "q", out, "out") ||
         same_dtype(&vs, q, "q", dout, "dout") || same_dtype(&vs, q, "q", dq, "dq") ||
         same_dtype(&vs, q, "q", dk, "dk") || same_dtype(&vs, q, "q", dv, "dv") ||
-        want_numel(&vs, lse, "lse", a.B * a.Hq * a.Sq) ||
-        want_numel(&vs, db, "dbias", a.B * a.Hq * a.Sq * a.Sk))
+        want_numel(&vs, lse, "lse", sz[0]) || want_numel(&vs, db, "dbias", sz[1]))
         return fail(&vs);
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = sfk_attention_backward(&a, q->data, k->data, v->data, out->data, dout->data, FLOATP(lse),
-                                dq->data, dk->data, dv->data, FLOATP(db));
-    Py_END_ALLOW_THREADS
-    return finish(&vs, rc);
+    RUN(sfk_attention_backward(&a, q->data, k->data, v->data, out->data, dout->data, FLOATP(lse),
+                                dq->data, dk->data, dv->data, FLOATP(db), &err));
 }
 
 static PyObject *py_attention_dropout_keep(PyObject *self, PyObject *args)
@@ -624,22 +567,17 @@ static PyObject *py_attention_dropout_keep(PyObject *self, PyObject *args)
         return NULL;
     views vs = {.fn = "attention_dropout_keep"};
     sf_view *keep;
-    if (take(&vs, obj, "keep", -1, 1, 0, &keep))
+    if (arg(&vs, obj, "keep", SF_DT_ANY, SF_TAKE_WRITE, &keep))
         return fail(&vs);
-    if (keep->ndim != 4 || keep->dtype.code != SF_DL_UINT || keep->dtype.bits != 8 ||
-        !(p >= 0.0f && p <= 1.0f)) {
+    if (keep->ndim != 4 || sf_dtype_bit(keep->dtype) != SF_DT_U8) {
         PyErr_Format(PyExc_ValueError, "attention_dropout_keep: keep must be a 4-D uint8 "
-                     "[B, H, Sq, Sk] tensor and p=%g in [0, 1]", (double)p);
+                     "[B, H, Sq, Sk] tensor, got %d-D %s", keep->ndim, sf_dtype_name(keep->dtype));
         return fail(&vs);
     }
     sfk_attn a = {.t = SFK_F32, .B = keep->shape[0], .Hq = keep->shape[1], .Hkv = 1,
                   .Sq = keep->shape[2], .Sk = keep->shape[3], .D = 0, .dropout = p, .seed = seed};
     if (a.Hq == 0) a.Hkv = 0;
-    int rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = sfk_attention_dropout_keep(&a, (uint8_t *)keep->data);
-    Py_END_ALLOW_THREADS
-    return finish(&vs, rc);
+    RUN(sfk_attention_dropout_keep(&a, (uint8_t *)keep->data, &err));
 }
 
 /* ---- threads ------------------------------------------------------------ */
@@ -669,7 +607,23 @@ static PyObject *py_has_avx2(PyObject *self, PyObject *noargs)
 {
     (void)self;
     (void)noargs;
-    return PyBool_FromLong(sfk_has_avx2());
+    return PyBool_FromLong(sf_cpu_has_simd());
+}
+
+/* ---- dtype conversion, for tests ------------------------------------------ */
+
+static PyObject *py_convert(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *o[2];
+    if (!PyArg_ParseTuple(args, "OO:kernel_convert", &o[0], &o[1]))
+        return NULL;
+    views vs = {.fn = "kernel_convert"};
+    sf_view *src, *dst;
+    if (arg(&vs, o[0], "src", IN, &src) || arg(&vs, o[1], "dst", OUT, &dst) ||
+        want_numel(&vs, dst, "dst", src->numel))
+        return fail(&vs);
+    RUN(sfk_convert(kdtype(src), src->data, kdtype(dst), dst->data, src->numel, &err));
 }
 
 static PyMethodDef kernel_methods[] = {
@@ -709,7 +663,11 @@ static PyMethodDef kernel_methods[] = {
     {"kernel_set_num_threads", py_set_threads, METH_VARARGS,
      "kernel_set_num_threads(n): threads the kernels split rows over (large inputs only)."},
     {"kernel_get_num_threads", py_get_threads, METH_NOARGS, "kernel_get_num_threads() -> int"},
-    {"kernel_has_avx2", py_has_avx2, METH_NOARGS, "kernel_has_avx2() -> bool"},
+    {"kernel_has_avx2", py_has_avx2, METH_NOARGS,
+     "kernel_has_avx2() -> bool: the SIMD kernels run here (same probe as cpu_has_avx2)."},
+    {"kernel_convert", py_convert, METH_VARARGS,
+     "kernel_convert(src, dst): dst = src converted between float32, float16 and bfloat16 the "
+     "way the kernels do (csrc/half.h), for tests."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -9,17 +9,13 @@
 #include "layout.h"
 
 #include <inttypes.h>
-#include <stdio.h>
 #include <string.h>
 
-#define FAIL(code, ...)                          \
-    do {                                         \
-        if (err && errlen)                       \
-            snprintf(err, errlen, __VA_ARGS__);  \
-        return (code);                           \
-    } while (0)
+#include "tensor_view.h"
 
-static int check_group(int64_t parts, int64_t rank, char *err, size_t errlen)
+#define FAIL(code, ...) return sf_fail(err, (code), __VA_ARGS__)
+
+static sf_status check_group(int64_t parts, int64_t rank, sf_error *err)
 {
     if (parts < 1)
         FAIL(SF_EINVAL, "tensor_parallel_size=%" PRId64 " must be >= 1", parts);
@@ -28,10 +24,10 @@ static int check_group(int64_t parts, int64_t rank, char *err, size_t errlen)
     return SF_OK;
 }
 
-int sf_split_units(int64_t units, int64_t parts, int64_t rank,
-                   int64_t *start, int64_t *count, char *err, size_t errlen)
+sf_status sf_split_units(int64_t units, int64_t parts, int64_t rank,
+                         int64_t *start, int64_t *count, sf_error *err)
 {
-    int rc = check_group(parts, rank, err, errlen);
+    sf_status rc = check_group(parts, rank, err);
     if (rc)
         return rc;
     if (units < 0)
@@ -42,23 +38,23 @@ int sf_split_units(int64_t units, int64_t parts, int64_t rank,
     return SF_OK;
 }
 
-int sf_heads_layout(int64_t num_heads, int64_t num_kv_heads, int64_t parts, int64_t rank,
-                    int64_t *q_start, int64_t *q_count,
-                    int64_t *kv_start, int64_t *kv_count, char *err, size_t errlen)
+sf_status sf_heads_layout(int64_t num_heads, int64_t num_kv_heads, int64_t parts, int64_t rank,
+                          int64_t *q_start, int64_t *q_count,
+                          int64_t *kv_start, int64_t *kv_count, sf_error *err)
 {
-    int rc = check_group(parts, rank, err, errlen);
+    sf_status rc = check_group(parts, rank, err);
     if (rc)
         return rc;
     if (num_heads < 1 || num_kv_heads < 1)
         FAIL(SF_EINVAL, "num_attention_heads=%" PRId64 " and num_key_value_heads=%" PRId64
              " must both be >= 1", num_heads, num_kv_heads);
     if (num_heads % num_kv_heads != 0)
-        FAIL(SF_ESPLIT, "num_attention_heads=%" PRId64 " is not a multiple of "
+        FAIL(SF_EINVAL, "num_attention_heads=%" PRId64 " is not a multiple of "
              "num_key_value_heads=%" PRId64, num_heads, num_kv_heads);
     int64_t group = num_heads / num_kv_heads;
 
     if (num_kv_heads >= parts) {
-        rc = sf_split_units(num_kv_heads, parts, rank, kv_start, kv_count, err, errlen);
+        rc = sf_split_units(num_kv_heads, parts, rank, kv_start, kv_count, err);
         if (rc)
             return rc;
         *q_start = *kv_start * group;
@@ -68,22 +64,22 @@ int sf_heads_layout(int64_t num_heads, int64_t num_kv_heads, int64_t parts, int6
     /* Fewer KV heads than ranks: replicate each KV head over `replicas` ranks. */
     if (parts % num_kv_heads != 0) {
         if (group == 1)
-            FAIL(SF_ESPLIT, "num_attention_heads=%" PRId64 " cannot be split over "
+            FAIL(SF_EINVAL, "num_attention_heads=%" PRId64 " cannot be split over "
                  "tensor_parallel_size=%" PRId64 " (every rank needs at least one head)",
                  num_heads, parts);
-        FAIL(SF_ESPLIT, "num_key_value_heads=%" PRId64 " cannot be split over "
+        FAIL(SF_EINVAL, "num_key_value_heads=%" PRId64 " cannot be split over "
              "tensor_parallel_size=%" PRId64 " (fewer KV heads than ranks must divide "
              "the number of ranks, so that each KV head is replicated on the same "
              "number of ranks)", num_kv_heads, parts);
     }
     int64_t replicas = parts / num_kv_heads;
     if (group < replicas)
-        FAIL(SF_ESPLIT, "num_attention_heads=%" PRId64 " cannot be split over "
+        FAIL(SF_EINVAL, "num_attention_heads=%" PRId64 " cannot be split over "
              "tensor_parallel_size=%" PRId64 " (every rank needs at least one head; "
              "num_key_value_heads=%" PRId64 ")", num_heads, parts, num_kv_heads);
     int64_t within_start = 0, within_count = 0;
     rc = sf_split_units(group, replicas, rank % replicas, &within_start, &within_count,
-                        err, errlen);
+                        err);
     if (rc)
         return rc;
     *kv_start = rank / replicas;
@@ -93,11 +89,11 @@ int sf_heads_layout(int64_t num_heads, int64_t num_kv_heads, int64_t parts, int6
     return SF_OK;
 }
 
-int sf_vocab_layout(int64_t vocab, int64_t parts, int64_t rank, int64_t multiple,
-                    int64_t *padded, int64_t *start, int64_t *per_rank, int64_t *real,
-                    char *err, size_t errlen)
+sf_status sf_vocab_layout(int64_t vocab, int64_t parts, int64_t rank, int64_t multiple,
+                          int64_t *padded, int64_t *start, int64_t *per_rank, int64_t *real,
+                          sf_error *err)
 {
-    int rc = check_group(parts, rank, err, errlen);
+    sf_status rc = check_group(parts, rank, err);
     if (rc)
         return rc;
     if (vocab < 1)
@@ -128,8 +124,8 @@ static void copy_box(const sf_strided *full, const sf_strided *shard, int dim,
                      int64_t f_off, int64_t s_off, int64_t len, int itemsize, int to_full)
 {
     int nd = full->ndim;
-    int64_t idx[32] = {0};
-    int64_t box[32];
+    int64_t idx[SF_MAX_DIMS] = {0};
+    int64_t box[SF_MAX_DIMS];
     for (int d = 0; d < nd; d++)
         box[d] = d == dim ? len : shard->shape[d];
     for (int d = 0; d < nd; d++)
@@ -180,8 +176,8 @@ static void zero_box(const sf_strided *t, int dim, int64_t off, int64_t len, int
     /* Zeroing is a copy from nothing: reuse copy_box's walk with a scratch
      * zero row would need a buffer; walk directly instead. */
     int nd = t->ndim;
-    int64_t idx[32] = {0};
-    int64_t box[32];
+    int64_t idx[SF_MAX_DIMS] = {0};
+    int64_t box[SF_MAX_DIMS];
     for (int d = 0; d < nd; d++)
         box[d] = d == dim ? len : t->shape[d];
     for (int d = 0; d < nd; d++)
@@ -204,15 +200,15 @@ static void zero_box(const sf_strided *t, int dim, int64_t off, int64_t len, int
     }
 }
 
-int sf_copy_ranges(const sf_strided *full, const sf_strided *shard, int dim,
-                   const sf_range *ranges, int n, int itemsize, int to_full,
-                   char *err, size_t errlen)
+sf_status sf_copy_ranges(const sf_strided *full, const sf_strided *shard, int dim,
+                         const sf_range *ranges, int n, int itemsize, int to_full,
+                         sf_error *err)
 {
     if (full->ndim != shard->ndim)
         FAIL(SF_EINVAL, "full tensor has %d dimensions but shard has %d",
              full->ndim, shard->ndim);
-    if (full->ndim < 1 || full->ndim > 32)
-        FAIL(SF_EINVAL, "tensors must have 1 to 32 dimensions, got %d", full->ndim);
+    if (full->ndim < 1 || full->ndim > SF_MAX_DIMS)
+        FAIL(SF_EINVAL, "tensors must have 1 to %d dimensions, got %d", SF_MAX_DIMS, full->ndim);
     if (dim < 0 || dim >= full->ndim)
         FAIL(SF_EINVAL, "dim=%d outside [0, %d)", dim, full->ndim);
     for (int d = 0; d < full->ndim; d++)

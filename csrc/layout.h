@@ -1,8 +1,9 @@
 /*
  * layout.h -- shard layout arithmetic and the shard copy kernel.
  *
- * Plain C over integers and pointers; no Python.  Every function returns
- * SF_OK or an error code and, on error, writes a message to `err`.
+ * Plain C over integers and pointers; no Python.  Every function returns an
+ * sf_status (status.h) and, on error, writes a message naming the argument
+ * into `err`: EINVAL for bad layouts, ERANGE for ranges outside a tensor.
  *
  * Vocabulary used throughout:
  *   parts  -- the tensor-parallel size (number of ranks in the group)
@@ -17,7 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-enum { SF_OK = 0, SF_EINVAL = 1, SF_ESPLIT = 2, SF_ERANGE = 3 };
+#include "status.h"
 
 typedef struct {
     int64_t offset; /* first index along the split dimension */
@@ -25,24 +26,24 @@ typedef struct {
 } sf_range;
 
 /* Units [*start, *start + *count) of `units` belong to `rank`. */
-int sf_split_units(int64_t units, int64_t parts, int64_t rank,
-                   int64_t *start, int64_t *count, char *err, size_t errlen);
+sf_status sf_split_units(int64_t units, int64_t parts, int64_t rank,
+                         int64_t *start, int64_t *count, sf_error *err);
 
 /* Attention heads of one rank.  KV heads are split over the ranks; when
  * there are fewer KV heads than ranks, each KV head is replicated on
  * parts / num_kv_heads consecutive ranks, which split its query group.
  * Query heads always follow their KV head (q head h uses kv head
  * h / (num_heads / num_kv_heads)). */
-int sf_heads_layout(int64_t num_heads, int64_t num_kv_heads, int64_t parts, int64_t rank,
-                    int64_t *q_start, int64_t *q_count,
-                    int64_t *kv_start, int64_t *kv_count, char *err, size_t errlen);
+sf_status sf_heads_layout(int64_t num_heads, int64_t num_kv_heads, int64_t parts, int64_t rank,
+                          int64_t *q_start, int64_t *q_count,
+                          int64_t *kv_start, int64_t *kv_count, sf_error *err);
 
 /* Vocabulary padded to a multiple of parts * multiple, split evenly.
  * Rows [*start, *start + *per_rank) of the padded table are this rank's;
  * the first *real of them are real rows (the rest are padding). */
-int sf_vocab_layout(int64_t vocab, int64_t parts, int64_t rank, int64_t multiple,
-                    int64_t *padded, int64_t *start, int64_t *per_rank, int64_t *real,
-                    char *err, size_t errlen);
+sf_status sf_vocab_layout(int64_t vocab, int64_t parts, int64_t rank, int64_t multiple,
+                          int64_t *padded, int64_t *start, int64_t *per_rank, int64_t *real,
+                          sf_error *err);
 
 /* Strided tensor descriptor for the copy kernel. */
 typedef struct {
@@ -57,9 +58,10 @@ typedef struct {
  * Scatter direction (to_full == 1): the inverse, writing the back-to-back
  * pieces of `shard` into the ranges of `full` (the tail of `shard` past the
  * ranges is ignored).  Both tensors may be arbitrarily strided; they must
- * agree on every dimension except `dim`. */
-int sf_copy_ranges(const sf_strided *full, const sf_strided *shard, int dim,
-                   const sf_range *ranges, int n, int itemsize, int to_full,
-                   char *err, size_t errlen);
+ * agree on every dimension except `dim`, and have 1 to SF_MAX_DIMS
+ * (tensor_view.h) dimensions. */
+sf_status sf_copy_ranges(const sf_strided *full, const sf_strided *shard, int dim,
+                         const sf_range *ranges, int n, int itemsize, int to_full,
+                         sf_error *err);
 
 #endif

@@ -1,10 +1,11 @@
 /*
  * module.c -- shardformer._C: the CPython glue.
  *
- * Each function here parses and checks its arguments, releases the GIL around
- * work that touches tensor memory, calls a plain C function from layout.c (or
- * the sharder engine), and turns error codes into Python exceptions.  No
- * computation lives here.
+ * Each function here parses its arguments, takes its tensors through the one
+ * DLPack gate (sf_take, glue.h), releases the GIL around work that touches
+ * tensor memory, calls a plain C function from layout.c (or the sharder
+ * engine), and turns the sf_status it returns into a Python exception with
+ * the one mapper (sf_set_pyerr).  No computation lives here.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -13,22 +14,13 @@
 #include <numpy/arrayobject.h>
 
 #include "fingerprint.h"
+#include "glue.h"
 #include "layout.h"
 #include "sharder.h"
 #include "tensor_view.h"
 
 int sf_register_comm(PyObject *m);
 int sf_register_kernels(PyObject *m);
-
-#define ERRLEN 512
-
-static int check_status(int rc, const char *err)
-{
-    if (rc == SF_OK)
-        return 0;
-    PyErr_SetString(rc == SF_ERANGE ? PyExc_IndexError : PyExc_ValueError, err);
-    return -1;
-}
 
 PyDoc_STRVAR(split_units_doc,
 "split_units(units, parts, rank) -> (start, count)\n\n"
@@ -42,8 +34,8 @@ static PyObject *py_split_units(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "LLL:split_units", &units, &parts, &rank))
         return NULL;
     int64_t start = 0, count = 0;
-    char err[ERRLEN] = "";
-    if (check_status(sf_split_units(units, parts, rank, &start, &count, err, ERRLEN), err))
+    sf_error err = {0};
+    if (sf_set_pyerr(sf_split_units(units, parts, rank, &start, &count, &err), &err))
         return NULL;
     return Py_BuildValue("(LL)", (long long)start, (long long)count);
 }
@@ -61,9 +53,8 @@ static PyObject *py_heads_layout(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "LLLL:heads_layout", &heads, &kv, &parts, &rank))
         return NULL;
     int64_t qs = 0, qc = 0, ks = 0, kc = 0;
-    char err[ERRLEN] = "";
-    if (check_status(sf_heads_layout(heads, kv, parts, rank, &qs, &qc, &ks, &kc, err, ERRLEN),
-                     err))
+    sf_error err = {0};
+    if (sf_set_pyerr(sf_heads_layout(heads, kv, parts, rank, &qs, &qc, &ks, &kc, &err), &err))
         return NULL;
     return Py_BuildValue("(LLLL)", (long long)qs, (long long)qc, (long long)ks, (long long)kc);
 }
@@ -80,9 +71,9 @@ static PyObject *py_vocab_layout(PyObject *self, PyObject *args)
     if (!PyArg_ParseTuple(args, "LLLL:vocab_layout", &vocab, &parts, &rank, &multiple))
         return NULL;
     int64_t padded = 0, start = 0, per = 0, real = 0;
-    char err[ERRLEN] = "";
-    if (check_status(sf_vocab_layout(vocab, parts, rank, multiple, &padded, &start, &per, &real,
-                                     err, ERRLEN), err))
+    sf_error err = {0};
+    if (sf_set_pyerr(sf_vocab_layout(vocab, parts, rank, multiple, &padded, &start, &per, &real,
+                                     &err), &err))
         return NULL;
     return Py_BuildValue("(LLLL)", (long long)padded, (long long)start, (long long)per,
                          (long long)real);
@@ -152,20 +143,17 @@ static PyObject *copy_ranges_impl(PyObject *args, PyObject *kwargs, int to_full)
                                      &ranges_obj))
         return NULL;
     sf_view full, shard;
-    if (sf_view_acquire(full_obj, "full", &full) < 0)
+    if (sf_take(NULL, full_obj, "full", SF_DT_ANY, to_full ? SF_TAKE_WRITE : 0, &full) < 0)
         return NULL;
-    if (sf_view_acquire(shard_obj, "shard", &shard) < 0) {
+    if (sf_take(NULL, shard_obj, "shard", SF_DT_ANY, to_full ? 0 : SF_TAKE_WRITE, &shard) < 0) {
         sf_view_release(&full);
         return NULL;
     }
     PyObject *result = NULL;
     Py_ssize_t n = 0;
     sf_range *ranges = NULL;
-    sf_view *dst = to_full ? &full : &shard;
-    const char *dst_name = to_full ? "full" : "shard";
-    if (sf_check_cpu(&full, "full") < 0 || sf_check_cpu(&shard, "shard") < 0 ||
-        sf_check_same_dtype(&full, "full", &shard, "shard") < 0 ||
-        sf_check_writable(dst, dst_name) < 0)
+    sf_error err = {0};
+    if (sf_set_pyerr(sf_check_same_dtype(&full, "full", &shard, "shard", &err), &err))
         goto done;
     if (full.ndim != shard.ndim) {
         PyErr_Format(PyExc_ValueError, "full has %d dimensions but shard has %d", full.ndim,
@@ -187,12 +175,11 @@ static PyObject *copy_ranges_impl(PyObject *args, PyObject *kwargs, int to_full)
     }
     sf_strided f = {full.data, full.ndim, full.shape, full.strides};
     sf_strided s = {shard.data, shard.ndim, shard.shape, shard.strides};
-    char err[ERRLEN] = "";
-    int rc;
+    sf_status rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = sf_copy_ranges(&f, &s, dim, ranges, (int)n, full.itemsize, to_full, err, ERRLEN);
+    rc = sf_copy_ranges(&f, &s, dim, ranges, (int)n, full.itemsize, to_full, &err);
     Py_END_ALLOW_THREADS
-    if (check_status(rc, err) == 0)
+    if (sf_set_pyerr(rc, &err) == 0)
         result = Py_NewRef(Py_None);
 done:
     PyMem_Free(ranges);
@@ -243,24 +230,20 @@ static PyObject *py_fingerprint(PyObject *self, PyObject *args, PyObject *kwargs
     if (seed_obj && PyErr_Occurred())
         return NULL;
     sf_view v;
-    if (sf_view_acquire(obj, "tensor", &v) < 0)
+    if (sf_take(NULL, obj, "tensor", SF_DT_ANY, SF_TAKE_CONTIGUOUS, &v) < 0)
         return NULL;
     PyObject *result = NULL;
-    if (sf_check_cpu(&v, "tensor") < 0 || sf_check_contiguous(&v, "tensor") < 0)
+    sf_error err = {0};
+    size_t nbytes = 0;
+    if (sf_set_pyerr(sf_view_nbytes(&v, "tensor", &nbytes, &err), &err))
         goto done;
-    /* numel and itemsize are non-negative (sf_view_acquire); the product is
-     * checked against SIZE_MAX before it is formed. */
-    if (v.itemsize > 0 && (uint64_t)v.numel > (uint64_t)SIZE_MAX / (uint64_t)v.itemsize) {
-        PyErr_Format(PyExc_OverflowError, "tensor: %lld elements of %d bytes overflow size_t",
-                     (long long)v.numel, v.itemsize);
-        goto done;
-    }
-    size_t nbytes = (size_t)v.numel * (size_t)v.itemsize;
-    uint64_t h;
+    uint64_t h = 0;
+    sf_status rc;
     Py_BEGIN_ALLOW_THREADS
-    h = sf_fingerprint(v.data, nbytes, (uint64_t)seed);
+    rc = sf_fingerprint(v.data, nbytes, (uint64_t)seed, &h, &err);
     Py_END_ALLOW_THREADS
-    result = PyLong_FromUnsignedLongLong((unsigned long long)h);
+    if (sf_set_pyerr(rc, &err) == 0)
+        result = PyLong_FromUnsignedLongLong((unsigned long long)h);
 done:
     sf_view_release(&v);
     return result;
@@ -359,7 +342,7 @@ static PyObject *py_tensor_info(PyObject *self, PyObject *arg)
 {
     (void)self;
     sf_view v;
-    if (sf_view_acquire(arg, "t", &v) < 0)
+    if (sf_take(NULL, arg, "t", SF_DT_ANY, SF_TAKE_ANY_DEVICE, &v) < 0)
         return NULL;
     PyObject *shape = PyTuple_New(v.ndim), *strides = PyTuple_New(v.ndim);
     PyObject *result = NULL;
@@ -382,9 +365,20 @@ static PyObject *py_tensor_info(PyObject *self, PyObject *arg)
 }
 
 PyDoc_STRVAR(sharder_plan_doc,
-"sharder_plan(root, model_name, entries, tp_size, rank) -> (ops, matched)\n\n"
-"Walk the module tree, match policy entries, resolve and validate every\n"
-"substitution; change nothing.  See csrc/sharder.c.");
+"sharder_plan(root, model_name, policy, tp_size, rank) -> (ops, matched)\n\n"
+"Read and check the policy, walk the module tree, match policy entries,\n"
+"resolve and validate every substitution and its shard layouts; change\n"
+"nothing.  See csrc/sharder.c.");
+
+PyDoc_STRVAR(resolve_split_doc,
+"resolve_split(spec, full, tp_size, rank, what='dimension') -> DimShard fields\n\n"
+"The layout of a split spec (SplitSpec.data) over a dimension of length full:\n"
+"(full, length, ranges, all_ranges, all_lengths, rank, tp_size, replicated).");
+
+PyDoc_STRVAR(resolve_plan_doc,
+"resolve_plan(plan) -> plan\n\n"
+"Resolve a ShardPlan's requests {name: (spec, full, what, no_replicate)} into\n"
+"plan.resolved {name: DimShard fields}, as sharder_plan does.");
 
 PyDoc_STRVAR(sharder_apply_doc,
 "sharder_apply(ops, process_group, adopt=None) -> int\n\n"
@@ -407,6 +401,9 @@ static PyMethodDef methods[] = {
      sharder_plan_doc},
     {"sharder_apply", (PyCFunction)(void (*)(void))sf_sharder_apply,
      METH_VARARGS | METH_KEYWORDS, sharder_apply_doc},
+    {"resolve_split", (PyCFunction)(void (*)(void))sf_resolve_split,
+     METH_VARARGS | METH_KEYWORDS, resolve_split_doc},
+    {"resolve_plan", sf_resolve_plan, METH_O, resolve_plan_doc},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,35 +1,54 @@
 /*
- * sharder.c -- the ModelSharder engine: walk a torch module tree, match it
- * against a policy, resolve every substitution, and apply them.
+ * sharder.c -- the ModelSharder engine: read a policy, walk a torch module
+ * tree, match it against the policy, resolve every substitution and its
+ * shard layouts, and apply them.
  *
  * Two passes, so that a bad policy or a model that cannot be split never
  * leaves the model half-sharded:
  *
- *   plan   walks the tree (iteratively, each module once), matches modules to
- *          policy keys (class object, class __qualname__, or
+ *   plan   reads and validates the policy (the one place that checks its
+ *          shape), walks the tree (iteratively, each module once), matches
+ *          modules to policy keys (class object, class __qualname__, or
  *          "module.qualname" for remote-code classes), resolves attribute
  *          paths and sub-module suffixes (dotted, with '*' over the children
- *          of a container), resolves per-rank attribute values, and asks each
- *          replacement class to plan its shard (`plan_shard`), which runs the
- *          layout arithmetic and its checks.  Nothing is modified.  Any error
- *          is re-raised as "<Model>: <module path>: <what>".
+ *          of a container) and per-rank attribute values, and asks each
+ *          replacement class what it splits (`plan_shard`, plain Python
+ *          checks that return a ShardPlan request: split specs as data and
+ *          the lengths they cut).  The layout arithmetic of every request
+ *          runs here, in C, straight from the spec data (resolve_plan):
+ *          planning never calls back from Python into C.  Nothing is
+ *          modified.  Any error is re-raised as "<Model>: <path>: <what>".
  *
  *   apply  executes the plan in order: attributes, parameter callables,
- *          sub-module swaps (`from_native_module`, then setattr on the
- *          parent, which drops the last reference to the full weight), and
- *          method replacements bound to their module.
+ *          sub-module swaps (`from_native_module(native, group, plan=...)`,
+ *          then setattr on the parent, which drops the last reference to the
+ *          full weight), and method replacements bound to their module.
  *
- * The policy reaches us already normalized by sharder.py into plain tuples:
+ * The policy is {key: ModulePolicyDescription} (read here by attribute), or
+ * the same in plain tuples (the engine's own form, used by tests):
  *   entries: {key: (attrs, params, subs, methods)}
  *     attrs   ((dotted_name, value), ...)
  *     params  (callable(module), ...)
  *     subs    ((suffix, target, kwargs_dict, ignore_if_not_exist), ...)
  *     methods ((name, function), ...)
  * A plan is a list of op tuples, see the OP_* tags below.
+ *
+ * Split spec data (shardformer.layout.SplitSpec.data), a tuple per spec:
+ *   ("split",   describe, unit)
+ *   ("vocab",   describe, multiple)
+ *   ("fused",   describe, (segment spec, ...))
+ *   ("heads",   describe, num_heads, num_kv_heads, head_dim or 0, part 0=q 1=kv)
+ *   ("grouped", describe, num_heads, num_kv_heads, head_dim or 0)
+ * A resolved layout is the tuple of shardformer.layout.DimShard's fields:
+ *   (full, length, ranges, all_ranges, all_lengths, rank, tp_size, replicated)
  */
 #include "sharder.h"
 
+#include <stdlib.h>
 #include <string.h>
+
+#include "glue.h"
+#include "layout.h"
 
 static const char OP_ATTR[] = "attr";     /* (tag, path, owner, name, value) */
 static const char OP_PARAM[] = "param";   /* (tag, path, module, fn) */
@@ -38,13 +57,431 @@ static const char OP_METHOD[] = "method"; /* (tag, path, module, name, fn) */
 
 typedef struct {
     PyObject *model_name; /* str */
-    PyObject *entries;    /* dict */
+    PyObject *entries;    /* dict of validated tuple entries */
     PyObject *tp_size;    /* int */
     PyObject *rank;       /* int */
     PyObject *ops;        /* list being built */
     PyObject *replaced;   /* set of (id(parent), name) already planned */
     Py_ssize_t matched;
 } plan_ctx;
+
+/* ------------------------------------------------------------------------
+ * Layout arithmetic of split specs (the data of shardformer.layout)
+ * ---------------------------------------------------------------------- */
+
+typedef struct {
+    sf_range *v;
+    Py_ssize_t n, cap;
+} range_list;
+
+static int ranges_push(range_list *l, int64_t offset, int64_t length)
+{
+    if (l->n == l->cap) {
+        Py_ssize_t cap = l->cap ? 2 * l->cap : 8;
+        sf_range *v = PyMem_Realloc(l->v, (size_t)cap * sizeof(sf_range));
+        if (v == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        l->v = v;
+        l->cap = cap;
+    }
+    l->v[l->n].offset = offset;
+    l->v[l->n].length = length;
+    l->n++;
+    return 0;
+}
+
+/* The kind of a spec tuple and its describe() string (both borrowed). */
+static int spec_head(PyObject *spec, const char **kind, PyObject **describe, Py_ssize_t nfields)
+{
+    if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) < 2 ||
+        !PyUnicode_Check(PyTuple_GET_ITEM(spec, 0))) {
+        PyErr_Format(PyExc_TypeError, "split spec data: expected (kind, describe, ...), got %.100s",
+                     Py_TYPE(spec)->tp_name);
+        return -1;
+    }
+    *kind = PyUnicode_AsUTF8(PyTuple_GET_ITEM(spec, 0));
+    if (*kind == NULL)
+        return -1;
+    *describe = PyTuple_GET_ITEM(spec, 1);
+    if (nfields >= 0 && PyTuple_GET_SIZE(spec) != nfields) {
+        PyErr_Format(PyExc_TypeError, "split spec data '%s': expected %zd fields, got %zd", *kind,
+                     nfields, PyTuple_GET_SIZE(spec));
+        return -1;
+    }
+    return 0;
+}
+
+static int spec_int(PyObject *spec, Py_ssize_t i, int64_t *out)
+{
+    long long v = PyLong_AsLongLong(PyTuple_GET_ITEM(spec, i));
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    *out = (int64_t)v;
+    return 0;
+}
+
+static int layout_err(sf_status rc, const sf_error *err)
+{
+    return sf_set_pyerr(rc, err) ? -1 : 0;
+}
+
+static int spec_fields(PyObject *spec, const char *kind, Py_ssize_t n)
+{
+    if (PyTuple_GET_SIZE(spec) != n) {
+        PyErr_Format(PyExc_TypeError, "split spec data '%s': expected %zd fields, got %zd", kind,
+                     n, PyTuple_GET_SIZE(spec));
+        return -1;
+    }
+    return 0;
+}
+
+/* The full length a spec describes, or -1 when it does not say. */
+static int spec_expected(PyObject *spec, int64_t *out)
+{
+    const char *kind;
+    PyObject *describe;
+    *out = -1;
+    if (spec_head(spec, &kind, &describe, -1) < 0)
+        return -1;
+    if (strcmp(kind, "heads") == 0 || strcmp(kind, "grouped") == 0) {
+        int heads = kind[0] == 'h';
+        int64_t n, kv, hd, part = 0;
+        if (spec_fields(spec, kind, heads ? 6 : 5) < 0 || spec_int(spec, 2, &n) < 0 ||
+            spec_int(spec, 3, &kv) < 0 || spec_int(spec, 4, &hd) < 0 ||
+            (heads && spec_int(spec, 5, &part) < 0))
+            return -1;
+        if (hd > 0)
+            *out = heads ? (part ? kv : n) * hd : (n + 2 * kv) * hd;
+        return 0;
+    }
+    if (strcmp(kind, "fused") == 0) {
+        if (spec_fields(spec, kind, 3) < 0)
+            return -1;
+        PyObject *segs = PyTuple_GET_ITEM(spec, 2);
+        if (!PyTuple_Check(segs) || PyTuple_GET_SIZE(segs) == 0) {
+            PyErr_SetString(PyExc_TypeError, "split spec data 'fused': segments must be a non-empty tuple");
+            return -1;
+        }
+        int64_t sum = 0;
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(segs); i++) {
+            int64_t e;
+            if (spec_expected(PyTuple_GET_ITEM(segs, i), &e) < 0)
+                return -1;
+            if (e < 0)
+                return 0;
+            sum += e;
+        }
+        *out = sum;
+    }
+    return 0;
+}
+
+/* Append the ranges that rank `r` of `tp` holds of a dimension of length
+ * `full` cut by `spec` (offset by `base`) to *out; add its shard length. */
+static int spec_rank(PyObject *spec, int64_t full, int64_t base, int64_t tp, int64_t r,
+                     range_list *out, int64_t *length)
+{
+    const char *kind;
+    PyObject *describe;
+    sf_error err = {0};
+    if (spec_head(spec, &kind, &describe, -1) < 0)
+        return -1;
+    if (strcmp(kind, "split") == 0) {
+        int64_t unit, start, count;
+        if (spec_fields(spec, kind, 3) < 0 || spec_int(spec, 2, &unit) < 0)
+            return -1;
+        if (unit < 1 || full % unit) {
+            PyErr_Format(PyExc_ValueError, "length %lld is not a multiple of the split unit %lld",
+                         (long long)full, (long long)unit);
+            return -1;
+        }
+        if (layout_err(sf_split_units(full / unit, tp, r, &start, &count, &err), &err) < 0)
+            return -1;
+        *length += count * unit;
+        return ranges_push(out, base + start * unit, count * unit);
+    }
+    if (strcmp(kind, "vocab") == 0) {
+        int64_t multiple, padded, start, per_rank, real;
+        if (spec_fields(spec, kind, 3) < 0 || spec_int(spec, 2, &multiple) < 0)
+            return -1;
+        if (layout_err(sf_vocab_layout(full, tp, r, multiple, &padded, &start, &per_rank, &real,
+                                       &err), &err) < 0)
+            return -1;
+        *length += per_rank;
+        return real ? ranges_push(out, base + start, real) : 0;
+    }
+    if (strcmp(kind, "heads") == 0) {
+        int64_t n, kv, hd, part, qs, qc, ks, kc;
+        if (spec_fields(spec, kind, 6) < 0 || spec_int(spec, 2, &n) < 0 ||
+            spec_int(spec, 3, &kv) < 0 || spec_int(spec, 4, &hd) < 0 || spec_int(spec, 5, &part) < 0)
+            return -1;
+        int64_t count = part ? kv : n;
+        if (count < 1 || full % count) {
+            PyErr_Format(PyExc_ValueError, "length %lld is not a multiple of the %lld %s heads",
+                         (long long)full, (long long)count, part ? "key/value" : "query");
+            return -1;
+        }
+        int64_t width = full / count;
+        if (layout_err(sf_heads_layout(n, kv, tp, r, &qs, &qc, &ks, &kc, &err), &err) < 0)
+            return -1;
+        int64_t start = part ? ks : qs, cnt = part ? kc : qc;
+        *length += cnt * width;
+        return ranges_push(out, base + start * width, cnt * width);
+    }
+    if (strcmp(kind, "grouped") == 0) {
+        int64_t n, kv, hd, qs, qc, ks, kc;
+        if (spec_fields(spec, kind, 5) < 0 || spec_int(spec, 2, &n) < 0 ||
+            spec_int(spec, 3, &kv) < 0 || spec_int(spec, 4, &hd) < 0)
+            return -1;
+        if (kv < 1 || n % kv) {
+            PyErr_Format(PyExc_ValueError,
+                         "num_attention_heads=%lld is not a multiple of num_kv_heads=%lld",
+                         (long long)n, (long long)kv);
+            return -1;
+        }
+        int64_t rows = n + 2 * kv;
+        if (full % rows) {
+            PyErr_Format(PyExc_ValueError,
+                         "length %lld is not a multiple of the %lld grouped q/k/v heads",
+                         (long long)full, (long long)rows);
+            return -1;
+        }
+        int64_t width = full / rows, g = n / kv;
+        if (layout_err(sf_heads_layout(n, kv, tp, r, &qs, &qc, &ks, &kc, &err), &err) < 0)
+            return -1;
+        for (int64_t j = ks; j < ks + kc; j++) {
+            int64_t group = j * (g + 2) * width;
+            int64_t first = qs > j * g ? qs : j * g;
+            int64_t last = qs + qc < (j + 1) * g ? qs + qc : (j + 1) * g;
+            if (last > first && ranges_push(out, base + group + (first - j * g) * width,
+                                            (last - first) * width) < 0)
+                return -1;
+            if (ranges_push(out, base + group + g * width, 2 * width) < 0)
+                return -1;
+            *length += ((last > first ? last - first : 0) + 2) * width;
+        }
+        return 0;
+    }
+    if (strcmp(kind, "fused") == 0) {
+        if (spec_fields(spec, kind, 3) < 0)
+            return -1;
+        PyObject *segs = PyTuple_GET_ITEM(spec, 2);
+        if (!PyTuple_Check(segs) || PyTuple_GET_SIZE(segs) == 0) {
+            PyErr_SetString(PyExc_TypeError, "split spec data 'fused': segments must be a non-empty tuple");
+            return -1;
+        }
+        Py_ssize_t nseg = PyTuple_GET_SIZE(segs), unknown = 0;
+        int64_t known_sum = 0;
+        int64_t *lens = PyMem_Calloc((size_t)nseg, sizeof(int64_t));
+        if (lens == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+        int rc = -1;
+        for (Py_ssize_t i = 0; i < nseg; i++) {
+            if (spec_expected(PyTuple_GET_ITEM(segs, i), &lens[i]) < 0)
+                goto fused_done;
+            if (lens[i] < 0)
+                unknown++;
+            else
+                known_sum += lens[i];
+        }
+        if (unknown == nseg) {
+            if (full % nseg) {
+                PyErr_Format(PyExc_ValueError,
+                             "length %lld is not divisible into %zd fused segments",
+                             (long long)full, nseg);
+                goto fused_done;
+            }
+            for (Py_ssize_t i = 0; i < nseg; i++)
+                lens[i] = full / nseg;
+        } else if (unknown > 0) {
+            int64_t rest = full - known_sum;
+            if (rest < 0 || rest % unknown) {
+                PyErr_Format(PyExc_ValueError, "length %lld cannot hold the fused segments %S",
+                             (long long)full, describe);
+                goto fused_done;
+            }
+            for (Py_ssize_t i = 0; i < nseg; i++)
+                if (lens[i] < 0)
+                    lens[i] = rest / unknown;
+        }
+        int64_t offset = base;
+        for (Py_ssize_t i = 0; i < nseg; i++) {
+            if (spec_rank(PyTuple_GET_ITEM(segs, i), lens[i], offset, tp, r, out, length) < 0)
+                goto fused_done;
+            offset += lens[i];
+        }
+        rc = 0;
+fused_done:
+        PyMem_Free(lens);
+        return rc;
+    }
+    PyErr_Format(PyExc_TypeError, "split spec data: unknown kind '%s'", kind);
+    return -1;
+}
+
+static PyObject *ranges_tuple(const range_list *l)
+{
+    PyObject *t = PyTuple_New(l->n);
+    if (t == NULL)
+        return NULL;
+    for (Py_ssize_t i = 0; i < l->n; i++) {
+        PyObject *pair = Py_BuildValue("(LL)", (long long)l->v[i].offset,
+                                       (long long)l->v[i].length);
+        if (pair == NULL) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, i, pair);
+    }
+    return t;
+}
+
+/* The DimShard fields of `rank` for a dimension of length `full` cut by
+ * `spec` over `tp` ranks; `what` names the dimension in the messages. */
+static PyObject *resolve_split(PyObject *spec, int64_t full, int64_t tp, int64_t rank,
+                               PyObject *what)
+{
+    sf_error err = {0};
+    int64_t s, c;
+    if (tp < 1 || rank < 0 || rank >= tp) { /* the layout's own message for a bad group */
+        layout_err(sf_split_units(1, tp, rank, &s, &c, &err), &err);
+        if (!PyErr_Occurred())
+            PyErr_Format(PyExc_ValueError, "rank=%lld outside [0, %lld)", (long long)rank,
+                         (long long)tp);
+        return NULL;
+    }
+    int64_t expected;
+    if (spec_expected(spec, &expected) < 0)
+        return NULL;
+    if (expected >= 0 && expected != full) {
+        PyErr_Format(PyExc_ValueError, "%U=%lld does not match %S = %lld", what, (long long)full,
+                     PyTuple_GET_ITEM(spec, 1), (long long)expected);
+        return NULL;
+    }
+    PyObject *all_ranges = PyTuple_New((Py_ssize_t)tp);
+    PyObject *all_lengths = PyTuple_New((Py_ssize_t)tp);
+    PyObject *result = NULL;
+    int64_t covered = 0, mine = 0;
+    if (all_ranges == NULL || all_lengths == NULL)
+        goto done;
+    for (int64_t r = 0; r < tp; r++) {
+        range_list l = {0};
+        int64_t length = 0;
+        int rc = spec_rank(spec, full, 0, tp, r, &l, &length);
+        PyObject *rt = rc == 0 ? ranges_tuple(&l) : NULL;
+        for (Py_ssize_t i = 0; i < l.n; i++)
+            covered += l.v[i].length;
+        PyMem_Free(l.v);
+        PyObject *len = rt ? PyLong_FromLongLong(length) : NULL;
+        if (len == NULL) {
+            Py_XDECREF(rt);
+            goto done;
+        }
+        PyTuple_SET_ITEM(all_ranges, (Py_ssize_t)r, rt);
+        PyTuple_SET_ITEM(all_lengths, (Py_ssize_t)r, len);
+        if (r == rank)
+            mine = length;
+    }
+    result = Py_BuildValue("(LLOOOLLO)", (long long)full, (long long)mine,
+                           PyTuple_GET_ITEM(all_ranges, (Py_ssize_t)rank), all_ranges, all_lengths,
+                           (long long)rank, (long long)tp, covered > full ? Py_True : Py_False);
+done:
+    Py_XDECREF(all_ranges);
+    Py_XDECREF(all_lengths);
+    return result;
+}
+
+/* resolve_split(spec_data, full, tp_size, rank, what="dimension") -> DimShard fields */
+PyObject *sf_resolve_split(PyObject *self, PyObject *args, PyObject *kwargs)
+{
+    (void)self;
+    static char *kwlist[] = {"spec", "full", "tp_size", "rank", "what", NULL};
+    PyObject *spec, *what = NULL;
+    long long full, tp, rank;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OLLL|U:resolve_split", kwlist, &spec, &full,
+                                     &tp, &rank, &what))
+        return NULL;
+    PyObject *dflt = what ? NULL : PyUnicode_FromString("dimension");
+    if (what == NULL && dflt == NULL)
+        return NULL;
+    PyObject *r = resolve_split(spec, full, tp, rank, what ? what : dflt);
+    Py_XDECREF(dflt);
+    return r;
+}
+
+/* Resolve a ShardPlan request in place: plan.requests {name: (spec_data,
+ * full, what, no_replicate)} -> plan.resolved {name: DimShard fields}.
+ * `no_replicate`, when not None, is the message of the ValueError raised
+ * if the layout would hold some indices on several ranks. */
+static int resolve_plan(PyObject *plan)
+{
+    PyObject *tp_obj = PyObject_GetAttrString(plan, "tp_size");
+    PyObject *rank_obj = tp_obj ? PyObject_GetAttrString(plan, "rank") : NULL;
+    PyObject *requests = rank_obj ? PyObject_GetAttrString(plan, "requests") : NULL;
+    PyObject *resolved = NULL, *items = NULL;
+    int rc = -1;
+    if (requests == NULL)
+        goto done;
+    long long tp = PyLong_AsLongLong(tp_obj), rank = PyLong_AsLongLong(rank_obj);
+    if (PyErr_Occurred())
+        goto done;
+    if (!PyDict_Check(requests)) {
+        PyErr_Format(PyExc_TypeError, "ShardPlan.requests must be a dict, got %.100s",
+                     Py_TYPE(requests)->tp_name);
+        goto done;
+    }
+    resolved = PyDict_New();
+    items = resolved ? PyDict_Items(requests) : NULL; /* a snapshot */
+    if (items == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(items); i++) {
+        PyObject *name = PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 0);
+        PyObject *req = PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 1);
+        PyObject *spec, *what, *no_replicate;
+        long long full;
+        if (!PyTuple_Check(req) ||
+            !PyArg_ParseTuple(req, "OLUO;ShardPlan request (spec_data, full, what, no_replicate)",
+                              &spec, &full, &what, &no_replicate)) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError,
+                                "ShardPlan request must be (spec_data, full, what, no_replicate)");
+            goto done;
+        }
+        PyObject *fields = resolve_split(spec, full, tp, rank, what);
+        if (fields == NULL)
+            goto done;
+        if (no_replicate != Py_None && PyTuple_GET_ITEM(fields, 7) == Py_True) {
+            Py_DECREF(fields);
+            PyErr_Format(PyExc_ValueError, "%S", no_replicate);
+            goto done;
+        }
+        int set = PyDict_SetItem(resolved, name, fields);
+        Py_DECREF(fields);
+        if (set < 0)
+            goto done;
+    }
+    rc = PyObject_SetAttrString(plan, "resolved", resolved);
+done:
+    Py_XDECREF(items);
+    Py_XDECREF(resolved);
+    Py_XDECREF(requests);
+    Py_XDECREF(rank_obj);
+    Py_XDECREF(tp_obj);
+    return rc;
+}
+
+/* resolve_plan(plan) -> plan, with plan.resolved set */
+PyObject *sf_resolve_plan(PyObject *self, PyObject *plan)
+{
+    (void)self;
+    if (resolve_plan(plan) < 0)
+        return NULL;
+    return Py_NewRef(plan);
+}
 
 /* Re-raise the current exception as "<model>: <path>: <message>", keeping
  * ValueError / TypeError, and chaining the original as __cause__. */
@@ -177,6 +614,261 @@ static int add_op(plan_ctx *ctx, PyObject *op)
     return rc;
 }
 
+/* ------------------------------------------------------------------------
+ * Reading the policy: the one place its shape is checked
+ * ---------------------------------------------------------------------- */
+
+/* getattr(obj, name), with None for a missing attribute or a None value
+ * replaced by `dflt` (new reference). */
+static PyObject *attr_or(PyObject *obj, const char *name, PyObject *dflt)
+{
+    PyObject *v = PyObject_GetAttrString(obj, name);
+    if (v == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return NULL;
+        PyErr_Clear();
+    }
+    if (v == NULL || v == Py_None) {
+        Py_XDECREF(v);
+        return Py_NewRef(dflt);
+    }
+    return v;
+}
+
+/* A {name: value} mapping as ((str(name), value), ...). */
+static PyObject *pairs_of(PyObject *mapping, const char *what, PyObject *model, PyObject *key)
+{
+    if (!PyDict_Check(mapping)) {
+        PyErr_Format(PyExc_TypeError, "%U: policy[%R].%s must be a dict, got %.100s", model, key,
+                     what, Py_TYPE(mapping)->tp_name);
+        return NULL;
+    }
+    PyObject *out = PyTuple_New(PyDict_GET_SIZE(mapping));
+    Py_ssize_t pos = 0, i = 0;
+    PyObject *k, *v;
+    while (out && PyDict_Next(mapping, &pos, &k, &v)) {
+        PyObject *name = PyObject_Str(k);
+        PyObject *pair = name ? PyTuple_Pack(2, name, v) : NULL;
+        Py_XDECREF(name);
+        if (pair == NULL)
+            Py_CLEAR(out);
+        else
+            PyTuple_SET_ITEM(out, i++, pair);
+    }
+    return out;
+}
+
+/* One sub_module_replacement item as (suffix, target, kwargs, ignore). */
+static PyObject *sub_item(PyObject *item, PyObject *model, PyObject *key)
+{
+    if (PyTuple_Check(item)) { /* the engine's tuple form: shape only */
+        PyObject *suffix, *target, *kwargs;
+        int ignore;
+        if (!PyArg_ParseTuple(item, "UOO!p;sub_module_replacement item", &suffix, &target,
+                              &PyDict_Type, &kwargs, &ignore))
+            return NULL;
+        return Py_NewRef(item);
+    }
+    PyObject *target = PyObject_GetAttrString(item, "target_module");
+    if (target == NULL) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_TypeError,
+                     "%U: policy[%R].sub_module_replacement items must be "
+                     "SubModuleReplacementDescription, got %.100s",
+                     model, key, Py_TYPE(item)->tp_name);
+        return NULL;
+    }
+    PyObject *empty = PyDict_New();
+    PyObject *suffix = PyObject_GetAttrString(item, "suffix");
+    PyObject *kwargs = suffix && empty ? attr_or(item, "kwargs", empty) : NULL;
+    PyObject *ignore = kwargs ? attr_or(item, "ignore_if_not_exist", Py_False) : NULL;
+    PyObject *result = NULL, *copy = NULL;
+    int has, flag;
+    if (ignore == NULL)
+        goto done;
+    if (!PyUnicode_Check(suffix)) {
+        PyErr_Format(PyExc_TypeError, "%U: policy[%R]: sub_module_replacement suffix must be a str, "
+                     "got %.100s", model, key, Py_TYPE(suffix)->tp_name);
+        goto done;
+    }
+    if ((has = has_attr_str(target, "from_native_module")) <= 0) {
+        if (has == 0)
+            PyErr_Format(PyExc_TypeError, "%U: policy[%R]: target_module %R for '%U' has no "
+                         "from_native_module", model, key, target, suffix);
+        goto done;
+    }
+    if (!PyDict_Check(kwargs)) {
+        PyErr_Format(PyExc_TypeError, "%U: policy[%R]: kwargs for '%U' must be a dict, got %.100s",
+                     model, key, suffix, Py_TYPE(kwargs)->tp_name);
+        goto done;
+    }
+    if ((flag = PyObject_IsTrue(ignore)) < 0 || (copy = PyDict_Copy(kwargs)) == NULL)
+        goto done;
+    result = Py_BuildValue("(OOOO)", suffix, target, copy, flag ? Py_True : Py_False);
+done:
+    Py_XDECREF(copy);
+    Py_XDECREF(ignore);
+    Py_XDECREF(kwargs);
+    Py_XDECREF(suffix);
+    Py_XDECREF(empty);
+    Py_DECREF(target);
+    return result;
+}
+
+/* A ModulePolicyDescription (or a tuple entry) as a checked
+ * (attrs, params, subs, methods) tuple. */
+static PyObject *read_entry(PyObject *desc, PyObject *model, PyObject *key)
+{
+    PyObject *attrs = NULL, *params = NULL, *subs_in = NULL, *methods = NULL;
+    PyObject *subs = NULL, *result = NULL;
+    if (PyTuple_Check(desc)) {
+        if (!PyArg_ParseTuple(desc, "O!O!O!O!;policy entry", &PyTuple_Type, &attrs, &PyTuple_Type,
+                              &params, &PyTuple_Type, &subs_in, &PyTuple_Type, &methods))
+            return NULL;
+        Py_INCREF(attrs);
+        Py_INCREF(params);
+        Py_INCREF(subs_in);
+        Py_INCREF(methods);
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(attrs); i++) {
+            PyObject *dotted, *value, *item = PyTuple_GET_ITEM(attrs, i);
+            if (check_tuple(item, "attribute_replacement item") < 0 ||
+                !PyArg_ParseTuple(item, "UO;attribute_replacement item", &dotted, &value))
+                goto done;
+        }
+    } else {
+        PyObject *none = Py_None;
+        subs_in = PyObject_GetAttrString(desc, "sub_module_replacement");
+        if (subs_in == NULL) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "%U: policy entry for %R must be a "
+                         "ModulePolicyDescription, got %.100s", model, key, Py_TYPE(desc)->tp_name);
+            return NULL;
+        }
+        PyObject *empty_t = PyTuple_New(0), *empty_d = PyDict_New(), *raw;
+        if (empty_t == NULL || empty_d == NULL) {
+            Py_XDECREF(empty_t);
+            Py_XDECREF(empty_d);
+            goto done;
+        }
+        if (subs_in == none)
+            Py_SETREF(subs_in, Py_NewRef(empty_t));
+        if ((raw = attr_or(desc, "attribute_replacement", empty_d)) != NULL) {
+            attrs = pairs_of(raw, "attribute_replacement", model, key);
+            Py_DECREF(raw);
+        }
+        if (attrs && (raw = attr_or(desc, "param_replacement", empty_t)) != NULL) {
+            params = PySequence_Tuple(raw);
+            Py_DECREF(raw);
+        }
+        if (params && (raw = attr_or(desc, "method_replacement", empty_d)) != NULL) {
+            methods = pairs_of(raw, "method_replacement", model, key);
+            Py_DECREF(raw);
+        }
+        Py_DECREF(empty_t);
+        Py_DECREF(empty_d);
+        if (methods == NULL)
+            goto done;
+    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(methods); i++) {
+        PyObject *name, *fn, *item = PyTuple_GET_ITEM(methods, i);
+        if (check_tuple(item, "method_replacement item") < 0 ||
+            !PyArg_ParseTuple(item, "UO;method_replacement item", &name, &fn))
+            goto done;
+        if (!PyCallable_Check(fn)) {
+            PyErr_Format(PyExc_TypeError, "%U: policy[%R]: method_replacement '%U' is not callable",
+                         model, key, name);
+            goto done;
+        }
+    }
+    PyObject *seq = PySequence_Tuple(subs_in);
+    subs = seq ? PyTuple_New(PyTuple_GET_SIZE(seq)) : NULL;
+    for (Py_ssize_t i = 0; subs && i < PyTuple_GET_SIZE(seq); i++) {
+        PyObject *item = sub_item(PyTuple_GET_ITEM(seq, i), model, key);
+        if (item == NULL)
+            Py_CLEAR(subs);
+        else
+            PyTuple_SET_ITEM(subs, i, item);
+    }
+    Py_XDECREF(seq);
+    if (subs == NULL)
+        goto done;
+    result = PyTuple_Pack(4, attrs, params, subs, methods);
+done:
+    Py_XDECREF(attrs);
+    Py_XDECREF(params);
+    Py_XDECREF(subs_in);
+    Py_XDECREF(subs);
+    Py_XDECREF(methods);
+    return result;
+}
+
+/* The policy as {key: checked tuple entry}: a new dict, so that planning
+ * (which runs Python code) cannot change it under us. */
+static PyObject *read_policy(PyObject *model, PyObject *policy)
+{
+    if (!PyDict_Check(policy)) {
+        PyErr_Format(PyExc_TypeError, "%U: module_policy() must return a dict, got %.100s", model,
+                     Py_TYPE(policy)->tp_name);
+        return NULL;
+    }
+    PyObject *items = PyDict_Items(policy);
+    PyObject *out = items ? PyDict_New() : NULL;
+    for (Py_ssize_t i = 0; out && i < PyList_GET_SIZE(items); i++) {
+        PyObject *key = PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 0);
+        PyObject *desc = PyTuple_GET_ITEM(PyList_GET_ITEM(items, i), 1);
+        if (!PyType_Check(key) && !PyUnicode_Check(key)) {
+            PyErr_Format(PyExc_TypeError, "%U: policy key %R must be a module class or a class name",
+                         model, key);
+            Py_CLEAR(out);
+            break;
+        }
+        PyObject *entry = read_entry(desc, model, key);
+        if (entry == NULL || PyDict_SetItem(out, key, entry) < 0)
+            Py_CLEAR(out);
+        Py_XDECREF(entry);
+    }
+    Py_XDECREF(items);
+    return out;
+}
+
+/* ------------------------------------------------------------------------
+ * Planning
+ * ---------------------------------------------------------------------- */
+
+/* A per-rank attribute value.  Head counts (shardformer.layout.Heads.local_*,
+ * which carry `__shardformer_heads__` = (num_heads, num_kv_heads, which,
+ * factor), which 0 = query heads, 1 = KV heads, 2 = query heads per KV head)
+ * are computed here by the layout arithmetic; any other PerRank is the
+ * policy's own function, called with (tp_size, rank). */
+static PyObject *per_rank_value(plan_ctx *ctx, PyObject *value)
+{
+    PyObject *data = PyObject_GetAttrString(value, "__shardformer_heads__");
+    if (data == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return NULL;
+        PyErr_Clear();
+        return PyObject_CallMethod(value, "resolve", "OO", ctx->tp_size, ctx->rank);
+    }
+    long long n, kv, which, factor;
+    int ok = PyTuple_Check(data) &&
+             PyArg_ParseTuple(data, "LLLL;__shardformer_heads__", &n, &kv, &which, &factor);
+    Py_DECREF(data);
+    if (!ok) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "__shardformer_heads__ must be a tuple of 4 ints");
+        return NULL;
+    }
+    long long tp = PyLong_AsLongLong(ctx->tp_size), rank = PyLong_AsLongLong(ctx->rank);
+    if (PyErr_Occurred())
+        return NULL;
+    int64_t qs, qc, ks, kc;
+    sf_error err = {0};
+    if (sf_set_pyerr(sf_heads_layout(n, kv, tp, rank, &qs, &qc, &ks, &kc, &err), &err))
+        return NULL;
+    int64_t count = which == 0 ? qc : which == 1 ? kc : qc / kc;
+    return PyLong_FromLongLong((long long)(count * factor));
+}
+
 /* Resolve a dotted attribute path relative to `module`: the owner of the last
  * component (new reference) and that component (borrowed from `parts`). */
 static int plan_attribute(plan_ctx *ctx, PyObject *module, PyObject *mpath,
@@ -209,19 +901,14 @@ static int plan_attribute(plan_ctx *ctx, PyObject *module, PyObject *mpath,
                          name, Py_TYPE(owner)->tp_name);
         goto fail_ctx;
     }
-    /* Per-rank values (shardformer.layout.PerRank and friends) resolve now,
-     * so that their checks run before anything changes. */
+    /* Per-rank values resolve now, so that their checks run before anything
+     * changes. */
     int per_rank = has_attr_str(value, "__shardformer_per_rank__");
     if (per_rank < 0)
         goto fail_ctx;
-    if (per_rank) {
-        resolved = PyObject_CallMethod(value, "resolve", "OO", ctx->tp_size, ctx->rank);
-        if (resolved == NULL)
-            goto fail_ctx;
-    } else {
-        resolved = value;
-        Py_INCREF(resolved);
-    }
+    resolved = per_rank ? per_rank_value(ctx, value) : Py_NewRef(value);
+    if (resolved == NULL)
+        goto fail_ctx;
     rc = add_op(ctx, Py_BuildValue("(sOOOO)", OP_ATTR, path, owner, name, resolved));
     goto done;
 fail_ctx:
@@ -234,6 +921,9 @@ done:
     return rc;
 }
 
+/* Plan one sub-module swap: the target's plan_shard (Python checks that
+ * return what to split, as data), then, for a ShardPlan request, its layout
+ * arithmetic here. */
 static int plan_submodule(plan_ctx *ctx, PyObject *parent, PyObject *name, PyObject *child,
                           PyObject *path, PyObject *target, PyObject *kwargs)
 {
@@ -256,8 +946,7 @@ static int plan_submodule(plan_ctx *ctx, PyObject *parent, PyObject *name, PyObj
     }
     Py_DECREF(slot);
 
-    PyObject *plan = Py_None;
-    Py_INCREF(plan);
+    PyObject *plan = Py_NewRef(Py_None);
     int has_plan = has_attr_str(target, "plan_shard");
     if (has_plan < 0)
         goto fail;
@@ -270,6 +959,9 @@ static int plan_submodule(plan_ctx *ctx, PyObject *parent, PyObject *name, PyObj
         if (result == NULL)
             goto fail;
         Py_SETREF(plan, result);
+        int request = has_attr_str(plan, "__shardformer_plan__");
+        if (request < 0 || (request && resolve_plan(plan) < 0))
+            goto fail;
     }
     int rc = add_op(ctx, Py_BuildValue("(sOOOOOOO)", OP_SUB, path, parent, name, target,
                                        child, kwargs, plan));
@@ -358,14 +1050,11 @@ static int resolve_suffix(plan_ctx *ctx, PyObject *module, PyObject *mpath, PyOb
     return rc;
 }
 
+/* Plan the (checked, see read_entry) policy entry of one matched module. */
 static int plan_module(plan_ctx *ctx, PyObject *module, PyObject *mpath, PyObject *entry)
 {
-    PyObject *attrs, *params, *subs, *methods;
-    if (check_tuple(entry, "policy entry") < 0)
-        return -1;
-    if (!PyArg_ParseTuple(entry, "O!O!O!O!;policy entry", &PyTuple_Type, &attrs, &PyTuple_Type,
-                          &params, &PyTuple_Type, &subs, &PyTuple_Type, &methods))
-        return -1;
+    PyObject *attrs = PyTuple_GET_ITEM(entry, 0), *params = PyTuple_GET_ITEM(entry, 1);
+    PyObject *subs = PyTuple_GET_ITEM(entry, 2), *methods = PyTuple_GET_ITEM(entry, 3);
     PyObject *shown = PyUnicode_GetLength(mpath) ? mpath : NULL;
     PyObject *root_name = NULL;
     if (shown == NULL) {
@@ -376,66 +1065,50 @@ static int plan_module(plan_ctx *ctx, PyObject *module, PyObject *mpath, PyObjec
     }
     int rc = 0;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(attrs) && rc == 0; i++) {
-        PyObject *dotted, *value;
-        if (check_tuple(PyTuple_GET_ITEM(attrs, i), "attribute_replacement item") < 0 ||
-            !PyArg_ParseTuple(PyTuple_GET_ITEM(attrs, i), "UO;attribute_replacement item",
-                              &dotted, &value))
-            rc = -1;
-        else
-            rc = plan_attribute(ctx, module, mpath, dotted, value);
+        PyObject *item = PyTuple_GET_ITEM(attrs, i);
+        rc = plan_attribute(ctx, module, mpath, PyTuple_GET_ITEM(item, 0), PyTuple_GET_ITEM(item, 1));
     }
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(params) && rc == 0; i++)
         rc = add_op(ctx, Py_BuildValue("(sOOO)", OP_PARAM, shown, module,
                                        PyTuple_GET_ITEM(params, i)));
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(subs) && rc == 0; i++) {
-        PyObject *suffix, *target, *kwargs;
-        int ignore_missing;
-        if (check_tuple(PyTuple_GET_ITEM(subs, i), "sub_module_replacement item") < 0 ||
-            !PyArg_ParseTuple(PyTuple_GET_ITEM(subs, i), "UOO!p;sub_module_replacement item",
-                              &suffix, &target, &PyDict_Type, &kwargs, &ignore_missing)) {
-            rc = -1;
-            break;
-        }
+        PyObject *item = PyTuple_GET_ITEM(subs, i);
+        PyObject *suffix = PyTuple_GET_ITEM(item, 0);
+        int ignore_missing = PyObject_IsTrue(PyTuple_GET_ITEM(item, 3));
         PyObject *dot = PyUnicode_FromString(".");
         PyObject *parts = dot ? PyUnicode_Split(suffix, dot, -1) : NULL;
         Py_XDECREF(dot);
-        if (parts == NULL) {
+        if (parts == NULL || ignore_missing < 0) {
+            Py_XDECREF(parts);
             rc = -1;
             break;
         }
-        rc = resolve_suffix(ctx, module, mpath, parts, 0, target, kwargs, ignore_missing, suffix);
+        rc = resolve_suffix(ctx, module, mpath, parts, 0, PyTuple_GET_ITEM(item, 1),
+                            PyTuple_GET_ITEM(item, 2), ignore_missing, suffix);
         Py_DECREF(parts);
     }
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(methods) && rc == 0; i++) {
-        PyObject *name, *fn;
-        if (check_tuple(PyTuple_GET_ITEM(methods, i), "method_replacement item") < 0 ||
-            !PyArg_ParseTuple(PyTuple_GET_ITEM(methods, i), "UO;method_replacement item", &name,
-                              &fn)) {
-            rc = -1;
-            break;
-        }
-        if (!PyCallable_Check(fn)) {
-            PyErr_Format(PyExc_TypeError, "%U: %U: method_replacement '%U' is not callable",
-                         ctx->model_name, shown, name);
-            rc = -1;
-            break;
-        }
-        rc = add_op(ctx, Py_BuildValue("(sOOOO)", OP_METHOD, shown, module, name, fn));
+        PyObject *item = PyTuple_GET_ITEM(methods, i);
+        rc = add_op(ctx, Py_BuildValue("(sOOOO)", OP_METHOD, shown, module,
+                                       PyTuple_GET_ITEM(item, 0), PyTuple_GET_ITEM(item, 1)));
     }
     Py_XDECREF(root_name);
     return rc;
 }
 
-/* sharder_plan(root, model_name, entries, tp_size, rank) -> (ops, matched) */
+/* sharder_plan(root, model_name, policy, tp_size, rank) -> (ops, matched) */
 PyObject *sf_sharder_plan(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     (void)self;
-    static char *kwlist[] = {"root", "model_name", "entries", "tp_size", "rank", NULL};
-    PyObject *root;
+    static char *kwlist[] = {"root", "model_name", "policy", "tp_size", "rank", NULL};
+    PyObject *root, *policy;
     plan_ctx ctx = {0};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OUO!O!O!:sharder_plan", kwlist, &root,
-                                     &ctx.model_name, &PyDict_Type, &ctx.entries, &PyLong_Type,
-                                     &ctx.tp_size, &PyLong_Type, &ctx.rank))
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OUOO!O!:sharder_plan", kwlist, &root,
+                                     &ctx.model_name, &policy, &PyLong_Type, &ctx.tp_size,
+                                     &PyLong_Type, &ctx.rank))
+        return NULL;
+    ctx.entries = read_policy(ctx.model_name, policy);
+    if (ctx.entries == NULL)
         return NULL;
     ctx.ops = PyList_New(0);
     ctx.replaced = PySet_New(NULL);
@@ -480,8 +1153,8 @@ PyObject *sf_sharder_plan(PyObject *self, PyObject *args, PyObject *kwargs)
             goto done;
         }
         if (entry != NULL) {
-            /* entry is borrowed from the dict, and planning runs Python code
-             * (plan_shard, PerRank.resolve) that could drop it from there. */
+            /* ctx.entries is our own dict, but keep the entry alive anyway
+             * while planning runs Python code (plan_shard, PerRank). */
             Py_INCREF(entry);
             ctx.matched++;
             int rc = plan_module(&ctx, module, mpath, entry);
@@ -525,6 +1198,7 @@ PyObject *sf_sharder_plan(PyObject *self, PyObject *args, PyObject *kwargs)
     }
     result = Py_BuildValue("(On)", ctx.ops, ctx.matched);
 done:
+    Py_XDECREF(ctx.entries);
     Py_XDECREF(ctx.ops);
     Py_XDECREF(ctx.replaced);
     Py_XDECREF(visited);
@@ -532,6 +1206,10 @@ done:
     Py_XDECREF(empty);
     return result;
 }
+
+/* ------------------------------------------------------------------------
+ * Applying
+ * ---------------------------------------------------------------------- */
 
 static int apply_op(PyObject *op, PyObject *process_group, PyObject *adopt)
 {

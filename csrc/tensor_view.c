@@ -1,13 +1,11 @@
 /*
- * tensor_view.c -- DLPack capsule -> sf_view, and the argument checks that
- * every tensor-taking entry point of _C runs before touching memory.
+ * tensor_view.c -- DLPack tensor -> sf_view, and the argument checks (see
+ * tensor_view.h).  Plain C; the capsule handling is in glue.c.
  */
 #include "tensor_view.h"
 
+#include <stdio.h>
 #include <string.h>
-
-static const char CAPSULE_V1[] = "dltensor_versioned";
-static const char CAPSULE_V0[] = "dltensor";
 
 const char *sf_dtype_name(SFDLDataType dt)
 {
@@ -31,108 +29,53 @@ const char *sf_dtype_name(SFDLDataType dt)
     }
 }
 
-static PyObject *call_dlpack(PyObject *obj, const char *argname)
+unsigned sf_dtype_bit(SFDLDataType dt)
 {
-    PyObject *method = PyObject_GetAttrString(obj, "__dlpack__");
-    if (method == NULL) {
-        PyErr_Clear();
-        PyErr_Format(PyExc_TypeError,
-                     "%s: expected a tensor supporting __dlpack__, got %.100s",
-                     argname, Py_TYPE(obj)->tp_name);
-        return NULL;
+    if (dt.lanes != 1)
+        return 0;
+    switch (dt.code) {
+    case SF_DL_FLOAT:
+        return dt.bits == 32 ? SF_DT_F32 : dt.bits == 16 ? SF_DT_F16 : dt.bits == 64 ? SF_DT_F64 : 0;
+    case SF_DL_BFLOAT:
+        return dt.bits == 16 ? SF_DT_BF16 : 0;
+    case SF_DL_INT:
+        return dt.bits == 8 ? SF_DT_I8 : dt.bits == 16 ? SF_DT_I16 : dt.bits == 32 ? SF_DT_I32
+             : dt.bits == 64 ? SF_DT_I64 : 0;
+    case SF_DL_UINT:
+        return dt.bits == 8 ? SF_DT_U8 : 0;
+    case SF_DL_BOOL:
+        return dt.bits == 8 ? SF_DT_BOOL : 0;
+    default:
+        return 0;
     }
-    /* Ask for the versioned capsule (it carries the read-only flag); fall
-     * back to the legacy call for producers that predate DLPack 1.0. */
-    PyObject *kwargs = Py_BuildValue("{s:(ii)}", "max_version", 1, 0);
-    PyObject *empty = PyTuple_New(0);
-    PyObject *capsule = NULL;
-    if (kwargs != NULL && empty != NULL)
-        capsule = PyObject_Call(method, empty, kwargs);
-    Py_XDECREF(kwargs);
-    Py_XDECREF(empty);
-    if (capsule == NULL && PyErr_ExceptionMatches(PyExc_TypeError)) {
-        PyErr_Clear();
-        capsule = PyObject_CallNoArgs(method);
-    }
-    Py_DECREF(method);
-    if (capsule == NULL) {
-        /* Producer refused (e.g. a tensor that requires grad): say which arg. */
-        PyObject *type, *value, *tb;
-        PyErr_Fetch(&type, &value, &tb);
-        PyObject *msg = value ? PyObject_Str(value) : NULL;
-        PyErr_Format(PyExc_TypeError, "%s: cannot export through DLPack: %S",
-                     argname, msg ? msg : Py_None);
-        Py_XDECREF(msg);
-        Py_XDECREF(type);
-        Py_XDECREF(value);
-        Py_XDECREF(tb);
-        return NULL;
-    }
-    return capsule;
 }
 
-int sf_view_acquire(PyObject *obj, const char *argname, sf_view *v)
+sf_status sf_view_init(sf_view *v, const SFDLTensor *t, int readonly, const char *name,
+                       sf_error *err)
 {
     memset(v, 0, sizeof(*v));
-    PyObject *capsule = call_dlpack(obj, argname);
-    if (capsule == NULL)
-        return -1;
-
-    SFDLTensor *t = NULL;
-    if (PyCapsule_IsValid(capsule, CAPSULE_V1)) {
-        SFDLManagedTensorVersioned *m = PyCapsule_GetPointer(capsule, CAPSULE_V1);
-        if (m->version.major != 1) {
-            PyErr_Format(PyExc_TypeError, "%s: unsupported DLPack major version %u",
-                         argname, (unsigned)m->version.major);
-            Py_DECREF(capsule);
-            return -1;
-        }
-        t = &m->dl_tensor;
-        v->readonly = (m->flags & SF_DLPACK_FLAG_READ_ONLY) != 0;
-    } else if (PyCapsule_IsValid(capsule, CAPSULE_V0)) {
-        SFDLManagedTensor *m = PyCapsule_GetPointer(capsule, CAPSULE_V0);
-        t = &m->dl_tensor;
-    } else {
-        PyErr_Format(PyExc_TypeError, "%s: __dlpack__ did not return a DLPack capsule",
-                     argname);
-        Py_DECREF(capsule);
-        return -1;
-    }
-
-    if (t->ndim < 0 || t->ndim > SF_MAX_DIMS) {
-        PyErr_Format(PyExc_ValueError, "%s: %d dimensions (at most %d supported)",
-                     argname, (int)t->ndim, SF_MAX_DIMS);
-        Py_DECREF(capsule);
-        return -1;
-    }
-    if (t->dtype.lanes != 1 || t->dtype.bits == 0 || t->dtype.bits % 8 != 0) {
-        PyErr_Format(PyExc_TypeError, "%s: unsupported DLPack dtype (code %u, %u bits, %u lanes)",
-                     argname, (unsigned)t->dtype.code, (unsigned)t->dtype.bits,
-                     (unsigned)t->dtype.lanes);
-        Py_DECREF(capsule);
-        return -1;
-    }
-
+    if (t->ndim < 0 || t->ndim > SF_MAX_DIMS)
+        return sf_fail(err, SF_EINVAL, "%s: %d dimensions (at most %d supported)", name,
+                       (int)t->ndim, SF_MAX_DIMS);
+    if (t->dtype.lanes != 1 || t->dtype.bits == 0 || t->dtype.bits % 8 != 0)
+        return sf_fail(err, SF_ETYPE, "%s: unsupported DLPack dtype (code %u, %u bits, %u lanes)",
+                       name, (unsigned)t->dtype.code, (unsigned)t->dtype.bits,
+                       (unsigned)t->dtype.lanes);
     v->ndim = t->ndim;
     v->dtype = t->dtype;
     v->device = t->device;
     v->itemsize = t->dtype.bits / 8;
+    v->readonly = readonly;
     v->data = (char *)t->data + t->byte_offset;
     v->numel = 1;
     for (int d = 0; d < v->ndim; d++) {
-        if (t->shape[d] < 0) {
-            PyErr_Format(PyExc_ValueError, "%s: negative size in dimension %d", argname, d);
-            Py_DECREF(capsule);
-            return -1;
-        }
+        if (t->shape[d] < 0)
+            return sf_fail(err, SF_EINVAL, "%s: negative size in dimension %d (%lld)", name, d,
+                           (long long)t->shape[d]);
         v->shape[d] = t->shape[d];
-        if (t->shape[d] != 0 && v->numel > INT64_MAX / t->shape[d]) {
-            PyErr_Format(PyExc_OverflowError, "%s: the element count overflows int64 at "
-                         "dimension %d", argname, d);
-            Py_DECREF(capsule);
-            return -1;
-        }
-        v->numel *= t->shape[d];
+        if (sf_mul_overflows(v->numel, t->shape[d], &v->numel))
+            return sf_fail(err, SF_EOVERFLOW, "%s: the element count overflows int64 at "
+                           "dimension %d", name, d);
     }
     /* NULL strides mean compact row-major: spell them out. */
     int64_t stride = 1;
@@ -140,14 +83,7 @@ int sf_view_acquire(PyObject *obj, const char *argname, sf_view *v)
         v->strides[d] = t->strides ? t->strides[d] : stride;
         stride *= v->shape[d];
     }
-    v->owner = capsule;
-    return 0;
-}
-
-void sf_view_release(sf_view *v)
-{
-    Py_CLEAR(v->owner);
-    v->data = NULL;
+    return SF_OK;
 }
 
 int sf_view_is_contiguous(const sf_view *v)
@@ -161,56 +97,82 @@ int sf_view_is_contiguous(const sf_view *v)
     return 1;
 }
 
-int sf_check_cpu(const sf_view *v, const char *argname)
+sf_status sf_view_nbytes(const sf_view *v, const char *name, size_t *out, sf_error *err)
 {
-    if (v->device.device_type != SF_DL_CPU) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s: expected a CPU tensor, got DLPack device type %d (device %d)",
-                     argname, (int)v->device.device_type, (int)v->device.device_id);
-        return -1;
-    }
-    return 0;
+    /* numel and itemsize are non-negative (sf_view_init) */
+    if (v->itemsize > 0 && (uint64_t)v->numel > (uint64_t)SIZE_MAX / (uint64_t)v->itemsize)
+        return sf_fail(err, SF_EOVERFLOW, "%s: %lld elements of %d bytes overflow size_t", name,
+                       (long long)v->numel, v->itemsize);
+    *out = (size_t)v->numel * (size_t)v->itemsize;
+    return SF_OK;
 }
 
-int sf_check_contiguous(const sf_view *v, const char *argname)
+sf_status sf_check_cpu(const sf_view *v, const char *name, sf_error *err)
 {
-    if (!sf_view_is_contiguous(v)) {
-        PyErr_Format(PyExc_ValueError,
-                     "%s: expected a contiguous tensor (call .contiguous() first)", argname);
-        return -1;
-    }
-    return 0;
+    if (v->device.device_type != SF_DL_CPU)
+        return sf_fail(err, SF_EINVAL, "%s: expected a CPU tensor, got DLPack device type %d "
+                       "(device %d)", name, (int)v->device.device_type, (int)v->device.device_id);
+    return SF_OK;
 }
 
-int sf_check_writable(const sf_view *v, const char *argname)
+sf_status sf_check_cuda(const sf_view *v, const char *name, sf_error *err)
 {
-    if (v->readonly) {
-        PyErr_Format(PyExc_ValueError, "%s: tensor is read-only", argname);
-        return -1;
-    }
-    return 0;
+    if (v->device.device_type != SF_DL_CUDA)
+        return sf_fail(err, SF_EINVAL, "%s: expected a CUDA tensor, got %s (DLPack device type "
+                       "%d, device %d)", name,
+                       v->device.device_type == SF_DL_CPU ? "a CPU tensor" : "another device",
+                       (int)v->device.device_type, (int)v->device.device_id);
+    return SF_OK;
 }
 
-int sf_check_same_dtype(const sf_view *a, const char *aname,
-                        const sf_view *b, const char *bname)
+sf_status sf_check_contiguous(const sf_view *v, const char *name, sf_error *err)
 {
-    if (a->dtype.code != b->dtype.code || a->dtype.bits != b->dtype.bits) {
-        PyErr_Format(PyExc_TypeError, "%s has dtype %s but %s has dtype %s",
-                     aname, sf_dtype_name(a->dtype), bname, sf_dtype_name(b->dtype));
-        return -1;
-    }
-    return 0;
+    if (!sf_view_is_contiguous(v))
+        return sf_fail(err, SF_EINVAL, "%s: expected a contiguous tensor (call .contiguous() "
+                       "first)", name);
+    return SF_OK;
 }
 
-int sf_check_float(const sf_view *v, const char *argname)
+sf_status sf_check_writable(const sf_view *v, const char *name, sf_error *err)
 {
-    int ok = (v->dtype.code == SF_DL_FLOAT && (v->dtype.bits == 32 || v->dtype.bits == 16)) ||
-             (v->dtype.code == SF_DL_BFLOAT && v->dtype.bits == 16);
-    if (!ok) {
-        PyErr_Format(PyExc_TypeError,
-                     "%s: expected float32, float16 or bfloat16, got %s",
-                     argname, sf_dtype_name(v->dtype));
-        return -1;
+    if (v->readonly)
+        return sf_fail(err, SF_EINVAL, "%s: tensor is read-only", name);
+    return SF_OK;
+}
+
+static const struct { unsigned bit; const char *name; } DT_NAMES[] = {
+    {SF_DT_F32, "float32"}, {SF_DT_F16, "float16"}, {SF_DT_BF16, "bfloat16"},
+    {SF_DT_F64, "float64"}, {SF_DT_I8, "int8"},     {SF_DT_U8, "uint8"},
+    {SF_DT_I16, "int16"},   {SF_DT_I32, "int32"},   {SF_DT_I64, "int64"},
+    {SF_DT_BOOL, "bool"},
+};
+
+sf_status sf_check_dtype(const sf_view *v, const char *name, unsigned dtypes, sf_error *err)
+{
+    if (dtypes == SF_DT_ANY || (sf_dtype_bit(v->dtype) & dtypes))
+        return SF_OK;
+    /* "float32, float16 or bfloat16" */
+    char list[160] = "";
+    size_t len = 0;
+    int total = 0, k = 0;
+    for (size_t i = 0; i < sizeof(DT_NAMES) / sizeof(DT_NAMES[0]); i++)
+        total += (dtypes & DT_NAMES[i].bit) != 0;
+    for (size_t i = 0; i < sizeof(DT_NAMES) / sizeof(DT_NAMES[0]) && len < sizeof(list); i++) {
+        if (!(dtypes & DT_NAMES[i].bit))
+            continue;
+        const char *sep = k == 0 ? "" : k == total - 1 ? " or " : ", ";
+        len += (size_t)snprintf(list + len, sizeof(list) - len, "%s%s", sep, DT_NAMES[i].name);
+        k++;
     }
-    return 0;
+    return sf_fail(err, SF_ETYPE, "%s: expected %s, got %s", name, list,
+                   sf_dtype_name(v->dtype));
+}
+
+sf_status sf_check_same_dtype(const sf_view *a, const char *aname, const sf_view *b,
+                              const char *bname, sf_error *err)
+{
+    if (a->dtype.code != b->dtype.code || a->dtype.bits != b->dtype.bits)
+        return sf_fail(err, SF_ETYPE, "%s has dtype %s but %s has dtype %s", aname,
+                       sf_dtype_name(a->dtype), bname, sf_dtype_name(b->dtype));
+    return SF_OK;
 }

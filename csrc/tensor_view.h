@@ -1,24 +1,24 @@
 /*
- * tensor_view.h -- a borrowed, checked view of a tensor handed to _C.
+ * tensor_view.h -- a checked view of a tensor handed to _C, and the checks
+ * every tensor-taking entry point runs before touching memory.
  *
- * Every _C entry point that takes a tensor turns it into an sf_view through
- * the DLPack protocol (`obj.__dlpack__()`), then checks what it needs
- * (dtype, device, contiguity, writability) with the helpers below, which set
- * a Python exception naming the argument when a check fails.
- *
- * Ownership: the DLPack capsule is kept in `owner` and released by
- * sf_view_release().  We never rename the capsule ("used_dltensor"), so the
- * producer's capsule destructor frees the managed tensor when `owner` dies.
+ * Plain C over the DLPack structs: sf_view_init() validates what a producer
+ * handed over (dimensions, dtype, sizes) and the sf_check_* functions test
+ * what an entry point needs.  Each returns an sf_status with a message naming
+ * the argument.  Getting the DLPack capsule out of a Python object, and
+ * releasing it, is the glue's job: sf_take() in glue.h is the one gate every
+ * entry point uses.
  */
 #ifndef SHARDFORMER_TENSOR_VIEW_H
 #define SHARDFORMER_TENSOR_VIEW_H
 
-#define PY_SSIZE_T_CLEAN
-#include <Python.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #include "dlpack.h"
+#include "status.h"
 
+/* The most dimensions any layer of the C core accepts (tensors, copies). */
 #define SF_MAX_DIMS 16
 
 typedef struct {
@@ -31,24 +31,47 @@ typedef struct {
     SFDLDataType dtype;
     SFDLDevice device;
     int readonly;
-    PyObject *owner;               /* the capsule; NULL once released */
+    void *owner;                   /* the glue's DLPack capsule; NULL when none */
 } sf_view;
 
-/* Fill `v` from any object exporting __dlpack__.  0 on success; -1 with a
- * Python exception set (TypeError/ValueError naming `argname`). */
-int sf_view_acquire(PyObject *obj, const char *argname, sf_view *v);
-void sf_view_release(sf_view *v);
+/* Element types as bits, for sets of accepted dtypes (SF_DT_ANY: no check). */
+enum {
+    SF_DT_ANY = 0,
+    SF_DT_F32 = 1u << 0,
+    SF_DT_F16 = 1u << 1,
+    SF_DT_BF16 = 1u << 2,
+    SF_DT_F64 = 1u << 3,
+    SF_DT_I8 = 1u << 4,
+    SF_DT_U8 = 1u << 5,
+    SF_DT_I16 = 1u << 6,
+    SF_DT_I32 = 1u << 7,
+    SF_DT_I64 = 1u << 8,
+    SF_DT_BOOL = 1u << 9,
+};
+#define SF_DT_FLOAT (SF_DT_F32 | SF_DT_F16 | SF_DT_BF16)
+
+/* Fill `v` (owner left NULL) from a producer's tensor; `name` is the
+ * argument, for messages.  EINVAL (ndim, negative sizes), ETYPE (dtype),
+ * EOVERFLOW (element count). */
+sf_status sf_view_init(sf_view *v, const SFDLTensor *t, int readonly, const char *name,
+                       sf_error *err);
 
 int sf_view_is_contiguous(const sf_view *v);
-const char *sf_dtype_name(SFDLDataType dt);
+/* numel * itemsize, or EOVERFLOW when it does not fit size_t. */
+sf_status sf_view_nbytes(const sf_view *v, const char *name, size_t *out, sf_error *err);
 
-/* Checks; each returns 0 or -1 with an exception naming `argname`. */
-int sf_check_cpu(const sf_view *v, const char *argname);
-int sf_check_contiguous(const sf_view *v, const char *argname);
-int sf_check_writable(const sf_view *v, const char *argname);
-int sf_check_same_dtype(const sf_view *a, const char *aname,
-                        const sf_view *b, const char *bname);
-/* dtype must be one of: float32, float16, bfloat16 */
-int sf_check_float(const sf_view *v, const char *argname);
+const char *sf_dtype_name(SFDLDataType dt);
+/* The SF_DT_* bit of dt, 0 for a dtype outside the list. */
+unsigned sf_dtype_bit(SFDLDataType dt);
+
+/* Checks; each returns SF_OK or an error naming `name`. */
+sf_status sf_check_cpu(const sf_view *v, const char *name, sf_error *err);       /* EINVAL */
+sf_status sf_check_cuda(const sf_view *v, const char *name, sf_error *err);      /* EINVAL */
+sf_status sf_check_contiguous(const sf_view *v, const char *name, sf_error *err); /* EINVAL */
+sf_status sf_check_writable(const sf_view *v, const char *name, sf_error *err);  /* EINVAL */
+/* dtype in `dtypes` (SF_DT_* bits; SF_DT_ANY passes everything): ETYPE. */
+sf_status sf_check_dtype(const sf_view *v, const char *name, unsigned dtypes, sf_error *err);
+sf_status sf_check_same_dtype(const sf_view *a, const char *aname, const sf_view *b,
+                              const char *bname, sf_error *err);                 /* ETYPE */
 
 #endif

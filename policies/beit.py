@@ -1,8 +1,8 @@
-"""BEiT: ViT-style attention and MLP split over the tensor-parallel group,
-with relative position bias tables split by the same heads.
+"""BEiT: the ViT-style vision layer (policies/shapes.py VisionShape) with
+relative position bias tables split by the same heads.
 
     layers.*.attention.{q,k,v}_proj        Linear1D_Col (per head)
-    layers.*.attention.o_proj              Linear1D_Row
+    layers.*.attention.o_proj              Linear1D_Row (all-reduce forward)
     layers.*.mlp.fc1 / fc2                 Linear1D_Col / Linear1D_Row
     layers.*.relative_position_bias        ShardParams: table T [distances, heads] split by
     shared_position_bias                   columns (heads); rank i builds the bias of its heads
@@ -18,67 +18,36 @@ own width.
 """
 from __future__ import annotations
 
-from shardformer.layer import DropoutForReplicatedInput, FusedLayerNorm, Linear1D_Col, Linear1D_Row
+from shardformer.family import Family, gathered
 from shardformer.layer.param_shard import ShardParams
 from shardformer.layout import Heads
-from shardformer.policy import ModulePolicyDescription, Policy
+from shardformer.policies.shapes import VisionShape, bias_table_split
+from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
-from .vit import attention_subs, head_dim_of
 
+class BeitShape(VisionShape):
+    """Per-layer bias tables (use_relative_position_bias) or one shared by all
+    layers (use_shared_relative_position_bias): whichever the model has."""
 
-def _hf():
-    from transformers.models.beit import modeling_beit
+    def layer_replacements(self, heads: Heads) -> list[Sub]:
+        return super().layer_replacements(heads) + [
+            Sub("relative_position_bias", ShardParams, kwargs=bias_table_split(heads.num_heads),
+                ignore_if_not_exist=True)]
 
-    return modeling_beit
-
-
-class BeitPolicy(Policy):
-    def module_policy(self):
-        hf = _hf()
-        cfg = self.model.config
-        heads = Heads(cfg.num_attention_heads, cfg.num_attention_heads, head_dim_of(cfg))
-        bias = {"params": {"relative_position_bias_table": (1, Heads(cfg.num_attention_heads, head_dim=1).q)}}
-        policy = {}
+    def body_policy(self):
+        policy = super().body_policy()
         if self.tensor_parallel:
-            policy[hf.BeitLayer] = ModulePolicyDescription(sub_module_replacement=attention_subs("attention", heads) + [
-                Sub("mlp.fc1", Linear1D_Col),
-                Sub("mlp.fc2", Linear1D_Row),
-                Sub("dropout", DropoutForReplicatedInput),
-                Sub("relative_position_bias", ShardParams, kwargs=bias, ignore_if_not_exist=True),
-            ])
-            policy[hf.BeitModel] = ModulePolicyDescription(sub_module_replacement=[
-                Sub("shared_position_bias", ShardParams, kwargs=bias, ignore_if_not_exist=True)])
-        if self.shard_config.enable_fused_normalization:
-            self.append_or_create_submodule_replacement(
-                [Sub("layernorm_before", FusedLayerNorm), Sub("layernorm_after", FusedLayerNorm)], policy, hf.BeitLayer)
+            policy["BeitModel"] = ModulePolicyDescription(sub_module_replacement=[
+                Sub("shared_position_bias", ShardParams, kwargs=bias_table_split(self.model.config.num_attention_heads),
+                    ignore_if_not_exist=True)])
         return policy
 
 
-class BeitModelPolicy(BeitPolicy):
-    pass
-
-
-class BeitForSemanticSegmentationPolicy(BeitPolicy):
-    pass
-
-
-class _BeitHeadPolicy(BeitPolicy):
-    model_class = ""
-    head = ""
-
-    def module_policy(self):
-        policy = super().module_policy()
-        if self.tensor_parallel:
-            self.append_or_create_submodule_replacement(
-                Sub(self.head, Linear1D_Col, kwargs={"gather_output": True}), policy,
-                getattr(_hf(), self.model_class))
-        return policy
-
-
-class BeitForImageClassificationPolicy(_BeitHeadPolicy):
-    model_class, head = "BeitForImageClassification", "classifier"
-
-
-class BeitForMaskedImageModelingPolicy(_BeitHeadPolicy):
-    model_class, head = "BeitForMaskedImageModeling", "lm_head"
+FAMILY = Family("beit", "beit.modeling_beit", BeitShape, options={"prefix": "Beit"}, heads={
+    "BeitModel": (),
+    "BeitForImageClassification": gathered("classifier"),
+    "BeitForMaskedImageModeling": gathered("lm_head"),
+    "BeitForSemanticSegmentation": (),
+})
+globals().update(FAMILY.policy_classes())

@@ -30,31 +30,22 @@ from __future__ import annotations
 
 import torch
 
-from shardformer.layer import (
-    DropoutForReplicatedInput,
-    FusedLayerNorm,
-    Linear1D_Col,
-    Linear1D_Row,
-    VocabParallelEmbedding1D,
-)
+from shardformer.family import Family, FamilyPolicy, gathered
+from shardformer.layer import DropoutForReplicatedInput, Linear1D_Col, Linear1D_Row, VocabParallelEmbedding1D
 from shardformer.layout import Heads
 from shardformer.policy import ModulePolicyDescription, Policy, merge_policies
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
 
-def _hf():
-    from transformers.models.blip_2 import modeling_blip_2
-
-    return modeling_blip_2
-
-
 def vision_attention_forward(self, hidden_states: torch.Tensor, **kwargs):
     """Blip2Attention.forward over this rank's heads: qkv rows [3, local heads, head_dim]."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.blip_2 import modeling_blip_2
 
     bsz, tgt_len, _ = hidden_states.shape
     qkv = self.qkv(hidden_states).reshape(bsz, tgt_len, 3, -1, self.head_dim).permute(2, 0, 3, 1, 4)
-    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, _hf().eager_attention_forward)
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                      modeling_blip_2.eager_attention_forward)
     out, weights = attention(self, qkv[0], qkv[1], qkv[2], attention_mask=None,
                              dropout=self.attention_dropout if self.training else 0.0, scaling=self.scale, **kwargs)
     return self.projection(out.reshape(bsz, tgt_len, -1).contiguous()), weights
@@ -65,50 +56,50 @@ def _heads(cfg) -> Heads:
     return Heads(n, n, cfg.hidden_size // n)
 
 
-def vision_policy(hf, vision_cfg) -> dict:
+def vision_policy(vision_cfg) -> dict:
     heads = _heads(vision_cfg)
     return {
-        hf.Blip2Attention: ModulePolicyDescription(
+        "Blip2Attention": ModulePolicyDescription(
             attribute_replacement={"num_heads": heads.local_heads()},
             sub_module_replacement=[Sub("qkv", Linear1D_Col, kwargs={"split": heads.qkv}),
                                     Sub("projection", Linear1D_Row, kwargs={"split": heads.q})],
             method_replacement={"forward": vision_attention_forward}),
-        hf.Blip2EncoderLayer: ModulePolicyDescription(sub_module_replacement=[
+        "Blip2EncoderLayer": ModulePolicyDescription(sub_module_replacement=[
             Sub("mlp.fc1", Linear1D_Col), Sub("mlp.fc2", Linear1D_Row)]),
     }
 
 
-def qformer_policy(hf, qformer_cfg, vocab_kwargs: dict) -> dict:
+def qformer_policy(qformer_cfg, vocab_kwargs: dict) -> dict:
     heads = _heads(qformer_cfg)
     # The text feed-forward (intermediate / output) exists with use_qformer_text_input.
     feed_forward = [Sub("intermediate_query.dense", Linear1D_Col), Sub("output_query.dense", Linear1D_Row),
                     Sub("output_query.dropout", DropoutForReplicatedInput)]
     feed_forward += [Sub(s, cls, ignore_if_not_exist=True) for s, cls in (
-        ("intermediate.dense", Linear1D_Col), ("output.dense", Linear1D_Row), ("output.dropout", DropoutForReplicatedInput))]
+        ("intermediate.dense", Linear1D_Col), ("output.dense", Linear1D_Row),
+        ("output.dropout", DropoutForReplicatedInput))]
     return {
         # Self and cross attention alike.
-        hf.Blip2QFormerMultiHeadAttention: ModulePolicyDescription(
+        "Blip2QFormerMultiHeadAttention": ModulePolicyDescription(
             attribute_replacement={"num_attention_heads": heads.local_heads(),
                                    "all_head_size": heads.local_width(heads.head_dim)},
             sub_module_replacement=[Sub(p, Linear1D_Col, kwargs={"split": heads.q})
                                     for p in ("query", "key", "value")]),
-        hf.Blip2QFormerAttention: ModulePolicyDescription(sub_module_replacement=[
+        "Blip2QFormerAttention": ModulePolicyDescription(sub_module_replacement=[
             Sub("output.dense", Linear1D_Row, kwargs={"split": heads.q}),
             Sub("output.dropout", DropoutForReplicatedInput)]),
-        hf.Blip2QFormerLayer: ModulePolicyDescription(sub_module_replacement=feed_forward),
-        hf.Blip2QFormerModel: ModulePolicyDescription(sub_module_replacement=[
+        "Blip2QFormerLayer": ModulePolicyDescription(sub_module_replacement=feed_forward),
+        "Blip2QFormerModel": ModulePolicyDescription(sub_module_replacement=[
             Sub("dropout", DropoutForReplicatedInput)]),
-        hf.Blip2TextEmbeddings: ModulePolicyDescription(sub_module_replacement=[
+        "Blip2TextEmbeddings": ModulePolicyDescription(sub_module_replacement=[
             Sub("word_embeddings", VocabParallelEmbedding1D, kwargs=vocab_kwargs)]),
     }
 
 
-class Blip2Policy(Policy):
-    """Class attributes: `parts` the model holds ("vision", "qformer"; a
-    language_model is composed in when present) and the projection `heads`."""
+class Blip2Shape(FamilyPolicy):
+    """Option `parts`: what the model holds ("vision", "qformer"); a
+    language_model is composed in when present."""
 
     parts: tuple[str, ...] = ("vision", "qformer")
-    heads: tuple[str, ...] = ()
 
     def language_policy(self) -> Policy | None:
         """The registered policy of the language model, bound to it."""
@@ -120,21 +111,14 @@ class Blip2Policy(Policy):
         if inner is not None:
             inner.config_sanity_check()
 
-    def module_policy(self):
-        hf = _hf()
+    def body_policy(self):
         cfg = self.model.config
         policy = {}
         if self.tensor_parallel:
             if "vision" in self.parts:
-                merge_policies(policy, vision_policy(hf, getattr(cfg, "vision_config", cfg)))
+                merge_policies(policy, vision_policy(getattr(cfg, "vision_config", cfg)))
             if "qformer" in self.parts:
-                merge_policies(policy, qformer_policy(hf, getattr(cfg, "qformer_config", cfg), self.vocab_kwargs()))
-            for head in self.heads:
-                self.append_or_create_submodule_replacement(
-                    Sub(head, Linear1D_Col, kwargs={"gather_output": True}), policy, type(self.model))
-        if self.shard_config.enable_fused_normalization and "vision" in self.parts:
-            self.append_or_create_submodule_replacement(
-                [Sub("layer_norm1", FusedLayerNorm), Sub("layer_norm2", FusedLayerNorm)], policy, hf.Blip2EncoderLayer)
+                merge_policies(policy, qformer_policy(getattr(cfg, "qformer_config", cfg), self.vocab_kwargs()))
         inner = self.language_policy()
         if inner is not None:
             merge_policies(policy, inner.module_policy())
@@ -144,39 +128,27 @@ class Blip2Policy(Policy):
         inner = self.language_policy()
         if inner is not None:
             inner.preprocess()
-        return super().preprocess()   # the base's model-wide switches (flash attention)
+        return super().preprocess()
 
     def postprocess(self):
         inner = self.language_policy()
         if inner is not None:
             inner.postprocess()
-        return self.model
+        return super().postprocess()
 
 
-class Blip2VisionModelPolicy(Blip2Policy):
-    parts = ("vision",)
-
-
-class Blip2QFormerModelPolicy(Blip2Policy):
-    parts = ("qformer",)
-
-
-class Blip2ModelPolicy(Blip2Policy):
-    heads = ("language_projection",)
-
-
-class Blip2ForConditionalGenerationPolicy(Blip2Policy):
-    heads = ("language_projection",)
-
-
-class Blip2ForImageTextRetrievalPolicy(Blip2Policy):
-    heads = ("vision_projection", "text_projection", "itm_head")
-
-
-class Blip2TextModelWithProjectionPolicy(Blip2Policy):
-    parts = ("qformer",)
-    heads = ("text_projection",)
-
-
-class Blip2VisionModelWithProjectionPolicy(Blip2Policy):
-    heads = ("vision_projection",)
+_HF = "blip_2.modeling_blip_2"
+VISION = Family("blip2", _HF, Blip2Shape, options={"parts": ("vision",)}, heads={"Blip2VisionModel": ()})
+QFORMER = Family("blip2", _HF, Blip2Shape, options={"parts": ("qformer",)}, heads={
+    "Blip2QFormerModel": (),
+    "Blip2TextModelWithProjection": gathered("text_projection"),
+})
+FULL = Family("blip2", _HF, Blip2Shape, heads={
+    "Blip2Model": gathered("language_projection"),
+    "Blip2ForConditionalGeneration": gathered("language_projection"),
+    "Blip2ForImageTextRetrieval": (gathered("vision_projection"), gathered("text_projection"), gathered("itm_head")),
+    "Blip2VisionModelWithProjection": gathered("vision_projection"),
+})
+FAMILIES = (VISION, QFORMER, FULL)
+for _family in FAMILIES:
+    globals().update(_family.policy_classes())

@@ -8,41 +8,41 @@ and SwiGLU features split; vocabulary-parallel embedding and output layer.
     encoder.layers.*.mlp.dense_h_to_4h                 FusedLinear1D_Col, [gate | up] each split
     encoder.layers.*.mlp.dense_4h_to_h                 Linear1D_Row
     embedding.word_embeddings                          VocabParallelEmbedding1D
-    output_layer                                       VocabParallelLMHead1D (gathered)
+    output_layer                                       VocabParallelLMHead1D (gathered; tied to
+                                                       word_embeddings when the model tied them)
 
 The attention reads its per-partition sizes from attributes, which become
 this rank's values: num_attention_heads_per_partition,
-num_multi_query_groups_per_partition, and core_attention's
+num_multi_query_groups_per_partition, projection_size, and core_attention's
 num_attention_heads_per_partition / hidden_size_per_partition.
+
+Remote code need not define get_input_embeddings, so the tie of the output
+layer is found on ChatGLMModel's embedding.word_embeddings directly.
+original_rope=False is refused.
 """
 from __future__ import annotations
 
-from shardformer.layer import (
-    FusedLinear1D_Col,
-    FusedRMSNorm,
-    Linear1D_Row,
-    VocabParallelEmbedding1D,
-    VocabParallelLMHead1D,
-)
+from shardformer.family import Family, FamilyPolicy, lm
+from shardformer.layer import FusedLinear1D_Col, Linear1D_Row, VocabParallelEmbedding1D
 from shardformer.layout import Fused, Heads
-from shardformer.policy import ModulePolicyDescription, Policy
+from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
 
-class ChatGLM2Policy(Policy):
+class ChatGLM2Shape(FamilyPolicy):
     def config_sanity_check(self):
-        cfg = self.model.config
-        if getattr(cfg, "original_rope", True) is False:
+        if getattr(self.model.config, "original_rope", True) is False:
             raise ValueError(f"{type(self.model).__name__}: original_rope=False is not supported")
 
-    def module_policy(self):
+    def body_policy(self):
+        if not self.tensor_parallel:
+            return {}
         cfg = self.model.config
         d = cfg.kv_channels
         groups = cfg.multi_query_group_num if cfg.multi_query_attention else cfg.num_attention_heads
         heads = Heads(cfg.num_attention_heads, groups, d)
-        policy = {}
-        if self.tensor_parallel:
-            policy["GLMBlock"] = ModulePolicyDescription(
+        return {
+            "GLMBlock": ModulePolicyDescription(
                 attribute_replacement={
                     "self_attention.num_attention_heads_per_partition": heads.local_heads(),
                     "self_attention.num_multi_query_groups_per_partition": heads.local_kv_heads(),
@@ -56,29 +56,29 @@ class ChatGLM2Policy(Policy):
                     Sub("mlp.dense_h_to_4h", FusedLinear1D_Col, kwargs={"split": Fused.equal(2)}),
                     Sub("mlp.dense_4h_to_h", Linear1D_Row),
                 ],
-            )
-            policy["ChatGLMModel"] = ModulePolicyDescription(sub_module_replacement=[
-                Sub("embedding.word_embeddings", VocabParallelEmbedding1D, kwargs=self.vocab_kwargs()),
-                Sub("output_layer", VocabParallelLMHead1D, kwargs=self.lm_head_kwargs()),
-            ])
-        if self.shard_config.enable_fused_normalization:
-            self.append_or_create_submodule_replacement(
-                [Sub("input_layernorm", FusedRMSNorm), Sub("post_attention_layernorm", FusedRMSNorm)],
-                policy, "GLMBlock")
-            self.append_or_create_submodule_replacement(Sub("final_layernorm", FusedRMSNorm), policy,
-                                                        "GLMTransformer")
-        return policy
+            ),
+            "ChatGLMModel": ModulePolicyDescription(sub_module_replacement=[
+                Sub("embedding.word_embeddings", VocabParallelEmbedding1D, kwargs=self.vocab_kwargs())]),
+        }
+
+    def word_embeddings(self):
+        glm = self.model.transformer if hasattr(self.model, "transformer") else self.model
+        return glm.embedding.word_embeddings
+
+    def preprocess(self):
+        # FamilyPolicy's tie check, with the embedding found by path, not get_input_embeddings().
+        self._tied_heads = [h.suffix for h in self.heads if self.tensor_parallel and h.kind == "lm"
+                            and self.model.get_submodule(h.suffix).weight is self.word_embeddings().weight]
+        return self.model
 
     def postprocess(self):
-        if self.tensor_parallel and self.ties_word_embeddings():
-            prefix = "transformer." if hasattr(self.model, "transformer") else ""
-            self.tie_weight(f"{prefix}embedding.word_embeddings", f"{prefix}output_layer")
+        for suffix in self._tied_heads:
+            self.model.get_submodule(suffix).weight = self.word_embeddings().weight
         return self.model
 
 
-class ChatGLMModelPolicy(ChatGLM2Policy):
-    pass
-
-
-class ChatGLMForConditionalGenerationPolicy(ChatGLM2Policy):
-    pass
+FAMILY = Family("chatglm2", "", ChatGLM2Shape, heads={
+    "ChatGLMModel": lm("output_layer"),
+    "ChatGLMForConditionalGeneration": lm("transformer.output_layer"),
+})
+globals().update(FAMILY.policy_classes())

@@ -25,33 +25,17 @@ from __future__ import annotations
 
 import importlib
 
-from shardformer.layer import FusedLayerNorm, Linear1D_Col, Linear1D_Row, VocabParallelLMHead1D
+from shardformer.family import Family, FamilyPolicy, gathered, lm
+from shardformer.layer import Linear1D_Col, Linear1D_Row
 from shardformer.layout import Heads
-from shardformer.policies.mistral import DecoderPolicy
+from shardformer.policies.shapes import DecoderShape
 from shardformer.policy import ModulePolicyDescription, Policy, merge_policies
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
-
-class Gemma3Policy(DecoderPolicy):
-    hf_module, prefix = "gemma3.modeling_gemma3", "Gemma3"
-    base_model = "TextModel"
-    qk_norm = True
-    embed_scale = True
-
-    def fused_norm_ok(self):
-        return False
-
-
-class Gemma3TextModelPolicy(Gemma3Policy):
-    pass
-
-
-class Gemma3ForCausalLMPolicy(Gemma3Policy):
-    model_class, head = "Gemma3ForCausalLM", "lm_head"
-
-
-class Gemma3TextForSequenceClassificationPolicy(Gemma3Policy):
-    model_class, head = "Gemma3TextForSequenceClassification", "score"
+TEXT = Family("gemma3", "gemma3.modeling_gemma3", DecoderShape,
+              options={"prefix": "Gemma3", "base_model": "TextModel", "qk_norm": True, "embed_scale": True},
+              heads={"Gemma3TextModel": (), "Gemma3ForCausalLM": lm("lm_head"),
+                     "Gemma3TextForSequenceClassification": gathered("score")})
 
 
 # ---- the multimodal models: SigLIP vision tower + projector + the text model above ----
@@ -82,67 +66,41 @@ def siglip_policy(vision_cfg) -> dict:
     }
 
 
-class Gemma3MultimodalPolicy(Policy):
-    """Gemma3Model and the heads around it, described by class attributes:
-
-    base         path of the Gemma3Model inside the model ("" for Gemma3Model itself)
-    model_class, head   the head's model class and module ("lm_head": vocabulary-parallel,
-                 tied to the text embedding exactly when HF tied it; "score": gathered)
-    """
+class Gemma3MultimodalShape(FamilyPolicy):
+    """Gemma3Model and the heads around it: the SigLIP tower split here, the
+    text model by its own registered policy (Gemma3TextModelPolicy), bound to
+    it.  Option `base`: path of the Gemma3Model inside the model ("" for
+    Gemma3Model itself)."""
 
     base = "model"
-    model_class = ""
-    head = ""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._tied = False
 
     def gemma3_model(self):
         return self.model.get_submodule(self.base) if self.base else self.model
 
     def language_policy(self) -> Policy:
-        """The registered policy of the text model (Gemma3TextModelPolicy), bound to it."""
         return self.sub_policy(self.gemma3_model().language_model)
 
     def config_sanity_check(self):
         self.language_policy().config_sanity_check()
 
-    def module_policy(self):
-        policy = {}
-        if self.tensor_parallel:
-            merge_policies(policy, siglip_policy(self.model.config.vision_config))
-            if self.head:
-                sub = (Sub("lm_head", VocabParallelLMHead1D, kwargs=self.lm_head_kwargs()) if self.head == "lm_head"
-                       else Sub(self.head, Linear1D_Col, kwargs={"gather_output": True}))
-                hf = importlib.import_module("transformers.models.gemma3.modeling_gemma3")
-                self.append_or_create_submodule_replacement(sub, policy, getattr(hf, self.model_class))
-        if self.shard_config.enable_fused_normalization:
-            self.append_or_create_submodule_replacement(
-                [Sub("layer_norm1", FusedLayerNorm), Sub("layer_norm2", FusedLayerNorm)], policy,
-                _siglip().SiglipEncoderLayer)
+    def body_policy(self):
+        policy = siglip_policy(self.model.config.vision_config) if self.tensor_parallel else {}
         return merge_policies(policy, self.language_policy().module_policy())
 
     def preprocess(self):
-        if self.head == "lm_head":
-            self._tied = self.model.lm_head.weight is self.model.get_input_embeddings().weight
         self.language_policy().preprocess()
         return super().preprocess()
 
     def postprocess(self):
         self.language_policy().postprocess()
-        if self.tensor_parallel and self._tied:
-            self.tie_weight(f"{self.base}.language_model.embed_tokens", "lm_head")
-        return self.model
+        return super().postprocess()
 
 
-class Gemma3ModelPolicy(Gemma3MultimodalPolicy):
-    base = ""
-
-
-class Gemma3ForConditionalGenerationPolicy(Gemma3MultimodalPolicy):
-    model_class, head = "Gemma3ForConditionalGeneration", "lm_head"
-
-
-class Gemma3ForSequenceClassificationPolicy(Gemma3MultimodalPolicy):
-    model_class, head = "Gemma3ForSequenceClassification", "score"
+MULTIMODAL = Family("gemma3", "gemma3.modeling_gemma3", Gemma3MultimodalShape, options={"base": "model"},
+                    heads={"Gemma3ForConditionalGeneration": lm("lm_head"),
+                           "Gemma3ForSequenceClassification": gathered("score")})
+BASE = Family("gemma3", "gemma3.modeling_gemma3", Gemma3MultimodalShape, options={"base": ""},
+              heads={"Gemma3Model": ()})
+FAMILIES = (TEXT, MULTIMODAL, BASE)
+for _family in FAMILIES:
+    globals().update(_family.policy_classes())

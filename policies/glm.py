@@ -1,28 +1,9 @@
-"""GLM (transformers' GlmModel): the Llama-shaped decoder with biased q/k/v and a
-fused mlp.gate_up_proj ([gate | up] rows), split as Fused(Split, Split) so each
-rank keeps its slice of both halves; see policies/mistral.py.
-"""
-from __future__ import annotations
+"""GLM (transformers' GlmModel): the Llama-shaped decoder (policies/shapes.py
+DecoderShape) with biased q/k/v and a fused mlp.gate_up_proj ([gate | up] rows),
+split as Fused(Split, Split) so each rank keeps its slice of both halves."""
+from shardformer.family import Family
+from shardformer.policies.shapes import DecoderShape, decoder_heads
 
-from shardformer.policies.mistral import DecoderPolicy
-
-
-class GlmPolicy(DecoderPolicy):
-    hf_module, prefix = "glm.modeling_glm", "Glm"
-    mlp = "fused"
-
-
-class GlmModelPolicy(GlmPolicy):
-    pass
-
-
-class GlmForCausalLMPolicy(GlmPolicy):
-    model_class, head = "GlmForCausalLM", "lm_head"
-
-
-class GlmForSequenceClassificationPolicy(GlmPolicy):
-    model_class, head = "GlmForSequenceClassification", "score"
-
-
-class GlmForTokenClassificationPolicy(GlmPolicy):
-    model_class, head = "GlmForTokenClassification", "score"
+FAMILY = Family("glm", "glm.modeling_glm", DecoderShape, options={"prefix": "Glm", "mlp": "fused"},
+                heads=decoder_heads("Glm", qa=False))
+globals().update(FAMILY.policy_classes())

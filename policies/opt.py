@@ -1,5 +1,5 @@
 """OPT: attention heads and MLP features split; vocabulary-parallel embedding
-and LM head (tied by default).
+and LM head (tied to decoder.embed_tokens when HF tied it, the default).
 
     decoder.layers.*.self_attn.q_proj, k_proj, v_proj   Linear1D_Col (per head)
     decoder.layers.*.self_attn.out_proj                 Linear1D_Row
@@ -14,27 +14,23 @@ word_embed_proj_dim != hidden_size) stay replicated.
 """
 from __future__ import annotations
 
-from shardformer.layer import FusedLayerNorm, Linear1D_Col, Linear1D_Row, VocabParallelEmbedding1D
+from shardformer.family import Family, FamilyPolicy
+from shardformer.layer import Linear1D_Col, Linear1D_Row, VocabParallelEmbedding1D
 from shardformer.layout import Heads
-from shardformer.policies.mistral import DecoderPolicy
+from shardformer.policies.shapes import gpt_heads
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
 
-class OPTPolicy(DecoderPolicy):
-    hf_module = "opt.modeling_opt"
-    tie_source = "model.decoder.embed_tokens"
-
-    def config_sanity_check(self):
-        pass
-
-    def module_policy(self):
-        hf = self.hf()
+class OPTShape(FamilyPolicy):
+    def body_policy(self):
+        if not self.tensor_parallel:
+            return {}
         cfg = self.model.config
-        heads = Heads(cfg.num_attention_heads, cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads)
-        policy = {}
-        if self.tensor_parallel:
-            policy[hf.OPTDecoderLayer] = ModulePolicyDescription(
+        n = cfg.num_attention_heads
+        heads = Heads(n, n, cfg.hidden_size // n)
+        return {
+            "OPTDecoderLayer": ModulePolicyDescription(
                 attribute_replacement={"self_attn.num_heads": heads.local_heads()},
                 sub_module_replacement=[
                     Sub("self_attn.q_proj", Linear1D_Col, kwargs={"split": heads.q}),
@@ -44,31 +40,11 @@ class OPTPolicy(DecoderPolicy):
                     Sub("fc1", Linear1D_Col),
                     Sub("fc2", Linear1D_Row),
                 ],
-            )
-            policy[hf.OPTDecoder] = ModulePolicyDescription(
-                sub_module_replacement=[Sub("embed_tokens", VocabParallelEmbedding1D, kwargs=self.vocab_kwargs())]
-            )
-            self.add_head(policy, hf)
-        if self.shard_config.enable_fused_normalization and cfg.layer_norm_elementwise_affine:
-            self.append_or_create_submodule_replacement(
-                [Sub("self_attn_layer_norm", FusedLayerNorm), Sub("final_layer_norm", FusedLayerNorm)],
-                policy, hf.OPTDecoderLayer)
-            self.append_or_create_submodule_replacement(
-                Sub("final_layer_norm", FusedLayerNorm, ignore_if_not_exist=True), policy, hf.OPTDecoder)
-        return policy
+            ),
+            "OPTDecoder": ModulePolicyDescription(
+                sub_module_replacement=[Sub("embed_tokens", VocabParallelEmbedding1D, kwargs=self.vocab_kwargs())]),
+        }
 
 
-class OPTModelPolicy(OPTPolicy):
-    pass
-
-
-class OPTForCausalLMPolicy(OPTPolicy):
-    model_class, head = "OPTForCausalLM", "lm_head"
-
-
-class OPTForSequenceClassificationPolicy(OPTPolicy):
-    model_class, head = "OPTForSequenceClassification", "score"
-
-
-class OPTForQuestionAnsweringPolicy(OPTPolicy):
-    model_class, head = "OPTForQuestionAnswering", "qa_outputs"
+FAMILY = Family("opt", "opt.modeling_opt", OPTShape, heads=gpt_heads("OPT", token=False))
+globals().update(FAMILY.policy_classes())

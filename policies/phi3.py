@@ -1,7 +1,7 @@
-"""Phi-3: the Llama-shaped decoder with a fused qkv_proj ([q | k | v] rows, GQA)
-and a fused gate_up_proj ([gate | up] rows).  Both are split as Fused specs, so
-each rank keeps its query heads, its (possibly replicated) KV heads and its
-slices of gate and up; see policies/mistral.py for the layout table.
+"""Phi-3: the Llama-shaped decoder (policies/shapes.py DecoderShape) with a fused
+qkv_proj ([q | k | v] rows, GQA) and a fused gate_up_proj ([gate | up] rows).  Both
+are split as Fused specs, so each rank keeps its query heads, its (possibly
+replicated) KV heads and its slices of gate and up.
 
 Phi3Attention cuts q from k/v at config.num_attention_heads * head_dim and k
 from v at self.num_key_value_heads * head_dim, so each rank's attention gets
@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import copy
 
+from shardformer.family import Family
 from shardformer.layout import Heads, PerRank
-from shardformer.policies.mistral import DecoderPolicy
+from shardformer.policies.shapes import DecoderShape, decoder_heads, text_config
 
 
-class Phi3Policy(DecoderPolicy):
-    hf_module, prefix = "phi3.modeling_phi3", "Phi3"
-    mlp = "fused"
-    fused_qkv = True
-
+class Phi3Shape(DecoderShape):
     def attention_attributes(self, heads: Heads) -> dict:
-        config, local_configs = self.text_config(), {}
+        config, local_configs = text_config(self.model), {}
 
         def local_config(tp, rank):
             if (tp, rank) not in local_configs:
@@ -39,17 +36,6 @@ class Phi3Policy(DecoderPolicy):
         })
 
 
-class Phi3ModelPolicy(Phi3Policy):
-    pass
-
-
-class Phi3ForCausalLMPolicy(Phi3Policy):
-    model_class, head = "Phi3ForCausalLM", "lm_head"
-
-
-class Phi3ForSequenceClassificationPolicy(Phi3Policy):
-    model_class, head = "Phi3ForSequenceClassification", "score"
-
-
-class Phi3ForTokenClassificationPolicy(Phi3Policy):
-    model_class, head = "Phi3ForTokenClassification", "score"
+FAMILY = Family("phi3", "phi3.modeling_phi3", Phi3Shape,
+                options={"prefix": "Phi3", "mlp": "fused", "fused_qkv": True}, heads=decoder_heads("Phi3", qa=False))
+globals().update(FAMILY.policy_classes())

@@ -1,30 +1,8 @@
-"""Qwen2: the Llama-shaped decoder with biased q/k/v projections (each bias split with
-its rows); see policies/mistral.py for the layout table.
-"""
-from __future__ import annotations
+"""Qwen2: the Llama-shaped decoder (policies/shapes.py DecoderShape) with biased
+q/k/v projections, each bias split with its rows."""
+from shardformer.family import Family
+from shardformer.policies.shapes import DecoderShape, decoder_heads
 
-from shardformer.policies.mistral import DecoderPolicy
-
-
-class Qwen2Policy(DecoderPolicy):
-    hf_module, prefix = "qwen2.modeling_qwen2", "Qwen2"
-
-
-class Qwen2ModelPolicy(Qwen2Policy):
-    pass
-
-
-class Qwen2ForCausalLMPolicy(Qwen2Policy):
-    model_class, head = "Qwen2ForCausalLM", "lm_head"
-
-
-class Qwen2ForSequenceClassificationPolicy(Qwen2Policy):
-    model_class, head = "Qwen2ForSequenceClassification", "score"
-
-
-class Qwen2ForTokenClassificationPolicy(Qwen2Policy):
-    model_class, head = "Qwen2ForTokenClassification", "score"
-
-
-class Qwen2ForQuestionAnsweringPolicy(Qwen2Policy):
-    model_class, head = "Qwen2ForQuestionAnswering", "qa_outputs"
+FAMILY = Family("qwen2", "qwen2.modeling_qwen2", DecoderShape, options={"prefix": "Qwen2"},
+                heads=decoder_heads("Qwen2"))
+globals().update(FAMILY.policy_classes())

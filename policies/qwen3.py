@@ -1,31 +1,9 @@
-"""Qwen3: the Llama-shaped decoder with per-head RMSNorms on q and k (q_norm /
-k_norm act on head_dim, so they stay replicated); see policies/mistral.py.
-"""
-from __future__ import annotations
+"""Qwen3: the Llama-shaped decoder (policies/shapes.py DecoderShape) with per-head
+RMSNorms on q and k: they act on head_dim, so they stay replicated (their
+gradients all-reduced)."""
+from shardformer.family import Family
+from shardformer.policies.shapes import DecoderShape, decoder_heads
 
-from shardformer.policies.mistral import DecoderPolicy
-
-
-class Qwen3Policy(DecoderPolicy):
-    hf_module, prefix = "qwen3.modeling_qwen3", "Qwen3"
-    qk_norm = True
-
-
-class Qwen3ModelPolicy(Qwen3Policy):
-    pass
-
-
-class Qwen3ForCausalLMPolicy(Qwen3Policy):
-    model_class, head = "Qwen3ForCausalLM", "lm_head"
-
-
-class Qwen3ForSequenceClassificationPolicy(Qwen3Policy):
-    model_class, head = "Qwen3ForSequenceClassification", "score"
-
-
-class Qwen3ForTokenClassificationPolicy(Qwen3Policy):
-    model_class, head = "Qwen3ForTokenClassification", "score"
-
-
-class Qwen3ForQuestionAnsweringPolicy(Qwen3Policy):
-    model_class, head = "Qwen3ForQuestionAnswering", "qa_outputs"
+FAMILY = Family("qwen3", "qwen3.modeling_qwen3", DecoderShape, options={"prefix": "Qwen3", "qk_norm": True},
+                heads=decoder_heads("Qwen3"))
+globals().update(FAMILY.policy_classes())

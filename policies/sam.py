@@ -21,20 +21,18 @@ becomes this rank's head count.  The prompt encoder, the positional
 embeddings (tied between shared_image_embedding and the prompt encoder), the
 vision neck, the mask decoder's output tokens, upscaling convolutions and
 hypernetwork / IoU MLPs are small and stay replicated.
+
+SamVisionModel is the vision encoder alone (its config is the vision
+config); SamModel adds the mask decoder (config.mask_decoder_config).
 """
 from __future__ import annotations
 
-from shardformer.layer import FusedLayerNorm, Linear1D_Col, Linear1D_Row
+from shardformer.family import Family, FamilyPolicy
+from shardformer.layer import Linear1D_Col, Linear1D_Row
 from shardformer.layer.replicated import ReplicatedInParallelRegion
 from shardformer.layout import Heads
-from shardformer.policy import ModulePolicyDescription, Policy
+from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
-
-
-def _hf():
-    from transformers.models.sam import modeling_sam
-
-    return modeling_sam
 
 
 def vision_layer_description(vision_cfg) -> ModulePolicyDescription:
@@ -53,49 +51,31 @@ def vision_layer_description(vision_cfg) -> ModulePolicyDescription:
                                    sub_module_replacement=subs)
 
 
-class SamVisionPolicy(Policy):
-    """The vision encoder alone (SamVisionModel)."""
+def mask_decoder_policy(decoder_cfg) -> dict:
+    """The mask decoder's two-way transformer.  One head count for every
+    SamAttention; head_dim differs between the self attention (hidden / n)
+    and the downsampled cross attentions."""
+    heads = Heads(decoder_cfg.num_attention_heads)
+    return {
+        "SamAttention": ModulePolicyDescription(
+            attribute_replacement={"num_attention_heads": heads.local_heads()},
+            sub_module_replacement=[Sub(f"{p}_proj", Linear1D_Col, kwargs={"split": heads.q}) for p in "qkv"] + [
+                Sub("out_proj", Linear1D_Row, kwargs={"split": heads.q})]),
+        "SamTwoWayAttentionBlock": ModulePolicyDescription(sub_module_replacement=[
+            Sub("mlp.lin1", Linear1D_Col), Sub("mlp.lin2", Linear1D_Row)]),
+    }
 
-    def vision_config(self):
-        return self.model.config
 
-    def module_policy(self):
-        hf = _hf()
-        policy = {}
-        if self.tensor_parallel:
-            policy[hf.SamVisionLayer] = vision_layer_description(self.vision_config())
-        if self.shard_config.enable_fused_normalization:
-            self.append_or_create_submodule_replacement(
-                [Sub("layer_norm1", FusedLayerNorm), Sub("layer_norm2", FusedLayerNorm)], policy, hf.SamVisionLayer)
+class SamShape(FamilyPolicy):
+    def body_policy(self):
+        if not self.tensor_parallel:
+            return {}
+        cfg = self.model.config
+        policy = {"SamVisionLayer": vision_layer_description(getattr(cfg, "vision_config", cfg))}
+        if hasattr(cfg, "mask_decoder_config"):
+            policy.update(mask_decoder_policy(cfg.mask_decoder_config))
         return policy
 
 
-class SamVisionModelPolicy(SamVisionPolicy):
-    pass
-
-
-class SamModelPolicy(SamVisionPolicy):
-    """Vision encoder, and the mask decoder's two-way transformer."""
-
-    def vision_config(self):
-        return self.model.config.vision_config
-
-    def module_policy(self):
-        hf = _hf()
-        policy = super().module_policy()
-        if self.tensor_parallel:
-            # One head count for every SamAttention; head_dim differs between the
-            # self attention (hidden / n) and the downsampled cross attentions.
-            heads = Heads(self.model.config.mask_decoder_config.num_attention_heads)
-            policy[hf.SamAttention] = ModulePolicyDescription(
-                attribute_replacement={"num_attention_heads": heads.local_heads()},
-                sub_module_replacement=[
-                    Sub("q_proj", Linear1D_Col, kwargs={"split": heads.q}),
-                    Sub("k_proj", Linear1D_Col, kwargs={"split": heads.q}),
-                    Sub("v_proj", Linear1D_Col, kwargs={"split": heads.q}),
-                    Sub("out_proj", Linear1D_Row, kwargs={"split": heads.q}),
-                ],
-            )
-            policy[hf.SamTwoWayAttentionBlock] = ModulePolicyDescription(sub_module_replacement=[
-                Sub("mlp.lin1", Linear1D_Col), Sub("mlp.lin2", Linear1D_Row)])
-        return policy
+FAMILY = Family("sam", "sam.modeling_sam", SamShape, heads={"SamModel": (), "SamVisionModel": ()})
+globals().update(FAMILY.policy_classes())

@@ -3,12 +3,12 @@ split in the encoder, the decoder and the cross attention; vocabulary-parallel
 embeddings and LM head.
 
     T5Attention.{q,k,v}                      Linear1D_Col (per head)
-    T5Attention.o                            Linear1D_Row
+    T5Attention.o                            Linear1D_Row (all-reduce forward)
     T5Attention.relative_attention_bias      Embedding1D, table [buckets, n_heads] split by
                                              the same heads, not gathered: each rank adds
                                              the bias of its own heads (first layer only)
     DenseReluDense.wi (wi_0, wi_1)           Linear1D_Col
-    DenseReluDense.wo                        Linear1D_Row
+    DenseReluDense.wo                        Linear1D_Row (all-reduce forward)
     shared, {encoder,decoder}.embed_tokens   VocabParallelEmbedding1D, re-tied after sharding
     lm_head                                  VocabParallelLMHead1D (tied to shared when HF ties it;
                                              transformers 5 always ties, and scales the decoder
@@ -25,39 +25,32 @@ from __future__ import annotations
 
 from torch import nn
 
+from shardformer.family import Family, FamilyPolicy, gathered, lm, replicated_dropout
 from shardformer.layer import (
     DropoutForParallelInput,
     DropoutForReplicatedInput,
     Embedding1D,
-    FusedRMSNorm,
     Linear1D_Col,
     Linear1D_Row,
     VocabParallelEmbedding1D,
-    VocabParallelLMHead1D,
 )
 from shardformer.layout import Heads
-from shardformer.policy import ModulePolicyDescription, Policy
+from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
-# Modules that may share the weight of a model's `shared` embedding.
-_TIED = ("encoder.embed_tokens", "decoder.embed_tokens", "lm_head")
+# Modules that may share the weight of a model's `shared` embedding (the LM
+# head's tie is FamilyPolicy's, by identity with the input embeddings).
+_TIED = ("encoder.embed_tokens", "decoder.embed_tokens")
 
 
-def _hf():
-    from transformers.models.t5 import modeling_t5
-
-    return modeling_t5
-
-
-class T5Policy(Policy):
-    def module_policy(self):
-        hf = _hf()
+class T5Shape(FamilyPolicy):
+    def body_policy(self):
+        if not self.tensor_parallel:
+            return {}
         cfg = self.model.config
         heads = Heads(cfg.num_heads, cfg.num_heads, cfg.d_kv)
-        self._ties = self._find_ties()
-        policy = {}
-        if self.tensor_parallel:
-            policy[hf.T5Attention] = ModulePolicyDescription(
+        policy = {
+            "T5Attention": ModulePolicyDescription(
                 attribute_replacement={"n_heads": heads.local_heads(), "inner_dim": heads.local_width(cfg.d_kv)},
                 sub_module_replacement=[
                     Sub("q", Linear1D_Col, kwargs={"split": heads.q}),
@@ -66,24 +59,20 @@ class T5Policy(Policy):
                     Sub("o", Linear1D_Row, kwargs={"split": heads.q}),
                     Sub("relative_attention_bias", Embedding1D,
                         kwargs={"split": Heads(cfg.num_heads).q, "gather_output": False}, ignore_if_not_exist=True),
-                ],
-            )
-            policy[hf.T5DenseActDense] = ModulePolicyDescription(sub_module_replacement=[
-                Sub("wi", Linear1D_Col), Sub("wo", Linear1D_Row), Sub("dropout", DropoutForParallelInput)])
-            policy[hf.T5DenseGatedActDense] = ModulePolicyDescription(sub_module_replacement=[
+                ]),
+            "T5DenseActDense": ModulePolicyDescription(sub_module_replacement=[
+                Sub("wi", Linear1D_Col), Sub("wo", Linear1D_Row), Sub("dropout", DropoutForParallelInput)]),
+            "T5DenseGatedActDense": ModulePolicyDescription(sub_module_replacement=[
                 Sub("wi_0", Linear1D_Col), Sub("wi_1", Linear1D_Col), Sub("wo", Linear1D_Row),
-                Sub("dropout", DropoutForParallelInput)])
-            for cls in (hf.T5LayerFF, hf.T5LayerSelfAttention, hf.T5LayerCrossAttention, hf.T5Stack):
-                policy[cls] = ModulePolicyDescription(
-                    sub_module_replacement=[Sub("dropout", DropoutForReplicatedInput)])
-            embeddings = [Sub(name, VocabParallelEmbedding1D, kwargs=self.vocab_kwargs(), ignore_if_not_exist=True)
-                          for name in ("shared", "encoder.embed_tokens", "decoder.embed_tokens")]
-            for cls in (hf.T5Model, hf.T5EncoderModel, hf.T5ForConditionalGeneration, hf.T5ForQuestionAnswering):
-                policy[cls] = ModulePolicyDescription(sub_module_replacement=list(embeddings))
-        if self.shard_config.enable_fused_normalization:
-            for cls in (hf.T5LayerFF, hf.T5LayerSelfAttention, hf.T5LayerCrossAttention):
-                self.append_or_create_submodule_replacement(Sub("layer_norm", FusedRMSNorm), policy, cls)
-            self.append_or_create_submodule_replacement(Sub("final_layer_norm", FusedRMSNorm), policy, hf.T5Stack)
+                Sub("dropout", DropoutForParallelInput)]),
+        }
+        for cls in ("T5LayerFF", "T5LayerSelfAttention", "T5LayerCrossAttention", "T5Stack"):
+            policy[cls] = ModulePolicyDescription(sub_module_replacement=[Sub("dropout", DropoutForReplicatedInput)])
+        # The classification / token models hold a T5Model / T5EncoderModel as `transformer`.
+        for cls in ("T5Model", "T5EncoderModel", "T5ForConditionalGeneration", "T5ForQuestionAnswering"):
+            policy[cls] = ModulePolicyDescription(sub_module_replacement=[
+                Sub(name, VocabParallelEmbedding1D, kwargs=self.vocab_kwargs(), ignore_if_not_exist=True)
+                for name in ("shared", "encoder.embed_tokens", "decoder.embed_tokens")])
         return policy
 
     def _find_ties(self) -> list[tuple[str, str]]:
@@ -103,51 +92,26 @@ class T5Policy(Policy):
                     ties.append((f"{prefix}shared", f"{prefix}{name}"))
         return ties
 
+    def preprocess(self):
+        self._ties = self._find_ties()
+        return super().preprocess()
+
     def postprocess(self):
+        super().postprocess()
         if self.tensor_parallel:
             for source, target in self._ties:
                 self.tie_weight(source, target)
         return self.model
 
-    def _head(self, policy, model_class: str, subs):
-        if self.tensor_parallel:
-            self.append_or_create_submodule_replacement(subs, policy, getattr(_hf(), model_class))
-        return policy
 
-
-def _gathered(suffix: str):
-    return Sub(suffix, Linear1D_Col, kwargs={"gather_output": True})
-
-
-class T5ModelPolicy(T5Policy):
-    pass
-
-
-class T5EncoderModelPolicy(T5Policy):
-    pass
-
-
-class T5ForConditionalGenerationPolicy(T5Policy):
-    def module_policy(self):
-        return self._head(super().module_policy(), "T5ForConditionalGeneration",
-                          [Sub("lm_head", VocabParallelLMHead1D, kwargs=self.lm_head_kwargs())])
-
-
-class T5ForSequenceClassificationPolicy(T5Policy):
-    """T5ClassificationHead: dense replicated, out_proj gathered."""
-
-    def module_policy(self):
-        return self._head(super().module_policy(), "T5ForSequenceClassification", [
-            Sub("classification_head.dropout", DropoutForReplicatedInput),
-            _gathered("classification_head.out_proj")])
-
-
-class T5ForTokenClassificationPolicy(T5Policy):
-    def module_policy(self):
-        return self._head(super().module_policy(), "T5ForTokenClassification", [
-            Sub("dropout", DropoutForReplicatedInput), _gathered("classifier")])
-
-
-class T5ForQuestionAnsweringPolicy(T5Policy):
-    def module_policy(self):
-        return self._head(super().module_policy(), "T5ForQuestionAnswering", [_gathered("qa_outputs")])
+FAMILY = Family("t5", "t5.modeling_t5", T5Shape, heads={
+    "T5Model": (),
+    "T5ForConditionalGeneration": lm("lm_head"),
+    "T5EncoderModel": (),
+    # T5ClassificationHead: dense (and its dropout) replicated, out_proj gathered.
+    "T5ForSequenceClassification": (replicated_dropout("classification_head.dropout"),
+                                    gathered("classification_head.out_proj")),
+    "T5ForTokenClassification": (replicated_dropout("dropout"), gathered("classifier")),
+    "T5ForQuestionAnswering": gathered("qa_outputs"),
+})
+globals().update(FAMILY.policy_classes())

@@ -41,10 +41,10 @@ TEST_FILES = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROO
 
 
 def registry() -> dict[str, list[str]]:
-    from shardformer.autopolicy import _REGISTRY
+    from shardformer.autopolicy import registry
 
     families = defaultdict(list)
-    for key, (family, _) in _REGISTRY.items():
+    for key, (family, _) in registry().items():
         families[family].append(key.rsplit(".", 1)[-1])
     return {f: sorted(c) for f, c in sorted(families.items())}
 

@@ -14,7 +14,7 @@ from transformers import PretrainedConfig
 import model_check
 import model_zoo
 from shardformer import ShardConfig, ShardFormer
-from shardformer.autopolicy import _REGISTRY
+from shardformer.autopolicy import registry
 
 ZOOS = ("model_zoo", "zoo_decoders", "zoo_encoders", "zoo_vision", "zoo_gemma3mm")
 DROPOUT = 0.25
@@ -34,7 +34,7 @@ def family_classes() -> dict[str, list[str]]:
     for z in ZOOS:
         names.update(importlib.import_module(z).MODELS)
     out: dict[str, list[str]] = {}
-    for key, (family, _) in sorted(_REGISTRY.items()):
+    for key, (family, _) in sorted(registry().items()):
         cls = key.rsplit(".", 1)[-1]
         if cls in names:
             out.setdefault(family, []).append(cls)

@@ -1161,3 +1161,283 @@ def test_fingerprint_kernel():
         _C.fingerprint([1, 2])
     with pytest.raises(OverflowError):
         _C.fingerprint(t, seed=-1)
+
+
+# ---------------------------------------------------------------------------
+# The one C status convention (csrc/status.h): every plain-C layer returns an
+# sf_status with a message; one mapper turns it into the exception; one DLPack
+# gate (sf_take) checks every tensor argument, NCCL's included; one half
+# conversion (csrc/half.h); one CPU probe; one dimension limit.
+# ---------------------------------------------------------------------------
+
+def _xent_args():
+    return torch.randn(6, 20), torch.randint(0, 20, (6,))
+
+
+@pytest.mark.parametrize("call, exc, message", [
+    (lambda zz, y: _C.xent_forward(zz, y, 0, 21, -100, *(torch.empty(6) for _ in range(3)), None),
+     ValueError, "xent_forward: vocab_real=21 outside [0, 20] (the logits have 20 columns)"),
+    (lambda zz, y: _C.xent_forward(zz, y, 0, -2, -100, *(torch.empty(6) for _ in range(3)), None),
+     ValueError, "xent_forward: vocab_real=-2 outside [0, 20]"),
+    (lambda zz, y: _C.xent_backward(zz, y, 0, 20, -100, torch.empty(6), torch.empty(6), 0.0, -1,
+                                    torch.empty(6, 20)),
+     ValueError, "xent_backward: vocab=-1 must be >= 0"),
+    (lambda zz, y: _C.bias_dropout_add_forward(zz, None, zz, 1.5, 0, torch.empty(6, 20)),
+     ValueError, "bias_dropout_add_forward: p=1.5 outside [0, 1]"),
+    (lambda zz, y: _C.bias_dropout_add_backward(zz, -0.25, 0, torch.empty(6, 20), None),
+     ValueError, "bias_dropout_add_backward: p=-0.25 outside [0, 1]"),
+    (lambda zz, y: _C.attention_forward(torch.zeros(1, 4, 3, 8), torch.zeros(1, 3, 5, 8),
+                                        torch.zeros(1, 3, 5, 8), torch.zeros(1, 4, 3, 8),
+                                        torch.zeros(1, 4, 3), 1.0, False, 0, None, None, None,
+                                        0.0, 0),
+     ValueError, "attention_forward: 4 query heads are not a multiple of 3 key-value heads"),
+    (lambda zz, y: _C.attention_forward(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 5, 8),
+                                        torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 3, 8),
+                                        torch.zeros(1, 2, 3), 1.0, True, -3, None, None, None,
+                                        0.0, 0),
+     ValueError, "attention_forward: window=-3 must be >= 0"),
+    (lambda zz, y: _C.attention_backward(*(torch.zeros(1, 2, 3, 8) for _ in range(2)),
+                                         torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8),
+                                         torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3),
+                                         *(torch.zeros(1, 2, 3, 8) for _ in range(3)), None,
+                                         1.0, False, 0, None, None, None, 1.5, 0),
+     ValueError, "attention_backward: dropout=1.5 outside [0, 1]"),
+    (lambda zz, y: _C.attention_dropout_keep(torch.zeros(1, 1, 2, 2, dtype=torch.uint8), 2.0, 0),
+     ValueError, "attention_dropout_keep: dropout=2 outside [0, 1]"),
+])
+def test_kernel_errors_say_why(call, exc, message):
+    """Kernels that used to fail with a bare negative code ("kernel returned
+    -1") now name the kernel, the argument and the numbers."""
+    zz, y = _xent_args()
+    with pytest.raises(exc) as info:
+        call(zz, y)
+    assert message in str(info.value)
+    assert "kernel returned" not in str(info.value)
+
+
+def test_take_names_entry_point_argument_and_dtypes():
+    """The one DLPack gate: messages name the entry point, the argument, the
+    accepted dtypes and what came instead."""
+    x = torch.randn(3, 4)
+    with pytest.raises(TypeError, match=r"^norm_forward: rstd: expected float32, got float16$"):
+        _C.norm_forward(False, x, None, None, 1e-5, torch.empty(3, 4), None,
+                        torch.empty(3, dtype=torch.float16))
+    with pytest.raises(TypeError, match=r"^swiglu_forward: gate: expected float32, float16 or "
+                                        r"bfloat16, got int32$"):
+        _C.swiglu_forward(*(torch.ones(3, dtype=torch.int32) for _ in range(3)))
+    with pytest.raises(TypeError, match=r"mask: expected uint8 or bool, got float32"):
+        _C.attention_forward(*(torch.zeros(1, 1, 2, 4) for _ in range(4)), torch.zeros(1, 1, 2),
+                             1.0, False, 0, None, None, torch.zeros(1, 1, 2, 2), 0.0, 0)
+    with pytest.raises(ValueError, match=r"^xent_forward: max: tensor is read-only$"):
+        ro = np.zeros(6, np.float32)
+        ro.flags.writeable = False
+        _C.xent_forward(torch.randn(6, 4), torch.zeros(6, dtype=torch.int64), 0, 4, -100, ro,
+                        torch.empty(6), torch.empty(6), None)
+    with pytest.raises(ValueError, match=r"^reduce_buffers: out: expected a CPU tensor"):
+        _C.reduce_buffers(FakeTensor(np.zeros(4, np.float32), device_type=2),
+                          [torch.zeros(4)])
+    with pytest.raises(TypeError, match=r"^reduce_buffers: out: expected float32, float16, "
+                                        r"bfloat16, float64, int32 or int64, got bool$"):
+        _C.reduce_buffers(torch.zeros(4, dtype=torch.bool), [torch.zeros(4, dtype=torch.bool)])
+
+
+def test_status_exception_types():
+    """One mapper, one exception type per status."""
+    with pytest.raises(ValueError, match="tensor_parallel_size=0"):       # SF_EINVAL
+        _C.split_units(4, 0, 0)
+    with pytest.raises(IndexError, match=r"range 0 \(offset 2, length 5\)"):  # SF_ERANGE
+        _C.copy_shard(torch.zeros(3), torch.zeros(3), 0, [(2, 5)])
+    with pytest.raises(TypeError, match="unsupported DLPack dtype"):       # SF_ETYPE
+        _C.tensor_info(FakeTensor(np.zeros(3, np.float32), bits=12))
+    big = FakeTensor(np.zeros(1, np.float32), shape=(2**40, 2**40), strides=(1, 1))
+    with pytest.raises(OverflowError, match="t: the element count overflows int64"):  # SF_EOVERFLOW
+        _C.tensor_info(big)
+    with pytest.raises(OSError, match="shm_open"):                         # SF_EIO
+        _C.shm_attach("/shardformer-test-no-such-segment", 2, 1, 7)
+    try:                                                                   # SF_EIO
+        _C.nccl_load("/nonexistent/libnccl-does-not-exist.so.2")
+    except OSError as e:
+        assert "libnccl-does-not-exist" in str(e)
+    # (else: NCCL was already loaded in this process, and load is idempotent)
+
+
+NCCL_ENTRY_POINTS = [
+    ("nccl_all_reduce", lambda t: (None, t, "sum", 0)),
+    ("nccl_all_gather", lambda t: (None, t, t, 0)),
+    ("nccl_reduce_scatter", lambda t: (None, t, t, "sum", 0)),
+    ("nccl_broadcast", lambda t: (None, t, 0, 0)),
+    ("nccl_send", lambda t: (None, t, 1, 0)),
+    ("nccl_recv", lambda t: (None, t, 1, 0)),
+]
+
+
+def _nccl_mapped() -> bool:
+    with open("/proc/self/maps") as f:
+        return "libnccl" in f.read()
+
+
+@pytest.mark.parametrize("name, args", NCCL_ENTRY_POINTS, ids=[n for n, _ in NCCL_ENTRY_POINTS])
+def test_nccl_entry_points_check_tensors_on_cpu(name, args):
+    """The NCCL entry points take tensors through the same DLPack gate as the
+    others and refuse what NCCL cannot take before anything loads NCCL."""
+    fn = getattr(_C, name)
+    mapped = _nccl_mapped()
+    with pytest.raises(ValueError, match=rf"^{name}: (out|tensor): expected a CUDA tensor, got a "
+                                         r"CPU tensor"):
+        fn(*args(torch.ones(6)))
+    with pytest.raises(ValueError, match="expected a CUDA tensor, got a CPU tensor"):
+        fn(*args(np.ones(6, np.float32)))
+    cuda_bool = FakeTensor(np.zeros(6, np.bool_), device_type=2)
+    with pytest.raises(TypeError, match=r"expected float32, float16, bfloat16, float64, int8, "
+                                        r"uint8, int32 or int64, got bool"):
+        fn(*args(cuda_bool))
+    strided = FakeTensor(np.zeros((3, 4), np.float32)[:, ::2], device_type=2)
+    with pytest.raises(ValueError, match="expected a contiguous tensor"):
+        fn(*args(strided))
+    # A well-formed (fake) CUDA tensor gets as far as the communicator.
+    with pytest.raises(TypeError, match=rf"^{name}: expected an NCCL communicator"):
+        fn(*args(FakeTensor(np.zeros(6, np.float32), device_type=2)))
+    with pytest.raises(TypeError, match="__dlpack__"):
+        fn(*args([1.0, 2.0]))
+    assert _nccl_mapped() == mapped, "an argument check loaded NCCL"
+
+
+def test_nccl_pairs_and_ops_checked_in_c():
+    f32 = FakeTensor(np.zeros(12, np.float32), device_type=2)
+    i64 = FakeTensor(np.zeros(6, np.int64), device_type=2)
+    other_gpu = FakeTensor(np.zeros(6, np.float32), device_type=2, device_id=1)
+    with pytest.raises(TypeError, match="out has dtype float32 but tensor has dtype int64"):
+        _C.nccl_all_gather(None, f32, i64, 0)
+    with pytest.raises(ValueError, match="out is on CUDA device 0 but tensor on device 1"):
+        _C.nccl_reduce_scatter(None, f32, other_gpu, "sum", 0)
+    with pytest.raises(ValueError, match="reduction op 'avg'"):
+        _C.nccl_all_reduce(None, f32, "avg", 0)
+    with pytest.raises(TypeError, match="expected an NCCL communicator"):
+        _C.nccl_comm_destroy(object())
+    with pytest.raises(ValueError, match="unique id has 3 bytes"):
+        _C.nccl_comm_init(2, b"abc", 0)
+
+
+def test_nccl_communicator_methods_refuse_cpu_tensors():
+    """NcclCommunicator's call sites hand tensors to _C, which says what is
+    wrong (no GPU here: a communicator object without NCCL behind it)."""
+    from shardformer.distributed import nccl
+
+    comm = nccl.NcclCommunicator.__new__(nccl.NcclCommunicator)
+    comm.group, comm.rank, comm.size, comm._comm = None, 0, 2, "not a communicator"
+    t = torch.ones(4, requires_grad=True)   # detached on the way: DLPack refuses grad tensors
+    for call in (lambda: comm.all_reduce(t), lambda: comm.all_reduce(t, "max"),
+                 lambda: comm.all_gather(torch.empty(8), t),
+                 lambda: comm.reduce_scatter(torch.empty(2), t),
+                 lambda: comm.broadcast(t, 0), lambda: comm.send(t, 1),
+                 lambda: comm.recv(torch.empty(4), 1)):
+        with pytest.raises(ValueError, match="expected a CUDA tensor, got a CPU tensor"):
+            call()
+    comm._comm = None
+    with pytest.raises(RuntimeError, match="destroyed"):
+        comm.all_reduce(t)
+
+
+def _bits16(dt):
+    return torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(dt)
+
+
+def _f32_sweep():
+    """float32 bit patterns: every exponent with edge mantissas (ties and their
+    neighbours for both 16-bit roundings), plus random ones."""
+    g = torch.Generator().manual_seed(0)
+    rand = torch.randint(-2**31, 2**31, (1 << 20,), generator=g, dtype=torch.int64)
+    exp = torch.arange(256, dtype=torch.int64) << 23
+    mant = torch.tensor([0, 1, 0x0fff, 0x1000, 0x1001, 0x2fff, 0x3000, 0x3001, 0x7fff, 0x8000,
+                         0x8001, 0x17fff, 0x18000, 0x18001, 0x3fffff, 0x400000, 0x7fffff],
+                        dtype=torch.int64)
+    edge = (exp[:, None] | mant[None, :]).flatten()
+    u = torch.cat([rand, edge, edge | (1 << 31)])
+    return u.to(torch.int64).sub((u >= 2**31).to(torch.int64) << 32).to(torch.int32)
+
+
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16])
+def test_half_widening_matches_torch(dt):
+    """Every 16-bit pattern widens to float32 as torch does; NaNs keep their
+    payload and come out quiet (float16, as F16C) or unchanged (bfloat16)."""
+    h = _bits16(dt)
+    f = torch.empty(h.numel())
+    _C.kernel_convert(h, f)
+    want = h.float()                       # torch's vectorized path (65536 elements)
+    fb, wb = f.view(torch.int32), want.view(torch.int32)
+    ok = h == h
+    assert torch.equal(fb[ok], wb[ok])
+    nan = ~ok
+    hb = h.view(torch.int16).to(torch.int32) & 0xFFFF
+    if dt is torch.float16:
+        expect = ((hb & 0x8000) << 16) | 0x7F800000 | 0x00400000 | ((hb & 0x3FF) << 13)
+    else:
+        expect = hb << 16
+    assert torch.equal(fb[nan], expect[nan].to(torch.int64).sub(
+        (expect[nan] >= 2**31).to(torch.int64) << 32).to(torch.int32))
+
+
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16])
+def test_half_narrowing_matches_torch(dt):
+    """float32 -> 16 bits rounds to nearest even exactly as torch does, over a
+    sweep of patterns; NaNs keep sign and top payload bits, quieted."""
+    u = _f32_sweep()
+    f = u.view(torch.float32)
+    h = torch.empty(f.numel(), dtype=dt)
+    _C.kernel_convert(f, h)
+    got = h.view(torch.int16).to(torch.int32) & 0xFFFF
+    want = f.to(dt).view(torch.int16).to(torch.int32) & 0xFFFF
+    ok = f == f
+    assert torch.equal(got[ok], want[ok])
+    uu = u.to(torch.int64) & 0xFFFFFFFF
+    nan = ~ok
+    if dt is torch.float16:
+        expect = ((uu >> 16) & 0x8000) | 0x7E00 | ((uu >> 13) & 0x3FF)
+    else:
+        expect = (uu | 0x00400000) >> 16
+    assert torch.equal(got[nan].to(torch.int64), expect[nan])
+
+
+@pytest.mark.parametrize("dt", [torch.float16, torch.bfloat16])
+def test_half_round_trip_keeps_nan_payloads(dt):
+    """16 bits -> float32 -> 16 bits gives every pattern back, NaNs with their
+    payload (quieted), through the kernels' conversion and the reductions'
+    (plain C and AVX2 alike: one conversion)."""
+    h = _bits16(dt)
+    f = torch.empty(h.numel())
+    _C.kernel_convert(h, f)
+    back = torch.empty_like(h)
+    _C.kernel_convert(f, back)
+    hb = h.view(torch.int16).to(torch.int32) & 0xFFFF
+    quiet = 0x0200 if dt is torch.float16 else 0x0040
+    want = torch.where(h != h, hb | quiet, hb)
+    assert torch.equal(back.view(torch.int16).to(torch.int32) & 0xFFFF, want)
+    for simd in (True, False):
+        red = torch.empty_like(h)
+        _C.reduce_buffers(red, [h], "sum", simd)
+        assert torch.equal(red.view(torch.int16).to(torch.int32) & 0xFFFF, want), simd
+
+
+def test_one_cpu_probe():
+    feats = _C.cpu_features()
+    assert set(feats) == {"avx2", "fma", "f16c", "avx512f", "simd", "avx512"}
+    assert feats["simd"] == (feats["avx2"] and feats["fma"] and feats["f16c"])
+    assert feats["avx512"] == (feats["simd"] and feats["avx512f"])
+    assert _C.cpu_has_avx2() is _C.kernel_has_avx2() is feats["simd"]
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next(line for line in f if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return
+    for name in ("avx2", "fma", "f16c", "avx512f"):
+        assert feats[name] == (name in flags), name
+
+
+def test_one_dimension_limit():
+    """SF_MAX_DIMS (16) holds for the DLPack gate and the copy kernel alike."""
+    x = torch.arange(3 * 2).reshape((1,) * 14 + (3, 2)).float()
+    out = torch.zeros((1,) * 14 + (3, 1))
+    _C.copy_shard(x, out, 15, [(1, 1)])
+    assert torch.equal(out.flatten(), x[..., 1].flatten())
+    with pytest.raises(ValueError, match=r"17 dimensions \(at most 16 supported\)"):
+        _C.copy_shard(np.zeros((1,) * 17, np.float32), np.zeros((1,) * 17, np.float32), 0, [])

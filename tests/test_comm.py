@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from shardformer import _C
 from shardformer.distributed import collectives as coll
+from shardformer.distributed import communicator as cm
 from shardformer.distributed import nccl, shm
 
 import model_check
@@ -230,6 +231,7 @@ def rank_dispatch(ctx) -> dict:
     """backend_for and the collectives module routing through shm."""
     group, r, p = ctx.group, ctx.rank, ctx.tp_size
     saved = os.environ.pop("SHARDFORMER_COMM", None)
+    cm.reset_communicators()
     try:
         t = torch.full((5,), float(r + 1))
         answers = {"auto": coll.backend_for(t, group)}
@@ -241,21 +243,36 @@ def rank_dispatch(ctx) -> dict:
         # bool cannot be reduced by shm: auto dispatch falls back to torch.
         b = torch.tensor([r == 0, False])
         coll.all_reduce(b.to(torch.int64), group)
+        bools = torch.tensor([r == 0, False])
+        coll.all_reduce(bools, group, op="max")  # bool: auto-picked shm hands it to torch
+        assert bools.tolist() == [True, False]
+        # The choice is made once: changing the variable now changes nothing
+        # (the group keeps shm), and backend_for says so loudly.
         os.environ["SHARDFORMER_COMM"] = "torch"
+        assert cm.get_communicator(group, t).backend == "shm"
+        try:
+            coll.backend_for(t, group)
+            answers["changed"] = "no error"
+        except RuntimeError as e:
+            answers["changed"] = str(e)
+        cm.reset_communicators()
         answers["forced_torch"] = coll.backend_for(t, group)
         os.environ["SHARDFORMER_COMM"] = "nccl"
+        cm.reset_communicators()
         try:
             coll.backend_for(t, group)
             answers["forced_nccl"] = "no error"
         except RuntimeError as e:
             answers["forced_nccl"] = str(e)
         os.environ["SHARDFORMER_COMM"] = "bogus"
+        cm.reset_communicators()
         try:
             coll.backend_for(t, group)
         except ValueError as e:
             answers["bogus"] = str(e)
         # A group whose segment cannot be made: backend_for says torch, and why.
         os.environ.pop("SHARDFORMER_COMM")
+        cm.reset_communicators()
         os.environ["SHARDFORMER_SHM_WORKSPACE"] = str(1 << 50)
         try:
             g2 = dist.new_group(list(range(p))) if p == ctx.world_size else None
@@ -273,6 +290,7 @@ def rank_dispatch(ctx) -> dict:
         os.environ.pop("SHARDFORMER_COMM", None)
         if saved is not None:
             os.environ["SHARDFORMER_COMM"] = saved
+        cm.reset_communicators()
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -281,6 +299,7 @@ def test_backend_for(pool, tp):
     for a in answers:
         assert a["auto"] == "shm"
         assert a["forced_torch"] == "torch"
+        assert "read once per group" in a["changed"] and "reset_communicators" in a["changed"], a["changed"]
         assert "no CUDA device" in a["forced_nccl"], a["forced_nccl"]
         assert "bogus" in a["bogus"]
         assert a["leftover"] == []
@@ -365,6 +384,280 @@ def test_errors_and_no_leak_after_exception(pool):
     assert _ours([pr.pid for pr in pool.procs]) == []
 
 
+# ---- the Communicator interface (communicator.py) ------------------------------------
+
+def _with_comm_env(value):
+    """Set SHARDFORMER_COMM (None: unset) and forget the cached choices; returns the old value."""
+    saved = os.environ.pop("SHARDFORMER_COMM", None)
+    if value is not None:
+        os.environ["SHARDFORMER_COMM"] = value
+    cm.reset_communicators()
+    return saved
+
+
+def rank_communicator_interface(ctx, backend: str) -> dict:
+    """Every method of each backend's communicator, on the same inputs, against
+    the plain torch.distributed result; the choice is made once and cached."""
+    group, r, p = ctx.group, ctx.rank, ctx.tp_size
+    saved = _with_comm_env(None if backend == "auto" else backend)
+    try:
+        t = torch.arange(6, dtype=torch.float32) + 10 * r
+        comm = cm.get_communicator(group, "cpu")
+        assert comm is cm.get_communicator(group, t) is cm.get_communicator(group, torch.device("cpu"))
+        assert isinstance(comm, cm.Communicator)
+        assert (comm.size, comm.rank) == (p, r) and comm.group is group
+        # the env var is not read again once the communicator exists
+        reads = []
+        real = cm._forced
+        cm._forced = lambda: reads.append(1) or real()
+        try:
+            x = t.clone()
+            assert comm.all_reduce(x) is x
+            assert torch.equal(x, torch.arange(6, dtype=torch.float32) * p + 10 * sum(range(p)))
+            m = torch.tensor([float(r), -float(r)])
+            comm.all_reduce(m, "max")
+            assert m.tolist() == [p - 1.0, 0.0]
+            with pytest.raises(ValueError, match="'prod'"):
+                comm.all_reduce(m, "prod")
+            out = torch.empty(p * 6)
+            assert comm.all_gather_into_tensor(out, t) is out
+            assert torch.equal(out, torch.cat([torch.arange(6.0) + 10 * q for q in range(p)]))
+            with pytest.raises(ValueError, match="expected"):
+                comm.all_gather_into_tensor(torch.empty(5), t)
+            rs = torch.empty(2)
+            comm.reduce_scatter_tensor(rs, torch.arange(2 * p, dtype=torch.float32))
+            assert torch.equal(rs, torch.arange(2 * r, 2 * r + 2, dtype=torch.float32) * p)
+            b = torch.full((3,), float(r))
+            assert comm.broadcast(b, p - 1) is b and b.tolist() == [p - 1.0] * 3
+            if r == 0:
+                comm.send(torch.arange(4.0), 1)
+            elif r == 1:
+                got = comm.recv(torch.empty(4), 0)
+                assert torch.equal(got, torch.arange(4.0))
+            # non-contiguous in-place operands
+            nc = (torch.arange(8, dtype=torch.float32).view(2, 4) + r).t()
+            comm.all_reduce(nc)
+            assert torch.equal(nc, (torch.arange(8, dtype=torch.float32).view(2, 4) * p
+                                    + sum(range(p))).t())
+            # the collectives module: one lookup, the same communicator
+            y = t.clone()
+            coll.all_reduce(y, group)
+            assert torch.equal(y, x)
+            assert coll.world_size(group) == p and coll.rank(group) == r
+        finally:
+            cm._forced = real
+        return {"backend": comm.backend, "reads": len(reads),
+                "bool": _bool_reduce(comm, r)}
+    finally:
+        _with_comm_env(saved)
+
+
+def _bool_reduce(comm, r):
+    b = torch.tensor([r == 0, False])
+    try:
+        comm.all_reduce(b, "max")
+    except TypeError as e:
+        return f"TypeError: {e}"
+    return b.tolist()
+
+
+@pytest.mark.parametrize("backend", ["auto", "shm", "torch"])
+def test_communicator_interface(pool, backend):
+    for tp in (2, 4):
+        res = pool.run(rank_communicator_interface, tp, backend)
+        for a in res:
+            assert a["backend"] == ("shm" if backend == "auto" else backend)
+            assert a["reads"] == 0, "SHARDFORMER_COMM read after the communicator was made"
+            if backend == "shm":  # forced shm never falls back: bool cannot be reduced
+                assert a["bool"].startswith("TypeError") and "bool" in a["bool"], a["bool"]
+            else:
+                assert a["bool"] == [True, False]
+
+
+def rank_send_recv_existing(ctx) -> dict:
+    """send/recv use the communicator that exists and never set one up."""
+    r = ctx.rank
+    saved = _with_comm_env(None)
+    g = dist.new_group(list(range(ctx.world_size)))  # a group no collective has touched
+    try:
+        out = {}
+        # before any collective: torch.distributed, and nothing is cached
+        out["before"] = cm.existing_communicator(torch.ones(1), g).backend
+        if r == 0:
+            coll.send(torch.arange(3.0), 1, g)
+        elif r == 1:
+            assert coll.recv(torch.empty(3), 0, g).tolist() == [0.0, 1.0, 2.0]
+        out["cached_after_send"] = [c.backend for c in cm.communicators() if c.group is g]
+        coll.all_reduce(torch.ones(2), g)  # sets up the shm communicator
+        out["after"] = cm.existing_communicator(torch.ones(1), g).backend
+        if r == 1:
+            coll.send(torch.arange(3.0) + 1, 0, g)
+        elif r == 0:
+            assert coll.recv(torch.empty(3), 1, g).tolist() == [1.0, 2.0, 3.0]
+        # forced shm on a group without a segment: send/recv raise, with the way out
+        g2 = dist.new_group(list(range(ctx.world_size)))
+        _with_comm_env("shm")
+        try:
+            coll.send(torch.ones(1), (r + 1) % ctx.world_size, g2)
+        except RuntimeError as e:
+            out["forced"] = str(e)
+        return out
+    finally:
+        _with_comm_env(saved)
+        shm.forget(g)
+
+
+def test_send_recv_use_existing_communicator(pool):
+    for a in pool.run(rank_send_recv_existing, 4):
+        assert a["before"] == "torch"
+        assert a["cached_after_send"] == []
+        assert a["after"] == "shm"
+        assert "SHARDFORMER_COMM=shm: send/recv need the shm communicator" in a["forced"], a["forced"]
+        assert "get_communicator" in a["forced"]
+
+
+def test_communicator_single_process():
+    """No process group: a world of one, chosen once per device type; a forced
+    backend that cannot run still raises."""
+    saved = _with_comm_env(None)
+    try:
+        comm = cm.get_communicator(None, "cpu")
+        assert (comm.size, comm.rank, comm.backend) == (1, 0, "torch")
+        x = torch.ones(3)
+        assert coll.all_reduce(x) is x and x.tolist() == [1.0] * 3
+        out = torch.empty(3)
+        coll.all_gather_into_tensor(out, torch.arange(3.0))
+        assert out.tolist() == [0.0, 1.0, 2.0]
+        assert coll.world_size() == 1 and coll.rank() == 0
+        _with_comm_env("shm")
+        assert coll.backend_for(x) == "shm"
+        with pytest.raises(RuntimeError, match="shm is CPU-only"):
+            cm.get_communicator(None, "meta")
+        # the region operators skip a group of one without choosing anything
+        from shardformer.distributed import copy_to_tp_region, reduce_from_tp_region
+        m = torch.ones(2, device="meta")
+        assert reduce_from_tp_region(m) is m and copy_to_tp_region(m) is m
+    finally:
+        _with_comm_env(saved)
+
+
+# ---- the region operators reduce in place only when nothing else reads the tensor ----
+
+def rank_inplace_safety(ctx) -> dict:
+    """reduce_from_tp_region / copy_to_tp_region: in place for a fresh activation,
+    a copy when autograd (or a view) holds the tensor; gradients equal the
+    unsharded computation's either way."""
+    import copy
+
+    import torch.nn.functional as F
+
+    from shardformer.distributed import copy_to_tp_region, reduce_from_tp_region
+    from shardformer.layer import Linear1D_Row
+    from shardformer.layer.parallel_module import shard_of
+
+    group, r, p = ctx.group, ctx.rank, ctx.tp_size
+    g = torch.Generator().manual_seed(0)
+    k = 4  # input columns per rank
+    W = torch.randn(5, k * p, generator=g, dtype=torch.float64)
+    X = torch.randn(3, k * p, generator=g, dtype=torch.float64)
+    probe = torch.randn(3, 5, generator=g, dtype=torch.float64)
+    cols = slice(r * k, (r + 1) * k)
+    out = {}
+
+    def local():
+        w = W[:, cols].clone().requires_grad_()
+        x = X[:, cols].clone().requires_grad_()
+        return w, x
+
+    # 1. a fresh matmul output: reduced in place, autograd told (version bump)
+    w, x = local()
+    y = F.linear(x, w)
+    ptr, ver = y.data_ptr(), y._version
+    s = reduce_from_tp_region(y, group)
+    out["fresh_inplace"] = s.data_ptr() == ptr and s._version > ver
+    (s * probe).sum().backward()
+    Wf, Xf = W.clone().requires_grad_(), X.clone().requires_grad_()
+    ref = F.linear(Xf, Wf)
+    (ref * probe).sum().backward()
+    torch.testing.assert_close(s, ref.detach())
+    torch.testing.assert_close(w.grad, Wf.grad[:, cols])
+    torch.testing.assert_close(x.grad, Xf.grad[:, cols])
+
+    # 2. saved as an input by another op (y * c saves y for dc): a copy; y and dc intact
+    w, x = local()
+    y = F.linear(x, w)
+    partial = y.detach().clone()
+    c = torch.randn(3, 5, generator=torch.Generator().manual_seed(r), dtype=torch.float64,
+                    requires_grad=True)
+    z = y * c
+    s = reduce_from_tp_region(y, group)
+    out["saved_input_copied"] = s.data_ptr() != y.data_ptr()
+    assert torch.equal(y.detach(), partial), "the saved partial sum was overwritten"
+    ((s * probe).sum() + z.sum()).backward()
+    torch.testing.assert_close(c.grad, partial)  # dz/dc = y: the partial, not the sum
+    torch.testing.assert_close(s, ref.detach())
+
+    # 3. saved as an output (sigmoid keeps its result): a copy; dx still right
+    w, x = local()
+    y = F.linear(x, w).sigmoid()
+    s = reduce_from_tp_region(y, group)
+    out["saved_output_copied"] = s.data_ptr() != y.data_ptr()
+    (s * probe).sum().backward()
+    w2, x2 = local()
+    (F.linear(x2, w2).sigmoid() * probe).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)
+    torch.testing.assert_close(w.grad, w2.grad)
+
+    # 4. a view of y alive: a copy, the view unchanged
+    w, x = local()
+    y = F.linear(x, w)
+    row = y[0]
+    before = row.detach().clone()
+    s = reduce_from_tp_region(y, group)
+    out["view_copied"] = s.data_ptr() != y.data_ptr() and torch.equal(row.detach(), before)
+
+    # 5. inference: no autograd node, still in place, the version bumped
+    with torch.no_grad():
+        w, x = local()
+        y = F.linear(x, w)
+        ver = y._version
+        s = reduce_from_tp_region(y, group)
+        out["nograd_inplace"] = s is y and y._version > ver
+        torch.testing.assert_close(s, ref.detach())
+
+    # 6. backward of copy_to_tp_region when autograd hands the same gradient to
+    #    another input too (an add): the other input's gradient is not all-reduced
+    xr = X[:, :5].clone().requires_grad_()
+    o = torch.zeros(3, 5, dtype=torch.float64, requires_grad=True)
+    q = copy_to_tp_region(xr, group)
+    ((q + o) * probe).sum().backward()
+    torch.testing.assert_close(o.grad, probe)
+    torch.testing.assert_close(xr.grad, probe * p)
+
+    # 7. a row-parallel layer: output and every gradient equal nn.Linear's
+    torch.manual_seed(0)  # the same layer on every rank
+    lin = torch.nn.Linear(k * p, 5, dtype=torch.float64)
+    row_layer = Linear1D_Row.from_native_module(copy.deepcopy(lin), group, input_is_parallel=False)
+    xin, xref = X.clone().requires_grad_(), X.clone().requires_grad_()
+    yl = row_layer(xin)
+    yr = lin(xref)
+    torch.testing.assert_close(yl, yr)
+    (yl * probe).sum().backward()
+    (yr * probe).sum().backward()
+    torch.testing.assert_close(xin.grad, xref.grad)
+    torch.testing.assert_close(row_layer.bias.grad, lin.bias.grad)
+    torch.testing.assert_close(row_layer.weight.grad,
+                               shard_of(lin.weight.grad, row_layer._split_dim(), row_layer.shard))
+    return out
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_region_operators_inplace_safety(pool, tp):
+    for a in pool.run(rank_inplace_safety, tp):
+        assert a == {"fresh_inplace": True, "saved_input_copied": True, "saved_output_copied": True,
+                     "view_copied": True, "nograd_inplace": True}, a
+
+
 # ---- a rank killed mid-collective (own process group, not the pool) -------------------
 
 def _killed_worker(rank, size, port, q, timeout):
@@ -434,6 +727,7 @@ def test_nccl_reports_unavailable_without_gpu():
         nccl.NcclCommunicator()
     old = os.environ.get("SHARDFORMER_COMM")
     os.environ["SHARDFORMER_COMM"] = "nccl"
+    cm.reset_communicators()
     try:
         with pytest.raises(RuntimeError, match="SHARDFORMER_COMM=nccl: no CUDA device"):
             coll.backend_for(t)
@@ -442,6 +736,7 @@ def test_nccl_reports_unavailable_without_gpu():
             os.environ.pop("SHARDFORMER_COMM")
         else:
             os.environ["SHARDFORMER_COMM"] = old
+        cm.reset_communicators()
 
 
 def test_nccl_load_reports_missing_library(tmp_path):
@@ -484,6 +779,7 @@ def test_nccl_world_size_one_and_graph_capture():
 def rank_model_with_backend(ctx, name: str, backend: str) -> dict:
     saved = os.environ.get("SHARDFORMER_COMM")
     os.environ["SHARDFORMER_COMM"] = backend
+    cm.reset_communicators()  # SHARDFORMER_COMM is read once per group
     try:
         assert coll.backend_for(torch.ones(1), ctx.group) == backend
         return model_check.check_model(ctx, name)
@@ -492,6 +788,7 @@ def rank_model_with_backend(ctx, name: str, backend: str) -> dict:
             os.environ.pop("SHARDFORMER_COMM", None)
         else:
             os.environ["SHARDFORMER_COMM"] = saved
+        cm.reset_communicators()
 
 
 @pytest.mark.parametrize("backend", ["shm", "torch"])
@@ -505,6 +802,7 @@ def test_models_with_backend_forced(pool, name, tp, backend):
 def rank_bf16_model_with_shm(ctx, name: str) -> dict:
     saved = os.environ.get("SHARDFORMER_COMM")
     os.environ["SHARDFORMER_COMM"] = "shm"
+    cm.reset_communicators()  # SHARDFORMER_COMM is read once per group
     try:
         return model_check.check_model(ctx, name, "bfloat16")
     finally:
@@ -512,6 +810,7 @@ def rank_bf16_model_with_shm(ctx, name: str) -> dict:
             os.environ.pop("SHARDFORMER_COMM", None)
         else:
             os.environ["SHARDFORMER_COMM"] = saved
+        cm.reset_communicators()
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -387,7 +387,7 @@ def test_jit_fused_replaces_the_mlp(name):
     sharded, _ = ShardFormer(shard_config=ShardConfig(enable_jit_fused=True)).optimize(model)
     replaced = [m for m in sharded.modules() if "forward" in vars(m)]
     assert replaced, f"{name}: enable_jit_fused replaced no forward"
-    assert all(vars(m)["forward"].__func__.__module__ == "shardformer.ops" for m in replaced)
+    assert all(vars(m)["forward"].__func__.__module__ == "shardformer.optimizations" for m in replaced)
 
 
 def test_threads_match_single_thread():

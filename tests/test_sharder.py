@@ -121,3 +121,94 @@ def test_shard_config_validation():
         ShardConfig(pipeline_stage_manager=object())
     cfg = ShardConfig(enable_fused_normalization=True)
     assert cfg.enable_tensor_parallelism and cfg.tensor_parallel_size == 1
+
+
+# ---------------------------------------------------------------------------
+# The shard plan: decided once, resolved in C, handed to the layers
+# ---------------------------------------------------------------------------
+
+def _count_planning(monkeypatch):
+    """Wrap every plan_shard of the layer classes, the (tp_size, rank) lookup
+    and the Python-side layout entry points; return the call records."""
+    import shardformer.config as config
+    import shardformer.sharder as sharder_mod
+    from shardformer import layout
+    from shardformer.layer import dropout, embedding, linear, moe, param_shard, parallel_module, replicated
+
+    calls = {"plan_shard": [], "group_size_and_rank": 0, "python_layout": 0}
+    owners = [parallel_module.ParallelModule, linear._LinearShard, embedding._EmbeddingShard,
+              dropout._SeededDropout, moe.FusedExperts1D, param_shard.ShardParams,
+              replicated.ReplicatedInParallelRegion]
+    for owner in owners:
+        original = owner.__dict__["plan_shard"].__func__
+
+        def counted(cls, module, tp_size, rank, _original=original, **kwargs):
+            calls["plan_shard"].append((cls, id(module), tp_size, rank))
+            return _original(cls, module, tp_size, rank, **kwargs)
+
+        monkeypatch.setattr(owner, "plan_shard", classmethod(counted))
+    real_group = config.group_size_and_rank
+
+    def group(process_group):
+        calls["group_size_and_rank"] += 1
+        return real_group(process_group)
+
+    monkeypatch.setattr(sharder_mod, "group_size_and_rank", group)
+    monkeypatch.setattr(parallel_module, "group_size_and_rank", group)
+
+    def python_layout(*args, **kwargs):   # the C planner must not come back here
+        calls["python_layout"] += 1
+        raise AssertionError("layout resolved from Python while the sharder planned")
+
+    monkeypatch.setattr(layout.SplitSpec, "resolve", python_layout)
+    monkeypatch.setattr(layout.HeadCount, "_count", python_layout)
+    monkeypatch.setattr(parallel_module, "plan_directly", python_layout)
+    return calls
+
+
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "BertForMaskedLM"])
+def test_plan_computed_once_per_optimize(monkeypatch, name):
+    """One optimize(): (tp_size, rank) looked up once, every replacement
+    planned exactly once (by the sharder, before any change), its layouts
+    resolved by the C planner with no call back into Python's layout code,
+    and every parallel layer built from that plan."""
+    import model_zoo
+    from shardformer.layer import ParallelModule
+
+    model = model_zoo.build(name)
+    natives = {id(m): m for m in model.modules()}
+    calls = _count_planning(monkeypatch)
+    ShardFormer(ShardConfig()).optimize(model)
+    assert calls["group_size_and_rank"] == 1
+    assert calls["python_layout"] == 0
+    planned = [module_id for _, module_id, _, _ in calls["plan_shard"]]
+    assert planned and len(planned) == len(set(planned)), "a replacement was planned twice"
+    assert all(module_id in natives for module_id in planned)
+    assert all((tp, rank) == (1, 0) for _, _, tp, rank in calls["plan_shard"])
+    layers = [m for m in model.modules() if isinstance(m, ParallelModule)]
+    assert layers and len(layers) <= len(planned)
+    assert all(m.shard_plan.resolved is not None and m.tp_size == 1 for m in layers)
+
+
+def test_directly_built_layers_plan_in_one_place(monkeypatch):
+    """Outside the sharder, plan_for is the one place that plans: once per
+    layer, for the constructor and for from_native_module alike."""
+    from shardformer.layer import Linear1D_Row, VocabParallelEmbedding1D, parallel_module
+
+    planned = []
+    real = parallel_module.plan_directly
+
+    def counted(target, module, process_group=None, **kwargs):
+        planned.append(target)
+        return real(target, module, process_group, **kwargs)
+
+    monkeypatch.setattr(parallel_module, "plan_directly", counted)
+    col = Linear1D_Col(8, 6)
+    assert col.weight.shape == (6, 8) and col.shard_plan.tp_size == 1 and planned == [Linear1D_Col]
+    lin = nn.Linear(6, 4)
+    row = Linear1D_Row.from_native_module(lin, None, input_is_parallel=False)
+    assert planned == [Linear1D_Col, Linear1D_Row]
+    torch.testing.assert_close(row(torch.ones(2, 6)), lin(torch.ones(2, 6)))
+    emb = VocabParallelEmbedding1D.from_native_module(nn.Embedding(10, 4), None, make_vocab_size_divisible_by=8)
+    assert emb.weight.shape == (16, 4) and emb.sharded_params["weight"][1].real == 10
+    assert len(planned) == 3

@@ -1,8 +1,11 @@
 /*
  * nccl.c -- the dlopen'ed NCCL entry points and their error reporting.
  *
- * Every call returns 0 or a nonzero ncclResult_t with a message that carries
- * ncclGetErrorString and, where the library has it, ncclGetLastError.
+ * Every call returns an sf_status: SF_EIO when the library cannot be loaded,
+ * SF_EUNSUPPORTED when it is not loaded or lacks an entry point, SF_EINVAL
+ * for bad arguments, and SF_EEXTERNAL when NCCL itself fails, with a message
+ * that carries the ncclResult_t, ncclGetErrorString and, where the library
+ * has it, ncclGetLastError.
  * Symbols newer than NCCL 2.0 (ncclGetLastError, ncclSend/ncclRecv from 2.7,
  * ncclCommAbort) are looked up optionally and reported missing when absent.
  */
@@ -10,7 +13,6 @@
 #include "nccl.h"
 
 #include <dlfcn.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -39,33 +41,22 @@ static struct {
     nccl_result (*recv)(void *, size_t, int, int, nccl_comm, cuda_stream);
 } N;
 
-static int fail(char *err, size_t len, int code, const char *fmt, ...)
-{
-    if (err && len) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, len, fmt, ap);
-        va_end(ap);
-    }
-    return code;
-}
-
 #define LOOKUP(field, name)                                                   \
     do {                                                                      \
         *(void **)(&N.field) = dlsym(N.lib, name);                            \
     } while (0)
 
-int sf_nccl_load(const char *path, char *err, size_t errlen)
+sf_status sf_nccl_load(const char *path, sf_error *err)
 {
     if (N.lib)
-        return 0;
+        return SF_OK;
     const char *name = path && *path ? path : "libnccl.so.2";
     void *lib = dlopen(name, RTLD_NOW | RTLD_NOLOAD);
     if (!lib)
         lib = dlopen(name, RTLD_NOW | RTLD_LOCAL);
     if (!lib) {
         const char *why = dlerror();
-        return fail(err, errlen, 1, "cannot load %s: %s", name, why ? why : "unknown error");
+        return sf_fail(err, SF_EIO, "cannot load %s: %s", name, why ? why : "unknown error");
     }
     N.lib = lib;
     LOOKUP(get_version, "ncclGetVersion");
@@ -86,7 +77,7 @@ int sf_nccl_load(const char *path, char *err, size_t errlen)
         !N.broadcast) {
         dlclose(lib);
         memset(&N, 0, sizeof(N));
-        return fail(err, errlen, 1, "%s lacks the NCCL 2.x entry points", name);
+        return sf_fail(err, SF_EIO, "%s lacks the NCCL 2.x entry points", name);
     }
     if (N.get_version(&N.version) != 0)
         N.version = 0;
@@ -95,137 +86,131 @@ int sf_nccl_load(const char *path, char *err, size_t errlen)
         snprintf(N.path, sizeof(N.path), "%s", info.dli_fname);
     else
         snprintf(N.path, sizeof(N.path), "%s", name);
-    return 0;
+    return SF_OK;
 }
 
 int sf_nccl_version(void) { return N.lib ? N.version : 0; }
 const char *sf_nccl_path(void) { return N.lib ? N.path : ""; }
 
-static int check_result(nccl_result r, nccl_comm comm, const char *what, char *err,
-                        size_t errlen)
+static sf_status check_result(nccl_result r, nccl_comm comm, const char *what, sf_error *err)
 {
     if (r == 0)
-        return 0;
+        return SF_OK;
     const char *s = N.get_error_string ? N.get_error_string(r) : "unknown";
     const char *last = N.get_last_error ? N.get_last_error(comm) : NULL;
-    return fail(err, errlen, r, "%s failed: NCCL error %d (%s)%s%s", what, r, s ? s : "?",
+    return sf_fail(err, SF_EEXTERNAL, "%s failed: NCCL error %d (%s)%s%s", what, r, s ? s : "?",
                 last && *last ? ": " : "", last && *last ? last : "");
 }
 
-static int need(void *fn, const char *what, char *err, size_t errlen)
+static sf_status need(void *fn, const char *what, sf_error *err)
 {
     if (!N.lib)
-        return fail(err, errlen, 1, "%s: NCCL is not loaded", what);
+        return sf_fail(err, SF_EUNSUPPORTED, "%s: NCCL is not loaded", what);
     if (!fn)
-        return fail(err, errlen, 1, "%s: this NCCL (version %d) lacks the entry point", what,
-                    N.version);
-    return 0;
+        return sf_fail(err, SF_EUNSUPPORTED, "%s: this NCCL (version %d) lacks the entry point",
+                       what, N.version);
+    return SF_OK;
 }
 
-int sf_nccl_unique_id(unsigned char id[SF_NCCL_UNIQUE_ID_BYTES], char *err, size_t errlen)
+/* The NCCL call needs `what` loaded and a communicator. */
+#define NEED(field, what)                                                     \
+    do {                                                                      \
+        sf_status rc_ = need(*(void **)(&N.field), what, err);                \
+        if (rc_)                                                              \
+            return rc_;                                                       \
+        if (!comm)                                                            \
+            return sf_fail(err, SF_EINVAL, "%s: no communicator", what);      \
+    } while (0)
+
+sf_status sf_nccl_unique_id(unsigned char id[SF_NCCL_UNIQUE_ID_BYTES], sf_error *err)
 {
-    if (need(*(void **)(&N.get_unique_id), "ncclGetUniqueId", err, errlen))
-        return 1;
+    sf_status rc = need(*(void **)(&N.get_unique_id), "ncclGetUniqueId", err);
+    if (rc)
+        return rc;
     nccl_unique_id u;
-    int rc = check_result(N.get_unique_id(&u), NULL, "ncclGetUniqueId", err, errlen);
+    rc = check_result(N.get_unique_id(&u), NULL, "ncclGetUniqueId", err);
     if (!rc)
         memcpy(id, u.internal, SF_NCCL_UNIQUE_ID_BYTES);
     return rc;
 }
 
-int sf_nccl_comm_init(void **comm, int nranks, const unsigned char id[SF_NCCL_UNIQUE_ID_BYTES],
-                      int rank, char *err, size_t errlen)
+sf_status sf_nccl_comm_init(void **comm, int nranks,
+                            const unsigned char id[SF_NCCL_UNIQUE_ID_BYTES], int rank,
+                            sf_error *err)
 {
-    if (need(*(void **)(&N.comm_init_rank), "ncclCommInitRank", err, errlen))
-        return 1;
-    if (!comm || nranks < 1 || rank < 0 || rank >= nranks)
-        return fail(err, errlen, 1, "ncclCommInitRank: rank %d of %d ranks is invalid", rank,
-                    nranks);
+    if (!comm || !id || nranks < 1 || rank < 0 || rank >= nranks)
+        return sf_fail(err, SF_EINVAL, "ncclCommInitRank: rank %d of %d ranks is invalid", rank,
+                       nranks);
+    sf_status rc = need(*(void **)(&N.comm_init_rank), "ncclCommInitRank", err);
+    if (rc)
+        return rc;
     nccl_unique_id u;
     memcpy(u.internal, id, SF_NCCL_UNIQUE_ID_BYTES);
     nccl_comm c = NULL;
-    int rc = check_result(N.comm_init_rank(&c, nranks, u, rank), NULL, "ncclCommInitRank", err,
-                          errlen);
+    rc = check_result(N.comm_init_rank(&c, nranks, u, rank), NULL, "ncclCommInitRank", err);
     if (!rc)
         *comm = c;
     return rc;
 }
 
-int sf_nccl_comm_destroy(void *comm, int abort_it, char *err, size_t errlen)
+sf_status sf_nccl_comm_destroy(void *comm, int abort_it, sf_error *err)
 {
     if (!comm)
-        return 0;
+        return SF_OK;
     if (abort_it && N.comm_abort)
-        return check_result(N.comm_abort(comm), NULL, "ncclCommAbort", err, errlen);
-    if (need(*(void **)(&N.comm_destroy), "ncclCommDestroy", err, errlen))
-        return 1;
-    return check_result(N.comm_destroy(comm), NULL, "ncclCommDestroy", err, errlen);
+        return check_result(N.comm_abort(comm), NULL, "ncclCommAbort", err);
+    sf_status rc = need(*(void **)(&N.comm_destroy), "ncclCommDestroy", err);
+    if (rc)
+        return rc;
+    return check_result(N.comm_destroy(comm), NULL, "ncclCommDestroy", err);
 }
 
 #define STREAM(s) ((cuda_stream)(s))
 
-int sf_nccl_all_reduce(void *comm, const void *send, void *recv, size_t count, int dtype,
-                       int op, uintptr_t stream, char *err, size_t errlen)
+sf_status sf_nccl_all_reduce(void *comm, const void *send, void *recv, size_t count, int dtype,
+                             int op, uintptr_t stream, sf_error *err)
 {
-    if (need(*(void **)(&N.all_reduce), "ncclAllReduce", err, errlen))
-        return 1;
-    if (!comm)
-        return fail(err, errlen, 1, "ncclAllReduce: no communicator");
+    NEED(all_reduce, "ncclAllReduce");
     return check_result(N.all_reduce(send, recv, count, dtype, op, comm, STREAM(stream)), comm,
-                        "ncclAllReduce", err, errlen);
+                        "ncclAllReduce", err);
 }
 
-int sf_nccl_all_gather(void *comm, const void *send, void *recv, size_t count, int dtype,
-                       uintptr_t stream, char *err, size_t errlen)
+sf_status sf_nccl_all_gather(void *comm, const void *send, void *recv, size_t count, int dtype,
+                             uintptr_t stream, sf_error *err)
 {
-    if (need(*(void **)(&N.all_gather), "ncclAllGather", err, errlen))
-        return 1;
-    if (!comm)
-        return fail(err, errlen, 1, "ncclAllGather: no communicator");
+    NEED(all_gather, "ncclAllGather");
     return check_result(N.all_gather(send, recv, count, dtype, comm, STREAM(stream)), comm,
-                        "ncclAllGather", err, errlen);
+                        "ncclAllGather", err);
 }
 
-int sf_nccl_reduce_scatter(void *comm, const void *send, void *recv, size_t count, int dtype,
-                           int op, uintptr_t stream, char *err, size_t errlen)
+sf_status sf_nccl_reduce_scatter(void *comm, const void *send, void *recv, size_t count, int dtype,
+                                 int op, uintptr_t stream, sf_error *err)
 {
-    if (need(*(void **)(&N.reduce_scatter), "ncclReduceScatter", err, errlen))
-        return 1;
-    if (!comm)
-        return fail(err, errlen, 1, "ncclReduceScatter: no communicator");
+    NEED(reduce_scatter, "ncclReduceScatter");
     return check_result(N.reduce_scatter(send, recv, count, dtype, op, comm, STREAM(stream)),
-                        comm, "ncclReduceScatter", err, errlen);
+                        comm, "ncclReduceScatter", err);
 }
 
-int sf_nccl_broadcast(void *comm, const void *send, void *recv, size_t count, int dtype,
-                      int root, uintptr_t stream, char *err, size_t errlen)
+sf_status sf_nccl_broadcast(void *comm, const void *send, void *recv, size_t count, int dtype,
+                            int root, uintptr_t stream, sf_error *err)
 {
-    if (need(*(void **)(&N.broadcast), "ncclBroadcast", err, errlen))
-        return 1;
-    if (!comm)
-        return fail(err, errlen, 1, "ncclBroadcast: no communicator");
+    NEED(broadcast, "ncclBroadcast");
     return check_result(N.broadcast(send, recv, count, dtype, root, comm, STREAM(stream)), comm,
-                        "ncclBroadcast", err, errlen);
+                        "ncclBroadcast", err);
 }
 
-int sf_nccl_send(void *comm, const void *buf, size_t count, int dtype, int peer,
-                 uintptr_t stream, char *err, size_t errlen)
+sf_status sf_nccl_send(void *comm, const void *buf, size_t count, int dtype, int peer,
+                       uintptr_t stream, sf_error *err)
 {
-    if (need(*(void **)(&N.send), "ncclSend", err, errlen))
-        return 1;
-    if (!comm)
-        return fail(err, errlen, 1, "ncclSend: no communicator");
+    NEED(send, "ncclSend");
     return check_result(N.send(buf, count, dtype, peer, comm, STREAM(stream)), comm, "ncclSend",
-                        err, errlen);
+                        err);
 }
 
-int sf_nccl_recv(void *comm, void *buf, size_t count, int dtype, int peer, uintptr_t stream,
-                 char *err, size_t errlen)
+sf_status sf_nccl_recv(void *comm, void *buf, size_t count, int dtype, int peer, uintptr_t stream,
+                       sf_error *err)
 {
-    if (need(*(void **)(&N.recv), "ncclRecv", err, errlen))
-        return 1;
-    if (!comm)
-        return fail(err, errlen, 1, "ncclRecv: no communicator");
+    NEED(recv, "ncclRecv");
     return check_result(N.recv(buf, count, dtype, peer, comm, STREAM(stream)), comm, "ncclRecv",
-                        err, errlen);
+                        err);
 }

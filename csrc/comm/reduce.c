@@ -4,12 +4,16 @@
  * Sums of bf16/fp16 accumulate in fp32 and round once to nearest-even, so
  * every rank that reduces the same inputs gets the same bits, and the AVX2
  * path gives the same bits as the plain C one (tests compare the two).
- * max propagates NaN, as torch does.
+ * max propagates NaN, as torch does.  The scalar conversions are half.h's;
+ * the AVX2 path (run where sf_cpu_has_simd()) rounds the same way.
  */
 #include "reduce.h"
 
 #include <stdint.h>
 #include <string.h>
+
+#include "cpu_features.h"
+#include "half.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #define SF_X86 1
@@ -24,57 +28,6 @@ size_t sf_red_size(sf_red_dtype t)
     case SF_RED_F64: case SF_RED_I64: return 8;
     default: return 0;
     }
-}
-
-/* ---- scalar conversions ------------------------------------------------ */
-
-static inline float bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-static inline uint32_t f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-
-static inline float bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
-
-static inline uint16_t f32_to_bf16(float f)
-{
-    uint32_t u = f32_bits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u | 0x00400000u) >> 16);   /* quiet NaN, sign kept */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float f16_to_f32(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
-    if (exp == 0) {
-        if (man == 0)
-            return bits_f32(sign);
-        /* subnormal: man * 2^-24 */
-        float v = (float)man * bits_f32(0x33800000u);
-        return bits_f32(sign | f32_bits(v));
-    }
-    if (exp == 31)
-        return bits_f32(sign | 0x7f800000u | (man << 13));
-    return bits_f32(sign | ((exp + 112u) << 23) | (man << 13));
-}
-
-static inline uint16_t f32_to_f16(float f)
-{
-    uint32_t u = f32_bits(f);
-    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
-    u &= 0x7fffffffu;
-    if (u >= 0x7f800000u)                       /* inf or NaN (NaN kept quiet) */
-        return (uint16_t)(sign | 0x7c00u | (u > 0x7f800000u ? 0x200u | ((u >> 13) & 0x3ffu) : 0));
-    if (u >= 0x477ff000u)                       /* rounds to >= 2^16: inf */
-        return (uint16_t)(sign | 0x7c00u);
-    if (u < 0x38800000u) {                      /* below 2^-14: subnormal half */
-        /* Adding 0.5 puts the half's subnormal ulp (2^-24) at the float's
-         * last mantissa bit, so the FPU rounds to nearest-even for us. */
-        float v = bits_f32(u) + 0.5f;
-        return (uint16_t)(sign | (f32_bits(v) - 0x3f000000u));
-    }
-    u += 0xc8000fffu + ((u >> 13) & 1u);        /* rebias exponent (-112 << 23), round */
-    return (uint16_t)(sign | (u >> 13));
 }
 
 static inline float maxf_nan(float acc, float x)
@@ -119,12 +72,12 @@ static void reduce_scalar(sf_red_dtype t, sf_red_op op, void *dst, const void *c
         else SCALAR_LOOP(float, IDENT, IDENT, float, maxf_nan);
         break;
     case SF_RED_BF16:
-        if (op == SF_RED_SUM) SCALAR_LOOP(uint16_t, bf16_to_f32, f32_to_bf16, float, ADD);
-        else SCALAR_LOOP(uint16_t, bf16_to_f32, f32_to_bf16, float, maxf_nan);
+        if (op == SF_RED_SUM) SCALAR_LOOP(uint16_t, sf_bf16_to_f32, sf_f32_to_bf16, float, ADD);
+        else SCALAR_LOOP(uint16_t, sf_bf16_to_f32, sf_f32_to_bf16, float, maxf_nan);
         break;
     case SF_RED_F16:
-        if (op == SF_RED_SUM) SCALAR_LOOP(uint16_t, f16_to_f32, f32_to_f16, float, ADD);
-        else SCALAR_LOOP(uint16_t, f16_to_f32, f32_to_f16, float, maxf_nan);
+        if (op == SF_RED_SUM) SCALAR_LOOP(uint16_t, sf_f16_to_f32, sf_f32_to_f16, float, ADD);
+        else SCALAR_LOOP(uint16_t, sf_f16_to_f32, sf_f32_to_f16, float, maxf_nan);
         break;
     case SF_RED_F64:
         if (op == SF_RED_SUM) SCALAR_LOOP(double, IDENT, IDENT, double, ADD);
@@ -236,35 +189,34 @@ AVX2 static size_t reduce_avx2(sf_red_dtype t, sf_red_op op, void *dst, const vo
     return i;
 }
 
-int sf_cpu_has_avx2(void)
-{
-    static int cached = -1;
-    if (cached < 0) {
-        __builtin_cpu_init();
-        cached = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
-    }
-    return cached;
-}
-#else
-int sf_cpu_has_avx2(void) { return 0; }
 #endif
 
-int sf_reduce(sf_red_dtype t, sf_red_op op, void *dst, const void *const *src, int nsrc,
-              size_t n, int use_simd)
+sf_status sf_reduce(sf_red_dtype t, sf_red_op op, void *dst, const void *const *src, int nsrc,
+                    size_t n, int use_simd, sf_error *err)
 {
-    if (!dst || !src || nsrc < 1 || (unsigned)t >= SF_RED_NTYPES ||
-        (op != SF_RED_SUM && op != SF_RED_MAX))
-        return 1;
-    for (int k = 0; k < nsrc; k++)
+    if ((unsigned)t >= SF_RED_NTYPES)
+        return sf_fail(err, SF_ETYPE, "reduce: element type %d is not one of the %d reducible "
+                       "types", (int)t, (int)SF_RED_NTYPES);
+    if (op != SF_RED_SUM && op != SF_RED_MAX)
+        return sf_fail(err, SF_EINVAL, "reduce: op=%d is neither sum (%d) nor max (%d)", (int)op,
+                       (int)SF_RED_SUM, (int)SF_RED_MAX);
+    if (nsrc < 1)
+        return sf_fail(err, SF_EINVAL, "reduce: nsrc=%d must be >= 1", nsrc);
+    if (n > 0 && (!dst || !src))
+        return sf_fail(err, SF_EINVAL, "reduce: %s is NULL with n=%zu elements", dst ? "src" : "dst",
+                       n);
+    for (int k = 0; n > 0 && k < nsrc; k++)
         if (!src[k])
-            return 1;
+            return sf_fail(err, SF_EINVAL, "reduce: src[%d] is NULL with n=%zu elements", k, n);
+    if (n == 0)
+        return SF_OK;
     size_t done = 0;
 #ifdef SF_X86
-    if (use_simd && sf_cpu_has_avx2())
+    if (use_simd && sf_cpu_has_simd())
         done = reduce_avx2(t, op, dst, src, nsrc, n);
 #else
     (void)use_simd;
 #endif
     reduce_scalar(t, op, dst, src, nsrc, done, n);
-    return 0;
+    return SF_OK;
 }

@@ -20,7 +20,6 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <sched.h>
-#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -64,17 +63,6 @@ struct sf_shm {
     char label[SF_SHM_LABEL];
 };
 
-static int fail(char *err, size_t len, int code, const char *fmt, ...)
-{
-    if (err && len) {
-        va_list ap;
-        va_start(ap, fmt);
-        vsnprintf(err, len, fmt, ap);
-        va_end(ap);
-    }
-    return code;
-}
-
 static size_t layout(sf_shm *c)
 {
     size_t p = (size_t)c->nranks;
@@ -114,33 +102,33 @@ static sf_shm *new_comm(int nranks, int rank, size_t workspace, size_t p2p)
     return c;
 }
 
-int sf_shm_create(const char *name, int nranks, size_t workspace, size_t p2p, uint64_t nonce,
-                  sf_shm **out, char *err, size_t errlen)
+sf_status sf_shm_create(const char *name, int nranks, size_t workspace, size_t p2p, uint64_t nonce,
+                        sf_shm **out, sf_error *err)
 {
     if (!name || !out || nranks < 1 || nranks > SF_SHM_MAX_RANKS)
-        return fail(err, errlen, SF_COMM_EINVAL, "shm create: nranks=%d must be in [1, %d]",
+        return sf_fail(err, SF_EINVAL, "shm create: nranks=%d must be in [1, %d]",
                     nranks, SF_SHM_MAX_RANKS);
     if (workspace < 2 * LINE || p2p < LINE)
-        return fail(err, errlen, SF_COMM_EINVAL,
+        return sf_fail(err, SF_EINVAL,
                     "shm create: workspace=%zu bytes (min %d) and p2p=%zu bytes (min %d) too small",
                     workspace, 2 * LINE, p2p, LINE);
     sf_shm *c = new_comm(nranks, 0, workspace, p2p);
     if (!c)
-        return fail(err, errlen, SF_COMM_ESYS, "shm create: out of memory");
+        return sf_fail(err, SF_ENOMEM, "shm create: out of memory");
     c->total = layout(c);
     int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0) {
         int e = errno;
         free(c);
-        return fail(err, errlen, SF_COMM_ESYS, "shm_open(%s): %s", name, strerror(e));
+        return sf_fail(err, SF_EIO, "shm_open(%s): %s", name, strerror(e));
     }
-    int rc = posix_fallocate(fd, 0, (off_t)c->total);
+    sf_status rc = posix_fallocate(fd, 0, (off_t)c->total);
     if (rc != 0) {
         size_t total = c->total;
         close(fd);
         shm_unlink(name);
         free(c);
-        return fail(err, errlen, SF_COMM_ESYS,
+        return sf_fail(err, SF_EIO,
                     "cannot reserve %zu bytes in /dev/shm for segment %s: %s (make /dev/shm "
                     "larger, or set SHARDFORMER_SHM_WORKSPACE smaller)",
                     total, name, strerror(rc));
@@ -152,7 +140,7 @@ int sf_shm_create(const char *name, int nranks, size_t workspace, size_t p2p, ui
         shm_unlink(name);
         size_t total = c->total;
         free(c);
-        return fail(err, errlen, SF_COMM_ESYS, "mmap of %zu bytes (%s): %s", total, name,
+        return sf_fail(err, SF_EIO, "mmap of %zu bytes (%s): %s", total, name,
                     strerror(e));
     }
     c->base = p;
@@ -166,36 +154,36 @@ int sf_shm_create(const char *name, int nranks, size_t workspace, size_t p2p, ui
     atomic_thread_fence(memory_order_release);
     h->magic = MAGIC;
     *out = c;
-    return SF_COMM_OK;
+    return SF_OK;
 }
 
-int sf_shm_attach(const char *name, int nranks, int rank, uint64_t nonce, sf_shm **out,
-                  char *err, size_t errlen)
+sf_status sf_shm_attach(const char *name, int nranks, int rank, uint64_t nonce, sf_shm **out,
+                        sf_error *err)
 {
     if (!name || !out || nranks < 1 || nranks > SF_SHM_MAX_RANKS || rank < 0 || rank >= nranks)
-        return fail(err, errlen, SF_COMM_EINVAL, "shm attach: rank %d of %d ranks is invalid",
+        return sf_fail(err, SF_EINVAL, "shm attach: rank %d of %d ranks is invalid",
                     rank, nranks);
     int fd = shm_open(name, O_RDWR, 0600);
     if (fd < 0)
-        return fail(err, errlen, SF_COMM_ESYS, "shm_open(%s): %s (rank %d is not on the host "
+        return sf_fail(err, SF_EIO, "shm_open(%s): %s (rank %d is not on the host "
                     "of rank 0)", name, strerror(errno), rank);
     struct stat st;
     if (fstat(fd, &st) != 0 || (size_t)st.st_size < sizeof(header)) {
         close(fd);
-        return fail(err, errlen, SF_COMM_ESYS, "segment %s is too small or unreadable", name);
+        return sf_fail(err, SF_EIO, "segment %s is too small or unreadable", name);
     }
     size_t total = (size_t)st.st_size;
     void *p = mmap(NULL, total, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     int e = errno;
     close(fd);
     if (p == MAP_FAILED)
-        return fail(err, errlen, SF_COMM_ESYS, "mmap of %zu bytes (%s): %s", total, name,
+        return sf_fail(err, SF_EIO, "mmap of %zu bytes (%s): %s", total, name,
                     strerror(e));
     header *h = (header *)p;
     if (h->magic != MAGIC || h->nonce != nonce || h->nranks != (uint64_t)nranks ||
         h->total != total) {
         munmap(p, total);
-        return fail(err, errlen, SF_COMM_EINVAL,
+        return sf_fail(err, SF_EINVAL,
                     "segment %s is not the one rank 0 created for this group (header mismatch)",
                     name);
     }
@@ -203,7 +191,7 @@ int sf_shm_attach(const char *name, int nranks, int rank, uint64_t nonce, sf_shm
     sf_shm *c = new_comm(nranks, rank, 2 * (size_t)h->half, (size_t)h->p2p);
     if (!c) {
         munmap(p, total);
-        return fail(err, errlen, SF_COMM_ESYS, "shm attach: out of memory");
+        return sf_fail(err, SF_ENOMEM, "shm attach: out of memory");
     }
     c->half = (size_t)h->half;
     c->p2p = (size_t)h->p2p;
@@ -211,19 +199,19 @@ int sf_shm_attach(const char *name, int nranks, int rank, uint64_t nonce, sf_shm
     c->total = total;
     if (layout(c) != total) {
         sf_shm_close(c);
-        return fail(err, errlen, SF_COMM_EINVAL, "segment %s has an inconsistent layout", name);
+        return sf_fail(err, SF_EINVAL, "segment %s has an inconsistent layout", name);
     }
     *out = c;
-    return SF_COMM_OK;
+    return SF_OK;
 }
 
-int sf_shm_unlink(const char *name, char *err, size_t errlen)
+sf_status sf_shm_unlink(const char *name, sf_error *err)
 {
     if (!name)
-        return fail(err, errlen, SF_COMM_EINVAL, "shm unlink: no name");
+        return sf_fail(err, SF_EINVAL, "shm unlink: no name");
     if (shm_unlink(name) != 0 && errno != ENOENT)
-        return fail(err, errlen, SF_COMM_ESYS, "shm_unlink(%s): %s", name, strerror(errno));
-    return SF_COMM_OK;
+        return sf_fail(err, SF_EIO, "shm_unlink(%s): %s", name, strerror(errno));
+    return SF_OK;
 }
 
 void sf_shm_close(sf_shm *c)
@@ -308,15 +296,15 @@ static int wait_step(waiter *w, const sf_shm *c)
     return (i & 63) == 0 && now_s() > w->deadline;
 }
 
-static int timed_out(sf_shm *c, char *err, size_t errlen, const char *what, const char *who)
+static sf_status timed_out(sf_shm *c, sf_error *err, const char *what, const char *who)
 {
     c->broken = 1;
-    return fail(err, errlen, SF_COMM_ETIMEOUT,
+    return sf_fail(err, SF_ETIMEOUT,
                 "%s: %s timed out after %.3g s on rank %d; %s (the communicator is now broken)",
                 c->label, what, c->timeout_s, c->rank, who);
 }
 
-static int barrier(sf_shm *c, const char *what, char *err, size_t errlen)
+static sf_status barrier(sf_shm *c, const char *what, sf_error *err)
 {
     uint64_t target = ++c->my_seq;
     atomic_store_explicit(&c->seq[c->rank].v, target, memory_order_release);
@@ -332,27 +320,27 @@ static int barrier(sf_shm *c, const char *what, char *err, size_t errlen)
                 for (int q = 0; q < c->nranks && len < sizeof(who) - 8; q++)
                     if (atomic_load_explicit(&c->seq[q].v, memory_order_acquire) < target)
                         len += (size_t)snprintf(who + len, sizeof(who) - len, " %d", q);
-                return timed_out(c, err, errlen, what, who);
+                return timed_out(c, err, what, who);
             }
         }
     }
-    return SF_COMM_OK;
+    return SF_OK;
 }
 
-static int check(sf_shm *c, char *err, size_t errlen)
+static sf_status check(sf_shm *c, sf_error *err)
 {
     if (!c)
-        return fail(err, errlen, SF_COMM_EINVAL, "shm: no communicator");
+        return sf_fail(err, SF_EINVAL, "shm: no communicator");
     if (c->broken)
-        return fail(err, errlen, SF_COMM_EBROKEN,
+        return sf_fail(err, SF_EPEER,
                     "%s: the communicator is broken by an earlier timeout", c->label);
-    return SF_COMM_OK;
+    return SF_OK;
 }
 
-int sf_shm_barrier(sf_shm *c, char *err, size_t errlen)
+sf_status sf_shm_barrier(sf_shm *c, sf_error *err)
 {
-    int rc = check(c, err, errlen);
-    return rc ? rc : barrier(c, "barrier", err, errlen);
+    sf_status rc = check(c, err);
+    return rc ? rc : barrier(c, "barrier", err);
 }
 
 /* Rank r's half for the current chunk; the caller advances c->phase after. */
@@ -365,23 +353,25 @@ static inline char *half_of(const sf_shm *c, int r)
 
 /* Every rank copies its chunk in; after one barrier each reduces all of
  * them, in rank order, into its own output. */
-static int allreduce_oneshot(sf_shm *c, char *buf, size_t n, sf_red_dtype t, sf_red_op op,
-                             char *err, size_t errlen)
+static sf_status allreduce_oneshot(sf_shm *c, char *buf, size_t n, sf_red_dtype t, sf_red_op op,
+                                   sf_error *err)
 {
     size_t es = sf_red_size(t), per = c->half / es;
     const void *src[SF_SHM_MAX_RANKS];
     for (size_t off = 0; off < n; off += per) {
         size_t cnt = n - off < per ? n - off : per;
         memcpy(half_of(c, c->rank), buf + off * es, cnt * es);
-        int rc = barrier(c, "all_reduce", err, errlen);
+        sf_status rc = barrier(c, "all_reduce", err);
         if (rc)
             return rc;
         for (int r = 0; r < c->nranks; r++)
             src[r] = half_of(c, r);
-        sf_reduce(t, op, buf + off * es, src, c->nranks, cnt, 1);
+        rc = sf_reduce(t, op, buf + off * es, src, c->nranks, cnt, 1, err);
+        if (rc)
+            return rc;
         c->phase++;
     }
-    return SF_COMM_OK;
+    return SF_OK;
 }
 
 static inline void slice_of(size_t cnt, int parts, int r, size_t *start, size_t *len)
@@ -395,24 +385,25 @@ static inline void slice_of(size_t cnt, int parts, int r, size_t *start, size_t 
 
 /* Copy in, barrier, rank r reduces slice r of every half into its own half,
  * barrier, every rank copies every reduced slice out. */
-static int allreduce_rsag(sf_shm *c, char *buf, size_t n, sf_red_dtype t, sf_red_op op,
-                          char *err, size_t errlen)
+static sf_status allreduce_rsag(sf_shm *c, char *buf, size_t n, sf_red_dtype t, sf_red_op op,
+                                sf_error *err)
 {
     size_t es = sf_red_size(t), per = c->half / es;
     const void *src[SF_SHM_MAX_RANKS];
     for (size_t off = 0; off < n; off += per) {
         size_t cnt = n - off < per ? n - off : per;
         memcpy(half_of(c, c->rank), buf + off * es, cnt * es);
-        int rc = barrier(c, "all_reduce", err, errlen);
+        sf_status rc = barrier(c, "all_reduce", err);
         if (rc)
             return rc;
         size_t s, len;
         slice_of(cnt, c->nranks, c->rank, &s, &len);
         for (int r = 0; r < c->nranks; r++)
             src[r] = half_of(c, r) + s * es;
-        if (len)
-            sf_reduce(t, op, half_of(c, c->rank) + s * es, src, c->nranks, len, 1);
-        rc = barrier(c, "all_reduce", err, errlen);
+        if (len && (rc = sf_reduce(t, op, half_of(c, c->rank) + s * es, src, c->nranks, len, 1,
+                                   err)))
+            return rc;
+        rc = barrier(c, "all_reduce", err);
         if (rc)
             return rc;
         for (int r = 0; r < c->nranks; r++) {
@@ -422,62 +413,61 @@ static int allreduce_rsag(sf_shm *c, char *buf, size_t n, sf_red_dtype t, sf_red
         }
         c->phase++;
     }
-    return SF_COMM_OK;
+    return SF_OK;
 }
 
-int sf_shm_all_reduce(sf_shm *c, void *buf, size_t n, sf_red_dtype t, sf_red_op op,
-                      sf_ar_algo algo, char *err, size_t errlen)
+sf_status sf_shm_all_reduce(sf_shm *c, void *buf, size_t n, sf_red_dtype t, sf_red_op op,
+                            sf_ar_algo algo, sf_error *err)
 {
-    int rc = check(c, err, errlen);
+    sf_status rc = check(c, err);
     if (rc)
         return rc;
     size_t es = sf_red_size(t);
     if (!es || (op != SF_RED_SUM && op != SF_RED_MAX) || (n && !buf) || c->half < es)
-        return fail(err, errlen, SF_COMM_EINVAL, "%s: all_reduce: bad dtype, op or buffer",
+        return sf_fail(err, SF_EINVAL, "%s: all_reduce: bad dtype, op or buffer",
                     c->label);
     if (c->nranks == 1 || n == 0)
-        return SF_COMM_OK;
+        return SF_OK;
     if (algo == SF_AR_AUTO)
         algo = n * es <= c->oneshot_max ? SF_AR_ONESHOT : SF_AR_RSAG;
-    return algo == SF_AR_ONESHOT ? allreduce_oneshot(c, buf, n, t, op, err, errlen)
-                                 : allreduce_rsag(c, buf, n, t, op, err, errlen);
+    return algo == SF_AR_ONESHOT ? allreduce_oneshot(c, buf, n, t, op, err)
+                                 : allreduce_rsag(c, buf, n, t, op, err);
 }
 
-int sf_shm_all_gather(sf_shm *c, void *out, const void *in, size_t bytes, char *err,
-                      size_t errlen)
+sf_status sf_shm_all_gather(sf_shm *c, void *out, const void *in, size_t bytes, sf_error *err)
 {
-    int rc = check(c, err, errlen);
+    sf_status rc = check(c, err);
     if (rc)
         return rc;
     if (bytes && (!out || !in))
-        return fail(err, errlen, SF_COMM_EINVAL, "%s: all_gather: null buffer", c->label);
+        return sf_fail(err, SF_EINVAL, "%s: all_gather: null buffer", c->label);
     for (size_t off = 0; off < bytes; off += c->half) {
         size_t cnt = bytes - off < c->half ? bytes - off : c->half;
         memcpy(half_of(c, c->rank), (const char *)in + off, cnt);
-        rc = barrier(c, "all_gather", err, errlen);
+        rc = barrier(c, "all_gather", err);
         if (rc)
             return rc;
         for (int r = 0; r < c->nranks; r++)
             memcpy((char *)out + (size_t)r * bytes + off, half_of(c, r), cnt);
         c->phase++;
     }
-    return SF_COMM_OK;
+    return SF_OK;
 }
 
-int sf_shm_reduce_scatter(sf_shm *c, void *out, const void *in, size_t n, sf_red_dtype t,
-                          sf_red_op op, char *err, size_t errlen)
+sf_status sf_shm_reduce_scatter(sf_shm *c, void *out, const void *in, size_t n, sf_red_dtype t,
+                                sf_red_op op, sf_error *err)
 {
-    int rc = check(c, err, errlen);
+    sf_status rc = check(c, err);
     if (rc)
         return rc;
     size_t es = sf_red_size(t);
     size_t P = (size_t)c->nranks;
     if (!es || (op != SF_RED_SUM && op != SF_RED_MAX) || (n && (!out || !in)))
-        return fail(err, errlen, SF_COMM_EINVAL, "%s: reduce_scatter: bad dtype, op or buffer",
+        return sf_fail(err, SF_EINVAL, "%s: reduce_scatter: bad dtype, op or buffer",
                     c->label);
     size_t per = c->half / (es * P);
     if (n && per == 0)
-        return fail(err, errlen, SF_COMM_EINVAL, "%s: reduce_scatter: workspace too small",
+        return sf_fail(err, SF_EINVAL, "%s: reduce_scatter: workspace too small",
                     c->label);
     const void *src[SF_SHM_MAX_RANKS];
     for (size_t off = 0; off < n; off += per) {
@@ -485,37 +475,39 @@ int sf_shm_reduce_scatter(sf_shm *c, void *out, const void *in, size_t n, sf_red
         char *mine = half_of(c, c->rank);
         for (size_t q = 0; q < P; q++)
             memcpy(mine + q * cnt * es, (const char *)in + (q * n + off) * es, cnt * es);
-        rc = barrier(c, "reduce_scatter", err, errlen);
+        rc = barrier(c, "reduce_scatter", err);
         if (rc)
             return rc;
         for (int r = 0; r < c->nranks; r++)
             src[r] = half_of(c, r) + (size_t)c->rank * cnt * es;
-        sf_reduce(t, op, (char *)out + off * es, src, c->nranks, cnt, 1);
+        rc = sf_reduce(t, op, (char *)out + off * es, src, c->nranks, cnt, 1, err);
+        if (rc)
+            return rc;
         c->phase++;
     }
-    return SF_COMM_OK;
+    return SF_OK;
 }
 
-int sf_shm_broadcast(sf_shm *c, void *buf, size_t bytes, int root, char *err, size_t errlen)
+sf_status sf_shm_broadcast(sf_shm *c, void *buf, size_t bytes, int root, sf_error *err)
 {
-    int rc = check(c, err, errlen);
+    sf_status rc = check(c, err);
     if (rc)
         return rc;
     if (root < 0 || root >= c->nranks || (bytes && !buf))
-        return fail(err, errlen, SF_COMM_EINVAL, "%s: broadcast: root %d not in [0, %d)",
+        return sf_fail(err, SF_EINVAL, "%s: broadcast: root %d not in [0, %d)",
                     c->label, root, c->nranks);
     for (size_t off = 0; off < bytes; off += c->half) {
         size_t cnt = bytes - off < c->half ? bytes - off : c->half;
         if (c->rank == root)
             memcpy(half_of(c, root), (char *)buf + off, cnt);
-        rc = barrier(c, "broadcast", err, errlen);
+        rc = barrier(c, "broadcast", err);
         if (rc)
             return rc;
         if (c->rank != root)
             memcpy((char *)buf + off, half_of(c, root), cnt);
         c->phase++;
     }
-    return SF_COMM_OK;
+    return SF_OK;
 }
 
 /* ---- point to point: one mailbox per ordered pair ------------------------ */
@@ -525,8 +517,8 @@ static inline size_t pair(const sf_shm *c, int src, int dst)
     return (size_t)src * (size_t)c->nranks + (size_t)dst;
 }
 
-static int wait_counter(sf_shm *c, _Atomic uint64_t *a, uint64_t target, const char *what,
-                        int peer, char *err, size_t errlen)
+static sf_status wait_counter(sf_shm *c, _Atomic uint64_t *a, uint64_t target, const char *what,
+                              int peer, sf_error *err)
 {
     waiter w;
     wait_init(&w, c);
@@ -534,19 +526,19 @@ static int wait_counter(sf_shm *c, _Atomic uint64_t *a, uint64_t target, const c
         if (wait_step(&w, c)) {
             char who[64];
             snprintf(who, sizeof(who), "peer rank %d did not arrive", peer);
-            return timed_out(c, err, errlen, what, who);
+            return timed_out(c, err, what, who);
         }
     }
-    return SF_COMM_OK;
+    return SF_OK;
 }
 
-int sf_shm_send(sf_shm *c, const void *buf, size_t bytes, int dst, char *err, size_t errlen)
+sf_status sf_shm_send(sf_shm *c, const void *buf, size_t bytes, int dst, sf_error *err)
 {
-    int rc = check(c, err, errlen);
+    sf_status rc = check(c, err);
     if (rc)
         return rc;
     if (dst < 0 || dst >= c->nranks || dst == c->rank || (bytes && !buf))
-        return fail(err, errlen, SF_COMM_EINVAL, "%s: send: bad destination rank %d (self %d of %d)",
+        return sf_fail(err, SF_EINVAL, "%s: send: bad destination rank %d (self %d of %d)",
                     c->label, dst, c->rank, c->nranks);
     size_t k = pair(c, c->rank, dst);
     _Atomic uint64_t *posted = &c->posted[k].v, *taken = &c->taken[k].v;
@@ -554,22 +546,22 @@ int sf_shm_send(sf_shm *c, const void *buf, size_t bytes, int dst, char *err, si
     for (size_t off = 0; off < bytes; off += c->p2p) {
         size_t cnt = bytes - off < c->p2p ? bytes - off : c->p2p;
         uint64_t mine = atomic_load_explicit(posted, memory_order_relaxed);
-        rc = wait_counter(c, taken, mine, "send", dst, err, errlen);  /* box empty */
+        rc = wait_counter(c, taken, mine, "send", dst, err);  /* box empty */
         if (rc)
             return rc;
         memcpy(box, (const char *)buf + off, cnt);
         atomic_store_explicit(posted, mine + 1, memory_order_release);
     }
-    return SF_COMM_OK;
+    return SF_OK;
 }
 
-int sf_shm_recv(sf_shm *c, void *buf, size_t bytes, int src, char *err, size_t errlen)
+sf_status sf_shm_recv(sf_shm *c, void *buf, size_t bytes, int src, sf_error *err)
 {
-    int rc = check(c, err, errlen);
+    sf_status rc = check(c, err);
     if (rc)
         return rc;
     if (src < 0 || src >= c->nranks || src == c->rank || (bytes && !buf))
-        return fail(err, errlen, SF_COMM_EINVAL, "%s: recv: bad source rank %d (self %d of %d)",
+        return sf_fail(err, SF_EINVAL, "%s: recv: bad source rank %d (self %d of %d)",
                     c->label, src, c->rank, c->nranks);
     size_t k = pair(c, src, c->rank);
     _Atomic uint64_t *posted = &c->posted[k].v, *taken = &c->taken[k].v;
@@ -577,11 +569,11 @@ int sf_shm_recv(sf_shm *c, void *buf, size_t bytes, int src, char *err, size_t e
     for (size_t off = 0; off < bytes; off += c->p2p) {
         size_t cnt = bytes - off < c->p2p ? bytes - off : c->p2p;
         uint64_t seen = atomic_load_explicit(taken, memory_order_relaxed);
-        rc = wait_counter(c, posted, seen + 1, "recv", src, err, errlen);
+        rc = wait_counter(c, posted, seen + 1, "recv", src, err);
         if (rc)
             return rc;
         memcpy((char *)buf + off, box, cnt);
         atomic_store_explicit(taken, seen + 1, memory_order_release);
     }
-    return SF_COMM_OK;
+    return SF_OK;
 }

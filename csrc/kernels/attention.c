@@ -136,23 +136,13 @@ AVX512 static void rows4_cols32(int64_t K, const float *A, int64_t ars, int64_t 
     }
 }
 
-static int g_avx512 = -1;
-
-static int has_avx512(void)
-{
-    if (g_avx512 < 0) {
-        __builtin_cpu_init();
-        g_avx512 = __builtin_cpu_supports("avx512f") && sfk_has_avx2();
-    }
-    return g_avx512;
-}
 #endif
 
 static void matmul_acc_any(int64_t M, int64_t N, int64_t K, const float *A, int64_t ars,
                            int64_t aks, const float *B, int64_t ldb, float *C, int64_t ldc)
 {
 #ifdef ATT_X86
-    if (M >= 4 && N >= 32 && has_avx512()) {
+    if (M >= 4 && N >= 32 && sf_cpu_has_avx512()) {
         const int64_t N32 = N - N % 32, M4 = M - M % 4;
         for (int64_t i = 0; i < M4; i += 4)
             for (int64_t j = 0; j < N32; j += 32)
@@ -163,7 +153,7 @@ static void matmul_acc_any(int64_t M, int64_t N, int64_t K, const float *A, int6
             matmul_acc_avx2(M, N - N32, K, A, ars, aks, B + N32, ldb, C + N32, ldc);
         return;
     }
-    if (sfk_has_avx2()) { matmul_acc_avx2(M, N, K, A, ars, aks, B, ldb, C, ldc); return; }
+    if (sf_cpu_has_simd()) { matmul_acc_avx2(M, N, K, A, ars, aks, B, ldb, C, ldc); return; }
 #endif
     matmul_acc_c(M, N, K, A, ars, aks, B, ldb, C, ldc);
 }
@@ -290,12 +280,38 @@ static void key_range(const sfk_attn *a, int64_t i0, int64_t ni, int64_t *jlo, i
     *jhi = h2 > lo ? h2 : lo;
 }
 
-static int bad(const sfk_attn *a)
+/* Element counts of the arrays of an attention call. */
+typedef struct {
+    int64_t rows_q;   /* B * Hq * Sq: lse */
+    int64_t nq;       /* B * Hq * Sq * D: q, o, dout, dq */
+    int64_t nk;       /* B * Hkv * Sk * D: k, v, dk, dv */
+    int64_t nbias;    /* B * Hq * Sq * Sk: dbias, keep */
+} attn_sizes;
+
+static sf_status check(const char *fn, const sfk_attn *a, attn_sizes *z, sf_error *err)
 {
-    return !a || (a->t != SFK_F32 && a->t != SFK_F16 && a->t != SFK_BF16) || a->B < 0 ||
-           a->Hq < 0 || a->Hkv < 0 || a->Sq < 0 || a->Sk < 0 || a->D < 0 || a->window < 0 ||
-           (a->Hq > 0 && (a->Hkv == 0 || a->Hq % a->Hkv != 0)) ||
-           !(a->dropout >= 0.0f && a->dropout <= 1.0f);
+    if (!a)
+        return sf_fail(err, SF_EINVAL, "%s: no parameters (a is NULL)", fn);
+    sf_status rc;
+    if ((rc = sfk_check_dtype(fn, a->t, err)) || (rc = sfk_check_size(fn, "B", a->B, err)) ||
+        (rc = sfk_check_size(fn, "Hq", a->Hq, err)) || (rc = sfk_check_size(fn, "Hkv", a->Hkv, err)) ||
+        (rc = sfk_check_size(fn, "Sq", a->Sq, err)) || (rc = sfk_check_size(fn, "Sk", a->Sk, err)) ||
+        (rc = sfk_check_size(fn, "D", a->D, err)) || (rc = sfk_check_size(fn, "window", a->window, err)))
+        return rc;
+    if (a->Hq > 0 && (a->Hkv == 0 || a->Hq % a->Hkv != 0))
+        return sf_fail(err, SF_EINVAL, "%s: %lld query heads are not a multiple of %lld key-value "
+                       "heads", fn, (long long)a->Hq, (long long)a->Hkv);
+    if (!(a->dropout >= 0.0f && a->dropout <= 1.0f))
+        return sf_fail(err, SF_EINVAL, "%s: dropout=%g outside [0, 1]", fn, (double)a->dropout);
+    int64_t bh, bkv;
+    if (sf_mul_overflows(a->B, a->Hq, &bh) || sf_mul_overflows(bh, a->Sq, &z->rows_q) ||
+        sf_mul_overflows(z->rows_q, a->D, &z->nq) || sf_mul_overflows(z->rows_q, a->Sk, &z->nbias) ||
+        sf_mul_overflows(a->B, a->Hkv, &bkv) || sf_mul_overflows(bkv, a->Sk, &z->nk) ||
+        sf_mul_overflows(z->nk, a->D, &z->nk))
+        return sf_fail(err, SF_EOVERFLOW, "%s: the sizes B=%lld Hq=%lld Hkv=%lld Sq=%lld Sk=%lld "
+                       "D=%lld overflow int64", fn, (long long)a->B, (long long)a->Hq,
+                       (long long)a->Hkv, (long long)a->Sq, (long long)a->Sk, (long long)a->D);
+    return SF_OK;
 }
 
 /* ---- forward ------------------------------------------------------------ */
@@ -323,7 +339,7 @@ static void forward_rows(void *arg, int64_t r0, int64_t r1, int tid)
     const int64_t Sk = a->Sk, Skr = (Sk + BK - 1) / BK * BK;
     float *buf = malloc(((size_t)(2 * BQ) * (size_t)D + BQ * BK + 2 * BQ + (size_t)((Skr + Sk) * D)) *
                         sizeof(float));
-    if (!buf) { c->err = SFK_ENOMEM; return; }
+    if (!buf) { c->err = SF_ENOMEM; return; }
     float *Qf = buf, *S = Qf + BQ * D, *acc = S + BQ * BK, *m = acc + BQ * D, *l = m + BQ;
     float *Kt = l + BQ, *Vf = Kt + Skr * D;
     int64_t cached = -1;
@@ -381,18 +397,28 @@ static void forward_rows(void *arg, int64_t r0, int64_t r1, int tid)
     free(buf);
 }
 
-int sfk_attention_forward(const sfk_attn *a, const void *q, const void *k, const void *v, void *o,
-                          float *lse)
+sf_status sfk_attention_forward(const sfk_attn *a, const void *q, const void *k, const void *v,
+                                void *o, float *lse, sf_error *err)
 {
-    if (bad(a)) return SFK_EINVAL;
-    const int64_t rows_q = a->B * a->Hq * a->Sq;
-    if (rows_q == 0) return SFK_OK;
-    if (!q || !o || !lse || (a->Sk > 0 && a->D > 0 && (!k || !v))) return SFK_EINVAL;
+    static const char fn[] = "attention_forward";
+    attn_sizes z = {0, 0, 0, 0};
+    sf_status rc;
+    if ((rc = check(fn, a, &z, err)))
+        return rc;
+    if (z.rows_q == 0) return SF_OK;
+    if ((rc = sfk_check_ptr(fn, "q", q, z.nq, err)) || (rc = sfk_check_ptr(fn, "o", o, z.nq, err)) ||
+        (rc = sfk_check_ptr(fn, "lse", lse, z.rows_q, err)) ||
+        (rc = sfk_check_ptr(fn, "k", k, z.nk, err)) || (rc = sfk_check_ptr(fn, "v", v, z.nk, err)))
+        return rc;
     fwd_ctx c = {.a = a, .q = q, .k = k, .v = v, .o = o, .lse = lse, .nqt = (a->Sq + BQ - 1) / BQ};
     const int64_t rows = a->B * a->Hq * c.nqt;
     sfk_parallel_rows(rows, sfk_threads_for(rows, (int64_t)BQ * (a->Sk + 1) * (a->D + 1)),
                       forward_rows, &c);
-    return c.err;
+    if (c.err)
+        return sfk_no_memory(fn, ((double)(2 * BQ + 2) * (double)a->D + BQ * BK + 2 * BQ +
+                                  2.0 * (double)a->Sk * (double)a->D + BK * (double)a->D) *
+                                 sizeof(float), err);
+    return SF_OK;
 }
 
 /* ---- backward ----------------------------------------------------------- */
@@ -441,7 +467,7 @@ static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
     size_t n = (size_t)(2 * BQ + 4 * BK + 2 * BK) * (size_t)D + 3 * BQ * BK + (size_t)(g * Sq) +
                (direct || c->nsplit > 1 ? 0 : (size_t)(g * Sq * D));
     float *buf = malloc(n * sizeof(float));
-    if (!buf) { c->err = SFK_ENOMEM; return; }
+    if (!buf) { c->err = SF_ENOMEM; return; }
     float *Qf = buf, *dOf = Qf + BQ * D, *Kf = dOf + BQ * D, *Vf = Kf + BK * D, *dKa = Vf + BK * D;
     float *dVa = dKa + BK * D, *Kt = dVa + BK * D, *Vt = Kt + D * BK, *S = Vt + D * BK;
     float *dP = S + BQ * BK, *T = dP + BQ * BK, *delta = T + BK * BQ, *dQbuf = delta + g * Sq;
@@ -525,18 +551,25 @@ static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
     free(buf);
 }
 
-int sfk_attention_backward(const sfk_attn *a, const void *q, const void *k, const void *v,
-                           const void *o, const void *dout, const float *lse, void *dq, void *dk,
-                           void *dv, float *dbias)
+sf_status sfk_attention_backward(const sfk_attn *a, const void *q, const void *k, const void *v,
+                                 const void *o, const void *dout, const float *lse, void *dq,
+                                 void *dk, void *dv, float *dbias, sf_error *err)
 {
-    if (bad(a)) return SFK_EINVAL;
-    const int64_t nq = a->B * a->Hq * a->Sq * a->D, nk = a->B * a->Hkv * a->Sk * a->D;
-    if ((nq > 0 && (!q || !o || !dout || !dq)) || (a->B * a->Hq * a->Sq > 0 && !lse) ||
-        (nk > 0 && (!k || !v || !dk || !dv)))
-        return SFK_EINVAL;
-    if (dbias) memset(dbias, 0, (size_t)(a->B * a->Hq * a->Sq * a->Sk) * sizeof(float));
-    const int64_t pairs = a->B * a->Hkv, g = a->Hq / a->Hkv;
-    if (pairs == 0) return SFK_OK;
+    static const char fn[] = "attention_backward";
+    attn_sizes z = {0, 0, 0, 0};
+    sf_status rc;
+    if ((rc = check(fn, a, &z, err)))
+        return rc;
+    if ((rc = sfk_check_ptr(fn, "q", q, z.nq, err)) || (rc = sfk_check_ptr(fn, "o", o, z.nq, err)) ||
+        (rc = sfk_check_ptr(fn, "dout", dout, z.nq, err)) ||
+        (rc = sfk_check_ptr(fn, "dq", dq, z.nq, err)) ||
+        (rc = sfk_check_ptr(fn, "lse", lse, z.rows_q, err)) ||
+        (rc = sfk_check_ptr(fn, "k", k, z.nk, err)) || (rc = sfk_check_ptr(fn, "v", v, z.nk, err)) ||
+        (rc = sfk_check_ptr(fn, "dk", dk, z.nk, err)) || (rc = sfk_check_ptr(fn, "dv", dv, z.nk, err)))
+        return rc;
+    if (dbias) memset(dbias, 0, (size_t)z.nbias * sizeof(float));
+    const int64_t pairs = a->B * a->Hkv, g = a->Hkv > 0 ? a->Hq / a->Hkv : 0;
+    if (pairs == 0) return SF_OK;
     bwd_ctx c = {.a = a, .q = q, .k = k, .v = v, .o = o, .dout = dout, .lse = lse, .dq = dq,
                  .dk = dk, .dv = dv, .dbias = dbias, .nsplit = 1};
     const int64_t nkt = (a->Sk + BK - 1) / BK;
@@ -565,12 +598,13 @@ int sfk_attention_backward(const sfk_attn *a, const void *q, const void *k, cons
     const size_t qn = (size_t)(g * a->Sq * a->D);
     if (c.nsplit > 1) {
         c.dqpart = calloc((size_t)(pairs * c.nsplit) * qn, sizeof(float));
-        if (!c.dqpart) return SFK_ENOMEM;
+        if (!c.dqpart)
+            return sfk_no_memory(fn, (double)(pairs * c.nsplit) * (double)qn * sizeof(float), err);
     }
     const int64_t rows = pairs * c.nsplit;
     sfk_parallel_rows(rows, nt < rows ? nt : (int)rows, backward_rows, &c);
     if (c.nsplit > 1) {
-        if (c.err == SFK_OK) {
+        if (c.err == SF_OK) {
             for (int64_t pr = 0; pr < pairs; pr++) {
                 float *sum = c.dqpart + (size_t)(pr * c.nsplit) * qn;
                 for (int64_t part = 1; part < c.nsplit; part++) {
@@ -584,19 +618,26 @@ int sfk_attention_backward(const sfk_attn *a, const void *q, const void *k, cons
         }
         free(c.dqpart);
     }
-    return c.err;
+    if (c.err)
+        return sfk_no_memory(fn, ((double)(8 * BK + 2 * BQ) * (double)a->D + 3.0 * BQ * BK +
+                                  (double)g * (double)a->Sq * (1.0 + (double)a->D)) *
+                                 sizeof(float), err);
+    return SF_OK;
 }
 
-int sfk_attention_dropout_keep(const sfk_attn *a, uint8_t *keep)
+sf_status sfk_attention_dropout_keep(const sfk_attn *a, uint8_t *keep, sf_error *err)
 {
-    if (bad(a)) return SFK_EINVAL;
-    const int64_t rows = a->B * a->Hq * a->Sq;
-    if (rows > 0 && a->Sk > 0 && !keep) return SFK_EINVAL;
+    static const char fn[] = "attention_dropout_keep";
+    attn_sizes z = {0, 0, 0, 0};
+    sf_status rc;
+    if ((rc = check(fn, a, &z, err)) || (rc = sfk_check_ptr(fn, "keep", keep, z.nbias, err)))
+        return rc;
+    const int64_t rows = z.rows_q;
     const uint32_t thresh = sfk_dropout_threshold(a->dropout);
     for (int64_t r = 0; r < rows; r++) {
         const uint32_t key = sfk_dropout_key(a->seed, r);
         for (int64_t j = 0; j < a->Sk; j++)
             keep[r * a->Sk + j] = (uint8_t)(a->dropout <= 0.0f || sfk_dropout_kept(key, j, thresh));
     }
-    return SFK_OK;
+    return SF_OK;
 }

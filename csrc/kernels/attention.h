@@ -52,14 +52,17 @@ typedef struct {
     uint64_t seed;
 } sfk_attn;
 
-int sfk_attention_forward(const sfk_attn *a, const void *q, const void *k, const void *v, void *o,
-                          float *lse);
+/* Parameters out of range (negative sizes or window, Hq not a multiple of
+ * Hkv, dropout outside [0, 1]) are EINVAL, sizes whose products overflow
+ * int64 EOVERFLOW, each with a message naming the parameter. */
+sf_status sfk_attention_forward(const sfk_attn *a, const void *q, const void *k, const void *v,
+                                void *o, float *lse, sf_error *err);
 /* dbias: NULL, or fp32 [B, Hq, Sq, Sk] receiving ds (the caller sums it over
  * the dimensions its bias broadcasts). */
-int sfk_attention_backward(const sfk_attn *a, const void *q, const void *k, const void *v,
-                           const void *o, const void *dout, const float *lse, void *dq, void *dk,
-                           void *dv, float *dbias);
+sf_status sfk_attention_backward(const sfk_attn *a, const void *q, const void *k, const void *v,
+                                 const void *o, const void *dout, const float *lse, void *dq,
+                                 void *dk, void *dv, float *dbias, sf_error *err);
 /* keep [B, Hq, Sq, Sk]: the dropout draws z_ij of (a->seed, a->dropout), for tests. */
-int sfk_attention_dropout_keep(const sfk_attn *a, uint8_t *keep);
+sf_status sfk_attention_dropout_keep(const sfk_attn *a, uint8_t *keep, sf_error *err);
 
 #endif

@@ -1,7 +1,7 @@
 /*
- * common.c -- dtype conversion of rows, exp / max / sum-exp over fp32 rows
- * (AVX2+FMA with a runtime check, plain C otherwise), and the row-parallel
- * thread driver.
+ * common.c -- argument checks, dtype conversion of rows, exp / max / sum-exp
+ * over fp32 rows (AVX2+FMA where sf_cpu_has_simd(), plain C otherwise), and
+ * the row-parallel thread driver.
  */
 #define _GNU_SOURCE
 #include "common.h"
@@ -14,16 +14,68 @@
 #define SFK_X86 1
 #endif
 
+/* ---- argument checks ------------------------------------------------------ */
+
+sf_status sfk_check_dtype(const char *fn, sfk_dtype t, sf_error *err)
+{
+    if (t != SFK_F32 && t != SFK_F16 && t != SFK_BF16)
+        return sf_fail(err, SF_ETYPE, "%s: element type %d is not float32 (%d), float16 (%d) or "
+                       "bfloat16 (%d)", fn, (int)t, SFK_F32, SFK_F16, SFK_BF16);
+    return SF_OK;
+}
+
+sf_status sfk_check_size(const char *fn, const char *name, int64_t value, sf_error *err)
+{
+    if (value < 0)
+        return sf_fail(err, SF_EINVAL, "%s: %s=%lld must be >= 0", fn, name, (long long)value);
+    return SF_OK;
+}
+
+sf_status sfk_check_ptr(const char *fn, const char *name, const void *p, int64_t count,
+                        sf_error *err)
+{
+    if (count > 0 && p == NULL)
+        return sf_fail(err, SF_EINVAL, "%s: %s is NULL but %lld elements are to be touched", fn,
+                       name, (long long)count);
+    return SF_OK;
+}
+
+sf_status sfk_no_memory(const char *fn, double bytes, sf_error *err)
+{
+    return sf_fail(err, SF_ENOMEM, "%s: out of memory (could not allocate %.0f bytes of scratch)",
+                   fn, bytes);
+}
+
+sf_status sfk_convert(sfk_dtype from, const void *src, sfk_dtype to, void *dst, int64_t n,
+                      sf_error *err)
+{
+    sf_status rc;
+    if ((rc = sfk_check_dtype("convert", from, err)) || (rc = sfk_check_dtype("convert", to, err)) ||
+        (rc = sfk_check_size("convert", "n", n, err)) ||
+        (rc = sfk_check_ptr("convert", "src", src, n, err)) ||
+        (rc = sfk_check_ptr("convert", "dst", dst, n, err)))
+        return rc;
+    float buf[1024];
+    for (int64_t i = 0; i < n; i += 1024) {
+        const int64_t len = n - i < 1024 ? n - i : 1024;
+        sfk_load(from, (const char *)src + (size_t)i * (size_t)sfk_size(from), len, buf);
+        sfk_store(to, buf, len, (char *)dst + (size_t)i * (size_t)sfk_size(to));
+    }
+    return SF_OK;
+}
+
+/* ---- rows ----------------------------------------------------------------- */
+
 void sfk_load(sfk_dtype t, const void *src, int64_t n, float *dst)
 {
     if (t == SFK_F32) {
         memcpy(dst, src, (size_t)n * 4);
     } else if (t == SFK_BF16) {
         const uint16_t *s = src;
-        for (int64_t i = 0; i < n; i++) dst[i] = sfk_bf16_to_f32(s[i]);
+        for (int64_t i = 0; i < n; i++) dst[i] = sf_bf16_to_f32(s[i]);
     } else {
         const uint16_t *s = src;
-        for (int64_t i = 0; i < n; i++) dst[i] = sfk_f16_to_f32(s[i]);
+        for (int64_t i = 0; i < n; i++) dst[i] = sf_f16_to_f32(s[i]);
     }
 }
 
@@ -33,10 +85,10 @@ void sfk_store(sfk_dtype t, const float *src, int64_t n, void *dst)
         if ((const void *)src != dst) memmove(dst, src, (size_t)n * 4);
     } else if (t == SFK_BF16) {
         uint16_t *d = dst;
-        for (int64_t i = 0; i < n; i++) d[i] = sfk_f32_to_bf16(src[i]);
+        for (int64_t i = 0; i < n; i++) d[i] = sf_f32_to_bf16(src[i]);
     } else {
         uint16_t *d = dst;
-        for (int64_t i = 0; i < n; i++) d[i] = sfk_f32_to_f16(src[i]);
+        for (int64_t i = 0; i < n; i++) d[i] = sf_f32_to_f16(src[i]);
     }
 }
 
@@ -49,21 +101,6 @@ const float *sfk_row(sfk_dtype t, const void *base, int64_t row, int64_t n, floa
 }
 
 /* ---- exp ---------------------------------------------------------------- */
-
-static int g_avx2 = -1;
-
-int sfk_has_avx2(void)
-{
-#ifdef SFK_X86
-    if (g_avx2 < 0) {
-        __builtin_cpu_init();
-        g_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-    }
-    return g_avx2;
-#else
-    return 0;
-#endif
-}
 
 #ifdef SFK_X86
 #define AVX2 __attribute__((target("avx2,fma")))
@@ -151,7 +188,7 @@ AVX2 static float max_avx2(const float *x, int64_t n)
 void sfk_exp(const float *src, float *dst, int64_t n)
 {
 #ifdef SFK_X86
-    if (sfk_has_avx2()) { exp_avx2(src, dst, n); return; }
+    if (sf_cpu_has_simd()) { exp_avx2(src, dst, n); return; }
 #endif
     for (int64_t i = 0; i < n; i++) dst[i] = expf(src[i]);
 }
@@ -159,7 +196,7 @@ void sfk_exp(const float *src, float *dst, int64_t n)
 void sfk_scaled_exp(const float *src, float *dst, int64_t n, float shift, float scale, float off)
 {
 #ifdef SFK_X86
-    if (sfk_has_avx2()) { scaled_exp_avx2(src, dst, n, shift, scale, off); return; }
+    if (sf_cpu_has_simd()) { scaled_exp_avx2(src, dst, n, shift, scale, off); return; }
 #endif
     for (int64_t i = 0; i < n; i++) dst[i] = scale * expf(src[i] - shift) - off;
 }
@@ -167,7 +204,7 @@ void sfk_scaled_exp(const float *src, float *dst, int64_t n, float shift, float 
 float sfk_sum_exp(const float *x, int64_t n, float shift)
 {
 #ifdef SFK_X86
-    if (sfk_has_avx2()) return sum_exp_avx2(x, n, shift);
+    if (sf_cpu_has_simd()) return sum_exp_avx2(x, n, shift);
 #endif
     float s = 0.0f;
     for (int64_t i = 0; i < n; i++) s += expf(x[i] - shift);
@@ -177,7 +214,7 @@ float sfk_sum_exp(const float *x, int64_t n, float shift)
 float sfk_max(const float *x, int64_t n)
 {
 #ifdef SFK_X86
-    if (sfk_has_avx2()) return max_avx2(x, n);
+    if (sf_cpu_has_simd()) return max_avx2(x, n);
 #endif
     float r = -INFINITY;
     for (int64_t i = 0; i < n; i++) r = x[i] > r ? x[i] : r;

@@ -1,9 +1,12 @@
 /*
  * common.h -- what every kernel in csrc/kernels/ shares: the element types
  * (fp32, fp16, bf16; arithmetic always in fp32), row conversion to and from
- * fp32, a vectorized exp, and a row-splitting thread helper.
+ * fp32 (the scalar conversions are half.h's), a vectorized exp, argument
+ * checks with messages, and a row-splitting thread helper.
  *
  * Kernels are plain C over pointers and sizes; they never touch Python.
+ * Every kernel returns an sf_status (status.h) and, on failure, says why in
+ * its sf_error: the kernel, the argument and the numbers.
  */
 #ifndef SHARDFORMER_KERNELS_COMMON_H
 #define SHARDFORMER_KERNELS_COMMON_H
@@ -11,10 +14,27 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "cpu_features.h"
+#include "half.h"
+#include "status.h"
+
 typedef enum { SFK_F32 = 0, SFK_F16 = 1, SFK_BF16 = 2 } sfk_dtype;
 
-/* Return codes of the kernels. */
-enum { SFK_OK = 0, SFK_EINVAL = -1, SFK_ENOMEM = -2 };
+/* Argument checks shared by the kernels; `fn` names the kernel in messages.
+ * sfk_check_dtype: t is one of the three types (ETYPE).
+ * sfk_check_size:  value >= 0 (EINVAL: "fn: name=value must be >= 0").
+ * sfk_check_ptr:   p != NULL when `count` > 0 elements are to be touched.
+ * sfk_no_memory:   ENOMEM naming the kernel and the bytes it wanted. */
+sf_status sfk_check_dtype(const char *fn, sfk_dtype t, sf_error *err);
+sf_status sfk_check_size(const char *fn, const char *name, int64_t value, sf_error *err);
+sf_status sfk_check_ptr(const char *fn, const char *name, const void *p, int64_t count,
+                        sf_error *err);
+sf_status sfk_no_memory(const char *fn, double bytes, sf_error *err);
+
+/* dst[0:n] (type `to`) = src[0:n] (type `from`), through fp32: the
+ * conversions of sfk_load / sfk_store (for tests). */
+sf_status sfk_convert(sfk_dtype from, const void *src, sfk_dtype to, void *dst, int64_t n,
+                      sf_error *err);
 
 /* Dropout draws, counter-based so backward redraws them instead of storing a
  * mask: row `row` gets a key hashed from (seed, row), and element j of the
@@ -42,49 +62,6 @@ static inline int sfk_dropout_kept(uint32_t key, int64_t j, uint32_t thresh)
 
 static inline uint32_t sfk_dropout_threshold(float p) { return (uint32_t)((double)p * 16777216.0); }
 
-static inline uint32_t sfk_f32_bits(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
-static inline float sfk_bits_f32(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
-
-static inline float sfk_bf16_to_f32(uint16_t h) { return sfk_bits_f32((uint32_t)h << 16); }
-
-static inline uint16_t sfk_f32_to_bf16(float f)
-{
-    uint32_t u = sfk_f32_bits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u)          /* NaN: keep it quiet */
-        return (uint16_t)((u >> 16) | 0x40);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);   /* nearest even */
-}
-
-static inline float sfk_f16_to_f32(uint16_t h)
-{
-    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
-    uint32_t e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-    if (e == 0)                                   /* zero / subnormal: m * 2^-24 */
-        return sfk_bits_f32(sign | sfk_f32_bits((float)m * 5.9604644775390625e-8f));
-    if (e == 31)
-        return sfk_bits_f32(sign | 0x7f800000u | (m << 13));
-    return sfk_bits_f32(sign | ((e + 112u) << 23) | (m << 13));
-}
-
-static inline uint16_t sfk_f32_to_f16(float f)
-{
-    uint32_t u = sfk_f32_bits(f);
-    uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
-    uint32_t a = u & 0x7fffffffu;
-    if (a >= 0x7f800000u)                         /* inf / NaN */
-        return sign | 0x7c00u | (a > 0x7f800000u ? 0x200u : 0u);
-    if (a >= 0x477ff000u)                         /* rounds to >= 65536: inf */
-        return sign | 0x7c00u;
-    if (a < 0x38800000u) {                        /* below 2^-14: subnormal half */
-        /* In [0.5, 1) the float's ulp is 2^-24, the half subnormal ulp, so
-         * the FPU's addition rounds to nearest even for us. */
-        float r = sfk_bits_f32(a) + 0.5f;
-        return sign | (uint16_t)(sfk_f32_bits(r) - 0x3f000000u);
-    }
-    a += 0xc8000fffu + ((a >> 13) & 1u);          /* rebias 127 -> 15, round even */
-    return sign | (uint16_t)(a >> 13);
-}
-
 /* dst[0:n] = src[0:n] as fp32. */
 void sfk_load(sfk_dtype t, const void *src, int64_t n, float *dst);
 /* dst[0:n] = src[0:n] rounded to t (nearest even). */
@@ -101,7 +78,6 @@ void sfk_exp(const float *src, float *dst, int64_t n);
 void sfk_scaled_exp(const float *src, float *dst, int64_t n, float shift, float scale, float off);
 float sfk_sum_exp(const float *x, int64_t n, float shift);
 float sfk_max(const float *x, int64_t n);    /* -inf for n == 0 */
-int sfk_has_avx2(void);
 
 /* Row-parallel driver: fn(ctx, r0, r1, tid) over [0, rows) split in
  * contiguous chunks, one per thread.  Threads are used only when

@@ -39,7 +39,7 @@ static void forward_rows(void *arg, int64_t r0, int64_t r1, int tid)
     xent_ctx *c = arg;
     const size_t es = (size_t)sfk_size(c->t);
     float *buf = c->t == SFK_F32 ? NULL : malloc(SFK_XB * sizeof(float));
-    if (c->t != SFK_F32 && !buf) { c->err = SFK_ENOMEM; return; }
+    if (c->t != SFK_F32 && !buf) { c->err = SF_ENOMEM; return; }
     for (int64_t r = r0; r < r1; r++) {
         const char *row = (const char *)c->logits + (size_t)(r * c->n) * es;
         float m = -INFINITY, s = 0.0f, sz = 0.0f;
@@ -65,8 +65,8 @@ static void forward_rows(void *arg, int64_t r0, int64_t r1, int tid)
         if (y >= 0) {
             const char *p = row + (size_t)y * es;
             zy = c->t == SFK_F32 ? *(const float *)p
-               : c->t == SFK_BF16 ? sfk_bf16_to_f32(*(const uint16_t *)p)
-                                   : sfk_f16_to_f32(*(const uint16_t *)p);
+               : c->t == SFK_BF16 ? sf_bf16_to_f32(*(const uint16_t *)p)
+                                   : sf_f16_to_f32(*(const uint16_t *)p);
         }
         c->target[r] = zy;
     }
@@ -79,7 +79,7 @@ static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
     xent_ctx *c = arg;
     const size_t es = (size_t)sfk_size(c->t);
     float *buf = c->t == SFK_F32 ? NULL : malloc(SFK_XB * sizeof(float));
-    if (c->t != SFK_F32 && !buf) { c->err = SFK_ENOMEM; return; }
+    if (c->t != SFK_F32 && !buf) { c->err = SF_ENOMEM; return; }
     const float smooth = c->vocab > 0 ? c->eps / (float)c->vocab : 0.0f;
     for (int64_t r = r0; r < r1; r++) {
         const char *row = (const char *)c->logits + (size_t)(r * c->n) * es;
@@ -113,52 +113,70 @@ static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
                 const char *zp = row == grow ? NULL : row + (size_t)y * es;
                 float v;
                 if (zp) {
-                    float z = c->t == SFK_BF16 ? sfk_bf16_to_f32(*(const uint16_t *)zp)
-                                               : sfk_f16_to_f32(*(const uint16_t *)zp);
+                    float z = c->t == SFK_BF16 ? sf_bf16_to_f32(*(const uint16_t *)zp)
+                                               : sf_f16_to_f32(*(const uint16_t *)zp);
                     v = g * expf(z - lse) - off - d;
                 } else {
-                    v = (c->t == SFK_BF16 ? sfk_bf16_to_f32(*(uint16_t *)p)
-                                          : sfk_f16_to_f32(*(uint16_t *)p)) - d;
+                    v = (c->t == SFK_BF16 ? sf_bf16_to_f32(*(uint16_t *)p)
+                                          : sf_f16_to_f32(*(uint16_t *)p)) - d;
                 }
-                *(uint16_t *)p = c->t == SFK_BF16 ? sfk_f32_to_bf16(v) : sfk_f32_to_f16(v);
+                *(uint16_t *)p = c->t == SFK_BF16 ? sf_f32_to_bf16(v) : sf_f32_to_f16(v);
             }
         }
     }
     free(buf);
 }
 
-static int check(sfk_dtype t, int64_t rows, int64_t n, int64_t real)
+static sf_status check(const char *fn, sfk_dtype t, int64_t rows, int64_t n, int64_t real,
+                       const void *logits, const int64_t *labels, sf_error *err)
 {
-    if ((t != SFK_F32 && t != SFK_F16 && t != SFK_BF16) || rows < 0 || n < 0 || real < 0 || real > n)
-        return SFK_EINVAL;
-    return SFK_OK;
+    sf_status rc;
+    if ((rc = sfk_check_dtype(fn, t, err)) || (rc = sfk_check_size(fn, "rows", rows, err)) ||
+        (rc = sfk_check_size(fn, "n", n, err)))
+        return rc;
+    if (real < 0 || real > n)
+        return sf_fail(err, SF_EINVAL, "%s: vocab_real=%lld outside [0, %lld] (the logits have "
+                       "%lld columns)", fn, (long long)real, (long long)n, (long long)n);
+    if ((rc = sfk_check_ptr(fn, "labels", labels, rows, err)) ||
+        (rc = sfk_check_ptr(fn, "logits", logits, n > 0 ? rows : 0, err)))
+        return rc;
+    return SF_OK;
 }
 
-int sfk_xent_forward(sfk_dtype t, const void *logits, int64_t rows, int64_t n, int64_t real,
-                     const int64_t *labels, int64_t vocab_start, int64_t ignore_index,
-                     float *max, float *sumexp, float *target, float *sumz)
+sf_status sfk_xent_forward(sfk_dtype t, const void *logits, int64_t rows, int64_t n, int64_t real,
+                           const int64_t *labels, int64_t vocab_start, int64_t ignore_index,
+                           float *max, float *sumexp, float *target, float *sumz, sf_error *err)
 {
-    if (check(t, rows, n, real) || (rows > 0 && (!labels || !max || !sumexp || !target ||
-                                                 (n > 0 && !logits))))
-        return SFK_EINVAL;
+    static const char fn[] = "xent_forward";
+    sf_status rc;
+    if ((rc = check(fn, t, rows, n, real, logits, labels, err)) ||
+        (rc = sfk_check_ptr(fn, "max", max, rows, err)) ||
+        (rc = sfk_check_ptr(fn, "sumexp", sumexp, rows, err)) ||
+        (rc = sfk_check_ptr(fn, "target", target, rows, err)))
+        return rc;
     xent_ctx c = {.t = t, .logits = logits, .n = n, .real = real, .vocab_start = vocab_start,
                   .ignore_index = ignore_index, .labels = labels, .max = max, .sumexp = sumexp,
                   .target = target, .sumz = sumz};
     sfk_parallel_rows(rows, sfk_threads_for(rows, real), forward_rows, &c);
-    return c.err;
+    return c.err ? sfk_no_memory(fn, SFK_XB * (double)sizeof(float), err) : SF_OK;
 }
 
-int sfk_xent_backward(sfk_dtype t, const void *logits, void *grad, int64_t rows, int64_t n,
-                      int64_t real, const int64_t *labels, int64_t vocab_start,
-                      int64_t ignore_index, const float *lse, const float *scale,
-                      float eps, int64_t vocab)
+sf_status sfk_xent_backward(sfk_dtype t, const void *logits, void *grad, int64_t rows, int64_t n,
+                            int64_t real, const int64_t *labels, int64_t vocab_start,
+                            int64_t ignore_index, const float *lse, const float *scale,
+                            float eps, int64_t vocab, sf_error *err)
 {
-    if (check(t, rows, n, real) || vocab < 0 ||
-        (rows > 0 && (!labels || !lse || !scale || (n > 0 && (!logits || !grad)))))
-        return SFK_EINVAL;
+    static const char fn[] = "xent_backward";
+    sf_status rc;
+    if ((rc = check(fn, t, rows, n, real, logits, labels, err)) ||
+        (rc = sfk_check_size(fn, "vocab", vocab, err)) ||
+        (rc = sfk_check_ptr(fn, "lse", lse, rows, err)) ||
+        (rc = sfk_check_ptr(fn, "scale", scale, rows, err)) ||
+        (rc = sfk_check_ptr(fn, "grad", grad, n > 0 ? rows : 0, err)))
+        return rc;
     xent_ctx c = {.t = t, .logits = logits, .grad = grad, .n = n, .real = real,
                   .vocab_start = vocab_start, .ignore_index = ignore_index, .vocab = vocab,
                   .labels = labels, .lse = lse, .scale = scale, .eps = eps};
     sfk_parallel_rows(rows, sfk_threads_for(rows, n), backward_rows, &c);
-    return c.err;
+    return c.err ? sfk_no_memory(fn, SFK_XB * (double)sizeof(float), err) : SF_OK;
 }

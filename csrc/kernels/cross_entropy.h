@@ -16,16 +16,16 @@
  *   target[r] = z_y when label y is a real column of this shard, else 0
  *   sumz[r]   = sum_j z_j                       (only when sumz != NULL)
  * Rows whose label is ignore_index get target 0. */
-int sfk_xent_forward(sfk_dtype t, const void *logits, int64_t rows, int64_t n, int64_t real,
-                     const int64_t *labels, int64_t vocab_start, int64_t ignore_index,
-                     float *max, float *sumexp, float *target, float *sumz);
+sf_status sfk_xent_forward(sfk_dtype t, const void *logits, int64_t rows, int64_t n, int64_t real,
+                           const int64_t *labels, int64_t vocab_start, int64_t ignore_index,
+                           float *max, float *sumexp, float *target, float *sumz, sf_error *err);
 
 /* grad[r, j] = scale[r] * (exp(z_j - lse[r]) - eps / vocab - (1 - eps) [j == y])
  * for real columns j, 0 for padding columns and for ignored rows.  `grad`
  * (type t) may be `logits` itself. */
-int sfk_xent_backward(sfk_dtype t, const void *logits, void *grad, int64_t rows, int64_t n,
-                      int64_t real, const int64_t *labels, int64_t vocab_start,
-                      int64_t ignore_index, const float *lse, const float *scale,
-                      float eps, int64_t vocab);
+sf_status sfk_xent_backward(sfk_dtype t, const void *logits, void *grad, int64_t rows, int64_t n,
+                            int64_t real, const int64_t *labels, int64_t vocab_start,
+                            int64_t ignore_index, const float *lse, const float *scale,
+                            float eps, int64_t vocab, sf_error *err);
 
 #endif

@@ -32,7 +32,7 @@ typedef struct {
 static float *bufs(ew_ctx *c, int64_t k)
 {
     float *b = malloc((size_t)k * (size_t)(c->n > 0 ? c->n : 1) * sizeof(float));
-    if (!b) c->err = SFK_ENOMEM;
+    if (!b) c->err = SF_ENOMEM;
     return b;
 }
 
@@ -241,18 +241,32 @@ CLONES static void bda_rows(void *arg, int64_t r0, int64_t r1, int tid)
 
 /* ---- drivers ------------------------------------------------------------ */
 
-static int bad(sfk_dtype t, int64_t rows, int64_t n)
+static sf_status check(const char *fn, sfk_dtype t, int64_t rows, int64_t n, sf_error *err)
 {
-    return (t != SFK_F32 && t != SFK_F16 && t != SFK_BF16) || rows < 0 || n < 0;
+    sf_status rc;
+    if ((rc = sfk_check_dtype(fn, t, err)) || (rc = sfk_check_size(fn, "rows", rows, err)) ||
+        (rc = sfk_check_size(fn, "n", n, err)))
+        return rc;
+    return SF_OK;
 }
 
-/* Run fn over rows with per-thread bias-gradient partials summed into db. */
-static int run_with_db(ew_ctx *c, int64_t rows, int64_t cost, sfk_rows_fn fn, float *db)
+static sf_status check_p(const char *fn, float p, sf_error *err)
+{
+    if (!(p >= 0.0f && p <= 1.0f))
+        return sf_fail(err, SF_EINVAL, "%s: p=%g outside [0, 1]", fn, (double)p);
+    return SF_OK;
+}
+
+/* Run fn over rows with per-thread bias-gradient partials summed into db;
+ * `bufs` is the number of [n] fp32 row buffers each thread allocates. */
+static sf_status run_with_db(const char *name, ew_ctx *c, int64_t rows, int64_t cost,
+                             sfk_rows_fn fn, float *db, int bufs_per_thread, sf_error *err)
 {
     int nt = sfk_threads_for(rows, cost);
+    const double row_bytes = (double)(c->n > 0 ? c->n : 1) * (double)sizeof(float);
     if (db) {
         c->part = calloc((size_t)nt * (size_t)(c->n > 0 ? c->n : 1), sizeof(float));
-        if (!c->part) return SFK_ENOMEM;
+        if (!c->part) return sfk_no_memory(name, nt * row_bytes, err);
     }
     sfk_parallel_rows(rows, nt, fn, c);
     if (db) {
@@ -263,56 +277,89 @@ static int run_with_db(ew_ctx *c, int64_t rows, int64_t cost, sfk_rows_fn fn, fl
         }
         free(c->part);
     }
-    return c->err;
+    return c->err ? sfk_no_memory(name, bufs_per_thread * row_bytes, err) : SF_OK;
 }
 
-int sfk_bias_gelu_forward(sfk_dtype t, const void *x, const float *b, int64_t rows, int64_t n,
-                          int tanh_approx, void *y)
+sf_status sfk_bias_gelu_forward(sfk_dtype t, const void *x, const float *b, int64_t rows, int64_t n,
+                                int tanh_approx, void *y, sf_error *err)
 {
-    if (bad(t, rows, n) || (rows * n > 0 && (!x || !y))) return SFK_EINVAL;
+    static const char fn[] = "bias_gelu_forward";
+    const int64_t any = rows > 0 && n > 0;
+    sf_status rc;
+    if ((rc = check(fn, t, rows, n, err)) || (rc = sfk_check_ptr(fn, "x", x, any, err)) ||
+        (rc = sfk_check_ptr(fn, "y", y, any, err)))
+        return rc;
     ew_ctx c = {.t = t, .a = x, .o1 = y, .bias = b, .n = n, .flag = tanh_approx};
-    return run_with_db(&c, rows, n * 8, gelu_fwd_rows, NULL);
+    return run_with_db(fn, &c, rows, n * 8, gelu_fwd_rows, NULL, 3, err);
 }
 
-int sfk_bias_gelu_backward(sfk_dtype t, const void *dy, const void *x, const float *b,
-                           int64_t rows, int64_t n, int tanh_approx, void *dx, float *db)
+sf_status sfk_bias_gelu_backward(sfk_dtype t, const void *dy, const void *x, const float *b,
+                                 int64_t rows, int64_t n, int tanh_approx, void *dx, float *db,
+                                 sf_error *err)
 {
-    if (bad(t, rows, n) || (rows * n > 0 && (!x || !dy || !dx))) return SFK_EINVAL;
+    static const char fn[] = "bias_gelu_backward";
+    const int64_t any = rows > 0 && n > 0;
+    sf_status rc;
+    if ((rc = check(fn, t, rows, n, err)) || (rc = sfk_check_ptr(fn, "dy", dy, any, err)) ||
+        (rc = sfk_check_ptr(fn, "x", x, any, err)) || (rc = sfk_check_ptr(fn, "dx", dx, any, err)))
+        return rc;
     ew_ctx c = {.t = t, .a = dy, .b2 = x, .o1 = dx, .bias = b, .n = n, .flag = tanh_approx};
-    return run_with_db(&c, rows, n * 8, gelu_bwd_rows, db);
+    return run_with_db(fn, &c, rows, n * 8, gelu_bwd_rows, db, 4, err);
 }
 
-int sfk_swiglu_forward(sfk_dtype t, const void *gate, const void *up, int64_t numel, void *y)
+sf_status sfk_swiglu_forward(sfk_dtype t, const void *gate, const void *up, int64_t numel, void *y,
+                             sf_error *err)
 {
-    if (bad(t, 0, numel) || (numel > 0 && (!gate || !up || !y))) return SFK_EINVAL;
+    static const char fn[] = "swiglu_forward";
+    sf_status rc;
+    if ((rc = check(fn, t, 0, numel, err)) || (rc = sfk_check_ptr(fn, "gate", gate, numel, err)) ||
+        (rc = sfk_check_ptr(fn, "up", up, numel, err)) || (rc = sfk_check_ptr(fn, "y", y, numel, err)))
+        return rc;
     ew_ctx c = {.t = t, .b2 = gate, .c3 = up, .o1 = y, .n = CHUNK, .numel = numel};
-    return run_with_db(&c, (numel + CHUNK - 1) / CHUNK, CHUNK * 4, swiglu_rows, NULL);
+    return run_with_db(fn, &c, (numel + CHUNK - 1) / CHUNK, CHUNK * 4, swiglu_rows, NULL, 6, err);
 }
 
-int sfk_swiglu_backward(sfk_dtype t, const void *dy, const void *gate, const void *up,
-                        int64_t numel, void *dgate, void *dup)
+sf_status sfk_swiglu_backward(sfk_dtype t, const void *dy, const void *gate, const void *up,
+                              int64_t numel, void *dgate, void *dup, sf_error *err)
 {
-    if (bad(t, 0, numel) || (numel > 0 && (!dy || !gate || !up || !dgate || !dup)))
-        return SFK_EINVAL;
+    static const char fn[] = "swiglu_backward";
+    sf_status rc;
+    if ((rc = check(fn, t, 0, numel, err)) || (rc = sfk_check_ptr(fn, "dy", dy, numel, err)) ||
+        (rc = sfk_check_ptr(fn, "gate", gate, numel, err)) ||
+        (rc = sfk_check_ptr(fn, "up", up, numel, err)) ||
+        (rc = sfk_check_ptr(fn, "dgate", dgate, numel, err)) ||
+        (rc = sfk_check_ptr(fn, "dup", dup, numel, err)))
+        return rc;
     ew_ctx c = {.t = t, .a = dy, .b2 = gate, .c3 = up, .o1 = dgate, .o2 = dup, .n = CHUNK,
                 .numel = numel};
-    return run_with_db(&c, (numel + CHUNK - 1) / CHUNK, CHUNK * 6, swiglu_rows, NULL);
+    return run_with_db(fn, &c, (numel + CHUNK - 1) / CHUNK, CHUNK * 6, swiglu_rows, NULL, 6, err);
 }
 
-int sfk_bias_dropout_add_forward(sfk_dtype t, const void *x, const float *b, const void *res,
-                                 int64_t rows, int64_t n, float p, uint64_t seed, void *y)
+sf_status sfk_bias_dropout_add_forward(sfk_dtype t, const void *x, const float *b, const void *res,
+                                       int64_t rows, int64_t n, float p, uint64_t seed, void *y,
+                                       sf_error *err)
 {
-    if (bad(t, rows, n) || !(p >= 0.0f && p <= 1.0f) || (rows * n > 0 && (!x || !res || !y)))
-        return SFK_EINVAL;
+    static const char fn[] = "bias_dropout_add_forward";
+    const int64_t any = rows > 0 && n > 0;
+    sf_status rc;
+    if ((rc = check(fn, t, rows, n, err)) || (rc = check_p(fn, p, err)) ||
+        (rc = sfk_check_ptr(fn, "x", x, any, err)) ||
+        (rc = sfk_check_ptr(fn, "residual", res, any, err)) ||
+        (rc = sfk_check_ptr(fn, "y", y, any, err)))
+        return rc;
     ew_ctx c = {.t = t, .a = x, .c3 = res, .o1 = y, .bias = b, .n = n, .p = p, .seed = seed};
-    return run_with_db(&c, rows, n * 4, bda_rows, NULL);
+    return run_with_db(fn, &c, rows, n * 4, bda_rows, NULL, 2, err);
 }
 
-int sfk_bias_dropout_add_backward(sfk_dtype t, const void *dy, int64_t rows, int64_t n, float p,
-                                  uint64_t seed, void *dx, float *db)
+sf_status sfk_bias_dropout_add_backward(sfk_dtype t, const void *dy, int64_t rows, int64_t n,
+                                        float p, uint64_t seed, void *dx, float *db, sf_error *err)
 {
-    if (bad(t, rows, n) || !(p >= 0.0f && p <= 1.0f) || (rows * n > 0 && (!dy || !dx)))
-        return SFK_EINVAL;
+    static const char fn[] = "bias_dropout_add_backward";
+    const int64_t any = rows > 0 && n > 0;
+    sf_status rc;
+    if ((rc = check(fn, t, rows, n, err)) || (rc = check_p(fn, p, err)) ||
+        (rc = sfk_check_ptr(fn, "dy", dy, any, err)) || (rc = sfk_check_ptr(fn, "dx", dx, any, err)))
+        return rc;
     ew_ctx c = {.t = t, .a = dy, .o1 = dx, .n = n, .p = p, .seed = seed};
-    return run_with_db(&c, rows, n * 4, bda_rows, db);
+    return run_with_db(fn, &c, rows, n * 4, bda_rows, db, 2, err);
 }

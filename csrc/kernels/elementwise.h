@@ -18,19 +18,23 @@
 
 #include "common.h"
 
-int sfk_bias_gelu_forward(sfk_dtype t, const void *x, const float *b, int64_t rows, int64_t n,
-                          int tanh_approx, void *y);
-int sfk_bias_gelu_backward(sfk_dtype t, const void *dy, const void *x, const float *b,
-                           int64_t rows, int64_t n, int tanh_approx, void *dx, float *db);
+sf_status sfk_bias_gelu_forward(sfk_dtype t, const void *x, const float *b, int64_t rows, int64_t n,
+                                int tanh_approx, void *y, sf_error *err);
+sf_status sfk_bias_gelu_backward(sfk_dtype t, const void *dy, const void *x, const float *b,
+                                 int64_t rows, int64_t n, int tanh_approx, void *dx, float *db,
+                                 sf_error *err);
 
-int sfk_swiglu_forward(sfk_dtype t, const void *gate, const void *up, int64_t numel, void *y);
-int sfk_swiglu_backward(sfk_dtype t, const void *dy, const void *gate, const void *up,
-                        int64_t numel, void *dgate, void *dup);
+sf_status sfk_swiglu_forward(sfk_dtype t, const void *gate, const void *up, int64_t numel, void *y,
+                             sf_error *err);
+sf_status sfk_swiglu_backward(sfk_dtype t, const void *dy, const void *gate, const void *up,
+                              int64_t numel, void *dgate, void *dup, sf_error *err);
 
-int sfk_bias_dropout_add_forward(sfk_dtype t, const void *x, const float *b, const void *res,
-                                 int64_t rows, int64_t n, float p, uint64_t seed, void *y);
-int sfk_bias_dropout_add_backward(sfk_dtype t, const void *dy, int64_t rows, int64_t n, float p,
-                                  uint64_t seed, void *dx, float *db);
+/* p outside [0, 1] is EINVAL. */
+sf_status sfk_bias_dropout_add_forward(sfk_dtype t, const void *x, const float *b, const void *res,
+                                       int64_t rows, int64_t n, float p, uint64_t seed, void *y,
+                                       sf_error *err);
+sf_status sfk_bias_dropout_add_backward(sfk_dtype t, const void *dy, int64_t rows, int64_t n,
+                                        float p, uint64_t seed, void *dx, float *db, sf_error *err);
 /* 1 if flat element `index` of a [rows, n] array is kept under (p, seed),
  * as the kernels draw it (from (seed, row) and the column). */
 int sfk_dropout_keep(uint64_t seed, int64_t index, int64_t n, float p);

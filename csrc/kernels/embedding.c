@@ -28,26 +28,47 @@ static void lookup_rows(void *arg, int64_t i0, int64_t i1, int tid)
     }
 }
 
-int sfk_embedding_forward(sfk_dtype t, const void *weight, int64_t d, int64_t real,
-                          const int64_t *ids, int64_t count, int64_t vocab_start, void *out)
+static sf_status check(const char *fn, sfk_dtype t, int64_t d, int64_t real, int64_t count,
+                       const int64_t *ids, sf_error *err)
 {
-    if ((t != SFK_F32 && t != SFK_F16 && t != SFK_BF16) || d < 0 || real < 0 || count < 0 ||
-        (count > 0 && (!ids || (d > 0 && (!out || (real > 0 && !weight))))))
-        return SFK_EINVAL;
-    emb_ctx c = {t, weight, ids, out, d, real, vocab_start};
-    sfk_parallel_rows(count, sfk_threads_for(count, d), lookup_rows, &c);
-    return SFK_OK;
+    sf_status rc;
+    if ((rc = sfk_check_dtype(fn, t, err)) || (rc = sfk_check_size(fn, "d", d, err)) ||
+        (rc = sfk_check_size(fn, "vocab_real", real, err)) ||
+        (rc = sfk_check_size(fn, "count", count, err)) ||
+        (rc = sfk_check_ptr(fn, "ids", ids, count, err)))
+        return rc;
+    return SF_OK;
 }
 
-int sfk_embedding_backward(sfk_dtype t, const void *dout, const int64_t *ids, int64_t count,
-                           int64_t d, int64_t real, int64_t vocab_start, int64_t padding_local,
-                           float *dweight)
+sf_status sfk_embedding_forward(sfk_dtype t, const void *weight, int64_t d, int64_t real,
+                                const int64_t *ids, int64_t count, int64_t vocab_start, void *out,
+                                sf_error *err)
 {
-    if ((t != SFK_F32 && t != SFK_F16 && t != SFK_BF16) || d < 0 || real < 0 || count < 0 ||
-        (count > 0 && d > 0 && (!ids || !dout || (real > 0 && !dweight))))
-        return SFK_EINVAL;
+    static const char fn[] = "embedding_forward";
+    const int64_t rows = d > 0 ? count : 0;
+    sf_status rc;
+    if ((rc = check(fn, t, d, real, count, ids, err)) ||
+        (rc = sfk_check_ptr(fn, "out", out, rows, err)) ||
+        (rc = sfk_check_ptr(fn, "weight", weight, rows > 0 ? real : 0, err)))
+        return rc;
+    emb_ctx c = {t, weight, ids, out, d, real, vocab_start};
+    sfk_parallel_rows(count, sfk_threads_for(count, d), lookup_rows, &c);
+    return SF_OK;
+}
+
+sf_status sfk_embedding_backward(sfk_dtype t, const void *dout, const int64_t *ids, int64_t count,
+                                 int64_t d, int64_t real, int64_t vocab_start,
+                                 int64_t padding_local, float *dweight, sf_error *err)
+{
+    static const char fn[] = "embedding_backward";
+    const int64_t rows = d > 0 ? count : 0;
+    sf_status rc;
+    if ((rc = check(fn, t, d, real, count, ids, err)) ||
+        (rc = sfk_check_ptr(fn, "dout", dout, rows, err)) ||
+        (rc = sfk_check_ptr(fn, "dweight", dweight, rows > 0 ? real : 0, err)))
+        return rc;
     float *buf = t == SFK_F32 ? NULL : malloc((size_t)(d > 0 ? d : 1) * sizeof(float));
-    if (t != SFK_F32 && !buf) return SFK_ENOMEM;
+    if (t != SFK_F32 && !buf) return sfk_no_memory(fn, (double)d * sizeof(float), err);
     for (int64_t i = 0; i < count; i++) {
         int64_t k = ids[i] - vocab_start;
         if (k < 0 || k >= real || k == padding_local) continue;
@@ -56,5 +77,5 @@ int sfk_embedding_backward(sfk_dtype t, const void *dout, const int64_t *ids, in
         for (int64_t j = 0; j < d; j++) w[j] += g[j];
     }
     free(buf);
-    return SFK_OK;
+    return SF_OK;
 }

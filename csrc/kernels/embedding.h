@@ -13,10 +13,11 @@
 
 #include "common.h"
 
-int sfk_embedding_forward(sfk_dtype t, const void *weight, int64_t d, int64_t real,
-                          const int64_t *ids, int64_t count, int64_t vocab_start, void *out);
-int sfk_embedding_backward(sfk_dtype t, const void *dout, const int64_t *ids, int64_t count,
-                           int64_t d, int64_t real, int64_t vocab_start, int64_t padding_local,
-                           float *dweight);
+sf_status sfk_embedding_forward(sfk_dtype t, const void *weight, int64_t d, int64_t real,
+                                const int64_t *ids, int64_t count, int64_t vocab_start, void *out,
+                                sf_error *err);
+sf_status sfk_embedding_backward(sfk_dtype t, const void *dout, const int64_t *ids, int64_t count,
+                                 int64_t d, int64_t real, int64_t vocab_start,
+                                 int64_t padding_local, float *dweight, sf_error *err);
 
 #endif

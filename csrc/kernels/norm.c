@@ -57,7 +57,7 @@ static void forward_rows(void *arg, int64_t r0, int64_t r1, int tid)
     norm_ctx *c = arg;
     const int64_t n = c->n;
     float *buf = c->t == SFK_F32 ? NULL : malloc((size_t)n * 2 * sizeof(float));
-    if (c->t != SFK_F32 && !buf) { c->err = SFK_ENOMEM; return; }
+    if (c->t != SFK_F32 && !buf) { c->err = SF_ENOMEM; return; }
     for (int64_t r = r0; r < r1; r++) {
         const float *x = sfk_row(c->t, c->x, r, n, buf);
         float mu = 0.0f, var;
@@ -105,7 +105,7 @@ static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
     norm_ctx *c = arg;
     const int64_t n = c->n;
     float *buf = c->t == SFK_F32 ? NULL : malloc((size_t)n * 3 * sizeof(float));
-    if (c->t != SFK_F32 && !buf) { c->err = SFK_ENOMEM; return; }
+    if (c->t != SFK_F32 && !buf) { c->err = SF_ENOMEM; return; }
     float *dw = c->part + (size_t)tid * 2 * n, *db = dw + n;
     for (int64_t r = r0; r < r1; r++) {
         const float *dy = sfk_row(c->t, c->dy, r, n, buf);
@@ -117,36 +117,51 @@ static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
     free(buf);
 }
 
-static int bad(sfk_dtype t, int64_t rows, int64_t n)
+static sf_status check(const char *fn, sfk_dtype t, int64_t rows, int64_t n, const void *x,
+                       const float *rstd, sf_error *err)
 {
-    return (t != SFK_F32 && t != SFK_F16 && t != SFK_BF16) || rows < 0 || n < 0;
+    sf_status rc;
+    if ((rc = sfk_check_dtype(fn, t, err)) || (rc = sfk_check_size(fn, "rows", rows, err)) ||
+        (rc = sfk_check_size(fn, "n", n, err)) ||
+        (rc = sfk_check_ptr(fn, "x", x, n > 0 ? rows : 0, err)) ||
+        (rc = sfk_check_ptr(fn, "rstd", rstd, rows, err)))
+        return rc;
+    return SF_OK;
 }
 
-int sfk_norm_forward(int rms, sfk_dtype t, const void *x, int64_t rows, int64_t n,
-                     const float *w, const float *b, float eps, void *y, float *mean,
-                     float *rstd)
+sf_status sfk_norm_forward(int rms, sfk_dtype t, const void *x, int64_t rows, int64_t n,
+                           const float *w, const float *b, float eps, void *y, float *mean,
+                           float *rstd, sf_error *err)
 {
-    if (bad(t, rows, n) || (rows > 0 && (!rstd || (n > 0 && (!x || !y)))))
-        return SFK_EINVAL;
+    static const char fn[] = "norm_forward";
+    sf_status rc;
+    if ((rc = check(fn, t, rows, n, x, rstd, err)) ||
+        (rc = sfk_check_ptr(fn, "y", y, n > 0 ? rows : 0, err)))
+        return rc;
     norm_ctx c = {.rms = rms, .t = t, .x = x, .y = y, .n = n, .w = w, .b = b, .eps = eps,
                   .mean = mean, .rstd = rstd};
     sfk_parallel_rows(rows, sfk_threads_for(rows, n), forward_rows, &c);
-    return c.err;
+    return c.err ? sfk_no_memory(fn, 2.0 * (double)n * sizeof(float), err) : SF_OK;
 }
 
-int sfk_norm_backward(int rms, sfk_dtype t, const void *dy, const void *x, int64_t rows,
-                      int64_t n, const float *w, const float *mean, const float *rstd,
-                      void *dx, float *dw, float *db)
+sf_status sfk_norm_backward(int rms, sfk_dtype t, const void *dy, const void *x, int64_t rows,
+                            int64_t n, const float *w, const float *mean, const float *rstd,
+                            void *dx, float *dw, float *db, sf_error *err)
 {
-    if (bad(t, rows, n) || (rows > 0 && (!rstd || (!rms && !mean) || (n > 0 && (!x || !dy || !dx)))))
-        return SFK_EINVAL;
+    static const char fn[] = "norm_backward";
+    sf_status rc;
+    if ((rc = check(fn, t, rows, n, x, rstd, err)) ||
+        (rc = sfk_check_ptr(fn, "dy", dy, n > 0 ? rows : 0, err)) ||
+        (rc = sfk_check_ptr(fn, "dx", dx, n > 0 ? rows : 0, err)) ||
+        (!rms && (rc = sfk_check_ptr(fn, "mean (LayerNorm)", mean, rows, err))))
+        return rc;
     int nt = sfk_threads_for(rows, 3 * n);
     norm_ctx c = {.rms = rms, .t = t, .x = x, .dy = dy, .dx = dx, .n = n, .w = w,
                   .cmean = mean, .crstd = rstd};
     /* per-thread [dw, db] partials; a missing weight is a weight of ones */
     size_t nn = (size_t)(n > 0 ? n : 1);
     c.part = calloc((size_t)nt * 2 * nn + (w ? 0 : nn), sizeof(float));
-    if (!c.part) return SFK_ENOMEM;
+    if (!c.part) return sfk_no_memory(fn, ((double)nt * 2 + 1) * (double)nn * sizeof(float), err);
     if (!w) {
         float *ones = c.part + (size_t)nt * 2 * nn;
         for (int64_t i = 0; i < n; i++) ones[i] = 1.0f;
@@ -163,5 +178,5 @@ int sfk_norm_backward(int rms, sfk_dtype t, const void *dy, const void *x, int64
         if (db) db[i] = sb;
     }
     free(c.part);
-    return c.err;
+    return c.err ? sfk_no_memory(fn, 3.0 * (double)n * sizeof(float), err) : SF_OK;
 }

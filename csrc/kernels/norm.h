@@ -17,11 +17,11 @@
 #include "common.h"
 
 /* rms = 0: LayerNorm (mean written when not NULL); rms = 1: RMSNorm (b ignored). */
-int sfk_norm_forward(int rms, sfk_dtype t, const void *x, int64_t rows, int64_t n,
-                     const float *w, const float *b, float eps, void *y, float *mean,
-                     float *rstd);
-int sfk_norm_backward(int rms, sfk_dtype t, const void *dy, const void *x, int64_t rows,
-                      int64_t n, const float *w, const float *mean, const float *rstd,
-                      void *dx, float *dw, float *db);
+sf_status sfk_norm_forward(int rms, sfk_dtype t, const void *x, int64_t rows, int64_t n,
+                           const float *w, const float *b, float eps, void *y, float *mean,
+                           float *rstd, sf_error *err);
+sf_status sfk_norm_backward(int rms, sfk_dtype t, const void *dy, const void *x, int64_t rows,
+                            int64_t n, const float *w, const float *mean, const float *rstd,
+                            void *dx, float *dw, float *db, sf_error *err);
 
 #endif

@@ -106,12 +106,22 @@ class ShardConfig:
 
     @property
     def tensor_parallel_size(self) -> int:
-        if not dist.is_available() or not dist.is_initialized():
-            return 1
-        return dist.get_world_size(self.tensor_parallel_process_group)
+        return group_size_and_rank(self.tensor_parallel_process_group)[0]
 
     @property
     def tensor_parallel_rank(self) -> int:
-        if not dist.is_available() or not dist.is_initialized():
-            return 0
-        return dist.get_rank(self.tensor_parallel_process_group)
+        return group_size_and_rank(self.tensor_parallel_process_group)[1]
+
+
+def group_size_and_rank(process_group) -> tuple[int, int]:
+    """(tp_size, rank) of a tensor-parallel group (None = the default group;
+    a single process without torch.distributed initialized is size 1, rank 0).
+
+    The one place that asks torch.distributed: the sharder calls it once per
+    optimize() and hands the result to every layer in its plan; a layer built
+    directly, outside the sharder, gets it through ParallelModule.plan_for."""
+    if not dist.is_available() or not dist.is_initialized():
+        if process_group is not None:
+            raise RuntimeError("a process group was given but torch.distributed is not initialized")
+        return 1, 0
+    return dist.get_world_size(process_group), dist.get_rank(process_group)

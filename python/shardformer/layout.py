@@ -2,13 +2,17 @@
 
 A *split spec* (Split, Heads.q / Heads.kv, Fused, Vocab) describes how one
 dimension of a weight is cut; policies pass one to a layer as `split=`.
-`spec.resolve(full, tp_size, rank)` checks the numbers and returns a
-`DimShard`: this rank's (offset, length) ranges of the full dimension, every
-other rank's, and whether some indices are replicated.  The arithmetic and
-its checks run in C (`_C.split_units`, `_C.heads_layout`, `_C.vocab_layout`).
+A spec is data: `spec.data` is a small tuple (see csrc/sharder.c) that the C
+layout arithmetic reads directly, so the sharder resolves every layout in C
+without calling back into Python.  `spec.resolve(full, tp_size, rank)` is
+the same arithmetic for code outside the sharder (one `_C.resolve_split`
+call): it checks the numbers and returns a `DimShard`: this rank's (offset,
+length) ranges of the full dimension, every other rank's, and whether some
+indices are replicated.
 
 Per-rank attribute values (`PerRank`) let a policy say "this rank's number of
-heads" as data; the sharder resolves them while planning.
+heads" as data; the sharder resolves them while planning (head counts from
+`Heads.local_*()` in C, from their data; other PerRank by their function).
 """
 from __future__ import annotations
 
@@ -61,34 +65,19 @@ class DimShard:
 
 
 class SplitSpec:
-    """Base class of split specs.  Subclasses implement `_rank_ranges`."""
+    """Base class of split specs.  Subclasses say what they are as `data`
+    (the tuple the C layout arithmetic reads, see csrc/sharder.c)."""
+
+    @property
+    def data(self) -> tuple:
+        raise NotImplementedError
 
     def expected_full(self) -> int | None:
         """The full length this spec describes, when it knows it."""
         return None
 
-    def _rank_ranges(self, full: int, tp_size: int, rank: int) -> tuple[list[tuple[int, int]], int]:
-        """(ranges of the full dimension, shard length) held by `rank`."""
-        raise NotImplementedError
-
     def resolve(self, full: int, tp_size: int, rank: int, what: str = "dimension") -> DimShard:
-        expected = self.expected_full()
-        if expected is not None and expected != full:
-            raise ValueError(f"{what}={full} does not match {self.describe()} = {expected}")
-        per_rank = [self._rank_ranges(full, tp_size, r) for r in range(tp_size)]
-        all_ranges = tuple(tuple(rr) for rr, _ in per_rank)
-        lengths = tuple(n for _, n in per_rank)
-        covered = sum(n for rr in all_ranges for _, n in rr)
-        return DimShard(
-            full=full,
-            length=lengths[rank],
-            ranges=all_ranges[rank],
-            all_ranges=all_ranges,
-            all_lengths=lengths,
-            rank=rank,
-            tp_size=tp_size,
-            replicated=covered > full,
-        )
+        return DimShard(*_C.resolve_split(self.data, full, tp_size, rank, what))
 
     def describe(self) -> str:
         return type(self).__name__
@@ -101,11 +90,9 @@ class Split(SplitSpec):
 
     unit: int = 1
 
-    def _rank_ranges(self, full, tp_size, rank):
-        if self.unit < 1 or full % self.unit:
-            raise ValueError(f"length {full} is not a multiple of the split unit {self.unit}")
-        start, count = _C.split_units(full // self.unit, tp_size, rank)
-        return [(start * self.unit, count * self.unit)], count * self.unit
+    @property
+    def data(self):
+        return ("split", self.describe(), self.unit)
 
     def describe(self):
         return f"Split(unit={self.unit})"
@@ -118,9 +105,9 @@ class Vocab(SplitSpec):
 
     multiple: int = 1
 
-    def _rank_ranges(self, full, tp_size, rank):
-        _, start, per_rank, real = _C.vocab_layout(full, tp_size, rank, self.multiple)
-        return ([(start, real)] if real else []), per_rank
+    @property
+    def data(self):
+        return ("vocab", self.describe(), self.multiple)
 
     def describe(self):
         return f"Vocab(multiple={self.multiple})"
@@ -139,32 +126,13 @@ class Fused(SplitSpec):
     def equal(n: int, unit: int = 1) -> "Fused":
         return Fused(tuple(Split(unit) for _ in range(n)))
 
-    def _segment_lengths(self, full):
-        known = [s.expected_full() for s in self.segments]
-        if all(k is not None for k in known):
-            return known
-        if any(k is not None for k in known):
-            rest = full - sum(k for k in known if k is not None)
-            unknown = sum(1 for k in known if k is None)
-            if rest < 0 or rest % unknown:
-                raise ValueError(f"length {full} cannot hold the fused segments {self.describe()}")
-            return [k if k is not None else rest // unknown for k in known]
-        if full % len(self.segments):
-            raise ValueError(f"length {full} is not divisible into {len(self.segments)} fused segments")
-        return [full // len(self.segments)] * len(self.segments)
+    @property
+    def data(self):
+        return ("fused", self.describe(), tuple(s.data for s in self.segments))
 
     def expected_full(self):
         known = [s.expected_full() for s in self.segments]
         return sum(known) if all(k is not None for k in known) else None
-
-    def _rank_ranges(self, full, tp_size, rank):
-        ranges, length, base = [], 0, 0
-        for spec, seg_len in zip(self.segments, self._segment_lengths(full)):
-            seg_ranges, seg_shard = spec._rank_ranges(seg_len, tp_size, rank)
-            ranges += [(base + off, n) for off, n in seg_ranges]
-            length += seg_shard
-            base += seg_len
-        return ranges, length
 
     def describe(self):
         return "Fused(" + ", ".join(s.describe() for s in self.segments) + ")"
@@ -228,21 +196,36 @@ class Heads:
         return GroupedQKV(self)
 
     def local_heads(self) -> PerRank:
-        return PerRank(lambda tp, r: self.layout(tp, r)[1], f"query heads of {self}")
+        return HeadCount(self, HeadCount.QUERY, 1, f"query heads of {self}")
 
     def local_kv_heads(self) -> PerRank:
-        return PerRank(lambda tp, r: self.layout(tp, r)[3], f"KV heads of {self}")
+        return HeadCount(self, HeadCount.KV, 1, f"KV heads of {self}")
 
     def local_groups(self) -> PerRank:
         """Query heads per KV head on this rank (num_key_value_groups)."""
-        def groups(tp, r):
-            _, qc, _, kc = self.layout(tp, r)
-            return qc // kc
-        return PerRank(groups, f"query groups of {self}")
+        return HeadCount(self, HeadCount.GROUPS, 1, f"query groups of {self}")
 
     def local_width(self, head_dim: int) -> PerRank:
         """This rank's query heads times `head_dim` (e.g. all_head_size)."""
-        return PerRank(lambda tp, r: self.layout(tp, r)[1] * head_dim, f"width of {self}")
+        return HeadCount(self, HeadCount.QUERY, head_dim, f"width of {self}")
+
+
+class HeadCount(PerRank):
+    """A per-rank head count, as data: (num_heads, num_kv_heads, which,
+    factor) in `__shardformer_heads__`, which the sharder's C planner turns
+    into this rank's count times `factor` with the heads layout (no Python
+    call).  `resolve` gives the same number from Python."""
+
+    QUERY, KV, GROUPS = 0, 1, 2
+
+    def __init__(self, heads: "Heads", which: int, factor: int, describe: str):
+        self.__shardformer_heads__ = (heads.num_heads, heads.kv_heads, which, factor)
+        super().__init__(self._count, describe)
+
+    def _count(self, tp_size: int, rank: int) -> int:
+        num_heads, kv_heads, which, factor = self.__shardformer_heads__
+        _, qc, _, kc = _C.heads_layout(num_heads, kv_heads, tp_size, rank)
+        return (qc if which == self.QUERY else kc if which == self.KV else qc // kc) * factor
 
 
 @dataclass(frozen=True)
@@ -253,22 +236,16 @@ class HeadSplit(SplitSpec):
     def _count(self):
         return self.heads.num_heads if self.part == "q" else self.heads.kv_heads
 
+    @property
+    def data(self):
+        h = self.heads
+        return ("heads", self.describe(), h.num_heads, h.kv_heads, h.head_dim or 0,
+                0 if self.part == "q" else 1)
+
     def expected_full(self):
         if self.heads.head_dim is None:
             return None
         return self._count() * self.heads.head_dim
-
-    def _rank_ranges(self, full, tp_size, rank):
-        count = self._count()
-        if full % count:
-            raise ValueError(
-                f"length {full} is not a multiple of the {count} "
-                f"{'query' if self.part == 'q' else 'key/value'} heads"
-            )
-        hd = full // count
-        qs, qc, ks, kc = self.heads.layout(tp_size, rank)
-        start, n = (qs, qc) if self.part == "q" else (ks, kc)
-        return [(start * hd, n * hd)], n * hd
 
     def describe(self):
         h = self.heads
@@ -292,24 +269,10 @@ class GroupedQKV(SplitSpec):
         h = self.heads
         return None if h.head_dim is None else (h.num_heads + 2 * h.kv_heads) * h.head_dim
 
-    def _rank_ranges(self, full, tp_size, rank):
+    @property
+    def data(self):
         h = self.heads
-        if h.num_heads % h.kv_heads:
-            raise ValueError(f"num_attention_heads={h.num_heads} is not a multiple of num_kv_heads={h.kv_heads}")
-        rows = h.num_heads + 2 * h.kv_heads
-        if full % rows:
-            raise ValueError(f"length {full} is not a multiple of the {rows} grouped q/k/v heads")
-        hd, g = full // rows, h.num_heads // h.kv_heads
-        qs, qc, ks, kc = h.layout(tp_size, rank)
-        ranges, length = [], 0
-        for j in range(ks, ks + kc):
-            base = j * (g + 2) * hd
-            first, last = max(qs, j * g), min(qs + qc, (j + 1) * g)
-            if last > first:
-                ranges.append((base + (first - j * g) * hd, (last - first) * hd))
-            ranges.append((base + g * hd, 2 * hd))
-            length += (max(last - first, 0) + 2) * hd
-        return ranges, length
+        return ("grouped", self.describe(), h.num_heads, h.kv_heads, h.head_dim or 0)
 
     def describe(self):
         h = self.heads

@@ -75,14 +75,9 @@ class Policy(ABC):
         """Raise if the model's configuration is one this policy cannot shard."""
 
     def preprocess(self) -> nn.Module:
-        """Runs after validation, before substitution; must not fail.  The base
-        switches the model's attention to the C kernel when
-        shard_config.enable_flash_attention is set (shardformer.attention.enable:
-        every layer that looks its attention up in transformers' registry)."""
-        if self.shard_config is not None and self.shard_config.enable_flash_attention:
-            from .attention import enable
-
-            enable(self.model)
+        """Runs after validation, before substitution; must not fail.  (The
+        optimizations -- fused norms, fused MLP activations, flash attention --
+        are the sharder's, by module type: shardformer.optimizations.)"""
         return self.model
 
     @abstractmethod

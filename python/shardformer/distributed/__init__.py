@@ -1,4 +1,5 @@
-"""Collectives (with backend dispatch) and the autograd region operators."""
+"""Collectives (one communicator per group and device type, backend chosen
+once) and the autograd region operators."""
 from .collectives import (
     all_gather_into_tensor,
     all_reduce,
@@ -10,6 +11,7 @@ from .collectives import (
     send,
     world_size,
 )
+from .communicator import Communicator, get_communicator, reset_communicators
 from .mappings import (
     copy_to_tp_region,
     gather_from_sequence_region,
@@ -30,6 +32,9 @@ __all__ = [
     "reduce_scatter_tensor",
     "send",
     "world_size",
+    "Communicator",
+    "get_communicator",
+    "reset_communicators",
     "copy_to_tp_region",
     "gather_from_sequence_region",
     "gather_from_tp_region",

@@ -4,10 +4,12 @@
 path; the copy torch already loaded is preferred) and says why not when it
 cannot: no library, or no CUDA device.  One `NcclCommunicator` per process
 group: rank 0's unique id is broadcast through the group's torch.distributed
-backend.  Every call is enqueued on the caller's current CUDA stream (passed
-to C as an integer), so it can be captured in a CUDA graph; the GIL is
-released while NCCL enqueues.  Communicators are destroyed only by
-`destroy()`, never by garbage collection.
+backend.  Tensors reach C through DLPack like every other `_C` entry point
+(`_C.nccl_all_reduce` & co. check device, dtype, contiguity and sizes there);
+every call is enqueued on the caller's current CUDA stream (passed to C as an
+integer), so it can be captured in a CUDA graph; the GIL is released while
+NCCL enqueues.  Communicators are destroyed only by `destroy()`, never by
+garbage collection.
 """
 from __future__ import annotations
 
@@ -17,13 +19,6 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
-
-# NCCL's ncclDataType_t codes.
-_DTYPES = {
-    torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4,
-    torch.float16: 6, torch.float32: 7, torch.float64: 8, torch.bfloat16: 9,
-}
-_OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3}
 
 _state: dict = {}
 
@@ -87,54 +82,38 @@ class NcclCommunicator:
             _C.nccl_comm_destroy(self._comm, abort)
             self._comm = None
 
-    @staticmethod
-    def _args(t: torch.Tensor):
-        if not t.is_cuda or not t.is_contiguous():
-            raise ValueError(f"NCCL needs a contiguous CUDA tensor, got {t.device} "
-                             f"contiguous={t.is_contiguous()}")
-        if t.dtype not in _DTYPES:
-            raise TypeError(f"NCCL has no type for {t.dtype}")
-        return _DTYPES[t.dtype], torch.cuda.current_stream(t.device).cuda_stream
-
-    def _call(self, kind, send, recv, count, t, arg):
+    def _stream(self, t: torch.Tensor) -> int:
+        """The caller's current CUDA stream on t's device, as an integer (0 for a
+        CPU tensor, which _C refuses with a clear error)."""
         if self._comm is None:
             raise RuntimeError("NCCL communicator destroyed")
-        dtype, stream = self._args(t)
-        _C.nccl_call(kind, self._comm, send, recv, count, dtype, arg, stream)
+        return torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
+
+    # _C checks the tensors (contiguous CUDA tensors of an NCCL dtype, one
+    # dtype and device, out = size x t for the gathers) before NCCL sees them.
+    # detach(): DLPack refuses tensors that require grad; the storage is shared.
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        self._call("all_reduce", t.data_ptr(), t.data_ptr(), t.numel(), t, _OPS[op])
+        _C.nccl_all_reduce(self._comm, t.detach(), op, self._stream(t))
         return t
 
-    def _pair(self, what: str, big: torch.Tensor, small: torch.Tensor) -> None:
-        """NCCL trusts the counts: check big = size x small, same dtype and device."""
-        self._args(big)
-        if big.dtype != small.dtype or big.device != small.device:
-            raise ValueError(f"NCCL {what}: tensors differ: {big.dtype} on {big.device} vs "
-                             f"{small.dtype} on {small.device}")
-        if big.numel() != small.numel() * self.size:
-            raise ValueError(f"NCCL {what}: {big.numel()} elements != {self.size} ranks x "
-                             f"{small.numel()} elements")
-
     def all_gather(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        self._pair("all_gather", out, t)
-        self._call("all_gather", t.data_ptr(), out.data_ptr(), t.numel(), t, 0)
+        _C.nccl_all_gather(self._comm, out.detach(), t.detach(), self._stream(t))
         return out
 
     def reduce_scatter(self, out: torch.Tensor, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        self._pair("reduce_scatter", t, out)
-        self._call("reduce_scatter", t.data_ptr(), out.data_ptr(), out.numel(), t, _OPS[op])
+        _C.nccl_reduce_scatter(self._comm, out.detach(), t.detach(), op, self._stream(t))
         return out
 
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        self._call("broadcast", t.data_ptr(), t.data_ptr(), t.numel(), t, src)
+        _C.nccl_broadcast(self._comm, t.detach(), src, self._stream(t))
         return t
 
     def send(self, t: torch.Tensor, dst: int) -> None:
-        self._call("send", t.data_ptr(), 0, t.numel(), t, dst)
+        _C.nccl_send(self._comm, t.detach(), dst, self._stream(t))
 
     def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        self._call("recv", 0, t.data_ptr(), t.numel(), t, src)
+        _C.nccl_recv(self._comm, t.detach(), src, self._stream(t))
         return t
 
 

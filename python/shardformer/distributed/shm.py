@@ -2,7 +2,8 @@
 
 One `ShmCommunicator` per process group.  Setting one up is itself a
 collective over the group (every rank must call `communicator(group)` at the
-same point, which the collectives in `collectives.py` do on first use):
+same point, which `communicator.get_communicator` does on a group's first
+CPU collective; the collectives reach it through `communicator.ShmBackend`):
 
     rank 0 creates a segment (mode 0600, random name, space reserved with
     posix_fallocate) and broadcasts its name and a random nonce through the
@@ -193,7 +194,8 @@ class ShmCommunicator:
         if self._comm is None:
             raise RuntimeError(f"{self.label}: communicator is closed")
         if not async_op:
-            self._drain()
+            if self._pending is not None:
+                self._drain()
             with self._lock:  # one call in the C communicator at a time
                 return fn(*args)
         if self._worker is None:
@@ -209,9 +211,10 @@ class ShmCommunicator:
 
     @staticmethod
     def _plain(t: torch.Tensor, what: str) -> torch.Tensor:
-        if t.device.type != "cpu":
+        if not t.is_cpu:
             raise ValueError(f"shm {what}: tensor is on {t.device}, the shm backend is CPU-only")
-        return t.detach()
+        # DLPack will not export a tensor that requires grad; detach only then.
+        return t.detach() if t.requires_grad else t
 
     def all_reduce(self, t: torch.Tensor, op: str = "sum", algo: int = 0, async_op: bool = False):
         """In-place t = op over ranks of t.  algo: 0 by size, 1 one-shot, 2 RS+AG."""

@@ -11,7 +11,7 @@ from .linear import (
 )
 from .loss import cross_entropy_1d
 from .normalization import FusedLayerNorm, FusedRMSNorm
-from .parallel_module import ParallelModule
+from .parallel_module import ParallelModule, ShardPlan
 
 __all__ = [
     "DropoutForParallelInput",
@@ -25,6 +25,7 @@ __all__ = [
     "Linear1D_Col",
     "Linear1D_Row",
     "ParallelModule",
+    "ShardPlan",
     "VocabParallelEmbedding1D",
     "VocabParallelLMHead1D",
     "cross_entropy_1d",

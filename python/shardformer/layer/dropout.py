@@ -22,12 +22,12 @@ module shared by several layers (ALBERT) gets each layer's step back.
 from __future__ import annotations
 
 from collections import deque
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from .parallel_module import ParallelModule
+from .parallel_module import ParallelModule, ShardPlan
 
 _MASK64 = (1 << 63) - 1
 _REPLAY_DEPTH = 4096   # steps remembered per module for recomputation
@@ -39,9 +39,9 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
-def _agreed_seed(process_group) -> int:
+def _agreed_seed(process_group, tp_size: int) -> int:
     seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size(process_group) > 1:
+    if tp_size > 1:
         src = dist.get_global_rank(process_group, 0) if process_group is not None else 0
         dist.broadcast(seed, src, group=process_group)
     return int(seed.item())
@@ -50,23 +50,29 @@ def _agreed_seed(process_group) -> int:
 class _SeededDropout(ParallelModule):
     per_rank_mask = False
 
-    def __init__(self, p: float = 0.5, inplace: bool = False, process_group=None, seed: int | None = None):
-        super().__init__(process_group)
-        if not 0.0 <= p <= 1.0:
-            raise ValueError(f"dropout probability has to be between 0 and 1, got {p}")
+    def __init__(self, p: float = 0.5, inplace: bool = False, process_group=None, seed: int | None = None,
+                 plan: ShardPlan | None = None, **kwargs):
+        if plan is None:   # not from the sharder
+            plan = self.plan_for(SimpleNamespace(p=p), process_group)
+        super().__init__(plan, process_group)
         self.p, self.inplace = p, inplace
-        self.seed = _agreed_seed(process_group) if seed is None else seed
+        self.seed = _agreed_seed(process_group, self.tp_size) if seed is None else seed
         self.step = 0
         self._drawn: deque[int] = deque(maxlen=_REPLAY_DEPTH)
 
     @classmethod
-    def from_native_module(cls, module: nn.Module, process_group=None, **kwargs):
+    def plan_shard(cls, module, tp_size, rank, **kwargs) -> ShardPlan:
         p = getattr(module, "p", None)
         if p is None:
             raise TypeError(f"{cls.__name__} needs a module with a dropout probability 'p', "
                             f"got {type(module).__name__}")
-        return cls(p=p, inplace=getattr(module, "inplace", False), process_group=process_group,
-                   seed=kwargs.get("seed"))
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"dropout probability has to be between 0 and 1, got {p}")
+        return ShardPlan(tp_size, rank)
+
+    @classmethod
+    def native_args(cls, module):
+        return dict(p=module.p, inplace=getattr(module, "inplace", False))
 
     def _next_step(self) -> int:
         if _in_backward() and self._drawn:

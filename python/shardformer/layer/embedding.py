@@ -19,12 +19,18 @@ from torch import nn
 
 from .. import ops
 from ..distributed.mappings import gather_from_tp_region, reduce_from_tp_region
-from ..layout import DimShard, Split, Vocab
-from .parallel_module import ParallelModule, check_param, group_size_and_rank, shard_of
+from ..layout import Split, Vocab
+from .parallel_module import ParallelModule, ShardPlan, check_param, shapes_only
 
 
 class _EmbeddingShard(ParallelModule):
+    """The table E [num_embeddings, embedding_dim] split along `split_dim`."""
+
     split_dim = 0
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.split_params = {"weight": (cls.split_dim, "weight")}
 
     @classmethod
     def _spec(cls, kwargs):
@@ -34,38 +40,27 @@ class _EmbeddingShard(ParallelModule):
     def plan_shard(cls, module, tp_size, rank, **kwargs):
         weight = check_param(module, "weight", 2, cls.__name__)
         what = "num_embeddings" if cls.split_dim == 0 else "embedding_dim"
-        return cls._spec(kwargs).resolve(weight.shape[cls.split_dim], tp_size, rank, what=what)
+        return ShardPlan(tp_size, rank).split("weight", cls._spec(kwargs), weight.shape[cls.split_dim], what=what)
 
     @classmethod
-    def from_native_module(cls, module: nn.Module, process_group=None, plan: DimShard | None = None,
-                           **kwargs):
-        tp_size, rank = group_size_and_rank(process_group)
-        if plan is None:
-            plan = cls.plan_shard(module, tp_size, rank, **kwargs)
+    def native_args(cls, module):
         weight = module.weight
-        if cls.split_dim == 0:
-            kwargs.pop("split", None)
-        layer = cls(weight.shape[0], weight.shape[1], padding_idx=getattr(module, "padding_idx", None),
-                    process_group=process_group, shard=plan, dtype=weight.dtype,
-                    device=weight.device, **kwargs)
-        with torch.no_grad():
-            layer.weight.copy_(shard_of(weight, cls.split_dim, plan))
-        layer.weight.requires_grad_(weight.requires_grad)
-        return layer
+        return dict(num_embeddings=weight.shape[0], embedding_dim=weight.shape[1],
+                    padding_idx=getattr(module, "padding_idx", None), dtype=weight.dtype, device=weight.device)
 
     def __init__(self, num_embeddings, embedding_dim, padding_idx=None, process_group=None,
-                 shard: DimShard | None = None, dtype=None, device=None, **kwargs):
-        super().__init__(process_group)
+                 plan: ShardPlan | None = None, dtype=None, device=None, **kwargs):
+        built_directly = plan is None
+        if plan is None:   # not from the sharder: plan a table of this shape
+            plan = self.plan_for(shapes_only(weight=(num_embeddings, embedding_dim)), process_group, **kwargs)
+        super().__init__(plan, process_group)
+        self._reset_after_init = built_directly   # (the subclass initializes once it is complete)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        full = num_embeddings if self.split_dim == 0 else embedding_dim
-        if shard is None:
-            shard = self._spec(kwargs).resolve(full, self.tp_size, self.tp_rank)
-        self.shard = shard
+        self.shard = plan["weight"]
         self.padding_idx = padding_idx
         shape = [num_embeddings, embedding_dim]
-        shape[self.split_dim] = shard.length
+        shape[self.split_dim] = self.shard.length
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
-        self.sharded_params["weight"] = (self.split_dim, shard)
 
     def reset_parameters(self) -> None:
         """nn.Embedding's initialization (N(0, 1), padding row zeroed)."""
@@ -101,7 +96,7 @@ class VocabParallelEmbedding1D(_EmbeddingShard):
         self.embed_scale = embed_scale
         self.vocab_start = self.tp_rank * self.shard.length
         self.vocab_end = self.vocab_start + self.shard.real  # real rows only
-        if kwargs.get("shard") is None:
+        if self._reset_after_init:
             self.reset_parameters()
 
     def _local_padding_idx(self):
@@ -141,7 +136,7 @@ class Embedding1D(_EmbeddingShard):
                  gather_output: bool = True, **kwargs):
         super().__init__(num_embeddings, embedding_dim, padding_idx, process_group, **kwargs)
         self.gather_output = gather_output
-        if kwargs.get("shard") is None:
+        if self._reset_after_init:
             self.reset_parameters()
 
     def _local_padding_idx(self):

@@ -30,17 +30,27 @@ from ..distributed.mappings import (
     scatter_to_tp_region,
     sync_replicated_grad,
 )
-from ..layout import DimShard, Fused, Split, SplitSpec, Vocab
-from .parallel_module import ParallelModule, check_param, group_size_and_rank, shard_of
+from ..layout import Fused, Split, SplitSpec, Vocab
+from .parallel_module import ParallelModule, ShardPlan, check_param, shapes_only
 
 
 class _LinearShard(ParallelModule):
     """Shared machinery: the weight layout ([out, in] or Conv1D [in, out]),
-    the split dimension, and cutting shards out of a native module."""
+    the split dimension, and what is cut out of a native module: the weight
+    along the split dimension, the bias with it (column) or whole (row)."""
 
     conv1d_layout = False  # weight stored [in, out] (HF Conv1D) instead of [out, in]
     column = True          # split output features (column) or input features (row)
     default_gather_output = False
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if cls.column:
+            cls.split_params = {"weight": (cls._split_dim(), "features"), "bias": (0, "features")}
+            cls.whole_params = ()
+        else:
+            cls.split_params = {"weight": (cls._split_dim(), "features")}
+            cls.whole_params = ("bias",)
 
     @classmethod
     def _default_split(cls, kwargs) -> SplitSpec:
@@ -60,36 +70,42 @@ class _LinearShard(ParallelModule):
     def plan_shard(cls, module, tp_size, rank, split: SplitSpec | None = None, **kwargs):
         weight = check_param(module, "weight", 2, cls.__name__)
         spec = split if split is not None else cls._default_split(kwargs)
-        what = "out_features" if cls.column else "in_features"
-        shard = spec.resolve(weight.shape[cls._split_dim()], tp_size, rank, what=what)
-        if not cls.column and shard.replicated:
-            raise ValueError(f"{cls.__name__}: a row-parallel input split cannot replicate rows")
-        if cls.column and kwargs.get("gather_output", cls.default_gather_output) and shard.replicated:
-            raise ValueError(f"{cls.__name__}: gather_output is not supported with replicated heads")
-        return shard
+        if not cls.column:
+            no_replicate = f"{cls.__name__}: a row-parallel input split cannot replicate rows"
+        elif (cls.default_gather_output if kwargs.get("gather_output") is None else kwargs["gather_output"]):
+            no_replicate = f"{cls.__name__}: gather_output is not supported with replicated heads"
+        else:
+            no_replicate = None
+        return ShardPlan(tp_size, rank).split(
+            "features", spec, weight.shape[cls._split_dim()],
+            what="out_features" if cls.column else "in_features", no_replicate=no_replicate)
+
+    @classmethod
+    def native_args(cls, module):
+        weight = module.weight
+        out_dim, in_dim = cls._weight_dims()
+        return dict(in_features=weight.shape[in_dim], out_features=weight.shape[out_dim],
+                    bias=getattr(module, "bias", None) is not None, dtype=weight.dtype, device=weight.device)
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, process_group=None,
-                 split: SplitSpec | None = None, shard: DimShard | None = None,
-                 dtype=None, device=None, **kwargs):
-        super().__init__(process_group)
+                 plan: ShardPlan | None = None, dtype=None, device=None, **kwargs):
+        shape = (in_features, out_features) if self.conv1d_layout else (out_features, in_features)
+        built_directly = plan is None
+        if plan is None:   # not from the sharder: plan a weight of this shape
+            plan = self.plan_for(shapes_only(weight=shape), process_group, **kwargs)
+        super().__init__(plan, process_group)
         self.in_features, self.out_features = in_features, out_features
-        if shard is None:
-            spec = split if split is not None else self._default_split(kwargs)
-            full = out_features if self.column else in_features
-            shard = spec.resolve(full, self.tp_size, self.tp_rank,
-                                 what="out_features" if self.column else "in_features")
-        self.shard = shard
-        local_out = shard.length if self.column else out_features
-        local_in = in_features if self.column else shard.length
+        self.shard = plan["features"]
+        local_out = self.shard.length if self.column else out_features
+        local_in = in_features if self.column else self.shard.length
         shape = (local_in, local_out) if self.conv1d_layout else (local_out, local_in)
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype, device=device))
-        self.sharded_params["weight"] = (self._split_dim(), shard)
         if bias:
             self.bias = nn.Parameter(torch.empty(local_out, dtype=dtype, device=device))
-            if self.column:
-                self.sharded_params["bias"] = (0, shard)
         else:
             self.register_parameter("bias", None)
+        if built_directly:
+            self.reset_parameters()
 
     def reset_parameters(self) -> None:
         """nn.Linear's initialization, applied to the shard."""
@@ -97,28 +113,6 @@ class _LinearShard(ParallelModule):
         nn.init.uniform_(self.weight, -bound, bound)
         if self.bias is not None:
             nn.init.uniform_(self.bias, -bound, bound)
-
-    @classmethod
-    def from_native_module(cls, module: nn.Module, process_group=None, plan: DimShard | None = None,
-                           **kwargs):
-        tp_size, rank = group_size_and_rank(process_group)
-        if plan is None:
-            plan = cls.plan_shard(module, tp_size, rank, **kwargs)
-        weight = module.weight
-        out_dim, in_dim = cls._weight_dims()
-        bias = getattr(module, "bias", None)
-        kwargs.pop("split", None)
-        layer = cls(weight.shape[in_dim], weight.shape[out_dim], bias=bias is not None,
-                    process_group=process_group, shard=plan, dtype=weight.dtype,
-                    device=weight.device, **kwargs)
-        with torch.no_grad():
-            layer.weight.copy_(shard_of(weight, cls._split_dim(), plan))
-            if bias is not None:
-                layer.bias.copy_(shard_of(bias, 0, plan) if cls.column else bias.detach())
-        layer.weight.requires_grad_(weight.requires_grad)
-        if bias is not None:
-            layer.bias.requires_grad_(bias.requires_grad)
-        return layer
 
     def _matmul(self, x, weight, bias):
         if self.conv1d_layout:
@@ -144,10 +138,8 @@ class Linear1D_Col(_LinearShard):
 
     def __init__(self, in_features, out_features, bias=True, process_group=None,
                  gather_output: bool | None = None, **kwargs):
-        super().__init__(in_features, out_features, bias, process_group, **kwargs)
+        super().__init__(in_features, out_features, bias, process_group, gather_output=gather_output, **kwargs)
         self.gather_output = self.default_gather_output if gather_output is None else gather_output
-        if kwargs.get("shard") is None:
-            self.reset_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp_region(x, self.process_group)
@@ -177,8 +169,6 @@ class Linear1D_Row(_LinearShard):
                  input_is_parallel: bool = True, **kwargs):
         super().__init__(in_features, out_features, bias, process_group, **kwargs)
         self.input_is_parallel = input_is_parallel
-        if kwargs.get("shard") is None:
-            self.reset_parameters()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:

@@ -25,8 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..distributed.mappings import copy_to_tp_region, reduce_from_tp_region
-from ..layout import DimShard, Fused, Split
-from .parallel_module import ParallelModule, check_param, group_size_and_rank, shard_of
+from ..layout import Fused, Split
+from .parallel_module import ParallelModule, ShardPlan, check_param, shapes_only
 
 
 class FusedExperts1D(ParallelModule):
@@ -36,8 +36,10 @@ class FusedExperts1D(ParallelModule):
     the signature of HF's experts modules.
     """
 
+    split_params = {"gate_up_proj": (1, "gate_up"), "down_proj": (2, "down")}
+
     @classmethod
-    def plan_shard(cls, module, tp_size, rank, **kwargs) -> tuple[DimShard, DimShard]:
+    def plan_shard(cls, module, tp_size, rank, **kwargs) -> ShardPlan:
         name = type(module).__name__
         gate_up = check_param(module, "gate_up_proj", 3, cls.__name__)
         down = check_param(module, "down_proj", 3, cls.__name__)
@@ -50,40 +52,28 @@ class FusedExperts1D(ParallelModule):
                              "interleaved; only [E, 2I, H] with [gate | up] rows is supported")
         if getattr(module, "has_bias", False) or getattr(module, "gate_up_proj_bias", None) is not None:
             raise ValueError(f"{cls.__name__}: {name} has expert biases, which this layer does not support")
-        up_shard = Fused.equal(2).resolve(two_inter, tp_size, rank, what="gate_up_proj features")
-        down_shard = Split().resolve(down.shape[2], tp_size, rank, what="down_proj intermediate features")
-        return up_shard, down_shard
-
-    def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, act_fn: nn.Module,
-                 process_group=None, plan: tuple[DimShard, DimShard] | None = None, dtype=None, device=None):
-        super().__init__(process_group)
-        if plan is None:
-            plan = (Fused.equal(2).resolve(2 * intermediate_dim, self.tp_size, self.tp_rank),
-                    Split().resolve(intermediate_dim, self.tp_size, self.tp_rank))
-        up_shard, down_shard = plan
-        self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_dim, intermediate_dim
-        self.act_fn = act_fn
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, up_shard.length, hidden_dim,
-                                                     dtype=dtype, device=device))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, down_shard.length,
-                                                  dtype=dtype, device=device))
-        self.sharded_params["gate_up_proj"] = (1, up_shard)
-        self.sharded_params["down_proj"] = (2, down_shard)
+        return (ShardPlan(tp_size, rank)
+                .split("gate_up", Fused.equal(2), two_inter, what="gate_up_proj features")
+                .split("down", Split(), down.shape[2], what="down_proj intermediate features"))
 
     @classmethod
-    def from_native_module(cls, module: nn.Module, process_group=None, plan=None, **kwargs):
-        tp_size, rank = group_size_and_rank(process_group)
-        if plan is None:
-            plan = cls.plan_shard(module, tp_size, rank)
+    def native_args(cls, module):
         gate_up, down = module.gate_up_proj, module.down_proj
-        layer = cls(gate_up.shape[0], gate_up.shape[2], down.shape[2], module.act_fn, process_group,
-                    plan=plan, dtype=gate_up.dtype, device=gate_up.device)
-        with torch.no_grad():
-            layer.gate_up_proj.copy_(shard_of(gate_up, 1, plan[0]))
-            layer.down_proj.copy_(shard_of(down, 2, plan[1]))
-        layer.gate_up_proj.requires_grad_(gate_up.requires_grad)
-        layer.down_proj.requires_grad_(down.requires_grad)
-        return layer
+        return dict(num_experts=gate_up.shape[0], hidden_dim=gate_up.shape[2], intermediate_dim=down.shape[2],
+                    act_fn=module.act_fn, dtype=gate_up.dtype, device=gate_up.device)
+
+    def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, act_fn: nn.Module,
+                 process_group=None, plan: ShardPlan | None = None, dtype=None, device=None, **kwargs):
+        if plan is None:   # not from the sharder: plan experts of these sizes
+            plan = self.plan_for(shapes_only(gate_up_proj=(num_experts, 2 * intermediate_dim, hidden_dim),
+                                             down_proj=(num_experts, hidden_dim, intermediate_dim)), process_group)
+        super().__init__(plan, process_group)
+        self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_dim, intermediate_dim
+        self.act_fn = act_fn
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, plan["gate_up"].length, hidden_dim,
+                                                     dtype=dtype, device=device))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, plan["down"].length,
+                                                  dtype=dtype, device=device))
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from ..layout import DimShard, SplitSpec
-from .parallel_module import ParallelModule, group_size_and_rank, shard_of
+from ..layout import SplitSpec
+from .parallel_module import ParallelModule, ShardPlan, plan_directly, shard_of
 
 _CLASSES: dict[type, type] = {}
 
@@ -31,13 +31,15 @@ def _sharded_class(cls: type) -> type:
 
 
 class ShardParams:
-    """Split parameters of a module in place: kwargs `params={name: (dim, spec)}`."""
+    """Split parameters of a module in place: kwargs `params={name: (dim, spec)}`.
+    The plan has one layout per parameter, named after it."""
 
     @classmethod
-    def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, params=None, **kwargs):
+    def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, params=None, **kwargs) -> ShardPlan:
         if not params:
             raise ValueError("ShardParams needs params={name: (dim, split spec)}")
-        plans = {}
+        plan = ShardPlan(tp_size, rank)
+        plan.dims = {}
         for name, (dim, spec) in params.items():
             t = getattr(module, name, None)
             if not isinstance(t, nn.Parameter):
@@ -45,25 +47,29 @@ class ShardParams:
             if not isinstance(spec, SplitSpec) or not -t.dim() <= dim < t.dim():
                 raise ValueError(f"ShardParams: '{name}' of shape {tuple(t.shape)}: bad dim {dim} / spec {spec!r}")
             dim %= t.dim()
-            shard = spec.resolve(t.shape[dim], tp_size, rank, what=f"{name}.shape[{dim}]")
-            if shard.replicated:
-                raise ValueError(f"ShardParams: '{name}' would be replicated on several ranks ({spec.describe()})")
-            plans[name] = (dim, shard)
-        return plans
+            plan.dims[name] = dim
+            plan.split(name, spec, t.shape[dim], what=f"{name}.shape[{dim}]",
+                       no_replicate=f"ShardParams: '{name}' would be replicated on several ranks ({spec.describe()})")
+        return plan
 
     @classmethod
-    def from_native_module(cls, module: nn.Module, process_group=None, plan=None, params=None, **kwargs):
-        tp_size, rank = group_size_and_rank(process_group)
-        if plan is None:
-            plan = cls.plan_shard(module, tp_size, rank, params=params)
-        sharded: dict[str, tuple[int, DimShard]] = dict(getattr(module, "sharded_params", {}) or {})
-        for name, (dim, shard) in plan.items():
-            old = getattr(module, name)
-            new = nn.Parameter(shard_of(old, dim, shard), requires_grad=old.requires_grad)
-            setattr(module, name, new)
-            sharded[name] = (dim, shard)
+    def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
+                           params=None, **kwargs):
+        if plan is None:   # not from the sharder
+            plan = plan_directly(cls, module, process_group, params=params)
+        split = {name: (dim, name) for name, dim in plan.dims.items()}
+        if isinstance(module, ParallelModule):   # already sharded by an earlier plan: keep its layouts
+            earlier = module.shard_plan
+            plan.resolved = {**earlier.resolved, **plan.resolved}
+            plan.__dict__.pop("layouts", None)
+            split = {**module.split_params, **split}
+        for name, (dim, layout) in split.items():
+            if name in plan.dims:
+                old = getattr(module, name)
+                setattr(module, name, nn.Parameter(shard_of(old, dim, plan[layout]), requires_grad=old.requires_grad))
         module.__class__ = _sharded_class(type(module))
         module.process_group = process_group
-        module.tp_size, module.tp_rank = tp_size, rank
-        module.sharded_params = sharded
+        module.shard_plan = plan
+        module.tp_size, module.tp_rank = plan.tp_size, plan.rank
+        module.split_params = split
         return module

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .. import distributed as D
-from .parallel_module import group_size_and_rank
+from .parallel_module import ShardPlan, plan_directly
 
 _MARK = "_shardformer_grad_all_reduce"
 
@@ -49,16 +49,17 @@ class ReplicatedInParallelRegion:
         return out
 
     @classmethod
-    def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, params=None, **kwargs):
+    def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, params=None, **kwargs) -> ShardPlan:
         if not cls._selected(module, params):
             raise ValueError(f"{cls.__name__}: {type(module).__name__} has no parameters to keep in sync")
-        return None
+        return ShardPlan(tp_size, rank)
 
     @classmethod
-    def from_native_module(cls, module: nn.Module, process_group=None, plan=None, params=None,
-                           **kwargs) -> nn.Module:
-        tp_size, _ = group_size_and_rank(process_group)
-        if tp_size == 1:
+    def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
+                           params=None, **kwargs) -> nn.Module:
+        if plan is None:   # not from the sharder
+            plan = plan_directly(cls, module, process_group, params=params)
+        if plan.tp_size == 1:
             return module
         for p in cls._selected(module, params):
             if p.requires_grad and not getattr(p, _MARK, False):   # one hook per parameter

@@ -1,0 +1,44 @@
+/*
+ * cpu_features.c -- see cpu_features.h.
+ */
+#include "cpu_features.h"
+
+#include <stdatomic.h>
+
+/* -1 until probed; the bits otherwise.  Two threads probing at once store
+ * the same value. */
+static _Atomic int g_features = -1;
+
+static unsigned probe(void)
+{
+    unsigned f = 0;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2")) f |= SF_CPU_AVX2;
+    if (__builtin_cpu_supports("fma")) f |= SF_CPU_FMA;
+    if (__builtin_cpu_supports("f16c")) f |= SF_CPU_F16C;
+    if (__builtin_cpu_supports("avx512f")) f |= SF_CPU_AVX512F;
+#endif
+    return f;
+}
+
+unsigned sf_cpu_features(void)
+{
+    int f = atomic_load_explicit(&g_features, memory_order_relaxed);
+    if (f < 0) {
+        f = (int)probe();
+        atomic_store_explicit(&g_features, f, memory_order_relaxed);
+    }
+    return (unsigned)f;
+}
+
+int sf_cpu_has_simd(void)
+{
+    const unsigned need = SF_CPU_AVX2 | SF_CPU_FMA | SF_CPU_F16C;
+    return (sf_cpu_features() & need) == need;
+}
+
+int sf_cpu_has_avx512(void)
+{
+    return sf_cpu_has_simd() && (sf_cpu_features() & SF_CPU_AVX512F) != 0;
+}

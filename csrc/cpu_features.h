@@ -1,0 +1,29 @@
+/*
+ * cpu_features.h -- the one run-time CPU probe of the C core.
+ *
+ * The SIMD paths of the kernels (csrc/kernels/) and of the reductions
+ * (csrc/comm/reduce.c) are compiled with target("avx2,fma,f16c") or a subset
+ * and run only when sf_cpu_has_simd() says the CPU has all three; the AVX-512
+ * product of attention also needs sf_cpu_has_avx512().  The probe runs once
+ * and is cached (thread-safe).  Plain C, no Python.
+ */
+#ifndef SHARDFORMER_CPU_FEATURES_H
+#define SHARDFORMER_CPU_FEATURES_H
+
+enum {
+    SF_CPU_AVX2 = 1u << 0,
+    SF_CPU_FMA = 1u << 1,
+    SF_CPU_F16C = 1u << 2,
+    SF_CPU_AVX512F = 1u << 3,
+};
+
+/* SF_CPU_* bits of this CPU (0 on other architectures). */
+unsigned sf_cpu_features(void);
+
+/* 1 when AVX2, FMA and F16C are all there: the SIMD kernels run. */
+int sf_cpu_has_simd(void);
+
+/* 1 when the SIMD kernels run and AVX-512F is there too. */
+int sf_cpu_has_avx512(void);
+
+#endif /* SHARDFORMER_CPU_FEATURES_H */

@@ -1,0 +1,526 @@
+"""One communicator per (process group, device type), chosen once.
+
+Every collective shardformer runs -- the functions of `collectives.py`, the
+autograd region operators of `mappings.py`, and through them every parallel
+layer -- goes through a `Communicator`.  There is one per (group, device
+type), made on first use and cached; `get_communicator(group, device)` is the
+one lookup.  A communicator has the same methods whatever its backend:
+
+    all_reduce(t, op="sum")            in place; op "sum" or "max"; returns t
+    all_gather_into_tensor(out, t)     out = concat over ranks of t (dim 0)
+    reduce_scatter_tensor(out, t)      out = this rank's block of the sum
+    broadcast(t, src)                  in place, from group rank src
+    send(t, dst) / recv(t, src)        point to point, group ranks
+    size, rank, backend ("shm" | "nccl" | "torch"), group
+
+Backends:
+
+    "shm"    ShmCommunicator (shm.py): CPU ranks of a group on one host
+    "nccl"   NcclCommunicator (nccl.py): CUDA tensors, direct NCCL calls
+    "torch"  torch.distributed (gloo on CPU, NCCL on CUDA); works everywhere
+
+Choosing.  `SHARDFORMER_COMM=torch|shm|nccl` forces a backend; it is read
+ONCE per (group, device type), when that communicator is created, and never
+again: changing it afterwards changes nothing for that group (so a group can
+never run some collectives on one backend and some on another), and
+`backend_for()` raises if it finds the variable changed since.  Tests that
+switch backends call `reset_communicators()` on every rank (see below).
+Forcing a backend that cannot run raises with the reason; it never falls
+back, so a benchmark never measures the wrong thing.  Left alone, CPU tensors
+of a group whose ranks all mapped one shared-memory segment use "shm", CUDA
+tensors use "nccl" when NCCL loads, and everything else uses "torch".  An
+auto-picked shm communicator hands the dtypes shm cannot reduce (bool, int8,
+...) to torch.distributed (a per-dtype decision inside the communicator,
+the same on every rank); a forced one raises for them.  A group of one rank
+gets a communicator that does no communication (the forced backend is still
+checked, so a misconfiguration shows on one process too).
+
+Creating a communicator is itself a collective over the group (the shm
+segment or the NCCL id is set up through torch.distributed), so every rank of
+the group must make its first call for a (group, device type) at the same
+point -- which a collective's first call is.  send/recv involve two ranks,
+which cannot set up a group's communicator: they use the one that already
+exists (made by an earlier collective, or by calling `get_communicator` on
+every rank); without one they use torch.distributed for that call (or raise,
+when shm or nccl is forced).
+
+The single path.  Each collective is one cache lookup and one method call on
+the communicator, which holds the group's size and rank.  This is where a
+check of every collective across ranks belongs (each collective publishes
+op, bytes, dtype and root, and every rank verifies them -- the reliability
+issue's cross-rank check): it can be added in one spot, in `Communicator`'s
+methods (or by wrapping the communicator `_create` returns), without touching
+collectives.py, mappings.py or the layers.  It is not implemented yet.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from . import nccl as _nccl
+from . import shm as _shm
+
+BACKENDS = ("torch", "shm", "nccl")
+ENV = "SHARDFORMER_COMM"
+
+# torch renamed the flat-tensor collectives (2.13 deprecates the old names).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_SHM_REDUCIBLE = frozenset(_shm.REDUCIBLE)
+
+
+def _forced() -> str | None:
+    """SHARDFORMER_COMM, validated; read when a communicator is created (and by backend_for)."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if not value:
+        return None
+    if value not in BACKENDS:
+        raise ValueError(f"{ENV}={value!r}: expected one of {', '.join(BACKENDS)}")
+    return value
+
+
+def _world():
+    """The default group (None when torch.distributed is not initialized)."""
+    return dist.group.WORLD
+
+
+def _device_type(device) -> str:
+    if isinstance(device, torch.Tensor):
+        return _tensor_device(device)
+    return torch.device(device).type
+
+
+def _tensor_device(t: torch.Tensor) -> str:
+    # t.device builds a torch.device (~0.6 us); the flags are ~0.06 us.
+    if t.is_cpu:
+        return "cpu"
+    if t.is_cuda:
+        return "cuda"
+    return t.device.type
+
+
+def _bad_op(op) -> ValueError:
+    return ValueError(f"all_reduce: op={op!r}, expected 'sum' or 'max'")
+
+
+def _check_gather(out: torch.Tensor, t: torch.Tensor, n: int) -> None:
+    if out.shape[0] != t.shape[0] * n or out.shape[1:] != t.shape[1:]:
+        raise ValueError(
+            f"all_gather_into_tensor: out has shape {tuple(out.shape)}, expected "
+            f"({t.shape[0] * n}, {', '.join(map(str, t.shape[1:]))}) for {n} ranks"
+        )
+
+
+def _check_scatter(out: torch.Tensor, t: torch.Tensor, n: int) -> None:
+    if t.shape[0] != out.shape[0] * n or out.shape[1:] != t.shape[1:]:
+        raise ValueError(
+            f"reduce_scatter_tensor: input has shape {tuple(t.shape)}, expected dimension 0 "
+            f"= {out.shape[0]} * {n} ranks"
+        )
+
+
+# ---- groups ------------------------------------------------------------------------
+
+class GroupInfo:
+    """A process group's size, this process's rank in it and its global ranks,
+    asked of torch.distributed once."""
+
+    __slots__ = ("group", "size", "rank", "ranks")
+
+    def __init__(self, group):
+        self.group = group
+        if group is None:  # torch.distributed not initialized: a world of one
+            self.size, self.rank, self.ranks = 1, 0, [0]
+        else:
+            self.size = dist.get_world_size(group)
+            self.rank = dist.get_rank(group)
+            self.ranks = dist.get_process_group_ranks(group)
+
+    def label(self) -> str:
+        if self.group is None:
+            return "the default group (torch.distributed not initialized)"
+        return f"the group of global ranks {self.ranks}"
+
+    def global_rank(self, r: int, what: str) -> int:
+        if not 0 <= r < self.size:
+            raise ValueError(f"{what}: rank {r} is not in {self.label()} (size {self.size})")
+        return self.ranks[r]
+
+
+_INFO: dict = {}  # group (normalized: None -> WORLD) -> GroupInfo
+
+
+def group_info(group=None) -> GroupInfo:
+    """Size, rank and global ranks of `group` (None: the default group), cached."""
+    if group is None:
+        group = _world()
+    info = _INFO.get(group)
+    if info is None:
+        info = _INFO[group] = GroupInfo(group)
+    return info
+
+
+# ---- the interface and its backends ---------------------------------------------------
+
+class Communicator:
+    """The collectives of one process group on one device type.
+
+    Subclasses implement every method; tensors are on the communicator's
+    device type.  In-place methods return their tensor, gathers their output.
+    """
+
+    backend = ""
+
+    def __init__(self, info: GroupInfo, device: str, forced: str | None):
+        self.info = info
+        self.group = info.group
+        self.size = info.size
+        self.rank = info.rank
+        self.device = device
+        self.forced = forced  # SHARDFORMER_COMM when this communicator was chosen
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        raise NotImplementedError
+
+    def all_gather_into_tensor(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def reduce_scatter_tensor(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def send(self, t: torch.Tensor, dst: int) -> None:
+        raise NotImplementedError
+
+    def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return (f"<{type(self).__name__} {self.backend} {self.device} rank {self.rank}/{self.size} "
+                f"of {self.info.label()}>")
+
+
+class SoloCommunicator(Communicator):
+    """A group of one rank: nothing to communicate.  `backend` is the one that
+    would run (the forced one, else "torch")."""
+
+    def __init__(self, info, device, forced, backend: str):
+        super().__init__(info, device, forced)
+        self.backend = backend
+
+    def all_reduce(self, t, op="sum"):
+        if op != "sum" and op != "max":
+            raise _bad_op(op)
+        return t
+
+    def all_gather_into_tensor(self, out, t):
+        _check_gather(out, t, 1)
+        out.copy_(t)
+        return out
+
+    def reduce_scatter_tensor(self, out, t):
+        _check_scatter(out, t, 1)
+        out.copy_(t)
+        return out
+
+    def broadcast(self, t, src):
+        self.info.global_rank(src, "broadcast")
+        return t
+
+    def send(self, t, dst):
+        raise ValueError(f"send to rank {dst}: {self.info.label()} has one rank")
+
+    def recv(self, t, src):
+        raise ValueError(f"recv from rank {src}: {self.info.label()} has one rank")
+
+
+_TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
+
+
+class TorchCommunicator(Communicator):
+    """torch.distributed on the group (gloo on CPU, NCCL on CUDA)."""
+
+    backend = "torch"
+
+    def all_reduce(self, t, op="sum"):
+        reduce_op = _TORCH_OPS.get(op)
+        if reduce_op is None:
+            raise _bad_op(op)
+        if t.is_contiguous():
+            dist.all_reduce(t, op=reduce_op, group=self.group)
+        else:
+            work = t.contiguous()
+            dist.all_reduce(work, op=reduce_op, group=self.group)
+            t.copy_(work)
+        return t
+
+    def all_gather_into_tensor(self, out, t):
+        _check_gather(out, t, self.size)
+        _all_gather_single(out, t.contiguous(), group=self.group)
+        return out
+
+    def reduce_scatter_tensor(self, out, t):
+        _check_scatter(out, t, self.size)
+        _reduce_scatter_single(out, t.contiguous(), group=self.group)
+        return out
+
+    def broadcast(self, t, src):
+        dist.broadcast(t, self.info.global_rank(src, "broadcast"), group=self.group)
+        return t
+
+    def send(self, t, dst):
+        dist.send(t.contiguous(), self.info.global_rank(dst, "send"), group=self.group)
+
+    def recv(self, t, src):
+        dist.recv(t, self.info.global_rank(src, "recv"), group=self.group)
+        return t
+
+
+class ShmBackend(Communicator):
+    """The group's ShmCommunicator (shm.py).  `fallback` (auto-picked only)
+    reduces the dtypes shm cannot; a forced one has none and raises for them."""
+
+    backend = "shm"
+
+    def __init__(self, info, device, forced, comm: _shm.ShmCommunicator,
+                 fallback: Communicator | None):
+        super().__init__(info, device, forced)
+        self.shm = comm
+        self.fallback = fallback
+
+    def all_reduce(self, t, op="sum"):
+        if op != "sum" and op != "max":
+            raise _bad_op(op)
+        if t.dtype in _SHM_REDUCIBLE or self.fallback is None:
+            return self.shm.all_reduce(t, op)
+        return self.fallback.all_reduce(t, op)
+
+    def all_gather_into_tensor(self, out, t):
+        _check_gather(out, t, self.size)
+        return self.shm.all_gather(out, t)
+
+    def reduce_scatter_tensor(self, out, t):
+        _check_scatter(out, t, self.size)
+        if t.dtype in _SHM_REDUCIBLE or self.fallback is None:
+            return self.shm.reduce_scatter(out, t)
+        return self.fallback.reduce_scatter_tensor(out, t)
+
+    def broadcast(self, t, src):
+        return self.shm.broadcast(t, src)
+
+    def send(self, t, dst):
+        self.shm.send(t, dst)
+
+    def recv(self, t, src):
+        return self.shm.recv(t, src)
+
+
+class NcclBackend(Communicator):
+    """The group's NcclCommunicator (nccl.py): calls on the current CUDA stream."""
+
+    backend = "nccl"
+
+    def __init__(self, info, device, forced, comm):
+        super().__init__(info, device, forced)
+        self.nccl = comm
+
+    def all_reduce(self, t, op="sum"):
+        if op != "sum" and op != "max":
+            raise _bad_op(op)
+        if t.is_contiguous():
+            return self.nccl.all_reduce(t, op)
+        work = t.contiguous()
+        self.nccl.all_reduce(work, op)
+        t.copy_(work)
+        return t
+
+    def all_gather_into_tensor(self, out, t):
+        _check_gather(out, t, self.size)
+        return self.nccl.all_gather(out, t.contiguous())
+
+    def reduce_scatter_tensor(self, out, t):
+        _check_scatter(out, t, self.size)
+        return self.nccl.reduce_scatter(out, t.contiguous())
+
+    def broadcast(self, t, src):
+        self.info.global_rank(src, "broadcast")
+        if t.is_contiguous():
+            return self.nccl.broadcast(t, src)
+        work = t.contiguous()
+        self.nccl.broadcast(work, src)
+        t.copy_(work)
+        return t
+
+    def send(self, t, dst):
+        self.nccl.send(t.contiguous(), dst)
+
+    def recv(self, t, src):
+        if t.is_contiguous():
+            return self.nccl.recv(t, src)
+        work = torch.empty_like(t, memory_format=torch.contiguous_format)
+        self.nccl.recv(work, src)
+        t.copy_(work)
+        return t
+
+
+# ---- choosing and caching ------------------------------------------------------------
+
+_CACHE: dict = {}  # (group as passed, device type) -> Communicator
+
+
+def _create(info: GroupInfo, device: str, setup: bool) -> Communicator | None:
+    """Choose the backend (reading SHARDFORMER_COMM) and make the communicator.
+
+    setup=False (send/recv): only wrap what already exists; None means "use
+    torch.distributed for this call, cache nothing"."""
+    forced = _forced()
+    group = info.group
+    if info.size == 1:
+        if forced == "shm" and device != "cpu":
+            raise RuntimeError(f"{ENV}=shm: tensor is on {device}; shm is CPU-only")
+        if forced == "nccl":
+            ok, why = _nccl.available()
+            if not ok:
+                raise RuntimeError(f"{ENV}=nccl: {why}")
+            if device != "cuda":
+                raise RuntimeError(f"{ENV}=nccl: tensor is on {device}, not CUDA")
+        return SoloCommunicator(info, device, forced, forced or "torch")
+    if forced == "torch":
+        return TorchCommunicator(info, device, forced)
+    if forced == "shm":
+        if device != "cpu":
+            raise RuntimeError(f"{ENV}=shm: tensor is on {device}; shm is CPU-only")
+        comm = _shm.communicator(group) if setup else _shm.existing(group)
+        if comm is None:
+            why = _shm.reason(group) or (
+                f"send/recv need the shm communicator of {info.label()} set up first: call "
+                f"shardformer.distributed.get_communicator(group, 'cpu') on every rank")
+            raise RuntimeError(f"{ENV}=shm: {why}")
+        return ShmBackend(info, device, forced, comm, None)
+    if forced == "nccl":
+        ok, why = _nccl.available()
+        if not ok:
+            raise RuntimeError(f"{ENV}=nccl: {why}")
+        if device != "cuda":
+            raise RuntimeError(f"{ENV}=nccl: tensor is on {device}, not CUDA")
+        if not setup:
+            raise RuntimeError(
+                f"{ENV}=nccl: send/recv need the NCCL communicator of {info.label()} set up "
+                f"first: call shardformer.distributed.get_communicator(group, 'cuda') on every rank")
+        return NcclBackend(info, device, forced, _nccl.communicator(group))
+    # auto
+    if device == "cpu":
+        comm = _shm.communicator(group) if setup else _shm.existing(group)
+        if comm is not None:
+            return ShmBackend(info, device, forced, comm, TorchCommunicator(info, device, forced))
+        if not setup and _shm.reason(group) is None:
+            return None  # shm not tried yet: a later collective may still set it up
+        return TorchCommunicator(info, device, forced)
+    if device == "cuda" and _nccl.available()[0]:
+        if not setup:
+            return None
+        return NcclBackend(info, device, forced, _nccl.communicator(group))
+    return TorchCommunicator(info, device, forced)
+
+
+def _get(group, device: str, setup: bool = True) -> Communicator | None:
+    """The slow path: normalize the group, create on a miss, cache."""
+    info = group_info(group)
+    # One communicator per group whatever names it (None or the WORLD object).
+    norm = (info.group, device)
+    comm = _CACHE.get(norm)
+    if comm is None:
+        comm = _create(info, device, setup)
+        if comm is None:
+            return None
+        _CACHE[norm] = comm
+    _CACHE[(group, device)] = comm
+    return comm
+
+
+def _cached(group, device: str) -> Communicator | None:
+    comm = _CACHE.get((group, device))
+    # None names the default group, which a re-initialization replaces.
+    if comm is not None and (group is not None or comm.group is dist.group.WORLD):
+        return comm
+    return None
+
+
+def get_communicator(group=None, device="cpu") -> Communicator:
+    """The communicator of `group` (None: the default group) for `device` (a
+    device type, torch.device or a tensor on it), made on first call -- a
+    collective over the group: every rank must make its first call at the same
+    point.  SHARDFORMER_COMM is read then, once for this (group, device type)."""
+    dev = _device_type(device)
+    return _cached(group, dev) or _get(group, dev)
+
+
+def communicator_for(t: torch.Tensor, group=None) -> Communicator:
+    """get_communicator(group, t): the collectives' lookup."""
+    dev = _tensor_device(t)
+    comm = _CACHE.get((group, dev))
+    if comm is not None and (group is not None or comm.group is dist.group.WORLD):
+        return comm
+    return _get(group, dev)
+
+
+def parallel_communicator(t: torch.Tensor, group=None) -> Communicator | None:
+    """The communicator for `t` over `group`, or None when the group has one
+    rank (then nothing is chosen and SHARDFORMER_COMM is not read): the region
+    operators' lookup."""
+    dev = _tensor_device(t)
+    comm = _CACHE.get((group, dev))
+    if comm is None or (group is None and comm.group is not dist.group.WORLD):
+        if group_info(group).size == 1:
+            return None
+        comm = _get(group, dev)
+    return comm if comm.size > 1 else None
+
+
+def existing_communicator(t: torch.Tensor, group=None) -> Communicator:
+    """The communicator send/recv use: the cached one, one wrapping an shm
+    communicator that exists already, else torch.distributed (not cached).
+    Never sets anything up (raises when a forced backend would need to)."""
+    dev = _tensor_device(t)
+    comm = _cached(group, dev) or _get(group, dev, setup=False)
+    if comm is None:
+        return TorchCommunicator(group_info(group), dev, None)
+    return comm
+
+
+def check_unchanged(comm: Communicator) -> None:
+    """Raise if SHARDFORMER_COMM changed since `comm` was chosen (it would be ignored)."""
+    now = _forced()
+    if now != comm.forced:
+        raise RuntimeError(
+            f"{ENV} is now {now!r} but was {comm.forced!r} when the {comm.backend} communicator of "
+            f"{comm.info.label()} ({comm.device}) was chosen; it is read once per group and device "
+            f"(so a group never mixes backends). Call "
+            f"shardformer.distributed.reset_communicators() on every rank to choose again.")
+
+
+def communicators() -> list[Communicator]:
+    """The communicators made so far (each once)."""
+    seen, out = set(), []
+    for comm in _CACHE.values():
+        if id(comm) not in seen:
+            seen.add(id(comm))
+            out.append(comm)
+    return out
+
+
+def reset_communicators() -> None:
+    """Forget every choice: the next collective on a group chooses its backend
+    again (re-reading SHARDFORMER_COMM).  For tests and benchmarks that switch
+    backends; call it on every rank at the same point, between collectives.
+
+    Shared-memory segments are kept (shm.py caches them per group, and a new
+    shm communicator reuses the group's segment); `shm.forget(group)` closes
+    one.  NCCL communicators are likewise kept by nccl.py."""
+    _CACHE.clear()
+    _INFO.clear()

@@ -1,0 +1,182 @@
+"""A model family as data: its body's shape, its head classes and their heads.
+
+A built-in family file (policies/<family>.py) holds one `Family`:
+
+    FAMILY = Family(
+        "mistral", "mistral.modeling_mistral", DecoderShape,
+        options={"prefix": "Mistral"},
+        heads={"MistralModel": (),
+               "MistralForCausalLM": lm("lm_head"),
+               "MistralForSequenceClassification": gathered("score")},
+    )
+
+From it come, without another line per class:
+
+  * one Policy class per head class (`MistralForCausalLMPolicy`): the shape
+    class (a Policy describing the shared body: decoder block, encoder
+    layer, vision stage; see shardformer.policies.shapes) with the family's
+    options as class attributes, plus the class's heads;
+  * the registry entries (shardformer.autopolicy), keyed by the model class's
+    full name ("transformers.models.<hf_module>.<class>"), or by the bare
+    class name for remote code (`hf_module=""`).
+
+Heads are split by kind:
+
+    lm(suffix)          VocabParallelLMHead1D: the vocabulary (output rows) split,
+                        logits gathered unless extra_kwargs gather_output=False;
+                        re-tied to the input embeddings when HF had tied them;
+                        `bias_of` names a module whose `bias` HF ties to the head's
+    gathered(suffix)    Linear1D_Col with gather_output: a small classifier, its
+                        labels split (any count) and all-gathered forward
+    replicated_dropout(suffix)   DropoutForReplicatedInput: one mask on every rank
+
+A custom model needs none of this: a `shardformer.Policy` subclass written by
+hand is passed to optimize(model, policy=...).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+from .policy import ModulePolicyDescription, Policy
+from .policy import SubModuleReplacementDescription as Sub
+
+_HF = "transformers.models"
+
+
+@dataclass(frozen=True)
+class Head:
+    """One head module of a model class: `suffix` (dotted path under the model),
+    `kind` ("lm", "gathered", "replicated_dropout"), and for "lm" the module
+    whose `bias` is the head's own bias (`bias_of`)."""
+
+    suffix: str
+    kind: str
+    bias_of: str | None = None
+
+    def __post_init__(self):
+        if self.kind not in ("lm", "gathered", "replicated_dropout"):
+            raise ValueError(f"Head({self.suffix!r}): unknown kind {self.kind!r}")
+
+
+def lm(suffix: str = "lm_head", bias_of: str | None = None) -> Head:
+    return Head(suffix, "lm", bias_of)
+
+
+def gathered(suffix: str) -> Head:
+    return Head(suffix, "gathered")
+
+
+def replicated_dropout(suffix: str) -> Head:
+    return Head(suffix, "replicated_dropout")
+
+
+def _as_heads(value) -> tuple[Head, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, Head):
+        return (value,)
+    heads = tuple(value)
+    for h in heads:
+        if not isinstance(h, Head):
+            raise TypeError(f"heads: expected Head values (lm(), gathered(), ...), got {h!r}")
+    return heads
+
+
+@dataclass(frozen=True)
+class Family:
+    """name        the family ("llama"): its policy file and its row in the support matrix
+    hf_module   the modeling module under transformers.models ("llama.modeling_llama"),
+                "" for remote code (registry keys are then bare class names)
+    shape       the Policy class describing the body (shardformer.policies.shapes)
+    heads       {model class name: Head or tuple of Heads}; () for a base model
+    options     class attributes of the generated policies (read by the shape)
+    """
+
+    name: str
+    hf_module: str
+    shape: type
+    heads: dict[str, Any]
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not (isinstance(self.shape, type) and issubclass(self.shape, FamilyPolicy)):
+            raise TypeError(f"Family {self.name!r}: shape must be a FamilyPolicy subclass, got {self.shape!r}")
+        for cls_name, value in self.heads.items():
+            _as_heads(value)
+
+    def registry_key(self, class_name: str) -> str:
+        return f"{_HF}.{self.hf_module}.{class_name}" if self.hf_module else class_name
+
+    def policy_classes(self) -> dict[str, type]:
+        """{"<Class>Policy": generated Policy class} for every head class."""
+        out = {}
+        for cls_name, value in self.heads.items():
+            name = f"{cls_name}Policy"
+            attrs = dict(self.options, family=self, model_class=cls_name, heads=_as_heads(value),
+                         __module__=f"shardformer.policies.{self.name}",
+                         __doc__=f"The {self.name} policy of {cls_name} (generated from the family's data).")
+            out[name] = type(name, (self.shape,), attrs)
+        return out
+
+    def registry(self) -> dict[str, tuple[str, str]]:
+        """{registry key: (family, policy class name)}."""
+        return {self.registry_key(c): (self.name, f"{c}Policy") for c in self.heads}
+
+
+class FamilyPolicy(Policy):
+    """The base of every shape.  A shape's `body_policy()` describes the body
+    (for whichever model class is being sharded); this class adds the heads of
+    `model_class` and ties the LM heads after substitution."""
+
+    family: Family | None = None
+    model_class: str = ""
+    heads: tuple[Head, ...] = ()
+
+    def body_policy(self) -> dict:
+        """{module class or class name: ModulePolicyDescription} for the body."""
+        return {}
+
+    def module_policy(self) -> dict:
+        policy = self.body_policy()
+        if self.tensor_parallel and self.heads:
+            subs = [self.head_replacement(h) for h in self.heads]
+            self.append_or_create_submodule_replacement(subs, policy, self.model_class)
+        return policy
+
+    def head_replacement(self, head: Head) -> Sub:
+        from .layer import DropoutForReplicatedInput, Linear1D_Col, VocabParallelLMHead1D
+
+        if head.kind == "lm":
+            return Sub(head.suffix, VocabParallelLMHead1D, kwargs=self.lm_head_kwargs())
+        if head.kind == "gathered":
+            return Sub(head.suffix, Linear1D_Col, kwargs={"gather_output": True})
+        return Sub(head.suffix, DropoutForReplicatedInput)
+
+    def preprocess(self) -> nn.Module:
+        # An LM head is re-tied after substitution exactly when HF tied it
+        # (the same Parameter as the input embedding's), whatever the config says.
+        embeddings = self.model.get_input_embeddings() if self.tensor_parallel else None
+        self._tied_heads = [h.suffix for h in self.heads if h.kind == "lm" and embeddings is not None
+                            and self.model.get_submodule(h.suffix).weight is embeddings.weight]
+        return super().preprocess()
+
+    def postprocess(self) -> nn.Module:
+        if self.tensor_parallel:
+            for head in self.heads:
+                if head.kind != "lm":
+                    continue
+                module = self.model.get_submodule(head.suffix)
+                if head.suffix in getattr(self, "_tied_heads", ()):
+                    module.weight = self.model.get_input_embeddings().weight
+                if head.bias_of is not None:    # HF keeps the decoder bias as the owner's `bias`
+                    setattr(self.model.get_submodule(head.bias_of), "bias", module.bias)
+        return self.model
+
+    def hf_class(self, name: str):
+        """transformers.models.<family hf_module>.<name>."""
+        import importlib
+
+        return getattr(importlib.import_module(f"{_HF}.{self.family.hf_module}"), name)

@@ -1,0 +1,334 @@
+"""The optimizations, applied by the sharder to every model by module type.
+
+No policy writes them: with the ShardConfig switch on, every module of the
+model that has one of these forms gets it, in every family.
+
+    enable_fused_normalization
+        LayerNorm  y = (x - mean) / sqrt(var + eps) * w + b     -> FusedLayerNorm
+        RMSNorm    y = x / sqrt(mean(x^2) + eps) * w             -> FusedRMSNorm
+    enable_jit_fused (a forward replacement on the MLP class)
+        gated      down(silu(gate(x)) * up(x)), gate/up separate or one
+                   [gate | up] projection                        -> swiglu kernel
+        GeLU       [down](gelu(up(x))) [then dropout], GeLU exact or tanh
+                                                                 -> bias_gelu kernel
+    enable_flash_attention
+        every layer that looks its attention up in transformers' registry
+        (shardformer.attention.enable)
+
+A module is a candidate by its structure (attribute names, parameter shapes;
+see GELU_FORMS, GATED_FORMS, FUSED_GATED_FORMS) and is switched only after a
+probe: the module's own forward and the fused one run on the same random input
+(norms: every instance, with random weights, so that Gemma's (1 + w) scaling is
+told apart from w, and with rows small enough that eps matters; MLPs: one
+instance per class, after checking every instance has the same form) and must
+agree.  A module whose probe disagrees keeps its own forward.  Nothing
+here splits a tensor, so the same rules hold at any tensor-parallel size.
+
+Modules that the policy itself replaces (or that sit inside one it replaces)
+are left to the policy.
+"""
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops
+from .policy import ModulePolicyDescription
+from .policy import SubModuleReplacementDescription as Sub
+
+_EPS_NAMES = ("eps", "variance_epsilon", "epsilon")
+
+
+def _eps(module) -> float | None:
+    for name in _EPS_NAMES:
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def _param(module, name):
+    p = module._parameters.get(name) if hasattr(module, "_parameters") else None
+    return p if isinstance(p, torch.Tensor) else None
+
+
+def _probe_ok(module) -> bool:
+    """Parameters on a device we can compute on (not meta)."""
+    return all(p.device.type != "meta" for p in module.parameters())
+
+
+def _close(a, b, dtype) -> bool:
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
+        return False
+    tol = 1e-4 if dtype in (torch.float32, torch.float64) else 3e-2
+    return bool(torch.allclose(a.float(), b.float(), rtol=tol, atol=tol))
+
+
+def _with_params(module, **params):
+    """A shallow stand-in of `module` whose parameters `params` differ (the
+    module itself is untouched; hooks are not called: forward is called unbound)."""
+    clone = object.__new__(type(module))
+    clone.__dict__ = dict(module.__dict__)
+    clone._parameters = OrderedDict(module._parameters, **params)
+    return clone
+
+
+# ---------------------------------------------------------------- norms
+
+
+def _norm_form(module) -> str | None:
+    """"layer" or "rms" when `module` is a normalization of that form (probed),
+    else None."""
+    if not isinstance(module, nn.Module) or list(module.children()):
+        return None
+    weight, bias = _param(module, "weight"), _param(module, "bias")
+    if type(module) is nn.LayerNorm:
+        return "layer"
+    eps = _eps(module)
+    if eps is None or weight is None or weight.dim() != 1 or not _probe_ok(module):
+        return None
+    n = weight.shape[0]
+    gen = torch.Generator().manual_seed(1234)
+    # Two rows at unit scale, one small enough that eps matters (where an
+    # x / (rms + eps) look-alike parts from x / sqrt(ms + eps)).
+    x = (torch.randn(3, 2, n, generator=gen) * torch.tensor([1.0, 1.0, 1e-3]).view(3, 1, 1)).to(weight.dtype)
+    w = torch.randn(n, generator=gen).to(weight.dtype)
+    b = torch.randn(n, generator=gen).to(weight.dtype) if bias is not None else None
+    params = {"weight": nn.Parameter(w.to(weight.device), requires_grad=False)}
+    if b is not None:
+        if bias.shape != weight.shape:
+            return None
+        params["bias"] = nn.Parameter(b.to(bias.device), requires_grad=False)
+    try:
+        with torch.no_grad():
+            got = type(module).forward(_with_params(module, **params), x.to(weight.device)).cpu()
+    except Exception:  # noqa: BLE001 - a module that cannot run on this probe is not a norm of ours
+        return None
+    xf = x.float()
+    if b is not None:
+        want = F.layer_norm(xf, (n,), w.float(), b.float(), eps)
+        return "layer" if _close(got, want, weight.dtype) else None
+    rms = F.rms_norm(xf, (n,), None, eps).to(x.dtype) * w
+    if _close(got, rms, weight.dtype):
+        return "rms"
+    want = F.layer_norm(xf, (n,), w.float(), None, eps)
+    return "layer" if _close(got, want, weight.dtype) else None
+
+
+# ---------------------------------------------------------------- MLPs
+
+# (up, activation, down or None, dropout after down or None); GeLU forms
+GELU_FORMS = (
+    ("c_fc", "act", "c_proj", "dropout"),              # GPT-2, GPT-Neo
+    ("fc_in", "act", "fc_out", "dropout"),             # GPT-J
+    ("dense_h_to_4h", "act", "dense_4h_to_h", None),   # Falcon
+    ("fc1", "activation_fn", "fc2", None),             # SigLIP, CLIP-style
+    ("lin1", "act", "lin2", None),                     # SAM's vision MLP
+    ("dense", "intermediate_act_fn", None, None),      # BERT-style intermediate
+)
+# (gate, up, down, activation) for separate projections; (gate_up, down, activation) fused
+GATED_FORMS = (("gate_proj", "up_proj", "down_proj", "act_fn"),)
+FUSED_GATED_FORMS = (("gate_up_proj", "down_proj", "activation_fn"), ("gate_up_proj", "down_proj", "act_fn"))
+
+
+def _act_kind(act) -> str | None:
+    """"silu", "gelu" (exact) or "gelu_tanh" when the callable `act` computes it."""
+    if not callable(act):
+        return None
+    x = torch.linspace(-6, 6, 97)
+    try:
+        with torch.no_grad():
+            y = act(x)
+    except Exception:  # noqa: BLE001
+        return None
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        return None
+    for kind, ref in (("silu", F.silu(x)), ("gelu", F.gelu(x)), ("gelu_tanh", F.gelu(x, approximate="tanh"))):
+        if torch.allclose(y, ref, rtol=1e-5, atol=1e-6):
+            return kind
+    return None
+
+
+def _linear_in(module) -> int | None:
+    w = _param(module, "weight") if isinstance(module, nn.Module) else None
+    if w is None or w.dim() != 2:
+        return None
+    return w.shape[0] if type(module).__name__ == "Conv1D" else w.shape[1]
+
+
+def gelu_mlp_forward(up: str, act: str, down: str | None, dropout: str | None, approximate: str):
+    """forward = [dropout](down(gelu(up(x)))) with the GeLU by the C kernel."""
+    def forward(self, hidden_states):
+        h = getattr(self, up)(hidden_states)
+        h = ops.bias_gelu(h, None, approximate) if ops._kernel_input(h) else getattr(self, act)(h)
+        if down is not None:
+            h = getattr(self, down)(h)
+        if dropout is not None:
+            h = getattr(self, dropout)(h)
+        return h
+    forward.__qualname__ = f"gelu_mlp_forward[{up}->{act}->{down}]"
+    forward.approximate = approximate
+    return forward
+
+
+def gated_mlp_forward(gate: str, up: str, down: str, act: str):
+    """forward = down(silu(gate(x)) * up(x)) with silu * up in one C kernel."""
+    def forward(self, x):
+        g, u = getattr(self, gate)(x), getattr(self, up)(x)
+        h = ops.swiglu(g, u) if ops._kernel_input(g) else getattr(self, act)(g) * u
+        return getattr(self, down)(h)
+    forward.__qualname__ = f"gated_mlp_forward[{gate},{up}->{down}]"
+    return forward
+
+
+def fused_gated_mlp_forward(gate_up: str, down: str, act: str):
+    """forward = down(silu(g) * u) with [g | u] = gate_up(x) (this rank's halves)."""
+    def forward(self, x):
+        g, u = getattr(self, gate_up)(x).chunk(2, dim=-1)
+        h = ops.swiglu(g.contiguous(), u.contiguous()) if ops._kernel_input(g) else getattr(self, act)(g) * u
+        return getattr(self, down)(h)
+    forward.__qualname__ = f"fused_gated_mlp_forward[{gate_up}->{down}]"
+    return forward
+
+
+def _mlp_candidates(module):
+    """(fused forward, name of its input projection) for every form whose
+    structure `module` has (not yet probed)."""
+    children = dict(module.named_children())
+    for gate, up, down, act in GATED_FORMS:
+        if all(n in children for n in (gate, up, down)) and _act_kind(getattr(module, act, None)) == "silu":
+            yield gated_mlp_forward(gate, up, down, act), gate
+    for gate_up, down, act in FUSED_GATED_FORMS:
+        if gate_up in children and down in children and _act_kind(getattr(module, act, None)) == "silu":
+            yield fused_gated_mlp_forward(gate_up, down, act), gate_up
+    for up, act, down, dropout in GELU_FORMS:
+        if up not in children or (down is not None and down not in children):
+            continue
+        if dropout is not None and dropout not in children:
+            continue
+        kind = _act_kind(getattr(module, act, None))
+        if kind in ("gelu", "gelu_tanh"):
+            yield gelu_mlp_forward(up, act, down, dropout, "tanh" if kind == "gelu_tanh" else "none"), up
+
+
+def _form_names(module) -> tuple[str, ...]:
+    """The forms `module`'s structure and activations match, by name."""
+    return tuple(f.__qualname__ + repr(getattr(f, "approximate", "")) for f, _ in _mlp_candidates(module))
+
+
+def _mlp_forward(module):
+    """The fused forward for `module`'s class, or None: the first candidate
+    whose output equals the module's own forward on a random input."""
+    if not _probe_ok(module):
+        return None
+    for fused, first in _mlp_candidates(module):
+        n = _linear_in(getattr(module, first))
+        params = list(module.parameters())
+        if n is None or not params:
+            continue
+        dtype, device = params[0].dtype, params[0].device
+        x = torch.randn(2, 3, n, generator=torch.Generator().manual_seed(4321)).to(dtype=dtype, device=device)
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                want = type(module).forward(module, x)
+                torch.manual_seed(0)
+                got = fused(module, x)
+        except Exception:  # noqa: BLE001 - a form that does not run is not this module's form
+            continue
+        if isinstance(want, tuple):
+            continue
+        if _close(got, want, dtype):
+            return fused
+    return None
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def _under(path: str, roots: set[str]) -> bool:
+    parts = path.split(".")
+    return any(".".join(parts[:i]) in roots for i in range(1, len(parts) + 1))
+
+
+def optimization_policy(model: nn.Module, shard_config, replaced_paths: set[str],
+                        method_paths: set[str]) -> dict:
+    """{class: ModulePolicyDescription} switching every qualifying module of
+    `model` to its fused form, leaving alone the paths the policy replaces
+    (`replaced_paths`, with everything under them) and the modules whose
+    methods it replaces (`method_paths`).
+
+    Entries are keyed by class, so a (parent class, child name) slot is used
+    only when the child is of one qualifying class under every instance of
+    the parent, and an MLP class only when none of its instances is excluded."""
+    norms = shard_config.enable_fused_normalization
+    jit = shard_config.enable_jit_fused
+    if not (norms or jit):
+        return {}
+    from .layer import FusedLayerNorm, FusedRMSNorm
+
+    policy: dict = {}
+    if norms:
+        slots: dict[tuple[type, str], set] = {}     # (parent class, child name) -> {child class or None}
+        form_of: dict[int, str | None] = {}
+        parents_by_class: dict[type, list[tuple[str, nn.Module]]] = {}
+        for path, parent in model.named_modules():
+            parents_by_class.setdefault(type(parent), []).append((path, parent))
+        for cls, instances in parents_by_class.items():
+            names = dict.fromkeys(name for _, p in instances for name, _ in p.named_children())
+            for name in names:
+                kinds = set()
+                for path, parent in instances:
+                    child = parent._modules.get(name)
+                    child_path = f"{path}.{name}" if path else name
+                    if child is None:
+                        kinds.add(None)
+                        continue
+                    if _under(child_path, replaced_paths):
+                        kinds.add("excluded")
+                        continue
+                    # Probed per instance: a norm's form can hang on its attributes
+                    # (SamLayerNorm's data_format), not only on its class.
+                    if id(child) not in form_of:
+                        form_of[id(child)] = _norm_form(child)
+                    kinds.add((type(child), form_of[id(child)]))
+                slots[(cls, name)] = kinds
+        for (cls, name), kinds in slots.items():
+            real = {k for k in kinds if k is not None}
+            if len(real) != 1:
+                continue
+            (k,) = real
+            if k == "excluded" or k[1] is None:
+                continue
+            target = FusedLayerNorm if k[1] == "layer" else FusedRMSNorm
+            entry = policy.setdefault(cls, ModulePolicyDescription())
+            entry.sub_module_replacement.append(Sub(name, target, ignore_if_not_exist=None in kinds))
+    if jit:
+        by_class: dict[type, list[str]] = {}
+        for path, module in model.named_modules():
+            if list(module.children()):
+                by_class.setdefault(type(module), []).append(path)
+        for cls, paths in by_class.items():
+            if any(_under(p, replaced_paths) or p in method_paths for p in paths):
+                continue
+            # One forward replaces the class's: every instance must have the
+            # same form (SAM's MLP class is GeLU in one tower, ReLU in the other).
+            forms = {_form_names(model.get_submodule(p)) for p in paths}
+            if len(forms) != 1 or not next(iter(forms)):
+                continue
+            fused = _mlp_forward(model.get_submodule(paths[0]))
+            if fused is not None:
+                policy.setdefault(cls, ModulePolicyDescription()).method_replacement["forward"] = fused
+    return policy
+
+
+def enable_attention(model: nn.Module, shard_config) -> None:
+    """Route the model's attention through the C kernel (enable_flash_attention)."""
+    if shard_config.enable_flash_attention:
+        from .attention import enable
+
+        enable(model)

@@ -1,0 +1,727 @@
+"""The driver of tests/test_asan.py: every C entry point of shardformer._C,
+success and error paths, under AddressSanitizer or a reference-leak check.
+
+    python tests/asan_driver.py MODE SO ITERATIONS TESTS_DIR
+
+MODE  "asan": run every scenario ITERATIONS times
+      "leaks": warm up, then check allocations do not grow per call
+SO    path of the _C build to load as shardformer._C ("-" = the installed one)
+TESTS_DIR  tests/, for test_c_core's helpers
+
+See tests/test_asan.py's docstring for how the two modes are judged.  Prints
+"DRIVER OK" at the end when every scenario / case passed.
+"""
+import gc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import time
+
+MODE, SO, ITERATIONS = sys.argv[1], sys.argv[2], int(sys.argv[3])
+sys.path.insert(0, sys.argv[4])  # tests/, for test_c_core's helpers
+
+if SO != "-":
+    loader = importlib.machinery.ExtensionFileLoader("shardformer._C", SO)
+    spec = importlib.util.spec_from_file_location("shardformer._C", SO, loader=loader)
+    _C = importlib.util.module_from_spec(spec)
+    sys.modules["shardformer._C"] = _C
+    loader.exec_module(_C)
+
+import numpy as np
+import torch
+from torch import nn
+
+import shardformer
+import shardformer.layout
+from shardformer import _C as C_in_package
+
+if SO != "-":
+    assert C_in_package is _C and shardformer.layout._C is _C, "ASan build not in use"
+    assert os.path.samefile(_C.__file__, SO)
+    shardformer._C = _C
+else:
+    _C = C_in_package
+
+from test_c_core import FakeTensor, layout_cases  # noqa: E402
+from shardformer.layout import PerRank  # noqa: E402
+
+INT64_MAX = 2**63 - 1
+
+
+def expect(exc, fn, *args, match=None, **kwargs):
+    try:
+        fn(*args, **kwargs)
+    except exc as e:
+        if match is not None and match not in str(e):
+            raise AssertionError(f"{fn.__name__}: {e!r} does not mention {match!r}")
+        return
+    raise AssertionError(f"{fn.__name__}{args!r} did not raise {exc.__name__}")
+
+
+# --- layout arithmetic --------------------------------------------------------
+
+def scenario_layout_math(i):
+    for units in range(0, 9):
+        for parts in range(1, 5):
+            total = sum(_C.split_units(units, parts, r)[1] for r in range(parts))
+            assert total == units
+    for h, kv, p in [(8, 2, 4), (6, 2, 4), (7, 1, 3), (32, 8, 4), (5, 5, 2)]:
+        q = sum(_C.heads_layout(h, kv, p, r)[1] for r in range(p))
+        assert q == h
+    for v, p, m in [(10, 3, 4), (1, 4, 1), (50257, 4, 64)]:
+        assert sum(_C.vocab_layout(v, p, r, m)[3] for r in range(p)) == v
+    expect(ValueError, _C.split_units, 5, 0, 0, match="tensor_parallel_size=0")
+    expect(ValueError, _C.split_units, 5, 2, 2, match="rank=2")
+    expect(ValueError, _C.split_units, -1, 2, 0)
+    expect(TypeError, _C.split_units, "5", 2, 0)
+    expect(OverflowError, _C.split_units, 2**64, 2, 0)
+    expect(ValueError, _C.heads_layout, 6, 4, 2, 0, match="num_key_value_heads=4")
+    expect(ValueError, _C.heads_layout, 4, 3, 4, 0)
+    expect(ValueError, _C.heads_layout, 2, 1, 4, 0, match="tensor_parallel_size=4")
+    expect(ValueError, _C.heads_layout, 0, 1, 1, 0)
+    expect(ValueError, _C.heads_layout, 4, 4, 0, 0)
+    expect(ValueError, _C.heads_layout, 4, 4, 2, 5)
+    expect(TypeError, _C.heads_layout, 4, 4, 2)
+    expect(ValueError, _C.vocab_layout, 0, 2, 0, 1, match="vocab_size=0")
+    expect(ValueError, _C.vocab_layout, 10, 2, 0, 0)
+    expect(ValueError, _C.vocab_layout, 10, 2, 3, 1)
+    expect(ValueError, _C.vocab_layout, 10, 2**62, 0, 4, match="overflows")
+    expect(ValueError, _C.vocab_layout, INT64_MAX, 2, 0, 1, match="overflows")
+    expect(TypeError, _C.vocab_layout, 10, 2, 0, None)
+
+
+class Sneaky:
+    """An int-like whose __index__ empties a list (the one being parsed)."""
+
+    def __init__(self, victim):
+        self.victim = victim
+
+    def __index__(self):
+        self.victim.clear()
+        return 1
+
+
+# --- copy_shard / place_shard ---------------------------------------------------
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64]
+SHAPES = [(7,), (5, 6), (3, 4, 5), (2, 3, 4, 5)]
+GEN = torch.Generator().manual_seed(0)
+
+
+def variants(shape, dtype):
+    base = torch.randint(-50, 50, shape, generator=GEN).to(dtype)
+    yield base
+    rev = torch.randint(-50, 50, tuple(reversed(shape)), generator=GEN).to(dtype)
+    yield rev.permute(*reversed(range(len(shape))))
+    big = torch.randint(-50, 50, tuple(2 * s + 1 for s in shape), generator=GEN).to(dtype)
+    yield big[tuple(slice(1, None, 2) for _ in shape)]
+
+
+def scenario_copy_place_torch(i):
+    dtype = DTYPES[i % len(DTYPES)]
+    shape = SHAPES[(i // len(DTYPES)) % len(SHAPES)]
+    for dim in range(len(shape)):
+        size = shape[dim]
+        range_lists = [[], [(0, size)], [(size - 1, 1), (0, 1)], [(1, size - 2)], [(size, 0)]]
+        for full in variants(shape, dtype):
+            for ranges in range_lists:
+                real = sum(n for _, n in ranges)
+                for pad in (0, 3):
+                    sshape = list(shape)
+                    sshape[dim] = real + pad
+                    shard = torch.full(sshape, 9, dtype=dtype)
+                    _C.copy_shard(full, shard, dim, ranges)
+                    parts = [full.narrow(dim, o, n) for o, n in ranges]
+                    zshape = list(shape)
+                    zshape[dim] = pad
+                    parts.append(torch.zeros(zshape, dtype=dtype))
+                    assert torch.equal(shard, torch.cat(parts, dim))
+                    back = torch.zeros(tuple(reversed(shape)), dtype=dtype).permute(
+                        *reversed(range(len(shape))))
+                    _C.place_shard(back, shard, dim, ranges)
+                    for o, n in ranges:
+                        assert torch.equal(back.narrow(dim, o, n), full.narrow(dim, o, n))
+    # Many ranges (a heap-allocated range buffer past pymalloc's small sizes).
+    x = torch.arange(200.0)
+    many = [(k, 1) for k in range(0, 200, 2)]
+    out = torch.empty(100)
+    _C.copy_shard(x, out, 0, many)
+    assert torch.equal(out, x[::2])
+    # Storage offsets and stride-0 sources.
+    _C.copy_shard(x[150:], out[:50], 0, [(0, 50)])
+    assert torch.equal(out[:50], x[150:])
+    e = torch.ones(1, 4).expand(3, 4)
+    o = torch.empty(3, 2)
+    _C.copy_shard(e, o, 1, [(1, 2)])
+    assert torch.equal(o, torch.ones(3, 2))
+    # Source and destination in the same memory.
+    a = torch.arange(8.0)
+    _C.copy_shard(a, a, 0, [(1, 6)])
+    assert a.tolist() == [1, 2, 3, 4, 5, 6, 0, 0]
+    z = torch.arange(12.0).reshape(3, 4)
+    _C.place_shard(z, z[:, 1:], 1, [(0, 3)])
+    # Zero-size tensors.
+    _C.copy_shard(torch.empty(0, 4), torch.empty(0, 2), 1, [(1, 2)])
+    _C.place_shard(torch.empty(3, 0), torch.empty(3, 0), 0, [(0, 3)])
+
+
+def scenario_copy_place_numpy(i):
+    x = np.arange(30, dtype=np.float32).reshape(5, 6)
+    refs = [sys.getrefcount(x)]
+    out = np.full((5, 4), 7, dtype=np.float32)
+    _C.copy_shard(x, out, 1, [(4, 2), (0, 1)])
+    assert np.array_equal(out[:, :3], x[:, [4, 5, 0]]) and not out[:, 3].any()
+    _C.copy_shard(np.asfortranarray(x), out, 1, [(0, 4)])
+    assert np.array_equal(out, x[:, :4])
+    rev = x[::-1, ::-1]
+    o2 = np.empty((2, 6), np.float32)
+    _C.copy_shard(rev, o2, 0, [(3, 2)])
+    assert np.array_equal(o2, rev[3:5])
+    t = torch.zeros(5, 6)
+    _C.place_shard(t, out, 1, [(1, 4)])
+    assert torch.equal(t[:, 1:5], torch.from_numpy(x[:, :4]))
+    ro = x.copy()
+    ro.flags.writeable = False
+    _C.copy_shard(ro, o2, 0, [(0, 2)])
+    expect(ValueError, _C.copy_shard, x, ro, 0, [(0, 5)], match="shard: tensor is read-only")
+    expect(ValueError, _C.place_shard, ro, out, 1, [], match="full: tensor is read-only")
+    assert sys.getrefcount(x) == refs[0], "a DLPack capsule of x was not released"
+
+
+def scenario_copy_errors(i):
+    f = torch.arange(5.0)
+    s = torch.zeros(4)
+    for fn in (_C.copy_shard, _C.place_shard):
+        expect(TypeError, fn, f, s.double(), 0, [], match="dtype")
+        expect(TypeError, fn, f.bfloat16(), s.half(), 0, [], match="bfloat16")
+        expect(TypeError, fn, [1.0], s, 0, [], match="full:")
+        expect(TypeError, fn, f, None, 0, [], match="shard:")
+        expect(TypeError, fn, f.requires_grad_(), s, 0, [], match="full: cannot export")
+        f.requires_grad_(False)
+        expect(ValueError, fn, torch.zeros(2, 5), s, 0, [], match="dimensions")
+        expect(ValueError, fn, torch.zeros(2, 5), torch.zeros(3, 4), 1, [], match="differ")
+        for ranges in ([(0, 6)], [(-1, 1)], [(0, -1)], [(6, 0)], [(1, INT64_MAX)],
+                       [(INT64_MAX, 1)], [(1, INT64_MAX), (0, 2)], [(0, 3), (0, 3)]):
+            expect(IndexError, fn, f, s, 0, ranges)
+        for ranges in (3, None, "ab", [3], [None], [(0,)], [(0, 1, 2)], [("a", 1)],
+                       [(0.5, 1)], {0: 1}):
+            expect(TypeError, fn, f, s, 0, ranges)
+        expect(OverflowError, fn, f, s, 0, [(2**64, 0)])
+        expect(IndexError, fn, f, s, 1, [], match="dim out of range")
+        expect(IndexError, fn, f, s, -2, [])
+        expect(OverflowError, fn, f, s, 2**40, [])
+        expect(TypeError, fn, f, s, "0", [])
+        expect(IndexError, fn, torch.tensor(1.0), torch.tensor(1.0), 0, [])
+        expect(TypeError, fn, f, s, 0)
+        expect(TypeError, fn, f, s, 0, [], bogus=1)
+    # __index__ that mutates the caller's ranges list while it is parsed.
+    ranges = [(0, Sneaky(ranges)), (1, 1), (2, 1)]
+    ranges[0][1].victim = ranges
+    out = torch.zeros(3)
+    _C.copy_shard(f, out, 0, ranges)
+    assert out.tolist() == [0.0, 1.0, 2.0]
+
+
+# --- gather_index ----------------------------------------------------------------
+
+CASES = list(layout_cases())
+
+
+def scenario_gather_index(i):
+    for spec, full_len in CASES[i % 7::7]:
+        for tp in range(1, 5):
+            try:
+                shards = [spec.resolve(full_len, tp, r) for r in range(tp)]
+            except ValueError:
+                continue
+            full = torch.arange(full_len * 2, dtype=torch.float32).reshape(full_len, 2)
+            chunk = shards[0].chunk
+            buf = torch.full((tp * chunk, 2), -1.0)
+            for r, ds in enumerate(shards):
+                _C.copy_shard(full, buf[r * chunk: r * chunk + ds.length], 0, ds.ranges)
+            idx = _C.gather_index(shards[0].all_ranges, full_len, chunk)
+            assert torch.equal(buf[torch.from_numpy(idx)], full)
+    expect(ValueError, _C.gather_index, [[(0, 2)], [(3, 1)]], 4, 2, match="held by no rank")
+    expect(ValueError, _C.gather_index, [[(0, 3)]], 4, 2, match="does not fit")
+    expect(ValueError, _C.gather_index, [[(0, 1), (1, INT64_MAX)]], 4, 2)
+    expect(ValueError, _C.gather_index, [[(INT64_MAX, 2)]], 4, 2)
+    expect(ValueError, _C.gather_index, [[(0, 1)], [(1, 1)]], 2, INT64_MAX, match="overflow")
+    expect(ValueError, _C.gather_index, [], -1, 0)
+    for bad in (None, 3, "ab", [3], [[3]], [[(0, 1, 2)]], [[(0.0, 1)]]):
+        expect(TypeError, _C.gather_index, bad, 1, 1)
+    assert _C.gather_index([], 0, 0).shape == (0,)
+    per_rank = []
+    per_rank.extend([[(0, Sneaky(per_rank))], [(1, 1)]])
+    assert _C.gather_index(per_rank, 2, 1).tolist() == [0, 1]
+
+
+# --- tensor_info and hand-made capsules ---------------------------------------------
+
+# Made once: building ctypes structures has allocation noise of its own.
+BASE = np.arange(12, dtype=np.float32).reshape(3, 4)
+FLAT = np.arange(10, dtype=np.int64)
+FAKE_OK = [FakeTensor(BASE, versioned=False), FakeTensor(BASE, strides=None)]
+FAKE_OFFSET = FakeTensor(FLAT[3:], byte_offset=24)
+FAKE_RO = FakeTensor(BASE, flags=1)
+FAKE_GPU = FakeTensor(BASE, device_type=2)
+FAKE_BAD = [(FakeTensor(BASE, **kwargs), exc) for kwargs, exc in [
+    (dict(major=2), TypeError), (dict(ndim=17, shape=(1,) * 17, strides=(1,) * 17), ValueError),
+    (dict(ndim=-1), ValueError), (dict(shape=(3, -4)), ValueError), (dict(bits=0), TypeError),
+    (dict(bits=12), TypeError), (dict(lanes=4), TypeError), (dict(capsule="bogus"), TypeError),
+    (dict(capsule="not_a_capsule"), TypeError)]]
+
+
+class Raises:
+    def __dlpack__(self, **kw):
+        raise RuntimeError("no")
+
+
+def scenario_tensor_info(i):
+    assert _C.tensor_info(torch.zeros(2, 3))["strides"] == (3, 1)
+    assert _C.tensor_info(torch.zeros(2, 3, dtype=torch.bfloat16).t())["dtype"] == "bfloat16"
+    assert _C.tensor_info(torch.arange(10)[2:])["shape"] == (8,)
+    assert _C.tensor_info(torch.tensor(1.0))["shape"] == ()
+    assert _C.tensor_info(np.arange(6.0)[::-1])["strides"] == (-1,)
+    ro = np.zeros(3)
+    ro.flags.writeable = False
+    assert _C.tensor_info(ro)["readonly"] is True
+    expect(TypeError, _C.tensor_info, [1, 2], match="t: expected a tensor")
+    expect(TypeError, _C.tensor_info, torch.ones(2, requires_grad=True))
+    out = np.zeros((3, 2), np.float32)
+    for fake in FAKE_OK:
+        _C.copy_shard(fake, out, 1, [(2, 2)])
+        assert np.array_equal(out, BASE[:, 2:])
+    got = np.zeros(7, np.int64)
+    _C.copy_shard(FAKE_OFFSET, got, 0, [(0, 7)])
+    assert got.tolist() == list(range(3, 10))
+    expect(ValueError, _C.place_shard, FAKE_RO, out, 1, [], match="read-only")
+    expect(ValueError, _C.copy_shard, FAKE_GPU, out, 1, [], match="CPU")
+    for fake, exc in FAKE_BAD:
+        expect(exc, _C.tensor_info, fake)
+        expect(exc, _C.copy_shard, BASE, fake, 0, [])
+    expect(TypeError, _C.tensor_info, Raises(), match="cannot export")
+
+
+# --- sharder ----------------------------------------------------------------------------
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(2, 2)
+        self.num_heads = 8
+
+
+class Root(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.shared = self.blocks[0]  # reachable twice: planned once
+
+
+class Target:
+    @staticmethod
+    def plan_shard(module, tp, rank, **kw):
+        return (tp, rank)
+
+    @staticmethod
+    def from_native_module(module, pg, **kw):
+        assert kw["plan"] == (2, 1)
+        return nn.Identity()
+
+
+def fwd(self, x):
+    return x
+
+
+class Failing:
+    @staticmethod
+    def plan_shard(module, tp, rank):
+        raise ValueError("cannot")
+
+
+DROPPING = {}
+
+
+class Clears:
+    """plan_shard drops the policy entry being planned from its dict."""
+
+    @staticmethod
+    def plan_shard(module, tp, rank):
+        DROPPING.clear()
+        return None
+
+
+def scenario_sharder(i):
+    root = Root()
+    entries = {Block: ((("num_heads", PerRank(lambda tp, r: 8 // tp)),),
+                       (lambda m: None,),
+                       (("proj", Target, {"k": i}, False),),
+                       (("forward", fwd),))}
+    ops, matched = _C.sharder_plan(root, "Root", entries, 2, 1)
+    assert matched == 2 and len(ops) == 8
+    assert _C.sharder_apply(ops, None) == 8
+    assert root.blocks[1].num_heads == 4 and isinstance(root.blocks[0].proj, nn.Identity)
+    by_name = {"Root": ((), (), (("blocks.*.proj", Target, {}, False),), ())}
+    ops, _ = _C.sharder_plan(Root(), "M", by_name, 1, 0)
+    assert len(ops) == 2
+    # Argument validation.
+    expect(TypeError, _C.sharder_plan, 42, "M", {}, 1, 0, match="torch.nn.Module")
+    expect(TypeError, _C.sharder_plan, Root(), 5, {}, 1, 0)
+    expect(TypeError, _C.sharder_plan, Root(), "M", [], 1, 0)
+    expect(TypeError, _C.sharder_plan, Root(), "M", {}, 1.0, 0)
+    expect(TypeError, _C.sharder_plan, Root(), "M", {}, 1, None)
+    for entry in ([(), (), (), ()], "abcd", ((), ()), ([], (), (), ()), ((1,), (), (), ()),
+                  ((("a",),), (), (), ()), (((1, 2),), (), (), ()),
+                  ((), (), (("proj", Target, {}),), ()), ((), (), (("proj", Target, [], 0),), ()),
+                  ((), (), (["proj", Target, {}, 0],), ()), ((), (), (), (("f",),)),
+                  ((), (), (), (("f", 3),)), ((), (), (), ("forward",))):
+        expect(TypeError, _C.sharder_plan, Root(), "M", {Block: entry}, 1, 0)
+    for entry, match in [(((), (), (("proj", Failing, {}, False),), ()), "M: blocks.0.proj"),
+                         (((), (), (("nope", Target, {}, False),), ()), "no sub-module"),
+                         (((("nope", 1),), (), (), ()), "does not have"),
+                         (((), (), (("proj", Target, {}, False),) * 2, ()), "two policy")]:
+        expect(ValueError, _C.sharder_plan, Root(), "M", {Block: entry}, 1, 0, match=match)
+    expect(TypeError, _C.sharder_apply, (), None)
+    expect(TypeError, _C.sharder_apply, [])
+    for op in (42, (), ("attr",), (1, "p"), ("bogus", "p"), ("attr", "p", 1),
+               ("sub", "p", Root(), "x", Target, nn.Linear(1, 1), [], None),
+               ("sub", "p", Root(), "x", object, nn.Linear(1, 1), {}, None),
+               ("param", "p", nn.Linear(1, 1), 3), ("attr", "p", 3, "real", 1),
+               ("method", "p", 3, "f", fwd)):
+        expect(RuntimeError, _C.sharder_apply, [op], None, match="applying the shard plan")
+    # Regression: the policy entry dropped from the dict while planning.
+    dropping = DROPPING
+    dropping[Root] = ((), (), (("blocks.0.proj", Clears, {}, False),
+                               ("blocks.1.proj", Clears, {}, False)), ())
+    ops, _ = _C.sharder_plan(Root(), "M", dropping, 1, 0)
+    assert len(ops) == 2
+    # Regression: the op list shrinking while it is applied.
+    shrinking = []
+    shrinking.extend([("param", "a", nn.Linear(1, 1), lambda m: shrinking.clear()),
+                      ("param", "b", nn.Linear(1, 1), lambda m: None)])
+    assert _C.sharder_apply(shrinking, None) == 1
+
+
+def _attention_args(dtype, B=2, Hq=4, Hkv=2, Sq=37, Sk=70, D=13):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, Hq, Sq, D, generator=g).to(dtype)
+    k, v = (torch.randn(B, Hkv, Sk, D, generator=g).to(dtype) for _ in range(2))
+    return q, k, v
+
+
+def scenario_attention(i):
+    """Every option of the attention kernel, forward and backward, 1 and 2
+    threads, fp32 / bf16 / fp16, and the argument errors."""
+    from shardformer import ops
+
+    dtype = (torch.float32, torch.bfloat16, torch.float16)[i % 3]
+    ops.set_num_threads(1 + i % 2)
+    try:
+        q, k, v = (t.requires_grad_() for t in _attention_args(dtype))
+        pad = torch.ones(2, 70, dtype=torch.bool)
+        pad[1, :20] = False
+        bias = torch.randn(4, 37, 70, requires_grad=True)
+        opts = [dict(causal=True), dict(window=9, mask=pad), dict(causal=True, window=5, bias=bias),
+                dict(alibi_slopes=torch.rand(4), mask=torch.rand(2, 1, 37, 70) > 0.5),
+                dict(causal=True, dropout_p=0.2, seed=i)]
+        out = ops.attention(q, k, v, **opts[i % len(opts)])
+        out.float().sum().backward()
+        # the other alignment: more queries than keys (rows with no key at all)
+        q2, k2, v2 = _attention_args(dtype, 1, 2, 1, 70, 9, 64)
+        ops.attention(q2, k2, v2, causal=True)
+        # one (batch, kv head) pair: at 2 threads the backward splits its key tiles
+        q3, k3, v3 = (t.requires_grad_() for t in _attention_args(dtype, 1, 2, 1, 70, 200, 13))
+        ops.attention(q3, k3, v3, causal=True, window=(0, 40)[i % 2]).float().sum().backward()
+        ops.attention_dropout_mask((1, 2, 3, 5), 0.5, i)
+    finally:
+        ops.set_num_threads(1)
+    q, k, v = _attention_args(torch.float32)
+    out, lse = torch.empty_like(q), torch.empty(2, 4, 37)
+    args = (1.0, False, 0, None, None, None, 0.0, 0)
+    expect(ValueError, _C.attention_forward, q, k[:, :1, :, :5].contiguous(), v, out, lse, *args)
+    expect(ValueError, _C.attention_forward, q, torch.randn(2, 3, 70, 13), torch.randn(2, 3, 70, 13),
+           out, lse, *args, match="multiple")
+    expect(ValueError, _C.attention_forward, q, k, v, out, torch.empty(5), *args, match="lse")
+    expect(TypeError, _C.attention_forward, q, k, v, out, lse, 1.0, False, 0, None, None,
+           torch.ones(1, 1, 1, 70), 0.0, 0, match="mask")
+    expect(ValueError, _C.attention_forward, q, k, v, out, lse, 1.0, False, 0, None,
+           torch.zeros(2, 3, 37, 70), None, 0.0, 0, match="broadcast")
+    expect(ValueError, _C.attention_forward, q, k, v, out, lse, 1.0, False, -1, None, None, None,
+           0.0, 0, match="window")
+    expect(ValueError, _C.attention_backward, q, k, v, out, out, lse, q, k, v,
+           torch.empty(3), 1.0, False, 0, None, None, None, 0.0, 0, match="dbias")
+    expect(ValueError, _C.attention_dropout_keep, torch.empty(2, 2), 0.5, 0)
+
+
+# --- the status convention: kernel messages, the NCCL gate, conversions ------------
+
+F32_CUDA = FakeTensor(np.zeros(6, np.float32), device_type=2)
+F32_CUDA_12 = FakeTensor(np.zeros(12, np.float32), device_type=2)
+I64_CUDA = FakeTensor(np.zeros(6, np.int64), device_type=2)
+BOOL_CUDA = FakeTensor(np.zeros(6, np.bool_), device_type=2)
+STRIDED_CUDA = FakeTensor(np.zeros((3, 4), np.float32)[:, ::2], device_type=2)
+NCCL_CALLS = [
+    (_C.nccl_all_reduce, lambda t: (None, t, "sum", 0)),
+    (_C.nccl_all_gather, lambda t: (None, t, t, 0)),
+    (_C.nccl_reduce_scatter, lambda t: (None, t, t, "sum", 0)),
+    (_C.nccl_broadcast, lambda t: (None, t, 0, 0)),
+    (_C.nccl_send, lambda t: (None, t, 1, 0)),
+    (_C.nccl_recv, lambda t: (None, t, 1, 0)),
+]
+
+
+def scenario_status(i):
+    # NCCL's gate refuses on CPU, before anything loads NCCL
+    for fn, args in NCCL_CALLS:
+        expect(ValueError, fn, *args(torch.ones(6)), match="expected a CUDA tensor, got a CPU")
+        expect(TypeError, fn, *args(BOOL_CUDA), match="got bool")
+        expect(ValueError, fn, *args(STRIDED_CUDA), match="contiguous")
+        expect(TypeError, fn, *args(F32_CUDA), match="expected an NCCL communicator")
+        expect(TypeError, fn, *args([1, 2]), match="__dlpack__")
+    expect(TypeError, _C.nccl_all_gather, None, F32_CUDA_12, I64_CUDA, 0, match="dtype")
+    expect(ValueError, _C.nccl_all_reduce, None, F32_CUDA, "avg", 0, match="'avg'")
+    expect(TypeError, _C.nccl_comm_destroy, None)
+    # kernels say why, naming the argument and the numbers
+    zz, y = torch.randn(6, 20), torch.randint(0, 20, (6,))
+    expect(ValueError, _C.xent_forward, zz, y, 0, 21, -100, *(torch.empty(6) for _ in range(3)),
+           None, match="xent_forward: vocab_real=21 outside [0, 20]")
+    expect(ValueError, _C.xent_backward, zz, y, 0, 20, -100, torch.empty(6), torch.empty(6), 0.0,
+           -1, torch.empty(6, 20), match="xent_backward: vocab=-1 must be >= 0")
+    expect(ValueError, _C.bias_dropout_add_forward, zz, None, zz, 1.5, 0, torch.empty(6, 20),
+           match="bias_dropout_add_forward: p=1.5 outside [0, 1]")
+    # the one half conversion, both ways, through the kernels' and the reductions' paths
+    bits = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16)
+    for dt in (torch.float16, torch.bfloat16):
+        h = bits.view(dt)
+        f = torch.empty(h.numel())
+        _C.kernel_convert(h, f)
+        back = torch.empty_like(h)
+        _C.kernel_convert(f, back)
+        red = torch.empty_like(h)
+        _C.reduce_buffers(red, [h], "sum", bool(i % 2))
+        assert torch.equal(back.view(torch.int16), red.view(torch.int16))
+
+
+SCENARIOS = [scenario_layout_math, scenario_copy_place_torch, scenario_copy_place_numpy,
+             scenario_copy_errors, scenario_gather_index, scenario_tensor_info,
+             scenario_sharder, scenario_attention, scenario_status]
+
+if MODE == "asan":
+    for scenario in SCENARIOS:
+        t0 = time.perf_counter()
+        for i in range(ITERATIONS):
+            scenario(i)
+        print(f"{scenario.__name__}: {ITERATIONS} runs in {time.perf_counter() - t0:.1f}s",
+              flush=True)
+elif MODE == "leaks":
+    import tracemalloc
+
+    def checkpoint():
+        # The type attribute cache keeps a reference to the name of every
+        # attribute looked up (up to 4096), e.g. the strings the sharder
+        # makes with PyObject_GetAttrString: bounded, but not a leak of ours.
+        sys._clear_type_cache()
+        gc.collect()
+        return sys.getallocatedblocks(), tracemalloc.get_traced_memory()[0]
+
+    # Each case is one _C call (success or error path) on inputs built once,
+    # so that a leak of one object per call shows as ITERATIONS blocks while
+    # the loop itself allocates nothing that survives an iteration.
+    T2 = torch.arange(30.0).reshape(5, 6)
+    T2_STRIDED = torch.arange(120.0).reshape(10, 12)[::2, ::2]
+    S2 = torch.zeros(5, 4)
+    N2 = np.asfortranarray(np.arange(30.0).reshape(5, 6))
+    NS2 = np.zeros((5, 4))
+    RO = np.zeros((5, 4))
+    RO.flags.writeable = False
+    GRAD = torch.ones(5, 6, requires_grad=True)
+    X200 = torch.arange(200.0)
+    O100 = torch.zeros(100)
+    MANY = [(k, 1) for k in range(0, 200, 2)]
+    ROOT = Root()
+    PLAN_ENTRIES = {Block: ((("num_heads", PerRank(lambda tp, r: 8 // tp)),),
+                            (lambda m: None,),
+                            (("proj", Target, {"k": 1}, False),),
+                            (("forward", fwd),))}
+    IDENTITY = nn.Identity()
+
+    class Reuse:
+        @staticmethod
+        def from_native_module(module, pg, **kw):
+            return IDENTITY
+
+    HOST = Block()
+    OPS = [("attr", "a", HOST, "num_heads", 4), ("param", "p", HOST, lambda m: None),
+           ("sub", "s", HOST, "proj", Reuse, IDENTITY, {"k": 1}, (1, 2)),
+           ("method", "m", HOST, "forward", fwd)]
+    GATHER_OK = [[(0, 2)], [(2, 2)], [(4, 1)]]
+
+    def raises_type_error(tp, r):
+        raise TypeError("boom")
+
+    ATT_Q, ATT_K, ATT_V = _attention_args(torch.float32)
+    ATT_OUT, ATT_LSE = torch.empty_like(ATT_Q), torch.empty(2, 4, 37)
+    ATT_DQ, ATT_DK, ATT_DV = torch.empty_like(ATT_Q), torch.empty_like(ATT_K), torch.empty_like(ATT_V)
+    ATT_MASK = torch.ones(2, 1, 1, 70, dtype=torch.bool)
+    ATT_BIAS = torch.zeros(1, 4, 37, 70)
+    ATT_DB = torch.empty(2, 4, 37, 70)
+    ATT_SLOPES = torch.ones(4)
+    XZ, XY = torch.randn(6, 20), torch.randint(0, 20, (6,))
+    XO = [torch.empty(6) for _ in range(3)]
+    XO16 = torch.empty(6, dtype=torch.float16)
+    XG = torch.empty(6, 20)
+    XZ16 = torch.empty(6, 20, dtype=torch.bfloat16)
+    cases = {
+        "attention_forward": lambda: _C.attention_forward(
+            ATT_Q, ATT_K, ATT_V, ATT_OUT, ATT_LSE, 0.5, True, 4, ATT_SLOPES, ATT_BIAS, ATT_MASK, 0.1, 3),
+        "attention_backward": lambda: _C.attention_backward(
+            ATT_Q, ATT_K, ATT_V, ATT_OUT, ATT_OUT, ATT_LSE, ATT_DQ, ATT_DK, ATT_DV, ATT_DB, 0.5, True, 4,
+            ATT_SLOPES, ATT_BIAS, ATT_MASK, 0.1, 3),
+        "attention_forward/error": lambda: expect(
+            ValueError, _C.attention_forward, ATT_Q, ATT_K, ATT_V, ATT_OUT, ATT_DB, 0.5, False, 0, None,
+            None, None, 0.0, 0),
+        "attention_dropout_keep": lambda: _C.attention_dropout_keep(
+            torch.empty(1, 2, 3, 4, dtype=torch.uint8), 0.5, 7),
+        "split_units": lambda: _C.split_units(10, 3, 1),
+        "split_units/error": lambda: expect(ValueError, _C.split_units, 5, 2, 7),
+        "split_units/type": lambda: expect(TypeError, _C.split_units, "5", 2, 0),
+        "heads_layout": lambda: _C.heads_layout(6, 2, 4, 3),
+        "heads_layout/multiple": lambda: expect(ValueError, _C.heads_layout, 6, 4, 2, 0),
+        "heads_layout/too_few": lambda: expect(ValueError, _C.heads_layout, 2, 1, 4, 0),
+        "vocab_layout": lambda: _C.vocab_layout(50257, 4, 3, 64),
+        "vocab_layout/error": lambda: expect(ValueError, _C.vocab_layout, 0, 2, 0, 1),
+        "vocab_layout/overflow": lambda: expect(ValueError, _C.vocab_layout, 10, 2**62, 0, 4),
+        "copy_shard": lambda: _C.copy_shard(T2_STRIDED, S2, 1, [(4, 2), (0, 1)]),
+        "copy_shard/numpy": lambda: _C.copy_shard(N2, NS2, 1, ((1, 4),)),
+        "copy_shard/many_ranges": lambda: _C.copy_shard(X200, O100, 0, MANY),
+        "place_shard": lambda: _C.place_shard(T2.clone(), S2, 1, [[0, 3]]),
+        "copy_shard/read_only": lambda: expect(ValueError, _C.copy_shard, N2, RO, 1, []),
+        "copy_shard/dtype": lambda: expect(TypeError, _C.copy_shard, T2, NS2, 1, []),
+        "copy_shard/full_not_tensor": lambda: expect(TypeError, _C.copy_shard, [1], S2, 1, []),
+        "copy_shard/shard_not_tensor": lambda: expect(TypeError, _C.copy_shard, T2, [1], 1, []),
+        "copy_shard/full_grad": lambda: expect(TypeError, _C.copy_shard, GRAD, S2, 1, []),
+        "copy_shard/shard_grad": lambda: expect(TypeError, _C.place_shard, T2, GRAD, 1, []),
+        "copy_shard/ndim": lambda: expect(ValueError, _C.copy_shard, T2, O100, 0, []),
+        "copy_shard/shape": lambda: expect(ValueError, _C.copy_shard, T2, S2, 0, []),
+        "copy_shard/range": lambda: expect(IndexError, _C.copy_shard, T2, S2, 1, [(5, 2)]),
+        "copy_shard/overflow": lambda: expect(IndexError, _C.copy_shard, T2, S2, 1,
+                                              [(1, INT64_MAX), (0, 2)]),
+        "copy_shard/too_long": lambda: expect(IndexError, _C.copy_shard, T2, S2, 1, [(0, 5)]),
+        "copy_shard/ranges_int": lambda: expect(TypeError, _C.copy_shard, T2, S2, 1, 3),
+        "copy_shard/second_item": lambda: expect(TypeError, _C.copy_shard, T2, S2, 1,
+                                                 [(0, 1), (0, "a")]),
+        "copy_shard/item_size": lambda: expect(TypeError, _C.copy_shard, T2, S2, 1,
+                                               [(0, 1), (0, 1, 2)]),
+        "copy_shard/item_overflow": lambda: expect(OverflowError, _C.copy_shard, T2, S2, 1,
+                                                   [(0, 2**70)]),
+        "copy_shard/dim": lambda: expect(IndexError, _C.copy_shard, T2, S2, 2, []),
+        "copy_shard/args": lambda: expect(TypeError, _C.copy_shard, T2, S2, 1),
+        "copy_shard/cpu": lambda: expect(ValueError, _C.copy_shard, BASE, FAKE_GPU, 1, []),
+        "copy_shard/fake_legacy": lambda: _C.copy_shard(FAKE_OK[0], BASE.copy(), 1, [(0, 4)]),
+        "copy_shard/fake_offset": lambda: _C.copy_shard(FAKE_OFFSET, FLAT[:7].copy(), 0,
+                                                        [(0, 7)]),
+        "place_shard/fake_read_only": lambda: expect(ValueError, _C.place_shard, FAKE_RO,
+                                                     BASE, 1, []),
+        "gather_index": lambda: _C.gather_index(GATHER_OK, 5, 2),
+        "gather_index/uncovered": lambda: expect(ValueError, _C.gather_index, GATHER_OK, 6, 2),
+        "gather_index/range": lambda: expect(ValueError, _C.gather_index, [[(0, 1)], [(3, 3)]],
+                                             5, 2),
+        "gather_index/type": lambda: expect(TypeError, _C.gather_index, [[(0, 1)], [3]], 5, 2),
+        "gather_index/overflow": lambda: expect(ValueError, _C.gather_index, GATHER_OK, 5,
+                                                INT64_MAX),
+        "gather_index/negative": lambda: expect(ValueError, _C.gather_index, [], -1, 0),
+        "tensor_info": lambda: _C.tensor_info(T2_STRIDED),
+        "tensor_info/numpy": lambda: _C.tensor_info(RO),
+        "tensor_info/not_tensor": lambda: expect(TypeError, _C.tensor_info, 3),
+        "tensor_info/raises": lambda: expect(TypeError, _C.tensor_info, Raises()),
+        "tensor_info/legacy": lambda: _C.tensor_info(FAKE_OK[0]),
+        "tensor_info/null_strides": lambda: _C.tensor_info(FAKE_OK[1]),
+        "sharder_plan": lambda: _C.sharder_plan(ROOT, "Root", PLAN_ENTRIES, 2, 1),
+        "sharder_plan/by_name": lambda: _C.sharder_plan(
+            ROOT, "M", {"Root": ((), (), (("blocks.*.proj", Target, {}, False),), ())}, 1, 0),
+        "sharder_plan/plan_shard_raises": lambda: expect(
+            ValueError, _C.sharder_plan, ROOT, "M",
+            {Block: ((), (), (("proj", Failing, {}, False),), ())}, 1, 0),
+        "sharder_plan/missing": lambda: expect(
+            ValueError, _C.sharder_plan, ROOT, "M",
+            {Block: ((), (), (("nope", Target, {}, False),), ())}, 1, 0),
+        "sharder_plan/attr_missing": lambda: expect(
+            ValueError, _C.sharder_plan, ROOT, "M", {Block: ((("nope", 1),), (), (), ())}, 1, 0),
+        "sharder_plan/per_rank_raises": lambda: expect(
+            TypeError, _C.sharder_plan, ROOT, "M",
+            {Block: ((("num_heads", PerRank(raises_type_error)),), (), (), ())}, 1, 0),
+        "sharder_plan/twice": lambda: expect(
+            ValueError, _C.sharder_plan, ROOT, "M",
+            {Block: ((), (), (("proj", Target, {}, False),) * 2, ())}, 1, 0),
+        "sharder_plan/root": lambda: expect(TypeError, _C.sharder_plan, 42, "M", {}, 1, 0),
+        "sharder_plan/entry": lambda: expect(TypeError, _C.sharder_plan, ROOT, "M",
+                                             {Block: [(), (), (), ()]}, 1, 0),
+        "sharder_plan/sub_item": lambda: expect(TypeError, _C.sharder_plan, ROOT, "M",
+                                                {Block: ((), (), (("proj", Target),), ())}, 1, 0),
+        "sharder_plan/method": lambda: expect(TypeError, _C.sharder_plan, ROOT, "M",
+                                              {Block: ((), (), (), (("f", 3),))}, 1, 0),
+        "sharder_apply": lambda: _C.sharder_apply(list(OPS), None),
+        "sharder_apply/malformed": lambda: expect(RuntimeError, _C.sharder_apply,
+                                                  [OPS[0], ("sub", "p")], None),
+        "sharder_apply/factory_missing": lambda: expect(
+            RuntimeError, _C.sharder_apply, [("sub", "s", HOST, "proj", object, IDENTITY, {},
+                                              None)], None),
+        "sharder_apply/type": lambda: expect(TypeError, _C.sharder_apply, (), None),
+        "sharder_apply/adopt": lambda: _C.sharder_apply(list(OPS), None, lambda *a: None),
+        "sharder_apply/adopt_type": lambda: expect(TypeError, _C.sharder_apply, [], None, 3),
+        "fingerprint": lambda: _C.fingerprint(BASE),
+        "fingerprint/seed": lambda: _C.fingerprint(BASE, seed=2**64 - 1),
+        "fingerprint/strided": lambda: expect(ValueError, _C.fingerprint, T2_STRIDED),
+        "fingerprint/not_tensor": lambda: expect(TypeError, _C.fingerprint, 3),
+        "nccl/cpu": lambda: expect(ValueError, _C.nccl_all_reduce, None, S2, "sum", 0),
+        "nccl/numpy": lambda: expect(ValueError, _C.nccl_all_gather, None, NS2, NS2, 0),
+        "nccl/dtype": lambda: expect(TypeError, _C.nccl_broadcast, None, BOOL_CUDA, 0, 0),
+        "nccl/comm": lambda: expect(TypeError, _C.nccl_reduce_scatter, None, F32_CUDA_12,
+                                    F32_CUDA, "sum", 0),
+        "nccl/pair": lambda: expect(TypeError, _C.nccl_all_gather, None, F32_CUDA_12, I64_CUDA,
+                                    0),
+        "kernel/vocab_real": lambda: expect(ValueError, _C.xent_forward, XZ, XY, 0, 21, -100,
+                                            XO[0], XO[1], XO[2], None),
+        "kernel/p": lambda: expect(ValueError, _C.bias_dropout_add_forward, XZ, None, XZ, 1.5, 0,
+                                   XG),
+        "kernel/dtype": lambda: expect(TypeError, _C.norm_forward, False, XZ, None, None, 1e-5,
+                                       XG, None, XO16),
+        "kernel_convert": lambda: _C.kernel_convert(XZ, XZ16),
+        "reduce_buffers": lambda: _C.reduce_buffers(XZ16, [XZ16, XZ16]),
+        "cpu_features": lambda: _C.cpu_features(),
+    }
+    for fake, exc in FAKE_BAD:
+        cases[f"tensor_info/{fake.__dict__.get('capsule')}/{len(cases)}"] = (
+            lambda fake=fake, exc=exc: expect(exc, _C.tensor_info, fake))
+        cases[f"copy_shard/bad_capsule/{len(cases)}"] = (
+            lambda fake=fake, exc=exc: expect(exc, _C.copy_shard, BASE, fake, 0, []))
+
+    gc.collect()
+    gc.freeze()  # torch's many objects out of the way: gc.collect() stays cheap
+    tracemalloc.start()
+    failures = []
+    t_start = time.perf_counter()
+    for name, case in cases.items():
+        for _ in range(100):  # warm-up: caches, free lists, lazy imports
+            case()
+        # Two windows: a leak grows both by >= ITERATIONS blocks; caches and
+        # free lists still settling show in one at most.
+        marks = [checkpoint()]
+        for window in range(2):
+            for _ in range(ITERATIONS):
+                case()
+            marks.append(checkpoint())
+        blocks = [b1 - b0 for (b0, _), (b1, _) in zip(marks, marks[1:])]
+        traced = [t1 - t0 for (_, t0), (_, t1) in zip(marks, marks[1:])]
+        print(f"{name}: 2 x {ITERATIONS} calls, blocks {blocks[0]:+d} {blocks[1]:+d}, "
+              f"traced bytes {traced[0]:+d} {traced[1]:+d}", flush=True)
+        if min(blocks) > ITERATIONS // 10 or min(traced) > 16 * ITERATIONS:
+            failures.append(name)
+    print(f"leak check: {len(cases)} cases in {time.perf_counter() - t_start:.1f}s")
+    tracemalloc.stop()
+    if failures:
+        sys.exit("allocations grow per call in: " + ", ".join(failures))
+else:
+    sys.exit(f"unknown mode {MODE}")
+print("DRIVER OK")
