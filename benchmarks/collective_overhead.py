@@ -25,17 +25,17 @@ median.  `--load N [N ...]` repeats everything with N busy-loop processes
 running (0 = quiet), since the shm backend spin-waits and behaves
 differently when the cores are contended.
 
-    python benchmarks/collective_overhead.py --baseline-tree /tmp/old --load 0 2
+The ranks are started by shardformer.launch.spawn of the tree being measured,
+so a baseline tree must have python/shardformer/launch.py.  From the
+repository root, in the venv `bash scripts/setup_env.sh` makes:
+
+    .venv/bin/python benchmarks/collective_overhead.py --baseline-tree /tmp/old --load 0 2
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import multiprocessing as mp
 import os
-import queue
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,15 +51,13 @@ TAG = "@@collective_overhead@@"
 
 # ---- one rank (inside a worker subprocess) ----------------------------------------------
 
-def _rank(rank: int, size: int, port: int, cfg: dict, q) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
+def _rank(rank: int, cfg: dict) -> dict | None:
+    """One rank (started by spawn with one thread, the default gloo group ready); rank 0 returns the results."""
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size, timeout=datetime.timedelta(seconds=600))
+    size = dist.get_world_size()
     import shardformer
     from shardformer.distributed import collectives as coll
     from shardformer.distributed import shm
@@ -112,40 +110,22 @@ def _rank(rank: int, size: int, port: int, cfg: dict, q) -> None:
         results[nbytes] = {p: statistics.median(v) * 1e6 for p, v in times.items()}
     got = [None] * size
     dist.all_gather_object(got, results)
+    out = None
     if rank == 0:
         # per path: the slower rank's median
         merged = {nb: {p: max(r[nb][p] for r in got) for p in PATHS} for nb in cfg["sizes"]}
-        q.put({"results": merged, "where": where})
+        out = {"results": merged, "where": where}
     dist.barrier()
-    dist.destroy_process_group()
+    return out
 
 
 def _worker(cfg: dict) -> None:
-    """One measurement of one tree: 2 ranks, results as one JSON line on stdout."""
-    ctx = mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, cfg["ranks"], port, cfg, q))
-             for r in range(cfg["ranks"])]
-    for p in procs:
-        p.start()
-    try:
-        deadline = time.time() + cfg["timeout"]
-        while True:  # fail fast when a rank dies instead of waiting out the timeout
-            try:
-                out = q.get(timeout=1.0)
-                break
-            except queue.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead or time.time() > deadline:
-                    raise RuntimeError(f"ranks failed (exit codes {dead}) or timed out") from None
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
+    """One measurement of one tree: cfg["ranks"] ranks, results as one JSON line on stdout."""
+    # This tree's launcher (PYTHONPATH): the ranks import the same shardformer.  A rank
+    # that fails or dies raises RankError here at once, with its traceback.
+    from shardformer.launch import spawn
+
+    out = spawn(_rank, cfg["ranks"], args=(cfg,), threads_per_rank=1, timeout_s=cfg["timeout"])[0]
     print(TAG + json.dumps(out), flush=True)
 
 

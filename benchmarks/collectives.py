@@ -19,23 +19,24 @@ Output: a ratio table on stdout and in benchmarks/results/collectives.md,
 everything in benchmarks/results/collectives.json, and a plot
 benchmarks/results/collectives.png when matplotlib is installed.
 
-    python benchmarks/collectives.py [--ranks 2 4] [--max-mib 64] [--reps 5]
+The ranks are started by shardformer.launch.spawn.  From the repository root,
+in the venv `bash scripts/setup_env.sh` makes:
+
+    .venv/bin/python benchmarks/collectives.py [--ranks 2 4] [--max-mib 64] [--reps 5]
 """
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import multiprocessing as mp
 import os
 import platform
-import socket
 import statistics
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+RUN_TIMEOUT_S = 3600.0  # one rank count, every size: the whole run and the process group's timeout
 
 
 def _sizes(max_mib: int) -> list[int]:
@@ -67,15 +68,14 @@ def memcpy_bandwidth(nbytes: int = 64 << 20, reps: int = 9) -> float:
     return nbytes / statistics.median(times) / 1e9
 
 
-def _worker(rank, size, port, args, q):
+def _worker(rank, args):
+    """One rank (started by shardformer.launch.spawn, default process group ready)."""
     import torch
     import torch.distributed as dist
 
     from shardformer.distributed import get_communicator, reset_communicators
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size, timeout=datetime.timedelta(seconds=600))
+    size = dist.get_world_size()
     # Both backends' communicators of the world group, through the one interface:
     # SHARDFORMER_COMM is read when a communicator is made, so force each in turn.
     os.environ["SHARDFORMER_COMM"] = "torch"
@@ -131,27 +131,20 @@ def _worker(rank, size, port, args, q):
             if rank == 0:
                 print(f"  P={size} {name:15s} {nbytes:>10d} B  shm {t_shm * 1e6:10.1f} us  "
                       f"gloo {t_gloo * 1e6:10.1f} us  x{t_gloo / t_shm:6.1f}", flush=True)
+    out = None
     if rank == 0:
-        q.put({"results": results, "oneshot_max": shm_comm.info()["oneshot_max"],
-               "workspace": shm_comm.info()["workspace"]})
+        out = {"results": results, "oneshot_max": shm_comm.info()["oneshot_max"],
+               "workspace": shm_comm.info()["workspace"]}
     shm_comm.close()
     dist.barrier()
-    dist.destroy_process_group()
+    return out
 
 
 def run(size: int, args) -> dict:
-    ctx = mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    q = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, size, port, args, q)) for r in range(size)]
-    for p in procs:
-        p.start()
-    out = q.get()
-    for p in procs:
-        p.join()
-    return out
+    """`size` ranks of _worker, one process and one thread each; rank 0's results."""
+    from shardformer.launch import spawn
+
+    return spawn(_worker, size, args=(args,), threads_per_rank=1, timeout_s=RUN_TIMEOUT_S)[0]
 
 
 def _fmt_bytes(b: int) -> str:

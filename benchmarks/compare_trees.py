@@ -8,11 +8,12 @@ median step of every shardformer configuration (shm collectives, gloo-forced,
 fused kernels) and of the unsharded baseline; this script prints, per
 configuration, the median over rounds of each tree and the ratio B / A.
 
-    python benchmarks/compare_trees.py --a /tmp/old --b . --rounds 3
-    python benchmarks/compare_trees.py --a /tmp/old --b . -- --hidden 512 --layers 2   # tp_step sizes
+    .venv/bin/python benchmarks/compare_trees.py --a /tmp/old --b . --rounds 3
+    .venv/bin/python benchmarks/compare_trees.py --a /tmp/old --b . -- --hidden 512 --layers 2   # tp_step sizes
 
 The tree given as --a must have its C extension built in place
-(`python setup.py build_ext --inplace` in it).  Alternating the trees spreads
+(`python setup.py build_ext --inplace` in it), and python/shardformer/launch.py
+(tp_step.py starts its ranks with shardformer.launch.spawn).  Alternating the trees spreads
 slow phases of a noisy machine over both; read the ratio, not the absolute
 times.  Results: benchmarks/results/compare_trees.json (--out).
 """

@@ -41,8 +41,10 @@ unset): on a 2-core machine that costs ours the second core.  Setting
 OMP_WAIT_POLICY=PASSIVE shows the kernels' own scaling.
 
 Writes benchmarks/results/kernels.json and, when matplotlib is installed,
-kernels.png (time vs size, ours vs torch).
-    /work/venv/bin/python benchmarks/kernels.py [--reps 5] [--quick] [--ops attention,...]
+kernels.png (time vs size, ours vs torch).  From the repository root, in the
+venv `bash scripts/setup_env.sh` makes:
+
+    .venv/bin/python benchmarks/kernels.py [--reps 5] [--quick] [--ops attention,...]
 """
 from __future__ import annotations
 

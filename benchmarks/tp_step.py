@@ -36,10 +36,13 @@ Correctness in the same run: the step-0 loss of every TP configuration is
 compared with the baseline loss (relative tolerance 1e-4), and the step-0
 gradient norms (per parameter, shards combined over ranks) with the baseline's.
 
-Run (from the repository root):
+Run (from the repository root, in the venv `bash scripts/setup_env.sh` makes):
 
-    /work/venv/bin/python benchmarks/tp_step.py            # full size, several minutes on 2 cores
-    /work/venv/bin/python benchmarks/tp_step.py --quick    # small smoke run, < 1 minute
+    .venv/bin/python benchmarks/tp_step.py            # full size, several minutes on 2 cores
+    .venv/bin/python benchmarks/tp_step.py --quick    # small smoke run, < 1 minute
+
+The processes are started by shardformer.launch.spawn (the baseline as a
+1-rank group).
 
 Sizes can be overridden (--hidden --heads --kv-heads --intermediate --layers
 --vocab --seq --batch --iters --warmup).  Results go to
@@ -59,11 +62,9 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import sys
 import time
-import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, "results", "tp_step.json")
@@ -329,106 +330,54 @@ def measure(model_fn, sizes: dict, threads: int, sync) -> dict:
     return rec
 
 
-def baseline_worker(_index: int, sizes: dict, queue) -> None:
-    try:
-        def model_fn():
-            model = build_model(sizes)
-            info = {"fingerprint": weight_fingerprint(model),
-                    "attn_implementation": model.config._attn_implementation}
-            return model, info
+def baseline_worker(_rank: int, sizes: dict) -> dict:
+    """The unsharded model (spawn's one rank; its 1-process group is never used)."""
+    def model_fn():
+        model = build_model(sizes)
+        info = {"fingerprint": weight_fingerprint(model),
+                "attn_implementation": model.config._attn_implementation}
+        return model, info
 
-        rec = measure(model_fn, sizes, threads=sizes["baseline_threads"], sync=lambda: None)
-        queue.put(("ok", 0, rec))
-    except BaseException:  # noqa: BLE001 - report to the parent
-        queue.put(("error", 0, traceback.format_exc()))
-        raise
+    return measure(model_fn, sizes, threads=sizes["baseline_threads"], sync=lambda: None)
 
 
-def tp_worker(rank: int, world: int, port: int, mode: str, sizes: dict, queue) -> None:
-    import datetime
-
+def tp_worker(rank: int, mode: str, sizes: dict) -> dict:
+    """One rank of a TP configuration (started by spawn: the default process group is ready)."""
     import torch
     import torch.distributed as dist
 
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=600))
+    def model_fn():
+        model = build_model(sizes)
+        info = {"fingerprint": weight_fingerprint(model),
+                "_full_shapes": {n: tuple(p.shape) for n, p in model.named_parameters()}}
+        t0 = time.perf_counter()
+        if mode in SHARDFORMER_MODES:
+            comm, switches = SHARDFORMER_MODES[mode]
+            if comm:
+                os.environ["SHARDFORMER_COMM"] = comm
+            model = shard_with_shardformer(model, dist.group.WORLD, switches)
+            from shardformer.distributed import backend_for
+            info["comm_backend"] = backend_for(torch.zeros(1), dist.group.WORLD)
+        else:
+            model = shard_with_dtensor(model, sizes["layers"], shard_vocab=(mode == "dtensor"))
+        info["shard_s"] = time.perf_counter() - t0
+        info["maxrss_after_build_mb"] = maxrss_mb()
+        return model, info
 
-        def model_fn():
-            model = build_model(sizes)
-            info = {"fingerprint": weight_fingerprint(model),
-                    "_full_shapes": {n: tuple(p.shape) for n, p in model.named_parameters()}}
-            t0 = time.perf_counter()
-            if mode in SHARDFORMER_MODES:
-                comm, switches = SHARDFORMER_MODES[mode]
-                if comm:
-                    os.environ["SHARDFORMER_COMM"] = comm
-                model = shard_with_shardformer(model, dist.group.WORLD, switches)
-                from shardformer.distributed import backend_for
-                info["comm_backend"] = backend_for(torch.zeros(1), dist.group.WORLD)
-            else:
-                model = shard_with_dtensor(model, sizes["layers"], shard_vocab=(mode == "dtensor"))
-            info["shard_s"] = time.perf_counter() - t0
-            info["maxrss_after_build_mb"] = maxrss_mb()
-            return model, info
-
-        rec = measure(model_fn, sizes, threads=1, sync=dist.barrier)
-        dist.barrier()
-        queue.put(("ok", rank, rec))
-    except BaseException:  # noqa: BLE001
-        queue.put(("error", rank, traceback.format_exc()))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    rec = measure(model_fn, sizes, threads=1, sync=dist.barrier)
+    dist.barrier()
+    return rec
 
 
 # --------------------------------------------------------------------------- launching
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(fn, nprocs: int, args: tuple, timeout: float) -> list:
-    """Run fn(rank, *args, queue) in `nprocs` processes (torch.multiprocessing.spawn);
-    results by rank.  The queue is drained while the workers run, so a large
-    result never blocks a worker's exit."""
-    import queue as queue_mod
+    """Run fn(rank, *args) in `nprocs` processes (shardformer.launch.spawn); results by rank.
+    Threads are left to the workers (measure() sets them); a failed rank raises
+    RankError with its traceback."""
+    from shardformer.launch import spawn
 
-    import torch.multiprocessing as tmp
-
-    q = tmp.get_context("spawn").Queue()
-    ctx = tmp.spawn(fn, args=args + (q,), nprocs=nprocs, join=False)
-    deadline = time.time() + timeout
-    results, errors = [None] * nprocs, []
-    try:
-        while sum(r is not None for r in results) + len(errors) < nprocs:
-            try:
-                status, rank, payload = q.get(timeout=2)
-            except queue_mod.Empty:
-                if not any(p.is_alive() for p in ctx.processes):
-                    break
-                if time.time() > deadline:
-                    errors.append(f"timeout: no result after {timeout:.0f} s")
-                    break
-                continue
-            if status == "ok":
-                results[rank] = payload
-            else:
-                errors.append(f"rank {rank}:\n{payload}")
-                break  # the other ranks may be stuck in a collective
-    finally:
-        for p in ctx.processes:
-            p.join(timeout=30 if not errors else 5)
-            if p.is_alive():
-                p.terminate()
-                p.join()
-    codes = [p.exitcode for p in ctx.processes]
-    if errors or any(r is None for r in results):
-        raise RuntimeError("\n".join(errors) or f"a worker returned no result (exit codes {codes})")
-    return results
+    return spawn(fn, nprocs, args=args, threads_per_rank=None, timeout_s=timeout)
 
 
 def wait_for_idle(max_wait: float, threshold: float = 0.15, window: float = 2.0) -> dict:
@@ -452,7 +401,7 @@ def run_baseline(sizes, timeout) -> list:
 
 
 def run_tp(mode, sizes, timeout) -> list:
-    return launch(tp_worker, TP_SIZE, (TP_SIZE, free_port(), mode, sizes), timeout)
+    return launch(tp_worker, TP_SIZE, (mode, sizes), timeout)
 
 
 # --------------------------------------------------------------------------- summary

@@ -25,7 +25,7 @@ from __future__ import annotations
 from shardformer.family import Family, gathered, lm, replicated_dropout
 from shardformer.layer import DropoutForReplicatedInput, Linear1D_Col, Linear1D_Row
 from shardformer.layout import Heads
-from shardformer.policies.shapes import EncoderShape
+from shardformer.policies.shapes import EncoderShape, attention_by_heads
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
@@ -36,10 +36,7 @@ class AlbertShape(EncoderShape):
             attribute_replacement={"attention.num_attention_heads": heads.local_heads(),
                                    "attention.all_head_size": heads.local_width(heads.head_dim)},
             sub_module_replacement=[
-                Sub("attention.query", Linear1D_Col, kwargs={"split": heads.q}),
-                Sub("attention.key", Linear1D_Col, kwargs={"split": heads.q}),
-                Sub("attention.value", Linear1D_Col, kwargs={"split": heads.q}),
-                Sub("attention.dense", Linear1D_Row, kwargs={"split": heads.q}),
+                *attention_by_heads("attention", heads, q="query", k="key", v="value", o="dense"),
                 Sub("attention.output_dropout", DropoutForReplicatedInput),
                 Sub("ffn", Linear1D_Col),
                 Sub("ffn_output", Linear1D_Row),

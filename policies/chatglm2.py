@@ -61,20 +61,10 @@ class ChatGLM2Shape(FamilyPolicy):
                 Sub("embedding.word_embeddings", VocabParallelEmbedding1D, kwargs=self.vocab_kwargs())]),
         }
 
-    def word_embeddings(self):
+    def input_embeddings(self):
+        # The remote code has no get_input_embeddings(): found by path.
         glm = self.model.transformer if hasattr(self.model, "transformer") else self.model
         return glm.embedding.word_embeddings
-
-    def preprocess(self):
-        # FamilyPolicy's tie check, with the embedding found by path, not get_input_embeddings().
-        self._tied_heads = [h.suffix for h in self.heads if self.tensor_parallel and h.kind == "lm"
-                            and self.model.get_submodule(h.suffix).weight is self.word_embeddings().weight]
-        return self.model
-
-    def postprocess(self):
-        for suffix in self._tied_heads:
-            self.model.get_submodule(suffix).weight = self.word_embeddings().weight
-        return self.model
 
 
 FAMILY = Family("chatglm2", "", ChatGLM2Shape, heads={

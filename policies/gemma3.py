@@ -23,12 +23,11 @@ whose gradient the text layers already all-reduce.
 """
 from __future__ import annotations
 
-import importlib
 
 from shardformer.family import Family, FamilyPolicy, gathered, lm
 from shardformer.layer import Linear1D_Col, Linear1D_Row
 from shardformer.layout import Heads
-from shardformer.policies.shapes import DecoderShape
+from shardformer.policies.shapes import DecoderShape, attention_by_heads
 from shardformer.policy import ModulePolicyDescription, Policy, merge_policies
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
@@ -56,10 +55,7 @@ def siglip_policy(vision_cfg) -> dict:
         _siglip().SiglipEncoderLayer: ModulePolicyDescription(
             attribute_replacement={"self_attn.num_heads": heads.local_heads()},
             sub_module_replacement=[
-                Sub("self_attn.q_proj", Linear1D_Col, kwargs={"split": heads.q}),
-                Sub("self_attn.k_proj", Linear1D_Col, kwargs={"split": heads.q}),
-                Sub("self_attn.v_proj", Linear1D_Col, kwargs={"split": heads.q}),
-                Sub("self_attn.out_proj", Linear1D_Row, kwargs={"split": heads.q}),
+                *attention_by_heads("self_attn", heads, o="out_proj"),
                 Sub("mlp.fc1", Linear1D_Col),
                 Sub("mlp.fc2", Linear1D_Row),
             ]),

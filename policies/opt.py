@@ -17,7 +17,7 @@ from __future__ import annotations
 from shardformer.family import Family, FamilyPolicy
 from shardformer.layer import Linear1D_Col, Linear1D_Row, VocabParallelEmbedding1D
 from shardformer.layout import Heads
-from shardformer.policies.shapes import gpt_heads
+from shardformer.policies.shapes import attention_by_heads, gpt_heads
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
@@ -33,10 +33,7 @@ class OPTShape(FamilyPolicy):
             "OPTDecoderLayer": ModulePolicyDescription(
                 attribute_replacement={"self_attn.num_heads": heads.local_heads()},
                 sub_module_replacement=[
-                    Sub("self_attn.q_proj", Linear1D_Col, kwargs={"split": heads.q}),
-                    Sub("self_attn.k_proj", Linear1D_Col, kwargs={"split": heads.q}),
-                    Sub("self_attn.v_proj", Linear1D_Col, kwargs={"split": heads.q}),
-                    Sub("self_attn.out_proj", Linear1D_Row, kwargs={"split": heads.q}),
+                    *attention_by_heads("self_attn", heads, o="out_proj"),
                     Sub("fc1", Linear1D_Col),
                     Sub("fc2", Linear1D_Row),
                 ],

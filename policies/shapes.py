@@ -216,10 +216,14 @@ class EncoderShape(FamilyPolicy):
 
 # ---- VisionShape / StageShape: ViT-style layers, Swin-style stages ----
 
-def vision_attention(prefix: str, heads: Heads) -> list[Sub]:
-    """q/k/v/o replacements of a q_proj/k_proj/v_proj/o_proj attention at `prefix`."""
-    return [Sub(f"{prefix}.{p}", Linear1D_Col, kwargs={"split": heads.q}) for p in ("q_proj", "k_proj", "v_proj")] + [
-        Sub(f"{prefix}.o_proj", Linear1D_Row, kwargs={"split": heads.q})]
+def attention_by_heads(prefix: str, heads: Heads, q: str = "q_proj", k: str = "k_proj", v: str = "v_proj",
+                       o: str = "o_proj") -> list[Sub]:
+    """An attention whose q/k/v projections (at `prefix`.q, .k, .v) are split by
+    heads, column-parallel, and whose output projection `prefix`.o is split by
+    the same heads on its input, row-parallel (all-reduce forward)."""
+    at = f"{prefix}." if prefix else ""
+    return [Sub(f"{at}{name}", Linear1D_Col, kwargs={"split": heads.q}) for name in (q, k, v)] + [
+        Sub(f"{at}{o}", Linear1D_Row, kwargs={"split": heads.q})]
 
 
 def bias_table_split(num_heads: int) -> dict:
@@ -248,7 +252,7 @@ class VisionShape(FamilyPolicy):
         return Heads(cfg.num_attention_heads, cfg.num_attention_heads, head_dim)
 
     def layer_replacements(self, heads: Heads) -> list[Sub]:
-        return vision_attention("attention", heads) + [
+        return attention_by_heads("attention", heads) + [
             Sub("mlp.fc1", Linear1D_Col), Sub("mlp.fc2", Linear1D_Row), Sub("dropout", DropoutForReplicatedInput)]
 
     def body_policy(self):
@@ -257,21 +261,17 @@ class VisionShape(FamilyPolicy):
         return {f"{self.prefix}Layer": ModulePolicyDescription(
             sub_module_replacement=self.layer_replacements(self.heads_layout()))}
 
-    def module_policy(self):
-        if getattr(self.model.config, "num_labels", 1) > 0:
-            return super().module_policy()
+    def active_heads(self):
         # num_labels=0: HF's classifier is an nn.Identity, nothing to split.
-        policy = self.body_policy()
-        heads = [self.head_replacement(h) for h in self.heads if h.suffix != "classifier"]
-        if self.tensor_parallel and heads:
-            self.append_or_create_submodule_replacement(heads, policy, self.model_class)
-        return policy
+        if getattr(self.model.config, "num_labels", 1) > 0:
+            return self.heads
+        return tuple(h for h in self.heads if h.suffix != "classifier")
 
 
 class StageShape(VisionShape):
     def block_replacements(self, heads: Heads) -> list[Sub]:
         """Replacements of one block of a stage with `heads` (paths under the block)."""
-        return vision_attention("attention", heads) + [
+        return attention_by_heads("attention", heads) + [
             Sub("attention.relative_position_bias", ShardParams, kwargs=bias_table_split(heads.num_heads)),
             Sub("mlp.fc1", Linear1D_Col), Sub("mlp.fc2", Linear1D_Row), Sub("dropout", DropoutForReplicatedInput)]
 

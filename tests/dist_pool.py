@@ -18,11 +18,12 @@ from __future__ import annotations
 import importlib
 import multiprocessing as mp
 import os
-import socket
 import sys
 import time
 import traceback
 from dataclasses import dataclass
+
+from shardformer.launch import free_port, init_rank
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -35,23 +36,11 @@ class RankContext:
     group: object  # the ProcessGroup of ranks [0, tp_size)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world_size: int, port: int, conn) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     sys.path.insert(0, TESTS_DIR)
-    import datetime
-
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=120))
+    # The set-up of every rank of shardformer.launch.spawn: torchrun's variables, threads, gloo group.
+    dist = init_rank(rank, world_size, port, "gloo", timeout_s=120, threads=1)
     groups = {}
     for k in range(1, world_size + 1):
         g = dist.new_group(list(range(k)))  # collective: every rank makes every group
@@ -83,7 +72,7 @@ class RankPool:
 
     def start(self) -> None:
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        port = free_port()
         self.procs, self.conns = [], []
         for r in range(self.world_size):
             parent, child = ctx.Pipe()

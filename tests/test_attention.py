@@ -10,10 +10,8 @@ import warnings
 import pytest
 import torch
 
-import model_check
-import model_zoo
-import zoo_decoders
-import zoo_encoders
+import zoo
+from checks import parity
 from shardformer import ops
 from shardformer import attention as sf_attention
 
@@ -251,17 +249,12 @@ def test_bad_input():
 
 # ---- HuggingFace integration -----------------------------------------------
 
-def _zoo(name):
-    return next(z for z in (model_zoo, zoo_decoders, zoo_encoders) if name in z.MODELS)
-
-
 OVERRIDES = {"MistralForCausalLM": {"sliding_window": 4}}
 
 
 def check_flash(ctx, name: str) -> dict:
     """check_sharded with enable_flash_attention on `name` (right-padded batch),
     plus how many attention calls the kernel served on this rank."""
-    zoo = _zoo(name)
     inputs = zoo.make_inputs(name)
     mask = torch.ones_like(inputs["input_ids"])
     mask[0, -3:] = 0
@@ -269,8 +262,8 @@ def check_flash(ctx, name: str) -> dict:
     before = sf_attention.CALLS["kernel"]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        report = model_check.check_sharded(ctx, lambda: zoo.build(name, torch.float32, **OVERRIDES.get(name, {})),
-                                           inputs, name=name, config={"enable_flash_attention": True})
+        report = parity.check_sharded(ctx, lambda: zoo.build(name, torch.float32, **OVERRIDES.get(name, {})),
+                                      inputs, name=name, config={"enable_flash_attention": True})
     report["kernel_calls"] = sf_attention.CALLS["kernel"] - before
     return report
 
@@ -305,13 +298,13 @@ def test_flash_attention_keeps_own_attention(pool, name, tp):
 def test_flash_attention_routes_through_kernel(name, monkeypatch):
     from shardformer import ShardConfig, ShardFormer
 
-    model = _zoo(name).build(name, torch.float32)
+    model = zoo.build(name, torch.float32)
     seen = []
     real = ops.attention
     monkeypatch.setattr(ops, "attention", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
     sharded, _ = ShardFormer(shard_config=ShardConfig(enable_flash_attention=True)).optimize(model)
     assert sharded.config._attn_implementation == "shardformer"
-    sharded(**_zoo(name).make_inputs(name))
+    sharded(**zoo.make_inputs(name))
     assert len(seen) == 2                      # one per layer
     assert all(kw["causal"] == (name != "BertForMaskedLM") for kw in seen)
 
@@ -320,10 +313,10 @@ def test_unservable_calls_keep_hf_attention():
     from shardformer import ShardConfig, ShardFormer
 
     name = "LlamaForCausalLM"
-    model = model_zoo.build(name, torch.float32)
-    ref = model_zoo.build(name, torch.float32)
+    model = zoo.build(name, torch.float32)
+    ref = zoo.build(name, torch.float32)
     sharded, _ = ShardFormer(shard_config=ShardConfig(enable_flash_attention=True)).optimize(model)
-    ids = model_zoo.make_inputs(name)["input_ids"]
+    ids = zoo.make_inputs(name)["input_ids"]
     before = dict(sf_attention.CALLS)
     with pytest.warns(UserWarning, match="output_attentions"):
         out = sharded(input_ids=ids, output_attentions=True)
@@ -368,7 +361,6 @@ def test_generate_with_kv_cache_and_left_padding(name, cache):
     eager's tokens."""
     from shardformer import ShardConfig, ShardFormer
 
-    zoo = _zoo(name)
     model = zoo.build(name, torch.float32, **OVERRIDES.get(name, {})).eval()
     ref = zoo.build(name, torch.float32, **OVERRIDES.get(name, {})).eval()
     sharded, _ = ShardFormer(shard_config=ShardConfig(enable_flash_attention=True)).optimize(model)

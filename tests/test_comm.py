@@ -6,7 +6,6 @@ import glob
 import multiprocessing as mp
 import os
 import signal
-import socket
 import time
 
 import numpy as np
@@ -18,8 +17,9 @@ from shardformer import _C
 from shardformer.distributed import collectives as coll
 from shardformer.distributed import communicator as cm
 from shardformer.distributed import nccl, shm
+from shardformer.launch import free_port, init_rank
 
-import model_check
+from checks import parity
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "int32": torch.int32, "int64": torch.int64}
@@ -661,11 +661,7 @@ def test_region_operators_inplace_safety(pool, tp):
 # ---- a rank killed mid-collective (own process group, not the pool) -------------------
 
 def _killed_worker(rank, size, port, q, timeout):
-    import datetime
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=size, timeout=datetime.timedelta(seconds=60))
+    init_rank(rank, size, port, "gloo", timeout_s=60, threads=1)
     comm = shm.ShmCommunicator(None, timeout=timeout)
     x = torch.ones(50_000)
     q.put(("started", rank, time.time()))
@@ -684,10 +680,9 @@ def _killed_worker(rank, size, port, q, timeout):
 
 def test_killed_rank_times_out():
     size, timeout = 3, 3.0
+    # Not shardformer.launch.spawn: this test kills one rank by its pid while the others run.
     ctx = mp.get_context("spawn")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     q = ctx.Queue()
     procs = [ctx.Process(target=_killed_worker, args=(r, size, port, q, timeout), daemon=True)
              for r in range(size)]
@@ -782,7 +777,7 @@ def rank_model_with_backend(ctx, name: str, backend: str) -> dict:
     cm.reset_communicators()  # SHARDFORMER_COMM is read once per group
     try:
         assert coll.backend_for(torch.ones(1), ctx.group) == backend
-        return model_check.check_model(ctx, name)
+        return parity.check_model(ctx, name)
     finally:
         if saved is None:
             os.environ.pop("SHARDFORMER_COMM", None)
@@ -804,7 +799,7 @@ def rank_bf16_model_with_shm(ctx, name: str) -> dict:
     os.environ["SHARDFORMER_COMM"] = "shm"
     cm.reset_communicators()  # SHARDFORMER_COMM is read once per group
     try:
-        return model_check.check_model(ctx, name, "bfloat16")
+        return parity.check_model(ctx, name, "bfloat16")
     finally:
         if saved is None:
             os.environ.pop("SHARDFORMER_COMM", None)

@@ -7,8 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import model_check
-import rank_checks
+from checks import layers, parity
 from shardformer import ops
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -338,7 +337,7 @@ def test_cross_entropy_inplace_backward(dtype):
 @pytest.mark.parametrize("smoothing,reduction", [(0.0, "mean"), (0.1, "mean"), (0.1, "sum"), (0.0, "none")])
 def test_vocab_parallel_cross_entropy(pool, tp, smoothing, reduction):
     # vocab 37 padded to a multiple of 4 * tp: the last rank holds padding columns
-    pool.run(rank_checks.cross_entropy_matches, tp, 37, smoothing, reduction)
+    pool.run(layers.cross_entropy_matches, tp, 37, smoothing, reduction)
 
 
 def bf16_cross_entropy(ctx):
@@ -375,15 +374,15 @@ def test_vocab_parallel_cross_entropy_bf16(pool, tp):
 
 @pytest.mark.parametrize("name", ["LlamaForCausalLM", "GPT2LMHeadModel", "BertForMaskedLM"])
 def test_models_with_fused_kernels(pool, name):
-    pool.run(model_check.check_model, 2, name, config={"enable_all_optimization": True})
+    pool.run(parity.check_model, 2, name, config={"enable_all_optimization": True})
 
 
 @pytest.mark.parametrize("name", ["LlamaForCausalLM", "GPT2LMHeadModel", "BertForMaskedLM"])
 def test_jit_fused_replaces_the_mlp(name):
-    import model_zoo
+    import zoo
     from shardformer import ShardConfig, ShardFormer
 
-    model = model_zoo.build(name, torch.float32)
+    model = zoo.build(name, torch.float32)
     sharded, _ = ShardFormer(shard_config=ShardConfig(enable_jit_fused=True)).optimize(model)
     replaced = [m for m in sharded.modules() if "forward" in vars(m)]
     assert replaced, f"{name}: enable_jit_fused replaced no forward"

@@ -1,12 +1,12 @@
 """Parallel layers, region operators and collectives on 2 and 4 ranks."""
 import pytest
 
-import rank_checks
+from checks import layers
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_dropout_masks(pool, tp):
-    pool.run(rank_checks.dropout_masks, tp)
+    pool.run(layers.dropout_masks, tp)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -14,26 +14,26 @@ def test_dropout_masks(pool, tp):
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_cross_entropy_1d(pool, tp, vocab, smoothing, reduction):
-    pool.run(rank_checks.cross_entropy_matches, tp, vocab, smoothing, reduction)
+    pool.run(layers.cross_entropy_matches, tp, vocab, smoothing, reduction)
 
 
 def test_cross_entropy_1d_single_process():
     import types
 
     ctx = types.SimpleNamespace(rank=0, tp_size=1, group=None)
-    rank_checks.cross_entropy_matches(ctx, 37, 0.1, "mean")
+    layers.cross_entropy_matches(ctx, 37, 0.1, "mean")
 
 
 @pytest.mark.parametrize("tp", [2, 3, 4])
 def test_gather_scatter_layouts(pool, tp):
-    pool.run(rank_checks.mappings_round_trip, tp)
+    pool.run(layers.mappings_round_trip, tp)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_collectives(pool, tp):
-    pool.run(rank_checks.collectives_match, tp)
+    pool.run(layers.collectives_match, tp)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_sequence_region_operators(pool, tp):
-    pool.run(rank_checks.sequence_region_pair, tp)
+    pool.run(layers.sequence_region_pair, tp)

@@ -1,4 +1,5 @@
-"""Decoder-only language-model families (issue 5): every class sharded at TP=2
+"""Decoder-only language-model families other than Llama and GPT-2 (the
+models of decoders.decoders): every class sharded at TP=2
 and TP=4 against the unsharded HF model from the same seed (outputs, loss,
 every gradient, outputs after an SGD step), greedy generate() equality, and
 the family-specific parts (GQA/MQA replication, fused qkv / gate_up,
@@ -10,23 +11,23 @@ import copy
 import pytest
 import torch
 
-import model_check
-import zoo_decoders as zoo
+from checks import parity
 from shardformer import ShardConfig, ShardFormer
+from zoo import decoders
 
-NAMES = sorted(zoo.MODELS)
+NAMES = sorted(decoders.MODELS)
 
 
 # ---- rank functions (run on every rank of the pool) ----
 
 def check(ctx, name: str, overrides: dict | None = None):
     overrides = overrides or {}
-    return model_check.check_sharded(ctx, lambda: zoo.build(name, **overrides), zoo.make_inputs(name),
-                                     name=f"{name}{overrides or ''}")
+    return parity.check_sharded(ctx, lambda: decoders.build(name, **overrides), decoders.make_inputs(name),
+                                name=f"{name}{overrides or ''}")
 
 
 def _sharded_pair(ctx, name, seed=0, **overrides):
-    model = zoo.build(name, seed=seed, **overrides)
+    model = decoders.build(name, seed=seed, **overrides)
     model.eval()
     ref = copy.deepcopy(model)
     ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
@@ -58,12 +59,12 @@ def local_shapes(ctx, name: str, overrides: dict | None = None):
 def scaled_embedding_matches(ctx, name: str):
     """Gemma's embedding output (scaled by sqrt(hidden)) equals HF's."""
     model, ref = _sharded_pair(ctx, name)
-    ids = zoo.make_inputs(name)["input_ids"]
+    ids = decoders.make_inputs(name)["input_ids"]
     with torch.no_grad():
         got, exp = model.get_input_embeddings()(ids), ref.get_input_embeddings()(ids)
         plain = torch.nn.functional.embedding(ids, ref.get_input_embeddings().weight)
     assert not torch.allclose(exp, plain), "the reference embedding is not scaled"
-    model_check.assert_close(f"{name} embedding", got, exp, model_check.TOL[torch.float32])
+    parity.assert_close(f"{name} embedding", got, exp, parity.TOL[torch.float32])
     return True
 
 
@@ -77,7 +78,7 @@ def test_fp32_forward_backward_step(pool, name, tp):
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("name", zoo.CAUSAL_LMS)
+@pytest.mark.parametrize("name", decoders.CAUSAL_LMS)
 def test_generate_matches_unsharded(pool, name, tp):
     tokens = pool.run(generate_matches, tp, name)
     assert all(t == tokens[0] for t in tokens)
@@ -111,7 +112,7 @@ def test_qwen2_tied_embeddings(pool, tp):
     pool.run(check, tp, "Qwen2ForCausalLM", {"tie_word_embeddings": False})
 
 
-@pytest.mark.parametrize("name", zoo.CAUSAL_LMS)
+@pytest.mark.parametrize("name", decoders.CAUSAL_LMS)
 def test_lm_head_tied_as_in_hf(pool, name):
     """The sharded LM head is tied to the sharded embedding exactly when HF ties them."""
     res = pool.run(local_shapes, 2, name)
@@ -146,11 +147,11 @@ def test_mixtral_experts_split(pool):
 def check_padded(ctx, name: str, overrides: dict | None = None):
     """check_sharded with left padding in the batch (ALiBi positions and masks)."""
     overrides = overrides or {}
-    inputs = zoo.make_inputs(name)
+    inputs = decoders.make_inputs(name)
     mask = torch.ones_like(inputs["input_ids"])
     mask[0, :3] = 0
     inputs["attention_mask"] = mask
-    return model_check.check_sharded(ctx, lambda: zoo.build(name, **overrides), inputs, name=f"{name} padded")
+    return parity.check_sharded(ctx, lambda: decoders.build(name, **overrides), inputs, name=f"{name} padded")
 
 
 def local_alibi(ctx):
@@ -165,7 +166,7 @@ def local_alibi(ctx):
 
 def refused_unchanged(ctx, name: str, overrides: dict):
     """optimize() raises ValueError and leaves the model as it was; returns the message."""
-    model = zoo.build(name, **overrides)
+    model = decoders.build(name, **overrides)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     text = repr(model)
     try:
@@ -183,7 +184,7 @@ def refused_unchanged(ctx, name: str, overrides: dict):
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("layout", ["new_arch", "per_head"])
 def test_falcon_qkv_layouts(pool, layout, tp):
-    overrides = zoo.FALCON_NEW_ARCH if layout == "new_arch" else zoo.FALCON_PER_HEAD
+    overrides = decoders.FALCON_NEW_ARCH if layout == "new_arch" else decoders.FALCON_PER_HEAD
     pool.run(check, tp, "FalconForCausalLM", overrides)
     pool.run(check, tp, "FalconForSequenceClassification", overrides)
     tokens = pool.run(generate_matches, tp, "FalconForCausalLM", overrides)
@@ -193,7 +194,7 @@ def test_falcon_qkv_layouts(pool, layout, tp):
 def test_falcon_new_arch_groups_at_tp4(pool):
     """6 query heads in 2 KV groups at TP=4: ranks hold 2,1,2,1 query heads and
     one (replicated) KV head each: query_key_value rows (q + 2) * head_dim."""
-    res = pool.run(local_shapes, 4, "FalconForCausalLM", zoo.FALCON_NEW_ARCH)
+    res = pool.run(local_shapes, 4, "FalconForCausalLM", decoders.FALCON_NEW_ARCH)
     rows = [r["shapes"]["transformer.h.0.self_attention.query_key_value.weight"][0] // 8 for r in res]
     assert rows == [4, 3, 4, 3], rows
 
@@ -253,9 +254,9 @@ def state_dict_round_trip(ctx, name: str, overrides: dict | None = None):
         assert torch.equal(full[k], exp[k]), f"{name}: gathered {k} differs"
     other, _ = _sharded_pair(ctx, name, seed=123, **overrides)
     load_full_state_dict(other, full)
-    inputs = {k: v for k, v in zoo.make_inputs(name).items() if k == "input_ids"}
+    inputs = {k: v for k, v in decoders.make_inputs(name).items() if k == "input_ids"}
     with torch.no_grad():
-        model_check.check_outputs(name, other(**inputs), ref(**inputs), model_check.TOL[torch.float32])
+        parity.check_outputs(name, other(**inputs), ref(**inputs), parity.TOL[torch.float32])
     return len(full)
 
 
@@ -263,7 +264,7 @@ def state_dict_round_trip(ctx, name: str, overrides: dict | None = None):
 @pytest.mark.parametrize("name, overrides", [
     ("MixtralForCausalLM", None),
     ("Phi3ForCausalLM", None),
-    ("FalconForCausalLM", zoo.FALCON_NEW_ARCH),
+    ("FalconForCausalLM", decoders.FALCON_NEW_ARCH),
     ("BloomForCausalLM", None),
     ("Gemma3ForCausalLM", None),
 ])
@@ -277,13 +278,13 @@ def test_fused_normalization(pool, name):
 
 
 def check_fused(ctx, name: str):
-    return model_check.check_sharded(ctx, lambda: zoo.build(name), zoo.make_inputs(name), name=name,
-                                     config={"enable_fused_normalization": True})
+    return parity.check_sharded(ctx, lambda: decoders.build(name), decoders.make_inputs(name), name=name,
+                                config={"enable_fused_normalization": True})
 
 
 def check_bf16(ctx, name: str):
-    return model_check.check_sharded(ctx, lambda: zoo.build(name, torch.bfloat16), zoo.make_inputs(name), name=name,
-                                     dtype=torch.bfloat16)
+    return parity.check_sharded(ctx, lambda: decoders.build(name, torch.bfloat16), decoders.make_inputs(name),
+                                name=name, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("name", ["MistralForCausalLM", "MixtralForCausalLM", "FalconForCausalLM", "BloomForCausalLM"])

@@ -1,13 +1,13 @@
 """Encoder and encoder-decoder families (RoBERTa, ALBERT, ERNIE, T5, Whisper)
-and ChatGLM2 (remote-code structure, tests/chatglm2_local.py): every policy
+and ChatGLM2 (remote-code structure, tests/zoo/chatglm2.py): every policy
 class sharded at TP=2 and TP=4 against the unsharded model from the same
 seed, generate() equality, and the family-specific hard parts."""
 import pytest
 
-import encoder_checks
-import zoo_encoders
+from checks import encoders as encoder_checks
+from zoo import encoders
 
-NAMES = sorted(zoo_encoders.MODELS)
+NAMES = sorted(encoders.MODELS)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -101,7 +101,7 @@ def test_chatglm2_policy_found_by_bare_class_name():
     # bare class names match it wherever it was imported from.
     from shardformer.autopolicy import get_autopolicy
 
-    model = zoo_encoders.build("ChatGLMForConditionalGeneration")
-    assert type(model).__module__ == "chatglm2_local"
+    model = encoders.build("ChatGLMForConditionalGeneration")
+    assert type(model).__module__ == "zoo.chatglm2"
     assert type(get_autopolicy(model)).__name__ == "ChatGLMForConditionalGenerationPolicy"
     assert type(get_autopolicy(model.transformer)).__name__ == "ChatGLMModelPolicy"

@@ -10,27 +10,27 @@ import copy
 import pytest
 import torch
 
-import model_check
-import zoo_gemma3mm as zoo
+from checks import parity
 from shardformer import ShardConfig, ShardFormer
+from zoo import gemma3mm
 
-NAMES = sorted(zoo.MODELS)
+NAMES = sorted(gemma3mm.MODELS)
 
 
 # ---- rank functions (run on every rank of the pool) ----
 
 def check(ctx, name: str, overrides: dict | None = None, config: dict | None = None, text_only: bool = False):
     overrides = overrides or {}
-    inputs = zoo.make_inputs(name)
+    inputs = gemma3mm.make_inputs(name)
     if text_only:
         inputs = {k: v for k, v in inputs.items() if k not in ("pixel_values", "token_type_ids")}
-    return model_check.check_sharded(ctx, lambda: zoo.build(name, **overrides), inputs,
-                                     name=f"{name}{overrides or ''}", config=config,
-                                     fp64_floor=name in zoo.FP64_FLOOR)
+    return parity.check_sharded(ctx, lambda: gemma3mm.build(name, **overrides), inputs,
+                                name=f"{name}{overrides or ''}", config=config,
+                                fp64_floor=name in gemma3mm.FP64_FLOOR)
 
 
 def _sharded_pair(ctx, name, **overrides):
-    model = zoo.build(name, **overrides)
+    model = gemma3mm.build(name, **overrides)
     model.eval()
     ref = copy.deepcopy(model)
     ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
@@ -39,7 +39,7 @@ def _sharded_pair(ctx, name, **overrides):
 
 def generate_matches(ctx, name: str, new_tokens: int = 5):
     model, ref = _sharded_pair(ctx, name)
-    inputs = zoo.prompt(seed=3, length=8)
+    inputs = gemma3mm.prompt(seed=3, length=8)
     kwargs = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         got = model.generate(**inputs, **kwargs)
@@ -69,9 +69,9 @@ def state_dict_round_trip(ctx, name: str):
         assert torch.equal(full[k], exp[k]), f"{name}: gathered {k} differs"
     other, _ = _sharded_pair(ctx, name, seed=123)
     load_full_state_dict(other, full)
-    inputs = zoo.prompt()
+    inputs = gemma3mm.prompt()
     with torch.no_grad():
-        model_check.check_outputs(name, other(**inputs), ref(**inputs), model_check.TOL[torch.float32])
+        parity.check_outputs(name, other(**inputs), ref(**inputs), parity.TOL[torch.float32])
     return len(full)
 
 

@@ -8,16 +8,16 @@ import copy
 import pytest
 import torch
 
-import model_check
-import zoo_vision
+from checks import parity
 from shardformer import ShardConfig, ShardFormer
+from zoo import vision
 
-NAMES = sorted(zoo_vision.MODELS)
+NAMES = sorted(vision.MODELS)
 
 
 def check_model(ctx, name):
-    return model_check.check_sharded(ctx, lambda: zoo_vision.build(name), zoo_vision.make_inputs(name), name=name,
-                                     fp64_floor=name in zoo_vision.FP64_FLOOR)
+    return parity.check_sharded(ctx, lambda: vision.build(name), vision.make_inputs(name), name=name,
+                                fp64_floor=name in vision.FP64_FLOOR)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -31,7 +31,7 @@ def test_fp32_forward_backward_step(pool, name, tp):
 # ---- rank functions (run on every rank of the pool) ----
 
 def _sharded_pair(ctx, name, **overrides):
-    model = zoo_vision.build(name, **overrides)
+    model = vision.build(name, **overrides)
     model.eval()
     ref = copy.deepcopy(model)
     ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
@@ -41,13 +41,13 @@ def _sharded_pair(ctx, name, **overrides):
 def generate_matches(ctx, name, new_tokens=5, prompt=True):
     """Greedy generate() of a BLIP-2 model, sharded and not, from images (and
     a prompt of image placeholders + text, or HF's default start tokens)."""
-    model, ref = _sharded_pair(ctx, name, **zoo_vision.blip2_wide_init(name))
-    _, _, cfg, _ = zoo_vision.MODELS[name]
+    model, ref = _sharded_pair(ctx, name, **vision.blip2_wide_init(name))
+    _, _, cfg, _ = vision.MODELS[name]
     g = torch.Generator().manual_seed(3)
-    x = {"pixel_values": torch.randn(zoo_vision.BATCH, zoo_vision.CHANNELS, zoo_vision.IMAGE, zoo_vision.IMAGE,
+    x = {"pixel_values": torch.randn(vision.BATCH, vision.CHANNELS, vision.IMAGE, vision.IMAGE,
                                      generator=g)}
     if prompt:
-        x["input_ids"] = zoo_vision.blip2_prompt(cfg, g)
+        x["input_ids"] = vision.blip2_prompt(cfg, g)
     kwargs = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     with torch.no_grad():
         got, exp = model.generate(**x, **kwargs), ref.generate(**x, **kwargs)

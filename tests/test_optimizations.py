@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import optimization_checks
-import runtime_checks
-import zoo_decoders
+import zoo
+from checks import optimizations
 from shardformer import ModulePolicyDescription, Policy, ShardConfig, ShardFormer
 from shardformer import SubModuleReplacementDescription as Sub
 from shardformer.layer import FusedLayerNorm, FusedRMSNorm, Linear1D_Col, Linear1D_Row
 from shardformer.optimizations import optimization_policy
+from zoo import decoders
 
 FUSED = ShardConfig(enable_fused_normalization=True, enable_jit_fused=True)
 
@@ -34,14 +34,14 @@ def test_llama_shaped_decoders_all_get_swiglu():
     for name in ("MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM",
                  "GlmForCausalLM"):
         prefix = name[: -len("ForCausalLM")]
-        norms, mlps = _switched(zoo_decoders.build(name))
+        norms, mlps = _switched(decoders.build(name))
         assert mlps == {f"{prefix}MLP"}, (name, mlps)
         assert f"{prefix}DecoderLayer.input_layernorm" in norms, (name, norms)
 
 
 def test_gemma_norms_and_gelu_gated_mlp_keep_their_forward():
     # GemmaRMSNorm scales by (1 + w); GemmaMLP gates with GeLU-tanh, not SiLU.
-    norms, mlps = _switched(zoo_decoders.build("GemmaForCausalLM"))
+    norms, mlps = _switched(decoders.build("GemmaForCausalLM"))
     assert norms == set() and mlps == set()
 
 
@@ -114,7 +114,7 @@ def test_a_custom_policy_gets_the_optimizations_without_a_line():
     model, ref = _Model(), _Model()
     sharded, _ = ShardFormer(FUSED).optimize(model, policy=_BlockPolicy())
     x = torch.randn(3, 5, 24)
-    with optimization_checks.counting_kernels() as calls:
+    with optimizations.counting_kernels() as calls:
         torch.testing.assert_close(sharded(x), ref(x), rtol=1e-5, atol=1e-5)
     assert isinstance(sharded.blocks[0].norm, FusedLayerNorm) and isinstance(sharded.blocks[1].rms, FusedRMSNorm)
     assert isinstance(sharded.blocks[0].mlp.gate_proj, Linear1D_Col)
@@ -132,7 +132,7 @@ def test_one_class_with_two_activations_keeps_its_forward():
 
 def test_the_policy_replacement_wins():
     # Qwen3's q_norm / k_norm are the policy's (kept replicated, gradients all-reduced).
-    model = zoo_decoders.build("Qwen3ForCausalLM")
+    model = decoders.build("Qwen3ForCausalLM")
     sharded, _ = ShardFormer(FUSED).optimize(model)
     attn = sharded.model.layers[0].self_attn
     assert not isinstance(attn.q_norm, FusedRMSNorm) and not isinstance(attn.k_norm, FusedRMSNorm)
@@ -145,15 +145,13 @@ def test_switches_off_means_nothing_changes():
 
 def test_training_mode_dropout_does_not_defeat_the_probe():
     # GPT-2's MLP ends in dropout; in training mode the probe draws the same mask twice.
-    import model_zoo
-
-    model = model_zoo.build("GPT2LMHeadModel", resid_pdrop=0.3)
+    model = zoo.build("GPT2LMHeadModel", resid_pdrop=0.3)
     model.train()
     _, mlps = _switched(model)
     assert mlps == {"GPT2MLP"}
 
 
-FAMILIES = runtime_checks.family_classes()
+FAMILIES = zoo.family_classes()
 # Gemma 1-3 (text): RMSNorm scales by (1 + w) and the gated MLP uses GeLU-tanh;
 # no kernel of ours computes either, and the probe says so.
 NOTHING_TO_FUSE = {"gemma", "gemma2", "gemma3"}
@@ -162,7 +160,7 @@ NOTHING_TO_FUSE = {"gemma", "gemma2", "gemma3"}
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_fused_optimizations_every_family(pool, family):
     name = FAMILIES[family][0]
-    calls = pool.run(optimization_checks.fused_matches, 2, name)[0]
+    calls = pool.run(optimizations.fused_matches, 2, name)[0]
     assert sum(calls.values()) > 0 or family in NOTHING_TO_FUSE, (family, calls)
     if family in NOTHING_TO_FUSE:
         assert sum(calls.values()) == 0, (family, calls)

@@ -1,5 +1,5 @@
-"""A sharded model keeps the run-time state of the model it came from
-(issue 10): eval() before optimize() stays eval with every dropout > 0 (each
+"""A sharded model keeps the run-time state of the model it came from:
+eval() before optimize() stays eval with every dropout > 0 (each
 family, every class the zoos build, TP=2; the first class of each at TP=4),
 train()/eval() after optimize() reach every module, frozen parameters stay
 frozen, hooks move to the parallel layers, HF's init flags survive, gradient
@@ -7,9 +7,10 @@ checkpointing recomputes the same dropout masks, and a patched forward is
 refused before anything changes."""
 import pytest
 
-import runtime_checks
+import zoo
+from checks import runtime_state
 
-FAMILIES = runtime_checks.family_classes()
+FAMILIES = zoo.family_classes()
 
 
 def test_every_family_has_a_zoo_class():
@@ -21,43 +22,43 @@ def test_every_family_has_a_zoo_class():
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_eval_before_optimize_tp2(pool, family):
-    reports = pool.run(runtime_checks.eval_matches, 2, FAMILIES[family])
+    reports = pool.run(runtime_state.eval_matches, 2, FAMILIES[family])
     assert set(reports[0]) == set(FAMILIES[family])
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_eval_before_optimize_tp4(pool, family):
-    pool.run(runtime_checks.eval_matches, 4, FAMILIES[family][:1])
+    pool.run(runtime_state.eval_matches, 4, FAMILIES[family][:1])
 
 
 @pytest.mark.parametrize("name", ["BertForMaskedLM", "GPT2LMHeadModel", "LlamaForCausalLM", "T5ForConditionalGeneration"])
 def test_train_eval_after_optimize(pool, name):
-    pool.run(runtime_checks.train_eval_follow, 2, name)
+    pool.run(runtime_state.train_eval_follow, 2, name)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_frozen_parameters_stay_frozen(pool, tp):
-    reports = pool.run(runtime_checks.frozen_stay_frozen, tp)
+    reports = pool.run(runtime_state.frozen_stay_frozen, tp)
     assert "model.embed_tokens.weight" in reports[0]["frozen"]
 
 
 def test_forward_hooks_move_to_parallel_layer(pool):
-    assert pool.run(runtime_checks.hooks_carried, 2)[0]["calls"] == 1
+    assert pool.run(runtime_state.hooks_carried, 2)[0]["calls"] == 1
 
 
 def test_hf_initialized_flags_carried(pool):
-    pool.run(runtime_checks.hf_flags_carried, 2)
+    pool.run(runtime_state.hf_flags_carried, 2)
 
 
 def test_patched_forward_refused_before_changes(pool):
-    msg = pool.run(runtime_checks.patched_forward_refused, 2)[0]["message"]
+    msg = pool.run(runtime_state.patched_forward_refused, 2)[0]["message"]
     assert "patched on the instance" in msg
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
 @pytest.mark.parametrize("name", ["BertForMaskedLM", "LlamaForCausalLM"])
 def test_gradient_checkpointing_same_gradients(pool, name, use_reentrant):
-    pool.run(runtime_checks.checkpointing_matches, 2, name, use_reentrant)
+    pool.run(runtime_state.checkpointing_matches, 2, name, use_reentrant)
 
 
 def test_modules_added_by_postprocess_follow_their_parent():
@@ -66,7 +67,7 @@ def test_modules_added_by_postprocess_follow_their_parent():
     even when the user left parts of the model in different modes."""
     import torch
 
-    from custom_models import ToyModel, ToyPolicy
+    from zoo.custom import ToyModel, ToyPolicy
     from shardformer import ShardConfig, ShardFormer
 
     class AddsADropout(ToyPolicy):

@@ -4,17 +4,17 @@ import pytest
 import torch
 from torch import nn
 
-import custom_models
-import rank_checks
+from checks import sharder
 from shardformer import ModulePolicyDescription, Policy, ShardConfig, ShardFormer
 from shardformer import SubModuleReplacementDescription as Sub
 from shardformer.layer import Linear1D_Col
+from zoo import custom
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("which", ["block", "star"])
 def test_custom_policy_on_user_module(pool, which, tp):
-    reports = pool.run(rank_checks.custom_policy, tp, which)
+    reports = pool.run(sharder.custom_policy, tp, which)
     assert all(r["param_fraction"] < 0.75 for r in reports)
 
 
@@ -32,13 +32,13 @@ def test_custom_policy_on_user_module(pool, which, tp):
     ],
 )
 def test_heads_that_cannot_be_split(pool, name, overrides, tp, expected):
-    messages = pool.run(rank_checks.bad_shard_leaves_model_unchanged, tp, name, overrides)
+    messages = pool.run(sharder.bad_shard_leaves_model_unchanged, tp, name, overrides)
     for text in expected:
         assert text in messages[0], f"{text!r} not in {messages[0]!r}"
 
 
 def test_missing_suffix_is_reported_and_model_unchanged(pool):
-    messages = pool.run(rank_checks.bad_shard_leaves_model_unchanged, 2, "LlamaForCausalLM", {}, "missing_suffix")
+    messages = pool.run(sharder.bad_shard_leaves_model_unchanged, 2, "LlamaForCausalLM", {}, "missing_suffix")
     assert "LlamaForCausalLM" in messages[0] and "embed_tokens" in messages[0] and "'missing'" in messages[0]
 
 
@@ -54,7 +54,7 @@ def test_policy_matching_nothing_is_an_error():
         def module_policy(self):
             return {nn.Conv2d: ModulePolicyDescription(sub_module_replacement=[Sub("x", Linear1D_Col)])}
 
-    model = custom_models.ToyModel()
+    model = custom.ToyModel()
     with pytest.raises(ValueError, match="matched no module"):
         ShardFormer(ShardConfig()).optimize(model, policy=Nothing())
 
@@ -62,9 +62,9 @@ def test_policy_matching_nothing_is_an_error():
 def test_attribute_that_does_not_exist():
     class BadAttr(Policy):
         def module_policy(self):
-            return {custom_models.ToyBlock: ModulePolicyDescription(attribute_replacement={"attn.headz": 1})}
+            return {custom.ToyBlock: ModulePolicyDescription(attribute_replacement={"attn.headz": 1})}
 
-    model = custom_models.ToyModel()
+    model = custom.ToyModel()
     before = repr(model)
     with pytest.raises(ValueError, match=r"ToyModel: blocks\.0\.attn\.headz: .*'headz'"):
         ShardFormer(ShardConfig()).optimize(model, policy=BadAttr())
@@ -72,20 +72,20 @@ def test_attribute_that_does_not_exist():
 
 
 def test_optimize_twice_is_an_error():
-    model = custom_models.ToyModel()
+    model = custom.ToyModel()
     sf = ShardFormer(ShardConfig())
-    sf.optimize(model, policy=custom_models.ToyPolicy())
+    sf.optimize(model, policy=custom.ToyPolicy())
     with pytest.raises(ValueError, match="already been sharded"):
-        sf.optimize(model, policy=custom_models.ToyPolicy())
+        sf.optimize(model, policy=custom.ToyPolicy())
 
 
 def test_single_process_shards_to_size_one():
     """Without torch.distributed, optimize() shards to TP=1 and the model is unchanged numerically."""
     torch.manual_seed(0)
-    model = custom_models.ToyModel()
-    inputs = custom_models.toy_inputs()
+    model = custom.ToyModel()
+    inputs = custom.toy_inputs()
     ref = model(**inputs)["logits"].detach()
-    ShardFormer(ShardConfig()).optimize(model, policy=custom_models.ToyPolicy())
+    ShardFormer(ShardConfig()).optimize(model, policy=custom.ToyPolicy())
     assert isinstance(model.blocks[0].fc1, Linear1D_Col)
     torch.testing.assert_close(model(**inputs)["logits"], ref, rtol=1e-6, atol=1e-6)
 
@@ -93,17 +93,17 @@ def test_single_process_shards_to_size_one():
 def test_bad_policy_description_types():
     class Bad(Policy):
         def module_policy(self):
-            return {custom_models.ToyBlock: {"sub_module_replacement": []}}
+            return {custom.ToyBlock: {"sub_module_replacement": []}}
 
     with pytest.raises(TypeError, match="ModulePolicyDescription"):
-        ShardFormer(ShardConfig()).optimize(custom_models.ToyModel(), policy=Bad())
+        ShardFormer(ShardConfig()).optimize(custom.ToyModel(), policy=Bad())
 
     class NoFactory(Policy):
         def module_policy(self):
-            return {custom_models.ToyBlock: ModulePolicyDescription(sub_module_replacement=[Sub("fc1", nn.Linear)])}
+            return {custom.ToyBlock: ModulePolicyDescription(sub_module_replacement=[Sub("fc1", nn.Linear)])}
 
     with pytest.raises(TypeError, match="from_native_module"):
-        ShardFormer(ShardConfig()).optimize(custom_models.ToyModel(), policy=NoFactory())
+        ShardFormer(ShardConfig()).optimize(custom.ToyModel(), policy=NoFactory())
 
 
 def test_shard_config_validation():
@@ -172,10 +172,10 @@ def test_plan_computed_once_per_optimize(monkeypatch, name):
     planned exactly once (by the sharder, before any change), its layouts
     resolved by the C planner with no call back into Python's layout code,
     and every parallel layer built from that plan."""
-    import model_zoo
+    import zoo
     from shardformer.layer import ParallelModule
 
-    model = model_zoo.build(name)
+    model = zoo.build(name)
     natives = {id(m): m for m in model.modules()}
     calls = _count_planning(monkeypatch)
     ShardFormer(ShardConfig()).optimize(model)

@@ -25,7 +25,7 @@ import warnings
 from importlib.metadata import PackageNotFoundError, distribution
 
 # Measured on every 5.x minor and 4.57.6 (the whole suite, and the model tests
-# tests/test_models*.py, test_sharder.py, test_generate_checkpoint.py):
+# tests/test_models*.py, test_sharder.py, test_checkpoints.py):
 #   5.15.0 ... 5.20.2: everything passes.
 #   5.9 - 5.14: the model tests pass, but T5 reaches HF's attention-function
 #     interface only from 5.15, so enable_flash_attention leaves T5 on HF's

@@ -40,7 +40,7 @@ from typing import Any
 
 from torch import nn
 
-from .policy import ModulePolicyDescription, Policy
+from .policy import Policy
 from .policy import SubModuleReplacementDescription as Sub
 
 _HF = "transformers.models"
@@ -139,10 +139,20 @@ class FamilyPolicy(Policy):
         """{module class or class name: ModulePolicyDescription} for the body."""
         return {}
 
+    def active_heads(self) -> tuple[Head, ...]:
+        """The heads this model has (a shape drops optional ones, e.g. a
+        classifier that HF makes an nn.Identity when num_labels=0)."""
+        return self.heads
+
+    def input_embeddings(self) -> nn.Module:
+        """The input embedding an LM head may be tied to."""
+        return self.model.get_input_embeddings()
+
     def module_policy(self) -> dict:
         policy = self.body_policy()
-        if self.tensor_parallel and self.heads:
-            subs = [self.head_replacement(h) for h in self.heads]
+        heads = self.active_heads()
+        if self.tensor_parallel and heads:
+            subs = [self.head_replacement(h) for h in heads]
             self.append_or_create_submodule_replacement(subs, policy, self.model_class)
         return policy
 
@@ -158,19 +168,19 @@ class FamilyPolicy(Policy):
     def preprocess(self) -> nn.Module:
         # An LM head is re-tied after substitution exactly when HF tied it
         # (the same Parameter as the input embedding's), whatever the config says.
-        embeddings = self.model.get_input_embeddings() if self.tensor_parallel else None
-        self._tied_heads = [h.suffix for h in self.heads if h.kind == "lm" and embeddings is not None
+        embeddings = self.input_embeddings() if self.tensor_parallel else None
+        self._tied_heads = [h.suffix for h in self.active_heads() if h.kind == "lm" and embeddings is not None
                             and self.model.get_submodule(h.suffix).weight is embeddings.weight]
         return super().preprocess()
 
     def postprocess(self) -> nn.Module:
         if self.tensor_parallel:
-            for head in self.heads:
+            for head in self.active_heads():
                 if head.kind != "lm":
                     continue
                 module = self.model.get_submodule(head.suffix)
                 if head.suffix in getattr(self, "_tied_heads", ()):
-                    module.weight = self.model.get_input_embeddings().weight
+                    module.weight = self.input_embeddings().weight
                 if head.bias_of is not None:    # HF keeps the decoder bias as the owner's `bias`
                     setattr(self.model.get_submodule(head.bias_of), "bias", module.bias)
         return self.model

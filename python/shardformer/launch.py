@@ -18,6 +18,11 @@ rank.  A rank that raises makes `spawn()` raise `RankError` in the caller,
 carrying the rank number and that rank's traceback text; ranks left waiting in
 a collective are stopped after a grace period instead of hanging the caller.
 
+`init_rank(rank, world_size, port)` is the set-up every rank of `spawn()` goes
+through (environment, torch threads, default process group), for processes
+started some other way, e.g. a persistent pool of ranks or a test that must
+kill one rank by its pid.
+
 torch is imported in the child processes and inside these functions only.
 """
 from __future__ import annotations
@@ -30,7 +35,7 @@ import sys
 import time
 import traceback
 
-__all__ = ["RankError", "spawn", "free_port"]
+__all__ = ["RankError", "spawn", "free_port", "init_rank"]
 
 
 class RankError(RuntimeError):
@@ -67,6 +72,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _rank_environ(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The environment variables torchrun would give local rank `rank` of `world_size`."""
+    return dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+
+
+def init_rank(rank: int, world_size: int, port: int, backend: str = "gloo", timeout_s: float = 1800.0,
+              threads: int | None = None):
+    """Make this process rank `rank` of `world_size` local ranks meeting at 127.0.0.1:`port`.
+
+    Sets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT (as torchrun would), torch's thread count when `threads` is
+    given (OMP_NUM_THREADS must be set before torch is imported to take
+    effect, so that one is the caller's), and initializes the default process
+    group (`backend`, collective timeout `timeout_s`).  Returns
+    torch.distributed.  Every rank of `spawn()` is set up by this function.
+    """
+    os.environ.update(_rank_environ(rank, world_size, port))
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    return dist
+
+
 def _dumps_callable(fn, args) -> bytes:
     """Pickle (fn, args) for the children, which import fn by its module."""
     module = getattr(fn, "__module__", None)
@@ -101,21 +136,17 @@ def _loads_callable(blob: bytes):
 def _child(rank: int, nprocs: int, port: int, backend: str, threads: int | None, timeout_s: float,
            blob: bytes, conn) -> None:
     """Body of one rank process: set up, run fn, send back ("ok"|"error", payload)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # The environment first: the user's module (imported to unpickle fn) may read it.
+    os.environ.update(_rank_environ(rank, nprocs, port))
     status, payload = "error", b""
     dist = None
     try:
-        import datetime
-
         import torch
-        import torch.distributed as dist
 
         if threads is not None:
             torch.set_num_threads(threads)
         fn, args = _loads_callable(blob)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nprocs,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist = init_rank(rank, nprocs, port, backend, timeout_s)
         value = fn(rank, *args)
         # Plain pickle (not multiprocessing's): torch tensors travel by value,
         # not as shared-memory handles that die with this process.
@@ -204,7 +235,7 @@ def spawn(fn, nprocs: int, args: tuple = (), backend: str = "gloo", threads_per_
                 conns.append(parent)
         results: list = [None] * nprocs
         failures: dict[int, str] = {}
-        first_failed = None
+        first_failed, fail_time = None, 0.0
         pending = set(range(nprocs))
         deadline = time.monotonic() + timeout_s
         while pending:

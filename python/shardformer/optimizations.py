@@ -29,7 +29,6 @@ are left to the policy.
 """
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 
 import torch

@@ -8,7 +8,6 @@ F.layer_norm / F.rms_norm instead.
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import nn
 

@@ -1,7 +1,7 @@
 """Tiny configurations, builders and inputs for the vision and multimodal
 families (ViT, BEiT, Swin, Swinv2, BLIP-2, SAM).  Heads, MLP features and
 label counts do not divide 2 or 4 evenly where the model allows it; every
-dropout is 0 and attention is "eager", as in model_zoo.  Images are 32x32
+dropout is 0 and attention is "eager", as in every zoo module.  Images are 32x32
 random pixels from a fixed generator."""
 from __future__ import annotations
 
@@ -120,7 +120,7 @@ def build(name: str, seed: int = 0, **overrides):
 # Swinv2Model's cosine attention normalizes small q/k vectors and its gradients
 # through them (|dL/dW_q| ~ 150 under the random-projection loss) carry
 # 7e-6 .. 2.5e-5 relative float32 error at every input seed tried (1..15),
-# before and after the SGD step.  For these, model_check also runs the model in
+# before and after the SGD step.  For these, checks.parity also runs the model in
 # float64 and allows the unsharded fp32 model's own error on top of the tolerance.
 FP64_FLOOR = {"Swinv2Model"}
 

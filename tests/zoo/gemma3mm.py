@@ -2,7 +2,7 @@
 text model) and their image-and-text inputs.
 
 The vision tower has 5 heads (2,1,1,1 at TP=4), the text model 6 query heads
-over 2 KV heads (zoo_decoders.GEMMA3).  A 16x16 image in 4x4 patches gives
+over 2 KV heads (zoo.decoders.GEMMA3).  A 16x16 image in 4x4 patches gives
 16 patches, pooled 2x2 into 4 image tokens; input_ids hold the image token
 id at those 4 positions (between begin/end-of-image ids) and token_type_ids
 mark them, as Gemma3's processor does."""
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-import zoo_decoders
+from zoo import decoders
 
 BATCH, SEQ, IMAGE, IMAGE_TOKENS = 2, 10, 16, 4
 BOI, EOI, IMAGE_ID = 98, 99, 100   # inside the 101-token vocabulary, as in the real Gemma 3
 
-TEXT = {k: v for k, v in zoo_decoders.GEMMA3.items() if k not in ("num_labels", "classifier_dropout")}
+TEXT = {k: v for k, v in decoders.GEMMA3.items() if k not in ("num_labels", "classifier_dropout")}
 VISION = dict(hidden_size=40, intermediate_size=70, num_hidden_layers=2, num_attention_heads=5,
               image_size=IMAGE, patch_size=4, num_channels=3, attention_dropout=0.0, vision_use_head=False)
 CONFIG = dict(mm_tokens_per_image=IMAGE_TOKENS, boi_token_index=BOI, eoi_token_index=EOI,
@@ -27,7 +27,7 @@ CONFIG = dict(mm_tokens_per_image=IMAGE_TOKENS, boi_token_index=BOI, eoi_token_i
 # value is rounding noise of ~7e-7 in the unsharded model itself, above the
 # 1e-6 absolute floor.  Every other gradient passes the plain tolerance (worst
 # 2.1e-6 relative, measured with that bias frozen); the models with a loss have
-# ~1e-9 there.  For Gemma3Model, model_check also runs float64 and allows the
+# ~1e-9 there.  For Gemma3Model, checks.parity also runs float64 and allows the
 # unsharded float32 model's own error on top of the tolerance.
 FP64_FLOOR = {"Gemma3Model"}
 

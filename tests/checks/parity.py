@@ -13,7 +13,7 @@ from shardformer import ShardConfig, ShardFormer
 from shardformer.checkpoint import _shard_info
 from shardformer.layer.parallel_module import shard_of
 
-import model_zoo
+import zoo
 
 # Pass when max|a - b| <= rtol * max|b| + atol (atol only matters for tensors
 # whose exact value is ~0, e.g. a QA bias gradient, where rounding noise remains).
@@ -79,10 +79,30 @@ def _double(inputs: dict) -> dict:
 
 
 def check_model(ctx, name: str, dtype_name: str = "float32", steps: int = 1, config=None) -> dict:
-    """check_sharded for the model-zoo class `name`."""
+    """check_sharded for the zoo's model `name` (a zoo module whose build takes a dtype)."""
     dtype = getattr(torch, dtype_name)
-    return check_sharded(ctx, lambda: model_zoo.build(name, dtype), model_zoo.make_inputs(name), name=name,
+    return check_sharded(ctx, lambda: zoo.build(name, dtype), zoo.make_inputs(name), name=name,
                          dtype=dtype, steps=steps, config=config)
+
+
+def generate_matches(ctx, name: str, new_tokens: int = 6):
+    """Greedy generate() of the sharded model equals the unsharded model's;
+    returns the tokens and the KV heads this rank's cache holds."""
+    model = zoo.build(name)
+    model.eval()
+    ref = copy.deepcopy(model)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
+    prompt = torch.randint(3, 90, (2, 5), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        got = model.generate(prompt, **kwargs)
+        exp = ref.generate(prompt, **kwargs)
+    assert torch.equal(got, exp), f"{name}: generate() differs:\n{got}\n{exp}"
+    # The KV cache holds only this rank's heads: check via one cached step.
+    with torch.no_grad():
+        out = model(prompt, use_cache=True)
+    keys = out.past_key_values.layers[0].keys
+    return {"tokens": got.tolist(), "local_kv_heads": keys.shape[1]}
 
 
 def check_sharded(ctx, build, inputs: dict, name: str, dtype=torch.float32, steps: int = 1, config=None,

@@ -1,6 +1,8 @@
-"""Rank-side checks of saving a sharded model (issue 10): HF's
-save_pretrained writes a full checkpoint that plain transformers loads, and
-gather_full_state_dict's rank0_only / contiguity contracts."""
+"""Rank-side checks of checkpoints of a sharded model (tests/test_checkpoints.py):
+HF's save_pretrained writes a full checkpoint that plain transformers loads,
+gather_full_state_dict's rank0_only / contiguity contracts, and full state
+dicts gathered at one TP size and loaded at another.  Each function runs on
+every rank of the pool."""
 from __future__ import annotations
 
 import copy
@@ -8,23 +10,22 @@ import os
 
 import torch
 
-import model_check
-from runtime_checks import zoo_of
+import zoo
+from checks import parity
 from shardformer import ShardConfig, ShardFormer
-from shardformer.checkpoint import _shard_info, gather_full_state_dict
+from shardformer.checkpoint import _shard_info, gather_full_state_dict, load_full_state_dict
 
 
 def _trained_pair(ctx, name: str):
     """(sharded, unsharded) after one identical SGD step, so that a checkpoint
     holding the initial weights would not pass."""
-    zoo = zoo_of(name)
     model = zoo.build(name)
     inputs = zoo.make_inputs(name)
     ref = copy.deepcopy(model)
     ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
     for m in (model, ref):
         probe = {}
-        model_check.loss_of(m(**inputs), probe).backward()
+        parity.loss_of(m(**inputs), probe).backward()
         torch.optim.SGD(m.parameters(), lr=0.1).step()
     return model.eval(), ref.eval(), inputs
 
@@ -63,10 +64,10 @@ def save_and_reload(ctx, name: str, directory: str) -> dict:
     got_sd, exp_sd = loaded.state_dict(), ref.state_dict()
     assert got_sd.keys() == exp_sd.keys(), sorted(set(got_sd) ^ set(exp_sd))
     for k in exp_sd:
-        model_check.assert_close(f"{name} reloaded {k}", got_sd[k], exp_sd[k], model_check.TOL[torch.float32])
+        parity.assert_close(f"{name} reloaded {k}", got_sd[k], exp_sd[k], parity.TOL[torch.float32])
     with torch.no_grad():
-        errs = model_check.check_outputs(f"{name} reloaded", loaded(**inputs), ref(**inputs),
-                                         model_check.TOL[torch.float32])
+        errs = parity.check_outputs(f"{name} reloaded", loaded(**inputs), ref(**inputs),
+                                    parity.TOL[torch.float32])
     return {"files": files, "err": max(errs.values()) if errs else 0.0, "tensors": len(shapes)}
 
 
@@ -99,7 +100,7 @@ def gather_modes(ctx, name: str) -> dict:
     for k, t in everywhere.items():
         assert t.is_contiguous(), f"{k} is not contiguous"
         assert t.data_ptr() not in params, f"{k} shares memory with the model"
-        model_check.assert_close(f"{name} gathered {k}", t, exp[k], model_check.TOL[torch.float32])
+        parity.assert_close(f"{name} gathered {k}", t, exp[k], parity.TOL[torch.float32])
     if ctx.rank != 0:
         assert root_only == {}, f"rank {ctx.rank} got {len(root_only)} tensors with rank0_only"
         return {"n": 0}
@@ -142,3 +143,51 @@ def failed_save_leaves_nothing(ctx, directory: str) -> str:
     assert not os.path.exists(directory), os.listdir(directory)
     assert not [f for f in os.listdir(os.path.dirname(directory)) if ".partial-" in f]
     return msg
+
+
+def state_dict_round_trip(ctx, name: str):
+    """gather -> full HF state dict equal to the unsharded model's; then load it
+    into a freshly sharded model built from another seed, which must then
+    match the original outputs."""
+    model = zoo.build(name)
+    ref = copy.deepcopy(model)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
+    full = gather_full_state_dict(model)
+    exp = ref.state_dict()
+    assert full.keys() == exp.keys(), set(full) ^ set(exp)
+    for k in exp:
+        assert full[k].shape == exp[k].shape, (k, full[k].shape, exp[k].shape)
+        assert torch.equal(full[k], exp[k]), f"{k}: gathered tensor differs"
+    other = zoo.build(name, seed=123)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(other)
+    load_full_state_dict(other, full)
+    inputs = zoo.make_inputs(name)
+    with torch.no_grad():
+        parity.check_outputs(name, other(**inputs), ref(**inputs), parity.TOL[torch.float32])
+    # and the full dict loads into the plain HF model
+    plain = zoo.build(name, seed=7)
+    plain.load_state_dict(full)
+    return len(full)
+
+
+def gathered_state(ctx, name: str):
+    model = zoo.build(name)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
+    # NumPy arrays cross the pool's pipes by value (torch tensors would go
+    # through shared-memory handles, which do not survive the worker's reuse).
+    full = gather_full_state_dict(model)  # collective: every rank gathers
+    return {k: v.numpy() for k, v in full.items()} if ctx.rank == 0 else None
+
+
+def load_into(ctx, name: str, full: dict):
+    """Load a full state dict saved at another TP size; compare with the HF model holding it."""
+    full = {k: torch.from_numpy(v) for k, v in full.items()}
+    model = zoo.build(name, seed=99)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
+    load_full_state_dict(model, full)
+    ref = zoo.build(name, seed=98)
+    ref.load_state_dict(full)
+    inputs = zoo.make_inputs(name)
+    with torch.no_grad():
+        parity.check_outputs(name, model(**inputs), ref(**inputs), parity.TOL[torch.float32])
+    return True

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
-import model_check
-import runtime_checks
+import zoo
+from checks import parity
 from shardformer import ops
 
 COUNTED = ("layer_norm", "rms_norm", "swiglu", "bias_gelu")
@@ -39,10 +39,9 @@ def fused_matches(ctx, name: str) -> dict:
     whose probes also call the kernels)."""
     from shardformer import ShardConfig, ShardFormer
 
-    zoo = runtime_checks.zoo_of(name)
     config = {"enable_fused_normalization": True, "enable_jit_fused": True}
-    model_check.check_sharded(ctx, lambda: zoo.build(name), zoo.make_inputs(name), name=name, config=config,
-                              fp64_floor=name in getattr(zoo, "FP64_FLOOR", ()))
+    parity.check_sharded(ctx, lambda: zoo.build(name), zoo.make_inputs(name), name=name, config=config,
+                         fp64_floor=name in getattr(zoo.module_of(name), "FP64_FLOOR", ()))
     sharded, _ = ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **config)).optimize(zoo.build(name))
     with counting_kernels() as calls:
         sharded(**zoo.make_inputs(name))

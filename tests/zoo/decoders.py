@@ -1,7 +1,8 @@
 """Tiny configurations and inputs for the decoder-only language-model families
-(issue 5).  Head counts, KV heads, MLP features, vocabularies and label counts
-are chosen not to divide 2 or 4 where the model allows it; every dropout is 0
-and attention is "eager", as in model_zoo."""
+other than Llama and GPT-2 (Mistral, Qwen2/3, Gemma 1-3, Phi-3, Mixtral, GLM,
+OPT, GPT-Neo, GPT-J, BLOOM, Falcon).  Head counts, KV heads, MLP features,
+vocabularies and label counts are chosen not to divide 2 or 4 where the model
+allows it; every dropout is 0 and attention is "eager", as in every zoo module."""
 from __future__ import annotations
 
 import torch

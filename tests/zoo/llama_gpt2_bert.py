@@ -1,5 +1,5 @@
-"""Tiny configurations and inputs for every model class the built-in policies
-cover.  Sizes are chosen so that heads, KV heads, MLP features, vocabularies
+"""Tiny configurations and inputs for Llama, GPT-2 and BERT: every class of
+their policies.  Sizes are chosen so that heads, KV heads, MLP features, vocabularies
 and label counts do not divide 2 or 4 evenly where the model allows it."""
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 encoder-decoder families (RoBERTa, ALBERT, ERNIE, T5, Whisper) and the local
 ChatGLM2 model.  Heads, MLP features, vocabularies and label counts do not
 divide 2 or 4 evenly where the model allows it; every dropout is 0 and
-attention is "eager", as in model_zoo."""
+attention is "eager", as in every zoo module."""
 from __future__ import annotations
 
 import torch
@@ -30,7 +30,7 @@ WHISPER = dict(d_model=48, encoder_layers=2, decoder_layers=2, encoder_attention
                max_source_positions=8, max_target_positions=32, dropout=0.0, attention_dropout=0.0,
                activation_dropout=0.0, num_labels=3, classifier_proj_size=21, pad_token_id=0, bos_token_id=1,
                eos_token_id=2, decoder_start_token_id=1, suppress_tokens=None, begin_suppress_tokens=None)
-# ChatGLM2 (tests/chatglm2_local.py): 6 query heads over 2 multi-query KV groups.
+# ChatGLM2 (zoo.chatglm2, a local model): 6 query heads over 2 multi-query KV groups.
 CHATGLM2 = dict(hidden_size=48, num_attention_heads=6, kv_channels=8, multi_query_attention=True,
                 multi_query_group_num=2, ffn_hidden_size=45, num_layers=2, padded_vocab_size=99)
 
@@ -85,11 +85,11 @@ def build(name: str, dtype=torch.float32, seed: int = 0, **overrides):
 
     model_cls, cfg_name, cfg_kwargs, _ = MODELS[name]
     if cfg_name == "local":
-        import chatglm2_local
+        from zoo import chatglm2
 
-        cfg = chatglm2_local.chatglm2_config(**dict(cfg_kwargs, **overrides))
+        cfg = chatglm2.chatglm2_config(**dict(cfg_kwargs, **overrides))
         torch.manual_seed(seed)
-        return getattr(chatglm2_local, model_cls)(cfg).to(dtype)
+        return getattr(chatglm2, model_cls)(cfg).to(dtype)
     cfg = getattr(transformers, cfg_name)(**dict(cfg_kwargs, **overrides))
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)

@@ -1,17 +1,19 @@
-"""Rank-side checks for test_models_encoders (run through the rank pool)."""
+"""Rank-side checks of the encoder and encoder-decoder families and ChatGLM2
+(tests/test_models_encoders.py, models of zoo.encoders): each function runs
+on every rank of the pool."""
 from __future__ import annotations
 
-import model_check
-import zoo_encoders
+from checks import parity
+from zoo import encoders
 
 
 def check_model(ctx, name: str, config=None, dtype_name: str = "float32") -> dict:
     import torch
 
     dtype = getattr(torch, dtype_name)
-    inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in zoo_encoders.make_inputs(name).items()}
-    return model_check.check_sharded(ctx, lambda: zoo_encoders.build(name, dtype), inputs,
-                                     name=name, config=config, dtype=dtype)
+    inputs = {k: v.to(dtype) if v.is_floating_point() else v for k, v in encoders.make_inputs(name).items()}
+    return parity.check_sharded(ctx, lambda: encoders.build(name, dtype), inputs,
+                                name=name, config=config, dtype=dtype)
 
 
 def _shard(ctx, model, **config):
@@ -26,11 +28,11 @@ def generate_matches(ctx, name: str, new_tokens: int = 5):
 
     import torch
 
-    model = zoo_encoders.build(name)
+    model = encoders.build(name)
     model.eval()
     ref = copy.deepcopy(model)
     _shard(ctx, model)
-    inputs = zoo_encoders.make_inputs(name)
+    inputs = encoders.make_inputs(name)
     kwargs = dict(max_new_tokens=new_tokens, do_sample=False)
     if "input_features" in inputs:
         prompt = {"input_features": inputs["input_features"]}
@@ -59,7 +61,7 @@ def t5_relative_bias_and_ties(ctx, name: str):
 
     from shardformer.layer import Embedding1D
 
-    model = zoo_encoders.build(name)
+    model = encoders.build(name)
     ref = copy.deepcopy(model)
     _shard(ctx, model)
     local = None
@@ -94,7 +96,7 @@ def albert_shared_layer(ctx, overrides: dict):
     from shardformer.layer import Linear1D_Col
 
     name = "AlbertForMaskedLM"
-    model = zoo_encoders.build(name, **overrides)
+    model = encoders.build(name, **overrides)
     cfg = copy.deepcopy(model.config)
     _shard(ctx, model)
     cols = [n for n, m in model.named_modules(remove_duplicate=False) if isinstance(m, Linear1D_Col)
@@ -107,8 +109,8 @@ def albert_shared_layer(ctx, overrides: dict):
             q = layer.attention.query
             assert q.weight.shape == (layer.attention.num_attention_heads * head_dim, cfg.hidden_size), q.weight.shape
             local.append(layer.attention.num_attention_heads)
-    report = model_check.check_sharded(ctx, lambda: zoo_encoders.build(name, **overrides),
-                                       zoo_encoders.make_inputs(name), name=f"{name}{overrides}")
+    report = parity.check_sharded(ctx, lambda: encoders.build(name, **overrides),
+                                  encoders.make_inputs(name), name=f"{name}{overrides}")
     report["local_heads"] = local
     return report
 
@@ -121,7 +123,7 @@ def whisper_front_end(ctx, name: str):
     import torch
     from torch import nn
 
-    model = zoo_encoders.build(name)
+    model = encoders.build(name)
     ref = copy.deepcopy(model)
     _shard(ctx, model)
     enc, ref_enc = model.get_encoder(), ref.get_encoder()
@@ -144,7 +146,7 @@ def chatglm2_layout(ctx):
     import torch
 
     name = "ChatGLMForConditionalGeneration"
-    model = zoo_encoders.build(name)
+    model = encoders.build(name)
     ref = copy.deepcopy(model)
     _shard(ctx, model)
     attn = model.transformer.encoder.layers[0].self_attention
@@ -164,7 +166,7 @@ def bad_config_raises(ctx, name: str, overrides: dict):
     """optimize() raises a clear error before changing the model."""
     import torch
 
-    model = zoo_encoders.build(name, **overrides)
+    model = encoders.build(name, **overrides)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     text = repr(model)
     try:
@@ -188,7 +190,7 @@ def state_dict_round_trip(ctx, name: str):
 
     from shardformer.checkpoint import gather_full_state_dict, load_full_state_dict
 
-    model = zoo_encoders.build(name)
+    model = encoders.build(name)
     ref = copy.deepcopy(model)
     _shard(ctx, model)
     full = gather_full_state_dict(model)
@@ -196,10 +198,10 @@ def state_dict_round_trip(ctx, name: str):
     assert full.keys() == exp.keys(), set(full) ^ set(exp)
     for k in exp:
         assert torch.equal(full[k], exp[k]), f"{name}: gathered {k} differs"
-    other = zoo_encoders.build(name, seed=123)
+    other = encoders.build(name, seed=123)
     _shard(ctx, other)
     load_full_state_dict(other, full)
-    inputs = zoo_encoders.make_inputs(name)
+    inputs = encoders.make_inputs(name)
     with torch.no_grad():
-        model_check.check_outputs(name, other(**inputs), ref(**inputs), model_check.TOL[torch.float32])
+        parity.check_outputs(name, other(**inputs), ref(**inputs), parity.TOL[torch.float32])
     return len(full)

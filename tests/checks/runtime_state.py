@@ -1,78 +1,24 @@
 """Rank-side checks that a sharded model keeps the run-time state of the model
-it came from: eval/train, frozen parameters, hooks, HF flags, gradient
-checkpointing (issue 10).  Each function runs on every rank of the pool."""
+it came from (tests/test_runtime_state.py): eval/train, frozen parameters,
+hooks, HF flags, gradient checkpointing.  Each function runs on every rank of
+the pool."""
 from __future__ import annotations
 
 import copy
-import importlib
 import warnings
 
 import torch
-from torch import nn
-from transformers import PretrainedConfig
 
-import model_check
-import model_zoo
+import zoo
+from checks import parity
 from shardformer import ShardConfig, ShardFormer
-from shardformer.autopolicy import registry
 
-ZOOS = ("model_zoo", "zoo_decoders", "zoo_encoders", "zoo_vision", "zoo_gemma3mm")
 DROPOUT = 0.25
 
 
-def zoo_of(name: str):
-    for z in ZOOS:
-        mod = importlib.import_module(z)
-        if name in mod.MODELS:
-            return mod
-    raise KeyError(name)
-
-
-def family_classes() -> dict[str, list[str]]:
-    """family -> the registered classes that some test zoo can build."""
-    names = set()
-    for z in ZOOS:
-        names.update(importlib.import_module(z).MODELS)
-    out: dict[str, list[str]] = {}
-    for key, (family, _) in sorted(registry().items()):
-        cls = key.rsplit(".", 1)[-1]
-        if cls in names:
-            out.setdefault(family, []).append(cls)
-    return out
-
-
-def _with_dropout(cfg: PretrainedConfig, p: float, seen=None) -> list[str]:
-    """Set every float dropout probability of `cfg` (and its sub-configs) to p."""
-    seen = seen if seen is not None else set()
-    if id(cfg) in seen:
-        return []
-    seen.add(id(cfg))
-    changed = []
-    for key, value in list(vars(cfg).items()):
-        if isinstance(value, PretrainedConfig):
-            changed += [f"{key}.{c}" for c in _with_dropout(value, p, seen)]
-        elif isinstance(value, float) and not isinstance(value, bool) and (
-                "dropout" in key or "pdrop" in key or key == "layerdrop"):
-            setattr(cfg, key, p)
-            changed.append(key)
-    return changed
-
-
-def build_with_dropout(name: str, p: float = DROPOUT) -> nn.Module:
-    """The zoo's model `name` (its weights), rebuilt from a config whose every
-    dropout probability is p."""
-    zoo = zoo_of(name)
-    base = zoo.build(name)
-    if not isinstance(base.config, PretrainedConfig):
-        return base  # tests/chatglm2_local.py's replica has no dropout (the training flags are still checked)
-    cfg = copy.deepcopy(base.config)
-    changed = _with_dropout(cfg, p)
-    if not changed:
-        raise AssertionError(f"{name}: its config has no dropout probability to set")
-    torch.manual_seed(0)
-    model = type(base)(cfg)
-    model.load_state_dict(base.state_dict())
-    return model.to(next(base.parameters()).dtype)
+def build_with_dropout(name: str, p: float = DROPOUT):
+    """zoo.build_with_dropout with this module's default probability."""
+    return zoo.build_with_dropout(name, p)
 
 
 def eval_matches(ctx, names: list[str]) -> dict:
@@ -82,7 +28,7 @@ def eval_matches(ctx, names: list[str]) -> dict:
     report = {}
     for name in names:
         model = build_with_dropout(name)
-        inputs = zoo_of(name).make_inputs(name)
+        inputs = zoo.make_inputs(name)
         model.eval()
         ref = copy.deepcopy(model)
         ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
@@ -90,7 +36,7 @@ def eval_matches(ctx, names: list[str]) -> dict:
         assert not training, f"{name}: modules left in training mode after optimize(): {training[:8]}"
         with torch.no_grad():
             got, exp = model(**inputs), ref(**inputs)
-        errs = model_check.check_outputs(f"{name} (eval, dropout {DROPOUT})", got, exp, model_check.TOL[torch.float32])
+        errs = parity.check_outputs(f"{name} (eval, dropout {DROPOUT})", got, exp, parity.TOL[torch.float32])
         report[name] = max(errs.values()) if errs else 0.0
     return report
 
@@ -100,7 +46,7 @@ def train_eval_follow(ctx, name: str) -> dict:
     and eval() gives the unsharded eval outputs.  In training mode the dropout
     masks differ, so the outputs must differ from eval's (dropout is live)."""
     model = build_with_dropout(name)
-    inputs = zoo_of(name).make_inputs(name)
+    inputs = zoo.make_inputs(name)
     model.train()
     ref = copy.deepcopy(model).eval()
     ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
@@ -109,12 +55,12 @@ def train_eval_follow(ctx, name: str) -> dict:
     assert not any(m.training for m in model.modules())
     with torch.no_grad():
         got, exp = model(**inputs), ref(**inputs)
-        model_check.check_outputs(name, got, exp, model_check.TOL[torch.float32])
+        parity.check_outputs(name, got, exp, parity.TOL[torch.float32])
         model.train()
         assert all(m.training for m in model.modules())
-        noisy = model_check.output_tensors(model(**inputs))
-    key = next(k for k in noisy if k in model_check.output_tensors(exp))
-    diff = model_check.rel_err(noisy[key], model_check.output_tensors(exp)[key])
+        noisy = parity.output_tensors(model(**inputs))
+    key = next(k for k in noisy if k in parity.output_tensors(exp))
+    diff = parity.rel_err(noisy[key], parity.output_tensors(exp)[key])
     assert diff > 1e-3, f"{name}: training-mode output equals eval output ({diff:.2e}): dropout is not running"
     return {"train_vs_eval": diff}
 
@@ -122,7 +68,6 @@ def train_eval_follow(ctx, name: str) -> dict:
 def frozen_stay_frozen(ctx) -> dict:
     """Parameters frozen before optimize() stay frozen (their shards too), get
     no gradient; the trainable ones still match the unsharded gradients."""
-    zoo = model_zoo
     model = zoo.build("LlamaForCausalLM")
     inputs = zoo.make_inputs("LlamaForCausalLM")
     frozen = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
@@ -146,7 +91,6 @@ def hooks_carried(ctx) -> dict:
     """A forward hook the user put on a module that gets replaced still runs
     (on the parallel layer), sees the same full output for a row-parallel
     layer, and its handle still removes it."""
-    zoo = model_zoo
     model = zoo.build("LlamaForCausalLM").eval()
     inputs = zoo.make_inputs("LlamaForCausalLM")
     seen, ref_seen = [], []
@@ -164,7 +108,7 @@ def hooks_carried(ctx) -> dict:
         model(**inputs)
         ref(**inputs)
     assert len(seen) == 1 and len(ref_seen) == 1, (len(seen), len(ref_seen))
-    model_check.assert_close("hooked output", seen[0], ref_seen[0], model_check.TOL[torch.float32])
+    parity.assert_close("hooked output", seen[0], ref_seen[0], parity.TOL[torch.float32])
     handle.remove()
     with torch.no_grad():
         model(**inputs)
@@ -173,7 +117,6 @@ def hooks_carried(ctx) -> dict:
 
 
 def hf_flags_carried(ctx) -> dict:
-    zoo = model_zoo
     model = zoo.build("LlamaForCausalLM")
     before = {n for n, m in model.named_modules() if getattr(m, "_is_hf_initialized", False)}
     ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
@@ -186,7 +129,6 @@ def hf_flags_carried(ctx) -> dict:
 def patched_forward_refused(ctx) -> dict:
     """A module whose forward was patched on the instance cannot be replaced
     faithfully: optimize() refuses before changing anything."""
-    zoo = model_zoo
     model = zoo.build("LlamaForCausalLM")
     target = model.model.layers[0].self_attn.o_proj
     target.forward = lambda x: x
@@ -212,7 +154,7 @@ def _grads_after_step(model, inputs, seed: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(seed)
     out = model(**inputs)
     probe = {}
-    model_check.loss_of(out, probe).backward()
+    parity.loss_of(out, probe).backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
@@ -222,7 +164,7 @@ def checkpointing_matches(ctx, name: str, use_reentrant: bool) -> dict:
     dropout masks as the first (ours from their own generators, HF's from
     torch's, which checkpointing restores)."""
     model = build_with_dropout(name, 0.2)
-    inputs = zoo_of(name).make_inputs(name)
+    inputs = zoo.make_inputs(name)
     ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
     model.train()
     plain = _grads_after_step(model, inputs, seed=11)
@@ -232,7 +174,7 @@ def checkpointing_matches(ctx, name: str, use_reentrant: bool) -> dict:
     assert plain.keys() == ckpt.keys(), sorted(set(plain) ^ set(ckpt))
     worst = 0.0
     for n in plain:
-        worst = max(worst, model_check.assert_close(f"{name} checkpointed grad of {n}", ckpt[n], plain[n],
-                                                    model_check.TOL[torch.float32]))
+        worst = max(worst, parity.assert_close(f"{name} checkpointed grad of {n}", ckpt[n], plain[n],
+                                               parity.TOL[torch.float32]))
     # and the masks were live: a different seed for torch's RNG changes HF's dropout
     return {"worst": worst}
