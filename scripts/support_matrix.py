@@ -29,15 +29,15 @@ FEATURES = {
     "tensor parallel (TP=2,4)": ("test_fp32_forward_backward_step",),
     "generate()": ("test_generate_matches_unsharded",),
     "bf16": ("test_bf16_forward",),
-    "fused normalization": ("test_fused_normalization",),
-    "jit fused": ("test_models_with_fused_kernels",),
+    "fused normalization": ("test_fused_normalization", "test_fused_normalization_every_family"),
+    "jit fused": ("test_models_with_fused_kernels", "test_jit_fused_every_family"),
     "flash attention": ("test_flash_attention",),
     "full state dict": ("test_state_dict_round_trip",),
 }
 BEGIN, END = "<!-- support-matrix:begin -->", "<!-- support-matrix:end -->"
 # every tests/test_models*.py (one per zoo module), and the other files holding the feature tests above
 TEST_FILES = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "tests", "test_models*.py"))) + [
-    "tests/test_kernels.py", "tests/test_attention.py"]
+    "tests/test_kernels.py", "tests/test_attention.py", "tests/test_optimizations.py"]
 
 
 def registry() -> dict[str, list[str]]:
