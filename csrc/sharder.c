@@ -137,6 +137,25 @@ static int spec_fields(PyObject *spec, const char *kind, Py_ssize_t n)
     return 0;
 }
 
+/* The segments tuple of a 'fused' spec (borrowed), or NULL with an exception. */
+static PyObject *fused_segments(PyObject *spec, const char *kind)
+{
+    if (spec_fields(spec, kind, 3) < 0)
+        return NULL;
+    PyObject *segs = PyTuple_GET_ITEM(spec, 2);
+    if (!PyTuple_Check(segs) || PyTuple_GET_SIZE(segs) == 0) {
+        PyErr_SetString(PyExc_TypeError, "split spec data 'fused': segments must be a non-empty tuple");
+        return NULL;
+    }
+    return segs;
+}
+
+static int length_overflow(PyObject *describe)
+{
+    PyErr_Format(PyExc_OverflowError, "split spec %S: its length overflows int64", describe);
+    return -1;
+}
+
 /* The full length a spec describes, or -1 when it does not say. */
 static int spec_expected(PyObject *spec, int64_t *out)
 {
@@ -152,18 +171,21 @@ static int spec_expected(PyObject *spec, int64_t *out)
             spec_int(spec, 3, &kv) < 0 || spec_int(spec, 4, &hd) < 0 ||
             (heads && spec_int(spec, 5, &part) < 0))
             return -1;
-        if (hd > 0)
-            *out = heads ? (part ? kv : n) * hd : (n + 2 * kv) * hd;
+        if (hd > 0) {
+            int64_t units, kv2;
+            if (heads)
+                units = part ? kv : n;
+            else if (sf_mul_overflows(kv, 2, &kv2) || __builtin_add_overflow(n, kv2, &units))
+                return length_overflow(describe);
+            if (sf_mul_overflows(units, hd, out))
+                return length_overflow(describe);
+        }
         return 0;
     }
     if (strcmp(kind, "fused") == 0) {
-        if (spec_fields(spec, kind, 3) < 0)
+        PyObject *segs = fused_segments(spec, kind);
+        if (segs == NULL)
             return -1;
-        PyObject *segs = PyTuple_GET_ITEM(spec, 2);
-        if (!PyTuple_Check(segs) || PyTuple_GET_SIZE(segs) == 0) {
-            PyErr_SetString(PyExc_TypeError, "split spec data 'fused': segments must be a non-empty tuple");
-            return -1;
-        }
         int64_t sum = 0;
         for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(segs); i++) {
             int64_t e;
@@ -171,7 +193,8 @@ static int spec_expected(PyObject *spec, int64_t *out)
                 return -1;
             if (e < 0)
                 return 0;
-            sum += e;
+            if (__builtin_add_overflow(sum, e, &sum))
+                return length_overflow(describe);
         }
         *out = sum;
     }
@@ -265,13 +288,9 @@ static int spec_rank(PyObject *spec, int64_t full, int64_t base, int64_t tp, int
         return 0;
     }
     if (strcmp(kind, "fused") == 0) {
-        if (spec_fields(spec, kind, 3) < 0)
+        PyObject *segs = fused_segments(spec, kind);
+        if (segs == NULL)
             return -1;
-        PyObject *segs = PyTuple_GET_ITEM(spec, 2);
-        if (!PyTuple_Check(segs) || PyTuple_GET_SIZE(segs) == 0) {
-            PyErr_SetString(PyExc_TypeError, "split spec data 'fused': segments must be a non-empty tuple");
-            return -1;
-        }
         Py_ssize_t nseg = PyTuple_GET_SIZE(segs), unknown = 0;
         int64_t known_sum = 0;
         int64_t *lens = PyMem_Calloc((size_t)nseg, sizeof(int64_t));
@@ -285,8 +304,10 @@ static int spec_rank(PyObject *spec, int64_t full, int64_t base, int64_t tp, int
                 goto fused_done;
             if (lens[i] < 0)
                 unknown++;
-            else
-                known_sum += lens[i];
+            else if (__builtin_add_overflow(known_sum, lens[i], &known_sum)) {
+                length_overflow(describe);
+                goto fused_done;
+            }
         }
         if (unknown == nseg) {
             if (full % nseg) {

@@ -9,7 +9,7 @@ import pytest
 
 from checks import family as family_checks
 from shardformer.autopolicy import families, registry
-from shardformer.family import Family, FamilyPolicy, Head, gathered, lm
+from shardformer.family import Family, FamilyPolicy, Head, lm
 from shardformer.policies.shapes import DecoderShape
 
 

@@ -212,3 +212,15 @@ def test_directly_built_layers_plan_in_one_place(monkeypatch):
     emb = VocabParallelEmbedding1D.from_native_module(nn.Embedding(10, 4), None, make_vocab_size_divisible_by=8)
     assert emb.weight.shape == (16, 4) and emb.sharded_params["weight"][1].real == 10
     assert len(planned) == 3
+
+
+@pytest.mark.parametrize("spec", [
+    ("heads", "Heads(huge)", 2 ** 62, 2 ** 62, 4, 0),
+    ("grouped", "Grouped(huge)", 2 ** 62, 2 ** 62, 4),
+    ("fused", "Fused(huge)", (("heads", "a", 2 ** 61, 1, 2, 0), ("heads", "b", 2 ** 61, 1, 2, 0))),
+])
+def test_split_spec_lengths_are_overflow_checked(spec):
+    from shardformer import _C
+
+    with pytest.raises(OverflowError, match=r"split spec .*huge.*: its length overflows int64"):
+        _C.resolve_split(spec, 8, 2, 0, "dim")

@@ -123,7 +123,7 @@ def _unsupported(module, query, key, value, attention_mask, kwargs) -> str | Non
     if kwargs.get("head_mask") is not None:
         return "head_mask is not in the kernel"
     for t in (query, key, value):
-        if t.device.type != "cpu" or t.dtype not in ops.FLOAT_DTYPES:
+        if not ops.kernel_input(t):
             return f"{t.device.type} {t.dtype} tensors (the kernel is CPU float32/float16/bfloat16)"
     if key.shape[-1] != value.shape[-1] or query.shape[-1] != key.shape[-1]:
         return f"head sizes differ (q {query.shape[-1]}, k {key.shape[-1]}, v {value.shape[-1]})"

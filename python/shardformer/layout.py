@@ -16,6 +16,7 @@ heads" as data; the sharder resolves them while planning (head counts from
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
@@ -64,13 +65,14 @@ class DimShard:
         return torch.from_numpy(idx)
 
 
-class SplitSpec:
+class SplitSpec(ABC):
     """Base class of split specs.  Subclasses say what they are as `data`
     (the tuple the C layout arithmetic reads, see csrc/sharder.c)."""
 
     @property
+    @abstractmethod
     def data(self) -> tuple:
-        raise NotImplementedError
+        """(kind, description, fields...): see resolve_split in csrc/sharder.c."""
 
     def expected_full(self) -> int | None:
         """The full length this spec describes, when it knows it."""

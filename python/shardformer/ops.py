@@ -421,42 +421,7 @@ def attention_dropout_mask(shape, p: float, seed: int) -> torch.Tensor:
     return keep.bool()
 
 
-# ---- fused module forwards (method replacements under enable_jit_fused) -----
-
-#: HF activation names -> bias_gelu's `approximate`.
-GELU_APPROX = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": None}
-
-
-def gelu_kind(act_name) -> str | None:
-    """'none' / 'tanh' when `act_name` is an HF GeLU the C kernel computes exactly, else None."""
-    return GELU_APPROX.get(act_name) if isinstance(act_name, str) else None
-
-
-def _kernel_input(x) -> bool:
+def kernel_input(x: torch.Tensor) -> bool:
+    """Whether the C kernels take `x`: a CPU tensor of a float dtype they compute
+    (FLOAT_DTYPES); the fused modules fall back to torch otherwise."""
     return x.device.type == "cpu" and x.dtype in FLOAT_DTYPES
-
-
-def llama_mlp_forward(self, x):
-    """LlamaMLP.forward (down(silu(gate(x)) * up(x))) with silu * up in one C kernel."""
-    gate, up = self.gate_proj(x), self.up_proj(x)
-    if not _kernel_input(gate):
-        return self.down_proj(self.act_fn(gate) * up)
-    return self.down_proj(swiglu(gate, up))
-
-
-def gpt2_mlp_forward(approximate: str):
-    """GPT2MLP.forward (dropout(c_proj(gelu(c_fc(x))))) with the GeLU (`approximate`
-    as in F.gelu) by the C kernel."""
-    def forward(self, hidden_states):
-        h = self.c_fc(hidden_states)
-        h = bias_gelu(h, None, approximate) if _kernel_input(h) else self.act(h)
-        return self.dropout(self.c_proj(h))
-    return forward
-
-
-def bert_intermediate_forward(approximate: str):
-    """BertIntermediate.forward (gelu(dense(x))) with the GeLU by the C kernel."""
-    def forward(self, hidden_states):
-        h = self.dense(hidden_states)
-        return bias_gelu(h, None, approximate) if _kernel_input(h) else self.intermediate_act_fn(h)
-    return forward

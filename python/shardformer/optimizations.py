@@ -163,7 +163,7 @@ def gelu_mlp_forward(up: str, act: str, down: str | None, dropout: str | None, a
     """forward = [dropout](down(gelu(up(x)))) with the GeLU by the C kernel."""
     def forward(self, hidden_states):
         h = getattr(self, up)(hidden_states)
-        h = ops.bias_gelu(h, None, approximate) if ops._kernel_input(h) else getattr(self, act)(h)
+        h = ops.bias_gelu(h, None, approximate) if ops.kernel_input(h) else getattr(self, act)(h)
         if down is not None:
             h = getattr(self, down)(h)
         if dropout is not None:
@@ -178,7 +178,7 @@ def gated_mlp_forward(gate: str, up: str, down: str, act: str):
     """forward = down(silu(gate(x)) * up(x)) with silu * up in one C kernel."""
     def forward(self, x):
         g, u = getattr(self, gate)(x), getattr(self, up)(x)
-        h = ops.swiglu(g, u) if ops._kernel_input(g) else getattr(self, act)(g) * u
+        h = ops.swiglu(g, u) if ops.kernel_input(g) else getattr(self, act)(g) * u
         return getattr(self, down)(h)
     forward.__qualname__ = f"gated_mlp_forward[{gate},{up}->{down}]"
     return forward
@@ -188,7 +188,7 @@ def fused_gated_mlp_forward(gate_up: str, down: str, act: str):
     """forward = down(silu(g) * u) with [g | u] = gate_up(x) (this rank's halves)."""
     def forward(self, x):
         g, u = getattr(self, gate_up)(x).chunk(2, dim=-1)
-        h = ops.swiglu(g.contiguous(), u.contiguous()) if ops._kernel_input(g) else getattr(self, act)(g) * u
+        h = ops.swiglu(g.contiguous(), u.contiguous()) if ops.kernel_input(g) else getattr(self, act)(g) * u
         return getattr(self, down)(h)
     forward.__qualname__ = f"fused_gated_mlp_forward[{gate_up}->{down}]"
     return forward

@@ -111,12 +111,6 @@ class Policy(ABC):
         src = self.model.get_submodule(source)
         setattr(self.model.get_submodule(target), name, getattr(src, name))
 
-    def ties_word_embeddings(self) -> bool:
-        config = getattr(self.model, "config", None)
-        get_text_config = getattr(config, "get_text_config", None)
-        text_config = get_text_config() if callable(get_text_config) else config
-        return bool(getattr(text_config, "tie_word_embeddings", False))
-
     def sub_policy(self, module: nn.Module) -> "Policy":
         """The registered policy of `module`, a model inside this one (a
         multimodal model's language model, say), bound to it and to this

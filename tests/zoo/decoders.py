@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .labels import add_labels
+
 BATCH, SEQ = 2, 8
 
 # GQA: 6 query heads over 2 KV heads, so at TP=4 each KV head is replicated on two ranks.
@@ -109,13 +111,4 @@ def make_inputs(name: str, seed: int = 1) -> dict:
     g = torch.Generator().manual_seed(seed)
     x = {"input_ids": torch.randint(3, cfg["vocab_size"], (BATCH, SEQ), generator=g)}
     labels = cfg["num_labels"]
-    if kind == "causal_lm":
-        x["labels"] = x["input_ids"].clone()
-    elif kind == "seq_cls":
-        x["labels"] = torch.randint(0, labels, (BATCH,), generator=g)
-    elif kind == "token_cls":
-        x["labels"] = torch.randint(0, labels, (BATCH, SEQ), generator=g)
-    elif kind == "qa":
-        x["start_positions"] = torch.randint(0, SEQ, (BATCH,), generator=g)
-        x["end_positions"] = torch.randint(0, SEQ, (BATCH,), generator=g)
-    return x
+    return add_labels(x, kind, labels, g, BATCH, SEQ)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from .labels import add_labels
+
 BATCH, SEQ, CHOICES = 2, 8, 3
 DEC_SEQ = 5
 
@@ -137,23 +139,4 @@ def make_inputs(name: str, seed: int = 1) -> dict:
     if kind == "causal_lm_cross":  # a decoder attending to some encoder's states
         x["encoder_hidden_states"] = torch.randn(BATCH, SEQ - 2, cfg["hidden_size"], generator=g)
         kind = "causal_lm"
-    if kind in ("causal_lm", "mlm"):
-        x["labels"] = x["input_ids"].clone()
-        if kind == "mlm":
-            x["labels"][:, ::2] = -100
-    elif kind == "seq_cls":
-        x["labels"] = torch.randint(0, labels, (BATCH,), generator=g)
-    elif kind == "token_cls":
-        x["labels"] = torch.randint(0, labels, (BATCH, SEQ), generator=g)
-    elif kind == "qa":
-        x["start_positions"] = torch.randint(0, SEQ, (BATCH,), generator=g)
-        x["end_positions"] = torch.randint(0, SEQ, (BATCH,), generator=g)
-    elif kind == "pretraining":
-        x["labels"] = x["input_ids"].clone()
-        x["next_sentence_label"] = torch.randint(0, 2, (BATCH,), generator=g)
-    elif kind == "sop":
-        x["labels"] = x["input_ids"].clone()
-        x["sentence_order_label"] = torch.randint(0, 2, (BATCH,), generator=g)
-    elif kind == "nsp":
-        x["labels"] = torch.randint(0, 2, (BATCH,), generator=g)
-    return x
+    return add_labels(x, kind, labels, g, BATCH, SEQ)

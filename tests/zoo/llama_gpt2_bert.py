@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from .labels import add_labels
+
 BATCH, SEQ, CHOICES = 2, 8, 3
 
 LLAMA = dict(hidden_size=96, intermediate_size=90, num_hidden_layers=2, num_attention_heads=6,
@@ -72,20 +74,4 @@ def make_inputs(name: str, seed: int = 1) -> dict:
             x["mc_labels"] = torch.randint(0, CHOICES, (BATCH,), generator=g)
         return x
     x = {"input_ids": ids(BATCH, SEQ)}
-    if kind == "causal_lm" or kind == "mlm":
-        x["labels"] = x["input_ids"].clone()
-        if kind == "mlm":
-            x["labels"][:, ::2] = -100
-    elif kind == "seq_cls":
-        x["labels"] = torch.randint(0, labels, (BATCH,), generator=g)
-    elif kind == "token_cls":
-        x["labels"] = torch.randint(0, labels, (BATCH, SEQ), generator=g)
-    elif kind == "qa":
-        x["start_positions"] = torch.randint(0, SEQ, (BATCH,), generator=g)
-        x["end_positions"] = torch.randint(0, SEQ, (BATCH,), generator=g)
-    elif kind == "pretraining":
-        x["labels"] = x["input_ids"].clone()
-        x["next_sentence_label"] = torch.randint(0, 2, (BATCH,), generator=g)
-    elif kind == "nsp":
-        x["labels"] = torch.randint(0, 2, (BATCH,), generator=g)
-    return x
+    return add_labels(x, kind, labels, g, BATCH, SEQ)

@@ -55,6 +55,7 @@ collectives.py, mappings.py or the layers.  It is not implemented yet.
 from __future__ import annotations
 
 import os
+from abc import ABC, abstractmethod
 
 import torch
 import torch.distributed as dist
@@ -165,7 +166,7 @@ def group_info(group=None) -> GroupInfo:
 
 # ---- the interface and its backends ---------------------------------------------------
 
-class Communicator:
+class Communicator(ABC):
     """The collectives of one process group on one device type.
 
     Subclasses implement every method; tensors are on the communicator's
@@ -182,23 +183,29 @@ class Communicator:
         self.device = device
         self.forced = forced  # SHARDFORMER_COMM when this communicator was chosen
 
+    @abstractmethod
     def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        raise NotImplementedError
+        """In-place reduction (sum or max) of `t` over the group."""
 
+    @abstractmethod
     def all_gather_into_tensor(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """out = the ranks' `t` concatenated along dimension 0, in rank order."""
 
+    @abstractmethod
     def reduce_scatter_tensor(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
+        """out = this rank's dimension-0 chunk of the sum over ranks of `t`."""
 
+    @abstractmethod
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        raise NotImplementedError
+        """In-place broadcast of `t` from group rank `src`."""
 
+    @abstractmethod
     def send(self, t: torch.Tensor, dst: int) -> None:
-        raise NotImplementedError
+        """Send `t` to group rank `dst`."""
 
+    @abstractmethod
     def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        raise NotImplementedError
+        """Receive into `t` from group rank `src`."""
 
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} {self.backend} {self.device} rank {self.rank}/{self.size} "
@@ -332,12 +339,7 @@ class NcclBackend(Communicator):
     def all_reduce(self, t, op="sum"):
         if op != "sum" and op != "max":
             raise _bad_op(op)
-        if t.is_contiguous():
-            return self.nccl.all_reduce(t, op)
-        work = t.contiguous()
-        self.nccl.all_reduce(work, op)
-        t.copy_(work)
-        return t
+        return _into(t, lambda buf: self.nccl.all_reduce(buf, op))
 
     def all_gather_into_tensor(self, out, t):
         _check_gather(out, t, self.size)
@@ -349,23 +351,25 @@ class NcclBackend(Communicator):
 
     def broadcast(self, t, src):
         self.info.global_rank(src, "broadcast")
-        if t.is_contiguous():
-            return self.nccl.broadcast(t, src)
-        work = t.contiguous()
-        self.nccl.broadcast(work, src)
-        t.copy_(work)
-        return t
+        return _into(t, lambda buf: self.nccl.broadcast(buf, src))
 
     def send(self, t, dst):
         self.nccl.send(t.contiguous(), dst)
 
     def recv(self, t, src):
-        if t.is_contiguous():
-            return self.nccl.recv(t, src)
-        work = torch.empty_like(t, memory_format=torch.contiguous_format)
-        self.nccl.recv(work, src)
-        t.copy_(work)
+        return _into(t, lambda buf: self.nccl.recv(buf, src), read=False)
+
+
+def _into(t: torch.Tensor, call, read: bool = True) -> torch.Tensor:
+    """call(buffer) writing its result into `t`: on `t` itself when contiguous,
+    else on a contiguous buffer (holding `t`'s values when `read`) copied back."""
+    if t.is_contiguous():
+        call(t)
         return t
+    buf = t.contiguous() if read else torch.empty_like(t, memory_format=torch.contiguous_format)
+    call(buf)
+    t.copy_(buf)
+    return t
 
 
 # ---- choosing and caching ------------------------------------------------------------

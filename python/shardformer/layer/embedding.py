@@ -34,7 +34,8 @@ class _EmbeddingShard(ParallelModule):
 
     @classmethod
     def _spec(cls, kwargs):
-        raise NotImplementedError
+        """The split spec of the split dimension (each subclass says which)."""
+        raise NotImplementedError(f"{cls.__name__} does not say how its table is split (_spec)")
 
     @classmethod
     def plan_shard(cls, module, tp_size, rank, **kwargs):

@@ -15,7 +15,7 @@ from .. import ops
 
 
 def _kernel_ok(x, normalized_shape) -> bool:
-    return x.device.type == "cpu" and len(normalized_shape) == 1 and x.dtype in ops.FLOAT_DTYPES
+    return len(normalized_shape) == 1 and ops.kernel_input(x)
 
 
 def _eps_of(module) -> float:
