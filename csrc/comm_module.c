@@ -5,8 +5,11 @@
  * CPU tensors for shm, CUDA tensors for NCCL), releases the GIL around every
  * wait and copy, and turns the sf_status of csrc/comm/ into exceptions with
  * the one mapper (sf_set_pyerr): TimeoutError for a peer that never arrived,
- * ValueError for bad arguments, OSError for the system, RuntimeError for NCCL
- * and broken communicators.  No collective logic lives here.
+ * ValueError for bad arguments (and a closed communicator), OSError for the
+ * system, RuntimeError for NCCL, ranks whose calls do not match and broken
+ * communicators.  While a shm call waits, the Python signal handlers run
+ * every ~15 ms (poll_signals): an exception one raises (KeyboardInterrupt)
+ * ends the call and comes out unchanged.  No collective logic lives here.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -20,19 +23,34 @@
 #define SHM_CAPSULE "shardformer.shm_comm"
 #define NCCL_CAPSULE "shardformer.nccl_comm"
 
-/* The capsule owns a box so shm_close can empty it before the capsule dies. */
-typedef struct { sf_shm *comm; } shm_box;
+/* The capsule owns a box: the communicator, and the calls now inside the C
+ * core with the GIL released (one at most: calls on one communicator must
+ * not overlap, and a second is refused).  The box is read and written with
+ * the GIL held only.  shm_close during a call marks the box closing, so new
+ * calls are refused, and the call unmaps the segment when it leaves; a call
+ * holds a reference to the capsule while it runs, so the capsule's
+ * destructor never runs under it either. */
+typedef struct {
+    sf_shm *comm;
+    int inflight;
+    int closing;
+} shm_box;
 
 static void shm_capsule_free(PyObject *cap)
 {
     shm_box *b = PyCapsule_GetPointer(cap, SHM_CAPSULE);
-    if (b) {
-        sf_shm_close(b->comm);
-        PyMem_Free(b);
+    if (!b) {
+        PyErr_Clear();
+        return;
     }
+    /* b->inflight is 0: a running call holds a reference to the capsule. */
+    sf_shm_close(b->comm);
+    PyMem_Free(b);
 }
 
-static sf_shm *shm_from(PyObject *cap)
+/* The box of an open shm capsule; NULL with TypeError (not a shm capsule) or
+ * ValueError (closed, or closing). */
+static shm_box *shm_box_of(PyObject *cap)
 {
     if (!PyCapsule_IsValid(cap, SHM_CAPSULE)) {
         PyErr_Format(PyExc_TypeError, "expected a shm communicator (from shm_create or "
@@ -42,11 +60,11 @@ static sf_shm *shm_from(PyObject *cap)
     shm_box *b = PyCapsule_GetPointer(cap, SHM_CAPSULE);
     if (!b)
         return NULL;
-    if (!b->comm) {
+    if (!b->comm || b->closing) {
         PyErr_SetString(PyExc_ValueError, "shm communicator is closed");
         return NULL;
     }
-    return b->comm;
+    return b;
 }
 
 static PyObject *wrap_shm(sf_shm *c)
@@ -57,6 +75,8 @@ static PyObject *wrap_shm(sf_shm *c)
         return PyErr_NoMemory();
     }
     b->comm = c;
+    b->inflight = 0;
+    b->closing = 0;
     PyObject *cap = PyCapsule_New(b, SHM_CAPSULE, shm_capsule_free);
     if (!cap) {
         sf_shm_close(c);
@@ -78,6 +98,12 @@ static sf_red_dtype red_dtype(const sf_view *v)
     case SF_DT_I64: return SF_RED_I64;
     default: return SF_RED_F32;
     }
+}
+
+/* The dtype of a bytes-moving call, as the ranks compare it. */
+static sf_shm_dtype shm_dtype(const sf_view *v)
+{
+    return SF_SHM_DTYPE(v->dtype.code, v->dtype.bits, v->dtype.lanes);
 }
 
 static int red_op(const char *op, sf_red_op *out)
@@ -157,14 +183,23 @@ static PyObject *py_shm_unlink(PyObject *self, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* Idempotent.  During a call (another thread) it only marks the box closing:
+ * the call unmaps when it returns. */
 static PyObject *py_shm_close(PyObject *self, PyObject *cap)
 {
     (void)self;
+    if (!PyCapsule_IsValid(cap, SHM_CAPSULE))
+        return PyErr_Format(PyExc_TypeError, "shm_close: expected a shm communicator, got %.100s",
+                            Py_TYPE(cap)->tp_name);
     shm_box *b = PyCapsule_GetPointer(cap, SHM_CAPSULE);
     if (!b)
         return NULL;
-    sf_shm_close(b->comm);
-    b->comm = NULL;
+    if (b->inflight) {
+        b->closing = 1;
+    } else {
+        sf_shm_close(b->comm);
+        b->comm = NULL;
+    }
     Py_RETURN_NONE;
 }
 
@@ -177,26 +212,119 @@ static PyObject *py_shm_configure(PyObject *self, PyObject *args)
     Py_ssize_t oneshot_max;
     if (!PyArg_ParseTuple(args, "Osdn:shm_configure", &cap, &label, &timeout, &oneshot_max))
         return NULL;
-    sf_shm *c = shm_from(cap);
-    if (!c)
+    shm_box *b = shm_box_of(cap);
+    if (!b)
         return NULL;
-    if (!(timeout > 0) || oneshot_max < 0)
-        return PyErr_Format(PyExc_ValueError, "shm_configure: timeout=%g s must be > 0 and "
-                            "oneshot_max=%zd >= 0", timeout, oneshot_max);
-    sf_shm_configure(c, label, timeout, (size_t)oneshot_max);
+    if (!(timeout > 0) || oneshot_max < 0) {
+        char num[64]; /* PyErr_Format has no %g */
+        snprintf(num, sizeof(num), "%g", timeout);
+        return PyErr_Format(PyExc_ValueError, "shm_configure: timeout=%s s must be > 0 and "
+                            "oneshot_max=%zd >= 0", num, oneshot_max);
+    }
+    if (b->inflight)
+        return PyErr_Format(PyExc_RuntimeError, "shm_configure: a call is running on this "
+                            "communicator in another thread");
+    sf_shm_configure(b->comm, label, timeout, (size_t)oneshot_max);
     Py_RETURN_NONE;
 }
 
 static PyObject *py_shm_info(PyObject *self, PyObject *cap)
 {
     (void)self;
-    sf_shm *c = shm_from(cap);
-    if (!c)
+    shm_box *b = shm_box_of(cap);
+    if (!b)
         return NULL;
+    sf_shm *c = b->comm;
     return Py_BuildValue("{s:i,s:i,s:n,s:n,s:n,s:d}", "rank", sf_shm_rank(c), "nranks",
                          sf_shm_nranks(c), "workspace", (Py_ssize_t)sf_shm_workspace(c),
                          "segment_bytes", (Py_ssize_t)sf_shm_segment_bytes(c), "oneshot_max",
                          (Py_ssize_t)sf_shm_oneshot_max(c), "timeout", sf_shm_timeout(c));
+}
+
+/* ---- shm: running a call -------------------------------------------------- */
+
+typedef enum { SHM_ALL_REDUCE, SHM_ALL_GATHER, SHM_REDUCE_SCATTER, SHM_BROADCAST, SHM_SEND,
+               SHM_RECV, SHM_BARRIER } shm_kind;
+
+/* One call's arguments, taken and checked with the GIL held. */
+typedef struct {
+    shm_kind kind;
+    void *out;        /* written: the in-place tensor, or the output */
+    const void *in;   /* read: all_gather, reduce_scatter, send */
+    size_t count;     /* elements (all_reduce, reduce_scatter: of out) or bytes */
+    sf_red_dtype red_t;
+    sf_red_op op;
+    sf_ar_algo algo;
+    sf_shm_dtype dtype;
+    int peer;         /* broadcast root, send/recv peer */
+} shm_call;
+
+static sf_status shm_dispatch(sf_shm *c, const shm_call *a, sf_error *err)
+{
+    switch (a->kind) {
+    case SHM_ALL_REDUCE:
+        return sf_shm_all_reduce(c, a->out, a->count, a->red_t, a->op, a->algo, err);
+    case SHM_ALL_GATHER:
+        return sf_shm_all_gather(c, a->out, a->in, a->count, a->dtype, err);
+    case SHM_REDUCE_SCATTER:
+        return sf_shm_reduce_scatter(c, a->out, a->in, a->count, a->red_t, a->op, err);
+    case SHM_BROADCAST:
+        return sf_shm_broadcast(c, a->out, a->count, a->dtype, a->peer, err);
+    case SHM_SEND:
+        return sf_shm_send(c, a->in, a->count, a->dtype, a->peer, err);
+    case SHM_RECV:
+        return sf_shm_recv(c, a->out, a->count, a->dtype, a->peer, err);
+    case SHM_BARRIER:
+        return sf_shm_barrier(c, err);
+    }
+    return sf_fail(err, SF_EINVAL, "shm: unknown call %d", (int)a->kind);
+}
+
+/* The waits' poll callback (every ~15 ms of a slow wait): take the GIL back
+ * for a moment and run the Python signal handlers (they run in the main
+ * thread only; elsewhere this is a no-op).  Nonzero when a handler raised:
+ * its exception stays set, and the call fails with SF_EINTR. */
+static int poll_signals(void *ctx)
+{
+    PyThreadState **saved = ctx;
+    PyEval_RestoreThread(*saved);
+    int r = PyErr_CheckSignals();
+    *saved = PyEval_SaveThread();
+    return r < 0;
+}
+
+/* Run one call on the communicator of `cap` with the GIL released, polling
+ * for signals.  0, or -1 with an exception: the call's (sf_set_pyerr), or
+ * the one a signal handler raised (KeyboardInterrupt, ...), unchanged. */
+static int shm_run(PyObject *cap, const shm_call *a)
+{
+    /* Looked up again: taking the tensors ran Python code (__dlpack__). */
+    shm_box *b = shm_box_of(cap);
+    if (!b)
+        return -1;
+    if (b->inflight) {
+        PyErr_SetString(PyExc_RuntimeError, "shm communicator is running a call in another "
+                        "thread (calls on one communicator must not overlap)");
+        return -1;
+    }
+    sf_shm *c = b->comm;
+    sf_error err = {0};
+    Py_INCREF(cap);
+    b->inflight++;
+    PyThreadState *saved = PyEval_SaveThread();
+    sf_shm_set_poll(c, poll_signals, &saved);
+    sf_status rc = shm_dispatch(c, a, &err);
+    sf_shm_set_poll(c, NULL, NULL);
+    PyEval_RestoreThread(saved);
+    b->inflight--;
+    if (b->closing && b->inflight == 0) { /* shm_close came during the call */
+        sf_shm_close(c);
+        b->comm = NULL;
+        b->closing = 0;
+    }
+    int res = sf_set_pyerr(rc, &err);
+    Py_DECREF(cap); /* last: b is not touched after this */
+    return res;
 }
 
 /* ---- shm: collectives ---------------------------------------------------- */
@@ -229,23 +357,19 @@ static PyObject *py_shm_all_reduce(PyObject *self, PyObject *args)
     int algo = 0;
     if (!PyArg_ParseTuple(args, "OO|si:shm_all_reduce", &cap, &obj, &op_name, &algo))
         return NULL;
-    sf_shm *c = shm_from(cap);
     sf_red_op op;
-    if (!c || red_op(op_name, &op))
+    if (!shm_box_of(cap) || red_op(op_name, &op))
         return NULL;
     if (algo < 0 || algo > 2)
         return PyErr_Format(PyExc_ValueError, "shm_all_reduce: algo=%d not in 0..2", algo);
     sf_view v;
     if (take_cpu(NULL, obj, "tensor", 1, 0, &v))
         return NULL;
-    sf_red_dtype t = red_dtype(&v);
-    sf_error err = {0};
-    sf_status rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = sf_shm_all_reduce(c, v.data, (size_t)v.numel, t, op, (sf_ar_algo)algo, &err);
-    Py_END_ALLOW_THREADS
+    shm_call a = {.kind = SHM_ALL_REDUCE, .out = v.data, .count = (size_t)v.numel,
+                  .red_t = red_dtype(&v), .op = op, .algo = (sf_ar_algo)algo};
+    int failed = shm_run(cap, &a);
     sf_view_release(&v);
-    if (sf_set_pyerr(rc, &err))
+    if (failed)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -256,9 +380,10 @@ static PyObject *py_shm_all_gather(PyObject *self, PyObject *args)
     PyObject *cap, *oo, *io;
     if (!PyArg_ParseTuple(args, "OOO:shm_all_gather", &cap, &oo, &io))
         return NULL;
-    sf_shm *c = shm_from(cap);
-    if (!c)
+    shm_box *b = shm_box_of(cap);
+    if (!b)
         return NULL;
+    int nranks = sf_shm_nranks(b->comm);
     sf_view out, in;
     if (take_cpu(NULL, oo, "out", 1, 1, &out))
         return NULL;
@@ -270,13 +395,11 @@ static PyObject *py_shm_all_gather(PyObject *self, PyObject *args)
     sf_error err = {0};
     size_t bytes = 0;
     if (!sf_set_pyerr(sf_check_same_dtype(&out, "out", &in, "tensor", &err), &err) &&
-        !check_blocks("shm_all_gather", "out", &out, &in, sf_shm_nranks(c)) &&
+        !check_blocks("shm_all_gather", "out", &out, &in, nranks) &&
         !sf_set_pyerr(sf_view_nbytes(&in, "tensor", &bytes, &err), &err)) {
-        sf_status rc;
-        Py_BEGIN_ALLOW_THREADS
-        rc = sf_shm_all_gather(c, out.data, in.data, bytes, &err);
-        Py_END_ALLOW_THREADS
-        if (!sf_set_pyerr(rc, &err))
+        shm_call a = {.kind = SHM_ALL_GATHER, .out = out.data, .in = in.data, .count = bytes,
+                      .dtype = shm_dtype(&in)};
+        if (!shm_run(cap, &a))
             res = Py_NewRef(Py_None);
     }
     sf_view_release(&in);
@@ -291,10 +414,11 @@ static PyObject *py_shm_reduce_scatter(PyObject *self, PyObject *args)
     const char *op_name = "sum";
     if (!PyArg_ParseTuple(args, "OOO|s:shm_reduce_scatter", &cap, &oo, &io, &op_name))
         return NULL;
-    sf_shm *c = shm_from(cap);
+    shm_box *b = shm_box_of(cap);
     sf_red_op op;
-    if (!c || red_op(op_name, &op))
+    if (!b || red_op(op_name, &op))
         return NULL;
+    int nranks = sf_shm_nranks(b->comm);
     sf_view out, in;
     if (take_cpu(NULL, oo, "out", 1, 0, &out))
         return NULL;
@@ -305,13 +429,10 @@ static PyObject *py_shm_reduce_scatter(PyObject *self, PyObject *args)
     PyObject *res = NULL;
     sf_error err = {0};
     if (!sf_set_pyerr(sf_check_same_dtype(&out, "out", &in, "tensor", &err), &err) &&
-        !check_blocks("shm_reduce_scatter", "input", &in, &out, sf_shm_nranks(c))) {
-        sf_red_dtype t = red_dtype(&in);
-        sf_status rc;
-        Py_BEGIN_ALLOW_THREADS
-        rc = sf_shm_reduce_scatter(c, out.data, in.data, (size_t)out.numel, t, op, &err);
-        Py_END_ALLOW_THREADS
-        if (!sf_set_pyerr(rc, &err))
+        !check_blocks("shm_reduce_scatter", "input", &in, &out, nranks)) {
+        shm_call a = {.kind = SHM_REDUCE_SCATTER, .out = out.data, .in = in.data,
+                      .count = (size_t)out.numel, .red_t = red_dtype(&in), .op = op};
+        if (!shm_run(cap, &a))
             res = Py_NewRef(Py_None);
     }
     sf_view_release(&in);
@@ -319,36 +440,32 @@ static PyObject *py_shm_reduce_scatter(PyObject *self, PyObject *args)
     return res;
 }
 
-/* broadcast, send and recv move bytes: one tensor, one rank argument. */
-typedef sf_status (*bytes_fn)(sf_shm *, void *, size_t, int, sf_error *);
-
-static sf_status send_adapter(sf_shm *c, void *buf, size_t n, int peer, sf_error *err)
-{
-    return sf_shm_send(c, buf, n, peer, err);
-}
-
-static PyObject *bytes_call(PyObject *args, const char *fmt, bytes_fn fn, int write)
+/* broadcast, send and recv move the bytes of one tensor, with one rank
+ * argument (root or peer); `write`: the tensor is written. */
+static PyObject *bytes_call(PyObject *args, const char *fmt, shm_kind kind, int write)
 {
     PyObject *cap, *obj;
     int peer;
     if (!PyArg_ParseTuple(args, fmt, &cap, &obj, &peer))
         return NULL;
-    sf_shm *c = shm_from(cap);
-    if (!c)
+    if (!shm_box_of(cap))
         return NULL;
     sf_view v;
     if (take_cpu(NULL, obj, "tensor", write, 1, &v))
         return NULL;
     sf_error err = {0};
     size_t bytes = 0;
-    sf_status rc = sf_view_nbytes(&v, "tensor", &bytes, &err);
-    if (rc == SF_OK) {
-        Py_BEGIN_ALLOW_THREADS
-        rc = fn(c, v.data, bytes, peer, &err);
-        Py_END_ALLOW_THREADS
+    int failed = sf_set_pyerr(sf_view_nbytes(&v, "tensor", &bytes, &err), &err);
+    if (!failed) {
+        shm_call a = {.kind = kind, .count = bytes, .dtype = shm_dtype(&v), .peer = peer};
+        if (write)
+            a.out = v.data;
+        else
+            a.in = v.data;
+        failed = shm_run(cap, &a);
     }
     sf_view_release(&v);
-    if (sf_set_pyerr(rc, &err))
+    if (failed)
         return NULL;
     Py_RETURN_NONE;
 }
@@ -357,33 +474,26 @@ static PyObject *py_shm_broadcast(PyObject *self, PyObject *args)
 {
     (void)self;
     /* Only the root's tensor is read; others' are written. */
-    return bytes_call(args, "OOi:shm_broadcast", sf_shm_broadcast, 1);
+    return bytes_call(args, "OOi:shm_broadcast", SHM_BROADCAST, 1);
 }
 
 static PyObject *py_shm_send(PyObject *self, PyObject *args)
 {
     (void)self;
-    return bytes_call(args, "OOi:shm_send", send_adapter, 0);
+    return bytes_call(args, "OOi:shm_send", SHM_SEND, 0);
 }
 
 static PyObject *py_shm_recv(PyObject *self, PyObject *args)
 {
     (void)self;
-    return bytes_call(args, "OOi:shm_recv", sf_shm_recv, 1);
+    return bytes_call(args, "OOi:shm_recv", SHM_RECV, 1);
 }
 
 static PyObject *py_shm_barrier(PyObject *self, PyObject *cap)
 {
     (void)self;
-    sf_shm *c = shm_from(cap);
-    if (!c)
-        return NULL;
-    sf_error err = {0};
-    sf_status rc;
-    Py_BEGIN_ALLOW_THREADS
-    rc = sf_shm_barrier(c, &err);
-    Py_END_ALLOW_THREADS
-    if (sf_set_pyerr(rc, &err))
+    shm_call a = {.kind = SHM_BARRIER};
+    if (shm_run(cap, &a))
         return NULL;
     Py_RETURN_NONE;
 }

@@ -23,13 +23,16 @@ int sf_set_pyerr(sf_status rc, const sf_error *err)
     case SF_ENOMEM: type = PyExc_MemoryError; break;
     case SF_ETIMEOUT: type = PyExc_TimeoutError; break;
     case SF_EINTR:
-        /* A Python signal handler may have something to raise: let it. */
-        if (PyErr_CheckSignals() < 0)
+        /* The exception a signal handler raised while the call polled
+         * (KeyboardInterrupt, or whatever the handler raises) goes out
+         * unchanged; failing that, a handler may have something to raise now. */
+        if (PyErr_Occurred() || PyErr_CheckSignals() < 0)
             return -1;
         type = PyExc_KeyboardInterrupt;
         break;
     case SF_EIO: type = PyExc_OSError; break;
     case SF_EPEER:
+    case SF_EMISMATCH: /* as gloo: RuntimeError for sizes that do not match */
     case SF_EUNSUPPORTED:
     case SF_EEXTERNAL:
     default: type = PyExc_RuntimeError; break;

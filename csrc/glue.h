@@ -24,7 +24,8 @@
 #include "tensor_view.h"
 
 /* 0 when rc is SF_OK; else set the exception of rc with err->msg (or the
- * status name when the message is empty) and return -1. */
+ * status name when the message is empty) and return -1.  For SF_EINTR an
+ * exception already set (by a signal handler the call ran) is left as it is. */
 int sf_set_pyerr(sf_status rc, const sf_error *err);
 
 /* What sf_take requires of a tensor besides its dtype. */

@@ -3,7 +3,9 @@
  *
  * Every function takes its inputs and preallocated outputs as tensors through
  * the one DLPack gate (sf_take: device, dtype, contiguity, writability), checks
- * the sizes that relate them before touching anything, releases the GIL
+ * the sizes that relate them before touching anything, refuses an output that
+ * shares memory with any other tensor of the call (RUN; the one in-place use,
+ * xent_backward's grad = logits, is declared with same_ok), releases the GIL
  * around the kernel and turns the sf_status it returns into an exception with
  * the one mapper (sf_set_pyerr).  Scalar arguments (vocab_real, p, window,
  * ...) are checked by the kernels themselves, whose messages name the kernel,
@@ -24,11 +26,16 @@
 
 #define MAXV 14
 
-/* The tensor arguments of one call, released together. */
+/* The tensor arguments of one call, released together; `out` marks the
+ * writable ones (outputs), `same_ok` a pair allowed to be the very same
+ * memory (an intended in-place use). */
 typedef struct {
     sf_view v[MAXV];
+    char label[MAXV][80];
+    unsigned char out[MAXV];
     int n;
     const char *fn;
+    const sf_view *same_ok[2];
 } views;
 
 static void drop(views *vs)
@@ -48,8 +55,44 @@ static int arg(views *vs, PyObject *obj, const char *name, unsigned dtypes, unsi
     int rc = sf_take(vs->fn, obj, name, dtypes, flags | SF_TAKE_CONTIGUOUS, v);
     if (rc < 0) return -1;
     if (rc == 0) {
+        snprintf(vs->label[vs->n], sizeof(vs->label[0]), "%s", name);
+        vs->out[vs->n] = (flags & SF_TAKE_WRITE) != 0;
         vs->n++;
         *out = v;
+        /* numel * itemsize: the byte size every kernel's pointer arithmetic assumes */
+        size_t bytes;
+        sf_error err = {0};
+        if (sf_set_pyerr(sf_view_nbytes(v, name, &bytes, &err), &err)) return -1;
+    }
+    return 0;
+}
+
+/* The very same memory as each other (same first byte, same size): the
+ * in-place use a kernel may declare. */
+static int same_memory(const sf_view *a, const sf_view *b)
+{
+    return a->data == b->data && a->numel * a->itemsize == b->numel * b->itemsize;
+}
+
+/* No output shares a byte with another tensor of the call (input or output),
+ * except the pair in vs->same_ok when it is exactly the same memory.  The
+ * views are contiguous (arg), so comparing extents is exact.  -1 with
+ * ValueError naming both. */
+static int no_overlap(views *vs)
+{
+    for (int i = 0; i < vs->n; i++) {
+        for (int j = 0; j < vs->n; j++) {
+            if (i == j || !vs->out[i] || (vs->out[j] && j < i)) continue;
+            const sf_view *a = &vs->v[i], *b = &vs->v[j];
+            const int declared = (a == vs->same_ok[0] && b == vs->same_ok[1]) ||
+                                 (a == vs->same_ok[1] && b == vs->same_ok[0]);
+            if (declared && same_memory(a, b)) continue;
+            char an[128], bn[128];
+            snprintf(an, sizeof(an), "%s: %s", vs->fn, vs->label[i]);
+            snprintf(bn, sizeof(bn), "%s%s", vs->out[j] ? "the output " : "", vs->label[j]);
+            sf_error err = {0};
+            if (sf_set_pyerr(sf_check_disjoint(a, an, b, bn, &err), &err)) return -1;
+        }
     }
     return 0;
 }
@@ -130,8 +173,10 @@ static PyObject *fail(views *vs)
     return NULL;
 }
 
-/* Run a kernel without the GIL: `rc = call;` */
+/* Check that no output overlaps another tensor of the call, then run the
+ * kernel without the GIL: `rc = call;` */
 #define RUN(call)                                                             \
+    if (no_overlap(&vs)) return fail(&vs);                                    \
     sf_error err = {0};                                                       \
     sf_status rc;                                                             \
     Py_BEGIN_ALLOW_THREADS                                                    \
@@ -147,9 +192,9 @@ static PyObject *py_xent_forward(PyObject *self, PyObject *args)
 {
     (void)self;
     PyObject *o[7];
-    long long vstart, real, ignore;
-    if (!PyArg_ParseTuple(args, "OOLLLOOOO:xent_forward", &o[0], &o[1], &vstart, &real, &ignore,
-                          &o[2], &o[3], &o[4], &o[5]))
+    long long vstart, real, ignore, vocab = -1;
+    if (!PyArg_ParseTuple(args, "OOLLLOOOO|L:xent_forward", &o[0], &o[1], &vstart, &real, &ignore,
+                          &o[2], &o[3], &o[4], &o[5], &vocab))
         return NULL;
     views vs = {.fn = "xent_forward"};
     sf_view *z, *y, *mx, *se, *tg, *sz;
@@ -164,7 +209,7 @@ static PyObject *py_xent_forward(PyObject *self, PyObject *args)
         want_numel(&vs, sz, "sumz", rows))
         return fail(&vs);
     RUN(sfk_xent_forward(kdtype(z), z->data, rows, n, real, (const int64_t *)y->data, vstart,
-                          ignore, FLOATP(mx), FLOATP(se), FLOATP(tg), FLOATP(sz), &err));
+                          ignore, vocab, FLOATP(mx), FLOATP(se), FLOATP(tg), FLOATP(sz), &err));
 }
 
 static PyObject *py_xent_backward(PyObject *self, PyObject *args)
@@ -188,6 +233,8 @@ static PyObject *py_xent_backward(PyObject *self, PyObject *args)
         want_numel(&vs, sc, "scale", rows) || want_numel(&vs, g, "grad", z->numel) ||
         same_dtype(&vs, z, "logits", g, "grad"))
         return fail(&vs);
+    vs.same_ok[0] = z;                       /* the gradient may overwrite the logits */
+    vs.same_ok[1] = g;
     RUN(sfk_xent_backward(kdtype(z), z->data, g->data, rows, n, real, (const int64_t *)y->data,
                            vstart, ignore, FLOATP(lse), FLOATP(sc), eps, vocab, &err));
 }
@@ -380,8 +427,9 @@ static PyObject *py_embedding_forward(PyObject *self, PyObject *args)
 {
     (void)self;
     PyObject *o[3];
-    long long vstart, real;
-    if (!PyArg_ParseTuple(args, "OOLLO:embedding_forward", &o[0], &o[1], &vstart, &real, &o[2]))
+    long long vstart, real, vocab = -1;
+    if (!PyArg_ParseTuple(args, "OOLLO|L:embedding_forward", &o[0], &o[1], &vstart, &real, &o[2],
+                          &vocab))
         return NULL;
     views vs = {.fn = "embedding_forward"};
     sf_view *w, *ids, *out;
@@ -398,7 +446,7 @@ static PyObject *py_embedding_forward(PyObject *self, PyObject *args)
         want_numel(&vs, out, "out", nout) || same_dtype(&vs, w, "weight", out, "out"))
         return fail(&vs);
     RUN(sfk_embedding_forward(kdtype(w), w->data, d, real, (const int64_t *)ids->data,
-                               ids->numel, vstart, out->data, &err));
+                               ids->numel, vstart, vocab, out->data, &err));
 }
 
 static PyObject *py_embedding_backward(PyObject *self, PyObject *args)
@@ -629,7 +677,9 @@ static PyObject *py_convert(PyObject *self, PyObject *args)
 static PyMethodDef kernel_methods[] = {
     {"xent_forward", py_xent_forward, METH_VARARGS,
      "xent_forward(logits, labels, vocab_start, vocab_real, ignore_index, max, sumexp, target, "
-     "sumz|None): per-row max, sum exp(z - max), target logit, sum z of a vocabulary shard."},
+     "sumz|None, vocab=-1): per-row max, sum exp(z - max), target logit, sum z of a vocabulary "
+     "shard; with vocab >= 0, a label outside [0, vocab) other than ignore_index is an "
+     "IndexError."},
     {"xent_backward", py_xent_backward, METH_VARARGS,
      "xent_backward(logits, labels, vocab_start, vocab_real, ignore_index, lse, scale, eps, vocab, "
      "grad): grad = scale * (softmax - (1-eps) onehot - eps/vocab), 0 on padding columns."},
@@ -649,7 +699,8 @@ static PyMethodDef kernel_methods[] = {
     {"bias_dropout_add_backward", py_bda_backward, METH_VARARGS,
      "bias_dropout_add_backward(dy, p, seed, dx, dbias|None)"},
     {"embedding_forward", py_embedding_forward, METH_VARARGS,
-     "embedding_forward(weight, ids, vocab_start, vocab_real, out)"},
+     "embedding_forward(weight, ids, vocab_start, vocab_real, out, vocab=-1): with vocab >= 0, "
+     "an id outside [0, vocab) is an IndexError."},
     {"embedding_backward", py_embedding_backward, METH_VARARGS,
      "embedding_backward(dout, ids, vocab_start, vocab_real, padding_local, dweight)"},
     {"attention_forward", py_attention_forward, METH_VARARGS,

@@ -9,6 +9,7 @@
 #include "layout.h"
 
 #include <inttypes.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "tensor_view.h"
@@ -150,13 +151,13 @@ static void copy_box(const sf_strided *full, const sf_strided *shard, int dim,
         const char *src = to_full ? s : f;
         int64_t dst_stride = (to_full ? full->strides[last] : shard->strides[last]) * itemsize;
         int64_t src_stride = (to_full ? shard->strides[last] : full->strides[last]) * itemsize;
-        /* memmove: full and shard may be views of the same memory (nothing
-         * forbids copy_shard(x, x, ...)), and overlapping memcpy is undefined. */
+        /* memcpy: sf_copy_ranges hands us a source that shares no memory with
+         * the destination (it stages one that does) */
         if (inner_memcpy) {
-            memmove(dst, src, (size_t)(box[last] * itemsize));
+            memcpy(dst, src, (size_t)(box[last] * itemsize));
         } else {
             for (int64_t i = 0; i < box[last]; i++)
-                memmove(dst + i * dst_stride, src + i * src_stride, (size_t)itemsize);
+                memcpy(dst + i * dst_stride, src + i * src_stride, (size_t)itemsize);
         }
         /* Advance the multi-index over dims 0..last-1. */
         int d = last - 1;
@@ -200,6 +201,29 @@ static void zero_box(const sf_strided *t, int dim, int64_t off, int64_t len, int
     }
 }
 
+/* A compact row-major copy of `t` in *copy (malloc'ed; the caller frees it),
+ * with its strides in `strides`.  EOVERFLOW / ENOMEM naming `name`. */
+static sf_status stage(const sf_strided *t, int itemsize, const char *name, int64_t *strides,
+                       void **copy, sf_error *err)
+{
+    int64_t numel = 1, bytes;
+    for (int d = t->ndim - 1; d >= 0; d--) {
+        strides[d] = numel;
+        if (sf_mul_overflows(numel, t->shape[d], &numel))
+            FAIL(SF_EOVERFLOW, "%s: its element count overflows int64", name);
+    }
+    if (sf_mul_overflows(numel, itemsize, &bytes) || (uint64_t)bytes > (uint64_t)SIZE_MAX)
+        FAIL(SF_EOVERFLOW, "%s: %" PRId64 " elements of %d bytes overflow size_t", name, numel,
+             itemsize);
+    *copy = malloc(bytes > 0 ? (size_t)bytes : 1);
+    if (*copy == NULL)
+        FAIL(SF_ENOMEM, "%s shares memory with the destination and a copy of it (%" PRId64
+             " bytes) could not be allocated", name, bytes);
+    sf_strided to = {*copy, t->ndim, t->shape, strides};
+    copy_box(t, &to, 0, 0, 0, t->shape[0], itemsize, 0);
+    return SF_OK;
+}
+
 sf_status sf_copy_ranges(const sf_strided *full, const sf_strided *shard, int dim,
                          const sf_range *ranges, int n, int itemsize, int to_full,
                          sf_error *err)
@@ -232,12 +256,37 @@ sf_status sf_copy_ranges(const sf_strided *full, const sf_strided *shard, int di
         total += r->length;
     }
 
+    /* Where both lie: bounds every offset copy_box computes (no product below
+     * can overflow once these fit), and says whether they share memory. */
+    const sf_strided *dst = to_full ? full : shard, *src = to_full ? shard : full;
+    const char *dst_name = to_full ? "full" : "shard", *src_name = to_full ? "shard" : "full";
+    int64_t dlo, dhi, slo, shi;
+    sf_status rc;
+    if ((rc = sf_extent(dst->ndim, dst->shape, dst->strides, itemsize, dst_name, &dlo, &dhi, err)) ||
+        (rc = sf_extent(src->ndim, src->shape, src->strides, itemsize, src_name, &slo, &shi, err)) ||
+        (rc = sf_check_no_self_overlap(dst->ndim, dst->shape, dst->strides, dst_name, err)))
+        return rc;
+    /* A source sharing memory with the destination (copy_shard(x, x, ...), a
+     * slice of it) is read from a copy taken first, so that every element is
+     * read before anything is written: the result is that of separate tensors
+     * whatever the ranges and strides. */
+    sf_strided staged = *src;
+    int64_t compact[SF_MAX_DIMS];
+    void *copy = NULL;
+    if (sf_bytes_intersect(dst->data, dlo, dhi, src->data, slo, shi)) {
+        if ((rc = stage(src, itemsize, src_name, compact, &copy, err)))
+            return rc;
+        staged.data = copy;
+        staged.strides = compact;
+    }
+    const sf_strided *f = to_full ? full : &staged, *s = to_full ? &staged : shard;
     int64_t s_off = 0;
     for (int i = 0; i < n; i++) {
-        copy_box(full, shard, dim, ranges[i].offset, s_off, ranges[i].length, itemsize, to_full);
+        copy_box(f, s, dim, ranges[i].offset, s_off, ranges[i].length, itemsize, to_full);
         s_off += ranges[i].length;
     }
     if (!to_full && s_off < shard->shape[dim])
         zero_box(shard, dim, s_off, shard->shape[dim] - s_off, itemsize);
+    free(copy);
     return SF_OK;
 }

@@ -59,7 +59,12 @@ typedef struct {
  * pieces of `shard` into the ranges of `full` (the tail of `shard` past the
  * ranges is ignored).  Both tensors may be arbitrarily strided; they must
  * agree on every dimension except `dim`, and have 1 to SF_MAX_DIMS
- * (tensor_view.h) dimensions. */
+ * (tensor_view.h) dimensions.  The destination (`shard`, or `full` when
+ * to_full) must not overlap itself (EINVAL: a stride 0 in a dimension of
+ * size > 1, as expand() makes, or interleaved strides); a source that shares
+ * memory with it is copied first, so the result is always that of separate
+ * tensors.  EOVERFLOW when the memory a tensor's strides reach overflows
+ * int64, ENOMEM when that copy cannot be made. */
 sf_status sf_copy_ranges(const sf_strided *full, const sf_strided *shard, int dim,
                          const sf_range *ranges, int n, int itemsize, int to_full,
                          sf_error *err);

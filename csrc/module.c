@@ -192,7 +192,9 @@ PyDoc_STRVAR(copy_shard_doc,
 "copy_shard(full, shard, dim, ranges)\n\n"
 "Copy the (offset, length) ranges of `full` along `dim` into `shard`, back to\n"
 "back, and zero the rest of `shard` along `dim` (vocabulary padding).  CPU\n"
-"tensors of one dtype; `full` may be strided; `shard` must be writable.");
+"tensors of one dtype; both may be strided; `shard` must be writable and must\n"
+"not overlap itself (no expand()ed or as_strided destination: ValueError).  A\n"
+"`full` sharing memory with `shard` is read from a copy taken first.");
 
 static PyObject *py_copy_shard(PyObject *self, PyObject *args, PyObject *kwargs)
 {
@@ -203,7 +205,8 @@ static PyObject *py_copy_shard(PyObject *self, PyObject *args, PyObject *kwargs)
 PyDoc_STRVAR(place_shard_doc,
 "place_shard(full, shard, dim, ranges)\n\n"
 "The inverse of copy_shard: write the back-to-back pieces of `shard` into the\n"
-"(offset, length) ranges of `full` along `dim`.");
+"(offset, length) ranges of `full` along `dim` (the destination `full` must not\n"
+"overlap itself; a `shard` sharing memory with it is read from a copy first).");
 
 static PyObject *py_place_shard(PyObject *self, PyObject *args, PyObject *kwargs)
 {

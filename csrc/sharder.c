@@ -3,8 +3,8 @@
  * tree, match it against the policy, resolve every substitution and its
  * shard layouts, and apply them.
  *
- * Two passes, so that a bad policy or a model that cannot be split never
- * leaves the model half-sharded:
+ * Two passes, so that a bad policy, a model that cannot be split or a
+ * replacement that fails to build never leaves the model half-sharded:
  *
  *   plan   reads and validates the policy (the one place that checks its
  *          shape), walks the tree (iteratively, each module once), matches
@@ -19,10 +19,17 @@
  *          planning never calls back from Python into C.  Nothing is
  *          modified.  Any error is re-raised as "<Model>: <path>: <what>".
  *
- *   apply  executes the plan in order: attributes, parameter callables,
- *          sub-module swaps (`from_native_module(native, group, plan=...)`,
- *          then setattr on the parent, which drops the last reference to the
- *          full weight), and method replacements bound to their module.
+ *   apply  first builds what every op needs without touching the model
+ *          (`from_native_module(native, group, plan=...)` for each sub-module
+ *          swap, or `prepare_native_module` for a change made in place; bound
+ *          methods), then makes the changes in plan order -- attributes,
+ *          parameter callables, swaps (setattr on the parent), methods --
+ *          journaled, and undoes them all if one fails.  The journal lets go
+ *          of the replaced modules (and their full weights) at the end.
+ *
+ * KeyboardInterrupt, SystemExit, GeneratorExit, MemoryError and
+ * RecursionError are never re-raised with context: they come out as raised
+ * (see passes_through).
  *
  * The policy is {key: ModulePolicyDescription} (read here by attribute), or
  * the same in plain tuples (the engine's own form, used by tests):
@@ -44,6 +51,7 @@
  */
 #include "sharder.h"
 
+#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -77,6 +85,11 @@ typedef struct {
 static int ranges_push(range_list *l, int64_t offset, int64_t length)
 {
     if (l->n == l->cap) {
+        /* cap * sizeof(sf_range) must fit in a Py_ssize_t (PyMem's limit). */
+        if (l->cap > PY_SSIZE_T_MAX / 2 / (Py_ssize_t)sizeof(sf_range)) {
+            PyErr_NoMemory();
+            return -1;
+        }
         Py_ssize_t cap = l->cap ? 2 * l->cap : 8;
         sf_range *v = PyMem_Realloc(l->v, (size_t)cap * sizeof(sf_range));
         if (v == NULL) {
@@ -258,13 +271,15 @@ static int spec_rank(PyObject *spec, int64_t full, int64_t base, int64_t tp, int
         if (spec_fields(spec, kind, 5) < 0 || spec_int(spec, 2, &n) < 0 ||
             spec_int(spec, 3, &kv) < 0 || spec_int(spec, 4, &hd) < 0)
             return -1;
-        if (kv < 1 || n % kv) {
+        if (n < 1 || kv < 1 || n % kv) {
             PyErr_Format(PyExc_ValueError,
-                         "num_attention_heads=%lld is not a multiple of num_kv_heads=%lld",
+                         "num_attention_heads=%lld is not a positive multiple of num_kv_heads=%lld",
                          (long long)n, (long long)kv);
             return -1;
         }
-        int64_t rows = n + 2 * kv;
+        int64_t rows, kv2; /* q heads + a k and a v head per group */
+        if (sf_mul_overflows(kv, 2, &kv2) || __builtin_add_overflow(n, kv2, &rows))
+            return length_overflow(describe);
         if (full % rows) {
             PyErr_Format(PyExc_ValueError,
                          "length %lld is not a multiple of the %lld grouped q/k/v heads",
@@ -375,6 +390,10 @@ static PyObject *resolve_split(PyObject *spec, int64_t full, int64_t tp, int64_t
                          (long long)tp);
         return NULL;
     }
+    if (full < 0) {
+        PyErr_Format(PyExc_ValueError, "%U=%lld: a length cannot be negative", what, (long long)full);
+        return NULL;
+    }
     int64_t expected;
     if (spec_expected(spec, &expected) < 0)
         return NULL;
@@ -394,8 +413,10 @@ static PyObject *resolve_split(PyObject *spec, int64_t full, int64_t tp, int64_t
         int64_t length = 0;
         int rc = spec_rank(spec, full, 0, tp, r, &l, &length);
         PyObject *rt = rc == 0 ? ranges_tuple(&l) : NULL;
-        for (Py_ssize_t i = 0; i < l.n; i++)
-            covered += l.v[i].length;
+        /* Only "covered > full" matters: stop adding once it holds (no overflow). */
+        for (Py_ssize_t i = 0; i < l.n && covered <= full; i++)
+            if (__builtin_add_overflow(covered, l.v[i].length, &covered))
+                covered = INT64_MAX;
         PyMem_Free(l.v);
         PyObject *len = rt ? PyLong_FromLongLong(length) : NULL;
         if (len == NULL) {
@@ -504,10 +525,34 @@ PyObject *sf_resolve_plan(PyObject *self, PyObject *plan)
     return Py_NewRef(plan);
 }
 
+/* Exceptions that reach the caller exactly as raised (same type, same
+ * object), never wrapped with context: the interrupts (KeyboardInterrupt,
+ * SystemExit, GeneratorExit: BaseException but not Exception), which a
+ * caller must be able to catch as such, and the interpreter's resource
+ * errors (MemoryError, RecursionError), whose type is what a caller acts on
+ * and whose handling should not allocate a new message. */
+static int passes_through(PyObject *type)
+{
+    if (type == NULL)
+        return 0;
+    return !PyErr_GivenExceptionMatches(type, PyExc_Exception) ||
+           PyErr_GivenExceptionMatches(type, PyExc_MemoryError) ||
+           PyErr_GivenExceptionMatches(type, PyExc_RecursionError);
+}
+
+/* 1 when the pending exception is one of those (see passes_through). */
+static int pending_passes_through(void)
+{
+    return passes_through(PyErr_Occurred());
+}
+
 /* Re-raise the current exception as "<model>: <path>: <message>", keeping
- * ValueError / TypeError, and chaining the original as __cause__. */
+ * ValueError / TypeError, and chaining the original as __cause__.  The
+ * exceptions of passes_through are left pending unchanged. */
 static void raise_in_context(const plan_ctx *ctx, PyObject *path)
 {
+    if (pending_passes_through())
+        return;
     PyObject *type, *value, *tb;
     PyErr_Fetch(&type, &value, &tb);
     PyErr_NormalizeException(&type, &value, &tb);
@@ -516,6 +561,12 @@ static void raise_in_context(const plan_ctx *ctx, PyObject *path)
         new_type = PyExc_TypeError;
     PyObject *msg = value ? PyObject_Str(value) : NULL;
     if (msg == NULL) {
+        if (pending_passes_through()) { /* str() itself was interrupted: that wins */
+            Py_XDECREF(type);
+            Py_XDECREF(value);
+            Py_XDECREF(tb);
+            return;
+        }
         PyErr_Clear();
         msg = PyUnicode_FromString("unknown error");
     }
@@ -575,6 +626,8 @@ static PyObject *join_path(PyObject *prefix, PyObject *name)
 static PyObject *children_of(PyObject *module)
 {
     PyObject *children = PyObject_GetAttrString(module, "_modules");
+    if (children == NULL && !PyErr_ExceptionMatches(PyExc_AttributeError))
+        return NULL; /* an error of the object's own __getattr__: not ours to rename */
     if (children == NULL || !PyDict_Check(children)) {
         Py_XDECREF(children);
         PyErr_Clear();
@@ -692,6 +745,8 @@ static PyObject *sub_item(PyObject *item, PyObject *model, PyObject *key)
     }
     PyObject *target = PyObject_GetAttrString(item, "target_module");
     if (target == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return NULL;
         PyErr_Clear();
         PyErr_Format(PyExc_TypeError,
                      "%U: policy[%R].sub_module_replacement items must be "
@@ -760,6 +815,8 @@ static PyObject *read_entry(PyObject *desc, PyObject *model, PyObject *key)
         PyObject *none = Py_None;
         subs_in = PyObject_GetAttrString(desc, "sub_module_replacement");
         if (subs_in == NULL) {
+            if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+                return NULL;
             PyErr_Clear();
             PyErr_Format(PyExc_TypeError, "%U: policy entry for %R must be a "
                          "ModulePolicyDescription, got %.100s", model, key, Py_TYPE(desc)->tp_name);
@@ -886,8 +943,13 @@ static PyObject *per_rank_value(plan_ctx *ctx, PyObject *value)
     sf_error err = {0};
     if (sf_set_pyerr(sf_heads_layout(n, kv, tp, rank, &qs, &qc, &ks, &kc, &err), &err))
         return NULL;
-    int64_t count = which == 0 ? qc : which == 1 ? kc : qc / kc;
-    return PyLong_FromLongLong((long long)(count * factor));
+    int64_t count = which == 0 ? qc : which == 1 ? kc : kc > 0 ? qc / kc : 0, local;
+    if (sf_mul_overflows(count, factor, &local)) {
+        PyErr_Format(PyExc_OverflowError, "__shardformer_heads__: %lld heads * factor %lld "
+                     "overflows int64", (long long)count, factor);
+        return NULL;
+    }
+    return PyLong_FromLongLong((long long)local);
 }
 
 /* Resolve a dotted attribute path relative to `module`: the owner of the last
@@ -1229,130 +1291,451 @@ done:
 }
 
 /* ------------------------------------------------------------------------
- * Applying
+ * Applying: build every replacement, then swap them all in
+ *
+ * Phase 1 (build) runs the code that can fail -- from_native_module, the
+ * adopt callback, prepare_native_module -- and changes nothing in the model.
+ * Phase 2 (swap) sets attributes, sub-modules and bound methods and commits
+ * prepared in-place changes, recording how to undo each in the journal.  A
+ * failure anywhere undoes the journal in reverse, so the model is as it was.
+ *
+ * Journal entries (tuples):
+ *   ("attr",   path, owner, name, old, delete)  undo: setattr(owner, name, old),
+ *                                              or delattr when `delete`
+ *   ("change", path, change)                   undo: change.rollback()
+ *   ("param",  path)                           a param_replacement callable
+ *                                              ran: cannot be undone
+ *   ("inplace", path)                          from_native_module returned the
+ *                                              native module itself, changed
+ *                                              in place: cannot be undone
  * ---------------------------------------------------------------------- */
 
-static int apply_op(PyObject *op, PyObject *process_group, PyObject *adopt)
+static const char J_ATTR[] = "attr";
+static const char J_CHANGE[] = "change";
+static const char J_PARAM[] = "param";
+static const char J_INPLACE[] = "inplace";
+
+static int journal_add(PyObject *journal, PyObject *entry)
 {
-    if (!PyTuple_Check(op) || PyTuple_GET_SIZE(op) < 2) {
-        PyErr_SetString(PyExc_TypeError, "sharder_apply: malformed plan op");
+    if (entry == NULL)
+        return -1;
+    int rc = PyList_Append(journal, entry);
+    Py_DECREF(entry);
+    return rc;
+}
+
+/* 1 if `name` is in obj.__dict__ (an instance attribute), 0 if not or if obj
+ * has no __dict__, -1 with an exception. */
+static int in_own_dict(PyObject *obj, PyObject *name)
+{
+    PyObject *d = PyObject_GetAttrString(obj, "__dict__");
+    if (d == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return -1;
+        PyErr_Clear();
+        return 0;
+    }
+    int rc = PySequence_Contains(d, name);
+    Py_DECREF(d);
+    return rc;
+}
+
+/* setattr(owner, name, value), journaled: afterwards an undo restores the old
+ * value, or deletes the attribute when it did not exist or the set created an
+ * instance attribute over a class one (a bound method over the class's). */
+static int journaled_setattr(PyObject *journal, PyObject *path, PyObject *owner, PyObject *name,
+                             PyObject *value)
+{
+    if (!PyUnicode_Check(name)) {
+        PyErr_Format(PyExc_TypeError, "attribute name must be a str, not %.100s",
+                     Py_TYPE(name)->tp_name);
         return -1;
     }
-    if (!PyUnicode_Check(PyTuple_GET_ITEM(op, 0))) {
-        PyErr_SetString(PyExc_TypeError, "sharder_apply: malformed plan op (tag is not a str)");
+    int had_own = in_own_dict(owner, name);
+    if (had_own < 0)
+        return -1;
+    PyObject *old = PyObject_GetAttr(owner, name);
+    if (old == NULL) {
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError))
+            return -1;
+        PyErr_Clear();
+    }
+    if (PyObject_SetAttr(owner, name, value) < 0) {
+        Py_XDECREF(old);
         return -1;
     }
-    const char *tag = PyUnicode_AsUTF8(PyTuple_GET_ITEM(op, 0));
-    if (tag == NULL)
-        return -1;
-    if (strcmp(tag, OP_ATTR) == 0 && PyTuple_GET_SIZE(op) == 5) {
-        return PyObject_SetAttr(PyTuple_GET_ITEM(op, 2), PyTuple_GET_ITEM(op, 3),
-                                PyTuple_GET_ITEM(op, 4));
+    int own_now = in_own_dict(owner, name);
+    int delete = old == NULL || (!had_own && own_now > 0);
+    PyObject *entry = own_now < 0 ? NULL
+                                  : Py_BuildValue("(sOOOOO)", J_ATTR, path, owner, name,
+                                                  old ? old : Py_None,
+                                                  delete ? Py_True : Py_False);
+    int rc = entry ? journal_add(journal, entry) : -1; /* journal_add releases entry */
+    if (rc < 0) { /* not recorded: undo it now, so that the rollback leaves nothing behind */
+        PyObject *t, *v, *tb;
+        PyErr_Fetch(&t, &v, &tb);
+        if ((delete ? PyObject_DelAttr(owner, name) : PyObject_SetAttr(owner, name, old)) < 0)
+            PyErr_Clear();
+        PyErr_Restore(t, v, tb);
     }
-    if (strcmp(tag, OP_PARAM) == 0 && PyTuple_GET_SIZE(op) == 4) {
-        PyObject *r = PyObject_CallOneArg(PyTuple_GET_ITEM(op, 3), PyTuple_GET_ITEM(op, 2));
+    Py_XDECREF(old);
+    return rc;
+}
+
+/* Undo one reversible journal entry: 0, 1 when it cannot be undone
+ * (irreversible kinds), -1 with an exception. */
+static int undo_entry(PyObject *entry)
+{
+    if (!PyTuple_Check(entry) || PyTuple_GET_SIZE(entry) < 2 ||
+        !PyUnicode_Check(PyTuple_GET_ITEM(entry, 0)))
+        return 1;
+    PyObject *kind = PyTuple_GET_ITEM(entry, 0);
+    if (PyUnicode_CompareWithASCIIString(kind, J_ATTR) == 0 && PyTuple_GET_SIZE(entry) == 6) {
+        PyObject *owner = PyTuple_GET_ITEM(entry, 2), *name = PyTuple_GET_ITEM(entry, 3);
+        if (PyTuple_GET_ITEM(entry, 5) == Py_True)
+            return PyObject_DelAttr(owner, name);
+        return PyObject_SetAttr(owner, name, PyTuple_GET_ITEM(entry, 4));
+    }
+    if (PyUnicode_CompareWithASCIIString(kind, J_CHANGE) == 0 && PyTuple_GET_SIZE(entry) == 3) {
+        PyObject *r = PyObject_CallMethod(PyTuple_GET_ITEM(entry, 2), "rollback", NULL);
         Py_XDECREF(r);
         return r ? 0 : -1;
     }
-    if (strcmp(tag, OP_SUB) == 0 && PyTuple_GET_SIZE(op) == 8) {
-        PyObject *parent = PyTuple_GET_ITEM(op, 2), *name = PyTuple_GET_ITEM(op, 3);
-        PyObject *target = PyTuple_GET_ITEM(op, 4), *native = PyTuple_GET_ITEM(op, 5);
-        if (!PyDict_Check(PyTuple_GET_ITEM(op, 6))) {
-            PyErr_SetString(PyExc_TypeError, "sharder_apply: malformed plan op (kwargs is not "
-                            "a dict)");
-            return -1;
-        }
-        PyObject *kwargs = PyDict_Copy(PyTuple_GET_ITEM(op, 6));
-        PyObject *plan = PyTuple_GET_ITEM(op, 7);
-        if (kwargs == NULL)
-            return -1;
-        if (plan != Py_None && PyDict_SetItemString(kwargs, "plan", plan) < 0) {
-            Py_DECREF(kwargs);
-            return -1;
-        }
-        PyObject *factory = PyObject_GetAttrString(target, "from_native_module");
-        PyObject *args = factory ? PyTuple_Pack(2, native, process_group) : NULL;
-        PyObject *replacement = args ? PyObject_Call(factory, args, kwargs) : NULL;
-        Py_XDECREF(factory);
-        Py_XDECREF(args);
-        Py_DECREF(kwargs);
-        if (replacement == NULL)
-            return -1;
-        /* adopt(path, native, replacement): the replacement takes over what
-         * the native module carried at run time (training flag, hooks,
-         * frozen parameters) before it enters the tree. */
-        if (adopt != Py_None) {
-            PyObject *r = PyObject_CallFunctionObjArgs(adopt, PyTuple_GET_ITEM(op, 1), native,
-                                                       replacement, NULL);
-            if (r == NULL) {
-                Py_DECREF(replacement);
-                return -1;
-            }
-            Py_DECREF(r);
-        }
-        int rc = PyObject_SetAttr(parent, name, replacement);
-        Py_DECREF(replacement);
-        return rc;
-    }
-    if (strcmp(tag, OP_METHOD) == 0 && PyTuple_GET_SIZE(op) == 5) {
-        PyObject *bound = PyMethod_New(PyTuple_GET_ITEM(op, 4), PyTuple_GET_ITEM(op, 2));
-        if (bound == NULL)
-            return -1;
-        int rc = PyObject_SetAttr(PyTuple_GET_ITEM(op, 2), PyTuple_GET_ITEM(op, 3), bound);
-        Py_DECREF(bound);
-        return rc;
-    }
-    PyErr_Format(PyExc_TypeError, "sharder_apply: unknown plan op '%s'", tag);
-    return -1;
+    return 1;
 }
 
-/* sharder_apply(ops, process_group, adopt=None) -> number of ops applied.
- * The plan list is consumed: each op is dropped once applied, so the last
- * reference to a replaced module (and its full weights) goes as early as
- * possible.  `adopt`, when not None, is called as adopt(path, native,
- * replacement) for every sub-module swap, before the swap. */
+/* Undo the journal in reverse order, removing every entry undone; what is
+ * left could not be undone.  The pending exception (the failure that called
+ * for the rollback) is kept, unless an undo step is interrupted
+ * (passes_through): that exception is raised instead, after the rollback. */
+static void rollback(PyObject *journal)
+{
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyObject *it = NULL, *iv = NULL, *itb = NULL; /* an interrupt during the rollback */
+    for (Py_ssize_t k = PyList_GET_SIZE(journal) - 1; k >= 0; k--) {
+        if (k >= PyList_GET_SIZE(journal)) /* an undo step shrank the list */
+            continue;
+        PyObject *entry = Py_NewRef(PyList_GET_ITEM(journal, k));
+        int rc = undo_entry(entry);
+        Py_DECREF(entry);
+        if (rc == 0) {
+            if (PyList_SetSlice(journal, k, k + 1, NULL) < 0)
+                rc = -1;
+            else
+                continue;
+        }
+        if (rc < 0) {
+            if (it == NULL && pending_passes_through())
+                PyErr_Fetch(&it, &iv, &itb);
+            else
+                PyErr_Clear(); /* the entry stays: the caller sees it was not undone */
+        }
+    }
+    if (it != NULL) {
+        PyErr_NormalizeException(&it, &iv, &itb);
+        if (iv != NULL && value != NULL) {
+            PyErr_NormalizeException(&type, &value, &tb);
+            PyException_SetContext(iv, Py_NewRef(value)); /* steals the new reference */
+        }
+        Py_XDECREF(type);
+        Py_XDECREF(value);
+        Py_XDECREF(tb);
+        PyErr_Restore(it, iv, itb);
+        return;
+    }
+    PyErr_Restore(type, value, tb);
+}
+
+/* The op tuple's tag, checked against its length; NULL with TypeError for a
+ * malformed op. */
+static const char *op_tag(PyObject *op)
+{
+    if (!PyTuple_Check(op) || PyTuple_GET_SIZE(op) < 2) {
+        PyErr_SetString(PyExc_TypeError, "sharder_apply: malformed plan op");
+        return NULL;
+    }
+    if (!PyUnicode_Check(PyTuple_GET_ITEM(op, 0))) {
+        PyErr_SetString(PyExc_TypeError, "sharder_apply: malformed plan op (tag is not a str)");
+        return NULL;
+    }
+    const char *tag = PyUnicode_AsUTF8(PyTuple_GET_ITEM(op, 0));
+    if (tag == NULL)
+        return NULL;
+    Py_ssize_t n = PyTuple_GET_SIZE(op);
+    if ((strcmp(tag, OP_ATTR) == 0 && n == 5) || (strcmp(tag, OP_PARAM) == 0 && n == 4) ||
+        (strcmp(tag, OP_SUB) == 0 && n == 8) || (strcmp(tag, OP_METHOD) == 0 && n == 5))
+        return tag;
+    PyErr_Format(PyExc_TypeError, "sharder_apply: unknown plan op '%s'", tag);
+    return NULL;
+}
+
+/* Phase 1 for a sub-module op: the prepared in-place change
+ * ("change", path, change) when the target has prepare_native_module, else
+ * the built replacement ("sub", path, parent, name, replacement). */
+static PyObject *build_sub(PyObject *op, PyObject *process_group, PyObject *adopt,
+                           PyObject *journal)
+{
+    PyObject *path = PyTuple_GET_ITEM(op, 1), *parent = PyTuple_GET_ITEM(op, 2);
+    PyObject *name = PyTuple_GET_ITEM(op, 3), *target = PyTuple_GET_ITEM(op, 4);
+    PyObject *native = PyTuple_GET_ITEM(op, 5), *plan = PyTuple_GET_ITEM(op, 7);
+    if (!PyDict_Check(PyTuple_GET_ITEM(op, 6))) {
+        PyErr_SetString(PyExc_TypeError, "sharder_apply: malformed plan op (kwargs is not "
+                        "a dict)");
+        return NULL;
+    }
+    PyObject *kwargs = PyDict_Copy(PyTuple_GET_ITEM(op, 6));
+    if (kwargs == NULL)
+        return NULL;
+    if (plan != Py_None && PyDict_SetItemString(kwargs, "plan", plan) < 0) {
+        Py_DECREF(kwargs);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    int in_place = has_attr_str(target, "prepare_native_module");
+    PyObject *factory = in_place < 0 ? NULL
+                        : PyObject_GetAttrString(target, in_place ? "prepare_native_module"
+                                                                  : "from_native_module");
+    PyObject *args = factory ? PyTuple_Pack(2, native, process_group) : NULL;
+    PyObject *built = args ? PyObject_Call(factory, args, kwargs) : NULL;
+    Py_XDECREF(factory);
+    Py_XDECREF(args);
+    Py_DECREF(kwargs);
+    if (built == NULL)
+        return NULL;
+    if (in_place) {
+        int ok = has_attr_str(built, "commit");
+        if (ok > 0)
+            ok = has_attr_str(built, "rollback");
+        if (ok == 0)
+            PyErr_Format(PyExc_TypeError, "%.100s.prepare_native_module must return an object "
+                         "with commit() and rollback(), got %.100s",
+                         PyType_Check(target) ? ((PyTypeObject *)target)->tp_name : "target",
+                         Py_TYPE(built)->tp_name);
+        /* The module stays the same object: adopt sees it on both sides. */
+        PyObject *r = ok > 0 && adopt != Py_None
+                          ? PyObject_CallFunctionObjArgs(adopt, path, native, native, NULL)
+                          : (ok > 0 ? Py_NewRef(Py_None) : NULL);
+        if (r != NULL) {
+            Py_DECREF(r);
+            result = PyTuple_Pack(3, PyTuple_GET_ITEM(op, 0), path, built);
+        }
+        Py_DECREF(built);
+        return result;
+    }
+    if (built == native &&
+        journal_add(journal, Py_BuildValue("(sO)", J_INPLACE, path)) < 0) {
+        Py_DECREF(built);
+        return NULL;
+    }
+    /* adopt(path, native, replacement): the replacement takes over what the
+     * native module carried at run time (training flag, hooks, frozen
+     * parameters) before it enters the tree. */
+    if (adopt != Py_None) {
+        PyObject *r = PyObject_CallFunctionObjArgs(adopt, path, native, built, NULL);
+        if (r == NULL) {
+            Py_DECREF(built);
+            return NULL;
+        }
+        Py_DECREF(r);
+    }
+    result = PyTuple_Pack(5, PyTuple_GET_ITEM(op, 0), path, parent, name, built);
+    Py_DECREF(built);
+    return result;
+}
+
+/* Phase 1 for one op: what phase 2 will do, built without touching the
+ * model (new reference, or NULL with an exception). */
+static PyObject *build_op(PyObject *op, PyObject *process_group, PyObject *adopt,
+                          PyObject *journal)
+{
+    const char *tag = op_tag(op);
+    if (tag == NULL)
+        return NULL;
+    if (strcmp(tag, OP_SUB) == 0)
+        return build_sub(op, process_group, adopt, journal);
+    if (strcmp(tag, OP_METHOD) == 0) {
+        PyObject *bound = PyMethod_New(PyTuple_GET_ITEM(op, 4), PyTuple_GET_ITEM(op, 2));
+        if (bound == NULL)
+            return NULL;
+        PyObject *r = PyTuple_Pack(5, PyTuple_GET_ITEM(op, 0), PyTuple_GET_ITEM(op, 1),
+                                   PyTuple_GET_ITEM(op, 2), PyTuple_GET_ITEM(op, 3), bound);
+        Py_DECREF(bound);
+        return r;
+    }
+    if (strcmp(tag, OP_PARAM) == 0 && !PyCallable_Check(PyTuple_GET_ITEM(op, 3))) {
+        PyErr_Format(PyExc_TypeError, "param_replacement %R is not callable",
+                     PyTuple_GET_ITEM(op, 3));
+        return NULL;
+    }
+    return Py_NewRef(op); /* attr (owner, name, value) and param (module, fn) as planned */
+}
+
+/* Phase 2 for one built op: make the change, journaled. */
+static int commit_op(PyObject *built, PyObject *journal)
+{
+    const char *tag = PyUnicode_AsUTF8(PyTuple_GET_ITEM(built, 0));
+    PyObject *path = PyTuple_GET_ITEM(built, 1);
+    if (tag == NULL)
+        return -1;
+    if (strcmp(tag, OP_PARAM) == 0) {
+        /* Recorded first: a callable that fails may have changed the module. */
+        if (journal_add(journal, Py_BuildValue("(sO)", J_PARAM, path)) < 0)
+            return -1;
+        PyObject *r = PyObject_CallOneArg(PyTuple_GET_ITEM(built, 3), PyTuple_GET_ITEM(built, 2));
+        Py_XDECREF(r);
+        return r ? 0 : -1;
+    }
+    if (strcmp(tag, OP_SUB) == 0 && PyTuple_GET_SIZE(built) == 3) {
+        /* Recorded first: rollback() undoes a commit that failed halfway too. */
+        PyObject *change = PyTuple_GET_ITEM(built, 2);
+        if (journal_add(journal, Py_BuildValue("(sOO)", J_CHANGE, path, change)) < 0)
+            return -1;
+        PyObject *r = PyObject_CallMethod(change, "commit", NULL);
+        Py_XDECREF(r);
+        return r ? 0 : -1;
+    }
+    /* attr (tag, path, owner, name, value), sub (tag, path, parent, name,
+     * replacement), method (tag, path, module, name, bound): one setattr. */
+    return journaled_setattr(journal, path, PyTuple_GET_ITEM(built, 2), PyTuple_GET_ITEM(built, 3),
+                             PyTuple_GET_ITEM(built, 4));
+}
+
+/* The paths of the journal's entries (what stays changed), as "a, b, ...". */
+static PyObject *journal_paths(PyObject *journal)
+{
+    PyObject *paths = PyList_New(0);
+    for (Py_ssize_t k = 0; paths && k < PyList_GET_SIZE(journal); k++) {
+        PyObject *e = PyList_GET_ITEM(journal, k);
+        PyObject *p = PyTuple_Check(e) && PyTuple_GET_SIZE(e) > 1 ? PyTuple_GET_ITEM(e, 1) : e;
+        PyObject *text = PyObject_Str(p);
+        if (text == NULL || PyList_Append(paths, text) < 0)
+            Py_CLEAR(paths);
+        Py_XDECREF(text);
+    }
+    if (paths == NULL)
+        return NULL;
+    PyObject *sep = PyUnicode_FromString(", ");
+    PyObject *joined = sep ? PyUnicode_Join(sep, paths) : NULL;
+    Py_XDECREF(sep);
+    Py_DECREF(paths);
+    return joined;
+}
+
+/* The failure of op `i` (of n): roll the journal back; then, unless the
+ * exception passes through unchanged, raise RuntimeError naming the op and
+ * whether the model is as it was, chaining the original as __cause__. */
+static void apply_failed(PyObject *op, Py_ssize_t i, Py_ssize_t n, PyObject *journal)
+{
+    rollback(journal);
+    if (pending_passes_through())
+        return;
+    PyObject *path = PyTuple_Check(op) && PyTuple_GET_SIZE(op) > 1 ? PyTuple_GET_ITEM(op, 1)
+                                                                   : Py_None;
+    PyObject *type, *value, *tb;
+    PyErr_Fetch(&type, &value, &tb);
+    PyErr_NormalizeException(&type, &value, &tb);
+    if (tb != NULL && value != NULL)
+        PyException_SetTraceback(value, tb);
+    PyObject *left = PyList_GET_SIZE(journal) ? journal_paths(journal) : NULL;
+    if (PyList_GET_SIZE(journal) && left == NULL)
+        PyErr_Clear();
+    if (left != NULL || PyList_GET_SIZE(journal))
+        PyErr_Format(PyExc_RuntimeError,
+                     "applying the shard plan failed at %S (op %zd of %zd): %S; the model is "
+                     "partially sharded (changes that cannot be undone: %S) and must be rebuilt",
+                     path, i + 1, n, value ? value : Py_None, left ? left : Py_None);
+    else
+        PyErr_Format(PyExc_RuntimeError,
+                     "applying the shard plan failed at %S (op %zd of %zd): %S; every change "
+                     "was undone, the model is as it was",
+                     path, i + 1, n, value ? value : Py_None);
+    Py_XDECREF(left);
+    if (value != NULL) {
+        PyObject *t2, *v2, *tb2;
+        PyErr_Fetch(&t2, &v2, &tb2);
+        PyErr_NormalizeException(&t2, &v2, &tb2);
+        if (v2 != NULL)
+            PyException_SetCause(v2, Py_NewRef(value)); /* steals the new reference */
+        PyErr_Restore(t2, v2, tb2);
+    }
+    Py_XDECREF(type);
+    Py_XDECREF(value);
+    Py_XDECREF(tb);
+}
+
+/* sharder_apply(ops, process_group, adopt=None, journal=None) -> number of ops applied.
+ *
+ * Phase 1 builds every replacement (the model untouched); phase 2 swaps them
+ * in, consuming the plan list (each op dropped as it is committed).  On any
+ * failure every change is undone and the exception raised (RuntimeError
+ * naming the op, or the original one when it passes through unchanged, see
+ * passes_through).  `adopt`, when not None, is called as adopt(path,
+ * native, replacement) for every sub-module replacement, in phase 1.
+ * `journal`, when a list, receives the record of the changes: after a
+ * failure it holds those that could not be undone (empty: the model is as it
+ * was); after success it is emptied (the replaced modules are let go). */
 PyObject *sf_sharder_apply(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     (void)self;
-    static char *kwlist[] = {"ops", "process_group", "adopt", NULL};
-    PyObject *ops, *process_group, *adopt = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O|O:sharder_apply", kwlist, &PyList_Type,
-                                     &ops, &process_group, &adopt))
+    static char *kwlist[] = {"ops", "process_group", "adopt", "journal", NULL};
+    PyObject *ops, *process_group, *adopt = Py_None, *journal = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O|OO:sharder_apply", kwlist, &PyList_Type,
+                                     &ops, &process_group, &adopt, &journal))
         return NULL;
     if (adopt != Py_None && !PyCallable_Check(adopt)) {
         PyErr_Format(PyExc_TypeError, "sharder_apply: adopt must be callable or None, got %s",
                      Py_TYPE(adopt)->tp_name);
         return NULL;
     }
+    if (journal != Py_None && !PyList_Check(journal)) {
+        PyErr_Format(PyExc_TypeError, "sharder_apply: journal must be a list or None, got %s",
+                     Py_TYPE(journal)->tp_name);
+        return NULL;
+    }
+    journal = journal == Py_None ? PyList_New(0) : Py_NewRef(journal);
+    PyObject *built = journal ? PyList_New(0) : NULL;
+    PyObject *result = NULL;
+    if (built == NULL)
+        goto done;
     Py_ssize_t n = PyList_GET_SIZE(ops);
-    /* Re-read the size every step: an op runs Python code that could shrink
-     * the list (n only feeds the messages). */
-    Py_ssize_t i;
-    for (i = 0; i < PyList_GET_SIZE(ops); i++) {
-        PyObject *op = PyList_GET_ITEM(ops, i);
-        Py_INCREF(op);
-        if (PyList_SetItem(ops, i, Py_NewRef(Py_None)) < 0) {
+    /* Sizes are re-read every step: an op runs Python code that could
+     * change the list (n only feeds the messages). */
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ops); i++) {
+        PyObject *op = Py_NewRef(PyList_GET_ITEM(ops, i));
+        PyObject *b = build_op(op, process_group, adopt, journal);
+        if (b == NULL || PyList_Append(built, b) < 0) {
+            Py_XDECREF(b);
+            apply_failed(op, i, n, journal);
             Py_DECREF(op);
-            return NULL;
+            goto done;
         }
-        int rc = apply_op(op, process_group, adopt);
+        Py_DECREF(b);
+        Py_DECREF(op);
+    }
+    Py_ssize_t i;
+    for (i = 0; i < PyList_GET_SIZE(ops) && i < PyList_GET_SIZE(built); i++) {
+        PyObject *op = Py_NewRef(PyList_GET_ITEM(ops, i));
+        PyObject *b = Py_NewRef(PyList_GET_ITEM(built, i));
+        /* consume both: the op's and the build's references go with the commit */
+        int rc = PyList_SetItem(ops, i, Py_NewRef(Py_None));
+        if (rc == 0)
+            rc = PyList_SetItem(built, i, Py_NewRef(Py_None));
+        if (rc == 0)
+            rc = commit_op(b, journal);
+        Py_DECREF(b);
         if (rc < 0) {
-            PyObject *path = PyTuple_Check(op) && PyTuple_GET_SIZE(op) > 1
-                                 ? PyTuple_GET_ITEM(op, 1) : Py_None;
-            PyObject *type, *value, *tb;
-            PyErr_Fetch(&type, &value, &tb);
-            PyErr_NormalizeException(&type, &value, &tb);
-            PyErr_Format(PyExc_RuntimeError,
-                         "applying the shard plan failed at %S (op %zd of %zd): %S; "
-                         "the model is partially sharded and must be rebuilt",
-                         path, i + 1, n, value ? value : Py_None);
-            Py_XDECREF(type);
-            Py_XDECREF(value);
-            Py_XDECREF(tb);
+            apply_failed(op, i, n, journal);
             Py_DECREF(op);
-            return NULL;
+            goto done;
         }
         Py_DECREF(op);
     }
-    return PyLong_FromSsize_t(i);
+    if (PyList_SetSlice(journal, 0, PyList_GET_SIZE(journal), NULL) < 0)
+        goto done;
+    result = PyLong_FromSsize_t(i);
+done:
+    Py_XDECREF(built);
+    Py_XDECREF(journal);
+    return result;
 }

@@ -19,6 +19,7 @@ static const char *const NAMES[SF_NSTATUS] = {
     [SF_EIO] = "SF_EIO",
     [SF_EUNSUPPORTED] = "SF_EUNSUPPORTED",
     [SF_EEXTERNAL] = "SF_EEXTERNAL",
+    [SF_EMISMATCH] = "SF_EMISMATCH",
 };
 
 const char *sf_status_name(sf_status code)

@@ -28,10 +28,12 @@ typedef enum {
     SF_ENOMEM,       /* an allocation failed                      -> MemoryError */
     SF_ETIMEOUT,     /* a peer did not arrive in time             -> TimeoutError */
     SF_EPEER,        /* a communicator is broken (earlier failure) -> RuntimeError */
-    SF_EINTR,        /* interrupted by a signal                   -> KeyboardInterrupt */
+    SF_EINTR,        /* interrupted by a signal -> the exception the signal handler
+                      * raised (left in place), else KeyboardInterrupt */
     SF_EIO,          /* a system call or library load failed      -> OSError */
     SF_EUNSUPPORTED, /* not available here (library, entry point) -> RuntimeError */
     SF_EEXTERNAL,    /* an external library (NCCL) reported an error -> RuntimeError */
+    SF_EMISMATCH,    /* ranks made different calls (collective)  -> RuntimeError */
     SF_NSTATUS
 } sf_status;
 
@@ -58,6 +60,18 @@ sf_status sf_fail(sf_error *err, sf_status code, const char *fmt, ...);
 static inline int sf_mul_overflows(int64_t a, int64_t b, int64_t *out)
 {
     return __builtin_mul_overflow(a, b, out);
+}
+
+/* The same for byte counts and offsets: a * b, a + b into *out; 1 when it
+ * overflows size_t. */
+static inline int sf_size_mul_overflows(size_t a, size_t b, size_t *out)
+{
+    return __builtin_mul_overflow(a, b, out);
+}
+
+static inline int sf_size_add_overflows(size_t a, size_t b, size_t *out)
+{
+    return __builtin_add_overflow(a, b, out);
 }
 
 #endif /* SHARDFORMER_STATUS_H */

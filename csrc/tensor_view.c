@@ -77,17 +77,22 @@ sf_status sf_view_init(sf_view *v, const SFDLTensor *t, int readonly, const char
             return sf_fail(err, SF_EOVERFLOW, "%s: the element count overflows int64 at "
                            "dimension %d", name, d);
     }
-    /* NULL strides mean compact row-major: spell them out. */
+    /* NULL strides mean compact row-major: spell them out.  The running
+     * product can only overflow past a dimension of size 0 (numel fits), where
+     * no stride is ever used: those are left 0. */
     int64_t stride = 1;
+    int wrapped = 0;
     for (int d = v->ndim - 1; d >= 0; d--) {
-        v->strides[d] = t->strides ? t->strides[d] : stride;
-        stride *= v->shape[d];
+        v->strides[d] = t->strides ? t->strides[d] : wrapped ? 0 : stride;
+        wrapped = wrapped || sf_mul_overflows(stride, v->shape[d], &stride);
     }
     return SF_OK;
 }
 
 int sf_view_is_contiguous(const sf_view *v)
 {
+    if (v->numel == 0)
+        return 1;                  /* (and every prefix product below fits numel) */
     int64_t expected = 1;
     for (int d = v->ndim - 1; d >= 0; d--) {
         if (v->shape[d] != 1 && v->strides[d] != expected)
@@ -104,6 +109,104 @@ sf_status sf_view_nbytes(const sf_view *v, const char *name, size_t *out, sf_err
         return sf_fail(err, SF_EOVERFLOW, "%s: %lld elements of %d bytes overflow size_t", name,
                        (long long)v->numel, v->itemsize);
     *out = (size_t)v->numel * (size_t)v->itemsize;
+    return SF_OK;
+}
+
+sf_status sf_extent(int ndim, const int64_t *shape, const int64_t *strides, int itemsize,
+                    const char *name, int64_t *lo, int64_t *hi, sf_error *err)
+{
+    *lo = *hi = 0;
+    for (int d = 0; d < ndim; d++)
+        if (shape[d] == 0)
+            return SF_OK;
+    int64_t below = 0, above = 0, step;
+    for (int d = 0; d < ndim; d++) {
+        if (sf_mul_overflows(strides[d], shape[d] - 1, &step) ||
+            (step < 0 ? __builtin_add_overflow(below, step, &below)
+                      : __builtin_add_overflow(above, step, &above)))
+            return sf_fail(err, SF_EOVERFLOW, "%s: the memory its strides reach overflows int64 "
+                           "(dimension %d: size %lld, stride %lld)", name, d,
+                           (long long)shape[d], (long long)strides[d]);
+    }
+    /* elements -> bytes, the last element's own bytes included */
+    if (sf_mul_overflows(below, itemsize, lo) || sf_mul_overflows(above, itemsize, hi) ||
+        __builtin_add_overflow(*hi, itemsize, hi))
+        return sf_fail(err, SF_EOVERFLOW, "%s: the memory its strides reach overflows int64 "
+                       "bytes", name);
+    return SF_OK;
+}
+
+int sf_bytes_intersect(const char *a, int64_t alo, int64_t ahi, const char *b, int64_t blo,
+                       int64_t bhi)
+{
+    if (alo >= ahi || blo >= bhi)
+        return 0;
+    /* unsigned address arithmetic: defined for any offsets */
+    const uintptr_t a0 = (uintptr_t)a + (uintptr_t)alo, a1 = (uintptr_t)a + (uintptr_t)ahi;
+    const uintptr_t b0 = (uintptr_t)b + (uintptr_t)blo, b1 = (uintptr_t)b + (uintptr_t)bhi;
+    return a0 < b1 && b0 < a1;
+}
+
+/* |s|, saturated at INT64_MAX (a stride of INT64_MIN reaches past any memory
+ * anyway; the reach computed from it overflows and is refused). */
+static int64_t abs_stride(int64_t s) { return s >= 0 ? s : s == INT64_MIN ? INT64_MAX : -s; }
+
+sf_status sf_check_no_self_overlap(int ndim, const int64_t *shape, const int64_t *strides,
+                                   const char *name, sf_error *err)
+{
+    int order[SF_MAX_DIMS], n = 0;
+    for (int d = 0; d < ndim && d < SF_MAX_DIMS; d++) {
+        if (shape[d] == 0)
+            return SF_OK;          /* no elements: nothing to overlap */
+        if (shape[d] == 1)
+            continue;
+        if (strides[d] == 0)
+            return sf_fail(err, SF_EINVAL, "%s: dimension %d has size %lld but stride 0 (an "
+                           "expand()ed or broadcast tensor): its elements share memory, so it "
+                           "cannot be written; pass a tensor of its own (.contiguous())", name,
+                           d, (long long)shape[d]);
+        /* insertion sort by |stride| (at most SF_MAX_DIMS dimensions) */
+        int k = n++;
+        while (k > 0 && abs_stride(strides[order[k - 1]]) > abs_stride(strides[d])) {
+            order[k] = order[k - 1];
+            k--;
+        }
+        order[k] = d;
+    }
+    int64_t reach = 0;             /* the largest offset the smaller strides reach */
+    for (int i = 0; i < n; i++) {
+        const int d = order[i];
+        const int64_t st = abs_stride(strides[d]);
+        if (st <= reach)
+            return sf_fail(err, SF_EINVAL, "%s: dimension %d (size %lld, stride %lld) steps "
+                           "into the span of its smaller strides, so two indices may address "
+                           "the same element (an as_strided tensor?); it cannot be written: "
+                           "pass a tensor of its own (.contiguous())", name, d,
+                           (long long)shape[d], (long long)strides[d]);
+        int64_t span;
+        if (sf_mul_overflows(st, shape[d] - 1, &span) ||
+            __builtin_add_overflow(reach, span, &reach))
+            return sf_fail(err, SF_EOVERFLOW, "%s: the memory its strides reach overflows "
+                           "int64 (dimension %d: size %lld, stride %lld)", name, d,
+                           (long long)shape[d], (long long)strides[d]);
+    }
+    return SF_OK;
+}
+
+sf_status sf_check_disjoint(const sf_view *out, const char *oname, const sf_view *other,
+                            const char *other_name, sf_error *err)
+{
+    int64_t olo, ohi, alo, ahi;
+    sf_status rc;
+    if ((rc = sf_extent(out->ndim, out->shape, out->strides, out->itemsize, oname, &olo, &ohi,
+                        err)) ||
+        (rc = sf_extent(other->ndim, other->shape, other->strides, other->itemsize, other_name,
+                        &alo, &ahi, err)))
+        return rc;
+    if (sf_bytes_intersect(out->data, olo, ohi, other->data, alo, ahi))
+        return sf_fail(err, SF_EINVAL, "%s overlaps %s in memory: an output may not share "
+                       "memory with an input or another output (the result would depend on "
+                       "the order of the writes); pass a separate tensor", oname, other_name);
     return SF_OK;
 }
 

@@ -56,9 +56,39 @@ enum {
 sf_status sf_view_init(sf_view *v, const SFDLTensor *t, int readonly, const char *name,
                        sf_error *err);
 
+/* Row-major contiguous (dimensions of size 1 may have any stride); an empty
+ * view is contiguous, as in torch. */
 int sf_view_is_contiguous(const sf_view *v);
 /* numel * itemsize, or EOVERFLOW when it does not fit size_t. */
 sf_status sf_view_nbytes(const sf_view *v, const char *name, size_t *out, sf_error *err);
+
+/* Where a strided tensor lies in memory: the byte offsets [*lo, *hi) it can
+ * reach relative to its first element (negative strides reach below it);
+ * [0, 0) when it has no elements.  EOVERFLOW naming `name` when a
+ * stride x size product or the sum does not fit int64. */
+sf_status sf_extent(int ndim, const int64_t *shape, const int64_t *strides, int itemsize,
+                    const char *name, int64_t *lo, int64_t *hi, sf_error *err);
+
+/* 1 when the byte ranges [a + alo, a + ahi) and [b + blo, b + bhi) share a
+ * byte (empty ranges share none). */
+int sf_bytes_intersect(const char *a, int64_t alo, int64_t ahi, const char *b, int64_t blo,
+                       int64_t bhi);
+
+/* SF_OK when no two indices of the tensor address the same element; EINVAL
+ * naming `name` when two may: a stride of 0 in a dimension of size > 1 (an
+ * expand()ed tensor) or strides that interleave (as_strided).  Sufficient,
+ * not necessary: sorted by |stride|, each dimension must step past all the
+ * smaller ones; the layouts torch and NumPy make (slices, transposes, steps)
+ * pass.  EOVERFLOW when the reach of the strides overflows int64. */
+sf_status sf_check_no_self_overlap(int ndim, const int64_t *shape, const int64_t *strides,
+                                   const char *name, sf_error *err);
+
+/* Outputs of an entry point: `out` must not share memory with `other` (an
+ * input or another output).  The views' extents are compared, which is
+ * exact for contiguous views and conservative for strided ones.  EINVAL
+ * naming both. */
+sf_status sf_check_disjoint(const sf_view *out, const char *oname, const sf_view *other,
+                            const char *other_name, sf_error *err);
 
 const char *sf_dtype_name(SFDLDataType dt);
 /* The SF_DT_* bit of dt, 0 for a dtype outside the list. */

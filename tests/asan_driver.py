@@ -503,9 +503,94 @@ def scenario_status(i):
         assert torch.equal(back.view(torch.int16), red.view(torch.int16))
 
 
+# --- issue 11: sizes, aliasing, strides, out-of-range indices -------------------
+
+HUGE = 2**62
+# strides whose reach overflows int64 bytes (refused before any read)
+OVERREACH = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), shape=(5,), strides=(2**61,))
+D0_Q, D0_K, D0_LSE = torch.empty(1, 1, 2**20, 0), torch.empty(1, 1, 2**31, 0), torch.zeros(1, 1, 2**20)
+
+
+def scenario_faults(i):
+    """The error paths of issue 11: empty tensors with huge other dimensions
+    (done at once or refused), outputs overlapping inputs, destinations that
+    overlap themselves, sources sharing memory with the destination (read
+    from a copy), token ids and labels out of range."""
+    from shardformer import ops
+
+    dtype = (torch.float32, torch.bfloat16, torch.float16)[i % 3]
+    # sizes: rows of nothing, nothing of huge rows
+    x = torch.empty(2**50, 0, dtype=dtype, requires_grad=True)
+    ops.bias_gelu(x).sum().backward()
+    ops.bias_dropout_add(x, None, x, 0.5, seed=i).sum().backward()
+    ops.swiglu(x, x).sum().backward()
+    x = torch.empty(0, 2**40, dtype=dtype, requires_grad=True)
+    ops.layer_norm(x, [2**40]).sum().backward()
+    ops.rms_norm(x, [2**40]).sum().backward()
+    _C.norm_backward(True, torch.empty(0, HUGE), torch.empty(0, HUGE), None, None, torch.empty(0),
+                     torch.empty(0, HUGE), None, None)
+    ops.vocab_embedding(torch.tensor([5, 2**40 + 3]), torch.empty(2**40 + 10, 0, dtype=dtype),
+                        vocab_size=2**40 + 10)
+    _C.embedding_backward(torch.empty(0, HUGE, dtype=torch.bfloat16), torch.zeros(0, dtype=torch.int64),
+                          0, 0, -1, torch.empty(0, HUGE))
+    ops.xent_stats(torch.empty(0, 2**60), torch.zeros(0, dtype=torch.int64), 0, 2**60, -100, True, 2**60)
+    ops.xent_grad(torch.empty(0, 2**60), torch.zeros(0, dtype=torch.int64), 0, 2**60, -100,
+                  torch.empty(0), torch.empty(0), 0.1, 2**60)
+    assert ops.attention(torch.empty(1, 1, 2**40, 0), torch.empty(1, 1, 2**40, 0),
+                         torch.empty(1, 1, 2**40, 0)).shape == (1, 1, 2**40, 0)
+    expect(ValueError, _C.attention_forward, D0_Q, D0_K, D0_K, torch.empty_like(D0_Q), D0_LSE,
+           1.0, False, 0, None, None, None, 0.0, 0, match="head size D=0")
+    _C.attention_backward(D0_Q, D0_K, D0_K, D0_Q, D0_Q, D0_LSE, torch.empty_like(D0_Q),
+                          torch.empty_like(D0_K), torch.empty_like(D0_K), None, 1.0, True, 0, None,
+                          None, None, 0.0, 0)
+    ops.attention_dropout_mask((2**40, 1, 1, 0), 0.5, i)
+    q, k, v = _attention_args(dtype, 1, 2, 2, 5, 9, 8)
+    assert torch.equal(ops.attention(q, k, v, window=2**63 - 1), ops.attention(q, k, v))
+    _C.copy_shard(torch.empty(0, 2**60), torch.empty(0, 2**40), 1, [(0, 2**40)])
+    expect(OverflowError, _C.copy_shard, OVERREACH, np.zeros(5, np.float32), 0, [(0, 5)],
+           match="full: the memory its strides reach overflows")
+    expect(ValueError, _C.embedding_forward, torch.randn(4, 3), torch.tensor([2**63 - 1]), -1, 4,
+           torch.empty(1, 3), match="vocab_start=-1")
+    # aliasing: outputs over inputs are refused; the declared in-place use stays
+    lse = torch.empty(1, 2, 5)
+    expect(ValueError, _C.attention_forward, q, k, v, q, lse, 0.5, False, 0, None, None, None, 0.0,
+           0, match="out overlaps q in memory")
+    qf, kf, vf = _attention_args(torch.float32, 1, 2, 2, 5, 9, 8)
+    outf = torch.empty_like(qf)
+    expect(ValueError, _C.attention_forward, qf, kf, vf, outf, outf.reshape(-1)[:10].view(1, 2, 5),
+           0.5, False, 0, None, None, None, 0.0, 0, match="out overlaps the output lse")
+    xf = torch.randn(3, 8)
+    expect(ValueError, _C.norm_forward, False, xf, None, None, 1e-5, xf, None, torch.empty(3),
+           match="norm_forward: y overlaps x in memory")
+    expect(ValueError, _C.swiglu_backward, xf, xf, xf, torch.empty(3, 8), xf, match="overlaps")
+    zbuf = torch.randn(40)
+    yl = torch.tensor([1, 2, 3, 0])
+    expect(ValueError, _C.xent_backward, zbuf[:32].view(4, 8), yl, 0, 8, -100, torch.zeros(4),
+           torch.ones(4), 0.0, 8, zbuf[8:].view(4, 8), match="grad overlaps logits")
+    z = torch.randn(4, 8)
+    _C.xent_backward(z, yl, 0, 8, -100, torch.zeros(4), torch.ones(4), 0.0, 8, z)
+    # destinations that overlap themselves; sources sharing memory, read first
+    expect(ValueError, _C.copy_shard, torch.arange(8.0).view(2, 4), torch.zeros(1, 2).expand(2, 2), 1,
+           [(0, 2)], match="stride 0")
+    expect(ValueError, _C.place_shard, torch.zeros(4).expand(2, 4), torch.ones(2, 2), 1, [(0, 2)],
+           match="stride 0")
+    expect(ValueError, _C.copy_shard, torch.ones(3, 2), torch.zeros(4).as_strided((3, 2), (1, 1)), 1,
+           [(0, 2)], match="steps into the span")
+    a = torch.arange(8.0)
+    _C.copy_shard(a, a, 0, [(4, 2), (0, 2)])
+    assert a.tolist() == [4, 5, 0, 1, 0, 0, 0, 0]
+    w = torch.arange(24.0).view(4, 6)
+    _C.place_shard(w.t(), w[:, :4].t(), 0, [(3, 1), (0, 2), (5, 1)])
+    # token ids and labels outside [0, V)
+    expect(IndexError, _C.embedding_forward, torch.randn(10, 4), torch.tensor([1, 10]), 0, 10,
+           torch.empty(2, 4), 10, match="index 10 is out of range for the vocabulary of 10")
+    expect(IndexError, _C.xent_forward, torch.randn(4, 12), torch.tensor([1, -100, 10, 0]), 0, 10, -100,
+           torch.empty(4), torch.empty(4), torch.empty(4), None, 10, match="label 10 (row 2)")
+
+
 SCENARIOS = [scenario_layout_math, scenario_copy_place_torch, scenario_copy_place_numpy,
              scenario_copy_errors, scenario_gather_index, scenario_tensor_info,
-             scenario_sharder, scenario_attention, scenario_status]
+             scenario_sharder, scenario_attention, scenario_status, scenario_faults]
 
 if MODE == "asan":
     for scenario in SCENARIOS:
@@ -572,7 +657,41 @@ elif MODE == "leaks":
     XO16 = torch.empty(6, dtype=torch.float16)
     XG = torch.empty(6, 20)
     XZ16 = torch.empty(6, 20, dtype=torch.bfloat16)
+    # issue 11's error paths
+    EMPTY_HUGE, EMPTY0 = torch.empty(0, HUGE), torch.empty(0)
+    OVER_DST = np.zeros(5, np.float32)
+    ROWS_OF_NOTHING = torch.empty(2**50, 0)
+    XF = torch.randn(3, 8)
+    XF_OUT, XF_RSTD = torch.empty(3, 8), torch.empty(3)
+    EXPANDED_DST = torch.zeros(1, 2).expand(2, 2)
+    SELF_OVERLAP = torch.zeros(4).as_strided((3, 2), (1, 1))
+    ALIASED = torch.arange(8.0)
+    EMB_W, EMB_OUT = torch.randn(10, 4), torch.empty(2, 4)
+    OOB_IDS, OOB_LABELS = torch.tensor([1, 10]), torch.tensor([1, -100, 10, 0, 2, 3])
     cases = {
+        "faults/norm_backward_empty_huge": lambda: _C.norm_backward(
+            True, EMPTY_HUGE, EMPTY_HUGE, None, None, EMPTY0, EMPTY_HUGE, None, None),
+        "faults/gelu_rows_of_nothing": lambda: _C.bias_gelu_forward(
+            ROWS_OF_NOTHING, None, False, ROWS_OF_NOTHING),
+        "faults/attention_d0": lambda: expect(
+            ValueError, _C.attention_forward, D0_Q, D0_K, D0_K, D0_Q, D0_LSE, 1.0, False, 0, None,
+            None, None, 0.0, 0),
+        "faults/extent_overflow": lambda: expect(OverflowError, _C.copy_shard, OVERREACH, OVER_DST,
+                                                 0, [(0, 5)]),
+        "faults/output_overlaps_input": lambda: expect(
+            ValueError, _C.norm_forward, False, XF, None, None, 1e-5, XF, None, XF_RSTD),
+        "faults/output_overlaps_output": lambda: expect(
+            ValueError, _C.norm_forward, False, XF, None, None, 1e-5, XF_OUT, None,
+            XF_OUT.view(-1)[:3]),
+        "faults/zero_stride_destination": lambda: expect(ValueError, _C.copy_shard, T2[:2, :2],
+                                                         EXPANDED_DST, 1, [(0, 2)]),
+        "faults/self_overlapping_destination": lambda: expect(
+            ValueError, _C.copy_shard, T2[:3, :2], SELF_OVERLAP, 1, [(0, 2)]),
+        "faults/staged_source": lambda: _C.copy_shard(ALIASED, ALIASED, 0, [(4, 2), (0, 2)]),
+        "faults/oob_ids": lambda: expect(IndexError, _C.embedding_forward, EMB_W, OOB_IDS, 0, 10,
+                                         EMB_OUT, 10),
+        "faults/oob_labels": lambda: expect(IndexError, _C.xent_forward, XZ, OOB_LABELS, 0, 20,
+                                            -100, XO[0], XO[1], XO[2], None, 10),
         "attention_forward": lambda: _C.attention_forward(
             ATT_Q, ATT_K, ATT_V, ATT_OUT, ATT_LSE, 0.5, True, 4, ATT_SLOPES, ATT_BIAS, ATT_MASK, 0.1, 3),
         "attention_backward": lambda: _C.attention_backward(

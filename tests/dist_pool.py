@@ -47,7 +47,10 @@ def _worker(rank: int, world_size: int, port: int, conn) -> None:
         groups[k] = g
     conn.send(("ready", rank))
     while True:
-        msg = conn.recv()
+        try:
+            msg = conn.recv()
+        except EOFError:  # the driver is gone: leave through the same clean exit
+            break
         if msg is None:
             break
         module_name, fn_name, tp_size, args, kwargs = msg

@@ -166,6 +166,19 @@ def test_unit_tests_under_asan(asan_build, tmp_path):
     assert " passed" in proc.stdout and "failed" not in proc.stdout, report
 
 
+def test_shm_faults_under_asan(asan_build):
+    """tests/test_shm_faults.py's scenarios (mismatched collectives, send/recv
+    mismatches, timeouts and aborts, close during a call, overlapping calls,
+    overflowing sizes, forged segment headers, Ctrl-C) against the ASan
+    build: the same outcomes, and no ASan report (the scenario's child exits
+    with ASan's exit code on one)."""
+    import test_shm_faults
+
+    so, libasan = asan_build
+    env = dict(os.environ, LD_PRELOAD=libasan, PYTHONMALLOC="malloc", ASAN_OPTIONS=ASAN_OPTIONS)
+    test_shm_faults.run_all(sys.executable, so, env)
+
+
 def test_no_reference_leaks(tmp_path):
     """See the module docstring: allocations must not grow per call."""
     proc = _run_driver(tmp_path, "leaks", "-", 500, timeout=240)

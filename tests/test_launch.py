@@ -100,3 +100,29 @@ def test_spawn_rejects_bad_arguments():
         spawn(_report, 0)
     with pytest.raises(ValueError, match="cannot send"):
         spawn(lambda rank: rank, 1)
+
+
+_EXIT_PROBE = r"""
+import atexit, sys
+import torch
+from shardformer.launch import free_port, init_rank
+# Registered before init_rank's handler, so (atexit runs last-in first-out) it runs after it.
+atexit.register(lambda: print("initialized at exit:", torch.distributed.is_initialized(), flush=True))
+dist = init_rank(0, 1, free_port(), "gloo", timeout_s=30)
+g = dist.new_group([0])
+t = torch.ones(4)
+dist.all_reduce(t, group=g)
+# the script ends without destroy_process_group
+"""
+
+
+def test_init_rank_destroys_groups_at_exit():
+    """A rank that returns without destroy_process_group still gets its groups
+    destroyed while the interpreter is whole (not by finalization, where gloo's
+    threads can end the process with SIGABRT)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _EXIT_PROBE], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "initialized at exit: False" in out.stdout, out.stdout + out.stderr

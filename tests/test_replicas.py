@@ -17,13 +17,15 @@ def test_different_seeds_refused(pool, tp):
     assert f"ranks {list(range(1, tp))}" in msgs[0] and "manual_seed" in msgs[0], msgs[0]
 
 
-def test_one_element_on_one_rank_refused(pool):
-    msg = pool.run(replicas.one_element_refused, 4, 2)[0]
-    assert "1 of " in msg and "model.layers.1.mlp.up_proj.weight (ranks [2])" in msg, msg
+@pytest.mark.parametrize("tp", [2, 4])
+def test_one_element_on_one_rank_refused(pool, tp):
+    msg = pool.run(replicas.one_element_refused, tp, tp - 1)[0]
+    assert "1 of " in msg and f"model.layers.1.mlp.up_proj.weight (ranks [{tp - 1}])" in msg, msg
 
 
-def test_different_configs_refused(pool):
-    msg = pool.run(replicas.different_config_refused, 2)[0]
+@pytest.mark.parametrize("tp", [2, 4])
+def test_different_configs_refused(pool, tp):
+    msg = pool.run(replicas.different_config_refused, tp)[0]
     assert "built different models" in msg and "rank 1" in msg and "layers.2" in msg, msg
 
 

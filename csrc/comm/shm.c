@@ -1,18 +1,26 @@
 /*
  * shm.c -- the shared-memory collectives (see shm.h for the contract).
  *
- * Segment layout (every block 128-byte aligned, one counter per cache line
- * so ranks never write the same line):
+ * Segment layout (every block 128-byte aligned, every counter on a cache line
+ * of its own so ranks never write the same line):
  *
  *     header                      magic, nonce, nranks, sizes
- *     seq[nranks]                 rank r's barrier count, written by r only
- *     posted[P][P], taken[P][P]   mailbox counters of the ordered pair (src, dst)
- *     work[nranks][2][half]       each rank's workspace, two halves
+ *     abort                       the first failure (rank, reason) and, per
+ *                                 rank, the ranks it was waiting for
+ *     ranks[P]                    rank r's barrier count and its two call
+ *                                 descriptors, written by r only
+ *     posted[P][P], taken[P][P]   mailbox counters of the ordered pair (src,
+ *                                 dst); posted also holds the message header
+ *     work[P][2][half]            each rank's workspace, two halves
  *     mail[P][P][p2p]             one mailbox buffer per ordered pair
  *
  * Memory ordering: a rank publishes with a release store of its counter after
- * writing data; a reader acquires the counter before reading the data.  No
- * reliance on x86's strong ordering.
+ * writing data (descriptors and message headers included); a reader acquires
+ * the counter before reading the data.  No reliance on x86's strong ordering.
+ *
+ * Sizes: the layout is computed with checked arithmetic (plan()), both when
+ * rank 0 sizes the segment and when another rank checks the header it reads.
+ * Every byte count of a call is checked before the first copy.
  */
 #define _GNU_SOURCE
 #include "shm.h"
@@ -29,9 +37,12 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "dlpack.h"
+#include "tensor_view.h"
+
 #define MAGIC 0x73666f726d73686dull /* "sformshm" */
 #define LINE 128
-#define ALIGN(x) (((x) + (size_t)LINE - 1) & ~((size_t)LINE - 1))
+#define POLL_S 0.015 /* how often a sleeping wait calls the poll callback */
 
 typedef struct {
     _Atomic uint64_t v;
@@ -47,60 +58,148 @@ typedef struct {
     uint64_t total;
 } header;
 
+/* Why a rank broke the communicator (the abort record's reason). */
+enum { WHY_NONE = 0, WHY_TIMEOUT = 1, WHY_INTERRUPT = 2, WHY_DESYNC = 3 };
+
+typedef struct {
+    _Atomic uint64_t word; /* 0, or (reason << 32) | (rank + 1) of the first failure */
+    char pad[LINE - sizeof(uint64_t)];
+    /* missing[r]: the ranks (bit q) rank r was waiting for when it failed;
+     * written by r before it tries to claim `word`. */
+    _Atomic uint64_t missing[SF_SHM_MAX_RANKS];
+} abort_block;
+
+/* The kinds of collective call a descriptor names. */
+enum { K_ALL_REDUCE = 1, K_ALL_GATHER, K_REDUCE_SCATTER, K_BROADCAST, K_BARRIER, K_NKINDS };
+
+/* What a rank is doing in one collective call (see shm.h). */
+typedef struct {
+    uint64_t seq;   /* the barrier it was published for */
+    uint64_t call;  /* the rank's collective number, from 1 */
+    uint64_t bytes; /* bytes of the call's tensor argument */
+    uint32_t dtype; /* sf_shm_dtype */
+    int32_t root;   /* broadcast root, else -1 */
+    uint8_t kind, op, algo, pad[5];
+} desc;
+
+/* Rank r's line: its barrier count and its two descriptor slots (slot
+ * [target & 1] for the barrier numbered target). */
+typedef struct {
+    _Atomic uint64_t seq;
+    desc slot[2];
+    char pad[LINE - sizeof(uint64_t) - 2 * sizeof(desc)];
+} rank_line;
+
+/* The sender's line of an ordered pair: chunks posted and the header of the
+ * message they belong to (written before the first chunk is posted). */
+typedef struct {
+    _Atomic uint64_t posted;
+    uint64_t bytes; /* the message's total bytes */
+    uint64_t msgno; /* its number on the pair, from 1 */
+    uint32_t dtype; /* sf_shm_dtype */
+    char pad[LINE - 3 * sizeof(uint64_t) - sizeof(uint32_t)];
+} mailbox;
+
+_Static_assert(sizeof(counter) == LINE, "one counter per cache line");
+_Static_assert(sizeof(rank_line) == LINE, "one rank line per cache line");
+_Static_assert(sizeof(mailbox) == LINE, "one mailbox line per cache line");
+_Static_assert(sizeof(abort_block) % LINE == 0, "abort block in whole lines");
+_Static_assert(sizeof(header) <= LINE, "header in one line");
+
 struct sf_shm {
     char *base;
     size_t total;
     int nranks, rank;
     size_t half, p2p;
-    counter *seq;
-    counter *posted, *taken;
+    abort_block *abort;
+    rank_line *ranks;
+    mailbox *posted;
+    counter *taken;
     char *work, *mail;
-    uint64_t my_seq;          /* barriers this rank has entered */
-    unsigned phase;           /* which workspace half the next chunk uses */
+    uint64_t my_seq;  /* barriers this rank has entered */
+    uint64_t calls;   /* collective calls this rank has announced */
+    unsigned phase;   /* which workspace half the next chunk uses */
+    int announce;     /* the next barrier publishes and checks `next` */
+    desc next;
+    uint64_t sent[SF_SHM_MAX_RANKS], received[SF_SHM_MAX_RANKS]; /* messages per peer */
     double timeout_s;
     size_t oneshot_max;
-    int broken;
+    int broken;       /* WHY_* of this rank's own failure, or -1 for a peer's */
+    sf_shm_poll_fn poll;
+    void *poll_ctx;
     char label[SF_SHM_LABEL];
 };
 
-static size_t layout(sf_shm *c)
+/* ---- sizes ---------------------------------------------------------------- */
+
+/* x rounded up to a whole line; 1 when that overflows. */
+static int align_overflows(size_t x, size_t *out)
 {
-    size_t p = (size_t)c->nranks;
-    size_t off = ALIGN(sizeof(header));
-    size_t seq_off = off;
-    off += p * sizeof(counter);
-    size_t posted_off = off;
-    off += p * p * sizeof(counter);
-    size_t taken_off = off;
-    off += p * p * sizeof(counter);
-    size_t work_off = ALIGN(off);
-    off = work_off + p * 2 * c->half;
-    size_t mail_off = ALIGN(off);
-    off = mail_off + p * p * c->p2p;
-    if (c->base) {
-        c->seq = (counter *)(c->base + seq_off);
-        c->posted = (counter *)(c->base + posted_off);
-        c->taken = (counter *)(c->base + taken_off);
-        c->work = c->base + work_off;
-        c->mail = c->base + mail_off;
-    }
-    return off;
+    if (x > SIZE_MAX - (LINE - 1))
+        return 1;
+    *out = (x + (LINE - 1)) & ~(size_t)(LINE - 1);
+    return 0;
 }
 
-static sf_shm *new_comm(int nranks, int rank, size_t workspace, size_t p2p)
+typedef struct {
+    size_t abort, ranks, posted, taken, work, mail, total;
+} seg_layout;
+
+/* The offsets of the blocks for P ranks, halves of `half` bytes and mailboxes
+ * of `p2p` bytes (both whole lines).  0, or -1 when the size overflows or
+ * passes INT64_MAX (the largest file, and Python's largest size). */
+static int plan(size_t P, size_t half, size_t p2p, seg_layout *L)
+{
+    size_t off = LINE, n; /* the header's line */
+    if (P < 1 || P > SF_SHM_MAX_RANKS || half % LINE || p2p % LINE)
+        return -1;
+    L->abort = off;
+    off += sizeof(abort_block);
+    L->ranks = off;
+    off += P * sizeof(rank_line);
+    L->posted = off;
+    off += P * P * sizeof(mailbox);
+    L->taken = off;
+    off += P * P * sizeof(counter); /* fixed part: P <= 64, far from overflow */
+    L->work = off;
+    if (sf_size_mul_overflows(2 * P, half, &n) || sf_size_add_overflows(off, n, &off))
+        return -1;
+    L->mail = off;
+    if (sf_size_mul_overflows(P * P, p2p, &n) || sf_size_add_overflows(off, n, &off))
+        return -1;
+    if (off > (size_t)INT64_MAX)
+        return -1;
+    L->total = off;
+    return 0;
+}
+
+/* Point c's block pointers into its mapping. */
+static void place(sf_shm *c, const seg_layout *L)
+{
+    c->abort = (abort_block *)(c->base + L->abort);
+    c->ranks = (rank_line *)(c->base + L->ranks);
+    c->posted = (mailbox *)(c->base + L->posted);
+    c->taken = (counter *)(c->base + L->taken);
+    c->work = c->base + L->work;
+    c->mail = c->base + L->mail;
+}
+
+static sf_shm *new_comm(int nranks, int rank, size_t half, size_t p2p)
 {
     sf_shm *c = calloc(1, sizeof(*c));
     if (!c)
         return NULL;
     c->nranks = nranks;
     c->rank = rank;
-    c->half = ALIGN(workspace / 2);
-    c->p2p = ALIGN(p2p);
+    c->half = half;
+    c->p2p = p2p;
     c->timeout_s = 300.0;
     c->oneshot_max = 256 * 1024;
     snprintf(c->label, sizeof(c->label), "shm group of %d ranks", nranks);
     return c;
 }
+
+/* ---- setup ------------------------------------------------------------------ */
 
 sf_status sf_shm_create(const char *name, int nranks, size_t workspace, size_t p2p, uint64_t nonce,
                         sf_shm **out, sf_error *err)
@@ -112,17 +211,26 @@ sf_status sf_shm_create(const char *name, int nranks, size_t workspace, size_t p
         return sf_fail(err, SF_EINVAL,
                     "shm create: workspace=%zu bytes (min %d) and p2p=%zu bytes (min %d) too small",
                     workspace, 2 * LINE, p2p, LINE);
-    sf_shm *c = new_comm(nranks, 0, workspace, p2p);
+    size_t half, box;
+    seg_layout L;
+    if (align_overflows(workspace / 2, &half) || align_overflows(p2p, &box) ||
+        plan((size_t)nranks, half, box, &L))
+        return sf_fail(err, SF_EINVAL,
+                    "shm create: a segment for %d ranks with workspace=%zu bytes per rank and "
+                    "p2p=%zu bytes per pair of ranks is larger than %lld bytes (set "
+                    "SHARDFORMER_SHM_WORKSPACE smaller)",
+                    nranks, workspace, p2p, (long long)INT64_MAX);
+    sf_shm *c = new_comm(nranks, 0, half, box);
     if (!c)
         return sf_fail(err, SF_ENOMEM, "shm create: out of memory");
-    c->total = layout(c);
+    c->total = L.total;
     int fd = shm_open(name, O_CREAT | O_EXCL | O_RDWR, 0600);
     if (fd < 0) {
         int e = errno;
         free(c);
         return sf_fail(err, SF_EIO, "shm_open(%s): %s", name, strerror(e));
     }
-    sf_status rc = posix_fallocate(fd, 0, (off_t)c->total);
+    int rc = posix_fallocate(fd, 0, (off_t)c->total);
     if (rc != 0) {
         size_t total = c->total;
         close(fd);
@@ -144,7 +252,7 @@ sf_status sf_shm_create(const char *name, int nranks, size_t workspace, size_t p
                     strerror(e));
     }
     c->base = p;
-    layout(c);
+    place(c, &L);
     header *h = (header *)c->base;
     h->nranks = (uint64_t)nranks;
     h->half = c->half;
@@ -155,6 +263,24 @@ sf_status sf_shm_create(const char *name, int nranks, size_t workspace, size_t p
     h->magic = MAGIC;
     *out = c;
     return SF_OK;
+}
+
+/* The header's sizes describe a segment of `total` bytes for `nranks` ranks:
+ * whole-line halves and mailboxes whose layout (checked arithmetic) ends
+ * exactly at the end of the file.  0 and *L filled, or -1. */
+static int header_fits(const header *hd, int nranks, size_t total, seg_layout *L)
+{
+    if (hd->nranks != (uint64_t)nranks || hd->total != (uint64_t)total)
+        return -1;
+    if (hd->half < LINE || hd->p2p < LINE)
+        return -1;
+#if SIZE_MAX < UINT64_MAX
+    if (hd->half > SIZE_MAX || hd->p2p > SIZE_MAX)
+        return -1;
+#endif
+    if (plan((size_t)nranks, (size_t)hd->half, (size_t)hd->p2p, L))
+        return -1;
+    return L->total == total ? 0 : -1;
 }
 
 sf_status sf_shm_attach(const char *name, int nranks, int rank, uint64_t nonce, sf_shm **out,
@@ -168,7 +294,7 @@ sf_status sf_shm_attach(const char *name, int nranks, int rank, uint64_t nonce, 
         return sf_fail(err, SF_EIO, "shm_open(%s): %s (rank %d is not on the host "
                     "of rank 0)", name, strerror(errno), rank);
     struct stat st;
-    if (fstat(fd, &st) != 0 || (size_t)st.st_size < sizeof(header)) {
+    if (fstat(fd, &st) != 0 || st.st_size < LINE) {
         close(fd);
         return sf_fail(err, SF_EIO, "segment %s is too small or unreadable", name);
     }
@@ -179,28 +305,33 @@ sf_status sf_shm_attach(const char *name, int nranks, int rank, uint64_t nonce, 
     if (p == MAP_FAILED)
         return sf_fail(err, SF_EIO, "mmap of %zu bytes (%s): %s", total, name,
                     strerror(e));
-    header *h = (header *)p;
-    if (h->magic != MAGIC || h->nonce != nonce || h->nranks != (uint64_t)nranks ||
-        h->total != total) {
+    /* One snapshot of the header: what is checked is what is used. */
+    header hd;
+    memcpy(&hd, p, sizeof(hd));
+    atomic_thread_fence(memory_order_acquire);
+    if (hd.magic != MAGIC || hd.nonce != nonce || hd.nranks != (uint64_t)nranks) {
         munmap(p, total);
         return sf_fail(err, SF_EINVAL,
                     "segment %s is not the one rank 0 created for this group (header mismatch)",
                     name);
     }
-    atomic_thread_fence(memory_order_acquire);
-    sf_shm *c = new_comm(nranks, rank, 2 * (size_t)h->half, (size_t)h->p2p);
+    seg_layout L;
+    if (header_fits(&hd, nranks, total, &L)) {
+        munmap(p, total);
+        return sf_fail(err, SF_EINVAL,
+                    "segment %s: its header (nranks=%llu, half=%llu, p2p=%llu, total=%llu "
+                    "bytes) does not describe a %zu-byte segment (corrupt or forged header)",
+                    name, (unsigned long long)hd.nranks, (unsigned long long)hd.half,
+                    (unsigned long long)hd.p2p, (unsigned long long)hd.total, total);
+    }
+    sf_shm *c = new_comm(nranks, rank, (size_t)hd.half, (size_t)hd.p2p);
     if (!c) {
         munmap(p, total);
         return sf_fail(err, SF_ENOMEM, "shm attach: out of memory");
     }
-    c->half = (size_t)h->half;
-    c->p2p = (size_t)h->p2p;
     c->base = p;
     c->total = total;
-    if (layout(c) != total) {
-        sf_shm_close(c);
-        return sf_fail(err, SF_EINVAL, "segment %s has an inconsistent layout", name);
-    }
+    place(c, &L);
     *out = c;
     return SF_OK;
 }
@@ -234,12 +365,178 @@ void sf_shm_configure(sf_shm *c, const char *label, double timeout_s, size_t one
     c->oneshot_max = oneshot_max;
 }
 
+void sf_shm_set_poll(sf_shm *c, sf_shm_poll_fn fn, void *ctx)
+{
+    if (!c)
+        return;
+    c->poll = fn;
+    c->poll_ctx = ctx;
+}
+
 int sf_shm_rank(const sf_shm *c) { return c ? c->rank : -1; }
 int sf_shm_nranks(const sf_shm *c) { return c ? c->nranks : 0; }
 size_t sf_shm_workspace(const sf_shm *c) { return c ? 2 * c->half : 0; }
 size_t sf_shm_oneshot_max(const sf_shm *c) { return c ? c->oneshot_max : 0; }
 double sf_shm_timeout(const sf_shm *c) { return c ? c->timeout_s : 0; }
 size_t sf_shm_segment_bytes(const sf_shm *c) { return c ? c->total : 0; }
+
+/* ---- names for messages ------------------------------------------------------ */
+
+static const char *kind_name(unsigned k)
+{
+    static const char *const names[K_NKINDS] = {
+        [K_ALL_REDUCE] = "all_reduce", [K_ALL_GATHER] = "all_gather",
+        [K_REDUCE_SCATTER] = "reduce_scatter", [K_BROADCAST] = "broadcast",
+        [K_BARRIER] = "barrier",
+    };
+    return k < K_NKINDS && names[k] ? names[k] : "an unknown call";
+}
+
+static const char *op_name(unsigned op) { return op == SF_RED_SUM ? "sum" : op == SF_RED_MAX ? "max" : "op?"; }
+
+static const char *dtype_name(sf_shm_dtype d)
+{
+    SFDLDataType t = {(uint8_t)(d & 0xff), (uint8_t)(d >> 8 & 0xff), (uint16_t)(d >> 16)};
+    return sf_dtype_name(t);
+}
+
+/* The sf_shm_dtype of a reduction type. */
+static sf_shm_dtype red_code(sf_red_dtype t)
+{
+    switch (t) {
+    case SF_RED_F16: return SF_SHM_DTYPE(SF_DL_FLOAT, 16, 1);
+    case SF_RED_BF16: return SF_SHM_DTYPE(SF_DL_BFLOAT, 16, 1);
+    case SF_RED_F64: return SF_SHM_DTYPE(SF_DL_FLOAT, 64, 1);
+    case SF_RED_I32: return SF_SHM_DTYPE(SF_DL_INT, 32, 1);
+    case SF_RED_I64: return SF_SHM_DTYPE(SF_DL_INT, 64, 1);
+    default: return SF_SHM_DTYPE(SF_DL_FLOAT, 32, 1);
+    }
+}
+
+/* " 1 3" for bits 1 and 3 of mask (ranks below nranks); " none" for none. */
+static void format_ranks(uint64_t mask, int nranks, char *buf, size_t n)
+{
+    size_t len = 0;
+    buf[0] = '\0';
+    for (int q = 0; q < nranks && q < 64; q++) {
+        if (!(mask >> q & 1))
+            continue;
+        int k = snprintf(buf + len, n - len, " %d", q);
+        if (k < 0 || (size_t)k >= n - len)
+            break;
+        len += (size_t)k;
+    }
+    if (len == 0)
+        snprintf(buf, n, " none");
+}
+
+/* "all_reduce(sum, 16 bytes, float32, one-shot)" */
+static void describe(const desc *d, char *buf, size_t n)
+{
+    unsigned long long b = (unsigned long long)d->bytes;
+    switch (d->kind) {
+    case K_ALL_REDUCE:
+        snprintf(buf, n, "all_reduce(%s, %llu bytes, %s, %s)", op_name(d->op), b,
+                 dtype_name(d->dtype), d->algo == SF_AR_ONESHOT ? "one-shot" : "reduce-scatter + all-gather");
+        break;
+    case K_REDUCE_SCATTER:
+        snprintf(buf, n, "reduce_scatter(%s, %llu bytes, %s)", op_name(d->op), b,
+                 dtype_name(d->dtype));
+        break;
+    case K_ALL_GATHER:
+        snprintf(buf, n, "all_gather(%llu bytes, %s)", b, dtype_name(d->dtype));
+        break;
+    case K_BROADCAST:
+        snprintf(buf, n, "broadcast(root %d, %llu bytes, %s)", (int)d->root, b,
+                 dtype_name(d->dtype));
+        break;
+    case K_BARRIER:
+        snprintf(buf, n, "barrier()");
+        break;
+    default:
+        snprintf(buf, n, "%s (kind %u)", kind_name(d->kind), (unsigned)d->kind);
+    }
+}
+
+/* ---- the abort record ------------------------------------------------------------ */
+
+/* This rank broke the communicator: record why in the segment (unless another
+ * rank already did: the first failure is the one everybody reports). */
+static void raise_abort(sf_shm *c, int why, uint64_t missing)
+{
+    c->broken = why;
+    atomic_store_explicit(&c->abort->missing[c->rank], missing, memory_order_relaxed);
+    uint64_t expected = 0;
+    uint64_t word = (uint64_t)why << 32 | (uint64_t)(c->rank + 1);
+    atomic_compare_exchange_strong_explicit(&c->abort->word, &expected, word,
+                                            memory_order_release, memory_order_relaxed);
+}
+
+/* "rank 1 was interrupted", "rank 0 timed out waiting for ranks that did not
+ * arrive: 2"; the reason code in *why (WHY_NONE when no rank failed). */
+static void abort_story(const sf_shm *c, char *buf, size_t n, int *why)
+{
+    uint64_t word = atomic_load_explicit(&c->abort->word, memory_order_acquire);
+    int who = (int)(word & 0xffffffffu) - 1;
+    *why = (int)(word >> 32);
+    if (word == 0) {
+        snprintf(buf, n, "an earlier failure on this rank");
+        return;
+    }
+    if (who < 0 || who >= c->nranks) {
+        snprintf(buf, n, "an unreadable abort record (%#llx)", (unsigned long long)word);
+        return;
+    }
+    char ranks[256];
+    uint64_t missing = atomic_load_explicit(&c->abort->missing[who], memory_order_relaxed);
+    format_ranks(missing, c->nranks, ranks, sizeof(ranks));
+    const char *self = who == c->rank ? " (this rank)" : "";
+    switch (*why) {
+    case WHY_TIMEOUT:
+        snprintf(buf, n, "rank %d%s timed out after waiting for ranks that did not arrive:%s",
+                 who, self, ranks);
+        break;
+    case WHY_INTERRUPT:
+        snprintf(buf, n, "rank %d%s was interrupted", who, self);
+        break;
+    case WHY_DESYNC:
+        snprintf(buf, n, "rank %d%s found the group out of step with rank%s", who, self, ranks);
+        break;
+    default:
+        snprintf(buf, n, "rank %d%s failed (reason %d)", who, self, *why);
+    }
+}
+
+/* A wait saw another rank's abort record: fail this call and break the
+ * communicator here too.  A peer's timeout reads as a timeout. */
+static sf_status peer_aborted(sf_shm *c, const char *what, sf_error *err)
+{
+    char story[512];
+    int why;
+    abort_story(c, story, sizeof(story), &why);
+    if (!c->broken)
+        c->broken = -1;
+    return sf_fail(err, why == WHY_TIMEOUT ? SF_ETIMEOUT : SF_EPEER,
+                   "%s: %s on rank %d stopped because %s (the communicator is now broken)",
+                   c->label, what, c->rank, story);
+}
+
+static sf_status check(sf_shm *c, const char *what, sf_error *err)
+{
+    if (!c)
+        return sf_fail(err, SF_EINVAL, "shm: no communicator");
+    c->announce = 0;
+    if (c->broken || atomic_load_explicit(&c->abort->word, memory_order_acquire)) {
+        char story[512];
+        int why;
+        abort_story(c, story, sizeof(story), &why);
+        if (!c->broken)
+            c->broken = -1;
+        return sf_fail(err, SF_EPEER, "%s: %s refused: the communicator is broken because %s",
+                       c->label, what, story);
+    }
+    return SF_OK;
+}
 
 /* ---- waiting ------------------------------------------------------------ */
 
@@ -264,27 +561,29 @@ static double now_s(void)
 typedef struct {
     unsigned iter;
     long sleep_ns;
-    double deadline;
+    double deadline, next_poll;
 } waiter;
 
-static void wait_init(waiter *w, const sf_shm *c)
+/* What one backoff step found. */
+enum { W_WAIT = 0, W_TIMEOUT, W_ABORT, W_INTR };
+
+static void wait_init(waiter *w)
 {
     w->iter = 0;
     w->sleep_ns = 1000;
     w->deadline = -1.0;
-    (void)c;
+    w->next_poll = 0.0;
 }
 
-/* One backoff step; returns 1 once the timeout has passed. */
+/* One backoff step.  Every 64 steps past the spinning phase: the abort
+ * record, the poll callback (every POLL_S) and the clock. */
 static int wait_step(waiter *w, const sf_shm *c)
 {
     unsigned i = w->iter++;
     if (i < 64) {
         cpu_relax();
-        return 0;
+        return W_WAIT;
     }
-    if (w->deadline < 0)
-        w->deadline = now_s() + c->timeout_s;
     if (i < 2048) {
         sched_yield();
     } else {
@@ -293,54 +592,154 @@ static int wait_step(waiter *w, const sf_shm *c)
         if (w->sleep_ns < 100000)
             w->sleep_ns *= 2;
     }
-    return (i & 63) == 0 && now_s() > w->deadline;
+    if (i & 63)
+        return W_WAIT;
+    double t = now_s();
+    if (w->deadline < 0) {
+        w->deadline = t + c->timeout_s;
+        w->next_poll = t + POLL_S;
+    }
+    if (atomic_load_explicit(&c->abort->word, memory_order_acquire))
+        return W_ABORT;
+    if (c->poll && t >= w->next_poll) {
+        w->next_poll = t + POLL_S;
+        if (c->poll(c->poll_ctx))
+            return W_INTR;
+    }
+    return t > w->deadline ? W_TIMEOUT : W_WAIT;
 }
 
-static sf_status timed_out(sf_shm *c, sf_error *err, const char *what, const char *who)
+/* A wait ended without its counter: fail the call with the reason (why from
+ * wait_step); `missing` has a bit for each rank still awaited. */
+static sf_status wait_failed(sf_shm *c, int why, const char *what, uint64_t missing,
+                             sf_error *err)
 {
-    c->broken = 1;
-    return sf_fail(err, SF_ETIMEOUT,
-                "%s: %s timed out after %.3g s on rank %d; %s (the communicator is now broken)",
-                c->label, what, c->timeout_s, c->rank, who);
+    char ranks[256];
+    format_ranks(missing, c->nranks, ranks, sizeof(ranks));
+    switch (why) {
+    case W_TIMEOUT:
+        raise_abort(c, WHY_TIMEOUT, missing);
+        return sf_fail(err, SF_ETIMEOUT,
+                       "%s: %s timed out after %.3g s on rank %d; ranks that did not arrive:%s "
+                       "(the communicator is now broken)",
+                       c->label, what, c->timeout_s, c->rank, ranks);
+    case W_INTR:
+        raise_abort(c, WHY_INTERRUPT, missing);
+        return sf_fail(err, SF_EINTR,
+                       "%s: %s interrupted on rank %d while waiting for ranks%s (the "
+                       "communicator is now broken)", c->label, what, c->rank, ranks);
+    default:
+        return peer_aborted(c, what, err);
+    }
 }
 
-static sf_status barrier(sf_shm *c, const char *what, sf_error *err)
+/* The ranks whose barrier count is below target. */
+static uint64_t not_arrived(const sf_shm *c, uint64_t target)
 {
-    uint64_t target = ++c->my_seq;
-    atomic_store_explicit(&c->seq[c->rank].v, target, memory_order_release);
-    waiter w;
-    wait_init(&w, c);
+    uint64_t mask = 0;
+    for (int q = 0; q < c->nranks; q++)
+        if (atomic_load_explicit(&c->ranks[q].seq, memory_order_acquire) < target)
+            mask |= (uint64_t)1 << q;
+    return mask;
+}
+
+/* ---- descriptors ------------------------------------------------------------ */
+
+/* The call about to start: its first barrier publishes and checks this. */
+static void announce(sf_shm *c, unsigned kind, uint64_t bytes, sf_shm_dtype dt, unsigned op,
+                     int root, unsigned algo)
+{
+    memset(&c->next, 0, sizeof(c->next));
+    c->next.call = ++c->calls;
+    c->next.bytes = bytes;
+    c->next.dtype = dt;
+    c->next.root = root;
+    c->next.kind = (uint8_t)kind;
+    c->next.op = (uint8_t)op;
+    c->next.algo = (uint8_t)algo;
+    c->announce = 1;
+}
+
+static int same_call(const desc *a, const desc *b)
+{
+    return a->call == b->call && a->kind == b->kind && a->bytes == b->bytes &&
+           a->dtype == b->dtype && a->op == b->op && a->root == b->root && a->algo == b->algo;
+}
+
+/* After the first barrier of a call: every rank's descriptor for this
+ * barrier against rank 0's.  Every rank reads the same slots, so every rank
+ * returns the same answer. */
+static sf_status verify(sf_shm *c, uint64_t target, sf_error *err)
+{
+    desc d0 = c->ranks[0].slot[target & 1];
     for (int r = 0; r < c->nranks; r++) {
-        if (r == c->rank)
-            continue;
-        while (atomic_load_explicit(&c->seq[r].v, memory_order_acquire) < target) {
-            if (wait_step(&w, c)) {
-                char who[512];
-                size_t len = (size_t)snprintf(who, sizeof(who), "ranks that did not arrive:");
-                for (int q = 0; q < c->nranks && len < sizeof(who) - 8; q++)
-                    if (atomic_load_explicit(&c->seq[q].v, memory_order_acquire) < target)
-                        len += (size_t)snprintf(who + len, sizeof(who) - len, " %d", q);
-                return timed_out(c, err, what, who);
-            }
+        desc d = c->ranks[r].slot[target & 1];
+        if (d.seq != target) {
+            /* r reached this barrier inside another call: the barrier counts
+             * no longer line up, nothing later can be trusted. */
+            raise_abort(c, WHY_DESYNC, (uint64_t)1 << r);
+            return sf_fail(err, SF_EPEER,
+                           "%s: rank %d reached barrier #%llu of call #%llu (%s) inside another "
+                           "call; the group is out of step (the communicator is now broken)",
+                           c->label, r, (unsigned long long)target,
+                           (unsigned long long)c->next.call, kind_name(c->next.kind));
+        }
+        if (r > 0 && !same_call(&d0, &d)) {
+            char a[192], b[192], at[48] = "";
+            describe(&d0, a, sizeof(a));
+            describe(&d, b, sizeof(b));
+            if (d.call != d0.call)
+                snprintf(at, sizeof(at), " as its call #%llu", (unsigned long long)d.call);
+            return sf_fail(err, SF_EMISMATCH,
+                           "%s: collective mismatch at call #%llu: rank 0 called %s, rank %d "
+                           "called %s%s", c->label, (unsigned long long)d0.call, a, r, b, at);
         }
     }
     return SF_OK;
 }
 
-static sf_status check(sf_shm *c, sf_error *err)
+/* ---- barrier -------------------------------------------------------------- */
+
+/* Arrive, wait for every rank; the first barrier of a call also publishes
+ * this rank's descriptor (before the release store) and checks everyone's. */
+static sf_status barrier(sf_shm *c, const char *what, sf_error *err)
 {
-    if (!c)
-        return sf_fail(err, SF_EINVAL, "shm: no communicator");
-    if (c->broken)
-        return sf_fail(err, SF_EPEER,
-                    "%s: the communicator is broken by an earlier timeout", c->label);
-    return SF_OK;
+    uint64_t target = ++c->my_seq;
+    rank_line *me = &c->ranks[c->rank];
+    int first = c->announce;
+    if (first) {
+        c->next.seq = target;
+        me->slot[target & 1] = c->next;
+        c->announce = 0;
+    }
+    atomic_store_explicit(&me->seq, target, memory_order_release);
+    waiter w;
+    wait_init(&w);
+    for (int r = 0; r < c->nranks; r++) {
+        if (r == c->rank)
+            continue;
+        while (atomic_load_explicit(&c->ranks[r].seq, memory_order_acquire) < target) {
+            int why = wait_step(&w, c);
+            if (why)
+                return wait_failed(c, why, what, not_arrived(c, target), err);
+        }
+    }
+    return first ? verify(c, target, err) : SF_OK;
+}
+
+/* The end of a call: its first barrier if no chunk ran one (zero bytes). */
+static sf_status finish(sf_shm *c, const char *what, sf_error *err)
+{
+    return c->announce ? barrier(c, what, err) : SF_OK;
 }
 
 sf_status sf_shm_barrier(sf_shm *c, sf_error *err)
 {
-    sf_status rc = check(c, err);
-    return rc ? rc : barrier(c, "barrier", err);
+    sf_status rc = check(c, "barrier", err);
+    if (rc)
+        return rc;
+    announce(c, K_BARRIER, 0, 0, 0, -1, 0);
+    return barrier(c, "barrier", err);
 }
 
 /* Rank r's half for the current chunk; the caller advances c->phase after. */
@@ -419,28 +818,40 @@ static sf_status allreduce_rsag(sf_shm *c, char *buf, size_t n, sf_red_dtype t, 
 sf_status sf_shm_all_reduce(sf_shm *c, void *buf, size_t n, sf_red_dtype t, sf_red_op op,
                             sf_ar_algo algo, sf_error *err)
 {
-    sf_status rc = check(c, err);
+    sf_status rc = check(c, "all_reduce", err);
     if (rc)
         return rc;
-    size_t es = sf_red_size(t);
-    if (!es || (op != SF_RED_SUM && op != SF_RED_MAX) || (n && !buf) || c->half < es)
-        return sf_fail(err, SF_EINVAL, "%s: all_reduce: bad dtype, op or buffer",
+    size_t es = sf_red_size(t), bytes;
+    if (!es || (op != SF_RED_SUM && op != SF_RED_MAX) || (n && !buf) || c->half < es ||
+        (unsigned)algo > SF_AR_RSAG)
+        return sf_fail(err, SF_EINVAL, "%s: all_reduce: bad dtype, op, algorithm or buffer",
                     c->label);
-    if (c->nranks == 1 || n == 0)
+    if (sf_size_mul_overflows(n, es, &bytes))
+        return sf_fail(err, SF_EOVERFLOW, "%s: all_reduce: %zu elements of %zu bytes overflow",
+                       c->label, n, es);
+    if (c->nranks == 1)
         return SF_OK;
     if (algo == SF_AR_AUTO)
-        algo = n * es <= c->oneshot_max ? SF_AR_ONESHOT : SF_AR_RSAG;
-    return algo == SF_AR_ONESHOT ? allreduce_oneshot(c, buf, n, t, op, err)
-                                 : allreduce_rsag(c, buf, n, t, op, err);
+        algo = bytes <= c->oneshot_max ? SF_AR_ONESHOT : SF_AR_RSAG;
+    announce(c, K_ALL_REDUCE, bytes, red_code(t), op, -1, algo);
+    rc = algo == SF_AR_ONESHOT ? allreduce_oneshot(c, buf, n, t, op, err)
+                               : allreduce_rsag(c, buf, n, t, op, err);
+    return rc ? rc : finish(c, "all_reduce", err);
 }
 
-sf_status sf_shm_all_gather(sf_shm *c, void *out, const void *in, size_t bytes, sf_error *err)
+sf_status sf_shm_all_gather(sf_shm *c, void *out, const void *in, size_t bytes, sf_shm_dtype dt,
+                            sf_error *err)
 {
-    sf_status rc = check(c, err);
+    sf_status rc = check(c, "all_gather", err);
     if (rc)
         return rc;
+    size_t all;
     if (bytes && (!out || !in))
         return sf_fail(err, SF_EINVAL, "%s: all_gather: null buffer", c->label);
+    if (sf_size_mul_overflows(bytes, (size_t)c->nranks, &all))
+        return sf_fail(err, SF_EOVERFLOW, "%s: all_gather: %d ranks x %zu bytes overflow",
+                       c->label, c->nranks, bytes);
+    announce(c, K_ALL_GATHER, bytes, dt, 0, -1, 0);
     for (size_t off = 0; off < bytes; off += c->half) {
         size_t cnt = bytes - off < c->half ? bytes - off : c->half;
         memcpy(half_of(c, c->rank), (const char *)in + off, cnt);
@@ -451,24 +862,28 @@ sf_status sf_shm_all_gather(sf_shm *c, void *out, const void *in, size_t bytes, 
             memcpy((char *)out + (size_t)r * bytes + off, half_of(c, r), cnt);
         c->phase++;
     }
-    return SF_OK;
+    return finish(c, "all_gather", err);
 }
 
 sf_status sf_shm_reduce_scatter(sf_shm *c, void *out, const void *in, size_t n, sf_red_dtype t,
                                 sf_red_op op, sf_error *err)
 {
-    sf_status rc = check(c, err);
+    sf_status rc = check(c, "reduce_scatter", err);
     if (rc)
         return rc;
     size_t es = sf_red_size(t);
-    size_t P = (size_t)c->nranks;
+    size_t P = (size_t)c->nranks, in_elems, in_bytes;
     if (!es || (op != SF_RED_SUM && op != SF_RED_MAX) || (n && (!out || !in)))
         return sf_fail(err, SF_EINVAL, "%s: reduce_scatter: bad dtype, op or buffer",
                     c->label);
+    if (sf_size_mul_overflows(n, P, &in_elems) || sf_size_mul_overflows(in_elems, es, &in_bytes))
+        return sf_fail(err, SF_EOVERFLOW, "%s: reduce_scatter: %zu ranks x %zu elements of %zu "
+                       "bytes overflow", c->label, P, n, es);
     size_t per = c->half / (es * P);
     if (n && per == 0)
         return sf_fail(err, SF_EINVAL, "%s: reduce_scatter: workspace too small",
                     c->label);
+    announce(c, K_REDUCE_SCATTER, in_bytes, red_code(t), op, -1, 0);
     const void *src[SF_SHM_MAX_RANKS];
     for (size_t off = 0; off < n; off += per) {
         size_t cnt = n - off < per ? n - off : per;
@@ -485,17 +900,19 @@ sf_status sf_shm_reduce_scatter(sf_shm *c, void *out, const void *in, size_t n, 
             return rc;
         c->phase++;
     }
-    return SF_OK;
+    return finish(c, "reduce_scatter", err);
 }
 
-sf_status sf_shm_broadcast(sf_shm *c, void *buf, size_t bytes, int root, sf_error *err)
+sf_status sf_shm_broadcast(sf_shm *c, void *buf, size_t bytes, sf_shm_dtype dt, int root,
+                           sf_error *err)
 {
-    sf_status rc = check(c, err);
+    sf_status rc = check(c, "broadcast", err);
     if (rc)
         return rc;
     if (root < 0 || root >= c->nranks || (bytes && !buf))
         return sf_fail(err, SF_EINVAL, "%s: broadcast: root %d not in [0, %d)",
                     c->label, root, c->nranks);
+    announce(c, K_BROADCAST, bytes, dt, 0, root, 0);
     for (size_t off = 0; off < bytes; off += c->half) {
         size_t cnt = bytes - off < c->half ? bytes - off : c->half;
         if (c->rank == root)
@@ -507,7 +924,7 @@ sf_status sf_shm_broadcast(sf_shm *c, void *buf, size_t bytes, int root, sf_erro
             memcpy((char *)buf + off, half_of(c, root), cnt);
         c->phase++;
     }
-    return SF_OK;
+    return finish(c, "broadcast", err);
 }
 
 /* ---- point to point: one mailbox per ordered pair ------------------------ */
@@ -517,63 +934,120 @@ static inline size_t pair(const sf_shm *c, int src, int dst)
     return (size_t)src * (size_t)c->nranks + (size_t)dst;
 }
 
+/* Chunks a message of `bytes` takes: at least one, so that an empty message
+ * still carries its header. */
+static uint64_t chunks_of(uint64_t bytes, size_t p2p)
+{
+    return bytes == 0 ? 1 : bytes / p2p + (bytes % p2p != 0);
+}
+
 static sf_status wait_counter(sf_shm *c, _Atomic uint64_t *a, uint64_t target, const char *what,
                               int peer, sf_error *err)
 {
     waiter w;
-    wait_init(&w, c);
+    wait_init(&w);
     while (atomic_load_explicit(a, memory_order_acquire) < target) {
-        if (wait_step(&w, c)) {
-            char who[64];
-            snprintf(who, sizeof(who), "peer rank %d did not arrive", peer);
-            return timed_out(c, err, what, who);
-        }
+        int why = wait_step(&w, c);
+        if (why)
+            return wait_failed(c, why, what, (uint64_t)1 << peer, err);
     }
     return SF_OK;
 }
 
-sf_status sf_shm_send(sf_shm *c, const void *buf, size_t bytes, int dst, sf_error *err)
+static sf_status check_peer(sf_shm *c, const char *what, const void *buf, size_t bytes, int peer,
+                            sf_error *err)
 {
-    sf_status rc = check(c, err);
-    if (rc)
+    if (peer < 0 || peer >= c->nranks || peer == c->rank || (bytes && !buf))
+        return sf_fail(err, SF_EINVAL, "%s: %s: bad peer rank %d (self %d of %d) or buffer",
+                       c->label, what, peer, c->rank, c->nranks);
+    return SF_OK;
+}
+
+sf_status sf_shm_send(sf_shm *c, const void *buf, size_t bytes, sf_shm_dtype dt, int dst,
+                      sf_error *err)
+{
+    sf_status rc = check(c, "send", err);
+    if (rc || (rc = check_peer(c, "send", buf, bytes, dst, err)))
         return rc;
-    if (dst < 0 || dst >= c->nranks || dst == c->rank || (bytes && !buf))
-        return sf_fail(err, SF_EINVAL, "%s: send: bad destination rank %d (self %d of %d)",
-                    c->label, dst, c->rank, c->nranks);
     size_t k = pair(c, c->rank, dst);
-    _Atomic uint64_t *posted = &c->posted[k].v, *taken = &c->taken[k].v;
+    mailbox *mb = &c->posted[k];
+    _Atomic uint64_t *taken = &c->taken[k].v;
     char *box = c->mail + k * c->p2p;
-    for (size_t off = 0; off < bytes; off += c->p2p) {
+    uint64_t msgno = ++c->sent[dst];
+    size_t off = 0;
+    do {
         size_t cnt = bytes - off < c->p2p ? bytes - off : c->p2p;
-        uint64_t mine = atomic_load_explicit(posted, memory_order_relaxed);
+        uint64_t mine = atomic_load_explicit(&mb->posted, memory_order_relaxed);
         rc = wait_counter(c, taken, mine, "send", dst, err);  /* box empty */
         if (rc)
             return rc;
-        memcpy(box, (const char *)buf + off, cnt);
-        atomic_store_explicit(posted, mine + 1, memory_order_release);
-    }
+        if (off == 0) {  /* the header, published with the first chunk */
+            mb->bytes = bytes;
+            mb->msgno = msgno;
+            mb->dtype = dt;
+        }
+        if (cnt)  /* an empty message may come with no buffer at all */
+            memcpy(box, (const char *)buf + off, cnt);
+        atomic_store_explicit(&mb->posted, mine + 1, memory_order_release);
+        off += cnt;
+    } while (off < bytes);
     return SF_OK;
 }
 
-sf_status sf_shm_recv(sf_shm *c, void *buf, size_t bytes, int src, sf_error *err)
+/* The first chunk's header did not match this rank's recv: take (and drop)
+ * every chunk of the sender's message, so it completes and the pair stays in
+ * step, then say what each side had. */
+static sf_status recv_mismatch(sf_shm *c, int src, size_t bytes, sf_shm_dtype dt, uint64_t msgno,
+                               uint64_t seen, sf_error *err)
 {
-    sf_status rc = check(c, err);
-    if (rc)
-        return rc;
-    if (src < 0 || src >= c->nranks || src == c->rank || (bytes && !buf))
-        return sf_fail(err, SF_EINVAL, "%s: recv: bad source rank %d (self %d of %d)",
-                    c->label, src, c->rank, c->nranks);
     size_t k = pair(c, src, c->rank);
-    _Atomic uint64_t *posted = &c->posted[k].v, *taken = &c->taken[k].v;
-    const char *box = c->mail + k * c->p2p;
-    for (size_t off = 0; off < bytes; off += c->p2p) {
-        size_t cnt = bytes - off < c->p2p ? bytes - off : c->p2p;
-        uint64_t seen = atomic_load_explicit(taken, memory_order_relaxed);
-        rc = wait_counter(c, posted, seen + 1, "recv", src, err);
+    mailbox *mb = &c->posted[k];
+    _Atomic uint64_t *taken = &c->taken[k].v;
+    uint64_t sbytes = mb->bytes, smsg = mb->msgno;
+    sf_shm_dtype sdt = mb->dtype;
+    uint64_t left = chunks_of(sbytes, c->p2p);
+    atomic_store_explicit(taken, ++seen, memory_order_release);
+    while (--left) {
+        sf_status rc = wait_counter(c, &mb->posted, seen + 1, "recv", src, err);
         if (rc)
             return rc;
-        memcpy((char *)buf + off, box, cnt);
-        atomic_store_explicit(taken, seen + 1, memory_order_release);
+        atomic_store_explicit(taken, ++seen, memory_order_release);
     }
+    char numbers[96] = "";
+    if (smsg != msgno)
+        snprintf(numbers, sizeof(numbers), " (its message #%llu to rank %d)",
+                 (unsigned long long)smsg, c->rank);
+    return sf_fail(err, SF_EMISMATCH,
+                   "%s: send/recv mismatch on message #%llu from rank %d: rank %d expected %zu "
+                   "bytes %s from rank %d, which sent %llu bytes %s%s",
+                   c->label, (unsigned long long)msgno, src, c->rank, bytes, dtype_name(dt), src,
+                   (unsigned long long)sbytes, dtype_name(sdt), numbers);
+}
+
+sf_status sf_shm_recv(sf_shm *c, void *buf, size_t bytes, sf_shm_dtype dt, int src,
+                      sf_error *err)
+{
+    sf_status rc = check(c, "recv", err);
+    if (rc || (rc = check_peer(c, "recv", buf, bytes, src, err)))
+        return rc;
+    size_t k = pair(c, src, c->rank);
+    mailbox *mb = &c->posted[k];
+    _Atomic uint64_t *taken = &c->taken[k].v;
+    const char *box = c->mail + k * c->p2p;
+    uint64_t msgno = ++c->received[src];
+    size_t off = 0;
+    do {
+        size_t cnt = bytes - off < c->p2p ? bytes - off : c->p2p;
+        uint64_t seen = atomic_load_explicit(taken, memory_order_relaxed);
+        rc = wait_counter(c, &mb->posted, seen + 1, "recv", src, err);
+        if (rc)
+            return rc;
+        if (off == 0 && (mb->bytes != bytes || mb->dtype != dt || mb->msgno != msgno))
+            return recv_mismatch(c, src, bytes, dt, msgno, seen, err);
+        if (cnt)
+            memcpy((char *)buf + off, box, cnt);
+        atomic_store_explicit(taken, seen + 1, memory_order_release);
+        off += cnt;
+    } while (off < bytes);
     return SF_OK;
 }

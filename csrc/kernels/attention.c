@@ -288,10 +288,15 @@ typedef struct {
     int64_t nbias;    /* B * Hq * Sq * Sk: dbias, keep */
 } attn_sizes;
 
-static sf_status check(const char *fn, const sfk_attn *a, attn_sizes *z, sf_error *err)
+/* Check *a and fill *an with it normalized: a window no query-key distance
+ * reaches (>= Sq and >= Sk) is no window, so that the index arithmetic of
+ * visible() / query_range() never adds a huge window to a position. */
+static sf_status check(const char *fn, const sfk_attn *a, sfk_attn *an, attn_sizes *z,
+                       sf_error *err)
 {
     if (!a)
         return sf_fail(err, SF_EINVAL, "%s: no parameters (a is NULL)", fn);
+    *an = *a;
     sf_status rc;
     if ((rc = sfk_check_dtype(fn, a->t, err)) || (rc = sfk_check_size(fn, "B", a->B, err)) ||
         (rc = sfk_check_size(fn, "Hq", a->Hq, err)) || (rc = sfk_check_size(fn, "Hkv", a->Hkv, err)) ||
@@ -311,6 +316,8 @@ static sf_status check(const char *fn, const sfk_attn *a, attn_sizes *z, sf_erro
         return sf_fail(err, SF_EOVERFLOW, "%s: the sizes B=%lld Hq=%lld Hkv=%lld Sq=%lld Sk=%lld "
                        "D=%lld overflow int64", fn, (long long)a->B, (long long)a->Hq,
                        (long long)a->Hkv, (long long)a->Sq, (long long)a->Sk, (long long)a->D);
+    if (an->window >= an->Sq && an->window >= an->Sk)
+        an->window = 0;
     return SF_OK;
 }
 
@@ -322,6 +329,7 @@ typedef struct {
     void *o;
     float *lse;
     int64_t nqt;
+    size_t scratch;    /* bytes of each thread's buffers (see forward_rows) */
     int err;
 } fwd_ctx;
 
@@ -336,9 +344,8 @@ static void forward_rows(void *arg, int64_t r0, int64_t r1, int tid)
      * the key-value head of the current rows, K transposed tile by tile (and V
      * as fp32 for 16-bit types), made once per head and reused by the
      * consecutive query tiles of that head this thread takes. */
-    const int64_t Sk = a->Sk, Skr = (Sk + BK - 1) / BK * BK;
-    float *buf = malloc(((size_t)(2 * BQ) * (size_t)D + BQ * BK + 2 * BQ + (size_t)((Skr + Sk) * D)) *
-                        sizeof(float));
+    const int64_t Sk = a->Sk, Skr = sfk_ceil_div(Sk, BK) * BK;
+    float *buf = malloc(c->scratch);
     if (!buf) { c->err = SF_ENOMEM; return; }
     float *Qf = buf, *S = Qf + BQ * D, *acc = S + BQ * BK, *m = acc + BQ * D, *l = m + BQ;
     float *Kt = l + BQ, *Vf = Kt + Skr * D;
@@ -402,22 +409,39 @@ sf_status sfk_attention_forward(const sfk_attn *a, const void *q, const void *k,
 {
     static const char fn[] = "attention_forward";
     attn_sizes z = {0, 0, 0, 0};
+    sfk_attn an;
     sf_status rc;
-    if ((rc = check(fn, a, &z, err)))
+    if ((rc = check(fn, a, &an, &z, err)))
         return rc;
     if (z.rows_q == 0) return SF_OK;
+    /* D = 0: o is empty, but lse is not, and it would take the whole
+     * [Sq, Sk] walk (bias, mask, alibi) to compute; ops.attention returns the
+     * empty result without the kernel, as torch's SDPA does. */
+    if (a->D == 0)
+        return sf_fail(err, SF_EINVAL, "%s: head size D=0 (q, k, v [.., 0]): the output is "
+                       "empty and there is nothing to attend with; lse would cost the whole "
+                       "Sq=%lld x Sk=%lld walk for nothing (ops.attention returns the empty "
+                       "result without the kernel)", fn, (long long)a->Sq, (long long)a->Sk);
     if ((rc = sfk_check_ptr(fn, "q", q, z.nq, err)) || (rc = sfk_check_ptr(fn, "o", o, z.nq, err)) ||
         (rc = sfk_check_ptr(fn, "lse", lse, z.rows_q, err)) ||
         (rc = sfk_check_ptr(fn, "k", k, z.nk, err)) || (rc = sfk_check_ptr(fn, "v", v, z.nk, err)))
         return rc;
-    fwd_ctx c = {.a = a, .q = q, .k = k, .v = v, .o = o, .lse = lse, .nqt = (a->Sq + BQ - 1) / BQ};
-    const int64_t rows = a->B * a->Hq * c.nqt;
-    sfk_parallel_rows(rows, sfk_threads_for(rows, (int64_t)BQ * (a->Sk + 1) * (a->D + 1)),
+    fwd_ctx c = {.a = &an, .q = q, .k = k, .v = v, .o = o, .lse = lse,
+                 .nqt = sfk_ceil_div(a->Sq, BQ)};
+    /* Qf, acc [BQ][D] | S [BQ][BK] | m, l [BQ] | Kt [Skr][D] | Vf [Sk][D] (forward_rows) */
+    int64_t per_d;
+    if (sf_mul_overflows(sfk_ceil_div(a->Sk, BK), BK, &per_d) ||
+        __builtin_add_overflow(per_d, a->Sk, &per_d) || __builtin_add_overflow(per_d, 2 * BQ, &per_d))
+        return sf_fail(err, SF_EOVERFLOW, "%s: Sk=%lld overflows the scratch size", fn,
+                       (long long)a->Sk);
+    if ((rc = sfk_float_bytes(fn, "key-value head", per_d, a->D, &c.scratch, err)))
+        return rc;
+    c.scratch += (size_t)(BQ * BK + 2 * BQ) * sizeof(float);
+    const int64_t rows = a->B * a->Hq * c.nqt;       /* <= rows_q */
+    sfk_parallel_rows(rows, sfk_threads_for(rows, sfk_sat_mul(sfk_sat_mul(BQ, a->Sk + 1), a->D + 1)),
                       forward_rows, &c);
     if (c.err)
-        return sfk_no_memory(fn, ((double)(2 * BQ + 2) * (double)a->D + BQ * BK + 2 * BQ +
-                                  2.0 * (double)a->Sk * (double)a->D + BK * (double)a->D) *
-                                 sizeof(float), err);
+        return sfk_no_memory(fn, (double)c.scratch, err);
     return SF_OK;
 }
 
@@ -435,6 +459,7 @@ typedef struct {
      * the end. */
     int64_t nsplit, split[SFK_MAX_SPLIT + 1];
     float *dqpart;
+    size_t scratch;    /* bytes of each thread's buffers (see backward_rows) */
     int err;
 } bwd_ctx;
 
@@ -463,10 +488,8 @@ static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
     /* accumulate dq in the output itself (fp32, one part per pair) */
     const int direct = t == SFK_F32 && c->nsplit == 1;
     /* Qf, dOf [BQ][D] | Kf, Vf, dKa, dVa [BK][D] | Kt, Vt [D][BK] | S, dP, T [BQ][BK] |
-     * delta [g][Sq] | dQa [g][Sq][D] (16-bit types) */
-    size_t n = (size_t)(2 * BQ + 4 * BK + 2 * BK) * (size_t)D + 3 * BQ * BK + (size_t)(g * Sq) +
-               (direct || c->nsplit > 1 ? 0 : (size_t)(g * Sq * D));
-    float *buf = malloc(n * sizeof(float));
+     * delta [g][Sq] | dQa [g][Sq][D] (16-bit types): c->scratch bytes (bwd_scratch) */
+    float *buf = malloc(c->scratch);
     if (!buf) { c->err = SF_ENOMEM; return; }
     float *Qf = buf, *dOf = Qf + BQ * D, *Kf = dOf + BQ * D, *Vf = Kf + BK * D, *dKa = Vf + BK * D;
     float *dVa = dKa + BK * D, *Kt = dVa + BK * D, *Vt = Kt + D * BK, *S = Vt + D * BK;
@@ -551,14 +574,31 @@ static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
     free(buf);
 }
 
+/* The bytes of backward_rows' buffers (listed there), overflow-checked. */
+static sf_status bwd_scratch(const char *fn, const sfk_attn *a, int direct_or_split,
+                             size_t *bytes, sf_error *err)
+{
+    const int64_t gsq = a->Hq / a->Hkv * a->Sq;     /* <= B * Hq * Sq, which fits */
+    int64_t n, tiles;
+    if (sf_mul_overflows(2 * BQ + 6 * BK, a->D, &tiles) ||
+        __builtin_add_overflow(tiles, 3 * BQ * BK, &n) || __builtin_add_overflow(n, gsq, &n) ||
+        (!direct_or_split && (sf_mul_overflows(gsq, a->D, &tiles) ||
+                              __builtin_add_overflow(n, tiles, &n))))
+        return sf_fail(err, SF_EOVERFLOW, "%s: the scratch for Sq=%lld D=%lld (%lld query heads "
+                       "per key-value head) overflows int64", fn, (long long)a->Sq,
+                       (long long)a->D, (long long)(a->Hq / a->Hkv));
+    return sfk_float_bytes(fn, "per-thread", n, 1, bytes, err);
+}
+
 sf_status sfk_attention_backward(const sfk_attn *a, const void *q, const void *k, const void *v,
                                  const void *o, const void *dout, const float *lse, void *dq,
                                  void *dk, void *dv, float *dbias, sf_error *err)
 {
     static const char fn[] = "attention_backward";
     attn_sizes z = {0, 0, 0, 0};
+    sfk_attn an;
     sf_status rc;
-    if ((rc = check(fn, a, &z, err)))
+    if ((rc = check(fn, a, &an, &z, err)))
         return rc;
     if ((rc = sfk_check_ptr(fn, "q", q, z.nq, err)) || (rc = sfk_check_ptr(fn, "o", o, z.nq, err)) ||
         (rc = sfk_check_ptr(fn, "dout", dout, z.nq, err)) ||
@@ -567,39 +607,54 @@ sf_status sfk_attention_backward(const sfk_attn *a, const void *q, const void *k
         (rc = sfk_check_ptr(fn, "k", k, z.nk, err)) || (rc = sfk_check_ptr(fn, "v", v, z.nk, err)) ||
         (rc = sfk_check_ptr(fn, "dk", dk, z.nk, err)) || (rc = sfk_check_ptr(fn, "dv", dv, z.nk, err)))
         return rc;
-    if (dbias) memset(dbias, 0, (size_t)z.nbias * sizeof(float));
+    size_t nbias_bytes;
+    if ((rc = sfk_float_bytes(fn, "dbias", z.nbias, 1, &nbias_bytes, err)))
+        return rc;
+    if (dbias) memset(dbias, 0, nbias_bytes);
     const int64_t pairs = a->B * a->Hkv, g = a->Hkv > 0 ? a->Hq / a->Hkv : 0;
-    if (pairs == 0) return SF_OK;
+    /* D = 0: dq, dk, dv are empty and ds = p (dout . v - dout . o) = 0: done */
+    if (pairs == 0 || a->D == 0) return SF_OK;
+    a = &an;
     bwd_ctx c = {.a = a, .q = q, .k = k, .v = v, .o = o, .dout = dout, .lse = lse, .dq = dq,
                  .dk = dk, .dv = dv, .dbias = dbias, .nsplit = 1};
-    const int64_t nkt = (a->Sk + BK - 1) / BK;
-    int nt = sfk_threads_for(pairs * nkt, g * (a->Sq + 1) * BK * (a->D + 1));
+    const int64_t nkt = sfk_ceil_div(a->Sk, BK);
+    int nt = sfk_threads_for(sfk_sat_mul(pairs, nkt),
+                             sfk_sat_mul(sfk_sat_mul(g, a->Sq + 1), sfk_sat_mul(BK, a->D + 1)));
     if (pairs < nt && nkt > 1) {
         c.nsplit = (nt + pairs - 1) / pairs;
         if (c.nsplit > nkt) c.nsplit = nkt;
         if (c.nsplit > SFK_MAX_SPLIT) c.nsplit = SFK_MAX_SPLIT;
     }
-    /* Part boundaries by work: tile t costs the queries that can see it. */
-    int64_t total = 0;
-    for (int64_t kt = 0; kt < nkt; kt++) {
+    /* Part boundaries by work: tile t costs the queries that can see it (in
+     * double: a heuristic, exact below 2^53, and no product to overflow). */
+    double total = 0.0;
+    for (int64_t kt = 0; c.nsplit > 1 && kt < nkt; kt++) {
         int64_t lo, hi;
         query_range(a, kt * BK, a->Sk - kt * BK < BK ? a->Sk - kt * BK : BK, &lo, &hi);
-        total += hi - lo + 1;
+        total += (double)(hi - lo) + 1.0;
     }
     c.split[0] = 0;
-    int64_t acc = 0, p = 1;
+    int64_t p = 1;
+    double acc = 0.0;
     for (int64_t kt = 0; kt < nkt && p < c.nsplit; kt++) {
         int64_t lo, hi;
         query_range(a, kt * BK, a->Sk - kt * BK < BK ? a->Sk - kt * BK : BK, &lo, &hi);
-        acc += hi - lo + 1;
-        while (p < c.nsplit && acc * c.nsplit >= total * p) c.split[p++] = kt + 1;
+        acc += (double)(hi - lo) + 1.0;
+        while (p < c.nsplit && acc * (double)c.nsplit >= total * (double)p) c.split[p++] = kt + 1;
     }
     while (p <= c.nsplit) c.split[p++] = nkt;
-    const size_t qn = (size_t)(g * a->Sq * a->D);
+    const size_t qn = (size_t)(g * a->Sq * a->D);          /* <= the elements of q */
+    if ((rc = bwd_scratch(fn, a, (a->t == SFK_F32 && c.nsplit == 1) || c.nsplit > 1, &c.scratch,
+                          err)))
+        return rc;
     if (c.nsplit > 1) {
-        c.dqpart = calloc((size_t)(pairs * c.nsplit) * qn, sizeof(float));
+        size_t part_bytes;
+        if ((rc = sfk_float_bytes(fn, "dq partial", pairs * c.nsplit, (int64_t)qn, &part_bytes,
+                                  err)))
+            return rc;
+        c.dqpart = calloc(part_bytes, 1);
         if (!c.dqpart)
-            return sfk_no_memory(fn, (double)(pairs * c.nsplit) * (double)qn * sizeof(float), err);
+            return sfk_no_memory(fn, (double)part_bytes, err);
     }
     const int64_t rows = pairs * c.nsplit;
     sfk_parallel_rows(rows, nt < rows ? nt : (int)rows, backward_rows, &c);
@@ -619,9 +674,7 @@ sf_status sfk_attention_backward(const sfk_attn *a, const void *q, const void *k
         free(c.dqpart);
     }
     if (c.err)
-        return sfk_no_memory(fn, ((double)(8 * BK + 2 * BQ) * (double)a->D + 3.0 * BQ * BK +
-                                  (double)g * (double)a->Sq * (1.0 + (double)a->D)) *
-                                 sizeof(float), err);
+        return sfk_no_memory(fn, (double)c.scratch, err);
     return SF_OK;
 }
 
@@ -629,9 +682,12 @@ sf_status sfk_attention_dropout_keep(const sfk_attn *a, uint8_t *keep, sf_error 
 {
     static const char fn[] = "attention_dropout_keep";
     attn_sizes z = {0, 0, 0, 0};
+    sfk_attn an;
     sf_status rc;
-    if ((rc = check(fn, a, &z, err)) || (rc = sfk_check_ptr(fn, "keep", keep, z.nbias, err)))
+    if ((rc = check(fn, a, &an, &z, err)) || (rc = sfk_check_ptr(fn, "keep", keep, z.nbias, err)))
         return rc;
+    if (z.nbias == 0)
+        return SF_OK;                          /* keep is empty (Sq rows of no key) */
     const int64_t rows = z.rows_q;
     const uint32_t thresh = sfk_dropout_threshold(a->dropout);
     for (int64_t r = 0; r < rows; r++) {

@@ -46,6 +46,18 @@ sf_status sfk_no_memory(const char *fn, double bytes, sf_error *err)
                    fn, bytes);
 }
 
+sf_status sfk_float_bytes(const char *fn, const char *what, int64_t count, int64_t per,
+                          size_t *bytes, sf_error *err)
+{
+    int64_t n;
+    if (count < 0 || per < 0 || sf_mul_overflows(count, per, &n) ||
+        sf_mul_overflows(n, (int64_t)sizeof(float), &n) || (uint64_t)n > (uint64_t)SIZE_MAX)
+        return sf_fail(err, SF_EOVERFLOW, "%s: the %s scratch (%lld x %lld floats) overflows "
+                       "int64", fn, what, (long long)count, (long long)per);
+    *bytes = (size_t)n;
+    return SF_OK;
+}
+
 sf_status sfk_convert(sfk_dtype from, const void *src, sfk_dtype to, void *dst, int64_t n,
                       sf_error *err)
 {
@@ -237,7 +249,7 @@ int sfk_threads_for(int64_t rows, int64_t cost)
 {
     int t = g_threads;
     if (rows < t) t = (int)(rows > 0 ? rows : 1);
-    if (rows * (cost > 0 ? cost : 1) < SFK_PAR_MIN) t = 1;
+    if (sfk_sat_mul(rows, cost > 0 ? cost : 1) < SFK_PAR_MIN) t = 1;
     return t;
 }
 
@@ -255,6 +267,14 @@ static void *run_job(void *arg)
     return NULL;
 }
 
+/* rows * t / n without overflow: base * t + (extra * t) / n with rows =
+ * base * n + extra (both products fit: base * t <= rows, extra * t < n * n). */
+static int64_t split_point(int64_t rows, int t, int n)
+{
+    const int64_t base = rows / n, extra = rows % n;
+    return base * t + extra * t / n;
+}
+
 void sfk_parallel_rows(int64_t rows, int nthreads, sfk_rows_fn fn, void *ctx)
 {
     if (rows <= 0) return;
@@ -263,7 +283,7 @@ void sfk_parallel_rows(int64_t rows, int nthreads, sfk_rows_fn fn, void *ctx)
     pthread_t th[SFK_MAX_THREADS];
     int started[SFK_MAX_THREADS] = {0};
     for (int t = 0; t < nthreads; t++) {
-        jobs[t] = (job){fn, ctx, rows * t / nthreads, rows * (t + 1) / nthreads, t};
+        jobs[t] = (job){fn, ctx, split_point(rows, t, nthreads), split_point(rows, t + 1, nthreads), t};
         /* thread 0's share runs here; a thread that fails to start runs here too */
         if (t > 0) started[t] = pthread_create(&th[t], NULL, run_job, &jobs[t]) == 0;
     }

@@ -30,6 +30,18 @@ sf_status sfk_check_size(const char *fn, const char *name, int64_t value, sf_err
 sf_status sfk_check_ptr(const char *fn, const char *name, const void *p, int64_t count,
                         sf_error *err);
 sf_status sfk_no_memory(const char *fn, double bytes, sf_error *err);
+/* count * per floats in bytes, into *bytes: EOVERFLOW naming the kernel and
+ * `what` when that does not fit int64 / size_t (scratch sizes). */
+sf_status sfk_float_bytes(const char *fn, const char *what, int64_t count, int64_t per,
+                          size_t *bytes, sf_error *err);
+/* a * b for non-negative a, b, saturated at INT64_MAX (work estimates). */
+static inline int64_t sfk_sat_mul(int64_t a, int64_t b)
+{
+    int64_t r;
+    return sf_mul_overflows(a, b, &r) ? INT64_MAX : r;
+}
+/* ceil(a / b) for a >= 0, b > 0, without forming a + b - 1. */
+static inline int64_t sfk_ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }
 
 /* dst[0:n] (type `to`) = src[0:n] (type `from`), through fp32: the
  * conversions of sfk_load / sfk_store (for tests). */

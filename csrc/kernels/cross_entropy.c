@@ -25,12 +25,29 @@ typedef struct {
     int err;
 } xent_ctx;
 
+/* Label r as a column of this shard, -1 when ignored or another shard's
+ * (vocab_start >= 0, so y - vocab_start cannot overflow once y >= it). */
 static int64_t local_label(const xent_ctx *c, int64_t r)
 {
-    int64_t y = c->labels[r];
-    if (y == c->ignore_index) return -1;
-    y -= c->vocab_start;
-    return (y >= 0 && y < c->real) ? y : -1;
+    const int64_t y = c->labels[r];
+    if (y == c->ignore_index || y < c->vocab_start) return -1;
+    return y - c->vocab_start < c->real ? y - c->vocab_start : -1;
+}
+
+/* Every label in [0, vocab) or ignore_index: one pass, before any work.
+ * ERANGE (IndexError) naming the first label outside, as torch refuses it. */
+static sf_status check_labels(const char *fn, const int64_t *labels, int64_t rows,
+                              int64_t ignore_index, int64_t vocab, sf_error *err)
+{
+    for (int64_t r = 0; r < rows; r++) {
+        const int64_t y = labels[r];
+        if ((y < 0 || y >= vocab) && y != ignore_index)
+            return sf_fail(err, SF_ERANGE, "%s: label %lld (row %lld) is out of range for the "
+                           "vocabulary of %lld (labels must be in [0, %lld) or ignore_index=%lld)",
+                           fn, (long long)y, (long long)r, (long long)vocab, (long long)vocab,
+                           (long long)ignore_index);
+    }
+    return SF_OK;
 }
 
 static void forward_rows(void *arg, int64_t r0, int64_t r1, int tid)
@@ -128,11 +145,13 @@ static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
 }
 
 static sf_status check(const char *fn, sfk_dtype t, int64_t rows, int64_t n, int64_t real,
-                       const void *logits, const int64_t *labels, sf_error *err)
+                       int64_t vocab_start, const void *logits, const int64_t *labels,
+                       sf_error *err)
 {
     sf_status rc;
     if ((rc = sfk_check_dtype(fn, t, err)) || (rc = sfk_check_size(fn, "rows", rows, err)) ||
-        (rc = sfk_check_size(fn, "n", n, err)))
+        (rc = sfk_check_size(fn, "n", n, err)) ||
+        (rc = sfk_check_size(fn, "vocab_start", vocab_start, err)))
         return rc;
     if (real < 0 || real > n)
         return sf_fail(err, SF_EINVAL, "%s: vocab_real=%lld outside [0, %lld] (the logits have "
@@ -145,14 +164,16 @@ static sf_status check(const char *fn, sfk_dtype t, int64_t rows, int64_t n, int
 
 sf_status sfk_xent_forward(sfk_dtype t, const void *logits, int64_t rows, int64_t n, int64_t real,
                            const int64_t *labels, int64_t vocab_start, int64_t ignore_index,
-                           float *max, float *sumexp, float *target, float *sumz, sf_error *err)
+                           int64_t vocab, float *max, float *sumexp, float *target, float *sumz,
+                           sf_error *err)
 {
     static const char fn[] = "xent_forward";
     sf_status rc;
-    if ((rc = check(fn, t, rows, n, real, logits, labels, err)) ||
+    if ((rc = check(fn, t, rows, n, real, vocab_start, logits, labels, err)) ||
         (rc = sfk_check_ptr(fn, "max", max, rows, err)) ||
         (rc = sfk_check_ptr(fn, "sumexp", sumexp, rows, err)) ||
-        (rc = sfk_check_ptr(fn, "target", target, rows, err)))
+        (rc = sfk_check_ptr(fn, "target", target, rows, err)) ||
+        (vocab >= 0 && (rc = check_labels(fn, labels, rows, ignore_index, vocab, err))))
         return rc;
     xent_ctx c = {.t = t, .logits = logits, .n = n, .real = real, .vocab_start = vocab_start,
                   .ignore_index = ignore_index, .labels = labels, .max = max, .sumexp = sumexp,
@@ -168,12 +189,14 @@ sf_status sfk_xent_backward(sfk_dtype t, const void *logits, void *grad, int64_t
 {
     static const char fn[] = "xent_backward";
     sf_status rc;
-    if ((rc = check(fn, t, rows, n, real, logits, labels, err)) ||
+    if ((rc = check(fn, t, rows, n, real, vocab_start, logits, labels, err)) ||
         (rc = sfk_check_size(fn, "vocab", vocab, err)) ||
         (rc = sfk_check_ptr(fn, "lse", lse, rows, err)) ||
         (rc = sfk_check_ptr(fn, "scale", scale, rows, err)) ||
         (rc = sfk_check_ptr(fn, "grad", grad, n > 0 ? rows : 0, err)))
         return rc;
+    if (rows == 0 || n == 0)
+        return SF_OK;                          /* the gradient is empty */
     xent_ctx c = {.t = t, .logits = logits, .grad = grad, .n = n, .real = real,
                   .vocab_start = vocab_start, .ignore_index = ignore_index, .vocab = vocab,
                   .labels = labels, .lse = lse, .scale = scale, .eps = eps};

@@ -15,10 +15,15 @@
  *   sumexp[r] = sum_j exp(z_j - max[r])
  *   target[r] = z_y when label y is a real column of this shard, else 0
  *   sumz[r]   = sum_j z_j                       (only when sumz != NULL)
- * Rows whose label is ignore_index get target 0. */
+ * Rows whose label is ignore_index get target 0.  With vocab >= 0 (the real,
+ * unpadded vocabulary of all shards) every other label must be in
+ * [0, vocab): ERANGE naming the first one outside, before any work (labels
+ * are the same on every rank, so the check needs no collective); vocab < 0
+ * checks nothing.  vocab_start must be >= 0. */
 sf_status sfk_xent_forward(sfk_dtype t, const void *logits, int64_t rows, int64_t n, int64_t real,
                            const int64_t *labels, int64_t vocab_start, int64_t ignore_index,
-                           float *max, float *sumexp, float *target, float *sumz, sf_error *err);
+                           int64_t vocab, float *max, float *sumexp, float *target, float *sumz,
+                           sf_error *err);
 
 /* grad[r, j] = scale[r] * (exp(z_j - lse[r]) - eps / vocab - (1 - eps) [j == y])
  * for real columns j, 0 for padding columns and for ignored rows.  `grad`

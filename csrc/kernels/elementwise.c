@@ -22,6 +22,7 @@ typedef struct {
     void *o1, *o2;                 /* outputs */
     const float *bias;
     float *part;                   /* per-thread [n] partial bias gradients */
+    size_t scratch;                /* bytes of each thread's fp32 row buffers */
     int64_t n, numel;
     int flag;
     float p;
@@ -29,9 +30,10 @@ typedef struct {
     int err;
 } ew_ctx;
 
-static float *bufs(ew_ctx *c, int64_t k)
+/* A thread's row buffers (c->scratch bytes, sized by run_with_db). */
+static float *bufs(ew_ctx *c)
 {
-    float *b = malloc((size_t)k * (size_t)(c->n > 0 ? c->n : 1) * sizeof(float));
+    float *b = malloc(c->scratch);
     if (!b) c->err = SF_ENOMEM;
     return b;
 }
@@ -140,7 +142,7 @@ static void gelu_fwd_rows(void *arg, int64_t r0, int64_t r1, int tid)
     (void)tid;
     ew_ctx *c = arg;
     const int64_t n = c->n;
-    float *u = bufs(c, 3), *e = u ? u + n : NULL;
+    float *u = bufs(c), *e = u ? u + n : NULL;
     if (!u) return;
     for (int64_t r = r0; r < r1; r++) {
         gelu_prep(u, e, in_row(c, c->a, r, n, u + 2 * n), c->bias, n, c->flag);
@@ -156,7 +158,7 @@ static void gelu_bwd_rows(void *arg, int64_t r0, int64_t r1, int tid)
 {
     ew_ctx *c = arg;
     const int64_t n = c->n;
-    float *u = bufs(c, 4), *e = u ? u + n : NULL;
+    float *u = bufs(c), *e = u ? u + n : NULL;
     if (!u) return;
     float *db = c->part ? c->part + (size_t)tid * n : NULL;
     for (int64_t r = r0; r < r1; r++) {
@@ -177,7 +179,7 @@ CLONES static void swiglu_rows(void *arg, int64_t r0, int64_t r1, int tid)
     (void)tid;
     ew_ctx *c = arg;
     const int64_t n = c->n;
-    float *buf = bufs(c, 6);
+    float *buf = bufs(c);
     if (!buf) return;
     float *e = buf, *o1 = buf + n, *o2 = buf + 2 * n;
     for (int64_t r = r0; r < r1; r++) {
@@ -216,7 +218,7 @@ CLONES static void bda_rows(void *arg, int64_t r0, int64_t r1, int tid)
 {
     ew_ctx *c = arg;
     const int64_t n = c->n;
-    float *x = bufs(c, 2), *rr = x ? x + n : NULL;
+    float *x = bufs(c), *rr = x ? x + n : NULL;
     if (!x) return;
     const float scale = c->p > 0.0f ? (c->p < 1.0f ? 1.0f / (1.0f - c->p) : 0.0f) : 1.0f;
     const uint32_t thresh = sfk_dropout_threshold(c->p);
@@ -258,26 +260,36 @@ static sf_status check_p(const char *fn, float p, sf_error *err)
 }
 
 /* Run fn over rows with per-thread bias-gradient partials summed into db;
- * `bufs` is the number of [n] fp32 row buffers each thread allocates. */
+ * `bufs` is the number of [n] fp32 row buffers each thread allocates.  With
+ * no element to compute (rows or n 0) it returns at once, db zeroed: an
+ * empty input with a huge other dimension costs nothing. */
 static sf_status run_with_db(const char *name, ew_ctx *c, int64_t rows, int64_t cost,
                              sfk_rows_fn fn, float *db, int bufs_per_thread, sf_error *err)
 {
+    if (rows == 0 || c->n == 0) {
+        if (db) memset(db, 0, (size_t)c->n * sizeof(float));    /* n floats: the size fits */
+        return SF_OK;
+    }
     int nt = sfk_threads_for(rows, cost);
-    const double row_bytes = (double)(c->n > 0 ? c->n : 1) * (double)sizeof(float);
+    sf_status rc;
+    size_t part_bytes = 0;
+    if ((rc = sfk_float_bytes(name, "row", c->n, bufs_per_thread, &c->scratch, err)) ||
+        (db && (rc = sfk_float_bytes(name, "bias-gradient", c->n, nt, &part_bytes, err))))
+        return rc;
     if (db) {
-        c->part = calloc((size_t)nt * (size_t)(c->n > 0 ? c->n : 1), sizeof(float));
-        if (!c->part) return sfk_no_memory(name, nt * row_bytes, err);
+        c->part = calloc(part_bytes, 1);
+        if (!c->part) return sfk_no_memory(name, (double)part_bytes, err);
     }
     sfk_parallel_rows(rows, nt, fn, c);
     if (db) {
         for (int64_t i = 0; i < c->n; i++) {
             float s = 0.0f;
-            for (int k = 0; k < nt; k++) s += c->part[(size_t)k * c->n + i];
+            for (int k = 0; k < nt; k++) s += c->part[(size_t)k * (size_t)c->n + i];
             db[i] = s;
         }
         free(c->part);
     }
-    return c->err ? sfk_no_memory(name, bufs_per_thread * row_bytes, err) : SF_OK;
+    return c->err ? sfk_no_memory(name, (double)c->scratch, err) : SF_OK;
 }
 
 sf_status sfk_bias_gelu_forward(sfk_dtype t, const void *x, const float *b, int64_t rows, int64_t n,
@@ -290,7 +302,7 @@ sf_status sfk_bias_gelu_forward(sfk_dtype t, const void *x, const float *b, int6
         (rc = sfk_check_ptr(fn, "y", y, any, err)))
         return rc;
     ew_ctx c = {.t = t, .a = x, .o1 = y, .bias = b, .n = n, .flag = tanh_approx};
-    return run_with_db(fn, &c, rows, n * 8, gelu_fwd_rows, NULL, 3, err);
+    return run_with_db(fn, &c, rows, sfk_sat_mul(n, 8), gelu_fwd_rows, NULL, 3, err);
 }
 
 sf_status sfk_bias_gelu_backward(sfk_dtype t, const void *dy, const void *x, const float *b,
@@ -304,7 +316,7 @@ sf_status sfk_bias_gelu_backward(sfk_dtype t, const void *dy, const void *x, con
         (rc = sfk_check_ptr(fn, "x", x, any, err)) || (rc = sfk_check_ptr(fn, "dx", dx, any, err)))
         return rc;
     ew_ctx c = {.t = t, .a = dy, .b2 = x, .o1 = dx, .bias = b, .n = n, .flag = tanh_approx};
-    return run_with_db(fn, &c, rows, n * 8, gelu_bwd_rows, db, 4, err);
+    return run_with_db(fn, &c, rows, sfk_sat_mul(n, 8), gelu_bwd_rows, db, 4, err);
 }
 
 sf_status sfk_swiglu_forward(sfk_dtype t, const void *gate, const void *up, int64_t numel, void *y,
@@ -316,7 +328,7 @@ sf_status sfk_swiglu_forward(sfk_dtype t, const void *gate, const void *up, int6
         (rc = sfk_check_ptr(fn, "up", up, numel, err)) || (rc = sfk_check_ptr(fn, "y", y, numel, err)))
         return rc;
     ew_ctx c = {.t = t, .b2 = gate, .c3 = up, .o1 = y, .n = CHUNK, .numel = numel};
-    return run_with_db(fn, &c, (numel + CHUNK - 1) / CHUNK, CHUNK * 4, swiglu_rows, NULL, 6, err);
+    return run_with_db(fn, &c, sfk_ceil_div(numel, CHUNK), CHUNK * 4, swiglu_rows, NULL, 6, err);
 }
 
 sf_status sfk_swiglu_backward(sfk_dtype t, const void *dy, const void *gate, const void *up,
@@ -332,7 +344,7 @@ sf_status sfk_swiglu_backward(sfk_dtype t, const void *dy, const void *gate, con
         return rc;
     ew_ctx c = {.t = t, .a = dy, .b2 = gate, .c3 = up, .o1 = dgate, .o2 = dup, .n = CHUNK,
                 .numel = numel};
-    return run_with_db(fn, &c, (numel + CHUNK - 1) / CHUNK, CHUNK * 6, swiglu_rows, NULL, 6, err);
+    return run_with_db(fn, &c, sfk_ceil_div(numel, CHUNK), CHUNK * 6, swiglu_rows, NULL, 6, err);
 }
 
 sf_status sfk_bias_dropout_add_forward(sfk_dtype t, const void *x, const float *b, const void *res,
@@ -348,7 +360,7 @@ sf_status sfk_bias_dropout_add_forward(sfk_dtype t, const void *x, const float *
         (rc = sfk_check_ptr(fn, "y", y, any, err)))
         return rc;
     ew_ctx c = {.t = t, .a = x, .c3 = res, .o1 = y, .bias = b, .n = n, .p = p, .seed = seed};
-    return run_with_db(fn, &c, rows, n * 4, bda_rows, NULL, 2, err);
+    return run_with_db(fn, &c, rows, sfk_sat_mul(n, 4), bda_rows, NULL, 2, err);
 }
 
 sf_status sfk_bias_dropout_add_backward(sfk_dtype t, const void *dy, int64_t rows, int64_t n,
@@ -361,5 +373,5 @@ sf_status sfk_bias_dropout_add_backward(sfk_dtype t, const void *dy, int64_t row
         (rc = sfk_check_ptr(fn, "dy", dy, any, err)) || (rc = sfk_check_ptr(fn, "dx", dx, any, err)))
         return rc;
     ew_ctx c = {.t = t, .a = dy, .o1 = dx, .n = n, .p = p, .seed = seed};
-    return run_with_db(fn, &c, rows, n * 4, bda_rows, db, 2, err);
+    return run_with_db(fn, &c, rows, sfk_sat_mul(n, 4), bda_rows, db, 2, err);
 }

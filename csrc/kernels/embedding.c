@@ -15,42 +15,73 @@ typedef struct {
     int64_t d, real, vocab_start;
 } emb_ctx;
 
+/* id's row in this shard [vocab_start, vocab_start + real), -1 when another
+ * shard's (vocab_start >= 0, so id - vocab_start cannot overflow once
+ * id >= vocab_start). */
+static int64_t local_row(int64_t id, int64_t vocab_start, int64_t real)
+{
+    return id >= vocab_start && id - vocab_start < real ? id - vocab_start : -1;
+}
+
 static void lookup_rows(void *arg, int64_t i0, int64_t i1, int tid)
 {
     (void)tid;
     emb_ctx *c = arg;
     const size_t row = (size_t)c->d * (size_t)sfk_size(c->t);
     for (int64_t i = i0; i < i1; i++) {
-        int64_t k = c->ids[i] - c->vocab_start;
+        const int64_t k = local_row(c->ids[i], c->vocab_start, c->real);
         char *o = (char *)c->out + (size_t)i * row;
-        if (k >= 0 && k < c->real) memcpy(o, (const char *)c->w + (size_t)k * row, row);
+        if (k >= 0) memcpy(o, (const char *)c->w + (size_t)k * row, row);
         else memset(o, 0, row);
     }
 }
 
 static sf_status check(const char *fn, sfk_dtype t, int64_t d, int64_t real, int64_t count,
-                       const int64_t *ids, sf_error *err)
+                       int64_t vocab_start, const int64_t *ids, sf_error *err)
 {
     sf_status rc;
     if ((rc = sfk_check_dtype(fn, t, err)) || (rc = sfk_check_size(fn, "d", d, err)) ||
         (rc = sfk_check_size(fn, "vocab_real", real, err)) ||
+        (rc = sfk_check_size(fn, "vocab_start", vocab_start, err)) ||
         (rc = sfk_check_size(fn, "count", count, err)) ||
         (rc = sfk_check_ptr(fn, "ids", ids, count, err)))
         return rc;
     return SF_OK;
 }
 
+/* Every id in [0, vocab): one min / max pass, then ERANGE (IndexError) naming
+ * the id furthest outside, with the message HF models give. */
+static sf_status check_ids(const char *fn, const int64_t *ids, int64_t count, int64_t vocab,
+                           sf_error *err)
+{
+    if (count == 0)
+        return SF_OK;
+    int64_t lo = ids[0], hi = ids[0];
+    for (int64_t i = 1; i < count; i++) {
+        lo = ids[i] < lo ? ids[i] : lo;
+        hi = ids[i] > hi ? ids[i] : hi;
+    }
+    if (lo >= 0 && hi < vocab)
+        return SF_OK;
+    return sf_fail(err, SF_ERANGE, "%s: index %lld is out of range for the vocabulary of %lld "
+                   "(token ids must be in [0, %lld))", fn, (long long)(hi >= vocab ? hi : lo),
+                   (long long)vocab, (long long)vocab);
+}
+
 sf_status sfk_embedding_forward(sfk_dtype t, const void *weight, int64_t d, int64_t real,
-                                const int64_t *ids, int64_t count, int64_t vocab_start, void *out,
-                                sf_error *err)
+                                const int64_t *ids, int64_t count, int64_t vocab_start,
+                                int64_t vocab, void *out, sf_error *err)
 {
     static const char fn[] = "embedding_forward";
     const int64_t rows = d > 0 ? count : 0;
     sf_status rc;
-    if ((rc = check(fn, t, d, real, count, ids, err)) ||
+    if ((rc = check(fn, t, d, real, count, vocab_start, ids, err)) ||
         (rc = sfk_check_ptr(fn, "out", out, rows, err)) ||
-        (rc = sfk_check_ptr(fn, "weight", weight, rows > 0 ? real : 0, err)))
+        (rc = sfk_check_ptr(fn, "weight", weight, rows > 0 ? real : 0, err)) ||
+        (vocab >= 0 && (rc = check_ids(fn, ids, count, vocab, err))))
         return rc;
+    if (rows == 0)
+        return SF_OK;                          /* the output is empty */
     emb_ctx c = {t, weight, ids, out, d, real, vocab_start};
     sfk_parallel_rows(count, sfk_threads_for(count, d), lookup_rows, &c);
     return SF_OK;
@@ -63,15 +94,20 @@ sf_status sfk_embedding_backward(sfk_dtype t, const void *dout, const int64_t *i
     static const char fn[] = "embedding_backward";
     const int64_t rows = d > 0 ? count : 0;
     sf_status rc;
-    if ((rc = check(fn, t, d, real, count, ids, err)) ||
+    size_t bytes;
+    if ((rc = check(fn, t, d, real, count, vocab_start, ids, err)) ||
         (rc = sfk_check_ptr(fn, "dout", dout, rows, err)) ||
         (rc = sfk_check_ptr(fn, "dweight", dweight, rows > 0 ? real : 0, err)))
         return rc;
-    float *buf = t == SFK_F32 ? NULL : malloc((size_t)(d > 0 ? d : 1) * sizeof(float));
-    if (t != SFK_F32 && !buf) return sfk_no_memory(fn, (double)d * sizeof(float), err);
+    if (rows == 0)
+        return SF_OK;                          /* nothing to add */
+    if ((rc = sfk_float_bytes(fn, "row", d, 1, &bytes, err)))
+        return rc;
+    float *buf = t == SFK_F32 ? NULL : malloc(bytes);
+    if (t != SFK_F32 && !buf) return sfk_no_memory(fn, (double)bytes, err);
     for (int64_t i = 0; i < count; i++) {
-        int64_t k = ids[i] - vocab_start;
-        if (k < 0 || k >= real || k == padding_local) continue;
+        const int64_t k = local_row(ids[i], vocab_start, real);
+        if (k < 0 || k == padding_local) continue;
         const float *g = sfk_row(t, dout, i, d, buf);
         float *w = dweight + (size_t)k * (size_t)d;
         for (int64_t j = 0; j < d; j++) w[j] += g[j];

@@ -21,6 +21,7 @@ typedef struct {
     float *mean, *rstd;
     const float *cmean, *crstd;
     float *part;            /* per-thread [2, n] partial dw, db */
+    size_t scratch;         /* bytes of each thread's row buffers (16-bit types) */
     int err;
 } norm_ctx;
 
@@ -56,7 +57,7 @@ static void forward_rows(void *arg, int64_t r0, int64_t r1, int tid)
     (void)tid;
     norm_ctx *c = arg;
     const int64_t n = c->n;
-    float *buf = c->t == SFK_F32 ? NULL : malloc((size_t)n * 2 * sizeof(float));
+    float *buf = c->t == SFK_F32 ? NULL : malloc(c->scratch);
     if (c->t != SFK_F32 && !buf) { c->err = SF_ENOMEM; return; }
     for (int64_t r = r0; r < r1; r++) {
         const float *x = sfk_row(c->t, c->x, r, n, buf);
@@ -104,9 +105,9 @@ static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
 {
     norm_ctx *c = arg;
     const int64_t n = c->n;
-    float *buf = c->t == SFK_F32 ? NULL : malloc((size_t)n * 3 * sizeof(float));
+    float *buf = c->t == SFK_F32 ? NULL : malloc(c->scratch);
     if (c->t != SFK_F32 && !buf) { c->err = SF_ENOMEM; return; }
-    float *dw = c->part + (size_t)tid * 2 * n, *db = dw + n;
+    float *dw = c->part + (size_t)tid * 2 * (size_t)n, *db = dw + n;
     for (int64_t r = r0; r < r1; r++) {
         const float *dy = sfk_row(c->t, c->dy, r, n, buf);
         const float *x = sfk_row(c->t, c->x, r, n, buf ? buf + n : NULL);
@@ -138,10 +139,22 @@ sf_status sfk_norm_forward(int rms, sfk_dtype t, const void *x, int64_t rows, in
     if ((rc = check(fn, t, rows, n, x, rstd, err)) ||
         (rc = sfk_check_ptr(fn, "y", y, n > 0 ? rows : 0, err)))
         return rc;
+    if (rows == 0)
+        return SF_OK;                          /* every output is empty */
+    if (n == 0) {
+        /* y is empty; the statistics of an empty row are 0 / 0, as the loop would make them */
+        for (int64_t r = 0; r < rows; r++) {
+            if (mean) mean[r] = rms ? 0.0f : NAN;
+            rstd[r] = NAN;
+        }
+        return SF_OK;
+    }
     norm_ctx c = {.rms = rms, .t = t, .x = x, .y = y, .n = n, .w = w, .b = b, .eps = eps,
                   .mean = mean, .rstd = rstd};
+    if ((rc = sfk_float_bytes(fn, "row", n, 2, &c.scratch, err)))
+        return rc;
     sfk_parallel_rows(rows, sfk_threads_for(rows, n), forward_rows, &c);
-    return c.err ? sfk_no_memory(fn, 2.0 * (double)n * sizeof(float), err) : SF_OK;
+    return c.err ? sfk_no_memory(fn, (double)c.scratch, err) : SF_OK;
 }
 
 sf_status sfk_norm_backward(int rms, sfk_dtype t, const void *dy, const void *x, int64_t rows,
@@ -155,15 +168,26 @@ sf_status sfk_norm_backward(int rms, sfk_dtype t, const void *dy, const void *x,
         (rc = sfk_check_ptr(fn, "dx", dx, n > 0 ? rows : 0, err)) ||
         (!rms && (rc = sfk_check_ptr(fn, "mean (LayerNorm)", mean, rows, err))))
         return rc;
-    int nt = sfk_threads_for(rows, 3 * n);
+    if (rows == 0 || n == 0) {
+        /* dx is empty; no row contributes to the weight gradients (dw / db, when
+         * given, hold n floats: their size fits) */
+        if (dw) memset(dw, 0, (size_t)n * sizeof(float));
+        if (db) memset(db, 0, (size_t)n * sizeof(float));
+        return SF_OK;
+    }
+    int nt = sfk_threads_for(rows, sfk_sat_mul(3, n));
     norm_ctx c = {.rms = rms, .t = t, .x = x, .dy = dy, .dx = dx, .n = n, .w = w,
                   .cmean = mean, .crstd = rstd};
     /* per-thread [dw, db] partials; a missing weight is a weight of ones */
-    size_t nn = (size_t)(n > 0 ? n : 1);
-    c.part = calloc((size_t)nt * 2 * nn + (w ? 0 : nn), sizeof(float));
-    if (!c.part) return sfk_no_memory(fn, ((double)nt * 2 + 1) * (double)nn * sizeof(float), err);
+    size_t part_bytes;
+    if ((rc = sfk_float_bytes(fn, "row", n, 3, &c.scratch, err)) ||
+        (rc = sfk_float_bytes(fn, "weight-gradient", n, 2 * (int64_t)nt + (w ? 0 : 1),
+                              &part_bytes, err)))
+        return rc;
+    c.part = calloc(part_bytes, 1);
+    if (!c.part) return sfk_no_memory(fn, (double)part_bytes, err);
     if (!w) {
-        float *ones = c.part + (size_t)nt * 2 * nn;
+        float *ones = c.part + (size_t)nt * 2 * (size_t)n;
         for (int64_t i = 0; i < n; i++) ones[i] = 1.0f;
         c.w = ones;
     }
@@ -178,5 +202,5 @@ sf_status sfk_norm_backward(int rms, sfk_dtype t, const void *dy, const void *x,
         if (db) db[i] = sb;
     }
     free(c.part);
-    return c.err ? sfk_no_memory(fn, 3.0 * (double)n * sizeof(float), err) : SF_OK;
+    return c.err ? sfk_no_memory(fn, (double)c.scratch, err) : SF_OK;
 }

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
@@ -129,33 +130,78 @@ def gather_full_state_dict(model: nn.Module, rank0_only: bool = False,
     return out
 
 
+def _listed(label: str, items: list[str], limit: int = 20) -> str:
+    more = f" ... and {len(items) - limit} more" if len(items) > limit else ""
+    return f"\n  {label} ({len(items)}): " + "; ".join(items[:limit]) + more
+
+
+def _check_tensor(name: str, full, t: torch.Tensor, split) -> str | None:
+    """Why `full` cannot be loaded into the model's tensor `t` (None: it can).
+    `split` is (dim, DimShard) for a sharded parameter: its full shape is the
+    shard's with the split dimension at its full length."""
+    if not isinstance(full, torch.Tensor):
+        return f"{name}: not a tensor ({type(full).__name__})"
+    expected = list(t.shape)
+    if split is not None:
+        dim, shard = split
+        expected[dim] = shard.full
+    if list(full.shape) != expected:
+        where = f" (dimension {split[0]} is split over {split[1].tp_size} ranks)" if split is not None else ""
+        return f"{name}: shape {list(full.shape)}, expected {expected}{where}"
+    if full.device.type == "meta":
+        return f"{name}: a meta tensor (no values)"
+    if not torch.can_cast(full.dtype, t.dtype):
+        return f"{name}: dtype {full.dtype} does not convert to the model's {t.dtype} without losing values"
+    return None
+
+
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], strict: bool = True) -> None:
-    """Load full tensors into a sharded model, each rank cutting its shard."""
+    """Load full (HuggingFace-shaped) tensors into a sharded model, each rank
+    cutting its shard.
+
+    Every tensor is checked before anything is copied: its whole shape (a
+    sharded parameter's full shape is its shard's with the split dimension at
+    full length), that it has values, and that its dtype converts to the
+    model's (torch.can_cast).  strict=True also refuses missing keys (the
+    model's state_dict() keys) and unexpected keys; strict=False ignores both
+    but still refuses wrong tensors.  All the problems are reported in one
+    ValueError, listing the keys, and the model is then left untouched."""
+    if not isinstance(state_dict, Mapping):
+        raise TypeError(f"load_full_state_dict: state_dict must be a mapping of names to tensors, "
+                        f"got {type(state_dict).__name__}")
     info = _shard_info(model)
-    missing = []
-    for name, t in _named_tensors(model):
+    tensors = list(_named_tensors(model))
+    known = {name for name, _ in tensors}
+    loads, wrong = [], []
+    for name, t in tensors:
         if name not in state_dict:
-            missing.append(name)
             continue
-        full = state_dict[name]
-        if id(t) in info:
-            dim, shard, _ = info[id(t)]
-            if full.shape[dim] != shard.full:
-                raise ValueError(f"load_full_state_dict: {name} has {full.shape[dim]} rows along dim {dim} "
-                                 f"but the model expects {shard.full}")
-            piece = shard_of(full.to(t.dtype), dim, shard)
-            t.copy_(piece)
+        split = info[id(t)][:2] if id(t) in info else None
+        problem = _check_tensor(name, state_dict[name], t, split)
+        if problem is None:
+            loads.append((t, state_dict[name], split))
         else:
-            if full.shape != t.shape:
-                raise ValueError(f"load_full_state_dict: {name} has shape {tuple(full.shape)}, "
-                                 f"model expects {tuple(t.shape)}")
-            t.copy_(full)
-    if strict and missing:
-        persistent = set(model.state_dict().keys())
-        missing = [m for m in missing if m in persistent]
+            wrong.append(problem)
+    problems = ""
+    if strict:
+        missing = [name for name in model.state_dict() if name not in state_dict]
+        unexpected = [name for name in state_dict if name not in known]
         if missing:
-            raise KeyError(f"load_full_state_dict: missing keys {missing[:10]}{'...' if len(missing) > 10 else ''}")
+            problems += _listed("missing keys", missing)
+        if unexpected:
+            problems += _listed("unexpected keys", unexpected)
+    if wrong:
+        problems += _listed("tensors that do not fit", wrong)
+    if problems:
+        raise ValueError(f"load_full_state_dict({type(model).__name__}): the state dict does not fit the "
+                         f"model; nothing was loaded:{problems}")
+    for t, full, split in loads:
+        if split is None:
+            t.copy_(full)
+        else:
+            dim, shard = split
+            t.copy_(shard_of(full.to(t.dtype), dim, shard))
 
 
 def _sharded_group(model: nn.Module):

@@ -90,6 +90,8 @@ class ShardConfig:
             self.enable_fused_normalization = True
             self.enable_flash_attention = True
             self.enable_jit_fused = True
+        if self.tensor_parallel_process_group is not None:
+            check_process_group(self.tensor_parallel_process_group)
         if self.pipeline_stage_manager is not None:
             raise NotImplementedError("ShardConfig.pipeline_stage_manager: pipeline parallelism is not "
                                       "available in this version of shardformer")
@@ -120,8 +122,26 @@ def group_size_and_rank(process_group) -> tuple[int, int]:
     The one place that asks torch.distributed: the sharder calls it once per
     optimize() and hands the result to every layer in its plan; a layer built
     directly, outside the sharder, gets it through ParallelModule.plan_for."""
+    if process_group is not None:
+        check_process_group(process_group)
     if not dist.is_available() or not dist.is_initialized():
-        if process_group is not None:
-            raise RuntimeError("a process group was given but torch.distributed is not initialized")
         return 1, 0
-    return dist.get_world_size(process_group), dist.get_rank(process_group)
+    rank = dist.get_rank(process_group)
+    if rank < 0:
+        raise ValueError(f"tensor_parallel_process_group: this process (global rank {dist.get_rank()}) is not a "
+                         f"member of the group; every rank of the group, and only those, calls optimize()")
+    return dist.get_world_size(process_group), rank
+
+
+def check_process_group(process_group) -> None:
+    """A process group given to ShardConfig must be a torch.distributed
+    ProcessGroup, with torch.distributed initialized (ValueError / TypeError,
+    raised before optimize() changes anything)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"ShardConfig.tensor_parallel_process_group: a process group was given "
+                         f"({type(process_group).__name__}) but torch.distributed is not initialized "
+                         f"(destroyed, or never set up in this process); call "
+                         f"torch.distributed.init_process_group first, or pass None to shard to one process")
+    if not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(f"ShardConfig.tensor_parallel_process_group must be a torch.distributed ProcessGroup "
+                        f"(or None for the default group), got {type(process_group).__name__}")

@@ -18,13 +18,17 @@ state that lives on modules rather than in weights.  When the sharder swaps
 Modules that enter the tree with no module they replace (created by a
 policy's pre/postprocess) take the training flag of their parent.
 
+The sharder calls adopt while it builds the replacements, before it swaps
+any in: the only change adopt makes to a native module is adding the
+replacement's own hooks to the native's hook dicts (shared with the
+replacement), and undo() takes those out again when the optimize() fails.
+
 Refused before anything changes: a module whose `forward` was patched on
 the instance (accelerate's dispatch hooks, monkey patches): the patch wraps
 the native module's own forward, which the replacement does not have.
 """
 from __future__ import annotations
 
-import warnings
 import weakref
 
 from torch import nn
@@ -67,6 +71,8 @@ class Inheritance:
         self.adopted: weakref.WeakSet = weakref.WeakSet()
         self.hooked: list[str] = []
         self.tensor_hooked: list[str] = []
+        # (native's hook dict, keys added to it from the replacement's), for undo()
+        self.merged: list[tuple[dict, list]] = []
 
     def __call__(self, path: str, native: nn.Module, replacement: nn.Module) -> None:
         if not isinstance(replacement, nn.Module):
@@ -94,7 +100,10 @@ class Inheritance:
                 p.requires_grad_(old[name].requires_grad)
             elif all_frozen:
                 p.requires_grad_(False)
+        kept = {id(q) for q in replacement.parameters()}
         for name, p in old.items():
+            if id(p) in kept:    # the same parameter lives on: its hooks still see all of it
+                continue
             if getattr(p, "_backward_hooks", None) or getattr(p, "_post_accumulate_grad_hooks", None):
                 self.tensor_hooked.append(f"{path}.{name}")
 
@@ -106,13 +115,26 @@ class Inheritance:
             if not theirs:
                 continue
             ours = getattr(replacement, d, None)
-            if ours:
+            if ours and ours is not theirs:
+                added = [k for k in ours if k not in theirs]
                 theirs.update(ours)
+                self.merged.append((theirs, added))
             object.__setattr__(replacement, d, theirs)
 
-    def finish(self, model: nn.Module, model_name: str) -> None:
-        """New modules with no predecessor take their parent's flag; warn
-        about hooks that now see shards."""
+    def undo(self) -> None:
+        """Take the replacements' hooks back out of the native modules' hook
+        dicts (the one change adopt makes to a native module), after a
+        failed optimize() whose swaps were all undone."""
+        for theirs, added in reversed(self.merged):
+            for key in added:
+                theirs.pop(key, None)
+        self.merged.clear()
+
+    def finish(self, model: nn.Module, model_name: str) -> list[str]:
+        """New modules with no predecessor take their parent's flag.  Returns
+        the warnings about hooks that now see shards, for the sharder to
+        emit once the model is complete (a warning turned into an error must
+        not interrupt a half-finished optimize())."""
         stack = [(model, model.training)]
         while stack:
             module, parent_training = stack.pop()
@@ -120,15 +142,17 @@ class Inheritance:
                 module.training = parent_training
             for child in module.children():
                 stack.append((child, module.training))
+        messages = []
         if self.hooked:
-            warnings.warn(
+            messages.append(
                 f"{model_name}: hooks registered on {', '.join(self.hooked[:5])}"
                 f"{' ...' if len(self.hooked) > 5 else ''} moved to the parallel layers that replace them; "
                 f"they now see this rank's shard of those layers' weights and, for column-parallel layers "
-                f"without gather_output, of their outputs", stacklevel=4)
+                f"without gather_output, of their outputs")
         if self.tensor_hooked:
-            warnings.warn(
+            messages.append(
                 f"{model_name}: gradient hooks on {', '.join(self.tensor_hooked[:5])}"
                 f"{' ...' if len(self.tensor_hooked) > 5 else ''} were registered on the full parameters, "
-                f"which optimize() replaced by shards; register them again on the sharded model's parameters",
-                stacklevel=4)
+                f"which optimize() replaced by shards; register them again on the sharded model's parameters")
+        self.merged.clear()
+        return messages

@@ -27,6 +27,7 @@ torch is imported in the child processes and inside these functions only.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import pickle
@@ -99,7 +100,25 @@ def init_rank(rank: int, world_size: int, port: int, backend: str = "gloo", time
         torch.set_num_threads(threads)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
+    atexit.register(_destroy_groups_at_exit)
     return dist
+
+
+def _destroy_groups_at_exit() -> None:
+    """Destroy the process groups while the interpreter is still whole.
+
+    A process that ends with its groups alive leaves their destruction to
+    interpreter finalization, when torch's C++ worker threads (gloo's) may
+    still be joinable or hold Python references: that ends in SIGABRT,
+    "terminate called without an active exception" (pytorch/pytorch#190489).
+    Registered by init_rank, so every rank it sets up exits cleanly however
+    its code returns; a no-op when the groups were destroyed already.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
 
 
 def _dumps_callable(fn, args) -> bytes:

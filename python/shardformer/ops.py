@@ -13,7 +13,8 @@ cast back to the parameter's dtype.
     swiglu(gate, up)              y = silu(gate) * up
     bias_dropout_add(x, b, r, p)  y = r + dropout_p(x + b); the mask is redrawn
                                   in backward from a seed, never stored
-    vocab_embedding(ids, W, ...)  rows of W for ids in [start, start + real), 0 elsewhere
+    vocab_embedding(ids, W, ...)  rows of W for ids in [start, start + real), 0 elsewhere;
+                                  with vocab_size, an id outside [0, vocab_size) is an IndexError
     xent_stats / xent_grad        the local halves of vocabulary-parallel cross-entropy
                                   (shardformer.layer.loss combines them across ranks)
     attention(q, k, v, ...)       softmax(scale q k^T + bias + masks) v, flash style
@@ -243,7 +244,7 @@ def bias_dropout_add(x, bias, residual, p: float = 0.0, training: bool = True, s
 
 class _VocabEmbedding(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, ids, weight, vocab_start, vocab_real, padding_local):
+    def forward(ctx, ids, weight, vocab_start, vocab_real, padding_local, vocab_size):
         w = _data(weight, "embedding weight")
         if w.dim() != 2:
             raise ValueError(f"embedding weight must be 2-D, got shape {tuple(w.shape)}")
@@ -251,7 +252,8 @@ class _VocabEmbedding(torch.autograd.Function):
             raise ValueError(f"vocab_real={vocab_real} outside [0, {w.shape[0]}] (rows of the weight)")
         i = _ids(ids, "embedding ids")
         out = torch.empty(*i.shape, w.shape[1], dtype=w.dtype)
-        _C.embedding_forward(w, i, vocab_start, vocab_real, out)
+        # the id range is checked in the kernel's first pass (one min / max over the ids)
+        _C.embedding_forward(w, i, vocab_start, vocab_real, out, -1 if vocab_size is None else vocab_size)
         ctx.save_for_backward(i)
         ctx.args = (vocab_start, vocab_real, padding_local, tuple(w.shape), w.dtype)
         return out
@@ -264,27 +266,35 @@ class _VocabEmbedding(torch.autograd.Function):
         dout = _data(dout, "embedding grad").to(dtype).contiguous()
         _C.embedding_backward(dout, i, vocab_start, vocab_real,
                               -1 if padding_local is None else padding_local, dw)
-        return None, dw.to(dtype), None, None, None
+        return None, dw.to(dtype), None, None, None, None
 
 
 def vocab_embedding(ids, weight, vocab_start: int = 0, vocab_real: int | None = None,
-                    padding_idx: int | None = None):
+                    padding_idx: int | None = None, vocab_size: int | None = None):
     """out[..., :] = weight[id - vocab_start] for ids in [vocab_start, vocab_start +
-    vocab_real), zeros otherwise; padding_idx (a local row) gets no gradient."""
+    vocab_real), zeros otherwise; padding_idx (a local row) gets no gradient.
+
+    vocab_size: the whole (unpadded) vocabulary the ids index, of which this
+    table holds a shard; an id outside [0, vocab_size) raises IndexError, as
+    nn.Embedding does for the unsharded table (None: ids are not checked)."""
     real = weight.shape[0] if vocab_real is None else int(vocab_real)
-    return _VocabEmbedding.apply(ids, weight, int(vocab_start), real, padding_idx)
+    vocab = None if vocab_size is None else int(vocab_size)
+    return _VocabEmbedding.apply(ids, weight, int(vocab_start), real, padding_idx, vocab)
 
 
 # ---- cross-entropy halves ---------------------------------------------------
 
 def xent_stats(logits2d: torch.Tensor, labels1d: torch.Tensor, vocab_start: int, vocab_real: int,
-               ignore_index: int, need_sumz: bool):
+               ignore_index: int, need_sumz: bool, vocab_size: int | None = None):
     """Per-row (max, sum exp(z - max), z_target or 0, sum z or None) over the real
-    columns of a [rows, V_local] shard, read in one pass."""
+    columns of a [rows, V_local] shard, read in one pass.  With vocab_size (the
+    whole unpadded vocabulary), a label outside [0, vocab_size) other than
+    ignore_index raises IndexError (checked by the kernel before any work)."""
     rows = logits2d.shape[0]
     mx, se, tg = (torch.empty(rows, dtype=torch.float32) for _ in range(3))
     sz = torch.empty(rows, dtype=torch.float32) if need_sumz else None
-    _C.xent_forward(logits2d, labels1d, vocab_start, vocab_real, ignore_index, mx, se, tg, sz)
+    _C.xent_forward(logits2d, labels1d, vocab_start, vocab_real, ignore_index, mx, se, tg, sz,
+                    -1 if vocab_size is None else int(vocab_size))
     return mx, se, tg, sz
 
 
@@ -305,6 +315,13 @@ class _Attention(torch.autograd.Function):
     def forward(ctx, q, k, v, bias, scale, causal, window, alibi, mask, p, seed):
         qd, kd, vd = _data(q, "attention q"), _data(k, "attention k"), _data(v, "attention v")
         out = torch.empty_like(qd)
+        ctx.empty = qd.shape[-1] == 0
+        if ctx.empty:
+            # head size 0: the result is empty, as torch's scaled_dot_product_attention
+            # gives it; the kernel would walk all of Sq x Sk for nothing
+            ctx.shapes = (qd.shape, kd.shape, None if bias is None else bias.shape)
+            ctx.dtypes = (qd.dtype, None if bias is None else bias.dtype)
+            return out
         lse = torch.empty(qd.shape[:3], dtype=torch.float32)
         bd = None if bias is None else bias.detach().float().contiguous()
         _C.attention_forward(qd, kd, vd, out, lse, scale, causal, window, alibi, bd, mask, p, seed)
@@ -315,6 +332,11 @@ class _Attention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        if ctx.empty:   # empty q, k, v gradients; no logit depends on the bias's value but linearly: 0
+            (qs, ks, bs), (dt, bdt) = ctx.shapes, ctx.dtypes
+            dbias = torch.zeros(bs, dtype=bdt) if bs is not None and ctx.needs_input_grad[3] else None
+            return (torch.zeros(qs, dtype=dt), torch.zeros(ks, dtype=dt), torch.zeros(ks, dtype=dt), dbias,
+                    None, None, None, None, None, None, None)
         qd, kd, vd, out, lse, bd, alibi, mask = ctx.saved_tensors
         out = out.detach()
         scale, causal, window, p, seed = ctx.args
@@ -361,7 +383,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask
         o_i  = sum_j softmax_j(s_ij) z_ij / (1 - p) v_j
 
     Queries are the last Sq of the Sk positions (bottom-right causal alignment,
-    as for decoding with a KV cache).  scale defaults to 1 / sqrt(D).  mask:
+    as for decoding with a KV cache).  scale defaults to 1 / sqrt(D); head size
+    D = 0 gives the empty result (and zero gradients), as torch's SDPA.  mask:
     bool, [B, Sk] (key padding), [H, Sq, Sk] or 4-D broadcastable to
     [B, Hq, Sq, Sk]; a floating-point mask is additive and joins the bias.
     bias: additive, same shapes, differentiable (its gradient is summed over
@@ -384,7 +407,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask
         raise ValueError(f"attention: q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head size")
     if Hq and (Hkv == 0 or Hq % Hkv):
         raise ValueError(f"attention: {Hq} query heads are not a multiple of {Hkv} key-value heads")
-    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    if scale is None:   # 1 / sqrt(D); any value for D = 0, whose result is empty
+        scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
+    scale = float(scale)
     window = 0 if window is None else int(window)
     if window < 0:
         raise ValueError(f"attention: window must be >= 0 (0 or None: no window), got {window}")

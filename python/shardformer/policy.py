@@ -22,7 +22,14 @@ class SubModuleReplacementDescription:
     """Replace the sub-module at `suffix` (dotted, relative to the matched
     module; `*` matches every child of a ModuleList / ModuleDict) by
     `target_module.from_native_module(native, process_group, **kwargs)`.
-    A missing sub-module is an error unless `ignore_if_not_exist`."""
+    A missing sub-module is an error unless `ignore_if_not_exist`.
+
+    optimize() builds every replacement before it swaps any in, so
+    from_native_module must not change `native`.  A target that changes the
+    native module in place instead provides
+    `prepare_native_module(native, process_group, **kwargs)`, returning an
+    object whose commit() makes the change (returning the module) and whose
+    rollback() undoes it (see shardformer.layer.param_shard.ShardParams)."""
 
     suffix: str
     target_module: Any
@@ -36,7 +43,9 @@ class ModulePolicyDescription:
 
     attribute_replacement: {dotted attribute: value}; a value may be a
         shardformer.layout.PerRank, resolved to this rank's value.
-    param_replacement: callables fn(module) run on the module.
+    param_replacement: callables fn(module) run on the module, in the swap
+        phase (after every replacement was built); what they do cannot be
+        undone, so a later failure leaves the model marked partially sharded.
     sub_module_replacement: SubModuleReplacementDescription list.
     method_replacement: {method name: function(self, ...)} bound to the module.
     """
@@ -75,7 +84,9 @@ class Policy(ABC):
         """Raise if the model's configuration is one this policy cannot shard."""
 
     def preprocess(self) -> nn.Module:
-        """Runs after validation, before substitution; must not fail.  (The
+        """Runs after validation, before substitution; must not fail and must
+        not change the model (record on the policy what postprocess needs):
+        a failed optimize() puts back only what the sharder changed.  (The
         optimizations -- fused norms, fused MLP activations, flash attention --
         are the sharder's, by module type: shardformer.optimizations.)"""
         return self.model
@@ -85,7 +96,8 @@ class Policy(ABC):
         """{module class or class name: ModulePolicyDescription}."""
 
     def postprocess(self) -> nn.Module:
-        """Runs after substitution (e.g. re-tie shared weights)."""
+        """Runs after substitution (e.g. re-tie shared weights).  If it
+        raises, the model is marked partially sharded (see ModelSharder)."""
         return self.model
 
     def get_shared_params(self) -> list[dict[int, nn.Parameter]]:

@@ -7,8 +7,29 @@ per-rank values, asks each replacement class what it splits (plan_shard) and
 resolves every shard layout in C; then it applies the plan.  (tp_size, rank)
 are decided here, once per optimize(), and travel to the layers in their
 plans.
+
+A failed optimize() leaves the model as it was:
+
+  * everything that can fail on a bad model or policy runs before the model
+    changes: the group and replica checks, the plan, and, in the engine's
+    first phase, building every replacement module;
+  * the engine then swaps the replacements in, journaled, and undoes the
+    swaps if one fails (or is interrupted); the flash-attention switch and
+    the hooks adopt merged are put back too;
+  * the one exception is a change that cannot be undone (a policy's
+    param_replacement callable that ran, a replacement changed in place
+    without prepare_native_module, a policy postprocess that failed): the
+    model is then marked, and every later optimize() or forward on it raises
+    "partially sharded by a failed optimize() (...); rebuild it".
+
+With extra_kwargs broadcast_weights=True the group's rank-0 weights, once
+broadcast (after the plan, before the build), stay even if a later step fails.
+KeyboardInterrupt, SystemExit, MemoryError and RecursionError come out as
+raised (same object), after the rollback.
 """
 from __future__ import annotations
+
+import warnings
 
 from torch import nn
 
@@ -21,6 +42,7 @@ from .optimizations import enable_attention, optimization_policy
 from .policy import Policy
 
 SHARDED_MARK = "_shardformer_sharded"
+BROKEN_MARK = "_shardformer_broken"
 
 
 def _optimization_ops(model, name: str, cfg: ShardConfig, ops: list, tp_size: int, rank: int) -> list:
@@ -34,6 +56,62 @@ def _optimization_ops(model, name: str, cfg: ShardConfig, ops: list, tp_size: in
     return _C.sharder_plan(model, name, extra, tp_size, rank)[0]
 
 
+def _refuse_broken(module: nn.Module, _args) -> None:
+    """Forward pre-hook of a model a failed optimize() left partially sharded."""
+    raise RuntimeError(module.__dict__[BROKEN_MARK])
+
+
+def _mark_broken(model: nn.Module, name: str, error: BaseException) -> None:
+    """Mark `model` as left partially sharded by a failed optimize(): every
+    later optimize() and forward raises, naming the original error."""
+    if BROKEN_MARK in model.__dict__:
+        return
+    model.__dict__[BROKEN_MARK] = (
+        f"{name}: this model is partially sharded by a failed optimize() ({type(error).__name__}: {error}); "
+        f"rebuild it (construct or load it again) before using it")
+    model.register_forward_pre_hook(_refuse_broken, prepend=True)
+
+
+def check_usable(model: nn.Module, name: str) -> None:
+    """Refuse a model that optimize() already sharded, or left partially sharded."""
+    broken = model.__dict__.get(BROKEN_MARK)
+    if broken:
+        raise RuntimeError(broken)
+    if getattr(model, SHARDED_MARK, False):
+        raise ValueError(f"{name}: this model has already been sharded by optimize()")
+
+
+class _AttentionSwitch:
+    """What enable_attention changes, recorded to be put back when the
+    optimize() fails: the attributes of every config the model's modules hold
+    and of their sub-configs (HF sets the attention implementation
+    recursively), and the model's own attributes and forward pre-hooks."""
+
+    def __init__(self, model: nn.Module):
+        configs, stack = {}, [getattr(m, "config", None) for m in model.modules()]
+        while stack:
+            cfg = stack.pop()
+            if cfg is None or not hasattr(cfg, "__dict__") or id(cfg) in configs:
+                continue
+            configs[id(cfg)] = cfg
+            stack.extend(getattr(cfg, key, None) for key in getattr(cfg, "sub_configs", None) or ())
+        self.model = model
+        self.configs = [(cfg, dict(vars(cfg))) for cfg in configs.values()]
+        self.attributes = set(vars(model))
+        self.pre_hooks = set(model._forward_pre_hooks)
+
+    def undo(self) -> None:
+        for cfg, saved in self.configs:
+            state = vars(cfg)
+            state.clear()
+            state.update(saved)
+        for key in set(vars(self.model)) - self.attributes:
+            del self.model.__dict__[key]
+        for key in set(self.model._forward_pre_hooks) - self.pre_hooks:
+            self.model._forward_pre_hooks.pop(key, None)
+            self.model._forward_pre_hooks_with_kwargs.pop(key, None)
+
+
 class ModelSharder:
     """Shard `model` in place according to `policy` and `shard_config`."""
 
@@ -45,9 +123,9 @@ class ModelSharder:
     def shard(self) -> list[dict[int, nn.Parameter]]:
         model, policy, cfg = self.model, self.policy, self.shard_config
         name = type(model).__name__
-        if getattr(model, SHARDED_MARK, False):
-            raise ValueError(f"{name}: this model has already been sharded by optimize()")
+        check_usable(model, name)
         group = cfg.tensor_parallel_process_group
+        tp_size, rank = group_size_and_rank(group)      # decided once; the plans carry them to the layers
         if cfg.option("broadcast_weights"):
             check_same_model(model, group, name, content=False)
         elif cfg.option("check_replicas"):
@@ -56,7 +134,6 @@ class ModelSharder:
         policy.set_shard_config(cfg)
         policy.config_sanity_check()
         module_policy = policy.module_policy()
-        tp_size, rank = group_size_and_rank(group)      # decided once; the plans carry them to the layers
         ops, matched = _C.sharder_plan(model, name, module_policy, tp_size, rank)
         if module_policy and matched == 0:
             keys = ", ".join(k if isinstance(k, str) else k.__qualname__ for k in module_policy)
@@ -66,12 +143,37 @@ class ModelSharder:
         check_replaceable(name, ops)
         if cfg.option("broadcast_weights"):      # the plan is valid: now rank 0's weights everywhere
             broadcast_weights(model, group)
-        inheritance = Inheritance(model)
-        enable_attention(model, cfg)
-        policy.model = policy.preprocess()
-        _C.sharder_apply(ops, group, inheritance)
-        self.model = policy.postprocess()
-        inheritance.finish(self.model, name)
-        bind_hf_methods(self.model)
+        inheritance = self._apply(ops, name)
+        try:
+            self.model = policy.postprocess()
+            messages = inheritance.finish(self.model, name)
+            bind_hf_methods(self.model)
+        except BaseException as e:
+            _mark_broken(model, name, e)        # the swaps are in: a postprocess cannot be undone
+            raise
         object.__setattr__(self.model, SHARDED_MARK, True)
+        for message in messages:                 # last: a warning turned error finds the model complete
+            warnings.warn(message, stacklevel=3)
         return policy.get_shared_params()
+
+    def _apply(self, ops: list, name: str) -> Inheritance:
+        """Switch attention, preprocess, and apply the plan (the engine builds
+        every replacement, then swaps them in); on failure, put back what
+        changed, or mark the model when something cannot be put back."""
+        model, cfg = self.model, self.shard_config
+        inheritance = Inheritance(model)
+        attention = _AttentionSwitch(model) if cfg.enable_flash_attention else None
+        journal: list = []                       # what the engine changed and could not undo
+        try:
+            enable_attention(model, cfg)
+            self.policy.model = self.policy.preprocess()
+            _C.sharder_apply(ops, cfg.tensor_parallel_process_group, inheritance, journal)
+        except BaseException as e:
+            if journal:
+                _mark_broken(model, name, e)
+            else:
+                inheritance.undo()
+                if attention is not None:
+                    attention.undo()
+            raise
+        return inheritance

@@ -28,7 +28,10 @@ class ShardFormer:
 
         `policy` defaults to the registered policy of the model's class.  On
         any error (unsupported model, sizes that cannot be split, a policy
-        naming modules that do not exist) the model is left unchanged.
+        naming modules that do not exist, a replacement failing to build, an
+        interrupt) the model is left unchanged; where a change cannot be
+        undone (see shardformer.sharder) the model is marked, and every later
+        optimize() or forward on it raises "partially sharded ...; rebuild it".
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"ShardFormer.optimize: expected a torch.nn.Module, got {type(model).__name__}")

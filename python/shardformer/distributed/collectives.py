@@ -28,8 +28,15 @@ only use a communicator that already exists (they involve two ranks, which
 cannot set one up for the group).
 
 Each function below is one lookup and one call on the communicator, which
-holds the group's size and rank; every collective passes through it (the
-place for a cross-rank check of each collective, see communicator.py).
+holds the group's size and rank; every collective passes through it.  Ranks
+that disagree on a collective (sizes, dtypes, operation, root) raise on every
+rank: the shm backend checks every call in C; for the torch and nccl backends
+`SHARDFORMER_CHECK_COLLECTIVES=1` (read once per group and device type, like
+SHARDFORMER_COMM) adds a check before each call, at the cost of one small
+all-gather (see communicator.py, "Cross-rank checks").
+
+A group's communicators go with the group: `dist.destroy_process_group(g)`
+needs no call of ours (see communicator.py and shm.py, "Lifetime").
 """
 from __future__ import annotations
 

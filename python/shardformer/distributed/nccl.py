@@ -8,8 +8,17 @@ backend.  Tensors reach C through DLPack like every other `_C` entry point
 (`_C.nccl_all_reduce` & co. check device, dtype, contiguity and sizes there);
 every call is enqueued on the caller's current CUDA stream (passed to C as an
 integer), so it can be captured in a CUDA graph; the GIL is released while
-NCCL enqueues.  Communicators are destroyed only by `destroy()`, never by
-garbage collection.
+NCCL enqueues.
+
+Lifetime: the NcclCommunicator of a group is destroyed by `destroy()`, by
+`forget(group)`, or when its group goes (the group object is collected, or a
+sweep at the next communicator creation finds torch.distributed destroyed it:
+shm.GroupTable, see shm.py's "Lifetime").  The table never keeps the group
+alive and the communicator does not hold it.  A destroyed group's
+communicator is aborted (ncclCommAbort: local, never waits on peers that may
+have left), as nothing may still be running on a destroyed group; an
+`NcclCommunicator` made directly and dropped without `destroy()` is not
+destroyed by garbage collection (ncclCommDestroy may wait for the peers).
 """
 from __future__ import annotations
 
@@ -19,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C
+from .shm import GroupTable, release_destroyed
 
 _state: dict = {}
 
@@ -68,7 +78,7 @@ class NcclCommunicator:
         ok, why = available()
         if not ok:
             raise RuntimeError(f"NCCL backend unavailable: {why}")
-        self.group = group
+        # The group is used for the id's broadcast and not kept (see "Lifetime").
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.size = dist.get_world_size(group) if dist.is_initialized() else 1
         uid = [_C.nccl_unique_id() if self.rank == 0 else None]
@@ -117,14 +127,35 @@ class NcclCommunicator:
         return t
 
 
-_COMMS: dict = {}
+def _abort(comm: NcclCommunicator) -> None:
+    comm.destroy(abort=True)
+
+
+_COMMS = GroupTable(on_drop=_abort)  # group (None: not initialized) -> NcclCommunicator
+
+
+def _key(group):
+    return group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
 
 
 def communicator(group=None) -> NcclCommunicator | None:
     """The group's NCCL communicator, made on first call (collective); None if unavailable."""
     if not available()[0]:
         return None
-    key = group if group is not None else (dist.group.WORLD if dist.is_initialized() else None)
-    if key not in _COMMS:
-        _COMMS[key] = NcclCommunicator(group)
-    return _COMMS[key]
+    key = _key(group)
+    comm = _COMMS.get(key)
+    if comm is None:
+        release_destroyed()
+        comm = NcclCommunicator(group)
+        _COMMS.put(key, comm)
+    return comm
+
+
+def forget(group=None, abort: bool = False) -> None:
+    """Destroy and drop the group's NCCL communicator now (every rank, same point
+    unless abort)."""
+    key = _key(group)
+    comm = _COMMS.get(key)
+    if comm is not None:
+        comm.destroy(abort)
+    _COMMS.drop(key)

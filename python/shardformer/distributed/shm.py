@@ -5,17 +5,66 @@ collective over the group (every rank must call `communicator(group)` at the
 same point, which `communicator.get_communicator` does on a group's first
 CPU collective; the collectives reach it through `communicator.ShmBackend`):
 
-    rank 0 creates a segment (mode 0600, random name, space reserved with
-    posix_fallocate) and broadcasts its name and a random nonce through the
-    group's torch.distributed backend; every other rank maps it and checks
-    the nonce; the ranks all-gather whether they succeeded; rank 0 unlinks
-    the name.  From then on nothing of ours is visible in /dev/shm, even if a
-    rank is killed.  If any rank could not map it (another host, a full
-    /dev/shm) the group has no communicator and `reason(group)` says why.
+    the ranks all-gather their host names (so every rank is present before a
+    segment exists); rank 0 removes the stale segments of dead processes (see
+    below), creates a segment (mode 0600, name `/shardformer-<pid>-<random>`,
+    space reserved with posix_fallocate) and broadcasts its name and a random
+    nonce through the group's torch.distributed backend; every other rank maps
+    it and checks the nonce; the ranks all-gather whether they succeeded;
+    rank 0 unlinks the name.  If any rank could not map it (another host, a
+    full /dev/shm) the group has no communicator and `reason(group)` says why.
 
-The C side (csrc/comm/shm.c) does the work with the GIL released.  Calls
-with `async_op=True` run on one worker thread per communicator, in issue
-order, and return a `Handle`; a blocking call first waits for them.
+What can be left in /dev/shm.  From the unlink on, nothing of ours is visible
+there, even if every rank is killed: the mappings die with the processes.
+Before it, for the few milliseconds between rank 0's create and the unlink
+(every rank is already waiting, so the window is the attach itself, not a late
+rank's start-up), a SIGKILL of rank 0 leaves the named file
+`/dev/shm/shardformer-<pid>-<hex>` (the segment's full size: P*(2 MiB +
+P*256 KiB) with the defaults, 5 MiB for 2 ranks); if rank 0 survives, its `finally` unlinks it even when its peers
+die (after the torch.distributed timeout).  Such a file is removed the next
+time any process of the same user on this host creates a segment (rank 0 of
+any group's set-up; `remove_stale_segments()` does it on demand): a file
+owned by this uid whose creator pid no longer exists goes.  Kept: files of
+another uid, and files whose pid is alive -- including a dead creator's pid
+reused by a new process (cleaned once that one exits) and, when /dev/shm is
+shared between pid namespaces (containers), a creator alive in another
+namespace whose pid happens to be alive here.  A creator in another namespace
+whose pid is free here could lose its name during its set-up window; the late
+rank then fails to attach and the group has no communicator (never wrong
+results: attach checks the nonce).
+
+Lifetime.  A communicator lives as long as its process group and no longer.
+The tables that map groups to communicators, here and in communicator.py and
+nccl.py, are `GroupTable`s: keyed by id(group), they hold no reference to the
+group (communicators hold none either), so they never keep a destroyed group
+-- and its gloo sockets -- alive.  A group's entries are dropped (here: its
+segment closed)
+
+  * when the group object is collected: a weak reference's callback, so the
+    usual `dist.destroy_process_group(g); del g` frees everything at once;
+  * when any communicator is created (rare, so the check is cheap): every
+    table drops the groups torch.distributed no longer knows -- destroyed but
+    still referenced, or every group after `dist.destroy_process_group()`;
+  * by `forget(group)` (one group) or `release_destroyed()` (the sweep on
+    demand), for a deterministic point.
+
+torch offers no hook on destroy_process_group and we do not wrap it:
+replacing a torch function surprises every other library in the process and
+breaks silently when torch changes it.  What the paths above leave is one
+segment per group that was destroyed while the program still references it,
+until the program drops the reference or creates another communicator.  A new
+`init_process_group` after `destroy_process_group()` gets fresh communicators.
+
+Threads.  The C side (csrc/comm/shm.c) does the work with the GIL released;
+one call runs in a communicator at a time.  Calls with `async_op=True` run on
+one worker thread per communicator, in issue order, and return a `Handle`; a
+blocking call first waits for them.  `close()` may be called from any thread
+at any time and never waits for peers: later calls raise RuntimeError, calls
+already issued (a blocking call in another thread, async calls queued) still
+run, and the segment is unmapped when the last of them returns (the C side
+counts calls in flight).  The worker exits after the calls queued before
+close; at exit every communicator is closed the same way (the worker is a
+daemon: a call still waiting for a peer does not hold the process).
 
 Environment: SHARDFORMER_SHM_TIMEOUT (seconds a rank waits for its peers,
 default 300), SHARDFORMER_SHM_WORKSPACE (bytes per rank, default 2 MiB),
@@ -27,9 +76,11 @@ from __future__ import annotations
 import atexit
 import os
 import queue
+import re
 import secrets
 import socket
 import threading
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -48,6 +99,9 @@ DEFAULT_ONESHOT_MAX = 128 << 10
 
 REDUCIBLE = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int32, torch.int64)
 
+SHM_DIR = "/dev/shm"
+_SEGMENT_NAME = re.compile(r"shardformer-(\d+)-[0-9a-f]+")
+
 
 def _env_number(name: str, default, cast):
     raw = os.environ.get(name, "").strip()
@@ -61,6 +115,165 @@ def _env_number(name: str, default, cast):
         raise ValueError(f"{name}={raw!r} must be positive")
     return value
 
+
+# ---- per-group tables that follow the groups' lifetime -------------------------------
+
+_TABLES: list = []  # every GroupTable (here, communicator.py, nccl.py): swept together
+
+
+# The "weak reference" of the None group (torch.distributed not initialized):
+# NoneType() returns None, and is a C call, cheap on the collectives' hot path.
+_no_group = type(None)
+
+
+_SAME = object()  # GroupTable.put's default owner: the group itself
+
+
+def group_alive(group) -> bool:
+    """Whether torch.distributed still knows `group`; None stands for the world
+    of one of an uninitialized torch.distributed, alive until it is initialized."""
+    if group is None:
+        return not dist.is_initialized()
+    if not dist.is_initialized():
+        return False
+    try:
+        dist.get_process_group_ranks(group)  # KeyError once destroy_process_group(group) ran
+    except (KeyError, ValueError, RuntimeError):
+        return False
+    return True
+
+
+class GroupTable:
+    """Values kept per process group that neither keep the group alive nor outlive it.
+
+    `items` maps (id(group), sub) to a value: a plain dict, so a hot path looks
+    up `items.get((id(g), sub))` with no reference to the group.  Each entry
+    belongs to an owner group (the group itself unless `put` says otherwise:
+    communicator.py files the None alias of the default group under the
+    default group), and the table keeps one weak reference per owner whose
+    callback drops the owner's entries when the object is collected -- before
+    its id can be reused.  `sweep()` drops the entries of owners torch no
+    longer knows (destroyed, still referenced); `drop(group)` those of one
+    owner.  `on_drop(value)` runs for every value dropped, whichever way.
+    """
+
+    def __init__(self, on_drop=None):
+        self.items: dict = {}
+        self._owners: dict = {}  # id(owner) -> (weak reference, keys of its entries)
+        self._owner_of: dict = {}  # key -> id(owner)
+        self._on_drop = on_drop
+        _TABLES.append(self)
+
+    def get(self, group, sub=None):
+        return self.items.get((id(group), sub))
+
+    def put(self, group, value, sub=None, owner=_SAME) -> None:
+        """items[(id(group), sub)] = value, dropped with `owner` (default: `group`)."""
+        if owner is _SAME:
+            owner = group
+        key, oid = (id(group), sub), id(owner)
+        held = self._owners.get(oid)
+        if held is None:
+            held = self._owners[oid] = (self._reference(owner, oid), set())
+        previous = self._owner_of.get(key)
+        if previous is not None and previous != oid:
+            self._owners[previous][1].discard(key)
+        self._owner_of[key] = oid
+        held[1].add(key)
+        old = self.items.get(key)
+        self.items[key] = value
+        if old is not None and old is not value and self._on_drop is not None:
+            self._on_drop(old)
+
+    def values(self) -> list:
+        return list(self.items.values())
+
+    def drop(self, group) -> None:
+        """Drop every entry owned by `group`."""
+        self._drop_owner(id(group))
+
+    def sweep(self) -> None:
+        """Drop the entries of owners that are collected or that torch no longer knows."""
+        for oid, (ref, _) in list(self._owners.items()):
+            owner = ref()
+            if (owner is None and ref is not _no_group) or not group_alive(owner):
+                self._drop_owner(oid)
+
+    def clear(self) -> None:
+        for oid in list(self._owners):
+            self._drop_owner(oid)
+
+    def _reference(self, owner, oid: int):
+        if owner is None:
+            return _no_group
+        try:
+            return weakref.ref(owner, self._collected_callback(oid))
+        except TypeError:  # not a ProcessGroup (torch's NON_GROUP_MEMBER): held, swept
+            return lambda: owner
+
+    def _collected_callback(self, oid: int):
+        def collected(ref, table=self, oid=oid):
+            held = table._owners.get(oid)
+            if held is not None and held[0] is ref:  # not an owner that reused the id since
+                table._drop_owner(oid)
+        return collected
+
+    def _drop_owner(self, oid: int) -> None:
+        held = self._owners.pop(oid, None)
+        if held is None:
+            return
+        for key in held[1]:
+            self._owner_of.pop(key, None)
+            value = self.items.pop(key, None)
+            if value is not None and self._on_drop is not None:
+                self._on_drop(value)
+
+
+def release_destroyed() -> None:
+    """Drop, in every table, the groups torch.distributed no longer knows
+    (closing their segments).  Runs whenever a communicator is created."""
+    for table in list(_TABLES):
+        table.sweep()
+
+
+# ---- stale segments of dead creators -----------------------------------------------------
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError, ValueError):  # another user's; not a pid: keep
+        return True
+    return True
+
+
+def remove_stale_segments(directory: str = SHM_DIR) -> list[str]:
+    """Remove our segment files left by killed creators: `shardformer-<pid>-<hex>`
+    files owned by this uid whose pid no longer exists.  Returns their paths.
+    Runs on rank 0 before every segment is created (see the module docstring)."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    uid = os.getuid()
+    for name in names:
+        m = _SEGMENT_NAME.fullmatch(name)
+        if m is None:
+            continue
+        path = os.path.join(directory, name)
+        try:
+            if os.stat(path).st_uid != uid or _pid_alive(int(m.group(1))):
+                continue
+            os.unlink(path)
+        except OSError:
+            continue  # gone meanwhile (another process cleaned it), or not ours to remove
+        removed.append(path)
+    return removed
+
+
+# ---- the communicator --------------------------------------------------------------
 
 class Handle:
     """A collective in flight; wait() blocks until it is done and re-raises its error."""
@@ -85,6 +298,26 @@ class Handle:
         return self._result
 
 
+def _serve(calls: queue.SimpleQueue) -> None:
+    """The async worker: run (fn, args, handle) items in order until None.
+
+    A function of the queue only, not a method: between calls the thread holds
+    no reference to its communicator, which can then be collected."""
+    while True:
+        item = calls.get()
+        if item is None:
+            return
+        fn, args, handle = item
+        try:
+            result = fn(*args)
+            if handle is not None:
+                handle._finish(result)
+        except BaseException as e:  # noqa: BLE001 - handed to wait()
+            if handle is not None:
+                handle._finish(error=e)
+        del item, fn, args, handle
+
+
 def _group_ranks(group) -> list[int]:
     return dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
 
@@ -95,11 +328,11 @@ class ShmCommunicator:
     Tensors must be CPU and contiguous; reductions take float32, float16,
     bfloat16, float64, int32 and int64, summed in rank order (so every rank
     gets the same bits; 16-bit floats accumulate in fp32 and round once).
+    The group is used to set the segment up and not kept.
     """
 
     def __init__(self, group=None, *, workspace: int | None = None, p2p: int | None = None,
                  timeout: float | None = None, oneshot_max: int | None = None):
-        self.group = group
         self.rank = dist.get_rank(group)
         self.size = dist.get_world_size(group)
         self.ranks = _group_ranks(group)
@@ -109,41 +342,50 @@ class ShmCommunicator:
         self.timeout = timeout or _env_number("SHARDFORMER_SHM_TIMEOUT", DEFAULT_TIMEOUT, float)
         if oneshot_max is None:
             oneshot_max = _env_number("SHARDFORMER_SHM_ONESHOT_MAX", DEFAULT_ONESHOT_MAX, int)
-        self._comm = self._setup(workspace, p2p)
+        self._comm = self._setup(group, workspace, p2p)  # the C capsule, kept after close
         _C.shm_configure(self._comm, self.label, float(self.timeout), int(oneshot_max))
+        self._closed = False
         self._queue: queue.SimpleQueue | None = None
         self._worker: threading.Thread | None = None
         self._pending: Handle | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one call in the C communicator at a time
+        # _closed, _queue and _worker change together; reentrant: a garbage
+        # collection inside may close this communicator (its group collected).
+        self._state = threading.RLock()
         _LIVE.add(self)
 
-    def _setup(self, workspace: int, p2p: int):
+    def _setup(self, group, workspace: int, p2p: int):
         root = self.ranks[0]
-        comm, error = None, None
+        # Every rank is here before the segment exists, so the window in which
+        # its name is visible (create .. unlink) is the attach, not a late rank.
+        hosts = [None] * self.size
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        comm, error, name = None, None, None
         if self.rank == 0:
+            remove_stale_segments()
             name = f"/shardformer-{os.getpid()}-{secrets.token_hex(16)}"
             nonce = secrets.randbits(63)
             try:
                 comm = _C.shm_create(name, self.size, workspace, p2p, nonce)
-            except (OSError, ValueError) as e:
+            except (OSError, ValueError, OverflowError) as e:
                 error = str(e)
             msg = [(name, nonce, error)]
         else:
             msg = [None]
         try:
-            dist.broadcast_object_list(msg, src=root, group=self.group)
+            dist.broadcast_object_list(msg, src=root, group=group)
             name, nonce, root_error = msg[0]
             if self.rank != 0 and root_error is None:
                 try:
                     comm = _C.shm_attach(name, self.size, self.rank, nonce)
-                except (OSError, ValueError) as e:
+                except (OSError, ValueError, OverflowError) as e:
                     error = str(e)
             status = [None] * self.size
-            dist.all_gather_object(status, (socket.gethostname(), error), group=self.group)
+            dist.all_gather_object(status, error, group=group)
         finally:
             if self.rank == 0:
                 _C.shm_unlink(name)  # every rank has mapped it (or given up)
-        failed = [(r, host, err) for r, (host, err) in enumerate(status) if err is not None]
+        failed = [(r, hosts[r], err) for r, err in enumerate(status) if err is not None]
         if failed:
             if comm is not None:
                 _C.shm_close(comm)
@@ -153,23 +395,40 @@ class ShmCommunicator:
 
     # -- lifecycle ------------------------------------------------------------
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def info(self) -> dict:
+        self._check_open()
         return _C.shm_info(self._comm)
 
     def close(self) -> None:
-        """Unmap the segment (after the pending calls finish).  Idempotent."""
-        if self._comm is None:
-            return
-        self._drain()
-        if self._queue is not None:
-            self._queue.put(None)
-            self._worker.join()
-            self._queue = self._worker = None
-        _C.shm_close(self._comm)
-        self._comm = None
+        """Stop taking calls and release the segment.  Idempotent; any thread;
+        never waits for peers (see "Threads" in the module docstring): calls
+        already issued still run, the segment is unmapped when the last returns,
+        and the async worker exits after the calls queued before this one."""
+        with self._state:
+            if self._closed:
+                return
+            self._closed = True
+            calls, self._queue, self._worker = self._queue, None, None
         _LIVE.discard(self)
+        if calls is None:
+            _C.shm_close(self._comm)
+        else:
+            calls.put((_C.shm_close, (self._comm,), None))
+            calls.put(None)
 
     # -- running calls in order --------------------------------------------------
+
+    def _closed_error(self) -> RuntimeError:
+        return RuntimeError(f"{self.label}: the communicator is closed (its group was destroyed, "
+                            f"or close() / shm.forget() was called)")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise self._closed_error()
 
     def _drain(self) -> None:
         pending = self._pending
@@ -177,34 +436,34 @@ class ShmCommunicator:
             pending._done.wait()
             self._pending = None
 
-    def _loop(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            fn, args, handle = item
+    def _run(self, fn, args):
+        with self._lock:
             try:
-                with self._lock:
-                    result = fn(*args)
-                handle._finish(result)
-            except BaseException as e:  # noqa: BLE001 - handed to wait()
-                handle._finish(error=e)
+                return fn(*args)
+            except ValueError as e:
+                # closed by another thread after this call's check: _C says "closed"
+                if self._closed and "closed" in str(e):
+                    raise self._closed_error() from e
+                raise
 
     def _call(self, async_op: bool, fn, *args):
-        if self._comm is None:
-            raise RuntimeError(f"{self.label}: communicator is closed")
+        self._check_open()
         if not async_op:
             if self._pending is not None:
                 self._drain()
-            with self._lock:  # one call in the C communicator at a time
-                return fn(*args)
-        if self._worker is None:
-            self._queue = queue.SimpleQueue()
-            self._worker = threading.Thread(target=self._loop, name="shardformer-shm", daemon=True)
-            self._worker.start()
+            return self._run(fn, args)
         handle = Handle()
-        self._pending = handle
-        self._queue.put((fn, args, handle))
+        with self._state:
+            self._check_open()
+            if self._worker is None:
+                self._queue = queue.SimpleQueue()
+                self._worker = threading.Thread(target=_serve, args=(self._queue,),
+                                                name="shardformer-shm", daemon=True)
+                self._worker.start()
+                # Collected without close(): the capsule unmaps, this stops the worker.
+                weakref.finalize(self, self._queue.put, None)
+            self._pending = handle
+            self._queue.put((self._run, (fn, args), handle))
         return handle
 
     # -- collectives ---------------------------------------------------------------
@@ -276,9 +535,9 @@ class ShmUnavailable(RuntimeError):
     """The group's ranks could not share a segment (not one host, or /dev/shm full)."""
 
 
-_LIVE: set = set()
-_COMMS: dict = {}     # group -> ShmCommunicator
-_REASONS: dict = {}   # group -> why the group has none
+_LIVE: weakref.WeakSet = weakref.WeakSet()  # open communicators, closed at exit
+_COMMS = GroupTable(on_drop=ShmCommunicator.close)  # group -> ShmCommunicator
+_REASONS = GroupTable()  # group -> why the group has none
 
 
 def _key(group):
@@ -298,14 +557,15 @@ def communicator(group=None) -> ShmCommunicator | None:
     comm = _COMMS.get(key)
     if comm is not None:
         return comm
-    if key in _REASONS:
+    if _REASONS.get(key) is not None:
         return None
+    release_destroyed()
     try:
-        comm = ShmCommunicator(group)
+        comm = ShmCommunicator(key)
     except ShmUnavailable as e:
-        _REASONS[key] = str(e)
+        _REASONS.put(key, str(e))
         return None
-    _COMMS[key] = comm
+    _COMMS.put(key, comm)
     return comm
 
 
@@ -315,16 +575,16 @@ def reason(group=None) -> str | None:
 
 
 def forget(group=None) -> None:
-    """Close and drop the group's communicator (before destroying the group)."""
+    """Close and drop the group's communicator now (destroying the group, or
+    collecting it, does this too; see the module docstring)."""
     key = _key(group)
-    _REASONS.pop(key, None)
-    comm = _COMMS.pop(key, None)
-    if comm is not None:
-        comm.close()
+    _REASONS.drop(key)
+    _COMMS.drop(key)
 
 
 @atexit.register
 def _close_all() -> None:
+    """At exit: close every communicator, never waiting for a peer."""
     for comm in list(_LIVE):
         try:
             comm.close()

@@ -23,6 +23,17 @@ from ..layout import Split, Vocab
 from .parallel_module import ParallelModule, ShardPlan, check_param, shapes_only
 
 
+def check_token_ids(ids: torch.Tensor, vocab: int) -> None:
+    """IndexError when an id is outside [0, vocab), in the message HF models
+    give; one min / max pass (a device sync on accelerators)."""
+    if ids.numel() == 0:
+        return
+    lo, hi = (int(t) for t in torch.aminmax(ids))
+    if lo < 0 or hi >= vocab:
+        raise IndexError(f"index {hi if hi >= vocab else lo} is out of range for the vocabulary of "
+                         f"{vocab} (token ids must be in [0, {vocab}))")
+
+
 class _EmbeddingShard(ParallelModule):
     """The table E [num_embeddings, embedding_dim] split along `split_dim`."""
 
@@ -107,11 +118,17 @@ class VocabParallelEmbedding1D(_EmbeddingShard):
         return None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # An id outside [0, num_embeddings) is an IndexError, as in the unsharded
+        # nn.Embedding (not a row of zeros): ids are the same on every rank, so
+        # each checks them locally (one min / max pass), with no collective.
         if self.weight.device.type == "cpu" and self.weight.dtype in ops.FLOAT_DTYPES:
-            # one pass in C: our rows looked up, other ids zeroed; backward scatter-adds
+            # one pass in C: the id check, our rows looked up, other ids zeroed;
+            # backward scatter-adds
             out = ops.vocab_embedding(input_ids, self.weight, self.vocab_start,
-                                      self.vocab_end - self.vocab_start, self._local_padding_idx())
+                                      self.vocab_end - self.vocab_start, self._local_padding_idx(),
+                                      vocab_size=self.num_embeddings)
         else:
+            check_token_ids(input_ids, self.num_embeddings)
             outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
             local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
             out = F.embedding(local_ids, self.weight, self._local_padding_idx())

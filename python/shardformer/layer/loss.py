@@ -43,7 +43,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         z2 = z.reshape(-1, local_v)
         y = ops._ids(labels, "cross_entropy_1d labels").reshape(-1)
         eps = float(label_smoothing)
-        mx, se, tg, sz = ops.xent_stats(z2, y, vocab_start, vocab_real, ignore_index, eps > 0)
+        # labels are the same on every rank: each checks them locally (IndexError), no collective
+        mx, se, tg, sz = ops.xent_stats(z2, y, vocab_start, vocab_real, ignore_index, eps > 0,
+                                        vocab_size=vocab_size)
         m = mx.clone()
         C.all_reduce(m, group, op="max")
         # exp(mx - m) is 0 for a shard with no real column (mx = -inf)
@@ -95,7 +97,8 @@ def cross_entropy_1d(vocab_parallel_logits: torch.Tensor, labels: torch.Tensor, 
     VocabParallelLMHead1D(gather_output=False): rows [vocab_start,
     vocab_start + V_local) of the padded vocabulary, of which those below
     `vocab_size` are real.  `vocab_start` defaults to rank * V_local.
-    Equals F.cross_entropy on the gathered, unpadded logits.
+    Equals F.cross_entropy on the gathered, unpadded logits, including its
+    IndexError for a label outside [0, vocab_size) other than ignore_index.
 
     inplace_backward=True writes the gradient into the logits' own memory
     instead of a new tensor (saving one logits-sized buffer); the logits must

@@ -53,8 +53,11 @@ class ShardParams:
         return plan
 
     @classmethod
-    def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
-                           params=None, **kwargs):
+    def prepare_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
+                              params=None, **kwargs) -> "_InPlaceShard":
+        """Cut the shards now, change nothing: the sharder commits the returned
+        change (an in-place change of `module`) once every replacement of the
+        model has been built, and rolls it back if the optimize() fails."""
         if plan is None:   # not from the sharder
             plan = plan_directly(cls, module, process_group, params=params)
         split = {name: (dim, name) for name, dim in plan.dims.items()}
@@ -63,13 +66,49 @@ class ShardParams:
             plan.resolved = {**earlier.resolved, **plan.resolved}
             plan.__dict__.pop("layouts", None)
             split = {**module.split_params, **split}
+        shards = {}
         for name, (dim, layout) in split.items():
             if name in plan.dims:
                 old = getattr(module, name)
-                setattr(module, name, nn.Parameter(shard_of(old, dim, plan[layout]), requires_grad=old.requires_grad))
-        module.__class__ = _sharded_class(type(module))
-        module.process_group = process_group
-        module.shard_plan = plan
-        module.tp_size, module.tp_rank = plan.tp_size, plan.rank
-        module.split_params = split
+                shards[name] = nn.Parameter(shard_of(old, dim, plan[layout]), requires_grad=old.requires_grad)
+        state = {"process_group": process_group, "shard_plan": plan, "tp_size": plan.tp_size,
+                 "tp_rank": plan.rank, "split_params": split}
+        return _InPlaceShard(module, _sharded_class(type(module)), shards, state)
+
+    @classmethod
+    def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
+                           params=None, **kwargs):
+        return cls.prepare_native_module(module, process_group, plan=plan, params=params, **kwargs).commit()
+
+
+_ABSENT = object()
+
+
+class _InPlaceShard:
+    """A prepared in-place change of one module (new parameters, class and
+    attributes), with everything it replaces remembered so that rollback()
+    restores the module exactly, whether commit() completed or not."""
+
+    def __init__(self, module: nn.Module, cls: type, params: dict, attrs: dict):
+        self.module, self.cls, self.params, self.attrs = module, cls, params, attrs
+        self.old_cls = type(module)
+        self.old_params = {name: module._parameters[name] for name in params}
+        self.old_attrs = {name: module.__dict__.get(name, _ABSENT) for name in attrs}
+
+    def commit(self) -> nn.Module:
+        module = self.module
+        for name, p in self.params.items():
+            setattr(module, name, p)
+        module.__class__ = self.cls
+        module.__dict__.update(self.attrs)
         return module
+
+    def rollback(self) -> None:
+        module = self.module
+        for name, value in self.old_attrs.items():
+            if value is _ABSENT:
+                module.__dict__.pop(name, None)
+            else:
+                module.__dict__[name] = value
+        module.__class__ = self.old_cls
+        module._parameters.update(self.old_params)

@@ -55,14 +55,41 @@ class ReplicatedInParallelRegion:
         return ShardPlan(tp_size, rank)
 
     @classmethod
-    def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
-                           params=None, **kwargs) -> nn.Module:
+    def prepare_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
+                              params=None, **kwargs) -> "_GradientSync":
+        """Choose the parameters now, change nothing: the sharder commits the
+        returned change (the hooks) once every replacement of the model is
+        built, and rolls it back if the optimize() fails."""
         if plan is None:   # not from the sharder
             plan = plan_directly(cls, module, process_group, params=params)
-        if plan.tp_size == 1:
-            return module
-        for p in cls._selected(module, params):
-            if p.requires_grad and not getattr(p, _MARK, False):   # one hook per parameter
-                p.register_hook(_all_reduce_hook(process_group))
-                setattr(p, _MARK, True)
-        return module
+        chosen = [] if plan.tp_size == 1 else [
+            p for p in cls._selected(module, params)
+            if p.requires_grad and not getattr(p, _MARK, False)]   # one hook per parameter
+        return _GradientSync(module, chosen, process_group)
+
+    @classmethod
+    def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
+                           params=None, **kwargs) -> nn.Module:
+        return cls.prepare_native_module(module, process_group, plan=plan, params=params, **kwargs).commit()
+
+
+class _GradientSync:
+    """The gradient all-reduce hooks of some parameters of `module`, registered
+    by commit() and removed again by rollback()."""
+
+    def __init__(self, module: nn.Module, params: list, group):
+        self.module, self.params, self.group = module, params, group
+        self.handles: list = []
+
+    def commit(self) -> nn.Module:
+        for p in self.params:
+            self.handles.append(p.register_hook(_all_reduce_hook(self.group)))
+            setattr(p, _MARK, True)
+        return self.module
+
+    def rollback(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        for p in self.params[:len(self.handles)]:
+            p.__dict__.pop(_MARK, None)
+        self.handles.clear()
