@@ -401,6 +401,11 @@ def scenario_interrupt_rank0(C, handler):
         def raise_custom(signum, frame):
             raise CustomInterrupt("raised by the SIGINT handler")
         signal.signal(signal.SIGINT, raise_custom)
+    else:
+        # Python's own handler, set explicitly: a child of a shell without job
+        # control (nohup ... &, some CI runners) starts with SIGINT ignored, and
+        # Python then leaves it ignored.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     name = f"/shardformer-{os.getpid()}-faults-{secrets.token_hex(6)}"
     comm = C.shm_create(name, 2, 4096, 256, 99)
     C.shm_configure(comm, label(2), 60.0, 1 << 20)

@@ -352,3 +352,40 @@ def test_check_collectives_torch_backend(pool):
     assert "rank(s) [1]" in r0["bad_args"] and "rejected" in r0["bad_args"], r0["bad_args"]
     assert r1["bad_args"].startswith("ValueError") and "out has shape (5,)" in r1["bad_args"], r1
     assert r1["p2p_after"] == [0.0, 1.0, 2.0]
+
+
+def rank_fallback_mismatch(ctx) -> dict:
+    """Auto-picked shm: int8 (which shm cannot reduce) goes to torch.distributed,
+    float32 stays on shm; ranks that disagree must raise, not wait on two transports."""
+    from shardformer.distributed import collectives as coll
+
+    out = {}
+    mine = torch.ones(4, dtype=torch.int8) if ctx.rank == 0 else torch.ones(4)
+    try:
+        coll.all_reduce(mine, group=ctx.group)
+        out["dtype"] = "no error"
+    except RuntimeError as e:
+        out["dtype"] = str(e)
+    n = 4 if ctx.rank == 0 else 8
+    try:
+        coll.all_reduce(torch.ones(n, dtype=torch.int8), group=ctx.group)
+        out["count"] = "no error"
+    except RuntimeError as e:
+        out["count"] = str(e)
+    t = torch.full((3,), ctx.rank + 1, dtype=torch.int8)
+    coll.all_reduce(t, group=ctx.group)
+    out["after"] = t.tolist()
+    out["backend"] = cm.get_communicator(ctx.group, "cpu").backend
+    return out
+
+
+def test_shm_fallback_dtypes_checked(pool):
+    r0, r1 = pool.run(rank_fallback_mismatch, 2)
+    for res in (r0, r1):
+        assert res["backend"] == "shm", res
+        assert "mismatch" in res["dtype"], res["dtype"]
+        assert "rank 0: all_reduce(sum, 4 elements" in res["count"] and \
+            "rank 1: all_reduce(sum, 8 elements" in res["count"], res["count"]
+        assert res["after"] == [3, 3, 3]
+    assert "rank 0 called all_gather(32 bytes, int64), rank 1 called all_reduce(sum, 16 bytes, float32" in r1["dtype"]
+    assert "before it hands all_reduce of torch.int8, which shm cannot reduce, to torch.distributed" in r0["dtype"]

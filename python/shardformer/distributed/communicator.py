@@ -31,7 +31,9 @@ of a group whose ranks all mapped one shared-memory segment use "shm", CUDA
 tensors use "nccl" when NCCL loads, and everything else uses "torch".  An
 auto-picked shm communicator hands the dtypes shm cannot reduce (bool, int8,
 ...) to torch.distributed (a per-dtype decision inside the communicator,
-the same on every rank); a forced one raises for them.  A group of one rank
+checked first by a small shm all-gather of what every rank hands over, so
+ranks that disagree raise instead of waiting on two transports); a forced
+one raises for them.  A group of one rank
 gets a communicator that does no communication (the forced backend is still
 checked, so a misconfiguration shows on one process too).
 
@@ -333,6 +335,10 @@ class TorchCommunicator(Communicator):
         return t
 
 
+_FALLBACK_OPS = ("all_reduce", "reduce_scatter")
+_OPS = ("sum", "max")
+
+
 class ShmBackend(Communicator):
     """The group's ShmCommunicator (shm.py).  `fallback` (auto-picked only)
     reduces the dtypes shm cannot; a forced one has none and raises for them."""
@@ -350,6 +356,7 @@ class ShmBackend(Communicator):
             raise _bad_op(op)
         if t.dtype in _SHM_REDUCIBLE or self.fallback is None:
             return self.shm.all_reduce(t, op)
+        self._agree_on_fallback("all_reduce", t, op)
         return self.fallback.all_reduce(t, op)
 
     def all_gather_into_tensor(self, out, t):
@@ -360,7 +367,32 @@ class ShmBackend(Communicator):
         _check_scatter(out, t, self.size)
         if t.dtype in _SHM_REDUCIBLE or self.fallback is None:
             return self.shm.reduce_scatter(out, t)
+        self._agree_on_fallback("reduce_scatter", t, "sum")
         return self.fallback.reduce_scatter_tensor(out, t)
+
+    def _agree_on_fallback(self, what: str, t: torch.Tensor, op: str) -> None:
+        """Before a reduction of a dtype shm cannot reduce goes to torch.distributed:
+        the ranks all-gather (on shm, so it is checked against whatever the
+        others are calling there) what they are about to hand over, and raise
+        on every rank if it differs.  Without it, a rank reducing bool while
+        another reduces float32 would wait on two different transports until
+        the timeout.  A 32-byte shm all_gather per call (these dtypes are rare
+        in a model: masks, flags)."""
+        mine = torch.tensor([_FALLBACK_OPS.index(what), _dtype_code(t.dtype), t.numel(),
+                             ("sum", "max").index(op)], dtype=torch.int64)
+        rows = torch.empty(self.size * 4, dtype=torch.int64)
+        try:
+            self.shm.all_gather(rows, mine)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e} (this rank's all_gather of 4 int64 is shardformer's check before it "
+                               f"hands {what} of {t.dtype}, which shm cannot reduce, to torch.distributed)"
+                               ) from None
+        rows = rows.view(self.size, 4).tolist()
+        if any(row != rows[0] for row in rows):
+            sides = "; ".join(f"rank {r}: {_FALLBACK_OPS[a]}({_OPS[c]}, {n} elements, {_dtype_name(d)})"
+                              for r, (a, d, n, c) in enumerate(rows))
+            raise RuntimeError(f"{self.info.label()}: collective mismatch before handing {what} to "
+                               f"torch.distributed: {sides}")
 
     def broadcast(self, t, src):
         return self.shm.broadcast(t, src)
