@@ -6,7 +6,6 @@ the family-specific parts (GQA/MQA replication, fused qkv / gate_up,
 sparse experts, scaled embeddings, tied embeddings)."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
@@ -27,22 +26,12 @@ def check(ctx, name: str, overrides: dict | None = None):
 
 
 def _sharded_pair(ctx, name, seed=0, **overrides):
-    model = decoders.build(name, seed=seed, **overrides)
-    model.eval()
-    ref = copy.deepcopy(model)
-    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
-    return model, ref
+    return parity.sharded_pair(ctx, decoders.build(name, seed=seed, **overrides))
 
 
 def generate_matches(ctx, name: str, overrides: dict | None = None, new_tokens: int = 5):
     model, ref = _sharded_pair(ctx, name, **(overrides or {}))
-    prompt = torch.randint(3, 90, (2, 5), generator=torch.Generator().manual_seed(3))
-    kwargs = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        got = model.generate(prompt, **kwargs)
-        exp = ref.generate(prompt, **kwargs)
-    assert torch.equal(got, exp), f"{name}: generate() differs:\n{got}\n{exp}"
-    return got.tolist()
+    return parity.greedy_matches(model, ref, {"input_ids": parity.prompt_ids()}, name, new_tokens).tolist()
 
 
 def local_shapes(ctx, name: str, overrides: dict | None = None):

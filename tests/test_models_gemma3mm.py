@@ -5,13 +5,11 @@ gradient (vision tower, projector, text model, head) and outputs after an SGD
 step; greedy generate() from an image prompt; the uneven SigLIP head split."""
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
 
 from checks import parity
-from shardformer import ShardConfig, ShardFormer
 from zoo import gemma3mm
 
 NAMES = sorted(gemma3mm.MODELS)
@@ -30,22 +28,12 @@ def check(ctx, name: str, overrides: dict | None = None, config: dict | None = N
 
 
 def _sharded_pair(ctx, name, **overrides):
-    model = gemma3mm.build(name, **overrides)
-    model.eval()
-    ref = copy.deepcopy(model)
-    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
-    return model, ref
+    return parity.sharded_pair(ctx, gemma3mm.build(name, **overrides))
 
 
 def generate_matches(ctx, name: str, new_tokens: int = 5):
     model, ref = _sharded_pair(ctx, name)
-    inputs = gemma3mm.prompt(seed=3, length=8)
-    kwargs = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        got = model.generate(**inputs, **kwargs)
-        exp = ref.generate(**inputs, **kwargs)
-    assert torch.equal(got, exp), f"{name}: generate() differs:\n{got}\n{exp}"
-    return got.tolist()
+    return parity.greedy_matches(model, ref, gemma3mm.prompt(seed=3, length=8), name, new_tokens).tolist()
 
 
 def local_shapes(ctx, name: str, overrides: dict | None = None):

@@ -85,19 +85,35 @@ def check_model(ctx, name: str, dtype_name: str = "float32", steps: int = 1, con
                          dtype=dtype, steps=steps, config=config)
 
 
-def generate_matches(ctx, name: str, new_tokens: int = 6):
-    """Greedy generate() of the sharded model equals the unsharded model's;
-    returns the tokens and the KV heads this rank's cache holds."""
-    model = zoo.build(name)
+def sharded_pair(ctx, model):
+    """(model sharded over ctx.group in eval mode, an unsharded copy of it)."""
     model.eval()
     ref = copy.deepcopy(model)
     ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
-    prompt = torch.randint(3, 90, (2, 5), generator=torch.Generator().manual_seed(3))
+    return model, ref
+
+
+def greedy_matches(model, ref, inputs: dict, name: str, new_tokens: int) -> torch.Tensor:
+    """Greedy generate() of `model` on `inputs` equals `ref`'s; returns the tokens."""
     kwargs = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        got = model.generate(prompt, **kwargs)
-        exp = ref.generate(prompt, **kwargs)
+        got = model.generate(**inputs, **kwargs)
+        exp = ref.generate(**inputs, **kwargs)
     assert torch.equal(got, exp), f"{name}: generate() differs:\n{got}\n{exp}"
+    return got
+
+
+def prompt_ids(seed: int = 3) -> torch.Tensor:
+    """The [2, 5] prompt of the generate() checks."""
+    return torch.randint(3, 90, (2, 5), generator=torch.Generator().manual_seed(seed))
+
+
+def generate_matches(ctx, name: str, new_tokens: int = 6):
+    """Greedy generate() of the sharded model equals the unsharded model's;
+    returns the tokens and the KV heads this rank's cache holds."""
+    model, ref = sharded_pair(ctx, zoo.build(name))
+    prompt = prompt_ids()
+    got = greedy_matches(model, ref, {"input_ids": prompt}, name, new_tokens)
     # The KV cache holds only this rank's heads: check via one cached step.
     with torch.no_grad():
         out = model(prompt, use_cache=True)

@@ -624,6 +624,20 @@ _CACHE = _shm.GroupTable()  # (group as passed, device type) -> Communicator
 _LOOKUP = _CACHE.items  # the hot paths' plain dict: (id(group), device type) -> Communicator
 
 
+def _check_forced(forced: str | None, device: str) -> None:
+    """A forced backend must be able to run here: shm on CPU tensors, nccl on
+    CUDA tensors with NCCL loadable.  Checked for groups of one rank too, so a
+    misconfiguration shows on one process."""
+    if forced == "shm" and device != "cpu":
+        raise RuntimeError(f"{ENV}=shm: tensor is on {device}; shm is CPU-only")
+    if forced == "nccl":
+        ok, why = _nccl.available()
+        if not ok:
+            raise RuntimeError(f"{ENV}=nccl: {why}")
+        if device != "cuda":
+            raise RuntimeError(f"{ENV}=nccl: tensor is on {device}, not CUDA")
+
+
 def _create(info: GroupInfo, device: str, setup: bool) -> Communicator | None:
     """Choose the backend (reading SHARDFORMER_COMM) and make the communicator.
 
@@ -631,21 +645,12 @@ def _create(info: GroupInfo, device: str, setup: bool) -> Communicator | None:
     torch.distributed for this call, cache nothing"."""
     forced = _forced()
     group = info.group
+    _check_forced(forced, device)
     if info.size == 1:
-        if forced == "shm" and device != "cpu":
-            raise RuntimeError(f"{ENV}=shm: tensor is on {device}; shm is CPU-only")
-        if forced == "nccl":
-            ok, why = _nccl.available()
-            if not ok:
-                raise RuntimeError(f"{ENV}=nccl: {why}")
-            if device != "cuda":
-                raise RuntimeError(f"{ENV}=nccl: tensor is on {device}, not CUDA")
         return SoloCommunicator(info, device, forced, forced or "torch")
     if forced == "torch":
         return TorchCommunicator(info, device, forced)
     if forced == "shm":
-        if device != "cpu":
-            raise RuntimeError(f"{ENV}=shm: tensor is on {device}; shm is CPU-only")
         comm = _shm.communicator(group) if setup else _shm.existing(group)
         if comm is None:
             why = _shm.reason(group) or (
@@ -654,11 +659,6 @@ def _create(info: GroupInfo, device: str, setup: bool) -> Communicator | None:
             raise RuntimeError(f"{ENV}=shm: {why}")
         return ShmBackend(info, device, forced, comm, None)
     if forced == "nccl":
-        ok, why = _nccl.available()
-        if not ok:
-            raise RuntimeError(f"{ENV}=nccl: {why}")
-        if device != "cuda":
-            raise RuntimeError(f"{ENV}=nccl: tensor is on {device}, not CUDA")
         if not setup:
             raise RuntimeError(
                 f"{ENV}=nccl: send/recv need the NCCL communicator of {info.label()} set up "
