@@ -27,6 +27,7 @@ setup(
     packages=[
         "shardformer",
         "shardformer.layer",
+        "shardformer.checkpoint",
         "shardformer.distributed",
         "shardformer.policies",
     ],

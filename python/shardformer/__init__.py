@@ -4,6 +4,7 @@
     model, shared_params = ShardFormer(shard_config=ShardConfig()).optimize(model)
 """
 from .config import ShardConfig
+from .lazy import lazy_init
 from .policy import ModulePolicyDescription, Policy, SubModuleReplacementDescription
 from .shardformer import ShardFormer
 
@@ -15,4 +16,5 @@ __all__ = [
     "ShardConfig",
     "ShardFormer",
     "SubModuleReplacementDescription",
+    "lazy_init",
 ]

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C
+from . import _C, lazy
 from .distributed import collectives
 
 _CHUNK_BYTES = 64 << 20   # device tensors are fingerprinted through the CPU in chunks
@@ -43,6 +43,8 @@ def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 def fingerprint(t: torch.Tensor) -> int:
     """64-bit fingerprint of a tensor's values (any device, any layout)."""
+    if lazy.is_lazy(t):
+        return lazy.recipe_fingerprint(t)   # how it will be built: seeds and recorded values
     t = t.detach()
     if t.device.type == "meta":
         return 0                          # no values yet (lazy init): the structure check covers it
@@ -122,8 +124,9 @@ def broadcast_weights(model: nn.Module, group) -> None:
     """Overwrite every rank's parameters and buffers with rank 0's (collective)."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
+    lazy.broadcast_recipes(model, group)
     for _, t in _tensors(model):
-        if t.device.type == "meta" or t.numel() == 0:
+        if lazy.is_lazy(t) or t.device.type == "meta" or t.numel() == 0:
             continue
         buf = t.detach() if t.is_contiguous() else t.detach().contiguous()
         # as bytes: one path for every dtype (bool and integer buffers too)

@@ -33,7 +33,7 @@ import warnings
 
 from torch import nn
 
-from . import _C
+from . import _C, lazy
 from .checkpoint import bind_hf_methods
 from .config import ShardConfig, group_size_and_rank
 from .inherit import Inheritance, check_replaceable
@@ -146,6 +146,7 @@ class ModelSharder:
         inheritance = self._apply(ops, name)
         try:
             self.model = policy.postprocess()
+            lazy.materialize_module(self.model)  # the replicated parameters of a lazy_init() model
             messages = inheritance.finish(self.model, name)
             bind_hf_methods(self.model)
         except BaseException as e:

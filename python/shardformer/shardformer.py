@@ -1,6 +1,9 @@
 """ShardFormer: the user-facing facade."""
 from __future__ import annotations
 
+import os
+import warnings
+
 from torch import nn
 
 from .autopolicy import get_autopolicy
@@ -41,3 +44,78 @@ class ShardFormer:
             raise TypeError(f"ShardFormer.optimize: policy must be a shardformer.Policy, got {type(policy).__name__}")
         shared_params = ModelSharder(model, policy, self.shard_config).shard()
         return model, shared_params
+
+    def from_pretrained(self, model_class, path, *, dtype=None, torch_dtype=None, config=None,
+                        policy: Policy | None = None, progress: bool | None = None, **model_kwargs):
+        """Build `model_class` from the HF checkpoint directory `path`, shard
+        it, and load each rank's slices; returns (model, shared_params), the
+        model in eval mode as HF's from_pretrained returns it.
+
+        No rank ever holds the full model: the model is built under
+        lazy_init() (no parameter storage), optimize() allocates this rank's
+        shards without initializing the ones the checkpoint holds, and
+        checkpoint.load_pretrained reads only this rank's slices of them.
+        Parameters the checkpoint lacks (e.g. a new classification head) are
+        initialized as the model's own init does, with a warning naming
+        them, as HF does.  dtype (or HF's older torch_dtype): the model's
+        dtype; None or "auto" takes the checkpoint config's dtype (float32 if
+        it names none).  config: a config to use instead of the
+        checkpoint's.  model_kwargs go to `model_class.from_config`.
+        Collective over the tensor-parallel group, like optimize()."""
+        import torch
+
+        from . import lazy
+        from .checkpoint import CheckpointReader
+        from .checkpoint.pretrained import load_pretrained, plan_load
+
+        path = _local_checkpoint(os.fspath(path), type(self).__name__)
+        if config is None:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(path)
+        dtype = dtype if dtype is not None else torch_dtype
+        if dtype is None or dtype == "auto":
+            dtype = getattr(config, "dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        build = getattr(model_class, "from_config", None) or getattr(model_class, "_from_config")
+        with lazy.lazy_init(exact=False):
+            model = build(config, dtype=dtype, **model_kwargs)
+        with CheckpointReader(path) as reader:
+            provided = {name for item in plan_load(model, reader, strict=False) for name in item.names}
+        left = lazy.mark_uninitialized(model, provided)
+        if left:                                # initialized here: the same values on every rank (rank 0's seeds)
+            lazy.broadcast_recipes(model, self.shard_config.tensor_parallel_process_group)
+        model, shared_params = self.optimize(model, policy=policy)
+        load_pretrained(model, path, strict=False, progress=progress)
+        if left:
+            warnings.warn(f"{type(model).__name__}: {len(left)} parameters are not in the checkpoint {path} and "
+                          f"were newly initialized: {', '.join(left[:10])}{' ...' if len(left) > 10 else ''}",
+                          stacklevel=2)
+        _load_generation_config(model, path)
+        return model.eval(), shared_params
+
+
+def _local_checkpoint(path: str, who: str) -> str:
+    """`path` itself when it exists; else a Hub repo id, downloaded (or found
+    in the local Hub cache) with huggingface_hub.snapshot_download."""
+    if os.path.exists(path):
+        return path
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(path, allow_patterns=["*.json", "*.safetensors", "*.bin", "*.txt", "*.model"])
+    except Exception as e:  # noqa: BLE001 - not a repo, offline, no access: one clear error
+        raise FileNotFoundError(
+            f"{who}.from_pretrained: {path!r} is not a local checkpoint directory, and fetching it as a Hub repo "
+            f"id failed ({type(e).__name__}: {e})") from e
+
+
+def _load_generation_config(model: nn.Module, path: str) -> None:
+    """The checkpoint's generation_config.json, as HF's from_pretrained loads it."""
+    if getattr(model, "generation_config", None) is None or \
+            not os.path.isfile(os.path.join(path, "generation_config.json")):
+        return
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig.from_pretrained(path)

@@ -122,7 +122,7 @@ def generate_matches(ctx, name: str, new_tokens: int = 6):
 
 
 def check_sharded(ctx, build, inputs: dict, name: str, dtype=torch.float32, steps: int = 1, config=None,
-                  policy=None, fp64_floor: bool = False) -> dict:
+                  policy=None, fp64_floor: bool = False, reference=None) -> dict:
     """Forward, loss, every gradient and the outputs after SGD steps of
     build() sharded over ctx.group, against build() unsharded.  Returns the
     max relative errors seen; raises AssertionError on any mismatch.
@@ -131,13 +131,14 @@ def check_sharded(ctx, build, inputs: dict, name: str, dtype=torch.float32, step
     allow, on top of the tolerance, twice the unsharded float32 model's own
     distance from it, i.e. sharding may not add more error than float32
     arithmetic already has.  For models measured to be that ill-conditioned
-    (see the zoo that asks for it); every other model gets the plain tolerance."""
-    tol = TOL[dtype]
+    (see the zoo that asks for it); every other model gets the plain tolerance.
+
+    reference: the unsharded model to compare with (default: a copy of build()'s)."""
     torch.manual_seed(0)
     model = build()
     model.train()
-    ref = copy.deepcopy(model)
-    ref64 = copy.deepcopy(model).double() if fp64_floor and dtype == torch.float32 else None
+    ref = copy.deepcopy(model) if reference is None else reference.train()
+    ref64 = copy.deepcopy(ref).double() if fp64_floor and dtype == torch.float32 else None
     inputs64 = _double(inputs) if ref64 is not None else None
     full_numel = sum(p.numel() for p in ref.parameters())
     shard_config = ShardConfig(tensor_parallel_process_group=ctx.group, **(config or {}))
@@ -147,6 +148,16 @@ def check_sharded(ctx, build, inputs: dict, name: str, dtype=torch.float32, step
     if ctx.tp_size > 1 and shard_config.enable_tensor_parallelism and not local_numel < full_numel:
         raise AssertionError(f"{name}: rank holds {local_numel} of {full_numel} parameters: nothing was sharded")
 
+    return compare_sharded(sharded, ref, inputs, name, dtype, steps, ref64=ref64, inputs64=inputs64, report=report)
+
+
+def compare_sharded(sharded, ref, inputs: dict, name: str, dtype=torch.float32, steps: int = 1, ref64=None,
+                    inputs64=None, report: dict | None = None) -> dict:
+    """The checks of check_sharded on a model already sharded: forward, loss,
+    every gradient (each rank's shard of the reference's), outputs after SGD
+    steps, against the unsharded `ref` (float64 `ref64` for fp64_floor)."""
+    tol = TOL[dtype]
+    report = {} if report is None else report
     out, exp = sharded(**inputs), ref(**inputs)
     exp64 = ref64(**inputs64) if ref64 is not None else None
     report["forward"] = max(check_outputs(name, out, exp, tol, exp64).values())

@@ -31,6 +31,7 @@ from torch import nn
 from .. import _C
 from ..config import group_size_and_rank
 from ..distributed.mappings import _split_dim
+from ..lazy import is_lazy, is_uninitialized, materialize, materialize_like
 from ..layout import DimShard, SplitSpec
 
 __all__ = ["ParallelModule", "ShardPlan", "check_param", "group_size_and_rank", "plan_directly", "shard_of"]
@@ -91,8 +92,17 @@ def shard_of(full: torch.Tensor, dim: int, shard: DimShard) -> torch.Tensor:
     """A new tensor holding this rank's shard of `full` along `dim`.
 
     CPU tensors are cut by the C layout kernel (strided source, no
-    temporaries); other devices use torch's narrow/cat.
+    temporaries); other devices use torch's narrow/cat.  A lazy tensor
+    (shardformer.lazy_init) is materialized whole for the cut and freed
+    after it, or, marked uninitialized, allocated at the shard's size.
     """
+    if is_lazy(full):                       # lazy_init(): build the full tensor now, or skip it
+        shape = list(full.shape)
+        shape[dim] = shard.length
+        out = materialize_like(full, shape)
+        if out is not None:                 # to be loaded: its values do not matter
+            return out
+        full = materialize(full)
     full = full.detach()
     if full.device.type != "cpu":
         return _split_dim(full, dim, shard).clone()
@@ -169,7 +179,8 @@ class ParallelModule(nn.Module):
         dst = getattr(self, name, None)
         if src is None or dst is None:
             return
-        dst.copy_(cut(src))
+        if not is_uninitialized(src):           # a lazy tensor to be loaded later has no values to copy
+            dst.copy_(cut(src))
         dst.requires_grad_(src.requires_grad)
 
 

@@ -11,13 +11,7 @@ more than its own shards plus one full tensor's worth of receive buffers.
 load_full_state_dict(model, state_dict): cut this rank's shards out of full
 tensors, so a checkpoint saved at one TP size loads at any other.
 
-save_pretrained(model, save_directory, **kwargs): HuggingFace's
-`save_pretrained` on a sharded model (optimize() binds it over the model's
-own, and `push_to_hub` through it).  Every rank of the tensor-parallel group
-calls it; the group that holds global rank 0 gathers to that rank, which
-writes an ordinary HF checkpoint (config, generation config, safetensors)
-that plain `transformers` loads back unsharded; the others wait for it.  A
-new directory appears complete or not at all (written beside it, renamed).
+save_pretrained (streamed, atomic) lives in save.py.
 
 `model.state_dict()` on a sharded model stays what torch makes it: this
 rank's shards under the HF names (use it, per rank, to resume at the same
@@ -25,16 +19,14 @@ TP size; use the functions here for anything HF-shaped).
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Mapping
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from .distributed.mappings import _gather_dim
-from .layer.parallel_module import ParallelModule, shard_of
+from ..distributed.mappings import _gather_dim
+from ..layer.parallel_module import ParallelModule, shard_of
 
 
 def _shard_info(model: nn.Module) -> dict[int, tuple[int, object, object]]:
@@ -135,6 +127,12 @@ def _listed(label: str, items: list[str], limit: int = 20) -> str:
     return f"\n  {label} ({len(items)}): " + "; ".join(items[:limit]) + more
 
 
+def problem_report(*sections: tuple[str, list[str]]) -> str:
+    """The problems of a load, one line per non-empty (label, items) section
+    ("" when there are none): what the checks raise in one ValueError."""
+    return "".join(_listed(label, items) for label, items in sections if items)
+
+
 def _check_tensor(name: str, full, t: torch.Tensor, split) -> str | None:
     """Why `full` cannot be loaded into the model's tensor `t` (None: it can).
     `split` is (dim, DimShard) for a sharded parameter: its full shape is the
@@ -183,16 +181,10 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
             loads.append((t, state_dict[name], split))
         else:
             wrong.append(problem)
-    problems = ""
-    if strict:
-        missing = [name for name in model.state_dict() if name not in state_dict]
-        unexpected = [name for name in state_dict if name not in known]
-        if missing:
-            problems += _listed("missing keys", missing)
-        if unexpected:
-            problems += _listed("unexpected keys", unexpected)
-    if wrong:
-        problems += _listed("tensors that do not fit", wrong)
+    missing = [name for name in model.state_dict() if name not in state_dict] if strict else []
+    unexpected = [name for name in state_dict if name not in known] if strict else []
+    problems = problem_report(("missing keys", missing), ("unexpected keys", unexpected),
+                              ("tensors that do not fit", wrong))
     if problems:
         raise ValueError(f"load_full_state_dict({type(model).__name__}): the state dict does not fit the "
                          f"model; nothing was loaded:{problems}")
@@ -202,112 +194,3 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
         else:
             dim, shard = split
             t.copy_(shard_of(full.to(t.dtype), dim, shard))
-
-
-def _sharded_group(model: nn.Module):
-    groups = {id(g): g for _, _, g in _shard_info(model).values()}
-    if len(groups) > 1:
-        raise ValueError(f"{type(model).__name__}: save_pretrained: the model is sharded over "
-                         f"{len(groups)} different process groups; gather with gather_full_state_dict "
-                         f"and save from one rank instead")
-    return next(iter(groups.values())) if groups else None
-
-
-def _check_full(model: nn.Module, state_dict: dict) -> None:
-    """A state_dict handed to save_pretrained must be HF-shaped, not a shard."""
-    shapes = {}
-    for module_name, module in model.named_modules():
-        if isinstance(module, ParallelModule):
-            for pname, (dim, shard) in module.sharded_params.items():
-                t = getattr(module, pname, None)
-                if t is not None:
-                    full = list(t.shape)
-                    full[dim] = shard.full
-                    shapes[f"{module_name}.{pname}" if module_name else pname] = (tuple(full), dim, shard)
-    for name, (full, dim, shard) in shapes.items():
-        if name in state_dict and tuple(state_dict[name].shape) != full:
-            raise ValueError(
-                f"{type(model).__name__}: save_pretrained(state_dict=...): {name} has shape "
-                f"{tuple(state_dict[name].shape)}, the unsharded model's is {full} (this looks like "
-                f"a rank's shard, {shard.length} of {shard.full} along dim {dim}); pass "
-                f"gather_full_state_dict(model) or no state_dict")
-
-
-def _write_atomically(write, directory: str) -> None:
-    """write(dir) into a new directory: into a temporary sibling first, renamed
-    into place once complete (a crash leaves no half-written checkpoint under
-    the name).  An existing directory is written in place, as HF does (HF
-    removes the weight files of an earlier save there)."""
-    if os.path.exists(directory):
-        write(directory)
-        return
-    parent = os.path.dirname(os.path.abspath(directory))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(directory)}.partial-", dir=parent)
-    try:
-        write(tmp)
-        os.rename(tmp, directory)
-    except BaseException:
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def save_pretrained(model: nn.Module, save_directory, **kwargs):
-    """HuggingFace save_pretrained for a sharded model (collective over its
-    tensor-parallel group; see the module docstring).  Keyword arguments are
-    HF's (max_shard_size, variant, safe_serialization, push_to_hub, ...).
-    `state_dict`, if given, must be full (HF-shaped); `is_main_process=False`
-    on every rank skips writing, as in HF."""
-    hf_save = type(model).save_pretrained
-    group = _sharded_group(model)
-    writes = _group_root(group) == 0          # the group that holds global rank 0 writes
-    state_dict = kwargs.pop("state_dict", None)
-    is_main = kwargs.pop("is_main_process", True)
-    if state_dict is not None:
-        _check_full(model, state_dict)
-    elif writes:
-        state_dict = gather_full_state_dict(model, rank0_only=True, offload_to_cpu=True)
-    root = not dist.is_initialized() or dist.get_rank() == 0
-    error = None
-    if root:
-        try:
-            def write(directory):
-                hf_save(model, directory, state_dict=state_dict, is_main_process=is_main, **kwargs)
-
-            if kwargs.get("push_to_hub"):          # HF names the repo after the directory
-                write(save_directory)
-            else:
-                _write_atomically(write, os.fspath(save_directory))
-        except BaseException as e:  # noqa: BLE001 - the others must not wait forever
-            error = e
-    if dist.is_initialized() and writes and dist.get_world_size(group) > 1:
-        flag = torch.tensor([0 if error is None else 1], dtype=torch.int32)
-        dist.broadcast(flag, src=0, group=group)
-        if error is None and flag.item():
-            raise RuntimeError(f"{type(model).__name__}: save_pretrained failed on rank 0 "
-                               f"(see its error); nothing complete was written to {save_directory}")
-    if error is not None:
-        raise error
-
-
-def push_to_hub(model: nn.Module, *args, **kwargs):
-    """HF's push_to_hub on a sharded model: rank 0 uploads, through
-    save_pretrained above; every other rank takes part in the gather only."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        return type(model).push_to_hub(model, *args, **kwargs)
-    with tempfile.TemporaryDirectory() as tmp:
-        save_pretrained(model, os.path.join(tmp, "unused"))
-    return None
-
-
-def bind_hf_methods(model: nn.Module) -> None:
-    """Make model.save_pretrained / model.push_to_hub the collective versions
-    above (instance attributes: the class's methods stay as they were)."""
-    import types
-
-    if callable(getattr(type(model), "save_pretrained", None)):
-        model.__dict__["save_pretrained"] = types.MethodType(save_pretrained, model)
-    if callable(getattr(type(model), "push_to_hub", None)):
-        model.__dict__["push_to_hub"] = types.MethodType(push_to_hub, model)

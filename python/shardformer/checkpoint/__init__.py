@@ -1,0 +1,23 @@
+"""Checkpoints of sharded models.
+
+full.py        gather_full_state_dict / load_full_state_dict: HF-shaped tensors
+               in memory, any TP size.
+reader.py      CheckpointReader: a HF checkpoint's names, shapes and dtypes from
+               the headers, and any rank's slices of its tensors.
+pretrained.py  load_pretrained: a HF checkpoint into a sharded (or plain) model,
+               each rank reading only its slices (ShardFormer.from_pretrained
+               builds on it).
+save.py        save_pretrained / push_to_hub: an ordinary HF checkpoint from a
+               sharded model, streamed tensor by tensor.
+sharded.py     save_sharded / load_sharded: every rank's own shards and a
+               manifest; loads at the same or another TP size.
+atomic.py      directories that appear complete or not at all (both savers).
+"""
+from .full import _shard_info, gather_full_state_dict, load_full_state_dict  # noqa: F401
+from .pretrained import load_pretrained
+from .reader import CheckpointReader
+from .save import bind_hf_methods, push_to_hub, save_pretrained  # noqa: F401
+from .sharded import load_sharded, save_sharded
+
+__all__ = ["CheckpointReader", "gather_full_state_dict", "load_full_state_dict", "load_pretrained", "load_sharded",
+           "push_to_hub", "save_pretrained", "save_sharded"]

@@ -1,0 +1,142 @@
+"""Directories that appear complete or not at all.
+
+A checkpoint is written into a temporary sibling `.NAME.partial-XXXX`, every
+file and directory fsynced, then put in place:
+
+  * NAME does not exist: one rename.
+  * NAME exists: the files of the old directory that the new checkpoint does
+    not replace (a tokenizer, a README) are carried over (hard links), then
+    the two directories are swapped in one step (Linux renameat2 with
+    RENAME_EXCHANGE) and the old one removed.  A crash at any point leaves
+    the old checkpoint or the new one under NAME.
+  * Where RENAME_EXCHANGE is not available: NAME is renamed aside to
+    `.NAME.old-XXXX`, the new directory renamed in, the old removed.  A crash
+    between the two renames leaves NAME missing and the old checkpoint
+    complete in `.NAME.old-XXXX`; recover_directory (which the next save
+    runs first) renames it back.
+
+Stale `.partial-` / `.old-` siblings of a killed save are removed by the next one.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import re
+import secrets
+import shutil
+import tempfile
+
+def _fsync(path: str, directory: bool = False) -> None:
+    fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: str) -> None:
+    """fsync every file and directory under `root`, then `root` itself."""
+    for path, dirs, files in os.walk(root, topdown=False):
+        for f in files:
+            p = os.path.join(path, f)
+            if not os.path.islink(p):
+                _fsync(p)
+        _fsync(path, directory=True)
+
+
+def _siblings(directory: str, kind: str) -> list[str]:
+    parent, base = os.path.split(directory)
+    prefix = f".{base}.{kind}-"
+    try:
+        found = [os.path.join(parent, n) for n in os.listdir(parent) if n.startswith(prefix)]
+    except FileNotFoundError:
+        return []
+    return sorted(found, key=lambda p: os.lstat(p).st_mtime)
+
+
+def recover_directory(directory) -> None:
+    """Undo what a killed save left beside `directory`: if the name is
+    missing and an old checkpoint was renamed aside (the fallback swap's
+    window), rename it back; then remove every stale temporary sibling."""
+    directory = os.path.abspath(os.fspath(directory))
+    olds = _siblings(directory, "old")
+    if olds and not os.path.lexists(directory):
+        os.rename(olds.pop(), directory)
+        _fsync(os.path.dirname(directory), directory=True)
+    for stale in olds + _siblings(directory, "partial"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _make_temp(directory: str) -> str:
+    parent, base = os.path.split(directory)
+    os.makedirs(parent, exist_ok=True)
+    recover_directory(directory)
+    return tempfile.mkdtemp(prefix=f".{base}.partial-", dir=parent)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Swap two paths in one step (Linux renameat2 RENAME_EXCHANGE); False
+    where the system or the file system does not offer it."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (AttributeError, OSError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)):
+        return False
+    raise OSError(err, f"renameat2(RENAME_EXCHANGE) {a} <-> {b}: {os.strerror(err)}")
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _carry_over(old: str, new: str, replaced: re.Pattern) -> None:
+    """Files of the existing directory that the new checkpoint does not
+    replace (tokenizer, README, sub-directories) go into the new one."""
+    for entry in os.scandir(old):
+        dst = os.path.join(new, entry.name)
+        if os.path.lexists(dst) or replaced.fullmatch(entry.name):
+            continue
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry.path), dst)
+        elif entry.is_dir():
+            shutil.copytree(entry.path, dst, symlinks=True, copy_function=_link_or_copy)
+        else:
+            _link_or_copy(entry.path, dst)
+
+
+def _put_in_place(tmp: str, directory: str, replaced: re.Pattern) -> None:
+    """Make the complete temporary directory `tmp` the checkpoint `directory`
+    (see the module docstring for what a crash leaves at each step)."""
+    parent = os.path.dirname(directory)
+    if not os.path.lexists(directory):
+        _fsync_tree(tmp)
+        os.rename(tmp, directory)
+        _fsync(parent, directory=True)
+        return
+    if not os.path.isdir(directory) or os.path.islink(directory):
+        raise ValueError(f"save_pretrained: {directory} exists and is not a directory")
+    _carry_over(directory, tmp, replaced)
+    _fsync_tree(tmp)
+    if _exchange(tmp, directory):
+        _fsync(parent, directory=True)
+        shutil.rmtree(tmp, ignore_errors=True)         # now the old checkpoint
+        return
+    old = os.path.join(parent, f".{os.path.basename(directory)}.old-{secrets.token_hex(4)}")
+    os.rename(directory, old)
+    os.rename(tmp, directory)
+    _fsync(parent, directory=True)
+    shutil.rmtree(old, ignore_errors=True)

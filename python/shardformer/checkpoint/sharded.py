@@ -1,0 +1,349 @@
+"""Per-rank checkpoints: save_sharded / load_sharded, for fast save and
+resume at the same or another tensor-parallel size.
+
+save_sharded(model, out_dir) writes, collectively over the model's
+tensor-parallel group (the group holding global rank 0; replicas return):
+
+  * `rank{r:05d}-of-{n:05d}.safetensors` from every rank r of the n ranks:
+    that rank's model.state_dict() as it is (each sharded tensor is the
+    rank's shard: its ranges of the split dimension laid back to back, then
+    the zero padding up to its length), tied tensors stored once, replicated
+    tensors in every file (so each rank can resume from its own file);
+  * `shardformer_manifest.json`, once: for every state-dict name the key it
+    is stored under, the full (HF) shape, the dtype, and for a sharded
+    tensor the split dimension with every rank's DimShard ranges (offset,
+    length in the full dimension) and shard length: enough to rebuild any
+    slice of the full tensor from the files;
+  * `config.json` (HF models).
+
+Atomic as save_pretrained (save.py): the ranks write into one temporary
+sibling directory, the group agrees that every file was written (fsynced),
+then the first rank writes the manifest, fsyncs and swaps the directory in.
+
+load_sharded(model, out_dir) loads into the model as it is sharded now, at
+the same or another TP size, or unsharded: each rank reads only the parts of
+the saved ranks' files that overlap the full ranges its own shards need
+(safetensors get_slice), preferring its own rank's file where the saved
+layout replicates indices, zero-fills its padding and converts the dtype.
+Every name, shape, dtype, file and stored shard is checked before anything
+is copied: one ValueError lists every problem and the model is untouched.
+Same TP size and the same layouts: each rank reads its own file only.
+No collectives: every rank reads on its own.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .full import _group_root, _named_tensors, _shard_info, problem_report
+from .atomic import _fsync, _put_in_place, recover_directory
+from .save import _Flags, _sharded_group
+
+__all__ = ["save_sharded", "load_sharded", "MANIFEST"]
+
+MANIFEST = "shardformer_manifest.json"
+FORMAT = "shardformer-sharded"
+VERSION = 1
+
+
+def _rank_file(rank: int, n: int) -> str:
+    return f"rank{rank:05d}-of-{n:05d}.safetensors"
+
+
+def _temp_name(directory: str, token: int) -> str:
+    """The temporary sibling every rank writes into (save.py's naming, so a
+    later save removes it if this one is killed)."""
+    return os.path.join(os.path.dirname(directory), f".{os.path.basename(directory)}.partial-s{token:x}")
+
+
+def _entries(model: nn.Module):
+    """[(names, tensor, (dim, DimShard) | None)]: the persistent tensors, each once."""
+    info = _shard_info(model)
+    persistent = set(model.state_dict().keys())
+    out: dict[int, tuple] = {}
+    for name, t in _named_tensors(model):
+        if name not in persistent:
+            continue
+        if id(t) in out:
+            out[id(t)][0].append(name)
+        else:
+            split = info.get(id(t))
+            out[id(t)] = ([name], t, None if split is None else split[:2])
+    return list(out.values())
+
+
+def _full_shape(t: torch.Tensor, split) -> list[int]:
+    shape = list(t.shape)
+    if split is not None:
+        shape[split[0]] = split[1].full
+    return shape
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).split(".")[1]
+
+
+def _manifest(model: nn.Module, entries, n: int) -> dict:
+    tensors = {}
+    for names, t, split in entries:
+        rec = {"key": names[0], "shape": _full_shape(t, split), "dtype": _dtype_name(t.dtype), "split": None}
+        if split is not None:
+            dim, shard = split
+            rec["split"] = {"dim": dim, "ranges": [[list(r) for r in rs] for rs in shard.all_ranges],
+                            "lengths": list(shard.all_lengths)}
+        for name in names:
+            tensors[name] = rec
+    return {"format": FORMAT, "version": VERSION, "model_class": type(model).__name__, "tp_size": n,
+            "files": [_rank_file(r, n) for r in range(n)], "tensors": tensors}
+
+
+def save_sharded(model: nn.Module, out_dir) -> None:
+    """Every rank writes its own shards, the first rank the manifest (see the
+    module docstring).  Collective over the model's tensor-parallel group."""
+    name = type(model).__name__
+    group = _sharded_group(model, "save_sharded")
+    directory = os.path.abspath(os.fspath(out_dir))
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"{name}: save_sharded: {directory} exists and is not a directory")
+    if _group_root(group) != 0:
+        return
+    distributed = dist.is_initialized()
+    root = not distributed or dist.get_rank() == 0
+    if group is None:                        # not sharded: one file, from global rank 0
+        n, rank, writer = 1, 0, root
+    else:
+        n, rank, writer = dist.get_world_size(group), dist.get_rank(group), True
+    flags = _Flags(group)
+    entries = _entries(model)
+    error, token = None, 0
+    if root:
+        try:
+            recover_directory(directory)
+            os.makedirs(os.path.dirname(directory), exist_ok=True)
+            token = secrets.randbits(62) | 1
+            os.mkdir(_temp_name(directory, token))
+        except BaseException as e:  # noqa: BLE001 - the others must not wait forever
+            error, token = e, 0
+    token = flags.send(token, dtype=torch.int64)
+    if error is not None:
+        raise error
+    if token == 0:
+        raise RuntimeError(f"{name}: save_sharded: rank 0 could not create the temporary directory "
+                           f"beside {directory} (see its error)")
+    tmp = _temp_name(directory, token)
+    if writer:
+        try:
+            import safetensors.torch
+
+            tensors = {names[0]: t.detach().contiguous().cpu() for names, t, _ in entries}
+            path = os.path.join(tmp, _rank_file(rank, n))
+            safetensors.torch.save_file(tensors, path, metadata={"format": "pt", "rank": str(rank),
+                                                                 "tp_size": str(n)})
+            _fsync(path)
+            del tensors
+        except BaseException as e:  # noqa: BLE001
+            error = e
+    failed = flags.reduce_max(1 if error is not None else 0)
+    if root and not failed:
+        try:
+            path = os.path.join(tmp, MANIFEST)
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(_manifest(model, entries, n), f, indent=1, sort_keys=True)
+            if getattr(model, "config", None) is not None and hasattr(model.config, "save_pretrained"):
+                model.config.save_pretrained(tmp)
+            _put_in_place(tmp, directory, re.compile(rf"rank\d{{5}}-of-\d{{5}}\.safetensors|{re.escape(MANIFEST)}"
+                                                     r"|config\.json"))
+        except BaseException as e:  # noqa: BLE001
+            error = e
+    if root and (failed or error is not None):
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    outcome = flags.send(1 if root and error is not None else 0)
+    if error is not None:
+        raise error
+    if failed or outcome:
+        raise RuntimeError(f"{name}: save_sharded failed on another rank (see its error); "
+                           f"{directory} holds what it held before")
+
+
+# ---------------------------------------------------------------- load
+
+def _read_manifest(name: str, directory: str) -> dict:
+    path = os.path.join(directory, MANIFEST)
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{name}: load_sharded: {directory} holds no {MANIFEST} (not written by "
+                         f"save_sharded, or the save did not complete)") from None
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise ValueError(f"{name}: load_sharded: {path} is not a {FORMAT} manifest of version {VERSION} "
+                         f"(format {manifest.get('format')!r}, version {manifest.get('version')!r})")
+    return manifest
+
+
+def _same_layout(rec: dict, split, n_saved: int) -> bool:
+    s = rec["split"]
+    if split is None or s is None:
+        return split is None and s is None
+    dim, shard = split
+    return (shard.tp_size == n_saved and s["dim"] == dim and list(s["lengths"]) == list(shard.all_lengths)
+            and [[tuple(r) for r in rs] for rs in s["ranges"]] == [list(rs) for rs in shard.all_ranges])
+
+
+def _owners(rec: dict, prefer: int):
+    """For each index of the saved split dimension: (saved rank, position in
+    that rank's shard), taking `prefer`'s file first where indices are
+    replicated."""
+    s = rec["split"]
+    full = rec["shape"][s["dim"]]
+    owner = np.full(full, -1, dtype=np.int64)
+    pos = np.zeros(full, dtype=np.int64)
+    order = [prefer] + [r for r in range(len(s["ranges"])) if r != prefer] if prefer < len(s["ranges"]) \
+        else list(range(len(s["ranges"])))
+    for r in order:
+        p = 0
+        for off, k in s["ranges"][r]:
+            free = owner[off:off + k] < 0
+            owner[off:off + k][free] = r
+            pos[off:off + k][free] = np.arange(p, p + k)[free]
+            p += k
+    return owner, pos
+
+
+def _runs(owner: np.ndarray, pos: np.ndarray, start: int, stop: int):
+    """(saved rank, position, global start, count): consecutive indices of
+    [start, stop) held back to back by one saved rank."""
+    o, p = owner[start:stop], pos[start:stop]
+    if len(o) == 0:
+        return
+    breaks = np.nonzero((o[1:] != o[:-1]) | (p[1:] != p[:-1] + 1))[0] + 1
+    bounds = [0, *breaks.tolist(), len(o)]
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        yield int(o[a]), int(p[a]), start + a, b - a
+
+
+class _Files:
+    """The saved ranks' files, opened lazily (safetensors reads lazily too)."""
+
+    def __init__(self, directory: str, names: list[str], stack: contextlib.ExitStack):
+        self.directory, self.names, self.stack, self.open = directory, names, stack, {}
+
+    def __getitem__(self, rank: int):
+        if rank not in self.open:
+            from safetensors import safe_open
+
+            self.open[rank] = self.stack.enter_context(
+                safe_open(os.path.join(self.directory, self.names[rank]), framework="pt"))
+        return self.open[rank]
+
+
+def _fill(t: torch.Tensor, split, rec: dict, files: _Files, prefer: int) -> None:
+    """Copy this rank's part of the saved tensor `rec` into `t`."""
+    key, s = rec["key"], rec["split"]     # s: the saved split (never None here)
+    ndim = t.dim()
+    if split is None:
+        targets, mdim = [(0, 0, 0)], None
+    else:
+        mdim, shard = split
+        targets, loc = [], 0
+        for off, k in shard.ranges:
+            targets.append((off, k, loc))
+            loc += k
+        if shard.length > loc:
+            t.narrow(mdim, loc, shard.length - loc).zero_()
+    sd = s["dim"]
+    owner, pos = _owners(rec, prefer)
+    for off, k, loc in targets:
+        dst = t if mdim is None else t.narrow(mdim, loc, k)
+        lo, hi = (off, off + k) if mdim == sd else (0, rec["shape"][sd])
+        for rank, p, g, cnt in _runs(owner, pos, lo, hi):
+            idx = [slice(None)] * ndim
+            idx[sd] = slice(p, p + cnt)
+            if mdim is not None and mdim != sd:
+                idx[mdim] = slice(off, off + k)
+            dst.narrow(sd, g - lo, cnt).copy_(files[rank].get_slice(key)[tuple(idx)])
+
+
+def _check(model_name: str, directory: str, manifest: dict, entries, persistent: set[str]) -> str:
+    """Every problem of loading `manifest` into the model, as one text ('' if none)."""
+    tensors, n = manifest["tensors"], manifest["tp_size"]
+    missing = [nm for names, _, _ in entries for nm in names if nm not in tensors]
+    unexpected = [nm for nm in tensors if nm not in persistent]
+    wrong = []
+    stored: dict[str, tuple[list[int], str]] = {}
+    for names, t, split in entries:
+        for nm in names:
+            rec = tensors.get(nm)
+            if rec is None:
+                continue
+            shape = _full_shape(t, split)
+            if list(rec["shape"]) != shape:
+                where = f" (dimension {split[0]} split over {split[1].tp_size} ranks)" if split else ""
+                wrong.append(f"{nm}: saved shape {rec['shape']}, the model's full shape is {shape}{where}")
+                continue
+            saved = getattr(torch, rec["dtype"], None)
+            if not isinstance(saved, torch.dtype) or not torch.can_cast(saved, t.dtype):
+                wrong.append(f"{nm}: saved dtype {rec['dtype']} does not convert to the model's "
+                             f"{_dtype_name(t.dtype)} without losing values")
+                continue
+            s = rec["split"]
+            local = [list(rec["shape"])] * n if s is None else \
+                [[L if d == s["dim"] else x for d, x in enumerate(rec["shape"])] for L in s["lengths"]]
+            stored[rec["key"]] = (local, nm)
+    files = []
+    for r, fname in enumerate(manifest["files"]):
+        path = os.path.join(directory, fname)
+        if not os.path.isfile(path):
+            files.append(f"{fname}: missing")
+            continue
+        from safetensors import safe_open
+
+        try:
+            with safe_open(path, framework="pt") as f:
+                keys = set(f.keys())
+                for key, (local, nm) in stored.items():
+                    if key not in keys:
+                        files.append(f"{fname}: no tensor {key} (for {nm})")
+                    elif list(f.get_slice(key).get_shape()) != local[r]:
+                        files.append(f"{fname}: {key} has shape {list(f.get_slice(key).get_shape())}, "
+                                     f"the manifest says {local[r]}")
+        except Exception as e:  # noqa: BLE001 - a damaged file is one more problem to list
+            files.append(f"{fname}: unreadable ({type(e).__name__}: {e})")
+    return problem_report(("missing keys", missing), ("unexpected keys", unexpected),
+                          ("tensors that do not fit", wrong), ("file problems", files))
+
+
+@torch.no_grad()
+def load_sharded(model: nn.Module, out_dir) -> None:
+    """Load a save_sharded checkpoint into `model` as it is sharded now (any
+    TP size, or unsharded); see the module docstring."""
+    name = type(model).__name__
+    directory = os.path.abspath(os.fspath(out_dir))
+    manifest = _read_manifest(name, directory)
+    entries = _entries(model)
+    problems = _check(name, directory, manifest, entries, set(model.state_dict().keys()))
+    if problems:
+        raise ValueError(f"load_sharded({name}): {directory} (saved at TP={manifest['tp_size']}) does not "
+                         f"fit the model; nothing was loaded:{problems}")
+    n = manifest["tp_size"]
+    own = (dist.get_rank() if dist.is_initialized() else 0) % n
+    with contextlib.ExitStack() as stack:
+        files = _Files(directory, manifest["files"], stack)
+        for names, t, split in entries:
+            rec = manifest["tensors"][names[0]]
+            if split is None and rec["split"] is None:        # replicated: in every file
+                t.copy_(files[own].get_tensor(rec["key"]))
+            elif split is not None and _same_layout(rec, split, n):
+                t.copy_(files[split[1].rank].get_tensor(rec["key"]))
+            else:
+                _fill(t, split, rec, files, split[1].rank if split is not None else own)

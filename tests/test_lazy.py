@@ -1,0 +1,182 @@
+"""Lazy construction (shardformer.lazy_init): no parameter storage until
+optimize(), which materializes each rank's shards; the result equals the
+eagerly built model sharded the same way, bit for bit, for every model of
+the zoo at TP=2 (a spread of them at TP=4), trains like the unsharded model,
+and its ranks must agree as eager ones must."""
+import pytest
+
+import zoo
+from checks import lazy
+
+ALL = zoo.names()
+TP4 = ["LlamaForCausalLM", "GPT2LMHeadModel", "BertForMaskedLM", "MixtralForCausalLM", "T5ForConditionalGeneration",
+       "BloomForCausalLM", "FalconForCausalLM", "ViTForImageClassification", "Gemma3ForConditionalGeneration",
+       "WhisperForConditionalGeneration"]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_lazy_shards_equal_eager_tp2(pool, name):
+    pool.run(lazy.lazy_equals_eager, 2, name)
+
+
+@pytest.mark.parametrize("name", TP4)
+def test_lazy_shards_equal_eager_tp4(pool, name):
+    pool.run(lazy.lazy_equals_eager, 4, name)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "GPT2LMHeadModel", "BertForSequenceClassification",
+                                  "Qwen3ForCausalLM", "SamModel", "MixtralForCausalLM"])
+def test_lazy_model_trains_like_unsharded(pool, name, tp):
+    pool.run(lazy.lazy_trains_like_unsharded, tp, name)
+
+
+def test_lazy_replicas_must_agree(pool):
+    msgs = pool.run(lazy.replicas_differ, 2, "LlamaForCausalLM")
+    assert all("different weights" in m for m in msgs), msgs
+
+
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "GPT2LMHeadModel", "BertForMaskedLM", "T5ForConditionalGeneration"])
+def test_lazy_with_all_optimizations(pool, name):
+    pool.run(lazy.lazy_equals_eager, 2, name, {"enable_all_optimization": True})
+
+
+def test_deepcopy_of_a_lazy_model_records_apart():
+    import copy
+
+    import torch
+    from shardformer import lazy_init
+    from shardformer.lazy import materialize_module
+
+    with lazy_init():
+        a = torch.nn.Linear(4, 3)
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        b.weight.fill_(2.0)
+    materialize_module(a)
+    materialize_module(b)
+    assert torch.equal(b.weight, torch.full((3, 4), 2.0))
+    assert not torch.equal(a.weight, b.weight)
+
+
+def _llama(**overrides):
+    import transformers
+
+    cfg = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+               num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False)
+    cfg.update(overrides)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg))
+
+
+_GROWTH = """
+import gc, sys, torch, transformers
+from shardformer import lazy_init
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
+                               num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False)
+mode = sys.argv[1]
+torch.manual_seed(0)
+transformers.LlamaForCausalLM(transformers.LlamaConfig(hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                              num_attention_heads=2, vocab_size=16))    # warm: first-call allocations
+gc.collect()
+base = status("VmRSS")
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")
+if mode == "eager":
+    model = transformers.LlamaForCausalLM(cfg)
+else:
+    with lazy_init(exact=(mode == "exact")):
+        model = transformers.LlamaForCausalLM(cfg)
+growth = status("VmHWM") - base
+sizes = [p.numel() * p.element_size() for p in model.parameters()]
+print(growth, sum(sizes), max(sizes))
+"""
+
+
+def _peak_growth(mode: str) -> tuple[int, int, int]:
+    """(peak RSS growth of building a 180 MB Llama, its parameter bytes, its
+    largest parameter's bytes), in a fresh process."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _GROWTH, mode], capture_output=True, text=True, check=True)
+    return tuple(int(v) for v in out.stdout.split()[-3:])
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_lazy_construction_allocates_no_parameter_storage(exact):
+    """A 180 MB Llama built under lazy_init(): the peak RSS grows by at most
+    the largest parameter (exact=True draws each parameter's random numbers
+    once on a scratch tensor) plus a few MB of Python objects; the eager
+    build grows by the whole model (each measured in a fresh process)."""
+    eager_growth, total, largest = _peak_growth("eager")
+    lazy_growth, lazy_total, _ = _peak_growth("exact" if exact else "inexact")
+    assert lazy_total == total
+    assert eager_growth > 0.9 * total, (eager_growth, total)
+    limit = (1.2 * largest if exact else 0) + 24 * 2**20
+    assert lazy_growth < limit, f"lazy build grew RSS by {lazy_growth / 2**20:.1f} MiB (limit {limit / 2**20:.1f}, " \
+                                f"model {total / 2**20:.1f} MiB)"
+
+
+def test_lazy_model_to_dtype_stays_lazy_and_equals_eager():
+    import torch
+    from shardformer import lazy_init
+    from shardformer.lazy import is_lazy, materialize_module
+
+    torch.manual_seed(0)
+    eager = _llama(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=100).to(torch.bfloat16)
+    torch.manual_seed(0)
+    with lazy_init():
+        model = _llama(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=100)
+    model = model.to(torch.bfloat16)
+    assert all(is_lazy(p) and p.dtype == torch.bfloat16 for p in model.parameters())
+    materialize_module(model)
+    for (name, a), b in zip(eager.state_dict().items(), model.state_dict().values()):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+
+
+def test_forward_of_an_unsharded_lazy_model_equals_eager():
+    """Reading a lazy parameter (here: a forward without optimize())
+    materializes it for that operation: slow, but the values are right."""
+    import torch
+    from shardformer import lazy_init
+
+    small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=100)
+    torch.manual_seed(0)
+    eager = _llama(**small)
+    torch.manual_seed(0)
+    with lazy_init():
+        model = _llama(**small)
+    ids = torch.randint(0, 100, (2, 7))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, eager(ids).logits)
+
+
+def test_shape_changing_in_place_ops_are_refused():
+    import torch
+    from shardformer import lazy_init
+
+    with lazy_init():
+        layer = torch.nn.Linear(4, 3)
+    with pytest.raises(RuntimeError, match="resize_ changes the shape"):
+        layer.weight.data.resize_(2, 2)
+
+
+def test_inexact_replays_agree():
+    """exact=False draws nothing at construction; the state is fixed at the
+    first replay, so two materializations of one parameter (a tied weight
+    cut twice) agree."""
+    import torch
+    from shardformer import lazy_init
+    from shardformer.lazy import materialize
+
+    with lazy_init(exact=False):
+        layer = torch.nn.Linear(16, 8)
+    assert torch.equal(materialize(layer.weight), materialize(layer.weight))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_lazy_custom_model_with_its_policy(pool, tp):
+    pool.run(lazy.lazy_custom_model, tp)
