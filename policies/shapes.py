@@ -24,6 +24,12 @@ GLM, Phi-3, Mixtral).  Per layer (`<prefix>DecoderLayer`):
 HF's attention infers its head count from the projection width, so only
 num_key_value_groups changes per rank.
 
+Sequence parallelism (split_gather, not with mlp="moe"): the Linear layers
+above take sequence_parallel=True; self_attn and mlp become sequence-parallel
+blocks, the first layer splits its input along the sequence and the last
+gathers its output, and the layer's norms get their gradients all-reduced
+(shardformer.layer.sequence).
+
 Options: prefix (class-name prefix, "Mistral"), base_model ("Model";
 Gemma 3 text: "TextModel"), mlp ("split" | "fused" | "moe"), fused_qkv,
 qk_norm, embed_scale.
@@ -102,31 +108,71 @@ class DecoderShape(FamilyPolicy):
         """{dotted attribute under the decoder layer: per-rank value}."""
         return {"self_attn.num_key_value_groups": heads.local_groups()}
 
+    def sequence_parallel_modes(self) -> tuple[str, ...]:
+        return () if self.mlp == "moe" else ("split_gather",)
+
+    @property
+    def sp(self) -> dict:
+        """The kwargs that put a Linear layer in sequence-parallel mode (or none)."""
+        return {"sequence_parallel": True} if self.shard_config.sequence_parallel else {}
+
     def attention_replacements(self, heads: Heads) -> list[Sub]:
+        sp = self.sp
         if self.fused_qkv:
-            qkv = [Sub("self_attn.qkv_proj", Linear1D_Col, kwargs={"split": heads.qkv})]
+            qkv = [Sub("self_attn.qkv_proj", Linear1D_Col, kwargs={"split": heads.qkv, **sp})]
         else:
-            qkv = [Sub("self_attn.q_proj", Linear1D_Col, kwargs={"split": heads.q}),
-                   Sub("self_attn.k_proj", Linear1D_Col, kwargs={"split": heads.kv}),
-                   Sub("self_attn.v_proj", Linear1D_Col, kwargs={"split": heads.kv})]
+            qkv = [Sub("self_attn.q_proj", Linear1D_Col, kwargs={"split": heads.q, **sp}),
+                   Sub("self_attn.k_proj", Linear1D_Col, kwargs={"split": heads.kv, **sp}),
+                   Sub("self_attn.v_proj", Linear1D_Col, kwargs={"split": heads.kv, **sp})]
         norms = []
         if self.qk_norm:
             from shardformer.layer.replicated import ReplicatedInParallelRegion
 
             norms = [Sub("self_attn.q_norm", ReplicatedInParallelRegion),
                      Sub("self_attn.k_norm", ReplicatedInParallelRegion)]
-        return qkv + norms + [Sub("self_attn.o_proj", Linear1D_Row, kwargs={"split": heads.q})]
+        return qkv + norms + [Sub("self_attn.o_proj", Linear1D_Row, kwargs={"split": heads.q, **sp})]
 
     def mlp_replacements(self) -> list[Sub]:
         if self.mlp == "moe":
             from shardformer.layer.moe import FusedExperts1D
 
             return [Sub("mlp.experts", FusedExperts1D)]
+        sp = self.sp
         if self.mlp == "fused":
-            up = [Sub("mlp.gate_up_proj", Linear1D_Col, kwargs={"split": Fused.equal(2)})]
+            up = [Sub("mlp.gate_up_proj", Linear1D_Col, kwargs={"split": Fused.equal(2), **sp})]
         else:
-            up = [Sub("mlp.gate_proj", Linear1D_Col), Sub("mlp.up_proj", Linear1D_Col)]
-        return up + [Sub("mlp.down_proj", Linear1D_Row)]
+            up = [Sub("mlp.gate_proj", Linear1D_Col, kwargs=sp), Sub("mlp.up_proj", Linear1D_Col, kwargs=sp)]
+        return up + [Sub("mlp.down_proj", Linear1D_Row, kwargs=sp)]
+
+    def sequence_parallel_replacements(self) -> tuple[list[Sub], list[Sub]]:
+        """(decoder-layer subs, base-model subs) of split-gather sequence
+        parallelism: the blocks, the layer's other parameters (norms: used on
+        this rank's rows, gradients all-reduced), the split and the gather."""
+        from shardformer.layer.replicated import ReplicatedInParallelRegion
+        from shardformer.layer.sequence import SequenceParallelRegion, SequenceState
+
+        state = SequenceState()
+        base = self.model.get_submodule(self.base_prefix()) if self.base_prefix() else self.model
+        layers = base.layers
+        first = layers[0]
+        block = {"role": "block", "state": state}
+        subs = [Sub("self_attn", SequenceParallelRegion, kwargs=block),
+                Sub("mlp", SequenceParallelRegion, kwargs=block)]
+        subs += [Sub(child, ReplicatedInParallelRegion) for child, module in first.named_children()
+                 if child not in ("self_attn", "mlp") and any(True for _ in module.parameters())]
+        last = len(layers) - 1
+        ends = [Sub("layers.0", SequenceParallelRegion, kwargs={"role": "split", "state": state}),
+                Sub(f"layers.{last}", SequenceParallelRegion, kwargs={"role": "gather", "state": state})]
+        if last == 0:
+            ends = [Sub("layers.0", SequenceParallelRegion, kwargs={"role": ("split", "gather"), "state": state})]
+        return subs, ends
+
+    def base_prefix(self) -> str:
+        """The attribute path of the base model inside self.model ("" when it is the base model)."""
+        for name, module in self.model.named_modules():
+            if type(module).__name__ == f"{self.prefix}{self.base_model}":
+                return name
+        raise ValueError(f"{type(self.model).__name__}: no {self.prefix}{self.base_model} module")
 
     def config_sanity_check(self):
         cfg = text_config(self.model)
@@ -143,14 +189,17 @@ class DecoderShape(FamilyPolicy):
             native = self.model.get_input_embeddings()
             embed_kwargs["embed_scale"] = float(getattr(native, "scalar_embed_scale",
                                                         text_config(self.model).hidden_size ** 0.5))
+        layer_subs = self.attention_replacements(heads) + self.mlp_replacements()
+        base_subs = [Sub("embed_tokens", VocabParallelEmbedding1D, kwargs=embed_kwargs)]
+        if self.shard_config.sequence_parallel:
+            sp_layer, sp_base = self.sequence_parallel_replacements()
+            layer_subs, base_subs = layer_subs + sp_layer, base_subs + sp_base
         return {
             f"{self.prefix}DecoderLayer": ModulePolicyDescription(
                 attribute_replacement=self.attention_attributes(heads),
-                sub_module_replacement=self.attention_replacements(heads) + self.mlp_replacements(),
+                sub_module_replacement=layer_subs,
             ),
-            f"{self.prefix}{self.base_model}": ModulePolicyDescription(
-                sub_module_replacement=[Sub("embed_tokens", VocabParallelEmbedding1D, kwargs=embed_kwargs)]
-            ),
+            f"{self.prefix}{self.base_model}": ModulePolicyDescription(sub_module_replacement=base_subs),
         }
 
 

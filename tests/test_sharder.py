@@ -115,8 +115,16 @@ def test_shard_config_validation():
         ShardConfig(extra_kwargs={"make_vocab_divisible": 8})
     every = ShardConfig(enable_all_optimization=True)
     assert every.enable_fused_normalization and every.enable_flash_attention and every.enable_jit_fused
-    with pytest.raises(NotImplementedError, match="enable_sequence_parallelism"):
-        ShardConfig(enable_sequence_parallelism=True)
+    assert ShardConfig(enable_sequence_parallelism=True).sequence_parallelism_mode == "split_gather"
+    for mode in ("all_to_all", "ring_attn"):
+        with pytest.raises(NotImplementedError, match=mode):
+            ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode=mode)
+    with pytest.raises(ValueError, match="one of"):
+        ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode="ring")
+    with pytest.raises(ValueError, match="enable_sequence_parallelism is False"):
+        ShardConfig(sequence_parallelism_mode="split_gather")
+    with pytest.raises(NotImplementedError, match="enable_sequence_overlap"):
+        ShardConfig(enable_sequence_parallelism=True, enable_sequence_overlap=True)
     with pytest.raises(NotImplementedError, match="pipeline"):
         ShardConfig(pipeline_stage_manager=object())
     cfg = ShardConfig(enable_fused_normalization=True)

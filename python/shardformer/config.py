@@ -9,9 +9,10 @@ import torch.distributed as dist
 # Switches whose implementation has not landed yet, with where it is tracked.
 # Switching one on is an error rather than a silent no-op.
 _NOT_YET = {
-    "enable_sequence_parallelism": "sequence parallelism",
     "enable_sequence_overlap": "sequence parallelism with communication overlap",
 }
+SEQUENCE_PARALLEL_MODES = ("split_gather", "all_to_all", "ring_attn")
+_MODES_NOT_YET = ("all_to_all", "ring_attn")
 
 # extra_kwargs understood by the built-in policies, with their defaults.
 EXTRA_KWARGS_DEFAULTS = {
@@ -44,8 +45,14 @@ class ShardConfig:
         (shardformer.ops.attention) in every layer whose HF attention goes through
         transformers' AttentionInterface; other layers keep theirs (with a warning).
     enable_jit_fused: fused C kernels for the MLP activations.
-    enable_sequence_parallelism, enable_sequence_overlap: (not available yet);
-        overlap requires sequence parallelism.
+    enable_sequence_parallelism: split the hidden states along the sequence
+        between the tensor-parallel blocks (shardformer.layer.sequence), so
+        norms, dropouts and residuals hold 1/tp of the activations;
+        sequence_parallelism_mode "split_gather" (the default; SP group = TP
+        group) is available for the Llama-shaped decoder families, the other
+        modes ("all_to_all", "ring_attn") not yet.
+    sequence_parallel_process_group: None (the TP group) or the TP group itself.
+    enable_sequence_overlap: (not available yet); requires sequence parallelism.
     enable_all_optimization: switches on fused normalization, flash attention
         and jit fused operators.
     extra_kwargs: policy options, see EXTRA_KWARGS_DEFAULTS.
@@ -59,6 +66,8 @@ class ShardConfig:
     enable_jit_fused: bool = False
     enable_sequence_parallelism: bool = False
     enable_sequence_overlap: bool = False
+    sequence_parallelism_mode: str | None = None
+    sequence_parallel_process_group: Any = None
     enable_all_optimization: bool = False
     extra_kwargs: dict[str, Any] = field(default_factory=dict)
 
@@ -86,6 +95,7 @@ class ShardConfig:
             raise ValueError("ShardConfig: enable_sequence_overlap=True needs enable_sequence_parallelism=True")
         if self.enable_sequence_parallelism and not self.enable_tensor_parallelism:
             raise ValueError("ShardConfig: enable_sequence_parallelism=True needs enable_tensor_parallelism=True")
+        self._check_sequence_parallelism()
         if self.enable_all_optimization:
             self.enable_fused_normalization = True
             self.enable_flash_attention = True
@@ -101,6 +111,30 @@ class ShardConfig:
                     and name in ("enable_flash_attention", "enable_jit_fused") else ""
                 raise NotImplementedError(f"ShardConfig.{name}=True{reason}: {what} is not available "
                                           "in this version of shardformer")
+
+    def _check_sequence_parallelism(self) -> None:
+        mode = self.sequence_parallelism_mode
+        if mode is not None and mode not in SEQUENCE_PARALLEL_MODES:
+            raise ValueError(f"ShardConfig.sequence_parallelism_mode={mode!r}: one of {SEQUENCE_PARALLEL_MODES}")
+        if not self.enable_sequence_parallelism:
+            if mode is not None or self.sequence_parallel_process_group is not None:
+                raise ValueError("ShardConfig: sequence_parallelism_mode / sequence_parallel_process_group are "
+                                 "given but enable_sequence_parallelism is False")
+            return
+        if mode is None:
+            self.sequence_parallelism_mode = mode = "split_gather"
+        if mode in _MODES_NOT_YET:
+            raise NotImplementedError(f"ShardConfig.sequence_parallelism_mode={mode!r} is not available in this "
+                                      f"version of shardformer (split_gather is)")
+        group = self.sequence_parallel_process_group
+        if group is not None and group is not self.tensor_parallel_process_group:
+            raise ValueError("ShardConfig.sequence_parallel_process_group: split_gather runs over the tensor-"
+                             "parallel group; pass None or tensor_parallel_process_group itself")
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Split-gather sequence parallelism is on."""
+        return self.enable_sequence_parallelism and self.sequence_parallelism_mode == "split_gather"
 
     def option(self, name: str):
         """An extra_kwargs option, or its default."""

@@ -23,8 +23,16 @@ time, freed at once).  Replaying restores the recorded state around the
 operation, so the tensor a rank materializes is bit for bit the eager one,
 and whatever the user draws after construction is unchanged too.  With
 exact=False (what ShardFormer.from_pretrained uses: the weights come from the
-checkpoint) nothing is drawn at construction; the generator state is fixed at
-the first replay, so every replay of one parameter gives the same values.
+checkpoint) nothing is drawn at construction: each random operation gets a
+seed (one base drawn when the context opens, plus a counter), so every replay
+of one parameter gives the same values and broadcast_recipes can give every
+rank rank 0's.
+
+A lazy tensor presents itself as the tensor it will be: `.device` is its
+future device and `.is_meta` is False (torch.nn.init skips meta tensors, and
+HF's init reads values in places: trunc_normal_'s rejection loop, BERT's
+bias padding).  Such reads materialize it for that one operation, so the
+values they see, and the random numbers they draw, are eager construction's.
 
 optimize() cuts each sharded parameter out of its materialized full tensor
 (one full tensor alive at a time, freed once the shard is cut) and

@@ -83,6 +83,11 @@ class Policy(ABC):
     def config_sanity_check(self) -> None:
         """Raise if the model's configuration is one this policy cannot shard."""
 
+    def sequence_parallel_modes(self) -> tuple[str, ...]:
+        """The sequence_parallelism_modes this policy implements (none by
+        default: optimize() refuses SP for it, naming the policy and mode)."""
+        return ()
+
     def preprocess(self) -> nn.Module:
         """Runs after validation, before substitution; must not fail and must
         not change the model (record on the policy what postprocess needs):

@@ -133,6 +133,10 @@ class ModelSharder:
         policy.set_model(model)
         policy.set_shard_config(cfg)
         policy.config_sanity_check()
+        if cfg.enable_sequence_parallelism and cfg.sequence_parallelism_mode not in policy.sequence_parallel_modes():
+            raise NotImplementedError(
+                f"{name}: sequence parallelism mode {cfg.sequence_parallelism_mode!r} is not available for "
+                f"{type(policy).__name__} (it implements: {', '.join(policy.sequence_parallel_modes()) or 'none'})")
         module_policy = policy.module_policy()
         ops, matched = _C.sharder_plan(model, name, module_policy, tp_size, rank)
         if module_policy and matched == 0:

@@ -12,6 +12,7 @@ from .linear import (
 from .loss import cross_entropy_1d
 from .normalization import FusedLayerNorm, FusedRMSNorm
 from .parallel_module import ParallelModule, ShardPlan
+from .sequence import SequenceParallelRegion, SequenceState
 
 __all__ = [
     "DropoutForParallelInput",
@@ -25,6 +26,8 @@ __all__ = [
     "Linear1D_Col",
     "Linear1D_Row",
     "ParallelModule",
+    "SequenceParallelRegion",
+    "SequenceState",
     "ShardPlan",
     "VocabParallelEmbedding1D",
     "VocabParallelLMHead1D",

@@ -130,6 +130,9 @@ class Linear1D_Col(_LinearShard):
 
     Forward: copy_to_tp_region(X) (backward: all-reduce dX), local matmul, and
     with `gather_output=True` an all-gather of Y along the last dimension.
+    `sequence_parallel=True` (inside a sequence-parallel block, see
+    layer/sequence.py): X comes from the block's all-gather along the
+    sequence, whose backward reduce-scatter sums dX, so no copy_to_tp_region.
     Rows replicated across ranks (KV heads fewer than ranks) get their
     gradients summed over the ranks holding them.
     """
@@ -137,12 +140,14 @@ class Linear1D_Col(_LinearShard):
     column = True
 
     def __init__(self, in_features, out_features, bias=True, process_group=None,
-                 gather_output: bool | None = None, **kwargs):
+                 gather_output: bool | None = None, sequence_parallel: bool = False, **kwargs):
         super().__init__(in_features, out_features, bias, process_group, gather_output=gather_output, **kwargs)
         self.gather_output = self.default_gather_output if gather_output is None else gather_output
+        self.sequence_parallel = sequence_parallel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp_region(x, self.process_group)
+        if not self.sequence_parallel:       # with SP the block's all-gather of X sums dX backward
+            x = copy_to_tp_region(x, self.process_group)
         weight, bias = self.weight, self.bias
         if self.shard.replicated:
             weight = sync_replicated_grad(weight, self._split_dim(), self.shard, self.process_group)
@@ -160,20 +165,33 @@ class Linear1D_Row(_LinearShard):
     Forward: the input is already split when `input_is_parallel=True` (the
     output of a column-parallel layer), else scatter_to_tp_region cuts it;
     local matmul; reduce_from_tp_region (all-reduce forward, identity
-    backward); then the full bias.
+    backward); then the full bias.  `sequence_parallel=True`: the partial
+    sums X_i A_i^T are returned as they are, for the sequence-parallel
+    block's reduce-scatter (no bias allowed).
     """
 
     column = False
 
     def __init__(self, in_features, out_features, bias=True, process_group=None,
-                 input_is_parallel: bool = True, **kwargs):
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, **kwargs):
         super().__init__(in_features, out_features, bias, process_group, **kwargs)
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
+
+    @classmethod
+    def plan_shard(cls, module, tp_size, rank, split=None, sequence_parallel: bool = False, **kwargs):
+        if sequence_parallel and getattr(module, "bias", None) is not None:
+            raise ValueError(f"{cls.__name__}: sequence parallelism (split_gather) with a bias on a row-parallel "
+                             f"layer ({type(module).__name__} of {tuple(module.weight.shape)}) is not supported: "
+                             f"the bias would have to be added after the block's reduce-scatter")
+        return super().plan_shard(module, tp_size, rank, split=split, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, -1, self.shard, self.process_group)
         y = self._matmul(x, self.weight, None)
+        if self.sequence_parallel:           # partial sums: the block's reduce-scatter adds them up
+            return y
         y = reduce_from_tp_region(y, self.process_group)
         return y if self.bias is None else y + self.bias
 
