@@ -542,10 +542,6 @@ def _real_parameter(p: "LazyParameter") -> nn.Parameter:
     return real
 
 
-def has_lazy(model: nn.Module) -> bool:
-    return any(is_lazy(p) for p in model.parameters())
-
-
 def recipe_fingerprint(t: torch.Tensor) -> int:
     """64-bit fingerprint of how a lazy tensor is built (its shape, dtype,
     start, steps and their recorded generator states): two ranks whose lazy
