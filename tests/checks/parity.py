@@ -78,6 +78,21 @@ def _double(inputs: dict) -> dict:
             for k, v in inputs.items()}
 
 
+def refused_unchanged(model, call, what: str) -> str:
+    """call() must raise ValueError and leave every tensor of model.state_dict()
+    as it was; returns the message."""
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        call()
+    except ValueError as e:
+        message = str(e)
+    else:
+        raise AssertionError(f"{what} was not refused")
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert not changed, f"the refused {what} changed {changed}"
+    return message
+
+
 def check_model(ctx, name: str, dtype_name: str = "float32", steps: int = 1, config=None) -> dict:
     """check_sharded for the zoo's model `name` (a zoo module whose build takes a dtype)."""
     dtype = getattr(torch, dtype_name)

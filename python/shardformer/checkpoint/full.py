@@ -57,23 +57,35 @@ def _is_group_root(group) -> bool:
     return not dist.is_initialized() or dist.get_rank(group) == 0
 
 
-def _gather_dim_to_root(x: torch.Tensor, dim: int, shard, group) -> torch.Tensor | None:
-    """Like _gather_dim, but only the group's first rank receives (and
-    returns) the full tensor; the others send their shard and get None."""
-    if not dist.is_initialized() or shard.tp_size == 1:
-        return _gather_dim(x, dim, shard, group)
-    x = x.movedim(dim, 0)
-    if x.shape[0] < shard.chunk:
-        pad = x.new_zeros((shard.chunk - x.shape[0],) + tuple(x.shape[1:]))
-        x = torch.cat([x, pad], 0)
-    x = x.contiguous()
-    root = _is_group_root(group)
-    bufs = [torch.empty_like(x) for _ in range(shard.tp_size)] if root else None
-    dist.gather(x, bufs, dst=_group_root(group), group=group)
-    if not root:
-        return None
-    full = torch.cat(bufs, 0)
-    return full.index_select(0, shard.gather_index.to(full.device)).movedim(0, dim)
+def _gather_dim_to_root(x: torch.Tensor, dim: int, shard, group, device=None) -> torch.Tensor | None:
+    """The full tensor (padding stripped, contiguous) on the group's first
+    rank, on `device` (default: x's); None on the others, which send their
+    shard.  The receiving rank holds one buffer of all shards plus the result."""
+    x = x.detach()
+    tp = shard.tp_size if dist.is_initialized() else 1
+    xs = x.movedim(dim, 0)
+    if xs.shape[0] < shard.chunk:
+        xs = torch.cat([xs, xs.new_zeros((shard.chunk - xs.shape[0],) + tuple(xs.shape[1:]))], 0)
+    xs = xs.contiguous()
+    if tp == 1:
+        parts = [xs]
+    else:
+        root = _is_group_root(group)
+        buf = xs.new_empty((shard.chunk * tp,) + tuple(xs.shape[1:])) if root else None
+        parts = list(buf.split(shard.chunk)) if root else None
+        dist.gather(xs, parts, dst=_group_root(group), group=group)
+        if not root:
+            return None
+    shape = list(x.shape)
+    shape[dim] = shard.full
+    out = torch.empty(shape, dtype=x.dtype, device=x.device if device is None else device)
+    for r, part in enumerate(parts):
+        src = part.movedim(0, dim)
+        pos = 0
+        for off, n in shard.all_ranges[r]:
+            out.narrow(dim, off, n).copy_(src.narrow(dim, pos, n))
+            pos += n
+    return out
 
 
 def _owned(t: torch.Tensor, offload_to_cpu: bool) -> torch.Tensor:
@@ -108,11 +120,11 @@ def gather_full_state_dict(model: nn.Module, rank0_only: bool = False,
         if id(t) in info:
             if id(t) not in gathered:
                 dim, shard, group = info[id(t)]
-                if rank0_only:
-                    full = _gather_dim_to_root(t.detach(), dim, shard, group)
+                if rank0_only:                  # a new contiguous tensor already: no copy of it
+                    gathered[id(t)] = _gather_dim_to_root(t, dim, shard, group,
+                                                          device="cpu" if offload_to_cpu else None)
                 else:
-                    full = _gather_dim(t.detach(), dim, shard, group)
-                gathered[id(t)] = None if full is None else _owned(full, offload_to_cpu)
+                    gathered[id(t)] = _owned(_gather_dim(t.detach(), dim, shard, group), offload_to_cpu)
             if keep and gathered[id(t)] is not None:
                 out[name] = gathered[id(t)]
         elif keep:

@@ -73,7 +73,8 @@ from torch import nn
 
 from ..layer.parallel_module import ParallelModule
 from .atomic import _fsync, _make_temp, _put_in_place, recover_directory  # noqa: F401
-from .full import _group_root, _is_group_root, _named_tensors, _shard_info, gather_full_state_dict
+from .full import _gather_dim_to_root as _gather_to_root  # one gather-to-root (tests wrap it here)
+from .full import _group_root, _named_tensors, _shard_info, gather_full_state_dict
 
 __all__ = ["bind_hf_methods", "push_to_hub", "save_pretrained", "recover_directory"]
 
@@ -290,37 +291,6 @@ class _Conversion:
 
 
 # ---------------------------------------------------------------- gather and write
-
-def _gather_to_root(x: torch.Tensor, dim: int, shard, group) -> torch.Tensor | None:
-    """The full tensor (padding stripped, contiguous, on the CPU) on the
-    group's first rank; None on the others, which send their shard.  The
-    receiving rank holds one buffer of all shards plus the result."""
-    x = x.detach()
-    tp = shard.tp_size if dist.is_initialized() else 1
-    xs = x.movedim(dim, 0)
-    if xs.shape[0] < shard.chunk:
-        xs = torch.cat([xs, xs.new_zeros((shard.chunk - xs.shape[0],) + tuple(xs.shape[1:]))], 0)
-    xs = xs.contiguous()
-    if tp == 1:
-        parts = [xs]
-    else:
-        root = _is_group_root(group)
-        buf = xs.new_empty((shard.chunk * tp,) + tuple(xs.shape[1:])) if root else None
-        parts = list(buf.split(shard.chunk)) if root else None
-        dist.gather(xs, parts, dst=_group_root(group), group=group)
-        if not root:
-            return None
-    shape = list(x.shape)
-    shape[dim] = shard.full
-    out = torch.empty(shape, dtype=x.dtype, device="cpu")
-    for r, part in enumerate(parts):
-        src = part.movedim(0, dim)
-        pos = 0
-        for off, n in shard.all_ranges[r]:
-            out.narrow(dim, off, n).copy_(src.narrow(dim, pos, n))
-            pos += n
-    return out
-
 
 def _write_file(tensors: dict[str, torch.Tensor], path: str, safe: bool, metadata: dict) -> None:
     """One output file, fsynced."""
@@ -603,7 +573,7 @@ def save_pretrained(model: nn.Module, save_directory, max_shard_size="2GB", *, p
         if flags.send(stop if root else 0):
             break
         dim, shard, g = entry.split
-        full = _gather_to_root(entry.tensor, dim, shard, g)
+        full = _gather_to_root(entry.tensor, dim, shard, g, device="cpu")
         if session is not None and error is None:
             try:
                 session.take(items[i][0], full)

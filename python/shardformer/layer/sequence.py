@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import distributed as D
-from ..distributed.mappings import gather_from_sequence_region, reduce_scatter_to_sequence_region
+from ..distributed.mappings import _all_gather_seq, gather_from_sequence_region, reduce_scatter_to_sequence_region
 from .parallel_module import ShardPlan, plan_directly
 
 SEQ_DIM = 1
@@ -99,11 +99,7 @@ class _Gather(torch.autograd.Function):
 
 
 def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
-    n = D.world_size(group)
-    x0 = x.movedim(SEQ_DIM, 0).contiguous()
-    out = x0.new_empty((x0.shape[0] * n,) + tuple(x0.shape[1:]))
-    D.all_gather_into_tensor(out, x0, group)
-    return out.movedim(0, SEQ_DIM)
+    return _all_gather_seq(x, SEQ_DIM, group)
 
 
 def split_sequence(x: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
