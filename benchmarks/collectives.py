@@ -5,9 +5,10 @@ For 2 and 4 ranks (one process each, one thread each, joined by gloo over
 loopback TCP), both communicators of the world group taken through
 `shardformer.distributed.get_communicator` (SHARDFORMER_COMM forced to
 "shm", then "torch"), each collective (all_reduce sum, all_gather, reduce_scatter,
-broadcast) and each message size from 1 KiB to 64 MiB of fp32 (the size is the
-full buffer: the all-reduced tensor, the gathered output, the reduce-scatter
-input), both backends run in the same processes, alternately.  A measurement
+broadcast, all_to_all) and each message size from 1 KiB to 64 MiB of fp32 (the
+size is the full buffer: the all-reduced tensor, the gathered output, the
+reduce-scatter input, the all-to-all input), both backends run in the same
+processes, alternately.  A measurement
 is: a barrier, then `iters` back-to-back calls timed with perf_counter; the
 per-call time is the slowest rank's; the median over `reps` measurements is
 reported.  Also timed: the two all-reduce algorithms of shm (one-shot vs
@@ -17,12 +18,15 @@ shared-memory collective moves data against.
 
 Output: a ratio table on stdout and in benchmarks/results/collectives.md,
 everything in benchmarks/results/collectives.json, and a plot
-benchmarks/results/collectives.png when matplotlib is installed.
+benchmarks/results/collectives.png when matplotlib is installed (`--out NAME`
+writes NAME.md / .json / .png instead: for partial runs with `--only` or
+`--sizes-kib`, which would otherwise replace the full run's files).
 
 The ranks are started by shardformer.launch.spawn.  From the repository root,
 in the venv `bash scripts/setup_env.sh` makes:
 
     .venv/bin/python benchmarks/collectives.py [--ranks 2 4] [--max-mib 64] [--reps 5]
+        [--only all_to_all ...] [--sizes-kib 64 4096 ...] [--out NAME]
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
 RUN_TIMEOUT_S = 3600.0  # one rank count, every size: the whole run and the process group's timeout
 
 
@@ -103,13 +107,15 @@ def _worker(rank, args):
         return statistics.median(out)
 
     results = []
-    for nbytes in _sizes(args.max_mib):
+    sizes = [k << 10 for k in args.sizes_kib] if args.sizes_kib else _sizes(args.max_mib)
+    for nbytes in sizes:
         n = nbytes // 4
         iters = _iters(nbytes)
         x = torch.ones(n)
         part = torch.ones(max(n // size, 1))
         full = torch.empty(part.numel() * size)
-        for name in COLLECTIVES:
+        exchanged = torch.empty_like(full)
+        for name in args.only or COLLECTIVES:
             calls = {
                 "all_reduce": (lambda: comm.all_reduce(x),
                                lambda: gloo.all_reduce(x)),
@@ -119,6 +125,8 @@ def _worker(rank, args):
                                    lambda: gloo.reduce_scatter_tensor(part, full)),
                 "broadcast": (lambda: comm.broadcast(x, 0),
                               lambda: gloo.broadcast(x, 0)),
+                "all_to_all": (lambda: comm.all_to_all_single(exchanged, full),
+                               lambda: gloo.all_to_all_single(exchanged, full)),
             }[name]
             t_shm = measure(calls[0], iters)
             t_gloo = measure(calls[1], iters)
@@ -159,8 +167,10 @@ def table(rows: list[dict], memcpy_gbs: float) -> str:
         lines.append(f"| {r['ranks']} | {r['collective']} | {_fmt_bytes(r['bytes'])} | "
                      f"{r['shm_s'] * 1e6:.1f} | {r['gloo_s'] * 1e6:.1f} | "
                      f"{r['gloo_s'] / r['shm_s']:.1f}x | {gbs:.2f} |")
-    lines += ["", f"memcpy bandwidth (one thread, 64 MiB copy_): {memcpy_gbs:.2f} GB/s", "",
-              "all_reduce algorithms (shm): one-shot vs reduce-scatter + all-gather", "",
+    lines += ["", f"memcpy bandwidth (one thread, 64 MiB copy_): {memcpy_gbs:.2f} GB/s"]
+    if not any(r["collective"] == "all_reduce" for r in rows):
+        return "\n".join(lines)
+    lines += ["", "all_reduce algorithms (shm): one-shot vs reduce-scatter + all-gather", "",
               "| ranks | size | one-shot (us) | RS+AG (us) | faster |", "|---|---|---|---|---|"]
     for r in rows:
         if r["collective"] == "all_reduce":
@@ -178,8 +188,10 @@ def plot(rows: list[dict], path: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, axes = plt.subplots(1, len(COLLECTIVES), figsize=(5 * len(COLLECTIVES), 4), sharey=True)
-    for ax, name in zip(axes, COLLECTIVES):
+    names = [c for c in COLLECTIVES if any(r["collective"] == c for r in rows)]
+    fig, axes = plt.subplots(1, len(names), figsize=(5 * len(names), 4), sharey=True, squeeze=False)
+    axes = axes[0]
+    for ax, name in zip(axes, names):
         for size in sorted({r["ranks"] for r in rows}):
             sel = [r for r in rows if r["collective"] == name and r["ranks"] == size]
             xs = [r["bytes"] for r in sel]
@@ -200,6 +212,12 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--max-mib", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--only", nargs="+", choices=COLLECTIVES, default=None,
+                    help="these collectives only (default: all)")
+    ap.add_argument("--sizes-kib", type=int, nargs="+", default=None,
+                    help="these message sizes, in KiB (default: 1 KiB .. --max-mib)")
+    ap.add_argument("--out", default="collectives",
+                    help="name of the result files in benchmarks/results (default: collectives)")
     args = ap.parse_args()
     os.makedirs(RESULTS, exist_ok=True)
     memcpy_gbs = memcpy_bandwidth()
@@ -211,15 +229,15 @@ def main() -> None:
         meta = {"oneshot_max": out["oneshot_max"], "workspace": out["workspace"]}
     md = table(rows, memcpy_gbs)
     print(md)
-    with open(os.path.join(RESULTS, "collectives.md"), "w") as f:
+    with open(os.path.join(RESULTS, f"{args.out}.md"), "w") as f:
         f.write(f"# benchmarks/collectives.py ({platform.processor() or platform.machine()}, "
                 f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})\n\n")
         f.write(md + "\n")
-    with open(os.path.join(RESULTS, "collectives.json"), "w") as f:
+    with open(os.path.join(RESULTS, f"{args.out}.json"), "w") as f:
         json.dump({"memcpy_GBps": memcpy_gbs, "cpu_count": os.cpu_count(), "args": vars(args),
                    **meta, "results": rows}, f, indent=1)
-    if plot(rows, os.path.join(RESULTS, "collectives.png")):
-        print("plot: benchmarks/results/collectives.png")
+    if plot(rows, os.path.join(RESULTS, f"{args.out}.png")):
+        print(f"plot: benchmarks/results/{args.out}.png")
 
 
 if __name__ == "__main__":

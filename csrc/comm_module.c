@@ -244,14 +244,15 @@ static PyObject *py_shm_info(PyObject *self, PyObject *cap)
 /* ---- shm: running a call -------------------------------------------------- */
 
 typedef enum { SHM_ALL_REDUCE, SHM_ALL_GATHER, SHM_REDUCE_SCATTER, SHM_BROADCAST, SHM_SEND,
-               SHM_RECV, SHM_BARRIER } shm_kind;
+               SHM_RECV, SHM_BARRIER, SHM_ALL_TO_ALL } shm_kind;
 
 /* One call's arguments, taken and checked with the GIL held. */
 typedef struct {
     shm_kind kind;
     void *out;        /* written: the in-place tensor, or the output */
-    const void *in;   /* read: all_gather, reduce_scatter, send */
-    size_t count;     /* elements (all_reduce, reduce_scatter: of out) or bytes */
+    const void *in;   /* read: all_gather, reduce_scatter, all_to_all, send */
+    size_t count;     /* elements (all_reduce, reduce_scatter: of out) or bytes
+                         (all_to_all: of one rank's block) */
     sf_red_dtype red_t;
     sf_red_op op;
     sf_ar_algo algo;
@@ -276,6 +277,8 @@ static sf_status shm_dispatch(sf_shm *c, const shm_call *a, sf_error *err)
         return sf_shm_recv(c, a->out, a->count, a->dtype, a->peer, err);
     case SHM_BARRIER:
         return sf_shm_barrier(c, err);
+    case SHM_ALL_TO_ALL:
+        return sf_shm_all_to_all(c, a->out, a->in, a->count, a->dtype, err);
     }
     return sf_fail(err, SF_EINVAL, "shm: unknown call %d", (int)a->kind);
 }
@@ -374,39 +377,6 @@ static PyObject *py_shm_all_reduce(PyObject *self, PyObject *args)
     Py_RETURN_NONE;
 }
 
-static PyObject *py_shm_all_gather(PyObject *self, PyObject *args)
-{
-    (void)self;
-    PyObject *cap, *oo, *io;
-    if (!PyArg_ParseTuple(args, "OOO:shm_all_gather", &cap, &oo, &io))
-        return NULL;
-    shm_box *b = shm_box_of(cap);
-    if (!b)
-        return NULL;
-    int nranks = sf_shm_nranks(b->comm);
-    sf_view out, in;
-    if (take_cpu(NULL, oo, "out", 1, 1, &out))
-        return NULL;
-    if (take_cpu(NULL, io, "tensor", 0, 1, &in)) {
-        sf_view_release(&out);
-        return NULL;
-    }
-    PyObject *res = NULL;
-    sf_error err = {0};
-    size_t bytes = 0;
-    if (!sf_set_pyerr(sf_check_same_dtype(&out, "out", &in, "tensor", &err), &err) &&
-        !check_blocks("shm_all_gather", "out", &out, &in, nranks) &&
-        !sf_set_pyerr(sf_view_nbytes(&in, "tensor", &bytes, &err), &err)) {
-        shm_call a = {.kind = SHM_ALL_GATHER, .out = out.data, .in = in.data, .count = bytes,
-                      .dtype = shm_dtype(&in)};
-        if (!shm_run(cap, &a))
-            res = Py_NewRef(Py_None);
-    }
-    sf_view_release(&in);
-    sf_view_release(&out);
-    return res;
-}
-
 static PyObject *py_shm_reduce_scatter(PyObject *self, PyObject *args)
 {
     (void)self;
@@ -438,6 +408,74 @@ static PyObject *py_shm_reduce_scatter(PyObject *self, PyObject *args)
     sf_view_release(&in);
     sf_view_release(&out);
     return res;
+}
+
+/* out and tensor: the same number of elements, a multiple of nranks; 0 or
+ * -1 with ValueError. */
+static int check_all_to_all(const char *fn, const sf_view *out, const sf_view *in, int nranks)
+{
+    if (out->numel != in->numel) {
+        PyErr_Format(PyExc_ValueError, "%s: out has %lld elements but tensor has %lld; "
+                     "all_to_all needs the same number", fn, (long long)out->numel,
+                     (long long)in->numel);
+        return -1;
+    }
+    if (nranks < 1 || in->numel % nranks) {
+        PyErr_Format(PyExc_ValueError, "%s: tensor has %lld elements, not divisible into %d "
+                     "equal blocks (one per rank)", fn, (long long)in->numel, nranks);
+        return -1;
+    }
+    return 0;
+}
+
+/* all_gather and all_to_all: an output and an input buffer of one dtype.
+ * all_gather: out holds nranks blocks of the input's size, and `count` is the
+ * input's bytes; all_to_all: out and tensor the same size, a multiple of
+ * nranks, and `count` the bytes of one block. */
+static PyObject *out_in_call(PyObject *args, const char *fmt, shm_kind kind)
+{
+    PyObject *cap, *oo, *io;
+    if (!PyArg_ParseTuple(args, fmt, &cap, &oo, &io))
+        return NULL;
+    shm_box *b = shm_box_of(cap);
+    if (!b)
+        return NULL;
+    const char *fn = kind == SHM_ALL_GATHER ? "shm_all_gather" : "shm_all_to_all";
+    int nranks = sf_shm_nranks(b->comm);
+    sf_view out, in;
+    if (take_cpu(NULL, oo, "out", 1, 1, &out))
+        return NULL;
+    if (take_cpu(NULL, io, "tensor", 0, 1, &in)) {
+        sf_view_release(&out);
+        return NULL;
+    }
+    PyObject *res = NULL;
+    sf_error err = {0};
+    size_t bytes = 0;
+    if (!sf_set_pyerr(sf_check_same_dtype(&out, "out", &in, "tensor", &err), &err) &&
+        !(kind == SHM_ALL_GATHER ? check_blocks(fn, "out", &out, &in, nranks)
+                                 : check_all_to_all(fn, &out, &in, nranks)) &&
+        !sf_set_pyerr(sf_view_nbytes(&in, "tensor", &bytes, &err), &err)) {
+        size_t count = kind == SHM_ALL_GATHER ? bytes : bytes / (size_t)nranks;
+        shm_call a = {.kind = kind, .out = out.data, .in = in.data, .count = count, .dtype = shm_dtype(&in)};
+        if (!shm_run(cap, &a))
+            res = Py_NewRef(Py_None);
+    }
+    sf_view_release(&in);
+    sf_view_release(&out);
+    return res;
+}
+
+static PyObject *py_shm_all_gather(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return out_in_call(args, "OOO:shm_all_gather", SHM_ALL_GATHER);
+}
+
+static PyObject *py_shm_all_to_all(PyObject *self, PyObject *args)
+{
+    (void)self;
+    return out_in_call(args, "OOO:shm_all_to_all", SHM_ALL_TO_ALL);
 }
 
 /* broadcast, send and recv move the bytes of one tensor, with one rank
@@ -738,21 +776,43 @@ static int nccl_op(const char *fn, const char *op, int *out)
  * bad dtype is refused whether or not NCCL is there), the communicator, the
  * op or peer, and the stream (a cudaStream_t as an integer). */
 typedef enum { NC_ALL_REDUCE, NC_ALL_GATHER, NC_REDUCE_SCATTER, NC_BROADCAST, NC_SEND,
-               NC_RECV } nccl_kind;
+               NC_RECV, NC_ALL_TO_ALL } nccl_kind;
+
+/* The grouped ncclSend / ncclRecv of an all_to_all run concurrently: a recv
+ * into block r may land before the send of block r has read it, so out and
+ * tensor must not share a byte (in place included, unlike shm).  0, or -1
+ * with ValueError. */
+static int nccl_all_to_all_overlap(const char *fn, const sf_view *out, const sf_view *in)
+{
+    sf_error err = {0};
+    size_t ob = 0, ib = 0;
+    if (sf_set_pyerr(sf_view_nbytes(out, "out", &ob, &err), &err) ||
+        sf_set_pyerr(sf_view_nbytes(in, "tensor", &ib, &err), &err))
+        return -1;
+    if (!ob || !ib)
+        return 0;
+    uintptr_t o = (uintptr_t)out->data, i = (uintptr_t)in->data;
+    if (o - i < ib || i - o < ob) { /* unsigned: one starts inside the other */
+        PyErr_Format(PyExc_ValueError, "%s: out overlaps tensor in memory; NCCL's all_to_all "
+                     "cannot run in place", fn);
+        return -1;
+    }
+    return 0;
+}
 
 static PyObject *nccl_collective(nccl_kind kind, const char *fn, PyObject *cap, PyObject *out_obj,
                                  PyObject *in_obj, const char *op_name, int peer,
                                  unsigned long long stream)
 {
-    /* out: written (all_gather, reduce_scatter: the result; all_reduce,
-     * broadcast, recv: the tensor itself); in: read (all_gather,
-     * reduce_scatter, send). */
+    /* out: written (all_gather, reduce_scatter, all_to_all: the result;
+     * all_reduce, broadcast, recv: the tensor itself); in: read (all_gather,
+     * reduce_scatter, all_to_all, send). */
     sf_view out = {0}, in = {0};
     int have_out = out_obj != NULL, have_in = in_obj != NULL;
     PyObject *res = NULL;
     int op = SF_NCCL_SUM;
-    if (have_out && sf_take(fn, out_obj, kind == NC_ALL_GATHER || kind == NC_REDUCE_SCATTER
-                            ? "out" : "tensor", NCCL_DTYPES,
+    if (have_out && sf_take(fn, out_obj, kind == NC_ALL_GATHER || kind == NC_REDUCE_SCATTER ||
+                            kind == NC_ALL_TO_ALL ? "out" : "tensor", NCCL_DTYPES,
                             SF_TAKE_CUDA | SF_TAKE_CONTIGUOUS | SF_TAKE_WRITE, &out) < 0)
         return NULL;
     if (have_in && sf_take(fn, in_obj, "tensor", NCCL_DTYPES, SF_TAKE_CUDA | SF_TAKE_CONTIGUOUS,
@@ -767,6 +827,8 @@ static PyObject *nccl_collective(nccl_kind kind, const char *fn, PyObject *cap, 
                          fn, (int)out.device.device_id, (int)in.device.device_id);
             goto done;
         }
+        if (kind == NC_ALL_TO_ALL && nccl_all_to_all_overlap(fn, &out, &in))
+            goto done;
     }
     if (op_name && nccl_op(fn, op_name, &op))
         goto done;
@@ -777,6 +839,8 @@ static PyObject *nccl_collective(nccl_kind kind, const char *fn, PyObject *cap, 
         goto done;
     if (kind == NC_REDUCE_SCATTER && check_blocks(fn, "tensor", &in, &out, b->nranks))
         goto done;
+    if (kind == NC_ALL_TO_ALL && check_all_to_all(fn, &out, &in, b->nranks))
+        goto done;
     if ((kind == NC_BROADCAST || kind == NC_SEND || kind == NC_RECV) &&
         (peer < 0 || peer >= b->nranks)) {
         PyErr_Format(PyExc_ValueError, "%s: %s rank %d not in [0, %d)", fn,
@@ -785,6 +849,7 @@ static PyObject *nccl_collective(nccl_kind kind, const char *fn, PyObject *cap, 
     }
     const int dtype = nccl_dtype(have_out ? &out : &in);
     const uintptr_t st = (uintptr_t)stream;
+    const int nranks = b->nranks;
     void *comm = b->comm;
     sf_error err = {0};
     sf_status rc = SF_OK;
@@ -808,6 +873,10 @@ static PyObject *nccl_collective(nccl_kind kind, const char *fn, PyObject *cap, 
         break;
     case NC_RECV:
         rc = sf_nccl_recv(comm, out.data, (size_t)out.numel, dtype, peer, st, &err);
+        break;
+    case NC_ALL_TO_ALL:
+        rc = sf_nccl_all_to_all(comm, in.data, out.data, (size_t)(in.numel / nranks), dtype,
+                                nranks, st, &err);
         break;
     }
     Py_END_ALLOW_THREADS
@@ -884,6 +953,16 @@ static PyObject *py_nccl_recv(PyObject *self, PyObject *args)
     return nccl_collective(NC_RECV, "nccl_recv", cap, t, NULL, NULL, peer, stream);
 }
 
+static PyObject *py_nccl_all_to_all(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *cap, *out, *t;
+    unsigned long long stream = 0;
+    if (!PyArg_ParseTuple(args, "OOO|K:nccl_all_to_all", &cap, &out, &t, &stream))
+        return NULL;
+    return nccl_collective(NC_ALL_TO_ALL, "nccl_all_to_all", cap, out, t, NULL, 0, stream);
+}
+
 static PyMethodDef comm_methods[] = {
     {"shm_create", py_shm_create, METH_VARARGS,
      "shm_create(name, nranks, workspace, p2p, nonce) -> comm: rank 0 makes the segment."},
@@ -900,6 +979,9 @@ static PyMethodDef comm_methods[] = {
      "shm_all_gather(comm, out, t): out = concat over ranks of t."},
     {"shm_reduce_scatter", py_shm_reduce_scatter, METH_VARARGS,
      "shm_reduce_scatter(comm, out, t, op='sum'): out = own block of the reduced t."},
+    {"shm_all_to_all", py_shm_all_to_all, METH_VARARGS,
+     "shm_all_to_all(comm, out, t): block i of out = block rank of t on rank i "
+     "(t, out: nranks equal blocks)."},
     {"shm_broadcast", py_shm_broadcast, METH_VARARGS, "shm_broadcast(comm, t, root)"},
     {"shm_send", py_shm_send, METH_VARARGS, "shm_send(comm, t, dst)"},
     {"shm_recv", py_shm_recv, METH_VARARGS, "shm_recv(comm, t, src)"},
@@ -926,6 +1008,8 @@ static PyMethodDef comm_methods[] = {
      "nccl_reduce_scatter(comm, out, t, op='sum', stream=0): out = own block of the reduced t."},
     {"nccl_broadcast", py_nccl_broadcast, METH_VARARGS,
      "nccl_broadcast(comm, t, root, stream=0)"},
+    {"nccl_all_to_all", py_nccl_all_to_all, METH_VARARGS,
+     "nccl_all_to_all(comm, out, t, stream=0): block i of out = block rank of t on rank i."},
     {"nccl_send", py_nccl_send, METH_VARARGS, "nccl_send(comm, t, peer, stream=0)"},
     {"nccl_recv", py_nccl_recv, METH_VARARGS, "nccl_recv(comm, t, peer, stream=0)"},
     {NULL, NULL, 0, NULL},

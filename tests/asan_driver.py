@@ -43,7 +43,7 @@ if SO != "-":
 else:
     _C = C_in_package
 
-from test_c_core import FakeTensor, layout_cases  # noqa: E402
+from test_c_core import FakeTensor, copy_of, layout_cases  # noqa: E402
 from shardformer.layout import PerRank  # noqa: E402
 
 INT64_MAX = 2**63 - 1
@@ -468,7 +468,13 @@ NCCL_CALLS = [
     (_C.nccl_broadcast, lambda t: (None, t, 0, 0)),
     (_C.nccl_send, lambda t: (None, t, 1, 0)),
     (_C.nccl_recv, lambda t: (None, t, 1, 0)),
+    (_C.nccl_all_to_all, lambda t: (None, t, copy_of(t), 0)),
 ]
+
+
+A2A_BUF = np.zeros(16, np.float32)
+A2A_CUDA_LO = FakeTensor(A2A_BUF[:8], device_type=2)
+A2A_CUDA_HI = FakeTensor(A2A_BUF[4:12], device_type=2)
 
 
 def scenario_status(i):
@@ -480,6 +486,9 @@ def scenario_status(i):
         expect(TypeError, fn, *args(F32_CUDA), match="expected an NCCL communicator")
         expect(TypeError, fn, *args([1, 2]), match="__dlpack__")
     expect(TypeError, _C.nccl_all_gather, None, F32_CUDA_12, I64_CUDA, 0, match="dtype")
+    expect(TypeError, _C.nccl_all_to_all, None, F32_CUDA_12, I64_CUDA, 0, match="dtype")
+    expect(ValueError, _C.nccl_all_to_all, None, F32_CUDA_12, F32_CUDA_12, 0, match="overlaps")
+    expect(ValueError, _C.nccl_all_to_all, None, A2A_CUDA_HI, A2A_CUDA_LO, 0, match="overlaps")
     expect(ValueError, _C.nccl_all_reduce, None, F32_CUDA, "avg", 0, match="'avg'")
     expect(TypeError, _C.nccl_comm_destroy, None)
     # kernels say why, naming the argument and the numbers
@@ -588,9 +597,109 @@ def scenario_faults(i):
            torch.empty(4), torch.empty(4), torch.empty(4), None, 10, match="label 10 (row 2)")
 
 
+# --- shm all_to_all: ranks are threads over one segment -----------------------------
+
+_SHM_GROUPS = {}
+
+
+def shm_group(nranks, workspace):
+    """Communicators of ranks 0..nranks-1 over one segment, made once per shape."""
+    key = (nranks, workspace)
+    if key not in _SHM_GROUPS:
+        import secrets
+
+        name = f"/shardformer-{os.getpid()}-asan-{secrets.token_hex(6)}"
+        comms = [_C.shm_create(name, nranks, workspace, 256, 7)]
+        try:
+            comms += [_C.shm_attach(name, nranks, r, 7) for r in range(1, nranks)]
+        finally:
+            _C.shm_unlink(name)
+        for c in comms:
+            _C.shm_configure(c, f"asan group of {nranks}", 10.0, 1 << 20)
+        _SHM_GROUPS[key] = comms
+    return _SHM_GROUPS[key]
+
+
+def on_threads(fns):
+    import threading
+
+    out = [None] * len(fns)
+
+    def run(r):
+        try:
+            out[r] = ("ok", fns[r]())
+        except Exception as e:  # noqa: BLE001 - compared by the caller
+            out[r] = (type(e).__name__, str(e))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(fns))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30.0)
+    return out
+
+
+def _a2a_in(rank, nranks, n, dtype):
+    return torch.arange(nranks * n, dtype=torch.float64).add(1000 * rank).to(dtype)
+
+
+def scenario_shm_all_to_all(i):
+    """shm_all_to_all through the CPython entry point: values over one and
+    several rounds of a small workspace, in place, zero bytes, partial
+    overlaps and bad arguments refused, mismatched calls on every rank."""
+    nranks, workspace = ((2, 4096), (3, 256), (4, 256))[i % 3]
+    comms = shm_group(nranks, workspace)
+    dtype = (torch.float32, torch.bfloat16, torch.uint8, torch.int64)[i % 4]
+    n = (0, 1, 7, 100, 1001)[i % 5]
+
+    def rank(r):
+        t = _a2a_in(r, nranks, n, dtype)
+        want = torch.cat([_a2a_in(q, nranks, n, dtype)[r * n:(r + 1) * n] for q in range(nranks)])
+        out = torch.full_like(t, 7)
+        _C.shm_all_to_all(comms[r], out, t)
+        assert torch.equal(out, want) and torch.equal(t, _a2a_in(r, nranks, n, dtype))
+        _C.shm_all_to_all(comms[r], t, t)  # in place
+        assert torch.equal(t, want)
+        return True
+
+    assert on_threads([lambda r=r: rank(r) for r in range(nranks)]) == [("ok", True)] * nranks
+    # refused on one rank before it meets the others
+    c = comms[0]
+    buf = torch.zeros(8 * nranks + 4)
+    expect(ValueError, _C.shm_all_to_all, c, buf[1:1 + 4 * nranks], buf[:4 * nranks],
+           match="input and output overlap")
+    expect(ValueError, _C.shm_all_to_all, c, buf[:4 * nranks], buf[3:3 + 4 * nranks],
+           match="input and output overlap")
+    expect(ValueError, _C.shm_all_to_all, c, torch.zeros(nranks + 1), torch.zeros(nranks + 1),
+           match="not divisible")
+    expect(ValueError, _C.shm_all_to_all, c, torch.zeros(nranks), torch.zeros(2 * nranks),
+           match="the same number")
+    expect(TypeError, _C.shm_all_to_all, c, torch.zeros(nranks, dtype=torch.int32),
+           torch.zeros(nranks), match="dtype")
+    expect(ValueError, _C.shm_all_to_all, c, torch.zeros(2 * nranks)[::2], torch.zeros(nranks),
+           match="contiguous")
+    expect(TypeError, _C.shm_all_to_all, None, torch.zeros(nranks), torch.zeros(nranks),
+           match="shm communicator")
+    expect(TypeError, _C.shm_all_to_all, c, [1.0] * nranks, torch.zeros(nranks), match="__dlpack__")
+    expect(TypeError, _C.shm_all_to_all, c, torch.zeros(nranks))
+    # mismatched calls: another size, or another collective, on the last rank
+    sizes = [4] * (nranks - 1) + [8 if i % 2 else 4]
+
+    def mismatched(r):
+        x = torch.zeros(nranks * sizes[r], dtype=torch.uint8)
+        if i % 2 == 0 and r == nranks - 1:
+            return _C.shm_all_gather(comms[r], torch.empty(nranks * 4 * nranks, dtype=torch.uint8),
+                                     torch.zeros(4 * nranks, dtype=torch.uint8))
+        return _C.shm_all_to_all(comms[r], torch.empty_like(x), x)
+
+    got = on_threads([lambda r=r: mismatched(r) for r in range(nranks)])
+    assert all(k == "RuntimeError" and "collective mismatch" in m for k, m in got), got
+
+
 SCENARIOS = [scenario_layout_math, scenario_copy_place_torch, scenario_copy_place_numpy,
              scenario_copy_errors, scenario_gather_index, scenario_tensor_info,
-             scenario_sharder, scenario_attention, scenario_status, scenario_faults]
+             scenario_sharder, scenario_attention, scenario_status, scenario_faults,
+             scenario_shm_all_to_all]
 
 if MODE == "asan":
     for scenario in SCENARIOS:
@@ -668,7 +777,28 @@ elif MODE == "leaks":
     ALIASED = torch.arange(8.0)
     EMB_W, EMB_OUT = torch.randn(10, 4), torch.empty(2, 4)
     OOB_IDS, OOB_LABELS = torch.tensor([1, 10]), torch.tensor([1, -100, 10, 0, 2, 3])
+    A2A_COMM = shm_group(1, 4096)[0]
+    A2A_T, A2A_OUT, A2A_BIG = torch.arange(12.0), torch.empty(12), torch.arange(3000.0)
+    A2A_BIG_OUT, A2A_SHORT = torch.empty(3000), torch.empty(6)
+    A2A_ROBUF = torch.zeros(20)
+    A2A_COPY = copy_of(F32_CUDA_12)
     cases = {
+        "shm_all_to_all": lambda: _C.shm_all_to_all(A2A_COMM, A2A_OUT, A2A_T),
+        "shm_all_to_all/in_place": lambda: _C.shm_all_to_all(A2A_COMM, A2A_T, A2A_T),
+        "shm_all_to_all/rounds": lambda: _C.shm_all_to_all(A2A_COMM, A2A_BIG_OUT, A2A_BIG),
+        "shm_all_to_all/overlap": lambda: expect(ValueError, _C.shm_all_to_all, A2A_COMM,
+                                                 A2A_ROBUF[2:14], A2A_ROBUF[:12]),
+        "shm_all_to_all/numel": lambda: expect(ValueError, _C.shm_all_to_all, A2A_COMM,
+                                               A2A_SHORT, A2A_T),
+        "shm_all_to_all/dtype": lambda: expect(TypeError, _C.shm_all_to_all, A2A_COMM, XO16,
+                                               A2A_SHORT),
+        "shm_all_to_all/comm": lambda: expect(TypeError, _C.shm_all_to_all, None, A2A_OUT, A2A_T),
+        "nccl/all_to_all_overlap": lambda: expect(ValueError, _C.nccl_all_to_all, None,
+                                                  A2A_CUDA_HI, A2A_CUDA_LO, 0),
+        "nccl/all_to_all_comm": lambda: expect(TypeError, _C.nccl_all_to_all, None, F32_CUDA_12,
+                                               A2A_COPY, 0),
+        "nccl/all_to_all_pair": lambda: expect(TypeError, _C.nccl_all_to_all, None, F32_CUDA_12,
+                                               I64_CUDA, 0),
         "faults/norm_backward_empty_huge": lambda: _C.norm_backward(
             True, EMPTY_HUGE, EMPTY_HUGE, None, None, EMPTY0, EMPTY_HUGE, None, None),
         "faults/gelu_rows_of_nothing": lambda: _C.bias_gelu_forward(

@@ -124,6 +124,24 @@ def reduce_scatter(C, comm, n, nranks=2):
     return out[:4].tolist()
 
 
+def all_to_all(C, comm, nbytes, nranks=2, rank=0):
+    """nbytes per block; block q of rank r's input is bytes r + 1."""
+    out = np.empty(nranks * nbytes, dtype=np.uint8)
+    C.shm_all_to_all(comm, out, np.full(nranks * nbytes, rank + 1, dtype=np.uint8))
+    return out[:4].tolist()
+
+
+def a2a_input(rank, nranks, n, dtype="float32"):
+    """Rank r's all_to_all input: element k of block q is 1000 * r + q * n + k
+    (as dtype), so every received element names its sender and place."""
+    return (np.arange(nranks * n) + 1000 * rank).astype(dtype)
+
+
+def a2a_expected(rank, nranks, n, dtype="float32"):
+    return np.concatenate([a2a_input(q, nranks, n, dtype)[rank * n:(rank + 1) * n]
+                           for q in range(nranks)]) if n else np.empty(0, dtype)
+
+
 def broadcast(C, comm, n, root):
     x = np.full(n, 7, dtype=np.float32)
     C.shm_broadcast(comm, x, root)
@@ -140,8 +158,11 @@ def correct_calls(C, comm, rank, nranks):
     tri = nranks * (nranks + 1) // 2
     gathered = np.empty(nranks * 700, dtype=np.float32)
     C.shm_all_gather(comm, gathered, np.full(700, rank, dtype=np.float32))
+    swapped = np.empty(nranks * 750, dtype=np.float32)  # blocks of 3000 bytes: several rounds
+    C.shm_all_to_all(comm, swapped, a2a_input(rank, nranks, 750))
     return (small.tolist() == [float(tri)] * 4
             and bool(np.array_equal(big, np.arange(3000, dtype=np.float32) * tri))
+            and bool(np.array_equal(swapped, a2a_expected(rank, nranks, 750)))
             and gathered.reshape(nranks, 700)[:, 0].tolist() == [float(q) for q in range(nranks)])
 
 
@@ -160,6 +181,17 @@ MISMATCH_CASES = {
                        lambda C, c, r: all_reduce(C, c, 8)],
     "three_ranks": [lambda C, c, r: all_reduce(C, c, 4), lambda C, c, r: all_reduce(C, c, 4),
                     lambda C, c, r: all_reduce(C, c, 8)],
+    "all_to_all_kind": [lambda C, c, r: all_to_all(C, c, 16, rank=r),
+                        lambda C, c, r: all_gather(C, c, 32)],
+    "all_to_all_count": [lambda C, c, r: all_to_all(C, c, 16, rank=r),
+                         lambda C, c, r: all_to_all(C, c, 32, rank=r)],
+    "all_to_all_chunks": [lambda C, c, r: all_to_all(C, c, 3000, rank=r),
+                          lambda C, c, r: all_to_all(C, c, 100, rank=r)],
+    "all_to_all_zero": [lambda C, c, r: all_to_all(C, c, 0, rank=r),
+                        lambda C, c, r: all_to_all(C, c, 4, rank=r)],
+    "all_to_all_three": [lambda C, c, r: all_to_all(C, c, 8, 3, r),
+                         lambda C, c, r: all_to_all(C, c, 8, 3, r),
+                         lambda C, c, r: all_reduce(C, c, 6)],
 }
 
 
@@ -188,7 +220,8 @@ def scenario_mismatch(C, arg=None):
     # Matching calls with nothing to move still meet and succeed.
     comms, _ = make_group(C, 2)
     calls = on_ranks([lambda r=r: (all_reduce(C, comms[r], 0), all_gather(C, comms[r], 0),
-                                   broadcast(C, comms[r], 0, 1)) for r in range(2)])
+                                   broadcast(C, comms[r], 0, 1), all_to_all(C, comms[r], 0, rank=r))
+                      for r in range(2)])
     res["empty"] = {"calls": calls}
     for comm in comms:
         C.shm_close(comm)
@@ -238,7 +271,14 @@ def scenario_p2p_mismatch(C, arg=None):
 def scenario_timeout_abort(C, arg=None):
     """3 ranks; rank 1 never arrives.  Rank 0 (timeout 1 s) times out; rank 2
     (timeout 30 s) must fail as soon as rank 0 has; a later call of rank 1
-    must fail at once."""
+    must fail at once.  arg "all_to_all": ranks 0 and 2 call all_to_all
+    (blocks of 3000 bytes, several rounds) instead of all_reduce."""
+    if arg == "all_to_all":
+        def call(r):
+            return all_to_all(C, comms[r], 3000, 3, r)
+    else:
+        def call(r):
+            return all_reduce(C, comms[r], 4)
     comms, _ = make_group(C, 3)
     C.shm_configure(comms[0], label(3), 1.0, 1 << 20)
     C.shm_configure(comms[2], label(3), 30.0, 1 << 20)
@@ -247,13 +287,13 @@ def scenario_timeout_abort(C, arg=None):
 
     def timed(r):
         try:
-            return all_reduce(C, comms[r], 4)
+            return call(r)
         finally:
             stamps[r] = time.monotonic() - t0
 
     calls = on_ranks([lambda: timed(0), lambda: None, lambda: timed(2)], join_s=10.0)
     t1 = time.monotonic()
-    late = outcome(lambda: all_reduce(C, comms[1], 4))
+    late = outcome(lambda: call(1))
     res = {"calls": calls, "elapsed": stamps, "late": late, "late_s": time.monotonic() - t1}
     for comm in comms:
         C.shm_close(comm)
@@ -382,7 +422,7 @@ def scenario_single_rank(C, arg=None):
     c = comms[0]
     got = outcome(lambda: (all_reduce(C, c, 5, fill=3), all_gather(C, c, 5, 1),
                            reduce_scatter(C, c, 4, 1), broadcast(C, c, 3, 0),
-                           C.shm_barrier(c)))
+                           C.shm_barrier(c), all_to_all(C, c, 5, 1)))
     C.shm_close(c)
     return {"got": got}
 
@@ -397,6 +437,7 @@ def scenario_interrupt_rank0(C, handler):
     """Child side: create the segment, print its name, wait for the parent
     to attach, then block in an all_reduce (timeout 60 s) that rank 1 never
     joins, until a signal interrupts it.  Prints what came out and when."""
+    handler, _, call = handler.partition(":")
     if handler == "custom":
         def raise_custom(signum, frame):
             raise CustomInterrupt("raised by the SIGINT handler")
@@ -416,7 +457,11 @@ def scenario_interrupt_rank0(C, handler):
     print(json.dumps({"blocking": True}), flush=True)
     t0 = time.monotonic()
     try:
-        C.shm_all_reduce(comm, x)
+        if call == "all_to_all":
+            C.shm_all_to_all(comm, np.empty(2000, dtype=np.float32),
+                             np.ones(2000, dtype=np.float32))
+        else:
+            C.shm_all_reduce(comm, x)
         got = ("ok", "")
     except BaseException as e:  # noqa: BLE001
         got = (type(e).__name__, str(e))
@@ -460,8 +505,72 @@ def scenario_interrupt(C, handler="default", so="-"):
             child.wait()
 
 
+def scenario_all_to_all(C, arg=None):
+    """shm_all_to_all on its own: values on 2 and 3 ranks (one round, several
+    rounds of a 4 KiB and of a 256-byte workspace, blocks that are not whole
+    lines, every dtype size), in place (out is tensor), nothing to move; a
+    partial overlap and bad arguments refused on one rank before it meets
+    the others, the group going on after."""
+    res = {}
+    for nranks, workspace in ((2, 4096), (3, 4096), (2, 256), (3, 256), (4, 256)):
+        comms, _ = make_group(C, nranks, workspace=workspace)
+        cases = [(n, dt) for n in (0, 1, 7, 16, 750, 1001) for dt in ("uint8", "float16",
+                                                                      "float32", "int64")]
+
+        def values(r, comms=comms, nranks=nranks, cases=cases):
+            bad = []
+            for n, dt in cases:
+                t = a2a_input(r, nranks, n, dt)
+                out = np.full_like(t, 99)
+                C.shm_all_to_all(comms[r], out, t)
+                ok = np.array_equal(out, a2a_expected(r, nranks, n, dt))
+                ok = ok and np.array_equal(t, a2a_input(r, nranks, n, dt))  # input untouched
+                C.shm_all_to_all(comms[r], t, t)  # in place
+                if not (ok and np.array_equal(t, a2a_expected(r, nranks, n, dt))):
+                    bad.append([n, dt])
+            return bad
+
+        res[f"values_{nranks}_{workspace}"] = on_ranks([lambda r=r: values(r)
+                                                        for r in range(nranks)], join_s=60.0)
+        for comm in comms:
+            C.shm_close(comm)
+    comms, _ = make_group(C, 2)
+    c = comms[0]
+    buf = np.zeros(64, dtype=np.float32)
+    x8, ro = np.zeros(8, dtype=np.float32), np.zeros(8, dtype=np.float32)
+    ro.flags.writeable = False
+    refused = {
+        "overlap_out_above": lambda: C.shm_all_to_all(c, buf[2:10], buf[:8]),
+        "overlap_out_below": lambda: C.shm_all_to_all(c, buf[:8], buf[7:15]),
+        "numel": lambda: C.shm_all_to_all(c, np.zeros(6, np.float32), x8),
+        "indivisible": lambda: C.shm_all_to_all(c, np.zeros(7, np.float32),
+                                                np.zeros(7, np.float32)),
+        "dtype": lambda: C.shm_all_to_all(c, np.zeros(8, np.int32), x8),
+        "read_only": lambda: C.shm_all_to_all(c, ro, x8),
+        "strided_out": lambda: C.shm_all_to_all(c, buf[::2][:8], x8),
+        "not_a_tensor": lambda: C.shm_all_to_all(c, [1.0] * 8, x8),
+        "not_a_comm": lambda: C.shm_all_to_all(object(), np.zeros(8, np.float32), x8),
+        "args": lambda: C.shm_all_to_all(c, x8),
+    }
+    res["refused"] = {case: outcome(fn) for case, fn in refused.items()}
+    # touching is not overlapping: out starts where tensor ends
+    buf[32:40] = a2a_input(0, 2, 4)
+    out1 = np.empty(8, dtype=np.float32)
+    res["adjacent"] = on_ranks([
+        lambda: (C.shm_all_to_all(comms[0], buf[40:48], buf[32:40]),
+                 bool(np.array_equal(buf[40:48], a2a_expected(0, 2, 4))))[1],
+        lambda: (C.shm_all_to_all(comms[1], out1, a2a_input(1, 2, 4)),
+                 bool(np.array_equal(out1, a2a_expected(1, 2, 4))))[1]])
+    res["after"] = on_ranks([lambda r=r: correct_calls(C, comms[r], r, 2) for r in range(2)])
+    C.shm_close(comms[1])
+    C.shm_close(comms[0])
+    res["closed"] = outcome(lambda: C.shm_all_to_all(c, np.zeros(8, np.float32), x8))
+    return res
+
+
 SCENARIOS = {
     "mismatch": scenario_mismatch,
+    "all_to_all": scenario_all_to_all,
     "p2p_mismatch": scenario_p2p_mismatch,
     "timeout_abort": scenario_timeout_abort,
     "close_in_flight": scenario_close_in_flight,

@@ -1261,6 +1261,18 @@ def test_status_exception_types():
     # (else: NCCL was already loaded in this process, and load is idempotent)
 
 
+def copy_of(t):
+    """A tensor like t over memory of its own (all_to_all refuses out
+    overlapping tensor): the same kind of object, fakes on CUDA."""
+    if isinstance(t, FakeTensor):
+        return FakeTensor(t.array.copy(), device_type=2)
+    if isinstance(t, torch.Tensor):
+        return t.clone()
+    if isinstance(t, np.ndarray):
+        return t.copy()
+    return list(t)
+
+
 NCCL_ENTRY_POINTS = [
     ("nccl_all_reduce", lambda t: (None, t, "sum", 0)),
     ("nccl_all_gather", lambda t: (None, t, t, 0)),
@@ -1268,6 +1280,7 @@ NCCL_ENTRY_POINTS = [
     ("nccl_broadcast", lambda t: (None, t, 0, 0)),
     ("nccl_send", lambda t: (None, t, 1, 0)),
     ("nccl_recv", lambda t: (None, t, 1, 0)),
+    ("nccl_all_to_all", lambda t: (None, t, copy_of(t), 0)),
 ]
 
 
@@ -1312,6 +1325,24 @@ def test_nccl_pairs_and_ops_checked_in_c():
         _C.nccl_reduce_scatter(None, f32, other_gpu, "sum", 0)
     with pytest.raises(ValueError, match="reduction op 'avg'"):
         _C.nccl_all_reduce(None, f32, "avg", 0)
+    # all_to_all: the pair checks, and no shared byte between out and tensor
+    # (grouped send / recv race), all before the communicator is looked at
+    with pytest.raises(TypeError, match="out has dtype float32 but tensor has dtype int64"):
+        _C.nccl_all_to_all(None, f32, i64, 0)
+    with pytest.raises(ValueError, match="out is on CUDA device 0 but tensor on device 1"):
+        _C.nccl_all_to_all(None, FakeTensor(np.zeros(6, np.float32), device_type=2), other_gpu, 0)
+    with pytest.raises(ValueError, match=r"^nccl_all_to_all: out overlaps tensor in memory"):
+        _C.nccl_all_to_all(None, f32, f32, 0)
+    buf = np.zeros(12, np.float32)
+    with pytest.raises(ValueError, match=r"^nccl_all_to_all: out overlaps tensor in memory"):
+        _C.nccl_all_to_all(None, FakeTensor(buf[2:8], device_type=2),
+                           FakeTensor(buf[:6], device_type=2), 0)
+    with pytest.raises(TypeError, match=r"^nccl_all_to_all: expected an NCCL communicator"):
+        _C.nccl_all_to_all(None, FakeTensor(buf[6:], device_type=2),
+                           FakeTensor(buf[:6], device_type=2), 0)
+    with pytest.raises(TypeError, match=r"^nccl_all_to_all: expected an NCCL communicator"):
+        _C.nccl_all_to_all(None, FakeTensor(np.zeros(0, np.float32), device_type=2),
+                           FakeTensor(np.zeros(0, np.float32), device_type=2), 0)
     with pytest.raises(TypeError, match="expected an NCCL communicator"):
         _C.nccl_comm_destroy(object())
     with pytest.raises(ValueError, match="unique id has 3 bytes"):
@@ -1330,7 +1361,8 @@ def test_nccl_communicator_methods_refuse_cpu_tensors():
                  lambda: comm.all_gather(torch.empty(8), t),
                  lambda: comm.reduce_scatter(torch.empty(2), t),
                  lambda: comm.broadcast(t, 0), lambda: comm.send(t, 1),
-                 lambda: comm.recv(torch.empty(4), 1)):
+                 lambda: comm.recv(torch.empty(4), 1),
+                 lambda: comm.all_to_all(torch.empty(4), t)):
         with pytest.raises(ValueError, match="expected a CUDA tensor, got a CPU tensor"):
             call()
     comm._comm = None

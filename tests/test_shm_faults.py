@@ -50,6 +50,16 @@ MISMATCH_MESSAGES = {
                       "rank 1 called all_reduce(sum, 32 bytes, float32, one-shot)",
     "three_ranks": "rank 0 called all_reduce(sum, 16 bytes, float32, one-shot), "
                    "rank 2 called all_reduce(sum, 32 bytes, float32, one-shot)",
+    "all_to_all_kind": "rank 0 called all_to_all(32 bytes, uint8), "
+                       "rank 1 called all_gather(32 bytes, uint8)",
+    "all_to_all_count": "rank 0 called all_to_all(32 bytes, uint8), "
+                        "rank 1 called all_to_all(64 bytes, uint8)",
+    "all_to_all_chunks": "rank 0 called all_to_all(6000 bytes, uint8), "
+                         "rank 1 called all_to_all(200 bytes, uint8)",
+    "all_to_all_zero": "rank 0 called all_to_all(0 bytes, uint8), "
+                       "rank 1 called all_to_all(8 bytes, uint8)",
+    "all_to_all_three": "rank 0 called all_to_all(24 bytes, uint8), "
+                        "rank 2 called all_reduce(sum, 24 bytes, float32, one-shot)",
     # different SHARDFORMER_SHM_ONESHOT_MAX per rank
     "algo": "rank 0 called all_reduce(sum, 256 bytes, float32, one-shot), rank 1 called "
             "all_reduce(sum, 256 bytes, float32, reduce-scatter + all-gather)",
@@ -68,14 +78,15 @@ def check_mismatch(res):
         assert after == [["ok", True]] * nranks, (case, after)
     # Matching calls that move nothing meet and succeed; a group of one
     # returns at once with its input.
-    assert res["empty"]["calls"] == [["ok", [[], [], []]]] * 2
+    assert res["empty"]["calls"] == [["ok", [[], [], [], []]]] * 2
     single = res["single"]["got"]
-    assert single == ["ok", [[3.0] * 4, [1] * 4, [1.0] * 4, [7.0] * 3, None]], single
+    assert single == ["ok", [[3.0] * 4, [1] * 4, [1.0] * 4, [7.0] * 3, None, [1] * 4]], single
 
 
 def test_mismatched_collectives_raise_on_every_rank_and_the_group_goes_on():
     """Different counts, dtypes, ops, calls, roots, algorithms, 0 against 4
-    elements, one chunk against several: every rank raises RuntimeError with
+    elements, one chunk against several, all_to_all against all_gather,
+    another all_to_all (size, rounds, 0 bytes) or all_reduce: every rank raises RuntimeError with
     the same message naming both sides, and the next (correct) calls on the
     same communicators -- a small and a chunked all_reduce, an all_gather --
     return the right values on every rank."""
@@ -110,11 +121,12 @@ def test_mismatched_send_recv_raise_on_the_receiver_and_the_pair_goes_on():
 
 # ---- aborts: a failure on one rank reaches the others ------------------------------
 
-def check_timeout_abort(res):
+def check_timeout_abort(res, call="all_reduce"):
     (k0, m0), _, (k2, m2) = res["calls"]
     assert k0 == "TimeoutError" and "on rank 0; ranks that did not arrive: 1" in m0, m0
+    assert f"{call} timed out after 1 s on rank 0" in m0, m0
     assert k2 == "TimeoutError", (k2, m2)
-    assert "all_reduce on rank 2 stopped because rank 0 timed out" in m2, m2
+    assert f"{call} on rank 2 stopped because rank 0 timed out" in m2, m2
     assert "ranks that did not arrive: 1" in m2, m2
     assert res["elapsed"][2] < 3.0, res["elapsed"]
     kind, msg = res["late"]
@@ -129,7 +141,14 @@ def test_timeout_on_one_rank_fails_the_others_promptly():
     check_timeout_abort(run("timeout_abort"))
 
 
+def test_timeout_in_all_to_all_fails_the_others_promptly():
+    """The same with all_to_all (blocks of 3000 bytes, several rounds of the
+    2 KiB half) on ranks 0 and 2."""
+    check_timeout_abort(run("timeout_abort", "all_to_all"), "all_to_all")
+
+
 def check_interrupt(res, handler):
+    handler = handler.partition(":")[0]
     child = res["child"]
     assert isinstance(child, dict), res
     if handler == "default":
@@ -152,6 +171,11 @@ def test_ctrl_c_interrupts_a_blocked_collective(handler):
     (KeyboardInterrupt, or the custom handler's own exception).  Rank 1's
     next call then fails at once naming rank 0, instead of waiting 60 s."""
     check_interrupt(run("interrupt", handler, timeout=90), handler)
+
+
+def test_ctrl_c_interrupts_a_blocked_all_to_all():
+    """The same with rank 0 blocked in an all_to_all."""
+    check_interrupt(run("interrupt", "default:all_to_all", timeout=90), "default")
 
 
 # ---- lifetime: close during a call, overlapping calls --------------------------------
@@ -233,6 +257,39 @@ def test_configure_message_prints_the_number():
     check_configure_message(run("configure_message"))
 
 
+# ---- all_to_all on its own -------------------------------------------------------------
+
+def check_all_to_all(res):
+    for case in ("values_2_4096", "values_3_4096", "values_2_256", "values_3_256", "values_4_256"):
+        nranks = int(case.split("_")[1])
+        assert res[case] == [["ok", []]] * nranks, (case, res[case])
+    r = res["refused"]
+    for case in ("overlap_out_above", "overlap_out_below"):
+        assert r[case] == ["ValueError", f"{LABEL2}: all_to_all: input and output overlap"], r
+    assert r["numel"] == ["ValueError", "shm_all_to_all: out has 6 elements but tensor has 8; "
+                                        "all_to_all needs the same number"], r
+    assert r["indivisible"][0] == "ValueError" and "not divisible into 2" in r["indivisible"][1], r
+    assert r["dtype"] == ["TypeError", "out has dtype int32 but tensor has dtype float32"], r
+    assert r["read_only"][0] == "ValueError" and "read-only" in r["read_only"][1], r
+    assert r["strided_out"][0] == "ValueError" and "contiguous" in r["strided_out"][1], r
+    assert r["not_a_tensor"][0] == "TypeError" and "__dlpack__" in r["not_a_tensor"][1], r
+    assert r["not_a_comm"][0] == "TypeError" and "shm communicator" in r["not_a_comm"][1], r
+    assert r["args"][0] == "TypeError", r
+    assert res["adjacent"] == [["ok", True]] * 2, res["adjacent"]
+    assert res["after"] == [["ok", True]] * 2, res["after"]
+    assert res["closed"] == ["ValueError", "shm communicator is closed"], res["closed"]
+
+
+def test_all_to_all_values_in_place_and_refusals():
+    """Values on 2-4 ranks over one and several rounds (a 4 KiB and a 256-byte
+    workspace, blocks of 0, 1, 7, 16, 750 and 1001 elements of 1, 2, 4 and 8
+    bytes), the input left as it was, the same in place; a partial overlap of
+    out and tensor either way and bad arguments raise on the one rank before
+    it meets the others, blocks that only touch are fine, and the group goes
+    on; a closed communicator says so."""
+    check_all_to_all(run("all_to_all"))
+
+
 # ---- the same scenarios under AddressSanitizer -------------------------------------
 
 CHECKS = {
@@ -244,6 +301,7 @@ CHECKS = {
     "sizes": check_sizes,
     "forged_header": check_forged_header,
     "configure_message": check_configure_message,
+    "all_to_all": check_all_to_all,
 }
 
 
@@ -252,5 +310,7 @@ def run_all(python: str, so: str, env: dict) -> None:
     test_asan.py runs this against its AddressSanitizer build."""
     for scenario, check in CHECKS.items():
         check(drv.run(python, so, scenario, env=env, timeout=180))
-    for handler in ("default", "custom"):
+    check_timeout_abort(drv.run(python, so, "timeout_abort", "all_to_all", env=env, timeout=180),
+                        "all_to_all")
+    for handler in ("default", "custom", "default:all_to_all"):
         check_interrupt(drv.run(python, so, "interrupt", handler, env=env, timeout=180), handler)

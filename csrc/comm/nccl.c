@@ -7,7 +7,8 @@
  * that carries the ncclResult_t, ncclGetErrorString and, where the library
  * has it, ncclGetLastError.
  * Symbols newer than NCCL 2.0 (ncclGetLastError, ncclSend/ncclRecv from 2.7,
- * ncclCommAbort) are looked up optionally and reported missing when absent.
+ * ncclCommAbort) and ncclGroupStart/End are looked up optionally and
+ * reported missing when absent.
  */
 #define _GNU_SOURCE
 #include "nccl.h"
@@ -39,6 +40,8 @@ static struct {
     nccl_result (*broadcast)(const void *, void *, size_t, int, int, nccl_comm, cuda_stream);
     nccl_result (*send)(const void *, size_t, int, int, nccl_comm, cuda_stream);
     nccl_result (*recv)(void *, size_t, int, int, nccl_comm, cuda_stream);
+    nccl_result (*group_start)(void);
+    nccl_result (*group_end)(void);
 } N;
 
 #define LOOKUP(field, name)                                                   \
@@ -72,6 +75,8 @@ sf_status sf_nccl_load(const char *path, sf_error *err)
     LOOKUP(broadcast, "ncclBroadcast");
     LOOKUP(send, "ncclSend");
     LOOKUP(recv, "ncclRecv");
+    LOOKUP(group_start, "ncclGroupStart");
+    LOOKUP(group_end, "ncclGroupEnd");
     if (!N.get_version || !N.get_error_string || !N.get_unique_id || !N.comm_init_rank ||
         !N.comm_destroy || !N.all_reduce || !N.all_gather || !N.reduce_scatter ||
         !N.broadcast) {
@@ -213,4 +218,52 @@ sf_status sf_nccl_recv(void *comm, void *buf, size_t count, int dtype, int peer,
     NEED(recv, "ncclRecv");
     return check_result(N.recv(buf, count, dtype, peer, comm, STREAM(stream)), comm, "ncclRecv",
                         err);
+}
+
+/* Bytes of one element of NCCL data type `dtype`; 0 for a code not known here. */
+static size_t nccl_elem_size(int dtype)
+{
+    switch (dtype) {
+    case SF_NCCL_INT8: case SF_NCCL_UINT8: return 1;
+    case SF_NCCL_FLOAT16: case SF_NCCL_BFLOAT16: return 2;
+    case SF_NCCL_INT32: case SF_NCCL_UINT32: case SF_NCCL_FLOAT32: return 4;
+    case SF_NCCL_INT64: case SF_NCCL_UINT64: case SF_NCCL_FLOAT64: return 8;
+    default: return 0;
+    }
+}
+
+sf_status sf_nccl_all_to_all(void *comm, const void *send, void *recv, size_t count, int dtype,
+                             int nranks, uintptr_t stream, sf_error *err)
+{
+    NEED(send, "ncclSend (all_to_all)");
+    NEED(recv, "ncclRecv (all_to_all)");
+    NEED(group_start, "ncclGroupStart (all_to_all)");
+    NEED(group_end, "ncclGroupEnd (all_to_all)");
+    size_t es = nccl_elem_size(dtype), block, total;
+    if (!es || nranks < 1)
+        return sf_fail(err, SF_EINVAL, "all_to_all: NCCL dtype %d or %d ranks is invalid", dtype,
+                       nranks);
+    if (sf_size_mul_overflows(count, es, &block) ||
+        sf_size_mul_overflows(block, (size_t)nranks, &total))
+        return sf_fail(err, SF_EOVERFLOW, "all_to_all: %d ranks x %zu elements of %zu bytes "
+                       "overflow", nranks, count, es);
+    if (total && (!send || !recv))
+        return sf_fail(err, SF_EINVAL, "all_to_all: null buffer");
+    sf_status rc = check_result(N.group_start(), comm, "ncclGroupStart", err);
+    if (rc)
+        return rc;
+    /* Every send and recv of the group is enqueued before the group ends; a
+     * failure stops enqueueing, and the group is still closed. */
+    for (int r = 0; r < nranks && !rc; r++) {
+        const char *s = (const char *)send + (size_t)r * block;
+        char *d = (char *)recv + (size_t)r * block;
+        rc = check_result(N.send(s, count, dtype, r, comm, STREAM(stream)), comm, "ncclSend", err);
+        if (!rc)
+            rc = check_result(N.recv(d, count, dtype, r, comm, STREAM(stream)), comm, "ncclRecv",
+                              err);
+    }
+    nccl_result end = N.group_end();
+    if (rc)
+        return rc;
+    return check_result(end, comm, "ncclGroupEnd", err);
 }

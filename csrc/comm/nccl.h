@@ -48,6 +48,14 @@ sf_status sf_nccl_reduce_scatter(void *comm, const void *send, void *recv, size_
                                  int op, uintptr_t stream, sf_error *err);
 sf_status sf_nccl_broadcast(void *comm, const void *send, void *recv, size_t count, int dtype,
                             int root, uintptr_t stream, sf_error *err);
+/* All-to-all: send and recv hold nranks blocks of `count` elements; block j
+ * of send goes to rank j, block i of recv comes from rank i.  One group
+ * (ncclGroupStart/End) of nranks ncclSend + ncclRecv pairs (NCCL >= 2.7);
+ * send and recv must not overlap (the Python layer refuses it).
+ * SF_EINVAL for a dtype code this file has no size for, SF_EOVERFLOW when
+ * nranks * count * size overflows. */
+sf_status sf_nccl_all_to_all(void *comm, const void *send, void *recv, size_t count, int dtype,
+                             int nranks, uintptr_t stream, sf_error *err);
 sf_status sf_nccl_send(void *comm, const void *buf, size_t count, int dtype, int peer,
                        uintptr_t stream, sf_error *err);
 sf_status sf_nccl_recv(void *comm, void *buf, size_t count, int dtype, int peer, uintptr_t stream,

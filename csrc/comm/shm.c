@@ -70,7 +70,8 @@ typedef struct {
 } abort_block;
 
 /* The kinds of collective call a descriptor names. */
-enum { K_ALL_REDUCE = 1, K_ALL_GATHER, K_REDUCE_SCATTER, K_BROADCAST, K_BARRIER, K_NKINDS };
+enum { K_ALL_REDUCE = 1, K_ALL_GATHER, K_REDUCE_SCATTER, K_BROADCAST, K_BARRIER, K_ALL_TO_ALL,
+       K_NKINDS };
 
 /* What a rank is doing in one collective call (see shm.h). */
 typedef struct {
@@ -387,7 +388,7 @@ static const char *kind_name(unsigned k)
     static const char *const names[K_NKINDS] = {
         [K_ALL_REDUCE] = "all_reduce", [K_ALL_GATHER] = "all_gather",
         [K_REDUCE_SCATTER] = "reduce_scatter", [K_BROADCAST] = "broadcast",
-        [K_BARRIER] = "barrier",
+        [K_BARRIER] = "barrier", [K_ALL_TO_ALL] = "all_to_all",
     };
     return k < K_NKINDS && names[k] ? names[k] : "an unknown call";
 }
@@ -452,6 +453,9 @@ static void describe(const desc *d, char *buf, size_t n)
         break;
     case K_BARRIER:
         snprintf(buf, n, "barrier()");
+        break;
+    case K_ALL_TO_ALL:
+        snprintf(buf, n, "all_to_all(%llu bytes, %s)", b, dtype_name(d->dtype));
         break;
     default:
         snprintf(buf, n, "%s (kind %u)", kind_name(d->kind), (unsigned)d->kind);
@@ -901,6 +905,61 @@ sf_status sf_shm_reduce_scatter(sf_shm *c, void *out, const void *in, size_t n, 
         c->phase++;
     }
     return finish(c, "reduce_scatter", err);
+}
+
+/* Per round, every rank stages, for each other rank q, the next piece of
+ * its block q in its own half; after the barrier it takes its piece from
+ * every other rank's half.  Its own block never goes through the segment,
+ * so a half holds P - 1 slots: rank q's slot in rank s's half is q, or q - 1
+ * above s (slot_for). */
+static inline size_t slot_for(size_t q, size_t s) { return q < s ? q : q - 1; }
+
+
+sf_status sf_shm_all_to_all(sf_shm *c, void *out, const void *in, size_t bytes, sf_shm_dtype dt,
+                            sf_error *err)
+{
+    sf_status rc = check(c, "all_to_all", err);
+    if (rc)
+        return rc;
+    size_t P = (size_t)c->nranks, all;
+    if (bytes && (!out || !in))
+        return sf_fail(err, SF_EINVAL, "%s: all_to_all: null buffer", c->label);
+    if (sf_size_mul_overflows(bytes, P, &all))
+        return sf_fail(err, SF_EOVERFLOW, "%s: all_to_all: %zu ranks x %zu bytes overflow",
+                       c->label, P, bytes);
+    if (out != in && all) {
+        uintptr_t o = (uintptr_t)out, i = (uintptr_t)in;
+        if (o - i < all || i - o < all) /* unsigned: one is below the other + all */
+            return sf_fail(err, SF_EINVAL, "%s: all_to_all: input and output overlap",
+                           c->label);
+    }
+    size_t per = c->half / (P > 1 ? P - 1 : 1); /* bytes of each block per round */
+    if (per > 64)
+        per &= ~(size_t)63;   /* whole cache lines per slot */
+    if (bytes && per == 0)
+        return sf_fail(err, SF_EINVAL, "%s: all_to_all: workspace of %zu bytes too small for "
+                       "%zu ranks", c->label, 2 * c->half, P);
+    announce(c, K_ALL_TO_ALL, all, dt, 0, -1, 0);
+    size_t own = (size_t)c->rank * bytes; /* this rank's block: left in place, or copied */
+    for (size_t off = 0; off < bytes; off += per) {
+        size_t cnt = bytes - off < per ? bytes - off : per;
+        char *mine = half_of(c, c->rank);
+        for (size_t q = 0; q < P; q++)
+            if (q != (size_t)c->rank)
+                memcpy(mine + slot_for(q, (size_t)c->rank) * cnt,
+                       (const char *)in + q * bytes + off, cnt);
+        rc = barrier(c, "all_to_all", err);
+        if (rc)
+            return rc;
+        if (out != in) /* after the (first) barrier: a mismatched call writes nothing */
+            memcpy((char *)out + own + off, (const char *)in + own + off, cnt);
+        for (int r = 0; r < c->nranks; r++)
+            if (r != c->rank)
+                memcpy((char *)out + (size_t)r * bytes + off,
+                       half_of(c, r) + slot_for((size_t)c->rank, (size_t)r) * cnt, cnt);
+        c->phase++;
+    }
+    return finish(c, "all_to_all", err);
 }
 
 sf_status sf_shm_broadcast(sf_shm *c, void *buf, size_t bytes, sf_shm_dtype dt, int root,

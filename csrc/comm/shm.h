@@ -14,7 +14,8 @@
  * the same sizes (as with any collective).  What the ranks check, and what
  * happens when a check fails:
  *
- *   Collectives (all_reduce, all_gather, reduce_scatter, broadcast, barrier).
+ *   Collectives (all_reduce, all_gather, reduce_scatter, all_to_all, broadcast,
+ *   barrier).
  *   Before the first barrier of each call a rank publishes a descriptor
  *   {operation, byte count of its tensor, dtype, reduction op, root, the
  *   resolved all-reduce algorithm, call number} in its own slot of the
@@ -131,6 +132,14 @@ sf_status sf_shm_all_gather(sf_shm *c, void *out, const void *in, size_t bytes, 
  * of in (nranks * n elements). */
 sf_status sf_shm_reduce_scatter(sf_shm *c, void *out, const void *in, size_t n, sf_red_dtype t,
                                 sf_red_op op, sf_error *err);
+/* All-to-all of blocks of `bytes`: in and out hold nranks blocks each;
+ * block j of in goes to rank j, block i of out comes from rank i.  The
+ * ranks compare the whole input's byte count (nranks * bytes) and dtype.
+ * Blocks larger than the workspace move in rounds of half / (nranks - 1)
+ * bytes per block, one barrier each.  out == in (exactly) is allowed; other
+ * overlaps are not. */
+sf_status sf_shm_all_to_all(sf_shm *c, void *out, const void *in, size_t bytes, sf_shm_dtype dt,
+                            sf_error *err);
 sf_status sf_shm_broadcast(sf_shm *c, void *buf, size_t bytes, sf_shm_dtype dt, int root,
                            sf_error *err);
 sf_status sf_shm_send(sf_shm *c, const void *buf, size_t bytes, sf_shm_dtype dt, int dst,

@@ -3,6 +3,7 @@ once) and the autograd region operators."""
 from .collectives import (
     all_gather_into_tensor,
     all_reduce,
+    all_to_all_single,
     backend_for,
     broadcast,
     rank,
@@ -13,6 +14,7 @@ from .collectives import (
 )
 from .communicator import Communicator, get_communicator, reset_communicators
 from .mappings import (
+    all_to_all_along,
     copy_to_tp_region,
     gather_from_sequence_region,
     gather_from_tp_region,
@@ -25,6 +27,7 @@ from .mappings import (
 __all__ = [
     "all_gather_into_tensor",
     "all_reduce",
+    "all_to_all_single",
     "backend_for",
     "broadcast",
     "rank",
@@ -35,6 +38,7 @@ __all__ = [
     "Communicator",
     "get_communicator",
     "reset_communicators",
+    "all_to_all_along",
     "copy_to_tp_region",
     "gather_from_sequence_region",
     "gather_from_tp_region",

@@ -55,7 +55,7 @@ from .communicator import (  # noqa: F401 - the _*_single names: kept for tests 
 )
 
 __all__ = [
-    "BACKENDS", "all_gather_into_tensor", "all_reduce", "backend_for", "broadcast",
+    "BACKENDS", "all_gather_into_tensor", "all_reduce", "all_to_all_single", "backend_for", "broadcast",
     "get_communicator", "rank", "recv", "reduce_scatter_tensor", "reset_communicators", "send",
     "world_size",
 ]
@@ -93,6 +93,14 @@ def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group=None) -> to
 def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group=None) -> torch.Tensor:
     """out = rank i's chunk (along dimension 0) of the sum over ranks of `t`."""
     return communicator_for(t, group).reduce_scatter_tensor(out, t)
+
+
+def all_to_all_single(out: torch.Tensor, t: torch.Tensor, group=None) -> torch.Tensor:
+    """All-to-all over `group` of p ranks: `t` and `out` have the same shape
+    and dtype, dimension 0 of length p * c; rows [j*c, (j+1)*c) of `t` go to
+    group rank j, and rows [i*c, (i+1)*c) of `out` come from group rank i.
+    Arguments are checked (ValueError) before anything is sent; returns `out`."""
+    return communicator_for(t, group).all_to_all_single(out, t)
 
 
 def broadcast(t: torch.Tensor, src: int, group=None) -> torch.Tensor:

@@ -9,6 +9,7 @@ one lookup.  A communicator has the same methods whatever its backend:
     all_reduce(t, op="sum")            in place; op "sum" or "max"; returns t
     all_gather_into_tensor(out, t)     out = concat over ranks of t (dim 0)
     reduce_scatter_tensor(out, t)      out = this rank's block of the sum
+    all_to_all_single(out, t)          dim-0 chunk j of t to rank j; chunk i of out from rank i
     broadcast(t, src)                  in place, from group rank src
     send(t, dst) / recv(t, src)        point to point, group ranks
     size, rank, backend ("shm" | "nccl" | "torch"), group
@@ -153,6 +154,41 @@ def _check_scatter(out: torch.Tensor, t: torch.Tensor, n: int) -> None:
         )
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first, last) bytes of memory `t` can touch (a superset for strided views;
+    torch strides are never negative)."""
+    start = t.data_ptr()
+    if t.is_contiguous():  # the common case, ~10x cheaper than the strides' walk
+        return start, start + t.nbytes
+    if t.numel() == 0:
+        return 0, 0
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return start, start + extent * t.element_size()
+
+
+def _check_all_to_all(out: torch.Tensor, t: torch.Tensor, n: int) -> None:
+    """all_to_all_single's arguments: the same shape, dtype and device, dimension 0
+    a multiple of the group size, no shared memory between the two."""
+    if t.dim() == 0:
+        raise ValueError(f"all_to_all_single: tensor is a scalar (shape ()); it needs a dimension 0 "
+                         f"of {n} equal chunks, one per rank")
+    if out.shape != t.shape:
+        raise ValueError(f"all_to_all_single: out has shape {tuple(out.shape)} but tensor has shape "
+                         f"{tuple(t.shape)}; they must be equal")
+    if out.dtype != t.dtype:
+        raise ValueError(f"all_to_all_single: out is {out.dtype} but tensor is {t.dtype} "
+                         f"(shape {tuple(t.shape)}); they must be equal")
+    if out.device != t.device:
+        raise ValueError(f"all_to_all_single: out is on {out.device} but tensor on {t.device}")
+    if t.shape[0] % n:
+        raise ValueError(f"all_to_all_single: tensor has shape {tuple(t.shape)}: dimension 0 of length "
+                         f"{t.shape[0]} is not divisible by the group size {n}")
+    (a, b), (c, d) = _byte_span(out), _byte_span(t)
+    if a < d and c < b:
+        raise ValueError(f"all_to_all_single: out and tensor (shape {tuple(t.shape)}) share memory; "
+                         f"pass a separate output")
+
+
 # ---- groups ------------------------------------------------------------------------
 
 class GroupInfo:
@@ -243,6 +279,12 @@ class Communicator(ABC):
         """out = this rank's dimension-0 chunk of the sum over ranks of `t`."""
 
     @abstractmethod
+    def all_to_all_single(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Dimension 0 of `t` (and of `out`, same shape and dtype) is p equal
+        chunks: chunk j of `t` goes to group rank j, chunk i of `out` comes
+        from group rank i.  Returns `out`."""
+
+    @abstractmethod
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         """In-place broadcast of `t` from group rank `src`."""
 
@@ -279,6 +321,11 @@ class SoloCommunicator(Communicator):
 
     def reduce_scatter_tensor(self, out, t):
         _check_scatter(out, t, 1)
+        out.copy_(t)
+        return out
+
+    def all_to_all_single(self, out, t):
+        _check_all_to_all(out, t, 1)
         out.copy_(t)
         return out
 
@@ -322,6 +369,11 @@ class TorchCommunicator(Communicator):
         _check_scatter(out, t, self.size)
         _reduce_scatter_single(out, t.contiguous(), group=self.group)
         return out
+
+    def all_to_all_single(self, out, t):
+        _check_all_to_all(out, t, self.size)
+        src = t.contiguous()
+        return _into(out, lambda buf: dist.all_to_all_single(buf, src, group=self.group), read=False)
 
     def broadcast(self, t, src):
         dist.broadcast(t, self.info.global_rank(src, "broadcast"), group=self.group)
@@ -369,6 +421,10 @@ class ShmBackend(Communicator):
             return self.shm.reduce_scatter(out, t)
         self._agree_on_fallback("reduce_scatter", t, "sum")
         return self.fallback.reduce_scatter_tensor(out, t)
+
+    def all_to_all_single(self, out, t):
+        _check_all_to_all(out, t, self.size)
+        return self.shm.all_to_all(out, t)  # moves bytes: every dtype
 
     def _agree_on_fallback(self, what: str, t: torch.Tensor, op: str) -> None:
         """Before a reduction of a dtype shm cannot reduce goes to torch.distributed:
@@ -426,6 +482,11 @@ class NcclBackend(Communicator):
         _check_scatter(out, t, self.size)
         return self.nccl.reduce_scatter(out, t.contiguous())
 
+    def all_to_all_single(self, out, t):
+        _check_all_to_all(out, t, self.size)
+        src = t.contiguous()
+        return _into(out, lambda buf: self.nccl.all_to_all(buf, src), read=False)
+
     def broadcast(self, t, src):
         self.info.global_rank(src, "broadcast")
         return _into(t, lambda buf: self.nccl.broadcast(buf, src))
@@ -466,7 +527,8 @@ def _check_requested() -> bool:
 
 # A descriptor: (call, elements, dtype, reduction, root or peer, call number, arguments rejected).
 _FIELDS = 7
-_CALLS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "send", "recv")
+_CALLS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "send", "recv",
+          "all_to_all_single")
 _CALL_CODE = {name: i + 1 for i, name in enumerate(_CALLS)}
 _REDUCTION_CODE = {"sum": 1, "max": 2}  # 0: none; -1: an op no backend knows
 _REDUCTION_NAME = {1: "sum", 2: "max", -1: "unknown op"}
@@ -492,6 +554,8 @@ def _describe(row) -> str:
         return f"{name}({_REDUCTION_NAME.get(reduction, reduction)}) of {what}"
     if name == "all_gather_into_tensor":
         return f"{name} of {what} per rank"
+    if name == "all_to_all_single":
+        return f"{name} of {what} in all"
     if name == "broadcast":
         return f"broadcast of {what} from rank {peer}"
     if name == "send":
@@ -593,6 +657,10 @@ class CheckedCommunicator(Communicator):
         self._agree("reduce_scatter_tensor", t, _REDUCTION_CODE["sum"],
                     error=self._rejects(_check_scatter, out, t, self.size))
         return self.inner.reduce_scatter_tensor(out, t)
+
+    def all_to_all_single(self, out, t):
+        self._agree("all_to_all_single", t, error=self._rejects(_check_all_to_all, out, t, self.size))
+        return self.inner.all_to_all_single(out, t)
 
     def broadcast(self, t, src):
         error = self._rejects(self.info.global_rank, src, "broadcast")

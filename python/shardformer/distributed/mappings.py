@@ -15,6 +15,9 @@ collective forward and its conjugate backward:
     reduce_scatter_to_sequence_region   reduce-scatter     all-gather (seq)
     sync_replicated_grad                identity           sum grads over ranks
                                                            that hold the same rows
+    all_to_all_along                    all-to-all         all-to-all, the two
+                                        (scatter one dim,  dims swapped
+                                        gather another)
 
 Slices follow a `DimShard`, so uneven splits, padding and fused layouts
 gather back to exactly the full tensor.
@@ -290,3 +293,69 @@ def sync_replicated_grad(w: torch.Tensor, dim: int, shard: DimShard, group=None)
     if not shard.replicated:
         return w
     return _SyncReplicatedGrad.apply(w, dim, shard, group)
+
+
+# ---- all-to-all between two dimensions (Ulysses sequence parallelism) ----------------
+
+def _a2a_dims(x: torch.Tensor, scatter_dim: int, gather_dim: int) -> tuple[int, int]:
+    """The two dimensions, normalized against x's rank (ValueError when out of range)."""
+    nd = x.dim()
+    for name, d in (("scatter_dim", scatter_dim), ("gather_dim", gather_dim)):
+        if not -nd <= d < nd:
+            raise ValueError(f"all_to_all_along: {name}={d} is out of range for a tensor of shape "
+                             f"{tuple(x.shape)} ({nd} dimensions)")
+    return scatter_dim % nd, gather_dim % nd
+
+
+def _a2a(x: torch.Tensor, scatter_dim: int, gather_dim: int, comm) -> torch.Tensor:
+    """One all_to_all_single: cut `scatter_dim` into p chunks (chunk j to rank j),
+    concatenate the p received chunks along `gather_dim` in rank order.
+
+    The send buffer is x with `scatter_dim` unflattened into (p, chunk) and the
+    p moved to the front (one copy); what comes back has the sender's rank in
+    front, which is moved to just before `gather_dim` and flattened into it
+    (one more copy, none when gather_dim is 0)."""
+    p = comm.size
+    chunk = x.shape[scatter_dim] // p
+    send = x.unflatten(scatter_dim, (p, chunk)).movedim(scatter_dim, 0).contiguous()
+    recv = torch.empty_like(send)
+    comm.all_to_all_single(recv, send)
+    return recv.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, comm):
+        ctx.dims, ctx.comm = (scatter_dim, gather_dim), comm
+        return _a2a(x, scatter_dim, gather_dim, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        # The forward is a permutation of elements across ranks; its adjoint
+        # is the inverse permutation: the same exchange with the dims swapped.
+        return _a2a(grad, gather_dim, scatter_dim, ctx.comm), None, None, None
+
+
+def all_to_all_along(x: torch.Tensor, scatter_dim: int, gather_dim: int, group=None) -> torch.Tensor:
+    """Ulysses' exchange: cut `scatter_dim` of `x` into p equal chunks (p: the
+    group's size), send chunk j to group rank j, and concatenate the p chunks
+    received along `gather_dim`, in rank order.  Backward: the same exchange
+    with the two dims swapped.
+
+    E.g. q of shape [B, H, S/p, D] (sequence-split), scatter_dim=1 (heads),
+    gather_dim=2 (sequence) -> [B, H/p, S, D] (head-split); and back with
+    scatter_dim=2, gather_dim=1.  One all_to_all_single per call, on a
+    contiguous [p, ...] copy of x.  A group of one rank: x itself.  ValueError,
+    before anything is sent, when a dim is out of range or x.shape[scatter_dim]
+    is not a multiple of p."""
+    scatter_dim, gather_dim = _a2a_dims(x, scatter_dim, gather_dim)
+    comm = parallel_communicator(x, group)
+    if comm is None:
+        return x
+    if x.shape[scatter_dim] % comm.size:
+        raise ValueError(
+            f"all_to_all_along: scatter_dim={scatter_dim} of length {x.shape[scatter_dim]} "
+            f"(shape {tuple(x.shape)}, gather_dim={gather_dim}) is not divisible by the group "
+            f"size {comm.size}")
+    return _AllToAll.apply(x, scatter_dim, gather_dim, comm)

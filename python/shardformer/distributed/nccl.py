@@ -115,6 +115,12 @@ class NcclCommunicator:
         _C.nccl_reduce_scatter(self._comm, out.detach(), t.detach(), op, self._stream(t))
         return out
 
+    def all_to_all(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Block j of t (size equal blocks) to rank j; block i of out from rank i:
+        one NCCL group of grouped ncclSend/ncclRecv."""
+        _C.nccl_all_to_all(self._comm, out.detach(), t.detach(), self._stream(t))
+        return out
+
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
         _C.nccl_broadcast(self._comm, t.detach(), src, self._stream(t))
         return t

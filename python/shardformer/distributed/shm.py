@@ -498,6 +498,13 @@ class ShmCommunicator:
         t = self._plain(t, "reduce_scatter").contiguous()
         return self._call(async_op, self._run_out, _C.shm_reduce_scatter, out, t, op)
 
+    def all_to_all(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
+        """out = the blocks this rank receives: t and out hold `size` equal blocks
+        (along the flattened elements, so dimension 0 when it divides); block j
+        of t goes to group rank j, block i of out comes from group rank i."""
+        t = self._plain(t, "all_to_all").contiguous()
+        return self._call(async_op, self._run_out, _C.shm_all_to_all, out, t)
+
     def _run_out(self, fn, user, t, *extra):
         out = self._plain(user, "output")
         work = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
