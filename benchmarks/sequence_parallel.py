@@ -1,19 +1,29 @@
-"""Split-gather sequence parallelism against tensor parallelism alone: peak
-memory of a training step and its time, per rank, same run.
+"""Sequence parallelism against tensor parallelism alone: per-rank memory of
+a training step and its time, same run.
 
 A LlamaModel (default: hidden 1024, 16 heads / 16 KV heads, intermediate
 2816, 4 layers, vocab 32000, fp32, batch 1; --head: LlamaForCausalLM and its
-loss) at TP=--tp (2) on that many CPU processes (one thread each), for each sequence length:
-forward + backward of a fixed random projection of the last hidden state, after `--warmup` untimed steps,
-`--iters` timed steps (the slowest rank's time, median).  Peak memory: the
-kernel's peak-RSS counter is reset (/proc/self/clear_refs) before the timed
-steps and read after (VmHWM); "step peak" is VmHWM minus the RSS before the
-steps, i.e. what the step's activations and gradients add on top of the
-sharded model.  Both configurations run one after the other, each in fresh
-processes, from the same seed; their losses are compared.
+loss) on --ranks (2) CPU processes (one thread each), for each sequence
+length and configuration (--modes):
+
+    tp            tensor parallelism alone over the ranks (the baseline)
+    split_gather  TP + split-gather SP over the same group
+    all_to_all    Ulysses SP over the ranks, TP off (full weights per rank)
+    ring_attn     ring attention SP over the ranks, TP off
+
+forward + backward of a fixed random projection of the last hidden state,
+after `--warmup` untimed steps, `--iters` timed steps (the slowest rank's
+time, median).  "activations": heap bytes alive after the forward (what it
+keeps for backward; glibc mallinfo2).  "peak": the kernel's peak-RSS counter
+(VmHWM) over the RSS before the timed steps.  "state": the heap after the
+warmup (parameters, gradients).  Every configuration runs in fresh
+processes, from the same seed; the losses are compared.  "max seq": the
+longest sequence whose state + activations fit --budget-gib per rank,
+extrapolated linearly from the longest measured sequence (activations grow
+linearly in S here: every attention path keeps O(S) per head).
 
     .venv/bin/python benchmarks/sequence_parallel.py --seq 1024 2048 4096
-Results: benchmarks/results/sequence_parallel_tp<N>.json and a table on stdout.
+Results: benchmarks/results/sequence_parallel_<ranks>.json and a table on stdout.
 """
 from __future__ import annotations
 
@@ -51,7 +61,18 @@ def _status(field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
-def rank_main(rank: int, args, sp: bool, seq: int) -> dict:
+def shard_config(mode: str):
+    from shardformer import ShardConfig
+
+    if mode == "tp":
+        return ShardConfig()
+    if mode == "split_gather":
+        return ShardConfig(enable_sequence_parallelism=True)
+    return ShardConfig(enable_tensor_parallelism=False, enable_sequence_parallelism=True,
+                       sequence_parallelism_mode=mode)
+
+
+def rank_main(rank: int, args, mode: str, seq: int) -> dict:
     """One configuration in fresh processes (memory freed by an earlier one
     would otherwise be reused and hide this one's peak)."""
     import gc
@@ -60,7 +81,7 @@ def rank_main(rank: int, args, sp: bool, seq: int) -> dict:
     import torch.distributed as dist
     import transformers
 
-    from shardformer import ShardConfig, ShardFormer
+    from shardformer import ShardFormer
 
     cfg = transformers.LlamaConfig(hidden_size=args.hidden, intermediate_size=args.intermediate,
                                    num_hidden_layers=args.layers, num_attention_heads=args.heads,
@@ -69,7 +90,7 @@ def rank_main(rank: int, args, sp: bool, seq: int) -> dict:
     torch.manual_seed(0)
     cls = transformers.LlamaForCausalLM if args.head else transformers.LlamaModel
     model = cls(cfg)
-    ShardFormer(ShardConfig(enable_sequence_parallelism=sp)).optimize(model)
+    ShardFormer(shard_config(mode)).optimize(model)
     model.train()
     ids = torch.randint(0, 32000, (1, seq), generator=torch.Generator().manual_seed(seq))
     probe = torch.randn(1, seq, args.hidden, generator=torch.Generator().manual_seed(1))
@@ -89,6 +110,8 @@ def rank_main(rank: int, args, sp: bool, seq: int) -> dict:
 
     for _ in range(args.warmup):
         step()
+    gc.collect()
+    state = _heap_in_use()                         # parameters and their gradients
     model.zero_grad(set_to_none=True)
     gc.collect()
     base = _status("VmRSS")
@@ -104,7 +127,10 @@ def rank_main(rank: int, args, sp: bool, seq: int) -> dict:
     slowest = torch.tensor(times)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return {"seconds": statistics.median(slowest.tolist()), "step_peak": peak, "loss": loss,
-            "activations": statistics.median(saved[-args.iters:])}
+            "activations": statistics.median(saved[-args.iters:]), "state": state}
+
+
+MODES = ("tp", "split_gather", "all_to_all", "ring_attn")
 
 
 def main(argv=None) -> int:
@@ -117,41 +143,51 @@ def main(argv=None) -> int:
     p.add_argument("--head", action="store_true",
                    help="LlamaForCausalLM with its loss (default: LlamaModel, so the full-vocabulary logits, "
                         "the same with and without SP, do not dominate the peak)")
-    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--ranks", "--tp", type=int, default=2, dest="ranks")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--budget-gib", type=float, default=4.0)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = p.parse_args(argv)
+    modes = ["tp"] + [m for m in args.modes if m != "tp"]      # the baseline first
 
     from shardformer.launch import spawn
 
-    ranks = [{} for _ in range(args.tp)]
+    results = {}                                   # (mode, seq) -> the largest rank's figures
     for seq in args.seq:
-        for sp in (False, True):
-            for r, result in enumerate(spawn(rank_main, args.tp, (args, sp, seq), threads_per_rank=1)):
-                ranks[r][f"{'sp' if sp else 'tp'}_{seq}"] = result
-    print(f"{'LlamaForCausalLM' if args.head else 'LlamaModel'} hidden {args.hidden}, {args.layers} layers, {args.heads} heads, vocab 32000, fp32, batch 1, "
-          f"TP={args.tp} on {args.tp} CPU ranks (1 thread each); medians of {args.iters} steps; step peak = VmHWM over the "
-          f"RSS before the steps (largest rank)")
-    print("activations = heap bytes alive after the forward (what it keeps for backward); "
-          "peak = VmHWM over the RSS before the steps (noisy: the allocator reuses what warmup freed)")
-    print(f"{'seq':>6} {'TP step s':>10} {'SP step s':>10} {'SP/TP':>6} {'TP act MiB':>11} {'SP act MiB':>11} "
-          f"{'SP/TP':>6} {'TP peak MiB':>12} {'SP peak MiB':>12} {'SP/TP':>6}  loss TP / SP")
+        for mode in modes:
+            ranks = spawn(rank_main, args.ranks, (args, mode, seq), threads_per_rank=1)
+            results[(mode, seq)] = {k: max(r[k] for r in ranks) for k in ("seconds", "step_peak", "activations",
+                                                                           "state")}
+            results[(mode, seq)]["loss"] = ranks[0]["loss"]
+    print(f"{'LlamaForCausalLM' if args.head else 'LlamaModel'} hidden {args.hidden}, {args.layers} layers, "
+          f"{args.heads} heads, vocab 32000, fp32, batch 1, {args.ranks} CPU ranks (1 thread each); medians of "
+          f"{args.iters} steps; largest rank")
+    print(f"{'seq':>6} {'mode':>13} {'step s':>8} {'x tp':>6} {'act MiB':>8} {'x tp':>6} {'peak MiB':>9} "
+          f"{'state MiB':>10} {'loss':>10}")
     rows = []
     for seq in args.seq:
-        tp = {k: max(r[f"tp_{seq}"][k] for r in ranks) for k in ("seconds", "step_peak", "activations")}
-        sp = {k: max(r[f"sp_{seq}"][k] for r in ranks) for k in ("seconds", "step_peak", "activations")}
-        lt, ls = ranks[0][f"tp_{seq}"]["loss"], ranks[0][f"sp_{seq}"]["loss"]
-        rows.append({"seq": seq, "tp": tp, "sp": sp, "loss_tp": lt, "loss_sp": ls})
-        print(f"{seq:>6} {tp['seconds']:>10.3f} {sp['seconds']:>10.3f} {sp['seconds'] / tp['seconds']:>6.2f} "
-              f"{tp['activations'] / 2**20:>11.0f} {sp['activations'] / 2**20:>11.0f} "
-              f"{sp['activations'] / max(tp['activations'], 1):>6.2f} "
-              f"{tp['step_peak'] / 2**20:>12.0f} {sp['step_peak'] / 2**20:>12.0f} "
-              f"{sp['step_peak'] / max(tp['step_peak'], 1):>6.2f}  {lt:.5f} / {ls:.5f}")
+        base = results[("tp", seq)]
+        for mode in modes:
+            r = results[(mode, seq)]
+            rows.append({"seq": seq, "mode": mode, **r})
+            print(f"{seq:>6} {mode:>13} {r['seconds']:>8.3f} {r['seconds'] / base['seconds']:>6.2f} "
+                  f"{r['activations'] / 2**20:>8.0f} {r['activations'] / max(base['activations'], 1):>6.2f} "
+                  f"{r['step_peak'] / 2**20:>9.0f} {r['state'] / 2**20:>10.0f} {r['loss']:>10.5f}")
+    longest = max(args.seq)
+    budget = args.budget_gib * 2**30
+    print(f"longest sequence fitting {args.budget_gib:g} GiB per rank (state + activations, linear from S={longest}):")
+    fits = {}
+    for mode in modes:
+        r = results[(mode, longest)]
+        per_token = r["activations"] / longest
+        fits[mode] = int((budget - r["state"]) / per_token) if budget > r["state"] else 0
+        print(f"  {mode:>13}: {fits[mode]:>8}  ({fits[mode] / max(fits['tp'], 1):.2f}x tp)")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"sequence_parallel_tp{args.tp}.json")
+    path = os.path.join(args.out, f"sequence_parallel_{args.ranks}ranks.json")
     with open(path, "w") as f:
-        json.dump({"args": vars(args), "rows": rows}, f, indent=1)
+        json.dump({"args": vars(args), "rows": rows, "max_seq_in_budget": fits}, f, indent=1)
     print(f"written {path}")
     return 0
 

@@ -6,6 +6,7 @@ parallelism), check it against the unsharded model, fine-tune it, save it.
     python examples/tp_demo.py --model DIR --gguf-file NAME.gguf
     python examples/tp_demo.py --random-init        # a small random Llama, no checkpoint needed
     python examples/tp_demo.py --tp 4 --steps 5 --all-optimization --save OUT_DIR
+    python examples/tp_demo.py --sp ring_attn       # sequence parallelism (split_gather, all_to_all, ring_attn)
 
 Every rank loads the checkpoint sharded: ShardFormer(cfg).from_pretrained()
 builds the model without parameter storage, shards it, and reads only this
@@ -82,6 +83,9 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=64, help="maximum sequence length of the check and training batches")
     p.add_argument("--batch", type=int, default=2, help="batch size when there is no tokenizer (random ids)")
     p.add_argument("--prompt", default=PROMPT)
+    p.add_argument("--sp", choices=("split_gather", "all_to_all", "ring_attn"),
+                   help="sequence parallelism over the ranks: split_gather (with TP), or all_to_all / ring_attn "
+                        "(TP off: every rank holds the whole model and 1/N of every activation)")
     p.add_argument("--all-optimization", action="store_true",
                    help="also switch on the C kernels (fused norms, SwiGLU, flash attention)")
     p.add_argument("--no-reference-train", action="store_true",
@@ -401,7 +405,9 @@ def rank_main(rank: int, args, plan) -> dict:
     # --- load sharded: before anything else on this rank, so the memory figure is the load's alone ---
     ckpt_bytes, n_params = checkpoint_numbers(plan["path"])
     full_bytes = 4 * n_params                           # the model is float32
-    cfg = ShardConfig(enable_all_optimization=args.all_optimization)
+    sp = {} if not args.sp else {"enable_sequence_parallelism": True, "sequence_parallelism_mode": args.sp,
+                                 "enable_tensor_parallelism": args.sp == "split_gather"}
+    cfg = ShardConfig(enable_all_optimization=args.all_optimization, **sp)
     model, load_s, peak = load_sharded(plan, cfg)
     local_bytes = param_bytes(model)
     result.update(load_s=load_s, load_peak_bytes=peak, ckpt_bytes=ckpt_bytes, local_param_bytes=local_bytes)
@@ -410,7 +416,9 @@ def rank_main(rank: int, args, plan) -> dict:
                   f"({ckpt_bytes / 2**20:.1f} MiB of tensors)")
     mem = (f"peak RSS +{peak / 2**20:.1f} MiB = {peak / ckpt_bytes:.2f} of the checkpoint" if peak is not None
            else "peak RSS not measurable here (no /proc/self/clear_refs)")
-    log(rank, f"loaded its shards at TP={world} in {load_s:.1f} s ({mem}): holds {local_bytes / 2**20:.1f} MiB "
+    layout = f"TP={world}" if cfg.enable_tensor_parallelism else "TP=1"
+    layout += f", SP={world} ({args.sp})" if args.sp else ""
+    log(rank, f"loaded its shards at {layout} in {load_s:.1f} s ({mem}): holds {local_bytes / 2**20:.1f} MiB "
               f"of parameters = {local_bytes / full_bytes:.3f} of the full model")
     tok = load_tokenizer(plan["path"])
     batch, prompt, prompt_text = batches(plan, tok, args)
@@ -593,7 +601,9 @@ def main(argv=None) -> int:
             plan["save_is_temp"] = not args.save
         print(f"demo: {plan['name']} -> {plan['cls']} ({'full demo' if plan['mode'] == 'causal' else 'forward check'}) "
               f"at TP={args.tp} on {args.tp} local CPU process(es), {args.threads} thread(s) each, gloo"
-              + (", C kernels on" if args.all_optimization else "") + "; every rank loads its shards of the checkpoint",
+              + (", C kernels on" if args.all_optimization else "")
+              + (f", sequence parallelism {args.sp}" if args.sp else "")
+              + "; every rank loads its shards of the checkpoint",
               flush=True)
         try:
             results = spawn(rank_main, args.tp, args=(args, plan), threads_per_rank=args.threads)

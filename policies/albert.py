@@ -19,29 +19,174 @@ The embeddings are the BERT-shaped encoder's (policies/shapes.py
 EncoderShape); the layer is ALBERT's own.  AlbertAttention infers the head
 count from the projection width; its num_attention_heads and all_head_size
 become this rank's values.
+
+Split-gather sequence parallelism (the layout above sp_linear_kwargs in
+policies/shapes.py).  The layer modules are reused, so the hooks live on
+the modules once and act on every repetition: the encoder
+(AlbertTransformer) splits its input (the embeddings, on the full
+sequence) and gathers the last_hidden_state of its output (pooler and heads
+see the full sequence); in between every repetition runs on this rank's
+rows.  embedding_hidden_mapping_in runs on the rows (gradients
+all-reduced).  AlbertAttention takes role "enter" (input all-gathered,
+saved as this rank's rows) and, since its residual add and post-norm are
+inside the module, its forward is replaced (albert_attention_forward): q/k/v
+read the gathered input, dense reduce-scatters and adds its bias on this
+rank's rows, output_dropout draws a mask per rank, and the residual takes
+this rank's rows of the gathered input (a slice; backward the gather's
+reduce-scatter sums it in).  ffn gathers its input rows itself
+(Linear1D_Col gather_input=True; with enable_sequence_overlap in flight
+during its matmul) and ffn_output reduce-scatters; attention.LayerNorm and
+full_layer_layer_norm run on the rows (gradients all-reduced).  Refused
+with chunk_size_feed_forward (EncoderShape).
 """
 from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
 
 from shardformer.family import Family, gathered, lm, replicated_dropout
 from shardformer.layer import DropoutForReplicatedInput, Linear1D_Col, Linear1D_Row
 from shardformer.layout import Heads
-from shardformer.policies.shapes import EncoderShape, attention_by_heads
+from shardformer.policies.shapes import (EncoderShape, _new_state, attention_by_heads, residual_dropout,
+                                         sp_layer_subs, sp_linear_kwargs, sp_overlap)
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
 
+def _rows_of(full: torch.Tensor, size: int, rank: int) -> torch.Tensor:
+    """This rank's rows of a gathered [batch, S, hidden]: padded with zero rows
+    to a multiple of `size`, then rank's block of S' / size rows."""
+    extra = -full.shape[1] % size
+    if extra:
+        full = F.pad(full, (0, 0, 0, extra))
+    chunk = full.shape[1] // size
+    return full.narrow(1, rank * chunk, chunk)
+
+
+def albert_attention_forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs):
+    """AlbertAttention.forward under split-gather SP: `hidden_states` is the
+    full sequence (the module's "enter" hook gathered it); this rank's heads
+    attend over it, dense returns this rank's rows of the sum (plus its
+    bias), and the residual adds this rank's rows of the input."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.albert import modeling_albert
+
+    shape = hidden_states.shape[:-1]
+    per_head = (*shape, -1, self.attention_head_size)
+    q, k, v = (proj(hidden_states).view(per_head).transpose(1, 2) for proj in (self.query, self.key, self.value))
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                      modeling_albert.eager_attention_forward)
+    out, weights = attention(self, q, k, v, attention_mask, scaling=self.scaling,
+                             dropout=self.attention_dropout.p if self.training else 0.0, **kwargs)
+    out = self.output_dropout(self.dense(out.reshape(*shape, -1).contiguous()))
+    rows = _rows_of(hidden_states, self.dense.tp_size, self.dense.tp_rank)
+    return self.LayerNorm(rows + out), weights
+
+
+class EncoderEnds:
+    """The split of a module's input and the gather of its output's first
+    tensor (or a ModelOutput's last_hidden_state) along the sequence, for an
+    encoder whose layers are reused (ALBERT): both ends on the encoder
+    module itself (role "split" + "gather" of shardformer.layer.sequence,
+    for a module that returns a ModelOutput)."""
+
+    @classmethod
+    def plan_shard(cls, module, tp_size: int, rank: int, state=None, **kwargs):
+        from shardformer.layer.parallel_module import ShardPlan
+        from shardformer.layer.sequence import SequenceState
+
+        if not isinstance(state, SequenceState):
+            raise TypeError(f"EncoderEnds: state must be a SequenceState, got {type(state).__name__}")
+        return ShardPlan(tp_size, rank)
+
+    @classmethod
+    def prepare_native_module(cls, module, process_group=None, plan=None, state=None, **kwargs):
+        from shardformer.layer.parallel_module import plan_directly
+
+        if plan is None:
+            plan = plan_directly(cls, module, process_group, state=state)
+        return _EndHooks(module, state, process_group, active=plan.tp_size > 1)
+
+    @classmethod
+    def from_native_module(cls, module, process_group=None, plan=None, state=None, **kwargs):
+        return cls.prepare_native_module(module, process_group, plan=plan, state=state).commit()
+
+
+class _EndHooks:
+    def __init__(self, module, state, group, active: bool):
+        self.module, self.state, self.group, self.active = module, state, group, active
+        self.handles: list = []
+
+    def commit(self):
+        from shardformer.layer.sequence import gather_sequence, split_sequence
+
+        if not self.active:
+            return self.module
+        state, group = self.state, self.group
+
+        def pre(_module, args, kwargs):
+            if args:
+                return (split_sequence(args[0], state, group),) + tuple(args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": split_sequence(kwargs["hidden_states"], state, group)}
+
+        def post(_module, _args, output):
+            if isinstance(output, torch.Tensor):
+                return gather_sequence(output, state, group)
+            if isinstance(output, tuple):
+                return (gather_sequence(output[0], state, group),) + tuple(output[1:])
+            output.last_hidden_state = gather_sequence(output.last_hidden_state, state, group)
+            return output
+
+        self.handles = [self.module.register_forward_pre_hook(pre, with_kwargs=True),
+                        self.module.register_forward_hook(post)]
+        return self.module
+
+    def rollback(self):
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+
 class AlbertShape(EncoderShape):
+    split_attention_at = None
+
+    def sequence_parallel_modes(self) -> tuple[str, ...]:
+        return ("split_gather",)
+
     def layer_description(self, heads: Heads) -> ModulePolicyDescription:
+        col, row = sp_linear_kwargs(self.shard_config)
+        sp = self.shard_config.sequence_parallel
+        ffn = {**col, "gather_input": True, "overlap": sp_overlap(self.shard_config)} if sp else col
+        subs = [*attention_by_heads("attention", heads, q="query", k="key", v="value", o="dense", col=col, row=row),
+                Sub("attention.output_dropout", residual_dropout(self.shard_config)),
+                Sub("ffn", Linear1D_Col, kwargs=ffn),
+                Sub("ffn_output", Linear1D_Row, kwargs=row),
+                Sub("dropout", DropoutForReplicatedInput)]      # unused by AlbertLayer.forward
+        if sp:
+            subs += sp_layer_subs(["attention"], ["attention.LayerNorm", "full_layer_layer_norm"],
+                                  self.sequence_state)
         return ModulePolicyDescription(
             attribute_replacement={"attention.num_attention_heads": heads.local_heads(),
                                    "attention.all_head_size": heads.local_width(heads.head_dim)},
-            sub_module_replacement=[
-                *attention_by_heads("attention", heads, q="query", k="key", v="value", o="dense"),
-                Sub("attention.output_dropout", DropoutForReplicatedInput),
-                Sub("ffn", Linear1D_Col),
-                Sub("ffn_output", Linear1D_Row),
-                Sub("dropout", DropoutForReplicatedInput),
-            ])
+            sub_module_replacement=subs)
+
+    def body_policy(self):
+        if not self.tensor_parallel:
+            return {}
+        sp = self.shard_config.sequence_parallel
+        self.sequence_state = _new_state() if sp else None
+        policy = {"AlbertLayer": self.layer_description(self.heads_layout()),
+                  "AlbertEmbeddings": self.embeddings_description()}
+        if sp:
+            from shardformer.layer.replicated import ReplicatedInParallelRegion
+
+            policy["AlbertAttention"] = ModulePolicyDescription(
+                method_replacement={"forward": albert_attention_forward})
+            policy["AlbertTransformer"] = ModulePolicyDescription(sub_module_replacement=[
+                Sub("embedding_hidden_mapping_in", ReplicatedInParallelRegion)])
+            policy["AlbertModel"] = ModulePolicyDescription(sub_module_replacement=[
+                Sub("encoder", EncoderEnds, kwargs={"state": self.sequence_state})])
+        return policy
 
 
 MLM = lm("predictions.decoder", bias_of="predictions")

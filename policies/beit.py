@@ -28,7 +28,14 @@ from shardformer.policy import SubModuleReplacementDescription as Sub
 
 class BeitShape(VisionShape):
     """Per-layer bias tables (use_relative_position_bias) or one shared by all
-    layers (use_shared_relative_position_bias): whichever the model has."""
+    layers (use_shared_relative_position_bias): whichever the model has.
+    Sequence parallelism is refused: BeitLayer sizes its relative position
+    bias from its input's length, which would be this rank's rows."""
+
+    split_attention_at = None
+
+    def sequence_parallel_modes(self) -> tuple[str, ...]:
+        return ()
 
     def layer_replacements(self, heads: Heads) -> list[Sub]:
         return super().layer_replacements(heads) + [

@@ -17,6 +17,10 @@ global head count inside its forward; its build_alibi_tensor method is
 replaced by one that builds the global bias and keeps this rank's heads
 [q_start, q_start + q_count), so head h keeps slope m_h on whichever rank it lands.
 pretraining_tp > 1 with slow_but_exact=True is refused.
+
+Split-gather sequence parallelism: FusedQKVShape's.  ALiBi needs nothing more:
+the model builds the bias for the whole sequence and the attention sees the
+whole (gathered) sequence; dropout_add's probability moves into the row layers.
 """
 from __future__ import annotations
 

@@ -9,6 +9,12 @@ ERNIE's optional task-type embeddings (kept replicated).
                                                        its bias is cls.predictions.bias)
     cls.seq_relationship / classifier / qa_outputs     Linear1D_Col, gathered
     dropout before the classifier                      DropoutForReplicatedInput
+
+Split-gather sequence parallelism (EncoderShape): hidden states split along
+the sequence from the first encoder layer to the last; attention.self and
+intermediate all-gather their input; the output denses reduce-scatter and
+add their bias on this rank's rows; the hidden dropouts draw a mask per rank
+and the LayerNorms get their gradients all-reduced.
 """
 from shardformer.family import Family, gathered, lm, replicated_dropout
 from shardformer.policies.shapes import EncoderShape

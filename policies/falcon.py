@@ -22,6 +22,15 @@ config, and each gets the split that keeps every rank's rows in the same layout:
 FalconAttention reshapes by self.num_heads and self.num_kv_heads, which become
 this rank's counts.  ALiBi Falcon models (config.alibi) are refused: FalconModel
 builds the bias for all heads with a module-level function inside its forward.
+
+Split-gather sequence parallelism as FusedQKVShape's (attention and MLP
+gather their input, dense / dense_4h_to_h reduce-scatter; with parallel_attn
+both read the same norm output and gather it once each).  Falcon's residual
+dropouts are functional calls in the decoder layer on the sum of the
+attention and MLP outputs, with the probabilities read from the shared
+config (hidden_dropout, attention_dropout): they cannot move into the row
+layers, and on this rank's rows torch's global generator would draw the
+same mask on every rank, so SP is refused when either is > 0.
 """
 from __future__ import annotations
 
@@ -32,9 +41,18 @@ from shardformer.policies.shapes import FusedQKVShape, gpt_heads
 
 class FalconShape(FusedQKVShape):
     def config_sanity_check(self):
-        if self.tensor_parallel and self.model.config.alibi:
+        cfg = self.model.config
+        if self.tensor_parallel and cfg.alibi:
             raise ValueError(f"{type(self.model).__name__}: alibi=True is not supported by the Falcon policy "
                              "(FalconModel builds the ALiBi bias for all heads inside its forward)")
+        if self.shard_config.sequence_parallel and (cfg.hidden_dropout or cfg.attention_dropout):
+            raise NotImplementedError(
+                f"{type(self.model).__name__}: sequence parallelism (split_gather) with hidden_dropout="
+                f"{cfg.hidden_dropout} / attention_dropout={cfg.attention_dropout} is not available (Falcon's "
+                f"residual dropouts are functional calls on the split rows; set both to 0)")
+
+    def residual_dropouts(self):
+        return 0.0, ()          # in the decoder layer, refused above when > 0
 
     def qkv_layout(self):
         cfg = self.model.config

@@ -14,6 +14,17 @@ transposed (Conv1D) projections:
 
 GPT2Attention splits c_attn's output by `split_size`, so that (and the head
 count and embed_dim it keeps) becomes this rank's value; head_dim is unchanged.
+
+Split-gather sequence parallelism as GPTBlockShape's: the hidden states split
+along the sequence between h.0 and the last block; attn and mlp all-gather
+their input; c_attn / c_fc take sequence_parallel=True; attn.c_proj and
+mlp.c_proj reduce-scatter their partial sums along the sequence and add the
+bias on this rank's rows (bias gradient all-reduced); attn.resid_dropout and
+mlp.dropout draw a mask per rank; ln_1 and ln_2 get their gradients
+all-reduced.  With ShardConfig.enable_sequence_overlap, c_attn and c_fc
+gather their input rows themselves (c_attn: the exact sequence, c_fc: the
+padded rows), overlapping the all-gather with the matmul of this rank's rows
+and, backward, the reduce-scatter of dX with dW.
 GPT-2 as a decoder with cross attention (add_cross_attention) is refused.
 """
 from __future__ import annotations
@@ -21,11 +32,13 @@ from __future__ import annotations
 from shardformer.family import Family, gathered, lm
 from shardformer.layer import GPT2FusedLinearConv1D_Col, GPT2FusedLinearConv1D_Row
 from shardformer.layout import Heads, Split
-from shardformer.policies.shapes import GPTBlockShape
+from shardformer.policies.shapes import GPTBlockShape, sp_gathering, sp_linear_kwargs, sp_overlap
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
 
 class GPT2Shape(GPTBlockShape):
+    split_attention_at = ("GPT2Model", "h")      # GPT-Neo / GPT-J attention does not use transformers' registry
+
     def config_sanity_check(self):
         if self.tensor_parallel and getattr(self.model.config, "add_cross_attention", False):
             raise ValueError(f"{type(self.model).__name__}: add_cross_attention=True (GPT-2 as a decoder with "
@@ -36,12 +49,21 @@ class GPT2Shape(GPTBlockShape):
         return {"attn.num_heads": heads.local_heads(), "attn.split_size": width, "attn.embed_dim": width}
 
     def attention_replacements(self, heads: Heads) -> list[Sub]:
-        return [Sub("attn.c_attn", GPT2FusedLinearConv1D_Col, kwargs={"split": heads.qkv}),
-                Sub("attn.c_proj", GPT2FusedLinearConv1D_Row, kwargs={"split": heads.q})]
+        col, row = sp_linear_kwargs(self.shard_config)
+        if sp_overlap(self.shard_config):    # c_attn is the attention's only reader of its input
+            col = sp_gathering(col, self.sequence_state)
+        return [Sub("attn.c_attn", GPT2FusedLinearConv1D_Col, kwargs={"split": heads.qkv, **col}),
+                Sub("attn.c_proj", GPT2FusedLinearConv1D_Row, kwargs={"split": heads.q, **row})]
 
     def mlp_replacements(self) -> list[Sub]:
-        return [Sub("mlp.c_fc", GPT2FusedLinearConv1D_Col, kwargs={"split": Split()}),
-                Sub("mlp.c_proj", GPT2FusedLinearConv1D_Row, kwargs={"split": Split()})]
+        col, row = sp_linear_kwargs(self.shard_config)
+        if sp_overlap(self.shard_config):
+            col = sp_gathering(col)
+        return [Sub("mlp.c_fc", GPT2FusedLinearConv1D_Col, kwargs={"split": Split(), **col}),
+                Sub("mlp.c_proj", GPT2FusedLinearConv1D_Row, kwargs={"split": Split(), **row})]
+
+    def sp_entered(self) -> list[str]:
+        return [] if sp_overlap(self.shard_config) else ["attn", "mlp"]
 
 
 FAMILY = Family("gpt2", "gpt2.modeling_gpt2", GPT2Shape, options={"prefix": "GPT2"}, heads={

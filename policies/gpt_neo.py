@@ -13,6 +13,11 @@ attention heads and MLP features split; vocabulary-parallel wte and LM head
 
 GPTNeoSelfAttention splits and merges heads with self.num_heads, so that
 becomes this rank's head count (global and local attention layers alike).
+
+Split-gather sequence parallelism: GPTBlockShape's (hidden states split along
+the sequence between the first and the last block, out_proj and the MLP's
+down projection reduce-scatter and add their bias on this rank's rows,
+residual dropouts draw a mask per rank, norms' gradients all-reduced).
 """
 from shardformer.family import Family
 from shardformer.policies.shapes import GPTBlockShape, gpt_heads

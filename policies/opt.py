@@ -11,35 +11,76 @@ and LM head (tied to decoder.embed_tokens when HF tied it, the default).
 OPTAttention reshapes the query by self.num_heads, so that becomes this
 rank's head count.  Learned positions and project_in / project_out (when
 word_embed_proj_dim != hidden_size) stay replicated.
+
+Split-gather sequence parallelism (policies/shapes.py, sp_linear_kwargs):
+the hidden states are split along the sequence from decoder.layers.0 to
+the last layer (gathered after it: final_layer_norm, project_out and the
+heads see the full sequence).  self_attn takes role "enter" (input
+all-gathered, padding dropped: the causal attention and the KV cache see
+the whole sequence); the MLP is no module of its own and runs on rows
+flattened to [B * S/p, hidden], so fc1 gathers its input rows itself
+(Linear1D_Col gather_input=True: all-gather along the rows, backward
+reduce-scatter); out_proj and fc2 reduce-scatter their partial sums and add
+their bias on this rank's rows.  The layer's residual dropouts are
+functional calls with the layer's `dropout`: that becomes 0 and the
+probability moves into out_proj / fc2 (Linear1D_Row dropout=p: a mask per
+rank, on this rank's rows).  With ShardConfig.enable_sequence_overlap, fc1's
+all-gather overlaps its matmul, and backward the reduce-scatter of dX its
+dW.  self_attn_layer_norm and final_layer_norm run
+on this rank's rows (gradients all-reduced).  Refused with layerdrop > 0
+(a skipped first or last layer would skip the split or the gather).
 """
 from __future__ import annotations
 
 from shardformer.family import Family, FamilyPolicy
 from shardformer.layer import Linear1D_Col, Linear1D_Row, VocabParallelEmbedding1D
 from shardformer.layout import Heads
-from shardformer.policies.shapes import attention_by_heads, gpt_heads
+from shardformer.policies.shapes import (SplitGatherMixin, _new_state, attention_by_heads, gpt_heads,
+                                         parameterized_children, sp_ends, sp_layer_subs, sp_linear_kwargs, sp_overlap)
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
 
-class OPTShape(FamilyPolicy):
+class OPTShape(SplitGatherMixin, FamilyPolicy):
+    split_attention_at = ("OPTDecoder", "layers")
+
+    def sequence_parallel_modes(self) -> tuple[str, ...]:
+        return ("split_gather",) + self.split_attention_modes()
+
+    def config_sanity_check(self):
+        super().config_sanity_check()
+        layerdrop = getattr(self.model.config, "layerdrop", 0.0)
+        if self.shard_config.sequence_parallel and layerdrop:
+            raise NotImplementedError(f"{type(self.model).__name__}: sequence parallelism (split_gather) with "
+                                      f"layerdrop={layerdrop} is not available (set layerdrop=0)")
+
     def body_policy(self):
         if not self.tensor_parallel:
             return {}
         cfg = self.model.config
         n = cfg.num_attention_heads
         heads = Heads(n, n, cfg.hidden_size // n)
+        sp = self.shard_config.sequence_parallel
+        col, row = sp_linear_kwargs(self.shard_config)
+        if sp and cfg.dropout:       # the layer's functional residual dropouts move into the row layers
+            row = {**row, "dropout": float(cfg.dropout)}
+        attributes = {"self_attn.num_heads": heads.local_heads()}
+        layer_subs = [*attention_by_heads("self_attn", heads, o="out_proj", col=col, row=row),
+                      Sub("fc1", Linear1D_Col, kwargs={**col, "gather_input": True,
+                                                       "overlap": sp_overlap(self.shard_config)} if sp else {}),
+                      Sub("fc2", Linear1D_Row, kwargs=row)]
+        decoder_subs = [Sub("embed_tokens", VocabParallelEmbedding1D, kwargs=self.vocab_kwargs())]
+        if sp:
+            state = _new_state()
+            layers = [m for m in self.model.modules() if type(m).__name__ == "OPTDecoderLayer"]
+            norms = parameterized_children(layers[0], skip=("self_attn", "fc1", "fc2"))
+            attributes["dropout"] = 0.0
+            layer_subs += sp_layer_subs(["self_attn"], norms, state)
+            decoder_subs += sp_ends("layers", len(layers), state)
         return {
-            "OPTDecoderLayer": ModulePolicyDescription(
-                attribute_replacement={"self_attn.num_heads": heads.local_heads()},
-                sub_module_replacement=[
-                    *attention_by_heads("self_attn", heads, o="out_proj"),
-                    Sub("fc1", Linear1D_Col),
-                    Sub("fc2", Linear1D_Row),
-                ],
-            ),
-            "OPTDecoder": ModulePolicyDescription(
-                sub_module_replacement=[Sub("embed_tokens", VocabParallelEmbedding1D, kwargs=self.vocab_kwargs())]),
+            "OPTDecoderLayer": ModulePolicyDescription(attribute_replacement=attributes,
+                                                       sub_module_replacement=layer_subs),
+            "OPTDecoder": ModulePolicyDescription(sub_module_replacement=decoder_subs),
         }
 
 

@@ -16,6 +16,12 @@ and intermediate features split, vocabulary-parallel word embeddings and LM head
 
 The self-attention infers its head count from the projection width; its
 num_attention_heads and all_head_size become this rank's values.
+
+Split-gather sequence parallelism (EncoderShape): hidden states split along
+the sequence from the first encoder layer to the last; attention.self and
+intermediate all-gather their input; the output denses reduce-scatter and
+add their bias on this rank's rows; the hidden dropouts draw a mask per rank
+and the LayerNorms get their gradients all-reduced.
 """
 from shardformer.family import Family, gathered, lm, replicated_dropout
 from shardformer.policies.shapes import EncoderShape

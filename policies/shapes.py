@@ -24,11 +24,20 @@ GLM, Phi-3, Mixtral).  Per layer (`<prefix>DecoderLayer`):
 HF's attention infers its head count from the projection width, so only
 num_key_value_groups changes per rank.
 
-Sequence parallelism (split_gather, not with mlp="moe"): the Linear layers
+Sequence parallelism (split_gather; with mlp="moe" the MoE block is the
+mlp region, see policies/mixtral.py): the Linear layers
 above take sequence_parallel=True; self_attn and mlp become sequence-parallel
 blocks, the first layer splits its input along the sequence and the last
 gathers its output, and the layer's norms get their gradients all-reduced
-(shardformer.layer.sequence).
+(shardformer.layer.sequence).  With enable_sequence_overlap, each block's
+one input all-gather runs while its column layers (q/k/v or qkv, gate/up or
+gate_up) multiply this rank's rows (shardformer.layer.linear.gather_block_input,
+which says why the attention's projections cannot gather inside).
+output_hidden_states=True is refused (the layers' outputs are this rank's rows).
+
+Sequence parallelism all_to_all / ring_attn (every DecoderShape family,
+with or without TP over a separate group): the base model's `layers` take
+SequenceAttentionParallel (shardformer.layer.sequence_attention).
 
 Options: prefix (class-name prefix, "Mistral"), base_model ("Model";
 Gemma 3 text: "TextModel"), mlp ("split" | "fused" | "moe"), fused_qkv,
@@ -47,6 +56,8 @@ its layer).  Per layer (`<prefix>Layer`) and on `<prefix>Embeddings`:
 
 The self-attention infers its head count from the projection width; its
 num_attention_heads and all_head_size become this rank's values.
+Sequence parallelism (split_gather): see EncoderShape and the layout above
+sp_linear_kwargs; ALBERT (shared layers): policies/albert.py.
 Options: prefix ("Bert").
 
 VisionShape, ViT-style layers (ViT; BEiT adds its bias tables), one head
@@ -69,8 +80,11 @@ Both vision shapes split a `classifier` head only where the model has one
 GPTBlockShape, a GPT-style decoder (GPT-Neo, GPT-J; GPT-2 overrides its
 attention and MLP), and FusedQKVShape, a BLOOM-shaped decoder with one fused
 query_key_value (BLOOM; Falcon overrides its qkv layout): see their
-docstrings.  gpt_heads() names the head classes of these families (their
-token classifier is `classifier`).
+docstrings.  These, EncoderShape and OPT (policies/opt.py) take split-gather
+sequence parallelism with row layers that reduce-scatter themselves (their
+biases and residual dropouts sit inside the attention / MLP modules): the
+layout is described above sp_linear_kwargs.  gpt_heads() names the head
+classes of these families (their token classifier is `classifier`).
 """
 from __future__ import annotations
 
@@ -108,8 +122,26 @@ class DecoderShape(FamilyPolicy):
         """{dotted attribute under the decoder layer: per-rank value}."""
         return {"self_attn.num_key_value_groups": heads.local_groups()}
 
+    split_attention_at = ("{prefix}{base_model}", "layers")
+
     def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return () if self.mlp == "moe" else ("split_gather",)
+        return ("split_gather",) + self.split_attention_modes()
+
+    def supports_sequence_overlap(self) -> bool:
+        """enable_sequence_overlap with split_gather: the blocks' input
+        gathers overlap their column layers' matmuls (see
+        sequence_parallel_replacements); not for MoE, whose router needs the
+        gathered tokens before any expert runs."""
+        return self.mlp != "moe"
+
+    def postprocess(self):
+        model = super().postprocess()
+        if self.tensor_parallel and self.shard_config.sequence_parallel and self.tp_size > 1:
+            from shardformer.layer.sequence import refuse_recorded_hidden_states
+
+            # split_gather only: all_to_all / ring_attn refuse them in their own hooks
+            refuse_recorded_hidden_states(self.model, type(self.model).__name__)
+        return model
 
     @property
     def sp(self) -> dict:
@@ -134,9 +166,12 @@ class DecoderShape(FamilyPolicy):
 
     def mlp_replacements(self) -> list[Sub]:
         if self.mlp == "moe":
-            from shardformer.layer.moe import FusedExperts1D
+            from shardformer.layer.moe import FusedExperts1D, RouterInSequenceParallel
 
-            return [Sub("mlp.experts", FusedExperts1D)]
+            if not self.shard_config.sequence_parallel:
+                return [Sub("mlp.experts", FusedExperts1D)]
+            return [Sub("mlp.experts", FusedExperts1D, kwargs={"sequence_parallel": True}),
+                    Sub("mlp.gate", RouterInSequenceParallel)]
         sp = self.sp
         if self.mlp == "fused":
             up = [Sub("mlp.gate_up_proj", Linear1D_Col, kwargs={"split": Fused.equal(2), **sp})]
@@ -147,7 +182,13 @@ class DecoderShape(FamilyPolicy):
     def sequence_parallel_replacements(self) -> tuple[list[Sub], list[Sub]]:
         """(decoder-layer subs, base-model subs) of split-gather sequence
         parallelism: the blocks, the layer's other parameters (norms: used on
-        this rank's rows, gradients all-reduced), the split and the gather."""
+        this rank's rows, gradients all-reduced), the split and the gather.
+        With enable_sequence_overlap (sp_overlap) the blocks take overlap=True:
+        the block's gather is shared by its column layers and overlapped with
+        their matmuls of this rank's rows (linear.gather_block_input: the
+        module still receives the gathered sequence, since HF's attention
+        reads its shape before the projections); the row layers' partial
+        sums leave through the block's reduce-scatter as without overlap."""
         from shardformer.layer.replicated import ReplicatedInParallelRegion
         from shardformer.layer.sequence import SequenceParallelRegion, SequenceState
 
@@ -155,7 +196,7 @@ class DecoderShape(FamilyPolicy):
         base = self.model.get_submodule(self.base_prefix()) if self.base_prefix() else self.model
         layers = base.layers
         first = layers[0]
-        block = {"role": "block", "state": state}
+        block = {"role": "block", "state": state, **({"overlap": True} if sp_overlap(self.shard_config) else {})}
         subs = [Sub("self_attn", SequenceParallelRegion, kwargs=block),
                 Sub("mlp", SequenceParallelRegion, kwargs=block)]
         subs += [Sub(child, ReplicatedInParallelRegion) for child, module in first.named_children()
@@ -179,6 +220,14 @@ class DecoderShape(FamilyPolicy):
         if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
             raise ValueError(f"{type(self.model).__name__}: pretraining_tp={cfg.pretraining_tp} is not supported "
                              "(set it to 1)")
+        jitter = getattr(cfg, "router_jitter_noise", 0.0) if self.mlp == "moe" else 0.0
+        if self.tensor_parallel and jitter:
+            raise ValueError(f"{type(self.model).__name__}: router_jitter_noise={jitter} is not supported: "
+                             "each rank would draw its own noise and route tokens differently (set it to 0)")
+        if self.shard_config.split_attention_mode == "ring_attn":
+            from shardformer.layer.sequence_attention import check_ring_config
+
+            check_ring_config(cfg, type(self.model).__name__)
 
     def body_policy(self):
         if not self.tensor_parallel:
@@ -219,36 +268,190 @@ def decoder_heads(prefix: str, *, base: str = "Model", qa: bool = True, token: b
     return heads
 
 
+# ---- Split-gather sequence parallelism of blocks whose row layers have a bias ----
+#
+# GPT-2, BERT, GPT-Neo, GPT-J, BLOOM: the row layer's output passes a bias and
+# a residual dropout (and, in BERT, the residual add and the post-norm)
+# inside the attention / MLP module, so the sum over ranks has to happen at
+# the row layer, not at the module's output (DecoderShape's "block" role).
+# Megatron's layout (shardformer.layer.sequence, role "enter"):
+#
+#   between layers          hidden states split along the sequence: this rank's rows
+#   attention / MLP module  role "enter": input all-gathered along S (backward:
+#                           reduce-scatter of dX), saved as local rows, re-gathered once
+#   column layers           sequence_parallel=True: no copy_to_tp_region
+#   row layers              reduce_scatter=True: reduce-scatter of the partial sums
+#                           along S (backward: all-gather), then the bias on this
+#                           rank's rows, its gradient all-reduced
+#   residual dropouts       on this rank's rows: a different mask per rank
+#   norms                   on this rank's rows: gradients all-reduced
+#   first / last layer      split the input (backward: all-gather) / gather the
+#                           output (backward: this rank's rows)
+
+
+def sp_linear_kwargs(shard_config) -> tuple[dict, dict]:
+    """(column kwargs, row kwargs) of the Linear layers in a block: with
+    split-gather SP the column layers read the gathered input
+    (sequence_parallel=True) and the row layers reduce-scatter and add their
+    bias themselves (reduce_scatter=True); without SP, none."""
+    if not shard_config.sequence_parallel:
+        return {}, {}
+    return {"sequence_parallel": True}, {"sequence_parallel": True, "reduce_scatter": True}
+
+
+def sp_overlap(shard_config) -> bool:
+    """ShardConfig.enable_sequence_overlap with split-gather SP: the MLP's up
+    projection (and GPT-2's c_attn) gathers its own input rows, overlapping
+    the all-gather with its matmul and, backward, the reduce-scatter of dX
+    with dW (Linear1D_Col gather_input=True, overlap=True) instead of the
+    module's "enter" gather.  DecoderShape: every block's gather, shared by
+    its column layers (SequenceParallelRegion overlap=True)."""
+    return bool(shard_config.sequence_parallel and getattr(shard_config, "enable_sequence_overlap", False))
+
+
+def sp_gathering(col: dict, state=None) -> dict:
+    """The kwargs of a column layer that gathers its input rows itself, with
+    overlap; `state`: drop the padding (exact sequence, for an attention)."""
+    return {**col, "gather_input": True, "overlap": True, **({"sequence_state": state} if state is not None else {})}
+
+
+def residual_dropout(shard_config) -> type:
+    """The class of a dropout after a row layer: on the replicated output
+    under TP (DropoutForReplicatedInput, one mask), on this rank's rows
+    under SP (DropoutForParallelInput, a mask per rank)."""
+    return DropoutForParallelInput if shard_config.sequence_parallel else DropoutForReplicatedInput
+
+
+def sp_layer_subs(entered, norms, state) -> list[Sub]:
+    """The SP hooks inside one layer: the modules at `entered` take role
+    "enter" (input all-gathered along S), the modules at `norms` (used on
+    this rank's rows) get their parameter gradients all-reduced."""
+    from shardformer.layer.replicated import ReplicatedInParallelRegion
+    from shardformer.layer.sequence import SequenceParallelRegion
+
+    return ([Sub(path, SequenceParallelRegion, kwargs={"role": "enter", "state": state}) for path in entered]
+            + [Sub(path, ReplicatedInParallelRegion) for path in norms])
+
+
+def sp_ends(layers: str, count: int, state) -> list[Sub]:
+    """The split at `layers`.0's input and the gather at the last layer's
+    output (both on one module when there is one layer)."""
+    from shardformer.layer.sequence import SequenceParallelRegion
+
+    if count == 1:
+        return [Sub(f"{layers}.0", SequenceParallelRegion, kwargs={"role": ("split", "gather"), "state": state})]
+    return [Sub(f"{layers}.0", SequenceParallelRegion, kwargs={"role": "split", "state": state}),
+            Sub(f"{layers}.{count - 1}", SequenceParallelRegion, kwargs={"role": "gather", "state": state})]
+
+
+def parameterized_children(module, skip=()) -> list[str]:
+    """Names of `module`'s children that hold parameters, except `skip`."""
+    return [name for name, child in module.named_children()
+            if name not in skip and any(True for _ in child.parameters())]
+
+
+def _new_state():
+    from shardformer.layer.sequence import SequenceState
+
+    return SequenceState()
+
+
+class SplitGatherMixin:
+    """Mixed into the shapes whose row layers reduce-scatter themselves
+    (EncoderShape, GPTBlockShape, FusedQKVShape, VisionShape, OPT): they
+    implement ShardConfig.enable_sequence_overlap (supports_sequence_overlap:
+    a sharder may refuse the switch for policies without it), and after
+    substitution the top-level model refuses output_hidden_states=True (the
+    layers' outputs are this rank's rows), see refuse_recorded_hidden_states."""
+
+    def supports_sequence_overlap(self) -> bool:
+        return True
+
+    def postprocess(self):
+        model = super().postprocess()
+        if self.tensor_parallel and self.shard_config.sequence_parallel and self.tp_size > 1:
+            from shardformer.layer.sequence import refuse_recorded_hidden_states
+
+            refuse_recorded_hidden_states(self.model, type(self.model).__name__)
+        return model
+
+
 # ---- EncoderShape: BERT-shaped encoders ----
 
-def bert_attention(prefix: str, heads: Heads) -> tuple[dict, list[Sub]]:
+def bert_attention(prefix: str, heads: Heads, col: dict | None = None, row: dict | None = None,
+                   resid_dropout: type = DropoutForReplicatedInput, kv_col: dict | None = None
+                   ) -> tuple[dict, list[Sub]]:
     """(attributes, sub-module replacements) of one BERT-style attention block
     at `prefix` (`attention` or `crossattention`): Q/K/V column-parallel by
-    head, output dense row-parallel (all-reduce forward)."""
+    head, output dense row-parallel (all-reduce forward).  `col` / `row`:
+    extra kwargs of the column / row layers (sequence parallelism,
+    sp_linear_kwargs), `kv_col` those of key and value when they differ (a
+    cross attention's keys come from the replicated encoder states), and
+    `resid_dropout` the class of output.dropout (residual_dropout)."""
+    col, row = col or {}, row or {}
+    kv_col = col if kv_col is None else kv_col
     attrs = {f"{prefix}.self.num_attention_heads": heads.local_heads(),
              f"{prefix}.self.all_head_size": heads.local_width(heads.head_dim)}
-    subs = [Sub(f"{prefix}.self.{p}", Linear1D_Col, kwargs={"split": heads.q}) for p in ("query", "key", "value")]
+    subs = [Sub(f"{prefix}.self.{p}", Linear1D_Col, kwargs={"split": heads.q, **(col if p == "query" else kv_col)})
+            for p in ("query", "key", "value")]
     subs += [Sub(f"{prefix}.self.dropout", DropoutForParallelInput),
-             Sub(f"{prefix}.output.dense", Linear1D_Row, kwargs={"split": heads.q}),
-             Sub(f"{prefix}.output.dropout", DropoutForReplicatedInput)]
+             Sub(f"{prefix}.output.dense", Linear1D_Row, kwargs={"split": heads.q, **row}),
+             Sub(f"{prefix}.output.dropout", resid_dropout)]
     return attrs, subs
 
 
-class EncoderShape(FamilyPolicy):
+class EncoderShape(SplitGatherMixin, FamilyPolicy):
+    """Split-gather sequence parallelism (the layout above sp_linear_kwargs):
+    the hidden states are split at the first `<prefix>Layer` (the embeddings,
+    with their positions, token types and dropout, run before it on the full
+    sequence) and gathered after the last one (pooler and heads see the full
+    sequence).  In each layer attention.self and intermediate take role
+    "enter" (the attention mask is bidirectional: the gathered sequence is
+    the whole one); attention.output.dense and output.dense reduce-scatter
+    and add their bias on this rank's rows; their dropouts draw a mask per
+    rank; the post-norms attention.output.LayerNorm and output.LayerNorm run
+    on this rank's rows and get their gradients all-reduced.  A cross
+    attention (add_cross_attention) gathers its query input the same way,
+    while its key / value read the replicated encoder states as under TP.
+    With enable_sequence_overlap, intermediate.dense gathers its input rows
+    itself, the all-gather overlapping its matmul (sp_overlap).
+    Refused with chunk_size_feed_forward (HF would chunk this rank's rows)."""
+
     prefix = ""
+
+    split_attention_at = ("{prefix}Encoder", "layer")
+
+    def sequence_parallel_modes(self) -> tuple[str, ...]:
+        return ("split_gather",) + self.split_attention_modes()
+
+    def config_sanity_check(self):
+        super().config_sanity_check()
+        if self.shard_config.sequence_parallel and getattr(self.model.config, "chunk_size_feed_forward", 0):
+            raise NotImplementedError(
+                f"{type(self.model).__name__}: sequence parallelism (split_gather) with chunk_size_feed_forward="
+                f"{self.model.config.chunk_size_feed_forward} is not available (set it to 0)")
 
     def heads_layout(self) -> Heads:
         cfg = self.model.config
         return Heads(cfg.num_attention_heads, cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads)
 
     def layer_description(self, heads: Heads) -> ModulePolicyDescription:
-        attrs, subs = bert_attention("attention", heads)
-        if getattr(self.model.config, "add_cross_attention", False):
-            cross_attrs, cross_subs = bert_attention("crossattention", heads)
+        col, row = sp_linear_kwargs(self.shard_config)
+        drop = residual_dropout(self.shard_config)
+        cross = getattr(self.model.config, "add_cross_attention", False)
+        attrs, subs = bert_attention("attention", heads, col, row, drop)
+        if cross:
+            cross_attrs, cross_subs = bert_attention("crossattention", heads, col, row, drop, kv_col={})
             attrs.update(cross_attrs)
             subs += cross_subs
-        subs += [Sub("intermediate.dense", Linear1D_Col), Sub("output.dense", Linear1D_Row),
-                 Sub("output.dropout", DropoutForReplicatedInput)]
+        overlap = sp_overlap(self.shard_config)
+        subs += [Sub("intermediate.dense", Linear1D_Col, kwargs=sp_gathering(col) if overlap else col),
+                 Sub("output.dense", Linear1D_Row, kwargs=row), Sub("output.dropout", drop)]
+        if self.shard_config.sequence_parallel:
+            attentions = ["attention", "crossattention"] if cross else ["attention"]
+            subs += sp_layer_subs([f"{a}.self" for a in attentions] + ([] if overlap else ["intermediate"]),
+                                  [f"{a}.output.LayerNorm" for a in attentions] + ["output.LayerNorm"],
+                                  self.sequence_state)
         return ModulePolicyDescription(attribute_replacement=attrs, sub_module_replacement=subs)
 
     def embeddings_description(self) -> ModulePolicyDescription:
@@ -259,20 +462,27 @@ class EncoderShape(FamilyPolicy):
     def body_policy(self):
         if not self.tensor_parallel:
             return {}
-        return {f"{self.prefix}Layer": self.layer_description(self.heads_layout()),
-                f"{self.prefix}Embeddings": self.embeddings_description()}
+        self.sequence_state = _new_state() if self.shard_config.sequence_parallel else None
+        policy = {f"{self.prefix}Layer": self.layer_description(self.heads_layout()),
+                  f"{self.prefix}Embeddings": self.embeddings_description()}
+        if self.shard_config.sequence_parallel:
+            policy[f"{self.prefix}Encoder"] = ModulePolicyDescription(sub_module_replacement=sp_ends(
+                "layer", self.model.config.num_hidden_layers, self.sequence_state))
+        return policy
 
 
 # ---- VisionShape / StageShape: ViT-style layers, Swin-style stages ----
 
 def attention_by_heads(prefix: str, heads: Heads, q: str = "q_proj", k: str = "k_proj", v: str = "v_proj",
-                       o: str = "o_proj") -> list[Sub]:
+                       o: str = "o_proj", col: dict | None = None, row: dict | None = None) -> list[Sub]:
     """An attention whose q/k/v projections (at `prefix`.q, .k, .v) are split by
     heads, column-parallel, and whose output projection `prefix`.o is split by
-    the same heads on its input, row-parallel (all-reduce forward)."""
+    the same heads on its input, row-parallel (all-reduce forward).  `col` /
+    `row`: extra kwargs of the column / row layers (sp_linear_kwargs)."""
     at = f"{prefix}." if prefix else ""
-    return [Sub(f"{at}{name}", Linear1D_Col, kwargs={"split": heads.q}) for name in (q, k, v)] + [
-        Sub(f"{at}{o}", Linear1D_Row, kwargs={"split": heads.q})]
+    col, row = col or {}, row or {}
+    return [Sub(f"{at}{name}", Linear1D_Col, kwargs={"split": heads.q, **col}) for name in (q, k, v)] + [
+        Sub(f"{at}{o}", Linear1D_Row, kwargs={"split": heads.q, **row})]
 
 
 def bias_table_split(num_heads: int) -> dict:
@@ -292,8 +502,22 @@ def stage_heads(cfg) -> list[Heads]:
     return out
 
 
-class VisionShape(FamilyPolicy):
+class VisionShape(SplitGatherMixin, FamilyPolicy):
+    """Split-gather sequence parallelism (the layout above sp_linear_kwargs;
+    ViT, not BEiT or the Swin stages): the patch tokens (with [CLS]) are
+    split along the sequence from layers.0 to the last layer (embeddings,
+    final norm, pooler and heads see the whole sequence); attention and mlp
+    all-gather their input (bidirectional attention over the whole
+    sequence); o_proj and fc2 reduce-scatter and add their bias on this
+    rank's rows; the layer's dropout then draws a mask per rank and
+    layernorm_before / layernorm_after get their gradients all-reduced."""
+
     prefix = ""
+
+    split_attention_at = ("{prefix}Model", "layers")
+
+    def sequence_parallel_modes(self) -> tuple[str, ...]:
+        return ("split_gather",) + self.split_attention_modes()
 
     def heads_layout(self) -> Heads:
         cfg = self.model.config
@@ -301,14 +525,27 @@ class VisionShape(FamilyPolicy):
         return Heads(cfg.num_attention_heads, cfg.num_attention_heads, head_dim)
 
     def layer_replacements(self, heads: Heads) -> list[Sub]:
-        return attention_by_heads("attention", heads) + [
-            Sub("mlp.fc1", Linear1D_Col), Sub("mlp.fc2", Linear1D_Row), Sub("dropout", DropoutForReplicatedInput)]
+        col, row = sp_linear_kwargs(self.shard_config)
+        up = sp_gathering(col) if sp_overlap(self.shard_config) else col
+        return attention_by_heads("attention", heads, col=col, row=row) + [
+            Sub("mlp.fc1", Linear1D_Col, kwargs=up), Sub("mlp.fc2", Linear1D_Row, kwargs=row),
+            Sub("dropout", residual_dropout(self.shard_config))]
 
     def body_policy(self):
         if not self.tensor_parallel:
             return {}
-        return {f"{self.prefix}Layer": ModulePolicyDescription(
-            sub_module_replacement=self.layer_replacements(self.heads_layout()))}
+        subs = self.layer_replacements(self.heads_layout())
+        policy = {}
+        if self.shard_config.sequence_parallel:
+            state = _new_state()
+            layers = [m for m in self.model.modules() if type(m).__name__ == f"{self.prefix}Layer"]
+            norms = parameterized_children(layers[0], skip=("attention", "mlp"))
+            entered = ["attention"] + ([] if sp_overlap(self.shard_config) else ["mlp"])
+            subs += sp_layer_subs(entered, norms, state)
+            policy[f"{self.prefix}Model"] = ModulePolicyDescription(
+                sub_module_replacement=sp_ends("layers", len(layers), state))
+        policy[f"{self.prefix}Layer"] = ModulePolicyDescription(sub_module_replacement=subs)
+        return policy
 
     def active_heads(self):
         # num_labels=0: HF's classifier is an nn.Identity, nothing to split.
@@ -318,6 +555,11 @@ class VisionShape(FamilyPolicy):
 
 
 class StageShape(VisionShape):
+    split_attention_at = None
+
+    def sequence_parallel_modes(self) -> tuple[str, ...]:
+        return ()      # windowed attention over stages of different lengths: refused by name
+
     def block_replacements(self, heads: Heads) -> list[Sub]:
         """Replacements of one block of a stage with `heads` (paths under the block)."""
         return attention_by_heads("attention", heads) + [
@@ -357,7 +599,7 @@ def gpt_heads(prefix: str, *, token: bool = True) -> dict:
     return heads
 
 
-class GPTBlockShape(FamilyPolicy):
+class GPTBlockShape(SplitGatherMixin, FamilyPolicy):
     """A GPT-style decoder (GPT-Neo, GPT-J; GPT-2 by subclass, policies/gpt2.py).
     Per block (`<prefix>Block`, h.*), with <attn> the attention module:
 
@@ -373,6 +615,19 @@ class GPTBlockShape(FamilyPolicy):
     The attention splits and merges heads with one head-count attribute, which
     becomes this rank's count.
 
+    Split-gather sequence parallelism (the layout above sp_linear_kwargs):
+    the hidden states are split at h.0 (after the embeddings and their
+    dropout, on the full sequence) and gathered after the last block (ln_f
+    and the heads see the full sequence).  <attn> and mlp take role "enter"
+    (input all-gathered: the causal attention sees the whole sequence, the
+    KV cache holds it); the row layers (out_proj, mlp.<down>) reduce-scatter
+    and add their bias on this rank's rows; resid_dropout and mlp.dropout
+    then draw a mask per rank; the block's norms (ln_1, ln_2) run on this
+    rank's rows, gradients all-reduced.  GPT-J's parallel attention and MLP
+    read the same ln_1 output and gather it once each.  With
+    enable_sequence_overlap, mlp.<up> gathers its input rows itself, the
+    all-gather overlapping its matmul (sp_overlap).
+
     Options: prefix ("GPTNeo"), attention (path of the attention module under
     the block: "attn.attention"), heads_attribute ("num_heads"), mlp_names
     ((up, down): ("c_fc", "c_proj")).
@@ -382,6 +637,26 @@ class GPTBlockShape(FamilyPolicy):
     attention = "attn"
     heads_attribute = "num_heads"
     mlp_names = ("c_fc", "c_proj")
+
+    def sequence_parallel_modes(self) -> tuple[str, ...]:
+        return ("split_gather",) + self.split_attention_modes()
+
+    def blocks(self) -> list:
+        """The model's `<prefix>Block` modules, in order."""
+        return [m for m in self.model.modules() if type(m).__name__ == f"{self.prefix}Block"]
+
+    def sp_entered(self) -> list[str]:
+        """The modules that gather their input (role "enter"): with overlap
+        the MLP's up projection gathers its rows itself."""
+        return [self.attention] + ([] if sp_overlap(self.shard_config) else ["mlp"])
+
+    def sequence_parallel_subs(self) -> tuple[list[Sub], list[Sub]]:
+        """(block subs, `<prefix>Model` subs) of split-gather SP."""
+        state = self.sequence_state
+        blocks = self.blocks()
+        root = self.attention.split(".")[0]
+        norms = parameterized_children(blocks[0], skip=(root, "mlp"))
+        return sp_layer_subs(self.sp_entered(), norms, state), sp_ends("h", len(blocks), state)
 
     def heads_layout(self) -> Heads:
         cfg = self.model.config
@@ -393,33 +668,42 @@ class GPTBlockShape(FamilyPolicy):
 
     def attention_replacements(self, heads: Heads) -> list[Sub]:
         a = self.attention
-        return [Sub(f"{a}.{p}", Linear1D_Col, kwargs={"split": heads.q}) for p in ("q_proj", "k_proj", "v_proj")] + \
-            [Sub(f"{a}.out_proj", Linear1D_Row, kwargs={"split": heads.q})]
+        col, row = sp_linear_kwargs(self.shard_config)
+        return [Sub(f"{a}.{p}", Linear1D_Col, kwargs={"split": heads.q, **col})
+                for p in ("q_proj", "k_proj", "v_proj")] + \
+            [Sub(f"{a}.out_proj", Linear1D_Row, kwargs={"split": heads.q, **row})]
 
     def mlp_replacements(self) -> list[Sub]:
         up, down = self.mlp_names
-        return [Sub(f"mlp.{up}", Linear1D_Col), Sub(f"mlp.{down}", Linear1D_Row)]
+        col, row = sp_linear_kwargs(self.shard_config)
+        up_kwargs = sp_gathering(col) if sp_overlap(self.shard_config) else col
+        return [Sub(f"mlp.{up}", Linear1D_Col, kwargs=up_kwargs), Sub(f"mlp.{down}", Linear1D_Row, kwargs=row)]
 
     def body_policy(self):
         if not self.tensor_parallel:
             return {}
+        self.sequence_state = _new_state() if self.shard_config.sequence_parallel else None
         heads, a = self.heads_layout(), self.attention
+        drop = residual_dropout(self.shard_config)
+        block_subs = self.attention_replacements(heads) + [
+            Sub(f"{a}.attn_dropout", DropoutForParallelInput),
+            Sub(f"{a}.resid_dropout", drop),
+        ] + self.mlp_replacements() + [Sub("mlp.dropout", drop)]
+        model_subs = [Sub("wte", VocabParallelEmbedding1D, kwargs=self.vocab_kwargs()),
+                      Sub("drop", DropoutForReplicatedInput)]
+        if self.shard_config.sequence_parallel:
+            sp_block, sp_model = self.sequence_parallel_subs()
+            block_subs, model_subs = block_subs + sp_block, model_subs + sp_model
         return {
             f"{self.prefix}Block": ModulePolicyDescription(
                 attribute_replacement=self.attention_attributes(heads),
-                sub_module_replacement=self.attention_replacements(heads) + [
-                    Sub(f"{a}.attn_dropout", DropoutForParallelInput),
-                    Sub(f"{a}.resid_dropout", DropoutForReplicatedInput),
-                ] + self.mlp_replacements() + [Sub("mlp.dropout", DropoutForReplicatedInput)],
+                sub_module_replacement=block_subs,
             ),
-            f"{self.prefix}Model": ModulePolicyDescription(sub_module_replacement=[
-                Sub("wte", VocabParallelEmbedding1D, kwargs=self.vocab_kwargs()),
-                Sub("drop", DropoutForReplicatedInput),
-            ]),
+            f"{self.prefix}Model": ModulePolicyDescription(sub_module_replacement=model_subs),
         }
 
 
-class FusedQKVShape(FamilyPolicy):
+class FusedQKVShape(SplitGatherMixin, FamilyPolicy):
     """A BLOOM-shaped decoder (BLOOM; Falcon by subclass, policies/falcon.py).
     Per layer (`<prefix><layer>`, h.*):
 
@@ -432,11 +716,50 @@ class FusedQKVShape(FamilyPolicy):
         mlp.dense_h_to_4h / dense_4h_to_h Linear1D_Col / Linear1D_Row
         <prefix>Model.word_embeddings     VocabParallelEmbedding1D
 
+    Split-gather sequence parallelism (the layout above sp_linear_kwargs):
+    the hidden states are split at h.0 and gathered after the last layer;
+    self_attention and mlp take role "enter" (the ALiBi bias and the causal
+    mask are built by the model for the whole sequence, which the gathered
+    attention input is); query_key_value and dense_h_to_4h read the gathered
+    input; dense and dense_4h_to_h reduce-scatter and add their bias on this
+    rank's rows; the layer norms run on this rank's rows (gradients
+    all-reduced).  The residual dropouts are functional calls
+    (dropout_add(x, residual, p)) with the probability in the attributes
+    named by `residual_dropouts()`: those become 0 and p moves into the row
+    layers (Linear1D_Row dropout=p: a mask per rank, on its rows).  With
+    enable_sequence_overlap, dense_h_to_4h gathers its input rows itself,
+    the all-gather overlapping its matmul (sp_overlap).
+
     Options: prefix ("Bloom"), layer (layer class suffix: "Block", "DecoderLayer").
     """
 
     prefix = ""
     layer = "Block"
+
+    def sequence_parallel_modes(self) -> tuple[str, ...]:
+        return ("split_gather",)
+
+    def residual_dropouts(self) -> tuple[float, tuple[str, ...]]:
+        """(p, attributes under the layer holding p) of the functional residual
+        dropouts after the row layers."""
+        return float(self.model.config.hidden_dropout), ("self_attention.hidden_dropout", "mlp.hidden_dropout")
+
+    def sequence_parallel_description(self, attributes: dict, subs: list[Sub]) -> tuple[dict, list[Sub], list[Sub]]:
+        """(layer attributes, layer subs, `<prefix>Model` subs) with split-gather SP."""
+        col, row = sp_linear_kwargs(self.shard_config)
+        p, attrs = self.residual_dropouts()
+        if p:
+            row = {**row, "dropout": p}
+        overlap = sp_overlap(self.shard_config)
+        kinds = {"self_attention.query_key_value": col, "mlp.dense_h_to_4h": sp_gathering(col) if overlap else col,
+                 "self_attention.dense": row, "mlp.dense_4h_to_h": row}
+        subs = [replace(s, kwargs={**(s.kwargs or {}), **kinds.get(s.suffix, {})}) for s in subs]
+        attributes = {**attributes, **{a: 0.0 for a in attrs}}
+        state = _new_state()
+        layers = [m for m in self.model.modules() if type(m).__name__ == f"{self.prefix}{self.layer}"]
+        norms = parameterized_children(layers[0], skip=("self_attention", "mlp"))
+        entered = ["self_attention"] + ([] if overlap else ["mlp"])
+        return (attributes, subs + sp_layer_subs(entered, norms, state), sp_ends("h", len(layers), state))
 
     def qkv_layout(self) -> tuple[Heads, object, dict]:
         """(heads, split of query_key_value's rows, {attention attribute: per-rank value})."""
@@ -450,17 +773,21 @@ class FusedQKVShape(FamilyPolicy):
         if not self.tensor_parallel:
             return {}
         heads, qkv, attributes = self.qkv_layout()
+        subs = [
+            Sub("self_attention.query_key_value", Linear1D_Col, kwargs={"split": qkv}),
+            Sub("self_attention.dense", Linear1D_Row, kwargs={"split": heads.q}),
+            Sub("self_attention.attention_dropout", DropoutForParallelInput),
+            Sub("mlp.dense_h_to_4h", Linear1D_Col),
+            Sub("mlp.dense_4h_to_h", Linear1D_Row),
+        ]
+        model_subs = [Sub("word_embeddings", VocabParallelEmbedding1D, kwargs=self.vocab_kwargs())]
+        if self.shard_config.sequence_parallel:
+            attributes, subs, sp_model = self.sequence_parallel_description(attributes, subs)
+            model_subs += sp_model
         return {
             f"{self.prefix}{self.layer}": ModulePolicyDescription(
                 attribute_replacement=attributes,
-                sub_module_replacement=[
-                    Sub("self_attention.query_key_value", Linear1D_Col, kwargs={"split": qkv}),
-                    Sub("self_attention.dense", Linear1D_Row, kwargs={"split": heads.q}),
-                    Sub("self_attention.attention_dropout", DropoutForParallelInput),
-                    Sub("mlp.dense_h_to_4h", Linear1D_Col),
-                    Sub("mlp.dense_4h_to_h", Linear1D_Row),
-                ],
+                sub_module_replacement=subs,
             ),
-            f"{self.prefix}Model": ModulePolicyDescription(sub_module_replacement=[
-                Sub("word_embeddings", VocabParallelEmbedding1D, kwargs=self.vocab_kwargs())]),
+            f"{self.prefix}Model": ModulePolicyDescription(sub_module_replacement=model_subs),
         }

@@ -20,6 +20,41 @@ embeddings and LM head.
 T5Attention infers the head count from the projection width except where it
 builds a zero position bias (n_heads) for layers without the bias table, so
 n_heads and inner_dim become this rank's values.
+
+Split-gather sequence parallelism (shardformer.layer.sequence): each stack
+(encoder, decoder) has its own SequenceState; its hidden states are split
+at block.0 (after the embeddings and the stack's dropout, full sequence)
+and gathered after its last block (final_layer_norm, dropout and the heads
+see the full sequence).  Inside a block:
+
+    layer.0.SelfAttention       role "block": input all-gathered along S (the
+                                attention, its mask and the relative position
+                                bias, built from the gathered length in block
+                                0 and passed on, cover the whole sequence),
+                                o's partial sums reduce-scattered at the output
+    layer.1.EncDecAttention     role "block" (decoder): the query rows gathered
+                                the same way; k and v read the encoder output,
+                                which is the full sequence on every rank
+                                (gathered after the encoder): plain column
+                                layers (gradient all-reduced), as under TP
+    layer.-1.DenseReluDense     role "block" (wi / wi_0, wi_1 read the gathered
+                                input; wo's partial sums reduce-scattered)
+    q (and k, v of self attention), wi*   Linear1D_Col(sequence_parallel=True)
+    o, wo                       Linear1D_Row(sequence_parallel=True): T5 has no
+                                biases, so the blocks' output reduce-scatter sums
+    layer.*.layer_norm          on this rank's rows, gradients all-reduced
+    layer.*.dropout             on this rank's rows: DropoutForParallelInput
+
+The region hooks sit on paths under the modules that own the stacks
+(T5Model, T5EncoderModel, T5ForConditionalGeneration,
+T5ForQuestionAnswering), since T5Stack is one class for both stacks and each
+stack needs its own state (a recomputed encoder block in backward must not
+read the decoder's length).  output_hidden_states is refused
+(SplitGatherMixin).  With enable_sequence_overlap the three regions take
+overlap=True (shardformer.layer.linear.gather_block_input): the block's one
+all-gather is in flight while this rank's rows go through its
+sequence-parallel column layers (q, k, v; the cross attention's q; wi or
+wi_0 / wi_1), which share it.
 """
 from __future__ import annotations
 
@@ -35,6 +70,7 @@ from shardformer.layer import (
     VocabParallelEmbedding1D,
 )
 from shardformer.layout import Heads
+from shardformer.policies.shapes import SplitGatherMixin, _new_state, residual_dropout, sp_ends, sp_overlap
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
@@ -43,36 +79,91 @@ from shardformer.policy import SubModuleReplacementDescription as Sub
 _TIED = ("encoder.embed_tokens", "decoder.embed_tokens")
 
 
-class T5Shape(FamilyPolicy):
+# The modules whose `encoder` / `decoder` are the T5Stacks (the classification
+# and token models hold a T5Model / T5EncoderModel as `transformer`).
+_OWNERS = ("T5Model", "T5EncoderModel", "T5ForConditionalGeneration", "T5ForQuestionAnswering")
+
+
+class T5Shape(SplitGatherMixin, FamilyPolicy):
+    def sequence_parallel_modes(self) -> tuple[str, ...]:
+        return ("split_gather",)
+
+    def attention_description(self, heads: Heads, attention: str, col: dict, row: dict, kv_col: dict) -> list[Sub]:
+        """q, k, v, o of the T5Attention at `attention` (under its T5Layer*):
+        `col` / `row` the extra kwargs of q and o, `kv_col` those of k and v."""
+        return [Sub(f"{attention}.q", Linear1D_Col, kwargs={"split": heads.q, **col}),
+                Sub(f"{attention}.k", Linear1D_Col, kwargs={"split": heads.q, **kv_col}),
+                Sub(f"{attention}.v", Linear1D_Col, kwargs={"split": heads.q, **kv_col}),
+                Sub(f"{attention}.o", Linear1D_Row, kwargs={"split": heads.q, **row})]
+
+    def sequence_parallel_ends(self) -> dict:
+        """{owner class: the split / gather of each stack and its blocks' regions}."""
+        from shardformer.layer.sequence import SequenceParallelRegion
+
+        policy = {}
+        overlap = sp_overlap(self.shard_config)
+        for owner in self.model.modules():
+            cls = type(owner).__name__
+            if cls not in _OWNERS or cls in policy:
+                continue
+            subs = []
+            for stack_name in ("encoder", "decoder"):
+                stack = getattr(owner, stack_name, None)
+                if stack is None:
+                    continue
+                state = _new_state()
+                block = {"role": "block", "state": state, **({"overlap": True} if overlap else {})}
+                if stack.is_decoder:
+                    regions = ["layer.0.SelfAttention", "layer.1.EncDecAttention", "layer.2.DenseReluDense"]
+                else:
+                    regions = ["layer.0.SelfAttention", "layer.1.DenseReluDense"]
+                subs += [Sub(f"{stack_name}.block.*.{r}", SequenceParallelRegion, kwargs=block) for r in regions]
+                subs += sp_ends(f"{stack_name}.block", len(stack.block), state)
+            policy[cls] = ModulePolicyDescription(sub_module_replacement=subs)
+        return policy
+
     def body_policy(self):
         if not self.tensor_parallel:
             return {}
         cfg = self.model.config
         heads = Heads(cfg.num_heads, cfg.num_heads, cfg.d_kv)
+        sp = self.shard_config.sequence_parallel
+        # T5 has no biases: with SP the row layers leave partial sums to the blocks' reduce-scatter
+        col = row = {"sequence_parallel": True} if sp else {}
+        drop = residual_dropout(self.shard_config)
         policy = {
             "T5Attention": ModulePolicyDescription(
                 attribute_replacement={"n_heads": heads.local_heads(), "inner_dim": heads.local_width(cfg.d_kv)},
                 sub_module_replacement=[
-                    Sub("q", Linear1D_Col, kwargs={"split": heads.q}),
-                    Sub("k", Linear1D_Col, kwargs={"split": heads.q}),
-                    Sub("v", Linear1D_Col, kwargs={"split": heads.q}),
-                    Sub("o", Linear1D_Row, kwargs={"split": heads.q}),
                     Sub("relative_attention_bias", Embedding1D,
                         kwargs={"split": Heads(cfg.num_heads).q, "gather_output": False}, ignore_if_not_exist=True),
                 ]),
+            "T5LayerSelfAttention": ModulePolicyDescription(sub_module_replacement=[
+                *self.attention_description(heads, "SelfAttention", col, row, col), Sub("dropout", drop)]),
+            # the cross attention's keys and values read the encoder output (full sequence, replicated)
+            "T5LayerCrossAttention": ModulePolicyDescription(sub_module_replacement=[
+                *self.attention_description(heads, "EncDecAttention", col, row, {}), Sub("dropout", drop)]),
+            "T5LayerFF": ModulePolicyDescription(sub_module_replacement=[Sub("dropout", drop)]),
             "T5DenseActDense": ModulePolicyDescription(sub_module_replacement=[
-                Sub("wi", Linear1D_Col), Sub("wo", Linear1D_Row), Sub("dropout", DropoutForParallelInput)]),
-            "T5DenseGatedActDense": ModulePolicyDescription(sub_module_replacement=[
-                Sub("wi_0", Linear1D_Col), Sub("wi_1", Linear1D_Col), Sub("wo", Linear1D_Row),
+                Sub("wi", Linear1D_Col, kwargs=col), Sub("wo", Linear1D_Row, kwargs=row),
                 Sub("dropout", DropoutForParallelInput)]),
+            "T5DenseGatedActDense": ModulePolicyDescription(sub_module_replacement=[
+                Sub("wi_0", Linear1D_Col, kwargs=col), Sub("wi_1", Linear1D_Col, kwargs=col),
+                Sub("wo", Linear1D_Row, kwargs=row), Sub("dropout", DropoutForParallelInput)]),
+            "T5Stack": ModulePolicyDescription(sub_module_replacement=[Sub("dropout", DropoutForReplicatedInput)]),
         }
-        for cls in ("T5LayerFF", "T5LayerSelfAttention", "T5LayerCrossAttention", "T5Stack"):
-            policy[cls] = ModulePolicyDescription(sub_module_replacement=[Sub("dropout", DropoutForReplicatedInput)])
-        # The classification / token models hold a T5Model / T5EncoderModel as `transformer`.
-        for cls in ("T5Model", "T5EncoderModel", "T5ForConditionalGeneration", "T5ForQuestionAnswering"):
+        if sp:
+            from shardformer.layer.replicated import ReplicatedInParallelRegion
+
+            for cls in ("T5LayerSelfAttention", "T5LayerCrossAttention", "T5LayerFF"):
+                policy[cls].sub_module_replacement.append(Sub("layer_norm", ReplicatedInParallelRegion))
+        for cls in _OWNERS:
             policy[cls] = ModulePolicyDescription(sub_module_replacement=[
                 Sub(name, VocabParallelEmbedding1D, kwargs=self.vocab_kwargs(), ignore_if_not_exist=True)
                 for name in ("shared", "encoder.embed_tokens", "decoder.embed_tokens")])
+        if sp:
+            for cls, desc in self.sequence_parallel_ends().items():
+                policy[cls].sub_module_replacement += desc.sub_module_replacement
         return policy
 
     def _find_ties(self) -> list[tuple[str, str]]:

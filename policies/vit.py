@@ -13,6 +13,11 @@ heads and MLP features split over the tensor-parallel group.
 Patch embeddings, layer norms, the pooler and the masked-image-modeling
 decoder (a 1x1 convolution) stay replicated.  ViTAttention infers its head
 count from the projection width, so no attribute changes per rank.
+
+Split-gather sequence parallelism: VisionShape's (the patch tokens split along
+the sequence between the first and the last layer; o_proj and fc2
+reduce-scatter and add their bias on this rank's rows; the layer's dropout
+draws a mask per rank; the layer norms' gradients all-reduced).
 """
 from shardformer.family import Family, gathered
 from shardformer.policies.shapes import VisionShape

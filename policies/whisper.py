@@ -16,44 +16,109 @@ The encoder and decoder layers have their own head counts
 reshapes keys and values with num_heads, so num_heads and embed_dim become
 this rank's values.  Whisper's dropouts are functional (torch's global RNG),
 so they are not replaced.
+
+Split-gather sequence parallelism (the layout above sp_linear_kwargs in
+policies/shapes.py), with one SequenceState per stack: the encoder's
+hidden states are split at layers.0 (after conv1, conv2, the positional
+embedding and the dropout, on the full sequence) and gathered after its
+last layer (layer_norm and the heads see the full sequence); the decoder's
+likewise (after its token and position embeddings; the causal mask is built
+for the full sequence).  self_attn and encoder_attn take role "enter" (the
+query input all-gathered; encoder_attn's k_proj / v_proj read the encoder
+output, full on every rank: plain column layers, gradient all-reduced);
+fc1 gathers its input rows itself (Linear1D_Col gather_input=True; with
+enable_sequence_overlap the all-gather overlaps its matmul); out_proj and
+fc2 reduce-scatter and add their bias on this rank's rows.  The layers'
+residual dropouts are functional calls with the layer's `dropout`: that
+becomes 0 and p moves into out_proj / fc2 (Linear1D_Row dropout=p: a mask
+per rank, on this rank's rows).  The layer norms run on this rank's rows
+(gradients all-reduced).  Refused: encoder_layerdrop / decoder_layerdrop > 0
+(a skipped first or last layer would skip the split or the gather) and
+use_weighted_layer_sum (audio classification reads every layer's hidden
+states); output_hidden_states is refused per call (SplitGatherMixin).
 """
 from __future__ import annotations
 
 from shardformer.family import Family, FamilyPolicy, lm
 from shardformer.layer import Linear1D_Col, Linear1D_Row, VocabParallelEmbedding1D
 from shardformer.layout import Heads
+from shardformer.policies.shapes import (SplitGatherMixin, _new_state, parameterized_children, sp_ends,
+                                         sp_layer_subs, sp_linear_kwargs, sp_overlap)
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
 
-class WhisperShape(FamilyPolicy):
+class WhisperShape(SplitGatherMixin, FamilyPolicy):
     """Option `split_head`: (column, row) module names of a head split by
     features rather than gathered (WhisperForAudioClassification's projector
     and classifier)."""
 
     split_head: tuple[str, str] | None = None
 
+    def sequence_parallel_modes(self) -> tuple[str, ...]:
+        return ("split_gather",)
+
+    def config_sanity_check(self):
+        super().config_sanity_check()
+        if not self.shard_config.sequence_parallel:
+            return
+        cfg, name = self.model.config, type(self.model).__name__
+        for key in ("encoder_layerdrop", "decoder_layerdrop"):
+            if getattr(cfg, key, 0.0):
+                raise NotImplementedError(f"{name}: sequence parallelism (split_gather) with {key}="
+                                          f"{getattr(cfg, key)} is not available for Whisper: a skipped first or "
+                                          f"last layer would skip the split or the gather (set it to 0)")
+        if getattr(cfg, "use_weighted_layer_sum", False) and hasattr(self.model, "layer_weights"):
+            raise NotImplementedError(f"{name}: sequence parallelism (split_gather) with use_weighted_layer_sum="
+                                      f"True is not available for Whisper: the weighted sum reads every layer's "
+                                      f"hidden states, which hold this rank's rows only")
+
+    def layer_description(self, layer_cls: str, n_heads: int, attns: tuple[str, ...], state) -> \
+            ModulePolicyDescription:
+        cfg = self.model.config
+        heads = Heads(n_heads, n_heads, cfg.d_model // n_heads)
+        col, row = sp_linear_kwargs(self.shard_config)
+        sp = self.shard_config.sequence_parallel
+        if sp and cfg.dropout:      # the functional residual dropouts move into the row layers
+            row = {**row, "dropout": float(cfg.dropout)}
+        attrs, subs = {}, []
+        for a in attns:
+            kv = {} if a == "encoder_attn" else col     # the cross attention's k / v read the encoder output
+            attrs[f"{a}.num_heads"] = heads.local_heads()
+            attrs[f"{a}.embed_dim"] = heads.local_width(heads.head_dim)
+            subs += [Sub(f"{a}.{p}_proj", Linear1D_Col, kwargs={"split": heads.q, **(col if p == "q" else kv)})
+                     for p in "qkv"]
+            subs.append(Sub(f"{a}.out_proj", Linear1D_Row, kwargs={"split": heads.q, **row}))
+        fc1 = {**col, "gather_input": True, "overlap": sp_overlap(self.shard_config)} if sp else {}
+        subs += [Sub("fc1", Linear1D_Col, kwargs=fc1), Sub("fc2", Linear1D_Row, kwargs=row)]
+        if sp:
+            attrs["dropout"] = 0.0
+            layer = next(m for m in self.model.modules() if type(m).__name__ == layer_cls)
+            norms = parameterized_children(layer, skip=attns + ("fc1", "fc2"))
+            subs += sp_layer_subs(list(attns), norms, state)
+        return ModulePolicyDescription(attribute_replacement=attrs, sub_module_replacement=subs)
+
     def body_policy(self):
         if not self.tensor_parallel:
             return {}
         cfg = self.model.config
+        sp = self.shard_config.sequence_parallel
         policy = {}
-        for layer_cls, n_heads, attns in (
-            ("WhisperEncoderLayer", cfg.encoder_attention_heads, ("self_attn",)),
-            ("WhisperDecoderLayer", cfg.decoder_attention_heads, ("self_attn", "encoder_attn")),
-        ):
-            heads = Heads(n_heads, n_heads, cfg.d_model // n_heads)
-            attrs, subs = {}, []
-            for a in attns:
-                attrs[f"{a}.num_heads"] = heads.local_heads()
-                attrs[f"{a}.embed_dim"] = heads.local_width(heads.head_dim)
-                subs += [Sub(f"{a}.{p}_proj", Linear1D_Col, kwargs={"split": heads.q}) for p in "qkv"]
-                subs.append(Sub(f"{a}.out_proj", Linear1D_Row, kwargs={"split": heads.q}))
-            subs += [Sub("fc1", Linear1D_Col), Sub("fc2", Linear1D_Row)]
-            policy[layer_cls] = ModulePolicyDescription(attribute_replacement=attrs, sub_module_replacement=subs)
-        policy["WhisperDecoder"] = ModulePolicyDescription(sub_module_replacement=[
-            Sub("embed_tokens", VocabParallelEmbedding1D, kwargs=self.vocab_kwargs())])
-        return policy
+        stacks = (("WhisperEncoder", "WhisperEncoderLayer", cfg.encoder_attention_heads, ("self_attn",)),
+                  ("WhisperDecoder", "WhisperDecoderLayer", cfg.decoder_attention_heads,
+                   ("self_attn", "encoder_attn")))
+        for stack_cls, layer_cls, n_heads, attns in stacks:
+            stack = next((m for m in self.model.modules() if type(m).__name__ == stack_cls), None)
+            if stack is None:
+                continue
+            state = _new_state() if sp else None
+            policy[layer_cls] = self.layer_description(layer_cls, n_heads, attns, state)
+            policy[stack_cls] = ModulePolicyDescription(
+                sub_module_replacement=sp_ends("layers", len(stack.layers), state) if sp else [])
+        if "WhisperDecoder" in policy:
+            policy["WhisperDecoder"].sub_module_replacement.insert(
+                0, Sub("embed_tokens", VocabParallelEmbedding1D, kwargs=self.vocab_kwargs()))
+        return {k: v for k, v in policy.items() if v.sub_module_replacement or v.attribute_replacement}
 
     def module_policy(self):
         policy = super().module_policy()

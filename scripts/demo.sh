@@ -5,7 +5,8 @@
 # it works: logits check, a chat answer, fine-tuning, save_pretrained and a
 # plain-transformers reload of what it saved.
 # Extra arguments go to examples/tp_demo.py: --model DIR, --random-init,
-# --tp 4, --steps, --new-tokens, --threads, --all-optimization, --save DIR
+# --tp 4, --steps, --new-tokens, --threads, --all-optimization, --save DIR,
+# --sp split_gather|all_to_all|ring_attn (sequence parallelism)
 # (--help lists all).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -35,13 +35,17 @@ FEATURES = {
     "full state dict": ("test_state_dict_round_trip",),
     "lazy init": ("test_lazy_shards_equal_eager_tp2",),
     "sharded load": ("test_from_pretrained_equals_hf", "test_from_pretrained_every_family"),
-    "sequence parallel (split_gather)": ("test_sp_equals_unsharded",),
+    "sequence parallel (split_gather)": ("test_sp_equals_unsharded", "test_sp_vision_equals_unsharded"),
+    "sequence overlap": ("test_sp_overlap_equals_unsharded", "test_sp_overlap_decoders_equal_unsharded"),
+    "sequence parallel (all_to_all)": ("test_all_to_all_equals_unsharded",),
+    "sequence parallel (ring_attn)": ("test_ring_attn_equals_unsharded",),
 }
 BEGIN, END = "<!-- support-matrix:begin -->", "<!-- support-matrix:end -->"
 # every tests/test_models*.py (one per zoo module), and the other files holding the feature tests above
 TEST_FILES = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "tests", "test_models*.py"))) + [
     "tests/test_kernels.py", "tests/test_attention.py", "tests/test_optimizations.py", "tests/test_lazy.py",
-    "tests/test_from_pretrained.py", "tests/test_sequence_parallel.py"]
+    "tests/test_from_pretrained.py", "tests/test_sequence_parallel.py", "tests/test_sequence_attention.py",
+    "tests/test_sequence_parallel_more.py"]
 
 
 def registry() -> dict[str, list[str]]:

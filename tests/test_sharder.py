@@ -117,14 +117,21 @@ def test_shard_config_validation():
     assert every.enable_fused_normalization and every.enable_flash_attention and every.enable_jit_fused
     assert ShardConfig(enable_sequence_parallelism=True).sequence_parallelism_mode == "split_gather"
     for mode in ("all_to_all", "ring_attn"):
-        with pytest.raises(NotImplementedError, match=mode):
+        with pytest.raises(ValueError, match="of its own"):     # with TP: an SP group beside the TP group
             ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode=mode)
+        solo = ShardConfig(enable_tensor_parallelism=False, enable_sequence_parallelism=True,
+                           sequence_parallelism_mode=mode)
+        assert solo.split_attention_mode == mode and not solo.sequence_parallel
+        with pytest.raises(ValueError, match="applies to split_gather"):
+            ShardConfig(enable_tensor_parallelism=False, enable_sequence_parallelism=True,
+                        sequence_parallelism_mode=mode, enable_sequence_overlap=True)
+    with pytest.raises(ValueError, match="needs enable_tensor_parallelism=True"):
+        ShardConfig(enable_tensor_parallelism=False, enable_sequence_parallelism=True)
     with pytest.raises(ValueError, match="one of"):
         ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode="ring")
     with pytest.raises(ValueError, match="enable_sequence_parallelism is False"):
         ShardConfig(sequence_parallelism_mode="split_gather")
-    with pytest.raises(NotImplementedError, match="enable_sequence_overlap"):
-        ShardConfig(enable_sequence_parallelism=True, enable_sequence_overlap=True)
+    assert ShardConfig(enable_sequence_parallelism=True, enable_sequence_overlap=True).enable_sequence_overlap
     with pytest.raises(NotImplementedError, match="pipeline"):
         ShardConfig(pipeline_stage_manager=object())
     cfg = ShardConfig(enable_fused_normalization=True)

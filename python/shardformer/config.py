@@ -8,11 +8,10 @@ import torch.distributed as dist
 
 # Switches whose implementation has not landed yet, with where it is tracked.
 # Switching one on is an error rather than a silent no-op.
-_NOT_YET = {
-    "enable_sequence_overlap": "sequence parallelism with communication overlap",
-}
+_NOT_YET: dict[str, str] = {}
 SEQUENCE_PARALLEL_MODES = ("split_gather", "all_to_all", "ring_attn")
-_MODES_NOT_YET = ("all_to_all", "ring_attn")
+# Modes whose attention runs across the sequence split, over a group of their own.
+_SPLIT_ATTENTION_MODES = ("all_to_all", "ring_attn")
 
 # extra_kwargs understood by the built-in policies, with their defaults.
 EXTRA_KWARGS_DEFAULTS = {
@@ -49,10 +48,21 @@ class ShardConfig:
         between the tensor-parallel blocks (shardformer.layer.sequence), so
         norms, dropouts and residuals hold 1/tp of the activations;
         sequence_parallelism_mode "split_gather" (the default; SP group = TP
-        group) is available for the Llama-shaped decoder families, the other
-        modes ("all_to_all", "ring_attn") not yet.
-    sequence_parallel_process_group: None (the TP group) or the TP group itself.
-    enable_sequence_overlap: (not available yet); requires sequence parallelism.
+        group): blocks gather the sequence in and reduce-scatter it out
+        (shardformer.layer.sequence); "all_to_all" (Ulysses) and
+        "ring_attn": every layer runs on its rows and attention crosses the
+        split (an all-to-all over heads, or K/V passed around a ring;
+        shardformer.layer.sequence_attention), over the SP group.
+    sequence_parallel_process_group: split_gather: None or the TP group
+        itself.  all_to_all / ring_attn: None means the TP group when tensor
+        parallelism is off (pure sequence parallelism); with tensor
+        parallelism on, a group of its own whose ranks hold the same TP
+        shard (e.g. TP {0,1},{2,3} and SP {0,2},{1,3}).
+    enable_sequence_overlap: with split_gather, the column layers that
+        gather their own input rows overlap the all-gather with the matmul
+        on the rows already here, and in backward the reduce-scatter of dX
+        with the dW matmul (the result is unchanged); refused for policies
+        that do not implement it (Policy.supports_sequence_overlap).
     enable_all_optimization: switches on fused normalization, flash attention
         and jit fused operators.
     extra_kwargs: policy options, see EXTRA_KWARGS_DEFAULTS.
@@ -93,8 +103,6 @@ class ShardConfig:
                              f"got {multiple!r}")
         if self.enable_sequence_overlap and not self.enable_sequence_parallelism:
             raise ValueError("ShardConfig: enable_sequence_overlap=True needs enable_sequence_parallelism=True")
-        if self.enable_sequence_parallelism and not self.enable_tensor_parallelism:
-            raise ValueError("ShardConfig: enable_sequence_parallelism=True needs enable_tensor_parallelism=True")
         self._check_sequence_parallelism()
         if self.enable_all_optimization:
             self.enable_fused_normalization = True
@@ -123,13 +131,40 @@ class ShardConfig:
             return
         if mode is None:
             self.sequence_parallelism_mode = mode = "split_gather"
-        if mode in _MODES_NOT_YET:
-            raise NotImplementedError(f"ShardConfig.sequence_parallelism_mode={mode!r} is not available in this "
-                                      f"version of shardformer (split_gather is)")
         group = self.sequence_parallel_process_group
-        if group is not None and group is not self.tensor_parallel_process_group:
-            raise ValueError("ShardConfig.sequence_parallel_process_group: split_gather runs over the tensor-"
-                             "parallel group; pass None or tensor_parallel_process_group itself")
+        if group is not None:
+            check_process_group(group)
+        if mode == "split_gather":
+            if not self.enable_tensor_parallelism:
+                raise ValueError("ShardConfig: sequence_parallelism_mode='split_gather' needs "
+                                 "enable_tensor_parallelism=True (its blocks are the tensor-parallel layers); "
+                                 "all_to_all and ring_attn run without tensor parallelism")
+            if group is not None and group is not self.tensor_parallel_process_group:
+                raise ValueError("ShardConfig.sequence_parallel_process_group: split_gather runs over the tensor-"
+                                 "parallel group; pass None or tensor_parallel_process_group itself")
+            return
+        if self.enable_sequence_overlap:
+            raise ValueError(f"ShardConfig: enable_sequence_overlap applies to split_gather; "
+                             f"sequence_parallelism_mode={mode!r} overlaps its own communication")
+        if self.enable_tensor_parallelism and (group is None or group is self.tensor_parallel_process_group):
+            raise ValueError(f"ShardConfig: sequence_parallelism_mode={mode!r} with tensor parallelism needs a "
+                             f"sequence_parallel_process_group of its own (ranks holding the same tensor-parallel "
+                             f"shard), or enable_tensor_parallelism=False to split the sequence over "
+                             f"tensor_parallel_process_group")
+
+    @property
+    def split_attention_mode(self) -> str | None:
+        """"all_to_all" / "ring_attn" when one of those is on, else None."""
+        if self.enable_sequence_parallelism and self.sequence_parallelism_mode in _SPLIT_ATTENTION_MODES:
+            return self.sequence_parallelism_mode
+        return None
+
+    @property
+    def sequence_group(self):
+        """The group the sequence is split over (None: the default group)."""
+        if self.split_attention_mode and self.sequence_parallel_process_group is not None:
+            return self.sequence_parallel_process_group
+        return self.tensor_parallel_process_group
 
     @property
     def sequence_parallel(self) -> bool:

@@ -134,6 +134,11 @@ class FamilyPolicy(Policy):
     family: Family | None = None
     model_class: str = ""
     heads: tuple[Head, ...] = ()
+    #: (owner class, layers attribute): the module whose forward calls the
+    #: layers ("{prefix}" and "{base_model}" filled from the shape's options)
+    #: and its ModuleList of layers, where the all_to_all / ring_attn modes
+    #: hook in; None where those modes are not available.
+    split_attention_at: tuple[str, str] | None = None
 
     def body_policy(self) -> dict:
         """{module class or class name: ModulePolicyDescription} for the body."""
@@ -149,12 +154,50 @@ class FamilyPolicy(Policy):
         return self.model.get_input_embeddings()
 
     def module_policy(self) -> dict:
-        policy = self.body_policy()
+        from .policy import merge_policies
+
+        policy = merge_policies(self.body_policy(), self.split_attention_policy())
         heads = self.active_heads()
         if self.tensor_parallel and heads:
             subs = [self.head_replacement(h) for h in heads]
             self.append_or_create_submodule_replacement(subs, policy, self.model_class)
         return policy
+
+    def split_attention_modes(self) -> tuple[str, ...]:
+        """("all_to_all", "ring_attn") where the shape names the layers they
+        apply to (`split_attention_at`), else ()."""
+        return ("all_to_all", "ring_attn") if self.split_attention_at else ()
+
+    def split_attention_policy(self) -> dict:
+        """The all_to_all / ring_attn sequence parallelism of the body, as
+        data: {owner class: its `layers` ModuleList takes
+        SequenceAttentionParallel} (shardformer.layer.sequence_attention),
+        from `split_attention_at`; {} when those modes are off.  Refuses
+        (before anything changes) what the split layers cannot run:
+        cross-attention (its keys are another sequence), layerdrop (a
+        skipped first or last layer would skip the split or the gather)."""
+        from .layer.sequence_attention import SequenceAttentionParallel
+        from .policy import ModulePolicyDescription
+
+        cfg, name = self.shard_config, type(self.model).__name__
+        if not cfg.split_attention_mode or not self.split_attention_at:
+            return {}
+        mode = cfg.split_attention_mode
+        config = getattr(self.model, "config", None)
+        if getattr(config, "add_cross_attention", False):
+            raise NotImplementedError(f"{name}: sequence_parallelism_mode={mode!r} with cross-attention "
+                                      f"(add_cross_attention=True) is not available")
+        if getattr(config, "layerdrop", 0.0):
+            raise NotImplementedError(f"{name}: sequence_parallelism_mode={mode!r} with layerdrop="
+                                      f"{config.layerdrop}: set it to 0")
+        template, layers = self.split_attention_at
+        owner = template.format(prefix=getattr(self, "prefix", ""), base_model=getattr(self, "base_model", ""))
+        found = [m for m in self.model.modules() if type(m).__name__ == owner]
+        if len(found) != 1:
+            raise ValueError(f"{name}: expected one {owner} module for sequence parallelism, found {len(found)}")
+        sub = Sub(layers, SequenceAttentionParallel,
+                  kwargs={"mode": mode, "group": cfg.sequence_group, "base": found[0], "name": name})
+        return {owner: ModulePolicyDescription(sub_module_replacement=[sub])}
 
     def head_replacement(self, head: Head) -> Sub:
         from .layer import DropoutForReplicatedInput, Linear1D_Col, VocabParallelLMHead1D

@@ -368,6 +368,25 @@ def _as_4d(t: torch.Tensor, what: str, B, H, Sq, Sk) -> torch.Tensor:
     return t
 
 
+def check_qkv(q, k, v, who: str) -> None:
+    """The checks every attention entry makes before any work: q [B, Hq, Sq, D]
+    and k / v [B, Hkv, Sk, D] (k and v the same shape), CPU tensors of one
+    float dtype the kernels take, Hq a multiple of Hkv."""
+    for t, what in ((q, "q"), (k, "k"), (v, "v")):
+        _data(t, f"{who} {what}")  # device / dtype checks
+        if t.dim() != 4:
+            raise ValueError(f"{who} {what}: expected 4-D [B, H, S, D], got shape {tuple(t.shape)}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise TypeError(f"{who}: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"{who}: k {tuple(k.shape)} and v {tuple(v.shape)} shapes differ")
+    if k.shape[0] != q.shape[0] or k.shape[3] != q.shape[3]:
+        raise ValueError(f"{who}: q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head size")
+    hq, hkv = q.shape[1], k.shape[1]
+    if hq and (hkv == 0 or hq % hkv):
+        raise ValueError(f"{who}: {hq} query heads are not a multiple of {hkv} key-value heads")
+
+
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask=None, bias=None,
               window: int | None = None, alibi_slopes=None, dropout_p: float = 0.0, training: bool = True,
               seed: int | None = None):
@@ -393,20 +412,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask
     torch's generator when None) by a counter-based hash, redrawn in backward,
     never stored; ops.attention_dropout_mask shows the draws.
     """
-    for t, what in ((q, "attention q"), (k, "attention k"), (v, "attention v")):
-        _data(t, what)  # device / dtype checks, before any work
-        if t.dim() != 4:
-            raise ValueError(f"{what}: expected 4-D [B, H, S, D], got shape {tuple(t.shape)}")
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise TypeError(f"attention: q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"attention: k {tuple(k.shape)} and v {tuple(v.shape)} shapes differ")
+    check_qkv(q, k, v, "attention")
     B, Hq, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
-    if k.shape[0] != B or k.shape[3] != D:
-        raise ValueError(f"attention: q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head size")
-    if Hq and (Hkv == 0 or Hq % Hkv):
-        raise ValueError(f"attention: {Hq} query heads are not a multiple of {Hkv} key-value heads")
     if scale is None:   # 1 / sqrt(D); any value for D = 0, whose result is empty
         scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
     scale = float(scale)

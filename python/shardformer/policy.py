@@ -88,6 +88,11 @@ class Policy(ABC):
         default: optimize() refuses SP for it, naming the policy and mode)."""
         return ()
 
+    def supports_sequence_overlap(self) -> bool:
+        """Whether this policy implements ShardConfig.enable_sequence_overlap
+        (optimize() refuses the switch, naming the policy, when it does not)."""
+        return False
+
     def preprocess(self) -> nn.Module:
         """Runs after validation, before substitution; must not fail and must
         not change the model (record on the policy what postprocess needs):

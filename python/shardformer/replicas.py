@@ -80,9 +80,11 @@ def _differing_ranks(column: torch.Tensor) -> list[int]:
     return [r for r in range(column.numel()) if column[r] != column[0]]
 
 
-def check_same_model(model: nn.Module, group, model_name: str, content: bool = True) -> None:
-    """Raise ValueError unless every rank of `group` holds the same model
-    (collective; no-op for one rank or without torch.distributed)."""
+def check_same_model(model: nn.Module, group, model_name: str, content: bool = True,
+                     what: str = "tensor-parallel") -> None:
+    """Raise ValueError unless every rank of `group` (the `what` group, for
+    messages) holds the same model (collective; no-op for one rank or without
+    torch.distributed)."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     tensors = _tensors(model)
@@ -102,7 +104,7 @@ def check_same_model(model: nn.Module, group, model_name: str, content: bool = T
                 diff.append(f"{len(mine)} tensors vs {len(theirs)}")
             detail.append(f"rank {r}: " + "; ".join(diff))
         raise ValueError(
-            f"{model_name}: the ranks of the tensor-parallel group built different models (parameter names, "
+            f"{model_name}: the ranks of the {what} group built different models (parameter names, "
             f"shapes or dtypes differ from rank 0's): {' | '.join(detail)}. Build the model from the same "
             f"config (and checkpoint) on every rank before optimize()")
     if not content:
@@ -113,7 +115,7 @@ def check_same_model(model: nn.Module, group, model_name: str, content: bool = T
     if bad:
         shown = ", ".join(f"{name} (ranks {ranks})" for name, ranks in bad[:5])
         raise ValueError(
-            f"{model_name}: the ranks of the tensor-parallel group hold different weights: {len(bad)} of "
+            f"{model_name}: the ranks of the {what} group hold different weights: {len(bad)} of "
             f"{len(tensors)} tensors differ from rank 0's, e.g. {shown}. Every rank must build the model "
             f"from the same seed (torch.manual_seed before construction) or load the same checkpoint; or "
             f"pass ShardConfig(extra_kwargs={{'broadcast_weights': True}}) to use rank 0's weights everywhere")

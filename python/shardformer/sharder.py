@@ -126,10 +126,16 @@ class ModelSharder:
         check_usable(model, name)
         group = cfg.tensor_parallel_process_group
         tp_size, rank = group_size_and_rank(group)      # decided once; the plans carry them to the layers
-        if cfg.option("broadcast_weights"):
-            check_same_model(model, group, name, content=False)
-        elif cfg.option("check_replicas"):
-            check_same_model(model, group, name)
+        # The sequence-parallel group of all_to_all / ring_attn may be a second group
+        # (ranks holding the same TP shard): its ranks must agree on the model too.
+        groups = [(group, "tensor-parallel")]
+        if cfg.split_attention_mode and cfg.sequence_group is not group:
+            groups.append((cfg.sequence_group, "sequence-parallel"))
+        for each, what in groups:
+            if cfg.option("broadcast_weights"):
+                check_same_model(model, each, name, content=False, what=what)
+            elif cfg.option("check_replicas"):
+                check_same_model(model, each, name, what=what)
         policy.set_model(model)
         policy.set_shard_config(cfg)
         policy.config_sanity_check()
@@ -137,6 +143,10 @@ class ModelSharder:
             raise NotImplementedError(
                 f"{name}: sequence parallelism mode {cfg.sequence_parallelism_mode!r} is not available for "
                 f"{type(policy).__name__} (it implements: {', '.join(policy.sequence_parallel_modes()) or 'none'})")
+        if cfg.enable_sequence_overlap and not policy.supports_sequence_overlap():
+            raise NotImplementedError(
+                f"{name}: enable_sequence_overlap is not available for {type(policy).__name__} (its "
+                f"sequence-parallel blocks gather their input before the projections); switch it off")
         module_policy = policy.module_policy()
         ops, matched = _C.sharder_plan(model, name, module_policy, tp_size, rank)
         if module_policy and matched == 0:
@@ -146,7 +156,8 @@ class ModelSharder:
         ops += _optimization_ops(model, name, cfg, ops, tp_size, rank)
         check_replaceable(name, ops)
         if cfg.option("broadcast_weights"):      # the plan is valid: now rank 0's weights everywhere
-            broadcast_weights(model, group)
+            for each, _ in reversed(groups):      # SP first: then TP spreads the SP group's rank 0
+                broadcast_weights(model, each)
         inheritance = self._apply(ops, name)
         try:
             self.model = policy.postprocess()

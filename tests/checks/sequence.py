@@ -10,61 +10,308 @@ from shardformer import ShardConfig, ShardFormer
 SP = {"enable_sequence_parallelism": True}
 
 
-def sp_equals_unsharded(ctx, name: str, seq: int | None = None, config=None) -> dict:
-    """check_sharded (forward, loss, every gradient, outputs after a step)
-    with sequence parallelism on; `seq`: the input length (odd lengths are
-    padded inside)."""
+def sp_equals_unsharded(ctx, name: str, seq: int | None = None, config=None, overrides=None,
+                        dtype_name: str = "float32") -> dict:
+    """check_sharded (forward, loss, every gradient, outputs after a step;
+    bf16: forward) with sequence parallelism on; `seq`: the input length
+    (odd lengths are padded inside); `overrides`: model config values (zoo.build)."""
+    dtype = getattr(torch, dtype_name)
     inputs = zoo.make_inputs(name)
     if seq is not None:
         inputs = {k: v[:, :seq].contiguous() if isinstance(v, torch.Tensor) and v.dim() >= 2 else v
                   for k, v in inputs.items()}
-    return parity.check_sharded(ctx, lambda: zoo.build(name), inputs, name=name, config={**SP, **(config or {})})
+    dtype_arg = () if dtype == torch.float32 else (dtype,)      # zoo.vision's build takes no dtype
+    return parity.check_sharded(ctx, lambda: zoo.build(name, *dtype_arg, **(overrides or {})), inputs, name=name,
+                                dtype=dtype, config={**SP, **(config or {})})
+
+
+def layers_of(model) -> list:
+    """The model's decoder / encoder layers: the first ModuleList of
+    config.num_hidden_layers modules (Llama's layers, GPT-2's h, BERT's encoder.layer)."""
+    n = model.config.num_hidden_layers
+    for module in model.modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == n:
+            return list(module)
+    raise AssertionError(f"{type(model).__name__}: no ModuleList of {n} layers")
 
 
 def sp_activations_are_split(ctx, name: str) -> dict:
     """Between the blocks each rank holds only its rows: the input of every
-    decoder layer after the first, and of the norms, has ceil(S / tp) rows."""
+    layer after the first has ceil(S / tp) rows, and so has the output of
+    every row layer that reduce-scatters itself (GPT-2, BERT, ...)."""
+    from shardformer.layer import Linear1D_Row
+
     model = zoo.build(name)
     ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **SP)).optimize(model)
-    seen = []
-    base = model.model if hasattr(model, "model") else model
-    for layer in list(base.layers)[1:]:
+    seen, rows_out = [], []
+    for layer in layers_of(model)[1:]:
         layer.register_forward_pre_hook(lambda m, a, k: seen.append(k.get("hidden_states", a[0] if a else None).shape[1]),
                                         with_kwargs=True)
     inputs = zoo.make_inputs(name)
-    seq = inputs["input_ids"].shape[1]
+    seq = inputs["input_ids"].shape[-1]
+    batch = inputs["input_ids"].numel() // seq
+    for module in model.modules():     # [batch, rows, hidden], or rows flattened [batch * rows, hidden] (OPT's MLP)
+        if isinstance(module, Linear1D_Row) and getattr(module, "reduce_scatter", False):
+            module.register_forward_hook(
+                lambda m, a, out: rows_out.append(out.shape[1] if out.dim() > 2 else out.shape[0] // batch))
     with torch.no_grad():
         model(**inputs)
     expected = -(-seq // ctx.tp_size)
     assert seen and all(s == expected for s in seen), f"{name}: layer inputs of {seen} rows, expected {expected}"
-    return {"rows": seen[0], "seq": seq}
+    assert all(s == expected for s in rows_out), f"{name}: row layer outputs of {rows_out} rows, expected {expected}"
+    return {"rows": seen[0], "seq": seq, "row_layers_scattering": len(rows_out)}
 
 
-def sp_generate_matches(ctx, name: str) -> list:
-    """Greedy generate() with sequence parallelism equals the unsharded model's."""
+def _with_dropout(name: str, p: float):
+    """zoo.build_with_dropout(name, p), but no layerdrop (OPT: refused with SP)."""
+    model = zoo.build_with_dropout(name, p)
+    for m in [model.config] + list(model.modules()):
+        if isinstance(getattr(m, "layerdrop", None), float):
+            m.layerdrop = 0.0
+    return model
+
+
+def sp_eval_with_dropout(ctx, name: str, p: float = 0.3) -> dict:
+    """eval() with every dropout probability p > 0: sequence parallelism
+    equals the unsharded model (forward, loss, every gradient, after a step)."""
+    import copy
+
+    model = _with_dropout(name, p).eval()
+    ref = copy.deepcopy(model)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **SP)).optimize(model)
+    assert not model.training
+    return parity.compare_sharded(model, ref, zoo.make_inputs(name), f"{name} (eval, dropout {p})")
+
+
+def sp_dropout_masks_differ(ctx, name: str, p: float = 0.5) -> dict:
+    """Training with dropout under sequence parallelism: the residual dropouts
+    run on this rank's rows and draw a different mask on every rank (never
+    one mask for all rows); the gathered outputs are the same on every rank,
+    the loss is finite and backward runs."""
+    import torch.distributed as dist
+    from shardformer.layer import DropoutForParallelInput
+
+    model = _with_dropout(name, p).train()
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **SP)).optimize(model)
+    masks = {}
+    for mname, module in model.named_modules():
+        if isinstance(module, DropoutForParallelInput) and not mname.endswith(
+                ("attn_dropout", "self.dropout", "attention_dropout")):
+            module.register_forward_hook(lambda m, a, out, mname=mname: masks.setdefault(mname, out == 0))
+    inputs = zoo.make_inputs(name)
+    out = model(**inputs)
+    assert masks, f"{name}: no residual dropout ran on split rows"
+    same = []
+    for mname, mask in masks.items():
+        gathered = [torch.empty_like(mask, dtype=torch.uint8) for _ in range(ctx.tp_size)]
+        dist.all_gather(gathered, mask.to(torch.uint8).contiguous(), group=ctx.group)
+        if all(torch.equal(g, gathered[0]) for g in gathered[1:]):
+            same.append(mname)
+    assert not same, f"{name}: ranks drew the same dropout mask for their different rows in {same}"
+    logits = parity.output_tensors(out)
+    first = next(iter(logits.values()))
+    copies = [torch.empty_like(first) for _ in range(ctx.tp_size)]
+    dist.all_gather(copies, first.detach().contiguous(), group=ctx.group)
+    assert all(torch.equal(c, copies[0]) for c in copies[1:]), f"{name}: ranks disagree on the gathered output"
+    loss = parity.loss_of(out, {})
+    assert torch.isfinite(loss), f"{name}: loss {loss}"
+    loss.backward()
+    return {"residual_dropouts": len(masks)}
+
+
+def sp_generate_matches(ctx, name: str, overlap: bool = False) -> list:
+    """Greedy generate() with sequence parallelism (and enable_sequence_overlap)
+    equals the unsharded model's (decode steps of one token: one rank holds
+    it, the others padding)."""
     model = zoo.build(name).eval()
     import copy
 
     ref = copy.deepcopy(model)
-    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **SP)).optimize(model)
+    cfg = overlap_config(ctx) if overlap else ShardConfig(tensor_parallel_process_group=ctx.group, **SP)
+    ShardFormer(cfg).optimize(model)
     return parity.greedy_matches(model, ref, {"input_ids": parity.prompt_ids()}, name, 5).tolist()
 
 
-def sp_regathers_in_backward(ctx, name: str) -> dict:
+def sp_regathers_in_backward(ctx, name: str, overlap: bool = False) -> dict:
     """Each block keeps only its rows of the gathered input for backward and
     all-gathers them once when backward needs them: 2 re-gathers (attention,
-    MLP) per decoder layer per backward, none in no_grad forwards."""
+    MLP) per decoder layer per backward, none in no_grad forwards; the same
+    with enable_sequence_overlap (a Llama block's q/k/v, gate/up share one
+    gather and one re-gather)."""
+    from shardformer.layer.linear import _GatherRowsLinear
     from shardformer.layer.sequence import _Regathered
 
+    def regathers():
+        return _Regathered.gathers + _GatherRowsLinear.regathers
+
     model = zoo.build(name)
-    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **SP)).optimize(model)
+    cfg = overlap_config(ctx) if overlap else ShardConfig(tensor_parallel_process_group=ctx.group, **SP)
+    ShardFormer(cfg).optimize(model)
     inputs = zoo.make_inputs(name)
-    before = _Regathered.gathers
+    before = regathers()
     with torch.no_grad():
         model(**inputs)
-    assert _Regathered.gathers == before, "a no_grad forward re-gathered"
+    assert regathers() == before, "a no_grad forward re-gathered"
     parity.loss_of(model(**inputs), {}).backward()
     layers = model.config.num_hidden_layers
-    got = _Regathered.gathers - before
-    assert got == 2 * layers, f"{name}: {got} re-gathers in backward, expected {2 * layers}"
+    blocks = 3 if getattr(model.config, "add_cross_attention", False) else 2
+    got = regathers() - before
+    assert got == blocks * layers, f"{name}: {got} re-gathers in backward, expected {blocks * layers}"
     return {"regathers": got}
+
+
+def overlap_config(ctx) -> ShardConfig:
+    """ShardConfig with split-gather SP and enable_sequence_overlap=True."""
+    return ShardConfig(tensor_parallel_process_group=ctx.group, enable_sequence_overlap=True, **SP)
+
+
+def sp_overlap_equals_unsharded(ctx, name: str, seq: int | None = None, blocks: int = 0) -> dict:
+    """enable_sequence_overlap: the same guarantees as sp_equals_unsharded
+    (forward, loss, every gradient, after a step), and on the shared-memory
+    backend every gathering column layer ran its collectives in flight in
+    both forwards and the backward (_GatherRowsLinear.overlapped).  `blocks`:
+    the overlapped blocks per layer (Llama-shaped: 2, attention and MLP,
+    whose column layers share one gather: one pass each, not one per layer)."""
+    import copy
+
+    from shardformer.distributed import backend_for
+    from shardformer.layer import Linear1D_Col
+    from shardformer.layer.linear import _GatherRowsLinear
+
+    inputs = zoo.make_inputs(name)
+    if seq is not None:
+        inputs = {k: v[:, :seq].contiguous() if isinstance(v, torch.Tensor) and v.dim() >= 2 else v
+                  for k, v in inputs.items()}
+    cfg = overlap_config(ctx)
+    torch.manual_seed(0)
+    model = zoo.build(name).train()
+    ref = copy.deepcopy(model)
+    ShardFormer(cfg).optimize(model)
+    gathering = [m for m in model.modules() if isinstance(m, Linear1D_Col) and getattr(m, "overlap", False)]
+    units = len(gathering) + blocks * model.config.num_hidden_layers
+    assert units, f"{name}: no column layer gathers its input with overlap"
+    before, unused = _GatherRowsLinear.overlapped, _GatherRowsLinear.unused
+    report = parity.compare_sharded(model, ref, inputs, f"{name} (overlap)")
+    ran = _GatherRowsLinear.overlapped - before
+    # every output a block's overlapped gather computed was the one its layer returned
+    assert _GatherRowsLinear.unused == unused, f"{name}: {_GatherRowsLinear.unused - unused} precomputed outputs unused"
+    backend = backend_for(torch.empty(1), ctx.group)
+    if backend == "shm":   # 2 forwards (before and after the step) and 1 backward per layer
+        assert ran == 3 * units, f"{name}: {ran} overlapped passes, expected {3 * units}"
+    return {**report, "overlapped": ran, "backend": backend}
+
+
+def sp_checkpointing_matches(ctx, name: str, use_reentrant: bool, p: float = 0.2, overlap: bool = False) -> dict:
+    """Gradient checkpointing with sequence parallelism and live dropout gives
+    the gradients of the same model without checkpointing: the recomputed
+    layers split, gather and reduce-scatter again in backward (every rank in
+    the same order) and draw the same per-rank masks."""
+    from checks.runtime_state import checkpointed_grads_match
+
+    model = _with_dropout(name, p)
+    inputs = zoo.make_inputs(name)
+    cfg = overlap_config(ctx) if overlap else ShardConfig(tensor_parallel_process_group=ctx.group, **SP)
+    ShardFormer(cfg).optimize(model)
+    return {"worst": checkpointed_grads_match(model, inputs, name, use_reentrant)}
+
+
+def sp_hidden_states_refused(ctx, name: str) -> str:
+    """output_hidden_states=True (in the call, or in the config) raises
+    NotImplementedError under split-gather SP rather than returning one
+    rank's rows of every layer's hidden states; other calls still work."""
+    model = zoo.build(name).eval()
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **SP)).optimize(model)
+    inputs = zoo.make_inputs(name)
+    message = ""
+    for how in ("call", "config"):
+        try:
+            with torch.no_grad():
+                if how == "call":
+                    model(**inputs, output_hidden_states=True)
+                else:
+                    model.config.output_hidden_states = True
+                    model(**inputs)
+        except NotImplementedError as e:
+            assert "output_hidden_states" in str(e) and name in str(e), str(e)
+            message = str(e)
+        else:
+            raise AssertionError(f"{name}: output_hidden_states=True ({how}) was not refused")
+        finally:
+            model.config.output_hidden_states = False
+    with torch.no_grad():
+        model(**inputs)
+    return message
+
+
+def sp_linear_layers(ctx, seq: int, overlap: bool, conv1d: bool = False) -> dict:
+    """The sequence-parallel layer options alone, against nn.Linear (or HF
+    Conv1D) on the full sequence: Linear1D_Col(gather_input=True) on this
+    rank's rows (3-D with sequence_state: the exact sequence; 2-D flattened
+    rows: padding kept) and Linear1D_Row(reduce_scatter=True) with a bias,
+    forward and every gradient (input rows, weight shard, bias)."""
+    import torch.nn.functional as F
+    from transformers.pytorch_utils import Conv1D
+
+    from shardformer.layer import Linear1D_Col, Linear1D_Row
+    from shardformer.layer import GPT2FusedLinearConv1D_Col, GPT2FusedLinearConv1D_Row
+    from shardformer.layer.parallel_module import shard_of
+    from shardformer.layer.sequence import SequenceState
+    from shardformer.layout import Split
+
+    p, r = ctx.tp_size, ctx.rank
+    tol = parity.TOL[torch.float32]
+    B, H, O = 2, 12, 10
+    s = -(-seq // p)
+    torch.manual_seed(5)
+    if conv1d:
+        col_native, row_native = Conv1D(O, H), Conv1D(H, O)
+        col_cls, row_cls, w_dim = GPT2FusedLinearConv1D_Col, GPT2FusedLinearConv1D_Row, 1
+    else:
+        col_native, row_native = torch.nn.Linear(H, O), torch.nn.Linear(O, H)
+        col_cls, row_cls, w_dim = Linear1D_Col, Linear1D_Row, 0
+    # w_dim: the weight's output-feature dimension (split by the column layer; the row layer splits the other)
+    x = torch.randn(B, seq, H)
+    rows = F.pad(x, (0, 0, 0, p * s - seq))[:, r * s:(r + 1) * s]
+    report = {}
+    for flat in (False, True):
+        state = SequenceState()
+        state.length = seq
+        kwargs = dict(sequence_parallel=True, gather_input=True, overlap=overlap, split=Split())
+        if not flat:
+            kwargs["sequence_state"] = state
+        col = col_cls.from_native_module(col_native, ctx.group, **kwargs)
+        ref_in = x if not flat else torch.cat([F.pad(x, (0, 0, 0, p * s - seq))[:, i * s:(i + 1) * s].reshape(-1, H)
+                                               for i in range(p)])
+        ref_in = ref_in.clone().requires_grad_(True)
+        mine = (rows if not flat else rows.reshape(-1, H)).clone().requires_grad_(True)
+        y, exp = col(mine), col_native(ref_in)
+        exp_local = shard_of(exp.detach(), -1, col.shard)
+        parity.assert_close(f"col{' flat' if flat else ''} forward", y, exp_local, tol)
+        probe = torch.randn(exp.shape, generator=torch.Generator().manual_seed(7))
+        (y * shard_of(probe, -1, col.shard)).sum().backward()
+        (exp * probe).sum().backward()
+        exp_rows = ref_in.grad if flat else F.pad(ref_in.grad, (0, 0, 0, p * s - seq))[:, r * s:(r + 1) * s]
+        if flat:
+            exp_rows = exp_rows[r * B * s:(r + 1) * B * s]
+        parity.assert_close("col dX rows", mine.grad, exp_rows, tol)
+        parity.assert_close("col dW", col.weight.grad, shard_of(col_native.weight.grad, w_dim, col.shard), tol)
+        parity.assert_close("col db", col.bias.grad, shard_of(col_native.bias.grad, 0, col.shard), tol)
+        col_native.zero_grad()
+    row = row_cls.from_native_module(row_native, ctx.group, sequence_parallel=True, reduce_scatter=True)
+    z = torch.randn(B, seq, O, requires_grad=True)
+    z_local = shard_of(z.detach(), -1, row.shard).requires_grad_(True)
+    out, exp = row(z_local), row_native(z)
+    exp_rows = F.pad(exp.detach(), (0, 0, 0, p * s - seq))[:, r * s:(r + 1) * s]
+    valid = max(0, min(s, seq - r * s))          # padding rows hold the bias alone: not compared
+    parity.assert_close("row forward", out[:, :valid], exp_rows[:, :valid], tol)
+    probe = torch.randn(exp.shape, generator=torch.Generator().manual_seed(8))
+    probe_rows = F.pad(probe, (0, 0, 0, p * s - seq))[:, r * s:(r + 1) * s]
+    (out * probe_rows).sum().backward()
+    (exp * probe).sum().backward()
+    parity.assert_close("row dX", z_local.grad, shard_of(z.grad, -1, row.shard), tol)
+    parity.assert_close("row dW", row.weight.grad, shard_of(row_native.weight.grad, 1 - w_dim, row.shard), tol)
+    parity.assert_close("row db (all-reduced over the ranks' rows)", row.bias.grad, row_native.bias.grad, tol)
+    from shardformer.layer.linear import _GatherRowsLinear
+
+    report["overlapped_total"] = _GatherRowsLinear.overlapped
+    return report

@@ -11,6 +11,13 @@ nor disturb torch's global RNG:
     DropoutForReplicatedInput   seed(step)          same mask on every rank
     DropoutForParallelInput     seed(step, rank)    a different mask per rank
 
+With split-gather sequence parallelism (shardformer.layer.sequence) a
+residual / hidden dropout that plain TP sees replicated runs on this rank's
+rows of the sequence only: different rows, so the policies give it a
+DropoutForParallelInput (rank r's rows get their own mask, as the unsharded
+model draws an independent mask for every row).  Dropout on the attention
+probabilities of this rank's heads stays DropoutForParallelInput.
+
 Gradient checkpointing runs a layer's forward a second time inside backward
 and needs the same masks as the first time.  torch restores its global RNG
 for that; our generators are keyed by `step`, so each module remembers the

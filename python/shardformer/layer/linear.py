@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import distributed as D
 from ..distributed.mappings import (
     copy_to_tp_region,
     gather_from_tp_region,
@@ -32,6 +33,7 @@ from ..distributed.mappings import (
 )
 from ..layout import Fused, Split, SplitSpec, Vocab
 from .parallel_module import ParallelModule, ShardPlan, check_param, shapes_only
+from .sequence import reduce_scatter_rows, start_all_gather, start_reduce_scatter, token_dim
 
 
 class _LinearShard(ParallelModule):
@@ -135,28 +137,275 @@ class Linear1D_Col(_LinearShard):
     sequence, whose backward reduce-scatter sums dX, so no copy_to_tp_region.
     Rows replicated across ranks (KV heads fewer than ranks) get their
     gradients summed over the ranks holding them.
+
+    `sequence_parallel=True, gather_input=True` (Megatron's sequence-parallel
+    column layer, for an MLP that is no module of its own, e.g. OPT's fc1):
+    the layer enters the region itself.  X_r is this rank's rows (token
+    dimension T: 1 of [batch, S/p, in], 0 of flattened rows [B*S/p, in]):
+
+        forward:   X = all-gather of the X_r along T (padding rows kept),
+                   Y_i = X A_i^T + b_i; only X_r is saved
+        backward:  X all-gathered again for dA_i = dY_i^T X, db_i = sum dY_i;
+                   dX_r = reduce-scatter along T of dY_i A_i (the sum over
+                   ranks of every rank's partial dX)
+
+    The rows keep their padding and the order of the gather, so only
+    row-wise layers (an MLP up to its reduce-scattering row layer) may
+    follow.  With `sequence_state` (the model's SequenceState; [batch, S/p,
+    in] input) only the first S rows are computed: the exact sequence, for an
+    attention whose only input is this layer's output (GPT-2's c_attn).
+    `overlap=True`: the collectives overlap the matmuls (_GatherRowsLinear;
+    ShardConfig.enable_sequence_overlap).
+
+    In a sequence-parallel "block" with overlap (Llama-shaped decoders), the
+    block's pre-hook computes this layer's output together with its
+    siblings' in one overlapped gather (gather_block_input); forward then
+    returns that output when called with the tensor the hook handed the
+    module.
     """
 
     column = True
 
     def __init__(self, in_features, out_features, bias=True, process_group=None,
-                 gather_output: bool | None = None, sequence_parallel: bool = False, **kwargs):
+                 gather_output: bool | None = None, sequence_parallel: bool = False, gather_input: bool = False,
+                 sequence_state=None, overlap: bool = False, **kwargs):
         super().__init__(in_features, out_features, bias, process_group, gather_output=gather_output, **kwargs)
+        self._check_gather_input(type(self).__name__, sequence_parallel, gather_input, sequence_state, overlap)
         self.gather_output = self.default_gather_output if gather_output is None else gather_output
         self.sequence_parallel = sequence_parallel
+        self.gather_input = gather_input
+        self.sequence_state = sequence_state
+        self.overlap = overlap
+        self._precomputed = None      # (block input, this layer's output): gather_block_input
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.sequence_parallel:       # with SP the block's all-gather of X sums dX backward
-            x = copy_to_tp_region(x, self.process_group)
+    @staticmethod
+    def _check_gather_input(name, sequence_parallel, gather_input, sequence_state, overlap):
+        if gather_input and not sequence_parallel:
+            raise ValueError(f"{name}: gather_input=True needs sequence_parallel=True")
+        if (sequence_state is not None or overlap) and not gather_input:
+            raise ValueError(f"{name}: sequence_state / overlap need gather_input=True")
+
+    @classmethod
+    def plan_shard(cls, module, tp_size, rank, split=None, sequence_parallel: bool = False,
+                   gather_input: bool = False, sequence_state=None, overlap: bool = False, **kwargs):
+        cls._check_gather_input(cls.__name__, sequence_parallel, gather_input, sequence_state, overlap)
+        return super().plan_shard(module, tp_size, rank, split=split, **kwargs)
+
+    def _local_params(self):
+        """(weight, bias) as the matmul uses them: rows replicated across
+        ranks get their gradients summed over the ranks holding them."""
         weight, bias = self.weight, self.bias
         if self.shard.replicated:
             weight = sync_replicated_grad(weight, self._split_dim(), self.shard, self.process_group)
             if bias is not None:
                 bias = sync_replicated_grad(bias, 0, self.shard, self.process_group)
-        y = self._matmul(x, weight, bias)
+        return weight, bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pre = self._precomputed
+        if pre is not None and pre[0] is x:  # computed by the block's overlapped gather (gather_block_input)
+            self._precomputed = None
+            return pre[1]
+        if not self.sequence_parallel:       # with SP the block's all-gather of X sums dX backward
+            x = copy_to_tp_region(x, self.process_group)
+        weight, bias = self._local_params()
+        if self.gather_input and self.tp_size > 1:
+            dim = token_dim(x)
+            length = self.sequence_state.length if self.sequence_state is not None else None
+            y = _GatherRowsLinear.apply(x.movedim(dim, 0), self.conv1d_layout, self.process_group,
+                                        length, self.overlap, False, weight, bias).movedim(0, dim)
+        else:
+            y = self._matmul(x, weight, bias)
         if self.gather_output:
             y = gather_from_tp_region(y, -1, self.shard, self.process_group)
         return y
+
+
+class _GatherRowsLinear(torch.autograd.Function):
+    """Linear1D_Col(gather_input=True) on rows laid out along dim 0: X0 is
+    this rank's s rows ([s, ..., in]); the output is the first `length` of
+    the n * s gathered rows times A_i^T (+ b_i), [length, ..., out_i].  Only
+    X0 is saved (see Linear1D_Col for the math).
+
+    Several column layers reading the same input (a Llama block's q/k/v or
+    gate/up, gather_block_input) share one gather: `params` is (A_1, b_1,
+    A_2, b_2, ...) (b_k None without a bias), the outputs are Y_1, Y_2, ...,
+    and backward re-gathers X once and reduce-scatters the one sum
+    dX = sum_k dY_k A_k.  `keep_full`: the gathered rows X[:length] come
+    first among the outputs (the block hands them to the module, which reads
+    their shape; a gradient they receive joins dX).
+
+    overlap=True (ShardConfig.enable_sequence_overlap), on a backend with
+    asynchronous collectives (shared memory):
+        forward:   the all-gather of the rows runs while this rank's own rows
+                   are multiplied (by every A_k); then the other ranks' rows
+        backward:  the re-gather of X runs while dX = sum_k dY_k A_k is
+                   computed; the reduce-scatter of dX runs while the
+                   dA_k = dY_k^T X are computed
+    `regathers` counts backward re-gathers, `overlapped` the forward and
+    backward passes that ran with collectives in flight (one per pass,
+    however many layers share it), `unused` the outputs gather_block_input
+    computed that their layer was not asked for (tests read all three)."""
+
+    regathers = 0
+    overlapped = 0
+    unused = 0
+
+    @staticmethod
+    def forward(ctx, x0, conv1d: bool, group, length, overlap: bool, keep_full: bool, *params):
+        ctx.set_materialize_grads(False)
+        n, r = D.world_size(group), D.rank(group)
+        x0 = x0.contiguous()
+        s = x0.shape[0]
+        length = n * s if length is None else length
+        weights, biases = params[0::2], params[1::2]
+
+        def mm(a, weight):
+            return a @ weight if conv1d else F.linear(a, weight)
+
+        full = x0.new_empty((n * s,) + tuple(x0.shape[1:]))
+        if overlap:
+            handle, overlapped = start_all_gather(full, x0, group)
+            lo, hi = min(r * s, length), min((r + 1) * s, length)
+            ys = []
+            for weight in weights:
+                out_features = weight.shape[1] if conv1d else weight.shape[0]
+                y = x0.new_empty((length,) + tuple(x0.shape[1:-1]) + (out_features,))
+                if hi > lo:
+                    y[lo:hi] = mm(x0[:hi - lo], weight)      # this rank's rows, while the others' arrive
+                ys.append(y)
+            handle.wait()
+            for y, weight in zip(ys, weights):
+                if lo > 0:
+                    y[:lo] = mm(full[:lo], weight)
+                if hi < length:
+                    y[hi:] = mm(full[hi:length], weight)
+            _GatherRowsLinear.overlapped += int(overlapped)
+        else:
+            D.all_gather_into_tensor(full, x0, group)
+            ys = [mm(full[:length], weight) for weight in weights]
+        for y, bias in zip(ys, biases):
+            if bias is not None:
+                y += bias
+        ctx.save_for_backward(x0, *weights)
+        ctx.conv1d, ctx.group, ctx.length, ctx.overlap, ctx.keep_full = conv1d, group, length, overlap, keep_full
+        ctx.has_bias = [b is not None for b in biases]
+        outs = ([full[:length]] if keep_full else []) + ys
+        return tuple(outs) if len(outs) > 1 else outs[0]
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x0, *weights = ctx.saved_tensors
+        group, length, conv1d = ctx.group, ctx.length, ctx.conv1d
+        n = D.world_size(group)
+        s = x0.shape[0]
+        gfull = grads[0] if ctx.keep_full else None
+        gys = list(grads[1:] if ctx.keep_full else grads)
+        gys = [None if g is None else g.contiguous() for g in gys]
+        want_x = ctx.needs_input_grad[0]
+        want_w = [ctx.needs_input_grad[6 + 2 * k] and g is not None for k, g in enumerate(gys)]
+        overlapped = False
+        full = handle_x = None
+        if any(want_w):                              # X again, for dA (in flight during dX when overlapping)
+            full = x0.new_empty((n * s,) + tuple(x0.shape[1:]))
+            if ctx.overlap:
+                handle_x, ov = start_all_gather(full, x0, group)
+                overlapped |= ov
+            else:
+                D.all_gather_into_tensor(full, x0, group)
+            _GatherRowsLinear.regathers += 1
+        gx = handle_dx = None
+        if want_x:
+            dx_full = x0.new_zeros((n * s,) + tuple(x0.shape[1:]))      # padding rows: no gradient
+            dx = dx_full[:length]                                       # this rank's share of dX
+            if gfull is not None:
+                dx += gfull
+            for g, weight in zip(gys, weights):
+                if g is not None:
+                    dx += g @ weight.t() if conv1d else g @ weight
+            gx = x0.new_empty(x0.shape)
+            if ctx.overlap:
+                handle_dx, ov = start_reduce_scatter(gx, dx_full, group)
+                overlapped |= ov
+            else:
+                D.reduce_scatter_tensor(gx, dx_full, group)
+        if handle_x is not None:
+            handle_x.wait()
+        f2 = full[:length].reshape(-1, full.shape[-1]) if full is not None else None
+        gparams = []
+        for k, (g, weight) in enumerate(zip(gys, weights)):
+            gw = gb = None
+            if g is not None:
+                g2 = g.reshape(-1, g.shape[-1])
+                if want_w[k]:                        # dA while the reduce-scatter of dX runs
+                    gw = f2.t() @ g2 if conv1d else g2.t() @ f2
+                if ctx.has_bias[k] and ctx.needs_input_grad[7 + 2 * k]:
+                    gb = g2.sum(0)
+            gparams += [gw, gb]
+        if handle_dx is not None:
+            handle_dx.wait()
+        _GatherRowsLinear.overlapped += int(overlapped)
+        return (gx, None, None, None, None, None, *gparams)
+
+
+def gather_block_input(module: nn.Module, x: torch.Tensor, state, group) -> torch.Tensor:
+    """The overlapped input gather of a sequence-parallel block (role
+    "block" with ShardConfig.enable_sequence_overlap, layer/sequence.py):
+    `x` is this rank's rows [batch, S/p, in] of the input of `module`
+    (a Llama attention or MLP).  One _GatherRowsLinear pass gathers the rows
+    (overlap: in flight while this rank's rows are multiplied) and computes
+    the output of every sequence-parallel column layer among the module's
+    children (q/k/v or qkv; gate/up or gate_up: they all read the block's
+    input) on the exact sequence; each layer keeps its output and returns it
+    when the module calls it with the returned tensor, X[:, :S] (full
+    sequence, gathered by the time this returns: the module reads its shape;
+    a layer called with anything else computes as usual, and a gradient
+    reaching X joins dX).  Backward: one re-gather, one reduce-scatter of
+    the summed dX (see _GatherRowsLinear).  Without such children: the plain
+    block gather (sequence.block_input).
+
+    Why at the block and not in the projections (as GPT-2's c_attn,
+    Linear1D_Col(gather_input=True)): HF's Llama-style attention reads
+    `input_shape = hidden_states.shape[:-1]` before its projections and
+    views their outputs as (*input_shape, -1, head_dim), and rotary
+    embeddings and the mask are built for the full sequence; a q/k/v that
+    gathered inside would hand it S rows for an input of S/p (a view with
+    -1 heads would even succeed, wrongly).  Handing the module an ungathered
+    or still-arriving tensor of the full shape is no option either (its
+    contents would be read before the collective completes).  So the module
+    gets the real gathered X, complete when the hook returns, and what
+    overlaps the all-gather is the projections' matmuls of this rank's own
+    rows, done before the module runs; the module's own projection calls
+    then return the precomputed outputs.  The MLP takes the same path
+    (gate/up or gate_up share the one gather), and both blocks keep the
+    module-level reduce-scatter of the row layer's partial sums (role
+    "block": o_proj / down_proj have no bias in these families)."""
+    from .sequence import SEQ_DIM, block_input
+
+    layers = [m for m in module.children()
+              if isinstance(m, Linear1D_Col) and m.sequence_parallel and not m.gather_input and not m.gather_output]
+    if not layers or D.world_size(group) == 1:
+        return block_input(x, state, group)
+    conv1d = {m.conv1d_layout for m in layers}
+    if len(conv1d) != 1:
+        raise ValueError(f"{type(module).__name__}: column layers of both weight layouts cannot share a gather")
+    params = []
+    for m in layers:
+        params += list(m._local_params())
+    outs = _GatherRowsLinear.apply(x.movedim(SEQ_DIM, 0), conv1d.pop(), group, state.length, True, True, *params)
+    full = outs[0].movedim(0, SEQ_DIM)
+    for m, y in zip(layers, outs[1:]):
+        m._precomputed = (full, y.movedim(0, SEQ_DIM))
+    return full
+
+
+def release_block_input(module: nn.Module) -> None:
+    """Drop the outputs gather_block_input computed for `module`'s layers
+    and the module did not ask for (the block's forward is over)."""
+    for m in module.children():
+        if getattr(m, "_precomputed", None) is not None:
+            m._precomputed = None
+            _GatherRowsLinear.unused += 1
 
 
 class Linear1D_Row(_LinearShard):
@@ -168,30 +417,77 @@ class Linear1D_Row(_LinearShard):
     backward); then the full bias.  `sequence_parallel=True`: the partial
     sums X_i A_i^T are returned as they are, for the sequence-parallel
     block's reduce-scatter (no bias allowed).
+
+    `sequence_parallel=True, reduce_scatter=True` (Megatron's sequence-
+    parallel row layer, for blocks whose output goes through a dropout or a
+    residual add inside the module, e.g. GPT-2, BERT): the layer leaves the
+    parallel region itself.  With P = X_i A_i^T over the full sequence
+    ([batch, S, out], or flattened rows [B*S, out]) and T the token dimension
+    (1, or 0 for 2-D input), padded with zero rows to a multiple of p:
+
+        Y_r = (sum_i P_i)[rows of rank r along T] + b
+        forward:   reduce-scatter along T, then the bias on this rank's rows
+        backward:  dP = all-gather of dY along T (padding dropped by the pad's
+                   backward); db = all-reduce over the group of sum(dY_r)
+
+    Each rank's bias gradient covers only its own rows, so the all-reduce
+    makes it the full sequence's (copy_to_tp_region on the bias: identity
+    forward, all-reduce backward).  Padding rows get the bias too; nothing
+    downstream reads them (the next gather drops them), so their gradient
+    is zero.  `dropout=p` (with reduce_scatter): a dropout on the output
+    rows, after the bias, with a mask per rank (DropoutForParallelInput,
+    module `output_dropout`), for models whose residual dropout is a
+    functional call after the row layer (OPT, BLOOM: the policy sets the
+    model's own probability to 0 and moves it here).
     """
 
     column = False
 
     def __init__(self, in_features, out_features, bias=True, process_group=None,
-                 input_is_parallel: bool = True, sequence_parallel: bool = False, **kwargs):
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, reduce_scatter: bool = False,
+                 dropout: float = 0.0, **kwargs):
         super().__init__(in_features, out_features, bias, process_group, **kwargs)
+        if reduce_scatter and not sequence_parallel:
+            raise ValueError(f"{type(self).__name__}: reduce_scatter=True needs sequence_parallel=True")
+        if dropout and not reduce_scatter:
+            raise ValueError(f"{type(self).__name__}: dropout={dropout} needs reduce_scatter=True")
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
+        self.reduce_scatter = reduce_scatter
+        if dropout:
+            from .dropout import DropoutForParallelInput
+
+            self.output_dropout = DropoutForParallelInput(dropout, process_group=process_group)
+        else:
+            self.output_dropout = None
 
     @classmethod
-    def plan_shard(cls, module, tp_size, rank, split=None, sequence_parallel: bool = False, **kwargs):
-        if sequence_parallel and getattr(module, "bias", None) is not None:
+    def plan_shard(cls, module, tp_size, rank, split=None, sequence_parallel: bool = False,
+                   reduce_scatter: bool = False, dropout: float = 0.0, **kwargs):
+        if reduce_scatter and not sequence_parallel:
+            raise ValueError(f"{cls.__name__}: reduce_scatter=True needs sequence_parallel=True")
+        if dropout and not reduce_scatter:
+            raise ValueError(f"{cls.__name__}: dropout={dropout} needs reduce_scatter=True")
+        if not 0.0 <= dropout <= 1.0:
+            raise ValueError(f"{cls.__name__}: dropout probability has to be between 0 and 1, got {dropout}")
+        if sequence_parallel and not reduce_scatter and getattr(module, "bias", None) is not None:
             raise ValueError(f"{cls.__name__}: sequence parallelism (split_gather) with a bias on a row-parallel "
                              f"layer ({type(module).__name__} of {tuple(module.weight.shape)}) is not supported: "
-                             f"the bias would have to be added after the block's reduce-scatter")
+                             f"the bias would have to be added after the block's reduce-scatter "
+                             f"(reduce_scatter=True does that in the layer)")
         return super().plan_shard(module, tp_size, rank, split=split, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, -1, self.shard, self.process_group)
         y = self._matmul(x, self.weight, None)
-        if self.sequence_parallel:           # partial sums: the block's reduce-scatter adds them up
-            return y
+        if self.sequence_parallel:
+            if not self.reduce_scatter:      # partial sums: the block's reduce-scatter adds them up
+                return y
+            y = reduce_scatter_rows(y, self.process_group)   # this rank's rows of the sum
+            if self.bias is not None:
+                y = y + copy_to_tp_region(self.bias, self.process_group)
+            return y if self.output_dropout is None else self.output_dropout(y)
         y = reduce_from_tp_region(y, self.process_group)
         return y if self.bias is None else y + self.bias
 

@@ -17,6 +17,20 @@ every rank sends the same tokens to the same experts; the hidden states and
 the routing weights enter through copy_to_tp_region (identity forward,
 all-reduce of the gradient backward), because each rank's gradient of them
 only sees its partial y_i.
+
+Split-gather sequence parallelism (shardformer.layer.sequence): the MoE
+block is a "block" region: its input tokens are all-gathered along the
+sequence, the router runs on the gathered tokens (replicated: every rank
+routes every token alike), FusedExperts1D(sequence_parallel=True) returns
+the partial y_i over all tokens and the block's output reduce-scatter sums
+them into this rank's rows.  Backward, the gradients of the hidden states
+and of the routing weights are left partial (no copy_to_tp_region): the
+block's input reduce-scatter sums dX over the ranks, including the
+router's share of it, and the router's weight gradient, partial too, is
+all-reduced (RouterInSequenceParallel).  The router logits the block hands
+out for the load-balancing loss are replicated, so their gradient, the
+same on every rank, is divided by p on the way back in (summed over the
+ranks it counts once).
 """
 from __future__ import annotations
 
@@ -33,7 +47,9 @@ class FusedExperts1D(ParallelModule):
     """E experts with fused [gate | up] and down weights, intermediate features split.
 
     forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H],
-    the signature of HF's experts modules.
+    the signature of HF's experts modules.  `sequence_parallel=True` (inside
+    a split-gather block): the input and weights are not copied into the
+    region and the partial sums are returned for the block's reduce-scatter.
     """
 
     split_params = {"gate_up_proj": (1, "gate_up"), "down_proj": (2, "down")}
@@ -63,13 +79,15 @@ class FusedExperts1D(ParallelModule):
                     act_fn=module.act_fn, dtype=gate_up.dtype, device=gate_up.device)
 
     def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, act_fn: nn.Module,
-                 process_group=None, plan: ShardPlan | None = None, dtype=None, device=None, **kwargs):
+                 process_group=None, plan: ShardPlan | None = None, dtype=None, device=None,
+                 sequence_parallel: bool = False, **kwargs):
         if plan is None:   # not from the sharder: plan experts of these sizes
             plan = self.plan_for(shapes_only(gate_up_proj=(num_experts, 2 * intermediate_dim, hidden_dim),
                                              down_proj=(num_experts, hidden_dim, intermediate_dim)), process_group)
         super().__init__(plan, process_group)
         self.num_experts, self.hidden_dim, self.intermediate_dim = num_experts, hidden_dim, intermediate_dim
         self.act_fn = act_fn
+        self.sequence_parallel = sequence_parallel
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, plan["gate_up"].length, hidden_dim,
                                                      dtype=dtype, device=device))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_dim, plan["down"].length,
@@ -78,8 +96,11 @@ class FusedExperts1D(ParallelModule):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         # hidden [T, H]; top_k_index, top_k_weights [T, k]
-        x = copy_to_tp_region(hidden_states, self.process_group)
-        weights = copy_to_tp_region(top_k_weights, self.process_group)
+        if self.sequence_parallel:    # the block's gather sums dX and d(weights) over the ranks
+            x, weights = hidden_states, top_k_weights
+        else:
+            x = copy_to_tp_region(hidden_states, self.process_group)
+            weights = copy_to_tp_region(top_k_weights, self.process_group)
         out = torch.zeros_like(x)
         for e in torch.unique(top_k_index).tolist():
             if not 0 <= e < self.num_experts:
@@ -88,9 +109,80 @@ class FusedExperts1D(ParallelModule):
             gate, up = F.linear(x[token_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
             y = F.linear(self.act_fn(gate) * up, self.down_proj[e])
             out.index_add_(0, token_idx, (y * weights[token_idx, slot, None]).to(out.dtype))
+        if self.sequence_parallel:
+            return out
         return reduce_from_tp_region(out, self.process_group)
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden_dim}, "
                 f"intermediate={self.intermediate_dim}, local={self.down_proj.shape[2]}, "
                 f"tp={self.tp_rank}/{self.tp_size}")
+
+
+class _ShareGrad(torch.autograd.Function):
+    """Identity forward; backward the gradient divided by `n`."""
+
+    @staticmethod
+    def forward(ctx, x, n):
+        ctx.n = n
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad / ctx.n, None
+
+
+class RouterInSequenceParallel:
+    """The router of a MoE block under split-gather sequence parallelism
+    (module kept): its parameter gradients are all-reduced over the group
+    (each rank's is partial, see the module docstring), and the router
+    logits it returns (its output's first tensor: the load-balancing
+    loss's input, replicated) pass back 1/p of their gradient.  The logits
+    hook runs before any other forward hook of the module (HF's output
+    recorder reads the scaled tensor)."""
+
+    @classmethod
+    def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, **kwargs) -> ShardPlan:
+        from .replicated import ReplicatedInParallelRegion
+
+        return ReplicatedInParallelRegion.plan_shard(module, tp_size, rank)
+
+    @classmethod
+    def prepare_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
+                              **kwargs) -> "_RouterHooks":
+        from .parallel_module import plan_directly
+        from .replicated import ReplicatedInParallelRegion
+
+        if plan is None:
+            plan = plan_directly(cls, module, process_group)
+        sync = ReplicatedInParallelRegion.prepare_native_module(module, process_group, plan=plan)
+        return _RouterHooks(module, sync, plan.tp_size)
+
+    @classmethod
+    def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
+                           **kwargs) -> nn.Module:
+        return cls.prepare_native_module(module, process_group, plan=plan).commit()
+
+
+class _RouterHooks:
+    def __init__(self, module: nn.Module, sync, tp_size: int):
+        self.module, self.sync, self.tp_size = module, sync, tp_size
+        self.handle = None
+
+    def commit(self) -> nn.Module:
+        self.sync.commit()
+        n = self.tp_size
+        if n > 1:
+            def post(_module, _args, output):
+                if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+                    return (_ShareGrad.apply(output[0], n),) + tuple(output[1:])
+                return None
+
+            self.handle = self.module.register_forward_hook(post, prepend=True)
+        return self.module
+
+    def rollback(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+        self.sync.rollback()

@@ -27,8 +27,31 @@ this rank's rows only (the decoder layers' norms) get their gradients
 all-reduced (shardformer.layer.replicated).
 
 SequenceParallelRegion keeps the module it is applied to and adds the
-forward hooks (role "split", "gather" or "block"); SequenceState carries the
-unpadded length S from the split to the blocks of one forward.
+forward hooks (role "split", "gather", "block" or "enter"); SequenceState
+carries the unpadded length S from the split to the blocks of one forward.
+
+Blocks whose row layer has a bias, or whose output passes a dropout or a
+residual add inside the module (GPT-2, BERT, BLOOM, OPT: policies/shapes.py),
+cannot leave the region at the module's output: the sum over ranks has to
+come before the bias and the dropout.  There the module takes role "enter"
+(the region input above, with the same saved-rows re-gather, and nothing at
+its output) and the row layer leaves the region itself:
+Linear1D_Row(sequence_parallel=True, reduce_scatter=True) pads and
+reduce-scatters its partial sums along the tokens (reduce_scatter_rows;
+backward: all-gather), then adds the bias on this rank's rows (bias gradient
+all-reduced).  What follows inside the module (residual dropout, residual
+add, post-norm) then runs on this rank's rows: such dropouts draw a
+different mask on every rank (DropoutForParallelInput), and such norms get
+their gradients all-reduced, like the norms between blocks.
+
+With ShardConfig.enable_sequence_overlap a "block" (overlap=True: the
+Llama-shaped decoders) gathers its input through
+linear.gather_block_input: one all-gather, asynchronous on the shared-memory
+backend, runs while the block's column layers (q/k/v or qkv; gate/up or
+gate_up) multiply this rank's rows; then the other ranks' rows; the module
+gets the gathered sequence and its column layers return the outputs already
+computed.  Backward: one re-gather during the summed dX matmul, the
+reduce-scatter of dX during the dW matmuls.  The output leaves as above.
 """
 from __future__ import annotations
 
@@ -52,6 +75,11 @@ class SequenceState:
 
     def __repr__(self) -> str:
         return f"SequenceState(length={self.length})"
+
+    def __deepcopy__(self, memo):
+        # A deep copy of a model keeps its hooks' closures, which hold this
+        # state: layers that read it (Linear1D_Col sequence_state) must too.
+        return self
 
 
 def _padded(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -124,6 +152,88 @@ def block_output(y: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
     return reduce_scatter_to_sequence_region(_padded(y, D.world_size(group)), SEQ_DIM, group)
 
 
+def token_dim(x: torch.Tensor) -> int:
+    """The dimension of the tokens: SEQ_DIM of [batch, S, hidden], 0 of rows
+    flattened to [batch * S, hidden] (OPT's MLP)."""
+    return SEQ_DIM if x.dim() > 2 else 0
+
+
+class _Done:
+    """The handle of a collective that ran synchronously."""
+
+    def wait(self, timeout=None):
+        return None
+
+
+def start_all_gather(out: torch.Tensor, t: torch.Tensor, group):
+    """Start out = the ranks' `t` stacked along dim 0 (both contiguous);
+    returns (handle, overlapped).  On the shared-memory backend the
+    collective runs on its worker thread (async_op=True) while this thread
+    computes, until handle.wait(); on the other backends it has run already
+    when this returns (overlapped False)."""
+    from ..distributed.communicator import ShmBackend, communicator_for
+
+    comm = communicator_for(t, group)
+    if isinstance(comm, ShmBackend):
+        return comm.shm.all_gather(out, t, async_op=True), True
+    D.all_gather_into_tensor(out, t, group)
+    return _Done(), False
+
+
+def start_reduce_scatter(out: torch.Tensor, t: torch.Tensor, group):
+    """Start out = this rank's dim-0 chunk of the sum over ranks of `t`;
+    (handle, overlapped) as start_all_gather."""
+    from ..distributed.communicator import _SHM_REDUCIBLE, ShmBackend, communicator_for
+
+    comm = communicator_for(t, group)
+    if isinstance(comm, ShmBackend) and t.dtype in _SHM_REDUCIBLE:
+        return comm.shm.reduce_scatter(out, t, async_op=True), True
+    D.reduce_scatter_tensor(out, t, group)
+    return _Done(), False
+
+
+class _ReduceScatterDim0(torch.autograd.Function):
+    """Forward: reduce-scatter along dim 0 into a fresh tensor (not a view:
+    the caller may add to it in place, e.g. Falcon's mlp_output +=).
+    Backward: all-gather along dim 0."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        n = D.world_size(group)
+        out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
+        D.reduce_scatter_tensor(out, x.contiguous(), group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        n = D.world_size(ctx.group)
+        grad = grad.contiguous()
+        full = grad.new_empty((grad.shape[0] * n,) + tuple(grad.shape[1:]))
+        D.all_gather_into_tensor(full, grad, ctx.group)
+        return full, None
+
+
+def reduce_scatter_rows(y: torch.Tensor, group) -> torch.Tensor:
+    """Partial sums over all tokens -> this rank's rows of their sum, for a
+    row-parallel layer that leaves the region itself: padded with zero rows
+    to a multiple of p along token_dim(y), reduce-scatter (backward:
+    all-gather, padding dropped).  Flattened rows [B * S, hidden] come from
+    a [B, S', hidden] tensor already padded (S' = p * rows per rank), so they
+    divide p as they are, and reduce-scattering them along dim 0 gives each
+    rank back the rows it had (the all-gather before stacked them rank by
+    rank): only row-wise layers may run on such flattened rows."""
+    n = D.world_size(group)
+    if n == 1:
+        return y
+    dim = token_dim(y)
+    rows = y.movedim(dim, 0)                      # a view autograd tracks: the result may be changed in place
+    extra = -rows.shape[0] % n
+    if extra:
+        rows = F.pad(rows, [0, 0] * (rows.dim() - 1) + [0, extra])
+    return _ReduceScatterDim0.apply(rows, group).movedim(0, dim)
+
+
 class _Regathered:
     """This rank's rows of a block's gathered input, saved for backward in
     place of the full tensor; the first unpack all-gathers them again (every
@@ -185,40 +295,68 @@ class SequenceParallelRegion:
     """Hooks of one role on a module that stays as it is: `role="split"` (the
     first decoder layer: its input is split), `"gather"` (the last decoder
     layer: its output is gathered), `"block"` (attention or MLP: input
-    gathered, output reduce-scattered); kwarg `state`: the model's
-    SequenceState.  A module may take both "split" and "gather" (one layer)."""
+    gathered, output reduce-scattered), `"enter"` (attention or MLP whose row
+    layer reduce-scatters itself, Linear1D_Row(reduce_scatter=True): input
+    gathered, saved as this rank's rows, output left as it is); kwarg
+    `state`: the model's SequenceState; `overlap=True` (role "block" only):
+    the input gather overlaps the module's column layers' matmuls
+    (linear.gather_block_input).  A module may take both "split" and
+    "gather" (one layer)."""
 
-    ROLES = ("split", "gather", "block")
+    ROLES = ("split", "gather", "block", "enter")
 
     @classmethod
-    def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, role=None, state=None, **kwargs) -> ShardPlan:
+    def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, role=None, state=None, overlap: bool = False,
+                   **kwargs) -> ShardPlan:
         if role not in cls.ROLES and not (isinstance(role, tuple) and set(role) <= set(cls.ROLES)):
             raise ValueError(f"SequenceParallelRegion: role must be one of {cls.ROLES} (or a tuple of them), "
                              f"got {role!r}")
         if not isinstance(state, SequenceState):
             raise TypeError(f"SequenceParallelRegion: state must be a SequenceState, got {type(state).__name__}")
+        if overlap and role != "block":
+            raise ValueError(f"SequenceParallelRegion: overlap=True needs role 'block', got {role!r}")
         return ShardPlan(tp_size, rank)
 
     @classmethod
     def prepare_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
-                              role=None, state=None, **kwargs) -> "_Hooks":
+                              role=None, state=None, overlap: bool = False, **kwargs) -> "_Hooks":
         if plan is None:
-            plan = plan_directly(cls, module, process_group, role=role, state=state)
+            plan = plan_directly(cls, module, process_group, role=role, state=state, overlap=overlap)
         roles = role if isinstance(role, tuple) else (role,)
-        return _Hooks(module, roles if plan.tp_size > 1 else (), state, process_group)
+        return _Hooks(module, roles if plan.tp_size > 1 else (), state, process_group, overlap)
 
     @classmethod
     def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
-                           role=None, state=None, **kwargs) -> nn.Module:
-        return cls.prepare_native_module(module, process_group, plan=plan, role=role, state=state).commit()
+                           role=None, state=None, overlap: bool = False, **kwargs) -> nn.Module:
+        return cls.prepare_native_module(module, process_group, plan=plan, role=role, state=state,
+                                         overlap=overlap).commit()
+
+
+def refuse_recorded_hidden_states(model: nn.Module, name: str):
+    """A forward pre-hook on the top-level `model`: output_hidden_states=True
+    (in the call or the config) raises NotImplementedError, since between the
+    layers each rank holds only its rows of the sequence (HF records the
+    layers' outputs as they are).  Returns the hook's handle."""
+    def pre(module, args, kwargs):
+        want = kwargs.get("output_hidden_states")
+        if want is None:
+            want = getattr(getattr(module, "config", None), "output_hidden_states", False)
+        if want:
+            raise NotImplementedError(
+                f"{name}: output_hidden_states=True with sequence parallelism (split_gather): between the "
+                f"layers each rank holds only its rows of the sequence; run that forward without it")
+        return None
+
+    return model.register_forward_pre_hook(pre, with_kwargs=True)
 
 
 class _Hooks:
     """The forward hooks of some roles on `module`: registered by commit(),
     removed by rollback()."""
 
-    def __init__(self, module: nn.Module, roles: tuple, state: SequenceState, group):
+    def __init__(self, module: nn.Module, roles: tuple, state: SequenceState, group, overlap: bool = False):
         self.module, self.roles, self.state, self.group = module, roles, state, group
+        self.overlap = overlap and "block" in roles
         self.handles: list = []
 
     def commit(self) -> nn.Module:
@@ -230,10 +368,15 @@ class _Hooks:
                 return rebuild(split_sequence(x, state, group))
 
             self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-        if "block" in self.roles:
+        if "block" in self.roles or "enter" in self.roles:
+            scatter = "block" in self.roles
+            overlap = self.overlap
+            if overlap:
+                from .linear import gather_block_input, release_block_input
+
             def pre(_module, args, kwargs):
                 x, rebuild = _first(args, kwargs)
-                full = block_input(x, state, group)
+                full = gather_block_input(_module, x, state, group) if overlap else block_input(x, state, group)
                 if torch.is_grad_enabled():
                     hooks = _save_rows_only(full, x, state, group)
                     hooks.__enter__()
@@ -243,7 +386,9 @@ class _Hooks:
             def post(_module, _args, output):
                 while active:
                     active.pop().__exit__(None, None, None)
-                if output is None:                 # the forward raised (always_call): let its error through
+                if overlap:
+                    release_block_input(_module)
+                if output is None or not scatter:  # raised (always_call), or "enter": output as it is
                     return None
                 return _on_output(output, lambda y: block_output(y, state, group))
 

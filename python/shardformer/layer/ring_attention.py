@@ -1,0 +1,547 @@
+"""Ring attention: exact attention over a sequence split across the ranks of a group.
+
+Layout ("zigzag", for load balance under causal masking).  The sequence of
+length S is padded to S' = padded_length_for(S, p), the smallest multiple of
+2p >= S (p = group size), and cut into 2p chunks of c = S' / (2p) rows.
+Rank r holds chunks r and 2p-1-r, in that order, as its 2c local rows
+(`zigzag_rows(S', p, r)` lists their global indices).  Every rank then has
+one early and one late chunk, so under causal masking each does the same
+work.
+
+What ring_attention computes.  With q, k, v the rows of the full (padded)
+sequence, for each local query row i (global position P(i)) and every key
+position j of the whole sequence:
+
+    s_ij = scale q_i . k_j,   s_ij = -inf where key_padding[b, j] is False,
+           or (causal) j > P(i), or (window W, causal) P(i) - j >= W,
+           or (window W, not causal) |P(i) - j| >= W
+    lse_i = log sum_j exp(s_ij)              (+inf when every s_ij is -inf)
+    o_i   = sum_j exp(s_ij - lse_i) v_j      (0 for such an all-masked row)
+
+GQA: query head h reads key-value head h // (Hq / Hkv), as the C kernel does.
+
+Forward.  The packed K/V of each rank travel around the ring (rank r sends
+to r+1 and receives from r-1): at step s (0 <= s < p) rank r holds the K/V of
+rank j = (r - s) mod p, i.e. key chunks j and 2p-1-j, and runs one call of
+the C kernel (csrc/kernels/attention.h) on the query / key chunk pairs that
+causal masking leaves visible.  With query chunk a and key chunk b: b < a is
+unmasked, b == a is causal with Sq == Sk (the kernel's causal flag), b > a is
+skipped without a kernel call.  With the zigzag layout the visible pairs of
+one step always form one rectangle:
+
+    j == r (s = 0)  all 2c queries x all 2c keys, causal: row t of chunk
+                    2p-1-r sees all of chunk r and rows <= t of its own chunk,
+                    which is exactly the kernel's causal mask on the local
+                    concatenation (1 of the 4 pairs skipped);
+    j <  r          all 2c queries x key chunk j (c keys), unmasked
+                    (pairs with key chunk 2p-1-j skipped: 2 of 4);
+    j >  r          query chunk 2p-1-r (c queries) x all 2c keys, unmasked
+                    (pairs with query chunk r skipped: 2 of 4);
+
+so every step costs about 2c^2 logits (2c x c, c x 2c, or the lower half of
+the causal 2c x 2c) and every rank does the same work: 2c^2 p in all, half
+of the unmasked 4c^2 p.
+Without causal masking every step is the full 2c x 2c block.  Each block
+returns (o_b, lse_b) for the rows it covers, merged exactly into the running
+(o, lse) in float32:
+
+    lse = logaddexp(lse_a, lse_b)
+    o   = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b
+
+where a block's lse_b = +inf (the kernel's "every key masked") counts as -inf
+(no contribution), and a row with no visible key anywhere ends with o = 0 and
+lse = +inf, as the kernel gives it.  The next step's K/V travel while the
+current block computes (asynchronous send/recv, see "Transport").
+
+Sliding windows (window=W, global positions: with causal masking key j is
+visible to query i iff j <= i and i - j < W, HF's sliding_window_overlay
+kv_idx > q_idx - W on top of causal; without it iff |i - j| < W, the kernel's
+symmetric window).  A window of S' or more hides nothing and is dropped.
+Each (query chunk a, key chunk b) pair spans the global distances
+d = (a - b) c + t - u, t, u in [0, c), and is
+
+    skipped   when no d in it is visible (no kernel call; e.g. b > a, or a - b
+              large enough that the window cannot reach);
+    full      when every d is visible: no mask beyond key padding;
+    diagonal  a == b: the kernel's own causal / window math on the c x c
+              block is exact (off = Sk - Sq = 0 and local = global distances);
+    cut       a != b and the window line crosses it: the kernel's window is
+              aligned bottom-right within one call (off = Sk - Sq), and no
+              views of the held rows give off = (a - b) c, so these pairs get
+              an explicit uint8 mask [1 or B, 1, c, c] (the band, and-ed with
+              the key padding): at most two such pairs per query chunk.
+
+The visible pairs of a step go into as few kernel calls as possible: one
+rectangle when they are all full (so a step with no cut or diagonal pair
+stays one call), the local 2c x 2c block under the kernel's causal / window
+flags at step 0 when that is exact (no window, or r = p-1, whose chunks
+p-1, p are adjacent), else one call per query chunk whose visible pairs are
+all full, else one call per pair.  Backward replays the same calls with the
+same masks and windows.  Every step still passes the K/V on (a rank may skip
+all four pairs of a step while its neighbours need them).
+
+Backward.  Saved for it: q, the local k and v, the final o and the final lse
+(nothing [S, S], no per-step outputs).  K/V go around the ring again; for
+each block the kernel's backward runs with the FINAL o and lse, so inside it
+p_ij = exp(s_ij - lse_i) are the global probabilities and
+delta_i = dout_i . o_i is the global one, and each block's
+
+    dq_i += scale sum_j ds_ij k_j,   dk_j += scale sum_i ds_ij q_i,
+    dv_j += sum_i p_ij dout_i,       ds_ij = p_ij (dout_i . v_j - delta_i)
+
+are exact partial sums.  dq accumulates locally (float32).  The dk / dv
+accumulators (float32, for the 2c key rows of one owner) travel with their
+K/V: at the end of step s rank r adds its block's dk / dv into the
+accumulator of owner j = (r - s) mod p and sends it on to r+1, which holds
+owner j's K/V at step s+1.  After the last step one more hop brings every
+accumulator home, so p hops in all (the first p-1 while the next step's K/V
+are already on their way; the accumulator's receive overlaps the next
+block's compute).
+
+Transport.  The K/V of a step go as one packed message ([2, B, Hkv, 2c, D]
+of the input dtype), the dk / dv accumulators as one float32 message.  On
+the shm backend (shardformer.distributed.shm) the sends and receives are its
+async_op calls, which run in issue order on the communicator's worker
+thread, one at a time: even ranks send before they receive and odd ranks
+receive before they send, so a ring of any size cannot deadlock (some rank
+receives first and unblocks its left neighbour).  On the torch backend
+(gloo), they are dist.isend / dist.irecv (same ordering, distinct tags per
+stream); module-level P2P = "torch" picks them on an shm group too.  Either
+way the computation of a block overlaps the transfer of the next step's K/V.
+Only CPU tensors (the C kernel is CPU).  Inputs are checked before any
+communication; a rank failing in the middle of the ring (say, out of memory)
+leaves its peers waiting until the transport's timeout, as with any
+collective.
+
+Counters (module-level CALLS, for tests; reset_counters() zeroes them):
+    forward / backward      calls of the autograd function's two passes
+    kernel_forward / _backward  C kernel calls (one per ring step without a
+                            window; with one, up to one per computed pair)
+    blocks / skipped        chunk pairs (query chunk, key chunk) computed /
+                            skipped (b > a, or out of the window's reach),
+                            counted in forward and backward
+    masked                  computed pairs cut by the window off the diagonal
+                            (an explicit band mask)
+    messages                point-to-point messages sent by this rank
+    messages_torch          those of them sent by torch.distributed isend
+
+Not supported (NotImplementedError): logit soft-capping,
+attention dropout (dropout_p must be 0), ALiBi / additive biases.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.autograd.function import once_differentiable
+
+from .. import _C
+from .. import distributed as D
+from .. import ops
+from ..distributed.communicator import get_communicator
+
+__all__ = ["ring_attention", "zigzag_rows", "padded_length_for", "CALLS", "reset_counters"]
+
+# The ring's point-to-point transport: "auto" = the group's communicator backend
+# (shm async calls on an shm group, else torch.distributed isend / irecv);
+# "torch" = isend / irecv even on an shm group (gloo's sockets buffer in the
+# kernel, so a transfer progresses without both peers' threads on a core,
+# which can matter when the ranks oversubscribe the cores).
+P2P = "auto"
+
+CALLS = {"forward": 0, "backward": 0, "kernel_forward": 0, "kernel_backward": 0,
+         "blocks": 0, "skipped": 0, "masked": 0, "messages": 0, "messages_torch": 0}
+
+
+def reset_counters() -> None:
+    for key in CALLS:
+        CALLS[key] = 0
+
+
+# ---- layout -------------------------------------------------------------------------
+
+def padded_length_for(S: int, p: int) -> int:
+    """The smallest multiple of 2p that is >= S: the padded sequence length S'."""
+    S, p = int(S), int(p)
+    if S < 0 or p < 1:
+        raise ValueError(f"padded_length_for: need S >= 0 and p >= 1, got S={S}, p={p}")
+    return -(-S // (2 * p)) * (2 * p)
+
+
+def zigzag_rows(padded_length: int, p: int, rank: int) -> torch.LongTensor:
+    """Global row indices rank holds, in its local order: chunk `rank` then
+    chunk 2p-1-rank of the 2p chunks of c = padded_length / (2p) rows, i.e.
+    [rank c, (rank+1) c) followed by [(2p-1-rank) c, (2p-rank) c)."""
+    n, p, rank = int(padded_length), int(p), int(rank)
+    if p < 1 or not 0 <= rank < p:
+        raise ValueError(f"zigzag_rows: need p >= 1 and 0 <= rank < p, got p={p}, rank={rank}")
+    if n < 0 or n % (2 * p):
+        raise ValueError(f"zigzag_rows: padded_length={n} is not a multiple of 2p={2 * p} "
+                         f"(use padded_length_for(S, p))")
+    c = n // (2 * p)
+    return torch.cat([torch.arange(rank * c, (rank + 1) * c),
+                      torch.arange((2 * p - 1 - rank) * c, (2 * p - rank) * c)])
+
+
+def _kind(a: int, b: int, c: int, causal: bool, W: float) -> str:
+    """How query chunk a sees key chunk b (c rows each, global distances
+    d = (a - b) c + t - u for rows t, u): "skip" (no pair visible), "full"
+    (every pair visible), "diag" (a == b: the kernel's own causal / window
+    math on the c x c block, off = 0, is exact) or "band" (a != b, cut by the
+    window: needs an explicit mask)."""
+    delta = (a - b) * c
+    dmin, dmax = delta - (c - 1), delta + (c - 1)
+    if causal:
+        if dmax < 0 or dmin >= W:
+            return "skip"
+        if dmin >= 0 and dmax < W:
+            return "full"
+    else:
+        if dmin >= W or dmax <= -W:
+            return "skip"
+        if dmin > -W and dmax < W:
+            return "full"
+    return "diag" if a == b else "band"
+
+
+_NAMES = ("lo", "hi")
+
+
+def _plan(r: int, j: int, p: int, c: int, causal: bool, W: float):
+    """The kernel calls rank r makes against the K/V of rank j: (calls, chunk
+    pairs computed, chunk pairs skipped, pairs computed with a window mask).
+    Each call is (query rows, key rows, kernel causal flag, kernel window,
+    band offset): rows "all" (2c), "lo" (the first chunk's c) or "hi" (the
+    second's); band offset None, or delta = (a - b) c for a single pair that
+    needs the mask of _band_mask.  W: the window (math.inf for none).
+
+    The visible pairs go into as few calls as possible: one rectangle when
+    they are all fully visible (every step without a window but step 0),
+    the local 2c x 2c block under the kernel's causal / window flags at step
+    0 without a window or on rank p-1 (see the module docstring), else one call per query chunk whose visible pairs are all
+    full, else one call per pair."""
+    qch, kch = (r, 2 * p - 1 - r), (j, 2 * p - 1 - j)
+    kinds = {(qi, ki): _kind(qch[qi], kch[ki], c, causal, W) for qi in (0, 1) for ki in (0, 1)}
+    nblk = sum(kd != "skip" for kd in kinds.values())
+    nskip, nband = 4 - nblk, sum(kd == "band" for kd in kinds.values())
+    kwin = 0 if W == math.inf else int(W)
+    if j == r and ((causal and W == math.inf) or r == p - 1):
+        # the local 2c x 2c block under the kernel's own causal / window math:
+        # exact without a window (see the module docstring), and with one when
+        # the two chunks are adjacent (r = p-1: chunks p-1, p; local = global distances)
+        return [("all", "all", causal, kwin, None)], nblk, nskip, nband
+
+    def sel(idx):
+        return "all" if len(idx) == 2 else _NAMES[idx[0]]
+
+    vis = [pair for pair, kd in kinds.items() if kd != "skip"]
+    rows = sorted({qi for qi, _ in vis})
+    cols = sorted({ki for _, ki in vis})
+    if vis and all(kinds[(qi, ki)] == "full" for qi in rows for ki in cols):
+        return [(sel(rows), sel(cols), False, 0, None)], nblk, nskip, nband
+    calls = []
+    for qi in rows:
+        ks = [ki for ki in (0, 1) if kinds[(qi, ki)] != "skip"]
+        if all(kinds[(qi, ki)] == "full" for ki in ks):
+            calls.append((_NAMES[qi], sel(ks), False, 0, None))
+            continue
+        for ki in ks:
+            kd = kinds[(qi, ki)]
+            if kd == "full":
+                calls.append((_NAMES[qi], _NAMES[ki], False, 0, None))
+            elif kd == "diag":
+                calls.append((_NAMES[qi], _NAMES[ki], causal, kwin, None))
+            else:
+                calls.append((_NAMES[qi], _NAMES[ki], False, 0, (qch[qi] - kch[ki]) * c))
+    return calls, nblk, nskip, nband
+
+
+def _rows(t: torch.Tensor, which: str, c: int, dim: int = 2) -> torch.Tensor:
+    """t's rows `which` ("all", "lo" = first c, "hi" = last c) along dim, as a view."""
+    if which == "all":
+        return t
+    return t.narrow(dim, 0 if which == "lo" else c, c)
+
+
+# ---- transport ----------------------------------------------------------------------
+
+class _Ring:
+    """Asynchronous sends to rank+1 and receives from rank-1 of a group, on its
+    shm communicator (async_op calls, run in issue order by its worker) or on
+    torch.distributed (isend / irecv).  Even ranks send first, odd ranks
+    receive first, so the shm worker's one-call-at-a-time order cannot form a
+    cycle of waiting senders."""
+
+    def __init__(self, group, size: int, rank: int):
+        self.size, self.rank = size, rank
+        self.nxt, self.prv = (rank + 1) % size, (rank - 1) % size
+        comm = get_communicator(group, "cpu")   # collective on a group's first use: every rank is here
+        inner = getattr(comm, "inner", comm)     # a CheckedCommunicator's wrapped one
+        if P2P not in ("auto", "torch"):
+            raise ValueError(f"ring_attention.P2P must be 'auto' or 'torch', got {P2P!r}")
+        self.shm = inner.shm if comm.backend == "shm" and P2P == "auto" else None
+        self.backend = "shm" if self.shm is not None else "torch"
+        self.group = comm.info.group
+        self.gnext = comm.info.global_rank(self.nxt, "ring send")
+        self.gprev = comm.info.global_rank(self.prv, "ring recv")
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
+        """Start sending `send` to rank+1 and receiving rank-1's into `recv`;
+        returns the handles to wait on (neither buffer may be touched before)."""
+        CALLS["messages"] += 1
+        send_first = self.rank % 2 == 0
+        if self.shm is not None:
+            ops_ = [lambda: self.shm.send(send, self.nxt, async_op=True),
+                    lambda: self.shm.recv(recv, self.prv, async_op=True)]
+        else:
+            CALLS["messages_torch"] += 1
+            ops_ = [lambda: dist.isend(send, self.gnext, group=self.group, tag=tag),
+                    lambda: dist.irecv(recv, self.gprev, group=self.group, tag=tag)]
+        if not send_first:
+            ops_.reverse()
+        return [op() for op in ops_]
+
+    @staticmethod
+    def wait(handles) -> None:
+        for h in handles or ():
+            h.wait()
+
+
+_TAG_KV, _TAG_DKV = 7301, 7302
+
+
+# ---- block math ---------------------------------------------------------------------
+
+def _merge(o_acc: torch.Tensor, lse_acc: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> None:
+    """In place: (o_acc, lse_acc) <- the softmax merge with a block (o_b, lse_b).
+
+        lse = logaddexp(lse_a, lse_b),  o = exp(lse_a - lse) o_a + exp(lse_b - lse) o_b
+
+    lse_acc holds -inf for "nothing seen yet"; a block's +inf (all masked)
+    counts as -inf.  Rows still at -inf after the merge keep o = 0."""
+    lse_b = lse_b.masked_fill(lse_b == math.inf, -math.inf)
+    lse = torch.logaddexp(lse_acc, lse_b)
+    ref = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    wa = torch.exp(lse_acc - ref).unsqueeze(-1)
+    wb = torch.exp(lse_b - ref).unsqueeze(-1)
+    o_acc.mul_(wa).add_(o_b.float() * wb)
+    lse_acc.copy_(lse)
+
+
+def _mask_for(kp, rows: torch.Tensor | None, which: str, c: int):
+    """The key padding columns of the key rows `rows` (global), as the kernel's
+    uint8 [B, 1, 1, Sk] mask (strides {Sk, 0, 0, 1}), or None."""
+    if kp is None:
+        return None
+    cols = kp.index_select(1, _rows(rows, which, c, dim=0))
+    return cols.contiguous().view(cols.shape[0], 1, 1, cols.shape[1])
+
+
+def _band_mask(delta: int, c: int, causal: bool, W: float, kpm):
+    """The mask of one chunk pair cut by the window: query row t, key row u at
+    global distance d = delta + t - u, visible iff 0 <= d < W (causal) or
+    |d| < W, and-ed with the pair's key padding kpm ([B, 1, 1, c] or None):
+    uint8 [1 or B, 1, c, c]."""
+    d = delta + torch.arange(c).unsqueeze(1) - torch.arange(c).unsqueeze(0)
+    vis = ((d >= 0) & (d < W)) if causal else (d.abs() < W)
+    m = vis.view(1, 1, c, c).to(torch.uint8)
+    return m if kpm is None else (m & kpm).contiguous()
+
+
+class _Step:
+    """The blocks of one ring step: for each call of the plan, the query-row /
+    key-row selectors, the kernel's causal flag and window, and its mask."""
+
+    def __init__(self, r, j, p, c, S_pad, causal, W, kp):
+        self.calls, nblk, nskip, nband = _plan(r, j, p, c, causal, W)
+        CALLS["blocks"] += nblk
+        CALLS["skipped"] += nskip
+        CALLS["masked"] += nband
+        self.c, self.causal, self.W, self.kp = c, causal, W, kp
+        self.owner_rows = None if kp is None else zigzag_rows(S_pad, p, j)
+
+    def mask(self, krows: str, band):
+        kpm = _mask_for(self.kp, self.owner_rows, krows, self.c)
+        return kpm if band is None else _band_mask(band, self.c, self.causal, self.W, kpm)
+
+
+class _Halves:
+    """Contiguous copies of a [B, H, 2c, ...] tensor's "lo" / "hi" rows, made once."""
+
+    def __init__(self, c: int):
+        self.c, self.cache = c, {}
+
+    def __call__(self, name: str, t: torch.Tensor, which: str) -> torch.Tensor:
+        if which == "all":
+            return t
+        key = (name, which)
+        if key not in self.cache:
+            self.cache[key] = _rows(t, which, self.c).contiguous()
+        return self.cache[key]
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, scale, causal, kp, W):
+        qd, kd, vd = ops._data(q, "ring_attention q"), ops._data(k, "ring_attention k"), \
+            ops._data(v, "ring_attention v")
+        p, r = D.world_size(group), D.rank(group)
+        B, Hq, n, Dh = qd.shape
+        c = n // 2
+        S_pad = n * p
+        ring = _Ring(group, p, r) if p > 1 else None
+        CALLS["forward"] += 1
+
+        o_acc = torch.zeros(qd.shape, dtype=torch.float32)              # running (o, lse), float32;
+        lse_acc = torch.full(qd.shape[:3], -math.inf, dtype=torch.float32)   # -inf: nothing seen yet
+        half = _Halves(c)
+        cur = torch.stack([kd, vd]) if p > 1 else (kd, vd)   # [2, B, Hkv, 2c, D]: the travelling K/V
+        spare = torch.empty_like(cur) if p > 1 else None
+        for s in range(p):
+            j = (r - s) % p
+            handles = None
+            if s < p - 1:
+                handles = ring.exchange(cur, spare, _TAG_KV)
+            step = _Step(r, j, p, c, S_pad, causal, W, kp)
+            for qrows, krows, blk_causal, blk_window, band in step.calls:
+                qb = half("q", qd, qrows)
+                kb = _rows(cur[0], krows, c).contiguous()
+                vb = _rows(cur[1], krows, c).contiguous()
+                ob = torch.empty_like(qb)
+                lb = torch.empty(qb.shape[:3], dtype=torch.float32)
+                _C.attention_forward(qb, kb, vb, ob, lb, scale, blk_causal, blk_window, None, None,
+                                     step.mask(krows, band), 0.0, 0)
+                CALLS["kernel_forward"] += 1
+                _merge(_rows(o_acc, qrows, c), _rows(lse_acc, qrows, c), ob, lb)
+            if handles is not None:
+                _Ring.wait(handles)
+                cur, spare = spare, cur
+        lse = lse_acc.masked_fill_(lse_acc == -math.inf, math.inf)   # kernel convention: all masked = +inf
+        o = o_acc.to(qd.dtype)
+        ctx.save_for_backward(qd, kd, vd, o, lse)
+        ctx.args = (group, scale, causal, kp, W)
+        return o
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):
+        qd, kd, vd, o, lse = ctx.saved_tensors
+        o = o.detach()
+        group, scale, causal, kp, W = ctx.args
+        p, r = D.world_size(group), D.rank(group)
+        dout = ops._data(dout, "ring_attention grad").to(qd.dtype).contiguous()
+        B, Hq, n, Dh = qd.shape
+        c = n // 2
+        S_pad = n * p
+        ring = _Ring(group, p, r) if p > 1 else None
+        CALLS["backward"] += 1
+
+        half = _Halves(c)
+        dq = torch.zeros(qd.shape, dtype=torch.float32)
+        cur = torch.stack([kd, vd]) if p > 1 else (kd, vd)
+        spare = torch.empty_like(cur) if p > 1 else None
+        acc = torch.zeros((2, *kd.shape), dtype=torch.float32)  # dk, dv of the K/V held (owner j)
+        acc_next = torch.empty_like(acc) if p > 1 else None
+        acc_handles = None
+        for s in range(p):
+            j = (r - s) % p
+            kv_handles = ring.exchange(cur, spare, _TAG_KV) if s < p - 1 else None
+            step = _Step(r, j, p, c, S_pad, causal, W, kp)
+            grads = []
+            for qrows, krows, blk_causal, blk_window, band in step.calls:
+                qb, ob, db, lb = (half(name, t, qrows) for name, t in
+                                  (("q", qd), ("o", o), ("dout", dout), ("lse", lse)))
+                kb = _rows(cur[0], krows, c).contiguous()
+                vb = _rows(cur[1], krows, c).contiguous()
+                dqb, dkb, dvb = torch.empty_like(qb), torch.empty_like(kb), torch.empty_like(vb)
+                _C.attention_backward(qb, kb, vb, ob, db, lb, dqb, dkb, dvb, None, scale, blk_causal,
+                                      blk_window, None, None, step.mask(krows, band), 0.0, 0)
+                CALLS["kernel_backward"] += 1
+                _rows(dq, qrows, c).add_(dqb)
+                grads.append((krows, dkb, dvb))
+            if acc_handles is not None:                # owner j's accumulator, from rank r-1
+                _Ring.wait(acc_handles)
+                acc, acc_next = acc_next, acc
+            for krows, dkb, dvb in grads:
+                _rows(acc[0], krows, c).add_(dkb)
+                _rows(acc[1], krows, c).add_(dvb)
+            if p > 1:                                  # on to r+1, which holds owner j's K/V next
+                acc_handles = ring.exchange(acc, acc_next, _TAG_DKV)
+            if kv_handles is not None:
+                _Ring.wait(kv_handles)
+                cur, spare = spare, cur
+        if acc_handles is not None:                    # the last hop: our own dk, dv come home
+            _Ring.wait(acc_handles)
+            acc = acc_next
+        dt = qd.dtype
+        return dq.to(dt), acc[0].to(dt), acc[1].to(dt), None, None, None, None, None
+
+
+# ---- the entry point ------------------------------------------------------------------
+
+def ring_attention(q, k, v, group=None, *, scale: float | None = None, causal: bool = True,
+                   key_padding: torch.Tensor | None = None, softcap: float | None = None,
+                   dropout_p: float = 0.0, window: int | None = None) -> torch.Tensor:
+    """Exact attention over a sequence split in zigzag order over `group`.
+
+    q [B, Hq, 2c, D], k / v [B, Hkv, 2c, D] (Hq a multiple of Hkv): this
+    rank's local rows, chunks r and 2p-1-r of the padded sequence of
+    S' = 2cp rows (zigzag_rows(S', p, r)); CPU float32 / float16 / bfloat16,
+    the same shapes on every rank.  Returns o [B, Hq, 2c, D] (the input's
+    dtype): full attention over the whole sequence, restricted to this rank's
+    rows (see the module docstring for the math):
+
+        o_i = sum_j softmax_j(scale q_i . k_j  + -inf where masked) v_j
+
+    scale: default 1 / sqrt(D).  causal: key j visible to query i only when
+    j <= i in GLOBAL positions (False: every key, for encoders).
+    key_padding: None or bool [B, S'] over the FULL padded sequence, the same
+    on every rank, True = attend; padded key rows must be False there unless
+    (causal) they lie after every real query.  A query row with no visible
+    key returns 0 (and gets zero gradients).  Differentiable in q, k, v;
+    gradients equal those of full attention.  A collective over `group`:
+    every rank calls it at the same point.
+
+    window: None / 0 (none) or W > 0, a sliding window in GLOBAL positions:
+    causal, key j visible to query i iff j <= i and i - j < W (HF's
+    sliding_window_causal); not causal, iff |i - j| < W.  Composes with
+    key_padding; gradients stay exact.
+
+    softcap and dropout_p > 0 are not supported.
+    """
+    if softcap is not None:
+        raise NotImplementedError("ring_attention: logit soft-capping (softcap) is not supported")
+    if dropout_p:
+        raise NotImplementedError(f"ring_attention: attention dropout is not supported (dropout_p={dropout_p}, "
+                                  "must be 0)")
+    ops.check_qkv(q, k, v, "ring_attention")
+    B, Hq, n, Dh = q.shape
+    if k.shape[2] != n:
+        raise ValueError(f"ring_attention: q {tuple(q.shape)} and k {tuple(k.shape)} differ in local rows")
+    if n % 2:
+        raise ValueError(f"ring_attention: {n} local rows; the zigzag layout gives each rank two chunks "
+                         f"of c rows (2c, even)")
+    if Dh == 0:
+        raise ValueError("ring_attention: head size 0")
+    p = D.world_size(group)
+    S_pad = n * p
+    kp = None
+    if key_padding is not None:
+        if key_padding.dtype != torch.bool:
+            raise TypeError(f"ring_attention: key_padding must be bool (True = attend), got {key_padding.dtype}")
+        if tuple(key_padding.shape) != (B, S_pad):
+            raise ValueError(f"ring_attention: key_padding of shape {tuple(key_padding.shape)}, expected "
+                             f"[B, S'] = [{B}, {S_pad}] (the full padded sequence: {p} ranks x {n} rows)")
+        if key_padding.device.type != "cpu":
+            raise ValueError(f"ring_attention: key_padding is on {key_padding.device}, expected CPU")
+        kp = key_padding.contiguous().view(torch.uint8)
+    W = math.inf
+    if window is not None:
+        if isinstance(window, bool) or int(window) != window or window < 0:
+            raise ValueError(f"ring_attention: window must be a non-negative integer (0 / None: none), "
+                             f"got {window!r}")
+        if 0 < window < S_pad:      # a window of S' or more never hides a pair
+            W = int(window)
+    scale = 1.0 / math.sqrt(Dh) if scale is None else float(scale)
+    return _RingAttention.apply(q, k, v, group, scale, bool(causal), kp, W)

@@ -1,0 +1,387 @@
+"""Rank-side checks of split-gather sequence parallelism for T5, Whisper and
+ALBERT (tests/test_sequence_parallel_more.py); the shared helpers are
+tests/checks/sequence.py's."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import zoo
+from checks import parity
+from checks.sequence import SP, _with_dropout
+from shardformer import ShardConfig, ShardFormer
+
+# the inputs that run along the (encoder) sequence: trimmed to the odd lengths
+_SEQ_KEYS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def _audio_features(positions: int, mel_bins: int, batch: int = 2, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, mel_bins, 2 * positions, generator=g)
+
+
+def sp_inputs(name: str, seq: int | None = None, overrides: dict | None = None) -> dict:
+    """zoo.make_inputs(name) with the encoder sequence cut to `seq` tokens
+    (T5, ALBERT: the last dimension of input_ids / attention_mask; T5's
+    sequence classification keeps its EOS last) or, for Whisper, input
+    features of overrides["max_source_positions"] positions."""
+    inputs = zoo.make_inputs(name)
+    overrides = overrides or {}
+    if "input_features" in inputs and "max_source_positions" in overrides:
+        mel = inputs["input_features"].shape[1]
+        inputs["input_features"] = _audio_features(overrides["max_source_positions"], mel,
+                                                   inputs["input_features"].shape[0])
+    if seq is not None:
+        # per-token labels (token classification, masked LM) run along the sequence too
+        if "labels" in inputs and "input_ids" in inputs and inputs["labels"].shape == inputs["input_ids"].shape:
+            inputs["labels"] = inputs["labels"][..., :seq].contiguous()
+        for key in _SEQ_KEYS:
+            if key in inputs:
+                inputs[key] = inputs[key][..., :seq].contiguous()
+        if name == "T5ForSequenceClassification":
+            inputs["input_ids"][..., -1] = 1          # the EOS whose decoder state is pooled
+    return inputs
+
+
+def sp_equals_unsharded(ctx, name: str, seq: int | None = None, overrides: dict | None = None,
+                        config: dict | None = None, dtype_name: str = "float32") -> dict:
+    """parity.check_sharded with split-gather SP: forward, loss, every
+    gradient and the outputs after a step equal the unsharded model's
+    (bfloat16: the forward)."""
+    dtype = getattr(torch, dtype_name)
+    inputs = {k: v.to(dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+              for k, v in sp_inputs(name, seq, overrides).items()}
+    return parity.check_sharded(ctx, lambda: zoo.build(name, dtype=dtype, **(overrides or {})), inputs, name=name,
+                                dtype=dtype, config={**SP, **(config or {})})
+
+
+def _shard(ctx, model, **config):
+    return ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **SP, **config)).optimize(model)[0]
+
+
+def sp_eval_with_dropout(ctx, name: str, p: float = 0.3) -> dict:
+    """eval() with every dropout probability p > 0 equals the unsharded model."""
+    model = _with_dropout(name, p).eval()
+    ref = copy.deepcopy(model)
+    _shard(ctx, model)
+    assert not model.training
+    return parity.compare_sharded(model, ref, zoo.make_inputs(name), f"{name} (eval, dropout {p})")
+
+
+def sp_generate_matches(ctx, name: str, new_tokens: int = 5) -> list:
+    """Greedy generate() with split-gather SP equals the unsharded model's
+    (T5: an encoder prompt of 5 tokens; Whisper: the zoo's input features;
+    the decoder's one-token steps: one rank holds the token, the others
+    padding)."""
+    model = zoo.build(name).eval()
+    ref = copy.deepcopy(model)
+    _shard(ctx, model)
+    inputs = zoo.make_inputs(name)
+    if "input_features" in inputs:
+        prompt = {"input_features": inputs["input_features"]}
+    else:
+        prompt = {"input_ids": inputs["input_ids"][:, :5]}
+    kwargs = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        got, exp = model.generate(**prompt, **kwargs), ref.generate(**prompt, **kwargs)
+    got, exp = getattr(got, "sequences", got), getattr(exp, "sequences", exp)
+    assert torch.equal(got, exp), f"{name}: generate() differs:\n{got}\n{exp}"
+    return got.tolist()
+
+
+def sp_hidden_states_refused(ctx, name: str) -> str:
+    """output_hidden_states=True raises NotImplementedError naming the model."""
+    model = zoo.build(name).eval()
+    _shard(ctx, model)
+    inputs = zoo.make_inputs(name)
+    try:
+        with torch.no_grad():
+            model(**inputs, output_hidden_states=True)
+    except NotImplementedError as e:
+        assert "output_hidden_states" in str(e) and type(model).__name__ in str(e), str(e)
+        message = str(e)
+    else:
+        raise AssertionError(f"{name}: output_hidden_states=True was not refused")
+    with torch.no_grad():
+        model(**inputs)
+    return message
+
+
+def _stacks(model) -> list[list]:
+    """The layer lists whose first layer splits and last gathers: T5's
+    encoder / decoder blocks, Whisper's encoder / decoder layers, ALBERT's
+    shared AlbertLayer modules (every call of them sees rows)."""
+    out = []
+    for module in model.modules():
+        cls = type(module).__name__
+        if cls == "T5Stack":
+            out.append(list(module.block))
+        elif cls in ("WhisperEncoder", "WhisperDecoder"):
+            out.append(list(module.layers))
+    return out
+
+
+def sp_activations_are_split(ctx, name: str, seq: int | None = None, overrides: dict | None = None) -> dict:
+    """Between the blocks each rank holds only its rows: every layer but the
+    first of each stack (T5, Whisper: encoder and decoder) and every call of
+    ALBERT's shared layers gets ceil(S / tp) rows; the stacks' outputs are
+    the full sequence."""
+    model = zoo.build(name, **(overrides or {}))
+    _shard(ctx, model)
+    inputs = sp_inputs(name, seq, overrides)
+    seen: dict[str, list] = {}
+
+    def record(tag):
+        def pre(_m, args, kwargs):
+            x = args[0] if args else kwargs["hidden_states"]
+            seen.setdefault(tag, []).append(x.shape[1])
+        return pre
+
+    stacks = _stacks(model)
+    for i, layers in enumerate(stacks):
+        for layer in layers[1:]:
+            layer.register_forward_pre_hook(record(f"stack{i}"), with_kwargs=True)
+    albert = [m for m in model.modules() if type(m).__name__ == "AlbertLayer"]
+    for layer in albert:
+        layer.register_forward_pre_hook(record("albert"), with_kwargs=True)
+    full: dict[str, list] = {}
+    for module in model.modules():
+        if type(module).__name__ in ("T5Stack", "WhisperEncoder", "WhisperDecoder", "AlbertTransformer"):
+            module.register_forward_hook(
+                lambda m, a, out: full.setdefault(type(m).__name__, []).append(out[0].shape[1]))
+    with torch.no_grad():
+        model(**inputs)
+    assert seen, f"{name}: no layer after the first ran"
+    expected = {}
+    lengths = _lengths(model, inputs)
+    for tag, rows in seen.items():
+        length = lengths[tag]
+        want = -(-length // ctx.tp_size)
+        assert all(r == want for r in rows), f"{name} {tag}: layer inputs of {rows} rows, expected {want} of {length}"
+        expected[tag] = (length, want)
+    if "albert" in seen:
+        assert len(seen["albert"]) == model.config.num_hidden_layers * model.config.inner_group_num, seen
+    for cls, rows in full.items():
+        assert all(r in {v[0] for v in expected.values()} for r in rows), f"{name}: {cls} returned {rows} rows"
+    return expected
+
+
+def _lengths(model, inputs) -> dict:
+    """{tag: the full sequence length} of the stacks of sp_activations_are_split."""
+    cfg = model.config
+    out = {}
+    if "input_features" in inputs:
+        out["stack0"] = inputs["input_features"].shape[-1] // 2
+        if "decoder_input_ids" in inputs:
+            out["stack1"] = inputs["decoder_input_ids"].shape[-1]
+        return out
+    enc = inputs["input_ids"].shape[-1]
+    out["stack0"] = out["albert"] = enc
+    if getattr(cfg, "is_encoder_decoder", False):
+        dec = inputs.get("decoder_input_ids")
+        out["stack1"] = dec.shape[-1] if dec is not None else enc     # T5 classification: shifted input_ids
+    return out
+
+
+def t5_position_bias_full_length(ctx, name: str, seq: int) -> dict:
+    """T5's relative position bias, built in block 0 of each stack and passed
+    on, covers the full sequence (the attention sees the gathered rows):
+    every later block receives [1, local heads, S, S] (the decoder's
+    cross-attention bias [1, local heads, S_dec, S_enc]), equal to the
+    unsharded model's bias for this rank's heads."""
+    from shardformer.checkpoint import _shard_info
+    from shardformer.layer.parallel_module import shard_of
+
+    model = zoo.build(name).eval()
+    ref = copy.deepcopy(model)
+    _shard(ctx, model)
+    inputs = sp_inputs(name, seq)
+
+    def capture(m):
+        got = {}
+        for i, stack in enumerate(_stacks(m)):
+            def pre(_m, args, kwargs, i=i):
+                got[f"self{i}"] = args[2] if len(args) > 2 else kwargs.get("position_bias")
+                cross = args[5] if len(args) > 5 else kwargs.get("encoder_decoder_position_bias")
+                if cross is not None:
+                    got[f"cross{i}"] = cross
+            stack[-1].register_forward_pre_hook(pre, with_kwargs=True)
+        return got
+
+    got, exp = capture(model), capture(ref)
+    with torch.no_grad():
+        model(**inputs)
+        ref(**inputs)
+    info = _shard_info(model)
+    table = next(m.relative_attention_bias.weight for m in model.modules()
+                 if type(m).__name__ == "T5Attention" and getattr(m, "has_relative_attention_bias", False))
+    _, shard, _ = info[id(table)]
+    assert got.keys() == exp.keys() and got, (sorted(got), sorted(exp))
+    shapes = {}
+    for key in exp:
+        want = shard_of(exp[key], 1, shard)
+        parity.assert_close(f"{name} position bias {key}", got[key], want, parity.TOL[torch.float32])
+        shapes[key] = tuple(got[key].shape)
+    return shapes
+
+
+def sp_refused_by_config(ctx, name: str, overrides: dict, what: str) -> str:
+    """optimize() with split-gather SP raises NotImplementedError naming the
+    model, the mode and the setting, and leaves the model unchanged."""
+    model = zoo.build(name, **overrides)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        _shard(ctx, model)
+    except NotImplementedError as e:
+        message = str(e)
+    else:
+        raise AssertionError(f"{name} with {overrides}: split_gather was not refused")
+    assert type(model).__name__ in message and "split_gather" in message and what in message, message
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), \
+        "the refused optimize() changed weights"
+    return message
+
+
+def sp_checkpointing_matches(ctx, name: str, use_reentrant: bool, p: float = 0.2) -> dict:
+    """Gradient checkpointing with SP and live dropout gives the gradients of
+    the same sharded model without it (the recomputed blocks split, gather
+    and reduce-scatter again, with their own stack's length)."""
+    from checks.runtime_state import checkpointed_grads_match
+
+    model = _with_dropout(name, p)
+    inputs = zoo.make_inputs(name)
+    _shard(ctx, model)
+    return {"worst": checkpointed_grads_match(model, inputs, name, use_reentrant)}
+
+
+def sp_regathers_in_backward(ctx, name: str) -> dict:
+    """Each block keeps only its rows of the gathered input for backward and
+    all-gathers them once when backward needs them, none in no_grad
+    forwards: per layer 2 (T5 / Whisper encoder: attention, feed-forward),
+    3 in the decoders (with the cross attention), 2 per repetition of
+    ALBERT's shared layer."""
+    from shardformer.layer.linear import _GatherRowsLinear
+    from shardformer.layer.sequence import _Regathered
+
+    def regathers():
+        return _Regathered.gathers + _GatherRowsLinear.regathers
+
+    model = zoo.build(name)
+    _shard(ctx, model)
+    inputs = zoo.make_inputs(name)
+    before = regathers()
+    with torch.no_grad():
+        model(**inputs)
+    assert regathers() == before, "a no_grad forward re-gathered"
+    parity.loss_of(model(**inputs), {}).backward()
+    expected = 0
+    for module in model.modules():
+        cls = type(module).__name__
+        if cls == "T5Stack":
+            expected += len(module.block) * (3 if module.is_decoder else 2)
+        elif cls == "WhisperEncoder":
+            expected += 2 * len(module.layers)
+        elif cls == "WhisperDecoder":
+            expected += 3 * len(module.layers)
+        elif cls == "AlbertTransformer":
+            expected += 2 * model.config.num_hidden_layers * model.config.inner_group_num
+    got = regathers() - before
+    assert got == expected, f"{name}: {got} re-gathers in backward, expected {expected}"
+    return {"regathers": got}
+
+
+def sp_overlap_refused(ctx, name: str) -> str:
+    """enable_sequence_overlap where the policy does not implement it: refused by name."""
+    model = zoo.build(name)
+    try:
+        _shard(ctx, model, enable_sequence_overlap=True)
+    except NotImplementedError as e:
+        assert "enable_sequence_overlap" in str(e) and type(model).__name__ in str(e), str(e)
+        return str(e)
+    raise AssertionError(f"{name}: enable_sequence_overlap was not refused")
+
+
+def sp_dropout_masks_differ(ctx, name: str, p: float = 0.5) -> dict:
+    """Training with dropout: the residual dropouts on this rank's rows (T5's
+    layer.*.dropout, Whisper's out_proj / fc2 output_dropout, ALBERT's
+    attention.output_dropout) draw a different mask on every rank; the
+    gathered outputs are the same on every rank; the loss is finite and
+    backward runs.  (T5's DenseReluDense.dropout acts on this rank's
+    features of the gathered rows: a mask per rank as under TP.)"""
+    import torch.distributed as dist
+
+    from shardformer.layer import DropoutForParallelInput
+
+    model = _with_dropout(name, p).train()
+    _shard(ctx, model)
+    masks = {}
+    for mname, module in model.named_modules():
+        if isinstance(module, DropoutForParallelInput) and not mname.endswith("DenseReluDense.dropout"):
+            module.register_forward_hook(lambda m, a, out, mname=mname: masks.setdefault(mname, out == 0))
+    out = model(**zoo.make_inputs(name))
+    assert masks, f"{name}: no residual dropout ran on split rows"
+    same = []
+    for mname, mask in masks.items():
+        gathered = [torch.empty_like(mask, dtype=torch.uint8) for _ in range(ctx.tp_size)]
+        dist.all_gather(gathered, mask.to(torch.uint8).contiguous(), group=ctx.group)
+        if all(torch.equal(g, gathered[0]) for g in gathered[1:]):
+            same.append(mname)
+    assert not same, f"{name}: ranks drew the same dropout mask for their different rows in {same}"
+    first = next(iter(parity.output_tensors(out).values()))
+    copies = [torch.empty_like(first) for _ in range(ctx.tp_size)]
+    dist.all_gather(copies, first.detach().contiguous(), group=ctx.group)
+    assert all(torch.equal(c, copies[0]) for c in copies[1:]), f"{name}: ranks disagree on the gathered output"
+    loss = parity.loss_of(out, {})
+    assert torch.isfinite(loss), f"{name}: loss {loss}"
+    loss.backward()
+    return {"residual_dropouts": len(masks)}
+
+
+def sp_overlap_equals_unsharded(ctx, name: str, overrides: dict | None = None) -> dict:
+    """enable_sequence_overlap (Whisper's fc1, ALBERT's ffn gather their rows
+    themselves; T5's attention and feed-forward blocks gather once for their
+    column layers): the guarantees of sp_equals_unsharded, and on the
+    shared-memory backend every call of a gathering layer or block (ALBERT's
+    shared ffn: once per repetition) ran its collectives in flight, forward
+    and backward."""
+    from shardformer.distributed import backend_for
+    from shardformer.layer import Linear1D_Col
+    from shardformer.layer.linear import _GatherRowsLinear
+
+    torch.manual_seed(0)
+    model = zoo.build(name, **(overrides or {})).train()
+    ref = copy.deepcopy(model)
+    _shard(ctx, model, enable_sequence_overlap=True)
+    calls = []
+    # the gathering layers (Whisper's fc1, ALBERT's ffn) and the overlapped blocks (T5's regions) of every call
+    units = [m for m in model.modules() if isinstance(m, Linear1D_Col) and getattr(m, "overlap", False)]
+    units += [m for m in model.modules()
+              if type(m).__name__ in ("T5Attention", "T5DenseActDense", "T5DenseGatedActDense")]
+    for m in units:
+        m.register_forward_hook(lambda *a: calls.append(1))
+    assert units, f"{name}: no column layer gathers its input with overlap"
+    before = _GatherRowsLinear.overlapped
+    report = parity.compare_sharded(model, ref, sp_inputs(name, None, overrides), f"{name} (overlap)")
+    ran = _GatherRowsLinear.overlapped - before
+    backend = backend_for(torch.empty(1), ctx.group)
+    per_forward = len(calls) // 2              # two forwards (before and after the step), one backward
+    if backend == "shm":
+        assert ran == 3 * per_forward, f"{name}: {ran} overlapped passes, expected {3 * per_forward}"
+    return {**report, "overlapped": ran, "backend": backend}
+
+
+def sp_moe_aux_loss_after_a_forward(ctx, name: str = "MixtralForCausalLM") -> dict:
+    """The load-balancing loss with SP on a model that ran before sharding
+    (HF's output recorders already hooked on the routers): the router's
+    logits hook runs first, so the recorded logits pass back 1/p of their
+    gradient and every gradient equals the unsharded model's."""
+    overrides = {"output_router_logits": True, "router_aux_loss_coef": 0.5}
+    torch.manual_seed(0)
+    model = zoo.build(name, **overrides).train()
+    inputs = sp_inputs(name, 7)
+    with torch.no_grad():
+        model(**inputs)
+    ref = copy.deepcopy(model)
+    _shard(ctx, model)
+    return parity.compare_sharded(model, ref, inputs, f"{name} (aux loss, recorders hooked first)")

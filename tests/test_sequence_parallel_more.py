@@ -1,0 +1,182 @@
+"""Split-gather sequence parallelism (ShardConfig(enable_sequence_parallelism=True))
+for T5 (encoder and decoder stacks, relative position bias, cross attention),
+Whisper (encoder after the convolutions, decoder with cross attention),
+ALBERT (one shared layer applied num_hidden_layers times) and Mixtral (the
+MoE block: router on the gathered tokens, experts' partial sums
+reduce-scattered): every head class the zoo builds equals the unsharded
+model (forward, loss, every gradient, after an optimizer step) at TP=2 and
+4, with sequence lengths that do not divide the group (padded inside);
+activations between the blocks hold 1/tp of the rows; eval() with dropout
+> 0 equal, and in training the residual dropouts draw a mask per rank;
+generate() equal for the seq2seq / causal LMs; gradient checkpointing and
+enable_sequence_overlap equal too (Mixtral refuses overlap);
+output_hidden_states and the configurations that cannot work refused by
+name."""
+import pytest
+
+from checks import sequence, sequence_more
+
+T5 = ["T5ForConditionalGeneration", "T5ForConditionalGeneration/v1.1", "T5Model", "T5EncoderModel",
+      "T5ForSequenceClassification", "T5ForTokenClassification", "T5ForQuestionAnswering"]
+WHISPER = ["WhisperForConditionalGeneration", "WhisperModel", "WhisperForAudioClassification", "WhisperForCausalLM"]
+ALBERT = ["AlbertForMaskedLM", "AlbertModel", "AlbertForPreTraining", "AlbertForSequenceClassification",
+          "AlbertForTokenClassification", "AlbertForQuestionAnswering", "AlbertForMultipleChoice"]
+
+# Mixtral (MoE): the router on the gathered tokens, the experts' partial sums reduce-scattered by the block
+MIXTRAL = ["MixtralForCausalLM", "MixtralModel", "MixtralForSequenceClassification", "MixtralForTokenClassification",
+           "MixtralForQuestionAnswering"]
+
+# (name, encoder tokens, config overrides): odd lengths, padded inside
+CASES = [(n, 7, None) for n in T5] + [(n, None, {"max_source_positions": 7}) for n in WHISPER] + \
+    [(n, 7, None) for n in ALBERT] + [(n, 7, None) for n in MIXTRAL]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name,seq,overrides", CASES, ids=[c[0] for c in CASES])
+def test_sp_equals_unsharded(pool, name, seq, overrides, tp):
+    pool.run(sequence_more.sp_equals_unsharded, tp, name, seq, overrides)
+
+
+# T5 (both stacks), Whisper (both stacks), ALBERT (every repetition of the shared layer; also 2 groups of 2 layers)
+SPLIT = [("T5ForConditionalGeneration", 7, None), ("T5EncoderModel", 7, None), ("T5ForSequenceClassification", 7, None),
+         ("WhisperForConditionalGeneration", None, {"max_source_positions": 7}),
+         ("WhisperForAudioClassification", None, None), ("AlbertForMaskedLM", 7, None),
+         ("AlbertForMaskedLM", 7, {"num_hidden_layers": 4, "num_hidden_groups": 2, "inner_group_num": 2})]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name,seq,overrides", SPLIT, ids=[f"{c[0]}-{i}" for i, c in enumerate(SPLIT)])
+def test_sp_activations_are_split(pool, name, seq, overrides, tp):
+    pool.run(sequence_more.sp_activations_are_split, tp, name, seq, overrides)
+
+
+# the other layouts: ALBERT with several groups and inner layers, T5 with stacks of different depths
+VARIANTS = [("AlbertForMaskedLM", 7, {"num_hidden_layers": 4, "num_hidden_groups": 2, "inner_group_num": 2}),
+            ("AlbertForSequenceClassification", 5, {"num_hidden_layers": 3}),
+            ("T5ForConditionalGeneration", 7, {"num_layers": 3, "num_decoder_layers": 1}),
+            ("T5ForConditionalGeneration/v1.1", 3, {"num_layers": 1, "num_decoder_layers": 3}),
+            ("WhisperForConditionalGeneration", None, {"max_source_positions": 5, "encoder_layers": 1,
+                                                       "decoder_layers": 3})]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name,seq,overrides", VARIANTS, ids=[f"{c[0]}-{i}" for i, c in enumerate(VARIANTS)])
+def test_sp_variants_equal_unsharded(pool, name, seq, overrides, tp):
+    pool.run(sequence_more.sp_equals_unsharded, tp, name, seq, overrides)
+
+
+@pytest.mark.parametrize("seq", [3, 5])      # 3 < 4 ranks: one holds only padding
+@pytest.mark.parametrize("name", ["T5ForConditionalGeneration", "AlbertForMaskedLM"])
+def test_sp_odd_lengths(pool, name, seq):
+    pool.run(sequence_more.sp_equals_unsharded, 4, name, seq)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", ["T5ForConditionalGeneration", "T5ForQuestionAnswering"])
+def test_sp_t5_position_bias_full_length(pool, name, tp):
+    shapes = pool.run(sequence_more.t5_position_bias_full_length, tp, name, 7)
+    assert all(s["self0"][-2:] == (7, 7) for s in shapes)           # the encoder's bias: full length both ways
+    assert all(s["cross1"][-1] == 7 for s in shapes)                # the cross attention's keys: the encoder's
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", ["T5ForConditionalGeneration", "T5ForSequenceClassification",
+                                  "WhisperForConditionalGeneration", "WhisperForAudioClassification",
+                                  "AlbertForMaskedLM", "AlbertForPreTraining"])
+def test_sp_eval_with_dropout(pool, name, tp):
+    pool.run(sequence_more.sp_eval_with_dropout, tp, name)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", ["T5ForConditionalGeneration", "T5ForConditionalGeneration/v1.1",
+                                  "WhisperForConditionalGeneration", "WhisperForCausalLM"])
+def test_sp_generate(pool, name, tp):
+    tokens = pool.run(sequence_more.sp_generate_matches, tp, name)
+    assert all(t == tokens[0] for t in tokens)
+
+
+@pytest.mark.parametrize("name", ["T5ForConditionalGeneration", "WhisperForConditionalGeneration", "AlbertForMaskedLM"])
+def test_sp_hidden_states_refused(pool, name):
+    pool.run(sequence_more.sp_hidden_states_refused, 2, name)
+
+
+@pytest.mark.parametrize("name,overrides,what", [
+    ("WhisperForConditionalGeneration", {"encoder_layerdrop": 0.1}, "encoder_layerdrop"),
+    ("WhisperForConditionalGeneration", {"decoder_layerdrop": 0.1}, "decoder_layerdrop"),
+    ("WhisperForAudioClassification", {"use_weighted_layer_sum": True}, "use_weighted_layer_sum"),
+    ("AlbertForMaskedLM", {"chunk_size_feed_forward": 4}, "chunk_size_feed_forward"),
+])
+def test_sp_refused_by_config(pool, name, overrides, what):
+    pool.run(sequence_more.sp_refused_by_config, 2, name, overrides, what)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("name", ["T5ForConditionalGeneration", "WhisperForConditionalGeneration"])
+def test_sp_gradient_checkpointing(pool, name, use_reentrant):
+    pool.run(sequence_more.sp_checkpointing_matches, 2, name, use_reentrant)
+
+
+@pytest.mark.parametrize("name", ["T5ForConditionalGeneration", "WhisperForConditionalGeneration", "AlbertForMaskedLM"])
+def test_sp_training_dropout_masks_differ_per_rank(pool, name):
+    pool.run(sequence_more.sp_dropout_masks_differ, 4, name)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", ["T5ForConditionalGeneration", "T5EncoderModel", "WhisperForConditionalGeneration",
+                                  "AlbertForMaskedLM"])
+def test_sp_saves_rows_and_regathers_once_per_block(pool, name, tp):
+    pool.run(sequence_more.sp_regathers_in_backward, tp, name)
+
+
+# enable_sequence_overlap: Whisper's fc1 and ALBERT's ffn gather their rows themselves, in flight;
+# T5's blocks gather once for their column layers (q/k/v, wi / wi_0, wi_1), in flight
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name,overrides", [("WhisperForConditionalGeneration", {"max_source_positions": 7}),
+                                            ("WhisperForAudioClassification", None), ("AlbertForMaskedLM", None),
+                                            ("T5ForConditionalGeneration", None),
+                                            ("T5ForConditionalGeneration/v1.1", None), ("T5EncoderModel", None)])
+def test_sp_overlap_equals_unsharded(pool, name, overrides, tp):
+    results = pool.run(sequence_more.sp_overlap_equals_unsharded, tp, name, overrides)
+    assert all(r["overlapped"] > 0 for r in results) or results[0]["backend"] != "shm"
+
+
+# Mixtral (MoE): test_sp_equals_unsharded above; the load-balancing loss, splits, re-gathers, generate() here
+
+# the load-balancing loss (router logits of the gathered tokens, replicated) in the loss too
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sp_moe_router_aux_loss(pool, tp):
+    pool.run(sequence_more.sp_equals_unsharded, tp, "MixtralForCausalLM", 7,
+             {"output_router_logits": True, "router_aux_loss_coef": 0.5})
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sp_moe_activations_are_split(pool, tp):
+    pool.run(sequence.sp_activations_are_split, tp, "MixtralForCausalLM")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sp_moe_regathers_once_per_block(pool, tp):
+    pool.run(sequence.sp_regathers_in_backward, tp, "MixtralForCausalLM")
+
+
+def test_sp_moe_generate(pool):
+    pool.run(sequence.sp_generate_matches, 4, "MixtralForCausalLM")
+
+
+def test_sp_moe_eval_with_dropout(pool):
+    pool.run(sequence_more.sp_eval_with_dropout, 4, "MixtralForCausalLM")
+
+
+def test_sp_overlap_refused_for_moe(pool):
+    pool.run(sequence_more.sp_overlap_refused, 2, "MixtralForCausalLM")
+
+
+@pytest.mark.parametrize("name,seq,overrides", [("T5ForConditionalGeneration", 7, None),
+                                                ("WhisperForConditionalGeneration", None, {"max_source_positions": 7}),
+                                                ("AlbertForMaskedLM", 7, None), ("MixtralForCausalLM", 7, None)])
+def test_sp_bf16_forward(pool, name, seq, overrides):
+    pool.run(sequence_more.sp_equals_unsharded, 4, name, seq, overrides, None, "bfloat16")
+
+
+def test_sp_moe_router_aux_loss_hooks_installed_first(pool):
+    pool.run(sequence_more.sp_moe_aux_loss_after_a_forward, 4)
