@@ -100,14 +100,7 @@ def sp_dropout_masks_differ(ctx, name: str, p: float = 0.5) -> dict:
             module.register_forward_hook(lambda m, a, out, mname=mname: masks.setdefault(mname, out == 0))
     inputs = zoo.make_inputs(name)
     out = model(**inputs)
-    assert masks, f"{name}: no residual dropout ran on split rows"
-    same = []
-    for mname, mask in masks.items():
-        gathered = [torch.empty_like(mask, dtype=torch.uint8) for _ in range(ctx.tp_size)]
-        dist.all_gather(gathered, mask.to(torch.uint8).contiguous(), group=ctx.group)
-        if all(torch.equal(g, gathered[0]) for g in gathered[1:]):
-            same.append(mname)
-    assert not same, f"{name}: ranks drew the same dropout mask for their different rows in {same}"
+    assert_masks_differ(ctx, name, masks)
     logits = parity.output_tensors(out)
     first = next(iter(logits.values()))
     copies = [torch.empty_like(first) for _ in range(ctx.tp_size)]
@@ -138,24 +131,12 @@ def sp_regathers_in_backward(ctx, name: str, overlap: bool = False) -> dict:
     MLP) per decoder layer per backward, none in no_grad forwards; the same
     with enable_sequence_overlap (a Llama block's q/k/v, gate/up share one
     gather and one re-gather)."""
-    from shardformer.layer.linear import _GatherRowsLinear
-    from shardformer.layer.sequence import _Regathered
-
-    def regathers():
-        return _Regathered.gathers + _GatherRowsLinear.regathers
-
     model = zoo.build(name)
     cfg = overlap_config(ctx) if overlap else ShardConfig(tensor_parallel_process_group=ctx.group, **SP)
     ShardFormer(cfg).optimize(model)
-    inputs = zoo.make_inputs(name)
-    before = regathers()
-    with torch.no_grad():
-        model(**inputs)
-    assert regathers() == before, "a no_grad forward re-gathered"
-    parity.loss_of(model(**inputs), {}).backward()
+    got = backward_regathers(model, zoo.make_inputs(name))
     layers = model.config.num_hidden_layers
     blocks = 3 if getattr(model.config, "add_cross_attention", False) else 2
-    got = regathers() - before
     assert got == blocks * layers, f"{name}: {got} re-gathers in backward, expected {blocks * layers}"
     return {"regathers": got}
 
@@ -315,3 +296,35 @@ def sp_linear_layers(ctx, seq: int, overlap: bool, conv1d: bool = False) -> dict
 
     report["overlapped_total"] = _GatherRowsLinear.overlapped
     return report
+
+
+def assert_masks_differ(ctx, name: str, masks: dict) -> None:
+    """Every dropout on split rows ({module name: its dropped positions})
+    drew a different mask on each rank of ctx.group."""
+    import torch.distributed as dist
+
+    assert masks, f"{name}: no residual dropout ran on split rows"
+    same = []
+    for mname, mask in masks.items():
+        gathered = [torch.empty_like(mask, dtype=torch.uint8) for _ in range(ctx.tp_size)]
+        dist.all_gather(gathered, mask.to(torch.uint8).contiguous(), group=ctx.group)
+        if all(torch.equal(g, gathered[0]) for g in gathered[1:]):
+            same.append(mname)
+    assert not same, f"{name}: ranks drew the same dropout mask for their different rows in {same}"
+
+
+def backward_regathers(model, inputs: dict) -> int:
+    """The re-gathers of saved block inputs in one backward of `model`
+    (none in a no_grad forward, asserted)."""
+    from shardformer.layer.linear import _GatherRowsLinear
+    from shardformer.layer.sequence import _Regathered
+
+    def regathers():
+        return _Regathered.gathers + _GatherRowsLinear.regathers
+
+    before = regathers()
+    with torch.no_grad():
+        model(**inputs)
+    assert regathers() == before, "a no_grad forward re-gathered"
+    parity.loss_of(model(**inputs), {}).backward()
+    return regathers() - before

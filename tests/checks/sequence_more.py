@@ -8,7 +8,7 @@ import copy
 import torch
 
 import zoo
-from checks import parity
+from checks import parity, sequence
 from checks.sequence import SP, _with_dropout
 from shardformer import ShardConfig, ShardFormer
 
@@ -261,20 +261,9 @@ def sp_regathers_in_backward(ctx, name: str) -> dict:
     forwards: per layer 2 (T5 / Whisper encoder: attention, feed-forward),
     3 in the decoders (with the cross attention), 2 per repetition of
     ALBERT's shared layer."""
-    from shardformer.layer.linear import _GatherRowsLinear
-    from shardformer.layer.sequence import _Regathered
-
-    def regathers():
-        return _Regathered.gathers + _GatherRowsLinear.regathers
-
     model = zoo.build(name)
     _shard(ctx, model)
-    inputs = zoo.make_inputs(name)
-    before = regathers()
-    with torch.no_grad():
-        model(**inputs)
-    assert regathers() == before, "a no_grad forward re-gathered"
-    parity.loss_of(model(**inputs), {}).backward()
+    got = sequence.backward_regathers(model, zoo.make_inputs(name))
     expected = 0
     for module in model.modules():
         cls = type(module).__name__
@@ -286,7 +275,6 @@ def sp_regathers_in_backward(ctx, name: str) -> dict:
             expected += 3 * len(module.layers)
         elif cls == "AlbertTransformer":
             expected += 2 * model.config.num_hidden_layers * model.config.inner_group_num
-    got = regathers() - before
     assert got == expected, f"{name}: {got} re-gathers in backward, expected {expected}"
     return {"regathers": got}
 
@@ -320,14 +308,7 @@ def sp_dropout_masks_differ(ctx, name: str, p: float = 0.5) -> dict:
         if isinstance(module, DropoutForParallelInput) and not mname.endswith("DenseReluDense.dropout"):
             module.register_forward_hook(lambda m, a, out, mname=mname: masks.setdefault(mname, out == 0))
     out = model(**zoo.make_inputs(name))
-    assert masks, f"{name}: no residual dropout ran on split rows"
-    same = []
-    for mname, mask in masks.items():
-        gathered = [torch.empty_like(mask, dtype=torch.uint8) for _ in range(ctx.tp_size)]
-        dist.all_gather(gathered, mask.to(torch.uint8).contiguous(), group=ctx.group)
-        if all(torch.equal(g, gathered[0]) for g in gathered[1:]):
-            same.append(mname)
-    assert not same, f"{name}: ranks drew the same dropout mask for their different rows in {same}"
+    sequence.assert_masks_differ(ctx, name, masks)
     first = next(iter(parity.output_tensors(out).values()))
     copies = [torch.empty_like(first) for _ in range(ctx.tp_size)]
     dist.all_gather(copies, first.detach().contiguous(), group=ctx.group)
