@@ -414,7 +414,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask
     """
     check_qkv(q, k, v, "attention")
     B, Hq, Sq, D = q.shape
-    Hkv, Sk = k.shape[1], k.shape[2]
+    Sk = k.shape[2]
     if scale is None:   # 1 / sqrt(D); any value for D = 0, whose result is empty
         scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
     scale = float(scale)

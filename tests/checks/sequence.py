@@ -88,7 +88,6 @@ def sp_dropout_masks_differ(ctx, name: str, p: float = 0.5) -> dict:
     run on this rank's rows and draw a different mask on every rank (never
     one mask for all rows); the gathered outputs are the same on every rank,
     the loss is finite and backward runs."""
-    import torch.distributed as dist
     from shardformer.layer import DropoutForParallelInput
 
     model = _with_dropout(name, p).train()
@@ -99,17 +98,7 @@ def sp_dropout_masks_differ(ctx, name: str, p: float = 0.5) -> dict:
                 ("attn_dropout", "self.dropout", "attention_dropout")):
             module.register_forward_hook(lambda m, a, out, mname=mname: masks.setdefault(mname, out == 0))
     inputs = zoo.make_inputs(name)
-    out = model(**inputs)
-    assert_masks_differ(ctx, name, masks)
-    logits = parity.output_tensors(out)
-    first = next(iter(logits.values()))
-    copies = [torch.empty_like(first) for _ in range(ctx.tp_size)]
-    dist.all_gather(copies, first.detach().contiguous(), group=ctx.group)
-    assert all(torch.equal(c, copies[0]) for c in copies[1:]), f"{name}: ranks disagree on the gathered output"
-    loss = parity.loss_of(out, {})
-    assert torch.isfinite(loss), f"{name}: loss {loss}"
-    loss.backward()
-    return {"residual_dropouts": len(masks)}
+    return check_split_dropout_step(ctx, name, masks, model(**inputs))
 
 
 def sp_generate_matches(ctx, name: str, overlap: bool = False) -> list:
@@ -298,9 +287,11 @@ def sp_linear_layers(ctx, seq: int, overlap: bool, conv1d: bool = False) -> dict
     return report
 
 
-def assert_masks_differ(ctx, name: str, masks: dict) -> None:
-    """Every dropout on split rows ({module name: its dropped positions})
-    drew a different mask on each rank of ctx.group."""
+def check_split_dropout_step(ctx, name: str, masks: dict, out) -> dict:
+    """A training forward with live dropout: every dropout on split rows
+    ({module name: its dropped positions}) drew a different mask on each
+    rank of ctx.group, the ranks agree on the gathered output, and the loss
+    is finite and differentiable."""
     import torch.distributed as dist
 
     assert masks, f"{name}: no residual dropout ran on split rows"
@@ -311,6 +302,14 @@ def assert_masks_differ(ctx, name: str, masks: dict) -> None:
         if all(torch.equal(g, gathered[0]) for g in gathered[1:]):
             same.append(mname)
     assert not same, f"{name}: ranks drew the same dropout mask for their different rows in {same}"
+    first = next(iter(parity.output_tensors(out).values()))
+    copies = [torch.empty_like(first) for _ in range(ctx.tp_size)]
+    dist.all_gather(copies, first.detach().contiguous(), group=ctx.group)
+    assert all(torch.equal(c, copies[0]) for c in copies[1:]), f"{name}: ranks disagree on the gathered output"
+    loss = parity.loss_of(out, {})
+    assert torch.isfinite(loss), f"{name}: loss {loss}"
+    loss.backward()
+    return {"residual_dropouts": len(masks)}
 
 
 def backward_regathers(model, inputs: dict) -> int:

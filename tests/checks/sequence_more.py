@@ -297,7 +297,6 @@ def sp_dropout_masks_differ(ctx, name: str, p: float = 0.5) -> dict:
     gathered outputs are the same on every rank; the loss is finite and
     backward runs.  (T5's DenseReluDense.dropout acts on this rank's
     features of the gathered rows: a mask per rank as under TP.)"""
-    import torch.distributed as dist
 
     from shardformer.layer import DropoutForParallelInput
 
@@ -307,16 +306,7 @@ def sp_dropout_masks_differ(ctx, name: str, p: float = 0.5) -> dict:
     for mname, module in model.named_modules():
         if isinstance(module, DropoutForParallelInput) and not mname.endswith("DenseReluDense.dropout"):
             module.register_forward_hook(lambda m, a, out, mname=mname: masks.setdefault(mname, out == 0))
-    out = model(**zoo.make_inputs(name))
-    sequence.assert_masks_differ(ctx, name, masks)
-    first = next(iter(parity.output_tensors(out).values()))
-    copies = [torch.empty_like(first) for _ in range(ctx.tp_size)]
-    dist.all_gather(copies, first.detach().contiguous(), group=ctx.group)
-    assert all(torch.equal(c, copies[0]) for c in copies[1:]), f"{name}: ranks disagree on the gathered output"
-    loss = parity.loss_of(out, {})
-    assert torch.isfinite(loss), f"{name}: loss {loss}"
-    loss.backward()
-    return {"residual_dropouts": len(masks)}
+    return sequence.check_split_dropout_step(ctx, name, masks, model(**zoo.make_inputs(name)))
 
 
 def sp_overlap_equals_unsharded(ctx, name: str, overrides: dict | None = None) -> dict:

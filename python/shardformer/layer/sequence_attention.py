@@ -315,11 +315,12 @@ def _implementation_name(mode: str, inner: str) -> str:
     one of shardformer.attention (ring_attn: None or key padding)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     from .. import attention as sf_attention
 
     name = f"shardformer_sp_{mode}_{inner}"
-    if name not in AttentionInterface._global_mapping:
+    if name not in ALL_ATTENTION_FUNCTIONS:
         if mode == "ring_attn":
             mask_fn = sf_attention.shardformer_mask
         elif inner in ALL_MASK_ATTENTION_FUNCTIONS:
@@ -371,11 +372,6 @@ class SequenceAttentionParallel:
         return cls.prepare_native_module(module, process_group, plan=plan, **kwargs).commit()
 
 
-def _uses_attention_registry(module: nn.Module) -> bool:
-    code = getattr(getattr(type(module), "forward", None), "__code__", None)
-    return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
-
-
 class _SplitHooks:
     def __init__(self, layers: nn.ModuleList, base: nn.Module, state: SequenceSplit):
         self.layers, self.base, self.state = layers, base, state
@@ -385,7 +381,9 @@ class _SplitHooks:
 
     def _switch_attention(self) -> None:
         state = self.state
-        users = [m for m in self.layers.modules() if _uses_attention_registry(m)]
+        from ..attention import _uses_registry
+
+        users = [m for m in self.layers.modules() if _uses_registry(m)]
         if not users:
             raise NotImplementedError(f"{state.name}: sequence_parallelism_mode={state.mode!r} needs attention "
                                       f"that goes through transformers' AttentionInterface; this model's does not")
@@ -400,8 +398,6 @@ class _SplitHooks:
         state.inner = inner.pop()
         if state.inner.startswith("shardformer_sp_"):
             raise ValueError(f"{state.name}: the model's attention is already split ({state.inner})")
-        if state.inner == "flash_attention_2" or state.inner.startswith("flash"):
-            pass                               # flash kernels take [B, S, H, D] too: wrapped the same way
         name = _implementation_name(state.mode, state.inner)
         for cfg in configs.values():
             self.configs.append((cfg, cfg._attn_implementation))
