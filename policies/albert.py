@@ -149,6 +149,7 @@ class _EndHooks:
 
 class AlbertShape(EncoderShape):
     split_attention_at = None
+    pipeline_split = None        # ALBERT's layers share one layer group: not split into stages
 
     def sequence_parallel_modes(self) -> tuple[str, ...]:
         return ("split_gather",)

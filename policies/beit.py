@@ -36,6 +36,7 @@ class BeitShape(VisionShape):
 
     def sequence_parallel_modes(self) -> tuple[str, ...]:
         return ()
+    pipeline_split = None        # a bias table may be shared by all layers: not split into stages
 
     def layer_replacements(self, heads: Heads) -> list[Sub]:
         return super().layer_replacements(heads) + [

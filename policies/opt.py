@@ -35,6 +35,7 @@ from __future__ import annotations
 from shardformer.family import Family, FamilyPolicy
 from shardformer.layer import Linear1D_Col, Linear1D_Row, VocabParallelEmbedding1D
 from shardformer.layout import Heads
+from shardformer.pipeline.stages import StageSplit
 from shardformer.policies.shapes import (SplitGatherMixin, _new_state, attention_by_heads, gpt_heads,
                                          parameterized_children, sp_ends, sp_layer_subs, sp_linear_kwargs, sp_overlap)
 from shardformer.policy import ModulePolicyDescription
@@ -43,6 +44,7 @@ from shardformer.policy import SubModuleReplacementDescription as Sub
 
 class OPTShape(SplitGatherMixin, FamilyPolicy):
     split_attention_at = ("OPTDecoder", "layers")
+    pipeline_split = StageSplit("OPTDecoder", "layers", last=("final_layer_norm", "project_out"))
 
     def sequence_parallel_modes(self) -> tuple[str, ...]:
         return ("split_gather",) + self.split_attention_modes()

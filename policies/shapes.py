@@ -95,6 +95,7 @@ from shardformer.layer import Linear1D_Col, Linear1D_Row, VocabParallelEmbedding
 from shardformer.layer import DropoutForParallelInput, DropoutForReplicatedInput
 from shardformer.layer.param_shard import ShardParams
 from shardformer.layout import Fused, Heads
+from shardformer.pipeline.stages import StageSplit
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
@@ -123,6 +124,7 @@ class DecoderShape(FamilyPolicy):
         return {"self_attn.num_key_value_groups": heads.local_groups()}
 
     split_attention_at = ("{prefix}{base_model}", "layers")
+    pipeline_split = StageSplit("{prefix}{base_model}", "layers", last=("norm",))
 
     def sequence_parallel_modes(self) -> tuple[str, ...]:
         return ("split_gather",) + self.split_attention_modes()
@@ -420,6 +422,7 @@ class EncoderShape(SplitGatherMixin, FamilyPolicy):
     prefix = ""
 
     split_attention_at = ("{prefix}Encoder", "layer")
+    pipeline_split = StageSplit("{prefix}Model", "encoder.layer", last=("pooler",))
 
     def sequence_parallel_modes(self) -> tuple[str, ...]:
         return ("split_gather",) + self.split_attention_modes()
@@ -515,6 +518,7 @@ class VisionShape(SplitGatherMixin, FamilyPolicy):
     prefix = ""
 
     split_attention_at = ("{prefix}Model", "layers")
+    pipeline_split = StageSplit("{prefix}Model", "layers", last=("layernorm", "pooler"))
 
     def sequence_parallel_modes(self) -> tuple[str, ...]:
         return ("split_gather",) + self.split_attention_modes()
@@ -556,6 +560,7 @@ class VisionShape(SplitGatherMixin, FamilyPolicy):
 
 class StageShape(VisionShape):
     split_attention_at = None
+    pipeline_split = None            # layers grouped in stages of different widths
 
     def sequence_parallel_modes(self) -> tuple[str, ...]:
         return ()      # windowed attention over stages of different lengths: refused by name
@@ -634,6 +639,7 @@ class GPTBlockShape(SplitGatherMixin, FamilyPolicy):
     """
 
     prefix = ""
+    pipeline_split = StageSplit("{prefix}Model", "h", last=("ln_f",))
     attention = "attn"
     heads_attribute = "num_heads"
     mlp_names = ("c_fc", "c_proj")
@@ -735,6 +741,7 @@ class FusedQKVShape(SplitGatherMixin, FamilyPolicy):
 
     prefix = ""
     layer = "Block"
+    pipeline_split = StageSplit("{prefix}Model", "h", last=("ln_f",))
 
     def sequence_parallel_modes(self) -> tuple[str, ...]:
         return ("split_gather",)

@@ -36,7 +36,11 @@ class ShardConfig:
     tensor_parallel_process_group: the group the model is split over (None =
         the default world group; a single process without torch.distributed
         initialized shards to size 1).
-    pipeline_stage_manager: pipeline stages (not available yet).
+    pipeline_stage_manager: a shardformer.pipeline.PipelineStageManager: each
+        rank keeps the layers of its pipeline stage(s) only (the first stage
+        also the embeddings, the last the final norm and heads), and the
+        model then runs through a schedule (shardformer.pipeline); None: no
+        pipeline.  Tensor parallelism applies within each stage.
     enable_tensor_parallelism: split attention heads, MLP features,
         vocabularies and classifier heads over the group.
     enable_fused_normalization: replace LayerNorm / RMSNorm modules by fused ones.
@@ -111,8 +115,14 @@ class ShardConfig:
         if self.tensor_parallel_process_group is not None:
             check_process_group(self.tensor_parallel_process_group)
         if self.pipeline_stage_manager is not None:
-            raise NotImplementedError("ShardConfig.pipeline_stage_manager: pipeline parallelism is not "
-                                      "available in this version of shardformer")
+            from .pipeline import PipelineStageManager
+
+            if not isinstance(self.pipeline_stage_manager, PipelineStageManager):
+                raise TypeError(f"ShardConfig.pipeline_stage_manager must be a shardformer.pipeline."
+                                f"PipelineStageManager, got {type(self.pipeline_stage_manager).__name__}")
+            if self.enable_sequence_parallelism:
+                raise NotImplementedError("ShardConfig: pipeline parallelism with sequence parallelism is not "
+                                          "available yet; use one of them")
         for name, what in _NOT_YET.items():
             if getattr(self, name):
                 reason = " (switched on by enable_all_optimization)" if self.enable_all_optimization \

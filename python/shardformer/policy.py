@@ -80,6 +80,11 @@ class Policy(ABC):
     def process_group(self):
         return self.shard_config.tensor_parallel_process_group
 
+    #: Where pipeline parallelism splits the model (a shardformer.pipeline.StageSplit:
+    #: the module running the layers, its layer list, the children that run after
+    #: them); None: the policy does not implement pipeline parallelism.
+    pipeline_split = None
+
     def config_sanity_check(self) -> None:
         """Raise if the model's configuration is one this policy cannot shard."""
 

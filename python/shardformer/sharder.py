@@ -131,6 +131,9 @@ class ModelSharder:
         groups = [(group, "tensor-parallel")]
         if cfg.split_attention_mode and cfg.sequence_group is not group:
             groups.append((cfg.sequence_group, "sequence-parallel"))
+        manager = cfg.pipeline_stage_manager
+        if manager is not None and manager.num_stages > 1:
+            groups.append((manager.group, "pipeline-parallel"))
         for each, what in groups:
             if cfg.option("broadcast_weights"):
                 check_same_model(model, each, name, content=False, what=what)
@@ -147,6 +150,7 @@ class ModelSharder:
             raise NotImplementedError(
                 f"{name}: enable_sequence_overlap is not available for {type(policy).__name__} (its "
                 f"sequence-parallel blocks gather their input before the projections); switch it off")
+        stages = self._plan_stages(name) if manager is not None else None
         module_policy = policy.module_policy()
         ops, matched = _C.sharder_plan(model, name, module_policy, tp_size, rank)
         if module_policy and matched == 0:
@@ -161,6 +165,8 @@ class ModelSharder:
         inheritance = self._apply(ops, name)
         try:
             self.model = policy.postprocess()
+            if stages is not None:              # after the TP swaps: drop what other stages hold
+                stages.apply(self.model)
             lazy.materialize_module(self.model)  # the replicated parameters of a lazy_init() model
             messages = inheritance.finish(self.model, name)
             bind_hf_methods(self.model)
@@ -170,7 +176,20 @@ class ModelSharder:
         object.__setattr__(self.model, SHARDED_MARK, True)
         for message in messages:                 # last: a warning turned error finds the model complete
             warnings.warn(message, stacklevel=3)
-        return policy.get_shared_params()
+        return policy.get_shared_params() + (stages.shared_params if stages is not None else [])
+
+    def _plan_stages(self, name: str):
+        """This rank's pipeline stage of the model, checked (nothing changes yet)."""
+        from .pipeline.stages import StageRuntime, plan_stages
+
+        policy, manager = self.policy, self.shard_config.pipeline_stage_manager
+        split = getattr(policy, "pipeline_split", None)
+        if split is None:
+            raise NotImplementedError(f"{name}: pipeline parallelism is not available for {type(policy).__name__} "
+                                      f"(its policy sets no pipeline_split)")
+        plan = plan_stages(self.model, split, manager, name, prefix=getattr(policy, "prefix", ""),
+                           base_model=getattr(policy, "base_model", ""))
+        return StageRuntime(self.model, plan, manager, name)
 
     def _apply(self, ops: list, name: str) -> Inheritance:
         """Switch attention, preprocess, and apply the plan (the engine builds

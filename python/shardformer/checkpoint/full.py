@@ -107,7 +107,44 @@ def gather_full_state_dict(model: nn.Module, rank0_only: bool = False,
     offload_to_cpu=True: each full tensor is moved to the CPU as soon as it
     is gathered (a CUDA model never holds more than one full tensor on the
     GPU).  Tied parameters come back as one tensor under each name, as in
-    the unsharded model's state_dict()."""
+    the unsharded model's state_dict().  A pipelined model's stages are
+    merged (collective over the pipeline group too): every stage gets the
+    whole model's tensors, or with rank0_only the pipeline group's first
+    rank only."""
+    from ..pipeline.stages import runtime_of
+
+    stages = runtime_of(model)
+    if stages is not None and stages.manager.num_stages > 1:
+        return _merge_stages(model, stages, _gather_own(model, rank0_only, offload_to_cpu), rank0_only)
+    return _gather_own(model, rank0_only, offload_to_cpu)
+
+
+def _merge_stages(model: nn.Module, stages, mine: dict, rank0_only: bool) -> dict:
+    """The stages' full tensors, merged: on every rank, or (rank0_only) on the
+    pipeline group's first rank.  Stages hand their tensors over by
+    torch.distributed's object collectives (the tensors travel pickled)."""
+    group = stages.manager.group
+    n = stages.manager.num_stages
+    if rank0_only:
+        parts = [None] * n if dist.get_rank(group) == 0 else None
+        dist.gather_object({k: t.cpu() for k, t in mine.items()}, parts, dst=_group_root(group), group=group)
+        if parts is None:
+            return {}
+    else:
+        parts = [None] * n
+        dist.all_gather_object(parts, {k: t.cpu() for k, t in mine.items()}, group=group)
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        merged.update(part)
+    if merged or not rank0_only:
+        missing = [k for k in stages.plan.names if k not in merged]
+        if missing and any(parts):
+            raise RuntimeError(f"{type(model).__name__}: the pipeline stages together hold no {missing[:5]}")
+        merged = {k: merged[k] for k in stages.plan.names if k in merged}
+    return merged
+
+
+def _gather_own(model: nn.Module, rank0_only: bool, offload_to_cpu: bool) -> dict[str, torch.Tensor]:
     info = _shard_info(model)
     persistent = set(model.state_dict().keys())
     groups = list({id(g): g for _, _, g in info.values()}.values()) or [None]
@@ -176,7 +213,9 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
     model's (torch.can_cast).  strict=True also refuses missing keys (the
     model's state_dict() keys) and unexpected keys; strict=False ignores both
     but still refuses wrong tensors.  All the problems are reported in one
-    ValueError, listing the keys, and the model is then left untouched."""
+    ValueError, listing the keys, and the model is then left untouched.
+    A pipeline stage loads its own tensors from the whole model's dict (the
+    other stages' keys are not unexpected)."""
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"load_full_state_dict: state_dict must be a mapping of names to tensors, "
                         f"got {type(state_dict).__name__}")
@@ -194,7 +233,11 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
         else:
             wrong.append(problem)
     missing = [name for name in model.state_dict() if name not in state_dict] if strict else []
-    unexpected = [name for name in state_dict if name not in known] if strict else []
+    from ..pipeline.stages import runtime_of
+
+    stages = runtime_of(model)                  # a pipeline stage: other stages' keys are expected
+    whole = set(stages.plan.names) if stages is not None else set()
+    unexpected = [name for name in state_dict if name not in known and name not in whole] if strict else []
     problems = problem_report(("missing keys", missing), ("unexpected keys", unexpected),
                               ("tensors that do not fit", wrong))
     if problems:

@@ -1,0 +1,430 @@
+"""Pipeline schedules: GPipe, 1F1B and interleaved 1F1B.
+
+A schedule splits the batch into m micro-batches along dimension 0 and runs,
+on every rank, its list of forward (F) and backward (B) steps of (chunk,
+micro-batch) in the schedule's order:
+
+    GPipe         F0 .. F(m-1), then B0 .. B(m-1): m micro-batches of
+                  activations in flight on every stage
+    1F1B          stage s runs min(p-s-1, m) forwards, then alternates one
+                  forward and one backward, then the remaining backwards: at
+                  most p-s micro-batches in flight (PipeDream-flush)
+    Interleaved   v chunks per rank (virtual stage c*p + s): the 1F1B order
+                  over micro-steps that take p micro-batches through one chunk
+                  before moving to the next (Narayanan et al. 2021); needs
+                  m to be a multiple of p; the bubble shrinks v times
+
+Both bubbles are (p-1)/(m+p-1) of the step for GPipe and 1F1B, and
+(p-1)/(v m + p-1) for interleaved.
+
+Communication.  The activation of F(c, i) goes to the next virtual stage's
+F, the gradient of B(c, i) w.r.t. the chunk's input to the previous virtual
+stage's B.  Sends and receives are blocking (shardformer.distributed.send /
+recv), so their order on every rank is worked out in advance: all ranks
+simulate the whole schedule (every rank's step list, cheap) and place each
+message where its consumer first needs it; every rank then performs its
+sends and receives in that one global order, which cannot deadlock (the
+earliest pending message has both its ends at it).  The plan is cached per
+(schedule, p, v, m).
+
+Loss.  With criterion=None the model's own loss (the batch holds labels);
+else criterion(outputs, micro_batch).  Micro-batch losses are averaged
+(each backward is of loss / m), which equals the full-batch loss when every
+micro-batch weighs the same; a causal LM's token loss instead gets
+num_items_in_batch (HF's loss kwarg: the batch's count of predicted tokens),
+so padded, unevenly labelled micro-batches add up to the full-batch mean
+exactly.  The loss is broadcast from the last stage to every rank.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import zlib
+
+import torch
+
+from .. import distributed as D
+from .p2p import StageLink
+from .stage_manager import PipelineStageManager
+from .stages import runtime_of
+
+__all__ = ["PipelineSchedule", "GPipeSchedule", "OneForwardOneBackwardSchedule", "InterleavedSchedule"]
+
+
+# ---- the plan ---------------------------------------------------------------------------
+
+def _vs(kind: str, chunk: int, stage: int, p: int, v: int) -> int:
+    return chunk * p + stage
+
+
+def _plan(steps_of, p: int, v: int, m: int, with_backward: bool):
+    """[rank] -> list of ("F" | "B", chunk, mb) and ("send" | "recv", peer, message) in the
+    order that rank runs them (see the module docstring).  message: ("act" | "grad", vs, mb)."""
+    V = p * v
+    lists = [steps_of(s, p, v, m) if with_backward else [st for st in steps_of(s, p, v, m) if st[0] == "F"]
+             for s in range(p)]
+    out = [[] for _ in range(p)]
+    produced: set = set()
+    pos = [0] * p
+    while any(pos[s] < len(lists[s]) for s in range(p)):
+        progressed = False
+        for s in range(p):
+            while pos[s] < len(lists[s]):
+                kind, c, i = lists[s][pos[s]]
+                vs = c * p + s
+                need = (("act", vs - 1, i) if vs > 0 else None) if kind == "F" else \
+                       (("grad", vs + 1, i) if vs < V - 1 else None)
+                if need is not None and need not in produced:
+                    break
+                if need is not None:
+                    src = need[1] % p
+                    if src != s:
+                        out[src].append(("send", s, need))
+                        out[s].append(("recv", src, need))
+                out[s].append((kind, c, i))
+                if kind == "F" and vs < V - 1:
+                    produced.add(("act", vs, i))
+                if kind == "B" and vs > 0:
+                    produced.add(("grad", vs, i))
+                pos[s] += 1
+                progressed = True
+        if not progressed:
+            raise RuntimeError(f"pipeline schedule {steps_of.__name__}: the step lists deadlock (p={p}, v={v}, m={m})")
+    return out
+
+
+def _gpipe_steps(s: int, p: int, v: int, m: int):
+    return [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
+
+
+def _one_f_one_b_steps(s: int, p: int, v: int, m: int):
+    warmup = min(p - s - 1, m)
+    steps = [("F", 0, i) for i in range(warmup)]
+    for k in range(m - warmup):
+        steps += [("F", 0, warmup + k), ("B", 0, k)]
+    return steps + [("B", 0, i) for i in range(m - warmup, m)]
+
+
+def _interleaved_steps(s: int, p: int, v: int, m: int):
+    total = m * v
+
+    def mb(k):
+        return (k // (p * v)) * p + k % p
+
+    def fwd(k):
+        return ("F", (k // p) % v, mb(k))
+
+    def bwd(k):
+        return ("B", v - 1 - (k // p) % v, mb(k))
+
+    warmup = min((p - s - 1) * 2 + (v - 1) * p, total)
+    steps = [fwd(k) for k in range(warmup)]
+    for k in range(total - warmup):
+        steps += [fwd(warmup + k), bwd(k)]
+    return steps + [bwd(k) for k in range(total - warmup, total)]
+
+
+@functools.lru_cache(maxsize=64)
+def _cached_plan(steps_of, p, v, m, with_backward):
+    return _plan(steps_of, p, v, m, with_backward)
+
+
+# ---- the schedules ----------------------------------------------------------------------
+
+class PipelineSchedule:
+    """Runs a model pipelined by optimize() (ShardConfig.pipeline_stage_manager)
+    over micro-batches.  Subclasses choose the order of the steps."""
+
+    name = "pipeline"
+    _steps = staticmethod(_gpipe_steps)
+
+    def __init__(self, stage_manager: PipelineStageManager, num_microbatches: int) -> None:
+        if not isinstance(stage_manager, PipelineStageManager):
+            raise TypeError(f"{type(self).__name__}: stage_manager must be a PipelineStageManager, "
+                            f"got {type(stage_manager).__name__}")
+        if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+            raise ValueError(f"{type(self).__name__}: num_microbatches must be an int >= 1, got {num_microbatches!r}")
+        self.stage_manager = stage_manager
+        self.num_microbatches = num_microbatches
+        self.link = StageLink(stage_manager)
+        self._check_chunks()
+
+    def _check_chunks(self) -> None:
+        if self.stage_manager.num_model_chunks != 1:
+            raise ValueError(f"{type(self).__name__}: the stage manager has num_model_chunks="
+                             f"{self.stage_manager.num_model_chunks}; use InterleavedSchedule for more than one")
+
+    # -- public -------------------------------------------------------------------------
+
+    def forward_backward_step(self, model, batch: dict, criterion=None, return_loss: bool = True,
+                              return_outputs: bool = False) -> dict:
+        """Forward and backward of `batch` (a dict of model inputs, split along
+        dimension 0 into micro-batches) through the pipeline; parameter
+        gradients accumulate in .grad as loss.backward() would.  Returns
+        {"loss": the full-batch loss on every rank (None unless return_loss),
+        "outputs": the last stage's outputs, micro-batches concatenated (on the
+        last stage; None elsewhere, or unless return_outputs)}.  Collective
+        over the pipeline group."""
+        return self._run(model, batch, criterion, True, return_loss, return_outputs)
+
+    @torch.no_grad()
+    def forward(self, model, batch: dict):
+        """The model's outputs on `batch` (no gradients), from the last stage,
+        on every rank of the pipeline: the same output class as the model's
+        forward, micro-batches concatenated along dimension 0."""
+        return self._run(model, batch, None, False, False, True)["outputs"]
+
+    # -- the step -------------------------------------------------------------------------
+
+    def _run(self, model, batch, criterion, backward: bool, return_loss: bool, return_outputs: bool) -> dict:
+        sm, name = self.stage_manager, type(model).__name__
+        rt = runtime_of(model)
+        if rt is None:
+            raise ValueError(f"{type(self).__name__}: {name} is not pipelined; shard it with "
+                             f"ShardConfig(pipeline_stage_manager=...) first")
+        if rt.manager is not sm and (rt.manager.group is not sm.group or
+                                     rt.manager.num_model_chunks != sm.num_model_chunks):
+            raise ValueError(f"{type(self).__name__}: {name} was pipelined with another stage manager ({rt.manager})")
+        if not isinstance(batch, dict):
+            raise TypeError(f"{type(self).__name__}: batch must be a dict of model inputs, got {type(batch).__name__}")
+        micro = self._split(batch, name)
+        device = _device_of(model)
+        sig = tuple(sorted((k, tuple(t.shape), str(t.dtype)) for k, t in micro[0].items()
+                           if isinstance(t, torch.Tensor)))
+        self._agree(sig, len(next(iter(batch.values()))) if batch else 0, backward, name)
+        if backward and criterion is None and "labels" not in batch:
+            raise ValueError(f"{type(self).__name__}: {name}: criterion=None uses the model's own loss, but the "
+                             f"batch has no 'labels'; add them or pass criterion(outputs, micro_batch)")
+        extra = self._forward_kwargs(model, batch, criterion)
+        p, v, m = sm.num_stages, sm.num_model_chunks, len(micro)
+        V = p * v
+        plan = _cached_plan(self._steps, p, v, m, backward)[sm.stage]
+        inbox, outbox, saved, losses, outputs = {}, {}, {}, [], []
+        grad_on = torch.is_grad_enabled() and backward
+        for step in plan:
+            kind = step[0]
+            if kind == "recv":
+                _, peer, msg = step
+                inbox[msg] = self.link.recv(peer, (msg[0], msg[1], sig), device)
+            elif kind == "send":
+                _, peer, msg = step
+                self.link.send(outbox.pop(msg), peer, (msg[0], msg[1], sig))
+            elif kind == "F":
+                _, c, i = step
+                vs = sm.virtual_stage(c)
+                entry = inbox.pop(("act", vs - 1, i)) if vs > 0 else None
+                if entry is not None and grad_on and entry.is_floating_point():
+                    entry.requires_grad_(True)
+                with torch.set_grad_enabled(grad_on):
+                    out = rt.run(model, c, entry, dict(micro[i], **extra))
+                if vs == V - 1:
+                    if return_outputs:
+                        outputs.append(out)
+                    if backward or return_loss:
+                        loss = self._loss(out, micro[i], criterion, name, m, "num_items_in_batch" in extra)
+                        losses.append(loss.detach())
+                        saved[(c, i)] = (loss, entry)
+                else:
+                    outbox[("act", vs, i)] = out.detach()
+                    saved[(c, i)] = (out, entry)
+            else:                                        # "B"
+                _, c, i = step
+                vs = sm.virtual_stage(c)
+                out, entry = saved.pop((c, i))
+                if vs == V - 1:
+                    if out.requires_grad:
+                        torch.autograd.backward(out)
+                else:
+                    grad = inbox.pop(("grad", vs + 1, i))
+                    if out.requires_grad:
+                        torch.autograd.backward(out, grad_tensors=grad)
+                if vs > 0:
+                    g = entry.grad if entry.grad is not None else torch.zeros_like(entry)
+                    outbox[("grad", vs, i)] = g
+        if inbox or outbox:
+            raise RuntimeError(f"{name}: pipeline messages left over after the schedule ({list(inbox) + list(outbox)})")
+        if backward:
+            self._sync_shared(rt, device)
+        result = {"loss": None, "outputs": None}
+        if return_loss:
+            result["loss"] = self._broadcast_loss(losses, device)
+        if return_outputs:
+            result["outputs"] = self._gather_outputs(outputs, name, broadcast=not backward)
+        return result
+
+    # -- pieces -----------------------------------------------------------------------------
+
+    def _split(self, batch: dict, name: str) -> list[dict]:
+        m = self.num_microbatches
+        sizes = {k: t.shape[0] for k, t in batch.items() if isinstance(t, torch.Tensor) and t.dim() > 0}
+        if not sizes:
+            raise ValueError(f"{type(self).__name__}: {name}: the batch holds no tensor to split into micro-batches")
+        B = next(iter(sizes.values()))
+        odd = {k: n for k, n in sizes.items() if n != B}
+        if odd:
+            raise ValueError(f"{type(self).__name__}: {name}: batch tensors disagree on the batch size "
+                             f"(dimension 0): {sizes}")
+        if B % m:
+            raise ValueError(f"{type(self).__name__}: {name}: batch size {B} does not split into "
+                             f"num_microbatches={m} equal micro-batches")
+        size = B // m
+        return [{k: (t[i * size:(i + 1) * size] if k in sizes else t) for k, t in batch.items()} for i in range(m)]
+
+    def _agree(self, sig, batch_size: int, backward: bool, name: str) -> None:
+        """Every rank of the pipeline runs the same schedule on the same shapes (one small all-gather)."""
+        sm = self.stage_manager
+        if sm.num_stages == 1:
+            return
+        mine = torch.tensor([zlib.crc32(type(self).__name__.encode()), self.num_microbatches,
+                             sm.num_model_chunks, batch_size, int(backward),
+                             zlib.crc32(repr(sig).encode())], dtype=torch.int64)
+        table = torch.empty((sm.num_stages, mine.numel()), dtype=torch.int64)
+        D.all_gather_into_tensor(table, mine[None], sm.group)
+        if not bool((table == table[0]).all()):
+            fields = ("schedule", "num_microbatches", "num_model_chunks", "batch size", "backward", "input shapes")
+            rows = [", ".join(f"{f}={int(x)}" for f, x in zip(fields, row)) for row in table.tolist()]
+            raise ValueError(f"{type(self).__name__}: {name}: the pipeline's ranks disagree on the step "
+                             f"(crc32 for names and shapes):\n" + "\n".join(f"  stage {s}: {r}" for s, r in enumerate(rows)))
+
+    def _forward_kwargs(self, model, batch: dict, criterion) -> dict:
+        params = _forward_params(type(model))
+        extra = {}
+        if "use_cache" in params:
+            extra["use_cache"] = False
+        if criterion is None and "labels" in batch and "**" in params \
+                and getattr(model, "loss_type", None) == "ForCausalLM":
+            labels = batch["labels"]
+            extra["num_items_in_batch"] = labels[..., 1:].ne(-100).sum()
+        return extra
+
+    def _loss(self, out, micro_batch: dict, criterion, name: str, m: int, summed: bool) -> torch.Tensor:
+        if criterion is not None:
+            loss = criterion(out, micro_batch)
+        else:
+            loss = getattr(out, "loss", None)
+            if loss is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) \
+                    and out[0].dim() == 0:
+                loss = out[0]
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise ValueError(f"{type(self).__name__}: {name}: the {'criterion' if criterion else 'model'} gave no "
+                             f"scalar loss ({type(loss).__name__})")
+        return loss if summed else loss / m
+
+    def _broadcast_loss(self, losses, device):
+        sm = self.stage_manager
+        total = torch.stack(losses).sum() if losses else torch.zeros((), dtype=torch.float32, device=device)
+        total = total.to(torch.float32).reshape(1).clone()
+        if sm.num_stages > 1:
+            D.broadcast(total, sm.stage_of(sm.num_virtual_stages - 1), sm.group)
+        return total[0]
+
+    def _sync_shared(self, rt, device) -> None:
+        """Tied parameters held by the first and the last stage (an input
+        embedding and the LM head): add the two gradients on both."""
+        sm = self.stage_manager
+        first, last = sm.stage_of(0), sm.stage_of(sm.num_virtual_stages - 1)
+        for n, shared in enumerate(rt.shared_params):
+            for stage, param in shared.items():
+                peer = last if stage == first else first
+                grad = param.grad if param.grad is not None else torch.zeros_like(param)
+                key = ("tied", n)
+                if stage == first:
+                    self.link.send(grad, peer, key)
+                    other = self.link.recv(peer, key, grad.device)
+                else:
+                    other = self.link.recv(peer, key, grad.device)
+                    self.link.send(grad, peer, key)
+                param.grad = grad + other
+
+    def _gather_outputs(self, outputs: list, name: str, broadcast: bool):
+        """The last stage's micro-batch outputs, concatenated; with `broadcast`, on every rank."""
+        sm = self.stage_manager
+        last = sm.stage_of(sm.num_virtual_stages - 1)
+        merged = _concat(outputs) if outputs else None
+        if not broadcast or sm.num_stages == 1:
+            return merged
+        import torch.distributed as dist
+
+        meta = [None]
+        if sm.stage == last:
+            meta = [(type(merged), [(k, tuple(t.shape), t.dtype) for k, t in _items(merged)])]
+        dist.broadcast_object_list(meta, src=dist.get_global_rank(sm.group, last) if sm.group is not None
+                                   else last, group=sm.group)
+        cls, fields = meta[0]
+        tensors = {}
+        for k, shape, dtype in fields:
+            t = dict(_items(merged))[k] if sm.stage == last else torch.empty(shape, dtype=dtype)
+            tensors[k] = D.broadcast(t.contiguous(), last, sm.group)
+        return merged if sm.stage == last else _rebuild(cls, tensors)
+
+
+class GPipeSchedule(PipelineSchedule):
+    """All forwards, then all backwards (Huang et al. 2019)."""
+
+    name = "gpipe"
+    _steps = staticmethod(_gpipe_steps)
+
+
+class OneForwardOneBackwardSchedule(PipelineSchedule):
+    """1F1B: warm-up forwards, then one forward and one backward in turn."""
+
+    name = "1f1b"
+    _steps = staticmethod(_one_f_one_b_steps)
+
+
+class InterleavedSchedule(PipelineSchedule):
+    """Interleaved 1F1B over num_model_chunks > 1 chunks per rank."""
+
+    name = "interleaved"
+    _steps = staticmethod(_interleaved_steps)
+
+    def _check_chunks(self) -> None:
+        sm = self.stage_manager
+        if self.num_microbatches % sm.num_stages:
+            raise ValueError(f"InterleavedSchedule: num_microbatches={self.num_microbatches} must be a multiple of "
+                             f"the {sm.num_stages} pipeline stages")
+
+
+# ---- helpers ------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _forward_params(cls) -> frozenset:
+    sig = inspect.signature(cls.forward)
+    names = {n for n, prm in sig.parameters.items() if prm.kind != prm.VAR_KEYWORD}
+    if any(prm.kind == prm.VAR_KEYWORD for prm in sig.parameters.values()):
+        names.add("**")
+    return frozenset(names)
+
+
+def _device_of(model) -> torch.device:
+    for t in model.parameters():
+        return t.device
+    return torch.device("cpu")
+
+
+def _items(out):
+    if isinstance(out, torch.Tensor):
+        return [("", out)]
+    if isinstance(out, dict):
+        return [(k, t) for k, t in out.items() if isinstance(t, torch.Tensor)]
+    if isinstance(out, (tuple, list)):
+        return [(str(k), t) for k, t in enumerate(out) if isinstance(t, torch.Tensor)]
+    raise TypeError(f"pipeline outputs: cannot gather a {type(out).__name__}")
+
+
+def _concat(outputs: list):
+    first = outputs[0]
+    cat = {}
+    for k, t in _items(first):
+        parts = [dict(_items(o))[k] for o in outputs]
+        cat[k] = torch.cat([x.detach() for x in parts], 0) if t.dim() > 0 else \
+            torch.stack([x.detach() for x in parts]).mean()
+    return _rebuild(type(first), cat)
+
+
+def _rebuild(cls, tensors: dict):
+    if cls is torch.Tensor or issubclass(cls, torch.Tensor):
+        return tensors[""]
+    if issubclass(cls, dict):
+        return cls(**tensors)
+    return tuple(tensors[str(k)] for k in range(len(tensors)))

@@ -1,0 +1,371 @@
+"""Splitting a model into pipeline stages, and running one stage of it.
+
+The split is data on the policy (`FamilyPolicy.pipeline_split`, a StageSplit):
+the module that runs the layers (`owner`), the path of its layer list under
+it, and which of its other children run after the layers (the final norm,
+a pooler).  From that, every parameter-holding module of the model falls in
+one of three places:
+
+    layers      module `layers.i`: held by the virtual stage whose range holds i
+    first       a child of the owner (or of an ancestor of the layer list) that
+                runs before the layers (embeddings): the first virtual stage
+    last        the owner's children named in `last`, and every module outside
+                the owner (the heads): the last virtual stage
+
+Modules without parameters (rotary embeddings, dropouts) stay on every stage.
+
+A stage does not get a forward of its own: every stage runs the model's own
+HuggingFace forward, with the tensors redirected (StageRuntime):
+
+  * the layer list becomes a StageLayers: it holds this rank's layers under
+    their global indices (so state_dict names are the unsharded model's) and
+    iterates over the layers of the chunk being run only;
+  * on a stage that does not hold them, the first-stage modules return zeros
+    shaped like the activation received from the previous stage, and the
+    first layer of the chunk takes that activation instead (a forward
+    pre-hook); the last-stage modules are absent (StageAbsent: calling one
+    raises, naming the stage that holds it);
+  * the last layer of a chunk that is not the chain's last ends the forward
+    (a forward hook raises StageExit carrying its output), so nothing after
+    it runs.
+
+The masks, position ids and rotary tables are computed by the model's own
+forward on every stage from the micro-batch, which every stage is given.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+__all__ = ["StageSplit", "StagePlan", "StageLayers", "StageAbsent", "StageExit", "StageRuntime",
+           "plan_stages", "runtime_of"]
+
+RUNTIME = "_shardformer_pipeline"
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """Where a model's pipeline stages split, as data.
+
+    owner   class name of the module whose forward runs the layers ("LlamaModel");
+            "{prefix}" and "{base_model}" are filled from the policy's options
+    layers  dotted path of the layer ModuleList under the owner ("layers", "encoder.layer")
+    last    children of the owner that run after the layers ("norm", "pooler")"""
+
+    owner: str
+    layers: str
+    last: tuple[str, ...] = ()
+
+
+class StageExit(BaseException):
+    """Raised by the last layer of a chunk that is not the chain's last: ends
+    the model's forward there, carrying the layer's output (a BaseException,
+    so that no `except Exception` in model code swallows it)."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__("pipeline stage output")
+        self.hidden = hidden
+
+
+class StageAbsent(nn.Module):
+    """Stands in for a module another stage holds.  A first-stage module
+    (role "first") returns zeros shaped like the activation this stage
+    receives (the first layer replaces them by that activation); a
+    last-stage module (role "last") raises when called.  Attributes the
+    model's forward reads off the module (ViT asks its patch embedding's
+    weight for its dtype) come from a copy of the module on the meta device
+    (shapes and dtypes, no storage), kept out of the module tree."""
+
+    def __init__(self, path: str, role: str, holder: int, runtime: "StageRuntime", original: nn.Module):
+        super().__init__()
+        self.path, self.role, self.holder = path, role, holder
+        self.__dict__["_runtime"] = runtime          # not a sub-module, not in state_dict
+        self.__dict__["_shadow"] = _meta_shadow(original)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            shadow = self.__dict__.get("_shadow")
+            if shadow is None or name.startswith("__"):
+                raise
+            return getattr(shadow, name)
+
+    def extra_repr(self) -> str:
+        return f"{self.path!r}, {self.role}, held by stage {self.holder}"
+
+    def forward(self, *args, **kwargs):
+        if self.role == "first":
+            return self._runtime.stand_in()
+        raise RuntimeError(f"{self._runtime.model_name}: {self.path} is held by pipeline stage {self.holder}; "
+                           f"this is stage {self._runtime.manager.stage}")
+
+
+class StageLayers(nn.ModuleList):
+    """A layer list holding this rank's layers under their global indices.
+    Iterating (or slicing) yields the layers of the chunk being run only;
+    len() is the whole model's layer count; indexing a layer another stage
+    holds raises IndexError naming it."""
+
+    def __init__(self, layers: dict[int, nn.Module], total: int, chunks: list[range], path: str):
+        nn.Module.__init__(self)
+        for i, layer in layers.items():
+            self.add_module(str(i), layer)
+        self._total, self._chunks, self._path = total, chunks, path
+        self.active: int | None = None               # the chunk being run
+
+    def extra_repr(self) -> str:
+        return f"{self._total} layers, held: {[f'{r.start}-{r.stop - 1}' for r in self._chunks]}"
+
+    def _running(self) -> range:
+        if self.active is None:
+            raise RuntimeError(f"{self._path}: the layers of a pipeline stage run inside a schedule "
+                               f"(shardformer.pipeline)")
+        return self._chunks[self.active]
+
+    def __len__(self) -> int:
+        return self._total
+
+    def __iter__(self):
+        return iter([self._modules[str(i)] for i in self._running()])
+
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            wanted = set(range(self._total)[idx])
+            return [self._modules[str(i)] for i in self._running() if i in wanted]
+        i = idx + self._total if isinstance(idx, int) and idx < 0 else idx
+        key = str(i)
+        if key not in self._modules:
+            raise IndexError(f"{self._path}[{idx}]: layer {i} is not held by this pipeline stage (it holds "
+                             f"{[f'{r.start}-{r.stop - 1}' for r in self._chunks]})")
+        return self._modules[key]
+
+
+@dataclass
+class StagePlan:
+    """The checked split of one model for this rank (plan_stages); nothing changed yet."""
+
+    owner_path: str
+    layers_path: str                  # full dotted path of the layer list
+    total: int
+    chunks: list[range]               # this rank's layers, per chunk
+    first: list[str]                  # first-stage module paths
+    last: list[str]                   # last-stage module paths
+    shared: list[tuple[str, str]]     # (first path.param, last path.param) pairs that are one Parameter
+    names: list[str]                  # the unsharded model's state_dict keys
+
+
+def _meta_shadow(module: nn.Module) -> nn.Module:
+    """A copy of `module`'s tree whose parameters and buffers are meta
+    tensors of the same shapes and dtypes (the original is left as it is:
+    a parameter it shares with a module this stage keeps stays real)."""
+    shadow = copy.copy(module)
+    shadow.__dict__ = dict(module.__dict__)
+    shadow._parameters = {n: None if p is None else nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+                          for n, p in module._parameters.items()}
+    shadow._buffers = {n: None if b is None else torch.empty_like(b, device="meta")
+                       for n, b in module._buffers.items()}
+    shadow._modules = {n: None if c is None else _meta_shadow(c) for n, c in module._modules.items()}
+    return shadow
+
+
+def _child_paths(module: nn.Module, prefix: str):
+    for name, child in module.named_children():
+        yield (f"{prefix}.{name}" if prefix else name), child
+
+
+def _has_params(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def plan_stages(model: nn.Module, split: StageSplit, manager, name: str, prefix: str = "",
+                base_model: str = "") -> StagePlan:
+    """Check `split` against `model` and work out this rank's part (ValueError
+    naming the model and module when it does not fit); changes nothing."""
+    owner_cls = split.owner.format(prefix=prefix, base_model=base_model)
+    owners = [(path, m) for path, m in model.named_modules() if type(m).__name__ == owner_cls]
+    if len(owners) != 1:
+        raise ValueError(f"{name}: pipeline parallelism splits the layers of one {owner_cls} module; "
+                         f"found {len(owners)}")
+    owner_path, owner = owners[0]
+    join = (lambda a, b: f"{a}.{b}" if a else b)
+    layers_path = join(owner_path, split.layers)
+    try:
+        layers = model.get_submodule(layers_path)
+    except AttributeError:
+        raise ValueError(f"{name}: {owner_cls} has no layer list {split.layers!r} for pipeline parallelism") from None
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{name}: {layers_path} is a {type(layers).__name__}, expected the ModuleList of layers")
+    total = len(layers)
+    chunks = manager.layer_ranges(total, f"{name}: {layers_path}")
+    for path, m in ((owner_path, owner), ("", model)):
+        direct = [n for n, _ in m.named_parameters(recurse=False)]
+        if direct:
+            raise ValueError(f"{name}: {path or type(model).__name__} holds parameters {direct} directly; "
+                             f"pipeline parallelism places whole sub-modules on stages")
+    last_set = {join(owner_path, s) for s in split.last}
+    for path in sorted(last_set):
+        try:
+            model.get_submodule(path)
+        except AttributeError:
+            last_set.discard(path)                  # optional (a pooler HF left out)
+    first, last = [], []
+
+    def walk(module: nn.Module, path: str, inside_owner: bool):
+        for child_path, child in _child_paths(module, path):
+            if child_path == layers_path:
+                continue
+            if child_path == owner_path or layers_path.startswith(child_path + "."):
+                walk(child, child_path, inside_owner or child_path == owner_path)
+                continue
+            if not _has_params(child):
+                continue                             # kept on every stage
+            (first if inside_owner and child_path not in last_set else last).append(child_path)
+
+    walk(model, "", owner_path == "")
+    # Parameters that are one object in two places across the split (tied embeddings / LM head).
+    where: dict[int, dict[str, str]] = {}
+    for side, paths in (("first", first), ("last", last)):
+        for path in paths:
+            for pname, p in model.get_submodule(path).named_parameters(remove_duplicate=False):
+                where.setdefault(id(p), {}).setdefault(side, f"{path}.{pname}")
+    shared = [(sides["first"], sides["last"]) for sides in where.values() if len(sides) == 2]
+    layer_params = {id(p) for p in layers.parameters()}
+    outside = {id(p) for path in first + last for p in model.get_submodule(path).parameters()}
+    if layer_params & outside:
+        raise ValueError(f"{name}: a parameter of {layers_path} is also held outside the layers; "
+                         f"pipeline parallelism cannot place it on one stage")
+    return StagePlan(owner_path, layers_path, total, chunks, first, last, shared, list(model.state_dict().keys()))
+
+
+class StageRuntime:
+    """One pipelined model's state on this rank: what runs, and the
+    activation handed to the running chunk.  Attached to the model
+    (runtime_of); the schedules drive it."""
+
+    def __init__(self, model: nn.Module, plan: StagePlan, manager, name: str):
+        self.model_name = name
+        self.manager = manager
+        self.plan = plan
+        self.layers: StageLayers | None = None
+        self.chunk: int | None = None
+        self.entry: torch.Tensor | None = None       # the activation the running chunk starts from
+        self.entered = False
+        self.shared_params: list[dict[int, nn.Parameter]] = []
+
+    # -- the schedule's side ----------------------------------------------------------
+
+    def run(self, model: nn.Module, chunk: int, entry: torch.Tensor | None, kwargs: dict):
+        """The model's forward on `kwargs` for this rank's `chunk`, starting
+        from `entry` (None on the first virtual stage): the model's output on
+        the last virtual stage, else the chunk's output activation."""
+        self.layers.active, self.chunk, self.entry, self.entered = chunk, chunk, entry, False
+        try:
+            out = model(**kwargs)
+        except StageExit as e:
+            out = e.hidden
+        finally:
+            self.layers.active, self.chunk, self.entry = None, None, None
+        if entry is not None and not self.entered:
+            raise RuntimeError(f"{self.model_name}: pipeline chunk {chunk} never ran its first layer "
+                               f"({self.plan.layers_path}); the model's forward skipped it")
+        return out
+
+    def stand_in(self) -> torch.Tensor:
+        """What a first-stage module returns on a stage that does not run it."""
+        if self.entry is None:
+            raise RuntimeError(f"{self.model_name}: a first-stage module ran outside a pipeline schedule")
+        return torch.zeros(self.entry.shape, dtype=self.entry.dtype, device=self.entry.device)
+
+    # -- hooks ------------------------------------------------------------------------
+
+    def _enter(self, chunk: int):
+        def hook(module, args, kwargs):
+            if self.chunk != chunk or self.entry is None or self.entered:
+                return None
+            self.entered = True
+            if args:
+                return (self.entry,) + tuple(args[1:]), kwargs
+            if "hidden_states" in kwargs:
+                return args, dict(kwargs, hidden_states=self.entry)
+            raise RuntimeError(f"{self.model_name}: the first layer of pipeline chunk {chunk} was called "
+                               f"without its hidden states (no positional argument, no hidden_states=)")
+        return hook
+
+    def _exit(self, chunk: int):
+        def hook(module, args, output):
+            if self.chunk == chunk:
+                raise StageExit(output if isinstance(output, torch.Tensor) else output[0])
+        return hook
+
+    def _first_forward(self, forward):
+        """A first-stage module's forward on a rank that holds it but runs a later chunk (interleaved)."""
+        def wrapped(*args, **kwargs):
+            if self.chunk is not None and not self.manager.is_first_stage(self.chunk):
+                return self.stand_in()
+            return forward(*args, **kwargs)
+        return wrapped
+
+    def _refuse_outside(self, module, args, kwargs):
+        if self.chunk is None:
+            raise RuntimeError(
+                f"{self.model_name}: pipeline stage {self.manager.stage} of {self.manager.num_stages} holds "
+                f"layers {[f'{r.start}-{r.stop - 1}' for r in self.plan.chunks]} only; run it through a schedule "
+                f"(shardformer.pipeline: schedule.forward(model, batch) or forward_backward_step); generate() "
+                f"is not available under pipeline parallelism")
+
+    # -- applying the plan ------------------------------------------------------------
+
+    def apply(self, model: nn.Module) -> None:
+        """Drop what other stages hold and install the redirections (the plan was checked)."""
+        plan, sm = self.plan, self.manager
+        first_vs = 0
+        last_vs = sm.num_virtual_stages - 1
+        holds_first = any(sm.is_first_stage(c) for c in range(sm.num_model_chunks))
+        holds_last = sm.is_last_stage()
+        # the tied pairs, before anything is dropped: {stage: this rank's parameter}
+        for a, b in plan.shared:
+            if sm.stage_of(first_vs) == sm.stage_of(last_vs):
+                continue                            # one rank holds both: still one Parameter
+            mine = {}
+            if holds_first:
+                mine[sm.stage_of(first_vs)] = model.get_parameter(a)
+            if holds_last:
+                mine[sm.stage_of(last_vs)] = model.get_parameter(b)
+            if mine:
+                self.shared_params.append(mine)
+        for path in plan.first:
+            if holds_first:
+                if sm.num_model_chunks > 1:
+                    module = model.get_submodule(path)
+                    module.forward = self._first_forward(module.forward)
+            else:
+                _set(model, path, StageAbsent(path, "first", sm.stage_of(first_vs), self, model.get_submodule(path)))
+        for path in plan.last:
+            if not holds_last:
+                _set(model, path, StageAbsent(path, "last", sm.stage_of(last_vs), self, model.get_submodule(path)))
+        old = model.get_submodule(plan.layers_path)
+        held = {i: old[i] for r in plan.chunks for i in r}
+        self.layers = StageLayers(held, plan.total, plan.chunks, plan.layers_path)
+        self.layers.train(old.training)
+        _set(model, plan.layers_path, self.layers)
+        for c, r in enumerate(plan.chunks):
+            if not sm.is_first_stage(c):
+                held[r.start].register_forward_pre_hook(self._enter(c), with_kwargs=True)
+            if not sm.is_last_stage(c):
+                held[r.stop - 1].register_forward_hook(self._exit(c))
+        model.register_forward_pre_hook(self._refuse_outside, with_kwargs=True, prepend=True)
+        model.__dict__[RUNTIME] = self
+
+
+def _set(model: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, leaf = path.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, leaf, module)
+
+
+def runtime_of(model: nn.Module) -> StageRuntime | None:
+    """The StageRuntime of a pipelined model (None for one that is not)."""
+    return model.__dict__.get(RUNTIME)

@@ -1,0 +1,258 @@
+"""Rank-side checks of pipeline parallelism (tests/test_pipeline.py).
+
+The reference is the unsharded HF model built from the same seed with 4
+layers (so PP=4 gives every stage one), run on the whole batch: the
+pipelined loss equals its loss, and after one SGD step the full state dict
+gathered from the stages equals the reference's after the same step."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+import zoo
+from checks import parity
+from shardformer import ShardConfig, ShardFormer
+from shardformer.checkpoint import gather_full_state_dict
+from shardformer.pipeline import (GPipeSchedule, InterleavedSchedule, OneForwardOneBackwardSchedule,
+                                  PipelineStageManager, runtime_of)
+from shardformer.pipeline import p2p
+
+SCHEDULES = {"gpipe": GPipeSchedule, "1f1b": OneForwardOneBackwardSchedule, "interleaved": InterleavedSchedule}
+TOL = parity.TOL[torch.float32]
+_GROUPS: dict = {}
+
+def groups(ctx, pp: int, tp: int = 1):
+    """(tp_group, pp_group) of this rank, every rank of the pool running this
+    (new_group is collective over the world): ranks laid out TP innermost,
+    then PP, then replicas: rank = replica * pp * tp + stage * tp + t.  At 4
+    ranks, pp=2, tp=2: TP {0,1},{2,3}, PP {0,2},{1,3}; pp=2, tp=1: two
+    pipelines {0,1} and {2,3}."""
+    n = ctx.world_size
+    assert ctx.tp_size == n and n % (pp * tp) == 0, (n, pp, tp)
+    key = (n, pp, tp)
+    if key not in _GROUPS:
+        tps, pps = {}, {}
+        for base in range(0, n, pp * tp):
+            for s in range(pp):
+                ranks = [base + s * tp + t for t in range(tp)]
+                g = dist.new_group(ranks)
+                tps.update({r: g for r in ranks})
+            for t in range(tp):
+                ranks = [base + s * tp + t for s in range(pp)]
+                g = dist.new_group(ranks)
+                pps.update({r: g for r in ranks})
+        _GROUPS[key] = (tps, pps)
+    tps, pps = _GROUPS[key]
+    return tps[ctx.rank], pps[ctx.rank]
+
+
+def build(name: str, layers: int, **overrides):
+    """The zoo's model with `layers` layers."""
+    key = "n_layer" if name.startswith("GPT2") else "num_hidden_layers"
+    if name.startswith("GPTNeo"):             # one attention type per layer
+        key, overrides = "num_layers", dict(overrides, attention_types=[[["global", "local"], layers // 2]])
+    return zoo.build(name, **{key: layers}, **overrides)
+
+
+def batch_of(name: str, rows: int = 4) -> dict:
+    """`rows` rows: the zoo's 2-row batches from seeds 1, 2, ..., concatenated."""
+    parts = [zoo.make_inputs(name, seed=1 + k) for k in range(rows // 2)]
+    return {k: torch.cat([p[k] for p in parts], 0) for k in parts[0]}
+
+
+def pipelined(ctx, name: str, pp: int, tp: int = 1, chunks: int = 1, layers: int = 4, num_layers_per_stage=None,
+              **overrides):
+    """(reference, pipelined model, stage manager, shared params)."""
+    tp_group, pp_group = groups(ctx, pp, tp)
+    torch.manual_seed(0)
+    model = build(name, layers, **overrides)
+    model.train()
+    ref = copy.deepcopy(model)
+    sm = PipelineStageManager(pp_group, num_model_chunks=chunks, num_layers_per_stage=num_layers_per_stage)
+    cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm,
+                      enable_tensor_parallelism=tp > 1)
+    model, shared = ShardFormer(shard_config=cfg).optimize(model)
+    return ref, model, sm, shared
+
+
+def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1, chunks: int = 1,
+                     layers: int = 4, padded: bool = False, rows: int = 4) -> dict:
+    """Loss of one forward_backward_step equals the unsharded model's
+    full-batch loss; after one SGD step on both, the gathered full state dict
+    equals the reference's.  Messages between stages were sent (counted)."""
+    ref, model, sm, shared = pipelined(ctx, name, pp, tp, chunks, layers)
+    batch = batch_of(name, rows)
+    if padded:                                   # uneven label counts per micro-batch
+        batch["labels"] = batch["labels"].clone()
+        batch["labels"][0, :5] = -100
+        batch["labels"][-1, 2:4] = -100
+    before = dict(p2p.COUNTS)
+    out = SCHEDULES[schedule](sm, num_microbatches=m).forward_backward_step(model, batch)
+    sent = p2p.COUNTS["sent"] - before["sent"]
+    if sm.num_stages > 1:
+        assert sent > 0, f"{name}: no activation or gradient went between stages"
+    ref_loss = parity.loss_of(ref(**batch), {})
+    ref_loss.backward()
+    err = parity.assert_close(f"{name} pipelined loss ({schedule}, pp={pp}, m={m})", out["loss"], ref_loss.detach(),
+                              TOL)
+    lr = 0.1
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+        for p in ref.parameters():
+            if p.grad is not None:
+                p -= lr * p.grad
+    full = gather_full_state_dict(model)
+    expected = ref.state_dict()
+    missing = sorted(set(expected) - set(full))
+    assert not missing, f"{name}: gathered state dict lacks {missing[:5]}"
+    worst = 0.0
+    for key, t in expected.items():
+        worst = max(worst, parity.assert_close(f"{name} {key} after a step", full[key], t, TOL))
+    return {"loss": err, "state": worst, "sent": sent, "shared": len(shared)}
+
+
+def load_full_round_trip(ctx, name: str, pp: int, tp: int) -> bool:
+    """load_full_state_dict of the unsharded model's dict into a pipelined
+    model (each stage takes its part, strict), then gathered back: equal."""
+    ref, model, sm, _ = pipelined(ctx, name, pp, tp)
+    torch.manual_seed(5)
+    other = build(name, 4)
+    from shardformer.checkpoint import load_full_state_dict
+
+    load_full_state_dict(model, other.state_dict())
+    full = gather_full_state_dict(model)
+    for key, t in other.state_dict().items():
+        assert torch.equal(full[key], t), key
+    return True
+
+
+def inference_on_every_rank(ctx, name: str, pp: int, tp: int, schedule: str, dropout: float = 0.0) -> float:
+    """schedule.forward(): the last stage's logits, on every rank, equal to
+    the unsharded model's; in eval mode with dropout p=`dropout` configured."""
+    overrides = {}
+    if dropout:
+        overrides = {"attention_dropout": dropout} if name.startswith("Llama") else {"resid_pdrop": dropout,
+                                                                                     "embd_pdrop": dropout}
+    ref, model, sm, _ = pipelined(ctx, name, pp, tp, **overrides)
+    ref.eval()
+    model.eval()
+    batch = batch_of(name)
+    out = SCHEDULES[schedule](sm, num_microbatches=2).forward(model, batch)
+    exp = ref(**batch)
+    assert type(out) is type(exp), (type(out), type(exp))
+    return parity.assert_close(f"{name} logits on stage {sm.stage}", out.logits, exp.logits, TOL)
+
+
+def training_dropout_differs(ctx, name: str) -> bool:
+    """With dropout on in train mode the pipelined step still runs (a loss on
+    every rank, equal across ranks), and its loss differs from the eval loss."""
+    ref, model, sm, _ = pipelined(ctx, name, 2, 1, attention_dropout=0.5)
+    batch = batch_of(name)
+    sched = OneForwardOneBackwardSchedule(sm, num_microbatches=2)
+    train_loss = sched.forward_backward_step(model, batch)["loss"]
+    model.eval()
+    eval_loss = sched.forward_backward_step(model, batch)["loss"]
+    ref.eval()
+    parity.assert_close("eval loss", eval_loss, ref(**batch).loss.detach(), TOL)
+    return bool((train_loss - eval_loss).abs() > 1e-6)
+
+
+def refusals(ctx) -> list[str]:
+    """Clear errors, raised on every rank, before anything changes."""
+    msgs = []
+    ref, model, sm, _ = pipelined(ctx, "LlamaForCausalLM", 2, 1)
+    batch = batch_of("LlamaForCausalLM")
+    for call in (lambda: model(**batch), lambda: model.generate(batch["input_ids"][:, :3], max_new_tokens=2)):
+        try:
+            call()
+        except RuntimeError as e:
+            assert "run it through a schedule" in str(e), e
+            msgs.append(str(e))
+        else:
+            raise AssertionError("a pipelined model ran outside a schedule")
+    try:                                            # 4 rows into 3 micro-batches
+        GPipeSchedule(sm, num_microbatches=3).forward_backward_step(model, batch)
+    except ValueError as e:
+        assert "does not split into num_microbatches=3" in str(e), e
+        msgs.append(str(e))
+    else:
+        raise AssertionError("an uneven micro-batch split was accepted")
+    try:                                            # the stages disagree on the schedule
+        GPipeSchedule(sm, num_microbatches=2 if sm.stage == 0 else 4).forward_backward_step(model, batch)
+    except ValueError as e:
+        assert "disagree" in str(e), e
+        msgs.append(str(e))
+    else:
+        raise AssertionError("stages running different schedules were not caught")
+    try:
+        GPipeSchedule(sm, num_microbatches=2).forward_backward_step(model, {"input_ids": batch["input_ids"]})
+    except ValueError as e:
+        assert "labels" in str(e), e
+        msgs.append(str(e))
+    else:
+        raise AssertionError("a batch without labels and no criterion was accepted")
+    # too few layers: refused, model unchanged
+    tp_group, pp_group = groups(ctx, 4, 1)
+    sm4 = PipelineStageManager(pp_group)
+    small = build("LlamaForCausalLM", 2)
+    names = [n for n, _ in small.named_parameters()]
+    try:
+        ShardFormer(ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm4,
+                                enable_tensor_parallelism=False)).optimize(small)
+    except ValueError as e:
+        assert "2 layers cannot be split over 4 pipeline stages" in str(e), e
+        msgs.append(str(e))
+    else:
+        raise AssertionError("2 layers were split over 4 stages")
+    assert [n for n, _ in small.named_parameters()] == names
+    small(**batch)                                   # still the whole model
+    # a family without a stage split: refused by name, model unchanged
+    swin = zoo.build("SwinForImageClassification")
+    try:
+        ShardFormer(ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm4,
+                                enable_tensor_parallelism=False)).optimize(swin)
+    except NotImplementedError as e:
+        assert "SwinForImageClassification" in str(e) and "pipeline" in str(e), e
+        msgs.append(str(e))
+    else:
+        raise AssertionError("Swin was pipelined")
+    assert not any(type(m).__name__ == "StageLayers" for m in swin.modules())
+    return msgs
+
+
+def uneven_layers(ctx, counts) -> list[int]:
+    """num_layers_per_stage places the layers as asked; still equal to the unsharded model."""
+    tp_group, pp_group = groups(ctx, len(counts), 1)
+    torch.manual_seed(0)
+    model = build("LlamaForCausalLM", sum(counts))
+    ref = copy.deepcopy(model)
+    sm = PipelineStageManager(pp_group, num_layers_per_stage=counts)
+    model, _ = ShardFormer(ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm,
+                                       enable_tensor_parallelism=False)).optimize(model)
+    held = sorted({int(n.split(".")[2]) for n, _ in model.named_parameters() if n.startswith("model.layers.")})
+    start = sum(counts[:sm.stage])
+    assert held == list(range(start, start + counts[sm.stage])), held
+    batch = batch_of("LlamaForCausalLM")
+    loss = OneForwardOneBackwardSchedule(sm, num_microbatches=2).forward_backward_step(model, batch)["loss"]
+    parity.assert_close("loss", loss, ref(**batch).loss.detach(), TOL)
+    return held
+
+
+def replicas_must_agree(ctx) -> str:
+    """Stages built from different seeds: optimize() raises on every rank."""
+    tp_group, pp_group = groups(ctx, 2, 1)
+    torch.manual_seed(dist.get_rank())
+    model = build("LlamaForCausalLM", 4)
+    model.model.layers[0].mlp.up_proj.weight.data.normal_(generator=torch.Generator().manual_seed(dist.get_rank()))
+    sm = PipelineStageManager(pp_group)
+    try:
+        ShardFormer(ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm,
+                                enable_tensor_parallelism=False)).optimize(model)
+    except ValueError as e:
+        assert "pipeline-parallel" in str(e), e
+        return str(e)
+    raise AssertionError("stages with different weights were pipelined")

@@ -1,0 +1,144 @@
+"""Pipeline parallelism (shardformer.pipeline): GPipe, 1F1B and interleaved
+1F1B, at PP=2 and 4 and TP=2 x PP=2 on 4 ranks.  The full-batch loss of one
+forward_backward_step and the full state dict after one SGD step equal the
+unsharded HF model's (4 layers, same seed); messages between stages are
+counted.  Plus the schedules' step order, inference on every rank, eval with
+dropout, uneven stage sizes, and the refusals."""
+import itertools
+
+import pytest
+
+from checks import pipeline as check
+from shardformer.pipeline import schedule as S
+
+# Every family whose policy sets a pipeline_split, one or two classes each.
+FAMILIES = ["LlamaForCausalLM", "LlamaForSequenceClassification", "MistralForCausalLM", "Qwen2ForCausalLM",
+            "Qwen3ForCausalLM", "GemmaForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GlmForCausalLM",
+            "Phi3ForCausalLM", "MixtralForCausalLM", "GPT2LMHeadModel", "GPT2ForTokenClassification",
+            "GPTNeoForCausalLM", "GPTJForCausalLM", "BloomForCausalLM", "FalconForCausalLM", "OPTForCausalLM",
+            "BertForMaskedLM", "BertForSequenceClassification", "RobertaForMaskedLM", "ErnieForMaskedLM",
+            "ViTForImageClassification"]
+
+
+# One test function per schedule: README's support matrix has a column per function (scripts/support_matrix.py).
+@pytest.mark.parametrize("name", FAMILIES)
+def test_gpipe_equals_unsharded(pool, name):
+    pool.run(check.equals_unsharded, 4, name, 2, "gpipe", 2)                  # two pipelines of 2 stages
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_1f1b_equals_unsharded(pool, name):
+    pool.run(check.equals_unsharded, 4, name, 2, "1f1b", 4, 2)               # TP=2 x PP=2, 4 micro-batches
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_interleaved_equals_unsharded(pool, name):
+    pool.run(check.equals_unsharded, 4, name, 2, "interleaved", 2, 1, 2)     # 2 chunks per rank
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("m", [1, 2, 4])
+def test_pp4(pool, schedule, m):
+    report = pool.run(check.equals_unsharded, 4, "LlamaForCausalLM", 4, schedule, m)
+    assert all(r["sent"] > 0 for r in report)
+
+
+@pytest.mark.parametrize("pp, m", [(4, 4), (2, 4)])
+def test_pp_interleaved_sizes(pool, pp, m):
+    pool.run(check.equals_unsharded, 4, "LlamaForCausalLM", pp, "interleaved", m, 1, 2, 8)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
+def test_tp2_pp2(pool, schedule):
+    chunks = 2 if schedule == "interleaved" else 1
+    pool.run(check.equals_unsharded, 4, "GPT2LMHeadModel", 2, schedule, 2, 2, chunks)   # tied embeddings too
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_uneven_labels(pool, schedule):
+    """Micro-batches with different counts of labelled tokens: num_items_in_batch keeps the full-batch mean."""
+    pool.run(check.equals_unsharded, 4, "LlamaForCausalLM", 2, schedule, 4, 1, 1, 4, True)
+
+
+@pytest.mark.parametrize("counts", [(1, 3), (3, 1), (1, 2, 1, 2)])
+def test_num_layers_per_stage(pool, counts):
+    pool.run(check.uneven_layers, 4, counts)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("pp, tp", [(2, 1), (4, 1), (2, 2)])
+def test_inference_on_every_rank(pool, schedule, pp, tp):
+    pool.run(check.inference_on_every_rank, 4, "LlamaForCausalLM", pp, tp, schedule)
+
+
+def test_eval_with_dropout(pool):
+    pool.run(check.inference_on_every_rank, 4, "GPT2LMHeadModel", 2, 1, "1f1b", 0.3)
+    assert all(pool.run(check.training_dropout_differs, 4, "LlamaForCausalLM"))
+
+
+@pytest.mark.parametrize("pp, tp", [(2, 1), (2, 2)])
+def test_load_full_state_dict(pool, pp, tp):
+    pool.run(check.load_full_round_trip, 4, "GPT2LMHeadModel", pp, tp)
+
+
+def test_refusals(pool):
+    pool.run(check.refusals, 4)
+
+
+def test_replicas_must_agree(pool):
+    pool.run(check.replicas_must_agree, 4)
+
+
+# ---- the schedules' step order (no processes) ------------------------------------------
+
+def _in_flight(steps) -> int:
+    live = peak = 0
+    for kind, _, _ in steps:
+        live += 1 if kind == "F" else -1
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("steps_of, v", [(S._gpipe_steps, 1), (S._one_f_one_b_steps, 1), (S._interleaved_steps, 2),
+                                         (S._interleaved_steps, 3)])
+@pytest.mark.parametrize("p, m", [(1, 1), (2, 1), (2, 4), (3, 6), (4, 4), (4, 8), (4, 3)])
+def test_plan_runs_every_step_once(steps_of, v, p, m):
+    if steps_of is S._interleaved_steps and m % p:
+        pytest.skip("interleaved needs m to be a multiple of p")
+    plan = S._plan(steps_of, p, v, m, True)
+    for s in range(p):
+        compute = [st for st in plan[s] if st[0] in "FB"]
+        expected = {(k, c, i) for k in "FB" for c in range(v) for i in range(m)}
+        assert sorted(compute) == sorted(expected)
+        assert len(compute) == len(expected)
+    # every message is sent once and received once, in the same global order on both ends
+    sends = [(s, st[1], st[2]) for s in range(p) for st in plan[s] if st[0] == "send"]
+    recvs = [(st[1], s, st[2]) for s in range(p) for st in plan[s] if st[0] == "recv"]
+    assert sorted(sends) == sorted(recvs)
+    for a, b in itertools.combinations(range(p), 2):
+        ab = [st[2] for st in plan[a] if st[0] in ("send", "recv") and st[1] == b]
+        ba = [st[2] for st in plan[b] if st[0] in ("send", "recv") and st[1] == a]
+        assert ab == ba, (a, b)
+
+
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 4)])
+def test_1f1b_holds_fewer_activations_than_gpipe(p, m):
+    for s in range(p):
+        assert _in_flight(S._gpipe_steps(s, p, 1, m)) == m
+        assert _in_flight(S._one_f_one_b_steps(s, p, 1, m)) == min(p - s, m)
+
+
+def test_stage_manager_layer_split():
+    from shardformer.pipeline import PipelineStageManager
+
+    sm = PipelineStageManager()                      # no torch.distributed: one stage
+    assert sm.num_stages == 1 and sm.distribute_layers(5) == [5]
+    sm.num_stages = 4                                # the arithmetic alone
+    assert sm.distribute_layers(10) == [2, 3, 3, 2]  # remainder to the middle stages
+    assert sm.distribute_layers(9) == [2, 3, 2, 2]
+    with pytest.raises(ValueError, match="3 layers cannot be split over 4 pipeline stages"):
+        sm.distribute_layers(3)
+    with pytest.raises(ValueError, match="num_model_chunks"):
+        PipelineStageManager(num_model_chunks=0)
+    with pytest.raises(ValueError, match="num_layers_per_stage"):
+        PipelineStageManager(num_layers_per_stage=[1, 2])
