@@ -39,13 +39,16 @@ FEATURES = {
     "sequence overlap": ("test_sp_overlap_equals_unsharded", "test_sp_overlap_decoders_equal_unsharded"),
     "sequence parallel (all_to_all)": ("test_all_to_all_equals_unsharded",),
     "sequence parallel (ring_attn)": ("test_ring_attn_equals_unsharded",),
+    "pipeline (GPipe)": ("test_gpipe_equals_unsharded",),
+    "pipeline (1F1B, TP=2)": ("test_1f1b_equals_unsharded",),
+    "pipeline (interleaved)": ("test_interleaved_equals_unsharded",),
 }
 BEGIN, END = "<!-- support-matrix:begin -->", "<!-- support-matrix:end -->"
 # every tests/test_models*.py (one per zoo module), and the other files holding the feature tests above
 TEST_FILES = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "tests", "test_models*.py"))) + [
     "tests/test_kernels.py", "tests/test_attention.py", "tests/test_optimizations.py", "tests/test_lazy.py",
     "tests/test_from_pretrained.py", "tests/test_sequence_parallel.py", "tests/test_sequence_attention.py",
-    "tests/test_sequence_parallel_more.py"]
+    "tests/test_sequence_parallel_more.py", "tests/test_pipeline.py"]
 
 
 def registry() -> dict[str, list[str]]:

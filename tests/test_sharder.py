@@ -132,8 +132,12 @@ def test_shard_config_validation():
     with pytest.raises(ValueError, match="enable_sequence_parallelism is False"):
         ShardConfig(sequence_parallelism_mode="split_gather")
     assert ShardConfig(enable_sequence_parallelism=True, enable_sequence_overlap=True).enable_sequence_overlap
-    with pytest.raises(NotImplementedError, match="pipeline"):
+    with pytest.raises(TypeError, match="PipelineStageManager"):
         ShardConfig(pipeline_stage_manager=object())
+    from shardformer.pipeline import PipelineStageManager
+
+    with pytest.raises(NotImplementedError, match="pipeline parallelism with sequence parallelism"):
+        ShardConfig(pipeline_stage_manager=PipelineStageManager(), enable_sequence_parallelism=True)
     cfg = ShardConfig(enable_fused_normalization=True)
     assert cfg.enable_tensor_parallelism and cfg.tensor_parallel_size == 1
 

@@ -8,13 +8,8 @@ virtual stage, the micro-batch's shapes) is preceded by a small header
 (dtype, rank, sizes); both sides cache it, so later messages under the same
 key travel alone.
 
-Blocking sends of a large tensor wait for the receiver (the shm mailbox and
-the sockets hold only so much), so two neighbours that send to each other at
-the same time must not both send first: `exchange` sends first on even
-stages and receives first on odd ones; in every pair of neighbours exactly
-one is even (a ring of odd length also has two even neighbours, p-1 and 0:
-the first of those to reach the exchange is received by an odd rank, which
-then frees the other).
+Sends and receives are blocking; the schedules order them so that they
+cannot deadlock (schedule.py, "Communication").
 """
 from __future__ import annotations
 
@@ -62,20 +57,3 @@ class StageLink:
         out = D.recv(torch.empty(shape, dtype=dtype, device=device), from_stage, self.group)
         COUNTS["received"] += 1
         return out
-
-    def exchange(self, t: torch.Tensor | None, to_stage: int | None, send_key,
-                 from_stage: int | None, recv_key, device) -> torch.Tensor | None:
-        """Send `t` to `to_stage` and receive from `from_stage` (either may be
-        None), in the deadlock-free order of the module docstring."""
-        got = None
-        if self.manager.stage % 2 == 0:
-            if t is not None:
-                self.send(t, to_stage, send_key)
-            if from_stage is not None:
-                got = self.recv(from_stage, recv_key, device)
-        else:
-            if from_stage is not None:
-                got = self.recv(from_stage, recv_key, device)
-            if t is not None:
-                self.send(t, to_stage, send_key)
-        return got
