@@ -7,6 +7,7 @@ parallelism), check it against the unsharded model, fine-tune it, save it.
     python examples/tp_demo.py --random-init        # a small random Llama, no checkpoint needed
     python examples/tp_demo.py --tp 4 --steps 5 --all-optimization --save OUT_DIR
     python examples/tp_demo.py --sp ring_attn       # sequence parallelism (split_gather, all_to_all, ring_attn)
+    python examples/tp_demo.py --pp 2               # TP=2 x PP=2 on 4 processes (1F1B schedule)
 
 Every rank loads the checkpoint sharded: ShardFormer(cfg).from_pretrained()
 builds the model without parameter storage, shards it, and reads only this
@@ -86,6 +87,9 @@ def parse_args(argv=None):
     p.add_argument("--sp", choices=("split_gather", "all_to_all", "ring_attn"),
                    help="sequence parallelism over the ranks: split_gather (with TP), or all_to_all / ring_attn "
                         "(TP off: every rank holds the whole model and 1/N of every activation)")
+    p.add_argument("--pp", type=int, default=1,
+                   help="pipeline stages: --tp x --pp processes, TP innermost; the model runs through a 1F1B "
+                        "schedule (generation is skipped: not available under pipeline parallelism)")
     p.add_argument("--all-optimization", action="store_true",
                    help="also switch on the C kernels (fused norms, SwiGLU, flash attention)")
     p.add_argument("--no-reference-train", action="store_true",
@@ -99,8 +103,10 @@ def parse_args(argv=None):
         p.error("--gguf-file needs --model DIR")
     if args.save and args.no_save:
         p.error("--save and --no-save exclude each other")
-    if args.tp < 1 or args.threads < 1 or args.steps < 0 or args.new_tokens < 0:
-        p.error("--tp and --threads must be >= 1, --steps and --new-tokens >= 0")
+    if args.pp > 1 and args.sp:
+        p.error("--pp and --sp exclude each other (not available together yet)")
+    if args.tp < 1 or args.pp < 1 or args.threads < 1 or args.steps < 0 or args.new_tokens < 0:
+        p.error("--tp, --pp and --threads must be >= 1, --steps and --new-tokens >= 0")
     return args
 
 
@@ -334,7 +340,24 @@ def first_output(out):
     return out[0] if not isinstance(out, torch.Tensor) else out
 
 
+# The pipeline schedule of this rank (rank_main sets it with --pp): the model runs through it.
+PIPELINE = {}
+
+
+def microbatches(rows: int) -> int:
+    return max(k for k in (4, 2, 1) if rows % k == 0)
+
+
+def pipelined(model) -> bool:
+    from shardformer.pipeline import runtime_of
+
+    return runtime_of(model) is not None
+
+
 def forward(model, plan, ids, mask):
+    if pipelined(model):
+        sched = PIPELINE["schedule"](microbatches(ids.shape[0]))
+        return first_output(sched.forward(model, {"input_ids": ids, "attention_mask": mask}))
     kw = {"attention_mask": mask}
     if getattr(model.config, "is_encoder_decoder", False):
         kw["decoder_input_ids"] = ids[:, : min(8, ids.shape[1])]
@@ -374,8 +397,13 @@ def train(model, batch, steps, lr):
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
     losses, t0 = [], time.perf_counter()
     for _ in range(steps):
-        loss = model(ids, attention_mask=mask, labels=labels).loss
-        loss.backward()
+        if pipelined(model):                             # forward and backward through the 1F1B schedule
+            sched = PIPELINE["schedule"](microbatches(ids.shape[0]))
+            loss = sched.forward_backward_step(model, {"input_ids": ids, "attention_mask": mask,
+                                                       "labels": labels})["loss"]
+        else:
+            loss = model(ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
@@ -407,7 +435,17 @@ def rank_main(rank: int, args, plan) -> dict:
     full_bytes = 4 * n_params                           # the model is float32
     sp = {} if not args.sp else {"enable_sequence_parallelism": True, "sequence_parallelism_mode": args.sp,
                                  "enable_tensor_parallelism": args.sp == "split_gather"}
-    cfg = ShardConfig(enable_all_optimization=args.all_optimization, **sp)
+    pp = {}
+    if args.pp > 1:                                  # TP innermost: TP {0..tp-1}, ...; pipelines {t, t+tp, ...}
+        from shardformer.pipeline import OneForwardOneBackwardSchedule, PipelineStageManager
+
+        tps = [dist.new_group(list(range(i, i + args.tp))) for i in range(0, world, args.tp)]
+        pps = [dist.new_group(list(range(t, world, args.tp))) for t in range(args.tp)]
+        sm = PipelineStageManager(pps[rank % args.tp])
+        PIPELINE["schedule"] = lambda m: OneForwardOneBackwardSchedule(sm, num_microbatches=m)
+        pp = {"tensor_parallel_process_group": tps[rank // args.tp], "pipeline_stage_manager": sm,
+              "enable_tensor_parallelism": args.tp > 1}
+    cfg = ShardConfig(enable_all_optimization=args.all_optimization, **sp, **pp)
     model, load_s, peak = load_sharded(plan, cfg)
     local_bytes = param_bytes(model)
     result.update(load_s=load_s, load_peak_bytes=peak, ckpt_bytes=ckpt_bytes, local_param_bytes=local_bytes)
@@ -416,8 +454,9 @@ def rank_main(rank: int, args, plan) -> dict:
                   f"({ckpt_bytes / 2**20:.1f} MiB of tensors)")
     mem = (f"peak RSS +{peak / 2**20:.1f} MiB = {peak / ckpt_bytes:.2f} of the checkpoint" if peak is not None
            else "peak RSS not measurable here (no /proc/self/clear_refs)")
-    layout = f"TP={world}" if cfg.enable_tensor_parallelism else "TP=1"
+    layout = f"TP={args.tp}" if cfg.enable_tensor_parallelism else "TP=1"
     layout += f", SP={world} ({args.sp})" if args.sp else ""
+    layout += f", PP={args.pp} (stage {cfg.pipeline_stage_manager.stage})" if args.pp > 1 else ""
     log(rank, f"loaded its shards at {layout} in {load_s:.1f} s ({mem}): holds {local_bytes / 2**20:.1f} MiB "
               f"of parameters = {local_bytes / full_bytes:.3f} of the full model")
     tok = load_tokenizer(plan["path"])
@@ -486,6 +525,10 @@ def check_generation(rank, world, args, model, tok, prompt, prompt_text, ref, re
     import torch.distributed as dist
 
     if not args.new_tokens:
+        return
+    if PIPELINE:
+        if rank == 0:
+            log(rank, "generation skipped: generate() is not available under pipeline parallelism")
         return
     new, gen_tps = generate(model, tok, prompt, args.new_tokens)
     result["tokens"], result["gen_tps"] = new, gen_tps
@@ -600,13 +643,14 @@ def main(argv=None) -> int:
             plan["save_dir"] = os.path.abspath(args.save) if args.save else os.path.join(scratch, "saved")
             plan["save_is_temp"] = not args.save
         print(f"demo: {plan['name']} -> {plan['cls']} ({'full demo' if plan['mode'] == 'causal' else 'forward check'}) "
-              f"at TP={args.tp} on {args.tp} local CPU process(es), {args.threads} thread(s) each, gloo"
+              f"at TP={args.tp}" + (f" x PP={args.pp}" if args.pp > 1 else "")
+              + f" on {args.tp * args.pp} local CPU process(es), {args.threads} thread(s) each, gloo"
               + (", C kernels on" if args.all_optimization else "")
               + (f", sequence parallelism {args.sp}" if args.sp else "")
               + "; every rank loads its shards of the checkpoint",
               flush=True)
         try:
-            results = spawn(rank_main, args.tp, args=(args, plan), threads_per_rank=args.threads)
+            results = spawn(rank_main, args.tp * args.pp, args=(args, plan), threads_per_rank=args.threads)
         except RankError as e:
             print(e.traceback, file=sys.stderr, flush=True)
             print(f"demo: FAILED on rank {e.rank} after {time.perf_counter() - t0:.0f} s: {e.message}", flush=True)

@@ -318,5 +318,17 @@ def from_pretrained_stages(ctx, pp: int, tp: int, path: str) -> dict:
     held = sum(p.numel() for p in model.parameters())
     full = sum(p.numel() for p in ref.parameters())
     assert held < full, (held, full)
+    # one training step through the pipeline, saved by save_pretrained: plain transformers loads it back
+    OneForwardOneBackwardSchedule(sm, num_microbatches=2).forward_backward_step(model, batch)
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad
+    model.eval()
+    trained = OneForwardOneBackwardSchedule(sm, num_microbatches=2).forward(model, batch).logits
+    model.save_pretrained(path + "-trained")
+    dist.barrier()
+    back = LlamaForCausalLM.from_pretrained(path + "-trained", attn_implementation="eager").eval()
+    parity.assert_close("reloaded logits", back(**batch).logits, trained, TOL)
+    assert not torch.allclose(trained, out.logits)
     dist.barrier()
     return {"err": err, "fraction": held / full}

@@ -115,7 +115,8 @@ def gather_full_state_dict(model: nn.Module, rank0_only: bool = False,
 
     stages = runtime_of(model)
     if stages is not None and stages.manager.num_stages > 1:
-        return _merge_stages(model, stages, _gather_own(model, rank0_only, offload_to_cpu), rank0_only)
+        mine = _gather_own(model, rank0_only, offload_to_cpu, stages.tp_group)
+        return _merge_stages(model, stages, mine, rank0_only)
     return _gather_own(model, rank0_only, offload_to_cpu)
 
 
@@ -144,10 +145,13 @@ def _merge_stages(model: nn.Module, stages, mine: dict, rank0_only: bool) -> dic
     return merged
 
 
-def _gather_own(model: nn.Module, rank0_only: bool, offload_to_cpu: bool) -> dict[str, torch.Tensor]:
+def _gather_own(model: nn.Module, rank0_only: bool, offload_to_cpu: bool,
+                tp_group=None) -> dict[str, torch.Tensor]:
+    """This rank's tensors, gathered over tensor parallelism (`tp_group`: the
+    group whose first rank keeps them with rank0_only when nothing is sharded)."""
     info = _shard_info(model)
     persistent = set(model.state_dict().keys())
-    groups = list({id(g): g for _, _, g in info.values()}.values()) or [None]
+    groups = list({id(g): g for _, _, g in info.values()}.values()) or [tp_group]
     keep = not rank0_only or all(_is_group_root(g) for g in groups)
     out: dict[str, torch.Tensor] = {}
     gathered: dict[int, torch.Tensor | None] = {}

@@ -513,7 +513,9 @@ def save_pretrained(model: nn.Module, save_directory, max_shard_size="2GB", *, p
     variant, safe_serialization=False (pytorch_model*.bin), state_dict (a
     full, HF-shaped dict, written by rank 0 as it is), is_main_process=False
     on the writing rank (nothing written), push_to_hub (with repo_id,
-    commit_message, create_pr, private, token)."""
+    commit_message, create_pr, private, token).  A pipelined model's stages
+    send their tensors to global rank 0, which writes them (collective over
+    the pipeline group too; not streamed: rank 0 holds the full model)."""
     name = type(model).__name__
     state_dict = kwargs.pop("state_dict", None)
     is_main = kwargs.pop("is_main_process", True)
@@ -522,6 +524,12 @@ def save_pretrained(model: nn.Module, save_directory, max_shard_size="2GB", *, p
     push = kwargs.pop("push_to_hub", False)
     for unused in ("save_peft_format", "save_original_format", "distributed_checkpoint"):
         kwargs.pop(unused, None)
+    from ..pipeline.stages import runtime_of
+
+    stages = runtime_of(model)
+    if state_dict is None and stages is not None and stages.manager.num_stages > 1:
+        # pipeline stages: their tensors merged on global rank 0, which writes them as a given dict
+        state_dict = gather_full_state_dict(model, rank0_only=True, offload_to_cpu=True)
     group = _sharded_group(model)
     if state_dict is not None:
         _check_full(model, state_dict)
