@@ -6,7 +6,8 @@
 # plain-transformers reload of what it saved.
 # Extra arguments go to examples/tp_demo.py: --model DIR, --random-init,
 # --tp 4, --steps, --new-tokens, --threads, --all-optimization, --save DIR,
-# --sp split_gather|all_to_all|ring_attn (sequence parallelism)
+# --sp split_gather|all_to_all|ring_attn (sequence parallelism), --pp 2 (pipeline
+# stages: --tp x --pp processes)
 # (--help lists all).
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -54,6 +54,13 @@ def test_tp2_pp2(pool, schedule):
     pool.run(check.equals_unsharded, 4, "GPT2LMHeadModel", 2, schedule, 2, 2, chunks)   # tied embeddings too
 
 
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "GPT2LMHeadModel", "BertForMaskedLM"])
+@pytest.mark.parametrize("tp", [1, 2])
+def test_with_all_optimizations(pool, name, tp):
+    """Fused norms, fused activations and flash attention inside the stages (kernel calls counted)."""
+    pool.run(check.equals_unsharded, 4, name, 2, "1f1b", 2, tp, 1, 4, False, 4, {"enable_all_optimization": True})
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_uneven_labels(pool, schedule):
     """Micro-batches with different counts of labelled tokens: num_items_in_batch keeps the full-batch mean."""
@@ -148,3 +155,9 @@ def test_stage_manager_layer_split():
 def test_from_pretrained_loads_each_stage(pool, tmp_path, pp, tp):
     report = pool.run(check.from_pretrained_stages, 4, pp, tp, str(tmp_path / "llama"))
     assert all(r["fraction"] < 0.75 for r in report), report
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "GPT2LMHeadModel"])
+def test_gradient_checkpointing(pool, name, reentrant):
+    pool.run(check.checkpointed_equals_unsharded, 4, name, 2, 1, reentrant)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import zoo
 from checks import parity
+from checks.optimizations import counting_kernels
 from shardformer import ShardConfig, ShardFormer
 from shardformer.checkpoint import gather_full_state_dict
 from shardformer.pipeline import (GPipeSchedule, InterleavedSchedule, OneForwardOneBackwardSchedule,
@@ -63,7 +64,7 @@ def batch_of(name: str, rows: int = 4) -> dict:
 
 
 def pipelined(ctx, name: str, pp: int, tp: int = 1, chunks: int = 1, layers: int = 4, num_layers_per_stage=None,
-              **overrides):
+              config=None, **overrides):
     """(reference, pipelined model, stage manager, shared params)."""
     tp_group, pp_group = groups(ctx, pp, tp)
     torch.manual_seed(0)
@@ -72,13 +73,13 @@ def pipelined(ctx, name: str, pp: int, tp: int = 1, chunks: int = 1, layers: int
     ref = copy.deepcopy(model)
     sm = PipelineStageManager(pp_group, num_model_chunks=chunks, num_layers_per_stage=num_layers_per_stage)
     cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm,
-                      enable_tensor_parallelism=tp > 1)
+                      enable_tensor_parallelism=tp > 1, **(config or {}))
     model, shared = ShardFormer(shard_config=cfg).optimize(model)
     return ref, model, sm, shared
 
 
 def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1, chunks: int = 1,
-                     layers: int = 4, padded: bool = False, rows: int = 4) -> dict:
+                     layers: int = 4, padded: bool = False, rows: int = 4, config=None) -> dict:
     """Loss of one forward_backward_step equals the unsharded model's
     full-batch loss; after one SGD step on both, the gathered full state dict
     equals the reference's.  Messages between stages were sent (counted)."""
@@ -86,7 +87,7 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
     # The model's own loss where it is one mean of equally weighted micro-batches; else a fixed
     # projection of the outputs, in float64 (a sum over every output: float32 rounding would show).
     own_loss = "labels" in batch and not any(k in name for k in ("DoubleHeads", "MaskedImageModeling"))
-    ref, model, sm, shared = pipelined(ctx, name, pp, tp, chunks, layers,
+    ref, model, sm, shared = pipelined(ctx, name, pp, tp, chunks, layers, config=config,
                                        dtype=torch.float32 if own_loss else torch.float64)
     if not own_loss:
         batch = {k: t.double() if t.is_floating_point() else t for k, t in batch.items()}
@@ -101,7 +102,10 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
         probe = _probe(exp)
         criterion, ref_loss = _probe_criterion(probe, m), _project(exp, probe)
     before = dict(p2p.COUNTS)
-    out = SCHEDULES[schedule](sm, num_microbatches=m).forward_backward_step(model, batch, criterion=criterion)
+    with counting_kernels() as calls:
+        out = SCHEDULES[schedule](sm, num_microbatches=m).forward_backward_step(model, batch, criterion=criterion)
+    if (config or {}).get("enable_all_optimization"):
+        assert sum(calls.values()) > 0, f"{name}: no fused kernel ran on stage {sm.stage}"
     sent = p2p.COUNTS["sent"] - before["sent"]
     if sm.num_stages > 1:
         assert sent > 0, f"{name}: no activation or gradient went between stages"
@@ -332,3 +336,24 @@ def from_pretrained_stages(ctx, pp: int, tp: int, path: str) -> dict:
     assert not torch.allclose(trained, out.logits)
     dist.barrier()
     return {"err": err, "fraction": held / full}
+
+
+def checkpointed_equals_unsharded(ctx, name: str, pp: int, tp: int, reentrant: bool) -> float:
+    """HF's gradient_checkpointing_enable() on the pipelined model: each layer
+    recomputes from the activation it received, so the step still equals the
+    unsharded model's (which does not recompute)."""
+    ref, model, sm, _ = pipelined(ctx, name, pp, tp)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    batch = batch_of(name)
+    out = OneForwardOneBackwardSchedule(sm, num_microbatches=2).forward_backward_step(model, batch)
+    ref_loss = ref(**batch).loss
+    ref_loss.backward()
+    parity.assert_close("loss", out["loss"], ref_loss.detach(), TOL)
+    ref_grads = dict(ref.named_parameters(remove_duplicate=False))
+    worst = 0.0
+    for pname, p in model.named_parameters():
+        if tp == 1:
+            worst = max(worst, parity.assert_close(f"{pname}.grad", p.grad, ref_grads[pname].grad, TOL))
+        else:
+            assert p.grad is not None and p.grad.abs().sum() > 0, pname
+    return worst

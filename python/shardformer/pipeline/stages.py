@@ -22,12 +22,17 @@ HuggingFace forward, with the tensors redirected (StageRuntime):
     iterates over the layers of the chunk being run only;
   * on a stage that does not hold them, the first-stage modules return zeros
     shaped like the activation received from the previous stage, and the
-    first layer of the chunk takes that activation instead (a forward
-    pre-hook); the last-stage modules are absent (StageAbsent: calling one
-    raises, naming the stage that holds it);
+    first layer of the chunk is called with that activation instead; the
+    last-stage modules are absent (StageAbsent: calling one raises, naming
+    the stage that holds it);
   * the last layer of a chunk that is not the chain's last ends the forward
-    (a forward hook raises StageExit carrying its output), so nothing after
-    it runs.
+    (StageExit, carrying its output), so nothing after it runs.
+
+Both are done by what StageLayers yields, not by hooks on the layers: the
+first and last layer of a chunk come wrapped in a _ChunkEdge, which swaps
+the hidden states before calling the layer and raises after it.  So a layer
+that recomputes its forward (gradient checkpointing) recomputes it from the
+received activation, as it ran.
 
 The masks, position ids and rotary tables are computed by the model's own
 forward on every stage from the micro-batch, which every stage is given.
@@ -129,19 +134,54 @@ class StageLayers(nn.ModuleList):
     def __len__(self) -> int:
         return self._total
 
+    def _yielded(self, i: int):
+        layer = self._modules[str(i)]
+        edges = self.__dict__.get("_edges", {}).get(self.active, {})
+        enter, leave = edges.get("enter") == i, edges.get("exit") == i
+        return _ChunkEdge(layer, self.__dict__["_runtime"], enter, leave) if enter or leave else layer
+
     def __iter__(self):
-        return iter([self._modules[str(i)] for i in self._running()])
+        return iter([self._yielded(i) for i in self._running()])
 
     def __getitem__(self, idx):
         if isinstance(idx, slice):
             wanted = set(range(self._total)[idx])
-            return [self._modules[str(i)] for i in self._running() if i in wanted]
+            return [self._yielded(i) for i in self._running() if i in wanted]
         i = idx + self._total if isinstance(idx, int) and idx < 0 else idx
         key = str(i)
         if key not in self._modules:
             raise IndexError(f"{self._path}[{idx}]: layer {i} is not held by this pipeline stage (it holds "
                              f"{[f'{r.start}-{r.stop - 1}' for r in self._chunks]})")
         return self._modules[key]
+
+
+class _ChunkEdge:
+    """The first and / or last layer of the running chunk, as the model's
+    forward sees it: called, it runs the layer on the received activation
+    (enter) and ends the forward with the layer's output (leave).  Every
+    attribute is the layer's."""
+
+    def __init__(self, layer: nn.Module, runtime: "StageRuntime", enter: bool, leave: bool):
+        self.__dict__.update(_layer=layer, _runtime=runtime, _enter=enter, _leave=leave)
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["_layer"], name)
+
+    def __call__(self, *args, **kwargs):
+        rt = self._runtime
+        if self._enter and rt.entry is not None:
+            rt.entered = True
+            if args:
+                args = (rt.entry,) + tuple(args[1:])
+            elif "hidden_states" in kwargs:
+                kwargs = dict(kwargs, hidden_states=rt.entry)
+            else:
+                raise RuntimeError(f"{rt.model_name}: the first layer of pipeline chunk {rt.chunk} was called "
+                                   f"without its hidden states (no positional argument, no hidden_states=)")
+        out = self._layer(*args, **kwargs)
+        if self._leave:
+            raise StageExit(out if isinstance(out, torch.Tensor) else out[0])
+        return out
 
 
 @dataclass
@@ -281,26 +321,7 @@ class StageRuntime:
             raise RuntimeError(f"{self.model_name}: a first-stage module ran outside a pipeline schedule")
         return torch.zeros(self.entry.shape, dtype=self.entry.dtype, device=self.entry.device)
 
-    # -- hooks ------------------------------------------------------------------------
-
-    def _enter(self, chunk: int):
-        def hook(module, args, kwargs):
-            if self.chunk != chunk or self.entry is None or self.entered:
-                return None
-            self.entered = True
-            if args:
-                return (self.entry,) + tuple(args[1:]), kwargs
-            if "hidden_states" in kwargs:
-                return args, dict(kwargs, hidden_states=self.entry)
-            raise RuntimeError(f"{self.model_name}: the first layer of pipeline chunk {chunk} was called "
-                               f"without its hidden states (no positional argument, no hidden_states=)")
-        return hook
-
-    def _exit(self, chunk: int):
-        def hook(module, args, output):
-            if self.chunk == chunk:
-                raise StageExit(output if isinstance(output, torch.Tensor) else output[0])
-        return hook
+    # -- the redirections ---------------------------------------------------------------
 
     def _first_forward(self, forward):
         """A first-stage module's forward on a rank that holds it but runs a later chunk (interleaved)."""
@@ -353,11 +374,10 @@ class StageRuntime:
         self.layers = StageLayers(held, plan.total, plan.chunks, plan.layers_path)
         self.layers.train(old.training)
         _set(model, plan.layers_path, self.layers)
-        for c, r in enumerate(plan.chunks):
-            if not sm.is_first_stage(c):
-                held[r.start].register_forward_pre_hook(self._enter(c), with_kwargs=True)
-            if not sm.is_last_stage(c):
-                held[r.stop - 1].register_forward_hook(self._exit(c))
+        self.layers.__dict__["_runtime"] = self
+        self.layers.__dict__["_edges"] = {
+            c: {"enter": None if sm.is_first_stage(c) else r.start, "exit": None if sm.is_last_stage(c) else r.stop - 1}
+            for c, r in enumerate(plan.chunks)}
         model.register_forward_pre_hook(self._refuse_outside, with_kwargs=True, prepend=True)
         model.__dict__[RUNTIME] = self
 
