@@ -384,6 +384,7 @@ class StageRuntime:
 
 def _set(model: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, leaf = path.rpartition(".")
+    module.train(model.get_submodule(path).training)     # a stand-in keeps the mode of what it replaces
     setattr(model.get_submodule(parent) if parent else model, leaf, module)
 
 
