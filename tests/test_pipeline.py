@@ -151,9 +151,10 @@ def test_stage_manager_layer_split():
         PipelineStageManager(num_layers_per_stage=[1, 2])
 
 
-@pytest.mark.parametrize("pp, tp", [(2, 1), (2, 2), (4, 1)])
-def test_from_pretrained_loads_each_stage(pool, tmp_path, pp, tp):
-    report = pool.run(check.from_pretrained_stages, 4, pp, tp, str(tmp_path / "llama"))
+@pytest.mark.parametrize("pp, tp, tied", [(2, 1, False), (2, 2, False), (4, 1, False), (2, 1, True), (2, 2, True)])
+def test_from_pretrained_loads_each_stage(pool, tmp_path, pp, tp, tied):
+    """tied: the checkpoint stores the LM head only as the input embedding; the last stage reads it from there."""
+    report = pool.run(check.from_pretrained_stages, 4, pp, tp, str(tmp_path / "llama"), tied)
     assert all(r["fraction"] < 0.75 for r in report), report
 
 

@@ -300,7 +300,7 @@ def replicas_must_agree(ctx) -> str:
     raise AssertionError("stages with different weights were pipelined")
 
 
-def from_pretrained_stages(ctx, pp: int, tp: int, path: str) -> dict:
+def from_pretrained_stages(ctx, pp: int, tp: int, path: str, tied: bool = False) -> dict:
     """ShardFormer.from_pretrained with a stage manager: each rank reads its
     stage's tensors only (lazy init: the other stages' are never allocated),
     and the pipeline's logits equal HF's from_pretrained."""
@@ -309,7 +309,7 @@ def from_pretrained_stages(ctx, pp: int, tp: int, path: str) -> dict:
     tp_group, pp_group = groups(ctx, pp, tp)
     if dist.get_rank() == 0:
         torch.manual_seed(0)
-        build("LlamaForCausalLM", 4).save_pretrained(path)
+        build("LlamaForCausalLM", 4, tie_word_embeddings=tied).save_pretrained(path)   # tied: one tensor stored
     dist.barrier()
     sm = PipelineStageManager(pp_group)
     cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm,

@@ -293,6 +293,19 @@ def _fit(item: _Item, origin: str) -> str | None:
     return None
 
 
+def _pipeline_aliases(model: nn.Module) -> dict[str, str]:
+    """{name: the other name of its tied pair} across pipeline stages ({} without a pipeline)."""
+    from ..pipeline.stages import runtime_of
+
+    stages = runtime_of(model)
+    if stages is None:
+        return {}
+    out = {}
+    for a, b in stages.plan.shared:
+        out[a], out[b] = b, a
+    return out
+
+
 def plan_load(model: nn.Module, reader: CheckpointReader, strict: bool = True) -> list[_Item]:
     """Match and check every model tensor against the checkpoint; the list of
     tensors to fill.  Raises one ValueError listing every problem (missing,
@@ -304,7 +317,12 @@ def plan_load(model: nn.Module, reader: CheckpointReader, strict: bool = True) -
     for name, t in _named_tensors(model):
         if name in wanted and t is not None:
             groups.setdefault(id(t), ([], t))[0].append(name)
-    sources = _map_keys(model, reader, persistent)
+    # A pipeline stage holding one side of a tied pair (an LM head tied to the input
+    # embedding on another stage) reads it from whichever name the checkpoint stores.
+    aliases = _pipeline_aliases(model)
+    for names, _ in groups.values():
+        names.extend(aliases[n] for n in list(names) if n in aliases and aliases[n] not in names)
+    sources = _map_keys(model, reader, persistent + [a for a in aliases.values() if a not in wanted])
     items, missing, wrong = [], set(), list(sources.problems)
     for names, t in groups.values():
         found = [n for n in names if n in sources.nodes]
