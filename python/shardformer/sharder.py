@@ -168,6 +168,8 @@ class ModelSharder:
             if stages is not None:              # after the TP swaps: drop what other stages hold
                 stages.apply(self.model)
             lazy.materialize_module(self.model)  # the replicated parameters of a lazy_init() model
+            if stages is not None:
+                stages.bind_shared(self.model)
             messages = inheritance.finish(self.model, name)
             bind_hf_methods(self.model)
         except BaseException as e:

@@ -142,6 +142,9 @@ def _merge_stages(model: nn.Module, stages, mine: dict, rank0_only: bool) -> dic
         if missing and any(parts):
             raise RuntimeError(f"{type(model).__name__}: the pipeline stages together hold no {missing[:5]}")
         merged = {k: merged[k] for k in stages.plan.names if k in merged}
+        for a, b in stages.plan.shared:          # tied across stages (equal: the schedules sync them): one tensor
+            if a in merged and b in merged:
+                merged[b] = merged[a]
     return merged
 
 

@@ -348,17 +348,18 @@ class StageRuntime:
         last_vs = sm.num_virtual_stages - 1
         holds_first = any(sm.is_first_stage(c) for c in range(sm.num_model_chunks))
         holds_last = sm.is_last_stage()
-        # the tied pairs, before anything is dropped: {stage: this rank's parameter}
+        # the tied pairs: {stage: this rank's name of it} (bound to parameters by bind_shared)
+        self._shared_names = []
         for a, b in plan.shared:
             if sm.stage_of(first_vs) == sm.stage_of(last_vs):
                 continue                            # one rank holds both: still one Parameter
             mine = {}
             if holds_first:
-                mine[sm.stage_of(first_vs)] = model.get_parameter(a)
+                mine[sm.stage_of(first_vs)] = a
             if holds_last:
-                mine[sm.stage_of(last_vs)] = model.get_parameter(b)
+                mine[sm.stage_of(last_vs)] = b
             if mine:
-                self.shared_params.append(mine)
+                self._shared_names.append(mine)
         for path in plan.first:
             if holds_first:
                 if sm.num_model_chunks > 1:
@@ -380,6 +381,15 @@ class StageRuntime:
             for c, r in enumerate(plan.chunks)}
         model.register_forward_pre_hook(self._refuse_outside, with_kwargs=True, prepend=True)
         model.__dict__[RUNTIME] = self
+
+
+    def bind_shared(self, model: nn.Module) -> list[dict[int, nn.Parameter]]:
+        """shared_params: {stage: parameter} of every tied pair, looked up
+        once the model's parameters are final (a lazy_init() model gets its
+        replicated parameters after apply())."""
+        self.shared_params = [{stage: model.get_parameter(name) for stage, name in names.items()}
+                              for names in self._shared_names]
+        return self.shared_params
 
 
 def _set(model: nn.Module, path: str, module: nn.Module) -> None:
