@@ -162,3 +162,25 @@ def test_from_pretrained_loads_each_stage(pool, tmp_path, pp, tp, tied):
 @pytest.mark.parametrize("name", ["LlamaForCausalLM", "GPT2LMHeadModel"])
 def test_gradient_checkpointing(pool, name, reentrant):
     pool.run(check.checkpointed_equals_unsharded, 4, name, 2, 1, reentrant)
+
+
+@pytest.mark.parametrize("steps_of, v", [(S._gpipe_steps, 1), (S._one_f_one_b_steps, 1), (S._interleaved_steps, 2)])
+@pytest.mark.parametrize("p, m", [(2, 4), (4, 8)])
+def test_plan_sends_each_output_as_it_is_made(steps_of, v, p, m):
+    """Every activation / gradient is sent right after the step that made it
+    (the tick's other sends may come between), so the next stage can start
+    while this one goes on: the stages overlap."""
+    plan = S._plan(steps_of, p, v, m, True)
+    for s in range(p):
+        steps = plan[s]
+        for k, step in enumerate(steps):
+            if step[0] not in "FB":
+                continue
+            kind, c, i = step
+            vs = c * p + s
+            if (kind == "F" and vs < p * v - 1) or (kind == "B" and vs > 0):
+                msg = ("act", vs, i) if kind == "F" else ("grad", vs, i)
+                rest = steps[k + 1:]
+                nxt = next(j for j, st in enumerate(rest) if st[0] in "FB") if any(st[0] in "FB" for st in rest) \
+                    else len(rest)
+                assert any(st[0] in ("send", "local") and st[2] == msg for st in rest[:nxt]), (s, step)

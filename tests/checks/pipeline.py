@@ -17,7 +17,7 @@ from checks.optimizations import counting_kernels
 from shardformer import ShardConfig, ShardFormer
 from shardformer.checkpoint import gather_full_state_dict
 from shardformer.pipeline import (GPipeSchedule, InterleavedSchedule, OneForwardOneBackwardSchedule,
-                                  PipelineStageManager, runtime_of)
+                                  PipelineStageManager)
 from shardformer.pipeline import p2p
 
 SCHEDULES = {"gpipe": GPipeSchedule, "1f1b": OneForwardOneBackwardSchedule, "interleaved": InterleavedSchedule}

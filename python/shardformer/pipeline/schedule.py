@@ -20,12 +20,16 @@ Both bubbles are (p-1)/(m+p-1) of the step for GPipe and 1F1B, and
 Communication.  The activation of F(c, i) goes to the next virtual stage's
 F, the gradient of B(c, i) w.r.t. the chunk's input to the previous virtual
 stage's B.  Sends and receives are blocking (shardformer.distributed.send /
-recv), so their order on every rank is worked out in advance: all ranks
-simulate the whole schedule (every rank's step list, cheap) and place each
-message where its consumer first needs it; every rank then performs its
-sends and receives in that one global order, which cannot deadlock (the
-earliest pending message has both its ends at it).  The plan is cached per
-(schedule, p, v, m).
+recv: a large message waits for its receiver), so their order on every rank
+is worked out in advance: all ranks simulate the whole schedule in ticks
+(cheap: every rank's step list), each rank running its next step in a tick
+when its input arrived in an earlier one, and every message made in a tick
+is transferred right after it, the tick's transfers in one global order.
+Each rank then runs its steps and its sends and receives in that order: the
+transfers follow one global order, so none can deadlock (the earliest
+pending one has both its ends at it), and a stage's output leaves as soon as
+it is made, so the stages overlap as the schedule means them to.  The plan
+is cached per (schedule, p, v, m).
 
 Loss.  With criterion=None the model's own loss (the batch holds labels);
 else criterion(outputs, micro_batch).  Micro-batch losses are averaged
@@ -58,38 +62,42 @@ def _vs(kind: str, chunk: int, stage: int, p: int, v: int) -> int:
 
 
 def _plan(steps_of, p: int, v: int, m: int, with_backward: bool):
-    """[rank] -> list of ("F" | "B", chunk, mb) and ("send" | "recv", peer, message) in the
+    """[rank] -> list of ("F" | "B", chunk, mb) and ("send" | "recv" | "local", peer, message) in the
     order that rank runs them (see the module docstring).  message: ("act" | "grad", vs, mb)."""
     V = p * v
     lists = [steps_of(s, p, v, m) if with_backward else [st for st in steps_of(s, p, v, m) if st[0] == "F"]
              for s in range(p)]
     out = [[] for _ in range(p)]
-    produced: set = set()
+    arrived: set = set()
     pos = [0] * p
     while any(pos[s] < len(lists[s]) for s in range(p)):
-        progressed = False
+        produced = []                                 # this tick's messages, in rank order
+        ran = False
         for s in range(p):
-            while pos[s] < len(lists[s]):
-                kind, c, i = lists[s][pos[s]]
-                vs = c * p + s
-                need = (("act", vs - 1, i) if vs > 0 else None) if kind == "F" else \
-                       (("grad", vs + 1, i) if vs < V - 1 else None)
-                if need is not None and need not in produced:
-                    break
-                if need is not None:
-                    src = need[1] % p
-                    if src != s:
-                        out[src].append(("send", s, need))
-                        out[s].append(("recv", src, need))
-                out[s].append((kind, c, i))
-                if kind == "F" and vs < V - 1:
-                    produced.add(("act", vs, i))
-                if kind == "B" and vs > 0:
-                    produced.add(("grad", vs, i))
-                pos[s] += 1
-                progressed = True
-        if not progressed:
+            if pos[s] == len(lists[s]):
+                continue
+            kind, c, i = lists[s][pos[s]]
+            vs = c * p + s
+            need = (("act", vs - 1, i) if vs > 0 else None) if kind == "F" else \
+                   (("grad", vs + 1, i) if vs < V - 1 else None)
+            if need is not None and need not in arrived:
+                continue                              # waits for a later tick
+            out[s].append((kind, c, i))
+            pos[s] += 1
+            ran = True
+            if kind == "F" and vs < V - 1:
+                produced.append((s, (vs + 1) % p, ("act", vs, i)))
+            if kind == "B" and vs > 0:
+                produced.append((s, (vs - 1) % p, ("grad", vs, i)))
+        if not ran:
             raise RuntimeError(f"pipeline schedule {steps_of.__name__}: the step lists deadlock (p={p}, v={v}, m={m})")
+        for src, dst, msg in produced:                # the tick's transfers, one global order
+            if src == dst:
+                out[src].append(("local", src, msg))
+            else:
+                out[src].append(("send", dst, msg))
+                out[dst].append(("recv", src, msg))
+            arrived.add(msg)
     return out
 
 
@@ -209,6 +217,8 @@ class PipelineSchedule:
             elif kind == "send":
                 _, peer, msg = step
                 self.link.send(outbox.pop(msg), peer, (msg[0], msg[1], sig))
+            elif kind == "local":                        # the next virtual stage is this rank's own chunk
+                inbox[step[2]] = outbox.pop(step[2])
             elif kind == "F":
                 _, c, i = step
                 vs = sm.virtual_stage(c)
