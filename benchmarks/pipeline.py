@@ -43,19 +43,15 @@ model's own loss after `--warmup` untimed steps, `--iters` timed steps.
              as many under both; interleaved keeps more on stage 0.
   loss diff  |pipelined loss - unsharded loss| of the same batch.
 
-CAVEAT: the 4 ranks (1 thread each) run on os.cpu_count() cores; on a
-2-core machine they oversubscribe the cores 2x, so a rank's F/B wall time
-includes time it is descheduled while other ranks compute (the busy time
-inflates when all stages run at once, the bubble shrinks), waits in
-shardformer's shm p2p spin briefly before yielding, and nothing else should
-be running (the load averages at the start and end are recorded).  Per-rank
-CPU time inside F/B (thread_time) and of the whole step (process_time) are
-in the JSON next to the wall figures: when the ranks' CPU times add up to
-about the step's wall time, the ranks had about one core between them, the
-stages ran one after another, and the measured bubble tends to 1 - 1/(number
-of pipeline stages) whatever the schedule -- it then measures the machine,
-not the schedule.  Memory and losses do not depend on the load; step times
-do (re-run to see their spread).
+CAVEAT: pp4 and tp2pp2 run 4 ranks (1 thread each) on os.cpu_count() cores;
+on a 2-core machine they oversubscribe the cores 2x, so a rank's F/B wall
+time includes time it is descheduled while other ranks compute, and the
+measured bubble mixes the schedule's with the machine's.  pp2 (2 ranks) is
+the layout whose bubble measures the schedule there.  Per-rank CPU time
+inside F/B (thread_time) and of the whole step (process_time) are in the
+JSON next to the wall figures.  Nothing else should be running (the load
+averages at the start and end are recorded).  Memory and losses do not
+depend on the load; step times do (re-run to see their spread).
 
     .venv/bin/python benchmarks/pipeline.py            # the default run (~10 min on 2 cores)
     .venv/bin/python benchmarks/pipeline.py --quick    # a smaller model, m=4 only
