@@ -184,3 +184,9 @@ def test_plan_sends_each_output_as_it_is_made(steps_of, v, p, m):
                 nxt = next(j for j, st in enumerate(rest) if st[0] in "FB") if any(st[0] in "FB" for st in rest) \
                     else len(rest)
                 assert any(st[0] in ("send", "local") and st[2] == msg for st in rest[:nxt]), (s, step)
+
+
+@pytest.mark.parametrize("pp, tp, schedule", [(2, 1, "gpipe"), (2, 2, "1f1b"), (4, 1, "1f1b")])
+def test_custom_policy(pool, pp, tp, schedule):
+    """README's one line of data for a user's own Policy."""
+    pool.run(check.custom_policy_equals_unsharded, 4, pp, tp, schedule)

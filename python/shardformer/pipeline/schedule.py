@@ -199,7 +199,8 @@ class PipelineSchedule:
         device = _device_of(model)
         sig = tuple(sorted((k, tuple(t.shape), str(t.dtype)) for k, t in micro[0].items()
                            if isinstance(t, torch.Tensor)))
-        self._agree(sig, len(next(iter(batch.values()))) if batch else 0, backward, name)
+        rows = next(t.shape[0] for t in batch.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+        self._agree(sig, rows, backward, name, device)
         if backward and criterion is None and "labels" not in batch:
             raise ValueError(f"{type(self).__name__}: {name}: criterion=None uses the model's own loss, but the "
                              f"batch has no 'labels'; add them or pass criterion(outputs, micro_batch)")
@@ -280,11 +281,13 @@ class PipelineSchedule:
         size = B // m
         return [{k: (t[i * size:(i + 1) * size] if k in sizes else t) for k, t in batch.items()} for i in range(m)]
 
-    def _agree(self, sig, batch_size: int, backward: bool, name: str) -> None:
+    def _agree(self, sig, batch_size: int, backward: bool, name: str, device) -> None:
         """Every rank of the pipeline runs the same schedule on the same shapes (one small all-gather)."""
         sm = self.stage_manager
         if sm.num_stages == 1:
             return
+        if device.type != "cpu":                 # the group's communicator for this device type (collective)
+            D.backend_for(torch.zeros(1, device=device), sm.group)
         mine = torch.tensor([zlib.crc32(type(self).__name__.encode()), self.num_microbatches,
                              sm.num_model_chunks, batch_size, int(backward),
                              zlib.crc32(repr(sig).encode())], dtype=torch.int64)
@@ -311,7 +314,7 @@ class PipelineSchedule:
         if criterion is not None:
             loss = criterion(out, micro_batch)
         else:
-            loss = getattr(out, "loss", None)
+            loss = out.get("loss") if isinstance(out, dict) else getattr(out, "loss", None)
             if loss is None and isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) \
                     and out[0].dim() == 0:
                 loss = out[0]
