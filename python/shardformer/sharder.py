@@ -191,7 +191,7 @@ class ModelSharder:
                                       f"(its policy sets no pipeline_split)")
         plan = plan_stages(self.model, split, manager, name, prefix=getattr(policy, "prefix", ""),
                            base_model=getattr(policy, "base_model", ""))
-        return StageRuntime(self.model, plan, manager, name, self.shard_config.tensor_parallel_process_group)
+        return StageRuntime(plan, manager, name, self.shard_config.tensor_parallel_process_group)
 
     def _apply(self, ops: list, name: str) -> Inheritance:
         """Switch attention, preprocess, and apply the plan (the engine builds

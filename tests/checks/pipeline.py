@@ -268,13 +268,8 @@ def refusals(ctx) -> list[str]:
 
 def uneven_layers(ctx, counts) -> list[int]:
     """num_layers_per_stage places the layers as asked; still equal to the unsharded model."""
-    tp_group, pp_group = groups(ctx, len(counts), 1)
-    torch.manual_seed(0)
-    model = build("LlamaForCausalLM", sum(counts))
-    ref = copy.deepcopy(model)
-    sm = PipelineStageManager(pp_group, num_layers_per_stage=counts)
-    model, _ = ShardFormer(ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm,
-                                       enable_tensor_parallelism=False)).optimize(model)
+    ref, model, sm, _ = pipelined(ctx, "LlamaForCausalLM", len(counts), layers=sum(counts),
+                                  num_layers_per_stage=counts)
     held = sorted({int(n.split(".")[2]) for n, _ in model.named_parameters() if n.startswith("model.layers.")})
     start = sum(counts[:sm.stage])
     assert held == list(range(start, start + counts[sm.stage])), held

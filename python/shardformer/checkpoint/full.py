@@ -122,8 +122,8 @@ def gather_full_state_dict(model: nn.Module, rank0_only: bool = False,
 
 def _merge_stages(model: nn.Module, stages, mine: dict, rank0_only: bool) -> dict:
     """The stages' full tensors, merged: on every rank, or (rank0_only) on the
-    pipeline group's first rank.  Stages hand their tensors over by
-    torch.distributed's object collectives (the tensors travel pickled)."""
+    pipeline group's first rank, as CPU tensors.  Stages hand their tensors
+    over by torch.distributed's object collectives (the tensors travel pickled)."""
     group = stages.manager.group
     n = stages.manager.num_stages
     if rank0_only:
@@ -137,14 +137,14 @@ def _merge_stages(model: nn.Module, stages, mine: dict, rank0_only: bool) -> dic
     merged: dict[str, torch.Tensor] = {}
     for part in parts:
         merged.update(part)
-    if merged or not rank0_only:
-        missing = [k for k in stages.plan.names if k not in merged]
-        if missing and any(parts):
-            raise RuntimeError(f"{type(model).__name__}: the pipeline stages together hold no {missing[:5]}")
-        merged = {k: merged[k] for k in stages.plan.names if k in merged}
-        for a, b in stages.plan.shared:          # tied across stages (equal: the schedules sync them): one tensor
-            if a in merged and b in merged:
-                merged[b] = merged[a]
+    if not merged:                               # rank0_only: a pipeline of ranks that keep nothing
+        return {}
+    missing = [k for k in stages.plan.names if k not in merged]
+    if missing:
+        raise RuntimeError(f"{type(model).__name__}: the pipeline stages together hold no {missing[:5]}")
+    merged = {k: merged[k] for k in stages.plan.names}
+    for a, b in stages.plan.shared:              # tied across stages (equal: the schedules sync them): one tensor
+        merged[b] = merged[a]
     return merged
 
 

@@ -57,10 +57,6 @@ __all__ = ["PipelineSchedule", "GPipeSchedule", "OneForwardOneBackwardSchedule",
 
 # ---- the plan ---------------------------------------------------------------------------
 
-def _vs(kind: str, chunk: int, stage: int, p: int, v: int) -> int:
-    return chunk * p + stage
-
-
 def _plan(steps_of, p: int, v: int, m: int, with_backward: bool):
     """[rank] -> list of ("F" | "B", chunk, mb) and ("send" | "recv" | "local", peer, message) in the
     order that rank runs them (see the module docstring).  message: ("act" | "grad", vs, mb)."""
@@ -260,7 +256,7 @@ class PipelineSchedule:
         if return_loss:
             result["loss"] = self._broadcast_loss(losses, device)
         if return_outputs:
-            result["outputs"] = self._gather_outputs(outputs, name, broadcast=not backward)
+            result["outputs"] = self._gather_outputs(outputs, name, not backward, device)
         return result
 
     # -- pieces -----------------------------------------------------------------------------
@@ -349,7 +345,7 @@ class PipelineSchedule:
                     self.link.send(grad, peer, key)
                 param.grad = grad + other
 
-    def _gather_outputs(self, outputs: list, name: str, broadcast: bool):
+    def _gather_outputs(self, outputs: list, name: str, broadcast: bool, device):
         """The last stage's micro-batch outputs, concatenated; with `broadcast`, on every rank."""
         sm = self.stage_manager
         last = sm.stage_of(sm.num_virtual_stages - 1)
@@ -358,16 +354,13 @@ class PipelineSchedule:
             return merged
         import torch.distributed as dist
 
-        meta = [None]
-        if sm.stage == last:
-            meta = [(type(merged), [(k, tuple(t.shape), t.dtype) for k, t in _items(merged)])]
+        mine = dict(_items(merged)) if sm.stage == last else {}
+        meta = [(type(merged), [(k, tuple(t.shape), t.dtype) for k, t in mine.items()])]
         dist.broadcast_object_list(meta, src=dist.get_global_rank(sm.group, last) if sm.group is not None
                                    else last, group=sm.group)
         cls, fields = meta[0]
-        tensors = {}
-        for k, shape, dtype in fields:
-            t = dict(_items(merged))[k] if sm.stage == last else torch.empty(shape, dtype=dtype)
-            tensors[k] = D.broadcast(t.contiguous(), last, sm.group)
+        tensors = {k: D.broadcast(mine[k].contiguous() if k in mine else torch.empty(shape, dtype=dtype, device=device),
+                                  last, sm.group) for k, shape, dtype in fields}
         return merged if sm.stage == last else _rebuild(cls, tensors)
 
 
@@ -426,13 +419,10 @@ def _items(out):
 
 
 def _concat(outputs: list):
-    first = outputs[0]
-    cat = {}
-    for k, t in _items(first):
-        parts = [dict(_items(o))[k] for o in outputs]
-        cat[k] = torch.cat([x.detach() for x in parts], 0) if t.dim() > 0 else \
-            torch.stack([x.detach() for x in parts]).mean()
-    return _rebuild(type(first), cat)
+    parts = [dict(_items(o)) for o in outputs]
+    cat = {k: torch.cat([p[k].detach() for p in parts], 0) if t.dim() > 0 else
+           torch.stack([p[k].detach() for p in parts]).mean() for k, t in parts[0].items()}
+    return _rebuild(type(outputs[0]), cat)
 
 
 def _rebuild(cls, tensors: dict):

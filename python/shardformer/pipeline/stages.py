@@ -286,7 +286,7 @@ class StageRuntime:
     activation handed to the running chunk.  Attached to the model
     (runtime_of); the schedules drive it."""
 
-    def __init__(self, model: nn.Module, plan: StagePlan, manager, name: str, tp_group=None):
+    def __init__(self, plan: StagePlan, manager, name: str, tp_group=None):
         self.model_name = name
         self.manager = manager
         self.tp_group = tp_group                     # the stage's tensor-parallel group
