@@ -9,8 +9,11 @@ vocab 32000, seq 512, batch 2, fp32) with fixed-seed weights:
                 model sharded by ShardFormer(ShardConfig(tensor_parallel_process_group=...));
                 its collectives run on the backend shardformer picks (shm: the
                 C shared-memory backend).  Two variants: "shardformer-gloo" forces
-                them through torch.distributed (SHARDFORMER_COMM=torch), and
-                "shardformer-fused" adds enable_all_optimization (C kernels)
+                them through torch.distributed (SHARDFORMER_COMM=torch),
+                "shardformer-fused" adds enable_all_optimization (C kernels),
+                and "shardformer-po" / "shardformer-fused-po" add
+                parallel_output=True (the loss on each rank's vocabulary
+                shard: no logits all-gather, no full-vocabulary softmax)
   dtensor       TP=2 on the same two ranks: init_device_mesh("cpu", (2,)) and
                 parallelize_module with q/k/v/gate/up ColwiseParallel and
                 o_proj/down_proj RowwiseParallel in every layer.  Two variants:
@@ -73,6 +76,7 @@ LOSS_RTOL = 1e-4
 GRAD_RTOL = 1e-3
 GOAL_PARAM_FRACTION = 0.55
 GOAL_STEP_RATIO = 0.8
+GOAL_STEP_RATIO_UNSHARDED = 0.9   # parallel_output + all optimizations vs the unsharded 2-thread step
 QUIET_LOAD = 0.25  # a timed step is "quiet" when other processes used fewer cores than this
 
 FULL = dict(hidden=1024, heads=8, kv_heads=None, intermediate=None, layers=4, vocab=32000,
@@ -222,6 +226,9 @@ SHARDFORMER_MODES = {
     "shardformer": (None, {}),                      # collectives on the backend picked (shm)
     "shardformer-gloo": ("torch", {}),              # collectives forced through torch.distributed
     "shardformer-fused": (None, {"enable_all_optimization": True}),   # shm + the C kernels
+    # the loss on each rank's vocabulary shard: no [batch, seq, vocab] logits gather
+    "shardformer-po": (None, {"parallel_output": True}),
+    "shardformer-fused-po": (None, {"enable_all_optimization": True, "parallel_output": True}),
 }
 
 
@@ -580,6 +587,15 @@ def main(argv=None) -> int:
                 summary[f"quiet_step_ratio_vs_{r['config']}{suffix}"] = q
                 print(f"  same ratio over quiet steps only (other load < {QUIET_LOAD} cores): {q:.3f} "
                       f"({ours['quiet_steps']} and {r['quiet_steps']} steps)")
+    base_row = by_name.get("baseline")
+    for name in SHARDFORMER_MODES:
+        ours = by_name.get(name)
+        if ours is None or base_row is None:
+            continue
+        ratio = ours["median_ms"] / base_row["median_ms"]
+        summary[f"step_ratio_vs_unsharded_{name}"] = ratio
+        print(f"{name} step / unsharded ({args.baseline_threads} threads) step = {ratio:.3f}"
+              + (f" (goal <= {GOAL_STEP_RATIO_UNSHARDED})" if name.endswith("-po") else ""))
     print(f"\ntotal wall time {time.perf_counter() - t_start:.0f} s; CPU timings are noisy "
           f"(2 cores, possibly shared)")
 

@@ -190,12 +190,14 @@ class AlbertShape(EncoderShape):
         return policy
 
 
-MLM = lm("predictions.decoder", bias_of="predictions")
+# Both call nn.CrossEntropyLoss themselves; pre-training adds the sentence-order loss.
+MLM = lm("predictions.decoder", bias_of="predictions", loss="masked")
+PRETRAIN = lm("predictions.decoder", bias_of="predictions", loss="masked", also=("sentence_order_label", "sop_logits"))
 CLASSIFIER = (gathered("classifier"), replicated_dropout("dropout"))
 
 FAMILY = Family("albert", "albert.modeling_albert", AlbertShape, options={"prefix": "Albert"}, heads={
     "AlbertModel": (),
-    "AlbertForPreTraining": (MLM, replicated_dropout("sop_classifier.dropout"),
+    "AlbertForPreTraining": (PRETRAIN, replicated_dropout("sop_classifier.dropout"),
                              gathered("sop_classifier.classifier")),
     "AlbertForMaskedLM": MLM,
     "AlbertForSequenceClassification": CLASSIFIER,

@@ -25,13 +25,18 @@ and the LayerNorms get their gradients all-reduced.
 from shardformer.family import Family, gathered, lm
 from shardformer.policies.shapes import EncoderShape
 
+# BertLMHeadModel's loss goes through HF's loss_function; the other two call
+# nn.CrossEntropyLoss themselves (pre-training adds the next-sentence loss).
 MLM = lm("cls.predictions.decoder", bias_of="cls.predictions")
+MLM_CE = lm("cls.predictions.decoder", bias_of="cls.predictions", loss="masked")
+PRETRAIN = lm("cls.predictions.decoder", bias_of="cls.predictions", loss="masked",
+              also=("next_sentence_label", "seq_relationship_logits"))
 
 FAMILY = Family("bert", "bert.modeling_bert", EncoderShape, options={"prefix": "Bert"}, heads={
     "BertModel": (),
-    "BertForPreTraining": (MLM, gathered("cls.seq_relationship")),
+    "BertForPreTraining": (PRETRAIN, gathered("cls.seq_relationship")),
     "BertLMHeadModel": MLM,
-    "BertForMaskedLM": MLM,
+    "BertForMaskedLM": MLM_CE,
     "BertForSequenceClassification": gathered("classifier"),
     "BertForTokenClassification": gathered("classifier"),
     "BertForNextSentencePrediction": gathered("cls.seq_relationship"),

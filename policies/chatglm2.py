@@ -69,6 +69,6 @@ class ChatGLM2Shape(FamilyPolicy):
 
 FAMILY = Family("chatglm2", "", ChatGLM2Shape, heads={
     "ChatGLMModel": lm("output_layer"),
-    "ChatGLMForConditionalGeneration": lm("transformer.output_layer"),
+    "ChatGLMForConditionalGeneration": lm("transformer.output_layer", loss="causal"),  # its own shifted CE
 })
 globals().update(FAMILY.policy_classes())

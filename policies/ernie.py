@@ -19,15 +19,20 @@ and the LayerNorms get their gradients all-reduced.
 from shardformer.family import Family, gathered, lm, replicated_dropout
 from shardformer.policies.shapes import EncoderShape
 
+# ErnieForCausalLM's loss goes through HF's loss_function; the other two call
+# nn.CrossEntropyLoss themselves (pre-training adds the next-sentence loss).
 MLM = lm("cls.predictions.decoder", bias_of="cls.predictions")
+MLM_CE = lm("cls.predictions.decoder", bias_of="cls.predictions", loss="masked")
+PRETRAIN = lm("cls.predictions.decoder", bias_of="cls.predictions", loss="masked",
+              also=("next_sentence_label", "seq_relationship_logits"))
 NSP = gathered("cls.seq_relationship")
 CLASSIFIER = (gathered("classifier"), replicated_dropout("dropout"))
 
 FAMILY = Family("ernie", "ernie.modeling_ernie", EncoderShape, options={"prefix": "Ernie"}, heads={
     "ErnieModel": (),
-    "ErnieForPreTraining": (MLM, NSP),
+    "ErnieForPreTraining": (PRETRAIN, NSP),
     "ErnieForCausalLM": MLM,
-    "ErnieForMaskedLM": MLM,
+    "ErnieForMaskedLM": MLM_CE,
     "ErnieForNextSentencePrediction": NSP,
     "ErnieForSequenceClassification": CLASSIFIER,
     "ErnieForMultipleChoice": CLASSIFIER,

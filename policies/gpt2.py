@@ -69,7 +69,8 @@ class GPT2Shape(GPTBlockShape):
 FAMILY = Family("gpt2", "gpt2.modeling_gpt2", GPT2Shape, options={"prefix": "GPT2"}, heads={
     "GPT2Model": (),
     "GPT2LMHeadModel": lm("lm_head"),
-    "GPT2DoubleHeadsModel": lm("lm_head"),   # the multiple-choice summary head stays replicated
+    # the multiple-choice summary head stays replicated; its LM loss is nn.CrossEntropyLoss in forward
+    "GPT2DoubleHeadsModel": lm("lm_head", loss="causal"),
     "GPT2ForSequenceClassification": gathered("score"),
     "GPT2ForTokenClassification": gathered("classifier"),
     "GPT2ForQuestionAnswering": gathered("qa_outputs"),

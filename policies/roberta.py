@@ -26,12 +26,13 @@ and the LayerNorms get their gradients all-reduced.
 from shardformer.family import Family, gathered, lm, replicated_dropout
 from shardformer.policies.shapes import EncoderShape
 
-LM = lm("lm_head.decoder", bias_of="lm_head")
+LM = lm("lm_head.decoder", bias_of="lm_head")                    # HF's loss_function
+MLM_CE = lm("lm_head.decoder", bias_of="lm_head", loss="masked")  # nn.CrossEntropyLoss in forward
 CLASSIFIER = (replicated_dropout("dropout"), gathered("classifier"))
 
 FAMILY = Family("roberta", "roberta.modeling_roberta", EncoderShape, options={"prefix": "Roberta"}, heads={
     "RobertaModel": (),
-    "RobertaForMaskedLM": LM,
+    "RobertaForMaskedLM": MLM_CE,
     "RobertaForCausalLM": LM,
     # RobertaClassificationHead: dense (and its dropout) replicated, out_proj gathered.
     "RobertaForSequenceClassification": (replicated_dropout("classifier.dropout"), gathered("classifier.out_proj")),

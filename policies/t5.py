@@ -197,7 +197,7 @@ class T5Shape(SplitGatherMixin, FamilyPolicy):
 
 FAMILY = Family("t5", "t5.modeling_t5", T5Shape, heads={
     "T5Model": (),
-    "T5ForConditionalGeneration": lm("lm_head"),
+    "T5ForConditionalGeneration": lm("lm_head", loss="seq2seq"),
     "T5EncoderModel": (),
     # T5ClassificationHead: dense (and its dropout) replicated, out_proj gathered.
     "T5ForSequenceClassification": (replicated_dropout("classification_head.dropout"),

@@ -131,8 +131,9 @@ class WhisperShape(SplitGatherMixin, FamilyPolicy):
 
 FAMILY = Family("whisper", "whisper.modeling_whisper", WhisperShape, heads={
     "WhisperModel": (),
-    "WhisperForConditionalGeneration": lm("proj_out"),
-    "WhisperForCausalLM": lm("proj_out"),
+    # both call nn.CrossEntropyLoss in forward, on labels aligned with the logits (no shift)
+    "WhisperForConditionalGeneration": lm("proj_out", loss="seq2seq"),
+    "WhisperForCausalLM": lm("proj_out", loss="masked"),
 })
 AUDIO = Family("whisper", "whisper.modeling_whisper", WhisperShape, options={"split_head": ("projector", "classifier")},
                heads={"WhisperForAudioClassification": ()})

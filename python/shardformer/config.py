@@ -17,9 +17,6 @@ _SPLIT_ATTENTION_MODES = ("all_to_all", "ring_attn")
 EXTRA_KWARGS_DEFAULTS = {
     # Vocabulary-parallel tables are padded to a multiple of tp_size * this.
     "make_vocab_size_divisible_by": 64,
-    # LM heads return full-vocabulary logits (True) or this rank's shard (False,
-    # for cross_entropy_1d).
-    "gather_output": True,
     # optimize() checks that every rank holds the same weights (a fingerprint
     # per tensor, all-gathered) and raises if not; False skips the check.
     "check_replicas": True,
@@ -69,6 +66,13 @@ class ShardConfig:
         that do not implement it (Policy.supports_sequence_overlap).
     enable_all_optimization: switches on fused normalization, flash attention
         and jit fused operators.
+    parallel_output: LM heads return this rank's shard of the logits (the
+        columns of its vocabulary rows, see VocabParallelLMHead1D) instead of
+        all-gathering the full vocabulary, and a model called with `labels`
+        computes its loss on those shards (cross_entropy_1d: HF's label
+        shift, ignore_index and num_items_in_batch kept; shardformer.lm_loss),
+        so no rank ever holds [batch, seq, vocab].  generate() gathers the
+        logits it needs as before.
     extra_kwargs: policy options, see EXTRA_KWARGS_DEFAULTS.
     """
 
@@ -83,21 +87,26 @@ class ShardConfig:
     sequence_parallelism_mode: str | None = None
     sequence_parallel_process_group: Any = None
     enable_all_optimization: bool = False
+    parallel_output: bool = False
     extra_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         for name in ("enable_tensor_parallelism", "enable_fused_normalization", "enable_flash_attention",
                      "enable_jit_fused", "enable_sequence_parallelism", "enable_sequence_overlap",
-                     "enable_all_optimization"):
+                     "enable_all_optimization", "parallel_output"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ShardConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not isinstance(self.extra_kwargs, dict):
             raise TypeError(f"ShardConfig.extra_kwargs must be a dict, got {type(self.extra_kwargs).__name__}")
+        if "gather_output" in self.extra_kwargs:
+            raise ValueError("ShardConfig.extra_kwargs['gather_output'] was replaced by ShardConfig(parallel_output="
+                             "...): parallel_output=True is the old gather_output=False, and the model's own loss "
+                             "then runs on the vocabulary shards")
         unknown = set(self.extra_kwargs) - set(EXTRA_KWARGS_DEFAULTS)
         if unknown:
             raise ValueError(f"ShardConfig.extra_kwargs: unknown keys {sorted(unknown)}; "
                              f"known: {sorted(EXTRA_KWARGS_DEFAULTS)}")
-        for key in ("gather_output", "check_replicas", "broadcast_weights"):
+        for key in ("check_replicas", "broadcast_weights"):
             if not isinstance(self.extra_kwargs.get(key, False), bool):
                 raise TypeError(f"ShardConfig.extra_kwargs[{key!r}] must be a bool, "
                                 f"got {self.extra_kwargs[key]!r}")

@@ -23,7 +23,7 @@ From it come, without another line per class:
 Heads are split by kind:
 
     lm(suffix)          VocabParallelLMHead1D: the vocabulary (output rows) split,
-                        logits gathered unless extra_kwargs gather_output=False;
+                        logits gathered unless ShardConfig(parallel_output=True);
                         re-tied to the input embeddings when HF had tied them;
                         `bias_of` names a module whose `bias` HF ties to the head's
     gathered(suffix)    Linear1D_Col with gather_output: a small classifier, its
@@ -40,6 +40,7 @@ from typing import Any
 
 from torch import nn
 
+from .lm_loss import HOOK, LMLoss
 from .policy import Policy
 from .policy import SubModuleReplacementDescription as Sub
 
@@ -50,19 +51,28 @@ _HF = "transformers.models"
 class Head:
     """One head module of a model class: `suffix` (dotted path under the model),
     `kind` ("lm", "gathered", "replicated_dropout"), and for "lm" the module
-    whose `bias` is the head's own bias (`bias_of`)."""
+    whose `bias` is the head's own bias (`bias_of`) and how the class
+    computes its loss from the logits (`loss`, see shardformer.lm_loss: it
+    matters under ShardConfig(parallel_output=True))."""
 
     suffix: str
     kind: str
     bias_of: str | None = None
+    loss: LMLoss = HOOK
 
     def __post_init__(self):
         if self.kind not in ("lm", "gathered", "replicated_dropout"):
             raise ValueError(f"Head({self.suffix!r}): unknown kind {self.kind!r}")
+        if not isinstance(self.loss, LMLoss):
+            raise TypeError(f"Head({self.suffix!r}): loss must be an LMLoss, got {self.loss!r}")
 
 
-def lm(suffix: str = "lm_head", bias_of: str | None = None) -> Head:
-    return Head(suffix, "lm", bias_of)
+def lm(suffix: str = "lm_head", bias_of: str | None = None, loss: str = "hook",
+       also: tuple[str, str] | None = None) -> Head:
+    """An LM head; `loss`/`also`: how the class computes its loss (LMLoss):
+    "hook" where HF calls self.loss_function, "causal" / "masked" /
+    "seq2seq" where it calls nn.CrossEntropyLoss itself."""
+    return Head(suffix, "lm", bias_of, LMLoss(loss, also))
 
 
 def gathered(suffix: str) -> Head:

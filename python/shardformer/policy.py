@@ -130,7 +130,7 @@ class Policy(ABC):
         return {"make_vocab_size_divisible_by": self.shard_config.option("make_vocab_size_divisible_by")}
 
     def lm_head_kwargs(self) -> dict[str, Any]:
-        return dict(self.vocab_kwargs(), gather_output=self.shard_config.option("gather_output"))
+        return dict(self.vocab_kwargs(), gather_output=not self.shard_config.parallel_output)
 
     def tie_weight(self, source: str, target: str, name: str = "weight") -> None:
         """Make module `target`'s parameter `name` the same Parameter as

@@ -37,6 +37,7 @@ from . import _C, lazy
 from .checkpoint import bind_hf_methods
 from .config import ShardConfig, group_size_and_rank
 from .inherit import Inheritance, check_replaceable
+from .lm_loss import LMLossPlan
 from .replicas import broadcast_weights, check_same_model
 from .optimizations import enable_attention, optimization_policy
 from .policy import Policy
@@ -151,6 +152,7 @@ class ModelSharder:
                 f"{name}: enable_sequence_overlap is not available for {type(policy).__name__} (its "
                 f"sequence-parallel blocks gather their input before the projections); switch it off")
         stages = self._plan_stages(name) if manager is not None else None
+        losses = LMLossPlan(model, policy, name) if cfg.parallel_output and cfg.enable_tensor_parallelism else None
         module_policy = policy.module_policy()
         ops, matched = _C.sharder_plan(model, name, module_policy, tp_size, rank)
         if module_policy and matched == 0:
@@ -170,6 +172,8 @@ class ModelSharder:
             lazy.materialize_module(self.model)  # the replicated parameters of a lazy_init() model
             if stages is not None:
                 stages.bind_shared(self.model)
+            if losses is not None:               # the heads are in: their models' losses go to the shards
+                losses.install(self.model)
             messages = inheritance.finish(self.model, name)
             bind_hf_methods(self.model)
         except BaseException as e:

@@ -38,14 +38,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, vocab_start, vocab_real, vocab_size, ignore_index,
                 label_smoothing, reduction, group, inplace):
-        z = ops._data(logits, "cross_entropy_1d logits")
+        on_cpu = logits.device.type == "cpu"
+        z = ops._data(logits, "cross_entropy_1d logits") if on_cpu else logits.detach().contiguous()
         local_v = z.shape[-1]
         z2 = z.reshape(-1, local_v)
-        y = ops._ids(labels, "cross_entropy_1d labels").reshape(-1)
+        y = (ops._ids(labels, "cross_entropy_1d labels") if on_cpu
+             else labels.detach().to(device=z.device, dtype=torch.int64).contiguous()).reshape(-1)
         eps = float(label_smoothing)
         # labels are the same on every rank: each checks them locally (IndexError), no collective
-        mx, se, tg, sz = ops.xent_stats(z2, y, vocab_start, vocab_real, ignore_index, eps > 0,
-                                        vocab_size=vocab_size)
+        stats = ops.xent_stats if on_cpu else torch_xent_stats
+        mx, se, tg, sz = stats(z2, y, vocab_start, vocab_real, ignore_index, eps > 0, vocab_size=vocab_size)
         m = mx.clone()
         C.all_reduce(m, group, op="max")
         # exp(mx - m) is 0 for a shard with no real column (mx = -inf)
@@ -82,9 +84,54 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         else:
             scale = grad.reshape(-1)
         scale = scale.masked_fill(ignored, 0.0).contiguous()
-        g = ops.xent_grad(z2, y, vocab_start, vocab_real, ignore_index, lse, scale, eps, vocab_size,
-                          out=z2 if ctx.inplace else None)
+        grad_fn = ops.xent_grad if z2.device.type == "cpu" else torch_xent_grad
+        g = grad_fn(z2, y, vocab_start, vocab_real, ignore_index, lse, scale, eps, vocab_size,
+                    out=z2 if ctx.inplace else None)
         return g.reshape(ctx.shape), None, None, None, None, None, None, None, None, None
+
+
+# The same halves in torch ops, for logits on a device the C kernels do not
+# run on (CUDA): same arguments, same results as ops.xent_stats / xent_grad.
+
+def torch_xent_stats(z2, y, vocab_start: int, vocab_real: int, ignore_index: int, need_sumz: bool,
+                     vocab_size: int | None = None):
+    if vocab_size is not None:
+        bad = (y != ignore_index) & ((y < 0) | (y >= vocab_size))
+        if bool(bad.any()):
+            raise IndexError(f"cross_entropy_1d: label {int(y[bad][0])} is outside [0, {vocab_size}) "
+                             f"and is not ignore_index ({ignore_index})")
+    rows = z2.shape[0]
+    real = z2[:, :vocab_real].float()
+    if vocab_real == 0:
+        mx = torch.full((rows,), float("-inf"), device=z2.device)
+        se = torch.zeros(rows, device=z2.device)
+    else:
+        mx = real.max(dim=-1).values
+        se = torch.exp(real - mx[:, None]).sum(dim=-1)
+    local = y - vocab_start
+    inside = (local >= 0) & (local < vocab_real) & (y != ignore_index)
+    tg = torch.zeros(rows, device=z2.device)
+    if vocab_real > 0:
+        picked = real.gather(1, local.clamp(0, vocab_real - 1)[:, None]).squeeze(1)
+        tg = torch.where(inside, picked, tg)
+    sz = real.sum(dim=-1) if need_sumz else None
+    return mx, se, tg, sz
+
+
+def torch_xent_grad(z2, y, vocab_start: int, vocab_real: int, ignore_index: int, lse, scale, eps: float,
+                    vocab: int, out=None):
+    g = torch.zeros(z2.shape, dtype=torch.float32, device=z2.device)
+    if vocab_real > 0:
+        s = scale.float()[:, None]
+        g[:, :vocab_real] = s * (torch.exp(z2[:, :vocab_real].float() - lse[:, None]) - eps / vocab)
+        local = y - vocab_start
+        inside = (local >= 0) & (local < vocab_real) & (y != ignore_index)
+        rows = inside.nonzero().squeeze(1)
+        g[rows, local[rows]] -= (1 - eps) * scale.float()[rows]
+    if out is None:
+        return g.to(z2.dtype)
+    out.copy_(g)
+    return out
 
 
 def cross_entropy_1d(vocab_parallel_logits: torch.Tensor, labels: torch.Tensor, *,

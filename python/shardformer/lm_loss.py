@@ -1,0 +1,306 @@
+"""The loss of a model whose LM head keeps its logits split over the vocabulary.
+
+With ShardConfig(parallel_output=True) a VocabParallelLMHead1D returns rank
+i's logits z[..., V_i] (its rows of the padded vocabulary) and nobody
+gathers [batch, seq, vocab].  A model called with `labels` must then compute
+its loss from those shards, with HF's own rules:
+
+    causal    targets t = labels shifted left by one (the last position gets
+              ignore_index), or HF's `shift_labels` when given
+    masked    targets t = labels, position for position
+    loss      sum_n CE(z_n, t_n) / N,  N = num_items_in_batch when HF passes it
+              (gradient accumulation), else the count of t_n != ignore_index
+
+CE over the shards is cross_entropy_1d (all-reduces of a max and of three
+sums per row; the gradient is softmax - onehot written into each shard).
+
+How HF reaches the loss differs by class, and that is policy data (LMLoss,
+on the family's `lm()` head):
+
+    "hook"     HF calls self.loss_function(logits, labels, vocab_size, **kw)
+               (ForCausalLMLoss or ForMaskedLMLoss): the model's
+               `loss_function` becomes VocabParallelLMLoss, so everything
+               else HF does in forward (MoE auxiliary loss, multimodal
+               slicing of the logits) is unchanged;
+    "causal", "masked", "seq2seq"
+               HF calls nn.CrossEntropyLoss on the full vocabulary itself:
+               the model's forward is wrapped; it runs without `labels`
+               (for "seq2seq" the decoder inputs are first made from the
+               labels, as HF does) and the loss is computed on the shards;
+               `also` adds a sentence-level head's cross-entropy (BERT's next
+               sentence, ALBERT's sentence order) when its labels are given,
+               as HF does only when both are.
+
+Every PreTrainedModel in the tree that owns an output embedding gets this
+("hook" unless its class's policy says otherwise): a multimodal model that
+computes the loss of its language model's logits (BLIP-2) is covered too.
+generate() switches the heads back to gathering for its duration.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+KINDS = ("hook", "causal", "masked", "seq2seq")
+
+
+@dataclass(frozen=True)
+class LMLoss:
+    """How a model class computes its LM loss (see the module doc).
+
+    kind  "hook" | "causal" | "masked" | "seq2seq"
+    also  (label kwarg, output field) of a small sentence-level head whose
+          cross-entropy HF adds to the LM loss, e.g. ("next_sentence_label",
+          "seq_relationship_logits"); only with kind != "hook"
+    """
+
+    kind: str = "hook"
+    also: tuple[str, str] | None = None
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"LMLoss: kind must be one of {KINDS}, got {self.kind!r}")
+        if self.also is not None and (self.kind == "hook" or len(self.also) != 2):
+            raise ValueError(f"LMLoss({self.kind!r}): also=(label kwarg, output field) needs a kind other "
+                             f"than 'hook', got {self.also!r}")
+
+
+HOOK = LMLoss()
+
+
+def declared(policy) -> LMLoss:
+    """The LMLoss a policy (class or instance) declares: its LM head's, else
+    its `lm_loss` attribute, else "hook"."""
+    for head in getattr(policy, "heads", ()) or ():
+        if getattr(head, "kind", None) == "lm":
+            return head.loss
+    value = getattr(policy, "lm_loss", None)
+    return value if isinstance(value, LMLoss) else HOOK
+
+
+def _targets(labels: torch.Tensor, shift: bool, ignore_index: int, shift_labels) -> torch.Tensor:
+    if not shift:
+        return labels
+    if shift_labels is not None:
+        return shift_labels
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def vocab_parallel_loss(head, logits: torch.Tensor, labels: torch.Tensor, *, shift: bool,
+                        num_items_in_batch=None, ignore_index: int = -100, shift_labels=None) -> torch.Tensor:
+    """HF's loss (the module doc's formula) of `head`'s logits shard."""
+    from .layer.loss import cross_entropy_1d
+
+    targets = _targets(labels, shift, ignore_index, shift_labels).to(logits.device)
+    if targets.shape != logits.shape[:-1]:
+        raise ValueError(f"parallel_output loss: labels of shape {tuple(targets.shape)} do not match logits of "
+                         f"shape {tuple(logits.shape)} (expected labels of shape logits.shape[:-1])")
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = cross_entropy_1d(logits, targets, vocab_size=head.vocab_size, vocab_start=head.vocab_start,
+                            ignore_index=ignore_index, reduction=reduction, process_group=head.process_group)
+    if num_items_in_batch is not None:
+        if torch.is_tensor(num_items_in_batch):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
+
+
+class VocabParallelLMLoss:
+    """A model's `loss_function` (HF's signature) over `head`'s logits shard:
+    ForCausalLMLoss's rules when `shift`, else ForMaskedLMLoss's.  HF's
+    `vocab_size` argument is checked against the head's vocabulary."""
+
+    def __init__(self, head, shift: bool, model_name: str):
+        self.head, self.shift, self.model_name = head, shift, model_name
+
+    def __call__(self, logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index: int = -100,
+                 shift_labels=None, **kwargs):
+        if vocab_size is not None and int(vocab_size) != self.head.vocab_size:
+            raise ValueError(f"{self.model_name}: the loss was asked for vocab_size={vocab_size} but the LM head's "
+                             f"vocabulary is {self.head.vocab_size}")
+        return vocab_parallel_loss(self.head, logits, labels, shift=self.shift, num_items_in_batch=num_items_in_batch,
+                                   ignore_index=ignore_index, shift_labels=shift_labels)
+
+    def __repr__(self):
+        return f"VocabParallelLMLoss({'causal' if self.shift else 'masked'}, vocab={self.head.vocab_size})"
+
+
+def _hf_rule(model, path: str, name: str) -> bool:
+    """True for ForCausalLMLoss (shift), False for ForMaskedLMLoss; anything
+    else HF would run on the full vocabulary is refused."""
+    from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss
+
+    fn = model.loss_function
+    if fn is ForCausalLMLoss:
+        return True
+    if fn is ForMaskedLMLoss:
+        return False
+    where = f" ({path})" if path else ""
+    raise NotImplementedError(
+        f"{name}{where}: parallel_output=True needs the loss of {type(model).__name__} on vocabulary shards, but its "
+        f"loss_function is {getattr(fn, '__name__', fn)!r} (only ForCausalLMLoss and ForMaskedLMLoss are known); "
+        f"use parallel_output=False")
+
+
+@dataclass
+class _Entry:
+    path: str
+    rule: LMLoss
+    shift: bool
+
+
+class LMLossPlan:
+    """Which models of the tree get the vocabulary-parallel loss, decided
+    (and checked) before anything changes; `install` runs after the heads
+    are swapped in."""
+
+    def __init__(self, model: nn.Module, policy, name: str):
+        from transformers import PreTrainedModel
+
+        from .autopolicy import registry
+
+        self.name = name
+        self.entries: list[_Entry] = []
+        table = registry()
+        for path, module in model.named_modules():
+            if module is model:
+                rule, has_head = declared(policy), _declares_head(policy)
+            else:
+                cls = type(module)
+                found = table.get(f"{cls.__module__}.{cls.__qualname__}") or table.get(cls.__qualname__)
+                rule, has_head = _registered_rule(found)
+            hf = isinstance(module, PreTrainedModel)
+            if not (has_head or (hf and module.get_output_embeddings() is not None)):
+                continue
+            if rule.kind == "hook" and not hf:
+                continue        # no loss_function to redirect: the model's own forward decides
+            shift = _hf_rule(module, path, name) if rule.kind == "hook" else rule.kind == "causal"
+            if rule.kind == "seq2seq":
+                _decoder_inputs_maker(module, name)      # refuses a model it cannot make them for
+            self.entries.append(_Entry(path, rule, shift))
+
+    def install(self, model: nn.Module) -> int:
+        """Redirect each planned model's loss to its head's shards; returns
+        how many models were changed."""
+        from .layer.linear import VocabParallelLMHead1D
+
+        changed = 0
+        for entry in self.entries:
+            module = model.get_submodule(entry.path)
+            heads = [m for m in module.modules() if isinstance(m, VocabParallelLMHead1D) and not m.gather_output]
+            if not heads:       # tensor parallelism off, or another pipeline stage holds the head
+                continue
+            if len(heads) > 1:
+                raise ValueError(f"{self.name}: parallel_output=True: {type(module).__name__} holds {len(heads)} "
+                                 f"vocabulary-parallel LM heads; its loss would be ambiguous")
+            label = f"{self.name}.{entry.path}" if entry.path else self.name
+            if entry.rule.kind == "hook":
+                module.loss_function = VocabParallelLMLoss(heads[0], entry.shift, label)
+            else:
+                module.__dict__["forward"] = _loss_forward(module, heads[0], entry.rule, label)
+            if callable(getattr(type(module), "generate", None)):
+                module.__dict__["generate"] = _gathering_generate(module)
+            changed += 1
+        return changed
+
+
+def _declares_head(policy) -> bool:
+    return any(getattr(h, "kind", None) == "lm" for h in getattr(policy, "heads", ()) or ()) \
+        or isinstance(getattr(policy, "lm_loss", None), LMLoss)
+
+
+def _registered_rule(found) -> tuple[LMLoss, bool]:
+    """(rule, whether it declares an LM head) of a registered policy."""
+    if found is None:
+        return HOOK, False
+    import importlib
+
+    family, policy_cls = found
+    cls = getattr(importlib.import_module(f"shardformer.policies.{family}"), policy_cls)
+    return declared(cls), _declares_head(cls)
+
+
+def _decoder_inputs_maker(model, name: str):
+    """labels -> decoder_input_ids as the model's own forward makes them."""
+    if callable(getattr(model, "prepare_decoder_input_ids_from_labels", None)):
+        return model.prepare_decoder_input_ids_from_labels
+    shift = getattr(sys.modules.get(type(model).__module__), "shift_tokens_right", None)
+    cfg = model.config
+    if callable(shift) and getattr(cfg, "decoder_start_token_id", None) is not None:
+        return functools.partial(shift, pad_token_id=cfg.pad_token_id, decoder_start_token_id=cfg.decoder_start_token_id)
+    raise NotImplementedError(f"{name}: parallel_output=True: cannot make {type(model).__name__}'s decoder inputs "
+                              f"from its labels; use parallel_output=False")
+
+
+def _loss_forward(model, head, rule: LMLoss, name: str):
+    """model.forward computing the loss on `head`'s shards (kinds causal,
+    masked, seq2seq): HF's forward runs without the labels, then the loss
+    is added to its output as HF would have placed it."""
+    original = type(model).forward.__get__(model)
+    signature = inspect.signature(type(model).forward)
+    make_decoder_inputs = _decoder_inputs_maker(model, name) if rule.kind == "seq2seq" else None
+    takes_return_dict = "return_dict" in signature.parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+
+    @functools.wraps(type(model).forward)
+    def forward(*args, **kwargs):
+        bound = signature.bind(model, *args, **kwargs).arguments
+        bound.pop(next(iter(signature.parameters)))         # self
+        extra = bound.pop(next((p.name for p in signature.parameters.values()
+                                if p.kind is inspect.Parameter.VAR_KEYWORD), "\0"), {})
+        call = {**bound, **extra}
+        labels = call.pop("labels", None)
+        side = call.pop(rule.also[0], None) if rule.also else None
+        if labels is None:
+            if side is not None:
+                call[rule.also[0]] = side
+            return original(**call)
+        if make_decoder_inputs is not None and call.get("decoder_input_ids") is None \
+                and call.get("decoder_inputs_embeds") is None:
+            call["decoder_input_ids"] = make_decoder_inputs(labels)
+        want_dict = call.pop("return_dict", None)
+        if want_dict is None:
+            want_dict = getattr(getattr(model, "config", None), "return_dict", True)
+        num_items = call.pop("num_items_in_batch", None)
+        if takes_return_dict:
+            call["return_dict"] = True
+        out = original(**call)
+        logits = out["logits"] if "logits" in out else out["prediction_logits"]
+        loss = None
+        if rule.also is None or side is not None:
+            loss = vocab_parallel_loss(head, logits, labels, shift=rule.kind == "causal", num_items_in_batch=num_items)
+            if rule.also is not None:
+                small = out[rule.also[1]]
+                loss = loss + F.cross_entropy(small.reshape(-1, small.shape[-1]).float(), side.reshape(-1).to(small.device))
+        if loss is not None:
+            out = type(out)(loss=loss, **{k: v for k, v in out.items() if k != "loss"})
+        return out if want_dict or not hasattr(out, "to_tuple") else out.to_tuple()
+
+    return forward
+
+
+def _gathering_generate(model):
+    """model.generate with every vocabulary-parallel head gathering its
+    logits (decoding needs the whole distribution on every rank)."""
+    from .layer.linear import VocabParallelLMHead1D
+
+    original = type(model).generate.__get__(model)
+
+    @functools.wraps(type(model).generate)
+    def generate(*args, **kwargs):
+        heads = [m for m in model.modules() if isinstance(m, VocabParallelLMHead1D) and not m.gather_output]
+        for head in heads:
+            head.gather_output = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            for head in heads:
+                head.gather_output = False
+
+    return generate

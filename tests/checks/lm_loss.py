@@ -1,0 +1,142 @@
+"""Rank-side checks of ShardConfig(parallel_output=True): the model's own loss
+computed on vocabulary shards (shardformer.lm_loss) against the unsharded HF
+model from the same seed."""
+from __future__ import annotations
+
+import copy
+from contextlib import contextmanager
+
+import torch
+
+import zoo
+from checks.parity import TOL, assert_close, prompt_ids
+from shardformer import ShardConfig, ShardFormer, ops
+from shardformer.checkpoint import _shard_info
+from shardformer.layer import VocabParallelLMHead1D
+from shardformer.layer.parallel_module import shard_of
+
+
+@contextmanager
+def counting_xent():
+    """Calls of the vocabulary-parallel cross-entropy's C halves."""
+    calls = {"xent_stats": 0, "xent_grad": 0}
+    saved = {name: getattr(ops, name) for name in calls}
+
+    def wrap(name):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return saved[name](*args, **kwargs)
+        return counted
+
+    for name in calls:
+        setattr(ops, name, wrap(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in saved.items():
+            setattr(ops, name, fn)
+
+
+def _head(model) -> VocabParallelLMHead1D:
+    heads = [m for m in model.modules() if isinstance(m, VocabParallelLMHead1D)]
+    assert len(heads) == 1, f"expected one vocabulary-parallel head, found {len(heads)}"
+    return heads[0]
+
+
+def _logits(out):
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        return out["logits"] if "logits" in out else out["prediction_logits"]
+    return next(t for t in out if isinstance(t, torch.Tensor) and t.dim() >= 3)   # a tuple: after the losses
+
+
+def _loss(out):
+    return out["loss"] if isinstance(out, dict) or hasattr(out, "keys") else out[0]
+
+
+def equals_unsharded(ctx, name: str, dropout: float = 0.0, num_items: bool = False, return_dict=None) -> dict:
+    """Loss, this rank's logits shard and every gradient of the model sharded
+    with parallel_output=True equal the unsharded model's (its logits columns
+    [vocab_start, vocab_start + real) and their gradients); the C
+    cross-entropy ran once forward and once backward; no rank holds the full
+    vocabulary.  dropout > 0: built with that dropout, compared in eval mode."""
+    torch.manual_seed(0)
+    model = zoo.build_with_dropout(name, dropout) if dropout else zoo.build(name)
+    model.train(not dropout)
+    ref = copy.deepcopy(model)
+    inputs = zoo.make_inputs(name)
+    assert "labels" in inputs, f"{name}: the zoo gives no labels"
+    extra = {}
+    if num_items:
+        extra["num_items_in_batch"] = torch.tensor(int((inputs["labels"][..., 1:] != -100).sum()) + 3)
+    if return_dict is not None:
+        extra["return_dict"] = return_dict
+    cfg = ShardConfig(tensor_parallel_process_group=ctx.group, parallel_output=True)
+    ShardFormer(cfg).optimize(model)
+    head = _head(model)
+    with counting_xent() as calls:
+        out = model(**inputs, **extra)
+        loss = _loss(out)
+        loss.backward()
+    exp = ref(**inputs, **extra)
+    ref_loss = _loss(exp)
+    ref_loss.backward()
+    assert calls == {"xent_stats": 1, "xent_grad": 1}, f"{name}: vocabulary-parallel cross-entropy calls {calls}"
+    tol = TOL[torch.float32]
+    report = {"loss": assert_close(f"{name} loss", loss, ref_loss, tol)}
+    logits, full = _logits(out), _logits(exp)
+    local = head.shard.length if hasattr(head.shard, "length") else logits.shape[-1]
+    assert logits.shape[-1] == local < full.shape[-1] or ctx.tp_size == 1, \
+        f"{name}: logits have {logits.shape[-1]} columns; the full vocabulary is {full.shape[-1]}"
+    start = head.vocab_start
+    real = max(0, min(logits.shape[-1], head.vocab_size - start))
+    report["logits"] = assert_close(f"{name} logits shard", logits[..., :real], full[..., start:start + real], tol)
+    info = _shard_info(model)
+    ref_params = dict(ref.named_parameters())
+    worst = 0.0
+    for pname, p in model.named_parameters():
+        rp = ref_params[pname]
+        if rp.grad is None:
+            continue
+        assert p.grad is not None, f"{name}: {pname} has no gradient"
+        expected = rp.grad
+        if id(p) in info:
+            dim, shard, _ = info[id(p)]
+            expected = shard_of(rp.grad, dim, shard)
+        worst = max(worst, assert_close(f"{name} grad of {pname}", p.grad, expected, tol))
+    report["grad"] = worst
+    return report
+
+
+def generate_equals_unsharded(ctx, name: str) -> list:
+    """generate() under parallel_output gathers the logits it decodes from:
+    the same tokens as the unsharded model; the heads are back to shards after."""
+    model = zoo.build(name).eval()
+    ref = copy.deepcopy(model)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, parallel_output=True)).optimize(model)
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        got = model.generate(prompt_ids(), **kwargs)
+        exp = ref.generate(prompt_ids(), **kwargs)
+    assert torch.equal(got, exp), f"{name}: generate() differs:\n{got}\n{exp}"
+    assert not _head(model).gather_output, "the head still gathers after generate()"
+    return got.tolist()
+
+
+def refuses_unknown_loss(ctx, name: str) -> str:
+    """A model whose loss_function is not one HF's vocabulary losses (a
+    user's own) is refused before anything changes."""
+    model = zoo.build(name)
+    model.loss_function = lambda logits, labels, **kw: logits.sum()
+    cfg = ShardConfig(tensor_parallel_process_group=ctx.group, parallel_output=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        ShardFormer(cfg).optimize(model)
+    except NotImplementedError as e:
+        message = str(e)
+    else:
+        raise AssertionError(f"{name}: an unknown loss_function was not refused")
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(v, after[k]) for k, v in before.items()), \
+        f"{name}: the refused model changed"
+    assert not any(isinstance(m, VocabParallelLMHead1D) for m in model.modules())
+    return message
