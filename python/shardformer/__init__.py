@@ -4,17 +4,22 @@
     model, shared_params = ShardFormer(shard_config=ShardConfig()).optimize(model)
 """
 from .config import ShardConfig
+from .grad_norm import clip_grad_norm_
 from .lazy import lazy_init
+from .parallel_mesh import Mesh, mesh
 from .policy import ModulePolicyDescription, Policy, SubModuleReplacementDescription
 from .shardformer import ShardFormer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Mesh",
     "ModulePolicyDescription",
     "Policy",
     "ShardConfig",
     "ShardFormer",
     "SubModuleReplacementDescription",
+    "clip_grad_norm_",
     "lazy_init",
+    "mesh",
 ]

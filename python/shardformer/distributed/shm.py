@@ -359,7 +359,11 @@ class ShmCommunicator:
         # Every rank is here before the segment exists, so the window in which
         # its name is visible (create .. unlink) is the attach, not a late rank.
         hosts = [None] * self.size
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        dist.all_gather_object(hosts, host_identity(), group=group)
+        if len(set(hosts)) > 1:     # every rank sees the same list: all of them give up together
+            spread = ", ".join(f"{h} (ranks {[r for r, x in enumerate(hosts) if x == h]})" for h in dict.fromkeys(hosts))
+            raise ShmUnavailable(f"{self.label}: its ranks are on more than one host ({spread}); "
+                                 f"its collectives go through torch.distributed")
         comm, error, name = None, None, None
         if self.rank == 0:
             remove_stale_segments()
@@ -536,6 +540,14 @@ class ShmCommunicator:
 
     def barrier(self, async_op: bool = False):
         return self._call(async_op, _C.shm_barrier, self._comm)
+
+
+def host_identity() -> str:
+    """The host this process is on, as the shm set-up compares it: the
+    SHARDFORMER_HOST environment variable when set (to simulate several
+    hosts on one machine, or to tell apart containers that share a host
+    name), else the host name."""
+    return os.environ.get("SHARDFORMER_HOST") or socket.gethostname()
 
 
 class ShmUnavailable(RuntimeError):

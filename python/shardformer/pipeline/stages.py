@@ -348,7 +348,9 @@ class StageRuntime:
         last_vs = sm.num_virtual_stages - 1
         holds_first = any(sm.is_first_stage(c) for c in range(sm.num_model_chunks))
         holds_last = sm.is_last_stage()
-        # the tied pairs: {stage: this rank's name of it} (bound to parameters by bind_shared)
+        # the tied pairs: {stage: this rank's name of it} (bound to parameters by bind_shared);
+        # the first stage's copy is the one that counts once (gradient norms)
+        self.tied_owner_stage = sm.stage_of(first_vs)
         self._shared_names = []
         for a, b in plan.shared:
             if sm.stage_of(first_vs) == sm.stage_of(last_vs):

@@ -1,0 +1,117 @@
+"""clip_grad_norm_: the gradient norm of the whole (unsharded) model, from the shards.
+
+For a p-norm the unsharded model's norm is
+
+    ||g||_p^p = sum over parameters P, over the full rows i of P's split
+                dimension, of |g_P[i]|^p
+
+Each rank holds some of those rows.  A row may be on one rank (a split
+dimension), on several (KV heads replicated for GQA, padding excluded), or
+on every rank of the tensor-parallel group (a parameter that is not split:
+norms, biases of row-parallel layers).  Each rank adds its rows weighted by
+1 / (number of ranks holding that row), sums over the TP group (one
+all-reduce per process group), then over the pipeline group (stages hold
+different layers; a parameter tied between the first and last stage counts
+on the first only).  Data-parallel replicas hold the same gradients once
+DDP (or the user) has averaged them, so nothing is summed over DP.  p = inf
+takes maxima instead of sums.
+
+Every rank gets the same norm and scales its gradients by
+min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_ does.
+Call it after the backward (and after DDP's gradient all-reduce), before the
+optimizer step.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from .distributed import collectives as C
+
+_WEIGHTS: dict = {}
+
+
+def _row_weights(shard, device) -> torch.Tensor:
+    """1 / multiplicity of each local row of a DimShard (0 for padding rows)."""
+    key = (shard, device)
+    w = _WEIGHTS.get(key)
+    if w is None:
+        counts = torch.zeros(shard.full, dtype=torch.float64)
+        for ranges in shard.all_ranges:
+            for start, n in ranges:
+                counts[start:start + n] += 1
+        parts = [1.0 / counts[start:start + n] for start, n in shard.ranges]
+        parts.append(torch.zeros(shard.length - shard.real, dtype=torch.float64))
+        w = torch.cat(parts).to(device)
+        _WEIGHTS[key] = w
+    return w
+
+
+def _group_key(group):
+    return id(group)
+
+
+def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
+    """The unsharded model's gradient norm (see the module doc), on every rank;
+    a float64 scalar on the gradients' device."""
+    from .checkpoint.full import _shard_info
+    from .pipeline.stages import runtime_of
+
+    p = float(norm_type)
+    if not (p > 0):
+        raise ValueError(f"clip_grad_norm_: norm_type must be > 0 (or inf), got {norm_type}")
+    inf = math.isinf(p)
+    info = _shard_info(model)
+    runtime = runtime_of(model)
+    skip = set()
+    if runtime is not None:           # tied across stages: counted on the first stage only
+        for pair in runtime.shared_params:
+            skip.update(id(t) for stage, t in pair.items() if stage != runtime.tied_owner_stage)
+    params = [t for t in model.parameters() if t.grad is not None and id(t) not in skip]
+    device = params[0].grad.device if params else next(model.parameters()).device
+    zero = torch.zeros((), dtype=torch.float64, device=device)
+    replicated = zero.clone()
+    per_group: dict = {}              # id(group) -> [group, accumulated]
+    for t in params:
+        g = t.grad.detach()
+        a = g.abs().double()
+        if id(t) in info:
+            dim, shard, group = info[id(t)]
+            rows = a.movedim(dim, 0).reshape(a.shape[dim], -1)
+            rows = rows.max(dim=1).values if inf else rows.pow(p).sum(dim=1)
+            w = _row_weights(shard, device)
+            if rows.shape[0] != w.shape[0]:
+                raise ValueError(f"clip_grad_norm_: a gradient of shape {tuple(g.shape)} does not match its shard "
+                                 f"({shard.length} rows along dimension {dim})")
+            part = (rows * (w > 0)).max() if inf else (rows * w).sum()
+            entry = per_group.setdefault(_group_key(group), [group, zero.clone()])
+            entry[1] = torch.maximum(entry[1], part) if inf else entry[1] + part
+        else:
+            part = a.max() if inf else a.pow(p).sum()
+            replicated = torch.maximum(replicated, part) if inf else replicated + part
+    total = replicated
+    for group, value in per_group.values():
+        C.all_reduce(value, group, op="max" if inf else "sum")
+        total = torch.maximum(total, value) if inf else total + value
+    if runtime is not None and runtime.manager.num_stages > 1:
+        C.all_reduce(total, runtime.manager.group, op="max" if inf else "sum")
+    return total if inf else total.pow(1.0 / p)
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False) -> torch.Tensor:
+    """Scale the gradients of a sharded (or plain) model so that the unsharded
+    model's gradient norm is at most `max_norm`; returns that norm (before
+    clipping), the same on every rank.  torch.nn.utils.clip_grad_norm_'s
+    contract, over the whole model rather than this rank's shards."""
+    norm = grad_norm(model, norm_type)
+    if error_if_nonfinite and not bool(torch.isfinite(norm)):
+        raise RuntimeError(f"clip_grad_norm_: the total norm of order {norm_type} of the gradients is "
+                           f"non-finite ({float(norm)}); pass error_if_nonfinite=False to clip anyway")
+    coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)
+    for t in model.parameters():
+        if t.grad is not None:
+            t.grad.detach().mul_(coef.to(t.grad.dtype))
+    return norm.float()

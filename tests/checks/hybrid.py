@@ -1,0 +1,186 @@
+"""Rank-side checks of hybrid parallelism: shardformer.mesh, data parallelism
+(torch's DDP, ZeroRedundancyOptimizer) around sharded models, and
+shardformer.clip_grad_norm_ against torch's on the unsharded model.  Every
+function runs on all 4 ranks of the pool (new_group is collective)."""
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+import torch.distributed as dist
+
+import zoo
+from checks import parity
+from checks import pipeline as pipeline_check
+from shardformer import ShardFormer, clip_grad_norm_, mesh
+from shardformer.checkpoint import gather_full_state_dict
+from shardformer.distributed import backend_for
+from shardformer.pipeline import OneForwardOneBackwardSchedule
+
+TOL = (1e-5, 1e-6)
+LR = 1e-2
+
+
+def layout(ctx, dp, pp, tp, sp) -> dict:
+    """The groups of mesh() hold the ranks of the documented order, the same
+    object comes back for the same sizes, the DeviceMesh agrees."""
+    m = mesh(dp=dp, pp=pp, tp=tp, sp=sp)
+    assert mesh(dp=dp, pp=pp, tp=tp, sp=sp) is m
+    r = ctx.rank
+    sizes = {"pp": pp, "dp": dp, "sp": sp, "tp": tp}
+    coords = {"tp": r % tp, "sp": r // tp % sp, "dp": r // (tp * sp) % dp, "pp": r // (tp * sp * dp)}
+    assert m.coords == coords, (m.coords, coords)
+
+    def rank_of(c):
+        return ((c["pp"] * dp + c["dp"]) * sp + c["sp"]) * tp + c["tp"]
+
+    for dim in ("tp", "sp", "dp", "pp"):
+        group = getattr(m, dim)
+        expected = [rank_of(dict(coords, **{dim: i})) for i in range(sizes[dim])]
+        assert dist.get_process_group_ranks(group) == expected, (dim, dist.get_process_group_ranks(group), expected)
+        assert m.ranks(dim) == expected
+    replicas = sorted(rank_of(dict(coords, dp=d, sp=s)) for d in range(dp) for s in range(sp))
+    assert dist.get_process_group_ranks(m.replicas) == replicas
+    dm = m.device_mesh
+    assert dm.mesh_dim_names == ("pp", "dp", "sp", "tp")
+    assert dist.get_process_group_ranks(dm.get_group("tp")) == dist.get_process_group_ranks(m.tp)
+    return {"coords": m.coords}
+
+
+def refusals(ctx) -> list:
+    out = []
+    for kwargs in ({"dp": 3, "tp": 2}, {"tp": 3}, {"tp": 0}, {"dp": 1, "tp": 2}):
+        try:
+            mesh(**kwargs)
+        except ValueError as e:
+            out.append(str(e))
+        else:
+            raise AssertionError(f"mesh({kwargs}) was not refused")
+    return out
+
+
+def _split_rows(batch: dict, parts: int, index: int) -> dict:
+    rows = next(iter(batch.values())).shape[0]
+    assert rows % parts == 0
+    n = rows // parts
+    return {k: v[index * n:(index + 1) * n] for k, v in batch.items()}
+
+
+def dp_tp_training(ctx, name: str = "LlamaForCausalLM", zero: bool = False, clip: float | None = None,
+                   steps: int = 3, hosts: bool = False, optimizer: str = "adamw") -> dict:
+    """DP=2 x TP=2: DDP over mesh.dp around the TP-sharded model, AdamW (or
+    ZeRO-1: ZeroRedundancyOptimizer over dp) for `steps` steps on halves of a
+    4-row global batch; the losses and the gathered full state dict equal the
+    unsharded model trained on the whole batch.  clip: clip_grad_norm_ each
+    step, its norm equal to torch's on the unsharded model.  hosts: ranks
+    {0,1} and {2,3} pretend to be two hosts (SHARDFORMER_HOST): TP keeps the
+    shm backend, DP goes through torch.distributed."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    saved = os.environ.get("SHARDFORMER_HOST")
+    if hosts:
+        os.environ["SHARDFORMER_HOST"] = f"simulated-host-{ctx.rank // 2}"
+    try:
+        # hosts: other groups than the earlier meshes' (their backends were chosen on one host)
+        m = mesh(dp=2, tp=2, backend="gloo" if hosts else None)
+        torch.manual_seed(0)
+        model = zoo.build(name)
+        model.train()
+        ref = copy.deepcopy(model)
+        model, _ = ShardFormer(m.shard_config()).optimize(model)
+        backends = {"tp": backend_for(torch.zeros(1), m.tp), "dp": backend_for(torch.zeros(1), m.dp)}
+        if hosts:
+            assert backends == {"tp": "shm", "dp": "torch"}, backends
+        ddp = DistributedDataParallel(model, process_group=m.dp)
+        params = list(ddp.parameters())
+        kind = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optimizer]
+        opt = (ZeroRedundancyOptimizer(params, optimizer_class=kind, process_group=m.dp, lr=LR)
+               if zero else kind(params, lr=LR))
+        ref_opt = kind(ref.parameters(), lr=LR)
+        batch = pipeline_check.batch_of(name, 4)
+        mine = _split_rows(batch, 2, m.coords["dp"])
+        report = {"loss": 0.0, "norm": 0.0, "backends": backends}
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            ref_opt.zero_grad(set_to_none=True)
+            loss = ddp(**mine).loss
+            loss.backward()
+            ref_loss = ref(**batch).loss
+            ref_loss.backward()
+            total = loss.detach().clone()
+            dist.all_reduce(total, group=m.dp)
+            report["loss"] = max(report["loss"], parity.assert_close(f"{name} step {step} loss", total / 2,
+                                                                     ref_loss.detach(), TOL))
+            if clip is not None:
+                norm = clip_grad_norm_(model, clip)
+                ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+                assert float(ref_norm) > clip, "the test's max_norm does not clip"
+                report["norm"] = max(report["norm"], parity.assert_close(f"{name} step {step} grad norm",
+                                                                         norm, ref_norm, TOL))
+            opt.step()
+            ref_opt.step()
+        if zero:
+            state = opt.optim.state
+            held = sum(1 for p in params if p in state)
+            assert 0 < held < len(params), f"ZeRO-1: this rank holds optimizer state for {held} of {len(params)}"
+            report["zero_state_params"] = held
+        # SGD: the weights equal the reference's to float32 rounding.  Adam divides by sqrt(v), so
+        # gradients that differ by rounding (another summation order: two half-batch means
+        # averaged by DDP) move a weight whose gradients nearly cancel over the steps by up to
+        # ~1% of lr (measured 1.2e-4 at lr 1e-2, with SGD 1e-7); a wrong gradient moves
+        # weights by ~lr.
+        tol = (1e-5, 1e-6) if optimizer == "sgd" else (0.0, 0.05 * LR)
+        full = gather_full_state_dict(model)
+        worst = 0.0
+        for key, t in ref.state_dict().items():
+            worst = max(worst, parity.assert_close(f"{name} {key} after {steps} steps", full[key], t, tol))
+        report["state"] = worst
+        return report
+    finally:
+        if saved is None:
+            os.environ.pop("SHARDFORMER_HOST", None)
+        else:
+            os.environ["SHARDFORMER_HOST"] = saved
+
+
+def norm_equals_torch(ctx, name: str, norm_type: float) -> dict:
+    """clip_grad_norm_ of the model sharded over ctx.group equals torch's on
+    the unsharded model, before and after clipping."""
+    from shardformer import ShardConfig
+
+    group = ctx.group
+
+    torch.manual_seed(0)
+    model = zoo.build(name)
+    model.train()
+    ref = copy.deepcopy(model)
+    model, _ = ShardFormer(ShardConfig(tensor_parallel_process_group=group)).optimize(model)
+    inputs = zoo.make_inputs(name)
+    parity.loss_of(model(**inputs), {}).backward()
+    parity.loss_of(ref(**inputs), {}).backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"), norm_type=norm_type)
+    max_norm = float(expected) / 3
+    got = clip_grad_norm_(model, max_norm, norm_type=norm_type)
+    parity.assert_close(f"{name} norm {norm_type}", got, expected, TOL)
+    torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm, norm_type=norm_type)
+    after = clip_grad_norm_(model, float("inf"), norm_type=norm_type)
+    ref_after = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"), norm_type=norm_type)
+    parity.assert_close(f"{name} norm {norm_type} after clipping", after, ref_after, TOL)
+    return {"norm": float(got), "after": float(after)}
+
+
+def norm_tp_pp(ctx, name: str) -> dict:
+    """TP=2 x PP=2 (tied embeddings across the first and last stage counted
+    once): clip_grad_norm_ after a 1F1B step equals torch's on the unsharded
+    model's full-batch gradients."""
+    ref, model, sm, _ = pipeline_check.pipelined(ctx, name, 2, 2)
+    batch = pipeline_check.batch_of(name, 4)
+    OneForwardOneBackwardSchedule(sm, num_microbatches=2).forward_backward_step(model, batch)
+    ref(**batch).loss.backward()
+    expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"))
+    got = clip_grad_norm_(model, float(expected) / 2)
+    parity.assert_close(f"{name} TP2xPP2 grad norm", got, expected, TOL)
+    return {"norm": float(got)}
+
