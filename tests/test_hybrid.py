@@ -48,3 +48,19 @@ def test_clip_grad_norm_tp(pool, name, tp, norm_type):
 @pytest.mark.parametrize("name", ["GPT2LMHeadModel", "LlamaForCausalLM"])
 def test_clip_grad_norm_tp_pp(pool, name):
     pool.run(check.norm_tp_pp, 4, name)
+
+
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "GPT2LMHeadModel", "BertForMaskedLM"])
+def test_autocast_bf16(pool, name):
+    pool.run(check.autocast_bf16, 2, name)
+
+
+def test_fp16_scaler_skips_on_every_rank(pool):
+    scales = [r["scale"] for r in pool.run(check.scaler_skips_together, 2)]
+    assert scales[0] == scales[1] < 1024.0, scales
+
+
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "GPT2LMHeadModel"])
+def test_dp_pp_average_gradients(pool, name):
+    """A pipelined model (no DDP: the schedule drives it) averaged over DP by average_gradients."""
+    pool.run(check.dp_pp_training, 4, name)

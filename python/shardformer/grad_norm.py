@@ -115,3 +115,27 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
         if t.grad is not None:
             t.grad.detach().mul_(coef.to(t.grad.dtype))
     return norm.float()
+
+
+def average_gradients(model: nn.Module, group) -> None:
+    """Average every parameter's .grad over `group` (data parallelism for a
+    model DistributedDataParallel cannot wrap, e.g. a pipelined model driven
+    by a schedule: call it after forward_backward_step, before clipping and
+    stepping).  The gradients are flattened per dtype and device into one
+    buffer each, so it costs one all-reduce per buffer; every rank of the
+    group must hold the same parameters (the same stage and TP shard)."""
+    size = C.world_size(group)
+    if size == 1:
+        return
+    buckets: dict = {}
+    for t in model.parameters():
+        if t.grad is not None:
+            buckets.setdefault((t.grad.dtype, t.grad.device), []).append(t.grad)
+    for (_dtype, _device), grads in sorted(buckets.items(), key=lambda kv: str(kv[0])):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        C.all_reduce(flat, group)
+        flat /= size
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()

@@ -184,3 +184,111 @@ def norm_tp_pp(ctx, name: str) -> dict:
     parity.assert_close(f"{name} TP2xPP2 grad norm", got, expected, TOL)
     return {"norm": float(got)}
 
+
+
+def autocast_bf16(ctx, name: str) -> dict:
+    """Mixed precision with fp32 master weights: the model sharded over
+    ctx.group runs under torch.autocast(bfloat16) and its loss and fp32
+    gradients match the unsharded model under the same autocast (bf16
+    tolerance); the parameters stay float32."""
+    from shardformer import ShardConfig
+    from shardformer.checkpoint import _shard_info
+    from shardformer.layer.parallel_module import shard_of
+
+    torch.manual_seed(0)
+    model = zoo.build(name)
+    model.train()
+    ref = copy.deepcopy(model)
+    model, _ = ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
+    inputs = zoo.make_inputs(name)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(**inputs).loss
+        ref_loss = ref(**inputs).loss
+    loss.backward()
+    ref_loss.backward()
+    tol = (3e-2, 1e-2)
+    report = {"loss": parity.assert_close(f"{name} autocast loss", loss.float(), ref_loss.float(), tol)}
+    info = _shard_info(model)
+    refs = dict(ref.named_parameters())
+    worst = 0.0
+    for pname, p in model.named_parameters():
+        assert p.dtype == torch.float32 and (p.grad is None or p.grad.dtype == torch.float32), pname
+        if refs[pname].grad is None:
+            continue
+        expected = refs[pname].grad
+        if id(p) in info:
+            dim, shard, _ = info[id(p)]
+            expected = shard_of(expected, dim, shard)
+        # bf16 matmuls: compare each gradient against its own scale, loosely
+        worst = max(worst, parity.assert_close(f"{name} autocast grad of {pname}", p.grad, expected, (1e-1, 1e-3)))
+    report["grad"] = worst
+    return report
+
+
+def scaler_skips_together(ctx) -> dict:
+    """fp16 loss scaling over shards: an inf in one rank's gradient shard
+    makes every rank skip the step (found_inf all-reduced over the world by
+    torch's ShardedGradScaler), and the scale drops on every rank."""
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from shardformer import ShardConfig
+
+    torch.manual_seed(0)
+    model = zoo.build("LlamaForCausalLM")
+    model, _ = ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ShardedGradScaler(device="cpu", init_scale=1024.0, process_group=ctx.group)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    loss = model(**zoo.make_inputs("LlamaForCausalLM")).loss
+    scaler.scale(loss).backward()
+    if ctx.rank == 1:                               # an overflow in one shard only
+        model.model.layers[0].mlp.down_proj.weight.grad[0, 0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    moved = [n for n, p in model.named_parameters() if not torch.equal(p, before[n])]
+    assert not moved, f"rank {ctx.rank} stepped {moved[:3]} although a shard overflowed"
+    return {"scale": scaler.get_scale()}
+
+
+def dp_pp_training(ctx, name: str = "LlamaForCausalLM", steps: int = 3) -> dict:
+    """DP=2 x PP=2: each pipeline runs 1F1B on half of a 4-row global batch,
+    average_gradients over mesh.dp, clip_grad_norm_, SGD; the losses, norms
+    and the gathered full state dict equal the unsharded model's."""
+    from shardformer import average_gradients
+
+    m = mesh(dp=2, pp=2, tp=1)
+    torch.manual_seed(0)
+    model = pipeline_check.build(name, 4)
+    model.train()
+    ref = copy.deepcopy(model)
+    model, _ = ShardFormer(m.shard_config(enable_tensor_parallelism=False)).optimize(model)
+    schedule = OneForwardOneBackwardSchedule(_manager(model), num_microbatches=2)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=LR), torch.optim.SGD(ref.parameters(), lr=LR)
+    batch = pipeline_check.batch_of(name, 4)
+    mine = _split_rows(batch, 2, m.coords["dp"])
+    report = {"loss": 0.0, "norm": 0.0}
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        loss = schedule.forward_backward_step(model, mine)["loss"].detach()
+        average_gradients(model, m.dp)
+        dist.all_reduce(loss, group=m.dp)
+        ref_loss = ref(**batch).loss
+        ref_loss.backward()
+        report["loss"] = max(report["loss"], parity.assert_close(f"{name} step {step} loss", loss / 2,
+                                                                 ref_loss.detach(), TOL))
+        norm = clip_grad_norm_(model, 0.5)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        report["norm"] = max(report["norm"], parity.assert_close(f"{name} step {step} norm", norm, ref_norm, TOL))
+        opt.step()
+        ref_opt.step()
+    full = gather_full_state_dict(model)
+    for key, t in ref.state_dict().items():
+        parity.assert_close(f"{name} {key} after {steps} steps", full[key], t, TOL)
+    return report
+
+
+def _manager(model):
+    from shardformer.pipeline.stages import runtime_of
+
+    return runtime_of(model).manager
