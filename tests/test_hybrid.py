@@ -64,3 +64,13 @@ def test_fp16_scaler_skips_on_every_rank(pool):
 def test_dp_pp_average_gradients(pool, name):
     """A pipelined model (no DDP: the schedule drives it) averaged over DP by average_gradients."""
     pool.run(check.dp_pp_training, 4, name)
+
+
+def test_dp_sp_ddp(pool):
+    """DP=2 x SP=2 (all_to_all): the SP layers sum their gradients over .sp, DDP averages over .dp."""
+    pool.run(check.dp_tp_training, 4, "LlamaForCausalLM", optimizer="sgd", sp=2)
+
+
+@pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
+def test_fsdp2_dp_tp(pool):
+    pool.run(check.fsdp2_dp_tp, 4)

@@ -16,9 +16,10 @@ ranks as dp=2, tp=4:  tp groups {0,1,2,3} {4,5,6,7}, dp groups {0,4} {1,5}
     .pp   the pipeline group (PipelineStageManager(pp_group=...))
     .dp   the data-parallel group: ranks holding the same shard of the same
           stage and seeing different data (DDP / ZeRO over it)
-    .replicas  dp x sp: every rank holding the same parameters (with SP the
-          ranks of an SP group see different tokens too, so gradients are
-          averaged over this group, not .dp alone)
+    .replicas  dp x sp: every rank holding the same parameters (the
+          sequence-parallel layers already sum their gradients over .sp, so
+          DDP runs over .dp; this group is for what spans both, e.g. a
+          check that replicas agree)
     .device_mesh  torch's DeviceMesh over the same grid, dimensions named
           ("pp", "dp", "sp", "tp"): for FSDP2 (fully_shard(mesh=m.device_mesh["dp"]))
           and DTensor code

@@ -68,7 +68,7 @@ def _split_rows(batch: dict, parts: int, index: int) -> dict:
 
 
 def dp_tp_training(ctx, name: str = "LlamaForCausalLM", zero: bool = False, clip: float | None = None,
-                   steps: int = 3, hosts: bool = False, optimizer: str = "adamw") -> dict:
+                   steps: int = 3, hosts: bool = False, optimizer: str = "adamw", sp: int = 1) -> dict:
     """DP=2 x TP=2: DDP over mesh.dp around the TP-sharded model, AdamW (or
     ZeRO-1: ZeroRedundancyOptimizer over dp) for `steps` steps on halves of a
     4-row global batch; the losses and the gathered full state dict equal the
@@ -84,13 +84,14 @@ def dp_tp_training(ctx, name: str = "LlamaForCausalLM", zero: bool = False, clip
         os.environ["SHARDFORMER_HOST"] = f"simulated-host-{ctx.rank // 2}"
     try:
         # hosts: other groups than the earlier meshes' (their backends were chosen on one host)
-        m = mesh(dp=2, tp=2, backend="gloo" if hosts else None)
+        m = mesh(dp=2, tp=2 // sp, sp=sp, backend="gloo" if hosts else None)
         torch.manual_seed(0)
         model = zoo.build(name)
         model.train()
         ref = copy.deepcopy(model)
         model, _ = ShardFormer(m.shard_config()).optimize(model)
-        backends = {"tp": backend_for(torch.zeros(1), m.tp), "dp": backend_for(torch.zeros(1), m.dp)}
+        backends = {"tp": backend_for(torch.zeros(1), m.tp if sp == 1 else m.sp),
+                    "dp": backend_for(torch.zeros(1), m.dp)}
         if hosts:
             assert backends == {"tp": "shm", "dp": "torch"}, backends
         ddp = DistributedDataParallel(model, process_group=m.dp)
@@ -292,3 +293,35 @@ def _manager(model):
     from shardformer.pipeline.stages import runtime_of
 
     return runtime_of(model).manager
+
+
+def fsdp2_dp_tp(ctx, steps: int = 3) -> list:
+    """FSDP2 (torch's fully_shard over mesh.device_mesh["dp"]) around the
+    TP=2 model: each step's global loss equals the unsharded model's, so the
+    gradients it steps with are right too (SGD)."""
+    from torch.distributed.fsdp import fully_shard
+
+    m = mesh(dp=2, tp=2)
+    torch.manual_seed(0)
+    model = zoo.build("LlamaForCausalLM")
+    model.train()
+    ref = copy.deepcopy(model)
+    model, _ = ShardFormer(m.shard_config()).optimize(model)
+    fully_shard(model, mesh=m.device_mesh["dp"])
+    batch = pipeline_check.batch_of("LlamaForCausalLM", 4)
+    mine = _split_rows(batch, 2, m.coords["dp"])
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    errors = []
+    for step in range(steps):
+        loss = model(**mine).loss
+        loss.backward()
+        ref_loss = ref(**batch).loss
+        ref_loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total, group=m.dp)
+        errors.append(parity.assert_close(f"FSDP2 step {step} loss", total / 2, ref_loss.detach(), TOL))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    return errors
