@@ -1,5 +1,5 @@
 """benchmarks/collectives_under_load.py runs (--quick): both backends are the
-ones named, under 0 and 1 busy loops.  No timing is asserted."""
+ones named, under one busy loop.  No timing is asserted."""
 import json
 import os
 import sys
@@ -15,7 +15,7 @@ def test_quick(tmp_path):
                              "--quick", "--out", str(out)], timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     result = json.loads(out.read_text())["results"]
-    assert set(result) == {"0", "1"}
+    assert set(result) == {"1"}
     for row in result.values():
         assert row["4096"]["shm"]["backend"] == "shm" and row["4096"]["gloo"]["backend"] == "torch"
         assert row["4096"]["shm"]["median_us"] > 0
