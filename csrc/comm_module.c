@@ -235,10 +235,12 @@ static PyObject *py_shm_info(PyObject *self, PyObject *cap)
     if (!b)
         return NULL;
     sf_shm *c = b->comm;
-    return Py_BuildValue("{s:i,s:i,s:n,s:n,s:n,s:d}", "rank", sf_shm_rank(c), "nranks",
+    return Py_BuildValue("{s:i,s:i,s:n,s:n,s:n,s:d,s:K,s:K}", "rank", sf_shm_rank(c), "nranks",
                          sf_shm_nranks(c), "workspace", (Py_ssize_t)sf_shm_workspace(c),
                          "segment_bytes", (Py_ssize_t)sf_shm_segment_bytes(c), "oneshot_max",
-                         (Py_ssize_t)sf_shm_oneshot_max(c), "timeout", sf_shm_timeout(c));
+                         (Py_ssize_t)sf_shm_oneshot_max(c), "timeout", sf_shm_timeout(c),
+                         "futex_sleeps", (unsigned long long)sf_shm_sleeps(c),
+                         "futex_wakes", (unsigned long long)sf_shm_wakes(c));
 }
 
 /* ---- shm: running a call -------------------------------------------------- */

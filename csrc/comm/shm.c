@@ -4,7 +4,8 @@
  * Segment layout (every block 128-byte aligned, every counter on a cache line
  * of its own so ranks never write the same line):
  *
- *     header                      magic, nonce, nranks, sizes
+ *     header                      magic, nonce, nranks, sizes; the wake word
+ *                                 and the count of ranks sleeping on it
  *     abort                       the first failure (rank, reason) and, per
  *                                 rank, the ranks it was waiting for
  *     ranks[P]                    rank r's barrier count and its two call
@@ -17,6 +18,16 @@
  * Memory ordering: a rank publishes with a release store of its counter after
  * writing data (descriptors and message headers included); a reader acquires
  * the counter before reading the data.  No reliance on x86's strong ordering.
+ *
+ * Waiting (wait_step): spin briefly, then yield the core, then sleep on a
+ * futex on the header's wake word (Linux; elsewhere a growing nanosleep).
+ * Every release store another rank may wait for is followed by wake_peers():
+ * bump the wake word, and if any rank counts itself a sleeper, FUTEX_WAKE.
+ * A sleeper counts itself, re-checks its counter, then sleeps only while the
+ * wake word still has the value it read before counting itself, so a store
+ * made after its re-check always wakes it (seq_cst fences on both sides, the
+ * Dekker pattern); and it sleeps at most POLL_S at a time, so the abort
+ * record, the poll callback (Ctrl-C) and the timeout are still checked.
  *
  * Sizes: the layout is computed with checked arithmetic (plan()), both when
  * rank 0 sizes the segment and when another rank checks the header it reads.
@@ -36,6 +47,11 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+#ifdef __linux__
+#include <limits.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#endif
 
 #include "dlpack.h"
 #include "tensor_view.h"
@@ -56,6 +72,8 @@ typedef struct {
     uint64_t half;
     uint64_t p2p;
     uint64_t total;
+    _Atomic uint32_t wake;     /* bumped after every store a peer may wait for */
+    _Atomic uint32_t sleepers; /* ranks in (or about to enter) a futex wait on `wake` */
 } header;
 
 /* Why a rank broke the communicator (the abort record's reason). */
@@ -128,8 +146,11 @@ struct sf_shm {
     int broken;       /* WHY_* of this rank's own failure, or -1 for a peer's */
     sf_shm_poll_fn poll;
     void *poll_ctx;
+    uint64_t sleeps, wakes; /* this rank's futex waits, and wakes it issued */
     char label[SF_SHM_LABEL];
 };
+
+static void wake_peers(sf_shm *c);
 
 /* ---- sizes ---------------------------------------------------------------- */
 
@@ -379,6 +400,8 @@ int sf_shm_nranks(const sf_shm *c) { return c ? c->nranks : 0; }
 size_t sf_shm_workspace(const sf_shm *c) { return c ? 2 * c->half : 0; }
 size_t sf_shm_oneshot_max(const sf_shm *c) { return c ? c->oneshot_max : 0; }
 double sf_shm_timeout(const sf_shm *c) { return c ? c->timeout_s : 0; }
+uint64_t sf_shm_sleeps(const sf_shm *c) { return c ? c->sleeps : 0; }
+uint64_t sf_shm_wakes(const sf_shm *c) { return c ? c->wakes : 0; }
 size_t sf_shm_segment_bytes(const sf_shm *c) { return c ? c->total : 0; }
 
 /* ---- names for messages ------------------------------------------------------ */
@@ -474,6 +497,7 @@ static void raise_abort(sf_shm *c, int why, uint64_t missing)
     uint64_t word = (uint64_t)why << 32 | (uint64_t)(c->rank + 1);
     atomic_compare_exchange_strong_explicit(&c->abort->word, &expected, word,
                                             memory_order_release, memory_order_relaxed);
+    wake_peers(c);        /* sleepers see the abort now, not at their next poll */
 }
 
 /* "rank 1 was interrupted", "rank 0 timed out waiting for ranks that did not
@@ -560,13 +584,47 @@ static double now_s(void)
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* Backoff state for one wait: spin, then yield the core, then sleep with a
- * growing interval (capped at 100 us so a late peer costs little latency). */
+/* Backoff state for one wait: spin, then yield the core, then sleep on the
+ * wake word (Linux) or with a growing interval capped at 100 us. */
 typedef struct {
     unsigned iter;
     long sleep_ns;
     double deadline, next_poll;
 } waiter;
+
+#define SPIN_STEPS 64
+#define YIELD_STEPS 2048
+
+static inline header *hdr(const sf_shm *c) { return (header *)c->base; }
+
+#ifdef __linux__
+static void futex_sleep(_Atomic uint32_t *word, uint32_t seen, double seconds)
+{
+    if (seconds <= 0)
+        return;
+    struct timespec ts;
+    ts.tv_sec = (time_t)seconds;
+    ts.tv_nsec = (long)((seconds - (double)ts.tv_sec) * 1e9);
+    /* EAGAIN (the word moved), EINTR (a signal: the caller polls) and
+     * ETIMEDOUT all mean: look again. */
+    syscall(SYS_futex, (uint32_t *)word, FUTEX_WAIT, seen, &ts, NULL, 0);
+}
+#endif
+
+/* After a release store that a peer may be waiting for: bump the wake word
+ * and wake the sleepers, if any (see "Waiting" at the top). */
+static void wake_peers(sf_shm *c)
+{
+    header *h = hdr(c);
+    atomic_fetch_add_explicit(&h->wake, 1u, memory_order_seq_cst);
+    atomic_thread_fence(memory_order_seq_cst);
+    if (atomic_load_explicit(&h->sleepers, memory_order_seq_cst) != 0) {
+#ifdef __linux__
+        syscall(SYS_futex, (uint32_t *)&h->wake, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+#endif
+        c->wakes++;
+    }
+}
 
 /* What one backoff step found. */
 enum { W_WAIT = 0, W_TIMEOUT, W_ABORT, W_INTR };
@@ -579,25 +637,44 @@ static void wait_init(waiter *w)
     w->next_poll = 0.0;
 }
 
-/* One backoff step.  Every 64 steps past the spinning phase: the abort
- * record, the poll callback (every POLL_S) and the clock. */
-static int wait_step(waiter *w, const sf_shm *c)
+/* One backoff step of a wait for *a >= target.  The abort record, the poll
+ * callback (every POLL_S) and the clock are checked every 64 steps while
+ * yielding, and after every sleep. */
+static int wait_step(waiter *w, sf_shm *c, _Atomic uint64_t *a, uint64_t target)
 {
-    unsigned i = w->iter++;
-    if (i < 64) {
+    unsigned i = w->iter;
+    if (i < YIELD_STEPS)
+        w->iter++;
+    if (i < SPIN_STEPS) {
         cpu_relax();
         return W_WAIT;
     }
-    if (i < 2048) {
+    if (i < YIELD_STEPS) {
         sched_yield();
+        if (i & 63)
+            return W_WAIT;
     } else {
+#ifdef __linux__
+        header *h = hdr(c);
+        uint32_t seen = atomic_load_explicit(&h->wake, memory_order_seq_cst);
+        atomic_fetch_add_explicit(&h->sleepers, 1u, memory_order_seq_cst);
+        atomic_thread_fence(memory_order_seq_cst);
+        if (atomic_load_explicit(a, memory_order_acquire) < target) {
+            double until = w->next_poll < w->deadline ? w->next_poll : w->deadline;
+            double left = until - now_s();
+            futex_sleep(&h->wake, seen, left < POLL_S ? (left > 1e-4 ? left : 1e-4) : POLL_S);
+            c->sleeps++;
+        }
+        atomic_fetch_sub_explicit(&h->sleepers, 1u, memory_order_seq_cst);
+#else
+        (void)a;
+        (void)target;
         struct timespec ts = {0, w->sleep_ns};
         nanosleep(&ts, NULL);
         if (w->sleep_ns < 100000)
             w->sleep_ns *= 2;
+#endif
     }
-    if (i & 63)
-        return W_WAIT;
     double t = now_s();
     if (w->deadline < 0) {
         w->deadline = t + c->timeout_s;
@@ -717,13 +794,14 @@ static sf_status barrier(sf_shm *c, const char *what, sf_error *err)
         c->announce = 0;
     }
     atomic_store_explicit(&me->seq, target, memory_order_release);
+    wake_peers(c);
     waiter w;
     wait_init(&w);
     for (int r = 0; r < c->nranks; r++) {
         if (r == c->rank)
             continue;
         while (atomic_load_explicit(&c->ranks[r].seq, memory_order_acquire) < target) {
-            int why = wait_step(&w, c);
+            int why = wait_step(&w, c, &c->ranks[r].seq, target);
             if (why)
                 return wait_failed(c, why, what, not_arrived(c, target), err);
         }
@@ -1006,7 +1084,7 @@ static sf_status wait_counter(sf_shm *c, _Atomic uint64_t *a, uint64_t target, c
     waiter w;
     wait_init(&w);
     while (atomic_load_explicit(a, memory_order_acquire) < target) {
-        int why = wait_step(&w, c);
+        int why = wait_step(&w, c, a, target);
         if (why)
             return wait_failed(c, why, what, (uint64_t)1 << peer, err);
     }
@@ -1048,6 +1126,7 @@ sf_status sf_shm_send(sf_shm *c, const void *buf, size_t bytes, sf_shm_dtype dt,
         if (cnt)  /* an empty message may come with no buffer at all */
             memcpy(box, (const char *)buf + off, cnt);
         atomic_store_explicit(&mb->posted, mine + 1, memory_order_release);
+        wake_peers(c);
         off += cnt;
     } while (off < bytes);
     return SF_OK;
@@ -1066,11 +1145,13 @@ static sf_status recv_mismatch(sf_shm *c, int src, size_t bytes, sf_shm_dtype dt
     sf_shm_dtype sdt = mb->dtype;
     uint64_t left = chunks_of(sbytes, c->p2p);
     atomic_store_explicit(taken, ++seen, memory_order_release);
+    wake_peers(c);
     while (--left) {
         sf_status rc = wait_counter(c, &mb->posted, seen + 1, "recv", src, err);
         if (rc)
             return rc;
         atomic_store_explicit(taken, ++seen, memory_order_release);
+        wake_peers(c);
     }
     char numbers[96] = "";
     if (smsg != msgno)
@@ -1106,6 +1187,7 @@ sf_status sf_shm_recv(sf_shm *c, void *buf, size_t bytes, sf_shm_dtype dt, int s
         if (cnt)
             memcpy((char *)buf + off, box, cnt);
         atomic_store_explicit(taken, seen + 1, memory_order_release);
+        wake_peers(c);
         off += cnt;
     } while (off < bytes);
     return SF_OK;

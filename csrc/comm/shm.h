@@ -120,6 +120,10 @@ int sf_shm_nranks(const sf_shm *c);
 size_t sf_shm_workspace(const sf_shm *c);
 size_t sf_shm_oneshot_max(const sf_shm *c);
 double sf_shm_timeout(const sf_shm *c);
+/* This rank's futex sleeps while waiting for peers, and the wakes it issued
+ * to sleeping peers (counts since the communicator was made). */
+uint64_t sf_shm_sleeps(const sf_shm *c);
+uint64_t sf_shm_wakes(const sf_shm *c);
 size_t sf_shm_segment_bytes(const sf_shm *c);
 
 /* In-place all-reduce of n elements at buf. */

@@ -1,0 +1,16 @@
+"""The shm backend's waits: spin, yield, then sleep on a futex that the
+peer's store wakes (csrc/comm/shm.c, "Waiting").  The counts prove the sleep
+and the wake happened; no timing is asserted (see
+benchmarks/collectives_under_load.py for the latencies)."""
+import sys
+
+import pytest
+
+from checks import shm_wait as check
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="futex waits are Linux-only")
+def test_late_peer_wakes_the_sleeper(pool):
+    early, late = pool.run(check.late_peer, 2)
+    assert early["sleeps"] >= 1, early
+    assert late["wakes"] >= 1, late
