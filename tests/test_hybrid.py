@@ -74,3 +74,9 @@ def test_dp_sp_ddp(pool):
 @pytest.mark.filterwarnings("ignore:FSDP2-wrapped module")
 def test_fsdp2_dp_tp(pool):
     pool.run(check.fsdp2_dp_tp, 4)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "GPT2LMHeadModel"])
+def test_tp_pp_three_steps(pool, name, optimizer):
+    pool.run(check.tp_pp_training, 4, name, optimizer=optimizer)

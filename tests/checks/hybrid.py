@@ -325,3 +325,40 @@ def fsdp2_dp_tp(ctx, steps: int = 3) -> list:
         opt.zero_grad()
         ref_opt.zero_grad()
     return errors
+
+
+def tp_pp_training(ctx, name: str = "LlamaForCausalLM", steps: int = 3, optimizer: str = "adamw") -> dict:
+    """TP=2 x PP=2 (mesh(pp=2, tp=2), 1F1B, 2 micro-batches): `steps` optimizer
+    steps with clip_grad_norm_ on a 4-row batch; losses, norms and the
+    gathered state dict equal the unsharded model's."""
+    m = mesh(pp=2, tp=2)
+    torch.manual_seed(0)
+    model = pipeline_check.build(name, 4)
+    model.train()
+    ref = copy.deepcopy(model)
+    model, _ = ShardFormer(m.shard_config()).optimize(model)
+    schedule = OneForwardOneBackwardSchedule(_manager(model), num_microbatches=2)
+    kind = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optimizer]
+    opt, ref_opt = kind(model.parameters(), lr=LR), kind(ref.parameters(), lr=LR)
+    batch = pipeline_check.batch_of(name, 4)
+    report = {"loss": 0.0, "norm": 0.0}
+    for step in range(steps):
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        loss = schedule.forward_backward_step(model, batch)["loss"]
+        ref_loss = ref(**batch).loss
+        ref_loss.backward()
+        report["loss"] = max(report["loss"], parity.assert_close(f"{name} step {step} loss", loss,
+                                                                 ref_loss.detach(), TOL))
+        norm = clip_grad_norm_(model, 1.0)
+        ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+        report["norm"] = max(report["norm"], parity.assert_close(f"{name} step {step} norm", norm, ref_norm, TOL))
+        opt.step()
+        ref_opt.step()
+    tol = (1e-5, 1e-6) if optimizer == "sgd" else (0.0, 0.05 * LR)      # see dp_tp_training
+    full = gather_full_state_dict(model)
+    worst = 0.0
+    for key, t in ref.state_dict().items():
+        worst = max(worst, parity.assert_close(f"{name} {key} after {steps} steps", full[key], t, tol))
+    report["state"] = worst
+    return report
