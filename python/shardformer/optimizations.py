@@ -3,12 +3,15 @@
 No policy writes them: with the ShardConfig switch on, every module of the
 model that has one of these forms gets it, in every family.
 
-    enable_fused_normalization
+    enable_fused_normalization (see NORM_FORMS)
         LayerNorm  y = (x - mean) / sqrt(var + eps) * w + b     -> FusedLayerNorm
+                   the same over dimension 1 (channels first)   -> FusedLayerNorm(channels_first)
         RMSNorm    y = x / sqrt(mean(x^2) + eps) * w             -> FusedRMSNorm
+                   y = x / sqrt(mean(x^2) + eps) * (1 + w)       -> FusedRMSNorm(offset=1)  (Gemma)
     enable_jit_fused (a forward replacement on the MLP class)
         gated      down(silu(gate(x)) * up(x)), gate/up separate or one
                    [gate | up] projection                        -> swiglu kernel
+        gated GeLU down(gelu(gate(x)) * up(x)) (Gemma, T5 v1.1)  -> bias_gelu kernel
         GeLU       [down](gelu(up(x))) [then dropout], GeLU exact or tanh
                                                                  -> bias_gelu kernel
     enable_flash_attention
@@ -16,10 +19,12 @@ model that has one of these forms gets it, in every family.
         (shardformer.attention.enable)
 
 A module is a candidate by its structure (attribute names, parameter shapes;
-see GELU_FORMS, GATED_FORMS, FUSED_GATED_FORMS) and is switched only after a
+see GELU_FORMS, GATED_FORMS, GATED_GELU_FORMS,
+FUSED_GATED_FORMS) and is switched only after a
 probe: the module's own forward and the fused one run on the same random input
 (norms: every instance, with random weights, so that Gemma's (1 + w) scaling is
-told apart from w, and with rows small enough that eps matters; MLPs: one
+told apart from w, with rows small enough that eps matters, last-dimension
+inputs first and channels-first [B, C, H, W] ones next; MLPs: one
 instance per class, after checking every instance has the same form) and must
 agree.  A module whose probe disagrees keeps its own forward.  Nothing
 here splits a tensor, so the same rules hold at any tensor-parallel size.
@@ -79,9 +84,25 @@ def _with_params(module, **params):
 # ---------------------------------------------------------------- norms
 
 
+# form -> (fused class, from_native_module kwargs)
+NORM_FORMS = {
+    "layer": ("FusedLayerNorm", {}),
+    "layer_channels_first": ("FusedLayerNorm", {"channels_first": True}),
+    "rms": ("FusedRMSNorm", {}),
+    "rms_one_plus_w": ("FusedRMSNorm", {"offset": 1.0}),
+}
+
+
 def _norm_form(module) -> str | None:
-    """"layer" or "rms" when `module` is a normalization of that form (probed),
-    else None."""
+    """The key of NORM_FORMS of `module` when it is a normalization of that
+    form (probed), else None:
+
+        layer                  LayerNorm over the last dimension
+        layer_channels_first   LayerNorm over dimension 1 of [B, C, H, W] (SAM's
+                               channels_first SamLayerNorm, vision LayerNorm2d)
+        rms                    x / sqrt(mean(x^2) + eps) * w
+        rms_one_plus_w         x / sqrt(mean(x^2) + eps) * (1 + w)   (Gemma 1-3)
+    """
     if not isinstance(module, nn.Module) or list(module.children()):
         return None
     weight, bias = _param(module, "weight"), _param(module, "bias")
@@ -102,20 +123,37 @@ def _norm_form(module) -> str | None:
         if bias.shape != weight.shape:
             return None
         params["bias"] = nn.Parameter(b.to(bias.device), requires_grad=False)
-    try:
-        with torch.no_grad():
-            got = type(module).forward(_with_params(module, **params), x.to(weight.device)).cpu()
-    except Exception:  # noqa: BLE001 - a module that cannot run on this probe is not a norm of ours
-        return None
+    clone = _with_params(module, **params)
+
+    def run(inp):
+        try:
+            with torch.no_grad():
+                return type(module).forward(clone, inp.to(weight.device)).cpu()
+        except Exception:  # noqa: BLE001 - a module that cannot run on this probe is not a norm of ours
+            return None
+
     xf = x.float()
-    if b is not None:
-        want = F.layer_norm(xf, (n,), w.float(), b.float(), eps)
-        return "layer" if _close(got, want, weight.dtype) else None
-    rms = F.rms_norm(xf, (n,), None, eps).to(x.dtype) * w
-    if _close(got, rms, weight.dtype):
-        return "rms"
-    want = F.layer_norm(xf, (n,), w.float(), None, eps)
-    return "layer" if _close(got, want, weight.dtype) else None
+    got = run(x)
+    if got is not None:
+        if b is not None:
+            want = F.layer_norm(xf, (n,), w.float(), b.float(), eps)
+            if _close(got, want, weight.dtype):
+                return "layer"
+        else:
+            if _close(got, F.rms_norm(xf, (n,), None, eps).to(x.dtype) * w, weight.dtype):
+                return "rms"
+            if _close(got, F.rms_norm(xf, (n,), None, eps) * (1.0 + w.float()), weight.dtype):
+                return "rms_one_plus_w"
+            if _close(got, F.layer_norm(xf, (n,), w.float(), None, eps), weight.dtype):
+                return "layer"
+    # Channels first: the same rows laid out as [B, C, H, W], normalized over C.
+    x4 = x.reshape(3, 2, 1, n).permute(0, 3, 1, 2)
+    got = run(x4)
+    if got is not None and b is not None:
+        want = F.layer_norm(xf, (n,), w.float(), b.float(), eps).reshape(3, 2, 1, n).permute(0, 3, 1, 2)
+        if _close(got, want, weight.dtype):
+            return "layer_channels_first"
+    return None
 
 
 # ---------------------------------------------------------------- MLPs
@@ -131,6 +169,11 @@ GELU_FORMS = (
 )
 # (gate, up, down, activation) for separate projections; (gate_up, down, activation) fused
 GATED_FORMS = (("gate_proj", "up_proj", "down_proj", "act_fn"),)
+# (gate, up, down, activation, dropout before down or None): down([dropout](gelu(gate(x)) * up(x)))
+GATED_GELU_FORMS = (
+    ("gate_proj", "up_proj", "down_proj", "act_fn", None),   # Gemma 1-3 (GeLU-tanh)
+    ("wi_0", "wi_1", "wo", "act", "dropout"),                 # T5 v1.1 / Flan-T5 (T5DenseGatedActDense)
+)
 FUSED_GATED_FORMS = (("gate_up_proj", "down_proj", "activation_fn"), ("gate_up_proj", "down_proj", "act_fn"))
 
 
@@ -184,6 +227,23 @@ def gated_mlp_forward(gate: str, up: str, down: str, act: str):
     return forward
 
 
+def gated_gelu_mlp_forward(gate: str, up: str, down: str, act: str, dropout: str | None, approximate: str):
+    """forward = down([dropout](gelu(gate(x)) * up(x))) with the GeLU by the C kernel
+    (the product cast to down's weight dtype first, as T5 keeps `wo` in float32)."""
+    def forward(self, x):
+        g, u = getattr(self, gate)(x), getattr(self, up)(x)
+        h = (ops.bias_gelu(g, None, approximate) if ops.kernel_input(g) else getattr(self, act)(g)) * u
+        if dropout is not None:
+            h = getattr(self, dropout)(h)
+        w = getattr(getattr(self, down), "weight", None)
+        if dropout is not None and isinstance(w, torch.Tensor) and w.dtype.is_floating_point and h.dtype != w.dtype:
+            h = h.to(w.dtype)
+        return getattr(self, down)(h)
+    forward.__qualname__ = f"gated_gelu_mlp_forward[{gate},{up}->{down}]"
+    forward.approximate = approximate
+    return forward
+
+
 def fused_gated_mlp_forward(gate_up: str, down: str, act: str):
     """forward = down(silu(g) * u) with [g | u] = gate_up(x) (this rank's halves)."""
     def forward(self, x):
@@ -204,6 +264,13 @@ def _mlp_candidates(module):
     for gate_up, down, act in FUSED_GATED_FORMS:
         if gate_up in children and down in children and _act_kind(getattr(module, act, None)) == "silu":
             yield fused_gated_mlp_forward(gate_up, down, act), gate_up
+    for gate, up, down, act, dropout in GATED_GELU_FORMS:
+        if not all(n in children for n in (gate, up, down)) or (dropout is not None and dropout not in children):
+            continue
+        kind = _act_kind(getattr(module, act, None))
+        if kind in ("gelu", "gelu_tanh"):
+            approximate = "tanh" if kind == "gelu_tanh" else "none"
+            yield gated_gelu_mlp_forward(gate, up, down, act, dropout, approximate), gate
     for up, act, down, dropout in GELU_FORMS:
         if up not in children or (down is not None and down not in children):
             continue
@@ -303,9 +370,11 @@ def optimization_policy(model: nn.Module, shard_config, replaced_paths: set[str]
             (k,) = real
             if k == "excluded" or k[1] is None:
                 continue
-            target = FusedLayerNorm if k[1] == "layer" else FusedRMSNorm
+            target, kwargs = NORM_FORMS[k[1]]
+            target = {"FusedLayerNorm": FusedLayerNorm, "FusedRMSNorm": FusedRMSNorm}[target]
             entry = policy.setdefault(cls, ModulePolicyDescription())
-            entry.sub_module_replacement.append(Sub(name, target, ignore_if_not_exist=None in kinds))
+            entry.sub_module_replacement.append(Sub(name, target, ignore_if_not_exist=None in kinds,
+                                                    kwargs=dict(kwargs) or None))
     if jit:
         by_class: dict[type, list[str]] = {}
         for path, module in model.named_modules():
