@@ -14,6 +14,9 @@ model that has one of these forms gets it, in every family.
         gated GeLU down(gelu(gate(x)) * up(x)) (Gemma, T5 v1.1)  -> bias_gelu kernel
         GeLU       [down](gelu(up(x))) [then dropout], GeLU exact or tanh
                                                                  -> bias_gelu kernel
+        residual   [norm](r + dropout(dense(h))) (BERT-style *Output, ViTOutput),
+                   r + dropout_p(down(gelu(up(h)))) (BLOOM's MLP) -> bias_dropout_add kernel
+                   (the dropout's own p, in training mode too: the kernel draws its mask)
     enable_flash_attention
         every layer that looks its attention up in transformers' registry
         (shardformer.attention.enable)
@@ -35,6 +38,7 @@ are left to the policy.
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -254,6 +258,70 @@ def fused_gated_mlp_forward(gate_up: str, down: str, act: str):
     return forward
 
 
+# Residual forms, forward(hidden_states, residual):
+#   (dense, dropout module, norm or None): [norm](residual + dropout(dense(h)))   BERT-style *Output, ViTOutput
+#   (up, activation, down, dropout probability attribute):
+#       residual + dropout_p(down(gelu(up(h))))                                   BLOOM's MLP
+DROPOUT_ADD_FORMS = (("dense", "dropout", "LayerNorm"), ("dense", "dropout", None))
+GELU_DROPOUT_ADD_FORMS = (("dense_h_to_4h", "gelu_impl", "dense_4h_to_h", "hidden_dropout"),)
+
+
+def dropout_add_forward(dense: str, dropout: str, norm: str | None):
+    """forward(h, residual) = [norm](residual + dropout(dense(h))), the dropout and
+    the residual add in one C kernel (bias_dropout_add)."""
+    def forward(self, hidden_states, input_tensor):
+        h = getattr(self, dense)(hidden_states)
+        drop = getattr(self, dropout)
+        if ops.kernel_input(h) and ops.kernel_input(input_tensor) and h.shape == input_tensor.shape \
+                and h.dtype == input_tensor.dtype:
+            h = ops.bias_dropout_add(h, None, input_tensor, drop.p, drop.training)
+        else:
+            h = drop(h) + input_tensor
+        return getattr(self, norm)(h) if norm is not None else h
+    forward.__qualname__ = f"dropout_add_forward[{dense}->{dropout}->{norm}]"
+    return forward
+
+
+def gelu_dropout_add_forward(up: str, act: str, down: str, prob: str, approximate: str):
+    """forward(h, residual) = residual + dropout_p(down(gelu(up(h)))): the GeLU and
+    the dropout-add by the C kernels (bias_gelu, bias_dropout_add)."""
+    def forward(self, hidden_states, residual):
+        h = getattr(self, up)(hidden_states)
+        h = ops.bias_gelu(h, None, approximate) if ops.kernel_input(h) else getattr(self, act)(h)
+        h = getattr(self, down)(h)
+        p = float(getattr(self, prob))
+        if ops.kernel_input(h) and ops.kernel_input(residual) and h.shape == residual.shape \
+                and h.dtype == residual.dtype:
+            return ops.bias_dropout_add(h, None, residual, p, self.training)
+        return residual + F.dropout(h, p=p, training=self.training)
+    forward.__qualname__ = f"gelu_dropout_add_forward[{up}->{act}->{down}]"
+    forward.approximate = approximate
+    return forward
+
+
+def _residual_candidates(module):
+    """(fused forward(h, residual), input projection, output projection) for
+    every residual form whose structure `module` has (not yet probed)."""
+    children = dict(module.named_children())
+    for up, act, down, prob in GELU_DROPOUT_ADD_FORMS:
+        if up not in children or down not in children:
+            continue
+        p = getattr(module, prob, None)
+        if not isinstance(p, (int, float)) or isinstance(p, bool):
+            continue
+        kind = _act_kind(getattr(module, act, None))
+        if kind in ("gelu", "gelu_tanh"):
+            yield gelu_dropout_add_forward(up, act, down, prob, "tanh" if kind == "gelu_tanh" else "none"), up, down
+    for dense, dropout, norm in DROPOUT_ADD_FORMS:
+        if dense not in children or not isinstance(children.get(dropout), nn.Dropout):
+            continue
+        if norm is not None and norm not in children:
+            continue
+        if norm is None and any(n in children for _, _, n in DROPOUT_ADD_FORMS if n is not None):
+            continue      # a norm is there: the form with it, or none
+        yield dropout_add_forward(dense, dropout, norm), dense, dense
+
+
 def _mlp_candidates(module):
     """(fused forward, name of its input projection) for every form whose
     structure `module` has (not yet probed)."""
@@ -283,7 +351,8 @@ def _mlp_candidates(module):
 
 def _form_names(module) -> tuple[str, ...]:
     """The forms `module`'s structure and activations match, by name."""
-    return tuple(f.__qualname__ + repr(getattr(f, "approximate", "")) for f, _ in _mlp_candidates(module))
+    return (tuple(f.__qualname__ + repr(getattr(f, "approximate", "")) for f, _ in _mlp_candidates(module))
+            + tuple(f.__qualname__ + repr(getattr(f, "approximate", "")) for f, _, _ in _residual_candidates(module)))
 
 
 def _mlp_forward(module):
@@ -304,6 +373,53 @@ def _mlp_forward(module):
                 want = type(module).forward(module, x)
                 torch.manual_seed(0)
                 got = fused(module, x)
+        except Exception:  # noqa: BLE001 - a form that does not run is not this module's form
+            continue
+        if isinstance(want, tuple):
+            continue
+        if _close(got, want, dtype):
+            return fused
+    return _residual_forward(module)
+
+
+def _linear_out(module) -> int | None:
+    w = _param(module, "weight") if isinstance(module, nn.Module) else None
+    if w is None or w.dim() != 2:
+        return None
+    return w.shape[1] if type(module).__name__ == "Conv1D" else w.shape[0]
+
+
+@contextmanager
+def _eval_mode(module):
+    """`module` and its sub-modules in eval mode for the probe (the kernel's dropout
+    masks are not torch's: the forms are compared without dropout), then as before."""
+    modes = [(m, m.training) for m in module.modules()]
+    try:
+        module.eval()
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _residual_forward(module):
+    """The fused forward(h, residual) for `module`'s class, or None: the first
+    residual form whose output equals the module's own forward (in eval mode)."""
+    params = list(module.parameters())
+    if not params:
+        return None
+    dtype, device = params[0].dtype, params[0].device
+    for fused, first, last in _residual_candidates(module):
+        n, m = _linear_in(getattr(module, first)), _linear_out(getattr(module, last))
+        if n is None or m is None:
+            continue
+        gen = torch.Generator().manual_seed(4321)
+        x = torch.randn(2, 3, n, generator=gen).to(dtype=dtype, device=device)
+        r = torch.randn(2, 3, m, generator=gen).to(dtype=dtype, device=device)
+        try:
+            with torch.no_grad(), _eval_mode(module):
+                want = type(module).forward(module, x, r)
+                got = fused(module, x, r)
         except Exception:  # noqa: BLE001 - a form that does not run is not this module's form
             continue
         if isinstance(want, tuple):
