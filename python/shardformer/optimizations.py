@@ -178,7 +178,10 @@ GATED_GELU_FORMS = (
     ("gate_proj", "up_proj", "down_proj", "act_fn", None),   # Gemma 1-3 (GeLU-tanh)
     ("wi_0", "wi_1", "wo", "act", "dropout"),                 # T5 v1.1 / Flan-T5 (T5DenseGatedActDense)
 )
-FUSED_GATED_FORMS = (("gate_up_proj", "down_proj", "activation_fn"), ("gate_up_proj", "down_proj", "act_fn"))
+# (an activation None: the module's forward applies silu(gate) * up to the halves
+# itself, as ChatGLM2's MLP does with its swiglu function; the probe decides)
+FUSED_GATED_FORMS = (("gate_up_proj", "down_proj", "activation_fn"), ("gate_up_proj", "down_proj", "act_fn"),
+                     ("dense_h_to_4h", "dense_4h_to_h", None))
 
 
 def _act_kind(act) -> str | None:
@@ -252,7 +255,10 @@ def fused_gated_mlp_forward(gate_up: str, down: str, act: str):
     """forward = down(silu(g) * u) with [g | u] = gate_up(x) (this rank's halves)."""
     def forward(self, x):
         g, u = getattr(self, gate_up)(x).chunk(2, dim=-1)
-        h = ops.swiglu(g.contiguous(), u.contiguous()) if ops.kernel_input(g) else getattr(self, act)(g) * u
+        if ops.kernel_input(g):
+            h = ops.swiglu(g.contiguous(), u.contiguous())
+        else:
+            h = (F.silu(g) if act is None else getattr(self, act)(g)) * u
         return getattr(self, down)(h)
     forward.__qualname__ = f"fused_gated_mlp_forward[{gate_up}->{down}]"
     return forward
@@ -330,7 +336,8 @@ def _mlp_candidates(module):
         if all(n in children for n in (gate, up, down)) and _act_kind(getattr(module, act, None)) == "silu":
             yield gated_mlp_forward(gate, up, down, act), gate
     for gate_up, down, act in FUSED_GATED_FORMS:
-        if gate_up in children and down in children and _act_kind(getattr(module, act, None)) == "silu":
+        if gate_up in children and down in children and (
+                act is None or _act_kind(getattr(module, act, None)) == "silu"):
             yield fused_gated_mlp_forward(gate_up, down, act), gate_up
     for gate, up, down, act, dropout in GATED_GELU_FORMS:
         if not all(n in children for n in (gate, up, down)) or (dropout is not None and dropout not in children):
