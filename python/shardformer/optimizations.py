@@ -14,6 +14,8 @@ model that has one of these forms gets it, in every family.
         gated GeLU down(gelu(gate(x)) * up(x)) (Gemma, T5 v1.1)  -> bias_gelu kernel
         GeLU       [down](gelu(up(x))) [then dropout], GeLU exact or tanh
                                                                  -> bias_gelu kernel
+        GeLU feed-forward methods (METHOD_GELU_FORMS: ALBERT's AlbertLayer.ff_chunk)
+                                                                 -> bias_gelu kernel
         residual   [norm](r + dropout(dense(h))) (BERT-style *Output, ViTOutput),
                    r + dropout_p(down(gelu(up(h)))) (BLOOM's MLP) -> bias_dropout_add kernel
                    (the dropout's own p, in training mode too: the kernel draws its mask)
@@ -171,6 +173,9 @@ GELU_FORMS = (
     ("lin1", "act", "lin2", None),                     # SAM's vision MLP
     ("dense", "intermediate_act_fn", None, None),      # BERT-style intermediate
 )
+# (method, up, activation, down): a GeLU feed-forward that is a method of a larger
+# module rather than an MLP module's forward
+METHOD_GELU_FORMS = (("ff_chunk", "ffn", "activation", "ffn_output"),)   # ALBERT's AlbertLayer.ff_chunk
 # (gate, up, down, activation) for separate projections; (gate_up, down, activation) fused
 GATED_FORMS = (("gate_proj", "up_proj", "down_proj", "act_fn"),)
 # (gate, up, down, activation, dropout before down or None): down([dropout](gelu(gate(x)) * up(x)))
@@ -356,10 +361,51 @@ def _mlp_candidates(module):
             yield gelu_mlp_forward(up, act, down, dropout, "tanh" if kind == "gelu_tanh" else "none"), up
 
 
+def _method_candidates(module):
+    """(method name, fused method, name of its input projection) for every
+    METHOD_GELU_FORMS form whose structure `module` has (not yet probed)."""
+    children = dict(module.named_children())
+    for method, up, act, down in METHOD_GELU_FORMS:
+        if up not in children or down not in children or not callable(getattr(type(module), method, None)):
+            continue
+        kind = _act_kind(getattr(module, act, None))
+        if kind in ("gelu", "gelu_tanh"):
+            fused = gelu_mlp_forward(up, act, down, None, "tanh" if kind == "gelu_tanh" else "none")
+            fused.__qualname__ = f"{method}:{fused.__qualname__}"
+            yield method, fused, up
+
+
+def _method_forwards(module) -> dict:
+    """{method name: fused method} for the METHOD_GELU_FORMS of `module` whose
+    output equals the module's own method on a random input."""
+    out = {}
+    params = list(module.parameters())
+    if not params or not _probe_ok(module):
+        return out
+    dtype, device = params[0].dtype, params[0].device
+    for method, fused, first in _method_candidates(module):
+        n = _linear_in(getattr(module, first))
+        if n is None or method in out:
+            continue
+        x = torch.randn(2, 3, n, generator=torch.Generator().manual_seed(4321)).to(dtype=dtype, device=device)
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                want = getattr(type(module), method)(module, x)
+                torch.manual_seed(0)
+                got = fused(module, x)
+        except Exception:  # noqa: BLE001
+            continue
+        if _close(got, want, dtype):
+            out[method] = fused
+    return out
+
+
 def _form_names(module) -> tuple[str, ...]:
     """The forms `module`'s structure and activations match, by name."""
     return (tuple(f.__qualname__ + repr(getattr(f, "approximate", "")) for f, _ in _mlp_candidates(module))
-            + tuple(f.__qualname__ + repr(getattr(f, "approximate", "")) for f, _, _ in _residual_candidates(module)))
+            + tuple(f.__qualname__ + repr(getattr(f, "approximate", "")) for f, _, _ in _residual_candidates(module))
+            + tuple(f.__qualname__ + repr(getattr(f, "approximate", "")) for _, f, _ in _method_candidates(module)))
 
 
 def _mlp_forward(module):
@@ -511,9 +557,11 @@ def optimization_policy(model: nn.Module, shard_config, replaced_paths: set[str]
             forms = {_form_names(model.get_submodule(p)) for p in paths}
             if len(forms) != 1 or not next(iter(forms)):
                 continue
-            fused = _mlp_forward(model.get_submodule(paths[0]))
-            if fused is not None:
-                policy.setdefault(cls, ModulePolicyDescription()).method_replacement["forward"] = fused
+            first = model.get_submodule(paths[0])
+            fused = _mlp_forward(first)
+            methods = {"forward": fused} if fused is not None else _method_forwards(first)
+            if methods:
+                policy.setdefault(cls, ModulePolicyDescription()).method_replacement.update(methods)
     return policy
 
 
