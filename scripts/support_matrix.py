@@ -71,9 +71,6 @@ NOT_SUPPORTED = {
         "SamModel's mask decoder attention goes through the kernel; the vision encoder's "
         "(SamVisionAttention, with decomposed relative positions) is computed by the layer itself, "
         "so SamVisionModel keeps it",
-    ("albert", "jit fused"):
-        "ALBERT's feed-forward is a method of AlbertLayer (ff_chunk: ffn -> activation -> ffn_output), "
-        "not an MLP module, and its dropout-adds are inside the attention's and the layer's forwards",
     ("mixtral", "jit fused"):
         "Mixtral's experts are the policy's expert-parallel module (replaced by the policy, "
         "which the optimizations leave alone)",
