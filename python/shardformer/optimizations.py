@@ -8,7 +8,7 @@ model that has one of these forms gets it, in every family.
                    the same over dimension 1 (channels first)   -> FusedLayerNorm(channels_first)
         RMSNorm    y = x / sqrt(mean(x^2) + eps) * w             -> FusedRMSNorm
                    y = x / sqrt(mean(x^2) + eps) * (1 + w)       -> FusedRMSNorm(offset=1)  (Gemma)
-    enable_jit_fused (a forward replacement on the MLP class)
+    enable_jit_fused (a forward, or feed-forward method, replacement on the class)
         gated      down(silu(gate(x)) * up(x)), gate/up separate or one
                    [gate | up] projection                        -> swiglu kernel
         gated GeLU down(gelu(gate(x)) * up(x)) (Gemma, T5 v1.1)  -> bias_gelu kernel
@@ -24,13 +24,14 @@ model that has one of these forms gets it, in every family.
         (shardformer.attention.enable)
 
 A module is a candidate by its structure (attribute names, parameter shapes;
-see GELU_FORMS, GATED_FORMS, GATED_GELU_FORMS,
-FUSED_GATED_FORMS) and is switched only after a
-probe: the module's own forward and the fused one run on the same random input
+see NORM_FORMS, GELU_FORMS, GATED_FORMS, GATED_GELU_FORMS, FUSED_GATED_FORMS,
+METHOD_GELU_FORMS, DROPOUT_ADD_FORMS, GELU_DROPOUT_ADD_FORMS) and is switched
+only after a probe: the module's own forward and the fused one run on the same random input
 (norms: every instance, with random weights, so that Gemma's (1 + w) scaling is
 told apart from w, with rows small enough that eps matters, last-dimension
 inputs first and channels-first [B, C, H, W] ones next; MLPs: one
-instance per class, after checking every instance has the same form) and must
+instance per class, after checking every instance has the same form; residual
+forms in eval mode, the kernel's dropout masks not being torch's) and must
 agree.  A module whose probe disagrees keeps its own forward.  Nothing
 here splits a tensor, so the same rules hold at any tensor-parallel size.
 
