@@ -213,11 +213,43 @@ def test_training_mode_dropout_does_not_defeat_the_probe():
     assert mlps == {"GPT2MLP"}
 
 
+def test_residual_forms_and_their_lookalikes():
+    # BERT's *Output: dense -> dropout -> LayerNorm(h + residual): bias_dropout_add.
+    # ViT's ViTSelfOutput has the same children but adds no residual: refused by the probe.
+    _, mlps = _switched(zoo.build("BertModel"))
+    assert {"BertSelfOutput", "BertOutput", "BertIntermediate"} <= mlps, mlps
+    _, mlps = _switched(zoo.build("ViTModel"))
+    assert "ViTSelfOutput" not in mlps and "ViTMLP" in mlps, mlps
+    _, mlps = _switched(zoo.build("BloomModel"))
+    assert mlps == {"BloomMLP"}, mlps
+
+
+def test_fused_dropout_add_drops_in_training_mode():
+    # The kernel draws its own mask: in training mode the output is dropped (p = the
+    # module's dropout p), in eval mode it equals HF's forward.
+    from transformers.models.bert.modeling_bert import BertSelfOutput
+
+    model = zoo.build_with_dropout("BertModel", 0.5)
+    ref = copy.deepcopy(model)
+    sharded, _ = ShardFormer(FUSED).optimize(model)
+    out, out_ref = sharded.encoder.layer[0].attention.output, ref.encoder.layer[0].attention.output
+    assert isinstance(out, BertSelfOutput)
+    h, r = torch.randn(2, 5, 48), torch.randn(2, 5, 48)
+    out.eval(), out_ref.eval()
+    with optimizations.counting_kernels() as calls:
+        torch.testing.assert_close(out(h, r), out_ref(h, r), rtol=1e-5, atol=1e-5)
+    assert calls["bias_dropout_add"] == 1, calls
+    out.train()
+    torch.manual_seed(0)
+    assert not torch.allclose(out(h, r), out_ref(h, r))
+
+
 FAMILIES = zoo.family_classes()
 FIRST = {family: classes[0] for family, classes in sorted(FAMILIES.items())}
-# Second configurations that show a kernel a family's default test config does not
-# reach (T5 v1.1's gated GeLU; the zoo's T5 classes are v1.0, ReLU, but for QA).
-VARIANTS = {"t5": ["T5ForConditionalGeneration/v1.1"]}
+# Second configurations that show a form a family's default test config does not
+# reach: T5 v1.1's gated GeLU (the zoo's T5 classes are v1.0, ReLU, but for QA);
+# Falcon's parallel norms (new decoder architecture; optimizations.VARIANTS).
+VARIANTS = {"t5": ["T5ForConditionalGeneration/v1.1"], "falcon": ["FalconForCausalLM/parallel_norms"]}
 FAMILY_OF = {name: family for family, classes in FAMILIES.items() for name in classes + VARIANTS.get(family, [])}
 # Every class at TP=2, the first class of each family (and the variants) at TP=4.
 CASES = [(name, 2) for name in FAMILY_OF] + [(name, 4) for name in list(FIRST.values()) +
