@@ -3,6 +3,9 @@
     python scripts/support_matrix.py                  # run the model tests, print the table
     python scripts/support_matrix.py --write README.md
     python scripts/support_matrix.py --junit results.xml --write README.md
+    python scripts/support_matrix.py --junit all.xml --junit rerun.xml --write README.md
+        (a later file's test modules replace those modules' cases in the earlier ones:
+        re-run one test file after a change without re-running the rest)
 
 Rows are the model families of shardformer.autopolicy; a cell counts the
 classes of that family for which every test of that feature passed (and no
@@ -116,11 +119,23 @@ def run_tests(junit: str) -> None:
                    cwd=ROOT, check=False)
 
 
-def outcomes(junit: str, classes: set[str]) -> dict[tuple[str, str], list[bool]]:
+def test_cases(junits: list[str]) -> list:
+    """The testcase elements of the junit files; a test module (classname) found
+    in a later file replaces every case of that module in the earlier ones."""
+    cases: dict[str, list] = {}
+    for junit in junits:
+        found: dict[str, list] = defaultdict(list)
+        for case in ET.parse(junit).getroot().iter("testcase"):
+            found[case.get("classname", "")].append(case)
+        cases.update(found)
+    return [c for cs in cases.values() for c in cs]
+
+
+def outcomes(junits: list[str], classes: set[str]) -> dict[tuple[str, str], list[bool]]:
     """(feature, model class) -> pass/fail of every matching test case."""
     by_test = {t: f for f, tests in FEATURES.items() for t in tests}
     result = defaultdict(list)
-    for case in ET.parse(junit).getroot().iter("testcase"):
+    for case in test_cases(junits):
         m = re.match(r"([A-Za-z0-9_]+)\[(.*)\]$", case.get("name", ""))
         if not m or m.group(1) not in by_test:
             continue
@@ -179,16 +194,18 @@ def class_list(families: dict[str, list[str]]) -> str:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--junit", help="an existing pytest --junitxml file (default: run the model tests)")
+    p.add_argument("--junit", action="append",
+                   help="an existing pytest --junitxml file (default: run the model tests); may be repeated, "
+                        "a later file's test modules replacing the earlier files' cases of those modules")
     p.add_argument("--write", help="replace the section between the support-matrix markers in this file")
     args = p.parse_args()
     families = registry()
-    junit = args.junit
-    if junit is None:
-        junit = os.path.join(tempfile.mkdtemp(), "results.xml")
-        run_tests(junit)
+    junits = args.junit
+    if not junits:
+        junits = [os.path.join(tempfile.mkdtemp(), "results.xml")]
+        run_tests(junits[0])
     notes = footnotes(families)
-    text = table(families, outcomes(junit, {c for cs in families.values() for c in cs}), notes)
+    text = table(families, outcomes(junits, {c for cs in families.values() for c in cs}), notes)
     text += "\n\nA cell counts the classes of the family for which every test of that feature passed; "
     text += "[n] refers to a note below.\n\n"
     for (family, feature), (number, note) in notes.items():
