@@ -3,11 +3,15 @@
     python scripts/support_matrix.py                  # run the model tests, print the table
     python scripts/support_matrix.py --write README.md
     python scripts/support_matrix.py --junit results.xml --write README.md
+    python scripts/support_matrix.py --junit all.xml --junit rerun.xml --write README.md
+        (a later file's test modules replace those modules' cases in the earlier ones:
+        re-run one test file after a change without re-running the rest)
 
 Rows are the model families of shardformer.autopolicy; a cell counts the
 classes of that family for which every test of that feature passed (and no
 test of it failed).  A feature is a test function name, see FEATURES.
-Nothing in the table is written by hand.
+Nothing in the table is written by hand; the footnotes are NOT_SUPPORTED and CAVEATS
+(each "not supported" claim of an optimization column is checked by tests/test_optimizations.py).
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ FEATURES = {
     "bf16": ("test_bf16_forward",),
     "fused normalization": ("test_fused_normalization", "test_fused_normalization_every_family"),
     "jit fused": ("test_models_with_fused_kernels", "test_jit_fused_every_family"),
-    "flash attention": ("test_flash_attention",),
+    "flash attention": ("test_flash_attention", "test_flash_attention_every_family"),
     "full state dict": ("test_state_dict_round_trip",),
     "lazy init": ("test_lazy_shards_equal_eager_tp2",),
     "sharded load": ("test_from_pretrained_equals_hf", "test_from_pretrained_every_family"),
@@ -42,6 +46,55 @@ FEATURES = {
     "pipeline (GPipe)": ("test_gpipe_equals_unsharded",),
     "pipeline (1F1B, TP=2)": ("test_1f1b_equals_unsharded",),
     "pipeline (interleaved)": ("test_interleaved_equals_unsharded",),
+}
+# (family, column) -> why the family's classes (all of them, or those the cell does
+# not count) do not get it: printed as a footnote of the cell.  For the optimization
+# columns, tests/test_optimizations.py checks each claim: a class listed here as not
+# getting a kernel must not call it (test_nothing_fused_where_no_kernel_fits), so a
+# footnote cannot outlive its reason.
+NOT_SUPPORTED = {
+    ("bloom", "flash attention"):
+        "BloomAttention computes its ALiBi attention itself; it does not look attention up in "
+        "transformers' AttentionInterface, which is where the C attention is registered",
+    ("chatglm2", "flash attention"):
+        "ChatGLM2 is remote code whose CoreAttention computes its attention itself (torch's "
+        "scaled_dot_product_attention), not through transformers' AttentionInterface",
+    ("falcon", "flash attention"):
+        "FalconAttention picks its attention itself (eager / SDPA / its own flash class), not "
+        "through transformers' AttentionInterface",
+    ("gpt_neo", "flash attention"):
+        "GPTNeoSelfAttention computes its attention itself (local and global layers), not through "
+        "transformers' AttentionInterface",
+    ("gptj", "flash attention"):
+        "GPTJAttention computes its attention itself, not through transformers' AttentionInterface",
+    ("swinv2", "flash attention"):
+        "Swinv2SelfAttention computes scaled cosine attention (normalized q, k, a learned logit "
+        "scale, continuous position bias) itself, not through transformers' AttentionInterface",
+    ("sam", "flash attention"):
+        "SamModel's mask decoder attention goes through the kernel; the vision encoder's "
+        "(SamVisionAttention, with decomposed relative positions) is computed by the layer itself, "
+        "so SamVisionModel keeps it",
+    ("mixtral", "jit fused"):
+        "Mixtral's experts are the policy's expert-parallel module (replaced by the policy, "
+        "which the optimizations leave alone)",
+    ("opt", "jit fused"):
+        "OPT's feed-forward is ReLU (no kernel) and written inline in OPTDecoderLayer",
+    ("whisper", "jit fused"):
+        "Whisper's feed-forward and residual dropout-adds are written inline in its encoder / decoder "
+        "layers, no MLP module to switch",
+    ("sam", "jit fused"):
+        "SamModel's MLP class (SamMLPBlock) is GeLU in the vision encoder and ReLU in the mask "
+        "decoder, so one forward cannot replace the class's; SamVisionModel gets it",
+    ("t5", "jit fused"):
+        "T5 v1.0 feed-forwards are ReLU (no kernel); the v1.1 / Flan-T5 gated GeLU "
+        "(T5DenseGatedActDense) gets it: the classes counted are those tested with a v1.1 config",
+}
+# (family, column) -> a condition of the cell's tests
+CAVEATS = {
+    ("gemma2", "flash attention"):
+        "tested with attn_logit_softcapping=None; with logit soft-capping (Gemma-2's default) the "
+        "layers keep HF's attention, the kernel has no soft-cap",
+    ("mistral", "flash attention"): "with a sliding window (4) shorter than the test's sequences",
 }
 BEGIN, END = "<!-- support-matrix:begin -->", "<!-- support-matrix:end -->"
 # every tests/test_models*.py (one per zoo module), and the other files holding the feature tests above
@@ -66,11 +119,23 @@ def run_tests(junit: str) -> None:
                    cwd=ROOT, check=False)
 
 
-def outcomes(junit: str, classes: set[str]) -> dict[tuple[str, str], list[bool]]:
+def test_cases(junits: list[str]) -> list:
+    """The testcase elements of the junit files; a test module (classname) found
+    in a later file replaces every case of that module in the earlier ones."""
+    cases: dict[str, list] = {}
+    for junit in junits:
+        found: dict[str, list] = defaultdict(list)
+        for case in ET.parse(junit).getroot().iter("testcase"):
+            found[case.get("classname", "")].append(case)
+        cases.update(found)
+    return [c for cs in cases.values() for c in cs]
+
+
+def outcomes(junits: list[str], classes: set[str]) -> dict[tuple[str, str], list[bool]]:
     """(feature, model class) -> pass/fail of every matching test case."""
     by_test = {t: f for f, tests in FEATURES.items() for t in tests}
     result = defaultdict(list)
-    for case in ET.parse(junit).getroot().iter("testcase"):
+    for case in test_cases(junits):
         m = re.match(r"([A-Za-z0-9_]+)\[(.*)\]$", case.get("name", ""))
         if not m or m.group(1) not in by_test:
             continue
@@ -83,7 +148,22 @@ def outcomes(junit: str, classes: set[str]) -> dict[tuple[str, str], list[bool]]
     return result
 
 
-def table(families: dict[str, list[str]], results) -> str:
+def footnotes(families: dict[str, list[str]]) -> dict[tuple[str, str], tuple[int, str]]:
+    """(family, column) -> (footnote number, text), numbered in table order."""
+    notes = {**{k: v for k, v in CAVEATS.items()}, **NOT_SUPPORTED}
+    unknown = sorted(k for k in notes if k[0] not in families or k[1] not in FEATURES)
+    if unknown:
+        raise SystemExit(f"support_matrix.py: footnotes for no family / column: {unknown}")
+    out = {}
+    for family in families:
+        for feature in FEATURES:
+            if (family, feature) in notes:
+                out[(family, feature)] = (len(out) + 1, notes[(family, feature)])
+    return out
+
+
+def table(families: dict[str, list[str]], results, notes=None) -> str:
+    notes = {} if notes is None else notes
     header = "| family | classes | " + " | ".join(FEATURES) + " |"
     lines = [header, "|" + "---|" * (len(FEATURES) + 2)]
     for family, classes in families.items():
@@ -92,11 +172,14 @@ def table(families: dict[str, list[str]], results) -> str:
             ok = [c for c in classes if results.get((feature, c)) and all(results[(feature, c)])]
             bad = [c for c in classes if results.get((feature, c)) and not all(results[(feature, c)])]
             if bad:
-                cells.append(f"✗ {len(bad)} failing")
+                cell = f"✗ {len(bad)} failing"
             elif ok:
-                cells.append(f"✔ {len(ok)}/{len(classes)}")
+                cell = f"✔ {len(ok)}/{len(classes)}"
             else:
-                cells.append("")
+                cell = ""
+            if (family, feature) in notes:
+                cell = f"{cell} [{notes[(family, feature)][0]}]".strip()
+            cells.append(cell)
         lines.append(f"| {family} | {len(classes)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -111,16 +194,23 @@ def class_list(families: dict[str, list[str]]) -> str:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--junit", help="an existing pytest --junitxml file (default: run the model tests)")
+    p.add_argument("--junit", action="append",
+                   help="an existing pytest --junitxml file (default: run the model tests); may be repeated, "
+                        "a later file's test modules replacing the earlier files' cases of those modules")
     p.add_argument("--write", help="replace the section between the support-matrix markers in this file")
     args = p.parse_args()
     families = registry()
-    junit = args.junit
-    if junit is None:
-        junit = os.path.join(tempfile.mkdtemp(), "results.xml")
-        run_tests(junit)
-    text = table(families, outcomes(junit, {c for cs in families.values() for c in cs}))
-    text += "\n\nA cell counts the classes of the family for which every test of that feature passed.\n\n"
+    junits = args.junit
+    if not junits:
+        junits = [os.path.join(tempfile.mkdtemp(), "results.xml")]
+        run_tests(junits[0])
+    notes = footnotes(families)
+    text = table(families, outcomes(junits, {c for cs in families.values() for c in cs}), notes)
+    text += "\n\nA cell counts the classes of the family for which every test of that feature passed; "
+    text += "[n] refers to a note below.\n\n"
+    for (family, feature), (number, note) in notes.items():
+        text += f"{number}. {family}, {feature}: {note}\n"
+    text += "\n"
     text += class_list(families)
     print(text)
     if args.write:

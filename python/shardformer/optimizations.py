@@ -3,24 +3,35 @@
 No policy writes them: with the ShardConfig switch on, every module of the
 model that has one of these forms gets it, in every family.
 
-    enable_fused_normalization
+    enable_fused_normalization (see NORM_FORMS)
         LayerNorm  y = (x - mean) / sqrt(var + eps) * w + b     -> FusedLayerNorm
+                   the same over dimension 1 (channels first)   -> FusedLayerNorm(channels_first)
         RMSNorm    y = x / sqrt(mean(x^2) + eps) * w             -> FusedRMSNorm
-    enable_jit_fused (a forward replacement on the MLP class)
+                   y = x / sqrt(mean(x^2) + eps) * (1 + w)       -> FusedRMSNorm(offset=1)  (Gemma)
+    enable_jit_fused (a forward, or feed-forward method, replacement on the class)
         gated      down(silu(gate(x)) * up(x)), gate/up separate or one
                    [gate | up] projection                        -> swiglu kernel
+        gated GeLU down(gelu(gate(x)) * up(x)) (Gemma, T5 v1.1)  -> bias_gelu kernel
         GeLU       [down](gelu(up(x))) [then dropout], GeLU exact or tanh
                                                                  -> bias_gelu kernel
+        GeLU feed-forward methods (METHOD_GELU_FORMS: ALBERT's AlbertLayer.ff_chunk)
+                                                                 -> bias_gelu kernel
+        residual   [norm](r + dropout(dense(h))) (BERT-style *Output, ViTOutput),
+                   r + dropout_p(down(gelu(up(h)))) (BLOOM's MLP) -> bias_dropout_add kernel
+                   (the dropout's own p, in training mode too: the kernel draws its mask)
     enable_flash_attention
         every layer that looks its attention up in transformers' registry
         (shardformer.attention.enable)
 
 A module is a candidate by its structure (attribute names, parameter shapes;
-see GELU_FORMS, GATED_FORMS, FUSED_GATED_FORMS) and is switched only after a
-probe: the module's own forward and the fused one run on the same random input
+see NORM_FORMS, GELU_FORMS, GATED_FORMS, GATED_GELU_FORMS, FUSED_GATED_FORMS,
+METHOD_GELU_FORMS, DROPOUT_ADD_FORMS, GELU_DROPOUT_ADD_FORMS) and is switched
+only after a probe: the module's own forward and the fused one run on the same random input
 (norms: every instance, with random weights, so that Gemma's (1 + w) scaling is
-told apart from w, and with rows small enough that eps matters; MLPs: one
-instance per class, after checking every instance has the same form) and must
+told apart from w, with rows small enough that eps matters, last-dimension
+inputs first and channels-first [B, C, H, W] ones next; MLPs: one
+instance per class, after checking every instance has the same form; residual
+forms in eval mode, the kernel's dropout masks not being torch's) and must
 agree.  A module whose probe disagrees keeps its own forward.  Nothing
 here splits a tensor, so the same rules hold at any tensor-parallel size.
 
@@ -30,6 +41,7 @@ are left to the policy.
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
@@ -79,9 +91,25 @@ def _with_params(module, **params):
 # ---------------------------------------------------------------- norms
 
 
+# form -> (fused class, from_native_module kwargs)
+NORM_FORMS = {
+    "layer": ("FusedLayerNorm", {}),
+    "layer_channels_first": ("FusedLayerNorm", {"channels_first": True}),
+    "rms": ("FusedRMSNorm", {}),
+    "rms_one_plus_w": ("FusedRMSNorm", {"offset": 1.0}),
+}
+
+
 def _norm_form(module) -> str | None:
-    """"layer" or "rms" when `module` is a normalization of that form (probed),
-    else None."""
+    """The key of NORM_FORMS of `module` when it is a normalization of that
+    form (probed), else None:
+
+        layer                  LayerNorm over the last dimension
+        layer_channels_first   LayerNorm over dimension 1 of [B, C, H, W] (SAM's
+                               channels_first SamLayerNorm, vision LayerNorm2d)
+        rms                    x / sqrt(mean(x^2) + eps) * w
+        rms_one_plus_w         x / sqrt(mean(x^2) + eps) * (1 + w)   (Gemma 1-3)
+    """
     if not isinstance(module, nn.Module) or list(module.children()):
         return None
     weight, bias = _param(module, "weight"), _param(module, "bias")
@@ -102,20 +130,37 @@ def _norm_form(module) -> str | None:
         if bias.shape != weight.shape:
             return None
         params["bias"] = nn.Parameter(b.to(bias.device), requires_grad=False)
-    try:
-        with torch.no_grad():
-            got = type(module).forward(_with_params(module, **params), x.to(weight.device)).cpu()
-    except Exception:  # noqa: BLE001 - a module that cannot run on this probe is not a norm of ours
-        return None
+    clone = _with_params(module, **params)
+
+    def run(inp):
+        try:
+            with torch.no_grad():
+                return type(module).forward(clone, inp.to(weight.device)).cpu()
+        except Exception:  # noqa: BLE001 - a module that cannot run on this probe is not a norm of ours
+            return None
+
     xf = x.float()
-    if b is not None:
-        want = F.layer_norm(xf, (n,), w.float(), b.float(), eps)
-        return "layer" if _close(got, want, weight.dtype) else None
-    rms = F.rms_norm(xf, (n,), None, eps).to(x.dtype) * w
-    if _close(got, rms, weight.dtype):
-        return "rms"
-    want = F.layer_norm(xf, (n,), w.float(), None, eps)
-    return "layer" if _close(got, want, weight.dtype) else None
+    got = run(x)
+    if got is not None:
+        if b is not None:
+            want = F.layer_norm(xf, (n,), w.float(), b.float(), eps)
+            if _close(got, want, weight.dtype):
+                return "layer"
+        else:
+            if _close(got, F.rms_norm(xf, (n,), None, eps).to(x.dtype) * w, weight.dtype):
+                return "rms"
+            if _close(got, F.rms_norm(xf, (n,), None, eps) * (1.0 + w.float()), weight.dtype):
+                return "rms_one_plus_w"
+            if _close(got, F.layer_norm(xf, (n,), w.float(), None, eps), weight.dtype):
+                return "layer"
+    # Channels first: the same rows laid out as [B, C, H, W], normalized over C.
+    x4 = x.reshape(3, 2, 1, n).permute(0, 3, 1, 2)
+    got = run(x4)
+    if got is not None and b is not None:
+        want = F.layer_norm(xf, (n,), w.float(), b.float(), eps).reshape(3, 2, 1, n).permute(0, 3, 1, 2)
+        if _close(got, want, weight.dtype):
+            return "layer_channels_first"
+    return None
 
 
 # ---------------------------------------------------------------- MLPs
@@ -129,9 +174,20 @@ GELU_FORMS = (
     ("lin1", "act", "lin2", None),                     # SAM's vision MLP
     ("dense", "intermediate_act_fn", None, None),      # BERT-style intermediate
 )
+# (method, up, activation, down): a GeLU feed-forward that is a method of a larger
+# module rather than an MLP module's forward
+METHOD_GELU_FORMS = (("ff_chunk", "ffn", "activation", "ffn_output"),)   # ALBERT's AlbertLayer.ff_chunk
 # (gate, up, down, activation) for separate projections; (gate_up, down, activation) fused
 GATED_FORMS = (("gate_proj", "up_proj", "down_proj", "act_fn"),)
-FUSED_GATED_FORMS = (("gate_up_proj", "down_proj", "activation_fn"), ("gate_up_proj", "down_proj", "act_fn"))
+# (gate, up, down, activation, dropout before down or None): down([dropout](gelu(gate(x)) * up(x)))
+GATED_GELU_FORMS = (
+    ("gate_proj", "up_proj", "down_proj", "act_fn", None),   # Gemma 1-3 (GeLU-tanh)
+    ("wi_0", "wi_1", "wo", "act", "dropout"),                 # T5 v1.1 / Flan-T5 (T5DenseGatedActDense)
+)
+# (an activation None: the module's forward applies silu(gate) * up to the halves
+# itself, as ChatGLM2's MLP does with its swiglu function; the probe decides)
+FUSED_GATED_FORMS = (("gate_up_proj", "down_proj", "activation_fn"), ("gate_up_proj", "down_proj", "act_fn"),
+                     ("dense_h_to_4h", "dense_4h_to_h", None))
 
 
 def _act_kind(act) -> str | None:
@@ -184,14 +240,98 @@ def gated_mlp_forward(gate: str, up: str, down: str, act: str):
     return forward
 
 
+def gated_gelu_mlp_forward(gate: str, up: str, down: str, act: str, dropout: str | None, approximate: str):
+    """forward = down([dropout](gelu(gate(x)) * up(x))) with the GeLU by the C kernel
+    (the product cast to down's weight dtype first, as T5 keeps `wo` in float32)."""
+    def forward(self, x):
+        g, u = getattr(self, gate)(x), getattr(self, up)(x)
+        h = (ops.bias_gelu(g, None, approximate) if ops.kernel_input(g) else getattr(self, act)(g)) * u
+        if dropout is not None:
+            h = getattr(self, dropout)(h)
+        w = getattr(getattr(self, down), "weight", None)
+        if dropout is not None and isinstance(w, torch.Tensor) and w.dtype.is_floating_point and h.dtype != w.dtype:
+            h = h.to(w.dtype)
+        return getattr(self, down)(h)
+    forward.__qualname__ = f"gated_gelu_mlp_forward[{gate},{up}->{down}]"
+    forward.approximate = approximate
+    return forward
+
+
 def fused_gated_mlp_forward(gate_up: str, down: str, act: str):
     """forward = down(silu(g) * u) with [g | u] = gate_up(x) (this rank's halves)."""
     def forward(self, x):
         g, u = getattr(self, gate_up)(x).chunk(2, dim=-1)
-        h = ops.swiglu(g.contiguous(), u.contiguous()) if ops.kernel_input(g) else getattr(self, act)(g) * u
+        if ops.kernel_input(g):
+            h = ops.swiglu(g.contiguous(), u.contiguous())
+        else:
+            h = (F.silu(g) if act is None else getattr(self, act)(g)) * u
         return getattr(self, down)(h)
     forward.__qualname__ = f"fused_gated_mlp_forward[{gate_up}->{down}]"
     return forward
+
+
+# Residual forms, forward(hidden_states, residual):
+#   (dense, dropout module, norm or None): [norm](residual + dropout(dense(h)))   BERT-style *Output, ViTOutput
+#   (up, activation, down, dropout probability attribute):
+#       residual + dropout_p(down(gelu(up(h))))                                   BLOOM's MLP
+DROPOUT_ADD_FORMS = (("dense", "dropout", "LayerNorm"), ("dense", "dropout", None))
+GELU_DROPOUT_ADD_FORMS = (("dense_h_to_4h", "gelu_impl", "dense_4h_to_h", "hidden_dropout"),)
+
+
+def dropout_add_forward(dense: str, dropout: str, norm: str | None):
+    """forward(h, residual) = [norm](residual + dropout(dense(h))), the dropout and
+    the residual add in one C kernel (bias_dropout_add)."""
+    def forward(self, hidden_states, input_tensor):
+        h = getattr(self, dense)(hidden_states)
+        drop = getattr(self, dropout)
+        if ops.kernel_input(h) and ops.kernel_input(input_tensor) and h.shape == input_tensor.shape \
+                and h.dtype == input_tensor.dtype:
+            h = ops.bias_dropout_add(h, None, input_tensor, drop.p, drop.training)
+        else:
+            h = drop(h) + input_tensor
+        return getattr(self, norm)(h) if norm is not None else h
+    forward.__qualname__ = f"dropout_add_forward[{dense}->{dropout}->{norm}]"
+    return forward
+
+
+def gelu_dropout_add_forward(up: str, act: str, down: str, prob: str, approximate: str):
+    """forward(h, residual) = residual + dropout_p(down(gelu(up(h)))): the GeLU and
+    the dropout-add by the C kernels (bias_gelu, bias_dropout_add)."""
+    def forward(self, hidden_states, residual):
+        h = getattr(self, up)(hidden_states)
+        h = ops.bias_gelu(h, None, approximate) if ops.kernel_input(h) else getattr(self, act)(h)
+        h = getattr(self, down)(h)
+        p = float(getattr(self, prob))
+        if ops.kernel_input(h) and ops.kernel_input(residual) and h.shape == residual.shape \
+                and h.dtype == residual.dtype:
+            return ops.bias_dropout_add(h, None, residual, p, self.training)
+        return residual + F.dropout(h, p=p, training=self.training)
+    forward.__qualname__ = f"gelu_dropout_add_forward[{up}->{act}->{down}]"
+    forward.approximate = approximate
+    return forward
+
+
+def _residual_candidates(module):
+    """(fused forward(h, residual), input projection, output projection) for
+    every residual form whose structure `module` has (not yet probed)."""
+    children = dict(module.named_children())
+    for up, act, down, prob in GELU_DROPOUT_ADD_FORMS:
+        if up not in children or down not in children:
+            continue
+        p = getattr(module, prob, None)
+        if not isinstance(p, (int, float)) or isinstance(p, bool):
+            continue
+        kind = _act_kind(getattr(module, act, None))
+        if kind in ("gelu", "gelu_tanh"):
+            yield gelu_dropout_add_forward(up, act, down, prob, "tanh" if kind == "gelu_tanh" else "none"), up, down
+    for dense, dropout, norm in DROPOUT_ADD_FORMS:
+        if dense not in children or not isinstance(children.get(dropout), nn.Dropout):
+            continue
+        if norm is not None and norm not in children:
+            continue
+        if norm is None and any(n in children for _, _, n in DROPOUT_ADD_FORMS if n is not None):
+            continue      # a norm is there: the form with it, or none
+        yield dropout_add_forward(dense, dropout, norm), dense, dense
 
 
 def _mlp_candidates(module):
@@ -202,8 +342,16 @@ def _mlp_candidates(module):
         if all(n in children for n in (gate, up, down)) and _act_kind(getattr(module, act, None)) == "silu":
             yield gated_mlp_forward(gate, up, down, act), gate
     for gate_up, down, act in FUSED_GATED_FORMS:
-        if gate_up in children and down in children and _act_kind(getattr(module, act, None)) == "silu":
+        if gate_up in children and down in children and (
+                act is None or _act_kind(getattr(module, act, None)) == "silu"):
             yield fused_gated_mlp_forward(gate_up, down, act), gate_up
+    for gate, up, down, act, dropout in GATED_GELU_FORMS:
+        if not all(n in children for n in (gate, up, down)) or (dropout is not None and dropout not in children):
+            continue
+        kind = _act_kind(getattr(module, act, None))
+        if kind in ("gelu", "gelu_tanh"):
+            approximate = "tanh" if kind == "gelu_tanh" else "none"
+            yield gated_gelu_mlp_forward(gate, up, down, act, dropout, approximate), gate
     for up, act, down, dropout in GELU_FORMS:
         if up not in children or (down is not None and down not in children):
             continue
@@ -214,9 +362,51 @@ def _mlp_candidates(module):
             yield gelu_mlp_forward(up, act, down, dropout, "tanh" if kind == "gelu_tanh" else "none"), up
 
 
+def _method_candidates(module):
+    """(method name, fused method, name of its input projection) for every
+    METHOD_GELU_FORMS form whose structure `module` has (not yet probed)."""
+    children = dict(module.named_children())
+    for method, up, act, down in METHOD_GELU_FORMS:
+        if up not in children or down not in children or not callable(getattr(type(module), method, None)):
+            continue
+        kind = _act_kind(getattr(module, act, None))
+        if kind in ("gelu", "gelu_tanh"):
+            fused = gelu_mlp_forward(up, act, down, None, "tanh" if kind == "gelu_tanh" else "none")
+            fused.__qualname__ = f"{method}:{fused.__qualname__}"
+            yield method, fused, up
+
+
+def _method_forwards(module) -> dict:
+    """{method name: fused method} for the METHOD_GELU_FORMS of `module` whose
+    output equals the module's own method on a random input."""
+    out = {}
+    params = list(module.parameters())
+    if not params or not _probe_ok(module):
+        return out
+    dtype, device = params[0].dtype, params[0].device
+    for method, fused, first in _method_candidates(module):
+        n = _linear_in(getattr(module, first))
+        if n is None or method in out:
+            continue
+        x = torch.randn(2, 3, n, generator=torch.Generator().manual_seed(4321)).to(dtype=dtype, device=device)
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=[]):
+                torch.manual_seed(0)
+                want = getattr(type(module), method)(module, x)
+                torch.manual_seed(0)
+                got = fused(module, x)
+        except Exception:  # noqa: BLE001
+            continue
+        if _close(got, want, dtype):
+            out[method] = fused
+    return out
+
+
 def _form_names(module) -> tuple[str, ...]:
     """The forms `module`'s structure and activations match, by name."""
-    return tuple(f.__qualname__ + repr(getattr(f, "approximate", "")) for f, _ in _mlp_candidates(module))
+    return (tuple(f.__qualname__ + repr(getattr(f, "approximate", "")) for f, _ in _mlp_candidates(module))
+            + tuple(f.__qualname__ + repr(getattr(f, "approximate", "")) for f, _, _ in _residual_candidates(module))
+            + tuple(f.__qualname__ + repr(getattr(f, "approximate", "")) for _, f, _ in _method_candidates(module)))
 
 
 def _mlp_forward(module):
@@ -237,6 +427,53 @@ def _mlp_forward(module):
                 want = type(module).forward(module, x)
                 torch.manual_seed(0)
                 got = fused(module, x)
+        except Exception:  # noqa: BLE001 - a form that does not run is not this module's form
+            continue
+        if isinstance(want, tuple):
+            continue
+        if _close(got, want, dtype):
+            return fused
+    return _residual_forward(module)
+
+
+def _linear_out(module) -> int | None:
+    w = _param(module, "weight") if isinstance(module, nn.Module) else None
+    if w is None or w.dim() != 2:
+        return None
+    return w.shape[1] if type(module).__name__ == "Conv1D" else w.shape[0]
+
+
+@contextmanager
+def _eval_mode(module):
+    """`module` and its sub-modules in eval mode for the probe (the kernel's dropout
+    masks are not torch's: the forms are compared without dropout), then as before."""
+    modes = [(m, m.training) for m in module.modules()]
+    try:
+        module.eval()
+        yield
+    finally:
+        for m, mode in modes:
+            m.training = mode
+
+
+def _residual_forward(module):
+    """The fused forward(h, residual) for `module`'s class, or None: the first
+    residual form whose output equals the module's own forward (in eval mode)."""
+    params = list(module.parameters())
+    if not params:
+        return None
+    dtype, device = params[0].dtype, params[0].device
+    for fused, first, last in _residual_candidates(module):
+        n, m = _linear_in(getattr(module, first)), _linear_out(getattr(module, last))
+        if n is None or m is None:
+            continue
+        gen = torch.Generator().manual_seed(4321)
+        x = torch.randn(2, 3, n, generator=gen).to(dtype=dtype, device=device)
+        r = torch.randn(2, 3, m, generator=gen).to(dtype=dtype, device=device)
+        try:
+            with torch.no_grad(), _eval_mode(module):
+                want = type(module).forward(module, x, r)
+                got = fused(module, x, r)
         except Exception:  # noqa: BLE001 - a form that does not run is not this module's form
             continue
         if isinstance(want, tuple):
@@ -303,9 +540,11 @@ def optimization_policy(model: nn.Module, shard_config, replaced_paths: set[str]
             (k,) = real
             if k == "excluded" or k[1] is None:
                 continue
-            target = FusedLayerNorm if k[1] == "layer" else FusedRMSNorm
+            target, kwargs = NORM_FORMS[k[1]]
+            target = {"FusedLayerNorm": FusedLayerNorm, "FusedRMSNorm": FusedRMSNorm}[target]
             entry = policy.setdefault(cls, ModulePolicyDescription())
-            entry.sub_module_replacement.append(Sub(name, target, ignore_if_not_exist=None in kinds))
+            entry.sub_module_replacement.append(Sub(name, target, ignore_if_not_exist=None in kinds,
+                                                    kwargs=dict(kwargs) or None))
     if jit:
         by_class: dict[type, list[str]] = {}
         for path, module in model.named_modules():
@@ -319,9 +558,11 @@ def optimization_policy(model: nn.Module, shard_config, replaced_paths: set[str]
             forms = {_form_names(model.get_submodule(p)) for p in paths}
             if len(forms) != 1 or not next(iter(forms)):
                 continue
-            fused = _mlp_forward(model.get_submodule(paths[0]))
-            if fused is not None:
-                policy.setdefault(cls, ModulePolicyDescription()).method_replacement["forward"] = fused
+            first = model.get_submodule(paths[0])
+            fused = _mlp_forward(first)
+            methods = {"forward": fused} if fused is not None else _method_forwards(first)
+            if methods:
+                policy.setdefault(cls, ModulePolicyDescription()).method_replacement.update(methods)
     return policy
 
 

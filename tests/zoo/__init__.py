@@ -96,13 +96,13 @@ def _with_dropout(cfg, p: float, seen=None) -> list[str]:
     return changed
 
 
-def build_with_dropout(name: str, p: float):
+def build_with_dropout(name: str, p: float, **overrides):
     """The model `name` (its weights), rebuilt from a config whose every
-    dropout probability is p."""
+    dropout probability is p (overrides: of build())."""
     import torch
     from transformers import PretrainedConfig
 
-    base = build(name)
+    base = build(name, **overrides)
     if not isinstance(base.config, PretrainedConfig):
         return base  # zoo.chatglm2's model has no dropout (the training flags are still checked)
     cfg = copy.deepcopy(base.config)
