@@ -46,6 +46,7 @@ FEATURES = {
     "pipeline (GPipe)": ("test_gpipe_equals_unsharded",),
     "pipeline (1F1B, TP=2)": ("test_1f1b_equals_unsharded",),
     "pipeline (interleaved)": ("test_interleaved_equals_unsharded",),
+    "loss on vocabulary shards (parallel_output)": ("test_loss_on_vocabulary_shards",),
 }
 # (family, column) -> why the family's classes (all of them, or those the cell does
 # not count) do not get it: printed as a footnote of the cell.  For the optimization
@@ -101,7 +102,7 @@ BEGIN, END = "<!-- support-matrix:begin -->", "<!-- support-matrix:end -->"
 TEST_FILES = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "tests", "test_models*.py"))) + [
     "tests/test_kernels.py", "tests/test_attention.py", "tests/test_optimizations.py", "tests/test_lazy.py",
     "tests/test_from_pretrained.py", "tests/test_sequence_parallel.py", "tests/test_sequence_attention.py",
-    "tests/test_sequence_parallel_more.py", "tests/test_pipeline.py"]
+    "tests/test_sequence_parallel_more.py", "tests/test_pipeline.py", "tests/test_lm_loss.py"]
 
 
 def registry() -> dict[str, list[str]]:
