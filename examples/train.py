@@ -47,7 +47,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-QUICK = dict(steps=12, seq=32, batch=4, hidden=64, layers=2, heads=4, kv_heads=2, lr=3e-3, warmup=2)
+QUICK = dict(steps=12, seq=32, batch=4, hidden=64, layers=2, heads=4, kv_heads=2, lr=3e-3, warmup=2, microbatches=2)
 
 
 def parse_args(argv=None):
@@ -411,6 +411,9 @@ def run(rank: int, args) -> int:
     log(f"{m!r}; world {world}")
     if args.batch % m.sizes["dp"]:
         raise SystemExit(f"--batch {args.batch} does not split over dp={m.sizes['dp']}")
+    if m.sizes["pp"] > 1 and (args.batch // m.sizes["dp"]) % args.microbatches:
+        raise SystemExit(f"--batch {args.batch} / dp={m.sizes['dp']} = {args.batch // m.sizes['dp']} rows per "
+                         f"pipeline do not split into --microbatches {args.microbatches}")
     tok = load_tokenizer()
     train, held = corpus_sequences(tok, args.seq)
     batches = global_batches(train, args.steps, args.batch, args.seed)

