@@ -237,7 +237,7 @@ class DerivedPolicy(Policy):
                 done.add(parent_path)
                 done.update(siblings)
             else:
-                raise self._fail(style, path, "not mapped")
+                raise self._fail(style, path, f"{style} needs an nn.Embedding, {type(module).__name__} is not one")
         subs += self._tied_embedding(matched, subs)
         return {type(self.model): ModulePolicyDescription(attribute_replacement=attrs, sub_module_replacement=subs)}
 
@@ -316,6 +316,17 @@ class DerivedPolicy(Policy):
             except (AttributeError, ValueError, TypeError) as e:
                 style, _ = next(iter(siblings.values()))
                 raise self._fail(style, parent_path, f"cannot find the attention's head counts ({e})")
+            widths = [m.weight.shape[0] for st, m in siblings.values() if st == "colwise" and hasattr(m, "weight")]
+            n, kv, hd = heads.num_heads, heads.kv_heads, heads.head_dim
+            if kv != n and widths and kv * hd not in widths:     # the config's KV heads are not this module's
+                heads = Heads(n, n, hd)
+        if any(style in ("colwise", "packed_colwise") for style, _ in siblings.values()):
+            own = [name for name, _ in parent.named_parameters(recurse=False)]
+            if own and parent is not self.model:
+                style = next(st for st, _ in siblings.values() if st in ("colwise", "packed_colwise"))
+                raise self._fail(style, f"{parent_path}.{own[0]}",
+                                 f"{type(parent).__name__} holds parameter(s) {own} beside its split layers "
+                                 "and the plan does not say how to split them")
         for path, (style, module) in siblings.items():
             if not isinstance(module, nn.Linear):
                 raise self._fail(style, path, f"{type(module).__name__} is not an nn.Linear")
