@@ -6,8 +6,6 @@ architectures that have no built-in policy but carry a plan (hidden 64,
 from the same seed (checks.parity)."""
 from __future__ import annotations
 
-import copy
-
 import torch
 import transformers
 
@@ -48,10 +46,31 @@ MODELS = {
     "Olmoe": ("OlmoeForCausalLM", dict(MOE, intermediate_size=32)),
     "Qwen3Moe": ("Qwen3MoeForCausalLM", dict(MOE, decoder_sparse_step=1, mlp_only_layers=[1])),
 }
-
+MODELS.update({n: (f"{n}ForCausalLM", dict(MOE)) for n in (
+    "Cwm", "Ernie4_5_Moe", "Gemma4", "Gemma4Unified", "Glm4Moe", "HYV3", "HrmText", "HyperCLOVAX", "Mellum",
+    "Ministral3", "NanoChat", "SolarOpen",
+    # plans that leave part of the model replicated (Qwen2-MoE's experts, OLMo-Hybrid's
+    # linear-attention layers, EXAONE-MoE's ...): sharded as the plan says, no more
+    "ExaoneMoe", "OlmoHybrid", "Qwen2Moe")})
+PARTIAL_PLANS = ("ExaoneMoe", "OlmoHybrid", "Qwen2Moe")
+# Reductions in another order: allow the unsharded float32 model's own distance from float64.
+FP64_FLOOR = ("Gemma4", "Gemma4Unified")
+# Plans (or modules) that cannot be honoured: {name: (class, overrides, what the refusal names)}.
+REFUSED = {
+    "Doge": ("DogeForCausalLM", dict(MOE), ("'colwise'", "model.layers.0.self_attn.A", "DogeForCausalLM")),
+    "GraniteSWA": ("GraniteSWAForCausalLM", dict(MOE),
+                   ("'colwise'", "model.layers.0.self_attn.sinks", "GraniteSWAForCausalLM")),
+    "Laguna": ("LagunaForCausalLM", dict(MOE), ("'colwise'", "model.layers.0.self_attn.g_proj", "LagunaForCausalLM")),
+    "MiMoV2Flash": ("MiMoV2FlashForCausalLM", dict(MOE),
+                    ("'colwise'", "model.layers.0.self_attn.v_proj", "MiMoV2FlashForCausalLM")),
+    "Llama4": ("Llama4ForCausalLM", dict(MOE),
+               ("'moe_tp_experts'", "model.layers.0.feed_forward.experts", "Llama4ForCausalLM")),
+    "HYV4": ("HYV4ForCausalLM", dict(MOE), ("'mla_kv_a_proj'", "HYV4ForCausalLM")),
+    "Inkling": ("InklingForCausalLM", dict(MOE), ("'all_reduce'", "InklingForCausalLM")),
+}
 
 def config_of(name: str, **extra):
-    cls_name, overrides = MODELS[name]
+    cls_name, overrides = MODELS[name] if name in MODELS else REFUSED[name][:2]
     cls = getattr(transformers, cls_name)
     kwargs = {k: v for k, v in dict(BASE, **overrides, **extra).items() if v is not None}
     if name == "GPTNeoX":
@@ -60,44 +79,32 @@ def config_of(name: str, **extra):
     config._attn_implementation = "eager"
     return cls, config
 
-
 def build(name: str, seed: int = 0, **extra):
     cls, config = config_of(name, **extra)
     torch.manual_seed(seed)
     return cls(config)
-
 
 def make_inputs(name: str, seed: int = 1) -> dict:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, BASE["vocab_size"], (BATCH, SEQ), generator=g)
     return {"input_ids": ids, "labels": ids.clone()}
 
-
 # ---- rank functions ----
 
 def check(ctx, name: str):
-    report = parity.check_sharded(ctx, lambda: build(name), make_inputs(name), name=name)
-    report["policy"] = None
-    return report
-
-
-def policy_name(ctx, name: str):
-    model = build(name)
-    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
-    return {"policy": type(model).__name__, "sharded": [n for n, m in model.named_modules()
-                                                           if type(m).__module__.startswith("shardformer")]}
-
+    return parity.check_sharded(ctx, lambda: build(name), make_inputs(name), name=name,
+                                fp64_floor=name in FP64_FLOOR)
 
 def generate_matches(ctx, name: str, new_tokens: int = 5):
     model, ref = parity.sharded_pair(ctx, build(name))
     return parity.greedy_matches(model, ref, {"input_ids": parity.prompt_ids()}, name, new_tokens).tolist()
 
-
-def refused(ctx, name: str, plan_edit: dict, expect: tuple[str, ...]):
-    """optimize() refuses the model whose plan is edited by `plan_edit`
-    (path: style), leaving it unchanged; the message names each of `expect`."""
+def refused(ctx, name: str, expect: tuple[str, ...], plan_edit: dict | None = None):
+    """optimize() refuses the model (its plan edited by `plan_edit`,
+    {path: style}), leaving it unchanged; the message names each of `expect`."""
     model = build(name)
-    model._tp_plan = dict(model._tp_plan, **plan_edit)
+    if plan_edit:
+        model._tp_plan = dict(model._tp_plan, **plan_edit)
     shard_config = ShardConfig(tensor_parallel_process_group=ctx.group)
     message = parity.refused_unchanged(model, lambda: ShardFormer(shard_config).optimize(model), f"{name} plan")
     missing = [e for e in expect if e not in message]
