@@ -18,10 +18,10 @@ NAMES = sorted(D.MODELS)
 def test_forward_backward_step(pool, name, tp):
     reports = pool.run(D.check, tp, name)
     assert all(r["tp"] == tp for r in reports)
-    if tp == 2:
-        assert all(r["param_fraction"] < 0.6 for r in reports), [r["param_fraction"] for r in reports]
-    elif name in D.PARTIAL_PLANS:     # the plan itself leaves experts / layers replicated
+    if name in D.PARTIAL_PLANS:     # the plan itself leaves experts / layers replicated
         assert all(r["param_fraction"] < 1 for r in reports)
+    elif tp == 2:
+        assert all(r["param_fraction"] < 0.6 for r in reports), [r["param_fraction"] for r in reports]
 
 
 GENERATE = ("Cohere", "Exaone4", "GPTNeoX", "Olmo2", "Qwen3Moe")

@@ -47,14 +47,21 @@ MODELS = {
     "Qwen3Moe": ("Qwen3MoeForCausalLM", dict(MOE, decoder_sparse_step=1, mlp_only_layers=[1])),
 }
 MODELS.update({n: (f"{n}ForCausalLM", dict(MOE)) for n in (
-    "Cwm", "Ernie4_5_Moe", "Gemma4", "Gemma4Unified", "Glm4Moe", "HYV3", "HrmText", "HyperCLOVAX", "Mellum",
+    "Cwm", "Ernie4_5_Moe", "Gemma4Unified", "Glm4Moe", "HYV3", "HrmText", "HyperCLOVAX", "Mellum",
     "Ministral3", "NanoChat", "SolarOpen",
     # plans that leave part of the model replicated (Qwen2-MoE's experts, OLMo-Hybrid's
     # linear-attention layers, EXAONE-MoE's ...): sharded as the plan says, no more
     "ExaoneMoe", "OlmoHybrid", "Qwen2Moe")})
+# Heads that do not divide the ranks: 6 query heads over 2 KV heads (uneven at TP=4),
+# one KV head (replicated on every rank), and GPT-NeoX's fused per-head qkv with 6 heads.
+MODELS.update({
+    "Arcee-6heads": ("ArceeForCausalLM", {"hidden_size": 48, "num_attention_heads": 6}),
+    "SmolLM3-1kv": ("SmolLM3ForCausalLM", {"num_key_value_heads": 1}),
+    "GPTNeoX-6heads": ("GPTNeoXForCausalLM", dict(MODELS["GPTNeoX"][1], hidden_size=48, num_attention_heads=6)),
+})
 PARTIAL_PLANS = ("ExaoneMoe", "OlmoHybrid", "Qwen2Moe")
 # Reductions in another order: allow the unsharded float32 model's own distance from float64.
-FP64_FLOOR = ("Gemma4", "Gemma4Unified")
+FP64_FLOOR = ("Gemma4Unified",)
 # Plans (or modules) that cannot be honoured: {name: (class, overrides, what the refusal names)}.
 REFUSED = {
     "Doge": ("DogeForCausalLM", dict(MOE), ("'colwise'", "model.layers.0.self_attn.A", "DogeForCausalLM")),
