@@ -52,6 +52,9 @@ MODELS.update({n: (f"{n}ForCausalLM", dict(MOE)) for n in (
     # plans that leave part of the model replicated (Qwen2-MoE's experts, OLMo-Hybrid's
     # linear-attention layers, EXAONE-MoE's ...): sharded as the plan says, no more
     "ExaoneMoe", "OlmoHybrid", "Qwen2Moe")})
+# Experts whose grouped matmul wants 16-byte aligned strides: 96 features.
+MODELS.update({n: (f"{n}ForCausalLM", dict(MOE, intermediate_size=96))
+               for n in ("AriaText", "Cohere2Moe", "FlexOlmo", "MiniMax")})
 # Heads that do not divide the ranks: 6 query heads over 2 KV heads (uneven at TP=4),
 # one KV head (replicated on every rank), and GPT-NeoX's fused per-head qkv with 6 heads.
 MODELS.update({
@@ -59,7 +62,7 @@ MODELS.update({
     "SmolLM3-1kv": ("SmolLM3ForCausalLM", {"num_key_value_heads": 1}),
     "GPTNeoX-6heads": ("GPTNeoXForCausalLM", dict(MODELS["GPTNeoX"][1], hidden_size=48, num_attention_heads=6)),
 })
-PARTIAL_PLANS = ("ExaoneMoe", "OlmoHybrid", "Qwen2Moe")
+PARTIAL_PLANS = ("AriaText", "Cohere2Moe", "ExaoneMoe", "OlmoHybrid", "Qwen2Moe")
 # Reductions in another order: allow the unsharded float32 model's own distance from float64.
 FP64_FLOOR = ("Gemma4Unified",)
 # Plans (or modules) that cannot be honoured: {name: (class, overrides, what the refusal names)}.
@@ -72,6 +75,10 @@ REFUSED = {
                     ("'colwise'", "model.layers.0.self_attn.v_proj", "MiMoV2FlashForCausalLM")),
     "Llama4": ("Llama4ForCausalLM", dict(MOE),
                ("'moe_tp_experts'", "model.layers.0.feed_forward.experts", "Llama4ForCausalLM")),
+    "DeepseekV2": ("DeepseekV2ForCausalLM", dict(MOE), ("'mla_kv_a_proj'", "model.layers.0.self_attn.kv_a_proj_with_mqa",
+                                                         "DeepseekV2ForCausalLM")),
+    "MiniCPM3": ("MiniCPM3ForCausalLM", {}, ("'mla_kv_a_proj'", "model.layers.0.self_attn.kv_a_proj_with_mqa",
+                                            "MiniCPM3ForCausalLM")),
     "HYV4": ("HYV4ForCausalLM", dict(MOE), ("'mla_kv_a_proj'", "HYV4ForCausalLM")),
     "Inkling": ("InklingForCausalLM", dict(MOE), ("'all_reduce'", "InklingForCausalLM")),
 }
