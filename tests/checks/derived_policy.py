@@ -49,8 +49,8 @@ MODELS = {
 MODELS.update({n: (f"{n}ForCausalLM", dict(MOE)) for n in (
     "Cwm", "Ernie4_5_Moe", "Gemma4Unified", "Glm4Moe", "HYV3", "HrmText", "HyperCLOVAX", "Mellum",
     "Ministral3", "NanoChat", "SolarOpen",
-    # plans that leave part of the model replicated (Qwen2-MoE's experts, OLMo-Hybrid's
-    # linear-attention layers, EXAONE-MoE's ...): sharded as the plan says, no more
+    # plans that leave part of the model replicated (e.g. Qwen2-MoE's experts, OLMo-Hybrid's
+    # linear-attention layers): sharded as the plan says, no more
     "ExaoneMoe", "OlmoHybrid", "Qwen2Moe")})
 # Experts whose grouped matmul wants 16-byte aligned strides: 96 features.
 MODELS.update({n: (f"{n}ForCausalLM", dict(MOE, intermediate_size=96))
