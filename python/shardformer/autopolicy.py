@@ -74,11 +74,17 @@ def get_autopolicy(model) -> Policy:
     table = registry()
     found = table.get(full) or table.get(bare)
     if found is None:
+        from .derived_policy import DerivedPolicy, has_tp_plan
+
+        if has_tp_plan(model):      # built-in policies win; else the model's own plan
+            return DerivedPolicy()
         names = "\n  ".join(k.rsplit(".", 1)[-1] for k in supported_models())
         raise ValueError(
             f"{bare}: no built-in policy for {full}.\nSupported model classes:\n  {names}\n"
-            "For another model, write a shardformer.Policy subclass and pass it as "
-            "ShardFormer(shard_config).optimize(model, policy=MyPolicy())."
+            "The model carries no tensor-parallel plan (config.base_model_tp_plan or the class's _tp_plan) "
+            "to derive one from.  Supply a plan as a shardformer.Policy subclass and pass it as "
+            "ShardFormer(shard_config).optimize(model, policy=MyPolicy()) (for a plan dict: "
+            "policy=shardformer.derived_policy.DerivedPolicy(plan))."
         )
     family, policy_cls = found
     module = importlib.import_module(f"shardformer.policies.{family}")

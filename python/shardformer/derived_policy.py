@@ -1,0 +1,420 @@
+"""A policy derived from the model's own tensor-parallel plan.
+
+transformers models carry a plan: `config.base_model_tp_plan` (paths relative
+to the base model, e.g. "layers.*.self_attn.q_proj") and the head class's
+`_tp_plan` (e.g. {"lm_head": "colwise_gather_output"}).  A model's resolved
+plan is the head class's plan plus the base model's, prefixed by the base
+model's attribute (`base_model_prefix`, "model."); transformers keeps it on
+the instance as `model._tp_plan`.  `*` stands for a layer index.
+
+When no built-in policy matches a model, shardformer.autopolicy falls back to
+`DerivedPolicy`, which maps each style of the plan onto our layers:
+
+    colwise                         Linear1D_Col, output left split.  Inside an
+                                    attention module the split follows the heads
+                                    (Heads.q / Heads.kv: KV heads replicated when
+                                    fewer than ranks; a fused per-head projection,
+                                    GPT-NeoX's [q_h k_h v_h] blocks, by whole heads)
+    rowwise                         Linear1D_Row, input split like its colwise
+                                    siblings (by query heads in an attention module)
+    colwise_gather_output, _rep     Linear1D_Col(gather_output=True); on the output
+                                    embeddings VocabParallelLMHead1D (padded vocabulary)
+    rowwise_split_input, _rep       Linear1D_Row(input_is_parallel=False)
+    embedding_rowwise (and rowwise  VocabParallelEmbedding1D (padded vocabulary,
+      on an nn.Embedding)           the module's embed scale kept)
+    packed_colwise                  Linear1D_Col split Fused.equal(2): each rank keeps
+                                    its part of both halves ([gate | up])
+    packed_rowwise                  Linear1D_Row, input split Fused.equal(2)
+    replicated_with_grad_allreduce  ReplicatedInParallelRegion (gradients all-reduced)
+    moe_tp_experts                  FusedExperts1D, when its gate_up_proj is
+                                    packed_colwise and its down_proj rowwise (the
+                                    router stays replicated, as in the plan)
+
+Anything else (sequence_parallel, all_reduce, mla_kv_a_proj, grouped_gemm,
+ep_router, megamoe_*, moe_identity_expert, unknown names), a style on a
+module it does not fit, or a head split that cannot be made, is refused while
+planning, before the model changes, naming the style, the module path and
+the model class.  Paths of the plan that match no module are skipped (as
+transformers does).
+
+A module whose column layers leave their output split (an attention or MLP
+block) has its other parameterized children, which the plan does not name
+(an activation with parameters, a per-head norm), act on this rank's
+features: their gradients are all-reduced (as replicated_with_grad_allreduce).
+An attention module whose projections are split by heads gets its head-count
+attributes set per rank (num_heads / num_attention_heads, num_key_value_heads,
+num_key_value_groups, and all_head_size / hidden_size / embed_dim when they
+are the query width); one whose forward reads head counts from `self.config`
+gets a per-rank copy of the config.  An LM head tied to the input embeddings
+stays tied: the input embeddings are then split by vocabulary as well.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+
+from torch import nn
+
+from .layout import Fused, Heads, PerRank, Split
+from .policy import ModulePolicyDescription, Policy
+from .policy import SubModuleReplacementDescription as Sub
+
+#: The styles DerivedPolicy maps (see the module docstring).
+SUPPORTED_STYLES = (
+    "colwise", "rowwise", "colwise_gather_output", "colwise_rep", "rowwise_split_input", "rowwise_rep",
+    "embedding_rowwise", "packed_colwise", "packed_rowwise", "replicated_with_grad_allreduce", "moe_tp_experts",
+)
+_COL = ("colwise", "colwise_gather_output", "colwise_rep", "packed_colwise")
+_ROW = ("rowwise", "rowwise_split_input", "rowwise_rep", "packed_rowwise")
+_WHY = {
+    "sequence_parallel": "sequence parallelism comes from ShardConfig, not from the plan",
+    "all_reduce": "a module with partial outputs has no shardformer layer yet",
+    "mla_kv_a_proj": "multi-head latent attention is not implemented",
+    "grouped_gemm": "expert parallelism is not implemented",
+    "ep_router": "expert parallelism is not implemented",
+    "megamoe_router": "DeepGEMM Mega MoE is not implemented",
+    "megamoe_experts": "DeepGEMM Mega MoE is not implemented",
+    "moe_identity_expert": "expert parallelism is not implemented",
+}
+
+
+class PlanError(ValueError):
+    """A tensor-parallel plan that DerivedPolicy cannot honour."""
+
+
+def resolve_tp_plan(model: nn.Module) -> dict[str, str]:
+    """The model's full plan, {path pattern: style}: transformers' resolved
+    `model._tp_plan` when it has one, else the class's `_tp_plan` plus
+    `config.base_model_tp_plan` prefixed by the base model's attribute."""
+    resolved = getattr(model, "_tp_plan", None)
+    if isinstance(resolved, dict) and resolved:
+        return dict(resolved)
+    plan = dict(getattr(type(model), "_tp_plan", None) or {})
+    config = getattr(model, "config", None)
+    base_plan = getattr(config, "base_model_tp_plan", None) or {}
+    if base_plan:
+        prefix = getattr(model, "base_model_prefix", "")
+        base = getattr(model, prefix, None) if prefix else None
+        lead = f"{prefix}." if isinstance(base, nn.Module) else ""
+        plan.update({f"{lead}{k}": v for k, v in base_plan.items()})
+    return plan
+
+
+def has_tp_plan(model: nn.Module) -> bool:
+    return bool(resolve_tp_plan(model))
+
+
+def _pattern(key: str) -> re.Pattern:
+    return re.compile("^" + r"\.".join(r"\d+" if p == "*" else re.escape(p) for p in key.split(".")) + "$")
+
+
+def _text_config(model):
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+_HEAD_ATTRS = {"num_heads": "q", "num_attention_heads": "q", "num_key_value_heads": "kv", "num_kv_heads": "kv",
+               "num_key_value_groups": "groups"}
+_WIDTH_ATTRS = ("all_head_size", "hidden_size", "embed_dim", "inner_dim")
+_CONFIG_READS = re.compile(r"config\.(num_attention_heads|num_key_value_heads|head_dim)")
+
+
+class DerivedPolicy(Policy):
+    """The policy of a model without a built-in one, from its tensor-parallel
+    plan (`plan`: {path pattern: style}; default resolve_tp_plan(model))."""
+
+    def __init__(self, plan: dict[str, str] | None = None) -> None:
+        super().__init__()
+        self.plan = dict(plan) if plan is not None else None
+
+    # ---- what the plan says, module by module ----
+
+    def _fail(self, style: str, path: str, why: str) -> PlanError:
+        name = type(self.model).__name__
+        return PlanError(f"{name}: tensor-parallel plan style {style!r} at {path!r} of {name} "
+                         f"cannot be honoured: {why}")
+
+    def matched(self) -> dict[str, tuple[str, nn.Module]]:
+        """{module path: (style, module)} for every module the plan names
+        (a module named by two patterns takes the exact one)."""
+        plan = self.plan if self.plan is not None else resolve_tp_plan(self.model)
+        patterns = [(key, style, _pattern(key)) for key, style in plan.items()]
+        out = {}
+        for path, module in self.model.named_modules():
+            if not path:
+                continue
+            hits = [(key, style) for key, style, rx in patterns if rx.match(path)]
+            if hits:
+                exact = [h for h in hits if h[0] == path]
+                out[path] = (exact or hits)[0][1], module
+        return out
+
+    def config_sanity_check(self) -> None:
+        name = type(self.model).__name__
+        matched = self.matched()
+        for path, (style, _) in matched.items():
+            if style not in SUPPORTED_STYLES:
+                why = _WHY.get(style, "unknown style (shardformer maps: " + ", ".join(SUPPORTED_STYLES) + ")")
+                raise self._fail(style, path, why)
+        cfg = _text_config(self.model)
+        if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
+            raise ValueError(f"{name}: pretraining_tp={cfg.pretraining_tp} is not supported (set it to 1)")
+        if self.tensor_parallel and self.shard_config.parallel_output:
+            raise NotImplementedError(f"{name}: parallel_output=True is not available with a policy derived "
+                                      "from the tensor-parallel plan (DerivedPolicy gathers the logits)")
+        if self.tensor_parallel and any(s == "moe_tp_experts" for s, _ in matched.values()):
+            jitter = getattr(cfg, "router_jitter_noise", 0.0)
+            if jitter:
+                raise ValueError(f"{name}: router_jitter_noise={jitter} is not supported: each rank would "
+                                 "draw its own noise and route tokens differently (set it to 0)")
+
+    # ---- heads ----
+
+    def heads_of(self, attention: nn.Module) -> Heads:
+        cfg = _text_config(self.model)
+        n = getattr(cfg, "num_attention_heads", None)
+        if not n:
+            raise ValueError("the config names no num_attention_heads")
+        kv = getattr(cfg, "num_key_value_heads", None) or n
+        head_dim = (getattr(attention, "head_dim", None) or getattr(attention, "head_size", None)
+                    or getattr(cfg, "head_dim", None) or cfg.hidden_size // n)
+        return Heads(n, kv, int(head_dim))
+
+    @staticmethod
+    def _is_attention(module: nn.Module) -> bool:
+        return ("Attention" in type(module).__name__ or hasattr(module, "head_dim")
+                or hasattr(module, "head_size"))
+
+    def _head_split(self, heads: Heads, width: int):
+        """The split of `width` features of an attention projection: query or
+        KV heads, whole heads of a fused per-head layout, or None."""
+        n, kv, hd = heads.num_heads, heads.kv_heads, heads.head_dim
+        if width == n * hd:
+            return heads.q
+        if width == kv * hd:
+            return heads.kv
+        if n == kv and width % n == 0:
+            return Heads(n, n, width // n).q     # e.g. [q_h k_h v_h] per head
+        return None
+
+    # ---- the policy ----
+
+    def module_policy(self) -> dict:
+        if not self.tensor_parallel:
+            return {}
+        matched = self.matched()
+        self.plan_paths = set(matched)
+        subs, attrs = [], {}
+        parents: dict[str, list[str]] = {}
+        for path in matched:
+            parents.setdefault(path.rpartition(".")[0], []).append(path)
+        experts = {p for p, (s, _) in matched.items() if s == "moe_tp_experts"}
+        done = set()
+        for path, (style, module) in matched.items():
+            if path in done or any(path.startswith(e + ".") for e in experts):
+                continue
+            if style == "moe_tp_experts":
+                subs.append(self._experts(path, module, matched))
+            elif style == "replicated_with_grad_allreduce":
+                from .layer.replicated import ReplicatedInParallelRegion
+
+                if not any(True for _ in module.parameters()):
+                    raise self._fail(style, path, f"{type(module).__name__} has no parameters")
+                subs.append(Sub(path, ReplicatedInParallelRegion))
+            elif isinstance(module, nn.Embedding):
+                subs.append(self._embedding(path, style, module))
+            elif style in _COL or style in _ROW:
+                parent_path = path.rpartition(".")[0]
+                if parent_path in done:
+                    continue
+                siblings = {p: matched[p] for p in parents[parent_path] if matched[p][0] in _COL + _ROW
+                            and not isinstance(matched[p][1], nn.Embedding)}
+                parent = self.model.get_submodule(parent_path) if parent_path else self.model
+                s, a = self._linears(parent_path, parent, siblings)
+                subs += s
+                attrs.update(a)
+                done.add(parent_path)
+                done.update(siblings)
+            else:
+                raise self._fail(style, path, f"{style} needs an nn.Embedding, {type(module).__name__} is not one")
+        subs += self._tied_embedding(matched, subs)
+        return {type(self.model): ModulePolicyDescription(attribute_replacement=attrs, sub_module_replacement=subs)}
+
+    def _embedding(self, path: str, style: str, module: nn.Embedding) -> Sub:
+        from .layer import VocabParallelEmbedding1D
+
+        if style not in ("embedding_rowwise", "rowwise", "rowwise_split_input", "rowwise_rep"):
+            raise self._fail(style, path, "an nn.Embedding is split only by vocabulary (embedding_rowwise)")
+        return Sub(path, VocabParallelEmbedding1D, kwargs=self._embedding_kwargs(module))
+
+    def _embedding_kwargs(self, module: nn.Module) -> dict:
+        kwargs = self.vocab_kwargs()
+        scale = getattr(module, "scalar_embed_scale", None)
+        if scale is None and getattr(module, "embed_scale", None) is not None:
+            scale = float(module.embed_scale)
+        if scale is not None:
+            kwargs["embed_scale"] = float(scale)
+        return kwargs
+
+    def _tied_embedding(self, matched: dict, subs: list[Sub]) -> list[Sub]:
+        """An LM head split by vocabulary that HF tied to the input embeddings
+        keeps the tie: the embeddings are split by vocabulary too (postprocess re-ties)."""
+        from .layer import VocabParallelEmbedding1D, VocabParallelLMHead1D
+
+        self._tie = None
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        inputs = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
+        if head is None or inputs is None or head.weight is not inputs.weight:
+            return []
+        paths = {id(m): p for p, m in self.model.named_modules()}
+        head_path, in_path = paths.get(id(head)), paths.get(id(inputs))
+        by_path = {s.suffix: s for s in subs}
+        head_sub = by_path.get(head_path)
+        if head_sub is None:
+            return []
+        if head_sub.target_module is not VocabParallelLMHead1D:
+            raise self._fail(matched[head_path][0], head_path,
+                             "the LM head is tied to the input embeddings and can only be split by vocabulary")
+        self._tie = (in_path, head_path)
+        if in_path in by_path:
+            return []
+        return [Sub(in_path, VocabParallelEmbedding1D, kwargs=self._embedding_kwargs(inputs))]
+
+    def _experts(self, path: str, module: nn.Module, matched: dict) -> Sub:
+        from .layer.moe import FusedExperts1D
+
+        inner = {p[len(path) + 1:]: s for p, (s, _) in matched.items() if p.startswith(path + ".")}
+        plan = self.plan if self.plan is not None else resolve_tp_plan(self.model)
+        generic = re.sub(r"\.\d+(\.|$)", r".*\1", path)
+        for key, style in plan.items():          # parameter entries (experts.gate_up_proj: packed_colwise)
+            if key.startswith(generic + ".") or key.startswith(path + "."):
+                inner[key.rsplit(".", 1)[-1]] = style
+        want = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
+        if any(inner.get(k) != v for k, v in want.items()) or set(inner) - set(want):
+            raise self._fail("moe_tp_experts", path, f"only gate_up_proj: packed_colwise with down_proj: rowwise "
+                             f"is mapped (FusedExperts1D); the plan says {inner}")
+        if not (isinstance(getattr(module, "gate_up_proj", None), nn.Parameter)
+                and isinstance(getattr(module, "down_proj", None), nn.Parameter)):
+            raise self._fail("moe_tp_experts", path, f"{type(module).__name__} does not hold fused "
+                             "[E, 2I, H] gate_up_proj and [E, H, I] down_proj parameters")
+        return Sub(path, FusedExperts1D)
+
+    def _linears(self, parent_path: str, parent: nn.Module, siblings: dict) -> tuple[list[Sub], dict]:
+        """The replacements of the Linear layers of one module (an attention
+        or MLP block) and the attributes its forward needs per rank."""
+        from .layer import Linear1D_Col, Linear1D_Row, VocabParallelLMHead1D
+
+        subs, attrs = [], {}
+        head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
+        attention = self._is_attention(parent) and parent is not self.model
+        heads = None
+        split_heads = False
+        if attention:
+            try:
+                heads = self.heads_of(parent)
+            except (AttributeError, ValueError, TypeError) as e:
+                style, _ = next(iter(siblings.values()))
+                raise self._fail(style, parent_path, f"cannot find the attention's head counts ({e})")
+            widths = [m.weight.shape[0] for st, m in siblings.values() if st == "colwise" and hasattr(m, "weight")]
+            n, kv, hd = heads.num_heads, heads.kv_heads, heads.head_dim
+            if kv != n and widths and kv * hd not in widths:     # the config's KV heads are not this module's
+                heads = Heads(n, n, hd)
+        if any(style in ("colwise", "packed_colwise") for style, _ in siblings.values()):
+            own = [name for name, _ in parent.named_parameters(recurse=False)]
+            if own and parent is not self.model:
+                style = next(st for st, _ in siblings.values() if st in ("colwise", "packed_colwise"))
+                raise self._fail(style, f"{parent_path}.{own[0]}",
+                                 f"{type(parent).__name__} holds parameter(s) {own} beside its split layers "
+                                 "and the plan does not say how to split them")
+        for path, (style, module) in siblings.items():
+            if not isinstance(module, nn.Linear):
+                raise self._fail(style, path, f"{type(module).__name__} is not an nn.Linear")
+            out_f, in_f = module.weight.shape
+            if style == "packed_colwise":
+                subs.append(Sub(path, Linear1D_Col, kwargs={"split": Fused.equal(2)}))
+            elif style == "packed_rowwise":
+                subs.append(Sub(path, Linear1D_Row, kwargs={"split": Fused.equal(2)}))
+            elif style in ("colwise_gather_output", "colwise_rep"):
+                if module is head:
+                    subs.append(Sub(path, VocabParallelLMHead1D, kwargs=self.lm_head_kwargs()))
+                else:
+                    subs.append(Sub(path, Linear1D_Col, kwargs={"gather_output": True, "split": Split()}))
+            elif style in ("rowwise_split_input", "rowwise_rep"):
+                subs.append(Sub(path, Linear1D_Row, kwargs={"input_is_parallel": False, "split": Split()}))
+            else:
+                width = out_f if style == "colwise" else in_f
+                spec = Split()
+                if heads is not None:
+                    spec = self._head_split(heads, width)
+                    if spec is None:
+                        raise self._fail(style, path, f"{width} features are not a whole number of the "
+                                         f"attention's heads ({heads})")
+                    split_heads = True
+                if style == "rowwise" and heads is not None and spec == heads.kv and heads.kv_heads != heads.num_heads:
+                    raise self._fail(style, path, "a row-parallel input split by KV heads is not supported")
+                cls = Linear1D_Col if style == "colwise" else Linear1D_Row
+                subs.append(Sub(path, cls, kwargs={"split": spec}))
+        if split_heads:
+            attrs.update(self._attention_attributes(parent_path, parent, heads))
+        if any(style in ("colwise", "packed_colwise") for style, _ in siblings.values()):
+            subs += self._between_split_layers(parent_path, parent)
+        return subs, attrs
+
+    def _between_split_layers(self, parent_path: str, parent: nn.Module) -> list[Sub]:
+        """The other parameterized children of a module whose column layers
+        leave their output split (an activation with parameters, a per-head
+        norm the plan does not name): they act on this rank's features, so
+        their gradients are partial and get all-reduced, as
+        replicated_with_grad_allreduce does."""
+        from .layer.replicated import ReplicatedInParallelRegion
+
+        lead = f"{parent_path}." if parent_path else ""
+        named = self.plan_paths
+        return [Sub(lead + child, ReplicatedInParallelRegion) for child, module in parent.named_children()
+                if lead + child not in named and any(True for _ in module.parameters())]
+
+    def _attention_attributes(self, path: str, module: nn.Module, heads: Heads) -> dict:
+        lead = f"{path}." if path else ""
+        values = {"q": heads.local_heads(), "kv": heads.local_kv_heads(), "groups": heads.local_groups()}
+        attrs = {}
+        for name, which in _HEAD_ATTRS.items():
+            if isinstance(getattr(module, name, None), int):
+                attrs[lead + name] = values[which]
+        for name in _WIDTH_ATTRS:
+            if getattr(module, name, None) == heads.num_heads * heads.head_dim:
+                attrs[lead + name] = heads.local_width(heads.head_dim)
+        config = getattr(module, "config", None)
+        if config is not None and _CONFIG_READS.search(_forward_source(module)):
+            attrs[lead + "config"] = _local_config(config, heads)
+        return attrs
+
+    # ---- after the swaps ----
+
+    def postprocess(self) -> nn.Module:
+        tie = getattr(self, "_tie", None)
+        if self.tensor_parallel and tie is not None:
+            self.tie_weight(*tie)
+        return self.model
+
+
+def _forward_source(module: nn.Module) -> str:
+    try:
+        return inspect.getsource(type(module).forward)
+    except (OSError, TypeError):
+        return ""
+
+
+def _local_config(config, heads: Heads) -> PerRank:
+    """A per-rank copy of `config` with this rank's head counts."""
+    made = {}
+
+    def local(tp, rank):
+        if (tp, rank) not in made:
+            _, q, _, kv = heads.layout(tp, rank)
+            c = copy.copy(config)
+            c.num_attention_heads, c.num_key_value_heads = q, kv
+            made[(tp, rank)] = c
+        return made[(tp, rank)]
+
+    return PerRank(local, f"config with this rank's heads of {heads}")

@@ -1,0 +1,127 @@
+"""Rank-side checks of policies derived from a model's tensor-parallel plan
+(shardformer.derived_policy): tiny random models of transformers
+architectures that have no built-in policy but carry a plan (hidden 64,
+2 layers, 4 query heads over 2 KV heads, 90 MLP features, a vocabulary of
+101), sharded by optimize() without a policy, against the unsharded model
+from the same seed (checks.parity)."""
+from __future__ import annotations
+
+import torch
+import transformers
+
+from checks import parity
+from shardformer import ShardConfig, ShardFormer
+
+BATCH, SEQ = 2, 8
+BASE = dict(hidden_size=64, intermediate_size=90, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=101, max_position_embeddings=64,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2, attention_dropout=0.0)
+MOE = dict(num_experts=3, num_experts_per_tok=2, moe_intermediate_size=32, router_jitter_noise=0.0)
+
+# {name: (ForCausalLM class, config overrides)}
+MODELS = {
+    "Apertus": ("ApertusForCausalLM", {}),
+    "Arcee": ("ArceeForCausalLM", {}),
+    "Cohere": ("CohereForCausalLM", {}),
+    "Cohere2": ("Cohere2ForCausalLM", {"sliding_window": 4}),
+    "Ernie4_5": ("Ernie4_5ForCausalLM", {}),
+    "Exaone4": ("Exaone4ForCausalLM", {"sliding_window": 4}),
+    "GPTNeoX": ("GPTNeoXForCausalLM", {"num_key_value_heads": None, "head_dim": None, "hidden_dropout": 0.0,
+                                       "rotary_pct": 0.5}),
+    "Glm4": ("Glm4ForCausalLM", {}),
+    "Granite": ("GraniteForCausalLM", {"embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+                                       "logits_scaling": 4.0, "attention_multiplier": 0.2}),
+    "Helium": ("HeliumForCausalLM", {}),
+    "Jais2": ("Jais2ForCausalLM", {}),
+    "Ministral": ("MinistralForCausalLM", {"sliding_window": 4, "layer_types": ["full_attention",
+                                                                                "sliding_attention"]}),
+    "Olmo": ("OlmoForCausalLM", {"clip_qkv": 5.0}),
+    "Olmo2": ("Olmo2ForCausalLM", {}),
+    "Olmo3": ("Olmo3ForCausalLM", {"sliding_window": 4}),
+    "Phi": ("PhiForCausalLM", {"resid_pdrop": 0.0, "embd_pdrop": 0.0, "partial_rotary_factor": 0.5}),
+    "SeedOss": ("SeedOssForCausalLM", {"residual_dropout": 0.0}),
+    "SmolLM3": ("SmolLM3ForCausalLM", {}),
+    "Starcoder2": ("Starcoder2ForCausalLM", {"residual_dropout": 0.0, "embedding_dropout": 0.0}),
+    "VaultGemma": ("VaultGemmaForCausalLM", {"query_pre_attn_scalar": 16, "sliding_window": 4}),
+    "Olmoe": ("OlmoeForCausalLM", dict(MOE, intermediate_size=32)),
+    "Qwen3Moe": ("Qwen3MoeForCausalLM", dict(MOE, decoder_sparse_step=1, mlp_only_layers=[1])),
+}
+MODELS.update({n: (f"{n}ForCausalLM", dict(MOE)) for n in (
+    "Cwm", "Ernie4_5_Moe", "Gemma4Unified", "Glm4Moe", "HYV3", "HrmText", "HyperCLOVAX", "Mellum",
+    "Ministral3", "NanoChat", "SolarOpen",
+    # plans that leave part of the model replicated (e.g. Qwen2-MoE's experts, OLMo-Hybrid's
+    # linear-attention layers): sharded as the plan says, no more
+    "ExaoneMoe", "OlmoHybrid", "Qwen2Moe")})
+# Experts whose grouped matmul wants 16-byte aligned strides: 96 features.
+MODELS.update({n: (f"{n}ForCausalLM", dict(MOE, intermediate_size=96))
+               for n in ("AriaText", "Cohere2Moe", "FlexOlmo", "MiniMax")})
+# Heads that do not divide the ranks: 6 query heads over 2 KV heads (uneven at TP=4),
+# one KV head (replicated on every rank), and GPT-NeoX's fused per-head qkv with 6 heads.
+MODELS.update({
+    "Arcee-6heads": ("ArceeForCausalLM", {"hidden_size": 48, "num_attention_heads": 6}),
+    "SmolLM3-1kv": ("SmolLM3ForCausalLM", {"num_key_value_heads": 1}),
+    "GPTNeoX-6heads": ("GPTNeoXForCausalLM", dict(MODELS["GPTNeoX"][1], hidden_size=48, num_attention_heads=6)),
+})
+PARTIAL_PLANS = ("AriaText", "Cohere2Moe", "ExaoneMoe", "OlmoHybrid", "Qwen2Moe")
+# Reductions in another order: allow the unsharded float32 model's own distance from float64.
+FP64_FLOOR = ("Gemma4Unified",)
+# Plans (or modules) that cannot be honoured: {name: (class, overrides, what the refusal names)}.
+REFUSED = {
+    "Doge": ("DogeForCausalLM", dict(MOE), ("'colwise'", "model.layers.0.self_attn.A", "DogeForCausalLM")),
+    "GraniteSWA": ("GraniteSWAForCausalLM", dict(MOE),
+                   ("'colwise'", "model.layers.0.self_attn.sinks", "GraniteSWAForCausalLM")),
+    "Laguna": ("LagunaForCausalLM", dict(MOE), ("'colwise'", "model.layers.0.self_attn.g_proj", "LagunaForCausalLM")),
+    "MiMoV2Flash": ("MiMoV2FlashForCausalLM", dict(MOE),
+                    ("'colwise'", "model.layers.0.self_attn.v_proj", "MiMoV2FlashForCausalLM")),
+    "Llama4": ("Llama4ForCausalLM", dict(MOE),
+               ("'moe_tp_experts'", "model.layers.0.feed_forward.experts", "Llama4ForCausalLM")),
+    "DeepseekV2": ("DeepseekV2ForCausalLM", dict(MOE), ("'mla_kv_a_proj'", "model.layers.0.self_attn.kv_a_proj_with_mqa",
+                                                         "DeepseekV2ForCausalLM")),
+    "MiniCPM3": ("MiniCPM3ForCausalLM", {}, ("'mla_kv_a_proj'", "model.layers.0.self_attn.kv_a_proj_with_mqa",
+                                            "MiniCPM3ForCausalLM")),
+    "HYV4": ("HYV4ForCausalLM", dict(MOE), ("'mla_kv_a_proj'", "HYV4ForCausalLM")),
+    "Inkling": ("InklingForCausalLM", dict(MOE), ("'all_reduce'", "InklingForCausalLM")),
+}
+
+def config_of(name: str, **extra):
+    cls_name, overrides = MODELS[name] if name in MODELS else REFUSED[name][:2]
+    cls = getattr(transformers, cls_name)
+    kwargs = {k: v for k, v in dict(BASE, **overrides, **extra).items() if v is not None}
+    if name == "GPTNeoX":
+        kwargs.pop("num_key_value_heads", None)
+    config = cls.config_class(**kwargs)
+    config._attn_implementation = "eager"
+    return cls, config
+
+def build(name: str, seed: int = 0, **extra):
+    cls, config = config_of(name, **extra)
+    torch.manual_seed(seed)
+    return cls(config)
+
+def make_inputs(name: str, seed: int = 1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, BASE["vocab_size"], (BATCH, SEQ), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+# ---- rank functions ----
+
+def check(ctx, name: str):
+    return parity.check_sharded(ctx, lambda: build(name), make_inputs(name), name=name,
+                                fp64_floor=name in FP64_FLOOR)
+
+def generate_matches(ctx, name: str, new_tokens: int = 5):
+    model, ref = parity.sharded_pair(ctx, build(name))
+    return parity.greedy_matches(model, ref, {"input_ids": parity.prompt_ids()}, name, new_tokens).tolist()
+
+def refused(ctx, name: str, expect: tuple[str, ...], plan_edit: dict | None = None):
+    """optimize() refuses the model (its plan edited by `plan_edit`,
+    {path: style}), leaving it unchanged; the message names each of `expect`."""
+    model = build(name)
+    if plan_edit:
+        model._tp_plan = dict(model._tp_plan, **plan_edit)
+    shard_config = ShardConfig(tensor_parallel_process_group=ctx.group)
+    message = parity.refused_unchanged(model, lambda: ShardFormer(shard_config).optimize(model), f"{name} plan")
+    missing = [e for e in expect if e not in message]
+    assert not missing, f"the refusal does not name {missing}: {message}"
+    assert not any(type(m).__module__.startswith("shardformer") for m in model.modules()), "a module was swapped"
+    return message

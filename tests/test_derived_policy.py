@@ -1,0 +1,86 @@
+"""Policies derived from a model's own tensor-parallel plan
+(shardformer.derived_policy), for transformers architectures without a
+built-in policy: outputs, loss, every gradient and the outputs after an SGD
+step equal to the unsharded model at TP=2 and TP=4, parameters per rank
+well below the full model, greedy generate() equal, and plans that cannot
+be honoured refused before the model changes."""
+from __future__ import annotations
+
+import pytest
+
+from checks import derived_policy as D
+
+NAMES = sorted(D.MODELS)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", NAMES)
+def test_forward_backward_step(pool, name, tp):
+    reports = pool.run(D.check, tp, name)
+    assert all(r["tp"] == tp for r in reports)
+    if name in D.PARTIAL_PLANS:     # the plan itself leaves experts / layers replicated
+        assert all(r["param_fraction"] < 1 for r in reports)
+    elif tp == 2:
+        assert all(r["param_fraction"] < 0.6 for r in reports), [r["param_fraction"] for r in reports]
+
+
+GENERATE = ("Cohere", "Exaone4", "GPTNeoX", "Olmo2", "Qwen3Moe")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", GENERATE)
+def test_generate_matches_unsharded(pool, name, tp):
+    tokens = pool.run(D.generate_matches, tp, name)
+    assert all(t == tokens[0] for t in tokens)
+
+
+@pytest.mark.parametrize("name", sorted(D.REFUSED))
+def test_plan_refused_naming_style_path_class(pool, name):
+    messages = pool.run(D.refused, 2, name, D.REFUSED[name][2])
+    assert all("cannot be honoured" in m for m in messages)
+
+
+@pytest.mark.parametrize("style", ["bogus_style", "sequence_parallel", "grouped_gemm"])
+def test_unknown_or_unmapped_style_refused_before_change(pool, style):
+    path = "model.layers.*.mlp.down_proj"
+    expect = (repr(style), "model.layers.0.mlp.down_proj", "ArceeForCausalLM")
+    pool.run(D.refused, 2, "Arcee", expect, {path: style})
+
+
+def test_style_on_wrong_module_refused(pool):
+    expect = ("'embedding_rowwise'", "model.layers.0.mlp.down_proj", "Glm4ForCausalLM", "nn.Embedding")
+    pool.run(D.refused, 2, "Glm4", expect, {"model.layers.*.mlp.down_proj": "embedding_rowwise"})
+
+
+def test_builtin_policy_wins_and_plan_fallback():
+    import transformers
+
+    from shardformer.autopolicy import get_autopolicy
+    from shardformer.derived_policy import DerivedPolicy
+
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{k: v for k, v in D.BASE.items()}))
+    assert type(get_autopolicy(llama)).__name__ == "LlamaForCausalLMPolicy"
+    assert isinstance(get_autopolicy(D.build("Olmo2")), DerivedPolicy)
+
+
+def test_no_plan_keeps_clear_error():
+    import transformers
+
+    from shardformer.autopolicy import get_autopolicy
+
+    cfg = transformers.NemotronConfig(hidden_size=64, intermediate_size=90, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=101)
+    model = transformers.NemotronForCausalLM(cfg)
+    with pytest.raises(ValueError) as e:
+        get_autopolicy(model)
+    message = str(e.value)
+    assert "no built-in policy" in message and "NemotronForCausalLM" in message
+    assert "tensor-parallel plan" in message and "Policy subclass" in message
+
+
+def test_resolved_plan_prefixes_base_model():
+    from shardformer.derived_policy import resolve_tp_plan
+
+    plan = resolve_tp_plan(D.build("GPTNeoX"))
+    assert plan["lm_head"] == "colwise_gather_output"      # (GPT-NeoX's head is embed_out: unused)
+    assert plan["gpt_neox.layers.*.attention.query_key_value"] == "colwise"
