@@ -102,7 +102,8 @@ BEGIN, END = "<!-- support-matrix:begin -->", "<!-- support-matrix:end -->"
 TEST_FILES = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "tests", "test_models*.py"))) + [
     "tests/test_kernels.py", "tests/test_attention.py", "tests/test_optimizations.py", "tests/test_lazy.py",
     "tests/test_from_pretrained.py", "tests/test_sequence_parallel.py", "tests/test_sequence_attention.py",
-    "tests/test_sequence_parallel_more.py", "tests/test_pipeline.py", "tests/test_lm_loss.py"]
+    "tests/test_sequence_parallel_more.py", "tests/test_pipeline.py", "tests/test_lm_loss.py",
+    "tests/test_derived_policy.py"]
 
 
 def registry() -> dict[str, list[str]]:
@@ -193,6 +194,53 @@ def class_list(families: dict[str, list[str]]) -> str:
     return "\n".join(lines)
 
 
+# Architectures without a built-in policy, sharded from their own tensor-parallel plan
+# (shardformer.derived_policy), as tests/test_derived_policy.py names them.
+DERIVED_TESTS = {"TP=2": "test_forward_backward_step", "generate()": "test_generate_matches_unsharded"}
+
+
+def derived_section(junits: list[str]) -> str:
+    """One row per architecture of tests/test_derived_policy.py: whether every
+    forward/backward/step case passed at TP=2 and 4, and generate()."""
+    rows: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
+    refused = []
+    for case in test_cases(junits):
+        if not case.get("classname", "").endswith("test_derived_policy"):
+            continue
+        m = re.match(r"([A-Za-z0-9_]+)\[(.*)\]$", case.get("name", ""))
+        if not m:
+            continue
+        failed = case.find("failure") is not None or case.find("error") is not None
+        if case.find("skipped") is not None:
+            continue
+        test, params = m.group(1), m.group(2)
+        if test == "test_plan_refused_naming_style_path_class" and not failed:
+            refused.append(params)
+            continue
+        for label, name in DERIVED_TESTS.items():
+            if test == name:
+                arch, _, tp = params.rpartition("-")
+                rows[arch][label].append(not failed)
+                rows[arch]["tp"].append(tp)
+    if not rows:
+        return ""
+    lines = ["| architecture | TP=2 and 4 (logits, loss, gradients, after a step) | generate() |", "|---|---|---|"]
+    for arch in sorted(rows, key=str.lower):
+        cells = []
+        for label in DERIVED_TESTS:
+            got = rows[arch].get(label)
+            cells.append("" if not got else ("✔" if all(got) else "✗"))
+        lines.append(f"| {arch} | " + " | ".join(cells) + " |")
+    passed = {arch.split("-")[0] for arch in rows if rows[arch].get("TP=2") and all(rows[arch]["TP=2"])}
+    text = (f"**Derived from the model's own plan** (no built-in policy; `shardformer.derived_policy`): "
+            f"{len(passed)} architectures pass (a name with a suffix is a second configuration: other head "
+            f"counts), from `tests/test_derived_policy.py`.\n\n" + "\n".join(lines))
+    if refused:
+        text += ("\n\nRefused at plan time, naming the style, module and class (tested): "
+                 + ", ".join(sorted(refused)) + ".")
+    return text
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--junit", action="append",
@@ -213,6 +261,9 @@ def main():
         text += f"{number}. {family}, {feature}: {note}\n"
     text += "\n"
     text += class_list(families)
+    derived = derived_section(junits)
+    if derived:
+        text += "\n\n" + derived
     print(text)
     if args.write:
         with open(args.write) as f:
