@@ -84,3 +84,10 @@ def test_resolved_plan_prefixes_base_model():
     plan = resolve_tp_plan(D.build("GPTNeoX"))
     assert plan["lm_head"] == "colwise_gather_output"      # (GPT-NeoX's head is embed_out: unused)
     assert plan["gpt_neox.layers.*.attention.query_key_value"] == "colwise"
+
+
+@pytest.mark.parametrize("name", ["Olmo2", "Cohere", "Qwen3Moe", "SmolLM3"])
+def test_all_optimizations_on_derived_plans(pool, name):
+    reports = pool.run(D.with_all_optimizations, 2, name)
+    calls = reports[0]["calls"]
+    assert calls.get("attention", 0) > 0 and (calls.get("rms_norm", 0) + calls.get("layer_norm", 0)) > 0, calls

@@ -125,3 +125,16 @@ def refused(ctx, name: str, expect: tuple[str, ...], plan_edit: dict | None = No
     assert not missing, f"the refusal does not name {missing}: {message}"
     assert not any(type(m).__module__.startswith("shardformer") for m in model.modules()), "a module was swapped"
     return message
+
+
+def with_all_optimizations(ctx, name: str) -> dict:
+    """A derived plan with enable_all_optimization: the fused norms, MLP
+    activation and attention apply by module type as on built-in policies
+    (their C kernels counted), and the model still equals the unsharded one."""
+    from checks.optimizations import counting_kernels
+
+    with counting_kernels() as calls:
+        report = parity.check_sharded(ctx, lambda: build(name), make_inputs(name), name=name,
+                                      config={"enable_all_optimization": True})
+    report["calls"] = dict(calls)
+    return report
