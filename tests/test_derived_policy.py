@@ -91,3 +91,9 @@ def test_all_optimizations_on_derived_plans(pool, name):
     reports = pool.run(D.with_all_optimizations, 2, name)
     calls = reports[0]["calls"]
     assert calls.get("attention", 0) > 0 and (calls.get("rms_norm", 0) + calls.get("layer_norm", 0)) > 0, calls
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", ["Olmo2", "Cohere", "Qwen3Moe", "GPTNeoX", "Granite"])
+def test_parallel_output_on_derived_plans(pool, name, tp):
+    pool.run(D.parallel_output, tp, name)

@@ -160,9 +160,6 @@ class DerivedPolicy(Policy):
         cfg = _text_config(self.model)
         if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
             raise ValueError(f"{name}: pretraining_tp={cfg.pretraining_tp} is not supported (set it to 1)")
-        if self.tensor_parallel and self.shard_config.parallel_output:
-            raise NotImplementedError(f"{name}: parallel_output=True is not available with a policy derived "
-                                      "from the tensor-parallel plan (DerivedPolicy gathers the logits)")
         if self.tensor_parallel and any(s == "moe_tp_experts" for s, _ in matched.values()):
             jitter = getattr(cfg, "router_jitter_noise", 0.0)
             if jitter:

@@ -138,3 +138,13 @@ def with_all_optimizations(ctx, name: str) -> dict:
                                       config={"enable_all_optimization": True})
     report["calls"] = dict(calls)
     return report
+
+
+def parallel_output(ctx, name: str) -> dict:
+    """parallel_output=True on a derived plan: the head keeps its vocabulary
+    shard and HF's loss_function runs on it (shardformer.lm_loss), equal to
+    the unsharded model (checks.lm_loss.compare)."""
+    from checks import lm_loss
+
+    torch.manual_seed(0)
+    return lm_loss.compare(ctx, build(name), make_inputs(name), name)

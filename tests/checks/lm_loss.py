@@ -61,10 +61,15 @@ def equals_unsharded(ctx, name: str, dropout: float = 0.0, num_items: bool = Fal
     vocabulary.  dropout > 0: built with that dropout, compared in eval mode."""
     torch.manual_seed(0)
     model = zoo.build_with_dropout(name, dropout) if dropout else zoo.build(name)
+    return compare(ctx, model, zoo.make_inputs(name), name, dropout, num_items, return_dict)
+
+
+def compare(ctx, model, inputs: dict, name: str, dropout: float = 0.0, num_items: bool = False,
+            return_dict=None) -> dict:
+    """equals_unsharded's checks for a model built by the caller (unsharded; sharded here)."""
     model.train(not dropout)
     ref = copy.deepcopy(model)
-    inputs = zoo.make_inputs(name)
-    assert "labels" in inputs, f"{name}: the zoo gives no labels"
+    assert "labels" in inputs, f"{name}: no labels"
     extra = {}
     if num_items:
         extra["num_items_in_batch"] = torch.tensor(int((inputs["labels"][..., 1:] != -100).sum()) + 3)
