@@ -97,3 +97,10 @@ def test_all_optimizations_on_derived_plans(pool, name):
 @pytest.mark.parametrize("name", ["Olmo2", "Cohere", "Qwen3Moe", "GPTNeoX", "Granite"])
 def test_parallel_output_on_derived_plans(pool, name, tp):
     pool.run(D.parallel_output, tp, name)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", ["Olmo2", "Cohere", "Qwen3Moe", "GPTNeoX", "Starcoder2"])
+def test_pipeline_from_pp_plan(pool, name, tp):
+    """The stage split comes from the config's base_model_pp_plan (PP=2, 1F1B; TP=2 inside the stages)."""
+    pool.run(D.pipelined, 4, name, tp)

@@ -128,6 +128,30 @@ class DerivedPolicy(Policy):
         super().__init__()
         self.plan = dict(plan) if plan is not None else None
 
+    @property
+    def pipeline_split(self):
+        """The stage split from the config's `base_model_pp_plan` ({child of
+        the base model: (inputs, outputs)}, in the order the forward runs
+        them): the child that is a ModuleList is the layer list, the children
+        after it run on the last stage (those before it, with parameters, on
+        the first).  None when the config carries no such plan, or it does not
+        have exactly one ModuleList (then pipeline parallelism is refused)."""
+        from .pipeline.stages import StageSplit
+
+        model = getattr(self, "model", None)
+        if model is None:
+            return None
+        pp_plan = getattr(_text_config(model), "base_model_pp_plan", None)
+        base = getattr(model, "base_model", model)
+        if not pp_plan or base is None:
+            return None
+        names = list(pp_plan)
+        lists = [n for n in names if isinstance(getattr(base, n, None), nn.ModuleList)]
+        if len(lists) != 1 or any(not hasattr(base, n) for n in names):
+            return None
+        after = tuple(names[names.index(lists[0]) + 1:])
+        return StageSplit(type(base).__name__, lists[0], last=after)
+
     # ---- what the plan says, module by module ----
 
     def _fail(self, style: str, path: str, why: str) -> PlanError:

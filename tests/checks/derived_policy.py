@@ -148,3 +148,38 @@ def parallel_output(ctx, name: str) -> dict:
 
     torch.manual_seed(0)
     return lm_loss.compare(ctx, build(name), make_inputs(name), name)
+
+
+def pipelined(ctx, name: str, tp: int = 2) -> dict:
+    """TP=tp x PP=2 (1F1B, 2 micro-batches) on a derived plan, its stage split
+    from the config's base_model_pp_plan: the loss equals the unsharded
+    model's, and the gathered state dict after an SGD step too."""
+    import copy
+
+    from checks import pipeline as pipeline_check
+    from shardformer.checkpoint import gather_full_state_dict
+    from shardformer.pipeline import OneForwardOneBackwardSchedule, PipelineStageManager
+
+    tp_group, pp_group = pipeline_check.groups(ctx, 2, tp)
+    torch.manual_seed(0)
+    model = build(name, num_hidden_layers=4)
+    model.train()
+    ref = copy.deepcopy(model)
+    sm = PipelineStageManager(pp_group)
+    cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm,
+                      enable_tensor_parallelism=tp > 1)
+    model, _ = ShardFormer(cfg).optimize(model)
+    batch = {k: torch.cat([v, make_inputs(name, seed=2)[k]]) for k, v in make_inputs(name).items()}
+    out = OneForwardOneBackwardSchedule(sm, num_microbatches=2).forward_backward_step(model, batch)
+    ref_loss = ref(**batch).loss
+    ref_loss.backward()
+    err = parity.assert_close(f"{name} pipelined loss", out["loss"], ref_loss.detach(), (1e-5, 1e-6))
+    with torch.no_grad():
+        for m in (model, ref):
+            for p in m.parameters():
+                if p.grad is not None:
+                    p -= 0.1 * p.grad
+    full = gather_full_state_dict(model)
+    for key, t in ref.state_dict().items():
+        parity.assert_close(f"{name} {key} after a step", full[key], t, (1e-5, 1e-6))
+    return {"loss": err}
