@@ -435,3 +435,91 @@ def test_empty_inputs():
         assert out.shape == (0, 5)
         out.sum().backward()
         assert t.grad.shape == (0, 5)
+
+
+# ---- the worker pool of the row-parallel driver (csrc/kernels/common.c) -----
+
+def _pool_inputs():
+    x = torch.randn(2048, 256)   # 2048 rows x 256: above the driver's threshold for threads
+    w = torch.randn(256)
+    return x, w, F.layer_norm(x, (256,), w)
+
+
+def test_pool_threads_are_reused():
+    from shardformer import _C
+
+    x, w, ref = _pool_inputs()
+    try:
+        ops.set_num_threads(2)
+        ops.layer_norm(x, (256,), w)      # makes the pool (if no earlier test did)
+        before = _C.kernel_pool_stats()
+        assert before["workers"] == 1
+        for _ in range(200):
+            y = ops.layer_norm(x, (256,), w)
+        ops.bias_gelu(x, w).sum()
+        after = _C.kernel_pool_stats()
+    finally:
+        ops.set_num_threads(None)
+    close(y, ref, torch.float32)
+    assert after["threads_created"] == before["threads_created"], (before, after)
+    assert after["pool_calls"] - before["pool_calls"] >= 200, (before, after)
+
+
+def test_pool_survives_fork():
+    import os
+
+    from shardformer import _C
+
+    x, w, ref = _pool_inputs()
+    try:
+        ops.set_num_threads(2)
+        ops.layer_norm(x, (256,), w)
+        assert _C.kernel_pool_stats()["workers"] == 1
+        pid = os.fork()
+        if pid == 0:    # the child has none of the parent's workers: it makes its own
+            code = 1
+            try:
+                # (torch's own OpenMP pool is not fork-safe: no parallel torch op
+                # here, the check is numpy's)
+                torch.set_num_threads(1)
+                ys = [ops.layer_norm(x, (256,), w) for _ in range(20)]
+                st = _C.kernel_pool_stats()
+                code = 0 if all(np.allclose(y.numpy(), ref.numpy(), rtol=1e-5, atol=1e-5) for y in ys) \
+                    and st["workers"] == 1 else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+        close(ops.layer_norm(x, (256,), w), ref, torch.float32)    # the parent's pool still works
+    finally:
+        ops.set_num_threads(None)
+
+
+def test_pool_concurrent_python_threads():
+    import threading
+
+    from shardformer import _C
+
+    x, w, ref = _pool_inputs()
+    bad = []
+
+    def run():
+        for _ in range(50):
+            if not torch.allclose(ops.layer_norm(x, (256,), w), ref, rtol=1e-5, atol=1e-5):
+                bad.append(1)
+    try:
+        ops.set_num_threads(2)
+        ts = [threading.Thread(target=run) for _ in range(3)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        ops.set_num_threads(3)    # a new size: the next parallel call remakes the pool
+        close(ops.layer_norm(x, (256,), w), ref, torch.float32)
+        assert _C.kernel_pool_stats()["workers"] == 2
+        _C.kernel_pool_shutdown()
+        assert _C.kernel_pool_stats()["workers"] == 0
+        close(ops.layer_norm(x, (256,), w), ref, torch.float32)
+    finally:
+        ops.set_num_threads(None)
+    assert not bad

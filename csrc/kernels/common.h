@@ -102,5 +102,11 @@ int sfk_threads_for(int64_t rows, int64_t cost);
 void sfk_parallel_rows(int64_t rows, int nthreads, sfk_rows_fn fn, void *ctx);
 void sfk_set_num_threads(int n);
 int sfk_get_num_threads(void);
+/* The driver's persistent worker pool (common.c): sfk_pool_shutdown stops and
+ * joins its workers (at interpreter exit; a later call makes new ones);
+ * sfk_pool_stats: threads ever created, workers now, calls the pool ran, and
+ * calls that found it busy and ran inline. */
+void sfk_pool_shutdown(void);
+void sfk_pool_stats(int64_t *created, int64_t *workers, int64_t *calls, int64_t *inline_busy);
 
 #endif
