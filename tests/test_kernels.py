@@ -523,3 +523,29 @@ def test_pool_concurrent_python_threads():
     finally:
         ops.set_num_threads(None)
     assert not bad
+
+
+def test_gelu_erf_accuracy():
+    """The erf form against float64 (written as erfc: no cancellation) over
+    [-13, 13] and beyond: within a few fp32 ulps of the result in the normal
+    range, left tail included (where 1 + erf(x / sqrt 2) loses everything)."""
+    import math
+
+    x = torch.cat([torch.linspace(-13, 13, 400_001), torch.randn(20000) * 3,
+                   torch.tensor([-1e4, -30.0, -14.0, 14.0, 30.0, 1e4, -1e-30, 1e-30, 0.0])])
+    x = x.float().requires_grad_()
+    y = ops.bias_gelu(x, None)
+    xd = x.detach().double().requires_grad_()
+    yd = 0.5 * xd * torch.special.erfc(-xd / math.sqrt(2))
+    y.sum().backward()
+    yd.sum().backward()
+    u = xd.detach()
+    # the gradient Phi(u) + u phi(u) crosses 0 near u = -0.75: ulps of its terms' size
+    terms = 0.5 * torch.special.erfc(-u / math.sqrt(2)) + (u * torch.exp(-u * u / 2)).abs() / math.sqrt(2 * math.pi)
+    for ours, ref, scale, what, limit in ((y.detach(), yd.detach(), yd.detach().abs(), "forward", 16),
+                                          (x.grad, xd.grad, terms, "gradient", 16)):
+        normal = ref.abs() > 1.2e-38
+        ulp = torch.pow(2.0, torch.floor(torch.log2(scale[normal])) - 23)
+        err = ((ours.double()[normal] - ref[normal]).abs() / ulp).max().item()
+        assert err <= limit, f"{what}: {err:.1f} ulps"
+        assert (ours.double() - ref).abs().max().item() < 1e-6, what
