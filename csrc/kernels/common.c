@@ -222,13 +222,16 @@ float sfk_max(const float *x, int64_t n)
  * stays put over any number of calls).
  *
  * Waiting, both ways (a worker for work, the caller for the workers), is a
- * short bounded spin then a block on a condition variable.  The spin (about
- * SPIN_ITERS pause instructions, some tens of microseconds) catches the next
- * call of a sequence of kernels (forward then backward, one op after the
- * other) without a wake-up through the kernel; the block means an idle pool
- * costs no CPU, and on a loaded machine a worker that is not running gives
- * its core back after at most the spin instead of spinning through its time
- * slice (there is no unbounded spin anywhere).
+ * short bounded spin then a block on a condition variable.  The spin
+ * (SPIN_ITERS pause instructions: some 10-40 us, by the CPU's pause latency)
+ * catches the next call of a run of back-to-back kernels without a futex
+ * wake-up; the block means an idle pool costs no CPU.  The spin is short on
+ * purpose: on the shared 2-core machine (load 3-5 from other processes)
+ * 4000 pauses (~200 us) made a 2-thread [2048 x 256] layer_norm take 437 us
+ * against 270 us for a thread per call and 230 us on one thread -- the
+ * spinning burns the process's share of the CPUs and the caller is then
+ * preempted -- while 256 pauses gave 251 us (benchmarks/kernel_pool.py).
+ * There is no unbounded spin anywhere.
  *
  * One parallel call at a time: g_call is taken with trylock, and a call that
  * finds the pool busy (another Python thread's kernel -- the kernels run
@@ -242,7 +245,7 @@ float sfk_max(const float *x, int64_t n)
  * the workers, so leak checkers see no threads or memory left over. */
 
 #define SFK_MAX_THREADS 64
-#define SPIN_ITERS 4000
+#define SPIN_ITERS 256
 
 static _Atomic int g_threads = 1;
 
