@@ -285,7 +285,7 @@ typedef struct {
     pthread_mutex_t mu;             /* guards the sleeps on work / done */
     pthread_cond_t work, done;
     pthread_t th[SFK_MAX_THREADS];
-    int nworkers;                   /* workers running (the caller is thread 0) */
+    _Atomic int nworkers;           /* workers running (the caller is thread 0); read by stats */
     /* the current job, written by the caller before it bumps gen */
     sfk_rows_fn fn;
     void *ctx;
