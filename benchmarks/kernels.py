@@ -35,10 +35,14 @@ The attention rows at the largest S (1 thread) carry the same measure (after
 one warm-up step, whose gradients are dropped at the start of the measured
 one), with the reference's materialized mask counted (built inside the step).
 
-At 2 threads the C kernels start their own threads per call while torch's
-OpenMP workers may still spin after the torch op before (OMP_WAIT_POLICY
-unset): on a 2-core machine that costs ours the second core.  Setting
-OMP_WAIT_POLICY=PASSIVE shows the kernels' own scaling.
+At 2 threads the C kernels hand rows to their persistent worker pool while
+torch's OpenMP workers may still spin after the torch op before
+(OMP_WAIT_POLICY unset): on a 2-core machine that costs ours the second core.
+Setting OMP_WAIT_POLICY=PASSIVE shows the kernels' own scaling (see the
+policy comment in shardformer/ops.py).  attention_causal_fwd times the
+forward alone (no grad).  --load N measures with N busy-loop processes
+running; --threads and --att-sizes pick the thread counts and sequence
+lengths (e.g. --att-sizes 2048,4096).
 
 Writes benchmarks/results/kernels.json and, when matplotlib is installed,
 kernels.png (time vs size, ours vs torch).  From the repository root, in the
