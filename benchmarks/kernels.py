@@ -35,10 +35,14 @@ The attention rows at the largest S (1 thread) carry the same measure (after
 one warm-up step, whose gradients are dropped at the start of the measured
 one), with the reference's materialized mask counted (built inside the step).
 
-At 2 threads the C kernels start their own threads per call while torch's
-OpenMP workers may still spin after the torch op before (OMP_WAIT_POLICY
-unset): on a 2-core machine that costs ours the second core.  Setting
-OMP_WAIT_POLICY=PASSIVE shows the kernels' own scaling.
+At 2 threads the C kernels hand rows to their persistent worker pool while
+torch's OpenMP workers may still spin after the torch op before
+(OMP_WAIT_POLICY unset): on a 2-core machine that costs ours the second core.
+Setting OMP_WAIT_POLICY=PASSIVE shows the kernels' own scaling (see the
+policy comment in shardformer/ops.py).  attention_causal_fwd times the
+forward alone (no grad).  --load N measures with N busy-loop processes
+running; --threads and --att-sizes pick the thread counts and sequence
+lengths (e.g. --att-sizes 2048,4096).
 
 Writes benchmarks/results/kernels.json and, when matplotlib is installed,
 kernels.png (time vs size, ours vs torch).  From the repository root, in the
@@ -183,6 +187,14 @@ def attention_pair(op, S):
     slopes = torch.tensor([2.0 ** (-8 * (h + 1) / ATT_H) for h in range(ATT_H)])
     window = S // 8
     i, j = torch.arange(S)[:, None], torch.arange(S)[None]
+    if op == "attention_causal_fwd":
+        def fwd(f):
+            def run():
+                with torch.no_grad():
+                    f(q, k, v)
+            return run
+        return (fwd(lambda q, k, v: ops.attention(q, k, v, causal=True)),
+                fwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)))
     if op == "attention_causal":
         return (fwd_bwd(lambda q, k, v: ops.attention(q, k, v, causal=True), q, k, v),
                 fwd_bwd(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v))
@@ -218,11 +230,16 @@ def att_peak_growth_mib(S, op, which):
         return None
 
 
-ATT_OPS = ("attention_causal", "attention_alibi", "attention_alibi_eager", "attention_window",
+ATT_OPS = ("attention_causal_fwd", "attention_causal", "attention_alibi", "attention_alibi_eager", "attention_window",
            "attention_window_eager")
 
 
+_ATT_SIZES = None     # --att-sizes
+
+
 def att_sizes(quick):
+    if _ATT_SIZES:
+        return _ATT_SIZES
     return [512, 1024] if quick else [512, 1024, 2048]
 
 
@@ -291,7 +308,28 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer, smaller sizes")
     ap.add_argument("--ops", default="", help="comma-separated op-name prefixes to run (default: all)")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "kernels.json"))
+    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    ap.add_argument("--att-sizes", default="", help="comma-separated attention S (default 512,1024,2048)")
+    ap.add_argument("--no-peak", action="store_true", help="skip the peak-memory subprocesses")
+    ap.add_argument("--load", type=int, default=0,
+                    help="run N busy-loop processes in the background while measuring (a loaded machine)")
     args = ap.parse_args()
+    global _ATT_SIZES
+    _ATT_SIZES = [int(x) for x in args.att_sizes.split(",") if x]
+    busy = []
+    if args.load:
+        import subprocess
+        import sys
+        busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
+    try:
+        run_all(args)
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
+
+
+def run_all(args):
     wanted = [w for w in args.ops.split(",") if w]
 
     def want(op):
@@ -299,7 +337,7 @@ def main():
     torch.manual_seed(0)
     rows = []
     ce_rows_max = 2048 if args.quick else 4096
-    for threads in (1, 2):
+    for threads in [int(t) for t in args.threads.split(",") if t]:
         torch.set_num_threads(threads)
         ops.set_num_threads(threads)
         for op, numel, size, ours, ref in cases(args.quick, want):
@@ -308,12 +346,14 @@ def main():
             t_ours, t_torch = timed_pair(ours, ref, args.reps)
             row = {"op": op, "size": size, "numel": numel, "threads": threads, "ours_s": t_ours,
                    "torch_s": t_torch, "ratio": t_torch / t_ours}
-            if op == "cross_entropy" and threads == 1 and size == f"{ce_rows_max}x32000":
+            if args.no_peak:
+                pass
+            elif op == "cross_entropy" and threads == 1 and size == f"{ce_rows_max}x32000":
                 rows_n = int(size.split("x")[0])
                 row["peak_growth_mib_ours"] = ce_peak_growth_mib(rows_n, 32000, "ours")
                 row["peak_growth_mib_torch"] = ce_peak_growth_mib(rows_n, 32000, "torch")
                 row["logits_mib"] = numel * 4 / 2**20
-            if op.startswith("attention") and threads == 1 and size == f"S={att_sizes(args.quick)[-1]}":
+            if not args.no_peak and op.startswith("attention") and threads == 1 and size == f"S={att_sizes(args.quick)[-1]}":
                 S = att_sizes(args.quick)[-1]
                 row["peak_growth_mib_ours"] = att_peak_growth_mib(S, op, "ours")
                 row["peak_growth_mib_torch"] = att_peak_growth_mib(S, op, "torch")
@@ -329,7 +369,13 @@ def main():
     ops.set_num_threads(1)
     meta = {"torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
             "avx2": bool(__import__("shardformer._C", fromlist=["x"]).kernel_has_avx2()), "reps": args.reps,
-            "timing": "median seconds of forward+backward; ratio = torch / ours"}
+            "timing": "median seconds of forward+backward (attention_causal_fwd: forward only, "
+                      "no grad); ratio = torch / ours",
+            "load_procs": args.load, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+            "loadavg": os.getloadavg()}
+    stats = getattr(__import__("shardformer._C", fromlist=["x"]), "kernel_pool_stats", None)
+    if stats is not None:
+        meta["kernel_pool"] = stats()
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "results": rows}, f, indent=1)

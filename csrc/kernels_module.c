@@ -651,6 +651,28 @@ static PyObject *py_get_threads(PyObject *self, PyObject *noargs)
     return PyLong_FromLong(sfk_get_num_threads());
 }
 
+/* The worker pool of the kernels' row-parallel driver (csrc/kernels/common.c). */
+static PyObject *py_pool_stats(PyObject *self, PyObject *noargs)
+{
+    (void)self;
+    (void)noargs;
+    int64_t created, workers, calls, busy;
+    sfk_pool_stats(&created, &workers, &calls, &busy);
+    return Py_BuildValue("{s:L,s:L,s:L,s:L}", "threads_created", (long long)created, "workers",
+                         (long long)workers, "pool_calls", (long long)calls, "inline_busy",
+                         (long long)busy);
+}
+
+static PyObject *py_pool_shutdown(PyObject *self, PyObject *noargs)
+{
+    (void)self;
+    (void)noargs;
+    Py_BEGIN_ALLOW_THREADS
+    sfk_pool_shutdown();
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_has_avx2(PyObject *self, PyObject *noargs)
 {
     (void)self;
@@ -714,6 +736,13 @@ static PyMethodDef kernel_methods[] = {
     {"kernel_set_num_threads", py_set_threads, METH_VARARGS,
      "kernel_set_num_threads(n): threads the kernels split rows over (large inputs only)."},
     {"kernel_get_num_threads", py_get_threads, METH_NOARGS, "kernel_get_num_threads() -> int"},
+    {"kernel_pool_stats", py_pool_stats, METH_NOARGS,
+     "kernel_pool_stats() -> dict: threads_created (ever, this process), workers (now), "
+     "pool_calls (parallel calls the pool ran), inline_busy (calls that found the pool busy "
+     "and ran on the calling thread alone)."},
+    {"kernel_pool_shutdown", py_pool_shutdown, METH_NOARGS,
+     "kernel_pool_shutdown(): stop and join the kernels' worker threads (done at exit; the next "
+     "parallel call makes new ones)."},
     {"kernel_has_avx2", py_has_avx2, METH_NOARGS,
      "kernel_has_avx2() -> bool: the SIMD kernels run here (same probe as cpu_has_avx2)."},
     {"kernel_convert", py_convert, METH_VARARGS,
@@ -724,5 +753,10 @@ static PyMethodDef kernel_methods[] = {
 
 int sf_register_kernels(PyObject *m)
 {
+    /* join the pool's workers at exit, so that leak checkers see none left */
+    if (Py_AtExit(sfk_pool_shutdown) < 0) {
+        PyErr_SetString(PyExc_RuntimeError, "shardformer._C: no room for an atexit function");
+        return -1;
+    }
     return PyModule_AddFunctions(m, kernel_methods);
 }

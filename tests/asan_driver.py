@@ -477,6 +477,46 @@ A2A_CUDA_LO = FakeTensor(A2A_BUF[:8], device_type=2)
 A2A_CUDA_HI = FakeTensor(A2A_BUF[4:12], device_type=2)
 
 
+def scenario_kernel_pool(i):
+    """The kernels' worker pool: reuse over calls at 2 threads, a resize, the
+    erf GeLU over its tails, three Python threads at once (calls that find the
+    pool busy run inline), shutdown and remake, and a fork whose child makes
+    its own pool."""
+    import os
+    import threading
+
+    from shardformer import ops
+
+    x = torch.randn(600, 300)
+    w = torch.randn(300)
+    try:
+        ops.set_num_threads(2 + i % 2)
+        for _ in range(3):
+            ops.layer_norm(x, (300,), w)
+        xg = torch.linspace(-20, 20, 600 * 301).view(600, 301).requires_grad_()
+        ops.bias_gelu(xg, torch.randn(301)).sum().backward()
+        ts = [threading.Thread(target=lambda: [ops.layer_norm(x, (300,), w) for _ in range(5)])
+              for _ in range(3)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        _C.kernel_pool_shutdown()
+        ops.layer_norm(x, (300,), w)
+        if i == 0:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    ops.layer_norm(x, (300,), w)
+                    _C.kernel_pool_shutdown()
+                finally:
+                    os._exit(0)
+            _, status = os.waitpid(pid, 0)
+            assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    finally:
+        ops.set_num_threads(1)
+
+
 def scenario_status(i):
     # NCCL's gate refuses on CPU, before anything loads NCCL
     for fn, args in NCCL_CALLS:
@@ -698,8 +738,8 @@ def scenario_shm_all_to_all(i):
 
 SCENARIOS = [scenario_layout_math, scenario_copy_place_torch, scenario_copy_place_numpy,
              scenario_copy_errors, scenario_gather_index, scenario_tensor_info,
-             scenario_sharder, scenario_attention, scenario_status, scenario_faults,
-             scenario_shm_all_to_all]
+             scenario_sharder, scenario_attention, scenario_kernel_pool, scenario_status,
+             scenario_faults, scenario_shm_all_to_all]
 
 if MODE == "asan":
     for scenario in SCENARIOS:

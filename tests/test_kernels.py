@@ -435,3 +435,117 @@ def test_empty_inputs():
         assert out.shape == (0, 5)
         out.sum().backward()
         assert t.grad.shape == (0, 5)
+
+
+# ---- the worker pool of the row-parallel driver (csrc/kernels/common.c) -----
+
+def _pool_inputs():
+    x = torch.randn(2048, 256)   # 2048 rows x 256: above the driver's threshold for threads
+    w = torch.randn(256)
+    return x, w, F.layer_norm(x, (256,), w)
+
+
+def test_pool_threads_are_reused():
+    from shardformer import _C
+
+    x, w, ref = _pool_inputs()
+    try:
+        ops.set_num_threads(2)
+        ops.layer_norm(x, (256,), w)      # makes the pool (if no earlier test did)
+        before = _C.kernel_pool_stats()
+        assert before["workers"] == 1
+        for _ in range(200):
+            y = ops.layer_norm(x, (256,), w)
+        ops.bias_gelu(x, w).sum()
+        after = _C.kernel_pool_stats()
+    finally:
+        ops.set_num_threads(None)
+    close(y, ref, torch.float32)
+    assert after["threads_created"] == before["threads_created"], (before, after)
+    assert after["pool_calls"] - before["pool_calls"] >= 200, (before, after)
+
+
+def test_pool_survives_fork():
+    import os
+
+    from shardformer import _C
+
+    x, w, ref = _pool_inputs()
+    try:
+        ops.set_num_threads(2)
+        ops.layer_norm(x, (256,), w)
+        assert _C.kernel_pool_stats()["workers"] == 1
+        pid = os.fork()
+        if pid == 0:    # the child has none of the parent's workers: it makes its own
+            code = 1
+            try:
+                # (torch's own OpenMP pool is not fork-safe: no parallel torch op
+                # here, the check is numpy's)
+                torch.set_num_threads(1)
+                ys = [ops.layer_norm(x, (256,), w) for _ in range(20)]
+                st = _C.kernel_pool_stats()
+                code = 0 if all(np.allclose(y.numpy(), ref.numpy(), rtol=1e-5, atol=1e-5) for y in ys) \
+                    and st["workers"] == 1 else 2
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+        close(ops.layer_norm(x, (256,), w), ref, torch.float32)    # the parent's pool still works
+    finally:
+        ops.set_num_threads(None)
+
+
+def test_pool_concurrent_python_threads():
+    import threading
+
+    from shardformer import _C
+
+    x, w, ref = _pool_inputs()
+    bad = []
+
+    def run():
+        for _ in range(50):
+            if not torch.allclose(ops.layer_norm(x, (256,), w), ref, rtol=1e-5, atol=1e-5):
+                bad.append(1)
+    try:
+        ops.set_num_threads(2)
+        ts = [threading.Thread(target=run) for _ in range(3)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        ops.set_num_threads(3)    # a new size: the next parallel call remakes the pool
+        close(ops.layer_norm(x, (256,), w), ref, torch.float32)
+        assert _C.kernel_pool_stats()["workers"] == 2
+        _C.kernel_pool_shutdown()
+        assert _C.kernel_pool_stats()["workers"] == 0
+        close(ops.layer_norm(x, (256,), w), ref, torch.float32)
+    finally:
+        ops.set_num_threads(None)
+    assert not bad
+
+
+def test_gelu_erf_accuracy():
+    """The erf form against float64 (written as erfc: no cancellation) over
+    [-13, 13] and beyond: within a few fp32 ulps of the result in the normal
+    range, left tail included (where 1 + erf(x / sqrt 2) loses everything)."""
+    import math
+
+    x = torch.cat([torch.linspace(-13, 13, 400_001), torch.randn(20000) * 3,
+                   torch.tensor([-1e4, -30.0, -14.0, 14.0, 30.0, 1e4, -1e-30, 1e-30, 0.0])])
+    x = x.float().requires_grad_()
+    y = ops.bias_gelu(x, None)
+    xd = x.detach().double().requires_grad_()
+    yd = 0.5 * xd * torch.special.erfc(-xd / math.sqrt(2))
+    y.sum().backward()
+    yd.sum().backward()
+    u = xd.detach()
+    # the gradient Phi(u) + u phi(u) crosses 0 near u = -0.75: ulps of its terms' size
+    terms = 0.5 * torch.special.erfc(-u / math.sqrt(2)) + (u * torch.exp(-u * u / 2)).abs() / math.sqrt(2 * math.pi)
+    for ours, ref, scale, what, limit in ((y.detach(), yd.detach(), yd.detach().abs(), "forward", 16),
+                                          (x.grad, xd.grad, terms, "gradient", 16)):
+        normal = ref.abs() > 1.2e-38
+        ulp = torch.pow(2.0, torch.floor(torch.log2(scale[normal])) - 23)
+        err = ((ours.double()[normal] - ref[normal]).abs() / ulp).max().item()
+        assert err <= limit, f"{what}: {err:.1f} ulps"
+        assert (ours.double() - ref).abs().max().item() < 1e-6, what

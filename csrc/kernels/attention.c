@@ -176,13 +176,60 @@ static void matmul_acc_tn(int64_t M, int64_t N, int64_t K, const float *A, int64
 
 /* ---- shared pieces ------------------------------------------------------ */
 
-/* A SIMD reduction: lane-wise partial sums combined at the end (as norm.c). */
-static float row_sum(const float *x, int64_t n)
+#ifdef ATT_X86
+/* exp over 16 lanes: sfk_exp8's reduction and polynomial (common.h) at
+ * AVX-512 width. */
+AVX512 static inline __m512 exp16(__m512 x)
 {
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < n; i++) s += x[i];
-    return s;
+    const __m512 hi = _mm512_set1_ps(88.37f), lo = _mm512_set1_ps(-87.33f);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps((__mmask16)~under, p, _mm512_castsi512_ps(e));
+}
+
+/* s[j] = exp(s[j] - shift) in place, and their sum: one pass. */
+AVX512 static float exp_sum_avx512(float *s, int64_t n, float shift)
+{
+    const __m512 sh = _mm512_set1_ps(shift);
+    __m512 acc = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= n; j += 16) {
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), sh));
+        _mm512_storeu_ps(s + j, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    if (j < n) {
+        const __mmask16 m = (__mmask16)((1u << (n - j)) - 1u);
+        const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), sh)));
+        _mm512_mask_storeu_ps(s + j, m, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+#endif
+
+/* s[j] = exp(s[j] - shift) in place; returns their sum. */
+static float exp_sum(float *s, int64_t n, float shift)
+{
+#ifdef ATT_X86
+    if (sf_cpu_has_avx512()) return exp_sum_avx512(s, n, shift);
+#endif
+    sfk_scaled_exp(s, s, n, shift, 1.0f, 0.0f);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; j++) sum += s[j];
+    return sum;
 }
 
 /* Rows [first, first + n) of a [*, D] array of type t as fp32: the array
@@ -245,7 +292,8 @@ static void tile_logits(const sfk_attn *a, int64_t b, int64_t h, int64_t i0, int
         visible(a, i0 + i, j0, nj, &lo, &hi);
         for (int64_t j = 0; j < lo; j++) s[j] = -INFINITY;
         for (int64_t j = hi; j < nj; j++) s[j] = -INFINITY;
-        for (int64_t j = lo; j < hi; j++) s[j] *= a->scale;
+        if (a->scale != 1.0f)
+            for (int64_t j = lo; j < hi; j++) s[j] *= a->scale;
         if (a->bias) {
             const float *br = a->bias + b * a->bias_st[0] + h * a->bias_st[1] + (i0 + i) * a->bias_st[2];
             const int64_t st = a->bias_st[3];
@@ -350,6 +398,10 @@ static void forward_rows(void *arg, int64_t r0, int64_t r1, int tid)
     float *Qf = buf, *S = Qf + BQ * D, *acc = S + BQ * BK, *m = acc + BQ * D, *l = m + BQ;
     float *Kt = l + BQ, *Vf = Kt + Skr * D;
     int64_t cached = -1;
+    /* the scale goes into the query tile (one [BQ, D] pass instead of one
+     * per key tile): the logits come out scaled from the product */
+    sfk_attn unit = *a;
+    unit.scale = 1.0f;
     const float inv = a->dropout < 1.0f ? 1.0f / (1.0f - a->dropout) : 0.0f;
     const uint32_t thresh = sfk_dropout_threshold(a->dropout);
     for (int64_t r = r0; r < r1; r++) {
@@ -357,6 +409,8 @@ static void forward_rows(void *arg, int64_t r0, int64_t r1, int tid)
         const int64_t i0 = (r % c->nqt) * BQ, ni = a->Sq - i0 < BQ ? a->Sq - i0 : BQ;
         const int64_t kvrow = (b * a->Hkv + h / g) * Sk;
         const float *Q = rows_f32(t, c->q, bh * a->Sq + i0, ni, D, Qf);
+        for (int64_t e = 0; e < ni * D; e++) Qf[e] = Q[e] * a->scale;
+        Q = Qf;
         if (cached != kvrow) {
             /* Vf holds the fp32 keys for a moment on the way to Kt */
             transpose_tiles(rows_f32(t, c->k, kvrow, Sk, D, Vf), Sk, D, Kt);
@@ -371,7 +425,7 @@ static void forward_rows(void *arg, int64_t r0, int64_t r1, int tid)
         for (int64_t j0 = jlo / BK * BK; j0 < jhi; j0 += BK) {
             const int64_t nj = jhi - j0 < BK ? jhi - j0 : BK;
             const float *V = Vh + j0 * D;
-            tile_logits(a, b, h, i0, ni, j0, nj, Q, Kt + j0 * D, BK, S);
+            tile_logits(&unit, b, h, i0, ni, j0, nj, Q, Kt + j0 * D, BK, S);
             for (int64_t i = 0; i < ni; i++) {
                 float *s = S + i * BK;
                 const float mnew = fmaxf(m[i], sfk_max(s, nj));
@@ -380,9 +434,7 @@ static void forward_rows(void *arg, int64_t r0, int64_t r1, int tid)
                     continue;
                 }
                 const float alpha = expf(m[i] - mnew);
-                for (int64_t j = 0; j < nj; j++) s[j] -= mnew;
-                sfk_exp(s, s, nj);
-                l[i] = l[i] * alpha + row_sum(s, nj);
+                l[i] = l[i] * alpha + exp_sum(s, nj, mnew);
                 m[i] = mnew;
                 if (alpha != 1.0f)
                     for (int64_t d = 0; d < D; d++) acc[i * D + d] *= alpha;
@@ -532,8 +584,7 @@ static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
                     for (int64_t i = 0; i < ni; i++) {
                         float *s = S + i * BK;
                         const float lse = c->lse[qrow + i0 + i];
-                        for (int64_t j = 0; j < nj; j++) s[j] -= lse;
-                        sfk_exp(s, s, nj);                       /* p */
+                        sfk_scaled_exp(s, s, nj, lse, 1.0f, 0.0f);   /* p = exp(s - lse) */
                         memset(dP + i * BK, 0, (size_t)nj * sizeof(float));
                     }
                     matmul_acc(ni, nj, D, dO, D, Vt, BK, dP, BK);   /* dout . v */

@@ -32,12 +32,36 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 # Threads the kernels use: torch's intra-op count unless set_num_threads pinned one.
+#
+# Policy (issue 16): the kernels run on their own persistent pool of
+# n - 1 worker threads (csrc/kernels/common.c; made at the first parallel
+# call, remade when n changes, joined at exit, made afresh in a forked child),
+# and n follows torch's intra-op thread count.  The two pools never run at
+# the same time (a kernel starts after the torch op before it returned), but
+# with OMP_WAIT_POLICY unset torch's OpenMP workers keep spinning for a while
+# after each torch op, and on a machine with no spare core the kernels'
+# workers then wait for a CPU.  benchmarks/kernel_pool.py (2 threads, a
+# [2048 x 256] layer_norm right after a torch.mm, torch = the same pair with
+# F.layer_norm) on the shared 2-core machine, load 3-5 from other processes:
+# 0.2-0.6x with the default policy, 0.8-1.0x with OMP_WAIT_POLICY=PASSIVE
+# (noisy; one thread and the kernel alone do not depend on it).  We do not set OMP_WAIT_POLICY ourselves: it
+# must be in the environment before torch is imported, and it changes the
+# speed of every torch op, which is the user's trade.  Where the kernels carry
+# the run on a small machine, export OMP_WAIT_POLICY=PASSIVE (or pin
+# set_num_threads(1) and leave the cores to torch).  The kernels' own workers
+# spin only briefly (some 10-40 us) before they block, so they do not do to
+# torch what its workers do to them.
 _pinned_threads: int | None = None
 
 
 def set_num_threads(n: int | None) -> None:
     """Threads the kernels split rows over (for inputs large enough to pay);
-    None = follow torch.get_num_threads(), the default."""
+    None = follow torch.get_num_threads(), the default.  The kernels keep a
+    pool of n - 1 worker threads (made at the first parallel call after n
+    changes, shared by every kernel, reused over calls: see
+    shardformer._C.kernel_pool_stats()); a kernel called while another
+    Python thread's kernel holds the pool runs on its calling thread alone.
+    See the comment above about torch's OpenMP workers and OMP_WAIT_POLICY."""
     global _pinned_threads
     _C.kernel_set_num_threads(min(torch.get_num_threads(), 64) if n is None else int(n))  # checks n
     _pinned_threads = None if n is None else int(n)
