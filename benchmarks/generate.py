@@ -319,6 +319,7 @@ class CollectiveTimer:
         self.seconds = 0.0
         self.calls = 0
         self.by_key: dict = {}     # (method, bytes) -> [calls, seconds]
+        self.trace: list = []      # seconds of every call, in order (StepClock cuts it into steps)
         self.on = True
 
     def install(self, comm) -> None:
@@ -338,6 +339,7 @@ class CollectiveTimer:
             if self.on:
                 self.seconds += dt
                 self.calls += 1
+                self.trace.append(dt)
                 t = args[-1] if name in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single") \
                     else args[0]
                 key = (name, t.numel() * t.element_size())
@@ -356,6 +358,7 @@ class CollectiveTimer:
 
     def reset_keys(self):
         self.by_key = {}
+        self.trace = []
 
 
 class StepClock:
@@ -398,10 +401,18 @@ def timed_generate(model, ids, new_tokens: int, timer: CollectiveTimer | None, p
     steps = [b[0] - a[0] for a, b in zip(stamps, stamps[1:])]
     coll_s = [b[1] - a[1] for a, b in zip(stamps, stamps[1:])]
     coll_n = [b[2] - a[2] for a, b in zip(stamps, stamps[1:])]
+    if timer is not None:   # each decode step's calls, in order: [embedding, (attention, MLP) per layer, LM head]
+        start = len(timer.trace) - (stamps[-1][2] - stamps[0][2])
+        traces = []
+        for n in coll_n:
+            traces.append(timer.trace[start:start + n])
+            start += n
+    else:
+        traces = None
     return {"prefill_s": stamps[0][0] - t0, "steps_s": steps, "coll_s": coll_s, "coll_calls": coll_n,
             "prefill_coll_calls": stamps[0][2] - c0[1], "wall_s": wall, "cpu_s": cpu1 - cpu0,
             "machine_busy_s": None if busy0 is None or busy1 is None else busy1 - busy0,
-            "tokens": out[:, ids.shape[1]:].tolist()}
+            "coll_traces": traces, "tokens": out[:, ids.shape[1]:].tolist()}
 
 
 def isolated_latency(comm, by_key: dict, iters: int = 200) -> dict:
@@ -537,6 +548,7 @@ def summarize(name: str, ranks: list, args) -> dict:
                     row["collective_ms_per_step_per_rank"] = [
                         statistics.median(c for r in rr for c in r["coll_s"][w:]) * 1e3 for rr in recs]
                     row["collectives_by_op_per_step"] = _by_op(recs[0], args.new_tokens)
+                    row["collectives_by_position"] = [_by_position(rr, w) for rr in recs]
                     row["isolated_us"] = next((r["isolated_us"] for r in mine if "isolated_us" in r), {})
                     other = [_other_load(list(rs)) for rs in zip(*recs)]
                 else:
@@ -563,6 +575,26 @@ def _by_op(recs: list, new_tokens: int) -> dict:
             o[1] += s
     per = len(recs) * new_tokens
     return {k: {"calls_per_token": n / per, "us_per_call": s / n * 1e6} for k, (n, s) in out.items()}
+
+
+def _by_position(recs: list, w: int) -> dict:
+    """The timed decode steps' collectives by their place in a Llama decoder step: the embedding's
+    all-reduce (first), the attention's (o_proj) and the MLP's (down_proj) all-reduce of each layer
+    (alternating), the LM head's all-gather (last): calls per step, median and mean us per call, ms per step."""
+    groups: dict = {"embedding": [], "attention o_proj": [], "mlp down_proj": [], "lm_head": []}
+    steps = 0
+    for r in recs:
+        for calls in (r["coll_traces"] or [])[w:]:
+            if len(calls) < 2:
+                continue
+            steps += 1
+            groups["embedding"].append(calls[0])
+            groups["lm_head"].append(calls[-1])
+            for i, dt in enumerate(calls[1:-1]):
+                groups["mlp down_proj" if i % 2 else "attention o_proj"].append(dt)
+    return {k: {"calls_per_step": len(v) / steps, "median_us": statistics.median(v) * 1e6,
+                "mean_us": statistics.fmean(v) * 1e6, "ms_per_step": sum(v) / steps * 1e3}
+            for k, v in groups.items() if v and steps}
 
 
 def _other_load(rs: list) -> float | None:
@@ -636,7 +668,39 @@ def md_table(results: dict) -> str:
                 f"{a['bw_fraction'][r['config']]:.0%} | {coll} | {calls} | "
                 f"{ov_s} | "
                 f"{(statistics.median(load) if load else float('nan')):.2f} |")
+    lines += ["", "TP=2 decode step's collectives by place (per rank 0 / rank 1: ms per step, median us per call; "
+              "isolated = the same call back to back, rank 0):", "",
+              "| model | batch | place | calls/step | ms/step | median us/call | isolated us/call |",
+              "|---|---|---|---|---|---|---|"]
+    for name, m in results["models"].items():
+        for r in m["rows"]:
+            if r["kind"] != "real" or r["config"] != "tp2":
+                continue
+            pos = r["collectives_by_position"]
+            iso = r.get("isolated_us", {})
+            for place in pos[0]:
+                ranks = [p.get(place) for p in pos]
+                ms = "/".join(f"{x['ms_per_step']:.2f}" for x in ranks if x)
+                med = "/".join(f"{x['median_us']:.0f}" for x in ranks if x)
+                key = {"lm_head": "all_gather_into_tensor"}.get(place, "all_reduce")
+                # the decode step's size of that operation: the smallest seen (the prefill's are larger)
+                seen = sorted((int(k.split(":")[1]), v) for k, v in iso.items() if k.startswith(key + ":"))
+                iso_s = f"{seen[0][1]:.0f}" if seen else "-"
+                lines.append(f"| {name} | {r['batch']} | {place} | {ranks[0]['calls_per_step']:.0f} | {ms} | "
+                             f"{med} | {iso_s} |")
     return "\n".join(lines)
+
+
+def write_outputs(results: dict, out: str) -> str:
+    md = md_table(results)
+    a = results["args"]
+    with open(out + ".json", "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    with open(out + ".md", "w") as f:
+        f.write(f"# benchmarks/generate.py: greedy decode, TP=2 (2 ranks x 1 thread, shm) vs unsharded "
+                f"(1 and 2 threads), {results['cpu_count']} cores\n\n{results['time']}; medians over "
+                f"{a['rounds']} round(s) x {a['new_tokens'] - 1 - a['warmup_steps']} decode steps\n\n{md}\n")
+    return md
 
 
 def main(argv=None) -> int:
@@ -675,7 +739,8 @@ def main(argv=None) -> int:
     results["cpu_count"] = os.cpu_count()
     results["versions"] = _versions()
     results["time"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    md = md_table(results)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    md = write_outputs(results, args.out)
     print()
     print(md)
     for name, m in results["models"].items():
@@ -686,13 +751,6 @@ def main(argv=None) -> int:
                   f"{a['bw_fraction']['tp2']:.0%} of the per-rank bandwidth; goal (>= {GOAL_SPEEDUP}x or >= "
                   f"{GOAL_BW_FRACTION:.0%} of bandwidth) {'met' if a['goal_met'] else 'NOT met'}; "
                   f"tokens same as unsharded: {a['tokens_match_unsharded']}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".json", "w") as f:
-        json.dump(results, f, indent=1, default=str)
-    with open(args.out + ".md", "w") as f:
-        f.write(f"# benchmarks/generate.py: greedy decode, TP=2 (2 ranks x 1 thread, shm) vs unsharded "
-                f"(1 and 2 threads), {os.cpu_count()} cores\n\n{results['time']}; medians over "
-                f"{args.rounds} round(s) x {args.new_tokens - 1 - args.warmup_steps} decode steps\n\n{md}\n")
     print(f"wrote {args.out}.json and {args.out}.md ({results['wall_s']:.0f} s)")
     return 0
 
