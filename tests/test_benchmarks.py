@@ -19,7 +19,8 @@ def test_generate_benchmark_quick(tmp_path):
     p = run_killing_group([sys.executable, GENERATE, "--quick", "--out", str(out)], timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     res = json.loads((tmp_path / "generate.json").read_text())
-    assert (tmp_path / "generate.md").read_text().count("| tiny |") == 2 * 3   # batches 1 and 2, 3 configurations
+    md = (tmp_path / "generate.md").read_text()
+    assert md.count("| tiny |") == 2 * 3 + 2 * 4   # batches 1 and 2: 3 configurations, 4 places of collectives
     rows = res["models"]["tiny"]["rows"]
     seen = {(r["kind"], r["batch"], r["config"]) for r in rows}
     assert seen == {(k, b, c) for k in ("real", "skeleton") for b in (1, 2)
@@ -31,6 +32,9 @@ def test_generate_benchmark_quick(tmp_path):
             # 2 layers: 2 all-reduces each, the embedding's all-reduce, the LM head's all-gather
             assert r["collective_calls_per_step"] == 6
             assert len(r["collective_share_per_rank"]) == 2
+            for per_rank in r["collectives_by_position"]:
+                assert {k: v["calls_per_step"] for k, v in per_rank.items()} == {
+                    "embedding": 1, "attention o_proj": 2, "mlp down_proj": 2, "lm_head": 1}
     for key, a in res["models"]["tiny"]["analysis"].items():
         assert a["tokens_match_unsharded"], key
     bw = res["bandwidth"]
