@@ -22,7 +22,7 @@
  * Waiting (wait_step): spin briefly, then yield the core, then sleep on a
  * futex on the header's wake word (Linux; elsewhere a growing nanosleep).
  * Every release store another rank may wait for is followed by wake_peers():
- * bump the wake word, and if any rank counts itself a sleeper, FUTEX_WAKE.
+ * if any rank counts itself a sleeper, bump the wake word and FUTEX_WAKE.
  * A sleeper counts itself, re-checks its counter, then sleeps only while the
  * wake word still has the value it read before counting itself, so a store
  * made after its re-check always wakes it (seq_cst fences on both sides, the
@@ -592,6 +592,12 @@ typedef struct {
     double deadline, next_poll;
 } waiter;
 
+/* Spin briefly, yield up to ~2000 times, then sleep on the futex.  Measured
+ * (benchmarks/collectives_under_load.py): going to sleep after ~10 us instead
+ * made a quiet 4-64 KiB all-reduce 3-4x slower (the peer arrives a little
+ * later than that, and a futex sleep + wake costs more than the wait), and did
+ * not help under 2 busy loops on 2 cores, where every waiter loses its core
+ * for a scheduler slice either way. */
 #define SPIN_STEPS 64
 #define YIELD_STEPS 2048
 
@@ -616,9 +622,12 @@ static void futex_sleep(_Atomic uint32_t *word, uint32_t seen, double seconds)
 static void wake_peers(sf_shm *c)
 {
     header *h = hdr(c);
-    atomic_fetch_add_explicit(&h->wake, 1u, memory_order_seq_cst);
+    /* The fence orders the caller's release store before the read of
+     * `sleepers`; the wake word is written only when someone sleeps, so the
+     * common case touches no shared line for writing. */
     atomic_thread_fence(memory_order_seq_cst);
     if (atomic_load_explicit(&h->sleepers, memory_order_seq_cst) != 0) {
+        atomic_fetch_add_explicit(&h->wake, 1u, memory_order_seq_cst);
 #ifdef __linux__
         syscall(SYS_futex, (uint32_t *)&h->wake, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 #endif
@@ -651,7 +660,7 @@ static int wait_step(waiter *w, sf_shm *c, _Atomic uint64_t *a, uint64_t target)
     }
     if (i < YIELD_STEPS) {
         sched_yield();
-        if (i & 63)
+        if ((i - SPIN_STEPS) & 63)
             return W_WAIT;
     } else {
 #ifdef __linux__
