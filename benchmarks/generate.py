@@ -456,7 +456,6 @@ def rank_main(rank: int, name: str, path: str | None, args_d: dict) -> dict:
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
-    world = dist.get_world_size()
     models = load_models(rank, name, path, not args_d["no_skeleton"])
     comm = get_communicator(dist.group.WORLD, "cpu")
     backend = backend_for(torch.zeros(1), dist.group.WORLD)
