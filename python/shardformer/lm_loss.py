@@ -131,17 +131,36 @@ class VocabParallelLMLoss:
         return f"VocabParallelLMLoss({'causal' if self.shift else 'masked'}, vocab={self.head.vocab_size})"
 
 
+def calls_loss_function(cls) -> bool:
+    """Whether `cls.forward` (in the installed transformers) computes its loss
+    through self.loss_function: the "hook" rule needs that.  (Some classes
+    moved to it between transformers versions; BLIP-2's and Gemma 3's
+    multimodal heads compute nn.CrossEntropyLoss themselves in 5.15.)"""
+    try:
+        source = inspect.getsource(inspect.unwrap(cls.forward))
+    except (OSError, TypeError):
+        return True         # no source to read (compiled, generated): trust the policy's data
+    return "loss_function" in source
+
+
 def _hf_rule(model, path: str, name: str) -> bool:
     """True for ForCausalLMLoss (shift), False for ForMaskedLMLoss; anything
     else HF would run on the full vocabulary is refused."""
     from transformers.loss.loss_utils import ForCausalLMLoss, ForMaskedLMLoss
 
+    import transformers
+
+    where = f" ({path})" if path else ""
+    if not calls_loss_function(type(model)):
+        raise NotImplementedError(
+            f"{name}{where}: parallel_output=True needs {type(model).__name__}'s loss on vocabulary shards, but in "
+            f"transformers {transformers.__version__} its forward computes the loss itself (not through "
+            f"self.loss_function) on the full vocabulary; use parallel_output=False")
     fn = model.loss_function
     if fn is ForCausalLMLoss:
         return True
     if fn is ForMaskedLMLoss:
         return False
-    where = f" ({path})" if path else ""
     raise NotImplementedError(
         f"{name}{where}: parallel_output=True needs the loss of {type(model).__name__} on vocabulary shards, but its "
         f"loss_function is {getattr(fn, '__name__', fn)!r} (only ForCausalLMLoss and ForMaskedLMLoss are known); "

@@ -62,6 +62,14 @@ MODELS.update({
     "SmolLM3-1kv": ("SmolLM3ForCausalLM", {"num_key_value_heads": 1}),
     "GPTNeoX-6heads": ("GPTNeoXForCausalLM", dict(MODELS["GPTNeoX"][1], hidden_size=48, num_attention_heads=6)),
 })
+# Checked only at the pinned transformers version: {name: (version, why)}.
+PINNED_ONLY = {
+    "Gemma4Unified": ("5.18.0", "transformers 5.15's Gemma4 config sets its layer types per process "
+                                "(the ranks build different models: the replica check refuses them)"),
+    "Llama4": ("5.18.0", "transformers 5.15's Llama4 plan has no moe_tp_experts style to refuse"),
+    "MiMoV2Flash": ("5.18.0", "transformers 5.15 registers the rotary buffers in a per-process order (a set): "
+                              "the replica check refuses the ranks' models before the plan is read"),
+}
 PARTIAL_PLANS = ("AriaText", "Cohere2Moe", "ExaoneMoe", "OlmoHybrid", "Qwen2Moe")
 # Reductions in another order: allow the unsharded float32 model's own distance from float64.
 FP64_FLOOR = ("Gemma4Unified",)

@@ -145,3 +145,20 @@ def refuses_unknown_loss(ctx, name: str) -> str:
         f"{name}: the refused model changed"
     assert not any(isinstance(m, VocabParallelLMHead1D) for m in model.modules())
     return message
+
+
+def refuses_own_loss(ctx, name: str) -> str:
+    """optimize(parallel_output=True) refuses a class whose forward computes its
+    loss without self.loss_function, before anything changes."""
+    model = zoo.build(name)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = ShardConfig(tensor_parallel_process_group=ctx.group, parallel_output=True)
+    try:
+        ShardFormer(cfg).optimize(model)
+    except NotImplementedError as e:
+        message = str(e)
+    else:
+        raise AssertionError(f"{name}: parallel_output was not refused")
+    after = model.state_dict()
+    assert all(torch.equal(v, after[k]) for k, v in before.items()), f"{name}: the refused model changed"
+    return message
