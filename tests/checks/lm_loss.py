@@ -4,37 +4,18 @@ model from the same seed."""
 from __future__ import annotations
 
 import copy
-from contextlib import contextmanager
-
 import torch
 
 import zoo
-from checks.parity import TOL, assert_close, prompt_ids
-from shardformer import ShardConfig, ShardFormer, ops
-from shardformer.checkpoint import _shard_info
+from checks.optimizations import counting_kernels
+from checks.parity import TOL, assert_close, compare_grads, prompt_ids
+from shardformer import ShardConfig, ShardFormer
 from shardformer.layer import VocabParallelLMHead1D
-from shardformer.layer.parallel_module import shard_of
 
 
-@contextmanager
 def counting_xent():
     """Calls of the vocabulary-parallel cross-entropy's C halves."""
-    calls = {"xent_stats": 0, "xent_grad": 0}
-    saved = {name: getattr(ops, name) for name in calls}
-
-    def wrap(name):
-        def counted(*args, **kwargs):
-            calls[name] += 1
-            return saved[name](*args, **kwargs)
-        return counted
-
-    for name in calls:
-        setattr(ops, name, wrap(name))
-    try:
-        yield calls
-    finally:
-        for name, fn in saved.items():
-            setattr(ops, name, fn)
+    return counting_kernels(("xent_stats", "xent_grad"))
 
 
 def _head(model) -> VocabParallelLMHead1D:
@@ -95,20 +76,7 @@ def compare(ctx, model, inputs: dict, name: str, dropout: float = 0.0, num_items
     start = head.vocab_start
     real = max(0, min(logits.shape[-1], head.vocab_size - start))
     report["logits"] = assert_close(f"{name} logits shard", logits[..., :real], full[..., start:start + real], tol)
-    info = _shard_info(model)
-    ref_params = dict(ref.named_parameters())
-    worst = 0.0
-    for pname, p in model.named_parameters():
-        rp = ref_params[pname]
-        if rp.grad is None:
-            continue
-        assert p.grad is not None, f"{name}: {pname} has no gradient"
-        expected = rp.grad
-        if id(p) in info:
-            dim, shard, _ = info[id(p)]
-            expected = shard_of(rp.grad, dim, shard)
-        worst = max(worst, assert_close(f"{name} grad of {pname}", p.grad, expected, tol))
-    report["grad"] = worst
+    report["grad"] = compare_grads(model, ref, name, tol)
     return report
 
 
@@ -132,6 +100,12 @@ def refuses_unknown_loss(ctx, name: str) -> str:
     user's own) is refused before anything changes."""
     model = zoo.build(name)
     model.loss_function = lambda logits, labels, **kw: logits.sum()
+    return _refused_unchanged(ctx, model, name)
+
+
+def _refused_unchanged(ctx, model, name: str) -> str:
+    """optimize(parallel_output=True) must raise NotImplementedError and leave
+    the model as it was (no tensor changed, no head swapped in); returns the message."""
     cfg = ShardConfig(tensor_parallel_process_group=ctx.group, parallel_output=True)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     try:
@@ -139,7 +113,7 @@ def refuses_unknown_loss(ctx, name: str) -> str:
     except NotImplementedError as e:
         message = str(e)
     else:
-        raise AssertionError(f"{name}: an unknown loss_function was not refused")
+        raise AssertionError(f"{name}: parallel_output was not refused")
     after = model.state_dict()
     assert before.keys() == after.keys() and all(torch.equal(v, after[k]) for k, v in before.items()), \
         f"{name}: the refused model changed"
@@ -150,15 +124,4 @@ def refuses_unknown_loss(ctx, name: str) -> str:
 def refuses_own_loss(ctx, name: str) -> str:
     """optimize(parallel_output=True) refuses a class whose forward computes its
     loss without self.loss_function, before anything changes."""
-    model = zoo.build(name)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    cfg = ShardConfig(tensor_parallel_process_group=ctx.group, parallel_output=True)
-    try:
-        ShardFormer(cfg).optimize(model)
-    except NotImplementedError as e:
-        message = str(e)
-    else:
-        raise AssertionError(f"{name}: parallel_output was not refused")
-    after = model.state_dict()
-    assert all(torch.equal(v, after[k]) for k, v in before.items()), f"{name}: the refused model changed"
-    return message
+    return _refused_unchanged(ctx, zoo.build(name), name)

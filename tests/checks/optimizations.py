@@ -22,10 +22,10 @@ DROPOUT = 0.1
 
 
 @contextmanager
-def counting_kernels():
-    """Count the calls of the fused C kernels' Python entry points in shardformer.ops."""
-    calls = dict.fromkeys(COUNTED, 0)
-    saved = {name: getattr(ops, name) for name in COUNTED}
+def counting_kernels(names: tuple[str, ...] = COUNTED):
+    """Count the calls of the C kernels' Python entry points `names` in shardformer.ops."""
+    calls = dict.fromkeys(names, 0)
+    saved = {name: getattr(ops, name) for name in names}
 
     def wrap(name):
         def counted(*args, **kwargs):
@@ -33,7 +33,7 @@ def counting_kernels():
             return saved[name](*args, **kwargs)
         return counted
 
-    for name in COUNTED:
+    for name in names:
         setattr(ops, name, wrap(name))
     try:
         yield calls

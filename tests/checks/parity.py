@@ -166,6 +166,31 @@ def check_sharded(ctx, build, inputs: dict, name: str, dtype=torch.float32, step
     return compare_sharded(sharded, ref, inputs, name, dtype, steps, ref64=ref64, inputs64=inputs64, report=report)
 
 
+def compare_grads(sharded, ref, name: str, tol: tuple[float, float], ref64=None) -> float:
+    """Every gradient of `sharded` against this rank's shard of `ref`'s (and
+    of the float64 `ref64`'s, when given); returns the worst relative error."""
+    ref64_params = dict(ref64.named_parameters()) if ref64 is not None else {}
+    info = _shard_info(sharded)
+    ref_params = dict(ref.named_parameters())
+    worst = 0.0
+    for pname, p in sharded.named_parameters():
+        rp = ref_params[pname]
+        if rp.grad is None:
+            if p.grad is not None and p.grad.abs().max() > 0:
+                raise AssertionError(f"{name}: {pname} has a gradient but the reference has none")
+            continue
+        if p.grad is None:
+            raise AssertionError(f"{name}: {pname} has no gradient")
+        expected = rp.grad
+        expected64 = ref64_params[pname].grad if pname in ref64_params else None
+        if id(p) in info:
+            dim, shard, _ = info[id(p)]
+            expected = shard_of(rp.grad, dim, shard)
+            expected64 = None if expected64 is None else shard_of(expected64, dim, shard)
+        worst = max(worst, assert_close(f"{name} grad of {pname}", p.grad, expected, tol, expected64))
+    return worst
+
+
 def compare_sharded(sharded, ref, inputs: dict, name: str, dtype=torch.float32, steps: int = 1, ref64=None,
                     inputs64=None, report: dict | None = None) -> dict:
     """The checks of check_sharded on a model already sharded: forward, loss,
@@ -187,27 +212,7 @@ def compare_sharded(sharded, ref, inputs: dict, name: str, dtype=torch.float32, 
     ref_loss.backward()
     if loss64 is not None:
         loss64.backward()
-    ref64_params = dict(ref64.named_parameters()) if ref64 is not None else {}
-
-    info = _shard_info(sharded)
-    ref_params = dict(ref.named_parameters())
-    worst = 0.0
-    for pname, p in sharded.named_parameters():
-        rp = ref_params[pname]
-        if rp.grad is None:
-            if p.grad is not None and p.grad.abs().max() > 0:
-                raise AssertionError(f"{name}: {pname} has a gradient but the reference has none")
-            continue
-        if p.grad is None:
-            raise AssertionError(f"{name}: {pname} has no gradient")
-        expected = rp.grad
-        expected64 = ref64_params[pname].grad if pname in ref64_params else None
-        if id(p) in info:
-            dim, shard, _ = info[id(p)]
-            expected = shard_of(rp.grad, dim, shard)
-            expected64 = None if expected64 is None else shard_of(expected64, dim, shard)
-        worst = max(worst, assert_close(f"{name} grad of {pname}", p.grad, expected, tol, expected64))
-    report["grad"] = worst
+    report["grad"] = compare_grads(sharded, ref, name, tol, ref64)
 
     models = [sharded, ref] + ([ref64] if ref64 is not None else [])
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
