@@ -25,12 +25,22 @@ rank's heads; its forward is replaced by one that reshapes by head_dim (the
 attention itself is still HF's attention interface).  The Q-Former attention
 infers its head count from the projection width.  Patch and position
 embeddings, query tokens and layer norms stay replicated.
+
+Sequence parallelism applies to the language model only, with its own
+policy's modes (OPT: split_gather, all_to_all, ring_attn; T5: split_gather):
+the Q-Former's query outputs, projected, are joined to the text embeddings
+before the language model's first layer, which splits that sequence
+[B, S, H] along S.  The vision encoder and the Q-Former run unsplit (a few
+hundred patches and 32 queries at most; split_gather still splits their
+weights over the tensor-parallel group).  A class without a language model
+(vision / Q-Former / retrieval models), or a mode the language model's
+policy lacks, is refused by name before anything changes.
 """
 from __future__ import annotations
 
 import torch
 
-from shardformer.family import Family, FamilyPolicy, gathered
+from shardformer.family import Family, FamilyPolicy, gathered, sequence_mode_refused
 from shardformer.layer import DropoutForReplicatedInput, Linear1D_Col, Linear1D_Row, VocabParallelEmbedding1D
 from shardformer.layout import Heads
 from shardformer.policy import ModulePolicyDescription, Policy, merge_policies
@@ -110,6 +120,33 @@ class Blip2Shape(FamilyPolicy):
         inner = self.language_policy()
         if inner is not None:
             inner.config_sanity_check()
+        self.check_sequence_mode(inner)
+
+    def check_sequence_mode(self, inner: Policy | None) -> None:
+        """Refuse sequence parallelism without a language model, or in a
+        mode the language model's policy does not implement."""
+        cfg = self.shard_config
+        if not cfg.enable_sequence_parallelism:
+            return
+        name, mode = type(self.model).__name__, cfg.sequence_parallelism_mode
+        if inner is None:
+            raise sequence_mode_refused(name, "vision_model / qformer", mode,
+                                        "sequence parallelism applies to the language model, and this class has "
+                                        "none (its vision encoder and Q-Former run unsplit)")
+        if mode not in inner.sequence_parallel_modes():
+            lm = type(self.model.language_model).__name__
+            raise sequence_mode_refused(name, f"language_model ({lm})", mode,
+                                        f"{type(inner).__name__} implements "
+                                        f"{', '.join(inner.sequence_parallel_modes()) or 'no mode'}")
+
+    def sequence_parallel_modes(self) -> tuple[str, ...]:
+        """The language model's modes (none without one)."""
+        inner = self.language_policy()
+        return () if inner is None else inner.sequence_parallel_modes()
+
+    def supports_sequence_overlap(self) -> bool:
+        inner = self.language_policy()
+        return inner is not None and inner.supports_sequence_overlap()
 
     def body_policy(self):
         cfg = self.model.config

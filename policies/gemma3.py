@@ -20,11 +20,25 @@ enable_fused_normalization) and the multi-modal projector (an average pool,
 an RMSNorm and one [vision, text] matrix over a few tokens per image) stay
 replicated: the projector's output joins the replicated input embeddings,
 whose gradient the text layers already all-reduce.
+
+Sequence parallelism applies to the text model only, with its own policy's
+modes (split_gather, all_to_all, ring_attn; see policies/shapes.py
+DecoderShape): the image features are merged into the input embeddings
+before the first decoder layer, which splits the merged sequence [B, S, H]
+along S; the vision tower and projector run unsplit and replicated (their
+few tokens per image never see the split).  The text model builds its
+attention masks from token_type_ids for the whole sequence: an image's
+tokens see each other in both directions.  split_gather runs each
+attention on the all-gathered sequence with that mask as built;
+all_to_all gathers the sequence per head group (all-to-all), so the model's
+own attention function reads the same [B, 1, S, S] mask (padded to S').
+ring_attn is refused for these classes: its kernel expresses causal masks,
+key padding and sliding windows, not the bidirectional image blocks.
 """
 from __future__ import annotations
 
 
-from shardformer.family import Family, FamilyPolicy, gathered, lm
+from shardformer.family import Family, FamilyPolicy, gathered, lm, sequence_mode_refused
 from shardformer.layer import Linear1D_Col, Linear1D_Row
 from shardformer.layout import Heads
 from shardformer.policies.shapes import DecoderShape, attention_by_heads
@@ -78,6 +92,20 @@ class Gemma3MultimodalShape(FamilyPolicy):
 
     def config_sanity_check(self):
         self.language_policy().config_sanity_check()
+        if self.shard_config.split_attention_mode == "ring_attn":
+            path = f"{self.base + '.' if self.base else ''}language_model"
+            raise sequence_mode_refused(
+                type(self.model).__name__, path, "ring_attn",
+                "Gemma 3 lets the tokens of one image attend to each other in both directions "
+                "(token_type_ids), a mask the ring kernel (causal, key padding, sliding window) cannot "
+                "express; use 'all_to_all' or 'split_gather'")
+
+    def sequence_parallel_modes(self) -> tuple[str, ...]:
+        """The text model's modes (ring_attn is refused by name earlier, in config_sanity_check)."""
+        return self.language_policy().sequence_parallel_modes()
+
+    def supports_sequence_overlap(self) -> bool:
+        return self.language_policy().supports_sequence_overlap()
 
     def body_policy(self):
         policy = siglip_policy(self.model.config.vision_config) if self.tensor_parallel else {}

@@ -83,6 +83,13 @@ def replicated_dropout(suffix: str) -> Head:
     return Head(suffix, "replicated_dropout")
 
 
+def sequence_mode_refused(model: str, path: str, mode: str, why: str) -> NotImplementedError:
+    """The error of a sequence_parallelism_mode a composed model cannot take:
+    names the model class, the module path the mode would apply to, the mode
+    and the reason (raised from config_sanity_check, before anything changes)."""
+    return NotImplementedError(f"{model}: sequence_parallelism_mode={mode!r} is not available for {path}: {why}")
+
+
 def _as_heads(value) -> tuple[Head, ...]:
     if value is None:
         return ()

@@ -1,0 +1,149 @@
+"""Rank-side checks of sequence parallelism for the multimodal models (BLIP-2,
+Gemma 3 multimodal, SAM) and ChatGLM2 (tests/test_sequence_parallel_mm.py).
+The comparisons are checks.parity's; the mode configs are those of
+checks.sequence (split_gather, over the TP group) and
+checks.sequence_attention (all_to_all / ring_attn, TP off)."""
+from __future__ import annotations
+
+import copy
+
+import torch
+
+import zoo
+from checks import parity
+from checks.sequence import SP, _with_dropout
+from checks.sequence_attention import sp_config
+from shardformer import ShardConfig, ShardFormer
+from shardformer.layer import sequence_attention as sa
+
+# The layers whose input is split, per zoo name: (path of the ModuleList, dimension of the sequence).
+LAYERS = {
+    "Gemma3ForConditionalGeneration": ("model.language_model.layers", 1),
+    "Gemma3Model": ("language_model.layers", 1),
+    "Gemma3ForSequenceClassification": ("model.language_model.layers", 1),
+    "Blip2ForConditionalGeneration": ("language_model.model.decoder.layers", 1),
+    "Blip2Model": ("language_model.model.decoder.layers", 1),
+    "Blip2ForConditionalGeneration/t5": ("language_model.encoder.block", 1),
+    "SamVisionModel": ("vision_encoder.layers", 1),
+    "SamModel": ("vision_encoder.layers", 1),
+    "ChatGLMForConditionalGeneration": ("transformer.encoder.layers", 0),
+    "ChatGLMModel": ("encoder.layers", 0),
+}
+
+# the inputs that run along the text sequence (cut to odd lengths)
+_SEQ_KEYS = ("input_ids", "token_type_ids", "attention_mask")
+
+
+def config_for(mode: str) -> dict:
+    """ShardConfig kwargs of `mode`: split_gather over the TP group, the
+    other modes over the same group with TP off."""
+    return dict(SP) if mode == "split_gather" else sp_config(mode)
+
+
+def mm_inputs(name: str, seq: int | None = None) -> dict:
+    """zoo.make_inputs(name) with the text sequence cut to `seq` tokens
+    (image placeholders come first in the zoo's prompts and stay whole)."""
+    inputs = zoo.make_inputs(name)
+    if seq is None:
+        return inputs
+    ids = inputs["input_ids"]
+    for key in _SEQ_KEYS:
+        if key in inputs:
+            inputs[key] = inputs[key][:, :seq].contiguous()
+    labels = inputs.get("labels")
+    if isinstance(labels, torch.Tensor) and labels.shape == ids.shape:     # per-token (causal LM) labels
+        inputs["labels"] = labels[:, :seq].contiguous()
+    return inputs
+
+
+def expected_rows(mode: str, length: int, p: int) -> int:
+    """The rows each rank holds between the layers."""
+    multiple = 2 * p if mode == "ring_attn" else p
+    return -(-length // multiple) * multiple // p
+
+
+def watch_rows(model, name: str) -> list:
+    """The sequence length entering every layer after the first (a list
+    filled by forward pre-hooks, in call order)."""
+    path, dim = LAYERS[name]
+    seen: list = []
+
+    def pre(_m, args, kwargs):
+        x = args[0] if args else kwargs["hidden_states"]
+        seen.append(x.shape[dim])
+
+    for layer in list(model.get_submodule(path))[1:]:
+        layer.register_forward_pre_hook(pre, with_kwargs=True)
+    return seen
+
+
+def _sequence_length(name: str, inputs: dict) -> int:
+    """The length of the sequence the split layers see."""
+    if name.startswith("Sam"):
+        return inputs["pixel_values"].shape[-2] // zoo.vision.SAM_VISION["patch_size"]   # rows of patches
+    return inputs["input_ids"].shape[1]
+
+
+def mm_equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, overrides: dict | None = None) -> dict:
+    """The model sharded with `mode` over ctx.group equals the unsharded one
+    (checks.parity.compare_sharded: forward, loss, every gradient, outputs
+    after an SGD step); the split layers saw this rank's rows only, and in
+    the all_to_all / ring_attn modes the split attention ran (counted)."""
+    torch.manual_seed(0)
+    model = zoo.build(name, **(overrides or {})).train()
+    ref = copy.deepcopy(model)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **config_for(mode))).optimize(model)
+    seen = watch_rows(model, name)
+    inputs = mm_inputs(name, seq)
+    before = dict(sa.CALLS)
+    # Gemma3Model's rounding-level gradients (zoo.gemma3mm.FP64_FLOOR): judged against float64 as check_sharded does
+    fp64 = name in getattr(zoo.module_of(name), "FP64_FLOOR", ())
+    ref64 = copy.deepcopy(ref).double() if fp64 else None
+    report = parity.compare_sharded(model, ref, inputs, f"{name} ({mode}, SP={ctx.tp_size})", ref64=ref64,
+                                    inputs64=parity._double(inputs) if ref64 is not None else None)
+    rows = expected_rows(mode, _sequence_length(name, inputs), ctx.tp_size)
+    assert seen and all(s == rows for s in seen), f"{name}: layer inputs of {seen} rows, expected {rows}"
+    if mode != "split_gather":
+        calls = sa.CALLS[mode] - before[mode]
+        assert calls > 0, f"{name}: the {mode} attention never ran"
+        report["split_calls"] = calls
+    report["rows"] = rows
+    return report
+
+
+def mm_eval_with_dropout(ctx, name: str, mode: str, p: float = 0.3) -> dict:
+    """eval() with every dropout probability p > 0 equals the unsharded model."""
+    model = _with_dropout(name, p).eval()
+    ref = copy.deepcopy(model)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **config_for(mode))).optimize(model)
+    assert not model.training
+    return parity.compare_sharded(model, ref, zoo.make_inputs(name), f"{name} ({mode}, eval, dropout {p})")
+
+
+def mm_generate_matches(ctx, name: str, mode: str, new_tokens: int = 5, overrides: dict | None = None) -> list:
+    """Greedy generate() of the sequence-parallel model equals the unsharded
+    model's (the prompt's image included)."""
+    model = zoo.build(name, **(overrides or {})).eval()
+    ref = copy.deepcopy(model)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **config_for(mode))).optimize(model)
+    inputs = {k: v for k, v in zoo.make_inputs(name).items() if k != "labels"}
+    return parity.greedy_matches(model, ref, inputs, name, new_tokens).tolist()
+
+
+def mm_refused(ctx, name: str, mode: str, what: str) -> str:
+    """optimize() with `mode` raises NotImplementedError naming the model
+    class, the mode and `what` (the module path or the reason), and leaves
+    every tensor of the model as it was."""
+    model = zoo.build(name)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    modules = [type(m) for m in model.modules()]
+    try:
+        ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **config_for(mode))).optimize(model)
+    except NotImplementedError as e:
+        message = str(e)
+    else:
+        raise AssertionError(f"{name}: sequence_parallelism_mode={mode!r} was not refused")
+    assert type(model).__name__ in message and repr(mode) in message and what in message, message
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), "the refusal changed weights"
+    assert [type(m) for m in model.modules()] == modules, "the refusal replaced modules"
+    return message
