@@ -36,3 +36,35 @@ def test_all_to_all_mm_equals_unsharded(pool, name, sp):
 @pytest.mark.parametrize("name", RING)
 def test_ring_attn_mm_equals_unsharded(pool, name, sp):
     pool.run(check.mm_equals_unsharded, sp, name, "ring_attn", SEQ.get(name))
+
+
+@pytest.mark.parametrize("mode", ["split_gather", "all_to_all"])
+@pytest.mark.parametrize("name", ["Gemma3ForConditionalGeneration", "Blip2ForConditionalGeneration"])
+def test_mm_eval_with_dropout(pool, name, mode):
+    pool.run(check.mm_eval_with_dropout, 2, name, mode)
+
+
+# every mode each model takes (the others: test_mm_refused)
+GENERATE = [(n, m) for n in ("Gemma3ForConditionalGeneration", "Blip2ForConditionalGeneration")
+            for m in ("split_gather", "all_to_all")] + [
+    ("Blip2ForConditionalGeneration", "ring_attn"), ("Blip2ForConditionalGeneration/t5", "split_gather")]
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("name,mode", GENERATE, ids=[f"{n}-{m}" for n, m in GENERATE])
+def test_mm_generate(pool, name, mode, sp):
+    tokens = pool.run(check.mm_generate_matches, sp, name, mode)
+    assert all(t == tokens[0] for t in tokens)
+
+
+@pytest.mark.parametrize("name,mode,what", [
+    ("Gemma3ForConditionalGeneration", "ring_attn", "model.language_model"),
+    ("Gemma3Model", "ring_attn", "token_type_ids"),
+    ("Blip2ForConditionalGeneration/t5", "all_to_all", "language_model (T5ForConditionalGeneration)"),
+    ("Blip2ForConditionalGeneration/t5", "ring_attn", "T5ForConditionalGenerationPolicy implements split_gather"),
+    ("Blip2VisionModel", "split_gather", "vision_model / qformer"),
+    ("Blip2ForImageTextRetrieval", "all_to_all", "has none"),
+    ("Blip2QFormerModel", "ring_attn", "vision_model / qformer"),
+])
+def test_mm_refused(pool, name, mode, what):
+    pool.run(check.mm_refused, 2, name, mode, what)
