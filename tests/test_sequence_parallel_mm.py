@@ -12,11 +12,14 @@ from checks import sequence_mm as check
 GEMMA3 = ["Gemma3ForConditionalGeneration", "Gemma3Model", "Gemma3ForSequenceClassification"]
 BLIP2 = ["Blip2ForConditionalGeneration", "Blip2Model"]
 BLIP2_T5 = ["Blip2ForConditionalGeneration/t5"]
-SPLIT_GATHER = GEMMA3 + BLIP2 + BLIP2_T5
+CHATGLM2 = ["ChatGLMForConditionalGeneration", "ChatGLMModel"]
+SPLIT_GATHER = GEMMA3 + BLIP2 + BLIP2_T5 + CHATGLM2
 ALL_TO_ALL = GEMMA3 + BLIP2
 RING = BLIP2
 # odd lengths: Gemma 3's prompt cut to 9 of 10 tokens (images whole); BLIP-2's is 4 queries + 5 text = 9
-SEQ = {"Gemma3ForConditionalGeneration": 9, "Gemma3Model": 9, "Gemma3ForSequenceClassification": 9}
+# ChatGLM2's 8 cut to 7
+SEQ = {"Gemma3ForConditionalGeneration": 9, "Gemma3Model": 9, "Gemma3ForSequenceClassification": 9,
+       "ChatGLMForConditionalGeneration": 7, "ChatGLMModel": 7}
 
 
 # One test function per mode: README's support matrix has a column per function (scripts/support_matrix.py).
@@ -38,8 +41,11 @@ def test_ring_attn_mm_equals_unsharded(pool, name, sp):
     pool.run(check.mm_equals_unsharded, sp, name, "ring_attn", SEQ.get(name))
 
 
-@pytest.mark.parametrize("mode", ["split_gather", "all_to_all"])
-@pytest.mark.parametrize("name", ["Gemma3ForConditionalGeneration", "Blip2ForConditionalGeneration"])
+EVAL = [(n, m) for n in ("Gemma3ForConditionalGeneration", "Blip2ForConditionalGeneration")
+        for m in ("split_gather", "all_to_all")] + [("ChatGLMForConditionalGeneration", "split_gather")]
+
+
+@pytest.mark.parametrize("name,mode", EVAL, ids=[f"{n}-{m}" for n, m in EVAL])
 def test_mm_eval_with_dropout(pool, name, mode):
     pool.run(check.mm_eval_with_dropout, 2, name, mode)
 
@@ -47,7 +53,8 @@ def test_mm_eval_with_dropout(pool, name, mode):
 # every mode each model takes (the others: test_mm_refused)
 GENERATE = [(n, m) for n in ("Gemma3ForConditionalGeneration", "Blip2ForConditionalGeneration")
             for m in ("split_gather", "all_to_all")] + [
-    ("Blip2ForConditionalGeneration", "ring_attn"), ("Blip2ForConditionalGeneration/t5", "split_gather")]
+    ("Blip2ForConditionalGeneration", "ring_attn"), ("Blip2ForConditionalGeneration/t5", "split_gather"),
+    ("ChatGLMForConditionalGeneration", "split_gather")]
 
 
 @pytest.mark.parametrize("sp", [2, 4])
@@ -68,3 +75,12 @@ def test_mm_generate(pool, name, mode, sp):
 ])
 def test_mm_refused(pool, name, mode, what):
     pool.run(check.mm_refused, 2, name, mode, what)
+
+
+@pytest.mark.parametrize("name,mode,what,overrides", [
+    ("ChatGLMForConditionalGeneration", "all_to_all", "transformer.encoder.layers.*.self_attention.core_attention", None),
+    ("ChatGLMModel", "ring_attn", "encoder.layers.*.self_attention.core_attention", None),
+    ("ChatGLMForConditionalGeneration", "split_gather", "add_bias_linear=True", {"add_bias_linear": True}),
+])
+def test_chatglm2_refused(pool, name, mode, what, overrides):
+    pool.run(check.mm_refused, 2, name, mode, what, overrides)

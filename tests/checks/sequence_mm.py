@@ -111,9 +111,22 @@ def mm_equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, overr
     return report
 
 
+def _built_with_dropout(name: str, p: float):
+    """The model with every dropout probability p (zoo.chatglm2's: its hidden_dropout)."""
+    if name.startswith("ChatGLM"):
+        return zoo.build(name, hidden_dropout=p)
+    return _with_dropout(name, p)
+
+
 def mm_eval_with_dropout(ctx, name: str, mode: str, p: float = 0.3) -> dict:
-    """eval() with every dropout probability p > 0 equals the unsharded model."""
-    model = _with_dropout(name, p).eval()
+    """eval() with every dropout probability p > 0 equals the unsharded model
+    (and in train() the dropout is live: two forwards differ)."""
+    model = _built_with_dropout(name, p).train()
+    inputs = zoo.make_inputs(name)
+    with torch.no_grad():
+        a, b = (parity.output_tensors(model(**inputs)) for _ in range(2))
+    assert any(not torch.equal(a[k], b[k]) for k in a), f"{name}: dropout {p} changes nothing in train()"
+    model.eval()
     for m in model.modules():         # a composed language model's own config (OPT: layerdrop refused with SP)
         if isinstance(getattr(getattr(m, "config", None), "layerdrop", None), float):
             m.config.layerdrop = 0.0
@@ -130,14 +143,18 @@ def mm_generate_matches(ctx, name: str, mode: str, new_tokens: int = 5, override
     ref = copy.deepcopy(model)
     ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **config_for(mode))).optimize(model)
     inputs = {k: v for k, v in zoo.make_inputs(name).items() if k != "labels"}
+    if not hasattr(model, "generate"):          # zoo.chatglm2: its own greedy loop (full forwards, no cache)
+        got, exp = model.greedy(inputs["input_ids"], new_tokens), ref.greedy(inputs["input_ids"], new_tokens)
+        assert torch.equal(got, exp), f"{name}: greedy tokens differ:\n{got}\n{exp}"
+        return got.tolist()
     return parity.greedy_matches(model, ref, inputs, name, new_tokens).tolist()
 
 
-def mm_refused(ctx, name: str, mode: str, what: str) -> str:
+def mm_refused(ctx, name: str, mode: str, what: str, overrides: dict | None = None) -> str:
     """optimize() with `mode` raises NotImplementedError naming the model
     class, the mode and `what` (the module path or the reason), and leaves
     every tensor of the model as it was."""
-    model = zoo.build(name)
+    model = zoo.build(name, **(overrides or {}))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     modules = [type(m) for m in model.modules()]
     try:

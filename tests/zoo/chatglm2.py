@@ -14,8 +14,12 @@ real code ships with checkpoints as remote code, outside transformers).
     transformer.encoder.final_layernorm            RMSNorm
     transformer.output_layer                       LM head [hidden -> padded_vocab_size]
 
-Tensors are [batch, seq, hidden] here (ChatGLM2 itself runs [seq, batch,
-hidden]); the per-partition attributes are the ones a tensor-parallel policy
+Between the embedding and the output layer the tensors are [seq, batch,
+hidden], as in ChatGLM2's remote code (the embedding transposes its output;
+ChatGLMModel returns [seq, batch, hidden]; the LM transposes its logits
+back to [batch, seq, vocab]); each block applies a hidden dropout of
+probability hidden_dropout to the attention and MLP outputs before the
+residual adds, as ChatGLM2's does.  The per-partition attributes are the ones a tensor-parallel policy
 sets per rank: num_attention_heads_per_partition,
 num_multi_query_groups_per_partition, hidden_size_per_partition.
 """
@@ -33,7 +37,7 @@ def chatglm2_config(**overrides):
     cfg = dict(hidden_size=48, num_attention_heads=6, kv_channels=8, multi_query_attention=True,
                multi_query_group_num=2, ffn_hidden_size=45, num_layers=2, padded_vocab_size=99,
                layernorm_epsilon=1e-5, add_bias_linear=False, add_qkv_bias=True, seq_length=64,
-               tie_word_embeddings=False)
+               tie_word_embeddings=False, hidden_dropout=0.0)
     cfg.update(overrides)
     return SimpleNamespace(**cfg)
 
@@ -63,11 +67,11 @@ class RotaryEmbedding(nn.Module):
 
 
 def apply_rotary(x, rope):
-    """x [b, s, n, d]; rope [s, r/2, 2] rotates x[..., :r] pairwise."""
+    """x [s, b, n, d]; rope [s, r/2, 2] rotates x[..., :r] pairwise."""
     r = rope.shape[-2] * 2
     rot, keep = x[..., :r], x[..., r:]
     pairs = rot.reshape(*rot.shape[:-1], r // 2, 2)
-    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
+    cos, sin = rope[:, None, None, :, 0], rope[:, None, None, :, 1]
     a, b = pairs[..., 0], pairs[..., 1]
     out = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
     return torch.cat([out, keep], dim=-1)
@@ -81,12 +85,12 @@ class CoreAttention(nn.Module):
         self.hidden_size_per_partition = cfg.kv_channels * cfg.num_attention_heads
 
     def forward(self, q, k, v):
-        """q, k, v [b, n, s, d] -> context [b, s, n*d]."""
+        """q, k, v [b, n, s, d] -> context [s, b, n*d]."""
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.hidden_size_per_attention_head)
         s = q.shape[-2]
         causal = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
         probs = scores.masked_fill(causal, float("-inf")).softmax(-1)
-        ctx = (probs @ v).transpose(1, 2)
+        ctx = (probs @ v).permute(2, 0, 1, 3)
         return ctx.reshape(*ctx.shape[:2], self.hidden_size_per_partition)
 
 
@@ -109,12 +113,12 @@ class SelfAttention(nn.Module):
         d = self.hidden_size_per_attention_head
         n, g = self.num_attention_heads_per_partition, self.num_multi_query_groups_per_partition
         q, k, v = self.query_key_value(hidden_states).split([n * d, g * d, g * d], dim=-1)
-        b, s = hidden_states.shape[:2]
-        q, k, v = q.view(b, s, n, d), k.view(b, s, g, d), v.view(b, s, g, d)
+        s, b = hidden_states.shape[:2]
+        q, k, v = q.view(s, b, n, d), k.view(s, b, g, d), v.view(s, b, g, d)
         q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         k = k.repeat_interleave(n // g, dim=2)
         v = v.repeat_interleave(n // g, dim=2)
-        ctx = self.core_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        ctx = self.core_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)))
         return self.dense(ctx)
 
 
@@ -136,10 +140,13 @@ class GLMBlock(nn.Module):
         self.self_attention = SelfAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon)
         self.mlp = MLP(cfg)
+        self.hidden_dropout = cfg.hidden_dropout
 
     def forward(self, x, rope):
-        x = x + self.self_attention(self.input_layernorm(x), rope)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attention = self.self_attention(self.input_layernorm(x), rope)
+        x = x + F.dropout(attention, p=self.hidden_dropout, training=self.training)
+        mlp = self.mlp(self.post_attention_layernorm(x))
+        return x + F.dropout(mlp, p=self.hidden_dropout, training=self.training)
 
 
 class GLMTransformer(nn.Module):
@@ -160,7 +167,8 @@ class Embedding(nn.Module):
         self.word_embeddings = nn.Embedding(cfg.padded_vocab_size, cfg.hidden_size)
 
     def forward(self, input_ids):
-        return self.word_embeddings(input_ids)
+        """[b, s] -> [s, b, hidden]."""
+        return self.word_embeddings(input_ids).transpose(0, 1).contiguous()
 
 
 class ChatGLMModel(nn.Module):
@@ -186,7 +194,7 @@ class ChatGLMForConditionalGeneration(nn.Module):
 
     def forward(self, input_ids, labels=None):
         hidden = self.transformer(input_ids)["last_hidden_state"]
-        logits = self.transformer.output_layer(hidden)
+        logits = self.transformer.output_layer(hidden).transpose(0, 1).contiguous()
         out = {"logits": logits}
         if labels is not None:
             out["loss"] = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())

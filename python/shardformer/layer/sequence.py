@@ -68,13 +68,17 @@ SEQ_DIM = 1
 
 class SequenceState:
     """The unpadded sequence length of the forward in progress (set by the
-    split at the first decoder layer, read by the blocks and the gather)."""
+    split at the first decoder layer, read by the blocks and the gather),
+    and `dim`, the sequence dimension of the hidden states the split, the
+    blocks and the gather see: SEQ_DIM for [batch, S, hidden], 0 for models
+    that run [S, batch, hidden] (ChatGLM2)."""
 
-    def __init__(self):
+    def __init__(self, dim: int = SEQ_DIM):
         self.length: int | None = None
+        self.dim = dim
 
     def __repr__(self) -> str:
-        return f"SequenceState(length={self.length})"
+        return f"SequenceState(length={self.length}, dim={self.dim})"
 
     def __deepcopy__(self, memo):
         # A deep copy of a model keeps its hooks' closures, which hold this
@@ -82,12 +86,12 @@ class SequenceState:
         return self
 
 
-def _padded(x: torch.Tensor, n: int) -> torch.Tensor:
-    """x padded with zero rows along the sequence to a multiple of n."""
-    extra = -x.shape[SEQ_DIM] % n
+def _padded(x: torch.Tensor, n: int, dim: int = SEQ_DIM) -> torch.Tensor:
+    """x padded with zero rows along the sequence (`dim`) to a multiple of n."""
+    extra = -x.shape[dim] % n
     if not extra:
         return x
-    pad = [0, 0] * (x.dim() - 1 - SEQ_DIM) + [0, extra]
+    pad = [0, 0] * (x.dim() - 1 - dim) + [0, extra]
     return F.pad(x, pad)
 
 
@@ -96,17 +100,17 @@ class _Split(torch.autograd.Function):
     gradients, drop the padding."""
 
     @staticmethod
-    def forward(ctx, x, group, length):
+    def forward(ctx, x, group, length, dim=SEQ_DIM):
         n, rank = D.world_size(group), D.rank(group)
-        ctx.group, ctx.length = group, length
-        x = _padded(x, n)
-        chunk = x.shape[SEQ_DIM] // n
-        return x.narrow(SEQ_DIM, rank * chunk, chunk).contiguous()
+        ctx.group, ctx.length, ctx.dim = group, length, dim
+        x = _padded(x, n, dim)
+        chunk = x.shape[dim] // n
+        return x.narrow(dim, rank * chunk, chunk).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
-        full = _all_gather(grad.contiguous(), ctx.group)
-        return full.narrow(SEQ_DIM, 0, ctx.length), None, None
+        full = _all_gather(grad.contiguous(), ctx.group, ctx.dim)
+        return full.narrow(ctx.dim, 0, ctx.length), None, None, None
 
 
 class _Gather(torch.autograd.Function):
@@ -114,42 +118,42 @@ class _Gather(torch.autograd.Function):
     the (replicated) gradient."""
 
     @staticmethod
-    def forward(ctx, x, group, length):
-        ctx.group = group
-        return _all_gather(x.contiguous(), group).narrow(SEQ_DIM, 0, length)
+    def forward(ctx, x, group, length, dim=SEQ_DIM):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather(x.contiguous(), group, dim).narrow(dim, 0, length)
 
     @staticmethod
     def backward(ctx, grad):
-        n, rank = D.world_size(ctx.group), D.rank(ctx.group)
-        grad = _padded(grad, n)
-        chunk = grad.shape[SEQ_DIM] // n
-        return grad.narrow(SEQ_DIM, rank * chunk, chunk).contiguous(), None, None
+        n, rank, dim = D.world_size(ctx.group), D.rank(ctx.group), ctx.dim
+        grad = _padded(grad, n, dim)
+        chunk = grad.shape[dim] // n
+        return grad.narrow(dim, rank * chunk, chunk).contiguous(), None, None, None
 
 
-def _all_gather(x: torch.Tensor, group) -> torch.Tensor:
-    return _all_gather_seq(x, SEQ_DIM, group)
+def _all_gather(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:
+    return _all_gather_seq(x, dim, group)
 
 
 def split_sequence(x: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
-    state.length = x.shape[SEQ_DIM]
-    return _Split.apply(x, group, state.length)
+    state.length = x.shape[state.dim]
+    return _Split.apply(x, group, state.length, state.dim)
 
 
 def gather_sequence(x: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
-    return _Gather.apply(x, group, state.length)
+    return _Gather.apply(x, group, state.length, state.dim)
 
 
 def block_input(x: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
     """Sequence-split -> full sequence: all-gather (backward: reduce-scatter), padding dropped."""
     # contiguous: the all-gather's [S, batch, hidden] layout seen as [batch, S, hidden] is not
     # (the layers would copy it anyway), and the saved-tensor hooks recognise it by its storage
-    return gather_from_sequence_region(x, SEQ_DIM, group).narrow(SEQ_DIM, 0, state.length).contiguous()
+    return gather_from_sequence_region(x, state.dim, group).narrow(state.dim, 0, state.length).contiguous()
 
 
 def block_output(y: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
     """Partial sums over the full sequence -> this rank's rows of the sum:
     padded, reduce-scatter (backward: all-gather)."""
-    return reduce_scatter_to_sequence_region(_padded(y, D.world_size(group)), SEQ_DIM, group)
+    return reduce_scatter_to_sequence_region(_padded(y, D.world_size(group), state.dim), state.dim, group)
 
 
 def token_dim(x: torch.Tensor) -> int:
@@ -243,13 +247,13 @@ class _Regathered:
 
     gathers = 0
 
-    def __init__(self, local: torch.Tensor, length: int, group):
-        self.local, self.length, self.group = local, length, group
+    def __init__(self, local: torch.Tensor, length: int, group, dim: int = SEQ_DIM):
+        self.local, self.length, self.group, self.dim = local, length, group, dim
         self.full: torch.Tensor | None = None
 
     def get(self) -> torch.Tensor:
         if self.full is None:
-            self.full = _all_gather(self.local, self.group).narrow(SEQ_DIM, 0, self.length).contiguous()
+            self.full = _all_gather(self.local, self.group, self.dim).narrow(self.dim, 0, self.length).contiguous()
             _Regathered.gathers += 1
         return self.full
 
@@ -261,7 +265,7 @@ def _save_rows_only(full: torch.Tensor, local: torch.Tensor, state: SequenceStat
     closures, no reference cycle: the re-gathered tensor is freed as soon as
     the last node that saved it has run its backward."""
     key = (full.data_ptr(), full.numel(), full.dtype)      # full is contiguous (block_input)
-    holder = _Regathered(local.detach(), state.length, group)
+    holder = _Regathered(local.detach(), state.length, group, state.dim)
 
     def pack(t):
         if isinstance(t, torch.Tensor) and t.is_contiguous() and (t.data_ptr(), t.numel(), t.dtype) == key:
