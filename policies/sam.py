@@ -24,10 +24,35 @@ hypernetwork / IoU MLPs are small and stay replicated.
 
 SamVisionModel is the vision encoder alone (its config is the vision
 config); SamModel adds the mask decoder (config.mask_decoder_config).
+
+Sequence parallelism, split_gather only, in the vision encoder: its hidden
+states are [B, H, W, C] patch grids, split along the grid rows H (dimension
+1, padded with zero rows to a multiple of p) from layers.0 to the last
+layer, whose output is all-gathered (the neck, the prompt encoder and the
+mask decoder see the whole grid).  Windowed and global attention need whole
+windows / the whole grid, and HF's layer partitions its input into windows
+between layer_norm1 and attn, so the layer's forward is replaced by one that
+runs, with Xr this rank's rows:
+
+    layer_norm1(Xr)                   on this rank's rows (gradients all-reduced)
+    all-gather along H                 (backward: reduce-scatter of dX), qkv reads it
+                                       without copy_to_tp_region (sequence_parallel=True)
+    window partition, attn, unpartition   HF's own, on this rank's heads; proj is a
+                                       plain row-parallel layer (all-reduce, then its bias)
+    this rank's rows of the sum        (backward: all-gather of the rows' gradients)
+    residual add, layer_norm2          on this rank's rows
+    mlp                                role "enter": input all-gathered, lin1 reads it,
+                                       lin2 reduce-scatters along H and adds its bias
+
+The relative position tables are added to the scores of every window on
+the gathered grid, as unsplit.  The mask decoder runs unsplit (its tokens
+attend to the whole image embedding).  all_to_all / ring_attn are refused
+by name: SAM's attention is not transformers' AttentionInterface, and its
+decomposed relative positions are added inside it per (query, key) pair.
 """
 from __future__ import annotations
 
-from shardformer.family import Family, FamilyPolicy
+from shardformer.family import Family, FamilyPolicy, sequence_mode_refused
 from shardformer.layer import Linear1D_Col, Linear1D_Row
 from shardformer.layer.replicated import ReplicatedInParallelRegion
 from shardformer.layout import Heads
@@ -35,15 +60,19 @@ from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
 
-def vision_layer_description(vision_cfg) -> ModulePolicyDescription:
-    """SamVisionLayer: fused-qkv attention with decomposed relative positions, MLP."""
+def vision_layer_description(vision_cfg, sp: bool = False) -> ModulePolicyDescription:
+    """SamVisionLayer: fused-qkv attention with decomposed relative positions,
+    MLP; `sp`: the column layers read a gathered input and lin2
+    reduce-scatters (split_gather, see the module docstring)."""
     n = vision_cfg.num_attention_heads
     heads = Heads(n, n, vision_cfg.hidden_size // n)
+    col = {"sequence_parallel": True} if sp else {}
+    row = {"sequence_parallel": True, "reduce_scatter": True} if sp else {}
     subs = [
-        Sub("attn.qkv", Linear1D_Col, kwargs={"split": heads.qkv}),
+        Sub("attn.qkv", Linear1D_Col, kwargs={"split": heads.qkv, **col}),
         Sub("attn.proj", Linear1D_Row, kwargs={"split": heads.q}),
-        Sub("mlp.lin1", Linear1D_Col),
-        Sub("mlp.lin2", Linear1D_Row),
+        Sub("mlp.lin1", Linear1D_Col, kwargs=col),
+        Sub("mlp.lin2", Linear1D_Row, kwargs=row),
     ]
     if vision_cfg.use_rel_pos:
         subs.append(Sub("attn", ReplicatedInParallelRegion, kwargs={"params": ("rel_pos_h", "rel_pos_w")}))
@@ -66,15 +95,77 @@ def mask_decoder_policy(decoder_cfg) -> dict:
     }
 
 
+def sequence_parallel_layer_forward(state, group):
+    """SamVisionLayer.forward on this rank's rows of the patch grid (the
+    steps in the module docstring); `state`: the encoder's SequenceState
+    (dim 1: the grid rows), `group`: the tensor-parallel group."""
+    from shardformer.layer.sequence import block_input, split_rows
+
+    def forward(self, hidden_states):
+        residual = hidden_states                                   # [B, H'/p, W, C]
+        x = block_input(self.layer_norm1(hidden_states), state, group)   # [B, H, W, C]
+        if self.window_size > 0:
+            height, width = x.shape[1], x.shape[2]
+            x, padding_shape = self.window_partition(x, self.window_size)
+        x, _ = self.attn(hidden_states=x)
+        if self.window_size > 0:
+            x = self.window_unpartition(x, self.window_size, padding_shape, (height, width))
+        x = residual + split_rows(x, state, group)
+        return x + self.mlp(self.layer_norm2(x))
+
+    return forward
+
+
 class SamShape(FamilyPolicy):
+    def sequence_parallel_modes(self) -> tuple[str, ...]:
+        return ("split_gather",)
+
+    def config_sanity_check(self):
+        cfg, name = self.shard_config, type(self.model).__name__
+        if cfg.split_attention_mode:
+            raise sequence_mode_refused(
+                name, "vision_encoder.layers.*.attn", cfg.split_attention_mode,
+                "SAM's vision attention does not go through transformers' AttentionInterface and adds its "
+                "decomposed relative positions inside it; use 'split_gather'")
+
+    def sequence_parallel_policy(self, vision_cfg) -> dict:
+        """The replaced layer forward, the norms' gradient all-reduce, the
+        mlp's "enter" region and the split / gather at the encoder's ends."""
+        from shardformer.layer.replicated import ReplicatedInParallelRegion
+        from shardformer.layer.sequence import SequenceParallelRegion, SequenceState
+        from shardformer.policies.shapes import sp_ends
+
+        state = SequenceState()
+        layer = ModulePolicyDescription(
+            sub_module_replacement=[Sub("mlp", SequenceParallelRegion, kwargs={"role": "enter", "state": state}),
+                                    Sub("layer_norm1", ReplicatedInParallelRegion),
+                                    Sub("layer_norm2", ReplicatedInParallelRegion)],
+            method_replacement={"forward": sequence_parallel_layer_forward(state, self.process_group)})
+        ends = sp_ends("layers", vision_cfg.num_hidden_layers, state)
+        return {"SamVisionLayer": layer, "SamVisionEncoder": ModulePolicyDescription(sub_module_replacement=ends)}
+
     def body_policy(self):
         if not self.tensor_parallel:
             return {}
         cfg = self.model.config
-        policy = {"SamVisionLayer": vision_layer_description(getattr(cfg, "vision_config", cfg))}
+        vision_cfg = getattr(cfg, "vision_config", cfg)
+        sp = self.shard_config.sequence_parallel
+        policy = {"SamVisionLayer": vision_layer_description(vision_cfg, sp)}
         if hasattr(cfg, "mask_decoder_config"):
             policy.update(mask_decoder_policy(cfg.mask_decoder_config))
+        if sp:
+            from shardformer.policy import merge_policies
+
+            merge_policies(policy, self.sequence_parallel_policy(vision_cfg))
         return policy
+
+    def postprocess(self):
+        model = super().postprocess()
+        if self.tensor_parallel and self.shard_config.sequence_parallel and self.tp_size > 1:
+            from shardformer.layer.sequence import refuse_recorded_hidden_states
+
+            refuse_recorded_hidden_states(self.model, type(self.model).__name__)
+        return model
 
 
 FAMILY = Family("sam", "sam.modeling_sam", SamShape, heads={"SamModel": (), "SamVisionModel": ()})

@@ -13,13 +13,21 @@ GEMMA3 = ["Gemma3ForConditionalGeneration", "Gemma3Model", "Gemma3ForSequenceCla
 BLIP2 = ["Blip2ForConditionalGeneration", "Blip2Model"]
 BLIP2_T5 = ["Blip2ForConditionalGeneration/t5"]
 CHATGLM2 = ["ChatGLMForConditionalGeneration", "ChatGLMModel"]
-SPLIT_GATHER = GEMMA3 + BLIP2 + BLIP2_T5 + CHATGLM2
+SAM = ["SamVisionModel", "SamModel"]
+SPLIT_GATHER = GEMMA3 + BLIP2 + BLIP2_T5 + CHATGLM2 + SAM
 ALL_TO_ALL = GEMMA3 + BLIP2
 RING = BLIP2
 # odd lengths: Gemma 3's prompt cut to 9 of 10 tokens (images whole); BLIP-2's is 4 queries + 5 text = 9
 # ChatGLM2's 8 cut to 7
 SEQ = {"Gemma3ForConditionalGeneration": 9, "Gemma3Model": 9, "Gemma3ForSequenceClassification": 9,
        "ChatGLMForConditionalGeneration": 7, "ChatGLMModel": 7}
+
+
+# SAM's patch grid of 3 x 3 (a 24-pixel image in 8-pixel patches): 3 rows over 2 or 4 ranks, padded inside;
+# window_size 2 pads the grid to windows inside HF's layer too
+@pytest.mark.parametrize("sp", [2, 4])
+def test_sp_sam_odd_grid(pool, sp):
+    pool.run(check.mm_equals_unsharded, sp, "SamVisionModel", "split_gather", None, {"image_size": 24})
 
 
 # One test function per mode: README's support matrix has a column per function (scripts/support_matrix.py).
@@ -42,7 +50,8 @@ def test_ring_attn_mm_equals_unsharded(pool, name, sp):
 
 
 EVAL = [(n, m) for n in ("Gemma3ForConditionalGeneration", "Blip2ForConditionalGeneration")
-        for m in ("split_gather", "all_to_all")] + [("ChatGLMForConditionalGeneration", "split_gather")]
+        for m in ("split_gather", "all_to_all")] + [("ChatGLMForConditionalGeneration", "split_gather"),
+                                                   ("SamModel", "split_gather")]
 
 
 @pytest.mark.parametrize("name,mode", EVAL, ids=[f"{n}-{m}" for n, m in EVAL])
@@ -81,6 +90,8 @@ def test_mm_refused(pool, name, mode, what):
     ("ChatGLMForConditionalGeneration", "all_to_all", "transformer.encoder.layers.*.self_attention.core_attention", None),
     ("ChatGLMModel", "ring_attn", "encoder.layers.*.self_attention.core_attention", None),
     ("ChatGLMForConditionalGeneration", "split_gather", "add_bias_linear=True", {"add_bias_linear": True}),
+    ("SamModel", "all_to_all", "vision_encoder.layers.*.attn", None),
+    ("SamVisionModel", "ring_attn", "decomposed relative positions", None),
 ])
-def test_chatglm2_refused(pool, name, mode, what, overrides):
+def test_chatglm2_sam_refused(pool, name, mode, what, overrides):
     pool.run(check.mm_refused, 2, name, mode, what, overrides)

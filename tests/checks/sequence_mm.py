@@ -40,10 +40,15 @@ def config_for(mode: str) -> dict:
     return dict(SP) if mode == "split_gather" else sp_config(mode)
 
 
-def mm_inputs(name: str, seq: int | None = None) -> dict:
+def mm_inputs(name: str, seq: int | None = None, overrides: dict | None = None) -> dict:
     """zoo.make_inputs(name) with the text sequence cut to `seq` tokens
-    (image placeholders come first in the zoo's prompts and stay whole)."""
+    (image placeholders come first in the zoo's prompts and stay whole);
+    SamVisionModel built with another image_size: pixels of that size."""
     inputs = zoo.make_inputs(name)
+    size = (overrides or {}).get("image_size")
+    if size is not None:
+        g = torch.Generator().manual_seed(1)
+        inputs["pixel_values"] = torch.randn(*inputs["pixel_values"].shape[:2], size, size, generator=g)
     if seq is None:
         return inputs
     ids = inputs["input_ids"]
@@ -94,7 +99,7 @@ def mm_equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, overr
     ref = copy.deepcopy(model)
     ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **config_for(mode))).optimize(model)
     seen = watch_rows(model, name)
-    inputs = mm_inputs(name, seq)
+    inputs = mm_inputs(name, seq, overrides)
     before = dict(sa.CALLS)
     # Gemma3Model's rounding-level gradients (zoo.gemma3mm.FP64_FLOOR): judged against float64 as check_sharded does
     fp64 = name in getattr(zoo.module_of(name), "FP64_FLOOR", ())

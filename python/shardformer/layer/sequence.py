@@ -156,6 +156,14 @@ def block_output(y: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
     return reduce_scatter_to_sequence_region(_padded(y, D.world_size(group), state.dim), state.dim, group)
 
 
+def split_rows(x: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
+    """A full-sequence tensor that is the same on every rank (the output of
+    an all-reduced row layer) -> this rank's rows along state.dim, padded as
+    the split pads (backward: all-gather of the rows' gradients, padding
+    dropped: the full gradient, as the all-reduce's identity backward needs)."""
+    return _Split.apply(x, group, state.length, state.dim)
+
+
 def token_dim(x: torch.Tensor) -> int:
     """The dimension of the tokens: SEQ_DIM of [batch, S, hidden], 0 of rows
     flattened to [batch * S, hidden] (OPT's MLP)."""
