@@ -8,6 +8,7 @@ the model unchanged."""
 import pytest
 
 from checks import sequence_mm as check
+from checks.sequence_attention import tp_sp_equals_unsharded
 
 GEMMA3 = ["Gemma3ForConditionalGeneration", "Gemma3Model", "Gemma3ForSequenceClassification"]
 BLIP2 = ["Blip2ForConditionalGeneration", "Blip2Model"]
@@ -21,6 +22,33 @@ RING = BLIP2
 # ChatGLM2's 8 cut to 7
 SEQ = {"Gemma3ForConditionalGeneration": 9, "Gemma3Model": 9, "Gemma3ForSequenceClassification": 9,
        "ChatGLMForConditionalGeneration": 7, "ChatGLMModel": 7}
+
+
+# every mode each LM takes (Gemma 3 multimodal's ring_attn: test_mm_refused)
+PADDED = [(n, m) for n in ("Gemma3ForConditionalGeneration", "Blip2ForConditionalGeneration")
+          for m in ("split_gather", "all_to_all")] + [("Blip2ForConditionalGeneration", "ring_attn")]
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("name,mode", PADDED, ids=[f"{n}-{m}" for n, m in PADDED])
+def test_mm_padded_batch(pool, name, mode, sp):
+    pool.run(check.mm_equals_unsharded, sp, name, mode, SEQ.get(name), None, 2)
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("name", ["Gemma3ForConditionalGeneration", "Blip2ForConditionalGeneration",
+                                  "Blip2ForConditionalGeneration/t5"])
+def test_sp_overlap_mm_equals_unsharded(pool, name, sp):
+    pool.run(check.mm_equals_unsharded, sp, name, "split_gather", SEQ.get(name), None, 0, True)
+
+
+# TP over {0,1},{2,3} and the sequence split over {0,2},{1,3} (checks.sequence_attention.tp_sp_equals_unsharded)
+HYBRID = [m for m in PADDED if m[1] != "split_gather"]
+
+
+@pytest.mark.parametrize("name,mode", HYBRID, ids=[f"{n}-{m}" for n, m in HYBRID])
+def test_mm_tp2_sp2(pool, name, mode):
+    pool.run(tp_sp_equals_unsharded, 4, name, mode, 2)
 
 
 # SAM's patch grid of 3 x 3 (a 24-pixel image in 8-pixel patches): 3 rows over 2 or 4 ranks, padded inside;

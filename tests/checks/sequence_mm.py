@@ -89,17 +89,35 @@ def _sequence_length(name: str, inputs: dict) -> int:
     return inputs["input_ids"].shape[1]
 
 
-def mm_equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, overrides: dict | None = None) -> dict:
+def right_padded(inputs: dict, pad: int) -> dict:
+    """Batch row 0's last `pad` text tokens made padding (attention_mask 0,
+    labels -100): every query still sees a real key, so all positions compare."""
+    mask = torch.ones_like(inputs["input_ids"])
+    mask[0, -pad:] = 0
+    out = dict(inputs, attention_mask=mask)
+    labels = inputs.get("labels")
+    if isinstance(labels, torch.Tensor) and labels.shape == mask.shape:
+        out["labels"] = labels.masked_fill(mask == 0, -100)
+    return out
+
+
+def mm_equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, overrides: dict | None = None,
+                        pad: int = 0, overlap: bool = False) -> dict:
     """The model sharded with `mode` over ctx.group equals the unsharded one
     (checks.parity.compare_sharded: forward, loss, every gradient, outputs
     after an SGD step); the split layers saw this rank's rows only, and in
-    the all_to_all / ring_attn modes the split attention ran (counted)."""
+    the all_to_all / ring_attn modes the split attention ran (counted).
+    pad: row 0 right-padded by that many tokens; overlap: split_gather with
+    enable_sequence_overlap."""
     torch.manual_seed(0)
     model = zoo.build(name, **(overrides or {})).train()
     ref = copy.deepcopy(model)
-    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **config_for(mode))).optimize(model)
+    extra = {"enable_sequence_overlap": True} if overlap else {}
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **config_for(mode), **extra)).optimize(model)
     seen = watch_rows(model, name)
     inputs = mm_inputs(name, seq, overrides)
+    if pad:
+        inputs = right_padded(inputs, pad)
     before = dict(sa.CALLS)
     # Gemma3Model's rounding-level gradients (zoo.gemma3mm.FP64_FLOOR): judged against float64 as check_sharded does
     fp64 = name in getattr(zoo.module_of(name), "FP64_FLOOR", ())
