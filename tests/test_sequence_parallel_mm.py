@@ -51,6 +51,21 @@ def test_mm_tp2_sp2(pool, name, mode):
     pool.run(tp_sp_equals_unsharded, 4, name, mode, 2)
 
 
+HIDDEN = [(n, m, ("call",)) for n, m in PADDED] + [("Blip2ForConditionalGeneration/t5", "split_gather", ("call",)),
+                                                  ("SamVisionModel", "split_gather", ("call", "config")),
+                                                  ("SamModel", "split_gather", ("call",))]
+
+
+@pytest.mark.parametrize("name,mode,hows", HIDDEN, ids=[f"{n}-{m}" for n, m, _ in HIDDEN])
+def test_mm_hidden_states_refused(pool, name, mode, hows):
+    pool.run(check.mm_hidden_states_refused, 2, name, mode, hows)
+
+
+@pytest.mark.parametrize("name", ["ChatGLMForConditionalGeneration", "SamVisionModel"])
+def test_mm_overlap_refused(pool, name):
+    pool.run(check.mm_overlap_refused, 2, name)
+
+
 # SAM's patch grid of 3 x 3 (a 24-pixel image in 8-pixel patches): 3 rows over 2 or 4 ranks, padded inside;
 # window_size 2 pads the grid to windows inside HF's layer too
 @pytest.mark.parametrize("sp", [2, 4])
@@ -99,6 +114,7 @@ GENERATE = [(n, m) for n in ("Gemma3ForConditionalGeneration", "Blip2ForConditio
 def test_mm_generate(pool, name, mode, sp):
     tokens = pool.run(check.mm_generate_matches, sp, name, mode)
     assert all(t == tokens[0] for t in tokens)
+    assert len({t for row in tokens[0] for t in row[-5:]}) > 1, tokens[0]     # not one id repeated
 
 
 @pytest.mark.parametrize("name,mode,what", [

@@ -162,6 +162,8 @@ def mm_eval_with_dropout(ctx, name: str, mode: str, p: float = 0.3) -> dict:
 def mm_generate_matches(ctx, name: str, mode: str, new_tokens: int = 5, overrides: dict | None = None) -> list:
     """Greedy generate() of the sequence-parallel model equals the unsharded
     model's (the prompt's image included)."""
+    if name.startswith("Blip2") and overrides is None:     # weights whose greedy tokens vary (zoo.vision)
+        overrides = zoo.vision.blip2_wide_init(name)
     model = zoo.build(name, **(overrides or {})).eval()
     ref = copy.deepcopy(model)
     ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **config_for(mode))).optimize(model)
@@ -173,20 +175,64 @@ def mm_generate_matches(ctx, name: str, mode: str, new_tokens: int = 5, override
     return parity.greedy_matches(model, ref, inputs, name, new_tokens).tolist()
 
 
-def mm_refused(ctx, name: str, mode: str, what: str, overrides: dict | None = None) -> str:
-    """optimize() with `mode` raises NotImplementedError naming the model
-    class, the mode and `what` (the module path or the reason), and leaves
-    every tensor of the model as it was."""
-    model = zoo.build(name, **(overrides or {}))
+def _refused_unchanged(ctx, model, config: dict, words: tuple) -> str:
+    """optimize(model) with `config` raises NotImplementedError containing
+    every one of `words`, and leaves every tensor and module of the model as
+    it was; returns the message."""
     before = {k: v.clone() for k, v in model.state_dict().items()}
     modules = [type(m) for m in model.modules()]
     try:
-        ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **config_for(mode))).optimize(model)
+        ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **config)).optimize(model)
     except NotImplementedError as e:
         message = str(e)
     else:
-        raise AssertionError(f"{name}: sequence_parallelism_mode={mode!r} was not refused")
-    assert type(model).__name__ in message and repr(mode) in message and what in message, message
+        raise AssertionError(f"{type(model).__name__} with {config}: not refused")
+    assert all(w in message for w in words), (words, message)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), "the refusal changed weights"
     assert [type(m) for m in model.modules()] == modules, "the refusal replaced modules"
+    return message
+
+
+def mm_refused(ctx, name: str, mode: str, what: str, overrides: dict | None = None) -> str:
+    """optimize() with `mode` is refused naming the model class, the mode and
+    `what` (the module path or the reason), the model unchanged."""
+    model = zoo.build(name, **(overrides or {}))
+    return _refused_unchanged(ctx, model, config_for(mode), (type(model).__name__, repr(mode), what))
+
+
+def mm_overlap_refused(ctx, name: str) -> str:
+    """split_gather with enable_sequence_overlap is refused naming the model
+    class and the switch, the model unchanged."""
+    model = zoo.build(name)
+    return _refused_unchanged(ctx, model, {**config_for("split_gather"), "enable_sequence_overlap": True},
+                              (type(model).__name__, "enable_sequence_overlap"))
+
+
+def mm_hidden_states_refused(ctx, name: str, mode: str, hows: tuple = ("call", "config")) -> str:
+    """output_hidden_states=True (in the call, or in the top-level config)
+    raises NotImplementedError naming the model rather than returning one
+    rank's rows of the split layers' hidden states; the plain call still
+    works.  (Gemma 3 multimodal and BLIP-2 read their top-level config's
+    output_hidden_states for no output: only the call asks for them.)"""
+    model = zoo.build(name).eval()
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **config_for(mode))).optimize(model)
+    inputs = zoo.make_inputs(name)
+    message = ""
+    for how in hows:
+        try:
+            with torch.no_grad():
+                if how == "call":
+                    model(**inputs, output_hidden_states=True)
+                else:
+                    model.config.output_hidden_states = True
+                    model(**inputs)
+        except NotImplementedError as e:
+            assert "output_hidden_states" in str(e), str(e)
+            message = str(e)
+        else:
+            raise AssertionError(f"{name} ({mode}): output_hidden_states=True ({how}) was not refused")
+        finally:
+            model.config.output_hidden_states = False
+    with torch.no_grad():
+        model(**inputs)
     return message
