@@ -153,7 +153,7 @@ class SamShape(FamilyPolicy):
         policy = {"SamVisionLayer": vision_layer_description(vision_cfg, sp)}
         if hasattr(cfg, "mask_decoder_config"):
             policy.update(mask_decoder_policy(cfg.mask_decoder_config))
-        if sp:
+        if sp and self.tp_size > 1:         # one rank: nothing to split (the layers' hooks stay off too)
             from shardformer.policy import merge_policies
 
             merge_policies(policy, self.sequence_parallel_policy(vision_cfg))

@@ -66,6 +66,12 @@ def test_mm_overlap_refused(pool, name):
     pool.run(check.mm_overlap_refused, 2, name)
 
 
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("mode", ["split_gather", "all_to_all"])
+def test_gemma3_image_blocks(pool, mode, sp):
+    pool.run(check.gemma3_image_blocks_equal, sp, "Gemma3ForConditionalGeneration", mode, 9)
+
+
 # SAM's patch grid of 3 x 3 (a 24-pixel image in 8-pixel patches): 3 rows over 2 or 4 ranks, padded inside;
 # window_size 2 pads the grid to windows inside HF's layer too
 @pytest.mark.parametrize("sp", [2, 4])

@@ -236,3 +236,18 @@ def mm_hidden_states_refused(ctx, name: str, mode: str, hows: tuple = ("call", "
     with torch.no_grad():
         model(**inputs)
     return message
+
+
+def gemma3_image_blocks_equal(ctx, name: str, mode: str, seq: int | None = None) -> dict:
+    """The image tokens' bidirectional block (from token_type_ids) changes
+    the unsharded model's output (so the mask is in force in the zoo's
+    prompt), and the model sharded with `mode` equals the unsharded one
+    with it (mm_equals_unsharded)."""
+    inputs = mm_inputs(name, seq)
+    model = zoo.build(name).eval()
+    with torch.no_grad():
+        with_blocks = parity.output_tensors(model(**inputs))
+        causal_only = parity.output_tensors(model(**{k: v for k, v in inputs.items() if k != "token_type_ids"}))
+    key = "logits" if "logits" in with_blocks else "last_hidden_state"
+    assert not torch.allclose(with_blocks[key], causal_only[key]), f"{name}: token_type_ids change nothing"
+    return mm_equals_unsharded(ctx, name, mode, seq)
