@@ -39,7 +39,20 @@ def test_mm_padded_batch(pool, name, mode, sp):
 @pytest.mark.parametrize("name", ["Gemma3ForConditionalGeneration", "Blip2ForConditionalGeneration",
                                   "Blip2ForConditionalGeneration/t5"])
 def test_sp_overlap_mm_equals_unsharded(pool, name, sp):
-    pool.run(check.mm_equals_unsharded, sp, name, "split_gather", SEQ.get(name), None, 0, True)
+    pool.run(check.mm_equals_unsharded, sp, name, "split_gather", SEQ.get(name), None, 0,
+             {"enable_sequence_overlap": True})
+
+
+# fused norms on the local rows, the C attention where the family takes it
+ALL_OPT = [(n, "split_gather") for n in ("Gemma3ForConditionalGeneration", "Blip2ForConditionalGeneration",
+                                         "ChatGLMForConditionalGeneration", "SamModel")] + [
+    (n, "all_to_all") for n in ("Gemma3ForConditionalGeneration", "Blip2ForConditionalGeneration")] + [
+    ("Blip2ForConditionalGeneration", "ring_attn")]
+
+
+@pytest.mark.parametrize("name,mode", ALL_OPT, ids=[f"{n}-{m}" for n, m in ALL_OPT])
+def test_mm_with_all_optimizations(pool, name, mode):
+    pool.run(check.mm_equals_unsharded, 2, name, mode, SEQ.get(name), None, 0, {"enable_all_optimization": True})
 
 
 # TP over {0,1},{2,3} and the sequence split over {0,2},{1,3} (checks.sequence_attention.tp_sp_equals_unsharded)

@@ -102,18 +102,18 @@ def right_padded(inputs: dict, pad: int) -> dict:
 
 
 def mm_equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, overrides: dict | None = None,
-                        pad: int = 0, overlap: bool = False) -> dict:
+                        pad: int = 0, extra: dict | None = None) -> dict:
     """The model sharded with `mode` over ctx.group equals the unsharded one
     (checks.parity.compare_sharded: forward, loss, every gradient, outputs
     after an SGD step); the split layers saw this rank's rows only, and in
     the all_to_all / ring_attn modes the split attention ran (counted).
-    pad: row 0 right-padded by that many tokens; overlap: split_gather with
-    enable_sequence_overlap."""
+    pad: row 0 right-padded by that many tokens; extra: more ShardConfig
+    kwargs (enable_sequence_overlap, enable_all_optimization)."""
     torch.manual_seed(0)
     model = zoo.build(name, **(overrides or {})).train()
     ref = copy.deepcopy(model)
-    extra = {"enable_sequence_overlap": True} if overlap else {}
-    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **config_for(mode), **extra)).optimize(model)
+    config = {**config_for(mode), **(extra or {})}
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **config)).optimize(model)
     seen = watch_rows(model, name)
     inputs = mm_inputs(name, seq, overrides)
     if pad:
