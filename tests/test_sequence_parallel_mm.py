@@ -1,6 +1,8 @@
 """Sequence parallelism for the multimodal models and ChatGLM2: Gemma 3
 multimodal and BLIP-2 split their language model's sequence (the vision
-tower / Q-Former unsplit), with that language family's modes; equal to the
+tower / Q-Former unsplit), with that language family's modes; ChatGLM2
+([S, B, H]: split along dimension 0) and SAM's vision encoder (the patch
+grid split by rows) take split_gather.  Every case is equal to the
 unsharded model (forward, loss, every gradient, after an optimizer step) at
 SP=2 and 4 (TP=2 and 4 for split_gather), odd lengths (padded inside),
 eval with dropout, generate(); the modes that cannot apply refused by name,
