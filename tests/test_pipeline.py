@@ -190,3 +190,37 @@ def test_plan_sends_each_output_as_it_is_made(steps_of, v, p, m):
 def test_custom_policy(pool, pp, tp, schedule):
     """README's one line of data for a user's own Policy."""
     pool.run(check.custom_policy_equals_unsharded, 4, pp, tp, schedule)
+
+
+# Sequence parallelism inside the stages, on 4 ranks: two stages of 2 ranks; split_gather with TP=2 over
+# each stage's pair, all_to_all / ring_attn over the pair with TP off.  7 tokens (padded inside); a later
+# stage receives only this rank's rows of the previous stage's output (checked), and learns the sequence
+# length from the first stage's layer-input shape that travels in the message header.
+SP_PIPELINED = [next(c for c in zoo.family_classes()[f] if c.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM")))
+                for f in PIPELINED if f != "vit"]
+SPLIT_ATTENTION = ["LlamaForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
+                   "MixtralForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "BertForMaskedLM"]
+
+
+@pytest.mark.parametrize("name", SP_PIPELINED)
+def test_split_gather_in_stages(pool, name):
+    pool.run(check.equals_unsharded, 4, name, 2, "1f1b", 2, 2, 1, 4, False, 4, None, "split_gather", 7)
+
+
+@pytest.mark.parametrize("mode", ["all_to_all", "ring_attn"])
+@pytest.mark.parametrize("name", SPLIT_ATTENTION)
+def test_split_attention_in_stages(pool, name, mode):
+    pool.run(check.equals_unsharded, 4, name, 2, "1f1b", 2, 2, 1, 4, False, 4, None, mode, 7)
+
+
+@pytest.mark.parametrize("mode", ["split_gather", "all_to_all", "ring_attn"])
+@pytest.mark.parametrize("schedule, seq", [("gpipe", 5), ("interleaved", 7), ("interleaved", 8)])
+def test_sequence_parallel_schedules(pool, mode, schedule, seq):
+    chunks = 2 if schedule == "interleaved" else 1
+    pool.run(check.equals_unsharded, 4, "LlamaForCausalLM", 2, schedule, 2, 2, chunks, 4, False, 4, None, mode, seq)
+
+
+@pytest.mark.parametrize("mode", ["split_gather", "all_to_all", "ring_attn"])
+def test_sequence_parallel_inference(pool, mode):
+    """schedule.forward() in eval mode with dropout configured: the logits on every rank."""
+    pool.run(check.inference_on_every_rank, 4, "LlamaForCausalLM", 2, 2, "1f1b", 0.3, mode, 7)

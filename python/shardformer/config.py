@@ -129,9 +129,6 @@ class ShardConfig:
             if not isinstance(self.pipeline_stage_manager, PipelineStageManager):
                 raise TypeError(f"ShardConfig.pipeline_stage_manager must be a shardformer.pipeline."
                                 f"PipelineStageManager, got {type(self.pipeline_stage_manager).__name__}")
-            if self.enable_sequence_parallelism:
-                raise NotImplementedError("ShardConfig: pipeline parallelism with sequence parallelism is not "
-                                          "available yet; use one of them")
         for name, what in _NOT_YET.items():
             if getattr(self, name):
                 reason = " (switched on by enable_all_optimization)" if self.enable_all_optimization \

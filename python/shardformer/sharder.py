@@ -113,6 +113,19 @@ class _AttentionSwitch:
             self.model._forward_pre_hooks_with_kwargs.pop(key, None)
 
 
+def _sequence_states(policy, model: nn.Module) -> list:
+    """The sequence-parallel states of a sharded model (told the sequence
+    length by a pipeline stage that starts from received rows): the split
+    policy's SequenceState and the hooked modules' (split_gather), the
+    SequenceSplit its attention modules share (all_to_all / ring_attn)."""
+    from .layer.sequence import STATE_MARK
+
+    states = [getattr(policy, "sequence_state", None)]
+    states += [m.__dict__.get(key) for m in model.modules() for key in (STATE_MARK, "_shardformer_sequence_split")]
+    unique = {id(s): s for s in states if s is not None}
+    return list(unique.values())
+
+
 class ModelSharder:
     """Shard `model` in place according to `policy` and `shard_config`."""
 
@@ -169,6 +182,7 @@ class ModelSharder:
             self.model = policy.postprocess()
             if stages is not None:              # after the TP swaps: drop what other stages hold
                 stages.apply(self.model)
+                stages.sequence_states = _sequence_states(policy, self.model)
             lazy.materialize_module(self.model)  # the replicated parameters of a lazy_init() model
             if stages is not None:
                 stages.bind_shared(self.model)

@@ -16,6 +16,7 @@ from checks import parity
 from checks.optimizations import counting_kernels
 from shardformer import ShardConfig, ShardFormer
 from shardformer.checkpoint import gather_full_state_dict
+from shardformer.layer import sequence_attention
 from shardformer.pipeline import (GPipeSchedule, InterleavedSchedule, OneForwardOneBackwardSchedule,
                                   PipelineStageManager)
 from shardformer.pipeline import p2p
@@ -64,30 +65,43 @@ def batch_of(name: str, rows: int = 4) -> dict:
 
 
 def pipelined(ctx, name: str, pp: int, tp: int = 1, chunks: int = 1, layers: int = 4, num_layers_per_stage=None,
-              config=None, **overrides):
-    """(reference, pipelined model, stage manager, shared params)."""
+              config=None, sp_mode: str | None = None, **overrides):
+    """(reference, pipelined model, stage manager, shared params).  sp_mode:
+    sequence parallelism in each stage over the inner group of `tp` ranks
+    ("split_gather": with TP over it; "all_to_all" / "ring_attn": TP off)."""
     tp_group, pp_group = groups(ctx, pp, tp)
     torch.manual_seed(0)
     model = build(name, layers, **overrides)
     model.train()
     ref = copy.deepcopy(model)
     sm = PipelineStageManager(pp_group, num_model_chunks=chunks, num_layers_per_stage=num_layers_per_stage)
+    config = dict(config or {})
+    tensor_parallel = tp > 1
+    if sp_mode is not None:
+        config.update(enable_sequence_parallelism=True, sequence_parallelism_mode=sp_mode)
+        if sp_mode != "split_gather":
+            config["sequence_parallel_process_group"], tensor_parallel = tp_group, False
     cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm,
-                      enable_tensor_parallelism=tp > 1, **(config or {}))
+                      enable_tensor_parallelism=tensor_parallel, **config)
     model, shared = ShardFormer(shard_config=cfg).optimize(model)
     return ref, model, sm, shared
 
 
 def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1, chunks: int = 1,
-                     layers: int = 4, padded: bool = False, rows: int = 4, config=None) -> dict:
+                     layers: int = 4, padded: bool = False, rows: int = 4, config=None, sp_mode: str | None = None,
+                     seq: int | None = None) -> dict:
     """Loss of one forward_backward_step equals the unsharded model's
     full-batch loss; after one SGD step on both, the gathered full state dict
-    equals the reference's.  Messages between stages were sent (counted)."""
+    equals the reference's.  Messages between stages were sent (counted).
+    sp_mode: sequence parallelism inside the stages (see pipelined); seq:
+    the batch cut to its first `seq` tokens."""
     batch = batch_of(name, rows)
+    if seq is not None:
+        batch = {k: t[:, :seq].contiguous() if t.dim() >= 2 else t for k, t in batch.items()}
     # The model's own loss where it is one mean of equally weighted micro-batches; else a fixed
     # projection of the outputs, in float64 (a sum over every output: float32 rounding would show).
     own_loss = "labels" in batch and not any(k in name for k in ("DoubleHeads", "MaskedImageModeling"))
-    ref, model, sm, shared = pipelined(ctx, name, pp, tp, chunks, layers, config=config,
+    ref, model, sm, shared = pipelined(ctx, name, pp, tp, chunks, layers, config=config, sp_mode=sp_mode,
                                        dtype=torch.float32 if own_loss else torch.float64)
     if not own_loss:
         batch = {k: t.double() if t.is_floating_point() else t for k, t in batch.items()}
@@ -102,8 +116,17 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
         probe = _probe(exp)
         criterion, ref_loss = _probe_criterion(probe, m), _project(exp, probe)
     before = dict(p2p.COUNTS)
+    split_before = dict(sequence_attention.CALLS)
+    runner = SCHEDULES[schedule](sm, num_microbatches=m)
     with counting_kernels() as calls:
-        out = SCHEDULES[schedule](sm, num_microbatches=m).forward_backward_step(model, batch, criterion=criterion)
+        out = runner.forward_backward_step(model, batch, criterion=criterion)
+    if sp_mode is not None and sm.stage > 0:
+        # a later stage received this rank's rows of the padded sequence only
+        S, p = batch["input_ids"].shape[1], 2 * tp if sp_mode == "ring_attn" else tp
+        rows = {shape[1] for (kind, *_), (shape, *_) in runner.link._shapes.items() if kind == "act"}
+        assert rows == {-(-S // p) * p // tp}, f"{name}: stage {sm.stage} received rows {rows} of {S} tokens"
+    if sp_mode in sequence_attention.MODES:
+        assert sequence_attention.CALLS[sp_mode] > split_before[sp_mode], f"{name}: the {sp_mode} attention never ran"
     if (config or {}).get("enable_all_optimization"):
         assert sum(calls.values()) > 0, f"{name}: no fused kernel ran on stage {sm.stage}"
     sent = p2p.COUNTS["sent"] - before["sent"]
@@ -172,17 +195,21 @@ def load_full_round_trip(ctx, name: str, pp: int, tp: int) -> bool:
     return True
 
 
-def inference_on_every_rank(ctx, name: str, pp: int, tp: int, schedule: str, dropout: float = 0.0) -> float:
+def inference_on_every_rank(ctx, name: str, pp: int, tp: int, schedule: str, dropout: float = 0.0,
+                            sp_mode: str | None = None, seq: int | None = None) -> float:
     """schedule.forward(): the last stage's logits, on every rank, equal to
-    the unsharded model's; in eval mode with dropout p=`dropout` configured."""
+    the unsharded model's; in eval mode with dropout p=`dropout` configured;
+    sp_mode / seq as in equals_unsharded."""
     overrides = {}
     if dropout:
         overrides = {"attention_dropout": dropout} if name.startswith("Llama") else {"resid_pdrop": dropout,
                                                                                      "embd_pdrop": dropout}
-    ref, model, sm, _ = pipelined(ctx, name, pp, tp, **overrides)
+    ref, model, sm, _ = pipelined(ctx, name, pp, tp, sp_mode=sp_mode, **overrides)
     ref.eval()
     model.eval()
     batch = batch_of(name)
+    if seq is not None:
+        batch = {k: t[:, :seq].contiguous() for k, t in batch.items()}
     out = SCHEDULES[schedule](sm, num_microbatches=2).forward(model, batch)
     exp = ref(**batch)
     assert type(out) is type(exp), (type(out), type(exp))

@@ -64,6 +64,7 @@ from ..distributed.mappings import _all_gather_seq, gather_from_sequence_region,
 from .parallel_module import ShardPlan, plan_directly
 
 SEQ_DIM = 1
+STATE_MARK = "_shardformer_sequence_state"     # a hooked module's SequenceState
 
 
 class SequenceState:
@@ -79,6 +80,12 @@ class SequenceState:
 
     def __repr__(self) -> str:
         return f"SequenceState(length={self.length}, dim={self.dim})"
+
+    def resume(self, full: torch.Tensor) -> None:
+        """A forward that starts past the split (a later pipeline stage: its
+        first layer receives this rank's rows from the previous stage);
+        `full` is shaped like the unsplit layer input."""
+        self.length = full.shape[SEQ_DIM]
 
     def __deepcopy__(self, memo):
         # A deep copy of a model keeps its hooks' closures, which hold this
@@ -374,6 +381,8 @@ class _Hooks:
     def commit(self) -> nn.Module:
         state, group, m = self.state, self.group, self.module
         active: list = []                      # the block's open saved-tensor hooks (block role)
+        if self.roles:
+            m.__dict__[STATE_MARK] = state     # found by a pipeline stage that starts past the split
         if "split" in self.roles:
             def pre(_module, args, kwargs):
                 x, rebuild = _first(args, kwargs)
@@ -417,3 +426,4 @@ class _Hooks:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        self.module.__dict__.pop(STATE_MARK, None)

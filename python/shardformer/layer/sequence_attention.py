@@ -90,6 +90,14 @@ class SequenceSplit:
             self.rows = torch.arange(self.rank * n, (self.rank + 1) * n, device=device)
         self._local.clear()
 
+    def resume(self, full: torch.Tensor) -> None:
+        """A forward that starts past the split (a later pipeline stage: its
+        first layer receives this rank's rows from the previous stage);
+        `full` is shaped like the unsplit layer input: the rows as start()
+        would set them."""
+        if self.active:
+            self.start(full.shape[SEQ_DIM], full.device)
+
     def local(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's rows (along `dim`) of a full-sequence tensor that every
         layer receives (rotary cos / sin), computed once per forward."""

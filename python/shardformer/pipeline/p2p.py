@@ -35,13 +35,18 @@ class StageLink:
         self._sent: set = set()
         self._shapes: dict = {}
 
-    def send(self, t: torch.Tensor, to_stage: int, key) -> None:
+    def send(self, t: torch.Tensor, to_stage: int, key, input_shape: tuple | None = None) -> None:
+        """Send `t` to `to_stage`; the first message under `key` is preceded
+        by its header, which also carries `input_shape` (the first stage's
+        layer input shape, for the receiver's stand-ins; default t's)."""
         if key not in self._sent:
-            if t.dtype not in _DTYPES or t.dim() > _MAX_DIMS:
+            input_shape = tuple(t.shape) if input_shape is None else tuple(input_shape)
+            if t.dtype not in _DTYPES or t.dim() > _MAX_DIMS or len(input_shape) > _MAX_DIMS:
                 raise ValueError(f"pipeline: cannot send a {t.dtype} tensor of {t.dim()} dimensions between stages")
-            header = torch.zeros(2 + _MAX_DIMS, dtype=torch.int64)
-            header[0], header[1] = _DTYPES.index(t.dtype), t.dim()
-            header[2:2 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+            header = torch.zeros(3 + 2 * _MAX_DIMS, dtype=torch.int64)
+            header[0], header[1], header[2] = _DTYPES.index(t.dtype), t.dim(), len(input_shape)
+            header[3:3 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
+            header[3 + _MAX_DIMS:3 + _MAX_DIMS + len(input_shape)] = torch.tensor(input_shape, dtype=torch.int64)
             D.send(header.to(t.device), to_stage, self.group)
             COUNTS["headers"] += 1
             self._sent.add(key)
@@ -50,10 +55,18 @@ class StageLink:
 
     def recv(self, from_stage: int, key, device) -> torch.Tensor:
         if key not in self._shapes:
-            header = D.recv(torch.zeros(2 + _MAX_DIMS, dtype=torch.int64, device=device), from_stage, self.group)
-            code, ndim = int(header[0]), int(header[1])
-            self._shapes[key] = (tuple(int(x) for x in header[2:2 + ndim]), _DTYPES[code])
-        shape, dtype = self._shapes[key]
+            header = D.recv(torch.zeros(3 + 2 * _MAX_DIMS, dtype=torch.int64, device=device), from_stage, self.group)
+            code, ndim, nfull = int(header[0]), int(header[1]), int(header[2])
+            if not (0 <= code < len(_DTYPES) and 0 <= ndim <= _MAX_DIMS and 0 <= nfull <= _MAX_DIMS):
+                raise RuntimeError(f"pipeline: a malformed message header from stage {from_stage}: "
+                                   f"{header.tolist()}")
+            self._shapes[key] = (tuple(int(x) for x in header[3:3 + ndim]), _DTYPES[code],
+                                 tuple(int(x) for x in header[3 + _MAX_DIMS:3 + _MAX_DIMS + nfull]))
+        shape, dtype, _ = self._shapes[key]
         out = D.recv(torch.empty(shape, dtype=dtype, device=device), from_stage, self.group)
         COUNTS["received"] += 1
         return out
+
+    def input_shape(self, key) -> tuple:
+        """The first stage's layer input shape that came with `key`'s header."""
+        return self._shapes[key][2]

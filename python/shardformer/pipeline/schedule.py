@@ -205,17 +205,21 @@ class PipelineSchedule:
         V = p * v
         plan = _cached_plan(self._steps, p, v, m, backward)[sm.stage]
         inbox, outbox, saved, losses, outputs = {}, {}, {}, [], []
+        shapes = {}                                      # message -> the first stage's layer input shape
         grad_on = torch.is_grad_enabled() and backward
         for step in plan:
             kind = step[0]
             if kind == "recv":
                 _, peer, msg = step
-                inbox[msg] = self.link.recv(peer, (msg[0], msg[1], sig), device)
+                key = (msg[0], msg[1], sig)
+                inbox[msg] = self.link.recv(peer, key, device)
+                if msg[0] == "act":
+                    shapes[msg] = self.link.input_shape(key)
             elif kind == "send":
                 _, peer, msg = step
-                self.link.send(outbox.pop(msg), peer, (msg[0], msg[1], sig))
+                self.link.send(outbox.pop(msg), peer, (msg[0], msg[1], sig), shapes.pop(msg, None))
             elif kind == "local":                        # the next virtual stage is this rank's own chunk
-                inbox[step[2]] = outbox.pop(step[2])
+                inbox[step[2]] = outbox.pop(step[2])     # (its input shape stays in `shapes`)
             elif kind == "F":
                 _, c, i = step
                 vs = sm.virtual_stage(c)
@@ -223,7 +227,7 @@ class PipelineSchedule:
                 if entry is not None and grad_on and entry.is_floating_point():
                     entry.requires_grad_(True)
                 with torch.set_grad_enabled(grad_on):
-                    out = rt.run(model, c, entry, dict(micro[i], **extra))
+                    out = rt.run(model, c, entry, dict(micro[i], **extra), shapes.pop(("act", vs - 1, i), None))
                 if vs == V - 1:
                     if return_outputs:
                         outputs.append(out)
@@ -233,6 +237,7 @@ class PipelineSchedule:
                         saved[(c, i)] = (loss, entry)
                 else:
                     outbox[("act", vs, i)] = out.detach()
+                    shapes[("act", vs, i)] = rt.input_shape
                     saved[(c, i)] = (out, entry)
             else:                                        # "B"
                 _, c, i = step

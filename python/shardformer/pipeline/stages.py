@@ -169,15 +169,23 @@ class _ChunkEdge:
 
     def __call__(self, *args, **kwargs):
         rt = self._runtime
-        if self._enter and rt.entry is not None:
-            rt.entered = True
+        if self._enter:
             if args:
-                args = (rt.entry,) + tuple(args[1:])
+                computed, swap = args[0], (lambda t: ((t,) + tuple(args[1:]), kwargs))
             elif "hidden_states" in kwargs:
-                kwargs = dict(kwargs, hidden_states=rt.entry)
+                computed, swap = kwargs["hidden_states"], (lambda t: (args, dict(kwargs, hidden_states=t)))
             else:
                 raise RuntimeError(f"{rt.model_name}: the first layer of pipeline chunk {rt.chunk} was called "
                                    f"without its hidden states (no positional argument, no hidden_states=)")
+            if rt.entry is None:                   # the first virtual stage: the model's own input
+                rt.input_shape = tuple(computed.shape)
+            else:
+                rt.entered = True
+                args, kwargs = swap(rt.entry)
+                # Sequence parallelism: the received rows are already split (on the first stage);
+                # the stand-in carried the full length here, which the states learn.
+                for state in rt.sequence_states:
+                    state.resume(computed)
         out = self._layer(*args, **kwargs)
         if self._leave:
             raise StageExit(out if isinstance(out, torch.Tensor) else out[0])
@@ -296,14 +304,26 @@ class StageRuntime:
         self.entry: torch.Tensor | None = None       # the activation the running chunk starts from
         self.entered = False
         self.shared_params: list[dict[int, nn.Parameter]] = []
+        # The shape of the first layer's input on the first virtual stage (the embeddings' output),
+        # sent along with the activations: a later stage's stand-ins take it, which differs from
+        # the received activation's under sequence parallelism (this rank's rows only).
+        self.input_shape: tuple | None = None
+        # sequence-parallel states (SequenceState, SequenceSplit) told the sequence length when a
+        # chunk starts from received rows (their split ran on the first stage)
+        self.sequence_states: list = []
 
     # -- the schedule's side ----------------------------------------------------------
 
-    def run(self, model: nn.Module, chunk: int, entry: torch.Tensor | None, kwargs: dict):
+    def run(self, model: nn.Module, chunk: int, entry: torch.Tensor | None, kwargs: dict,
+            input_shape: tuple | None = None):
         """The model's forward on `kwargs` for this rank's `chunk`, starting
-        from `entry` (None on the first virtual stage): the model's output on
-        the last virtual stage, else the chunk's output activation."""
+        from `entry` (None on the first virtual stage; `input_shape`: the
+        first stage's layer input shape, default the entry's): the model's
+        output on the last virtual stage, else the chunk's output activation.
+        Afterwards `input_shape` is the first stage's layer input shape."""
         self.layers.active, self.chunk, self.entry, self.entered = chunk, chunk, entry, False
+        self.input_shape = tuple(input_shape) if input_shape is not None else \
+            (tuple(entry.shape) if entry is not None else None)
         try:
             out = model(**kwargs)
         except StageExit as e:
@@ -316,10 +336,14 @@ class StageRuntime:
         return out
 
     def stand_in(self) -> torch.Tensor:
-        """What a first-stage module returns on a stage that does not run it."""
+        """What a first-stage module returns on a stage that does not run it:
+        zeros shaped like the first stage's layer input (`input_shape`), so
+        the model's forward builds masks and positions for the true sequence
+        length, which the received activation does not show under sequence
+        parallelism."""
         if self.entry is None:
             raise RuntimeError(f"{self.model_name}: a first-stage module ran outside a pipeline schedule")
-        return torch.zeros(self.entry.shape, dtype=self.entry.dtype, device=self.entry.device)
+        return torch.zeros(self.input_shape, dtype=self.entry.dtype, device=self.entry.device)
 
     # -- the redirections ---------------------------------------------------------------
 
@@ -379,7 +403,7 @@ class StageRuntime:
         _set(model, plan.layers_path, self.layers)
         self.layers.__dict__["_runtime"] = self
         self.layers.__dict__["_edges"] = {
-            c: {"enter": None if sm.is_first_stage(c) else r.start, "exit": None if sm.is_last_stage(c) else r.stop - 1}
+            c: {"enter": r.start, "exit": None if sm.is_last_stage(c) else r.stop - 1}
             for c, r in enumerate(plan.chunks)}
         model.register_forward_pre_hook(self._refuse_outside, with_kwargs=True, prepend=True)
         model.__dict__[RUNTIME] = self
