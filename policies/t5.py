@@ -86,7 +86,37 @@ _OWNERS = ("T5Model", "T5EncoderModel", "T5ForConditionalGeneration", "T5ForQues
 
 class T5Shape(SplitGatherMixin, FamilyPolicy):
     def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return ("split_gather",)
+        return ("split_gather",) + self.split_attention_modes()
+
+    def split_attention_modes(self) -> tuple[str, ...]:
+        return ("all_to_all",)
+
+    def config_sanity_check(self):
+        super().config_sanity_check()
+        if self.shard_config.split_attention_mode == "ring_attn":
+            raise NotImplementedError(
+                f"{type(self.model).__name__}: ring_attn cannot apply T5's relative position bias (an additive "
+                f"[heads, S, S] term inside the softmax, which the ring's flash kernel blocks do not take); use "
+                f"sequence_parallelism_mode='all_to_all' or 'split_gather'")
+
+    def split_attention_targets(self) -> list:
+        """all_to_all over each stack's `block` (base: the T5Stack): the
+        first block's relative position bias built for the whole padded
+        sequence (compute_bias, see shardformer.layer.sequence_attention),
+        the decoder's EncDecAttention rows attending to the whole encoder
+        output."""
+        owner = next((m for m in self.model.modules() if type(m).__name__ in _OWNERS), None)
+        if owner is None:
+            raise ValueError(f"{type(self.model).__name__}: no T5 module owning the stacks ({', '.join(_OWNERS)})")
+        targets = []
+        for stack_name in ("encoder", "decoder"):
+            stack = getattr(owner, stack_name, None)
+            if stack is None:
+                continue
+            cross = ("EncDecAttention",) if stack.is_decoder else ()
+            targets.append((type(owner).__name__, f"{stack_name}.block", stack,
+                            {"cross": cross, "full_bias": "compute_bias"}))
+        return targets
 
     def attention_description(self, heads: Heads, attention: str, col: dict, row: dict, kv_col: dict) -> list[Sub]:
         """q, k, v, o of the T5Attention at `attention` (under its T5Layer*):

@@ -18,15 +18,25 @@ ALL_TO_ALL_ONLY = ["Gemma2ForCausalLM"]
 # Beyond the Llama-shaped decoders: GPT-2, the BERT-style encoders (bidirectional: padded keys masked inside), OPT, ViT.
 OTHER_FAMILIES = ["GPT2LMHeadModel", "GPT2ForSequenceClassification", "BertForMaskedLM", "BertForTokenClassification",
                   "RobertaForMaskedLM", "ErnieForMaskedLM", "OPTForCausalLM", "ViTForImageClassification"]
+# ALBERT: one shared layer group run num_hidden_layers times (split at its first entry, gathered after the encoder).
+ALBERT = ["AlbertForMaskedLM", "AlbertForSequenceClassification", "AlbertForTokenClassification",
+          "AlbertForQuestionAnswering", "AlbertModel"]
+# Whisper: encoder (bidirectional, after the conv front end) and decoder (causal; cross-attention rows attend to
+# the whole encoder output), both modes.
+WHISPER = ["WhisperForConditionalGeneration", "WhisperModel", "WhisperForAudioClassification", "WhisperForCausalLM"]
+# T5: the relative position bias built for the whole padded sequence, each rank adding its heads' slice:
+# all_to_all only (ring_attn refused by name below).
+T5 = ["T5ForConditionalGeneration", "T5ForConditionalGeneration/v1.1", "T5EncoderModel", "T5Model",
+      "T5ForTokenClassification"]
 
 
 # One test function per mode: README's support matrix has a column per function (scripts/support_matrix.py).
-@pytest.mark.parametrize("name", FAMILIES + ALL_TO_ALL_ONLY + OTHER_FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES + ALL_TO_ALL_ONLY + OTHER_FAMILIES + ALBERT + WHISPER + T5)
 def test_all_to_all_equals_unsharded(pool, name):
     pool.run(check.equals_unsharded, 2, name, "all_to_all", 7)       # 7 tokens: padded inside
 
 
-@pytest.mark.parametrize("name", FAMILIES + OTHER_FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES + OTHER_FAMILIES + ALBERT + WHISPER)
 def test_ring_attn_equals_unsharded(pool, name):
     pool.run(check.equals_unsharded, 2, name, "ring_attn", 7)
 
@@ -92,11 +102,11 @@ def test_ring_refusals(pool, name, match):
 
 
 def test_split_attention_refused_by_name():
-    # attention outside transformers' registry (GPT-Neo, BLOOM), relative position biases (T5), shared layers (ALBERT)
+    # attention outside transformers' registry (GPT-Neo, BLOOM)
     import zoo
     from shardformer import ShardConfig, ShardFormer
 
-    for name in ("GPTNeoForCausalLM", "BloomForCausalLM", "T5ForConditionalGeneration", "AlbertForMaskedLM"):
+    for name in ("GPTNeoForCausalLM", "BloomForCausalLM"):
         for mode in MODES:
             model = zoo.build(name)
             with pytest.raises(NotImplementedError, match=f"{mode}.*not available for"):
@@ -136,3 +146,59 @@ def test_split_attention_refuses_cross_attention_and_layerdrop(mode):
                                                              word_embed_proj_dim=32))
     with pytest.raises(NotImplementedError, match=f"OPTForCausalLM.*{mode}.*layerdrop"):
         ShardFormer(ShardConfig(**check.sp_config(mode))).optimize(opt)
+
+
+# ---- encoder-decoders and shared layers: ALBERT, T5, Whisper ------------------------
+
+ENC_DEC_CASES = [(n, m) for n in ALBERT[:1] + WHISPER[:1] for m in MODES] + [("T5ForConditionalGeneration",
+                                                                             "all_to_all")]
+
+
+@pytest.mark.parametrize("name, mode", ENC_DEC_CASES + [("T5EncoderModel", "all_to_all"),
+                                                        ("WhisperForAudioClassification", "ring_attn")])
+@pytest.mark.parametrize("sp", [2, 4])
+def test_encoder_decoder_paths_ran(pool, name, mode, sp):
+    """Split attention once per layer application, cross-attention per decoder layer, T5's bias sliced."""
+    pool.run(check.paths_ran, sp, name, mode, 7)
+
+
+@pytest.mark.parametrize("name, mode", ENC_DEC_CASES)
+@pytest.mark.parametrize("seq", [3, 7])                      # T5: 3 encoder tokens < 4 ranks; decoders keep 5
+def test_encoder_decoder_sp4_odd_lengths(pool, name, mode, seq):
+    pool.run(check.equals_unsharded, 4, name, mode, seq)
+
+
+@pytest.mark.parametrize("name, mode", [("T5ForConditionalGeneration", "all_to_all"),
+                                        ("WhisperForConditionalGeneration", "ring_attn")])
+def test_encoder_decoder_tp2_sp2(pool, name, mode):
+    # T5: 6 heads, 3 per TP rank, not dividing SP=2: zero heads appended to q/k/v and the bias
+    pool.run(check.tp_sp_equals_unsharded, 4, name, mode, 2, 7)
+
+
+@pytest.mark.parametrize("name, mode", ENC_DEC_CASES)
+def test_encoder_decoder_eval_with_dropout(pool, name, mode):
+    pool.run(check.eval_with_dropout, 2, name, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_albert_shared_layer_hooked_once(pool, mode):
+    pool.run(check.shared_layer_hooks_once, 2, "AlbertForMaskedLM", mode)
+
+
+@pytest.mark.parametrize("name, mode", [("T5ForConditionalGeneration", "all_to_all"),
+                                        ("WhisperForConditionalGeneration", "all_to_all"),
+                                        ("WhisperForConditionalGeneration", "ring_attn")])
+def test_encoder_decoder_generate(pool, name, mode):
+    pool.run(check.seq2seq_generate_matches, 2, name, mode)
+
+
+@pytest.mark.parametrize("name, mode, match, overrides", [
+    ("T5ForConditionalGeneration", "ring_attn", "ring_attn cannot apply T5's relative position bias", {}),
+    ("T5EncoderModel", "ring_attn", "ring_attn cannot apply T5's relative position bias", {}),
+    ("WhisperForAudioClassification", "all_to_all", "use_weighted_layer_sum", {"use_weighted_layer_sum": True}),
+    ("WhisperForAudioClassification", "ring_attn", "use_weighted_layer_sum", {"use_weighted_layer_sum": True}),
+    ("WhisperForConditionalGeneration", "all_to_all", "decoder_layerdrop", {"decoder_layerdrop": 0.1}),
+    ("WhisperForConditionalGeneration", "ring_attn", "encoder_layerdrop", {"encoder_layerdrop": 0.1}),
+])
+def test_encoder_decoder_refusals(pool, name, mode, match, overrides):
+    pool.run(check.refused_model_unchanged, 2, name, mode, match, **overrides)
