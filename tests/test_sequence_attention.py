@@ -175,6 +175,13 @@ def test_encoder_decoder_tp2_sp2(pool, name, mode):
     pool.run(check.tp_sp_equals_unsharded, 4, name, mode, 2, 7)
 
 
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("sp", [2, 4])
+def test_albert_padded_batch(pool, mode, sp):
+    # bidirectional: a left-padded row's padding queries still see real keys, so every row is compared
+    pool.run(check.equals_unsharded, sp, "AlbertForMaskedLM", mode, 7, None, True)
+
+
 @pytest.mark.parametrize("name, mode", ENC_DEC_CASES)
 def test_encoder_decoder_eval_with_dropout(pool, name, mode):
     pool.run(check.eval_with_dropout, 2, name, mode)
@@ -202,3 +209,8 @@ def test_encoder_decoder_generate(pool, name, mode):
 ])
 def test_encoder_decoder_refusals(pool, name, mode, match, overrides):
     pool.run(check.refused_model_unchanged, 2, name, mode, match, **overrides)
+
+
+@pytest.mark.parametrize("name", ["AlbertForMaskedLM", "T5ForConditionalGeneration", "WhisperForConditionalGeneration"])
+def test_encoder_decoder_recorded_outputs_refused(pool, name):
+    pool.run(check.recorded_outputs_refused_split, 2, name, "all_to_all")

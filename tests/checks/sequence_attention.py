@@ -421,3 +421,23 @@ def refused_model_unchanged(ctx, name: str, mode: str, match: str, **overrides) 
     assert type(model).__name__ in message and match in message, message
     assert model.config._attn_implementation == impl, "the refusal switched the attention implementation"
     return message
+
+
+def recorded_outputs_refused_split(ctx, name: str, mode: str) -> str:
+    """An encoder (or encoder-decoder) forward split over ctx.group with
+    output_hidden_states / output_attentions raises NotImplementedError
+    naming the flag, rather than return one rank's rows or heads."""
+    model = zoo.build(name).eval()
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))).optimize(model)
+    inputs = zoo.make_inputs(name)
+    message = ""
+    for what in ("output_hidden_states", "output_attentions"):
+        try:
+            with torch.no_grad():
+                model(**inputs, **{what: True})
+        except NotImplementedError as e:
+            assert what in str(e), str(e)
+            message = str(e)
+        else:
+            raise AssertionError(f"{name}: {what}=True was not refused")
+    return message
