@@ -214,3 +214,19 @@ def test_encoder_decoder_refusals(pool, name, mode, match, overrides):
 @pytest.mark.parametrize("name", ["AlbertForMaskedLM", "T5ForConditionalGeneration", "WhisperForConditionalGeneration"])
 def test_encoder_decoder_recorded_outputs_refused(pool, name):
     pool.run(check.recorded_outputs_refused_split, 2, name, "all_to_all")
+
+
+# other layouts: ALBERT with 2 groups of 2 inner layers, T5 stacks of different depths, Whisper's encoder of odd length
+VARIANTS = [("AlbertForMaskedLM", 7, {"num_hidden_layers": 4, "num_hidden_groups": 2, "inner_group_num": 2}, MODES),
+            ("AlbertForSequenceClassification", 5, {"num_hidden_layers": 3}, MODES),
+            ("T5ForConditionalGeneration", 7, {"num_layers": 3, "num_decoder_layers": 1}, ["all_to_all"]),
+            ("T5ForConditionalGeneration/v1.1", 3, {"num_layers": 1, "num_decoder_layers": 3}, ["all_to_all"]),
+            ("WhisperForConditionalGeneration", None, {"max_source_positions": 7}, MODES),
+            ("WhisperForConditionalGeneration", None, {"max_source_positions": 5, "encoder_layers": 1,
+                                                       "decoder_layers": 3}, MODES)]
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("name, seq, overrides, mode", [(n, s, o, m) for n, s, o, modes in VARIANTS for m in modes])
+def test_encoder_decoder_variants(pool, name, seq, overrides, mode, sp):
+    pool.run(check.variant_equals_unsharded, sp, name, mode, seq, overrides)

@@ -441,3 +441,17 @@ def recorded_outputs_refused_split(ctx, name: str, mode: str) -> str:
         else:
             raise AssertionError(f"{name}: {what}=True was not refused")
     return message
+
+
+def variant_equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, overrides: dict | None = None) -> dict:
+    """check_sharded of `name` built with config `overrides` (other layer
+    counts and groups, Whisper's encoder length), inputs as the split_gather
+    checks cut them (sequence_more.sp_inputs), the sequence split over
+    ctx.group in `mode`; the split attention ran."""
+    from checks import sequence_more
+
+    before = sa.CALLS[mode]
+    report = parity.check_sharded(ctx, lambda: zoo.build(name, **(overrides or {})),
+                                  sequence_more.sp_inputs(name, seq, overrides), name=name, config=sp_config(mode))
+    assert sa.CALLS[mode] > before, f"{name}: the {mode} attention never ran"
+    return report
