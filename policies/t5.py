@@ -55,6 +55,18 @@ overlap=True (shardformer.layer.linear.gather_block_input): the block's one
 all-gather is in flight while this rank's rows go through its
 sequence-parallel column layers (q, k, v; the cross attention's q; wi or
 wi_0 / wi_1), which share it.
+
+all_to_all (Ulysses, shardformer.layer.sequence_attention): each stack's
+`block` list is split on its own (base: the T5Stack; S' = S padded to a
+multiple of p, rank r holding rows [r S'/p, (r+1) S'/p)).  Block 0's
+compute_bias runs for the whole padded sequence, [1, H, S', S'] (encoder
+bidirectional, decoder causal buckets), and is passed on to every block as
+HF does; after the all-to-all (heads scattered, sequence gathered;
+backward the inverse) each rank adds its H/p heads of it.  The decoder's
+EncDecAttention: this rank's query rows against the whole encoder output
+(gathered after the encoder), no collective; the encoder output's
+gradient is all-reduced over the group on entering the decoder.  ring_attn
+is refused by name: the ring's flash kernel blocks take no additive bias.
 """
 from __future__ import annotations
 

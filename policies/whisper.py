@@ -36,6 +36,16 @@ per rank, on this rank's rows).  The layer norms run on this rank's rows
 (a skipped first or last layer would skip the split or the gather) and
 use_weighted_layer_sum (audio classification reads every layer's hidden
 states); output_hidden_states is refused per call (SplitGatherMixin).
+
+all_to_all / ring_attn (shardformer.layer.sequence_attention): the
+encoder's and the decoder's `layers` are split each on its own, after the
+conv front end and positions (encoder) or the token and position
+embeddings (decoder), all on the full sequence.  Encoder self-attention is
+bidirectional (padded keys masked), decoder self-attention causal; the
+decoder's encoder_attn runs this rank's query rows against the whole
+encoder output (no collective; the encoder output's gradient all-reduced
+over the group on entering the decoder).  Refused by name as above:
+layerdrop and use_weighted_layer_sum.
 """
 from __future__ import annotations
 
