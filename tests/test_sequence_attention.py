@@ -20,14 +20,14 @@ OTHER_FAMILIES = ["GPT2LMHeadModel", "GPT2ForSequenceClassification", "BertForMa
                   "RobertaForMaskedLM", "ErnieForMaskedLM", "OPTForCausalLM", "ViTForImageClassification"]
 # ALBERT: one shared layer group run num_hidden_layers times (split at its first entry, gathered after the encoder).
 ALBERT = ["AlbertForMaskedLM", "AlbertForSequenceClassification", "AlbertForTokenClassification",
-          "AlbertForQuestionAnswering", "AlbertModel"]
+          "AlbertForQuestionAnswering", "AlbertModel", "AlbertForPreTraining", "AlbertForMultipleChoice"]
 # Whisper: encoder (bidirectional, after the conv front end) and decoder (causal; cross-attention rows attend to
 # the whole encoder output), both modes.
 WHISPER = ["WhisperForConditionalGeneration", "WhisperModel", "WhisperForAudioClassification", "WhisperForCausalLM"]
 # T5: the relative position bias built for the whole padded sequence, each rank adding its heads' slice:
 # all_to_all only (ring_attn refused by name below).
 T5 = ["T5ForConditionalGeneration", "T5ForConditionalGeneration/v1.1", "T5EncoderModel", "T5Model",
-      "T5ForTokenClassification"]
+      "T5ForTokenClassification", "T5ForSequenceClassification", "T5ForQuestionAnswering"]
 
 
 # One test function per mode: README's support matrix has a column per function (scripts/support_matrix.py).

@@ -56,6 +56,8 @@ def equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, config=N
     with the sequence split over ctx.group (TP off); the split attention ran
     once per layer per forward (counted).  padded: one batch row left-padded."""
     inputs = _trim(zoo.make_inputs(name), seq)
+    if name == "T5ForSequenceClassification":
+        inputs["input_ids"][:, -1] = 1                # the EOS whose decoder state is pooled, cut by _trim
     if padded:
         mask = torch.ones_like(inputs["input_ids"])
         mask[0, :2] = 0
