@@ -230,3 +230,13 @@ VARIANTS = [("AlbertForMaskedLM", 7, {"num_hidden_layers": 4, "num_hidden_groups
 @pytest.mark.parametrize("name, seq, overrides, mode", [(n, s, o, m) for n, s, o, modes in VARIANTS for m in modes])
 def test_encoder_decoder_variants(pool, name, seq, overrides, mode, sp):
     pool.run(check.variant_equals_unsharded, sp, name, mode, seq, overrides)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("name, mode", [("T5ForConditionalGeneration", "all_to_all"),
+                                        ("WhisperForConditionalGeneration", "ring_attn"),
+                                        ("LlamaForCausalLM", "all_to_all")])
+def test_gradient_checkpointing(pool, name, mode, use_reentrant):
+    # the layers recomputed in backward run their split hooks again, on the same input (ALBERT: HF has no
+    # gradient checkpointing)
+    pool.run(check.checkpointing_equals_unsharded, 2, name, mode, use_reentrant)

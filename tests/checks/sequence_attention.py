@@ -457,3 +457,18 @@ def variant_equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, 
                                   sequence_more.sp_inputs(name, seq, overrides), name=name, config=sp_config(mode))
     assert sa.CALLS[mode] > before, f"{name}: the {mode} attention never ran"
     return report
+
+
+def checkpointing_equals_unsharded(ctx, name: str, mode: str, use_reentrant: bool) -> dict:
+    """Gradient checkpointing on (the layers recomputed in backward, their
+    hooks running again): forward, loss, every gradient and the step equal
+    the unsharded model's."""
+    def build():
+        model = zoo.build(name)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        return model
+
+    before = sa.CALLS[mode]
+    report = parity.check_sharded(ctx, build, _trim(zoo.make_inputs(name), 7), name=name, config=sp_config(mode))
+    assert sa.CALLS[mode] > before, f"{name}: the {mode} attention never ran"
+    return report
