@@ -473,6 +473,9 @@ class _SplitHooks:
                                       f"that goes through transformers' AttentionInterface; this model's does not")
         if any("_shardformer_sequence_split" in m.__dict__ for m in users):
             raise ValueError(f"{state.name}: the model's attention is already split")
+        cross = [m for path, m in named if path.split(".")[-1] in self.cross]
+        if self.cross and not cross:
+            raise ValueError(f"{state.name}: no cross-attention module named {self.cross} in the layers")
         configs = {id(m.config): m.config for m in users if getattr(m, "config", None) is not None}
         base_config = getattr(self.base, "config", None)
         if base_config is not None:
@@ -493,11 +496,11 @@ class _SplitHooks:
             if not current[key].startswith(ours):
                 self.configs.append((cfg, cfg._attn_implementation))
                 cfg._attn_implementation = name
-        for path, m in named:
+        for m in users:
             m.__dict__["_shardformer_sequence_split"] = state
-            if path.split(".")[-1] in self.cross:
-                m.__dict__[_CROSS_MARK] = True
             self.attention.append(m)
+        for m in cross:
+            m.__dict__[_CROSS_MARK] = True
         self._full_bias(users)
 
     def _full_bias(self, users: list) -> None:
