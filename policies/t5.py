@@ -65,8 +65,12 @@ HF does; after the all-to-all (heads scattered, sequence gathered;
 backward the inverse) each rank adds its H/p heads of it.  The decoder's
 EncDecAttention: this rank's query rows against the whole encoder output
 (gathered after the encoder), no collective; the encoder output's
-gradient is all-reduced over the group on entering the decoder.  ring_attn
-is refused by name: the ring's flash kernel blocks take no additive bias.
+gradient is all-reduced over the group on entering the decoder.
+
+ring_attn: the same stacks and bias, the rows in zigzag order; no bias
+travels: each block of the ring adds its (query rows, key columns) of the
+whole-sequence bias (ring_attention's `bias`), and the bias gradient of
+each block lands on this rank's query rows.
 """
 from __future__ import annotations
 
@@ -101,18 +105,10 @@ class T5Shape(SplitGatherMixin, FamilyPolicy):
         return ("split_gather",) + self.split_attention_modes()
 
     def split_attention_modes(self) -> tuple[str, ...]:
-        return ("all_to_all",)
-
-    def config_sanity_check(self):
-        super().config_sanity_check()
-        if self.shard_config.split_attention_mode == "ring_attn":
-            raise NotImplementedError(
-                f"{type(self.model).__name__}: ring_attn cannot apply T5's relative position bias (an additive "
-                f"[heads, S, S] term inside the softmax, which the ring's flash kernel blocks do not take); use "
-                f"sequence_parallelism_mode='all_to_all' or 'split_gather'")
+        return ("all_to_all", "ring_attn")
 
     def split_attention_targets(self) -> list:
-        """all_to_all over each stack's `block` (base: the T5Stack): the
+        """all_to_all / ring_attn over each stack's `block` (base: the T5Stack): the
         first block's relative position bias built for the whole padded
         sequence (compute_bias, see shardformer.layer.sequence_attention),
         the decoder's EncDecAttention rows attending to the whole encoder

@@ -24,8 +24,8 @@ ALBERT = ["AlbertForMaskedLM", "AlbertForSequenceClassification", "AlbertForToke
 # Whisper: encoder (bidirectional, after the conv front end) and decoder (causal; cross-attention rows attend to
 # the whole encoder output), both modes.
 WHISPER = ["WhisperForConditionalGeneration", "WhisperModel", "WhisperForAudioClassification", "WhisperForCausalLM"]
-# T5: the relative position bias built for the whole padded sequence, each rank adding its heads' slice:
-# all_to_all only (ring_attn refused by name below).
+# T5: the relative position bias built for the whole padded sequence; all_to_all: each rank adds its heads' slice,
+# ring_attn: each block of the ring its (query rows, key columns).
 T5 = ["T5ForConditionalGeneration", "T5ForConditionalGeneration/v1.1", "T5EncoderModel", "T5Model",
       "T5ForTokenClassification", "T5ForSequenceClassification", "T5ForQuestionAnswering"]
 
@@ -36,7 +36,7 @@ def test_all_to_all_equals_unsharded(pool, name):
     pool.run(check.equals_unsharded, 2, name, "all_to_all", 7)       # 7 tokens: padded inside
 
 
-@pytest.mark.parametrize("name", FAMILIES + OTHER_FAMILIES + ALBERT + WHISPER)
+@pytest.mark.parametrize("name", FAMILIES + OTHER_FAMILIES + ALBERT + WHISPER + T5)
 def test_ring_attn_equals_unsharded(pool, name):
     pool.run(check.equals_unsharded, 2, name, "ring_attn", 7)
 
@@ -150,11 +150,10 @@ def test_split_attention_refuses_cross_attention_and_layerdrop(mode):
 
 # ---- encoder-decoders and shared layers: ALBERT, T5, Whisper ------------------------
 
-ENC_DEC_CASES = [(n, m) for n in ALBERT[:1] + WHISPER[:1] for m in MODES] + [("T5ForConditionalGeneration",
-                                                                             "all_to_all")]
+ENC_DEC_CASES = [(n, m) for n in ALBERT[:1] + WHISPER[:1] + T5[:1] for m in MODES]
 
 
-@pytest.mark.parametrize("name, mode", ENC_DEC_CASES + [("T5EncoderModel", "all_to_all"),
+@pytest.mark.parametrize("name, mode", ENC_DEC_CASES + [("T5EncoderModel", "all_to_all"), ("T5EncoderModel", "ring_attn"),
                                                         ("WhisperForAudioClassification", "ring_attn")])
 @pytest.mark.parametrize("sp", [2, 4])
 def test_encoder_decoder_paths_ran(pool, name, mode, sp):
@@ -169,6 +168,7 @@ def test_encoder_decoder_sp4_odd_lengths(pool, name, mode, seq):
 
 
 @pytest.mark.parametrize("name, mode", [("T5ForConditionalGeneration", "all_to_all"),
+                                        ("T5ForConditionalGeneration", "ring_attn"),
                                         ("WhisperForConditionalGeneration", "ring_attn")])
 def test_encoder_decoder_tp2_sp2(pool, name, mode):
     # T5: 6 heads, 3 per TP rank, not dividing SP=2: zero heads appended to q/k/v and the bias
@@ -192,16 +192,13 @@ def test_albert_shared_layer_hooked_once(pool, mode):
     pool.run(check.shared_layer_hooks_once, 2, "AlbertForMaskedLM", mode)
 
 
-@pytest.mark.parametrize("name, mode", [("T5ForConditionalGeneration", "all_to_all"),
-                                        ("WhisperForConditionalGeneration", "all_to_all"),
-                                        ("WhisperForConditionalGeneration", "ring_attn")])
+@pytest.mark.parametrize("name, mode", [(n, m) for n in ("T5ForConditionalGeneration", "WhisperForConditionalGeneration")
+                                        for m in MODES])
 def test_encoder_decoder_generate(pool, name, mode):
     pool.run(check.seq2seq_generate_matches, 2, name, mode)
 
 
 @pytest.mark.parametrize("name, mode, match, overrides", [
-    ("T5ForConditionalGeneration", "ring_attn", "ring_attn cannot apply T5's relative position bias", {}),
-    ("T5EncoderModel", "ring_attn", "ring_attn cannot apply T5's relative position bias", {}),
     ("WhisperForAudioClassification", "all_to_all", "use_weighted_layer_sum", {"use_weighted_layer_sum": True}),
     ("WhisperForAudioClassification", "ring_attn", "use_weighted_layer_sum", {"use_weighted_layer_sum": True}),
     ("WhisperForConditionalGeneration", "all_to_all", "decoder_layerdrop", {"decoder_layerdrop": 0.1}),
@@ -219,8 +216,8 @@ def test_encoder_decoder_recorded_outputs_refused(pool, name):
 # other layouts: ALBERT with 2 groups of 2 inner layers, T5 stacks of different depths, Whisper's encoder of odd length
 VARIANTS = [("AlbertForMaskedLM", 7, {"num_hidden_layers": 4, "num_hidden_groups": 2, "inner_group_num": 2}, MODES),
             ("AlbertForSequenceClassification", 5, {"num_hidden_layers": 3}, MODES),
-            ("T5ForConditionalGeneration", 7, {"num_layers": 3, "num_decoder_layers": 1}, ["all_to_all"]),
-            ("T5ForConditionalGeneration/v1.1", 3, {"num_layers": 1, "num_decoder_layers": 3}, ["all_to_all"]),
+            ("T5ForConditionalGeneration", 7, {"num_layers": 3, "num_decoder_layers": 1}, MODES),
+            ("T5ForConditionalGeneration/v1.1", 3, {"num_layers": 1, "num_decoder_layers": 3}, MODES),
             ("WhisperForConditionalGeneration", None, {"max_source_positions": 7}, MODES),
             ("WhisperForConditionalGeneration", None, {"max_source_positions": 5, "encoder_layers": 1,
                                                        "decoder_layers": 3}, MODES)]
@@ -235,6 +232,7 @@ def test_encoder_decoder_variants(pool, name, seq, overrides, mode, sp):
 @pytest.mark.parametrize("use_reentrant", [False, True])
 @pytest.mark.parametrize("name, mode", [("T5ForConditionalGeneration", "all_to_all"),
                                         ("WhisperForConditionalGeneration", "ring_attn"),
+                                        ("T5ForConditionalGeneration", "ring_attn"),
                                         ("LlamaForCausalLM", "all_to_all")])
 def test_gradient_checkpointing(pool, name, mode, use_reentrant):
     # the layers recomputed in backward run their split hooks again, on the same input (ALBERT: HF has no

@@ -41,9 +41,11 @@ contribute a partial gradient of the encoder output, so the decoder reads it
 through an identity whose backward all-reduces over the SP group.  A
 relative position bias built by the attention module itself (T5's
 compute_bias, [1, H, Sq, Sk]) is built for the whole padded sequence,
-[1, H, S', S'], and under all_to_all each rank adds its H/p heads of it; the
-bias table's gradient is then this rank's heads' part, summed over the group
-like every other layer parameter.  ring_attn refuses an additive bias.
+[1, H, S', S']: under all_to_all each rank adds its H/p heads of it, under
+ring_attn each block of the ring adds its (query rows, key columns) of it
+(ring_attention's `bias`); the bias table's gradient is then this rank's
+part (heads, or query rows), summed over the group like every other layer
+parameter.
 
 Layers applied more than once per forward (ALBERT's shared layer groups,
 `repeated=True`): the input is split on the first entry of layers[0] in a
@@ -333,9 +335,10 @@ def _ring(state, module, query, key, value, attention_mask, kwargs):
     if kwargs.get("output_attentions"):
         raise NotImplementedError(f"{state.name}: ring_attn never builds the attention weights "
                                   f"(output_attentions=True)")
-    if kwargs.get("position_bias") is not None:
-        raise NotImplementedError(f"{state.name}: ring_attn cannot apply an additive position bias; "
-                                  f"use sequence_parallelism_mode='all_to_all'")
+    bias = kwargs.get("position_bias")
+    if bias is not None and (bias.dim() != 4 or tuple(bias.shape[-2:]) != (state.padded, state.padded)):
+        raise NotImplementedError(f"{state.name}: ring_attn needs the position bias for the whole padded sequence "
+                                  f"[*, H, {state.padded}, {state.padded}]; got {tuple(bias.shape)}")
     dropout = float(kwargs.get("dropout") or 0.0)
     if dropout > 0 and module.training:
         raise NotImplementedError(f"{state.name}: ring_attn does not apply attention dropout "
@@ -354,8 +357,10 @@ def _ring(state, module, query, key, value, attention_mask, kwargs):
     if padding is None and not causal and state.padded > state.length:    # padded keys: hidden
         padding = torch.arange(state.padded, device=query.device) < state.length
         padding = padding.expand(query.shape[0], state.padded)
+    if bias is not None:
+        CALLS["bias"] += 1
     out = ring_attention(query, key, value, state.group, scale=kwargs.get("scaling"), causal=causal,
-                         key_padding=padding, window=int(window))   # global positions, as the split rows
+                         key_padding=padding, window=int(window), bias=bias)   # global positions, as the rows
     return out.transpose(1, 2).contiguous(), None
 
 
