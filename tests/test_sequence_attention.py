@@ -238,3 +238,10 @@ def test_gradient_checkpointing(pool, name, mode, use_reentrant):
     # the layers recomputed in backward run their split hooks again, on the same input (ALBERT: HF has no
     # gradient checkpointing)
     pool.run(check.checkpointing_equals_unsharded, 2, name, mode, use_reentrant)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("sp", [2, 4])
+def test_encoder_decoder_padded_decoder(pool, mode, sp):
+    # T5: the encoder's padded row (zoo inputs) and a decoder row padded at the end
+    pool.run(check.decoder_padding_equals_unsharded, sp, "T5ForConditionalGeneration", mode)

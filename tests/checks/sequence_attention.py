@@ -472,3 +472,17 @@ def checkpointing_equals_unsharded(ctx, name: str, mode: str, use_reentrant: boo
     report = parity.check_sharded(ctx, build, _trim(zoo.make_inputs(name), 7), name=name, config=sp_config(mode))
     assert sa.CALLS[mode] > before, f"{name}: the {mode} attention never ran"
     return report
+
+
+def decoder_padding_equals_unsharded(ctx, name: str, mode: str, seq: int | None = 7) -> dict:
+    """An encoder-decoder whose decoder batch row 1 ends in 2 padding tokens
+    (decoder_attention_mask), beside the encoder's own padding: forward,
+    loss, every gradient and the step equal the unsharded model's."""
+    inputs = _trim(zoo.make_inputs(name), seq)
+    mask = torch.ones_like(inputs["decoder_input_ids"])
+    mask[1, -2:] = 0
+    inputs["decoder_attention_mask"] = mask
+    before = sa.CALLS[mode]
+    report = parity.check_sharded(ctx, lambda: zoo.build(name), inputs, name=name, config=sp_config(mode))
+    assert sa.CALLS[mode] > before, f"{name}: the {mode} attention never ran"
+    return report
