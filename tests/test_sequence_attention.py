@@ -67,8 +67,10 @@ def test_padded_batch(pool, mode, sp):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_with_all_optimizations(pool, mode):
-    pool.run(check.equals_unsharded, 2, "LlamaForCausalLM", mode, 7, {"enable_all_optimization": True})
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "T5ForConditionalGeneration", "WhisperForConditionalGeneration",
+                                  "AlbertForMaskedLM"])
+def test_with_all_optimizations(pool, mode, name):
+    pool.run(check.equals_unsharded, 2, name, mode, 7, {"enable_all_optimization": True})
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -245,3 +247,9 @@ def test_gradient_checkpointing(pool, name, mode, use_reentrant):
 def test_encoder_decoder_padded_decoder(pool, mode, sp):
     # T5: the encoder's padded row (zoo inputs) and a decoder row padded at the end
     pool.run(check.decoder_padding_equals_unsharded, sp, "T5ForConditionalGeneration", mode)
+
+
+@pytest.mark.parametrize("name, mode", ENC_DEC_CASES)
+def test_encoder_decoder_accumulated_forwards(pool, name, mode):
+    # two forwards of 7 and 5 encoder tokens (Whisper: two batches) before one backward, at SP=4
+    pool.run(check.accumulated_forwards, 4, name, mode)

@@ -515,17 +515,19 @@ class _SplitHooks:
         state, method = self.state, self.full_bias
         if method is None:
             return
+        import types
+
         for m in users:
             own = getattr(type(m), method, None)
             if own is None or not getattr(m, "has_relative_attention_bias", True):
                 continue
 
-            def whole(query_length, key_length, *args, _m=m, _own=own, **kwargs):
+            def whole(module, query_length, key_length, *args, _own=own, **kwargs):
                 if state.active:
                     query_length = key_length = state.padded
-                return _own(_m, query_length, key_length, *args, **kwargs)
+                return _own(module, query_length, key_length, *args, **kwargs)
 
-            m.__dict__[method] = whole
+            m.__dict__[method] = types.MethodType(whole, m)     # a deep copy rebinds it to the copy
             self.methods.append(m)
 
     def commit(self) -> nn.Module:
