@@ -1,6 +1,7 @@
 """Sequence parallelism whose attention crosses the split: all_to_all
 (Ulysses) and ring_attn (zigzag ring over the C flash kernel's LSE), for the
-Llama-shaped decoder families, GPT-2, the BERT-style encoders, OPT and ViT: equal to the unsharded model (forward, loss,
+Llama-shaped decoder families, GPT-2, the BERT-style encoders, OPT, ViT, ALBERT (shared layer groups), T5
+(relative position bias, cross-attention) and Whisper (encoder and decoder): equal to the unsharded model (forward, loss,
 every gradient, after an optimizer step) at SP=2 and 4 with TP off, and at
 TP=2 x SP=2 on 4 ranks; odd lengths (padded inside), padded batches,
 eval with dropout, generate(); refusals by name."""

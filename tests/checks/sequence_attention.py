@@ -368,9 +368,12 @@ def paths_ran(ctx, name: str, mode: str, seq: int | None = None) -> dict:
     if type(model).__name__.startswith("T5"):
         assert calls["bias"] == expected_self, f"{name}: the bias was sliced {calls['bias']} times"
     multiple = 2 * ctx.tp_size if mode == "ring_attn" else ctx.tp_size
-    assert len(rows) == applications, f"{name}: first layers entered {len(rows)} times, expected {applications}"
-    for r in rows:
-        assert r * ctx.tp_size % multiple == 0 and r < 64, f"{name}: a layer saw {r} rows"
+    encoder = inputs["input_ids"].shape[1] if "input_ids" in inputs else cfg.max_source_positions
+    lengths = [encoder] * applications
+    if "decoder_input_ids" in inputs and applications == 2:          # the decoder stack runs second
+        lengths[1] = inputs["decoder_input_ids"].shape[1]
+    expected = [-(-n // multiple) * multiple // ctx.tp_size for n in lengths]
+    assert rows == expected, f"{name}: the first layers saw {rows} rows, expected {expected} (S'/p per stack)"
     return {"calls": calls, "rows": rows}
 
 
