@@ -38,6 +38,9 @@ reduce-scatter sums it in).  ffn gathers its input rows itself
 during its matmul) and ffn_output reduce-scatters; attention.LayerNorm and
 full_layer_layer_norm run on the rows (gradients all-reduced).  Refused
 with chunk_size_feed_forward (EncoderShape).
+
+all_to_all / ring_attn: see AlbertShape (bidirectional: padded keys are
+masked inside, as for BERT).
 """
 from __future__ import annotations
 
@@ -148,11 +151,16 @@ class _EndHooks:
 
 
 class AlbertShape(EncoderShape):
-    split_attention_at = None
+    # all_to_all / ring_attn (shardformer.layer.sequence_attention, repeated=True): the layer groups
+    # run num_hidden_layers times in one forward, so the input is split at the first entry of
+    # albert_layer_groups[0] and AlbertTransformer's last_hidden_state gathered; a shared
+    # parameter's gradient hook runs once on the sum of its uses, then all-reduces over the group.
+    split_attention_at = ("AlbertTransformer", "albert_layer_groups")
+    split_attention_options = {"repeated": True}
     pipeline_split = None        # ALBERT's layers share one layer group: not split into stages
 
     def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return ("split_gather",)
+        return ("split_gather",) + self.split_attention_modes()
 
     def layer_description(self, heads: Heads) -> ModulePolicyDescription:
         col, row = sp_linear_kwargs(self.shard_config)

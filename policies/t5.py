@@ -55,6 +55,22 @@ overlap=True (shardformer.layer.linear.gather_block_input): the block's one
 all-gather is in flight while this rank's rows go through its
 sequence-parallel column layers (q, k, v; the cross attention's q; wi or
 wi_0 / wi_1), which share it.
+
+all_to_all (Ulysses, shardformer.layer.sequence_attention): each stack's
+`block` list is split on its own (base: the T5Stack; S' = S padded to a
+multiple of p, rank r holding rows [r S'/p, (r+1) S'/p)).  Block 0's
+compute_bias runs for the whole padded sequence, [1, H, S', S'] (encoder
+bidirectional, decoder causal buckets), and is passed on to every block as
+HF does; after the all-to-all (heads scattered, sequence gathered;
+backward the inverse) each rank adds its H/p heads of it.  The decoder's
+EncDecAttention: this rank's query rows against the whole encoder output
+(gathered after the encoder), no collective; the encoder output's
+gradient is all-reduced over the group on entering the decoder.
+
+ring_attn: the same stacks and bias, the rows in zigzag order; no bias
+travels: each block of the ring adds its (query rows, key columns) of the
+whole-sequence bias (ring_attention's `bias`), and the bias gradient of
+each block lands on this rank's query rows.
 """
 from __future__ import annotations
 
@@ -86,7 +102,29 @@ _OWNERS = ("T5Model", "T5EncoderModel", "T5ForConditionalGeneration", "T5ForQues
 
 class T5Shape(SplitGatherMixin, FamilyPolicy):
     def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return ("split_gather",)
+        return ("split_gather",) + self.split_attention_modes()
+
+    def split_attention_modes(self) -> tuple[str, ...]:
+        return ("all_to_all", "ring_attn")
+
+    def split_attention_targets(self) -> list:
+        """all_to_all / ring_attn over each stack's `block` (base: the T5Stack): the
+        first block's relative position bias built for the whole padded
+        sequence (compute_bias, see shardformer.layer.sequence_attention),
+        the decoder's EncDecAttention rows attending to the whole encoder
+        output."""
+        owner = next((m for m in self.model.modules() if type(m).__name__ in _OWNERS), None)
+        if owner is None:
+            raise ValueError(f"{type(self.model).__name__}: no T5 module owning the stacks ({', '.join(_OWNERS)})")
+        targets = []
+        for stack_name in ("encoder", "decoder"):
+            stack = getattr(owner, stack_name, None)
+            if stack is None:
+                continue
+            cross = ("EncDecAttention",) if stack.is_decoder else ()
+            targets.append((type(owner).__name__, f"{stack_name}.block", stack,
+                            {"cross": cross, "full_bias": "compute_bias"}))
+        return targets
 
     def attention_description(self, heads: Heads, attention: str, col: dict, row: dict, kv_col: dict) -> list[Sub]:
         """q, k, v, o of the T5Attention at `attention` (under its T5Layer*):

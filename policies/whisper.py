@@ -36,6 +36,16 @@ per rank, on this rank's rows).  The layer norms run on this rank's rows
 (a skipped first or last layer would skip the split or the gather) and
 use_weighted_layer_sum (audio classification reads every layer's hidden
 states); output_hidden_states is refused per call (SplitGatherMixin).
+
+all_to_all / ring_attn (shardformer.layer.sequence_attention): the
+encoder's and the decoder's `layers` are split each on its own, after the
+conv front end and positions (encoder) or the token and position
+embeddings (decoder), all on the full sequence.  Encoder self-attention is
+bidirectional (padded keys masked), decoder self-attention causal; the
+decoder's encoder_attn runs this rank's query rows against the whole
+encoder output (no collective; the encoder output's gradient all-reduced
+over the group on entering the decoder).  Refused by name as above:
+layerdrop and use_weighted_layer_sum.
 """
 from __future__ import annotations
 
@@ -56,20 +66,38 @@ class WhisperShape(SplitGatherMixin, FamilyPolicy):
     split_head: tuple[str, str] | None = None
 
     def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return ("split_gather",)
+        return ("split_gather",) + self.split_attention_modes()
+
+    def split_attention_modes(self) -> tuple[str, ...]:
+        return ("all_to_all", "ring_attn")
+
+    def split_attention_targets(self) -> list:
+        """all_to_all / ring_attn over each stack's `layers` (base: the
+        WhisperEncoder / WhisperDecoder): the encoder after its conv front
+        end and positions (bidirectional, padded keys masked), the decoder
+        after its token and position embeddings (causal), its encoder_attn
+        rows attending to the whole encoder output."""
+        targets = []
+        for stack_cls, cross in (("WhisperEncoder", ()), ("WhisperDecoder", ("encoder_attn",))):
+            stack = next((m for m in self.model.modules() if type(m).__name__ == stack_cls), None)
+            if stack is not None:
+                targets.append((stack_cls, "layers", stack, {"cross": cross}))
+        return targets
 
     def config_sanity_check(self):
         super().config_sanity_check()
-        if not self.shard_config.sequence_parallel:
-            return
         cfg, name = self.model.config, type(self.model).__name__
+        mode = self.shard_config.sequence_parallelism_mode
+        if not self.shard_config.enable_sequence_parallelism:
+            return
         for key in ("encoder_layerdrop", "decoder_layerdrop"):
             if getattr(cfg, key, 0.0):
-                raise NotImplementedError(f"{name}: sequence parallelism (split_gather) with {key}="
+                raise NotImplementedError(f"{name}: sequence parallelism ({mode}) with {key}="
                                           f"{getattr(cfg, key)} is not available for Whisper: a skipped first or "
-                                          f"last layer would skip the split or the gather (set it to 0)")
+                                          f"last layer would skip the split or the gather, and each rank would "
+                                          f"skip different layers (set it to 0)")
         if getattr(cfg, "use_weighted_layer_sum", False) and hasattr(self.model, "layer_weights"):
-            raise NotImplementedError(f"{name}: sequence parallelism (split_gather) with use_weighted_layer_sum="
+            raise NotImplementedError(f"{name}: sequence parallelism ({mode}) with use_weighted_layer_sum="
                                       f"True is not available for Whisper: the weighted sum reads every layer's "
                                       f"hidden states, which hold this rank's rows only")
 

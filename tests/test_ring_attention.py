@@ -82,6 +82,14 @@ def test_ring_all_masked_batch_row(pool, causal):
     pool.run(checks.ring_equals_full, 4, 13, causal, left_pad=13)
 
 
+@pytest.mark.parametrize("tp,S", [(2, 7), (4, 13)])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("bias_batch", [1, 2])
+def test_ring_additive_bias(pool, tp, S, causal, bias_batch):
+    # T5's relative position bias: the output, q/k/v gradients and the bias gradient (summed over the ranks)
+    pool.run(checks.ring_equals_full, tp, S, causal, left_pad=3, bias_batch=bias_batch)
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("causal", [True, False])
 def test_ring_half_precision(pool, dtype, causal):

@@ -1,6 +1,7 @@
 """Sequence parallelism whose attention crosses the split: all_to_all
 (Ulysses) and ring_attn (zigzag ring over the C flash kernel's LSE), for the
-Llama-shaped decoder families, GPT-2, the BERT-style encoders, OPT and ViT: equal to the unsharded model (forward, loss,
+Llama-shaped decoder families, GPT-2, the BERT-style encoders, OPT, ViT, ALBERT (shared layer groups), T5
+(relative position bias, cross-attention) and Whisper (encoder and decoder): equal to the unsharded model (forward, loss,
 every gradient, after an optimizer step) at SP=2 and 4 with TP off, and at
 TP=2 x SP=2 on 4 ranks; odd lengths (padded inside), padded batches,
 eval with dropout, generate(); refusals by name."""
@@ -18,15 +19,25 @@ ALL_TO_ALL_ONLY = ["Gemma2ForCausalLM"]
 # Beyond the Llama-shaped decoders: GPT-2, the BERT-style encoders (bidirectional: padded keys masked inside), OPT, ViT.
 OTHER_FAMILIES = ["GPT2LMHeadModel", "GPT2ForSequenceClassification", "BertForMaskedLM", "BertForTokenClassification",
                   "RobertaForMaskedLM", "ErnieForMaskedLM", "OPTForCausalLM", "ViTForImageClassification"]
+# ALBERT: one shared layer group run num_hidden_layers times (split at its first entry, gathered after the encoder).
+ALBERT = ["AlbertForMaskedLM", "AlbertForSequenceClassification", "AlbertForTokenClassification",
+          "AlbertForQuestionAnswering", "AlbertModel", "AlbertForPreTraining", "AlbertForMultipleChoice"]
+# Whisper: encoder (bidirectional, after the conv front end) and decoder (causal; cross-attention rows attend to
+# the whole encoder output), both modes.
+WHISPER = ["WhisperForConditionalGeneration", "WhisperModel", "WhisperForAudioClassification", "WhisperForCausalLM"]
+# T5: the relative position bias built for the whole padded sequence; all_to_all: each rank adds its heads' slice,
+# ring_attn: each block of the ring its (query rows, key columns).
+T5 = ["T5ForConditionalGeneration", "T5ForConditionalGeneration/v1.1", "T5EncoderModel", "T5Model",
+      "T5ForTokenClassification", "T5ForSequenceClassification", "T5ForQuestionAnswering"]
 
 
 # One test function per mode: README's support matrix has a column per function (scripts/support_matrix.py).
-@pytest.mark.parametrize("name", FAMILIES + ALL_TO_ALL_ONLY + OTHER_FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES + ALL_TO_ALL_ONLY + OTHER_FAMILIES + ALBERT + WHISPER + T5)
 def test_all_to_all_equals_unsharded(pool, name):
     pool.run(check.equals_unsharded, 2, name, "all_to_all", 7)       # 7 tokens: padded inside
 
 
-@pytest.mark.parametrize("name", FAMILIES + OTHER_FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES + OTHER_FAMILIES + ALBERT + WHISPER + T5)
 def test_ring_attn_equals_unsharded(pool, name):
     pool.run(check.equals_unsharded, 2, name, "ring_attn", 7)
 
@@ -57,8 +68,10 @@ def test_padded_batch(pool, mode, sp):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_with_all_optimizations(pool, mode):
-    pool.run(check.equals_unsharded, 2, "LlamaForCausalLM", mode, 7, {"enable_all_optimization": True})
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "T5ForConditionalGeneration", "WhisperForConditionalGeneration",
+                                  "AlbertForMaskedLM"])
+def test_with_all_optimizations(pool, mode, name):
+    pool.run(check.equals_unsharded, 2, name, mode, 7, {"enable_all_optimization": True})
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -92,11 +105,11 @@ def test_ring_refusals(pool, name, match):
 
 
 def test_split_attention_refused_by_name():
-    # attention outside transformers' registry (GPT-Neo, BLOOM), relative position biases (T5), shared layers (ALBERT)
+    # attention outside transformers' registry (GPT-Neo, BLOOM)
     import zoo
     from shardformer import ShardConfig, ShardFormer
 
-    for name in ("GPTNeoForCausalLM", "BloomForCausalLM", "T5ForConditionalGeneration", "AlbertForMaskedLM"):
+    for name in ("GPTNeoForCausalLM", "BloomForCausalLM"):
         for mode in MODES:
             model = zoo.build(name)
             with pytest.raises(NotImplementedError, match=f"{mode}.*not available for"):
@@ -136,3 +149,108 @@ def test_split_attention_refuses_cross_attention_and_layerdrop(mode):
                                                              word_embed_proj_dim=32))
     with pytest.raises(NotImplementedError, match=f"OPTForCausalLM.*{mode}.*layerdrop"):
         ShardFormer(ShardConfig(**check.sp_config(mode))).optimize(opt)
+
+
+# ---- encoder-decoders and shared layers: ALBERT, T5, Whisper ------------------------
+
+ENC_DEC_CASES = [(n, m) for n in ALBERT[:1] + WHISPER[:1] + T5[:1] for m in MODES]
+
+
+@pytest.mark.parametrize("name, mode", ENC_DEC_CASES + [("T5EncoderModel", "all_to_all"), ("T5EncoderModel", "ring_attn"),
+                                                        ("WhisperForAudioClassification", "ring_attn")])
+@pytest.mark.parametrize("sp", [2, 4])
+def test_encoder_decoder_paths_ran(pool, name, mode, sp):
+    """Split attention once per layer application, cross-attention per decoder layer, T5's bias sliced."""
+    pool.run(check.paths_ran, sp, name, mode, 7)
+
+
+@pytest.mark.parametrize("name, mode", ENC_DEC_CASES)
+@pytest.mark.parametrize("seq", [3, 7])                      # T5: 3 encoder tokens < 4 ranks; decoders keep 5
+def test_encoder_decoder_sp4_odd_lengths(pool, name, mode, seq):
+    pool.run(check.equals_unsharded, 4, name, mode, seq)
+
+
+@pytest.mark.parametrize("name, mode", [("T5ForConditionalGeneration", "all_to_all"),
+                                        ("T5ForConditionalGeneration", "ring_attn"),
+                                        ("WhisperForConditionalGeneration", "ring_attn")])
+def test_encoder_decoder_tp2_sp2(pool, name, mode):
+    # T5: 6 heads, 3 per TP rank, not dividing SP=2: zero heads appended to q/k/v and the bias
+    pool.run(check.tp_sp_equals_unsharded, 4, name, mode, 2, 7)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("sp", [2, 4])
+def test_albert_padded_batch(pool, mode, sp):
+    # bidirectional: a left-padded row's padding queries still see real keys, so every row is compared
+    pool.run(check.equals_unsharded, sp, "AlbertForMaskedLM", mode, 7, None, True)
+
+
+@pytest.mark.parametrize("name, mode", ENC_DEC_CASES)
+def test_encoder_decoder_eval_with_dropout(pool, name, mode):
+    pool.run(check.eval_with_dropout, 2, name, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_albert_shared_layer_hooked_once(pool, mode):
+    pool.run(check.shared_layer_hooks_once, 2, "AlbertForMaskedLM", mode)
+
+
+@pytest.mark.parametrize("name, mode", [(n, m) for n in ("T5ForConditionalGeneration", "WhisperForConditionalGeneration")
+                                        for m in MODES])
+def test_encoder_decoder_generate(pool, name, mode):
+    pool.run(check.seq2seq_generate_matches, 2, name, mode)
+
+
+@pytest.mark.parametrize("name, mode, match, overrides", [
+    ("WhisperForAudioClassification", "all_to_all", "use_weighted_layer_sum", {"use_weighted_layer_sum": True}),
+    ("WhisperForAudioClassification", "ring_attn", "use_weighted_layer_sum", {"use_weighted_layer_sum": True}),
+    ("WhisperForConditionalGeneration", "all_to_all", "decoder_layerdrop", {"decoder_layerdrop": 0.1}),
+    ("WhisperForConditionalGeneration", "ring_attn", "encoder_layerdrop", {"encoder_layerdrop": 0.1}),
+])
+def test_encoder_decoder_refusals(pool, name, mode, match, overrides):
+    pool.run(check.refused_model_unchanged, 2, name, mode, match, **overrides)
+
+
+@pytest.mark.parametrize("name", ["AlbertForMaskedLM", "T5ForConditionalGeneration", "WhisperForConditionalGeneration"])
+def test_encoder_decoder_recorded_outputs_refused(pool, name):
+    pool.run(check.recorded_outputs_refused_split, 2, name, "all_to_all")
+
+
+# other layouts: ALBERT with 2 groups of 2 inner layers, T5 stacks of different depths, Whisper's encoder of odd length
+VARIANTS = [("AlbertForMaskedLM", 7, {"num_hidden_layers": 4, "num_hidden_groups": 2, "inner_group_num": 2}, MODES),
+            ("AlbertForSequenceClassification", 5, {"num_hidden_layers": 3}, MODES),
+            ("T5ForConditionalGeneration", 7, {"num_layers": 3, "num_decoder_layers": 1}, MODES),
+            ("T5ForConditionalGeneration/v1.1", 3, {"num_layers": 1, "num_decoder_layers": 3}, MODES),
+            ("WhisperForConditionalGeneration", None, {"max_source_positions": 7}, MODES),
+            ("WhisperForConditionalGeneration", None, {"max_source_positions": 5, "encoder_layers": 1,
+                                                       "decoder_layers": 3}, MODES)]
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("name, seq, overrides, mode", [(n, s, o, m) for n, s, o, modes in VARIANTS for m in modes])
+def test_encoder_decoder_variants(pool, name, seq, overrides, mode, sp):
+    pool.run(check.variant_equals_unsharded, sp, name, mode, seq, overrides)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("name, mode", [("T5ForConditionalGeneration", "all_to_all"),
+                                        ("WhisperForConditionalGeneration", "ring_attn"),
+                                        ("T5ForConditionalGeneration", "ring_attn"),
+                                        ("LlamaForCausalLM", "all_to_all")])
+def test_gradient_checkpointing(pool, name, mode, use_reentrant):
+    # the layers recomputed in backward run their split hooks again, on the same input (ALBERT: HF has no
+    # gradient checkpointing)
+    pool.run(check.checkpointing_equals_unsharded, 2, name, mode, use_reentrant)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("sp", [2, 4])
+def test_encoder_decoder_padded_decoder(pool, mode, sp):
+    # T5: the encoder's padded row (zoo inputs) and a decoder row padded at the end
+    pool.run(check.decoder_padding_equals_unsharded, sp, "T5ForConditionalGeneration", mode)
+
+
+@pytest.mark.parametrize("name, mode", ENC_DEC_CASES)
+def test_encoder_decoder_accumulated_forwards(pool, name, mode):
+    # two forwards of 7 and 5 encoder tokens (Whisper: two batches) before one backward, at SP=4
+    pool.run(check.accumulated_forwards, 4, name, mode)

@@ -156,6 +156,9 @@ class FamilyPolicy(Policy):
     #: and its ModuleList of layers, where the all_to_all / ring_attn modes
     #: hook in; None where those modes are not available.
     split_attention_at: tuple[str, str] | None = None
+    #: extra kwargs of SequenceAttentionParallel at `split_attention_at`
+    #: (e.g. {"repeated": True} for layers run more than once per forward)
+    split_attention_options: dict | None = None
 
     def body_policy(self) -> dict:
         """{module class or class name: ModulePolicyDescription} for the body."""
@@ -191,30 +194,47 @@ class FamilyPolicy(Policy):
         SequenceAttentionParallel} (shardformer.layer.sequence_attention),
         from `split_attention_at`; {} when those modes are off.  Refuses
         (before anything changes) what the split layers cannot run:
-        cross-attention (its keys are another sequence), layerdrop (a
-        skipped first or last layer would skip the split or the gather)."""
+        cross-attention to encoder states given from outside
+        (add_cross_attention=True; encoder-decoder shapes name their cross
+        attention in split_attention_targets), layerdrop (a skipped first or
+        last layer would skip the split or the gather)."""
         from .layer.sequence_attention import SequenceAttentionParallel
         from .policy import ModulePolicyDescription
 
         cfg, name = self.shard_config, type(self.model).__name__
-        if not cfg.split_attention_mode or not self.split_attention_at:
+        if not cfg.split_attention_mode or cfg.split_attention_mode not in self.split_attention_modes():
             return {}
         mode = cfg.split_attention_mode
         config = getattr(self.model, "config", None)
         if getattr(config, "add_cross_attention", False):
             raise NotImplementedError(f"{name}: sequence_parallelism_mode={mode!r} with cross-attention "
                                       f"(add_cross_attention=True) is not available")
-        if getattr(config, "layerdrop", 0.0):
-            raise NotImplementedError(f"{name}: sequence_parallelism_mode={mode!r} with layerdrop="
-                                      f"{config.layerdrop}: set it to 0")
+        for key in ("layerdrop", "encoder_layerdrop", "decoder_layerdrop"):
+            if getattr(config, key, 0.0):
+                raise NotImplementedError(f"{name}: sequence_parallelism_mode={mode!r} with {key}="
+                                          f"{getattr(config, key)}: a skipped first or last layer would skip the "
+                                          f"split or the gather, and each rank would skip different layers; set it "
+                                          f"to 0")
+        policy: dict = {}
+        for owner, layers, base, options in self.split_attention_targets():
+            sub = Sub(layers, SequenceAttentionParallel,
+                      kwargs={"mode": mode, "group": cfg.sequence_group, "base": base, "name": name, **options})
+            policy.setdefault(owner, ModulePolicyDescription(sub_module_replacement=[]))
+            policy[owner].sub_module_replacement.append(sub)
+        return policy
+
+    def split_attention_targets(self) -> list[tuple[str, str, nn.Module, dict]]:
+        """(policy key: the owner's class name, path of the layers ModuleList
+        under the owner, the module calling the layers, extra kwargs of
+        SequenceAttentionParallel) per split stack: the one of
+        `split_attention_at`.  Encoder-decoder shapes name one per stack."""
         template, layers = self.split_attention_at
         owner = template.format(prefix=getattr(self, "prefix", ""), base_model=getattr(self, "base_model", ""))
         found = [m for m in self.model.modules() if type(m).__name__ == owner]
         if len(found) != 1:
-            raise ValueError(f"{name}: expected one {owner} module for sequence parallelism, found {len(found)}")
-        sub = Sub(layers, SequenceAttentionParallel,
-                  kwargs={"mode": mode, "group": cfg.sequence_group, "base": found[0], "name": name})
-        return {owner: ModulePolicyDescription(sub_module_replacement=[sub])}
+            raise ValueError(f"{type(self.model).__name__}: expected one {owner} module for sequence parallelism, "
+                             f"found {len(found)}")
+        return [(owner, layers, found[0], dict(self.split_attention_options or {}))]
 
     def head_replacement(self, head: Head) -> Sub:
         from .layer import DropoutForReplicatedInput, Linear1D_Col, VocabParallelLMHead1D

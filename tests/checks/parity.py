@@ -78,18 +78,22 @@ def _double(inputs: dict) -> dict:
             for k, v in inputs.items()}
 
 
-def refused_unchanged(model, call, what: str) -> str:
-    """call() must raise ValueError and leave every tensor of model.state_dict()
-    as it was; returns the message."""
+def refused_unchanged(model, call, what: str, error: type = ValueError, structure: bool = False) -> str:
+    """call() must raise `error` and leave every tensor of model.state_dict()
+    (with structure=True: every module's name and class too) as it was;
+    returns the message."""
     before = {k: v.clone() for k, v in model.state_dict().items()}
+    modules = [(n, type(m)) for n, m in model.named_modules()]
     try:
         call()
-    except ValueError as e:
+    except error as e:
         message = str(e)
     else:
         raise AssertionError(f"{what} was not refused")
-    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    changed = [k for k, v in model.state_dict().items() if k not in before or not torch.equal(v, before[k])]
     assert not changed, f"the refused {what} changed {changed}"
+    if structure:
+        assert [(n, type(m)) for n, m in model.named_modules()] == modules, f"the refused {what} replaced modules"
     return message
 
 

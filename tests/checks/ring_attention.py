@@ -23,8 +23,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 4e-3}
 
 
-def reference(q, k, v, scale, causal, mask, window=None):
-    """softmax(scale q k^T, masked) v in float64 (GQA by repeating K/V heads);
+def reference(q, k, v, scale, causal, mask, window=None, bias=None):
+    """softmax(scale q k^T + bias, masked) v in float64 (GQA by repeating K/V heads);
     mask [B, S] bool (True = attend) or None; window W: query i sees key j only
     when i - j < W (causal, HF's sliding_window_overlay: j > i - W) or
     |i - j| < W (not causal); a row with no visible key gives 0."""
@@ -32,6 +32,8 @@ def reference(q, k, v, scale, causal, mask, window=None):
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     s = scale * q @ k.transpose(-1, -2)
+    if bias is not None:
+        s = s + bias
     allowed = torch.ones(q.shape[0], 1, S, S, dtype=torch.bool)
     if mask is not None:
         allowed = allowed & mask[:, None, None, :]
@@ -81,7 +83,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, Hkv: int = 2, D: int = 16,
                      dtype: str = "float32", left_pad: int = 0, backend: str | None = None,
-                     seed: int = 0, p2p: str = "auto", window: int | None = None) -> dict:
+                     seed: int = 0, p2p: str = "auto", window: int | None = None,
+                     bias_batch: int | None = None) -> dict:
     """ring_attention on this rank's zigzag rows equals full attention: the
     forward rows and the q, k, v gradients (gathered to full sequences), on
     the S real rows.  left_pad: batch row 1 starts with that many padding
@@ -89,7 +92,9 @@ def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, 
     is at the end: masked by key_padding when not causal (or when a padding
     mask is given anyway), unmasked when causal (real queries never see it).
     backend: SHARDFORMER_COMM for the group; p2p: ring_attention.P2P;
-    window: the sliding window (global positions)."""
+    window: the sliding window (global positions).  bias_batch (1 or B): an
+    additive bias [bias_batch, Hq, S, S] (zero-padded to S'), its gradient
+    summed over the group compared too."""
     p, r = ctx.tp_size, ctx.rank
     dt = DTYPES[dtype]
     gen = torch.Generator().manual_seed(seed)
@@ -102,9 +107,12 @@ def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, 
         real[1, :left_pad] = False
     scale = 1.0 / math.sqrt(D)
 
+    bias = None if bias_batch is None else torch.randn(bias_batch, Hq, S, S, generator=gen)
+
     # reference: float64 autograd on the same (rounded) values
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    ref = reference(qr, kr, vr, scale, causal, real if left_pad else None, window)
+    br = None if bias is None else bias.double().requires_grad_()
+    ref = reference(qr, kr, vr, scale, causal, real if left_pad else None, window, br)
     ref.backward(dout.double())
 
     # the model integration's padding: zero rows at the end, key_padding over S'
@@ -120,6 +128,8 @@ def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, 
     rows = ra.zigzag_rows(S_pad, p, r)
     ql, kl, vl = (pad(t)[:, :, rows].clone().requires_grad_() for t in (q, k, v))
     gl = pad(dout)[:, :, rows]          # padded query rows get no upstream gradient
+    bl = None if bias is None else \
+        torch.nn.functional.pad(bias, (0, extra, 0, extra)).requires_grad_()   # whole sequence, every rank
 
     before = dict(ra.CALLS)
     old_p2p, ra.P2P = ra.P2P, p2p
@@ -129,7 +139,7 @@ def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, 
 
             used = get_communicator(ctx.group, "cpu").backend
             out = ra.ring_attention(ql, kl, vl, ctx.group, scale=scale, causal=causal, key_padding=key_padding,
-                                    window=window)
+                                    window=window, bias=bl)
             out.backward(gl)
             calls = {key: ra.CALLS[key] - before[key] for key in before}
 
@@ -137,11 +147,16 @@ def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, 
             full_dq = _gather_rows(ql.grad, ctx, S_pad)[:, :, :S]
             full_dk = _gather_rows(kl.grad, ctx, S_pad)[:, :, :S]
             full_dv = _gather_rows(vl.grad, ctx, S_pad)[:, :, :S]
+            if bl is not None:                     # each rank's query rows: summed over the group
+                dbias = bl.grad.clone()
+                dist.all_reduce(dbias, group=ctx.group)
     finally:
         ra.P2P = old_p2p
     assert out.dtype == dt and out.shape == ql.shape
     errors = {"o": _rel(full_o, ref), "dq": _rel(full_dq, qr.grad), "dk": _rel(full_dk, kr.grad),
               "dv": _rel(full_dv, vr.grad)}
+    if bl is not None:
+        errors["dbias"] = _rel(dbias[:, :, :S, :S], br.grad)
     if window == 1:               # each query sees itself only: dq = dk = 0 exactly, compare absolutely
         errors["dq"] = (full_dq.double() - qr.grad).abs().max().item()
         errors["dk"] = (full_dk.double() - kr.grad).abs().max().item()

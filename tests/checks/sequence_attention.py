@@ -31,11 +31,18 @@ def mesh_groups(ctx, tp: int):
     return tps[ctx.rank // tp], sps[ctx.rank % tp]
 
 
+# inputs whose dim 1 is not the (encoder) sequence: Whisper's mel bins; the decoder's inputs of an
+# encoder-decoder keep their own (odd) length
+_NOT_TRIMMED = ("input_features", "decoder_input_ids", "decoder_attention_mask")
+
+
 def _trim(inputs: dict, seq: int | None) -> dict:
+    """The first `seq` positions of the (encoder) sequence inputs."""
     if seq is None:
         return inputs
-    return {k: v[:, :seq].contiguous() if isinstance(v, torch.Tensor) and v.dim() >= 2 else v
-            for k, v in inputs.items()}
+    keep = _NOT_TRIMMED + (("labels",) if "decoder_input_ids" in inputs else ())   # seq2seq labels: the decoder's
+    return {k: v[:, :seq].contiguous() if isinstance(v, torch.Tensor) and v.dim() >= 2 and k not in keep
+            else v for k, v in inputs.items()}
 
 
 def sp_config(mode: str, **extra) -> dict:
@@ -49,6 +56,8 @@ def equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, config=N
     with the sequence split over ctx.group (TP off); the split attention ran
     once per layer per forward (counted).  padded: one batch row left-padded."""
     inputs = _trim(zoo.make_inputs(name), seq)
+    if name == "T5ForSequenceClassification":
+        inputs["input_ids"][:, -1] = 1                # the EOS whose decoder state is pooled, cut by _trim
     if padded:
         mask = torch.ones_like(inputs["input_ids"])
         mask[0, :2] = 0
@@ -281,11 +290,7 @@ def accumulated_forwards(ctx, name: str, mode: str, default_group: bool = False)
     parity.assert_close(f"{name} summed loss", got, exp, tol)
     got.backward()
     exp.backward()
-    grads = dict(ref.named_parameters())
-    worst = 0.0
-    for key, p in model.named_parameters():
-        worst = max(worst, parity.assert_close(f"{name} grad {key}", p.grad, grads[key].grad, tol))
-    return {"grad": worst}
+    return {"grad": parity.compare_grads(model, ref, name, tol)}    # frozen parameters (Whisper's positions): none
 
 
 def sp_group_replicas_checked(ctx, name: str, mode: str) -> dict:
@@ -315,3 +320,168 @@ def sp_group_replicas_checked(ctx, name: str, mode: str) -> dict:
     dist.all_gather(every, ours)
     assert all(torch.equal(e, every[0]) for e in every), f"ranks differ after broadcast_weights: {every}"
     return {"norm": float(ours)}
+
+
+# ---- encoder-decoders and shared layers (T5, Whisper, ALBERT) -------------------
+
+def _encoder_inputs(name: str) -> dict:
+    """The encoder's inputs of an encoder-decoder's zoo inputs (for generate())."""
+    return {k: v for k, v in zoo.make_inputs(name).items() if k in ("input_ids", "attention_mask", "input_features")}
+
+
+def paths_ran(ctx, name: str, mode: str, seq: int | None = None) -> dict:
+    """One no-grad forward of `name` split over ctx.group: every stack's
+    attention took the split path once per layer application (ALBERT: its
+    shared layer group num_hidden_layers times), every decoder cross-attention
+    the cross path once per layer, T5's self-attention its slice of the
+    whole-sequence position bias (all_to_all); each layer application saw
+    S'/p rows of its stack's sequence."""
+    model = zoo.build(name).eval()
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))).optimize(model)
+    cfg = model.config
+    rows: list = []
+    stacks = [m for m in model.modules() if type(m).__name__ in ("T5Stack", "WhisperEncoder", "WhisperDecoder",
+                                                                  "AlbertTransformer")]
+    assert stacks, f"{name}: no stack found"
+    for stack in stacks:
+        layers = getattr(stack, "block", None) or getattr(stack, "layers", None) or stack.albert_layer_groups
+        layers[0].register_forward_pre_hook(
+            lambda m, a, k: rows.append(k.get("hidden_states", a[0] if a else None).shape[1]), with_kwargs=True)
+    inputs = _trim(zoo.make_inputs(name), seq)
+    before = dict(sa.CALLS)
+    with torch.no_grad():
+        model(**inputs)
+    calls = {k: sa.CALLS[k] - before[k] for k in sa.CALLS}
+    if type(model).__name__.startswith("Albert"):
+        expected_self, expected_cross, applications = cfg.num_hidden_layers, 0, cfg.num_hidden_layers
+    elif type(model).__name__.startswith("T5"):
+        decoder = any(getattr(s, "is_decoder", False) for s in stacks)
+        expected_self = cfg.num_layers + (cfg.num_decoder_layers if decoder else 0)
+        expected_cross, applications = (cfg.num_decoder_layers if decoder else 0), len(stacks)
+    else:
+        decoder = any(type(s).__name__ == "WhisperDecoder" for s in stacks)
+        expected_self = cfg.encoder_layers + (cfg.decoder_layers if decoder else 0)
+        expected_cross, applications = (cfg.decoder_layers if decoder else 0), len(stacks)
+    assert calls[mode] == expected_self, f"{name}: {calls[mode]} split {mode} calls, expected {expected_self}"
+    assert calls["cross"] == expected_cross, f"{name}: {calls['cross']} cross calls, expected {expected_cross}"
+    assert calls["unsplit"] == 0, f"{name}: {calls['unsplit']} unsplit attention calls in a split forward"
+    if type(model).__name__.startswith("T5"):
+        assert calls["bias"] == expected_self, f"{name}: the bias was sliced {calls['bias']} times"
+    multiple = 2 * ctx.tp_size if mode == "ring_attn" else ctx.tp_size
+    encoder = inputs["input_ids"].shape[1] if "input_ids" in inputs else cfg.max_source_positions
+    lengths = [encoder] * applications
+    if "decoder_input_ids" in inputs and applications == 2:          # the decoder stack runs second
+        lengths[1] = inputs["decoder_input_ids"].shape[1]
+    expected = [-(-n // multiple) * multiple // ctx.tp_size for n in lengths]
+    assert rows == expected, f"{name}: the first layers saw {rows} rows, expected {expected} (S'/p per stack)"
+    return {"calls": calls, "rows": rows}
+
+
+def shared_layer_hooks_once(ctx, name: str, mode: str) -> dict:
+    """ALBERT: two training steps; every parameter of the shared layer group
+    carries one gradient hook (the all-reduce), not one per application or
+    per forward, and its gradient equals the unsharded model's after both
+    (check_sharded covers one step)."""
+    torch.manual_seed(0)
+    model = zoo.build(name).train()
+    ref = copy.deepcopy(model)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))).optimize(model)
+    inputs = _trim(zoo.make_inputs(name), 7)
+    for _ in range(2):
+        model(**inputs).loss.backward()
+        ref(**inputs).loss.backward()
+    shared = model.albert.encoder.albert_layer_groups
+    counts = {n: len(p._backward_hooks or {}) for n, p in shared.named_parameters()}
+    assert counts and all(c == 1 for c in counts.values()), f"{name}: gradient hooks per parameter {counts}"
+    worst = parity.compare_grads(model, ref, name, parity.TOL[torch.float32])
+    return {"grad": worst, "hooked": len(counts)}
+
+
+def seq2seq_generate_matches(ctx, name: str, mode: str) -> list:
+    """Greedy generate() of an encoder-decoder: the encoder runs split, the
+    decoder's cached steps unsplit; the tokens equal the unsharded model's."""
+    model = zoo.build(name).eval()
+    ref = copy.deepcopy(model)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))).optimize(model)
+    before = dict(sa.CALLS)
+    got = parity.greedy_matches(model, ref, _encoder_inputs(name), name, 5)
+    assert sa.CALLS["unsplit"] > before["unsplit"], "the decoder's cached steps did not run unsplit"
+    assert sa.CALLS[mode] > before[mode], "the encoder did not run split in generate()"
+    return got.tolist()
+
+
+def refused_model_unchanged(ctx, name: str, mode: str, match: str, **overrides) -> str:
+    """optimize() raises NotImplementedError naming the model class, the mode
+    and `match`, and leaves the model as it was."""
+    model = zoo.build(name, **overrides)
+    call = lambda: ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group,  # noqa: E731
+                                           **sp_config(mode))).optimize(model)
+    impl = model.config._attn_implementation
+    message = parity.refused_unchanged(model, call, f"{name} {mode}", error=NotImplementedError,
+                                        structure=True)
+    assert type(model).__name__ in message and match in message, message
+    assert model.config._attn_implementation == impl, "the refusal switched the attention implementation"
+    return message
+
+
+def recorded_outputs_refused_split(ctx, name: str, mode: str) -> str:
+    """An encoder (or encoder-decoder) forward split over ctx.group with
+    output_hidden_states / output_attentions raises NotImplementedError
+    naming the flag, rather than return one rank's rows or heads."""
+    model = zoo.build(name).eval()
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))).optimize(model)
+    inputs = zoo.make_inputs(name)
+    message = ""
+    for what in ("output_hidden_states", "output_attentions"):
+        try:
+            with torch.no_grad():
+                model(**inputs, **{what: True})
+        except NotImplementedError as e:
+            assert what in str(e), str(e)
+            message = str(e)
+        else:
+            raise AssertionError(f"{name}: {what}=True was not refused")
+    return message
+
+
+def variant_equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, overrides: dict | None = None) -> dict:
+    """check_sharded of `name` built with config `overrides` (other layer
+    counts and groups, Whisper's encoder length), inputs as the split_gather
+    checks cut them (sequence_more.sp_inputs), the sequence split over
+    ctx.group in `mode`; the split attention ran."""
+    from checks import sequence_more
+
+    before = sa.CALLS[mode]
+    report = parity.check_sharded(ctx, lambda: zoo.build(name, **(overrides or {})),
+                                  sequence_more.sp_inputs(name, seq, overrides), name=name, config=sp_config(mode))
+    assert sa.CALLS[mode] > before, f"{name}: the {mode} attention never ran"
+    return report
+
+
+def checkpointing_equals_unsharded(ctx, name: str, mode: str, use_reentrant: bool) -> dict:
+    """Gradient checkpointing on (the layers recomputed in backward, their
+    hooks running again): forward, loss, every gradient and the step equal
+    the unsharded model's."""
+    def build():
+        model = zoo.build(name)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        return model
+
+    before = sa.CALLS[mode]
+    report = parity.check_sharded(ctx, build, _trim(zoo.make_inputs(name), 7), name=name, config=sp_config(mode))
+    assert sa.CALLS[mode] > before, f"{name}: the {mode} attention never ran"
+    return report
+
+
+def decoder_padding_equals_unsharded(ctx, name: str, mode: str, seq: int | None = 7) -> dict:
+    """An encoder-decoder whose decoder batch row 1 ends in 2 padding tokens
+    (decoder_attention_mask), beside the encoder's own padding: forward,
+    loss, every gradient and the step equal the unsharded model's."""
+    inputs = _trim(zoo.make_inputs(name), seq)
+    mask = torch.ones_like(inputs["decoder_input_ids"])
+    mask[1, -2:] = 0
+    inputs["decoder_attention_mask"] = mask
+    before = sa.CALLS[mode]
+    report = parity.check_sharded(ctx, lambda: zoo.build(name), inputs, name=name, config=sp_config(mode))
+    assert sa.CALLS[mode] > before, f"{name}: the {mode} attention never ran"
+    return report

@@ -125,8 +125,12 @@ Counters (module-level CALLS, for tests; reset_counters() zeroes them):
     messages                point-to-point messages sent by this rank
     messages_torch          those of them sent by torch.distributed isend
 
+An additive bias over the whole padded sequence (T5's relative position
+bias; `bias`) is added block by block, each block taking its rows and
+columns; ALiBi slopes are not taken.
+
 Not supported (NotImplementedError): logit soft-capping,
-attention dropout (dropout_p must be 0), ALiBi / additive biases.
+attention dropout (dropout_p must be 0), ALiBi slopes.
 """
 from __future__ import annotations
 
@@ -381,9 +385,40 @@ class _Halves:
         return self.cache[key]
 
 
+def _bias_block(bias, qg: torch.Tensor, kg: torch.Tensor) -> torch.Tensor | None:
+    """The additive bias of one block: rows qg, columns kg (global positions)
+    of the whole-sequence bias [1 | B, H, S', S'], as contiguous float32."""
+    if bias is None:
+        return None
+    return bias.index_select(2, qg).index_select(3, kg).float().contiguous()
+
+
+def _add_bias_grad(dbias: torch.Tensor, ds: torch.Tensor, qg: torch.Tensor, kg: torch.Tensor) -> None:
+    """In place: dbias[:, :, qg, kg] += ds (summed over the batch where the
+    bias broadcasts it); dbias [1 | B, H, S', S'] float32."""
+    if dbias.shape[0] == 1 and ds.shape[0] != 1:
+        ds = ds.sum(dim=0, keepdim=True)
+    S = dbias.shape[-1]
+    flat = (qg[:, None] * S + kg[None, :]).reshape(-1)
+    dbias.view(*dbias.shape[:2], S * S).index_add_(2, flat, ds.reshape(*ds.shape[:2], -1))
+
+
+class _Positions:
+    """Global rows of the chunks ("lo" / "hi" / "all") of a rank's local rows."""
+
+    def __init__(self, S_pad: int, p: int, c: int):
+        self.S_pad, self.p, self.c, self.cache = S_pad, p, c, {}
+
+    def __call__(self, rank: int, which: str) -> torch.Tensor:
+        key = (rank, which)
+        if key not in self.cache:
+            self.cache[key] = _rows(zigzag_rows(self.S_pad, self.p, rank), which, self.c, dim=0)
+        return self.cache[key]
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, causal, kp, W):
+    def forward(ctx, q, k, v, group, scale, causal, kp, W, bias):
         qd, kd, vd = ops._data(q, "ring_attention q"), ops._data(k, "ring_attention k"), \
             ops._data(v, "ring_attention v")
         p, r = D.world_size(group), D.rank(group)
@@ -396,6 +431,8 @@ class _RingAttention(torch.autograd.Function):
         o_acc = torch.zeros(qd.shape, dtype=torch.float32)              # running (o, lse), float32;
         lse_acc = torch.full(qd.shape[:3], -math.inf, dtype=torch.float32)   # -inf: nothing seen yet
         half = _Halves(c)
+        pos = _Positions(S_pad, p, c)
+        bd = None if bias is None else bias.detach()
         cur = torch.stack([kd, vd]) if p > 1 else (kd, vd)   # [2, B, Hkv, 2c, D]: the travelling K/V
         spare = torch.empty_like(cur) if p > 1 else None
         for s in range(p):
@@ -410,8 +447,8 @@ class _RingAttention(torch.autograd.Function):
                 vb = _rows(cur[1], krows, c).contiguous()
                 ob = torch.empty_like(qb)
                 lb = torch.empty(qb.shape[:3], dtype=torch.float32)
-                _C.attention_forward(qb, kb, vb, ob, lb, scale, blk_causal, blk_window, None, None,
-                                     step.mask(krows, band), 0.0, 0)
+                _C.attention_forward(qb, kb, vb, ob, lb, scale, blk_causal, blk_window, None,
+                                     _bias_block(bd, pos(r, qrows), pos(j, krows)), step.mask(krows, band), 0.0, 0)
                 CALLS["kernel_forward"] += 1
                 _merge(_rows(o_acc, qrows, c), _rows(lse_acc, qrows, c), ob, lb)
             if handles is not None:
@@ -419,14 +456,14 @@ class _RingAttention(torch.autograd.Function):
                 cur, spare = spare, cur
         lse = lse_acc.masked_fill_(lse_acc == -math.inf, math.inf)   # kernel convention: all masked = +inf
         o = o_acc.to(qd.dtype)
-        ctx.save_for_backward(qd, kd, vd, o, lse)
+        ctx.save_for_backward(qd, kd, vd, o, lse, bd)
         ctx.args = (group, scale, causal, kp, W)
         return o
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dout):
-        qd, kd, vd, o, lse = ctx.saved_tensors
+        qd, kd, vd, o, lse, bd = ctx.saved_tensors
         o = o.detach()
         group, scale, causal, kp, W = ctx.args
         p, r = D.world_size(group), D.rank(group)
@@ -438,6 +475,9 @@ class _RingAttention(torch.autograd.Function):
         CALLS["backward"] += 1
 
         half = _Halves(c)
+        pos = _Positions(S_pad, p, c)
+        want_db = bd is not None and ctx.needs_input_grad[8]
+        dbias = torch.zeros(bd.shape, dtype=torch.float32) if want_db else None
         dq = torch.zeros(qd.shape, dtype=torch.float32)
         cur = torch.stack([kd, vd]) if p > 1 else (kd, vd)
         spare = torch.empty_like(cur) if p > 1 else None
@@ -455,8 +495,12 @@ class _RingAttention(torch.autograd.Function):
                 kb = _rows(cur[0], krows, c).contiguous()
                 vb = _rows(cur[1], krows, c).contiguous()
                 dqb, dkb, dvb = torch.empty_like(qb), torch.empty_like(kb), torch.empty_like(vb)
-                _C.attention_backward(qb, kb, vb, ob, db, lb, dqb, dkb, dvb, None, scale, blk_causal,
-                                      blk_window, None, None, step.mask(krows, band), 0.0, 0)
+                qg, kg = pos(r, qrows), pos(j, krows)
+                ds = torch.empty(*qb.shape[:3], kb.shape[2], dtype=torch.float32) if want_db else None
+                _C.attention_backward(qb, kb, vb, ob, db, lb, dqb, dkb, dvb, ds, scale, blk_causal,
+                                      blk_window, None, _bias_block(bd, qg, kg), step.mask(krows, band), 0.0, 0)
+                if want_db:
+                    _add_bias_grad(dbias, ds, qg, kg)
                 CALLS["kernel_backward"] += 1
                 _rows(dq, qrows, c).add_(dqb)
                 grads.append((krows, dkb, dvb))
@@ -475,14 +519,16 @@ class _RingAttention(torch.autograd.Function):
             _Ring.wait(acc_handles)
             acc = acc_next
         dt = qd.dtype
-        return dq.to(dt), acc[0].to(dt), acc[1].to(dt), None, None, None, None, None
+        dbias = None if dbias is None else dbias.to(bd.dtype)
+        return dq.to(dt), acc[0].to(dt), acc[1].to(dt), None, None, None, None, None, dbias
 
 
 # ---- the entry point ------------------------------------------------------------------
 
 def ring_attention(q, k, v, group=None, *, scale: float | None = None, causal: bool = True,
                    key_padding: torch.Tensor | None = None, softcap: float | None = None,
-                   dropout_p: float = 0.0, window: int | None = None) -> torch.Tensor:
+                   dropout_p: float = 0.0, window: int | None = None,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention over a sequence split in zigzag order over `group`.
 
     q [B, Hq, 2c, D], k / v [B, Hkv, 2c, D] (Hq a multiple of Hkv): this
@@ -507,6 +553,15 @@ def ring_attention(q, k, v, group=None, *, scale: float | None = None, causal: b
     causal, key j visible to query i iff j <= i and i - j < W (HF's
     sliding_window_causal); not causal, iff |i - j| < W.  Composes with
     key_padding; gradients stay exact.
+
+    bias: None or an additive floating-point bias [1 or B, Hq, S', S'] over
+    the WHOLE padded sequence in global positions, the same on every rank
+    (T5's relative position bias): s_ij = scale q_i . k_j + bias_ij.  No
+    bias travels: each block adds the rows of this rank's query chunk and
+    the columns of the key chunk it holds.  Differentiable: its gradient
+    holds this rank's query rows (the softmax gradient of each computed
+    block, summed over a broadcast batch) and 0 elsewhere, so summing it
+    over the group gives the whole bias's gradient.
 
     softcap and dropout_p > 0 are not supported.
     """
@@ -543,5 +598,14 @@ def ring_attention(q, k, v, group=None, *, scale: float | None = None, causal: b
                              f"got {window!r}")
         if 0 < window < S_pad:      # a window of S' or more never hides a pair
             W = int(window)
+    if bias is not None:
+        if not (isinstance(bias, torch.Tensor) and bias.dtype.is_floating_point):
+            raise TypeError(f"ring_attention: bias must be a floating-point tensor, got {type(bias).__name__}"
+                            + (f" {bias.dtype}" if isinstance(bias, torch.Tensor) else ""))
+        if bias.dim() != 4 or bias.shape[0] not in (1, B) or tuple(bias.shape[1:]) != (Hq, S_pad, S_pad):
+            raise ValueError(f"ring_attention: bias of shape {tuple(bias.shape)}, expected [1 or {B}, {Hq}, "
+                             f"{S_pad}, {S_pad}] (the whole padded sequence)")
+        if bias.device.type != "cpu":
+            raise ValueError(f"ring_attention: bias is on {bias.device}, expected CPU")
     scale = 1.0 / math.sqrt(Dh) if scale is None else float(scale)
-    return _RingAttention.apply(q, k, v, group, scale, bool(causal), kp, W)
+    return _RingAttention.apply(q, k, v, group, scale, bool(causal), kp, W, bias)

@@ -32,6 +32,27 @@ inputs, outputs, loss and head are full-sequence as without SP.  The layers'
 parameters see only this rank's rows, so their gradients are summed over
 the SP group (all-reduce, backward).
 
+Encoder-decoder stacks (T5, Whisper) take the split per stack.  A decoder's
+cross-attention queries are this rank's rows and its keys / values the
+encoder output, full on every rank: each rank attends its rows to every key
+with the model's own attention function (no collective; a 4-D cross mask
+[B, 1, S_dec, S_enc] is cut to this rank's query rows).  Each rank's rows
+contribute a partial gradient of the encoder output, so the decoder reads it
+through an identity whose backward all-reduces over the SP group.  A
+relative position bias built by the attention module itself (T5's
+compute_bias, [1, H, Sq, Sk]) is built for the whole padded sequence,
+[1, H, S', S']: under all_to_all each rank adds its H/p heads of it, under
+ring_attn each block of the ring adds its (query rows, key columns) of it
+(ring_attention's `bias`); the bias table's gradient is then this rank's
+part (heads, or query rows), summed over the group like every other layer
+parameter.
+
+Layers applied more than once per forward (ALBERT's shared layer groups,
+`repeated=True`): the input is split on the first entry of layers[0] in a
+forward and the base's output (its last_hidden_state) is gathered; each
+shared parameter has one gradient hook, and autograd sums its uses before
+the hook runs, so the all-reduce counts every application once.
+
 A forward that uses a KV cache (past_key_values given, or use_cache=True)
 runs unsplit: generate() works unchanged (each rank computes the whole
 sequence); other forwards run split with use_cache=False, so they return no
@@ -56,7 +77,8 @@ MODES = ("all_to_all", "ring_attn")
 _SYNC_MARK = "_shardformer_sp_grad_sync"
 
 #: calls of the split attention, per mode (tests read them)
-CALLS = {"all_to_all": 0, "ring_attn": 0, "unsplit": 0}
+CALLS = {"all_to_all": 0, "ring_attn": 0, "unsplit": 0, "cross": 0, "bias": 0}
+_CROSS_MARK = "_shardformer_cross_attention"
 
 
 class SequenceSplit:
@@ -73,6 +95,7 @@ class SequenceSplit:
         self.padded = 0
         self.rows: torch.Tensor | None = None      # this rank's rows of the padded sequence
         self.order: torch.Tensor | None = None     # every rank's rows, in all-gather order
+        self.entered = False                       # repeated layers: the input was split in this forward
         self._local: dict = {}                     # id(full tensor) -> (full, this rank's rows of it)
 
     def start(self, length: int, device) -> None:
@@ -251,6 +274,8 @@ def _ulysses(state, module, query, key, value, attention_mask, kwargs):
     mask = _pad_mask(attention_mask, state.length, state.padded)
     if mask is None and state.padded > state.length and not getattr(module, "is_causal", True):
         mask = _padding_mask(q, state, additive=state.inner == "eager")
+    if kwargs.get("position_bias") is not None:
+        kwargs = {**kwargs, "position_bias": _bias_heads(kwargs["position_bias"], state, query.shape[1], extra)}
     fn = _inner_attention(state.inner, module)
     saved = getattr(module, "num_key_value_groups", None)
     if groups is not None and saved is not None:
@@ -267,6 +292,48 @@ def _ulysses(state, module, query, key, value, attention_mask, kwargs):
     return out, None
 
 
+def _bias_heads(bias: torch.Tensor, state: SequenceSplit, heads: int, extra: int) -> torch.Tensor:
+    """This rank's heads of an additive bias [1 | B, H, S', S'] built for the
+    whole padded sequence: `extra` zero heads appended as to q / k / v, then
+    the r-th of p equal blocks of heads (the block all_to_all_along gives
+    rank r)."""
+    if bias.dim() != 4 or bias.shape[1] != heads or tuple(bias.shape[-2:]) != (state.padded, state.padded):
+        raise NotImplementedError(f"{state.name}: all_to_all needs the position bias for the whole padded sequence "
+                                  f"[*, {heads}, {state.padded}, {state.padded}]; got {tuple(bias.shape)}")
+    if extra:
+        bias = F.pad(bias, (0, 0, 0, 0, 0, extra))
+    block = bias.shape[1] // state.p
+    CALLS["bias"] += 1
+    return bias.narrow(1, state.rank * block, block)
+
+
+def _cross_mask(mask, state: SequenceSplit):
+    """A cross-attention mask for this rank's query rows: a 4-D mask with a
+    row per decoder query [B, 1, S, S_enc] padded to S' rows (padded queries
+    see every key) and cut to this rank's rows; a 2-D key padding mask or a
+    4-D mask broadcast over queries is the same for every row."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-2] == 1:
+        return mask
+    if mask.shape[-2] != state.length:
+        raise NotImplementedError(f"{state.name}: a cross-attention mask of {mask.shape[-2]} query rows for "
+                                  f"{state.length} decoder tokens")
+    seen = True if mask.dtype == torch.bool else 0.0
+    mask = F.pad(mask, (0, 0, 0, state.padded - state.length), value=seen)
+    return mask.index_select(2, state.rows)
+
+
+def _cross(state, module, query, key, value, attention_mask, kwargs):
+    """Cross-attention: query [B, H, S_r, D] of this rank's rows, key / value
+    [B, H, S_enc, D] of the whole encoder output: the rows attend to every key
+    with the wrapped implementation, no collective."""
+    mask = _cross_mask(attention_mask, state)
+    if state.mode == "ring_attn":
+        from ..attention import shardformer_attention
+
+        return shardformer_attention(module, query, key, value, mask, **kwargs)
+    return _inner_attention(state.inner, module)(module, query, key, value, mask, **kwargs)
+
+
 def _ring(state, module, query, key, value, attention_mask, kwargs):
     from .ring_attention import ring_attention
 
@@ -276,6 +343,10 @@ def _ring(state, module, query, key, value, attention_mask, kwargs):
     if kwargs.get("output_attentions"):
         raise NotImplementedError(f"{state.name}: ring_attn never builds the attention weights "
                                   f"(output_attentions=True)")
+    bias = kwargs.get("position_bias")
+    if bias is not None and (bias.dim() != 4 or tuple(bias.shape[-2:]) != (state.padded, state.padded)):
+        raise NotImplementedError(f"{state.name}: ring_attn needs the position bias for the whole padded sequence "
+                                  f"[*, H, {state.padded}, {state.padded}]; got {tuple(bias.shape)}")
     dropout = float(kwargs.get("dropout") or 0.0)
     if dropout > 0 and module.training:
         raise NotImplementedError(f"{state.name}: ring_attn does not apply attention dropout "
@@ -294,8 +365,10 @@ def _ring(state, module, query, key, value, attention_mask, kwargs):
     if padding is None and not causal and state.padded > state.length:    # padded keys: hidden
         padding = torch.arange(state.padded, device=query.device) < state.length
         padding = padding.expand(query.shape[0], state.padded)
+    if bias is not None:
+        CALLS["bias"] += 1
     out = ring_attention(query, key, value, state.group, scale=kwargs.get("scaling"), causal=causal,
-                         key_padding=padding, window=int(window))   # global positions, as the split rows
+                         key_padding=padding, window=int(window), bias=bias)   # global positions, as the rows
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -311,6 +384,9 @@ def split_attention(module, query, key, value, attention_mask, **kwargs):
 
             return shardformer_attention(module, query, key, value, attention_mask, **kwargs)
         return _inner_attention(state.inner, module)(module, query, key, value, attention_mask, **kwargs)
+    if module.__dict__.get(_CROSS_MARK):
+        CALLS["cross"] += 1
+        return _cross(state, module, query, key, value, attention_mask, kwargs)
     CALLS[state.mode] += 1
     if state.mode == "all_to_all":
         return _ulysses(state, module, query, key, value, attention_mask, kwargs)
@@ -352,9 +428,16 @@ class SequenceAttentionParallel:
     """Applied to a decoder's `layers` (a ModuleList): kwargs `mode`
     ("all_to_all" | "ring_attn"), `group` (the SP group), `base` (the module
     that calls the layers: the decoder's base model) and `name` (the model's
-    class name, for messages).  Adds the hooks described in the module
-    docstring and switches the attention of the layers (and the masks of the
-    base model) to the split implementation; rollback() undoes it all."""
+    class name, for messages); optional: `cross` (names of the layers'
+    cross-attention modules, e.g. ("EncDecAttention",): their keys are the
+    base's `encoder_hidden_states` kwarg), `full_bias` (the name of the
+    attention modules' method building their position bias from
+    (query_length, key_length, ...): called for the whole padded sequence
+    while split) and `repeated` (the layers run more than once per forward:
+    split at the first entry, gather the base's output).  Adds the hooks
+    described in the module docstring and switches the attention of the
+    layers (and the masks of the base model) to the split implementation;
+    rollback() undoes it all."""
 
     @classmethod
     def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, mode=None, group=None, base=None,
@@ -370,9 +453,11 @@ class SequenceAttentionParallel:
 
     @classmethod
     def prepare_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
-                              mode=None, group=None, base=None, name="", **kwargs) -> "_SplitHooks":
+                              mode=None, group=None, base=None, name="", cross=(), full_bias=None,
+                              repeated=False, **kwargs) -> "_SplitHooks":
         cls.plan_shard(module, 1, 0, mode=mode, group=group, base=base, name=name)
-        return _SplitHooks(module, base, SequenceSplit(mode, group, name))
+        return _SplitHooks(module, base, SequenceSplit(mode, group, name), cross=tuple(cross),
+                           full_bias=full_bias, repeated=bool(repeated))
 
     @classmethod
     def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
@@ -381,25 +466,38 @@ class SequenceAttentionParallel:
 
 
 class _SplitHooks:
-    def __init__(self, layers: nn.ModuleList, base: nn.Module, state: SequenceSplit):
+    def __init__(self, layers: nn.ModuleList, base: nn.Module, state: SequenceSplit, cross: tuple = (),
+                 full_bias: str | None = None, repeated: bool = False):
         self.layers, self.base, self.state = layers, base, state
+        self.cross, self.full_bias, self.repeated = cross, full_bias, repeated
         self.handles: list = []
         self.configs: list = []            # (config, its _attn_implementation before)
         self.attention: list = []          # attention modules given the state
+        self.methods: list = []            # modules given an instance attribute `full_bias`
 
     def _switch_attention(self) -> None:
         state = self.state
         from ..attention import _uses_registry
 
-        users = [m for m in self.layers.modules() if _uses_registry(m)]
+        named = [(n, m) for n, m in self.layers.named_modules() if _uses_registry(m)]
+        users = [m for _, m in named]
         if not users:
             raise NotImplementedError(f"{state.name}: sequence_parallelism_mode={state.mode!r} needs attention "
                                       f"that goes through transformers' AttentionInterface; this model's does not")
+        if any("_shardformer_sequence_split" in m.__dict__ for m in users):
+            raise ValueError(f"{state.name}: the model's attention is already split")
+        cross = [m for path, m in named if path.split(".")[-1] in self.cross]
+        if self.cross and not cross:
+            raise ValueError(f"{state.name}: no cross-attention module named {self.cross} in the layers")
         configs = {id(m.config): m.config for m in users if getattr(m, "config", None) is not None}
         base_config = getattr(self.base, "config", None)
         if base_config is not None:
             configs.setdefault(id(base_config), base_config)
-        inner = {getattr(c, "_attn_implementation", None) or "eager" for c in configs.values()}
+        # a config shared with a stack switched before (Whisper's encoder and decoder) is already
+        # ours: the implementation it wraps is the suffix of the name
+        ours = f"shardformer_sp_{state.mode}_"
+        current = {id(c): getattr(c, "_attn_implementation", None) or "eager" for c in configs.values()}
+        inner = {cur[len(ours):] if cur.startswith(ours) else cur for cur in current.values()}
         if len(inner) != 1:
             raise ValueError(f"{state.name}: the layers use different attention implementations {sorted(inner)}; "
                              f"sequence parallelism wraps one")
@@ -407,12 +505,38 @@ class _SplitHooks:
         if state.inner.startswith("shardformer_sp_"):
             raise ValueError(f"{state.name}: the model's attention is already split ({state.inner})")
         name = _implementation_name(state.mode, state.inner)
-        for cfg in configs.values():
-            self.configs.append((cfg, cfg._attn_implementation))
-            cfg._attn_implementation = name
+        for key, cfg in configs.items():
+            if not current[key].startswith(ours):
+                self.configs.append((cfg, cfg._attn_implementation))
+                cfg._attn_implementation = name
         for m in users:
             m.__dict__["_shardformer_sequence_split"] = state
             self.attention.append(m)
+        for m in cross:
+            m.__dict__[_CROSS_MARK] = True
+        self._full_bias(users)
+
+    def _full_bias(self, users: list) -> None:
+        """Gives the attention modules that own the `full_bias` method an
+        instance attribute of that name: while split, it builds the bias for
+        the whole padded sequence (queries and keys at 0 .. S'-1)."""
+        state, method = self.state, self.full_bias
+        if method is None:
+            return
+        import types
+
+        for m in users:
+            own = getattr(type(m), method, None)
+            if own is None or not getattr(m, "has_relative_attention_bias", True):
+                continue
+
+            def whole(module, query_length, key_length, *args, _own=own, **kwargs):
+                if state.active:
+                    query_length = key_length = state.padded
+                return _own(module, query_length, key_length, *args, **kwargs)
+
+            m.__dict__[method] = types.MethodType(whole, m)     # a deep copy rebinds it to the copy
+            self.methods.append(m)
 
     def commit(self) -> nn.Module:
         state, layers = self.state, self.layers
@@ -421,9 +545,12 @@ class _SplitHooks:
         def base_pre(_module, args, kwargs):
             cache, use_cache = kwargs.get("past_key_values"), kwargs.get("use_cache")
             state.active = cache is None and use_cache is not True and state.p > 1
+            state.entered = False
             if state.active:
                 _refuse_recorded_outputs(_module, kwargs, state)
                 kwargs = {**kwargs, "use_cache": False}
+                if self.cross:
+                    kwargs = _encoder_states_summed(kwargs, args, state)
                 if torch.is_grad_enabled():
                     _ensure_grad_sync(layers, state.group)
             elif state.p > 1 and torch.is_grad_enabled() and any(p.requires_grad for p in layers.parameters()):
@@ -435,8 +562,9 @@ class _SplitHooks:
             return args, kwargs
 
         def first_pre(_module, args, kwargs):
-            if not state.active:
+            if not state.active or state.entered:
                 return None
+            state.entered = self.repeated
             x, rebuild = _layer_inputs(args, kwargs)
             state.start(x.shape[SEQ_DIM], x.device)
             return rebuild(_Split.apply(x, state))
@@ -456,6 +584,9 @@ class _SplitHooks:
         def last_post(_module, _args, output):
             if not state.active:
                 return None
+            if hasattr(output, "last_hidden_state"):
+                output.last_hidden_state = _Gather.apply(output.last_hidden_state, state)
+                return output
             if isinstance(output, torch.Tensor):
                 return _Gather.apply(output, state)
             if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
@@ -467,7 +598,9 @@ class _SplitHooks:
         self.handles.append(layers[0].register_forward_pre_hook(first_pre, with_kwargs=True))
         for layer in layers:
             self.handles.append(layer.register_forward_pre_hook(every_pre, with_kwargs=True))
-        self.handles.append(layers[len(layers) - 1].register_forward_hook(last_post))
+        # repeated layers: the last layer runs several times, the base's output comes once
+        last = self.base if self.repeated else layers[len(layers) - 1]
+        self.handles.append(last.register_forward_hook(last_post))
         return layers
 
     def rollback(self) -> None:
@@ -479,7 +612,26 @@ class _SplitHooks:
         self.configs.clear()
         for m in self.attention:
             m.__dict__.pop("_shardformer_sequence_split", None)
+            m.__dict__.pop(_CROSS_MARK, None)
         self.attention.clear()
+        for m in self.methods:
+            m.__dict__.pop(self.full_bias, None)
+        self.methods.clear()
+
+
+def _encoder_states_summed(kwargs: dict, args: tuple, state: SequenceSplit) -> dict:
+    """The base's `encoder_hidden_states` (full on every rank) through an
+    identity whose backward all-reduces over the SP group: each rank's
+    cross-attention rows give a partial gradient of it."""
+    from ..distributed.mappings import copy_to_tp_region
+
+    states = kwargs.get("encoder_hidden_states")
+    if states is None:
+        if len(args) > 1:
+            raise TypeError(f"{state.name}: sequence parallelism with cross-attention needs the decoder's "
+                            f"encoder_hidden_states passed by keyword")
+        return kwargs
+    return {**kwargs, "encoder_hidden_states": copy_to_tp_region(states, state.group)}
 
 
 def _refuse_recorded_outputs(base: nn.Module, kwargs: dict, state: SequenceSplit) -> None:
