@@ -744,7 +744,7 @@ class FusedQKVShape(SplitGatherMixin, FamilyPolicy):
     pipeline_split = StageSplit("{prefix}Model", "h", last=("ln_f",))
 
     def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return ("split_gather",)
+        return ("split_gather",) + self.split_attention_modes()
 
     def residual_dropouts(self) -> tuple[float, tuple[str, ...]]:
         """(p, attributes under the layer holding p) of the functional residual

@@ -18,15 +18,25 @@ ALL_TO_ALL_ONLY = ["Gemma2ForCausalLM"]
 # Beyond the Llama-shaped decoders: GPT-2, the BERT-style encoders (bidirectional: padded keys masked inside), OPT, ViT.
 OTHER_FAMILIES = ["GPT2LMHeadModel", "GPT2ForSequenceClassification", "BertForMaskedLM", "BertForTokenClassification",
                   "RobertaForMaskedLM", "ErnieForMaskedLM", "OPTForCausalLM", "ViTForImageClassification"]
+# Attention outside transformers' registry, split at a seam the family names (AttentionSeam): GPT-Neo (global and
+# local-window layers), GPT-J (rotary from position_ids), Falcon (rotary; multi-query, parallel attention).
+SEAM_FAMILIES = ["GPTNeoForCausalLM", "GPTNeoForSequenceClassification", "GPTNeoForTokenClassification",
+                 "GPTNeoForQuestionAnswering", "GPTJForCausalLM", "GPTJForSequenceClassification",
+                 "GPTJForQuestionAnswering", "FalconForCausalLM", "FalconForSequenceClassification",
+                 "FalconForTokenClassification", "FalconForQuestionAnswering"]
+# ALiBi (BLOOM): the per-head bias over absolute key positions, this rank's heads after the all-to-all; the ring
+# kernel adds no bias (refused below).
+ALIBI_FAMILIES = ["BloomForCausalLM", "BloomForSequenceClassification", "BloomForTokenClassification",
+                  "BloomForQuestionAnswering"]
 
 
 # One test function per mode: README's support matrix has a column per function (scripts/support_matrix.py).
-@pytest.mark.parametrize("name", FAMILIES + ALL_TO_ALL_ONLY + OTHER_FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES + ALL_TO_ALL_ONLY + OTHER_FAMILIES + SEAM_FAMILIES + ALIBI_FAMILIES)
 def test_all_to_all_equals_unsharded(pool, name):
     pool.run(check.equals_unsharded, 2, name, "all_to_all", 7)       # 7 tokens: padded inside
 
 
-@pytest.mark.parametrize("name", FAMILIES + OTHER_FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES + OTHER_FAMILIES + SEAM_FAMILIES)
 def test_ring_attn_equals_unsharded(pool, name):
     pool.run(check.equals_unsharded, 2, name, "ring_attn", 7)
 

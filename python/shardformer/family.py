@@ -149,6 +149,9 @@ class FamilyPolicy(Policy):
     #: and its ModuleList of layers, where the all_to_all / ring_attn modes
     #: hook in; None where those modes are not available.
     split_attention_at: tuple[str, str] | None = None
+    #: for attention outside transformers' AttentionInterface: where the split
+    #: runs (shardformer.layer.sequence_attention.AttentionSeam); None: the registry
+    attention_seam = None
 
     def body_policy(self) -> dict:
         """{module class or class name: ModulePolicyDescription} for the body."""
@@ -185,7 +188,9 @@ class FamilyPolicy(Policy):
         from `split_attention_at`; {} when those modes are off.  Refuses
         (before anything changes) what the split layers cannot run:
         cross-attention (its keys are another sequence), layerdrop (a
-        skipped first or last layer would skip the split or the gather)."""
+        skipped first or last layer would skip the split or the gather),
+        and what the family's `attention_seam` refuses (AttentionSeam.refuse:
+        another attention implementation, e.g. ring_attn with ALiBi)."""
         from .layer.sequence_attention import SequenceAttentionParallel
         from .policy import ModulePolicyDescription
 
@@ -200,13 +205,16 @@ class FamilyPolicy(Policy):
         if getattr(config, "layerdrop", 0.0):
             raise NotImplementedError(f"{name}: sequence_parallelism_mode={mode!r} with layerdrop="
                                       f"{config.layerdrop}: set it to 0")
+        if self.attention_seam is not None:
+            self.attention_seam.refuse(self.model, mode, name)
         template, layers = self.split_attention_at
         owner = template.format(prefix=getattr(self, "prefix", ""), base_model=getattr(self, "base_model", ""))
         found = [m for m in self.model.modules() if type(m).__name__ == owner]
         if len(found) != 1:
             raise ValueError(f"{name}: expected one {owner} module for sequence parallelism, found {len(found)}")
         sub = Sub(layers, SequenceAttentionParallel,
-                  kwargs={"mode": mode, "group": cfg.sequence_group, "base": found[0], "name": name})
+                  kwargs={"mode": mode, "group": cfg.sequence_group, "base": found[0], "name": name,
+                          "seam": self.attention_seam})
         return {owner: ModulePolicyDescription(sub_module_replacement=[sub])}
 
     def head_replacement(self, head: Head) -> Sub:

@@ -32,6 +32,14 @@ inputs, outputs, loss and head are full-sequence as without SP.  The layers'
 parameters see only this rank's rows, so their gradients are summed over
 the SP group (all-reduce, backward).
 
+Attention outside transformers' registry (GPT-Neo, GPT-J, BLOOM, Falcon):
+the family names a seam (AttentionSeam: the attention class and the method
+where q, k, v [B, H, S_r, D] meet), the method is replaced on each such
+module by one that runs the same exchange around the model's own math
+(all_to_all) or the ring kernel (ring_attn); per-head tensors that the model
+passes in (ALiBi slopes times key positions, a per-head mask) keep this
+rank's heads after the exchange, over the full padded key axis.
+
 A forward that uses a KV cache (past_key_values given, or use_cache=True)
 runs unsplit: generate() works unchanged (each rank computes the whole
 sequence); other forwards run split with use_cache=False, so they return no
@@ -41,6 +49,9 @@ gradients would be summed over the group).
 from __future__ import annotations
 
 import sys
+import types
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +79,7 @@ class SequenceSplit:
         self.mode, self.group, self.name = mode, group, name
         self.p, self.rank = D.world_size(group), D.rank(group)
         self.inner = "sdpa"                # the attention implementation the split one wraps
+        self.seam: AttentionSeam | None = None      # where attention outside the registry is split
         self.active = False
         self.length = 0
         self.padded = 0
@@ -332,6 +344,168 @@ def _implementation_name(mode: str, inner: str) -> str:
     return name
 
 
+# ---- attention outside transformers' registry: a named seam -------------------
+
+@dataclass(frozen=True)
+class AttentionSeam:
+    """Where a family whose attention does not go through transformers'
+    AttentionInterface can be split: on every module of class `module` (exact
+    name: another implementation class, e.g. a flash-attention subclass, is
+    refused) the method `method` is replaced, for the model's lifetime under
+    SP, by one that calls
+
+        split(state, module, original, args, kwargs)
+
+    in a split forward (`original`: the class's own method, bound) and
+    `original(*args, **kwargs)` otherwise.  `row_kwargs`: keyword arguments
+    of each layer holding a tensor with one entry per sequence row along
+    dim 1 (GPT-J's position_ids): a split forward passes this rank's rows.
+    `check(model, mode, name)`: raises, before optimize() changes anything,
+    what this family cannot run in `mode` (e.g. ring_attn with ALiBi)."""
+
+    module: str
+    method: str
+    split: Callable
+    row_kwargs: tuple[str, ...] = ()
+    check: Callable | None = None
+
+    def modules(self, root: nn.Module) -> list:
+        return [m for m in root.modules() if type(m).__name__ == self.module]
+
+    def refuse(self, model: nn.Module, mode: str, name: str) -> None:
+        """Refuse, before anything changes: a model none of whose attention
+        modules is `module` (another attention implementation), and what
+        `check` refuses."""
+        if not self.modules(model):
+            found = sorted({type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__})
+            impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+            raise NotImplementedError(
+                f"{name}: sequence_parallelism_mode={mode!r} splits the attention at {self.module}.{self.method}; "
+                f"this model's attention modules are {found} (attn_implementation={impl!r}): load it with "
+                f"attn_implementation='eager'")
+        if self.check is not None:
+            self.check(model, mode, name)
+
+
+def _seam_method(module, *args, **kwargs):
+    """The replaced method of a seam's module: split forwards go to the
+    seam's `split`, the others to the class's own method."""
+    state: SequenceSplit = module.__dict__["_shardformer_sequence_split"]
+    seam = state.seam
+    original = getattr(type(module), seam.method).__get__(module, type(module))
+    if not state.active:
+        CALLS["unsplit"] += 1
+        return original(*args, **kwargs)
+    CALLS[state.mode] += 1
+    return seam.split(state, module, original, args, kwargs)
+
+
+def bind_args(args: tuple, kwargs: dict, names: tuple[str, ...]) -> list:
+    """The values of the parameters `names` (in this order, the method's
+    leading parameters after self) from a call's args / kwargs; None when
+    absent."""
+    return [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(names)]
+
+
+def local_heads(t: torch.Tensor | None, state: SequenceSplit, heads: int, dim: int = 1):
+    """This rank's heads, after the all-to-all, of a per-head tensor that the
+    model built for all `heads` heads of the module (size 1 along `dim`:
+    shared by every head, returned as is): padded with zero heads as
+    _heads_for_split pads, then block `rank` of p equal blocks along `dim`
+    (all_to_all_along sends block j to rank j)."""
+    if t is None or t.shape[dim] == 1:
+        return t
+    if t.shape[dim] != heads:
+        raise ValueError(f"{state.name}: a per-head tensor of {t.shape[dim]} heads for {heads} attention heads")
+    extra = -heads % state.p
+    if extra:
+        t = _padded(t, heads + extra, dim)
+    return t.chunk(state.p, dim)[state.rank]
+
+
+def padded_keys(t: torch.Tensor | None, state: SequenceSplit):
+    """A tensor over the key positions (last dim, the unpadded length)
+    extended with zeros to the padded length S'."""
+    return None if t is None else _padded(t, state.padded, t.dim() - 1)
+
+
+def ulysses(state: SequenceSplit, query, key, value, core: Callable, mask=None) -> torch.Tensor:
+    """all_to_all around `core`: query / key / value [B, H(kv), S_r, D] of
+    this rank's rows (contiguous) -> all-to-all (scatter heads, gather the
+    sequence; backward: the inverse) -> core(q, k, v, mask) on [B, H/p, S', D]
+    over the whole padded sequence, `mask` the model's mask extended to S'
+    (_pad_mask), returning [B, H/p, S', D] -> all-to-all back (scatter the
+    sequence, gather heads) -> [B, H, S_r, D].  Heads not dividing p:
+    _heads_for_split (key / value repeated to the query heads, zero heads
+    appended and dropped after)."""
+    from ..distributed.mappings import all_to_all_along
+
+    heads = query.shape[1]
+    q, k, v, _groups, extra = _heads_for_split(query, key, value, state.p)
+    q, k, v = (all_to_all_along(t.contiguous(), 1, 2, state.group) for t in (q, k, v))
+    out = core(q, k, v, _pad_mask(mask, state.length, state.padded))
+    out = all_to_all_along(out.contiguous(), 2, 1, state.group)
+    return out[:, :heads] if extra else out
+
+
+def causal_key_padding(mask, state: SequenceSplit) -> torch.Tensor | None:
+    """The key padding [B, S'] (bool, True = attend; padded rows False) of a
+    causal [B, 1|H, S, S] mask the model built (additive: visible where 0,
+    hidden at the dtype's min; or bool), for the ring kernel, which applies
+    causality itself.  A mask that is anything but causal x key padding
+    (the last query row, which sees every key causally, gives the padding)
+    is refused."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-1] != state.length:
+        raise NotImplementedError(f"{state.name}: ring_attn: an attention mask that is not [B, 1, S, S] "
+                                  f"(use sequence_parallelism_mode='all_to_all')")
+    visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    keys = visible[:, 0, -1, :]
+    causal = torch.ones(state.length, state.length, dtype=torch.bool, device=mask.device).tril()
+    if not torch.equal(visible, (causal[None, None] & keys[:, None, None, :]).expand_as(visible)):
+        raise NotImplementedError(f"{state.name}: ring_attn covers causal attention with key padding; this "
+                                  f"attention mask is another pattern (use sequence_parallelism_mode='all_to_all')")
+    return F.pad(keys, (0, state.padded - state.length), value=False)
+
+
+def ring_rows(state: SequenceSplit, query, key, value, mask, *, scale: float, window: int = 0,
+              dropout: float = 0.0) -> torch.Tensor:
+    """ring_attn on this rank's zigzag rows: query [B, Hq, S_r, D], key /
+    value [B, Hkv, S_r, D] -> [B, Hq, S_r, D], causal in global positions,
+    the key padding read from the model's causal mask (causal_key_padding),
+    sliding `window` (0: none); attention dropout in training refused."""
+    from .ring_attention import ring_attention
+
+    if dropout > 0:
+        raise NotImplementedError(f"{state.name}: ring_attn does not apply attention dropout "
+                                  f"(attention dropout {dropout} in training); set it to 0 or use all_to_all")
+    padding = causal_key_padding(mask, state)
+    return ring_attention(query, key, value, state.group, scale=scale, causal=True, key_padding=padding,
+                          window=int(window))
+
+
+def head_major_seam(module: str, *, scale: Callable, window: Callable = lambda m: 0,
+                    dropout: str = "attn_dropout", row_kwargs: tuple[str, ...] = ()) -> AttentionSeam:
+    """The seam of a method `_attn(query, key, value, attention_mask=None) ->
+    (out, weights)` on q / k / v [B, H, S_r, D] (heads major, positions
+    already applied), returning out [B, H, S_r, D] (GPT-Neo, GPT-J).
+    all_to_all calls the model's own `_attn` on H/p heads over S' with the
+    extended mask; ring_attn runs the ring kernel with scale(module) (the
+    factor on q . k) and window(module) (0: none), refusing attention
+    dropout `dropout` (the module's nn.Dropout on the probabilities) in
+    training.  Weights are not returned (None)."""
+
+    def split(state, mod, original, args, kwargs):
+        query, key, value, mask = bind_args(args, kwargs, ("query", "key", "value", "attention_mask"))
+        if state.mode == "all_to_all":
+            return ulysses(state, query, key, value, lambda q, k, v, m: original(q, k, v, m)[0], mask), None
+        p = getattr(mod, dropout).p if mod.training else 0.0
+        return ring_rows(state, query, key, value, mask, scale=scale(mod), window=window(mod), dropout=p), None
+
+    return AttentionSeam(module, "_attn", split, row_kwargs)
+
+
 # ---- the hooks ----------------------------------------------------------------
 
 def _layer_inputs(args, kwargs):
@@ -343,10 +517,12 @@ def _layer_inputs(args, kwargs):
 class SequenceAttentionParallel:
     """Applied to a decoder's `layers` (a ModuleList): kwargs `mode`
     ("all_to_all" | "ring_attn"), `group` (the SP group), `base` (the module
-    that calls the layers: the decoder's base model) and `name` (the model's
-    class name, for messages).  Adds the hooks described in the module
-    docstring and switches the attention of the layers (and the masks of the
-    base model) to the split implementation; rollback() undoes it all."""
+    that calls the layers: the decoder's base model), `name` (the model's
+    class name, for messages) and `seam` (an AttentionSeam, for attention
+    outside transformers' registry; None: the registry).  Adds the hooks
+    described in the module docstring and switches the attention of the
+    layers (and the masks of the base model) to the split implementation, or
+    replaces the seam's method; rollback() undoes it all."""
 
     @classmethod
     def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, mode=None, group=None, base=None,
@@ -362,9 +538,11 @@ class SequenceAttentionParallel:
 
     @classmethod
     def prepare_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
-                              mode=None, group=None, base=None, name="", **kwargs) -> "_SplitHooks":
+                              mode=None, group=None, base=None, name="", seam=None, **kwargs) -> "_SplitHooks":
         cls.plan_shard(module, 1, 0, mode=mode, group=group, base=base, name=name)
-        return _SplitHooks(module, base, SequenceSplit(mode, group, name))
+        state = SequenceSplit(mode, group, name)
+        state.seam = seam
+        return _SplitHooks(module, base, state)
 
     @classmethod
     def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
@@ -379,9 +557,26 @@ class _SplitHooks:
         self.configs: list = []            # (config, its _attn_implementation before)
         self.attention: list = []          # attention modules given the state
 
+    def _replace_seam(self) -> None:
+        """The seam's method, on each of its modules under the layers, replaced
+        by _seam_method (an instance attribute: the class is untouched)."""
+        state, seam = self.state, self.state.seam
+        found = seam.modules(self.layers)
+        if not found:
+            raise NotImplementedError(f"{state.name}: sequence_parallelism_mode={state.mode!r}: no {seam.module} "
+                                      f"under the layers to split the attention at")
+        for m in found:
+            m.__dict__["_shardformer_sequence_split"] = state
+            m.__dict__[seam.method] = types.MethodType(_seam_method, m)
+            self.attention.append(m)
+
     def _switch_attention(self) -> None:
         state = self.state
         from ..attention import _uses_registry
+
+        if state.seam is not None:
+            self._replace_seam()
+            return
 
         users = [m for m in self.layers.modules() if _uses_registry(m)]
         if not users:
@@ -443,6 +638,10 @@ class _SplitHooks:
                     and t.shape[SEQ_DIM] == state.length else t for t in pe)}
             elif isinstance(pe, torch.Tensor) and pe.dim() >= 2 and pe.shape[SEQ_DIM] == state.length:
                 kwargs = {**kwargs, "position_embeddings": state.local(pe, SEQ_DIM)}
+            for key in state.seam.row_kwargs if state.seam is not None else ():
+                t = kwargs.get(key)
+                if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[SEQ_DIM] == state.length:
+                    kwargs = {**kwargs, key: state.local(t, SEQ_DIM)}
             return args, kwargs
 
         def last_post(_module, _args, output):
@@ -471,6 +670,8 @@ class _SplitHooks:
         self.configs.clear()
         for m in self.attention:
             m.__dict__.pop("_shardformer_sequence_split", None)
+            if self.state.seam is not None:
+                m.__dict__.pop(self.state.seam.method, None)
         self.attention.clear()
 
 
