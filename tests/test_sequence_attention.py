@@ -1,10 +1,12 @@
 """Sequence parallelism whose attention crosses the split: all_to_all
 (Ulysses) and ring_attn (zigzag ring over the C flash kernel's LSE), for the
-Llama-shaped decoder families, GPT-2, the BERT-style encoders, OPT and ViT: equal to the unsharded model (forward, loss,
+Llama-shaped decoder families, GPT-2, the BERT-style encoders, OPT, ViT, and the families whose attention is
+outside transformers' registry (GPT-Neo, GPT-J, BLOOM, Falcon: split at a seam): equal to the unsharded model (forward, loss,
 every gradient, after an optimizer step) at SP=2 and 4 with TP off, and at
 TP=2 x SP=2 on 4 ranks; odd lengths (padded inside), padded batches,
 eval with dropout, generate(); refusals by name."""
 import pytest
+from zoo.decoders import FALCON_NEW_ARCH, FALCON_PER_HEAD
 
 from checks import sequence_attention as check
 
@@ -102,11 +104,11 @@ def test_ring_refusals(pool, name, match):
 
 
 def test_split_attention_refused_by_name():
-    # attention outside transformers' registry (GPT-Neo, BLOOM), relative position biases (T5), shared layers (ALBERT)
+    # relative position biases (T5), shared layers (ALBERT)
     import zoo
     from shardformer import ShardConfig, ShardFormer
 
-    for name in ("GPTNeoForCausalLM", "BloomForCausalLM", "T5ForConditionalGeneration", "AlbertForMaskedLM"):
+    for name in ("T5ForConditionalGeneration", "AlbertForMaskedLM"):
         for mode in MODES:
             model = zoo.build(name)
             with pytest.raises(NotImplementedError, match=f"{mode}.*not available for"):
@@ -146,3 +148,60 @@ def test_split_attention_refuses_cross_attention_and_layerdrop(mode):
                                                              word_embed_proj_dim=32))
     with pytest.raises(NotImplementedError, match=f"OPTForCausalLM.*{mode}.*layerdrop"):
         ShardFormer(ShardConfig(**check.sp_config(mode))).optimize(opt)
+
+
+# ---- attention outside transformers' registry, split at the family's seam (AttentionSeam) -----------------------
+SEAM_LMS = [("GPTNeoForCausalLM", "all_to_all"), ("GPTNeoForCausalLM", "ring_attn"), ("GPTJForCausalLM", "all_to_all"),
+            ("GPTJForCausalLM", "ring_attn"), ("FalconForCausalLM", "all_to_all"), ("FalconForCausalLM", "ring_attn"),
+            ("BloomForCausalLM", "all_to_all")]
+# The zoo's Falcon is multi-query, parallel attention, rotary; its other fused layouts, and ALiBi.
+FALCON_VARIANTS = {"new_arch": FALCON_NEW_ARCH, "per_head": FALCON_PER_HEAD, "alibi": {"alibi": True},
+                   "alibi_per_head": dict(FALCON_PER_HEAD, alibi=True)}
+
+
+@pytest.mark.parametrize("variant, mode", [("new_arch", "all_to_all"), ("new_arch", "ring_attn"),
+                                           ("per_head", "all_to_all"), ("per_head", "ring_attn"),
+                                           ("alibi", "all_to_all"), ("alibi_per_head", "all_to_all")])
+@pytest.mark.parametrize("sp", [2, 4])
+def test_falcon_variants(pool, variant, mode, sp):
+    pool.run(check.equals_unsharded, sp, "FalconForCausalLM", mode, 7, None, False, FALCON_VARIANTS[variant])
+
+
+@pytest.mark.parametrize("name, mode", SEAM_LMS)
+@pytest.mark.parametrize("seq", [3, 7])
+def test_seam_sp4_odd_lengths(pool, name, mode, seq):
+    pool.run(check.equals_unsharded, 4, name, mode, seq)
+
+
+@pytest.mark.parametrize("name, mode", SEAM_LMS)
+def test_seam_padded_batch(pool, name, mode):
+    pool.run(check.padded_batch_real_rows, 2, name, mode)
+
+
+@pytest.mark.parametrize("name", ["GPTNeoForCausalLM", "GPTJForCausalLM", "FalconForCausalLM", "BloomForCausalLM"])
+def test_seam_padded_batch_every_row(pool, name):
+    # all_to_all runs the model's own attention math: even the padding rows are equal
+    pool.run(check.equals_unsharded, 4, name, "all_to_all", 7, None, True)
+
+
+@pytest.mark.parametrize("name, mode", [("GPTJForCausalLM", "all_to_all"), ("GPTJForCausalLM", "ring_attn"),
+                                        ("GPTNeoForCausalLM", "ring_attn"), ("BloomForCausalLM", "all_to_all"),
+                                        ("FalconForCausalLM", "all_to_all")])
+def test_seam_tp2_sp2(pool, name, mode):
+    pool.run(check.tp_sp_equals_unsharded, 4, name, mode, 2, 7)
+
+
+@pytest.mark.parametrize("name, mode", SEAM_LMS)
+def test_seam_eval_with_dropout(pool, name, mode):
+    pool.run(check.eval_with_dropout, 2, name, mode)
+
+
+@pytest.mark.parametrize("name, mode", SEAM_LMS)
+def test_seam_generate(pool, name, mode):
+    pool.run(check.generate_matches, 2, name, mode)
+
+
+@pytest.mark.parametrize("name, overrides", [("BloomForCausalLM", None), ("BloomForSequenceClassification", None),
+                                             ("FalconForCausalLM", {"alibi": True})])
+def test_alibi_ring_refused(pool, name, overrides):
+    pool.run(check.refused_unchanged, 2, name, "ring_attn", "ring_attn cannot apply ALiBi", overrides)

@@ -78,13 +78,13 @@ def _double(inputs: dict) -> dict:
             for k, v in inputs.items()}
 
 
-def refused_unchanged(model, call, what: str) -> str:
-    """call() must raise ValueError and leave every tensor of model.state_dict()
+def refused_unchanged(model, call, what: str, error=ValueError) -> str:
+    """call() must raise `error` and leave every tensor of model.state_dict()
     as it was; returns the message."""
     before = {k: v.clone() for k, v in model.state_dict().items()}
     try:
         call()
-    except ValueError as e:
+    except error as e:
         message = str(e)
     else:
         raise AssertionError(f"{what} was not refused")

@@ -44,17 +44,19 @@ def sp_config(mode: str, **extra) -> dict:
             "sequence_parallelism_mode": mode, **extra}
 
 
-def equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, config=None, padded: bool = False) -> dict:
+def equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, config=None, padded: bool = False,
+                     overrides: dict | None = None) -> dict:
     """check_sharded (forward, loss, every gradient, outputs after a step)
     with the sequence split over ctx.group (TP off); the split attention ran
-    once per layer per forward (counted).  padded: one batch row left-padded."""
+    once per layer per forward (counted).  padded: one batch row left-padded.
+    overrides: of the zoo config (a variant of the family)."""
     inputs = _trim(zoo.make_inputs(name), seq)
     if padded:
         mask = torch.ones_like(inputs["input_ids"])
         mask[0, :2] = 0
         inputs["attention_mask"] = mask
     before = sa.CALLS[mode]
-    report = parity.check_sharded(ctx, lambda: zoo.build(name), inputs, name=name,
+    report = parity.check_sharded(ctx, lambda: zoo.build(name, **(overrides or {})), inputs, name=name,
                                   config=sp_config(mode, **(config or {})))
     calls = sa.CALLS[mode] - before
     assert calls > 0, f"{name}: the {mode} attention never ran"
@@ -157,14 +159,17 @@ def rows_are_split(ctx, name: str, mode: str) -> dict:
 
 
 def eval_with_dropout(ctx, name: str, mode: str) -> float:
-    """Dropout 0.3 everywhere, model in eval(): equal to the unsharded eval model."""
+    """Dropout 0.3 everywhere, model in eval(): equal to the unsharded eval
+    model, through the split attention (counted)."""
     model = zoo.build_with_dropout(name, 0.3).eval()
     ref = copy.deepcopy(model)
     ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))).optimize(model)
     assert not model.training
     inputs = zoo.make_inputs(name)
+    before = sa.CALLS[mode]
     with torch.no_grad():
         got, exp = model(**inputs).logits, ref(**inputs).logits
+    assert sa.CALLS[mode] > before, f"{name}: the {mode} attention never ran"
     return parity.assert_close(f"{name} eval logits", got, exp, parity.TOL[torch.float32])
 
 
@@ -315,3 +320,21 @@ def sp_group_replicas_checked(ctx, name: str, mode: str) -> dict:
     dist.all_gather(every, ours)
     assert all(torch.equal(e, every[0]) for e in every), f"ranks differ after broadcast_weights: {every}"
     return {"norm": float(ours)}
+
+
+def refused_unchanged(ctx, name: str, mode: str, match: str, overrides: dict | None = None) -> str:
+    """optimize() raises NotImplementedError naming the class, the mode and
+    `match`, and the model is left as it was: its tensors, its modules'
+    classes, no split state or replaced method on any module."""
+    model = zoo.build(name, **(overrides or {}))
+    classes = [type(m) for m in model.modules()]
+    message = parity.refused_unchanged(
+        model, lambda: ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group,
+                                               **sp_config(mode))).optimize(model),
+        f"{name} {mode}", error=NotImplementedError)
+    assert name in message and mode in message and match in message, message
+    assert [type(m) for m in model.modules()] == classes, f"{name}: modules replaced by a refused optimize()"
+    touched = [n for n, m in model.named_modules()
+               if "_shardformer_sequence_split" in m.__dict__ or "forward" in m.__dict__ or "_attn" in m.__dict__]
+    assert not touched, f"{name}: a refused optimize() left the split on {touched}"
+    return message
