@@ -205,3 +205,9 @@ def test_seam_generate(pool, name, mode):
                                              ("FalconForCausalLM", {"alibi": True})])
 def test_alibi_ring_refused(pool, name, overrides):
     pool.run(check.refused_unchanged, 2, name, "ring_attn", "ring_attn cannot apply ALiBi", overrides)
+
+
+@pytest.mark.parametrize("name, mode", [m for m in SEAM_LMS if m != ("GPTNeoForCausalLM", "ring_attn")
+                                        and m != ("GPTJForCausalLM", "ring_attn")])
+def test_seam_training_dropout_masks(pool, name, mode):
+    pool.run(check.training_dropout_masks, 2, name, mode)

@@ -338,3 +338,54 @@ def refused_unchanged(ctx, name: str, mode: str, match: str, overrides: dict | N
                if "_shardformer_sequence_split" in m.__dict__ or "forward" in m.__dict__ or "_attn" in m.__dict__]
     assert not touched, f"{name}: a refused optimize() left the split on {touched}"
     return message
+
+
+def training_dropout_masks(ctx, name: str, mode: str, p: float = 0.3, tp: int = 1) -> dict:
+    """A training forward with every dropout at p (the zoo's layers under
+    `transformer.h`): each dropout drawn inside the split layers (this rank's
+    rows, or this rank's heads over the whole sequence) has a different mask
+    on every rank of the SP group, while those outside (the embedding
+    dropout on the full sequence, which every rank computes) have the same
+    one (where there are any); the gathered outputs agree, the loss is finite and backward runs.
+    tp > 1: TP over {0,1},{2,3}, SP over {0,2},{1,3}."""
+    import torch.nn.functional as F
+
+    from checks.sequence import check_split_dropout_step
+
+    model = zoo.build_with_dropout(name, p).train()
+    if tp > 1:
+        tp_group, sp_group = mesh_groups(ctx, tp)
+        cfg = ShardConfig(tensor_parallel_process_group=tp_group, enable_sequence_parallelism=True,
+                          sequence_parallelism_mode=mode, sequence_parallel_process_group=sp_group)
+    else:
+        sp_group = ctx.group
+        cfg = ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))
+    ShardFormer(cfg).optimize(model)
+    layers = model.get_submodule("transformer.h")
+    inside, masks = [False], {"in": [], "out": []}
+    layers[0].register_forward_pre_hook(lambda m, a: inside.__setitem__(0, True))
+    layers[len(layers) - 1].register_forward_hook(lambda m, a, o: inside.__setitem__(0, False))
+    original = F.dropout
+
+    def recording(x, p=0.5, training=True, inplace=False):
+        out = original(x, p, training, inplace)
+        if training and p > 0:
+            masks["in" if inside[0] else "out"].append(out == 0)
+        return out
+
+    before = sa.CALLS[mode]
+    F.dropout = recording
+    try:
+        out = model(**zoo.make_inputs(name))
+    finally:
+        F.dropout = original
+    assert sa.CALLS[mode] > before, f"{name}: the {mode} attention never ran"
+    assert masks["in"], f"{name}: no dropout ran in the layers"
+    sp = dist.get_world_size(sp_group)
+    for i, mask in enumerate(masks["out"]):
+        every = [torch.empty_like(mask, dtype=torch.uint8) for _ in range(sp)]
+        dist.all_gather(every, mask.to(torch.uint8).contiguous(), group=sp_group)
+        assert all(torch.equal(e, every[0]) for e in every), f"{name}: dropout {i} outside the layers differs"
+    sub = dataclasses.replace(ctx, tp_size=sp, group=sp_group) if dataclasses.is_dataclass(ctx) else ctx
+    inner = {f"dropout {i} in the layers": m for i, m in enumerate(masks["in"])}
+    return check_split_dropout_step(sub, name, inner, out)

@@ -40,6 +40,14 @@ module by one that runs the same exchange around the model's own math
 passes in (ALiBi slopes times key positions, a per-head mask) keep this
 rank's heads after the exchange, over the full padded key axis.
 
+Dropout in a split training forward: inside the layers every rank holds
+other rows (or, inside all_to_all, other heads), so torch's global generator,
+in the same state on every rank, would draw one mask for all of them.  From
+the first layer to the last, the global generator draws from a per-rank
+stream (_RankStream: seeded from one draw of the shared stream and the SP
+rank; tensor-parallel peers, which hold the same rows, share it) and is put
+back after, so dropouts outside the layers stay the same on every rank.
+
 A forward that uses a KV cache (past_key_values given, or use_cache=True)
 runs unsplit: generate() works unchanged (each rank computes the whole
 sequence); other forwards run split with use_cache=False, so they return no
@@ -86,6 +94,7 @@ class SequenceSplit:
         self.rows: torch.Tensor | None = None      # this rank's rows of the padded sequence
         self.order: torch.Tensor | None = None     # every rank's rows, in all-gather order
         self._local: dict = {}                     # id(full tensor) -> (full, this rank's rows of it)
+        self.stream: _RankStream | None = None     # the per-rank generator stream of a training forward
 
     def start(self, length: int, device) -> None:
         multiple = 2 * self.p if self.mode == "ring_attn" else self.p
@@ -508,6 +517,42 @@ def head_major_seam(module: str, *, scale: Callable, window: Callable = lambda m
 
 # ---- the hooks ----------------------------------------------------------------
 
+class _RankStream:
+    """torch's global generator (CPU, and the CUDA device of the hidden
+    states) switched to a stream of this rank's own while the split layers
+    run: seed = mix(one 63-bit draw of the shared stream, the SP rank), so it
+    differs per rank and per forward while every rank's shared stream moves
+    on alike; close() puts the shared stream back where that draw left it."""
+
+    def __init__(self, rank: int, device: torch.device):
+        draw = int(torch.randint(0, 2**62, (1,)).item())
+        seed = (draw * 0x9E3779B97F4A7C15 + rank + 1) % (1 << 63)
+        cuda = [device] if device.type == "cuda" else []
+        self._fork = torch.random.fork_rng(devices=cuda)
+        self._fork.__enter__()
+        torch.default_generator.manual_seed(seed)
+        for d in cuda:
+            index = d.index if d.index is not None else torch.cuda.current_device()
+            torch.cuda.default_generators[index].manual_seed(seed)
+
+    def close(self) -> None:
+        self._fork.__exit__(None, None, None)
+
+
+def _open_stream(state: SequenceSplit, layers: nn.Module, device) -> None:
+    """A per-rank stream for a split training forward (not in a backward
+    recomputation: checkpointing restores the generator state itself)."""
+    _close_stream(state)
+    if layers.training and torch._C._current_graph_task_id() == -1:
+        state.stream = _RankStream(state.rank, device)
+
+
+def _close_stream(state: SequenceSplit) -> None:
+    if state.stream is not None:
+        stream, state.stream = state.stream, None
+        stream.close()
+
+
 def _layer_inputs(args, kwargs):
     if args:
         return args[0], lambda v: ((v,) + tuple(args[1:]), kwargs)
@@ -626,6 +671,7 @@ class _SplitHooks:
                 return None
             x, rebuild = _layer_inputs(args, kwargs)
             state.start(x.shape[SEQ_DIM], x.device)
+            _open_stream(state, layers, x.device)
             return rebuild(_Split.apply(x, state))
 
         def every_pre(_module, args, kwargs):
@@ -647,6 +693,7 @@ class _SplitHooks:
         def last_post(_module, _args, output):
             if not state.active:
                 return None
+            _close_stream(state)
             if isinstance(output, torch.Tensor):
                 return _Gather.apply(output, state)
             if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
@@ -654,7 +701,11 @@ class _SplitHooks:
             raise TypeError(f"{state.name}: a decoder layer returned {type(output).__name__}; expected the "
                             f"hidden states (a tensor, or a tuple starting with one)")
 
+        def base_post(_module, _args, _output):
+            _close_stream(state)          # also when a layer raised (always_call)
+
         self.handles.append(self.base.register_forward_pre_hook(base_pre, with_kwargs=True))
+        self.handles.append(self.base.register_forward_hook(base_post, always_call=True))
         self.handles.append(layers[0].register_forward_pre_hook(first_pre, with_kwargs=True))
         for layer in layers:
             self.handles.append(layer.register_forward_pre_hook(every_pre, with_kwargs=True))
