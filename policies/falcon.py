@@ -40,12 +40,15 @@ the cos / sin of this rank's rows (the layers receive them), then
 
     rotary   all_to_all: softmax((q . k) / sqrt(D) + mask) @ v on H/p heads
              over the whole padded sequence (no attention dropout, as the
-             model's eager path); ring_attn: the ring kernel, causal, scale
+             model's eager and sdpa paths; an sdpa model's boolean mask
+             taken as 0 / min); ring_attn: the ring kernel, causal, scale
              1 / sqrt(D), the one or few KV heads shared by their query heads
     ALiBi    all_to_all: softmax((q . k + alibi_h[key]) / sqrt(D) + mask_h),
              attention dropout, @ v, with alibi_h and mask_h (the model folds
-             the bias into its per-head mask too) this rank's heads over the
-             absolute key positions; ring_attn refused (no bias in the kernel)
+             alibi_h / sqrt(D) into its per-head mask too) this rank's heads
+             over the absolute key positions; under sdpa, as the model's sdpa
+             path, the bias only through the mask: softmax(q . k / sqrt(D) +
+             mask_h); ring_attn refused (no bias in the kernel)
 
 and dense on this rank's rows after the all-to-all back.  Those modes do not
 move the decoder layer's functional dropouts: in eval they are off; in
@@ -84,7 +87,7 @@ def _rotary_core(attention, dtype):
             k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
         scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(attention.head_dim)
         if mask is not None:
-            scores = scores + mask
+            scores = scores + sa.additive(mask, scores.dtype)
         return torch.matmul(F.softmax(scores, dim=-1, dtype=dtype), v)
     return core
 
@@ -92,6 +95,7 @@ def _rotary_core(attention, dtype):
 def _alibi_core(state, attention, alibi, dtype):
     heads = attention.num_heads
     bias = sa.padded_keys(alibi.view(-1, heads, 1, alibi.shape[-1]), state)      # [B, H, 1, S']
+    sdpa = attention.config._attn_implementation == "sdpa"
 
     def core(q, k, v, mask):
         if k.shape[1] != q.shape[1]:
@@ -99,9 +103,12 @@ def _alibi_core(state, attention, alibi, dtype):
         scores = torch.matmul(q, k.transpose(-1, -2))
         if scores.dtype in (torch.float16, torch.bfloat16):
             scores = scores.float()
-        logits = (scores + sa.local_heads(bias, state, heads)) * attention.inv_norm_factor
+        if sdpa:        # the model folded alibi / sqrt(D) into its mask; sdpa adds nothing else
+            logits = scores * attention.inv_norm_factor
+        else:           # eager adds the bias to the scores as well
+            logits = (scores + sa.local_heads(bias, state, heads)) * attention.inv_norm_factor
         if mask is not None:
-            logits = logits + sa.local_heads(mask, state, heads)
+            logits = logits + sa.local_heads(sa.additive(mask, logits.dtype), state, heads)
         probs = attention.attention_dropout(F.softmax(logits, dim=-1, dtype=dtype))
         return torch.matmul(probs, v)
     return core

@@ -156,12 +156,14 @@ SEAM_LMS = [("GPTNeoForCausalLM", "all_to_all"), ("GPTNeoForCausalLM", "ring_att
             ("BloomForCausalLM", "all_to_all")]
 # The zoo's Falcon is multi-query, parallel attention, rotary; its other fused layouts, and ALiBi.
 FALCON_VARIANTS = {"new_arch": FALCON_NEW_ARCH, "per_head": FALCON_PER_HEAD, "alibi": {"alibi": True},
-                   "alibi_per_head": dict(FALCON_PER_HEAD, alibi=True)}
+                   "alibi_per_head": dict(FALCON_PER_HEAD, alibi=True), "sdpa": {"attn_implementation": "sdpa"},
+                   "alibi_sdpa": {"alibi": True, "attn_implementation": "sdpa"}}
 
 
 @pytest.mark.parametrize("variant, mode", [("new_arch", "all_to_all"), ("new_arch", "ring_attn"),
                                            ("per_head", "all_to_all"), ("per_head", "ring_attn"),
-                                           ("alibi", "all_to_all"), ("alibi_per_head", "all_to_all")])
+                                           ("alibi", "all_to_all"), ("alibi_per_head", "all_to_all"),
+                                           ("sdpa", "all_to_all"), ("sdpa", "ring_attn"), ("alibi_sdpa", "all_to_all")])
 @pytest.mark.parametrize("sp", [2, 4])
 def test_falcon_variants(pool, variant, mode, sp):
     pool.run(check.equals_unsharded, sp, "FalconForCausalLM", mode, 7, None, False, FALCON_VARIANTS[variant])

@@ -49,19 +49,29 @@ def equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, config=N
     """check_sharded (forward, loss, every gradient, outputs after a step)
     with the sequence split over ctx.group (TP off); the split attention ran
     once per layer per forward (counted).  padded: one batch row left-padded.
-    overrides: of the zoo config (a variant of the family)."""
+    overrides: of the zoo config (a variant of the family); its key
+    "attn_implementation" is set on the built model's config instead."""
     inputs = _trim(zoo.make_inputs(name), seq)
     if padded:
         mask = torch.ones_like(inputs["input_ids"])
         mask[0, :2] = 0
         inputs["attention_mask"] = mask
     before = sa.CALLS[mode]
-    report = parity.check_sharded(ctx, lambda: zoo.build(name, **(overrides or {})), inputs, name=name,
+    report = parity.check_sharded(ctx, lambda: _build(name, overrides), inputs, name=name,
                                   config=sp_config(mode, **(config or {})))
     calls = sa.CALLS[mode] - before
     assert calls > 0, f"{name}: the {mode} attention never ran"
     report["split_calls"] = calls
     return report
+
+
+def _build(name: str, overrides: dict | None):
+    overrides = dict(overrides or {})
+    implementation = overrides.pop("attn_implementation", None)
+    model = zoo.build(name, **overrides)
+    if implementation is not None:
+        model.config._attn_implementation = implementation
+    return model
 
 
 def sliding_window_equals_unsharded(ctx, name: str, mode: str, window: int, seq: int | None = None,

@@ -432,6 +432,14 @@ def local_heads(t: torch.Tensor | None, state: SequenceSplit, heads: int, dim: i
     return t.chunk(state.p, dim)[state.rank]
 
 
+def additive(mask, dtype):
+    """An attention mask as a bias to add to the scores: bool (True = attend)
+    becomes 0 / the dtype's min; an additive one (or None) is returned as is."""
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return mask
+
+
 def padded_keys(t: torch.Tensor | None, state: SequenceSplit):
     """A tensor over the key positions (last dim, the unpadded length)
     extended with zeros to the padded length S'."""
