@@ -1,10 +1,12 @@
 """Sequence parallelism whose attention crosses the split: all_to_all
 (Ulysses) and ring_attn (zigzag ring over the C flash kernel's LSE), for the
-Llama-shaped decoder families, GPT-2, the BERT-style encoders, OPT, ViT, and the families whose attention is
-outside transformers' registry (GPT-Neo, GPT-J, BLOOM, Falcon: split at a seam): equal to the unsharded model (forward, loss,
-every gradient, after an optimizer step) at SP=2 and 4 with TP off, and at
-TP=2 x SP=2 on 4 ranks; odd lengths (padded inside), padded batches,
-eval with dropout, generate(); refusals by name."""
+Llama-shaped decoder families, GPT-2, the BERT-style encoders, OPT, ViT, and
+the families whose attention is outside transformers' registry (GPT-Neo,
+GPT-J, BLOOM, Falcon: split at a seam): equal to the unsharded model
+(forward, loss, every gradient, after an optimizer step) at SP=2 and 4 with
+TP off, and at TP=2 x SP=2 on 4 ranks; odd lengths (padded inside), padded
+batches, eval with dropout, per-rank dropout masks in training, generate();
+refusals by name."""
 import pytest
 from zoo.decoders import FALCON_NEW_ARCH, FALCON_PER_HEAD
 
@@ -213,3 +215,17 @@ def test_alibi_ring_refused(pool, name, overrides):
                                         and m != ("GPTJForCausalLM", "ring_attn")])
 def test_seam_training_dropout_masks(pool, name, mode):
     pool.run(check.training_dropout_masks, 2, name, mode)
+
+
+@pytest.mark.parametrize("name", ["GPTNeoForCausalLM", "GPTJForCausalLM"])
+def test_seam_ring_training_dropout_refused(pool, name):
+    pool.run(check.ring_training_dropout_refused, 2, name)
+
+
+@pytest.mark.parametrize("name, seam_class", [("GPTNeoForCausalLM", "GPTNeoSelfAttention"),
+                                              ("GPTJForCausalLM", "GPTJAttention"),
+                                              ("BloomForCausalLM", "BloomAttention"),
+                                              ("FalconForCausalLM", "FalconAttention")])
+@pytest.mark.parametrize("mode", MODES)
+def test_seam_other_implementation_refused(pool, name, seam_class, mode):
+    pool.run(check.other_implementation_refused, 2, name, mode, seam_class)

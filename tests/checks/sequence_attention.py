@@ -336,13 +336,20 @@ def refused_unchanged(ctx, name: str, mode: str, match: str, overrides: dict | N
     """optimize() raises NotImplementedError naming the class, the mode and
     `match`, and the model is left as it was: its tensors, its modules'
     classes, no split state or replaced method on any module."""
-    model = zoo.build(name, **(overrides or {}))
+    message = refused_unchanged_model(ctx, zoo.build(name, **(overrides or {})), name, mode)
+    assert match in message, message
+    return message
+
+
+def refused_unchanged_model(ctx, model, name: str, mode: str) -> str:
+    """optimize(model) under `mode` raises NotImplementedError naming the
+    class and the mode, and leaves the model as it was (see refused_unchanged)."""
     classes = [type(m) for m in model.modules()]
     message = parity.refused_unchanged(
         model, lambda: ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group,
                                                **sp_config(mode))).optimize(model),
         f"{name} {mode}", error=NotImplementedError)
-    assert name in message and mode in message and match in message, message
+    assert name in message and mode in message, message
     assert [type(m) for m in model.modules()] == classes, f"{name}: modules replaced by a refused optimize()"
     touched = [n for n, m in model.named_modules()
                if "_shardformer_sequence_split" in m.__dict__ or "forward" in m.__dict__ or "_attn" in m.__dict__]
@@ -350,27 +357,20 @@ def refused_unchanged(ctx, name: str, mode: str, match: str, overrides: dict | N
     return message
 
 
-def training_dropout_masks(ctx, name: str, mode: str, p: float = 0.3, tp: int = 1) -> dict:
-    """A training forward with every dropout at p (the zoo's layers under
-    `transformer.h`): each dropout drawn inside the split layers (this rank's
-    rows, or this rank's heads over the whole sequence) has a different mask
-    on every rank of the SP group, while those outside (the embedding
-    dropout on the full sequence, which every rank computes) have the same
-    one (where there are any); the gathered outputs agree, the loss is finite and backward runs.
-    tp > 1: TP over {0,1},{2,3}, SP over {0,2},{1,3}."""
+def training_dropout_masks(ctx, name: str, mode: str, p: float = 0.3) -> dict:
+    """A training forward with every dropout at p, TP off (the zoo's layers
+    under `transformer.h`; every dropout a torch.nn.functional.dropout call):
+    each dropout drawn inside the split layers (this rank's rows, or this
+    rank's heads over the whole sequence) has a different mask on every
+    rank, while those outside (the embedding dropout on the full sequence,
+    which every rank computes) have the same one (where there are any); the
+    gathered outputs agree, the loss is finite and backward runs."""
     import torch.nn.functional as F
 
     from checks.sequence import check_split_dropout_step
 
     model = zoo.build_with_dropout(name, p).train()
-    if tp > 1:
-        tp_group, sp_group = mesh_groups(ctx, tp)
-        cfg = ShardConfig(tensor_parallel_process_group=tp_group, enable_sequence_parallelism=True,
-                          sequence_parallelism_mode=mode, sequence_parallel_process_group=sp_group)
-    else:
-        sp_group = ctx.group
-        cfg = ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))
-    ShardFormer(cfg).optimize(model)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))).optimize(model)
     layers = model.get_submodule("transformer.h")
     inside, masks = [False], {"in": [], "out": []}
     layers[0].register_forward_pre_hook(lambda m, a: inside.__setitem__(0, True))
@@ -391,11 +391,44 @@ def training_dropout_masks(ctx, name: str, mode: str, p: float = 0.3, tp: int = 
         F.dropout = original
     assert sa.CALLS[mode] > before, f"{name}: the {mode} attention never ran"
     assert masks["in"], f"{name}: no dropout ran in the layers"
-    sp = dist.get_world_size(sp_group)
     for i, mask in enumerate(masks["out"]):
-        every = [torch.empty_like(mask, dtype=torch.uint8) for _ in range(sp)]
-        dist.all_gather(every, mask.to(torch.uint8).contiguous(), group=sp_group)
+        every = [torch.empty_like(mask, dtype=torch.uint8) for _ in range(ctx.tp_size)]
+        dist.all_gather(every, mask.to(torch.uint8).contiguous(), group=ctx.group)
         assert all(torch.equal(e, every[0]) for e in every), f"{name}: dropout {i} outside the layers differs"
-    sub = dataclasses.replace(ctx, tp_size=sp, group=sp_group) if dataclasses.is_dataclass(ctx) else ctx
     inner = {f"dropout {i} in the layers": m for i, m in enumerate(masks["in"])}
-    return check_split_dropout_step(sub, name, inner, out)
+    return check_split_dropout_step(ctx, name, inner, out)
+
+
+def ring_training_dropout_refused(ctx, name: str) -> str:
+    """ring_attn in a training forward with attention dropout > 0 (the ring
+    kernel applies none): the forward raises NotImplementedError naming the
+    class; the same model in eval() runs through the ring (counted)."""
+    model = zoo.build_with_dropout(name, 0.3).train()
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config("ring_attn"))).optimize(model)
+    inputs = zoo.make_inputs(name)
+    try:
+        model(**inputs)
+    except NotImplementedError as e:
+        assert name in str(e) and "attention dropout" in str(e), str(e)
+        message = str(e)
+    else:
+        raise AssertionError(f"{name}: ring_attn with attention dropout in training was not refused")
+    before = sa.CALLS["ring_attn"]
+    with torch.no_grad():
+        model.eval()(**inputs)
+    assert sa.CALLS["ring_attn"] > before, f"{name}: the ring never ran in eval"
+    return message
+
+
+def other_implementation_refused(ctx, name: str, mode: str, seam_class: str) -> str:
+    """A model whose attention modules are another implementation class than
+    the seam's (simulated: each `seam_class` module's class renamed by a
+    subclass, as transformers' flash-attention subclasses are) is refused
+    by optimize(), naming the class and the mode, and left unchanged."""
+    model = zoo.build(name)
+    for m in model.modules():
+        if type(m).__name__ == seam_class:
+            m.__class__ = type(f"{seam_class}Flash", (type(m),), {})
+    message = refused_unchanged_model(ctx, model, name, mode)
+    assert seam_class in message and "attn_implementation" in message, message
+    return message
