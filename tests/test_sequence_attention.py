@@ -229,3 +229,10 @@ def test_seam_ring_training_dropout_refused(pool, name):
 @pytest.mark.parametrize("mode", MODES)
 def test_seam_other_implementation_refused(pool, name, seam_class, mode):
     pool.run(check.other_implementation_refused, 2, name, mode, seam_class)
+
+
+@pytest.mark.parametrize("name, mode", [("GPTNeoForCausalLM", "all_to_all"), ("FalconForCausalLM", "ring_attn"),
+                                        ("BloomForCausalLM", "all_to_all")])
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_seam_checkpointed_training_dropout(pool, name, mode, use_reentrant):
+    pool.run(check.checkpointed_dropout_matches, 2, name, mode, use_reentrant)

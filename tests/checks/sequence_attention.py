@@ -432,3 +432,35 @@ def other_implementation_refused(ctx, name: str, mode: str, seam_class: str) -> 
     message = refused_unchanged_model(ctx, model, name, mode)
     assert seam_class in message and "attn_implementation" in message, message
     return message
+
+
+def checkpointed_dropout_matches(ctx, name: str, mode: str, use_reentrant: bool = False) -> dict:
+    """Training with dropout 0.3 under `mode`, with gradient checkpointing of
+    the layers and without, from the same generator state: the same loss
+    and every gradient the same (the recomputed layers drew the masks of the
+    first forward), through the split attention (counted)."""
+    def sharded(checkpointing: bool):
+        model = zoo.build_with_dropout(name, 0.3).train()
+        ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))).optimize(model)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        return model
+
+    plain, checkpointed = sharded(False), sharded(True)
+    inputs = zoo.make_inputs(name)
+    losses = []
+    before = sa.CALLS[mode]
+    for model in (plain, checkpointed):
+        torch.manual_seed(11)
+        loss = model(**inputs).loss
+        loss.backward()
+        losses.append(loss.detach())
+    # the split ran in both forwards and in the recomputation of every layer
+    assert sa.CALLS[mode] - before >= 3 * len(plain.get_submodule("transformer.h")), "no recomputation counted"
+    tol = parity.TOL[torch.float32]
+    parity.assert_close(f"{name} loss with checkpointing", losses[1], losses[0], tol)
+    grads = dict(plain.named_parameters())
+    worst = 0.0
+    for key, prm in checkpointed.named_parameters():
+        worst = max(worst, parity.assert_close(f"{name} grad {key} with checkpointing", prm.grad, grads[key].grad, tol))
+    return {"loss": float(losses[0]), "grad": worst}

@@ -42,11 +42,13 @@ rank's heads after the exchange, over the full padded key axis.
 
 Dropout in a split training forward: inside the layers every rank holds
 other rows (or, inside all_to_all, other heads), so torch's global generator,
-in the same state on every rank, would draw one mask for all of them.  From
-the first layer to the last, the global generator draws from a per-rank
-stream (_RankStream: seeded from one draw of the shared stream and the SP
-rank; tensor-parallel peers, which hold the same rows, share it) and is put
-back after, so dropouts outside the layers stay the same on every rank.
+in the same state on every rank, would draw one mask for all of them.  While
+each layer runs, the global generator draws from a per-rank stream
+(_RankStream: seeded from one draw of the shared stream and the SP rank;
+tensor-parallel peers, which hold the same rows, share it) and is put back
+after, so dropouts outside the layers stay the same on every rank.  Per
+layer, so that gradient checkpointing, which restores the shared stream
+before recomputing a layer, draws the same seed and the same masks again.
 
 A forward that uses a KV cache (past_key_values given, or use_cache=True)
 runs unsplit: generate() works unchanged (each rank computes the whole
@@ -527,10 +529,11 @@ def head_major_seam(module: str, *, scale: Callable, window: Callable = lambda m
 
 class _RankStream:
     """torch's global generator (CPU, and the CUDA device of the hidden
-    states) switched to a stream of this rank's own while the split layers
-    run: seed = mix(one 63-bit draw of the shared stream, the SP rank), so it
-    differs per rank and per forward while every rank's shared stream moves
-    on alike; close() puts the shared stream back where that draw left it."""
+    states) switched to a stream of this rank's own while a split layer
+    runs: seed = mix(one 63-bit draw of the shared stream, the SP rank), so it
+    differs per rank, layer and forward while every rank's shared stream
+    moves on alike; close() puts the shared stream back where that draw left
+    it."""
 
     def __init__(self, rank: int, device: torch.device):
         draw = int(torch.randint(0, 2**62, (1,)).item())
@@ -547,11 +550,10 @@ class _RankStream:
         self._fork.__exit__(None, None, None)
 
 
-def _open_stream(state: SequenceSplit, layers: nn.Module, device) -> None:
-    """A per-rank stream for a split training forward (not in a backward
-    recomputation: checkpointing restores the generator state itself)."""
+def _open_stream(state: SequenceSplit, layer: nn.Module, device) -> None:
+    """A per-rank stream while a layer of a split training forward runs."""
     _close_stream(state)
-    if layers.training and torch._C._current_graph_task_id() == -1:
+    if layer.training:
         state.stream = _RankStream(state.rank, device)
 
 
@@ -679,12 +681,13 @@ class _SplitHooks:
                 return None
             x, rebuild = _layer_inputs(args, kwargs)
             state.start(x.shape[SEQ_DIM], x.device)
-            _open_stream(state, layers, x.device)
             return rebuild(_Split.apply(x, state))
 
-        def every_pre(_module, args, kwargs):
+        def every_pre(module, args, kwargs):
             if not state.active:
                 return None
+            x, _ = _layer_inputs(args, kwargs)
+            _open_stream(state, module, x.device)
             pe = kwargs.get("position_embeddings")
             if isinstance(pe, (tuple, list)):
                 kwargs = {**kwargs, "position_embeddings": type(pe)(
@@ -698,10 +701,12 @@ class _SplitHooks:
                     kwargs = {**kwargs, key: state.local(t, SEQ_DIM)}
             return args, kwargs
 
+        def every_post(_module, _args, _output):
+            _close_stream(state)          # also when the layer raised (always_call)
+
         def last_post(_module, _args, output):
             if not state.active:
                 return None
-            _close_stream(state)
             if isinstance(output, torch.Tensor):
                 return _Gather.apply(output, state)
             if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
@@ -709,14 +714,11 @@ class _SplitHooks:
             raise TypeError(f"{state.name}: a decoder layer returned {type(output).__name__}; expected the "
                             f"hidden states (a tensor, or a tuple starting with one)")
 
-        def base_post(_module, _args, _output):
-            _close_stream(state)          # also when a layer raised (always_call)
-
         self.handles.append(self.base.register_forward_pre_hook(base_pre, with_kwargs=True))
-        self.handles.append(self.base.register_forward_hook(base_post, always_call=True))
         self.handles.append(layers[0].register_forward_pre_hook(first_pre, with_kwargs=True))
         for layer in layers:
             self.handles.append(layer.register_forward_pre_hook(every_pre, with_kwargs=True))
+            self.handles.append(layer.register_forward_hook(every_post, always_call=True))
         self.handles.append(layers[len(layers) - 1].register_forward_hook(last_post))
         return layers
 
