@@ -236,3 +236,9 @@ def test_seam_other_implementation_refused(pool, name, seam_class, mode):
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_seam_checkpointed_training_dropout(pool, name, mode, use_reentrant):
     pool.run(check.checkpointed_dropout_matches, 2, name, mode, use_reentrant)
+
+
+@pytest.mark.parametrize("name, mode", [("LlamaForCausalLM", "all_to_all"), ("GPTNeoForCausalLM", "ring_attn"),
+                                        ("FalconForCausalLM", "all_to_all")])
+def test_no_dropout_keeps_generator(pool, name, mode):
+    pool.run(check.no_dropout_keeps_generator, 2, name, mode)

@@ -464,3 +464,17 @@ def checkpointed_dropout_matches(ctx, name: str, mode: str, use_reentrant: bool 
     for key, prm in checkpointed.named_parameters():
         worst = max(worst, parity.assert_close(f"{name} grad {key} with checkpointing", prm.grad, grads[key].grad, tol))
     return {"loss": float(losses[0]), "grad": worst}
+
+
+def no_dropout_keeps_generator(ctx, name: str, mode: str) -> dict:
+    """A split training forward and backward of a model without dropout
+    draws nothing from torch's global generator (as the unsharded model
+    does not), through the split attention (counted)."""
+    model = zoo.build(name).train()
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))).optimize(model)
+    inputs = zoo.make_inputs(name)
+    before, calls = torch.get_rng_state(), sa.CALLS[mode]
+    model(**inputs).loss.backward()
+    assert sa.CALLS[mode] > calls, f"{name}: the {mode} attention never ran"
+    assert torch.equal(torch.get_rng_state(), before), f"{name}: a training forward without dropout drew"
+    return {"calls": sa.CALLS[mode] - calls}

@@ -550,10 +550,22 @@ class _RankStream:
         self._fork.__exit__(None, None, None)
 
 
-def _open_stream(state: SequenceSplit, layer: nn.Module, device) -> None:
-    """A per-rank stream while a layer of a split training forward runs."""
+def _may_drop(layer: nn.Module, config) -> bool:
+    """Whether a layer in training can draw a dropout mask: an nn.Dropout
+    with p > 0 in it, or a dropout probability > 0 in the model's config
+    (functional dropouts read it there, e.g. Falcon's hidden_dropout)."""
+    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in layer.modules()):
+        return True
+    values = vars(config).items() if config is not None else ()
+    return any("dropout" in k and isinstance(v, float) and v > 0 for k, v in values)
+
+
+def _open_stream(state: SequenceSplit, layer: nn.Module, config, device) -> None:
+    """A per-rank stream while a layer of a split training forward runs
+    (only where it can drop: a model without dropout leaves the shared
+    stream untouched)."""
     _close_stream(state)
-    if layer.training:
+    if layer.training and _may_drop(layer, config):
         state.stream = _RankStream(state.rank, device)
 
 
@@ -687,7 +699,7 @@ class _SplitHooks:
             if not state.active:
                 return None
             x, _ = _layer_inputs(args, kwargs)
-            _open_stream(state, module, x.device)
+            _open_stream(state, module, getattr(self.base, "config", None), x.device)
             pe = kwargs.get("position_embeddings")
             if isinstance(pe, (tuple, list)):
                 kwargs = {**kwargs, "position_embeddings": type(pe)(
