@@ -736,6 +736,10 @@ class FusedQKVShape(SplitGatherMixin, FamilyPolicy):
     enable_sequence_overlap, dense_h_to_4h gathers its input rows itself,
     the all-gather overlapping its matmul (sp_overlap).
 
+    all_to_all / ring_attn: where a subclass names the layers
+    (split_attention_at) and its attention's seam (attention_seam:
+    BLOOM's and Falcon's attention forward, see their policy files).
+
     Options: prefix ("Bloom"), layer (layer class suffix: "Block", "DecoderLayer").
     """
 

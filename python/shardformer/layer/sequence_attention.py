@@ -648,7 +648,8 @@ class _SplitHooks:
         users = [m for m in self.layers.modules() if _uses_registry(m)]
         if not users:
             raise NotImplementedError(f"{state.name}: sequence_parallelism_mode={state.mode!r} needs attention "
-                                      f"that goes through transformers' AttentionInterface; this model's does not")
+                                      f"that goes through transformers' AttentionInterface, or a family that names "
+                                      f"its attention's seam (AttentionSeam); this model has neither")
         configs = {id(m.config): m.config for m in users if getattr(m, "config", None) is not None}
         base_config = getattr(self.base, "config", None)
         if base_config is not None:
