@@ -27,11 +27,12 @@ OTHER_FAMILIES = ["GPT2LMHeadModel", "GPT2ForSequenceClassification", "BertForMa
 SEAM_FAMILIES = ["GPTNeoForCausalLM", "GPTNeoForSequenceClassification", "GPTNeoForTokenClassification",
                  "GPTNeoForQuestionAnswering", "GPTJForCausalLM", "GPTJForSequenceClassification",
                  "GPTJForQuestionAnswering", "FalconForCausalLM", "FalconForSequenceClassification",
-                 "FalconForTokenClassification", "FalconForQuestionAnswering"]
+                 "FalconForTokenClassification", "FalconForQuestionAnswering", "GPTNeoModel", "GPTJModel",
+                 "FalconModel"]
 # ALiBi (BLOOM): the per-head bias over absolute key positions, this rank's heads after the all-to-all; the ring
 # kernel adds no bias (refused below).
 ALIBI_FAMILIES = ["BloomForCausalLM", "BloomForSequenceClassification", "BloomForTokenClassification",
-                  "BloomForQuestionAnswering"]
+                  "BloomForQuestionAnswering", "BloomModel"]
 
 
 # One test function per mode: README's support matrix has a column per function (scripts/support_matrix.py).
