@@ -117,11 +117,13 @@ def _alibi_core(state, attention, alibi, dtype):
 def split_attention(state, attention, original, args, kwargs):
     """FalconAttention.forward in a split forward: hidden_states [B, S_r,
     hidden] of this rank's rows -> (output [B, S_r, hidden], None)."""
-    hidden, alibi, mask = sa.bind_args(args, kwargs, ("hidden_states", "alibi", "attention_mask"))
+    hidden, alibi, mask, *_, rotary = sa.bind_args(args, kwargs, (
+        "hidden_states", "alibi", "attention_mask", "position_ids", "layer_past", "use_cache", "output_attentions",
+        "position_embeddings"))
     batch, rows, _ = hidden.shape
     query, key, value = _heads_major(attention, hidden)
     if alibi is None:
-        cos, sin = kwargs["position_embeddings"]                    # this rank's rows (the layer hook)
+        cos, sin = rotary                                           # this rank's rows (the layer hook)
         rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
         query, key = rotate(query, key, cos, sin)
         if state.mode == "ring_attn":
