@@ -21,10 +21,26 @@ pretraining_tp > 1 with slow_but_exact=True is refused.
 Split-gather sequence parallelism: FusedQKVShape's.  ALiBi needs nothing more:
 the model builds the bias for the whole sequence and the attention sees the
 whole (gathered) sequence; dropout_add's probability moves into the row layers.
+
+all_to_all: BLOOM's attention is outside transformers' registry and computes
+its scores inline in BloomAttention.forward, so that forward is the seam
+(split_attention below): query_key_value on this rank's rows, the
+all-to-all to H/p heads over the whole padded sequence, there
+
+    scores = alibi_h[key] + (q . k) / sqrt(D) + mask,   softmax, dropout, @ v
+
+with alibi_h the model's bias (slope_h x absolute key position, built for the
+whole sequence) for this rank's heads, then the all-to-all back, dense and
+the residual dropout_add on this rank's rows.  ring_attn is refused: the
+ring kernel adds no per-head bias to the scores.
 """
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
+
 from shardformer.family import Family
+from shardformer.layer import sequence_attention as sa
 from shardformer.policies.shapes import FusedQKVShape, gpt_heads
 
 
@@ -40,7 +56,44 @@ def local_alibi(hf_build, q_start: int, q_count: int):
     return build_alibi_tensor
 
 
+def split_attention(state, attention, original, args, kwargs):
+    """BloomAttention.forward in a split forward (all_to_all): hidden_states
+    [B, S_r, hidden] of this rank's rows -> (output [B, S_r, hidden], None)."""
+    hidden, residual, alibi, mask = sa.bind_args(args, kwargs, ("hidden_states", "residual", "alibi",
+                                                                "attention_mask"))
+    batch, rows, _ = hidden.shape
+    heads, head_dim = attention.num_heads, attention.head_dim
+    query, key, value = attention._reshape(attention.query_key_value(hidden))      # [B, H, S_r, D]
+    bias = sa.padded_keys(alibi.view(batch, heads, 1, -1), state)                 # [B, H, 1, S']
+
+    def core(q, k, v, full_mask):
+        scores = attention.beta * sa.local_heads(bias, state, heads) + \
+            attention.inv_norm_factor * torch.matmul(q, k.transpose(-1, -2))
+        if full_mask is not None:
+            scores = scores + full_mask
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(attention.attention_dropout(probs), v)
+
+    context = sa.ulysses(state, query, key, value, core, mask)                     # [B, H, S_r, D]
+    output = attention.dense(context.transpose(1, 2).reshape(batch, rows, heads * head_dim))
+    return F.dropout(output, attention.hidden_dropout, attention.training) + residual, None
+
+
+def refuse_ring(model, mode, name):
+    if mode == "ring_attn":
+        raise NotImplementedError(
+            f"{name}: ring_attn cannot apply ALiBi (transformer.h.*.self_attention, BloomAttention, adds a "
+            f"per-head bias slope_h x key position to the scores; the ring kernel adds none); use "
+            f"sequence_parallelism_mode='all_to_all'")
+
+
+SEAM = sa.AttentionSeam("BloomAttention", "forward", split_attention, check=refuse_ring)
+
+
 class BloomShape(FusedQKVShape):
+    split_attention_at = ("BloomModel", "h")
+    attention_seam = SEAM
+
     def config_sanity_check(self):
         cfg = self.model.config
         if cfg.pretraining_tp > 1 and cfg.slow_but_exact:

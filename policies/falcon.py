@@ -31,15 +31,126 @@ attention and MLP outputs, with the probabilities read from the shared
 config (hidden_dropout, attention_dropout): they cannot move into the row
 layers, and on this rank's rows torch's global generator would draw the
 same mask on every rank, so SP is refused when either is > 0.
+
+all_to_all / ring_attn: Falcon's attention is outside transformers' registry
+and computes its scores inline in FalconAttention.forward, so that forward is
+the seam (split_attention below), for every fused layout above: query_key_value
+on this rank's rows, the model's own _split_heads, the rotary embedding from
+the cos / sin of this rank's rows (the layers receive them), then
+
+    rotary   all_to_all: softmax((q . k) / sqrt(D) + mask) @ v on H/p heads
+             over the whole padded sequence (no attention dropout, as the
+             model's eager and sdpa paths; an sdpa model's boolean mask
+             taken as 0 / min); ring_attn: the ring kernel, causal, scale
+             1 / sqrt(D), the one or few KV heads shared by their query heads
+    ALiBi    all_to_all: softmax((q . k + alibi_h[key]) / sqrt(D) + mask_h),
+             attention dropout, @ v, with alibi_h and mask_h (the model folds
+             alibi_h / sqrt(D) into its per-head mask too) this rank's heads
+             over the absolute key positions; under sdpa, as the model's sdpa
+             path, the bias only through the mask: softmax(q . k / sqrt(D) +
+             mask_h); ring_attn refused (no bias in the kernel)
+
+and dense on this rank's rows after the all-to-all back.  Those modes do not
+move the decoder layer's functional dropouts: in eval they are off; in
+training each rank draws the masks of its own rows.  ALiBi with tensor
+parallelism stays refused (above).
 """
 from __future__ import annotations
 
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
 from shardformer.family import Family
+from shardformer.layer import sequence_attention as sa
 from shardformer.layout import Heads
 from shardformer.policies.shapes import FusedQKVShape, gpt_heads
 
 
+def _heads_major(attention, hidden):
+    """q [B, H, S_r, D], k / v [B, Hkv, S_r, D] of this rank's rows (Hkv: 1
+    for multi-query, H for the others: the new architecture's _split_heads
+    repeats its KV heads)."""
+    query, key, value = attention._split_heads(attention.query_key_value(hidden))   # [B, S_r, heads, D]
+    kv = attention.num_heads if attention.new_decoder_architecture else attention.num_kv_heads
+    batch, rows = hidden.shape[:2]
+    query = query.transpose(1, 2).reshape(batch, attention.num_heads, rows, attention.head_dim)
+    key, value = (t.transpose(1, 2).reshape(batch, kv, rows, attention.head_dim) for t in (key, value))
+    return query, key, value
+
+
+def _rotary_core(attention, dtype):
+    def core(q, k, v, mask):
+        if k.shape[1] != q.shape[1]:
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(attention.head_dim)
+        if mask is not None:
+            scores = scores + sa.additive(mask, scores.dtype)
+        return torch.matmul(F.softmax(scores, dim=-1, dtype=dtype), v)
+    return core
+
+
+def _alibi_core(state, attention, alibi, dtype):
+    heads = attention.num_heads
+    bias = sa.padded_keys(alibi.view(-1, heads, 1, alibi.shape[-1]), state)      # [B, H, 1, S']
+    sdpa = attention.config._attn_implementation == "sdpa"
+
+    def core(q, k, v, mask):
+        if k.shape[1] != q.shape[1]:
+            k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        if scores.dtype in (torch.float16, torch.bfloat16):
+            scores = scores.float()
+        if sdpa:        # the model folded alibi / sqrt(D) into its mask; sdpa adds nothing else
+            logits = scores * attention.inv_norm_factor
+        else:           # eager adds the bias to the scores as well
+            logits = (scores + sa.local_heads(bias, state, heads)) * attention.inv_norm_factor
+        if mask is not None:
+            logits = logits + sa.local_heads(sa.additive(mask, logits.dtype), state, heads)
+        probs = attention.attention_dropout(F.softmax(logits, dim=-1, dtype=dtype))
+        return torch.matmul(probs, v)
+    return core
+
+
+def split_attention(state, attention, original, args, kwargs):
+    """FalconAttention.forward in a split forward: hidden_states [B, S_r,
+    hidden] of this rank's rows -> (output [B, S_r, hidden], None)."""
+    hidden, alibi, mask, *_, rotary = sa.bind_args(args, kwargs, (
+        "hidden_states", "alibi", "attention_mask", "position_ids", "layer_past", "use_cache", "output_attentions",
+        "position_embeddings"))
+    batch, rows, _ = hidden.shape
+    query, key, value = _heads_major(attention, hidden)
+    if alibi is None:
+        cos, sin = rotary                                           # this rank's rows (the layer hook)
+        rotate = sys.modules[type(attention).__module__].apply_rotary_pos_emb
+        query, key = rotate(query, key, cos, sin)
+        if state.mode == "ring_attn":
+            context = sa.ring_rows(state, query, key, value, mask, scale=1.0 / math.sqrt(attention.head_dim))
+        else:
+            context = sa.ulysses(state, query, key, value, _rotary_core(attention, hidden.dtype), mask)
+    else:
+        context = sa.ulysses(state, query, key, value, _alibi_core(state, attention, alibi, hidden.dtype), mask)
+    merged = context.transpose(1, 2).reshape(batch, rows, attention.num_heads * attention.head_dim)
+    return attention.dense(merged), None
+
+
+def refuse_ring_alibi(model, mode, name):
+    if mode == "ring_attn" and model.config.alibi:
+        raise NotImplementedError(
+            f"{name}: ring_attn cannot apply ALiBi (transformer.h.*.self_attention, FalconAttention with "
+            f"alibi=True, adds a per-head bias slope_h x key position to the scores; the ring kernel adds none); "
+            f"use sequence_parallelism_mode='all_to_all'")
+
+
+SEAM = sa.AttentionSeam("FalconAttention", "forward", split_attention, check=refuse_ring_alibi)
+
+
 class FalconShape(FusedQKVShape):
+    split_attention_at = ("FalconModel", "h")
+    attention_seam = SEAM
+
     def config_sanity_check(self):
         cfg = self.model.config
         if self.tensor_parallel and cfg.alibi:

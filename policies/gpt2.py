@@ -37,7 +37,7 @@ from shardformer.policy import SubModuleReplacementDescription as Sub
 
 
 class GPT2Shape(GPTBlockShape):
-    split_attention_at = ("GPT2Model", "h")      # GPT-Neo / GPT-J attention does not use transformers' registry
+    split_attention_at = ("GPT2Model", "h")
 
     def config_sanity_check(self):
         if self.tensor_parallel and getattr(self.model.config, "add_cross_attention", False):

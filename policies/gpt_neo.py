@@ -18,12 +18,30 @@ Split-gather sequence parallelism: GPTBlockShape's (hidden states split along
 the sequence between the first and the last block, out_proj and the MLP's
 down projection reduce-scatter and add their bias on this rank's rows,
 residual dropouts draw a mask per rank, norms' gradients all-reduced).
+
+all_to_all / ring_attn: GPT-Neo's attention is outside transformers'
+registry; the split runs at GPTNeoSelfAttention._attn(q, k, v, mask), where
+q, k, v [B, H, S_r, D] of this rank's rows meet (positions are learned
+embeddings added before the layers).  all_to_all: the model's own _attn on
+H/p heads over the whole padded sequence (its causal / local-window buffer
+and the extended mask).  ring_attn: the ring kernel, causal, unscaled
+(GPT-Neo does not scale q . k), and on the "local" layers a window of
+config.window_size keys (key j seen by query i iff i - window < j <= i).
 """
 from shardformer.family import Family
+from shardformer.layer.sequence_attention import head_major_seam
 from shardformer.policies.shapes import GPTBlockShape, gpt_heads
+
+
+def _window(attention) -> int:
+    return attention.config.window_size if attention.attention_type == "local" else 0
+
+
+SEAM = head_major_seam("GPTNeoSelfAttention", scale=lambda attention: 1.0, window=_window)
 
 FAMILY = Family("gpt_neo", "gpt_neo.modeling_gpt_neo", GPTBlockShape,
                 options={"prefix": "GPTNeo", "attention": "attn.attention", "heads_attribute": "num_heads",
-                         "mlp_names": ("c_fc", "c_proj")},
+                         "mlp_names": ("c_fc", "c_proj"), "split_attention_at": ("GPTNeoModel", "h"),
+                         "attention_seam": SEAM},
                 heads=gpt_heads("GPTNeo"))
 globals().update(FAMILY.policy_classes())

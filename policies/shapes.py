@@ -736,6 +736,10 @@ class FusedQKVShape(SplitGatherMixin, FamilyPolicy):
     enable_sequence_overlap, dense_h_to_4h gathers its input rows itself,
     the all-gather overlapping its matmul (sp_overlap).
 
+    all_to_all / ring_attn: where a subclass names the layers
+    (split_attention_at) and its attention's seam (attention_seam:
+    BLOOM's and Falcon's attention forward, see their policy files).
+
     Options: prefix ("Bloom"), layer (layer class suffix: "Block", "DecoderLayer").
     """
 
@@ -744,7 +748,7 @@ class FusedQKVShape(SplitGatherMixin, FamilyPolicy):
     pipeline_split = StageSplit("{prefix}Model", "h", last=("ln_f",))
 
     def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return ("split_gather",)
+        return ("split_gather",) + self.split_attention_modes()
 
     def residual_dropouts(self) -> tuple[float, tuple[str, ...]]:
         """(p, attributes under the layer holding p) of the functional residual

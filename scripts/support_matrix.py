@@ -105,6 +105,9 @@ NOT_SUPPORTED = {
     ("gemma3", "sequence parallel (ring_attn)"):
         "the text classes; the multimodal ones are refused by name: an image's tokens attend to each "
         "other both ways, which the ring kernel cannot express",
+    ("bloom", "sequence parallel (ring_attn)"):
+        "BloomAttention adds an ALiBi bias (slope per head x key position) to its scores; the ring "
+        "kernel adds none, so ring_attn is refused by name (all_to_all applies the bias on each rank's heads)",
     ("mixtral", "jit fused"):
         "Mixtral's experts are the policy's expert-parallel module (replaced by the policy, "
         "which the optimizations leave alone)",
@@ -126,6 +129,9 @@ CAVEATS = {
         "tested with attn_logit_softcapping=None; with logit soft-capping (Gemma-2's default) the "
         "layers keep HF's attention, the kernel has no soft-cap",
     ("mistral", "flash attention"): "with a sliding window (4) shorter than the test's sequences",
+    ("falcon", "sequence parallel (ring_attn)"):
+        "rotary Falcon (the zoo's config; the other fused layouts and SDPA in "
+        "test_falcon_variants); ALiBi Falcon is refused by name under ring_attn, all_to_all covers it",
 }
 BEGIN, END = "<!-- support-matrix:begin -->", "<!-- support-matrix:end -->"
 # every tests/test_models*.py (one per zoo module), and the other files holding the feature tests above

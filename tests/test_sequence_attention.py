@@ -1,11 +1,15 @@
 """Sequence parallelism whose attention crosses the split: all_to_all
 (Ulysses) and ring_attn (zigzag ring over the C flash kernel's LSE), for the
-Llama-shaped decoder families, GPT-2, the BERT-style encoders, OPT, ViT, ALBERT (shared layer groups), T5
-(relative position bias, cross-attention) and Whisper (encoder and decoder): equal to the unsharded model (forward, loss,
-every gradient, after an optimizer step) at SP=2 and 4 with TP off, and at
-TP=2 x SP=2 on 4 ranks; odd lengths (padded inside), padded batches,
-eval with dropout, generate(); refusals by name."""
+Llama-shaped decoder families, GPT-2, the BERT-style encoders, OPT, ViT,
+ALBERT (shared layer groups), T5 (relative position bias, cross-attention),
+Whisper (encoder and decoder), and the families whose attention is outside
+transformers' registry (GPT-Neo, GPT-J, BLOOM, Falcon: split at a seam):
+equal to the unsharded model (forward, loss, every gradient, after an
+optimizer step) at SP=2 and 4 with TP off, and at TP=2 x SP=2 on 4 ranks;
+odd lengths (padded inside), padded batches, eval with dropout, per-rank
+dropout masks in training, generate(); refusals by name."""
 import pytest
+from zoo.decoders import FALCON_NEW_ARCH, FALCON_PER_HEAD
 
 from checks import sequence_attention as check
 
@@ -29,15 +33,27 @@ WHISPER = ["WhisperForConditionalGeneration", "WhisperModel", "WhisperForAudioCl
 # ring_attn: each block of the ring its (query rows, key columns).
 T5 = ["T5ForConditionalGeneration", "T5ForConditionalGeneration/v1.1", "T5EncoderModel", "T5Model",
       "T5ForTokenClassification", "T5ForSequenceClassification", "T5ForQuestionAnswering"]
+# Attention outside transformers' registry, split at a seam the family names (AttentionSeam): GPT-Neo (global and
+# local-window layers), GPT-J (rotary from position_ids), Falcon (rotary; multi-query, parallel attention).
+SEAM_FAMILIES = ["GPTNeoForCausalLM", "GPTNeoForSequenceClassification", "GPTNeoForTokenClassification",
+                 "GPTNeoForQuestionAnswering", "GPTJForCausalLM", "GPTJForSequenceClassification",
+                 "GPTJForQuestionAnswering", "FalconForCausalLM", "FalconForSequenceClassification",
+                 "FalconForTokenClassification", "FalconForQuestionAnswering", "GPTNeoModel", "GPTJModel",
+                 "FalconModel"]
+# ALiBi (BLOOM): the per-head bias over absolute key positions, this rank's heads after the all-to-all; the ring
+# kernel adds no bias (refused below).
+ALIBI_FAMILIES = ["BloomForCausalLM", "BloomForSequenceClassification", "BloomForTokenClassification",
+                  "BloomForQuestionAnswering", "BloomModel"]
 
 
 # One test function per mode: README's support matrix has a column per function (scripts/support_matrix.py).
-@pytest.mark.parametrize("name", FAMILIES + ALL_TO_ALL_ONLY + OTHER_FAMILIES + ALBERT + WHISPER + T5)
+@pytest.mark.parametrize("name", FAMILIES + ALL_TO_ALL_ONLY + OTHER_FAMILIES + ALBERT + WHISPER + T5 + SEAM_FAMILIES
+                         + ALIBI_FAMILIES)
 def test_all_to_all_equals_unsharded(pool, name):
     pool.run(check.equals_unsharded, 2, name, "all_to_all", 7)       # 7 tokens: padded inside
 
 
-@pytest.mark.parametrize("name", FAMILIES + OTHER_FAMILIES + ALBERT + WHISPER + T5)
+@pytest.mark.parametrize("name", FAMILIES + OTHER_FAMILIES + ALBERT + WHISPER + T5 + SEAM_FAMILIES)
 def test_ring_attn_equals_unsharded(pool, name):
     pool.run(check.equals_unsharded, 2, name, "ring_attn", 7)
 
@@ -105,11 +121,11 @@ def test_ring_refusals(pool, name, match):
 
 
 def test_split_attention_refused_by_name():
-    # attention outside transformers' registry (GPT-Neo, BLOOM)
+    # attention the split cannot reach (ChatGLM2's remote-code core attention, SAM's relative positions)
     import zoo
     from shardformer import ShardConfig, ShardFormer
 
-    for name in ("GPTNeoForCausalLM", "BloomForCausalLM"):
+    for name in ("ChatGLMForConditionalGeneration", "SamVisionModel"):
         for mode in MODES:
             model = zoo.build(name)
             with pytest.raises(NotImplementedError, match=f"{mode}.*not available for"):
@@ -254,3 +270,93 @@ def test_encoder_decoder_padded_decoder(pool, mode, sp):
 def test_encoder_decoder_accumulated_forwards(pool, name, mode):
     # two forwards of 7 and 5 encoder tokens (Whisper: two batches) before one backward, at SP=4
     pool.run(check.accumulated_forwards, 4, name, mode)
+# ---- attention outside transformers' registry, split at the family's seam (AttentionSeam) -----------------------
+SEAM_LMS = [("GPTNeoForCausalLM", "all_to_all"), ("GPTNeoForCausalLM", "ring_attn"), ("GPTJForCausalLM", "all_to_all"),
+            ("GPTJForCausalLM", "ring_attn"), ("FalconForCausalLM", "all_to_all"), ("FalconForCausalLM", "ring_attn"),
+            ("BloomForCausalLM", "all_to_all")]
+# The zoo's Falcon is multi-query, parallel attention, rotary; its other fused layouts, and ALiBi.
+FALCON_VARIANTS = {"new_arch": FALCON_NEW_ARCH, "per_head": FALCON_PER_HEAD, "alibi": {"alibi": True},
+                   "alibi_per_head": dict(FALCON_PER_HEAD, alibi=True), "sdpa": {"attn_implementation": "sdpa"},
+                   "alibi_sdpa": {"alibi": True, "attn_implementation": "sdpa"}}
+
+
+@pytest.mark.parametrize("variant, mode", [("new_arch", "all_to_all"), ("new_arch", "ring_attn"),
+                                           ("per_head", "all_to_all"), ("per_head", "ring_attn"),
+                                           ("alibi", "all_to_all"), ("alibi_per_head", "all_to_all"),
+                                           ("sdpa", "all_to_all"), ("sdpa", "ring_attn"), ("alibi_sdpa", "all_to_all")])
+@pytest.mark.parametrize("sp", [2, 4])
+def test_falcon_variants(pool, variant, mode, sp):
+    pool.run(check.equals_unsharded, sp, "FalconForCausalLM", mode, 7, None, False, FALCON_VARIANTS[variant])
+
+
+@pytest.mark.parametrize("name, mode", SEAM_LMS)
+@pytest.mark.parametrize("seq", [3, 7])
+def test_seam_sp4_odd_lengths(pool, name, mode, seq):
+    pool.run(check.equals_unsharded, 4, name, mode, seq)
+
+
+@pytest.mark.parametrize("name, mode", SEAM_LMS)
+def test_seam_padded_batch(pool, name, mode):
+    pool.run(check.padded_batch_real_rows, 2, name, mode)
+
+
+@pytest.mark.parametrize("name", ["GPTNeoForCausalLM", "GPTJForCausalLM", "FalconForCausalLM", "BloomForCausalLM"])
+def test_seam_padded_batch_every_row(pool, name):
+    # all_to_all runs the model's own attention math: even the padding rows are equal
+    pool.run(check.equals_unsharded, 4, name, "all_to_all", 7, None, True)
+
+
+@pytest.mark.parametrize("name, mode", [("GPTJForCausalLM", "all_to_all"), ("GPTJForCausalLM", "ring_attn"),
+                                        ("GPTNeoForCausalLM", "ring_attn"), ("BloomForCausalLM", "all_to_all"),
+                                        ("FalconForCausalLM", "all_to_all")])
+def test_seam_tp2_sp2(pool, name, mode):
+    pool.run(check.tp_sp_equals_unsharded, 4, name, mode, 2, 7)
+
+
+@pytest.mark.parametrize("name, mode", SEAM_LMS)
+def test_seam_eval_with_dropout(pool, name, mode):
+    pool.run(check.eval_with_dropout, 2, name, mode)
+
+
+@pytest.mark.parametrize("name, mode", SEAM_LMS)
+def test_seam_generate(pool, name, mode):
+    pool.run(check.generate_matches, 2, name, mode)
+
+
+@pytest.mark.parametrize("name, overrides", [("BloomForCausalLM", None), ("BloomForSequenceClassification", None),
+                                             ("FalconForCausalLM", {"alibi": True})])
+def test_alibi_ring_refused(pool, name, overrides):
+    pool.run(check.refused_unchanged, 2, name, "ring_attn", "ring_attn cannot apply ALiBi", overrides)
+
+
+@pytest.mark.parametrize("name, mode", [m for m in SEAM_LMS if m != ("GPTNeoForCausalLM", "ring_attn")
+                                        and m != ("GPTJForCausalLM", "ring_attn")])
+def test_seam_training_dropout_masks(pool, name, mode):
+    pool.run(check.training_dropout_masks, 2, name, mode)
+
+
+@pytest.mark.parametrize("name", ["GPTNeoForCausalLM", "GPTJForCausalLM"])
+def test_seam_ring_training_dropout_refused(pool, name):
+    pool.run(check.ring_training_dropout_refused, 2, name)
+
+
+@pytest.mark.parametrize("name, seam_class", [("GPTNeoForCausalLM", "GPTNeoSelfAttention"),
+                                              ("GPTJForCausalLM", "GPTJAttention"),
+                                              ("BloomForCausalLM", "BloomAttention"),
+                                              ("FalconForCausalLM", "FalconAttention")])
+@pytest.mark.parametrize("mode", MODES)
+def test_seam_other_implementation_refused(pool, name, seam_class, mode):
+    pool.run(check.other_implementation_refused, 2, name, mode, seam_class)
+
+
+@pytest.mark.parametrize("name, mode", [("GPTNeoForCausalLM", "all_to_all"), ("FalconForCausalLM", "ring_attn"),
+                                        ("BloomForCausalLM", "all_to_all")])
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_seam_checkpointed_training_dropout(pool, name, mode, use_reentrant):
+    pool.run(check.checkpointed_dropout_matches, 2, name, mode, use_reentrant)
+
+
+@pytest.mark.parametrize("name, mode", [("LlamaForCausalLM", "all_to_all"), ("GPTNeoForCausalLM", "ring_attn"),
+                                        ("FalconForCausalLM", "all_to_all")])
+def test_no_dropout_keeps_generator(pool, name, mode):
+    pool.run(check.no_dropout_keeps_generator, 2, name, mode)

@@ -159,6 +159,9 @@ class FamilyPolicy(Policy):
     #: extra kwargs of SequenceAttentionParallel at `split_attention_at`
     #: (e.g. {"repeated": True} for layers run more than once per forward)
     split_attention_options: dict | None = None
+    #: for attention outside transformers' AttentionInterface: where the split
+    #: runs (shardformer.layer.sequence_attention.AttentionSeam); None: the registry
+    attention_seam = None
 
     def body_policy(self) -> dict:
         """{module class or class name: ModulePolicyDescription} for the body."""
@@ -197,7 +200,9 @@ class FamilyPolicy(Policy):
         cross-attention to encoder states given from outside
         (add_cross_attention=True; encoder-decoder shapes name their cross
         attention in split_attention_targets), layerdrop (a skipped first or
-        last layer would skip the split or the gather)."""
+        last layer would skip the split or the gather), and what the family's
+        `attention_seam` refuses (AttentionSeam.refuse: another attention
+        implementation, e.g. ring_attn with ALiBi)."""
         from .layer.sequence_attention import SequenceAttentionParallel
         from .policy import ModulePolicyDescription
 
@@ -215,10 +220,13 @@ class FamilyPolicy(Policy):
                                           f"{getattr(config, key)}: a skipped first or last layer would skip the "
                                           f"split or the gather, and each rank would skip different layers; set it "
                                           f"to 0")
+        if self.attention_seam is not None:
+            self.attention_seam.refuse(self.model, mode, name)
         policy: dict = {}
         for owner, layers, base, options in self.split_attention_targets():
             sub = Sub(layers, SequenceAttentionParallel,
-                      kwargs={"mode": mode, "group": cfg.sequence_group, "base": base, "name": name, **options})
+                      kwargs={"mode": mode, "group": cfg.sequence_group, "base": base, "name": name,
+                              "seam": self.attention_seam, **options})
             policy.setdefault(owner, ModulePolicyDescription(sub_module_replacement=[]))
             policy[owner].sub_module_replacement.append(sub)
         return policy

@@ -51,10 +51,13 @@ def sp_config(mode: str, **extra) -> dict:
             "sequence_parallelism_mode": mode, **extra}
 
 
-def equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, config=None, padded: bool = False) -> dict:
+def equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, config=None, padded: bool = False,
+                     overrides: dict | None = None) -> dict:
     """check_sharded (forward, loss, every gradient, outputs after a step)
     with the sequence split over ctx.group (TP off); the split attention ran
-    once per layer per forward (counted).  padded: one batch row left-padded."""
+    once per layer per forward (counted).  padded: one batch row left-padded.
+    overrides: of the zoo config (a variant of the family); its key
+    "attn_implementation" is set on the built model's config instead."""
     inputs = _trim(zoo.make_inputs(name), seq)
     if name == "T5ForSequenceClassification":
         inputs["input_ids"][:, -1] = 1                # the EOS whose decoder state is pooled, cut by _trim
@@ -63,12 +66,21 @@ def equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, config=N
         mask[0, :2] = 0
         inputs["attention_mask"] = mask
     before = sa.CALLS[mode]
-    report = parity.check_sharded(ctx, lambda: zoo.build(name), inputs, name=name,
+    report = parity.check_sharded(ctx, lambda: _build(name, overrides), inputs, name=name,
                                   config=sp_config(mode, **(config or {})))
     calls = sa.CALLS[mode] - before
     assert calls > 0, f"{name}: the {mode} attention never ran"
     report["split_calls"] = calls
     return report
+
+
+def _build(name: str, overrides: dict | None):
+    overrides = dict(overrides or {})
+    implementation = overrides.pop("attn_implementation", None)
+    model = zoo.build(name, **overrides)
+    if implementation is not None:
+        model.config._attn_implementation = implementation
+    return model
 
 
 def sliding_window_equals_unsharded(ctx, name: str, mode: str, window: int, seq: int | None = None,
@@ -166,14 +178,17 @@ def rows_are_split(ctx, name: str, mode: str) -> dict:
 
 
 def eval_with_dropout(ctx, name: str, mode: str) -> float:
-    """Dropout 0.3 everywhere, model in eval(): equal to the unsharded eval model."""
+    """Dropout 0.3 everywhere, model in eval(): equal to the unsharded eval
+    model, through the split attention (counted)."""
     model = zoo.build_with_dropout(name, 0.3).eval()
     ref = copy.deepcopy(model)
     ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))).optimize(model)
     assert not model.training
     inputs = zoo.make_inputs(name)
+    before = sa.CALLS[mode]
     with torch.no_grad():
         got, exp = model(**inputs).logits, ref(**inputs).logits
+    assert sa.CALLS[mode] > before, f"{name}: the {mode} attention never ran"
     return parity.assert_close(f"{name} eval logits", got, exp, parity.TOL[torch.float32])
 
 
@@ -485,3 +500,149 @@ def decoder_padding_equals_unsharded(ctx, name: str, mode: str, seq: int | None 
     report = parity.check_sharded(ctx, lambda: zoo.build(name), inputs, name=name, config=sp_config(mode))
     assert sa.CALLS[mode] > before, f"{name}: the {mode} attention never ran"
     return report
+def refused_unchanged(ctx, name: str, mode: str, match: str, overrides: dict | None = None) -> str:
+    """optimize() raises NotImplementedError naming the class, the mode and
+    `match`, and the model is left as it was: its tensors, its modules'
+    classes, no split state or replaced method on any module."""
+    message = refused_unchanged_model(ctx, zoo.build(name, **(overrides or {})), name, mode)
+    assert match in message, message
+    return message
+
+
+def refused_unchanged_model(ctx, model, name: str, mode: str) -> str:
+    """optimize(model) under `mode` raises NotImplementedError naming the
+    class and the mode, and leaves the model as it was (see refused_unchanged)."""
+    classes = [type(m) for m in model.modules()]
+    message = parity.refused_unchanged(
+        model, lambda: ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group,
+                                               **sp_config(mode))).optimize(model),
+        f"{name} {mode}", error=NotImplementedError)
+    assert name in message and mode in message, message
+    assert [type(m) for m in model.modules()] == classes, f"{name}: modules replaced by a refused optimize()"
+    touched = [n for n, m in model.named_modules()
+               if "_shardformer_sequence_split" in m.__dict__ or "forward" in m.__dict__ or "_attn" in m.__dict__]
+    assert not touched, f"{name}: a refused optimize() left the split on {touched}"
+    return message
+
+
+def training_dropout_masks(ctx, name: str, mode: str, p: float = 0.3) -> dict:
+    """A training forward with every dropout at p, TP off (the zoo's layers
+    under `transformer.h`; every dropout a torch.nn.functional.dropout call):
+    each dropout drawn inside the split layers (this rank's rows, or this
+    rank's heads over the whole sequence) has a different mask on every
+    rank, while those outside (the embedding dropout on the full sequence,
+    which every rank computes) have the same one (where there are any); the
+    gathered outputs agree, the loss is finite and backward runs."""
+    import torch.nn.functional as F
+
+    from checks.sequence import check_split_dropout_step
+
+    model = zoo.build_with_dropout(name, p).train()
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))).optimize(model)
+    layers = model.get_submodule("transformer.h")
+    inside, masks = [False], {"in": [], "out": []}
+    layers[0].register_forward_pre_hook(lambda m, a: inside.__setitem__(0, True))
+    layers[len(layers) - 1].register_forward_hook(lambda m, a, o: inside.__setitem__(0, False))
+    original = F.dropout
+
+    def recording(x, p=0.5, training=True, inplace=False):
+        out = original(x, p, training, inplace)
+        if training and p > 0:
+            masks["in" if inside[0] else "out"].append(out == 0)
+        return out
+
+    before = sa.CALLS[mode]
+    F.dropout = recording
+    try:
+        out = model(**zoo.make_inputs(name))
+    finally:
+        F.dropout = original
+    assert sa.CALLS[mode] > before, f"{name}: the {mode} attention never ran"
+    assert masks["in"], f"{name}: no dropout ran in the layers"
+    for i, mask in enumerate(masks["out"]):
+        every = [torch.empty_like(mask, dtype=torch.uint8) for _ in range(ctx.tp_size)]
+        dist.all_gather(every, mask.to(torch.uint8).contiguous(), group=ctx.group)
+        assert all(torch.equal(e, every[0]) for e in every), f"{name}: dropout {i} outside the layers differs"
+    inner = {f"dropout {i} in the layers": m for i, m in enumerate(masks["in"])}
+    return check_split_dropout_step(ctx, name, inner, out)
+
+
+def ring_training_dropout_refused(ctx, name: str) -> str:
+    """ring_attn in a training forward with attention dropout > 0 (the ring
+    kernel applies none): the forward raises NotImplementedError naming the
+    class; the same model in eval() runs through the ring (counted)."""
+    model = zoo.build_with_dropout(name, 0.3).train()
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config("ring_attn"))).optimize(model)
+    inputs = zoo.make_inputs(name)
+    try:
+        model(**inputs)
+    except NotImplementedError as e:
+        assert name in str(e) and "attention dropout" in str(e), str(e)
+        message = str(e)
+    else:
+        raise AssertionError(f"{name}: ring_attn with attention dropout in training was not refused")
+    before = sa.CALLS["ring_attn"]
+    with torch.no_grad():
+        model.eval()(**inputs)
+    assert sa.CALLS["ring_attn"] > before, f"{name}: the ring never ran in eval"
+    return message
+
+
+def other_implementation_refused(ctx, name: str, mode: str, seam_class: str) -> str:
+    """A model whose attention modules are another implementation class than
+    the seam's (simulated: each `seam_class` module's class renamed by a
+    subclass, as transformers' flash-attention subclasses are) is refused
+    by optimize(), naming the class and the mode, and left unchanged."""
+    model = zoo.build(name)
+    for m in model.modules():
+        if type(m).__name__ == seam_class:
+            m.__class__ = type(f"{seam_class}Flash", (type(m),), {})
+    message = refused_unchanged_model(ctx, model, name, mode)
+    assert seam_class in message and "attn_implementation" in message, message
+    return message
+
+
+def checkpointed_dropout_matches(ctx, name: str, mode: str, use_reentrant: bool = False) -> dict:
+    """Training with dropout 0.3 under `mode`, with gradient checkpointing of
+    the layers and without, from the same generator state: the same loss
+    and every gradient the same (the recomputed layers drew the masks of the
+    first forward), through the split attention (counted)."""
+    def sharded(checkpointing: bool):
+        model = zoo.build_with_dropout(name, 0.3).train()
+        ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))).optimize(model)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        return model
+
+    plain, checkpointed = sharded(False), sharded(True)
+    inputs = zoo.make_inputs(name)
+    losses = []
+    before = sa.CALLS[mode]
+    for model in (plain, checkpointed):
+        torch.manual_seed(11)
+        loss = model(**inputs).loss
+        loss.backward()
+        losses.append(loss.detach())
+    # the split ran in both forwards and in the recomputation of every layer
+    assert sa.CALLS[mode] - before >= 3 * len(plain.get_submodule("transformer.h")), "no recomputation counted"
+    tol = parity.TOL[torch.float32]
+    parity.assert_close(f"{name} loss with checkpointing", losses[1], losses[0], tol)
+    grads = dict(plain.named_parameters())
+    worst = 0.0
+    for key, prm in checkpointed.named_parameters():
+        worst = max(worst, parity.assert_close(f"{name} grad {key} with checkpointing", prm.grad, grads[key].grad, tol))
+    return {"loss": float(losses[0]), "grad": worst}
+
+
+def no_dropout_keeps_generator(ctx, name: str, mode: str) -> dict:
+    """A split training forward and backward of a model without dropout
+    draws nothing from torch's global generator (as the unsharded model
+    does not), through the split attention (counted)."""
+    model = zoo.build(name).train()
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))).optimize(model)
+    inputs = zoo.make_inputs(name)
+    before, calls = torch.get_rng_state(), sa.CALLS[mode]
+    model(**inputs).loss.backward()
+    assert sa.CALLS[mode] > calls, f"{name}: the {mode} attention never ran"
+    assert torch.equal(torch.get_rng_state(), before), f"{name}: a training forward without dropout drew"
+    return {"calls": sa.CALLS[mode] - calls}

@@ -52,6 +52,23 @@ Layers applied more than once per forward (ALBERT's shared layer groups,
 forward and the base's output (its last_hidden_state) is gathered; each
 shared parameter has one gradient hook, and autograd sums its uses before
 the hook runs, so the all-reduce counts every application once.
+Attention outside transformers' registry (GPT-Neo, GPT-J, BLOOM, Falcon):
+the family names a seam (AttentionSeam: the attention class and the method
+where q, k, v [B, H, S_r, D] meet), the method is replaced on each such
+module by one that runs the same exchange around the model's own math
+(all_to_all) or the ring kernel (ring_attn); per-head tensors that the model
+passes in (ALiBi slopes times key positions, a per-head mask) keep this
+rank's heads after the exchange, over the full padded key axis.
+
+Dropout in a split training forward: inside the layers every rank holds
+other rows (or, inside all_to_all, other heads), so torch's global generator,
+in the same state on every rank, would draw one mask for all of them.  While
+each layer runs, the global generator draws from a per-rank stream
+(_RankStream: seeded from one draw of the shared stream and the SP rank;
+tensor-parallel peers, which hold the same rows, share it) and is put back
+after, so dropouts outside the layers stay the same on every rank.  Per
+layer, so that gradient checkpointing, which restores the shared stream
+before recomputing a layer, draws the same seed and the same masks again.
 
 A forward that uses a KV cache (past_key_values given, or use_cache=True)
 runs unsplit: generate() works unchanged (each rank computes the whole
@@ -62,6 +79,9 @@ gradients would be summed over the group).
 from __future__ import annotations
 
 import sys
+import types
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +110,7 @@ class SequenceSplit:
         self.mode, self.group, self.name = mode, group, name
         self.p, self.rank = D.world_size(group), D.rank(group)
         self.inner = "sdpa"                # the attention implementation the split one wraps
+        self.seam: AttentionSeam | None = None      # where attention outside the registry is split
         self.active = False
         self.length = 0
         self.padded = 0
@@ -97,6 +118,7 @@ class SequenceSplit:
         self.order: torch.Tensor | None = None     # every rank's rows, in all-gather order
         self.entered = False                       # repeated layers: the input was split in this forward
         self._local: dict = {}                     # id(full tensor) -> (full, this rank's rows of it)
+        self.stream: _RankStream | None = None     # the per-rank generator stream of a training forward
 
     def start(self, length: int, device) -> None:
         multiple = 2 * self.p if self.mode == "ring_attn" else self.p
@@ -416,7 +438,225 @@ def _implementation_name(mode: str, inner: str) -> str:
     return name
 
 
+# ---- attention outside transformers' registry: a named seam -------------------
+
+@dataclass(frozen=True)
+class AttentionSeam:
+    """Where a family whose attention does not go through transformers'
+    AttentionInterface can be split: on every module of class `module` (exact
+    name: another implementation class, e.g. a flash-attention subclass, is
+    refused) the method `method` is replaced, for the model's lifetime under
+    SP, by one that calls
+
+        split(state, module, original, args, kwargs)
+
+    in a split forward (`original`: the class's own method, bound) and
+    `original(*args, **kwargs)` otherwise.  `row_kwargs`: keyword arguments
+    of each layer holding a tensor with one entry per sequence row along
+    dim 1 (GPT-J's position_ids): a split forward passes this rank's rows.
+    `check(model, mode, name)`: raises, before optimize() changes anything,
+    what this family cannot run in `mode` (e.g. ring_attn with ALiBi)."""
+
+    module: str
+    method: str
+    split: Callable
+    row_kwargs: tuple[str, ...] = ()
+    check: Callable | None = None
+
+    def modules(self, root: nn.Module) -> list:
+        return [m for m in root.modules() if type(m).__name__ == self.module]
+
+    def refuse(self, model: nn.Module, mode: str, name: str) -> None:
+        """Refuse, before anything changes: a model none of whose attention
+        modules is `module` (another attention implementation), and what
+        `check` refuses."""
+        if not self.modules(model):
+            found = sorted({type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__})
+            impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+            raise NotImplementedError(
+                f"{name}: sequence_parallelism_mode={mode!r} splits the attention at {self.module}.{self.method}; "
+                f"this model's attention modules are {found} (attn_implementation={impl!r}): load it with "
+                f"attn_implementation='eager'")
+        if self.check is not None:
+            self.check(model, mode, name)
+
+
+def _seam_method(module, *args, **kwargs):
+    """The replaced method of a seam's module: split forwards go to the
+    seam's `split`, the others to the class's own method."""
+    state: SequenceSplit = module.__dict__["_shardformer_sequence_split"]
+    seam = state.seam
+    original = getattr(type(module), seam.method).__get__(module, type(module))
+    if not state.active:
+        CALLS["unsplit"] += 1
+        return original(*args, **kwargs)
+    CALLS[state.mode] += 1
+    return seam.split(state, module, original, args, kwargs)
+
+
+def bind_args(args: tuple, kwargs: dict, names: tuple[str, ...]) -> list:
+    """The values of the parameters `names` (in this order, the method's
+    leading parameters after self) from a call's args / kwargs; None when
+    absent."""
+    return [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(names)]
+
+
+def local_heads(t: torch.Tensor | None, state: SequenceSplit, heads: int, dim: int = 1):
+    """This rank's heads, after the all-to-all, of a per-head tensor that the
+    model built for all `heads` heads of the module (size 1 along `dim`:
+    shared by every head, returned as is): padded with zero heads as
+    _heads_for_split pads, then block `rank` of p equal blocks along `dim`
+    (all_to_all_along sends block j to rank j)."""
+    if t is None or t.shape[dim] == 1:
+        return t
+    if t.shape[dim] != heads:
+        raise ValueError(f"{state.name}: a per-head tensor of {t.shape[dim]} heads for {heads} attention heads")
+    extra = -heads % state.p
+    if extra:
+        t = _padded(t, heads + extra, dim)
+    return t.chunk(state.p, dim)[state.rank]
+
+
+def additive(mask, dtype):
+    """An attention mask as a bias to add to the scores: bool (True = attend)
+    becomes 0 / the dtype's min; an additive one (or None) is returned as is."""
+    if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return mask
+
+
+def padded_keys(t: torch.Tensor | None, state: SequenceSplit):
+    """A tensor over the key positions (last dim, the unpadded length)
+    extended with zeros to the padded length S'."""
+    return None if t is None else _padded(t, state.padded, t.dim() - 1)
+
+
+def ulysses(state: SequenceSplit, query, key, value, core: Callable, mask=None) -> torch.Tensor:
+    """all_to_all around `core`: query / key / value [B, H(kv), S_r, D] of
+    this rank's rows (contiguous) -> all-to-all (scatter heads, gather the
+    sequence; backward: the inverse) -> core(q, k, v, mask) on [B, H/p, S', D]
+    over the whole padded sequence, `mask` the model's mask extended to S'
+    (_pad_mask), returning [B, H/p, S', D] -> all-to-all back (scatter the
+    sequence, gather heads) -> [B, H, S_r, D].  Heads not dividing p:
+    _heads_for_split (key / value repeated to the query heads, zero heads
+    appended and dropped after)."""
+    from ..distributed.mappings import all_to_all_along
+
+    heads = query.shape[1]
+    q, k, v, _groups, extra = _heads_for_split(query, key, value, state.p)
+    q, k, v = (all_to_all_along(t.contiguous(), 1, 2, state.group) for t in (q, k, v))
+    out = core(q, k, v, _pad_mask(mask, state.length, state.padded))
+    out = all_to_all_along(out.contiguous(), 2, 1, state.group)
+    return out[:, :heads] if extra else out
+
+
+def causal_key_padding(mask, state: SequenceSplit) -> torch.Tensor | None:
+    """The key padding [B, S'] (bool, True = attend; padded rows False) of a
+    causal [B, 1|H, S, S] mask the model built (additive: visible where 0,
+    hidden at the dtype's min; or bool), for the ring kernel, which applies
+    causality itself.  A mask that is anything but causal x key padding
+    (the last query row, which sees every key causally, gives the padding)
+    is refused."""
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or mask.shape[-1] != state.length:
+        raise NotImplementedError(f"{state.name}: ring_attn: an attention mask that is not [B, 1, S, S] "
+                                  f"(use sequence_parallelism_mode='all_to_all')")
+    visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    keys = visible[:, 0, -1, :]
+    causal = torch.ones(state.length, state.length, dtype=torch.bool, device=mask.device).tril()
+    if not torch.equal(visible, (causal[None, None] & keys[:, None, None, :]).expand_as(visible)):
+        raise NotImplementedError(f"{state.name}: ring_attn covers causal attention with key padding; this "
+                                  f"attention mask is another pattern (use sequence_parallelism_mode='all_to_all')")
+    return F.pad(keys, (0, state.padded - state.length), value=False)
+
+
+def ring_rows(state: SequenceSplit, query, key, value, mask, *, scale: float, window: int = 0,
+              dropout: float = 0.0) -> torch.Tensor:
+    """ring_attn on this rank's zigzag rows: query [B, Hq, S_r, D], key /
+    value [B, Hkv, S_r, D] -> [B, Hq, S_r, D], causal in global positions,
+    the key padding read from the model's causal mask (causal_key_padding),
+    sliding `window` (0: none); attention dropout in training refused."""
+    from .ring_attention import ring_attention
+
+    if dropout > 0:
+        raise NotImplementedError(f"{state.name}: ring_attn does not apply attention dropout "
+                                  f"(attention dropout {dropout} in training); set it to 0 or use all_to_all")
+    padding = causal_key_padding(mask, state)
+    return ring_attention(query, key, value, state.group, scale=scale, causal=True, key_padding=padding,
+                          window=int(window))
+
+
+def head_major_seam(module: str, *, scale: Callable, window: Callable = lambda m: 0,
+                    dropout: str = "attn_dropout", row_kwargs: tuple[str, ...] = ()) -> AttentionSeam:
+    """The seam of a method `_attn(query, key, value, attention_mask=None) ->
+    (out, weights)` on q / k / v [B, H, S_r, D] (heads major, positions
+    already applied), returning out [B, H, S_r, D] (GPT-Neo, GPT-J).
+    all_to_all calls the model's own `_attn` on H/p heads over S' with the
+    extended mask; ring_attn runs the ring kernel with scale(module) (the
+    factor on q . k) and window(module) (0: none), refusing attention
+    dropout `dropout` (the module's nn.Dropout on the probabilities) in
+    training.  Weights are not returned (None)."""
+
+    def split(state, mod, original, args, kwargs):
+        query, key, value, mask = bind_args(args, kwargs, ("query", "key", "value", "attention_mask"))
+        if state.mode == "all_to_all":
+            return ulysses(state, query, key, value, lambda q, k, v, m: original(q, k, v, m)[0], mask), None
+        p = getattr(mod, dropout).p if mod.training else 0.0
+        return ring_rows(state, query, key, value, mask, scale=scale(mod), window=window(mod), dropout=p), None
+
+    return AttentionSeam(module, "_attn", split, row_kwargs)
+
+
 # ---- the hooks ----------------------------------------------------------------
+
+class _RankStream:
+    """torch's global generator (CPU, and the CUDA device of the hidden
+    states) switched to a stream of this rank's own while a split layer
+    runs: seed = mix(one 63-bit draw of the shared stream, the SP rank), so it
+    differs per rank, layer and forward while every rank's shared stream
+    moves on alike; close() puts the shared stream back where that draw left
+    it."""
+
+    def __init__(self, rank: int, device: torch.device):
+        draw = int(torch.randint(0, 2**62, (1,)).item())
+        seed = (draw * 0x9E3779B97F4A7C15 + rank + 1) % (1 << 63)
+        cuda = [device] if device.type == "cuda" else []
+        self._fork = torch.random.fork_rng(devices=cuda)
+        self._fork.__enter__()
+        torch.default_generator.manual_seed(seed)
+        for d in cuda:
+            index = d.index if d.index is not None else torch.cuda.current_device()
+            torch.cuda.default_generators[index].manual_seed(seed)
+
+    def close(self) -> None:
+        self._fork.__exit__(None, None, None)
+
+
+def _may_drop(layer: nn.Module, config) -> bool:
+    """Whether a layer in training can draw a dropout mask: an nn.Dropout
+    with p > 0 in it, or a dropout probability > 0 in the model's config
+    (functional dropouts read it there, e.g. Falcon's hidden_dropout)."""
+    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in layer.modules()):
+        return True
+    values = vars(config).items() if config is not None else ()
+    return any("dropout" in k and isinstance(v, float) and v > 0 for k, v in values)
+
+
+def _open_stream(state: SequenceSplit, layer: nn.Module, config, device) -> None:
+    """A per-rank stream while a layer of a split training forward runs
+    (only where it can drop: a model without dropout leaves the shared
+    stream untouched)."""
+    _close_stream(state)
+    if layer.training and _may_drop(layer, config):
+        state.stream = _RankStream(state.rank, device)
+
+
+def _close_stream(state: SequenceSplit) -> None:
+    if state.stream is not None:
+        stream, state.stream = state.stream, None
+        stream.close()
+
 
 def _layer_inputs(args, kwargs):
     if args:
@@ -433,11 +673,13 @@ class SequenceAttentionParallel:
     base's `encoder_hidden_states` kwarg), `full_bias` (the name of the
     attention modules' method building their position bias from
     (query_length, key_length, ...): called for the whole padded sequence
-    while split) and `repeated` (the layers run more than once per forward:
-    split at the first entry, gather the base's output).  Adds the hooks
-    described in the module docstring and switches the attention of the
-    layers (and the masks of the base model) to the split implementation;
-    rollback() undoes it all."""
+    while split), `repeated` (the layers run more than once per forward:
+    split at the first entry, gather the base's output) and `seam` (an
+    AttentionSeam, for attention outside transformers' registry; None: the
+    registry).  Adds the hooks described in the module docstring and
+    switches the attention of the layers (and the masks of the base model)
+    to the split implementation, or replaces the seam's method; rollback()
+    undoes it all."""
 
     @classmethod
     def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, mode=None, group=None, base=None,
@@ -454,10 +696,11 @@ class SequenceAttentionParallel:
     @classmethod
     def prepare_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
                               mode=None, group=None, base=None, name="", cross=(), full_bias=None,
-                              repeated=False, **kwargs) -> "_SplitHooks":
+                              repeated=False, seam=None, **kwargs) -> "_SplitHooks":
         cls.plan_shard(module, 1, 0, mode=mode, group=group, base=base, name=name)
-        return _SplitHooks(module, base, SequenceSplit(mode, group, name), cross=tuple(cross),
-                           full_bias=full_bias, repeated=bool(repeated))
+        state = SequenceSplit(mode, group, name)
+        state.seam = seam
+        return _SplitHooks(module, base, state, cross=tuple(cross), full_bias=full_bias, repeated=bool(repeated))
 
     @classmethod
     def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
@@ -475,15 +718,33 @@ class _SplitHooks:
         self.attention: list = []          # attention modules given the state
         self.methods: list = []            # modules given an instance attribute `full_bias`
 
+    def _replace_seam(self) -> None:
+        """The seam's method, on each of its modules under the layers, replaced
+        by _seam_method (an instance attribute: the class is untouched)."""
+        state, seam = self.state, self.state.seam
+        found = seam.modules(self.layers)
+        if not found:
+            raise NotImplementedError(f"{state.name}: sequence_parallelism_mode={state.mode!r}: no {seam.module} "
+                                      f"under the layers to split the attention at")
+        for m in found:
+            m.__dict__["_shardformer_sequence_split"] = state
+            m.__dict__[seam.method] = types.MethodType(_seam_method, m)
+            self.attention.append(m)
+
     def _switch_attention(self) -> None:
         state = self.state
         from ..attention import _uses_registry
+
+        if state.seam is not None:
+            self._replace_seam()
+            return
 
         named = [(n, m) for n, m in self.layers.named_modules() if _uses_registry(m)]
         users = [m for _, m in named]
         if not users:
             raise NotImplementedError(f"{state.name}: sequence_parallelism_mode={state.mode!r} needs attention "
-                                      f"that goes through transformers' AttentionInterface; this model's does not")
+                                      f"that goes through transformers' AttentionInterface, or a family that names "
+                                      f"its attention's seam (AttentionSeam); this model has neither")
         if any("_shardformer_sequence_split" in m.__dict__ for m in users):
             raise ValueError(f"{state.name}: the model's attention is already split")
         cross = [m for path, m in named if path.split(".")[-1] in self.cross]
@@ -569,9 +830,11 @@ class _SplitHooks:
             state.start(x.shape[SEQ_DIM], x.device)
             return rebuild(_Split.apply(x, state))
 
-        def every_pre(_module, args, kwargs):
+        def every_pre(module, args, kwargs):
             if not state.active:
                 return None
+            x, _ = _layer_inputs(args, kwargs)
+            _open_stream(state, module, getattr(self.base, "config", None), x.device)
             pe = kwargs.get("position_embeddings")
             if isinstance(pe, (tuple, list)):
                 kwargs = {**kwargs, "position_embeddings": type(pe)(
@@ -579,7 +842,14 @@ class _SplitHooks:
                     and t.shape[SEQ_DIM] == state.length else t for t in pe)}
             elif isinstance(pe, torch.Tensor) and pe.dim() >= 2 and pe.shape[SEQ_DIM] == state.length:
                 kwargs = {**kwargs, "position_embeddings": state.local(pe, SEQ_DIM)}
+            for key in state.seam.row_kwargs if state.seam is not None else ():
+                t = kwargs.get(key)
+                if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[SEQ_DIM] == state.length:
+                    kwargs = {**kwargs, key: state.local(t, SEQ_DIM)}
             return args, kwargs
+
+        def every_post(_module, _args, _output):
+            _close_stream(state)          # also when the layer raised (always_call)
 
         def last_post(_module, _args, output):
             if not state.active:
@@ -598,6 +868,7 @@ class _SplitHooks:
         self.handles.append(layers[0].register_forward_pre_hook(first_pre, with_kwargs=True))
         for layer in layers:
             self.handles.append(layer.register_forward_pre_hook(every_pre, with_kwargs=True))
+            self.handles.append(layer.register_forward_hook(every_post, always_call=True))
         # repeated layers: the last layer runs several times, the base's output comes once
         last = self.base if self.repeated else layers[len(layers) - 1]
         self.handles.append(last.register_forward_hook(last_post))
@@ -613,6 +884,8 @@ class _SplitHooks:
         for m in self.attention:
             m.__dict__.pop("_shardformer_sequence_split", None)
             m.__dict__.pop(_CROSS_MARK, None)
+            if self.state.seam is not None:
+                m.__dict__.pop(self.state.seam.method, None)
         self.attention.clear()
         for m in self.methods:
             m.__dict__.pop(self.full_bias, None)
