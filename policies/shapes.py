@@ -535,17 +535,25 @@ class VisionShape(SplitGatherMixin, FamilyPolicy):
             Sub("mlp.fc1", Linear1D_Col, kwargs=up), Sub("mlp.fc2", Linear1D_Row, kwargs=row),
             Sub("dropout", residual_dropout(self.shard_config))]
 
+    def sp_norms(self, layer) -> list[str]:
+        """The children of one `<prefix>Layer` used on this rank's rows whose
+        gradients are all-reduced under split-gather SP: its norms."""
+        return parameterized_children(layer, skip=("attention", "mlp"))
+
+    def sp_layer_extras(self, layer, state) -> list[Sub]:
+        """More split-gather SP replacements inside each layer (none here)."""
+        return []
+
     def body_policy(self):
         if not self.tensor_parallel:
             return {}
         subs = self.layer_replacements(self.heads_layout())
         policy = {}
         if self.shard_config.sequence_parallel:
-            state = _new_state()
+            state = self.sequence_state = _new_state()
             layers = [m for m in self.model.modules() if type(m).__name__ == f"{self.prefix}Layer"]
-            norms = parameterized_children(layers[0], skip=("attention", "mlp"))
             entered = ["attention"] + ([] if sp_overlap(self.shard_config) else ["mlp"])
-            subs += sp_layer_subs(entered, norms, state)
+            subs += sp_layer_subs(entered, self.sp_norms(layers[0]), state) + self.sp_layer_extras(layers[0], state)
             policy[f"{self.prefix}Model"] = ModulePolicyDescription(
                 sub_module_replacement=sp_ends("layers", len(layers), state))
         policy[f"{self.prefix}Layer"] = ModulePolicyDescription(sub_module_replacement=subs)

@@ -180,3 +180,15 @@ def test_sp_bf16_forward(pool, name, seq, overrides):
 
 def test_sp_moe_router_aux_loss_hooks_installed_first(pool):
     pool.run(sequence_more.sp_moe_aux_loss_after_a_forward, 4)
+
+
+# ---- BEiT, Swin: split-gather over the patch tokens ----
+
+BEIT = ["BeitForImageClassification", "BeitModel", "BeitModel/shared_bias", "BeitForMaskedImageModeling"]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", BEIT)
+def test_sp_beit_equals_unsharded(pool, name, tp):
+    # 16 patches + [CLS] = 17 tokens: padded inside at 2 and 4
+    pool.run(sequence.sp_equals_unsharded, tp, name)

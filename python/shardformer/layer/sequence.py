@@ -332,6 +332,62 @@ class SequenceParallelRegion:
                                          overlap=overlap).commit()
 
 
+class FullLengthKwarg:
+    """A forward pre-hook that sets keyword argument `name` of the module's
+    calls to the full sequence length S of the forward in progress
+    (`state`, a SequenceState), where the HF caller computes it from its own
+    input, which under split-gather SP is this rank's S'/p rows.  BEiT's
+    relative position bias: BeitLayer passes dim_size=hidden_states.shape[1]
+    (read with interpolate_pos_encoding=True), while the bias is added to the
+    scores of the gathered, full-length attention: [heads, S, S].  No
+    collective; calls before the first split (state.length unset) are left
+    as they are."""
+
+    @classmethod
+    def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, name=None, state=None, **kwargs) -> ShardPlan:
+        if not isinstance(name, str):
+            raise TypeError(f"FullLengthKwarg: name must be a keyword argument's name, got {name!r}")
+        if not isinstance(state, SequenceState):
+            raise TypeError(f"FullLengthKwarg: state must be a SequenceState, got {type(state).__name__}")
+        return ShardPlan(tp_size, rank)
+
+    @classmethod
+    def prepare_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
+                              name=None, state=None, **kwargs) -> "_PreHook":
+        if plan is None:
+            plan = plan_directly(cls, module, process_group, name=name, state=state)
+
+        def pre(_module, args, call_kwargs):
+            if name not in call_kwargs or state.length is None:
+                return None
+            return args, {**call_kwargs, name: state.length}
+
+        return _PreHook(module, pre if plan.tp_size > 1 else None)
+
+    @classmethod
+    def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
+                           name=None, state=None, **kwargs) -> nn.Module:
+        return cls.prepare_native_module(module, process_group, plan=plan, name=name, state=state).commit()
+
+
+class _PreHook:
+    """One forward pre-hook (with kwargs) on `module`: registered by commit(),
+    removed by rollback(); none when `pre` is None (a group of one)."""
+
+    def __init__(self, module: nn.Module, pre):
+        self.module, self.pre, self.handle = module, pre, None
+
+    def commit(self) -> nn.Module:
+        if self.pre is not None:
+            self.handle = self.module.register_forward_pre_hook(self.pre, with_kwargs=True)
+        return self.module
+
+    def rollback(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
 def refuse_recorded_hidden_states(model: nn.Module, name: str):
     """A forward pre-hook on the top-level `model`: output_hidden_states=True
     (in the call or the config) raises NotImplementedError, since between the
