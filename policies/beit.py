@@ -58,6 +58,10 @@ class BeitShape(VisionShape):
         # the bias table is split by heads (ShardParams): complete per rank, no all-reduce
         return [n for n in super().sp_norms(layer) if n != "relative_position_bias"]
 
+    def sequence_parallel_refusal(self, mode: str) -> str:
+        return (f"{self.base_prefix()}.layers.*.attention adds a relative position bias [heads, S, S] to "
+                f"the full scores, which {mode} never builds (it splits the sequence inside the attention)")
+
     def postprocess(self):
         model = super().postprocess()
         if self.tensor_parallel and self.shard_config.sequence_parallel and self.tp_size > 1:

@@ -567,21 +567,86 @@ class VisionShape(SplitGatherMixin, FamilyPolicy):
 
 
 class StageShape(VisionShape):
+    """Swin-style stages.  Split-gather sequence parallelism, stage by stage:
+    stage i's H_i * W_i patch tokens are split along the sequence (padded to
+    a multiple of p) at blocks.0's input and gathered at its last block's
+    output, so patch merging (which reads the 2x2 neighbours of the full
+    (H_i, W_i) map), the reshaped hidden states and the heads run on the
+    full sequence.  In each block (shortcut and norms on this rank's rows):
+
+        layernorm_before   on this rank's rows; output all-gathered (backward:
+                           reduce-scatter), since the block views it as the
+                           full (H, W) map to pad, shift and cut into windows
+        attention          q/k/v column layers on the gathered windows (no
+                           copy_to_tp_region: the gather's backward sums dX);
+                           o_proj all-reduces (plain TP) and the attention
+                           output's gradient is all-reduced too ("sum_grad")
+        dropout            DropoutForParallelInput: first on the all-reduced
+                           windows (each rank its own mask), then on the MLP's
+                           rows of this rank
+        drop_path          its input (the un-windowed [B, H*W, C] attention
+                           output) cut to this rank's rows ("leave", backward
+                           zeros elsewhere: the "sum_grad" all-reduce adds the
+                           ranks' rows, each masked by its own rank's dropout)
+        mlp                role "enter" (input all-gathered); fc2 reduce-scatters
+                           and adds its bias on this rank's rows
+        norms              gradients all-reduced (ReplicatedInParallelRegion
+                           on the stage's `blocks`, dotted parameter names)
+
+    The attention half moves an all-gather and an all-reduce (backward: an
+    all-reduce and a reduce-scatter) instead of Megatron's all-gather and
+    reduce-scatter: its output leaves in window order, which the block
+    reorders to the sequence only after the dropout.  enable_sequence_overlap
+    and all_to_all / ring_attn are refused (windowed attention over stages of
+    different lengths)."""
+
     split_attention_at = None
     pipeline_split = None            # layers grouped in stages of different widths
 
     def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return ()      # windowed attention over stages of different lengths: refused by name
+        return ("split_gather",)
+
+    def supports_sequence_overlap(self) -> bool:
+        return False
+
+    def sequence_parallel_refusal(self, mode: str) -> str:
+        """Why `mode` is refused (the sharder's message)."""
+        return (f"{self.encoder_prefix()}.layers.*.blocks.*.attention attends within windows of the "
+                f"(height, width) map, reordered by shifts, and each stage has its own length; {mode} "
+                f"splits one sequence's attention over the ranks, which windows do not have")
 
     def block_replacements(self, heads: Heads) -> list[Sub]:
         """Replacements of one block of a stage with `heads` (paths under the block)."""
-        return attention_by_heads("attention", heads) + [
+        sp = self.shard_config.sequence_parallel
+        col = {"sequence_parallel": True} if sp else {}
+        mlp_col, mlp_row = sp_linear_kwargs(self.shard_config)
+        return attention_by_heads("attention", heads, col=col) + [
             Sub("attention.relative_position_bias", ShardParams, kwargs=bias_table_split(heads.num_heads)),
-            Sub("mlp.fc1", Linear1D_Col), Sub("mlp.fc2", Linear1D_Row), Sub("dropout", DropoutForReplicatedInput)]
+            Sub("mlp.fc1", Linear1D_Col, kwargs=mlp_col), Sub("mlp.fc2", Linear1D_Row, kwargs=mlp_row),
+            Sub("dropout", residual_dropout(self.shard_config))]
 
     def block_attributes(self, heads: Heads) -> dict:
         """{attribute under one block: per-rank value}."""
         return {}
+
+    def stage_sp_subs(self, i: int, depth: int) -> list[Sub]:
+        """Split-gather SP of stage i (paths under the encoder): the block
+        roles, the norms' gradient all-reduce, the split and the gather."""
+        from shardformer.layer.replicated import ReplicatedInParallelRegion
+        from shardformer.layer.sequence import SequenceParallelRegion
+
+        state = _new_state()           # one per stage: each has its own length
+        blocks = f"layers.{i}.blocks"
+        roles = {"layernorm_before": "enter_output", "attention": "sum_grad", "drop_path": "leave", "mlp": "enter"}
+        subs = [Sub(f"{blocks}.*.{path}", SequenceParallelRegion, kwargs={"role": role, "state": state})
+                for path, role in roles.items()]
+        stage = self.model.get_submodule(self.encoder_prefix()).layers[i]
+        norms = tuple(name for name, _ in stage.blocks.named_parameters() if ".layernorm_" in name)
+        subs.append(Sub(blocks, ReplicatedInParallelRegion, kwargs={"params": norms}))
+        return subs + sp_ends(blocks, depth, state)
+
+    def encoder_prefix(self) -> str:
+        return next(name for name, m in self.model.named_modules() if type(m).__name__ == f"{self.prefix}Encoder")
 
     def body_policy(self):
         if not self.tensor_parallel:
@@ -590,6 +655,8 @@ class StageShape(VisionShape):
         subs, attrs = [], {}
         for i, heads in enumerate(stage_heads(cfg)):
             subs += [replace(s, suffix=f"layers.{i}.blocks.*.{s.suffix}") for s in self.block_replacements(heads)]
+            if self.shard_config.sequence_parallel:
+                subs += self.stage_sp_subs(i, cfg.depths[i])
             block_attrs = self.block_attributes(heads)
             for j in range(cfg.depths[i]):
                 attrs.update({f"layers.{i}.blocks.{j}.{k}": v for k, v in block_attrs.items()})

@@ -182,13 +182,41 @@ def test_sp_moe_router_aux_loss_hooks_installed_first(pool):
     pool.run(sequence_more.sp_moe_aux_loss_after_a_forward, 4)
 
 
-# ---- BEiT, Swin: split-gather over the patch tokens ----
+# ---- BEiT, Swin: split-gather over the patch tokens (Swinv2: refused) ----
 
 BEIT = ["BeitForImageClassification", "BeitModel", "BeitModel/shared_bias", "BeitForMaskedImageModeling"]
+SWIN = ["SwinForImageClassification", "SwinModel", "SwinForMaskedImageModeling"]
+# BEiT: 16 patches + [CLS] = 17 tokens at 32 pixels.  Swin at 36 pixels: 9 x 9 = 81 tokens, then 5 x 5 = 25
+# after patch merging (odd, padded inside; the 2 x 2 windows padded by Swin itself); its masked image
+# modeling reconstructs from one stage (9 x 9 x stride 4 = 36 pixels).
+SWIN_ODD = {"SwinForMaskedImageModeling": {"depths": [2], "num_heads": [5], "encoder_stride": 4}}
+VISION = [(n, None, None) for n in BEIT] + [(n, 36, SWIN_ODD.get(n)) for n in SWIN]
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("name", BEIT)
-def test_sp_beit_equals_unsharded(pool, name, tp):
-    # 16 patches + [CLS] = 17 tokens: padded inside at 2 and 4
-    pool.run(sequence.sp_equals_unsharded, tp, name)
+@pytest.mark.parametrize("name,image,overrides", VISION, ids=[f"{c[0]}-{c[1]}" for c in VISION])
+def test_sp_vision_windows_and_bias_equal_unsharded(pool, name, image, overrides, tp):
+    reports = pool.run(sequence_more.sp_vision_equals_unsharded, tp, name, image, overrides)
+    assert reports[0]["rows"] != reports[0]["tokens"]          # the blocks ran on rows
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sp_vision_beit_interpolated_bias(pool, tp):
+    # 40 pixels: 25 patches + [CLS]; the 4 x 4 tables interpolated to 5 x 5, the bias to the full 26 tokens
+    pool.run(sequence_more.sp_vision_equals_unsharded, tp, "BeitForImageClassification", 40, {"image_size": 32},
+             {"interpolate_pos_encoding": True})
+
+
+@pytest.mark.parametrize("name,mode,overlap", [
+    ("BeitForImageClassification", "all_to_all", False), ("BeitForImageClassification", "ring_attn", False),
+    ("SwinForImageClassification", "all_to_all", False), ("SwinForImageClassification", "ring_attn", False),
+    ("SwinForImageClassification", "split_gather", True),
+    ("Swinv2ForImageClassification", "split_gather", False), ("Swinv2ForMaskedImageModeling", "all_to_all", False)])
+def test_sp_vision_modes_refused(pool, name, mode, overlap):
+    pool.run(sequence_more.sp_mode_refused_unchanged, 2, name, mode, overlap)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", ["BeitForMaskedImageModeling", "SwinForImageClassification"])
+def test_sp_vision_eval_with_dropout(pool, name, tp):
+    pool.run(sequence_more.sp_eval_with_dropout, tp, name)

@@ -356,3 +356,96 @@ def sp_moe_aux_loss_after_a_forward(ctx, name: str = "MixtralForCausalLM") -> di
     ref = copy.deepcopy(model)
     _shard(ctx, model)
     return parity.compare_sharded(model, ref, inputs, f"{name} (aux loss, recorders hooked first)")
+
+
+# ---- BEiT, Swin, Swinv2: split-gather over the patch tokens ----
+
+def vision_inputs(name: str, image: int, seed: int = 1) -> dict:
+    """zoo.make_inputs(name) for `image` x `image` pixels (the zoo's are 32):
+    pixel values, and the labels / masked patches of the head, sized for the
+    (image / patch)^2 patches."""
+    from zoo import vision
+
+    _, _, cfg, kind = vision.MODELS[name]
+    g = torch.Generator().manual_seed(seed)
+    x = {"pixel_values": torch.randn(vision.BATCH, vision.CHANNELS, image, image, generator=g)}
+    patches = (image // cfg["patch_size"]) ** 2
+    if kind == "image_cls":
+        x["labels"] = torch.randint(0, cfg["num_labels"], (vision.BATCH,), generator=g)
+    elif kind in ("mim", "beit_mim"):
+        x["bool_masked_pos"] = torch.rand(vision.BATCH, patches, generator=g) < 0.5
+        if kind == "beit_mim":
+            x["labels"] = torch.randint(0, cfg["vocab_size"], (int(x["bool_masked_pos"].sum()),), generator=g)
+    return x
+
+
+def _count_rows(model, kinds: tuple[str, ...]) -> list:
+    """Forward pre-hooks on the modules of classes `kinds` recording the rows
+    (dim 1) of their first input; returns the list they fill."""
+    seen: list = []
+    for module in model.modules():
+        if type(module).__name__ in kinds:
+            module.register_forward_pre_hook(
+                lambda m, a, k: seen.append((type(m).__name__, (a[0] if a else k["hidden_states"]).shape[1])),
+                with_kwargs=True)
+    return seen
+
+
+def sp_vision_equals_unsharded(ctx, name: str, image: int | None = None, overrides: dict | None = None,
+                               extra: dict | None = None) -> dict:
+    """check_sharded with split-gather SP for a vision model at `image` pixels
+    (config image_size too), `extra` call kwargs (interpolate_pos_encoding):
+    forward, loss, every gradient and after a step equal the unsharded
+    model.  Then, no_grad, proves the split ran: every block (BEiT's layers,
+    Swin's blocks of every stage) got ceil(S / tp) rows, S its stage's token
+    count."""
+    overrides = dict(overrides or {})
+    if image is not None:
+        overrides.setdefault("image_size", image)
+    inputs = vision_inputs(name, image) if image is not None else zoo.make_inputs(name)
+    inputs.update(extra or {})
+    report = parity.check_sharded(ctx, lambda: zoo.build(name, **overrides), inputs, name=name,
+                                  config=dict(SP))
+    model = zoo.build(name, **overrides)
+    _shard(ctx, model)
+    seen = _count_rows(model, ("BeitLayer", "SwinLayer"))
+    with torch.no_grad():
+        model(**inputs)
+    side = inputs["pixel_values"].shape[-1] // model.config.patch_size
+    if "Beit" in name:
+        full = [side * side + 1] * model.config.num_hidden_layers
+    else:
+        full = []
+        for depth in model.config.depths:
+            full += [side * side] * depth
+            side = (side + 1) // 2
+    # hooks registered after the split's: a stage's first block is seen split too
+    expected = [-(-s // ctx.tp_size) for s in full]
+    got = [rows for _, rows in seen]
+    assert got == expected, f"{name}: blocks got {got} rows, expected {expected} (tokens {full}, tp {ctx.tp_size})"
+    return {**report, "rows": got, "tokens": full}
+
+
+def sp_mode_refused_unchanged(ctx, name: str, mode: str, overlap: bool = False) -> str:
+    """optimize() with sequence parallelism `mode` (or enable_sequence_overlap)
+    raises NotImplementedError naming the model, the mode (or the switch) and
+    a module path, before any parameter or module of the model changes."""
+    model = zoo.build(name)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    kinds = [type(m) for m in model.modules()]
+    config = {"sequence_parallelism_mode": mode, **({"enable_sequence_overlap": True} if overlap else {})}
+    if mode != "split_gather":           # the sequence over the whole group, no TP
+        config["enable_tensor_parallelism"] = False
+    try:
+        _shard(ctx, model, **config)
+    except NotImplementedError as e:
+        message = str(e)
+    else:
+        raise AssertionError(f"{name}: {config} was not refused")
+    assert type(model).__name__ in message, message
+    assert ("enable_sequence_overlap" if overlap else mode) in message, message
+    assert overlap or ".layers." in message, message
+    assert [type(m) for m in model.modules()] == kinds, f"{name}: the refused optimize() replaced modules"
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), \
+        f"{name}: the refused optimize() changed weights"
+    return message

@@ -152,6 +152,43 @@ def block_output(y: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
     return reduce_scatter_to_sequence_region(_padded(y, D.world_size(group)), SEQ_DIM, group)
 
 
+class _KeepRows(torch.autograd.Function):
+    """Forward: a full-sequence tensor (every rank's copy may differ, e.g. a
+    dropout mask per rank) -> this rank's rows, padded as _Split.  Backward:
+    the rows' gradient in place, zeros elsewhere (no collective: the
+    all-reduce that sums the ranks' rows sits upstream, sum_grad_over_ranks)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        n, rank = D.world_size(group), D.rank(group)
+        ctx.length = x.shape[SEQ_DIM]
+        x = _padded(x, n)
+        chunk = x.shape[SEQ_DIM] // n
+        ctx.start, ctx.padded = rank * chunk, x.shape[SEQ_DIM]
+        return x.narrow(SEQ_DIM, ctx.start, chunk).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape = list(grad.shape)
+        shape[SEQ_DIM] = ctx.padded
+        full = grad.new_zeros(shape)
+        full.narrow(SEQ_DIM, ctx.start, grad.shape[SEQ_DIM]).copy_(grad)
+        return full.narrow(SEQ_DIM, 0, ctx.length), None
+
+
+def keep_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """Full sequence -> this rank's rows (backward: zeros outside them)."""
+    return _KeepRows.apply(x, group)
+
+
+def sum_grad_over_ranks(y: torch.Tensor, group) -> torch.Tensor:
+    """Identity forward; backward, the gradient all-reduced over the group
+    (each rank's gradient covers only the rows that rank kept: keep_rows)."""
+    from ..distributed.mappings import copy_to_tp_region
+
+    return copy_to_tp_region(y, group)
+
+
 def token_dim(x: torch.Tensor) -> int:
     """The dimension of the tokens: SEQ_DIM of [batch, S, hidden], 0 of rows
     flattened to [batch * S, hidden] (OPT's MLP)."""
@@ -297,13 +334,18 @@ class SequenceParallelRegion:
     layer: its output is gathered), `"block"` (attention or MLP: input
     gathered, output reduce-scattered), `"enter"` (attention or MLP whose row
     layer reduce-scatters itself, Linear1D_Row(reduce_scatter=True): input
-    gathered, saved as this rank's rows, output left as it is); kwarg
+    gathered, saved as this rank's rows, output left as it is); for blocks
+    that reshape the whole sequence between their modules (Swin's windows):
+    `"enter_output"` (the module's output all-gathered, backward
+    reduce-scatter), `"sum_grad"` (output unchanged, its gradient
+    all-reduced in backward), `"leave"` (the input, a full-sequence tensor,
+    cut to this rank's rows; backward zeros elsewhere); kwarg
     `state`: the model's SequenceState; `overlap=True` (role "block" only):
     the input gather overlaps the module's column layers' matmuls
     (linear.gather_block_input).  A module may take both "split" and
     "gather" (one layer)."""
 
-    ROLES = ("split", "gather", "block", "enter")
+    ROLES = ("split", "gather", "block", "enter", "enter_output", "sum_grad", "leave")
 
     @classmethod
     def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, role=None, state=None, overlap: bool = False,
@@ -455,7 +497,29 @@ class _Hooks:
                 return _on_output(output, lambda y: gather_sequence(y, state, group))
 
             self.handles.append(m.register_forward_hook(post))
+        self._windowed_roles(m)
         return m
+
+    def _windowed_roles(self, m: nn.Module) -> None:
+        """The roles of a block that reshapes the whole sequence between its
+        modules (Swin: policies/shapes.py StageShape)."""
+        state, group = self.state, self.group
+        if "enter_output" in self.roles:
+            def post(_module, _args, output):
+                return _on_output(output, lambda y: block_input(y, state, group))
+
+            self.handles.append(m.register_forward_hook(post))
+        if "sum_grad" in self.roles:
+            def post(_module, _args, output):
+                return _on_output(output, lambda y: sum_grad_over_ranks(y, group))
+
+            self.handles.append(m.register_forward_hook(post))
+        if "leave" in self.roles:
+            def pre(_module, args, kwargs):
+                x, rebuild = _first(args, kwargs)
+                return rebuild(keep_rows(x, group))
+
+            self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
 
     def rollback(self) -> None:
         for handle in self.handles:
