@@ -148,6 +148,8 @@ class _EndHooks:
 
 
 class AlbertShape(EncoderShape):
+    records_hidden_states = False     # output_hidden_states refused under split_gather: its ends are its own
+
     split_attention_at = None
     pipeline_split = None        # ALBERT's layers share one layer group: not split into stages
 

@@ -137,13 +137,7 @@ class DecoderShape(FamilyPolicy):
         return self.mlp != "moe"
 
     def postprocess(self):
-        model = super().postprocess()
-        if self.tensor_parallel and self.shard_config.sequence_parallel and self.tp_size > 1:
-            from shardformer.layer.sequence import refuse_recorded_hidden_states
-
-            # split_gather only: all_to_all / ring_attn refuse them in their own hooks
-            refuse_recorded_hidden_states(self.model, type(self.model).__name__)
-        return model
+        return record_hidden_states(self, super().postprocess())
 
     @property
     def sp(self) -> dict:
@@ -203,12 +197,7 @@ class DecoderShape(FamilyPolicy):
                 Sub("mlp", SequenceParallelRegion, kwargs=block)]
         subs += [Sub(child, ReplicatedInParallelRegion) for child, module in first.named_children()
                  if child not in ("self_attn", "mlp") and any(True for _ in module.parameters())]
-        last = len(layers) - 1
-        ends = [Sub("layers.0", SequenceParallelRegion, kwargs={"role": "split", "state": state}),
-                Sub(f"layers.{last}", SequenceParallelRegion, kwargs={"role": "gather", "state": state})]
-        if last == 0:
-            ends = [Sub("layers.0", SequenceParallelRegion, kwargs={"role": ("split", "gather"), "state": state})]
-        return subs, ends
+        return subs, sp_ends("layers", len(layers), state)
 
     def base_prefix(self) -> str:
         """The attribute path of the base model inside self.model ("" when it is the base model)."""
@@ -337,13 +326,17 @@ def sp_layer_subs(entered, norms, state) -> list[Sub]:
 
 def sp_ends(layers: str, count: int, state) -> list[Sub]:
     """The split at `layers`.0's input and the gather at the last layer's
-    output (both on one module when there is one layer)."""
+    output (both on one module when there is one layer); the layers before
+    the last mark their outputs, this rank's rows, for output_hidden_states
+    (role "rows")."""
     from shardformer.layer.sequence import SequenceParallelRegion
 
     if count == 1:
         return [Sub(f"{layers}.0", SequenceParallelRegion, kwargs={"role": ("split", "gather"), "state": state})]
-    return [Sub(f"{layers}.0", SequenceParallelRegion, kwargs={"role": "split", "state": state}),
-            Sub(f"{layers}.{count - 1}", SequenceParallelRegion, kwargs={"role": "gather", "state": state})]
+    return [Sub(f"{layers}.0", SequenceParallelRegion, kwargs={"role": ("split", "rows"), "state": state})] + [
+        Sub(f"{layers}.{i}", SequenceParallelRegion, kwargs={"role": "rows", "state": state})
+        for i in range(1, count - 1)] + [
+        Sub(f"{layers}.{count - 1}", SequenceParallelRegion, kwargs={"role": "gather", "state": state})]
 
 
 def parameterized_children(module, skip=()) -> list[str]:
@@ -366,16 +359,31 @@ class SplitGatherMixin:
     substitution the top-level model refuses output_hidden_states=True (the
     layers' outputs are this rank's rows), see refuse_recorded_hidden_states."""
 
+    records_hidden_states = False
+
     def supports_sequence_overlap(self) -> bool:
         return True
 
     def postprocess(self):
-        model = super().postprocess()
-        if self.tensor_parallel and self.shard_config.sequence_parallel and self.tp_size > 1:
-            from shardformer.layer.sequence import refuse_recorded_hidden_states
+        return record_hidden_states(self, super().postprocess())
 
-            refuse_recorded_hidden_states(self.model, type(self.model).__name__)
-        return model
+
+def record_hidden_states(policy, model):
+    """After substitution, output_hidden_states=True under sequence parallelism:
+    split_gather (TP group of 2 or more) records full-sequence hidden states
+    where the policy marks its layers' rows (`records_hidden_states`: sp_ends
+    marks them) and refuses them by name elsewhere; all_to_all / ring_attn
+    (shardformer.layer.sequence_attention marks the rows of every split
+    layer) always record them full.  See shardformer.layer.sequence.mark_rows."""
+    from shardformer.layer.sequence import record_full_hidden_states, refuse_recorded_hidden_states
+
+    cfg = policy.shard_config
+    split_gather = policy.tensor_parallel and cfg.sequence_parallel and policy.tp_size > 1
+    if cfg.split_attention_mode or (split_gather and getattr(policy, "records_hidden_states", True)):
+        record_full_hidden_states(model)
+    elif split_gather:
+        refuse_recorded_hidden_states(model, type(model).__name__)
+    return model
 
 
 # ---- EncoderShape: BERT-shaped encoders ----
@@ -420,6 +428,7 @@ class EncoderShape(SplitGatherMixin, FamilyPolicy):
     Refused with chunk_size_feed_forward (HF would chunk this rank's rows)."""
 
     prefix = ""
+    records_hidden_states = True       # sp_ends marks the layers' rows
 
     split_attention_at = ("{prefix}Encoder", "layer")
     pipeline_split = StageSplit("{prefix}Model", "encoder.layer", last=("pooler",))
@@ -516,6 +525,7 @@ class VisionShape(SplitGatherMixin, FamilyPolicy):
     layernorm_before / layernorm_after get their gradients all-reduced."""
 
     prefix = ""
+    records_hidden_states = True       # sp_ends marks the layers' rows (Swin: the stages' outputs are full)
 
     split_attention_at = ("{prefix}Model", "layers")
     pipeline_split = StageSplit("{prefix}Model", "layers", last=("layernorm", "pooler"))

@@ -220,3 +220,23 @@ def test_sp_vision_modes_refused(pool, name, mode, overlap):
 @pytest.mark.parametrize("name", ["BeitForMaskedImageModeling", "SwinForImageClassification"])
 def test_sp_vision_eval_with_dropout(pool, name, tp):
     pool.run(sequence_more.sp_eval_with_dropout, tp, name)
+
+
+# ---- output_hidden_states=True under every mode: the full-sequence states of the unsharded model ----
+
+HIDDEN = [("LlamaForCausalLM", 7), ("BertForMaskedLM", 7), ("ViTForImageClassification", None)]
+SP_MODES = ["split_gather", "all_to_all", "ring_attn"]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("mode", SP_MODES)
+@pytest.mark.parametrize("name,seq", HIDDEN, ids=[c[0] for c in HIDDEN])
+def test_sp_recorded_hidden_states_equal_unsharded(pool, name, seq, mode, tp):
+    if mode == "ring_attn" and name != "LlamaForCausalLM":
+        pytest.skip("ring_attn: causal decoders only")
+    pool.run(sequence_more.recorded_hidden_states_equal, tp, name, mode, seq)
+
+
+@pytest.mark.parametrize("mode", SP_MODES)
+def test_sp_recorded_hidden_states_tuple_output(pool, mode):
+    pool.run(sequence_more.recorded_hidden_states_equal, 4, "LlamaForCausalLM", mode, 5, False)

@@ -449,3 +449,75 @@ def sp_mode_refused_unchanged(ctx, name: str, mode: str, overlap: bool = False) 
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), \
         f"{name}: the refused optimize() changed weights"
     return message
+
+
+# ---- output_hidden_states=True under every sequence-parallel mode ----
+
+def _hidden_states_config(ctx, mode: str) -> ShardConfig:
+    """split_gather over the TP group; all_to_all / ring_attn over the group, TP off."""
+    from checks.sequence_attention import sp_config
+
+    if mode == "split_gather":
+        return ShardConfig(tensor_parallel_process_group=ctx.group, **SP)
+    return ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))
+
+
+def _projected(states, what: str, probe: dict) -> torch.Tensor:
+    """sum_i <P_i, h_i>: a fixed random projection of every recorded state."""
+    total = 0.0
+    for i, h in enumerate(states):
+        key = f"{what}{i}"
+        if key not in probe:
+            probe[key] = torch.randn(h.shape, generator=torch.Generator().manual_seed(99 + i))
+        total = total + (h * probe[key]).sum()
+    return total
+
+
+def recorded_hidden_states_equal(ctx, name: str, mode: str, seq: int | None = None,
+                                 return_dict: bool = True) -> dict:
+    """output_hidden_states=True under sequence parallelism `mode`: every
+    recorded hidden state is the full-sequence tensor of the unsharded model
+    (same count, shapes, values; padding trimmed, ring_attn's zigzag undone),
+    the model's outputs and loss too, and differentiating through all of
+    them (a random projection of each state added to the loss) gives every
+    gradient of the unsharded model.  Proves the recorded rows were gathered
+    (shardformer.layer.sequence.RECORDED_GATHERS: one per layer and the
+    initial state, at least) and, for all_to_all / ring_attn, that the split
+    attention ran."""
+    from checks.sequence_attention import _trim
+    from shardformer.layer import sequence as seq_mod
+    from shardformer.layer import sequence_attention as sa
+
+    inputs = _trim(zoo.make_inputs(name), seq)
+    torch.manual_seed(0)
+    model = zoo.build(name).train()
+    ref = copy.deepcopy(model)
+    ShardFormer(_hidden_states_config(ctx, mode)).optimize(model)
+    gathers, calls = seq_mod.RECORDED_GATHERS["count"], dict(sa.CALLS)
+    out = model(**inputs, output_hidden_states=True, return_dict=return_dict)
+    exp = ref(**inputs, output_hidden_states=True, return_dict=return_dict)
+    tol = parity.TOL[torch.float32]
+    if return_dict:
+        got_states, exp_states = out.hidden_states, exp.hidden_states
+    else:      # the tuple's hidden states: the element that is a tuple of tensors
+        got_states = next(v for v in out if isinstance(v, tuple))
+        exp_states = next(v for v in exp if isinstance(v, tuple))
+    assert len(got_states) == len(exp_states), f"{name}: {len(got_states)} hidden states, expected {len(exp_states)}"
+    for i, (a, b) in enumerate(zip(got_states, exp_states)):
+        assert a.shape == b.shape, f"{name} ({mode}): hidden state {i} of shape {tuple(a.shape)}, expected {tuple(b.shape)}"
+        parity.assert_close(f"{name} ({mode}) hidden state {i}", a, b, tol)
+    gathered = seq_mod.RECORDED_GATHERS["count"] - gathers
+    layers = model.config.num_hidden_layers
+    assert gathered >= layers, f"{name} ({mode}): {gathered} recorded states gathered, expected >= {layers}"
+    if mode != "split_gather":
+        assert sa.CALLS[mode] > calls[mode], f"{name}: the {mode} attention never ran"
+    probe: dict = {}
+    if return_dict:
+        parity.check_outputs(f"{name} ({mode})", out, exp, tol)
+    loss = parity.loss_of(out, probe) + _projected(got_states, "h", probe)
+    ref_loss = parity.loss_of(exp, probe) + _projected(exp_states, "h", probe)
+    parity.assert_close(f"{name} ({mode}) loss", loss, ref_loss, tol)
+    loss.backward()
+    ref_loss.backward()
+    worst = parity.compare_grads(model, ref, f"{name} ({mode})", tol)
+    return {"states": len(got_states), "gathered": gathered, "grad": worst}

@@ -334,7 +334,9 @@ class SequenceParallelRegion:
     layer: its output is gathered), `"block"` (attention or MLP: input
     gathered, output reduce-scattered), `"enter"` (attention or MLP whose row
     layer reduce-scatters itself, Linear1D_Row(reduce_scatter=True): input
-    gathered, saved as this rank's rows, output left as it is); for blocks
+    gathered, saved as this rank's rows, output left as it is), `"rows"`
+    (a layer between the split and the gather: its output, this rank's rows,
+    marked for output_hidden_states, see mark_rows); for blocks
     that reshape the whole sequence between their modules (Swin's windows):
     `"enter_output"` (the module's output all-gathered, backward
     reduce-scatter), `"sum_grad"` (output unchanged, its gradient
@@ -345,7 +347,7 @@ class SequenceParallelRegion:
     (linear.gather_block_input).  A module may take both "split" and
     "gather" (one layer)."""
 
-    ROLES = ("split", "gather", "block", "enter", "enter_output", "sum_grad", "leave")
+    ROLES = ("split", "gather", "block", "enter", "rows", "enter_output", "sum_grad", "leave")
 
     @classmethod
     def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, role=None, state=None, overlap: bool = False,
@@ -430,6 +432,81 @@ class _PreHook:
             self.handle = None
 
 
+# ---- recorded hidden states (output_hidden_states=True) under any SP mode ----
+#
+# transformers records a layer's hidden states with forward hooks of its own
+# (utils/output_capturing.py), installed on first use, so they may run before
+# or after ours; what they record is the tensor object the layer returned
+# (or, for the initial state, the first layer's input after our split).
+# Those tensors are this rank's rows.  The SP hooks mark each such object
+# with the function that gathers it (mark_rows), whichever order the hooks
+# run in; a forward hook on every PreTrainedModel of the sharded model
+# (record_full_hidden_states) then swaps each marked tensor in its output
+# for the gathered full sequence: all-gather along S, rows put back in
+# sequence order (ring_attn's zigzag undone), padding dropped; backward,
+# this rank's rows of the gradient, which the loss computed alike on every
+# rank makes the same everywhere.  Only the recorded copies are gathered:
+# the layers go on with their rows.
+
+_GATHER_MARK = "_shardformer_gather_rows"
+
+#: recorded hidden states gathered by full_sequences, in this process (tests read it)
+RECORDED_GATHERS = {"count": 0}
+
+
+def mark_rows(t, gather):
+    """Mark tensor `t` (this rank's rows of a sequence) with `gather`, the
+    function that returns its full sequence; returns t."""
+    if isinstance(t, torch.Tensor):
+        t.__dict__[_GATHER_MARK] = gather
+    return t
+
+
+def full_sequences(value):
+    """`value` with every marked tensor (in nested tuples) replaced by its
+    gathered full sequence; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        gather = value.__dict__.get(_GATHER_MARK)
+        if gather is None:
+            return value
+        RECORDED_GATHERS["count"] += 1
+        return gather(value)
+    if type(value) in (tuple, list):
+        out = [full_sequences(v) for v in value]
+        return value if all(a is b for a, b in zip(out, value)) else type(value)(out)
+    return value
+
+
+def _full_outputs(_module, _args, output):
+    from transformers.utils import ModelOutput
+
+    if isinstance(output, ModelOutput):
+        for key in list(output.keys()):
+            new = full_sequences(output[key])
+            if new is not output[key]:
+                output[key] = new
+        return output
+    if isinstance(output, tuple):
+        return full_sequences(output)
+    return None
+
+
+def record_full_hidden_states(model: nn.Module) -> list:
+    """Forward hooks on `model` and every transformers PreTrainedModel inside
+    it: the recorded hidden states in their outputs become full-sequence
+    tensors (see mark_rows).  Returns the hooks' handles."""
+    from transformers import PreTrainedModel
+
+    owners = [model] + [m for m in model.modules() if m is not model and isinstance(m, PreTrainedModel)]
+    return [m.register_forward_hook(_full_outputs) for m in owners]
+
+
+def _gatherer(state: SequenceState, group):
+    """The gather of split_gather rows of the forward in progress (its length now)."""
+    length = state.length
+    return lambda t: _Gather.apply(t, group, length)
+
+
 def refuse_recorded_hidden_states(model: nn.Module, name: str):
     """A forward pre-hook on the top-level `model`: output_hidden_states=True
     (in the call or the config) raises NotImplementedError, since between the
@@ -463,7 +540,8 @@ class _Hooks:
         if "split" in self.roles:
             def pre(_module, args, kwargs):
                 x, rebuild = _first(args, kwargs)
-                return rebuild(split_sequence(x, state, group))
+                rows = split_sequence(x, state, group)
+                return rebuild(mark_rows(rows, _gatherer(state, group)))
 
             self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
         if "block" in self.roles or "enter" in self.roles:
@@ -492,9 +570,15 @@ class _Hooks:
 
             self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
             self.handles.append(m.register_forward_hook(post, always_call=True))
+        if "rows" in self.roles:
+            def post(_module, _args, output):
+                return _on_output(output, lambda y: mark_rows(y, _gatherer(state, group)))
+
+            self.handles.append(m.register_forward_hook(post))
         if "gather" in self.roles:
             def post(_module, _args, output):
-                return _on_output(output, lambda y: gather_sequence(y, state, group))
+                return _on_output(output, lambda y: gather_sequence(mark_rows(y, _gatherer(state, group)),
+                                                                    state, group))
 
             self.handles.append(m.register_forward_hook(post))
         self._windowed_roles(m)

@@ -40,6 +40,7 @@ gradients would be summed over the group).
 """
 from __future__ import annotations
 
+import copy
 import sys
 
 import torch
@@ -50,6 +51,7 @@ from .. import distributed as D
 from ..distributed.mappings import _all_gather_seq
 from .parallel_module import ShardPlan
 from .replicated import _all_reduce_hook
+from .sequence import mark_rows
 
 SEQ_DIM = 1
 MODES = ("all_to_all", "ring_attn")
@@ -431,7 +433,14 @@ class _SplitHooks:
                 return None
             x, rebuild = _layer_inputs(args, kwargs)
             state.start(x.shape[SEQ_DIM], x.device)
-            return rebuild(_Split.apply(x, state))
+            return rebuild(mark_rows(_Split.apply(x, state), _recorded_gather(state)))
+
+        def every_post(_module, _args, output):
+            if not state.active:
+                return None
+            first = output if isinstance(output, torch.Tensor) else output[0] if isinstance(output, tuple) else None
+            mark_rows(first, _recorded_gather(state))
+            return None
 
         def every_pre(_module, args, kwargs):
             if not state.active:
@@ -459,6 +468,7 @@ class _SplitHooks:
         self.handles.append(layers[0].register_forward_pre_hook(first_pre, with_kwargs=True))
         for layer in layers:
             self.handles.append(layer.register_forward_pre_hook(every_pre, with_kwargs=True))
+            self.handles.append(layer.register_forward_hook(every_post))     # before the last one's gather
         self.handles.append(layers[len(layers) - 1].register_forward_hook(last_post))
         return layers
 
@@ -474,20 +484,34 @@ class _SplitHooks:
         self.attention.clear()
 
 
+def _recorded_gather(state: SequenceSplit):
+    """The gather of a recorded hidden state of the forward in progress: its
+    layout (rows, zigzag order, lengths) now, all-gathered and put in
+    sequence order (_Gather; backward: this rank's rows)."""
+    snapshot = copy.copy(state)
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        return _Gather.apply(t, snapshot)
+
+    return gather
+
+
 def _refuse_recorded_outputs(base: nn.Module, kwargs: dict, state: SequenceSplit) -> None:
-    """Hidden states between layers and attention weights are split (rows,
-    heads) under these modes: asked for in a split forward, they raise
-    rather than come back partial."""
+    """Attention weights are split under these modes (all_to_all: this rank's
+    heads; ring_attn: never built): asked for in a split forward, they raise
+    rather than come back partial.  Recorded hidden states come back full
+    (mark_rows, and the policy's record_full_hidden_states)."""
     config = getattr(base, "config", None)
-    for what in ("output_hidden_states", "output_attentions"):
+    for what in ("output_attentions",):
         want = kwargs.get(what)
         if want is None:
             want = getattr(config, what, False)
         if want:
             raise NotImplementedError(
-                f"{state.name}: {what}=True with sequence_parallelism_mode={state.mode!r}: between the layers "
-                f"each rank holds only its rows of the sequence; run that forward with use_cache=True under "
-                f"torch.no_grad() (unsplit), or without {what}")
+                f"{state.name}: {what}=True with sequence_parallelism_mode={state.mode!r}: the attention "
+                f"weights are never built for the whole sequence (all_to_all: each rank's heads; ring_attn: "
+                f"blocks merged by log-sum-exp); run that forward with use_cache=True under torch.no_grad() "
+                f"(unsplit), or without {what}")
 
 
 def _ensure_grad_sync(layers: nn.Module, group) -> None:
