@@ -232,8 +232,6 @@ SP_MODES = ["split_gather", "all_to_all", "ring_attn"]
 @pytest.mark.parametrize("mode", SP_MODES)
 @pytest.mark.parametrize("name,seq", HIDDEN, ids=[c[0] for c in HIDDEN])
 def test_sp_recorded_hidden_states_equal_unsharded(pool, name, seq, mode, tp):
-    if mode == "ring_attn" and name != "LlamaForCausalLM":
-        pytest.skip("ring_attn: causal decoders only")
     pool.run(sequence_more.recorded_hidden_states_equal, tp, name, mode, seq)
 
 
