@@ -33,7 +33,7 @@ gathers its output, and the layer's norms get their gradients all-reduced
 one input all-gather runs while its column layers (q/k/v or qkv, gate/up or
 gate_up) multiply this rank's rows (shardformer.layer.linear.gather_block_input,
 which says why the attention's projections cannot gather inside).
-output_hidden_states=True is refused (the layers' outputs are this rank's rows).
+output_hidden_states=True records full-sequence states (record_hidden_states).
 
 Sequence parallelism all_to_all / ring_attn (every DecoderShape family,
 with or without TP over a separate group): the base model's `layers` take
@@ -356,10 +356,10 @@ class SplitGatherMixin:
     (EncoderShape, GPTBlockShape, FusedQKVShape, VisionShape, OPT): they
     implement ShardConfig.enable_sequence_overlap (supports_sequence_overlap:
     a sharder may refuse the switch for policies without it), and after
-    substitution the top-level model refuses output_hidden_states=True (the
-    layers' outputs are this rank's rows), see refuse_recorded_hidden_states."""
+    substitution output_hidden_states=True records full-sequence states
+    (record_hidden_states) or, with records_hidden_states False, is refused."""
 
-    records_hidden_states = False
+    records_hidden_states = True      # sp_ends marks the layers' rows (ALBERT: its own ends, refused)
 
     def supports_sequence_overlap(self) -> bool:
         return True

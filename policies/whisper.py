@@ -35,7 +35,7 @@ per rank, on this rank's rows).  The layer norms run on this rank's rows
 (gradients all-reduced).  Refused: encoder_layerdrop / decoder_layerdrop > 0
 (a skipped first or last layer would skip the split or the gather) and
 use_weighted_layer_sum (audio classification reads every layer's hidden
-states); output_hidden_states is refused per call (SplitGatherMixin).
+states); output_hidden_states records full-sequence states (SplitGatherMixin).
 """
 from __future__ import annotations
 

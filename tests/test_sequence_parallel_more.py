@@ -9,9 +9,12 @@ model (forward, loss, every gradient, after an optimizer step) at TP=2 and
 activations between the blocks hold 1/tp of the rows; eval() with dropout
 > 0 equal, and in training the residual dropouts draw a mask per rank;
 generate() equal for the seq2seq / causal LMs; gradient checkpointing and
-enable_sequence_overlap equal too (Mixtral refuses overlap);
-output_hidden_states and the configurations that cannot work refused by
-name."""
+enable_sequence_overlap equal too (Mixtral refuses overlap); the
+configurations that cannot work refused by name.  BEiT and Swin (per stage)
+likewise; Swinv2 and the vision models' all_to_all / ring_attn refused.
+output_hidden_states=True under every mode (split_gather, all_to_all,
+ring_attn) records the unsharded model's full-sequence states (ALBERT
+refuses it)."""
 import pytest
 
 from checks import sequence, sequence_more
@@ -95,7 +98,7 @@ def test_sp_generate(pool, name, tp):
     assert all(t == tokens[0] for t in tokens)
 
 
-@pytest.mark.parametrize("name", ["T5ForConditionalGeneration", "WhisperForConditionalGeneration", "AlbertForMaskedLM"])
+@pytest.mark.parametrize("name", ["AlbertForMaskedLM", "AlbertForPreTraining"])
 def test_sp_hidden_states_refused(pool, name):
     pool.run(sequence_more.sp_hidden_states_refused, 2, name)
 
@@ -238,3 +241,17 @@ def test_sp_recorded_hidden_states_equal_unsharded(pool, name, seq, mode, tp):
 @pytest.mark.parametrize("mode", SP_MODES)
 def test_sp_recorded_hidden_states_tuple_output(pool, mode):
     pool.run(sequence_more.recorded_hidden_states_equal, 4, "LlamaForCausalLM", mode, 5, False)
+
+
+# split_gather in the other layouts: row layers that reduce-scatter themselves (GPT-2, GPT-J, OPT, BLOOM,
+# Falcon), both stacks of T5 and Whisper (encoder_hidden_states and decoder_hidden_states)
+HIDDEN_SPLIT_GATHER = [("GPT2LMHeadModel", 7, None), ("GPTJForCausalLM", 7, None), ("OPTForCausalLM", 7, None),
+                       ("BloomForCausalLM", 7, None), ("FalconForCausalLM", 7, None),
+                       ("T5ForConditionalGeneration", 7, None), ("MixtralForCausalLM", 7, None),
+                       ("WhisperForConditionalGeneration", None, {"max_source_positions": 7})]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name,seq,overrides", HIDDEN_SPLIT_GATHER, ids=[c[0] for c in HIDDEN_SPLIT_GATHER])
+def test_sp_recorded_hidden_states_split_gather_layouts(pool, name, seq, overrides, tp):
+    pool.run(sequence_more.recorded_hidden_states_equal, tp, name, "split_gather", seq, True, overrides)

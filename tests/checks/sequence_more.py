@@ -473,42 +473,55 @@ def _projected(states, what: str, probe: dict) -> torch.Tensor:
     return total
 
 
+def _recorded_states(out, return_dict: bool) -> dict:
+    """{field: tuple of recorded states}: every *hidden_states field of a
+    ModelOutput (T5 and Whisper: the encoder's and the decoder's), or the
+    tuples of tensors of a tuple output."""
+    if return_dict:
+        return {k: v for k, v in out.items() if k.endswith("hidden_states") and isinstance(v, tuple)}
+    # by order among them: a split forward returns no cache, so the tuples' positions may differ
+    tuples = [v for v in out if isinstance(v, tuple) and v and all(isinstance(t, torch.Tensor) for t in v)]
+    return {f"tuple{i}": v for i, v in enumerate(tuples)}
+
+
 def recorded_hidden_states_equal(ctx, name: str, mode: str, seq: int | None = None,
-                                 return_dict: bool = True) -> dict:
+                                 return_dict: bool = True, overrides: dict | None = None) -> dict:
     """output_hidden_states=True under sequence parallelism `mode`: every
     recorded hidden state is the full-sequence tensor of the unsharded model
-    (same count, shapes, values; padding trimmed, ring_attn's zigzag undone),
-    the model's outputs and loss too, and differentiating through all of
-    them (a random projection of each state added to the loss) gives every
-    gradient of the unsharded model.  Proves the recorded rows were gathered
-    (shardformer.layer.sequence.RECORDED_GATHERS: one per layer and the
-    initial state, at least) and, for all_to_all / ring_attn, that the split
-    attention ran."""
-    from checks.sequence_attention import _trim
+    (same fields, count, shapes, values; padding trimmed, ring_attn's zigzag
+    undone), the model's outputs and loss too, and differentiating through
+    all of them (a random projection of each state added to the loss) gives
+    every gradient of the unsharded model.  Proves the recorded rows were
+    gathered (shardformer.layer.sequence.RECORDED_GATHERS: all but at most
+    the first and last of each field's states, which some models record
+    full) and, for all_to_all / ring_attn, that the split attention ran."""
     from shardformer.layer import sequence as seq_mod
     from shardformer.layer import sequence_attention as sa
 
-    inputs = _trim(zoo.make_inputs(name), seq)
+    inputs = sp_inputs(name, seq, overrides)
     torch.manual_seed(0)
-    model = zoo.build(name).train()
+    model = zoo.build(name, **(overrides or {})).train()
     ref = copy.deepcopy(model)
     ShardFormer(_hidden_states_config(ctx, mode)).optimize(model)
     gathers, calls = seq_mod.RECORDED_GATHERS["count"], dict(sa.CALLS)
     out = model(**inputs, output_hidden_states=True, return_dict=return_dict)
     exp = ref(**inputs, output_hidden_states=True, return_dict=return_dict)
     tol = parity.TOL[torch.float32]
-    if return_dict:
-        got_states, exp_states = out.hidden_states, exp.hidden_states
-    else:      # the tuple's hidden states: the element that is a tuple of tensors
-        got_states = next(v for v in out if isinstance(v, tuple))
-        exp_states = next(v for v in exp if isinstance(v, tuple))
-    assert len(got_states) == len(exp_states), f"{name}: {len(got_states)} hidden states, expected {len(exp_states)}"
-    for i, (a, b) in enumerate(zip(got_states, exp_states)):
-        assert a.shape == b.shape, f"{name} ({mode}): hidden state {i} of shape {tuple(a.shape)}, expected {tuple(b.shape)}"
-        parity.assert_close(f"{name} ({mode}) hidden state {i}", a, b, tol)
+    got_fields, exp_fields = _recorded_states(out, return_dict), _recorded_states(exp, return_dict)
+    assert exp_fields and sorted(got_fields) == sorted(exp_fields), f"{name}: fields {sorted(got_fields)}"
+    got_states, exp_states = [], []
+    for field in sorted(exp_fields):
+        got, want = got_fields[field], exp_fields[field]
+        assert len(got) == len(want), f"{name}: {len(got)} {field}, expected {len(want)}"
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert a.shape == b.shape, \
+                f"{name} ({mode}): {field}[{i}] of shape {tuple(a.shape)}, expected {tuple(b.shape)}"
+            parity.assert_close(f"{name} ({mode}) {field}[{i}]", a, b, tol)
+        got_states += list(got)
+        exp_states += list(want)
     gathered = seq_mod.RECORDED_GATHERS["count"] - gathers
-    layers = model.config.num_hidden_layers
-    assert gathered >= layers, f"{name} ({mode}): {gathered} recorded states gathered, expected >= {layers}"
+    least = len(exp_states) - 2 * len(exp_fields)
+    assert gathered >= max(least, 1), f"{name} ({mode}): {gathered} recorded states gathered, expected >= {least}"
     if mode != "split_gather":
         assert sa.CALLS[mode] > calls[mode], f"{name}: the {mode} attention never ran"
     probe: dict = {}
