@@ -255,3 +255,24 @@ HIDDEN_SPLIT_GATHER = [("GPT2LMHeadModel", 7, None), ("GPTJForCausalLM", 7, None
 @pytest.mark.parametrize("name,seq,overrides", HIDDEN_SPLIT_GATHER, ids=[c[0] for c in HIDDEN_SPLIT_GATHER])
 def test_sp_recorded_hidden_states_split_gather_layouts(pool, name, seq, overrides, tp):
     pool.run(sequence_more.recorded_hidden_states_equal, tp, name, "split_gather", seq, True, overrides)
+
+
+# the vision models' recorded states: BEiT's layers (semantic segmentation reads four of them), Swin's stages
+# (full between stages) and its reshaped_hidden_states, at odd token counts
+HIDDEN_VISION = [("BeitForImageClassification", None), ("SwinForImageClassification", None), ("SwinModel", None)]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name,overrides", HIDDEN_VISION, ids=[c[0] for c in HIDDEN_VISION])
+def test_sp_recorded_hidden_states_vision(pool, name, overrides, tp):
+    pool.run(sequence_more.recorded_hidden_states_equal, tp, name, "split_gather", None, True, overrides)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sp_beit_segmentation_reads_recorded_states(pool, tp):
+    pool.run(sequence.sp_equals_unsharded, tp, "BeitForSemanticSegmentation")
+
+
+@pytest.mark.parametrize("name", ["BeitForImageClassification", "SwinForImageClassification"])
+def test_sp_vision_with_all_optimizations(pool, name):
+    pool.run(sequence.sp_equals_unsharded, 2, name, None, {"enable_all_optimization": True})
