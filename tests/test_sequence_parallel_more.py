@@ -276,3 +276,10 @@ def test_sp_beit_segmentation_reads_recorded_states(pool, tp):
 @pytest.mark.parametrize("name", ["BeitForImageClassification", "SwinForImageClassification"])
 def test_sp_vision_with_all_optimizations(pool, name):
     pool.run(sequence.sp_equals_unsharded, 2, name, None, {"enable_all_optimization": True})
+
+
+# output_attentions under all_to_all (eager): the weights of every head over the whole sequence
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("name,seq", HIDDEN, ids=[c[0] for c in HIDDEN])
+def test_sp_all_to_all_recorded_attentions_equal_unsharded(pool, name, seq, sp):
+    pool.run(sequence_more.recorded_attentions_equal, sp, name, seq)

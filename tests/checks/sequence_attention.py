@@ -239,12 +239,14 @@ def padded_batch_real_rows(ctx, name: str, mode: str, seq: int = 7, pad: int = 2
     return {"loss": float(got.loss)}
 
 
-def recorded_outputs_refused(ctx, name: str, mode: str) -> str:
-    """output_attentions in a split forward raises (the weights are split
-    over heads, or never built); under a KV cache (unsplit) recorded hidden
-    states work.  (output_hidden_states in a split forward comes back full:
-    tests/checks/sequence_more.py recorded_hidden_states_equal.)"""
+def recorded_outputs_refused(ctx, name: str, mode: str, inner: str = "eager") -> str:
+    """output_attentions in a split forward raises where no weights exist
+    (ring_attn; all_to_all over `inner` attention other than eager); under a
+    KV cache (unsplit) recorded hidden states work.  (output_hidden_states
+    in a split forward comes back full, and all_to_all's eager weights
+    gathered: tests/checks/sequence_more.py.)"""
     model = zoo.build(name).eval()
+    model.config._attn_implementation = inner
     ref = copy.deepcopy(model)
     ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))).optimize(model)
     inputs = zoo.make_inputs(name)

@@ -538,3 +538,34 @@ def recorded_hidden_states_equal(ctx, name: str, mode: str, seq: int | None = No
     ref_loss.backward()
     worst = parity.compare_grads(model, ref, f"{name} ({mode})", tol)
     return {"states": len(got_states), "gathered": gathered, "grad": worst}
+
+
+def recorded_attentions_equal(ctx, name: str, seq: int | None = None) -> dict:
+    """output_attentions=True under all_to_all (eager attention, TP off): every
+    layer's weights are the unsharded model's [B, H, S, S] (gathered over the
+    heads, padded rows / keys and appended heads dropped), and
+    differentiating through them (a random projection of each added to the
+    loss) gives every gradient of the unsharded model; the split attention ran."""
+    from shardformer.layer import sequence_attention as sa
+
+    inputs = sp_inputs(name, seq)
+    torch.manual_seed(0)
+    model = zoo.build(name).train()
+    ref = copy.deepcopy(model)
+    ShardFormer(_hidden_states_config(ctx, "all_to_all")).optimize(model)
+    calls = sa.CALLS["all_to_all"]
+    out = model(**inputs, output_attentions=True)
+    exp = ref(**inputs, output_attentions=True)
+    assert sa.CALLS["all_to_all"] > calls, f"{name}: the all_to_all attention never ran"
+    tol = parity.TOL[torch.float32]
+    got, want = out.attentions, exp.attentions
+    assert want and len(got) == len(want), f"{name}: {len(got)} attention weights, expected {len(want)}"
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape, f"{name}: attentions[{i}] of shape {tuple(a.shape)}, expected {tuple(b.shape)}"
+        parity.assert_close(f"{name} attentions[{i}]", a, b, tol)
+    probe: dict = {}
+    loss = parity.loss_of(out, probe) + _projected(got, "a", probe)
+    ref_loss = parity.loss_of(exp, probe) + _projected(want, "a", probe)
+    loss.backward()
+    ref_loss.backward()
+    return {"layers": len(got), "grad": parity.compare_grads(model, ref, f"{name} (attentions)", tol)}

@@ -71,6 +71,7 @@ class SequenceSplit:
         self.p, self.rank = D.world_size(group), D.rank(group)
         self.inner = "sdpa"                # the attention implementation the split one wraps
         self.active = False
+        self.record_attentions = False             # output_attentions asked for in this forward (all_to_all)
         self.length = 0
         self.padded = 0
         self.rows: torch.Tensor | None = None      # this rank's rows of the padded sequence
@@ -258,7 +259,31 @@ def _ulysses(state, module, query, key, value, attention_mask, kwargs):
     out = all_to_all_along(out.contiguous(), 1, 2, state.group)
     if extra:
         out = out[:, :, : query.shape[1]]
-    return out, None
+    if weights is None or not state.record_attentions:
+        return out, None
+    return out, _GatherHeads.apply(weights, state.group, query.shape[1], state.length)
+
+
+class _GatherHeads(torch.autograd.Function):
+    """all_to_all's attention weights for output_attentions: each rank's
+    eager weights [B, H'/p, S', S'] (its heads over the whole padded
+    sequence) -> [B, H, S, S]: all-gathered along the heads, the appended
+    zero heads and the padded rows / keys dropped.  Backward: this rank's
+    heads of the gradient (the same on every rank), zeros on the padding."""
+
+    @staticmethod
+    def forward(ctx, w, group, heads, length):
+        ctx.group, ctx.local, ctx.shape = group, w.shape[1], tuple(w.shape)
+        full = _all_gather_seq(w.contiguous(), 1, group)
+        return full[:, :heads, :length, :length].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        b, h, s, _ = grad.shape
+        rank = D.rank(ctx.group)
+        padded = grad.new_zeros((b, ctx.local * D.world_size(ctx.group), ctx.shape[2], ctx.shape[3]))
+        padded[:, :h, :s, :s] = grad
+        return padded[:, rank * ctx.local:(rank + 1) * ctx.local].contiguous(), None, None, None
 
 
 def _ring(state, module, query, key, value, attention_mask, kwargs):
@@ -497,21 +522,23 @@ def _recorded_gather(state: SequenceSplit):
 
 
 def _refuse_recorded_outputs(base: nn.Module, kwargs: dict, state: SequenceSplit) -> None:
-    """Attention weights are split under these modes (all_to_all: this rank's
-    heads; ring_attn: never built): asked for in a split forward, they raise
-    rather than come back partial.  Recorded hidden states come back full
-    (mark_rows, and the policy's record_full_hidden_states)."""
-    config = getattr(base, "config", None)
-    for what in ("output_attentions",):
-        want = kwargs.get(what)
-        if want is None:
-            want = getattr(config, what, False)
-        if want:
-            raise NotImplementedError(
-                f"{state.name}: {what}=True with sequence_parallelism_mode={state.mode!r}: the attention "
-                f"weights are never built for the whole sequence (all_to_all: each rank's heads; ring_attn: "
-                f"blocks merged by log-sum-exp); run that forward with use_cache=True under torch.no_grad() "
-                f"(unsplit), or without {what}")
+    """output_attentions in a split forward: all_to_all over eager attention
+    returns every layer's weights [B, H, S, S] gathered over the heads
+    (_GatherHeads; state.record_attentions); ring_attn never builds them and
+    all_to_all over another attention (SDPA, the C kernel) returns none:
+    refused rather than come back empty.  Recorded hidden states come back
+    full (mark_rows, and the policy's record_full_hidden_states)."""
+    want = kwargs.get("output_attentions")
+    if want is None:
+        want = getattr(getattr(base, "config", None), "output_attentions", False)
+    state.record_attentions = bool(want) and state.mode == "all_to_all" and state.inner == "eager"
+    if want and not state.record_attentions:
+        why = ("ring_attn merges key / value blocks by log-sum-exp and never builds the weights"
+               if state.mode == "ring_attn" else
+               f"all_to_all returns them from eager attention only (this model's is {state.inner!r})")
+        raise NotImplementedError(
+            f"{state.name}: output_attentions=True with sequence_parallelism_mode={state.mode!r}: {why}; "
+            f"run that forward with use_cache=True under torch.no_grad() (unsplit), or without output_attentions")
 
 
 def _ensure_grad_sync(layers: nn.Module, group) -> None:
