@@ -283,3 +283,18 @@ def test_sp_vision_with_all_optimizations(pool, name):
 @pytest.mark.parametrize("name,seq", HIDDEN, ids=[c[0] for c in HIDDEN])
 def test_sp_all_to_all_recorded_attentions_equal_unsharded(pool, name, seq, sp):
     pool.run(sequence_more.recorded_attentions_equal, sp, name, seq)
+
+
+# training with live dropout: the dropouts on rows (and Swin's on the all-reduced windows) draw a mask per rank
+@pytest.mark.parametrize("name", ["BeitForImageClassification", "SwinForImageClassification"])
+def test_sp_vision_training_dropout_masks_differ_per_rank(pool, name):
+    pool.run(sequence.sp_dropout_masks_differ, 4, name)
+
+
+# without live dropout: BeitLayer and SwinLayer call their one `dropout` module twice per forward, and the
+# seeded dropouts replay recomputed masks most recent first (shardformer.layer.dropout), so live dropout
+# under checkpointing would swap the two masks of a layer (with or without SP)
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("name", ["BeitForImageClassification", "SwinForImageClassification"])
+def test_sp_vision_gradient_checkpointing(pool, name, use_reentrant):
+    pool.run(sequence.sp_checkpointing_matches, 2, name, use_reentrant, 0.0)

@@ -9,7 +9,7 @@ import torch
 
 import zoo
 from checks import parity, sequence
-from checks.sequence import SP, _with_dropout
+from checks.sequence import SP, _recorder, _with_dropout
 from shardformer import ShardConfig, ShardFormer
 
 # the inputs that run along the (encoder) sequence: trimmed to the odd lengths
@@ -305,7 +305,7 @@ def sp_dropout_masks_differ(ctx, name: str, p: float = 0.5) -> dict:
     masks = {}
     for mname, module in model.named_modules():
         if isinstance(module, DropoutForParallelInput) and not mname.endswith("DenseReluDense.dropout"):
-            module.register_forward_hook(lambda m, a, out, mname=mname: masks.setdefault(mname, out == 0))
+            module.register_forward_hook(_recorder(masks, mname))
     return sequence.check_split_dropout_step(ctx, name, masks, model(**zoo.make_inputs(name)))
 
 
