@@ -298,3 +298,26 @@ def test_sp_vision_training_dropout_masks_differ_per_rank(pool, name):
 @pytest.mark.parametrize("name", ["BeitForImageClassification", "SwinForImageClassification"])
 def test_sp_vision_gradient_checkpointing(pool, name, use_reentrant):
     pool.run(sequence.sp_checkpointing_matches, 2, name, use_reentrant, 0.0)
+
+
+# padded batches (every mode), enable_sequence_overlap (split_gather), generate() (split_gather: one-token steps)
+@pytest.mark.parametrize("mode", SP_MODES)
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "BertForMaskedLM"])
+def test_sp_recorded_hidden_states_padded_batch(pool, name, mode):
+    pool.run(sequence_more.recorded_hidden_states_equal, 4, name, mode, 7, True, None, True)
+
+
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "BertForMaskedLM", "GPT2LMHeadModel"])
+def test_sp_recorded_hidden_states_with_overlap(pool, name):
+    pool.run(sequence_more.recorded_hidden_states_equal, 4, name, "split_gather", 7, True, None, False, True)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sp_generate_recorded_hidden_states(pool, tp):
+    pool.run(sequence_more.generate_hidden_states_equal, tp, "LlamaForCausalLM")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sp_beit_overlap_equals_unsharded(pool, tp):
+    results = pool.run(sequence.sp_overlap_equals_unsharded, tp, "BeitForImageClassification")
+    assert all(r["overlapped"] > 0 for r in results) or results[0]["backend"] != "shm"

@@ -473,6 +473,15 @@ def _projected(states, what: str, probe: dict) -> torch.Tensor:
     return total
 
 
+def _real_rows(tensors: tuple, real) -> tuple:
+    """The rows [B, S, ...] at the real (not padding) positions, or the
+    tensors as they are (real None).  What a padding query attends to when
+    every key it may see is masked is each attention implementation's own
+    convention (uniform in eager, 0 in the ring kernel) and reaches nothing
+    real: checks.sequence_attention.padded_batch_real_rows."""
+    return tensors if real is None else tuple(t[real] for t in tensors)
+
+
 def _recorded_states(out, return_dict: bool) -> dict:
     """{field: tuple of recorded states}: every *hidden_states field of a
     ModelOutput (T5 and Whisper: the encoder's and the decoder's), or the
@@ -485,7 +494,8 @@ def _recorded_states(out, return_dict: bool) -> dict:
 
 
 def recorded_hidden_states_equal(ctx, name: str, mode: str, seq: int | None = None,
-                                 return_dict: bool = True, overrides: dict | None = None) -> dict:
+                                 return_dict: bool = True, overrides: dict | None = None,
+                                 padded: bool = False, overlap: bool = False) -> dict:
     """output_hidden_states=True under sequence parallelism `mode`: every
     recorded hidden state is the full-sequence tensor of the unsharded model
     (same fields, count, shapes, values; padding trimmed, ring_attn's zigzag
@@ -500,10 +510,19 @@ def recorded_hidden_states_equal(ctx, name: str, mode: str, seq: int | None = No
     from shardformer.layer import sequence_attention as sa
 
     inputs = sp_inputs(name, seq, overrides)
+    real = None
+    if padded:       # the first row's first two tokens are padding; no label is predicted from them
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        inputs["attention_mask"][0, :2] = 0
+        inputs["labels"][0, :3] = -100
+        real = inputs["attention_mask"].bool()
     torch.manual_seed(0)
     model = zoo.build(name, **(overrides or {})).train()
     ref = copy.deepcopy(model)
-    ShardFormer(_hidden_states_config(ctx, mode)).optimize(model)
+    config = _hidden_states_config(ctx, mode)
+    if overlap:
+        config = ShardConfig(tensor_parallel_process_group=ctx.group, enable_sequence_overlap=True, **SP)
+    ShardFormer(config).optimize(model)
     gathers, calls = seq_mod.RECORDED_GATHERS["count"], dict(sa.CALLS)
     out = model(**inputs, output_hidden_states=True, return_dict=return_dict)
     exp = ref(**inputs, output_hidden_states=True, return_dict=return_dict)
@@ -517,9 +536,9 @@ def recorded_hidden_states_equal(ctx, name: str, mode: str, seq: int | None = No
         for i, (a, b) in enumerate(zip(got, want)):
             assert a.shape == b.shape, \
                 f"{name} ({mode}): {field}[{i}] of shape {tuple(a.shape)}, expected {tuple(b.shape)}"
-            parity.assert_close(f"{name} ({mode}) {field}[{i}]", a, b, tol)
-        got_states += list(got)
-        exp_states += list(want)
+            parity.assert_close(f"{name} ({mode}) {field}[{i}]", *_real_rows((a, b), real), tol)
+        got_states += [_real_rows((h,), real)[0] for h in got]
+        exp_states += [_real_rows((h,), real)[0] for h in want]
     gathered = seq_mod.RECORDED_GATHERS["count"] - gathers
     if name.startswith("Swin"):          # recorded at the stages' outputs, which are gathered: nothing to mark
         assert gathered == 0, f"{name}: {gathered} recorded states gathered, expected none (full stage outputs)"
@@ -529,8 +548,11 @@ def recorded_hidden_states_equal(ctx, name: str, mode: str, seq: int | None = No
     if mode != "split_gather":
         assert sa.CALLS[mode] > calls[mode], f"{name}: the {mode} attention never ran"
     probe: dict = {}
-    if return_dict:
+    if return_dict and real is None:
         parity.check_outputs(f"{name} ({mode})", out, exp, tol)
+    elif return_dict:
+        parity.assert_close(f"{name} ({mode}) logits at real positions", *_real_rows((out.logits, exp.logits), real),
+                            tol)
     loss = parity.loss_of(out, probe) + _projected(got_states, "h", probe)
     ref_loss = parity.loss_of(exp, probe) + _projected(exp_states, "h", probe)
     parity.assert_close(f"{name} ({mode}) loss", loss, ref_loss, tol)
@@ -569,3 +591,27 @@ def recorded_attentions_equal(ctx, name: str, seq: int | None = None) -> dict:
     loss.backward()
     ref_loss.backward()
     return {"layers": len(got), "grad": parity.compare_grads(model, ref, f"{name} (attentions)", tol)}
+
+
+def generate_hidden_states_equal(ctx, name: str, new_tokens: int = 4) -> dict:
+    """Greedy generate(output_hidden_states=True, return_dict_in_generate=True)
+    under split_gather equals the unsharded model: the tokens, and every
+    step's recorded states (the prompt's, then one token per step: one rank
+    holds it, the others padding)."""
+    model = zoo.build(name).eval()
+    ref = copy.deepcopy(model)
+    _shard(ctx, model)
+    prompt = {"input_ids": parity.prompt_ids()}
+    kwargs = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, output_hidden_states=True,
+                  return_dict_in_generate=True)
+    with torch.no_grad():
+        got, exp = model.generate(**prompt, **kwargs), ref.generate(**prompt, **kwargs)
+    assert torch.equal(got.sequences, exp.sequences), f"{name}: generate() differs"
+    assert len(got.hidden_states) == len(exp.hidden_states) == new_tokens
+    tol = parity.TOL[torch.float32]
+    for step, (a_states, b_states) in enumerate(zip(got.hidden_states, exp.hidden_states)):
+        assert len(a_states) == len(b_states), f"{name}: step {step}: {len(a_states)} states"
+        for i, (a, b) in enumerate(zip(a_states, b_states)):
+            assert a.shape == b.shape, f"{name}: step {step} state {i}: {tuple(a.shape)} != {tuple(b.shape)}"
+            parity.assert_close(f"{name} generate step {step} state {i}", a, b, tol)
+    return {"steps": len(got.hidden_states)}
