@@ -148,7 +148,9 @@ class _EndHooks:
 
 
 class AlbertShape(EncoderShape):
-    records_hidden_states = False     # output_hidden_states refused under split_gather: its ends are its own
+    """Split-gather SP: the split and the gather on the encoder (EncoderEnds);
+    every call of a shared AlbertLayer marks its input and output rows for
+    output_hidden_states (mark_layer_rows)."""
 
     split_attention_at = None
     pipeline_split = None        # ALBERT's layers share one layer group: not split into stages
@@ -172,6 +174,16 @@ class AlbertShape(EncoderShape):
             attribute_replacement={"attention.num_attention_heads": heads.local_heads(),
                                    "attention.all_head_size": heads.local_width(heads.head_dim)},
             sub_module_replacement=subs)
+
+    def postprocess(self):
+        model = super().postprocess()
+        if self.tensor_parallel and self.shard_config.sequence_parallel and self.tp_size > 1:
+            from shardformer.layer.sequence import mark_layer_rows
+
+            for module in self.model.modules():
+                if type(module).__name__ == "AlbertLayer":
+                    mark_layer_rows(module, self.sequence_state, self.shard_config.tensor_parallel_process_group)
+        return model
 
     def body_policy(self):
         if not self.tensor_parallel:

@@ -359,7 +359,7 @@ class SplitGatherMixin:
     substitution output_hidden_states=True records full-sequence states
     (record_hidden_states) or, with records_hidden_states False, is refused."""
 
-    records_hidden_states = True      # sp_ends marks the layers' rows (ALBERT: its own ends, refused)
+    records_hidden_states = True      # sp_ends marks the layers' rows (ALBERT: mark_layer_rows)
 
     def supports_sequence_overlap(self) -> bool:
         return True

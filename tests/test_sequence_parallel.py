@@ -200,9 +200,9 @@ def test_sp_overlap_decoder_gradient_checkpointing(pool, use_reentrant):
     pool.run(sequence.sp_checkpointing_matches, 2, "LlamaForCausalLM", use_reentrant, 0.2, True)
 
 
-# the other families record full hidden states: tests/test_sequence_parallel_more.py; ALBERT (its own
-# split and gather around the shared layers) refuses them, in the call and in the config
-@pytest.mark.parametrize("name", ["AlbertForMaskedLM"])
+# every family records full hidden states (tests/test_sequence_parallel_more.py); a policy that does not
+# mark its layers' rows refuses them, in the call and in the config
+@pytest.mark.parametrize("name", ["BertForMaskedLM", "LlamaForCausalLM"])
 def test_sp_hidden_states_refused(pool, name):
     pool.run(sequence.sp_hidden_states_refused, 2, name)
 

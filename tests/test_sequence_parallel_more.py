@@ -13,8 +13,7 @@ enable_sequence_overlap equal too (Mixtral refuses overlap); the
 configurations that cannot work refused by name.  BEiT and Swin (per stage)
 likewise; Swinv2 and the vision models' all_to_all / ring_attn refused.
 output_hidden_states=True under every mode (split_gather, all_to_all,
-ring_attn) records the unsharded model's full-sequence states (ALBERT
-refuses it)."""
+ring_attn) records the unsharded model's full-sequence states."""
 import pytest
 
 from checks import sequence, sequence_more
@@ -98,9 +97,7 @@ def test_sp_generate(pool, name, tp):
     assert all(t == tokens[0] for t in tokens)
 
 
-@pytest.mark.parametrize("name", ["AlbertForMaskedLM", "AlbertForPreTraining"])
-def test_sp_hidden_states_refused(pool, name):
-    pool.run(sequence_more.sp_hidden_states_refused, 2, name)
+
 
 
 @pytest.mark.parametrize("name,overrides,what", [
@@ -244,10 +241,14 @@ def test_sp_recorded_hidden_states_tuple_output(pool, mode):
 
 
 # split_gather in the other layouts: row layers that reduce-scatter themselves (GPT-2, GPT-J, OPT, BLOOM,
-# Falcon), both stacks of T5 and Whisper (encoder_hidden_states and decoder_hidden_states)
+# Falcon), both stacks of T5 and Whisper (encoder_hidden_states and decoder_hidden_states), ALBERT's
+# shared layers (every call recorded; also 2 groups of 2 layers)
 HIDDEN_SPLIT_GATHER = [("GPT2LMHeadModel", 7, None), ("GPTJForCausalLM", 7, None), ("OPTForCausalLM", 7, None),
                        ("BloomForCausalLM", 7, None), ("FalconForCausalLM", 7, None),
                        ("T5ForConditionalGeneration", 7, None), ("MixtralForCausalLM", 7, None),
+                       ("AlbertForMaskedLM", 7, None),
+                       ("AlbertForPreTraining", 7, {"num_hidden_layers": 4, "num_hidden_groups": 2,
+                                                    "inner_group_num": 2}),
                        ("WhisperForConditionalGeneration", None, {"max_source_positions": 7})]
 
 

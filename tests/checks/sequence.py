@@ -195,11 +195,16 @@ def sp_checkpointing_matches(ctx, name: str, use_reentrant: bool, p: float = 0.2
 
 
 def sp_hidden_states_refused(ctx, name: str) -> str:
-    """output_hidden_states=True (in the call, or in the config) raises
-    NotImplementedError under split-gather SP rather than returning one
-    rank's rows of every layer's hidden states; other calls still work."""
+    """A policy that does not mark its layers' rows (records_hidden_states
+    False: every built-in family marks them) refuses output_hidden_states=True
+    (in the call, or in the config) under split-gather SP with
+    NotImplementedError, rather than return one rank's rows of every layer's
+    hidden states; other calls still work."""
+    from shardformer.autopolicy import get_autopolicy
+
     model = zoo.build(name).eval()
-    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **SP)).optimize(model)
+    unmarked = type("Unmarked", (type(get_autopolicy(model)),), {"records_hidden_states": False})
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **SP)).optimize(model, policy=unmarked())
     inputs = zoo.make_inputs(name)
     message = ""
     for how in ("call", "config"):

@@ -501,6 +501,21 @@ def record_full_hidden_states(model: nn.Module) -> list:
     return [m.register_forward_hook(_full_outputs) for m in owners]
 
 
+def mark_layer_rows(module: nn.Module, state: SequenceState, group) -> list:
+    """Forward hooks marking `module`'s first input and its output's first
+    tensor as this rank's rows (mark_rows), for a layer that runs between a
+    split and a gather held elsewhere (ALBERT's shared layers, whose split
+    and gather sit on the encoder).  Returns the hooks' handles."""
+    def pre(_module, args, kwargs):
+        x, _ = _first(args, kwargs)
+        mark_rows(x, _gatherer(state, group))
+
+    def post(_module, _args, output):
+        mark_rows(output if isinstance(output, torch.Tensor) else output[0], _gatherer(state, group))
+
+    return [module.register_forward_pre_hook(pre, with_kwargs=True), module.register_forward_hook(post)]
+
+
 def _gatherer(state: SequenceState, group):
     """The gather of split_gather rows of the forward in progress (its length now)."""
     length = state.length
