@@ -33,9 +33,9 @@ residual dropouts are functional calls with the layer's `dropout`: that
 becomes 0 and p moves into out_proj / fc2 (Linear1D_Row dropout=p: a mask
 per rank, on this rank's rows).  The layer norms run on this rank's rows
 (gradients all-reduced).  Refused: encoder_layerdrop / decoder_layerdrop > 0
-(a skipped first or last layer would skip the split or the gather) and
-use_weighted_layer_sum (audio classification reads every layer's hidden
-states); output_hidden_states records full-sequence states (SplitGatherMixin).
+(a skipped first or last layer would skip the split or the gather).
+output_hidden_states records full-sequence states (SplitGatherMixin), which
+audio classification's use_weighted_layer_sum reads.
 """
 from __future__ import annotations
 
@@ -68,10 +68,6 @@ class WhisperShape(SplitGatherMixin, FamilyPolicy):
                 raise NotImplementedError(f"{name}: sequence parallelism (split_gather) with {key}="
                                           f"{getattr(cfg, key)} is not available for Whisper: a skipped first or "
                                           f"last layer would skip the split or the gather (set it to 0)")
-        if getattr(cfg, "use_weighted_layer_sum", False) and hasattr(self.model, "layer_weights"):
-            raise NotImplementedError(f"{name}: sequence parallelism (split_gather) with use_weighted_layer_sum="
-                                      f"True is not available for Whisper: the weighted sum reads every layer's "
-                                      f"hidden states, which hold this rank's rows only")
 
     def layer_description(self, layer_cls: str, n_heads: int, attns: tuple[str, ...], state) -> \
             ModulePolicyDescription:

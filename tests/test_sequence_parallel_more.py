@@ -103,7 +103,6 @@ def test_sp_generate(pool, name, tp):
 @pytest.mark.parametrize("name,overrides,what", [
     ("WhisperForConditionalGeneration", {"encoder_layerdrop": 0.1}, "encoder_layerdrop"),
     ("WhisperForConditionalGeneration", {"decoder_layerdrop": 0.1}, "decoder_layerdrop"),
-    ("WhisperForAudioClassification", {"use_weighted_layer_sum": True}, "use_weighted_layer_sum"),
     ("AlbertForMaskedLM", {"chunk_size_feed_forward": 4}, "chunk_size_feed_forward"),
 ])
 def test_sp_refused_by_config(pool, name, overrides, what):
@@ -322,3 +321,11 @@ def test_sp_generate_recorded_hidden_states(pool, tp):
 def test_sp_beit_overlap_equals_unsharded(pool, tp):
     results = pool.run(sequence.sp_overlap_equals_unsharded, tp, "BeitForImageClassification")
     assert all(r["overlapped"] > 0 for r in results) or results[0]["backend"] != "shm"
+
+
+# Whisper's audio classification with use_weighted_layer_sum: the weighted sum of the encoder's recorded
+# (gathered) hidden states
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sp_whisper_weighted_layer_sum(pool, tp):
+    pool.run(sequence_more.sp_equals_unsharded, tp, "WhisperForAudioClassification", None,
+             {"use_weighted_layer_sum": True, "max_source_positions": 7})
