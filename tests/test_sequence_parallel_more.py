@@ -189,11 +189,13 @@ SWIN = ["SwinForImageClassification", "SwinModel", "SwinForMaskedImageModeling"]
 # after patch merging (odd, padded inside; the 2 x 2 windows padded by Swin itself); its masked image
 # modeling reconstructs from one stage (9 x 9 x stride 4 = 36 pixels).
 SWIN_ODD = {"SwinForMaskedImageModeling": {"depths": [2], "num_heads": [5], "encoder_stride": 4}}
-VISION = [(n, None, None) for n in BEIT] + [(n, 36, SWIN_ODD.get(n)) for n in SWIN]
+VISION = [(n, None, None) for n in BEIT] + [(n, 36, SWIN_ODD.get(n)) for n in SWIN] + [
+    ("SwinForImageClassification", 36, {"depths": [1, 3]}),           # a stage of one block: split and gather
+    ("BeitForImageClassification", None, {"layer_scale_init_value": 0.0, "num_hidden_layers": 1})]
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("name,image,overrides", VISION, ids=[f"{c[0]}-{c[1]}" for c in VISION])
+@pytest.mark.parametrize("name,image,overrides", VISION, ids=[f"{c[0]}-{c[1]}-{i}" for i, c in enumerate(VISION)])
 def test_sp_vision_windows_and_bias_equal_unsharded(pool, name, image, overrides, tp):
     reports = pool.run(sequence_more.sp_vision_equals_unsharded, tp, name, image, overrides)
     assert reports[0]["rows"] != reports[0]["tokens"]          # the blocks ran on rows
