@@ -74,10 +74,9 @@ class BeitShape(VisionShape):
         return model
 
     def layer_scale_subs(self) -> list[Sub]:
-        """Under split-gather SP, BeitModel's layers.*.{lambda_1, lambda_2}: the layer scales
-        lambda_1 / lambda_2 (parameters of the layer itself, with
-        layer_scale_init_value > 0) multiply this rank's rows, so their
-        gradients are all-reduced."""
+        """Under split-gather SP: the layer scales layers.*.lambda_1 / lambda_2
+        (parameters of each layer, with layer_scale_init_value > 0) multiply
+        this rank's rows, so their gradients are all-reduced."""
         layers = self.model.get_submodule(self.base_prefix()).layers
         scales = tuple(f"{i}.{n}" for i, layer in enumerate(layers) for n in ("lambda_1", "lambda_2")
                        if isinstance(getattr(layer, n), nn.Parameter))
@@ -95,11 +94,10 @@ class BeitShape(VisionShape):
     def body_policy(self):
         policy = super().body_policy()
         if self.tensor_parallel:
-            base = policy.get("BeitModel")
-            subs = [Sub("shared_position_bias", ShardParams, kwargs=bias_table_split(self.model.config.num_attention_heads),
-                        ignore_if_not_exist=True)]
-            if self.shard_config.sequence_parallel:
-                subs += base.sub_module_replacement + self.layer_scale_subs()
+            heads = self.model.config.num_attention_heads
+            subs = [Sub("shared_position_bias", ShardParams, kwargs=bias_table_split(heads), ignore_if_not_exist=True)]
+            if self.shard_config.sequence_parallel:      # VisionShape's split and gather, the layer scales
+                subs += policy["BeitModel"].sub_module_replacement + self.layer_scale_subs()
             policy["BeitModel"] = ModulePolicyDescription(sub_module_replacement=subs)
         return policy
 
