@@ -27,8 +27,12 @@ this rank's rows only (the decoder layers' norms) get their gradients
 all-reduced (shardformer.layer.replicated).
 
 SequenceParallelRegion keeps the module it is applied to and adds the
-forward hooks (role "split", "gather", "block" or "enter"); SequenceState
-carries the unpadded length S from the split to the blocks of one forward.
+forward hooks (role "split", "gather", "block", "enter", "rows"; Swin's
+windowed blocks: "enter_output", "sum_grad", "leave", see
+policies/shapes.py StageShape); SequenceState carries the unpadded length S
+from the split to the blocks of one forward.  output_hidden_states: the
+recorded states, this rank's rows, are marked and gathered in the model's
+output (mark_rows, record_full_hidden_states).
 
 Blocks whose row layer has a bias, or whose output passes a dropout or a
 residual add inside the module (GPT-2, BERT, BLOOM, OPT: policies/shapes.py),
