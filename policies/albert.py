@@ -151,10 +151,15 @@ class _EndHooks:
 
 
 class AlbertShape(EncoderShape):
-    # all_to_all / ring_attn (shardformer.layer.sequence_attention, repeated=True): the layer groups
-    # run num_hidden_layers times in one forward, so the input is split at the first entry of
-    # albert_layer_groups[0] and AlbertTransformer's last_hidden_state gathered; a shared
-    # parameter's gradient hook runs once on the sum of its uses, then all-reduces over the group.
+    """Split-gather SP: the split and the gather on the encoder (EncoderEnds);
+    every call of a shared AlbertLayer marks its input and output rows for
+    output_hidden_states (mark_layer_rows).  all_to_all / ring_attn
+    (shardformer.layer.sequence_attention, repeated=True): the layer groups
+    run num_hidden_layers times in one forward, so the input is split at the
+    first entry of albert_layer_groups[0] and AlbertTransformer's
+    last_hidden_state gathered; a shared parameter's gradient hook runs once
+    on the sum of its uses, then all-reduces over the group."""
+
     split_attention_at = ("AlbertTransformer", "albert_layer_groups")
     split_attention_options = {"repeated": True}
     pipeline_split = None        # ALBERT's layers share one layer group: not split into stages
@@ -178,6 +183,16 @@ class AlbertShape(EncoderShape):
             attribute_replacement={"attention.num_attention_heads": heads.local_heads(),
                                    "attention.all_head_size": heads.local_width(heads.head_dim)},
             sub_module_replacement=subs)
+
+    def postprocess(self):
+        model = super().postprocess()
+        if self.tensor_parallel and self.shard_config.sequence_parallel and self.tp_size > 1:
+            from shardformer.layer.sequence import mark_layer_rows
+
+            for module in self.model.modules():
+                if type(module).__name__ == "AlbertLayer":
+                    mark_layer_rows(module, self.sequence_state, self.shard_config.tensor_parallel_process_group)
+        return model
 
     def body_policy(self):
         if not self.tensor_parallel:

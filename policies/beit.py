@@ -15,11 +15,30 @@ Layer scales (lambda_1, lambda_2), norms, patch embeddings and the
 segmentation decode heads (convolutions) stay replicated.  BeitAttention
 infers its head count from the projection width; the bias tables from their
 own width.
+
+Split-gather sequence parallelism (VisionShape's layout: the S = patches + 1
+tokens split along the sequence from layers.0 to the last layer, padded to a
+multiple of p; attention and mlp all-gather their input, backward
+reduce-scatter; o_proj and fc2 reduce-scatter their partial sums, backward
+all-gather, and add their bias on this rank's rows).  The relative position
+bias [1, heads_i, S, S] is built for the full length, as the attention's
+gathered q/k/v need: the per-layer tables from the image resolution, the
+shared one in BeitModel before the split; BeitLayer's dim_size (the
+interpolation target with interpolate_pos_encoding) becomes the full S
+(FullLengthKwarg), not this rank's rows.  On this rank's rows: the dropout
+(a mask per rank), the layer scales lambda_1 / lambda_2 and the norms (their
+gradients all-reduced), drop path and the residual adds.  all_to_all and
+ring_attn are refused (split_attention_at None): the bias is added to
+[S, S] scores that those modes never build.
 """
 from __future__ import annotations
 
+from torch import nn
+
 from shardformer.family import Family, gathered
 from shardformer.layer.param_shard import ShardParams
+from shardformer.layer.replicated import ReplicatedInParallelRegion
+from shardformer.layer.sequence import FullLengthKwarg
 from shardformer.layout import Heads
 from shardformer.policies.shapes import VisionShape, bias_table_split
 from shardformer.policy import ModulePolicyDescription
@@ -29,14 +48,43 @@ from shardformer.policy import SubModuleReplacementDescription as Sub
 class BeitShape(VisionShape):
     """Per-layer bias tables (use_relative_position_bias) or one shared by all
     layers (use_shared_relative_position_bias): whichever the model has.
-    Sequence parallelism is refused: BeitLayer sizes its relative position
-    bias from its input's length, which would be this rank's rows."""
+    Split-gather SP as the module docstring says; all_to_all / ring_attn
+    refused by name (no split_attention_at)."""
 
     split_attention_at = None
-
-    def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return ()
     pipeline_split = None        # a bias table may be shared by all layers: not split into stages
+
+    def sp_norms(self, layer) -> list[str]:
+        # the bias table is split by heads (ShardParams): complete per rank, no all-reduce
+        return [n for n in super().sp_norms(layer) if n != "relative_position_bias"]
+
+    def sequence_parallel_refusal(self, mode: str) -> str:
+        return (f"{self.base_prefix()}.layers.*.attention adds a relative position bias [heads, S, S] to "
+                f"the full scores, which {mode} never builds (it splits the sequence inside the attention)")
+
+    def postprocess(self):
+        model = super().postprocess()
+        if self.tensor_parallel and self.shard_config.sequence_parallel and self.tp_size > 1:
+            # after the plan: the tables already take ShardParams (one replacement per path)
+            group = self.shard_config.tensor_parallel_process_group
+            for layer in self.model.get_submodule(self.base_prefix()).layers:
+                if layer.relative_position_bias is not None:
+                    FullLengthKwarg.from_native_module(layer.relative_position_bias, group, name="dim_size",
+                                                       state=self.sequence_state)
+        return model
+
+    def layer_scale_subs(self) -> list[Sub]:
+        """Under split-gather SP: the layer scales layers.*.lambda_1 / lambda_2
+        (parameters of each layer, with layer_scale_init_value > 0) multiply
+        this rank's rows, so their gradients are all-reduced."""
+        layers = self.model.get_submodule(self.base_prefix()).layers
+        scales = tuple(f"{i}.{n}" for i, layer in enumerate(layers) for n in ("lambda_1", "lambda_2")
+                       if isinstance(getattr(layer, n), nn.Parameter))
+        # on the ModuleList: its layers take other replacements (the split, the gather)
+        return [Sub("layers", ReplicatedInParallelRegion, kwargs={"params": scales})] if scales else []
+
+    def base_prefix(self) -> str:
+        return next(name for name, m in self.model.named_modules() if type(m).__name__ == "BeitModel")
 
     def layer_replacements(self, heads: Heads) -> list[Sub]:
         return super().layer_replacements(heads) + [
@@ -46,9 +94,11 @@ class BeitShape(VisionShape):
     def body_policy(self):
         policy = super().body_policy()
         if self.tensor_parallel:
-            policy["BeitModel"] = ModulePolicyDescription(sub_module_replacement=[
-                Sub("shared_position_bias", ShardParams, kwargs=bias_table_split(self.model.config.num_attention_heads),
-                    ignore_if_not_exist=True)])
+            heads = self.model.config.num_attention_heads
+            subs = [Sub("shared_position_bias", ShardParams, kwargs=bias_table_split(heads), ignore_if_not_exist=True)]
+            if self.shard_config.sequence_parallel:      # VisionShape's split and gather, the layer scales
+                subs += policy["BeitModel"].sub_module_replacement + self.layer_scale_subs()
+            policy["BeitModel"] = ModulePolicyDescription(sub_module_replacement=subs)
         return policy
 
 

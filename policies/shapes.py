@@ -33,7 +33,7 @@ gathers its output, and the layer's norms get their gradients all-reduced
 one input all-gather runs while its column layers (q/k/v or qkv, gate/up or
 gate_up) multiply this rank's rows (shardformer.layer.linear.gather_block_input,
 which says why the attention's projections cannot gather inside).
-output_hidden_states=True is refused (the layers' outputs are this rank's rows).
+output_hidden_states=True records full-sequence states (record_hidden_states).
 
 Sequence parallelism all_to_all / ring_attn (every DecoderShape family,
 with or without TP over a separate group): the base model's `layers` take
@@ -137,13 +137,7 @@ class DecoderShape(FamilyPolicy):
         return self.mlp != "moe"
 
     def postprocess(self):
-        model = super().postprocess()
-        if self.tensor_parallel and self.shard_config.sequence_parallel and self.tp_size > 1:
-            from shardformer.layer.sequence import refuse_recorded_hidden_states
-
-            # split_gather only: all_to_all / ring_attn refuse them in their own hooks
-            refuse_recorded_hidden_states(self.model, type(self.model).__name__)
-        return model
+        return record_hidden_states(self, super().postprocess())
 
     @property
     def sp(self) -> dict:
@@ -203,12 +197,7 @@ class DecoderShape(FamilyPolicy):
                 Sub("mlp", SequenceParallelRegion, kwargs=block)]
         subs += [Sub(child, ReplicatedInParallelRegion) for child, module in first.named_children()
                  if child not in ("self_attn", "mlp") and any(True for _ in module.parameters())]
-        last = len(layers) - 1
-        ends = [Sub("layers.0", SequenceParallelRegion, kwargs={"role": "split", "state": state}),
-                Sub(f"layers.{last}", SequenceParallelRegion, kwargs={"role": "gather", "state": state})]
-        if last == 0:
-            ends = [Sub("layers.0", SequenceParallelRegion, kwargs={"role": ("split", "gather"), "state": state})]
-        return subs, ends
+        return subs, sp_ends("layers", len(layers), state)
 
     def base_prefix(self) -> str:
         """The attribute path of the base model inside self.model ("" when it is the base model)."""
@@ -337,13 +326,17 @@ def sp_layer_subs(entered, norms, state) -> list[Sub]:
 
 def sp_ends(layers: str, count: int, state) -> list[Sub]:
     """The split at `layers`.0's input and the gather at the last layer's
-    output (both on one module when there is one layer)."""
+    output (both on one module when there is one layer); the layers before
+    the last mark their outputs, this rank's rows, for output_hidden_states
+    (role "rows")."""
     from shardformer.layer.sequence import SequenceParallelRegion
 
     if count == 1:
         return [Sub(f"{layers}.0", SequenceParallelRegion, kwargs={"role": ("split", "gather"), "state": state})]
-    return [Sub(f"{layers}.0", SequenceParallelRegion, kwargs={"role": "split", "state": state}),
-            Sub(f"{layers}.{count - 1}", SequenceParallelRegion, kwargs={"role": "gather", "state": state})]
+    return [Sub(f"{layers}.0", SequenceParallelRegion, kwargs={"role": ("split", "rows"), "state": state})] + [
+        Sub(f"{layers}.{i}", SequenceParallelRegion, kwargs={"role": "rows", "state": state})
+        for i in range(1, count - 1)] + [
+        Sub(f"{layers}.{count - 1}", SequenceParallelRegion, kwargs={"role": "gather", "state": state})]
 
 
 def parameterized_children(module, skip=()) -> list[str]:
@@ -363,19 +356,34 @@ class SplitGatherMixin:
     (EncoderShape, GPTBlockShape, FusedQKVShape, VisionShape, OPT): they
     implement ShardConfig.enable_sequence_overlap (supports_sequence_overlap:
     a sharder may refuse the switch for policies without it), and after
-    substitution the top-level model refuses output_hidden_states=True (the
-    layers' outputs are this rank's rows), see refuse_recorded_hidden_states."""
+    substitution output_hidden_states=True records full-sequence states
+    (record_hidden_states) or, with records_hidden_states False, is refused."""
+
+    records_hidden_states = True      # sp_ends marks the layers' rows (ALBERT: mark_layer_rows)
 
     def supports_sequence_overlap(self) -> bool:
         return True
 
     def postprocess(self):
-        model = super().postprocess()
-        if self.tensor_parallel and self.shard_config.sequence_parallel and self.tp_size > 1:
-            from shardformer.layer.sequence import refuse_recorded_hidden_states
+        return record_hidden_states(self, super().postprocess())
 
-            refuse_recorded_hidden_states(self.model, type(self.model).__name__)
-        return model
+
+def record_hidden_states(policy, model):
+    """After substitution, output_hidden_states=True under sequence parallelism:
+    split_gather (TP group of 2 or more) records full-sequence hidden states
+    where the policy marks its layers' rows (`records_hidden_states`: sp_ends
+    marks them) and refuses them by name elsewhere; all_to_all / ring_attn
+    (shardformer.layer.sequence_attention marks the rows of every split
+    layer) always record them full.  See shardformer.layer.sequence.mark_rows."""
+    from shardformer.layer.sequence import record_full_hidden_states, refuse_recorded_hidden_states
+
+    cfg = policy.shard_config
+    split_gather = policy.tensor_parallel and cfg.sequence_parallel and policy.tp_size > 1
+    if cfg.split_attention_mode or (split_gather and getattr(policy, "records_hidden_states", True)):
+        record_full_hidden_states(model)
+    elif split_gather:
+        refuse_recorded_hidden_states(model, type(model).__name__)
+    return model
 
 
 # ---- EncoderShape: BERT-shaped encoders ----
@@ -420,6 +428,7 @@ class EncoderShape(SplitGatherMixin, FamilyPolicy):
     Refused with chunk_size_feed_forward (HF would chunk this rank's rows)."""
 
     prefix = ""
+    records_hidden_states = True       # sp_ends marks the layers' rows
 
     split_attention_at = ("{prefix}Encoder", "layer")
     pipeline_split = StageSplit("{prefix}Model", "encoder.layer", last=("pooler",))
@@ -516,6 +525,7 @@ class VisionShape(SplitGatherMixin, FamilyPolicy):
     layernorm_before / layernorm_after get their gradients all-reduced."""
 
     prefix = ""
+    records_hidden_states = True       # sp_ends marks the layers' rows (Swin: the stages' outputs are full)
 
     split_attention_at = ("{prefix}Model", "layers")
     pipeline_split = StageSplit("{prefix}Model", "layers", last=("layernorm", "pooler"))
@@ -535,17 +545,25 @@ class VisionShape(SplitGatherMixin, FamilyPolicy):
             Sub("mlp.fc1", Linear1D_Col, kwargs=up), Sub("mlp.fc2", Linear1D_Row, kwargs=row),
             Sub("dropout", residual_dropout(self.shard_config))]
 
+    def sp_norms(self, layer) -> list[str]:
+        """The children of one `<prefix>Layer` used on this rank's rows whose
+        gradients are all-reduced under split-gather SP: its norms."""
+        return parameterized_children(layer, skip=("attention", "mlp"))
+
+    def sp_layer_extras(self, layer, state) -> list[Sub]:
+        """More split-gather SP replacements inside each layer (none here)."""
+        return []
+
     def body_policy(self):
         if not self.tensor_parallel:
             return {}
         subs = self.layer_replacements(self.heads_layout())
         policy = {}
         if self.shard_config.sequence_parallel:
-            state = _new_state()
+            state = self.sequence_state = _new_state()
             layers = [m for m in self.model.modules() if type(m).__name__ == f"{self.prefix}Layer"]
-            norms = parameterized_children(layers[0], skip=("attention", "mlp"))
             entered = ["attention"] + ([] if sp_overlap(self.shard_config) else ["mlp"])
-            subs += sp_layer_subs(entered, norms, state)
+            subs += sp_layer_subs(entered, self.sp_norms(layers[0]), state) + self.sp_layer_extras(layers[0], state)
             policy[f"{self.prefix}Model"] = ModulePolicyDescription(
                 sub_module_replacement=sp_ends("layers", len(layers), state))
         policy[f"{self.prefix}Layer"] = ModulePolicyDescription(sub_module_replacement=subs)
@@ -559,21 +577,86 @@ class VisionShape(SplitGatherMixin, FamilyPolicy):
 
 
 class StageShape(VisionShape):
+    """Swin-style stages.  Split-gather sequence parallelism, stage by stage:
+    stage i's H_i * W_i patch tokens are split along the sequence (padded to
+    a multiple of p) at blocks.0's input and gathered at its last block's
+    output, so patch merging (which reads the 2x2 neighbours of the full
+    (H_i, W_i) map), the reshaped hidden states and the heads run on the
+    full sequence.  In each block (shortcut and norms on this rank's rows):
+
+        layernorm_before   on this rank's rows; output all-gathered (backward:
+                           reduce-scatter), since the block views it as the
+                           full (H, W) map to pad, shift and cut into windows
+        attention          q/k/v column layers on the gathered windows (no
+                           copy_to_tp_region: the gather's backward sums dX);
+                           o_proj all-reduces (plain TP) and the attention
+                           output's gradient is all-reduced too ("sum_grad")
+        dropout            DropoutForParallelInput: first on the all-reduced
+                           windows (each rank its own mask), then on the MLP's
+                           rows of this rank
+        drop_path          its input (the un-windowed [B, H*W, C] attention
+                           output) cut to this rank's rows ("leave", backward
+                           zeros elsewhere: the "sum_grad" all-reduce adds the
+                           ranks' rows, each masked by its own rank's dropout)
+        mlp                role "enter" (input all-gathered); fc2 reduce-scatters
+                           and adds its bias on this rank's rows
+        norms              gradients all-reduced (ReplicatedInParallelRegion
+                           on the stage's `blocks`, dotted parameter names)
+
+    The attention half moves an all-gather and an all-reduce (backward: an
+    all-reduce and a reduce-scatter) instead of Megatron's all-gather and
+    reduce-scatter: its output leaves in window order, which the block
+    reorders to the sequence only after the dropout.  enable_sequence_overlap
+    and all_to_all / ring_attn are refused (windowed attention over stages of
+    different lengths)."""
+
     split_attention_at = None
     pipeline_split = None            # layers grouped in stages of different widths
 
     def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return ()      # windowed attention over stages of different lengths: refused by name
+        return ("split_gather",)
+
+    def supports_sequence_overlap(self) -> bool:
+        return False
+
+    def sequence_parallel_refusal(self, mode: str) -> str:
+        """Why `mode` is refused (the sharder's message)."""
+        return (f"{self.encoder_prefix()}.layers.*.blocks.*.attention attends within windows of the "
+                f"(height, width) map, reordered by shifts, and each stage has its own length; {mode} "
+                f"splits one sequence's attention over the ranks, which windows do not have")
 
     def block_replacements(self, heads: Heads) -> list[Sub]:
         """Replacements of one block of a stage with `heads` (paths under the block)."""
-        return attention_by_heads("attention", heads) + [
+        sp = self.shard_config.sequence_parallel
+        col = {"sequence_parallel": True} if sp else {}
+        mlp_col, mlp_row = sp_linear_kwargs(self.shard_config)
+        return attention_by_heads("attention", heads, col=col) + [
             Sub("attention.relative_position_bias", ShardParams, kwargs=bias_table_split(heads.num_heads)),
-            Sub("mlp.fc1", Linear1D_Col), Sub("mlp.fc2", Linear1D_Row), Sub("dropout", DropoutForReplicatedInput)]
+            Sub("mlp.fc1", Linear1D_Col, kwargs=mlp_col), Sub("mlp.fc2", Linear1D_Row, kwargs=mlp_row),
+            Sub("dropout", residual_dropout(self.shard_config))]
 
     def block_attributes(self, heads: Heads) -> dict:
         """{attribute under one block: per-rank value}."""
         return {}
+
+    def stage_sp_subs(self, i: int, depth: int) -> list[Sub]:
+        """Split-gather SP of stage i (paths under the encoder): the block
+        roles, the norms' gradient all-reduce, the split and the gather."""
+        from shardformer.layer.replicated import ReplicatedInParallelRegion
+        from shardformer.layer.sequence import SequenceParallelRegion
+
+        state = _new_state()           # one per stage: each has its own length
+        blocks = f"layers.{i}.blocks"
+        roles = {"layernorm_before": "enter_output", "attention": "sum_grad", "drop_path": "leave", "mlp": "enter"}
+        subs = [Sub(f"{blocks}.*.{path}", SequenceParallelRegion, kwargs={"role": role, "state": state})
+                for path, role in roles.items()]
+        stage = self.model.get_submodule(self.encoder_prefix()).layers[i]
+        norms = tuple(name for name, _ in stage.blocks.named_parameters() if ".layernorm_" in name)
+        subs.append(Sub(blocks, ReplicatedInParallelRegion, kwargs={"params": norms}))
+        return subs + sp_ends(blocks, depth, state)
+
+    def encoder_prefix(self) -> str:
+        return next(name for name, m in self.model.named_modules() if type(m).__name__ == f"{self.prefix}Encoder")
 
     def body_policy(self):
         if not self.tensor_parallel:
@@ -582,6 +665,8 @@ class StageShape(VisionShape):
         subs, attrs = [], {}
         for i, heads in enumerate(stage_heads(cfg)):
             subs += [replace(s, suffix=f"layers.{i}.blocks.*.{s.suffix}") for s in self.block_replacements(heads)]
+            if self.shard_config.sequence_parallel:
+                subs += self.stage_sp_subs(i, cfg.depths[i])
             block_attrs = self.block_attributes(heads)
             for j in range(cfg.depths[i]):
                 attrs.update({f"layers.{i}.blocks.{j}.{k}": v for k, v in block_attrs.items()})

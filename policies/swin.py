@@ -18,6 +18,12 @@ so the policy lists one set of replacements per stage, keyed on the encoder:
 SwinAttention infers the head count from the projection width and the bias
 from the table width; patch embeddings, patch merging, norms and the
 masked-image-modeling decoder stay replicated.
+
+Split-gather sequence parallelism: per stage (StageShape's layout): each
+stage's patch tokens are split along the sequence between its first and
+last block; patch merging, the final norm, the pooler and the heads run on
+the full sequence; inside a block the windowed attention reads the gathered
+(H, W) map.  all_to_all / ring_attn and enable_sequence_overlap are refused.
 """
 from shardformer.family import Family, gathered
 from shardformer.policies.shapes import StageShape

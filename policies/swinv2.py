@@ -17,6 +17,7 @@ tensor-parallel group, stage by stage (num_heads[i] heads in stage i).
 Swinv2SelfAttention reshapes with num_attention_heads and all_head_size, so
 both become this rank's values (set per block).  Patch embeddings, patch
 merging, norms and the masked-image-modeling decoder stay replicated.
+Sequence parallelism: refused, see Swinv2Shape.
 """
 from __future__ import annotations
 
@@ -29,6 +30,21 @@ from shardformer.policy import SubModuleReplacementDescription as Sub
 
 
 class Swinv2Shape(StageShape):
+    """Sequence parallelism is refused (every mode): Swinv2Layer is post-norm
+    and reads its input twice before any of its modules runs, as the
+    residual and, reshaped, as the full (height, width) map it cuts into
+    windows; so a block's input cannot be this rank's rows of the sequence
+    (Swin's pre-norm block gathers the output of layernorm_before instead:
+    StageShape), and gathering it would leave every activation full."""
+
+    def sequence_parallel_modes(self) -> tuple[str, ...]:
+        return ()
+
+    def sequence_parallel_refusal(self, mode: str) -> str:
+        return (f"{self.encoder_prefix()}.layers.*.blocks.* (Swinv2Layer) is post-norm and reads its input "
+                f"as the residual and, reshaped to the full (height, width) map, as the windows' input "
+                f"before any of its modules runs: it cannot take one rank's rows ({mode})")
+
     def block_replacements(self, heads: Heads) -> list[Sub]:
         per_head = Heads(heads.num_heads, head_dim=1).q
         return [

@@ -33,9 +33,9 @@ residual dropouts are functional calls with the layer's `dropout`: that
 becomes 0 and p moves into out_proj / fc2 (Linear1D_Row dropout=p: a mask
 per rank, on this rank's rows).  The layer norms run on this rank's rows
 (gradients all-reduced).  Refused: encoder_layerdrop / decoder_layerdrop > 0
-(a skipped first or last layer would skip the split or the gather) and
-use_weighted_layer_sum (audio classification reads every layer's hidden
-states); output_hidden_states is refused per call (SplitGatherMixin).
+(a skipped first or last layer would skip the split or the gather).
+output_hidden_states records full-sequence states (SplitGatherMixin), which
+audio classification's use_weighted_layer_sum reads.
 
 all_to_all / ring_attn (shardformer.layer.sequence_attention): the
 encoder's and the decoder's `layers` are split each on its own, after the
@@ -44,8 +44,8 @@ embeddings (decoder), all on the full sequence.  Encoder self-attention is
 bidirectional (padded keys masked), decoder self-attention causal; the
 decoder's encoder_attn runs this rank's query rows against the whole
 encoder output (no collective; the encoder output's gradient all-reduced
-over the group on entering the decoder).  Refused by name as above:
-layerdrop and use_weighted_layer_sum.
+over the group on entering the decoder).  Refused by name: layerdrop, and
+use_weighted_layer_sum in these two modes.
 """
 from __future__ import annotations
 
@@ -96,10 +96,12 @@ class WhisperShape(SplitGatherMixin, FamilyPolicy):
                                           f"{getattr(cfg, key)} is not available for Whisper: a skipped first or "
                                           f"last layer would skip the split or the gather, and each rank would "
                                           f"skip different layers (set it to 0)")
-        if getattr(cfg, "use_weighted_layer_sum", False) and hasattr(self.model, "layer_weights"):
+        if mode != "split_gather" and getattr(cfg, "use_weighted_layer_sum", False) \
+                and hasattr(self.model, "layer_weights"):
             raise NotImplementedError(f"{name}: sequence parallelism ({mode}) with use_weighted_layer_sum="
                                       f"True is not available for Whisper: the weighted sum reads every layer's "
-                                      f"hidden states, which hold this rank's rows only")
+                                      f"hidden states, which hold this rank's rows only in this mode (split_gather "
+                                      f"gathers them)")
 
     def layer_description(self, layer_cls: str, n_heads: int, attns: tuple[str, ...], state) -> \
             ModulePolicyDescription:

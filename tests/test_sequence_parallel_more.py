@@ -9,9 +9,11 @@ model (forward, loss, every gradient, after an optimizer step) at TP=2 and
 activations between the blocks hold 1/tp of the rows; eval() with dropout
 > 0 equal, and in training the residual dropouts draw a mask per rank;
 generate() equal for the seq2seq / causal LMs; gradient checkpointing and
-enable_sequence_overlap equal too (Mixtral refuses overlap);
-output_hidden_states and the configurations that cannot work refused by
-name."""
+enable_sequence_overlap equal too (Mixtral refuses overlap); the
+configurations that cannot work refused by name.  BEiT and Swin (per stage)
+likewise; Swinv2 and the vision models' all_to_all / ring_attn refused.
+output_hidden_states=True under every mode (split_gather, all_to_all,
+ring_attn) records the unsharded model's full-sequence states."""
 import pytest
 
 from checks import sequence, sequence_more
@@ -95,15 +97,12 @@ def test_sp_generate(pool, name, tp):
     assert all(t == tokens[0] for t in tokens)
 
 
-@pytest.mark.parametrize("name", ["T5ForConditionalGeneration", "WhisperForConditionalGeneration", "AlbertForMaskedLM"])
-def test_sp_hidden_states_refused(pool, name):
-    pool.run(sequence_more.sp_hidden_states_refused, 2, name)
+
 
 
 @pytest.mark.parametrize("name,overrides,what", [
     ("WhisperForConditionalGeneration", {"encoder_layerdrop": 0.1}, "encoder_layerdrop"),
     ("WhisperForConditionalGeneration", {"decoder_layerdrop": 0.1}, "decoder_layerdrop"),
-    ("WhisperForAudioClassification", {"use_weighted_layer_sum": True}, "use_weighted_layer_sum"),
     ("AlbertForMaskedLM", {"chunk_size_feed_forward": 4}, "chunk_size_feed_forward"),
 ])
 def test_sp_refused_by_config(pool, name, overrides, what):
@@ -180,3 +179,155 @@ def test_sp_bf16_forward(pool, name, seq, overrides):
 
 def test_sp_moe_router_aux_loss_hooks_installed_first(pool):
     pool.run(sequence_more.sp_moe_aux_loss_after_a_forward, 4)
+
+
+# ---- BEiT, Swin: split-gather over the patch tokens (Swinv2: refused) ----
+
+BEIT = ["BeitForImageClassification", "BeitModel", "BeitModel/shared_bias", "BeitForMaskedImageModeling"]
+SWIN = ["SwinForImageClassification", "SwinModel", "SwinForMaskedImageModeling"]
+# BEiT: 16 patches + [CLS] = 17 tokens at 32 pixels.  Swin at 36 pixels: 9 x 9 = 81 tokens, then 5 x 5 = 25
+# after patch merging (odd, padded inside; the 2 x 2 windows padded by Swin itself); its masked image
+# modeling reconstructs from one stage (9 x 9 x stride 4 = 36 pixels).
+SWIN_ODD = {"SwinForMaskedImageModeling": {"depths": [2], "num_heads": [5], "encoder_stride": 4}}
+VISION = [(n, None, None) for n in BEIT] + [(n, 36, SWIN_ODD.get(n)) for n in SWIN] + [
+    ("SwinForImageClassification", 36, {"depths": [1, 3]}),           # a stage of one block: split and gather
+    ("BeitForImageClassification", None, {"layer_scale_init_value": 0.0, "num_hidden_layers": 1})]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name,image,overrides", VISION, ids=[f"{c[0]}-{c[1]}-{i}" for i, c in enumerate(VISION)])
+def test_sp_vision_windows_and_bias_equal_unsharded(pool, name, image, overrides, tp):
+    reports = pool.run(sequence_more.sp_vision_equals_unsharded, tp, name, image, overrides)
+    assert reports[0]["rows"] != reports[0]["tokens"]          # the blocks ran on rows
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sp_vision_beit_interpolated_bias(pool, tp):
+    # 40 pixels: 25 patches + [CLS]; the 4 x 4 tables interpolated to 5 x 5, the bias to the full 26 tokens
+    pool.run(sequence_more.sp_vision_equals_unsharded, tp, "BeitForImageClassification", 40, {"image_size": 32},
+             {"interpolate_pos_encoding": True})
+
+
+@pytest.mark.parametrize("name,mode,overlap", [
+    ("BeitForImageClassification", "all_to_all", False), ("BeitForImageClassification", "ring_attn", False),
+    ("SwinForImageClassification", "all_to_all", False), ("SwinForImageClassification", "ring_attn", False),
+    ("SwinForImageClassification", "split_gather", True),
+    ("Swinv2ForImageClassification", "split_gather", False), ("Swinv2ForMaskedImageModeling", "all_to_all", False)])
+def test_sp_vision_modes_refused(pool, name, mode, overlap):
+    pool.run(sequence_more.sp_mode_refused_unchanged, 2, name, mode, overlap)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", ["BeitForMaskedImageModeling", "SwinForImageClassification"])
+def test_sp_vision_eval_with_dropout(pool, name, tp):
+    pool.run(sequence_more.sp_eval_with_dropout, tp, name)
+
+
+# ---- output_hidden_states=True under every mode: the full-sequence states of the unsharded model ----
+
+HIDDEN = [("LlamaForCausalLM", 7), ("BertForMaskedLM", 7), ("ViTForImageClassification", None)]
+SP_MODES = ["split_gather", "all_to_all", "ring_attn"]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("mode", SP_MODES)
+@pytest.mark.parametrize("name,seq", HIDDEN, ids=[c[0] for c in HIDDEN])
+def test_sp_recorded_hidden_states_equal_unsharded(pool, name, seq, mode, tp):
+    pool.run(sequence_more.recorded_hidden_states_equal, tp, name, mode, seq)
+
+
+@pytest.mark.parametrize("mode", SP_MODES)
+def test_sp_recorded_hidden_states_tuple_output(pool, mode):
+    pool.run(sequence_more.recorded_hidden_states_equal, 4, "LlamaForCausalLM", mode, 5, False)
+
+
+# split_gather in the other layouts: row layers that reduce-scatter themselves (GPT-2, GPT-J, OPT, BLOOM,
+# Falcon), both stacks of T5 and Whisper (encoder_hidden_states and decoder_hidden_states), ALBERT's
+# shared layers (every call recorded; also 2 groups of 2 layers)
+HIDDEN_SPLIT_GATHER = [("GPT2LMHeadModel", 7, None), ("GPTJForCausalLM", 7, None), ("OPTForCausalLM", 7, None),
+                       ("BloomForCausalLM", 7, None), ("FalconForCausalLM", 7, None),
+                       ("T5ForConditionalGeneration", 7, None), ("MixtralForCausalLM", 7, None),
+                       ("AlbertForMaskedLM", 7, None),
+                       ("AlbertForPreTraining", 7, {"num_hidden_layers": 4, "num_hidden_groups": 2,
+                                                    "inner_group_num": 2}),
+                       ("WhisperForConditionalGeneration", None, {"max_source_positions": 7})]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name,seq,overrides", HIDDEN_SPLIT_GATHER, ids=[c[0] for c in HIDDEN_SPLIT_GATHER])
+def test_sp_recorded_hidden_states_split_gather_layouts(pool, name, seq, overrides, tp):
+    pool.run(sequence_more.recorded_hidden_states_equal, tp, name, "split_gather", seq, True, overrides)
+
+
+# the vision models' recorded states: BEiT's layers (semantic segmentation reads four of them), Swin's stages
+# (full between stages) and its reshaped_hidden_states, at odd token counts
+HIDDEN_VISION = [("BeitForImageClassification", None), ("SwinForImageClassification", None), ("SwinModel", None)]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name,overrides", HIDDEN_VISION, ids=[c[0] for c in HIDDEN_VISION])
+def test_sp_recorded_hidden_states_vision(pool, name, overrides, tp):
+    pool.run(sequence_more.recorded_hidden_states_equal, tp, name, "split_gather", None, True, overrides)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sp_beit_segmentation_reads_recorded_states(pool, tp):
+    pool.run(sequence.sp_equals_unsharded, tp, "BeitForSemanticSegmentation")
+
+
+@pytest.mark.parametrize("name", ["BeitForImageClassification", "SwinForImageClassification"])
+def test_sp_vision_with_all_optimizations(pool, name):
+    pool.run(sequence.sp_equals_unsharded, 2, name, None, {"enable_all_optimization": True})
+
+
+# output_attentions under all_to_all (eager): the weights of every head over the whole sequence
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("name,seq", HIDDEN, ids=[c[0] for c in HIDDEN])
+def test_sp_all_to_all_recorded_attentions_equal_unsharded(pool, name, seq, sp):
+    pool.run(sequence_more.recorded_attentions_equal, sp, name, seq)
+
+
+# training with live dropout: the dropouts on rows (and Swin's on the all-reduced windows) draw a mask per rank
+@pytest.mark.parametrize("name", ["BeitForImageClassification", "SwinForImageClassification"])
+def test_sp_vision_training_dropout_masks_differ_per_rank(pool, name):
+    pool.run(sequence.sp_dropout_masks_differ, 4, name)
+
+
+# without live dropout: BeitLayer and SwinLayer call their one `dropout` module twice per forward, and the
+# seeded dropouts replay recomputed masks most recent first (shardformer.layer.dropout), so live dropout
+# under checkpointing would swap the two masks of a layer (with or without SP)
+@pytest.mark.parametrize("use_reentrant", [False, True])
+@pytest.mark.parametrize("name", ["BeitForImageClassification", "SwinForImageClassification"])
+def test_sp_vision_gradient_checkpointing(pool, name, use_reentrant):
+    pool.run(sequence.sp_checkpointing_matches, 2, name, use_reentrant, 0.0)
+
+
+# padded batches (every mode), enable_sequence_overlap (split_gather), generate() (split_gather: one-token steps)
+@pytest.mark.parametrize("mode", SP_MODES)
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "BertForMaskedLM"])
+def test_sp_recorded_hidden_states_padded_batch(pool, name, mode):
+    pool.run(sequence_more.recorded_hidden_states_equal, 4, name, mode, 7, True, None, True)
+
+
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "BertForMaskedLM", "GPT2LMHeadModel"])
+def test_sp_recorded_hidden_states_with_overlap(pool, name):
+    pool.run(sequence_more.recorded_hidden_states_equal, 4, name, "split_gather", 7, True, None, False, True)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sp_generate_recorded_hidden_states(pool, tp):
+    pool.run(sequence_more.generate_hidden_states_equal, tp, "LlamaForCausalLM")
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sp_beit_overlap_equals_unsharded(pool, tp):
+    results = pool.run(sequence.sp_overlap_equals_unsharded, tp, "BeitForImageClassification")
+    assert all(r["overlapped"] > 0 for r in results) or results[0]["backend"] != "shm"
+
+
+# Whisper's audio classification with use_weighted_layer_sum: the weighted sum of the encoder's recorded
+# (gathered) hidden states
+@pytest.mark.parametrize("tp", [2, 4])
+def test_sp_whisper_weighted_layer_sum(pool, tp):
+    pool.run(sequence_more.sp_equals_unsharded, tp, "WhisperForAudioClassification", None,
+             {"use_weighted_layer_sum": True, "max_source_positions": 7})

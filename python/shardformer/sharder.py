@@ -157,9 +157,11 @@ class ModelSharder:
         policy.set_shard_config(cfg)
         policy.config_sanity_check()
         if cfg.enable_sequence_parallelism and cfg.sequence_parallelism_mode not in policy.sequence_parallel_modes():
+            why = getattr(policy, "sequence_parallel_refusal", lambda mode: "")(cfg.sequence_parallelism_mode)
             raise NotImplementedError(
                 f"{name}: sequence parallelism mode {cfg.sequence_parallelism_mode!r} is not available for "
-                f"{type(policy).__name__} (it implements: {', '.join(policy.sequence_parallel_modes()) or 'none'})")
+                f"{type(policy).__name__} (it implements: {', '.join(policy.sequence_parallel_modes()) or 'none'})"
+                + (f": {why}" if why else ""))
         if cfg.enable_sequence_overlap and not policy.supports_sequence_overlap():
             raise NotImplementedError(
                 f"{name}: enable_sequence_overlap is not available for {type(policy).__name__} (its "

@@ -83,6 +83,15 @@ def sp_eval_with_dropout(ctx, name: str, p: float = 0.3) -> dict:
     return parity.compare_sharded(model, ref, zoo.make_inputs(name), f"{name} (eval, dropout {p})")
 
 
+def _recorder(masks: dict, mname: str):
+    """A forward hook keeping the dropped positions of a module's first call
+    in masks[mname]; it returns None: the module's output stays as it is."""
+    def hook(_module, _args, out):
+        masks.setdefault(mname, out == 0)
+
+    return hook
+
+
 def sp_dropout_masks_differ(ctx, name: str, p: float = 0.5) -> dict:
     """Training with dropout under sequence parallelism: the residual dropouts
     run on this rank's rows and draw a different mask on every rank (never
@@ -96,7 +105,7 @@ def sp_dropout_masks_differ(ctx, name: str, p: float = 0.5) -> dict:
     for mname, module in model.named_modules():
         if isinstance(module, DropoutForParallelInput) and not mname.endswith(
                 ("attn_dropout", "self.dropout", "attention_dropout")):
-            module.register_forward_hook(lambda m, a, out, mname=mname: masks.setdefault(mname, out == 0))
+            module.register_forward_hook(_recorder(masks, mname))
     inputs = zoo.make_inputs(name)
     return check_split_dropout_step(ctx, name, masks, model(**inputs))
 
@@ -186,11 +195,16 @@ def sp_checkpointing_matches(ctx, name: str, use_reentrant: bool, p: float = 0.2
 
 
 def sp_hidden_states_refused(ctx, name: str) -> str:
-    """output_hidden_states=True (in the call, or in the config) raises
-    NotImplementedError under split-gather SP rather than returning one
-    rank's rows of every layer's hidden states; other calls still work."""
+    """A policy that does not mark its layers' rows (records_hidden_states
+    False: every built-in family marks them) refuses output_hidden_states=True
+    (in the call, or in the config) under split-gather SP with
+    NotImplementedError, rather than return one rank's rows of every layer's
+    hidden states; other calls still work."""
+    from shardformer.autopolicy import get_autopolicy
+
     model = zoo.build(name).eval()
-    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **SP)).optimize(model)
+    unmarked = type("Unmarked", (type(get_autopolicy(model)),), {"records_hidden_states": False})
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **SP)).optimize(model, policy=unmarked())
     inputs = zoo.make_inputs(name)
     message = ""
     for how in ("call", "config"):

@@ -9,7 +9,7 @@ import torch
 
 import zoo
 from checks import parity, sequence
-from checks.sequence import SP, _with_dropout
+from checks.sequence import SP, _recorder, _with_dropout
 from shardformer import ShardConfig, ShardFormer
 
 # the inputs that run along the (encoder) sequence: trimmed to the odd lengths
@@ -305,7 +305,7 @@ def sp_dropout_masks_differ(ctx, name: str, p: float = 0.5) -> dict:
     masks = {}
     for mname, module in model.named_modules():
         if isinstance(module, DropoutForParallelInput) and not mname.endswith("DenseReluDense.dropout"):
-            module.register_forward_hook(lambda m, a, out, mname=mname: masks.setdefault(mname, out == 0))
+            module.register_forward_hook(_recorder(masks, mname))
     return sequence.check_split_dropout_step(ctx, name, masks, model(**zoo.make_inputs(name)))
 
 
@@ -356,3 +356,262 @@ def sp_moe_aux_loss_after_a_forward(ctx, name: str = "MixtralForCausalLM") -> di
     ref = copy.deepcopy(model)
     _shard(ctx, model)
     return parity.compare_sharded(model, ref, inputs, f"{name} (aux loss, recorders hooked first)")
+
+
+# ---- BEiT, Swin, Swinv2: split-gather over the patch tokens ----
+
+def vision_inputs(name: str, image: int, seed: int = 1) -> dict:
+    """zoo.make_inputs(name) for `image` x `image` pixels (the zoo's are 32):
+    pixel values, and the labels / masked patches of the head, sized for the
+    (image / patch)^2 patches."""
+    from zoo import vision
+
+    _, _, cfg, kind = vision.MODELS[name]
+    g = torch.Generator().manual_seed(seed)
+    x = {"pixel_values": torch.randn(vision.BATCH, vision.CHANNELS, image, image, generator=g)}
+    patches = (image // cfg["patch_size"]) ** 2
+    if kind == "image_cls":
+        x["labels"] = torch.randint(0, cfg["num_labels"], (vision.BATCH,), generator=g)
+    elif kind in ("mim", "beit_mim"):
+        x["bool_masked_pos"] = torch.rand(vision.BATCH, patches, generator=g) < 0.5
+        if kind == "beit_mim":
+            x["labels"] = torch.randint(0, cfg["vocab_size"], (int(x["bool_masked_pos"].sum()),), generator=g)
+    return x
+
+
+def _count_rows(model, kinds: tuple[str, ...]) -> list:
+    """Forward pre-hooks on the modules of classes `kinds` recording the rows
+    (dim 1) of their first input; returns the list they fill."""
+    seen: list = []
+    for module in model.modules():
+        if type(module).__name__ in kinds:
+            module.register_forward_pre_hook(
+                lambda m, a, k: seen.append((type(m).__name__, (a[0] if a else k["hidden_states"]).shape[1])),
+                with_kwargs=True)
+    return seen
+
+
+def sp_vision_equals_unsharded(ctx, name: str, image: int | None = None, overrides: dict | None = None,
+                               extra: dict | None = None) -> dict:
+    """check_sharded with split-gather SP for a vision model at `image` pixels
+    (config image_size too), `extra` call kwargs (interpolate_pos_encoding):
+    forward, loss, every gradient and after a step equal the unsharded
+    model.  Then, no_grad, proves the split ran: every block (BEiT's layers,
+    Swin's blocks of every stage) got ceil(S / tp) rows, S its stage's token
+    count."""
+    overrides = dict(overrides or {})
+    if image is not None:
+        overrides.setdefault("image_size", image)
+    inputs = vision_inputs(name, image) if image is not None else zoo.make_inputs(name)
+    inputs.update(extra or {})
+    report = parity.check_sharded(ctx, lambda: zoo.build(name, **overrides), inputs, name=name,
+                                  config=dict(SP))
+    model = zoo.build(name, **overrides)
+    _shard(ctx, model)
+    seen = _count_rows(model, ("BeitLayer", "SwinLayer"))
+    with torch.no_grad():
+        model(**inputs)
+    side = inputs["pixel_values"].shape[-1] // model.config.patch_size
+    if "Beit" in name:
+        full = [side * side + 1] * model.config.num_hidden_layers
+    else:
+        full = []
+        for depth in model.config.depths:
+            full += [side * side] * depth
+            side = (side + 1) // 2
+    # hooks registered after the split's: a stage's first block is seen split too
+    expected = [-(-s // ctx.tp_size) for s in full]
+    got = [rows for _, rows in seen]
+    assert got == expected, f"{name}: blocks got {got} rows, expected {expected} (tokens {full}, tp {ctx.tp_size})"
+    return {**report, "rows": got, "tokens": full}
+
+
+def sp_mode_refused_unchanged(ctx, name: str, mode: str, overlap: bool = False) -> str:
+    """optimize() with sequence parallelism `mode` (or enable_sequence_overlap)
+    raises NotImplementedError naming the model, the mode (or the switch) and
+    a module path, before any parameter or module of the model changes."""
+    model = zoo.build(name)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    kinds = [type(m) for m in model.modules()]
+    config = {"sequence_parallelism_mode": mode, **({"enable_sequence_overlap": True} if overlap else {})}
+    if mode != "split_gather":           # the sequence over the whole group, no TP
+        config["enable_tensor_parallelism"] = False
+    try:
+        _shard(ctx, model, **config)
+    except NotImplementedError as e:
+        message = str(e)
+    else:
+        raise AssertionError(f"{name}: {config} was not refused")
+    assert type(model).__name__ in message, message
+    assert ("enable_sequence_overlap" if overlap else mode) in message, message
+    assert overlap or ".layers." in message, message
+    assert [type(m) for m in model.modules()] == kinds, f"{name}: the refused optimize() replaced modules"
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items()), \
+        f"{name}: the refused optimize() changed weights"
+    return message
+
+
+# ---- output_hidden_states=True under every sequence-parallel mode ----
+
+def _hidden_states_config(ctx, mode: str) -> ShardConfig:
+    """split_gather over the TP group; all_to_all / ring_attn over the group, TP off."""
+    from checks.sequence_attention import sp_config
+
+    if mode == "split_gather":
+        return ShardConfig(tensor_parallel_process_group=ctx.group, **SP)
+    return ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))
+
+
+def _projected(states, what: str, probe: dict) -> torch.Tensor:
+    """sum_i <P_i, h_i>: a fixed random projection of every recorded state."""
+    total = 0.0
+    for i, h in enumerate(states):
+        key = f"{what}{i}"
+        if key not in probe:
+            probe[key] = torch.randn(h.shape, generator=torch.Generator().manual_seed(99 + i))
+        total = total + (h * probe[key]).sum()
+    return total
+
+
+def _real_rows(tensors: tuple, real) -> tuple:
+    """The rows [B, S, ...] at the real (not padding) positions, or the
+    tensors as they are (real None).  What a padding query attends to when
+    every key it may see is masked is each attention implementation's own
+    convention (uniform in eager, 0 in the ring kernel) and reaches nothing
+    real: checks.sequence_attention.padded_batch_real_rows."""
+    return tensors if real is None else tuple(t[real] for t in tensors)
+
+
+def _recorded_states(out, return_dict: bool) -> dict:
+    """{field: tuple of recorded states}: every *hidden_states field of a
+    ModelOutput (T5 and Whisper: the encoder's and the decoder's), or the
+    tuples of tensors of a tuple output."""
+    if return_dict:
+        return {k: v for k, v in out.items() if k.endswith("hidden_states") and isinstance(v, tuple)}
+    # by order among them: a split forward returns no cache, so the tuples' positions may differ
+    tuples = [v for v in out if isinstance(v, tuple) and v and all(isinstance(t, torch.Tensor) for t in v)]
+    return {f"tuple{i}": v for i, v in enumerate(tuples)}
+
+
+def recorded_hidden_states_equal(ctx, name: str, mode: str, seq: int | None = None,
+                                 return_dict: bool = True, overrides: dict | None = None,
+                                 padded: bool = False, overlap: bool = False) -> dict:
+    """output_hidden_states=True under sequence parallelism `mode`: every
+    recorded hidden state is the full-sequence tensor of the unsharded model
+    (same fields, count, shapes, values; padding trimmed, ring_attn's zigzag
+    undone), the model's outputs and loss too, and differentiating through
+    all of them (a random projection of each state added to the loss) gives
+    every gradient of the unsharded model.  Proves the recorded rows were
+    gathered (shardformer.layer.sequence.RECORDED_GATHERS: all but at most
+    the first and last of each field's states, which some models record
+    full; Swin: none, its stages' outputs are full) and, for all_to_all /
+    ring_attn, that the split attention ran."""
+    from shardformer.layer import sequence as seq_mod
+    from shardformer.layer import sequence_attention as sa
+
+    inputs = sp_inputs(name, seq, overrides)
+    real = None
+    if padded:       # the first row's first two tokens are padding; no label is predicted from them
+        inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
+        inputs["attention_mask"][0, :2] = 0
+        inputs["labels"][0, :3] = -100
+        real = inputs["attention_mask"].bool()
+    torch.manual_seed(0)
+    model = zoo.build(name, **(overrides or {})).train()
+    ref = copy.deepcopy(model)
+    config = _hidden_states_config(ctx, mode)
+    if overlap:
+        config = ShardConfig(tensor_parallel_process_group=ctx.group, enable_sequence_overlap=True, **SP)
+    ShardFormer(config).optimize(model)
+    gathers, calls = seq_mod.RECORDED_GATHERS["count"], dict(sa.CALLS)
+    out = model(**inputs, output_hidden_states=True, return_dict=return_dict)
+    exp = ref(**inputs, output_hidden_states=True, return_dict=return_dict)
+    tol = parity.TOL[torch.float32]
+    got_fields, exp_fields = _recorded_states(out, return_dict), _recorded_states(exp, return_dict)
+    assert exp_fields and sorted(got_fields) == sorted(exp_fields), f"{name}: fields {sorted(got_fields)}"
+    got_states, exp_states = [], []
+    for field in sorted(exp_fields):
+        got, want = got_fields[field], exp_fields[field]
+        assert len(got) == len(want), f"{name}: {len(got)} {field}, expected {len(want)}"
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert a.shape == b.shape, \
+                f"{name} ({mode}): {field}[{i}] of shape {tuple(a.shape)}, expected {tuple(b.shape)}"
+            parity.assert_close(f"{name} ({mode}) {field}[{i}]", *_real_rows((a, b), real), tol)
+        got_states += [_real_rows((h,), real)[0] for h in got]
+        exp_states += [_real_rows((h,), real)[0] for h in want]
+    gathered = seq_mod.RECORDED_GATHERS["count"] - gathers
+    if name.startswith("Swin"):          # recorded at the stages' outputs, which are gathered: nothing to mark
+        assert gathered == 0, f"{name}: {gathered} recorded states gathered, expected none (full stage outputs)"
+    else:
+        least = max(len(exp_states) - 2 * len(exp_fields), 1)
+        assert gathered >= least, f"{name} ({mode}): {gathered} recorded states gathered, expected >= {least}"
+    if mode != "split_gather":
+        assert sa.CALLS[mode] > calls[mode], f"{name}: the {mode} attention never ran"
+    probe: dict = {}
+    if return_dict and real is None:
+        parity.check_outputs(f"{name} ({mode})", out, exp, tol)
+    elif return_dict:
+        parity.assert_close(f"{name} ({mode}) logits at real positions", *_real_rows((out.logits, exp.logits), real),
+                            tol)
+    loss = parity.loss_of(out, probe) + _projected(got_states, "h", probe)
+    ref_loss = parity.loss_of(exp, probe) + _projected(exp_states, "h", probe)
+    parity.assert_close(f"{name} ({mode}) loss", loss, ref_loss, tol)
+    loss.backward()
+    ref_loss.backward()
+    worst = parity.compare_grads(model, ref, f"{name} ({mode})", tol)
+    return {"states": len(got_states), "gathered": gathered, "grad": worst}
+
+
+def recorded_attentions_equal(ctx, name: str, seq: int | None = None) -> dict:
+    """output_attentions=True under all_to_all (eager attention, TP off): every
+    layer's weights are the unsharded model's [B, H, S, S] (gathered over the
+    heads, padded rows / keys and appended heads dropped), and
+    differentiating through them (a random projection of each added to the
+    loss) gives every gradient of the unsharded model; the split attention ran."""
+    from shardformer.layer import sequence_attention as sa
+
+    inputs = sp_inputs(name, seq)
+    torch.manual_seed(0)
+    model = zoo.build(name).train()
+    ref = copy.deepcopy(model)
+    ShardFormer(_hidden_states_config(ctx, "all_to_all")).optimize(model)
+    calls = sa.CALLS["all_to_all"]
+    out = model(**inputs, output_attentions=True)
+    exp = ref(**inputs, output_attentions=True)
+    assert sa.CALLS["all_to_all"] > calls, f"{name}: the all_to_all attention never ran"
+    tol = parity.TOL[torch.float32]
+    got, want = out.attentions, exp.attentions
+    assert want and len(got) == len(want), f"{name}: {len(got)} attention weights, expected {len(want)}"
+    for i, (a, b) in enumerate(zip(got, want)):
+        assert a.shape == b.shape, f"{name}: attentions[{i}] of shape {tuple(a.shape)}, expected {tuple(b.shape)}"
+        parity.assert_close(f"{name} attentions[{i}]", a, b, tol)
+    probe: dict = {}
+    loss = parity.loss_of(out, probe) + _projected(got, "a", probe)
+    ref_loss = parity.loss_of(exp, probe) + _projected(want, "a", probe)
+    loss.backward()
+    ref_loss.backward()
+    return {"layers": len(got), "grad": parity.compare_grads(model, ref, f"{name} (attentions)", tol)}
+
+
+def generate_hidden_states_equal(ctx, name: str, new_tokens: int = 4) -> dict:
+    """Greedy generate(output_hidden_states=True, return_dict_in_generate=True)
+    under split_gather equals the unsharded model: the tokens, and every
+    step's recorded states (the prompt's, then one token per step: one rank
+    holds it, the others padding)."""
+    model = zoo.build(name).eval()
+    ref = copy.deepcopy(model)
+    _shard(ctx, model)
+    prompt = {"input_ids": parity.prompt_ids()}
+    kwargs = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, output_hidden_states=True,
+                  return_dict_in_generate=True)
+    with torch.no_grad():
+        got, exp = model.generate(**prompt, **kwargs), ref.generate(**prompt, **kwargs)
+    assert torch.equal(got.sequences, exp.sequences), f"{name}: generate() differs"
+    assert len(got.hidden_states) == len(exp.hidden_states) == new_tokens
+    tol = parity.TOL[torch.float32]
+    for step, (a_states, b_states) in enumerate(zip(got.hidden_states, exp.hidden_states)):
+        assert len(a_states) == len(b_states), f"{name}: step {step}: {len(a_states)} states"
+        for i, (a, b) in enumerate(zip(a_states, b_states)):
+            assert a.shape == b.shape, f"{name}: step {step} state {i}: {tuple(a.shape)} != {tuple(b.shape)}"
+            parity.assert_close(f"{name} generate step {step} state {i}", a, b, tol)
+    return {"steps": len(got.hidden_states)}

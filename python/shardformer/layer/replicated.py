@@ -33,8 +33,10 @@ def _all_reduce_hook(group):
 class ReplicatedInParallelRegion:
     """Keeps the native module (same class, same parameters) and all-reduces
     its parameters' gradients over the group in backward.  kwarg
-    `params=(name, ...)` limits this to those parameters of the module itself
-    (e.g. SAM's rel_pos_h / rel_pos_w beside the attention's split qkv)."""
+    `params=(name, ...)` limits this to those parameters of the module (e.g.
+    SAM's rel_pos_h / rel_pos_w beside the attention's split qkv); a dotted
+    name is a descendant's (BEiT's layers.0.lambda_1, on a layer that other
+    replacements already hold)."""
 
     @staticmethod
     def _selected(module: nn.Module, params=None) -> list[nn.Parameter]:
@@ -42,7 +44,10 @@ class ReplicatedInParallelRegion:
             return list(module.parameters())
         out = []
         for name in params:
-            p = getattr(module, name, None)
+            try:
+                p = module.get_parameter(name)       # dotted: a descendant's (BEiT's layers.0.lambda_1)
+            except AttributeError:
+                p = None
             if not isinstance(p, nn.Parameter):
                 raise TypeError(f"ReplicatedInParallelRegion: {type(module).__name__} has no parameter '{name}'")
             out.append(p)

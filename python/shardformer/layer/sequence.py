@@ -27,8 +27,12 @@ this rank's rows only (the decoder layers' norms) get their gradients
 all-reduced (shardformer.layer.replicated).
 
 SequenceParallelRegion keeps the module it is applied to and adds the
-forward hooks (role "split", "gather", "block" or "enter"); SequenceState
-carries the unpadded length S from the split to the blocks of one forward.
+forward hooks (role "split", "gather", "block", "enter", "rows"; Swin's
+windowed blocks: "enter_output", "sum_grad", "leave", see
+policies/shapes.py StageShape); SequenceState carries the unpadded length S
+from the split to the blocks of one forward.  output_hidden_states: the
+recorded states, this rank's rows, are marked and gathered in the model's
+output (mark_rows, record_full_hidden_states).
 
 Blocks whose row layer has a bias, or whose output passes a dropout or a
 residual add inside the module (GPT-2, BERT, BLOOM, OPT: policies/shapes.py),
@@ -169,6 +173,43 @@ def split_rows(x: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
     the split pads (backward: all-gather of the rows' gradients, padding
     dropped: the full gradient, as the all-reduce's identity backward needs)."""
     return _Split.apply(x, group, state.length, state.dim)
+
+
+class _KeepRows(torch.autograd.Function):
+    """Forward: a full-sequence tensor (every rank's copy may differ, e.g. a
+    dropout mask per rank) -> this rank's rows, padded as _Split.  Backward:
+    the rows' gradient in place, zeros elsewhere (no collective: the
+    all-reduce that sums the ranks' rows sits upstream, sum_grad_over_ranks)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        n, rank = D.world_size(group), D.rank(group)
+        ctx.length = x.shape[SEQ_DIM]
+        x = _padded(x, n)
+        chunk = x.shape[SEQ_DIM] // n
+        ctx.start, ctx.padded = rank * chunk, x.shape[SEQ_DIM]
+        return x.narrow(SEQ_DIM, ctx.start, chunk).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape = list(grad.shape)
+        shape[SEQ_DIM] = ctx.padded
+        full = grad.new_zeros(shape)
+        full.narrow(SEQ_DIM, ctx.start, grad.shape[SEQ_DIM]).copy_(grad)
+        return full.narrow(SEQ_DIM, 0, ctx.length), None
+
+
+def keep_rows(x: torch.Tensor, group) -> torch.Tensor:
+    """Full sequence -> this rank's rows (backward: zeros outside them)."""
+    return _KeepRows.apply(x, group)
+
+
+def sum_grad_over_ranks(y: torch.Tensor, group) -> torch.Tensor:
+    """Identity forward; backward, the gradient all-reduced over the group
+    (each rank's gradient covers only the rows that rank kept: keep_rows)."""
+    from ..distributed.mappings import copy_to_tp_region
+
+    return copy_to_tp_region(y, group)
 
 
 def token_dim(x: torch.Tensor) -> int:
@@ -316,13 +357,20 @@ class SequenceParallelRegion:
     layer: its output is gathered), `"block"` (attention or MLP: input
     gathered, output reduce-scattered), `"enter"` (attention or MLP whose row
     layer reduce-scatters itself, Linear1D_Row(reduce_scatter=True): input
-    gathered, saved as this rank's rows, output left as it is); kwarg
+    gathered, saved as this rank's rows, output left as it is), `"rows"`
+    (a layer between the split and the gather: its output, this rank's rows,
+    marked for output_hidden_states, see mark_rows); for blocks
+    that reshape the whole sequence between their modules (Swin's windows):
+    `"enter_output"` (the module's output all-gathered, backward
+    reduce-scatter), `"sum_grad"` (output unchanged, its gradient
+    all-reduced in backward), `"leave"` (the input, a full-sequence tensor,
+    cut to this rank's rows; backward zeros elsewhere); kwarg
     `state`: the model's SequenceState; `overlap=True` (role "block" only):
     the input gather overlaps the module's column layers' matmuls
     (linear.gather_block_input).  A module may take both "split" and
     "gather" (one layer)."""
 
-    ROLES = ("split", "gather", "block", "enter")
+    ROLES = ("split", "gather", "block", "enter", "rows", "enter_output", "sum_grad", "leave")
 
     @classmethod
     def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, role=None, state=None, overlap: bool = False,
@@ -349,6 +397,152 @@ class SequenceParallelRegion:
                            role=None, state=None, overlap: bool = False, **kwargs) -> nn.Module:
         return cls.prepare_native_module(module, process_group, plan=plan, role=role, state=state,
                                          overlap=overlap).commit()
+
+
+class FullLengthKwarg:
+    """A forward pre-hook that sets keyword argument `name` of the module's
+    calls to the full sequence length S of the forward in progress
+    (`state`, a SequenceState), where the HF caller computes it from its own
+    input, which under split-gather SP is this rank's S'/p rows.  BEiT's
+    relative position bias: BeitLayer passes dim_size=hidden_states.shape[1]
+    (read with interpolate_pos_encoding=True), while the bias is added to the
+    scores of the gathered, full-length attention: [heads, S, S].  No
+    collective; calls before the first split (state.length unset) are left
+    as they are."""
+
+    @classmethod
+    def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, name=None, state=None, **kwargs) -> ShardPlan:
+        if not isinstance(name, str):
+            raise TypeError(f"FullLengthKwarg: name must be a keyword argument's name, got {name!r}")
+        if not isinstance(state, SequenceState):
+            raise TypeError(f"FullLengthKwarg: state must be a SequenceState, got {type(state).__name__}")
+        return ShardPlan(tp_size, rank)
+
+    @classmethod
+    def prepare_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
+                              name=None, state=None, **kwargs) -> "_PreHook":
+        if plan is None:
+            plan = plan_directly(cls, module, process_group, name=name, state=state)
+
+        def pre(_module, args, call_kwargs):
+            if name not in call_kwargs or state.length is None:
+                return None
+            return args, {**call_kwargs, name: state.length}
+
+        return _PreHook(module, pre if plan.tp_size > 1 else None)
+
+    @classmethod
+    def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
+                           name=None, state=None, **kwargs) -> nn.Module:
+        return cls.prepare_native_module(module, process_group, plan=plan, name=name, state=state).commit()
+
+
+class _PreHook:
+    """One forward pre-hook (with kwargs) on `module`: registered by commit(),
+    removed by rollback(); none when `pre` is None (a group of one)."""
+
+    def __init__(self, module: nn.Module, pre):
+        self.module, self.pre, self.handle = module, pre, None
+
+    def commit(self) -> nn.Module:
+        if self.pre is not None:
+            self.handle = self.module.register_forward_pre_hook(self.pre, with_kwargs=True)
+        return self.module
+
+    def rollback(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
+
+
+# ---- recorded hidden states (output_hidden_states=True) under any SP mode ----
+#
+# transformers records a layer's hidden states with forward hooks of its own
+# (utils/output_capturing.py), installed on first use, so they may run before
+# or after ours; what they record is the tensor object the layer returned
+# (or, for the initial state, the first layer's input after our split).
+# Those tensors are this rank's rows.  The SP hooks mark each such object
+# with the function that gathers it (mark_rows), whichever order the hooks
+# run in; a forward hook on every PreTrainedModel of the sharded model
+# (record_full_hidden_states) then swaps each marked tensor in its output
+# for the gathered full sequence: all-gather along S, rows put back in
+# sequence order (ring_attn's zigzag undone), padding dropped; backward,
+# this rank's rows of the gradient, which the loss computed alike on every
+# rank makes the same everywhere.  Only the recorded copies are gathered:
+# the layers go on with their rows.
+
+_GATHER_MARK = "_shardformer_gather_rows"
+
+#: recorded hidden states gathered by full_sequences, in this process (tests read it)
+RECORDED_GATHERS = {"count": 0}
+
+
+def mark_rows(t, gather):
+    """Mark tensor `t` (this rank's rows of a sequence) with `gather`, the
+    function that returns its full sequence; returns t."""
+    if isinstance(t, torch.Tensor):
+        t.__dict__[_GATHER_MARK] = gather
+    return t
+
+
+def full_sequences(value):
+    """`value` with every marked tensor (in nested tuples) replaced by its
+    gathered full sequence; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        gather = value.__dict__.get(_GATHER_MARK)
+        if gather is None:
+            return value
+        RECORDED_GATHERS["count"] += 1
+        return gather(value)
+    if type(value) in (tuple, list):
+        out = [full_sequences(v) for v in value]
+        return value if all(a is b for a, b in zip(out, value)) else type(value)(out)
+    return value
+
+
+def _full_outputs(_module, _args, output):
+    from transformers.utils import ModelOutput
+
+    if isinstance(output, ModelOutput):
+        for key in list(output.keys()):
+            new = full_sequences(output[key])
+            if new is not output[key]:
+                output[key] = new
+        return output
+    if isinstance(output, tuple):
+        return full_sequences(output)
+    return None
+
+
+def record_full_hidden_states(model: nn.Module) -> list:
+    """Forward hooks on `model` and every transformers PreTrainedModel inside
+    it: the recorded hidden states in their outputs become full-sequence
+    tensors (see mark_rows).  Returns the hooks' handles."""
+    from transformers import PreTrainedModel
+
+    owners = [model] + [m for m in model.modules() if m is not model and isinstance(m, PreTrainedModel)]
+    return [m.register_forward_hook(_full_outputs) for m in owners]
+
+
+def mark_layer_rows(module: nn.Module, state: SequenceState, group) -> list:
+    """Forward hooks marking `module`'s first input and its output's first
+    tensor as this rank's rows (mark_rows), for a layer that runs between a
+    split and a gather held elsewhere (ALBERT's shared layers, whose split
+    and gather sit on the encoder).  Returns the hooks' handles."""
+    def pre(_module, args, kwargs):
+        x, _ = _first(args, kwargs)
+        mark_rows(x, _gatherer(state, group))
+
+    def post(_module, _args, output):
+        mark_rows(output if isinstance(output, torch.Tensor) else output[0], _gatherer(state, group))
+
+    return [module.register_forward_pre_hook(pre, with_kwargs=True), module.register_forward_hook(post)]
+
+
+def _gatherer(state: SequenceState, group):
+    """The gather of split_gather rows of the forward in progress (its length now)."""
+    length = state.length
+    return lambda t: _Gather.apply(t, group, length)
 
 
 def refuse_recorded_hidden_states(model: nn.Module, name: str):
@@ -386,7 +580,8 @@ class _Hooks:
         if "split" in self.roles:
             def pre(_module, args, kwargs):
                 x, rebuild = _first(args, kwargs)
-                return rebuild(split_sequence(x, state, group))
+                rows = split_sequence(x, state, group)
+                return rebuild(mark_rows(rows, _gatherer(state, group)))
 
             self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
         if "block" in self.roles or "enter" in self.roles:
@@ -415,12 +610,40 @@ class _Hooks:
 
             self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
             self.handles.append(m.register_forward_hook(post, always_call=True))
-        if "gather" in self.roles:
+        if "rows" in self.roles:
             def post(_module, _args, output):
-                return _on_output(output, lambda y: gather_sequence(y, state, group))
+                return _on_output(output, lambda y: mark_rows(y, _gatherer(state, group)))
 
             self.handles.append(m.register_forward_hook(post))
+        if "gather" in self.roles:
+            def post(_module, _args, output):
+                return _on_output(output, lambda y: gather_sequence(mark_rows(y, _gatherer(state, group)),
+                                                                    state, group))
+
+            self.handles.append(m.register_forward_hook(post))
+        self._windowed_roles(m)
         return m
+
+    def _windowed_roles(self, m: nn.Module) -> None:
+        """The roles of a block that reshapes the whole sequence between its
+        modules (Swin: policies/shapes.py StageShape)."""
+        state, group = self.state, self.group
+        if "enter_output" in self.roles:
+            def post(_module, _args, output):
+                return _on_output(output, lambda y: block_input(y, state, group))
+
+            self.handles.append(m.register_forward_hook(post))
+        if "sum_grad" in self.roles:
+            def post(_module, _args, output):
+                return _on_output(output, lambda y: sum_grad_over_ranks(y, group))
+
+            self.handles.append(m.register_forward_hook(post))
+        if "leave" in self.roles:
+            def pre(_module, args, kwargs):
+                x, rebuild = _first(args, kwargs)
+                return rebuild(keep_rows(x, group))
+
+            self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
 
     def rollback(self) -> None:
         for handle in self.handles:

@@ -78,6 +78,7 @@ gradients would be summed over the group).
 """
 from __future__ import annotations
 
+import copy
 import sys
 import types
 from dataclasses import dataclass
@@ -91,6 +92,7 @@ from .. import distributed as D
 from ..distributed.mappings import _all_gather_seq
 from .parallel_module import ShardPlan
 from .replicated import _all_reduce_hook
+from .sequence import mark_rows
 
 SEQ_DIM = 1
 MODES = ("all_to_all", "ring_attn")
@@ -112,6 +114,7 @@ class SequenceSplit:
         self.inner = "sdpa"                # the attention implementation the split one wraps
         self.seam: AttentionSeam | None = None      # where attention outside the registry is split
         self.active = False
+        self.record_attentions = False             # output_attentions asked for in this forward (all_to_all)
         self.length = 0
         self.padded = 0
         self.rows: torch.Tensor | None = None      # this rank's rows of the padded sequence
@@ -311,7 +314,31 @@ def _ulysses(state, module, query, key, value, attention_mask, kwargs):
     out = all_to_all_along(out.contiguous(), 1, 2, state.group)
     if extra:
         out = out[:, :, : query.shape[1]]
-    return out, None
+    if weights is None or not state.record_attentions:
+        return out, None
+    return out, _GatherHeads.apply(weights, state.group, query.shape[1], state.length)
+
+
+class _GatherHeads(torch.autograd.Function):
+    """all_to_all's attention weights for output_attentions: each rank's
+    eager weights [B, H'/p, S', S'] (its heads over the whole padded
+    sequence) -> [B, H, S, S]: all-gathered along the heads, the appended
+    zero heads and the padded rows / keys dropped.  Backward: this rank's
+    heads of the gradient (the same on every rank), zeros on the padding."""
+
+    @staticmethod
+    def forward(ctx, w, group, heads, length):
+        ctx.group, ctx.local, ctx.shape = group, w.shape[1], tuple(w.shape)
+        full = _all_gather_seq(w.contiguous(), 1, group)
+        return full[:, :heads, :length, :length].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        b, h, s, _ = grad.shape
+        rank = D.rank(ctx.group)
+        padded = grad.new_zeros((b, ctx.local * D.world_size(ctx.group), ctx.shape[2], ctx.shape[3]))
+        padded[:, :h, :s, :s] = grad
+        return padded[:, rank * ctx.local:(rank + 1) * ctx.local].contiguous(), None, None, None
 
 
 def _bias_heads(bias: torch.Tensor, state: SequenceSplit, heads: int, extra: int) -> torch.Tensor:
@@ -828,7 +855,14 @@ class _SplitHooks:
             state.entered = self.repeated
             x, rebuild = _layer_inputs(args, kwargs)
             state.start(x.shape[SEQ_DIM], x.device)
-            return rebuild(_Split.apply(x, state))
+            return rebuild(mark_rows(_Split.apply(x, state), _recorded_gather(state)))
+
+        def mark_post(_module, _args, output):
+            if not state.active:
+                return None
+            first = output if isinstance(output, torch.Tensor) else output[0] if isinstance(output, tuple) else None
+            mark_rows(first, _recorded_gather(state))
+            return None
 
         def every_pre(module, args, kwargs):
             if not state.active:
@@ -869,6 +903,7 @@ class _SplitHooks:
         for layer in layers:
             self.handles.append(layer.register_forward_pre_hook(every_pre, with_kwargs=True))
             self.handles.append(layer.register_forward_hook(every_post, always_call=True))
+            self.handles.append(layer.register_forward_hook(mark_post))     # before the last one's gather
         # repeated layers: the last layer runs several times, the base's output comes once
         last = self.base if self.repeated else layers[len(layers) - 1]
         self.handles.append(last.register_forward_hook(last_post))
@@ -907,20 +942,36 @@ def _encoder_states_summed(kwargs: dict, args: tuple, state: SequenceSplit) -> d
     return {**kwargs, "encoder_hidden_states": copy_to_tp_region(states, state.group)}
 
 
+def _recorded_gather(state: SequenceSplit):
+    """The gather of a recorded hidden state of the forward in progress: its
+    layout (rows, zigzag order, lengths) now, all-gathered and put in
+    sequence order (_Gather; backward: this rank's rows)."""
+    snapshot = copy.copy(state)
+
+    def gather(t: torch.Tensor) -> torch.Tensor:
+        return _Gather.apply(t, snapshot)
+
+    return gather
+
+
 def _refuse_recorded_outputs(base: nn.Module, kwargs: dict, state: SequenceSplit) -> None:
-    """Hidden states between layers and attention weights are split (rows,
-    heads) under these modes: asked for in a split forward, they raise
-    rather than come back partial."""
-    config = getattr(base, "config", None)
-    for what in ("output_hidden_states", "output_attentions"):
-        want = kwargs.get(what)
-        if want is None:
-            want = getattr(config, what, False)
-        if want:
-            raise NotImplementedError(
-                f"{state.name}: {what}=True with sequence_parallelism_mode={state.mode!r}: between the layers "
-                f"each rank holds only its rows of the sequence; run that forward with use_cache=True under "
-                f"torch.no_grad() (unsplit), or without {what}")
+    """output_attentions in a split forward: all_to_all over eager attention
+    returns every layer's weights [B, H, S, S] gathered over the heads
+    (_GatherHeads; state.record_attentions); ring_attn never builds them and
+    all_to_all over another attention (SDPA, the C kernel) returns none:
+    refused rather than come back empty.  Recorded hidden states come back
+    full (mark_rows, and the policy's record_full_hidden_states)."""
+    want = kwargs.get("output_attentions")
+    if want is None:
+        want = getattr(getattr(base, "config", None), "output_attentions", False)
+    state.record_attentions = bool(want) and state.mode == "all_to_all" and state.inner == "eager"
+    if want and not state.record_attentions:
+        why = ("ring_attn merges key / value blocks by log-sum-exp and never builds the weights"
+               if state.mode == "ring_attn" else
+               f"all_to_all returns them from eager attention only (this model's is {state.inner!r})")
+        raise NotImplementedError(
+            f"{state.name}: output_attentions=True with sequence_parallelism_mode={state.mode!r}: {why}; "
+            f"run that forward with use_cache=True under torch.no_grad() (unsplit), or without output_attentions")
 
 
 def _ensure_grad_sync(layers: nn.Module, group) -> None:
