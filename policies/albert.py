@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from shardformer.family import Family, gathered, lm, replicated_dropout
 from shardformer.layer import DropoutForReplicatedInput, Linear1D_Col, Linear1D_Row
 from shardformer.layout import Heads
+from shardformer.pipeline.stages import StageSplit
 from shardformer.policies.shapes import (EncoderShape, _new_state, attention_by_heads, residual_dropout,
                                          sp_layer_subs, sp_linear_kwargs, sp_overlap)
 from shardformer.policy import ModulePolicyDescription
@@ -162,7 +163,12 @@ class AlbertShape(EncoderShape):
 
     split_attention_at = ("AlbertTransformer", "albert_layer_groups")
     split_attention_options = {"repeated": True}
-    pipeline_split = None        # ALBERT's layers share one layer group: not split into stages
+    # Pipeline stages split the num_hidden_layers calls of the layer groups (call i runs group
+    # i * num_hidden_groups // num_hidden_layers); a group called on several stages is replicated
+    # there, its gradients summed over them after backward (shardformer.pipeline.stages, StageCalls).
+    # embeddings and embedding_hidden_mapping_in run on the first stage, the pooler and heads on the last.
+    pipeline_split = StageSplit("{prefix}Model", "encoder.albert_layer_groups", last=("pooler",),
+                                calls="num_hidden_layers")
 
     def sequence_parallel_modes(self) -> tuple[str, ...]:
         return ("split_gather",) + self.split_attention_modes()

@@ -14,7 +14,7 @@ from shardformer.pipeline import schedule as S
 
 # Every class of every family whose policy sets a pipeline_split (the zoo builds them all).
 PIPELINED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "glm", "phi3", "mixtral", "gpt2",
-             "gpt_neo", "gptj", "bloom", "falcon", "opt", "bert", "roberta", "ernie", "vit")
+             "gpt_neo", "gptj", "bloom", "falcon", "opt", "bert", "roberta", "ernie", "albert", "vit")
 # Gemma 3's multimodal classes run the text model inside another (not split yet: refused).
 FAMILIES = [c for f in PIPELINED for c in zoo.family_classes()[f] if c not in ("Gemma3ForConditionalGeneration", "Gemma3ForSequenceClassification",
                                                                                "Gemma3Model")]

@@ -66,9 +66,8 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     info = _shard_info(model)
     runtime = runtime_of(model)
     skip = set()
-    if runtime is not None:           # tied across stages: counted on the first stage only
-        for pair in runtime.shared_params:
-            skip.update(id(t) for stage, t in pair.items() if stage != runtime.tied_owner_stage)
+    if runtime is not None:           # tied or replicated across stages: counted on one stage only
+        skip = runtime.counted_elsewhere()
     params = [t for t in model.parameters() if t.grad is not None and id(t) not in skip]
     device = params[0].grad.device if params else next(model.parameters()).device
     zero = torch.zeros((), dtype=torch.float64, device=device)

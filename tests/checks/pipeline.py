@@ -20,6 +20,7 @@ from shardformer.layer import sequence_attention
 from shardformer.pipeline import (GPipeSchedule, InterleavedSchedule, OneForwardOneBackwardSchedule,
                                   PipelineStageManager)
 from shardformer.pipeline import p2p
+from shardformer.pipeline import schedule as schedule_module
 
 SCHEDULES = {"gpipe": GPipeSchedule, "1f1b": OneForwardOneBackwardSchedule, "interleaved": InterleavedSchedule}
 TOL = parity.TOL[torch.float32]
@@ -89,7 +90,7 @@ def pipelined(ctx, name: str, pp: int, tp: int = 1, chunks: int = 1, layers: int
 
 def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1, chunks: int = 1,
                      layers: int = 4, padded: bool = False, rows: int = 4, config=None, sp_mode: str | None = None,
-                     seq: int | None = None) -> dict:
+                     seq: int | None = None, overrides=None) -> dict:
     """Loss of one forward_backward_step equals the unsharded model's
     full-batch loss; after one SGD step on both, the gathered full state dict
     equals the reference's.  Messages between stages were sent (counted).
@@ -102,7 +103,7 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
     # projection of the outputs, in float64 (a sum over every output: float32 rounding would show).
     own_loss = "labels" in batch and not any(k in name for k in ("DoubleHeads", "MaskedImageModeling"))
     ref, model, sm, shared = pipelined(ctx, name, pp, tp, chunks, layers, config=config, sp_mode=sp_mode,
-                                       dtype=torch.float32 if own_loss else torch.float64)
+                                       dtype=torch.float32 if own_loss else torch.float64, **(overrides or {}))
     if not own_loss:
         batch = {k: t.double() if t.is_floating_point() else t for k, t in batch.items()}
     if padded:                                   # uneven label counts per micro-batch
@@ -116,6 +117,7 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
         probe = _probe(exp)
         criterion, ref_loss = _probe_criterion(probe, m), _project(exp, probe)
     before = dict(p2p.COUNTS)
+    replicated_before = schedule_module.COUNTS["replicated"]
     split_before = dict(sequence_attention.CALLS)
     runner = SCHEDULES[schedule](sm, num_microbatches=m)
     with counting_kernels() as calls:
@@ -132,6 +134,7 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
     sent = p2p.COUNTS["sent"] - before["sent"]
     if sm.num_stages > 1:
         assert sent > 0, f"{name}: no activation or gradient went between stages"
+    _check_repeated_calls(model, sm, name, replicated_before)
     ref_loss.backward()
     err = parity.assert_close(f"{name} pipelined loss ({schedule}, pp={pp}, m={m})", out["loss"], ref_loss.detach(),
                               TOL)
@@ -151,6 +154,27 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
     for key, t in expected.items():
         worst = max(worst, parity.assert_close(f"{name} {key} after a step", full[key], t, TOL))
     return {"loss": err, "state": worst, "sent": sent, "shared": len(shared)}
+
+
+def _check_repeated_calls(model, sm, name: str, replicated_before: int) -> None:
+    """A model whose layer list is called repeatedly (StageSplit.calls, ALBERT):
+    the last forward numbered every call, this rank holds exactly the modules
+    its calls run, and a module held by several stages had its gradients
+    summed over them."""
+    from shardformer.pipeline.stages import StageCalls, runtime_of
+
+    rt = runtime_of(model)
+    if not isinstance(rt.layers, StageCalls):
+        return
+    plan = rt.plan
+    mine = {c for r in plan.chunks for c in r}
+    assert rt.layers.calls_made == max(mine) + 1, (name, rt.layers.calls_made, plan.chunks)
+    held = {int(k) for k in rt.layers._modules}
+    assert held == {plan.call_module[i] for i in mine}, (name, held, plan.chunks)
+    shared = [g for g in held if len(plan.holders[g]) > 1]
+    if shared:
+        assert schedule_module.COUNTS["replicated"] > replicated_before, f"{name}: stage {sm.stage} summed no replicated gradient"
+        assert all(sm.stage in plan.holders[g] for g in shared)
 
 
 def _probe(out) -> dict:

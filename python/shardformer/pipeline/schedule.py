@@ -52,6 +52,9 @@ from .p2p import StageLink
 from .stage_manager import PipelineStageManager
 from .stages import runtime_of
 
+# Replicated parameters whose gradients this process summed over their stages (for tests: proof it ran).
+COUNTS = {"replicated": 0}
+
 __all__ = ["PipelineSchedule", "GPipeSchedule", "OneForwardOneBackwardSchedule", "InterleavedSchedule"]
 
 
@@ -257,6 +260,7 @@ class PipelineSchedule:
             raise RuntimeError(f"{name}: pipeline messages left over after the schedule ({list(inbox) + list(outbox)})")
         if backward:
             self._sync_shared(rt, device)
+            self._sync_replicated(rt)
         result = {"loss": None, "outputs": None}
         if return_loss:
             result["loss"] = self._broadcast_loss(losses, device)
@@ -349,6 +353,33 @@ class PipelineSchedule:
                     other = self.link.recv(peer, key, grad.device)
                     self.link.send(grad, peer, key)
                 param.grad = grad + other
+
+    def _sync_replicated(self, rt) -> None:
+        """A module replicated on the stages s0 < s1 < ... < sk (StageSplit.calls:
+        each replica's gradient holds its own stage's calls): every replica's
+        gradient becomes the sum g_s0 + g_s1 + ... + g_sk.  Up the chain, s_j
+        receives the partial sum of s0..s(j-1), adds its own and passes it on;
+        sk then holds the total and it goes back down the chain, so every
+        replica gets the same tensor (one order of additions).  Every rank
+        walks the replicated parameters in one order (module, then name) and
+        takes part in those it holds only; as each chain's sends and receives
+        follow its stage order, and the parameters one order everywhere,
+        nothing waits on a transfer that cannot come."""
+        me = self.stage_manager.stage
+        for stages, name, param in rt.replicated_params:
+            j = stages.index(me)
+            below = stages[j - 1] if j > 0 else None
+            above = stages[j + 1] if j + 1 < len(stages) else None
+            total = param.grad if param.grad is not None else torch.zeros_like(param)
+            if below is not None:
+                total = self.link.recv(below, ("replicated", name, below, me), total.device) + total
+            if above is not None:
+                self.link.send(total, above, ("replicated", name, me, above))
+                total = self.link.recv(above, ("replicated", name, above, me), total.device)
+            if below is not None:
+                self.link.send(total, below, ("replicated", name, me, below))
+            param.grad = total
+            COUNTS["replicated"] += 1
 
     def _gather_outputs(self, outputs: list, name: str, broadcast: bool, device):
         """The last stage's micro-batch outputs, concatenated; with `broadcast`, on every rank."""

@@ -14,6 +14,21 @@ one of three places:
 
 Modules without parameters (rotary embeddings, dropouts) stay on every stage.
 
+Repeated calls (StageSplit.calls: ALBERT).  Some encoders call the modules of
+their layer list several times in one forward: N calls over G modules, call
+i running module i*G//N (consecutive blocks of N/G calls per module).  Then
+the stages split the N *calls*, not the G modules: a virtual stage holding
+calls a..b holds the modules those calls run, so a module whose calls fall
+on several stages is replicated on each of them.  The layer list becomes a
+StageCalls: indexing it gives a slot that numbers the calls of one forward;
+a call outside the running chunk returns its hidden states unchanged (the
+stand-in before the chunk), the chunk's first call swaps in the received
+activation and its last ends the forward, as for distinct layers.  Each
+replica's gradient holds its own stage's calls only; after backward the
+schedule sums it over the stages that hold the module (PipelineSchedule.
+_sync_replicated: a reduction along the holders in stage order, the sum sent
+back down), so every replica steps with the unsharded model's gradient.
+
 A stage does not get a forward of its own: every stage runs the model's own
 HuggingFace forward, with the tensors redirected (StageRuntime):
 
@@ -45,7 +60,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["StageSplit", "StagePlan", "StageLayers", "StageAbsent", "StageExit", "StageRuntime",
+__all__ = ["StageSplit", "StagePlan", "StageLayers", "StageCalls", "StageAbsent", "StageExit", "StageRuntime",
            "plan_stages", "runtime_of"]
 
 RUNTIME = "_shardformer_pipeline"
@@ -58,11 +73,18 @@ class StageSplit:
     owner   class name of the module whose forward runs the layers ("LlamaModel");
             "{prefix}" and "{base_model}" are filled from the policy's options
     layers  dotted path of the layer ModuleList under the owner ("layers", "encoder.layer")
-    last    children of the owner that run after the layers ("norm", "pooler")"""
+    last    children of the owner that run after the layers ("norm", "pooler")
+    calls   None: the forward calls each module of the layer list once, in order.
+            Else the config attribute counting the calls the forward makes of the
+            list's modules ("num_hidden_layers" for ALBERT's layer groups): call i
+            runs module i*G//N of the G modules (N calls, N a multiple of G); the
+            stages split the calls, and a module called on several stages is
+            replicated on them (see the module docstring)"""
 
     owner: str
     layers: str
     last: tuple[str, ...] = ()
+    calls: str | None = None
 
 
 class StageExit(BaseException):
@@ -125,6 +147,9 @@ class StageLayers(nn.ModuleList):
     def extra_repr(self) -> str:
         return f"{self._total} layers, held: {[f'{r.start}-{r.stop - 1}' for r in self._chunks]}"
 
+    def begin(self) -> None:
+        """A forward of the model starts (StageRuntime.run)."""
+
     def _running(self) -> range:
         if self.active is None:
             raise RuntimeError(f"{self._path}: the layers of a pipeline stage run inside a schedule "
@@ -153,6 +178,85 @@ class StageLayers(nn.ModuleList):
             raise IndexError(f"{self._path}[{idx}]: layer {i} is not held by this pipeline stage (it holds "
                              f"{[f'{r.start}-{r.stop - 1}' for r in self._chunks]})")
         return self._modules[key]
+
+
+class StageCalls(StageLayers):
+    """The layer list of a model that calls its modules repeatedly
+    (StageSplit.calls): holds the modules this rank's calls run, under their
+    indices in the list (state_dict names are the unsharded model's).
+    `call_module[i]` is the module call i runs.  Indexing returns a _CallSlot,
+    which numbers the calls of one forward (begin() restarts the count) and
+    runs only those of the running chunk; len() is the module count."""
+
+    def __init__(self, modules: dict[int, nn.Module], call_module: tuple[int, ...], chunks: list[range], path: str):
+        super().__init__(modules, len(call_module), chunks, path)
+        self._call_module = call_module
+        self._num_modules = max(call_module) + 1
+        self.calls_made = 0                           # calls in the current forward
+
+    def extra_repr(self) -> str:
+        held = sorted(int(k) for k in self._modules)
+        return (f"{self._num_modules} modules called {self._total} times; held: modules {held} for calls "
+                f"{[f'{r.start}-{r.stop - 1}' for r in self._chunks]}")
+
+    def begin(self) -> None:
+        self.calls_made = 0
+
+    def __len__(self) -> int:
+        return self._num_modules
+
+    def __iter__(self):
+        return iter([self._modules[k] for k in sorted(self._modules, key=int)])
+
+    def __getitem__(self, idx):
+        if not isinstance(idx, int):
+            raise TypeError(f"{self._path}: a pipelined list of repeatedly called modules is indexed by one module "
+                            f"index, got {idx!r}")
+        i = idx + self._num_modules if idx < 0 else idx
+        if not 0 <= i < self._num_modules:
+            raise IndexError(f"{self._path}[{idx}]: the list has {self._num_modules} modules")
+        return _CallSlot(self, i)
+
+    def next_call(self, module: int) -> int:
+        """Number the next call (of `module`); RuntimeError when the forward
+        calls another module, or more often, than the split planned."""
+        i = self.calls_made
+        if i >= self._total or self._call_module[i] != module:
+            planned = self._call_module[i] if i < self._total else "none"
+            raise RuntimeError(f"{self._path}: call {i} of the forward ran module {module}; the pipeline split "
+                               f"planned module {planned} ({self._total} calls of {self._num_modules} modules)")
+        self.calls_made += 1
+        return i
+
+
+class _CallSlot:
+    """Module `module` of a StageCalls, as the model's forward gets it by
+    indexing: calling it is one numbered call.  Outside the running chunk the
+    call returns its hidden states (first positional argument or
+    hidden_states=) unchanged and runs nothing; the chunk's first and last
+    calls are the chunk's edges (_ChunkEdge)."""
+
+    def __init__(self, calls: StageCalls, module: int):
+        self.calls, self.module = calls, module
+
+    def __getattr__(self, name: str):
+        held = self.calls._modules.get(str(self.module))
+        if held is None:
+            raise AttributeError(f"{self.calls._path}[{self.module}] is not held by this pipeline stage")
+        return getattr(held, name)
+
+    def __call__(self, *args, **kwargs):
+        calls = self.calls
+        i = calls.next_call(self.module)
+        running = calls._running()
+        if i not in running:
+            return args[0] if args else kwargs["hidden_states"]
+        layer = calls._modules[str(self.module)]
+        edges = calls.__dict__.get("_edges", {}).get(calls.active, {})
+        enter, leave = edges.get("enter") == i, edges.get("exit") == i
+        if enter or leave:
+            return _ChunkEdge(layer, calls.__dict__["_runtime"], enter, leave)(*args, **kwargs)
+        return layer(*args, **kwargs)
 
 
 class _ChunkEdge:
@@ -204,6 +308,8 @@ class StagePlan:
     last: list[str]                   # last-stage module paths
     shared: list[tuple[str, str]]     # (first path.param, last path.param) pairs that are one Parameter
     names: list[str]                  # the unsharded model's state_dict keys
+    call_module: tuple[int, ...] | None = None     # StageSplit.calls: the module of each call
+    holders: dict[int, tuple[int, ...]] | None = None  # StageSplit.calls: module -> the stages holding it
 
 
 def _meta_shadow(module: nn.Module) -> nn.Module:
@@ -247,8 +353,15 @@ def plan_stages(model: nn.Module, split: StageSplit, manager, name: str, prefix:
         raise ValueError(f"{name}: {owner_cls} has no layer list {split.layers!r} for pipeline parallelism") from None
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"{name}: {layers_path} is a {type(layers).__name__}, expected the ModuleList of layers")
-    total = len(layers)
+    call_module = holders = None
+    if split.calls is None:
+        total = len(layers)
+    else:
+        call_module = _call_modules(model, split.calls, len(layers), name, layers_path)
+        total = len(call_module)
     chunks = manager.layer_ranges(total, f"{name}: {layers_path}")
+    if call_module is not None:
+        holders = _module_holders(manager, call_module, f"{name}: {layers_path}")
     for path, m in ((owner_path, owner), ("", model)):
         direct = [n for n, _ in m.named_parameters(recurse=False)]
         if direct:
@@ -286,7 +399,37 @@ def plan_stages(model: nn.Module, split: StageSplit, manager, name: str, prefix:
     if layer_params & outside:
         raise ValueError(f"{name}: a parameter of {layers_path} is also held outside the layers; "
                          f"pipeline parallelism cannot place it on one stage")
-    return StagePlan(owner_path, layers_path, total, chunks, first, last, shared, list(model.state_dict().keys()))
+    return StagePlan(owner_path, layers_path, total, chunks, first, last, shared, list(model.state_dict().keys()),
+                     call_module, holders)
+
+
+def _call_modules(model: nn.Module, attribute: str, num_modules: int, name: str, layers_path: str) -> tuple[int, ...]:
+    """The module index of each call (StageSplit.calls): N = config.`attribute`
+    calls over the G modules, call i running module i*G//N; ValueError unless
+    N is a positive multiple of G (every module then runs N/G consecutive
+    calls, which is how the forward indexes them)."""
+    config = getattr(model, "config", None)
+    n = getattr(config, attribute, None)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{name}: pipeline parallelism splits the calls of {layers_path}, counted by "
+                         f"config.{attribute}; the config has {attribute}={n!r}")
+    if num_modules < 1 or n % num_modules:
+        raise ValueError(f"{name}: pipeline parallelism splits the {n} calls (config.{attribute}) of the "
+                         f"{num_modules} modules of {layers_path} over the stages only when each module runs the "
+                         f"same number of consecutive calls; {n} is not a multiple of {num_modules}")
+    return tuple(i * num_modules // n for i in range(n))
+
+
+def _module_holders(manager, call_module: tuple[int, ...], where: str) -> dict[int, tuple[int, ...]]:
+    """{module: the stages (ranks of the pipeline group, ascending) whose calls run it}."""
+    counts = manager.distribute_layers(len(call_module), where)
+    holders: dict[int, set] = {}
+    start = 0
+    for vs, count in enumerate(counts):
+        for i in range(start, start + count):
+            holders.setdefault(call_module[i], set()).add(manager.stage_of(vs))
+        start += count
+    return {g: tuple(sorted(stages)) for g, stages in sorted(holders.items())}
 
 
 class StageRuntime:
@@ -304,6 +447,9 @@ class StageRuntime:
         self.entry: torch.Tensor | None = None       # the activation the running chunk starts from
         self.entered = False
         self.shared_params: list[dict[int, nn.Parameter]] = []
+        # modules replicated over several stages (StageSplit.calls): (holder stages, parameter name,
+        # this rank's parameter), bound by bind_shared
+        self.replicated_params: list[tuple[tuple[int, ...], str, nn.Parameter]] = []
         # The shape of the first layer's input on the first virtual stage (the embeddings' output),
         # sent along with the activations: a later stage's stand-ins take it, which differs from
         # the received activation's under sequence parallelism (this rank's rows only).
@@ -322,6 +468,7 @@ class StageRuntime:
         output on the last virtual stage, else the chunk's output activation.
         Afterwards `input_shape` is the first stage's layer input shape."""
         self.layers.active, self.chunk, self.entry, self.entered = chunk, chunk, entry, False
+        self.layers.begin()
         self.input_shape = tuple(input_shape) if input_shape is not None else \
             (tuple(entry.shape) if entry is not None else None)
         try:
@@ -397,8 +544,17 @@ class StageRuntime:
             if not holds_last:
                 _set(model, path, StageAbsent(path, "last", sm.stage_of(last_vs), self, model.get_submodule(path)))
         old = model.get_submodule(plan.layers_path)
-        held = {i: old[i] for r in plan.chunks for i in r}
-        self.layers = StageLayers(held, plan.total, plan.chunks, plan.layers_path)
+        self._replicated_names = []
+        if plan.call_module is None:
+            held = {i: old[i] for r in plan.chunks for i in r}
+            self.layers = StageLayers(held, plan.total, plan.chunks, plan.layers_path)
+        else:
+            held = {g: old[g] for g in sorted({plan.call_module[i] for r in plan.chunks for i in r})}
+            self.layers = StageCalls(held, plan.call_module, plan.chunks, plan.layers_path)
+            for g, module in held.items():
+                if len(plan.holders[g]) > 1:
+                    self._replicated_names += [(plan.holders[g], f"{plan.layers_path}.{g}.{pname}")
+                                               for pname, _ in module.named_parameters()]
         self.layers.train(old.training)
         _set(model, plan.layers_path, self.layers)
         self.layers.__dict__["_runtime"] = self
@@ -415,7 +571,18 @@ class StageRuntime:
         replicated parameters after apply())."""
         self.shared_params = [{stage: model.get_parameter(name) for stage, name in names.items()}
                               for names in self._shared_names]
+        self.replicated_params = [(stages, name, model.get_parameter(name))
+                                  for stages, name in self._replicated_names]
         return self.shared_params
+
+    def counted_elsewhere(self) -> set[int]:
+        """ids of this rank's parameters whose gradient another stage counts
+        (a gradient norm counts each parameter once): the last stage's side of
+        a tied pair, and a replicated module's parameters on every holder but
+        the first."""
+        skip = {id(t) for pair in self.shared_params for stage, t in pair.items() if stage != self.tied_owner_stage}
+        skip.update(id(t) for stages, _, t in self.replicated_params if self.manager.stage != stages[0])
+        return skip
 
 
 def _set(model: nn.Module, path: str, module: nn.Module) -> None:
