@@ -224,3 +224,36 @@ def test_sequence_parallel_schedules(pool, mode, schedule, seq):
 def test_sequence_parallel_inference(pool, mode):
     """schedule.forward() in eval mode with dropout configured: the logits on every rank."""
     pool.run(check.inference_on_every_rank, 4, "LlamaForCausalLM", 2, 2, "1f1b", 0.3, mode, 7)
+
+
+# ALBERT calls its layer groups num_hidden_layers times (StageSplit.calls): the stages split the calls, a
+# group called on several stages is replicated there and its gradients summed over them (counted).
+@pytest.mark.parametrize("pp, schedule, groups, inner, chunks", [
+    (4, "gpipe", 1, 1, 1),          # one call per stage, the one group on all 4 stages
+    (4, "1f1b", 2, 1, 1),           # group 0 on stages 0-1, group 1 on stages 2-3
+    (2, "1f1b", 2, 2, 1),           # one group per stage (nothing replicated), 2 layers per group
+    (2, "interleaved", 2, 1, 2),    # 4 virtual stages: both groups on both ranks
+    (2, "gpipe", 4, 1, 1),          # one group per call
+])
+def test_albert_repeated_calls(pool, pp, schedule, groups, inner, chunks):
+    pool.run(check.equals_unsharded, 4, "AlbertForMaskedLM", pp, schedule, 2, 1, chunks, 4, False, 4, None, None,
+             None, {"num_hidden_groups": groups, "inner_group_num": inner})
+
+
+@pytest.mark.parametrize("pp, groups, chunks", [(2, 1, 1), (4, 2, 1), (2, 2, 2)])
+def test_albert_grad_norm(pool, pp, groups, chunks):
+    pool.run(check.repeated_calls_grad_norm, 4, pp, groups, chunks)
+
+
+@pytest.mark.parametrize("pp, tp", [(2, 1), (2, 2)])
+def test_albert_load_full_state_dict(pool, pp, tp):
+    pool.run(check.load_full_round_trip, 4, "AlbertForMaskedLM", pp, tp)
+
+
+@pytest.mark.parametrize("pp, tp", [(2, 1), (4, 1), (2, 2)])
+def test_albert_from_pretrained(pool, tmp_path, pp, tp):
+    pool.run(check.from_pretrained_stages, 4, pp, tp, str(tmp_path / "albert"), False, "AlbertForMaskedLM")
+
+
+def test_albert_refusals(pool):
+    pool.run(check.repeated_calls_refusals, 4)

@@ -346,23 +346,26 @@ def replicas_must_agree(ctx) -> str:
     raise AssertionError("stages with different weights were pipelined")
 
 
-def from_pretrained_stages(ctx, pp: int, tp: int, path: str, tied: bool = False) -> dict:
+def from_pretrained_stages(ctx, pp: int, tp: int, path: str, tied: bool = False,
+                           name: str = "LlamaForCausalLM") -> dict:
     """ShardFormer.from_pretrained with a stage manager: each rank reads its
     stage's tensors only (lazy init: the other stages' are never allocated),
     and the pipeline's logits equal HF's from_pretrained."""
-    from transformers import LlamaForCausalLM
+    import transformers
 
+    cls = getattr(transformers, name)
     tp_group, pp_group = groups(ctx, pp, tp)
     if dist.get_rank() == 0:
         torch.manual_seed(0)
-        build("LlamaForCausalLM", 4, tie_word_embeddings=tied).save_pretrained(path)   # tied: one tensor stored
+        overrides = {"tie_word_embeddings": tied} if name.startswith("Llama") else {}
+        build(name, 4, **overrides).save_pretrained(path)   # tied: one tensor stored
     dist.barrier()
     sm = PipelineStageManager(pp_group)
     cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm,
                       enable_tensor_parallelism=tp > 1)
-    model, _ = ShardFormer(shard_config=cfg).from_pretrained(LlamaForCausalLM, path)
-    ref = LlamaForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
-    batch = batch_of("LlamaForCausalLM")
+    model, _ = ShardFormer(shard_config=cfg).from_pretrained(cls, path)
+    ref = cls.from_pretrained(path, attn_implementation="eager").eval()
+    batch = batch_of(name)
     out = OneForwardOneBackwardSchedule(sm, num_microbatches=2).forward(model, batch)
     err = parity.assert_close("logits", out.logits, ref(**batch).logits, TOL)
     held = sum(p.numel() for p in model.parameters())
@@ -377,7 +380,7 @@ def from_pretrained_stages(ctx, pp: int, tp: int, path: str, tied: bool = False)
     trained = OneForwardOneBackwardSchedule(sm, num_microbatches=2).forward(model, batch).logits
     model.save_pretrained(path + "-trained")
     dist.barrier()
-    back = LlamaForCausalLM.from_pretrained(path + "-trained", attn_implementation="eager").eval()
+    back = cls.from_pretrained(path + "-trained", attn_implementation="eager").eval()
     parity.assert_close("reloaded logits", back(**batch).logits, trained, TOL)
     assert not torch.allclose(trained, out.logits)
     dist.barrier()
@@ -437,3 +440,52 @@ def custom_policy_equals_unsharded(ctx, pp: int, tp: int, schedule: str) -> floa
     for key, t in ref.state_dict().items():
         parity.assert_close(f"toy {key}", full[key], t, TOL)
     return err
+
+
+# ---- a layer list called repeatedly (ALBERT: StageSplit.calls) ------------------------------
+
+def repeated_calls_grad_norm(ctx, pp: int, num_hidden_groups: int, chunks: int = 1) -> float:
+    """ALBERT with its layer groups replicated over the stages that call them:
+    shardformer.clip_grad_norm_ after one pipelined step (each replicated
+    parameter counted once) equals torch's on the unsharded model, and the
+    clipped gradients step both models alike."""
+    from shardformer import clip_grad_norm_
+
+    name = "AlbertForMaskedLM"
+    ref, model, sm, _ = pipelined(ctx, name, pp, chunks=chunks, num_hidden_groups=num_hidden_groups)
+    batch = batch_of(name)
+    schedule = InterleavedSchedule if chunks > 1 else OneForwardOneBackwardSchedule
+    schedule(sm, num_microbatches=2).forward_backward_step(model, batch)
+    ref(**batch).loss.backward()
+    norm = clip_grad_norm_(model, 0.05)
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    err = parity.assert_close("gradient norm", norm, ref_norm, TOL)
+    with torch.no_grad():
+        for m_ in (model, ref):
+            for p in m_.parameters():
+                if p.grad is not None:
+                    p -= p.grad
+    full = gather_full_state_dict(model)
+    for key, t in ref.state_dict().items():
+        parity.assert_close(f"{name} {key} after a clipped step", full[key], t, TOL)
+    return err
+
+
+def repeated_calls_refusals(ctx) -> list[str]:
+    """ALBERT splits refused by name before anything changes: a group count
+    that does not divide the calls, and fewer calls than stages."""
+    msgs = []
+    for pp, overrides, expected in ((2, {"num_hidden_groups": 3}, "4 is not a multiple of 3"),
+                                    (4, {}, "2 layers cannot be split over 4 pipeline stages")):
+        tp_group, pp_group = groups(ctx, pp, 1)
+        layers = 4 if overrides else 2
+        model = build("AlbertForMaskedLM", layers, **overrides)
+        cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=PipelineStageManager(pp_group),
+                          enable_tensor_parallelism=False)
+        msg = parity.refused_unchanged(model, lambda: ShardFormer(shard_config=cfg).optimize(model),
+                                       "an ALBERT pipeline split", ValueError, structure=True)
+        assert "AlbertForMaskedLM" in msg and "albert.encoder.albert_layer_groups" in msg and expected in msg, msg
+        batch = batch_of("AlbertForMaskedLM")
+        model(**batch)                                   # still the whole model
+        msgs.append(msg)
+    return msgs

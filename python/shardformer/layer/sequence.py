@@ -81,6 +81,14 @@ class SequenceState:
     def __init__(self, dim: int = SEQ_DIM):
         self.length: int | None = None
         self.dim = dim
+        # whether the split ran in the forward in progress (begin() clears it): a pipeline
+        # stage whose split comes before its layers (ALBERT: at the encoder's input) then
+        # sends the unsplit layer-input shape, S = length, to the later stages
+        self.split_in_forward = False
+
+    def begin(self) -> None:
+        """A forward starts (a pipeline stage's run): no split has run in it yet."""
+        self.split_in_forward = False
 
     def __repr__(self) -> str:
         return f"SequenceState(length={self.length}, dim={self.dim})"
@@ -147,6 +155,7 @@ def _all_gather(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:
 
 def split_sequence(x: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
     state.length = x.shape[state.dim]
+    state.split_in_forward = True
     return _Split.apply(x, group, state.length, state.dim)
 
 

@@ -282,7 +282,7 @@ class _ChunkEdge:
                 raise RuntimeError(f"{rt.model_name}: the first layer of pipeline chunk {rt.chunk} was called "
                                    f"without its hidden states (no positional argument, no hidden_states=)")
             if rt.entry is None:                   # the first virtual stage: the model's own input
-                rt.input_shape = tuple(computed.shape)
+                rt.input_shape = rt.unsplit_shape(computed)
             else:
                 rt.entered = True
                 args, kwargs = swap(rt.entry)
@@ -469,6 +469,9 @@ class StageRuntime:
         Afterwards `input_shape` is the first stage's layer input shape."""
         self.layers.active, self.chunk, self.entry, self.entered = chunk, chunk, entry, False
         self.layers.begin()
+        for state in self.sequence_states:
+            if hasattr(state, "begin"):
+                state.begin()
         self.input_shape = tuple(input_shape) if input_shape is not None else \
             (tuple(entry.shape) if entry is not None else None)
         try:
@@ -481,6 +484,17 @@ class StageRuntime:
             raise RuntimeError(f"{self.model_name}: pipeline chunk {chunk} never ran its first layer "
                                f"({self.plan.layers_path}); the model's forward skipped it")
         return out
+
+    def unsplit_shape(self, computed: torch.Tensor) -> tuple:
+        """The shape of the first layer's input on the first stage, before any
+        sequence split: `computed`'s, except where a split ran before the
+        layers in this forward (ALBERT splits at its encoder's input): there
+        its sequence dimension is the state's unpadded length."""
+        shape = list(computed.shape)
+        for state in self.sequence_states:
+            if getattr(state, "split_in_forward", False):
+                shape[state.dim] = state.length
+        return tuple(shape)
 
     def stand_in(self) -> torch.Tensor:
         """What a first-stage module returns on a stage that does not run it:
