@@ -199,7 +199,7 @@ def test_custom_policy(pool, pp, tp, schedule):
 SP_PIPELINED = [next(c for c in zoo.family_classes()[f] if c.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM")))
                 for f in PIPELINED if f != "vit"]
 SPLIT_ATTENTION = ["LlamaForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
-                   "MixtralForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "BertForMaskedLM"]
+                   "MixtralForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "BertForMaskedLM", "AlbertForMaskedLM"]
 
 
 @pytest.mark.parametrize("name", SP_PIPELINED)

@@ -142,9 +142,12 @@ class SequenceSplit:
         """A forward that starts past the split (a later pipeline stage: its
         first layer receives this rank's rows from the previous stage);
         `full` is shaped like the unsplit layer input: the rows as start()
-        would set them."""
+        would set them.  The received rows are split already: a repeated
+        layer list (ALBERT, whose first layer may run on this stage) must not
+        split them again (`entered`)."""
         if self.active:
             self.start(full.shape[SEQ_DIM], full.device)
+            self.entered = True
 
     def local(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's rows (along `dim`) of a full-sequence tensor that every
