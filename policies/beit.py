@@ -40,6 +40,7 @@ from shardformer.layer.param_shard import ShardParams
 from shardformer.layer.replicated import ReplicatedInParallelRegion
 from shardformer.layer.sequence import FullLengthKwarg
 from shardformer.layout import Heads
+from shardformer.pipeline.stages import StageSplit
 from shardformer.policies.shapes import VisionShape, bias_table_split
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
@@ -52,7 +53,22 @@ class BeitShape(VisionShape):
     refused by name (no split_attention_at)."""
 
     split_attention_at = None
-    pipeline_split = None        # a bias table may be shared by all layers: not split into stages
+    @property
+    def pipeline_split(self):
+        """The layers split over the stages like ViT's; the shared bias table
+        (use_shared_relative_position_bias: BeitModel.shared_position_bias,
+        built before the layers and added to every layer's scores) runs on
+        every stage, its gradients summed over them.  Refused for semantic
+        segmentation, whose decode head reads the hidden states of several
+        layers (out_indices), which stay on the stages that computed them."""
+        model = getattr(self, "model", None)
+        if model is not None and type(model).__name__ == "BeitForSemanticSegmentation":
+            raise NotImplementedError(
+                f"BeitForSemanticSegmentation: pipeline parallelism is not available: its decode head "
+                f"(decode_head, fpn1..fpn4) reads the hidden states of {self.base_prefix()}.layers "
+                f"{list(model.config.out_indices)} (out_indices), which stay on the pipeline stages that run those "
+                f"layers; only the last layer's output reaches the last stage")
+        return StageSplit("{prefix}Model", "layers", last=("layernorm", "pooler"), everywhere=("shared_position_bias",))
 
     def sp_norms(self, layer) -> list[str]:
         # the bias table is split by heads (ShardParams): complete per rank, no all-reduce

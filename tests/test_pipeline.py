@@ -14,10 +14,11 @@ from shardformer.pipeline import schedule as S
 
 # Every class of every family whose policy sets a pipeline_split (the zoo builds them all).
 PIPELINED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "glm", "phi3", "mixtral", "gpt2",
-             "gpt_neo", "gptj", "bloom", "falcon", "opt", "bert", "roberta", "ernie", "albert", "vit")
+             "gpt_neo", "gptj", "bloom", "falcon", "opt", "bert", "roberta", "ernie", "albert", "vit", "beit")
 # Gemma 3's multimodal classes run the text model inside another (not split yet: refused).
+# BEiT's segmentation head reads several layers' hidden states (refused: test_beit_segmentation_refused).
 FAMILIES = [c for f in PIPELINED for c in zoo.family_classes()[f] if c not in ("Gemma3ForConditionalGeneration", "Gemma3ForSequenceClassification",
-                                                                               "Gemma3Model")]
+                                                                               "Gemma3Model", "BeitForSemanticSegmentation")]
 
 
 # One test function per schedule: README's support matrix has a column per function (scripts/support_matrix.py).
@@ -197,7 +198,7 @@ def test_custom_policy(pool, pp, tp, schedule):
 # stage receives only this rank's rows of the previous stage's output (checked), and learns the sequence
 # length from the first stage's layer-input shape that travels in the message header.
 SP_PIPELINED = [next(c for c in zoo.family_classes()[f] if c.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM")))
-                for f in PIPELINED if f != "vit"]
+                for f in PIPELINED if f not in ("vit", "beit")]
 SPLIT_ATTENTION = ["LlamaForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
                    "MixtralForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "BertForMaskedLM", "AlbertForMaskedLM"]
 
@@ -257,3 +258,14 @@ def test_albert_from_pretrained(pool, tmp_path, pp, tp):
 
 def test_albert_refusals(pool):
     pool.run(check.repeated_calls_refusals, 4)
+
+
+# BEiT with one relative position bias shared by every layer: the table runs on every stage (StageSplit.everywhere),
+# its gradient summed over them (counted).
+@pytest.mark.parametrize("pp, schedule, chunks", [(2, "gpipe", 1), (4, "1f1b", 1), (2, "interleaved", 2)])
+def test_beit_shared_bias(pool, pp, schedule, chunks):
+    pool.run(check.equals_unsharded, 4, "BeitModel/shared_bias", pp, schedule, 2, 1, chunks)
+
+
+def test_beit_segmentation_refused(pool):
+    pool.run(check.beit_segmentation_refused, 4)

@@ -55,6 +55,7 @@ forward on every stage from the micro-batch, which every stage is given.
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -79,12 +80,18 @@ class StageSplit:
             list's modules ("num_hidden_layers" for ALBERT's layer groups): call i
             runs module i*G//N of the G modules (N calls, N a multiple of G); the
             stages split the calls, and a module called on several stages is
-            replicated on them (see the module docstring)"""
+            replicated on them (see the module docstring)
+    everywhere  children of the owner whose output every stage's layers read (BEiT's
+            shared relative position bias, computed before the layers and passed
+            to all of them): replicated on every stage, each running it itself;
+            their gradients are summed over the stages like a replicated module's
+            (a name the model lacks is skipped)"""
 
     owner: str
     layers: str
     last: tuple[str, ...] = ()
     calls: str | None = None
+    everywhere: tuple[str, ...] = ()
 
 
 class StageExit(BaseException):
@@ -310,6 +317,7 @@ class StagePlan:
     names: list[str]                  # the unsharded model's state_dict keys
     call_module: tuple[int, ...] | None = None     # StageSplit.calls: the module of each call
     holders: dict[int, tuple[int, ...]] | None = None  # StageSplit.calls: module -> the stages holding it
+    everywhere: list[str] = dataclasses.field(default_factory=list)  # StageSplit.everywhere, with parameters
 
 
 def _meta_shadow(module: nn.Module) -> nn.Module:
@@ -367,6 +375,13 @@ def plan_stages(model: nn.Module, split: StageSplit, manager, name: str, prefix:
         if direct:
             raise ValueError(f"{name}: {path or type(model).__name__} holds parameters {direct} directly; "
                              f"pipeline parallelism places whole sub-modules on stages")
+    everywhere = []
+    for path in (join(owner_path, s) for s in split.everywhere):
+        try:
+            model.get_submodule(path)
+        except AttributeError:
+            continue                                # optional (BEiT without a shared bias table)
+        everywhere.append(path)
     last_set = {join(owner_path, s) for s in split.last}
     for path in sorted(last_set):
         try:
@@ -382,7 +397,7 @@ def plan_stages(model: nn.Module, split: StageSplit, manager, name: str, prefix:
             if child_path == owner_path or layers_path.startswith(child_path + "."):
                 walk(child, child_path, inside_owner or child_path == owner_path)
                 continue
-            if not _has_params(child):
+            if not _has_params(child) or child_path in everywhere:
                 continue                             # kept on every stage
             (first if inside_owner and child_path not in last_set else last).append(child_path)
 
@@ -399,8 +414,9 @@ def plan_stages(model: nn.Module, split: StageSplit, manager, name: str, prefix:
     if layer_params & outside:
         raise ValueError(f"{name}: a parameter of {layers_path} is also held outside the layers; "
                          f"pipeline parallelism cannot place it on one stage")
+    everywhere = [path for path in everywhere if _has_params(model.get_submodule(path))]
     return StagePlan(owner_path, layers_path, total, chunks, first, last, shared, list(model.state_dict().keys()),
-                     call_module, holders)
+                     call_module, holders, everywhere)
 
 
 def _call_modules(model: nn.Module, attribute: str, num_modules: int, name: str, layers_path: str) -> tuple[int, ...]:
@@ -537,6 +553,7 @@ class StageRuntime:
         # the first stage's copy is the one that counts once (gradient norms)
         self.tied_owner_stage = sm.stage_of(first_vs)
         self._shared_names = []
+        self._replicated_names = []
         for a, b in plan.shared:
             if sm.stage_of(first_vs) == sm.stage_of(last_vs):
                 continue                            # one rank holds both: still one Parameter
@@ -547,6 +564,10 @@ class StageRuntime:
                 mine[sm.stage_of(last_vs)] = b
             if mine:
                 self._shared_names.append(mine)
+        if sm.num_stages > 1:
+            every = tuple(range(sm.num_stages))
+            self._replicated_names += [(every, f"{path}.{pname}") for path in plan.everywhere
+                                       for pname, _ in model.get_submodule(path).named_parameters()]
         for path in plan.first:
             if holds_first:
                 if sm.num_model_chunks > 1:
@@ -558,7 +579,6 @@ class StageRuntime:
             if not holds_last:
                 _set(model, path, StageAbsent(path, "last", sm.stage_of(last_vs), self, model.get_submodule(path)))
         old = model.get_submodule(plan.layers_path)
-        self._replicated_names = []
         if plan.call_module is None:
             held = {i: old[i] for r in plan.chunks for i in r}
             self.layers = StageLayers(held, plan.total, plan.chunks, plan.layers_path)
