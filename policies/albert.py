@@ -41,6 +41,20 @@ with chunk_size_feed_forward (EncoderShape).
 
 all_to_all / ring_attn: see AlbertShape (bidirectional: padded keys are
 masked inside, as for BERT).
+
+Pipeline parallelism (StageSplit(calls="num_hidden_layers")): the stages
+split the num_hidden_layers calls of the layer groups, not the
+num_hidden_groups modules; call i runs group i * G // N, so a stage holds the
+groups its calls run, and a group called on several stages (with the default
+G = 1, every stage) is replicated there: each replica's gradient sums its
+own stage's calls, and after backward the schedule sums the replicas'
+gradients along the stages that hold the group (every replica then steps
+with the unsharded gradient).  embeddings and embedding_hidden_mapping_in run
+on the first stage, pooler and heads on the last.  Refused (ValueError, by
+name) when N is not a multiple of G.  Sequence parallelism inside the stages
+works: split_gather splits at the encoder's input, so the first stage sends
+the unsplit layer-input shape; all_to_all / ring_attn do not split the
+received rows again.
 """
 from __future__ import annotations
 

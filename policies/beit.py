@@ -30,6 +30,15 @@ interpolation target with interpolate_pos_encoding) becomes the full S
 gradients all-reduced), drop path and the residual adds.  all_to_all and
 ring_attn are refused (split_attention_at None): the bias is added to
 [S, S] scores that those modes never build.
+
+Pipeline parallelism: the layers split like ViT's (layernorm and pooler on
+the last stage).  The shared bias table (use_shared_relative_position_bias)
+is computed in BeitModel before the layers and added to every layer's
+scores: it is placed on every stage (StageSplit.everywhere), each stage
+runs it, and its gradient, which on each stage holds that stage's layers'
+contributions, is summed over the stages after backward.
+BeitForSemanticSegmentation is refused (its decode head reads several
+layers' hidden states).
 """
 from __future__ import annotations
 

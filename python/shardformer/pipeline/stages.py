@@ -29,6 +29,11 @@ schedule sums it over the stages that hold the module (PipelineSchedule.
 _sync_replicated: a reduction along the holders in stage order, the sum sent
 back down), so every replica steps with the unsharded model's gradient.
 
+Modules on every stage (StageSplit.everywhere: BEiT's shared relative
+position bias).  A child of the owner whose output every layer reads is
+replicated on all stages and run by each; its gradients are summed over the
+stages in the same way.
+
 A stage does not get a forward of its own: every stage runs the model's own
 HuggingFace forward, with the tensors redirected (StageRuntime):
 
