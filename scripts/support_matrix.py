@@ -106,6 +106,15 @@ NOT_SUPPORTED = {
     ("blip2", "sequence parallel (ring_attn)"):
         "with an OPT language model; the classes without a language model, and T5 language models, "
         "are refused by name",
+    ("beit", "pipeline (GPipe)"):
+        "BeitForSemanticSegmentation is refused by name: its decode head reads the hidden states of "
+        "several layers (out_indices), which stay on the stages that run them",
+    ("beit", "pipeline (1F1B, TP=2)"):
+        "BeitForSemanticSegmentation is refused by name: its decode head reads the hidden states of "
+        "several layers (out_indices), which stay on the stages that run them",
+    ("beit", "pipeline (interleaved)"):
+        "BeitForSemanticSegmentation is refused by name: its decode head reads the hidden states of "
+        "several layers (out_indices), which stay on the stages that run them",
     ("gemma3", "sequence parallel (ring_attn)"):
         "the text classes; the multimodal ones are refused by name: an image's tokens attend to each "
         "other both ways, which the ring kernel cannot express",
