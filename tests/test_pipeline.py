@@ -256,6 +256,12 @@ def test_albert_from_pretrained(pool, tmp_path, pp, tp):
     pool.run(check.from_pretrained_stages, 4, pp, tp, str(tmp_path / "albert"), False, "AlbertForMaskedLM")
 
 
+@pytest.mark.parametrize("pp, tp, schedule", [(2, 1, "gpipe"), (4, 1, "1f1b"), (2, 2, "1f1b")])
+def test_albert_inference_eval_dropout(pool, pp, tp, schedule):
+    """schedule.forward() in eval mode with dropout 0.3 configured: the logits on every rank."""
+    pool.run(check.inference_on_every_rank, 4, "AlbertForMaskedLM", pp, tp, schedule, 0.3)
+
+
 def test_albert_refusals(pool):
     pool.run(check.repeated_calls_refusals, 4)
 

@@ -234,8 +234,9 @@ def inference_on_every_rank(ctx, name: str, pp: int, tp: int, schedule: str, dro
     sp_mode / seq as in equals_unsharded."""
     overrides = {}
     if dropout:
-        overrides = {"attention_dropout": dropout} if name.startswith("Llama") else {"resid_pdrop": dropout,
-                                                                                     "embd_pdrop": dropout}
+        overrides = {"attention_dropout": dropout} if name.startswith("Llama") else \
+            {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout} if name.startswith("Albert") \
+            else {"resid_pdrop": dropout, "embd_pdrop": dropout}
     ref, model, sm, _ = pipelined(ctx, name, pp, tp, sp_mode=sp_mode, **overrides)
     ref.eval()
     model.eval()
