@@ -66,9 +66,9 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     info = _shard_info(model)
     runtime = runtime_of(model)
     skip = set()
-    if runtime is not None:           # tied across stages: counted on the first stage only
-        for pair in runtime.shared_params:
-            skip.update(id(t) for stage, t in pair.items() if stage != runtime.tied_owner_stage)
+    if runtime is not None:           # tied across stages: counted on the lowest holding stage only
+        for pair, holders in zip(runtime.shared_params, runtime.shared_holders):
+            skip.update(id(t) for stage, t in pair.items() if stage != holders[0])
     params = [t for t in model.parameters() if t.grad is not None and id(t) not in skip]
     device = params[0].grad.device if params else next(model.parameters()).device
     zero = torch.zeros((), dtype=torch.float64, device=device)

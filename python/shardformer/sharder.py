@@ -209,6 +209,13 @@ class ModelSharder:
         if split is None:
             raise NotImplementedError(f"{name}: pipeline parallelism is not available for {type(policy).__name__} "
                                       f"(its policy sets no pipeline_split)")
+        if self.shard_config.enable_sequence_parallelism and (split.then is not None or split.carry):
+            what = f"{split.layers} and {split.then.layers}" if split.then is not None else split.layers
+            raise NotImplementedError(
+                f"{name}: pipeline parallelism with sequence parallelism "
+                f"({self.shard_config.sequence_parallelism_mode}) is not available for {type(policy).__name__}: "
+                f"its stages pass tuples of tensors ({what}: the position biases, the encoder output), "
+                f"which are not split by sequence here; use one of the two")
         plan = plan_stages(self.model, split, manager, name, prefix=getattr(policy, "prefix", ""),
                            base_model=getattr(policy, "base_model", ""))
         return StageRuntime(plan, manager, name, self.shard_config.tensor_parallel_process_group)

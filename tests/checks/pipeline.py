@@ -55,6 +55,11 @@ def build(name: str, layers: int, **overrides):
     key = "n_layer" if name.startswith("GPT2") else "num_hidden_layers"
     if name.startswith("GPTNeo"):             # one attention type per layer
         key, overrides = "num_layers", dict(overrides, attention_types=[[["global", "local"], layers // 2]])
+    if name.startswith("T5"):                 # encoder + decoder blocks: the stages split both
+        encoder_only = name in ("T5EncoderModel", "T5ForTokenClassification")
+        encoder = overrides.pop("encoder_layers", layers if encoder_only else layers // 2)
+        key, overrides = "num_layers", dict(overrides, num_decoder_layers=layers - encoder)
+        layers = encoder
     return zoo.build(name, **{key: layers}, **overrides)
 
 

@@ -212,20 +212,22 @@ class PipelineSchedule:
             if kind == "recv":
                 _, peer, msg = step
                 key = (msg[0], msg[1], sig)
-                inbox[msg] = self.link.recv(peer, key, device)
+                inbox[msg] = self.link.recv_message(peer, key, device, rt.messages_are_tuples)
                 if msg[0] == "act":
                     shapes[msg] = self.link.input_shape(key)
             elif kind == "send":
                 _, peer, msg = step
-                self.link.send(outbox.pop(msg), peer, (msg[0], msg[1], sig), shapes.pop(msg, None))
+                self.link.send_message(outbox.pop(msg), peer, (msg[0], msg[1], sig), shapes.pop(msg, None))
             elif kind == "local":                        # the next virtual stage is this rank's own chunk
                 inbox[step[2]] = outbox.pop(step[2])     # (its input shape stays in `shapes`)
             elif kind == "F":
                 _, c, i = step
                 vs = sm.virtual_stage(c)
                 entry = inbox.pop(("act", vs - 1, i)) if vs > 0 else None
-                if entry is not None and grad_on and entry.is_floating_point():
-                    entry.requires_grad_(True)
+                if entry is not None and grad_on:
+                    for t in _tensors(entry):
+                        if t.is_floating_point():
+                            t.requires_grad_(True)
                 with torch.set_grad_enabled(grad_on):
                     out = rt.run(model, c, entry, dict(micro[i], **extra), shapes.pop(("act", vs - 1, i), None))
                 if vs == V - 1:
@@ -236,7 +238,7 @@ class PipelineSchedule:
                         losses.append(loss.detach())
                         saved[(c, i)] = (loss, entry)
                 else:
-                    outbox[("act", vs, i)] = out.detach()
+                    outbox[("act", vs, i)] = _detached(out)
                     shapes[("act", vs, i)] = rt.input_shape
                     saved[(c, i)] = (out, entry)
             else:                                        # "B"
@@ -248,11 +250,12 @@ class PipelineSchedule:
                         torch.autograd.backward(out)
                 else:
                     grad = inbox.pop(("grad", vs + 1, i))
-                    if out.requires_grad:
-                        torch.autograd.backward(out, grad_tensors=grad)
+                    pairs = [(o, g) for o, g in zip(_tensors(out), _tensors(grad)) if o.requires_grad]
+                    if pairs:
+                        torch.autograd.backward([o for o, _ in pairs], grad_tensors=[g for _, g in pairs])
                 if vs > 0:
-                    g = entry.grad if entry.grad is not None else torch.zeros_like(entry)
-                    outbox[("grad", vs, i)] = g
+                    grads = tuple(e.grad if e.grad is not None else torch.zeros_like(e) for e in _tensors(entry))
+                    outbox[("grad", vs, i)] = grads if isinstance(entry, tuple) else grads[0]
         if inbox or outbox:
             raise RuntimeError(f"{name}: pipeline messages left over after the schedule ({list(inbox) + list(outbox)})")
         if backward:
@@ -333,22 +336,23 @@ class PipelineSchedule:
         return total[0]
 
     def _sync_shared(self, rt, device) -> None:
-        """Tied parameters held by the first and the last stage (an input
-        embedding and the LM head): add the two gradients on both."""
-        sm = self.stage_manager
-        first, last = sm.stage_of(0), sm.stage_of(sm.num_virtual_stages - 1)
-        for n, shared in enumerate(rt.shared_params):
+        """Tied parameters held by several stages (an input embedding and the
+        LM head; an encoder-decoder's shared embedding): the gradients summed
+        on the lowest holding stage, the sum sent back to the others."""
+        for n, (shared, holders) in enumerate(zip(rt.shared_params, rt.shared_holders)):
             for stage, param in shared.items():
-                peer = last if stage == first else first
                 grad = param.grad if param.grad is not None else torch.zeros_like(param)
-                key = ("tied", n)
-                if stage == first:
-                    self.link.send(grad, peer, key)
-                    other = self.link.recv(peer, key, grad.device)
+                root = holders[0]
+                if stage == root:
+                    total = grad
+                    for peer in holders[1:]:
+                        total = total + self.link.recv(peer, ("tied", n, "up", peer), grad.device)
+                    for peer in holders[1:]:
+                        self.link.send(total, peer, ("tied", n, "down", peer))
                 else:
-                    other = self.link.recv(peer, key, grad.device)
-                    self.link.send(grad, peer, key)
-                param.grad = grad + other
+                    self.link.send(grad, root, ("tied", n, "up", stage))
+                    total = self.link.recv(root, ("tied", n, "down", stage), grad.device)
+                param.grad = total
 
     def _gather_outputs(self, outputs: list, name: str, broadcast: bool, device):
         """The last stage's micro-batch outputs, concatenated; with `broadcast`, on every rank."""
@@ -411,6 +415,15 @@ def _device_of(model) -> torch.device:
     for t in model.parameters():
         return t.device
     return torch.device("cpu")
+
+
+def _tensors(message) -> tuple:
+    """A message's tensors: itself, or the tuple's."""
+    return tuple(message) if isinstance(message, tuple) else (message,)
+
+
+def _detached(message):
+    return tuple(t.detach() for t in message) if isinstance(message, tuple) else message.detach()
 
 
 def _items(out):
