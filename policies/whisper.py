@@ -64,6 +64,9 @@ class WhisperShape(SplitGatherMixin, FamilyPolicy):
     and classifier)."""
 
     split_head: tuple[str, str] | None = None
+    pipeline_refusal = ("model.encoder.layers and model.decoder.layers are not split into stages yet: a stage "
+                        "starting inside the encoder would have to stand in for the conv front end "
+                        "(conv1, conv2, embed_positions), whose output is transposed")
 
     def sequence_parallel_modes(self) -> tuple[str, ...]:
         return ("split_gather",) + self.split_attention_modes()

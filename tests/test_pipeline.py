@@ -88,6 +88,42 @@ def test_load_full_state_dict(pool, pp, tp):
     pool.run(check.load_full_round_trip, 4, "GPT2LMHeadModel", pp, tp)
 
 
+T5 = [c for c in zoo.family_classes()["t5"]]
+T5_ENC_DEC = [c for c in T5 if c not in ("T5EncoderModel", "T5ForTokenClassification")]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", T5)
+def test_t5_pp4_boundary_on_stage_edge(pool, name, schedule):
+    """PP=4, one block per stage: the encoder ends on stage 1's edge (stage 2 gets (encoder output,) and
+    runs the decoder from its embeddings); position biases travel in tuple messages (counted)."""
+    report = pool.run(check.equals_unsharded, 4, name, 4, schedule, 2)
+    assert all(r["tuples"] > 0 for r in report), report
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("name", T5_ENC_DEC)
+def test_t5_boundary_inside_a_stage(pool, name, schedule):
+    """3 encoder + 3 decoder blocks; the boundary inside a stage: PP=4 (2, 2, 1, 1): stage 1 holds encoder
+    block 2 and decoder block 0 (enters mid-encoder, leaves mid-decoder); interleaved PP=2 x 2 chunks
+    (2, 2, 1, 1): chunk 0 of stage 1 holds encoder block 2 and decoder block 0, the shared embedding is
+    held by stage 0 (encoder), stage 1 (decoder) and the last stage (LM head)."""
+    pp, chunks = (4, 1) if schedule == "1f1b" else (2, 2)
+    report = pool.run(check.equals_unsharded, 4, name, pp, schedule, 4 if pp == 2 else 2, 1, chunks, 6,
+                      num_layers_per_stage=(2, 2, 1, 1), encoder_layers=3)
+    assert all(r["tuples"] > 0 for r in report), report
+
+
+@pytest.mark.parametrize("pp, tp", [(2, 1), (4, 1), (2, 2)])
+def test_t5_inference_on_every_rank(pool, pp, tp):
+    """schedule.forward() of T5ForConditionalGeneration in eval mode with dropout_rate=0.3 configured."""
+    pool.run(check.inference_on_every_rank, 4, "T5ForConditionalGeneration", pp, tp, "1f1b", 0.3)
+
+
+def test_encoder_decoder_refusals(pool):
+    pool.run(check.encoder_decoder_refusals, 4)
+
+
 def test_refusals(pool):
     pool.run(check.refusals, 4)
 

@@ -207,8 +207,9 @@ class ModelSharder:
         policy, manager = self.policy, self.shard_config.pipeline_stage_manager
         split = getattr(policy, "pipeline_split", None)
         if split is None:
+            why = getattr(policy, "pipeline_refusal", "") or "its policy sets no pipeline_split"
             raise NotImplementedError(f"{name}: pipeline parallelism is not available for {type(policy).__name__} "
-                                      f"(its policy sets no pipeline_split)")
+                                      f"({why})")
         if self.shard_config.enable_sequence_parallelism and (split.then is not None or split.carry):
             what = f"{split.layers} and {split.then.layers}" if split.then is not None else split.layers
             raise NotImplementedError(

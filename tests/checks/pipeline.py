@@ -94,7 +94,7 @@ def pipelined(ctx, name: str, pp: int, tp: int = 1, chunks: int = 1, layers: int
 
 def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1, chunks: int = 1,
                      layers: int = 4, padded: bool = False, rows: int = 4, config=None, sp_mode: str | None = None,
-                     seq: int | None = None) -> dict:
+                     seq: int | None = None, num_layers_per_stage=None, **overrides) -> dict:
     """Loss of one forward_backward_step equals the unsharded model's
     full-batch loss; after one SGD step on both, the gathered full state dict
     equals the reference's.  Messages between stages were sent (counted).
@@ -106,8 +106,9 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
     # The model's own loss where it is one mean of equally weighted micro-batches; else a fixed
     # projection of the outputs, in float64 (a sum over every output: float32 rounding would show).
     own_loss = "labels" in batch and not any(k in name for k in ("DoubleHeads", "MaskedImageModeling"))
-    ref, model, sm, shared = pipelined(ctx, name, pp, tp, chunks, layers, config=config, sp_mode=sp_mode,
-                                       dtype=torch.float32 if own_loss else torch.float64)
+    ref, model, sm, shared = pipelined(ctx, name, pp, tp, chunks, layers, num_layers_per_stage, config=config,
+                                       sp_mode=sp_mode, dtype=torch.float32 if own_loss else torch.float64,
+                                       **overrides)
     if not own_loss:
         batch = {k: t.double() if t.is_floating_point() else t for k, t in batch.items()}
     if padded:                                   # uneven label counts per micro-batch
@@ -155,7 +156,9 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
     worst = 0.0
     for key, t in expected.items():
         worst = max(worst, parity.assert_close(f"{name} {key} after a step", full[key], t, TOL))
-    return {"loss": err, "state": worst, "sent": sent, "shared": len(shared)}
+    # messages of several tensors (position biases, the encoder output) sent or received under a key
+    tuples = len([k for k in set(runner.link._sent) | set(runner.link._shapes) if k[-1] == "n"])
+    return {"loss": err, "state": worst, "sent": sent, "shared": len(shared), "tuples": tuples}
 
 
 def _probe(out) -> dict:
@@ -207,8 +210,8 @@ def inference_on_every_rank(ctx, name: str, pp: int, tp: int, schedule: str, dro
     sp_mode / seq as in equals_unsharded."""
     overrides = {}
     if dropout:
-        overrides = {"attention_dropout": dropout} if name.startswith("Llama") else {"resid_pdrop": dropout,
-                                                                                     "embd_pdrop": dropout}
+        overrides = {"attention_dropout": dropout} if name.startswith("Llama") else \
+            {"dropout_rate": dropout} if name.startswith("T5") else {"resid_pdrop": dropout, "embd_pdrop": dropout}
     ref, model, sm, _ = pipelined(ctx, name, pp, tp, sp_mode=sp_mode, **overrides)
     ref.eval()
     model.eval()
@@ -418,3 +421,26 @@ def custom_policy_equals_unsharded(ctx, pp: int, tp: int, schedule: str) -> floa
     for key, t in ref.state_dict().items():
         parity.assert_close(f"toy {key}", full[key], t, TOL)
     return err
+
+
+def encoder_decoder_refusals(ctx) -> list[str]:
+    """T5 with pipeline and sequence parallelism, Whisper with pipeline
+    parallelism: refused by name before anything changes."""
+    msgs = []
+    tp_group, pp_group = groups(ctx, 2, 2)
+    sm = PipelineStageManager(pp_group)
+    t5 = build("T5ForConditionalGeneration", 4)
+    cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm,
+                      enable_sequence_parallelism=True, sequence_parallelism_mode="split_gather")
+    msg = parity.refused_unchanged(t5, lambda: ShardFormer(shard_config=cfg).optimize(t5),
+                                   "T5 with PP and SP", NotImplementedError, structure=True)
+    assert "T5ForConditionalGeneration" in msg and "split_gather" in msg and "encoder.block" in msg, msg
+    msgs.append(msg)
+    for name in ("WhisperForConditionalGeneration", "WhisperModel"):
+        whisper = zoo.build(name)
+        cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm)
+        msg = parity.refused_unchanged(whisper, lambda: ShardFormer(shard_config=cfg).optimize(whisper),
+                                       f"{name} pipelined", NotImplementedError, structure=True)
+        assert name in msg and "pipeline" in msg, msg
+        msgs.append(msg)
+    return msgs
