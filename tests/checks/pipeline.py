@@ -60,6 +60,12 @@ def build(name: str, layers: int, **overrides):
         encoder = overrides.pop("encoder_layers", layers if encoder_only else layers // 2)
         key, overrides = "num_layers", dict(overrides, num_decoder_layers=layers - encoder)
         layers = encoder
+    if name.startswith("Whisper"):
+        encoder = overrides.pop("encoder_layers", {"WhisperForAudioClassification": layers,
+                                                   "WhisperForCausalLM": 1}.get(name, layers // 2))
+        key, overrides = "encoder_layers", dict(overrides, decoder_layers=layers - encoder
+                                                if name != "WhisperForAudioClassification" else 1)
+        layers = encoder
     return zoo.build(name, **{key: layers}, **overrides)
 
 
@@ -424,8 +430,9 @@ def custom_policy_equals_unsharded(ctx, pp: int, tp: int, schedule: str) -> floa
 
 
 def encoder_decoder_refusals(ctx) -> list[str]:
-    """T5 with pipeline and sequence parallelism, Whisper with pipeline
-    parallelism: refused by name before anything changes."""
+    """T5 and Whisper with pipeline and sequence parallelism, Whisper with
+    layerdrop or use_weighted_layer_sum under pipeline parallelism: refused
+    by name before anything changes."""
     msgs = []
     tp_group, pp_group = groups(ctx, 2, 2)
     sm = PipelineStageManager(pp_group)
@@ -436,11 +443,19 @@ def encoder_decoder_refusals(ctx) -> list[str]:
                                    "T5 with PP and SP", NotImplementedError, structure=True)
     assert "T5ForConditionalGeneration" in msg and "split_gather" in msg and "encoder.block" in msg, msg
     msgs.append(msg)
-    for name in ("WhisperForConditionalGeneration", "WhisperModel"):
-        whisper = zoo.build(name)
+    whisper = build("WhisperForConditionalGeneration", 4)
+    cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm,
+                      enable_sequence_parallelism=True, sequence_parallelism_mode="split_gather")
+    msg = parity.refused_unchanged(whisper, lambda: ShardFormer(shard_config=cfg).optimize(whisper),
+                                   "Whisper with PP and SP", NotImplementedError, structure=True)
+    assert "WhisperForConditionalGeneration" in msg and "encoder.layers" in msg, msg
+    msgs.append(msg)
+    for name, key in (("WhisperForConditionalGeneration", "decoder_layerdrop"),
+                      ("WhisperForAudioClassification", "use_weighted_layer_sum")):
+        whisper = build(name, 4, **{key: 0.5 if key.endswith("drop") else True})
         cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm)
         msg = parity.refused_unchanged(whisper, lambda: ShardFormer(shard_config=cfg).optimize(whisper),
-                                       f"{name} pipelined", NotImplementedError, structure=True)
-        assert name in msg and "pipeline" in msg, msg
+                                       f"{name} pipelined with {key}", NotImplementedError, structure=True)
+        assert name in msg and key in msg and "pipeline" in msg, msg
         msgs.append(msg)
     return msgs

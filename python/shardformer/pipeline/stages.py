@@ -88,13 +88,18 @@ class StageSplit:
     carry   (layer argument, output index) pairs a layer hands the next besides the
             hidden states (T5's position bias); they travel with the activation
     then    a second stack (StageStack): the stages split the concatenated layer
-            list [layers | then.layers]"""
+            list [layers | then.layers]
+    shaped  first-stage modules (paths under the owner) whose stand-in is zeros
+            shaped like their own output (worked out on their meta copy), not like
+            the layers' input: a front end whose output is reshaped before the
+            layers (Whisper's convolutions)"""
 
     owner: str
     layers: str
     last: tuple[str, ...] = ()
     carry: tuple[tuple[str, int], ...] = ()
     then: StageStack | None = None
+    shaped: tuple[str, ...] = ()
 
 
 class StageExit(BaseException):
@@ -136,6 +141,8 @@ class StageAbsent(nn.Module):
 
     def forward(self, *args, **kwargs):
         if self.role == "first":
+            if self.path in self._runtime.plan.shaped:
+                return self._runtime.shaped_stand_in(self.__dict__["_shadow"], args, kwargs)
             return self._runtime.stand_in()
         raise RuntimeError(f"{self._runtime.model_name}: {self.path} is held by pipeline stage {self.holder}; "
                            f"this is stage {self._runtime.manager.stage}")
@@ -290,6 +297,7 @@ class StagePlan:
     names: list[str]                  # the unsharded model's state_dict keys
     stacks: list[_StackSpec]          # one per layer list, in order
     counts: list[int]                 # layers per virtual stage
+    shaped: tuple[str, ...] = ()      # full paths of the first-stage modules with shaped stand-ins
 
     @property
     def tuples(self) -> bool:
@@ -384,7 +392,7 @@ def plan_stages(model: nn.Module, split: StageSplit, manager, name: str, prefix:
         return out
 
     plan = StagePlan(owner_path, stacks[0].path, total, chunks, [], [], list(model.state_dict().keys()),
-                     stacks, counts)
+                     stacks, counts, tuple(sorted(existing(split.shaped))))
     V = len(counts)
     # who holds the named modules: (role, virtual stage)
     roles: dict[str, tuple[str, int]] = {}
@@ -518,14 +526,29 @@ class StageRuntime:
         hidden = self._first_hidden(self.entry)
         return torch.zeros(self.input_shape, dtype=hidden.dtype, device=hidden.device)
 
+    def shaped_stand_in(self, shadow: nn.Module, args, kwargs) -> torch.Tensor:
+        """Zeros shaped like the output the module (its meta copy `shadow`)
+        would give on these arguments (StageSplit.shaped)."""
+        def meta(x):
+            return x.to("meta") if isinstance(x, torch.Tensor) else x
+        out = shadow(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs.items()})
+        if not isinstance(out, torch.Tensor):
+            raise RuntimeError(f"{self.model_name}: a shaped pipeline stand-in gave a {type(out).__name__}")
+        device = next((a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)),
+                      torch.device("cpu"))
+        return torch.zeros(out.shape, dtype=out.dtype, device=device)
+
     # -- the redirections ---------------------------------------------------------------
 
-    def _first_forward(self, forward, holder: int):
+    def _first_forward(self, module: nn.Module, path: str, holder: int):
         """A first-role module's forward on a rank that holds it (for virtual
         stage `holder`) but runs another chunk (interleaved): the stand-in."""
+        forward = module.forward
+        shadow = _meta_shadow(module) if path in self.plan.shaped else None
+
         def wrapped(*args, **kwargs):
             if self.chunk is not None and self.manager.virtual_stage(self.chunk) != holder:
-                return self.stand_in()
+                return self.stand_in() if shadow is None else self.shaped_stand_in(shadow, args, kwargs)
             return forward(*args, **kwargs)
         return wrapped
 
@@ -575,7 +598,7 @@ class StageRuntime:
             if self._mine(vs):
                 if role == "first" and sm.num_model_chunks > 1:
                     module = model.get_submodule(path)
-                    module.forward = self._first_forward(module.forward, vs)
+                    module.forward = self._first_forward(module, path, vs)
             else:
                 _set(model, path, StageAbsent(path, role, sm.stage_of(vs), self, model.get_submodule(path)))
         for spec in plan.stacks:
