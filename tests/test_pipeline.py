@@ -89,36 +89,40 @@ def test_load_full_state_dict(pool, pp, tp):
     pool.run(check.load_full_round_trip, 4, "GPT2LMHeadModel", pp, tp)
 
 
-T5 = [c for c in zoo.family_classes()["t5"]]
-T5_ENC_DEC = [c for c in T5 if c not in ("T5EncoderModel", "T5ForTokenClassification")]
+# Encoder-decoder families: the stages split [encoder layers | decoder layers] (single-stack classes: one).
+ENC_DEC = [c for f in ("t5", "whisper") for c in zoo.family_classes()[f]]
+ONE_STACK = ("T5EncoderModel", "T5ForTokenClassification", "WhisperForCausalLM", "WhisperForAudioClassification")
+TWO_STACKS = [c for c in ENC_DEC if c not in ONE_STACK]
+PLAIN_MESSAGES = ("WhisperForCausalLM", "WhisperForAudioClassification")    # one stack, nothing carried
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("name", T5)
-def test_t5_pp4_boundary_on_stage_edge(pool, name, schedule):
-    """PP=4, one block per stage: the encoder ends on stage 1's edge (stage 2 gets (encoder output,) and
-    runs the decoder from its embeddings); position biases travel in tuple messages (counted)."""
+@pytest.mark.parametrize("name", ENC_DEC)
+def test_encdec_pp4_boundary_on_stage_edge(pool, name, schedule):
+    """PP=4, one layer per stage: the encoder ends on stage 1's edge (stage 2 gets (encoder output,) and
+    runs the decoder from its embeddings); T5's position biases travel in tuple messages (counted)."""
     report = pool.run(check.equals_unsharded, 4, name, 4, schedule, 2)
-    assert all(r["tuples"] > 0 for r in report), report
+    assert all((r["tuples"] > 0) == (name not in PLAIN_MESSAGES) for r in report), report
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
-@pytest.mark.parametrize("name", T5_ENC_DEC)
-def test_t5_boundary_inside_a_stage(pool, name, schedule):
-    """3 encoder + 3 decoder blocks; the boundary inside a stage: PP=4 (2, 2, 1, 1): stage 1 holds encoder
-    block 2 and decoder block 0 (enters mid-encoder, leaves mid-decoder); interleaved PP=2 x 2 chunks
-    (2, 2, 1, 1): chunk 0 of stage 1 holds encoder block 2 and decoder block 0, the shared embedding is
-    held by stage 0 (encoder), stage 1 (decoder) and the last stage (LM head)."""
+@pytest.mark.parametrize("name", TWO_STACKS)
+def test_encdec_boundary_inside_a_stage(pool, name, schedule):
+    """3 encoder + 3 decoder layers; the boundary inside a stage: PP=4 (2, 2, 1, 1): stage 1 holds encoder
+    layer 2 and decoder layer 0 (enters mid-encoder, leaves mid-decoder); interleaved PP=2 x 2 chunks
+    (2, 2, 1, 1): chunk 0 of stage 1 holds encoder layer 2 and decoder layer 0, and the tied embedding is
+    held by stage 1 (decoder embeddings, LM head) and, for T5, stage 0 (the encoder's)."""
     pp, chunks = (4, 1) if schedule == "1f1b" else (2, 2)
     report = pool.run(check.equals_unsharded, 4, name, pp, schedule, 4 if pp == 2 else 2, 1, chunks, 6,
                       num_layers_per_stage=(2, 2, 1, 1), encoder_layers=3)
     assert all(r["tuples"] > 0 for r in report), report
 
 
+@pytest.mark.parametrize("name", ["T5ForConditionalGeneration", "WhisperForConditionalGeneration"])
 @pytest.mark.parametrize("pp, tp", [(2, 1), (4, 1), (2, 2)])
-def test_t5_inference_on_every_rank(pool, pp, tp):
-    """schedule.forward() of T5ForConditionalGeneration in eval mode with dropout_rate=0.3 configured."""
-    pool.run(check.inference_on_every_rank, 4, "T5ForConditionalGeneration", pp, tp, "1f1b", 0.3)
+def test_encdec_inference_on_every_rank(pool, name, pp, tp):
+    """schedule.forward() in eval mode with dropout 0.3 configured: the logits on every rank."""
+    pool.run(check.inference_on_every_rank, 4, name, pp, tp, "1f1b", 0.3)
 
 
 def test_encoder_decoder_refusals(pool):

@@ -219,7 +219,12 @@ class ModelSharder:
                 f"which are not split by sequence here; use one of the two")
         plan = plan_stages(self.model, split, manager, name, prefix=getattr(policy, "prefix", ""),
                            base_model=getattr(policy, "base_model", ""))
-        return StageRuntime(plan, manager, name, self.shard_config.tensor_parallel_process_group)
+        runtime = StageRuntime(plan, manager, name, self.shard_config.tensor_parallel_process_group)
+        # an LM head whose class computes its loss itself (nn.CrossEntropyLoss, a mean per call):
+        # the schedule must not hand it num_items_in_batch, which that loss ignores
+        heads = policy.active_heads() if hasattr(policy, "active_heads") else ()
+        runtime.own_mean_loss = any(h.kind == "lm" and h.loss.kind != "hook" for h in heads)
+        return runtime
 
     def _apply(self, ops: list, name: str) -> Inheritance:
         """Switch attention, preprocess, and apply the plan (the engine builds

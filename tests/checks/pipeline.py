@@ -60,12 +60,11 @@ def build(name: str, layers: int, **overrides):
         encoder = overrides.pop("encoder_layers", layers if encoder_only else layers // 2)
         key, overrides = "num_layers", dict(overrides, num_decoder_layers=layers - encoder)
         layers = encoder
-    if name.startswith("Whisper"):
+    if name.startswith("Whisper"):            # the stack(s) the class runs get the layers
         encoder = overrides.pop("encoder_layers", {"WhisperForAudioClassification": layers,
                                                    "WhisperForCausalLM": 1}.get(name, layers // 2))
-        key, overrides = "encoder_layers", dict(overrides, decoder_layers=layers - encoder
-                                                if name != "WhisperForAudioClassification" else 1)
-        layers = encoder
+        decoder = layers if name == "WhisperForCausalLM" else 1 if encoder == layers else layers - encoder
+        key, overrides, layers = "encoder_layers", dict(overrides, decoder_layers=decoder), encoder
     return zoo.build(name, **{key: layers}, **overrides)
 
 
@@ -217,7 +216,8 @@ def inference_on_every_rank(ctx, name: str, pp: int, tp: int, schedule: str, dro
     overrides = {}
     if dropout:
         overrides = {"attention_dropout": dropout} if name.startswith("Llama") else \
-            {"dropout_rate": dropout} if name.startswith("T5") else {"resid_pdrop": dropout, "embd_pdrop": dropout}
+            {"dropout_rate": dropout} if name.startswith("T5") else {"dropout": dropout} if name.startswith("Whisper") \
+            else {"resid_pdrop": dropout, "embd_pdrop": dropout}
     ref, model, sm, _ = pipelined(ctx, name, pp, tp, sp_mode=sp_mode, **overrides)
     ref.eval()
     model.eval()

@@ -309,7 +309,7 @@ class PipelineSchedule:
         if "use_cache" in params:
             extra["use_cache"] = False
         if criterion is None and "labels" in batch and "**" in params \
-                and getattr(model, "loss_type", None) == "ForCausalLM":
+                and getattr(model, "loss_type", None) == "ForCausalLM" and not runtime_of(model).own_mean_loss:
             labels = batch["labels"]
             extra["num_items_in_batch"] = labels[..., 1:].ne(-100).sum()
         return extra

@@ -457,6 +457,7 @@ class StageRuntime:
         self.tp_group = tp_group                     # the stage's tensor-parallel group
         self.plan = plan
         self.messages_are_tuples = plan.tuples
+        self.own_mean_loss = False                   # the model's loss ignores num_items_in_batch (sharder)
         self.layers: StageLayers | None = None       # the first stack's
         self.all_layers: list[StageLayers] = []
         self.chunk: int | None = None
