@@ -31,13 +31,20 @@ pending one has both its ends at it), and a stage's output leaves as soon as
 it is made, so the stages overlap as the schedule means them to.  The plan
 is cached per (schedule, p, v, m).
 
+Messages are one tensor, or a tuple of tensors for a split with carried
+layer outputs or two stacks (stages.StageRuntime): the gradient message
+holds one gradient per tensor of the activation message (zeros where the
+stage's input got none), and B runs one backward over every output tensor
+that requires a gradient.
+
 Loss.  With criterion=None the model's own loss (the batch holds labels);
 else criterion(outputs, micro_batch).  Micro-batch losses are averaged
 (each backward is of loss / m), which equals the full-batch loss when every
 micro-batch weighs the same; a causal LM's token loss instead gets
 num_items_in_batch (HF's loss kwarg: the batch's count of predicted tokens),
 so padded, unevenly labelled micro-batches add up to the full-batch mean
-exactly.  The loss is broadcast from the last stage to every rank.
+exactly (not for a class whose LM loss is its own nn.CrossEntropyLoss mean,
+which ignores it: StageRuntime.own_mean_loss).  The loss is broadcast from the last stage to every rank.
 """
 from __future__ import annotations
 

@@ -36,6 +36,20 @@ received activation, as it ran.
 
 The masks, position ids and rotary tables are computed by the model's own
 forward on every stage from the micro-batch, which every stage is given.
+
+Two stacks (an encoder-decoder; StageSplit.then, a StageStack): the stages
+split the concatenated list [first stack's layers | second stack's layers],
+E + D layers.  The first stack's `last` modules (its final norm) are held
+by the virtual stage of layer E - 1, the second stack's `first` modules
+(its embeddings) by that of layer E, its `last` ones (final norm, heads) by
+the last.  Messages are tuples of tensors (StageRuntime): what a layer hands
+the next besides its hidden states (`carry`, T5's position biases) travels
+with them, and inside the second stack so does the first stack's output.
+A chunk that ends with the first stack ends at the stack module's output (a
+forward hook), one that starts in the second stack does not run the first
+(the received output goes in as the model's `skip` keyword).  A Parameter
+held by modules on several stages (a shared embedding) is one tied set,
+its gradient summed over them.
 """
 from __future__ import annotations
 
