@@ -125,6 +125,14 @@ def test_encdec_inference_on_every_rank(pool, name, pp, tp):
     pool.run(check.inference_on_every_rank, 4, name, pp, tp, "1f1b", 0.3)
 
 
+@pytest.mark.parametrize("name", ["T5ForConditionalGeneration", "WhisperForConditionalGeneration"])
+@pytest.mark.parametrize("pp, tp", [(2, 1), (4, 1), (2, 2)])
+def test_encdec_from_pretrained(pool, tmp_path, name, pp, tp):
+    """Each stage loads its part of a checkpoint; T5's shared embedding is stored once and read by the
+    encoder's, the decoder's and the LM head's stages."""
+    pool.run(check.from_pretrained_encdec, 4, name, pp, tp, str(tmp_path / name))
+
+
 def test_encoder_decoder_refusals(pool):
     pool.run(check.encoder_decoder_refusals, 4)
 

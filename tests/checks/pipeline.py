@@ -459,3 +459,36 @@ def encoder_decoder_refusals(ctx) -> list[str]:
         assert name in msg and key in msg and "pipeline" in msg, msg
         msgs.append(msg)
     return msgs
+
+
+def from_pretrained_encdec(ctx, name: str, pp: int, tp: int, path: str) -> dict:
+    """ShardFormer.from_pretrained of an encoder-decoder with a stage manager:
+    each stage reads its tensors only (a tied embedding stored once is read
+    by every stage holding it under any of its names), no warning about
+    parameters missing from the checkpoint, and the pipeline's logits equal
+    HF's from_pretrained."""
+    import warnings
+
+    import transformers
+
+    cls = getattr(transformers, name)
+    tp_group, pp_group = groups(ctx, pp, tp)
+    if dist.get_rank() == 0:
+        torch.manual_seed(0)
+        build(name, 4).save_pretrained(path)
+    dist.barrier()
+    sm = PipelineStageManager(pp_group)
+    cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm,
+                      enable_tensor_parallelism=tp > 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)          # "newly initialized" would be one
+        model, _ = ShardFormer(shard_config=cfg).from_pretrained(cls, path, attn_implementation="eager")
+    ref = cls.from_pretrained(path, attn_implementation="eager").eval()
+    batch = batch_of(name)
+    out = OneForwardOneBackwardSchedule(sm, num_microbatches=2).forward(model, batch)
+    err = parity.assert_close(f"{name} logits from_pretrained", out.logits, ref(**batch).logits, TOL)
+    held = sum(p.numel() for p in model.parameters())
+    full = sum(p.numel() for p in ref.parameters())
+    assert held < full, (held, full)
+    dist.barrier()
+    return {"err": err, "fraction": held / full}
