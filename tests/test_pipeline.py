@@ -208,7 +208,8 @@ def test_from_pretrained_loads_each_stage(pool, tmp_path, pp, tp, tied):
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-@pytest.mark.parametrize("name", ["LlamaForCausalLM", "GPT2LMHeadModel"])
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "GPT2LMHeadModel", "T5ForConditionalGeneration",
+                                  "WhisperForConditionalGeneration"])
 def test_gradient_checkpointing(pool, name, reentrant):
     pool.run(check.checkpointed_equals_unsharded, 4, name, 2, 1, reentrant)
 
