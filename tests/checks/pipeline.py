@@ -434,8 +434,9 @@ def custom_policy_equals_unsharded(ctx, pp: int, tp: int, schedule: str) -> floa
 
 def encoder_decoder_refusals(ctx) -> list[str]:
     """T5 and Whisper with pipeline and sequence parallelism, Whisper with
-    layerdrop or use_weighted_layer_sum under pipeline parallelism: refused
-    by name before anything changes."""
+    layerdrop or use_weighted_layer_sum under pipeline parallelism, a second
+    stack whose skip keyword the forward lacks: refused by name before
+    anything changes."""
     msgs = []
     tp_group, pp_group = groups(ctx, 2, 2)
     sm = PipelineStageManager(pp_group)
@@ -461,6 +462,23 @@ def encoder_decoder_refusals(ctx) -> list[str]:
                                        f"{name} pipelined with {key}", NotImplementedError, structure=True)
         assert name in msg and key in msg and "pipeline" in msg, msg
         msgs.append(msg)
+    # a second stack whose `skip` keyword the model's forward does not take: refused, model unchanged
+    import dataclasses
+
+    from shardformer.policies.t5 import T5ForConditionalGenerationPolicy
+
+    class WrongSkip(T5ForConditionalGenerationPolicy):
+        @property
+        def pipeline_split(self):
+            split = super().pipeline_split
+            return dataclasses.replace(split, then=dataclasses.replace(split.then, skip="encoder_states"))
+
+    t5 = build("T5ForConditionalGeneration", 4)
+    cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm)
+    msg = parity.refused_unchanged(t5, lambda: ShardFormer(shard_config=cfg).optimize(t5, policy=WrongSkip()),
+                                   "a skip keyword the forward lacks", ValueError, structure=True)
+    assert "encoder_states=" in msg and "T5ForConditionalGeneration.forward" in msg, msg
+    msgs.append(msg)
     return msgs
 
 

@@ -176,7 +176,7 @@ class StageLayers(nn.ModuleList):
         self.active: int | None = None               # the chunk being run
 
     def extra_repr(self) -> str:
-        return f"{self._total} layers, held: {[f'{r.start}-{r.stop - 1}' for r in self._chunks]}"
+        return f"{self._total} layers, held: {_spans(self._chunks)}"
 
     def _running(self) -> range:
         if self.active is None:
@@ -205,8 +205,12 @@ class StageLayers(nn.ModuleList):
         key = str(i)
         if key not in self._modules:
             raise IndexError(f"{self._path}[{idx}]: layer {i} is not held by this pipeline stage (it holds "
-                             f"{[f'{r.start}-{r.stop - 1}' for r in self._chunks]})")
+                             f"{_spans(self._chunks)})")
         return self._modules[key]
+
+
+def _spans(chunks: list[range]) -> list[str]:
+    return [f"{r.start}-{r.stop - 1}" for r in chunks if len(r)]
 
 
 class _ChunkEdge:
@@ -387,6 +391,10 @@ def plan_stages(model: nn.Module, split: StageSplit, manager, name: str, prefix:
         start += len(layers)
     total = start
     where_layers = " + ".join(st.path for st in stacks)
+    skip_kw = stacks[-1].skip
+    if len(stacks) > 1 and skip_kw not in inspect.signature(type(model).forward).parameters:
+        raise ValueError(f"{name}: pipeline stages past {stacks[0].path} pass its output as {skip_kw}=, which "
+                         f"{type(model).__name__}.forward does not take")
     counts = manager.distribute_layers(total, f"{name}: {where_layers}")
     chunks = manager.layer_ranges(total, f"{name}: {where_layers}")
     for path, m in ((owner_path, owner), ("", model)):
