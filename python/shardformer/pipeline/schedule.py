@@ -44,7 +44,8 @@ micro-batch weighs the same; a causal LM's token loss instead gets
 num_items_in_batch (HF's loss kwarg: the batch's count of predicted tokens),
 so padded, unevenly labelled micro-batches add up to the full-batch mean
 exactly (not for a class whose LM loss is its own nn.CrossEntropyLoss mean,
-which ignores it: StageRuntime.own_mean_loss).  The loss is broadcast from the last stage to every rank.
+which ignores it: StageRuntime.own_mean_loss).  The loss is broadcast
+from the last stage to every rank.
 """
 from __future__ import annotations
 
