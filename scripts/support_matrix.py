@@ -101,11 +101,9 @@ NOT_SUPPORTED = {
         "the language model's sequence is split (OPT, T5); the classes without a language model "
         "(vision, Q-Former, retrieval) are refused by name",
     ("blip2", "sequence parallel (all_to_all)"):
-        "with an OPT language model; the classes without a language model, and T5 language models, "
-        "are refused by name",
+        "with an OPT or T5 language model; the classes without a language model are refused by name",
     ("blip2", "sequence parallel (ring_attn)"):
-        "with an OPT language model; the classes without a language model, and T5 language models, "
-        "are refused by name",
+        "with an OPT or T5 language model; the classes without a language model are refused by name",
     ("gemma3", "sequence parallel (ring_attn)"):
         "the text classes; the multimodal ones are refused by name: an image's tokens attend to each "
         "other both ways, which the ring kernel cannot express",

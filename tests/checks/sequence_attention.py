@@ -443,26 +443,6 @@ def refused_model_unchanged(ctx, name: str, mode: str, match: str, **overrides) 
     return message
 
 
-def recorded_outputs_refused_split(ctx, name: str, mode: str) -> str:
-    """An encoder (or encoder-decoder) forward split over ctx.group with
-    output_hidden_states / output_attentions raises NotImplementedError
-    naming the flag, rather than return one rank's rows or heads."""
-    model = zoo.build(name).eval()
-    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))).optimize(model)
-    inputs = zoo.make_inputs(name)
-    message = ""
-    for what in ("output_hidden_states", "output_attentions"):
-        try:
-            with torch.no_grad():
-                model(**inputs, **{what: True})
-        except NotImplementedError as e:
-            assert what in str(e), str(e)
-            message = str(e)
-        else:
-            raise AssertionError(f"{name}: {what}=True was not refused")
-    return message
-
-
 def variant_equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, overrides: dict | None = None) -> dict:
     """check_sharded of `name` built with config `overrides` (other layer
     counts and groups, Whisper's encoder length), inputs as the split_gather
