@@ -15,6 +15,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
+
 #include "cpu_features.h"
 #include "glue.h"
 #include "kernels/attention.h"
@@ -538,19 +540,45 @@ static int attn_params(views *vs, const sf_view *q, const sf_view *k, const sf_v
            mul(vs, "B x Hq x Sq x Sk", sz[0], a->Sk, &sz[1]) ? -1 : 0;
 }
 
+/* The optional trailing `softcap` of attention_forward / _backward: None (or
+ * absent) and 0 mean none, else a finite float > 0 (as a float32: a value
+ * that rounds to 0 or to infinity is refused too).  -1 with an exception. */
+static int softcap_arg(const char *fn, PyObject *obj, float *cap)
+{
+    *cap = 0.0f;
+    if (!obj || obj == Py_None) return 0;
+    if (!PyFloat_Check(obj) && !PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: softcap must be a float or None, got %s", fn,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    const double d = PyFloat_AsDouble(obj);
+    if (d == -1.0 && PyErr_Occurred()) return -1;
+    const float f = (float)d;
+    if (d == 0.0) return 0;
+    if (!(d > 0.0) || !isfinite(d) || !isfinite(f) || f == 0.0f) {
+        PyErr_Format(PyExc_ValueError, "%s: softcap=%g must be finite and > 0 as a float32 "
+                     "(0 or None: no soft-capping)", fn, d);
+        return -1;
+    }
+    *cap = f;
+    return 0;
+}
+
 /* A boolean / uint8 mask, optional. */
 #define MASK SF_DT_BOOL | SF_DT_U8, SF_TAKE_OPTIONAL
 
 static PyObject *py_attention_forward(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *o[8];
-    float scale, p;
+    PyObject *o[8], *capobj = NULL;
+    float scale, p, cap;
     int causal;
     long long window;
     unsigned long long seed;
-    if (!PyArg_ParseTuple(args, "OOOOOfpLOOOfK:attention_forward", &o[0], &o[1], &o[2], &o[3],
-                          &o[4], &scale, &causal, &window, &o[5], &o[6], &o[7], &p, &seed))
+    if (!PyArg_ParseTuple(args, "OOOOOfpLOOOfK|O:attention_forward", &o[0], &o[1], &o[2], &o[3],
+                          &o[4], &scale, &causal, &window, &o[5], &o[6], &o[7], &p, &seed, &capobj) ||
+        softcap_arg("attention_forward", capobj, &cap))
         return NULL;
     views vs = {.fn = "attention_forward"};
     sf_view *q, *k, *v, *out, *lse, *al, *bi, *mk;
@@ -565,20 +593,22 @@ static PyObject *py_attention_forward(PyObject *self, PyObject *args)
         want_numel(&vs, out, "out", q->numel) || same_dtype(&vs, q, "q", out, "out") ||
         want_numel(&vs, lse, "lse", sz[0]))
         return fail(&vs);
+    a.softcap = cap;
     RUN(sfk_attention_forward(&a, q->data, k->data, v->data, out->data, FLOATP(lse), &err));
 }
 
 static PyObject *py_attention_backward(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *o[13];
-    float scale, p;
+    PyObject *o[13], *capobj = NULL;
+    float scale, p, cap;
     int causal;
     long long window;
     unsigned long long seed;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOfpLOOOfK:attention_backward", &o[0], &o[1], &o[2],
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOfpLOOOfK|O:attention_backward", &o[0], &o[1], &o[2],
                           &o[3], &o[4], &o[5], &o[6], &o[7], &o[8], &o[9], &scale, &causal,
-                          &window, &o[10], &o[11], &o[12], &p, &seed))
+                          &window, &o[10], &o[11], &o[12], &p, &seed, &capobj) ||
+        softcap_arg("attention_backward", capobj, &cap))
         return NULL;
     views vs = {.fn = "attention_backward"};
     sf_view *q, *k, *v, *out, *dout, *lse, *dq, *dk, *dv, *db, *al, *bi, *mk;
@@ -601,6 +631,7 @@ static PyObject *py_attention_backward(PyObject *self, PyObject *args)
         same_dtype(&vs, q, "q", dk, "dk") || same_dtype(&vs, q, "q", dv, "dv") ||
         want_numel(&vs, lse, "lse", sz[0]) || want_numel(&vs, db, "dbias", sz[1]))
         return fail(&vs);
+    a.softcap = cap;
     RUN(sfk_attention_backward(&a, q->data, k->data, v->data, out->data, dout->data, FLOATP(lse),
                                 dq->data, dk->data, dv->data, FLOATP(db), &err));
 }
@@ -727,10 +758,10 @@ static PyMethodDef kernel_methods[] = {
      "embedding_backward(dout, ids, vocab_start, vocab_real, padding_local, dweight)"},
     {"attention_forward", py_attention_forward, METH_VARARGS,
      "attention_forward(q, k, v, out, lse, scale, causal, window, alibi_slopes|None, bias|None, "
-     "mask|None, dropout, seed): flash-style attention (csrc/kernels/attention.h)."},
+     "mask|None, dropout, seed[, softcap|None]): flash-style attention (csrc/kernels/attention.h)."},
     {"attention_backward", py_attention_backward, METH_VARARGS,
      "attention_backward(q, k, v, out, dout, lse, dq, dk, dv, dbias|None, scale, causal, window, "
-     "alibi_slopes|None, bias|None, mask|None, dropout, seed)"},
+     "alibi_slopes|None, bias|None, mask|None, dropout, seed[, softcap|None])"},
     {"attention_dropout_keep", py_attention_dropout_keep, METH_VARARGS,
      "attention_dropout_keep(keep, p, seed): the dropout draws of attention as uint8 [B, H, Sq, Sk]."},
     {"kernel_set_num_threads", py_set_threads, METH_VARARGS,

@@ -276,11 +276,25 @@ static void visible(const sfk_attn *a, int64_t i, int64_t j0, int64_t nj, int64_
     *hi = h;
 }
 
+/* x <- cap tanh(x / cap) over x[0:n]; dc[0:n] (unless NULL) = the
+ * derivative 1 - tanh^2(x / cap) of each. */
+static void soft_cap(float *x, int64_t n, float cap, float *dc)
+{
+    const float inv = 1.0f / cap;
+    for (int64_t j = 0; j < n; j++) {
+        const float t = tanhf(x[j] * inv);
+        x[j] = cap * t;
+        if (dc) dc[j] = 1.0f - t * t;
+    }
+}
+
 /* S[ni][BK] = the logits s_ij of queries i0.. of head h against keys j0..
- * (Q [ni][D], Kt [D][ldk] from key j0 on): -inf where masked. */
+ * (Q [ni][D], Kt [D][ldk] from key j0 on): -inf where masked.  With
+ * soft-capping and dC not NULL, dC[ni][BK] = dc_ij / dx_ij (0 where the
+ * causal / window pattern hides the key). */
 static void tile_logits(const sfk_attn *a, int64_t b, int64_t h, int64_t i0, int64_t ni,
                         int64_t j0, int64_t nj, const float *Q, const float *Kt, int64_t ldk,
-                        float *S)
+                        float *S, float *dC)
 {
     const int64_t D = a->D, off = a->Sk - a->Sq;
     for (int64_t i = 0; i < ni; i++) memset(S + i * BK, 0, (size_t)nj * sizeof(float));
@@ -294,6 +308,11 @@ static void tile_logits(const sfk_attn *a, int64_t b, int64_t h, int64_t i0, int
         for (int64_t j = hi; j < nj; j++) s[j] = -INFINITY;
         if (a->scale != 1.0f)
             for (int64_t j = lo; j < hi; j++) s[j] *= a->scale;
+        if (a->softcap > 0.0f) {
+            float *dc = dC ? dC + i * BK : NULL;
+            if (dc) memset(dc, 0, (size_t)nj * sizeof(float));
+            soft_cap(s + lo, hi - lo, a->softcap, dc ? dc + lo : NULL);
+        }
         if (a->bias) {
             const float *br = a->bias + b * a->bias_st[0] + h * a->bias_st[1] + (i0 + i) * a->bias_st[2];
             const int64_t st = a->bias_st[3];
@@ -356,6 +375,9 @@ static sf_status check(const char *fn, const sfk_attn *a, sfk_attn *an, attn_siz
                        "heads", fn, (long long)a->Hq, (long long)a->Hkv);
     if (!(a->dropout >= 0.0f && a->dropout <= 1.0f))
         return sf_fail(err, SF_EINVAL, "%s: dropout=%g outside [0, 1]", fn, (double)a->dropout);
+    if (!(a->softcap >= 0.0f && isfinite(a->softcap)))
+        return sf_fail(err, SF_EINVAL, "%s: softcap=%g must be finite and > 0 (0: no soft-capping)",
+                       fn, (double)a->softcap);
     int64_t bh, bkv;
     if (sf_mul_overflows(a->B, a->Hq, &bh) || sf_mul_overflows(bh, a->Sq, &z->rows_q) ||
         sf_mul_overflows(z->rows_q, a->D, &z->nq) || sf_mul_overflows(z->rows_q, a->Sk, &z->nbias) ||
@@ -425,7 +447,7 @@ static void forward_rows(void *arg, int64_t r0, int64_t r1, int tid)
         for (int64_t j0 = jlo / BK * BK; j0 < jhi; j0 += BK) {
             const int64_t nj = jhi - j0 < BK ? jhi - j0 : BK;
             const float *V = Vh + j0 * D;
-            tile_logits(&unit, b, h, i0, ni, j0, nj, Q, Kt + j0 * D, BK, S);
+            tile_logits(&unit, b, h, i0, ni, j0, nj, Q, Kt + j0 * D, BK, S, NULL);
             for (int64_t i = 0; i < ni; i++) {
                 float *s = S + i * BK;
                 const float mnew = fmaxf(m[i], sfk_max(s, nj));
@@ -539,13 +561,15 @@ static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
     const size_t sz = (size_t)sfk_size(t);
     /* accumulate dq in the output itself (fp32, one part per pair) */
     const int direct = t == SFK_F32 && c->nsplit == 1;
-    /* Qf, dOf [BQ][D] | Kf, Vf, dKa, dVa [BK][D] | Kt, Vt [D][BK] | S, dP, T [BQ][BK] |
+    /* Qf, dOf [BQ][D] | Kf, Vf, dKa, dVa [BK][D] | Kt, Vt [D][BK] | S, dP, T, dC [BQ][BK] |
      * delta [g][Sq] | dQa [g][Sq][D] (16-bit types): c->scratch bytes (bwd_scratch) */
     float *buf = malloc(c->scratch);
     if (!buf) { c->err = SF_ENOMEM; return; }
     float *Qf = buf, *dOf = Qf + BQ * D, *Kf = dOf + BQ * D, *Vf = Kf + BK * D, *dKa = Vf + BK * D;
     float *dVa = dKa + BK * D, *Kt = dVa + BK * D, *Vt = Kt + D * BK, *S = Vt + D * BK;
-    float *dP = S + BQ * BK, *T = dP + BQ * BK, *delta = T + BK * BQ, *dQbuf = delta + g * Sq;
+    float *dP = S + BQ * BK, *T = dP + BQ * BK, *dC = T + BK * BQ, *delta = dC + BK * BQ;
+    float *dQbuf = delta + g * Sq;
+    const int capped = a->softcap > 0.0f;
     const float inv = a->dropout < 1.0f ? 1.0f / (1.0f - a->dropout) : 0.0f;
     const uint32_t thresh = sfk_dropout_threshold(a->dropout);
     for (int64_t r = r0; r < r1; r++) {
@@ -580,7 +604,7 @@ static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
                     const int64_t ni = qhi - i0 < BQ ? qhi - i0 : BQ;
                     const float *Q = rows_f32(t, c->q, qrow + i0, ni, D, Qf);
                     const float *dO = rows_f32(t, c->dout, qrow + i0, ni, D, dOf);
-                    tile_logits(a, b, h, i0, ni, j0, nj, Q, Kt, BK, S);
+                    tile_logits(a, b, h, i0, ni, j0, nj, Q, Kt, BK, S, capped ? dC : NULL);
                     for (int64_t i = 0; i < ni; i++) {
                         float *s = S + i * BK;
                         const float lse = c->lse[qrow + i0 + i];
@@ -610,7 +634,12 @@ static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
                         if (c->dbias)
                             memcpy(c->dbias + (size_t)((qrow + i0 + i) * a->Sk + j0), s,
                                    (size_t)nj * sizeof(float));
-                        for (int64_t j = 0; j < nj; j++) s[j] *= a->scale;
+                        if (capped) {           /* through the cap: dx = ds dc/dx */
+                            const float *dc = dC + i * BK;
+                            for (int64_t j = 0; j < nj; j++) s[j] *= a->scale * dc[j];
+                        } else {
+                            for (int64_t j = 0; j < nj; j++) s[j] *= a->scale;
+                        }
                     }
                     matmul_acc(ni, D, nj, S, BK, K, D, dQa + (hg * Sq + i0) * D, D);
                     matmul_acc_tn(nj, D, ni, S, BK, Q, D, dKa, D);
@@ -632,7 +661,7 @@ static sf_status bwd_scratch(const char *fn, const sfk_attn *a, int direct_or_sp
     const int64_t gsq = a->Hq / a->Hkv * a->Sq;     /* <= B * Hq * Sq, which fits */
     int64_t n, tiles;
     if (sf_mul_overflows(2 * BQ + 6 * BK, a->D, &tiles) ||
-        __builtin_add_overflow(tiles, 3 * BQ * BK, &n) || __builtin_add_overflow(n, gsq, &n) ||
+        __builtin_add_overflow(tiles, 4 * BQ * BK, &n) || __builtin_add_overflow(n, gsq, &n) ||
         (!direct_or_split && (sf_mul_overflows(gsq, a->D, &tiles) ||
                               __builtin_add_overflow(n, tiles, &n))))
         return sf_fail(err, SF_EOVERFLOW, "%s: the scratch for Sq=%lld D=%lld (%lld query heads "
