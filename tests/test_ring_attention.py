@@ -6,7 +6,9 @@ transports); the counters show one kernel call per ring step and the
 skipped causal blocks.  Sliding windows (window=W in global positions, below
 a chunk, between a chunk and the sequence, and >= the sequence; causal and
 not; fp32 and bf16): the same comparisons, and the counters show the chunk
-pairs out of the window's reach skipped and those it cuts masked."""
+pairs out of the window's reach skipped and those it cuts masked.  Logit
+soft-capping (Gemma 2): the same comparisons against the soft-capped
+reference, alone and with windows, padding and half precision."""
 import pytest
 import torch
 
@@ -236,3 +238,42 @@ def test_ring_window_one_rank_is_the_kernel():
         assert torch.equal(o, o2)
         for a, b in zip(torch.autograd.grad(o, (q, k, v), g), torch.autograd.grad(o2, (q, k, v), g)):
             assert torch.equal(a, b)
+
+
+# ---- logit soft-capping ---------------------------------------------------------------
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_softcap_equals_full(pool, tp, causal):
+    """softcap=0.7 (below the logits' range: the cap binds) and 20: forward and
+    q, k, v gradients equal the soft-capped float64 reference (GQA, a
+    left-padded row, a length that does not divide 2p, one window case)."""
+    S = 12 * tp - 3
+    for cap, window in ((0.7, None), (20.0, None), (0.7, 5)):
+        for result in pool.run(checks.ring_equals_full, tp, S, causal, D=16, left_pad=3, window=window,
+                               softcap=cap):
+            assert result["calls"]["kernel_forward"] > 0 and result["calls"]["kernel_backward"] > 0
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_ring_softcap_half_precision(pool, dtype):
+    pool.run(checks.ring_equals_full, 2, 61, True, dtype=dtype, left_pad=4, softcap=1.0)
+
+
+def test_ring_softcap_multi_tile(pool):
+    """Chunks longer than the kernel's tiles (c = 50)."""
+    pool.run(checks.ring_equals_full, 2, 200, True, 2, 2, 2, 32, softcap=0.5, left_pad=7)
+
+
+def test_ring_softcap_one_rank_is_the_kernel():
+    """One rank: bit for bit ops.attention(softcap=...); and the cap changes the result."""
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 10, 8, generator=gen, requires_grad=True)
+    k = torch.randn(2, 2, 10, 8, generator=gen, requires_grad=True)
+    v = torch.randn(2, 2, 10, 8, generator=gen, requires_grad=True)
+    g = torch.randn(2, 4, 10, 8, generator=gen)
+    o = ra.ring_attention(q, k, v, softcap=0.3)
+    o2 = ops.attention(q, k, v, causal=True, softcap=0.3)
+    assert torch.equal(o, o2) and not torch.allclose(o, ops.attention(q, k, v, causal=True))
+    for a, b in zip(torch.autograd.grad(o, (q, k, v), g), torch.autograd.grad(o2, (q, k, v), g)):
+        assert torch.equal(a, b)

@@ -23,15 +23,18 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 4e-3}
 
 
-def reference(q, k, v, scale, causal, mask, window=None):
+def reference(q, k, v, scale, causal, mask, window=None, softcap=None):
     """softmax(scale q k^T, masked) v in float64 (GQA by repeating K/V heads);
     mask [B, S] bool (True = attend) or None; window W: query i sees key j only
     when i - j < W (causal, HF's sliding_window_overlay: j > i - W) or
-    |i - j| < W (not causal); a row with no visible key gives 0."""
+    |i - j| < W (not causal); softcap: logits softcap tanh(s / softcap) before
+    the masks; a row with no visible key gives 0."""
     S = q.shape[2]
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     s = scale * q @ k.transpose(-1, -2)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     allowed = torch.ones(q.shape[0], 1, S, S, dtype=torch.bool)
     if mask is not None:
         allowed = allowed & mask[:, None, None, :]
@@ -81,7 +84,8 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, Hkv: int = 2, D: int = 16,
                      dtype: str = "float32", left_pad: int = 0, backend: str | None = None,
-                     seed: int = 0, p2p: str = "auto", window: int | None = None) -> dict:
+                     seed: int = 0, p2p: str = "auto", window: int | None = None,
+                     softcap: float | None = None) -> dict:
     """ring_attention on this rank's zigzag rows equals full attention: the
     forward rows and the q, k, v gradients (gathered to full sequences), on
     the S real rows.  left_pad: batch row 1 starts with that many padding
@@ -89,7 +93,7 @@ def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, 
     is at the end: masked by key_padding when not causal (or when a padding
     mask is given anyway), unmasked when causal (real queries never see it).
     backend: SHARDFORMER_COMM for the group; p2p: ring_attention.P2P;
-    window: the sliding window (global positions)."""
+    window: the sliding window (global positions); softcap: logit soft-capping."""
     p, r = ctx.tp_size, ctx.rank
     dt = DTYPES[dtype]
     gen = torch.Generator().manual_seed(seed)
@@ -104,7 +108,7 @@ def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, 
 
     # reference: float64 autograd on the same (rounded) values
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    ref = reference(qr, kr, vr, scale, causal, real if left_pad else None, window)
+    ref = reference(qr, kr, vr, scale, causal, real if left_pad else None, window, softcap)
     ref.backward(dout.double())
 
     # the model integration's padding: zero rows at the end, key_padding over S'
@@ -129,7 +133,7 @@ def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, 
 
             used = get_communicator(ctx.group, "cpu").backend
             out = ra.ring_attention(ql, kl, vl, ctx.group, scale=scale, causal=causal, key_padding=key_padding,
-                                    window=window)
+                                    window=window, softcap=softcap)
             out.backward(gl)
             calls = {key: ra.CALLS[key] - before[key] for key in before}
 
@@ -146,7 +150,8 @@ def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, 
         errors["dq"] = (full_dq.double() - qr.grad).abs().max().item()
         errors["dk"] = (full_dk.double() - kr.grad).abs().max().item()
     bad = {name: e for name, e in errors.items() if not e <= TOL[dtype]}
-    assert not bad, (f"rank {r}/{p} S={S} causal={causal} window={window} {dtype} left_pad={left_pad} "
+    assert not bad, (f"rank {r}/{p} S={S} causal={causal} window={window} softcap={softcap} {dtype} "
+                     f"left_pad={left_pad} "
                      f"backend={used}: "
                      f"relative errors {bad} over {TOL[dtype]}")
     if left_pad and (causal or left_pad >= S):   # queries that see only padding keys: output and gradients 0
@@ -192,7 +197,8 @@ def ring_shapes_refused(ctx) -> list:
         (lambda: ra.ring_attention(q[:, :, :3], k[:, :, :3], k[:, :, :3], ctx.group), ValueError, "2c"),
         (lambda: ra.ring_attention(torch.randn(1, 3, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8),
                                    ctx.group), ValueError, "multiple"),
-        (lambda: ra.ring_attention(q, k, k, ctx.group, softcap=30.0), NotImplementedError, "soft-capping"),
+        (lambda: ra.ring_attention(q, k, k, ctx.group, softcap=-1.0), ValueError, "softcap"),
+        (lambda: ra.ring_attention(q, k, k, ctx.group, softcap=float("nan")), ValueError, "softcap"),
         (lambda: ra.ring_attention(q, k, k, ctx.group, dropout_p=0.1), NotImplementedError, "dropout"),
         (lambda: ra.ring_attention(q, k, k, ctx.group, window=-1), ValueError, "window"),
     ]

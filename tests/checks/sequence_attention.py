@@ -197,9 +197,43 @@ def cached_training_forward_refused(ctx, name: str, mode: str) -> str:
     raise AssertionError("a training forward with use_cache=True was not refused")
 
 
-def refused(ctx, name: str, mode: str, match: str) -> str:
+def softcap_equals_unsharded(ctx, name: str, mode: str, cap: float, seq: int | None = None) -> dict:
+    """`name` built with attn_logit_softcapping=cap, small enough to change
+    the unsharded model's logits (so the cap is in force): the model with the
+    sequence split equals the unsharded one (check_sharded: forward, loss,
+    every gradient, after a step), and under ring_attn every ring call got
+    the cap."""
+    from shardformer.layer import ring_attention as ra
+
+    inputs = _trim(zoo.make_inputs(name), seq)
+    with torch.no_grad():
+        capped = zoo.build(name, attn_logit_softcapping=cap).eval()(**inputs).logits
+        plain = zoo.build(name, attn_logit_softcapping=None).eval()(**inputs).logits
+    assert not torch.allclose(capped, plain, rtol=1e-4, atol=1e-5), f"{name}: softcap={cap} changes nothing"
+    caps, real = [], ra.ring_attention
+
+    def recording(*args, **kwargs):
+        caps.append(kwargs.get("softcap"))
+        return real(*args, **kwargs)
+
+    before = sa.CALLS[mode]
+    ra.ring_attention = recording
+    try:
+        report = parity.check_sharded(ctx, lambda: zoo.build(name, attn_logit_softcapping=cap), inputs, name=name,
+                                      config=sp_config(mode))
+    finally:
+        ra.ring_attention = real
+    calls = sa.CALLS[mode] - before
+    assert calls > 0, f"{name}: the {mode} attention never ran"
+    if mode == "ring_attn":
+        assert len(caps) == calls and set(caps) == {cap}, f"{name}: ring calls got softcap {caps}"
+    report["split_calls"] = calls
+    return report
+
+
+def refused(ctx, name: str, mode: str, match: str, overrides: dict | None = None) -> str:
     """optimize() or the first forward raises NotImplementedError matching `match`."""
-    model = zoo.build(name)
+    model = zoo.build(name, **(overrides or {}))
     try:
         ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))).optimize(model)
         model(**zoo.make_inputs(name))

@@ -12,7 +12,8 @@ What ring_attention computes.  With q, k, v the rows of the full (padded)
 sequence, for each local query row i (global position P(i)) and every key
 position j of the whole sequence:
 
-    s_ij = scale q_i . k_j,   s_ij = -inf where key_padding[b, j] is False,
+    s_ij = scale q_i . k_j, or with soft-capping (cap > 0) cap tanh(scale q_i . k_j / cap),
+    s_ij = -inf where key_padding[b, j] is False,
            or (causal) j > P(i), or (window W, causal) P(i) - j >= W,
            or (window W, not causal) |P(i) - j| >= W
     lse_i = log sum_j exp(s_ij)              (+inf when every s_ij is -inf)
@@ -125,8 +126,12 @@ Counters (module-level CALLS, for tests; reset_counters() zeroes them):
     messages                point-to-point messages sent by this rank
     messages_torch          those of them sent by torch.distributed isend
 
-Not supported (NotImplementedError): logit soft-capping,
-attention dropout (dropout_p must be 0), ALiBi / additive biases.
+Soft-capping is elementwise on each logit, so every block applies it in
+the kernel (forward and backward, csrc/kernels/attention.h) and the merge
+and the backward's final-lse identities above hold unchanged.
+
+Not supported (NotImplementedError): attention dropout (dropout_p must be
+0), ALiBi / additive biases.
 """
 from __future__ import annotations
 
@@ -383,7 +388,7 @@ class _Halves:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, causal, kp, W):
+    def forward(ctx, q, k, v, group, scale, causal, kp, W, softcap):
         qd, kd, vd = ops._data(q, "ring_attention q"), ops._data(k, "ring_attention k"), \
             ops._data(v, "ring_attention v")
         p, r = D.world_size(group), D.rank(group)
@@ -411,7 +416,7 @@ class _RingAttention(torch.autograd.Function):
                 ob = torch.empty_like(qb)
                 lb = torch.empty(qb.shape[:3], dtype=torch.float32)
                 _C.attention_forward(qb, kb, vb, ob, lb, scale, blk_causal, blk_window, None, None,
-                                     step.mask(krows, band), 0.0, 0)
+                                     step.mask(krows, band), 0.0, 0, softcap)
                 CALLS["kernel_forward"] += 1
                 _merge(_rows(o_acc, qrows, c), _rows(lse_acc, qrows, c), ob, lb)
             if handles is not None:
@@ -420,7 +425,7 @@ class _RingAttention(torch.autograd.Function):
         lse = lse_acc.masked_fill_(lse_acc == -math.inf, math.inf)   # kernel convention: all masked = +inf
         o = o_acc.to(qd.dtype)
         ctx.save_for_backward(qd, kd, vd, o, lse)
-        ctx.args = (group, scale, causal, kp, W)
+        ctx.args = (group, scale, causal, kp, W, softcap)
         return o
 
     @staticmethod
@@ -428,7 +433,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         qd, kd, vd, o, lse = ctx.saved_tensors
         o = o.detach()
-        group, scale, causal, kp, W = ctx.args
+        group, scale, causal, kp, W, softcap = ctx.args
         p, r = D.world_size(group), D.rank(group)
         dout = ops._data(dout, "ring_attention grad").to(qd.dtype).contiguous()
         B, Hq, n, Dh = qd.shape
@@ -456,7 +461,7 @@ class _RingAttention(torch.autograd.Function):
                 vb = _rows(cur[1], krows, c).contiguous()
                 dqb, dkb, dvb = torch.empty_like(qb), torch.empty_like(kb), torch.empty_like(vb)
                 _C.attention_backward(qb, kb, vb, ob, db, lb, dqb, dkb, dvb, None, scale, blk_causal,
-                                      blk_window, None, None, step.mask(krows, band), 0.0, 0)
+                                      blk_window, None, None, step.mask(krows, band), 0.0, 0, softcap)
                 CALLS["kernel_backward"] += 1
                 _rows(dq, qrows, c).add_(dqb)
                 grads.append((krows, dkb, dvb))
@@ -475,7 +480,7 @@ class _RingAttention(torch.autograd.Function):
             _Ring.wait(acc_handles)
             acc = acc_next
         dt = qd.dtype
-        return dq.to(dt), acc[0].to(dt), acc[1].to(dt), None, None, None, None, None
+        return dq.to(dt), acc[0].to(dt), acc[1].to(dt), None, None, None, None, None, None
 
 
 # ---- the entry point ------------------------------------------------------------------
@@ -508,10 +513,12 @@ def ring_attention(q, k, v, group=None, *, scale: float | None = None, causal: b
     sliding_window_causal); not causal, iff |i - j| < W.  Composes with
     key_padding; gradients stay exact.
 
-    softcap and dropout_p > 0 are not supported.
+    softcap: None / 0 (none) or a finite cap > 0: each logit becomes
+    softcap tanh(scale q_i . k_j / softcap) before the masks (Gemma 2).
+
+    dropout_p > 0 is not supported.
     """
-    if softcap is not None:
-        raise NotImplementedError("ring_attention: logit soft-capping (softcap) is not supported")
+    cap = ops.check_softcap(softcap, "ring_attention")
     if dropout_p:
         raise NotImplementedError(f"ring_attention: attention dropout is not supported (dropout_p={dropout_p}, "
                                   "must be 0)")
@@ -544,4 +551,4 @@ def ring_attention(q, k, v, group=None, *, scale: float | None = None, causal: b
         if 0 < window < S_pad:      # a window of S' or more never hides a pair
             W = int(window)
     scale = 1.0 / math.sqrt(Dh) if scale is None else float(scale)
-    return _RingAttention.apply(q, k, v, group, scale, bool(causal), kp, W)
+    return _RingAttention.apply(q, k, v, group, scale, bool(causal), kp, W, cap)

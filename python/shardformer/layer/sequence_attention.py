@@ -23,7 +23,8 @@ Attention is the one place rows meet:
                  and zero heads appended, dropped again after.
     ring_attn    K/V blocks travel around the ring and the C flash kernel's
                  log-sum-exp merges the blocks exactly
-                 (shardformer.layer.ring_attention).
+                 (shardformer.layer.ring_attention), soft-capping the
+                 logits in each block when the layer passes `softcap`.
 
 Around the layers: the first layer's input is split (backward: all-gather
 of the rows' gradients), the last layer's output all-gathered (backward:
@@ -155,15 +156,6 @@ class _Gather(torch.autograd.Function):
 
 # ---- attention ---------------------------------------------------------------
 
-def check_ring_config(config, name: str) -> None:
-    """Refuse, before optimize() changes anything, what ring_attn cannot
-    compute for every sequence length: attention logit soft-capping."""
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap is not None:
-        raise NotImplementedError(f"{name}: ring_attn does not apply attention logit soft-capping "
-                                  f"(attn_logit_softcapping={softcap}); use sequence_parallelism_mode='all_to_all'")
-
-
 def _inner_attention(name: str, module):
     """The attention function `name` of transformers' registry ("eager":
     the model's own eager_attention_forward)."""
@@ -262,9 +254,6 @@ def _ulysses(state, module, query, key, value, attention_mask, kwargs):
 def _ring(state, module, query, key, value, attention_mask, kwargs):
     from .ring_attention import ring_attention
 
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError(f"{state.name}: ring_attn does not apply attention logit soft-capping; "
-                                  f"use sequence_parallelism_mode='all_to_all'")
     if kwargs.get("output_attentions"):
         raise NotImplementedError(f"{state.name}: ring_attn never builds the attention weights "
                                   f"(output_attentions=True)")
@@ -287,7 +276,8 @@ def _ring(state, module, query, key, value, attention_mask, kwargs):
         padding = torch.arange(state.padded, device=query.device) < state.length
         padding = padding.expand(query.shape[0], state.padded)
     out = ring_attention(query, key, value, state.group, scale=kwargs.get("scaling"), causal=causal,
-                         key_padding=padding, window=int(window))   # global positions, as the split rows
+                         key_padding=padding, window=int(window),   # global positions, as the split rows
+                         softcap=kwargs.get("softcap"))
     return out.transpose(1, 2).contiguous(), None
 
 
