@@ -200,13 +200,35 @@ def _expected_pairs(p: int, c: int, W: int, causal: bool):
     return seen, hidden, cut
 
 
+def _expected_hops(p: int, c: int, W: int, causal: bool):
+    """(forward-chain hops kf, backward-chain hops kb) from the global chunk
+    grid: the ring offsets s = (r - j) mod p at which some rank r has a
+    (query chunk, key chunk) pair with a visible row pair against rank j's
+    chunks, covered by the fewest hops (s <= kf or s >= p - kb); the plain
+    ring (p - 1, 0) unless that saves hops."""
+    d = torch.arange(c)[:, None] - torch.arange(c)[None, :]
+
+    def sees(a, b):
+        dist = (a - b) * c + d
+        return bool((((dist >= 0) & (dist < W)) if causal else (dist.abs() < W)).any())
+
+    needed = {(r - j) % p for r in range(p) for j in range(p) if j != r
+              for a in (r, 2 * p - 1 - r) for b in (j, 2 * p - 1 - j) if sees(a, b)}
+    covers = [(kf, kb) for kf in range(p) for kb in range(p - kf)
+              if all(s <= kf or s >= p - kb for s in needed)]
+    best = min(covers, key=sum)
+    return best if sum(best) < p - 1 else (p - 1, 0)
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("causal", [True, False])
 def test_ring_window_counters(pool, tp, causal):
     """The chunk pairs the window cannot reach are skipped (no kernel call),
     those it cuts off the diagonal get a mask; the totals over all ranks
     (forward + backward) are those of the global chunk grid.  A window of S'
-    or more is no window: the plain plan, one kernel call per step."""
+    or more is no window: the plain plan, one kernel call per step.  The
+    K/V of ranks out of every local query's reach never travel: messages
+    3 (kf + kb) instead of the plain ring's 3p - 2 (_expected_hops)."""
     p, c = tp, 4
     S = 2 * p * c
     for W in (1, 3, 4, 6, 9, S - 1, S):
@@ -219,8 +241,33 @@ def test_ring_window_counters(pool, tp, causal):
             assert all(x["kernel_forward"] == p == x["kernel_backward"] for x in calls)
         if W < c and causal:         # only the two diagonal pairs and their neighbours below
             assert hidden > 0 and sum(x["kernel_forward"] for x in calls) < 4 * p * p
+        kf, kb = _expected_hops(p, c, W, causal)
+        messages = 3 * p - 2 if (kf, kb) == (p - 1, 0) else 3 * (kf + kb)
         for x in calls:
-            assert x["kernel_forward"] == x["kernel_backward"] and x["messages"] == 3 * p - 2
+            assert x["kernel_forward"] == x["kernel_backward"] and x["messages"] == messages, (W, kf, kb, x)
+            assert x["unvisited"] == 2 * (p - 1 - kf - kb), (W, x)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_window_skips_hops(pool, causal):
+    """4 ranks, chunks of c = 6: a window below the chunk (and W = 1: each
+    query sees itself) needs only the neighbours' K/V (W = 1: none), so the
+    K/V go one hop each way (none), against 3 without a window; results equal
+    the full reference (checked on every rank inside ring_equals_full)."""
+    p, c = 4, 6
+    S = 2 * p * c
+    plain = pool.run(checks.ring_window_counts, p, S, None, causal)
+    assert all(x["messages"] == 3 * p - 2 and x["unvisited"] == 0 for x in plain)
+    for W, hops in ((1, 0), (2, 2), (5, 2), (6, 2)):
+        assert sum(_expected_hops(p, c, W, causal)) == hops
+        for x in pool.run(checks.ring_window_counts, p, S, W, causal):
+            # forward: hops K/V messages; backward: hops K/V + hops dk/dv messages
+            assert x["messages"] == 3 * hops and x["unvisited"] == 2 * (p - 1 - hops), (W, x)
+            assert x["kernel_forward"] == x["kernel_backward"] > 0
+    # odd lengths and a padded row over the chains (window < chunk), bf16 too
+    pool.run(checks.ring_equals_full, p, S - 5, causal, window=3, left_pad=4)
+    pool.run(checks.ring_equals_full, p, S - 1, causal, dtype="bfloat16", window=4, left_pad=2)
+    pool.run(checks.ring_equals_full, p, S - 3, causal, window=2, left_pad=3, backend="torch")
 
 
 def test_ring_window_one_rank_is_the_kernel():

@@ -135,6 +135,7 @@ Not supported (NotImplementedError): attention dropout (dropout_p must be
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -156,7 +157,7 @@ __all__ = ["ring_attention", "zigzag_rows", "padded_length_for", "CALLS", "reset
 P2P = "auto"
 
 CALLS = {"forward": 0, "backward": 0, "kernel_forward": 0, "kernel_backward": 0,
-         "blocks": 0, "skipped": 0, "masked": 0, "messages": 0, "messages_torch": 0}
+         "blocks": 0, "skipped": 0, "masked": 0, "messages": 0, "messages_torch": 0, "unvisited": 0}
 
 
 def reset_counters() -> None:
@@ -291,18 +292,21 @@ class _Ring:
         self.gnext = comm.info.global_rank(self.nxt, "ring send")
         self.gprev = comm.info.global_rank(self.prv, "ring recv")
 
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
-        """Start sending `send` to rank+1 and receiving rank-1's into `recv`;
-        returns the handles to wait on (neither buffer may be touched before)."""
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int, direction: int = 1) -> list:
+        """Start sending `send` to rank+direction and receiving rank-direction's
+        into `recv` (direction +1 or -1); returns the handles to wait on
+        (neither buffer may be touched before)."""
         CALLS["messages"] += 1
         send_first = self.rank % 2 == 0
+        to, frm = (self.nxt, self.prv) if direction == 1 else (self.prv, self.nxt)
+        gto, gfrm = (self.gnext, self.gprev) if direction == 1 else (self.gprev, self.gnext)
         if self.shm is not None:
-            ops_ = [lambda: self.shm.send(send, self.nxt, async_op=True),
-                    lambda: self.shm.recv(recv, self.prv, async_op=True)]
+            ops_ = [lambda: self.shm.send(send, to, async_op=True),
+                    lambda: self.shm.recv(recv, frm, async_op=True)]
         else:
             CALLS["messages_torch"] += 1
-            ops_ = [lambda: dist.isend(send, self.gnext, group=self.group, tag=tag),
-                    lambda: dist.irecv(recv, self.gprev, group=self.group, tag=tag)]
+            ops_ = [lambda: dist.isend(send, gto, group=self.group, tag=tag),
+                    lambda: dist.irecv(recv, gfrm, group=self.group, tag=tag)]
         if not send_first:
             ops_.reverse()
         return [op() for op in ops_]
@@ -313,7 +317,57 @@ class _Ring:
             h.wait()
 
 
-_TAG_KV, _TAG_DKV = 7301, 7302
+# per stream: K/V and dk/dv accumulators of the forward chain (+1) and the backward chain (-1)
+_TAG_KV = {1: 7301, -1: 7303}
+_TAG_DKV = {1: 7302, -1: 7304}
+
+
+# ---- which hops travel --------------------------------------------------------------
+
+def _needed_offsets(p: int, c: int, causal: bool, W: float) -> list:
+    """The ring offsets s in [1, p) at which some rank r has a chunk pair to
+    compute against the K/V of rank (r - s) mod p (_plan)."""
+    return [s for s in range(1, p) if any(_plan(r, (r - s) % p, p, c, causal, W)[0] for r in range(p))]
+
+
+@functools.lru_cache(maxsize=256)
+def chains(p: int, c: int, causal: bool, W: float) -> tuple:
+    """(kf, kb): how far the K/V travel.  Rank r computes against the K/V
+    of the ranks r - 1, ..., r - kf (the forward chain: K/V passed on to
+    rank+1, kf hops) and r + 1, ..., r + kb (the backward chain: passed to
+    rank-1, kb hops); kf + kb <= p - 1 and every needed offset is covered
+    (offset s <= kf, or s >= p - kb).  Without a window that is the plain ring
+    (p - 1, 0); a window shorter than the sequence leaves the offsets near 0
+    and near p (the zigzag pairs chunk a with 2p-1-a), and the K/V of the
+    ranks in between, whose chunks are out of every local query's reach,
+    never travel."""
+    if p == 1:
+        return 0, 0
+    best = (p - 1, 0)
+    if W == math.inf:
+        return best
+    needed = _needed_offsets(p, c, causal, W)
+    for kf in range(p):
+        rest = [s for s in needed if s > kf]
+        kb = p - min(rest) if rest else 0
+        if kf + kb < sum(best):
+            best = (kf, kb)
+    return best
+
+
+def _schedule(r: int, p: int, kf: int, kb: int) -> list:
+    """Rank r's steps as (chain, t, owner): (0, 0, r) its own K/V, then in
+    turn the forward chain's t-th (owner r - t, from rank r-1) and the
+    backward chain's t-th (owner r + t, from rank r+1).  Every rank has the
+    same chain sequence, so the i-th exchange of every rank pairs with its
+    neighbours' i-th."""
+    steps = [(0, 0, r)]
+    for t in range(1, max(kf, kb) + 1):
+        if t <= kf:
+            steps.append((1, t, (r - t) % p))
+        if t <= kb:
+            steps.append((-1, t, (r + t) % p))
+    return steps
 
 
 # ---- block math ---------------------------------------------------------------------
@@ -386,6 +440,83 @@ class _Halves:
         return self.cache[key]
 
 
+def _travel(ring, r: int, p: int, kf: int, kb: int, kd: torch.Tensor, vd: torch.Tensor):
+    """Yield (owner, its K/V as [2, B, Hkv, 2c, D] or the (k, v) pair) for
+    rank r's steps (_schedule), the K/V of each step travelling while the
+    previous step computes: the exchange for step i+1 starts before step i
+    is yielded and is waited on before step i+1.  One exchange in flight at
+    a time; the K/V a chain sends on are the last it received (or our own)."""
+    steps = _schedule(r, p, kf, kb)
+    CALLS["unvisited"] += p - len(steps)
+    CALLS["skipped"] += 4 * (p - len(steps))          # the chunk pairs of the K/V that never come
+    if len(steps) == 1:
+        yield r, (kd, vd)
+        return
+    own = torch.stack([kd, vd])
+    held = {1: own, -1: own}
+    handles = incoming = None
+    for i, (chain, _t, owner) in enumerate(steps):
+        if i > 0:
+            _Ring.wait(handles)
+            held[chain] = incoming
+        cur = held[chain] if chain else own
+        if i + 1 < len(steps):
+            nxt = steps[i + 1][0]
+            incoming = torch.empty_like(own)
+            handles = ring.exchange(held[nxt], incoming, _TAG_KV[nxt], nxt)
+        yield owner, cur
+
+
+def _backward_blocks(r, j, p, c, S_pad, cur, qd, o, dout, lse, dq, half, args) -> list:
+    """The kernel's backward of rank r's blocks against owner j's K/V `cur`:
+    dq accumulated in place, [(key rows, dk, dv)] returned."""
+    _group, scale, causal, kp, W, softcap = args
+    step = _Step(r, j, p, c, S_pad, causal, W, kp)
+    grads = []
+    for qrows, krows, blk_causal, blk_window, band in step.calls:
+        qb, ob, db, lb = (half(name, t, qrows) for name, t in
+                          (("q", qd), ("o", o), ("dout", dout), ("lse", lse)))
+        kb = _rows(cur[0], krows, c).contiguous()
+        vb = _rows(cur[1], krows, c).contiguous()
+        dqb, dkb, dvb = torch.empty_like(qb), torch.empty_like(kb), torch.empty_like(vb)
+        _C.attention_backward(qb, kb, vb, ob, db, lb, dqb, dkb, dvb, None, scale, blk_causal,
+                              blk_window, None, None, step.mask(krows, band), 0.0, 0, softcap)
+        CALLS["kernel_backward"] += 1
+        _rows(dq, qrows, c).add_(dqb)
+        grads.append((krows, dkb, dvb))
+    return grads
+
+
+def _chain_backward(ring, r, p, c, S_pad, kf, kb, qd, kd, vd, o, dout, lse, dq, half, args):
+    """Backward when the K/V travel kf hops forward and kb backward
+    (chains() < the plain ring): the K/V travel as in forward and each
+    step's dk / dv partials for its owner are kept (float32, at most
+    kf + kb of them); then each chain's partials go home against its
+    direction in k hops, summed on the way: at hop h rank r sends the sum
+    for owner r - k + h - 1 (forward chain) received at hop h-1 plus its own
+    partial, so that after hop k every owner holds the sum over the ranks
+    its K/V visited.  Returns (dk, dv) of our own K/V, float32."""
+    own = torch.zeros((2, *kd.shape), dtype=torch.float32)
+    partial = {1: {}, -1: {}}
+    steps = _schedule(r, p, kf, kb)
+    for (chain, t, owner), (_j, cur) in zip(steps, _travel(ring, r, p, kf, kb, kd, vd)):
+        acc = own if chain == 0 else torch.zeros_like(own)
+        for krows, dkb, dvb in _backward_blocks(r, owner, p, c, S_pad, cur, qd, o, dout, lse, dq, half, args):
+            _rows(acc[0], krows, c).add_(dkb)
+            _rows(acc[1], krows, c).add_(dvb)
+        if chain:
+            partial[chain][t] = acc
+    for chain, k in ((1, kf), (-1, kb)):
+        if k == 0:
+            continue
+        send = partial[chain][k]
+        for h in range(1, k + 1):
+            got = torch.empty_like(send)
+            _Ring.wait(ring.exchange(send, got, _TAG_DKV[chain], -chain))
+            send = got.add_(partial[chain][k - h]) if h < k else own.add_(got)
+    return own[0], own[1]
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, scale, causal, kp, W, softcap):
@@ -401,13 +532,7 @@ class _RingAttention(torch.autograd.Function):
         o_acc = torch.zeros(qd.shape, dtype=torch.float32)              # running (o, lse), float32;
         lse_acc = torch.full(qd.shape[:3], -math.inf, dtype=torch.float32)   # -inf: nothing seen yet
         half = _Halves(c)
-        cur = torch.stack([kd, vd]) if p > 1 else (kd, vd)   # [2, B, Hkv, 2c, D]: the travelling K/V
-        spare = torch.empty_like(cur) if p > 1 else None
-        for s in range(p):
-            j = (r - s) % p
-            handles = None
-            if s < p - 1:
-                handles = ring.exchange(cur, spare, _TAG_KV)
+        for j, cur in _travel(ring, r, p, *chains(p, c, causal, W), kd, vd):
             step = _Step(r, j, p, c, S_pad, causal, W, kp)
             for qrows, krows, blk_causal, blk_window, band in step.calls:
                 qb = half("q", qd, qrows)
@@ -419,9 +544,6 @@ class _RingAttention(torch.autograd.Function):
                                      step.mask(krows, band), 0.0, 0, softcap)
                 CALLS["kernel_forward"] += 1
                 _merge(_rows(o_acc, qrows, c), _rows(lse_acc, qrows, c), ob, lb)
-            if handles is not None:
-                _Ring.wait(handles)
-                cur, spare = spare, cur
         lse = lse_acc.masked_fill_(lse_acc == -math.inf, math.inf)   # kernel convention: all masked = +inf
         o = o_acc.to(qd.dtype)
         ctx.save_for_backward(qd, kd, vd, o, lse)
@@ -444,6 +566,11 @@ class _RingAttention(torch.autograd.Function):
 
         half = _Halves(c)
         dq = torch.zeros(qd.shape, dtype=torch.float32)
+        hops = chains(p, c, causal, W)
+        if hops != (p - 1, 0):
+            dk, dv = _chain_backward(ring, r, p, c, S_pad, *hops, qd, kd, vd, o, dout, lse, dq, half, ctx.args)
+            dt = qd.dtype
+            return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None, None
         cur = torch.stack([kd, vd]) if p > 1 else (kd, vd)
         spare = torch.empty_like(cur) if p > 1 else None
         acc = torch.zeros((2, *kd.shape), dtype=torch.float32)  # dk, dv of the K/V held (owner j)
@@ -451,20 +578,8 @@ class _RingAttention(torch.autograd.Function):
         acc_handles = None
         for s in range(p):
             j = (r - s) % p
-            kv_handles = ring.exchange(cur, spare, _TAG_KV) if s < p - 1 else None
-            step = _Step(r, j, p, c, S_pad, causal, W, kp)
-            grads = []
-            for qrows, krows, blk_causal, blk_window, band in step.calls:
-                qb, ob, db, lb = (half(name, t, qrows) for name, t in
-                                  (("q", qd), ("o", o), ("dout", dout), ("lse", lse)))
-                kb = _rows(cur[0], krows, c).contiguous()
-                vb = _rows(cur[1], krows, c).contiguous()
-                dqb, dkb, dvb = torch.empty_like(qb), torch.empty_like(kb), torch.empty_like(vb)
-                _C.attention_backward(qb, kb, vb, ob, db, lb, dqb, dkb, dvb, None, scale, blk_causal,
-                                      blk_window, None, None, step.mask(krows, band), 0.0, 0, softcap)
-                CALLS["kernel_backward"] += 1
-                _rows(dq, qrows, c).add_(dqb)
-                grads.append((krows, dkb, dvb))
+            kv_handles = ring.exchange(cur, spare, _TAG_KV[1]) if s < p - 1 else None
+            grads = _backward_blocks(r, j, p, c, S_pad, cur, qd, o, dout, lse, dq, half, ctx.args)
             if acc_handles is not None:                # owner j's accumulator, from rank r-1
                 _Ring.wait(acc_handles)
                 acc, acc_next = acc_next, acc
@@ -472,7 +587,7 @@ class _RingAttention(torch.autograd.Function):
                 _rows(acc[0], krows, c).add_(dkb)
                 _rows(acc[1], krows, c).add_(dvb)
             if p > 1:                                  # on to r+1, which holds owner j's K/V next
-                acc_handles = ring.exchange(acc, acc_next, _TAG_DKV)
+                acc_handles = ring.exchange(acc, acc_next, _TAG_DKV[1])
             if kv_handles is not None:
                 _Ring.wait(kv_handles)
                 cur, spare = spare, cur
