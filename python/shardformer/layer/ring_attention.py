@@ -78,8 +78,26 @@ stays one call), the local 2c x 2c block under the kernel's causal / window
 flags at step 0 when that is exact (no window, or r = p-1, whose chunks
 p-1, p are adjacent), else one call per query chunk whose visible pairs are
 all full, else one call per pair.  Backward replays the same calls with the
-same masks and windows.  Every step still passes the K/V on (a rank may skip
-all four pairs of a step while its neighbours need them).
+same masks and windows.
+
+Which K/V travel (chains()).  Rank r needs the K/V of rank j = (r - s) mod p
+only when some pair of its chunks {r, 2p-1-r} x {j, 2p-1-j} has a visible
+row pair.  A window W reaches k = ceil((W - 1) / c) chunks: query chunk a
+sees key chunks a-k..a (a-k..a+k without causal masking),
+so through the zigzag the needed offsets s lie near 0 (s <= k: lower
+chunks of lower ranks) and near p (s >= p - k: the mirrored upper chunks of
+higher ranks).  Instead of p - 1 hops one way, the K/V then go kf hops to
+rank+1 (offsets 1..kf, the forward chain) and kb hops to rank-1 (offsets
+p-1..p-kb, the backward chain), the fewest hops covering every offset some
+rank needs; the ranks in between never see each other's K/V.  E.g. W <= c
+on 4 ranks: one hop each way (2, not 3), W = 1: none.  When that saves
+nothing the plain ring runs.  Backward with chains: the K/V travel the same
+way and each step's dk / dv partial (float32) for its owner is kept (kf + kb
+of them, few: the chains are used only when they are shorter than the
+ring); then each chain's partials go home against its direction in kf
+(kb) neighbour hops, summed on the way (at hop h rank r sends the sum for
+owner r - kf + h - 1 and adds its own partial for the next owner to what
+it receives).  Messages per rank: kf + kb forward, 2 (kf + kb) backward.
 
 Backward.  Saved for it: q, the local k and v, the final o and the final lse
 (nothing [S, S], no per-step outputs).  K/V go around the ring again; for
@@ -119,12 +137,14 @@ Counters (module-level CALLS, for tests; reset_counters() zeroes them):
     kernel_forward / _backward  C kernel calls (one per ring step without a
                             window; with one, up to one per computed pair)
     blocks / skipped        chunk pairs (query chunk, key chunk) computed /
-                            skipped (b > a, or out of the window's reach),
+                            skipped (b > a, or out of the window's reach,
+                            with the 4 pairs of each unvisited owner),
                             counted in forward and backward
     masked                  computed pairs cut by the window off the diagonal
                             (an explicit band mask)
     messages                point-to-point messages sent by this rank
     messages_torch          those of them sent by torch.distributed isend
+    unvisited               K/V owners that never reach this rank (window), per pass
 
 Soft-capping is elementwise on each logit, so every block applies it in
 the kernel (forward and backward, csrc/kernels/attention.h) and the merge
