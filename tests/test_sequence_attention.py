@@ -39,6 +39,18 @@ def test_sliding_window(pool, mode, sp, seq, window, padded):
     pool.run(check.sliding_window_equals_unsharded, sp, "MistralForCausalLM", mode, window, seq, padded)
 
 
+@pytest.mark.parametrize("seq, window", [(8, 2), (7, 1), (5, 2)])
+def test_sliding_window_ring_skips_hops(pool, seq, window):
+    """SP=4, a window within one chunk's reach (chunks of 1 row): K/V of the ranks out of every local
+    query's window never travel (fewer messages than the plain ring's p-1 per forward and 2p-1 per
+    backward), and the model still equals the unsharded one."""
+    p = 4
+    for r in pool.run(check.sliding_window_equals_unsharded, p, "MistralForCausalLM", "ring_attn", window, seq):
+        passes = r["ring_passes"]
+        plain = passes["forward"] * (p - 1) + passes["backward"] * (2 * p - 1)
+        assert r["ring_unvisited"] > 0 and r["ring_messages"] < plain, r
+
+
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("seq", [3, 6, 7])                   # 3 < 4 ranks; 6, 7 not multiples of 4 or 8
 def test_sp4_odd_lengths(pool, mode, seq):
@@ -78,8 +90,13 @@ def test_eval_with_dropout(pool, mode):
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_generate(pool, mode):
-    pool.run(check.generate_matches, 2, "LlamaForCausalLM", mode)
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "Gemma2ForCausalLM"])
+def test_generate(pool, mode, name):
+    pool.run(check.generate_matches, 2, name, mode)
+
+
+def test_gemma2_ring_eval_with_dropout(pool):
+    pool.run(check.eval_with_dropout, 2, "Gemma2ForCausalLM", "ring_attn")
 
 
 def test_cached_training_forward_refused(pool):

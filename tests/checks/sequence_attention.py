@@ -119,6 +119,9 @@ def sliding_window_equals_unsharded(ctx, name: str, mode: str, window: int, seq:
             f"{name}: {skipped} chunk pairs skipped, {masked} masked over {passes} passes: " \
             f"the window did not reach the ring"
         report["ring_pairs"] = {"blocks": blocks, "skipped": skipped, "masked": masked}
+        report["ring_unvisited"] = ra.CALLS["unvisited"] - ring_before["unvisited"]
+        report["ring_messages"] = ra.CALLS["messages"] - ring_before["messages"]
+        report["ring_passes"] = {k: ra.CALLS[k] - ring_before[k] for k in ("forward", "backward")}
     return report
 
 
