@@ -8,7 +8,10 @@ a chunk, between a chunk and the sequence, and >= the sequence; causal and
 not; fp32 and bf16): the same comparisons, and the counters show the chunk
 pairs out of the window's reach skipped and those it cuts masked.  Logit
 soft-capping (Gemma 2): the same comparisons against the soft-capped
-reference, alone and with windows, padding and half precision."""
+reference, alone and with windows, padding and half precision.  Attention
+dropout: the blocks draw, in forward and backward, exactly the kernel's mask
+for the whole padded sequence (ops.attention_dropout_mask), so forward and
+gradients equal the float64 reference under that mask; keep rate ~ 1 - p."""
 import pytest
 import torch
 
@@ -324,3 +327,65 @@ def test_ring_softcap_one_rank_is_the_kernel():
     assert torch.equal(o, o2) and not torch.allclose(o, ops.attention(q, k, v, causal=True))
     for a, b in zip(torch.autograd.grad(o, (q, k, v), g), torch.autograd.grad(o2, (q, k, v), g)):
         assert torch.equal(a, b)
+
+
+# ---- attention dropout --------------------------------------------------------------
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_dropout_equals_reference(pool, tp, causal):
+    """dropout 0.3: forward and q, k, v gradients equal the float64 reference
+    with the kernel's draws for the whole padded sequence (a length that does
+    not divide 2p, a left-padded row, GQA); with a window (chains of hops) and
+    soft-capping too; seed None: group rank 0's seed, the same on every rank."""
+    S = 12 * tp - 3
+    for window, cap, seed in ((None, None, 11), (5, None, 12), (None, 0.8, None)):
+        results = pool.run(checks.ring_equals_full, tp, S, causal, left_pad=3, window=window, softcap=cap,
+                           dropout=0.3, drop_seed=seed)
+        assert len({r["seed"] for r in results}) == 1
+        for r in results:
+            assert abs(r["keep_rate"] - 0.7) < 0.03, r
+            assert r["calls"]["kernel_forward"] > 0 and r["calls"]["kernel_backward"] > 0
+
+
+def test_ring_dropout_multi_tile_bf16(pool):
+    pool.run(checks.ring_equals_full, 2, 200, True, 2, 2, 2, 32, dropout=0.2, drop_seed=5, left_pad=7)
+    pool.run(checks.ring_equals_full, 2, 61, True, dtype="bfloat16", dropout=0.1, drop_seed=3)
+
+
+def test_ring_dropout_is_the_kernel_on_one_rank():
+    """One rank: ring_attention(dropout_p, seed) is ops.attention(dropout_p, seed) bit for bit (the
+    positions passed are the identity), and the draws are in force."""
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 10, 8, generator=gen, requires_grad=True)
+    k = torch.randn(2, 2, 10, 8, generator=gen, requires_grad=True)
+    v = torch.randn(2, 2, 10, 8, generator=gen, requires_grad=True)
+    g = torch.randn(2, 4, 10, 8, generator=gen)
+    o = ra.ring_attention(q, k, v, dropout_p=0.4, seed=9)
+    o2 = ops.attention(q, k, v, causal=True, dropout_p=0.4, seed=9)
+    assert torch.equal(o, o2) and not torch.allclose(o, ops.attention(q, k, v, causal=True))
+    for a, b in zip(torch.autograd.grad(o, (q, k, v), g), torch.autograd.grad(o2, (q, k, v), g)):
+        assert torch.equal(a, b)
+
+
+def test_dropout_positions_draw_the_global_mask():
+    """The kernel's draws at positions (qpos, kpos) of a sequence of `seq` rows are
+    those rows and columns of that sequence's mask; positions are checked."""
+    from shardformer import _C
+
+    full = ops.attention_dropout_mask((2, 3, 16, 16), 0.5, 21)
+    qpos, kpos = torch.tensor([2, 3, 12, 13]), torch.tensor([0, 1, 14, 15, 6])
+    part = ops.attention_dropout_mask((2, 3, 4, 5), 0.5, 21, qpos, kpos, 16)
+    assert torch.equal(part, full[:, :, qpos][:, :, :, kpos])
+    assert abs(full.float().mean().item() - 0.5) < 0.05
+    keep = torch.empty(1, 1, 4, 5, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="qpos"):
+        _C.attention_dropout_keep(keep, 0.5, 1, torch.tensor([0, 1, 2, 16]), None, 16)
+    with pytest.raises(ValueError, match="kpos"):
+        _C.attention_dropout_keep(keep, 0.5, 1, None, torch.tensor([0, -1, 2, 3, 4]), 16)
+    with pytest.raises(ValueError, match="qpos"):
+        _C.attention_dropout_keep(keep, 0.5, 1, torch.tensor([0, 1]), None, 16)
+    with pytest.raises(ValueError, match="drop_seq"):
+        _C.attention_dropout_keep(keep, 0.5, 1, None, None, -3)
+    with pytest.raises(ValueError, match="exceed drop_seq"):
+        _C.attention_dropout_keep(keep, 0.5, 1, None, None, 3)

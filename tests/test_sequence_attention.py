@@ -110,10 +110,16 @@ def test_softcap_in_force(pool, mode, sp, seq):
     pool.run(check.softcap_equals_unsharded, sp, "Gemma2ForCausalLM", mode, 0.05, seq)
 
 
-@pytest.mark.parametrize("name, match", [("LlamaForCausalLM", "attention dropout")])
-def test_ring_refusals(pool, name, match):
-    # training with attention_dropout > 0: the ring kernels run without dropout
-    pool.run(check.refused, 2, name, "ring_attn", match, {"attention_dropout": 0.1})
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "Gemma2ForCausalLM"])
+def test_ring_attention_dropout_training(pool, name, sp):
+    """attention_dropout > 0 in training: the ring draws the kernel's mask of the whole sequence."""
+    pool.run(check.ring_dropout_matches_kernel, sp, name)
+
+
+def test_ring_refusals(pool):
+    # a packed-sequence (4-D) mask: the ring covers causal attention with key padding and windows
+    pool.run(check.ring_packed_mask_refused, 2, "LlamaForCausalLM")
 
 
 def test_split_attention_refused_by_name():

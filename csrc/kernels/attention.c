@@ -172,7 +172,15 @@ static void matmul_acc_tn(int64_t M, int64_t N, int64_t K, const float *A, int64
     matmul_acc_any(M, N, K, A, 1, lda, B, ldb, C, ldc);
 }
 
-/* Dropout draws: common.h's sfk_dropout_*, keyed by the flattened query row (b, h, i). */
+/* Dropout draws: common.h's sfk_dropout_*, keyed by the flattened query row
+ * (b, h, P(i)) and the key column Q(j) (attention.h). */
+static inline uint32_t drop_key(const sfk_attn *a, int64_t bh, int64_t i)
+{
+    const int64_t rows = a->drop_seq ? a->drop_seq : a->Sq;
+    return sfk_dropout_key(a->seed, bh * rows + (a->qpos ? a->qpos[i] : i));
+}
+
+static inline int64_t drop_col(const sfk_attn *a, int64_t j) { return a->kpos ? a->kpos[j] : j; }
 
 /* ---- shared pieces ------------------------------------------------------ */
 
@@ -355,6 +363,32 @@ typedef struct {
     int64_t nbias;    /* B * Hq * Sq * Sk: dbias, keep */
 } attn_sizes;
 
+/* The dropout coordinates of a (attention.h): drop_seq >= 0, the rows
+ * B Hq drop_seq within int64, every position in [0, drop_seq or Sq / Sk). */
+static sf_status check_positions(const char *fn, const sfk_attn *a, sf_error *err)
+{
+    sf_status rc;
+    if ((rc = sfk_check_size(fn, "drop_seq", a->drop_seq, err)))
+        return rc;
+    const int64_t rows = a->drop_seq ? a->drop_seq : a->Sq, cols = a->drop_seq ? a->drop_seq : a->Sk;
+    int64_t n;
+    if (sf_mul_overflows(a->B, a->Hq, &n) || sf_mul_overflows(n, rows, &n))
+        return sf_fail(err, SF_EOVERFLOW, "%s: B=%lld x Hq=%lld x drop_seq=%lld overflows int64",
+                       fn, (long long)a->B, (long long)a->Hq, (long long)rows);
+    const int64_t *pos[2] = {a->qpos, a->kpos}, len[2] = {a->Sq, a->Sk}, lim[2] = {rows, cols};
+    static const char *const name[2] = {"qpos", "kpos"};
+    for (int w = 0; w < 2; w++)
+        if (!pos[w] && len[w] > lim[w])      /* i (j) itself is the position */
+            return sf_fail(err, SF_EINVAL, "%s: %lld %s without %s exceed drop_seq=%lld", fn,
+                           (long long)len[w], w ? "keys" : "queries", name[w], (long long)lim[w]);
+    for (int w = 0; w < 2; w++)
+        for (int64_t i = 0; pos[w] && i < len[w]; i++)
+            if (pos[w][i] < 0 || pos[w][i] >= lim[w])
+                return sf_fail(err, SF_EINVAL, "%s: %s[%lld]=%lld outside [0, %lld)", fn, name[w],
+                               (long long)i, (long long)pos[w][i], (long long)lim[w]);
+    return SF_OK;
+}
+
 /* Check *a and fill *an with it normalized: a window no query-key distance
  * reaches (>= Sq and >= Sk) is no window, so that the index arithmetic of
  * visible() / query_range() never adds a huge window to a position. */
@@ -386,6 +420,8 @@ static sf_status check(const char *fn, const sfk_attn *a, sfk_attn *an, attn_siz
         return sf_fail(err, SF_EOVERFLOW, "%s: the sizes B=%lld Hq=%lld Hkv=%lld Sq=%lld Sk=%lld "
                        "D=%lld overflow int64", fn, (long long)a->B, (long long)a->Hq,
                        (long long)a->Hkv, (long long)a->Sq, (long long)a->Sk, (long long)a->D);
+    if ((rc = check_positions(fn, a, err)))
+        return rc;
     if (an->window >= an->Sq && an->window >= an->Sk)
         an->window = 0;
     return SF_OK;
@@ -461,9 +497,9 @@ static void forward_rows(void *arg, int64_t r0, int64_t r1, int tid)
                 if (alpha != 1.0f)
                     for (int64_t d = 0; d < D; d++) acc[i * D + d] *= alpha;
                 if (a->dropout > 0.0f) {
-                    const uint32_t key = sfk_dropout_key(a->seed, bh * a->Sq + i0 + i);
+                    const uint32_t key = drop_key(a, bh, i0 + i);
                     for (int64_t j = 0; j < nj; j++)
-                        s[j] = sfk_dropout_kept(key, j0 + j, thresh) ? s[j] * inv : 0.0f;
+                        s[j] = sfk_dropout_kept(key, drop_col(a, j0 + j), thresh) ? s[j] * inv : 0.0f;
                 }
             }
             matmul_acc(ni, D, nj, S, BK, V, D, acc, D);
@@ -615,11 +651,11 @@ static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
                     const float *Pd = S;        /* p with the dropout applied */
                     if (a->dropout > 0.0f) {
                         for (int64_t i = 0; i < ni; i++) {
-                            const uint32_t key = sfk_dropout_key(a->seed, qrow + i0 + i);
+                            const uint32_t key = drop_key(a, b * a->Hq + h, i0 + i);
                             const float *s = S + i * BK;
                             float *pd = T + i * BK, *dp = dP + i * BK;
                             for (int64_t j = 0; j < nj; j++) {
-                                const int z = sfk_dropout_kept(key, j0 + j, thresh);
+                                const int z = sfk_dropout_kept(key, drop_col(a, j0 + j), thresh);
                                 pd[j] = z ? s[j] * inv : 0.0f;
                                 dp[j] = z ? dp[j] * inv : 0.0f;
                             }
@@ -771,9 +807,10 @@ sf_status sfk_attention_dropout_keep(const sfk_attn *a, uint8_t *keep, sf_error 
     const int64_t rows = z.rows_q;
     const uint32_t thresh = sfk_dropout_threshold(a->dropout);
     for (int64_t r = 0; r < rows; r++) {
-        const uint32_t key = sfk_dropout_key(a->seed, r);
+        const uint32_t key = drop_key(a, r / a->Sq, r % a->Sq);
         for (int64_t j = 0; j < a->Sk; j++)
-            keep[r * a->Sk + j] = (uint8_t)(a->dropout <= 0.0f || sfk_dropout_kept(key, j, thresh));
+            keep[r * a->Sk + j] =
+                (uint8_t)(a->dropout <= 0.0f || sfk_dropout_kept(key, drop_col(a, j), thresh));
     }
     return SF_OK;
 }

@@ -19,7 +19,11 @@
  *          i + off - j >= W, or (window and not causal) j - (i + off) >= W
  *   p_ij = softmax_j(s_ij),  lse_i = log sum_j exp(s_ij)
  *   o_i  = sum_j p_ij z_ij / (1 - dropout) v_j,  z_ij in {0, 1} drawn from
- *          (seed, b, h, i, j) by a counter-based hash (redrawn in backward)
+ *          (seed, b, h, P(i), Q(j)) by a counter-based hash (redrawn in
+ *          backward): P(i) = qpos[i], Q(j) = kpos[j] when given (the global
+ *          positions of a block of a longer sequence of drop_seq rows, so
+ *          that the blocks of a split sequence draw what one call over the
+ *          whole sequence draws), else i and j
  * A row with every key masked gives o_i = 0 and lse_i = +inf (its gradients
  * are 0).
  * Backward (delta_i = dout_i . o_i, dp_ij = z_ij / (1 - dropout) dout_i . v_j):
@@ -54,10 +58,16 @@ typedef struct {
     float dropout;           /* in [0, 1] */
     uint64_t seed;
     float softcap;           /* 0: none; else finite > 0, the cap of c_ij */
+    /* dropout coordinates: query row i of head (b, h) draws as row
+     * (b Hq + h) drop_seq + qpos[i] and key j as column kpos[j]; NULL
+     * positions: i and j; drop_seq 0: Sq.  Positions in [0, drop_seq). */
+    const int64_t *qpos, *kpos;
+    int64_t drop_seq;
 } sfk_attn;
 
 /* Parameters out of range (negative sizes or window, Hq not a multiple of
- * Hkv, dropout outside [0, 1], softcap negative or not finite) are EINVAL, sizes whose products overflow
+ * Hkv, dropout outside [0, 1], softcap negative or not finite, a dropout
+ * position outside [0, drop_seq)) are EINVAL, sizes whose products overflow
  * int64 EOVERFLOW, each with a message naming the parameter. */
 sf_status sfk_attention_forward(const sfk_attn *a, const void *q, const void *k, const void *v,
                                 void *o, float *lse, sf_error *err);
@@ -66,7 +76,8 @@ sf_status sfk_attention_forward(const sfk_attn *a, const void *q, const void *k,
 sf_status sfk_attention_backward(const sfk_attn *a, const void *q, const void *k, const void *v,
                                  const void *o, const void *dout, const float *lse, void *dq,
                                  void *dk, void *dv, float *dbias, sf_error *err);
-/* keep [B, Hq, Sq, Sk]: the dropout draws z_ij of (a->seed, a->dropout), for tests. */
+/* keep [B, Hq, Sq, Sk]: the dropout draws z_ij of (a->seed, a->dropout) at
+ * the positions of a (qpos, kpos, drop_seq), for tests. */
 sf_status sfk_attention_dropout_keep(const sfk_attn *a, uint8_t *keep, sf_error *err);
 
 #endif

@@ -488,10 +488,14 @@ def check_softcap(softcap, who: str) -> float:
     return cap
 
 
-def attention_dropout_mask(shape, p: float, seed: int) -> torch.Tensor:
-    """The keep draws z [B, H, Sq, Sk] (bool) attention() uses for (p, seed)."""
+def attention_dropout_mask(shape, p: float, seed: int, qpos=None, kpos=None, seq: int = 0) -> torch.Tensor:
+    """The keep draws z [B, H, Sq, Sk] (bool) attention() uses for (p, seed);
+    with qpos [Sq] / kpos [Sk] (int64 positions in a sequence of `seq` rows)
+    the draws of those rows and columns of that sequence's mask, as the ring's
+    blocks draw them."""
     keep = torch.empty(tuple(shape), dtype=torch.uint8)
-    _C.attention_dropout_keep(keep, float(p), int(seed))
+    pos = [None if t is None else torch.as_tensor(t, dtype=torch.int64).contiguous() for t in (qpos, kpos)]
+    _C.attention_dropout_keep(keep, float(p), int(seed), pos[0], pos[1], int(seq))
     return keep.bool()
 
 

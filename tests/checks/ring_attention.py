@@ -15,6 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from shardformer import ops
 from shardformer.distributed import communicator as comm_mod
 from shardformer.layer import ring_attention as ra
 
@@ -23,12 +24,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 4e-3}
 
 
-def reference(q, k, v, scale, causal, mask, window=None, softcap=None):
+def reference(q, k, v, scale, causal, mask, window=None, softcap=None, keep=None, p=0.0):
     """softmax(scale q k^T, masked) v in float64 (GQA by repeating K/V heads);
     mask [B, S] bool (True = attend) or None; window W: query i sees key j only
     when i - j < W (causal, HF's sliding_window_overlay: j > i - W) or
     |i - j| < W (not causal); softcap: logits softcap tanh(s / softcap) before
-    the masks; a row with no visible key gives 0."""
+    the masks; keep [B, Hq, S, S] (dropout draws): probabilities * keep / (1 - p);
+    a row with no visible key gives 0."""
     S = q.shape[2]
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
@@ -45,6 +47,8 @@ def reference(q, k, v, scale, causal, mask, window=None, softcap=None):
         allowed = allowed & ((d < window) if causal else (d.abs() < window))
     s = s.masked_fill(~allowed, -1e300)
     probs = torch.softmax(s, dim=-1) * allowed.any(-1, keepdim=True)
+    if keep is not None:
+        probs = probs * keep.to(probs.dtype) / (1 - p)
     return probs @ v
 
 
@@ -85,7 +89,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, Hkv: int = 2, D: int = 16,
                      dtype: str = "float32", left_pad: int = 0, backend: str | None = None,
                      seed: int = 0, p2p: str = "auto", window: int | None = None,
-                     softcap: float | None = None) -> dict:
+                     softcap: float | None = None, dropout: float = 0.0, drop_seed: int | None = None) -> dict:
     """ring_attention on this rank's zigzag rows equals full attention: the
     forward rows and the q, k, v gradients (gathered to full sequences), on
     the S real rows.  left_pad: batch row 1 starts with that many padding
@@ -93,7 +97,10 @@ def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, 
     is at the end: masked by key_padding when not causal (or when a padding
     mask is given anyway), unmasked when causal (real queries never see it).
     backend: SHARDFORMER_COMM for the group; p2p: ring_attention.P2P;
-    window: the sliding window (global positions); softcap: logit soft-capping."""
+    window: the sliding window (global positions); softcap: logit soft-capping;
+    dropout (drop_seed, None: the ring draws one on group rank 0): the
+    reference applies the kernel's draws for the whole padded sequence,
+    ops.attention_dropout_mask([B, Hq, S', S']), restricted to the S real rows."""
     p, r = ctx.tp_size, ctx.rank
     dt = DTYPES[dtype]
     gen = torch.Generator().manual_seed(seed)
@@ -105,11 +112,6 @@ def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, 
     if left_pad:
         real[1, :left_pad] = False
     scale = 1.0 / math.sqrt(D)
-
-    # reference: float64 autograd on the same (rounded) values
-    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    ref = reference(qr, kr, vr, scale, causal, real if left_pad else None, window, softcap)
-    ref.backward(dout.double())
 
     # the model integration's padding: zero rows at the end, key_padding over S'
     S_pad = ra.padded_length_for(S, p)
@@ -132,8 +134,13 @@ def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, 
             from shardformer.distributed import get_communicator
 
             used = get_communicator(ctx.group, "cpu").backend
-            out = ra.ring_attention(ql, kl, vl, ctx.group, scale=scale, causal=causal, key_padding=key_padding,
-                                    window=window, softcap=softcap)
+            seeds, group_seed = [], ra._group_seed
+            ra._group_seed = lambda *a: seeds.append(group_seed(*a)) or seeds[-1]
+            try:
+                out = ra.ring_attention(ql, kl, vl, ctx.group, scale=scale, causal=causal, key_padding=key_padding,
+                                        window=window, softcap=softcap, dropout_p=dropout, seed=drop_seed)
+            finally:
+                ra._group_seed = group_seed
             out.backward(gl)
             calls = {key: ra.CALLS[key] - before[key] for key in before}
 
@@ -144,6 +151,20 @@ def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, 
     finally:
         ra.P2P = old_p2p
     assert out.dtype == dt and out.shape == ql.shape
+    keep = None
+    if dropout:
+        if drop_seed is None:                  # drawn on group rank 0: every rank got the same
+            assert len(seeds) == 1, seeds
+            every = [torch.zeros(1, dtype=torch.int64) for _ in range(p)]
+            dist.all_gather(every, torch.tensor(seeds, dtype=torch.int64), group=ctx.group)
+            assert all(int(e) == seeds[0] for e in every), every
+            drop_seed = seeds[0]
+        keep = ops.attention_dropout_mask((B, Hq, S_pad, S_pad), dropout, drop_seed)[:, :, :S, :S]
+
+    # reference: float64 autograd on the same (rounded) values
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    ref = reference(qr, kr, vr, scale, causal, real if left_pad else None, window, softcap, keep, dropout)
+    ref.backward(dout.double())
     errors = {"o": _rel(full_o, ref), "dq": _rel(full_dq, qr.grad), "dk": _rel(full_dk, kr.grad),
               "dv": _rel(full_dv, vr.grad)}
     if window == 1:               # each query sees itself only: dq = dk = 0 exactly, compare absolutely
@@ -158,7 +179,8 @@ def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, 
         assert full_o[1, :, :left_pad].abs().max() == 0 and full_dq[1, :, :left_pad].abs().max() == 0
     if left_pad >= S:                            # keys nobody may see: no gradient
         assert full_dk[1].abs().max() == 0 and full_dv[1].abs().max() == 0
-    return {"errors": errors, "calls": calls, "backend": used}
+    return {"errors": errors, "calls": calls, "backend": used, "seed": drop_seed,
+            "keep_rate": None if keep is None else keep.float().mean().item()}
 
 
 def ring_on_subgroup(ctx, members: list, backend: str | None = None) -> dict | None:
@@ -199,7 +221,8 @@ def ring_shapes_refused(ctx) -> list:
                                    ctx.group), ValueError, "multiple"),
         (lambda: ra.ring_attention(q, k, k, ctx.group, softcap=-1.0), ValueError, "softcap"),
         (lambda: ra.ring_attention(q, k, k, ctx.group, softcap=float("nan")), ValueError, "softcap"),
-        (lambda: ra.ring_attention(q, k, k, ctx.group, dropout_p=0.1), NotImplementedError, "dropout"),
+        (lambda: ra.ring_attention(q, k, k, ctx.group, dropout_p=1.5), ValueError, "dropout_p"),
+        (lambda: ra.ring_attention(q, k, k, ctx.group, dropout_p=0.1, seed="7"), TypeError, "seed"),
         (lambda: ra.ring_attention(q, k, k, ctx.group, window=-1), ValueError, "window"),
     ]
     for fn, exc, words in cases:

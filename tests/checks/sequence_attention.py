@@ -234,16 +234,67 @@ def softcap_equals_unsharded(ctx, name: str, mode: str, cap: float, seq: int | N
     return report
 
 
-def refused(ctx, name: str, mode: str, match: str, overrides: dict | None = None) -> str:
-    """optimize() or the first forward raises NotImplementedError matching `match`."""
-    model = zoo.build(name, **(overrides or {}))
+def ring_dropout_matches_kernel(ctx, name: str, p_drop: float = 0.3) -> dict:
+    """Training with attention_dropout=p_drop under ring_attn: the logits,
+    the loss and every gradient equal the unsharded model whose attention is
+    the C kernel (shardformer.attention.enable), with the same dropout draws:
+    the ring's blocks draw exactly what one kernel call over the whole
+    sequence draws, for the seed that group rank 0 takes from torch's
+    generator (torch.manual_seed alike before both forwards; the 8 tokens are
+    a multiple of 2p, so the padded sequence is the sequence).  The draws are
+    in force: a second seed changes the logits."""
+    from shardformer import attention as sf_attention
+    from shardformer.layer import ring_attention as ra
+
+    torch.manual_seed(0)
+    model = zoo.build(name, attention_dropout=p_drop).train()
+    ref = copy.deepcopy(model)
+    sf_attention.enable(ref)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config("ring_attn"))).optimize(model)
+    inputs = zoo.make_inputs(name)
+    assert inputs["input_ids"].shape[1] % (2 * ctx.tp_size) == 0
+    before, ring_before = sa.CALLS["ring_attn"], ra.CALLS["forward"]
+    torch.manual_seed(7)
+    got = model(**inputs)
+    torch.manual_seed(7)
+    kernel_before = sf_attention.CALLS["kernel"]
+    exp = ref(**inputs)
+    assert sf_attention.CALLS["kernel"] > kernel_before, "the reference did not run the kernel"
+    assert sa.CALLS["ring_attn"] > before and ra.CALLS["forward"] > ring_before, "the ring never ran"
+    tol = parity.TOL[torch.float32]
+    report = {"logits": parity.assert_close(f"{name} logits", got.logits, exp.logits, tol),
+              "loss": parity.assert_close(f"{name} loss", got.loss, exp.loss, tol)}
+    got.loss.backward()
+    exp.loss.backward()
+    grads = dict(ref.named_parameters())
+    for key, prm in model.named_parameters():
+        parity.assert_close(f"{name} grad {key}", prm.grad, grads[key].grad, tol)
+    torch.manual_seed(8)
+    other = model(**inputs).logits
+    assert not torch.allclose(other, got.logits), f"{name}: attention dropout {p_drop} changes nothing"
+    return report
+
+
+def ring_packed_mask_refused(ctx, name: str) -> str:
+    """Packed sequences (position_ids restarting at 0: HF builds a block-causal
+    4-D mask) under ring_attn raise NotImplementedError naming the model and
+    the mode at the first layer's attention, and leave the weights as they were."""
+    model = zoo.build(name)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config("ring_attn"))).optimize(model)
+    inputs = zoo.make_inputs(name)
+    n = inputs["input_ids"].shape[1]
+    position_ids = torch.cat([torch.arange(n // 2), torch.arange(n - n // 2)]).expand(inputs["input_ids"].shape[0], n)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
     try:
-        ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))).optimize(model)
-        model(**zoo.make_inputs(name))
+        model(**inputs, position_ids=position_ids)
     except NotImplementedError as e:
-        assert match in str(e), str(e)
-        return str(e)
-    raise AssertionError(f"{name}: {mode} was not refused")
+        assert name in str(e) and "ring_attn" in str(e) and "attention mask pattern" in str(e), str(e)
+        message = str(e)
+    else:
+        raise AssertionError(f"{name}: a packed-sequence mask was not refused under ring_attn")
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert not changed, f"the refused forward changed {changed}"
+    return message
 
 
 def padded_batch_real_rows(ctx, name: str, mode: str, seq: int = 7, pad: int = 2) -> dict:

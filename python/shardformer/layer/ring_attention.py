@@ -150,8 +150,20 @@ Soft-capping is elementwise on each logit, so every block applies it in
 the kernel (forward and backward, csrc/kernels/attention.h) and the merge
 and the backward's final-lse identities above hold unchanged.
 
-Not supported (NotImplementedError): attention dropout (dropout_p must be
-0), ALiBi / additive biases.
+Attention dropout (dropout_p > 0): o_i = sum_j p_ij z_ij / (1 - dropout_p) v_j
+with z_ij drawn by the kernel's counter-based hash from (seed, b, h, global
+query position, global key position), i.e. what one kernel call over the
+whole padded sequence of S' rows draws (ops.attention_dropout_mask of
+[B, Hq, S', S'] shows them).  Each block passes the global positions of
+its rows (qpos, kpos, drop_seq = S'), so the blocks of every rank draw
+exactly their part of that mask, in forward and again in backward.  The
+block's lse stays the undropped log-sum-exp, so the merge above is
+unchanged (o_b carries the dropped, rescaled weights), and backward with
+the final o (dropped) gives delta_i = sum_j p_ij dp_ij as the kernel needs.
+The seed is one number for the whole group: drawn by group rank 0 from
+torch's generator and broadcast when not given.
+
+Not supported: ALiBi / additive biases.
 """
 from __future__ import annotations
 
@@ -460,6 +472,28 @@ class _Halves:
         return self.cache[key]
 
 
+def _positions(drop, r, j, p, c, qrows, krows) -> tuple:
+    """(qpos, kpos, drop_seq) of a block for the kernel's dropout draws: the
+    global positions of rank r's query rows `qrows` and owner j's key rows
+    `krows` in the padded sequence of S' = 2cp rows, and S'.  (None, None, 0)
+    without dropout."""
+    if drop is None:
+        return None, None, 0
+    S_pad = 2 * c * p
+    return (_rows(zigzag_rows(S_pad, p, r), qrows, c, dim=0).contiguous(),
+            _rows(zigzag_rows(S_pad, p, j), krows, c, dim=0).contiguous(), S_pad)
+
+
+def _group_seed(group, p: int) -> int:
+    """One dropout seed for the whole group: group rank 0 draws it from
+    torch's generator and broadcasts it (every rank calls this at the same
+    point, as the ring itself)."""
+    t = torch.randint(0, 2**62, (1,), dtype=torch.int64) if D.rank(group) == 0 else torch.zeros(1, dtype=torch.int64)
+    if p > 1:
+        D.broadcast(t, 0, group)
+    return int(t.item())
+
+
 def _travel(ring, r: int, p: int, kf: int, kb: int, kd: torch.Tensor, vd: torch.Tensor):
     """Yield (owner, its K/V as [2, B, Hkv, 2c, D] or the (k, v) pair) for
     rank r's steps (_schedule), the K/V of each step travelling while the
@@ -490,7 +524,7 @@ def _travel(ring, r: int, p: int, kf: int, kb: int, kd: torch.Tensor, vd: torch.
 def _backward_blocks(r, j, p, c, S_pad, cur, qd, o, dout, lse, dq, half, args) -> list:
     """The kernel's backward of rank r's blocks against owner j's K/V `cur`:
     dq accumulated in place, [(key rows, dk, dv)] returned."""
-    _group, scale, causal, kp, W, softcap = args
+    _group, scale, causal, kp, W, softcap, drop = args
     step = _Step(r, j, p, c, S_pad, causal, W, kp)
     grads = []
     for qrows, krows, blk_causal, blk_window, band in step.calls:
@@ -500,7 +534,9 @@ def _backward_blocks(r, j, p, c, S_pad, cur, qd, o, dout, lse, dq, half, args) -
         vb = _rows(cur[1], krows, c).contiguous()
         dqb, dkb, dvb = torch.empty_like(qb), torch.empty_like(kb), torch.empty_like(vb)
         _C.attention_backward(qb, kb, vb, ob, db, lb, dqb, dkb, dvb, None, scale, blk_causal,
-                              blk_window, None, None, step.mask(krows, band), 0.0, 0, softcap)
+                              blk_window, None, None, step.mask(krows, band),
+                              *(drop or (0.0, 0)), softcap,
+                              *_positions(drop, r, j, p, c, qrows, krows))
         CALLS["kernel_backward"] += 1
         _rows(dq, qrows, c).add_(dqb)
         grads.append((krows, dkb, dvb))
@@ -539,7 +575,7 @@ def _chain_backward(ring, r, p, c, S_pad, kf, kb, qd, kd, vd, o, dout, lse, dq, 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, causal, kp, W, softcap):
+    def forward(ctx, q, k, v, group, scale, causal, kp, W, softcap, drop):
         qd, kd, vd = ops._data(q, "ring_attention q"), ops._data(k, "ring_attention k"), \
             ops._data(v, "ring_attention v")
         p, r = D.world_size(group), D.rank(group)
@@ -561,13 +597,14 @@ class _RingAttention(torch.autograd.Function):
                 ob = torch.empty_like(qb)
                 lb = torch.empty(qb.shape[:3], dtype=torch.float32)
                 _C.attention_forward(qb, kb, vb, ob, lb, scale, blk_causal, blk_window, None, None,
-                                     step.mask(krows, band), 0.0, 0, softcap)
+                                     step.mask(krows, band), *(drop or (0.0, 0)),
+                                     softcap, *_positions(drop, r, j, p, c, qrows, krows))
                 CALLS["kernel_forward"] += 1
                 _merge(_rows(o_acc, qrows, c), _rows(lse_acc, qrows, c), ob, lb)
         lse = lse_acc.masked_fill_(lse_acc == -math.inf, math.inf)   # kernel convention: all masked = +inf
         o = o_acc.to(qd.dtype)
         ctx.save_for_backward(qd, kd, vd, o, lse)
-        ctx.args = (group, scale, causal, kp, W, softcap)
+        ctx.args = (group, scale, causal, kp, W, softcap, drop)
         return o
 
     @staticmethod
@@ -575,7 +612,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         qd, kd, vd, o, lse = ctx.saved_tensors
         o = o.detach()
-        group, scale, causal, kp, W, softcap = ctx.args
+        group, scale, causal, kp, W, softcap, drop = ctx.args
         p, r = D.world_size(group), D.rank(group)
         dout = ops._data(dout, "ring_attention grad").to(qd.dtype).contiguous()
         B, Hq, n, Dh = qd.shape
@@ -590,7 +627,7 @@ class _RingAttention(torch.autograd.Function):
         if hops != (p - 1, 0):
             dk, dv = _chain_backward(ring, r, p, c, S_pad, *hops, qd, kd, vd, o, dout, lse, dq, half, ctx.args)
             dt = qd.dtype
-            return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None, None
+            return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None, None, None
         cur = torch.stack([kd, vd]) if p > 1 else (kd, vd)
         spare = torch.empty_like(cur) if p > 1 else None
         acc = torch.zeros((2, *kd.shape), dtype=torch.float32)  # dk, dv of the K/V held (owner j)
@@ -615,14 +652,14 @@ class _RingAttention(torch.autograd.Function):
             _Ring.wait(acc_handles)
             acc = acc_next
         dt = qd.dtype
-        return dq.to(dt), acc[0].to(dt), acc[1].to(dt), None, None, None, None, None, None
+        return dq.to(dt), acc[0].to(dt), acc[1].to(dt), None, None, None, None, None, None, None
 
 
 # ---- the entry point ------------------------------------------------------------------
 
 def ring_attention(q, k, v, group=None, *, scale: float | None = None, causal: bool = True,
                    key_padding: torch.Tensor | None = None, softcap: float | None = None,
-                   dropout_p: float = 0.0, window: int | None = None) -> torch.Tensor:
+                   dropout_p: float = 0.0, window: int | None = None, seed: int | None = None) -> torch.Tensor:
     """Exact attention over a sequence split in zigzag order over `group`.
 
     q [B, Hq, 2c, D], k / v [B, Hkv, 2c, D] (Hq a multiple of Hkv): this
@@ -651,12 +688,18 @@ def ring_attention(q, k, v, group=None, *, scale: float | None = None, causal: b
     softcap: None / 0 (none) or a finite cap > 0: each logit becomes
     softcap tanh(scale q_i . k_j / softcap) before the masks (Gemma 2).
 
-    dropout_p > 0 is not supported.
+    dropout_p: attention dropout in [0, 1] (the caller passes 0 outside
+    training); seed: the draws' seed, the same on every rank (None: group
+    rank 0 draws one and broadcasts it).  The draws are those of one kernel
+    call over the whole padded sequence: ops.attention_dropout_mask(
+    [B, Hq, S', S'], dropout_p, seed) (see the module docstring).
     """
     cap = ops.check_softcap(softcap, "ring_attention")
-    if dropout_p:
-        raise NotImplementedError(f"ring_attention: attention dropout is not supported (dropout_p={dropout_p}, "
-                                  "must be 0)")
+    dropout_p = float(dropout_p or 0.0)
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"ring_attention: dropout_p must be in [0, 1], got {dropout_p}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"ring_attention: seed must be an int or None, got {type(seed).__name__}")
     ops.check_qkv(q, k, v, "ring_attention")
     B, Hq, n, Dh = q.shape
     if k.shape[2] != n:
@@ -686,4 +729,7 @@ def ring_attention(q, k, v, group=None, *, scale: float | None = None, causal: b
         if 0 < window < S_pad:      # a window of S' or more never hides a pair
             W = int(window)
     scale = 1.0 / math.sqrt(Dh) if scale is None else float(scale)
-    return _RingAttention.apply(q, k, v, group, scale, bool(causal), kp, W, cap)
+    drop = None
+    if dropout_p > 0:
+        drop = (dropout_p, _group_seed(group, p) if seed is None else int(seed))
+    return _RingAttention.apply(q, k, v, group, scale, bool(causal), kp, W, cap, drop)

@@ -257,10 +257,7 @@ def _ring(state, module, query, key, value, attention_mask, kwargs):
     if kwargs.get("output_attentions"):
         raise NotImplementedError(f"{state.name}: ring_attn never builds the attention weights "
                                   f"(output_attentions=True)")
-    dropout = float(kwargs.get("dropout") or 0.0)
-    if dropout > 0 and module.training:
-        raise NotImplementedError(f"{state.name}: ring_attn does not apply attention dropout "
-                                  f"(attention_dropout={dropout}); set it to 0 or use all_to_all")
+    dropout = float(kwargs.get("dropout") or 0.0) if module.training else 0.0
     padding = None
     # the sliding window as shardformer.attention reads it: the tag on the 2-D
     # key padding mask of a sliding layer, else the `sliding_window` HF passes
@@ -277,7 +274,7 @@ def _ring(state, module, query, key, value, attention_mask, kwargs):
         padding = padding.expand(query.shape[0], state.padded)
     out = ring_attention(query, key, value, state.group, scale=kwargs.get("scaling"), causal=causal,
                          key_padding=padding, window=int(window),   # global positions, as the split rows
-                         softcap=kwargs.get("softcap"))
+                         softcap=kwargs.get("softcap"), dropout_p=dropout)
     return out.transpose(1, 2).contiguous(), None
 
 
