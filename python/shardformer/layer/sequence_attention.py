@@ -24,7 +24,9 @@ Attention is the one place rows meet:
     ring_attn    K/V blocks travel around the ring and the C flash kernel's
                  log-sum-exp merges the blocks exactly
                  (shardformer.layer.ring_attention), soft-capping the
-                 logits in each block when the layer passes `softcap`.
+                 logits in each block when the layer passes `softcap`, and
+                 in training drawing the layer's attention dropout as one
+                 kernel call over the whole sequence would.
 
 Around the layers: the first layer's input is split (backward: all-gather
 of the rows' gradients), the last layer's output all-gathered (backward:
