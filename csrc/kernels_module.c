@@ -606,7 +606,8 @@ static PyObject *py_attention_forward(PyObject *self, PyObject *args)
         arg(&vs, o[2], "v", IN, &v) || arg(&vs, o[3], "out", OUT, &out) ||
         arg(&vs, o[4], "lse", F32_OUT, &lse) || arg(&vs, o[5], "alibi_slopes", F32_OPT, &al) ||
         arg(&vs, o[6], "bias", F32_OPT, &bi) || arg(&vs, o[7], "mask", MASK, &mk) ||
-        (o[8] && arg(&vs, o[8], "qpos", I64_OPT, &qp)) || (o[9] && arg(&vs, o[9], "kpos", I64_OPT, &kp)))
+        (o[8] && arg(&vs, o[8], "qpos", I64_OPT, &qp)) ||
+        (o[9] && arg(&vs, o[9], "kpos", I64_OPT, &kp)))
         return fail(&vs);
     sfk_attn a;
     int64_t sz[2];
@@ -633,7 +634,8 @@ static PyObject *py_attention_backward(PyObject *self, PyObject *args)
         softcap_arg("attention_backward", capobj, &cap))
         return NULL;
     views vs = {.fn = "attention_backward"};
-    sf_view *q, *k, *v, *out, *dout, *lse, *dq, *dk, *dv, *db, *al, *bi, *mk, *qp = NULL, *kp = NULL;
+    sf_view *q, *k, *v, *out, *dout, *lse, *dq, *dk, *dv, *db, *al, *bi, *mk;
+    sf_view *qp = NULL, *kp = NULL;
     /* MAXV views at most: q k v out dout lse dq dk dv dbias + alibi bias mask + qpos kpos = 15 */
     if (arg(&vs, o[0], "q", IN, &q) || arg(&vs, o[1], "k", IN, &k) ||
         arg(&vs, o[2], "v", IN, &v) || arg(&vs, o[3], "out", IN, &out) ||
@@ -642,7 +644,8 @@ static PyObject *py_attention_backward(PyObject *self, PyObject *args)
         arg(&vs, o[8], "dv", OUT, &dv) || arg(&vs, o[9], "dbias", F32_OUT_OPT, &db) ||
         arg(&vs, o[10], "alibi_slopes", F32_OPT, &al) ||
         arg(&vs, o[11], "bias", F32_OPT, &bi) || arg(&vs, o[12], "mask", MASK, &mk) ||
-        (o[13] && arg(&vs, o[13], "qpos", I64_OPT, &qp)) || (o[14] && arg(&vs, o[14], "kpos", I64_OPT, &kp)))
+        (o[13] && arg(&vs, o[13], "qpos", I64_OPT, &qp)) ||
+        (o[14] && arg(&vs, o[14], "kpos", I64_OPT, &kp)))
         return fail(&vs);
     sfk_attn a;
     int64_t sz[2];
@@ -667,7 +670,8 @@ static PyObject *py_attention_dropout_keep(PyObject *self, PyObject *args)
     float p;
     unsigned long long seed;
     long long drop_seq = 0;
-    if (!PyArg_ParseTuple(args, "OfK|OOL:attention_dropout_keep", &obj, &p, &seed, &qo, &ko, &drop_seq))
+    if (!PyArg_ParseTuple(args, "OfK|OOL:attention_dropout_keep", &obj, &p, &seed, &qo, &ko,
+                          &drop_seq))
         return NULL;
     views vs = {.fn = "attention_dropout_keep"};
     sf_view *keep, *qp = NULL, *kp = NULL;
