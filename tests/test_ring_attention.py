@@ -366,6 +366,11 @@ def test_ring_dropout_is_the_kernel_on_one_rank():
     assert torch.equal(o, o2) and not torch.allclose(o, ops.attention(q, k, v, causal=True))
     for a, b in zip(torch.autograd.grad(o, (q, k, v), g), torch.autograd.grad(o2, (q, k, v), g)):
         assert torch.equal(a, b)
+    # seed None: one draw from torch's generator, as ops.attention makes it
+    torch.manual_seed(5)
+    o = ra.ring_attention(q, k, v, dropout_p=0.4)
+    torch.manual_seed(5)
+    assert torch.equal(o, ops.attention(q, k, v, causal=True, dropout_p=0.4))
 
 
 def test_dropout_positions_draw_the_global_mask():
