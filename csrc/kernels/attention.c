@@ -207,6 +207,39 @@ AVX512 static inline __m512 exp16(__m512 x)
     return _mm512_maskz_mul_ps((__mmask16)~under, p, _mm512_castsi512_ps(e));
 }
 
+/* tanh over 16 lanes.  |y| >= 1/4: (1 - e) / (1 + e) with e = exp(-2|y|)
+ * (exp16; e = 0 past its range gives 1), the sign of y put back.  Below,
+ * where 1 - e would cancel, the odd series y - y^3/3 + 2y^5/15 - 17y^7/315
+ * + 62y^9/2835 (the next term is < 1e-8 of y there). */
+AVX512 static inline __m512 tanh16(__m512 y)
+{
+    const __m512 one = _mm512_set1_ps(1.0f), ay = _mm512_abs_ps(y);
+    const __m512 e = exp16(_mm512_mul_ps(ay, _mm512_set1_ps(-2.0f)));
+    const __m512 far = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32((int)0x80000000u));
+    const __m512 y2 = _mm512_mul_ps(y, y);
+    __m512 p = _mm512_set1_ps(62.0f / 2835.0f);
+    p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(-17.0f / 315.0f));
+    p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(2.0f / 15.0f));
+    p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(-1.0f / 3.0f));
+    p = _mm512_fmadd_ps(p, y2, one);
+    const __mmask16 near = _mm512_cmp_ps_mask(ay, _mm512_set1_ps(0.25f), _CMP_LT_OQ);
+    return _mm512_mask_blend_ps(near, _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(far), sign)),
+                                _mm512_mul_ps(p, y));
+}
+
+/* soft_cap (below) over 16 lanes at a time. */
+AVX512 static void soft_cap_avx512(float *x, int64_t n, float cap, float *dc)
+{
+    const __m512 c = _mm512_set1_ps(cap), inv = _mm512_set1_ps(1.0f / cap), one = _mm512_set1_ps(1.0f);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 m = n - j >= 16 ? (__mmask16)0xffffu : (__mmask16)((1u << (n - j)) - 1u);
+        const __m512 t = tanh16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + j), inv));
+        _mm512_mask_storeu_ps(x + j, m, _mm512_mul_ps(c, t));
+        if (dc) _mm512_mask_storeu_ps(dc + j, m, _mm512_fnmadd_ps(t, t, one));
+    }
+}
+
 /* s[j] = exp(s[j] - shift) in place, and their sum: one pass. */
 AVX512 static float exp_sum_avx512(float *s, int64_t n, float shift)
 {
@@ -288,6 +321,9 @@ static void visible(const sfk_attn *a, int64_t i, int64_t j0, int64_t nj, int64_
  * derivative 1 - tanh^2(x / cap) of each. */
 static void soft_cap(float *x, int64_t n, float cap, float *dc)
 {
+#ifdef ATT_X86
+    if (sf_cpu_has_avx512()) { soft_cap_avx512(x, n, cap, dc); return; }
+#endif
     const float inv = 1.0f / cap;
     for (int64_t j = 0; j < n; j++) {
         const float t = tanhf(x[j] * inv);
