@@ -263,11 +263,13 @@ def ring_dropout_matches_kernel(ctx, name: str, p_drop: float = 0.3) -> dict:
     the loss and every gradient equal the unsharded model whose attention is
     the C kernel (shardformer.attention.enable), with the same dropout draws:
     the ring's blocks draw exactly what one kernel call over the whole
-    sequence draws, for the seed that group rank 0 takes from torch's
-    generator (torch.manual_seed alike before both forwards; the 8 tokens are
-    a multiple of 2p, so the padded sequence is the sequence).  The draws are
-    in force: a second seed changes the logits."""
+    sequence draws, for the seed that group rank 0 draws (inside a split
+    layer torch's generator is the per-rank stream, so the reference kernel
+    is handed the ring's seeds, in order; the 8 tokens are a multiple of 2p,
+    so the padded sequence is the sequence).  The draws are in force: a
+    second seed changes the logits."""
     from shardformer import attention as sf_attention
+    from shardformer import ops
     from shardformer.layer import ring_attention as ra
 
     torch.manual_seed(0)
@@ -278,11 +280,23 @@ def ring_dropout_matches_kernel(ctx, name: str, p_drop: float = 0.3) -> dict:
     inputs = zoo.make_inputs(name)
     assert inputs["input_ids"].shape[1] % (2 * ctx.tp_size) == 0
     before, ring_before = sa.CALLS["ring_attn"], ra.CALLS["forward"]
-    torch.manual_seed(7)
-    got = model(**inputs)
-    torch.manual_seed(7)
-    kernel_before = sf_attention.CALLS["kernel"]
-    exp = ref(**inputs)
+    seeds, group_seed, kernel = [], ra._group_seed, ops.attention
+    ra._group_seed = lambda *a: seeds.append(group_seed(*a)) or seeds[-1]
+    try:
+        torch.manual_seed(7)
+        got = model(**inputs)
+    finally:
+        ra._group_seed = group_seed
+    assert len(seeds) == model.config.num_hidden_layers, f"{name}: {len(seeds)} ring seeds drawn"
+    queue = list(seeds)
+    ops.attention = lambda *a, seed=None, **k: kernel(*a, seed=queue.pop(0) if seed is None else seed, **k)
+    try:
+        torch.manual_seed(7)
+        kernel_before = sf_attention.CALLS["kernel"]
+        exp = ref(**inputs)
+    finally:
+        ops.attention = kernel
+    assert not queue, f"{name}: the reference took {len(seeds) - len(queue)} of {len(seeds)} seeds"
     assert sf_attention.CALLS["kernel"] > kernel_before, "the reference did not run the kernel"
     assert sa.CALLS["ring_attn"] > before and ra.CALLS["forward"] > ring_before, "the ring never ran"
     tol = parity.TOL[torch.float32]
