@@ -101,11 +101,9 @@ NOT_SUPPORTED = {
         "the language model's sequence is split (OPT, T5); the classes without a language model "
         "(vision, Q-Former, retrieval) are refused by name",
     ("blip2", "sequence parallel (all_to_all)"):
-        "with an OPT language model; the classes without a language model, and T5 language models, "
-        "are refused by name",
+        "with an OPT or T5 language model; the classes without a language model are refused by name",
     ("blip2", "sequence parallel (ring_attn)"):
-        "with an OPT language model; the classes without a language model, and T5 language models, "
-        "are refused by name",
+        "with an OPT or T5 language model; the classes without a language model are refused by name",
     ("gemma3", "sequence parallel (ring_attn)"):
         "the text classes; the multimodal ones are refused by name: an image's tokens attend to each "
         "other both ways, which the ring kernel cannot express",
@@ -130,8 +128,8 @@ NOT_SUPPORTED = {
 # (family, column) -> a condition of the cell's tests
 CAVEATS = {
     ("gemma2", "flash attention"):
-        "tested with attn_logit_softcapping=None; with logit soft-capping (Gemma-2's default) the "
-        "layers keep HF's attention, the kernel has no soft-cap",
+        "tested with attn_logit_softcapping=0.05 (a cap that changes the tiny test model's logits), "
+        "soft-capped by the kernel",
     ("mistral", "flash attention"): "with a sliding window (4) shorter than the test's sequences",
     ("falcon", "sequence parallel (ring_attn)"):
         "rotary Falcon (the zoo's config; the other fused layouts and SDPA in "

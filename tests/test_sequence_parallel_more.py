@@ -241,6 +241,18 @@ def test_sp_recorded_hidden_states_tuple_output(pool, mode):
     pool.run(sequence_more.recorded_hidden_states_equal, 4, "LlamaForCausalLM", mode, 5, False)
 
 
+# all_to_all / ring_attn with shared layers (ALBERT: every application recorded) and both stacks of an
+# encoder-decoder (T5, Whisper: encoder_hidden_states and decoder_hidden_states)
+HIDDEN_ENC_DEC = [("AlbertForMaskedLM", 7), ("T5ForConditionalGeneration", 7), ("WhisperForConditionalGeneration", None)]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("mode", ["all_to_all", "ring_attn"])
+@pytest.mark.parametrize("name,seq", HIDDEN_ENC_DEC, ids=[c[0] for c in HIDDEN_ENC_DEC])
+def test_sp_recorded_hidden_states_encoder_decoder(pool, name, seq, mode, tp):
+    pool.run(sequence_more.recorded_hidden_states_equal, tp, name, mode, seq)
+
+
 # split_gather in the other layouts: row layers that reduce-scatter themselves (GPT-2, GPT-J, OPT, BLOOM,
 # Falcon), both stacks of T5 and Whisper (encoder_hidden_states and decoder_hidden_states), ALBERT's
 # shared layers (every call recorded; also 2 groups of 2 layers)

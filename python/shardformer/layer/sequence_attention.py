@@ -23,7 +23,10 @@ Attention is the one place rows meet:
                  and zero heads appended, dropped again after.
     ring_attn    K/V blocks travel around the ring and the C flash kernel's
                  log-sum-exp merges the blocks exactly
-                 (shardformer.layer.ring_attention).
+                 (shardformer.layer.ring_attention), soft-capping the
+                 logits in each block when the layer passes `softcap`, and
+                 in training drawing the layer's attention dropout as one
+                 kernel call over the whole sequence would.
 
 Around the layers: the first layer's input is split (backward: all-gather
 of the rows' gradients), the last layer's output all-gathered (backward:
@@ -211,15 +214,6 @@ class _Gather(torch.autograd.Function):
 
 # ---- attention ---------------------------------------------------------------
 
-def check_ring_config(config, name: str) -> None:
-    """Refuse, before optimize() changes anything, what ring_attn cannot
-    compute for every sequence length: attention logit soft-capping."""
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap is not None:
-        raise NotImplementedError(f"{name}: ring_attn does not apply attention logit soft-capping "
-                                  f"(attn_logit_softcapping={softcap}); use sequence_parallelism_mode='all_to_all'")
-
-
 def _inner_attention(name: str, module):
     """The attention function `name` of transformers' registry ("eager":
     the model's own eager_attention_forward)."""
@@ -386,9 +380,6 @@ def _cross(state, module, query, key, value, attention_mask, kwargs):
 def _ring(state, module, query, key, value, attention_mask, kwargs):
     from .ring_attention import ring_attention
 
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError(f"{state.name}: ring_attn does not apply attention logit soft-capping; "
-                                  f"use sequence_parallelism_mode='all_to_all'")
     if kwargs.get("output_attentions"):
         raise NotImplementedError(f"{state.name}: ring_attn never builds the attention weights "
                                   f"(output_attentions=True)")
@@ -396,10 +387,7 @@ def _ring(state, module, query, key, value, attention_mask, kwargs):
     if bias is not None and (bias.dim() != 4 or tuple(bias.shape[-2:]) != (state.padded, state.padded)):
         raise NotImplementedError(f"{state.name}: ring_attn needs the position bias for the whole padded sequence "
                                   f"[*, H, {state.padded}, {state.padded}]; got {tuple(bias.shape)}")
-    dropout = float(kwargs.get("dropout") or 0.0)
-    if dropout > 0 and module.training:
-        raise NotImplementedError(f"{state.name}: ring_attn does not apply attention dropout "
-                                  f"(attention_dropout={dropout}); set it to 0 or use all_to_all")
+    dropout = float(kwargs.get("dropout") or 0.0) if module.training else 0.0
     padding = None
     # the sliding window as shardformer.attention reads it: the tag on the 2-D
     # key padding mask of a sliding layer, else the `sliding_window` HF passes
@@ -417,7 +405,8 @@ def _ring(state, module, query, key, value, attention_mask, kwargs):
     if bias is not None:
         CALLS["bias"] += 1
     out = ring_attention(query, key, value, state.group, scale=kwargs.get("scaling"), causal=causal,
-                         key_padding=padding, window=int(window), bias=bias)   # global positions, as the rows
+                         key_padding=padding, window=int(window), bias=bias,   # global positions, as the rows
+                         softcap=kwargs.get("softcap"), dropout_p=dropout)
     return out.transpose(1, 2).contiguous(), None
 
 
