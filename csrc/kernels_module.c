@@ -558,8 +558,8 @@ static int softcap_arg(const char *fn, PyObject *obj, float *cap)
     const float f = (float)d;
     if (d == 0.0) return 0;
     if (!(d > 0.0) || !isfinite(d) || !isfinite(f) || f == 0.0f) {
-        PyErr_Format(PyExc_ValueError, "%s: softcap=%g must be finite and > 0 as a float32 "
-                     "(0 or None: no soft-capping)", fn, d);
+        PyErr_Format(PyExc_ValueError, "%s: softcap=%R must be finite and > 0 as a float32 "
+                     "(0 or None: no soft-capping)", fn, obj);
         return -1;
     }
     *cap = f;
