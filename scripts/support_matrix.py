@@ -81,12 +81,6 @@ NOT_SUPPORTED = {
         "SamModel's mask decoder attention goes through the kernel; the vision encoder's "
         "(SamVisionAttention, with decomposed relative positions) is computed by the layer itself, "
         "so SamVisionModel keeps it",
-    ("chatglm2", "sequence parallel (all_to_all)"):
-        "ChatGLM2 is remote code whose CoreAttention is outside transformers' AttentionInterface: no "
-        "seam for the split attention (refused by name; split_gather works)",
-    ("chatglm2", "sequence parallel (ring_attn)"):
-        "ChatGLM2 is remote code whose CoreAttention is outside transformers' AttentionInterface: no "
-        "seam for the split attention (refused by name; split_gather works)",
     ("chatglm2", "sequence overlap"):
         "the GLMBlock's blocks gather their input before the projections (refused by name)",
     ("sam", "sequence parallel (all_to_all)"):
