@@ -70,10 +70,6 @@ NOT_SUPPORTED = {
         "transformers' AttentionInterface",
     ("gptj", "flash attention"):
         "GPTJAttention computes its attention itself, not through transformers' AttentionInterface",
-    ("swinv2", "sequence parallel (split_gather)"):
-        "Swinv2Layer is post-norm: it reads its input as the residual and, reshaped, as the full "
-        "(height, width) map it cuts into windows before any of its modules runs, so its input cannot "
-        "be one rank's rows of the sequence (refused by name)",
     ("swinv2", "flash attention"):
         "Swinv2SelfAttention computes scaled cosine attention (normalized q, k, a learned logit "
         "scale, continuous position bias) itself, not through transformers' AttentionInterface",
