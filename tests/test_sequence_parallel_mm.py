@@ -11,7 +11,7 @@ the model unchanged."""
 import pytest
 
 from checks import sequence_mm as check
-from checks.sequence_attention import tp_sp_equals_unsharded
+from checks.sequence_attention import tp_sp_equals_unsharded, training_dropout_masks
 
 GEMMA3 = ["Gemma3ForConditionalGeneration", "Gemma3Model", "Gemma3ForSequenceClassification"]
 BLIP2 = ["Blip2ForConditionalGeneration", "Blip2Model"]
@@ -152,6 +152,12 @@ def test_mm_generate(pool, name, mode, sp):
 ])
 def test_mm_refused(pool, name, mode, what):
     pool.run(check.mm_refused, 2, name, mode, what)
+
+
+@pytest.mark.parametrize("name,mode", CHATGLM2_SPLIT, ids=[f"{n}-{m}" for n, m in CHATGLM2_SPLIT])
+def test_chatglm2_training_dropout_masks(pool, name, mode):
+    # hidden_dropout on this rank's rows: a different mask per rank (the per-rank stream of the split layers)
+    pool.run(training_dropout_masks, 2, name, mode)
 
 
 @pytest.mark.parametrize("name,mode,what,overrides", [
