@@ -70,10 +70,6 @@ NOT_SUPPORTED = {
         "transformers' AttentionInterface",
     ("gptj", "flash attention"):
         "GPTJAttention computes its attention itself, not through transformers' AttentionInterface",
-    ("swinv2", "sequence parallel (split_gather)"):
-        "Swinv2Layer is post-norm: it reads its input as the residual and, reshaped, as the full "
-        "(height, width) map it cuts into windows before any of its modules runs, so its input cannot "
-        "be one rank's rows of the sequence (refused by name)",
     ("swinv2", "flash attention"):
         "Swinv2SelfAttention computes scaled cosine attention (normalized q, k, a learned logit "
         "scale, continuous position bias) itself, not through transformers' AttentionInterface",
@@ -81,12 +77,6 @@ NOT_SUPPORTED = {
         "SamModel's mask decoder attention goes through the kernel; the vision encoder's "
         "(SamVisionAttention, with decomposed relative positions) is computed by the layer itself, "
         "so SamVisionModel keeps it",
-    ("chatglm2", "sequence parallel (all_to_all)"):
-        "ChatGLM2 is remote code whose CoreAttention is outside transformers' AttentionInterface: no "
-        "seam for the split attention (refused by name; split_gather works)",
-    ("chatglm2", "sequence parallel (ring_attn)"):
-        "ChatGLM2 is remote code whose CoreAttention is outside transformers' AttentionInterface: no "
-        "seam for the split attention (refused by name; split_gather works)",
     ("chatglm2", "sequence overlap"):
         "the GLMBlock's blocks gather their input before the projections (refused by name)",
     ("sam", "sequence parallel (all_to_all)"):

@@ -3,7 +3,8 @@
 Llama-shaped decoder families, GPT-2, the BERT-style encoders, OPT, ViT,
 ALBERT (shared layer groups), T5 (relative position bias, cross-attention),
 Whisper (encoder and decoder), and the families whose attention is outside
-transformers' registry (GPT-Neo, GPT-J, BLOOM, Falcon: split at a seam):
+transformers' registry (GPT-Neo, GPT-J, BLOOM, Falcon: split at a seam;
+ChatGLM2's seam: tests/test_sequence_parallel_mm.py):
 equal to the unsharded model (forward, loss, every gradient, after an
 optimizer step) at SP=2 and 4 with TP off, and at TP=2 x SP=2 on 4 ranks;
 odd lengths (padded inside), padded batches, eval with dropout, per-rank
@@ -151,11 +152,11 @@ def test_ring_refusals(pool):
 
 
 def test_split_attention_refused_by_name():
-    # attention the split cannot reach (ChatGLM2's remote-code core attention, SAM's relative positions)
+    # attention the split cannot reach (SAM's decomposed relative positions inside its own attention)
     import zoo
     from shardformer import ShardConfig, ShardFormer
 
-    for name in ("ChatGLMForConditionalGeneration", "SamVisionModel"):
+    for name in ("SamVisionModel",):
         for mode in MODES:
             model = zoo.build(name)
             with pytest.raises(NotImplementedError, match=f"{mode}.*not available for"):

@@ -611,9 +611,14 @@ def refused_unchanged_model(ctx, model, name: str, mode: str) -> str:
     return message
 
 
+# the split layers of the models whose layers are not `transformer.h`
+_DROPOUT_LAYERS = {"ChatGLMForConditionalGeneration": "transformer.encoder.layers"}
+
+
 def training_dropout_masks(ctx, name: str, mode: str, p: float = 0.3) -> dict:
     """A training forward with every dropout at p, TP off (the zoo's layers
-    under `transformer.h`; every dropout a torch.nn.functional.dropout call):
+    under `transformer.h`, or _DROPOUT_LAYERS; every dropout a
+    torch.nn.functional.dropout call; zoo.chatglm2's: its hidden_dropout):
     each dropout drawn inside the split layers (this rank's rows, or this
     rank's heads over the whole sequence) has a different mask on every
     rank, while those outside (the embedding dropout on the full sequence,
@@ -623,9 +628,12 @@ def training_dropout_masks(ctx, name: str, mode: str, p: float = 0.3) -> dict:
 
     from checks.sequence import check_split_dropout_step
 
-    model = zoo.build_with_dropout(name, p).train()
+    if name.startswith("ChatGLM"):
+        model = zoo.build(name, hidden_dropout=p).train()
+    else:
+        model = zoo.build_with_dropout(name, p).train()
     ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))).optimize(model)
-    layers = model.get_submodule("transformer.h")
+    layers = model.get_submodule(_DROPOUT_LAYERS.get(name, "transformer.h"))
     inside, masks = [False], {"in": [], "out": []}
     layers[0].register_forward_pre_hook(lambda m, a: inside.__setitem__(0, True))
     layers[len(layers) - 1].register_forward_hook(lambda m, a, o: inside.__setitem__(0, False))
