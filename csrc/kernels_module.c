@@ -15,6 +15,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
+
 #include "cpu_features.h"
 #include "glue.h"
 #include "kernels/attention.h"
@@ -24,7 +26,7 @@
 #include "kernels/norm.h"
 #include "tensor_view.h"
 
-#define MAXV 14
+#define MAXV 16
 
 /* The tensor arguments of one call, released together; `out` marks the
  * writable ones (outputs), `same_ok` a pair allowed to be the very same
@@ -106,6 +108,7 @@ static int no_overlap(views *vs)
 #define F32_OPT SF_DT_F32, SF_TAKE_OPTIONAL
 #define F32_OUT_OPT SF_DT_F32, SF_TAKE_WRITE | SF_TAKE_OPTIONAL
 #define I64 SF_DT_I64, 0
+#define I64_OPT SF_DT_I64, SF_TAKE_OPTIONAL
 
 static sfk_dtype kdtype(const sf_view *v)
 {
@@ -538,58 +541,111 @@ static int attn_params(views *vs, const sf_view *q, const sf_view *k, const sf_v
            mul(vs, "B x Hq x Sq x Sk", sz[0], a->Sk, &sz[1]) ? -1 : 0;
 }
 
+/* The optional trailing `softcap` of attention_forward / _backward: None (or
+ * absent) and 0 mean none, else a finite float > 0 (as a float32: a value
+ * that rounds to 0 or to infinity is refused too).  -1 with an exception. */
+static int softcap_arg(const char *fn, PyObject *obj, float *cap)
+{
+    *cap = 0.0f;
+    if (!obj || obj == Py_None) return 0;
+    if (!PyFloat_Check(obj) && !PyLong_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "%s: softcap must be a float or None, got %s", fn,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    const double d = PyFloat_AsDouble(obj);
+    if (d == -1.0 && PyErr_Occurred()) return -1;
+    const float f = (float)d;
+    if (d == 0.0) return 0;
+    if (!(d > 0.0) || !isfinite(d) || !isfinite(f) || f == 0.0f) {
+        PyErr_Format(PyExc_ValueError, "%s: softcap=%R must be finite and > 0 as a float32 "
+                     "(0 or None: no soft-capping)", fn, obj);
+        return -1;
+    }
+    *cap = f;
+    return 0;
+}
+
+/* The optional dropout coordinates (attention.h): qpos [Sq] and kpos [Sk]
+ * int64 (or None) and drop_seq >= 0 into *a; the kernel checks the values.
+ * -1 with an exception. */
+static int drop_positions(views *vs, const sf_view *qpos, const sf_view *kpos, long long drop_seq,
+                          sfk_attn *a)
+{
+    if (want_numel(vs, qpos, "qpos", a->Sq) || want_numel(vs, kpos, "kpos", a->Sk)) return -1;
+    if (drop_seq < 0) {
+        PyErr_Format(PyExc_ValueError, "%s: drop_seq=%lld must be >= 0 (0: the query count)",
+                     vs->fn, drop_seq);
+        return -1;
+    }
+    a->qpos = qpos ? (const int64_t *)qpos->data : NULL;
+    a->kpos = kpos ? (const int64_t *)kpos->data : NULL;
+    a->drop_seq = (int64_t)drop_seq;
+    return 0;
+}
+
 /* A boolean / uint8 mask, optional. */
 #define MASK SF_DT_BOOL | SF_DT_U8, SF_TAKE_OPTIONAL
 
 static PyObject *py_attention_forward(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *o[8];
-    float scale, p;
+    PyObject *o[10] = {0}, *capobj = NULL;
+    float scale, p, cap;
     int causal;
-    long long window;
+    long long window, drop_seq = 0;
     unsigned long long seed;
-    if (!PyArg_ParseTuple(args, "OOOOOfpLOOOfK:attention_forward", &o[0], &o[1], &o[2], &o[3],
-                          &o[4], &scale, &causal, &window, &o[5], &o[6], &o[7], &p, &seed))
+    if (!PyArg_ParseTuple(args, "OOOOOfpLOOOfK|OOOL:attention_forward", &o[0], &o[1], &o[2], &o[3],
+                          &o[4], &scale, &causal, &window, &o[5], &o[6], &o[7], &p, &seed, &capobj,
+                          &o[8], &o[9], &drop_seq) ||
+        softcap_arg("attention_forward", capobj, &cap))
         return NULL;
     views vs = {.fn = "attention_forward"};
-    sf_view *q, *k, *v, *out, *lse, *al, *bi, *mk;
+    sf_view *q, *k, *v, *out, *lse, *al, *bi, *mk, *qp = NULL, *kp = NULL;
     if (arg(&vs, o[0], "q", IN, &q) || arg(&vs, o[1], "k", IN, &k) ||
         arg(&vs, o[2], "v", IN, &v) || arg(&vs, o[3], "out", OUT, &out) ||
         arg(&vs, o[4], "lse", F32_OUT, &lse) || arg(&vs, o[5], "alibi_slopes", F32_OPT, &al) ||
-        arg(&vs, o[6], "bias", F32_OPT, &bi) || arg(&vs, o[7], "mask", MASK, &mk))
+        arg(&vs, o[6], "bias", F32_OPT, &bi) || arg(&vs, o[7], "mask", MASK, &mk) ||
+        (o[8] && arg(&vs, o[8], "qpos", I64_OPT, &qp)) ||
+        (o[9] && arg(&vs, o[9], "kpos", I64_OPT, &kp)))
         return fail(&vs);
     sfk_attn a;
     int64_t sz[2];
     if (attn_params(&vs, q, k, v, al, bi, mk, scale, causal, window, p, seed, &a, sz) ||
         want_numel(&vs, out, "out", q->numel) || same_dtype(&vs, q, "q", out, "out") ||
-        want_numel(&vs, lse, "lse", sz[0]))
+        want_numel(&vs, lse, "lse", sz[0]) || drop_positions(&vs, qp, kp, drop_seq, &a))
         return fail(&vs);
+    a.softcap = cap;
     RUN(sfk_attention_forward(&a, q->data, k->data, v->data, out->data, FLOATP(lse), &err));
 }
 
 static PyObject *py_attention_backward(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *o[13];
-    float scale, p;
+    PyObject *o[15] = {0}, *capobj = NULL;
+    float scale, p, cap;
     int causal;
-    long long window;
+    long long window, drop_seq = 0;
     unsigned long long seed;
-    if (!PyArg_ParseTuple(args, "OOOOOOOOOOfpLOOOfK:attention_backward", &o[0], &o[1], &o[2],
+    if (!PyArg_ParseTuple(args, "OOOOOOOOOOfpLOOOfK|OOOL:attention_backward", &o[0], &o[1], &o[2],
                           &o[3], &o[4], &o[5], &o[6], &o[7], &o[8], &o[9], &scale, &causal,
-                          &window, &o[10], &o[11], &o[12], &p, &seed))
+                          &window, &o[10], &o[11], &o[12], &p, &seed, &capobj, &o[13], &o[14],
+                          &drop_seq) ||
+        softcap_arg("attention_backward", capobj, &cap))
         return NULL;
     views vs = {.fn = "attention_backward"};
     sf_view *q, *k, *v, *out, *dout, *lse, *dq, *dk, *dv, *db, *al, *bi, *mk;
-    /* MAXV views at most: q k v out dout lse dq dk dv dbias + alibi bias mask = 13 */
+    sf_view *qp = NULL, *kp = NULL;
+    /* MAXV views at most: q k v out dout lse dq dk dv dbias + alibi bias mask + qpos kpos = 15 */
     if (arg(&vs, o[0], "q", IN, &q) || arg(&vs, o[1], "k", IN, &k) ||
         arg(&vs, o[2], "v", IN, &v) || arg(&vs, o[3], "out", IN, &out) ||
         arg(&vs, o[4], "dout", IN, &dout) || arg(&vs, o[5], "lse", F32, &lse) ||
         arg(&vs, o[6], "dq", OUT, &dq) || arg(&vs, o[7], "dk", OUT, &dk) ||
         arg(&vs, o[8], "dv", OUT, &dv) || arg(&vs, o[9], "dbias", F32_OUT_OPT, &db) ||
         arg(&vs, o[10], "alibi_slopes", F32_OPT, &al) ||
-        arg(&vs, o[11], "bias", F32_OPT, &bi) || arg(&vs, o[12], "mask", MASK, &mk))
+        arg(&vs, o[11], "bias", F32_OPT, &bi) || arg(&vs, o[12], "mask", MASK, &mk) ||
+        (o[13] && arg(&vs, o[13], "qpos", I64_OPT, &qp)) ||
+        (o[14] && arg(&vs, o[14], "kpos", I64_OPT, &kp)))
         return fail(&vs);
     sfk_attn a;
     int64_t sz[2];
@@ -599,8 +655,10 @@ static PyObject *py_attention_backward(PyObject *self, PyObject *args)
         want_numel(&vs, dv, "dv", k->numel) || same_dtype(&vs, q, "q", out, "out") ||
         same_dtype(&vs, q, "q", dout, "dout") || same_dtype(&vs, q, "q", dq, "dq") ||
         same_dtype(&vs, q, "q", dk, "dk") || same_dtype(&vs, q, "q", dv, "dv") ||
-        want_numel(&vs, lse, "lse", sz[0]) || want_numel(&vs, db, "dbias", sz[1]))
+        want_numel(&vs, lse, "lse", sz[0]) || want_numel(&vs, db, "dbias", sz[1]) ||
+        drop_positions(&vs, qp, kp, drop_seq, &a))
         return fail(&vs);
+    a.softcap = cap;
     RUN(sfk_attention_backward(&a, q->data, k->data, v->data, out->data, dout->data, FLOATP(lse),
                                 dq->data, dk->data, dv->data, FLOATP(db), &err));
 }
@@ -608,14 +666,17 @@ static PyObject *py_attention_backward(PyObject *self, PyObject *args)
 static PyObject *py_attention_dropout_keep(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *obj;
+    PyObject *obj, *qo = NULL, *ko = NULL;
     float p;
     unsigned long long seed;
-    if (!PyArg_ParseTuple(args, "OfK:attention_dropout_keep", &obj, &p, &seed))
+    long long drop_seq = 0;
+    if (!PyArg_ParseTuple(args, "OfK|OOL:attention_dropout_keep", &obj, &p, &seed, &qo, &ko,
+                          &drop_seq))
         return NULL;
     views vs = {.fn = "attention_dropout_keep"};
-    sf_view *keep;
-    if (arg(&vs, obj, "keep", SF_DT_ANY, SF_TAKE_WRITE, &keep))
+    sf_view *keep, *qp = NULL, *kp = NULL;
+    if (arg(&vs, obj, "keep", SF_DT_ANY, SF_TAKE_WRITE, &keep) ||
+        (qo && arg(&vs, qo, "qpos", I64_OPT, &qp)) || (ko && arg(&vs, ko, "kpos", I64_OPT, &kp)))
         return fail(&vs);
     if (keep->ndim != 4 || sf_dtype_bit(keep->dtype) != SF_DT_U8) {
         PyErr_Format(PyExc_ValueError, "attention_dropout_keep: keep must be a 4-D uint8 "
@@ -625,6 +686,8 @@ static PyObject *py_attention_dropout_keep(PyObject *self, PyObject *args)
     sfk_attn a = {.t = SFK_F32, .B = keep->shape[0], .Hq = keep->shape[1], .Hkv = 1,
                   .Sq = keep->shape[2], .Sk = keep->shape[3], .D = 0, .dropout = p, .seed = seed};
     if (a.Hq == 0) a.Hkv = 0;
+    if (drop_positions(&vs, qp, kp, drop_seq, &a))
+        return fail(&vs);
     RUN(sfk_attention_dropout_keep(&a, (uint8_t *)keep->data, &err));
 }
 
@@ -727,12 +790,15 @@ static PyMethodDef kernel_methods[] = {
      "embedding_backward(dout, ids, vocab_start, vocab_real, padding_local, dweight)"},
     {"attention_forward", py_attention_forward, METH_VARARGS,
      "attention_forward(q, k, v, out, lse, scale, causal, window, alibi_slopes|None, bias|None, "
-     "mask|None, dropout, seed): flash-style attention (csrc/kernels/attention.h)."},
+     "mask|None, dropout, seed[, softcap|None, qpos|None, kpos|None, drop_seq]): flash-style "
+     "attention (csrc/kernels/attention.h)."},
     {"attention_backward", py_attention_backward, METH_VARARGS,
      "attention_backward(q, k, v, out, dout, lse, dq, dk, dv, dbias|None, scale, causal, window, "
-     "alibi_slopes|None, bias|None, mask|None, dropout, seed)"},
+     "alibi_slopes|None, bias|None, mask|None, dropout, seed[, softcap|None, qpos|None, kpos|None, "
+     "drop_seq])"},
     {"attention_dropout_keep", py_attention_dropout_keep, METH_VARARGS,
-     "attention_dropout_keep(keep, p, seed): the dropout draws of attention as uint8 [B, H, Sq, Sk]."},
+     "attention_dropout_keep(keep, p, seed[, qpos|None, kpos|None, drop_seq]): the dropout draws of "
+     "attention as uint8 [B, H, Sq, Sk]."},
     {"kernel_set_num_threads", py_set_threads, METH_VARARGS,
      "kernel_set_num_threads(n): threads the kernels split rows over (large inputs only)."},
     {"kernel_get_num_threads", py_get_threads, METH_NOARGS, "kernel_get_num_threads() -> int"},

@@ -27,7 +27,7 @@ infers its head count from the projection width.  Patch and position
 embeddings, query tokens and layer norms stay replicated.
 
 Sequence parallelism applies to the language model only, with its own
-policy's modes (OPT: split_gather, all_to_all, ring_attn; T5: split_gather):
+policy's modes (OPT and T5: split_gather, all_to_all, ring_attn):
 the Q-Former's query outputs, projected, are joined to the text embeddings
 before the language model's first layer, which splits that sequence
 [B, S, H] along S.  The vision encoder and the Q-Former run unsplit (a few

@@ -34,21 +34,89 @@ the model's own rotary table and mask; input_layernorm,
 post_attention_layernorm, the hidden dropouts and the residual adds run on
 this rank's rows (a dropout mask per rank; the norms' gradients
 all-reduced).  Refused by name: add_bias_linear=True (the row layers'
-biases would be summed over the ranks by the block's reduce-scatter),
-enable_sequence_overlap, and the all_to_all / ring_attn modes (the
-attention is remote code outside transformers' AttentionInterface, with no
-seam where a split attention could take q / k / v).
+biases would be summed over the ranks by the block's reduce-scatter) and
+enable_sequence_overlap.
+
+all_to_all / ring_attn: the attention is remote code outside transformers'
+AttentionInterface, so the split runs at a seam (AttentionSeam) on
+CoreAttention.forward(q, k, v[, mask]), where q, k, v are [B, H, S_r, D]
+(heads major; the key / value groups of multi-query attention already
+expanded to the query heads by SelfAttention) of this rank's rows.  The
+layers hold [S_r, B, hidden] between them: the sequence is split along
+dimension 0 before encoder.layers.0 (padded to S', a multiple of p, or of
+2p for ring_attn's zigzag rows) and all-gathered after the last layer
+(backward: this rank's rows of the gradient).  Each layer receives this
+rank's rows of the rotary table (rows along dimension 0), so the rotation
+uses the rows' global positions.  At the seam:
+
+    all_to_all   q, k, v [B, H, S'/p, D] --all-to-all--> [B, H/p, S', D]
+                 (backward: the inverse), the model's own CoreAttention on
+                 its H/p heads over the whole padded sequence (causal, so a
+                 real query never sees the padded keys at the end), the
+                 context [B, H/p, S', D] --all-to-all--> [B, H, S_r, D];
+                 heads not dividing p: zero heads appended, dropped after
+    ring_attn    the ring kernel on the zigzag rows, causal in global
+                 positions, scale 1 / sqrt(D)
+
+and the context returned as CoreAttention returns it, [S_r, B, H D], for
+the dense projection on this rank's rows.  A mask passed to CoreAttention
+(padded batches in the remote code) is refused in a split forward.
 """
 from __future__ import annotations
 
+import math
+
 from shardformer.family import Family, FamilyPolicy, lm, sequence_mode_refused
+from shardformer.layer import sequence_attention as sa
 from shardformer.layer import FusedLinear1D_Col, Linear1D_Row, VocabParallelEmbedding1D
 from shardformer.layout import Fused, Heads
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
 
+def _own_core(core, original, q, k, v):
+    """The model's CoreAttention on q, k, v [B, h, S', D] (h: the heads
+    this rank holds after the all-to-all) -> [B, h, S', D].  Its output
+    width, hidden_size_per_partition, is set to h D for the call."""
+    heads, width = core.num_attention_heads_per_partition, core.hidden_size_per_partition
+    core.num_attention_heads_per_partition, core.hidden_size_per_partition = q.shape[1], q.shape[1] * q.shape[-1]
+    try:
+        out = original(q, k, v)                                  # [S', B, h D]
+    finally:
+        core.num_attention_heads_per_partition, core.hidden_size_per_partition = heads, width
+    return out.view(out.shape[0], out.shape[1], q.shape[1], q.shape[-1]).permute(1, 2, 0, 3)
+
+
+def split_core_attention(state, core, original, args, kwargs):
+    """CoreAttention.forward in a split forward: q, k, v [B, H, S_r, D] of
+    this rank's rows -> the context [S_r, B, H D] of those rows (all_to_all
+    around the model's own CoreAttention, or the ring kernel)."""
+    query, key, value, mask = sa.bind_args(args, kwargs, ("query_layer", "key_layer", "value_layer",
+                                                          "attention_mask"))
+    if mask is not None:
+        raise NotImplementedError(
+            f"{state.name}: sequence_parallelism_mode={state.mode!r}: CoreAttention received an attention mask "
+            f"(a padded batch); the split attention covers the causal mask only")
+    batch, heads, rows, dim = query.shape
+    if state.mode == "all_to_all":
+        context = sa.ulysses(state, query, key, value, lambda q, k, v, _m: _own_core(core, original, q, k, v))
+    else:
+        dropout = getattr(core, "attention_dropout", None)
+        p = dropout.p if dropout is not None and core.training else 0.0
+        context = sa.ring_rows(state, query, key, value, None, scale=1.0 / math.sqrt(dim), dropout=p)
+    return context.permute(2, 0, 1, 3).reshape(rows, batch, heads * dim)
+
+
+SEAM = sa.AttentionSeam("CoreAttention", "forward", split_core_attention,
+                        row_kwargs=("rope", "rotary_pos_emb"), seq_dim=0)
+
+
 class ChatGLM2Shape(FamilyPolicy):
+    # all_to_all / ring_attn: the layers of the encoder, split at CoreAttention (SEAM); the base is the model
+    # (its config carries the dropout probabilities the per-rank dropout streams read)
+    split_attention_at = ("ChatGLMModel", "encoder.layers")
+    attention_seam = SEAM
+
     def config_sanity_check(self):
         if getattr(self.model.config, "original_rope", True) is False:
             raise ValueError(f"{type(self.model).__name__}: original_rope=False is not supported")
@@ -60,11 +128,6 @@ class ChatGLM2Shape(FamilyPolicy):
     def check_sequence_mode(self) -> None:
         cfg, name = self.shard_config, type(self.model).__name__
         mode = cfg.sequence_parallelism_mode
-        if cfg.split_attention_mode:
-            raise sequence_mode_refused(
-                name, f"{self.layers_path()}.*.self_attention.core_attention", mode,
-                "ChatGLM2's attention is remote code outside transformers' AttentionInterface, with no seam where "
-                "a split attention could take q / k / v; use 'split_gather'")
         if cfg.sequence_parallel and getattr(self.model.config, "add_bias_linear", False):
             raise sequence_mode_refused(
                 name, f"{self.layers_path()}.*.self_attention.dense / mlp.dense_4h_to_h", mode,
@@ -72,7 +135,7 @@ class ChatGLM2Shape(FamilyPolicy):
                 "which would sum their biases over the ranks")
 
     def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return ("split_gather",)
+        return ("split_gather",) + self.split_attention_modes()
 
     def sequence_parallel_subs(self) -> tuple[list, list]:
         """(GLMBlock subs, GLMTransformer subs) of split_gather: the blocks,

@@ -215,10 +215,6 @@ class DecoderShape(FamilyPolicy):
         if self.tensor_parallel and jitter:
             raise ValueError(f"{type(self.model).__name__}: router_jitter_noise={jitter} is not supported: "
                              "each rank would draw its own noise and route tokens differently (set it to 0)")
-        if self.shard_config.split_attention_mode == "ring_attn":
-            from shardformer.layer.sequence_attention import check_ring_config
-
-            check_ring_config(cfg, type(self.model).__name__)
 
     def body_policy(self):
         if not self.tensor_parallel:

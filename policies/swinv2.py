@@ -17,7 +17,9 @@ tensor-parallel group, stage by stage (num_heads[i] heads in stage i).
 Swinv2SelfAttention reshapes with num_attention_heads and all_head_size, so
 both become this rank's values (set per block).  Patch embeddings, patch
 merging, norms and the masked-image-modeling decoder stay replicated.
-Sequence parallelism: refused, see Swinv2Shape.
+Split-gather sequence parallelism, per stage (Swinv2Shape): the layers'
+hidden states between the blocks of a stage are this rank's rows; each
+block runs whole, as under plain TP.
 """
 from __future__ import annotations
 
@@ -30,20 +32,40 @@ from shardformer.policy import SubModuleReplacementDescription as Sub
 
 
 class Swinv2Shape(StageShape):
-    """Sequence parallelism is refused (every mode): Swinv2Layer is post-norm
-    and reads its input twice before any of its modules runs, as the
-    residual and, reshaped, as the full (height, width) map it cuts into
-    windows; so a block's input cannot be this rank's rows of the sequence
-    (Swin's pre-norm block gathers the output of layernorm_before instead:
-    StageShape), and gathering it would leave every activation full."""
+    """Split-gather sequence parallelism, stage by stage, with whole blocks.
+    Swinv2Layer is post-norm: it reads its input X [B, H*W, C] twice before
+    any of its modules runs, as the residual and, viewed as the (H, W) map,
+    as the windows' input; no module boundary inside it sees the sequence
+    in order before the residual add.  So each block runs on the full
+    sequence, the same on every rank of the TP group (its column / row
+    layers as plain TP: copy_to_tp_region in, all-reduce out), and the
+    hidden states between the blocks of a stage are this rank's rows
+    (S padded to S', a multiple of p, rows [r S'/p, (r+1) S'/p)):
 
-    def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return ()
+        blocks.0            output cut to this rank's rows ("split_output";
+                            backward: all-gather of the rows' gradients)
+        blocks.1 .. d-2     input all-gathered ("gather_input"; backward:
+                            this rank's rows of the gradient, which every
+                            rank computed in full and alike), output cut
+        blocks.d-1          input all-gathered; output full, for patch
+                            merging (the 2 x 2 neighbours of the map)
 
-    def sequence_parallel_refusal(self, mode: str) -> str:
-        return (f"{self.encoder_prefix()}.layers.*.blocks.* (Swinv2Layer) is post-norm and reads its input "
-                f"as the residual and, reshaped to the full (height, width) map, as the windows' input "
-                f"before any of its modules runs: it cannot take one rank's rows ({mode})")
+    Forward and backward are plain TP's inside each block; what is split is
+    the activation kept between blocks (1/p of it).  A stage of one block
+    has nothing between blocks and runs as plain TP.  all_to_all / ring_attn
+    and enable_sequence_overlap are refused (StageShape)."""
+
+    def stage_sp_subs(self, i: int, depth: int) -> list[Sub]:
+        """The roles of stage i's blocks (paths under the encoder); no norm
+        gradient all-reduce: every parameter sees the full sequence."""
+        from shardformer.layer.sequence import SequenceParallelRegion, SequenceState
+
+        state = SequenceState()         # one per stage: each has its own length
+        roles = [()] * depth
+        if depth > 1:
+            roles = [("split_output",)] + [("gather_input", "split_output")] * (depth - 2) + [("gather_input",)]
+        return [Sub(f"layers.{i}.blocks.{j}", SequenceParallelRegion, kwargs={"role": role, "state": state})
+                for j, role in enumerate(roles) if role]
 
     def block_replacements(self, heads: Heads) -> list[Sub]:
         per_head = Heads(heads.num_heads, head_dim=1).q

@@ -101,6 +101,37 @@ _OWNERS = ("T5Model", "T5EncoderModel", "T5ForConditionalGeneration", "T5ForQues
 
 
 class T5Shape(SplitGatherMixin, FamilyPolicy):
+    @property
+    def pipeline_split(self):
+        """Pipeline stages over [encoder.block | decoder.block] of the module
+        owning the stacks (shardformer.pipeline.stages): block 0 of each stack
+        computes the relative position bias and later blocks take it as an
+        argument, so the bias (output 1; the decoder's cross-attention bias,
+        output 2) travels with the hidden states and its gradient comes back
+        to the stage holding the bias table.  encoder.final_layer_norm sits
+        with the encoder's last block; decoder.embed_tokens (the shared
+        embedding, tied) with the decoder's first, its gradient summed with
+        the other stages holding that Parameter (shared, the LM head).
+        Stages past the encoder get its output in the message and pass it as
+        encoder_outputs (the encoder is not run there)."""
+        from shardformer.pipeline.stages import StageSplit, StageStack
+
+        model = getattr(self, "model", None)
+        owner = next((m for m in model.modules() if type(m).__name__ in _OWNERS), None) if model is not None else None
+        if owner is None:
+            return None
+        bias = (("position_bias", 1),)
+        heads = ("lm_head", "qa_outputs")
+        if getattr(owner, "decoder", None) is None:
+            return StageSplit(type(owner).__name__, "encoder.block", last=("encoder.final_layer_norm",) + heads,
+                              carry=bias)
+        decoder = StageStack("decoder.block", first=("decoder.embed_tokens",),
+                             last=("decoder.final_layer_norm",) + heads,
+                             carry=bias + (("encoder_decoder_position_bias", 2),),
+                             source="encoder_hidden_states", skip="encoder_outputs")
+        return StageSplit(type(owner).__name__, "encoder.block", last=("encoder.final_layer_norm",), carry=bias,
+                          then=decoder)
+
     def sequence_parallel_modes(self) -> tuple[str, ...]:
         return ("split_gather",) + self.split_attention_modes()
 

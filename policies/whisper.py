@@ -65,6 +65,38 @@ class WhisperShape(SplitGatherMixin, FamilyPolicy):
 
     split_head: tuple[str, str] | None = None
 
+    @property
+    def pipeline_split(self):
+        """Pipeline stages over [encoder.layers | decoder.layers] of the
+        WhisperModel (shardformer.pipeline.stages), or over the one stack of
+        WhisperForCausalLM (the decoder) and WhisperForAudioClassification
+        (the encoder).  The conv front end and the encoder positions sit on
+        the first stage; a later stage stands in for them with zeros shaped
+        like their outputs (`shaped`: the convolutions' output is transposed
+        before the layers).  encoder.layer_norm sits with the encoder's last
+        layer; the decoder's embed_tokens (tied with proj_out: gradients
+        summed over the two stages) and embed_positions with the decoder's
+        first.  Stages past the encoder take its output from the message and
+        pass it as encoder_outputs."""
+        from shardformer.pipeline.stages import StageSplit, StageStack
+
+        model = getattr(self, "model", None)
+        if model is None:
+            return None
+        classes = {type(m).__name__ for m in model.modules()}
+        front = ("conv1", "conv2", "embed_positions")
+        if "WhisperModel" in classes:
+            decoder = StageStack("decoder.layers", first=("decoder.embed_tokens", "decoder.embed_positions"),
+                                 last=("decoder.layer_norm",), source="encoder_hidden_states",
+                                 skip="encoder_outputs")
+            return StageSplit("WhisperModel", "encoder.layers", last=("encoder.layer_norm",), then=decoder,
+                              shaped=tuple(f"encoder.{m}" for m in front))
+        if "WhisperEncoder" in classes and "WhisperDecoder" not in classes:
+            return StageSplit("WhisperEncoder", "layers", last=("layer_norm",), shaped=front)
+        if "WhisperDecoder" in classes and "WhisperEncoder" not in classes:
+            return StageSplit("WhisperDecoder", "layers", last=("layer_norm",))
+        return None
+
     def sequence_parallel_modes(self) -> tuple[str, ...]:
         return ("split_gather",) + self.split_attention_modes()
 
@@ -88,6 +120,17 @@ class WhisperShape(SplitGatherMixin, FamilyPolicy):
         super().config_sanity_check()
         cfg, name = self.model.config, type(self.model).__name__
         mode = self.shard_config.sequence_parallelism_mode
+        if self.shard_config.pipeline_stage_manager is not None:
+            for key in ("encoder_layerdrop", "decoder_layerdrop"):
+                if getattr(cfg, key, 0.0):
+                    raise NotImplementedError(f"{name}: pipeline parallelism with {key}={getattr(cfg, key)} is not "
+                                              f"available for Whisper (model.encoder.layers / model.decoder.layers): "
+                                              f"a skipped first or last layer of a stage would skip the hand-over "
+                                              f"between stages (set it to 0)")
+            if getattr(cfg, "use_weighted_layer_sum", False) and hasattr(self.model, "layer_weights"):
+                raise NotImplementedError(f"{name}: pipeline parallelism with use_weighted_layer_sum=True is not "
+                                          f"available for Whisper: the weighted sum reads every encoder layer's "
+                                          f"hidden states, which live on different stages")
         if not self.shard_config.enable_sequence_parallelism:
             return
         for key in ("encoder_layerdrop", "decoder_layerdrop"):

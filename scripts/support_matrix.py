@@ -70,10 +70,6 @@ NOT_SUPPORTED = {
         "transformers' AttentionInterface",
     ("gptj", "flash attention"):
         "GPTJAttention computes its attention itself, not through transformers' AttentionInterface",
-    ("swinv2", "sequence parallel (split_gather)"):
-        "Swinv2Layer is post-norm: it reads its input as the residual and, reshaped, as the full "
-        "(height, width) map it cuts into windows before any of its modules runs, so its input cannot "
-        "be one rank's rows of the sequence (refused by name)",
     ("swinv2", "flash attention"):
         "Swinv2SelfAttention computes scaled cosine attention (normalized q, k, a learned logit "
         "scale, continuous position bias) itself, not through transformers' AttentionInterface",
@@ -81,12 +77,6 @@ NOT_SUPPORTED = {
         "SamModel's mask decoder attention goes through the kernel; the vision encoder's "
         "(SamVisionAttention, with decomposed relative positions) is computed by the layer itself, "
         "so SamVisionModel keeps it",
-    ("chatglm2", "sequence parallel (all_to_all)"):
-        "ChatGLM2 is remote code whose CoreAttention is outside transformers' AttentionInterface: no "
-        "seam for the split attention (refused by name; split_gather works)",
-    ("chatglm2", "sequence parallel (ring_attn)"):
-        "ChatGLM2 is remote code whose CoreAttention is outside transformers' AttentionInterface: no "
-        "seam for the split attention (refused by name; split_gather works)",
     ("chatglm2", "sequence overlap"):
         "the GLMBlock's blocks gather their input before the projections (refused by name)",
     ("sam", "sequence parallel (all_to_all)"):
@@ -101,11 +91,9 @@ NOT_SUPPORTED = {
         "the language model's sequence is split (OPT, T5); the classes without a language model "
         "(vision, Q-Former, retrieval) are refused by name",
     ("blip2", "sequence parallel (all_to_all)"):
-        "with an OPT language model; the classes without a language model, and T5 language models, "
-        "are refused by name",
+        "with an OPT or T5 language model; the classes without a language model are refused by name",
     ("blip2", "sequence parallel (ring_attn)"):
-        "with an OPT language model; the classes without a language model, and T5 language models, "
-        "are refused by name",
+        "with an OPT or T5 language model; the classes without a language model are refused by name",
     ("beit", "pipeline (GPipe)"):
         "BeitForSemanticSegmentation is refused by name: its decode head reads the hidden states of "
         "several layers (out_indices), which stay on the stages that run them",
@@ -139,8 +127,8 @@ NOT_SUPPORTED = {
 # (family, column) -> a condition of the cell's tests
 CAVEATS = {
     ("gemma2", "flash attention"):
-        "tested with attn_logit_softcapping=None; with logit soft-capping (Gemma-2's default) the "
-        "layers keep HF's attention, the kernel has no soft-cap",
+        "tested with attn_logit_softcapping=0.05 (a cap that changes the tiny test model's logits), "
+        "soft-capped by the kernel",
     ("mistral", "flash attention"): "with a sliding window (4) shorter than the test's sequences",
     ("falcon", "sequence parallel (ring_attn)"):
         "rotary Falcon (the zoo's config; the other fused layouts and SDPA in "

@@ -424,7 +424,8 @@ def scenario_attention(i):
         bias = torch.randn(4, 37, 70, requires_grad=True)
         opts = [dict(causal=True), dict(window=9, mask=pad), dict(causal=True, window=5, bias=bias),
                 dict(alibi_slopes=torch.rand(4), mask=torch.rand(2, 1, 37, 70) > 0.5),
-                dict(causal=True, dropout_p=0.2, seed=i)]
+                dict(causal=True, dropout_p=0.2, seed=i), dict(causal=True, softcap=0.7, bias=bias),
+                dict(window=9, mask=pad, softcap=3.0, dropout_p=0.3, seed=i)]
         out = ops.attention(q, k, v, **opts[i % len(opts)])
         out.float().sum().backward()
         # the other alignment: more queries than keys (rows with no key at all)
@@ -434,6 +435,15 @@ def scenario_attention(i):
         q3, k3, v3 = (t.requires_grad_() for t in _attention_args(dtype, 1, 2, 1, 70, 200, 13))
         ops.attention(q3, k3, v3, causal=True, window=(0, 40)[i % 2]).float().sum().backward()
         ops.attention_dropout_mask((1, 2, 3, 5), 0.5, i)
+        # the ring's dropout coordinates: global positions of a longer sequence
+        ops.attention_dropout_mask((1, 2, 3, 5), 0.5, i, [4, 0, 9], [1, 2, 3, 4, 11], 12)
+        qpos, kpos = torch.arange(37) * 2, torch.arange(70) + 30
+        o4, l4 = torch.empty_like(q.detach()), torch.empty(2, 4, 37)
+        _C.attention_forward(q.detach(), k.detach(), v.detach(), o4, l4, 0.3, False, 0, None, None, None,
+                             0.25, i, 2.0, qpos, kpos, 100)
+        _C.attention_backward(q.detach(), k.detach(), v.detach(), o4, o4, l4, torch.empty_like(o4),
+                              torch.empty_like(k.detach()), torch.empty_like(v.detach()), None, 0.3, False, 0,
+                              None, None, None, 0.25, i, 2.0, qpos, kpos, 100)
     finally:
         ops.set_num_threads(1)
     q, k, v = _attention_args(torch.float32)
@@ -452,6 +462,16 @@ def scenario_attention(i):
     expect(ValueError, _C.attention_backward, q, k, v, out, out, lse, q, k, v,
            torch.empty(3), 1.0, False, 0, None, None, None, 0.0, 0, match="dbias")
     expect(ValueError, _C.attention_dropout_keep, torch.empty(2, 2), 0.5, 0)
+    for bad in (-1.0, float("nan"), float("inf"), 1e300):
+        expect(ValueError, _C.attention_forward, q, k, v, out, lse, *args, bad, match="softcap")
+    expect(TypeError, _C.attention_forward, q, k, v, out, lse, *args, "1", match="softcap")
+    expect(ValueError, _C.attention_forward, q, k, v, out, lse, *args, None, torch.arange(5), None, 0,
+           match="qpos")
+    expect(ValueError, _C.attention_forward, q, k, v, out, lse, *args, None, None, torch.arange(70) + 1, 70,
+           match="kpos")
+    expect(ValueError, _C.attention_forward, q, k, v, out, lse, *args, None, None, None, -1, match="drop_seq")
+    expect(TypeError, _C.attention_forward, q, k, v, out, lse, *args, None, torch.arange(37.0), None, 0,
+           match="qpos")
 
 
 # --- the status convention: kernel messages, the NCCL gate, conversions ------------
@@ -801,6 +821,7 @@ elif MODE == "leaks":
     ATT_BIAS = torch.zeros(1, 4, 37, 70)
     ATT_DB = torch.empty(2, 4, 37, 70)
     ATT_SLOPES = torch.ones(4)
+    ATT_QPOS, ATT_KPOS = torch.arange(37) * 3, torch.arange(70) + 100
     XZ, XY = torch.randn(6, 20), torch.randint(0, 20, (6,))
     XO = [torch.empty(6) for _ in range(3)]
     XO16 = torch.empty(6, dtype=torch.float16)
@@ -872,6 +893,18 @@ elif MODE == "leaks":
             None, None, 0.0, 0),
         "attention_dropout_keep": lambda: _C.attention_dropout_keep(
             torch.empty(1, 2, 3, 4, dtype=torch.uint8), 0.5, 7),
+        "attention_forward/softcap_positions": lambda: _C.attention_forward(
+            ATT_Q, ATT_K, ATT_V, ATT_OUT, ATT_LSE, 0.5, True, 4, None, None, ATT_MASK, 0.1, 3, 2.0, ATT_QPOS,
+            ATT_KPOS, 200),
+        "attention_backward/softcap_positions": lambda: _C.attention_backward(
+            ATT_Q, ATT_K, ATT_V, ATT_OUT, ATT_OUT, ATT_LSE, ATT_DQ, ATT_DK, ATT_DV, None, 0.5, True, 4,
+            None, None, ATT_MASK, 0.1, 3, 2.0, ATT_QPOS, ATT_KPOS, 200),
+        "attention_forward/bad_softcap": lambda: expect(
+            ValueError, _C.attention_forward, ATT_Q, ATT_K, ATT_V, ATT_OUT, ATT_LSE, 0.5, False, 0, None,
+            None, None, 0.0, 0, -2.0),
+        "attention_forward/bad_position": lambda: expect(
+            ValueError, _C.attention_forward, ATT_Q, ATT_K, ATT_V, ATT_OUT, ATT_LSE, 0.5, False, 0, None,
+            None, None, 0.1, 0, None, ATT_QPOS, ATT_KPOS, 50),
         "split_units": lambda: _C.split_units(10, 3, 1),
         "split_units/error": lambda: expect(ValueError, _C.split_units, 5, 2, 7),
         "split_units/type": lambda: expect(TypeError, _C.split_units, "5", 2, 0),

@@ -1,9 +1,10 @@
 """The C attention kernel (ops.attention, csrc/kernels/attention.c) against an
 eager float64 softmax attention, forward and backward through autograd, for
 fp32 / bf16 / fp16 with odd sizes, causal (Sq != Sk aligned bottom-right),
-padding and 4-D masks, sliding window, ALiBi, additive bias, GQA, scale and
-dropout; bad input; and ShardConfig(enable_flash_attention=True) on HF models
+padding and 4-D masks, sliding window, ALiBi, additive bias, GQA, scale,
+logit soft-capping and dropout; bad input; and ShardConfig(enable_flash_attention=True) on HF models
 at TP=2 and 4 against the unsharded eager model."""
+import contextlib
 import math
 import warnings
 
@@ -20,13 +21,18 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOL = {torch.float32: (1e-5, 1e-6), torch.bfloat16: (2e-2, 1e-3), torch.float16: (4e-3, 1e-4)}
 
 
-def reference(q, k, v, causal=False, scale=None, mask=None, bias=None, window=0, alibi=None, keep=None, p=0.0):
-    """Eager attention with every option spelled out (float64 in, float64 out)."""
+def reference(q, k, v, causal=False, scale=None, mask=None, bias=None, window=0, alibi=None, keep=None, p=0.0,
+              softcap=None):
+    """Eager attention with every option spelled out (float64 in, float64 out);
+    softcap: the scaled logits x become softcap * tanh(x / softcap) before the
+    bias and the masks."""
     B, H, Sq, D = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     k, v = k.repeat_interleave(H // Hkv, 1), v.repeat_interleave(H // Hkv, 1)
     scale = 1 / math.sqrt(D) if scale is None else scale
     s = q @ k.transpose(-1, -2) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     i = torch.arange(Sq)[:, None] + Sk - Sq
     j = torch.arange(Sk)[None]
     if bias is not None:
@@ -104,6 +110,116 @@ CASES = {
 def test_attention_matches_reference(case, dtype):
     dims, opts = CASES[case]
     run_case(dtype, *dims, **opts)
+
+
+@contextlib.contextmanager
+def counting_c_attention(monkeypatch):
+    """Count the C entry points attention_forward / _backward, and the softcap each got."""
+    from shardformer import _C
+
+    calls = {"forward": 0, "backward": 0, "softcaps": []}
+    for name, key, nargs in (("attention_forward", "forward", 13), ("attention_backward", "backward", 18)):
+        real = getattr(_C, name)
+
+        def counted(*args, _real=real, _key=key, _n=nargs):
+            calls[_key] += 1
+            calls["softcaps"].append(args[_n] if len(args) > _n else None)
+            return _real(*args)
+        monkeypatch.setattr(_C, name, counted)
+    yield calls
+
+
+# (B, Hq, Hkv, Sq, Sk, D): several tiles (Sk > 128 keys, Sq > 64 queries), GQA, Sq != Sk, one query
+SOFTCAP_SHAPES = [(2, 4, 2, 37, 53, 13), (1, 2, 1, 70, 150, 32), (1, 3, 3, 130, 130, 8), (2, 2, 1, 1, 9, 5)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("softcap", [None, 0.5, 2.0, 30.0])
+def test_softcap_matches_reference(softcap, causal, dtype, monkeypatch):
+    """Forward and the q, k, v gradients against the float64 reference, with
+    and without soft-capping (0.5: most logits deep in tanh's saturation,
+    30: Gemma 2's cap, nearly linear); the C kernel ran once each way per
+    shape, with the cap."""
+    with counting_c_attention(monkeypatch) as calls:
+        for n, dims in enumerate(SOFTCAP_SHAPES):
+            run_case(dtype, *dims, seed=n, causal=causal, softcap=softcap, scale=1.3)
+    assert calls["forward"] == calls["backward"] == len(SOFTCAP_SHAPES)
+    assert set(calls["softcaps"]) == {float(softcap or 0.0)}
+
+
+def test_softcap_changes_the_result_and_composes():
+    """A cap below the logits' range changes the output (the cap is in force);
+    with a bias, a window, ALiBi, a padding mask and dropout it still equals
+    the reference (dbias included: the bias is added after the cap)."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 20, 8, generator=g) * 3 for _ in range(3))
+    assert not torch.allclose(ops.attention(q, k, v, causal=True, softcap=1.0), ops.attention(q, k, v, causal=True))
+    pad = torch.ones(2, 45, dtype=torch.bool)
+    pad[0, :6] = False
+    run_case(torch.float32, 2, 4, 2, 45, 45, 12, causal=True, softcap=1.5, mask=pad, window=11,
+             bias_shape=(2, 4, 45, 45), alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]))
+    B, H, S, D, p = 2, 3, 50, 8, 0.3
+    q, k, v = (torch.randn(B, H, S, D, generator=g) for _ in range(3))
+    keep = ops.attention_dropout_mask((B, H, S, S), p, 4)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    refs = [t.double().requires_grad_() for t in (q, k, v)]
+    out = ops.attention(*leaves, causal=True, dropout_p=p, seed=4, softcap=0.8)
+    exp = reference(*refs, causal=True, keep=keep.double(), p=p, softcap=0.8)
+    close("softcap + dropout output", out, exp, torch.float32)
+    grad = torch.randn(exp.shape, generator=g)
+    out.backward(grad)
+    exp.backward(grad.double())
+    for name, x, r in zip("qkv", leaves, refs):
+        close(f"softcap + dropout d{name}", x.grad, r.grad, torch.float32)
+
+
+def test_softcap_split_backward_threads():
+    """Two threads split one pair's key tiles in backward: the same as one thread, bit for bit."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 300, 16, generator=g).requires_grad_() for _ in range(3))
+    results = []
+    try:
+        for n in (1, 2):
+            ops.set_num_threads(n)
+            for t in (q, k, v):
+                t.grad = None
+            out = ops.attention(q, k, v, causal=True, softcap=2.5)
+            out.sum().backward()
+            results.append([out.detach(), q.grad.clone(), k.grad.clone(), v.grad.clone()])
+    finally:
+        ops.set_num_threads(1)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+    run_case(torch.float32, 1, 2, 1, 300, 333, 16, causal=True, softcap=2.5)
+
+
+def test_softcap_refused():
+    from shardformer import _C
+
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 2, 6, 8)
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="softcap"):
+            ops.attention(q, k, k, softcap=bad)
+    with pytest.raises(TypeError, match="softcap"):
+        ops.attention(q, k, k, softcap="30")
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 5)
+    # the C entry point checks on its own, as a float32 (1e300 and 1e-300 round to inf and 0)
+    for bad in (-2.0, float("inf"), float("nan"), 1e300, 1e-300):
+        with pytest.raises(ValueError, match="softcap"):
+            _C.attention_forward(q, k, k, out, lse, 1.0, False, 0, None, None, None, 0.0, 0, bad)
+        with pytest.raises(ValueError, match="softcap"):
+            _C.attention_backward(q, k, k, out, q, lse, torch.empty_like(q), torch.empty_like(k),
+                                  torch.empty_like(k), None, 1.0, False, 0, None, None, None, 0.0, 0, bad)
+    with pytest.raises(TypeError, match="softcap"):
+        _C.attention_forward(q, k, k, out, lse, 1.0, False, 0, None, None, None, 0.0, 0, "x")
+    # None and 0 are no cap: the same as without the argument
+    _C.attention_forward(q, k, k, out, lse, 1.0, False, 0, None, None, None, 0.0, 0, None)
+    ref = out.clone()
+    _C.attention_forward(q, k, k, out, lse, 1.0, False, 0, None, None, None, 0.0, 0, 0.0)
+    assert torch.equal(out, ref)
+    _C.attention_forward(q, k, k, out, lse, 1.0, False, 0, None, None, None, 0.0, 0)
+    assert torch.equal(out, ref)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -249,7 +365,8 @@ def test_bad_input():
 
 # ---- HuggingFace integration -----------------------------------------------
 
-OVERRIDES = {"MistralForCausalLM": {"sliding_window": 4}}
+# Gemma 2's cap of 0.05 (the zoo's 50 never binds on a tiny model's logits): the kernel's soft-capping in force
+OVERRIDES = {"MistralForCausalLM": {"sliding_window": 4}, "Gemma2ForCausalLM": {"attn_logit_softcapping": 0.05}}
 
 
 def check_flash(ctx, name: str) -> dict:
@@ -270,11 +387,12 @@ def check_flash(ctx, name: str) -> dict:
 
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("name", ["LlamaForCausalLM", "GPT2LMHeadModel", "BertForMaskedLM", "MistralForCausalLM",
-                                  "Phi3ForCausalLM", "T5ForConditionalGeneration"])
+                                  "Phi3ForCausalLM", "T5ForConditionalGeneration", "Gemma2ForCausalLM"])
 def test_flash_attention(pool, name, tp):
     """Mistral: sliding window 4 < the 8 tokens; Phi-3: its policy gives each
     layer a config copy of its own; T5: its relative position bias (sharded by
-    head, learned) is the kernel's additive bias."""
+    head, learned) is the kernel's additive bias; Gemma 2: logit soft-capping
+    (a cap of 0.05, which changes the logits) in the kernel."""
     reports = pool.run(check_flash, tp, name)
     for r in reports:
         assert r["tp"] == tp
@@ -285,11 +403,10 @@ def test_flash_attention(pool, name, tp):
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("name", ["BloomForCausalLM", "Gemma2ForCausalLM"])
+@pytest.mark.parametrize("name", ["BloomForCausalLM"])
 def test_flash_attention_keeps_own_attention(pool, name, tp):
-    """Bloom (ALiBi) does not look its attention up in the registry and Gemma-2
-    soft-caps its logits: with the switch on, both keep HF's attention and
-    still match the unsharded model."""
+    """Bloom (ALiBi) does not look its attention up in the registry: with the
+    switch on, it keeps HF's attention and still matches the unsharded model."""
     reports = pool.run(check_flash, tp, name)
     assert all(r["tp"] == tp and r["kernel_calls"] == 0 for r in reports)
 
@@ -307,6 +424,31 @@ def test_flash_attention_routes_through_kernel(name, monkeypatch):
     sharded(**zoo.make_inputs(name))
     assert len(seen) == 2                      # one per layer
     assert all(kw["causal"] == (name != "BertForMaskedLM") for kw in seen)
+
+
+def test_gemma2_softcap_in_force():
+    """The cap of OVERRIDES changes Gemma 2's logits (so test_flash_attention
+    compares a soft-capped kernel), and the kernel got it on every call."""
+    from shardformer import ShardConfig, ShardFormer
+
+    name = "Gemma2ForCausalLM"
+    ids = zoo.make_inputs(name)["input_ids"]
+    with torch.no_grad():
+        capped = zoo.build(name, torch.float32, **OVERRIDES[name]).eval()(input_ids=ids).logits
+        plain = zoo.build(name, torch.float32, attn_logit_softcapping=None).eval()(input_ids=ids).logits
+    assert not torch.allclose(capped, plain, rtol=1e-4, atol=1e-5)
+    model = zoo.build(name, torch.float32, **OVERRIDES[name]).eval()
+    sharded, _ = ShardFormer(shard_config=ShardConfig(enable_flash_attention=True)).optimize(model)
+    seen = []
+    real = ops.attention
+    try:
+        ops.attention = lambda *a, **kw: seen.append(kw.get("softcap")) or real(*a, **kw)
+        with torch.no_grad():
+            got = sharded(input_ids=ids).logits
+    finally:
+        ops.attention = real
+    assert seen == [0.05] * model.config.num_hidden_layers
+    close("Gemma 2 logits", got, capped, torch.float32)
 
 
 def test_unservable_calls_keep_hf_attention():

@@ -45,9 +45,15 @@ def test_clip_grad_norm_tp(pool, name, tp, norm_type):
     pool.run(check.norm_equals_torch, tp, name, norm_type)
 
 
-@pytest.mark.parametrize("name", ["GPT2LMHeadModel", "LlamaForCausalLM"])
+@pytest.mark.parametrize("name", ["GPT2LMHeadModel", "LlamaForCausalLM", "T5ForConditionalGeneration",
+                                  "WhisperForConditionalGeneration"])
 def test_clip_grad_norm_tp_pp(pool, name):
     pool.run(check.norm_tp_pp, 4, name)
+
+
+def test_clip_grad_norm_pp4_tied_over_three_stages(pool):
+    """T5 at PP=4: shared (stage 0), decoder.embed_tokens (stage 2) and lm_head (stage 3) are one Parameter."""
+    pool.run(check.norm_tp_pp, 4, "T5ForConditionalGeneration", 4, 1)
 
 
 @pytest.mark.parametrize("name", ["LlamaForCausalLM", "GPT2LMHeadModel", "BertForMaskedLM"])

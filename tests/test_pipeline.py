@@ -14,7 +14,8 @@ from shardformer.pipeline import schedule as S
 
 # Every class of every family whose policy sets a pipeline_split (the zoo builds them all).
 PIPELINED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "glm", "phi3", "mixtral", "gpt2",
-             "gpt_neo", "gptj", "bloom", "falcon", "opt", "bert", "roberta", "ernie", "albert", "vit", "beit")
+             "gpt_neo", "gptj", "bloom", "falcon", "opt", "bert", "roberta", "ernie", "albert", "vit", "beit",
+             "t5", "whisper")
 # Gemma 3's multimodal classes run the text model inside another (not split yet: refused).
 # BEiT's segmentation head reads several layers' hidden states (refused: test_beit_segmentation_refused).
 FAMILIES = [c for f in PIPELINED for c in zoo.family_classes()[f] if c not in ("Gemma3ForConditionalGeneration", "Gemma3ForSequenceClassification",
@@ -89,6 +90,54 @@ def test_load_full_state_dict(pool, pp, tp):
     pool.run(check.load_full_round_trip, 4, "GPT2LMHeadModel", pp, tp)
 
 
+# Encoder-decoder families: the stages split [encoder layers | decoder layers] (single-stack classes: one).
+ENC_DEC = [c for f in ("t5", "whisper") for c in zoo.family_classes()[f]]
+ONE_STACK = ("T5EncoderModel", "T5ForTokenClassification", "WhisperForCausalLM", "WhisperForAudioClassification")
+TWO_STACKS = [c for c in ENC_DEC if c not in ONE_STACK]
+PLAIN_MESSAGES = ("WhisperForCausalLM", "WhisperForAudioClassification")    # one stack, nothing carried
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", ENC_DEC)
+def test_encdec_pp4_boundary_on_stage_edge(pool, name, schedule):
+    """PP=4, one layer per stage: the encoder ends on stage 1's edge (stage 2 gets (encoder output,) and
+    runs the decoder from its embeddings); T5's position biases travel in tuple messages (counted)."""
+    report = pool.run(check.equals_unsharded, 4, name, 4, schedule, 2)
+    assert all((r["tuples"] > 0) == (name not in PLAIN_MESSAGES) for r in report), report
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("name", TWO_STACKS)
+def test_encdec_boundary_inside_a_stage(pool, name, schedule):
+    """3 encoder + 3 decoder layers; the boundary inside a stage: PP=4 (2, 2, 1, 1): stage 1 holds encoder
+    layer 2 and decoder layer 0 (enters mid-encoder, leaves mid-decoder); interleaved PP=2 x 2 chunks
+    (2, 2, 1, 1): chunk 0 of stage 1 holds encoder layer 2 and decoder layer 0, and the tied embedding is
+    held by stage 1 (decoder embeddings, LM head) and, for T5, stage 0 (the encoder's)."""
+    pp, chunks = (4, 1) if schedule == "1f1b" else (2, 2)
+    report = pool.run(check.equals_unsharded, 4, name, pp, schedule, 4 if pp == 2 else 2, 1, chunks, 6,
+                      num_layers_per_stage=(2, 2, 1, 1), encoder_layers=3)
+    assert all(r["tuples"] > 0 for r in report), report
+
+
+@pytest.mark.parametrize("name", ["T5ForConditionalGeneration", "WhisperForConditionalGeneration"])
+@pytest.mark.parametrize("pp, tp", [(2, 1), (4, 1), (2, 2)])
+def test_encdec_inference_on_every_rank(pool, name, pp, tp):
+    """schedule.forward() in eval mode with dropout 0.3 configured: the logits on every rank."""
+    pool.run(check.inference_on_every_rank, 4, name, pp, tp, "1f1b", 0.3)
+
+
+@pytest.mark.parametrize("name", ["T5ForConditionalGeneration", "WhisperForConditionalGeneration"])
+@pytest.mark.parametrize("pp, tp", [(2, 1), (4, 1), (2, 2)])
+def test_encdec_from_pretrained(pool, tmp_path, name, pp, tp):
+    """Each stage loads its part of a checkpoint; T5's shared embedding is stored once and read by the
+    encoder's, the decoder's and the LM head's stages."""
+    pool.run(check.from_pretrained_encdec, 4, name, pp, tp, str(tmp_path / name))
+
+
+def test_encoder_decoder_refusals(pool):
+    pool.run(check.encoder_decoder_refusals, 4)
+
+
 def test_refusals(pool):
     pool.run(check.refusals, 4)
 
@@ -160,7 +209,8 @@ def test_from_pretrained_loads_each_stage(pool, tmp_path, pp, tp, tied):
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-@pytest.mark.parametrize("name", ["LlamaForCausalLM", "GPT2LMHeadModel"])
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "GPT2LMHeadModel", "T5ForConditionalGeneration",
+                                  "WhisperForConditionalGeneration"])
 def test_gradient_checkpointing(pool, name, reentrant):
     pool.run(check.checkpointed_equals_unsharded, 4, name, 2, 1, reentrant)
 
@@ -198,7 +248,8 @@ def test_custom_policy(pool, pp, tp, schedule):
 # stage receives only this rank's rows of the previous stage's output (checked), and learns the sequence
 # length from the first stage's layer-input shape that travels in the message header.
 SP_PIPELINED = [next(c for c in zoo.family_classes()[f] if c.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM")))
-                for f in PIPELINED if f not in ("vit", "beit")]
+                for f in PIPELINED if f not in ("vit", "beit", "t5", "whisper")]   # PP with SP refused for T5 and
+                                                                            # Whisper (test_encoder_decoder_refusals)
 SPLIT_ATTENTION = ["LlamaForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
                    "MixtralForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "BertForMaskedLM", "AlbertForMaskedLM"]
 
@@ -237,8 +288,8 @@ def test_sequence_parallel_inference(pool, mode):
     (2, "gpipe", 4, 1, 1),          # one group per call
 ])
 def test_albert_repeated_calls(pool, pp, schedule, groups, inner, chunks):
-    pool.run(check.equals_unsharded, 4, "AlbertForMaskedLM", pp, schedule, 2, 1, chunks, 4, False, 4, None, None,
-             None, {"num_hidden_groups": groups, "inner_group_num": inner})
+    pool.run(check.equals_unsharded, 4, "AlbertForMaskedLM", pp, schedule, 2, 1, chunks,
+             num_hidden_groups=groups, inner_group_num=inner)
 
 
 @pytest.mark.parametrize("pp, groups, chunks", [(2, 1, 1), (4, 2, 1), (2, 2, 2)])

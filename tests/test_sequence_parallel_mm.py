@@ -1,8 +1,9 @@
 """Sequence parallelism for the multimodal models and ChatGLM2: Gemma 3
 multimodal and BLIP-2 split their language model's sequence (the vision
 tower / Q-Former unsplit), with that language family's modes; ChatGLM2
-([S, B, H]: split along dimension 0) and SAM's vision encoder (the patch
-grid split by rows) take split_gather.  Every case is equal to the
+([S, B, H]: split along dimension 0) takes split_gather, all_to_all and
+ring_attn (split at its CoreAttention), SAM's vision encoder (the patch
+grid split by rows) split_gather.  Every case is equal to the
 unsharded model (forward, loss, every gradient, after an optimizer step) at
 SP=2 and 4 (TP=2 and 4 for split_gather), odd lengths (padded inside),
 eval with dropout, generate(); the modes that cannot apply refused by name,
@@ -10,7 +11,7 @@ the model unchanged."""
 import pytest
 
 from checks import sequence_mm as check
-from checks.sequence_attention import tp_sp_equals_unsharded
+from checks.sequence_attention import tp_sp_equals_unsharded, training_dropout_masks
 
 GEMMA3 = ["Gemma3ForConditionalGeneration", "Gemma3Model", "Gemma3ForSequenceClassification"]
 BLIP2 = ["Blip2ForConditionalGeneration", "Blip2Model"]
@@ -18,14 +19,16 @@ BLIP2_T5 = ["Blip2ForConditionalGeneration/t5"]
 CHATGLM2 = ["ChatGLMForConditionalGeneration", "ChatGLMModel"]
 SAM = ["SamVisionModel", "SamModel"]
 SPLIT_GATHER = GEMMA3 + BLIP2 + BLIP2_T5 + CHATGLM2 + SAM
-ALL_TO_ALL = GEMMA3 + BLIP2
-RING = BLIP2
+ALL_TO_ALL = GEMMA3 + BLIP2 + BLIP2_T5 + CHATGLM2
+RING = BLIP2 + BLIP2_T5 + CHATGLM2
 # odd lengths: Gemma 3's prompt cut to 9 of 10 tokens (images whole); BLIP-2's is 4 queries + 5 text = 9
 # ChatGLM2's 8 cut to 7
 SEQ = {"Gemma3ForConditionalGeneration": 9, "Gemma3Model": 9, "Gemma3ForSequenceClassification": 9,
        "ChatGLMForConditionalGeneration": 7, "ChatGLMModel": 7}
 
 
+# ChatGLM2's all_to_all / ring_attn: split at its CoreAttention (policies/chatglm2.py's seam), [S, B, H] layout
+CHATGLM2_SPLIT = [("ChatGLMForConditionalGeneration", m) for m in ("all_to_all", "ring_attn")]
 # every mode each LM takes (Gemma 3 multimodal's ring_attn: test_mm_refused)
 PADDED = [(n, m) for n in ("Gemma3ForConditionalGeneration", "Blip2ForConditionalGeneration")
           for m in ("split_gather", "all_to_all")] + [("Blip2ForConditionalGeneration", "ring_attn")]
@@ -58,7 +61,7 @@ def test_mm_with_all_optimizations(pool, name, mode):
 
 
 # TP over {0,1},{2,3} and the sequence split over {0,2},{1,3} (checks.sequence_attention.tp_sp_equals_unsharded)
-HYBRID = [m for m in PADDED if m[1] != "split_gather"]
+HYBRID = [m for m in PADDED if m[1] != "split_gather"] + CHATGLM2_SPLIT
 
 
 @pytest.mark.parametrize("name,mode", HYBRID, ids=[f"{n}-{m}" for n, m in HYBRID])
@@ -66,9 +69,18 @@ def test_mm_tp2_sp2(pool, name, mode):
     pool.run(tp_sp_equals_unsharded, 4, name, mode, 2)
 
 
-HIDDEN = [(n, m, ("call",)) for n, m in PADDED] + [("Blip2ForConditionalGeneration/t5", "split_gather", ("call",)),
-                                                  ("SamVisionModel", "split_gather", ("call", "config")),
-                                                  ("SamModel", "split_gather", ("call",))]
+# output_hidden_states: the language model's recorded states gathered to the full sequence
+HIDDEN_EQUAL = PADDED + [("Blip2ForConditionalGeneration/t5", "split_gather")]
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("name,mode", HIDDEN_EQUAL, ids=[f"{n}-{m}" for n, m in HIDDEN_EQUAL])
+def test_mm_hidden_states_equal(pool, name, mode, sp):
+    pool.run(check.mm_hidden_states_equal, sp, name, mode)
+
+
+# SAM's vision layers run on grid rows that its recorded states do not gather: refused
+HIDDEN = [("SamVisionModel", "split_gather", ("call", "config")), ("SamModel", "split_gather", ("call",))]
 
 
 @pytest.mark.parametrize("name,mode,hows", HIDDEN, ids=[f"{n}-{m}" for n, m, _ in HIDDEN])
@@ -115,7 +127,7 @@ def test_ring_attn_mm_equals_unsharded(pool, name, sp):
 
 EVAL = [(n, m) for n in ("Gemma3ForConditionalGeneration", "Blip2ForConditionalGeneration")
         for m in ("split_gather", "all_to_all")] + [("ChatGLMForConditionalGeneration", "split_gather"),
-                                                   ("SamModel", "split_gather")]
+                                                   ("SamModel", "split_gather")] + CHATGLM2_SPLIT
 
 
 @pytest.mark.parametrize("name,mode", EVAL, ids=[f"{n}-{m}" for n, m in EVAL])
@@ -127,7 +139,7 @@ def test_mm_eval_with_dropout(pool, name, mode):
 GENERATE = [(n, m) for n in ("Gemma3ForConditionalGeneration", "Blip2ForConditionalGeneration")
             for m in ("split_gather", "all_to_all")] + [
     ("Blip2ForConditionalGeneration", "ring_attn"), ("Blip2ForConditionalGeneration/t5", "split_gather"),
-    ("ChatGLMForConditionalGeneration", "split_gather")]
+    ("ChatGLMForConditionalGeneration", "split_gather")] + CHATGLM2_SPLIT
 
 
 @pytest.mark.parametrize("sp", [2, 4])
@@ -141,8 +153,6 @@ def test_mm_generate(pool, name, mode, sp):
 @pytest.mark.parametrize("name,mode,what", [
     ("Gemma3ForConditionalGeneration", "ring_attn", "model.language_model"),
     ("Gemma3Model", "ring_attn", "token_type_ids"),
-    ("Blip2ForConditionalGeneration/t5", "all_to_all", "language_model (T5ForConditionalGeneration)"),
-    ("Blip2ForConditionalGeneration/t5", "ring_attn", "T5ForConditionalGenerationPolicy implements split_gather"),
     ("Blip2VisionModel", "split_gather", "vision_model / qformer"),
     ("Blip2ForImageTextRetrieval", "all_to_all", "has none"),
     ("Blip2QFormerModel", "ring_attn", "vision_model / qformer"),
@@ -151,9 +161,13 @@ def test_mm_refused(pool, name, mode, what):
     pool.run(check.mm_refused, 2, name, mode, what)
 
 
+@pytest.mark.parametrize("name,mode", CHATGLM2_SPLIT, ids=[f"{n}-{m}" for n, m in CHATGLM2_SPLIT])
+def test_chatglm2_training_dropout_masks(pool, name, mode):
+    # hidden_dropout on this rank's rows: a different mask per rank (the per-rank stream of the split layers)
+    pool.run(training_dropout_masks, 2, name, mode)
+
+
 @pytest.mark.parametrize("name,mode,what,overrides", [
-    ("ChatGLMForConditionalGeneration", "all_to_all", "transformer.encoder.layers.*.self_attention.core_attention", None),
-    ("ChatGLMModel", "ring_attn", "encoder.layers.*.self_attention.core_attention", None),
     ("ChatGLMForConditionalGeneration", "split_gather", "add_bias_linear=True", {"add_bias_linear": True}),
     ("SamModel", "all_to_all", "vision_encoder.layers.*.attn", None),
     ("SamVisionModel", "ring_attn", "decomposed relative positions", None),

@@ -10,8 +10,9 @@ activations between the blocks hold 1/tp of the rows; eval() with dropout
 > 0 equal, and in training the residual dropouts draw a mask per rank;
 generate() equal for the seq2seq / causal LMs; gradient checkpointing and
 enable_sequence_overlap equal too (Mixtral refuses overlap); the
-configurations that cannot work refused by name.  BEiT and Swin (per stage)
-likewise; Swinv2 and the vision models' all_to_all / ring_attn refused.
+configurations that cannot work refused by name.  BEiT, Swin and Swinv2
+(per stage; Swinv2's post-norm blocks run whole, the states between them
+split) likewise; the vision models' all_to_all / ring_attn refused.
 output_hidden_states=True under every mode (split_gather, all_to_all,
 ring_attn) records the unsharded model's full-sequence states."""
 import pytest
@@ -181,16 +182,21 @@ def test_sp_moe_router_aux_loss_hooks_installed_first(pool):
     pool.run(sequence_more.sp_moe_aux_loss_after_a_forward, 4)
 
 
-# ---- BEiT, Swin: split-gather over the patch tokens (Swinv2: refused) ----
+# ---- BEiT, Swin, Swinv2: split-gather over the patch tokens ----
 
 BEIT = ["BeitForImageClassification", "BeitModel", "BeitModel/shared_bias", "BeitForMaskedImageModeling"]
 SWIN = ["SwinForImageClassification", "SwinModel", "SwinForMaskedImageModeling"]
 # BEiT: 16 patches + [CLS] = 17 tokens at 32 pixels.  Swin at 36 pixels: 9 x 9 = 81 tokens, then 5 x 5 = 25
 # after patch merging (odd, padded inside; the 2 x 2 windows padded by Swin itself); its masked image
 # modeling reconstructs from one stage (9 x 9 x stride 4 = 36 pixels).
-SWIN_ODD = {"SwinForMaskedImageModeling": {"depths": [2], "num_heads": [5], "encoder_stride": 4}}
-VISION = [(n, None, None) for n in BEIT] + [(n, 36, SWIN_ODD.get(n)) for n in SWIN] + [
+SWIN_ODD = {"SwinForMaskedImageModeling": {"depths": [2], "num_heads": [5], "encoder_stride": 4},
+            "Swinv2ForMaskedImageModeling": {"depths": [2], "num_heads": [5], "encoder_stride": 4}}
+# Swinv2: the blocks run whole; between them each rank keeps its rows of the 81 (then 25) tokens.  Swinv2Model
+# at the zoo's 32 pixels (64, then 16 tokens): at 36 its plain TP=4 gradient of logit_scale is itself 1.3e-5 off
+SWINV2 = ["Swinv2ForImageClassification", "Swinv2ForMaskedImageModeling"]
+VISION = [(n, None, None) for n in BEIT + ["Swinv2Model"]] + [(n, 36, SWIN_ODD.get(n)) for n in SWIN + SWINV2] + [
     ("SwinForImageClassification", 36, {"depths": [1, 3]}),           # a stage of one block: split and gather
+    ("Swinv2ForImageClassification", 36, {"depths": [3, 1]}),         # a middle block; a stage of one (plain TP)
     ("BeitForImageClassification", None, {"layer_scale_init_value": 0.0, "num_hidden_layers": 1})]
 
 
@@ -211,14 +217,15 @@ def test_sp_vision_beit_interpolated_bias(pool, tp):
 @pytest.mark.parametrize("name,mode,overlap", [
     ("BeitForImageClassification", "all_to_all", False), ("BeitForImageClassification", "ring_attn", False),
     ("SwinForImageClassification", "all_to_all", False), ("SwinForImageClassification", "ring_attn", False),
-    ("SwinForImageClassification", "split_gather", True),
-    ("Swinv2ForImageClassification", "split_gather", False), ("Swinv2ForMaskedImageModeling", "all_to_all", False)])
+    ("SwinForImageClassification", "split_gather", True), ("Swinv2ForImageClassification", "split_gather", True),
+    ("Swinv2ForMaskedImageModeling", "all_to_all", False), ("Swinv2ForImageClassification", "ring_attn", False)])
 def test_sp_vision_modes_refused(pool, name, mode, overlap):
     pool.run(sequence_more.sp_mode_refused_unchanged, 2, name, mode, overlap)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("name", ["BeitForMaskedImageModeling", "SwinForImageClassification"])
+@pytest.mark.parametrize("name", ["BeitForMaskedImageModeling", "SwinForImageClassification",
+                                  "Swinv2ForImageClassification"])
 def test_sp_vision_eval_with_dropout(pool, name, tp):
     pool.run(sequence_more.sp_eval_with_dropout, tp, name)
 
@@ -239,6 +246,18 @@ def test_sp_recorded_hidden_states_equal_unsharded(pool, name, seq, mode, tp):
 @pytest.mark.parametrize("mode", SP_MODES)
 def test_sp_recorded_hidden_states_tuple_output(pool, mode):
     pool.run(sequence_more.recorded_hidden_states_equal, 4, "LlamaForCausalLM", mode, 5, False)
+
+
+# all_to_all / ring_attn with shared layers (ALBERT: every application recorded) and both stacks of an
+# encoder-decoder (T5, Whisper: encoder_hidden_states and decoder_hidden_states)
+HIDDEN_ENC_DEC = [("AlbertForMaskedLM", 7), ("T5ForConditionalGeneration", 7), ("WhisperForConditionalGeneration", None)]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("mode", ["all_to_all", "ring_attn"])
+@pytest.mark.parametrize("name,seq", HIDDEN_ENC_DEC, ids=[c[0] for c in HIDDEN_ENC_DEC])
+def test_sp_recorded_hidden_states_encoder_decoder(pool, name, seq, mode, tp):
+    pool.run(sequence_more.recorded_hidden_states_equal, tp, name, mode, seq)
 
 
 # split_gather in the other layouts: row layers that reduce-scatter themselves (GPT-2, GPT-J, OPT, BLOOM,

@@ -136,8 +136,8 @@ def test_shard_config_validation():
         ShardConfig(pipeline_stage_manager=object())
     from shardformer.pipeline import PipelineStageManager
 
-    with pytest.raises(NotImplementedError, match="pipeline parallelism with sequence parallelism"):
-        ShardConfig(pipeline_stage_manager=PipelineStageManager(), enable_sequence_parallelism=True)
+    both = ShardConfig(pipeline_stage_manager=PipelineStageManager(), enable_sequence_parallelism=True)
+    assert both.enable_sequence_parallelism and both.pipeline_stage_manager is not None   # PP + SP compose
     cfg = ShardConfig(enable_fused_normalization=True)
     assert cfg.enable_tensor_parallelism and cfg.tensor_parallel_size == 1
 

@@ -172,7 +172,15 @@ static void matmul_acc_tn(int64_t M, int64_t N, int64_t K, const float *A, int64
     matmul_acc_any(M, N, K, A, 1, lda, B, ldb, C, ldc);
 }
 
-/* Dropout draws: common.h's sfk_dropout_*, keyed by the flattened query row (b, h, i). */
+/* Dropout draws: common.h's sfk_dropout_*, keyed by the flattened query row
+ * (b, h, P(i)) and the key column Q(j) (attention.h). */
+static inline uint32_t drop_key(const sfk_attn *a, int64_t bh, int64_t i)
+{
+    const int64_t rows = a->drop_seq ? a->drop_seq : a->Sq;
+    return sfk_dropout_key(a->seed, bh * rows + (a->qpos ? a->qpos[i] : i));
+}
+
+static inline int64_t drop_col(const sfk_attn *a, int64_t j) { return a->kpos ? a->kpos[j] : j; }
 
 /* ---- shared pieces ------------------------------------------------------ */
 
@@ -197,6 +205,39 @@ AVX512 static inline __m512 exp16(__m512 x)
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
     return _mm512_maskz_mul_ps((__mmask16)~under, p, _mm512_castsi512_ps(e));
+}
+
+/* tanh over 16 lanes.  |y| >= 1/4: (1 - e) / (1 + e) with e = exp(-2|y|)
+ * (exp16; e = 0 past its range gives 1), the sign of y put back.  Below,
+ * where 1 - e would cancel, the odd series y - y^3/3 + 2y^5/15 - 17y^7/315
+ * + 62y^9/2835 (the next term is < 1e-8 of y there). */
+AVX512 static inline __m512 tanh16(__m512 y)
+{
+    const __m512 one = _mm512_set1_ps(1.0f), ay = _mm512_abs_ps(y);
+    const __m512 e = exp16(_mm512_mul_ps(ay, _mm512_set1_ps(-2.0f)));
+    const __m512 far = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32((int)0x80000000u));
+    const __m512 y2 = _mm512_mul_ps(y, y);
+    __m512 p = _mm512_set1_ps(62.0f / 2835.0f);
+    p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(-17.0f / 315.0f));
+    p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(2.0f / 15.0f));
+    p = _mm512_fmadd_ps(p, y2, _mm512_set1_ps(-1.0f / 3.0f));
+    p = _mm512_fmadd_ps(p, y2, one);
+    const __mmask16 near = _mm512_cmp_ps_mask(ay, _mm512_set1_ps(0.25f), _CMP_LT_OQ);
+    return _mm512_mask_blend_ps(near, _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(far), sign)),
+                                _mm512_mul_ps(p, y));
+}
+
+/* soft_cap (below) over 16 lanes at a time. */
+AVX512 static void soft_cap_avx512(float *x, int64_t n, float cap, float *dc)
+{
+    const __m512 c = _mm512_set1_ps(cap), inv = _mm512_set1_ps(1.0f / cap), one = _mm512_set1_ps(1.0f);
+    for (int64_t j = 0; j < n; j += 16) {
+        const __mmask16 m = n - j >= 16 ? (__mmask16)0xffffu : (__mmask16)((1u << (n - j)) - 1u);
+        const __m512 t = tanh16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + j), inv));
+        _mm512_mask_storeu_ps(x + j, m, _mm512_mul_ps(c, t));
+        if (dc) _mm512_mask_storeu_ps(dc + j, m, _mm512_fnmadd_ps(t, t, one));
+    }
 }
 
 /* s[j] = exp(s[j] - shift) in place, and their sum: one pass. */
@@ -276,11 +317,28 @@ static void visible(const sfk_attn *a, int64_t i, int64_t j0, int64_t nj, int64_
     *hi = h;
 }
 
+/* x <- cap tanh(x / cap) over x[0:n]; dc[0:n] (unless NULL) = the
+ * derivative 1 - tanh^2(x / cap) of each. */
+static void soft_cap(float *x, int64_t n, float cap, float *dc)
+{
+#ifdef ATT_X86
+    if (sf_cpu_has_avx512()) { soft_cap_avx512(x, n, cap, dc); return; }
+#endif
+    const float inv = 1.0f / cap;
+    for (int64_t j = 0; j < n; j++) {
+        const float t = tanhf(x[j] * inv);
+        x[j] = cap * t;
+        if (dc) dc[j] = 1.0f - t * t;
+    }
+}
+
 /* S[ni][BK] = the logits s_ij of queries i0.. of head h against keys j0..
- * (Q [ni][D], Kt [D][ldk] from key j0 on): -inf where masked. */
+ * (Q [ni][D], Kt [D][ldk] from key j0 on): -inf where masked.  With
+ * soft-capping and dC not NULL, dC[ni][BK] = dc_ij / dx_ij (0 where the
+ * causal / window pattern hides the key). */
 static void tile_logits(const sfk_attn *a, int64_t b, int64_t h, int64_t i0, int64_t ni,
                         int64_t j0, int64_t nj, const float *Q, const float *Kt, int64_t ldk,
-                        float *S)
+                        float *S, float *dC)
 {
     const int64_t D = a->D, off = a->Sk - a->Sq;
     for (int64_t i = 0; i < ni; i++) memset(S + i * BK, 0, (size_t)nj * sizeof(float));
@@ -294,6 +352,11 @@ static void tile_logits(const sfk_attn *a, int64_t b, int64_t h, int64_t i0, int
         for (int64_t j = hi; j < nj; j++) s[j] = -INFINITY;
         if (a->scale != 1.0f)
             for (int64_t j = lo; j < hi; j++) s[j] *= a->scale;
+        if (a->softcap > 0.0f) {
+            float *dc = dC ? dC + i * BK : NULL;
+            if (dc) memset(dc, 0, (size_t)nj * sizeof(float));
+            soft_cap(s + lo, hi - lo, a->softcap, dc ? dc + lo : NULL);
+        }
         if (a->bias) {
             const float *br = a->bias + b * a->bias_st[0] + h * a->bias_st[1] + (i0 + i) * a->bias_st[2];
             const int64_t st = a->bias_st[3];
@@ -336,6 +399,32 @@ typedef struct {
     int64_t nbias;    /* B * Hq * Sq * Sk: dbias, keep */
 } attn_sizes;
 
+/* The dropout coordinates of a (attention.h): drop_seq >= 0, the rows
+ * B Hq drop_seq within int64, every position in [0, drop_seq or Sq / Sk). */
+static sf_status check_positions(const char *fn, const sfk_attn *a, sf_error *err)
+{
+    sf_status rc;
+    if ((rc = sfk_check_size(fn, "drop_seq", a->drop_seq, err)))
+        return rc;
+    const int64_t rows = a->drop_seq ? a->drop_seq : a->Sq, cols = a->drop_seq ? a->drop_seq : a->Sk;
+    int64_t n;
+    if (sf_mul_overflows(a->B, a->Hq, &n) || sf_mul_overflows(n, rows, &n))
+        return sf_fail(err, SF_EOVERFLOW, "%s: B=%lld x Hq=%lld x drop_seq=%lld overflows int64",
+                       fn, (long long)a->B, (long long)a->Hq, (long long)rows);
+    const int64_t *pos[2] = {a->qpos, a->kpos}, len[2] = {a->Sq, a->Sk}, lim[2] = {rows, cols};
+    static const char *const name[2] = {"qpos", "kpos"};
+    for (int w = 0; w < 2; w++)
+        if (!pos[w] && len[w] > lim[w])      /* i (j) itself is the position */
+            return sf_fail(err, SF_EINVAL, "%s: %lld %s without %s exceed drop_seq=%lld", fn,
+                           (long long)len[w], w ? "keys" : "queries", name[w], (long long)lim[w]);
+    for (int w = 0; w < 2; w++)
+        for (int64_t i = 0; pos[w] && i < len[w]; i++)
+            if (pos[w][i] < 0 || pos[w][i] >= lim[w])
+                return sf_fail(err, SF_EINVAL, "%s: %s[%lld]=%lld outside [0, %lld)", fn, name[w],
+                               (long long)i, (long long)pos[w][i], (long long)lim[w]);
+    return SF_OK;
+}
+
 /* Check *a and fill *an with it normalized: a window no query-key distance
  * reaches (>= Sq and >= Sk) is no window, so that the index arithmetic of
  * visible() / query_range() never adds a huge window to a position. */
@@ -356,6 +445,9 @@ static sf_status check(const char *fn, const sfk_attn *a, sfk_attn *an, attn_siz
                        "heads", fn, (long long)a->Hq, (long long)a->Hkv);
     if (!(a->dropout >= 0.0f && a->dropout <= 1.0f))
         return sf_fail(err, SF_EINVAL, "%s: dropout=%g outside [0, 1]", fn, (double)a->dropout);
+    if (!(a->softcap >= 0.0f && isfinite(a->softcap)))
+        return sf_fail(err, SF_EINVAL, "%s: softcap=%g must be finite and > 0 (0: no soft-capping)",
+                       fn, (double)a->softcap);
     int64_t bh, bkv;
     if (sf_mul_overflows(a->B, a->Hq, &bh) || sf_mul_overflows(bh, a->Sq, &z->rows_q) ||
         sf_mul_overflows(z->rows_q, a->D, &z->nq) || sf_mul_overflows(z->rows_q, a->Sk, &z->nbias) ||
@@ -364,6 +456,8 @@ static sf_status check(const char *fn, const sfk_attn *a, sfk_attn *an, attn_siz
         return sf_fail(err, SF_EOVERFLOW, "%s: the sizes B=%lld Hq=%lld Hkv=%lld Sq=%lld Sk=%lld "
                        "D=%lld overflow int64", fn, (long long)a->B, (long long)a->Hq,
                        (long long)a->Hkv, (long long)a->Sq, (long long)a->Sk, (long long)a->D);
+    if ((rc = check_positions(fn, a, err)))
+        return rc;
     if (an->window >= an->Sq && an->window >= an->Sk)
         an->window = 0;
     return SF_OK;
@@ -425,7 +519,7 @@ static void forward_rows(void *arg, int64_t r0, int64_t r1, int tid)
         for (int64_t j0 = jlo / BK * BK; j0 < jhi; j0 += BK) {
             const int64_t nj = jhi - j0 < BK ? jhi - j0 : BK;
             const float *V = Vh + j0 * D;
-            tile_logits(&unit, b, h, i0, ni, j0, nj, Q, Kt + j0 * D, BK, S);
+            tile_logits(&unit, b, h, i0, ni, j0, nj, Q, Kt + j0 * D, BK, S, NULL);
             for (int64_t i = 0; i < ni; i++) {
                 float *s = S + i * BK;
                 const float mnew = fmaxf(m[i], sfk_max(s, nj));
@@ -439,9 +533,9 @@ static void forward_rows(void *arg, int64_t r0, int64_t r1, int tid)
                 if (alpha != 1.0f)
                     for (int64_t d = 0; d < D; d++) acc[i * D + d] *= alpha;
                 if (a->dropout > 0.0f) {
-                    const uint32_t key = sfk_dropout_key(a->seed, bh * a->Sq + i0 + i);
+                    const uint32_t key = drop_key(a, bh, i0 + i);
                     for (int64_t j = 0; j < nj; j++)
-                        s[j] = sfk_dropout_kept(key, j0 + j, thresh) ? s[j] * inv : 0.0f;
+                        s[j] = sfk_dropout_kept(key, drop_col(a, j0 + j), thresh) ? s[j] * inv : 0.0f;
                 }
             }
             matmul_acc(ni, D, nj, S, BK, V, D, acc, D);
@@ -539,13 +633,15 @@ static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
     const size_t sz = (size_t)sfk_size(t);
     /* accumulate dq in the output itself (fp32, one part per pair) */
     const int direct = t == SFK_F32 && c->nsplit == 1;
-    /* Qf, dOf [BQ][D] | Kf, Vf, dKa, dVa [BK][D] | Kt, Vt [D][BK] | S, dP, T [BQ][BK] |
+    /* Qf, dOf [BQ][D] | Kf, Vf, dKa, dVa [BK][D] | Kt, Vt [D][BK] | S, dP, T, dC [BQ][BK] |
      * delta [g][Sq] | dQa [g][Sq][D] (16-bit types): c->scratch bytes (bwd_scratch) */
     float *buf = malloc(c->scratch);
     if (!buf) { c->err = SF_ENOMEM; return; }
     float *Qf = buf, *dOf = Qf + BQ * D, *Kf = dOf + BQ * D, *Vf = Kf + BK * D, *dKa = Vf + BK * D;
     float *dVa = dKa + BK * D, *Kt = dVa + BK * D, *Vt = Kt + D * BK, *S = Vt + D * BK;
-    float *dP = S + BQ * BK, *T = dP + BQ * BK, *delta = T + BK * BQ, *dQbuf = delta + g * Sq;
+    float *dP = S + BQ * BK, *T = dP + BQ * BK, *dC = T + BK * BQ, *delta = dC + BK * BQ;
+    float *dQbuf = delta + g * Sq;
+    const int capped = a->softcap > 0.0f;
     const float inv = a->dropout < 1.0f ? 1.0f / (1.0f - a->dropout) : 0.0f;
     const uint32_t thresh = sfk_dropout_threshold(a->dropout);
     for (int64_t r = r0; r < r1; r++) {
@@ -580,7 +676,7 @@ static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
                     const int64_t ni = qhi - i0 < BQ ? qhi - i0 : BQ;
                     const float *Q = rows_f32(t, c->q, qrow + i0, ni, D, Qf);
                     const float *dO = rows_f32(t, c->dout, qrow + i0, ni, D, dOf);
-                    tile_logits(a, b, h, i0, ni, j0, nj, Q, Kt, BK, S);
+                    tile_logits(a, b, h, i0, ni, j0, nj, Q, Kt, BK, S, capped ? dC : NULL);
                     for (int64_t i = 0; i < ni; i++) {
                         float *s = S + i * BK;
                         const float lse = c->lse[qrow + i0 + i];
@@ -591,11 +687,11 @@ static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
                     const float *Pd = S;        /* p with the dropout applied */
                     if (a->dropout > 0.0f) {
                         for (int64_t i = 0; i < ni; i++) {
-                            const uint32_t key = sfk_dropout_key(a->seed, qrow + i0 + i);
+                            const uint32_t key = drop_key(a, b * a->Hq + h, i0 + i);
                             const float *s = S + i * BK;
                             float *pd = T + i * BK, *dp = dP + i * BK;
                             for (int64_t j = 0; j < nj; j++) {
-                                const int z = sfk_dropout_kept(key, j0 + j, thresh);
+                                const int z = sfk_dropout_kept(key, drop_col(a, j0 + j), thresh);
                                 pd[j] = z ? s[j] * inv : 0.0f;
                                 dp[j] = z ? dp[j] * inv : 0.0f;
                             }
@@ -610,7 +706,12 @@ static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
                         if (c->dbias)
                             memcpy(c->dbias + (size_t)((qrow + i0 + i) * a->Sk + j0), s,
                                    (size_t)nj * sizeof(float));
-                        for (int64_t j = 0; j < nj; j++) s[j] *= a->scale;
+                        if (capped) {           /* through the cap: dx = ds dc/dx */
+                            const float *dc = dC + i * BK;
+                            for (int64_t j = 0; j < nj; j++) s[j] *= a->scale * dc[j];
+                        } else {
+                            for (int64_t j = 0; j < nj; j++) s[j] *= a->scale;
+                        }
                     }
                     matmul_acc(ni, D, nj, S, BK, K, D, dQa + (hg * Sq + i0) * D, D);
                     matmul_acc_tn(nj, D, ni, S, BK, Q, D, dKa, D);
@@ -632,7 +733,7 @@ static sf_status bwd_scratch(const char *fn, const sfk_attn *a, int direct_or_sp
     const int64_t gsq = a->Hq / a->Hkv * a->Sq;     /* <= B * Hq * Sq, which fits */
     int64_t n, tiles;
     if (sf_mul_overflows(2 * BQ + 6 * BK, a->D, &tiles) ||
-        __builtin_add_overflow(tiles, 3 * BQ * BK, &n) || __builtin_add_overflow(n, gsq, &n) ||
+        __builtin_add_overflow(tiles, 4 * BQ * BK, &n) || __builtin_add_overflow(n, gsq, &n) ||
         (!direct_or_split && (sf_mul_overflows(gsq, a->D, &tiles) ||
                               __builtin_add_overflow(n, tiles, &n))))
         return sf_fail(err, SF_EOVERFLOW, "%s: the scratch for Sq=%lld D=%lld (%lld query heads "
@@ -742,9 +843,10 @@ sf_status sfk_attention_dropout_keep(const sfk_attn *a, uint8_t *keep, sf_error 
     const int64_t rows = z.rows_q;
     const uint32_t thresh = sfk_dropout_threshold(a->dropout);
     for (int64_t r = 0; r < rows; r++) {
-        const uint32_t key = sfk_dropout_key(a->seed, r);
+        const uint32_t key = drop_key(a, r / a->Sq, r % a->Sq);
         for (int64_t j = 0; j < a->Sk; j++)
-            keep[r * a->Sk + j] = (uint8_t)(a->dropout <= 0.0f || sfk_dropout_kept(key, j, thresh));
+            keep[r * a->Sk + j] =
+                (uint8_t)(a->dropout <= 0.0f || sfk_dropout_kept(key, drop_col(a, j), thresh));
     }
     return SF_OK;
 }

@@ -15,8 +15,9 @@ register both under "shardformer":
   custom and/or masks, a sliding or static cache's offsets) gets HF's materialized
   boolean [B, 1, Sq, Sk] mask, which the kernel reads as is (no causal flag
   on top: the mask says it all);
-* the attention function calls ops.attention, or, for what the kernel does
-  not do (soft-capping, sinks, k / v head sizes that differ, output of the
+* the attention function calls ops.attention (logit soft-capping included:
+  the `softcap` a layer passes, Gemma 2's attn_logit_softcapping), or, for
+  what the kernel does not do (sinks, k / v head sizes that differ, output of the
   attention weights, a mask it cannot read, a non-CPU tensor), the model's own
   eager attention, with a warning once per reason.
 
@@ -116,8 +117,6 @@ def _materialized(batch_size, q_length, kv_length, q_offset, kv_offset, mask_fun
 def _unsupported(module, query, key, value, attention_mask, kwargs) -> str | None:
     if kwargs.get("output_attentions"):
         return "output_attentions=True needs the attention weights"
-    if kwargs.get("softcap") is not None:
-        return "logit soft-capping (softcap) is not in the kernel"
     if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
         return "attention sinks are not in the kernel"
     if kwargs.get("head_mask") is not None:
@@ -192,7 +191,8 @@ def shardformer_attention(module, query, key, value, attention_mask, dropout: fl
     bias = kwargs.get("position_bias")
     CALLS["kernel"] += 1
     out = ops.attention(query, key, value, causal=causal, scale=scaling, mask=attention_mask, bias=bias,
-                        window=window, dropout_p=float(dropout or 0.0), training=True)
+                        window=window, dropout_p=float(dropout or 0.0), training=True,
+                        softcap=kwargs.get("softcap"))
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -66,7 +66,7 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     info = _shard_info(model)
     runtime = runtime_of(model)
     skip = set()
-    if runtime is not None:           # tied or replicated across stages: counted on one stage only
+    if runtime is not None:           # tied or replicated across stages: counted on the lowest holder only
         skip = runtime.counted_elsewhere()
     params = [t for t in model.parameters() if t.grad is not None and id(t) not in skip]
     device = params[0].grad.device if params else next(model.parameters()).device

@@ -336,7 +336,7 @@ def xent_grad(logits2d, labels1d, vocab_start, vocab_real, ignore_index, lse, sc
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, bias, scale, causal, window, alibi, mask, p, seed):
+    def forward(ctx, q, k, v, bias, scale, causal, window, alibi, mask, p, seed, softcap):
         qd, kd, vd = _data(q, "attention q"), _data(k, "attention k"), _data(v, "attention v")
         out = torch.empty_like(qd)
         ctx.empty = qd.shape[-1] == 0
@@ -348,9 +348,9 @@ class _Attention(torch.autograd.Function):
             return out
         lse = torch.empty(qd.shape[:3], dtype=torch.float32)
         bd = None if bias is None else bias.detach().float().contiguous()
-        _C.attention_forward(qd, kd, vd, out, lse, scale, causal, window, alibi, bd, mask, p, seed)
+        _C.attention_forward(qd, kd, vd, out, lse, scale, causal, window, alibi, bd, mask, p, seed, softcap)
         ctx.save_for_backward(qd, kd, vd, out, lse, bd, alibi, mask)
-        ctx.args = (scale, causal, window, p, seed)
+        ctx.args = (scale, causal, window, p, seed, softcap)
         ctx.bias_dtype = None if bias is None else bias.dtype
         return out
 
@@ -360,21 +360,21 @@ class _Attention(torch.autograd.Function):
             (qs, ks, bs), (dt, bdt) = ctx.shapes, ctx.dtypes
             dbias = torch.zeros(bs, dtype=bdt) if bs is not None and ctx.needs_input_grad[3] else None
             return (torch.zeros(qs, dtype=dt), torch.zeros(ks, dtype=dt), torch.zeros(ks, dtype=dt), dbias,
-                    None, None, None, None, None, None, None)
+                    None, None, None, None, None, None, None, None)
         qd, kd, vd, out, lse, bd, alibi, mask = ctx.saved_tensors
         out = out.detach()
-        scale, causal, window, p, seed = ctx.args
+        scale, causal, window, p, seed, softcap = ctx.args
         dout = _data(dout, "attention grad").to(qd.dtype).contiguous()
         dq, dk, dv = torch.empty_like(qd), torch.empty_like(kd), torch.empty_like(vd)
         want_db = bd is not None and ctx.needs_input_grad[3]
         ds = torch.empty(*qd.shape[:3], kd.shape[2], dtype=torch.float32) if want_db else None
         _C.attention_backward(qd, kd, vd, out, dout, lse, dq, dk, dv, ds, scale, causal, window, alibi,
-                              bd, mask, p, seed)
+                              bd, mask, p, seed, softcap)
         dbias = None
         if want_db:
             dims = [d for d in range(4) if bd.shape[d] == 1 and ds.shape[d] != 1]
             dbias = (ds.sum(dim=dims, keepdim=True) if dims else ds).to(ctx.bias_dtype)
-        return dq, dk, dv, dbias, None, None, None, None, None, None, None
+        return dq, dk, dv, dbias, None, None, None, None, None, None, None, None
 
 
 def _as_4d(t: torch.Tensor, what: str, B, H, Sq, Sk) -> torch.Tensor:
@@ -413,14 +413,15 @@ def check_qkv(q, k, v, who: str) -> None:
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask=None, bias=None,
               window: int | None = None, alibi_slopes=None, dropout_p: float = 0.0, training: bool = True,
-              seed: int | None = None):
+              seed: int | None = None, softcap: float | None = None):
     """Attention by the C flash-style kernel (csrc/kernels/attention.h).
 
     q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] (Hq a multiple of Hkv: query head h
     reads key-value head h // (Hq // Hkv)), CPU, float32 / float16 / bfloat16
     (accumulated in float32).  Returns o [B, Hq, Sq, D]:
 
-        s_ij = scale q_i . k_j + bias_ij - slope_h |i + Sk - Sq - j|
+        x_ij = scale q_i . k_j,  c_ij = x_ij, or softcap tanh(x_ij / softcap) (soft-capping)
+        s_ij = c_ij + bias_ij - slope_h |i + Sk - Sq - j|
         s_ij = -inf where mask_ij is False, or (causal) j > i + Sk - Sq, or
                (window W) i + Sk - Sq - j >= W  (and j - (i + Sk - Sq) >= W when not causal)
         o_i  = sum_j softmax_j(s_ij) z_ij / (1 - p) v_j
@@ -434,7 +435,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask
     the dimensions it broadcasts).  alibi_slopes: [Hq].  A row with every key
     masked gives 0.  Dropout p (training only): z_ij drawn from `seed` (from
     torch's generator when None) by a counter-based hash, redrawn in backward,
-    never stored; ops.attention_dropout_mask shows the draws.
+    never stored; ops.attention_dropout_mask shows the draws.  softcap: None / 0
+    (none) or a finite cap > 0 on the scaled logits, before bias and masks
+    (Gemma 2); backward multiplies by its derivative 1 - tanh^2(x_ij / softcap).
     """
     check_qkv(q, k, v, "attention")
     B, Hq, Sq, D = q.shape
@@ -468,13 +471,31 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask
         if alibi_slopes.numel() != Hq:
             raise ValueError(f"attention: alibi_slopes has {alibi_slopes.numel()} elements, expected {Hq} "
                              "(one per query head)")
-    return _Attention.apply(q, k, v, bias, scale, bool(causal), window, alibi_slopes, mask, p, int(seed))
+    return _Attention.apply(q, k, v, bias, scale, bool(causal), window, alibi_slopes, mask, p, int(seed),
+                            check_softcap(softcap, "attention"))
 
 
-def attention_dropout_mask(shape, p: float, seed: int) -> torch.Tensor:
-    """The keep draws z [B, H, Sq, Sk] (bool) attention() uses for (p, seed)."""
+def check_softcap(softcap, who: str) -> float:
+    """softcap as the kernel takes it: 0.0 for None / 0 (no soft-capping), else
+    a finite float > 0 (ValueError otherwise)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"{who}: softcap must be a float or None, got {type(softcap).__name__}")
+    cap = float(softcap)
+    if not (cap == 0.0 or (cap > 0.0 and math.isfinite(cap))):
+        raise ValueError(f"{who}: softcap must be finite and > 0 (0 or None: no soft-capping), got {softcap!r}")
+    return cap
+
+
+def attention_dropout_mask(shape, p: float, seed: int, qpos=None, kpos=None, seq: int = 0) -> torch.Tensor:
+    """The keep draws z [B, H, Sq, Sk] (bool) attention() uses for (p, seed);
+    with qpos [Sq] / kpos [Sk] (int64 positions in a sequence of `seq` rows)
+    the draws of those rows and columns of that sequence's mask, as the ring's
+    blocks draw them."""
     keep = torch.empty(tuple(shape), dtype=torch.uint8)
-    _C.attention_dropout_keep(keep, float(p), int(seed))
+    pos = [None if t is None else torch.as_tensor(t, dtype=torch.int64).contiguous() for t in (qpos, kpos)]
+    _C.attention_dropout_keep(keep, float(p), int(seed), pos[0], pos[1], int(seq))
     return keep.bool()
 
 

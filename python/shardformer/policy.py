@@ -84,6 +84,8 @@ class Policy(ABC):
     #: the module running the layers, its layer list, the children that run after
     #: them); None: the policy does not implement pipeline parallelism.
     pipeline_split = None
+    #: Why pipeline_split is None, for the refusal ("" : not said).
+    pipeline_refusal = ""
 
     def config_sanity_check(self) -> None:
         """Raise if the model's configuration is one this policy cannot shard."""

@@ -207,11 +207,24 @@ class ModelSharder:
         policy, manager = self.policy, self.shard_config.pipeline_stage_manager
         split = getattr(policy, "pipeline_split", None)
         if split is None:
+            why = getattr(policy, "pipeline_refusal", "") or "its policy sets no pipeline_split"
             raise NotImplementedError(f"{name}: pipeline parallelism is not available for {type(policy).__name__} "
-                                      f"(its policy sets no pipeline_split)")
+                                      f"({why})")
+        if self.shard_config.enable_sequence_parallelism and (split.then is not None or split.carry):
+            what = f"{split.layers} and {split.then.layers}" if split.then is not None else split.layers
+            raise NotImplementedError(
+                f"{name}: pipeline parallelism with sequence parallelism "
+                f"({self.shard_config.sequence_parallelism_mode}) is not available for {type(policy).__name__}: "
+                f"its stages pass tuples of tensors ({what}: the position biases, the encoder output), "
+                f"which are not split by sequence here; use one of the two")
         plan = plan_stages(self.model, split, manager, name, prefix=getattr(policy, "prefix", ""),
                            base_model=getattr(policy, "base_model", ""))
-        return StageRuntime(plan, manager, name, self.shard_config.tensor_parallel_process_group)
+        runtime = StageRuntime(plan, manager, name, self.shard_config.tensor_parallel_process_group)
+        # an LM head whose class computes its loss itself (nn.CrossEntropyLoss, a mean per call):
+        # the schedule must not hand it num_items_in_batch, which that loss ignores
+        heads = policy.active_heads() if hasattr(policy, "active_heads") else ()
+        runtime.own_mean_loss = any(h.kind == "lm" and h.loss.kind != "hook" for h in heads)
+        return runtime
 
     def _apply(self, ops: list, name: str) -> Inheritance:
         """Switch attention, preprocess, and apply the plan (the engine builds

@@ -172,17 +172,18 @@ def norm_equals_torch(ctx, name: str, norm_type: float) -> dict:
     return {"norm": float(got), "after": float(after)}
 
 
-def norm_tp_pp(ctx, name: str) -> dict:
+def norm_tp_pp(ctx, name: str, pp: int = 2, tp: int = 2) -> dict:
     """TP=2 x PP=2 (tied embeddings across the first and last stage counted
-    once): clip_grad_norm_ after a 1F1B step equals torch's on the unsharded
+    once; pp=4: T5's shared embedding held by three stages, counted once):
+    clip_grad_norm_ after a 1F1B step equals torch's on the unsharded
     model's full-batch gradients."""
-    ref, model, sm, _ = pipeline_check.pipelined(ctx, name, 2, 2)
+    ref, model, sm, _ = pipeline_check.pipelined(ctx, name, pp, tp)
     batch = pipeline_check.batch_of(name, 4)
     OneForwardOneBackwardSchedule(sm, num_microbatches=2).forward_backward_step(model, batch)
     ref(**batch).loss.backward()
     expected = torch.nn.utils.clip_grad_norm_(ref.parameters(), float("inf"))
     got = clip_grad_norm_(model, float(expected) / 2)
-    parity.assert_close(f"{name} TP2xPP2 grad norm", got, expected, TOL)
+    parity.assert_close(f"{name} TP{tp}xPP{pp} grad norm", got, expected, TOL)
     return {"norm": float(got)}
 
 

@@ -56,6 +56,16 @@ def build(name: str, layers: int, **overrides):
     key = "n_layer" if name.startswith("GPT2") else "num_hidden_layers"
     if name.startswith("GPTNeo"):             # one attention type per layer
         key, overrides = "num_layers", dict(overrides, attention_types=[[["global", "local"], layers // 2]])
+    if name.startswith("T5"):                 # encoder + decoder blocks: the stages split both
+        encoder_only = name in ("T5EncoderModel", "T5ForTokenClassification")
+        encoder = overrides.pop("encoder_layers", layers if encoder_only else layers // 2)
+        key, overrides = "num_layers", dict(overrides, num_decoder_layers=layers - encoder)
+        layers = encoder
+    if name.startswith("Whisper"):            # the stack(s) the class runs get the layers
+        encoder = overrides.pop("encoder_layers", {"WhisperForAudioClassification": layers,
+                                                   "WhisperForCausalLM": 1}.get(name, layers // 2))
+        decoder = layers if name == "WhisperForCausalLM" else 1 if encoder == layers else layers - encoder
+        key, overrides, layers = "encoder_layers", dict(overrides, decoder_layers=decoder), encoder
     model = zoo.build(name, **{key: layers}, **overrides)
     # a config's dtype does not reach every module's weights (BEiT's masked image modelling)
     return model.to(overrides["dtype"]) if overrides.get("dtype") is not None else model
@@ -92,7 +102,7 @@ def pipelined(ctx, name: str, pp: int, tp: int = 1, chunks: int = 1, layers: int
 
 def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1, chunks: int = 1,
                      layers: int = 4, padded: bool = False, rows: int = 4, config=None, sp_mode: str | None = None,
-                     seq: int | None = None, overrides=None) -> dict:
+                     seq: int | None = None, num_layers_per_stage=None, **overrides) -> dict:
     """Loss of one forward_backward_step equals the unsharded model's
     full-batch loss; after one SGD step on both, the gathered full state dict
     equals the reference's.  Messages between stages were sent (counted).
@@ -104,8 +114,9 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
     # The model's own loss where it is one mean of equally weighted micro-batches; else a fixed
     # projection of the outputs, in float64 (a sum over every output: float32 rounding would show).
     own_loss = "labels" in batch and not any(k in name for k in ("DoubleHeads", "MaskedImageModeling"))
-    ref, model, sm, shared = pipelined(ctx, name, pp, tp, chunks, layers, config=config, sp_mode=sp_mode,
-                                       dtype=torch.float32 if own_loss else torch.float64, **(overrides or {}))
+    ref, model, sm, shared = pipelined(ctx, name, pp, tp, chunks, layers, num_layers_per_stage, config=config,
+                                       sp_mode=sp_mode, dtype=torch.float32 if own_loss else torch.float64,
+                                       **overrides)
     if not own_loss:
         batch = {k: t.double() if t.is_floating_point() else t for k, t in batch.items()}
         # labels of the selected positions only (BEiT's masked patches) do not split into micro-batches;
@@ -159,7 +170,9 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
     worst = 0.0
     for key, t in expected.items():
         worst = max(worst, parity.assert_close(f"{name} {key} after a step", full[key], t, TOL))
-    return {"loss": err, "state": worst, "sent": sent, "shared": len(shared)}
+    # messages of several tensors (position biases, the encoder output) sent or received under a key
+    tuples = len([k for k in set(runner.link._sent) | set(runner.link._shapes) if k[-1] == "n"])
+    return {"loss": err, "state": worst, "sent": sent, "shared": len(shared), "tuples": tuples}
 
 
 def _check_repeated_calls(model, sm, name: str, replicated_before: int) -> None:
@@ -236,6 +249,8 @@ def inference_on_every_rank(ctx, name: str, pp: int, tp: int, schedule: str, dro
     if dropout:
         overrides = {"attention_dropout": dropout} if name.startswith("Llama") else \
             {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout} if name.startswith("Albert") \
+            else {"dropout_rate": dropout} if name.startswith("T5") \
+            else {"dropout": dropout} if name.startswith("Whisper") \
             else {"resid_pdrop": dropout, "embd_pdrop": dropout}
     ref, model, sm, _ = pipelined(ctx, name, pp, tp, sp_mode=sp_mode, **overrides)
     ref.eval()
@@ -410,6 +425,9 @@ def checkpointed_equals_unsharded(ctx, name: str, pp: int, tp: int, reentrant: b
     ref_grads = dict(ref.named_parameters(remove_duplicate=False))
     worst = 0.0
     for pname, p in model.named_parameters():
+        if not p.requires_grad:                      # frozen (Whisper's sinusoidal encoder positions)
+            assert p.grad is None and ref_grads[pname].grad is None, pname
+            continue
         if tp == 1:
             worst = max(worst, parity.assert_close(f"{pname}.grad", p.grad, ref_grads[pname].grad, TOL))
         else:
@@ -511,3 +529,86 @@ def beit_segmentation_refused(ctx) -> str:
                                    "a BEiT segmentation pipeline", NotImplementedError, structure=True)
     assert "BeitForSemanticSegmentation" in msg and "beit.layers" in msg and "out_indices" in msg, msg
     return msg
+
+
+def encoder_decoder_refusals(ctx) -> list[str]:
+    """T5 and Whisper with pipeline and sequence parallelism, Whisper with
+    layerdrop or use_weighted_layer_sum under pipeline parallelism, a second
+    stack whose skip keyword the forward lacks: refused by name before
+    anything changes."""
+    msgs = []
+    tp_group, pp_group = groups(ctx, 2, 2)
+    sm = PipelineStageManager(pp_group)
+    t5 = build("T5ForConditionalGeneration", 4)
+    cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm,
+                      enable_sequence_parallelism=True, sequence_parallelism_mode="split_gather")
+    msg = parity.refused_unchanged(t5, lambda: ShardFormer(shard_config=cfg).optimize(t5),
+                                   "T5 with PP and SP", NotImplementedError, structure=True)
+    assert "T5ForConditionalGeneration" in msg and "split_gather" in msg and "encoder.block" in msg, msg
+    msgs.append(msg)
+    whisper = build("WhisperForConditionalGeneration", 4)
+    cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm,
+                      enable_sequence_parallelism=True, sequence_parallelism_mode="split_gather")
+    msg = parity.refused_unchanged(whisper, lambda: ShardFormer(shard_config=cfg).optimize(whisper),
+                                   "Whisper with PP and SP", NotImplementedError, structure=True)
+    assert "WhisperForConditionalGeneration" in msg and "encoder.layers" in msg, msg
+    msgs.append(msg)
+    for name, key in (("WhisperForConditionalGeneration", "decoder_layerdrop"),
+                      ("WhisperForAudioClassification", "use_weighted_layer_sum")):
+        whisper = build(name, 4, **{key: 0.5 if key.endswith("drop") else True})
+        cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm)
+        msg = parity.refused_unchanged(whisper, lambda: ShardFormer(shard_config=cfg).optimize(whisper),
+                                       f"{name} pipelined with {key}", NotImplementedError, structure=True)
+        assert name in msg and key in msg and "pipeline" in msg, msg
+        msgs.append(msg)
+    # a second stack whose `skip` keyword the model's forward does not take: refused, model unchanged
+    import dataclasses
+
+    from shardformer.policies.t5 import T5ForConditionalGenerationPolicy
+
+    class WrongSkip(T5ForConditionalGenerationPolicy):
+        @property
+        def pipeline_split(self):
+            split = super().pipeline_split
+            return dataclasses.replace(split, then=dataclasses.replace(split.then, skip="encoder_states"))
+
+    t5 = build("T5ForConditionalGeneration", 4)
+    cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm)
+    msg = parity.refused_unchanged(t5, lambda: ShardFormer(shard_config=cfg).optimize(t5, policy=WrongSkip()),
+                                   "a skip keyword the forward lacks", ValueError, structure=True)
+    assert "encoder_states=" in msg and "T5ForConditionalGeneration.forward" in msg, msg
+    msgs.append(msg)
+    return msgs
+
+
+def from_pretrained_encdec(ctx, name: str, pp: int, tp: int, path: str) -> dict:
+    """ShardFormer.from_pretrained of an encoder-decoder with a stage manager:
+    each stage reads its tensors only (a tied embedding stored once is read
+    by every stage holding it under any of its names), no warning about
+    parameters missing from the checkpoint, and the pipeline's logits equal
+    HF's from_pretrained."""
+    import warnings
+
+    import transformers
+
+    cls = getattr(transformers, name)
+    tp_group, pp_group = groups(ctx, pp, tp)
+    if dist.get_rank() == 0:
+        torch.manual_seed(0)
+        build(name, 4).save_pretrained(path)
+    dist.barrier()
+    sm = PipelineStageManager(pp_group)
+    cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm,
+                      enable_tensor_parallelism=tp > 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)          # "newly initialized" would be one
+        model, _ = ShardFormer(shard_config=cfg).from_pretrained(cls, path, attn_implementation="eager")
+    ref = cls.from_pretrained(path, attn_implementation="eager").eval()
+    batch = batch_of(name)
+    out = OneForwardOneBackwardSchedule(sm, num_microbatches=2).forward(model, batch)
+    err = parity.assert_close(f"{name} logits from_pretrained", out.logits, ref(**batch).logits, TOL)
+    held = sum(p.numel() for p in model.parameters())
+    full = sum(p.numel() for p in ref.parameters())
+    assert held < full, (held, full)
+    dist.barrier()
+    return {"err": err, "fraction": held / full}

@@ -15,6 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from shardformer import ops
 from shardformer.distributed import communicator as comm_mod
 from shardformer.layer import ring_attention as ra
 
@@ -23,15 +24,19 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 4e-3}
 
 
-def reference(q, k, v, scale, causal, mask, window=None, bias=None):
-    """softmax(scale q k^T + bias, masked) v in float64 (GQA by repeating K/V heads);
+def reference(q, k, v, scale, causal, mask, window=None, softcap=None, keep=None, p=0.0, bias=None):
+    """softmax(scale q k^T (+ bias), masked) v in float64 (GQA by repeating K/V heads);
     mask [B, S] bool (True = attend) or None; window W: query i sees key j only
     when i - j < W (causal, HF's sliding_window_overlay: j > i - W) or
-    |i - j| < W (not causal); a row with no visible key gives 0."""
+    |i - j| < W (not causal); softcap: logits softcap tanh(s / softcap) before
+    the masks; keep [B, Hq, S, S] (dropout draws): probabilities * keep / (1 - p);
+    a row with no visible key gives 0."""
     S = q.shape[2]
     g = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     s = scale * q @ k.transpose(-1, -2)
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     if bias is not None:
         s = s + bias
     allowed = torch.ones(q.shape[0], 1, S, S, dtype=torch.bool)
@@ -44,6 +49,8 @@ def reference(q, k, v, scale, causal, mask, window=None, bias=None):
         allowed = allowed & ((d < window) if causal else (d.abs() < window))
     s = s.masked_fill(~allowed, -1e300)
     probs = torch.softmax(s, dim=-1) * allowed.any(-1, keepdim=True)
+    if keep is not None:
+        probs = probs * keep.to(probs.dtype) / (1 - p)
     return probs @ v
 
 
@@ -84,6 +91,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, Hkv: int = 2, D: int = 16,
                      dtype: str = "float32", left_pad: int = 0, backend: str | None = None,
                      seed: int = 0, p2p: str = "auto", window: int | None = None,
+                     softcap: float | None = None, dropout: float = 0.0, drop_seed: int | None = None,
                      bias_batch: int | None = None) -> dict:
     """ring_attention on this rank's zigzag rows equals full attention: the
     forward rows and the q, k, v gradients (gathered to full sequences), on
@@ -92,9 +100,12 @@ def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, 
     is at the end: masked by key_padding when not causal (or when a padding
     mask is given anyway), unmasked when causal (real queries never see it).
     backend: SHARDFORMER_COMM for the group; p2p: ring_attention.P2P;
-    window: the sliding window (global positions).  bias_batch (1 or B): an
-    additive bias [bias_batch, Hq, S, S] (zero-padded to S'), its gradient
-    summed over the group compared too."""
+    window: the sliding window (global positions); softcap: logit soft-capping;
+    dropout (drop_seed, None: the ring draws one on group rank 0): the
+    reference applies the kernel's draws for the whole padded sequence,
+    ops.attention_dropout_mask([B, Hq, S', S']), restricted to the S real rows.
+    bias_batch (1 or B): an additive bias [bias_batch, Hq, S, S] (zero-padded
+    to S'), its gradient summed over the group compared too."""
     p, r = ctx.tp_size, ctx.rank
     dt = DTYPES[dtype]
     gen = torch.Generator().manual_seed(seed)
@@ -102,18 +113,11 @@ def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, 
     k = torch.randn(B, Hkv, S, D, generator=gen).to(dt)
     v = torch.randn(B, Hkv, S, D, generator=gen).to(dt)
     dout = torch.randn(B, Hq, S, D, generator=gen).to(dt)
+    bias = None if bias_batch is None else torch.randn(bias_batch, Hq, S, S, generator=gen)
     real = torch.ones(B, S, dtype=torch.bool)
     if left_pad:
         real[1, :left_pad] = False
     scale = 1.0 / math.sqrt(D)
-
-    bias = None if bias_batch is None else torch.randn(bias_batch, Hq, S, S, generator=gen)
-
-    # reference: float64 autograd on the same (rounded) values
-    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
-    br = None if bias is None else bias.double().requires_grad_()
-    ref = reference(qr, kr, vr, scale, causal, real if left_pad else None, window, br)
-    ref.backward(dout.double())
 
     # the model integration's padding: zero rows at the end, key_padding over S'
     S_pad = ra.padded_length_for(S, p)
@@ -138,8 +142,14 @@ def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, 
             from shardformer.distributed import get_communicator
 
             used = get_communicator(ctx.group, "cpu").backend
-            out = ra.ring_attention(ql, kl, vl, ctx.group, scale=scale, causal=causal, key_padding=key_padding,
-                                    window=window, bias=bl)
+            seeds, group_seed = [], ra._group_seed
+            ra._group_seed = lambda *a: seeds.append(group_seed(*a)) or seeds[-1]
+            try:
+                out = ra.ring_attention(ql, kl, vl, ctx.group, scale=scale, causal=causal, key_padding=key_padding,
+                                        window=window, softcap=softcap, dropout_p=dropout, seed=drop_seed,
+                                        bias=bl)
+            finally:
+                ra._group_seed = group_seed
             out.backward(gl)
             calls = {key: ra.CALLS[key] - before[key] for key in before}
 
@@ -153,6 +163,21 @@ def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, 
     finally:
         ra.P2P = old_p2p
     assert out.dtype == dt and out.shape == ql.shape
+    keep = None
+    if dropout:
+        if drop_seed is None:                  # drawn on group rank 0: every rank got the same
+            assert len(seeds) == 1, seeds
+            every = [torch.zeros(1, dtype=torch.int64) for _ in range(p)]
+            dist.all_gather(every, torch.tensor(seeds, dtype=torch.int64), group=ctx.group)
+            assert all(int(e) == seeds[0] for e in every), every
+            drop_seed = seeds[0]
+        keep = ops.attention_dropout_mask((B, Hq, S_pad, S_pad), dropout, drop_seed)[:, :, :S, :S]
+
+    # reference: float64 autograd on the same (rounded) values
+    qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
+    br = None if bias is None else bias.double().requires_grad_()
+    ref = reference(qr, kr, vr, scale, causal, real if left_pad else None, window, softcap, keep, dropout, br)
+    ref.backward(dout.double())
     errors = {"o": _rel(full_o, ref), "dq": _rel(full_dq, qr.grad), "dk": _rel(full_dk, kr.grad),
               "dv": _rel(full_dv, vr.grad)}
     if bl is not None:
@@ -161,14 +186,16 @@ def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, 
         errors["dq"] = (full_dq.double() - qr.grad).abs().max().item()
         errors["dk"] = (full_dk.double() - kr.grad).abs().max().item()
     bad = {name: e for name, e in errors.items() if not e <= TOL[dtype]}
-    assert not bad, (f"rank {r}/{p} S={S} causal={causal} window={window} {dtype} left_pad={left_pad} "
+    assert not bad, (f"rank {r}/{p} S={S} causal={causal} window={window} softcap={softcap} {dtype} "
+                     f"left_pad={left_pad} "
                      f"backend={used}: "
                      f"relative errors {bad} over {TOL[dtype]}")
     if left_pad and (causal or left_pad >= S):   # queries that see only padding keys: output and gradients 0
         assert full_o[1, :, :left_pad].abs().max() == 0 and full_dq[1, :, :left_pad].abs().max() == 0
     if left_pad >= S:                            # keys nobody may see: no gradient
         assert full_dk[1].abs().max() == 0 and full_dv[1].abs().max() == 0
-    return {"errors": errors, "calls": calls, "backend": used}
+    return {"errors": errors, "calls": calls, "backend": used, "seed": drop_seed,
+            "keep_rate": None if keep is None else keep.float().mean().item()}
 
 
 def ring_on_subgroup(ctx, members: list, backend: str | None = None) -> dict | None:
@@ -207,8 +234,10 @@ def ring_shapes_refused(ctx) -> list:
         (lambda: ra.ring_attention(q[:, :, :3], k[:, :, :3], k[:, :, :3], ctx.group), ValueError, "2c"),
         (lambda: ra.ring_attention(torch.randn(1, 3, 4, 8), torch.randn(1, 2, 4, 8), torch.randn(1, 2, 4, 8),
                                    ctx.group), ValueError, "multiple"),
-        (lambda: ra.ring_attention(q, k, k, ctx.group, softcap=30.0), NotImplementedError, "soft-capping"),
-        (lambda: ra.ring_attention(q, k, k, ctx.group, dropout_p=0.1), NotImplementedError, "dropout"),
+        (lambda: ra.ring_attention(q, k, k, ctx.group, softcap=-1.0), ValueError, "softcap"),
+        (lambda: ra.ring_attention(q, k, k, ctx.group, softcap=float("nan")), ValueError, "softcap"),
+        (lambda: ra.ring_attention(q, k, k, ctx.group, dropout_p=1.5), ValueError, "dropout_p"),
+        (lambda: ra.ring_attention(q, k, k, ctx.group, dropout_p=0.1, seed="7"), TypeError, "seed"),
         (lambda: ra.ring_attention(q, k, k, ctx.group, window=-1), ValueError, "window"),
     ]
     for fn, exc, words in cases:

@@ -140,6 +140,9 @@ def sliding_window_equals_unsharded(ctx, name: str, mode: str, window: int, seq:
             f"{name}: {skipped} chunk pairs skipped, {masked} masked over {passes} passes: " \
             f"the window did not reach the ring"
         report["ring_pairs"] = {"blocks": blocks, "skipped": skipped, "masked": masked}
+        report["ring_unvisited"] = ra.CALLS["unvisited"] - ring_before["unvisited"]
+        report["ring_messages"] = ra.CALLS["messages"] - ring_before["messages"]
+        report["ring_passes"] = {k: ra.CALLS[k] - ring_before[k] for k in ("forward", "backward")}
     return report
 
 
@@ -221,16 +224,115 @@ def cached_training_forward_refused(ctx, name: str, mode: str) -> str:
     raise AssertionError("a training forward with use_cache=True was not refused")
 
 
-def refused(ctx, name: str, mode: str, match: str) -> str:
-    """optimize() or the first forward raises NotImplementedError matching `match`."""
-    model = zoo.build(name)
+def softcap_equals_unsharded(ctx, name: str, mode: str, cap: float, seq: int | None = None) -> dict:
+    """`name` built with attn_logit_softcapping=cap, small enough to change
+    the unsharded model's logits (so the cap is in force): the model with the
+    sequence split equals the unsharded one (check_sharded: forward, loss,
+    every gradient, after a step), and under ring_attn every ring call got
+    the cap."""
+    from shardformer.layer import ring_attention as ra
+
+    inputs = _trim(zoo.make_inputs(name), seq)
+    with torch.no_grad():
+        capped = zoo.build(name, attn_logit_softcapping=cap).eval()(**inputs).logits
+        plain = zoo.build(name, attn_logit_softcapping=None).eval()(**inputs).logits
+    assert not torch.allclose(capped, plain, rtol=1e-4, atol=1e-5), f"{name}: softcap={cap} changes nothing"
+    caps, real = [], ra.ring_attention
+
+    def recording(*args, **kwargs):
+        caps.append(kwargs.get("softcap"))
+        return real(*args, **kwargs)
+
+    before = sa.CALLS[mode]
+    ra.ring_attention = recording
     try:
-        ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))).optimize(model)
-        model(**zoo.make_inputs(name))
+        report = parity.check_sharded(ctx, lambda: zoo.build(name, attn_logit_softcapping=cap), inputs, name=name,
+                                      config=sp_config(mode))
+    finally:
+        ra.ring_attention = real
+    calls = sa.CALLS[mode] - before
+    assert calls > 0, f"{name}: the {mode} attention never ran"
+    if mode == "ring_attn":
+        assert len(caps) == calls and set(caps) == {cap}, f"{name}: ring calls got softcap {caps}"
+    report["split_calls"] = calls
+    return report
+
+
+def ring_dropout_matches_kernel(ctx, name: str, p_drop: float = 0.3) -> dict:
+    """Training with attention_dropout=p_drop under ring_attn: the logits,
+    the loss and every gradient equal the unsharded model whose attention is
+    the C kernel (shardformer.attention.enable), with the same dropout draws:
+    the ring's blocks draw exactly what one kernel call over the whole
+    sequence draws, for the seed that group rank 0 draws (inside a split
+    layer torch's generator is the per-rank stream, so the reference kernel
+    is handed the ring's seeds, in order; the 8 tokens are a multiple of 2p,
+    so the padded sequence is the sequence).  The draws are in force: a
+    second seed changes the logits."""
+    from shardformer import attention as sf_attention
+    from shardformer import ops
+    from shardformer.layer import ring_attention as ra
+
+    torch.manual_seed(0)
+    model = zoo.build(name, attention_dropout=p_drop).train()
+    ref = copy.deepcopy(model)
+    sf_attention.enable(ref)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config("ring_attn"))).optimize(model)
+    inputs = zoo.make_inputs(name)
+    assert inputs["input_ids"].shape[1] % (2 * ctx.tp_size) == 0
+    before, ring_before = sa.CALLS["ring_attn"], ra.CALLS["forward"]
+    seeds, group_seed, kernel = [], ra._group_seed, ops.attention
+    ra._group_seed = lambda *a: seeds.append(group_seed(*a)) or seeds[-1]
+    try:
+        torch.manual_seed(7)
+        got = model(**inputs)
+    finally:
+        ra._group_seed = group_seed
+    assert len(seeds) == model.config.num_hidden_layers, f"{name}: {len(seeds)} ring seeds drawn"
+    queue = list(seeds)
+    ops.attention = lambda *a, seed=None, **k: kernel(*a, seed=queue.pop(0) if seed is None else seed, **k)
+    try:
+        torch.manual_seed(7)
+        kernel_before = sf_attention.CALLS["kernel"]
+        exp = ref(**inputs)
+    finally:
+        ops.attention = kernel
+    assert not queue, f"{name}: the reference took {len(seeds) - len(queue)} of {len(seeds)} seeds"
+    assert sf_attention.CALLS["kernel"] > kernel_before, "the reference did not run the kernel"
+    assert sa.CALLS["ring_attn"] > before and ra.CALLS["forward"] > ring_before, "the ring never ran"
+    tol = parity.TOL[torch.float32]
+    report = {"logits": parity.assert_close(f"{name} logits", got.logits, exp.logits, tol),
+              "loss": parity.assert_close(f"{name} loss", got.loss, exp.loss, tol)}
+    got.loss.backward()
+    exp.loss.backward()
+    grads = dict(ref.named_parameters())
+    for key, prm in model.named_parameters():
+        parity.assert_close(f"{name} grad {key}", prm.grad, grads[key].grad, tol)
+    torch.manual_seed(8)
+    other = model(**inputs).logits
+    assert not torch.allclose(other, got.logits), f"{name}: attention dropout {p_drop} changes nothing"
+    return report
+
+
+def ring_packed_mask_refused(ctx, name: str) -> str:
+    """Packed sequences (position_ids restarting at 0: HF builds a block-causal
+    4-D mask) under ring_attn raise NotImplementedError naming the model and
+    the mode at the first layer's attention, and leave the weights as they were."""
+    model = zoo.build(name)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config("ring_attn"))).optimize(model)
+    inputs = zoo.make_inputs(name)
+    n = inputs["input_ids"].shape[1]
+    position_ids = torch.cat([torch.arange(n // 2), torch.arange(n - n // 2)]).expand(inputs["input_ids"].shape[0], n)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        model(**inputs, position_ids=position_ids)
     except NotImplementedError as e:
-        assert match in str(e), str(e)
-        return str(e)
-    raise AssertionError(f"{name}: {mode} was not refused")
+        assert name in str(e) and "ring_attn" in str(e) and "attention mask pattern" in str(e), str(e)
+        message = str(e)
+    else:
+        raise AssertionError(f"{name}: a packed-sequence mask was not refused under ring_attn")
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert not changed, f"the refused forward changed {changed}"
+    return message
 
 
 def padded_batch_real_rows(ctx, name: str, mode: str, seq: int = 7, pad: int = 2) -> dict:
@@ -443,26 +545,6 @@ def refused_model_unchanged(ctx, name: str, mode: str, match: str, **overrides) 
     return message
 
 
-def recorded_outputs_refused_split(ctx, name: str, mode: str) -> str:
-    """An encoder (or encoder-decoder) forward split over ctx.group with
-    output_hidden_states / output_attentions raises NotImplementedError
-    naming the flag, rather than return one rank's rows or heads."""
-    model = zoo.build(name).eval()
-    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))).optimize(model)
-    inputs = zoo.make_inputs(name)
-    message = ""
-    for what in ("output_hidden_states", "output_attentions"):
-        try:
-            with torch.no_grad():
-                model(**inputs, **{what: True})
-        except NotImplementedError as e:
-            assert what in str(e), str(e)
-            message = str(e)
-        else:
-            raise AssertionError(f"{name}: {what}=True was not refused")
-    return message
-
-
 def variant_equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, overrides: dict | None = None) -> dict:
     """check_sharded of `name` built with config `overrides` (other layer
     counts and groups, Whisper's encoder length), inputs as the split_gather
@@ -529,9 +611,14 @@ def refused_unchanged_model(ctx, model, name: str, mode: str) -> str:
     return message
 
 
+# the split layers of the models whose layers are not `transformer.h`
+_DROPOUT_LAYERS = {"ChatGLMForConditionalGeneration": "transformer.encoder.layers"}
+
+
 def training_dropout_masks(ctx, name: str, mode: str, p: float = 0.3) -> dict:
     """A training forward with every dropout at p, TP off (the zoo's layers
-    under `transformer.h`; every dropout a torch.nn.functional.dropout call):
+    under `transformer.h`, or _DROPOUT_LAYERS; every dropout a
+    torch.nn.functional.dropout call; zoo.chatglm2's: its hidden_dropout):
     each dropout drawn inside the split layers (this rank's rows, or this
     rank's heads over the whole sequence) has a different mask on every
     rank, while those outside (the embedding dropout on the full sequence,
@@ -541,9 +628,12 @@ def training_dropout_masks(ctx, name: str, mode: str, p: float = 0.3) -> dict:
 
     from checks.sequence import check_split_dropout_step
 
-    model = zoo.build_with_dropout(name, p).train()
+    if name.startswith("ChatGLM"):
+        model = zoo.build(name, hidden_dropout=p).train()
+    else:
+        model = zoo.build_with_dropout(name, p).train()
     ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config(mode))).optimize(model)
-    layers = model.get_submodule("transformer.h")
+    layers = model.get_submodule(_DROPOUT_LAYERS.get(name, "transformer.h"))
     inside, masks = [False], {"in": [], "out": []}
     layers[0].register_forward_pre_hook(lambda m, a: inside.__setitem__(0, True))
     layers[len(layers) - 1].register_forward_hook(lambda m, a, o: inside.__setitem__(0, False))

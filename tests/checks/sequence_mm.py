@@ -238,6 +238,43 @@ def mm_hidden_states_refused(ctx, name: str, mode: str, hows: tuple = ("call", "
     return message
 
 
+def mm_hidden_states_equal(ctx, name: str, mode: str) -> dict:
+    """output_hidden_states=True in the call: every hidden state the language
+    model records (Gemma 3: the model's hidden_states; BLIP-2: its
+    language_model_outputs' states, both stacks of T5) is the full-sequence
+    tensor of the unsharded model, in eval mode; the split gathered them
+    (shardformer.layer.sequence.RECORDED_GATHERS counted)."""
+    from shardformer.layer import sequence as seq_mod
+
+    torch.manual_seed(0)
+    model = zoo.build(name).eval()
+    ref = copy.deepcopy(model)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **config_for(mode))).optimize(model)
+    inputs = zoo.make_inputs(name)
+    before = seq_mod.RECORDED_GATHERS["count"]
+    with torch.no_grad():
+        out = model(**inputs, output_hidden_states=True)
+        exp = ref(**inputs, output_hidden_states=True)
+
+    def states(o) -> list:
+        inner = getattr(o, "language_model_outputs", None) or o
+        found = []
+        for field in ("hidden_states", "encoder_hidden_states", "decoder_hidden_states"):
+            value = getattr(inner, field, None)
+            if isinstance(value, (tuple, list)):
+                found += list(value)
+        return found
+
+    got, want = states(out), states(exp)
+    assert want and len(got) == len(want), f"{name} ({mode}): {len(got)} recorded states, expected {len(want)}"
+    worst = 0.0
+    for i, (a, b) in enumerate(zip(got, want)):
+        worst = max(worst, parity.assert_close(f"{name} ({mode}) hidden state {i}", a, b, parity.TOL[torch.float32]))
+    gathered = seq_mod.RECORDED_GATHERS["count"] - before
+    assert gathered > 0, f"{name} ({mode}): no recorded state was gathered"
+    return {"states": len(got), "gathered": gathered, "worst": worst}
+
+
 def gemma3_image_blocks_equal(ctx, name: str, mode: str, seq: int | None = None) -> dict:
     """The image tokens' bidirectional block (from token_type_ids) changes
     the unsharded model's output (so the mask is in force in the zoo's

@@ -398,16 +398,21 @@ def sp_vision_equals_unsharded(ctx, name: str, image: int | None = None, overrid
     forward, loss, every gradient and after a step equal the unsharded
     model.  Then, no_grad, proves the split ran: every block (BEiT's layers,
     Swin's blocks of every stage) got ceil(S / tp) rows, S its stage's token
-    count."""
+    count; Swinv2 (whole blocks): every block but a stage's last returned
+    ceil(S / tp) rows, the last the full S."""
     overrides = dict(overrides or {})
     if image is not None:
         overrides.setdefault("image_size", image)
     inputs = vision_inputs(name, image) if image is not None else zoo.make_inputs(name)
     inputs.update(extra or {})
+    # Swinv2Model's float32 rounding floor (zoo.vision.FP64_FLOOR): judged against float64 as its TP test is
+    fp64 = name in getattr(zoo.module_of(name), "FP64_FLOOR", ())
     report = parity.check_sharded(ctx, lambda: zoo.build(name, **overrides), inputs, name=name,
-                                  config=dict(SP))
+                                  config=dict(SP), fp64_floor=fp64)
     model = zoo.build(name, **overrides)
     _shard(ctx, model)
+    if "Swinv2" in name:
+        return {**report, **_swinv2_rows(ctx, model, inputs)}
     seen = _count_rows(model, ("BeitLayer", "SwinLayer"))
     with torch.no_grad():
         model(**inputs)
@@ -424,6 +429,27 @@ def sp_vision_equals_unsharded(ctx, name: str, image: int | None = None, overrid
     got = [rows for _, rows in seen]
     assert got == expected, f"{name}: blocks got {got} rows, expected {expected} (tokens {full}, tp {ctx.tp_size})"
     return {**report, "rows": got, "tokens": full}
+
+
+def _swinv2_rows(ctx, model, inputs: dict) -> dict:
+    """The rows (dim 1) each Swinv2Layer returned in a no_grad forward of
+    the sharded `model`: ceil(S / tp) for every block but a stage's last
+    (the activations kept between blocks are this rank's rows), S for the
+    last (patch merging reads the full map)."""
+    seen: list = []
+    for module in model.modules():
+        if type(module).__name__ == "Swinv2Layer":
+            module.register_forward_hook(lambda m, a, out: seen.append(out[0].shape[1]))
+    with torch.no_grad():
+        model(**inputs)
+    side = inputs["pixel_values"].shape[-1] // model.config.patch_size
+    full, expected = [], []
+    for depth in model.config.depths:
+        full += [side * side] * depth
+        expected += [-(-side * side // ctx.tp_size)] * (depth - 1) + [side * side]
+        side = (side + 1) // 2
+    assert seen == expected, f"Swinv2: blocks returned {seen} rows, expected {expected} (tokens {full})"
+    return {"rows": seen, "tokens": full}
 
 
 def sp_mode_refused_unchanged(ctx, name: str, mode: str, overlap: bool = False) -> str:

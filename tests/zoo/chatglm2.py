@@ -180,7 +180,9 @@ class ChatGLMModel(nn.Module):
         self.encoder = GLMTransformer(cfg)
         self.output_layer = nn.Linear(cfg.hidden_size, cfg.padded_vocab_size, bias=False)
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, use_cache=None):
+        """use_cache: taken as the remote code's forward takes it; this model
+        keeps no KV cache, so it changes nothing."""
         x = self.embedding(input_ids)
         rope = self.rotary_pos_emb(input_ids.shape[1], device=x.device)
         return {"last_hidden_state": self.encoder(x, rope)}

@@ -143,8 +143,9 @@ def _merge_stages(model: nn.Module, stages, mine: dict, rank0_only: bool) -> dic
     if missing:
         raise RuntimeError(f"{type(model).__name__}: the pipeline stages together hold no {missing[:5]}")
     merged = {k: merged[k] for k in stages.plan.names}
-    for a, b in stages.plan.shared:              # tied across stages (equal: the schedules sync them): one tensor
-        merged[b] = merged[a]
+    for a, *rest in stages.plan.shared:          # tied across stages (equal: the schedules sync them): one tensor
+        for b in rest:
+            merged[b] = merged[a]
     return merged
 
 

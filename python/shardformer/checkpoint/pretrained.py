@@ -293,16 +293,17 @@ def _fit(item: _Item, origin: str) -> str | None:
     return None
 
 
-def _pipeline_aliases(model: nn.Module) -> dict[str, str]:
-    """{name: the other name of its tied pair} across pipeline stages ({} without a pipeline)."""
+def _pipeline_aliases(model: nn.Module) -> dict[str, list[str]]:
+    """{name: the other names of its tied set} across pipeline stages ({} without a pipeline)."""
     from ..pipeline.stages import runtime_of
 
     stages = runtime_of(model)
     if stages is None:
         return {}
     out = {}
-    for a, b in stages.plan.shared:
-        out[a], out[b] = b, a
+    for names in stages.plan.shared:
+        for name in names:
+            out[name] = [n for n in names if n != name]
     return out
 
 
@@ -321,8 +322,9 @@ def plan_load(model: nn.Module, reader: CheckpointReader, strict: bool = True) -
     # embedding on another stage) reads it from whichever name the checkpoint stores.
     aliases = _pipeline_aliases(model)
     for names, _ in groups.values():
-        names.extend(aliases[n] for n in list(names) if n in aliases and aliases[n] not in names)
-    sources = _map_keys(model, reader, persistent + [a for a in aliases.values() if a not in wanted])
+        names.extend(a for n in list(names) for a in aliases.get(n, ()) if a not in names)
+    others = list(dict.fromkeys(a for alias in aliases.values() for a in alias if a not in wanted))
+    sources = _map_keys(model, reader, persistent + others)
     items, missing, wrong = [], set(), list(sources.problems)
     for names, t in groups.values():
         found = [n for n in names if n in sources.nodes]

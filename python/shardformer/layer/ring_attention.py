@@ -12,7 +12,8 @@ What ring_attention computes.  With q, k, v the rows of the full (padded)
 sequence, for each local query row i (global position P(i)) and every key
 position j of the whole sequence:
 
-    s_ij = scale q_i . k_j,   s_ij = -inf where key_padding[b, j] is False,
+    s_ij = scale q_i . k_j, or with soft-capping (cap > 0) cap tanh(scale q_i . k_j / cap),
+    s_ij = -inf where key_padding[b, j] is False,
            or (causal) j > P(i), or (window W, causal) P(i) - j >= W,
            or (window W, not causal) |P(i) - j| >= W
     lse_i = log sum_j exp(s_ij)              (+inf when every s_ij is -inf)
@@ -77,8 +78,26 @@ stays one call), the local 2c x 2c block under the kernel's causal / window
 flags at step 0 when that is exact (no window, or r = p-1, whose chunks
 p-1, p are adjacent), else one call per query chunk whose visible pairs are
 all full, else one call per pair.  Backward replays the same calls with the
-same masks and windows.  Every step still passes the K/V on (a rank may skip
-all four pairs of a step while its neighbours need them).
+same masks and windows.
+
+Which K/V travel (chains()).  Rank r needs the K/V of rank j = (r - s) mod p
+only when some pair of its chunks {r, 2p-1-r} x {j, 2p-1-j} has a visible
+row pair.  A window W reaches k = ceil((W - 1) / c) chunks: query chunk a
+sees key chunks a-k..a (a-k..a+k without causal masking),
+so through the zigzag the needed offsets s lie near 0 (s <= k: lower
+chunks of lower ranks) and near p (s >= p - k: the mirrored upper chunks of
+higher ranks).  Instead of p - 1 hops one way, the K/V then go kf hops to
+rank+1 (offsets 1..kf, the forward chain) and kb hops to rank-1 (offsets
+p-1..p-kb, the backward chain), the fewest hops covering every offset some
+rank needs; the ranks in between never see each other's K/V.  E.g. W <= c
+on 4 ranks: one hop each way (2, not 3), W = 1: none.  When that saves
+nothing the plain ring runs.  Backward with chains: the K/V travel the same
+way and each step's dk / dv partial (float32) for its owner is kept (kf + kb
+of them, few: the chains are used only when they are shorter than the
+ring); then each chain's partials go home against its direction in kf
+(kb) neighbour hops, summed on the way (at hop h rank r sends the sum for
+owner r - kf + h - 1 and adds its own partial for the next owner to what
+it receives).  Messages per rank: kf + kb forward, 2 (kf + kb) backward.
 
 Backward.  Saved for it: q, the local k and v, the final o and the final lse
 (nothing [S, S], no per-step outputs).  K/V go around the ring again; for
@@ -118,22 +137,40 @@ Counters (module-level CALLS, for tests; reset_counters() zeroes them):
     kernel_forward / _backward  C kernel calls (one per ring step without a
                             window; with one, up to one per computed pair)
     blocks / skipped        chunk pairs (query chunk, key chunk) computed /
-                            skipped (b > a, or out of the window's reach),
+                            skipped (b > a, or out of the window's reach,
+                            with the 4 pairs of each unvisited owner),
                             counted in forward and backward
     masked                  computed pairs cut by the window off the diagonal
                             (an explicit band mask)
     messages                point-to-point messages sent by this rank
     messages_torch          those of them sent by torch.distributed isend
+    unvisited               K/V owners that never reach this rank (window), per pass
+
+Soft-capping is elementwise on each logit, so every block applies it in
+the kernel (forward and backward, csrc/kernels/attention.h) and the merge
+and the backward's final-lse identities above hold unchanged.
+
+Attention dropout (dropout_p > 0): o_i = sum_j p_ij z_ij / (1 - dropout_p) v_j
+with z_ij drawn by the kernel's counter-based hash from (seed, b, h, global
+query position, global key position), i.e. what one kernel call over the
+whole padded sequence of S' rows draws (ops.attention_dropout_mask of
+[B, Hq, S', S'] shows them).  Each block passes the global positions of
+its rows (qpos, kpos, drop_seq = S'), so the blocks of every rank draw
+exactly their part of that mask, in forward and again in backward.  The
+block's lse stays the undropped log-sum-exp, so the merge above is
+unchanged (o_b carries the dropped, rescaled weights), and backward with
+the final o (dropped) gives delta_i = sum_j p_ij dp_ij as the kernel needs.
+The seed is one number for the whole group: drawn by group rank 0 from
+torch's generator and broadcast when not given.
 
 An additive bias over the whole padded sequence (T5's relative position
 bias; `bias`) is added block by block, each block taking its rows and
-columns; ALiBi slopes are not taken.
-
-Not supported (NotImplementedError): logit soft-capping,
-attention dropout (dropout_p must be 0), ALiBi slopes.
+columns; its gradient is this rank's query rows of the blocks' softmax
+gradients.  Not supported: ALiBi slopes.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -155,7 +192,7 @@ __all__ = ["ring_attention", "zigzag_rows", "padded_length_for", "CALLS", "reset
 P2P = "auto"
 
 CALLS = {"forward": 0, "backward": 0, "kernel_forward": 0, "kernel_backward": 0,
-         "blocks": 0, "skipped": 0, "masked": 0, "messages": 0, "messages_torch": 0}
+         "blocks": 0, "skipped": 0, "masked": 0, "messages": 0, "messages_torch": 0, "unvisited": 0}
 
 
 def reset_counters() -> None:
@@ -290,18 +327,21 @@ class _Ring:
         self.gnext = comm.info.global_rank(self.nxt, "ring send")
         self.gprev = comm.info.global_rank(self.prv, "ring recv")
 
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int) -> list:
-        """Start sending `send` to rank+1 and receiving rank-1's into `recv`;
-        returns the handles to wait on (neither buffer may be touched before)."""
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int, direction: int = 1) -> list:
+        """Start sending `send` to rank+direction and receiving rank-direction's
+        into `recv` (direction +1 or -1); returns the handles to wait on
+        (neither buffer may be touched before)."""
         CALLS["messages"] += 1
         send_first = self.rank % 2 == 0
+        to, frm = (self.nxt, self.prv) if direction == 1 else (self.prv, self.nxt)
+        gto, gfrm = (self.gnext, self.gprev) if direction == 1 else (self.gprev, self.gnext)
         if self.shm is not None:
-            ops_ = [lambda: self.shm.send(send, self.nxt, async_op=True),
-                    lambda: self.shm.recv(recv, self.prv, async_op=True)]
+            ops_ = [lambda: self.shm.send(send, to, async_op=True),
+                    lambda: self.shm.recv(recv, frm, async_op=True)]
         else:
             CALLS["messages_torch"] += 1
-            ops_ = [lambda: dist.isend(send, self.gnext, group=self.group, tag=tag),
-                    lambda: dist.irecv(recv, self.gprev, group=self.group, tag=tag)]
+            ops_ = [lambda: dist.isend(send, gto, group=self.group, tag=tag),
+                    lambda: dist.irecv(recv, gfrm, group=self.group, tag=tag)]
         if not send_first:
             ops_.reverse()
         return [op() for op in ops_]
@@ -312,7 +352,57 @@ class _Ring:
             h.wait()
 
 
-_TAG_KV, _TAG_DKV = 7301, 7302
+# per stream: K/V and dk/dv accumulators of the forward chain (+1) and the backward chain (-1)
+_TAG_KV = {1: 7301, -1: 7303}
+_TAG_DKV = {1: 7302, -1: 7304}
+
+
+# ---- which hops travel --------------------------------------------------------------
+
+def _needed_offsets(p: int, c: int, causal: bool, W: float) -> list:
+    """The ring offsets s in [1, p) at which some rank r has a chunk pair to
+    compute against the K/V of rank (r - s) mod p (_plan)."""
+    return [s for s in range(1, p) if any(_plan(r, (r - s) % p, p, c, causal, W)[0] for r in range(p))]
+
+
+@functools.lru_cache(maxsize=256)
+def chains(p: int, c: int, causal: bool, W: float) -> tuple:
+    """(kf, kb): how far the K/V travel.  Rank r computes against the K/V
+    of the ranks r - 1, ..., r - kf (the forward chain: K/V passed on to
+    rank+1, kf hops) and r + 1, ..., r + kb (the backward chain: passed to
+    rank-1, kb hops); kf + kb <= p - 1 and every needed offset is covered
+    (offset s <= kf, or s >= p - kb).  Without a window that is the plain ring
+    (p - 1, 0); a window shorter than the sequence leaves the offsets near 0
+    and near p (the zigzag pairs chunk a with 2p-1-a), and the K/V of the
+    ranks in between, whose chunks are out of every local query's reach,
+    never travel."""
+    if p == 1:
+        return 0, 0
+    best = (p - 1, 0)
+    if W == math.inf:
+        return best
+    needed = _needed_offsets(p, c, causal, W)
+    for kf in range(p):
+        rest = [s for s in needed if s > kf]
+        kb = p - min(rest) if rest else 0
+        if kf + kb < sum(best):
+            best = (kf, kb)
+    return best
+
+
+def _schedule(r: int, p: int, kf: int, kb: int) -> list:
+    """Rank r's steps as (chain, t, owner): (0, 0, r) its own K/V, then in
+    turn the forward chain's t-th (owner r - t, from rank r-1) and the
+    backward chain's t-th (owner r + t, from rank r+1).  Every rank has the
+    same chain sequence, so the i-th exchange of every rank pairs with its
+    neighbours' i-th."""
+    steps = [(0, 0, r)]
+    for t in range(1, max(kf, kb) + 1):
+        if t <= kf:
+            steps.append((1, t, (r - t) % p))
+        if t <= kb:
+            steps.append((-1, t, (r + t) % p))
+    return steps
 
 
 # ---- block math ---------------------------------------------------------------------
@@ -385,6 +475,18 @@ class _Halves:
         return self.cache[key]
 
 
+def _positions(drop, r, j, p, c, qrows, krows) -> tuple:
+    """(qpos, kpos, drop_seq) of a block for the kernel's dropout draws: the
+    global positions of rank r's query rows `qrows` and owner j's key rows
+    `krows` in the padded sequence of S' = 2cp rows, and S'.  (None, None, 0)
+    without dropout."""
+    if drop is None:
+        return None, None, 0
+    S_pad = 2 * c * p
+    return (_rows(zigzag_rows(S_pad, p, r), qrows, c, dim=0).contiguous(),
+            _rows(zigzag_rows(S_pad, p, j), krows, c, dim=0).contiguous(), S_pad)
+
+
 def _bias_block(bias, qg: torch.Tensor, kg: torch.Tensor) -> torch.Tensor | None:
     """The additive bias of one block: rows qg, columns kg (global positions)
     of the whole-sequence bias [1 | B, H, S', S'], as contiguous float32."""
@@ -403,22 +505,123 @@ def _add_bias_grad(dbias: torch.Tensor, ds: torch.Tensor, qg: torch.Tensor, kg: 
     dbias.view(*dbias.shape[:2], S * S).index_add_(2, flat, ds.reshape(*ds.shape[:2], -1))
 
 
-class _Positions:
-    """Global rows of the chunks ("lo" / "hi" / "all") of a rank's local rows."""
+class _Bias:
+    """The whole-sequence bias of one ring call: its blocks (global rows of
+    the chunks, cached) and, in backward, its gradient's accumulator."""
 
-    def __init__(self, S_pad: int, p: int, c: int):
-        self.S_pad, self.p, self.c, self.cache = S_pad, p, c, {}
+    def __init__(self, bias: torch.Tensor, S_pad: int, p: int, c: int, want_grad: bool = False):
+        self.bias, self.S_pad, self.p, self.c, self.cache = bias, S_pad, p, c, {}
+        self.grad = torch.zeros(bias.shape, dtype=torch.float32) if want_grad else None
 
-    def __call__(self, rank: int, which: str) -> torch.Tensor:
+    def rows(self, rank: int, which: str) -> torch.Tensor:
         key = (rank, which)
         if key not in self.cache:
             self.cache[key] = _rows(zigzag_rows(self.S_pad, self.p, rank), which, self.c, dim=0)
         return self.cache[key]
 
+    def block(self, r: int, j: int, qrows: str, krows: str) -> torch.Tensor:
+        return _bias_block(self.bias, self.rows(r, qrows), self.rows(j, krows))
+
+    def add_grad(self, ds: torch.Tensor, r: int, j: int, qrows: str, krows: str) -> None:
+        _add_bias_grad(self.grad, ds, self.rows(r, qrows), self.rows(j, krows))
+
+
+def _group_seed(group, p: int) -> int:
+    """One dropout seed for the whole group: group rank 0 draws it from
+    torch's generator and broadcasts it (every rank calls this at the same
+    point, as the ring itself)."""
+    t = torch.randint(0, 2**62, (1,), dtype=torch.int64) if D.rank(group) == 0 else torch.zeros(1, dtype=torch.int64)
+    if p > 1:
+        D.broadcast(t, 0, group)
+    return int(t.item())
+
+
+def _travel(ring, r: int, p: int, kf: int, kb: int, kd: torch.Tensor, vd: torch.Tensor):
+    """Yield (owner, its K/V as [2, B, Hkv, 2c, D] or the (k, v) pair) for
+    rank r's steps (_schedule), the K/V of each step travelling while the
+    previous step computes: the exchange for step i+1 starts before step i
+    is yielded and is waited on before step i+1.  One exchange in flight at
+    a time; the K/V a chain sends on are the last it received (or our own)."""
+    steps = _schedule(r, p, kf, kb)
+    CALLS["unvisited"] += p - len(steps)
+    CALLS["skipped"] += 4 * (p - len(steps))          # the chunk pairs of the K/V that never come
+    if len(steps) == 1:
+        yield r, (kd, vd)
+        return
+    own = torch.stack([kd, vd])
+    held = {1: own, -1: own}
+    handles = incoming = None
+    for i, (chain, _t, owner) in enumerate(steps):
+        if i > 0:
+            _Ring.wait(handles)
+            held[chain] = incoming
+        cur = held[chain] if chain else own
+        if i + 1 < len(steps):
+            nxt = steps[i + 1][0]
+            incoming = torch.empty_like(own)
+            handles = ring.exchange(held[nxt], incoming, _TAG_KV[nxt], nxt)
+        yield owner, cur
+
+
+def _backward_blocks(r, j, p, c, S_pad, cur, qd, o, dout, lse, dq, half, args) -> list:
+    """The kernel's backward of rank r's blocks against owner j's K/V `cur`:
+    dq accumulated in place, [(key rows, dk, dv)] returned."""
+    _group, scale, causal, kp, W, softcap, drop, bias = args
+    step = _Step(r, j, p, c, S_pad, causal, W, kp)
+    grads = []
+    for qrows, krows, blk_causal, blk_window, band in step.calls:
+        qb, ob, db, lb = (half(name, t, qrows) for name, t in
+                          (("q", qd), ("o", o), ("dout", dout), ("lse", lse)))
+        kb = _rows(cur[0], krows, c).contiguous()
+        vb = _rows(cur[1], krows, c).contiguous()
+        dqb, dkb, dvb = torch.empty_like(qb), torch.empty_like(kb), torch.empty_like(vb)
+        want_db = bias is not None and bias.grad is not None
+        ds = torch.empty(*qb.shape[:3], kb.shape[2], dtype=torch.float32) if want_db else None
+        _C.attention_backward(qb, kb, vb, ob, db, lb, dqb, dkb, dvb, ds, scale, blk_causal,
+                              blk_window, None, None if bias is None else bias.block(r, j, qrows, krows),
+                              step.mask(krows, band), *(drop or (0.0, 0)), softcap,
+                              *_positions(drop, r, j, p, c, qrows, krows))
+        CALLS["kernel_backward"] += 1
+        if want_db:
+            bias.add_grad(ds, r, j, qrows, krows)
+        _rows(dq, qrows, c).add_(dqb)
+        grads.append((krows, dkb, dvb))
+    return grads
+
+
+def _chain_backward(ring, r, p, c, S_pad, kf, kb, qd, kd, vd, o, dout, lse, dq, half, args):
+    """Backward when the K/V travel kf hops forward and kb backward
+    (chains() < the plain ring): the K/V travel as in forward and each
+    step's dk / dv partials for its owner are kept (float32, at most
+    kf + kb of them); then each chain's partials go home against its
+    direction in k hops, summed on the way: at hop h rank r sends the sum
+    for owner r - k + h - 1 (forward chain) received at hop h-1 plus its own
+    partial, so that after hop k every owner holds the sum over the ranks
+    its K/V visited.  Returns (dk, dv) of our own K/V, float32."""
+    own = torch.zeros((2, *kd.shape), dtype=torch.float32)
+    partial = {1: {}, -1: {}}
+    steps = _schedule(r, p, kf, kb)
+    for (chain, t, owner), (_j, cur) in zip(steps, _travel(ring, r, p, kf, kb, kd, vd)):
+        acc = own if chain == 0 else torch.zeros_like(own)
+        for krows, dkb, dvb in _backward_blocks(r, owner, p, c, S_pad, cur, qd, o, dout, lse, dq, half, args):
+            _rows(acc[0], krows, c).add_(dkb)
+            _rows(acc[1], krows, c).add_(dvb)
+        if chain:
+            partial[chain][t] = acc
+    for chain, k in ((1, kf), (-1, kb)):
+        if k == 0:
+            continue
+        send = partial[chain][k]
+        for h in range(1, k + 1):
+            got = torch.empty_like(send)
+            _Ring.wait(ring.exchange(send, got, _TAG_DKV[chain], -chain))
+            send = got.add_(partial[chain][k - h]) if h < k else own.add_(got)
+    return own[0], own[1]
+
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, causal, kp, W, bias):
+    def forward(ctx, q, k, v, group, scale, causal, kp, W, softcap, drop, bias):
         qd, kd, vd = ops._data(q, "ring_attention q"), ops._data(k, "ring_attention k"), \
             ops._data(v, "ring_attention v")
         p, r = D.world_size(group), D.rank(group)
@@ -431,15 +634,9 @@ class _RingAttention(torch.autograd.Function):
         o_acc = torch.zeros(qd.shape, dtype=torch.float32)              # running (o, lse), float32;
         lse_acc = torch.full(qd.shape[:3], -math.inf, dtype=torch.float32)   # -inf: nothing seen yet
         half = _Halves(c)
-        pos = _Positions(S_pad, p, c)
         bd = None if bias is None else bias.detach()
-        cur = torch.stack([kd, vd]) if p > 1 else (kd, vd)   # [2, B, Hkv, 2c, D]: the travelling K/V
-        spare = torch.empty_like(cur) if p > 1 else None
-        for s in range(p):
-            j = (r - s) % p
-            handles = None
-            if s < p - 1:
-                handles = ring.exchange(cur, spare, _TAG_KV)
+        blocks = None if bd is None else _Bias(bd, S_pad, p, c)
+        for j, cur in _travel(ring, r, p, *chains(p, c, causal, W), kd, vd):
             step = _Step(r, j, p, c, S_pad, causal, W, kp)
             for qrows, krows, blk_causal, blk_window, band in step.calls:
                 qb = half("q", qd, qrows)
@@ -448,16 +645,15 @@ class _RingAttention(torch.autograd.Function):
                 ob = torch.empty_like(qb)
                 lb = torch.empty(qb.shape[:3], dtype=torch.float32)
                 _C.attention_forward(qb, kb, vb, ob, lb, scale, blk_causal, blk_window, None,
-                                     _bias_block(bd, pos(r, qrows), pos(j, krows)), step.mask(krows, band), 0.0, 0)
+                                     None if blocks is None else blocks.block(r, j, qrows, krows),
+                                     step.mask(krows, band), *(drop or (0.0, 0)),
+                                     softcap, *_positions(drop, r, j, p, c, qrows, krows))
                 CALLS["kernel_forward"] += 1
                 _merge(_rows(o_acc, qrows, c), _rows(lse_acc, qrows, c), ob, lb)
-            if handles is not None:
-                _Ring.wait(handles)
-                cur, spare = spare, cur
         lse = lse_acc.masked_fill_(lse_acc == -math.inf, math.inf)   # kernel convention: all masked = +inf
         o = o_acc.to(qd.dtype)
         ctx.save_for_backward(qd, kd, vd, o, lse, bd)
-        ctx.args = (group, scale, causal, kp, W)
+        ctx.args = (group, scale, causal, kp, W, softcap, drop)
         return o
 
     @staticmethod
@@ -465,7 +661,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         qd, kd, vd, o, lse, bd = ctx.saved_tensors
         o = o.detach()
-        group, scale, causal, kp, W = ctx.args
+        group, scale, causal, kp, W, softcap, drop = ctx.args
         p, r = D.world_size(group), D.rank(group)
         dout = ops._data(dout, "ring_attention grad").to(qd.dtype).contiguous()
         B, Hq, n, Dh = qd.shape
@@ -475,10 +671,18 @@ class _RingAttention(torch.autograd.Function):
         CALLS["backward"] += 1
 
         half = _Halves(c)
-        pos = _Positions(S_pad, p, c)
-        want_db = bd is not None and ctx.needs_input_grad[8]
-        dbias = torch.zeros(bd.shape, dtype=torch.float32) if want_db else None
         dq = torch.zeros(qd.shape, dtype=torch.float32)
+        bias = None if bd is None else _Bias(bd, S_pad, p, c, want_grad=ctx.needs_input_grad[10])
+        args = ctx.args + (bias,)
+        dt = qd.dtype
+
+        def bias_grad():
+            return None if bias is None or bias.grad is None else bias.grad.to(bd.dtype)
+
+        hops = chains(p, c, causal, W)
+        if hops != (p - 1, 0):
+            dk, dv = _chain_backward(ring, r, p, c, S_pad, *hops, qd, kd, vd, o, dout, lse, dq, half, args)
+            return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None, None, None, bias_grad()
         cur = torch.stack([kd, vd]) if p > 1 else (kd, vd)
         spare = torch.empty_like(cur) if p > 1 else None
         acc = torch.zeros((2, *kd.shape), dtype=torch.float32)  # dk, dv of the K/V held (owner j)
@@ -486,24 +690,8 @@ class _RingAttention(torch.autograd.Function):
         acc_handles = None
         for s in range(p):
             j = (r - s) % p
-            kv_handles = ring.exchange(cur, spare, _TAG_KV) if s < p - 1 else None
-            step = _Step(r, j, p, c, S_pad, causal, W, kp)
-            grads = []
-            for qrows, krows, blk_causal, blk_window, band in step.calls:
-                qb, ob, db, lb = (half(name, t, qrows) for name, t in
-                                  (("q", qd), ("o", o), ("dout", dout), ("lse", lse)))
-                kb = _rows(cur[0], krows, c).contiguous()
-                vb = _rows(cur[1], krows, c).contiguous()
-                dqb, dkb, dvb = torch.empty_like(qb), torch.empty_like(kb), torch.empty_like(vb)
-                qg, kg = pos(r, qrows), pos(j, krows)
-                ds = torch.empty(*qb.shape[:3], kb.shape[2], dtype=torch.float32) if want_db else None
-                _C.attention_backward(qb, kb, vb, ob, db, lb, dqb, dkb, dvb, ds, scale, blk_causal,
-                                      blk_window, None, _bias_block(bd, qg, kg), step.mask(krows, band), 0.0, 0)
-                if want_db:
-                    _add_bias_grad(dbias, ds, qg, kg)
-                CALLS["kernel_backward"] += 1
-                _rows(dq, qrows, c).add_(dqb)
-                grads.append((krows, dkb, dvb))
+            kv_handles = ring.exchange(cur, spare, _TAG_KV[1]) if s < p - 1 else None
+            grads = _backward_blocks(r, j, p, c, S_pad, cur, qd, o, dout, lse, dq, half, args)
             if acc_handles is not None:                # owner j's accumulator, from rank r-1
                 _Ring.wait(acc_handles)
                 acc, acc_next = acc_next, acc
@@ -511,23 +699,21 @@ class _RingAttention(torch.autograd.Function):
                 _rows(acc[0], krows, c).add_(dkb)
                 _rows(acc[1], krows, c).add_(dvb)
             if p > 1:                                  # on to r+1, which holds owner j's K/V next
-                acc_handles = ring.exchange(acc, acc_next, _TAG_DKV)
+                acc_handles = ring.exchange(acc, acc_next, _TAG_DKV[1])
             if kv_handles is not None:
                 _Ring.wait(kv_handles)
                 cur, spare = spare, cur
         if acc_handles is not None:                    # the last hop: our own dk, dv come home
             _Ring.wait(acc_handles)
             acc = acc_next
-        dt = qd.dtype
-        dbias = None if dbias is None else dbias.to(bd.dtype)
-        return dq.to(dt), acc[0].to(dt), acc[1].to(dt), None, None, None, None, None, dbias
+        return dq.to(dt), acc[0].to(dt), acc[1].to(dt), None, None, None, None, None, None, None, bias_grad()
 
 
 # ---- the entry point ------------------------------------------------------------------
 
 def ring_attention(q, k, v, group=None, *, scale: float | None = None, causal: bool = True,
                    key_padding: torch.Tensor | None = None, softcap: float | None = None,
-                   dropout_p: float = 0.0, window: int | None = None,
+                   dropout_p: float = 0.0, window: int | None = None, seed: int | None = None,
                    bias: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention over a sequence split in zigzag order over `group`.
 
@@ -554,6 +740,15 @@ def ring_attention(q, k, v, group=None, *, scale: float | None = None, causal: b
     sliding_window_causal); not causal, iff |i - j| < W.  Composes with
     key_padding; gradients stay exact.
 
+    softcap: None / 0 (none) or a finite cap > 0: each logit becomes
+    softcap tanh(scale q_i . k_j / softcap) before the masks (Gemma 2).
+
+    dropout_p: attention dropout in [0, 1] (the caller passes 0 outside
+    training); seed: the draws' seed, the same on every rank (None: group
+    rank 0 draws one and broadcasts it).  The draws are those of one kernel
+    call over the whole padded sequence: ops.attention_dropout_mask(
+    [B, Hq, S', S'], dropout_p, seed) (see the module docstring).
+
     bias: None or an additive floating-point bias [1 or B, Hq, S', S'] over
     the WHOLE padded sequence in global positions, the same on every rank
     (T5's relative position bias): s_ij = scale q_i . k_j + bias_ij.  No
@@ -562,14 +757,13 @@ def ring_attention(q, k, v, group=None, *, scale: float | None = None, causal: b
     holds this rank's query rows (the softmax gradient of each computed
     block, summed over a broadcast batch) and 0 elsewhere, so summing it
     over the group gives the whole bias's gradient.
-
-    softcap and dropout_p > 0 are not supported.
     """
-    if softcap is not None:
-        raise NotImplementedError("ring_attention: logit soft-capping (softcap) is not supported")
-    if dropout_p:
-        raise NotImplementedError(f"ring_attention: attention dropout is not supported (dropout_p={dropout_p}, "
-                                  "must be 0)")
+    cap = ops.check_softcap(softcap, "ring_attention")
+    dropout_p = float(dropout_p or 0.0)
+    if not 0.0 <= dropout_p <= 1.0:
+        raise ValueError(f"ring_attention: dropout_p must be in [0, 1], got {dropout_p}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"ring_attention: seed must be an int or None, got {type(seed).__name__}")
     ops.check_qkv(q, k, v, "ring_attention")
     B, Hq, n, Dh = q.shape
     if k.shape[2] != n:
@@ -608,4 +802,7 @@ def ring_attention(q, k, v, group=None, *, scale: float | None = None, causal: b
         if bias.device.type != "cpu":
             raise ValueError(f"ring_attention: bias is on {bias.device}, expected CPU")
     scale = 1.0 / math.sqrt(Dh) if scale is None else float(scale)
-    return _RingAttention.apply(q, k, v, group, scale, bool(causal), kp, W, bias)
+    drop = None
+    if dropout_p > 0:
+        drop = (dropout_p, _group_seed(group, p) if seed is None else int(seed))
+    return _RingAttention.apply(q, k, v, group, scale, bool(causal), kp, W, cap, drop, bias)

@@ -373,13 +373,20 @@ class SequenceParallelRegion:
     `"enter_output"` (the module's output all-gathered, backward
     reduce-scatter), `"sum_grad"` (output unchanged, its gradient
     all-reduced in backward), `"leave"` (the input, a full-sequence tensor,
-    cut to this rank's rows; backward zeros elsewhere); kwarg
+    cut to this rank's rows; backward zeros elsewhere); for a layer that
+    reads its whole input before any of its modules runs and so runs whole,
+    the same on every rank (Swinv2's post-norm layer): `"gather_input"`
+    (its input, this rank's rows, all-gathered; backward: this rank's rows
+    of the replicated gradient) and `"split_output"` (its output, the full
+    sequence, cut to this rank's rows, setting the state's length; backward:
+    all-gather of the rows' gradients); kwarg
     `state`: the model's SequenceState; `overlap=True` (role "block" only):
     the input gather overlaps the module's column layers' matmuls
     (linear.gather_block_input).  A module may take both "split" and
     "gather" (one layer)."""
 
-    ROLES = ("split", "gather", "block", "enter", "rows", "enter_output", "sum_grad", "leave")
+    ROLES = ("split", "gather", "block", "enter", "rows", "enter_output", "sum_grad", "leave", "gather_input",
+             "split_output")
 
     @classmethod
     def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, role=None, state=None, overlap: bool = False,
@@ -631,7 +638,28 @@ class _Hooks:
 
             self.handles.append(m.register_forward_hook(post))
         self._windowed_roles(m)
+        self._whole_layer_roles(m)
         return m
+
+    def _whole_layer_roles(self, m: nn.Module) -> None:
+        """The roles of a layer that runs on the full sequence, replicated
+        over the group, between layers that hold this rank's rows (Swinv2:
+        policies/swinv2.py).  The gather's backward keeps this rank's rows
+        of a gradient that every rank computes in full and alike; the
+        split's backward all-gathers the rows' gradients into that full
+        gradient: inside the layer, forward and backward are plain TP's."""
+        state, group = self.state, self.group
+        if "gather_input" in self.roles:
+            def pre(_module, args, kwargs):
+                x, rebuild = _first(args, kwargs)
+                return rebuild(gather_sequence(x, state, group))
+
+            self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+        if "split_output" in self.roles:
+            def post(_module, _args, output):
+                return _on_output(output, lambda y: split_sequence(y, state, group))
+
+            self.handles.append(m.register_forward_hook(post))
 
     def _windowed_roles(self, m: nn.Module) -> None:
         """The roles of a block that reshapes the whole sequence between its

@@ -23,7 +23,10 @@ Attention is the one place rows meet:
                  and zero heads appended, dropped again after.
     ring_attn    K/V blocks travel around the ring and the C flash kernel's
                  log-sum-exp merges the blocks exactly
-                 (shardformer.layer.ring_attention).
+                 (shardformer.layer.ring_attention), soft-capping the
+                 logits in each block when the layer passes `softcap`, and
+                 in training drawing the layer's attention dropout as one
+                 kernel call over the whole sequence would.
 
 Around the layers: the first layer's input is split (backward: all-gather
 of the rows' gradients), the last layer's output all-gathered (backward:
@@ -111,6 +114,7 @@ class SequenceSplit:
     def __init__(self, mode: str, group, name: str):
         self.mode, self.group, self.name = mode, group, name
         self.p, self.rank = D.world_size(group), D.rank(group)
+        self.dim = SEQ_DIM                 # the sequence dimension of the layers' hidden states
         self.inner = "sdpa"                # the attention implementation the split one wraps
         self.seam: AttentionSeam | None = None      # where attention outside the registry is split
         self.active = False
@@ -146,7 +150,7 @@ class SequenceSplit:
         layer list (ALBERT, whose first layer may run on this stage) must not
         split them again (`entered`)."""
         if self.active:
-            self.start(full.shape[SEQ_DIM], full.device)
+            self.start(full.shape[self.dim], full.device)
             self.entered = True
 
     def local(self, t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -171,14 +175,14 @@ def _padded(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
     return F.pad(x, pad)
 
 
-def _gather_rows(x: torch.Tensor, group, order: torch.Tensor | None) -> torch.Tensor:
-    """All ranks' rows, placed at their positions: [B, S', ...] (`order`:
-    every rank's rows in all-gather order; None: contiguous)."""
-    gathered = _all_gather_seq(x.contiguous(), SEQ_DIM, group)
+def _gather_rows(x: torch.Tensor, group, order: torch.Tensor | None, dim: int = SEQ_DIM) -> torch.Tensor:
+    """All ranks' rows along `dim`, placed at their positions: S' along
+    `dim` (`order`: every rank's rows in all-gather order; None: contiguous)."""
+    gathered = _all_gather_seq(x.contiguous(), dim, group)
     if order is None:
         return gathered
     full = torch.empty_like(gathered)
-    return full.index_copy_(SEQ_DIM, order, gathered)
+    return full.index_copy_(dim, order, gathered)
 
 
 # The autograd functions keep the layout of their own forward (the state
@@ -190,12 +194,12 @@ class _Split(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, state):
-        ctx.group, ctx.order, ctx.length = state.group, state.order, state.length
-        return _padded(x, state.padded, SEQ_DIM).index_select(SEQ_DIM, state.rows)
+        ctx.group, ctx.order, ctx.length, ctx.dim = state.group, state.order, state.length, state.dim
+        return _padded(x, state.padded, state.dim).index_select(state.dim, state.rows)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_rows(grad, ctx.group, ctx.order).narrow(SEQ_DIM, 0, ctx.length), None
+        return _gather_rows(grad, ctx.group, ctx.order, ctx.dim).narrow(ctx.dim, 0, ctx.length), None
 
 
 class _Gather(torch.autograd.Function):
@@ -204,24 +208,15 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, state):
-        ctx.rows, ctx.padded = state.rows, state.padded
-        return _gather_rows(x, state.group, state.order).narrow(SEQ_DIM, 0, state.length)
+        ctx.rows, ctx.padded, ctx.dim = state.rows, state.padded, state.dim
+        return _gather_rows(x, state.group, state.order, state.dim).narrow(state.dim, 0, state.length)
 
     @staticmethod
     def backward(ctx, grad):
-        return _padded(grad, ctx.padded, SEQ_DIM).index_select(SEQ_DIM, ctx.rows), None
+        return _padded(grad, ctx.padded, ctx.dim).index_select(ctx.dim, ctx.rows), None
 
 
 # ---- attention ---------------------------------------------------------------
-
-def check_ring_config(config, name: str) -> None:
-    """Refuse, before optimize() changes anything, what ring_attn cannot
-    compute for every sequence length: attention logit soft-capping."""
-    softcap = getattr(config, "attn_logit_softcapping", None)
-    if softcap is not None:
-        raise NotImplementedError(f"{name}: ring_attn does not apply attention logit soft-capping "
-                                  f"(attn_logit_softcapping={softcap}); use sequence_parallelism_mode='all_to_all'")
-
 
 def _inner_attention(name: str, module):
     """The attention function `name` of transformers' registry ("eager":
@@ -389,9 +384,6 @@ def _cross(state, module, query, key, value, attention_mask, kwargs):
 def _ring(state, module, query, key, value, attention_mask, kwargs):
     from .ring_attention import ring_attention
 
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError(f"{state.name}: ring_attn does not apply attention logit soft-capping; "
-                                  f"use sequence_parallelism_mode='all_to_all'")
     if kwargs.get("output_attentions"):
         raise NotImplementedError(f"{state.name}: ring_attn never builds the attention weights "
                                   f"(output_attentions=True)")
@@ -399,10 +391,7 @@ def _ring(state, module, query, key, value, attention_mask, kwargs):
     if bias is not None and (bias.dim() != 4 or tuple(bias.shape[-2:]) != (state.padded, state.padded)):
         raise NotImplementedError(f"{state.name}: ring_attn needs the position bias for the whole padded sequence "
                                   f"[*, H, {state.padded}, {state.padded}]; got {tuple(bias.shape)}")
-    dropout = float(kwargs.get("dropout") or 0.0)
-    if dropout > 0 and module.training:
-        raise NotImplementedError(f"{state.name}: ring_attn does not apply attention dropout "
-                                  f"(attention_dropout={dropout}); set it to 0 or use all_to_all")
+    dropout = float(kwargs.get("dropout") or 0.0) if module.training else 0.0
     padding = None
     # the sliding window as shardformer.attention reads it: the tag on the 2-D
     # key padding mask of a sliding layer, else the `sliding_window` HF passes
@@ -420,7 +409,8 @@ def _ring(state, module, query, key, value, attention_mask, kwargs):
     if bias is not None:
         CALLS["bias"] += 1
     out = ring_attention(query, key, value, state.group, scale=kwargs.get("scaling"), causal=causal,
-                         key_padding=padding, window=int(window), bias=bias)   # global positions, as the rows
+                         key_padding=padding, window=int(window), bias=bias,   # global positions, as the rows
+                         softcap=kwargs.get("softcap"), dropout_p=dropout)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -481,9 +471,13 @@ class AttentionSeam:
         split(state, module, original, args, kwargs)
 
     in a split forward (`original`: the class's own method, bound) and
-    `original(*args, **kwargs)` otherwise.  `row_kwargs`: keyword arguments
-    of each layer holding a tensor with one entry per sequence row along
-    dim 1 (GPT-J's position_ids): a split forward passes this rank's rows.
+    `original(*args, **kwargs)` otherwise.  `row_kwargs`: arguments
+    of each layer (by keyword, or by position under that parameter name)
+    holding a tensor with one entry per sequence row along `seq_dim` (GPT-J's
+    position_ids, ChatGLM2's rotary table): a split forward passes this
+    rank's rows.  `seq_dim`: the sequence dimension of the layers' hidden
+    states (1 for [B, S, hidden]; 0 for ChatGLM2's [S, B, hidden]): the split
+    before the first layer and the gather after the last run along it.
     `check(model, mode, name)`: raises, before optimize() changes anything,
     what this family cannot run in `mode` (e.g. ring_attn with ALiBi)."""
 
@@ -492,6 +486,7 @@ class AttentionSeam:
     split: Callable
     row_kwargs: tuple[str, ...] = ()
     check: Callable | None = None
+    seq_dim: int = SEQ_DIM
 
     def modules(self, root: nn.Module) -> list:
         return [m for m in root.modules() if type(m).__name__ == self.module]
@@ -688,6 +683,28 @@ def _close_stream(state: SequenceSplit) -> None:
         stream.close()
 
 
+def _local_row_arguments(layer: nn.Module, args: tuple, kwargs: dict, state: SequenceSplit) -> tuple:
+    """(args, kwargs) of a layer call with this rank's rows (along state.dim)
+    of each argument named in the seam's row_kwargs, passed by keyword or by
+    position (found by name in the layer's forward signature) and holding
+    one entry per sequence position."""
+    import inspect
+
+    names = list(inspect.signature(layer.forward).parameters)
+    args, kwargs = list(args), dict(kwargs)
+    for key in state.seam.row_kwargs:
+        at = names.index(key) if key in names else None
+        by_position = at is not None and at < len(args)
+        t = args[at] if by_position else kwargs.get(key)
+        if not (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[state.dim] == state.length):
+            continue
+        if by_position:
+            args[at] = state.local(t, state.dim)
+        else:
+            kwargs[key] = state.local(t, state.dim)
+    return tuple(args), kwargs
+
+
 def _layer_inputs(args, kwargs):
     if args:
         return args[0], lambda v: ((v,) + tuple(args[1:]), kwargs)
@@ -730,6 +747,8 @@ class SequenceAttentionParallel:
         cls.plan_shard(module, 1, 0, mode=mode, group=group, base=base, name=name)
         state = SequenceSplit(mode, group, name)
         state.seam = seam
+        if seam is not None:
+            state.dim = seam.seq_dim
         return _SplitHooks(module, base, state, cross=tuple(cross), full_bias=full_bias, repeated=bool(repeated))
 
     @classmethod
@@ -857,7 +876,7 @@ class _SplitHooks:
                 return None
             state.entered = self.repeated
             x, rebuild = _layer_inputs(args, kwargs)
-            state.start(x.shape[SEQ_DIM], x.device)
+            state.start(x.shape[state.dim], x.device)
             return rebuild(mark_rows(_Split.apply(x, state), _recorded_gather(state)))
 
         def mark_post(_module, _args, output):
@@ -879,10 +898,8 @@ class _SplitHooks:
                     and t.shape[SEQ_DIM] == state.length else t for t in pe)}
             elif isinstance(pe, torch.Tensor) and pe.dim() >= 2 and pe.shape[SEQ_DIM] == state.length:
                 kwargs = {**kwargs, "position_embeddings": state.local(pe, SEQ_DIM)}
-            for key in state.seam.row_kwargs if state.seam is not None else ():
-                t = kwargs.get(key)
-                if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.shape[SEQ_DIM] == state.length:
-                    kwargs = {**kwargs, key: state.local(t, SEQ_DIM)}
+            if state.seam is not None and state.seam.row_kwargs:
+                args, kwargs = _local_row_arguments(module, args, kwargs, state)
             return args, kwargs
 
         def every_post(_module, _args, _output):

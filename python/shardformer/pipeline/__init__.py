@@ -16,7 +16,7 @@ schedule.py       GPipe, 1F1B, interleaved 1F1B
 """
 from .schedule import GPipeSchedule, InterleavedSchedule, OneForwardOneBackwardSchedule, PipelineSchedule
 from .stage_manager import PipelineStageManager
-from .stages import StageSplit, runtime_of
+from .stages import StageSplit, StageStack, runtime_of
 
 __all__ = ["PipelineStageManager", "PipelineSchedule", "GPipeSchedule", "OneForwardOneBackwardSchedule",
-           "InterleavedSchedule", "StageSplit", "runtime_of"]
+           "InterleavedSchedule", "StageSplit", "StageStack", "runtime_of"]

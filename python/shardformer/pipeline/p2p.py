@@ -69,4 +69,32 @@ class StageLink:
 
     def input_shape(self, key) -> tuple:
         """The first stage's layer input shape that came with `key`'s header."""
+        if (key, "n") in self._shapes:               # a tuple message: it came with its first tensor
+            return self._shapes[(key, 0)][2]
         return self._shapes[key][2]
+
+    def send_message(self, message, to_stage: int, key, input_shape: tuple | None = None) -> None:
+        """Send a tensor (send) or a tuple of tensors: the tuple's length first
+        (once per key), then each tensor under (key, position), the first
+        carrying `input_shape` in its header."""
+        if isinstance(message, torch.Tensor):
+            return self.send(message, to_stage, key, input_shape)
+        if any(not isinstance(t, torch.Tensor) for t in message):
+            raise ValueError(f"pipeline: a message holds {[type(t).__name__ for t in message]}, not tensors only")
+        if (key, "n") not in self._sent:
+            D.send(torch.tensor([len(message)], dtype=torch.int64, device=message[0].device), to_stage, self.group)
+            COUNTS["headers"] += 1
+            self._sent.add((key, "n"))
+        for j, t in enumerate(message):
+            self.send(t, to_stage, (key, j), input_shape if j == 0 else None)
+
+    def recv_message(self, from_stage: int, key, device, many: bool):
+        """Receive what send_message sent: a tensor, or with `many` a tuple of tensors."""
+        if not many:
+            return self.recv(from_stage, key, device)
+        if (key, "n") not in self._shapes:
+            n = int(D.recv(torch.zeros(1, dtype=torch.int64, device=device), from_stage, self.group)[0])
+            if not 0 < n <= 64:
+                raise RuntimeError(f"pipeline: a malformed tuple header from stage {from_stage}: {n} tensors")
+            self._shapes[(key, "n")] = n
+        return tuple(self.recv(from_stage, (key, j), device) for j in range(self._shapes[(key, "n")]))

@@ -31,13 +31,21 @@ pending one has both its ends at it), and a stage's output leaves as soon as
 it is made, so the stages overlap as the schedule means them to.  The plan
 is cached per (schedule, p, v, m).
 
+Messages are one tensor, or a tuple of tensors for a split with carried
+layer outputs or two stacks (stages.StageRuntime): the gradient message
+holds one gradient per tensor of the activation message (zeros where the
+stage's input got none), and B runs one backward over every output tensor
+that requires a gradient.
+
 Loss.  With criterion=None the model's own loss (the batch holds labels);
 else criterion(outputs, micro_batch).  Micro-batch losses are averaged
 (each backward is of loss / m), which equals the full-batch loss when every
 micro-batch weighs the same; a causal LM's token loss instead gets
 num_items_in_batch (HF's loss kwarg: the batch's count of predicted tokens),
 so padded, unevenly labelled micro-batches add up to the full-batch mean
-exactly.  The loss is broadcast from the last stage to every rank.
+exactly (not for a class whose LM loss is its own nn.CrossEntropyLoss mean,
+which ignores it: StageRuntime.own_mean_loss).  The loss is broadcast
+from the last stage to every rank.
 """
 from __future__ import annotations
 
@@ -215,20 +223,22 @@ class PipelineSchedule:
             if kind == "recv":
                 _, peer, msg = step
                 key = (msg[0], msg[1], sig)
-                inbox[msg] = self.link.recv(peer, key, device)
+                inbox[msg] = self.link.recv_message(peer, key, device, rt.messages_are_tuples)
                 if msg[0] == "act":
                     shapes[msg] = self.link.input_shape(key)
             elif kind == "send":
                 _, peer, msg = step
-                self.link.send(outbox.pop(msg), peer, (msg[0], msg[1], sig), shapes.pop(msg, None))
+                self.link.send_message(outbox.pop(msg), peer, (msg[0], msg[1], sig), shapes.pop(msg, None))
             elif kind == "local":                        # the next virtual stage is this rank's own chunk
                 inbox[step[2]] = outbox.pop(step[2])     # (its input shape stays in `shapes`)
             elif kind == "F":
                 _, c, i = step
                 vs = sm.virtual_stage(c)
                 entry = inbox.pop(("act", vs - 1, i)) if vs > 0 else None
-                if entry is not None and grad_on and entry.is_floating_point():
-                    entry.requires_grad_(True)
+                if entry is not None and grad_on:
+                    for t in _tensors(entry):
+                        if t.is_floating_point():
+                            t.requires_grad_(True)
                 with torch.set_grad_enabled(grad_on):
                     out = rt.run(model, c, entry, dict(micro[i], **extra), shapes.pop(("act", vs - 1, i), None))
                 if vs == V - 1:
@@ -239,7 +249,7 @@ class PipelineSchedule:
                         losses.append(loss.detach())
                         saved[(c, i)] = (loss, entry)
                 else:
-                    outbox[("act", vs, i)] = out.detach()
+                    outbox[("act", vs, i)] = _detached(out)
                     shapes[("act", vs, i)] = rt.input_shape
                     saved[(c, i)] = (out, entry)
             else:                                        # "B"
@@ -251,11 +261,12 @@ class PipelineSchedule:
                         torch.autograd.backward(out)
                 else:
                     grad = inbox.pop(("grad", vs + 1, i))
-                    if out.requires_grad:
-                        torch.autograd.backward(out, grad_tensors=grad)
+                    pairs = [(o, g) for o, g in zip(_tensors(out), _tensors(grad)) if o.requires_grad]
+                    if pairs:
+                        torch.autograd.backward([o for o, _ in pairs], grad_tensors=[g for _, g in pairs])
                 if vs > 0:
-                    g = entry.grad if entry.grad is not None else torch.zeros_like(entry)
-                    outbox[("grad", vs, i)] = g
+                    grads = tuple(e.grad if e.grad is not None else torch.zeros_like(e) for e in _tensors(entry))
+                    outbox[("grad", vs, i)] = grads if isinstance(entry, tuple) else grads[0]
         if inbox or outbox:
             raise RuntimeError(f"{name}: pipeline messages left over after the schedule ({list(inbox) + list(outbox)})")
         if backward:
@@ -310,7 +321,7 @@ class PipelineSchedule:
         if "use_cache" in params:
             extra["use_cache"] = False
         if criterion is None and "labels" in batch and "**" in params \
-                and getattr(model, "loss_type", None) == "ForCausalLM":
+                and getattr(model, "loss_type", None) == "ForCausalLM" and not runtime_of(model).own_mean_loss:
             labels = batch["labels"]
             extra["num_items_in_batch"] = labels[..., 1:].ne(-100).sum()
         return extra
@@ -337,22 +348,23 @@ class PipelineSchedule:
         return total[0]
 
     def _sync_shared(self, rt, device) -> None:
-        """Tied parameters held by the first and the last stage (an input
-        embedding and the LM head): add the two gradients on both."""
-        sm = self.stage_manager
-        first, last = sm.stage_of(0), sm.stage_of(sm.num_virtual_stages - 1)
-        for n, shared in enumerate(rt.shared_params):
+        """Tied parameters held by several stages (an input embedding and the
+        LM head; an encoder-decoder's shared embedding): the gradients summed
+        on the lowest holding stage, the sum sent back to the others."""
+        for n, (shared, holders) in enumerate(zip(rt.shared_params, rt.shared_holders)):
             for stage, param in shared.items():
-                peer = last if stage == first else first
                 grad = param.grad if param.grad is not None else torch.zeros_like(param)
-                key = ("tied", n)
-                if stage == first:
-                    self.link.send(grad, peer, key)
-                    other = self.link.recv(peer, key, grad.device)
+                root = holders[0]
+                if stage == root:
+                    total = grad
+                    for peer in holders[1:]:
+                        total = total + self.link.recv(peer, ("tied", n, "up", peer), grad.device)
+                    for peer in holders[1:]:
+                        self.link.send(total, peer, ("tied", n, "down", peer))
                 else:
-                    other = self.link.recv(peer, key, grad.device)
-                    self.link.send(grad, peer, key)
-                param.grad = grad + other
+                    self.link.send(grad, root, ("tied", n, "up", stage))
+                    total = self.link.recv(root, ("tied", n, "down", stage), grad.device)
+                param.grad = total
 
     def _sync_replicated(self, rt) -> None:
         """A module replicated on the stages s0 < s1 < ... < sk (StageSplit.calls:
@@ -442,6 +454,15 @@ def _device_of(model) -> torch.device:
     for t in model.parameters():
         return t.device
     return torch.device("cpu")
+
+
+def _tensors(message) -> tuple:
+    """A message's tensors: itself, or the tuple's."""
+    return tuple(message) if isinstance(message, tuple) else (message,)
+
+
+def _detached(message):
+    return tuple(t.detach() for t in message) if isinstance(message, tuple) else message.detach()
 
 
 def _items(out):

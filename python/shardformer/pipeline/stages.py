@@ -56,20 +56,60 @@ received activation, as it ran.
 
 The masks, position ids and rotary tables are computed by the model's own
 forward on every stage from the micro-batch, which every stage is given.
+
+Two stacks (an encoder-decoder; StageSplit.then, a StageStack): the stages
+split the concatenated list [first stack's layers | second stack's layers],
+E + D layers.  The first stack's `last` modules (its final norm) are held
+by the virtual stage of layer E - 1, the second stack's `first` modules
+(its embeddings) by that of layer E, its `last` ones (final norm, heads) by
+the last.  Messages are tuples of tensors (StageRuntime): what a layer hands
+the next besides its hidden states (`carry`, T5's position biases) travels
+with them, and inside the second stack so does the first stack's output.
+A chunk that ends with the first stack ends at the stack module's output (a
+forward hook), one that starts in the second stack does not run the first
+(the received output goes in as the model's `skip` keyword).  A Parameter
+held by modules on several stages (a shared embedding) is one tied set,
+its gradient summed over them.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
+import inspect
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-__all__ = ["StageSplit", "StagePlan", "StageLayers", "StageCalls", "StageAbsent", "StageExit", "StageRuntime",
+__all__ = ["StageSplit", "StageStack", "StagePlan", "StageLayers", "StageCalls", "StageAbsent", "StageExit",
+           "StageRuntime",
            "plan_stages", "runtime_of"]
 
 RUNTIME = "_shardformer_pipeline"
+
+
+@dataclass(frozen=True)
+class StageStack:
+    """A second layer list that runs after the first one (an encoder-decoder's
+    decoder), as data; see StageSplit.then.
+
+    layers  dotted path of its layer ModuleList under the owner ("decoder.block")
+    first   children (paths under the owner) that run before its layers (its
+            embeddings): held by the virtual stage of its first layer
+    last    children that run after its layers (its final norm, the heads
+            inside the owner): held by the last virtual stage
+    carry   (layer argument, output index) pairs: what one of its layers hands
+            the next besides the hidden states (T5's position biases)
+    source  the layer argument holding the first stack's output ("encoder_hidden_states")
+    skip    the model's forward keyword that takes the first stack's output
+            instead of running the first stack ("encoder_outputs")"""
+
+    layers: str
+    first: tuple[str, ...] = ()
+    last: tuple[str, ...] = ()
+    carry: tuple[tuple[str, int], ...] = ()
+    source: str = ""
+    skip: str = ""
 
 
 @dataclass(frozen=True)
@@ -79,13 +119,22 @@ class StageSplit:
     owner   class name of the module whose forward runs the layers ("LlamaModel");
             "{prefix}" and "{base_model}" are filled from the policy's options
     layers  dotted path of the layer ModuleList under the owner ("layers", "encoder.layer")
-    last    children of the owner that run after the layers ("norm", "pooler")
+    last    children of the owner that run after the layers ("norm", "pooler"); with
+            `then`, after the first stack's layers (held by the stage of its last layer)
+    carry   (layer argument, output index) pairs a layer hands the next besides the
+            hidden states (T5's position bias); they travel with the activation
+    then    a second stack (StageStack): the stages split the concatenated layer
+            list [layers | then.layers]
+    shaped  first-stage modules (paths under the owner) whose stand-in is zeros
+            shaped like their own output (worked out on their meta copy), not like
+            the layers' input: a front end whose output is reshaped before the
+            layers (Whisper's convolutions)
     calls   None: the forward calls each module of the layer list once, in order.
             Else the config attribute counting the calls the forward makes of the
             list's modules ("num_hidden_layers" for ALBERT's layer groups): call i
             runs module i*G//N of the G modules (N calls, N a multiple of G); the
             stages split the calls, and a module called on several stages is
-            replicated on them (see the module docstring)
+            replicated on them (see the module docstring); one stack only (no `then`)
     everywhere  children of the owner whose output every stage's layers read (BEiT's
             shared relative position bias, computed before the layers and passed
             to all of them): replicated on every stage, each running it itself;
@@ -95,6 +144,9 @@ class StageSplit:
     owner: str
     layers: str
     last: tuple[str, ...] = ()
+    carry: tuple[tuple[str, int], ...] = ()
+    then: StageStack | None = None
+    shaped: tuple[str, ...] = ()
     calls: str | None = None
     everywhere: tuple[str, ...] = ()
 
@@ -138,6 +190,8 @@ class StageAbsent(nn.Module):
 
     def forward(self, *args, **kwargs):
         if self.role == "first":
+            if self.path in self._runtime.plan.shaped:
+                return self._runtime.shaped_stand_in(self.__dict__["_shadow"], args, kwargs)
             return self._runtime.stand_in()
         raise RuntimeError(f"{self._runtime.model_name}: {self.path} is held by pipeline stage {self.holder}; "
                            f"this is stage {self._runtime.manager.stage}")
@@ -157,7 +211,7 @@ class StageLayers(nn.ModuleList):
         self.active: int | None = None               # the chunk being run
 
     def extra_repr(self) -> str:
-        return f"{self._total} layers, held: {[f'{r.start}-{r.stop - 1}' for r in self._chunks]}"
+        return f"{self._total} layers, held: {_spans(self._chunks)}"
 
     def begin(self) -> None:
         """A forward of the model starts (StageRuntime.run)."""
@@ -175,7 +229,8 @@ class StageLayers(nn.ModuleList):
         layer = self._modules[str(i)]
         edges = self.__dict__.get("_edges", {}).get(self.active, {})
         enter, leave = edges.get("enter") == i, edges.get("exit") == i
-        return _ChunkEdge(layer, self.__dict__["_runtime"], enter, leave) if enter or leave else layer
+        return _ChunkEdge(layer, self.__dict__["_runtime"], enter, leave, self.__dict__.get("_spec"), i) \
+            if enter or leave else layer
 
     def __iter__(self):
         return iter([self._yielded(i) for i in self._running()])
@@ -188,8 +243,12 @@ class StageLayers(nn.ModuleList):
         key = str(i)
         if key not in self._modules:
             raise IndexError(f"{self._path}[{idx}]: layer {i} is not held by this pipeline stage (it holds "
-                             f"{[f'{r.start}-{r.stop - 1}' for r in self._chunks]})")
+                             f"{_spans(self._chunks)})")
         return self._modules[key]
+
+
+def _spans(chunks: list[range]) -> list[str]:
+    return [f"{r.start}-{r.stop - 1}" for r in chunks if len(r)]
 
 
 class StageCalls(StageLayers):
@@ -209,7 +268,7 @@ class StageCalls(StageLayers):
     def extra_repr(self) -> str:
         held = sorted(int(k) for k in self._modules)
         return (f"{self._num_modules} modules called {self._total} times; held: modules {held} for calls "
-                f"{[f'{r.start}-{r.stop - 1}' for r in self._chunks]}")
+                f"{_spans(self._chunks)}")
 
     def begin(self) -> None:
         self.calls_made = 0
@@ -267,7 +326,8 @@ class _CallSlot:
         edges = calls.__dict__.get("_edges", {}).get(calls.active, {})
         enter, leave = edges.get("enter") == i, edges.get("exit") == i
         if enter or leave:
-            return _ChunkEdge(layer, calls.__dict__["_runtime"], enter, leave)(*args, **kwargs)
+            return _ChunkEdge(layer, calls.__dict__["_runtime"], enter, leave, calls.__dict__.get("_spec"),
+                              i)(*args, **kwargs)
         return layer(*args, **kwargs)
 
 
@@ -277,14 +337,17 @@ class _ChunkEdge:
     (enter) and ends the forward with the layer's output (leave).  Every
     attribute is the layer's."""
 
-    def __init__(self, layer: nn.Module, runtime: "StageRuntime", enter: bool, leave: bool):
-        self.__dict__.update(_layer=layer, _runtime=runtime, _enter=enter, _leave=leave)
+    def __init__(self, layer: nn.Module, runtime: "StageRuntime", enter: bool, leave: bool,
+                 spec: "_StackSpec | None" = None, index: int = -1):
+        self.__dict__.update(_layer=layer, _runtime=runtime, _enter=enter, _leave=leave, _spec=spec, _index=index)
 
     def __getattr__(self, name: str):
         return getattr(self.__dict__["_layer"], name)
 
     def __call__(self, *args, **kwargs):
         rt = self._runtime
+        if rt.messages_are_tuples:
+            return self._call_with_tuples(rt, args, kwargs)
         if self._enter:
             if args:
                 computed, swap = args[0], (lambda t: ((t,) + tuple(args[1:]), kwargs))
@@ -307,22 +370,87 @@ class _ChunkEdge:
             raise StageExit(out if isinstance(out, torch.Tensor) else out[0])
         return out
 
+    def _call_with_tuples(self, rt: "StageRuntime", args, kwargs):
+        """The same with messages of several tensors (a split with carry or two
+        stacks): entering, the received hidden states and carried arguments
+        replace the computed ones (a chunk that starts a stack keeps its own and
+        only records their shape); leaving, the message is (hidden states,
+        carried outputs..., the first stack's output when in the second)."""
+        params = inspect.signature(self._layer.forward).parameters
+        bound = inspect.signature(self._layer.forward).bind(*args, **kwargs)
+        hidden_name = next(iter(params))
+        spec, index = self._spec, self._index + self._spec.start       # index: in the concatenated list
+        if self._enter:
+            computed = bound.arguments[hidden_name]
+            if index == rt.chunk_range().start:
+                rt.entered = True
+            if index == rt.chunk_range().start and rt.swaps_entry():
+                bound.arguments[hidden_name] = rt.entry[0]
+                for k, (arg, _) in enumerate(spec.carry):
+                    if arg not in params:
+                        raise RuntimeError(f"{rt.model_name}: {type(self._layer).__name__} takes no argument "
+                                           f"{arg!r} (pipeline split carry)")
+                    bound.arguments[arg] = rt.entry[1 + k]
+            else:                                  # a stack starts here: its input shape, for the stand-ins
+                rt.input_shape = tuple(computed.shape)
+        out = self._layer(*bound.args, **bound.kwargs)
+        if self._leave:
+            parts = (out if isinstance(out, torch.Tensor) else out[0],)
+            parts += tuple(out[i] for _, i in spec.carry)
+            if spec.source:
+                parts += (bound.arguments.get(spec.source),)
+            if any(not isinstance(t, torch.Tensor) for t in parts):
+                raise RuntimeError(f"{rt.model_name}: pipeline chunk {rt.chunk} ends at layer {index} with "
+                                   f"a message part that is not a tensor ({[type(t).__name__ for t in parts]})")
+            raise StageExit(parts)
+        return out
+
+
+@dataclass(frozen=True)
+class _StackSpec:
+    """One layer list of the split, as the runtime sees it: where it sits in the
+    concatenated layer list, and what its messages carry (StageSplit / StageStack)."""
+
+    path: str                          # full dotted path of the layer list
+    module: str                        # full dotted path of the module holding it
+    start: int                         # its first layer's index in the concatenated list
+    stop: int
+    carry: tuple[tuple[str, int], ...] = ()
+    source: str = ""
+    skip: str = ""
+
 
 @dataclass
 class StagePlan:
     """The checked split of one model for this rank (plan_stages); nothing changed yet."""
 
     owner_path: str
-    layers_path: str                  # full dotted path of the layer list
-    total: int
-    chunks: list[range]               # this rank's layers, per chunk
-    first: list[str]                  # first-stage module paths
-    last: list[str]                   # last-stage module paths
-    shared: list[tuple[str, str]]     # (first path.param, last path.param) pairs that are one Parameter
+    layers_path: str                  # full dotted path of the (first) layer list
+    total: int                        # layers of all stacks
+    chunks: list[range]               # this rank's layers, per chunk (concatenated indices)
+    placed: list[tuple[str, str, int]]  # (module path, "first" | "last", holding virtual stage)
+    shared: list[tuple[str, ...]]     # paths (path.param) of one Parameter held by different stages
     names: list[str]                  # the unsharded model's state_dict keys
+    stacks: list[_StackSpec]          # one per layer list, in order
+    counts: list[int]                 # layers per virtual stage
+    shaped: tuple[str, ...] = ()      # full paths of the first-stage modules with shaped stand-ins
     call_module: tuple[int, ...] | None = None     # StageSplit.calls: the module of each call
     holders: dict[int, tuple[int, ...]] | None = None  # StageSplit.calls: module -> the stages holding it
     everywhere: list[str] = dataclasses.field(default_factory=list)  # StageSplit.everywhere, with parameters
+
+    @property
+    def tuples(self) -> bool:
+        """Whether the messages between stages are tuples of tensors (carry or two stacks)."""
+        return len(self.stacks) > 1 or bool(self.stacks[0].carry)
+
+    def virtual_stage_of(self, layer: int) -> int:
+        """The virtual stage running `layer` (an index in the concatenated list)."""
+        end = 0
+        for vs, n in enumerate(self.counts):
+            end += n
+            if layer < end:
+                return vs
+        raise IndexError(layer)
 
 
 def _meta_shadow(module: nn.Module) -> nn.Module:
@@ -348,10 +476,22 @@ def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
+def _layer_list(model: nn.Module, path: str, owner_cls: str, rel: str, name: str) -> nn.ModuleList:
+    try:
+        layers = model.get_submodule(path)
+    except AttributeError:
+        raise ValueError(f"{name}: {owner_cls} has no layer list {rel!r} for pipeline parallelism") from None
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{name}: {path} is a {type(layers).__name__}, expected the ModuleList of layers")
+    return layers
+
+
 def plan_stages(model: nn.Module, split: StageSplit, manager, name: str, prefix: str = "",
                 base_model: str = "") -> StagePlan:
     """Check `split` against `model` and work out this rank's part (ValueError
-    naming the model and module when it does not fit); changes nothing."""
+    naming the model and module when it does not fit); changes nothing.
+    With split.then the stages split the concatenated list [first stack's
+    layers | second stack's layers]."""
     owner_cls = split.owner.format(prefix=prefix, base_model=base_model)
     owners = [(path, m) for path, m in model.named_modules() if type(m).__name__ == owner_cls]
     if len(owners) != 1:
@@ -359,22 +499,35 @@ def plan_stages(model: nn.Module, split: StageSplit, manager, name: str, prefix:
                          f"found {len(owners)}")
     owner_path, owner = owners[0]
     join = (lambda a, b: f"{a}.{b}" if a else b)
-    layers_path = join(owner_path, split.layers)
-    try:
-        layers = model.get_submodule(layers_path)
-    except AttributeError:
-        raise ValueError(f"{name}: {owner_cls} has no layer list {split.layers!r} for pipeline parallelism") from None
-    if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"{name}: {layers_path} is a {type(layers).__name__}, expected the ModuleList of layers")
+    parts = [(split.layers, split.carry, "", "")]
+    if split.then is not None:
+        parts.append((split.then.layers, split.then.carry, split.then.source, split.then.skip))
+    if split.calls is not None and split.then is not None:
+        raise ValueError(f"{name}: a pipeline split of repeated calls (calls={split.calls!r}) takes one layer "
+                         f"list, not a second stack")
+    stacks, lists, start = [], [], 0
     call_module = holders = None
-    if split.calls is None:
-        total = len(layers)
-    else:
-        call_module = _call_modules(model, split.calls, len(layers), name, layers_path)
-        total = len(call_module)
-    chunks = manager.layer_ranges(total, f"{name}: {layers_path}")
+    for rel, carry, source, skip in parts:
+        path = join(owner_path, rel)
+        layers = _layer_list(model, path, owner_cls, rel, name)
+        size = len(layers)
+        if split.calls is not None:                  # the stages split the calls, not the modules
+            call_module = _call_modules(model, split.calls, len(layers), name, path)
+            size = len(call_module)
+        stacks.append(_StackSpec(path, path.rpartition(".")[0], start, start + size, tuple(carry),
+                                 source, skip))
+        lists.append(layers)
+        start += size
+    total = start
+    where_layers = " + ".join(st.path for st in stacks)
+    skip_kw = stacks[-1].skip
+    if len(stacks) > 1 and skip_kw not in inspect.signature(type(model).forward).parameters:
+        raise ValueError(f"{name}: pipeline stages past {stacks[0].path} pass its output as {skip_kw}=, which "
+                         f"{type(model).__name__}.forward does not take")
+    counts = manager.distribute_layers(total, f"{name}: {where_layers}")
+    chunks = manager.layer_ranges(total, f"{name}: {where_layers}")
     if call_module is not None:
-        holders = _module_holders(manager, call_module, f"{name}: {layers_path}")
+        holders = _module_holders(manager, call_module, f"{name}: {where_layers}")
     for path, m in ((owner_path, owner), ("", model)):
         direct = [n for n, _ in m.named_parameters(recurse=False)]
         if direct:
@@ -387,42 +540,61 @@ def plan_stages(model: nn.Module, split: StageSplit, manager, name: str, prefix:
         except AttributeError:
             continue                                # optional (BEiT without a shared bias table)
         everywhere.append(path)
-    last_set = {join(owner_path, s) for s in split.last}
-    for path in sorted(last_set):
-        try:
-            model.get_submodule(path)
-        except AttributeError:
-            last_set.discard(path)                  # optional (a pooler HF left out)
-    first, last = [], []
+
+    def existing(paths) -> set:
+        out = set()
+        for rel in paths:
+            try:
+                model.get_submodule(join(owner_path, rel))
+                out.add(join(owner_path, rel))
+            except AttributeError:
+                pass                                 # optional (a pooler HF left out)
+        return out
+
+    plan = StagePlan(owner_path, stacks[0].path, total, chunks, [], [], list(model.state_dict().keys()),
+                     stacks, counts, tuple(sorted(existing(split.shaped))))
+    V = len(counts)
+    # who holds the named modules: (role, virtual stage)
+    roles: dict[str, tuple[str, int]] = {}
+    if split.then is None:
+        roles.update({p: ("last", V - 1) for p in existing(split.last)})
+    else:
+        first_end, second_start = stacks[0].stop - 1, stacks[1].start
+        roles.update({p: ("last", plan.virtual_stage_of(first_end)) for p in existing(split.last)})
+        roles.update({p: ("first", plan.virtual_stage_of(second_start)) for p in existing(split.then.first)})
+        roles.update({p: ("last", V - 1) for p in existing(split.then.last)})
+    skip = {st.path for st in stacks}
 
     def walk(module: nn.Module, path: str, inside_owner: bool):
         for child_path, child in _child_paths(module, path):
-            if child_path == layers_path:
+            if child_path in skip:
                 continue
-            if child_path == owner_path or layers_path.startswith(child_path + "."):
+            if child_path in roles:
+                if _has_params(child):
+                    plan.placed.append((child_path, *roles[child_path]))
+                continue
+            if child_path == owner_path or any(st.path.startswith(child_path + ".") for st in stacks):
                 walk(child, child_path, inside_owner or child_path == owner_path)
                 continue
             if not _has_params(child) or child_path in everywhere:
                 continue                             # kept on every stage
-            (first if inside_owner and child_path not in last_set else last).append(child_path)
+            plan.placed.append((child_path, "first", 0) if inside_owner else (child_path, "last", V - 1))
 
     walk(model, "", owner_path == "")
-    # Parameters that are one object in two places across the split (tied embeddings / LM head).
-    where: dict[int, dict[str, str]] = {}
-    for side, paths in (("first", first), ("last", last)):
-        for path in paths:
-            for pname, p in model.get_submodule(path).named_parameters(remove_duplicate=False):
-                where.setdefault(id(p), {}).setdefault(side, f"{path}.{pname}")
-    shared = [(sides["first"], sides["last"]) for sides in where.values() if len(sides) == 2]
-    layer_params = {id(p) for p in layers.parameters()}
-    outside = {id(p) for path in first + last for p in model.get_submodule(path).parameters()}
+    # Parameters that are one object in modules held by different virtual stages (tied embeddings / LM head).
+    where: dict[int, dict[int, str]] = {}
+    for path, _, vs in plan.placed:
+        for pname, p in model.get_submodule(path).named_parameters(remove_duplicate=False):
+            where.setdefault(id(p), {}).setdefault(vs, f"{path}.{pname}")
+    plan.shared = [tuple(held[vs] for vs in sorted(held)) for held in where.values() if len(held) > 1]
+    layer_params = {id(p) for layers in lists for p in layers.parameters()}
+    outside = {id(p) for path, _, _ in plan.placed for p in model.get_submodule(path).parameters()}
     if layer_params & outside:
-        raise ValueError(f"{name}: a parameter of {layers_path} is also held outside the layers; "
+        raise ValueError(f"{name}: a parameter of {where_layers} is also held outside the layers; "
                          f"pipeline parallelism cannot place it on one stage")
-    everywhere = [path for path in everywhere if _has_params(model.get_submodule(path))]
-    return StagePlan(owner_path, layers_path, total, chunks, first, last, shared, list(model.state_dict().keys()),
-                     call_module, holders, everywhere)
-
+    plan.call_module, plan.holders = call_module, holders
+    plan.everywhere = [path for path in everywhere if _has_params(model.get_submodule(path))]
+    return plan
 
 def _call_modules(model: nn.Module, attribute: str, num_modules: int, name: str, layers_path: str) -> tuple[int, ...]:
     """The module index of each call (StageSplit.calls): N = config.`attribute`
@@ -456,18 +628,33 @@ def _module_holders(manager, call_module: tuple[int, ...], where: str) -> dict[i
 class StageRuntime:
     """One pipelined model's state on this rank: what runs, and the
     activation handed to the running chunk.  Attached to the model
-    (runtime_of); the schedules drive it."""
+    (runtime_of); the schedules drive it.
+
+    Messages between stages are one tensor (the hidden states), or, for a
+    split with carry or two stacks (plan.tuples), a tuple of tensors:
+
+        inside a stack       (hidden states, carried outputs...)      first stack
+                             (hidden states, carried outputs..., the first stack's output)   second
+        at the stack edge    (the first stack's output,)   a chunk ending with the first stack
+
+    A chunk that starts in the second stack does not run the first: the
+    model is called with the received first-stack output under the second
+    stack's `skip` keyword (HF's encoder_outputs)."""
 
     def __init__(self, plan: StagePlan, manager, name: str, tp_group=None):
         self.model_name = name
         self.manager = manager
         self.tp_group = tp_group                     # the stage's tensor-parallel group
         self.plan = plan
-        self.layers: StageLayers | None = None
+        self.messages_are_tuples = plan.tuples
+        self.own_mean_loss = False                   # the model's loss ignores num_items_in_batch (sharder)
+        self.layers: StageLayers | None = None       # the first stack's
+        self.all_layers: list[StageLayers] = []
         self.chunk: int | None = None
-        self.entry: torch.Tensor | None = None       # the activation the running chunk starts from
+        self.entry = None                            # the message the running chunk starts from
         self.entered = False
         self.shared_params: list[dict[int, nn.Parameter]] = []
+        self.shared_holders: list[tuple[int, ...]] = []   # every stage holding each shared set
         # modules replicated over several stages (StageSplit.calls): (holder stages, parameter name,
         # this rank's parameter), bound by bind_shared
         self.replicated_params: list[tuple[tuple[int, ...], str, nn.Parameter]] = []
@@ -481,26 +668,47 @@ class StageRuntime:
 
     # -- the schedule's side ----------------------------------------------------------
 
-    def run(self, model: nn.Module, chunk: int, entry: torch.Tensor | None, kwargs: dict,
-            input_shape: tuple | None = None):
+    def chunk_range(self) -> range:
+        """The running chunk's layers (indices in the concatenated list)."""
+        return self.plan.chunks[self.chunk]
+
+    def swaps_entry(self) -> bool:
+        """Whether the running chunk's first layer takes the received message
+        (False on the first virtual stage, and where the chunk starts a stack)."""
+        start = self.chunk_range().start
+        return self.entry is not None and all(st.start != start for st in self.plan.stacks)
+
+    def _first_hidden(self, entry):
+        return entry[0] if isinstance(entry, tuple) else entry
+
+    def run(self, model: nn.Module, chunk: int, entry, kwargs: dict, input_shape: tuple | None = None):
         """The model's forward on `kwargs` for this rank's `chunk`, starting
-        from `entry` (None on the first virtual stage; `input_shape`: the
-        first stage's layer input shape, default the entry's): the model's
-        output on the last virtual stage, else the chunk's output activation.
+        from `entry` (None on the first virtual stage; a tensor, or a tuple
+        of tensors when plan.tuples; `input_shape`: the first stage's layer
+        input shape, default the entry's hidden states'): the model's output
+        on the last virtual stage, else the chunk's output message.
         Afterwards `input_shape` is the first stage's layer input shape."""
-        self.layers.active, self.chunk, self.entry, self.entered = chunk, chunk, entry, False
-        self.layers.begin()
+        for layers in self.all_layers:
+            layers.active = chunk
+        self.chunk, self.entry, self.entered = chunk, entry, False
+        for layers in self.all_layers:
+            layers.begin()
         for state in self.sequence_states:
             if hasattr(state, "begin"):
                 state.begin()
         self.input_shape = tuple(input_shape) if input_shape is not None else \
-            (tuple(entry.shape) if entry is not None else None)
+            (tuple(self._first_hidden(entry).shape) if entry is not None else None)
+        second = self.plan.stacks[-1]
+        if len(self.plan.stacks) > 1 and self.chunk_range().start >= second.start:
+            kwargs = dict(kwargs, **{second.skip: (entry[-1],)})    # the first stack's output: not rerun
         try:
             out = model(**kwargs)
         except StageExit as e:
             out = e.hidden
         finally:
-            self.layers.active, self.chunk, self.entry = None, None, None
+            for layers in self.all_layers:
+                layers.active = None
+            self.chunk, self.entry = None, None
         if entry is not None and not self.entered:
             raise RuntimeError(f"{self.model_name}: pipeline chunk {chunk} never ran its first layer "
                                f"({self.plan.layers_path}); the model's forward skipped it")
@@ -525,17 +733,45 @@ class StageRuntime:
         parallelism."""
         if self.entry is None:
             raise RuntimeError(f"{self.model_name}: a first-stage module ran outside a pipeline schedule")
-        return torch.zeros(self.input_shape, dtype=self.entry.dtype, device=self.entry.device)
+        hidden = self._first_hidden(self.entry)
+        return torch.zeros(self.input_shape, dtype=hidden.dtype, device=hidden.device)
+
+    def shaped_stand_in(self, shadow: nn.Module, args, kwargs) -> torch.Tensor:
+        """Zeros shaped like the output the module (its meta copy `shadow`)
+        would give on these arguments (StageSplit.shaped)."""
+        def meta(x):
+            return x.to("meta") if isinstance(x, torch.Tensor) else x
+        out = shadow(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs.items()})
+        if not isinstance(out, torch.Tensor):
+            raise RuntimeError(f"{self.model_name}: a shaped pipeline stand-in gave a {type(out).__name__}")
+        device = next((a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)),
+                      torch.device("cpu"))
+        return torch.zeros(out.shape, dtype=out.dtype, device=device)
 
     # -- the redirections ---------------------------------------------------------------
 
-    def _first_forward(self, forward):
-        """A first-stage module's forward on a rank that holds it but runs a later chunk (interleaved)."""
+    def _first_forward(self, module: nn.Module, path: str, holder: int):
+        """A first-role module's forward on a rank that holds it (for virtual
+        stage `holder`) but runs another chunk (interleaved): the stand-in."""
+        forward = module.forward
+        shadow = _meta_shadow(module) if path in self.plan.shaped else None
+
         def wrapped(*args, **kwargs):
-            if self.chunk is not None and not self.manager.is_first_stage(self.chunk):
-                return self.stand_in()
+            if self.chunk is not None and self.manager.virtual_stage(self.chunk) != holder:
+                return self.stand_in() if shadow is None else self.shaped_stand_in(shadow, args, kwargs)
             return forward(*args, **kwargs)
         return wrapped
+
+    def _stack_exit(self, module, args, output):
+        """Forward hook on the first stack's module (two stacks): a chunk whose
+        last layer is the stack's last, and which is not the chain's last,
+        ends with the stack's output (after its final norm)."""
+        if self.chunk is None or self.manager.is_last_stage(self.chunk):
+            return None
+        if self.chunk_range().stop == self.plan.stacks[0].stop:
+            hidden = output if isinstance(output, torch.Tensor) else output[0]
+            raise StageExit((hidden,))
+        return None
 
     def _refuse_outside(self, module, args, kwargs):
         if self.chunk is None:
@@ -547,79 +783,102 @@ class StageRuntime:
 
     # -- applying the plan ------------------------------------------------------------
 
+    def _mine(self, vs: int) -> bool:
+        return self.manager.stage_of(vs) == self.manager.stage
+
     def apply(self, model: nn.Module) -> None:
         """Drop what other stages hold and install the redirections (the plan was checked)."""
         plan, sm = self.plan, self.manager
-        first_vs = 0
-        last_vs = sm.num_virtual_stages - 1
-        holds_first = any(sm.is_first_stage(c) for c in range(sm.num_model_chunks))
-        holds_last = sm.is_last_stage()
-        # the tied pairs: {stage: this rank's name of it} (bound to parameters by bind_shared);
-        # the first stage's copy is the one that counts once (gradient norms)
-        self.tied_owner_stage = sm.stage_of(first_vs)
+        # the tied sets: {stage: this rank's name of it} (bound to parameters by bind_shared);
+        # the lowest holding stage's copy is the one that counts once (gradient norms)
+        self.tied_owner_stage = sm.stage_of(0)
+        vs_of = {path: vs for path, _, vs in plan.placed}
         self._shared_names = []
         self._replicated_names = []
-        for a, b in plan.shared:
-            if sm.stage_of(first_vs) == sm.stage_of(last_vs):
-                continue                            # one rank holds both: still one Parameter
-            mine = {}
-            if holds_first:
-                mine[sm.stage_of(first_vs)] = a
-            if holds_last:
-                mine[sm.stage_of(last_vs)] = b
+        for names in plan.shared:
+            held = {}
+            for name in names:
+                path = next(p for p in vs_of if name.startswith(p + "."))
+                held.setdefault(sm.stage_of(vs_of[path]), name)
+            if len(held) < 2:
+                continue                            # one rank holds all: still one Parameter
+            mine = {stage: name for stage, name in held.items() if stage == sm.stage}
             if mine:
-                self._shared_names.append(mine)
+                self._shared_names.append((tuple(sorted(held)), mine))
         if sm.num_stages > 1:
             every = tuple(range(sm.num_stages))
             self._replicated_names += [(every, f"{path}.{pname}") for path in plan.everywhere
                                        for pname, _ in model.get_submodule(path).named_parameters()]
-        for path in plan.first:
-            if holds_first:
-                if sm.num_model_chunks > 1:
+        for path, role, vs in plan.placed:
+            if self._mine(vs):
+                if role == "first" and sm.num_model_chunks > 1:
                     module = model.get_submodule(path)
-                    module.forward = self._first_forward(module.forward)
+                    module.forward = self._first_forward(module, path, vs)
             else:
-                _set(model, path, StageAbsent(path, "first", sm.stage_of(first_vs), self, model.get_submodule(path)))
-        for path in plan.last:
-            if not holds_last:
-                _set(model, path, StageAbsent(path, "last", sm.stage_of(last_vs), self, model.get_submodule(path)))
-        old = model.get_submodule(plan.layers_path)
-        if plan.call_module is None:
-            held = {i: old[i] for r in plan.chunks for i in r}
-            self.layers = StageLayers(held, plan.total, plan.chunks, plan.layers_path)
-        else:
-            held = {g: old[g] for g in sorted({plan.call_module[i] for r in plan.chunks for i in r})}
-            self.layers = StageCalls(held, plan.call_module, plan.chunks, plan.layers_path)
-            for g, module in held.items():
-                if len(plan.holders[g]) > 1:
-                    self._replicated_names += [(plan.holders[g], f"{plan.layers_path}.{g}.{pname}")
-                                               for pname, _ in module.named_parameters()]
-        self.layers.train(old.training)
-        _set(model, plan.layers_path, self.layers)
-        self.layers.__dict__["_runtime"] = self
-        self.layers.__dict__["_edges"] = {
-            c: {"enter": r.start, "exit": None if sm.is_last_stage(c) else r.stop - 1}
-            for c, r in enumerate(plan.chunks)}
+                _set(model, path, StageAbsent(path, role, sm.stage_of(vs), self, model.get_submodule(path)))
+        for spec in plan.stacks:
+            self.all_layers.append(self._stack_layers(model, spec))
+        self.layers = self.all_layers[0]
+        if len(plan.stacks) > 1:
+            model.get_submodule(plan.stacks[0].module).register_forward_hook(self._stack_exit)
         model.register_forward_pre_hook(self._refuse_outside, with_kwargs=True, prepend=True)
         model.__dict__[RUNTIME] = self
 
+    def _stack_layers(self, model: nn.Module, spec: _StackSpec) -> StageLayers:
+        """One stack's StageLayers (its own indices), with the chunk edges:
+        a chunk enters at its first layer in the stack (or the stack's first,
+        which records the stack's input shape) and leaves at its last, unless
+        that ends the chain or the first of two stacks (_stack_exit)."""
+        sm = self.manager
+        old = model.get_submodule(spec.path)
+        local = [range(max(r.start, spec.start) - spec.start, max(min(r.stop, spec.stop), spec.start) - spec.start)
+                 for r in self.plan.chunks]
+        call_module = self.plan.call_module
+        if call_module is None:
+            held = {i: old[i] for r in local for i in r}
+            layers = StageLayers(held, spec.stop - spec.start, local, spec.path)
+        else:                                        # StageSplit.calls: the modules this rank's calls run
+            held = {g: old[g] for g in sorted({call_module[i] for r in local for i in r})}
+            layers = StageCalls(held, call_module, local, spec.path)
+            for g, module in held.items():
+                if len(self.plan.holders[g]) > 1:
+                    self._replicated_names += [(self.plan.holders[g], f"{spec.path}.{g}.{pname}")
+                                               for pname, _ in module.named_parameters()]
+        layers.train(old.training)
+        _set(model, spec.path, layers)
+        layers.__dict__["_runtime"] = self
+        layers.__dict__["_spec"] = spec
+        edges = {}
+        last_stack = spec is self.plan.stacks[-1]
+        for c, (r, mine) in enumerate(zip(self.plan.chunks, local)):
+            if not len(mine):
+                edges[c] = {}
+                continue
+            leave = None if sm.is_last_stage(c) or (r.stop >= spec.stop and not last_stack) else mine.stop - 1
+            edges[c] = {"enter": mine.start, "exit": leave}
+        layers.__dict__["_edges"] = edges
+        return layers
 
     def bind_shared(self, model: nn.Module) -> list[dict[int, nn.Parameter]]:
-        """shared_params: {stage: parameter} of every tied pair, looked up
-        once the model's parameters are final (a lazy_init() model gets its
-        replicated parameters after apply())."""
+        """shared_params: {stage: parameter} of every tied set this rank holds
+        (shared_holders: the stages holding it), looked up once the model's
+        parameters are final (a lazy_init() model gets its replicated
+        parameters after apply())."""
         self.shared_params = [{stage: model.get_parameter(name) for stage, name in names.items()}
-                              for names in self._shared_names]
+                              for _, names in self._shared_names]
+        self.shared_holders = [holders for holders, _ in self._shared_names]
         self.replicated_params = [(stages, name, model.get_parameter(name))
                                   for stages, name in self._replicated_names]
         return self.shared_params
 
     def counted_elsewhere(self) -> set[int]:
         """ids of this rank's parameters whose gradient another stage counts
-        (a gradient norm counts each parameter once): the last stage's side of
-        a tied pair, and a replicated module's parameters on every holder but
-        the first."""
-        skip = {id(t) for pair in self.shared_params for stage, t in pair.items() if stage != self.tied_owner_stage}
+        (a gradient norm counts each parameter once): a tied set's copies on
+        every holding stage but the lowest (shared_holders), and a replicated
+        module's parameters (StageSplit.calls / everywhere) on every holder
+        but the lowest."""
+        skip = {id(t) for pair, holders in zip(self.shared_params, self.shared_holders)
+                for stage, t in pair.items() if stage != holders[0]}
         skip.update(id(t) for stages, _, t in self.replicated_params if self.manager.stage != stages[0])
         return skip
 
