@@ -61,6 +61,18 @@ uses the rows' global positions.  At the seam:
 and the context returned as CoreAttention returns it, [S_r, B, H D], for
 the dense projection on this rank's rows.  A mask passed to CoreAttention
 (padded batches in the remote code) is refused in a split forward.
+
+Pipeline parallelism (PIPELINE): the stages split encoder.layers of
+ChatGLMModel.  The embedding runs on the first stage; encoder.final_layernorm
+and output_layer on the last; the rotary table has no weights and is computed
+by ChatGLMModel's forward on every stage, which hands it to every layer.
+GLMTransformer's forward loops `for i in range(self.num_layers)` over
+`self.layers[i]`: the stage sets num_layers to the running chunk's layer
+count and its i-th layer answers index i (StageSplit.count).  The
+activations between stages are [S, b, hidden] (b: the micro-batch's rows;
+under split_gather, this rank's rows of the padded sequence along
+dimension 0), and ChatGLMModel's last_hidden_state [S, B, hidden] is
+concatenated over the micro-batches along dimension 1 (StageSplit.batch_dims).
 """
 from __future__ import annotations
 
@@ -70,6 +82,7 @@ from shardformer.family import Family, FamilyPolicy, lm, sequence_mode_refused
 from shardformer.layer import sequence_attention as sa
 from shardformer.layer import FusedLinear1D_Col, Linear1D_Row, VocabParallelEmbedding1D
 from shardformer.layout import Fused, Heads
+from shardformer.pipeline.stages import StageSplit
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
@@ -110,12 +123,16 @@ def split_core_attention(state, core, original, args, kwargs):
 SEAM = sa.AttentionSeam("CoreAttention", "forward", split_core_attention,
                         row_kwargs=("rope", "rotary_pos_emb"), seq_dim=0)
 
+PIPELINE = StageSplit("ChatGLMModel", "encoder.layers", last=("encoder.final_layernorm", "output_layer"),
+                      count="num_layers", batch_dims=(("last_hidden_state", 1),))
+
 
 class ChatGLM2Shape(FamilyPolicy):
     # all_to_all / ring_attn: the layers of the encoder, split at CoreAttention (SEAM); the base is the model
     # (its config carries the dropout probabilities the per-rank dropout streams read)
     split_attention_at = ("ChatGLMModel", "encoder.layers")
     attention_seam = SEAM
+    pipeline_split = PIPELINE
 
     def config_sanity_check(self):
         if getattr(self.model.config, "original_rope", True) is False:

@@ -15,7 +15,7 @@ from shardformer.pipeline import schedule as S
 # Every class of every family whose policy sets a pipeline_split (the zoo builds them all).
 PIPELINED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "glm", "phi3", "mixtral", "gpt2",
              "gpt_neo", "gptj", "bloom", "falcon", "opt", "bert", "roberta", "ernie", "albert", "vit", "beit",
-             "t5", "whisper")
+             "t5", "whisper", "chatglm2")
 # Gemma 3's multimodal classes run the text model inside another (not split yet: refused).
 # BEiT's segmentation head reads several layers' hidden states (refused: test_beit_segmentation_refused).
 FAMILIES = [c for f in PIPELINED for c in zoo.family_classes()[f] if c not in ("Gemma3ForConditionalGeneration", "Gemma3ForSequenceClassification",
@@ -247,11 +247,13 @@ def test_custom_policy(pool, pp, tp, schedule):
 # each stage's pair, all_to_all / ring_attn over the pair with TP off.  7 tokens (padded inside); a later
 # stage receives only this rank's rows of the previous stage's output (checked), and learns the sequence
 # length from the first stage's layer-input shape that travels in the message header.
-SP_PIPELINED = [next(c for c in zoo.family_classes()[f] if c.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM")))
+SP_PIPELINED = [next(c for c in zoo.family_classes()[f] if c.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM",
+                                                                            "ForConditionalGeneration")))
                 for f in PIPELINED if f not in ("vit", "beit", "t5", "whisper")]   # PP with SP refused for T5 and
                                                                             # Whisper (test_encoder_decoder_refusals)
 SPLIT_ATTENTION = ["LlamaForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
-                   "MixtralForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "BertForMaskedLM", "AlbertForMaskedLM"]
+                   "MixtralForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "BertForMaskedLM", "AlbertForMaskedLM",
+                   "ChatGLMForConditionalGeneration"]
 
 
 @pytest.mark.parametrize("name", SP_PIPELINED)

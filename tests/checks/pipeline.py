@@ -54,7 +54,7 @@ def groups(ctx, pp: int, tp: int = 1):
 
 def build(name: str, layers: int, **overrides):
     """The zoo's model with `layers` layers."""
-    key = "n_layer" if name.startswith("GPT2") else "num_hidden_layers"
+    key = "n_layer" if name.startswith("GPT2") else "num_layers" if name.startswith("ChatGLM") else "num_hidden_layers"
     if name.startswith("GPTNeo"):             # one attention type per layer
         key, overrides = "num_layers", dict(overrides, attention_types=[[["global", "local"], layers // 2]])
     if name.startswith("T5"):                 # encoder + decoder blocks: the stages split both
@@ -145,9 +145,12 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
         out = runner.forward_backward_step(model, batch, criterion=criterion)
     if sp_mode is not None and sm.stage > 0:
         # a later stage received this rank's rows of the padded sequence only
+        # (rows received, the first stage's layer-input length) along the dimension where they differ:
+        # the sequence's (1, or 0 for a sequence-first model)
         S, p = batch["input_ids"].shape[1], 2 * tp if sp_mode == "ring_attn" else tp
-        rows = {shape[1] for (kind, *_), (shape, *_) in runner.link._shapes.items() if kind == "act"}
-        assert rows == {-(-S // p) * p // tp}, f"{name}: stage {sm.stage} received rows {rows} of {S} tokens"
+        rows = {(shape[d], full[d]) for (kind, *_), (shape, _, full) in runner.link._shapes.items() if kind == "act"
+                for d in range(len(shape)) if shape[d] != full[d]}
+        assert rows == {(-(-S // p) * p // tp, S)}, f"{name}: stage {sm.stage} received rows {rows} of {S} tokens"
     if sp_mode in sequence_attention.MODES:
         assert sequence_attention.CALLS[sp_mode] > split_before[sp_mode], f"{name}: the {sp_mode} attention never ran"
     if (config or {}).get("enable_all_optimization"):
@@ -209,9 +212,24 @@ def _probe(out) -> dict:
             for k, v in parity.output_tensors(out).items() if not k.endswith("loss")}
 
 
-def _project(out, probe: dict, rows: slice = slice(None)) -> torch.Tensor:
+def _project(out, probe: dict, micro: int = 0) -> torch.Tensor:
+    """The projection of the float outputs on `probe`, cut to micro-batch
+    `micro`'s part where an output is one micro-batch's (_micro_probe)."""
     tensors = parity.output_tensors(out)
-    return sum((tensors[k].double() * p[rows]).sum() for k, p in probe.items())
+    return sum((tensors[k].double() * _micro_probe(p, tensors[k].shape, micro)).sum() for k, p in probe.items())
+
+
+def _micro_probe(p: torch.Tensor, shape, micro: int) -> torch.Tensor:
+    """Micro-batch `micro`'s part of the whole batch's probe `p` for an output
+    of `shape`: cut along the one dimension where the two differ (the batch
+    dimension, found from the shapes: 0, or 1 for ChatGLM2's sequence-first
+    last_hidden_state); `p` itself where none does."""
+    dims = [d for d, (a, b) in enumerate(zip(p.shape, shape)) if a != b]
+    if not dims:
+        return p
+    assert len(dims) == 1 and p.dim() == len(shape), (tuple(p.shape), tuple(shape))
+    size = shape[dims[0]]
+    return p.narrow(dims[0], micro * size, size)
 
 
 def _probe_criterion(probe: dict, m: int):
@@ -224,8 +242,7 @@ def _probe_criterion(probe: dict, m: int):
     def criterion(out, micro_batch):
         i = seen[0] % m
         seen[0] += 1
-        rows = next(iter(probe.values())).shape[0] // m
-        return _project(out, probe, slice(i * rows, (i + 1) * rows)) * m
+        return _project(out, probe, i) * m
     return criterion
 
 
@@ -255,6 +272,7 @@ def inference_on_every_rank(ctx, name: str, pp: int, tp: int, schedule: str, dro
             {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout} if name.startswith("Albert") \
             else {"dropout_rate": dropout} if name.startswith("T5") \
             else {"dropout": dropout} if name.startswith("Whisper") \
+            else {"hidden_dropout": dropout} if name.startswith("ChatGLM") \
             else {"resid_pdrop": dropout, "embd_pdrop": dropout}
     ref, model, sm, _ = pipelined(ctx, name, pp, tp, sp_mode=sp_mode, **overrides)
     ref.eval()
@@ -265,7 +283,9 @@ def inference_on_every_rank(ctx, name: str, pp: int, tp: int, schedule: str, dro
     out = SCHEDULES[schedule](sm, num_microbatches=2).forward(model, batch)
     exp = ref(**batch)
     assert type(out) is type(exp), (type(out), type(exp))
-    return parity.assert_close(f"{name} logits on stage {sm.stage}", out.logits, exp.logits, TOL)
+    got, want = parity.output_tensors(out), parity.output_tensors(exp)
+    keys = ["logits"] if "logits" in want else sorted(want)       # a base model: its hidden states
+    return max(parity.assert_close(f"{name} {k} on stage {sm.stage}", got[k], want[k], TOL) for k in keys)
 
 
 def training_dropout_differs(ctx, name: str) -> bool:

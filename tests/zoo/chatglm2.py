@@ -3,7 +3,7 @@ real code ships with checkpoints as remote code, outside transformers).
 
     transformer.embedding.word_embeddings         [padded_vocab_size, hidden]
     transformer.rotary_pos_emb                     rotary frequencies (no weights)
-    transformer.encoder.layers[i]: GLMBlock
+    transformer.encoder.layers[i]: GLMBlock        run by index, i in range(encoder.num_layers)
         input_layernorm                            RMSNorm
         self_attention: SelfAttention
             query_key_value                        [q (heads*kv_channels) | k (groups*kv_channels) | v (same)]
@@ -150,14 +150,21 @@ class GLMBlock(nn.Module):
 
 
 class GLMTransformer(nn.Module):
+    """Runs its layers as ChatGLM2's remote code does: by index over
+    range(self.num_layers), through _get_layer, not by iterating the list."""
+
     def __init__(self, cfg):
         super().__init__()
+        self.num_layers = cfg.num_layers
         self.layers = nn.ModuleList([GLMBlock(cfg) for _ in range(cfg.num_layers)])
         self.final_layernorm = RMSNorm(cfg.hidden_size, cfg.layernorm_epsilon)
 
+    def _get_layer(self, index: int) -> GLMBlock:
+        return self.layers[index]
+
     def forward(self, x, rope):
-        for layer in self.layers:
-            x = layer(x, rope)
+        for index in range(self.num_layers):
+            x = self._get_layer(index)(x, rope)
         return self.final_layernorm(x)
 
 

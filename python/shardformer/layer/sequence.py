@@ -96,8 +96,8 @@ class SequenceState:
     def resume(self, full: torch.Tensor) -> None:
         """A forward that starts past the split (a later pipeline stage: its
         first layer receives this rank's rows from the previous stage);
-        `full` is shaped like the unsplit layer input."""
-        self.length = full.shape[SEQ_DIM]
+        `full` is shaped like the unsplit layer input (the sequence along `dim`)."""
+        self.length = full.shape[self.dim]
 
     def __deepcopy__(self, memo):
         # A deep copy of a model keeps its hooks' closures, which hold this

@@ -276,7 +276,7 @@ class PipelineSchedule:
         if return_loss:
             result["loss"] = self._broadcast_loss(losses, device)
         if return_outputs:
-            result["outputs"] = self._gather_outputs(outputs, name, not backward, device)
+            result["outputs"] = self._gather_outputs(outputs, name, not backward, device, rt.plan.batch_dims)
         return result
 
     # -- pieces -----------------------------------------------------------------------------
@@ -393,11 +393,13 @@ class PipelineSchedule:
             param.grad = total
             COUNTS["replicated"] += 1
 
-    def _gather_outputs(self, outputs: list, name: str, broadcast: bool, device):
-        """The last stage's micro-batch outputs, concatenated; with `broadcast`, on every rank."""
+    def _gather_outputs(self, outputs: list, name: str, broadcast: bool, device, batch_dims: dict):
+        """The last stage's micro-batch outputs, concatenated along their batch
+        dimension (0, or the policy's StageSplit.batch_dims); with `broadcast`,
+        on every rank."""
         sm = self.stage_manager
         last = sm.stage_of(sm.num_virtual_stages - 1)
-        merged = _concat(outputs) if outputs else None
+        merged = _concat(outputs, batch_dims) if outputs else None
         if not broadcast or sm.num_stages == 1:
             return merged
         import torch.distributed as dist
@@ -475,9 +477,9 @@ def _items(out):
     raise TypeError(f"pipeline outputs: cannot gather a {type(out).__name__}")
 
 
-def _concat(outputs: list):
+def _concat(outputs: list, batch_dims: dict):
     parts = [dict(_items(o)) for o in outputs]
-    cat = {k: torch.cat([p[k].detach() for p in parts], 0) if t.dim() > 0 else
+    cat = {k: torch.cat([p[k].detach() for p in parts], batch_dims.get(k, 0)) if t.dim() > 0 else
            torch.stack([p[k].detach() for p in parts]).mean() for k, t in parts[0].items()}
     return _rebuild(type(outputs[0]), cat)
 

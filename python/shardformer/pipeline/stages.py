@@ -139,7 +139,18 @@ class StageSplit:
             shared relative position bias, computed before the layers and passed
             to all of them): replicated on every stage, each running it itself;
             their gradients are summed over the stages like a replicated module's
-            (a name the model lacks is skipped)"""
+            (a name the model lacks is skipped)
+    count   "": the forward iterates over the layer list (or slices it).  Else the
+            attribute of the module holding the list ("num_layers") that its forward
+            loops over, `for i in range(self.count): self.layers[i]`: while a chunk
+            runs, the stage sets it to the chunk's layer count n and indexing the
+            list with i in 0..n-1 gives the chunk's i-th layer (global index
+            chunk start + i); afterwards the attribute is the model's again; one
+            stack only (no `then`, no `calls`)
+    batch_dims  (output field, dimension) pairs: outputs of the model whose batch
+            dimension is not 0 (ChatGLM2's last_hidden_state, [seq, batch, hidden]:
+            ("last_hidden_state", 1)); the schedules concatenate the micro-batches'
+            outputs along it"""
 
     owner: str
     layers: str
@@ -149,6 +160,8 @@ class StageSplit:
     shaped: tuple[str, ...] = ()
     calls: str | None = None
     everywhere: tuple[str, ...] = ()
+    count: str = ""
+    batch_dims: tuple[tuple[str, int], ...] = ()
 
 
 class StageExit(BaseException):
@@ -239,12 +252,25 @@ class StageLayers(nn.ModuleList):
         if isinstance(idx, slice):
             wanted = set(range(self._total)[idx])
             return [self._yielded(i) for i in self._running() if i in wanted]
+        if self.__dict__.get("_positional") and self.active is not None:
+            return self._chunk_position(idx)
         i = idx + self._total if isinstance(idx, int) and idx < 0 else idx
         key = str(i)
         if key not in self._modules:
             raise IndexError(f"{self._path}[{idx}]: layer {i} is not held by this pipeline stage (it holds "
                              f"{_spans(self._chunks)})")
         return self._modules[key]
+
+
+    def _chunk_position(self, idx):
+        """Layer `idx` of the running chunk, for a forward that loops over a
+        layer count the stage set to the chunk's (StageSplit.count): the
+        layer of global index chunk start + idx."""
+        running = self._running()
+        if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < len(running):
+            raise IndexError(f"{self._path}[{idx!r}]: pipeline chunk {self.active} runs {len(running)} layers "
+                             f"({', '.join(_spans([running]))}), indexed 0..{len(running) - 1} by its forward")
+        return self._yielded(running.start + idx)
 
 
 def _spans(chunks: list[range]) -> list[str]:
@@ -437,6 +463,8 @@ class StagePlan:
     call_module: tuple[int, ...] | None = None     # StageSplit.calls: the module of each call
     holders: dict[int, tuple[int, ...]] | None = None  # StageSplit.calls: module -> the stages holding it
     everywhere: list[str] = dataclasses.field(default_factory=list)  # StageSplit.everywhere, with parameters
+    count: str = ""                   # StageSplit.count: the attribute the forward loops over
+    batch_dims: dict[str, int] = dataclasses.field(default_factory=dict)  # StageSplit.batch_dims
 
     @property
     def tuples(self) -> bool:
@@ -594,7 +622,26 @@ def plan_stages(model: nn.Module, split: StageSplit, manager, name: str, prefix:
                          f"pipeline parallelism cannot place it on one stage")
     plan.call_module, plan.holders = call_module, holders
     plan.everywhere = [path for path in everywhere if _has_params(model.get_submodule(path))]
+    plan.count = _checked_count(model, split, stacks[0], len(lists[0]), name)
+    plan.batch_dims = dict(split.batch_dims)
     return plan
+
+
+def _checked_count(model: nn.Module, split: StageSplit, stack: "_StackSpec", size: int, name: str) -> str:
+    """split.count, checked: the module holding the layer list has that
+    attribute and it counts the list's layers (ValueError otherwise); one
+    stack of distinct layers only."""
+    if not split.count:
+        return ""
+    if split.then is not None or split.calls is not None:
+        raise ValueError(f"{name}: a pipeline split whose forward loops over a layer count (count={split.count!r}) "
+                         f"takes one list of distinct layers, not a second stack or repeated calls")
+    holder = model.get_submodule(stack.module)
+    value = getattr(holder, split.count, None)
+    if isinstance(value, bool) or not isinstance(value, int) or value != size:
+        raise ValueError(f"{name}: pipeline parallelism sets {stack.module or type(model).__name__}.{split.count} "
+                         f"to each chunk's layer count; it is {value!r}, expected the {size} layers of {stack.path}")
+    return split.count
 
 def _call_modules(model: nn.Module, attribute: str, num_modules: int, name: str, layers_path: str) -> tuple[int, ...]:
     """The module index of each call (StageSplit.calls): N = config.`attribute`
@@ -701,11 +748,13 @@ class StageRuntime:
         second = self.plan.stacks[-1]
         if len(self.plan.stacks) > 1 and self.chunk_range().start >= second.start:
             kwargs = dict(kwargs, **{second.skip: (entry[-1],)})    # the first stack's output: not rerun
+        restore = self._set_count(model)
         try:
             out = model(**kwargs)
         except StageExit as e:
             out = e.hidden
         finally:
+            restore()
             for layers in self.all_layers:
                 layers.active = None
             self.chunk, self.entry = None, None
@@ -713,6 +762,16 @@ class StageRuntime:
             raise RuntimeError(f"{self.model_name}: pipeline chunk {chunk} never ran its first layer "
                                f"({self.plan.layers_path}); the model's forward skipped it")
         return out
+
+    def _set_count(self, model: nn.Module):
+        """StageSplit.count: the layer count the forward loops over becomes
+        the running chunk's; returns what puts the model's back."""
+        if not self.plan.count:
+            return lambda: None
+        holder, attr = model.get_submodule(self.plan.stacks[0].module), self.plan.count
+        saved = getattr(holder, attr)
+        setattr(holder, attr, len(self.chunk_range()))
+        return lambda: setattr(holder, attr, saved)
 
     def unsplit_shape(self, computed: torch.Tensor) -> tuple:
         """The shape of the first layer's input on the first stage, before any
@@ -848,6 +907,7 @@ class StageRuntime:
         _set(model, spec.path, layers)
         layers.__dict__["_runtime"] = self
         layers.__dict__["_spec"] = spec
+        layers.__dict__["_positional"] = bool(self.plan.count)
         edges = {}
         last_stack = spec is self.plan.stacks[-1]
         for c, (r, mine) in enumerate(zip(self.plan.chunks, local)):
