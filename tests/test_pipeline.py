@@ -328,3 +328,38 @@ def test_beit_shared_bias(pool, pp, schedule, chunks):
 
 def test_beit_segmentation_refused(pool):
     pool.run(check.beit_segmentation_refused, 4)
+
+
+# ChatGLM2 (zoo.chatglm2, remote-code style): GLMTransformer runs `for i in range(self.num_layers)` over
+# self.layers[i]; each stage sets num_layers to its chunk's count (StageSplit.count: every layer run is got by
+# its chunk position, counted) and the stages pass [seq, batch, hidden]; ChatGLMModel's last_hidden_state is
+# concatenated over the micro-batches along dimension 1 (StageSplit.batch_dims).
+CHATGLM2 = zoo.family_classes()["chatglm2"]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", CHATGLM2)
+def test_chatglm2_pp4(pool, name, schedule):
+    report = pool.run(check.equals_unsharded, 4, name, 4, schedule, 2)
+    assert all(r["positions"] == 2 for r in report), report          # one layer per stage, 2 micro-batches
+
+
+@pytest.mark.parametrize("name", CHATGLM2)
+@pytest.mark.parametrize("layers, counts, m, seq", [(3, None, 2, 7), (4, (3, 1), 4, 5), (5, (1, 4), 1, 9)])
+def test_chatglm2_uneven(pool, name, layers, counts, m, seq):
+    """Uneven stages (3 layers over 2; 3 + 1; 1 + 4) and odd sequence lengths, TP=2 x PP=2."""
+    report = pool.run(check.equals_unsharded, 4, name, 2, "1f1b", m, 2, 1, layers, seq=seq,
+                      num_layers_per_stage=counts)
+    assert all(r["positions"] > 0 for r in report), report
+
+
+@pytest.mark.parametrize("name", CHATGLM2)
+@pytest.mark.parametrize("pp, tp", [(2, 1), (4, 1), (2, 2)])
+def test_chatglm2_inference_on_every_rank(pool, name, pp, tp):
+    """schedule.forward() in eval mode with hidden_dropout 0.3 configured: the logits (ChatGLMModel: the
+    sequence-first hidden states) on every rank."""
+    pool.run(check.inference_on_every_rank, 4, name, pp, tp, "1f1b", 0.3)
+
+
+def test_chatglm2_layer_count_refusals(pool):
+    pool.run(check.layer_count_refusals, 4)

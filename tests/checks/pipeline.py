@@ -22,6 +22,7 @@ from shardformer.pipeline import (GPipeSchedule, InterleavedSchedule, OneForward
                                   PipelineStageManager)
 from shardformer.pipeline import p2p
 from shardformer.pipeline import schedule as schedule_module
+from shardformer.pipeline import stages as stages_module
 
 SCHEDULES = {"gpipe": GPipeSchedule, "1f1b": OneForwardOneBackwardSchedule, "interleaved": InterleavedSchedule}
 TOL = parity.TOL[torch.float32]
@@ -138,6 +139,7 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
         probe = _probe(exp)
         criterion, ref_loss = _probe_criterion(probe, m), _project(exp, probe)
     before = dict(p2p.COUNTS)
+    positions_before = stages_module.COUNTS["chunk_positions"]
     replicated_before = schedule_module.COUNTS["replicated"]
     split_before = dict(sequence_attention.CALLS)
     runner = SCHEDULES[schedule](sm, num_microbatches=m)
@@ -159,6 +161,7 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
     if sm.num_stages > 1:
         assert sent > 0, f"{name}: no activation or gradient went between stages"
     _check_repeated_calls(model, sm, name, replicated_before)
+    positions = _check_layer_count(model, m, name, positions_before)
     ref_loss.backward()
     err = parity.assert_close(f"{name} pipelined loss ({schedule}, pp={pp}, m={m})", out["loss"], ref_loss.detach(),
                               TOL)
@@ -179,7 +182,26 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
         worst = max(worst, parity.assert_close(f"{name} {key} after a step", full[key], t, TOL))
     # messages of several tensors (position biases, the encoder output) sent or received under a key
     tuples = len([k for k in set(runner.link._sent) | set(runner.link._shapes) if k[-1] == "n"])
-    return {"loss": err, "state": worst, "sent": sent, "shared": len(shared), "tuples": tuples}
+    return {"loss": err, "state": worst, "sent": sent, "shared": len(shared), "tuples": tuples,
+            "positions": positions}
+
+
+def _check_layer_count(model, m: int, name: str, before: int) -> int:
+    """A split whose forward loops over a layer count (StageSplit.count,
+    ChatGLM2's num_layers): every layer this rank ran was got by its chunk
+    position (one per layer and micro-batch), and the count is the model's
+    again after the step.  Returns the positions counted."""
+    from shardformer.pipeline.stages import runtime_of
+
+    plan = runtime_of(model).plan
+    positions = stages_module.COUNTS["chunk_positions"] - before
+    if not plan.count:
+        assert positions == 0, (name, positions)
+        return 0
+    assert positions == m * sum(len(r) for r in plan.chunks), (name, positions, m, plan.chunks)
+    holder = model.get_submodule(plan.stacks[0].module)
+    assert getattr(holder, plan.count) == plan.total, (name, getattr(holder, plan.count), plan.total)
+    return positions
 
 
 def _check_repeated_calls(model, sm, name: str, replicated_before: int) -> None:
@@ -636,3 +658,31 @@ def from_pretrained_encdec(ctx, name: str, pp: int, tp: int, path: str) -> dict:
     assert held < full, (held, full)
     dist.barrier()
     return {"err": err, "fraction": held / full}
+
+
+def layer_count_refusals(ctx) -> list[str]:
+    """ChatGLM2's split loops over encoder.num_layers (StageSplit.count):
+    a count attribute the model lacks, or one that does not count the
+    layers, is refused by name before anything changes."""
+    import dataclasses
+
+    from shardformer.policies.chatglm2 import ChatGLMForConditionalGenerationPolicy
+
+    class MissingCount(ChatGLMForConditionalGenerationPolicy):
+        pipeline_split = dataclasses.replace(ChatGLMForConditionalGenerationPolicy.pipeline_split, count="n_blocks")
+
+    msgs = []
+    tp_group, pp_group = groups(ctx, 2, 1)
+    name = "ChatGLMForConditionalGeneration"
+    for policy, expected, change in ((MissingCount(), "transformer.encoder.n_blocks", None),
+                                     (None, "transformer.encoder.num_layers", 3)):
+        model = build(name, 4)
+        if change is not None:                       # the attribute disagrees with the layer list
+            model.transformer.encoder.num_layers = change
+        cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=PipelineStageManager(pp_group),
+                          enable_tensor_parallelism=False)
+        msg = parity.refused_unchanged(model, lambda: ShardFormer(shard_config=cfg).optimize(model, policy=policy),
+                                       f"a ChatGLM2 split counted by {expected}", ValueError, structure=True)
+        assert name in msg and expected in msg and "4 layers of transformer.encoder.layers" in msg, msg
+        msgs.append(msg)
+    return msgs

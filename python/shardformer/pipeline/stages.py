@@ -48,6 +48,11 @@ HuggingFace forward, with the tensors redirected (StageRuntime):
   * the last layer of a chunk that is not the chain's last ends the forward
     (StageExit, carrying its output), so nothing after it runs.
 
+A forward that loops over a layer count instead of the list (StageSplit.count:
+ChatGLM2's `for i in range(self.num_layers): self.layers[i]`) sees the
+count set to the running chunk's, n, and index i of the list (0 <= i < n)
+is the chunk's i-th layer; the count is the model's again after the forward.
+
 Both are done by what StageLayers yields, not by hooks on the layers: the
 first and last layer of a chunk come wrapped in a _ChunkEdge, which swaps
 the hidden states before calling the layer and raises after it.  So a layer
@@ -86,6 +91,8 @@ __all__ = ["StageSplit", "StageStack", "StagePlan", "StageLayers", "StageCalls",
            "plan_stages", "runtime_of"]
 
 RUNTIME = "_shardformer_pipeline"
+# Layers a forward looping over a layer count got by their chunk position (StageSplit.count; for tests).
+COUNTS = {"chunk_positions": 0}
 
 
 @dataclass(frozen=True)
@@ -270,6 +277,7 @@ class StageLayers(nn.ModuleList):
         if isinstance(idx, bool) or not isinstance(idx, int) or not 0 <= idx < len(running):
             raise IndexError(f"{self._path}[{idx!r}]: pipeline chunk {self.active} runs {len(running)} layers "
                              f"({', '.join(_spans([running]))}), indexed 0..{len(running) - 1} by its forward")
+        COUNTS["chunk_positions"] += 1
         return self._yielded(running.start + idx)
 
 
