@@ -34,6 +34,19 @@ all_to_all gathers the sequence per head group (all-to-all), so the model's
 own attention function reads the same [B, 1, S, S] mask (padded to S').
 ring_attn is refused for these classes: its kernel expresses causal masks,
 key padding and sliding windows, not the bidirectional image blocks.
+
+Pipeline parallelism (MM_PIPELINE): the stages split the text model's
+layers (language_model.layers of Gemma3Model); its token embeddings run on
+the first stage, its final norm, lm_head and score on the last.  The vision
+tower and the projector are replicated on every stage (StageSplit.everywhere)
+and run by each from the micro-batch's pixel_values: every stage needs the
+image features, the first to merge them into the embeddings, the last for
+the output's image_hidden_states, and the ones between for the placeholder
+check of Gemma3Model's forward (the merged embeddings they make are replaced
+by the activation received).  Their gradients, the first stage's through the
+text layers and the last stage's through image_hidden_states, are summed
+over the stages, so each replica steps with the unsharded model's gradient.
+The attention masks come from token_type_ids, which every stage is given.
 """
 from __future__ import annotations
 
@@ -41,6 +54,7 @@ from __future__ import annotations
 from shardformer.family import Family, FamilyPolicy, gathered, lm, sequence_mode_refused
 from shardformer.layer import Linear1D_Col, Linear1D_Row
 from shardformer.layout import Heads
+from shardformer.pipeline.stages import StageSplit
 from shardformer.policies.shapes import DecoderShape, attention_by_heads
 from shardformer.policy import ModulePolicyDescription, Policy, merge_policies
 from shardformer.policy import SubModuleReplacementDescription as Sub
@@ -76,6 +90,12 @@ def siglip_policy(vision_cfg) -> dict:
     }
 
 
+# The text model's layers split over the stages; its embeddings on the first, its norm and the heads on the
+# last.  The vision tower and projector run on every stage (their gradients summed over the stages).
+MM_PIPELINE = StageSplit("Gemma3Model", "language_model.layers", last=("language_model.norm",),
+                         everywhere=("vision_tower", "multi_modal_projector"))
+
+
 class Gemma3MultimodalShape(FamilyPolicy):
     """Gemma3Model and the heads around it: the SigLIP tower split here, the
     text model by its own registered policy (Gemma3TextModelPolicy), bound to
@@ -83,6 +103,7 @@ class Gemma3MultimodalShape(FamilyPolicy):
     Gemma3Model itself)."""
 
     base = "model"
+    pipeline_split = MM_PIPELINE
 
     def gemma3_model(self):
         return self.model.get_submodule(self.base) if self.base else self.model

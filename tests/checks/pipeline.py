@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import zoo
+from zoo import gemma3mm
 from checks import parity
 from checks.optimizations import counting_kernels
 from shardformer import ShardConfig, ShardFormer
@@ -68,6 +69,8 @@ def build(name: str, layers: int, **overrides):
                                                    "WhisperForCausalLM": 1}.get(name, layers // 2))
         decoder = layers if name == "WhisperForCausalLM" else 1 if encoder == layers else layers - encoder
         key, overrides, layers = "encoder_layers", dict(overrides, decoder_layers=decoder), encoder
+    if name in gemma3mm.MODELS:               # the text model's layers
+        key, layers = "text_config", dict(overrides.pop("text_config", {}), num_hidden_layers=layers)
     model = zoo.build(name, **{key: layers}, **overrides)
     # a config's dtype does not reach every module's weights (BEiT's masked image modelling)
     return model.to(overrides["dtype"]) if overrides.get("dtype") is not None else model

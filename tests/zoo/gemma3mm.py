@@ -37,9 +37,11 @@ MODELS = {"Gemma3Model": "base", "Gemma3ForConditionalGeneration": "causal_lm",
 
 
 def config_of(**overrides):
+    """The config; overrides of the text model's config go in as text_config={...}."""
     from transformers import Gemma3Config
 
-    cfg = Gemma3Config(text_config=dict(TEXT), vision_config=dict(VISION), **dict(CONFIG, **overrides))
+    text = dict(TEXT, **overrides.pop("text_config", {}))
+    cfg = Gemma3Config(text_config=text, vision_config=dict(VISION), **dict(CONFIG, **overrides))
     cfg._attn_implementation = "eager"
     return cfg
 
