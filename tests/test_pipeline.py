@@ -362,3 +362,29 @@ def test_chatglm2_inference_on_every_rank(pool, name, pp, tp):
 
 def test_chatglm2_layer_count_refusals(pool):
     pool.run(check.layer_count_refusals, 4)
+
+
+# Gemma 3 multimodal: the text model's layers split; the vision tower and projector replicated on every stage
+# (StageSplit.everywhere), their gradients summed over the stages (counted).
+GEMMA3_MM = ("Gemma3Model", "Gemma3ForConditionalGeneration", "Gemma3ForSequenceClassification")
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("name", GEMMA3_MM)
+def test_gemma3_multimodal_pp4(pool, name, schedule):
+    report = pool.run(check.equals_unsharded, 4, name, 4, schedule, 2)
+    assert all(r["replicated"] > 0 for r in report), report
+
+
+@pytest.mark.parametrize("name", GEMMA3_MM)
+@pytest.mark.parametrize("pp, tp", [(2, 1), (4, 1), (2, 2)])
+def test_gemma3_multimodal_inference_on_every_rank(pool, name, pp, tp):
+    """schedule.forward() in eval mode with the text model's attention dropout 0.3 configured."""
+    pool.run(check.inference_on_every_rank, 4, name, pp, tp, "1f1b", 0.3)
+
+
+@pytest.mark.parametrize("mode", ["split_gather", "all_to_all"])
+@pytest.mark.parametrize("name", ["Gemma3ForConditionalGeneration", "Gemma3Model"])
+def test_gemma3_multimodal_sequence_parallel_in_stages(pool, name, mode):
+    """The merged image-and-text sequence split inside the stages (7 tokens, TP=2 for split_gather)."""
+    pool.run(check.equals_unsharded, 4, name, 2, "1f1b", 2, 2, 1, 4, False, 4, None, mode, 7)

@@ -24,6 +24,7 @@ from shardformer.pipeline import (GPipeSchedule, InterleavedSchedule, OneForward
 from shardformer.pipeline import p2p
 from shardformer.pipeline import schedule as schedule_module
 from shardformer.pipeline import stages as stages_module
+from shardformer.pipeline.stages import runtime_of
 
 SCHEDULES = {"gpipe": GPipeSchedule, "1f1b": OneForwardOneBackwardSchedule, "interleaved": InterleavedSchedule}
 TOL = parity.TOL[torch.float32]
@@ -186,7 +187,7 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
     # messages of several tensors (position biases, the encoder output) sent or received under a key
     tuples = len([k for k in set(runner.link._sent) | set(runner.link._shapes) if k[-1] == "n"])
     return {"loss": err, "state": worst, "sent": sent, "shared": len(shared), "tuples": tuples,
-            "positions": positions}
+            "positions": positions, "replicated": len(runtime_of(model).replicated_params)}
 
 
 def _check_layer_count(model, m: int, name: str, before: int) -> int:
@@ -194,8 +195,6 @@ def _check_layer_count(model, m: int, name: str, before: int) -> int:
     ChatGLM2's num_layers): every layer this rank ran was got by its chunk
     position (one per layer and micro-batch), and the count is the model's
     again after the step.  Returns the positions counted."""
-    from shardformer.pipeline.stages import runtime_of
-
     plan = runtime_of(model).plan
     positions = stages_module.COUNTS["chunk_positions"] - before
     if not plan.count:
@@ -212,7 +211,7 @@ def _check_repeated_calls(model, sm, name: str, replicated_before: int) -> None:
     the last forward numbered every call, this rank holds exactly the modules
     its calls run, and a module held by several stages had its gradients
     summed over them."""
-    from shardformer.pipeline.stages import StageCalls, runtime_of
+    from shardformer.pipeline.stages import StageCalls
 
     rt = runtime_of(model)
     if rt.replicated_params:
@@ -298,6 +297,7 @@ def inference_on_every_rank(ctx, name: str, pp: int, tp: int, schedule: str, dro
             else {"dropout_rate": dropout} if name.startswith("T5") \
             else {"dropout": dropout} if name.startswith("Whisper") \
             else {"hidden_dropout": dropout} if name.startswith("ChatGLM") \
+            else {"text_config": {"attention_dropout": dropout}} if name in gemma3mm.MODELS \
             else {"resid_pdrop": dropout, "embd_pdrop": dropout}
     ref, model, sm, _ = pipelined(ctx, name, pp, tp, sp_mode=sp_mode, **overrides)
     ref.eval()
