@@ -102,7 +102,8 @@ def test_unknown_loss_function_refused(pool):
     assert "LlamaForCausalLM" in msg and "loss_function" in msg and "parallel_output" in msg, msg
 
 
-@pytest.mark.parametrize("name", ["LlamaForCausalLM", "BertForMaskedLM"])
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "BertForMaskedLM", "ChatGLMForConditionalGeneration",
+                                  "Gemma3ForConditionalGeneration"])
 def test_pipeline_stages(pool, name):
     """TP=2 x PP=2: the last stage's loss runs on its vocabulary shards."""
     pool.run(pipeline_check.equals_unsharded, 4, name, 2, "1f1b", 2, 2, 1, 4, False, 4, {"parallel_output": True})

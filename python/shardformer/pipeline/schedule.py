@@ -186,7 +186,8 @@ class PipelineSchedule:
     def forward(self, model, batch: dict):
         """The model's outputs on `batch` (no gradients), from the last stage,
         on every rank of the pipeline: the same output class as the model's
-        forward, micro-batches concatenated along dimension 0."""
+        forward, micro-batches concatenated along dimension 0 (or the batch
+        dimension the policy's StageSplit.batch_dims names for an output)."""
         return self._run(model, batch, None, False, False, True)["outputs"]
 
     # -- the step -------------------------------------------------------------------------
