@@ -18,7 +18,8 @@ num_attention_heads_per_partition / hidden_size_per_partition.
 
 Remote code need not define get_input_embeddings, so the tie of the output
 layer is found on ChatGLMModel's embedding.word_embeddings directly.
-original_rope=False is refused.
+original_rope=False is refused; so is pre_seq_len (p-tuning's prefix_encoder)
+under pipeline parallelism.
 
 Sequence parallelism, split_gather only (the layout of
 shardformer.layer.sequence with SequenceState(dim=0): ChatGLM2 runs
@@ -138,6 +139,19 @@ class ChatGLM2Shape(FamilyPolicy):
         if getattr(self.model.config, "original_rope", True) is False:
             raise ValueError(f"{type(self.model).__name__}: original_rope=False is not supported")
         self.check_sequence_mode()
+        self.check_pipeline()
+
+    def check_pipeline(self) -> None:
+        """P-tuning v2 (config.pre_seq_len) refused under pipeline parallelism:
+        ChatGLMModel's prefix_encoder makes every layer's prefix keys and
+        values before the first layer, which the first stage alone would hold."""
+        manager, cfg = self.shard_config.pipeline_stage_manager, self.model.config
+        if manager is not None and manager.num_stages > 1 and getattr(cfg, "pre_seq_len", None):
+            glm = "transformer." if hasattr(self.model, "transformer") else ""
+            raise NotImplementedError(
+                f"{type(self.model).__name__}: pipeline parallelism is not available with pre_seq_len="
+                f"{cfg.pre_seq_len} (p-tuning): {glm}prefix_encoder computes the prefix keys and values of every "
+                f"layer of {glm}encoder.layers before the first one, on the first stage only")
 
     def layers_path(self) -> str:
         return "transformer.encoder.layers" if hasattr(self.model, "transformer") else "encoder.layers"

@@ -379,8 +379,8 @@ def test_chatglm2_gemma3mm_load_full_state_dict(pool, name, pp, tp):
     pool.run(check.load_full_round_trip, 4, name, pp, tp)
 
 
-def test_chatglm2_layer_count_refusals(pool):
-    pool.run(check.layer_count_refusals, 4)
+def test_chatglm2_refusals(pool):
+    pool.run(check.chatglm2_refusals, 4)
 
 
 # Gemma 3 multimodal: the text model's layers split; the vision tower and projector replicated on every stage

@@ -663,10 +663,11 @@ def from_pretrained_encdec(ctx, name: str, pp: int, tp: int, path: str) -> dict:
     return {"err": err, "fraction": held / full}
 
 
-def layer_count_refusals(ctx) -> list[str]:
+def chatglm2_refusals(ctx) -> list[str]:
     """ChatGLM2's split loops over encoder.num_layers (StageSplit.count):
     a count attribute the model lacks, or one that does not count the
-    layers, is refused by name before anything changes."""
+    layers, is refused by name before anything changes; so is p-tuning
+    (pre_seq_len) under pipeline parallelism."""
     import dataclasses
 
     from shardformer.policies.chatglm2 import ChatGLMForConditionalGenerationPolicy
@@ -688,4 +689,11 @@ def layer_count_refusals(ctx) -> list[str]:
                                        f"a ChatGLM2 split counted by {expected}", ValueError, structure=True)
         assert name in msg and expected in msg and "4 layers of transformer.encoder.layers" in msg, msg
         msgs.append(msg)
+    model = build(name, 4, pre_seq_len=3)              # p-tuning: refused by name
+    cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=PipelineStageManager(pp_group),
+                      enable_tensor_parallelism=False)
+    msg = parity.refused_unchanged(model, lambda: ShardFormer(shard_config=cfg).optimize(model),
+                                   "a ChatGLM2 pipeline with pre_seq_len", NotImplementedError, structure=True)
+    assert name in msg and "pre_seq_len=3" in msg and "transformer.prefix_encoder" in msg, msg
+    msgs.append(msg)
     return msgs
