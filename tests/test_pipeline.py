@@ -247,8 +247,8 @@ def test_custom_policy(pool, pp, tp, schedule):
 # each stage's pair, all_to_all / ring_attn over the pair with TP off.  7 tokens (padded inside); a later
 # stage receives only this rank's rows of the previous stage's output (checked), and learns the sequence
 # length from the first stage's layer-input shape that travels in the message header.
-SP_PIPELINED = [next(c for c in zoo.family_classes()[f] if c.endswith(("ForCausalLM", "LMHeadModel", "ForMaskedLM",
-                                                                            "ForConditionalGeneration")))
+LM_CLASSES = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForConditionalGeneration")   # the first one per family
+SP_PIPELINED = [next(c for c in zoo.family_classes()[f] if c.endswith(LM_CLASSES))
                 for f in PIPELINED if f not in ("vit", "beit", "t5", "whisper")]   # PP with SP refused for T5 and
                                                                             # Whisper (test_encoder_decoder_refusals)
 SPLIT_ATTENTION = ["LlamaForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",

@@ -268,7 +268,6 @@ class StageLayers(nn.ModuleList):
                              f"{_spans(self._chunks)})")
         return self._modules[key]
 
-
     def _chunk_position(self, idx):
         """Layer `idx` of the running chunk, for a forward that loops over a
         layer count the stage set to the chunk's (StageSplit.count): the
@@ -650,6 +649,7 @@ def _checked_count(model: nn.Module, split: StageSplit, stack: "_StackSpec", siz
         raise ValueError(f"{name}: pipeline parallelism sets {stack.module or type(model).__name__}.{split.count} "
                          f"to each chunk's layer count; it is {value!r}, expected the {size} layers of {stack.path}")
     return split.count
+
 
 def _call_modules(model: nn.Module, attribute: str, num_modules: int, name: str, layers_path: str) -> tuple[int, ...]:
     """The module index of each call (StageSplit.calls): N = config.`attribute`
