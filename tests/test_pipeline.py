@@ -407,3 +407,12 @@ def test_gemma3_multimodal_inference_on_every_rank(pool, name, pp, tp):
 def test_gemma3_multimodal_sequence_parallel_in_stages(pool, name, mode):
     """The merged image-and-text sequence split inside the stages (7 tokens, TP=2 for split_gather)."""
     pool.run(check.equals_unsharded, 4, name, 2, "1f1b", 2, 2, 1, 4, False, 4, None, mode, 7)
+
+
+@pytest.mark.parametrize("pp, tp", [(2, 1), (2, 2)])
+def test_gemma3_multimodal_from_pretrained(pool, tmp_path, pp, tp):
+    """Each stage reads its text layers and the vision tower it replicates; a trained pipeline saves a checkpoint
+    plain transformers loads back."""
+    report = pool.run(check.from_pretrained_stages, 4, pp, tp, str(tmp_path / "gemma3mm"), False,
+                      "Gemma3ForConditionalGeneration")
+    assert all(r["fraction"] < 1 for r in report), report
