@@ -37,6 +37,7 @@ from . import _C, lazy
 from .checkpoint import bind_hf_methods
 from .config import ShardConfig, group_size_and_rank
 from .inherit import Inheritance, check_replaceable
+from .layer.rank_streams import guard_random_streams
 from .lm_loss import LMLossPlan
 from .replicas import broadcast_weights, check_same_model
 from .optimizations import enable_attention, optimization_policy
@@ -190,6 +191,8 @@ class ModelSharder:
                 stages.bind_shared(self.model)
             if losses is not None:               # the heads are in: their models' losses go to the shards
                 losses.install(self.model)
+            if tp_size > 1:                      # torch's generator: streams per rank, layerdrop agreed
+                guard_random_streams(self.model, group, rank, name)
             messages = inheritance.finish(self.model, name)
             bind_hf_methods(self.model)
         except BaseException as e:
