@@ -86,6 +86,11 @@ class Policy(ABC):
     pipeline_split = None
     #: Why pipeline_split is None, for the refusal ("" : not said).
     pipeline_refusal = ""
+    #: output_attentions under TP (shardformer.layer.attention_weights): the index of the
+    #: attention weights in the output tuple of an attention class, where it is not 1.
+    attention_weights_at: dict[str, int] = {}
+    #: attention classes whose weights fold the heads into the batch ([B*H, S_q, S_k]).
+    attention_weights_folded: tuple[str, ...] = ()
 
     def config_sanity_check(self) -> None:
         """Raise if the model's configuration is one this policy cannot shard."""

@@ -37,6 +37,7 @@ from . import _C, lazy
 from .checkpoint import bind_hf_methods
 from .config import ShardConfig, group_size_and_rank
 from .inherit import Inheritance, check_replaceable
+from .layer.attention_weights import gather_attention_weights
 from .layer.rank_streams import guard_random_streams
 from .lm_loss import LMLossPlan
 from .replicas import broadcast_weights, check_same_model
@@ -193,6 +194,8 @@ class ModelSharder:
                 losses.install(self.model)
             if tp_size > 1:                      # torch's generator: streams per rank, layerdrop agreed
                 guard_random_streams(self.model, group, rank, name)
+                gather_attention_weights(self.model, group, tp_size, rank, policy.attention_weights_at,
+                                         policy.attention_weights_folded)
             messages = inheritance.finish(self.model, name)
             bind_hf_methods(self.model)
         except BaseException as e:
