@@ -83,6 +83,12 @@ def test_gradient_checkpointing_same_gradients_tp4(pool, name):
     pool.run(runtime_state.checkpointing_matches, 4, name, False)
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", _checkpointable() + ["AlbertForMaskedLM"])
+def test_ranks_agree_in_training_with_dropout(pool, name, tp):
+    pool.run(runtime_state.ranks_agree_in_training, tp, name)
+
+
 def test_recompute_without_rng_state_refused(pool):
     msg = pool.run(runtime_state.recompute_without_rng_state_refused, 2, "ViTForImageClassification")[0]["message"]
     assert "preserve_rng_state" in msg

@@ -91,6 +91,9 @@ class Policy(ABC):
     attention_weights_at: dict[str, int] = {}
     #: attention classes whose weights fold the heads into the batch ([B*H, S_q, S_k]).
     attention_weights_folded: tuple[str, ...] = ()
+    #: attention classes that also drop a replicated tensor (BLOOM's dropout_add of the
+    #: residual): they keep torch's shared generator stream (shardformer.layer.rank_streams).
+    attention_draws_replicated: tuple[str, ...] = ()
 
     def config_sanity_check(self) -> None:
         """Raise if the model's configuration is one this policy cannot shard."""

@@ -193,7 +193,7 @@ class ModelSharder:
             if losses is not None:               # the heads are in: their models' losses go to the shards
                 losses.install(self.model)
             if tp_size > 1:                      # torch's generator: streams per rank, layerdrop agreed
-                guard_random_streams(self.model, group, rank, name)
+                guard_random_streams(self.model, group, rank, name, policy.attention_draws_replicated)
                 gather_attention_weights(self.model, group, tp_size, rank, policy.attention_weights_at,
                                          policy.attention_weights_folded)
             messages = inheritance.finish(self.model, name)

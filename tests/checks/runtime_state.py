@@ -251,3 +251,42 @@ def layerdrop_ranks_agree(ctx, name: str, same_seed: bool) -> dict:
     layers = {i for r in runs for i in r}
     assert any(len(r) < len(layers) for r in runs) and layers, runs   # some skipped, some ran
     return {"runs": runs}
+
+
+def _hidden_states(out) -> list[torch.Tensor]:
+    """Every hidden-states tensor of an output, nested outputs included."""
+    found = []
+    for key, value in (out.items() if hasattr(out, "items") else ()):
+        if hasattr(value, "items"):
+            found += _hidden_states(value)
+        elif "hidden_states" in key and isinstance(value, tuple):
+            found += [h for h in value if isinstance(h, torch.Tensor)]
+    return found
+
+
+def ranks_agree_in_training(ctx, name: str) -> dict:
+    """A training forward with every dropout > 0 gives the same (replicated,
+    gathered) outputs on every rank, three steps running: the residual
+    stream's masks are equal across ranks, and nothing a rank draws on its
+    own heads (uneven at TP=4) moves its generator away from its peers'."""
+    model = zoo.build_with_dropout(name, 0.2)
+    inputs = zoo.make_inputs(name)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
+    model.train()
+    torch.manual_seed(7)
+    worst = 0.0
+    for step in range(3):
+        # the hidden states, not only the outputs: an LM head's gathered logits are equal on every
+        # rank by construction, while each rank's hidden states are its own copy
+        result = model(**inputs, output_hidden_states=True)
+        out = {f"hidden_states[{i}]": h for i, h in enumerate(_hidden_states(result))}
+        out.update(parity.output_tensors(result))
+        assert any(k.startswith("hidden_states") for k in out), f"{name}: no hidden states returned"
+        for key, t in sorted(out.items()):
+            everyone = [torch.empty_like(t) for _ in range(ctx.tp_size)]
+            torch.distributed.all_gather(everyone, t.contiguous(), group=ctx.group)
+            for r, other in enumerate(everyone):
+                if not torch.equal(other, t):
+                    raise AssertionError(f"{name}: step {step}, output {key} of rank {r} differs from rank "
+                                         f"{ctx.rank}'s by {(other - t).abs().max().item():.3g}")
+    return {"worst": worst}

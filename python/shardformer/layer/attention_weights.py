@@ -43,6 +43,17 @@ def query_heads_of(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
+def projects_query_heads(module: nn.Module) -> bool:
+    """Whether one of the module's direct children is a column-parallel
+    projection split by query heads (q, or a fused qkv): the module computes
+    attention on this rank's heads."""
+    from .linear import Linear1D_Col
+
+    return any(isinstance(child, Linear1D_Col) and any(_heads_in(r[0]) is not None
+                                                       for r in child.shard_plan.requests.values())
+               for child in module.children())
+
+
 def _heads_in(data) -> tuple[int, int] | None:
     if not isinstance(data, tuple):
         return None

@@ -1,33 +1,34 @@
-"""torch's generator under tensor parallelism: the ranks' shared stream moves
-alike, each rank's heads get masks of their own, and layerdrop skips the same
-layers on every rank.
+"""torch's generator under tensor parallelism: one shared stream that moves
+alike on every rank, a stream of each rank's own for its heads, and
+layerdrop skipping the same layers on every rank.
 
-In training, a stack with layerdrop p > 0 (OPT's decoder, Whisper's encoder
-and decoder, the OPT inside BLIP-2) skips layer i when a draw of torch's CPU
-generator, `torch.rand([])`, falls below p.  Each layer of a sharded stack
-runs collectives, so a rank that skips a layer its peers run does not just
-get a different result: it hands its peers the wrong collective.  The draws
-agree when two things hold, and `guard_random_streams` makes sure of both:
+HF draws dropout masks from torch's global generator.  On a replicated
+activation (the residual stream) every rank must draw the same mask, which
+it does when the ranks' generators agree and have moved alike.  On this
+rank's heads (the attention probabilities [B, H_r, S_q, S_k], dropped by a
+functional dropout inside the attention) the masks must differ per rank,
+and the number of values drawn is H_r-dependent: with heads split unevenly
+it would move the ranks' generators apart, and every later replicated mask
+with them.  So the attention that projects this rank's query heads runs on
+a stream of the rank's own (RankStream: one draw of the shared stream mixed
+with the rank), and the shared stream moves by one draw per attention call
+on every rank.  A family whose attention module also drops a replicated
+tensor (BLOOM's dropout_add of the residual) names it in
+`Policy.attention_draws_replicated` and keeps the shared stream there.
 
-- the ranks' CPU generators agree when the stack's forward starts.  This is
-  the user's seeding (`torch.manual_seed(s)` on every rank); it is checked at
-  each training forward, by a max-all-reduce of (crc, -crc) of the generator
-  state over the TP group (16 bytes), and refused with a clear error;
-- nothing inside a layer moves one rank's generator differently from its
-  peers'.  HF's own dropouts on this rank's heads draw as many numbers as
-  the rank holds heads, which differs when heads split unevenly; so each
-  layer runs on a stream of the rank's own (RankStream: seeded from one
-  draw of the shared stream and the rank), which also gives each rank's
-  heads their own masks.  The shared stream moves by one draw per layer on
-  every rank, skipped or not.  This holds for every layer of a sharded
-  model (an entry of a ModuleList holding a sharded module), with or without
-  layerdrop: HF's dropouts outside our layers, e.g. the functional dropout of
-  an attention on this rank's heads, would otherwise draw the same masks on
-  every rank and move the shared streams apart.
+Layerdrop: in training, a stack with layerdrop p > 0 (OPT's decoder,
+Whisper's encoder and decoder, the OPT inside BLIP-2) skips layer i when
+`torch.rand([])` falls below p.  Each layer of a sharded stack runs
+collectives, so a rank that skips a layer its peers run hands its peers the
+wrong collective.  The draws agree when the ranks' generators agree as the
+stack starts: the user's seeding (`torch.manual_seed(s)` on every rank),
+checked at each training forward of the stack by a max-all-reduce of (crc,
+-crc) of the generator state over the TP group (16 bytes), and refused with
+a clear error when they differ.
 
 Under a checkpointed layer the stream is opened inside the checkpoint (a
-forward pre-hook of the layer), so the recomputation, which restores torch's
-generator, opens the same stream.
+forward pre-hook of the attention), so the recomputation, which restores
+torch's generator, opens the same stream.
 """
 from __future__ import annotations
 
@@ -72,19 +73,20 @@ def stacks_with_layerdrop(model: nn.Module) -> list[tuple[str, nn.Module, nn.Mod
     return found
 
 
-def guard_random_streams(model: nn.Module, group, rank: int, name: str) -> int:
-    """Install the per-rank stream on every sharded layer, and the generator
-    check on each stack with layerdrop; returns the number of layers given
-    a stream."""
-    from .parallel_module import ParallelModule
+def guard_random_streams(model: nn.Module, group, rank: int, name: str,
+                         draws_replicated: tuple[str, ...] = ()) -> int:
+    """Install the per-rank stream on every attention projecting this rank's
+    query heads (but the classes in `draws_replicated`), and the generator
+    check on each stack with layerdrop; returns the number of attentions
+    given a stream."""
+    from .attention_weights import projects_query_heads
 
     config = getattr(model, "config", None)
-    layers = [layer for module in model.modules() if isinstance(module, nn.ModuleList) for layer in module
-              if not getattr(layer, _GUARD_MARK, False)
-              and any(isinstance(m, ParallelModule) for m in layer.modules())]
-    for layer in layers:
-        _stream_per_layer(layer, rank, config)
-        object.__setattr__(layer, _GUARD_MARK, True)
+    attentions = [m for m in model.modules() if not getattr(m, _GUARD_MARK, False)
+                  and type(m).__name__ not in draws_replicated and projects_query_heads(m)]
+    for attention in attentions:
+        _stream_per_layer(attention, rank, config)
+        object.__setattr__(attention, _GUARD_MARK, True)
     for path, stack, _ in stacks_with_layerdrop(model):
         if getattr(stack, _GUARD_MARK, False):
             continue
@@ -95,7 +97,7 @@ def guard_random_streams(model: nn.Module, group, rank: int, name: str) -> int:
 
         stack.register_forward_pre_hook(check)
         object.__setattr__(stack, _GUARD_MARK, True)
-    return len(layers)
+    return len(attentions)
 
 
 def _stream_per_layer(layer: nn.Module, rank: int, config) -> None:
