@@ -193,9 +193,9 @@ class ModelSharder:
             if losses is not None:               # the heads are in: their models' losses go to the shards
                 losses.install(self.model)
             if tp_size > 1:                      # torch's generator: streams per rank, layerdrop agreed
-                guard_random_streams(self.model, group, rank, name, policy.attention_draws_replicated)
-                gather_attention_weights(self.model, group, tp_size, rank, policy.attention_weights_at,
-                                         policy.attention_weights_folded)
+                index_of, folded, draws_replicated = policy.attention_data()
+                guard_random_streams(self.model, group, rank, name, draws_replicated)
+                gather_attention_weights(self.model, group, tp_size, rank, index_of, folded)
             messages = inheritance.finish(self.model, name)
             bind_hf_methods(self.model)
         except BaseException as e:
