@@ -91,6 +91,7 @@ SEAM = sa.AttentionSeam("BloomAttention", "forward", split_attention, check=refu
 
 
 class BloomShape(FusedQKVShape):
+    attention_draws_replicated = ("BloomAttention",)   # its dropout_add of the residual
     split_attention_at = ("BloomModel", "h")
     attention_seam = SEAM
 

@@ -117,6 +117,7 @@ def sequence_parallel_layer_forward(state, group):
 
 
 class SamShape(FamilyPolicy):
+    attention_weights_folded = ("SamVisionAttention",)   # [B * heads, S, S]
     def sequence_parallel_modes(self) -> tuple[str, ...]:
         return ("split_gather",)
 

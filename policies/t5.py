@@ -101,6 +101,7 @@ _OWNERS = ("T5Model", "T5EncoderModel", "T5ForConditionalGeneration", "T5ForQues
 
 
 class T5Shape(SplitGatherMixin, FamilyPolicy):
+    attention_weights_at = {"T5Attention": 2}     # (output, position_bias, weights)
     @property
     def pipeline_split(self):
         """Pipeline stages over [encoder.block | decoder.block] of the module

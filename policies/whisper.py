@@ -163,7 +163,11 @@ class WhisperShape(SplitGatherMixin, FamilyPolicy):
                      for p in "qkv"]
             subs.append(Sub(f"{a}.out_proj", Linear1D_Row, kwargs={"split": heads.q, **row}))
         fc1 = {**col, "gather_input": True, "overlap": sp_overlap(self.shard_config)} if sp else {}
-        subs += [Sub("fc1", Linear1D_Col, kwargs=fc1), Sub("fc2", Linear1D_Row, kwargs=row)]
+        fc2 = row
+        if cfg.activation_dropout:  # on fc1's split features: a mask per rank, drawn in fc2 (attribute -> 0)
+            fc2 = {**row, "input_dropout": float(cfg.activation_dropout)}
+            attrs["activation_dropout"] = 0.0
+        subs += [Sub("fc1", Linear1D_Col, kwargs=fc1), Sub("fc2", Linear1D_Row, kwargs=fc2)]
         if sp:
             attrs["dropout"] = 0.0
             layer = next(m for m in self.model.modules() if type(m).__name__ == layer_cls)

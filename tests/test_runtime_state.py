@@ -55,10 +55,53 @@ def test_patched_forward_refused_before_changes(pool):
     assert "patched on the instance" in msg
 
 
-@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
-@pytest.mark.parametrize("name", ["BertForMaskedLM", "LlamaForCausalLM"])
-def test_gradient_checkpointing_same_gradients(pool, name, use_reentrant):
-    pool.run(runtime_state.checkpointing_matches, 2, name, use_reentrant)
+def _checkpointable() -> list[str]:
+    """One class per family whose HF model supports gradient checkpointing
+    (ALBERT and the zoo's ChatGLM2 do not)."""
+    import zoo
+
+    return [classes[0] for family, classes in sorted(zoo.family_classes().items())
+            if family not in ("albert", "chatglm2")]
+
+
+@pytest.mark.parametrize("name", _checkpointable())
+def test_gradient_checkpointing_same_gradients(pool, name):
+    """Every family, non-reentrant checkpointing: the recomputed layers draw
+    the first forward's masks again, also where a module runs twice per layer
+    (Swin's, BEiT's, ViT's) and checkpoints nest (Swin's stages and blocks)."""
+    pool.run(runtime_state.checkpointing_matches, 2, name, False)
+
+
+@pytest.mark.parametrize("name", ["BertForMaskedLM", "LlamaForCausalLM", "ViTForImageClassification",
+                                  "SwinForImageClassification", "Blip2ForConditionalGeneration"])
+def test_gradient_checkpointing_reentrant_same_gradients(pool, name):
+    pool.run(runtime_state.checkpointing_matches, 2, name, True)
+
+
+@pytest.mark.parametrize("name", ["ViTForImageClassification", "SwinForImageClassification"])
+def test_gradient_checkpointing_same_gradients_tp4(pool, name):
+    pool.run(runtime_state.checkpointing_matches, 4, name, False)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", _checkpointable() + ["AlbertForMaskedLM"])
+def test_ranks_agree_in_training_with_dropout(pool, name, tp):
+    pool.run(runtime_state.ranks_agree_in_training, tp, name)
+
+
+def test_recompute_without_rng_state_refused(pool):
+    msg = pool.run(runtime_state.recompute_without_rng_state_refused, 2, "ViTForImageClassification")[0]["message"]
+    assert "preserve_rng_state" in msg
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_layerdrop_same_layers_on_every_rank(pool, tp):
+    pool.run(runtime_state.layerdrop_ranks_agree, tp, "OPTForCausalLM", True)
+
+
+def test_layerdrop_refused_when_ranks_seeded_differently(pool):
+    msg = pool.run(runtime_state.layerdrop_ranks_agree, 2, "OPTForCausalLM", False)[0]["message"]
+    assert "OPTForCausalLM" in msg and "model.decoder" in msg
 
 
 def test_modules_added_by_postprocess_follow_their_parent():

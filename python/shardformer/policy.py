@@ -86,6 +86,27 @@ class Policy(ABC):
     pipeline_split = None
     #: Why pipeline_split is None, for the refusal ("" : not said).
     pipeline_refusal = ""
+    #: output_attentions under TP (shardformer.layer.attention_weights): the index of the
+    #: attention weights in the output tuple of an attention class, where it is not 1.
+    attention_weights_at: dict[str, int] = {}
+    #: attention classes whose weights fold the heads into the batch ([B*H, S_q, S_k]).
+    attention_weights_folded: tuple[str, ...] = ()
+    #: attention classes that also drop a replicated tensor (BLOOM's dropout_add of the
+    #: residual): they keep torch's shared generator stream (shardformer.layer.rank_streams).
+    attention_draws_replicated: tuple[str, ...] = ()
+
+    def attention_data(self) -> tuple[dict[str, int], tuple[str, ...], tuple[str, ...]]:
+        """(attention_weights_at, attention_weights_folded,
+        attention_draws_replicated) of every policy class, merged: they are
+        keyed by HF class names, and a model that composes families (BLIP-2
+        with a T5 or OPT language model) holds attentions of other families'
+        policies."""
+        index_of, folded, replicated = {}, set(), set()
+        for cls in _policy_classes(type(self)):
+            index_of.update(vars(cls).get("attention_weights_at", {}))
+            folded.update(vars(cls).get("attention_weights_folded", ()))
+            replicated.update(vars(cls).get("attention_draws_replicated", ()))
+        return index_of, tuple(sorted(folded)), tuple(sorted(replicated))
 
     def config_sanity_check(self) -> None:
         """Raise if the model's configuration is one this policy cannot shard."""
@@ -179,3 +200,15 @@ def merge_policies(policy: dict[Any, ModulePolicyDescription],
         mine.sub_module_replacement.extend(desc.sub_module_replacement)
         mine.method_replacement.update(desc.method_replacement)
     return policy
+
+
+def _policy_classes(own: type) -> list[type]:
+    """Every Policy subclass defined (the built-in policies, the user's), with
+    `own` (the policy in use) last so that its entries win."""
+    seen, stack = [], [Policy]
+    while stack:
+        cls = stack.pop()
+        if cls not in seen:
+            seen.append(cls)
+            stack.extend(cls.__subclasses__())
+    return [c for c in seen if c is not own] + [own]

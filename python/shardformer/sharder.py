@@ -37,6 +37,8 @@ from . import _C, lazy
 from .checkpoint import bind_hf_methods
 from .config import ShardConfig, group_size_and_rank
 from .inherit import Inheritance, check_replaceable
+from .layer.attention_weights import gather_attention_weights
+from .layer.rank_streams import guard_random_streams
 from .lm_loss import LMLossPlan
 from .replicas import broadcast_weights, check_same_model
 from .optimizations import enable_attention, optimization_policy
@@ -190,6 +192,10 @@ class ModelSharder:
                 stages.bind_shared(self.model)
             if losses is not None:               # the heads are in: their models' losses go to the shards
                 losses.install(self.model)
+            if tp_size > 1:                      # torch's generator: streams per rank, layerdrop agreed
+                index_of, folded, draws_replicated = policy.attention_data()
+                guard_random_streams(self.model, group, rank, name, draws_replicated)
+                gather_attention_weights(self.model, group, tp_size, rank, index_of, folded)
             messages = inheritance.finish(self.model, name)
             bind_hf_methods(self.model)
         except BaseException as e:

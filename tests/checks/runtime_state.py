@@ -185,3 +185,108 @@ def checkpointed_grads_match(model, inputs: dict, name: str, use_reentrant: bool
         worst = max(worst, parity.assert_close(f"{name} checkpointed grad of {n}", ckpt[n], plain[n],
                                                parity.TOL[torch.float32]))
     return worst
+
+
+def recompute_without_rng_state_refused(ctx, name: str) -> dict:
+    """A checkpoint that does not restore torch's generator
+    (preserve_rng_state=False) cannot give our dropouts their first
+    forward's masks back: the backward raises, naming the cause, instead of
+    computing gradients with other masks."""
+    from torch.utils.checkpoint import checkpoint
+
+    model = build_with_dropout(name, 0.2)
+    inputs = zoo.make_inputs(name)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
+    model.train()
+    layer = next(m for m in model.modules() if isinstance(m, torch.nn.ModuleList))[0]
+    seen = {}
+    handle = layer.register_forward_pre_hook(lambda m, a, k: seen.setdefault("x", (a, k)), with_kwargs=True)
+    model(**inputs)
+    handle.remove()
+    args, kwargs = seen["x"]
+    x = args[0].detach().requires_grad_()
+
+    def first(h):
+        out = layer(h, *args[1:], **kwargs)
+        return out[0] if isinstance(out, tuple) else out
+
+    out = checkpoint(first, x, use_reentrant=False, preserve_rng_state=False)
+    try:
+        out.sum().backward()
+    except RuntimeError as e:
+        assert "preserve_rng_state" in str(e), e
+        return {"message": str(e)}
+    raise AssertionError(f"{name}: a recomputation with other dropout masks was not refused")
+
+
+def layerdrop_ranks_agree(ctx, name: str, same_seed: bool) -> dict:
+    """layerdrop > 0 under TP: with torch seeded alike on every rank, the
+    ranks skip the same layers in every training step (and some layers are
+    skipped, some run); seeded differently, the forward is refused with a
+    clear error before any layer runs a collective."""
+    model = zoo.build_with_dropout(name, 0.5)
+    inputs = zoo.make_inputs(name)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
+    model.train()
+    ran = []
+    for i, layer in enumerate(m for m in model.modules()
+                              if type(m).__name__.endswith("DecoderLayer")):
+        layer.register_forward_pre_hook(lambda m, a, i=i: ran.append(i))
+    torch.manual_seed(5 if same_seed else 5 + ctx.rank)
+    if not same_seed:
+        try:
+            model(**inputs)
+        except RuntimeError as e:
+            assert "layerdrop" in str(e) and "torch.manual_seed" in str(e) and not ran, (str(e), ran)
+            return {"message": str(e)}
+        raise AssertionError(f"{name}: ranks seeded differently were not refused")
+    runs = []
+    for _ in range(8):
+        ran.clear()
+        parity.loss_of(model(**inputs), {}).backward()
+        runs.append(list(ran))
+    everyone = [None] * ctx.tp_size
+    torch.distributed.all_gather_object(everyone, runs, group=ctx.group)
+    assert all(r == everyone[0] for r in everyone), everyone
+    layers = {i for r in runs for i in r}
+    assert any(len(r) < len(layers) for r in runs) and layers, runs   # some skipped, some ran
+    return {"runs": runs}
+
+
+def _hidden_states(out) -> list[torch.Tensor]:
+    """Every hidden-states tensor of an output, nested outputs included."""
+    found = []
+    for key, value in (out.items() if hasattr(out, "items") else ()):
+        if hasattr(value, "items"):
+            found += _hidden_states(value)
+        elif "hidden_states" in key and isinstance(value, tuple):
+            found += [h for h in value if isinstance(h, torch.Tensor)]
+    return found
+
+
+def ranks_agree_in_training(ctx, name: str) -> dict:
+    """A training forward with every dropout > 0 gives the same (replicated,
+    gathered) outputs on every rank, three steps running: the residual
+    stream's masks are equal across ranks, and nothing a rank draws on its
+    own heads (uneven at TP=4) moves its generator away from its peers'."""
+    model = zoo.build_with_dropout(name, 0.2)
+    inputs = zoo.make_inputs(name)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
+    model.train()
+    torch.manual_seed(7)
+    worst = 0.0
+    for step in range(3):
+        # the hidden states, not only the outputs: an LM head's gathered logits are equal on every
+        # rank by construction, while each rank's hidden states are its own copy
+        result = model(**inputs, output_hidden_states=True)
+        out = {f"hidden_states[{i}]": h for i, h in enumerate(_hidden_states(result))}
+        out.update(parity.output_tensors(result))
+        assert any(k.startswith("hidden_states") for k in out), f"{name}: no hidden states returned"
+        for key, t in sorted(out.items()):
+            everyone = [torch.empty_like(t) for _ in range(ctx.tp_size)]
+            torch.distributed.all_gather(everyone, t.contiguous(), group=ctx.group)
+            for r, other in enumerate(everyone):
+                if not torch.equal(other, t):
+                    raise AssertionError(f"{name}: step {step}, output {key} of rank {r} differs from rank "
+                                         f"{ctx.rank}'s by {(other - t).abs().max().item():.3g}")
+    return {"worst": worst}

@@ -295,8 +295,9 @@ def sp_dropout_masks_differ(ctx, name: str, p: float = 0.5) -> dict:
     layer.*.dropout, Whisper's out_proj / fc2 output_dropout, ALBERT's
     attention.output_dropout) draw a different mask on every rank; the
     gathered outputs are the same on every rank; the loss is finite and
-    backward runs.  (T5's DenseReluDense.dropout acts on this rank's
-    features of the gathered rows: a mask per rank as under TP.)"""
+    backward runs.  (T5's DenseReluDense.dropout and Whisper's fc2
+    input_dropout act on this rank's features of the gathered rows: a mask
+    per rank as under TP, of a size that may differ per rank.)"""
 
     from shardformer.layer import DropoutForParallelInput
 
@@ -304,7 +305,8 @@ def sp_dropout_masks_differ(ctx, name: str, p: float = 0.5) -> dict:
     _shard(ctx, model)
     masks = {}
     for mname, module in model.named_modules():
-        if isinstance(module, DropoutForParallelInput) and not mname.endswith("DenseReluDense.dropout"):
+        if isinstance(module, DropoutForParallelInput) and not mname.endswith(("DenseReluDense.dropout",
+                                                                               "input_dropout")):
             module.register_forward_hook(_recorder(masks, mname))
     return sequence.check_split_dropout_step(ctx, name, masks, model(**zoo.make_inputs(name)))
 

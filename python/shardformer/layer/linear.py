@@ -438,14 +438,20 @@ class Linear1D_Row(_LinearShard):
     rows, after the bias, with a mask per rank (DropoutForParallelInput,
     module `output_dropout`), for models whose residual dropout is a
     functional call after the row layer (OPT, BLOOM: the policy sets the
-    model's own probability to 0 and moves it here).
+    model's own probability to 0 and moves it here).  `input_dropout=p`: a
+    dropout on this rank's input features X_i before the matmul, a mask per
+    rank (module `input_dropout`), for a functional dropout on the split
+    activation between a column and this layer (Whisper's
+    activation_dropout, which the policy sets to 0): drawn from torch's
+    generator, its mask would repeat across ranks and its uneven share of
+    features would move the ranks' generators apart.
     """
 
     column = False
 
     def __init__(self, in_features, out_features, bias=True, process_group=None,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, reduce_scatter: bool = False,
-                 dropout: float = 0.0, **kwargs):
+                 dropout: float = 0.0, input_dropout: float = 0.0, **kwargs):
         super().__init__(in_features, out_features, bias, process_group, **kwargs)
         if reduce_scatter and not sequence_parallel:
             raise ValueError(f"{type(self).__name__}: reduce_scatter=True needs sequence_parallel=True")
@@ -454,22 +460,22 @@ class Linear1D_Row(_LinearShard):
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
         self.reduce_scatter = reduce_scatter
-        if dropout:
-            from .dropout import DropoutForParallelInput
+        from .dropout import DropoutForParallelInput
 
-            self.output_dropout = DropoutForParallelInput(dropout, process_group=process_group)
-        else:
-            self.output_dropout = None
+        self.output_dropout = DropoutForParallelInput(dropout, process_group=process_group) if dropout else None
+        self.input_dropout = (DropoutForParallelInput(input_dropout, process_group=process_group)
+                              if input_dropout else None)
 
     @classmethod
     def plan_shard(cls, module, tp_size, rank, split=None, sequence_parallel: bool = False,
-                   reduce_scatter: bool = False, dropout: float = 0.0, **kwargs):
+                   reduce_scatter: bool = False, dropout: float = 0.0, input_dropout: float = 0.0, **kwargs):
         if reduce_scatter and not sequence_parallel:
             raise ValueError(f"{cls.__name__}: reduce_scatter=True needs sequence_parallel=True")
         if dropout and not reduce_scatter:
             raise ValueError(f"{cls.__name__}: dropout={dropout} needs reduce_scatter=True")
-        if not 0.0 <= dropout <= 1.0:
-            raise ValueError(f"{cls.__name__}: dropout probability has to be between 0 and 1, got {dropout}")
+        for what, p in (("dropout", dropout), ("input_dropout", input_dropout)):
+            if not 0.0 <= p <= 1.0:
+                raise ValueError(f"{cls.__name__}: {what} probability has to be between 0 and 1, got {p}")
         if sequence_parallel and not reduce_scatter and getattr(module, "bias", None) is not None:
             raise ValueError(f"{cls.__name__}: sequence parallelism (split_gather) with a bias on a row-parallel "
                              f"layer ({type(module).__name__} of {tuple(module.weight.shape)}) is not supported: "
@@ -480,6 +486,8 @@ class Linear1D_Row(_LinearShard):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, -1, self.shard, self.process_group)
+        if self.input_dropout is not None:
+            x = self.input_dropout(x)
         y = self._matmul(x, self.weight, None)
         if self.sequence_parallel:
             if not self.reduce_scatter:      # partial sums: the block's reduce-scatter adds them up

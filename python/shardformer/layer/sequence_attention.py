@@ -93,6 +93,7 @@ from torch import nn
 
 from .. import distributed as D
 from ..distributed.mappings import _all_gather_seq
+from .dropout import RankStream as _RankStream, may_draw
 from .parallel_module import ShardPlan
 from .replicated import _all_reduce_hook
 from .sequence import mark_rows
@@ -635,45 +636,12 @@ def head_major_seam(module: str, *, scale: Callable, window: Callable = lambda m
 
 # ---- the hooks ----------------------------------------------------------------
 
-class _RankStream:
-    """torch's global generator (CPU, and the CUDA device of the hidden
-    states) switched to a stream of this rank's own while a split layer
-    runs: seed = mix(one 63-bit draw of the shared stream, the SP rank), so it
-    differs per rank, layer and forward while every rank's shared stream
-    moves on alike; close() puts the shared stream back where that draw left
-    it."""
-
-    def __init__(self, rank: int, device: torch.device):
-        draw = int(torch.randint(0, 2**62, (1,)).item())
-        seed = (draw * 0x9E3779B97F4A7C15 + rank + 1) % (1 << 63)
-        cuda = [device] if device.type == "cuda" else []
-        self._fork = torch.random.fork_rng(devices=cuda)
-        self._fork.__enter__()
-        torch.default_generator.manual_seed(seed)
-        for d in cuda:
-            index = d.index if d.index is not None else torch.cuda.current_device()
-            torch.cuda.default_generators[index].manual_seed(seed)
-
-    def close(self) -> None:
-        self._fork.__exit__(None, None, None)
-
-
-def _may_drop(layer: nn.Module, config) -> bool:
-    """Whether a layer in training can draw a dropout mask: an nn.Dropout
-    with p > 0 in it, or a dropout probability > 0 in the model's config
-    (functional dropouts read it there, e.g. Falcon's hidden_dropout)."""
-    if any(isinstance(m, nn.Dropout) and m.p > 0 for m in layer.modules()):
-        return True
-    values = vars(config).items() if config is not None else ()
-    return any("dropout" in k and isinstance(v, float) and v > 0 for k, v in values)
-
-
 def _open_stream(state: SequenceSplit, layer: nn.Module, config, device) -> None:
     """A per-rank stream while a layer of a split training forward runs
     (only where it can drop: a model without dropout leaves the shared
     stream untouched)."""
     _close_stream(state)
-    if layer.training and _may_drop(layer, config):
+    if layer.training and may_draw(layer, config):
         state.stream = _RankStream(state.rank, device)
 
 
