@@ -107,14 +107,15 @@ def kernel_attention(attention, original, args, kwargs):
 
     hidden, residual, alibi, mask, cache, _, weights = sa.bind_args(args, kwargs, (
         "hidden_states", "residual", "alibi", "attention_mask", "layer_past", "use_cache", "output_attentions"))
-    reason = seam_kernel_reason(attention, (hidden,), attention.attention_dropout.p, bool(weights))
+    p = attention.attention_dropout.p if attention.training else 0.0
+    reason = seam_kernel_reason(attention, (hidden,), p, bool(weights))
     if reason is not None:
         return own_attention(reason, original, args, kwargs)
     query, key, value = attention._reshape(attention.query_key_value(hidden))      # [B, H, S, D]
     if cache is not None:
         key, value = cache.update(key, value, attention.layer_idx)
     bias = attention.beta * alibi.view(hidden.shape[0], attention.num_heads, 1, -1)
-    context = seam_kernel(query, key, value, scale=attention.inv_norm_factor, mask=mask, bias=bias)
+    context = seam_kernel(query, key, value, scale=attention.inv_norm_factor, mask=mask, bias=bias, dropout=p)
     return _output(attention, context, residual), None
 
 

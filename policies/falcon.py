@@ -189,7 +189,7 @@ def kernel_attention(attention, original, args, kwargs):
     from shardformer.attention import own_attention, seam_kernel, seam_kernel_reason
 
     hidden, alibi, mask, _, cache, _, weights, rotary = sa.bind_args(args, kwargs, _NAMES)
-    dropout = attention.attention_dropout.p if alibi is not None else 0.0
+    dropout = attention.attention_dropout.p if alibi is not None and attention.training else 0.0
     reason = seam_kernel_reason(attention, (hidden,), dropout, bool(weights))
     if reason is not None:
         return own_attention(reason, original, args, kwargs)
@@ -205,7 +205,7 @@ def kernel_attention(attention, original, args, kwargs):
                               mask=mask)
     else:
         context = seam_kernel(query, key, value, scale=attention.inv_norm_factor, mask=_visible(mask),
-                              bias=_alibi_key_bias(attention, alibi))
+                              bias=_alibi_key_bias(attention, alibi), dropout=dropout)
     return _merged(attention, context), None
 
 

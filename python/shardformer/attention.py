@@ -295,12 +295,22 @@ def seam_kernel_reason(module, tensors, dropout: float = 0.0, output_attentions:
     return None
 
 
-def seam_kernel(q, k, v, *, scale: float, causal: bool = False, mask=None, bias=None, window: int = 0):
+def seam_kernel(q, k, v, *, scale: float, causal: bool = False, mask=None, bias=None, window: int = 0,
+                dropout: float = 0.0):
     """ops.attention for a seam: q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] ->
     [B, Hq, Sq, D]; `mask` as the model built it (bool, or additive with the
-    dtype's minimum where hidden: added to the scores as the model adds it)."""
+    dtype's minimum where hidden: added to the scores as the model adds it).
+    `dropout`: the module's attention dropout when active (in training), 0
+    otherwise; seam_kernel_reason keeps such calls on the model's own
+    attention, so the kernel draws it only where that check is lifted (the
+    reference of a test comparing with the ring's draws).  A query row whose
+    every key the additive mask hides (a left-padding row: scores at the
+    dtype's minimum) gets the model's forward, not its gradient (the
+    log-sum-exp the backward recomputes from cannot resolve those scores);
+    such rows reach nothing real and carry no loss in a padded batch."""
     CALLS["kernel"] += 1
-    return ops.attention(q, k, v, causal=causal, scale=scale, mask=mask, bias=bias, window=window, training=False)
+    return ops.attention(q, k, v, causal=causal, scale=scale, mask=mask, bias=bias, window=window,
+                         dropout_p=float(dropout), training=True)
 
 
 def _seam_kernel_method(module, *args, **kwargs):

@@ -656,10 +656,12 @@ def head_major_seam(module: str, *, scale: Callable, window: Callable = lambda m
         from ..attention import own_attention, seam_kernel, seam_kernel_reason, wants_weights
 
         query, key, value, mask = bind_args(args, kwargs, ("query", "key", "value", "attention_mask"))
-        reason = seam_kernel_reason(mod, (query, key, value), getattr(mod, dropout).p, wants_weights(mod))
+        p = getattr(mod, dropout).p if mod.training else 0.0
+        reason = seam_kernel_reason(mod, (query, key, value), p, wants_weights(mod))
         if reason is not None:
             return own_attention(reason, original, args, kwargs)
-        out = seam_kernel(query, key, value, scale=scale(mod), causal=causal, mask=mask, window=window(mod))
+        out = seam_kernel(query, key, value, scale=scale(mod), causal=causal, mask=mask, window=window(mod),
+                          dropout=p)
         return out, None
 
     return AttentionSeam(module, "_attn", split, row_kwargs, kernel=kernel)
