@@ -56,9 +56,6 @@ FEATURES = {
 # getting a kernel must not call it (test_nothing_fused_where_no_kernel_fits), so a
 # footnote cannot outlive its reason.
 NOT_SUPPORTED = {
-    ("swinv2", "flash attention"):
-        "Swinv2SelfAttention computes scaled cosine attention (normalized q, k, a learned logit "
-        "scale, continuous position bias) itself, not through transformers' AttentionInterface",
     ("sam", "flash attention"):
         "SamModel's mask decoder attention goes through the kernel; the vision encoder's "
         "(SamVisionAttention, with decomposed relative positions) is computed by the layer itself, "
@@ -119,7 +116,7 @@ CAVEATS = {
 }
 # The families whose attention is outside transformers' registry get the kernel at their seam
 # (AttentionSeam.kernel) where their attention dropout is inactive (eval, or p = 0)
-for _family in ("bloom", "falcon", "gpt_neo", "gptj"):
+for _family in ("bloom", "falcon", "gpt_neo", "gptj", "swinv2"):
     CAVEATS[(_family, "flash attention")] = (
         "at the attention's own seam (it is outside transformers' AttentionInterface); in training with "
         "attention dropout > 0 the model's own attention runs (the kernel's dropout draws are not torch's)")

@@ -364,7 +364,8 @@ def test_seam_kernel_padded_batch(pool, name, overrides):
 
 @pytest.mark.parametrize("name, dropout_key, overrides", [
     ("GPTNeoForCausalLM", "attention_dropout", None), ("GPTJForCausalLM", "attn_pdrop", None),
-    ("BloomForCausalLM", "attention_dropout", None), ("FalconForCausalLM", "attention_dropout", {"alibi": True})])
+    ("BloomForCausalLM", "attention_dropout", None), ("FalconForCausalLM", "attention_dropout", {"alibi": True}),
+    ("Swinv2ForImageClassification", "attention_probs_dropout_prob", None)])
 def test_seam_kernel_training_dropout(pool, name, dropout_key, overrides):
     pool.run(optimizations.seam_kernel_training, 1, name, dropout_key, overrides)
 
