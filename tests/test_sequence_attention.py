@@ -348,6 +348,13 @@ def test_seam_eval_with_dropout(pool, name, mode):
 
 
 @pytest.mark.parametrize("name, mode", SEAM_LMS)
+def test_seam_with_all_optimizations(pool, name, mode):
+    # the split forwards with the seam's kernel installed, and generate()'s unsplit steps through that kernel
+    pool.run(check.equals_unsharded, 2, name, mode, 7, {"enable_all_optimization": True})
+    pool.run(check.seam_generate_with_kernel, 2, name, mode)
+
+
+@pytest.mark.parametrize("name, mode", SEAM_LMS)
 def test_seam_generate(pool, name, mode):
     pool.run(check.generate_matches, 2, name, mode)
 

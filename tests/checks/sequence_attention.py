@@ -787,3 +787,25 @@ def alibi_ring_bias_ran(ctx, name: str, overrides: dict | None = None, seq: int 
     assert change > 100 * parity.TOL[torch.float32][1], f"{name}: ALiBi changes the logits by {change} only"
     report["bias_calls"] = bias
     return report
+
+
+def seam_generate_with_kernel(ctx, name: str, mode: str) -> list:
+    """`mode` with every optimization on, at a seam: greedy generate() (each
+    step unsplit, at the seam's C kernel: counted) equals the unsharded
+    model's, and a training-shaped forward is split (counted)."""
+    from checks.optimizations import counting_kernels
+
+    model = zoo.build(name).eval()
+    ref = copy.deepcopy(model)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group,
+                            **sp_config(mode, enable_all_optimization=True))).optimize(model)
+    before = sa.CALLS["unsplit"]
+    with counting_kernels(("attention",)) as calls:
+        got = parity.greedy_matches(model, ref, {"input_ids": parity.prompt_ids()}, name, 5)
+    unsplit = sa.CALLS["unsplit"] - before
+    assert unsplit > 0 and calls["attention"] >= unsplit, f"{name}: {calls} kernel calls for {unsplit} unsplit"
+    split = sa.CALLS[mode]
+    with torch.no_grad():
+        model(input_ids=parity.prompt_ids())
+    assert sa.CALLS[mode] > split, "a plain forward after generate() was not split"
+    return got.tolist()
