@@ -61,7 +61,10 @@ where q, k, v [B, H, S_r, D] meet), the method is replaced on each such
 module by one that runs the same exchange around the model's own math
 (all_to_all) or the ring kernel (ring_attn); per-head tensors that the model
 passes in (ALiBi slopes times key positions, a per-head mask) keep this
-rank's heads after the exchange, over the full padded key axis.
+rank's heads after the exchange, over the full padded key axis; under
+ring_attn a per-key bias (ALiBi) is added by each block of the ring at its
+key columns (ring_rows' key_bias).  With enable_flash_attention the seam's
+`kernel` serves the unsplit forwards.
 
 Dropout in a split training forward: inside the layers every rank holds
 other rows (or, inside all_to_all, other heads), so torch's global generator,
