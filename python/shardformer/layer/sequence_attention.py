@@ -481,9 +481,7 @@ class AttentionSeam:
     rank's rows.  `seq_dim`: the sequence dimension of the layers' hidden
     states (1 for [B, S, hidden]; 0 for ChatGLM2's [S, B, hidden]): the split
     before the first layer and the gather after the last run along it.
-    `check(model, mode, name)`: raises, before optimize() changes anything,
-    what this family cannot run in `mode` (e.g. all_to_all with a mask
-    pattern it cannot split).  `kernel(module, original, args, kwargs)`: the
+    `kernel(module, original, args, kwargs)`: the
     method computed with the C attention kernel (enable_flash_attention;
     shardformer.attention.enable_seam), returning what `original` returns;
     it calls shardformer.attention.own_attention where the kernel cannot
@@ -494,7 +492,6 @@ class AttentionSeam:
     method: str
     split: Callable
     row_kwargs: tuple[str, ...] = ()
-    check: Callable | None = None
     seq_dim: int = SEQ_DIM
     kernel: Callable | None = None
 
@@ -503,8 +500,7 @@ class AttentionSeam:
 
     def refuse(self, model: nn.Module, mode: str, name: str) -> None:
         """Refuse, before anything changes: a model none of whose attention
-        modules is `module` (another attention implementation), and what
-        `check` refuses."""
+        modules is `module` (another attention implementation)."""
         if not self.modules(model):
             found = sorted({type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__})
             impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
@@ -512,8 +508,6 @@ class AttentionSeam:
                 f"{name}: sequence_parallelism_mode={mode!r} splits the attention at {self.module}.{self.method}; "
                 f"this model's attention modules are {found} (attn_implementation={impl!r}): load it with "
                 f"attn_implementation='eager'")
-        if self.check is not None:
-            self.check(model, mode, name)
 
 
 def _seam_method(module, *args, **kwargs):
