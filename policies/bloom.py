@@ -31,8 +31,14 @@ all-to-all to H/p heads over the whole padded sequence, there
 
 with alibi_h the model's bias (slope_h x absolute key position, built for the
 whole sequence) for this rank's heads, then the all-to-all back, dense and
-the residual dropout_add on this rank's rows.  ring_attn is refused: the
-ring kernel adds no per-head bias to the scores.
+the residual dropout_add on this rank's rows.  ring_attn: the ring kernel
+on the zigzag rows, scale inv_norm_factor, causal with the key padding of the
+model's mask, each block of the ring adding beta alibi_h at its key columns
+(global positions; ring_rows' key_bias), attention dropout in training drawn
+by the ring as one kernel call over the whole sequence would.
+
+enable_flash_attention: BloomAttention.forward with the C kernel
+(kernel_attention below), ALiBi as the kernel's additive bias.
 """
 from __future__ import annotations
 
@@ -57,12 +63,11 @@ def local_alibi(hf_build, q_start: int, q_count: int):
 
 
 def split_attention(state, attention, original, args, kwargs):
-    """BloomAttention.forward in a split forward (all_to_all): hidden_states
-    [B, S_r, hidden] of this rank's rows -> (output [B, S_r, hidden], None)."""
+    """BloomAttention.forward in a split forward: hidden_states [B, S_r,
+    hidden] of this rank's rows -> (output [B, S_r, hidden], None)."""
     hidden, residual, alibi, mask = sa.bind_args(args, kwargs, ("hidden_states", "residual", "alibi",
                                                                 "attention_mask"))
-    batch, rows, _ = hidden.shape
-    heads, head_dim = attention.num_heads, attention.head_dim
+    batch, heads = hidden.shape[0], attention.num_heads
     query, key, value = attention._reshape(attention.query_key_value(hidden))      # [B, H, S_r, D]
     bias = sa.padded_keys(alibi.view(batch, heads, 1, -1), state)                 # [B, H, 1, S']
 
@@ -74,20 +79,47 @@ def split_attention(state, attention, original, args, kwargs):
         probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
         return torch.matmul(attention.attention_dropout(probs), v)
 
-    context = sa.ulysses(state, query, key, value, core, mask)                     # [B, H, S_r, D]
+    if state.mode == "ring_attn":
+        p = attention.attention_dropout.p if attention.training else 0.0
+        context = sa.ring_rows(state, query, key, value, mask, scale=attention.inv_norm_factor, dropout=p,
+                               key_bias=attention.beta * bias)
+    else:
+        context = sa.ulysses(state, query, key, value, core, mask)                 # [B, H, S_r, D]
+    return _output(attention, context, residual), None
+
+
+def _output(attention, context, residual):
+    """The attention's context [B, H, S, D] -> dense, then the residual
+    dropout_add, as BloomAttention ends."""
+    batch, heads, rows, head_dim = context.shape
     output = attention.dense(context.transpose(1, 2).reshape(batch, rows, heads * head_dim))
-    return F.dropout(output, attention.hidden_dropout, attention.training) + residual, None
+    return F.dropout(output, attention.hidden_dropout, attention.training) + residual
 
 
-def refuse_ring(model, mode, name):
-    if mode == "ring_attn":
-        raise NotImplementedError(
-            f"{name}: ring_attn cannot apply ALiBi (transformer.h.*.self_attention, BloomAttention, adds a "
-            f"per-head bias slope_h x key position to the scores; the ring kernel adds none); use "
-            f"sequence_parallelism_mode='all_to_all'")
+def kernel_attention(attention, original, args, kwargs):
+    """BloomAttention.forward with the C kernel (enable_flash_attention):
+    softmax(inv_norm_factor q . k + beta alibi_h[key] + mask) @ v, the ALiBi
+    term as the kernel's additive bias [B, H, 1, Sk] (the same for every
+    query row) and the model's additive mask added as it adds it; the key /
+    value cache updated first as the model does.  The model's own forward
+    where attention dropout is active in training or the weights are asked for."""
+    from shardformer.attention import own_attention, seam_kernel, seam_kernel_reason
+
+    hidden, residual, alibi, mask, cache, _, weights = sa.bind_args(args, kwargs, (
+        "hidden_states", "residual", "alibi", "attention_mask", "layer_past", "use_cache", "output_attentions"))
+    p = attention.attention_dropout.p if attention.training else 0.0
+    reason = seam_kernel_reason(attention, (hidden,), p, bool(weights))
+    if reason is not None:
+        return own_attention(reason, original, args, kwargs)
+    query, key, value = attention._reshape(attention.query_key_value(hidden))      # [B, H, S, D]
+    if cache is not None:
+        key, value = cache.update(key, value, attention.layer_idx)
+    bias = attention.beta * alibi.view(hidden.shape[0], attention.num_heads, 1, -1)
+    context = seam_kernel(query, key, value, scale=attention.inv_norm_factor, mask=mask, bias=bias, dropout=p)
+    return _output(attention, context, residual), None
 
 
-SEAM = sa.AttentionSeam("BloomAttention", "forward", split_attention, check=refuse_ring)
+SEAM = sa.AttentionSeam("BloomAttention", "forward", split_attention, kernel=kernel_attention)
 
 
 class BloomShape(FusedQKVShape):

@@ -74,6 +74,11 @@ activations between stages are [S, b, hidden] (b: the micro-batch's rows;
 under split_gather, this rank's rows of the padded sequence along
 dimension 0), and ChatGLMModel's last_hidden_state [S, B, hidden] is
 concatenated over the micro-batches along dimension 1 (StageSplit.batch_dims).
+
+enable_flash_attention: CoreAttention.forward with the C kernel
+(kernel_core_attention below), as the remote code's
+scaled_dot_product_attention path: causal without a mask, the mask's
+complement with one, no attention dropout.
 """
 from __future__ import annotations
 
@@ -114,15 +119,34 @@ def split_core_attention(state, core, original, args, kwargs):
     batch, heads, rows, dim = query.shape
     if state.mode == "all_to_all":
         context = sa.ulysses(state, query, key, value, lambda q, k, v, _m: _own_core(core, original, q, k, v))
-    else:
-        dropout = getattr(core, "attention_dropout", None)
-        p = dropout.p if dropout is not None and core.training else 0.0
-        context = sa.ring_rows(state, query, key, value, None, scale=1.0 / math.sqrt(dim), dropout=p)
+    else:       # no attention dropout: the remote code's torch-2 path (scaled_dot_product_attention) has none
+        context = sa.ring_rows(state, query, key, value, None, scale=1.0 / math.sqrt(dim))
+    return context.permute(2, 0, 1, 3).reshape(rows, batch, heads * dim)
+
+
+def kernel_core_attention(core, original, args, kwargs):
+    """CoreAttention.forward with the C kernel (enable_flash_attention):
+    q, k, v [B, H, S, D] -> the context [S, B, H D], softmax(q . k / sqrt(D))
+    @ v as the remote code's scaled_dot_product_attention path computes it:
+    causal when no mask is given and the queries are the keys, else the
+    given mask (True: hidden) inverted, no attention dropout (that path has
+    none)."""
+    from shardformer.attention import own_attention, seam_kernel, seam_kernel_reason
+
+    query, key, value, mask = sa.bind_args(args, kwargs, ("query_layer", "key_layer", "value_layer",
+                                                          "attention_mask"))
+    reason = seam_kernel_reason(core, (query, key, value))
+    if reason is not None:
+        return own_attention(reason, original, args, kwargs)
+    causal = mask is None and query.shape[2] == key.shape[2]
+    context = seam_kernel(query, key, value, scale=1.0 / math.sqrt(query.shape[-1]), causal=causal,
+                          mask=None if mask is None else ~mask)
+    batch, heads, rows, dim = context.shape
     return context.permute(2, 0, 1, 3).reshape(rows, batch, heads * dim)
 
 
 SEAM = sa.AttentionSeam("CoreAttention", "forward", split_core_attention,
-                        row_kwargs=("rope", "rotary_pos_emb"), seq_dim=0)
+                        row_kwargs=("rope", "rotary_pos_emb"), seq_dim=0, kernel=kernel_core_attention)
 
 PIPELINE = StageSplit("ChatGLMModel", "encoder.layers", last=("encoder.final_layernorm", "output_layer"),
                       count="num_layers", batch_dims=(("last_hidden_state", 1),))

@@ -48,12 +48,18 @@ the cos / sin of this rank's rows (the layers receive them), then
              alibi_h / sqrt(D) into its per-head mask too) this rank's heads
              over the absolute key positions; under sdpa, as the model's sdpa
              path, the bias only through the mask: softmax(q . k / sqrt(D) +
-             mask_h); ring_attn refused (no bias in the kernel)
+             mask_h); ring_attn: the ring kernel, scale 1 / sqrt(D), each
+             block adding the model's ALiBi term at its key columns
+             (_alibi_key_bias), attention dropout in training drawn by the
+             ring as one kernel call over the whole sequence would
 
 and dense on this rank's rows after the all-to-all back.  Those modes do not
 move the decoder layer's functional dropouts: in eval they are off; in
 training each rank draws the masks of its own rows.  ALiBi with tensor
 parallelism stays refused (above).
+
+enable_flash_attention: FalconAttention.forward with the C kernel
+(kernel_attention below), every fused layout, rotary and ALiBi.
 """
 from __future__ import annotations
 
@@ -114,13 +120,38 @@ def _alibi_core(state, attention, alibi, dtype):
     return core
 
 
+_NAMES = ("hidden_states", "alibi", "attention_mask", "position_ids", "layer_past", "use_cache", "output_attentions",
+          "position_embeddings")
+
+
+def _alibi_key_bias(attention, alibi):
+    """The ALiBi term the model adds to the scaled scores, per head and key
+    [B, H, 1, Sk]: eager adds alibi_h to q . k before scaling and again, scaled,
+    through its per-head mask (2 alibi_h / sqrt(D)); sdpa through the mask only
+    (alibi_h / sqrt(D))."""
+    times = 1.0 if attention.config._attn_implementation == "sdpa" else 2.0
+    return (times * attention.inv_norm_factor) * alibi.view(-1, attention.num_heads, 1, alibi.shape[-1])
+
+
+def _visible(mask):
+    """The model's per-head ALiBi mask (alibi_h / sqrt(D) where a key is seen,
+    the dtype's minimum where hidden) reduced to what is hidden: 0 / min,
+    the ALiBi term then coming from _alibi_key_bias alone."""
+    if mask is None or mask.dtype == torch.bool:
+        return mask
+    return torch.zeros_like(mask).masked_fill(mask < -1, torch.finfo(mask.dtype).min)
+
+
+def _merged(attention, context):
+    """context [B, H, S, D] -> dense([B, S, H D])."""
+    batch, heads, rows, head_dim = context.shape
+    return attention.dense(context.transpose(1, 2).reshape(batch, rows, heads * head_dim))
+
+
 def split_attention(state, attention, original, args, kwargs):
     """FalconAttention.forward in a split forward: hidden_states [B, S_r,
     hidden] of this rank's rows -> (output [B, S_r, hidden], None)."""
-    hidden, alibi, mask, *_, rotary = sa.bind_args(args, kwargs, (
-        "hidden_states", "alibi", "attention_mask", "position_ids", "layer_past", "use_cache", "output_attentions",
-        "position_embeddings"))
-    batch, rows, _ = hidden.shape
+    hidden, alibi, mask, *_, rotary = sa.bind_args(args, kwargs, _NAMES)
     query, key, value = _heads_major(attention, hidden)
     if alibi is None:
         cos, sin = rotary                                           # this rank's rows (the layer hook)
@@ -130,21 +161,55 @@ def split_attention(state, attention, original, args, kwargs):
             context = sa.ring_rows(state, query, key, value, mask, scale=1.0 / math.sqrt(attention.head_dim))
         else:
             context = sa.ulysses(state, query, key, value, _rotary_core(attention, hidden.dtype), mask)
+    elif state.mode == "ring_attn":
+        p = attention.attention_dropout.p if attention.training else 0.0
+        bias = sa.padded_keys(_alibi_key_bias(attention, alibi), state)
+        context = sa.ring_rows(state, query, key, value, _visible(mask), scale=attention.inv_norm_factor,
+                               dropout=p, key_bias=bias)
     else:
         context = sa.ulysses(state, query, key, value, _alibi_core(state, attention, alibi, hidden.dtype), mask)
-    merged = context.transpose(1, 2).reshape(batch, rows, attention.num_heads * attention.head_dim)
-    return attention.dense(merged), None
+    return _merged(attention, context), None
 
 
-def refuse_ring_alibi(model, mode, name):
-    if mode == "ring_attn" and model.config.alibi:
-        raise NotImplementedError(
-            f"{name}: ring_attn cannot apply ALiBi (transformer.h.*.self_attention, FalconAttention with "
-            f"alibi=True, adds a per-head bias slope_h x key position to the scores; the ring kernel adds none); "
-            f"use sequence_parallelism_mode='all_to_all'")
+def kernel_attention(attention, original, args, kwargs):
+    """FalconAttention.forward with the C kernel (enable_flash_attention),
+    after the model's own projections, rotary embedding and cache update:
+
+        rotary   softmax(q . k / sqrt(D) + mask) @ v (eager: the additive mask;
+                 sdpa: its boolean mask, or causal when it passes none); no
+                 attention dropout, as the model's rotary path
+        ALiBi    softmax(q . k / sqrt(D) + c alibi_h[key] + mask) @ v with the
+                 ALiBi term as the kernel's bias [B, H, 1, Sk] (c: 2 / sqrt(D)
+                 eager, 1 / sqrt(D) sdpa; _alibi_key_bias) and the mask reduced
+                 to 0 / min; the model's forward where attention dropout is
+                 active in training
+
+    The one (multi-query) or few KV heads are shared by their query heads in
+    the kernel.  The model's forward where the weights are asked for."""
+    from shardformer.attention import own_attention, seam_kernel, seam_kernel_reason
+
+    hidden, alibi, mask, _, cache, _, weights, rotary = sa.bind_args(args, kwargs, _NAMES)
+    dropout = attention.attention_dropout.p if alibi is not None and attention.training else 0.0
+    reason = seam_kernel_reason(attention, (hidden,), dropout, bool(weights))
+    if reason is not None:
+        return own_attention(reason, original, args, kwargs)
+    query, key, value = _heads_major(attention, hidden)
+    if alibi is None:
+        cos, sin = rotary
+        query, key = sys.modules[type(attention).__module__].apply_rotary_pos_emb(query, key, cos, sin)
+    if cache is not None:
+        key, value = cache.update(key, value, attention.layer_idx)
+    if alibi is None:
+        causal = mask is None and attention.is_causal and query.shape[2] > 1
+        context = seam_kernel(query, key, value, scale=1.0 / math.sqrt(attention.head_dim), causal=causal,
+                              mask=mask)
+    else:
+        context = seam_kernel(query, key, value, scale=attention.inv_norm_factor, mask=_visible(mask),
+                              bias=_alibi_key_bias(attention, alibi), dropout=dropout)
+    return _merged(attention, context), None
 
 
-SEAM = sa.AttentionSeam("FalconAttention", "forward", split_attention, check=refuse_ring_alibi)
+SEAM = sa.AttentionSeam("FalconAttention", "forward", split_attention, kernel=kernel_attention)
 
 
 class FalconShape(FusedQKVShape):

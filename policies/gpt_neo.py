@@ -27,6 +27,13 @@ H/p heads over the whole padded sequence (its causal / local-window buffer
 and the extended mask).  ring_attn: the ring kernel, causal, unscaled
 (GPT-Neo does not scale q . k), and on the "local" layers a window of
 config.window_size keys (key j seen by query i iff i - window < j <= i).
+
+enable_flash_attention: _attn by the C kernel, softmax(q . k + mask) @ v,
+unscaled, causal (the model's causal buffer, sliced bottom-right for a KV
+cache, as the kernel aligns queries), the local layers' window, the model's
+additive mask added as it adds it; the model's own _attn where attention
+dropout is active in training (the kernel's draws are not torch's) or the
+weights are asked for.
 """
 from shardformer.family import Family
 from shardformer.layer.sequence_attention import head_major_seam
@@ -37,7 +44,7 @@ def _window(attention) -> int:
     return attention.config.window_size if attention.attention_type == "local" else 0
 
 
-SEAM = head_major_seam("GPTNeoSelfAttention", scale=lambda attention: 1.0, window=_window)
+SEAM = head_major_seam("GPTNeoSelfAttention", scale=lambda attention: 1.0, window=_window, causal=True)
 
 FAMILY = Family("gpt_neo", "gpt_neo.modeling_gpt_neo", GPTBlockShape,
                 options={"prefix": "GPTNeo", "attention": "attn.attention", "heads_attribute": "num_heads",

@@ -26,6 +26,12 @@ position_ids each layer receives: a split forward passes each layer this
 rank's rows of them (row_kwargs), so the rows keep their global positions.
 all_to_all: the model's own _attn on H/p heads over the whole padded
 sequence; ring_attn: the ring kernel, causal, scale 1 / sqrt(head_dim).
+
+enable_flash_attention: _attn by the C kernel, softmax(q . k / scale_attn +
+mask) @ v with the model's mask added as it adds it (GPT-J has no causal
+buffer: the mask it is given says it all); the model's own _attn where
+attention dropout is active in training (the kernel's draws are not
+torch's) or the weights are asked for.
 """
 from shardformer.family import Family
 from shardformer.layer.sequence_attention import head_major_seam

@@ -17,18 +17,75 @@ tensor-parallel group, stage by stage (num_heads[i] heads in stage i).
 Swinv2SelfAttention reshapes with num_attention_heads and all_head_size, so
 both become this rank's values (set per block).  Patch embeddings, patch
 merging, norms and the masked-image-modeling decoder stay replicated.
+
+enable_flash_attention: Swinv2SelfAttention computes scaled cosine attention
+itself, outside transformers' AttentionInterface; its forward is replaced
+(kernel_attention below) by the C kernel on q' = normalize(q) t_h,
+k' = normalize(k) (t_h = exp(min(logit_scale_h, log 100)), the head's
+learned temperature, folded into the queries; kernel scale 1) with the
+additive bias 16 sigmoid(cpb_h(i, j)) (the continuous position bias of the
+window, [H, N, N], differentiable through the kernel's bias gradient) plus,
+for shifted windows, twice the window mask (the model adds it twice), per
+window [B nW, H, N, N]; the model's own forward where its attention
+dropout is active in training or the weights are asked for.
 Split-gather sequence parallelism, per stage (Swinv2Shape): the layers'
 hidden states between the blocks of a stage are this rank's rows; each
 block runs whole, as under plain TP.
 """
 from __future__ import annotations
 
+import math
+
+import torch
+import torch.nn.functional as F
+
 from shardformer.family import Family, gathered
+from shardformer.layer import sequence_attention as sa
 from shardformer.layer import DropoutForReplicatedInput, Linear1D_Col, Linear1D_Row
 from shardformer.layer.param_shard import ShardParams
 from shardformer.layout import Heads
 from shardformer.policies.shapes import StageShape
 from shardformer.policy import SubModuleReplacementDescription as Sub
+
+
+def _position_bias(attention) -> torch.Tensor:
+    """16 sigmoid(cpb(relative coordinates)) [H, N, N] of the module's window
+    (N = its area), for the heads this rank holds."""
+    heads, area = attention.num_attention_heads, attention.window_size[0] * attention.window_size[1]
+    table = attention.continuous_position_bias_mlp(attention.relative_coords_table).view(-1, heads)
+    bias = table[attention.relative_position_index.view(-1)].view(area, area, heads)
+    return 16 * torch.sigmoid(bias.permute(2, 0, 1))
+
+
+def kernel_attention(attention, original, args, kwargs):
+    """Swinv2SelfAttention.forward with the C kernel: hidden_states [B nW, N,
+    C] -> (context [B nW, N, H d],) (see the module docstring)."""
+    from shardformer.attention import own_attention, seam_kernel, seam_kernel_reason
+
+    hidden, mask, weights = sa.bind_args(args, kwargs, ("hidden_states", "attention_mask", "output_attentions"))
+    dropout = attention.dropout.p if attention.training else 0.0
+    reason = seam_kernel_reason(attention, (hidden,), dropout, bool(weights))
+    if reason is not None:
+        return own_attention(reason, original, args, kwargs)
+    batch, area, _ = hidden.shape
+    heads, size = attention.num_attention_heads, attention.attention_head_size
+    query, key, value = (proj(hidden).view(batch, area, heads, size).transpose(1, 2)
+                         for proj in (attention.query, attention.key, attention.value))
+    temperature = torch.clamp(attention.logit_scale, max=math.log(100.0)).exp()          # [H, 1, 1]
+    bias = _position_bias(attention)[None]                                                # [1, H, N, N]
+    if mask is not None:                                                                  # [nW, N, N]
+        windows = mask.shape[0]
+        bias = (bias + 2 * mask[:, None]).repeat(batch // windows, 1, 1, 1)               # [B nW, H, N, N]
+    context = seam_kernel(F.normalize(query, dim=-1) * temperature, F.normalize(key, dim=-1), value, scale=1.0,
+                          bias=bias)
+    return (context.transpose(1, 2).reshape(batch, area, heads * size),)
+
+
+def _no_split(state, attention, original, args, kwargs):
+    raise NotImplementedError(f"{state.name}: Swinv2 has no all_to_all / ring_attn split (StageShape refuses them)")
+
+
+SEAM = sa.AttentionSeam("Swinv2SelfAttention", "forward", _no_split, kernel=kernel_attention)
 
 
 class Swinv2Shape(StageShape):
@@ -54,6 +111,8 @@ class Swinv2Shape(StageShape):
     the activation kept between blocks (1/p of it).  A stage of one block
     has nothing between blocks and runs as plain TP.  all_to_all / ring_attn
     and enable_sequence_overlap are refused (StageShape)."""
+
+    attention_seam = SEAM       # enable_flash_attention only (kernel_attention)
 
     def stage_sp_subs(self, i: int, depth: int) -> list[Sub]:
         """The roles of stage i's blocks (paths under the encoder); no norm

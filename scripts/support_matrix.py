@@ -56,23 +56,6 @@ FEATURES = {
 # getting a kernel must not call it (test_nothing_fused_where_no_kernel_fits), so a
 # footnote cannot outlive its reason.
 NOT_SUPPORTED = {
-    ("bloom", "flash attention"):
-        "BloomAttention computes its ALiBi attention itself; it does not look attention up in "
-        "transformers' AttentionInterface, which is where the C attention is registered",
-    ("chatglm2", "flash attention"):
-        "ChatGLM2 is remote code whose CoreAttention computes its attention itself (torch's "
-        "scaled_dot_product_attention), not through transformers' AttentionInterface",
-    ("falcon", "flash attention"):
-        "FalconAttention picks its attention itself (eager / SDPA / its own flash class), not "
-        "through transformers' AttentionInterface",
-    ("gpt_neo", "flash attention"):
-        "GPTNeoSelfAttention computes its attention itself (local and global layers), not through "
-        "transformers' AttentionInterface",
-    ("gptj", "flash attention"):
-        "GPTJAttention computes its attention itself, not through transformers' AttentionInterface",
-    ("swinv2", "flash attention"):
-        "Swinv2SelfAttention computes scaled cosine attention (normalized q, k, a learned logit "
-        "scale, continuous position bias) itself, not through transformers' AttentionInterface",
     ("sam", "flash attention"):
         "SamModel's mask decoder attention goes through the kernel; the vision encoder's "
         "(SamVisionAttention, with decomposed relative positions) is computed by the layer itself, "
@@ -106,9 +89,6 @@ NOT_SUPPORTED = {
     ("gemma3", "sequence parallel (ring_attn)"):
         "the text classes; the multimodal ones are refused by name: an image's tokens attend to each "
         "other both ways, which the ring kernel cannot express",
-    ("bloom", "sequence parallel (ring_attn)"):
-        "BloomAttention adds an ALiBi bias (slope per head x key position) to its scores; the ring "
-        "kernel adds none, so ring_attn is refused by name (all_to_all applies the bias on each rank's heads)",
     ("mixtral", "jit fused"):
         "Mixtral's experts are the policy's expert-parallel module (replaced by the policy, "
         "which the optimizations leave alone)",
@@ -131,9 +111,15 @@ CAVEATS = {
         "soft-capped by the kernel",
     ("mistral", "flash attention"): "with a sliding window (4) shorter than the test's sequences",
     ("falcon", "sequence parallel (ring_attn)"):
-        "rotary Falcon (the zoo's config; the other fused layouts and SDPA in "
-        "test_falcon_variants); ALiBi Falcon is refused by name under ring_attn, all_to_all covers it",
+        "rotary Falcon (the zoo's config; the other fused layouts, SDPA and ALiBi in "
+        "test_falcon_variants)",
 }
+# The families whose attention is outside transformers' registry get the kernel at their seam
+# (AttentionSeam.kernel) where their attention dropout is inactive (eval, or p = 0)
+for _family in ("bloom", "falcon", "gpt_neo", "gptj", "swinv2"):
+    CAVEATS[(_family, "flash attention")] = (
+        "at the attention's own seam (it is outside transformers' AttentionInterface); in training with "
+        "attention dropout > 0 the model's own attention runs (the kernel's dropout draws are not torch's)")
 BEGIN, END = "<!-- support-matrix:begin -->", "<!-- support-matrix:end -->"
 # every tests/test_models*.py (one per zoo module), and the other files holding the feature tests above
 TEST_FILES = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "tests", "test_models*.py"))) + [

@@ -336,3 +336,45 @@ def test_nothing_fused_where_no_kernel_fits(pool, column):
         if not _expected(name, column):
             calls = _report(pool, name, tp)["calls"]
             assert sum(calls[k] for k in KERNELS[column]) == 0, (name, tp, column, calls)
+
+
+# ---- attention outside transformers' registry: the kernel at the family's seam (AttentionSeam.kernel) ---------
+# The zoo's Falcon is multi-query, parallel attention, rotary; its other fused layouts, SDPA, and ALiBi (refused
+# with TP by the policy: TP off).
+FALCON_KERNEL_VARIANTS = [({"new_decoder_architecture": True, "num_kv_heads": 2, "multi_query": False}, True),
+                          ({"multi_query": False}, True), ({"attn_implementation": "sdpa"}, True),
+                          ({"alibi": True}, False), ({"alibi": True, "multi_query": False}, False),
+                          ({"alibi": True, "attn_implementation": "sdpa"}, False)]
+SEAM_LMS = ["GPTNeoForCausalLM", "GPTJForCausalLM", "BloomForCausalLM", "FalconForCausalLM"]
+
+
+@pytest.mark.parametrize("overrides, tensor_parallel", FALCON_KERNEL_VARIANTS,
+                         ids=["new_arch", "per_head", "sdpa", "alibi", "alibi_per_head", "alibi_sdpa"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_seam_kernel_falcon_variants(pool, overrides, tensor_parallel, tp):
+    pool.run(optimizations.seam_kernel_matches, tp, "FalconForCausalLM", overrides, False, tensor_parallel)
+
+
+@pytest.mark.parametrize("name, overrides", [(n, None) for n in SEAM_LMS] + [("FalconForCausalLM", {"alibi": True})])
+def test_seam_kernel_padded_batch(pool, name, overrides):
+    # a left-padded row: its padding queries see no real key; every row compared
+    alibi = bool((overrides or {}).get("alibi"))
+    pool.run(optimizations.seam_kernel_matches, 2, name, overrides, True, not alibi)
+
+
+@pytest.mark.parametrize("name, dropout_key, overrides", [
+    ("GPTNeoForCausalLM", "attention_dropout", None), ("GPTJForCausalLM", "attn_pdrop", None),
+    ("BloomForCausalLM", "attention_dropout", None), ("FalconForCausalLM", "attention_dropout", {"alibi": True}),
+    ("Swinv2ForImageClassification", "attention_probs_dropout_prob", None)])
+def test_seam_kernel_training_dropout(pool, name, dropout_key, overrides):
+    pool.run(optimizations.seam_kernel_training, 1, name, dropout_key, overrides)
+
+
+@pytest.mark.parametrize("name", SEAM_LMS)
+def test_seam_kernel_output_attentions_fall_back(pool, name):
+    pool.run(optimizations.seam_weights_fall_back, 2, name)
+
+
+@pytest.mark.parametrize("name, overrides", [(n, None) for n in SEAM_LMS] + [("FalconForCausalLM", {"alibi": True})])
+def test_seam_kernel_generate(pool, name, overrides):
+    pool.run(optimizations.seam_kernel_generate, 2, name, overrides)

@@ -41,8 +41,8 @@ SEAM_FAMILIES = ["GPTNeoForCausalLM", "GPTNeoForSequenceClassification", "GPTNeo
                  "GPTJForQuestionAnswering", "FalconForCausalLM", "FalconForSequenceClassification",
                  "FalconForTokenClassification", "FalconForQuestionAnswering", "GPTNeoModel", "GPTJModel",
                  "FalconModel"]
-# ALiBi (BLOOM): the per-head bias over absolute key positions, this rank's heads after the all-to-all; the ring
-# kernel adds no bias (refused below).
+# ALiBi (BLOOM): the per-head bias over absolute key positions, this rank's heads after the all-to-all; each ring
+# block adds it at its key columns (the ring kernel's bias).
 ALIBI_FAMILIES = ["BloomForCausalLM", "BloomForSequenceClassification", "BloomForTokenClassification",
                   "BloomForQuestionAnswering", "BloomModel"]
 
@@ -53,7 +53,7 @@ def test_all_to_all_equals_unsharded(pool, name):
     pool.run(check.equals_unsharded, 2, name, "all_to_all", 7)       # 7 tokens: padded inside
 
 
-@pytest.mark.parametrize("name", FAMILIES + OTHER_FAMILIES + ALBERT + WHISPER + T5 + SEAM_FAMILIES)
+@pytest.mark.parametrize("name", FAMILIES + OTHER_FAMILIES + ALBERT + WHISPER + T5 + SEAM_FAMILIES + ALIBI_FAMILIES)
 def test_ring_attn_equals_unsharded(pool, name):
     pool.run(check.equals_unsharded, 2, name, "ring_attn", 7)
 
@@ -300,7 +300,7 @@ def test_encoder_decoder_accumulated_forwards(pool, name, mode):
 # ---- attention outside transformers' registry, split at the family's seam (AttentionSeam) -----------------------
 SEAM_LMS = [("GPTNeoForCausalLM", "all_to_all"), ("GPTNeoForCausalLM", "ring_attn"), ("GPTJForCausalLM", "all_to_all"),
             ("GPTJForCausalLM", "ring_attn"), ("FalconForCausalLM", "all_to_all"), ("FalconForCausalLM", "ring_attn"),
-            ("BloomForCausalLM", "all_to_all")]
+            ("BloomForCausalLM", "all_to_all"), ("BloomForCausalLM", "ring_attn")]
 # The zoo's Falcon is multi-query, parallel attention, rotary; its other fused layouts, and ALiBi.
 FALCON_VARIANTS = {"new_arch": FALCON_NEW_ARCH, "per_head": FALCON_PER_HEAD, "alibi": {"alibi": True},
                    "alibi_per_head": dict(FALCON_PER_HEAD, alibi=True), "sdpa": {"attn_implementation": "sdpa"},
@@ -310,7 +310,9 @@ FALCON_VARIANTS = {"new_arch": FALCON_NEW_ARCH, "per_head": FALCON_PER_HEAD, "al
 @pytest.mark.parametrize("variant, mode", [("new_arch", "all_to_all"), ("new_arch", "ring_attn"),
                                            ("per_head", "all_to_all"), ("per_head", "ring_attn"),
                                            ("alibi", "all_to_all"), ("alibi_per_head", "all_to_all"),
-                                           ("sdpa", "all_to_all"), ("sdpa", "ring_attn"), ("alibi_sdpa", "all_to_all")])
+                                           ("sdpa", "all_to_all"), ("sdpa", "ring_attn"), ("alibi_sdpa", "all_to_all"),
+                                           ("alibi", "ring_attn"), ("alibi_per_head", "ring_attn"),
+                                           ("alibi_sdpa", "ring_attn")])
 @pytest.mark.parametrize("sp", [2, 4])
 def test_falcon_variants(pool, variant, mode, sp):
     pool.run(check.equals_unsharded, sp, "FalconForCausalLM", mode, 7, None, False, FALCON_VARIANTS[variant])
@@ -335,7 +337,7 @@ def test_seam_padded_batch_every_row(pool, name):
 
 @pytest.mark.parametrize("name, mode", [("GPTJForCausalLM", "all_to_all"), ("GPTJForCausalLM", "ring_attn"),
                                         ("GPTNeoForCausalLM", "ring_attn"), ("BloomForCausalLM", "all_to_all"),
-                                        ("FalconForCausalLM", "all_to_all")])
+                                        ("BloomForCausalLM", "ring_attn"), ("FalconForCausalLM", "all_to_all")])
 def test_seam_tp2_sp2(pool, name, mode):
     pool.run(check.tp_sp_equals_unsharded, 4, name, mode, 2, 7)
 
@@ -346,25 +348,40 @@ def test_seam_eval_with_dropout(pool, name, mode):
 
 
 @pytest.mark.parametrize("name, mode", SEAM_LMS)
+def test_seam_with_all_optimizations(pool, name, mode):
+    # the split forwards with the seam's kernel installed, and generate()'s unsplit steps through that kernel
+    pool.run(check.equals_unsharded, 2, name, mode, 7, {"enable_all_optimization": True})
+    pool.run(check.seam_generate_with_kernel, 2, name, mode)
+
+
+@pytest.mark.parametrize("name, mode", SEAM_LMS)
 def test_seam_generate(pool, name, mode):
     pool.run(check.generate_matches, 2, name, mode)
 
 
+@pytest.mark.parametrize("sp", [2, 4])
 @pytest.mark.parametrize("name, overrides", [("BloomForCausalLM", None), ("BloomForSequenceClassification", None),
-                                             ("FalconForCausalLM", {"alibi": True})])
-def test_alibi_ring_refused(pool, name, overrides):
-    pool.run(check.refused_unchanged, 2, name, "ring_attn", "ring_attn cannot apply ALiBi", overrides)
+                                             ("FalconForCausalLM", {"alibi": True}),
+                                             ("FalconForCausalLM", {"alibi": True, "multi_query": False})])
+def test_alibi_ring_adds_the_bias(pool, name, overrides, sp):
+    # every ring call adds ALiBi through the kernel's bias input; without the bias the logits differ
+    pool.run(check.alibi_ring_bias_ran, sp, name, overrides)
 
 
-@pytest.mark.parametrize("name, mode", [m for m in SEAM_LMS if m != ("GPTNeoForCausalLM", "ring_attn")
-                                        and m != ("GPTJForCausalLM", "ring_attn")])
+# ring_attn draws attention dropout with the kernel (test_seam_ring_attention_dropout), not torch's masks
+@pytest.mark.parametrize("name, mode", [m for m in SEAM_LMS if m[1] == "all_to_all" or m[0] == "FalconForCausalLM"])
 def test_seam_training_dropout_masks(pool, name, mode):
     pool.run(check.training_dropout_masks, 2, name, mode)
 
 
-@pytest.mark.parametrize("name", ["GPTNeoForCausalLM", "GPTJForCausalLM"])
-def test_seam_ring_training_dropout_refused(pool, name):
-    pool.run(check.ring_training_dropout_refused, 2, name)
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("name, dropout_key, overrides", [
+    ("GPTNeoForCausalLM", "attention_dropout", None), ("GPTJForCausalLM", "attn_pdrop", None),
+    ("BloomForCausalLM", "attention_dropout", None), ("FalconForCausalLM", "attention_dropout", {"alibi": True})])
+def test_seam_ring_attention_dropout(pool, name, dropout_key, overrides, sp):
+    """attention dropout > 0 in training at a seam (with ALiBi for BLOOM and Falcon): the ring draws the
+    kernel's mask of the whole sequence, as the family's seam kernel draws it unsharded."""
+    pool.run(check.ring_dropout_matches_kernel, sp, name, 0.3, dropout_key, overrides)
 
 
 @pytest.mark.parametrize("name, seam_class", [("GPTNeoForCausalLM", "GPTNeoSelfAttention"),
@@ -377,7 +394,7 @@ def test_seam_other_implementation_refused(pool, name, seam_class, mode):
 
 
 @pytest.mark.parametrize("name, mode", [("GPTNeoForCausalLM", "all_to_all"), ("FalconForCausalLM", "ring_attn"),
-                                        ("BloomForCausalLM", "all_to_all")])
+                                        ("BloomForCausalLM", "all_to_all"), ("BloomForCausalLM", "ring_attn")])
 @pytest.mark.parametrize("use_reentrant", [False, True])
 def test_seam_checkpointed_training_dropout(pool, name, mode, use_reentrant):
     pool.run(check.checkpointed_dropout_matches, 2, name, mode, use_reentrant)

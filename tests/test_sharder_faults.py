@@ -610,3 +610,37 @@ def test_per_rank_head_count_overflow_checked():
     entries = {custom.ToyBlock: ((("attn.heads", Huge()),), (), (), ())}
     with pytest.raises(ValueError, match=r"ToyModel: blocks.0.attn.heads: .*overflows int64"):
         _C.sharder_plan(custom.ToyModel(), "ToyModel", entries, 1, 0)
+
+
+def test_seam_kernel_failure_undone(monkeypatch):
+    """GPT-Neo (attention outside the registry: the kernel goes in at its
+    seam, GPTNeoSelfAttention._attn) with every optimization on: the third
+    row-parallel layer fails to build; no attention module keeps a replaced
+    method, and the model is as it was, then shards and runs the kernel."""
+    from shardformer import attention as sf_attention
+
+    name = "GPTNeoForCausalLM"
+    calls = []
+    real = Linear1D_Row.from_native_module.__func__
+
+    def failing(cls, module, process_group=None, **kwargs):
+        calls.append(cls)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return real(cls, module, process_group, **kwargs)
+
+    monkeypatch.setattr(Linear1D_Row, "from_native_module", classmethod(failing))
+    model, inputs = zoo.build(name).eval(), zoo.make_inputs(name)
+    before = snapshot(model, inputs)
+    cfg = ShardConfig(enable_all_optimization=True)
+    with pytest.raises(RuntimeError, match="injected; every change was undone"):
+        ShardFormer(cfg).optimize(model)
+    changed = [n for n, m in model.named_modules() if {"_attn", "forward", sf_attention.SEAM_MARK} & set(vars(m))]
+    assert not changed, changed
+    assert_unchanged(model, inputs, before)
+    monkeypatch.setattr(Linear1D_Row, "from_native_module", classmethod(real))
+    ShardFormer(cfg).optimize(model)
+    kernel = sf_attention.CALLS["kernel"]
+    with torch.no_grad():
+        torch.testing.assert_close(model(**inputs).logits, before["out"], rtol=1e-4, atol=1e-4)
+    assert sf_attention.CALLS["kernel"] - kernel == model.config.num_layers

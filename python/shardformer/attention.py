@@ -23,10 +23,21 @@ register both under "shardformer":
 
 `enable(model)` switches a model (and its sub-configs) over; the Policy base
 calls it when ShardConfig.enable_flash_attention is set.
+
+Families whose attention does not go through the registry (GPT-Neo, GPT-J,
+BLOOM, Falcon, ChatGLM2) name the method where their q, k, v meet
+(sequence_attention.AttentionSeam); a seam with a `kernel` gets it instead:
+`enable_seam(model, seam)` replaces that method on each of the seam's modules
+(an instance attribute; the class is untouched) by one that computes the
+same attention with ops.attention, or, where the kernel cannot give the
+model's own result (attention dropout active in training: the kernel draws
+its own masks, not torch's; output_attentions; tensors the kernel does not
+take), calls the model's method, warning once per reason.
 """
 from __future__ import annotations
 
 import sys
+import types
 import warnings
 
 import torch
@@ -254,3 +265,102 @@ def _sync_configs(model, _args) -> None:
         if cfg is not None and not any(cfg is s for s in seen):
             cfg._attn_implementation = NAME
             seen.append(cfg)
+
+
+# ---- attention outside the registry: a family's seam ---------------------------
+
+SEAM_MARK = "_shardformer_seam_kernel"
+
+
+def own_attention(reason: str, original, args: tuple, kwargs: dict):
+    """The model's own method for a call the kernel cannot serve (counted as a
+    fallback, warned once per reason)."""
+    _warn_once(reason)
+    CALLS["fallback"] += 1
+    return original(*args, **kwargs)
+
+
+def seam_kernel_reason(module, tensors, dropout: float = 0.0, output_attentions: bool = False) -> str | None:
+    """Why the kernel cannot serve a seam call, or None: attention dropout
+    `dropout` active (module in training), the weights asked for, tensors the
+    kernel does not take."""
+    if output_attentions:
+        return "output_attentions=True needs the attention weights"
+    if module.training and dropout > 0:
+        return (f"{type(module).__name__}: attention dropout {dropout} in training (the kernel's dropout "
+                f"draws are not torch's)")
+    for t in tensors:
+        if not ops.kernel_input(t):
+            return f"{t.device.type} {t.dtype} tensors (the kernel is CPU float32/float16/bfloat16)"
+    return None
+
+
+def seam_kernel(q, k, v, *, scale: float, causal: bool = False, mask=None, bias=None, window: int = 0,
+                dropout: float = 0.0):
+    """ops.attention for a seam: q [B, Hq, Sq, D], k / v [B, Hkv, Sk, D] ->
+    [B, Hq, Sq, D]; `mask` as the model built it (bool, or additive with the
+    dtype's minimum where hidden: added to the scores as the model adds it).
+    `dropout`: the module's attention dropout when active (in training), 0
+    otherwise; seam_kernel_reason keeps such calls on the model's own
+    attention, so the kernel draws it only where that check is lifted (the
+    reference of a test comparing with the ring's draws).  A query row whose
+    every key the additive mask hides (a left-padding row: scores at the
+    dtype's minimum) gets the model's forward, not its gradient (the
+    log-sum-exp the backward recomputes from cannot resolve those scores);
+    such rows reach nothing real and carry no loss in a padded batch."""
+    CALLS["kernel"] += 1
+    return ops.attention(q, k, v, causal=causal, scale=scale, mask=mask, bias=bias, window=window,
+                         dropout_p=float(dropout), training=True)
+
+
+def _seam_kernel_method(module, *args, **kwargs):
+    seam = module.__dict__[SEAM_MARK]
+    original = getattr(type(module), seam.method).__get__(module, type(module))
+    return seam.kernel(module, original, args, kwargs)
+
+
+WANTS_WEIGHTS = "_shardformer_wants_weights"
+
+
+def wants_weights(module) -> bool:
+    """Whether the forward in progress of a seam's module was asked for its
+    attention weights (output_attentions), for a seam below forward."""
+    return bool(module.__dict__.get(WANTS_WEIGHTS))
+
+
+def _recording_forward(module, *args, **kwargs):
+    """The class's forward, recording output_attentions (by keyword or by
+    position) for the seam's method it calls."""
+    import inspect
+
+    forward = type(module).forward
+    bound = inspect.signature(forward).bind_partial(module, *args, **kwargs).arguments
+    module.__dict__[WANTS_WEIGHTS] = bool(bound.get("output_attentions") or
+                                          bound.get("kwargs", {}).get("output_attentions"))
+    return forward(module, *args, **kwargs)
+
+
+def enable_seam(model, seam) -> bool:
+    """Route the attention of the seam's modules through the kernel (the
+    seam's `kernel`); a seam below forward also gets a forward recording
+    whether the weights are asked for.  Returns whether any module switched."""
+    modules = seam.modules(model) if seam is not None and seam.kernel is not None else []
+    if not modules:
+        return False
+    for m in modules:
+        m.__dict__[SEAM_MARK] = seam
+        m.__dict__[seam.method] = types.MethodType(_seam_kernel_method, m)
+        if seam.method != "forward":
+            m.__dict__["forward"] = types.MethodType(_recording_forward, m)
+    return True
+
+
+def disable_seam(model) -> None:
+    """Undo enable_seam."""
+    for m in model.modules():
+        seam = m.__dict__.pop(SEAM_MARK, None)
+        if seam is not None:
+            m.__dict__.pop(seam.method, None)
+            m.__dict__.pop(WANTS_WEIGHTS, None)
+            if seam.method != "forward":
+                m.__dict__.pop("forward", None)

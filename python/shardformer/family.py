@@ -202,7 +202,7 @@ class FamilyPolicy(Policy):
         attention in split_attention_targets), layerdrop (a skipped first or
         last layer would skip the split or the gather), and what the family's
         `attention_seam` refuses (AttentionSeam.refuse: another attention
-        implementation, e.g. ring_attn with ALiBi)."""
+        implementation)."""
         from .layer.sequence_attention import SequenceAttentionParallel
         from .policy import ModulePolicyDescription
 

@@ -21,7 +21,8 @@ model that has one of these forms gets it, in every family.
                    (the dropout's own p, in training mode too: the kernel draws its mask)
     enable_flash_attention
         every layer that looks its attention up in transformers' registry
-        (shardformer.attention.enable)
+        (shardformer.attention.enable); a family whose attention is outside
+        it, at its seam when the seam has a kernel (shardformer.attention.enable_seam)
 
 A module is a candidate by its structure (attribute names, parameter shapes;
 see NORM_FORMS, GELU_FORMS, GATED_FORMS, GATED_GELU_FORMS, FUSED_GATED_FORMS,
@@ -566,9 +567,12 @@ def optimization_policy(model: nn.Module, shard_config, replaced_paths: set[str]
     return policy
 
 
-def enable_attention(model: nn.Module, shard_config) -> None:
-    """Route the model's attention through the C kernel (enable_flash_attention)."""
+def enable_attention(model: nn.Module, shard_config, seam=None) -> None:
+    """Route the model's attention through the C kernel (enable_flash_attention):
+    at the family's seam (`seam`, an AttentionSeam with a kernel) when the
+    model has its modules, else through transformers' registry."""
     if shard_config.enable_flash_attention:
-        from .attention import enable
+        from .attention import enable, enable_seam
 
-        enable(model)
+        if not enable_seam(model, seam):
+            enable(model)

@@ -113,6 +113,9 @@ class _AttentionSwitch:
         for key in set(self.model._forward_pre_hooks) - self.pre_hooks:
             self.model._forward_pre_hooks.pop(key, None)
             self.model._forward_pre_hooks_with_kwargs.pop(key, None)
+        from .attention import disable_seam
+
+        disable_seam(self.model)
 
 
 def _sequence_states(policy, model: nn.Module) -> list:
@@ -241,7 +244,7 @@ class ModelSharder:
         attention = _AttentionSwitch(model) if cfg.enable_flash_attention else None
         journal: list = []                       # what the engine changed and could not undo
         try:
-            enable_attention(model, cfg)
+            enable_attention(model, cfg, getattr(self.policy, "attention_seam", None))
             self.policy.model = self.policy.preprocess()
             _C.sharder_apply(ops, cfg.tensor_parallel_process_group, inheritance, journal)
         except BaseException as e:

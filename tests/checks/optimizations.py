@@ -106,3 +106,136 @@ def optimized_matches(ctx, names: list[str]) -> dict:
                         "errors": errors}
     return report
 
+
+
+# ---- attention outside transformers' registry: the kernel at the family's seam ----------------------------
+
+def _seam_config(ctx, tensor_parallel: bool):
+    from shardformer import ShardConfig
+
+    return ShardConfig(tensor_parallel_process_group=ctx.group, enable_tensor_parallelism=tensor_parallel, **ALL_ON)
+
+
+def _padded(inputs: dict, pad: int = 2) -> dict:
+    """inputs with the first row left-padded by `pad` tokens (attention_mask),
+    labels -100 where a padding query predicts.  The forward of a padding
+    query (every key it may see hidden: the model spreads it over those keys)
+    is the model's; its gradient is not (at scores of the dtype's minimum the
+    kernel's log-sum-exp cannot resolve the spread), and reaches nothing
+    real: no loss is taken there."""
+    mask = torch.ones_like(inputs["input_ids"])
+    mask[0, :pad] = 0
+    labels = inputs["labels"].clone()
+    labels[0, : pad + 1] = -100                      # label t is predicted at t - 1
+    return {**inputs, "attention_mask": mask, "labels": labels}
+
+
+def seam_kernel_matches(ctx, name: str, overrides: dict | None = None, padded: bool = False,
+                        tensor_parallel: bool = True) -> dict:
+    """`name` (a zoo config changed by `overrides`; its key
+    "attn_implementation" set on the built model's config), eval mode with
+    dropout > 0 configured, every optimization on (TP over ctx.group, or TP
+    off), equals the unsharded model (compare_sharded: forward, loss, every
+    gradient, after a step); the attention ran in the kernel (counted) and
+    never fell back.  padded: a left-padded row (every row compared)."""
+    from shardformer import ShardFormer
+
+    overrides = dict(overrides or {})
+    implementation = overrides.pop("attn_implementation", None)
+    torch.manual_seed(0)
+    model = zoo.build_with_dropout(name, DROPOUT, **overrides).eval()
+    if implementation is not None:
+        model.config._attn_implementation = implementation
+    ref = copy.deepcopy(model)
+    inputs = zoo.make_inputs(name)
+    if padded:
+        inputs = _padded(inputs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ShardFormer(_seam_config(ctx, tensor_parallel)).optimize(model)
+        before = dict(sf_attention.CALLS)
+        with counting_kernels(("attention",)) as calls:
+            report = parity.compare_sharded(model, ref, inputs, name)
+    assert calls["attention"] > 0, f"{name}: the kernel never ran"
+    assert sf_attention.CALLS["fallback"] == before["fallback"], f"{name}: the attention fell back"
+    report["kernel_calls"] = calls["attention"]
+    return report
+
+
+def seam_kernel_training(ctx, name: str, dropout_key: str, overrides: dict | None = None) -> dict:
+    """Training mode, TP off, every optimization on.  Attention dropout 0:
+    the kernel runs (counted) and the logits and every gradient equal the
+    unsharded model's.  Attention dropout 0.3: the model's own attention
+    runs (a fallback where the kernel ran at p = 0, no kernel call), so with the same seed the
+    logits equal the unsharded model's exactly as its dropout draws them, and
+    the draws are in force (another seed changes them)."""
+    from shardformer import ShardFormer
+
+    report, kernel_calls = {}, 0
+    for p in (0.0, 0.3):
+        torch.manual_seed(0)
+        model = zoo.build(name, **{dropout_key: p, **(overrides or {})}).train()
+        ref = copy.deepcopy(model)
+        inputs = zoo.make_inputs(name)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ShardFormer(_seam_config(ctx, False)).optimize(model)
+            fallback = sf_attention.CALLS["fallback"]
+            with counting_kernels(("attention",)) as calls:
+                torch.manual_seed(5)
+                got = model(**inputs)
+            torch.manual_seed(5)
+            exp = ref(**inputs)
+        fell_back = sf_attention.CALLS["fallback"] - fallback
+        tol = parity.TOL[torch.float32]
+        report[p] = parity.assert_close(f"{name} p={p} logits", got.logits, exp.logits, tol)
+        if p == 0.0:
+            kernel_calls = calls["attention"]
+            assert kernel_calls > 0 and fell_back == 0, (name, p, calls, fell_back)
+            got.loss.backward()
+            exp.loss.backward()
+            parity.compare_grads(model, ref, name, tol)
+        else:
+            assert calls["attention"] == 0 and fell_back == kernel_calls, (name, calls, fell_back)
+            torch.manual_seed(6)
+            assert not torch.allclose(model(**inputs).logits, got.logits), f"{name}: dropout {p} changes nothing"
+    return report
+
+
+def seam_weights_fall_back(ctx, name: str) -> dict:
+    """output_attentions=True with the kernel on: the model's own attention
+    returns its weights (one fallback per layer), equal to the unsharded
+    model's."""
+    from shardformer import ShardFormer
+
+    torch.manual_seed(0)
+    model = zoo.build(name).eval()
+    ref = copy.deepcopy(model)
+    inputs = zoo.make_inputs(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ShardFormer(_seam_config(ctx, True)).optimize(model)
+        fallback = sf_attention.CALLS["fallback"]
+        with torch.no_grad():
+            got, exp = model(**inputs, output_attentions=True), ref(**inputs, output_attentions=True)
+    assert sf_attention.CALLS["fallback"] - fallback == model.config.num_hidden_layers
+    assert got.attentions is not None and all(a is not None for a in got.attentions), name
+    return {"layers": len(got.attentions), "logits": parity.assert_close(
+        f"{name} logits", got.logits, exp.logits, parity.TOL[torch.float32])}
+
+
+def seam_kernel_generate(ctx, name: str, overrides: dict | None = None) -> list:
+    """Greedy generate() (a KV cache: the kernel on one query row over the
+    cached keys, bottom-right aligned) at TP over ctx.group with the kernel
+    equals the unsharded model's; the kernel ran (counted)."""
+    from shardformer import ShardFormer
+
+    model = zoo.build(name, **(overrides or {})).eval()
+    ref = copy.deepcopy(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ShardFormer(_seam_config(ctx, not (overrides or {}).get("alibi"))).optimize(model)
+    with counting_kernels(("attention",)) as calls:
+        got = parity.greedy_matches(model, ref, {"input_ids": parity.prompt_ids()}, name, 5)
+    assert calls["attention"] >= 5 * model.config.num_hidden_layers, (name, calls)
+    return got.tolist()

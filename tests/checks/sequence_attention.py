@@ -258,10 +258,45 @@ def softcap_equals_unsharded(ctx, name: str, mode: str, cap: float, seq: int | N
     return report
 
 
-def ring_dropout_matches_kernel(ctx, name: str, p_drop: float = 0.3) -> dict:
-    """Training with attention_dropout=p_drop under ring_attn: the logits,
+def _kernel_reference(model):
+    """(a copy of `model` whose attention is the C kernel, a context manager
+    under which that copy runs): through transformers' registry
+    (shardformer.attention.enable), or at the family's seam (enable_seam),
+    where the kernel draws the attention dropout itself while the context is
+    open (seam_kernel_reason's dropout refusal lifted: it keeps such calls on
+    the model's own attention otherwise)."""
+    from contextlib import contextmanager
+
+    from shardformer import attention as sf_attention
+    from shardformer.autopolicy import get_autopolicy
+
+    ref = copy.deepcopy(model)
+    seam = getattr(get_autopolicy(ref), "attention_seam", None)
+    if seam is None:
+        sf_attention.enable(ref)
+    else:
+        assert sf_attention.enable_seam(ref, seam), f"{type(ref).__name__}: no seam module took the kernel"
+
+    @contextmanager
+    def drawing():
+        reason = sf_attention.seam_kernel_reason
+        sf_attention.seam_kernel_reason = lambda module, tensors, dropout=0.0, weights=False: \
+            reason(module, tensors, 0.0, weights)
+        try:
+            yield
+        finally:
+            sf_attention.seam_kernel_reason = reason
+
+    return ref, drawing
+
+
+def ring_dropout_matches_kernel(ctx, name: str, p_drop: float = 0.3, dropout_key: str = "attention_dropout",
+                                overrides: dict | None = None) -> dict:
+    """Training with attention dropout p_drop (config key `dropout_key`;
+    `overrides` of the zoo config) under ring_attn: the logits,
     the loss and every gradient equal the unsharded model whose attention is
-    the C kernel (shardformer.attention.enable), with the same dropout draws:
+    the C kernel (_kernel_reference: the registry's, or the family's seam's),
+    with the same dropout draws:
     the ring's blocks draw exactly what one kernel call over the whole
     sequence draws, for the seed that group rank 0 draws (inside a split
     layer torch's generator is the per-rank stream, so the reference kernel
@@ -273,9 +308,8 @@ def ring_dropout_matches_kernel(ctx, name: str, p_drop: float = 0.3) -> dict:
     from shardformer.layer import ring_attention as ra
 
     torch.manual_seed(0)
-    model = zoo.build(name, attention_dropout=p_drop).train()
-    ref = copy.deepcopy(model)
-    sf_attention.enable(ref)
+    model = zoo.build(name, **{dropout_key: p_drop, **(overrides or {})}).train()
+    ref, drawing = _kernel_reference(model)
     ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config("ring_attn"))).optimize(model)
     inputs = zoo.make_inputs(name)
     assert inputs["input_ids"].shape[1] % (2 * ctx.tp_size) == 0
@@ -293,7 +327,8 @@ def ring_dropout_matches_kernel(ctx, name: str, p_drop: float = 0.3) -> dict:
     try:
         torch.manual_seed(7)
         kernel_before = sf_attention.CALLS["kernel"]
-        exp = ref(**inputs)
+        with drawing():
+            exp = ref(**inputs)
     finally:
         ops.attention = kernel
     assert not queue, f"{name}: the reference took {len(seeds) - len(queue)} of {len(seeds)} seeds"
@@ -661,27 +696,6 @@ def training_dropout_masks(ctx, name: str, mode: str, p: float = 0.3) -> dict:
     return check_split_dropout_step(ctx, name, inner, out)
 
 
-def ring_training_dropout_refused(ctx, name: str) -> str:
-    """ring_attn in a training forward with attention dropout > 0 (the ring
-    kernel applies none): the forward raises NotImplementedError naming the
-    class; the same model in eval() runs through the ring (counted)."""
-    model = zoo.build_with_dropout(name, 0.3).train()
-    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config("ring_attn"))).optimize(model)
-    inputs = zoo.make_inputs(name)
-    try:
-        model(**inputs)
-    except NotImplementedError as e:
-        assert name in str(e) and "attention dropout" in str(e), str(e)
-        message = str(e)
-    else:
-        raise AssertionError(f"{name}: ring_attn with attention dropout in training was not refused")
-    before = sa.CALLS["ring_attn"]
-    with torch.no_grad():
-        model.eval()(**inputs)
-    assert sa.CALLS["ring_attn"] > before, f"{name}: the ring never ran in eval"
-    return message
-
-
 def other_implementation_refused(ctx, name: str, mode: str, seam_class: str) -> str:
     """A model whose attention modules are another implementation class than
     the seam's (simulated: each `seam_class` module's class renamed by a
@@ -740,3 +754,58 @@ def no_dropout_keeps_generator(ctx, name: str, mode: str) -> dict:
     assert sa.CALLS[mode] > calls, f"{name}: the {mode} attention never ran"
     assert torch.equal(torch.get_rng_state(), before), f"{name}: a training forward without dropout drew"
     return {"calls": sa.CALLS[mode] - calls}
+
+
+def alibi_ring_bias_ran(ctx, name: str, overrides: dict | None = None, seq: int = 7) -> dict:
+    """ALiBi under ring_attn: equal to the unsharded model (equals_unsharded),
+    each split attention call adding the bias in the ring (counted), and the
+    bias in force: the unsharded model without it (slopes zeroed) gives other
+    logits."""
+    before_bias, before_ring = sa.CALLS["bias"], sa.CALLS["ring_attn"]
+    report = equals_unsharded(ctx, name, "ring_attn", seq, None, False, overrides)
+    ring, bias = sa.CALLS["ring_attn"] - before_ring, sa.CALLS["bias"] - before_bias
+    assert ring > 0 and bias == ring, f"{name}: {bias} ring calls with the ALiBi bias of {ring}"
+    model = _build(name, overrides).eval()
+    inputs = _trim(zoo.make_inputs(name), seq)
+    base = model.transformer if hasattr(model, "transformer") else model
+    with torch.no_grad():
+        with_alibi = model(**inputs).logits
+        build = type(base).build_alibi_tensor if hasattr(type(base), "build_alibi_tensor") else None
+        module = __import__(type(base).__module__, fromlist=["build_alibi_tensor"])
+        if build is not None:       # BLOOM: a method of the model
+            base.build_alibi_tensor = lambda *a, **k: torch.zeros_like(build(base, *a, **k))
+            without = model(**inputs).logits
+            del base.build_alibi_tensor
+        else:                       # Falcon: a module-level function
+            own = module.build_alibi_tensor
+            module.build_alibi_tensor = lambda *a, **k: torch.zeros_like(own(*a, **k))
+            try:
+                without = model(**inputs).logits
+            finally:
+                module.build_alibi_tensor = own
+    change = float((with_alibi - without).abs().max())
+    assert change > 100 * parity.TOL[torch.float32][1], f"{name}: ALiBi changes the logits by {change} only"
+    report["bias_calls"] = bias
+    return report
+
+
+def seam_generate_with_kernel(ctx, name: str, mode: str) -> list:
+    """`mode` with every optimization on, at a seam: greedy generate() (each
+    step unsplit, at the seam's C kernel: counted) equals the unsharded
+    model's, and a training-shaped forward is split (counted)."""
+    from checks.optimizations import counting_kernels
+
+    model = zoo.build(name).eval()
+    ref = copy.deepcopy(model)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group,
+                            **sp_config(mode, enable_all_optimization=True))).optimize(model)
+    before = sa.CALLS["unsplit"]
+    with counting_kernels(("attention",)) as calls:
+        got = parity.greedy_matches(model, ref, {"input_ids": parity.prompt_ids()}, name, 5)
+    unsplit = sa.CALLS["unsplit"] - before
+    assert unsplit > 0 and calls["attention"] >= unsplit, f"{name}: {calls} kernel calls for {unsplit} unsplit"
+    split = sa.CALLS[mode]
+    with torch.no_grad():
+        model(input_ids=parity.prompt_ids())
+    assert sa.CALLS[mode] > split, "a plain forward after generate() was not split"
+    return got.tolist()

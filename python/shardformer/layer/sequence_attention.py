@@ -61,7 +61,10 @@ where q, k, v [B, H, S_r, D] meet), the method is replaced on each such
 module by one that runs the same exchange around the model's own math
 (all_to_all) or the ring kernel (ring_attn); per-head tensors that the model
 passes in (ALiBi slopes times key positions, a per-head mask) keep this
-rank's heads after the exchange, over the full padded key axis.
+rank's heads after the exchange, over the full padded key axis; under
+ring_attn a per-key bias (ALiBi) is added by each block of the ring at its
+key columns (ring_rows' key_bias).  With enable_flash_attention the seam's
+`kernel` serves the unsplit forwards.
 
 Dropout in a split training forward: inside the layers every rank holds
 other rows (or, inside all_to_all, other heads), so torch's global generator,
@@ -479,23 +482,26 @@ class AttentionSeam:
     rank's rows.  `seq_dim`: the sequence dimension of the layers' hidden
     states (1 for [B, S, hidden]; 0 for ChatGLM2's [S, B, hidden]): the split
     before the first layer and the gather after the last run along it.
-    `check(model, mode, name)`: raises, before optimize() changes anything,
-    what this family cannot run in `mode` (e.g. ring_attn with ALiBi)."""
+    `kernel(module, original, args, kwargs)`: the
+    method computed with the C attention kernel (enable_flash_attention;
+    shardformer.attention.enable_seam), returning what `original` returns;
+    it calls shardformer.attention.own_attention where the kernel cannot
+    give the model's result.  Under all_to_all / ring_attn an unsplit
+    forward (a KV cache) runs it too."""
 
     module: str
     method: str
     split: Callable
     row_kwargs: tuple[str, ...] = ()
-    check: Callable | None = None
     seq_dim: int = SEQ_DIM
+    kernel: Callable | None = None
 
     def modules(self, root: nn.Module) -> list:
         return [m for m in root.modules() if type(m).__name__ == self.module]
 
     def refuse(self, model: nn.Module, mode: str, name: str) -> None:
         """Refuse, before anything changes: a model none of whose attention
-        modules is `module` (another attention implementation), and what
-        `check` refuses."""
+        modules is `module` (another attention implementation)."""
         if not self.modules(model):
             found = sorted({type(m).__name__ for m in model.modules() if "Attention" in type(m).__name__})
             impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
@@ -503,8 +509,6 @@ class AttentionSeam:
                 f"{name}: sequence_parallelism_mode={mode!r} splits the attention at {self.module}.{self.method}; "
                 f"this model's attention modules are {found} (attn_implementation={impl!r}): load it with "
                 f"attn_implementation='eager'")
-        if self.check is not None:
-            self.check(model, mode, name)
 
 
 def _seam_method(module, *args, **kwargs):
@@ -515,6 +519,10 @@ def _seam_method(module, *args, **kwargs):
     original = getattr(type(module), seam.method).__get__(module, type(module))
     if not state.active:
         CALLS["unsplit"] += 1
+        from ..attention import SEAM_MARK
+
+        if SEAM_MARK in module.__dict__:            # enable_flash_attention: the seam's kernel
+            return seam.kernel(module, original, args, kwargs)
         return original(*args, **kwargs)
     CALLS[state.mode] += 1
     return seam.split(state, module, original, args, kwargs)
@@ -598,31 +606,42 @@ def causal_key_padding(mask, state: SequenceSplit) -> torch.Tensor | None:
 
 
 def ring_rows(state: SequenceSplit, query, key, value, mask, *, scale: float, window: int = 0,
-              dropout: float = 0.0) -> torch.Tensor:
+              dropout: float = 0.0, key_bias: torch.Tensor | None = None) -> torch.Tensor:
     """ring_attn on this rank's zigzag rows: query [B, Hq, S_r, D], key /
     value [B, Hkv, S_r, D] -> [B, Hq, S_r, D], causal in global positions,
     the key padding read from the model's causal mask (causal_key_padding),
-    sliding `window` (0: none); attention dropout in training refused."""
+    sliding `window` (0: none), attention dropout `dropout` (the caller
+    passes 0 outside training) drawn as one kernel call over the whole padded
+    sequence would draw it (ring_attention), and `key_bias` [B, Hq, 1, S']:
+    an additive bias per head and key position (ALiBi: slope_h x key
+    position), the same for every query row: each block of the ring adds its
+    key columns of it (ring_attention's `bias`, read through a broadcast
+    view [B, Hq, S', S'], never materialized)."""
     from .ring_attention import ring_attention
 
-    if dropout > 0:
-        raise NotImplementedError(f"{state.name}: ring_attn does not apply attention dropout "
-                                  f"(attention dropout {dropout} in training); set it to 0 or use all_to_all")
     padding = causal_key_padding(mask, state)
+    bias = None
+    if key_bias is not None:
+        CALLS["bias"] += 1
+        bias = key_bias.expand(key_bias.shape[0], key_bias.shape[1], state.padded, state.padded)
     return ring_attention(query, key, value, state.group, scale=scale, causal=True, key_padding=padding,
-                          window=int(window))
+                          window=int(window), dropout_p=float(dropout), bias=bias)
 
 
-def head_major_seam(module: str, *, scale: Callable, window: Callable = lambda m: 0,
+def head_major_seam(module: str, *, scale: Callable, window: Callable = lambda m: 0, causal: bool = False,
                     dropout: str = "attn_dropout", row_kwargs: tuple[str, ...] = ()) -> AttentionSeam:
     """The seam of a method `_attn(query, key, value, attention_mask=None) ->
     (out, weights)` on q / k / v [B, H, S_r, D] (heads major, positions
     already applied), returning out [B, H, S_r, D] (GPT-Neo, GPT-J).
     all_to_all calls the model's own `_attn` on H/p heads over S' with the
     extended mask; ring_attn runs the ring kernel with scale(module) (the
-    factor on q . k) and window(module) (0: none), refusing attention
-    dropout `dropout` (the module's nn.Dropout on the probabilities) in
-    training.  Weights are not returned (None)."""
+    factor on q . k) and window(module) (0: none), drawing attention dropout
+    `dropout` (the module's nn.Dropout on the probabilities) in training.
+    Weights are not returned (None).  The kernel (enable_flash_attention)
+    computes softmax(scale q . k + mask) @ v, masked as the model masks:
+    `causal` (the model's own causal / local-window buffer, bottom-right
+    aligned as the kernel aligns it) and the model's mask added as it adds
+    it; the model's `_attn` where attention dropout is active in training."""
 
     def split(state, mod, original, args, kwargs):
         query, key, value, mask = bind_args(args, kwargs, ("query", "key", "value", "attention_mask"))
@@ -631,7 +650,19 @@ def head_major_seam(module: str, *, scale: Callable, window: Callable = lambda m
         p = getattr(mod, dropout).p if mod.training else 0.0
         return ring_rows(state, query, key, value, mask, scale=scale(mod), window=window(mod), dropout=p), None
 
-    return AttentionSeam(module, "_attn", split, row_kwargs)
+    def kernel(mod, original, args, kwargs):
+        from ..attention import own_attention, seam_kernel, seam_kernel_reason, wants_weights
+
+        query, key, value, mask = bind_args(args, kwargs, ("query", "key", "value", "attention_mask"))
+        p = getattr(mod, dropout).p if mod.training else 0.0
+        reason = seam_kernel_reason(mod, (query, key, value), p, wants_weights(mod))
+        if reason is not None:
+            return own_attention(reason, original, args, kwargs)
+        out = seam_kernel(query, key, value, scale=scale(mod), causal=causal, mask=mask, window=window(mod),
+                          dropout=p)
+        return out, None
+
+    return AttentionSeam(module, "_attn", split, row_kwargs, kernel=kernel)
 
 
 # ---- the hooks ----------------------------------------------------------------
