@@ -326,3 +326,22 @@ def test_beit_shared_bias(pool, pp, schedule, chunks):
 
 def test_beit_segmentation_refused(pool):
     pool.run(check.beit_segmentation_refused, 4)
+
+
+# T5 and Whisper with sequence parallelism inside the stages, SP=2 x PP=2 (split_gather with TP=2 over each
+# stage's pair): 7 encoder tokens (Whisper: 7 positions after its convolutions), 5 decoder tokens.  The hidden
+# states travel as this rank's rows; the encoder output the decoder attends to and T5's position biases travel
+# whole (checked on every received message).  Where the stages split: "stacks", 2 + 2 layers, the boundary on
+# the stages' edge (stage 1 gets the encoder output and splits the decoder itself); "mid_encoder", 3 + 3 layers
+# as (2, 4): stage 1 enters the encoder at layer 2 from received rows (and T5's bias), then starts the decoder;
+# "mid_decoder", (4, 2): stage 1 enters the decoder at layer 1 (rows, both biases, the encoder output).
+ENC_DEC_SP_SPLITS = {"stacks": {},
+                     "mid_encoder": {"layers": 6, "num_layers_per_stage": (2, 4), "encoder_layers": 3},
+                     "mid_decoder": {"layers": 6, "num_layers_per_stage": (4, 2), "encoder_layers": 3}}
+
+
+@pytest.mark.parametrize("split", list(ENC_DEC_SP_SPLITS))
+@pytest.mark.parametrize("mode", ["split_gather", "all_to_all", "ring_attn"])
+@pytest.mark.parametrize("name", ["T5ForConditionalGeneration", "WhisperForConditionalGeneration"])
+def test_encdec_sequence_parallel_in_stages(pool, name, mode, split):
+    pool.run(check.equals_unsharded, 4, name, 2, "1f1b", 2, tp=2, sp_mode=mode, seq=7, **ENC_DEC_SP_SPLITS[split])

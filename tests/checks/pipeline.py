@@ -17,11 +17,12 @@ from checks import parity
 from checks.optimizations import counting_kernels
 from shardformer import ShardConfig, ShardFormer
 from shardformer.checkpoint import gather_full_state_dict
-from shardformer.layer import sequence_attention
+from shardformer.layer import sequence, sequence_attention
 from shardformer.pipeline import (GPipeSchedule, InterleavedSchedule, OneForwardOneBackwardSchedule,
                                   PipelineStageManager)
 from shardformer.pipeline import p2p
 from shardformer.pipeline import schedule as schedule_module
+from shardformer.pipeline.stages import runtime_of
 
 SCHEDULES = {"gpipe": GPipeSchedule, "1f1b": OneForwardOneBackwardSchedule, "interleaved": InterleavedSchedule}
 TOL = parity.TOL[torch.float32]
@@ -111,7 +112,7 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
     the batch cut to its first `seq` tokens."""
     batch = batch_of(name, rows)
     if seq is not None:
-        batch = {k: t[:, :seq].contiguous() if t.dim() >= 2 else t for k, t in batch.items()}
+        batch, overrides = cut_to(name, batch, seq, overrides)
     # The model's own loss where it is one mean of equally weighted micro-batches; else a fixed
     # projection of the outputs, in float64 (a sum over every output: float32 rounding would show).
     own_loss = "labels" in batch and not any(k in name for k in ("DoubleHeads", "MaskedImageModeling"))
@@ -140,16 +141,18 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
     before = dict(p2p.COUNTS)
     replicated_before = schedule_module.COUNTS["replicated"]
     split_before = dict(sequence_attention.CALLS)
+    regathers_before = sequence._Regathered.gathers
     runner = SCHEDULES[schedule](sm, num_microbatches=m)
     with counting_kernels() as calls:
         out = runner.forward_backward_step(model, batch, criterion=criterion)
     if sp_mode is not None and sm.stage > 0:
-        # a later stage received this rank's rows of the padded sequence only
-        S, p = batch["input_ids"].shape[1], 2 * tp if sp_mode == "ring_attn" else tp
-        rows = {shape[1] for (kind, *_), (shape, *_) in runner.link._shapes.items() if kind == "act"}
-        assert rows == {-(-S // p) * p // tp}, f"{name}: stage {sm.stage} received rows {rows} of {S} tokens"
+        _received_rows(name, model, runner.link, batch, sp_mode, tp)
     if sp_mode in sequence_attention.MODES:
         assert sequence_attention.CALLS[sp_mode] > split_before[sp_mode], f"{name}: the {sp_mode} attention never ran"
+        if runtime_of(model).plan.tuples:
+            _split_attention_calls(name, model, split_before, m, sp_mode)
+    if sp_mode == "split_gather":                 # the blocks' saved rows gathered again in backward
+        assert sequence._Regathered.gathers > regathers_before, f"{name}: no split_gather block ran on {sm.stage}"
     if (config or {}).get("enable_all_optimization"):
         assert sum(calls.values()) > 0, f"{name}: no fused kernel ran on stage {sm.stage}"
     sent = p2p.COUNTS["sent"] - before["sent"]
@@ -177,6 +180,80 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
     # messages of several tensors (position biases, the encoder output) sent or received under a key
     tuples = len([k for k in set(runner.link._sent) | set(runner.link._shapes) if k[-1] == "n"])
     return {"loss": err, "state": worst, "sent": sent, "shared": len(shared), "tuples": tuples}
+
+
+def cut_to(name: str, batch: dict, seq: int, overrides: dict) -> tuple[dict, dict]:
+    """(batch, config overrides) with the (first stack's) sequence cut to its
+    first `seq` positions: the token inputs (checks.sequence_attention._trim:
+    an encoder-decoder's decoder inputs keep their own length), or Whisper's
+    2 * seq mel frames with max_source_positions=seq (its encoder checks the
+    frame count)."""
+    from checks.sequence_attention import _trim
+
+    batch = _trim(batch, seq)
+    if "input_features" in batch:
+        batch["input_features"] = batch["input_features"][..., :2 * seq].contiguous()
+        overrides = dict(overrides, max_source_positions=seq)
+    return batch, overrides
+
+
+def _stack_lengths(batch: dict, stacks: int) -> list[int]:
+    """The unsplit sequence length of each stack the stages run: the first
+    stack's (Whisper's encoder: half the mel frames, after conv2's stride),
+    then the decoder's (its own inputs, or T5's shifted input_ids)."""
+    first = batch["input_features"].shape[-1] // 2 if "input_features" in batch else batch["input_ids"].shape[1]
+    second = batch.get("decoder_input_ids", batch.get("input_ids"))
+    return [first, second.shape[1] if second is not None else first][:stacks]
+
+
+def _received_rows(name: str, model, link, batch: dict, sp_mode: str, tp: int) -> None:
+    """A later stage received this rank's rows of the padded sequence only
+    (each message's hidden states, the first tensor of a tuple), of the stack
+    the sending chunk ended in; the first stack's output whole (the message at
+    the boundary of two stacks, and the last tensor of every second-stack
+    message).  Every received activation is checked."""
+    plan = runtime_of(model).plan
+    lengths = _stack_lengths(batch, len(plan.stacks))
+    p = 2 * tp if sp_mode == "ring_attn" else tp
+
+    def rows(S: int) -> int:
+        return -(-S // p) * p // tp
+
+    checked = 0
+    for key, value in link._shapes.items():
+        msg, part = key if isinstance(key[0], tuple) else (key, 0)
+        if msg[0] != "act" or part == "n":
+            continue
+        n = link._shapes.get((msg, "n"), 1)
+        shape = value[0]
+        end = sum(plan.counts[:msg[1] + 1])                # the sender's chunk ends before layer `end`
+        stack = next(k for k, st in enumerate(plan.stacks) if end <= st.stop)
+        if len(plan.stacks) > 1 and end == plan.stacks[0].stop:
+            assert n == 1 and shape[1] == lengths[0], f"{name}: the first stack's output came as {shape}"
+        elif part == 0:
+            assert shape[1] == rows(lengths[stack]), \
+                f"{name}: stage received hidden states {shape} of {lengths[stack]} tokens ({sp_mode})"
+        elif stack == 1 and part == n - 1:
+            assert shape[1] == lengths[0], f"{name}: the encoder output travelled as {shape}"
+        checked += 1
+    assert checked, f"{name}: no activation received"
+
+
+def _split_attention_calls(name: str, model, before: dict, m: int, mode: str) -> None:
+    """An encoder-decoder's stage (or T5's one stack, messages with the
+    position bias) ran the split attention once per self-attention layer it
+    holds per micro-batch, the cross-attention path once per decoder layer
+    it holds; T5 added its whole-sequence position bias in every
+    self-attention (its slice under all_to_all, per ring block under
+    ring_attn)."""
+    plan = runtime_of(model).plan
+    held = [sum(len(range(max(r.start, st.start), min(r.stop, st.stop))) for r in plan.chunks)
+            for st in plan.stacks]
+    decoder = held[1] if len(held) > 1 else 0
+    calls = {k: sequence_attention.CALLS[k] - before[k] for k in (mode, "cross", "bias")}
+    expected = {mode: sum(held) * m, "cross": decoder * m,
+                "bias": sum(held) * m if name.startswith("T5") else 0}
+    assert calls == expected, f"{name}: split attention calls {calls}, expected {expected} (held {held})"
 
 
 def _check_repeated_calls(model, sm, name: str, replicated_before: int) -> None:
@@ -256,12 +333,12 @@ def inference_on_every_rank(ctx, name: str, pp: int, tp: int, schedule: str, dro
             else {"dropout_rate": dropout} if name.startswith("T5") \
             else {"dropout": dropout} if name.startswith("Whisper") \
             else {"resid_pdrop": dropout, "embd_pdrop": dropout}
+    batch = batch_of(name)
+    if seq is not None:
+        batch, overrides = cut_to(name, batch, seq, overrides)
     ref, model, sm, _ = pipelined(ctx, name, pp, tp, sp_mode=sp_mode, **overrides)
     ref.eval()
     model.eval()
-    batch = batch_of(name)
-    if seq is not None:
-        batch = {k: t[:, :seq].contiguous() for k, t in batch.items()}
     out = SCHEDULES[schedule](sm, num_microbatches=2).forward(model, batch)
     exp = ref(**batch)
     assert type(out) is type(exp), (type(out), type(exp))

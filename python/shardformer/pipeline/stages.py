@@ -391,6 +391,10 @@ class _ChunkEdge:
                         raise RuntimeError(f"{rt.model_name}: {type(self._layer).__name__} takes no argument "
                                            f"{arg!r} (pipeline split carry)")
                     bound.arguments[arg] = rt.entry[1 + k]
+                # Sequence parallelism: the received hidden states are this rank's rows (split on the
+                # stack's first stage); `computed`, from the stand-ins, has the stack's full length
+                for state in rt.states_of(spec):
+                    state.resume(computed)
             else:                                  # a stack starts here: its input shape, for the stand-ins
                 rt.input_shape = tuple(computed.shape)
         out = self._layer(*bound.args, **bound.kwargs)
@@ -398,12 +402,24 @@ class _ChunkEdge:
             parts = (out if isinstance(out, torch.Tensor) else out[0],)
             parts += tuple(out[i] for _, i in spec.carry)
             if spec.source:
-                parts += (bound.arguments.get(spec.source),)
+                parts += (_source_sent(bound.arguments.get(spec.source)),)
             if any(not isinstance(t, torch.Tensor) for t in parts):
                 raise RuntimeError(f"{rt.model_name}: pipeline chunk {rt.chunk} ends at layer {index} with "
                                    f"a message part that is not a tensor ({[type(t).__name__ for t in parts]})")
             raise StageExit(parts)
         return out
+
+
+def _source_sent(source):
+    """The first stack's output as the message carries it on: the tensor
+    the stack received, not the identity whose backward all-reduces over the
+    sequence-parallel group (all_to_all / ring_attn wrap it on entering the
+    stack, sequence_attention.unsummed).  The next stage sends back the
+    gradient of its own uses already summed over the group, which must not
+    be summed again; this stage's uses reach the wrapper and are summed once."""
+    from ..layer.sequence_attention import unsummed
+
+    return unsummed(source) if isinstance(source, torch.Tensor) else source
 
 
 @dataclass(frozen=True)
@@ -665,6 +681,9 @@ class StageRuntime:
         # sequence-parallel states (SequenceState, SequenceSplit) told the sequence length when a
         # chunk starts from received rows (their split ran on the first stage)
         self.sequence_states: list = []
+        # the same per stack (plan.stacks order; two stacks have a state each): a chunk entering one
+        # stack tells that stack's states only
+        self.stack_states: list[list] = []
 
     # -- the schedule's side ----------------------------------------------------------
 
@@ -677,6 +696,11 @@ class StageRuntime:
         (False on the first virtual stage, and where the chunk starts a stack)."""
         start = self.chunk_range().start
         return self.entry is not None and all(st.start != start for st in self.plan.stacks)
+
+    def states_of(self, spec: "_StackSpec") -> list:
+        """The sequence-parallel states of the stack `spec` (stack_states)."""
+        k = self.plan.stacks.index(spec)
+        return self.stack_states[k] if k < len(self.stack_states) else []
 
     def _first_hidden(self, entry):
         return entry[0] if isinstance(entry, tuple) else entry
