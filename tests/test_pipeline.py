@@ -369,3 +369,10 @@ def test_encdec_sequence_parallel_schedules(pool, name, mode, schedule, split):
     chunks = 2 if schedule == "interleaved" else 1
     pool.run(check.equals_unsharded, 4, name, 2, schedule, 4, tp=2, chunks=chunks, sp_mode=mode, seq=7,
              **ENC_DEC_SP_SPLITS[split])
+
+
+@pytest.mark.parametrize("mode", ["split_gather", "all_to_all", "ring_attn"])
+@pytest.mark.parametrize("name", ["T5ForConditionalGeneration", "WhisperForConditionalGeneration"])
+def test_encdec_sequence_parallel_inference(pool, name, mode):
+    """schedule.forward() in eval mode with dropout 0.3 configured, SP=2 x PP=2: the logits on every rank."""
+    pool.run(check.inference_on_every_rank, 4, name, 2, 2, "1f1b", 0.3, mode, 7)
