@@ -376,3 +376,11 @@ def test_encdec_sequence_parallel_schedules(pool, name, mode, schedule, split):
 def test_encdec_sequence_parallel_inference(pool, name, mode):
     """schedule.forward() in eval mode with dropout 0.3 configured, SP=2 x PP=2: the logits on every rank."""
     pool.run(check.inference_on_every_rank, 4, name, 2, 2, "1f1b", 0.3, mode, 7)
+
+
+@pytest.mark.parametrize("name", ["T5ForConditionalGeneration", "WhisperForConditionalGeneration"])
+def test_encdec_sequence_overlap_in_stages(pool, name):
+    """split_gather with enable_sequence_overlap (the blocks' all-gather overlapped with their column layers),
+    the stage edge inside the decoder."""
+    pool.run(check.equals_unsharded, 4, name, 2, "1f1b", 2, tp=2, sp_mode="split_gather", seq=7,
+             config={"enable_sequence_overlap": True}, **ENC_DEC_SP_SPLITS["mid_decoder"])
