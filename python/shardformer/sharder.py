@@ -117,7 +117,9 @@ def _sequence_states(policy, model: nn.Module) -> list:
     """The sequence-parallel states of a sharded model (told the sequence
     length by a pipeline stage that starts from received rows): the split
     policy's SequenceState and the hooked modules' (split_gather), the
-    SequenceSplit its attention modules share (all_to_all / ring_attn)."""
+    SequenceSplit its attention modules share (all_to_all / ring_attn).
+    With policy None: the states of the modules under `model` only (one
+    stack of an encoder-decoder)."""
     from .layer.sequence import STATE_MARK
 
     states = [getattr(policy, "sequence_state", None)]

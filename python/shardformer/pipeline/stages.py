@@ -78,19 +78,23 @@ on the stage holding the stack's first layer; a chunk that enters a stack
 past that layer tells that stack's states (stack_states) the full length,
 read off the stand-ins' output (shaped like the first stage's layer input,
 which travels in the message header).  The other parts travel whole, as
-every rank of the SP group holds them: T5's position biases (built in the
-stack's first layer for the whole (padded) sequence: every head on
-every rank under all_to_all / ring_attn, this rank's TP heads under
-split_gather; each rank's use of them gives its part of their gradient, which goes back with the message to the bias table, whose
-gradient the group sums), and the first stack's output (gathered after the
-first stack: the message at the stack boundary and the last part of every
-second-stack message).  Each rank's cross-attention rows give a partial
-gradient of that output, summed over the group where the second stack
-reads it (sequence_attention's wrapper, or the TP column layers of
-split_gather); the message carries the output as received, not the
-wrapper (_source_sent), so the gradient coming back from later stages,
-summed there already, is not summed again.  Cheaper than splitting it and
-gathering on each stage: it is gathered once, after the first stack.
+every rank of the SP group holds them:
+
+  * T5's position biases, built in the stack's first layer for the whole
+    (padded) sequence: every head on every rank under all_to_all /
+    ring_attn, this rank's TP heads under split_gather.  Each rank's use
+    of them gives its part of their gradient, which goes back with the
+    message to the bias table; the group sums the table's gradient.
+  * the first stack's output, gathered after the first stack: the message
+    at the stack boundary and the last part of every second-stack message.
+    Each rank's cross-attention rows give a partial gradient of it, summed
+    over the group where the second stack reads it (sequence_attention's
+    wrapper, or split_gather's TP column layers); the message carries the
+    output as received, not the wrapper (_source_sent), so the gradient
+    coming back from later stages, summed there already, is not summed
+    again.  Whole rather than split: every decoder stage needs all of it
+    (its keys and values), so a split message would cost an all-gather per
+    micro-batch on every such stage; whole, it is gathered once.
 """
 from __future__ import annotations
 
