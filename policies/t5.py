@@ -114,7 +114,10 @@ class T5Shape(SplitGatherMixin, FamilyPolicy):
         embedding, tied) with the decoder's first, its gradient summed with
         the other stages holding that Parameter (shared, the LM head).
         Stages past the encoder get its output in the message and pass it as
-        encoder_outputs (the encoder is not run there)."""
+        encoder_outputs (the encoder is not run there).  With sequence
+        parallelism (every mode) the hidden states travel as this rank's
+        rows of their stack, the biases (whole sequence) and the encoder
+        output (gathered) whole (shardformer.pipeline.stages)."""
         from shardformer.pipeline.stages import StageSplit, StageStack
 
         model = getattr(self, "model", None)

@@ -77,7 +77,9 @@ class WhisperShape(SplitGatherMixin, FamilyPolicy):
         layer; the decoder's embed_tokens (tied with proj_out: gradients
         summed over the two stages) and embed_positions with the decoder's
         first.  Stages past the encoder take its output from the message and
-        pass it as encoder_outputs."""
+        pass it as encoder_outputs.  With sequence parallelism (every mode)
+        the hidden states travel as this rank's rows of their stack, the
+        encoder output (gathered after the encoder) whole."""
         from shardformer.pipeline.stages import StageSplit, StageStack
 
         model = getattr(self, "model", None)

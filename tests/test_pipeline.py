@@ -249,8 +249,8 @@ def test_custom_policy(pool, pp, tp, schedule):
 # length from the first stage's layer-input shape that travels in the message header.
 LM_CLASSES = ("ForCausalLM", "LMHeadModel", "ForMaskedLM", "ForConditionalGeneration")   # the first one per family
 SP_PIPELINED = [next(c for c in zoo.family_classes()[f] if c.endswith(LM_CLASSES))
-                for f in PIPELINED if f not in ("vit", "beit", "t5", "whisper")]   # PP with SP refused for T5 and
-                                                                            # Whisper (test_encoder_decoder_refusals)
+                for f in PIPELINED if f not in ("vit", "beit", "t5", "whisper")]   # T5 and Whisper: below
+                                                                            # (test_encdec_sequence_parallel_*)
 SPLIT_ATTENTION = ["LlamaForCausalLM", "MistralForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM",
                    "MixtralForCausalLM", "GPT2LMHeadModel", "OPTForCausalLM", "BertForMaskedLM", "AlbertForMaskedLM",
                    "ChatGLMForConditionalGeneration"]
@@ -416,3 +416,61 @@ def test_gemma3_multimodal_from_pretrained(pool, tmp_path, pp, tp):
     report = pool.run(check.from_pretrained_stages, 4, pp, tp, str(tmp_path / "gemma3mm"), False,
                       "Gemma3ForConditionalGeneration")
     assert all(r["fraction"] < 1 for r in report), report
+
+
+# T5 and Whisper with sequence parallelism inside the stages, SP=2 x PP=2 (split_gather with TP=2 over each
+# stage's pair): 7 encoder tokens (Whisper: 7 positions after its convolutions), 5 decoder tokens.  The hidden
+# states travel as this rank's rows; the encoder output the decoder attends to and T5's position biases travel
+# whole (checked on every received message).  Where the stages split: "stacks", 2 + 2 layers, the boundary on
+# the stages' edge (stage 1 gets the encoder output and splits the decoder itself); "mid_encoder", 3 + 3 layers
+# as (2, 4): stage 1 enters the encoder at layer 2 from received rows (and T5's bias), then starts the decoder;
+# "mid_decoder", (4, 2): stage 1 enters the decoder at layer 1 (rows, both biases, the encoder output).
+ENC_DEC_SP_SPLITS = {"stacks": {},
+                     "mid_encoder": {"layers": 6, "num_layers_per_stage": (2, 4), "encoder_layers": 3},
+                     "mid_decoder": {"layers": 6, "num_layers_per_stage": (4, 2), "encoder_layers": 3}}
+
+
+@pytest.mark.parametrize("split", list(ENC_DEC_SP_SPLITS))
+@pytest.mark.parametrize("mode", ["split_gather", "all_to_all", "ring_attn"])
+@pytest.mark.parametrize("name", ["T5ForConditionalGeneration", "WhisperForConditionalGeneration"])
+def test_encdec_sequence_parallel_in_stages(pool, name, mode, split):
+    pool.run(check.equals_unsharded, 4, name, 2, "1f1b", 2, tp=2, sp_mode=mode, seq=7, **ENC_DEC_SP_SPLITS[split])
+
+
+# ring_attn runs the C flash kernel (float32 / 16 / bf16): the classes checked through a float64 projection of
+# their outputs (no labels: T5Model, T5EncoderModel, T5ForQuestionAnswering, WhisperModel) are left out there.
+ENC_DEC_SP = [(n, m) for n in ENC_DEC for m in ("split_gather", "all_to_all", "ring_attn")
+              if m != "ring_attn" or "labels" in zoo.make_inputs(n)]
+
+
+@pytest.mark.parametrize("name, mode", ENC_DEC_SP)
+def test_encdec_sequence_parallel_every_class(pool, name, mode):
+    """Every T5 / Whisper class (single-stack ones: T5's bias carried, Whisper's plain messages), 2 + 2 layers."""
+    pool.run(check.equals_unsharded, 4, name, 2, "1f1b", 2, tp=2, sp_mode=mode, seq=7)
+
+
+@pytest.mark.parametrize("mode", ["split_gather", "all_to_all", "ring_attn"])
+@pytest.mark.parametrize("schedule, split", [("gpipe", "mid_decoder"), ("gpipe", "mid_encoder"),
+                                             ("interleaved", "stacks")])
+@pytest.mark.parametrize("name", ["T5ForConditionalGeneration", "WhisperForConditionalGeneration"])
+def test_encdec_sequence_parallel_schedules(pool, name, mode, schedule, split):
+    """GPipe, and interleaved 1F1B (PP=2 x 2 chunks, one layer per virtual stage: chunk 0 of stage 1 ends the
+    encoder, chunk 1 of stage 0 starts the decoder), 4 micro-batches."""
+    chunks = 2 if schedule == "interleaved" else 1
+    pool.run(check.equals_unsharded, 4, name, 2, schedule, 4, tp=2, chunks=chunks, sp_mode=mode, seq=7,
+             **ENC_DEC_SP_SPLITS[split])
+
+
+@pytest.mark.parametrize("mode", ["split_gather", "all_to_all", "ring_attn"])
+@pytest.mark.parametrize("name", ["T5ForConditionalGeneration", "WhisperForConditionalGeneration"])
+def test_encdec_sequence_parallel_inference(pool, name, mode):
+    """schedule.forward() in eval mode with dropout 0.3 configured, SP=2 x PP=2: the logits on every rank."""
+    pool.run(check.inference_on_every_rank, 4, name, 2, 2, "1f1b", 0.3, mode, 7)
+
+
+@pytest.mark.parametrize("name", ["T5ForConditionalGeneration", "WhisperForConditionalGeneration"])
+def test_encdec_sequence_overlap_in_stages(pool, name):
+    """split_gather with enable_sequence_overlap (the blocks' all-gather overlapped with their column layers),
+    the stage edge inside the decoder."""
+    pool.run(check.equals_unsharded, 4, name, 2, "1f1b", 2, tp=2, sp_mode="split_gather", seq=7,
+             config={"enable_sequence_overlap": True}, **ENC_DEC_SP_SPLITS["mid_decoder"])

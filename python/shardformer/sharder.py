@@ -122,7 +122,9 @@ def _sequence_states(policy, model: nn.Module) -> list:
     """The sequence-parallel states of a sharded model (told the sequence
     length by a pipeline stage that starts from received rows): the split
     policy's SequenceState and the hooked modules' (split_gather), the
-    SequenceSplit its attention modules share (all_to_all / ring_attn)."""
+    SequenceSplit its attention modules share (all_to_all / ring_attn).
+    With policy None: the states of the modules under `model` only (one
+    stack of an encoder-decoder)."""
     from .layer.sequence import STATE_MARK
 
     states = [getattr(policy, "sequence_state", None)]
@@ -190,6 +192,8 @@ class ModelSharder:
             if stages is not None:              # after the TP swaps: drop what other stages hold
                 stages.apply(self.model)
                 stages.sequence_states = _sequence_states(policy, self.model)
+                stages.stack_states = [_sequence_states(None, self.model.get_submodule(spec.module))
+                                       for spec in stages.plan.stacks]
             lazy.materialize_module(self.model)  # the replicated parameters of a lazy_init() model
             if stages is not None:
                 stages.bind_shared(self.model)
@@ -219,13 +223,6 @@ class ModelSharder:
             why = getattr(policy, "pipeline_refusal", "") or "its policy sets no pipeline_split"
             raise NotImplementedError(f"{name}: pipeline parallelism is not available for {type(policy).__name__} "
                                       f"({why})")
-        if self.shard_config.enable_sequence_parallelism and (split.then is not None or split.carry):
-            what = f"{split.layers} and {split.then.layers}" if split.then is not None else split.layers
-            raise NotImplementedError(
-                f"{name}: pipeline parallelism with sequence parallelism "
-                f"({self.shard_config.sequence_parallelism_mode}) is not available for {type(policy).__name__}: "
-                f"its stages pass tuples of tensors ({what}: the position biases, the encoder output), "
-                f"which are not split by sequence here; use one of the two")
         plan = plan_stages(self.model, split, manager, name, prefix=getattr(policy, "prefix", ""),
                            base_model=getattr(policy, "base_model", ""))
         runtime = StageRuntime(plan, manager, name, self.shard_config.tensor_parallel_process_group)

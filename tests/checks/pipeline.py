@@ -18,7 +18,7 @@ from checks import parity
 from checks.optimizations import counting_kernels
 from shardformer import ShardConfig, ShardFormer
 from shardformer.checkpoint import gather_full_state_dict
-from shardformer.layer import sequence_attention
+from shardformer.layer import sequence, sequence_attention
 from shardformer.pipeline import (GPipeSchedule, InterleavedSchedule, OneForwardOneBackwardSchedule,
                                   PipelineStageManager)
 from shardformer.pipeline import p2p
@@ -116,7 +116,7 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
     the batch cut to its first `seq` tokens."""
     batch = batch_of(name, rows)
     if seq is not None:
-        batch = {k: t[:, :seq].contiguous() if t.dim() >= 2 else t for k, t in batch.items()}
+        batch, overrides = cut_to(name, batch, seq, overrides)
     # The model's own loss where it is one mean of equally weighted micro-batches; else a fixed
     # projection of the outputs, in float64 (a sum over every output: float32 rounding would show).
     own_loss = "labels" in batch and not any(k in name for k in ("DoubleHeads", "MaskedImageModeling"))
@@ -146,19 +146,18 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
     positions_before = stages_module.COUNTS["chunk_positions"]
     replicated_before = schedule_module.COUNTS["replicated"]
     split_before = dict(sequence_attention.CALLS)
+    regathers_before = _regathers()
     runner = SCHEDULES[schedule](sm, num_microbatches=m)
     with counting_kernels() as calls:
         out = runner.forward_backward_step(model, batch, criterion=criterion)
     if sp_mode is not None and sm.stage > 0:
-        # a later stage received this rank's rows of the padded sequence only
-        # (rows received, the first stage's layer-input length) along the dimension where they differ:
-        # the sequence's (1, or 0 for a sequence-first model)
-        S, p = batch["input_ids"].shape[1], 2 * tp if sp_mode == "ring_attn" else tp
-        rows = {(shape[d], full[d]) for (kind, *_), (shape, _, full) in runner.link._shapes.items() if kind == "act"
-                for d in range(len(shape)) if shape[d] != full[d]}
-        assert rows == {(-(-S // p) * p // tp, S)}, f"{name}: stage {sm.stage} received rows {rows} of {S} tokens"
+        _received_rows(name, model, runner.link, batch, sp_mode, tp)
     if sp_mode in sequence_attention.MODES:
         assert sequence_attention.CALLS[sp_mode] > split_before[sp_mode], f"{name}: the {sp_mode} attention never ran"
+        if runtime_of(model).plan.tuples:
+            _split_attention_calls(name, model, split_before, m, sp_mode)
+    if sp_mode == "split_gather":                 # the blocks' saved rows gathered again in backward
+        assert _regathers() > regathers_before, f"{name}: no split_gather block ran on stage {sm.stage}"
     if (config or {}).get("enable_all_optimization"):
         assert sum(calls.values()) > 0, f"{name}: no fused kernel ran on stage {sm.stage}"
     sent = p2p.COUNTS["sent"] - before["sent"]
@@ -204,6 +203,92 @@ def _check_layer_count(model, m: int, name: str, before: int) -> int:
     holder = model.get_submodule(plan.stacks[0].module)
     assert getattr(holder, plan.count) == plan.total, (name, getattr(holder, plan.count), plan.total)
     return positions
+
+
+def _regathers() -> int:
+    """Backward re-gathers of split_gather blocks' saved rows in this process
+    (the plain region's, and enable_sequence_overlap's gather_block_input)."""
+    from shardformer.layer import linear
+
+    return sequence._Regathered.gathers + linear._GatherRowsLinear.regathers
+
+
+def cut_to(name: str, batch: dict, seq: int, overrides: dict) -> tuple[dict, dict]:
+    """(batch, config overrides) with the (first stack's) sequence cut to its
+    first `seq` positions: the token inputs (checks.sequence_attention._trim:
+    an encoder-decoder's decoder inputs keep their own length), or Whisper's
+    2 * seq mel frames with max_source_positions=seq (its encoder checks the
+    frame count)."""
+    from checks.sequence_attention import _trim
+
+    batch = _trim(batch, seq)
+    if name == "T5ForSequenceClassification":
+        batch["input_ids"][:, -1] = 1                # the EOS whose decoder state is pooled, cut by _trim
+    if "input_features" in batch:
+        batch["input_features"] = batch["input_features"][..., :2 * seq].contiguous()
+        overrides = dict(overrides, max_source_positions=seq)
+    return batch, overrides
+
+
+def _stack_lengths(batch: dict, stacks: int) -> list[int]:
+    """The unsplit sequence length of each stack the stages run: the first
+    stack's (Whisper's encoder: half the mel frames, after conv2's stride),
+    then the decoder's (its own inputs, or T5's shifted input_ids)."""
+    first = batch["input_features"].shape[-1] // 2 if "input_features" in batch else batch["input_ids"].shape[1]
+    second = batch.get("decoder_input_ids", batch.get("input_ids"))
+    return [first, second.shape[1] if second is not None else first][:stacks]
+
+
+def _received_rows(name: str, model, link, batch: dict, sp_mode: str, tp: int) -> None:
+    """A later stage received this rank's rows of the padded sequence only
+    (each message's hidden states, the first tensor of a tuple), of the stack
+    the sending chunk ended in; the first stack's output whole (the message at
+    the boundary of two stacks, and the last tensor of every second-stack
+    message).  Every received activation is checked."""
+    plan = runtime_of(model).plan
+    lengths = _stack_lengths(batch, len(plan.stacks))
+    p = 2 * tp if sp_mode == "ring_attn" else tp
+
+    def rows(S: int) -> int:
+        return -(-S // p) * p // tp
+
+    checked = 0
+    for key, value in link._shapes.items():
+        msg, part = key if isinstance(key[0], tuple) else (key, 0)
+        if msg[0] != "act" or part == "n":
+            continue
+        n = link._shapes.get((msg, "n"), 1)
+        shape = value[0]
+        end = sum(plan.counts[:msg[1] + 1])                # the sender's chunk ends before layer `end`
+        stack = next(k for k, st in enumerate(plan.stacks) if end <= st.stop)
+        if len(plan.stacks) > 1 and end == plan.stacks[0].stop:
+            assert n == 1 and shape[1] == lengths[0], f"{name}: the first stack's output came as {shape}"
+        elif part == 0:       # along the sequence's dimension: 1, or 0 for a sequence-first model (ChatGLM2)
+            full = value[2] if len(value) > 2 and value[2] is not None else shape
+            d = next((i for i in range(len(shape)) if i < len(full) and shape[i] != full[i]), 1)
+            assert shape[d] == rows(lengths[stack]), \
+                f"{name}: stage received hidden states {shape} of {lengths[stack]} tokens ({sp_mode})"
+        elif stack == 1 and part == n - 1:
+            assert shape[1] == lengths[0], f"{name}: the encoder output travelled as {shape}"
+        checked += 1
+    assert checked, f"{name}: no activation received"
+
+
+def _split_attention_calls(name: str, model, before: dict, m: int, mode: str) -> None:
+    """An encoder-decoder's stage (or T5's one stack, messages with the
+    position bias) ran the split attention once per self-attention layer it
+    holds per micro-batch, the cross-attention path once per decoder layer
+    it holds; T5 added its whole-sequence position bias in every
+    self-attention (its slice under all_to_all, per ring block under
+    ring_attn)."""
+    plan = runtime_of(model).plan
+    held = [sum(len(range(max(r.start, st.start), min(r.stop, st.stop))) for r in plan.chunks)
+            for st in plan.stacks]
+    decoder = held[1] if len(held) > 1 else 0
+    calls = {k: sequence_attention.CALLS[k] - before[k] for k in (mode, "cross", "bias")}
+    expected = {mode: sum(held) * m, "cross": decoder * m,
+                "bias": sum(held) * m if name.startswith("T5") else 0}
+    assert calls == expected, f"{name}: split attention calls {calls}, expected {expected} (held {held})"
 
 
 def _check_repeated_calls(model, sm, name: str, replicated_before: int) -> None:
@@ -299,12 +384,12 @@ def inference_on_every_rank(ctx, name: str, pp: int, tp: int, schedule: str, dro
             else {"hidden_dropout": dropout} if name.startswith("ChatGLM") \
             else {"text_config": {"attention_dropout": dropout}} if name in gemma3mm.MODELS \
             else {"resid_pdrop": dropout, "embd_pdrop": dropout}
+    batch = batch_of(name)
+    if seq is not None:
+        batch, overrides = cut_to(name, batch, seq, overrides)
     ref, model, sm, _ = pipelined(ctx, name, pp, tp, sp_mode=sp_mode, **overrides)
     ref.eval()
     model.eval()
-    batch = batch_of(name)
-    if seq is not None:
-        batch = {k: t[:, :seq].contiguous() for k, t in batch.items()}
     out = SCHEDULES[schedule](sm, num_microbatches=2).forward(model, batch)
     exp = ref(**batch)
     assert type(out) is type(exp), (type(out), type(exp))
@@ -581,26 +666,19 @@ def beit_segmentation_refused(ctx) -> str:
 
 
 def encoder_decoder_refusals(ctx) -> list[str]:
-    """T5 and Whisper with pipeline and sequence parallelism, Whisper with
-    layerdrop or use_weighted_layer_sum under pipeline parallelism, a second
-    stack whose skip keyword the forward lacks: refused by name before
-    anything changes."""
+    """Whisper with layerdrop or use_weighted_layer_sum under pipeline
+    parallelism (with sequence parallelism too), a second stack whose skip
+    keyword the forward lacks: refused by name before anything changes."""
     msgs = []
     tp_group, pp_group = groups(ctx, 2, 2)
     sm = PipelineStageManager(pp_group)
-    t5 = build("T5ForConditionalGeneration", 4)
+    whisper = build("WhisperForConditionalGeneration", 4, decoder_layerdrop=0.5)
     cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm,
-                      enable_sequence_parallelism=True, sequence_parallelism_mode="split_gather")
-    msg = parity.refused_unchanged(t5, lambda: ShardFormer(shard_config=cfg).optimize(t5),
-                                   "T5 with PP and SP", NotImplementedError, structure=True)
-    assert "T5ForConditionalGeneration" in msg and "split_gather" in msg and "encoder.block" in msg, msg
-    msgs.append(msg)
-    whisper = build("WhisperForConditionalGeneration", 4)
-    cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm,
-                      enable_sequence_parallelism=True, sequence_parallelism_mode="split_gather")
+                      enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all",
+                      sequence_parallel_process_group=tp_group, enable_tensor_parallelism=False)
     msg = parity.refused_unchanged(whisper, lambda: ShardFormer(shard_config=cfg).optimize(whisper),
-                                   "Whisper with PP and SP", NotImplementedError, structure=True)
-    assert "WhisperForConditionalGeneration" in msg and "encoder.layers" in msg, msg
+                                   "Whisper with PP, SP and layerdrop", NotImplementedError, structure=True)
+    assert "WhisperForConditionalGeneration" in msg and "decoder_layerdrop" in msg, msg
     msgs.append(msg)
     for name, key in (("WhisperForConditionalGeneration", "decoder_layerdrop"),
                       ("WhisperForAudioClassification", "use_weighted_layer_sum")):

@@ -108,6 +108,7 @@ _SYNC_MARK = "_shardformer_sp_grad_sync"
 #: calls of the split attention, per mode (tests read them)
 CALLS = {"all_to_all": 0, "ring_attn": 0, "unsplit": 0, "cross": 0, "bias": 0}
 _CROSS_MARK = "_shardformer_cross_attention"
+_UNSUMMED_MARK = "_shardformer_unsummed"       # the tensor an encoder output's all-reduce wrapper was made from
 
 
 class SequenceSplit:
@@ -958,7 +959,15 @@ def _encoder_states_summed(kwargs: dict, args: tuple, state: SequenceSplit) -> d
             raise TypeError(f"{state.name}: sequence parallelism with cross-attention needs the decoder's "
                             f"encoder_hidden_states passed by keyword")
         return kwargs
-    return {**kwargs, "encoder_hidden_states": copy_to_tp_region(states, state.group)}
+    summed = copy_to_tp_region(states, state.group)
+    summed.__dict__[_UNSUMMED_MARK] = states
+    return {**kwargs, "encoder_hidden_states": summed}
+
+
+def unsummed(t: torch.Tensor) -> torch.Tensor:
+    """The encoder output that _encoder_states_summed wrapped into `t` (a
+    pipeline stage sends that one on: shardformer.pipeline.stages), else t."""
+    return t.__dict__.get(_UNSUMMED_MARK, t)
 
 
 def _recorded_gather(state: SequenceSplit):

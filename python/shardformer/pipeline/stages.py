@@ -75,6 +75,31 @@ forward hook), one that starts in the second stack does not run the first
 (the received output goes in as the model's `skip` keyword).  A Parameter
 held by modules on several stages (a shared embedding) is one tied set,
 its gradient summed over them.
+
+Sequence parallelism inside the stages (every SP mode; each stack splits
+on its own, at its first layer, and gathers after its last): a message's
+hidden states are this rank's rows of the stack's padded sequence, split
+on the stage holding the stack's first layer; a chunk that enters a stack
+past that layer tells that stack's states (stack_states) the full length,
+read off the stand-ins' output (shaped like the first stage's layer input,
+which travels in the message header).  The other parts travel whole, as
+every rank of the SP group holds them:
+
+  * T5's position biases, built in the stack's first layer for the whole
+    (padded) sequence: every head on every rank under all_to_all /
+    ring_attn, this rank's TP heads under split_gather.  Each rank's use
+    of them gives its part of their gradient, which goes back with the
+    message to the bias table; the group sums the table's gradient.
+  * the first stack's output, gathered after the first stack: the message
+    at the stack boundary and the last part of every second-stack message.
+    Each rank's cross-attention rows give a partial gradient of it, summed
+    over the group where the second stack reads it (sequence_attention's
+    wrapper, or split_gather's TP column layers); the message carries the
+    output as received, not the wrapper (_source_sent), so the gradient
+    coming back from later stages, summed there already, is not summed
+    again.  Whole rather than split: every decoder stage needs all of it
+    (its keys and values), so a split message would cost an all-gather per
+    micro-batch on every such stage; whole, it is gathered once.
 """
 from __future__ import annotations
 
@@ -424,6 +449,10 @@ class _ChunkEdge:
                         raise RuntimeError(f"{rt.model_name}: {type(self._layer).__name__} takes no argument "
                                            f"{arg!r} (pipeline split carry)")
                     bound.arguments[arg] = rt.entry[1 + k]
+                # Sequence parallelism: the received hidden states are this rank's rows (split on the
+                # stack's first stage); `computed`, from the stand-ins, has the stack's full length
+                for state in rt.states_of(spec):
+                    state.resume(computed)
             else:                                  # a stack starts here: its input shape, for the stand-ins
                 rt.input_shape = tuple(computed.shape)
         out = self._layer(*bound.args, **bound.kwargs)
@@ -431,12 +460,24 @@ class _ChunkEdge:
             parts = (out if isinstance(out, torch.Tensor) else out[0],)
             parts += tuple(out[i] for _, i in spec.carry)
             if spec.source:
-                parts += (bound.arguments.get(spec.source),)
+                parts += (_source_sent(bound.arguments.get(spec.source)),)
             if any(not isinstance(t, torch.Tensor) for t in parts):
                 raise RuntimeError(f"{rt.model_name}: pipeline chunk {rt.chunk} ends at layer {index} with "
                                    f"a message part that is not a tensor ({[type(t).__name__ for t in parts]})")
             raise StageExit(parts)
         return out
+
+
+def _source_sent(source):
+    """The first stack's output as the message carries it on: the tensor
+    the stack received, not the identity whose backward all-reduces over the
+    sequence-parallel group (all_to_all / ring_attn wrap it on entering the
+    stack, sequence_attention.unsummed).  The next stage sends back the
+    gradient of its own uses already summed over the group, which must not
+    be summed again; this stage's uses reach the wrapper and are summed once."""
+    from ..layer.sequence_attention import unsummed
+
+    return unsummed(source) if isinstance(source, torch.Tensor) else source
 
 
 @dataclass(frozen=True)
@@ -720,6 +761,9 @@ class StageRuntime:
         # sequence-parallel states (SequenceState, SequenceSplit) told the sequence length when a
         # chunk starts from received rows (their split ran on the first stage)
         self.sequence_states: list = []
+        # the same per stack (plan.stacks order; two stacks have a state each): a chunk entering one
+        # stack tells that stack's states only
+        self.stack_states: list[list] = []
 
     # -- the schedule's side ----------------------------------------------------------
 
@@ -732,6 +776,11 @@ class StageRuntime:
         (False on the first virtual stage, and where the chunk starts a stack)."""
         start = self.chunk_range().start
         return self.entry is not None and all(st.start != start for st in self.plan.stacks)
+
+    def states_of(self, spec: "_StackSpec") -> list:
+        """The sequence-parallel states of the stack `spec` (stack_states)."""
+        k = self.plan.stacks.index(spec)
+        return self.stack_states[k] if k < len(self.stack_states) else []
 
     def _first_hidden(self, entry):
         return entry[0] if isinstance(entry, tuple) else entry
