@@ -39,7 +39,8 @@ def test_forward_backward_step(pool, name, tp):
     if name in D.PARTIAL_PLANS:     # the plan itself leaves experts / layers replicated
         assert all(r["param_fraction"] < 1 for r in reports)
     elif tp == 2:
-        assert all(r["param_fraction"] < 0.6 for r in reports), [r["param_fraction"] for r in reports]
+        bound = 0.65 if name in D.LATENT_ATTENTION else 0.6
+        assert all(r["param_fraction"] < bound for r in reports), [r["param_fraction"] for r in reports]
 
 
 GENERATE = ("Cohere", "Exaone4", "GPTNeoX", "Olmo2", "Qwen3Moe")
