@@ -92,7 +92,8 @@ _WHY = {
                   "(moe_tp_experts), so drop ep_router from the plan"),
     "megamoe_router": "DeepGEMM Mega MoE is not implemented",
     "megamoe_experts": "DeepGEMM Mega MoE is not implemented",
-    "moe_identity_expert": "expert parallelism is not implemented",
+    "moe_identity_expert": ("zero-compute (identity) experts have no shardformer mapping: FusedExperts1D "
+                            "runs only experts with weights"),
 }
 
 
@@ -136,8 +137,11 @@ _HEAD_ATTRS = {"num_heads": "q", "num_attention_heads": "q", "num_key_value_head
 _WIDTH_ATTRS = ("all_head_size", "hidden_size", "embed_dim", "inner_dim")
 #: Children of an MLA attention that the plan leaves whole: the low-rank
 #: path, on replicated activations before the split layers (their gradients
-#: are full once the column layers' input copies have summed theirs).
-_MLA_LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_layernorm")
+#: are full once the column layers' input copies have summed theirs), and
+#: DeepSeek Sparse Attention's indexer, which scores tokens from the
+#: replicated hidden states and query latent and hands back token indices
+#: (the same on every rank, no gradient through them).
+_MLA_LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_layernorm", "indexer")
 _MLA = "mla_kv_a_proj"
 _CONFIG_READS = re.compile(r"config\.(num_attention_heads|num_key_value_heads|head_dim)")
 

@@ -6,6 +6,8 @@ architectures that have no built-in policy but carry a plan (hidden 64,
 from the same seed (checks.parity)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import transformers
 
@@ -67,6 +69,7 @@ MODELS.update({
 MLA = dict(q_lora_rank=24, kv_lora_rank=20, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10, head_dim=8,
            num_key_value_heads=4)
 DEEPSEEK = dict(MLA, **MOE, n_routed_experts=3, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)
+DSA = dict(index_topk=5, index_head_dim=16, index_n_heads=4)
 MODELS.update({
     "DeepseekV2": ("DeepseekV2ForCausalLM", DEEPSEEK),
     # no query LoRA (q_proj split by heads), 6 heads: uneven at TP=4
@@ -79,11 +82,15 @@ MODELS.update({
     "DeepseekV3-mla": ("DeepseekV3ForCausalLM", DEEPSEEK),
     "MiniCPM3": ("MiniCPM3ForCausalLM", MLA),
     "Glm4MoeLite": ("Glm4MoeLiteForCausalLM", dict(DEEPSEEK)),
+    # DeepSeek Sparse Attention: latent attention with a token indexer (kept whole) that keeps
+    # 5 of the keys, fewer than the 8 tokens, so its mask matters
+    "DeepseekV32": ("DeepseekV32ForCausalLM", dict(DEEPSEEK, **DSA)),
+    "GlmMoeDsa": ("GlmMoeDsaForCausalLM", dict(DEEPSEEK, **DSA)),
 })
 
 # Latent attention keeps its low-rank path (q_a_proj, kv_a_proj_with_mqa, their norms) whole on
 # every rank: at this tiny size that is about 5% of the model, so a rank holds a bit over 0.6.
-LATENT_ATTENTION = tuple(n for n in MODELS if n.startswith(("Deepseek", "MiniCPM3", "Glm4MoeLite")))
+LATENT_ATTENTION = tuple(n for n in MODELS if n.startswith(("Deepseek", "MiniCPM3", "Glm4MoeLite", "GlmMoeDsa")))
 
 
 def _deepseek_v2_plan(kind: str) -> dict:
@@ -122,11 +129,6 @@ REFUSED = {
                ("'moe_tp_experts'", "model.layers.0.feed_forward.experts", "Llama4ForCausalLM")),
     # latent attention with attention sinks split by heads (a parameter the plan calls colwise)
     "HYV4": ("HYV4ForCausalLM", dict(MOE), ("'colwise'", "model.layers.0.self_attn.sinks", "HYV4ForCausalLM")),
-    # latent attention with a sparse-attention indexer beside the latent path, which the plan does not name
-    "DeepseekV32": ("DeepseekV32ForCausalLM", dict(DEEPSEEK),
-                    ("'mla_kv_a_proj'", "model.layers.0.self_attn.indexer", "DeepseekV32ForCausalLM")),
-    "GlmMoeDsa": ("GlmMoeDsaForCausalLM", dict(DEEPSEEK),
-                  ("'mla_kv_a_proj'", "model.layers.0.self_attn.indexer", "GlmMoeDsaForCausalLM")),
     # zero-compute experts (moe_identity_expert) have no shardformer mapping
     "LongcatFlash": ("LongcatFlashForCausalLM", dict(DEEPSEEK),
                      ("'moe_identity_expert'", "LongcatFlashForCausalLM")),
@@ -162,9 +164,39 @@ def make_inputs(name: str, seed: int = 1) -> dict:
 
 # ---- rank functions ----
 
+@contextlib.contextmanager
+def counting_layers():
+    """Count the forwards of the layers the MoE and latent-attention styles map
+    to: FusedExperts1D (moe_tp_experts, grouped_gemm) and the rotary-key
+    gradient hook of SharedRopeKeyProjection (mla_kv_a_proj)."""
+    from shardformer.layer import replicated
+    from shardformer.layer.moe import FusedExperts1D
+
+    targets = {"experts": (FusedExperts1D, "forward"), "rope_grad": (replicated._RopeGradSync, "_hook")}
+    calls = dict.fromkeys(targets, 0)
+    saved = {label: getattr(cls, attr) for label, (cls, attr) in targets.items()}
+
+    def wrap(label):
+        def counted(*args, **kwargs):
+            calls[label] += 1
+            return saved[label](*args, **kwargs)
+        return counted
+
+    for label, (cls, attr) in targets.items():
+        setattr(cls, attr, wrap(label))
+    try:
+        yield calls
+    finally:
+        for label, (cls, attr) in targets.items():
+            setattr(cls, attr, saved[label])
+
+
 def check(ctx, name: str):
-    return parity.check_sharded(ctx, lambda: build(name), make_inputs(name), name=name,
-                                fp64_floor=name in FP64_FLOOR)
+    with counting_layers() as calls:
+        report = parity.check_sharded(ctx, lambda: build(name), make_inputs(name), name=name,
+                                      fp64_floor=name in FP64_FLOOR)
+    report["calls"] = dict(calls)
+    return report
 
 def generate_matches(ctx, name: str, new_tokens: int = 5):
     model, ref = parity.sharded_pair(ctx, build(name))
