@@ -160,3 +160,9 @@ def test_latent_attention_half_plans_refused(pool, case):
         edit = {k: v for k, v in attention.items() if v == "mla_kv_a_proj"}
         expect = ("'mla_kv_a_proj'", "model.layers.0.self_attn.kv_a_proj_with_mqa", "DeepseekV3ForCausalLM")
     pool.run(D.refused, 2, "DeepseekV3", expect, edit)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", ["DeepseekV2", "DeepseekV2-qproj-6heads"])
+def test_latent_attention_eval_with_dropout(pool, name, tp):
+    pool.run(D.eval_with_dropout, tp, name)

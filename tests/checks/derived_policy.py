@@ -86,11 +86,13 @@ MODELS.update({
     # 5 of the keys, fewer than the 8 tokens, so its mask matters
     "DeepseekV32": ("DeepseekV32ForCausalLM", dict(DEEPSEEK, **DSA)),
     "GlmMoeDsa": ("GlmMoeDsaForCausalLM", dict(DEEPSEEK, **DSA)),
+    # latent attention whose q_gate_proj holds per head [q_nope | q_pe | output gate] blocks, with an indexer
+    "AXK2": ("AXK2ForCausalLM", dict(DEEPSEEK, **DSA)),
 })
 
 # Latent attention keeps its low-rank path (q_a_proj, kv_a_proj_with_mqa, their norms) whole on
 # every rank: at this tiny size that is about 5% of the model, so a rank holds a bit over 0.6.
-LATENT_ATTENTION = tuple(n for n in MODELS if n.startswith(("Deepseek", "MiniCPM3", "Glm4MoeLite", "GlmMoeDsa")))
+LATENT_ATTENTION = tuple(n for n in MODELS if n.startswith(("Deepseek", "MiniCPM3", "Glm4MoeLite", "GlmMoeDsa", "AXK2")))
 
 
 def _deepseek_v2_plan(kind: str) -> dict:
@@ -272,3 +274,13 @@ def pipelined(ctx, name: str, tp: int = 2) -> dict:
     for key, t in ref.state_dict().items():
         parity.assert_close(f"{name} {key} after a step", full[key], t, (1e-5, 1e-6))
     return {"loss": err}
+
+
+def eval_with_dropout(ctx, name: str, p: float = 0.3) -> float:
+    """In eval mode with attention dropout p configured, the sharded model's
+    logits equal the unsharded model's (dropout off on both)."""
+    model, ref = parity.sharded_pair(ctx, build(name, attention_dropout=p))
+    inputs = {"input_ids": make_inputs(name)["input_ids"]}
+    with torch.no_grad():
+        got, exp = model(**inputs).logits, ref(**inputs).logits
+    return parity.assert_close(f"{name} eval logits (dropout {p})", got, exp, parity.TOL[torch.float32])
