@@ -166,3 +166,13 @@ def test_latent_attention_half_plans_refused(pool, case):
 @pytest.mark.parametrize("name", ["DeepseekV2", "DeepseekV2-qproj-6heads"])
 def test_latent_attention_eval_with_dropout(pool, name, tp):
     pool.run(D.eval_with_dropout, tp, name)
+
+
+@pytest.mark.parametrize("name", ["DeepseekV2", "MiniCPM3"])
+def test_all_optimizations_on_latent_attention(pool, name):
+    """enable_all_optimization on latent attention: the fused RMSNorms (the
+    latent norms included) and SwiGLU run and the model still equals the
+    unsharded one; attention stays on transformers' path (its key and value
+    heads differ in size, which the C kernel does not take)."""
+    calls = pool.run(D.with_all_optimizations, 2, name)[0]["calls"]
+    assert calls["rms_norm"] > 0 and calls["swiglu"] > 0, calls
