@@ -50,8 +50,10 @@ When no built-in policy matches a model, shardformer.autopolicy falls back to
 Anything else (sequence_parallel, all_reduce, ep_router, megamoe_*,
 moe_identity_expert, unknown names), a style on a module it does not fit,
 or a head split that cannot be made, is refused while planning, before the
-model changes, naming the style, the module path and the model class.  Paths of the plan that match no module are skipped (as
-transformers does).
+model changes, naming the style, the module path and the model class.  So
+is a latent attention split by heads without mla_kv_a_proj, or with
+parameterized children beside its latent path that the plan does not name.
+Paths of the plan that match no module are skipped (as transformers does).
 
 A module whose column layers leave their output split (an attention or MLP
 block) has its other parameterized children, which the plan does not name
@@ -447,7 +449,9 @@ class DerivedPolicy(Policy):
         leave their output split (an activation with parameters, a per-head
         norm the plan does not name): they act on this rank's features, so
         their gradients are partial and get all-reduced, as
-        replicated_with_grad_allreduce does."""
+        replicated_with_grad_allreduce does.  In a latent attention (`mla`)
+        they run before the split instead, on replicated activations
+        (_MLA_LATENT): they stay as they are, and any other child is refused."""
         from .layer.replicated import ReplicatedInParallelRegion
 
         lead = f"{parent_path}." if parent_path else ""
