@@ -132,7 +132,8 @@ REFUSED = {
     # latent attention with attention sinks split by heads (a parameter the plan calls colwise)
     "HYV4": ("HYV4ForCausalLM", dict(MOE), ("'colwise'", "model.layers.0.self_attn.sinks", "HYV4ForCausalLM")),
     # zero-compute experts (moe_identity_expert) have no shardformer mapping
-    "LongcatFlash": ("LongcatFlashForCausalLM", dict(DEEPSEEK),
+    "LongcatFlash": ("LongcatFlashForCausalLM", dict(DEEPSEEK, expert_ffn_hidden_size=32, ffn_hidden_size=90,
+                                                     zero_expert_num=2, num_layers=2),
                      ("'moe_identity_expert'", "LongcatFlashForCausalLM")),
     "Inkling": ("InklingForCausalLM", dict(MOE), ("'all_reduce'", "InklingForCausalLM")),
 }
