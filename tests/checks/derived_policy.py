@@ -6,8 +6,6 @@ architectures that have no built-in policy but carry a plan (hidden 64,
 from the same seed (checks.parity)."""
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import transformers
 
@@ -167,31 +165,15 @@ def make_inputs(name: str, seed: int = 1) -> dict:
 
 # ---- rank functions ----
 
-@contextlib.contextmanager
 def counting_layers():
     """Count the forwards of the layers the MoE and latent-attention styles map
     to: FusedExperts1D (moe_tp_experts, grouped_gemm) and the rotary-key
     gradient hook of SharedRopeKeyProjection (mla_kv_a_proj)."""
+    from checks.optimizations import counting_calls
     from shardformer.layer import replicated
     from shardformer.layer.moe import FusedExperts1D
 
-    targets = {"experts": (FusedExperts1D, "forward"), "rope_grad": (replicated._RopeGradSync, "_hook")}
-    calls = dict.fromkeys(targets, 0)
-    saved = {label: getattr(cls, attr) for label, (cls, attr) in targets.items()}
-
-    def wrap(label):
-        def counted(*args, **kwargs):
-            calls[label] += 1
-            return saved[label](*args, **kwargs)
-        return counted
-
-    for label, (cls, attr) in targets.items():
-        setattr(cls, attr, wrap(label))
-    try:
-        yield calls
-    finally:
-        for label, (cls, attr) in targets.items():
-            setattr(cls, attr, saved[label])
+    return counting_calls({"experts": (FusedExperts1D, "forward"), "rope_grad": (replicated._RopeGradSync, "_hook")})
 
 
 def check(ctx, name: str):
