@@ -257,7 +257,7 @@ def derived_section(junits: list[str]) -> str:
     passed = {arch.split("-")[0] for arch in rows if rows[arch].get("TP=2") and all(rows[arch]["TP=2"])}
     text = (f"**Derived from the model's own plan** (no built-in policy; `shardformer.derived_policy`): "
             f"{len(passed)} architectures pass (a name with a suffix is a second configuration: other head "
-            f"counts), from `tests/test_derived_policy.py`.\n\n" + "\n".join(lines))
+            f"counts, or the plan edited as the suffix says), from `tests/test_derived_policy.py`.\n\n" + "\n".join(lines))
     if refused:
         text += ("\n\nRefused at plan time, naming the style, module and class (tested): "
                  + ", ".join(sorted(refused)) + ".")

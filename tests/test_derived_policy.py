@@ -39,10 +39,16 @@ def test_forward_backward_step(pool, name, tp):
     if name in D.PARTIAL_PLANS:     # the plan itself leaves experts / layers replicated
         assert all(r["param_fraction"] < 1 for r in reports)
     elif tp == 2:
-        assert all(r["param_fraction"] < 0.6 for r in reports), [r["param_fraction"] for r in reports]
+        bound = 0.65 if name in D.LATENT_ATTENTION else 0.6
+        assert all(r["param_fraction"] < bound for r in reports), [r["param_fraction"] for r in reports]
+    calls = reports[0]["calls"]
+    if name in D.LATENT_ATTENTION and name != "DeepseekV3":     # (V3's own plan keeps attention whole)
+        assert calls["rope_grad"] >= D.BASE["num_hidden_layers"], calls
+    if name in D.LATENT_ATTENTION and name != "MiniCPM3":       # (MiniCPM3 is dense)
+        assert calls["experts"] > 0, calls
 
 
-GENERATE = ("Cohere", "Exaone4", "GPTNeoX", "Olmo2", "Qwen3Moe")
+GENERATE = ("Cohere", "Exaone4", "GPTNeoX", "Olmo2", "Qwen3Moe", "DeepseekV2", "MiniCPM3")
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -122,3 +128,51 @@ def test_parallel_output_on_derived_plans(pool, name, tp):
 def test_pipeline_from_pp_plan(pool, name, tp):
     """The stage split comes from the config's base_model_pp_plan (PP=2, 1F1B; TP=2 inside the stages)."""
     pool.run(D.pipelined, 4, name, tp)
+
+
+def test_expert_parallel_router_refused(pool):
+    """DeepSeek-V2's whole expert-parallel plan: its ep_router is refused (no
+    expert parallelism yet), naming the style, the router's path and the class."""
+    expect = ("'ep_router'", "model.layers.1.mlp.gate", "DeepseekV2ForCausalLM", "drop ep_router")
+    pool.run(D.refused, 2, "DeepseekV2", expect, D._deepseek_v2_plan("ep"))
+
+
+def test_grouped_gemm_plan_is_the_expert_parallel_plans():
+    """The grouped_gemm model runs the experts entries of DeepSeek-V2's own
+    expert-parallel plan (so the style reaches the policy as transformers spells it)."""
+    plan = D.build("DeepseekV2-grouped_gemm")._tp_plan
+    assert plan["model.layers.*.mlp.experts.gate_up_proj"] == "grouped_gemm"
+    assert plan["model.layers.*.mlp.experts.down_proj"] == "grouped_gemm"
+    assert "ep_router" not in plan.values()
+
+
+@pytest.mark.parametrize("case", ["kv_a_unnamed", "heads_unsplit"])
+def test_latent_attention_half_plans_refused(pool, case):
+    """Latent attention split by heads without mla_kv_a_proj (the shared rotary
+    key's gradient would stay partial), and mla_kv_a_proj without the head
+    split (nothing to reduce over), are refused before the model changes."""
+    attention = D._deepseek_v2_plan("attention")
+    if case == "kv_a_unnamed":
+        edit = {k: ("colwise" if v == "mla_kv_a_proj" else v) for k, v in attention.items()}
+        edit["model.layers.*.self_attn.kv_a_proj_with_mqa"] = "replicated_with_grad_allreduce"
+        expect = ("'colwise'", "model.layers.0.self_attn", "DeepseekV3ForCausalLM", "mla_kv_a_proj")
+    else:
+        edit = {k: v for k, v in attention.items() if v == "mla_kv_a_proj"}
+        expect = ("'mla_kv_a_proj'", "model.layers.0.self_attn.kv_a_proj_with_mqa", "DeepseekV3ForCausalLM")
+    pool.run(D.refused, 2, "DeepseekV3", expect, edit)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", ["DeepseekV2", "DeepseekV2-qproj-6heads"])
+def test_latent_attention_eval_with_dropout(pool, name, tp):
+    pool.run(D.eval_with_dropout, tp, name)
+
+
+@pytest.mark.parametrize("name", ["DeepseekV2", "MiniCPM3"])
+def test_all_optimizations_on_latent_attention(pool, name):
+    """enable_all_optimization on latent attention: the fused RMSNorms (the
+    latent norms included) and SwiGLU run and the model still equals the
+    unsharded one; attention stays on transformers' path (its key and value
+    heads differ in size, which the C kernel does not take)."""
+    calls = pool.run(D.with_all_optimizations, 2, name)[0]["calls"]
+    assert calls["rms_norm"] > 0 and calls["swiglu"] > 0, calls

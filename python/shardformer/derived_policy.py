@@ -27,15 +27,33 @@ When no built-in policy matches a model, shardformer.autopolicy falls back to
     packed_rowwise                  Linear1D_Row, input split Fused.equal(2)
     replicated_with_grad_allreduce  ReplicatedInParallelRegion (gradients all-reduced)
     moe_tp_experts                  FusedExperts1D, when its gate_up_proj is
-                                    packed_colwise and its down_proj rowwise (the
-                                    router stays replicated, as in the plan)
+                                    packed_colwise (or grouped_gemm) and its
+                                    down_proj rowwise (or grouped_gemm): every
+                                    expert's intermediate features split, partial
+                                    outputs all-reduced; the router stays replicated
+    grouped_gemm                    (on an experts module's 3-D parameters) the same
+                                    FusedExperts1D split.  transformers' expert-parallel
+                                    plans split the experts dimension instead and pair it
+                                    with ep_router; without ep_router in the plan the
+                                    router is replicated and an intermediate split gives
+                                    the same sum, so that is what runs
+    mla_kv_a_proj                   SharedRopeKeyProjection: multi-head latent attention's
+                                    joint KV down-projection [c_kv | k_pe] stays whole; the
+                                    rotary key k_pe, shared by every head, has its gradient
+                                    all-reduced.  Its attention's q_b_proj / q_proj and
+                                    kv_b_proj are split by whole heads (per head
+                                    [q_nope | q_pe] and [k_nope | v] blocks), o_proj by
+                                    the same heads; the low-rank path (q_a_proj and the
+                                    latent norms) stays replicated with no reduction (the
+                                    column layers' input copies already sum its gradient)
 
-Anything else (sequence_parallel, all_reduce, mla_kv_a_proj, grouped_gemm,
-ep_router, megamoe_*, moe_identity_expert, unknown names), a style on a
-module it does not fit, or a head split that cannot be made, is refused while
-planning, before the model changes, naming the style, the module path and
-the model class.  Paths of the plan that match no module are skipped (as
-transformers does).
+Anything else (sequence_parallel, all_reduce, ep_router, megamoe_*,
+moe_identity_expert, unknown names), a style on a module it does not fit,
+or a head split that cannot be made, is refused while planning, before the
+model changes, naming the style, the module path and the model class.  So
+is a latent attention split by heads without mla_kv_a_proj, or with
+parameterized children beside its latent path that the plan does not name.
+Paths of the plan that match no module are skipped (as transformers does).
 
 A module whose column layers leave their output split (an attention or MLP
 block) has its other parameterized children, which the plan does not name
@@ -64,18 +82,20 @@ from .policy import SubModuleReplacementDescription as Sub
 SUPPORTED_STYLES = (
     "colwise", "rowwise", "colwise_gather_output", "colwise_rep", "rowwise_split_input", "rowwise_rep",
     "embedding_rowwise", "packed_colwise", "packed_rowwise", "replicated_with_grad_allreduce", "moe_tp_experts",
+    "grouped_gemm", "mla_kv_a_proj",
 )
 _COL = ("colwise", "colwise_gather_output", "colwise_rep", "packed_colwise")
 _ROW = ("rowwise", "rowwise_split_input", "rowwise_rep", "packed_rowwise")
 _WHY = {
     "sequence_parallel": "sequence parallelism comes from ShardConfig, not from the plan",
     "all_reduce": "a module with partial outputs has no shardformer layer yet",
-    "mla_kv_a_proj": "multi-head latent attention is not implemented",
-    "grouped_gemm": "expert parallelism is not implemented",
-    "ep_router": "expert parallelism is not implemented",
+    "ep_router": ("expert parallelism (experts split over ranks, each rank routing only to its own) is not "
+                  "implemented: experts are split by their intermediate features with the router replicated "
+                  "(moe_tp_experts), so drop ep_router from the plan"),
     "megamoe_router": "DeepGEMM Mega MoE is not implemented",
     "megamoe_experts": "DeepGEMM Mega MoE is not implemented",
-    "moe_identity_expert": "expert parallelism is not implemented",
+    "moe_identity_expert": ("zero-compute (identity) experts have no shardformer mapping: FusedExperts1D "
+                            "runs only experts with weights"),
 }
 
 
@@ -117,6 +137,14 @@ def _text_config(model):
 _HEAD_ATTRS = {"num_heads": "q", "num_attention_heads": "q", "num_key_value_heads": "kv", "num_kv_heads": "kv",
                "num_key_value_groups": "groups"}
 _WIDTH_ATTRS = ("all_head_size", "hidden_size", "embed_dim", "inner_dim")
+#: Children of an MLA attention that the plan leaves whole: the low-rank
+#: path, on replicated activations before the split layers (their gradients
+#: are full once the column layers' input copies have summed theirs), and
+#: DeepSeek Sparse Attention's indexer, which scores tokens from the
+#: replicated hidden states and query latent and hands back token indices
+#: (the same on every rank, no gradient through them).
+_MLA_LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_layernorm", "indexer")
+_MLA = "mla_kv_a_proj"
 _CONFIG_READS = re.compile(r"config\.(num_attention_heads|num_key_value_heads|head_dim)")
 
 
@@ -245,11 +273,11 @@ class DerivedPolicy(Policy):
                 subs.append(Sub(path, ReplicatedInParallelRegion))
             elif isinstance(module, nn.Embedding):
                 subs.append(self._embedding(path, style, module))
-            elif style in _COL or style in _ROW:
+            elif style in _COL or style in _ROW or style == _MLA:
                 parent_path = path.rpartition(".")[0]
                 if parent_path in done:
                     continue
-                siblings = {p: matched[p] for p in parents[parent_path] if matched[p][0] in _COL + _ROW
+                siblings = {p: matched[p] for p in parents[parent_path] if matched[p][0] in _COL + _ROW + (_MLA,)
                             and not isinstance(matched[p][1], nn.Embedding)}
                 parent = self.model.get_submodule(parent_path) if parent_path else self.model
                 s, a = self._linears(parent_path, parent, siblings)
@@ -257,6 +285,9 @@ class DerivedPolicy(Policy):
                 attrs.update(a)
                 done.add(parent_path)
                 done.update(siblings)
+            elif style == "grouped_gemm":
+                raise self._fail(style, path, f"grouped_gemm names the 3-D expert parameters of a moe_tp_experts "
+                                 f"module; {type(module).__name__} is not inside one")
             else:
                 raise self._fail(style, path, f"{style} needs an nn.Embedding, {type(module).__name__} is not one")
         subs += self._tied_embedding(matched, subs)
@@ -311,10 +342,11 @@ class DerivedPolicy(Policy):
         for key, style in plan.items():          # parameter entries (experts.gate_up_proj: packed_colwise)
             if key.startswith(generic + ".") or key.startswith(path + "."):
                 inner[key.rsplit(".", 1)[-1]] = style
-        want = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
-        if any(inner.get(k) != v for k, v in want.items()) or set(inner) - set(want):
-            raise self._fail("moe_tp_experts", path, f"only gate_up_proj: packed_colwise with down_proj: rowwise "
-                             f"is mapped (FusedExperts1D); the plan says {inner}")
+        want = {"gate_up_proj": ("packed_colwise", "grouped_gemm"), "down_proj": ("rowwise", "grouped_gemm")}
+        if any(inner.get(k) not in v for k, v in want.items()) or set(inner) - set(want):
+            raise self._fail("moe_tp_experts", path, "only gate_up_proj: packed_colwise or grouped_gemm with "
+                             "down_proj: rowwise or grouped_gemm is mapped (FusedExperts1D, intermediate "
+                             f"features split); the plan says {inner}")
         if not (isinstance(getattr(module, "gate_up_proj", None), nn.Parameter)
                 and isinstance(getattr(module, "down_proj", None), nn.Parameter)):
             raise self._fail("moe_tp_experts", path, f"{type(module).__name__} does not hold fused "
@@ -331,7 +363,10 @@ class DerivedPolicy(Policy):
         attention = self._is_attention(parent) and parent is not self.model
         heads = None
         split_heads = False
-        if attention:
+        mla = [p for p, (st, _) in siblings.items() if st == _MLA]
+        if mla:
+            heads = self._mla_heads(parent_path, parent, mla[0])
+        elif attention:
             try:
                 heads = self.heads_of(parent)
             except (AttributeError, ValueError, TypeError) as e:
@@ -352,7 +387,11 @@ class DerivedPolicy(Policy):
             if not isinstance(module, nn.Linear):
                 raise self._fail(style, path, f"{type(module).__name__} is not an nn.Linear")
             out_f, in_f = module.weight.shape
-            if style == "packed_colwise":
+            if style == _MLA:
+                from .layer.replicated import SharedRopeKeyProjection
+
+                subs.append(Sub(path, SharedRopeKeyProjection, kwargs={"rope_dim": parent.qk_rope_head_dim}))
+            elif style == "packed_colwise":
                 subs.append(Sub(path, Linear1D_Col, kwargs={"split": Fused.equal(2)}))
             elif style == "packed_rowwise":
                 subs.append(Sub(path, Linear1D_Row, kwargs={"split": Fused.equal(2)}))
@@ -376,33 +415,66 @@ class DerivedPolicy(Policy):
                     raise self._fail(style, path, "a row-parallel input split by KV heads is not supported")
                 cls = Linear1D_Col if style == "colwise" else Linear1D_Row
                 subs.append(Sub(path, cls, kwargs={"split": spec}))
+        if mla and not split_heads:
+            raise self._fail(_MLA, mla[0], "its attention's projections are not split by heads (the plan "
+                             "names no colwise q_b_proj / kv_b_proj)")
+        if split_heads and not mla and _is_mla(parent):
+            raise self._fail("colwise", parent_path, f"{type(parent).__name__} is multi-head latent attention "
+                             "split by heads, but the plan does not name its kv_a_proj_with_mqa mla_kv_a_proj "
+                             "(the shared rotary key's gradient would stay partial)")
         if split_heads:
-            attrs.update(self._attention_attributes(parent_path, parent, heads))
+            attrs.update(self._attention_attributes(parent_path, parent, heads, widths=not mla))
         if any(style in ("colwise", "packed_colwise") for style, _ in siblings.values()):
-            subs += self._between_split_layers(parent_path, parent)
+            subs += self._between_split_layers(parent_path, parent, mla=bool(mla))
         return subs, attrs
 
-    def _between_split_layers(self, parent_path: str, parent: nn.Module) -> list[Sub]:
+    def _mla_heads(self, parent_path: str, parent: nn.Module, kv_a_path: str) -> Heads:
+        """The heads of a multi-head latent attention: every head has its own
+        keys and values ([k_nope | v] blocks of kv_b_proj), so the KV heads
+        are the query heads; a head of q_b_proj / q_proj is qk_nope + qk_rope
+        features wide."""
+        need = ("num_heads", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank")
+        missing = [a for a in need if not isinstance(getattr(parent, a, None), int)]
+        if missing:
+            raise self._fail(_MLA, kv_a_path, f"{type(parent).__name__} at {parent_path!r} has no integer "
+                             f"{missing} (a DeepSeek-V2-style latent attention keeps them as attributes)")
+        kv_heads = getattr(_text_config(self.model), "num_key_value_heads", None) or parent.num_heads
+        if kv_heads != parent.num_heads:
+            raise self._fail(_MLA, kv_a_path, f"num_key_value_heads={kv_heads} differs from num_heads="
+                             f"{parent.num_heads}: latent attention expands the keys to every query head")
+        return Heads(parent.num_heads, parent.num_heads, parent.qk_nope_head_dim + parent.qk_rope_head_dim)
+
+    def _between_split_layers(self, parent_path: str, parent: nn.Module, mla: bool = False) -> list[Sub]:
         """The other parameterized children of a module whose column layers
         leave their output split (an activation with parameters, a per-head
         norm the plan does not name): they act on this rank's features, so
         their gradients are partial and get all-reduced, as
-        replicated_with_grad_allreduce does."""
+        replicated_with_grad_allreduce does.  In a latent attention (`mla`)
+        they run before the split instead, on replicated activations
+        (_MLA_LATENT): they stay as they are, and any other child is refused."""
         from .layer.replicated import ReplicatedInParallelRegion
 
         lead = f"{parent_path}." if parent_path else ""
         named = self.plan_paths
-        return [Sub(lead + child, ReplicatedInParallelRegion) for child, module in parent.named_children()
+        rest = [child for child, module in parent.named_children()
                 if lead + child not in named and any(True for _ in module.parameters())]
+        if mla:        # latent attention: the low-rank path stays whole; anything else is unknown
+            unknown = [c for c in rest if c not in _MLA_LATENT]
+            if unknown:
+                raise self._fail(_MLA, f"{lead}{unknown[0]}", f"{type(parent).__name__} has parameterized "
+                                 f"children {unknown} beside its latent path {_MLA_LATENT} that the plan "
+                                 "does not name (their inputs may be split by heads)")
+            return []
+        return [Sub(lead + child, ReplicatedInParallelRegion) for child in rest]
 
-    def _attention_attributes(self, path: str, module: nn.Module, heads: Heads) -> dict:
+    def _attention_attributes(self, path: str, module: nn.Module, heads: Heads, widths: bool = True) -> dict:
         lead = f"{path}." if path else ""
         values = {"q": heads.local_heads(), "kv": heads.local_kv_heads(), "groups": heads.local_groups()}
         attrs = {}
         for name, which in _HEAD_ATTRS.items():
             if isinstance(getattr(module, name, None), int):
                 attrs[lead + name] = values[which]
-        for name in _WIDTH_ATTRS:
+        for name in _WIDTH_ATTRS if widths else ():       # (latent attention reshapes with -1)
             if getattr(module, name, None) == heads.num_heads * heads.head_dim:
                 attrs[lead + name] = heads.local_width(heads.head_dim)
         config = getattr(module, "config", None)
@@ -417,6 +489,12 @@ class DerivedPolicy(Policy):
         if self.tensor_parallel and tie is not None:
             self.tie_weight(*tie)
         return self.model
+
+
+def _is_mla(module: nn.Module) -> bool:
+    """A DeepSeek-V2-style latent attention: a joint KV down-projection and a
+    shared rotary key."""
+    return isinstance(getattr(module, "kv_a_proj_with_mqa", None), nn.Linear) and hasattr(module, "qk_rope_head_dim")
 
 
 def _forward_source(module: nn.Module) -> str:

@@ -62,6 +62,50 @@ MODELS.update({
     "SmolLM3-1kv": ("SmolLM3ForCausalLM", {"num_key_value_heads": 1}),
     "GPTNeoX-6heads": ("GPTNeoXForCausalLM", dict(MODELS["GPTNeoX"][1], hidden_size=48, num_attention_heads=6)),
 })
+# Multi-head latent attention (mla_kv_a_proj): latent ranks, rotary, no-rope and value widths
+# that all differ, so a per-head block cut in the wrong place shows; every head its own keys.
+MLA = dict(q_lora_rank=24, kv_lora_rank=20, qk_rope_head_dim=8, qk_nope_head_dim=12, v_head_dim=10, head_dim=8,
+           num_key_value_heads=4)
+DEEPSEEK = dict(MLA, **MOE, n_routed_experts=3, n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1)
+DSA = dict(index_topk=5, index_head_dim=16, index_n_heads=4)
+MODELS.update({
+    "DeepseekV2": ("DeepseekV2ForCausalLM", DEEPSEEK),
+    # no query LoRA (q_proj split by heads), 6 heads: uneven at TP=4
+    "DeepseekV2-qproj-6heads": ("DeepseekV2ForCausalLM", dict(DEEPSEEK, q_lora_rank=None, hidden_size=48,
+                                                              num_attention_heads=6, num_key_value_heads=6)),
+    # the experts' grouped_gemm entries of DeepSeek-V2's expert-parallel plan, its ep_router left out
+    "DeepseekV2-grouped_gemm": ("DeepseekV2ForCausalLM", DEEPSEEK),
+    # DeepSeek-V3's own plan leaves the attention replicated; "-mla" adds DeepSeek-V2's attention entries
+    "DeepseekV3": ("DeepseekV3ForCausalLM", DEEPSEEK),
+    "DeepseekV3-mla": ("DeepseekV3ForCausalLM", DEEPSEEK),
+    "MiniCPM3": ("MiniCPM3ForCausalLM", MLA),
+    "Glm4MoeLite": ("Glm4MoeLiteForCausalLM", dict(DEEPSEEK)),
+    # DeepSeek Sparse Attention: latent attention with a token indexer (kept whole) that keeps
+    # 5 of the keys, fewer than the 8 tokens, so its mask matters
+    "DeepseekV32": ("DeepseekV32ForCausalLM", dict(DEEPSEEK, **DSA)),
+    "GlmMoeDsa": ("GlmMoeDsaForCausalLM", dict(DEEPSEEK, **DSA)),
+    # latent attention whose q_gate_proj holds per head [q_nope | q_pe | output gate] blocks, with an indexer
+    "AXK2": ("AXK2ForCausalLM", dict(DEEPSEEK, **DSA)),
+})
+
+# Latent attention keeps its low-rank path (q_a_proj, kv_a_proj_with_mqa, their norms) whole on
+# every rank: at this tiny size that is about 5% of the model, so a rank holds a bit over 0.6.
+LATENT_ATTENTION = tuple(n for n in MODELS if n.startswith(("Deepseek", "MiniCPM3", "Glm4MoeLite", "GlmMoeDsa", "AXK2")))
+
+
+def _deepseek_v2_plan(kind: str) -> dict:
+    """Entries of DeepSeek-V2's config plans, prefixed like a resolved plan:
+    `attention` its attention entries, `grouped_gemm` its expert-parallel
+    plan's expert entries (ep_router left out), `ep` that whole plan."""
+    cfg = transformers.DeepseekV2Config
+    if kind == "attention":
+        return {f"model.{k}": v for k, v in cfg.base_model_tp_plan.items() if ".self_attn." in k}
+    ep = {f"model.{k}": v for k, v in cfg.base_model_ep_plan.items()}
+    return ep if kind == "ep" else {k: v for k, v in ep.items() if v != "ep_router"}
+
+
+# {name: plan kind}: plans edited before optimize() (the model's resolved plan updated)
+PLAN_EDITS = {"DeepseekV2-grouped_gemm": "grouped_gemm", "DeepseekV3-mla": "attention"}
 # Checked only at the pinned transformers version: {name: (version, why)}.
 PINNED_ONLY = {
     "Gemma4Unified": ("5.18.0", "transformers 5.15's Gemma4 config sets its layer types per process "
@@ -70,7 +114,7 @@ PINNED_ONLY = {
     "MiMoV2Flash": ("5.18.0", "transformers 5.15 registers the rotary buffers in a per-process order (a set): "
                               "the replica check refuses the ranks' models before the plan is read"),
 }
-PARTIAL_PLANS = ("AriaText", "Cohere2Moe", "ExaoneMoe", "OlmoHybrid", "Qwen2Moe")
+PARTIAL_PLANS = ("AriaText", "Cohere2Moe", "ExaoneMoe", "OlmoHybrid", "Qwen2Moe", "DeepseekV3")
 # Reductions in another order: allow the unsharded float32 model's own distance from float64.
 FP64_FLOOR = ("Gemma4Unified",)
 # Plans (or modules) that cannot be honoured: {name: (class, overrides, what the refusal names)}.
@@ -83,18 +127,23 @@ REFUSED = {
                     ("'colwise'", "model.layers.0.self_attn.v_proj", "MiMoV2FlashForCausalLM")),
     "Llama4": ("Llama4ForCausalLM", dict(MOE),
                ("'moe_tp_experts'", "model.layers.0.feed_forward.experts", "Llama4ForCausalLM")),
-    "DeepseekV2": ("DeepseekV2ForCausalLM", dict(MOE), ("'mla_kv_a_proj'", "model.layers.0.self_attn.kv_a_proj_with_mqa",
-                                                         "DeepseekV2ForCausalLM")),
-    "MiniCPM3": ("MiniCPM3ForCausalLM", {}, ("'mla_kv_a_proj'", "model.layers.0.self_attn.kv_a_proj_with_mqa",
-                                            "MiniCPM3ForCausalLM")),
-    "HYV4": ("HYV4ForCausalLM", dict(MOE), ("'mla_kv_a_proj'", "HYV4ForCausalLM")),
+    # latent attention with attention sinks split by heads (a parameter the plan calls colwise)
+    "HYV4": ("HYV4ForCausalLM", dict(MOE), ("'colwise'", "model.layers.0.self_attn.sinks", "HYV4ForCausalLM")),
+    # zero-compute experts (moe_identity_expert) have no shardformer mapping
+    "LongcatFlash": ("LongcatFlashForCausalLM", dict(DEEPSEEK, expert_ffn_hidden_size=32, ffn_hidden_size=90,
+                                                     zero_expert_num=2, num_layers=2),
+                     ("'moe_identity_expert'", "LongcatFlashForCausalLM")),
     "Inkling": ("InklingForCausalLM", dict(MOE), ("'all_reduce'", "InklingForCausalLM")),
 }
+
+# Overrides whose None is meant (elsewhere None drops the key: the config's default applies).
+KEEP_NONE = ("q_lora_rank",)
+
 
 def config_of(name: str, **extra):
     cls_name, overrides = MODELS[name] if name in MODELS else REFUSED[name][:2]
     cls = getattr(transformers, cls_name)
-    kwargs = {k: v for k, v in dict(BASE, **overrides, **extra).items() if v is not None}
+    kwargs = {k: v for k, v in dict(BASE, **overrides, **extra).items() if v is not None or k in KEEP_NONE}
     if name == "GPTNeoX":
         kwargs.pop("num_key_value_heads", None)
     config = cls.config_class(**kwargs)
@@ -104,7 +153,10 @@ def config_of(name: str, **extra):
 def build(name: str, seed: int = 0, **extra):
     cls, config = config_of(name, **extra)
     torch.manual_seed(seed)
-    return cls(config)
+    model = cls(config)
+    if name in PLAN_EDITS:
+        model._tp_plan = dict(model._tp_plan, **_deepseek_v2_plan(PLAN_EDITS[name]))
+    return model
 
 def make_inputs(name: str, seed: int = 1) -> dict:
     g = torch.Generator().manual_seed(seed)
@@ -113,9 +165,23 @@ def make_inputs(name: str, seed: int = 1) -> dict:
 
 # ---- rank functions ----
 
+def counting_layers():
+    """Count the forwards of the layers the MoE and latent-attention styles map
+    to: FusedExperts1D (moe_tp_experts, grouped_gemm) and the rotary-key
+    gradient hook of SharedRopeKeyProjection (mla_kv_a_proj)."""
+    from checks.optimizations import counting_calls
+    from shardformer.layer import replicated
+    from shardformer.layer.moe import FusedExperts1D
+
+    return counting_calls({"experts": (FusedExperts1D, "forward"), "rope_grad": (replicated._RopeGradSync, "_hook")})
+
+
 def check(ctx, name: str):
-    return parity.check_sharded(ctx, lambda: build(name), make_inputs(name), name=name,
-                                fp64_floor=name in FP64_FLOOR)
+    with counting_layers() as calls:
+        report = parity.check_sharded(ctx, lambda: build(name), make_inputs(name), name=name,
+                                      fp64_floor=name in FP64_FLOOR)
+    report["calls"] = dict(calls)
+    return report
 
 def generate_matches(ctx, name: str, new_tokens: int = 5):
     model, ref = parity.sharded_pair(ctx, build(name))
@@ -191,3 +257,13 @@ def pipelined(ctx, name: str, tp: int = 2) -> dict:
     for key, t in ref.state_dict().items():
         parity.assert_close(f"{name} {key} after a step", full[key], t, (1e-5, 1e-6))
     return {"loss": err}
+
+
+def eval_with_dropout(ctx, name: str, p: float = 0.3) -> float:
+    """In eval mode with attention dropout p configured, the sharded model's
+    logits equal the unsharded model's (dropout off on both)."""
+    model, ref = parity.sharded_pair(ctx, build(name, attention_dropout=p))
+    inputs = {"input_ids": make_inputs(name)["input_ids"]}
+    with torch.no_grad():
+        got, exp = model(**inputs).logits, ref(**inputs).logits
+    return parity.assert_close(f"{name} eval logits (dropout {p})", got, exp, parity.TOL[torch.float32])

@@ -22,24 +22,30 @@ DROPOUT = 0.1
 
 
 @contextmanager
-def counting_kernels(names: tuple[str, ...] = COUNTED):
-    """Count the calls of the C kernels' Python entry points `names` in shardformer.ops."""
-    calls = dict.fromkeys(names, 0)
-    saved = {name: getattr(ops, name) for name in names}
+def counting_calls(targets: dict):
+    """Count the calls of each attribute `targets` names, {label: (owner,
+    attribute)} (a module's function, a class's method), under its label."""
+    calls = dict.fromkeys(targets, 0)
+    saved = {label: getattr(owner, attr) for label, (owner, attr) in targets.items()}
 
-    def wrap(name):
+    def wrap(label):
         def counted(*args, **kwargs):
-            calls[name] += 1
-            return saved[name](*args, **kwargs)
+            calls[label] += 1
+            return saved[label](*args, **kwargs)
         return counted
 
-    for name in names:
-        setattr(ops, name, wrap(name))
+    for label, (owner, attr) in targets.items():
+        setattr(owner, attr, wrap(label))
     try:
         yield calls
     finally:
-        for name, fn in saved.items():
-            setattr(ops, name, fn)
+        for label, (owner, attr) in targets.items():
+            setattr(owner, attr, saved[label])
+
+
+def counting_kernels(names: tuple[str, ...] = COUNTED):
+    """Count the calls of the C kernels' Python entry points `names` in shardformer.ops."""
+    return counting_calls({name: (ops, name) for name in names})
 
 
 # Second configurations of a class the zoo does not name: name -> (zoo name, config overrides)

@@ -98,3 +98,67 @@ class _GradientSync:
         for p in self.params[:len(self.handles)]:
             p.__dict__.pop(_MARK, None)
         self.handles.clear()
+
+
+class SharedRopeKeyProjection:
+    """The joint KV down-projection of multi-head latent attention (MLA:
+    DeepSeek-V2/V3, MiniCPM3, GLM-4-MoE-Lite), kept whole on every rank.
+
+    It maps X [.., H] to [c_kv | k_pe], c_kv the kv_lora_rank latent and
+    k_pe the rope_dim rotary key that every head shares.  With the heads
+    split over the ranks (kv_b_proj column-parallel by heads, o_proj
+    row-parallel), c_kv only reaches the split layers through kv_b_proj,
+    whose input copy already all-reduces its gradient; k_pe goes straight
+    into this rank's heads, so its gradient holds only this rank's heads:
+
+        d k_pe = sum_i d k_pe_i     (all-reduce backward, identity forward)
+
+    A forward hook passes the last `rope_dim` output features through
+    copy_to_tp_region; the weight (and bias) then get the full, replicated
+    gradient with no further reduction."""
+
+    @classmethod
+    def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, rope_dim: int = 0, **kwargs) -> ShardPlan:
+        if not isinstance(module, nn.Linear):
+            raise TypeError(f"{cls.__name__}: {type(module).__name__} is not an nn.Linear")
+        if not 0 < int(rope_dim) < module.out_features:
+            raise ValueError(f"{cls.__name__}: rope_dim={rope_dim} is not inside the "
+                             f"{module.out_features} output features of {type(module).__name__}")
+        return ShardPlan(tp_size, rank)
+
+    @classmethod
+    def prepare_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
+                              rope_dim: int = 0, **kwargs) -> "_RopeGradSync":
+        if plan is None:   # not from the sharder
+            plan = plan_directly(cls, module, process_group, rope_dim=rope_dim)
+        return _RopeGradSync(module, int(rope_dim), process_group, plan.tp_size)
+
+    @classmethod
+    def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
+                           rope_dim: int = 0, **kwargs) -> nn.Module:
+        return cls.prepare_native_module(module, process_group, plan=plan, rope_dim=rope_dim).commit()
+
+
+class _RopeGradSync:
+    """The forward hook of SharedRopeKeyProjection: registered by commit(),
+    removed by rollback()."""
+
+    def __init__(self, module: nn.Module, rope_dim: int, group, tp_size: int):
+        self.module, self.rope_dim, self.group, self.tp_size = module, rope_dim, group, tp_size
+        self.handle = None
+
+    def _hook(self, _module, _args, output: torch.Tensor) -> torch.Tensor:
+        from ..distributed.mappings import copy_to_tp_region
+
+        latent, rope = output.split([output.shape[-1] - self.rope_dim, self.rope_dim], dim=-1)
+        return torch.cat([latent, copy_to_tp_region(rope, self.group)], dim=-1)
+
+    def commit(self) -> nn.Module:
+        if self.tp_size > 1 and self.handle is None:
+            self.handle = self.module.register_forward_hook(self._hook)
+        return self.module
+
+    def rollback(self) -> None:
+        if self.handle is not None:
+            self.handle.remove()
+            self.handle = None
