@@ -38,3 +38,54 @@ def test_derived_tp2_sp2_all_to_all(pool, name):
 @pytest.mark.parametrize("name", ["Olmo2", "Starcoder2"])
 def test_derived_sp_eval_with_dropout(pool, name, mode):
     pool.run(S.eval_with_dropout, 2, name, mode)
+
+
+@pytest.mark.parametrize("name", ["Ministral", "Cohere2", "Exaone4"])
+def test_sliding_window_in_force(name):
+    """The sliding-window architectures above: the window (4) is shorter than the tested sequences
+    and changes the unsharded model's logits, so the split runs had to honour it."""
+    import torch
+
+    ids = S.inputs_of(name, 9)["input_ids"]
+    cls, config = D.config_of(name)
+    assert config.sliding_window == 4
+    windowed = D.build(name).eval()
+    config.sliding_window = 64
+    plain = cls(config).eval()
+    plain.load_state_dict(windowed.state_dict())
+    with torch.no_grad():
+        windowed, plain = windowed(input_ids=ids).logits, plain(input_ids=ids).logits
+    assert not torch.allclose(windowed, plain), f"{name}: the sliding window changes nothing"
+
+
+# {case: (architecture, mode, what the refusal names)}
+REFUSED = {
+    # OLMo-Hybrid's layer 0 is a linear-attention (recurrent) mixer: on this rank's rows it would miss the rest
+    **{f"OlmoHybrid-{m}": ("OlmoHybrid", m, ("OlmoHybridForCausalLM", "model.layers.0", "'linear_attention'",
+                                             repr(m))) for m in MODES},
+    # OLMoE's config carries no base_model_pp_plan: no layer list to split around
+    "Olmoe-all_to_all": ("Olmoe", "all_to_all", ("OlmoeForCausalLM", "'all_to_all'", "base_model_pp_plan")),
+    "Olmoe-split_gather": ("Olmoe", "split_gather", ("OlmoeForCausalLM", "'split_gather'", "base_model_pp_plan")),
+    # Qwen2-MoE's plan leaves the MoE block replicated: split_gather would run it on this rank's rows only
+    "Qwen2Moe-split_gather": ("Qwen2Moe", "split_gather", ("Qwen2MoeForCausalLM", "model.layers.0.mlp",
+                                                           "Qwen2MoeSparseMoeBlock", "'split_gather'")),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_derived_sp_refused_by_name(pool, case):
+    name, mode, expect = REFUSED[case]
+    pool.run(S.refused, 2, name, mode, expect)
+
+
+@pytest.mark.parametrize("mode", ["all_to_all", "ring_attn"])
+@pytest.mark.parametrize("sp", [2, 4])
+def test_replicated_moe_block_under_split_attention(pool, mode, sp):
+    """Qwen2-MoE (its MoE block replicated by the plan; refused under split_gather) runs on each
+    rank's rows under the split-attention modes: every token is routed alone."""
+    pool.run(S.equals_unsharded, sp, "Qwen2Moe", mode, 7)
+
+
+def test_derived_sp_overlap_refused(pool):
+    expect = ("Olmo2ForCausalLM", "enable_sequence_overlap", "DerivedPolicy")
+    pool.run(S.refused, 2, "Olmo2", "split_gather", expect, None, {"enable_sequence_overlap": True})

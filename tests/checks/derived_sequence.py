@@ -124,11 +124,13 @@ def tp_sp_equals_unsharded(ctx, name: str, mode: str, tp: int = 2, seq: int = 7)
     return report
 
 
-def refused(ctx, name: str, mode: str, expect: tuple[str, ...], overrides: dict | None = None) -> str:
-    """optimize() in `mode` raises NotImplementedError naming each of
-    `expect`, leaving every weight and module as it was."""
+def refused(ctx, name: str, mode: str, expect: tuple[str, ...], overrides: dict | None = None,
+            config: dict | None = None) -> str:
+    """optimize() in `mode` (plus ShardConfig `config`) raises
+    NotImplementedError naming each of `expect`, leaving every weight and
+    module as it was."""
     model = DP.build(name, **(overrides or {}))
-    config = ShardConfig(tensor_parallel_process_group=ctx.group, **mode_config(mode))
+    config = ShardConfig(tensor_parallel_process_group=ctx.group, **mode_config(mode), **(config or {}))
     message = parity.refused_unchanged(model, lambda: ShardFormer(config).optimize(model), f"{name} {mode}",
                                        error=NotImplementedError, structure=True)
     missing = [e for e in expect if e not in message]
