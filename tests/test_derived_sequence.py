@@ -89,3 +89,10 @@ def test_replicated_moe_block_under_split_attention(pool, mode, sp):
 def test_derived_sp_overlap_refused(pool):
     expect = ("Olmo2ForCausalLM", "enable_sequence_overlap", "DerivedPolicy")
     pool.run(S.refused, 2, "Olmo2", "split_gather", expect, None, {"enable_sequence_overlap": True})
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["Olmo2", "Qwen3Moe", "GPTNeoX"])
+def test_derived_sp_in_pipeline_stages(pool, name, mode):
+    """PP=2 (1F1B) x SP=2 inside each stage, the stage split from base_model_pp_plan, 7 tokens."""
+    pool.run(D.pipelined, 4, name, 2, mode, 7)
