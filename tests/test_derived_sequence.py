@@ -66,6 +66,9 @@ REFUSED = {
     # OLMoE's config carries no base_model_pp_plan: no layer list to split around
     "Olmoe-all_to_all": ("Olmoe", "all_to_all", ("OlmoeForCausalLM", "'all_to_all'", "base_model_pp_plan")),
     "Olmoe-split_gather": ("Olmoe", "split_gather", ("OlmoeForCausalLM", "'split_gather'", "base_model_pp_plan")),
+    # GPT-OSS: a learned sink logit per head in every softmax
+    **{f"GptOss-{m}": ("GptOss", m, ("GptOssForCausalLM", "model.layers.0.self_attn.sinks", "attention sinks",
+                                     repr(m))) for m in ("all_to_all", "ring_attn")},
     # Qwen2-MoE's plan leaves the MoE block replicated: split_gather would run it on this rank's rows only
     "Qwen2Moe-split_gather": ("Qwen2Moe", "split_gather", ("Qwen2MoeForCausalLM", "model.layers.0.mlp",
                                                            "Qwen2MoeSparseMoeBlock", "'split_gather'")),
@@ -96,3 +99,8 @@ def test_derived_sp_overlap_refused(pool):
 def test_derived_sp_in_pipeline_stages(pool, name, mode):
     """PP=2 (1F1B) x SP=2 inside each stage, the stage split from base_model_pp_plan, 7 tokens."""
     pool.run(D.pipelined, 4, name, 2, mode, 7)
+
+
+@pytest.mark.parametrize("mode", ["all_to_all", "ring_attn"])
+def test_attention_outside_the_interface_refused(pool, mode):
+    pool.run(S.own_attention_refused, 2, mode)

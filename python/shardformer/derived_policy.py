@@ -47,6 +47,22 @@ num_key_value_groups, and all_head_size / hidden_size / embed_dim when they
 are the query width); one whose forward reads head counts from `self.config`
 gets a per-rank copy of the config.  An LM head tied to the input embeddings
 stays tied: the input embeddings are then split by vocabulary as well.
+
+Sequence parallelism (ShardConfig.enable_sequence_parallelism) splits around
+the layer list that `base_model_pp_plan` names (its one ModuleList; no such
+plan: every mode refused, naming the setting).  all_to_all / ring_attn:
+SequenceAttentionParallel on that list (shardformer.layer.sequence_attention:
+the rows [B, S'/p, hidden] run every layer, attention exchanges heads or
+passes K/V blocks around the ring through transformers' AttentionInterface).
+split_gather: each child of a layer holding split layers is a region of
+shardformer.layer.sequence (input all-gathered along S, backward
+reduce-scatter; output reduce-scattered, backward all-gather), the norms
+between them run on this rank's rows (gradients all-reduced), see
+DerivedPolicy._split_gather.  Refused by name, before the model changes:
+layer types other than attention (linear attention, recurrent mixers), a
+convolution along the sequence, attention outside the interface and attention
+sinks (all_to_all, ring_attn), and under split_gather a layer child
+with parameters the plan leaves replicated that is not a norm.
 """
 from __future__ import annotations
 
@@ -508,9 +524,11 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
                 raise self._refused(f"{path}.{i}", f"{type(layer).__name__}'s attention ({found}) does not go "
                                     f"through transformers' AttentionInterface, where the split attention runs")
             sinks = next((f"{path}.{i}.{n}" for n, _ in layer.named_parameters() if n.endswith("sinks")), None)
-            if sinks is not None and mode == "ring_attn":
-                raise self._refused(sinks, "attention sinks (a learned logit per head in every softmax) are not "
-                                    "merged by the ring's log-sum-exp")
+            if sinks is not None:
+                why = ("the ring's log-sum-exp merge has no term for them" if mode == "ring_attn" else
+                       "the model's attention reads them for all its heads, while each rank attends over its "
+                       "own heads after the exchange")
+                raise self._refused(sinks, f"attention sinks (a learned logit per head in every softmax): {why}")
 
     def _split_gather(self, subs: list) -> None:
         """Adds split-gather sequence parallelism to the tensor-parallel

@@ -19,6 +19,26 @@ from shardformer.layer import sequence_attention as sa
 from shardformer.layer.sequence import STATE_MARK, _Regathered
 
 
+# Architectures checked here only (refusals): {name: (ForCausalLM class, config overrides)}
+SP_ONLY = {"GptOss": ("GptOssForCausalLM", dict(num_local_experts=3, num_experts_per_tok=2, sliding_window=4,
+                                                intermediate_size=32, rope_parameters={"rope_type": "default",
+                                                                                       "rope_theta": 10000.0}))}
+
+
+def build(name: str, **overrides):
+    """checks.derived_policy.build, or an architecture of SP_ONLY."""
+    if name not in SP_ONLY:
+        return DP.build(name, **overrides)
+    import transformers
+
+    cls_name, extra = SP_ONLY[name]
+    cls = getattr(transformers, cls_name)
+    config = cls.config_class(**dict(DP.BASE, **extra, **overrides))
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return cls(config)
+
+
 def inputs_of(name: str, seq: int, seed: int = 1) -> dict:
     """A [2, seq] batch of token ids with labels (any length, odd included)."""
     g = torch.Generator().manual_seed(seed)
@@ -37,11 +57,11 @@ def _regions(model) -> int:
     """The split_gather regions of a sharded model (its blocks: every
     module carrying the sequence state that is not a layer itself)."""
     marked = [m for m in model.modules() if STATE_MARK in m.__dict__]
-    layers = {id(m) for m in DP_layers(model)}
+    layers = {id(m) for m in _layers_of(model)}
     return sum(1 for m in marked if id(m) not in layers)
 
 
-def DP_layers(model) -> list:
+def _layers_of(model) -> list:
     from shardformer.autopolicy import get_autopolicy
 
     policy = get_autopolicy(model)
@@ -60,7 +80,7 @@ def _expected_calls(model, mode: str) -> int:
     forwards of compare_sharded."""
     if mode == "split_gather":
         return _regions(model)
-    return 2 * len(DP_layers(model))
+    return 2 * len(_layers_of(model))
 
 
 def equals_unsharded(ctx, name: str, mode: str, seq: int = 7, overrides: dict | None = None) -> dict:
@@ -129,10 +149,30 @@ def refused(ctx, name: str, mode: str, expect: tuple[str, ...], overrides: dict 
     """optimize() in `mode` (plus ShardConfig `config`) raises
     NotImplementedError naming each of `expect`, leaving every weight and
     module as it was."""
-    model = DP.build(name, **(overrides or {}))
+    model = build(name, **(overrides or {}))
     config = ShardConfig(tensor_parallel_process_group=ctx.group, **mode_config(mode), **(config or {}))
     message = parity.refused_unchanged(model, lambda: ShardFormer(config).optimize(model), f"{name} {mode}",
                                        error=NotImplementedError, structure=True)
     missing = [e for e in expect if e not in message]
     assert not missing, f"the refusal does not name {missing}: {message}"
+    return message
+
+
+def own_attention_refused(ctx, mode: str) -> str:
+    """Olmo2 whose layer 0 runs an attention class of the user's own (its
+    forward wraps HF's, not through transformers' AttentionInterface): the
+    split-attention modes refuse it by name, the model unchanged."""
+    model = DP.build("Olmo2")
+    attn = model.model.layers[0].self_attn
+    hf = type(attn)
+
+    def forward(self, *args, **kwargs):
+        return hf.forward(self, *args, **kwargs)
+
+    attn.__class__ = type("OwnAttention", (hf,), {"forward": forward})
+    config = ShardConfig(tensor_parallel_process_group=ctx.group, **mode_config(mode))
+    message = parity.refused_unchanged(model, lambda: ShardFormer(config).optimize(model), f"OwnAttention {mode}",
+                                       error=NotImplementedError, structure=True)
+    for part in ("Olmo2ForCausalLM", "model.layers.0", "OwnAttention", "AttentionInterface", repr(mode)):
+        assert part in message, f"the refusal does not name {part}: {message}"
     return message
