@@ -17,8 +17,9 @@ MODES = ("split_gather", "all_to_all", "ring_attn")
 # GQA everywhere (4 query heads over 2 KV heads); MoE: Qwen3Moe, Ernie4_5_Moe; sliding windows:
 # Ministral (full + sliding layers), Cohere2, Exaone4 (with qk-norm); qk-norm: Olmo2 (over the
 # whole projection), Qwen3Moe; biased row layers (role "enter"): GPTNeoX, Phi, Starcoder2
+# position_ids read inside the layer (its attention scale): Ministral3, given this rank's rows
 NAMES = ("Olmo2", "Qwen3Moe", "Ernie4_5_Moe", "Ministral", "Cohere2", "Exaone4", "GPTNeoX", "Phi", "Starcoder2",
-         "Granite", "SmolLM3", "Cohere", "Glm4")
+         "Granite", "SmolLM3", "Cohere", "Glm4", "Ministral3")
 
 
 @pytest.mark.parametrize("sp, seq", [(2, 7), (4, 9)])
@@ -69,6 +70,13 @@ REFUSED = {
     # GPT-OSS: a learned sink logit per head in every softmax
     **{f"GptOss-{m}": ("GptOss", m, ("GptOssForCausalLM", "model.layers.0.self_attn.sinks", "attention sinks",
                                      repr(m))) for m in ("all_to_all", "ring_attn")},
+    # experts / a shared expert the plan leaves replicated inside the split MoE block: their full output
+    # would be summed over the ranks
+    # (AriaText's router, beside replicated experts, is refused first)
+    "AriaText-split_gather": ("AriaText", "split_gather", ("AriaTextForCausalLM", "model.layers.0.mlp.router",
+                                                           "AriaTextTopKRouter", "'split_gather'")),
+    "SolarOpen-split_gather": ("SolarOpen", "split_gather", ("SolarOpenForCausalLM",
+                                                             "model.layers.0.mlp.shared_experts", "SolarOpenMLP")),
     # Qwen2-MoE's plan leaves the MoE block replicated: split_gather would run it on this rank's rows only
     "Qwen2Moe-split_gather": ("Qwen2Moe", "split_gather", ("Qwen2MoeForCausalLM", "model.layers.0.mlp",
                                                            "Qwen2MoeSparseMoeBlock", "'split_gather'")),

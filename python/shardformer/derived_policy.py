@@ -479,7 +479,9 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
 
     def split_attention_targets(self) -> list:
         base, _, layers = self.layer_stack()
-        return [(type(base), layers, base, {})]
+        # position_ids: this rank's rows, for layers that read positions themselves (Ministral 3's
+        # attention scale); the rotary cos / sin that most pass are cut by the split itself
+        return [(type(base), layers, base, {"row_kwargs": ("position_ids",)})]
 
     def layers_path(self) -> str:
         """The dotted path of the layer ModuleList in the model."""
@@ -572,12 +574,22 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
                 if biased and s in rows:
                     s.kwargs["reduce_scatter"] = True
         out = [Sub(where, SequenceParallelRegion, kwargs={"role": "enter" if biased else "block", "state": state})]
-        for s in experts:                  # the routers beside the experts: partial gradients
-            owner = s.suffix.rpartition(".")[0]
-            for child, m in self.model.get_submodule(owner).named_children():
-                router = f"{owner}.{child}"
-                if router not in planned and any(True for _ in m.parameters()):
-                    out.append(Sub(router, RouterInSequenceParallel))
+        routers = {f"{s.suffix.rpartition('.')[0]}.{child}" for s in experts
+                   for child, m in self.model.get_submodule(s.suffix.rpartition(".")[0]).named_children()
+                   if any(True for _ in m.parameters(recurse=False))}      # a router's own matrix
+        seen: list[str] = []                   # replicated subtrees classified whole
+        for path, m in module.named_modules(prefix=where):
+            if any(path == p or path.startswith(p + ".") for p in seen + [s.suffix for s in inside]):
+                continue
+            if any(s.suffix.startswith(path + ".") for s in inside) or not any(True for _ in m.parameters()):
+                continue                           # holds split layers (look inside), or nothing to train
+            seen.append(path)
+            if path in routers and path not in planned:    # beside the experts: partial gradients
+                out.append(Sub(path, RouterInSequenceParallel))
+            elif not _norm_like(m):
+                raise self._refused(path, f"{type(m).__name__} holds parameters the plan leaves replicated inside "
+                                    f"a tensor-parallel block: its full output would be summed over the ranks by "
+                                    f"the block's reduce-scatter")
         return out
 
     # ---- after the swaps ----
