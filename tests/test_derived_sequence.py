@@ -112,3 +112,10 @@ def test_derived_sp_in_pipeline_stages(pool, name, mode):
 @pytest.mark.parametrize("mode", ["all_to_all", "ring_attn"])
 def test_attention_outside_the_interface_refused(pool, mode):
     pool.run(S.own_attention_refused, 2, mode)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["Olmo2", "Qwen3Moe", "Ministral"])
+def test_derived_sp_generate(pool, name, mode):
+    tokens = pool.run(S.generate_matches, 2, name, mode)
+    assert all(t == tokens[0] for t in tokens)

@@ -176,3 +176,22 @@ def own_attention_refused(ctx, mode: str) -> str:
     for part in ("Olmo2ForCausalLM", "model.layers.0", "OwnAttention", "AttentionInterface", repr(mode)):
         assert part in message, f"the refusal does not name {part}: {message}"
     return message
+
+
+def generate_matches(ctx, name: str, mode: str, new_tokens: int = 5) -> list:
+    """Greedy generate() of the model sharded in `mode` equals the unsharded
+    model's (KV-cache steps: unsplit under all_to_all / ring_attn, one token
+    on one rank's rows under split_gather); a use_cache=False forward after
+    it still takes the split path (counted) and equals the unsharded logits."""
+    model = build(name).eval()
+    ref = copy.deepcopy(model)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **mode_config(mode))).optimize(model)
+    tokens = parity.greedy_matches(model, ref, {"input_ids": parity.prompt_ids()}, f"{name} {mode}", new_tokens)
+    before = sa.CALLS[mode] if mode in sa.MODES else None
+    ids = inputs_of(name, 7)["input_ids"]
+    with torch.no_grad():
+        got, exp = model(input_ids=ids, use_cache=False).logits, ref(input_ids=ids, use_cache=False).logits
+    if before is not None:
+        assert sa.CALLS[mode] > before, f"{name}: the {mode} attention did not run after generate()"
+    parity.assert_close(f"{name} {mode} logits after generate()", got, exp, parity.TOL[torch.float32])
+    return tokens.tolist()
