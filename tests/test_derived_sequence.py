@@ -119,3 +119,10 @@ def test_attention_outside_the_interface_refused(pool, mode):
 def test_derived_sp_generate(pool, name, mode):
     tokens = pool.run(S.generate_matches, 2, name, mode)
     assert all(t == tokens[0] for t in tokens)
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", ["Olmo2", "Ministral"])
+def test_derived_sp_padded_batch(pool, name, mode, sp):
+    pool.run(S.padded_batch, sp, name, mode)

@@ -195,3 +195,32 @@ def generate_matches(ctx, name: str, mode: str, new_tokens: int = 5) -> list:
         assert sa.CALLS[mode] > before, f"{name}: the {mode} attention did not run after generate()"
     parity.assert_close(f"{name} {mode} logits after generate()", got, exp, parity.TOL[torch.float32])
     return tokens.tolist()
+
+
+def padded_batch(ctx, name: str, mode: str, sp_seq: int = 7, pad: int = 2) -> dict:
+    """Batch row 0 left-padded by `pad` tokens (attention_mask), labels -100
+    where a padding query predicts: the logits at the real positions, the
+    loss and every gradient (this rank's shard under split_gather) equal the
+    unsharded model's, through the split path (counted).  What a query that
+    sees only padding attends to is each kernel's own convention and reaches
+    nothing real."""
+    torch.manual_seed(0)
+    model = build(name).train()
+    ref = copy.deepcopy(model)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **mode_config(mode))).optimize(model)
+    inputs = inputs_of(name, sp_seq)
+    mask = torch.ones_like(inputs["input_ids"])
+    mask[0, :pad] = 0
+    inputs["labels"][0, : pad + 1] = -100                 # label t is predicted at t - 1
+    inputs["attention_mask"] = mask
+    before = _split_calls(mode)
+    got, exp = model(**inputs), ref(**inputs)
+    tol = parity.TOL[torch.float32]
+    real = mask.bool()
+    parity.assert_close(f"{name} {mode} logits at real positions", got.logits[real], exp.logits[real], tol)
+    parity.assert_close(f"{name} {mode} loss", got.loss, exp.loss, tol)
+    got.loss.backward()
+    exp.loss.backward()
+    worst = parity.compare_grads(model, ref, f"{name} {mode} padded", tol)
+    assert _split_calls(mode) > before, f"{name}: the {mode} path did not run"
+    return {"grad": worst}
