@@ -6,6 +6,7 @@ architectures that have no built-in policy but carry a plan (hidden 64,
 from the same seed (checks.parity)."""
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
 
@@ -90,6 +91,22 @@ REFUSED = {
     "HYV4": ("HYV4ForCausalLM", dict(MOE), ("'mla_kv_a_proj'", "HYV4ForCausalLM")),
     "Inkling": ("InklingForCausalLM", dict(MOE), ("'all_reduce'", "InklingForCausalLM")),
 }
+
+def available(names, table) -> list:
+    """The names whose class this transformers has (the lower end of the supported range has
+    fewer architectures, and some plans differ there)."""
+    out = []
+    for name in names:
+        cls = table[name][0]
+        if not hasattr(transformers, cls):
+            out.append(pytest.param(name, marks=pytest.mark.skip(
+                reason=f"transformers {transformers.__version__} has no {cls}")))
+        elif name in PINNED_ONLY and transformers.__version__ != PINNED_ONLY[name][0]:
+            out.append(pytest.param(name, marks=pytest.mark.skip(reason=PINNED_ONLY[name][1])))
+        else:
+            out.append(name)
+    return out
+
 
 def config_of(name: str, **extra):
     cls_name, overrides = MODELS[name] if name in MODELS else REFUSED[name][:2]
