@@ -224,3 +224,16 @@ def padded_batch(ctx, name: str, mode: str, sp_seq: int = 7, pad: int = 2) -> di
     worst = parity.compare_grads(model, ref, f"{name} {mode} padded", tol)
     assert _split_calls(mode) > before, f"{name}: the {mode} path did not run"
     return {"grad": worst}
+
+
+def equals_or_refused(ctx, name: str, mode: str, seq: int = 7) -> str:
+    """equals_unsharded, or optimize() refuses the mode (NotImplementedError
+    naming the model class and the mode): "equal" or "refused"."""
+    cls = (DP.MODELS.get(name) or SP_ONLY[name])[0]
+    try:
+        equals_unsharded(ctx, name, mode, seq)
+    except NotImplementedError as e:
+        message = str(e)
+        assert cls in message and repr(mode) in message, f"the refusal does not name {cls} and {mode!r}: {message}"
+        return "refused"
+    return "equal"
