@@ -158,3 +158,8 @@ def test_every_derived_architecture_sp2(pool, name, mode):
     outcome = pool.run(S.equals_or_refused, 2, name, mode, 7)
     expected = "refused" if (name, mode) in SWEEP_REFUSED else "equal"
     assert all(o == expected for o in outcome), f"{name} {mode}: {outcome}, expected {expected}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_convolution_over_the_sequence_refused(pool, mode):
+    pool.run(S.sequence_conv_refused, 2, mode)

@@ -495,8 +495,9 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
     def _check_sequence_parallelism(self) -> None:
         """Refuse, before anything changes, layers the sequence split cannot
         run: layer types other than (sliding-window) attention, convolutions
-        along the sequence, and per mode what _check_split_gather /
-        _check_split_attention name."""
+        along the sequence, and under all_to_all / ring_attn what
+        _check_split_attention names (split_gather's refusals come while
+        planning: _split_gather)."""
         if not self.shard_config.enable_sequence_parallelism or self.layer_stack() is None:
             return
         path = self.layers_path()

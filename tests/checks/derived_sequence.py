@@ -237,3 +237,17 @@ def equals_or_refused(ctx, name: str, mode: str, seq: int = 7) -> str:
         assert cls in message and repr(mode) in message, f"the refusal does not name {cls} and {mode!r}: {message}"
         return "refused"
     return "equal"
+
+
+def sequence_conv_refused(ctx, mode: str) -> str:
+    """Olmo2 with a short convolution over the sequence added to layer 1
+    (a conv mixer, as hybrid architectures have): every mode refuses it by
+    name, the model unchanged."""
+    model = DP.build("Olmo2")
+    model.model.layers[1].short_conv = torch.nn.Conv1d(4, 4, 3, groups=4)
+    config = ShardConfig(tensor_parallel_process_group=ctx.group, **mode_config(mode))
+    message = parity.refused_unchanged(model, lambda: ShardFormer(config).optimize(model), f"conv {mode}",
+                                       error=NotImplementedError, structure=True)
+    for part in ("Olmo2ForCausalLM", "model.layers.1.short_conv", "convolution", repr(mode)):
+        assert part in message, f"the refusal does not name {part}: {message}"
+    return message
