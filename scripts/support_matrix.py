@@ -126,7 +126,7 @@ TEST_FILES = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROO
     "tests/test_kernels.py", "tests/test_attention.py", "tests/test_optimizations.py", "tests/test_lazy.py",
     "tests/test_from_pretrained.py", "tests/test_sequence_parallel.py", "tests/test_sequence_attention.py",
     "tests/test_sequence_parallel_more.py", "tests/test_sequence_parallel_mm.py", "tests/test_pipeline.py", "tests/test_lm_loss.py",
-    "tests/test_derived_policy.py"]
+    "tests/test_derived_policy.py", "tests/test_derived_sequence.py"]
 
 
 def registry() -> dict[str, list[str]]:
@@ -220,6 +220,10 @@ def class_list(families: dict[str, list[str]]) -> str:
 # Architectures without a built-in policy, sharded from their own tensor-parallel plan
 # (shardformer.derived_policy), as tests/test_derived_policy.py names them.
 DERIVED_TESTS = {"TP=2": "test_forward_backward_step", "generate()": "test_generate_matches_unsharded"}
+# Sequence parallelism on derived plans (tests/test_derived_sequence.py, params "<arch>-<mode>-<sp>-<seq>"):
+# one column per mode, SP=2 and 4.
+DERIVED_SP_TEST = "test_derived_sp_equals_unsharded"
+DERIVED_SP_MODES = ("split_gather", "all_to_all", "ring_attn")
 
 
 def derived_section(junits: list[str]) -> str:
@@ -228,7 +232,8 @@ def derived_section(junits: list[str]) -> str:
     rows: dict[str, dict[str, list[bool]]] = defaultdict(lambda: defaultdict(list))
     refused = []
     for case in test_cases(junits):
-        if not case.get("classname", "").endswith("test_derived_policy"):
+        classname = case.get("classname", "")
+        if not classname.endswith(("test_derived_policy", "test_derived_sequence")):
             continue
         m = re.match(r"([A-Za-z0-9_]+)\[(.*)\]$", case.get("name", ""))
         if not m:
@@ -240,6 +245,10 @@ def derived_section(junits: list[str]) -> str:
         if test == "test_plan_refused_naming_style_path_class" and not failed:
             refused.append(params)
             continue
+        if test == DERIVED_SP_TEST:
+            arch, mode, _sp, _seq = params.rsplit("-", 3)
+            rows[arch][f"SP {mode}"].append(not failed)
+            continue
         for label, name in DERIVED_TESTS.items():
             if test == name:
                 arch, _, tp = params.rpartition("-")
@@ -247,17 +256,21 @@ def derived_section(junits: list[str]) -> str:
                 rows[arch]["tp"].append(tp)
     if not rows:
         return ""
-    lines = ["| architecture | TP=2 and 4 (logits, loss, gradients, after a step) | generate() |", "|---|---|---|"]
+    labels = list(DERIVED_TESTS) + [f"SP {mode}" for mode in DERIVED_SP_MODES]
+    lines = ["| architecture | TP=2 and 4 (logits, loss, gradients, after a step) | generate() | "
+             + " | ".join(f"SP {mode} (2 and 4)" for mode in DERIVED_SP_MODES) + " |",
+             "|---" * len(labels) + "|---|"]
     for arch in sorted(rows, key=str.lower):
         cells = []
-        for label in DERIVED_TESTS:
+        for label in labels:
             got = rows[arch].get(label)
             cells.append("" if not got else ("✔" if all(got) else "✗"))
         lines.append(f"| {arch} | " + " | ".join(cells) + " |")
     passed = {arch.split("-")[0] for arch in rows if rows[arch].get("TP=2") and all(rows[arch]["TP=2"])}
     text = (f"**Derived from the model's own plan** (no built-in policy; `shardformer.derived_policy`): "
             f"{len(passed)} architectures pass (a name with a suffix is a second configuration: other head "
-            f"counts, or the plan edited as the suffix says), from `tests/test_derived_policy.py`.\n\n" + "\n".join(lines))
+            f"counts, or the plan edited as the suffix says), from `tests/test_derived_policy.py` and (sequence "
+            f"parallelism, odd lengths) `tests/test_derived_sequence.py`.\n\n" + "\n".join(lines))
     if refused:
         text += ("\n\nRefused at plan time, naming the style, module and class (tested): "
                  + ", ".join(sorted(refused)) + ".")

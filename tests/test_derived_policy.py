@@ -7,28 +7,11 @@ be honoured refused before the model changes."""
 from __future__ import annotations
 
 import pytest
-import transformers
 
 from checks import derived_policy as D
 
 
-def _available(names, table) -> list:
-    """The names whose class this transformers has (the lower end of the supported range has
-    fewer architectures, and some plans differ there)."""
-    out = []
-    for name in names:
-        cls = table[name][0]
-        if not hasattr(transformers, cls):
-            out.append(pytest.param(name, marks=pytest.mark.skip(
-                reason=f"transformers {transformers.__version__} has no {cls}")))
-        elif name in D.PINNED_ONLY and transformers.__version__ != D.PINNED_ONLY[name][0]:
-            out.append(pytest.param(name, marks=pytest.mark.skip(reason=D.PINNED_ONLY[name][1])))
-        else:
-            out.append(name)
-    return out
-
-
-NAMES = _available(sorted(D.MODELS), D.MODELS)
+NAMES = D.available(sorted(D.MODELS), D.MODELS)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -58,7 +41,7 @@ def test_generate_matches_unsharded(pool, name, tp):
     assert all(t == tokens[0] for t in tokens)
 
 
-@pytest.mark.parametrize("name", _available(sorted(D.REFUSED), D.REFUSED))
+@pytest.mark.parametrize("name", D.available(sorted(D.REFUSED), D.REFUSED))
 def test_plan_refused_naming_style_path_class(pool, name):
     messages = pool.run(D.refused, 2, name, D.REFUSED[name][2])
     assert all("cannot be honoured" in m for m in messages)

@@ -65,6 +65,22 @@ num_key_value_groups, and all_head_size / hidden_size / embed_dim when they
 are the query width); one whose forward reads head counts from `self.config`
 gets a per-rank copy of the config.  An LM head tied to the input embeddings
 stays tied: the input embeddings are then split by vocabulary as well.
+
+Sequence parallelism (ShardConfig.enable_sequence_parallelism) splits around
+the layer list that `base_model_pp_plan` names (its one ModuleList; no such
+plan: every mode refused, naming the setting).  all_to_all / ring_attn:
+SequenceAttentionParallel on that list (shardformer.layer.sequence_attention:
+the rows [B, S'/p, hidden] run every layer, attention exchanges heads or
+passes K/V blocks around the ring through transformers' AttentionInterface).
+split_gather: each child of a layer holding split layers is a region of
+shardformer.layer.sequence (input all-gathered along S, backward
+reduce-scatter; output reduce-scattered, backward all-gather), the norms
+between them run on this rank's rows (gradients all-reduced), see
+DerivedPolicy._split_gather.  Refused by name, before the model changes:
+layer types other than attention (linear attention, recurrent mixers), a
+convolution along the sequence, attention outside the interface and attention
+sinks (all_to_all, ring_attn), and under split_gather a layer child
+with parameters the plan leaves replicated that is not a norm.
 """
 from __future__ import annotations
 
@@ -74,8 +90,9 @@ import re
 
 from torch import nn
 
+from .family import SplitAttentionPolicy, sequence_mode_refused
 from .layout import Fused, Heads, PerRank, Split
-from .policy import ModulePolicyDescription, Policy
+from .policy import ModulePolicyDescription, Policy, merge_policies
 from .policy import SubModuleReplacementDescription as Sub
 
 #: The styles DerivedPolicy maps (see the module docstring).
@@ -148,7 +165,7 @@ _MLA = "mla_kv_a_proj"
 _CONFIG_READS = re.compile(r"config\.(num_attention_heads|num_key_value_heads|head_dim)")
 
 
-class DerivedPolicy(Policy):
+class DerivedPolicy(SplitAttentionPolicy, Policy):
     """The policy of a model without a built-in one, from its tensor-parallel
     plan (`plan`: {path pattern: style}; default resolve_tp_plan(model))."""
 
@@ -166,6 +183,18 @@ class DerivedPolicy(Policy):
         have exactly one ModuleList (then pipeline parallelism is refused)."""
         from .pipeline.stages import StageSplit
 
+        stack = self.layer_stack()
+        if stack is None:
+            return None
+        base, names, layers = stack
+        after = tuple(names[names.index(layers) + 1:])
+        return StageSplit(type(base).__name__, layers, last=after)
+
+    def layer_stack(self) -> tuple[nn.Module, list[str], str] | None:
+        """(the base model, the children its `base_model_pp_plan` names in
+        forward order, the one of them that is the ModuleList of layers),
+        or None when the config carries no such plan or the plan does not
+        name exactly one ModuleList."""
         model = getattr(self, "model", None)
         if model is None:
             return None
@@ -177,8 +206,7 @@ class DerivedPolicy(Policy):
         lists = [n for n in names if isinstance(getattr(base, n, None), nn.ModuleList)]
         if len(lists) != 1 or any(not hasattr(base, n) for n in names):
             return None
-        after = tuple(names[names.index(lists[0]) + 1:])
-        return StageSplit(type(base).__name__, lists[0], last=after)
+        return base, names, lists[0]
 
     # ---- what the plan says, module by module ----
 
@@ -212,6 +240,7 @@ class DerivedPolicy(Policy):
         cfg = _text_config(self.model)
         if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
             raise ValueError(f"{name}: pretraining_tp={cfg.pretraining_tp} is not supported (set it to 1)")
+        self._check_sequence_parallelism()
         if self.tensor_parallel and any(s == "moe_tp_experts" for s, _ in matched.values()):
             jitter = getattr(cfg, "router_jitter_noise", 0.0)
             if jitter:
@@ -250,6 +279,12 @@ class DerivedPolicy(Policy):
     # ---- the policy ----
 
     def module_policy(self) -> dict:
+        policy = self._tensor_parallel_policy()
+        if self.tensor_parallel and self.shard_config.sequence_parallel:
+            self._split_gather(policy[type(self.model)].sub_module_replacement)
+        return merge_policies(policy, self.split_attention_policy())
+
+    def _tensor_parallel_policy(self) -> dict:
         if not self.tensor_parallel:
             return {}
         matched = self.matched()
@@ -482,13 +517,171 @@ class DerivedPolicy(Policy):
             attrs[lead + "config"] = _local_config(config, heads)
         return attrs
 
+
+    # ---- sequence parallelism ----
+    #
+    # The layers are the ModuleList that base_model_pp_plan names.
+    # all_to_all / ring_attn: SequenceAttentionParallel on that list, every
+    # attention module in it switched through transformers' AttentionInterface
+    # (shardformer.layer.sequence_attention).  split_gather: each child of a
+    # layer that holds layers the plan splits is one tensor-parallel region
+    # (shardformer.layer.sequence): its input all-gathered along the sequence
+    # (backward: reduce-scatter), its column / row layers take
+    # sequence_parallel=True, and either
+    #   role "block"  the row layers return partial sums and the region's
+    #                 output is reduce-scattered (backward: all-gathered), or
+    #   role "enter"  where a row layer has a bias: the row layers
+    #                 reduce-scatter themselves and add the bias on this
+    #                 rank's rows;
+    # a MoE block's experts return partial sums (FusedExperts1D
+    # sequence_parallel=True), so its router's gradients are partial and get
+    # all-reduced (RouterInSequenceParallel).  The layer's other parameterized
+    # children (its norms) run on this rank's rows: gradients all-reduced.
+    # The first layer splits its input, the last gathers its output.
+
+    def sequence_parallel_modes(self) -> tuple[str, ...]:
+        return ("split_gather",) + self.split_attention_modes() if self.layer_stack() is not None else ()
+
+    def sequence_parallel_refusal(self, mode: str) -> str:
+        return (f"{type(self.model).__name__}'s config names no layer list (base_model_pp_plan with exactly "
+                f"one ModuleList), which sequence parallelism splits around")
+
+    def split_attention_modes(self) -> tuple[str, ...]:
+        return ("all_to_all", "ring_attn") if self.layer_stack() is not None else ()
+
+    def split_attention_targets(self) -> list:
+        base, _, layers = self.layer_stack()
+        # position_ids: this rank's rows, for layers that read positions themselves (Ministral 3's
+        # attention scale); the rotary cos / sin that most pass are cut by the split itself
+        return [(type(base), layers, base, {"row_kwargs": ("position_ids",)})]
+
+    def layers_path(self) -> str:
+        """The dotted path of the layer ModuleList in the model."""
+        base, _, layers = self.layer_stack()
+        lead = next(path for path, m in self.model.named_modules() if m is base)
+        return f"{lead}.{layers}" if lead else layers
+
+    def _refused(self, path: str, why: str) -> NotImplementedError:
+        return sequence_mode_refused(type(self.model).__name__, path, self.shard_config.sequence_parallelism_mode, why)
+
+    def _check_sequence_parallelism(self) -> None:
+        """Refuse, before anything changes, layers the sequence split cannot
+        run: layer types other than (sliding-window) attention, convolutions
+        along the sequence, and under all_to_all / ring_attn what
+        _check_split_attention names (split_gather's refusals come while
+        planning: _split_gather)."""
+        if not self.shard_config.enable_sequence_parallelism or self.layer_stack() is None:
+            return
+        path = self.layers_path()
+        layers = self.model.get_submodule(path)
+        kinds = getattr(_text_config(self.model), "layer_types", None) or ()
+        for i, kind in enumerate(kinds):
+            if kind not in ("full_attention", "sliding_attention"):
+                raise self._refused(f"{path}.{i}", f"its layer type is {kind!r}: only attention layers can run "
+                                    f"on a split sequence (a recurrent or linear-attention mixer would see only "
+                                    f"this rank's rows)")
+        for i, layer in enumerate(layers):
+            conv = next((n for n, m in layer.named_modules() if isinstance(m, nn.Conv1d)), None)
+            if conv is not None:
+                raise self._refused(f"{path}.{i}.{conv}", "a convolution along the sequence would see only this "
+                                    "rank's rows")
+        if self.shard_config.split_attention_mode:
+            self._check_split_attention(path, layers)
+
+    def _check_split_attention(self, path: str, layers: nn.ModuleList) -> None:
+        from .attention import _uses_registry
+
+        mode = self.shard_config.split_attention_mode
+        for i, layer in enumerate(layers):
+            users = [n for n, m in layer.named_modules() if _uses_registry(m)]
+            if not users:
+                found = sorted({type(m).__name__ for m in layer.modules() if self._is_attention(m)})
+                raise self._refused(f"{path}.{i}", f"{type(layer).__name__}'s attention ({found}) does not go "
+                                    f"through transformers' AttentionInterface, where the split attention runs")
+            sinks = next((f"{path}.{i}.{n}" for n, _ in layer.named_parameters() if n.endswith("sinks")), None)
+            if sinks is not None:
+                why = ("the ring's log-sum-exp merge has no term for them" if mode == "ring_attn" else
+                       "the model's attention reads them for all its heads, while each rank attends over its "
+                       "own heads after the exchange")
+                raise self._refused(sinks, f"attention sinks (a learned logit per head in every softmax): {why}")
+
+    def _split_gather(self, subs: list) -> None:
+        """Adds split-gather sequence parallelism to the tensor-parallel
+        replacements `subs` (see the comment above)."""
+        from .layer.replicated import ReplicatedInParallelRegion
+        from .layer.sequence import SequenceState
+        from .policies.shapes import sp_ends
+
+        state = SequenceState()
+        path = self.layers_path()
+        layers = self.model.get_submodule(path)
+        planned = {s.suffix for s in subs}
+        added = []
+        for i, layer in enumerate(layers):
+            for child, module in layer.named_children():
+                where = f"{path}.{i}.{child}"
+                inside = [s for s in subs if s.suffix == where or s.suffix.startswith(where + ".")]
+                if any(s.target_module.__name__ in _SPLIT_LAYERS for s in inside):
+                    added += self._sp_block(where, module, inside, planned, state)
+                elif where not in planned and any(True for _ in module.parameters()):
+                    if not _norm_like(module):
+                        raise self._refused(where, f"{type(module).__name__} holds parameters the plan does not "
+                                            f"split and is not a norm: on this rank's rows it would see part of "
+                                            f"the sequence")
+                    added.append(Sub(where, ReplicatedInParallelRegion))
+        subs += added + sp_ends(path, len(layers), state)
+
+    def _sp_block(self, where: str, module: nn.Module, inside: list, planned: set, state) -> list:
+        """The region of one child of a layer holding split layers."""
+        from .layer.moe import RouterInSequenceParallel
+        from .layer.sequence import SequenceParallelRegion
+
+        rows = [s for s in inside if s.target_module.__name__ == "Linear1D_Row"]
+        experts = [s for s in inside if s.target_module.__name__ == "FusedExperts1D"]
+        biased = [s.suffix for s in rows if getattr(self.model.get_submodule(s.suffix), "bias", None) is not None]
+        if biased and experts:
+            raise self._refused(where, f"row layers with a bias ({biased}) beside experts returning partial sums")
+        for s in inside:
+            if s.target_module.__name__ in _SPLIT_LAYERS:
+                s.kwargs = dict(s.kwargs or {}, sequence_parallel=True)
+                if biased and s in rows:
+                    s.kwargs["reduce_scatter"] = True
+        out = [Sub(where, SequenceParallelRegion, kwargs={"role": "enter" if biased else "block", "state": state})]
+        routers = {f"{s.suffix.rpartition('.')[0]}.{child}" for s in experts
+                   for child, m in self.model.get_submodule(s.suffix.rpartition(".")[0]).named_children()
+                   if any(True for _ in m.parameters(recurse=False))}      # a router's own matrix
+        seen: list[str] = []                   # replicated subtrees classified whole
+        for path, m in module.named_modules(prefix=where):
+            if any(path == p or path.startswith(p + ".") for p in seen + [s.suffix for s in inside]):
+                continue
+            if any(s.suffix.startswith(path + ".") for s in inside) or not any(True for _ in m.parameters()):
+                continue                           # holds split layers (look inside), or nothing to train
+            seen.append(path)
+            if path in routers and path not in planned:    # beside the experts: partial gradients
+                out.append(Sub(path, RouterInSequenceParallel))
+            elif not _norm_like(m):
+                raise self._refused(path, f"{type(m).__name__} holds parameters the plan leaves replicated inside "
+                                    f"a tensor-parallel block: its full output would be summed over the ranks by "
+                                    f"the block's reduce-scatter")
+        return out
+
     # ---- after the swaps ----
 
     def postprocess(self) -> nn.Module:
+        from .policies.shapes import record_hidden_states
+
         tie = getattr(self, "_tie", None)
         if self.tensor_parallel and tie is not None:
             self.tie_weight(*tie)
-        return self.model
+        return record_hidden_states(self, self.model)
+
+
+_SPLIT_LAYERS = ("Linear1D_Col", "Linear1D_Row", "FusedExperts1D")
+
+
+def _norm_like(module: nn.Module) -> bool:
+    """A normalization (LayerNorm, RMSNorm, ...): acts on each row alone."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "Norm" in type(module).__name__
 
 
 def _is_mla(module: nn.Module) -> bool:

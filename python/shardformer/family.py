@@ -143,14 +143,12 @@ class Family:
         return {self.registry_key(c): (self.name, f"{c}Policy") for c in self.heads}
 
 
-class FamilyPolicy(Policy):
-    """The base of every shape.  A shape's `body_policy()` describes the body
-    (for whichever model class is being sharded); this class adds the heads of
-    `model_class` and ties the LM heads after substitution."""
+class SplitAttentionPolicy:
+    """The all_to_all / ring_attn sequence parallelism of a policy, as data
+    (mixed into FamilyPolicy and DerivedPolicy): the module calling the
+    layers and their ModuleList (`split_attention_at`, or
+    `split_attention_targets()`), where SequenceAttentionParallel hooks in."""
 
-    family: Family | None = None
-    model_class: str = ""
-    heads: tuple[Head, ...] = ()
     #: (owner class, layers attribute): the module whose forward calls the
     #: layers ("{prefix}" and "{base_model}" filled from the shape's options)
     #: and its ModuleList of layers, where the all_to_all / ring_attn modes
@@ -162,29 +160,6 @@ class FamilyPolicy(Policy):
     #: for attention outside transformers' AttentionInterface: where the split
     #: runs (shardformer.layer.sequence_attention.AttentionSeam); None: the registry
     attention_seam = None
-
-    def body_policy(self) -> dict:
-        """{module class or class name: ModulePolicyDescription} for the body."""
-        return {}
-
-    def active_heads(self) -> tuple[Head, ...]:
-        """The heads this model has (a shape drops optional ones, e.g. a
-        classifier that HF makes an nn.Identity when num_labels=0)."""
-        return self.heads
-
-    def input_embeddings(self) -> nn.Module:
-        """The input embedding an LM head may be tied to."""
-        return self.model.get_input_embeddings()
-
-    def module_policy(self) -> dict:
-        from .policy import merge_policies
-
-        policy = merge_policies(self.body_policy(), self.split_attention_policy())
-        heads = self.active_heads()
-        if self.tensor_parallel and heads:
-            subs = [self.head_replacement(h) for h in heads]
-            self.append_or_create_submodule_replacement(subs, policy, self.model_class)
-        return policy
 
     def split_attention_modes(self) -> tuple[str, ...]:
         """("all_to_all", "ring_attn") where the shape names the layers they
@@ -243,6 +218,38 @@ class FamilyPolicy(Policy):
             raise ValueError(f"{type(self.model).__name__}: expected one {owner} module for sequence parallelism, "
                              f"found {len(found)}")
         return [(owner, layers, found[0], dict(self.split_attention_options or {}))]
+
+
+class FamilyPolicy(SplitAttentionPolicy, Policy):
+    """The base of every shape.  A shape's `body_policy()` describes the body
+    (for whichever model class is being sharded); this class adds the heads of
+    `model_class` and ties the LM heads after substitution."""
+
+    family: Family | None = None
+    model_class: str = ""
+    heads: tuple[Head, ...] = ()
+    def body_policy(self) -> dict:
+        """{module class or class name: ModulePolicyDescription} for the body."""
+        return {}
+
+    def active_heads(self) -> tuple[Head, ...]:
+        """The heads this model has (a shape drops optional ones, e.g. a
+        classifier that HF makes an nn.Identity when num_labels=0)."""
+        return self.heads
+
+    def input_embeddings(self) -> nn.Module:
+        """The input embedding an LM head may be tied to."""
+        return self.model.get_input_embeddings()
+
+    def module_policy(self) -> dict:
+        from .policy import merge_policies
+
+        policy = merge_policies(self.body_policy(), self.split_attention_policy())
+        heads = self.active_heads()
+        if self.tensor_parallel and heads:
+            subs = [self.head_replacement(h) for h in heads]
+            self.append_or_create_submodule_replacement(subs, policy, self.model_class)
+        return policy
 
     def head_replacement(self, head: Head) -> Sub:
         from .layer import DropoutForReplicatedInput, Linear1D_Col, VocabParallelLMHead1D

@@ -6,6 +6,7 @@ architectures that have no built-in policy but carry a plan (hidden 64,
 from the same seed (checks.parity)."""
 from __future__ import annotations
 
+import pytest
 import torch
 import transformers
 
@@ -140,6 +141,22 @@ REFUSED = {
 KEEP_NONE = ("q_lora_rank",)
 
 
+def available(names, table) -> list:
+    """The names whose class this transformers has (the lower end of the supported range has
+    fewer architectures, and some plans differ there)."""
+    out = []
+    for name in names:
+        cls = table[name][0]
+        if not hasattr(transformers, cls):
+            out.append(pytest.param(name, marks=pytest.mark.skip(
+                reason=f"transformers {transformers.__version__} has no {cls}")))
+        elif name in PINNED_ONLY and transformers.__version__ != PINNED_ONLY[name][0]:
+            out.append(pytest.param(name, marks=pytest.mark.skip(reason=PINNED_ONLY[name][1])))
+        else:
+            out.append(name)
+    return out
+
+
 def config_of(name: str, **extra):
     cls_name, overrides = MODELS[name] if name in MODELS else REFUSED[name][:2]
     cls = getattr(transformers, cls_name)
@@ -224,10 +241,13 @@ def parallel_output(ctx, name: str) -> dict:
     return lm_loss.compare(ctx, build(name), make_inputs(name), name)
 
 
-def pipelined(ctx, name: str, tp: int = 2) -> dict:
+def pipelined(ctx, name: str, tp: int = 2, sp_mode: str | None = None, seq: int | None = None) -> dict:
     """TP=tp x PP=2 (1F1B, 2 micro-batches) on a derived plan, its stage split
     from the config's base_model_pp_plan: the loss equals the unsharded
-    model's, and the gathered state dict after an SGD step too."""
+    model's, and the gathered state dict after an SGD step too.  sp_mode:
+    sequence parallelism inside the stages (split_gather with TP; all_to_all /
+    ring_attn over the stage's tp ranks with TP off), the split path
+    counted; seq: the batch cut to its first `seq` tokens."""
     import copy
 
     from checks import pipeline as pipeline_check
@@ -240,11 +260,20 @@ def pipelined(ctx, name: str, tp: int = 2) -> dict:
     model.train()
     ref = copy.deepcopy(model)
     sm = PipelineStageManager(pp_group)
+    sp = {} if sp_mode is None else {"enable_sequence_parallelism": True, "sequence_parallelism_mode": sp_mode}
     cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm,
-                      enable_tensor_parallelism=tp > 1)
+                      enable_tensor_parallelism=tp > 1 and sp_mode in (None, "split_gather"), **sp)
     model, _ = ShardFormer(cfg).optimize(model)
     batch = {k: torch.cat([v, make_inputs(name, seed=2)[k]]) for k, v in make_inputs(name).items()}
+    if seq is not None:
+        batch = {k: v[:, :seq].contiguous() for k, v in batch.items()}
+    from shardformer.layer import sequence_attention as sa
+    from shardformer.layer.sequence import _Regathered
+
+    counter = (lambda: _Regathered.gathers) if sp_mode == "split_gather" else (lambda: sa.CALLS.get(sp_mode, 0))
+    before = counter()
     out = OneForwardOneBackwardSchedule(sm, num_microbatches=2).forward_backward_step(model, batch)
+    assert sp_mode is None or counter() > before, f"{name}: the {sp_mode} path never ran on stage {sm.stage}"
     ref_loss = ref(**batch).loss
     ref_loss.backward()
     err = parity.assert_close(f"{name} pipelined loss", out["loss"], ref_loss.detach(), (1e-5, 1e-6))

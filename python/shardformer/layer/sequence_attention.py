@@ -683,16 +683,17 @@ def _close_stream(state: SequenceSplit) -> None:
         stream.close()
 
 
-def _local_row_arguments(layer: nn.Module, args: tuple, kwargs: dict, state: SequenceSplit) -> tuple:
+def _local_row_arguments(layer: nn.Module, args: tuple, kwargs: dict, state: SequenceSplit,
+                         rows: tuple[str, ...]) -> tuple:
     """(args, kwargs) of a layer call with this rank's rows (along state.dim)
-    of each argument named in the seam's row_kwargs, passed by keyword or by
-    position (found by name in the layer's forward signature) and holding
-    one entry per sequence position."""
+    of each argument named in `rows` (the seam's or the policy's
+    row_kwargs), passed by keyword or by position (found by name in the
+    layer's forward signature) and holding one entry per sequence position."""
     import inspect
 
     names = list(inspect.signature(layer.forward).parameters)
     args, kwargs = list(args), dict(kwargs)
-    for key in state.seam.row_kwargs:
+    for key in rows:
         at = names.index(key) if key in names else None
         by_position = at is not None and at < len(args)
         t = args[at] if by_position else kwargs.get(key)
@@ -723,7 +724,10 @@ class SequenceAttentionParallel:
     while split), `repeated` (the layers run more than once per forward:
     split at the first entry, gather the base's output) and `seam` (an
     AttentionSeam, for attention outside transformers' registry; None: the
-    registry).  Adds the hooks described in the module docstring and
+    registry), `row_kwargs` (registry path: the layers' arguments holding
+    one entry per sequence row, e.g. position_ids [B, S], passed to each
+    layer as this rank's rows; a seam names its own).  Adds the hooks
+    described in the module docstring and
     switches the attention of the layers (and the masks of the base model)
     to the split implementation, or replaces the seam's method; rollback()
     undoes it all."""
@@ -743,13 +747,15 @@ class SequenceAttentionParallel:
     @classmethod
     def prepare_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
                               mode=None, group=None, base=None, name="", cross=(), full_bias=None,
-                              repeated=False, seam=None, **kwargs) -> "_SplitHooks":
+                              repeated=False, seam=None, row_kwargs=(), **kwargs) -> "_SplitHooks":
         cls.plan_shard(module, 1, 0, mode=mode, group=group, base=base, name=name)
         state = SequenceSplit(mode, group, name)
         state.seam = seam
         if seam is not None:
             state.dim = seam.seq_dim
-        return _SplitHooks(module, base, state, cross=tuple(cross), full_bias=full_bias, repeated=bool(repeated))
+        rows = tuple(seam.row_kwargs) if seam is not None else tuple(row_kwargs)
+        return _SplitHooks(module, base, state, cross=tuple(cross), full_bias=full_bias, repeated=bool(repeated),
+                           row_kwargs=rows)
 
     @classmethod
     def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
@@ -759,8 +765,9 @@ class SequenceAttentionParallel:
 
 class _SplitHooks:
     def __init__(self, layers: nn.ModuleList, base: nn.Module, state: SequenceSplit, cross: tuple = (),
-                 full_bias: str | None = None, repeated: bool = False):
+                 full_bias: str | None = None, repeated: bool = False, row_kwargs: tuple[str, ...] = ()):
         self.layers, self.base, self.state = layers, base, state
+        self.row_kwargs = row_kwargs
         self.cross, self.full_bias, self.repeated = cross, full_bias, repeated
         self.handles: list = []
         self.configs: list = []            # (config, its _attn_implementation before)
@@ -898,8 +905,8 @@ class _SplitHooks:
                     and t.shape[SEQ_DIM] == state.length else t for t in pe)}
             elif isinstance(pe, torch.Tensor) and pe.dim() >= 2 and pe.shape[SEQ_DIM] == state.length:
                 kwargs = {**kwargs, "position_embeddings": state.local(pe, SEQ_DIM)}
-            if state.seam is not None and state.seam.row_kwargs:
-                args, kwargs = _local_row_arguments(module, args, kwargs, state)
+            if self.row_kwargs:
+                args, kwargs = _local_row_arguments(module, args, kwargs, state, self.row_kwargs)
             return args, kwargs
 
         def every_post(_module, _args, _output):
