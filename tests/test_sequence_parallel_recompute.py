@@ -37,6 +37,12 @@ def test_sp_recompute_with_dropout(pool, tp, train):
 
 
 @pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "Qwen2ForCausalLM", "Phi3ForCausalLM"])
+def test_sp_recompute_overlap_bit_exact(pool, name, tp):
+    pool.run(sequence_recompute.recompute_bit_exact, tp, name, 7, 0.0, True, None, True)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("name", ["LlamaForCausalLM", "Qwen3ForCausalLM", "Phi3ForCausalLM"])
 def test_sp_recompute_equals_unsharded(pool, name, tp):
     pool.run(sequence.sp_equals_unsharded, tp, name, 7, {"sequence_parallel_recompute": "selective"})
@@ -44,7 +50,7 @@ def test_sp_recompute_equals_unsharded(pool, name, tp):
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_sp_recompute_saves_memory(pool, tp):
-    print(pool.run(sequence_recompute.recompute_saves_memory, tp))
+    pool.run(sequence_recompute.recompute_saves_memory, tp)
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])

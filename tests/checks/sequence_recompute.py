@@ -16,9 +16,9 @@ from shardformer.layer import recompute
 SELECTIVE = {"enable_sequence_parallelism": True, "sequence_parallel_recompute": "selective"}
 
 
-def _config(ctx, selective: bool) -> ShardConfig:
+def _config(ctx, selective: bool, overlap: bool = False) -> ShardConfig:
     return ShardConfig(tensor_parallel_process_group=ctx.group, enable_sequence_parallelism=True,
-                       sequence_parallel_recompute="selective" if selective else None)
+                       enable_sequence_overlap=overlap, sequence_parallel_recompute="selective" if selective else None)
 
 
 def _seq_inputs(name: str, seq: int | None) -> dict:
@@ -45,20 +45,20 @@ def _run(model, inputs: dict, seed: int) -> tuple[dict, dict, dict]:
 
 
 def recompute_bit_exact(ctx, name: str, seq: int | None = None, dropout: float = 0.0, train: bool = True,
-                        overrides=None) -> dict:
+                        overrides=None, overlap: bool = False) -> dict:
     """The same model from the same seed under split-gather SP with and
     without selective recompute: every output, the loss, every gradient and
     the outputs after one SGD step are bit-for-bit equal (torch.equal), in
     train() (with `dropout`, masks seeded alike) or eval(); the recompute
     ran: tensors were saved as recipes and recomputed in backward, none in
-    a no_grad forward."""
+    a no_grad forward.  `overlap`: both with enable_sequence_overlap."""
     build = (lambda: zoo.build_with_dropout(name, dropout, **(overrides or {}))) if dropout else \
         (lambda: zoo.build(name, **(overrides or {})))
     torch.manual_seed(0)
     plain = build()
     selective = copy.deepcopy(plain)
     for model, on in ((plain, False), (selective, True)):
-        ShardFormer(_config(ctx, on)).optimize(model)
+        ShardFormer(_config(ctx, on, overlap)).optimize(model)
         model.train(train)
     inputs = _seq_inputs(name, seq)
     before = dict(recompute.COUNTS)
