@@ -58,7 +58,8 @@ def test_sp_recompute_under_checkpointing(pool, use_reentrant):
     pool.run(sequence_recompute.recompute_off_under_checkpointing, 2, "LlamaForCausalLM", use_reentrant)
 
 
-@pytest.mark.parametrize("name", ["GPT2LMHeadModel", "BertForMaskedLM", "T5ForConditionalGeneration"])
+@pytest.mark.parametrize("name", ["GPT2LMHeadModel", "BertForMaskedLM", "T5ForConditionalGeneration",
+                                  "Blip2ForConditionalGeneration", "Gemma3ForConditionalGeneration"])
 def test_sp_recompute_refused_by_policy(pool, name):
     pool.run(sequence_recompute.recompute_refused, 2, name)
 
