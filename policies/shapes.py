@@ -136,6 +136,11 @@ class DecoderShape(FamilyPolicy):
         gathered tokens before any expert runs."""
         return self.mlp != "moe"
 
+    def supports_sequence_recompute(self) -> bool:
+        """sequence_parallel_recompute="selective": the split-gather layers
+        open a recompute scope (sequence_parallel_replacements)."""
+        return True
+
     def postprocess(self):
         return record_hidden_states(self, super().postprocess())
 
@@ -188,7 +193,7 @@ class DecoderShape(FamilyPolicy):
         from shardformer.layer.replicated import ReplicatedInParallelRegion
         from shardformer.layer.sequence import SequenceParallelRegion, SequenceState
 
-        state = SequenceState()
+        state = SequenceState(recompute=self.shard_config.sequence_parallel_recompute)
         base = self.model.get_submodule(self.base_prefix()) if self.base_prefix() else self.model
         layers = base.layers
         first = layers[0]

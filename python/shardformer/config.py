@@ -10,6 +10,7 @@ import torch.distributed as dist
 # Switching one on is an error rather than a silent no-op.
 _NOT_YET: dict[str, str] = {}
 SEQUENCE_PARALLEL_MODES = ("split_gather", "all_to_all", "ring_attn")
+SEQUENCE_PARALLEL_RECOMPUTE = (None, "selective")
 # Modes whose attention runs across the sequence split, over a group of their own.
 _SPLIT_ATTENTION_MODES = ("all_to_all", "ring_attn")
 
@@ -64,6 +65,14 @@ class ShardConfig:
         on the rows already here, and in backward the reduce-scatter of dX
         with the dW matmul (the result is unchanged); refused for policies
         that do not implement it (Policy.supports_sequence_overlap).
+    sequence_parallel_recompute: with split_gather, "selective" keeps fewer
+        activations for backward and recomputes them there, bit for bit:
+        the outputs of the elementwise multiplications, SiLU and GeLU inside
+        each layer (the norms' x_hat and outputs, the gated MLP's activation
+        and product) whose inputs are saved anyway (shardformer.layer.
+        recompute); costs those elementwise ops again in backward.  None
+        (default): everything autograd saves is kept.  Refused for policies
+        that do not implement it (Policy.supports_sequence_recompute).
     enable_all_optimization: switches on fused normalization, flash attention
         and jit fused operators.
     parallel_output: LM heads return this rank's shard of the logits (the
@@ -86,6 +95,7 @@ class ShardConfig:
     enable_sequence_overlap: bool = False
     sequence_parallelism_mode: str | None = None
     sequence_parallel_process_group: Any = None
+    sequence_parallel_recompute: str | None = None
     enable_all_optimization: bool = False
     parallel_output: bool = False
     extra_kwargs: dict[str, Any] = field(default_factory=dict)
@@ -140,6 +150,7 @@ class ShardConfig:
         mode = self.sequence_parallelism_mode
         if mode is not None and mode not in SEQUENCE_PARALLEL_MODES:
             raise ValueError(f"ShardConfig.sequence_parallelism_mode={mode!r}: one of {SEQUENCE_PARALLEL_MODES}")
+        self._check_recompute()
         if not self.enable_sequence_parallelism:
             if mode is not None or self.sequence_parallel_process_group is not None:
                 raise ValueError("ShardConfig: sequence_parallelism_mode / sequence_parallel_process_group are "
@@ -167,6 +178,18 @@ class ShardConfig:
                              f"sequence_parallel_process_group of its own (ranks holding the same tensor-parallel "
                              f"shard), or enable_tensor_parallelism=False to split the sequence over "
                              f"tensor_parallel_process_group")
+
+    def _check_recompute(self) -> None:
+        recompute = self.sequence_parallel_recompute
+        if recompute not in SEQUENCE_PARALLEL_RECOMPUTE:
+            raise ValueError(f"ShardConfig.sequence_parallel_recompute={recompute!r}: one of "
+                             f"{SEQUENCE_PARALLEL_RECOMPUTE}")
+        if recompute is not None and not (self.enable_sequence_parallelism and self.sequence_parallelism_mode
+                                          in (None, "split_gather")):
+            raise ValueError(f"ShardConfig.sequence_parallel_recompute={recompute!r} applies to split_gather "
+                             f"sequence parallelism (enable_sequence_parallelism=True, sequence_parallelism_mode="
+                             f"'split_gather'); got enable_sequence_parallelism={self.enable_sequence_parallelism}, "
+                             f"sequence_parallelism_mode={self.sequence_parallelism_mode!r}")
 
     @property
     def split_attention_mode(self) -> str | None:

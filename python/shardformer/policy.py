@@ -121,6 +121,11 @@ class Policy(ABC):
         (optimize() refuses the switch, naming the policy, when it does not)."""
         return False
 
+    def supports_sequence_recompute(self) -> bool:
+        """Whether this policy implements ShardConfig.sequence_parallel_recompute
+        (optimize() refuses it, naming the policy, when it does not)."""
+        return False
+
     def preprocess(self) -> nn.Module:
         """Runs after validation, before substitution; must not fail and must
         not change the model (record on the policy what postprocess needs):

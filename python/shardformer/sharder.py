@@ -173,6 +173,10 @@ class ModelSharder:
             raise NotImplementedError(
                 f"{name}: enable_sequence_overlap is not available for {type(policy).__name__} (its "
                 f"sequence-parallel blocks gather their input before the projections); switch it off")
+        if cfg.sequence_parallel_recompute is not None and not policy.supports_sequence_recompute():
+            raise NotImplementedError(
+                f"{name}: sequence_parallel_recompute={cfg.sequence_parallel_recompute!r} is not available for "
+                f"{type(policy).__name__} (its layers open no selective-recompute scope); leave it None")
         stages = self._plan_stages(name) if manager is not None else None
         losses = LMLossPlan(model, policy, name) if cfg.parallel_output and cfg.enable_tensor_parallelism else None
         module_policy = policy.module_policy()

@@ -59,12 +59,15 @@ reduce-scatter of dX during the dW matmuls.  The output leaves as above.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .. import distributed as D
 from ..distributed.mappings import _all_gather_seq, gather_from_sequence_region, reduce_scatter_to_sequence_region
+from . import recompute
 from .parallel_module import ShardPlan, plan_directly
 
 SEQ_DIM = 1
@@ -78,9 +81,12 @@ class SequenceState:
     blocks and the gather see: SEQ_DIM for [batch, S, hidden], 0 for models
     that run [S, batch, hidden] (ChatGLM2)."""
 
-    def __init__(self, dim: int = SEQ_DIM):
+    def __init__(self, dim: int = SEQ_DIM, recompute: str | None = None):
         self.length: int | None = None
         self.dim = dim
+        # ShardConfig.sequence_parallel_recompute: "selective" opens a saved-tensor scope per layer
+        # (shardformer.layer.recompute) in the layers that carry the split / rows / gather roles
+        self.recompute = recompute
         # whether the split ran in the forward in progress (begin() clears it): a pipeline
         # stage whose split comes before its layers (ALBERT: at the encoder's input) then
         # sends the unsplit layer-input shape, S = length, to the later stages
@@ -312,13 +318,15 @@ class _Regathered:
 
     gathers = 0
 
-    def __init__(self, local: torch.Tensor, length: int, group, dim: int = SEQ_DIM):
+    def __init__(self, local, length: int, group, dim: int = SEQ_DIM):
+        # local: the rows, or their Recipe under selective recompute (recompute.stored_value)
         self.local, self.length, self.group, self.dim = local, length, group, dim
         self.full: torch.Tensor | None = None
 
     def get(self) -> torch.Tensor:
         if self.full is None:
-            self.full = _all_gather(self.local, self.group, self.dim).narrow(self.dim, 0, self.length).contiguous()
+            local = recompute.stored_value(self.local)
+            self.full = _all_gather(local, self.group, self.dim).narrow(self.dim, 0, self.length).contiguous()
             _Regathered.gathers += 1
         return self.full
 
@@ -328,8 +336,16 @@ def _save_rows_only(full: torch.Tensor, local: torch.Tensor, state: SequenceStat
     (or a contiguous reshape of it: F.linear saves [B*S, H]) is saved as a
     _Regathered of this rank's rows; everything else as it is.  Plain
     closures, no reference cycle: the re-gathered tensor is freed as soon as
-    the last node that saved it has run its backward."""
+    the last node that saved it has run its backward.  Inside a selective-
+    recompute scope (the layer's, shardformer.layer.recompute) the scope's
+    hooks take the re-gather as an alias instead (hooks do not nest) and the
+    rows are kept as the scope stores them (a Recipe where they are one)."""
     key = (full.data_ptr(), full.numel(), full.dtype)      # full is contiguous (block_input)
+    scope = recompute.active_scope()
+    if scope is not None:
+        holder = _Regathered(scope.stored(local), state.length, group, state.dim)
+        scope.aliases[key] = holder.get
+        return contextlib.nullcontext()
     holder = _Regathered(local.detach(), state.length, group, state.dim)
 
     def pack(t):
@@ -593,6 +609,8 @@ class _Hooks:
         active: list = []                      # the block's open saved-tensor hooks (block role)
         if self.roles:
             m.__dict__[STATE_MARK] = state     # found by a pipeline stage that starts past the split
+        if state.recompute == "selective" and {"split", "rows", "gather"} & set(self.roles):
+            self.handles += recompute.layer_scope_hooks(m)
         if "split" in self.roles:
             def pre(_module, args, kwargs):
                 x, rebuild = _first(args, kwargs)
