@@ -80,7 +80,8 @@ DerivedPolicy._split_gather.  Refused by name, before the model changes:
 layer types other than attention (linear attention, recurrent mixers), a
 convolution along the sequence, attention outside the interface and attention
 sinks (all_to_all, ring_attn), and under split_gather a layer child
-with parameters the plan leaves replicated that is not a norm.
+with parameters the plan leaves replicated that is not a norm, and latent
+attention (its shared mla_kv_a_proj projection stays whole).
 """
 from __future__ import annotations
 
@@ -636,6 +637,11 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         from .layer.moe import RouterInSequenceParallel
         from .layer.sequence import SequenceParallelRegion
 
+        latent = [s.suffix for s in inside if s.target_module.__name__ == "SharedRopeKeyProjection"]
+        if latent:
+            raise self._refused(latent[0], "the latent attention's shared projection (mla_kv_a_proj) is kept whole "
+                                "on every rank: on the gathered sequence its input gradient, already the full "
+                                "one on every rank, would be summed again by the block's reduce-scatter")
         rows = [s for s in inside if s.target_module.__name__ == "Linear1D_Row"]
         experts = [s for s in inside if s.target_module.__name__ == "FusedExperts1D"]
         biased = [s.suffix for s in rows if getattr(self.model.get_submodule(s.suffix), "bias", None) is not None]

@@ -413,9 +413,9 @@ def _ring(state, module, query, key, value, attention_mask, kwargs):
         padding = padding.expand(query.shape[0], state.padded)
     if bias is not None:
         CALLS["bias"] += 1
-    out = ring_attention(query, key, value, state.group, scale=kwargs.get("scaling"), causal=causal,
-                         key_padding=padding, window=int(window), bias=bias,   # global positions, as the rows
-                         softcap=kwargs.get("softcap"), dropout_p=dropout)
+    out = _equal_widths(ring_attention, query, key, value, state.group, scale=kwargs.get("scaling"),
+                        causal=causal, key_padding=padding, window=int(window), bias=bias,   # global positions
+                        softcap=kwargs.get("softcap"), dropout_p=dropout)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -617,7 +617,10 @@ def ring_rows(state: SequenceSplit, query, key, value, mask, *, scale: float, wi
     an additive bias per head and key position (ALiBi: slope_h x key
     position), the same for every query row: each block of the ring adds its
     key columns of it (ring_attention's `bias`, read through a broadcast
-    view [B, Hq, S', S'], never materialized)."""
+    view [B, Hq, S', S'], never materialized).  Value heads narrower or
+    wider than the key heads (latent attention: k [.., 192], v [.., 128])
+    are padded with zero columns to one width D (zeros leave q . k and P v
+    unchanged; the scale is explicit) and the output cut back to v's width."""
     from .ring_attention import ring_attention
 
     padding = causal_key_padding(mask, state)
@@ -625,8 +628,24 @@ def ring_rows(state: SequenceSplit, query, key, value, mask, *, scale: float, wi
     if key_bias is not None:
         CALLS["bias"] += 1
         bias = key_bias.expand(key_bias.shape[0], key_bias.shape[1], state.padded, state.padded)
-    return ring_attention(query, key, value, state.group, scale=scale, causal=True, key_padding=padding,
-                          window=int(window), dropout_p=float(dropout), bias=bias)
+    return _equal_widths(ring_attention, query, key, value, state.group, scale=scale, causal=True,
+                         key_padding=padding, window=int(window), dropout_p=float(dropout), bias=bias)
+
+
+def _equal_widths(attend, query, key, value, *args, scale, **kwargs):
+    """attend(query, key, value, ..., scale=...) with value heads as wide as
+    the key heads: where they differ (latent attention), q / k / v get zero
+    columns up to the wider one (q . k and P v unchanged; the scale, 1/sqrt
+    of the key width unless given, stays the unpadded one) and the output is
+    cut back to v's width."""
+    dk, dv = key.shape[-1], value.shape[-1]
+    if dk == dv:
+        return attend(query, key, value, *args, scale=scale, **kwargs)
+    width = max(dk, dv)
+    scale = dk ** -0.5 if scale is None else scale
+    query, key = F.pad(query, (0, width - dk)), F.pad(key, (0, width - dk))
+    out = attend(query, key, F.pad(value, (0, width - dv)), *args, scale=scale, **kwargs)
+    return out[..., :dv]
 
 
 def head_major_seam(module: str, *, scale: Callable, window: Callable = lambda m: 0, causal: bool = False,
