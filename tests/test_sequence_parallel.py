@@ -150,13 +150,16 @@ def test_sp_saves_rows_and_regathers_once_per_block(pool, name, tp):
 # enable_sequence_overlap: the MLP's up projection (and GPT-2's c_attn) gathers its rows itself,
 # all-gather in flight during the local rows' matmul, reduce-scatter of dX during dW
 OVERLAP = ["GPT2LMHeadModel", "BertForMaskedLM", "OPTForCausalLM", "BloomForCausalLM", "GPTNeoForCausalLM",
-           "FalconForCausalLM", "RobertaForCausalLM/cross"]
+           "FalconForCausalLM", "RobertaForCausalLM/cross", "RobertaForMaskedLM", "ErnieForMaskedLM",
+           "GPTJForCausalLM"]
+# the vision encoders (their mlp's up projection gathers): the patch tokens and [CLS], padded inside
+OVERLAP_VISION = ["ViTForImageClassification", "ViTForMaskedImageModeling", "BeitForImageClassification"]
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("name", OVERLAP)
+@pytest.mark.parametrize("name", OVERLAP + OVERLAP_VISION)
 def test_sp_overlap_equals_unsharded(pool, name, tp):
-    results = pool.run(sequence.sp_overlap_equals_unsharded, tp, name, 7)
+    results = pool.run(sequence.sp_overlap_equals_unsharded, tp, name, None if name in OVERLAP_VISION else 7)
     assert all(r["overlapped"] > 0 for r in results) or results[0]["backend"] != "shm"
 
 
@@ -168,7 +171,8 @@ def test_sp_overlap_odd_lengths(pool, seq):
 # Llama-shaped: each block's pre-hook gathers the input once, overlapped with the q/k/v (gate/up, or the
 # fused qkv / gate_up) matmuls of this rank's rows, and hands the module the gathered sequence
 OVERLAP_DECODERS = ["LlamaForCausalLM", "Qwen2ForCausalLM", "GemmaForCausalLM", "Qwen3ForCausalLM",
-                    "Phi3ForCausalLM"]
+                    "Phi3ForCausalLM", "MistralForCausalLM", "Gemma2ForCausalLM", "GlmForCausalLM",
+                    "Gemma3ForCausalLM"]
 
 
 @pytest.mark.parametrize("tp", [2, 4])

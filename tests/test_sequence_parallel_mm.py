@@ -88,9 +88,16 @@ def test_mm_hidden_states_refused(pool, name, mode, hows):
     pool.run(check.mm_hidden_states_refused, 2, name, mode, hows)
 
 
-@pytest.mark.parametrize("name", ["ChatGLMForConditionalGeneration", "SamVisionModel"])
-def test_mm_overlap_refused(pool, name):
-    pool.run(check.mm_overlap_refused, 2, name)
+# (model, a fragment of the policy's reason)
+OVERLAP_REFUSED = [("ChatGLMForConditionalGeneration", "[S, B, H] input is gathered along dimension 0"),
+                   ("ChatGLMModel", "[S, B, H] input is gathered along dimension 0"),
+                   ("SamVisionModel", "cuts the gathered grid into windows"),
+                   ("SamModel", "cuts the gathered grid into windows")]
+
+
+@pytest.mark.parametrize("name,reason", OVERLAP_REFUSED, ids=[n for n, _ in OVERLAP_REFUSED])
+def test_mm_overlap_refused(pool, name, reason):
+    pool.run(check.mm_overlap_refused, 2, name, reason)
 
 
 @pytest.mark.parametrize("sp", [2, 4])

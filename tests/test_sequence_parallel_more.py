@@ -167,8 +167,18 @@ def test_sp_moe_eval_with_dropout(pool):
     pool.run(sequence_more.sp_eval_with_dropout, 4, "MixtralForCausalLM")
 
 
-def test_sp_overlap_refused_for_moe(pool):
-    pool.run(sequence_more.sp_overlap_refused, 2, "MixtralForCausalLM")
+# (model, a fragment of the policy's reason): MoE routes the gathered tokens; Swin / Swinv2 window their stages
+OVERLAP_REFUSED = [("MixtralForCausalLM", "the router picks each token's experts"),
+                   ("MixtralModel", "the router picks each token's experts"),
+                   ("SwinForImageClassification", "shifted and cut into windows"),
+                   ("SwinModel", "shifted and cut into windows"),
+                   ("Swinv2ForImageClassification", "shifted and cut into windows"),
+                   ("Swinv2ForMaskedImageModeling", "shifted and cut into windows")]
+
+
+@pytest.mark.parametrize("name,reason", OVERLAP_REFUSED, ids=[n for n, _ in OVERLAP_REFUSED])
+def test_sp_overlap_refused(pool, name, reason):
+    pool.run(sequence_more.sp_overlap_refused, 2, name, reason)
 
 
 @pytest.mark.parametrize("name,seq,overrides", [("T5ForConditionalGeneration", 7, None),
@@ -217,7 +227,7 @@ def test_sp_vision_beit_interpolated_bias(pool, tp):
 @pytest.mark.parametrize("name,mode,overlap", [
     ("BeitForImageClassification", "all_to_all", False), ("BeitForImageClassification", "ring_attn", False),
     ("SwinForImageClassification", "all_to_all", False), ("SwinForImageClassification", "ring_attn", False),
-    ("SwinForImageClassification", "split_gather", True), ("Swinv2ForImageClassification", "split_gather", True),
+    # enable_sequence_overlap: test_sp_overlap_refused
     ("Swinv2ForMaskedImageModeling", "all_to_all", False), ("Swinv2ForImageClassification", "ring_attn", False)])
 def test_sp_vision_modes_refused(pool, name, mode, overlap):
     pool.run(sequence_more.sp_mode_refused_unchanged, 2, name, mode, overlap)

@@ -279,15 +279,16 @@ def sp_regathers_in_backward(ctx, name: str) -> dict:
     return {"regathers": got}
 
 
-def sp_overlap_refused(ctx, name: str) -> str:
-    """enable_sequence_overlap where the policy does not implement it: refused by name."""
-    model = zoo.build(name)
-    try:
-        _shard(ctx, model, enable_sequence_overlap=True)
-    except NotImplementedError as e:
-        assert "enable_sequence_overlap" in str(e) and type(model).__name__ in str(e), str(e)
-        return str(e)
-    raise AssertionError(f"{name}: enable_sequence_overlap was not refused")
+def sp_overlap_refused(ctx, name: str, reason: str) -> str:
+    """enable_sequence_overlap where the policy does not implement it: refused
+    naming the model class, the policy and its reason (`reason`, a fragment of
+    the policy's sequence_overlap_refusal), before anything changes."""
+    from shardformer.autopolicy import get_autopolicy
+
+    message = sp_mode_refused_unchanged(ctx, name, "split_gather", True)
+    policy = type(get_autopolicy(zoo.build(name))).__name__
+    assert policy in message and reason in message, (policy, reason, message)
+    return message
 
 
 def sp_dropout_masks_differ(ctx, name: str, p: float = 0.5) -> dict:
