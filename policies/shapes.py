@@ -137,8 +137,8 @@ class DecoderShape(FamilyPolicy):
         return self.mlp != "moe"
 
     def sequence_overlap_refusal(self) -> str:
-        return ("mlp.experts: the router picks each token's experts from the gathered sequence, so no "
-                "column matmul on this rank's rows can run while the MoE block's input is gathered")
+        return ("layers.*.mlp is a mixture of experts: its router picks each token's experts from the gathered "
+                "sequence, so no column matmul on this rank's rows can run while the block's input is gathered")
 
     def supports_sequence_recompute(self) -> bool:
         """sequence_parallel_recompute="selective": the split-gather layers

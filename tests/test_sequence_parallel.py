@@ -151,9 +151,13 @@ def test_sp_saves_rows_and_regathers_once_per_block(pool, name, tp):
 # all-gather in flight during the local rows' matmul, reduce-scatter of dX during dW
 OVERLAP = ["GPT2LMHeadModel", "BertForMaskedLM", "OPTForCausalLM", "BloomForCausalLM", "GPTNeoForCausalLM",
            "FalconForCausalLM", "RobertaForCausalLM/cross", "RobertaForMaskedLM", "ErnieForMaskedLM",
-           "GPTJForCausalLM"]
+           "GPTJForCausalLM", "BertModel", "BertForSequenceClassification", "BertLMHeadModel",
+           "RobertaForSequenceClassification", "ErnieModel", "GPT2ForSequenceClassification",
+           "GPTJForSequenceClassification", "OPTForSequenceClassification", "BloomForTokenClassification",
+           "GPTNeoForTokenClassification", "FalconForSequenceClassification"]
 # the vision encoders (their mlp's up projection gathers): the patch tokens and [CLS], padded inside
-OVERLAP_VISION = ["ViTForImageClassification", "ViTForMaskedImageModeling", "BeitForImageClassification"]
+OVERLAP_VISION = ["ViTForImageClassification", "ViTForMaskedImageModeling", "ViTModel", "BeitForImageClassification",
+                  "BeitModel", "BeitForMaskedImageModeling"]
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -172,7 +176,10 @@ def test_sp_overlap_odd_lengths(pool, seq):
 # fused qkv / gate_up) matmuls of this rank's rows, and hands the module the gathered sequence
 OVERLAP_DECODERS = ["LlamaForCausalLM", "Qwen2ForCausalLM", "GemmaForCausalLM", "Qwen3ForCausalLM",
                     "Phi3ForCausalLM", "MistralForCausalLM", "Gemma2ForCausalLM", "GlmForCausalLM",
-                    "Gemma3ForCausalLM"]
+                    "Gemma3ForCausalLM", "LlamaForSequenceClassification", "Qwen2ForTokenClassification",
+                    "GemmaForSequenceClassification", "Qwen3ForSequenceClassification", "Phi3ForTokenClassification",
+                    "MistralForTokenClassification", "Gemma2ForSequenceClassification", "GlmForTokenClassification",
+                    "Gemma3TextModel"]
 
 
 @pytest.mark.parametrize("tp", [2, 4])

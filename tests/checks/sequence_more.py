@@ -312,7 +312,7 @@ def sp_dropout_masks_differ(ctx, name: str, p: float = 0.5) -> dict:
     return sequence.check_split_dropout_step(ctx, name, masks, model(**zoo.make_inputs(name)))
 
 
-def sp_overlap_equals_unsharded(ctx, name: str, overrides: dict | None = None) -> dict:
+def sp_overlap_equals_unsharded(ctx, name: str, overrides: dict | None = None, seq: int | None = None) -> dict:
     """enable_sequence_overlap (Whisper's fc1, ALBERT's ffn gather their rows
     themselves; T5's attention and feed-forward blocks gather once for their
     column layers): the guarantees of sp_equals_unsharded, and on the
@@ -336,7 +336,7 @@ def sp_overlap_equals_unsharded(ctx, name: str, overrides: dict | None = None) -
         m.register_forward_hook(lambda *a: calls.append(1))
     assert units, f"{name}: no column layer gathers its input with overlap"
     before = _GatherRowsLinear.overlapped
-    report = parity.compare_sharded(model, ref, sp_inputs(name, None, overrides), f"{name} (overlap)")
+    report = parity.compare_sharded(model, ref, sp_inputs(name, seq, overrides), f"{name} (overlap)")
     ran = _GatherRowsLinear.overlapped - before
     backend = backend_for(torch.empty(1), ctx.group)
     per_forward = len(calls) // 2              # two forwards (before and after the step), one backward
