@@ -132,8 +132,7 @@ def test_sp_saves_rows_and_regathers_once_per_block(pool, name, tp):
 # T5's blocks gather once for their column layers (q/k/v, wi / wi_0, wi_1), in flight
 # (name, config overrides, encoder tokens): odd lengths (Whisper's through max_source_positions), padded inside
 OVERLAP = [(n, {"max_source_positions": 7}, None) for n in WHISPER] + [("WhisperForAudioClassification", None, None)] + \
-    [(n, None, 7) for n in T5 + ["AlbertForMaskedLM", "AlbertModel", "AlbertForSequenceClassification",
-                                 "AlbertForTokenClassification"]]
+    [(n, None, 7) for n in T5 + ALBERT]
 
 
 @pytest.mark.parametrize("tp", [2, 4])
