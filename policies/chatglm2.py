@@ -192,6 +192,10 @@ class ChatGLM2Shape(FamilyPolicy):
     def sequence_parallel_modes(self) -> tuple[str, ...]:
         return ("split_gather",) + self.split_attention_modes()
 
+    def sequence_overlap_refusal(self) -> str:
+        return (f"{self.layers_path()}.*: the GLMBlock's [S, B, H] input is gathered along dimension 0 before "
+                f"query_key_value / dense_h_to_4h; the overlapped gather takes batch-first [B, S/p, H] rows")
+
     def sequence_parallel_subs(self) -> tuple[list, list]:
         """(GLMBlock subs, GLMTransformer subs) of split_gather: the blocks,
         the norms (gradients all-reduced), the split and the gather, along

@@ -121,6 +121,11 @@ class SamShape(FamilyPolicy):
     def sequence_parallel_modes(self) -> tuple[str, ...]:
         return ("split_gather",)
 
+    def sequence_overlap_refusal(self) -> str:
+        return ("vision_encoder.layers.*: the replaced layer forward gathers its grid rows (H of [B, H, W, C]) "
+                "and cuts the gathered grid into windows before attn.qkv runs; the overlapped gather takes "
+                "sequence rows read directly by column layers")
+
     def config_sanity_check(self):
         cfg, name = self.shard_config, type(self.model).__name__
         if cfg.split_attention_mode:

@@ -136,6 +136,10 @@ class DecoderShape(FamilyPolicy):
         gathered tokens before any expert runs."""
         return self.mlp != "moe"
 
+    def sequence_overlap_refusal(self) -> str:
+        return ("layers.*.mlp is a mixture of experts: its router picks each token's experts from the gathered "
+                "sequence, so no column matmul on this rank's rows can run while the block's input is gathered")
+
     def supports_sequence_recompute(self) -> bool:
         """sequence_parallel_recompute="selective": the split-gather layers
         open a recompute scope (sequence_parallel_replacements)."""
@@ -619,6 +623,11 @@ class StageShape(VisionShape):
 
     def supports_sequence_overlap(self) -> bool:
         return False
+
+    def sequence_overlap_refusal(self) -> str:
+        return (f"{self.encoder_prefix()}.layers.*.blocks.*: each block gathers its stage's rows into the "
+                f"(height, width) map, shifted and cut into windows before any projection, and each stage has "
+                f"its own length; the overlapped gather needs column layers reading the rows in sequence order")
 
     def sequence_parallel_refusal(self, mode: str) -> str:
         """Why `mode` is refused (the sharder's message)."""

@@ -130,13 +130,15 @@ def test_sp_saves_rows_and_regathers_once_per_block(pool, name, tp):
 
 # enable_sequence_overlap: Whisper's fc1 and ALBERT's ffn gather their rows themselves, in flight;
 # T5's blocks gather once for their column layers (q/k/v, wi / wi_0, wi_1), in flight
+# (name, config overrides, encoder tokens): odd lengths (Whisper's through max_source_positions), padded inside
+OVERLAP = [(n, {"max_source_positions": 7}, None) for n in WHISPER] + [("WhisperForAudioClassification", None, None)] + \
+    [(n, None, 7) for n in T5 + ALBERT]
+
+
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("name,overrides", [("WhisperForConditionalGeneration", {"max_source_positions": 7}),
-                                            ("WhisperForAudioClassification", None), ("AlbertForMaskedLM", None),
-                                            ("T5ForConditionalGeneration", None),
-                                            ("T5ForConditionalGeneration/v1.1", None), ("T5EncoderModel", None)])
-def test_sp_overlap_equals_unsharded(pool, name, overrides, tp):
-    results = pool.run(sequence_more.sp_overlap_equals_unsharded, tp, name, overrides)
+@pytest.mark.parametrize("name,overrides,seq", OVERLAP, ids=[f"{c[0]}-{i}" for i, c in enumerate(OVERLAP)])
+def test_sp_overlap_equals_unsharded(pool, name, overrides, seq, tp):
+    results = pool.run(sequence_more.sp_overlap_equals_unsharded, tp, name, overrides, seq)
     assert all(r["overlapped"] > 0 for r in results) or results[0]["backend"] != "shm"
 
 
@@ -167,8 +169,18 @@ def test_sp_moe_eval_with_dropout(pool):
     pool.run(sequence_more.sp_eval_with_dropout, 4, "MixtralForCausalLM")
 
 
-def test_sp_overlap_refused_for_moe(pool):
-    pool.run(sequence_more.sp_overlap_refused, 2, "MixtralForCausalLM")
+# (model, a fragment of the policy's reason): MoE routes the gathered tokens; Swin / Swinv2 window their stages
+OVERLAP_REFUSED = [("MixtralForCausalLM", "router picks each token's experts"),
+                   ("MixtralModel", "router picks each token's experts"),
+                   ("SwinForImageClassification", "shifted and cut into windows"),
+                   ("SwinModel", "shifted and cut into windows"),
+                   ("Swinv2ForImageClassification", "shifted and cut into windows"),
+                   ("Swinv2ForMaskedImageModeling", "shifted and cut into windows")]
+
+
+@pytest.mark.parametrize("name,reason", OVERLAP_REFUSED, ids=[n for n, _ in OVERLAP_REFUSED])
+def test_sp_overlap_refused(pool, name, reason):
+    pool.run(sequence_more.sp_overlap_refused, 2, name, reason)
 
 
 @pytest.mark.parametrize("name,seq,overrides", [("T5ForConditionalGeneration", 7, None),
@@ -217,7 +229,7 @@ def test_sp_vision_beit_interpolated_bias(pool, tp):
 @pytest.mark.parametrize("name,mode,overlap", [
     ("BeitForImageClassification", "all_to_all", False), ("BeitForImageClassification", "ring_attn", False),
     ("SwinForImageClassification", "all_to_all", False), ("SwinForImageClassification", "ring_attn", False),
-    ("SwinForImageClassification", "split_gather", True), ("Swinv2ForImageClassification", "split_gather", True),
+    # enable_sequence_overlap: test_sp_overlap_refused
     ("Swinv2ForMaskedImageModeling", "all_to_all", False), ("Swinv2ForImageClassification", "ring_attn", False)])
 def test_sp_vision_modes_refused(pool, name, mode, overlap):
     pool.run(sequence_more.sp_mode_refused_unchanged, 2, name, mode, overlap)
@@ -336,12 +348,6 @@ def test_sp_recorded_hidden_states_with_overlap(pool, name):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_sp_generate_recorded_hidden_states(pool, tp):
     pool.run(sequence_more.generate_hidden_states_equal, tp, "LlamaForCausalLM")
-
-
-@pytest.mark.parametrize("tp", [2, 4])
-def test_sp_beit_overlap_equals_unsharded(pool, tp):
-    results = pool.run(sequence.sp_overlap_equals_unsharded, tp, "BeitForImageClassification")
-    assert all(r["overlapped"] > 0 for r in results) or results[0]["backend"] != "shm"
 
 
 # Whisper's audio classification with use_weighted_layer_sum: the weighted sum of the encoder's recorded

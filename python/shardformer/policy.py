@@ -121,6 +121,11 @@ class Policy(ABC):
         (optimize() refuses the switch, naming the policy, when it does not)."""
         return False
 
+    def sequence_overlap_refusal(self) -> str:
+        """Why this policy does not implement enable_sequence_overlap (the
+        sharder's message when supports_sequence_overlap() is False)."""
+        return "its sequence-parallel blocks gather their input before the projections"
+
     def supports_sequence_recompute(self) -> bool:
         """Whether this policy implements ShardConfig.sequence_parallel_recompute
         (optimize() refuses it, naming the policy, when it does not)."""

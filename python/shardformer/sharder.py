@@ -171,8 +171,8 @@ class ModelSharder:
                 + (f": {why}" if why else ""))
         if cfg.enable_sequence_overlap and not policy.supports_sequence_overlap():
             raise NotImplementedError(
-                f"{name}: enable_sequence_overlap is not available for {type(policy).__name__} (its "
-                f"sequence-parallel blocks gather their input before the projections); switch it off")
+                f"{name}: enable_sequence_overlap is not available for {type(policy).__name__} "
+                f"({policy.sequence_overlap_refusal()}); switch it off")
         if cfg.sequence_parallel_recompute is not None and not policy.supports_sequence_recompute():
             raise NotImplementedError(
                 f"{name}: sequence_parallel_recompute={cfg.sequence_parallel_recompute!r} is not available for "

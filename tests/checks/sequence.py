@@ -158,9 +158,9 @@ def sp_overlap_equals_unsharded(ctx, name: str, seq: int | None = None, blocks: 
     from shardformer.layer.linear import _GatherRowsLinear
 
     inputs = zoo.make_inputs(name)
-    if seq is not None:
-        inputs = {k: v[:, :seq].contiguous() if isinstance(v, torch.Tensor) and v.dim() >= 2 else v
-                  for k, v in inputs.items()}
+    if seq is not None:      # [batch, S, ...] or multiple choice's ids / masks [batch, choices, S]: `seq` tokens
+        inputs = {k: (v[..., :seq] if v.dim() == 3 and not v.is_floating_point() else v[:, :seq]).contiguous()
+                  if isinstance(v, torch.Tensor) and v.dim() >= 2 else v for k, v in inputs.items()}
     cfg = overlap_config(ctx)
     torch.manual_seed(0)
     model = zoo.build(name).train()

@@ -108,7 +108,12 @@ def mm_equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, overr
     after an SGD step); the split layers saw this rank's rows only, and in
     the all_to_all / ring_attn modes the split attention ran (counted).
     pad: row 0 right-padded by that many tokens; extra: more ShardConfig
-    kwargs (enable_sequence_overlap, enable_all_optimization)."""
+    kwargs (enable_sequence_overlap, enable_all_optimization; with overlap,
+    on the shared-memory backend the overlapped gathers ran: counted, in
+    both forwards and the backward, so a multiple of 3)."""
+    from shardformer.distributed import backend_for
+    from shardformer.layer.linear import _GatherRowsLinear
+
     torch.manual_seed(0)
     model = zoo.build(name, **(overrides or {})).train()
     ref = copy.deepcopy(model)
@@ -118,7 +123,7 @@ def mm_equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, overr
     inputs = mm_inputs(name, seq, overrides)
     if pad:
         inputs = right_padded(inputs, pad)
-    before = dict(sa.CALLS)
+    before, overlapped = dict(sa.CALLS), _GatherRowsLinear.overlapped
     # Gemma3Model's rounding-level gradients (zoo.gemma3mm.FP64_FLOOR): judged against float64 as check_sharded does
     fp64 = name in getattr(zoo.module_of(name), "FP64_FLOOR", ())
     ref64 = copy.deepcopy(ref).double() if fp64 else None
@@ -130,6 +135,10 @@ def mm_equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, overr
         calls = sa.CALLS[mode] - before[mode]
         assert calls > 0, f"{name}: the {mode} attention never ran"
         report["split_calls"] = calls
+    if config.get("enable_sequence_overlap"):
+        ran, backend = _GatherRowsLinear.overlapped - overlapped, backend_for(torch.empty(1), ctx.group)
+        assert backend != "shm" or (ran > 0 and ran % 3 == 0), f"{name}: {ran} overlapped passes"
+        report.update(overlapped=ran, backend=backend)
     report["rows"] = rows
     return report
 
@@ -200,12 +209,16 @@ def mm_refused(ctx, name: str, mode: str, what: str, overrides: dict | None = No
     return _refused_unchanged(ctx, model, config_for(mode), (type(model).__name__, repr(mode), what))
 
 
-def mm_overlap_refused(ctx, name: str) -> str:
+def mm_overlap_refused(ctx, name: str, reason: str) -> str:
     """split_gather with enable_sequence_overlap is refused naming the model
-    class and the switch, the model unchanged."""
+    class, the switch, the policy and its reason (`reason`, a fragment of the
+    policy's sequence_overlap_refusal), the model unchanged."""
+    from shardformer.autopolicy import get_autopolicy
+
     model = zoo.build(name)
+    policy = type(get_autopolicy(model)).__name__
     return _refused_unchanged(ctx, model, {**config_for("split_gather"), "enable_sequence_overlap": True},
-                              (type(model).__name__, "enable_sequence_overlap"))
+                              (type(model).__name__, "enable_sequence_overlap", policy, reason))
 
 
 def mm_hidden_states_refused(ctx, name: str, mode: str, hows: tuple = ("call", "config")) -> str:

@@ -279,15 +279,16 @@ def sp_regathers_in_backward(ctx, name: str) -> dict:
     return {"regathers": got}
 
 
-def sp_overlap_refused(ctx, name: str) -> str:
-    """enable_sequence_overlap where the policy does not implement it: refused by name."""
-    model = zoo.build(name)
-    try:
-        _shard(ctx, model, enable_sequence_overlap=True)
-    except NotImplementedError as e:
-        assert "enable_sequence_overlap" in str(e) and type(model).__name__ in str(e), str(e)
-        return str(e)
-    raise AssertionError(f"{name}: enable_sequence_overlap was not refused")
+def sp_overlap_refused(ctx, name: str, reason: str) -> str:
+    """enable_sequence_overlap where the policy does not implement it: refused
+    naming the model class, the policy and its reason (`reason`, a fragment of
+    the policy's sequence_overlap_refusal), before anything changes."""
+    from shardformer.autopolicy import get_autopolicy
+
+    message = sp_mode_refused_unchanged(ctx, name, "split_gather", True)
+    policy = type(get_autopolicy(zoo.build(name))).__name__
+    assert policy in message and reason in message, (policy, reason, message)
+    return message
 
 
 def sp_dropout_masks_differ(ctx, name: str, p: float = 0.5) -> dict:
@@ -311,7 +312,7 @@ def sp_dropout_masks_differ(ctx, name: str, p: float = 0.5) -> dict:
     return sequence.check_split_dropout_step(ctx, name, masks, model(**zoo.make_inputs(name)))
 
 
-def sp_overlap_equals_unsharded(ctx, name: str, overrides: dict | None = None) -> dict:
+def sp_overlap_equals_unsharded(ctx, name: str, overrides: dict | None = None, seq: int | None = None) -> dict:
     """enable_sequence_overlap (Whisper's fc1, ALBERT's ffn gather their rows
     themselves; T5's attention and feed-forward blocks gather once for their
     column layers): the guarantees of sp_equals_unsharded, and on the
@@ -335,7 +336,7 @@ def sp_overlap_equals_unsharded(ctx, name: str, overrides: dict | None = None) -
         m.register_forward_hook(lambda *a: calls.append(1))
     assert units, f"{name}: no column layer gathers its input with overlap"
     before = _GatherRowsLinear.overlapped
-    report = parity.compare_sharded(model, ref, sp_inputs(name, None, overrides), f"{name} (overlap)")
+    report = parity.compare_sharded(model, ref, sp_inputs(name, seq, overrides), f"{name} (overlap)")
     ran = _GatherRowsLinear.overlapped - before
     backend = backend_for(torch.empty(1), ctx.group)
     per_forward = len(calls) // 2              # two forwards (before and after the step), one backward
