@@ -81,7 +81,7 @@ REFUSED = {
     # would be summed over the ranks
     # (AriaText's router, beside replicated experts, is refused first)
     "AriaText-split_gather": ("AriaText", "split_gather", ("AriaTextForCausalLM", "model.layers.0.mlp.router",
-                                                           "AriaTextTopKRouter", "'split_gather'")),
+                                                           "leaves replicated", "'split_gather'")),
     "SolarOpen-split_gather": ("SolarOpen", "split_gather", ("SolarOpenForCausalLM",
                                                              "model.layers.0.mlp.shared_experts", "SolarOpenMLP")),
     # Qwen2-MoE's plan leaves the MoE block replicated: split_gather would run it on this rank's rows only

@@ -106,6 +106,9 @@ def test_unknown_loss_function_refused(pool):
                                   "Gemma3ForConditionalGeneration"])
 def test_pipeline_stages(pool, name):
     """TP=2 x PP=2: the last stage's loss runs on its vocabulary shards."""
+    if _computes_own_loss(name):
+        pytest.skip("this transformers computes the class's loss without self.loss_function: refused "
+                    "(test_own_loss_refused)")
     pool.run(pipeline_check.equals_unsharded, 4, name, 2, "1f1b", 2, 2, 1, 4, False, 4, {"parallel_output": True})
 
 
