@@ -263,10 +263,9 @@ def test_failed_postprocess_marks_the_model():
         model(**custom.toy_inputs())
 
 
-def test_hf_model_failure_with_every_optimization(monkeypatch):
-    """Llama with the built-in policy, fused norms, fused MLPs and flash
-    attention switched on: the third row-parallel layer fails to build; the
-    model (attention config included) is as it was, then shards."""
+def _fail_third_row_layer(monkeypatch):
+    """The third Linear1D_Row the sharder builds raises RuntimeError("injected");
+    returns the real from_native_module, to put back."""
     calls = []
     real = Linear1D_Row.from_native_module.__func__
 
@@ -277,6 +276,14 @@ def test_hf_model_failure_with_every_optimization(monkeypatch):
         return real(cls, module, process_group, **kwargs)
 
     monkeypatch.setattr(Linear1D_Row, "from_native_module", classmethod(failing))
+    return real
+
+
+def test_hf_model_failure_with_every_optimization(monkeypatch):
+    """Llama with the built-in policy, fused norms, fused MLPs and flash
+    attention switched on: the third row-parallel layer fails to build; the
+    model (attention config included) is as it was, then shards."""
+    real = _fail_third_row_layer(monkeypatch)
     model, inputs = zoo.build(LLAMA).eval(), zoo.make_inputs(LLAMA)
     before = snapshot(model, inputs)
     cfg = ShardConfig(enable_all_optimization=True)
@@ -620,16 +627,7 @@ def test_seam_kernel_failure_undone(monkeypatch):
     from shardformer import attention as sf_attention
 
     name = "GPTNeoForCausalLM"
-    calls = []
-    real = Linear1D_Row.from_native_module.__func__
-
-    def failing(cls, module, process_group=None, **kwargs):
-        calls.append(cls)
-        if len(calls) == 3:
-            raise RuntimeError("injected")
-        return real(cls, module, process_group, **kwargs)
-
-    monkeypatch.setattr(Linear1D_Row, "from_native_module", classmethod(failing))
+    real = _fail_third_row_layer(monkeypatch)
     model, inputs = zoo.build(name).eval(), zoo.make_inputs(name)
     before = snapshot(model, inputs)
     cfg = ShardConfig(enable_all_optimization=True)
