@@ -18,7 +18,8 @@ GLM, Phi-3, Mixtral).  Per layer (`<prefix>DecoderLayer`):
     mlp.gate_proj, mlp.up_proj         Linear1D_Col
     mlp.gate_up_proj (mlp="fused")     Linear1D_Col, split Fused(gate, up)
     mlp.down_proj                      Linear1D_Row
-    mlp.experts (mlp="moe")            FusedExperts1D (the router mlp.gate stays replicated)
+    mlp.experts (mlp="moe")            FusedExperts1D (the router mlp.gate stays replicated);
+                                       ExpertParallelExperts with ShardConfig.expert_parallel_process_group
     <base>.embed_tokens                VocabParallelEmbedding1D (scaled by sqrt(hidden) with embed_scale)
 
 HF's attention infers its head count from the projection width, so only
@@ -173,6 +174,11 @@ class DecoderShape(FamilyPolicy):
         if self.mlp == "moe":
             from shardformer.layer.moe import FusedExperts1D, RouterInSequenceParallel
 
+            ep = self.shard_config.expert_parallel_process_group
+            if ep is not None:
+                from shardformer.layer.expert_parallel import ExpertParallelExperts
+
+                return [Sub("mlp.experts", ExpertParallelExperts, kwargs={"expert_group": ep})]
             if not self.shard_config.sequence_parallel:
                 return [Sub("mlp.experts", FusedExperts1D)]
             return [Sub("mlp.experts", FusedExperts1D, kwargs={"sequence_parallel": True}),
@@ -221,7 +227,7 @@ class DecoderShape(FamilyPolicy):
             raise ValueError(f"{type(self.model).__name__}: pretraining_tp={cfg.pretraining_tp} is not supported "
                              "(set it to 1)")
         jitter = getattr(cfg, "router_jitter_noise", 0.0) if self.mlp == "moe" else 0.0
-        if self.tensor_parallel and jitter:
+        if (self.tensor_parallel or self.shard_config.expert_parallel_process_group is not None) and jitter:
             raise ValueError(f"{type(self.model).__name__}: router_jitter_noise={jitter} is not supported: "
                              "each rank would draw its own noise and route tokens differently (set it to 0)")
 

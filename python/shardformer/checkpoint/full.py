@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed.mappings import _gather_dim
+from ..layer.expert_parallel import refuse_expert_parallel
 from ..layer.parallel_module import ParallelModule, shard_of
 
 
@@ -111,6 +112,7 @@ def gather_full_state_dict(model: nn.Module, rank0_only: bool = False,
     merged (collective over the pipeline group too): every stage gets the
     whole model's tensors, or with rank0_only the pipeline group's first
     rank only."""
+    refuse_expert_parallel(model, "gather_full_state_dict")
     from ..pipeline.stages import runtime_of
 
     stages = runtime_of(model)
@@ -224,6 +226,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
     ValueError, listing the keys, and the model is then left untouched.
     A pipeline stage loads its own tensors from the whole model's dict (the
     other stages' keys are not unexpected)."""
+    refuse_expert_parallel(model, "load_full_state_dict")
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"load_full_state_dict: state_dict must be a mapping of names to tensors, "
                         f"got {type(state_dict).__name__}")

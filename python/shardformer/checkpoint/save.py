@@ -71,6 +71,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..layer.expert_parallel import refuse_expert_parallel
 from ..layer.parallel_module import ParallelModule
 from .atomic import _fsync, _make_temp, _put_in_place, recover_directory  # noqa: F401
 from .full import _gather_dim_to_root as _gather_to_root  # one gather-to-root (tests wrap it here)
@@ -516,6 +517,7 @@ def save_pretrained(model: nn.Module, save_directory, max_shard_size="2GB", *, p
     commit_message, create_pr, private, token).  A pipelined model's stages
     send their tensors to global rank 0, which writes them (collective over
     the pipeline group too; not streamed: rank 0 holds the full model)."""
+    refuse_expert_parallel(model, "save_pretrained")
     name = type(model).__name__
     state_dict = kwargs.pop("state_dict", None)
     is_main = kwargs.pop("is_main_process", True)

@@ -1,0 +1,200 @@
+"""Expert parallelism: the E experts of a MoE block split over the ranks of an
+expert-parallel (EP) group, every expert still split over TP inside.
+
+Groups.  The EP group is a subgroup of the data-parallel group: ranks that
+hold the same TP shard of the same stage and see different tokens
+(shardformer.mesh(dp=, tp=, ep=k): the DP group cut into dp/k consecutive
+blocks of k ranks; ep=dp, the whole DP group, is the usual choice).
+`.expert_dp` joins the ranks of different EP groups that own the same
+experts (dp/ep of them): expert parameters are replicated over it only.
+ShardConfig(expert_parallel_process_group=mesh.ep) switches the layer on.
+
+Ownership.  EP rank r of P owns a contiguous block of the E experts, the
+first E mod P ranks one more (E=5 over 2 ranks: experts 0-2 and 3-4); E < P
+is refused.  Each owned expert is split by its intermediate features over
+TP exactly as FusedExperts1D does (same ShardPlan, same expert_ffn): the
+local parameters are gate_up_proj [E_r, 2I/tp, H] and down_proj
+[E_r, H, I/tp].
+
+Forward, with T tokens, top-k routing (top_k_index, top_k_weights [T, k]):
+
+  1. the T*k (token, slot) pairs are sorted by the EP rank owning their
+     expert; n_j pairs go to rank j.  A capacity c = max over the EP group
+     of max_j n_j (one all-reduce of a scalar, max) pads every destination's
+     chunk to c rows, so the exchange has equal dim-0 chunks.
+  2. dispatch: all_to_all over the EP group of the [P*c, H] rows (chunk j ->
+     rank j; gradient: the same all_to_all, which is its own adjoint:
+     mappings.all_to_all_along with scatter = gather = dim 0), and, without
+     gradient, of the [P*c] local expert ids (-1 marks padding).
+  3. each rank runs its experts on the rows it received (partial over TP).
+  4. combine: the all_to_all back (its gradient, the dispatch exchange),
+     then y[t] = sum over slots s of w[t, s] * expert_out[t, s], summed over
+     TP by reduce_from_tp_region (all-reduce forward, identity backward) as
+     in FusedExperts1D; hidden states and weights enter through
+     copy_to_tp_region (identity forward, all-reduce of the gradient).
+
+No token is dropped (the capacity is the largest actual load), so the output
+equals the unsharded block's.  Backward, an expert's weight gradient sums
+the contributions of the tokens every EP rank sent it: the gradient of the
+sum over the EP group of the ranks' losses.  The data-parallel average
+(shardformer.data_parallel / average_gradients) therefore leaves expert
+parameters out of the DP all-reduce, sums them over `.expert_dp` and divides
+by the DP size, which equals the unsharded model's gradient of the mean loss.
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from ..config import group_size_and_rank
+from ..distributed import collectives as C
+from ..distributed.mappings import all_to_all_along, copy_to_tp_region, reduce_from_tp_region
+from ..lazy import is_lazy
+from .moe import FusedExperts1D
+from .parallel_module import ShardPlan, shapes_only
+
+#: Parameters of an expert-parallel layer carry this attribute: the EP group
+#: their experts are split over (data_parallel / average_gradients /
+#: clip_grad_norm_ read it).
+EXPERT_GROUP_ATTR = "_shardformer_expert_group"
+
+
+def expert_block(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int]:
+    """(first expert, count) owned by EP rank `ep_rank`: contiguous blocks,
+    the first num_experts % ep_size ranks one expert more."""
+    base, extra = divmod(num_experts, ep_size)
+    count = base + (1 if ep_rank < extra else 0)
+    return ep_rank * base + min(ep_rank, extra), count
+
+
+def expert_owner(num_experts: int, ep_size: int) -> torch.Tensor:
+    """[E] int64: the EP rank owning each expert."""
+    return torch.cat([torch.full((expert_block(num_experts, ep_size, r)[1],), r, dtype=torch.int64)
+                      for r in range(ep_size)])
+
+
+def _capacity(counts: torch.Tensor, comm_like: torch.Tensor, group) -> int:
+    """The largest per-destination load over the EP group (at least 1)."""
+    top = torch.tensor([int(counts.max()) if counts.numel() else 0], dtype=torch.int64, device=comm_like.device)
+    C.all_reduce(top, group, op="max")
+    return max(int(top.item()), 1)
+
+
+class ExpertParallelExperts(FusedExperts1D):
+    """FusedExperts1D whose experts are also split over an EP group (see the
+    module doc).  forward(hidden [T, H], top_k_index [T, k], top_k_weights
+    [T, k]) -> [T, H]; `exchanges` counts the dispatch all_to_alls run."""
+
+    @classmethod
+    def plan_shard(cls, module, tp_size, rank, expert_group=None, **kwargs) -> ShardPlan:
+        plan = super().plan_shard(module, tp_size, rank, **kwargs)
+        experts = module.gate_up_proj.shape[0]
+        ep_size, _ = group_size_and_rank(expert_group)
+        if experts < ep_size:
+            raise ValueError(f"{cls.__name__}: {type(module).__name__} has {experts} experts, fewer than the "
+                             f"{ep_size} ranks of expert_parallel_process_group; every EP rank must own at "
+                             "least one expert (use a smaller ep)")
+        return plan
+
+    def __init__(self, num_experts: int, hidden_dim: int, intermediate_dim: int, act_fn: nn.Module,
+                 process_group=None, plan: ShardPlan | None = None, dtype=None, device=None,
+                 expert_group=None, **kwargs):
+        if kwargs.get("sequence_parallel"):
+            raise ValueError(f"{type(self).__name__}: expert parallelism with split-gather sequence parallelism "
+                             "is not supported")
+        if plan is None:
+            plan = self.plan_for(shapes_only(gate_up_proj=(num_experts, 2 * intermediate_dim, hidden_dim),
+                                             down_proj=(num_experts, hidden_dim, intermediate_dim)),
+                                 process_group, expert_group=expert_group)
+        self.ep_size, self.ep_rank = group_size_and_rank(expert_group)
+        first, count = expert_block(num_experts, self.ep_size, self.ep_rank)
+        super().__init__(count, hidden_dim, intermediate_dim, act_fn, process_group=process_group, plan=plan,
+                         dtype=dtype, device=device)
+        self.total_experts, self.first_expert = num_experts, first
+        self.expert_group = expert_group
+        self.owner = expert_owner(num_experts, self.ep_size)     # not a buffer: no state-dict entry
+        self.block_firsts = torch.tensor([expert_block(num_experts, self.ep_size, r)[0]
+                                          for r in range(self.ep_size)], dtype=torch.int64)
+        self.exchanges = 0
+        for p in (self.gate_up_proj, self.down_proj):
+            setattr(p, EXPERT_GROUP_ATTR, expert_group)
+
+    def load_native(self, module: nn.Module) -> None:
+        """This rank's block of experts, each cut over TP as FusedExperts1D does."""
+        block = slice(self.first_expert, self.first_expert + self.num_experts)
+        super().load_native(SimpleNamespace(**{name: _rows(getattr(module, name, None), block)
+                                               for name in self.split_params}))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp_region(hidden_states, self.process_group)
+        weights = copy_to_tp_region(top_k_weights, self.process_group)
+        k = top_k_index.shape[1]
+        flat = top_k_index.reshape(-1)
+        valid = torch.nonzero((flat >= 0) & (flat < self.total_experts)).squeeze(1)
+        experts = flat[valid]
+        dest = self.owner.to(flat.device)[experts]
+        local = experts - self.block_firsts.to(flat.device)[dest]
+        order = torch.argsort(dest, stable=True)
+        pairs, local, dest = valid[order], local[order], dest[order]
+        counts = torch.bincount(dest, minlength=self.ep_size)
+        cap = _capacity(counts, x, self.expert_group)
+        # row of each pair in the [P * cap] send buffer: destination block, then arrival order
+        starts = torch.cumsum(counts, 0) - counts
+        slot_rows = dest * cap + (torch.arange(dest.numel(), device=dest.device) - starts[dest])
+        send = x.new_zeros((self.ep_size * cap, x.shape[1]))
+        send = send.index_copy(0, slot_rows, x[pairs // k])
+        ids = torch.full((self.ep_size * cap,), -1, dtype=torch.int64, device=x.device)
+        ids[slot_rows] = local
+        recv_ids = torch.empty_like(ids)
+        C.all_to_all_single(recv_ids, ids, self.expert_group)
+        recv = all_to_all_along(send, 0, 0, self.expert_group)
+        self.exchanges += 1
+        done = self._run_local(recv, recv_ids)
+        back = all_to_all_along(done, 0, 0, self.expert_group)
+        y = back[slot_rows] * weights.reshape(-1)[pairs, None]
+        out = torch.zeros_like(x).index_add(0, pairs // k, y.to(x.dtype))
+        return reduce_from_tp_region(out, self.process_group)
+
+    def _run_local(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """This rank's experts on the rows it received ([P*cap, H]; id -1: padding, output 0)."""
+        out = torch.zeros_like(rows)
+        # every local expert runs, on zero rows if none came: the autograd graph (and so the
+        # order of the gradient hooks data_parallel puts on the experts) is the same on every rank
+        for e in range(self.num_experts):
+            where = torch.nonzero(local_ids == e).squeeze(1)
+            out = out.index_copy(0, where, self.expert_ffn(e, rows[where]).to(out.dtype))
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"experts {self.first_expert}..{self.first_expert + self.num_experts - 1} of "
+                f"{self.total_experts}, ep={self.ep_rank}/{self.ep_size}, " + super().extra_repr())
+
+
+def _rows(t: torch.Tensor | None, block: slice) -> torch.Tensor | None:
+    """The experts `block` of a fused expert parameter (dim 0), keeping its
+    requires_grad (load_native then cuts the TP dimension of it)."""
+    if t is None:
+        return None
+    if is_lazy(t):
+        raise ValueError("ExpertParallelExperts: lazy_init() models are not supported with expert parallelism "
+                         "(build the model eagerly)")
+    return t.detach()[block].requires_grad_(t.requires_grad)
+
+
+def is_expert_param(t: torch.Tensor) -> bool:
+    """Whether `t` is a parameter of an expert-parallel layer (split over an EP group)."""
+    return hasattr(t, EXPERT_GROUP_ATTR)
+
+
+def refuse_expert_parallel(model: nn.Module, what: str) -> None:
+    """NotImplementedError for checkpoint paths that expect every expert on
+    every rank of a TP group, naming the model and the module."""
+    for path, module in model.named_modules():
+        if isinstance(module, ExpertParallelExperts):
+            raise NotImplementedError(
+                f"{type(model).__name__}: {what} is not available with expert parallelism: {path} holds experts "
+                f"{module.first_expert}..{module.first_expert + module.num_experts - 1} of "
+                f"{module.total_experts} only (ShardConfig.expert_parallel_process_group)")
