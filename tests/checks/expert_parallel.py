@@ -20,7 +20,9 @@ from checks import derived_policy as derived
 from checks import parity
 from checks.optimizations import counting_calls
 from shardformer import ShardConfig, ShardFormer, average_gradients, clip_grad_norm_, data_parallel, mesh
-from shardformer.checkpoint import _shard_info, gather_full_state_dict
+from shardformer.checkpoint import _shard_info, gather_full_state_dict, load_full_state_dict
+from shardformer.checkpoint.save import save_pretrained
+from shardformer.checkpoint.sharded import save_sharded
 from shardformer.layer import expert_parallel
 from shardformer.layer.expert_parallel import ExpertParallelExperts, expert_block, is_expert_param
 from shardformer.layer.parallel_module import shard_of
@@ -81,11 +83,13 @@ def _expert_numel(model) -> int:
 
 
 def training(ctx, arch: str, dp: int, tp: int, ep: int, experts: int | None = None, mode: str = "train",
-             optimizer: str = "sgd", via: str = "ddp") -> dict:
+             optimizer: str = "sgd", via: str = "ddp", rank0_only: bool = False) -> dict:
     """One optimizer step of the model sharded over mesh(dp, tp, ep) with
     data_parallel (via="average": shardformer.average_gradients(model,
     mesh) instead of DDP) against the unsharded model on the concatenated
-    batch.  mode="eval": eval mode with attention dropout 0.3 configured."""
+    batch, then gather_full_state_dict (rank0_only: to global rank 0 only)
+    against the unsharded state dict.  mode="eval": eval mode with attention
+    dropout 0.3 configured."""
     m = mesh(dp=dp, tp=tp, ep=ep)
     overrides = {"attention_dropout": 0.3} if mode == "eval" else {}
     torch.manual_seed(0)
@@ -135,6 +139,15 @@ def training(ctx, arch: str, dp: int, tp: int, ep: int, experts: int | None = No
     # lr (as checks.hybrid does); a wrong gradient moves weights by ~lr everywhere
     step_tol = TOL if optimizer == "sgd" else (0.0, 0.05 * LR)
     report["step"] = compare(model, ref, f"{name} after one {optimizer} step", grads=False, tol=step_tol)
+    # the experts gathered over TP and EP: the unsharded model's state dict, names and shapes
+    full = gather_full_state_dict(model, rank0_only=rank0_only)
+    expected = ref.state_dict()
+    if rank0_only and ctx.rank != 0:
+        assert full == {}, f"rank {ctx.rank} kept {len(full)} tensors with rank0_only"
+    else:
+        assert set(full) == set(expected), set(full) ^ set(expected)
+        for key, t in expected.items():
+            parity.assert_close(f"{name} gathered {key}", full[key], t, step_tol)
     if optimizer == "sgd":
         with torch.no_grad():
             after, ref_after = model(**mine).logits, ref(**mine).logits
@@ -186,7 +199,10 @@ def refusals(ctx) -> list[str]:
 
     torch.manual_seed(0)
     model, _ = ShardFormer(m.shard_config()).optimize(build("mixtral", 4))
-    for call, what in ((lambda: gather_full_state_dict(model), "gather_full_state_dict"),):
+    state = {k: v.clone() for k, v in build("mixtral", 4).state_dict().items()}
+    for call, what in ((lambda: save_pretrained(model, "/nonexistent/ep-checkpoint"), "save_pretrained"),
+                       (lambda: save_sharded(model, "/nonexistent/ep-checkpoint"), "save_sharded"),
+                       (lambda: load_full_state_dict(model, state), "load_full_state_dict")):
         msg = parity.refused_unchanged(model, call, what, NotImplementedError)
         assert what in msg and "MixtralForCausalLM" in msg, msg
         messages.append(msg)

@@ -48,9 +48,11 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
+from .. import _C
 from ..config import group_size_and_rank
 from ..distributed import collectives as C
 from ..distributed.mappings import all_to_all_along, copy_to_tp_region, reduce_from_tp_region
+from ..layout import DimShard, Split
 from ..lazy import is_lazy
 from .moe import FusedExperts1D
 from .parallel_module import ShardPlan, shapes_only
@@ -61,18 +63,27 @@ from .parallel_module import ShardPlan, shapes_only
 EXPERT_GROUP_ATTR = "_shardformer_expert_group"
 
 
+def expert_shard(num_experts: int, ep_size: int, ep_rank: int) -> DimShard:
+    """The experts dimension split over the EP group: layout.Split(), so
+    contiguous blocks, the first num_experts % ep_size ranks one expert more
+    (the same DimShard the checkpoint gather uses along dim 0)."""
+    plan = ShardPlan(ep_size, ep_rank).split("experts", Split(), num_experts, what="experts")
+    return _C.resolve_plan(plan)["experts"]
+
+
 def expert_block(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int]:
-    """(first expert, count) owned by EP rank `ep_rank`: contiguous blocks,
-    the first num_experts % ep_size ranks one expert more."""
-    base, extra = divmod(num_experts, ep_size)
-    count = base + (1 if ep_rank < extra else 0)
-    return ep_rank * base + min(ep_rank, extra), count
+    """(first expert, count) owned by EP rank `ep_rank`."""
+    shard = expert_shard(num_experts, ep_size, ep_rank)
+    return shard.ranges[0][0], shard.length
 
 
-def expert_owner(num_experts: int, ep_size: int) -> torch.Tensor:
+def expert_owner(shard: DimShard) -> torch.Tensor:
     """[E] int64: the EP rank owning each expert."""
-    return torch.cat([torch.full((expert_block(num_experts, ep_size, r)[1],), r, dtype=torch.int64)
-                      for r in range(ep_size)])
+    owner = torch.empty(shard.full, dtype=torch.int64)
+    for r, ranges in enumerate(shard.all_ranges):
+        for start, n in ranges:
+            owner[start:start + n] = r
+    return owner
 
 
 def _capacity(counts: torch.Tensor, comm_like: torch.Tensor, group) -> int:
@@ -109,14 +120,14 @@ class ExpertParallelExperts(FusedExperts1D):
                                              down_proj=(num_experts, hidden_dim, intermediate_dim)),
                                  process_group, expert_group=expert_group)
         self.ep_size, self.ep_rank = group_size_and_rank(expert_group)
-        first, count = expert_block(num_experts, self.ep_size, self.ep_rank)
+        shard = expert_shard(num_experts, self.ep_size, self.ep_rank)
+        first, count = shard.ranges[0][0], shard.length
         super().__init__(count, hidden_dim, intermediate_dim, act_fn, process_group=process_group, plan=plan,
                          dtype=dtype, device=device)
         self.total_experts, self.first_expert = num_experts, first
-        self.expert_group = expert_group
-        self.owner = expert_owner(num_experts, self.ep_size)     # not a buffer: no state-dict entry
-        self.block_firsts = torch.tensor([expert_block(num_experts, self.ep_size, r)[0]
-                                          for r in range(self.ep_size)], dtype=torch.int64)
+        self.expert_group, self.expert_shard = expert_group, shard
+        self.owner = expert_owner(shard)     # not buffers: no state-dict entries
+        self.block_firsts = torch.tensor([ranges[0][0] for ranges in shard.all_ranges], dtype=torch.int64)
         self.exchanges = 0
         for p in (self.gate_up_proj, self.down_proj):
             setattr(p, EXPERT_GROUP_ATTR, expert_group)
@@ -187,6 +198,13 @@ def _rows(t: torch.Tensor | None, block: slice) -> torch.Tensor | None:
 def is_expert_param(t: torch.Tensor) -> bool:
     """Whether `t` is a parameter of an expert-parallel layer (split over an EP group)."""
     return hasattr(t, EXPERT_GROUP_ATTR)
+
+
+def expert_shards(model: nn.Module) -> dict[int, tuple[DimShard, object]]:
+    """id(parameter) -> (its experts' DimShard along dim 0, the EP group) for
+    every expert-parallel parameter (the checkpoint gather's data)."""
+    return {id(getattr(m, name)): (m.expert_shard, m.expert_group) for m in model.modules()
+            if isinstance(m, ExpertParallelExperts) for name in m.split_params}
 
 
 def refuse_expert_parallel(model: nn.Module, what: str) -> None:
