@@ -40,6 +40,11 @@ def test_average_gradients_with_mesh(pool, dp, tp, ep):
     pool.run(check.training, 4, "mixtral", dp, tp, ep, 5, via="average")
 
 
+def test_data_parallel_with_the_dp_group(pool):
+    """EP = the whole DP group: data_parallel(model, mesh.dp) needs no mesh."""
+    pool.run(check.training, 4, "olmoe", 4, 1, 4, 5, via="ddp_group")
+
+
 def test_refusals(pool):
     messages = pool.run(check.refusals, 4)[0]
     assert any("pipeline_stage_manager" in m for m in messages), messages

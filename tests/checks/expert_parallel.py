@@ -85,8 +85,9 @@ def _expert_numel(model) -> int:
 def training(ctx, arch: str, dp: int, tp: int, ep: int, experts: int | None = None, mode: str = "train",
              optimizer: str = "sgd", via: str = "ddp", rank0_only: bool = False) -> dict:
     """One optimizer step of the model sharded over mesh(dp, tp, ep) with
-    data_parallel (via="average": shardformer.average_gradients(model,
-    mesh) instead of DDP) against the unsharded model on the concatenated
+    data_parallel(model, mesh) (via="ddp_group": data_parallel(model,
+    mesh.dp); via="average": shardformer.average_gradients(model, mesh)
+    instead of DDP) against the unsharded model on the concatenated
     batch, then gather_full_state_dict (rank0_only: to global rank 0 only)
     against the unsharded state dict.  mode="eval": eval mode with attention
     dropout 0.3 configured."""
@@ -110,7 +111,9 @@ def training(ctx, arch: str, dp: int, tp: int, ep: int, experts: int | None = No
     dist.all_reduce(held)
     assert int(held) == _expert_numel(ref) * (dp // ep), (int(held), _expert_numel(ref), dp, ep)
 
-    wrapped = data_parallel(model, m) if via == "ddp" else model
+    # via="ddp_group": the DP group alone (enough when EP spans it)
+    wrapped = {"ddp": lambda: data_parallel(model, m), "ddp_group": lambda: data_parallel(model, m.dp),
+               "average": lambda: model}[via]()
     kind = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optimizer]
     opt, ref_opt = kind(model.parameters(), lr=LR), kind(ref.parameters(), lr=LR)
     whole = batch(ref.config.vocab_size, ROWS * dp)

@@ -34,7 +34,11 @@ Forward, with T tokens, top-k routing (top_k_index, top_k_weights [T, k]):
      copy_to_tp_region (identity forward, all-reduce of the gradient).
 
 No token is dropped (the capacity is the largest actual load), so the output
-equals the unsharded block's.  Backward, an expert's weight gradient sums
+equals the unsharded block's.  The exchanges are collective over the EP
+group: every EP rank must run the model forward the same number of times
+(a generate() that stops early on one rank's prompts but not another's
+would leave the others waiting; use the same max_new_tokens with no early
+stop, or generate on a model sharded without an EP group).  Backward, an expert's weight gradient sums
 the contributions of the tokens every EP rank sent it: the gradient of the
 sum over the EP group of the ranks' losses.  The data-parallel average
 (shardformer.data_parallel / average_gradients) therefore leaves expert
