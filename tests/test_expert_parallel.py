@@ -45,6 +45,11 @@ def test_data_parallel_with_the_dp_group(pool):
     pool.run(check.training, 4, "olmoe", 4, 1, 4, 5, via="ddp_group")
 
 
+@pytest.mark.parametrize("dp, tp, ep", [(2, 2, 2), (4, 1, 4)])
+def test_lazy_init_equals_eager(pool, dp, tp, ep):
+    pool.run(check.lazy_equals_eager, 4, dp, tp, ep, 5)
+
+
 def test_refusals(pool):
     messages = pool.run(check.refusals, 4)[0]
     assert any("pipeline_stage_manager" in m for m in messages), messages

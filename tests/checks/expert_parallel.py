@@ -19,13 +19,14 @@ import zoo
 from checks import derived_policy as derived
 from checks import parity
 from checks.optimizations import counting_calls
-from shardformer import ShardConfig, ShardFormer, average_gradients, clip_grad_norm_, data_parallel, mesh
+from shardformer import ShardConfig, ShardFormer, average_gradients, clip_grad_norm_, data_parallel, lazy_init, mesh
 from shardformer.checkpoint import _shard_info, gather_full_state_dict, load_full_state_dict
 from shardformer.checkpoint.save import save_pretrained
 from shardformer.checkpoint.sharded import save_sharded
 from shardformer.layer import expert_parallel
 from shardformer.layer.expert_parallel import ExpertParallelExperts, expert_block, is_expert_param
 from shardformer.layer.parallel_module import shard_of
+from shardformer.lazy import is_lazy
 
 TOL = (1e-5, 1e-6)
 ROWS, SEQ = 2, 7          # per DP rank
@@ -158,6 +159,21 @@ def training(ctx, arch: str, dp: int, tp: int, ep: int, experts: int | None = No
     report["exchanges"] = sum(mod.exchanges for mod in layers)
     report["experts_here"] = count
     return report
+
+
+def lazy_equals_eager(ctx, dp: int, tp: int, ep: int, experts: int) -> dict:
+    """A model built under lazy_init() and sharded with EP holds exactly the
+    eager model's experts block and TP shard (every parameter)."""
+    m = mesh(dp=dp, tp=tp, ep=ep)
+    torch.manual_seed(0)
+    with lazy_init():
+        model = build("mixtral", experts)
+    assert is_lazy(model.model.layers[0].mlp.experts.gate_up_proj), "lazy_init() built real experts"
+    torch.manual_seed(0)
+    eager = build("mixtral", experts)
+    model, _ = ShardFormer(m.shard_config()).optimize(model)
+    assert any(isinstance(mod, ExpertParallelExperts) for mod in model.modules())
+    return {"params": compare(model, eager, "lazy_init vs eager", grads=False, tol=(0.0, 0.0))}
 
 
 def refusals(ctx) -> list[str]:

@@ -57,7 +57,7 @@ from ..config import group_size_and_rank
 from ..distributed import collectives as C
 from ..distributed.mappings import all_to_all_along, copy_to_tp_region, reduce_from_tp_region
 from ..layout import DimShard, Split
-from ..lazy import is_lazy
+from ..lazy import is_uninitialized, materialize
 from .moe import FusedExperts1D
 from .parallel_module import ShardPlan, shapes_only
 
@@ -190,13 +190,13 @@ class ExpertParallelExperts(FusedExperts1D):
 
 def _rows(t: torch.Tensor | None, block: slice) -> torch.Tensor | None:
     """The experts `block` of a fused expert parameter (dim 0), keeping its
-    requires_grad (load_native then cuts the TP dimension of it)."""
-    if t is None:
-        return None
-    if is_lazy(t):
-        raise ValueError("ExpertParallelExperts: lazy_init() models are not supported with expert parallelism "
-                         "(build the model eagerly)")
-    return t.detach()[block].requires_grad_(t.requires_grad)
+    requires_grad (load_native then cuts the TP dimension of it).  A lazy
+    tensor (lazy_init) is built whole first; one marked to be loaded comes
+    back as it is (load_native copies nothing from it)."""
+    if t is None or is_uninitialized(t):
+        return t
+    requires_grad = t.requires_grad
+    return materialize(t).detach()[block].requires_grad_(requires_grad)
 
 
 def is_expert_param(t: torch.Tensor) -> bool:
