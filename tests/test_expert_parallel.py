@@ -23,8 +23,10 @@ CASES = [
 
 
 @pytest.mark.parametrize("arch, dp, tp, ep, experts", CASES)
-def test_training_step(pool, arch, dp, tp, ep, experts):
-    reports = pool.run(check.training, 4, arch, dp, tp, ep, experts)
+def test_training_step(pool, tmp_path, arch, dp, tp, ep, experts):
+    """One step per layout (checks.expert_parallel.training), then save_pretrained, which plain
+    transformers loads back equal to the unsharded model after the same step."""
+    reports = pool.run(check.training, 4, arch, dp, tp, ep, experts, save_to=str(tmp_path / "saved"))
     assert all(r["exchanges"] > 0 for r in reports)
     # every EP group (4 / ep of them: one per TP rank and expert_dp replica) holds each expert once
     assert sum(r["experts_here"] for r in reports) == (experts or 3) * 4 // ep, reports

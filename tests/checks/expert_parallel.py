@@ -21,7 +21,6 @@ from checks import parity
 from checks.optimizations import counting_calls
 from shardformer import ShardConfig, ShardFormer, average_gradients, clip_grad_norm_, data_parallel, lazy_init, mesh
 from shardformer.checkpoint import _shard_info, gather_full_state_dict, load_full_state_dict
-from shardformer.checkpoint.save import save_pretrained
 from shardformer.checkpoint.sharded import save_sharded
 from shardformer.layer import expert_parallel
 from shardformer.layer.expert_parallel import ExpertParallelExperts, expert_block, is_expert_param
@@ -84,7 +83,7 @@ def _expert_numel(model) -> int:
 
 
 def training(ctx, arch: str, dp: int, tp: int, ep: int, experts: int | None = None, mode: str = "train",
-             optimizer: str = "sgd", via: str = "ddp", rank0_only: bool = False) -> dict:
+             optimizer: str = "sgd", via: str = "ddp", rank0_only: bool = False, save_to: str | None = None) -> dict:
     """One optimizer step of the model sharded over mesh(dp, tp, ep) with
     data_parallel(model, mesh) (via="ddp_group": data_parallel(model,
     mesh.dp); via="average": shardformer.average_gradients(model, mesh)
@@ -152,6 +151,13 @@ def training(ctx, arch: str, dp: int, tp: int, ep: int, experts: int | None = No
         assert set(full) == set(expected), set(full) ^ set(expected)
         for key, t in expected.items():
             parity.assert_close(f"{name} gathered {key}", full[key], t, step_tol)
+    if save_to is not None:         # save_pretrained gathers over EP; plain transformers loads it back
+        model.save_pretrained(save_to)
+        dist.barrier()
+        loaded = type(ref).from_pretrained(save_to).state_dict()
+        assert set(loaded) == set(expected), set(loaded) ^ set(expected)
+        for key, t in expected.items():
+            parity.assert_close(f"{name} saved and reloaded {key}", loaded[key], t, step_tol)
     if optimizer == "sgd":
         with torch.no_grad():
             after, ref_after = model(**mine).logits, ref(**mine).logits
@@ -219,8 +225,7 @@ def refusals(ctx) -> list[str]:
     torch.manual_seed(0)
     model, _ = ShardFormer(m.shard_config()).optimize(build("mixtral", 4))
     state = {k: v.clone() for k, v in build("mixtral", 4).state_dict().items()}
-    for call, what in ((lambda: save_pretrained(model, "/nonexistent/ep-checkpoint"), "save_pretrained"),
-                       (lambda: save_sharded(model, "/nonexistent/ep-checkpoint"), "save_sharded"),
+    for call, what in ((lambda: save_sharded(model, "/nonexistent/ep-checkpoint"), "save_sharded"),
                        (lambda: load_full_state_dict(model, state), "load_full_state_dict")):
         msg = parity.refused_unchanged(model, call, what, NotImplementedError)
         assert what in msg and "MixtralForCausalLM" in msg, msg
