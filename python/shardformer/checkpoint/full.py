@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed.mappings import _gather_dim
-from ..layer.expert_parallel import expert_shards, refuse_expert_parallel
+from ..layer.expert_parallel import expert_shards
 from ..layer.parallel_module import ParallelModule, shard_of
 
 
@@ -194,6 +194,19 @@ def _gather_own(model: nn.Module, rank0_only: bool, offload_to_cpu: bool,
     return out
 
 
+def _expert_blocks(state_dict: Mapping, tensors: list, experts: dict) -> Mapping:
+    """`state_dict` with each expert-parallel parameter's full tensor cut to
+    this rank's experts along dim 0 (a new dict when any is; a tensor whose
+    dim 0 is not the expert count is left for the shape check to report)."""
+    cut = {}
+    for name, t in tensors:
+        full = state_dict.get(name) if id(t) in experts else None
+        shard = experts[id(t)][0] if full is not None else None
+        if isinstance(full, torch.Tensor) and full.dim() > 0 and full.shape[0] == shard.full:
+            cut[name] = shard_of(full, 0, shard)
+    return {**state_dict, **cut} if cut else state_dict
+
+
 def _listed(label: str, items: list[str], limit: int = 20) -> str:
     more = f" ... and {len(items) - limit} more" if len(items) > limit else ""
     return f"\n  {label} ({len(items)}): " + "; ".join(items[:limit]) + more
@@ -239,12 +252,12 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
     ValueError, listing the keys, and the model is then left untouched.
     A pipeline stage loads its own tensors from the whole model's dict (the
     other stages' keys are not unexpected)."""
-    refuse_expert_parallel(model, "load_full_state_dict")
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"load_full_state_dict: state_dict must be a mapping of names to tensors, "
                         f"got {type(state_dict).__name__}")
     info = _shard_info(model)
     tensors = list(_named_tensors(model))
+    state_dict = _expert_blocks(state_dict, tensors, expert_shards(model))
     known = {name for name, _ in tensors}
     loads, wrong = [], []
     for name, t in tensors:
