@@ -173,12 +173,13 @@ class ShardConfig:
             raise ValueError("ShardConfig: expert_parallel_process_group needs enable_tensor_parallelism=True "
                              "(the experts are replaced by the tensor-parallel policy; a TP group of one rank "
                              "is fine)")
-        if group is self.tensor_parallel_process_group or (self.tensor_parallel_process_group is None and
-                                                           dist.get_world_size(group) == dist.get_world_size()
-                                                           and dist.get_world_size() > 1):
-            raise ValueError("ShardConfig: expert_parallel_process_group must be a group of its own, ranks "
-                             "holding the same tensor-parallel shard and seeing different data (mesh(..., "
-                             "ep=k).ep), not the tensor-parallel group")
+        tp = self.tensor_parallel_process_group
+        tp_ranks = set(dist.get_process_group_ranks(tp)) if tp is not None else set(range(dist.get_world_size()))
+        shared = tp_ranks & set(dist.get_process_group_ranks(group))
+        if len(shared) > 1:
+            raise ValueError(f"ShardConfig: expert_parallel_process_group shares ranks {sorted(shared)} with the "
+                             "tensor-parallel group; its ranks must hold the same tensor-parallel shard and see "
+                             "different data (a subgroup of the data-parallel group: mesh(..., ep=k).ep)")
 
     def _check_sequence_parallelism(self) -> None:
         mode = self.sequence_parallelism_mode
