@@ -90,9 +90,9 @@ def expert_owner(shard: DimShard) -> torch.Tensor:
     return owner
 
 
-def _capacity(counts: torch.Tensor, comm_like: torch.Tensor, group) -> int:
+def _capacity(counts: torch.Tensor, group, device) -> int:
     """The largest per-destination load over the EP group (at least 1)."""
-    top = torch.tensor([int(counts.max()) if counts.numel() else 0], dtype=torch.int64, device=comm_like.device)
+    top = torch.tensor([int(counts.max()) if counts.numel() else 0], dtype=torch.int64, device=device)
     C.all_reduce(top, group, op="max")
     return max(int(top.item()), 1)
 
@@ -146,32 +146,37 @@ class ExpertParallelExperts(FusedExperts1D):
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         x = copy_to_tp_region(hidden_states, self.process_group)
         weights = copy_to_tp_region(top_k_weights, self.process_group)
-        k = top_k_index.shape[1]
-        flat = top_k_index.reshape(-1)
-        valid = torch.nonzero((flat >= 0) & (flat < self.total_experts)).squeeze(1)
-        experts = flat[valid]
-        dest = self.owner.to(flat.device)[experts]
-        local = experts - self.block_firsts.to(flat.device)[dest]
-        order = torch.argsort(dest, stable=True)
-        pairs, local, dest = valid[order], local[order], dest[order]
-        counts = torch.bincount(dest, minlength=self.ep_size)
-        cap = _capacity(counts, x, self.expert_group)
-        # row of each pair in the [P * cap] send buffer: destination block, then arrival order
-        starts = torch.cumsum(counts, 0) - counts
-        slot_rows = dest * cap + (torch.arange(dest.numel(), device=dest.device) - starts[dest])
-        send = x.new_zeros((self.ep_size * cap, x.shape[1]))
-        send = send.index_copy(0, slot_rows, x[pairs // k])
-        ids = torch.full((self.ep_size * cap,), -1, dtype=torch.int64, device=x.device)
-        ids[slot_rows] = local
+        pairs, rows, ids = self._route(top_k_index)
+        tokens = pairs // top_k_index.shape[1]
+        send = x.new_zeros((ids.shape[0], x.shape[1])).index_copy(0, rows, x[tokens])
         recv_ids = torch.empty_like(ids)
-        C.all_to_all_single(recv_ids, ids, self.expert_group)
-        recv = all_to_all_along(send, 0, 0, self.expert_group)
+        C.all_to_all_single(recv_ids, ids, self.expert_group)          # no gradient: expert ids
+        recv = all_to_all_along(send, 0, 0, self.expert_group)          # dispatch (backward: its adjoint)
         self.exchanges += 1
-        done = self._run_local(recv, recv_ids)
-        back = all_to_all_along(done, 0, 0, self.expert_group)
-        y = back[slot_rows] * weights.reshape(-1)[pairs, None]
-        out = torch.zeros_like(x).index_add(0, pairs // k, y.to(x.dtype))
+        back = all_to_all_along(self._run_local(recv, recv_ids), 0, 0, self.expert_group)    # combine
+        y = back[rows] * weights.reshape(-1)[pairs, None]
+        out = torch.zeros_like(x).index_add(0, tokens, y.to(x.dtype))
         return reduce_from_tp_region(out, self.process_group)
+
+    def _route(self, top_k_index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Where each (token, slot) pair goes: (pairs: flat indices t*k+s of
+        the pairs with a real expert, sorted by owning EP rank; rows: each
+        pair's row of the [P*cap] send buffer, its owner's chunk then arrival
+        order; ids [P*cap]: the owner-local expert id of each row, -1 for
+        padding).  cap is agreed over the EP group (one all-reduce, max)."""
+        flat = top_k_index.reshape(-1)
+        pairs = torch.nonzero((flat >= 0) & (flat < self.total_experts)).squeeze(1)
+        dest = self.owner.to(flat.device)[flat[pairs]]
+        order = torch.argsort(dest, stable=True)
+        pairs, dest = pairs[order], dest[order]
+        local = flat[pairs] - self.block_firsts.to(flat.device)[dest]
+        counts = torch.bincount(dest, minlength=self.ep_size)
+        cap = _capacity(counts, self.expert_group, flat.device)
+        starts = torch.cumsum(counts, 0) - counts
+        rows = dest * cap + (torch.arange(dest.numel(), device=dest.device) - starts[dest])
+        ids = torch.full((self.ep_size * cap,), -1, dtype=torch.int64, device=flat.device)
+        ids[rows] = local
+        return pairs, rows, ids
 
     def _run_local(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """This rank's experts on the rows it received ([P*cap, H]; id -1: padding, output 0)."""
