@@ -22,6 +22,7 @@ from checks import parity
 from checks.optimizations import counting_calls
 from shardformer import ShardConfig, ShardFormer, average_gradients, clip_grad_norm_, data_parallel, lazy_init, mesh
 from shardformer.checkpoint import _shard_info, gather_full_state_dict, load_full_state_dict
+from shardformer.checkpoint.pretrained import load_pretrained
 from shardformer.checkpoint.sharded import save_sharded
 from shardformer.layer import expert_parallel
 from shardformer.layer.expert_parallel import ExpertParallelExperts, expert_block, is_expert_param
@@ -165,6 +166,16 @@ def training(ctx, arch: str, dp: int, tp: int, ep: int, experts: int | None = No
         assert set(loaded) == set(expected), set(loaded) ^ set(expected)
         for key, t in expected.items():
             parity.assert_close(f"{name} saved and reloaded {key}", loaded[key], t, step_tol)
+        # reading a checkpoint's slices into an EP model: refused by name (load_full_state_dict works)
+        msg = parity.refused_unchanged(model, lambda: load_pretrained(model, save_to), "load_pretrained",
+                                       NotImplementedError)
+        assert "load_pretrained" in msg and name in msg, msg
+        try:
+            ShardFormer(m.shard_config()).from_pretrained(type(ref), save_to)
+        except NotImplementedError as e:
+            assert "from_pretrained" in str(e) and "expert" in str(e), e
+        else:
+            raise AssertionError("from_pretrained with an EP group was not refused")
     if optimizer == "sgd":
         with torch.no_grad():
             after, ref_after = model(**mine).logits, ref(**mine).logits

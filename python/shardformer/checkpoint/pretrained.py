@@ -312,7 +312,7 @@ def plan_load(model: nn.Module, reader: CheckpointReader, strict: bool = True) -
     """Match and check every model tensor against the checkpoint; the list of
     tensors to fill.  Raises one ValueError listing every problem (missing,
     unexpected, wrong shape or dtype, unreadable conversion), touching nothing."""
-    refuse_expert_parallel(model, "plan_load")
+    refuse_expert_parallel(model, "loading a HF checkpoint's slices (load_pretrained)")
     info = _shard_info(model)
     persistent = list(model.state_dict().keys())
     wanted = set(persistent)
