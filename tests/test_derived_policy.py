@@ -134,7 +134,6 @@ def test_layer_list_from_the_module_tree(name):
     split = policy.pipeline_split
     last = ("norm",) if name != "NanoChat" else ()      # (NanoChat's final norm has no weight: on every stage)
     assert (split.owner, split.layers, split.last) == (type(model.model).__name__, "layers", last)
-    assert name == "NanoChat" or not any(True for _ in model.model.rotary_emb.parameters())
     assert policy.pipeline_refusal == ""
 
 
