@@ -79,13 +79,10 @@ REFUSED = {
     # GPT-OSS: a learned sink logit per head in every softmax
     **{f"GptOss-{m}": ("GptOss", m, ("GptOssForCausalLM", "model.layers.0.self_attn.sinks", "attention sinks",
                                      repr(m))) for m in ("all_to_all", "ring_attn")},
-    # experts / a shared expert the plan leaves replicated inside the split MoE block: their full output
-    # would be summed over the ranks
-    # (AriaText's router, beside replicated experts, is refused first)
+    # experts the plan leaves replicated inside the split MoE block: their full output would be summed
+    # over the ranks (AriaText's router, beside them, is refused first)
     "AriaText-split_gather": ("AriaText", "split_gather", ("AriaTextForCausalLM", "model.layers.0.mlp.router",
                                                            "leaves replicated", "'split_gather'")),
-    "SolarOpen-split_gather": ("SolarOpen", "split_gather", ("SolarOpenForCausalLM",
-                                                             "model.layers.0.mlp.shared_experts", "SolarOpenMLP")),
     # Qwen2-MoE's plan leaves the MoE block replicated: split_gather would run it on this rank's rows only
     "Qwen2Moe-split_gather": ("Qwen2Moe", "split_gather", ("Qwen2MoeForCausalLM", "model.layers.0.mlp",
                                                            "Qwen2MoeSparseMoeBlock", "'split_gather'")),
@@ -96,6 +93,26 @@ REFUSED = {
 def test_derived_sp_refused_by_name(pool, case):
     name, mode, expect = REFUSED[case]
     pool.run(S.refused, 2, name, mode, expect)
+
+
+@pytest.mark.parametrize("sp, seq", [(2, 7), (4, 9)])
+@pytest.mark.parametrize("name", available(["SolarOpen"]))
+def test_replicated_shared_expert_under_split_gather(pool, name, sp, seq):
+    """SolarOpen's shared expert, replicated by its plan inside the split MoE block, its output added to
+    the experts' partial sums: scaled by 1/p (the block's reduce-scatter sums p copies back to one), its
+    gradients all-reduced; equal to the unsharded model, the scaling counted on every rank."""
+    reports = pool.run(S.shared_experts_split_gather, sp, name, seq)
+    assert all(r["shared_calls"] > 0 for r in reports), reports
+
+
+def test_shared_expert_found_in_the_forward():
+    """Only a child that the block's forward adds to something runs beside the experts:
+    SolarOpen's shared_experts; its router (gate) and experts are not added."""
+    from shardformer.derived_policy import _added_children
+
+    if "SolarOpen" not in available(["SolarOpen"]):
+        pytest.skip("this transformers has no SolarOpenForCausalLM")
+    assert _added_children(D.build("SolarOpen").model.layers[0].mlp) == ["shared_experts"]
 
 
 @pytest.mark.skipif("Qwen2Moe" not in available(["Qwen2Moe"]), reason="this transformers has no Qwen2MoeForCausalLM")
@@ -152,7 +169,7 @@ def test_derived_sp_padded_batch(pool, name, mode, sp):
 LATENT = ("AXK2", "DeepseekV2", "DeepseekV2-grouped_gemm", "DeepseekV2-qproj-6heads", "DeepseekV3", "DeepseekV3-mla",
           "DeepseekV32", "Glm4MoeLite", "GlmMoeDsa", "MiniCPM3", "Mistral4")
 SWEEP_REFUSED = {(n, m) for n in ("HrmText", "MiniMax", "OlmoHybrid", "KimiLinear") for m in MODES} | {
-    (n, "split_gather") for n in ("AriaText", "Cohere2Moe", "ExaoneMoe", "Qwen2Moe", "SolarOpen") + LATENT} | {
+    (n, "split_gather") for n in ("AriaText", "Cohere2Moe", "ExaoneMoe", "Qwen2Moe") + LATENT} | {
     (n, m) for n in ("AXK2", "DeepseekV32", "GlmMoeDsa") for m in MODES}
 # Gemma4Unified under ring_attn: every gradient within 1% of the float64-floor tolerance, one just past it
 # (the ring merges blocks in another order); its all_to_all and split_gather are in the sweep.

@@ -89,7 +89,12 @@ layer types other than attention (linear attention, recurrent mixers), a
 convolution along the sequence, attention outside the interface and attention
 sinks (all_to_all, ring_attn), and under split_gather a layer child
 with parameters the plan leaves replicated that is not a norm, and latent
-attention (its shared mla_kv_a_proj projection stays whole).
+attention (its shared mla_kv_a_proj projection stays whole).  Inside a
+split MoE block, a replicated module whose output the block's forward adds
+to the experts' (a shared expert, SolarOpen's) runs:
+SharedExpertInSequenceParallel divides its output by p and all-reduces its
+gradients (shardformer.layer.moe); any other replicated module there is
+refused.
 """
 from __future__ import annotations
 
@@ -683,7 +688,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
 
     def _sp_block(self, where: str, module: nn.Module, inside: list, planned: set, state) -> list:
         """The region of one child of a layer holding split layers."""
-        from .layer.moe import RouterInSequenceParallel
+        from .layer.moe import RouterInSequenceParallel, SharedExpertInSequenceParallel
         from .layer.sequence import SequenceParallelRegion
 
         latent = [s.suffix for s in inside if s.target_module.__name__ == "SharedRopeKeyProjection"]
@@ -705,6 +710,8 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         routers = {f"{s.suffix.rpartition('.')[0]}.{child}" for s in experts
                    for child, m in self.model.get_submodule(s.suffix.rpartition(".")[0]).named_children()
                    if any(True for _ in m.parameters(recurse=False))}      # a router's own matrix
+        added = {f"{block}.{child}" for block in {s.suffix.rpartition(".")[0] for s in experts}
+                 for child in _added_children(self.model.get_submodule(block))}
         seen: list[str] = []                   # replicated subtrees classified whole
         for path, m in module.named_modules(prefix=where):
             if any(path == p or path.startswith(p + ".") for p in seen + [s.suffix for s in inside]):
@@ -714,10 +721,14 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
             seen.append(path)
             if path in routers and path not in planned:    # beside the experts: partial gradients
                 out.append(Sub(path, RouterInSequenceParallel))
+            elif path in added and path not in planned:     # output added to the experts' partial sums
+                out.append(Sub(path, SharedExpertInSequenceParallel))
             elif not _norm_like(m):
                 raise self._refused(path, f"{type(m).__name__} holds parameters the plan leaves replicated inside "
                                     f"a tensor-parallel block: its full output would be summed over the ranks by "
-                                    f"the block's reduce-scatter")
+                                    f"the block's reduce-scatter (only a router, a norm, or a module beside the "
+                                    f"experts whose output the block's forward adds to theirs, `... + "
+                                    f"self.<name>(...)`, run there)")
         return out
 
     # ---- after the swaps ----
@@ -780,6 +791,18 @@ def latent_attention_supplement(model: nn.Module, plan: dict[str, str]) -> dict[
         added.update({f"{path}.{child}": style for child, style in MLA_ENTRIES.items()   # (exact paths: the
                       if isinstance(getattr(module, child, None), nn.Linear)})    # other layers may differ)
     return added
+
+
+def _added_children(block: nn.Module) -> list[str]:
+    """The children of `block` whose call its forward adds to something
+    (`x + self.child(...)` or `self.child(...) + x`), found in its source."""
+    source = _forward_source(block)
+    out = []
+    for child, _ in block.named_children():
+        call = rf"self\.{re.escape(child)}\((?:[^()]|\([^()]*\))*\)"
+        if re.search(rf"\+\s*{call}", source) or re.search(rf"{call}\s*\+", source):
+            out.append(child)
+    return out
 
 
 def _forward_source(module: nn.Module) -> str:
