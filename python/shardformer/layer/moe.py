@@ -158,14 +158,14 @@ class RouterInSequenceParallel:
 
     @classmethod
     def prepare_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
-                              **kwargs) -> "_RouterHooks":
+                              **kwargs) -> "_SyncAndOutputHook":
         from .parallel_module import plan_directly
         from .replicated import ReplicatedInParallelRegion
 
         if plan is None:
             plan = plan_directly(cls, module, process_group)
         sync = ReplicatedInParallelRegion.prepare_native_module(module, process_group, plan=plan)
-        return _RouterHooks(module, sync, plan.tp_size)
+        return _SyncAndOutputHook(module, sync, plan.tp_size)
 
     @classmethod
     def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
@@ -189,14 +189,14 @@ class SharedExpertInSequenceParallel:
 
     @classmethod
     def prepare_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
-                              **kwargs) -> "_RouterHooks":
+                              **kwargs) -> "_SyncAndOutputHook":
         from .parallel_module import plan_directly
         from .replicated import ReplicatedInParallelRegion
 
         if plan is None:
             plan = plan_directly(cls, module, process_group)
         sync = ReplicatedInParallelRegion.prepare_native_module(module, process_group, plan=plan)
-        return _RouterHooks(module, sync, plan.tp_size, _scale_output)
+        return _SyncAndOutputHook(module, sync, plan.tp_size, _scale_output)
 
     @classmethod
     def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
@@ -219,7 +219,7 @@ def _scale_output(output, n: int):
     return output / n
 
 
-class _RouterHooks:
+class _SyncAndOutputHook:
     """Gradient sync of a module's parameters plus a forward hook `change`
     (output, n) -> new output or None, run first among its hooks."""
 
