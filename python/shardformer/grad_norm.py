@@ -128,13 +128,16 @@ def _data_parallel_groups(model: nn.Module, group) -> tuple:
     from .parallel_mesh import Mesh
 
     if isinstance(group, Mesh):
-        return group.dp, group.expert_dp
+        if group.expert_dp is not None:
+            return group.dp, group.expert_dp
+        group = group.dp              # a mesh without ep: the experts' EP group must span its DP group
     ep = {id(g): g for g in (getattr(t, EXPERT_GROUP_ATTR) for t in model.parameters() if is_expert_param(t))}
     for g in ep.values():
         if C.world_size(g) != C.world_size(group):
             raise ValueError(f"{type(model).__name__}: its experts are split over an expert-parallel group of "
-                             f"{C.world_size(g)} ranks, smaller than the {C.world_size(group)}-rank data-parallel "
-                             "group given: pass the shardformer.mesh() (its .expert_dp sums the experts' gradients)")
+                             f"{C.world_size(g)} ranks, not the whole {C.world_size(group)}-rank data-parallel "
+                             "group given: pass the shardformer.mesh(..., ep=) that made it (its .expert_dp sums "
+                             "the experts' gradients)")
     return group, None
 
 
