@@ -171,15 +171,15 @@ class _RouterHooks:
 
     def commit(self) -> nn.Module:
         self.sync.commit()
-        n = self.tp_size
-        if n > 1:
-            def post(_module, _args, output):
-                if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-                    return (_ShareGrad.apply(output[0], n),) + tuple(output[1:])
-                return None
-
-            self.handle = self.module.register_forward_hook(post, prepend=True)
+        if self.tp_size > 1:
+            self.handle = self.module.register_forward_hook(self.share_grad, prepend=True)
         return self.module
+
+    def share_grad(self, _module, _args, output):
+        """The router logits through _ShareGrad (a method: the model pickles)."""
+        if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+            return (_ShareGrad.apply(output[0], self.tp_size),) + tuple(output[1:])
+        return None
 
     def rollback(self) -> None:
         if self.handle is not None:
