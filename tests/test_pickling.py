@@ -26,6 +26,16 @@ def test_round_trip_sequence_parallel(pool, name):
     pool.run(pickling.round_trip_matches, 2, name, {"enable_sequence_parallelism": True})
 
 
+@pytest.mark.parametrize("name", ["BloomForCausalLM", "BertForMaskedLM", "Swinv2ForImageClassification"])
+def test_round_trip_eval_with_dropout(pool, name):
+    pool.run(pickling.round_trip_matches, 2, name, {"enable_sequence_parallelism": True}, dropout=0.3)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_round_trip_plain_pickle(pool, tp):
+    pool.run(pickling.round_trip_matches, tp, "GPTNeoForCausalLM", {"enable_all_optimization": True}, via="pickle")
+
+
 def test_replicated_gradient_hooks_reattached(pool):
     res = pool.run(pickling.replicated_hooks_reattached, 2, "SamModel")
     for r in res:

@@ -37,7 +37,6 @@ take), calls the model's method, warning once per reason.
 from __future__ import annotations
 
 import sys
-import types
 import warnings
 
 import torch

@@ -703,7 +703,6 @@ def push_to_hub(model: nn.Module, *args, **kwargs):
 def bind_hf_methods(model: nn.Module) -> None:
     """Make model.save_pretrained / model.push_to_hub the collective versions
     above (instance attributes: the class's methods stay as they were)."""
-    import types
 
     if callable(getattr(type(model), "save_pretrained", None)):
         model.__dict__["save_pretrained"] = BoundMethod(save_pretrained, model)

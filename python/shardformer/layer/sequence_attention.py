@@ -86,7 +86,6 @@ from __future__ import annotations
 
 import copy
 import sys
-import types
 from dataclasses import dataclass
 from typing import Callable
 
