@@ -53,3 +53,8 @@ def test_refused_modes(pool, mode):
 def test_missing_group_refused(pool):
     message = pool.run(pickling.missing_group_refused, 2)[0]
     assert "[0, 7, 9]" in message and "new_group" in message, message
+
+
+def test_pipeline_refused(pool):
+    for message in pool.run(pickling.pipelined_refused, 4):
+        assert "LlamaForCausalLM" in message and "pipeline" in message and "state_dict" in message, message

@@ -32,7 +32,10 @@ stages).  Save those with state_dict / save_pretrained.
 Hooks and replacements that carry state are small module-level callable
 classes (or functools.partial of module-level functions), never closures:
 closures cannot pickle.  Per-forward state (streams opened in a forward,
-gathered tensors) is empty between forwards and is not pickled.
+gathered tensors) is empty between forwards and is not pickled.  torch.save
+drops a parameter's tensor hooks: the gradient all-reduce of parameters
+replicated over the TP / SP group (layer.replicated.GradAllReduce) is
+registered again by its holder at the loaded model's first forward.
 """
 from __future__ import annotations
 

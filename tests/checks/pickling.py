@@ -114,3 +114,19 @@ def missing_group_refused(ctx) -> str:
     except RuntimeError as e:
         return str(e)
     raise AssertionError("resolve_group of unknown ranks did not raise")
+
+
+def pipelined_refused(ctx) -> str:
+    """torch.save of a pipeline stage (PP=2 on the pool's 4 ranks) raises TypeError naming the
+    model and pipeline parallelism; copy.deepcopy still works."""
+    from checks import pipeline
+
+    _, model, _, _ = pipeline.pipelined(ctx, "LlamaForCausalLM", 2)
+    try:
+        torch.save(model, io.BytesIO())
+    except TypeError as e:
+        message = str(e)
+    else:
+        raise AssertionError("torch.save of a pipeline stage was not refused")
+    copy.deepcopy(model)
+    return message
