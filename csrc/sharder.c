@@ -1555,7 +1555,11 @@ static PyObject *build_op(PyObject *op, PyObject *process_group, PyObject *adopt
     if (strcmp(tag, OP_SUB) == 0)
         return build_sub(op, process_group, adopt, journal);
     if (strcmp(tag, OP_METHOD) == 0) {
-        PyObject *bound = PyMethod_New(PyTuple_GET_ITEM(op, 4), PyTuple_GET_ITEM(op, 2));
+        /* shardformer.pickling.bind: a bound method that pickles as (function, module) */
+        PyObject *pickling = PyImport_ImportModule("shardformer.pickling");
+        PyObject *bound = pickling ? PyObject_CallMethod(pickling, "bind", "OO", PyTuple_GET_ITEM(op, 4),
+                                                         PyTuple_GET_ITEM(op, 2)) : NULL;
+        Py_XDECREF(pickling);
         if (bound == NULL)
             return NULL;
         PyObject *r = PyTuple_Pack(5, PyTuple_GET_ITEM(op, 0), PyTuple_GET_ITEM(op, 1),

@@ -136,28 +136,31 @@ class _EndHooks:
         self.handles: list = []
 
     def commit(self):
-        from shardformer.layer.sequence import gather_sequence, split_sequence
-
         if not self.active:
             return self.module
-        state, group = self.state, self.group
-
-        def pre(_module, args, kwargs):
-            if args:
-                return (split_sequence(args[0], state, group),) + tuple(args[1:]), kwargs
-            return args, {**kwargs, "hidden_states": split_sequence(kwargs["hidden_states"], state, group)}
-
-        def post(_module, _args, output):
-            if isinstance(output, torch.Tensor):
-                return gather_sequence(output, state, group)
-            if isinstance(output, tuple):
-                return (gather_sequence(output[0], state, group),) + tuple(output[1:])
-            output.last_hidden_state = gather_sequence(output.last_hidden_state, state, group)
-            return output
-
-        self.handles = [self.module.register_forward_pre_hook(pre, with_kwargs=True),
-                        self.module.register_forward_hook(post)]
+        self.handles = [self.module.register_forward_pre_hook(self.split_input, with_kwargs=True),
+                        self.module.register_forward_hook(self.gather_output)]
         return self.module
+
+    def split_input(self, _module, args, kwargs):
+        """The encoder's input hidden states cut to this rank's rows (methods,
+        not closures: the model pickles)."""
+        from shardformer.layer.sequence import split_sequence
+
+        if args:
+            return (split_sequence(args[0], self.state, self.group),) + tuple(args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": split_sequence(kwargs["hidden_states"], self.state, self.group)}
+
+    def gather_output(self, _module, _args, output):
+        """The encoder's output rows gathered to the full sequence."""
+        from shardformer.layer.sequence import gather_sequence
+
+        if isinstance(output, torch.Tensor):
+            return gather_sequence(output, self.state, self.group)
+        if isinstance(output, tuple):
+            return (gather_sequence(output[0], self.state, self.group),) + tuple(output[1:])
+        output.last_hidden_state = gather_sequence(output.last_hidden_state, self.state, self.group)
+        return output
 
     def rollback(self):
         for handle in self.handles:

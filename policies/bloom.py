@@ -42,6 +42,8 @@ enable_flash_attention: BloomAttention.forward with the C kernel
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -51,15 +53,18 @@ from shardformer.policies.shapes import FusedQKVShape, gpt_heads
 
 
 def local_alibi(hf_build, q_start: int, q_count: int):
-    """BloomModel.build_alibi_tensor keeping heads [q_start, q_start + q_count)."""
+    """BloomModel.build_alibi_tensor keeping heads [q_start, q_start + q_count)
+    (a partial of a module-level function, so the model pickles)."""
+    return functools.partial(_local_alibi, hf_build, q_start, q_count)
 
-    def build_alibi_tensor(self, attention_mask, num_heads, dtype):
-        alibi = hf_build(attention_mask, num_heads, dtype)  # [B * H, 1, S]
-        batch = attention_mask.shape[0]
-        alibi = alibi.view(batch, num_heads, 1, -1)[:, q_start:q_start + q_count]
-        return alibi.reshape(batch * q_count, 1, alibi.shape[-1])
 
-    return build_alibi_tensor
+def _local_alibi(hf_build, q_start: int, q_count: int, model, attention_mask, num_heads, dtype):
+    """hf_build's bias [B * H, 1, S] for all heads, cut to the heads
+    [q_start, q_start + q_count): [B * q_count, 1, S]."""
+    alibi = hf_build(attention_mask, num_heads, dtype)  # [B * H, 1, S]
+    batch = attention_mask.shape[0]
+    alibi = alibi.view(batch, num_heads, 1, -1)[:, q_start:q_start + q_count]
+    return alibi.reshape(batch * q_count, 1, alibi.shape[-1])
 
 
 def split_attention(state, attention, original, args, kwargs):

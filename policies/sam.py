@@ -52,6 +52,8 @@ decomposed relative positions are added inside it per (query, key) pair.
 """
 from __future__ import annotations
 
+import functools
+
 from shardformer.family import Family, FamilyPolicy, sequence_mode_refused
 from shardformer.layer import Linear1D_Col, Linear1D_Row
 from shardformer.layer.replicated import ReplicatedInParallelRegion
@@ -98,22 +100,24 @@ def mask_decoder_policy(decoder_cfg) -> dict:
 def sequence_parallel_layer_forward(state, group):
     """SamVisionLayer.forward on this rank's rows of the patch grid (the
     steps in the module docstring); `state`: the encoder's SequenceState
-    (dim 1: the grid rows), `group`: the tensor-parallel group."""
+    (dim 1: the grid rows), `group`: the tensor-parallel group.  A partial
+    of a module-level function, so the model pickles."""
+    return functools.partial(_layer_forward_on_rows, state, group)
+
+
+def _layer_forward_on_rows(state, group, layer, hidden_states):
     from shardformer.layer.sequence import block_input, split_rows
 
-    def forward(self, hidden_states):
-        residual = hidden_states                                   # [B, H'/p, W, C]
-        x = block_input(self.layer_norm1(hidden_states), state, group)   # [B, H, W, C]
-        if self.window_size > 0:
-            height, width = x.shape[1], x.shape[2]
-            x, padding_shape = self.window_partition(x, self.window_size)
-        x, _ = self.attn(hidden_states=x)
-        if self.window_size > 0:
-            x = self.window_unpartition(x, self.window_size, padding_shape, (height, width))
-        x = residual + split_rows(x, state, group)
-        return x + self.mlp(self.layer_norm2(x))
-
-    return forward
+    residual = hidden_states                                   # [B, H'/p, W, C]
+    x = block_input(layer.layer_norm1(hidden_states), state, group)   # [B, H, W, C]
+    if layer.window_size > 0:
+        height, width = x.shape[1], x.shape[2]
+        x, padding_shape = layer.window_partition(x, layer.window_size)
+    x, _ = layer.attn(hidden_states=x)
+    if layer.window_size > 0:
+        x = layer.window_unpartition(x, layer.window_size, padding_shape, (height, width))
+    x = residual + split_rows(x, state, group)
+    return x + layer.mlp(layer.layer_norm2(x))
 
 
 class SamShape(FamilyPolicy):

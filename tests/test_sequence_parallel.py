@@ -45,7 +45,8 @@ VARIANTS = [
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("name", FAMILIES)
 def test_sp_equals_unsharded(pool, name, tp):
-    pool.run(sequence.sp_equals_unsharded, tp, name, 7)      # 7 tokens: padded to 8 inside
+    reports = pool.run(sequence.sp_equals_unsharded, tp, name, 7)      # 7 tokens: padded to 8 inside
+    assert all(r["seq"] == 7 for r in reports), reports   # multiple choice's [batch, choices, S] too
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -7,10 +7,13 @@ from .config import ShardConfig
 from .grad_norm import average_gradients, clip_grad_norm_, data_parallel
 from .lazy import lazy_init
 from .parallel_mesh import Mesh, mesh
+from .pickling import register as _register_pickling
 from .policy import ModulePolicyDescription, Policy, SubModuleReplacementDescription
 from .shardformer import ShardFormer
 
 __version__ = "0.1.0"
+
+_register_pickling()   # process groups pickle by reference (shardformer.pickling)
 
 __all__ = [
     "Mesh",

@@ -37,12 +37,12 @@ take), calls the model's method, warning once per reason.
 from __future__ import annotations
 
 import sys
-import types
 import warnings
 
 import torch
 
 from . import ops
+from .pickling import BoundMethod
 
 NAME = "shardformer"
 
@@ -349,9 +349,9 @@ def enable_seam(model, seam) -> bool:
         return False
     for m in modules:
         m.__dict__[SEAM_MARK] = seam
-        m.__dict__[seam.method] = types.MethodType(_seam_kernel_method, m)
+        m.__dict__[seam.method] = BoundMethod(_seam_kernel_method, m)
         if seam.method != "forward":
-            m.__dict__["forward"] = types.MethodType(_recording_forward, m)
+            m.__dict__["forward"] = BoundMethod(_recording_forward, m)
     return True
 
 

@@ -216,59 +216,82 @@ def _linear_in(module) -> int | None:
     return w.shape[0] if type(module).__name__ == "Conv1D" else w.shape[1]
 
 
+class _FusedForward:
+    """A fused replacement of a module method, called as fused(module, ...)
+    (bound to the module by the sharder).  The attributes are the names of
+    the module's children it calls; a module-level class rather than a
+    closure so that a model holding it pickles.  `__qualname__` names the
+    form (what the probes report), `approximate` the GeLU form ("" when none)."""
+
+    approximate = ""
+
+    def __init__(self, qualname: str, **names):
+        self.__dict__.update(names)
+        self.__qualname__ = qualname
+
+
+class _GeluMlp(_FusedForward):
+    def __call__(self, module, hidden_states):
+        h = getattr(module, self.up)(hidden_states)
+        h = ops.bias_gelu(h, None, self.approximate) if ops.kernel_input(h) else getattr(module, self.act)(h)
+        if self.down is not None:
+            h = getattr(module, self.down)(h)
+        if self.dropout is not None:
+            h = getattr(module, self.dropout)(h)
+        return h
+
+
 def gelu_mlp_forward(up: str, act: str, down: str | None, dropout: str | None, approximate: str):
     """forward = [dropout](down(gelu(up(x)))) with the GeLU by the C kernel."""
-    def forward(self, hidden_states):
-        h = getattr(self, up)(hidden_states)
-        h = ops.bias_gelu(h, None, approximate) if ops.kernel_input(h) else getattr(self, act)(h)
-        if down is not None:
-            h = getattr(self, down)(h)
-        if dropout is not None:
-            h = getattr(self, dropout)(h)
-        return h
-    forward.__qualname__ = f"gelu_mlp_forward[{up}->{act}->{down}]"
-    forward.approximate = approximate
-    return forward
+    return _GeluMlp(f"gelu_mlp_forward[{up}->{act}->{down}]", up=up, act=act, down=down, dropout=dropout,
+                    approximate=approximate)
+
+
+class _GatedMlp(_FusedForward):
+    def __call__(self, module, x):
+        g, u = getattr(module, self.gate)(x), getattr(module, self.up)(x)
+        h = ops.swiglu(g, u) if ops.kernel_input(g) else getattr(module, self.act)(g) * u
+        return getattr(module, self.down)(h)
 
 
 def gated_mlp_forward(gate: str, up: str, down: str, act: str):
     """forward = down(silu(gate(x)) * up(x)) with silu * up in one C kernel."""
-    def forward(self, x):
-        g, u = getattr(self, gate)(x), getattr(self, up)(x)
-        h = ops.swiglu(g, u) if ops.kernel_input(g) else getattr(self, act)(g) * u
-        return getattr(self, down)(h)
-    forward.__qualname__ = f"gated_mlp_forward[{gate},{up}->{down}]"
-    return forward
+    return _GatedMlp(f"gated_mlp_forward[{gate},{up}->{down}]", gate=gate, up=up, down=down, act=act)
+
+
+class _GatedGeluMlp(_FusedForward):
+    def __call__(self, module, x):
+        g, u = getattr(module, self.gate)(x), getattr(module, self.up)(x)
+        h = (ops.bias_gelu(g, None, self.approximate) if ops.kernel_input(g) else getattr(module, self.act)(g)) * u
+        if self.dropout is not None:
+            h = getattr(module, self.dropout)(h)
+        w = getattr(getattr(module, self.down), "weight", None)
+        if self.dropout is not None and isinstance(w, torch.Tensor) and w.dtype.is_floating_point \
+                and h.dtype != w.dtype:
+            h = h.to(w.dtype)
+        return getattr(module, self.down)(h)
 
 
 def gated_gelu_mlp_forward(gate: str, up: str, down: str, act: str, dropout: str | None, approximate: str):
     """forward = down([dropout](gelu(gate(x)) * up(x))) with the GeLU by the C kernel
     (the product cast to down's weight dtype first, as T5 keeps `wo` in float32)."""
-    def forward(self, x):
-        g, u = getattr(self, gate)(x), getattr(self, up)(x)
-        h = (ops.bias_gelu(g, None, approximate) if ops.kernel_input(g) else getattr(self, act)(g)) * u
-        if dropout is not None:
-            h = getattr(self, dropout)(h)
-        w = getattr(getattr(self, down), "weight", None)
-        if dropout is not None and isinstance(w, torch.Tensor) and w.dtype.is_floating_point and h.dtype != w.dtype:
-            h = h.to(w.dtype)
-        return getattr(self, down)(h)
-    forward.__qualname__ = f"gated_gelu_mlp_forward[{gate},{up}->{down}]"
-    forward.approximate = approximate
-    return forward
+    return _GatedGeluMlp(f"gated_gelu_mlp_forward[{gate},{up}->{down}]", gate=gate, up=up, down=down, act=act,
+                         dropout=dropout, approximate=approximate)
+
+
+class _FusedGatedMlp(_FusedForward):
+    def __call__(self, module, x):
+        g, u = getattr(module, self.gate_up)(x).chunk(2, dim=-1)
+        if ops.kernel_input(g):
+            h = ops.swiglu(g.contiguous(), u.contiguous())
+        else:
+            h = (F.silu(g) if self.act is None else getattr(module, self.act)(g)) * u
+        return getattr(module, self.down)(h)
 
 
 def fused_gated_mlp_forward(gate_up: str, down: str, act: str):
     """forward = down(silu(g) * u) with [g | u] = gate_up(x) (this rank's halves)."""
-    def forward(self, x):
-        g, u = getattr(self, gate_up)(x).chunk(2, dim=-1)
-        if ops.kernel_input(g):
-            h = ops.swiglu(g.contiguous(), u.contiguous())
-        else:
-            h = (F.silu(g) if act is None else getattr(self, act)(g)) * u
-        return getattr(self, down)(h)
-    forward.__qualname__ = f"fused_gated_mlp_forward[{gate_up}->{down}]"
-    return forward
+    return _FusedGatedMlp(f"fused_gated_mlp_forward[{gate_up}->{down}]", gate_up=gate_up, down=down, act=act)
 
 
 # Residual forms, forward(hidden_states, residual):
@@ -279,37 +302,41 @@ DROPOUT_ADD_FORMS = (("dense", "dropout", "LayerNorm"), ("dense", "dropout", Non
 GELU_DROPOUT_ADD_FORMS = (("dense_h_to_4h", "gelu_impl", "dense_4h_to_h", "hidden_dropout"),)
 
 
-def dropout_add_forward(dense: str, dropout: str, norm: str | None):
-    """forward(h, residual) = [norm](residual + dropout(dense(h))), the dropout and
-    the residual add in one C kernel (bias_dropout_add)."""
-    def forward(self, hidden_states, input_tensor):
-        h = getattr(self, dense)(hidden_states)
-        drop = getattr(self, dropout)
+class _DropoutAdd(_FusedForward):
+    def __call__(self, module, hidden_states, input_tensor):
+        h = getattr(module, self.dense)(hidden_states)
+        drop = getattr(module, self.dropout)
         if ops.kernel_input(h) and ops.kernel_input(input_tensor) and h.shape == input_tensor.shape \
                 and h.dtype == input_tensor.dtype:
             h = ops.bias_dropout_add(h, None, input_tensor, drop.p, drop.training)
         else:
             h = drop(h) + input_tensor
-        return getattr(self, norm)(h) if norm is not None else h
-    forward.__qualname__ = f"dropout_add_forward[{dense}->{dropout}->{norm}]"
-    return forward
+        return getattr(module, self.norm)(h) if self.norm is not None else h
+
+
+def dropout_add_forward(dense: str, dropout: str, norm: str | None):
+    """forward(h, residual) = [norm](residual + dropout(dense(h))), the dropout and
+    the residual add in one C kernel (bias_dropout_add)."""
+    return _DropoutAdd(f"dropout_add_forward[{dense}->{dropout}->{norm}]", dense=dense, dropout=dropout, norm=norm)
+
+
+class _GeluDropoutAdd(_FusedForward):
+    def __call__(self, module, hidden_states, residual):
+        h = getattr(module, self.up)(hidden_states)
+        h = ops.bias_gelu(h, None, self.approximate) if ops.kernel_input(h) else getattr(module, self.act)(h)
+        h = getattr(module, self.down)(h)
+        p = float(getattr(module, self.prob))
+        if ops.kernel_input(h) and ops.kernel_input(residual) and h.shape == residual.shape \
+                and h.dtype == residual.dtype:
+            return ops.bias_dropout_add(h, None, residual, p, module.training)
+        return residual + F.dropout(h, p=p, training=module.training)
 
 
 def gelu_dropout_add_forward(up: str, act: str, down: str, prob: str, approximate: str):
     """forward(h, residual) = residual + dropout_p(down(gelu(up(h)))): the GeLU and
     the dropout-add by the C kernels (bias_gelu, bias_dropout_add)."""
-    def forward(self, hidden_states, residual):
-        h = getattr(self, up)(hidden_states)
-        h = ops.bias_gelu(h, None, approximate) if ops.kernel_input(h) else getattr(self, act)(h)
-        h = getattr(self, down)(h)
-        p = float(getattr(self, prob))
-        if ops.kernel_input(h) and ops.kernel_input(residual) and h.shape == residual.shape \
-                and h.dtype == residual.dtype:
-            return ops.bias_dropout_add(h, None, residual, p, self.training)
-        return residual + F.dropout(h, p=p, training=self.training)
-    forward.__qualname__ = f"gelu_dropout_add_forward[{up}->{act}->{down}]"
-    forward.approximate = approximate
-    return forward
+    return _GeluDropoutAdd(f"gelu_dropout_add_forward[{up}->{act}->{down}]", up=up, act=act, down=down, prob=prob,
+                           approximate=approximate)
 
 
 def _residual_candidates(module):

@@ -33,7 +33,7 @@ import warnings
 
 from torch import nn
 
-from . import _C, lazy
+from . import _C, lazy, pickling
 from .checkpoint import bind_hf_methods
 from .config import ShardConfig, group_size_and_rank
 from .inherit import Inheritance, check_replaceable
@@ -241,6 +241,9 @@ class ModelSharder:
             _mark_broken(model, name, e)        # the swaps are in: a postprocess cannot be undone
             raise
         object.__setattr__(self.model, SHARDED_MARK, True)
+        why = pickling.refusal_reason(name, cfg, stages is not None)
+        if why is not None:                      # torch.save(model) refused with the reason
+            self.model.register_forward_pre_hook(pickling.PickleRefusal(why), prepend=True)
         for message in messages:                 # last: a warning turned error finds the model complete
             warnings.warn(message, stacklevel=3)
         return policy.get_shared_params() + (stages.shared_params if stages is not None else [])

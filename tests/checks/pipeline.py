@@ -144,7 +144,7 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
         criterion, ref_loss = _probe_criterion(probe, m), _project(exp, probe)
     before = dict(p2p.COUNTS)
     positions_before = stages_module.COUNTS["chunk_positions"]
-    replicated_before = schedule_module.COUNTS["replicated"]
+    replicated_before = schedule_module.COUNTS["held"]
     split_before = dict(sequence_attention.CALLS)
     regathers_before = _regathers()
     runner = SCHEDULES[schedule](sm, num_microbatches=m)
@@ -300,7 +300,7 @@ def _check_repeated_calls(model, sm, name: str, replicated_before: int) -> None:
 
     rt = runtime_of(model)
     if rt.replicated_params:
-        assert schedule_module.COUNTS["replicated"] > replicated_before, \
+        assert schedule_module.COUNTS["held"] > replicated_before, \
             f"{name}: stage {sm.stage} summed no replicated gradient"
     if not isinstance(rt.layers, StageCalls):
         return

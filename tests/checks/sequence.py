@@ -10,19 +10,47 @@ from shardformer import ShardConfig, ShardFormer
 SP = {"enable_sequence_parallelism": True}
 
 
+def cut_sequence(inputs: dict, seq: int | None) -> dict:
+    """`inputs` with the sequence cut to its first `seq` positions: the last
+    dimension of multiple choice's token tensors [batch, choices, S]
+    (integer, 3 dimensions: ids, masks, GPT-2 double heads' LM labels),
+    dimension 1 of every other tensor [batch, S, ...]; GPT-2 double heads'
+    mc_token_ids [batch, choices] (one position per choice, not a sequence)
+    kept within the cut.  Asserts the token ids were longer than `seq` and
+    now have `seq` positions (the cut happened)."""
+    if seq is None:
+        return inputs
+    ids = inputs.get("input_ids")
+    out = {}
+    for k, v in inputs.items():
+        if not isinstance(v, torch.Tensor) or v.dim() < 2 or k == "mc_token_ids":
+            out[k] = v
+        elif v.dim() == 3 and not v.is_floating_point():
+            out[k] = v[..., :seq].contiguous()
+        else:
+            out[k] = v[:, :seq].contiguous()
+    if "mc_token_ids" in inputs:
+        out["mc_token_ids"] = inputs["mc_token_ids"].clamp(max=seq - 1)
+    if ids is not None:
+        assert ids.shape[-1] > seq and out["input_ids"].shape[-1] == seq, \
+            f"input_ids {tuple(ids.shape)}: not cut to {seq} positions ({tuple(out['input_ids'].shape)})"
+    return out
+
+
 def sp_equals_unsharded(ctx, name: str, seq: int | None = None, config=None, overrides=None,
                         dtype_name: str = "float32") -> dict:
     """check_sharded (forward, loss, every gradient, outputs after a step;
     bf16: forward) with sequence parallelism on; `seq`: the input length
-    (odd lengths are padded inside); `overrides`: model config values (zoo.build)."""
+    (cut_sequence; odd lengths are padded inside); `overrides`: model config
+    values (zoo.build).  The report's "seq": the token ids' length run."""
     dtype = getattr(torch, dtype_name)
-    inputs = zoo.make_inputs(name)
-    if seq is not None:
-        inputs = {k: v[:, :seq].contiguous() if isinstance(v, torch.Tensor) and v.dim() >= 2 else v
-                  for k, v in inputs.items()}
+    inputs = cut_sequence(zoo.make_inputs(name), seq)
     dtype_arg = () if dtype == torch.float32 else (dtype,)      # zoo.vision's build takes no dtype
-    return parity.check_sharded(ctx, lambda: zoo.build(name, *dtype_arg, **(overrides or {})), inputs, name=name,
-                                dtype=dtype, config={**SP, **(config or {})})
+    report = parity.check_sharded(ctx, lambda: zoo.build(name, *dtype_arg, **(overrides or {})), inputs, name=name,
+                                  dtype=dtype, config={**SP, **(config or {})})
+    if "input_ids" in inputs:
+        report["seq"] = inputs["input_ids"].shape[-1]
+    return report
 
 
 def layers_of(model) -> list:
@@ -157,10 +185,7 @@ def sp_overlap_equals_unsharded(ctx, name: str, seq: int | None = None, blocks: 
     from shardformer.layer import Linear1D_Col
     from shardformer.layer.linear import _GatherRowsLinear
 
-    inputs = zoo.make_inputs(name)
-    if seq is not None:      # [batch, S, ...] or multiple choice's ids / masks [batch, choices, S]: `seq` tokens
-        inputs = {k: (v[..., :seq] if v.dim() == 3 and not v.is_floating_point() else v[:, :seq]).contiguous()
-                  if isinstance(v, torch.Tensor) and v.dim() >= 2 else v for k, v in inputs.items()}
+    inputs = cut_sequence(zoo.make_inputs(name), seq)
     cfg = overlap_config(ctx)
     torch.manual_seed(0)
     model = zoo.build(name).train()

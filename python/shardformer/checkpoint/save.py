@@ -73,6 +73,7 @@ from torch import nn
 
 from ..layer.expert_parallel import expert_shards
 from ..layer.parallel_module import ParallelModule
+from ..pickling import BoundMethod
 from .atomic import _fsync, _make_temp, _put_in_place, recover_directory  # noqa: F401
 from .full import _gather_dim_to_root as _gather_to_root  # one gather-to-root (tests wrap it here)
 from .full import _group_root, _named_tensors, _shard_info, gather_full_state_dict
@@ -707,9 +708,8 @@ def push_to_hub(model: nn.Module, *args, **kwargs):
 def bind_hf_methods(model: nn.Module) -> None:
     """Make model.save_pretrained / model.push_to_hub the collective versions
     above (instance attributes: the class's methods stay as they were)."""
-    import types
 
     if callable(getattr(type(model), "save_pretrained", None)):
-        model.__dict__["save_pretrained"] = types.MethodType(save_pretrained, model)
+        model.__dict__["save_pretrained"] = BoundMethod(save_pretrained, model)
     if callable(getattr(type(model), "push_to_hub", None)):
-        model.__dict__["push_to_hub"] = types.MethodType(push_to_hub, model)
+        model.__dict__["push_to_hub"] = BoundMethod(push_to_hub, model)

@@ -85,28 +85,33 @@ def gather_attention_weights(model: nn.Module, group, tp_size: int, rank: int,
             continue
         name = type(module).__name__
         shard = head_shard(*heads, tp_size, rank)
-        module.register_forward_hook(_gathering(shard, group, index_of.get(name, 1), name in folded),
+        module.register_forward_hook(_Gathering(shard, group, index_of.get(name, 1), name in folded),
                                      prepend=True)
         object.__setattr__(module, _MARK, True)
         count += 1
     return count
 
 
-def _gathering(shard: DimShard, group, index: int, folded: bool):
-    local = shard.length
+class _Gathering:
+    """Forward hook: output[index], this rank's weights [B, H_r, S_q, S_k]
+    (folded: [B * H_r, S_q, S_k]), replaced by all heads' (all-gather along
+    the head dimension in forward, this rank's slice of the gradient in
+    backward).  A class, not a closure, so the model pickles."""
 
-    def hook(_module, _args, output):
+    def __init__(self, shard: DimShard, group, index: int, folded: bool):
+        self.shard, self.group, self.index, self.folded = shard, group, index, folded
+
+    def __call__(self, _module, _args, output):
+        index, local = self.index, self.shard.length
         if not isinstance(output, tuple) or len(output) <= index:
             return None
         w = output[index]
         if not isinstance(w, torch.Tensor):
             return None
-        if folded and w.dim() == 3 and w.shape[0] % max(local, 1) == 0:
-            full = gather_from_tp_region(w.unflatten(0, (-1, local)), 1, shard, group).flatten(0, 1)
-        elif not folded and w.dim() == 4 and w.shape[1] == local:
-            full = gather_from_tp_region(w, 1, shard, group)
+        if self.folded and w.dim() == 3 and w.shape[0] % max(local, 1) == 0:
+            full = gather_from_tp_region(w.unflatten(0, (-1, local)), 1, self.shard, self.group).flatten(0, 1)
+        elif not self.folded and w.dim() == 4 and w.shape[1] == local:
+            full = gather_from_tp_region(w, 1, self.shard, self.group)
         else:
             return None
         return output[:index] + (full,) + output[index + 1:]
-
-    return hook

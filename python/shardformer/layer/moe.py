@@ -234,13 +234,14 @@ class _SyncAndOutputHook:
 
     def commit(self) -> nn.Module:
         self.sync.commit()
-        n, change = self.tp_size, self.change
-        if n > 1:
-            def post(_module, _args, output):
-                return change(output, n)
-
-            self.handle = self.module.register_forward_hook(post, prepend=True)
+        if self.tp_size > 1:
+            self.handle = self.module.register_forward_hook(self.change_output, prepend=True)
         return self.module
+
+    def change_output(self, _module, _args, output):
+        """The forward hook: `change` (a module-level function) applied to the
+        output; a method, so that the model pickles."""
+        return self.change(output, self.tp_size)
 
     def rollback(self) -> None:
         if self.handle is not None:

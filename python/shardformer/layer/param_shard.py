@@ -23,11 +23,28 @@ _CLASSES: dict[type, type] = {}
 
 
 def _sharded_class(cls: type) -> type:
+    """cls made a ParallelModule: a class made once per cls, named like it.
+    It exists only in this table, so its instances pickle through
+    _InPlaceSharded.__reduce_ex__ (as cls plus the module's state)."""
     if issubclass(cls, ParallelModule):
         return cls
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(cls.__name__, (cls, ParallelModule), {"__module__": cls.__module__})
+        _CLASSES[cls] = type(cls.__name__, (cls, _InPlaceSharded), {"__module__": cls.__module__})
     return _CLASSES[cls]
+
+
+def _new_sharded(native: type) -> nn.Module:
+    """An empty instance of _sharded_class(native) (unpickling; the state follows)."""
+    cls = _sharded_class(native)
+    return cls.__new__(cls)
+
+
+class _InPlaceSharded(ParallelModule):
+    """The base of the classes _sharded_class makes."""
+
+    def __reduce_ex__(self, protocol):
+        native = next(c for c in type(self).__bases__ if c is not _InPlaceSharded)
+        return _new_sharded, (native,), self.__getstate__()
 
 
 class ShardParams:

@@ -90,27 +90,51 @@ def guard_random_streams(model: nn.Module, group, rank: int, name: str,
     for path, stack, _ in stacks_with_layerdrop(model):
         if getattr(stack, _GUARD_MARK, False):
             continue
-
-        def check(module, _args, path=path):
-            if module.training:
-                check_generators_agree(group, name, path)
-
-        stack.register_forward_pre_hook(check)
+        stack.register_forward_pre_hook(_LayerdropCheck(group, name, path))
         object.__setattr__(stack, _GUARD_MARK, True)
     return len(attentions)
 
 
-def _stream_per_layer(layer: nn.Module, rank: int, config) -> None:
-    streams: list[RankStream] = []
+class _LayerdropCheck:
+    """Forward pre-hook of a stack with layerdrop: in training, the generator
+    check over the TP group (a module-level class, so the model pickles)."""
 
-    def opened(module, args, kwargs):
-        if module.training and may_draw(module, config):
+    def __init__(self, group, name: str, path: str):
+        self.group, self.name, self.path = group, name, path
+
+    def __call__(self, module, _args) -> None:
+        if module.training:
+            check_generators_agree(self.group, self.name, self.path)
+
+
+class _StreamPerLayer:
+    """The pair of hooks of one attention: opened (forward pre-hook) enters
+    the rank's stream when the layer trains and may draw, closed (forward
+    hook, always called) leaves it.  `streams` holds the streams of the
+    forwards in progress (nested under recomputation); it is empty between
+    forwards and is not pickled."""
+
+    def __init__(self, rank: int, config):
+        self.rank, self.config = rank, config
+        self.streams: list[RankStream] = []
+
+    def __getstate__(self) -> dict:
+        return {"rank": self.rank, "config": self.config}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, streams=[])
+
+    def opened(self, module, args, kwargs) -> None:
+        if module.training and may_draw(module, self.config):
             x = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
-            streams.append(RankStream(rank, x.device if x is not None else torch.device("cpu")))
+            self.streams.append(RankStream(self.rank, x.device if x is not None else torch.device("cpu")))
 
-    def closed(module, _args, _kwargs, _output):
-        if streams:
-            streams.pop().close()
+    def closed(self, module, _args, _kwargs, _output) -> None:
+        if self.streams:
+            self.streams.pop().close()
 
-    layer.register_forward_pre_hook(opened, with_kwargs=True)
-    layer.register_forward_hook(closed, with_kwargs=True, always_call=True)
+
+def _stream_per_layer(layer: nn.Module, rank: int, config) -> None:
+    hooks = _StreamPerLayer(rank, config)
+    layer.register_forward_pre_hook(hooks.opened, with_kwargs=True)
+    layer.register_forward_hook(hooks.closed, with_kwargs=True, always_call=True)

@@ -22,12 +22,29 @@ from .parallel_module import ShardPlan, plan_directly
 _MARK = "_shardformer_grad_all_reduce"
 
 
-def _all_reduce_hook(group):
-    def hook(grad: torch.Tensor) -> torch.Tensor:
+class GradAllReduce:
+    """Tensor hook of a parameter replicated over `group`: its gradient
+    summed over the group (all-reduce in backward; nothing in forward).
+    torch.save drops a parameter's tensor hooks, so the holders of these
+    hooks check for them (has_grad_all_reduce) and register them again on
+    a loaded model."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, grad: torch.Tensor) -> torch.Tensor:
         grad = grad.contiguous().clone()
-        D.all_reduce(grad, group)
+        D.all_reduce(grad, self.group)
         return grad
-    return hook
+
+
+def _all_reduce_hook(group) -> GradAllReduce:
+    return GradAllReduce(group)
+
+
+def has_grad_all_reduce(p: torch.Tensor, group) -> bool:
+    """Whether p's gradient is all-reduced over `group` by a GradAllReduce hook."""
+    return any(isinstance(h, GradAllReduce) and h.group is group for h in (p._backward_hooks or {}).values())
 
 
 class ReplicatedInParallelRegion:
@@ -90,12 +107,22 @@ class _GradientSync:
         for p in self.params:
             self.handles.append(p.register_hook(_all_reduce_hook(self.group)))
             setattr(p, _MARK, True)
+        if self.params:
+            self.handles.append(self.module.register_forward_pre_hook(self.reattach))
         return self.module
+
+    def reattach(self, _module, _args) -> None:
+        """Forward pre-hook: the all-reduce hooks registered again where the
+        parameters lost them (a model loaded by torch.load: tensor hooks are
+        not saved)."""
+        for p in self.params:
+            if not has_grad_all_reduce(p, self.group):
+                p.register_hook(_all_reduce_hook(self.group))
 
     def rollback(self) -> None:
         for handle in self.handles:
             handle.remove()
-        for p in self.params[:len(self.handles)]:
+        for p in self.params[:len(self.handles)]:   # (the last handle, the reattach hook, marks nothing)
             p.__dict__.pop(_MARK, None)
         self.handles.clear()
 

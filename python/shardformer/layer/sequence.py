@@ -60,6 +60,7 @@ reduce-scatter of dX during the dW matmuls.  The output leaves as above.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -456,17 +457,20 @@ class FullLengthKwarg:
         if plan is None:
             plan = plan_directly(cls, module, process_group, name=name, state=state)
 
-        def pre(_module, args, call_kwargs):
-            if name not in call_kwargs or state.length is None:
-                return None
-            return args, {**call_kwargs, name: state.length}
-
+        pre = functools.partial(_full_length_pre, name, state)
         return _PreHook(module, pre if plan.tp_size > 1 else None)
 
     @classmethod
     def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
                            name=None, state=None, **kwargs) -> nn.Module:
         return cls.prepare_native_module(module, process_group, plan=plan, name=name, state=state).commit()
+
+
+def _full_length_pre(name: str, state: SequenceState, _module, args, call_kwargs):
+    """FullLengthKwarg's pre-hook: keyword `name` set to the unsplit length."""
+    if name not in call_kwargs or state.length is None:
+        return None
+    return args, {**call_kwargs, name: state.length}
 
 
 class _PreHook:
@@ -561,14 +565,17 @@ def mark_layer_rows(module: nn.Module, state: SequenceState, group) -> list:
     tensor as this rank's rows (mark_rows), for a layer that runs between a
     split and a gather held elsewhere (ALBERT's shared layers, whose split
     and gather sit on the encoder).  Returns the hooks' handles."""
-    def pre(_module, args, kwargs):
-        x, _ = _first(args, kwargs)
-        mark_rows(x, _gatherer(state, group))
-
-    def post(_module, _args, output):
-        mark_rows(output if isinstance(output, torch.Tensor) else output[0], _gatherer(state, group))
-
+    pre, post = functools.partial(_mark_input, state, group), functools.partial(_mark_output, state, group)
     return [module.register_forward_pre_hook(pre, with_kwargs=True), module.register_forward_hook(post)]
+
+
+def _mark_input(state: SequenceState, group, _module, args, kwargs) -> None:
+    x, _ = _first(args, kwargs)
+    mark_rows(x, _gatherer(state, group))
+
+
+def _mark_output(state: SequenceState, group, _module, _args, output) -> None:
+    mark_rows(output if isinstance(output, torch.Tensor) else output[0], _gatherer(state, group))
 
 
 def _gatherer(state: SequenceState, group):
@@ -582,123 +589,130 @@ def refuse_recorded_hidden_states(model: nn.Module, name: str):
     (in the call or the config) raises NotImplementedError, since between the
     layers each rank holds only its rows of the sequence (HF records the
     layers' outputs as they are).  Returns the hook's handle."""
-    def pre(module, args, kwargs):
-        want = kwargs.get("output_hidden_states")
-        if want is None:
-            want = getattr(getattr(module, "config", None), "output_hidden_states", False)
-        if want:
-            raise NotImplementedError(
-                f"{name}: output_hidden_states=True with sequence parallelism (split_gather): between the "
-                f"layers each rank holds only its rows of the sequence; run that forward without it")
-        return None
+    return model.register_forward_pre_hook(functools.partial(_refuse_hidden_states, name), with_kwargs=True)
 
-    return model.register_forward_pre_hook(pre, with_kwargs=True)
+
+def _refuse_hidden_states(name: str, module, args, kwargs) -> None:
+    want = kwargs.get("output_hidden_states")
+    if want is None:
+        want = getattr(getattr(module, "config", None), "output_hidden_states", False)
+    if want:
+        raise NotImplementedError(
+            f"{name}: output_hidden_states=True with sequence parallelism (split_gather): between the "
+            f"layers each rank holds only its rows of the sequence; run that forward without it")
 
 
 class _Hooks:
     """The forward hooks of some roles on `module`: registered by commit(),
-    removed by rollback()."""
+    removed by rollback().  The hooks are this object's methods (not
+    closures), so a model holding them pickles; `active` (the block's open
+    saved-tensor hooks) lives only within a forward and is not pickled."""
 
     def __init__(self, module: nn.Module, roles: tuple, state: SequenceState, group, overlap: bool = False):
         self.module, self.roles, self.state, self.group = module, roles, state, group
         self.overlap = overlap and "block" in roles
         self.handles: list = []
+        self.active: list = []
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "active"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state, active=[])
 
     def commit(self) -> nn.Module:
-        state, group, m = self.state, self.group, self.module
-        active: list = []                      # the block's open saved-tensor hooks (block role)
+        m = self.module
         if self.roles:
-            m.__dict__[STATE_MARK] = state     # found by a pipeline stage that starts past the split
-        if state.recompute == "selective" and {"split", "rows", "gather"} & set(self.roles):
+            m.__dict__[STATE_MARK] = self.state     # found by a pipeline stage that starts past the split
+        if self.state.recompute == "selective" and {"split", "rows", "gather"} & set(self.roles):
             self.handles += recompute.layer_scope_hooks(m)
+        pre_hooks = {"split": self._split_pre, "gather_input": self._gather_input_pre, "leave": self._leave_pre}
+        post_hooks = {"rows": self._rows_post, "gather": self._gather_post, "split_output": self._split_output_post,
+                      "enter_output": self._enter_output_post, "sum_grad": self._sum_grad_post}
         if "split" in self.roles:
-            def pre(_module, args, kwargs):
-                x, rebuild = _first(args, kwargs)
-                rows = split_sequence(x, state, group)
-                return rebuild(mark_rows(rows, _gatherer(state, group)))
-
-            self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+            self.handles.append(m.register_forward_pre_hook(pre_hooks["split"], with_kwargs=True))
         if "block" in self.roles or "enter" in self.roles:
-            scatter = "block" in self.roles
-            overlap = self.overlap
-            if overlap:
-                from .linear import gather_block_input, release_block_input
-
-            def pre(_module, args, kwargs):
-                x, rebuild = _first(args, kwargs)
-                full = gather_block_input(_module, x, state, group) if overlap else block_input(x, state, group)
-                if torch.is_grad_enabled():
-                    hooks = _save_rows_only(full, x, state, group)
-                    hooks.__enter__()
-                    active.append(hooks)
-                return rebuild(full)
-
-            def post(_module, _args, output):
-                while active:
-                    active.pop().__exit__(None, None, None)
-                if overlap:
-                    release_block_input(_module)
-                if output is None or not scatter:  # raised (always_call), or "enter": output as it is
-                    return None
-                return _on_output(output, lambda y: block_output(y, state, group))
-
-            self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-            self.handles.append(m.register_forward_hook(post, always_call=True))
-        if "rows" in self.roles:
-            def post(_module, _args, output):
-                return _on_output(output, lambda y: mark_rows(y, _gatherer(state, group)))
-
-            self.handles.append(m.register_forward_hook(post))
-        if "gather" in self.roles:
-            def post(_module, _args, output):
-                return _on_output(output, lambda y: gather_sequence(mark_rows(y, _gatherer(state, group)),
-                                                                    state, group))
-
-            self.handles.append(m.register_forward_hook(post))
-        self._windowed_roles(m)
-        self._whole_layer_roles(m)
+            self.handles.append(m.register_forward_pre_hook(self._block_pre, with_kwargs=True))
+            self.handles.append(m.register_forward_hook(self._block_post, always_call=True))
+        for role in ("rows", "gather", "enter_output", "sum_grad"):
+            if role in self.roles:
+                self.handles.append(m.register_forward_hook(post_hooks[role]))
+        if "leave" in self.roles:
+            self.handles.append(m.register_forward_pre_hook(pre_hooks["leave"], with_kwargs=True))
+        # the roles of a layer that runs on the full sequence, replicated over the
+        # group, between layers that hold this rank's rows (Swinv2: policies/swinv2.py)
+        if "gather_input" in self.roles:
+            self.handles.append(m.register_forward_pre_hook(pre_hooks["gather_input"], with_kwargs=True))
+        if "split_output" in self.roles:
+            self.handles.append(m.register_forward_hook(post_hooks["split_output"]))
         return m
 
-    def _whole_layer_roles(self, m: nn.Module) -> None:
-        """The roles of a layer that runs on the full sequence, replicated
-        over the group, between layers that hold this rank's rows (Swinv2:
-        policies/swinv2.py).  The gather's backward keeps this rank's rows
-        of a gradient that every rank computes in full and alike; the
-        split's backward all-gathers the rows' gradients into that full
-        gradient: inside the layer, forward and backward are plain TP's."""
-        state, group = self.state, self.group
-        if "gather_input" in self.roles:
-            def pre(_module, args, kwargs):
-                x, rebuild = _first(args, kwargs)
-                return rebuild(gather_sequence(x, state, group))
+    def _mark(self, y):
+        """y marked as this rank's rows of the forward in progress (mark_rows)."""
+        return mark_rows(y, _gatherer(self.state, self.group))
 
-            self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-        if "split_output" in self.roles:
-            def post(_module, _args, output):
-                return _on_output(output, lambda y: split_sequence(y, state, group))
+    def _split_pre(self, _module, args, kwargs):
+        """split: the first input cut to this rank's rows."""
+        x, rebuild = _first(args, kwargs)
+        return rebuild(self._mark(split_sequence(x, self.state, self.group)))
 
-            self.handles.append(m.register_forward_hook(post))
+    def _block_pre(self, module, args, kwargs):
+        """block / enter: the block's input gathered to the full sequence;
+        in training only this rank's rows of it are saved for backward."""
+        x, rebuild = _first(args, kwargs)
+        if self.overlap:
+            from .linear import gather_block_input
 
-    def _windowed_roles(self, m: nn.Module) -> None:
-        """The roles of a block that reshapes the whole sequence between its
-        modules (Swin: policies/shapes.py StageShape)."""
-        state, group = self.state, self.group
-        if "enter_output" in self.roles:
-            def post(_module, _args, output):
-                return _on_output(output, lambda y: block_input(y, state, group))
+            full = gather_block_input(module, x, self.state, self.group)
+        else:
+            full = block_input(x, self.state, self.group)
+        if torch.is_grad_enabled():
+            hooks = _save_rows_only(full, x, self.state, self.group)
+            hooks.__enter__()
+            self.active.append(hooks)
+        return rebuild(full)
 
-            self.handles.append(m.register_forward_hook(post))
-        if "sum_grad" in self.roles:
-            def post(_module, _args, output):
-                return _on_output(output, lambda y: sum_grad_over_ranks(y, group))
+    def _block_post(self, module, _args, output):
+        """block: the output reduce-scattered to this rank's rows ("enter":
+        left as it is); always called, so the saved-tensor scope closes."""
+        while self.active:
+            self.active.pop().__exit__(None, None, None)
+        if self.overlap:
+            from .linear import release_block_input
 
-            self.handles.append(m.register_forward_hook(post))
-        if "leave" in self.roles:
-            def pre(_module, args, kwargs):
-                x, rebuild = _first(args, kwargs)
-                return rebuild(keep_rows(x, group))
+            release_block_input(module)
+        if output is None or "block" not in self.roles:  # raised (always_call), or "enter": output as it is
+            return None
+        return _on_output(output, functools.partial(block_output, state=self.state, group=self.group))
 
-            self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+    def _rows_post(self, _module, _args, output):
+        return _on_output(output, self._mark)
+
+    def _gather_post(self, _module, _args, output):
+        return _on_output(output, lambda y: gather_sequence(self._mark(y), self.state, self.group))
+
+    def _gather_input_pre(self, _module, args, kwargs):
+        """gather_input (a layer on the full sequence): its input gathered;
+        the gather's backward keeps this rank's rows of the gradient every
+        rank computes in full and alike."""
+        x, rebuild = _first(args, kwargs)
+        return rebuild(gather_sequence(x, self.state, self.group))
+
+    def _split_output_post(self, _module, _args, output):
+        """split_output: the full output cut back to this rank's rows (backward:
+        the rows' gradients all-gathered)."""
+        return _on_output(output, lambda y: split_sequence(y, self.state, self.group))
+
+    def _enter_output_post(self, _module, _args, output):
+        """enter_output (Swin's windowed blocks: policies/shapes.py StageShape)."""
+        return _on_output(output, lambda y: block_input(y, self.state, self.group))
+
+    def _sum_grad_post(self, _module, _args, output):
+        return _on_output(output, lambda y: sum_grad_over_ranks(y, self.group))
+
+    def _leave_pre(self, _module, args, kwargs):
+        x, rebuild = _first(args, kwargs)
+        return rebuild(keep_rows(x, self.group))
 
     def rollback(self) -> None:
         for handle in self.handles:

@@ -86,7 +86,6 @@ from __future__ import annotations
 
 import copy
 import sys
-import types
 from dataclasses import dataclass
 from typing import Callable
 
@@ -96,9 +95,10 @@ from torch import nn
 
 from .. import distributed as D
 from ..distributed.mappings import _all_gather_seq
+from ..pickling import BoundMethod
 from .dropout import RankStream as _RankStream, may_draw
 from .parallel_module import ShardPlan
-from .replicated import _all_reduce_hook
+from .replicated import _all_reduce_hook, has_grad_all_reduce
 from .sequence import mark_rows
 
 SEQ_DIM = 1
@@ -500,6 +500,15 @@ class AttentionSeam:
     def modules(self, root: nn.Module) -> list:
         return [m for m in root.modules() if type(m).__name__ == self.module]
 
+    def __reduce__(self):
+        """Pickled by reference: the module-level name it is defined under
+        (its split / kernel are closures of the factory that made it)."""
+        home = _seam_home(self)
+        if home is None:
+            raise TypeError(f"the AttentionSeam of {self.module}.{self.method} cannot be pickled: it is not "
+                            f"defined at module level (a seam pickles as a reference to its module-level name)")
+        return _seam_at, home
+
     def refuse(self, model: nn.Module, mode: str, name: str) -> None:
         """Refuse, before anything changes: a model none of whose attention
         modules is `module` (another attention implementation)."""
@@ -646,6 +655,25 @@ def _equal_widths(attend, query, key, value, *args, scale, **kwargs):
     query, key = F.pad(query, (0, width - dk)), F.pad(key, (0, width - dk))
     out = attend(query, key, F.pad(value, (0, width - dv)), *args, scale=scale, **kwargs)
     return out[..., :dv]
+
+
+def _seam_home(seam: AttentionSeam) -> tuple[str, str] | None:
+    """(module name, attribute) of a module-level name bound to `seam`: the
+    policies' modules first, then every imported module."""
+    import sys
+
+    modules = sorted(sys.modules.items(), key=lambda kv: not kv[0].startswith("shardformer.policies."))
+    for module_name, module in modules:
+        for attr, value in list(getattr(module, "__dict__", {}).items()):
+            if value is seam:
+                return module_name, attr
+    return None
+
+
+def _seam_at(module_name: str, attr: str) -> AttentionSeam:
+    import importlib
+
+    return getattr(importlib.import_module(module_name), attr)
 
 
 def head_major_seam(module: str, *, scale: Callable, window: Callable = lambda m: 0, causal: bool = False,
@@ -803,7 +831,7 @@ class _SplitHooks:
                                       f"under the layers to split the attention at")
         for m in found:
             m.__dict__["_shardformer_sequence_split"] = state
-            m.__dict__[seam.method] = types.MethodType(_seam_method, m)
+            m.__dict__[seam.method] = BoundMethod(_seam_method, m)
             self.attention.append(m)
 
     def _switch_attention(self) -> None:
@@ -1034,7 +1062,7 @@ def _ensure_grad_sync(layers: nn.Module, group) -> None:
     split forward, on the parameters the model holds then (the sharder
     may have replaced modules after this change was committed)."""
     for p in layers.parameters():
-        # the mark holds the group in a tuple: None (the default group) is a group too
-        if p.requires_grad and p.__dict__.get(_SYNC_MARK) != (group,):
+        # by the hook itself, not a mark: torch.load restores a parameter's attributes, not its hooks
+        if p.requires_grad and not has_grad_all_reduce(p, group):
             p.register_hook(_all_reduce_hook(group))
             p.__dict__[_SYNC_MARK] = (group,)

@@ -61,7 +61,7 @@ from .stage_manager import PipelineStageManager
 from .stages import runtime_of
 
 # Replicated parameters whose gradients this process summed over their stages (for tests: proof it ran).
-COUNTS = {"replicated": 0}
+COUNTS = {"held": 0}   # parameters summed over their holding stages (_sum_over_holders)
 
 __all__ = ["PipelineSchedule", "GPipeSchedule", "OneForwardOneBackwardSchedule", "InterleavedSchedule"]
 
@@ -271,8 +271,7 @@ class PipelineSchedule:
         if inbox or outbox:
             raise RuntimeError(f"{name}: pipeline messages left over after the schedule ({list(inbox) + list(outbox)})")
         if backward:
-            self._sync_shared(rt, device)
-            self._sync_replicated(rt)
+            self._sum_over_holders(rt)
         result = {"loss": None, "outputs": None}
         if return_loss:
             result["loss"] = self._broadcast_loss(losses, device)
@@ -348,51 +347,43 @@ class PipelineSchedule:
             D.broadcast(total, sm.stage_of(sm.num_virtual_stages - 1), sm.group)
         return total[0]
 
-    def _sync_shared(self, rt, device) -> None:
-        """Tied parameters held by several stages (an input embedding and the
-        LM head; an encoder-decoder's shared embedding): the gradients summed
-        on the lowest holding stage, the sum sent back to the others."""
-        for n, (shared, holders) in enumerate(zip(rt.shared_params, rt.shared_holders)):
-            for stage, param in shared.items():
-                grad = param.grad if param.grad is not None else torch.zeros_like(param)
-                root = holders[0]
-                if stage == root:
-                    total = grad
-                    for peer in holders[1:]:
-                        total = total + self.link.recv(peer, ("tied", n, "up", peer), grad.device)
-                    for peer in holders[1:]:
-                        self.link.send(total, peer, ("tied", n, "down", peer))
-                else:
-                    self.link.send(grad, root, ("tied", n, "up", stage))
-                    total = self.link.recv(root, ("tied", n, "down", stage), grad.device)
-                param.grad = total
+    def _sum_over_holders(self, rt) -> None:
+        """Parameters held by several stages of the pipeline (StageRuntime.
+        held_by_several): a tied set (an input embedding and the LM head; an
+        encoder-decoder's shared embedding), one copy on each stage holding
+        one of its modules, and a module replicated on several stages
+        (StageSplit.calls: ALBERT's shared layers, each replica's gradient
+        holding its own stage's calls; StageSplit.everywhere: BEiT's shared
+        relative position bias).  Either way the unsharded model has one
+        parameter whose gradient is the sum of the copies' gradients, so on
+        the holders s0 < s1 < ... < sk every copy's gradient becomes
 
-    def _sync_replicated(self, rt) -> None:
-        """A module replicated on the stages s0 < s1 < ... < sk (StageSplit.calls:
-        each replica's gradient holds its own stage's calls): every replica's
-        gradient becomes the sum g_s0 + g_s1 + ... + g_sk.  Up the chain, s_j
-        receives the partial sum of s0..s(j-1), adds its own and passes it on;
-        sk then holds the total and it goes back down the chain, so every
-        replica gets the same tensor (one order of additions).  Every rank
-        walks the replicated parameters in one order (module, then name) and
-        takes part in those it holds only; as each chain's sends and receives
-        follow its stage order, and the parameters one order everywhere,
-        nothing waits on a transfer that cannot come."""
+            g = g_s0 + g_s1 + ... + g_sk
+
+        (a copy without a gradient counts as zeros).  Up the chain, s_j
+        receives the partial sum of s0..s(j-1), adds its own and passes it
+        on; sk then holds the total and it goes back down the chain, so
+        every copy gets the same tensor (one order of additions) and steps
+        alike.  Every rank walks the parameters in one order (the tied sets
+        in plan order, then the replicated modules, module then name) and
+        takes part in those it holds only; as each chain's sends and
+        receives follow its stage order, and the parameters one order
+        everywhere, nothing waits on a transfer that cannot come."""
         me = self.stage_manager.stage
-        for stages, name, param in rt.replicated_params:
+        for stages, key, param in rt.held_by_several:
             j = stages.index(me)
             below = stages[j - 1] if j > 0 else None
             above = stages[j + 1] if j + 1 < len(stages) else None
             total = param.grad if param.grad is not None else torch.zeros_like(param)
             if below is not None:
-                total = self.link.recv(below, ("replicated", name, below, me), total.device) + total
+                total = self.link.recv(below, ("held", key, below, me), total.device) + total
             if above is not None:
-                self.link.send(total, above, ("replicated", name, me, above))
-                total = self.link.recv(above, ("replicated", name, above, me), total.device)
+                self.link.send(total, above, ("held", key, me, above))
+                total = self.link.recv(above, ("held", key, above, me), total.device)
             if below is not None:
-                self.link.send(total, below, ("replicated", name, me, below))
+                self.link.send(total, below, ("held", key, me, below))
             param.grad = total
-            COUNTS["replicated"] += 1
+            COUNTS["held"] += 1
 
     def _gather_outputs(self, outputs: list, name: str, broadcast: bool, device, batch_dims: dict):
         """The last stage's micro-batch outputs, concatenated along their batch

@@ -26,8 +26,9 @@ stand-in before the chunk), the chunk's first call swaps in the received
 activation and its last ends the forward, as for distinct layers.  Each
 replica's gradient holds its own stage's calls only; after backward the
 schedule sums it over the stages that hold the module (PipelineSchedule.
-_sync_replicated: a reduction along the holders in stage order, the sum sent
-back down), so every replica steps with the unsharded model's gradient.
+_sum_over_holders, the one mechanism for every parameter held by several
+stages: tied sets too), so every replica steps with the unsharded model's
+gradient.
 
 Modules on every stage (StageSplit.everywhere: BEiT's shared relative
 position bias).  A child of the owner whose output every layer reads is
@@ -749,11 +750,14 @@ class StageRuntime:
         self.chunk: int | None = None
         self.entry = None                            # the message the running chunk starts from
         self.entered = False
+        # the tied sets this rank holds, {stage: parameter} (what optimize() returns as shared_params)
         self.shared_params: list[dict[int, nn.Parameter]] = []
-        self.shared_holders: list[tuple[int, ...]] = []   # every stage holding each shared set
-        # modules replicated over several stages (StageSplit.calls): (holder stages, parameter name,
-        # this rank's parameter), bound by bind_shared
+        # modules replicated over several stages (StageSplit.calls / everywhere): (holder stages,
+        # parameter name, this rank's parameter)
         self.replicated_params: list[tuple[tuple[int, ...], str, nn.Parameter]] = []
+        # both of the above, one list: every parameter this rank holds that other stages hold too,
+        # as (holder stages, key, this rank's parameter); see held_by_several.  Bound by bind_shared.
+        self.held_by_several: list[tuple[tuple[int, ...], str, nn.Parameter]] = []
         # The shape of the first layer's input on the first virtual stage (the embeddings' output),
         # sent along with the activations: a later stage's stand-ins take it, which differs from
         # the received activation's under sequence parallelism (this rank's rows only).
@@ -911,7 +915,7 @@ class StageRuntime:
         vs_of = {path: vs for path, _, vs in plan.placed}
         self._shared_names = []
         self._replicated_names = []
-        for names in plan.shared:
+        for index, names in enumerate(plan.shared):
             held = {}
             for name in names:
                 path = next(p for p in vs_of if name.startswith(p + "."))
@@ -919,8 +923,8 @@ class StageRuntime:
             if len(held) < 2:
                 continue                            # one rank holds all: still one Parameter
             mine = {stage: name for stage, name in held.items() if stage == sm.stage}
-            if mine:
-                self._shared_names.append((tuple(sorted(held)), mine))
+            if mine:       # keyed by the set's index in the plan: the same on every holder
+                self._shared_names.append((tuple(sorted(held)), mine, f"tied.{index}"))
         if sm.num_stages > 1:
             every = tuple(range(sm.num_stages))
             self._replicated_names += [(every, f"{path}.{pname}") for path in plan.everywhere
@@ -977,27 +981,25 @@ class StageRuntime:
         return layers
 
     def bind_shared(self, model: nn.Module) -> list[dict[int, nn.Parameter]]:
-        """shared_params: {stage: parameter} of every tied set this rank holds
-        (shared_holders: the stages holding it), looked up once the model's
+        """Bind the parameters held by several stages, once the model's
         parameters are final (a lazy_init() model gets its replicated
-        parameters after apply())."""
+        parameters after apply()): held_by_several, and its two sources,
+        shared_params ({stage: parameter} of every tied set this rank holds,
+        returned) and replicated_params."""
         self.shared_params = [{stage: model.get_parameter(name) for stage, name in names.items()}
-                              for _, names in self._shared_names]
-        self.shared_holders = [holders for holders, _ in self._shared_names]
+                              for _, names, _ in self._shared_names]
         self.replicated_params = [(stages, name, model.get_parameter(name))
                                   for stages, name in self._replicated_names]
+        self.held_by_several = [(holders, key, next(iter(pair.values())))
+                                for (holders, _, key), pair in zip(self._shared_names, self.shared_params)]
+        self.held_by_several += self.replicated_params
         return self.shared_params
 
     def counted_elsewhere(self) -> set[int]:
         """ids of this rank's parameters whose gradient another stage counts
-        (a gradient norm counts each parameter once): a tied set's copies on
-        every holding stage but the lowest (shared_holders), and a replicated
-        module's parameters (StageSplit.calls / everywhere) on every holder
-        but the lowest."""
-        skip = {id(t) for pair, holders in zip(self.shared_params, self.shared_holders)
-                for stage, t in pair.items() if stage != holders[0]}
-        skip.update(id(t) for stages, _, t in self.replicated_params if self.manager.stage != stages[0])
-        return skip
+        (a gradient norm counts each parameter once): those held by several
+        stages (held_by_several), on every holder but the lowest."""
+        return {id(t) for holders, _, t in self.held_by_several if self.manager.stage != holders[0]}
 
 
 def _set(model: nn.Module, path: str, module: nn.Module) -> None:
