@@ -35,6 +35,15 @@ CONFIGS = (
 )
 
 
+def variants() -> dict[str, tuple[str, dict]]:
+    """{snapshot name: (zoo name, config overrides)} of configurations the
+    zoo builds only with overrides (Falcon's two other QKV layouts)."""
+    from zoo import decoders
+
+    return {"FalconForCausalLM/new_arch": ("FalconForCausalLM", decoders.FALCON_NEW_ARCH),
+            "FalconForCausalLM/per_head": ("FalconForCausalLM", decoders.FALCON_PER_HEAD)}
+
+
 def plain(value):
     """A JSON-able stand-in for a description value: split specs by their
     data, classes by name, per-run objects (sequence state) by type."""
@@ -62,12 +71,12 @@ def family_classes() -> dict[str, str]:
     return {cls: fam.name for fam in families() for cls in fam.heads}
 
 
-def rows_of(name: str, config_kwargs: dict) -> list:
+def rows_of(name: str, config_kwargs: dict, overrides: dict | None = None) -> list:
     import zoo
     from shardformer import ShardConfig
     from shardformer.autopolicy import get_autopolicy
 
-    model = zoo.build(name)
+    model = zoo.build(name, **(overrides or {}))
     policy = get_autopolicy(model)
     policy.set_model(model)
     policy.set_shard_config(ShardConfig(**config_kwargs))
@@ -98,13 +107,15 @@ def snapshot(classes=None) -> dict:
     import zoo
 
     covered = family_classes()
+    builds = {name: (name, {}) for name in zoo.names()}
+    builds.update(variants())
     out = {}
-    for name in zoo.names():
+    for name, (zoo_name, overrides) in sorted(builds.items()):
         cls = name.split("/")[0]
         if cls not in covered or (classes is not None and cls not in classes):
             continue
         for config_name, kwargs in CONFIGS:
-            out[f"{config_name}/{name}"] = rows_of(name, kwargs)
+            out[f"{config_name}/{name}"] = rows_of(zoo_name, kwargs, overrides)
     return out
 
 
