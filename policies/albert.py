@@ -65,8 +65,9 @@ from shardformer.family import Family, gathered, lm, replicated_dropout
 from shardformer.layer import DropoutForReplicatedInput, Linear1D_Col, Linear1D_Row
 from shardformer.layout import Heads
 from shardformer.pipeline.stages import StageSplit
-from shardformer.policies.shapes import (EncoderShape, _new_state, attention_by_heads, residual_dropout,
-                                         sp_layer_subs, sp_linear_kwargs, sp_overlap)
+from shardformer.plan import residual_dropout
+from shardformer.policies.shapes import (EncoderShape, _new_state, attention_by_heads, sp_layer_subs,
+                                         sp_linear_kwargs, sp_overlap)
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 

@@ -67,6 +67,10 @@ class Head:
             raise TypeError(f"Head({self.suffix!r}): loss must be an LMLoss, got {self.loss!r}")
 
 
+#: The plan style of each kind of head (shardformer.plan).
+HEAD_STYLES = {"lm": "vocab_lm_head", "gathered": "colwise_gather_output", "replicated_dropout": "dropout_replicated"}
+
+
 def lm(suffix: str = "lm_head", bias_of: str | None = None, loss: str = "hook",
        also: tuple[str, str] | None = None) -> Head:
     """An LM head; `loss`/`also`: how the class computes its loss (LMLoss):
@@ -252,13 +256,9 @@ class FamilyPolicy(SplitAttentionPolicy, Policy):
         return policy
 
     def head_replacement(self, head: Head) -> Sub:
-        from .layer import DropoutForReplicatedInput, Linear1D_Col, VocabParallelLMHead1D
+        from .plan import PlanContext, replacement
 
-        if head.kind == "lm":
-            return Sub(head.suffix, VocabParallelLMHead1D, kwargs=self.lm_head_kwargs())
-        if head.kind == "gathered":
-            return Sub(head.suffix, Linear1D_Col, kwargs={"gather_output": True})
-        return Sub(head.suffix, DropoutForReplicatedInput)
+        return replacement(head.suffix, HEAD_STYLES[head.kind], PlanContext(self))
 
     def preprocess(self) -> nn.Module:
         # An LM head is re-tied after substitution exactly when HF tied it
