@@ -167,11 +167,16 @@ _CONFIG_READS = re.compile(r"config\.(num_attention_heads|num_key_value_heads|he
 
 class DerivedPolicy(SplitAttentionPolicy, Policy):
     """The policy of a model without a built-in one, from its tensor-parallel
-    plan (`plan`: {path pattern: style}; default resolve_tp_plan(model))."""
+    plan (`plan`: {path pattern: style}; default resolve_tp_plan(model)).
+    `strict` (a plan the user wrote: optimize(model, plan=...)): an entry
+    matching no module or parameter of the model is refused (a misspelt
+    path would otherwise leave its modules replicated); transformers' own
+    plans name modules some configurations lack, which are skipped."""
 
-    def __init__(self, plan: dict[str, str] | None = None) -> None:
+    def __init__(self, plan: dict[str, str] | None = None, strict: bool = False) -> None:
         super().__init__()
         self.plan = dict(plan) if plan is not None else None
+        self.strict = strict
 
     @property
     def pipeline_split(self):
@@ -230,8 +235,19 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
                 out[path] = (exact or hits)[0][1], module
         return out
 
+    def _check_every_entry_matches(self) -> None:
+        """Refuse (strict plans) an entry that names no module or parameter."""
+        paths = [p for p, _ in self.model.named_modules() if p] + [p for p, _ in self.model.named_parameters()]
+        for key, style in self.plan.items():
+            rx = _pattern(key)
+            if not any(rx.match(p) for p in paths):
+                raise self._fail(style, key, f"the plan's path matches no module or parameter of "
+                                 f"{type(self.model).__name__}")
+
     def config_sanity_check(self) -> None:
         name = type(self.model).__name__
+        if self.strict and self.plan is not None:
+            self._check_every_entry_matches()
         matched = self.matched()
         for path, (style, _) in matched.items():
             if style not in SUPPORTED_STYLES:

@@ -35,6 +35,7 @@ hand is passed to optimize(model, policy=...).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -146,6 +147,21 @@ class Family:
         """{registry key: (family, policy class name)}."""
         return {self.registry_key(c): (self.name, f"{c}Policy") for c in self.heads}
 
+    def tp_plan(self, model: nn.Module, shard_config=None) -> dict[str, str]:
+        """The tensor-parallel split this family's policy makes of `model` (one
+        of its head classes), in transformers' notation: {module path pattern
+        ("model.layers.*.self_attn.q_proj"): transformers style}
+        (FamilyPolicy.tp_plan; `shard_config` defaults to ShardConfig())."""
+        from .config import ShardConfig
+
+        name = type(model).__name__
+        if name not in self.heads:
+            raise ValueError(f"Family {self.name!r} has no policy for {name} (its classes: {', '.join(self.heads)})")
+        policy = self.policy_classes()[f"{name}Policy"]()
+        policy.set_model(model)
+        policy.set_shard_config(shard_config if shard_config is not None else ShardConfig())
+        return policy.tp_plan()
+
 
 class SplitAttentionPolicy:
     """The all_to_all / ring_attn sequence parallelism of a policy, as data
@@ -240,6 +256,29 @@ class FamilyPolicy(SplitAttentionPolicy, Policy):
         """The heads this model has (a shape drops optional ones, e.g. a
         classifier that HF makes an nn.Identity when num_labels=0)."""
         return self.heads
+
+    def tp_plan(self) -> dict[str, str]:
+        """This policy's split of the bound model in transformers' notation:
+        {path pattern: style} for every replacement made from a plan style
+        (shardformer.plan) that transformers has a name for.  A policy key
+        (a module class) is written as the paths of its modules, layer
+        indices as `*`; our refinements keep transformers' coarser name
+        (colwise_heads, colwise_kv_heads, colwise_qkv: "colwise";
+        vocab_lm_head: "colwise_gather_output")."""
+        from .plan import hf_style
+
+        where: dict[str, set[str]] = {}
+        for path, module in self.model.named_modules():
+            where.setdefault(type(module).__name__, set()).add(re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", path))
+        out = {}
+        for key, description in self.module_policy().items():
+            key_name = key if isinstance(key, str) else key.__name__
+            for base in sorted(where.get(key_name, ())):
+                for sub in description.sub_module_replacement:
+                    style = hf_style(sub.style) if sub.style else None
+                    if style is not None:
+                        out[f"{base}.{sub.suffix}" if base else sub.suffix] = style
+        return out
 
     def input_embeddings(self) -> nn.Module:
         """The input embedding an LM head may be tied to."""
