@@ -2,6 +2,11 @@
 
 A shape is a FamilyPolicy subclass whose `body_policy()` reads the family's
 options (class attributes set from `Family.options`) and the model's config.
+Its tensor-parallel split is a plan, {suffix: style} (DecoderShape.
+attention_plan / mlp_plan, EncoderShape.MLP_PLAN, bert_attention,
+attention_by_heads, ...), built by shardformer.plan.realize, the interpreter
+DerivedPolicy uses too; the tables below name the layers the styles become.
+Sequence-parallel regions, kernels and pipeline splits are added around it.
 Families only name their shape, options and head classes (policies/<family>.py);
 heads, the registry and the optimizations (fused norms, fused MLP
 activations, flash attention: applied by the sharder by module type, see

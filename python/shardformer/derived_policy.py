@@ -8,7 +8,10 @@ model's attribute (`base_model_prefix`, "model."); transformers keeps it on
 the instance as `model._tp_plan`.  `*` stands for a layer index.
 
 When no built-in policy matches a model, shardformer.autopolicy falls back to
-`DerivedPolicy`, which maps each style of the plan onto our layers:
+`DerivedPolicy` (optimize(model, plan=...) builds one from a plan the user
+writes).  It maps each style of the plan onto a style of shardformer.plan,
+whose interpreter the built-in policies use too, after looking at the
+module (its width, whether it is in an attention or is the LM head):
 
     colwise                         Linear1D_Col, output left split.  Inside an
                                     attention module the split follows the heads

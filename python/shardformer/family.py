@@ -20,7 +20,7 @@ From it come, without another line per class:
     full name ("transformers.models.<hf_module>.<class>"), or by the bare
     class name for remote code (`hf_module=""`).
 
-Heads are split by kind:
+Heads are split by kind (the plan styles of shardformer.plan, HEAD_STYLES):
 
     lm(suffix)          VocabParallelLMHead1D: the vocabulary (output rows) split,
                         logits gathered unless ShardConfig(parallel_output=True);
