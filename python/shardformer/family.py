@@ -264,8 +264,10 @@ class FamilyPolicy(SplitAttentionPolicy, Policy):
         (a module class) is written as the paths of its modules, layer
         indices as `*`; our refinements keep transformers' coarser name
         (colwise_heads, colwise_kv_heads, colwise_qkv: "colwise";
-        vocab_lm_head: "colwise_gather_output")."""
-        from .plan import hf_style
+        vocab_lm_head: "colwise_gather_output"), and moe_tp_experts adds
+        its parameters' entries (gate_up_proj packed_colwise, down_proj
+        rowwise) as transformers writes them."""
+        from .plan import hf_entries
 
         where: dict[str, set[str]] = {}
         for path, module in self.model.named_modules():
@@ -275,9 +277,8 @@ class FamilyPolicy(SplitAttentionPolicy, Policy):
             key_name = key if isinstance(key, str) else key.__name__
             for base in sorted(where.get(key_name, ())):
                 for sub in description.sub_module_replacement:
-                    style = hf_style(sub.style) if sub.style else None
-                    if style is not None:
-                        out[f"{base}.{sub.suffix}" if base else sub.suffix] = style
+                    if sub.style is not None:
+                        out.update(hf_entries(f"{base}.{sub.suffix}" if base else sub.suffix, sub.style))
         return out
 
     def input_embeddings(self) -> nn.Module:

@@ -121,14 +121,17 @@ class Style:
     """One style: the layer it becomes (a class name in shardformer.layer,
     or a function of the context choosing one), its kwargs (a function of
     the context), its kind ("col", "row" or "" : which per-kind extra
-    kwargs realize() adds), and its transformers name (None: not in
-    transformers' vocabulary)."""
+    kwargs realize() adds), its transformers name (None: not in
+    transformers' vocabulary) and the entries transformers' notation
+    writes for the module's own parameters ((parameter, style) pairs: an
+    experts module's gate_up_proj and down_proj)."""
 
     name: str
     layer: str | Callable[[PlanContext], str]
     kwargs: Callable[[PlanContext], dict] = field(default=lambda ctx: {})
     kind: str = ""
     hf: str | None = None
+    hf_params: tuple[tuple[str, str], ...] = ()
 
     def layer_class(self, ctx: PlanContext) -> type:
         name = self.layer(ctx) if callable(self.layer) else self.layer
@@ -173,7 +176,8 @@ STYLES: dict[str, Style] = {s.name: s for s in (
     Style("rowwise_split_input", "Linear1D_Row", lambda c: {"input_is_parallel": False}, hf="rowwise_split_input"),
     Style("embedding_rowwise", "VocabParallelEmbedding1D", _embedding_kwargs, hf="embedding_rowwise"),
     Style("replicated_with_grad_allreduce", "ReplicatedInParallelRegion", hf="replicated_with_grad_allreduce"),
-    Style("moe_tp_experts", "FusedExperts1D", hf="moe_tp_experts"),
+    Style("moe_tp_experts", "FusedExperts1D", hf="moe_tp_experts",
+          hf_params=(("gate_up_proj", "packed_colwise"), ("down_proj", "rowwise"))),
     Style("mla_kv_a_proj", "SharedRopeKeyProjection", hf="mla_kv_a_proj"),
     Style("dropout_parallel", "DropoutForParallelInput"),
     Style("dropout_replicated", "DropoutForReplicatedInput"),
@@ -211,6 +215,10 @@ def realize(plan: dict[str, str], ctx: PlanContext, col: dict | None = None, row
             for suffix, style in plan.items()]
 
 
-def hf_style(style: str) -> str | None:
-    """The transformers name of `style` (None for our dropout styles)."""
-    return style_of(style).hf
+def hf_entries(path: str, style: str) -> dict[str, str]:
+    """`style` at `path` in transformers' notation: {path: its name} plus
+    the entries of the module's parameters; {} for our dropout styles."""
+    s = style_of(style)
+    if s.hf is None:
+        return {}
+    return {path: s.hf, **{f"{path}.{param}": hf for param, hf in s.hf_params}}

@@ -93,3 +93,28 @@ def refused(ctx, plan: dict, expect: tuple[str, ...], error: str = "ValueError",
     missing = [e for e in expect if e not in message]
     assert not missing, f"the refusal does not name {missing}: {message}"
     return message
+
+
+def exported_plan_round_trip(ctx, name: str) -> int:
+    """The built-in policy's split of zoo model `name` written in transformers'
+    notation (Family.tp_plan) and given back to optimize(plan=...) yields
+    the same local shards (every state-dict tensor equal) and the same
+    outputs; returns the number of tensors compared."""
+    import zoo
+    from shardformer.autopolicy import families
+
+    family = next(f for f in families() if name in f.heads)
+    plan = family.tp_plan(zoo.build(name))
+    builtin, derived = zoo.build(name).eval(), zoo.build(name).eval()
+    shard_config = ShardConfig(tensor_parallel_process_group=ctx.group)
+    ShardFormer(shard_config).optimize(builtin)
+    ShardFormer(shard_config).optimize(derived, plan=plan)
+    a, b = builtin.state_dict(), derived.state_dict()
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    for key in a:
+        assert a[key].shape == b[key].shape and torch.equal(a[key], b[key]), key
+    inputs = {k: v for k, v in zoo.make_inputs(name).items() if k != "labels"}
+    with torch.no_grad():
+        parity.assert_close(f"{name} built-in vs exported plan", derived(**inputs).logits, builtin(**inputs).logits,
+                            parity.TOL[torch.float32])
+    return len(a)
