@@ -164,7 +164,7 @@ _WIDTH_ATTRS = ("all_head_size", "hidden_size", "embed_dim", "inner_dim")
 _MLA_LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_layernorm", "indexer")
 _MLA = "mla_kv_a_proj"
 #: Our styles that split by attention heads (their module's attributes follow).
-_HEAD_STYLES = ("colwise_heads", "colwise_kv_heads", "rowwise_heads")
+_HEAD_STYLES = ("colwise_heads", "colwise_kv_heads", "colwise_per_head", "rowwise_heads")
 _CONFIG_READS = re.compile(r"config\.(num_attention_heads|num_key_value_heads|head_dim)")
 
 
@@ -461,7 +461,9 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
             if style == "rowwise" and kv != n:
                 raise self._fail(style, path, "a row-parallel input split by KV heads is not supported")
             return ("colwise_kv_heads" if style == "colwise" else "rowwise_heads"), ctx, None
-        if n == kv and width % n == 0:       # e.g. [q_h k_h v_h] per head: whole blocks of width / n
+        if n == kv and width == 3 * n * hd and style == "colwise":     # [q_h k_h v_h] per head (GPT-NeoX)
+            return "colwise_per_head", ctx, None
+        if n == kv and width % n == 0:       # other per-head blocks: whole blocks of width / n
             block = Heads(n, n, width // n)
             return ("colwise_heads" if style == "colwise" else "rowwise_heads"), PlanContext(self, block), None
         raise self._fail(style, path, f"{width} features are not a whole number of the attention's heads ({heads})")
