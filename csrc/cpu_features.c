@@ -4,6 +4,8 @@
 #include "cpu_features.h"
 
 #include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
 
 /* -1 until probed; the bits otherwise.  Two threads probing at once store
  * the same value. */
@@ -19,6 +21,12 @@ static unsigned probe(void)
     if (__builtin_cpu_supports("f16c")) f |= SF_CPU_F16C;
     if (__builtin_cpu_supports("avx512f")) f |= SF_CPU_AVX512F;
 #endif
+    /* SHARDFORMER_SIMD caps what is used (read once, at the first probe):
+     * "avx2" leaves AVX-512 out, "none" every SIMD path (the portable C);
+     * for tests of the narrower paths on a wider CPU, and for comparing them */
+    const char *cap = getenv("SHARDFORMER_SIMD");
+    if (cap && strcmp(cap, "avx2") == 0) f &= ~(unsigned)SF_CPU_AVX512F;
+    else if (cap && strcmp(cap, "none") == 0) f = 0;
     return f;
 }
 

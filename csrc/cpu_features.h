@@ -5,7 +5,9 @@
  * (csrc/comm/reduce.c) are compiled with target("avx2,fma,f16c") or a subset
  * and run only when sf_cpu_has_simd() says the CPU has all three; the AVX-512
  * product of attention also needs sf_cpu_has_avx512().  The probe runs once
- * and is cached (thread-safe).  Plain C, no Python.
+ * and is cached (thread-safe).  The environment variable SHARDFORMER_SIMD
+ * caps it: "avx2" (no AVX-512) or "none" (the portable C paths only), read
+ * at the first probe.  Plain C, no Python.
  */
 #ifndef SHARDFORMER_CPU_FEATURES_H
 #define SHARDFORMER_CPU_FEATURES_H

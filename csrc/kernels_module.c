@@ -23,6 +23,7 @@
 #include "kernels/cross_entropy.h"
 #include "kernels/elementwise.h"
 #include "kernels/embedding.h"
+#include "kernels/linear.h"
 #include "kernels/norm.h"
 #include "tensor_view.h"
 
@@ -294,6 +295,42 @@ static PyObject *py_norm_backward(PyObject *self, PyObject *args)
         return fail(&vs);
     RUN(sfk_norm_backward(rms, kdtype(x), dy->data, x->data, rows, n, FLOATP(w), FLOATP(mu),
                            FLOATP(rs), dx->data, FLOATP(dw), FLOATP(db), &err));
+}
+
+/* ---- linear on few rows -------------------------------------------------- */
+
+/* skinny_linear(x [..., k], weight [n, k], bias [n] fp32 or None, y [..., n]):
+ * y = x weight^T + bias over the m rows of x (the leading dimensions). */
+static PyObject *py_skinny_linear(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *o[4];
+    if (!PyArg_ParseTuple(args, "OOOO:skinny_linear", &o[0], &o[1], &o[2], &o[3]))
+        return NULL;
+    views vs = {.fn = "skinny_linear"};
+    sf_view *x, *w, *b, *y;
+    if (arg(&vs, o[0], "x", IN, &x) || arg(&vs, o[1], "weight", IN, &w) ||
+        arg(&vs, o[2], "bias", F32_OPT, &b) || arg(&vs, o[3], "y", OUT, &y))
+        return fail(&vs);
+    if (w->ndim != 2) {
+        PyErr_Format(PyExc_ValueError, "skinny_linear: weight must be 2-D [out, in], got %d dimensions",
+                     w->ndim);
+        return fail(&vs);
+    }
+    const int64_t n = w->shape[0], k = w->shape[1];
+    int64_t m = 0, mn = 0;
+    if (lead_rows(&vs, x, &m)) return fail(&vs);
+    if (last_dim(x) != k) {
+        PyErr_Format(PyExc_ValueError, "skinny_linear: x has %lld features in its last dimension but weight "
+                     "[%lld, %lld] takes %lld", (long long)last_dim(x), (long long)n, (long long)k,
+                     (long long)k);
+        return fail(&vs);
+    }
+    if (mul(&vs, "rows x outputs", m, n, &mn) || want_numel(&vs, y, "y", mn) ||
+        want_numel(&vs, b, "bias", n) || same_dtype(&vs, x, "x", w, "weight") ||
+        same_dtype(&vs, x, "x", y, "y"))
+        return fail(&vs);
+    RUN(sfk_skinny_linear(kdtype(x), x->data, w->data, FLOATP(b), m, n, k, y->data, &err));
 }
 
 /* ---- elementwise -------------------------------------------------------- */
@@ -776,6 +813,7 @@ static PyMethodDef kernel_methods[] = {
      "bias_gelu_forward(x, bias|None, tanh_approx, y)"},
     {"bias_gelu_backward", py_bias_gelu_backward, METH_VARARGS,
      "bias_gelu_backward(dy, x, bias|None, tanh_approx, dx, dbias|None)"},
+    {"skinny_linear", py_skinny_linear, METH_VARARGS, "skinny_linear(x, weight, bias, y): y = x weight^T + bias"},
     {"swiglu_forward", py_swiglu_forward, METH_VARARGS, "swiglu_forward(gate, up, y)"},
     {"swiglu_backward", py_swiglu_backward, METH_VARARGS,
      "swiglu_backward(dy, gate, up, dgate, dup)"},

@@ -243,6 +243,9 @@ DERIVED_TESTS = {"TP=2": "test_forward_backward_step", "generate()": "test_gener
 # one column per mode, SP=2 and 4.
 DERIVED_SP_TEST = "test_derived_sp_equals_unsharded"
 DERIVED_SP_MODES = ("split_gather", "all_to_all", "ring_attn")
+# Pipeline parallelism on derived plans (params "<arch>-<tp>"): the stage split from base_model_pp_plan,
+# or from the module tree where the config has none.
+DERIVED_PP_TESTS = ("test_pipeline_from_pp_plan", "test_pipeline_without_pp_plan")
 
 
 def derived_section(junits: list[str]) -> str:
@@ -264,6 +267,9 @@ def derived_section(junits: list[str]) -> str:
         if test == "test_plan_refused_naming_style_path_class" and not failed:
             refused.append(params)
             continue
+        if test in DERIVED_PP_TESTS:
+            rows[params.rpartition("-")[0]]["PP=2"].append(not failed)
+            continue
         if test == DERIVED_SP_TEST:
             arch, mode, _sp, _seq = params.rsplit("-", 3)
             rows[arch][f"SP {mode}"].append(not failed)
@@ -275,9 +281,9 @@ def derived_section(junits: list[str]) -> str:
                 rows[arch]["tp"].append(tp)
     if not rows:
         return ""
-    labels = list(DERIVED_TESTS) + [f"SP {mode}" for mode in DERIVED_SP_MODES]
+    labels = list(DERIVED_TESTS) + [f"SP {mode}" for mode in DERIVED_SP_MODES] + ["PP=2"]
     lines = ["| architecture | TP=2 and 4 (logits, loss, gradients, after a step) | generate() | "
-             + " | ".join(f"SP {mode} (2 and 4)" for mode in DERIVED_SP_MODES) + " |",
+             + " | ".join(f"SP {mode} (2 and 4)" for mode in DERIVED_SP_MODES) + " | PP=2 (TP=1 and 2) |",
              "|---" * len(labels) + "|---|"]
     for arch in sorted(rows, key=str.lower):
         cells = []

@@ -756,10 +756,32 @@ def scenario_shm_all_to_all(i):
     assert all(k == "RuntimeError" and "collective mismatch" in m for k, m in got), got
 
 
+def scenario_skinny_linear(i):
+    """ops.skinny_linear over every dtype, ragged sizes (rows of W past the
+    last block of 4, in_features past the last vector of 8 / 16), 1 to 9 rows,
+    with and without bias, empty sizes with huge others, and its refusals:
+    mismatched sizes, an output over an input."""
+    from shardformer import ops
+
+    dtype = (torch.float32, torch.bfloat16, torch.float16)[i % 3]
+    m, n, k = 1 + i % 9, 1 + (i * 7) % 23, 1 + (i * 5) % 41
+    x, w, b = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype), torch.randn(n)
+    with torch.no_grad():
+        y = ops.skinny_linear(x, w, b if i % 2 else None)
+        assert y.shape == (m, n) and bool(torch.isfinite(y).all())
+        assert ops.skinny_linear(torch.empty(0, 2**40, dtype=dtype), torch.empty(0, 2**40, dtype=dtype)).shape == (0, 0)
+        ops.skinny_linear(torch.empty(3, 0, dtype=dtype), torch.empty(2**20, 0, dtype=dtype))
+    expect(ValueError, _C.skinny_linear, x, w, None, torch.empty(m, n + 1, dtype=dtype), match="y has")
+    expect(ValueError, _C.skinny_linear, torch.randn(m, k + 1).to(dtype), w, None, torch.empty(m, n, dtype=dtype),
+           match="takes")
+    xw = torch.randn(4, 4)
+    expect(ValueError, _C.skinny_linear, xw[:1], torch.randn(4, 4), None, xw[:1], match="overlaps")
+
+
 SCENARIOS = [scenario_layout_math, scenario_copy_place_torch, scenario_copy_place_numpy,
              scenario_copy_errors, scenario_gather_index, scenario_tensor_info,
              scenario_sharder, scenario_attention, scenario_kernel_pool, scenario_status,
-             scenario_faults, scenario_shm_all_to_all]
+             scenario_faults, scenario_shm_all_to_all, scenario_skinny_linear]
 
 if MODE == "asan":
     for scenario in SCENARIOS:

@@ -7,6 +7,7 @@ be honoured refused before the model changes."""
 from __future__ import annotations
 
 import pytest
+import transformers
 
 from checks import derived_policy as D
 
@@ -25,13 +26,14 @@ def test_forward_backward_step(pool, name, tp):
         bound = 0.65 if name in D.LATENT_ATTENTION else 0.6
         assert all(r["param_fraction"] < bound for r in reports), [r["param_fraction"] for r in reports]
     calls = reports[0]["calls"]
-    if name in D.LATENT_ATTENTION and name != "DeepseekV3":     # (V3's own plan keeps attention whole)
+    if name in D.LATENT_ATTENTION:
         assert calls["rope_grad"] >= D.BASE["num_hidden_layers"], calls
     if name in D.LATENT_ATTENTION and name != "MiniCPM3":       # (MiniCPM3 is dense)
         assert calls["experts"] > 0, calls
 
 
-GENERATE = ("Cohere", "Exaone4", "GPTNeoX", "Olmo2", "Qwen3Moe", "DeepseekV2", "MiniCPM3")
+GENERATE = D.available(["Cohere", "Exaone4", "GPTNeoX", "Olmo2", "Qwen3Moe", "DeepseekV2", "MiniCPM3", "DeepseekV3",
+                        "Mistral4", "Olmoe"], D.MODELS)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -60,8 +62,6 @@ def test_style_on_wrong_module_refused(pool):
 
 
 def test_builtin_policy_wins_and_plan_fallback():
-    import transformers
-
     from shardformer.autopolicy import get_autopolicy
     from shardformer.derived_policy import DerivedPolicy
 
@@ -71,8 +71,6 @@ def test_builtin_policy_wins_and_plan_fallback():
 
 
 def test_no_plan_keeps_clear_error():
-    import transformers
-
     from shardformer.autopolicy import get_autopolicy
 
     cfg = transformers.NemotronConfig(hidden_size=64, intermediate_size=90, num_hidden_layers=1,
@@ -113,6 +111,67 @@ def test_pipeline_from_pp_plan(pool, name, tp):
     pool.run(D.pipelined, 4, name, tp)
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", D.available(["Olmoe", "NanoChat"], D.MODELS))
+def test_pipeline_without_pp_plan(pool, name, tp):
+    """Configs without base_model_pp_plan: the stage split comes from the module tree, the layer
+    list the tensor-parallel plan indexes (PP=2, 1F1B; TP=2 inside the stages)."""
+    pool.run(D.pipelined, 4, name, tp)
+
+
+@pytest.mark.parametrize("name", D.available(["Olmoe", "NanoChat", "Olmo2"], D.MODELS))
+def test_layer_list_from_the_module_tree(name):
+    """The layer list and what runs after it: from the module tree when the config has no
+    base_model_pp_plan, the same as the pp plan gives where it has one (Olmo2)."""
+    from shardformer.derived_policy import DerivedPolicy
+
+    model = D.build(name)
+    if name != "Olmo2" and getattr(model.config, "base_model_pp_plan", None):
+        pytest.skip(f"transformers {transformers.__version__}'s {name} config carries a base_model_pp_plan")
+    policy = DerivedPolicy()
+    policy.set_model(model)
+    assert bool(getattr(model.config, "base_model_pp_plan", None)) == (name == "Olmo2")
+    split = policy.pipeline_split
+    last = ("norm",) if name != "NanoChat" else ()      # (NanoChat's final norm has no weight: on every stage)
+    assert (split.owner, split.layers, split.last) == (type(model.model).__name__, "layers", last)
+    assert policy.pipeline_refusal == ""
+
+
+@pytest.mark.skipif(not hasattr(transformers, "HrmTextForCausalLM"), reason="this transformers has no HrmText")
+def test_ambiguous_layer_lists_refused_by_name(pool):
+    """HRM-Text: its pp plan names a `layers` it lacks, and its tensor-parallel plan indexes two
+    stacks (L_module.layers, H_module.layers, run in recurrent cycles): pipeline refused naming both."""
+    expect = ("HrmTextForCausalLM", "model.L_module.layers", "model.H_module.layers", "ambiguous")
+    pool.run(D.pipeline_refused, 4, "HrmText", expect)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name", D.available(list(D.LATENT_SUPPLEMENTED), D.MODELS))
+def test_latent_attention_supplement_lowers_params(pool, name, tp):
+    """DeepSeek-V3, Mistral 4, Kimi Linear: their plans leave the latent attention replicated;
+    the supplement splits it by heads (equal to unsharded: test_forward_backward_step), so a rank
+    holds fewer parameters than under the plan as it is."""
+    for f in pool.run(D.supplemented_fractions, tp, name):
+        assert f["supplemented"] < f["own_plan"] - 0.01, f
+
+
+def test_latent_attention_supplement_found_by_shape():
+    """The supplement adds DeepSeek-V2's attention entries at each latent attention's own path,
+    and nothing where the plan already names them (V2) or there is no latent attention (Olmo2)."""
+    from shardformer.derived_policy import MLA_ENTRIES, latent_attention_supplement, resolve_tp_plan
+
+    def supplement(name):
+        model = D.build(name)
+        return latent_attention_supplement(model, resolve_tp_plan(model))
+
+    v3 = supplement("DeepseekV3")
+    assert v3 == {f"model.layers.{i}.self_attn.{c}": s for i in range(2) for c, s in MLA_ENTRIES.items()
+                  if c != "q_proj"}         # (q_lora_rank set: q_a_proj / q_b_proj, no q_proj)
+    assert supplement("DeepseekV2") == {} and supplement("Olmo2") == {}
+    if hasattr(transformers, "KimiLinearForCausalLM"):
+        assert {k.rsplit(".self_attn.", 1)[0] for k in supplement("KimiLinear")} == {"model.layers.1"}
+
+
 def test_expert_parallel_router_refused(pool):
     """DeepSeek-V2's whole expert-parallel plan: its ep_router is refused (no
     expert parallelism yet), naming the style, the router's path and the class."""
@@ -146,7 +205,8 @@ def test_latent_attention_half_plans_refused(pool, case):
 
 
 @pytest.mark.parametrize("tp", [2, 4])
-@pytest.mark.parametrize("name", ["DeepseekV2", "DeepseekV2-qproj-6heads"])
+@pytest.mark.parametrize("name", D.available(["DeepseekV2", "DeepseekV2-qproj-6heads", "DeepseekV3", "Mistral4"],
+                                             D.MODELS))
 def test_latent_attention_eval_with_dropout(pool, name, tp):
     pool.run(D.eval_with_dropout, tp, name)
 

@@ -1,6 +1,7 @@
 """Sequence parallelism (split_gather, all_to_all, ring_attn) on policies
 derived from a model's own tensor-parallel plan (shardformer.derived_policy):
-the layer list comes from the config's base_model_pp_plan.  Each mode at
+the layer list comes from the config's base_model_pp_plan, or from the
+module tree where the config has none (OLMoE, NanoChat).  Each mode at
 SP=2 and SP=4 on odd lengths, TP=2 x SP=2 for all_to_all on 4 ranks, eval
 mode with dropout configured: outputs, loss, every gradient and the outputs
 after an SGD step equal to the unsharded model, the split path's calls
@@ -25,8 +26,9 @@ def available(names) -> list:
 # Ministral (full + sliding layers), Cohere2, Exaone4 (with qk-norm); qk-norm: Olmo2 (over the
 # whole projection), Qwen3Moe; biased row layers (role "enter"): GPTNeoX, Phi, Starcoder2
 # position_ids read inside the layer (its attention scale): Ministral3, given this rank's rows
+# no base_model_pp_plan (the layer list from the module tree): Olmoe (MoE, qk-norm), NanoChat
 NAMES = ("Olmo2", "Qwen3Moe", "Ernie4_5_Moe", "Ministral", "Cohere2", "Exaone4", "GPTNeoX", "Phi", "Starcoder2",
-         "Granite", "SmolLM3", "Cohere", "Glm4", "Ministral3")
+         "Granite", "SmolLM3", "Cohere", "Glm4", "Ministral3", "Olmoe", "NanoChat")
 
 
 @pytest.mark.parametrize("sp, seq", [(2, 7), (4, 9)])
@@ -37,13 +39,13 @@ def test_derived_sp_equals_unsharded(pool, name, mode, sp, seq):
     assert all(r["split_calls"] > 0 for r in reports)
 
 
-@pytest.mark.parametrize("name", available(["Olmo2", "Qwen3Moe", "GPTNeoX", "Ministral"]))
+@pytest.mark.parametrize("name", available(["Olmo2", "Qwen3Moe", "GPTNeoX", "Ministral", "Olmoe"]))
 def test_derived_tp2_sp2_all_to_all(pool, name):
     pool.run(S.tp_sp_equals_unsharded, 4, name, "all_to_all", 2, 7)
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", available(["Olmo2", "Starcoder2"]))
+@pytest.mark.parametrize("name", available(["Olmo2", "Starcoder2", "Olmoe"]))
 def test_derived_sp_eval_with_dropout(pool, name, mode):
     pool.run(S.eval_with_dropout, 2, name, mode)
 
@@ -71,19 +73,16 @@ REFUSED = {
     # OLMo-Hybrid's layer 0 is a linear-attention (recurrent) mixer: on this rank's rows it would miss the rest
     **{f"OlmoHybrid-{m}": ("OlmoHybrid", m, ("OlmoHybridForCausalLM", "model.layers.0", "'linear_attention'",
                                              repr(m))) for m in MODES},
-    # OLMoE's config carries no base_model_pp_plan: no layer list to split around
-    "Olmoe-all_to_all": ("Olmoe", "all_to_all", ("OlmoeForCausalLM", "'all_to_all'", "base_model_pp_plan")),
-    "Olmoe-split_gather": ("Olmoe", "split_gather", ("OlmoeForCausalLM", "'split_gather'", "base_model_pp_plan")),
+    # HRM-Text: no usable base_model_pp_plan, and its plan indexes two stacks run in recurrent cycles
+    **{f"HrmText-{m}": ("HrmText", m, ("HrmTextForCausalLM", repr(m), "model.L_module.layers",
+                                       "model.H_module.layers", "ambiguous")) for m in MODES},
     # GPT-OSS: a learned sink logit per head in every softmax
     **{f"GptOss-{m}": ("GptOss", m, ("GptOssForCausalLM", "model.layers.0.self_attn.sinks", "attention sinks",
                                      repr(m))) for m in ("all_to_all", "ring_attn")},
-    # experts / a shared expert the plan leaves replicated inside the split MoE block: their full output
-    # would be summed over the ranks
-    # (AriaText's router, beside replicated experts, is refused first)
+    # experts the plan leaves replicated inside the split MoE block: their full output would be summed
+    # over the ranks (AriaText's router, beside them, is refused first)
     "AriaText-split_gather": ("AriaText", "split_gather", ("AriaTextForCausalLM", "model.layers.0.mlp.router",
                                                            "leaves replicated", "'split_gather'")),
-    "SolarOpen-split_gather": ("SolarOpen", "split_gather", ("SolarOpenForCausalLM",
-                                                             "model.layers.0.mlp.shared_experts", "SolarOpenMLP")),
     # Qwen2-MoE's plan leaves the MoE block replicated: split_gather would run it on this rank's rows only
     "Qwen2Moe-split_gather": ("Qwen2Moe", "split_gather", ("Qwen2MoeForCausalLM", "model.layers.0.mlp",
                                                            "Qwen2MoeSparseMoeBlock", "'split_gather'")),
@@ -94,6 +93,26 @@ REFUSED = {
 def test_derived_sp_refused_by_name(pool, case):
     name, mode, expect = REFUSED[case]
     pool.run(S.refused, 2, name, mode, expect)
+
+
+@pytest.mark.parametrize("sp, seq", [(2, 7), (4, 9)])
+@pytest.mark.parametrize("name", available(["SolarOpen"]))
+def test_replicated_shared_expert_under_split_gather(pool, name, sp, seq):
+    """SolarOpen's shared expert, replicated by its plan inside the split MoE block, its output added to
+    the experts' partial sums: scaled by 1/p (the block's reduce-scatter sums p copies back to one), its
+    gradients all-reduced; equal to the unsharded model, the scaling counted on every rank."""
+    reports = pool.run(S.shared_experts_split_gather, sp, name, seq)
+    assert all(r["shared_calls"] > 0 for r in reports), reports
+
+
+def test_shared_expert_found_in_the_forward():
+    """Only a child that the block's forward adds to something runs beside the experts:
+    SolarOpen's shared_experts; its router (gate) and experts are not added."""
+    from shardformer.derived_policy import _added_children
+
+    if "SolarOpen" not in available(["SolarOpen"]):
+        pytest.skip("this transformers has no SolarOpenForCausalLM")
+    assert _added_children(D.build("SolarOpen").model.layers[0].mlp) == ["shared_experts"]
 
 
 @pytest.mark.skipif("Qwen2Moe" not in available(["Qwen2Moe"]), reason="this transformers has no Qwen2MoeForCausalLM")
@@ -111,9 +130,10 @@ def test_derived_sp_overlap_refused(pool):
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", available(["Olmo2", "Qwen3Moe", "GPTNeoX"]))
+@pytest.mark.parametrize("name", available(["Olmo2", "Qwen3Moe", "GPTNeoX", "Olmoe", "NanoChat"]))
 def test_derived_sp_in_pipeline_stages(pool, name, mode):
-    """PP=2 (1F1B) x SP=2 inside each stage, the stage split from base_model_pp_plan, 7 tokens."""
+    """PP=2 (1F1B) x SP=2 inside each stage, the stage split from base_model_pp_plan (from the
+    module tree for Olmoe and NanoChat, which have none), 7 tokens."""
     pool.run(D.pipelined, 4, name, 2, mode, 7)
 
 
@@ -137,8 +157,8 @@ def test_derived_sp_padded_batch(pool, name, mode, sp):
 
 
 # Every architecture of tests/test_derived_policy.py at SP=2, 7 tokens: equal to the unsharded model, or
-# refused by name; {(architecture, mode)} refused (recorded at the pinned transformers): no layer list in
-# the config (HrmText, NanoChat, Olmoe), linear-attention layers (MiniMax, OlmoHybrid), and under
+# refused by name; {(architecture, mode)} refused (recorded at the pinned transformers): no single layer list
+# (HrmText's two recurrent stacks), linear-attention layers (MiniMax, OlmoHybrid, KimiLinear), and under
 # split_gather a module the plan leaves replicated (the MoE blocks of Cohere2Moe, ExaoneMoe, Qwen2Moe;
 # AriaText's router beside replicated experts, SolarOpen's shared experts).
 # Latent attention (DeepSeek-V2/V3, MiniCPM3, GLM-4-MoE-Lite, AXK2): refused under split_gather (its shared
@@ -147,9 +167,9 @@ def test_derived_sp_padded_batch(pool, name, mode, sp):
 # ('indexed_attention': DeepseekV32, GlmMoeDsa, AXK2) are refused in every mode: its indexer picks keys over
 # the whole sequence.
 LATENT = ("AXK2", "DeepseekV2", "DeepseekV2-grouped_gemm", "DeepseekV2-qproj-6heads", "DeepseekV3", "DeepseekV3-mla",
-          "DeepseekV32", "Glm4MoeLite", "GlmMoeDsa", "MiniCPM3")
-SWEEP_REFUSED = {(n, m) for n in ("HrmText", "NanoChat", "Olmoe", "MiniMax", "OlmoHybrid") for m in MODES} | {
-    (n, "split_gather") for n in ("AriaText", "Cohere2Moe", "ExaoneMoe", "Qwen2Moe", "SolarOpen") + LATENT} | {
+          "DeepseekV32", "Glm4MoeLite", "GlmMoeDsa", "MiniCPM3", "Mistral4")
+SWEEP_REFUSED = {(n, m) for n in ("HrmText", "MiniMax", "OlmoHybrid", "KimiLinear") for m in MODES} | {
+    (n, "split_gather") for n in ("AriaText", "Cohere2Moe", "ExaoneMoe", "Qwen2Moe") + LATENT} | {
     (n, m) for n in ("AXK2", "DeepseekV32", "GlmMoeDsa") for m in MODES}
 # Gemma4Unified under ring_attn: every gradient within 1% of the float64-floor tolerance, one just past it
 # (the ring merges blocks in another order); its all_to_all and split_gather are in the sweep.

@@ -65,16 +65,29 @@ static float *out_row(const ew_ctx *c, void *base, int64_t r, float *buf)
 static inline float sig_from(float e) { return 1.0f / (1.0f + e); }
 static inline float one_minus_sig_from(float e) { return 1.0f / (1.0f + 1.0f / e); }
 
-/* Phi(u) = (1 + erf(u / sqrt 2)) / 2 from e = exp(-u^2 / 2), with
- * erfc(z) = t P(t) exp(-z^2), t = 1 / (1 + p z) (Abramowitz & Stegun 7.1.26,
- * |error| < 1.5e-7) on |u|, reflected for u < 0: no cancellation in the left
- * tail, where Phi is tiny.  Branch-free, so the loops calling it vectorize. */
-static inline float phi_from(float u, float e)
+/* Phi(u) = (1 + erf(u / sqrt 2)) / 2 from e = exp(-fl(u^2) / 2), by the same
+ * erfc form as the SIMD path (gelu_phi8, below): z = |u| / sqrt 2,
+ * t = 2 / (2 + z), erfc(z) = t exp(-z^2) Q(t) with the same fitted degree-8
+ * Q (relative accuracy over the whole left tail), and e corrected for the
+ * rounding of u^2 (*gauss = exp(-u^2 / 2), for the gradient).  Reflected by
+ * the sign bit of u.  Branch-free, so the loops calling it vectorize. */
+static inline float phi_gauss(float u, float e, float *gauss)
 {
-    float z = fabsf(u) * SQRT1_2, t = 1.0f / (1.0f + 0.3275911f * z);
-    float poly = t * (0.254829592f + t * (-0.284496736f + t * (1.421413741f
-               + t * (-1.453152027f + t * 1.061405429f))));
-    return 0.5f + copysignf(0.5f - 0.5f * poly * e, u);
+    const float z = fabsf(u) * SQRT1_2, t = 2.0f / (2.0f + z);
+    float q = -5.938686803e-02f;
+    q = q * t + 2.861254513e-01f;
+    q = q * t - 4.904082716e-01f;
+    q = q * t + 2.817339897e-01f;
+    q = q * t - 2.914794162e-02f;
+    q = q * t + 2.037517875e-01f;
+    q = q * t + 2.428354323e-01f;
+    q = q * t + 2.824120522e-01f;
+    q = q * t + 2.820843458e-01f;
+    const float lo = fmaf(u, u, -(u * u)) * 0.5f;
+    e = e - e * lo;
+    *gauss = e;
+    const float tail = 0.5f * t * (q * e);
+    return signbit(u) ? tail : 1.0f - tail;
 }
 
 /* One row in three passes: u = x + b with the exponent e of its form
@@ -109,12 +122,15 @@ CLONES static void gelu_out(float *restrict y, const float *restrict u, const fl
         for (int64_t i = 0; i < n; i++) y[i] = u[i] * sig_from(e[i]);
     } else {
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++) y[i] = u[i] * phi_from(u[i], e[i]);
+        for (int64_t i = 0; i < n; i++) {
+            float gauss;
+            y[i] = u[i] * phi_gauss(u[i], e[i], &gauss);
+        }
     }
 }
 
 /* g = dy * gelu'(u), and db += g when db is given.
- * erf: gelu' = Phi(u) + u phi(u), phi(u) = e / sqrt(2 pi);
+ * erf: gelu' = Phi(u) + u phi(u), phi(u) = exp(-u^2 / 2) / sqrt(2 pi);
  * tanh: 0.5 (1 + th) + 0.5 u (1 - th^2) k (1 + 3 c u^2), th = 2 s - 1. */
 CLONES static void gelu_grad(float *restrict g, const float *restrict dy, const float *restrict u,
                              const float *restrict e, float *restrict db, int64_t n, int tanh_form)
@@ -128,8 +144,11 @@ CLONES static void gelu_grad(float *restrict g, const float *restrict dy, const 
         }
     } else {
 #pragma omp simd
-        for (int64_t i = 0; i < n; i++)
-            g[i] = dy[i] * (phi_from(u[i], e[i]) + u[i] * e[i] * INV_SQRT_2PI);
+        for (int64_t i = 0; i < n; i++) {
+            float gauss;
+            const float p = phi_gauss(u[i], e[i], &gauss);
+            g[i] = dy[i] * (p + u[i] * gauss * INV_SQRT_2PI);
+        }
     }
     if (db) {
 #pragma omp simd
@@ -220,6 +239,88 @@ EW_AVX2 static void gelu_erf_bwd_avx2(float *gout, const float *dy, const float 
     }
 }
 #define EW_HAVE_AVX2 1
+
+/* The same erf form, 16 lanes wide (AVX-512F), where the CPU has it: the
+ * arithmetic of gelu_phi8 lane for lane (same polynomial, same exp and the
+ * same correction of u^2's rounding), so both paths give the same results;
+ * the ragged end of a row through masked loads and stores. */
+#define EW_AVX512 __attribute__((target("avx512f")))
+
+/* exp(x) as sfk_exp8, 16 lanes. */
+EW_AVX512 static inline __m512 exp16(__m512 x)
+{
+    const __m512 hi = _mm512_set1_ps(88.37f), lo = _mm512_set1_ps(-87.33f);
+    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187045e-06f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps((__mmask16)~under, p, _mm512_castsi512_ps(e));
+}
+
+EW_AVX512 static inline __m512 gelu_phi16(__m512 u, __m512 *gauss)
+{
+    const __m512 half = _mm512_set1_ps(0.5f);
+    const __m512 z = _mm512_mul_ps(_mm512_abs_ps(u), _mm512_set1_ps(SQRT1_2));
+    const __m512 t = _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(_mm512_set1_ps(2.0f), z));
+    __m512 q = _mm512_set1_ps(-5.938686803e-02f);
+    q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(2.861254513e-01f));
+    q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(-4.904082716e-01f));
+    q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(2.817339897e-01f));
+    q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(-2.914794162e-02f));
+    q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(2.037517875e-01f));
+    q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(2.428354323e-01f));
+    q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(2.824120522e-01f));
+    q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(2.820843458e-01f));
+    const __m512 uu = _mm512_mul_ps(u, u);
+    const __m512 lo = _mm512_mul_ps(_mm512_fmsub_ps(u, u, uu), half);
+    __m512 e = exp16(_mm512_mul_ps(uu, _mm512_set1_ps(-0.5f)));
+    e = _mm512_fnmadd_ps(e, lo, e);
+    *gauss = e;
+    const __m512 tail = _mm512_mul_ps(_mm512_mul_ps(half, t), _mm512_mul_ps(q, e));
+    /* the sign bit of u picks erfc(z) / 2, as blendv does in gelu_phi8 */
+    const __mmask16 neg = _mm512_test_epi32_mask(_mm512_castps_si512(u), _mm512_set1_epi32((int)0x80000000u));
+    return _mm512_mask_blend_ps(neg, _mm512_sub_ps(_mm512_set1_ps(1.0f), tail), tail);
+}
+
+static inline __mmask16 ew_mask(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u); }
+
+EW_AVX512 static void gelu_erf_fwd_avx512(float *y, const float *x, const float *b, int64_t n)
+{
+    __m512 g;
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = ew_mask(n - i);
+        __m512 u = _mm512_maskz_loadu_ps(m, x + i);
+        if (b) u = _mm512_add_ps(u, _mm512_maskz_loadu_ps(m, b + i));
+        _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(u, gelu_phi16(u, &g)));
+    }
+}
+
+EW_AVX512 static void gelu_erf_bwd_avx512(float *gout, const float *dy, const float *x, const float *b,
+                                          float *db, int64_t n)
+{
+    const __m512 k = _mm512_set1_ps(INV_SQRT_2PI);
+    __m512 e;
+    for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = ew_mask(n - i);
+        __m512 u = _mm512_maskz_loadu_ps(m, x + i);
+        if (b) u = _mm512_add_ps(u, _mm512_maskz_loadu_ps(m, b + i));
+        const __m512 p = gelu_phi16(u, &e);
+        const __m512 g = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, dy + i),
+                                       _mm512_fmadd_ps(_mm512_mul_ps(u, e), k, p));
+        _mm512_mask_storeu_ps(gout + i, m, g);
+        if (db) _mm512_mask_storeu_ps(db + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, db + i), g));
+    }
+}
 #endif
 
 static void gelu_fwd_rows(void *arg, int64_t r0, int64_t r1, int tid)
@@ -233,7 +334,8 @@ static void gelu_fwd_rows(void *arg, int64_t r0, int64_t r1, int tid)
     if (!c->flag && sf_cpu_has_simd()) {
         for (int64_t r = r0; r < r1; r++) {
             float *y = out_row(c, c->o1, r, u + 2 * n);
-            gelu_erf_fwd_avx2(y, in_row(c, c->a, r, n, u), c->bias, n);
+            if (sf_cpu_has_avx512()) gelu_erf_fwd_avx512(y, in_row(c, c->a, r, n, u), c->bias, n);
+            else gelu_erf_fwd_avx2(y, in_row(c, c->a, r, n, u), c->bias, n);
             if (c->t != SFK_F32) sfk_store(c->t, y, n, at(c, c->o1, r));
         }
         free(u);
@@ -263,7 +365,8 @@ static void gelu_bwd_rows(void *arg, int64_t r0, int64_t r1, int tid)
             const float *x = in_row(c, c->b2, r, n, u);
             const float *dy = in_row(c, c->a, r, n, u + n);
             float *g = out_row(c, c->o1, r, u + 2 * n);
-            gelu_erf_bwd_avx2(g, dy, x, c->bias, db, n);
+            if (sf_cpu_has_avx512()) gelu_erf_bwd_avx512(g, dy, x, c->bias, db, n);
+            else gelu_erf_bwd_avx2(g, dy, x, c->bias, db, n);
             if (c->t != SFK_F32) sfk_store(c->t, g, n, at(c, c->o1, r));
         }
         free(u);

@@ -46,6 +46,13 @@ class ShardConfig:
         (shardformer.ops.attention) in every layer whose HF attention goes through
         transformers' AttentionInterface; other layers keep theirs (with a warning).
     enable_jit_fused: fused C kernels for the MLP activations.
+    enable_skinny_linear: the tensor-parallel linear layers (and LM heads)
+        called on a few rows without gradients, as in a decode step (at most
+        shardformer.layer.linear.SKINNY_MAX_ROWS tokens, torch.no_grad or
+        inference mode, CPU), read their weight shard through the C kernel
+        shardformer.ops.skinny_linear instead of torch's matmul: decoding is
+        bound by reading the weights, and the kernel streams them once at
+        the memory's rate.  Results equal torch's up to fp32 rounding.
     enable_sequence_parallelism: split the hidden states along the sequence
         between the tensor-parallel blocks (shardformer.layer.sequence), so
         norms, dropouts and residuals hold 1/tp of the activations;
@@ -73,8 +80,8 @@ class ShardConfig:
         recompute); costs those elementwise ops again in backward.  None
         (default): everything autograd saves is kept.  Refused for policies
         that do not implement it (Policy.supports_sequence_recompute).
-    enable_all_optimization: switches on fused normalization, flash attention
-        and jit fused operators.
+    enable_all_optimization: switches on fused normalization, flash attention,
+        jit fused operators and the skinny linear kernel.
     parallel_output: LM heads return this rank's shard of the logits (the
         columns of its vocabulary rows, see VocabParallelLMHead1D) instead of
         all-gathering the full vocabulary, and a model called with `labels`
@@ -91,6 +98,7 @@ class ShardConfig:
     enable_fused_normalization: bool = False
     enable_flash_attention: bool = False
     enable_jit_fused: bool = False
+    enable_skinny_linear: bool = False
     enable_sequence_parallelism: bool = False
     enable_sequence_overlap: bool = False
     sequence_parallelism_mode: str | None = None
@@ -102,7 +110,8 @@ class ShardConfig:
 
     def __post_init__(self):
         for name in ("enable_tensor_parallelism", "enable_fused_normalization", "enable_flash_attention",
-                     "enable_jit_fused", "enable_sequence_parallelism", "enable_sequence_overlap",
+                     "enable_jit_fused", "enable_skinny_linear", "enable_sequence_parallelism",
+                     "enable_sequence_overlap",
                      "enable_all_optimization", "parallel_output"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ShardConfig.{name} must be a bool, got {getattr(self, name)!r}")
@@ -131,6 +140,7 @@ class ShardConfig:
             self.enable_fused_normalization = True
             self.enable_flash_attention = True
             self.enable_jit_fused = True
+            self.enable_skinny_linear = True
         if self.tensor_parallel_process_group is not None:
             check_process_group(self.tensor_parallel_process_group)
         if self.pipeline_stage_manager is not None:

@@ -50,6 +50,10 @@ module (its width, whether it is in an attention or is the LM head):
                                     latent norms) stays replicated with no reduction (the
                                     column layers' input copies already sum its gradient)
 
+A latent attention that the model's own plan leaves out entirely (DeepSeek-V3,
+Mistral 4, Kimi Linear) gets DeepSeek-V2's attention entries
+(latent_attention_supplement), found by its shape, so it is split by heads too.
+
 Anything else (sequence_parallel, all_reduce, ep_router, megamoe_*,
 moe_identity_expert, unknown names), a style on a module it does not fit,
 or a head split that cannot be made, is refused while planning, before the
@@ -69,9 +73,13 @@ are the query width); one whose forward reads head counts from `self.config`
 gets a per-rank copy of the config.  An LM head tied to the input embeddings
 stays tied: the input embeddings are then split by vocabulary as well.
 
-Sequence parallelism (ShardConfig.enable_sequence_parallelism) splits around
-the layer list that `base_model_pp_plan` names (its one ModuleList; no such
-plan: every mode refused, naming the setting).  all_to_all / ring_attn:
+Sequence and pipeline parallelism split around the layer list
+(DerivedPolicy.layer_stack): the one ModuleList that `base_model_pp_plan`
+names, or, for a config without that plan (OLMoE, NanoChat), the one
+ModuleList under the base model that the tensor-parallel plan's per-layer
+entries index ("model.layers.*.mlp.up_proj" -> layers).  None or several
+(HRM-Text's two recurrent stacks): every mode and the pipeline refused,
+naming the candidates.  all_to_all / ring_attn:
 SequenceAttentionParallel on that list (shardformer.layer.sequence_attention:
 the rows [B, S'/p, hidden] run every layer, attention exchanges heads or
 passes K/V blocks around the ring through transformers' AttentionInterface).
@@ -84,7 +92,12 @@ layer types other than attention (linear attention, recurrent mixers), a
 convolution along the sequence, attention outside the interface and attention
 sinks (all_to_all, ring_attn), and under split_gather a layer child
 with parameters the plan leaves replicated that is not a norm, and latent
-attention (its shared mla_kv_a_proj projection stays whole).
+attention (its shared mla_kv_a_proj projection stays whole).  Inside a
+split MoE block, a replicated module whose output the block's forward adds
+to the experts' (a shared expert, SolarOpen's) runs:
+SharedExpertInSequenceParallel divides its output by p and all-reduces its
+gradients (shardformer.layer.moe); any other replicated module there is
+refused.
 """
 from __future__ import annotations
 
@@ -183,38 +196,82 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
 
     @property
     def pipeline_split(self):
-        """The stage split from the config's `base_model_pp_plan` ({child of
-        the base model: (inputs, outputs)}, in the order the forward runs
-        them): the child that is a ModuleList is the layer list, the children
-        after it run on the last stage (those before it, with parameters, on
-        the first).  None when the config carries no such plan, or it does not
-        have exactly one ModuleList (then pipeline parallelism is refused)."""
+        """The stage split around the layer list (layer_stack): the children
+        of the base model after it run on the last stage (those before it,
+        with parameters, on the first).  None when there is no single layer
+        list (pipeline_refusal says why; pipeline parallelism is refused)."""
         from .pipeline.stages import StageSplit
 
         stack = self.layer_stack()
         if stack is None:
             return None
-        base, names, layers = stack
-        after = tuple(names[names.index(layers) + 1:])
+        base, after, layers = stack
         return StageSplit(type(base).__name__, layers, last=after)
 
-    def layer_stack(self) -> tuple[nn.Module, list[str], str] | None:
-        """(the base model, the children its `base_model_pp_plan` names in
-        forward order, the one of them that is the ModuleList of layers),
-        or None when the config carries no such plan or the plan does not
-        name exactly one ModuleList."""
+    @property
+    def pipeline_refusal(self) -> str:
+        return self.no_layer_list()
+
+    def layer_stack(self) -> tuple[nn.Module, tuple[str, ...], str] | None:
+        """(the base model, its children that run after the layers, the
+        attribute of its ModuleList of layers), or None (no_layer_list says why).
+
+        The config's `base_model_pp_plan` names the base model's children in
+        forward order; the one that is a ModuleList is the layer list.  A
+        config without a usable one (OLMoE, NanoChat): the layer list is the
+        ModuleList under the base model that the plan's per-layer entries
+        index ("model.layers.*.self_attn.q_proj" -> "layers"), and the children
+        registered after it that hold parameters (the final norm) run after."""
+        return self._stack_and_reason()[0]
+
+    def no_layer_list(self) -> str:
+        """Why layer_stack() is None ("" when it is not)."""
+        return self._stack_and_reason()[1]
+
+    def _stack_and_reason(self):
         model = getattr(self, "model", None)
         if model is None:
-            return None
-        pp_plan = getattr(_text_config(model), "base_model_pp_plan", None)
+            return None, "no model"
         base = getattr(model, "base_model", model)
-        if not pp_plan or base is None:
-            return None
+        pp_plan = getattr(_text_config(model), "base_model_pp_plan", None) or {}
         names = list(pp_plan)
         lists = [n for n in names if isinstance(getattr(base, n, None), nn.ModuleList)]
-        if len(lists) != 1 or any(not hasattr(base, n) for n in names):
-            return None
-        return base, names, lists[0]
+        if len(lists) == 1 and all(hasattr(base, n) for n in names):
+            return (base, tuple(names[names.index(lists[0]) + 1:]), lists[0]), ""
+        return self._layer_list_from_plan(base)
+
+    def _layer_list_from_plan(self, base: nn.Module):
+        """The layer list the plan's per-layer entries index, under `base`."""
+        name = type(self.model).__name__
+        lead = next((p for p, m in self.model.named_modules() if m is base), "")
+        lead = f"{lead}." if lead else ""
+        indexed = sorted({key.split(".*.")[0] for key in self.full_plan() if ".*." in key})
+        inside = [k[len(lead):] for k in indexed if k.startswith(lead)]
+        if not inside:
+            return None, (f"{name}'s config names no layer list (no base_model_pp_plan with exactly one "
+                          f"ModuleList) and its tensor-parallel plan indexes none under {type(base).__name__}")
+        if len(inside) > 1:
+            return None, (f"{name}'s config names no layer list (no base_model_pp_plan with exactly one "
+                          f"ModuleList) and its tensor-parallel plan indexes several under "
+                          f"{type(base).__name__}: {[lead + k for k in inside]} (ambiguous: which one runs "
+                          f"as the layer stack, and in what order, is not known)")
+        attr = inside[0]
+        if "." in attr or not isinstance(getattr(base, attr, None), nn.ModuleList):
+            return None, (f"{name}'s config names no layer list (no base_model_pp_plan) and the layers its "
+                          f"tensor-parallel plan indexes, {lead + attr}, are not a ModuleList child of "
+                          f"{type(base).__name__}")
+        children = [n for n, _ in base.named_children()]
+        after = tuple(n for n in children[children.index(attr) + 1:]
+                      if any(True for _ in getattr(base, n).parameters()))
+        return (base, after, attr), ""
+
+    def full_plan(self) -> dict[str, str]:
+        """The plan in force: the one given, else the model's own
+        (resolve_tp_plan) with latent_attention_supplement added."""
+        if self.plan is not None:
+            return self.plan
+        plan = resolve_tp_plan(self.model)
+        return {**plan, **latent_attention_supplement(self.model, plan)}
 
     # ---- what the plan says, module by module ----
 
@@ -226,8 +283,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
     def matched(self) -> dict[str, tuple[str, nn.Module]]:
         """{module path: (style, module)} for every module the plan names
         (a module named by two patterns takes the exact one)."""
-        plan = self.plan if self.plan is not None else resolve_tp_plan(self.model)
-        patterns = [(key, style, _pattern(key)) for key, style in plan.items()]
+        patterns = [(key, style, _pattern(key)) for key, style in self.full_plan().items()]
         out = {}
         for path, module in self.model.named_modules():
             if not path:
@@ -371,9 +427,8 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
 
     def _experts(self, path: str, module: nn.Module, matched: dict) -> Sub:
         inner = {p[len(path) + 1:]: s for p, (s, _) in matched.items() if p.startswith(path + ".")}
-        plan = self.plan if self.plan is not None else resolve_tp_plan(self.model)
-        generic = re.sub(r"\.\d+(\.|$)", r".*\1", path)
-        for key, style in plan.items():          # parameter entries (experts.gate_up_proj: packed_colwise)
+        generic = _generic(path)
+        for key, style in self.full_plan().items():          # parameter entries (experts.gate_up_proj: packed_colwise)
             if key.startswith(generic + ".") or key.startswith(path + "."):
                 inner[key.rsplit(".", 1)[-1]] = style
         want = {"gate_up_proj": ("packed_colwise", "grouped_gemm"), "down_proj": ("rowwise", "grouped_gemm")}
@@ -525,7 +580,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
 
     # ---- sequence parallelism ----
     #
-    # The layers are the ModuleList that base_model_pp_plan names.
+    # The layers are the ModuleList of layer_stack().
     # all_to_all / ring_attn: SequenceAttentionParallel on that list, every
     # attention module in it switched through transformers' AttentionInterface
     # (shardformer.layer.sequence_attention).  split_gather: each child of a
@@ -548,8 +603,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         return ("split_gather",) + self.split_attention_modes() if self.layer_stack() is not None else ()
 
     def sequence_parallel_refusal(self, mode: str) -> str:
-        return (f"{type(self.model).__name__}'s config names no layer list (base_model_pp_plan with exactly "
-                f"one ModuleList), which sequence parallelism splits around")
+        return f"{self.no_layer_list()}: sequence parallelism splits around the layer list"
 
     def split_attention_modes(self) -> tuple[str, ...]:
         return ("all_to_all", "ring_attn") if self.layer_stack() is not None else ()
@@ -638,7 +692,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
 
     def _sp_block(self, where: str, module: nn.Module, inside: list, planned: set, state) -> list:
         """The region of one child of a layer holding split layers."""
-        from .layer.moe import RouterInSequenceParallel
+        from .layer.moe import RouterInSequenceParallel, SharedExpertInSequenceParallel
         from .layer.sequence import SequenceParallelRegion
 
         latent = [s.suffix for s in inside if s.target_module.__name__ == "SharedRopeKeyProjection"]
@@ -660,6 +714,8 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         routers = {f"{s.suffix.rpartition('.')[0]}.{child}" for s in experts
                    for child, m in self.model.get_submodule(s.suffix.rpartition(".")[0]).named_children()
                    if any(True for _ in m.parameters(recurse=False))}      # a router's own matrix
+        added = {f"{block}.{child}" for block in {s.suffix.rpartition(".")[0] for s in experts}
+                 for child in _added_children(self.model.get_submodule(block))}
         seen: list[str] = []                   # replicated subtrees classified whole
         for path, m in module.named_modules(prefix=where):
             if any(path == p or path.startswith(p + ".") for p in seen + [s.suffix for s in inside]):
@@ -669,10 +725,14 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
             seen.append(path)
             if path in routers and path not in planned:    # beside the experts: partial gradients
                 out.append(Sub(path, RouterInSequenceParallel))
+            elif path in added and path not in planned:     # output added to the experts' partial sums
+                out.append(Sub(path, SharedExpertInSequenceParallel))
             elif not _norm_like(m):
                 raise self._refused(path, f"{type(m).__name__} holds parameters the plan leaves replicated inside "
                                     f"a tensor-parallel block: its full output would be summed over the ranks by "
-                                    f"the block's reduce-scatter")
+                                    f"the block's reduce-scatter (only a router, a norm, or a module beside the "
+                                    f"experts whose output the block's forward adds to theirs, `... + "
+                                    f"self.<name>(...)`, run there)")
         return out
 
     # ---- after the swaps ----
@@ -698,6 +758,55 @@ def _is_mla(module: nn.Module) -> bool:
     """A DeepSeek-V2-style latent attention: a joint KV down-projection and a
     shared rotary key."""
     return isinstance(getattr(module, "kv_a_proj_with_mqa", None), nn.Linear) and hasattr(module, "qk_rope_head_dim")
+
+
+def _generic(path: str) -> str:
+    """`path` with its layer indices as the plan writes them ("layers.0.x" -> "layers.*.x")."""
+    return re.sub(r"\.\d+(\.|$)", r".*\1", path)
+
+
+#: The entries DeepSeek-V2's own plan gives its latent attention (relative to
+#: the attention module), which latent_attention_supplement adds where a plan
+#: leaves such an attention out.
+MLA_ENTRIES = {"q_proj": "colwise", "q_b_proj": "colwise", "kv_a_proj_with_mqa": _MLA, "kv_b_proj": "colwise",
+               "o_proj": "rowwise"}
+
+
+def latent_attention_supplement(model: nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Entries that split by heads the multi-head latent attentions a plan
+    leaves out (DeepSeek-V3's, Mistral 4's, Kimi Linear's plans replicate
+    them while DeepSeek-V2's splits them).  A latent attention is found by
+    its shape, not its class: a joint KV down-projection kv_a_proj_with_mqa
+    (an nn.Linear), a kv_b_proj and a q_b_proj or q_proj (nn.Linear), an o_proj,
+    and a qk_rope_head_dim.  One that no entry of `plan` reaches into gets
+    MLA_ENTRIES under its own path (not a layer pattern: Kimi Linear's
+    linear-attention layers have an o_proj too): q / kv_b split by whole heads, o_proj
+    by the same heads, the shared rotary key's gradient all-reduced."""
+    added: dict[str, str] = {}
+    patterns = [_pattern(k) for k in plan]
+    for path, module in model.named_modules():
+        if not (_is_mla(module) and isinstance(getattr(module, "kv_b_proj", None), nn.Linear)
+                and isinstance(getattr(module, "o_proj", None), nn.Linear)
+                and any(isinstance(getattr(module, q, None), nn.Linear) for q in ("q_b_proj", "q_proj"))):
+            continue
+        inner = [f"{path}.{child}" for child, _ in module.named_modules() if child]
+        if any(rx.match(p) for p in inner for rx in patterns):
+            continue                     # the plan says something about this attention: it stands
+        added.update({f"{path}.{child}": style for child, style in MLA_ENTRIES.items()   # (exact paths: the
+                      if isinstance(getattr(module, child, None), nn.Linear)})    # other layers may differ)
+    return added
+
+
+def _added_children(block: nn.Module) -> list[str]:
+    """The children of `block` whose call its forward adds to something
+    (`x + self.child(...)` or `self.child(...) + x`), found in its source."""
+    source = _forward_source(block)
+    out = []
+    for child, _ in block.named_children():
+        call = rf"self\.{re.escape(child)}\((?:[^()]|\([^()]*\))*\)"
+        if re.search(rf"\+\s*{call}", source) or re.search(rf"{call}\s*\+", source):
+            out.append(child)
+    return out
 
 
 def _forward_source(module: nn.Module) -> str:

@@ -19,6 +19,8 @@ cast back to the parameter's dtype.
                                   (shardformer.layer.loss combines them across ranks)
     attention(q, k, v, ...)       softmax(scale q k^T + bias + masks) v, flash style
                                   (never an [Sq, Sk] matrix); see attention()
+    skinny_linear(x, W, b)        y = x W^T + b on few rows (decoding), without autograd:
+                                  W streamed once at the memory's read rate
 """
 from __future__ import annotations
 
@@ -29,6 +31,10 @@ import torch
 from . import _C
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+#: Calls that ran a kernel, by op, for ops that callers choose per call (tests
+#: read these to prove the kernel ran, not a fallback).
+CALLS = {"skinny_linear": 0}
 
 
 # Threads the kernels use: torch's intra-op count unless set_num_threads pinned one.
@@ -503,3 +509,30 @@ def kernel_input(x: torch.Tensor) -> bool:
     """Whether the C kernels take `x`: a CPU tensor of a float dtype they compute
     (FLOAT_DTYPES); the fused modules fall back to torch otherwise."""
     return x.device.type == "cpu" and x.dtype in FLOAT_DTYPES
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x weight^T + bias for x [..., k], weight [n, k] (nn.Linear's layout),
+    bias [n] or None: the C kernel for few rows (csrc/kernels/linear.h), which
+    reads the weight once at the memory's rate; fp32 sums, x's dtype out.
+
+    For inference: it records nothing for autograd, so it raises when a
+    gradient would be needed (grad mode on and x or weight requiring one).
+    Any number of rows is computed right; past a few (a decode step's), torch's
+    blocked matmul is the faster one, which is why callers choose per call
+    (shardformer.layer.linear: ShardConfig.enable_skinny_linear)."""
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
+                                    (bias is not None and bias.requires_grad)):
+        raise RuntimeError("skinny_linear: a gradient is required (grad mode on and an input requires grad); "
+                           "the kernel is for inference, use torch.nn.functional.linear")
+    if x.dtype not in FLOAT_DTYPES or weight.dtype != x.dtype:
+        raise TypeError(f"skinny_linear: x ({x.dtype}) and weight ({weight.dtype}) must be one of "
+                        f"float32 / float16 / bfloat16, the same")
+    if x.dim() == 0:
+        raise ValueError("skinny_linear: x is a scalar; it needs a last dimension of in_features")
+    y = torch.empty(x.shape[:-1] + (weight.shape[0],), dtype=x.dtype, device=x.device)
+    b = None if bias is None else bias.detach().to(torch.float32).contiguous()
+    _C.skinny_linear(x.detach().contiguous(), weight.detach().contiguous(), b, y)
+    CALLS["skinny_linear"] += 1
+    return y
+

@@ -87,11 +87,25 @@ MODELS.update({
     "GlmMoeDsa": ("GlmMoeDsaForCausalLM", dict(DEEPSEEK, **DSA)),
     # latent attention whose q_gate_proj holds per head [q_nope | q_pe | output gate] blocks, with an indexer
     "AXK2": ("AXK2ForCausalLM", dict(DEEPSEEK, **DSA)),
+    # Mistral 4 and Kimi Linear: plans that leave their latent attention out (as DeepSeek-V3's), split by
+    # heads by derived_policy.latent_attention_supplement.  Mistral 4 derives head_dim (qk_nope + qk_rope)
+    # and its rotary fraction (qk_rope / head_dim) itself; a head_dim passed in is set after that and
+    # shrinks the rotary width (int(8 * 0.4) = 3 features against q's 8): left out.
+    "Mistral4": ("Mistral4ForCausalLM", dict(DEEPSEEK, head_dim=None)),
+    # Kimi Linear: layer 1 Kimi Delta Attention (linear attention, 4 heads of 16, left replicated by the
+    # plan), layer 2 latent attention.  Its default makes every layer linear attention, at any size; then
+    # the model's own forward fails with its cache on (transformers 5.18: Cache.get_seq_length raises on
+    # a cache of linear-attention layers only), so the test config keeps one full-attention layer.
+    "KimiLinear": ("KimiLinearForCausalLM", dict(DEEPSEEK, linear_attn_config={
+        "full_attn_layers": [2], "kda_layers": [1], "num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4})),
 })
 
 # Latent attention keeps its low-rank path (q_a_proj, kv_a_proj_with_mqa, their norms) whole on
 # every rank: at this tiny size that is about 5% of the model, so a rank holds a bit over 0.6.
-LATENT_ATTENTION = tuple(n for n in MODELS if n.startswith(("Deepseek", "MiniCPM3", "Glm4MoeLite", "GlmMoeDsa", "AXK2")))
+LATENT_ATTENTION = tuple(n for n in MODELS if n.startswith(("Deepseek", "MiniCPM3", "Glm4MoeLite", "GlmMoeDsa", "AXK2",
+                                                            "Mistral4", "KimiLinear")))
+# The plans that leave latent attention out (latent_attention_supplement splits it).
+LATENT_SUPPLEMENTED = ("DeepseekV3", "Mistral4", "KimiLinear")
 
 
 def _deepseek_v2_plan(kind: str) -> dict:
@@ -115,7 +129,7 @@ PINNED_ONLY = {
     "MiMoV2Flash": ("5.18.0", "transformers 5.15 registers the rotary buffers in a per-process order (a set): "
                               "the replica check refuses the ranks' models before the plan is read"),
 }
-PARTIAL_PLANS = ("AriaText", "Cohere2Moe", "ExaoneMoe", "OlmoHybrid", "Qwen2Moe", "DeepseekV3")
+PARTIAL_PLANS = ("AriaText", "Cohere2Moe", "ExaoneMoe", "OlmoHybrid", "Qwen2Moe", "KimiLinear")
 # Reductions in another order: allow the unsharded float32 model's own distance from float64.
 FP64_FLOOR = ("Gemma4Unified",)
 # Plans (or modules) that cannot be honoured: {name: (class, overrides, what the refusal names)}.
@@ -296,3 +310,36 @@ def eval_with_dropout(ctx, name: str, p: float = 0.3) -> float:
     with torch.no_grad():
         got, exp = model(**inputs).logits, ref(**inputs).logits
     return parity.assert_close(f"{name} eval logits (dropout {p})", got, exp, parity.TOL[torch.float32])
+
+
+def pipeline_refused(ctx, name: str, expect: tuple[str, ...]) -> str:
+    """optimize() with PP=2 (TP=2 inside the stages) raises
+    NotImplementedError naming each of `expect`, the model unchanged."""
+    from checks import pipeline as pipeline_check
+    from shardformer.pipeline import PipelineStageManager
+
+    tp_group, pp_group = pipeline_check.groups(ctx, 2, 2)
+    model = build(name)
+    cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=PipelineStageManager(pp_group))
+    message = parity.refused_unchanged(model, lambda: ShardFormer(cfg).optimize(model), f"{name} pipeline",
+                                       error=NotImplementedError, structure=True)
+    missing = [e for e in expect if e not in message]
+    assert not missing, f"the refusal does not name {missing}: {message}"
+    return message
+
+
+def supplemented_fractions(ctx, name: str) -> dict:
+    """Parameters per rank / full model of `name` sharded by its own plan as
+    it is (DerivedPolicy given resolve_tp_plan: no supplement) and by the
+    default derived policy (its latent attention split by
+    latent_attention_supplement)."""
+    from shardformer.derived_policy import DerivedPolicy, resolve_tp_plan
+
+    fractions = {}
+    for which in ("own_plan", "supplemented"):
+        model = build(name)
+        full = sum(p.numel() for p in model.parameters())
+        policy = DerivedPolicy(resolve_tp_plan(model)) if which == "own_plan" else None
+        sharded, _ = ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model, policy=policy)
+        fractions[which] = sum(p.numel() for p in sharded.parameters()) / full
+    return fractions

@@ -251,3 +251,16 @@ def sequence_conv_refused(ctx, mode: str) -> str:
     for part in ("Olmo2ForCausalLM", "model.layers.1.short_conv", "convolution", repr(mode)):
         assert part in message, f"the refusal does not name {part}: {message}"
     return message
+
+
+def shared_experts_split_gather(ctx, name: str, seq: int) -> dict:
+    """split_gather on a MoE block whose shared expert the plan leaves
+    replicated (SolarOpen): equals_unsharded, and the shared expert's
+    output scaling (SharedExpertInSequenceParallel) counted."""
+    from checks.optimizations import counting_calls
+    from shardformer.layer import moe
+
+    with counting_calls({"shared": (moe, "_scale_output")}) as calls:
+        report = equals_unsharded(ctx, name, "split_gather", seq)
+    report["shared_calls"] = calls["shared"]
+    return report

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import distributed as D
+from .. import ops
 from ..distributed.mappings import (
     copy_to_tp_region,
     gather_from_tp_region,
@@ -36,12 +37,28 @@ from .parallel_module import ParallelModule, ShardPlan, check_param, shapes_only
 from .sequence import reduce_scatter_rows, start_all_gather, start_reduce_scatter, token_dim
 
 
+#: The most rows (tokens) a call may have to take the skinny-linear kernel
+#: (ShardConfig.enable_skinny_linear): a decode step of up to this many
+#: sequences.  Past it torch's blocked matmul reuses each weight enough to win.
+SKINNY_MAX_ROWS = 4
+
+
+def _skinny_applies(x: torch.Tensor, weight: torch.Tensor, bias, max_rows: int) -> bool:
+    """A call the skinny kernel takes: CPU, no gradient to record, one float
+    dtype, at most max_rows rows."""
+    return (x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in ops.FLOAT_DTYPES
+            and x.dim() > 0 and x.numel() <= max_rows * x.shape[-1]
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                                  or (bias is not None and bias.requires_grad))))
+
+
 class _LinearShard(ParallelModule):
     """Shared machinery: the weight layout ([out, in] or Conv1D [in, out]),
     the split dimension, and what is cut out of a native module: the weight
     along the split dimension, the bias with it (column) or whole (row)."""
 
     conv1d_layout = False  # weight stored [in, out] (HF Conv1D) instead of [out, in]
+    skinny_rows = 0        # > 0: calls of at most this many rows run ops.skinny_linear (set by the sharder)
     column = True          # split output features (column) or input features (row)
     default_gather_output = False
 
@@ -120,6 +137,8 @@ class _LinearShard(ParallelModule):
         if self.conv1d_layout:
             out = x @ weight
             return out if bias is None else out + bias
+        if self.skinny_rows and _skinny_applies(x, weight, bias, self.skinny_rows):
+            return ops.skinny_linear(x, weight, bias)
         return F.linear(x, weight, bias)
 
     def extra_repr(self) -> str:

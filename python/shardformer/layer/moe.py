@@ -31,6 +31,15 @@ all-reduced (RouterInSequenceParallel).  The router logits the block hands
 out for the load-balancing loss are replicated, so their gradient, the
 same on every rank, is divided by p on the way back in (summed over the
 ranks it counts once).
+
+A module the plan leaves replicated beside the experts whose output the
+block adds to theirs (a shared expert, SharedExpertInSequenceParallel)
+computes the same full output y on every rank from the gathered tokens;
+it hands the block y / p, so the reduce-scatter sums the p copies back to
+y.  Backward, its output gradient is the all-gathered G / p on every rank:
+its parameter gradients, 1/p of the full ones, are all-reduced (summed),
+and its input gradient, 1/p of the full one, is summed by the block's
+input reduce-scatter like the experts' partial ones.
 """
 from __future__ import annotations
 
@@ -149,14 +158,14 @@ class RouterInSequenceParallel:
 
     @classmethod
     def prepare_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
-                              **kwargs) -> "_RouterHooks":
+                              **kwargs) -> "_SyncAndOutputHook":
         from .parallel_module import plan_directly
         from .replicated import ReplicatedInParallelRegion
 
         if plan is None:
             plan = plan_directly(cls, module, process_group)
         sync = ReplicatedInParallelRegion.prepare_native_module(module, process_group, plan=plan)
-        return _RouterHooks(module, sync, plan.tp_size)
+        return _SyncAndOutputHook(module, sync, plan.tp_size)
 
     @classmethod
     def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
@@ -164,19 +173,66 @@ class RouterInSequenceParallel:
         return cls.prepare_native_module(module, process_group, plan=plan).commit()
 
 
-class _RouterHooks:
-    def __init__(self, module: nn.Module, sync, tp_size: int):
-        self.module, self.sync, self.tp_size = module, sync, tp_size
+class SharedExpertInSequenceParallel:
+    """A module the plan leaves replicated inside a split-gather MoE block,
+    whose output the block adds to the experts' partial sums (a shared
+    expert; module kept): its output divided by p (the block's
+    reduce-scatter sums the p copies back to one), its parameter gradients
+    all-reduced over the group (each rank's is 1/p of the full one; see
+    the module docstring)."""
+
+    @classmethod
+    def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, **kwargs) -> ShardPlan:
+        from .replicated import ReplicatedInParallelRegion
+
+        return ReplicatedInParallelRegion.plan_shard(module, tp_size, rank)
+
+    @classmethod
+    def prepare_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
+                              **kwargs) -> "_SyncAndOutputHook":
+        from .parallel_module import plan_directly
+        from .replicated import ReplicatedInParallelRegion
+
+        if plan is None:
+            plan = plan_directly(cls, module, process_group)
+        sync = ReplicatedInParallelRegion.prepare_native_module(module, process_group, plan=plan)
+        return _SyncAndOutputHook(module, sync, plan.tp_size, _scale_output)
+
+    @classmethod
+    def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
+                           **kwargs) -> nn.Module:
+        return cls.prepare_native_module(module, process_group, plan=plan).commit()
+
+
+def _share_logits_grad(output, n: int):
+    """A router's output: its logits (first tensor) pass back 1/n of their gradient."""
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (_ShareGrad.apply(output[0], n),) + tuple(output[1:])
+    return None
+
+
+def _scale_output(output, n: int):
+    """A shared expert's output tensor divided by n."""
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"a shared expert in a sequence-parallel MoE block returned {type(output).__name__}, "
+                        "not a tensor")
+    return output / n
+
+
+class _SyncAndOutputHook:
+    """Gradient sync of a module's parameters plus a forward hook `change`
+    (output, n) -> new output or None, run first among its hooks."""
+
+    def __init__(self, module: nn.Module, sync, tp_size: int, change=_share_logits_grad):
+        self.module, self.sync, self.tp_size, self.change = module, sync, tp_size, change
         self.handle = None
 
     def commit(self) -> nn.Module:
         self.sync.commit()
-        n = self.tp_size
+        n, change = self.tp_size, self.change
         if n > 1:
             def post(_module, _args, output):
-                if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-                    return (_ShareGrad.apply(output[0], n),) + tuple(output[1:])
-                return None
+                return change(output, n)
 
             self.handle = self.module.register_forward_hook(post, prepend=True)
         return self.module

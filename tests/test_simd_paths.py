@@ -1,0 +1,51 @@
+"""The kernels' narrower SIMD paths, on a CPU that has wider ones.
+
+The kernels pick AVX-512, AVX2+FMA+F16C or portable C at run time
+(csrc/cpu_features.c), so the machine running the suite exercises only its
+widest path.  SHARDFORMER_SIMD caps the choice ("avx2": no AVX-512; "none":
+the portable C); here the single-process kernel tests run again in a
+subprocess under each cap: the same accuracy bounds against torch and float64
+hold on every path."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+KERNEL_TESTS = [
+    "test_kernels.py::test_gelu_erf_accuracy", "test_kernels.py::test_bias_gelu", "test_kernels.py::test_gelu_extremes",
+    "test_kernels.py::test_layer_norm", "test_kernels.py::test_rms_norm", "test_kernels.py::test_swiglu",
+    "test_kernels.py::test_bias_dropout_add_no_dropout", "test_kernels.py::test_cross_entropy_tp1",
+    "test_kernels.py::test_threads_match_single_thread", "test_kernels.py::test_empty_inputs",
+    "test_skinny_linear.py::test_matches_linear", "test_skinny_linear.py::test_leading_dims_and_empty",
+]
+
+
+def _features(cap: str) -> dict:
+    code = "from shardformer import _C; print(_C.cpu_features())"
+    env = dict(os.environ, SHARDFORMER_SIMD=cap)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return eval(out.stdout.strip())
+
+
+def test_cap_is_applied():
+    assert _features("none")["simd"] is False
+    avx2 = _features("avx2")
+    assert avx2["avx512"] is False and avx2["avx512f"] is False
+
+
+@pytest.mark.parametrize("cap", ["avx2", "none"])
+def test_kernels_on_narrower_path(cap):
+    full = _features("")
+    if cap == "avx2" and not full["avx512"]:
+        pytest.skip("this CPU has no AVX-512: the AVX2 path is the one the rest of the suite runs")
+    if cap == "none" and not full["simd"]:
+        pytest.skip("this CPU has no AVX2: the portable path is the one the rest of the suite runs")
+    env = dict(os.environ, SHARDFORMER_SIMD=cap)
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS],
+                          cwd=HERE, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "failed" not in proc.stdout
