@@ -23,7 +23,8 @@ GLM, Phi-3, Mixtral).  Per layer (`<prefix>DecoderLayer`):
     mlp.gate_proj, mlp.up_proj         Linear1D_Col
     mlp.gate_up_proj (mlp="fused")     Linear1D_Col, split Fused(gate, up)
     mlp.down_proj                      Linear1D_Row
-    mlp.experts (mlp="moe")            FusedExperts1D (the router mlp.gate stays replicated)
+    mlp.experts (mlp="moe")            FusedExperts1D (the router mlp.gate stays replicated);
+                                       ExpertParallelExperts with ShardConfig.expert_parallel_process_group
     <base>.embed_tokens                VocabParallelEmbedding1D (scaled by sqrt(hidden) with embed_scale)
 
 HF's attention infers its head count from the projection width, so only
@@ -181,8 +182,10 @@ class DecoderShape(FamilyPolicy):
         return realize(self.attention_plan(), PlanContext(self, heads), col=self.sp, row=self.sp)
 
     def mlp_replacements(self) -> list[Sub]:
-        subs = realize(self.mlp_plan(), PlanContext(self), col=self.sp, row=self.sp)
-        if self.mlp == "moe" and self.shard_config.sequence_parallel:
+        ep = self.shard_config.expert_parallel_process_group if self.mlp == "moe" else None
+        plan = {"mlp.experts": "moe_ep_experts"} if ep is not None else self.mlp_plan()
+        subs = realize(plan, PlanContext(self), col=self.sp, row=self.sp)
+        if self.mlp == "moe" and ep is None and self.shard_config.sequence_parallel:
             from shardformer.layer.moe import RouterInSequenceParallel
 
             subs = [replace(s, kwargs={**s.kwargs, "sequence_parallel": True}) for s in subs]
@@ -226,7 +229,7 @@ class DecoderShape(FamilyPolicy):
             raise ValueError(f"{type(self.model).__name__}: pretraining_tp={cfg.pretraining_tp} is not supported "
                              "(set it to 1)")
         jitter = getattr(cfg, "router_jitter_noise", 0.0) if self.mlp == "moe" else 0.0
-        if self.tensor_parallel and jitter:
+        if (self.tensor_parallel or self.shard_config.expert_parallel_process_group is not None) and jitter:
             raise ValueError(f"{type(self.model).__name__}: router_jitter_noise={jitter} is not supported: "
                              "each rank would draw its own noise and route tokens differently (set it to 0)")
 

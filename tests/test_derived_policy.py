@@ -173,8 +173,9 @@ def test_latent_attention_supplement_found_by_shape():
 
 
 def test_expert_parallel_router_refused(pool):
-    """DeepSeek-V2's whole expert-parallel plan: its ep_router is refused (no
-    expert parallelism yet), naming the style, the router's path and the class."""
+    """DeepSeek-V2's whole expert-parallel plan without an expert-parallel
+    group: its ep_router is refused, naming the style, the router's path and
+    the class (with a group: tests/test_expert_parallel.py)."""
     expect = ("'ep_router'", "model.layers.1.mlp.gate", "DeepseekV2ForCausalLM", "drop ep_router")
     pool.run(D.refused, 2, "DeepseekV2", expect, D._deepseek_v2_plan("ep"))
 

@@ -4,7 +4,7 @@
     model, shared_params = ShardFormer(shard_config=ShardConfig()).optimize(model)
 """
 from .config import ShardConfig
-from .grad_norm import average_gradients, clip_grad_norm_
+from .grad_norm import average_gradients, clip_grad_norm_, data_parallel
 from .lazy import lazy_init
 from .parallel_mesh import Mesh, mesh
 from .policy import ModulePolicyDescription, Policy, SubModuleReplacementDescription
@@ -21,6 +21,7 @@ __all__ = [
     "SubModuleReplacementDescription",
     "average_gradients",
     "clip_grad_norm_",
+    "data_parallel",
     "lazy_init",
     "mesh",
 ]

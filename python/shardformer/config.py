@@ -89,6 +89,16 @@ class ShardConfig:
         shift, ignore_index and num_items_in_batch kept; shardformer.lm_loss),
         so no rank ever holds [batch, seq, vocab].  generate() gathers the
         logits it needs as before.
+    expert_parallel_process_group: expert parallelism for mixture-of-experts
+        blocks (shardformer.layer.expert_parallel): each rank of this group
+        owns a contiguous block of every MoE block's experts (still split
+        over TP inside) and tokens are exchanged with all_to_all to the rank
+        owning their expert.  A subgroup of the data-parallel group (ranks
+        holding the same TP shard, seeing different data):
+        shardformer.mesh(..., ep=k).ep.  None: experts are split over TP
+        only.  Train with shardformer.data_parallel (or average_gradients
+        with the mesh), which keep expert parameters out of the DP
+        all-reduce.  Refused with pipeline or sequence parallelism.
     extra_kwargs: policy options, see EXTRA_KWARGS_DEFAULTS.
     """
 
@@ -106,6 +116,7 @@ class ShardConfig:
     sequence_parallel_recompute: str | None = None
     enable_all_optimization: bool = False
     parallel_output: bool = False
+    expert_parallel_process_group: Any = None
     extra_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -143,6 +154,7 @@ class ShardConfig:
             self.enable_skinny_linear = True
         if self.tensor_parallel_process_group is not None:
             check_process_group(self.tensor_parallel_process_group)
+        self._check_expert_parallelism()
         if self.pipeline_stage_manager is not None:
             from .pipeline import PipelineStageManager
 
@@ -155,6 +167,29 @@ class ShardConfig:
                     and name in ("enable_flash_attention", "enable_jit_fused") else ""
                 raise NotImplementedError(f"ShardConfig.{name}=True{reason}: {what} is not available "
                                           "in this version of shardformer")
+
+    def _check_expert_parallelism(self) -> None:
+        group = self.expert_parallel_process_group
+        if group is None:
+            return
+        check_process_group(group)
+        if self.pipeline_stage_manager is not None:
+            raise NotImplementedError("ShardConfig: expert_parallel_process_group with pipeline_stage_manager is "
+                                      "not supported (the dispatch exchange is not scheduled across stages)")
+        if self.enable_sequence_parallelism:
+            raise NotImplementedError(f"ShardConfig: expert_parallel_process_group with sequence parallelism "
+                                      f"({self.sequence_parallelism_mode!r}) is not supported")
+        if not self.enable_tensor_parallelism:
+            raise ValueError("ShardConfig: expert_parallel_process_group needs enable_tensor_parallelism=True "
+                             "(the experts are replaced by the tensor-parallel policy; a TP group of one rank "
+                             "is fine)")
+        tp = self.tensor_parallel_process_group
+        tp_ranks = set(dist.get_process_group_ranks(tp)) if tp is not None else set(range(dist.get_world_size()))
+        shared = tp_ranks & set(dist.get_process_group_ranks(group))
+        if len(shared) > 1:
+            raise ValueError(f"ShardConfig: expert_parallel_process_group shares ranks {sorted(shared)} with the "
+                             "tensor-parallel group; its ranks must hold the same tensor-parallel shard and see "
+                             "different data (a subgroup of the data-parallel group: mesh(..., ep=k).ep)")
 
     def _check_sequence_parallelism(self) -> None:
         mode = self.sequence_parallelism_mode

@@ -34,6 +34,13 @@ module (its width, whether it is in an attention or is the LM head):
                                     down_proj rowwise (or grouped_gemm): every
                                     expert's intermediate features split, partial
                                     outputs all-reduced; the router stays replicated
+    moe_tp_experts, with ShardConfig.expert_parallel_process_group:
+                                    ExpertParallelExperts (shardformer.layer.expert_parallel):
+                                    the experts split over the EP group (tokens
+                                    exchanged by all_to_all), each still split over TP
+    ep_router                       with an EP group: the router stays replicated (every
+                                    rank routes its own tokens; the experts layer
+                                    dispatches them); without one, refused
     grouped_gemm                    (on an experts module's 3-D parameters) the same
                                     FusedExperts1D split.  transformers' expert-parallel
                                     plans split the experts dimension instead and pair it
@@ -54,7 +61,7 @@ A latent attention that the model's own plan leaves out entirely (DeepSeek-V3,
 Mistral 4, Kimi Linear) gets DeepSeek-V2's attention entries
 (latent_attention_supplement), found by its shape, so it is split by heads too.
 
-Anything else (sequence_parallel, all_reduce, ep_router, megamoe_*,
+Anything else (sequence_parallel, all_reduce, ep_router without an EP group, megamoe_*,
 moe_identity_expert, unknown names), a style on a module it does not fit,
 or a head split that cannot be made, is refused while planning, before the
 model changes, naming the style, the module path and the model class.  So
@@ -124,9 +131,9 @@ _ROW = ("rowwise", "rowwise_split_input", "rowwise_rep", "packed_rowwise")
 _WHY = {
     "sequence_parallel": "sequence parallelism comes from ShardConfig, not from the plan",
     "all_reduce": "a module with partial outputs has no shardformer layer yet",
-    "ep_router": ("expert parallelism (experts split over ranks, each rank routing only to its own) is not "
-                  "implemented: experts are split by their intermediate features with the router replicated "
-                  "(moe_tp_experts), so drop ep_router from the plan"),
+    "ep_router": ("it splits the experts over ranks, which needs an expert-parallel group: pass "
+                  "ShardConfig(expert_parallel_process_group=mesh(..., ep=k).ep), or drop ep_router from the "
+                  "plan (moe_tp_experts alone splits every expert by its intermediate features)"),
     "megamoe_router": "DeepGEMM Mega MoE is not implemented",
     "megamoe_experts": "DeepGEMM Mega MoE is not implemented",
     "moe_identity_expert": ("zero-compute (identity) experts have no shardformer mapping: FusedExperts1D "
@@ -308,15 +315,16 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         if self.strict and self.plan is not None:
             self._check_every_entry_matches()
         matched = self.matched()
+        ep = self.shard_config.expert_parallel_process_group is not None
         for path, (style, _) in matched.items():
-            if style not in SUPPORTED_STYLES:
+            if style not in SUPPORTED_STYLES and not (style == "ep_router" and ep):
                 why = _WHY.get(style, "unknown style (shardformer maps: " + ", ".join(SUPPORTED_STYLES) + ")")
                 raise self._fail(style, path, why)
         cfg = _text_config(self.model)
         if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
             raise ValueError(f"{name}: pretraining_tp={cfg.pretraining_tp} is not supported (set it to 1)")
         self._check_sequence_parallelism()
-        if self.tensor_parallel and any(s == "moe_tp_experts" for s, _ in matched.values()):
+        if (self.tensor_parallel or ep) and any(s == "moe_tp_experts" for s, _ in matched.values()):
             jitter = getattr(cfg, "router_jitter_noise", 0.0)
             if jitter:
                 raise ValueError(f"{name}: router_jitter_noise={jitter} is not supported: each rank would "
@@ -360,6 +368,8 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         done = set()
         for path, (style, module) in matched.items():
             if path in done or any(path.startswith(e + ".") for e in experts):
+                continue
+            if style == "ep_router":     # the router stays replicated: ExpertParallelExperts dispatches
                 continue
             if style == "moe_tp_experts":
                 subs.append(self._experts(path, module, matched))
@@ -440,7 +450,8 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
                 and isinstance(getattr(module, "down_proj", None), nn.Parameter)):
             raise self._fail("moe_tp_experts", path, f"{type(module).__name__} does not hold fused "
                              "[E, 2I, H] gate_up_proj and [E, H, I] down_proj parameters")
-        return replacement(path, "moe_tp_experts", PlanContext(self))
+        ep = self.shard_config.expert_parallel_process_group
+        return replacement(path, "moe_tp_experts" if ep is None else "moe_ep_experts", PlanContext(self))
 
     def _linears(self, parent_path: str, parent: nn.Module, siblings: dict) -> tuple[list[Sub], dict]:
         """The replacements of the Linear layers of one module (an attention

@@ -13,8 +13,10 @@ norms, biases of row-parallel layers).  Each rank adds its rows weighted by
 all-reduce per process group), then over the pipeline group (stages hold
 different layers; a parameter tied between the first and last stage counts
 on the first only).  Data-parallel replicas hold the same gradients once
-DDP (or the user) has averaged them, so nothing is summed over DP.  p = inf
-takes maxima instead of sums.
+DDP (or the user) has averaged them, so nothing is summed over DP, except
+for expert-parallel parameters (shardformer.layer.expert_parallel): each
+EP rank holds other experts, so their sum (already summed over TP) is
+summed over the EP group too, once.  p = inf takes maxima instead of sums.
 
 Every rank gets the same norm and scales its gradients by
 min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_ does.
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 
 from .distributed import collectives as C
+from .layer.expert_parallel import EXPERT_GROUP_ATTR, is_expert_param
 
 _WEIGHTS: dict = {}
 
@@ -72,7 +75,7 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     device = params[0].grad.device if params else next(model.parameters()).device
     zero = torch.zeros((), dtype=torch.float64, device=device)
     replicated = zero.clone()
-    per_group: dict = {}              # id(group) -> [group, accumulated]
+    per_group: dict = {}              # ids of the groups -> [groups to reduce over in turn, accumulated]
     for t in params:
         g = t.grad.detach()
         a = g.abs().double()
@@ -85,14 +88,16 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
                 raise ValueError(f"clip_grad_norm_: a gradient of shape {tuple(g.shape)} does not match its shard "
                                  f"({shard.length} rows along dimension {dim})")
             part = (rows * (w > 0)).max() if inf else (rows * w).sum()
-            entry = per_group.setdefault(_group_key(group), [group, zero.clone()])
+            groups = (group,) + ((getattr(t, EXPERT_GROUP_ATTR),) if is_expert_param(t) else ())
+            entry = per_group.setdefault(tuple(map(_group_key, groups)), [groups, zero.clone()])
             entry[1] = torch.maximum(entry[1], part) if inf else entry[1] + part
         else:
             part = a.max() if inf else a.pow(p).sum()
             replicated = torch.maximum(replicated, part) if inf else replicated + part
     total = replicated
-    for group, value in per_group.values():
-        C.all_reduce(value, group, op="max" if inf else "sum")
+    for groups, value in per_group.values():
+        for group in groups:
+            C.all_reduce(value, group, op="max" if inf else "sum")
         total = torch.maximum(total, value) if inf else total + value
     if runtime is not None and runtime.manager.num_stages > 1:
         C.all_reduce(total, runtime.manager.group, op="max" if inf else "sum")
@@ -116,19 +121,79 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0,
     return norm.float()
 
 
+def _data_parallel_groups(model: nn.Module, group) -> tuple:
+    """(DP group, expert_dp group or None) from a Mesh or a process group.
+    A plain group is enough when the model has no expert-parallel parameters
+    or its EP group spans the whole DP group; else the Mesh is needed."""
+    from .parallel_mesh import Mesh
+
+    if isinstance(group, Mesh):
+        if group.expert_dp is not None:
+            return group.dp, group.expert_dp
+        group = group.dp              # a mesh without ep: the experts' EP group must span its DP group
+    ep = {id(g): g for g in (getattr(t, EXPERT_GROUP_ATTR) for t in model.parameters() if is_expert_param(t))}
+    for g in ep.values():
+        if C.world_size(g) != C.world_size(group):
+            raise ValueError(f"{type(model).__name__}: its experts are split over an expert-parallel group of "
+                             f"{C.world_size(g)} ranks, not the whole {C.world_size(group)}-rank data-parallel "
+                             "group given: pass the shardformer.mesh(..., ep=) that made it (its .expert_dp sums "
+                             "the experts' gradients)")
+    return group, None
+
+
+def _average_expert_grad(grad: torch.Tensor, expert_dp, dp_size: int) -> torch.Tensor:
+    """An expert parameter's gradient (already summed over its EP group by the
+    dispatch exchange's backward) summed over `expert_dp` and divided by the
+    DP size: the unsharded model's gradient of the DP-averaged loss."""
+    grad = grad.clone()
+    if expert_dp is not None and C.world_size(expert_dp) > 1:
+        C.all_reduce(grad, expert_dp)
+    return grad.div_(dp_size)
+
+
+def data_parallel(model: nn.Module, mesh, **ddp_kwargs):
+    """torch's DistributedDataParallel over `mesh.dp` for a sharded model,
+    with expert-parallel parameters left out of DDP's all-reduce (they differ
+    between the EP ranks): a gradient hook on each of them sums it over
+    `mesh.expert_dp` and divides by the DP size (see
+    shardformer.layer.expert_parallel), so every gradient equals the
+    unsharded model's on the concatenated batch.  The hooks run on every
+    backward, under DDP's no_sync() too (accumulating is still right).
+    ddp_kwargs go to DistributedDataParallel."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    dp_group, expert_dp = _data_parallel_groups(model, mesh)
+    size = C.world_size(dp_group)
+    experts = [(name, t) for name, t in model.named_parameters() if is_expert_param(t)]
+    if experts:
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [n for n, _ in experts])
+        for _, t in experts:
+            if not getattr(t, "_shardformer_dp_hooked", False):
+                t.register_hook(lambda g: _average_expert_grad(g, expert_dp, size))
+                t._shardformer_dp_hooked = True
+    return DistributedDataParallel(model, process_group=dp_group, **ddp_kwargs)
+
+
 def average_gradients(model: nn.Module, group) -> None:
     """Average every parameter's .grad over `group` (data parallelism for a
     model DistributedDataParallel cannot wrap, e.g. a pipelined model driven
     by a schedule: call it after forward_backward_step, before clipping and
     stepping).  The gradients are flattened per dtype and device into one
     buffer each, so it costs one all-reduce per buffer; every rank of the
-    group must hold the same parameters (the same stage and TP shard)."""
+    group must hold the same parameters (the same stage and TP shard).
+    `group` may be a shardformer.mesh(): its .dp; expert-parallel parameters
+    are then summed over .expert_dp and divided by the DP size instead (as
+    data_parallel does); a plain group does for them when the EP group is
+    the whole DP group."""
+    group, expert_dp = _data_parallel_groups(model, group)
     size = C.world_size(group)
     if size == 1:
         return
     buckets: dict = {}
     for t in model.parameters():
-        if t.grad is not None:
+        if t.grad is not None and is_expert_param(t):
+            t.grad = _average_expert_grad(t.grad, expert_dp, size)
+        elif t.grad is not None:
             buckets.setdefault((t.grad.dtype, t.grad.device), []).append(t.grad)
     for (_dtype, _device), grads in sorted(buckets.items(), key=lambda kv: str(kv[0])):
         flat = torch.cat([g.reshape(-1) for g in grads])

@@ -20,6 +20,14 @@ ranks as dp=2, tp=4:  tp groups {0,1,2,3} {4,5,6,7}, dp groups {0,4} {1,5}
           sequence-parallel layers already sum their gradients over .sp, so
           DDP runs over .dp; this group is for what spans both, e.g. a
           check that replicas agree)
+    .ep   with mesh(..., ep=k): the expert-parallel group, a subgroup of .dp
+          (the DP group cut into dp/k blocks of k consecutive DP ranks; ep=dp:
+          the whole DP group).  MoE experts are split over it
+          (ShardConfig.expert_parallel_process_group, shardformer.layer.
+          expert_parallel); None without ep
+    .expert_dp  the dp/k ranks of .dp owning the same experts (same position
+          in their EP blocks): expert gradients are summed over it
+          (shardformer.data_parallel); None without ep
     .device_mesh  torch's DeviceMesh over the same grid, dimensions named
           ("pp", "dp", "sp", "tp"): for FSDP2 (fully_shard(mesh=m.device_mesh["dp"]))
           and DTensor code
@@ -52,6 +60,9 @@ class Mesh:
     tp: Any
     replicas: Any
     device_mesh: Any
+    ep: Any = None
+    expert_dp: Any = None
+    ep_size: int = 1
 
     def ranks(self, dim: str) -> list[int]:
         """The global ranks of this rank's group along `dim`, in group order."""
@@ -62,7 +73,7 @@ class Mesh:
         .tp; with pp > 1 a PipelineStageManager over .pp (switches may carry
         num_model_chunks / num_layers_per_stage); with sp > 1 sequence
         parallelism over .sp (sequence_parallelism_mode, default
-        "all_to_all").  Other switches go to ShardConfig as they are."""
+        "all_to_all"); with ep > 1 expert parallelism over .ep.  Other switches go to ShardConfig as they are."""
         from .config import ShardConfig
 
         switches = dict(switches)
@@ -77,10 +88,12 @@ class Mesh:
             switches.setdefault("enable_sequence_parallelism", True)
             switches.setdefault("sequence_parallelism_mode", "all_to_all")
             switches.setdefault("sequence_parallel_process_group", self.sp)
+        if self.ep is not None and self.ep_size > 1:
+            switches.setdefault("expert_parallel_process_group", self.ep)
         return ShardConfig(tensor_parallel_process_group=self.tp, **switches)
 
     def __repr__(self):
-        layout = " x ".join(f"{d}={self.sizes[d]}" for d in DIMS)
+        layout = " x ".join(f"{d}={self.sizes[d]}" for d in DIMS) + (f" (ep={self.ep_size})" if self.ep else "")
         where = ", ".join(f"{d}={self.coords[d]}" for d in DIMS)
         return f"Mesh({layout}; this rank at {where})"
 
@@ -133,11 +146,13 @@ def _size(sizes: dict) -> int:
     return n
 
 
-def mesh(dp: int | None = None, pp: int = 1, tp: int = 1, sp: int = 1, *, backend: str | None = None) -> Mesh:
+def mesh(dp: int | None = None, pp: int = 1, tp: int = 1, sp: int = 1, *, ep: int | None = None,
+         backend: str | None = None) -> Mesh:
     """The process groups of a dp x pp x sp x tp layout of the initialized
     world (see the module doc).  dp=None: whatever the others leave
-    (world / (pp * sp * tp)).  Raises ValueError when the sizes do not
-    multiply to the world size."""
+    (world / (pp * sp * tp)).  ep: the expert-parallel group size, dividing
+    dp (None: no .ep / .expert_dp groups).  Raises ValueError when the sizes
+    do not multiply to the world size."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("shardformer.mesh: torch.distributed is not initialized "
                            "(call torch.distributed.init_process_group first, or launch with torchrun)")
@@ -154,18 +169,45 @@ def mesh(dp: int | None = None, pp: int = 1, tp: int = 1, sp: int = 1, *, backen
     if dp * rest != world:
         raise ValueError(f"shardformer.mesh: dp={dp} x pp={pp} x sp={sp} x tp={tp} = {dp * rest} ranks, but the "
                          f"world has {world}")
+    if ep is not None and (not isinstance(ep, int) or isinstance(ep, bool) or ep < 1 or dp % ep):
+        raise ValueError(f"shardformer.mesh: ep must be an int >= 1 dividing dp={dp} (the expert-parallel group "
+                         f"is a subgroup of the data-parallel group), got {ep!r}")
     sizes = {"pp": pp, "dp": dp, "sp": sp, "tp": tp}
-    key = (id(dist.group.WORLD), tuple(sizes[d] for d in DIMS), backend)
+    key = (id(dist.group.WORLD), tuple(sizes[d] for d in DIMS), ep, backend)
     cached = _MESHES.get(key)
     if cached is not None and cached[0] is dist.group.WORLD:
         return cached[1]
     coords = _coords(dist.get_rank(), sizes)
     groups = {d: _new_groups(sizes, (d,), coords, backend) for d in DIMS}
     replicas = _new_groups(sizes, ("dp", "sp"), coords, backend)
+    experts = _expert_groups(sizes, coords, ep, backend) if ep is not None else (None, None)
     built = Mesh(sizes=sizes, coords=coords, dp=groups["dp"], pp=groups["pp"], sp=groups["sp"], tp=groups["tp"],
-                 replicas=replicas, device_mesh=_device_mesh(sizes))
+                 replicas=replicas, device_mesh=_device_mesh(sizes), ep=experts[0], expert_dp=experts[1],
+                 ep_size=ep or 1)
     _MESHES[key] = (dist.group.WORLD, built)
     return built
+
+
+def _expert_groups(sizes: dict, mine: dict, ep: int, backend):
+    """(this rank's EP group, its expert_dp group): every DP group's ranks
+    (in DP order) cut into blocks of `ep` consecutive ranks; expert_dp joins
+    the ranks at the same position of each block.  Every rank creates every
+    group in one order."""
+    found = {}
+    seen = set()
+    for rank in range(_size(sizes)):
+        dp_ranks = _group_ranks(sizes, _coords(rank, sizes), ("dp",))
+        if tuple(dp_ranks) in seen:
+            continue
+        seen.add(tuple(dp_ranks))
+        blocks = [dp_ranks[i:i + ep] for i in range(0, len(dp_ranks), ep)]
+        across = [dp_ranks[i::ep] for i in range(ep)]
+        for kind, members_list in (("ep", blocks), ("expert_dp", across)):
+            for members in members_list:
+                group = dist.new_group(members, backend=backend)
+                if _rank_of(mine, sizes) in members:
+                    found[kind] = group
+    return found["ep"], found["expert_dp"]
 
 
 def _device_mesh(sizes: dict):

@@ -41,6 +41,9 @@ everywhere.  With W a Linear weight [out, in] and X [.., in]:
     allreduce                                          rows, its parameter gradients all-reduced bwd
   moe_tp_experts          FusedExperts1D               every expert's intermediate features; partial outputs
                                                        all-reduced fwd; the router stays replicated
+  moe_ep_experts          ExpertParallelExperts        whole experts over ShardConfig's expert-parallel
+                                                       group (tokens exchanged all-to-all), each split
+                                                       over TP inside (shardformer.layer.expert_parallel)
   mla_kv_a_proj           SharedRopeKeyProjection      nothing: latent attention's joint KV down-projection,
                                                        the shared rotary key's gradient all-reduced bwd
   dropout_parallel        DropoutForParallelInput      a mask per rank (on this rank's heads or rows)
@@ -156,6 +159,7 @@ _LAYERS = {
     "ReplicatedInParallelRegion": _layer(".replicated", "ReplicatedInParallelRegion"),
     "SharedRopeKeyProjection": _layer(".replicated", "SharedRopeKeyProjection"),
     "FusedExperts1D": _layer(".moe", "FusedExperts1D"),
+    "ExpertParallelExperts": _layer(".expert_parallel", "ExpertParallelExperts"),
 }
 
 STYLES: dict[str, Style] = {s.name: s for s in (
@@ -178,6 +182,8 @@ STYLES: dict[str, Style] = {s.name: s for s in (
     Style("replicated_with_grad_allreduce", "ReplicatedInParallelRegion", hf="replicated_with_grad_allreduce"),
     Style("moe_tp_experts", "FusedExperts1D", hf="moe_tp_experts",
           hf_params=(("gate_up_proj", "packed_colwise"), ("down_proj", "rowwise"))),
+    Style("moe_ep_experts", "ExpertParallelExperts",
+          lambda c: {"expert_group": c.policy.shard_config.expert_parallel_process_group}),
     Style("mla_kv_a_proj", "SharedRopeKeyProjection", hf="mla_kv_a_proj"),
     Style("dropout_parallel", "DropoutForParallelInput"),
     Style("dropout_replicated", "DropoutForReplicatedInput"),

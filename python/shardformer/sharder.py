@@ -59,6 +59,20 @@ def _optimization_ops(model, name: str, cfg: ShardConfig, ops: list, tp_size: in
     return _C.sharder_plan(model, name, extra, tp_size, rank)[0]
 
 
+def _check_expert_plan(name: str, policy, cfg: ShardConfig, ops: list) -> None:
+    """With an expert-parallel group, the plan must split some experts over
+    it (a model without MoE blocks, or a policy that does not map them, is
+    refused before anything changes)."""
+    if cfg.expert_parallel_process_group is None:
+        return
+    from .layer.expert_parallel import ExpertParallelExperts
+
+    if not any(op[0] == "sub" and op[4] is ExpertParallelExperts for op in ops):
+        raise ValueError(f"{name}: ShardConfig.expert_parallel_process_group is set, but {type(policy).__name__} "
+                         f"splits no mixture-of-experts block of {name} over it (the model has none, or its "
+                         f"policy does not map expert parallelism); leave expert_parallel_process_group None")
+
+
 def _refuse_broken(module: nn.Module, _args) -> None:
     """Forward pre-hook of a model a failed optimize() left partially sharded."""
     raise RuntimeError(module.__dict__[BROKEN_MARK])
@@ -163,6 +177,8 @@ class ModelSharder:
         groups = [(group, "tensor-parallel")]
         if cfg.split_attention_mode and cfg.sequence_group is not group:
             groups.append((cfg.sequence_group, "sequence-parallel"))
+        if cfg.expert_parallel_process_group is not None:
+            groups.append((cfg.expert_parallel_process_group, "expert-parallel"))
         manager = cfg.pipeline_stage_manager
         if manager is not None and manager.num_stages > 1:
             groups.append((manager.group, "pipeline-parallel"))
@@ -196,6 +212,7 @@ class ModelSharder:
             keys = ", ".join(k if isinstance(k, str) else k.__qualname__ for k in module_policy)
             raise ValueError(f"{name}: {type(policy).__name__} matched no module of the model "
                              f"(policy keys: {keys})")
+        _check_expert_plan(name, policy, cfg, ops)
         ops += _optimization_ops(model, name, cfg, ops, tp_size, rank)
         check_replaceable(name, ops)
         if cfg.option("broadcast_weights"):      # the plan is valid: now rank 0's weights everywhere

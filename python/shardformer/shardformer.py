@@ -86,8 +86,18 @@ class ShardFormer:
         dtype; None or "auto" takes the checkpoint config's dtype (float32 if
         it names none).  config: a config to use instead of the
         checkpoint's.  policy / plan: as optimize()'s.  model_kwargs go to
-        `model_class.from_config`.  Collective over the tensor-parallel group, like optimize()."""
+        `model_class.from_config`.  Collective over the tensor-parallel group,
+        like optimize().  Not with ShardConfig.expert_parallel_process_group
+        (NotImplementedError, before anything is read or built): build the
+        model, optimize() it, and load_full_state_dict the checkpoint's tensors."""
         import torch
+
+        if self.shard_config.expert_parallel_process_group is not None:
+            raise NotImplementedError(
+                f"ShardFormer.from_pretrained({getattr(model_class, '__name__', model_class)}): loading a "
+                f"checkpoint's slices into an expert-parallel model (ShardConfig.expert_parallel_process_group) "
+                f"is not available; build the model, optimize() it and call "
+                f"shardformer.checkpoint.load_full_state_dict with the checkpoint's state dict")
 
         from . import lazy
         from .checkpoint import CheckpointReader

@@ -174,7 +174,7 @@ def available(names, table) -> list:
 def config_of(name: str, **extra):
     cls_name, overrides = MODELS[name] if name in MODELS else REFUSED[name][:2]
     cls = getattr(transformers, cls_name)
-    kwargs = {k: v for k, v in dict(BASE, **overrides, **extra).items() if v is not None or k in KEEP_NONE}
+    kwargs = {k: v for k, v in {**BASE, **overrides, **extra}.items() if v is not None or k in KEEP_NONE}
     if name == "GPTNeoX":
         kwargs.pop("num_key_value_heads", None)
     config = cls.config_class(**kwargs)

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..distributed.mappings import _gather_dim
+from ..layer.expert_parallel import expert_shards
 from ..layer.parallel_module import ParallelModule, shard_of
 
 
@@ -106,7 +107,9 @@ def gather_full_state_dict(model: nn.Module, rank0_only: bool = False,
     gathered to each group's first rank only; every other rank returns {}.
     offload_to_cpu=True: each full tensor is moved to the CPU as soon as it
     is gathered (a CUDA model never holds more than one full tensor on the
-    GPU).  Tied parameters come back as one tensor under each name, as in
+    GPU).  Expert-parallel experts are gathered over their EP group too
+    (all-gathers; with rank0_only kept on the ranks first in every group).
+    Tied parameters come back as one tensor under each name, as in
     the unsharded model's state_dict().  A pipelined model's stages are
     merged (collective over the pipeline group too): every stage gets the
     whole model's tensors, or with rank0_only the pipeline group's first
@@ -154,15 +157,27 @@ def _gather_own(model: nn.Module, rank0_only: bool, offload_to_cpu: bool,
     """This rank's tensors, gathered over tensor parallelism (`tp_group`: the
     group whose first rank keeps them with rank0_only when nothing is sharded)."""
     info = _shard_info(model)
+    experts = expert_shards(model)
     persistent = set(model.state_dict().keys())
     groups = list({id(g): g for _, _, g in info.values()}.values()) or [tp_group]
+    groups += [g for _, g in experts.values()]
     keep = not rank0_only or all(_is_group_root(g) for g in groups)
     out: dict[str, torch.Tensor] = {}
     gathered: dict[int, torch.Tensor | None] = {}
     for name, t in _named_tensors(model):
         if name not in persistent:
             continue
-        if id(t) in info:
+        if id(t) in experts:            # TP, then the experts over EP (all-gathers, kept on the roots)
+            if id(t) not in gathered:
+                full = t.detach()
+                if id(t) in info:
+                    dim, shard, group = info[id(t)]
+                    full = _gather_dim(full, dim, shard, group)
+                shard, group = experts[id(t)]
+                gathered[id(t)] = _owned(_gather_dim(full, 0, shard, group), offload_to_cpu)
+            if keep:
+                out[name] = gathered[id(t)]
+        elif id(t) in info:
             if id(t) not in gathered:
                 dim, shard, group = info[id(t)]
                 if rank0_only:                  # a new contiguous tensor already: no copy of it
@@ -177,6 +192,19 @@ def _gather_own(model: nn.Module, rank0_only: bool, offload_to_cpu: bool,
                 gathered[id(t)] = _owned(t, offload_to_cpu)
             out[name] = gathered[id(t)]
     return out
+
+
+def _expert_blocks(state_dict: Mapping, tensors: list, experts: dict) -> Mapping:
+    """`state_dict` with each expert-parallel parameter's full tensor cut to
+    this rank's experts along dim 0 (a new dict when any is; a tensor whose
+    dim 0 is not the expert count is left for the shape check to report)."""
+    cut = {}
+    for name, t in tensors:
+        full = state_dict.get(name) if id(t) in experts else None
+        shard = experts[id(t)][0] if full is not None else None
+        if isinstance(full, torch.Tensor) and full.dim() > 0 and full.shape[0] == shard.full:
+            cut[name] = shard_of(full, 0, shard)
+    return {**state_dict, **cut} if cut else state_dict
 
 
 def _listed(label: str, items: list[str], limit: int = 20) -> str:
@@ -229,6 +257,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
                         f"got {type(state_dict).__name__}")
     info = _shard_info(model)
     tensors = list(_named_tensors(model))
+    state_dict = _expert_blocks(state_dict, tensors, expert_shards(model))
     known = {name for name, _ in tensors}
     loads, wrong = [], []
     for name, t in tensors:

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..layer.expert_parallel import refuse_expert_parallel
 from .full import _named_tensors, _shard_info, problem_report
 from .reader import CheckpointReader
 
@@ -311,6 +312,7 @@ def plan_load(model: nn.Module, reader: CheckpointReader, strict: bool = True) -
     """Match and check every model tensor against the checkpoint; the list of
     tensors to fill.  Raises one ValueError listing every problem (missing,
     unexpected, wrong shape or dtype, unreadable conversion), touching nothing."""
+    refuse_expert_parallel(model, "loading a HF checkpoint's slices (load_pretrained)")
     info = _shard_info(model)
     persistent = list(model.state_dict().keys())
     wanted = set(persistent)

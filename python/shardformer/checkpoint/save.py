@@ -71,6 +71,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..layer.expert_parallel import expert_shards
 from ..layer.parallel_module import ParallelModule
 from .atomic import _fsync, _make_temp, _put_in_place, recover_directory  # noqa: F401
 from .full import _gather_dim_to_root as _gather_to_root  # one gather-to-root (tests wrap it here)
@@ -420,6 +421,7 @@ def _sharded_group(model: nn.Module, what: str = "save_pretrained"):
 def _check_full(model: nn.Module, state_dict: dict) -> None:
     """A state_dict handed to save_pretrained must be HF-shaped, not a shard."""
     shapes = {}
+    experts = expert_shards(model)
     for module_name, module in model.named_modules():
         if isinstance(module, ParallelModule):
             for pname, (dim, shard) in module.sharded_params.items():
@@ -427,6 +429,8 @@ def _check_full(model: nn.Module, state_dict: dict) -> None:
                 if t is not None:
                     full = list(t.shape)
                     full[dim] = shard.full
+                    if id(t) in experts:                  # the experts dimension, split over EP
+                        full[0] = experts[id(t)][0].full
                     shapes[f"{module_name}.{pname}" if module_name else pname] = (tuple(full), dim, shard)
     for name, (full, dim, shard) in shapes.items():
         if name in state_dict and tuple(state_dict[name].shape) != full:
@@ -527,8 +531,9 @@ def save_pretrained(model: nn.Module, save_directory, max_shard_size="2GB", *, p
     from ..pipeline.stages import runtime_of
 
     stages = runtime_of(model)
-    if state_dict is None and stages is not None and stages.manager.num_stages > 1:
-        # pipeline stages: their tensors merged on global rank 0, which writes them as a given dict
+    if state_dict is None and ((stages is not None and stages.manager.num_stages > 1) or expert_shards(model)):
+        # pipeline stages, or experts split over an EP group (other ranks than the TP group's):
+        # the tensors merged on global rank 0, which writes them as a given dict
         state_dict = gather_full_state_dict(model, rank0_only=True, offload_to_cpu=True)
     group = _sharded_group(model)
     if state_dict is not None:

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..layer.expert_parallel import refuse_expert_parallel
 from .full import _group_root, _named_tensors, _shard_info, problem_report
 from .atomic import _fsync, _put_in_place, recover_directory
 from .save import _Flags, _sharded_group
@@ -108,6 +109,7 @@ def _manifest(model: nn.Module, entries, n: int) -> dict:
 def save_sharded(model: nn.Module, out_dir) -> None:
     """Every rank writes its own shards, the first rank the manifest (see the
     module docstring).  Collective over the model's tensor-parallel group."""
+    refuse_expert_parallel(model, "save_sharded")
     name = type(model).__name__
     group = _sharded_group(model, "save_sharded")
     directory = os.path.abspath(os.fspath(out_dir))
@@ -327,6 +329,7 @@ def _check(model_name: str, directory: str, manifest: dict, entries, persistent:
 def load_sharded(model: nn.Module, out_dir) -> None:
     """Load a save_sharded checkpoint into `model` as it is sharded now (any
     TP size, or unsharded); see the module docstring."""
+    refuse_expert_parallel(model, "load_sharded")
     name = type(model).__name__
     directory = os.path.abspath(os.fspath(out_dir))
     manifest = _read_manifest(name, directory)

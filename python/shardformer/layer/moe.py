@@ -115,12 +115,17 @@ class FusedExperts1D(ParallelModule):
             if not 0 <= e < self.num_experts:
                 continue
             token_idx, slot = torch.where(top_k_index == e)
-            gate, up = F.linear(x[token_idx], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(self.act_fn(gate) * up, self.down_proj[e])
+            y = self.expert_ffn(e, x[token_idx])
             out.index_add_(0, token_idx, (y * weights[token_idx, slot, None]).to(out.dtype))
         if self.sequence_parallel:
             return out
         return reduce_from_tp_region(out, self.process_group)
+
+    def expert_ffn(self, e: int, rows: torch.Tensor) -> torch.Tensor:
+        """down_e(act(gate_e rows) * up_e rows) with this rank's features of
+        local expert e: [n, H] -> [n, H], partial over the TP group."""
+        gate, up = F.linear(rows, self.gate_up_proj[e]).chunk(2, dim=-1)
+        return F.linear(self.act_fn(gate) * up, self.down_proj[e])
 
     def extra_repr(self) -> str:
         return (f"num_experts={self.num_experts}, hidden={self.hidden_dim}, "
