@@ -62,11 +62,11 @@ import torch
 import torch.nn.functional as F
 
 from shardformer.family import Family, gathered, lm, replicated_dropout
-from shardformer.layer import DropoutForReplicatedInput, Linear1D_Col, Linear1D_Row
 from shardformer.layout import Heads
 from shardformer.pipeline.stages import StageSplit
-from shardformer.policies.shapes import (EncoderShape, _new_state, attention_by_heads, residual_dropout,
-                                         sp_layer_subs, sp_linear_kwargs, sp_overlap)
+from shardformer.plan import PlanContext, realize
+from shardformer.policies.shapes import (EncoderShape, _new_state, attention_by_heads, sp_layer_subs,
+                                         sp_linear_kwargs, sp_overlap)
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
@@ -194,11 +194,10 @@ class AlbertShape(EncoderShape):
         col, row = sp_linear_kwargs(self.shard_config)
         sp = self.shard_config.sequence_parallel
         ffn = {**col, "gather_input": True, "overlap": sp_overlap(self.shard_config)} if sp else col
+        rest = {"attention.output_dropout": "dropout_residual", "ffn": "colwise", "ffn_output": "rowwise",
+                "dropout": "dropout_replicated"}                # (dropout: unused by AlbertLayer.forward)
         subs = [*attention_by_heads("attention", heads, q="query", k="key", v="value", o="dense", col=col, row=row),
-                Sub("attention.output_dropout", residual_dropout(self.shard_config)),
-                Sub("ffn", Linear1D_Col, kwargs=ffn),
-                Sub("ffn_output", Linear1D_Row, kwargs=row),
-                Sub("dropout", DropoutForReplicatedInput)]      # unused by AlbertLayer.forward
+                *realize(rest, PlanContext(self), row=row, extra={"ffn": ffn})]
         if sp:
             subs += sp_layer_subs(["attention"], ["attention.LayerNorm", "full_layer_layer_norm"],
                                   self.sequence_state)

@@ -235,10 +235,10 @@ class FalconShape(FusedQKVShape):
         n, head_dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
         if cfg.new_decoder_architecture:
             heads = Heads(n, cfg.num_kv_heads, head_dim)
-            qkv, kv_heads = heads.grouped_qkv, heads.local_kv_heads()
+            qkv, kv_heads = "colwise_grouped_qkv", heads.local_kv_heads()
         elif cfg.multi_query:
             heads = Heads(n, 1, head_dim)
-            qkv, kv_heads = heads.qkv, 1
+            qkv, kv_heads = "colwise_qkv", 1
         else:
             heads, qkv, _ = super().qkv_layout()
             kv_heads = heads.local_heads()

@@ -33,13 +33,12 @@ on this rank's rows (gradients all-reduced).  Refused with layerdrop > 0
 from __future__ import annotations
 
 from shardformer.family import Family, FamilyPolicy
-from shardformer.layer import Linear1D_Col, Linear1D_Row, VocabParallelEmbedding1D
 from shardformer.layout import Heads
 from shardformer.pipeline.stages import StageSplit
+from shardformer.plan import PlanContext, realize
 from shardformer.policies.shapes import (SplitGatherMixin, _new_state, attention_by_heads, gpt_heads,
                                          parameterized_children, sp_ends, sp_layer_subs, sp_linear_kwargs, sp_overlap)
 from shardformer.policy import ModulePolicyDescription
-from shardformer.policy import SubModuleReplacementDescription as Sub
 
 
 class OPTShape(SplitGatherMixin, FamilyPolicy):
@@ -67,11 +66,11 @@ class OPTShape(SplitGatherMixin, FamilyPolicy):
         if sp and cfg.dropout:       # the layer's functional residual dropouts move into the row layers
             row = {**row, "dropout": float(cfg.dropout)}
         attributes = {"self_attn.num_heads": heads.local_heads()}
+        up = {**col, "gather_input": True, "overlap": sp_overlap(self.shard_config)} if sp else {}
+        ctx = PlanContext(self)
         layer_subs = [*attention_by_heads("self_attn", heads, o="out_proj", col=col, row=row),
-                      Sub("fc1", Linear1D_Col, kwargs={**col, "gather_input": True,
-                                                       "overlap": sp_overlap(self.shard_config)} if sp else {}),
-                      Sub("fc2", Linear1D_Row, kwargs=row)]
-        decoder_subs = [Sub("embed_tokens", VocabParallelEmbedding1D, kwargs=self.vocab_kwargs())]
+                      *realize({"fc1": "colwise", "fc2": "rowwise"}, ctx, row=row, extra={"fc1": up})]
+        decoder_subs = realize({"embed_tokens": "embedding_rowwise"}, ctx)
         if sp:
             state = _new_state()
             layers = [m for m in self.model.modules() if type(m).__name__ == "OPTDecoderLayer"]

@@ -2,6 +2,11 @@
 
 A shape is a FamilyPolicy subclass whose `body_policy()` reads the family's
 options (class attributes set from `Family.options`) and the model's config.
+Its tensor-parallel split is a plan, {suffix: style} (DecoderShape.
+attention_plan / mlp_plan, EncoderShape.MLP_PLAN, bert_attention,
+attention_by_heads, ...), built by shardformer.plan.realize, the interpreter
+DerivedPolicy uses too; the tables below name the layers the styles become.
+Sequence-parallel regions, kernels and pipeline splits are added around it.
 Families only name their shape, options and head classes (policies/<family>.py);
 heads, the registry and the optimizations (fused norms, fused MLP
 activations, flash attention: applied by the sharder by module type, see
@@ -92,11 +97,10 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardformer.family import FamilyPolicy
-from shardformer.layer import Linear1D_Col, Linear1D_Row, VocabParallelEmbedding1D
-from shardformer.layer import DropoutForParallelInput, DropoutForReplicatedInput
 from shardformer.layer.param_shard import ShardParams
-from shardformer.layout import Fused, Heads
+from shardformer.layout import Heads
 from shardformer.pipeline.stages import StageSplit
+from shardformer.plan import PlanContext, realize
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
@@ -154,41 +158,39 @@ class DecoderShape(FamilyPolicy):
         """The kwargs that put a Linear layer in sequence-parallel mode (or none)."""
         return {"sequence_parallel": True} if self.shard_config.sequence_parallel else {}
 
-    def attention_replacements(self, heads: Heads) -> list[Sub]:
-        sp = self.sp
+    def attention_plan(self) -> dict[str, str]:
+        """{suffix under the decoder layer: style} of the attention (shardformer.plan)."""
         if self.fused_qkv:
-            qkv = [Sub("self_attn.qkv_proj", Linear1D_Col, kwargs={"split": heads.qkv, **sp})]
+            plan = {"self_attn.qkv_proj": "colwise_qkv"}
         else:
-            qkv = [Sub("self_attn.q_proj", Linear1D_Col, kwargs={"split": heads.q, **sp}),
-                   Sub("self_attn.k_proj", Linear1D_Col, kwargs={"split": heads.kv, **sp}),
-                   Sub("self_attn.v_proj", Linear1D_Col, kwargs={"split": heads.kv, **sp})]
-        norms = []
+            plan = {"self_attn.q_proj": "colwise_heads", "self_attn.k_proj": "colwise_kv_heads",
+                    "self_attn.v_proj": "colwise_kv_heads"}
         if self.qk_norm:
-            from shardformer.layer.replicated import ReplicatedInParallelRegion
+            plan.update({"self_attn.q_norm": "replicated_with_grad_allreduce",
+                         "self_attn.k_norm": "replicated_with_grad_allreduce"})
+        return {**plan, "self_attn.o_proj": "rowwise_heads"}
 
-            norms = [Sub("self_attn.q_norm", ReplicatedInParallelRegion),
-                     Sub("self_attn.k_norm", ReplicatedInParallelRegion)]
-        return qkv + norms + [Sub("self_attn.o_proj", Linear1D_Row, kwargs={"split": heads.q, **sp})]
+    def mlp_plan(self) -> dict[str, str]:
+        """{suffix under the decoder layer: style} of the MLP (shardformer.plan)."""
+        if self.mlp == "moe":
+            return {"mlp.experts": "moe_tp_experts"}
+        up = {"mlp.gate_up_proj": "packed_colwise"} if self.mlp == "fused" else \
+            {"mlp.gate_proj": "colwise", "mlp.up_proj": "colwise"}
+        return {**up, "mlp.down_proj": "rowwise"}
+
+    def attention_replacements(self, heads: Heads) -> list[Sub]:
+        return realize(self.attention_plan(), PlanContext(self, heads), col=self.sp, row=self.sp)
 
     def mlp_replacements(self) -> list[Sub]:
-        if self.mlp == "moe":
-            from shardformer.layer.moe import FusedExperts1D, RouterInSequenceParallel
+        ep = self.shard_config.expert_parallel_process_group if self.mlp == "moe" else None
+        plan = {"mlp.experts": "moe_ep_experts"} if ep is not None else self.mlp_plan()
+        subs = realize(plan, PlanContext(self), col=self.sp, row=self.sp)
+        if self.mlp == "moe" and ep is None and self.shard_config.sequence_parallel:
+            from shardformer.layer.moe import RouterInSequenceParallel
 
-            ep = self.shard_config.expert_parallel_process_group
-            if ep is not None:
-                from shardformer.layer.expert_parallel import ExpertParallelExperts
-
-                return [Sub("mlp.experts", ExpertParallelExperts, kwargs={"expert_group": ep})]
-            if not self.shard_config.sequence_parallel:
-                return [Sub("mlp.experts", FusedExperts1D)]
-            return [Sub("mlp.experts", FusedExperts1D, kwargs={"sequence_parallel": True}),
-                    Sub("mlp.gate", RouterInSequenceParallel)]
-        sp = self.sp
-        if self.mlp == "fused":
-            up = [Sub("mlp.gate_up_proj", Linear1D_Col, kwargs={"split": Fused.equal(2), **sp})]
-        else:
-            up = [Sub("mlp.gate_proj", Linear1D_Col, kwargs=sp), Sub("mlp.up_proj", Linear1D_Col, kwargs=sp)]
-        return up + [Sub("mlp.down_proj", Linear1D_Row, kwargs=sp)]
+            subs = [replace(s, kwargs={**s.kwargs, "sequence_parallel": True}) for s in subs]
+            subs.append(Sub("mlp.gate", RouterInSequenceParallel))
+        return subs
 
     def sequence_parallel_replacements(self) -> tuple[list[Sub], list[Sub]]:
         """(decoder-layer subs, base-model subs) of split-gather sequence
@@ -235,13 +237,12 @@ class DecoderShape(FamilyPolicy):
         if not self.tensor_parallel:
             return {}
         heads = self.heads_layout()
-        embed_kwargs = self.vocab_kwargs()
+        scale = None
         if self.embed_scale:
             native = self.model.get_input_embeddings()
-            embed_kwargs["embed_scale"] = float(getattr(native, "scalar_embed_scale",
-                                                        text_config(self.model).hidden_size ** 0.5))
+            scale = float(getattr(native, "scalar_embed_scale", text_config(self.model).hidden_size ** 0.5))
         layer_subs = self.attention_replacements(heads) + self.mlp_replacements()
-        base_subs = [Sub("embed_tokens", VocabParallelEmbedding1D, kwargs=embed_kwargs)]
+        base_subs = realize({"embed_tokens": "embedding_rowwise"}, PlanContext(self, embed_scale=scale))
         if self.shard_config.sequence_parallel:
             sp_layer, sp_base = self.sequence_parallel_replacements()
             layer_subs, base_subs = layer_subs + sp_layer, base_subs + sp_base
@@ -315,13 +316,6 @@ def sp_gathering(col: dict, state=None) -> dict:
     """The kwargs of a column layer that gathers its input rows itself, with
     overlap; `state`: drop the padding (exact sequence, for an attention)."""
     return {**col, "gather_input": True, "overlap": True, **({"sequence_state": state} if state is not None else {})}
-
-
-def residual_dropout(shard_config) -> type:
-    """The class of a dropout after a row layer: on the replicated output
-    under TP (DropoutForReplicatedInput, one mask), on this rank's rows
-    under SP (DropoutForParallelInput, a mask per rank)."""
-    return DropoutForParallelInput if shard_config.sequence_parallel else DropoutForReplicatedInput
 
 
 def sp_layer_subs(entered, norms, state) -> list[Sub]:
@@ -399,26 +393,25 @@ def record_hidden_states(policy, model):
 
 # ---- EncoderShape: BERT-shaped encoders ----
 
-def bert_attention(prefix: str, heads: Heads, col: dict | None = None, row: dict | None = None,
-                   resid_dropout: type = DropoutForReplicatedInput, kv_col: dict | None = None
-                   ) -> tuple[dict, list[Sub]]:
+def bert_attention(policy, prefix: str, heads: Heads, col: dict | None = None, row: dict | None = None,
+                   kv_col: dict | None = None) -> tuple[dict, list[Sub]]:
     """(attributes, sub-module replacements) of one BERT-style attention block
     at `prefix` (`attention` or `crossattention`): Q/K/V column-parallel by
     head, output dense row-parallel (all-reduce forward).  `col` / `row`:
     extra kwargs of the column / row layers (sequence parallelism,
     sp_linear_kwargs), `kv_col` those of key and value when they differ (a
-    cross attention's keys come from the replicated encoder states), and
-    `resid_dropout` the class of output.dropout (residual_dropout)."""
+    cross attention's keys come from the replicated encoder states); the
+    output dropout is a residual one (dropout_residual: a mask per rank
+    under split-gather SP)."""
     col, row = col or {}, row or {}
     kv_col = col if kv_col is None else kv_col
     attrs = {f"{prefix}.self.num_attention_heads": heads.local_heads(),
              f"{prefix}.self.all_head_size": heads.local_width(heads.head_dim)}
-    subs = [Sub(f"{prefix}.self.{p}", Linear1D_Col, kwargs={"split": heads.q, **(col if p == "query" else kv_col)})
-            for p in ("query", "key", "value")]
-    subs += [Sub(f"{prefix}.self.dropout", DropoutForParallelInput),
-             Sub(f"{prefix}.output.dense", Linear1D_Row, kwargs={"split": heads.q, **row}),
-             Sub(f"{prefix}.output.dropout", resid_dropout)]
-    return attrs, subs
+    plan = {f"{prefix}.self.query": "colwise_heads", f"{prefix}.self.key": "colwise_heads",
+            f"{prefix}.self.value": "colwise_heads", f"{prefix}.self.dropout": "dropout_parallel",
+            f"{prefix}.output.dense": "rowwise_heads", f"{prefix}.output.dropout": "dropout_residual"}
+    extra = {f"{prefix}.self.query": col, f"{prefix}.self.key": kv_col, f"{prefix}.self.value": kv_col}
+    return attrs, realize(plan, PlanContext(policy, heads), row=row, extra=extra)
 
 
 class EncoderShape(SplitGatherMixin, FamilyPolicy):
@@ -440,6 +433,10 @@ class EncoderShape(SplitGatherMixin, FamilyPolicy):
 
     prefix = ""
     records_hidden_states = True       # sp_ends marks the layers' rows
+    #: {suffix under `<prefix>Layer`: style} after the attention (bert_attention)
+    MLP_PLAN = {"intermediate.dense": "colwise", "output.dense": "rowwise", "output.dropout": "dropout_residual"}
+    #: {suffix under `<prefix>Embeddings`: style}
+    EMBEDDINGS_PLAN = {"word_embeddings": "embedding_rowwise", "dropout": "dropout_replicated"}
 
     split_attention_at = ("{prefix}Encoder", "layer")
     pipeline_split = StageSplit("{prefix}Model", "encoder.layer", last=("pooler",))
@@ -460,16 +457,15 @@ class EncoderShape(SplitGatherMixin, FamilyPolicy):
 
     def layer_description(self, heads: Heads) -> ModulePolicyDescription:
         col, row = sp_linear_kwargs(self.shard_config)
-        drop = residual_dropout(self.shard_config)
         cross = getattr(self.model.config, "add_cross_attention", False)
-        attrs, subs = bert_attention("attention", heads, col, row, drop)
+        attrs, subs = bert_attention(self, "attention", heads, col, row)
         if cross:
-            cross_attrs, cross_subs = bert_attention("crossattention", heads, col, row, drop, kv_col={})
+            cross_attrs, cross_subs = bert_attention(self, "crossattention", heads, col, row, kv_col={})
             attrs.update(cross_attrs)
             subs += cross_subs
         overlap = sp_overlap(self.shard_config)
-        subs += [Sub("intermediate.dense", Linear1D_Col, kwargs=sp_gathering(col) if overlap else col),
-                 Sub("output.dense", Linear1D_Row, kwargs=row), Sub("output.dropout", drop)]
+        subs += realize(self.MLP_PLAN, PlanContext(self), row=row,
+                        extra={"intermediate.dense": sp_gathering(col) if overlap else col})
         if self.shard_config.sequence_parallel:
             attentions = ["attention", "crossattention"] if cross else ["attention"]
             subs += sp_layer_subs([f"{a}.self" for a in attentions] + ([] if overlap else ["intermediate"]),
@@ -478,9 +474,7 @@ class EncoderShape(SplitGatherMixin, FamilyPolicy):
         return ModulePolicyDescription(attribute_replacement=attrs, sub_module_replacement=subs)
 
     def embeddings_description(self) -> ModulePolicyDescription:
-        return ModulePolicyDescription(sub_module_replacement=[
-            Sub("word_embeddings", VocabParallelEmbedding1D, kwargs=self.vocab_kwargs()),
-            Sub("dropout", DropoutForReplicatedInput)])
+        return ModulePolicyDescription(sub_module_replacement=realize(self.EMBEDDINGS_PLAN, PlanContext(self)))
 
     def body_policy(self):
         if not self.tensor_parallel:
@@ -503,9 +497,9 @@ def attention_by_heads(prefix: str, heads: Heads, q: str = "q_proj", k: str = "k
     the same heads on its input, row-parallel (all-reduce forward).  `col` /
     `row`: extra kwargs of the column / row layers (sp_linear_kwargs)."""
     at = f"{prefix}." if prefix else ""
-    col, row = col or {}, row or {}
-    return [Sub(f"{at}{name}", Linear1D_Col, kwargs={"split": heads.q, **col}) for name in (q, k, v)] + [
-        Sub(f"{at}{o}", Linear1D_Row, kwargs={"split": heads.q, **row})]
+    plan = {f"{at}{q}": "colwise_heads", f"{at}{k}": "colwise_heads", f"{at}{v}": "colwise_heads",
+            f"{at}{o}": "rowwise_heads"}
+    return realize(plan, PlanContext(None, heads), col=col, row=row)
 
 
 def bias_table_split(num_heads: int) -> dict:
@@ -552,9 +546,9 @@ class VisionShape(SplitGatherMixin, FamilyPolicy):
     def layer_replacements(self, heads: Heads) -> list[Sub]:
         col, row = sp_linear_kwargs(self.shard_config)
         up = sp_gathering(col) if sp_overlap(self.shard_config) else col
-        return attention_by_heads("attention", heads, col=col, row=row) + [
-            Sub("mlp.fc1", Linear1D_Col, kwargs=up), Sub("mlp.fc2", Linear1D_Row, kwargs=row),
-            Sub("dropout", residual_dropout(self.shard_config))]
+        plan = {"mlp.fc1": "colwise", "mlp.fc2": "rowwise", "dropout": "dropout_residual"}
+        return attention_by_heads("attention", heads, col=col, row=row) + realize(
+            plan, PlanContext(self), row=row, extra={"mlp.fc1": up})
 
     def sp_norms(self, layer) -> list[str]:
         """The children of one `<prefix>Layer` used on this rank's rows whose
@@ -646,10 +640,10 @@ class StageShape(VisionShape):
         sp = self.shard_config.sequence_parallel
         col = {"sequence_parallel": True} if sp else {}
         mlp_col, mlp_row = sp_linear_kwargs(self.shard_config)
+        mlp = realize({"mlp.fc1": "colwise", "mlp.fc2": "rowwise", "dropout": "dropout_residual"},
+                      PlanContext(self), col=mlp_col, row=mlp_row)
         return attention_by_heads("attention", heads, col=col) + [
-            Sub("attention.relative_position_bias", ShardParams, kwargs=bias_table_split(heads.num_heads)),
-            Sub("mlp.fc1", Linear1D_Col, kwargs=mlp_col), Sub("mlp.fc2", Linear1D_Row, kwargs=mlp_row),
-            Sub("dropout", residual_dropout(self.shard_config))]
+            Sub("attention.relative_position_bias", ShardParams, kwargs=bias_table_split(heads.num_heads))] + mlp
 
     def block_attributes(self, heads: Heads) -> dict:
         """{attribute under one block: per-rank value}."""
@@ -774,30 +768,26 @@ class GPTBlockShape(SplitGatherMixin, FamilyPolicy):
         return {f"{self.attention}.{self.heads_attribute}": heads.local_heads()}
 
     def attention_replacements(self, heads: Heads) -> list[Sub]:
-        a = self.attention
         col, row = sp_linear_kwargs(self.shard_config)
-        return [Sub(f"{a}.{p}", Linear1D_Col, kwargs={"split": heads.q, **col})
-                for p in ("q_proj", "k_proj", "v_proj")] + \
-            [Sub(f"{a}.out_proj", Linear1D_Row, kwargs={"split": heads.q, **row})]
+        return attention_by_heads(self.attention, heads, o="out_proj", col=col, row=row)
 
     def mlp_replacements(self) -> list[Sub]:
         up, down = self.mlp_names
         col, row = sp_linear_kwargs(self.shard_config)
         up_kwargs = sp_gathering(col) if sp_overlap(self.shard_config) else col
-        return [Sub(f"mlp.{up}", Linear1D_Col, kwargs=up_kwargs), Sub(f"mlp.{down}", Linear1D_Row, kwargs=row)]
+        return realize({f"mlp.{up}": "colwise", f"mlp.{down}": "rowwise"}, PlanContext(self), row=row,
+                       extra={f"mlp.{up}": up_kwargs})
 
     def body_policy(self):
         if not self.tensor_parallel:
             return {}
         self.sequence_state = _new_state() if self.shard_config.sequence_parallel else None
         heads, a = self.heads_layout(), self.attention
-        drop = residual_dropout(self.shard_config)
-        block_subs = self.attention_replacements(heads) + [
-            Sub(f"{a}.attn_dropout", DropoutForParallelInput),
-            Sub(f"{a}.resid_dropout", drop),
-        ] + self.mlp_replacements() + [Sub("mlp.dropout", drop)]
-        model_subs = [Sub("wte", VocabParallelEmbedding1D, kwargs=self.vocab_kwargs()),
-                      Sub("drop", DropoutForReplicatedInput)]
+        ctx = PlanContext(self)
+        block_subs = self.attention_replacements(heads) + realize(
+            {f"{a}.attn_dropout": "dropout_parallel", f"{a}.resid_dropout": "dropout_residual"}, ctx) + \
+            self.mlp_replacements() + realize({"mlp.dropout": "dropout_residual"}, ctx)
+        model_subs = realize({"wte": "embedding_rowwise", "drop": "dropout_replicated"}, ctx)
         if self.shard_config.sequence_parallel:
             sp_block, sp_model = self.sequence_parallel_subs()
             block_subs, model_subs = block_subs + sp_block, model_subs + sp_model
@@ -873,26 +863,23 @@ class FusedQKVShape(SplitGatherMixin, FamilyPolicy):
         entered = ["self_attention"] + ([] if overlap else ["mlp"])
         return (attributes, subs + sp_layer_subs(entered, norms, state), sp_ends("h", len(layers), state))
 
-    def qkv_layout(self) -> tuple[Heads, object, dict]:
-        """(heads, split of query_key_value's rows, {attention attribute: per-rank value})."""
+    def qkv_layout(self) -> tuple[Heads, str, dict]:
+        """(heads, plan style of query_key_value (shardformer.plan), {attention
+        attribute: per-rank value})."""
         cfg = self.model.config
         n = cfg.num_attention_heads
-        head_dim = cfg.hidden_size // n
-        heads = Heads(n, n, head_dim)
-        return heads, Heads(n, n, 3 * head_dim).q, {"self_attention.num_heads": heads.local_heads()}
+        heads = Heads(n, n, cfg.hidden_size // n)
+        return heads, "colwise_per_head", {"self_attention.num_heads": heads.local_heads()}
 
     def body_policy(self):
         if not self.tensor_parallel:
             return {}
         heads, qkv, attributes = self.qkv_layout()
-        subs = [
-            Sub("self_attention.query_key_value", Linear1D_Col, kwargs={"split": qkv}),
-            Sub("self_attention.dense", Linear1D_Row, kwargs={"split": heads.q}),
-            Sub("self_attention.attention_dropout", DropoutForParallelInput),
-            Sub("mlp.dense_h_to_4h", Linear1D_Col),
-            Sub("mlp.dense_4h_to_h", Linear1D_Row),
-        ]
-        model_subs = [Sub("word_embeddings", VocabParallelEmbedding1D, kwargs=self.vocab_kwargs())]
+        ctx = PlanContext(self, heads)
+        subs = realize({"self_attention.query_key_value": qkv, "self_attention.dense": "rowwise_heads",
+                        "self_attention.attention_dropout": "dropout_parallel",
+                        "mlp.dense_h_to_4h": "colwise", "mlp.dense_4h_to_h": "rowwise"}, ctx)
+        model_subs = realize({"word_embeddings": "embedding_rowwise"}, ctx)
         if self.shard_config.sequence_parallel:
             attributes, subs, sp_model = self.sequence_parallel_description(attributes, subs)
             model_subs += sp_model

@@ -86,7 +86,8 @@ from shardformer.layer import (
     VocabParallelEmbedding1D,
 )
 from shardformer.layout import Heads
-from shardformer.policies.shapes import SplitGatherMixin, _new_state, residual_dropout, sp_ends, sp_overlap
+from shardformer.plan import residual_dropout
+from shardformer.policies.shapes import SplitGatherMixin, _new_state, sp_ends, sp_overlap
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 

@@ -82,9 +82,9 @@ def get_autopolicy(model) -> Policy:
         raise ValueError(
             f"{bare}: no built-in policy for {full}.\nSupported model classes:\n  {names}\n"
             "The model carries no tensor-parallel plan (config.base_model_tp_plan or the class's _tp_plan) "
-            "to derive one from.  Supply a plan as a shardformer.Policy subclass and pass it as "
-            "ShardFormer(shard_config).optimize(model, policy=MyPolicy()) (for a plan dict: "
-            "policy=shardformer.derived_policy.DerivedPolicy(plan))."
+            "to derive one from.  Supply a plan dict in transformers' notation, "
+            "ShardFormer(shard_config).optimize(model, plan={'model.layers.*.mlp.up_proj': 'colwise', ...}), "
+            "or a shardformer.Policy subclass: optimize(model, policy=MyPolicy())."
         )
     family, policy_cls = found
     module = importlib.import_module(f"shardformer.policies.{family}")

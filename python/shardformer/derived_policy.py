@@ -8,7 +8,10 @@ model's attribute (`base_model_prefix`, "model."); transformers keeps it on
 the instance as `model._tp_plan`.  `*` stands for a layer index.
 
 When no built-in policy matches a model, shardformer.autopolicy falls back to
-`DerivedPolicy`, which maps each style of the plan onto our layers:
+`DerivedPolicy` (optimize(model, plan=...) builds one from a plan the user
+writes).  It maps each style of the plan onto a style of shardformer.plan,
+whose interpreter the built-in policies use too, after looking at the
+module (its width, whether it is in an attention or is the LM head):
 
     colwise                         Linear1D_Col, output left split.  Inside an
                                     attention module the split follows the heads
@@ -112,7 +115,8 @@ import re
 from torch import nn
 
 from .family import SplitAttentionPolicy, sequence_mode_refused
-from .layout import Fused, Heads, PerRank, Split
+from .layout import Heads, PerRank
+from .plan import PlanContext, PlanError, replacement
 from .policy import ModulePolicyDescription, Policy, merge_policies
 from .policy import SubModuleReplacementDescription as Sub
 
@@ -135,10 +139,6 @@ _WHY = {
     "moe_identity_expert": ("zero-compute (identity) experts have no shardformer mapping: FusedExperts1D "
                             "runs only experts with weights"),
 }
-
-
-class PlanError(ValueError):
-    """A tensor-parallel plan that DerivedPolicy cannot honour."""
 
 
 def resolve_tp_plan(model: nn.Module) -> dict[str, str]:
@@ -183,16 +183,23 @@ _WIDTH_ATTRS = ("all_head_size", "hidden_size", "embed_dim", "inner_dim")
 #: (the same on every rank, no gradient through them).
 _MLA_LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_layernorm", "indexer")
 _MLA = "mla_kv_a_proj"
+#: Our styles that split by attention heads (their module's attributes follow).
+_HEAD_STYLES = ("colwise_heads", "colwise_kv_heads", "colwise_per_head", "rowwise_heads")
 _CONFIG_READS = re.compile(r"config\.(num_attention_heads|num_key_value_heads|head_dim)")
 
 
 class DerivedPolicy(SplitAttentionPolicy, Policy):
     """The policy of a model without a built-in one, from its tensor-parallel
-    plan (`plan`: {path pattern: style}; default resolve_tp_plan(model))."""
+    plan (`plan`: {path pattern: style}; default resolve_tp_plan(model)).
+    `strict` (a plan the user wrote: optimize(model, plan=...)): an entry
+    matching no module or parameter of the model is refused (a misspelt
+    path would otherwise leave its modules replicated); transformers' own
+    plans name modules some configurations lack, which are skipped."""
 
-    def __init__(self, plan: dict[str, str] | None = None) -> None:
+    def __init__(self, plan: dict[str, str] | None = None, strict: bool = False) -> None:
         super().__init__()
         self.plan = dict(plan) if plan is not None else None
+        self.strict = strict
 
     @property
     def pipeline_split(self):
@@ -294,8 +301,19 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
                 out[path] = (exact or hits)[0][1], module
         return out
 
+    def _check_every_entry_matches(self) -> None:
+        """Refuse (strict plans) an entry that names no module or parameter."""
+        paths = [p for p, _ in self.model.named_modules() if p] + [p for p, _ in self.model.named_parameters()]
+        for key, style in self.plan.items():
+            rx = _pattern(key)
+            if not any(rx.match(p) for p in paths):
+                raise self._fail(style, key, f"the plan's path matches no module or parameter of "
+                                 f"{type(self.model).__name__}")
+
     def config_sanity_check(self) -> None:
         name = type(self.model).__name__
+        if self.strict and self.plan is not None:
+            self._check_every_entry_matches()
         matched = self.matched()
         ep = self.shard_config.expert_parallel_process_group is not None
         for path, (style, _) in matched.items():
@@ -329,18 +347,6 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         return ("Attention" in type(module).__name__ or hasattr(module, "head_dim")
                 or hasattr(module, "head_size"))
 
-    def _head_split(self, heads: Heads, width: int):
-        """The split of `width` features of an attention projection: query or
-        KV heads, whole heads of a fused per-head layout, or None."""
-        n, kv, hd = heads.num_heads, heads.kv_heads, heads.head_dim
-        if width == n * hd:
-            return heads.q
-        if width == kv * hd:
-            return heads.kv
-        if n == kv and width % n == 0:
-            return Heads(n, n, width // n).q     # e.g. [q_h k_h v_h] per head
-        return None
-
     # ---- the policy ----
 
     def module_policy(self) -> dict:
@@ -368,11 +374,9 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
             if style == "moe_tp_experts":
                 subs.append(self._experts(path, module, matched))
             elif style == "replicated_with_grad_allreduce":
-                from .layer.replicated import ReplicatedInParallelRegion
-
                 if not any(True for _ in module.parameters()):
                     raise self._fail(style, path, f"{type(module).__name__} has no parameters")
-                subs.append(Sub(path, ReplicatedInParallelRegion))
+                subs.append(replacement(path, style, PlanContext(self)))
             elif isinstance(module, nn.Embedding):
                 subs.append(self._embedding(path, style, module))
             elif style in _COL or style in _ROW or style == _MLA:
@@ -396,25 +400,21 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         return {type(self.model): ModulePolicyDescription(attribute_replacement=attrs, sub_module_replacement=subs)}
 
     def _embedding(self, path: str, style: str, module: nn.Embedding) -> Sub:
-        from .layer import VocabParallelEmbedding1D
-
         if style not in ("embedding_rowwise", "rowwise", "rowwise_split_input", "rowwise_rep"):
             raise self._fail(style, path, "an nn.Embedding is split only by vocabulary (embedding_rowwise)")
-        return Sub(path, VocabParallelEmbedding1D, kwargs=self._embedding_kwargs(module))
+        return self._vocab_embedding(path, module)
 
-    def _embedding_kwargs(self, module: nn.Module) -> dict:
-        kwargs = self.vocab_kwargs()
+    def _vocab_embedding(self, path: str, module: nn.Module) -> Sub:
+        """embedding_rowwise at `path`, keeping the module's embed scale."""
         scale = getattr(module, "scalar_embed_scale", None)
         if scale is None and getattr(module, "embed_scale", None) is not None:
             scale = float(module.embed_scale)
-        if scale is not None:
-            kwargs["embed_scale"] = float(scale)
-        return kwargs
+        return replacement(path, "embedding_rowwise", PlanContext(self, embed_scale=scale))
 
     def _tied_embedding(self, matched: dict, subs: list[Sub]) -> list[Sub]:
         """An LM head split by vocabulary that HF tied to the input embeddings
         keeps the tie: the embeddings are split by vocabulary too (postprocess re-ties)."""
-        from .layer import VocabParallelEmbedding1D, VocabParallelLMHead1D
+        from .layer import VocabParallelLMHead1D
 
         self._tie = None
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
@@ -433,11 +433,9 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         self._tie = (in_path, head_path)
         if in_path in by_path:
             return []
-        return [Sub(in_path, VocabParallelEmbedding1D, kwargs=self._embedding_kwargs(inputs))]
+        return [self._vocab_embedding(in_path, inputs)]
 
     def _experts(self, path: str, module: nn.Module, matched: dict) -> Sub:
-        from .layer.moe import FusedExperts1D
-
         inner = {p[len(path) + 1:]: s for p, (s, _) in matched.items() if p.startswith(path + ".")}
         generic = _generic(path)
         for key, style in self.full_plan().items():          # parameter entries (experts.gate_up_proj: packed_colwise)
@@ -453,17 +451,11 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
             raise self._fail("moe_tp_experts", path, f"{type(module).__name__} does not hold fused "
                              "[E, 2I, H] gate_up_proj and [E, H, I] down_proj parameters")
         ep = self.shard_config.expert_parallel_process_group
-        if ep is not None:
-            from .layer.expert_parallel import ExpertParallelExperts
-
-            return Sub(path, ExpertParallelExperts, kwargs={"expert_group": ep})
-        return Sub(path, FusedExperts1D)
+        return replacement(path, "moe_tp_experts" if ep is None else "moe_ep_experts", PlanContext(self))
 
     def _linears(self, parent_path: str, parent: nn.Module, siblings: dict) -> tuple[list[Sub], dict]:
         """The replacements of the Linear layers of one module (an attention
         or MLP block) and the attributes its forward needs per rank."""
-        from .layer import Linear1D_Col, Linear1D_Row, VocabParallelLMHead1D
-
         subs, attrs = [], {}
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
         attention = self._is_attention(parent) and parent is not self.model
@@ -492,35 +484,9 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         for path, (style, module) in siblings.items():
             if not isinstance(module, nn.Linear):
                 raise self._fail(style, path, f"{type(module).__name__} is not an nn.Linear")
-            out_f, in_f = module.weight.shape
-            if style == _MLA:
-                from .layer.replicated import SharedRopeKeyProjection
-
-                subs.append(Sub(path, SharedRopeKeyProjection, kwargs={"rope_dim": parent.qk_rope_head_dim}))
-            elif style == "packed_colwise":
-                subs.append(Sub(path, Linear1D_Col, kwargs={"split": Fused.equal(2)}))
-            elif style == "packed_rowwise":
-                subs.append(Sub(path, Linear1D_Row, kwargs={"split": Fused.equal(2)}))
-            elif style in ("colwise_gather_output", "colwise_rep"):
-                if module is head:
-                    subs.append(Sub(path, VocabParallelLMHead1D, kwargs=self.lm_head_kwargs()))
-                else:
-                    subs.append(Sub(path, Linear1D_Col, kwargs={"gather_output": True, "split": Split()}))
-            elif style in ("rowwise_split_input", "rowwise_rep"):
-                subs.append(Sub(path, Linear1D_Row, kwargs={"input_is_parallel": False, "split": Split()}))
-            else:
-                width = out_f if style == "colwise" else in_f
-                spec = Split()
-                if heads is not None:
-                    spec = self._head_split(heads, width)
-                    if spec is None:
-                        raise self._fail(style, path, f"{width} features are not a whole number of the "
-                                         f"attention's heads ({heads})")
-                    split_heads = True
-                if style == "rowwise" and heads is not None and spec == heads.kv and heads.kv_heads != heads.num_heads:
-                    raise self._fail(style, path, "a row-parallel input split by KV heads is not supported")
-                cls = Linear1D_Col if style == "colwise" else Linear1D_Row
-                subs.append(Sub(path, cls, kwargs={"split": spec}))
+            ours, ctx, extra = self._linear_style(path, style, module, parent, heads, head)
+            split_heads = split_heads or ours in _HEAD_STYLES
+            subs.append(replacement(path, ours, ctx, extra))
         if mla and not split_heads:
             raise self._fail(_MLA, mla[0], "its attention's projections are not split by heads (the plan "
                              "names no colwise q_b_proj / kv_b_proj)")
@@ -533,6 +499,40 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         if any(style in ("colwise", "packed_colwise") for style, _ in siblings.values()):
             subs += self._between_split_layers(parent_path, parent, mla=bool(mla))
         return subs, attrs
+
+    def _linear_style(self, path: str, style: str, module: nn.Linear, parent: nn.Module, heads: Heads | None,
+                      head: nn.Module | None) -> tuple[str, PlanContext, dict | None]:
+        """(our style (shardformer.plan), its context, extra kwargs) of one
+        Linear the plan names `style`: a colwise / rowwise inside an
+        attention becomes the head style its width says (query heads, KV
+        heads, or whole heads of a fused per-head layout); the output
+        embeddings' gathered style becomes the vocabulary-parallel LM head."""
+        ctx = PlanContext(self, heads)
+        if style == _MLA:
+            return "mla_kv_a_proj", ctx, {"rope_dim": parent.qk_rope_head_dim}
+        if style in ("packed_colwise", "packed_rowwise"):
+            return style, ctx, None
+        if style in ("colwise_gather_output", "colwise_rep"):
+            return ("vocab_lm_head" if module is head else "colwise_gather_output"), ctx, None
+        if style in ("rowwise_split_input", "rowwise_rep"):
+            return "rowwise_split_input", ctx, None
+        if heads is None:
+            return style, ctx, None
+        out_f, in_f = module.weight.shape
+        width = out_f if style == "colwise" else in_f
+        n, kv, hd = heads.num_heads, heads.kv_heads, heads.head_dim
+        if width == n * hd:
+            return ("colwise_heads" if style == "colwise" else "rowwise_heads"), ctx, None
+        if width == kv * hd:
+            if style == "rowwise" and kv != n:
+                raise self._fail(style, path, "a row-parallel input split by KV heads is not supported")
+            return ("colwise_kv_heads" if style == "colwise" else "rowwise_heads"), ctx, None
+        if n == kv and width == 3 * n * hd and style == "colwise":     # [q_h k_h v_h] per head (GPT-NeoX)
+            return "colwise_per_head", ctx, None
+        if n == kv and width % n == 0:       # other per-head blocks: whole blocks of width / n
+            block = Heads(n, n, width // n)
+            return ("colwise_heads" if style == "colwise" else "rowwise_heads"), PlanContext(self, block), None
+        raise self._fail(style, path, f"{width} features are not a whole number of the attention's heads ({heads})")
 
     def _mla_heads(self, parent_path: str, parent: nn.Module, kv_a_path: str) -> Heads:
         """The heads of a multi-head latent attention: every head has its own

@@ -20,7 +20,7 @@ From it come, without another line per class:
     full name ("transformers.models.<hf_module>.<class>"), or by the bare
     class name for remote code (`hf_module=""`).
 
-Heads are split by kind:
+Heads are split by kind (the plan styles of shardformer.plan, HEAD_STYLES):
 
     lm(suffix)          VocabParallelLMHead1D: the vocabulary (output rows) split,
                         logits gathered unless ShardConfig(parallel_output=True);
@@ -35,6 +35,7 @@ hand is passed to optimize(model, policy=...).
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +66,10 @@ class Head:
             raise ValueError(f"Head({self.suffix!r}): unknown kind {self.kind!r}")
         if not isinstance(self.loss, LMLoss):
             raise TypeError(f"Head({self.suffix!r}): loss must be an LMLoss, got {self.loss!r}")
+
+
+#: The plan style of each kind of head (shardformer.plan).
+HEAD_STYLES = {"lm": "vocab_lm_head", "gathered": "colwise_gather_output", "replicated_dropout": "dropout_replicated"}
 
 
 def lm(suffix: str = "lm_head", bias_of: str | None = None, loss: str = "hook",
@@ -141,6 +146,21 @@ class Family:
     def registry(self) -> dict[str, tuple[str, str]]:
         """{registry key: (family, policy class name)}."""
         return {self.registry_key(c): (self.name, f"{c}Policy") for c in self.heads}
+
+    def tp_plan(self, model: nn.Module, shard_config=None) -> dict[str, str]:
+        """The tensor-parallel split this family's policy makes of `model` (one
+        of its head classes), in transformers' notation: {module path pattern
+        ("model.layers.*.self_attn.q_proj"): transformers style}
+        (FamilyPolicy.tp_plan; `shard_config` defaults to ShardConfig())."""
+        from .config import ShardConfig
+
+        name = type(model).__name__
+        if name not in self.heads:
+            raise ValueError(f"Family {self.name!r} has no policy for {name} (its classes: {', '.join(self.heads)})")
+        policy = self.policy_classes()[f"{name}Policy"]()
+        policy.set_model(model)
+        policy.set_shard_config(shard_config if shard_config is not None else ShardConfig())
+        return policy.tp_plan()
 
 
 class SplitAttentionPolicy:
@@ -237,6 +257,30 @@ class FamilyPolicy(SplitAttentionPolicy, Policy):
         classifier that HF makes an nn.Identity when num_labels=0)."""
         return self.heads
 
+    def tp_plan(self) -> dict[str, str]:
+        """This policy's split of the bound model in transformers' notation:
+        {path pattern: style} for every replacement made from a plan style
+        (shardformer.plan) that transformers has a name for.  A policy key
+        (a module class) is written as the paths of its modules, layer
+        indices as `*`; our refinements keep transformers' coarser name
+        (colwise_heads, colwise_kv_heads, colwise_qkv: "colwise";
+        vocab_lm_head: "colwise_gather_output"), and moe_tp_experts adds
+        its parameters' entries (gate_up_proj packed_colwise, down_proj
+        rowwise) as transformers writes them."""
+        from .plan import hf_entries
+
+        where: dict[str, set[str]] = {}
+        for path, module in self.model.named_modules():
+            where.setdefault(type(module).__name__, set()).add(re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", path))
+        out = {}
+        for key, description in self.module_policy().items():
+            key_name = key if isinstance(key, str) else key.__name__
+            for base in sorted(where.get(key_name, ())):
+                for sub in description.sub_module_replacement:
+                    if sub.style is not None:
+                        out.update(hf_entries(f"{base}.{sub.suffix}" if base else sub.suffix, sub.style))
+        return out
+
     def input_embeddings(self) -> nn.Module:
         """The input embedding an LM head may be tied to."""
         return self.model.get_input_embeddings()
@@ -252,13 +296,9 @@ class FamilyPolicy(SplitAttentionPolicy, Policy):
         return policy
 
     def head_replacement(self, head: Head) -> Sub:
-        from .layer import DropoutForReplicatedInput, Linear1D_Col, VocabParallelLMHead1D
+        from .plan import PlanContext, replacement
 
-        if head.kind == "lm":
-            return Sub(head.suffix, VocabParallelLMHead1D, kwargs=self.lm_head_kwargs())
-        if head.kind == "gathered":
-            return Sub(head.suffix, Linear1D_Col, kwargs={"gather_output": True})
-        return Sub(head.suffix, DropoutForReplicatedInput)
+        return replacement(head.suffix, HEAD_STYLES[head.kind], PlanContext(self))
 
     def preprocess(self) -> nn.Module:
         # An LM head is re-tied after substitution exactly when HF tied it

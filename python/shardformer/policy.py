@@ -29,12 +29,17 @@ class SubModuleReplacementDescription:
     native module in place instead provides
     `prepare_native_module(native, process_group, **kwargs)`, returning an
     object whose commit() makes the change (returning the module) and whose
-    rollback() undoes it (see shardformer.layer.param_shard.ShardParams)."""
+    rollback() undoes it (see shardformer.layer.param_shard.ShardParams).
+
+    `style`: the plan style this replacement was made from (shardformer.plan;
+    None when written by hand): it lets a policy's plan be written back in
+    transformers' notation (FamilyPolicy.tp_plan)."""
 
     suffix: str
     target_module: Any
     kwargs: dict[str, Any] | None = None
     ignore_if_not_exist: bool = False
+    style: str | None = None
 
 
 @dataclass

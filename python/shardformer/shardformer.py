@@ -12,6 +12,23 @@ from .policy import Policy
 from .sharder import ModelSharder
 
 
+def _plan_policy(model: nn.Module, policy, plan) -> Policy:
+    """DerivedPolicy(plan) for optimize(plan=...), after checking that the
+    plan is a {str: str} dict and that no policy was passed as well."""
+    from .derived_policy import DerivedPolicy
+
+    name = type(model).__name__
+    if policy is not None:
+        raise TypeError(f"ShardFormer.optimize({name}): pass a policy or a plan, not both")
+    if not isinstance(plan, dict) or not plan:
+        raise TypeError(f"ShardFormer.optimize({name}): plan must be a non-empty dict {{module path pattern: "
+                        f"style}}, got {plan!r}")
+    bad = [(k, v) for k, v in plan.items() if not isinstance(k, str) or not isinstance(v, str)]
+    if bad:
+        raise TypeError(f"ShardFormer.optimize({name}): plan entries must be str: str, got {bad[0]!r}")
+    return DerivedPolicy(plan, strict=True)
+
+
 class ShardFormer:
     """Shard HuggingFace (or custom) models for tensor parallelism.
 
@@ -26,10 +43,15 @@ class ShardFormer:
             raise TypeError(f"ShardFormer: shard_config must be a ShardConfig, got {type(shard_config).__name__}")
         self.shard_config = shard_config if shard_config is not None else ShardConfig()
 
-    def optimize(self, model: nn.Module, policy: Policy | None = None):
+    def optimize(self, model: nn.Module, policy: Policy | None = None, plan: dict[str, str] | None = None):
         """Shard `model` in place; returns (model, shared_params).
 
-        `policy` defaults to the registered policy of the model's class.  On
+        `policy` defaults to the registered policy of the model's class, or
+        the model's own tensor-parallel plan.  `plan` instead: a plan in
+        transformers' notation, {module path pattern ("model.layers.*.mlp.
+        up_proj"): style ("colwise")}, sharded by DerivedPolicy (its styles
+        and checks: shardformer.derived_policy); every entry must match a
+        module or parameter of the model.  On
         any error (unsupported model, sizes that cannot be split, a policy
         naming modules that do not exist, a replacement failing to build, an
         interrupt) the model is left unchanged; where a change cannot be
@@ -38,6 +60,8 @@ class ShardFormer:
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"ShardFormer.optimize: expected a torch.nn.Module, got {type(model).__name__}")
+        if plan is not None:
+            policy = _plan_policy(model, policy, plan)
         if policy is None:
             policy = get_autopolicy(model)
         elif not isinstance(policy, Policy):
@@ -46,7 +70,8 @@ class ShardFormer:
         return model, shared_params
 
     def from_pretrained(self, model_class, path, *, dtype=None, torch_dtype=None, config=None,
-                        policy: Policy | None = None, progress: bool | None = None, **model_kwargs):
+                        policy: Policy | None = None, plan: dict[str, str] | None = None,
+                        progress: bool | None = None, **model_kwargs):
         """Build `model_class` from the HF checkpoint directory `path`, shard
         it, and load each rank's slices; returns (model, shared_params), the
         model in eval mode as HF's from_pretrained returns it.
@@ -60,11 +85,11 @@ class ShardFormer:
         them, as HF does.  dtype (or HF's older torch_dtype): the model's
         dtype; None or "auto" takes the checkpoint config's dtype (float32 if
         it names none).  config: a config to use instead of the
-        checkpoint's.  model_kwargs go to `model_class.from_config`.
-        Collective over the tensor-parallel group, like optimize().  Not
-        with ShardConfig.expert_parallel_process_group (NotImplementedError,
-        before anything is read or built): build the model, optimize() it,
-        and load_full_state_dict the checkpoint's tensors."""
+        checkpoint's.  policy / plan: as optimize()'s.  model_kwargs go to
+        `model_class.from_config`.  Collective over the tensor-parallel group,
+        like optimize().  Not with ShardConfig.expert_parallel_process_group
+        (NotImplementedError, before anything is read or built): build the
+        model, optimize() it, and load_full_state_dict the checkpoint's tensors."""
         import torch
 
         if self.shard_config.expert_parallel_process_group is not None:
@@ -96,7 +121,7 @@ class ShardFormer:
         left = lazy.mark_uninitialized(model, provided)
         if left:                                # initialized here: the same values on every rank (rank 0's seeds)
             lazy.broadcast_recipes(model, self.shard_config.tensor_parallel_process_group)
-        model, shared_params = self.optimize(model, policy=policy)
+        model, shared_params = self.optimize(model, policy=policy, plan=plan)
         load_pretrained(model, path, strict=False, progress=progress)
         if left:
             warnings.warn(f"{type(model).__name__}: {len(left)} parameters are not in the checkpoint {path} and "

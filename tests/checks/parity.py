@@ -141,7 +141,7 @@ def generate_matches(ctx, name: str, new_tokens: int = 6):
 
 
 def check_sharded(ctx, build, inputs: dict, name: str, dtype=torch.float32, steps: int = 1, config=None,
-                  policy=None, fp64_floor: bool = False, reference=None) -> dict:
+                  policy=None, fp64_floor: bool = False, reference=None, plan=None) -> dict:
     """Forward, loss, every gradient and the outputs after SGD steps of
     build() sharded over ctx.group, against build() unsharded.  Returns the
     max relative errors seen; raises AssertionError on any mismatch.
@@ -152,7 +152,8 @@ def check_sharded(ctx, build, inputs: dict, name: str, dtype=torch.float32, step
     arithmetic already has.  For models measured to be that ill-conditioned
     (see the zoo that asks for it); every other model gets the plain tolerance.
 
-    reference: the unsharded model to compare with (default: a copy of build()'s)."""
+    reference: the unsharded model to compare with (default: a copy of build()'s).
+    policy / plan: passed to optimize()."""
     torch.manual_seed(0)
     model = build()
     model.train()
@@ -161,7 +162,7 @@ def check_sharded(ctx, build, inputs: dict, name: str, dtype=torch.float32, step
     inputs64 = _double(inputs) if ref64 is not None else None
     full_numel = sum(p.numel() for p in ref.parameters())
     shard_config = ShardConfig(tensor_parallel_process_group=ctx.group, **(config or {}))
-    sharded, _ = ShardFormer(shard_config=shard_config).optimize(model, policy=policy)
+    sharded, _ = ShardFormer(shard_config=shard_config).optimize(model, policy=policy, plan=plan)
     local_numel = sum(p.numel() for p in sharded.parameters())
     report = {"tp": ctx.tp_size, "param_fraction": local_numel / full_numel}
     if ctx.tp_size > 1 and shard_config.enable_tensor_parallelism and not local_numel < full_numel:

@@ -1,0 +1,230 @@
+"""Tensor-parallel plans: one style vocabulary and its interpreter.
+
+A plan is data, {module suffix: style}: the built-in shapes write one per
+module class they split (shardformer.policies.shapes: DecoderShape's layer
+plan is {"self_attn.q_proj": "colwise_heads", ..., "mlp.down_proj":
+"rowwise"}), and DerivedPolicy reads transformers' own plans
+({"model.layers.*.self_attn.q_proj": "colwise", ...}) and turns each entry
+into a style of this vocabulary once it has looked at the module (its
+width, whether it sits in an attention, whether it is the LM head).
+`realize()` turns a plan into SubModuleReplacementDescriptions; both
+kinds of policy go through it, so a style means the same layer and split
+everywhere.  With W a Linear weight [out, in] and X [.., in]:
+
+  style                   layer                        what is split (forward / backward collectives)
+  colwise                 Linear1D_Col                 W's rows (out) evenly; Y left split.  copy X fwd,
+                                                       all-reduce dX bwd
+  colwise_heads           Linear1D_Col, Heads.q        W's rows by whole query heads
+  colwise_kv_heads        Linear1D_Col, Heads.kv       W's rows by whole KV heads; a KV head is replicated
+                                                       on tp / kv ranks when there are fewer than ranks (GQA)
+  colwise_qkv             Linear1D_Col, Heads.qkv      a fused [q | k | v] projection: each part by its heads
+  colwise_per_head        Linear1D_Col, Heads(n, n,    a fused per-head projection, rows [q_h k_h v_h] per head
+                          3 * head_dim).q              (BLOOM, GPT-NeoX): whole 3 * head_dim blocks
+  colwise_grouped_qkv     Linear1D_Col, Heads.       a fused projection grouped per KV head, rows
+                          grouped_qkv                  [q_1 .. q_g | k | v] per group (Falcon's new
+                                                       architecture): whole groups
+  packed_colwise          Linear1D_Col, Fused.equal(2) a packed [gate | up] projection: each rank keeps its
+                                                       part of both halves
+  colwise_gather_output   Linear1D_Col(gather_output)  W's rows split, Y all-gathered along features fwd
+                                                       (bwd: this rank's slice): small classifiers
+  vocab_lm_head           VocabParallelLMHead1D        the vocabulary (W's rows), padded; logits gathered
+                                                       unless ShardConfig(parallel_output=True)
+  rowwise                 Linear1D_Row                 W's columns (in) evenly; X arrives split; partial Y
+                                                       all-reduced fwd (bwd: identity)
+  rowwise_heads           Linear1D_Row, Heads.q        W's columns by the same query heads as its siblings
+  packed_rowwise          Linear1D_Row, Fused.equal(2) W's columns, each half split
+  rowwise_split_input     Linear1D_Row(input not       X arrives whole and is split here (bwd: all-gather dX)
+                          parallel)
+  embedding_rowwise       VocabParallelEmbedding1D     the vocabulary (rows of the table), padded; partial
+                                                       lookups all-reduced fwd
+  replicated_with_grad_   ReplicatedInParallelRegion   nothing: the module runs on this rank's features or
+    allreduce                                          rows, its parameter gradients all-reduced bwd
+  moe_tp_experts          FusedExperts1D               every expert's intermediate features; partial outputs
+                                                       all-reduced fwd; the router stays replicated
+  moe_ep_experts          ExpertParallelExperts        whole experts over ShardConfig's expert-parallel
+                                                       group (tokens exchanged all-to-all), each split
+                                                       over TP inside (shardformer.layer.expert_parallel)
+  mla_kv_a_proj           SharedRopeKeyProjection      nothing: latent attention's joint KV down-projection,
+                                                       the shared rotary key's gradient all-reduced bwd
+  dropout_parallel        DropoutForParallelInput      a mask per rank (on this rank's heads or rows)
+  dropout_replicated      DropoutForReplicatedInput    one mask on every rank (replicated activations)
+  dropout_residual        either of the two above      after a row layer: replicated under TP, this
+                                                       rank's rows (a mask per rank) under split-gather SP
+
+Every style except the dropouts has a transformers name (`Style.hf`), so a
+built-in policy's plan can be written in transformers' notation
+(FamilyPolicy.tp_plan) and compared with the model's own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .policy import SubModuleReplacementDescription as Sub
+
+
+class PlanError(ValueError):
+    """A tensor-parallel plan that cannot be honoured."""
+
+
+@dataclass
+class PlanContext:
+    """What the styles read besides the module suffix: the policy (its
+    shard config, vocabulary and LM-head kwargs), the attention's heads
+    (shardformer.layout.Heads) for the head styles, and the input
+    embedding's scale (Gemma: sqrt(hidden)) for embedding_rowwise."""
+
+    policy: Any
+    heads: Any = None
+    embed_scale: float | None = None
+
+
+def _need_heads(ctx: PlanContext, style: str):
+    if ctx.heads is None:
+        raise PlanError(f"style {style!r} splits by attention heads, but no heads were given")
+    return ctx.heads
+
+
+def _embedding_kwargs(ctx: PlanContext) -> dict:
+    kwargs = ctx.policy.vocab_kwargs()
+    if ctx.embed_scale is not None:
+        kwargs["embed_scale"] = float(ctx.embed_scale)
+    return kwargs
+
+
+def _per_head(ctx: PlanContext):
+    from .layout import Heads
+
+    heads = _need_heads(ctx, "colwise_per_head")
+    return Heads(heads.num_heads, heads.num_heads, 3 * heads.head_dim).q
+
+
+def _fused_halves(ctx: PlanContext):
+    from .layout import Fused
+
+    return Fused.equal(2)
+
+
+def residual_dropout(shard_config) -> type:
+    """The class of a dropout after a row layer (style dropout_residual): on
+    the replicated output under TP (DropoutForReplicatedInput, one mask), on
+    this rank's rows under split-gather SP (DropoutForParallelInput, a mask
+    per rank)."""
+    from .layer import DropoutForParallelInput, DropoutForReplicatedInput
+
+    return DropoutForParallelInput if shard_config.sequence_parallel else DropoutForReplicatedInput
+
+
+def _residual_dropout(ctx: PlanContext) -> str:
+    return residual_dropout(ctx.policy.shard_config).__name__
+
+
+@dataclass(frozen=True)
+class Style:
+    """One style: the layer it becomes (a class name in shardformer.layer,
+    or a function of the context choosing one), its kwargs (a function of
+    the context), its kind ("col", "row" or "" : which per-kind extra
+    kwargs realize() adds), its transformers name (None: not in
+    transformers' vocabulary) and the entries transformers' notation
+    writes for the module's own parameters ((parameter, style) pairs: an
+    experts module's gate_up_proj and down_proj)."""
+
+    name: str
+    layer: str | Callable[[PlanContext], str]
+    kwargs: Callable[[PlanContext], dict] = field(default=lambda ctx: {})
+    kind: str = ""
+    hf: str | None = None
+    hf_params: tuple[tuple[str, str], ...] = ()
+
+    def layer_class(self, ctx: PlanContext) -> type:
+        name = self.layer(ctx) if callable(self.layer) else self.layer
+        return _LAYERS[name]()
+
+
+def _layer(module: str, name: str) -> Callable[[], type]:
+    def load():
+        import importlib
+
+        return getattr(importlib.import_module(f"shardformer.layer{module}"), name)
+    return load
+
+
+_LAYERS = {
+    "Linear1D_Col": _layer("", "Linear1D_Col"),
+    "Linear1D_Row": _layer("", "Linear1D_Row"),
+    "VocabParallelLMHead1D": _layer("", "VocabParallelLMHead1D"),
+    "VocabParallelEmbedding1D": _layer("", "VocabParallelEmbedding1D"),
+    "DropoutForParallelInput": _layer("", "DropoutForParallelInput"),
+    "DropoutForReplicatedInput": _layer("", "DropoutForReplicatedInput"),
+    "ReplicatedInParallelRegion": _layer(".replicated", "ReplicatedInParallelRegion"),
+    "SharedRopeKeyProjection": _layer(".replicated", "SharedRopeKeyProjection"),
+    "FusedExperts1D": _layer(".moe", "FusedExperts1D"),
+    "ExpertParallelExperts": _layer(".expert_parallel", "ExpertParallelExperts"),
+}
+
+STYLES: dict[str, Style] = {s.name: s for s in (
+    Style("colwise", "Linear1D_Col", kind="col", hf="colwise"),
+    Style("colwise_heads", "Linear1D_Col", lambda c: {"split": _need_heads(c, "colwise_heads").q}, "col", "colwise"),
+    Style("colwise_kv_heads", "Linear1D_Col", lambda c: {"split": _need_heads(c, "colwise_kv_heads").kv}, "col",
+          "colwise"),
+    Style("colwise_qkv", "Linear1D_Col", lambda c: {"split": _need_heads(c, "colwise_qkv").qkv}, "col", "colwise"),
+    Style("colwise_per_head", "Linear1D_Col", lambda c: {"split": _per_head(c)}, "col", "colwise"),
+    Style("colwise_grouped_qkv", "Linear1D_Col", lambda c: {"split": _need_heads(c, "colwise_grouped_qkv").grouped_qkv},
+          "col", "colwise"),
+    Style("packed_colwise", "Linear1D_Col", lambda c: {"split": _fused_halves(c)}, "col", "packed_colwise"),
+    Style("colwise_gather_output", "Linear1D_Col", lambda c: {"gather_output": True}, hf="colwise_gather_output"),
+    Style("vocab_lm_head", "VocabParallelLMHead1D", lambda c: c.policy.lm_head_kwargs(), hf="colwise_gather_output"),
+    Style("rowwise", "Linear1D_Row", kind="row", hf="rowwise"),
+    Style("rowwise_heads", "Linear1D_Row", lambda c: {"split": _need_heads(c, "rowwise_heads").q}, "row", "rowwise"),
+    Style("packed_rowwise", "Linear1D_Row", lambda c: {"split": _fused_halves(c)}, "row", "packed_rowwise"),
+    Style("rowwise_split_input", "Linear1D_Row", lambda c: {"input_is_parallel": False}, hf="rowwise_split_input"),
+    Style("embedding_rowwise", "VocabParallelEmbedding1D", _embedding_kwargs, hf="embedding_rowwise"),
+    Style("replicated_with_grad_allreduce", "ReplicatedInParallelRegion", hf="replicated_with_grad_allreduce"),
+    Style("moe_tp_experts", "FusedExperts1D", hf="moe_tp_experts",
+          hf_params=(("gate_up_proj", "packed_colwise"), ("down_proj", "rowwise"))),
+    Style("moe_ep_experts", "ExpertParallelExperts",
+          lambda c: {"expert_group": c.policy.shard_config.expert_parallel_process_group}),
+    Style("mla_kv_a_proj", "SharedRopeKeyProjection", hf="mla_kv_a_proj"),
+    Style("dropout_parallel", "DropoutForParallelInput"),
+    Style("dropout_replicated", "DropoutForReplicatedInput"),
+    Style("dropout_residual", _residual_dropout),
+)}
+
+
+def style_of(name: str) -> Style:
+    """The Style called `name`; PlanError naming the known ones otherwise."""
+    try:
+        return STYLES[name]
+    except KeyError:
+        raise PlanError(f"unknown tensor-parallel style {name!r} (shardformer.plan knows: "
+                        f"{', '.join(STYLES)})") from None
+
+
+def replacement(suffix: str, style: str, ctx: PlanContext, extra: dict | None = None) -> Sub:
+    """The replacement of the module at `suffix` split as `style`; `extra`
+    kwargs are added to (and override) the style's own.  The description
+    remembers its style (`Sub.style`) for export."""
+    s = style_of(style)
+    kwargs = {**s.kwargs(ctx), **(extra or {})}
+    return Sub(suffix, s.layer_class(ctx), kwargs=kwargs, style=style)
+
+
+def realize(plan: dict[str, str], ctx: PlanContext, col: dict | None = None, row: dict | None = None,
+            extra: dict[str, dict] | None = None) -> list[Sub]:
+    """The replacements of `plan` ({suffix: style}) in its order.  `col` /
+    `row`: kwargs added to every style of that kind (sequence parallelism's
+    sequence_parallel=True, say); `extra`: {suffix: kwargs} for one entry
+    (applied last)."""
+    by_kind = {"col": col or {}, "row": row or {}}
+    extra = extra or {}
+    return [replacement(suffix, style, ctx, {**by_kind.get(style_of(style).kind, {}), **extra.get(suffix, {})})
+            for suffix, style in plan.items()]
+
+
+def hf_entries(path: str, style: str) -> dict[str, str]:
+    """`style` at `path` in transformers' notation: {path: its name} plus
+    the entries of the module's parameters; {} for our dropout styles."""
+    s = style_of(style)
+    if s.hf is None:
+        return {}
+    return {path: s.hf, **{f"{path}.{param}": hf for param, hf in s.hf_params}}
