@@ -47,12 +47,13 @@ class ShardConfig:
         transformers' AttentionInterface; other layers keep theirs (with a warning).
     enable_jit_fused: fused C kernels for the MLP activations.
     enable_skinny_linear: the tensor-parallel linear layers (and LM heads)
-        called on a few rows without gradients, as in a decode step (at most
-        shardformer.layer.linear.SKINNY_MAX_ROWS tokens, torch.no_grad or
-        inference mode, CPU), read their weight shard through the C kernel
-        shardformer.ops.skinny_linear instead of torch's matmul: decoding is
-        bound by reading the weights, and the kernel streams them once at
-        the memory's rate.  Results equal torch's up to fp32 rounding.
+        called on 2 to 4 rows in float32 without gradients, as in a decode
+        step of 2 to 4 sequences (torch.no_grad or inference mode, CPU), read
+        their weight shard through the C kernel shardformer.ops.skinny_linear
+        instead of torch's matmul, which reads the weights at about half the
+        rate for those shapes (shardformer.layer.linear.SKINNY_MIN_ROWS /
+        SKINNY_MAX_ROWS say where and why).  Results equal torch's up to fp32
+        rounding.
     enable_sequence_parallelism: split the hidden states along the sequence
         between the tensor-parallel blocks (shardformer.layer.sequence), so
         norms, dropouts and residuals hold 1/tp of the activations;

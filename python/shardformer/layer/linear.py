@@ -37,17 +37,23 @@ from .parallel_module import ParallelModule, ShardPlan, check_param, shapes_only
 from .sequence import reduce_scatter_rows, start_all_gather, start_reduce_scatter, token_dim
 
 
-#: The most rows (tokens) a call may have to take the skinny-linear kernel
-#: (ShardConfig.enable_skinny_linear): a decode step of up to this many
-#: sequences.  Past it torch's blocked matmul reuses each weight enough to win.
+#: The calls ShardConfig.enable_skinny_linear sends to the C kernel: float32
+#: inputs of SKINNY_MIN_ROWS to SKINNY_MAX_ROWS rows (tokens), as in a decode
+#: step of 2 to 4 sequences.  Measured on this project's 2-core machine
+#: (benchmarks/skinny_linear.py, one thread, per-rank TP=2 weights of SmolLM2
+#: and a 302M Llama): 1.18-1.99x torch at 2 rows, 0.88-2.31x at 4, where torch
+#: switches from its one-row product to a blocked matmul that reads the
+#: weights at half the rate; at 1 row torch's own product is as fast (0.84-1.10x),
+#: past 4 rows it wins, and in bfloat16 it wins at every row count (0.53-1.07x).
+SKINNY_MIN_ROWS = 2
 SKINNY_MAX_ROWS = 4
 
 
 def _skinny_applies(x: torch.Tensor, weight: torch.Tensor, bias, max_rows: int) -> bool:
-    """A call the skinny kernel takes: CPU, no gradient to record, one float
-    dtype, at most max_rows rows."""
-    return (x.device.type == "cpu" and x.dtype == weight.dtype and x.dtype in ops.FLOAT_DTYPES
-            and x.dim() > 0 and x.numel() <= max_rows * x.shape[-1]
+    """A call the skinny kernel takes: CPU, float32, SKINNY_MIN_ROWS to
+    max_rows rows, no gradient to record."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and x.dim() > 0 and SKINNY_MIN_ROWS * x.shape[-1] <= x.numel() <= max_rows * x.shape[-1]
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad))))
 
