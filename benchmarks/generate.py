@@ -263,16 +263,6 @@ def parallel_layer_counts(model) -> dict:
     return counts
 
 
-def set_skinny(model, on: bool) -> None:
-    """Switch ShardConfig.enable_skinny_linear's kernel on or off in a sharded
-    model (what the sharder sets when the switch is on)."""
-    from shardformer.layer.linear import SKINNY_MAX_ROWS, _LinearShard
-
-    for m in model.modules():
-        if isinstance(m, _LinearShard) and not m.conv1d_layout:
-            m.skinny_rows = SKINNY_MAX_ROWS if on else 0
-
-
 def load_models(rank: int, name: str, path: str | None, skeleton: bool) -> dict:
     """{'real': (unsharded or None, sharded), 'skeleton': ...}: rank 0 holds both, others the sharded one."""
     import copy
@@ -467,6 +457,7 @@ def rank_main(rank: int, name: str, path: str | None, args_d: dict) -> dict:
     import transformers
 
     from shardformer.distributed import backend_for, get_communicator
+    from shardformer.layer.linear import set_skinny_linear
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
@@ -500,7 +491,7 @@ def rank_main(rank: int, name: str, path: str | None, args_d: dict) -> dict:
                 for cname in CONFIGS:
                     rec = {"round": rnd, "batch": batch, "kind": kind, "config": cname}
                     if cname in TP_CONFIGS:
-                        set_skinny(sharded, cname == "tp2-skinny")
+                        set_skinny_linear(sharded, cname == "tp2-skinny")
                         dist.barrier()
                         if rnd == 0:       # warm-up: allocator, caches, the first collectives
                             timed_generate(sharded, ids, 3, None, pad)

@@ -185,36 +185,14 @@ static inline int64_t drop_col(const sfk_attn *a, int64_t j) { return a->kpos ? 
 /* ---- shared pieces ------------------------------------------------------ */
 
 #ifdef ATT_X86
-/* exp over 16 lanes: sfk_exp8's reduction and polynomial (common.h) at
- * AVX-512 width. */
-AVX512 static inline __m512 exp16(__m512 x)
-{
-    const __m512 hi = _mm512_set1_ps(88.37f), lo = _mm512_set1_ps(-87.33f);
-    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps((__mmask16)~under, p, _mm512_castsi512_ps(e));
-}
-
 /* tanh over 16 lanes.  |y| >= 1/4: (1 - e) / (1 + e) with e = exp(-2|y|)
- * (exp16; e = 0 past its range gives 1), the sign of y put back.  Below,
+ * (sfk_exp16; e = 0 past its range gives 1), the sign of y put back.  Below,
  * where 1 - e would cancel, the odd series y - y^3/3 + 2y^5/15 - 17y^7/315
  * + 62y^9/2835 (the next term is < 1e-8 of y there). */
 AVX512 static inline __m512 tanh16(__m512 y)
 {
     const __m512 one = _mm512_set1_ps(1.0f), ay = _mm512_abs_ps(y);
-    const __m512 e = exp16(_mm512_mul_ps(ay, _mm512_set1_ps(-2.0f)));
+    const __m512 e = sfk_exp16(_mm512_mul_ps(ay, _mm512_set1_ps(-2.0f)));
     const __m512 far = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
     const __m512i sign = _mm512_and_si512(_mm512_castps_si512(y), _mm512_set1_epi32((int)0x80000000u));
     const __m512 y2 = _mm512_mul_ps(y, y);
@@ -247,13 +225,13 @@ AVX512 static float exp_sum_avx512(float *s, int64_t n, float shift)
     __m512 acc = _mm512_setzero_ps();
     int64_t j = 0;
     for (; j + 16 <= n; j += 16) {
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), sh));
+        const __m512 e = sfk_exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), sh));
         _mm512_storeu_ps(s + j, e);
         acc = _mm512_add_ps(acc, e);
     }
     if (j < n) {
         const __mmask16 m = (__mmask16)((1u << (n - j)) - 1u);
-        const __m512 e = _mm512_maskz_mov_ps(m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), sh)));
+        const __m512 e = _mm512_maskz_mov_ps(m, sfk_exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), sh)));
         _mm512_mask_storeu_ps(s + j, m, e);
         acc = _mm512_add_ps(acc, e);
     }

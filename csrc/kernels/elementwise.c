@@ -246,27 +246,6 @@ EW_AVX2 static void gelu_erf_bwd_avx2(float *gout, const float *dy, const float 
  * the ragged end of a row through masked loads and stores. */
 #define EW_AVX512 __attribute__((target("avx512f")))
 
-/* exp(x) as sfk_exp8, 16 lanes. */
-EW_AVX512 static inline __m512 exp16(__m512 x)
-{
-    const __m512 hi = _mm512_set1_ps(88.37f), lo = _mm512_set1_ps(-87.33f);
-    const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
-    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(1.428606765330187045e-06f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
-    return _mm512_maskz_mul_ps((__mmask16)~under, p, _mm512_castsi512_ps(e));
-}
-
 EW_AVX512 static inline __m512 gelu_phi16(__m512 u, __m512 *gauss)
 {
     const __m512 half = _mm512_set1_ps(0.5f);
@@ -283,7 +262,7 @@ EW_AVX512 static inline __m512 gelu_phi16(__m512 u, __m512 *gauss)
     q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(2.820843458e-01f));
     const __m512 uu = _mm512_mul_ps(u, u);
     const __m512 lo = _mm512_mul_ps(_mm512_fmsub_ps(u, u, uu), half);
-    __m512 e = exp16(_mm512_mul_ps(uu, _mm512_set1_ps(-0.5f)));
+    __m512 e = sfk_exp16(_mm512_mul_ps(uu, _mm512_set1_ps(-0.5f)));
     e = _mm512_fnmadd_ps(e, lo, e);
     *gauss = e;
     const __m512 tail = _mm512_mul_ps(_mm512_mul_ps(half, t), _mm512_mul_ps(q, e));

@@ -132,17 +132,6 @@ class _AttentionSwitch:
         disable_seam(self.model)
 
 
-def _enable_skinny_linear(model: nn.Module) -> None:
-    """ShardConfig.enable_skinny_linear: every linear layer of ours with the
-    [out, in] weight layout takes calls of few rows, without gradients, through
-    the C kernel (shardformer.layer.linear.SKINNY_MAX_ROWS, ops.skinny_linear)."""
-    from .layer.linear import SKINNY_MAX_ROWS, _LinearShard
-
-    for module in model.modules():
-        if isinstance(module, _LinearShard) and not module.conv1d_layout:
-            module.skinny_rows = SKINNY_MAX_ROWS
-
-
 def _sequence_states(policy, model: nn.Module) -> list:
     """The sequence-parallel states of a sharded model (told the sequence
     length by a pipeline stage that starts from received rows): the split
@@ -280,7 +269,9 @@ class ModelSharder:
             self.policy.model = self.policy.preprocess()
             _C.sharder_apply(ops, cfg.tensor_parallel_process_group, inheritance, journal)
             if cfg.enable_skinny_linear:
-                _enable_skinny_linear(model)
+                from .layer.linear import set_skinny_linear
+
+                set_skinny_linear(model)
         except BaseException as e:
             if journal:
                 _mark_broken(model, name, e)

@@ -78,10 +78,11 @@ def _double(inputs: dict) -> dict:
             for k, v in inputs.items()}
 
 
-def refused_unchanged(model, call, what: str, error: type = ValueError, structure: bool = False) -> str:
-    """call() must raise `error` and leave every tensor of model.state_dict()
-    (with structure=True: every module's name and class too) as it was;
-    returns the message."""
+def refused_unchanged(model, call, what: str, error: type = ValueError, structure: bool = False,
+                      names: tuple = ()) -> str:
+    """call() must raise `error` naming each of `names` and leave every tensor
+    of model.state_dict() (with structure=True: every module's name and class
+    too) as it was; returns the message."""
     before = {k: v.clone() for k, v in model.state_dict().items()}
     modules = [(n, type(m)) for n, m in model.named_modules()]
     try:
@@ -94,6 +95,8 @@ def refused_unchanged(model, call, what: str, error: type = ValueError, structur
     assert not changed, f"the refused {what} changed {changed}"
     if structure:
         assert [(n, type(m)) for n, m in model.named_modules()] == modules, f"the refused {what} replaced modules"
+    missing = [n for n in names if n not in message]
+    assert not missing, f"the refusal of {what} does not name {missing}: {message}"
     return message
 
 

@@ -58,6 +58,16 @@ def _skinny_applies(x: torch.Tensor, weight: torch.Tensor, bias, max_rows: int) 
                                                   or (bias is not None and bias.requires_grad))))
 
 
+def set_skinny_linear(model: nn.Module, on: bool = True) -> None:
+    """ShardConfig.enable_skinny_linear on a sharded model (the sharder calls
+    it; benchmarks switch it per run): every linear layer of ours with the
+    [out, in] weight layout sends its qualifying calls (_skinny_applies) to
+    ops.skinny_linear, or none of them with on=False."""
+    for module in model.modules():
+        if isinstance(module, _LinearShard) and not module.conv1d_layout:
+            module.skinny_rows = SKINNY_MAX_ROWS if on else 0
+
+
 class _LinearShard(ParallelModule):
     """Shared machinery: the weight layout ([out, in] or Conv1D [in, out]),
     the split dimension, and what is cut out of a native module: the weight
