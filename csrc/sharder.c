@@ -69,7 +69,7 @@ typedef struct {
     PyObject *tp_size;    /* int */
     PyObject *rank;       /* int */
     PyObject *ops;        /* list being built */
-    PyObject *replaced;   /* {(id(parent), name): (target, kwargs)} already planned */
+    PyObject *replaced;   /* {(id(parent), name): (target, kwargs, path)} already planned */
     Py_ssize_t matched;
 } plan_ctx;
 
@@ -1011,8 +1011,9 @@ static int plan_submodule(plan_ctx *ctx, PyObject *parent, PyObject *name, PyObj
                           PyObject *path, PyObject *target, PyObject *kwargs)
 {
     /* The same slot reached again: by the same policy entry through a
-     * parent shared by several paths (one module, planned once: its one
-     * replacement serves every path), or by two entries that overlap. */
+     * parent shared by several paths (another path, same target and kwargs:
+     * one module, planned once, its one replacement serves every path), or
+     * by two entries that overlap. */
     PyObject *slot = Py_BuildValue("(nO)", (Py_ssize_t)(uintptr_t)parent, name);
     if (slot == NULL)
         return -1;
@@ -1021,13 +1022,17 @@ static int plan_submodule(plan_ctx *ctx, PyObject *parent, PyObject *name, PyObj
         Py_DECREF(slot);
         if (earlier == NULL)
             return -1;
-        if (PyTuple_GET_ITEM(earlier, 0) == target && PyTuple_GET_ITEM(earlier, 1) == kwargs)
+        int other_path = PyUnicode_Compare(PyTuple_GET_ITEM(earlier, 2), path);
+        if (other_path == -1 && PyErr_Occurred())
+            return -1;
+        if (other_path != 0 && PyTuple_GET_ITEM(earlier, 0) == target &&
+            PyTuple_GET_ITEM(earlier, 1) == kwargs)
             return 0;
         PyErr_Format(PyExc_ValueError, "%U: %U: replaced by two policy entries",
                      ctx->model_name, path);
         return -1;
     }
-    PyObject *what = PyTuple_Pack(2, target, kwargs);
+    PyObject *what = PyTuple_Pack(3, target, kwargs, path);
     int added = what ? PyDict_SetItem(ctx->replaced, slot, what) : -1;
     Py_XDECREF(what);
     Py_DECREF(slot);

@@ -269,7 +269,8 @@ class ModelSharder:
         try:
             enable_attention(model, cfg, getattr(self.policy, "attention_seam", None))
             self.policy.model = self.policy.preprocess()
-            ties = find_ties(model, name)        # bound in the builds, before the swaps (shardformer.ties)
+            # bound in the builds, before the swaps (shardformer.ties)
+            ties = find_ties(model, name, self.policy.tie_followers())
             _C.sharder_apply(ops, cfg.tensor_parallel_process_group, inheritance, journal, ties)
             if cfg.enable_skinny_linear:
                 from .layer.linear import set_skinny_linear

@@ -27,6 +27,13 @@ The sharder keeps every tie, for any parameter, in three steps:
           the built replacements (and the prepared in-place changes), not
           the model: the swaps then put in tied modules.
 
+A policy may keep a name out of this: `Policy.tie_followers()` lists the
+(module, attribute) pairs of modules its plan leaves alone that its
+postprocess points at the replacement's parameter (HF keeps a BERT-style
+decoder bias also as the prediction head's `bias`, an alias its forward
+never reads).  Such a name, still holding the original, is neither checked
+nor bound here.
+
 Names of one tie that agree on the layout hold, on every rank, the same
 slice of the same full tensor, so binding them to one shard is exact: its
 gradient is the sum of every use's gradient of that slice, as unsharded.
@@ -54,20 +61,24 @@ def _describe(owner: nn.Module, sig: tuple) -> str:
 
 
 class _Place:
-    """One name of a tied parameter: the module path, the attribute."""
+    """One name of a tied parameter: the module path, the attribute, the
+    module holding it before substitution."""
 
-    __slots__ = ("name", "path", "attr")
+    __slots__ = ("name", "path", "attr", "owner")
 
-    def __init__(self, name: str):
+    def __init__(self, model: nn.Module, name: str):
         self.name = name
         self.path, _, self.attr = name.rpartition(".")
+        self.owner = model.get_submodule(self.path)
 
 
 class Ties:
     """The tied parameters of one model, found before substitution; see the module doc."""
 
-    def __init__(self, model: nn.Module, model_name: str, groups: list[tuple[nn.Parameter, list[_Place]]]):
+    def __init__(self, model: nn.Module, model_name: str, groups: list[tuple[nn.Parameter, list[_Place]]],
+                 followers=()):
         self.model, self.model_name, self.groups = model, model_name, groups
+        self.followers = {(id(module), attr) for module, attr in followers}
 
     def __call__(self, ops: list, builds: list) -> None:
         """The engine's `built` callback: share replacements of one module,
@@ -84,7 +95,9 @@ class Ties:
         plans = []
         for original, places in self.groups:
             after = [(place, *self._after(place, slots, changes)) for place in places]
-            after = [a for a in after if a[1] is not None]     # a name the replacement no longer has
+            # (not: a name the replacement no longer has; a follower the policy re-ties)
+            after = [a for a in after if a[1] is not None and not (
+                a[2] is original and (id(a[0].owner), a[0].attr) in self.followers)]
             if len({id(a[2]) for a in after}) <= 1:
                 continue                                      # one object still: nothing to bind
             sigs = [(a, self._layout(a[1], a[0].attr, a[2], original, changes)) for a in after]
@@ -171,10 +184,11 @@ def _layouts(module) -> dict:
     return {name: _shard_sig(dim, shard) for name, (dim, shard) in sharded.items()}
 
 
-def find_ties(model: nn.Module, model_name: str) -> Ties | None:
-    """The parameters of `model` reachable under several names (None: no tie)."""
+def find_ties(model: nn.Module, model_name: str, followers=()) -> Ties | None:
+    """The parameters of `model` reachable under several names (None: no
+    tie); `followers`: the policy's tie_followers()."""
     names: dict[int, tuple[nn.Parameter, list[_Place]]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), (p, []))[1].append(_Place(name))
+        names.setdefault(id(p), (p, []))[1].append(_Place(model, name))
     groups = [(p, places) for p, places in names.values() if len(places) > 1]
-    return Ties(model, model_name, groups) if groups else None
+    return Ties(model, model_name, groups, followers) if groups else None

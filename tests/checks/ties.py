@@ -131,11 +131,13 @@ def trains_like_unsharded(ctx, name: str, lazy: bool, default_group: bool) -> di
 
 def lazy_equals_eager_tied(ctx, name: str) -> int:
     """The tied model built under lazy_init() and sharded equals the eager
-    one sharded, tensor for tensor, with as many distinct parameters."""
+    one sharded, tensor for tensor, with as many distinct parameters, its
+    ties held."""
     models = []
     for lazy in (False, True):
         model = build_tied(name, lazy=lazy)
         ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
+        assert_tied(model, name, TIES[name])
         models.append(model)
     eager, lazy_model = models
     e, z = eager.state_dict(), lazy_model.state_dict()
