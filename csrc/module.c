@@ -384,13 +384,15 @@ PyDoc_STRVAR(resolve_plan_doc,
 "plan.resolved {name: DimShard fields}, as sharder_plan does.");
 
 PyDoc_STRVAR(sharder_apply_doc,
-"sharder_apply(ops, process_group, adopt=None, journal=None) -> int\n\n"
+"sharder_apply(ops, process_group, adopt=None, journal=None, built=None) -> int\n\n"
 "Apply a plan from sharder_plan, consuming the list, in two phases: build\n"
 "every replacement (from_native_module, or prepare_native_module for an\n"
 "in-place change) and bound method, calling adopt(path, native, replacement)\n"
 "for each, without touching the model; then swap them in, journaled, undoing\n"
-"the swaps in reverse if one fails.  `journal`, when given, is left holding\n"
-"the changes that could not be undone after a failure (empty on success).");
+"the swaps in reverse if one fails.  `built(ops, builds)`, when given, sees\n"
+"(and may edit) the list of builds between the two phases; what it raises\n"
+"comes out unchanged.  `journal`, when given, is left holding the changes\n"
+"that could not be undone after a failure (empty on success).");
 
 static PyMethodDef methods[] = {
     {"split_units", py_split_units, METH_VARARGS, split_units_doc},

@@ -69,7 +69,7 @@ typedef struct {
     PyObject *tp_size;    /* int */
     PyObject *rank;       /* int */
     PyObject *ops;        /* list being built */
-    PyObject *replaced;   /* set of (id(parent), name) already planned */
+    PyObject *replaced;   /* {(id(parent), name): (target, kwargs, path)} already planned */
     Py_ssize_t matched;
 } plan_ctx;
 
@@ -1010,24 +1010,34 @@ done:
 static int plan_submodule(plan_ctx *ctx, PyObject *parent, PyObject *name, PyObject *child,
                           PyObject *path, PyObject *target, PyObject *kwargs)
 {
-    /* The same slot replaced twice means two policy entries overlap. */
+    /* The same slot reached again: by the same policy entry through a
+     * parent shared by several paths (another path, same target and kwargs:
+     * one module, planned once, its one replacement serves every path), or
+     * by two entries that overlap. */
     PyObject *slot = Py_BuildValue("(nO)", (Py_ssize_t)(uintptr_t)parent, name);
     if (slot == NULL)
         return -1;
-    int seen = PySet_Contains(ctx->replaced, slot);
-    if (seen != 0) {
+    PyObject *earlier = PyDict_GetItemWithError(ctx->replaced, slot); /* borrowed */
+    if (earlier != NULL || PyErr_Occurred()) {
         Py_DECREF(slot);
-        if (seen > 0) {
-            PyErr_Format(PyExc_ValueError, "%U: %U: replaced by two policy entries",
-                         ctx->model_name, path);
-        }
+        if (earlier == NULL)
+            return -1;
+        int other_path = PyUnicode_Compare(PyTuple_GET_ITEM(earlier, 2), path);
+        if (other_path == -1 && PyErr_Occurred())
+            return -1;
+        if (other_path != 0 && PyTuple_GET_ITEM(earlier, 0) == target &&
+            PyTuple_GET_ITEM(earlier, 1) == kwargs)
+            return 0;
+        PyErr_Format(PyExc_ValueError, "%U: %U: replaced by two policy entries",
+                     ctx->model_name, path);
         return -1;
     }
-    if (PySet_Add(ctx->replaced, slot) < 0) {
-        Py_DECREF(slot);
-        return -1;
-    }
+    PyObject *what = PyTuple_Pack(3, target, kwargs, path);
+    int added = what ? PyDict_SetItem(ctx->replaced, slot, what) : -1;
+    Py_XDECREF(what);
     Py_DECREF(slot);
+    if (added < 0)
+        return -1;
 
     PyObject *plan = Py_NewRef(Py_None);
     int has_plan = has_attr_str(target, "plan_shard");
@@ -1194,7 +1204,7 @@ PyObject *sf_sharder_plan(PyObject *self, PyObject *args, PyObject *kwargs)
     if (ctx.entries == NULL)
         return NULL;
     ctx.ops = PyList_New(0);
-    ctx.replaced = PySet_New(NULL);
+    ctx.replaced = PyDict_New();
     PyObject *visited = PySet_New(NULL);
     PyObject *stack = PyList_New(0);
     PyObject *empty = PyUnicode_FromString("");
@@ -1668,7 +1678,7 @@ static void apply_failed(PyObject *op, Py_ssize_t i, Py_ssize_t n, PyObject *jou
     Py_XDECREF(tb);
 }
 
-/* sharder_apply(ops, process_group, adopt=None, journal=None) -> number of ops applied.
+/* sharder_apply(ops, process_group, adopt=None, journal=None, built=None) -> number of ops applied.
  *
  * Phase 1 builds every replacement (the model untouched); phase 2 swaps them
  * in, consuming the plan list (each op dropped as it is committed).  On any
@@ -1676,20 +1686,31 @@ static void apply_failed(PyObject *op, Py_ssize_t i, Py_ssize_t n, PyObject *jou
  * naming the op, or the original one when it passes through unchanged, see
  * passes_through).  `adopt`, when not None, is called as adopt(path,
  * native, replacement) for every sub-module replacement, in phase 1.
+ * `built`, when not None, is called as built(ops, builds) once phase 1 is
+ * done, before anything is swapped in: `builds` is the list of what phase 2
+ * will commit, one entry per op (("sub", path, parent, name, replacement),
+ * ("sub", path, change) for a change in place, or the op itself), which the
+ * callback may edit in place (the sharder's tie binding); an exception it
+ * raises comes out as raised, after the rollback.
  * `journal`, when a list, receives the record of the changes: after a
  * failure it holds those that could not be undone (empty: the model is as it
  * was); after success it is emptied (the replaced modules are let go). */
 PyObject *sf_sharder_apply(PyObject *self, PyObject *args, PyObject *kwargs)
 {
     (void)self;
-    static char *kwlist[] = {"ops", "process_group", "adopt", "journal", NULL};
-    PyObject *ops, *process_group, *adopt = Py_None, *journal = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O|OO:sharder_apply", kwlist, &PyList_Type,
-                                     &ops, &process_group, &adopt, &journal))
+    static char *kwlist[] = {"ops", "process_group", "adopt", "journal", "built", NULL};
+    PyObject *ops, *process_group, *adopt = Py_None, *journal = Py_None, *on_built = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!O|OOO:sharder_apply", kwlist, &PyList_Type,
+                                     &ops, &process_group, &adopt, &journal, &on_built))
         return NULL;
     if (adopt != Py_None && !PyCallable_Check(adopt)) {
         PyErr_Format(PyExc_TypeError, "sharder_apply: adopt must be callable or None, got %s",
                      Py_TYPE(adopt)->tp_name);
+        return NULL;
+    }
+    if (on_built != Py_None && !PyCallable_Check(on_built)) {
+        PyErr_Format(PyExc_TypeError, "sharder_apply: built must be callable or None, got %s",
+                     Py_TYPE(on_built)->tp_name);
         return NULL;
     }
     if (journal != Py_None && !PyList_Check(journal)) {
@@ -1716,6 +1737,20 @@ PyObject *sf_sharder_apply(PyObject *self, PyObject *args, PyObject *kwargs)
         }
         Py_DECREF(b);
         Py_DECREF(op);
+    }
+    if (on_built != Py_None) {
+        PyObject *r = PyObject_CallFunctionObjArgs(on_built, ops, built, NULL);
+        if (r == NULL) {
+            rollback(journal); /* the callback's exception comes out as raised */
+            goto done;
+        }
+        Py_DECREF(r);
+        if (PyList_GET_SIZE(built) != PyList_GET_SIZE(ops)) {
+            PyErr_SetString(PyExc_RuntimeError, "sharder_apply: the built callback changed the "
+                            "number of builds");
+            rollback(journal);
+            goto done;
+        }
     }
     Py_ssize_t i;
     for (i = 0; i < PyList_GET_SIZE(ops) && i < PyList_GET_SIZE(built); i++) {

@@ -180,3 +180,62 @@ def test_inexact_replays_agree():
 @pytest.mark.parametrize("tp", [2, 4])
 def test_lazy_custom_model_with_its_policy(pool, tp):
     pool.run(lazy.lazy_custom_model, tp)
+
+
+def test_training_forward_before_optimize_is_refused():
+    """A forward with autograd on, on a lazy model not yet sharded, would
+    return a result detached from the parameters (no gradient reaches them):
+    refused by name, inside and after the lazy_init() context, pointing to
+    optimize(); under torch.no_grad() it still computes exact values, and
+    after materialize_module() it trains like the eager model."""
+    import torch
+    from shardformer import lazy_init
+    from shardformer.lazy import materialize_module
+
+    small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=100)
+    ids = torch.randint(0, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    eager = _llama(**small)
+    torch.manual_seed(0)
+    with lazy_init():
+        model = _llama(**small)
+        with pytest.raises(RuntimeError, match=r"lazy parameter .* requires grad.*optimize\(\)"):
+            model(ids, labels=ids)
+    with pytest.raises(RuntimeError, match=r"lazy parameter .* requires grad.*optimize\(\)"):
+        model(ids, labels=ids)
+    with torch.no_grad():
+        assert torch.equal(model(ids, labels=ids).loss, eager(ids, labels=ids).loss)
+    materialize_module(model)
+    loss, ref = model(ids, labels=ids).loss, eager(ids, labels=ids).loss
+    assert loss.requires_grad and torch.equal(loss, ref)
+    loss.backward()
+    ref.backward()
+    for (name, p), q in zip(model.named_parameters(), eager.parameters()):
+        assert torch.equal(p.grad, q.grad), name
+
+
+def test_saved_state_dict_of_a_lazy_model_loads_with_plain_torch(tmp_path):
+    """torch.save(lazy_model.state_dict()) writes ordinary tensors (the
+    values eager construction gives from the same seed), which plain
+    torch.load (weights_only) reads; the model stays lazy.  A tensor still to
+    be loaded (mark_uninitialized) has no values: refused by name when saved."""
+    import torch
+    from shardformer import lazy_init
+    from shardformer.lazy import is_lazy, mark_uninitialized
+
+    small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=100)
+    torch.manual_seed(0)
+    eager = _llama(**small)
+    torch.manual_seed(0)
+    with lazy_init():
+        model = _llama(**small)
+    torch.save(model.state_dict(), tmp_path / "lazy.pt")
+    loaded = torch.load(tmp_path / "lazy.pt")
+    expected = eager.state_dict()
+    assert list(loaded) == list(expected)
+    for key, value in expected.items():
+        assert type(loaded[key]) is torch.Tensor and torch.equal(loaded[key], value), key
+    assert all(is_lazy(p) for p in model.parameters())
+    mark_uninitialized(model, ["lm_head.weight"])
+    with pytest.raises(TypeError, match=r"still to be loaded"):
+        torch.save(model.state_dict(), tmp_path / "unloaded.pt")

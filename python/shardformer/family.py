@@ -308,6 +308,13 @@ class FamilyPolicy(SplitAttentionPolicy, Policy):
                             and self.model.get_submodule(h.suffix).weight is embeddings.weight]
         return super().preprocess()
 
+    def tie_followers(self) -> list[tuple[nn.Module, str]]:
+        """The `bias` of each LM head's `bias_of` module: postprocess points it
+        at the head's split bias."""
+        own = [(self.model.get_submodule(h.bias_of), "bias") for h in self.active_heads()
+               if self.tensor_parallel and h.kind == "lm" and h.bias_of is not None]
+        return own + super().tie_followers()
+
     def postprocess(self) -> nn.Module:
         if self.tensor_parallel:
             for head in self.active_heads():

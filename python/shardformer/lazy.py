@@ -43,7 +43,12 @@ never replayed.
 
 Reading a lazy tensor outside these paths (a forward on a lazy model, a
 policy computing from weights) materializes it for that one operation:
-correct, and as slow as building the tensor each time.  materialize_module()
+correct, and as slow as building the tensor each time.  Such a read with
+autograd on, of a parameter that requires grad, is refused (RuntimeError):
+the result could only be a copy detached from the parameter, so a training
+forward before optimize() would silently train nothing; a forward under
+torch.no_grad() is allowed.  `torch.save(model.state_dict())` of a lazy
+model writes the materialized values (plain torch.load reads them).  materialize_module()
 turns a whole lazy model into an ordinary one.  `model.to(dtype/device)` on a
 lazy model stays lazy (the conversion is one more step of each recipe).
 
@@ -172,6 +177,8 @@ def _dispatch(cls, func, types, args, kwargs):
         result = _on_meta(func, args, kwargs)
         if result is _NOT_META:
             pass                                # it computes with real tensors: a read, below
+        elif result is target:
+            return target                       # metadata changed in place (requires_grad_)
         elif not isinstance(result, (torch.Tensor, tuple, list)):
             return result                       # metadata: sizes, dtype, dim, ...
         elif isinstance(result, torch.Tensor) and (name in _ALIASES or result._is_view()):
@@ -182,9 +189,49 @@ def _dispatch(cls, func, types, args, kwargs):
         elif isinstance(result, (tuple, list)) and not any(isinstance(r, torch.Tensor) for r in result):
             return result
     # Anything else reads a lazy tensor's values: materialize it for this one operation.
+    tracked = _grad_tracked(args, kwargs)
     args = _tree_map(_materialized_arg, args)
     kwargs = _tree_map(_materialized_arg, kwargs)
-    return func(*args, **kwargs)
+    result = func(*args, **kwargs)
+    if tracked is not None and _differentiable(result):
+        _refuse_detached(name, tracked)
+    return result
+
+
+def _grad_tracked(args, kwargs):
+    """The first lazy argument autograd would track (requires_grad, grad
+    mode on), or None."""
+    if not torch.is_grad_enabled():
+        return None
+    found = []
+
+    def visit(x):
+        if not found and is_lazy(x) and x.requires_grad:
+            found.append(x)
+        return x
+
+    _tree_map(visit, args)
+    _tree_map(visit, kwargs)
+    return found[0] if found else None
+
+
+def _differentiable(result) -> bool:
+    if isinstance(result, (tuple, list)):
+        return any(_differentiable(r) for r in result)
+    return isinstance(result, torch.Tensor) and (result.is_floating_point() or result.is_complex())
+
+
+def _refuse_detached(name: str, t) -> None:
+    """A computation on a lazy parameter with autograd on: its result could
+    only be a detached copy (no storage, no gradient to hold), so a
+    forward before optimize() would train nothing.  Refused by name."""
+    raise RuntimeError(
+        f"shardformer.lazy_init: {name or 'an operation'} read a lazy parameter {tuple(t.shape)} {t.dtype} "
+        f"that requires grad, with autograd on: a model built under lazy_init() has no parameter storage "
+        f"until optimize(), so the result would be detached from the parameter and no gradient would reach "
+        f"it. Call ShardFormer(...).optimize(model) first (it materializes this rank's shards), or "
+        f"shardformer.lazy.materialize_module(model) to build the whole model; a forward under "
+        f"torch.no_grad() reads the lazy values (exact, slow)")
 
 
 _NOT_META = object()
@@ -455,11 +502,26 @@ class LazyParameter(nn.Parameter):
 
 class _LazyView(torch.Tensor):
     """A view of a lazy tensor (an indexing, .data, .t(), ...): in-place
-    operations on it are recorded on the lazy tensor it views."""
+    operations on it are recorded on the lazy tensor it views.
+
+    Pickled (torch.save of a lazy model's state_dict(), whose tensors are
+    such views), it is written as the ordinary tensor it stands for,
+    materialized then, so that plain torch.load reads the file; one whose
+    values are still to be loaded (mark_uninitialized) has none to write
+    and is refused."""
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         return _dispatch(cls, func, types, args, kwargs)
+
+    def __reduce_ex__(self, protocol):
+        if self._sf_recipe.uninitialized:
+            raise TypeError(f"a lazy tensor {tuple(self.shape)} whose values are still to be loaded "
+                            f"(from_pretrained marks them so) cannot be saved: it has no values yet; "
+                            f"load the checkpoint (optimize() / from_pretrained) before saving")
+        real = materialize(self)
+        with torch._C.DisableTorchFunctionSubclass():
+            return real.__reduce_ex__(protocol)
 
 
 def is_lazy(t) -> bool:

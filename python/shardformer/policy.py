@@ -153,6 +153,15 @@ class Policy(ABC):
         raises, the model is marked partially sharded (see ModelSharder)."""
         return self.model
 
+    def tie_followers(self) -> list[tuple[nn.Module, str]]:
+        """(module, attribute) pairs, on modules this plan leaves alone,
+        whose parameter is tied to one the plan splits and that postprocess
+        points at the split one itself (an alias the module's forward never
+        reads, such as HF's decoder bias kept as the prediction head's
+        `bias`): the sharder's tie check (shardformer.ties) leaves them to
+        it.  Default: those of the sub-policies (sub_policy)."""
+        return [f for inner in self.__dict__.get("_sub_policies", {}).values() for f in inner.tie_followers()]
+
     def get_shared_params(self) -> list[dict[int, nn.Parameter]]:
         """Parameters shared across pipeline stages ({stage: param} per set)."""
         return []

@@ -41,6 +41,7 @@ from .layer.attention_weights import gather_attention_weights
 from .layer.rank_streams import guard_random_streams
 from .lm_loss import LMLossPlan
 from .replicas import broadcast_weights, check_same_model
+from .ties import find_ties
 from .optimizations import enable_attention, optimization_policy
 from .policy import Policy
 
@@ -258,8 +259,9 @@ class ModelSharder:
 
     def _apply(self, ops: list, name: str) -> Inheritance:
         """Switch attention, preprocess, and apply the plan (the engine builds
-        every replacement, then swaps them in); on failure, put back what
-        changed, or mark the model when something cannot be put back."""
+        every replacement, the tied parameters are bound in them, then the
+        engine swaps them in); on failure, put back what changed, or mark the
+        model when something cannot be put back."""
         model, cfg = self.model, self.shard_config
         inheritance = Inheritance(model)
         attention = _AttentionSwitch(model) if cfg.enable_flash_attention else None
@@ -267,7 +269,9 @@ class ModelSharder:
         try:
             enable_attention(model, cfg, getattr(self.policy, "attention_seam", None))
             self.policy.model = self.policy.preprocess()
-            _C.sharder_apply(ops, cfg.tensor_parallel_process_group, inheritance, journal)
+            # bound in the builds, before the swaps (shardformer.ties)
+            ties = find_ties(model, name, self.policy.tie_followers())
+            _C.sharder_apply(ops, cfg.tensor_parallel_process_group, inheritance, journal, ties)
             if cfg.enable_skinny_linear:
                 from .layer.linear import set_skinny_linear
 

@@ -102,10 +102,16 @@ class _GradientSync:
     def __init__(self, module: nn.Module, params: list, group):
         self.module, self.params, self.group = module, params, group
         self.handles: list = []
+        self.hooked: list = []
 
     def commit(self) -> nn.Module:
         for p in self.params:
+            # A parameter tied between two modules of the region (or one module under two
+            # paths) is prepared twice: one all-reduce of its summed gradient, not two.
+            if has_grad_all_reduce(p, self.group):
+                continue
             self.handles.append(p.register_hook(_all_reduce_hook(self.group)))
+            self.hooked.append(p)
             setattr(p, _MARK, True)
         if self.params:
             self.handles.append(self.module.register_forward_pre_hook(self.reattach))
@@ -122,9 +128,10 @@ class _GradientSync:
     def rollback(self) -> None:
         for handle in self.handles:
             handle.remove()
-        for p in self.params[:len(self.handles)]:   # (the last handle, the reattach hook, marks nothing)
+        for p in self.hooked:
             p.__dict__.pop(_MARK, None)
         self.handles.clear()
+        self.hooked.clear()
 
 
 class SharedRopeKeyProjection:
