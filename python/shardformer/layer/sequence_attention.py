@@ -80,7 +80,11 @@ A forward that uses a KV cache (past_key_values given, or use_cache=True)
 runs unsplit: generate() works unchanged (each rank computes the whole
 sequence); other forwards run split with use_cache=False, so they return no
 cache.  An unsplit forward that would be differentiated is refused (its
-gradients would be summed over the group).
+gradients would be summed over the group).  The mask a split forward builds
+is the one the unsharded model builds for the same call: packed documents in
+the position_ids are masked block-diagonally only where the unsharded model,
+with the cache it would make, does so (shardformer.packing, decided on the
+base model's call before use_cache is dropped, and held while it runs).
 """
 from __future__ import annotations
 
@@ -94,6 +98,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import distributed as D
+from .. import packing
 from ..distributed.mappings import _all_gather_seq
 from ..pickling import BoundMethod
 from .dropout import RankStream as _RankStream, may_draw
@@ -820,6 +825,7 @@ class _SplitHooks:
         self.configs: list = []            # (config, its _attn_implementation before)
         self.attention: list = []          # attention modules given the state
         self.methods: list = []            # modules given an instance attribute `full_bias`
+        self.packing: list = []            # per base call in progress: its packing.hold() token
 
     def _replace_seam(self) -> None:
         """The seam's method, on each of its modules under the layers, replaced
@@ -907,11 +913,14 @@ class _SplitHooks:
         self._switch_attention()
 
         def base_pre(_module, args, kwargs):
+            # the unsharded model's packed-sequence masking, decided before use_cache is dropped below
+            self.packing.append(packing.hold(packing.unsharded_packs(_module, kwargs)))
             cache, use_cache = kwargs.get("past_key_values"), kwargs.get("use_cache")
             state.active = cache is None and use_cache is not True and state.p > 1
             state.entered = False
             if state.active:
                 _refuse_recorded_outputs(_module, kwargs, state)
+                _refuse_ring_documents(kwargs, state)
                 kwargs = {**kwargs, "use_cache": False}
                 if self.cross:
                     kwargs = _encoder_states_summed(kwargs, args, state)
@@ -925,11 +934,16 @@ class _SplitHooks:
                     f"use_cache=False to train")
             return args, kwargs
 
+        def base_post(_module, _args, _output):
+            if self.packing:                  # also when the forward (or base_pre) raised: always_call
+                packing.release(self.packing.pop())
+
         def first_pre(_module, args, kwargs):
             if not state.active or state.entered:
                 return None
             state.entered = self.repeated
             x, rebuild = _layer_inputs(args, kwargs)
+            _check_same_input(state, x)
             state.start(x.shape[state.dim], x.device)
             return rebuild(mark_rows(_Split.apply(x, state), _recorded_gather(state)))
 
@@ -973,6 +987,7 @@ class _SplitHooks:
                             f"hidden states (a tensor, or a tuple starting with one)")
 
         self.handles.append(self.base.register_forward_pre_hook(base_pre, with_kwargs=True))
+        self.handles.append(self.base.register_forward_hook(base_post, always_call=True))
         self.handles.append(layers[0].register_forward_pre_hook(first_pre, with_kwargs=True))
         for layer in layers:
             self.handles.append(layer.register_forward_pre_hook(every_pre, with_kwargs=True))
@@ -999,6 +1014,54 @@ class _SplitHooks:
         for m in self.methods:
             m.__dict__.pop(self.full_bias, None)
         self.methods.clear()
+
+
+def _check_same_input(state: SequenceSplit, x: torch.Tensor) -> None:
+    """Every rank of the SP group splits the same sequence: one all-gather of
+    the first layer's input shape (4 int64) before any rows are exchanged.
+    Ranks given different inputs (another length, which the padding to S' can
+    hide from the exchanges themselves) raise on every rank, naming them."""
+    if state.p == 1:
+        return
+    shape = list(x.shape)[:4]
+    mine = torch.tensor([shape + [-1] * (4 - len(shape))], dtype=torch.int64, device=x.device)
+    table = torch.empty((state.p, 4), dtype=torch.int64, device=x.device)
+    D.all_gather_into_tensor(table, mine, state.group)
+    if bool((table == table[0]).all()):
+        return
+    rows = [tuple(v for v in row if v >= 0) for row in table.tolist()]
+    ranks = ", ".join(f"rank {r}{_global_rank(state.group, r)}: {list(row)} (sequence length "
+                      f"{row[state.dim] if state.dim < len(row) else '?'})" for r, row in enumerate(rows))
+    raise ValueError(f"{state.name}: sequence_parallelism_mode={state.mode!r}: the ranks of the sequence-parallel "
+                     f"group were given different inputs; the first layer's input shapes are {ranks}.  Every "
+                     f"rank of the group must be given the same batch: the group splits one sequence")
+
+
+def _global_rank(group, r: int) -> str:
+    import torch.distributed as dist
+
+    try:
+        return f" (global {dist.get_global_rank(group, r)})" if group is not None else ""
+    except (RuntimeError, ValueError):
+        return ""
+
+
+def _refuse_ring_documents(kwargs: dict, state: SequenceSplit) -> None:
+    """ring_attn applies causal masking, key padding and sliding windows in
+    each block, not the block-diagonal mask of packed documents; a split
+    forward whose unsharded model would apply one (shardformer.packing) is
+    refused before any layer runs."""
+    if state.mode != "ring_attn" or not packing.current():
+        return
+    docs = packing.documents(kwargs["position_ids"])
+    if docs is None:
+        return
+    counts = (docs[:, -1] + 1).tolist()
+    raise NotImplementedError(
+        f"{state.name}: sequence_parallelism_mode='ring_attn': the position_ids hold packed documents "
+        f"({counts} per row) and the forward has no attention_mask and no KV cache, so the model masks them "
+        f"block-diagonally (transformers' packed-sequence mask), which ring_attn does not apply; use "
+        f"sequence_parallelism_mode='all_to_all' or 'split_gather' (they apply it), or one document per row")
 
 
 def _encoder_states_summed(kwargs: dict, args: tuple, state: SequenceSplit) -> dict:
