@@ -5,9 +5,9 @@ block-diagonally only without a KV cache; the unsharded model makes one by
 default (config.use_cache), so by default it masks causally across them, and
 with use_cache=False (or gradient checkpointing in training) per document.
 Pipeline stages and split forwards run without a cache: the decision is
-taken on the user's call (shardformer.packing).  ring_attn refuses the
-block-diagonal case, naming the modes that apply it.  SP ranks given
-different sequence lengths raise, naming them."""
+taken on the user's call (shardformer.packing); ring_attn applies the
+block-diagonal mask block by block.  SP ranks given different sequence
+lengths raise, naming them."""
 import pytest
 
 from checks import packed as check
@@ -51,8 +51,9 @@ def test_pipeline_gaps_other_family(pool):
 
 @pytest.mark.parametrize("sp_mode", ["all_to_all", "split_gather", "ring_attn"])
 def test_pipeline_times_sp(pool, sp_mode):
-    """PP=2 x SP=2 on 4 ranks."""
-    pool.run(check.pipeline_equals_unsharded, 4, "LlamaForCausalLM", "1f1b", "packed", sp_mode=sp_mode, tp=2)
+    """PP=2 x SP=2 on 4 ranks: default use_cache, then use_cache=False in the batch."""
+    pool.run(check.pipeline_variants_equal_unsharded, 4, "LlamaForCausalLM", "1f1b", "packed",
+             [(None, False), (False, False)], sp_mode=sp_mode, tp=2)
 
 
 @pytest.mark.parametrize("mode", ["ring_attn", "all_to_all"])

@@ -147,12 +147,9 @@ def test_ring_attention_dropout_training(pool, name, sp):
 
 
 def test_ring_refusals(pool):
-    # packed documents without a KV cache (use_cache=False: transformers' block-diagonal mask): the ring
-    # covers causal attention with key padding and windows; with the default cache the unsharded model
-    # masks causally across the documents, and so does the ring (tests/test_packed_sequences.py)
-    from checks import packed
-
-    pool.run(packed.ring_documents_refused, 2, "LlamaForCausalLM")
+    # a 4-D mask of another pattern: the ring covers causal attention with key padding, windows and packed
+    # documents (tests/test_packed_sequences.py)
+    pool.run(check.ring_other_mask_refused, 2, "LlamaForCausalLM")
 
 
 def test_split_attention_refused_by_name():

@@ -4,7 +4,8 @@ such documents block-diagonally only when the forward has no KV cache
 (shardformer.packing), so the unsharded model called with its defaults
 (config.use_cache True) and with use_cache=False give different logits; every
 staged or split forward must give the one of the unsharded model called the
-same way."""
+same way.  Under ring_attn the block-diagonal case goes into the ring
+kernel's blocks (ring_attention's documents)."""
 from __future__ import annotations
 
 import copy
@@ -111,41 +112,14 @@ def sp_modes_equal_unsharded(ctx, name: str, kind: str, tp: int = 1, training: b
     """Every SP mode in turn (sp_equals_unsharded), called with the default
     use_cache (the unsharded model keeps its cache: causal across the
     documents); explicit: then with use_cache=False (the unsharded model masks
-    per document), which ring_attn refuses (ring_documents_refused)."""
+    per document; ring_attn and-s the documents into each block's mask)."""
     report = {}
     for mode in SPLIT_MODES:
         report[mode] = sp_equals_unsharded(ctx, name, mode, kind, None, tp, training, default_group)
-        if not explicit:
-            continue
-        if mode == "ring_attn":
-            report[f"{mode} use_cache=False"] = ring_documents_refused(ctx, name, kind)
-        else:
+        if explicit:
             report[f"{mode} use_cache=False"] = sp_equals_unsharded(ctx, name, mode, kind, False, tp, training,
                                                                     default_group)
     return report
-
-
-def ring_documents_refused(ctx, name: str, kind: str = "packed") -> str:
-    """use_cache=False with packed documents (the unsharded model masks them
-    block-diagonally) under ring_attn: refused before any layer runs, naming
-    the model, the mode and a mode that applies the mask; weights unchanged."""
-    torch.manual_seed(0)
-    model = zoo.build(name)
-    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group,
-                            **_sp_config("ring_attn", 1))).optimize(model)
-    inputs = packed_inputs(name, kind, use_cache=False)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    try:
-        model(**inputs)
-    except NotImplementedError as e:
-        message = str(e)
-        for word in (name, "ring_attn", "packed documents", "all_to_all"):
-            assert word in message, message
-    else:
-        raise AssertionError(f"{name}: packed documents without a cache were not refused under ring_attn")
-    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
-    assert not changed, f"the refused forward changed {changed}"
-    return message
 
 
 def pipeline_variants_equal_unsharded(ctx, name: str, schedule: str, kind: str, variants, **kwargs) -> dict:

@@ -348,6 +348,30 @@ def ring_dropout_matches_kernel(ctx, name: str, p_drop: float = 0.3, dropout_key
     return report
 
 
+def ring_other_mask_refused(ctx, name: str) -> str:
+    """A 4-D attention mask of a pattern the ring does not apply (causal with
+    one more key hidden) under ring_attn: NotImplementedError naming the
+    model, the mode and all_to_all; the weights are as they were."""
+    model = zoo.build(name)
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config("ring_attn"))).optimize(model)
+    inputs = zoo.make_inputs(name)
+    B, n = inputs["input_ids"].shape
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    mask[n - 1, 1] = False
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        model(**inputs, attention_mask=mask.expand(B, 1, n, n))
+    except NotImplementedError as e:
+        message = str(e)
+        for word in (name, "ring_attn", "attention mask pattern", "all_to_all"):
+            assert word in message, message
+    else:
+        raise AssertionError(f"{name}: a 4-D mask of another pattern was not refused under ring_attn")
+    changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
+    assert not changed, f"the refused forward changed {changed}"
+    return message
+
+
 def padded_batch_real_rows(ctx, name: str, mode: str, seq: int = 7, pad: int = 2) -> dict:
     """Batch row 0 left-padded by `pad` tokens, labels -100 where a padding
     query predicts: logits at the real positions, the loss and every

@@ -26,7 +26,12 @@ Attention is the one place rows meet:
                  (shardformer.layer.ring_attention), soft-capping the
                  logits in each block when the layer passes `softcap`, and
                  in training drawing the layer's attention dropout as one
-                 kernel call over the whole sequence would.
+                 kernel call over the whole sequence would.  Packed
+                 documents (the block-diagonal mask transformers builds
+                 without a KV cache): each block and-s the equality of its
+                 rows' and keys' documents into its mask, the documents
+                 numbered from the full position_ids in the base model's
+                 call (the mask checked to be that pattern, once per forward).
 
 Around the layers: the first layer's input is split (backward: all-gather
 of the rows' gradients), the last layer's output all-gathered (backward:
@@ -136,6 +141,7 @@ class SequenceSplit:
         self.entered = False                       # repeated layers: the input was split in this forward
         self._local: dict = {}                     # id(full tensor) -> (full, this rank's rows of it)
         self.stream: _RankStream | None = None     # the per-rank generator stream of a training forward
+        self.documents: torch.Tensor | None = None  # ring_attn, packed documents: each row's [B | 1, S]
 
     def start(self, length: int, device) -> None:
         multiple = 2 * self.p if self.mode == "ring_attn" else self.p
@@ -406,13 +412,17 @@ def _ring(state, module, query, key, value, attention_mask, kwargs):
     # the sliding window as shardformer.attention reads it: the tag on the 2-D
     # key padding mask of a sliding layer, else the `sliding_window` HF passes
     window = getattr(attention_mask, "_shardformer_window", None) or kwargs.get("sliding_window") or 0
-    if attention_mask is not None:
-        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-            raise NotImplementedError(f"{state.name}: ring_attn covers causal attention with key padding and "
-                                      f"sliding windows; this attention mask pattern is not supported "
-                                      f"(use sequence_parallelism_mode='all_to_all')")
-        padding = F.pad(attention_mask.to(torch.bool), (0, state.padded - state.length), value=False)
     causal = bool(getattr(module, "is_causal", True))
+    documents = None
+    if attention_mask is not None:
+        if state.documents is not None:
+            documents = _ring_documents(state, attention_mask, causal, int(window))
+        elif not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+            raise NotImplementedError(f"{state.name}: ring_attn covers causal attention with key padding, "
+                                      f"sliding windows and packed documents; this attention mask pattern is not "
+                                      f"supported (use sequence_parallelism_mode='all_to_all')")
+        else:
+            padding = F.pad(attention_mask.to(torch.bool), (0, state.padded - state.length), value=False)
     if padding is None and not causal and state.padded > state.length:    # padded keys: hidden
         padding = torch.arange(state.padded, device=query.device) < state.length
         padding = padding.expand(query.shape[0], state.padded)
@@ -420,8 +430,37 @@ def _ring(state, module, query, key, value, attention_mask, kwargs):
         CALLS["bias"] += 1
     out = _equal_widths(ring_attention, query, key, value, state.group, scale=kwargs.get("scaling"),
                         causal=causal, key_padding=padding, window=int(window), bias=bias,   # global positions
-                        softcap=kwargs.get("softcap"), dropout_p=dropout)
+                        softcap=kwargs.get("softcap"), dropout_p=dropout, documents=documents)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _ring_documents(state: SequenceSplit, mask, causal: bool, window: int) -> torch.Tensor:
+    """The documents [B, S'] (padded rows: a document of their own, -1) for
+    the ring kernel, of a forward whose mask transformers built for packed
+    documents: checked, once per mask and forward, to be exactly causal
+    (and the window) within each document, else refused."""
+    hit = state._local.get(("documents", id(mask)))
+    if hit is not None and hit[0] is mask:
+        return hit[1]
+    S = state.length
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or tuple(mask.shape[-2:]) != (S, S):
+        raise NotImplementedError(f"{state.name}: ring_attn with packed documents: an attention mask that is not "
+                                  f"[B, 1, S, S] (use sequence_parallelism_mode='all_to_all')")
+    docs = state.documents.to(mask.device).expand(mask.shape[0], S)
+    visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    i = torch.arange(S, device=mask.device)
+    d = i[:, None] - i[None, :]
+    band = (d >= 0) if causal else torch.ones_like(d, dtype=torch.bool)
+    if window:
+        band = band & ((d < window) if causal else (d.abs() < window))
+    expected = band[None, None] & (docs[:, None, :, None] == docs[:, None, None, :])
+    if not torch.equal(visible, expected.expand_as(visible)):
+        raise NotImplementedError(f"{state.name}: ring_attn covers causal attention within packed documents; "
+                                  f"this forward's attention mask is another pattern (use "
+                                  f"sequence_parallelism_mode='all_to_all')")
+    out = F.pad(docs, (0, state.padded - S), value=-1).contiguous()
+    state._local[("documents", id(mask))] = (mask, out)
+    return out
 
 
 def split_attention(module, query, key, value, attention_mask, **kwargs):
@@ -920,7 +959,7 @@ class _SplitHooks:
             state.entered = False
             if state.active:
                 _refuse_recorded_outputs(_module, kwargs, state)
-                _refuse_ring_documents(kwargs, state)
+                state.documents = _packed_documents(kwargs, state)
                 kwargs = {**kwargs, "use_cache": False}
                 if self.cross:
                     kwargs = _encoder_states_summed(kwargs, args, state)
@@ -1046,22 +1085,14 @@ def _global_rank(group, r: int) -> str:
         return ""
 
 
-def _refuse_ring_documents(kwargs: dict, state: SequenceSplit) -> None:
-    """ring_attn applies causal masking, key padding and sliding windows in
-    each block, not the block-diagonal mask of packed documents; a split
-    forward whose unsharded model would apply one (shardformer.packing) is
-    refused before any layer runs."""
-    if state.mode != "ring_attn" or not packing.current():
-        return
-    docs = packing.documents(kwargs["position_ids"])
-    if docs is None:
-        return
-    counts = (docs[:, -1] + 1).tolist()
-    raise NotImplementedError(
-        f"{state.name}: sequence_parallelism_mode='ring_attn': the position_ids hold packed documents "
-        f"({counts} per row) and the forward has no attention_mask and no KV cache, so the model masks them "
-        f"block-diagonally (transformers' packed-sequence mask), which ring_attn does not apply; use "
-        f"sequence_parallelism_mode='all_to_all' or 'split_gather' (they apply it), or one document per row")
+def _packed_documents(kwargs: dict, state: SequenceSplit) -> torch.Tensor | None:
+    """ring_attn: the document of every row [B | 1, S] (transformers'
+    numbering of the full position_ids) when the forward's mask is the
+    block-diagonal one of packed documents (shardformer.packing decided so),
+    else None.  all_to_all reads the mask itself."""
+    if state.mode != "ring_attn" or not packing.current() or kwargs.get("position_ids") is None:
+        return None
+    return packing.documents(kwargs["position_ids"])
 
 
 def _encoder_states_summed(kwargs: dict, args: tuple, state: SequenceSplit) -> dict:
