@@ -26,6 +26,12 @@ def test_sp_modes_other_family(pool):
     pool.run(check.sp_modes_equal_unsharded, 2, "Qwen2ForCausalLM", "packed")
 
 
+@pytest.mark.parametrize("arch", ["Olmo2", "Ministral"])
+def test_sp_modes_derived_plan(pool, arch):
+    """Architectures sharded by a policy derived from their TP plan (Ministral: sliding and full layers)."""
+    pool.run(check.sp_modes_equal_unsharded, 2, f"derived:{arch}", "packed")
+
+
 def test_sp_modes_eval_default_group(pool):
     """eval under no_grad, ShardConfig() over the world (4 ranks)."""
     pool.run(check.sp_modes_equal_unsharded, 4, "LlamaForCausalLM", "packed", training=False, default_group=True)

@@ -38,10 +38,22 @@ def position_ids(kind: str, rows: int, seq: int) -> torch.Tensor:
     return torch.stack(out)
 
 
+def _source(name: str):
+    """(build, make_inputs) of `name`: the zoo's, or for "derived:Arch" the
+    tiny model of checks.derived_policy (a policy derived from its TP plan)."""
+    if name.startswith("derived:"):
+        from checks import derived_policy as DP
+
+        arch = name.split(":", 1)[1]
+        return (lambda: DP.build(arch)), (lambda: DP.make_inputs(arch))
+    return (lambda: zoo.build(name)), (lambda: zoo.make_inputs(name))
+
+
 def packed_inputs(name: str, kind: str, use_cache=None, rows: int | None = None) -> dict:
-    """The zoo's batch (input_ids, labels; `rows` rows: checks.pipeline.batch_of)
-    with `kind` position ids, no attention_mask; use_cache passed when not None."""
-    inputs = zoo.make_inputs(name) if rows is None else pipe.batch_of(name, rows)
+    """The batch of `name` (_source; input_ids, labels; `rows` rows:
+    checks.pipeline.batch_of) with `kind` position ids, no attention_mask;
+    use_cache passed when not None."""
+    inputs = _source(name)[1]() if rows is None else pipe.batch_of(name, rows)
     inputs.pop("attention_mask", None)
     B, S = inputs["input_ids"].shape
     inputs["position_ids"] = position_ids(kind, B, S)
@@ -54,7 +66,7 @@ def masking_matters(name: str, inputs: dict) -> None:
     """The unsharded model's logits with and without the block-diagonal mask
     differ (with the cache: causal across documents; without: per document),
     so a forward that takes the other decision cannot pass."""
-    model = zoo.build(name).eval()
+    model = _source(name)[0]().eval()
     ids = {k: v for k, v in inputs.items() if k in ("input_ids", "position_ids")}
     with torch.no_grad():
         cached, uncached = model(**ids, use_cache=True).logits, model(**ids, use_cache=False).logits
@@ -92,9 +104,9 @@ def sp_equals_unsharded(ctx, name: str, mode: str, kind: str, use_cache=None, tp
     if training:
         if default_group:
             sub = dataclasses.replace(ctx, group=None)
-        return parity.check_sharded(sub, lambda: zoo.build(name), inputs, name=name, config=config)
+        return parity.check_sharded(sub, _source(name)[0], inputs, name=name, config=config)
     torch.manual_seed(0)
-    model = zoo.build(name).eval()
+    model = _source(name)[0]().eval()
     ref = copy.deepcopy(model)
     group = None if default_group else sub.group
     ShardFormer(ShardConfig(tensor_parallel_process_group=group, **config)).optimize(model)
@@ -140,8 +152,6 @@ def pipeline_equals_unsharded(ctx, name: str, schedule: str, kind: str, use_cach
     runs without a cache in training)."""
     from checks.pipeline import SCHEDULES
 
-    from shardformer.checkpoint import gather_full_state_dict
-
     batch = packed_inputs(name, kind, use_cache, rows=4)
     masking_matters(name, batch)
     layers = 4 * chunks if chunks > 1 else 4
@@ -156,16 +166,7 @@ def pipeline_equals_unsharded(ctx, name: str, schedule: str, kind: str, use_cach
     err = parity.assert_close(f"{name} pipelined loss ({schedule}, {kind}, use_cache={use_cache})", out["loss"],
                               exp.loss.detach(), TOL)
     exp.loss.backward()
-    with torch.no_grad():
-        for mdl in (model, ref):
-            for p in mdl.parameters():
-                if p.grad is not None:
-                    p -= 0.1 * p.grad
-    full = gather_full_state_dict(model)
-    worst = 0.0
-    for key, t in ref.state_dict().items():
-        worst = max(worst, parity.assert_close(f"{name} {key} after a step", full[key], t, TOL))
-    return {"loss": err, "state": worst}
+    return {"loss": err, "state": pipe.stepped_states_equal(model, ref, name)}
 
 
 def sp_lengths_disagree(ctx, name: str, mode: str) -> str:
