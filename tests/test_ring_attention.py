@@ -402,3 +402,15 @@ def test_dropout_positions_draw_the_global_mask():
         _C.attention_dropout_keep(keep, 0.5, 1, None, None, -3)
     with pytest.raises(ValueError, match="exceed drop_seq"):
         _C.attention_dropout_keep(keep, 0.5, 1, None, None, 3)
+
+
+# ---- packed documents -----------------------------------------------------------------
+
+@pytest.mark.parametrize("tp,S", [(2, 16), (2, 7), (4, 13)])
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_documents_equal_full(pool, tp, S, causal):
+    """documents: the block-diagonal mask of packed sequences (row 0 cut at 3, row 1 at S - 2), alone, with
+    key padding and with a sliding window: the forward and the q, k, v gradients equal the float64 reference."""
+    cuts = (3, S - 2)
+    pool.run(checks.ring_equals_full, tp, S, causal, documents=cuts)
+    pool.run(checks.ring_equals_full, tp, S, causal, documents=cuts, left_pad=2, window=4)

@@ -147,8 +147,9 @@ def test_ring_attention_dropout_training(pool, name, sp):
 
 
 def test_ring_refusals(pool):
-    # a packed-sequence (4-D) mask: the ring covers causal attention with key padding and windows
-    pool.run(check.ring_packed_mask_refused, 2, "LlamaForCausalLM")
+    # a 4-D mask of another pattern: the ring covers causal attention with key padding, windows and packed
+    # documents (tests/test_packed_sequences.py)
+    pool.run(check.ring_other_mask_refused, 2, "LlamaForCausalLM")
 
 
 def test_split_attention_refused_by_name():

@@ -264,7 +264,6 @@ def pipelined(ctx, name: str, tp: int = 2, sp_mode: str | None = None, seq: int 
     import copy
 
     from checks import pipeline as pipeline_check
-    from shardformer.checkpoint import gather_full_state_dict
     from shardformer.pipeline import OneForwardOneBackwardSchedule, PipelineStageManager
 
     tp_group, pp_group = pipeline_check.groups(ctx, 2, tp)
@@ -290,14 +289,7 @@ def pipelined(ctx, name: str, tp: int = 2, sp_mode: str | None = None, seq: int 
     ref_loss = ref(**batch).loss
     ref_loss.backward()
     err = parity.assert_close(f"{name} pipelined loss", out["loss"], ref_loss.detach(), (1e-5, 1e-6))
-    with torch.no_grad():
-        for m in (model, ref):
-            for p in m.parameters():
-                if p.grad is not None:
-                    p -= 0.1 * p.grad
-    full = gather_full_state_dict(model)
-    for key, t in ref.state_dict().items():
-        parity.assert_close(f"{name} {key} after a step", full[key], t, (1e-5, 1e-6))
+    pipeline_check.stepped_states_equal(model, ref, name)
     return {"loss": err}
 
 

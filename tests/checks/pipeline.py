@@ -189,6 +189,22 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
             "positions": positions, "replicated": len(runtime_of(model).replicated_params)}
 
 
+def stepped_states_equal(model, ref, name: str, lr: float = 0.1) -> float:
+    """One SGD step (lr) on the pipelined `model` and the unsharded `ref`
+    from their gradients; the full state dict gathered from the stages
+    equals ref's (TOL).  Returns the worst relative error."""
+    with torch.no_grad():
+        for mdl in (model, ref):
+            for p in mdl.parameters():
+                if p.grad is not None:
+                    p -= lr * p.grad
+    full = gather_full_state_dict(model)
+    worst = 0.0
+    for key, t in ref.state_dict().items():
+        worst = max(worst, parity.assert_close(f"{name} {key} after a step", full[key], t, TOL))
+    return worst
+
+
 def _check_layer_count(model, m: int, name: str, before: int) -> int:
     """A split whose forward loops over a layer count (StageSplit.count,
     ChatGLM2's num_layers): every layer this rank ran was got by its chunk

@@ -24,12 +24,13 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 4e-3}
 
 
-def reference(q, k, v, scale, causal, mask, window=None, softcap=None, keep=None, p=0.0, bias=None):
+def reference(q, k, v, scale, causal, mask, window=None, softcap=None, keep=None, p=0.0, bias=None, docs=None):
     """softmax(scale q k^T (+ bias), masked) v in float64 (GQA by repeating K/V heads);
     mask [B, S] bool (True = attend) or None; window W: query i sees key j only
     when i - j < W (causal, HF's sliding_window_overlay: j > i - W) or
     |i - j| < W (not causal); softcap: logits softcap tanh(s / softcap) before
     the masks; keep [B, Hq, S, S] (dropout draws): probabilities * keep / (1 - p);
+    docs [B, S]: query i sees key j only within its document;
     a row with no visible key gives 0."""
     S = q.shape[2]
     g = q.shape[1] // k.shape[1]
@@ -47,6 +48,8 @@ def reference(q, k, v, scale, causal, mask, window=None, softcap=None, keep=None
     if window:
         d = torch.arange(S)[:, None] - torch.arange(S)[None, :]
         allowed = allowed & ((d < window) if causal else (d.abs() < window))
+    if docs is not None:
+        allowed = allowed & (docs[:, None, :, None] == docs[:, None, None, :])
     s = s.masked_fill(~allowed, -1e300)
     probs = torch.softmax(s, dim=-1) * allowed.any(-1, keepdim=True)
     if keep is not None:
@@ -92,7 +95,7 @@ def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, 
                      dtype: str = "float32", left_pad: int = 0, backend: str | None = None,
                      seed: int = 0, p2p: str = "auto", window: int | None = None,
                      softcap: float | None = None, dropout: float = 0.0, drop_seed: int | None = None,
-                     bias_batch: int | None = None) -> dict:
+                     bias_batch: int | None = None, documents: tuple | None = None) -> dict:
     """ring_attention on this rank's zigzag rows equals full attention: the
     forward rows and the q, k, v gradients (gathered to full sequences), on
     the S real rows.  left_pad: batch row 1 starts with that many padding
@@ -105,7 +108,9 @@ def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, 
     reference applies the kernel's draws for the whole padded sequence,
     ops.attention_dropout_mask([B, Hq, S', S']), restricted to the S real rows.
     bias_batch (1 or B): an additive bias [bias_batch, Hq, S, S] (zero-padded
-    to S'), its gradient summed over the group compared too."""
+    to S'), its gradient summed over the group compared too.  documents: the
+    first document's length in each batch row (packed sequences: the rest of
+    the row is a second document), padded rows a document of their own."""
     p, r = ctx.tp_size, ctx.rank
     dt = DTYPES[dtype]
     gen = torch.Generator().manual_seed(seed)
@@ -126,6 +131,10 @@ def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, 
     def pad(t):
         return torch.nn.functional.pad(t, (0, 0, 0, extra))
 
+    docs = docs_pad = None
+    if documents is not None:
+        docs = torch.stack([(torch.arange(S) >= cut).long() for cut in documents])
+        docs_pad = torch.nn.functional.pad(docs, (0, extra), value=-1)
     key_padding = None
     if left_pad or (extra and not causal):
         key_padding = torch.cat([real, torch.zeros(B, extra, dtype=torch.bool)], dim=1)
@@ -147,7 +156,7 @@ def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, 
             try:
                 out = ra.ring_attention(ql, kl, vl, ctx.group, scale=scale, causal=causal, key_padding=key_padding,
                                         window=window, softcap=softcap, dropout_p=dropout, seed=drop_seed,
-                                        bias=bl)
+                                        bias=bl, documents=docs_pad)
             finally:
                 ra._group_seed = group_seed
             out.backward(gl)
@@ -176,7 +185,7 @@ def ring_equals_full(ctx, S: int, causal: bool = True, B: int = 2, Hq: int = 4, 
     # reference: float64 autograd on the same (rounded) values
     qr, kr, vr = (t.double().requires_grad_() for t in (q, k, v))
     br = None if bias is None else bias.double().requires_grad_()
-    ref = reference(qr, kr, vr, scale, causal, real if left_pad else None, window, softcap, keep, dropout, br)
+    ref = reference(qr, kr, vr, scale, causal, real if left_pad else None, window, softcap, keep, dropout, br, docs)
     ref.backward(dout.double())
     errors = {"o": _rel(full_o, ref), "dq": _rel(full_dq, qr.grad), "dk": _rel(full_dk, kr.grad),
               "dv": _rel(full_dv, vr.grad)}

@@ -348,23 +348,25 @@ def ring_dropout_matches_kernel(ctx, name: str, p_drop: float = 0.3, dropout_key
     return report
 
 
-def ring_packed_mask_refused(ctx, name: str) -> str:
-    """Packed sequences (position_ids restarting at 0: HF builds a block-causal
-    4-D mask) under ring_attn raise NotImplementedError naming the model and
-    the mode at the first layer's attention, and leave the weights as they were."""
+def ring_other_mask_refused(ctx, name: str) -> str:
+    """A 4-D attention mask of a pattern the ring does not apply (causal with
+    one more key hidden) under ring_attn: NotImplementedError naming the
+    model, the mode and all_to_all; the weights are as they were."""
     model = zoo.build(name)
     ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **sp_config("ring_attn"))).optimize(model)
     inputs = zoo.make_inputs(name)
-    n = inputs["input_ids"].shape[1]
-    position_ids = torch.cat([torch.arange(n // 2), torch.arange(n - n // 2)]).expand(inputs["input_ids"].shape[0], n)
+    B, n = inputs["input_ids"].shape
+    mask = torch.ones(n, n, dtype=torch.bool).tril()
+    mask[n - 1, 1] = False
     before = {k: v.clone() for k, v in model.state_dict().items()}
     try:
-        model(**inputs, position_ids=position_ids)
+        model(**inputs, attention_mask=mask.expand(B, 1, n, n))
     except NotImplementedError as e:
-        assert name in str(e) and "ring_attn" in str(e) and "attention mask pattern" in str(e), str(e)
         message = str(e)
+        for word in (name, "ring_attn", "attention mask pattern", "all_to_all"):
+            assert word in message, message
     else:
-        raise AssertionError(f"{name}: a packed-sequence mask was not refused under ring_attn")
+        raise AssertionError(f"{name}: a 4-D mask of another pattern was not refused under ring_attn")
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
     assert not changed, f"the refused forward changed {changed}"
     return message

@@ -15,7 +15,8 @@ position j of the whole sequence:
     s_ij = scale q_i . k_j, or with soft-capping (cap > 0) cap tanh(scale q_i . k_j / cap),
     s_ij = -inf where key_padding[b, j] is False,
            or (causal) j > P(i), or (window W, causal) P(i) - j >= W,
-           or (window W, not causal) |P(i) - j| >= W
+           or (window W, not causal) |P(i) - j| >= W,
+           or (documents) documents[b, P(i)] != documents[b, j]
     lse_i = log sum_j exp(s_ij)              (+inf when every s_ij is -inf)
     o_i   = sum_j exp(s_ij - lse_i) v_j      (0 for such an all-masked row)
 
@@ -443,21 +444,36 @@ def _band_mask(delta: int, c: int, causal: bool, W: float, kpm):
     return m if kpm is None else (m & kpm).contiguous()
 
 
+def _document_mask(docs: torch.Tensor, qg: torch.Tensor, kg: torch.Tensor) -> torch.Tensor:
+    """Query rows qg x key rows kg (global) of the same document: uint8
+    [B, 1, Sq, Sk], docs [B, S'] the document of every row."""
+    dq, dk = docs.index_select(1, qg), docs.index_select(1, kg)
+    return (dq[:, None, :, None] == dk[:, None, None, :]).to(torch.uint8)
+
+
 class _Step:
     """The blocks of one ring step: for each call of the plan, the query-row /
     key-row selectors, the kernel's causal flag and window, and its mask."""
 
-    def __init__(self, r, j, p, c, S_pad, causal, W, kp):
+    def __init__(self, r, j, p, c, S_pad, causal, W, kp, docs=None):
         self.calls, nblk, nskip, nband = _plan(r, j, p, c, causal, W)
         CALLS["blocks"] += nblk
         CALLS["skipped"] += nskip
         CALLS["masked"] += nband
-        self.c, self.causal, self.W, self.kp = c, causal, W, kp
-        self.owner_rows = None if kp is None else zigzag_rows(S_pad, p, j)
+        self.c, self.causal, self.W, self.kp, self.docs = c, causal, W, kp, docs
+        self.owner_rows = None if kp is None and docs is None else zigzag_rows(S_pad, p, j)
+        self.query_rows = None if docs is None else zigzag_rows(S_pad, p, r)
 
-    def mask(self, krows: str, band):
+    def mask(self, qrows: str, krows: str, band):
+        """The block's mask: key padding, the window's band, and (packed
+        documents) query and key of the same document; None: none."""
         kpm = _mask_for(self.kp, self.owner_rows, krows, self.c)
-        return kpm if band is None else _band_mask(band, self.c, self.causal, self.W, kpm)
+        m = kpm if band is None else _band_mask(band, self.c, self.causal, self.W, kpm)
+        if self.docs is None:
+            return m
+        same = _document_mask(self.docs, _rows(self.query_rows, qrows, self.c, dim=0),
+                              _rows(self.owner_rows, krows, self.c, dim=0))
+        return same if m is None else (same & m).contiguous()
 
 
 class _Halves:
@@ -566,8 +582,8 @@ def _travel(ring, r: int, p: int, kf: int, kb: int, kd: torch.Tensor, vd: torch.
 def _backward_blocks(r, j, p, c, S_pad, cur, qd, o, dout, lse, dq, half, args) -> list:
     """The kernel's backward of rank r's blocks against owner j's K/V `cur`:
     dq accumulated in place, [(key rows, dk, dv)] returned."""
-    _group, scale, causal, kp, W, softcap, drop, bias = args
-    step = _Step(r, j, p, c, S_pad, causal, W, kp)
+    _group, scale, causal, kp, W, softcap, drop, docs, bias = args
+    step = _Step(r, j, p, c, S_pad, causal, W, kp, docs)
     grads = []
     for qrows, krows, blk_causal, blk_window, band in step.calls:
         qb, ob, db, lb = (half(name, t, qrows) for name, t in
@@ -579,7 +595,7 @@ def _backward_blocks(r, j, p, c, S_pad, cur, qd, o, dout, lse, dq, half, args) -
         ds = torch.empty(*qb.shape[:3], kb.shape[2], dtype=torch.float32) if want_db else None
         _C.attention_backward(qb, kb, vb, ob, db, lb, dqb, dkb, dvb, ds, scale, blk_causal,
                               blk_window, None, None if bias is None else bias.block(r, j, qrows, krows),
-                              step.mask(krows, band), *(drop or (0.0, 0)), softcap,
+                              step.mask(qrows, krows, band), *(drop or (0.0, 0)), softcap,
                               *_positions(drop, r, j, p, c, qrows, krows))
         CALLS["kernel_backward"] += 1
         if want_db:
@@ -621,7 +637,7 @@ def _chain_backward(ring, r, p, c, S_pad, kf, kb, qd, kd, vd, o, dout, lse, dq, 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, causal, kp, W, softcap, drop, bias):
+    def forward(ctx, q, k, v, group, scale, causal, kp, W, softcap, drop, docs, bias):
         qd, kd, vd = ops._data(q, "ring_attention q"), ops._data(k, "ring_attention k"), \
             ops._data(v, "ring_attention v")
         p, r = D.world_size(group), D.rank(group)
@@ -637,7 +653,7 @@ class _RingAttention(torch.autograd.Function):
         bd = None if bias is None else bias.detach()
         blocks = None if bd is None else _Bias(bd, S_pad, p, c)
         for j, cur in _travel(ring, r, p, *chains(p, c, causal, W), kd, vd):
-            step = _Step(r, j, p, c, S_pad, causal, W, kp)
+            step = _Step(r, j, p, c, S_pad, causal, W, kp, docs)
             for qrows, krows, blk_causal, blk_window, band in step.calls:
                 qb = half("q", qd, qrows)
                 kb = _rows(cur[0], krows, c).contiguous()
@@ -646,14 +662,14 @@ class _RingAttention(torch.autograd.Function):
                 lb = torch.empty(qb.shape[:3], dtype=torch.float32)
                 _C.attention_forward(qb, kb, vb, ob, lb, scale, blk_causal, blk_window, None,
                                      None if blocks is None else blocks.block(r, j, qrows, krows),
-                                     step.mask(krows, band), *(drop or (0.0, 0)),
+                                     step.mask(qrows, krows, band), *(drop or (0.0, 0)),
                                      softcap, *_positions(drop, r, j, p, c, qrows, krows))
                 CALLS["kernel_forward"] += 1
                 _merge(_rows(o_acc, qrows, c), _rows(lse_acc, qrows, c), ob, lb)
         lse = lse_acc.masked_fill_(lse_acc == -math.inf, math.inf)   # kernel convention: all masked = +inf
         o = o_acc.to(qd.dtype)
         ctx.save_for_backward(qd, kd, vd, o, lse, bd)
-        ctx.args = (group, scale, causal, kp, W, softcap, drop)
+        ctx.args = (group, scale, causal, kp, W, softcap, drop, docs)
         return o
 
     @staticmethod
@@ -661,7 +677,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         qd, kd, vd, o, lse, bd = ctx.saved_tensors
         o = o.detach()
-        group, scale, causal, kp, W, softcap, drop = ctx.args
+        group, scale, causal, kp, W, softcap, drop, _docs = ctx.args
         p, r = D.world_size(group), D.rank(group)
         dout = ops._data(dout, "ring_attention grad").to(qd.dtype).contiguous()
         B, Hq, n, Dh = qd.shape
@@ -672,7 +688,7 @@ class _RingAttention(torch.autograd.Function):
 
         half = _Halves(c)
         dq = torch.zeros(qd.shape, dtype=torch.float32)
-        bias = None if bd is None else _Bias(bd, S_pad, p, c, want_grad=ctx.needs_input_grad[10])
+        bias = None if bd is None else _Bias(bd, S_pad, p, c, want_grad=ctx.needs_input_grad[11])
         args = ctx.args + (bias,)
         dt = qd.dtype
 
@@ -682,7 +698,7 @@ class _RingAttention(torch.autograd.Function):
         hops = chains(p, c, causal, W)
         if hops != (p - 1, 0):
             dk, dv = _chain_backward(ring, r, p, c, S_pad, *hops, qd, kd, vd, o, dout, lse, dq, half, args)
-            return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None, None, None, bias_grad()
+            return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None, None, None, None, bias_grad()
         cur = torch.stack([kd, vd]) if p > 1 else (kd, vd)
         spare = torch.empty_like(cur) if p > 1 else None
         acc = torch.zeros((2, *kd.shape), dtype=torch.float32)  # dk, dv of the K/V held (owner j)
@@ -706,7 +722,7 @@ class _RingAttention(torch.autograd.Function):
         if acc_handles is not None:                    # the last hop: our own dk, dv come home
             _Ring.wait(acc_handles)
             acc = acc_next
-        return dq.to(dt), acc[0].to(dt), acc[1].to(dt), None, None, None, None, None, None, None, bias_grad()
+        return dq.to(dt), acc[0].to(dt), acc[1].to(dt), None, None, None, None, None, None, None, None, bias_grad()
 
 
 # ---- the entry point ------------------------------------------------------------------
@@ -714,7 +730,7 @@ class _RingAttention(torch.autograd.Function):
 def ring_attention(q, k, v, group=None, *, scale: float | None = None, causal: bool = True,
                    key_padding: torch.Tensor | None = None, softcap: float | None = None,
                    dropout_p: float = 0.0, window: int | None = None, seed: int | None = None,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
+                   bias: torch.Tensor | None = None, documents: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention over a sequence split in zigzag order over `group`.
 
     q [B, Hq, 2c, D], k / v [B, Hkv, 2c, D] (Hq a multiple of Hkv): this
@@ -757,6 +773,13 @@ def ring_attention(q, k, v, group=None, *, scale: float | None = None, causal: b
     holds this rank's query rows (the softmax gradient of each computed
     block, summed over a broadcast batch) and 0 elsewhere, so summing it
     over the group gives the whole bias's gradient.
+
+    documents: None or an integer tensor [B, S'] over the WHOLE padded
+    sequence, the same on every rank: the document of each row (packed
+    sequences).  Key j is then visible to query i only when documents[b, i]
+    == documents[b, j], on top of the other masks: each block and-s the
+    equality of its rows' and columns' documents into its mask (the
+    block-diagonal mask of packed sequences, never built whole).
     """
     cap = ops.check_softcap(softcap, "ring_attention")
     dropout_p = float(dropout_p or 0.0)
@@ -801,8 +824,20 @@ def ring_attention(q, k, v, group=None, *, scale: float | None = None, causal: b
                              f"{S_pad}, {S_pad}] (the whole padded sequence)")
         if bias.device.type != "cpu":
             raise ValueError(f"ring_attention: bias is on {bias.device}, expected CPU")
+    docs = None
+    if documents is not None:
+        if not isinstance(documents, torch.Tensor) or documents.dtype.is_floating_point or \
+                documents.dtype == torch.bool:
+            raise TypeError(f"ring_attention: documents must be an integer tensor, got "
+                            f"{getattr(documents, 'dtype', type(documents).__name__)}")
+        if tuple(documents.shape) != (B, S_pad):
+            raise ValueError(f"ring_attention: documents of shape {tuple(documents.shape)}, expected [B, S'] = "
+                             f"[{B}, {S_pad}] (the full padded sequence: {p} ranks x {n} rows)")
+        if documents.device.type != "cpu":
+            raise ValueError(f"ring_attention: documents are on {documents.device}, expected CPU")
+        docs = documents.to(torch.int64).contiguous()
     scale = 1.0 / math.sqrt(Dh) if scale is None else float(scale)
     drop = None
     if dropout_p > 0:
         drop = (dropout_p, _group_seed(group, p) if seed is None else int(seed))
-    return _RingAttention.apply(q, k, v, group, scale, bool(causal), kp, W, cap, drop, bias)
+    return _RingAttention.apply(q, k, v, group, scale, bool(causal), kp, W, cap, drop, docs, bias)

@@ -26,7 +26,12 @@ Attention is the one place rows meet:
                  (shardformer.layer.ring_attention), soft-capping the
                  logits in each block when the layer passes `softcap`, and
                  in training drawing the layer's attention dropout as one
-                 kernel call over the whole sequence would.
+                 kernel call over the whole sequence would.  Packed
+                 documents (the block-diagonal mask transformers builds
+                 without a KV cache): each block and-s the equality of its
+                 rows' and keys' documents into its mask, the documents
+                 numbered from the full position_ids in the base model's
+                 call (the mask checked to be that pattern, once per forward).
 
 Around the layers: the first layer's input is split (backward: all-gather
 of the rows' gradients), the last layer's output all-gathered (backward:
@@ -80,7 +85,11 @@ A forward that uses a KV cache (past_key_values given, or use_cache=True)
 runs unsplit: generate() works unchanged (each rank computes the whole
 sequence); other forwards run split with use_cache=False, so they return no
 cache.  An unsplit forward that would be differentiated is refused (its
-gradients would be summed over the group).
+gradients would be summed over the group).  The mask a split forward builds
+is the one the unsharded model builds for the same call: packed documents in
+the position_ids are masked block-diagonally only where the unsharded model,
+with the cache it would make, does so (shardformer.packing, decided on the
+base model's call before use_cache is dropped, and held while it runs).
 """
 from __future__ import annotations
 
@@ -94,6 +103,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import distributed as D
+from .. import packing
 from ..distributed.mappings import _all_gather_seq
 from ..pickling import BoundMethod
 from .dropout import RankStream as _RankStream, may_draw
@@ -131,6 +141,7 @@ class SequenceSplit:
         self.entered = False                       # repeated layers: the input was split in this forward
         self._local: dict = {}                     # id(full tensor) -> (full, this rank's rows of it)
         self.stream: _RankStream | None = None     # the per-rank generator stream of a training forward
+        self.documents: torch.Tensor | None = None  # ring_attn, packed documents: each row's [B | 1, S]
 
     def start(self, length: int, device) -> None:
         multiple = 2 * self.p if self.mode == "ring_attn" else self.p
@@ -401,13 +412,17 @@ def _ring(state, module, query, key, value, attention_mask, kwargs):
     # the sliding window as shardformer.attention reads it: the tag on the 2-D
     # key padding mask of a sliding layer, else the `sliding_window` HF passes
     window = getattr(attention_mask, "_shardformer_window", None) or kwargs.get("sliding_window") or 0
-    if attention_mask is not None:
-        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-            raise NotImplementedError(f"{state.name}: ring_attn covers causal attention with key padding and "
-                                      f"sliding windows; this attention mask pattern is not supported "
-                                      f"(use sequence_parallelism_mode='all_to_all')")
-        padding = F.pad(attention_mask.to(torch.bool), (0, state.padded - state.length), value=False)
     causal = bool(getattr(module, "is_causal", True))
+    documents = None
+    if attention_mask is not None:
+        if state.documents is not None:
+            documents = _ring_documents(state, attention_mask, causal, int(window))
+        elif not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
+            raise NotImplementedError(f"{state.name}: ring_attn covers causal attention with key padding, "
+                                      f"sliding windows and packed documents; this attention mask pattern is not "
+                                      f"supported (use sequence_parallelism_mode='all_to_all')")
+        else:
+            padding = F.pad(attention_mask.to(torch.bool), (0, state.padded - state.length), value=False)
     if padding is None and not causal and state.padded > state.length:    # padded keys: hidden
         padding = torch.arange(state.padded, device=query.device) < state.length
         padding = padding.expand(query.shape[0], state.padded)
@@ -415,8 +430,37 @@ def _ring(state, module, query, key, value, attention_mask, kwargs):
         CALLS["bias"] += 1
     out = _equal_widths(ring_attention, query, key, value, state.group, scale=kwargs.get("scaling"),
                         causal=causal, key_padding=padding, window=int(window), bias=bias,   # global positions
-                        softcap=kwargs.get("softcap"), dropout_p=dropout)
+                        softcap=kwargs.get("softcap"), dropout_p=dropout, documents=documents)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _ring_documents(state: SequenceSplit, mask, causal: bool, window: int) -> torch.Tensor:
+    """The documents [B, S'] (padded rows: a document of their own, -1) for
+    the ring kernel, of a forward whose mask transformers built for packed
+    documents: checked, once per mask and forward, to be exactly causal
+    (and the window) within each document, else refused."""
+    hit = state._local.get(("documents", id(mask)))
+    if hit is not None and hit[0] is mask:
+        return hit[1]
+    S = state.length
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or tuple(mask.shape[-2:]) != (S, S):
+        raise NotImplementedError(f"{state.name}: ring_attn with packed documents: an attention mask that is not "
+                                  f"[B, 1, S, S] (use sequence_parallelism_mode='all_to_all')")
+    docs = state.documents.to(mask.device).expand(mask.shape[0], S)
+    visible = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    i = torch.arange(S, device=mask.device)
+    d = i[:, None] - i[None, :]
+    band = (d >= 0) if causal else torch.ones_like(d, dtype=torch.bool)
+    if window:
+        band = band & ((d < window) if causal else (d.abs() < window))
+    expected = band[None, None] & (docs[:, None, :, None] == docs[:, None, None, :])
+    if not torch.equal(visible, expected.expand_as(visible)):
+        raise NotImplementedError(f"{state.name}: ring_attn covers causal attention within packed documents; "
+                                  f"this forward's attention mask is another pattern (use "
+                                  f"sequence_parallelism_mode='all_to_all')")
+    out = F.pad(docs, (0, state.padded - S), value=-1).contiguous()
+    state._local[("documents", id(mask))] = (mask, out)
+    return out
 
 
 def split_attention(module, query, key, value, attention_mask, **kwargs):
@@ -820,6 +864,7 @@ class _SplitHooks:
         self.configs: list = []            # (config, its _attn_implementation before)
         self.attention: list = []          # attention modules given the state
         self.methods: list = []            # modules given an instance attribute `full_bias`
+        self.packing: list = []            # per base call in progress: its packing.hold() token
 
     def _replace_seam(self) -> None:
         """The seam's method, on each of its modules under the layers, replaced
@@ -907,11 +952,14 @@ class _SplitHooks:
         self._switch_attention()
 
         def base_pre(_module, args, kwargs):
+            # the unsharded model's packed-sequence masking, decided before use_cache is dropped below
+            self.packing.append(packing.hold(packing.unsharded_packs(_module, kwargs)))
             cache, use_cache = kwargs.get("past_key_values"), kwargs.get("use_cache")
             state.active = cache is None and use_cache is not True and state.p > 1
             state.entered = False
             if state.active:
                 _refuse_recorded_outputs(_module, kwargs, state)
+                state.documents = _packed_documents(kwargs, state)
                 kwargs = {**kwargs, "use_cache": False}
                 if self.cross:
                     kwargs = _encoder_states_summed(kwargs, args, state)
@@ -925,11 +973,16 @@ class _SplitHooks:
                     f"use_cache=False to train")
             return args, kwargs
 
+        def base_post(_module, _args, _output):
+            if self.packing:                  # also when the forward (or base_pre) raised: always_call
+                packing.release(self.packing.pop())
+
         def first_pre(_module, args, kwargs):
             if not state.active or state.entered:
                 return None
             state.entered = self.repeated
             x, rebuild = _layer_inputs(args, kwargs)
+            _check_same_input(state, x)
             state.start(x.shape[state.dim], x.device)
             return rebuild(mark_rows(_Split.apply(x, state), _recorded_gather(state)))
 
@@ -973,6 +1026,7 @@ class _SplitHooks:
                             f"hidden states (a tensor, or a tuple starting with one)")
 
         self.handles.append(self.base.register_forward_pre_hook(base_pre, with_kwargs=True))
+        self.handles.append(self.base.register_forward_hook(base_post, always_call=True))
         self.handles.append(layers[0].register_forward_pre_hook(first_pre, with_kwargs=True))
         for layer in layers:
             self.handles.append(layer.register_forward_pre_hook(every_pre, with_kwargs=True))
@@ -999,6 +1053,46 @@ class _SplitHooks:
         for m in self.methods:
             m.__dict__.pop(self.full_bias, None)
         self.methods.clear()
+
+
+def _check_same_input(state: SequenceSplit, x: torch.Tensor) -> None:
+    """Every rank of the SP group splits the same sequence: one all-gather of
+    the first layer's input shape (4 int64) before any rows are exchanged.
+    Ranks given different inputs (another length, which the padding to S' can
+    hide from the exchanges themselves) raise on every rank, naming them."""
+    if state.p == 1:
+        return
+    shape = list(x.shape)[:4]
+    mine = torch.tensor([shape + [-1] * (4 - len(shape))], dtype=torch.int64, device=x.device)
+    table = torch.empty((state.p, 4), dtype=torch.int64, device=x.device)
+    D.all_gather_into_tensor(table, mine, state.group)
+    if bool((table == table[0]).all()):
+        return
+    rows = [tuple(v for v in row if v >= 0) for row in table.tolist()]
+    ranks = ", ".join(f"rank {r}{_global_rank(state.group, r)}: {list(row)} (sequence length "
+                      f"{row[state.dim] if state.dim < len(row) else '?'})" for r, row in enumerate(rows))
+    raise ValueError(f"{state.name}: sequence_parallelism_mode={state.mode!r}: the ranks of the sequence-parallel "
+                     f"group were given different inputs; the first layer's input shapes are {ranks}.  Every "
+                     f"rank of the group must be given the same batch: the group splits one sequence")
+
+
+def _global_rank(group, r: int) -> str:
+    import torch.distributed as dist
+
+    try:
+        return f" (global {dist.get_global_rank(group, r)})" if group is not None else ""
+    except (RuntimeError, ValueError):
+        return ""
+
+
+def _packed_documents(kwargs: dict, state: SequenceSplit) -> torch.Tensor | None:
+    """ring_attn: the document of every row [B | 1, S] (transformers'
+    numbering of the full position_ids) when the forward's mask is the
+    block-diagonal one of packed documents (shardformer.packing decided so),
+    else None.  all_to_all reads the mask itself."""
+    if state.mode != "ring_attn" or not packing.current() or kwargs.get("position_ids") is None:
+        return None
+    return packing.documents(kwargs["position_ids"])
 
 
 def _encoder_states_summed(kwargs: dict, args: tuple, state: SequenceSplit) -> dict:

@@ -46,6 +46,12 @@ so padded, unevenly labelled micro-batches add up to the full-batch mean
 exactly (not for a class whose LM loss is its own nn.CrossEntropyLoss mean,
 which ignores it: StageRuntime.own_mean_loss).  The loss is broadcast
 from the last stage to every rank.
+
+Caches.  Every stage runs the model without a KV cache (use_cache=False).
+The unsharded model's mask can depend on the cache (packed documents in the
+position_ids are masked block-diagonally only without one): that decision is
+taken on the user's batch, its use_cache included, and held for each forward
+(shardformer.packing).
 """
 from __future__ import annotations
 
@@ -56,6 +62,7 @@ import zlib
 import torch
 
 from .. import distributed as D
+from .. import packing
 from .p2p import StageLink
 from .stage_manager import PipelineStageManager
 from .stages import runtime_of
@@ -213,6 +220,7 @@ class PipelineSchedule:
             raise ValueError(f"{type(self).__name__}: {name}: criterion=None uses the model's own loss, but the "
                              f"batch has no 'labels'; add them or pass criterion(outputs, micro_batch)")
         extra = self._forward_kwargs(model, batch, criterion)
+        packed = packing.unsharded_packs(model, batch)   # the unsharded model's masking, decided on the user's batch
         p, v, m = sm.num_stages, sm.num_model_chunks, len(micro)
         V = p * v
         plan = _cached_plan(self._steps, p, v, m, backward)[sm.stage]
@@ -240,7 +248,7 @@ class PipelineSchedule:
                     for t in _tensors(entry):
                         if t.is_floating_point():
                             t.requires_grad_(True)
-                with torch.set_grad_enabled(grad_on):
+                with torch.set_grad_enabled(grad_on), packing.held(packed):
                     out = rt.run(model, c, entry, dict(micro[i], **extra), shapes.pop(("act", vs - 1, i), None))
                 if vs == V - 1:
                     if return_outputs:
