@@ -345,7 +345,8 @@ class _Writer:
             self._write(tensors, nbytes)
 
     def _write(self, tensors: dict, nbytes: int) -> None:
-        path = os.path.join(self.directory, f".part-{len(self.files) + 1:05d}")
+        # (torch.save names its archive after the file's stem: not a dot file)
+        path = os.path.join(self.directory, f"part-{len(self.files) + 1:05d}.tmp")
         _write_file(tensors, path, self.safe, {"format": "pt"})
         self.files.append((path, list(tensors)))
         if self.bar is not None:
