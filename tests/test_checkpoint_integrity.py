@@ -86,9 +86,9 @@ def test_reordered_manifest_files_refused(pool, tmp_path):
 def test_damaged_rank_file_refused_everywhere(world_pool, tmp_path, tp):
     """The last rank's file has bytes flipped inside a tensor: the rank that
     verifies it names the file, the tensor and both CRC-32s; the others
-    name that rank.  With the default group."""
+    name that rank.  Loaded with the default group."""
     p, d = world_pool(tp), str(tmp_path / "sharded")
-    p.run(save_checks.sharded_save, tp, NAME, d, default_group=True)
+    p.run(save_checks.sharded_save, tp, NAME, d)                   # saved over an explicit group of all ranks
     path = os.path.join(d, _rank_file(tp - 1, tp))
     with open(path, "r+b") as f:
         f.seek(-64, os.SEEK_END)
