@@ -33,3 +33,22 @@ def pool():
     p.start()
     yield p
     p.stop()
+
+
+@pytest.fixture(scope="session")
+def world_pool(pool):
+    """world_pool(n): a pool whose whole world is n ranks, for ShardConfig()
+    (the default group = the world) at TP=n; n=4 is `pool` itself.  Each
+    size is started once, on first use."""
+    pools = {pool.world_size: pool}
+
+    def get(n: int) -> RankPool:
+        if n not in pools:
+            pools[n] = RankPool(world_size=n)
+            pools[n].start()
+        return pools[n]
+
+    yield get
+    for n, p in pools.items():
+        if p is not pool:
+            p.stop()

@@ -287,6 +287,19 @@ def group_size_and_rank(process_group) -> tuple[int, int]:
     return dist.get_world_size(process_group), rank
 
 
+def concrete_group(process_group):
+    """The ProcessGroup that `process_group` names: None means the default
+    group, which is the world (dist.group.WORLD) once torch.distributed is
+    initialized; without it, None (a single process).
+
+    Every reader of a layer's or a ShardConfig's group that needs the group
+    itself (its size, its first rank's global rank, a collective over it)
+    goes through here, so that None is never mistaken for "not sharded"."""
+    if process_group is None and dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    return process_group
+
+
 def check_process_group(process_group) -> None:
     """A process group given to ShardConfig must be a torch.distributed
     ProcessGroup, with torch.distributed initialized (ValueError / TypeError,

@@ -647,8 +647,11 @@ def broadcast_recipes(model: nn.Module, group) -> None:
     (collective): what broadcast_weights does for materialized weights."""
     import torch.distributed as dist
 
+    from .config import concrete_group
+
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
+    group = concrete_group(group)       # None: the world (get_global_rank needs the group itself)
     lazy = [p for p in dict.fromkeys(model.parameters()) if is_lazy(p)]
     payload = [None]
     if dist.get_rank(group) == 0:

@@ -111,8 +111,8 @@ class ShardFormer:
         dtype = dtype if dtype is not None else torch_dtype
         if dtype is None or dtype == "auto":
             dtype = getattr(config, "dtype", None) or torch.float32
-        if isinstance(dtype, str):
-            dtype = getattr(torch, dtype)
+        dtype = _model_dtype(dtype, getattr(model_class, "__name__", model_class))
+        _check_config_class(model_class, config, path)
         build = getattr(model_class, "from_config", None) or getattr(model_class, "_from_config")
         with lazy.lazy_init(exact=False):
             model = build(config, dtype=dtype, **model_kwargs)
@@ -129,6 +129,37 @@ class ShardFormer:
                           stacklevel=2)
         _load_generation_config(model, path)
         return model.eval(), shared_params
+
+
+def _model_dtype(dtype, who: str):
+    """A torch.dtype from a torch.dtype or its name ("bfloat16", "torch.float16");
+    ValueError listing the floating dtypes for anything else."""
+    import torch
+
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype.removeprefix("torch.") if isinstance(dtype, str) else None
+    found = getattr(torch, name, None) if name else None
+    if isinstance(found, torch.dtype):
+        return found
+    valid = sorted({n for n in dir(torch) if isinstance(getattr(torch, n, None), torch.dtype)
+                    and getattr(torch, n).is_floating_point and not n.startswith("float8")})
+    raise ValueError(f"ShardFormer.from_pretrained({who}): dtype={dtype!r} is not a torch dtype; one of "
+                     f"{', '.join(valid)} (a name or torch.<dtype>), or 'auto' / None for the checkpoint's")
+
+
+def _check_config_class(model_class, config, path: str) -> None:
+    """The checkpoint's config must be the one `model_class` is built from
+    (a GPT-2 checkpoint does not build a Llama): ValueError naming both
+    model types, before anything is built."""
+    wanted = getattr(model_class, "config_class", None)
+    if not isinstance(wanted, type) or isinstance(config, wanted):
+        return
+    have = getattr(config, "model_type", type(config).__name__)
+    raise ValueError(f"ShardFormer.from_pretrained({model_class.__name__}): {path} holds a {have!r} checkpoint "
+                     f"({type(config).__name__}); {model_class.__name__} is a {wanted.model_type!r} model "
+                     f"({wanted.__name__}).  Pick the {have} class (e.g. AutoModelForCausalLM resolves it), or "
+                     f"pass config= to build another model")
 
 
 def _local_checkpoint(path: str, who: str) -> str:

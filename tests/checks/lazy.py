@@ -129,10 +129,12 @@ def from_pretrained_equals_hf(ctx, name: str, directory: str, dtype_name: str = 
     return parity.compare_sharded(model.train(), ref.train(), zoo.make_inputs(name), name, dtype)
 
 
-def from_pretrained_initializes_missing(ctx, name: str, directory: str, dropped: str) -> dict:
+def from_pretrained_initializes_missing(ctx, name: str, directory: str, dropped: str,
+                                        default_group: bool = False) -> dict:
     """Parameters the checkpoint lacks are initialized as the model's own
     init does (equal to eager construction from the same seed) and named in
-    a warning; the others come from the checkpoint."""
+    a warning; the others come from the checkpoint.  default_group: with the
+    plain ShardConfig() (the pool's whole world is the group)."""
     import warnings
 
     import transformers
@@ -141,8 +143,8 @@ def from_pretrained_initializes_missing(ctx, name: str, directory: str, dropped:
     torch.manual_seed(0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model, _ = ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).from_pretrained(
-            cls, directory, **_impl(name))
+        cfg = ShardConfig() if default_group else ShardConfig(tensor_parallel_process_group=ctx.group)
+        model, _ = ShardFormer(cfg).from_pretrained(cls, directory, **_impl(name))
     messages = [str(w.message) for w in caught if "newly initialized" in str(w.message)]
     assert messages and dropped in messages[0], f"{name}: no warning naming {dropped}: {messages}"
     from shardformer.checkpoint import gather_full_state_dict

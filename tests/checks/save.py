@@ -22,12 +22,22 @@ from shardformer.checkpoint import sharded as sharded_mod
 TOL = parity.TOL[torch.float32]
 
 
-def _pair(ctx, name: str, overrides: dict | None = None, extra: dict | None = None, seed: int = 0):
+def _config(ctx, extra: dict | None = None, default_group: bool = False) -> ShardConfig:
+    """ShardConfig over ctx.group, or with default_group the plain
+    ShardConfig() (the default group: the whole world of the pool)."""
+    if default_group:
+        assert ctx.world_size == ctx.tp_size, "ShardConfig() shards over the world: run on a pool of tp ranks"
+        return ShardConfig(extra_kwargs=extra or {})
+    return ShardConfig(tensor_parallel_process_group=ctx.group, extra_kwargs=extra or {})
+
+
+def _pair(ctx, name: str, overrides: dict | None = None, extra: dict | None = None, seed: int = 0,
+          default_group: bool = False):
     """(sharded, unsharded, inputs) after one identical SGD step."""
     model = zoo.build(name, seed=seed, **(overrides or {}))
     ref = copy.deepcopy(model)
     inputs = zoo.make_inputs(name)
-    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, extra_kwargs=extra or {})).optimize(model)
+    ShardFormer(_config(ctx, extra, default_group)).optimize(model)
     for m in (model, ref):
         parity.loss_of(m(**inputs), {}).backward()
         torch.optim.SGD(m.parameters(), lr=0.1).step()
@@ -225,16 +235,19 @@ def failing_write(ctx, directory: str) -> str:
 
 # ---------------------------------------------------------------- save_sharded / load_sharded
 
-def sharded_save(ctx, name: str, directory: str, overrides=None, extra=None) -> dict | None:
+def sharded_save(ctx, name: str, directory: str, overrides=None, extra=None, default_group=False) -> dict | None:
     """save_sharded of a trained model; rank 0 returns the full state dict
     (NumPy) and the reference outputs' inputs name."""
-    model, ref, _ = _pair(ctx, name, overrides, extra)
+    model, ref, _ = _pair(ctx, name, overrides, extra, default_group=default_group)
     save_sharded(model, directory)
     full = gather_full_state_dict(model)
     files = sorted(os.listdir(directory))
     n = ctx.tp_size
-    assert [f for f in files if f.startswith("rank")] == [f"rank{r:05d}-of-{n:05d}.safetensors" for r in range(n)]
+    assert [f for f in files if f.startswith("rank")] == [f"rank{r:05d}-of-{n:05d}.safetensors" for r in range(n)], \
+        f"TP={n}: save_sharded wrote {files}"
     assert "config.json" in files and sharded_mod.MANIFEST in files, files
+    with open(os.path.join(directory, sharded_mod.MANIFEST)) as f:
+        assert json.load(f)["tp_size"] == n
     if ctx.rank != 0:
         return None
     for k, v in ref.state_dict().items():
@@ -242,7 +255,8 @@ def sharded_save(ctx, name: str, directory: str, overrides=None, extra=None) -> 
     return {k: v.numpy() for k, v in full.items()}
 
 
-def sharded_load(ctx, name: str, directory: str, full: dict, overrides=None, extra=None) -> dict:
+def sharded_load(ctx, name: str, directory: str, full: dict, overrides=None, extra=None,
+                 default_group=False) -> dict:
     """load_sharded into a model built from another seed and sharded at this
     pool's TP size (TP=1: the plain HF model, unsharded): its state equals
     the saved one and its outputs the unsharded model holding it.  Reports
@@ -250,7 +264,7 @@ def sharded_load(ctx, name: str, directory: str, full: dict, overrides=None, ext
     full = {k: torch.from_numpy(v) for k, v in full.items()}
     model = zoo.build(name, seed=99, **(overrides or {}))
     if ctx.tp_size > 1:
-        ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, extra_kwargs=extra or {})).optimize(model)
+        ShardFormer(_config(ctx, extra, default_group)).optimize(model)
     opened = set()
     getitem = sharded_mod._Files.__getitem__
 

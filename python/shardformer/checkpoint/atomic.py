@@ -4,8 +4,13 @@ A checkpoint is written into a temporary sibling `.NAME.partial-XXXX`, every
 file and directory fsynced, then put in place:
 
   * NAME does not exist: one rename.
-  * NAME exists: the files of the old directory that the new checkpoint does
-    not replace (a tokenizer, a README) are carried over (hard links), then
+  * NAME exists: the files of the old directory that are not checkpoint
+    files (a tokenizer, a README: whatever CHECKPOINT_FILES does not match)
+    and that the new directory does not hold are carried over (hard links);
+    every weight file, index and manifest of the old checkpoint, of any of
+    the formats (HF safetensors or .bin, one file or several, any variant;
+    save_sharded's rank files), is superseded and left behind, so that NAME
+    holds exactly one checkpoint.  Then
     the two directories are swapped in one step (Linux renameat2 with
     RENAME_EXCHANGE) and the old one removed.  A crash at any point leaves
     the old checkpoint or the new one under NAME.
@@ -26,6 +31,27 @@ import re
 import secrets
 import shutil
 import tempfile
+
+#: The files of a checkpoint of ours or HF's that a new save supersedes: HF's
+#: weights (model[.VARIANT][-00001-of-0000N].safetensors, pytorch_model...bin),
+#: their indexes (model.safetensors.index[.VARIANT].json, ...), and
+#: save_sharded's rank files and manifest.  Other files are the user's.
+CHECKPOINT_FILES = re.compile(
+    r"(?:model|pytorch_model)(?:\.[\w-]+)?(?:-\d{5}-of-\d{5})?\.(?:safetensors|bin)"
+    r"|(?:model\.safetensors|pytorch_model\.bin)\.index(?:\.[\w-]+)?\.json"
+    r"|rank\d{5}-of-\d{5}\.safetensors|shardformer_manifest\.json")
+
+
+def save_target(path, who: str) -> str:
+    """The directory a save into `path` writes: absolute, with symbolic links
+    followed (a link to a directory saves into that directory; the link stays).
+    ValueError before anything is written when it exists and is not a directory."""
+    directory = os.path.realpath(os.path.abspath(os.fspath(path)))
+    if os.path.lexists(directory) and not os.path.isdir(directory):
+        shown = directory if directory == os.path.abspath(os.fspath(path)) else f"{os.fspath(path)} (-> {directory})"
+        raise ValueError(f"{who}: {shown} exists and is not a directory")
+    return directory
+
 
 def _fsync(path: str, directory: bool = False) -> None:
     fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
@@ -103,12 +129,13 @@ def _link_or_copy(src: str, dst: str) -> None:
         shutil.copy2(src, dst)
 
 
-def _carry_over(old: str, new: str, replaced: re.Pattern) -> None:
-    """Files of the existing directory that the new checkpoint does not
-    replace (tokenizer, README, sub-directories) go into the new one."""
+def _carry_over(old: str, new: str) -> None:
+    """Files of the existing directory that are not checkpoint files and
+    that the new checkpoint does not replace (tokenizer, README,
+    sub-directories) go into the new one."""
     for entry in os.scandir(old):
         dst = os.path.join(new, entry.name)
-        if os.path.lexists(dst) or replaced.fullmatch(entry.name):
+        if os.path.lexists(dst) or CHECKPOINT_FILES.fullmatch(entry.name):
             continue
         if entry.is_symlink():
             os.symlink(os.readlink(entry.path), dst)
@@ -118,7 +145,7 @@ def _carry_over(old: str, new: str, replaced: re.Pattern) -> None:
             _link_or_copy(entry.path, dst)
 
 
-def _put_in_place(tmp: str, directory: str, replaced: re.Pattern) -> None:
+def _put_in_place(tmp: str, directory: str) -> None:
     """Make the complete temporary directory `tmp` the checkpoint `directory`
     (see the module docstring for what a crash leaves at each step)."""
     parent = os.path.dirname(directory)
@@ -129,7 +156,7 @@ def _put_in_place(tmp: str, directory: str, replaced: re.Pattern) -> None:
         return
     if not os.path.isdir(directory) or os.path.islink(directory):
         raise ValueError(f"save_pretrained: {directory} exists and is not a directory")
-    _carry_over(directory, tmp, replaced)
+    _carry_over(directory, tmp)
     _fsync_tree(tmp)
     if _exchange(tmp, directory):
         _fsync(parent, directory=True)

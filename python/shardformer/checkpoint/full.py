@@ -25,20 +25,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config import concrete_group
 from ..distributed.mappings import _gather_dim
 from ..layer.expert_parallel import expert_shards
 from ..layer.parallel_module import ParallelModule, shard_of
 
 
 def _shard_info(model: nn.Module) -> dict[int, tuple[int, object, object]]:
-    """id(parameter) -> (dim, DimShard, process_group) for every sharded parameter."""
+    """id(parameter) -> (dim, DimShard, process_group) for every sharded
+    parameter; the default group (a layer's None) is given as the world."""
     info = {}
     for module in model.modules():
         if isinstance(module, ParallelModule):
             for name, (dim, shard) in module.sharded_params.items():
                 t = getattr(module, name, None)
                 if t is not None:
-                    info[id(t)] = (dim, shard, module.process_group)
+                    info[id(t)] = (dim, shard, concrete_group(module.process_group))
     return info
 
 
@@ -49,7 +51,8 @@ def _named_tensors(model: nn.Module):
 
 def _group_root(group) -> int:
     """Global rank of the first rank of `group` (None: the default group)."""
-    if group is None or not dist.is_initialized():
+    group = concrete_group(group)
+    if group is None:
         return 0
     return dist.get_global_rank(group, 0)
 

@@ -128,11 +128,18 @@ class _Mapping:
 
 
 def _load_bin(file: str) -> dict:
+    """torch.load of a .bin checkpoint (memory-mapped where the format allows);
+    a damaged or truncated file raises a ValueError naming it."""
     try:
-        return torch.load(file, map_location="cpu", mmap=True, weights_only=True)
-    except RuntimeError:
-        # A legacy (non-zip) pickle cannot be memory-mapped: read it whole.
-        return torch.load(file, map_location="cpu", weights_only=True)
+        try:
+            return torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+        except RuntimeError:
+            # A legacy (non-zip) pickle cannot be memory-mapped: read it whole.
+            return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - torch's errors name no file
+        size = os.path.getsize(file) if os.path.exists(file) else 0
+        raise ValueError(f"{file}: not a readable PyTorch checkpoint ({size} bytes; damaged or truncated?): "
+                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
 
 
 class CheckpointReader:
@@ -161,7 +168,12 @@ class CheckpointReader:
         if self.kind == "safetensors":
             import safetensors
 
-            with safetensors.safe_open(file, framework="pt", device="cpu") as f:
+            try:
+                handle = safetensors.safe_open(file, framework="pt", device="cpu")
+            except Exception as e:  # noqa: BLE001 - safetensors' errors name no file
+                raise ValueError(f"{file}: not a readable safetensors checkpoint ({os.path.getsize(file)} bytes; "
+                                 f"damaged or truncated?): {type(e).__name__}: {e}") from e
+            with handle as f:
                 for name in f.keys():
                     s = f.get_slice(name)
                     dtype = _torch_dtype(s.get_dtype(), f"{file}: {name}")

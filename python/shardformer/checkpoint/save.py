@@ -45,8 +45,10 @@ return at once.  Within the writing group:
     siblings of an earlier killed save are removed by the next save.  Files
     in an existing NAME that are not this checkpoint's (a tokenizer, a
     README, sub-directories) are carried over into the new directory (hard
-    links where possible); the previous weight files of the same variant are
-    not.  One save to a given directory at a time.
+    links where possible); the previous checkpoint's weight files, indexes
+    and manifest, of any format or variant (atomic.CHECKPOINT_FILES), are
+    not: the directory holds exactly one checkpoint.  A symbolic link to a
+    directory saves into the directory it points to.  One save to a given directory at a time.
   * Every rank of the group learns whether the write succeeded: a failure
     on the writing rank raises there and a RuntimeError on the others, and
     the previous checkpoint (if any) stays under the name.
@@ -74,7 +76,7 @@ from torch import nn
 from ..layer.expert_parallel import expert_shards
 from ..layer.parallel_module import ParallelModule
 from ..pickling import BoundMethod
-from .atomic import _fsync, _make_temp, _put_in_place, recover_directory  # noqa: F401
+from .atomic import _fsync, _make_temp, _put_in_place, recover_directory, save_target  # noqa: F401
 from .full import _gather_dim_to_root as _gather_to_root  # one gather-to-root (tests wrap it here)
 from .full import _group_root, _named_tensors, _shard_info, gather_full_state_dict
 
@@ -119,20 +121,11 @@ class _Names:
         stem, ext = self.single.rsplit(".", 1)
         return f"{stem}-{i:05d}-of-{n:05d}.{ext}"
 
-    def pattern(self) -> str:
-        stem, ext = self.single.rsplit(".", 1)
-        return f"{re.escape(self.single)}|{re.escape(self.index)}|{re.escape(stem)}-\\d{{5}}-of-\\d{{5}}\\.{ext}"
-
 
 def _names(safe: bool, variant: str | None) -> _Names:
     if safe:
         return _Names(_add_variant("model.safetensors", variant), _add_variant("model.safetensors.index.json", variant))
     return _Names(_add_variant("pytorch_model.bin", variant), _add_variant("pytorch_model.bin.index.json", variant))
-
-
-def _weight_files_re(variant: str | None) -> re.Pattern:
-    """The weight files of `variant`, in either format (replaced by a new save)."""
-    return re.compile(f"{_names(True, variant).pattern()}|{_names(False, variant).pattern()}")
 
 
 # ---------------------------------------------------------------- what is saved
@@ -352,7 +345,8 @@ class _Writer:
             self._write(tensors, nbytes)
 
     def _write(self, tensors: dict, nbytes: int) -> None:
-        path = os.path.join(self.directory, f".part-{len(self.files) + 1:05d}")
+        # (torch.save names its archive after the file's stem: not a dot file)
+        path = os.path.join(self.directory, f"part-{len(self.files) + 1:05d}.tmp")
         _write_file(tensors, path, self.safe, {"format": "pt"})
         self.files.append((path, list(tensors)))
         if self.bar is not None:
@@ -385,11 +379,13 @@ class _Writer:
 
 class _Flags:
     """Small integers broadcast from the writing rank (global rank 0) to the
-    group: the others stop gathering when it fails, and learn the outcome."""
+    group: the others stop gathering when it fails, and learn the outcome.
+    Over the model's group as _sharded_group gives it (the default group is
+    the world); an unsharded model's (None) has nothing to agree on."""
 
     def __init__(self, group):
-        self.group = group
-        self.active = dist.is_initialized() and dist.get_world_size(group) > 1
+        self.group = group                    # None: the model is not sharded (each rank on its own)
+        self.active = group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
         self.device = "cpu"
         if self.active and dist.get_backend(group) == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -400,6 +396,27 @@ class _Flags:
         flag = torch.tensor([code], dtype=dtype, device=self.device)
         dist.broadcast(flag, src=_group_root(self.group), group=self.group)
         return int(flag.item())
+
+    def failed_ranks(self, failed: bool) -> list[int]:
+        """The global ranks of the group where `failed` is true, on every
+        rank (one small all-gather: the ranks agree on an outcome)."""
+        if not self.active:
+            return [dist.get_rank() if dist.is_initialized() else 0] if failed else []
+        flag = torch.tensor([1 if failed else 0], dtype=torch.int32, device=self.device)
+        flags = [torch.zeros_like(flag) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(flags, flag, group=self.group)
+        ranks = dist.get_process_group_ranks(self.group)
+        return [ranks[i] for i, f in enumerate(flags) if int(f.item())]
+
+    def agree(self, error: BaseException | None, what: str) -> None:
+        """Raise on every rank when `error` happened on any: this rank's own
+        error, or a RuntimeError naming the ranks that failed and `what`."""
+        failed = self.failed_ranks(error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError(f"{what}: failed on rank{'s' if len(failed) > 1 else ''} "
+                               f"{', '.join(map(str, failed))} (see the error there)")
 
     def reduce_max(self, code: int) -> int:
         """The largest of every rank's `code`, on every rank."""
@@ -497,7 +514,7 @@ class _Session:
                                f"{sorted(self.pending)[:10]}")
         self.writer.finish(_total_parameters(self.model))
         _write_config(self.model, self.tmp)
-        _put_in_place(self.tmp, self.directory, _weight_files_re(self.variant))
+        _put_in_place(self.tmp, self.directory)
         self.close()
 
     def close(self) -> None:
@@ -529,6 +546,7 @@ def save_pretrained(model: nn.Module, save_directory, max_shard_size="2GB", *, p
     push = kwargs.pop("push_to_hub", False)
     for unused in ("save_peft_format", "save_original_format", "distributed_checkpoint"):
         kwargs.pop(unused, None)
+    directory = save_target(save_directory, f"{name}: save_pretrained")   # before anything is gathered
     from ..pipeline.stages import runtime_of
 
     stages = runtime_of(model)
@@ -544,9 +562,6 @@ def save_pretrained(model: nn.Module, save_directory, max_shard_size="2GB", *, p
                                        dict(kwargs, max_shard_size=max_shard_size, variant=variant,
                                             push_to_hub=push))
     limit = _parse_size(max_shard_size, name)
-    directory = os.path.abspath(os.fspath(save_directory))
-    if os.path.lexists(directory) and not os.path.isdir(directory):
-        raise ValueError(f"{name}: save_pretrained: {directory} exists and is not a directory")
     if _group_root(group) != 0:                # a replica: the group holding global rank 0 writes
         return None
     root = not dist.is_initialized() or dist.get_rank() == 0
@@ -664,11 +679,11 @@ def _save_with_class_writer(model, save_directory, group, state_dict, is_main, k
     in place atomically (push_to_hub: in place, as HF names the repository
     after the directory)."""
     hf_save = type(model).save_pretrained
+    directory = save_target(save_directory, f"{type(model).__name__}: save_pretrained")
     writes = _group_root(group) == 0
     if state_dict is None and writes:
         state_dict = gather_full_state_dict(model, rank0_only=True, offload_to_cpu=True)
     root = not dist.is_initialized() or dist.get_rank() == 0
-    directory = os.path.abspath(os.fspath(save_directory))
     error = None
     if root:
         try:
@@ -678,7 +693,7 @@ def _save_with_class_writer(model, save_directory, group, state_dict, is_main, k
                 tmp = _make_temp(directory)
                 try:
                     hf_save(model, tmp, state_dict=state_dict, is_main_process=is_main, **kwargs)
-                    _put_in_place(tmp, directory, _weight_files_re(kwargs.get("variant")))
+                    _put_in_place(tmp, directory)
                 except BaseException:
                     shutil.rmtree(tmp, ignore_errors=True)
                     raise

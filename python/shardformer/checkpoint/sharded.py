@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
 import secrets
 
 import numpy as np
@@ -45,7 +44,8 @@ from torch import nn
 
 from ..layer.expert_parallel import refuse_expert_parallel
 from .full import _group_root, _named_tensors, _shard_info, problem_report
-from .atomic import _fsync, _put_in_place, recover_directory
+from .atomic import _fsync, _put_in_place, recover_directory, save_target
+from .integrity import file_problems, file_record, manifest_problems
 from .save import _Flags, _sharded_group
 
 __all__ = ["save_sharded", "load_sharded", "MANIFEST"]
@@ -111,10 +111,8 @@ def save_sharded(model: nn.Module, out_dir) -> None:
     module docstring).  Collective over the model's tensor-parallel group."""
     refuse_expert_parallel(model, "save_sharded")
     name = type(model).__name__
-    group = _sharded_group(model, "save_sharded")
-    directory = os.path.abspath(os.fspath(out_dir))
-    if os.path.lexists(directory) and not os.path.isdir(directory):
-        raise ValueError(f"{name}: save_sharded: {directory} exists and is not a directory")
+    group = _sharded_group(model, "save_sharded")         # the default group: the world
+    directory = save_target(out_dir, f"{name}: save_sharded")
     if _group_root(group) != 0:
         return
     distributed = dist.is_initialized()
@@ -146,9 +144,10 @@ def save_sharded(model: nn.Module, out_dir) -> None:
             import safetensors.torch
 
             tensors = {names[0]: t.detach().contiguous().cpu() for names, t, _ in entries}
+            ranges = {names[0]: None if split is None else [list(r) for r in split[1].ranges]
+                      for names, _, split in entries}
             path = os.path.join(tmp, _rank_file(rank, n))
-            safetensors.torch.save_file(tensors, path, metadata={"format": "pt", "rank": str(rank),
-                                                                 "tp_size": str(n)})
+            safetensors.torch.save_file(tensors, path, metadata=file_record(rank, n, tensors, ranges))
             _fsync(path)
             del tensors
         except BaseException as e:  # noqa: BLE001
@@ -161,8 +160,7 @@ def save_sharded(model: nn.Module, out_dir) -> None:
                 json.dump(_manifest(model, entries, n), f, indent=1, sort_keys=True)
             if getattr(model, "config", None) is not None and hasattr(model.config, "save_pretrained"):
                 model.config.save_pretrained(tmp)
-            _put_in_place(tmp, directory, re.compile(rf"rank\d{{5}}-of-\d{{5}}\.safetensors|{re.escape(MANIFEST)}"
-                                                     r"|config\.json"))
+            _put_in_place(tmp, directory)
         except BaseException as e:  # noqa: BLE001
             error = e
     if root and (failed or error is not None):
@@ -180,6 +178,8 @@ def save_sharded(model: nn.Module, out_dir) -> None:
 # ---------------------------------------------------------------- load
 
 def _read_manifest(name: str, directory: str) -> dict:
+    """The parsed manifest, checked for every key and type the loader reads
+    (ValueError naming the file and what is wrong)."""
     path = os.path.join(directory, MANIFEST)
     try:
         with open(path, encoding="utf-8") as f:
@@ -187,9 +187,18 @@ def _read_manifest(name: str, directory: str) -> dict:
     except FileNotFoundError:
         raise ValueError(f"{name}: load_sharded: {directory} holds no {MANIFEST} (not written by "
                          f"save_sharded, or the save did not complete)") from None
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name}: load_sharded: {path} is damaged: not valid JSON ({e.msg} at line {e.lineno}, "
+                         f"column {e.colno})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{name}: load_sharded: {path} is damaged: not UTF-8 text ({e.reason} at byte "
+                         f"{e.start})") from None
+    if isinstance(manifest, dict) and (manifest.get("format") != FORMAT or manifest.get("version") != VERSION):
         raise ValueError(f"{name}: load_sharded: {path} is not a {FORMAT} manifest of version {VERSION} "
                          f"(format {manifest.get('format')!r}, version {manifest.get('version')!r})")
+    problems = manifest_problems(manifest)
+    if problems:
+        raise ValueError(f"{name}: load_sharded: {path} is damaged: {'; '.join(problems)}")
     return manifest
 
 
@@ -276,8 +285,11 @@ def _fill(t: torch.Tensor, split, rec: dict, files: _Files, prefer: int) -> None
             dst.narrow(sd, g - lo, cnt).copy_(files[rank].get_slice(key)[tuple(idx)])
 
 
-def _check(model_name: str, directory: str, manifest: dict, entries, persistent: set[str]) -> str:
-    """Every problem of loading `manifest` into the model, as one text ('' if none)."""
+def _check(model_name: str, directory: str, manifest: dict, entries, persistent: set[str],
+           readers: tuple[int, int]) -> str:
+    """Every problem of loading `manifest` into the model, as one text ('' if
+    none).  `readers` is (size, rank) of the ranks loading: each verifies the
+    content of every size-th file, so that together they read each once."""
     tensors, n = manifest["tensors"], manifest["tp_size"]
     missing = [nm for names, _, _ in entries for nm in names if nm not in tensors]
     unexpected = [nm for nm in tensors if nm not in persistent]
@@ -303,6 +315,7 @@ def _check(model_name: str, directory: str, manifest: dict, entries, persistent:
                 [[L if d == s["dim"] else x for d, x in enumerate(rec["shape"])] for L in s["lengths"]]
             stored[rec["key"]] = (local, nm)
     files = []
+    size, me = readers
     for r, fname in enumerate(manifest["files"]):
         path = os.path.join(directory, fname)
         if not os.path.isfile(path):
@@ -312,13 +325,7 @@ def _check(model_name: str, directory: str, manifest: dict, entries, persistent:
 
         try:
             with safe_open(path, framework="pt") as f:
-                keys = set(f.keys())
-                for key, (local, nm) in stored.items():
-                    if key not in keys:
-                        files.append(f"{fname}: no tensor {key} (for {nm})")
-                    elif list(f.get_slice(key).get_shape()) != local[r]:
-                        files.append(f"{fname}: {key} has shape {list(f.get_slice(key).get_shape())}, "
-                                     f"the manifest says {local[r]}")
+                files += file_problems(fname, f, r, manifest, stored, verify=r % size == me)
         except Exception as e:  # noqa: BLE001 - a damaged file is one more problem to list
             files.append(f"{fname}: unreadable ({type(e).__name__}: {e})")
     return problem_report(("missing keys", missing), ("unexpected keys", unexpected),
@@ -332,12 +339,28 @@ def load_sharded(model: nn.Module, out_dir) -> None:
     refuse_expert_parallel(model, "load_sharded")
     name = type(model).__name__
     directory = os.path.abspath(os.fspath(out_dir))
-    manifest = _read_manifest(name, directory)
-    entries = _entries(model)
-    problems = _check(name, directory, manifest, entries, set(model.state_dict().keys()))
-    if problems:
-        raise ValueError(f"load_sharded({name}): {directory} (saved at TP={manifest['tp_size']}) does not "
-                         f"fit the model; nothing was loaded:{problems}")
+    group = _sharded_group(model, "load_sharded")        # the default group: the world; None: unsharded
+    flags = _Flags(group)
+    readers = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
+    error = manifest = entries = None
+    try:
+        manifest = _read_manifest(name, directory)
+        entries = _entries(model)
+        problems = _check(name, directory, manifest, entries, set(model.state_dict().keys()), readers)
+        if problems:
+            raise ValueError(f"load_sharded({name}): {directory} (saved at TP={manifest['tp_size']}) does not "
+                             f"fit the model; nothing was loaded:{problems}")
+    except BaseException as e:  # noqa: BLE001 - every rank learns it: none is left waiting
+        error = e
+    flags.agree(error, f"load_sharded({name}) of {directory}: nothing was loaded; the checks")
+    try:
+        _copy_in(manifest, entries, directory)
+    except BaseException as e:  # noqa: BLE001
+        error = e
+    flags.agree(error, f"load_sharded({name}) of {directory}: the model is partly loaded; reading the files")
+
+
+def _copy_in(manifest: dict, entries, directory: str) -> None:
     n = manifest["tp_size"]
     own = (dist.get_rank() if dist.is_initialized() else 0) % n
     with contextlib.ExitStack() as stack:
