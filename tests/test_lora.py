@@ -30,3 +30,8 @@ def test_lora_after_optimize(pool, tp, tmp_path):
 def test_lora_refusals(pool):
     messages = pool.run(lora.refusals, 2)[0]
     assert set(messages) == {"ia3", "lm_head", "embedding", "dora", "modules_to_save", "inner", "sequence"}
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_lora_dropout_in_training_is_one_unsharded_mask(pool, tp):
+    pool.run(lora.dropout_matches, tp)

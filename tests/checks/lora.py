@@ -59,22 +59,28 @@ def _compare_params(sharded, ref, what: str, tol) -> float:
     return worst
 
 
+def _assert_sharded(peft_model, ref) -> float:
+    """The adapters were cut (column and row LoRA layers, fewer LoRA
+    parameters on this rank); returns the local fraction."""
+    full, local = (sum(p.numel() for p in _trainable(m)) for m in (ref, peft_model))
+    assert local < full, f"{NAME}: {local} of {full} LoRA parameters on this rank: the adapters were not sharded"
+    kinds = sorted({type(m).__name__ for m in peft_model.modules() if hasattr(m, "lora_A")})
+    assert kinds == ["ColumnLoraLinear", "RowLoraLinear"], kinds
+    return local / full
+
+
 def train_matches(ctx, default_group: bool = False, steps: int = 2) -> dict:
     """Loss, every LoRA gradient (the base frozen) and the outputs and LoRA
     weights after AdamW steps equal the unsharded PeftModel's."""
     tol = TOL[torch.float32]
     peft_model = build()
     ref = copy.deepcopy(peft_model)
-    full = sum(p.numel() for p in _trainable(ref))
     ShardFormer(shard_config(ctx, default_group)).optimize(peft_model)
-    local = sum(p.numel() for p in _trainable(peft_model))
-    assert local < full, f"{NAME}: {local} of {full} LoRA parameters on this rank: the adapters were not sharded"
-    kinds = sorted({type(m).__name__ for m in peft_model.modules() if hasattr(m, "lora_A")})
-    assert kinds == ["ColumnLoraLinear", "RowLoraLinear"], kinds
+    fraction = _assert_sharded(peft_model, ref)
     inputs = zoo.make_inputs(NAME)
     peft_model.train(), ref.train()
     opts = [torch.optim.AdamW(_trainable(m), lr=1e-2) for m in (peft_model, ref)]
-    report = {"tp": ctx.tp_size, "lora_fraction": local / full, "loss": 0.0, "grad": 0.0, "weights": 0.0}
+    report = {"tp": ctx.tp_size, "lora_fraction": fraction, "loss": 0.0, "grad": 0.0, "weights": 0.0}
     for step in range(steps):
         for opt in opts:
             opt.zero_grad()
@@ -102,6 +108,7 @@ def adapters_match(ctx) -> dict:
     peft_model = build(dropout=0.3, second=True)
     ref = copy.deepcopy(peft_model)
     ShardFormer(shard_config(ctx, False)).optimize(peft_model)
+    _assert_sharded(peft_model, ref)
     peft_model.eval(), ref.eval()
     inputs = zoo.make_inputs(NAME)
     report = {}
@@ -127,6 +134,7 @@ def save_and_merge(ctx, directory: str) -> dict:
     peft_model = build()
     ref = copy.deepcopy(peft_model)
     ShardFormer(shard_config(ctx, False)).optimize(peft_model)
+    _assert_sharded(peft_model, ref)
     inputs = zoo.make_inputs(NAME)
     peft_model.eval(), ref.eval()
     peft_model.save_pretrained(directory)
@@ -165,8 +173,7 @@ def after_optimize_matches(ctx, directory: str) -> dict:
     peft_model = sharded_get_peft_model(model, lora_config(lora_dropout=0.1))
     torch.manual_seed(7)
     ref = get_peft_model(ref_base, lora_config(lora_dropout=0.1))
-    kinds = sorted({type(m).__name__ for m in peft_model.modules() if hasattr(m, "lora_A")})
-    assert kinds == ["ColumnLoraLinear", "RowLoraLinear"], kinds
+    _assert_sharded(peft_model, ref)
     report = {"weights": _compare_params(peft_model, ref, "initial", tol)}
     peft_model.eval(), ref.eval()        # lora_dropout > 0: eval
     inputs, probe = zoo.make_inputs(NAME), {}
@@ -203,3 +210,62 @@ def refusals(ctx) -> dict:
     refused("sequence", build(), ("sequence",), ShardConfig(tensor_parallel_process_group=ctx.group,
                                                             enable_sequence_parallelism=True))
     return messages
+
+
+class _Replayed(torch.nn.Module):
+    """The unsharded model's dropout of one LoRA layer, replaying the full
+    mask the sharded layer drew (x * keep / (1 - p))."""
+
+    def __init__(self, keep: torch.Tensor, p: float):
+        super().__init__()
+        self.keep, self.p = keep, p
+
+    def forward(self, x):
+        return x * self.keep / (1.0 - self.p)
+
+
+def dropout_matches(ctx, p: float = 0.4) -> dict:
+    """Training with lora_dropout > 0: the sharded layers' masks are one
+    unsharded mask (column layers: the same mask over X on every rank; row
+    layers: each rank's own over its features), so the unsharded model fed
+    those masks has the same loss and LoRA gradients."""
+    from shardformer.distributed.mappings import _gather_dim
+
+    tol = TOL[torch.float32]
+    peft_model = build(dropout=p)
+    ref = copy.deepcopy(peft_model)
+    ShardFormer(shard_config(ctx, False)).optimize(peft_model)
+    _assert_sharded(peft_model, ref)
+    peft_model.train(), ref.train()
+    kept, hooks = {}, []
+    for path, m in peft_model.named_modules():
+        if hasattr(m, "lora_A"):
+            drop = m.lora_dropout["default"]
+            hooks.append(drop.register_forward_hook(
+                lambda mod, args, out, path=path: kept.__setitem__(path, (out != 0).to(out.dtype))))
+    inputs, probe = zoo.make_inputs(NAME), {}
+    loss = loss_of(peft_model(**inputs), probe)
+    for h in hooks:
+        h.remove()
+    same = {}
+    ref_layers = dict(ref.named_modules())
+    for path, keep in kept.items():
+        layer = peft_model.get_submodule(path)
+        flat = keep.flatten().double()       # a fingerprint: the shapes of row layers' masks differ (uneven)
+        mine = torch.stack([flat.new_tensor(flat.numel()), (flat * torch.arange(flat.numel()).double()).sum()])
+        gathered = [torch.empty_like(mine) for _ in range(ctx.tp_size)]
+        torch.distributed.all_gather(gathered, mine, group=ctx.group)
+        same[type(layer).__name__] = same.get(type(layer).__name__, True) and \
+            all(torch.equal(g, gathered[0]) for g in gathered)
+        if type(layer).__name__ == "RowLoraLinear":          # this rank's features: the full mask gathered
+            base = layer.get_base_layer()
+            keep = _gather_dim(keep, keep.dim() - 1, base.shard, base.process_group)
+        ref_layers[path].lora_dropout["default"] = _Replayed(keep, p)
+    assert same == {"ColumnLoraLinear": True, "RowLoraLinear": False}, \
+        f"masks equal across ranks by layer kind: {same} (expected column: the same, row: per rank)"
+    ref_loss = loss_of(ref(**inputs), probe)
+    report = {"loss": assert_close("loss with dropout", loss, ref_loss, tol)}
+    loss.backward()
+    ref_loss.backward()
+    report["grad"] = compare_grads(peft_model, ref, f"{NAME} with lora_dropout={p}", tol)
+    return report
