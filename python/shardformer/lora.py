@@ -48,10 +48,17 @@ def is_peft_model(model: nn.Module) -> bool:
     return any(type(m).__module__.split(".", 1)[0] == "peft" for m in model.modules())
 
 
-def check_config(config, where: str) -> None:
+#: init_lora_weights values whose initialization does not read the base weight
+#: (an adapter added to an already-sharded layer sees only this rank's shard of it)
+_WEIGHT_FREE_INITS = (True, False, "gaussian")
+
+
+def check_config(config, where: str, added: bool = False) -> None:
     """Refuse, naming it, a PEFT config that is not plain LoRA: another tuner,
     or LoRA with a variant or extra modules (_UNSUPPORTED_FIELDS, the fields
-    PEFT tags as LoRA variants, variant initializations such as EVA/CorDA)."""
+    PEFT tags as LoRA variants, variant initializations such as EVA/CorDA).
+    added=True: for adapters added to an already-sharded model, whose
+    initialization must not read the base weight either."""
     kind = getattr(getattr(config, "peft_type", None), "value", None) or type(config).__name__
     if kind != "LORA":
         raise NotImplementedError(
@@ -68,6 +75,11 @@ def check_config(config, where: str) -> None:
     if bad:
         raise NotImplementedError(f"{where}: {', '.join(bad)} is not supported on a sharded model; "
                                   f"plain LoRA on linear layers is")
+    if added and config.init_lora_weights not in _WEIGHT_FREE_INITS:
+        raise NotImplementedError(
+            f"{where}: init_lora_weights={config.init_lora_weights!r} initializes the adapter from the base "
+            f"weight, which each rank of a sharded model holds only a shard of; add the adapter before "
+            f"optimize() (get_peft_model, then ShardFormer.optimize) or use init_lora_weights=True / 'gaussian'")
 
 
 def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -220,7 +232,7 @@ def get_peft_model(model: nn.Module, config, **kwargs):
     if not getattr(model, SHARDED_MARK, False):
         raise ValueError(f"shardformer.lora.get_peft_model: {type(model).__name__} is not sharded; use "
                          f"peft.get_peft_model, then ShardFormer.optimize() the PeftModel")
-    check_config(config, type(model).__name__)
+    check_config(config, type(model).__name__, added=True)
     from .layer.lora import LORA_CLASSES
 
     config._register_custom_module({cls.base_class: cls for cls in LORA_CLASSES})

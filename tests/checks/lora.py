@@ -121,7 +121,13 @@ def adapters_match(ctx) -> dict:
             base = check_outputs(f"{NAME} adapters disabled", peft_model(**inputs), ref(**inputs), tol)
             report["disabled"] = max(base.values())
         again = check_outputs(f"{NAME} re-enabled", peft_model(**inputs), ref(**inputs), tol)
-    report["enabled"] = max(again.values())
+        report["enabled"] = max(again.values())
+        try:
+            peft_model(**inputs, adapter_names=["default", "second"])
+        except NotImplementedError as e:
+            assert "adapter_names" in str(e), str(e)
+        else:
+            raise AssertionError("adapter_names= (mixed batches) was not refused")
     return report
 
 
@@ -143,6 +149,13 @@ def save_and_merge(ctx, directory: str) -> dict:
     with torch.no_grad():
         report = {"files": files, "loaded": max(check_outputs("loaded adapter", loaded(**inputs),
                                                               ref(**inputs), tol).values())}
+    with torch.no_grad():
+        peft_model.merge_adapter(), ref.merge_adapter()
+        report["merge_adapter"] = max(check_outputs("merge_adapter", peft_model(**inputs), ref(**inputs),
+                                                    tol).values())
+        peft_model.unmerge_adapter(), ref.unmerge_adapter()
+        report["unmerge_adapter"] = max(check_outputs("unmerge_adapter", peft_model(**inputs), ref(**inputs),
+                                                      tol).values())
     merged, ref_merged = peft_model.merge_and_unload(), ref.merge_and_unload()
     assert not any(hasattr(m, "lora_A") for m in merged.modules()), "merge_and_unload left LoRA layers"
     info, ref_params, worst = _shard_info(merged), dict(ref_merged.named_parameters()), 0.0
@@ -209,6 +222,16 @@ def refusals(ctx) -> dict:
     refused("inner", inner.base_model.model, ("PeftModel",))
     refused("sequence", build(), ("sequence",), ShardConfig(tensor_parallel_process_group=ctx.group,
                                                             enable_sequence_parallelism=True))
+    from shardformer.lora import get_peft_model as sharded_get_peft_model
+
+    model = zoo.build(NAME)
+    ShardFormer(cfg).optimize(model)
+    for key, config, names in (("pissa", lora_config(init_lora_weights="pissa"), ("pissa", "shard")),
+                               ("after_ia3", IA3Config(target_modules=["k_proj"], feedforward_modules=[]), ("IA3",))):
+        messages[key] = refused_unchanged(model, lambda: sharded_get_peft_model(model, config), key,
+                                          NotImplementedError, structure=True, names=names)
+    messages["peft_itself"] = refused_unchanged(model, lambda: get_peft_model(model, lora_config()), "peft",
+                                                ValueError, structure=True, names=("Linear1D_Col",))
     return messages
 
 

@@ -54,11 +54,6 @@ from .dropout import DropoutForParallelInput, DropoutForReplicatedInput
 from .linear import Linear1D_Col, Linear1D_Row, VocabParallelLMHead1D
 from .parallel_module import ParallelModule, shard_of
 
-#: init_lora_weights values whose initialization does not read the base weight
-#: (an adapter added to an already-sharded layer sees only this rank's shard of it)
-_WEIGHT_FREE_INITS = (True, False, "gaussian")
-
-
 class LoraFactor(nn.Linear, ParallelModule):
     """lora_A or lora_B of an adapter on a parallel layer: the nn.Linear PEFT
     built, holding this rank's shard of the factor along `split_dim` (None:
@@ -136,15 +131,10 @@ class _ParallelLoraLinear(peft_lora.Linear):
 
         base = self.get_base_layer()
         where = f"{type(base).__name__} (adapter {adapter_name!r})"
-        check_config(config, where)
+        check_config(config, where, added=True)
         if isinstance(base, VocabParallelLMHead1D) or getattr(base, "gather_input", False):
             raise NotImplementedError(f"{where}: LoRA on a vocabulary-parallel LM head or a gather_input layer "
                                       f"is not supported; leave it out of target_modules")
-        if config.init_lora_weights not in _WEIGHT_FREE_INITS:
-            raise NotImplementedError(
-                f"{where}: init_lora_weights={config.init_lora_weights!r} initializes the adapter from the base "
-                f"weight, which this rank holds only a shard of; add the adapter before optimize() "
-                f"(get_peft_model, then ShardFormer.optimize) or use init_lora_weights=True / 'gaussian'")
         super().update_layer(adapter_name, r, lora_alpha, config, **kwargs)
         self._cut_adapter(adapter_name, broadcast=True)
 
