@@ -12,8 +12,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("tp, default_group", [(2, False), (4, False), (4, True)])
-def test_lora_training_matches_unsharded(pool, tp, default_group):
-    for report in pool.run(lora.train_matches, tp, default_group):
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "GPT2LMHeadModel"])
+def test_lora_training_matches_unsharded(pool, name, tp, default_group):
+    for report in pool.run(lora.train_matches, tp, default_group, name=name):
         assert report["lora_fraction"] < 1
 
 

@@ -23,11 +23,15 @@ def lora_config(**kw) -> LoraConfig:
     return LoraConfig(**dict(dict(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False), **kw))
 
 
-def build(dropout: float = 0.0, second: bool = False, **kw):
-    """The zoo's Llama with LoRA (a second adapter, rsLoRA with other r/alpha, with second=True)."""
-    model = zoo.build(NAME)
+#: per model: LoRA targets on its column- and row-parallel layers (GPT-2: HF Conv1D, fused [q|k|v] c_attn)
+MODEL_TARGETS = {NAME: {}, "GPT2LMHeadModel": dict(target_modules=["c_attn", "c_proj", "c_fc"], fan_in_fan_out=True)}
+
+
+def build(dropout: float = 0.0, second: bool = False, name: str = NAME, **kw):
+    """The zoo's model `name` with LoRA (a second adapter, rsLoRA with other r/alpha, with second=True)."""
+    model = zoo.build(name)
     torch.manual_seed(7)
-    peft_model = get_peft_model(model, lora_config(lora_dropout=dropout, **kw))
+    peft_model = get_peft_model(model, lora_config(lora_dropout=dropout, **dict(MODEL_TARGETS[name], **kw)))
     if second:
         peft_model.add_adapter("second", lora_config(r=3, lora_alpha=5, use_rslora=True, lora_dropout=dropout))
     return peft_model
@@ -63,21 +67,21 @@ def _assert_sharded(peft_model, ref) -> float:
     """The adapters were cut (column and row LoRA layers, fewer LoRA
     parameters on this rank); returns the local fraction."""
     full, local = (sum(p.numel() for p in _trainable(m)) for m in (ref, peft_model))
-    assert local < full, f"{NAME}: {local} of {full} LoRA parameters on this rank: the adapters were not sharded"
+    assert local < full, f"{type(ref.get_base_model()).__name__}: {local} of {full} LoRA parameters on this rank: the adapters were not sharded"
     kinds = sorted({type(m).__name__ for m in peft_model.modules() if hasattr(m, "lora_A")})
     assert kinds == ["ColumnLoraLinear", "RowLoraLinear"], kinds
     return local / full
 
 
-def train_matches(ctx, default_group: bool = False, steps: int = 2) -> dict:
+def train_matches(ctx, default_group: bool = False, steps: int = 2, name: str = NAME) -> dict:
     """Loss, every LoRA gradient (the base frozen) and the outputs and LoRA
     weights after AdamW steps equal the unsharded PeftModel's."""
     tol = TOL[torch.float32]
-    peft_model = build()
+    peft_model = build(name=name)
     ref = copy.deepcopy(peft_model)
     ShardFormer(shard_config(ctx, default_group)).optimize(peft_model)
     fraction = _assert_sharded(peft_model, ref)
-    inputs = zoo.make_inputs(NAME)
+    inputs = zoo.make_inputs(name)
     peft_model.train(), ref.train()
     opts = [torch.optim.AdamW(_trainable(m), lr=1e-2) for m in (peft_model, ref)]
     report = {"tp": ctx.tp_size, "lora_fraction": fraction, "loss": 0.0, "grad": 0.0, "weights": 0.0}
@@ -87,17 +91,17 @@ def train_matches(ctx, default_group: bool = False, steps: int = 2) -> dict:
         probe = {}
         out, exp = peft_model(**inputs), ref(**inputs)
         loss, ref_loss = loss_of(out, probe), loss_of(exp, probe)
-        report["loss"] = max(report["loss"], assert_close(f"{NAME} step {step} loss", loss, ref_loss, tol))
+        report["loss"] = max(report["loss"], assert_close(f"{name} step {step} loss", loss, ref_loss, tol))
         loss.backward()
         ref_loss.backward()
         with_grad = sum(1 for p in _trainable(peft_model) if p.grad is not None and p.grad.abs().max() > 0)
         assert with_grad == len(_trainable(peft_model)), f"{with_grad} of the LoRA parameters got a gradient"
-        report["grad"] = max(report["grad"], compare_grads(peft_model, ref, f"{NAME} step {step}", tol))
+        report["grad"] = max(report["grad"], compare_grads(peft_model, ref, f"{name} step {step}", tol))
         for opt in opts:
             opt.step()
         report["weights"] = max(report["weights"], _compare_params(peft_model, ref, f"after AdamW step {step}", tol))
     with torch.no_grad():
-        check_outputs(f"{NAME} after AdamW", peft_model(**inputs), ref(**inputs), tol)
+        check_outputs(f"{name} after AdamW", peft_model(**inputs), ref(**inputs), tol)
     return report
 
 
