@@ -155,6 +155,7 @@ class ModelSharder:
         self.model = model
         self.policy = policy
         self.shard_config = shard_config if shard_config is not None else ShardConfig()
+        self.check_plan = None      # callable(ops), run on the plan before the model changes (shardformer.lora)
 
     def shard(self) -> list[dict[int, nn.Parameter]]:
         model, policy, cfg = self.model, self.policy, self.shard_config
@@ -205,6 +206,8 @@ class ModelSharder:
         _check_expert_plan(name, policy, cfg, ops)
         ops += _optimization_ops(model, name, cfg, ops, tp_size, rank)
         check_replaceable(name, ops)
+        if self.check_plan is not None:
+            self.check_plan(ops)
         if cfg.option("broadcast_weights"):      # the plan is valid: now rank 0's weights everywhere
             for each, _ in reversed(groups):      # SP first: then TP spreads the SP group's rank 0
                 broadcast_weights(model, each)

@@ -8,6 +8,7 @@ from torch import nn
 
 from .autopolicy import get_autopolicy
 from .config import ShardConfig
+from .lora import is_peft_model
 from .policy import Policy
 from .sharder import ModelSharder
 
@@ -60,13 +61,20 @@ class ShardFormer:
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"ShardFormer.optimize: expected a torch.nn.Module, got {type(model).__name__}")
+        adapters = None
+        if is_peft_model(model):        # the HF model inside is sharded, its LoRA adapters with it
+            from .lora import LoraSharding
+
+            adapters = LoraSharding(model, self.shard_config)
+        target = model if adapters is None else adapters.model
         if plan is not None:
-            policy = _plan_policy(model, policy, plan)
+            policy = _plan_policy(target, policy, plan)
         if policy is None:
-            policy = get_autopolicy(model)
+            policy = get_autopolicy(target)
         elif not isinstance(policy, Policy):
             raise TypeError(f"ShardFormer.optimize: policy must be a shardformer.Policy, got {type(policy).__name__}")
-        shared_params = ModelSharder(model, policy, self.shard_config).shard()
+        sharder = ModelSharder(target, policy, self.shard_config)
+        shared_params = sharder.shard() if adapters is None else adapters.shard(sharder)
         return model, shared_params
 
     def from_pretrained(self, model_class, path, *, dtype=None, torch_dtype=None, config=None,

@@ -236,14 +236,21 @@ class Linear1D_Col(_LinearShard):
                 bias = sync_replicated_grad(bias, 0, self.shard, self.process_group)
         return weight, bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, addend=None) -> torch.Tensor:
+        """`addend` (a LoRA adapter, layer/lora.py): a function of the layer's
+        input inside the region (after copy_to_tp_region, so the gradient it
+        sends to X is summed with the layer's own) giving a term of this
+        rank's output features, added before gather_output.  Not with
+        gather_input (the rows of X are gathered inside the matmul)."""
         pre = self._precomputed
-        if pre is not None and pre[0] is x:  # computed by the block's overlapped gather (gather_block_input)
+        if pre is not None and pre[0] is x and addend is None:  # the block's overlapped gather computed it
             self._precomputed = None
             return pre[1]
         if not self.sequence_parallel:       # with SP the block's all-gather of X sums dX backward
             x = copy_to_tp_region(x, self.process_group)
         weight, bias = self._local_params()
+        if addend is not None and self.gather_input:
+            raise NotImplementedError(f"{type(self).__name__}: an addend (LoRA) with gather_input=True")
         if self.gather_input and self.tp_size > 1:
             dim = token_dim(x)
             length = self.sequence_state.length if self.sequence_state is not None else None
@@ -251,6 +258,8 @@ class Linear1D_Col(_LinearShard):
                                         length, self.overlap, False, weight, bias).movedim(0, dim)
         else:
             y = self._matmul(x, weight, bias)
+        if addend is not None:
+            y = y + addend(x)
         if self.gather_output:
             y = gather_from_tp_region(y, -1, self.shard, self.process_group)
         return y
@@ -518,12 +527,18 @@ class Linear1D_Row(_LinearShard):
                              f"(reduce_scatter=True does that in the layer)")
         return super().plan_shard(module, tp_size, rank, split=split, **kwargs)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, addend=None) -> torch.Tensor:
+        """`addend` (a LoRA adapter, layer/lora.py): a function of this
+        rank's input features X_i giving a partial output, summed over the
+        ranks with X_i A_i^T by the same reduction (one all-reduce or
+        reduce-scatter for both)."""
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, -1, self.shard, self.process_group)
         if self.input_dropout is not None:
             x = self.input_dropout(x)
         y = self._matmul(x, self.weight, None)
+        if addend is not None:
+            y = y + addend(x)
         if self.sequence_parallel:
             if not self.reduce_scatter:      # partial sums: the block's reduce-scatter adds them up
                 return y
