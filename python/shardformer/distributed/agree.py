@@ -14,13 +14,13 @@ arrives blocks nothing and a later collective is not disturbed -- under
 
     shardformer/agree/<step>/<ranks of the group>/<n>/<global rank>
 
-where n counts this process's calls of (step, group).  It then reads the
-other members' entries:
+where n counts this process's calls of (step, group).  It then waits
+for the other members' entries (one store wait, one multi_get):
 
   * all there and equal: returns (a few store round trips, ~1 ms);
-  * one there and different: raises RuntimeError at once, on every rank
-    (each sees the same entries), naming the ranks on each side and the
-    values that differ;
+  * all there, some different: raises RuntimeError on every rank (each
+    sees the same entries), naming the ranks on each side and the values
+    that differ;
   * some missing after `timeout_s` (SHARDFORMER_AGREE_TIMEOUT_S, default
     120): raises naming the missing ranks and, for each, the last step it
     published (a rank calling with another group shows up there).  The
@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -76,6 +77,7 @@ def _render(values: dict) -> str:
 
 
 def name_ranks(ranks: list[int]) -> str:
+    """"rank 3" or "ranks 0, 2"."""
     return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
@@ -112,29 +114,25 @@ def agree(step: str, values: dict, group=None, timeout: float | None = None) -> 
     store.set(f"{scope}/{n}/{me}", mine)
     store.set(f"{_PREFIX}/last/{me}", f"{step} over {where} ({_render(values)})")
     limit = timeout_s() if timeout is None else timeout
+    others = [r for r in ranks if r != me]
+    keys = [f"{scope}/{n}/{r}" for r in others]
     deadline = time.monotonic() + limit
-    entries = {me: values}
-    pending = [r for r in ranks if r != me]
-    pause = 0.002
-    while pending:
-        keys = [f"{scope}/{n}/{r}" for r in pending]
-        arrived = [r for r, key in zip(pending, keys) if store.check([key])]
-        for r in arrived:
-            text = store.get(f"{scope}/{n}/{r}").decode()
-            if text != mine:
-                entries[r] = _parse(text)
-                for q in pending:        # all that is there, for one complete message
-                    if q not in entries and store.check([f"{scope}/{n}/{q}"]):
-                        entries[q] = _parse(store.get(f"{scope}/{n}/{q}").decode())
-                raise RuntimeError(_disagreement(step, entries, me, where))
-            entries[r] = values
-        pending = [r for r in pending if r not in entries]
-        if pending and time.monotonic() > deadline:
+    while True:             # in slices, so that Ctrl-C gets through within half a second
+        try:
+            store.wait(keys, timedelta(seconds=max(0.01, min(0.5, deadline - time.monotonic()))))
+            break
+        except RuntimeError:                      # DistStoreError: not all there yet
+            if time.monotonic() < deadline:
+                continue
+        missing = [r for r, key in zip(others, keys) if not store.check([key])]
+        if missing:
             _withdraw(store, scope, n, me)
-            raise RuntimeError(_missing(step, pending, store, me, where, limit))
-        if pending:
-            time.sleep(pause)
-            pause = min(0.05, pause * 2)
+            raise RuntimeError(_missing(step, missing, store, me, where, limit)) from None
+        break
+    texts = [t.decode() for t in store.multi_get(keys)]
+    if any(text != mine for text in texts):
+        entries = {me: values, **{r: _parse(text) for r, text in zip(others, texts)}}
+        raise RuntimeError(_disagreement(step, entries, me, where))
 
 
 def _parse(text: str):
