@@ -89,12 +89,11 @@ _GROUP_FIELDS = ("tensor_parallel_process_group", "pipeline_stage_manager", "seq
 
 def _agree_on_call(model: nn.Module, policy, cfg: ShardConfig, groups: list, name: str) -> None:
     """Before the first collective: every rank of each group shards the same
-    class of model (parameter count and size), with the same policy and
-    switches, over the same group (shardformer.distributed.agree); else
-    RuntimeError on every rank naming the ranks and what differs."""
-    params = list(model.parameters())
-    common = {"model": name, "parameters": len(params), "elements": sum(t.numel() for t in params),
-              "policy": type(policy).__qualname__}
+    class of model with the same policy and switches, over the same group
+    (shardformer.distributed.agree); else RuntimeError on every rank naming
+    the ranks and what differs.  The models' contents are the replica
+    check's (shardformer.replicas: it names the tensors that differ)."""
+    common = {"model": name, "policy": type(policy).__qualname__}
     common.update((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name not in _GROUP_FIELDS)
     for group, what in groups:
         agree("ShardFormer.optimize", dict(common, **{f"{what} group": members(group)}), group)

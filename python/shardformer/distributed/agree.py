@@ -60,7 +60,10 @@ def timeout_s() -> float:
 
 
 def members(group) -> list[int]:
-    """The global ranks of `group` (None: the default group), in group order."""
+    """The global ranks of `group` (None: the default group), in group order
+    ([0] when torch.distributed is not initialized)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return [0]
     if group is None:
         return list(range(dist.get_world_size()))
     return list(dist.get_process_group_ranks(group))
