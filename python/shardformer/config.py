@@ -162,12 +162,38 @@ class ShardConfig:
             if not isinstance(self.pipeline_stage_manager, PipelineStageManager):
                 raise TypeError(f"ShardConfig.pipeline_stage_manager must be a shardformer.pipeline."
                                 f"PipelineStageManager, got {type(self.pipeline_stage_manager).__name__}")
+            self._check_pipeline_groups()
         for name, what in _NOT_YET.items():
             if getattr(self, name):
                 reason = " (switched on by enable_all_optimization)" if self.enable_all_optimization \
                     and name in ("enable_flash_attention", "enable_jit_fused") else ""
                 raise NotImplementedError(f"ShardConfig.{name}=True{reason}: {what} is not available "
                                           "in this version of shardformer")
+
+    def _check_pipeline_groups(self) -> None:
+        """The pipeline group and the tensor- / sequence-parallel group of a
+        rank meet in that rank only (stages hold different layers; the ranks of
+        one stage split them): a group used for both would have every rank
+        wait on itself, so it is refused by name."""
+        manager = self.pipeline_stage_manager
+        if manager.num_stages < 2 or not dist.is_available() or not dist.is_initialized():
+            return
+        pp = set(_group_ranks(manager.group))
+        inner = []
+        if self.enable_tensor_parallelism:
+            inner.append(("tensor_parallel_process_group", self.tensor_parallel_process_group))
+        if self.split_attention_mode and (not self.enable_tensor_parallelism
+                                          or self.sequence_group is not self.tensor_parallel_process_group):
+            inner.append(("sequence_parallel_process_group", self.sequence_group))
+        for name, group in inner:
+            ranks = _group_ranks(group)
+            shared = sorted(pp & set(ranks))
+            if len(shared) > 1:
+                raise ValueError(
+                    f"ShardConfig: the pipeline_stage_manager's group (global ranks {sorted(pp)}) and {name}"
+                    f"{'' if group is not None else ' (None: the default group)'} (global ranks {ranks}) share "
+                    f"ranks {shared}; pipeline stages and the ranks that split one stage must be different ranks "
+                    f"(shardformer.mesh(pp=..., tp=...) builds such groups: .pp and .tp)")
 
     def _check_expert_parallelism(self) -> None:
         group = self.expert_parallel_process_group
@@ -298,6 +324,11 @@ def concrete_group(process_group):
     if process_group is None and dist.is_available() and dist.is_initialized():
         return dist.group.WORLD
     return process_group
+
+
+def _group_ranks(group) -> list[int]:
+    """Global ranks of `group` (None: the default group)."""
+    return list(range(dist.get_world_size())) if group is None else list(dist.get_process_group_ranks(group))
 
 
 def check_process_group(process_group) -> None:

@@ -18,6 +18,12 @@ for expert-parallel parameters (shardformer.layer.expert_parallel): each
 EP rank holds other experts, so their sum (already summed over TP) is
 summed over the EP group too, once.  p = inf takes maxima instead of sums.
 
+The ranks of a tensor-parallel group must hold gradients for the same
+parameters (checked first, one small all-gather per group: a gradient
+missing on some ranks only is refused, naming the parameters and ranks);
+every reduction above runs whatever the gradients, so no rank waits on a
+reduction another skipped.
+
 Every rank gets the same norm and scales its gradients by
 min(1, max_norm / (norm + 1e-6)), as torch.nn.utils.clip_grad_norm_ does.
 Call it after the backward (and after DDP's gradient all-reduce), before the
@@ -56,6 +62,46 @@ def _group_key(group):
     return id(group)
 
 
+def _check_same_gradients(named: list, groups, device) -> None:
+    """The ranks of each tensor-parallel group hold the same parameters, so
+    they must hold gradients for the same ones: a gradient on one rank only
+    would count a replicated parameter on some ranks and not others (each
+    rank clipping by another norm) or leave a shard out of the sum.  torch
+    treats a None gradient as absent; here it is a bug in the training loop,
+    so it is refused on every rank, naming the parameters and the ranks.
+    One all-gather of (parameters, gradients, checksum of which) per group:
+    3 int64."""
+    from .distributed.agree import members
+
+    have = torch.tensor([t.grad is not None for _, t in named], dtype=torch.int64, device=device)
+    weights = torch.arange(have.numel(), dtype=torch.int64, device=device) * 2 + 1
+    mine = torch.stack([torch.tensor(have.numel(), device=device), have.sum(), (have * weights).sum()])
+    for group in groups:
+        size = C.world_size(group)
+        if size < 2:
+            continue
+        every = torch.empty(3 * size, dtype=torch.int64, device=device)
+        C.all_gather_into_tensor(every, mine, group)
+        rows = every.view(size, 3).tolist()
+        if all(row == rows[0] for row in rows):
+            continue
+        ranks = members(group)
+        counts = ", ".join(f"rank {ranks[q]}: {row[1]} of {row[0]}" for q, row in enumerate(rows))
+        detail = ""
+        if all(row[0] == rows[0][0] for row in rows):    # the same parameters: every rank can show which
+            table = torch.empty(have.numel() * size, dtype=torch.int64, device=device)
+            C.all_gather_into_tensor(table, have, group)
+            table = table.view(size, -1)
+            odd = [i for i in range(have.numel()) if 0 < int(table[:, i].sum()) < size][:8]
+            detail = "; " + "; ".join(
+                f"{named[i][0]} has one on ranks {[ranks[q] for q in range(size) if table[q, i]]}, none on "
+                f"{[ranks[q] for q in range(size) if not table[q, i]]}" for i in odd)
+        raise RuntimeError(
+            f"clip_grad_norm_: the ranks of the group of global ranks {ranks} hold gradients for different "
+            f"parameters (parameters with a gradient: {counts}){detail}; every rank of a tensor-parallel group must "
+            f"run the same backward (a gradient left None, or set to None, on some ranks only)")
+
+
 def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     """The unsharded model's gradient norm (see the module doc), on every rank;
     a float64 scalar on the gradients' device."""
@@ -71,11 +117,17 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     skip = set()
     if runtime is not None:           # tied or replicated across stages: counted on the lowest holder only
         skip = runtime.counted_elsewhere()
-    params = [t for t in model.parameters() if t.grad is not None and id(t) not in skip]
+    named = [(n, t) for n, t in model.named_parameters() if id(t) not in skip]
+    params = [t for _, t in named if t.grad is not None]
     device = params[0].grad.device if params else next(model.parameters()).device
+    _check_same_gradients(named, {id(g): g for _, _, g in info.values()}.values(), device)
     zero = torch.zeros((), dtype=torch.float64, device=device)
     replicated = zero.clone()
     per_group: dict = {}              # ids of the groups -> [groups to reduce over in turn, accumulated]
+    for _, t in named:                # an entry per group whatever the gradients: the reductions every rank runs
+        if id(t) in info:
+            groups = (info[id(t)][2],) + ((getattr(t, EXPERT_GROUP_ATTR),) if is_expert_param(t) else ())
+            per_group.setdefault(tuple(map(_group_key, groups)), [groups, zero.clone()])
     for t in params:
         g = t.grad.detach()
         a = g.abs().double()
@@ -89,7 +141,7 @@ def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
                                  f"({shard.length} rows along dimension {dim})")
             part = (rows * (w > 0)).max() if inf else (rows * w).sum()
             groups = (group,) + ((getattr(t, EXPERT_GROUP_ATTR),) if is_expert_param(t) else ())
-            entry = per_group.setdefault(tuple(map(_group_key, groups)), [groups, zero.clone()])
+            entry = per_group[tuple(map(_group_key, groups))]
             entry[1] = torch.maximum(entry[1], part) if inf else entry[1] + part
         else:
             part = a.max() if inf else a.pow(p).sum()

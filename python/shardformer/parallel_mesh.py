@@ -33,8 +33,10 @@ ranks as dp=2, tp=4:  tp groups {0,1,2,3} {4,5,6,7}, dp groups {0,4} {1,5}
           and DTensor code
 
 Building the groups is collective (every rank calls mesh() with the same
-sizes); calling it again with the same sizes on the same world returns the
-same object.  Works under torchrun and under multiprocessing spawn: it only
+sizes; the ranks first check that they do, through the store, and raise
+naming the ranks and sizes that differ instead of waiting on different
+groups: shardformer.distributed.agree); calling it again with the same
+sizes on the same world returns the same object.  Works under torchrun and under multiprocessing spawn: it only
 needs an initialized default group.
 """
 from __future__ import annotations
@@ -43,6 +45,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
+
+from .distributed.agree import agree
 
 DIMS = ("pp", "dp", "sp", "tp")
 _MESHES: dict = {}
@@ -157,6 +161,8 @@ def mesh(dp: int | None = None, pp: int = 1, tp: int = 1, sp: int = 1, *, ep: in
         raise RuntimeError("shardformer.mesh: torch.distributed is not initialized "
                            "(call torch.distributed.init_process_group first, or launch with torchrun)")
     world = dist.get_world_size()
+    # the arguments as given, before anything that could raise on one rank only
+    agree("shardformer.mesh", {"dp": dp, "pp": pp, "tp": tp, "sp": sp, "ep": ep, "backend": backend})
     for name, value in (("pp", pp), ("tp", tp), ("sp", sp)) + ((("dp", dp),) if dp is not None else ()):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"shardformer.mesh: {name} must be an int >= 1, got {value!r}")

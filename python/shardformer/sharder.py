@@ -29,13 +29,16 @@ raised (same object), after the rollback.
 """
 from __future__ import annotations
 
+import dataclasses
+import threading
 import warnings
 
 from torch import nn
 
-from . import _C, lazy, pickling
+from . import _C, lazy, lockstep, pickling
 from .checkpoint import bind_hf_methods
 from .config import ShardConfig, group_size_and_rank
+from .distributed.agree import agree, members
 from .inherit import Inheritance, check_replaceable
 from .layer.attention_weights import gather_attention_weights
 from .layer.rank_streams import guard_random_streams
@@ -72,6 +75,38 @@ def _check_expert_plan(name: str, policy, cfg: ShardConfig, ops: list) -> None:
         raise ValueError(f"{name}: ShardConfig.expert_parallel_process_group is set, but {type(policy).__name__} "
                          f"splits no mixture-of-experts block of {name} over it (the model has none, or its "
                          f"policy does not map expert parallelism); leave expert_parallel_process_group None")
+
+
+# optimize() (and from_pretrained) run their collectives under this lock: two threads sharding at once
+# would interleave their collectives on one group (gloo aborts the process on the mixed-up messages, or
+# the ranks wait on different calls).  Serialized, each call's collectives run whole; the ranks then pair
+# their calls in the order each took the lock, and _agree_on_call refuses, on every rank and by name,
+# a pairing of different models.  Reentrant: from_pretrained holds it around its own optimize().
+SERIAL = threading.RLock()
+
+_GROUP_FIELDS = ("tensor_parallel_process_group", "pipeline_stage_manager", "sequence_parallel_process_group",
+                 "expert_parallel_process_group")
+
+
+def _agree_on_call(model: nn.Module, policy, cfg: ShardConfig, groups: list, name: str) -> None:
+    """Before the first collective: every rank of each group shards the same
+    class of model with the same policy and switches, over the same group
+    (shardformer.distributed.agree); else RuntimeError on every rank naming
+    the ranks and what differs.  The models' contents are the replica
+    check's (shardformer.replicas: it names the tensors that differ)."""
+    common = {"model": name, "policy": type(policy).__qualname__}
+    common.update((f.name, getattr(cfg, f.name)) for f in dataclasses.fields(cfg) if f.name not in _GROUP_FIELDS)
+    for group, what in groups:
+        agree("ShardFormer.optimize", dict(common, **{f"{what} group": members(group)}), group)
+
+
+def _decoding_groups(cfg: ShardConfig) -> list:
+    """The groups whose ranks run generate() together: the tensor-parallel
+    group, then the sequence-parallel one when it is another."""
+    out = [cfg.tensor_parallel_process_group] if cfg.enable_tensor_parallelism else []
+    if cfg.split_attention_mode and (not out or cfg.sequence_group is not out[0]):
+        out.append(cfg.sequence_group)
+    return out
 
 
 def _refuse_broken(module: nn.Module, _args) -> None:
@@ -158,6 +193,10 @@ class ModelSharder:
         self.check_plan = None      # callable(ops), run on the plan before the model changes (shardformer.lora)
 
     def shard(self) -> list[dict[int, nn.Parameter]]:
+        with SERIAL:                            # one optimize() at a time in this process (see SERIAL)
+            return self._shard()
+
+    def _shard(self) -> list[dict[int, nn.Parameter]]:
         model, policy, cfg = self.model, self.policy, self.shard_config
         name = type(model).__name__
         check_usable(model, name)
@@ -173,6 +212,7 @@ class ModelSharder:
         manager = cfg.pipeline_stage_manager
         if manager is not None and manager.num_stages > 1:
             groups.append((manager.group, "pipeline-parallel"))
+        _agree_on_call(model, policy, cfg, groups, name)
         for each, what in groups:
             if cfg.option("broadcast_weights"):
                 check_same_model(model, each, name, content=False, what=what)
@@ -224,6 +264,8 @@ class ModelSharder:
                 stages.bind_shared(self.model)
             if losses is not None:               # the heads are in: their models' losses go to the shards
                 losses.install(self.model)
+            if stages is None:                   # every rank of the groups decodes the same tokens
+                lockstep.install(self.model, _decoding_groups(cfg), name)
             if tp_size > 1:                      # torch's generator: streams per rank, layerdrop agreed
                 index_of, folded, draws_replicated = policy.attention_data()
                 guard_random_streams(self.model, group, rank, name, draws_replicated)
@@ -238,7 +280,7 @@ class ModelSharder:
         if why is not None:                      # torch.save(model) refused with the reason
             self.model.register_forward_pre_hook(pickling.PickleRefusal(why), prepend=True)
         for message in messages:                 # last: a warning turned error finds the model complete
-            warnings.warn(message, stacklevel=3)
+            warnings.warn(message, stacklevel=4)
         return policy.get_shared_params() + (stages.shared_params if stages is not None else [])
 
     def _plan_stages(self, name: str):

@@ -58,6 +58,9 @@ class ShardFormer:
         interrupt) the model is left unchanged; where a change cannot be
         undone (see shardformer.sharder) the model is marked, and every later
         optimize() or forward on it raises "partially sharded ...; rebuild it".
+        Calls from several threads run one at a time (sharder.SERIAL); the
+        ranks first check that they shard the same model over the same groups
+        (RuntimeError naming the ranks otherwise, never a hang).
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"ShardFormer.optimize: expected a torch.nn.Module, got {type(model).__name__}")
@@ -98,14 +101,21 @@ class ShardFormer:
         like optimize().  Not with ShardConfig.expert_parallel_process_group
         (NotImplementedError, before anything is read or built): build the
         model, optimize() it, and load_full_state_dict the checkpoint's tensors."""
-        import torch
-
         if self.shard_config.expert_parallel_process_group is not None:
             raise NotImplementedError(
                 f"ShardFormer.from_pretrained({getattr(model_class, '__name__', model_class)}): loading a "
                 f"checkpoint's slices into an expert-parallel model (ShardConfig.expert_parallel_process_group) "
                 f"is not available; build the model, optimize() it and call "
                 f"shardformer.checkpoint.load_full_state_dict with the checkpoint's state dict")
+        from .sharder import SERIAL
+
+        with SERIAL:        # its broadcast and optimize() together, one call at a time (see sharder.SERIAL)
+            return self._from_pretrained(model_class, path, dtype=dtype, torch_dtype=torch_dtype, config=config,
+                                         policy=policy, plan=plan, progress=progress, **model_kwargs)
+
+    def _from_pretrained(self, model_class, path, *, dtype, torch_dtype, config, policy, plan, progress,
+                         **model_kwargs):
+        import torch
 
         from . import lazy
         from .checkpoint import CheckpointReader
@@ -134,7 +144,7 @@ class ShardFormer:
         if left:
             warnings.warn(f"{type(model).__name__}: {len(left)} parameters are not in the checkpoint {path} and "
                           f"were newly initialized: {', '.join(left[:10])}{' ...' if len(left) > 10 else ''}",
-                          stacklevel=2)
+                          stacklevel=3)
         _load_generation_config(model, path)
         return model.eval(), shared_params
 

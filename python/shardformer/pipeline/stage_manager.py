@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import check_process_group, group_size_and_rank
+from ..distributed.agree import agree, members
 
 __all__ = ["PipelineStageManager"]
 
@@ -33,13 +34,19 @@ class PipelineStageManager:
     num_layers_per_stage  None, or the layer count of each of the v*p virtual stages
 
     Made by every rank of pp_group at the same point (it sets up the
-    group's point-to-point transport, a collective over the group)."""
+    group's point-to-point transport, a collective over the group); the
+    ranks first check that they pass the same group, chunks and layer
+    counts (shardformer.distributed.agree), raising naming the ranks that
+    differ rather than waiting."""
 
     def __init__(self, pp_group=None, num_model_chunks: int = 1, num_layers_per_stage=None) -> None:
         if pp_group is not None:
             check_process_group(pp_group)
         if isinstance(num_model_chunks, bool) or not isinstance(num_model_chunks, int) or num_model_chunks < 1:
             raise ValueError(f"PipelineStageManager: num_model_chunks must be an int >= 1, got {num_model_chunks!r}")
+        if dist.is_available() and dist.is_initialized():    # before anything waits on the group
+            agree("PipelineStageManager", {"pp_group": members(pp_group), "num_model_chunks": num_model_chunks,
+                                           "num_layers_per_stage": _plain(num_layers_per_stage)}, pp_group)
         self.group = pp_group
         self.num_stages, self.stage = group_size_and_rank(pp_group)
         self.num_model_chunks = num_model_chunks
@@ -106,3 +113,11 @@ class PipelineStageManager:
         starts = [sum(counts[:k]) for k in range(len(counts))]
         return [range(starts[k], starts[k] + counts[k])
                 for k in (self.virtual_stage(c) for c in range(self.num_model_chunks))]
+
+
+def _plain(value):
+    """num_layers_per_stage as a plain value the ranks can compare (a tuple of ints stays one)."""
+    try:
+        return tuple(value) if value is not None else None
+    except TypeError:
+        return repr(value)
