@@ -10,6 +10,7 @@ from .autopolicy import get_autopolicy
 from .config import ShardConfig
 from .policy import Policy
 from .sharder import ModelSharder
+from .wrappers import refuse_wrappers
 
 
 def _plan_policy(model: nn.Module, policy, plan) -> Policy:
@@ -57,9 +58,12 @@ class ShardFormer:
         interrupt) the model is left unchanged; where a change cannot be
         undone (see shardformer.sharder) the model is marked, and every later
         optimize() or forward on it raises "partially sharded ...; rebuild it".
+        A model inside (or holding) a wrapper no policy understands (PEFT,
+        torch.compile, DDP / FSDP; shardformer.wrappers) is refused first.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"ShardFormer.optimize: expected a torch.nn.Module, got {type(model).__name__}")
+        refuse_wrappers(model)          # PEFT, torch.compile, DDP/FSDP: refused, never passed through unsharded
         if plan is not None:
             policy = _plan_policy(model, policy, plan)
         if policy is None:
