@@ -81,7 +81,8 @@ class Guard:
                 scope = " (the default group: the whole world)" if dp_group is None or \
                     dp_group is dist.group.WORLD else ""
                 raise ValueError(
-                    f"{self.model_name}: DistributedDataParallel over ranks {dp_ranks}{scope} contains ranks {shared} of this model's {what} group, which hold different shards: "
+                    f"{self.model_name}: DistributedDataParallel over ranks {dp_ranks}{scope} contains ranks "
+                    f"{shared} of this model's {what} group, which hold different shards: "
                     f"it would overwrite their shards with rank {dp_ranks[0]}'s, average gradients of different "
                     f"shards and, with its sampler, give them different rows. Wrap the sharded model over the "
                     f"data-parallel group only: shardformer.data_parallel(model, m) with m = shardformer.mesh("
