@@ -3,6 +3,7 @@
     from shardformer import ShardConfig, ShardFormer
     model, shared_params = ShardFormer(shard_config=ShardConfig()).optimize(model)
 """
+from .autopolicy import supported_models
 from .config import ShardConfig
 from .grad_norm import average_gradients, clip_grad_norm_, data_parallel
 from .lazy import lazy_init
@@ -27,4 +28,5 @@ __all__ = [
     "data_parallel",
     "lazy_init",
     "mesh",
+    "supported_models",
 ]

@@ -20,6 +20,7 @@ from ._versions import check_transformers_version
 from .policy import Policy
 
 _OVERRIDES: dict[str, tuple[str, str]] = {}   # register_policy
+README = "shardformer's README.md"   # the no-policy error points at its sections (GitHub anchors)
 _GENERATED: dict[str, tuple[str, str]] | None = None
 
 
@@ -59,6 +60,8 @@ def registry() -> dict[str, tuple[str, str]]:
 
 
 def supported_models() -> list[str]:
+    """The model classes with a built-in policy ("module.QualName"; a bare
+    class name for remote-code models), sorted."""
     return sorted(registry())
 
 
@@ -78,13 +81,15 @@ def get_autopolicy(model) -> Policy:
 
         if has_tp_plan(model):      # built-in policies win; else the model's own plan
             return DerivedPolicy()
-        names = "\n  ".join(k.rsplit(".", 1)[-1] for k in supported_models())
         raise ValueError(
-            f"{bare}: no built-in policy for {full}.\nSupported model classes:\n  {names}\n"
-            "The model carries no tensor-parallel plan (config.base_model_tp_plan or the class's _tp_plan) "
-            "to derive one from.  Supply a plan dict in transformers' notation, "
-            "ShardFormer(shard_config).optimize(model, plan={'model.layers.*.mlp.up_proj': 'colwise', ...}), "
-            "or a shardformer.Policy subclass: optimize(model, policy=MyPolicy())."
+            f"{bare}: no built-in policy for {full}, and the model carries no tensor-parallel plan "
+            "(config.base_model_tp_plan or the class's _tp_plan) to derive one from. Shard it with either\n"
+            "  - a plan dict in transformers' notation: ShardFormer(shard_config).optimize(model, "
+            "plan={'layers.*.mlp.up_proj': 'colwise', 'layers.*.mlp.down_proj': 'rowwise', ...}) "
+            f"(README: {README}#models-without-a-built-in-policy-the-models-own-plan), or\n"
+            "  - a shardformer.Policy subclass: optimize(model, policy=MyPolicy()) "
+            f"(README: {README}#your-own-model-a-policy).\n"
+            f"shardformer.supported_models() lists the {len(table)} model classes with a built-in policy."
         )
     family, policy_cls = found
     module = importlib.import_module(f"shardformer.policies.{family}")

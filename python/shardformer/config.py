@@ -100,6 +100,12 @@ class ShardConfig:
         only.  Train with shardformer.data_parallel (or average_gradients
         with the mesh), which keep expert parameters out of the DP
         all-reduce.  Refused with pipeline or sequence parallelism.
+    check_inputs_every: the sharded model compares a fingerprint of its
+        inputs across the ranks that must be given the same batch (tensor-
+        parallel, sequence-parallel and pipeline groups) on its first forward
+        and every this many forwards after, and raises naming the ranks given
+        other rows (a sampler or DDP spanning the tensor-parallel ranks;
+        shardformer.input_check).  0: never.
     extra_kwargs: policy options, see EXTRA_KWARGS_DEFAULTS.
     """
 
@@ -118,6 +124,7 @@ class ShardConfig:
     enable_all_optimization: bool = False
     parallel_output: bool = False
     expert_parallel_process_group: Any = None
+    check_inputs_every: int = 100
     extra_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -127,6 +134,9 @@ class ShardConfig:
                      "enable_all_optimization", "parallel_output"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"ShardConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        every = self.check_inputs_every
+        if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+            raise ValueError(f"ShardConfig.check_inputs_every must be an int >= 0 (0: never), got {every!r}")
         if not isinstance(self.extra_kwargs, dict):
             raise TypeError(f"ShardConfig.extra_kwargs must be a dict, got {type(self.extra_kwargs).__name__}")
         if "gather_output" in self.extra_kwargs:

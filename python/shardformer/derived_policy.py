@@ -167,8 +167,17 @@ def _pattern(key: str) -> re.Pattern:
     return re.compile("^" + r"\.".join(r"\d+" if p == "*" else re.escape(p) for p in key.split(".")) + "$")
 
 
+class _NoConfig:
+    """The config of a model that has none (a plain nn.Module given a plan
+    dict): every attribute is absent, so the plan's styles that need none
+    (colwise / rowwise outside attentions, embeddings, ...) work, and an
+    attention's heads come from the attention module's own attributes."""
+
+
 def _text_config(model):
-    cfg = model.config
+    cfg = getattr(model, "config", None)
+    if cfg is None:
+        return _NoConfig()
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
@@ -333,11 +342,17 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
     # ---- heads ----
 
     def heads_of(self, attention: nn.Module) -> Heads:
+        """The attention's heads: from the model's config, or for a model
+        without one from the attention module's num_heads /
+        num_attention_heads, num_key_value_heads / num_kv_heads, head_dim."""
         cfg = _text_config(self.model)
-        n = getattr(cfg, "num_attention_heads", None)
+        if isinstance(cfg, _NoConfig):
+            cfg = attention
+        n = getattr(cfg, "num_attention_heads", None) or getattr(cfg, "num_heads", None)
         if not n:
-            raise ValueError("the config names no num_attention_heads")
-        kv = getattr(cfg, "num_key_value_heads", None) or n
+            raise ValueError(f"{type(self.model).__name__} has no config (config.num_attention_heads) and "
+                             f"{type(attention).__name__} no num_heads attribute naming its heads")
+        kv = getattr(cfg, "num_key_value_heads", None) or getattr(cfg, "num_kv_heads", None) or n
         head_dim = (getattr(attention, "head_dim", None) or getattr(attention, "head_size", None)
                     or getattr(cfg, "head_dim", None) or cfg.hidden_size // n)
         return Heads(n, kv, int(head_dim))

@@ -36,6 +36,7 @@ import math
 import torch
 from torch import nn
 
+from . import ddp_guard
 from .distributed import collectives as C
 from .layer.expert_parallel import EXPERT_GROUP_ATTR, is_expert_param
 
@@ -218,7 +219,7 @@ def data_parallel(model: nn.Module, mesh, **ddp_kwargs):
     size = C.world_size(dp_group)
     experts = [(name, t) for name, t in model.named_parameters() if is_expert_param(t)]
     if experts:
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, [n for n, _ in experts])
+        ddp_guard.set_ignored(model, [n for n, _ in experts])
         for _, t in experts:
             if not getattr(t, "_shardformer_dp_hooked", False):
                 t.register_hook(lambda g: _average_expert_grad(g, expert_dp, size))

@@ -124,6 +124,11 @@ class LoraSharding:
                                           f"supported on a sharded model")
             self.layers[path] = m
 
+    def claims(self, path: str, module: nn.Module) -> bool:
+        """Whether `module` at `path` of the HF model is one of the LoRA layers
+        shard() cuts (shardformer.wrappers refuses every other wrapper)."""
+        return self.layers.get(path) is module
+
     def check_plan(self, ops: list) -> None:
         """Every adapter's base is replaced by a column- or row-parallel
         linear, or left alone (ModelSharder calls this with the plan, before

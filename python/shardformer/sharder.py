@@ -35,7 +35,7 @@ import warnings
 
 from torch import nn
 
-from . import _C, lazy, lockstep, pickling
+from . import _C, ddp_guard, input_check, lazy, lockstep, pickling
 from .checkpoint import bind_hf_methods
 from .config import ShardConfig, group_size_and_rank
 from .distributed.agree import agree, members
@@ -276,6 +276,10 @@ class ModelSharder:
             _mark_broken(model, name, e)        # the swaps are in: a postprocess cannot be undone
             raise
         object.__setattr__(self.model, SHARDED_MARK, True)
+        # the ranks that must be given one batch compare their inputs; DDP may not span ranks holding other shards
+        input_check.install(self.model, cfg, name, pipelined=stages is not None)
+        ddp_guard.install(self.model, name, ([(group, "tensor-parallel")] if cfg.enable_tensor_parallelism else [])
+                          + ([(manager.group, "pipeline")] if stages is not None else []))
         why = pickling.refusal_reason(name, cfg, stages is not None)
         if why is not None:                      # torch.save(model) refused with the reason
             self.model.register_forward_pre_hook(pickling.PickleRefusal(why), prepend=True)

@@ -11,6 +11,7 @@ from .config import ShardConfig
 from .lora import is_peft_model
 from .policy import Policy
 from .sharder import ModelSharder
+from .wrappers import refuse_wrappers
 
 
 def _plan_policy(model: nn.Module, policy, plan) -> Policy:
@@ -60,7 +61,10 @@ class ShardFormer:
         optimize() or forward on it raises "partially sharded ...; rebuild it".
         Calls from several threads run one at a time (sharder.SERIAL); the
         ranks first check that they shard the same model over the same groups
-        (RuntimeError naming the ranks otherwise, never a hang).
+        (RuntimeError naming the ranks otherwise, never a hang).  A PEFT model
+        is sharded with its LoRA adapters (shardformer.lora); any other wrapper
+        no policy understands (torch.compile, DDP / FSDP; shardformer.wrappers)
+        is refused first, never passed through unsharded.
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"ShardFormer.optimize: expected a torch.nn.Module, got {type(model).__name__}")
@@ -68,8 +72,9 @@ class ShardFormer:
         if is_peft_model(model):        # the HF model inside is sharded, its LoRA adapters with it
             from .lora import LoraSharding
 
-            adapters = LoraSharding(model, self.shard_config)
+            adapters = LoraSharding(model, self.shard_config)   # refuses the PEFT forms it cannot shard
         target = model if adapters is None else adapters.model
+        refuse_wrappers(target, claimed=None if adapters is None else adapters.claims)
         if plan is not None:
             policy = _plan_policy(target, policy, plan)
         if policy is None:

@@ -63,6 +63,7 @@ import torch
 
 from .. import distributed as D
 from .. import packing
+from ..input_check import CHECK_ATTR
 from .p2p import StageLink
 from .stage_manager import PipelineStageManager
 from .stages import runtime_of
@@ -216,6 +217,9 @@ class PipelineSchedule:
                            if isinstance(t, torch.Tensor)))
         rows = next(t.shape[0] for t in batch.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
         self._agree(sig, rows, backward, name, device)
+        check = model.__dict__.get(CHECK_ATTR)      # the stages and TP ranks given one batch (shardformer.input_check)
+        if check is not None:
+            check.step((), batch, extra=((sm.group, "pipeline"),) if sm.num_stages > 1 else ())
         if backward and criterion is None and "labels" not in batch:
             raise ValueError(f"{type(self).__name__}: {name}: criterion=None uses the model's own loss, but the "
                              f"batch has no 'labels'; add them or pass criterion(outputs, micro_batch)")

@@ -1,0 +1,217 @@
+"""The ranks that split one model must be given one batch.
+
+A tensor-parallel layer computes its part of the output from its rank's
+input and sums or gathers the parts with its peers' (Y = sum_i X W_i under
+row parallelism): if the peers were handed different rows, the sum mixes
+two batches and nothing fails.  That is what a data-parallel loader spanning
+the tensor-parallel ranks does: torch's DistributedSampler or DDP over the
+whole world, and transformers.Trainer or accelerate's prepare() under
+torchrun, give every rank of the world its own rows.  The same holds for the
+sequence-parallel group of all_to_all / ring_attn (every rank gets the full
+sequence and keeps its part inside) and for the stages of a pipeline (the
+first stage reads the ids, the last the labels).
+
+So the sharded model compares a fingerprint of its inputs across those
+groups on its first forward and every `ShardConfig.check_inputs_every`
+forwards after (0: never), and raises ValueError on every rank, naming the
+ranks that were given other inputs, the input that differs and the likely
+cause with its fix.  The fingerprint of a call is three int64:
+
+    names   crc32 of the tensor arguments' names, shapes and dtypes
+    values  the 64-bit fingerprints of their bytes (C, shardformer._C.
+            fingerprint; on an accelerator an exact integer checksum on the
+            device) folded into one
+    count   the number of tensor arguments
+
+all-gathered once as a [ranks, 3] int64 table (one small collective; the
+cost against the forward it guards is in benchmarks/input_check.py).  The
+tensors are the call's positional and keyword arguments, and tensors inside
+lists, tuples and dicts of them; model outputs handed back in
+(encoder_outputs) and caches are not inputs the user chose and are skipped.
+"""
+from __future__ import annotations
+
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .replicas import _all_gather, _signed
+
+_HASH_STEP = 0x9E3779B97F4A7C15 - (1 << 64)     # an odd int64 for the device checksum's position weights
+
+FIX = ("Every rank of a tensor-parallel (or sequence-parallel, or pipeline) group must be given the same batch. "
+       "The likely cause: a data-parallel wrapper or sampler spanning those ranks - torch's DistributedSampler or "
+       "DistributedDataParallel over the whole world, or transformers.Trainer / accelerate's prepare() under "
+       "torchrun, which give every rank of the world its own rows. Fix: build the groups with "
+       "m = shardformer.mesh(tp=...), wrap the model with shardformer.data_parallel(model, m) (DDP over m.dp "
+       "only) and sample over the data-parallel ranks only: DistributedSampler(dataset, num_replicas="
+       "m.sizes['dp'], rank=m.coords['dp']), so the ranks of a group get the same rows")
+
+
+def _tensors(value, name: str, out: list) -> None:
+    """(name, tensor) of every tensor in `value`, descending into plain lists,
+    tuples and dicts (not into model outputs or caches)."""
+    if isinstance(value, torch.Tensor):
+        out.append((name, value))
+    elif isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        for i, v in enumerate(value):
+            _tensors(v, f"{name}[{i}]", out)
+    elif type(value) is dict:
+        for k, v in value.items():
+            _tensors(v, f"{name}[{k!r}]", out)
+
+
+def named_inputs(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
+    """The tensor arguments of a call, named as the caller passed them."""
+    out: list = []
+    for i, a in enumerate(args):
+        _tensors(a, f"args[{i}]", out)
+    for k, v in kwargs.items():
+        _tensors(v, k, out)
+    return out
+
+
+def _device_checksum(t: torch.Tensor) -> int:
+    """An exact integer checksum of `t`'s bytes, computed on its device:
+    sum_i w_i * x_i over int64 words x_i (wrapping), with position weights
+    w_i = (i + 1) * an odd constant, so permuted rows differ too."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if flat.is_floating_point():
+        flat = flat.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[flat.element_size()])
+    words = flat.to(torch.int64)
+    weights = (torch.arange(1, words.numel() + 1, device=words.device, dtype=torch.int64) * _HASH_STEP)
+    return int((words * weights).sum().item()) ^ words.numel()
+
+
+def value_fingerprint(t: torch.Tensor) -> int:
+    """64-bit fingerprint of a tensor's values (signed, for an int64 table)."""
+    if t.device.type == "meta" or t.numel() == 0:
+        return 0
+    if t.device.type == "cpu":
+        t = t.detach()
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()
+        return _signed(_C.fingerprint(t.contiguous()))
+    return _signed(_device_checksum(t) & ((1 << 64) - 1))
+
+
+def fingerprint(named: list[tuple[str, torch.Tensor]]) -> list[int]:
+    """[names-and-shapes crc, folded value fingerprint, count] of a call's tensors."""
+    layout = ";".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in named)
+    folded = 0
+    for _, t in named:
+        folded = (folded * 1000003 + value_fingerprint(t)) & ((1 << 64) - 1)
+    return [zlib.crc32(layout.encode()), _signed(folded), len(named)]
+
+
+def _describe(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple, str, int]]:
+    return [(n, tuple(t.shape), str(t.dtype), value_fingerprint(t)) for n, t in named]
+
+
+def _difference(details: list, ranks: list[int]) -> str:
+    """The first input that differs between the ranks' descriptions, in words."""
+    by_name = [{n: (shape, dtype, h) for n, shape, dtype, h in d} for d in details]
+    names = list(dict.fromkeys(n for d in details for n, *_ in d))
+    for name in names:
+        seen = [b.get(name) for b in by_name]
+        if all(s == seen[0] for s in seen):
+            continue
+        parts = []
+        for r, s in zip(ranks, seen):
+            parts.append(f"rank {r}: " + ("absent" if s is None else f"shape {s[0]} {s[1]}"))
+        same_shapes = all(s is not None and s[:2] == seen[0][:2] for s in seen)
+        what = "same shapes, different values" if same_shapes else "; ".join(parts)
+        return f"'{name}' differs ({what})"
+    return "the inputs differ"
+
+
+def check_same_inputs(named: list[tuple[str, torch.Tensor]], group, what: str, model_name: str,
+                      call: int) -> None:
+    """Raise ValueError on every rank of `group` unless all were given the
+    same tensors (collective; no-op for one rank)."""
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    table = _all_gather(fingerprint(named), group)
+    if bool((table == table[0]).all()):
+        return
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    details = [None] * len(ranks)
+    dist.all_gather_object(details, _describe(named), group=group)
+    classes: dict[tuple, list[int]] = {}
+    for r, row in zip(ranks, table.tolist()):
+        classes.setdefault(tuple(row), []).append(r)
+    split = " vs ".join(f"ranks {members}" for members in classes.values())
+    raise ValueError(f"{model_name}: the ranks of the {what} group were given different inputs on forward call "
+                     f"{call} ({split}): {_difference(details, ranks)}. {FIX}. (ShardConfig(check_inputs_every=0) "
+                     f"turns this check off.)")
+
+
+class InputCheck:
+    """The check of one sharded model: which groups must agree and how often.
+    Called as a forward pre-hook (with kwargs) of the model; a pipelined
+    model's schedule calls step() instead (shardformer.pipeline.schedule)."""
+
+    def __init__(self, model_name: str, groups: list[tuple[object, str]], every: int):
+        self.model_name = model_name
+        self.groups = groups
+        self.every = every
+        self.calls = 0
+
+    def due(self) -> bool:
+        """Counts a call; True on the first and every `every`-th after."""
+        self.calls += 1
+        return self.every > 0 and (self.calls - 1) % self.every == 0
+
+    def step(self, args: tuple, kwargs: dict, extra: tuple = ()) -> None:
+        """Check this call's inputs over the model's groups and `extra`
+        ((group, what) pairs) when due."""
+        if not self.due():
+            return
+        named = named_inputs(args, kwargs)
+        for group, what in list(self.groups) + list(extra):
+            check_same_inputs(named, group, what, self.model_name, self.calls)
+
+    def __call__(self, module, args, kwargs):
+        self.step(args, kwargs)
+
+
+try:                                 # run eagerly under torch.compile (the counter is Python state)
+    InputCheck.__call__ = torch.compiler.disable(InputCheck.__call__)
+except AttributeError:               # pragma: no cover - torch without torch.compiler
+    pass
+
+CHECK_ATTR = "_shardformer_input_check"
+
+
+def groups_of(cfg) -> list[tuple[object, str]]:
+    """(group, what) of the groups whose ranks must be given the same inputs
+    (the pipeline's is added by the schedule): the tensor-parallel group when
+    it splits the model or the sequence, and a sequence-parallel group of its
+    own (all_to_all / ring_attn with tensor parallelism)."""
+    from .config import group_size_and_rank
+
+    out = []
+    tp = cfg.tensor_parallel_process_group
+    if (cfg.enable_tensor_parallelism or cfg.sequence_group is tp) and group_size_and_rank(tp)[0] > 1:
+        out.append((tp, "tensor-parallel" if cfg.enable_tensor_parallelism else "sequence-parallel"))
+    sp = cfg.sequence_group
+    if cfg.enable_sequence_parallelism and sp is not tp and group_size_and_rank(sp)[0] > 1:
+        out.append((sp, "sequence-parallel"))
+    return out
+
+
+def install(model, cfg, name: str, pipelined: bool) -> None:
+    """Give the sharded `model` its input check (ShardConfig.check_inputs_every;
+    nothing when 0 or when no group must agree): a forward pre-hook, or for a
+    pipelined model the object its schedule calls."""
+    groups = groups_of(cfg)
+    if cfg.check_inputs_every == 0 or not (groups or pipelined):
+        return
+    check = InputCheck(name, groups, cfg.check_inputs_every)
+    model.__dict__[CHECK_ATTR] = check
+    if not pipelined:
+        model.register_forward_pre_hook(check, with_kwargs=True, prepend=True)
