@@ -32,8 +32,13 @@ def test_sp_modes_derived_plan(pool, arch):
     pool.run(check.sp_modes_equal_unsharded, 2, f"derived:{arch}", "packed")
 
 
+def test_sp_modes_checkpointing(pool):
+    """Gradient checkpointing in training: the unsharded model drops its cache and masks per document."""
+    pool.run(check.sp_modes_equal_unsharded, 2, "LlamaForCausalLM", "gaps", explicit=False, checkpointing=True)
+
+
 def test_sp_modes_eval_default_group(pool):
-    """eval under no_grad, ShardConfig() over the world (4 ranks)."""
+    """eval under no_grad, ShardConfig() over the world (4 ranks); use_cache default, False and True."""
     pool.run(check.sp_modes_equal_unsharded, 4, "LlamaForCausalLM", "packed", training=False, default_group=True)
 
 

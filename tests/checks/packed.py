@@ -86,14 +86,15 @@ def _sp_config(mode: str, tp: int, sp_group=None) -> dict:
 
 
 def sp_equals_unsharded(ctx, name: str, mode: str, kind: str, use_cache=None, tp: int = 1,
-                        training: bool = True, default_group: bool = False) -> dict:
+                        training: bool = True, default_group: bool = False, checkpointing: bool = False) -> dict:
     """check_sharded (forward, loss, every gradient, outputs after a step)
     with `kind` position ids and no attention_mask, the model and the
     unsharded reference called the same way (use_cache as given; None: the
     default).  tp > 1 (all_to_all / ring_attn): TP over {0,1},{2,3}, the
     sequence split over {0,2},{1,3}.  training=False: one eval forward under
     no_grad against the eval reference.  default_group: ShardConfig() with
-    no group (the world)."""
+    no group (the world).  checkpointing: gradient checkpointing on (in
+    training the unsharded model then makes no cache: masks per document)."""
     inputs = packed_inputs(name, kind, use_cache)
     masking_matters(name, inputs)
     sub, sp_group = ctx, None
@@ -101,12 +102,18 @@ def sp_equals_unsharded(ctx, name: str, mode: str, kind: str, use_cache=None, tp
         tp_group, sp_group = mesh_groups(ctx, tp)
         sub = dataclasses.replace(ctx, tp_size=tp, group=tp_group)
     config = _sp_config(mode, tp, sp_group)
+    build = _source(name)[0]
+    if checkpointing:
+        def build(plain=build):
+            model = plain()
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            return model
     if training:
         if default_group:
             sub = dataclasses.replace(ctx, group=None)
-        return parity.check_sharded(sub, _source(name)[0], inputs, name=name, config=config)
+        return parity.check_sharded(sub, build, inputs, name=name, config=config)
     torch.manual_seed(0)
-    model = _source(name)[0]().eval()
+    model = build().eval()
     ref = copy.deepcopy(model)
     group = None if default_group else sub.group
     ShardFormer(ShardConfig(tensor_parallel_process_group=group, **config)).optimize(model)
@@ -120,17 +127,18 @@ SPLIT_MODES = ("split_gather", "all_to_all", "ring_attn")
 
 
 def sp_modes_equal_unsharded(ctx, name: str, kind: str, tp: int = 1, training: bool = True,
-                             default_group: bool = False, explicit: bool = True) -> dict:
+                             default_group: bool = False, explicit: bool = True, checkpointing: bool = False) -> dict:
     """Every SP mode in turn (sp_equals_unsharded), called with the default
     use_cache (the unsharded model keeps its cache: causal across the
     documents); explicit: then with use_cache=False (the unsharded model masks
-    per document; ring_attn and-s the documents into each block's mask)."""
+    per document; ring_attn and-s the documents into each block's mask), and
+    in eval with use_cache=True too (an unsplit forward)."""
+    explicit_values = ((False, True) if not training else (False,)) if explicit else ()
     report = {}
     for mode in SPLIT_MODES:
-        report[mode] = sp_equals_unsharded(ctx, name, mode, kind, None, tp, training, default_group)
-        if explicit:
-            report[f"{mode} use_cache=False"] = sp_equals_unsharded(ctx, name, mode, kind, False, tp, training,
-                                                                    default_group)
+        for use_cache in (None,) + explicit_values:
+            report[f"{mode} use_cache={use_cache}"] = sp_equals_unsharded(
+                ctx, name, mode, kind, use_cache, tp, training, default_group, checkpointing)
     return report
 
 
