@@ -80,5 +80,12 @@ def test_plan_dict_on_a_model_without_config(pool, tp):
     assert all(r["param_fraction"] < 1 for r in reports)
 
 
+@pytest.mark.parametrize("tp", [2, 4])
+def test_plan_dict_linears_beside_norm_and_attention(pool, tp):
+    """The split linears are direct children of a pre-norm block beside its attention: the norm and the
+    attention run on replicated activations and keep their own (whole) gradients."""
+    pool.run(check.toy_mlp_plan, tp)
+
+
 def test_plan_dict_attention_without_head_counts_refused(pool):
     pool.run(check.toy_plan_attention_refused, 2)

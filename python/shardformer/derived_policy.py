@@ -112,6 +112,7 @@ import copy
 import inspect
 import re
 
+import torch
 from torch import nn
 
 from .family import SplitAttentionPolicy, sequence_mode_refused
@@ -512,7 +513,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         if split_heads:
             attrs.update(self._attention_attributes(parent_path, parent, heads, widths=not mla))
         if any(style in ("colwise", "packed_colwise") for style, _ in siblings.values()):
-            subs += self._between_split_layers(parent_path, parent, mla=bool(mla))
+            subs += self._between_split_layers(parent_path, parent, mla=bool(mla), siblings=siblings)
         return subs, attrs
 
     def _linear_style(self, path: str, style: str, module: nn.Linear, parent: nn.Module, heads: Heads | None,
@@ -565,7 +566,8 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
                              f"{parent.num_heads}: latent attention expands the keys to every query head")
         return Heads(parent.num_heads, parent.num_heads, parent.qk_nope_head_dim + parent.qk_rope_head_dim)
 
-    def _between_split_layers(self, parent_path: str, parent: nn.Module, mla: bool = False) -> list[Sub]:
+    def _between_split_layers(self, parent_path: str, parent: nn.Module, mla: bool = False,
+                              siblings: dict | None = None) -> list[Sub]:
         """The other parameterized children of a module whose column layers
         leave their output split (an activation with parameters, a per-head
         norm the plan does not name): they act on this rank's features, so
@@ -586,7 +588,31 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
                                  f"children {unknown} beside its latent path {_MLA_LATENT} that the plan "
                                  "does not name (their inputs may be split by heads)")
             return []
+        if not self._is_attention(parent) and siblings:
+            rest = [c for c in rest if not self._runs_outside_split(lead + c, getattr(parent, c), siblings)]
         return [Sub(lead + child, ReplicatedInParallelRegion) for child in rest]
+
+    def _runs_outside_split(self, path: str, child: nn.Module, siblings: dict) -> bool:
+        """Whether a child of a block (not an attention) that holds split
+        layers runs outside them, on the replicated activations (its gradient
+        is then whole and must not be all-reduced): an attention, or a norm
+        over the column layers' input width (a pre-norm block written with
+        its linears as direct children).  A norm as wide as both their input
+        and output cannot be placed: refused."""
+        if self._is_attention(child):
+            return True
+        weight = getattr(child, "weight", None)
+        if not _norm_like(child) or not isinstance(weight, torch.Tensor):
+            return False
+        cols = [(st, m) for st, m in siblings.values() if st in ("colwise", "packed_colwise")]
+        widths_in = {m.weight.shape[1] for _, m in cols}
+        widths_out = {m.weight.shape[0] for _, m in cols}
+        width = weight.shape[-1]
+        if width in widths_in and width in widths_out:
+            raise self._fail(cols[0][0], path, f"{type(child).__name__} is as wide as the split layers' input and "
+                             f"output ({width}), so whether it runs on split features cannot be told; put the "
+                             f"split layers in a module of their own (an MLP block)")
+        return width in widths_in
 
     def _attention_attributes(self, path: str, module: nn.Module, heads: Heads, widths: bool = True) -> dict:
         lead = f"{path}." if path else ""

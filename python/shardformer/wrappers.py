@@ -44,8 +44,8 @@ class Wrapper:
 
 KNOWN_WRAPPERS: tuple[Wrapper, ...] = (
     Wrapper("peft.peft_model.PeftModel", "a PEFT model (get_peft_model)", _NO_LORA),
-    Wrapper("peft.tuners.tuners_utils.BaseTuner", "a PEFT tuner model (LoraModel, ...)", _NO_LORA),
-    Wrapper("peft.tuners.tuners_utils.BaseTunerLayer", "a PEFT adapter layer (LoRA, ...)",
+    Wrapper("peft.tuners.tuners_utils.BaseTuner", "a PEFT tuner model", _NO_LORA),
+    Wrapper("peft.tuners.tuners_utils.BaseTunerLayer", "a PEFT adapter layer",
             "the parallel layer replacing it would drop its adapters; " + _NO_LORA),
     Wrapper("peft.utils.other.AuxiliaryTrainingWrapper", "a PEFT modules_to_save / trainable-tokens wrapper",
             _NO_LORA),

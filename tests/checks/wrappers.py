@@ -46,7 +46,10 @@ class PlainNet(nn.Module):
 
 PLAIN_PLAN = {"embed": "embedding_rowwise", "mlps.*.up": "colwise", "mlps.*.down": "rowwise",
               "head": "colwise_gather_output"}
-#: ToyModel's MLP linears beside its attention, which the plan splits by heads.
+#: ToyModel's MLP linears, direct children of its block beside the pre-norm and the attention
+#: (which run on the replicated activations: their gradients must not be all-reduced).
+TOY_MLP_PLAN = {"embed": "embedding_rowwise", "blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
+#: ToyModel's attention, which the plan splits by heads.
 TOY_PLAN = {"blocks.*.attn.qkv": "colwise", "blocks.*.attn.out": "rowwise"}
 
 
@@ -100,6 +103,11 @@ def plain_plan(ctx) -> dict:
     """PlainNet (no config) sharded by a plan dict equals the unsharded model:
     forward, loss, every gradient, outputs after a step."""
     return parity.check_sharded(ctx, PlainNet, toy_inputs(), name="PlainNet", plan=PLAIN_PLAN)
+
+
+def toy_mlp_plan(ctx) -> dict:
+    """ToyModel (no config) with its block's MLP linears split: equal to the unsharded model."""
+    return parity.check_sharded(ctx, ToyModel, toy_inputs(), name="ToyModel", plan=TOY_MLP_PLAN)
 
 
 def toy_plan_attention_refused(ctx) -> str:
