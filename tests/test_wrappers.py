@@ -16,14 +16,14 @@ from shardformer import ShardConfig, ShardFormer
 README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "README.md")
 
 
-@pytest.mark.parametrize("kind", ["peft", "lora_inside", "compiled", "compiled_child", "ddp", "data_parallel"])
+@pytest.mark.parametrize("kind", ["peft_ia3", "lora_inside", "compiled", "compiled_child", "ddp", "data_parallel"])
 def test_wrapper_refused_tp2(pool, kind):
     pytest.importorskip("peft")
     messages = pool.run(check.wrapper_refused, 2, kind)
     assert messages[0] == messages[1]
 
 
-@pytest.mark.parametrize("kind", ["peft", "lora_inside", "compiled"])
+@pytest.mark.parametrize("kind", ["peft_ia3", "lora_inside", "compiled"])
 def test_wrapper_refused_dp_tp(pool, kind):
     pytest.importorskip("peft")
     pool.run(check.wrapper_refused, 4, kind, "dp_tp")
