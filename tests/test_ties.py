@@ -7,16 +7,6 @@ one.  A tie the plan would split two ways is refused by name."""
 import pytest
 
 from checks import ties
-from dist_pool import RankPool
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    """Two ranks: ShardConfig()'s default group (the world) is TP=2."""
-    p = RankPool(world_size=2)
-    p.start()
-    yield p
-    p.stop()
 
 
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
