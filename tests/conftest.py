@@ -27,12 +27,18 @@ def pytest_collection_modifyitems(config, items):
         items[:] = keep
 
 
+def _running_pool(world_size: int):
+    p = RankPool(world_size=world_size)
+    p.start()
+    try:
+        yield p
+    finally:
+        p.stop()
+
+
 @pytest.fixture(scope="session")
 def pool():
-    p = RankPool(world_size=4)
-    p.start()
-    yield p
-    p.stop()
+    yield from _running_pool(4)
 
 
 @pytest.fixture(scope="session")
@@ -52,3 +58,9 @@ def world_pool(pool):
     for n, p in pools.items():
         if p is not pool:
             p.stop()
+
+
+@pytest.fixture(scope="session")
+def pool2(world_pool):
+    """Two ranks, for the plain ShardConfig() (its default group is the world) at TP=2."""
+    return world_pool(2)

@@ -137,9 +137,8 @@ def test_lazy_model_to_dtype_stays_lazy_and_equals_eager():
         assert a.dtype == b.dtype and torch.equal(a, b), name
 
 
-def test_forward_of_an_unsharded_lazy_model_equals_eager():
-    """Reading a lazy parameter (here: a forward without optimize())
-    materializes it for that operation: slow, but the values are right."""
+def _small_eager_and_lazy():
+    """A small Llama built eagerly and under lazy_init(), both from seed 0."""
     import torch
     from shardformer import lazy_init
 
@@ -149,6 +148,16 @@ def test_forward_of_an_unsharded_lazy_model_equals_eager():
     torch.manual_seed(0)
     with lazy_init():
         model = _llama(**small)
+    return eager, model
+
+
+def test_forward_of_an_unsharded_lazy_model_equals_eager():
+    """Reading a lazy parameter (here: a forward without optimize(), under
+    torch.no_grad()) materializes it for that operation: slow, but the
+    values are right."""
+    import torch
+
+    eager, model = _small_eager_and_lazy()
     ids = torch.randint(0, 100, (2, 7))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, eager(ids).logits)
@@ -220,15 +229,9 @@ def test_saved_state_dict_of_a_lazy_model_loads_with_plain_torch(tmp_path):
     torch.load (weights_only) reads; the model stays lazy.  A tensor still to
     be loaded (mark_uninitialized) has no values: refused by name when saved."""
     import torch
-    from shardformer import lazy_init
     from shardformer.lazy import is_lazy, mark_uninitialized
 
-    small = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, vocab_size=100)
-    torch.manual_seed(0)
-    eager = _llama(**small)
-    torch.manual_seed(0)
-    with lazy_init():
-        model = _llama(**small)
+    eager, model = _small_eager_and_lazy()
     torch.save(model.state_dict(), tmp_path / "lazy.pt")
     loaded = torch.load(tmp_path / "lazy.pt")
     expected = eager.state_dict()

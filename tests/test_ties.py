@@ -7,16 +7,6 @@ one.  A tie the plan would split two ways is refused by name."""
 import pytest
 
 from checks import ties
-from dist_pool import RankPool
-
-
-@pytest.fixture(scope="module")
-def pool2():
-    """Two ranks: ShardConfig()'s default group (the world) is TP=2."""
-    p = RankPool(world_size=2)
-    p.start()
-    yield p
-    p.stop()
 
 
 @pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
@@ -49,3 +39,12 @@ def test_tied_lazy_equals_eager(pool, name):
 def test_tie_split_two_ways_is_refused(pool, dst, src, tp):
     messages = pool.run(ties.different_styles_refused, tp, dst, src)
     assert all("tied" in m for m in messages[:tp]), messages
+
+
+def test_pipeline_ties_within_a_stage(pool):
+    pool.run(ties.pipelined_ties_within_a_stage, 4, 2)
+
+
+def test_pipeline_tie_across_stages_is_refused(pool):
+    messages = pool.run(ties.pipelined_tie_across_stages_refused, 4)
+    assert all("tied" in m for m in messages), messages

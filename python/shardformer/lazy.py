@@ -190,12 +190,47 @@ def _dispatch(cls, func, types, args, kwargs):
             return result
     # Anything else reads a lazy tensor's values: materialize it for this one operation.
     tracked = _grad_tracked(args, kwargs)
+    if tracked is not None:                     # refused below if autograd would record it
+        meta_args, meta_kwargs = _tree_map(_meta_of, args), _tree_map(_meta_of, kwargs)
     args = _tree_map(_materialized_arg, args)
     kwargs = _tree_map(_materialized_arg, kwargs)
+    verdict = _would_track(func, meta_args, meta_kwargs) if tracked is not None else False
+    if verdict:
+        _refuse_detached(name, tracked)
     result = func(*args, **kwargs)
-    if tracked is not None and _differentiable(result):
+    if verdict is None and _differentiable(result):
         _refuse_detached(name, tracked)
     return result
+
+
+def _meta_of(x):
+    """`x` as autograd would see it, without values: a lazy tensor is its
+    meta self; a real tensor an empty meta one of its shape, strides, dtype
+    and requires_grad."""
+    if is_lazy(x) or not isinstance(x, torch.Tensor) or x.device.type == "meta":
+        return x
+    with torch._C.DisableTorchFunctionSubclass():
+        meta = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="meta")
+    return meta.requires_grad_(x.requires_grad) if x.is_floating_point() or x.is_complex() else meta
+
+
+def _would_track(func, args, kwargs) -> bool | None:
+    """Whether autograd would record func on these arguments (any output
+    requiring grad), found by running it on meta tensors: a computation
+    does, a metadata-only one (empty_like, a size) does not.  None when
+    meta tensors cannot run it (the caller judges by its float result)."""
+    try:
+        with torch._C.DisableTorchFunctionSubclass():
+            out = func(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - not runnable on meta: judge by what it returns
+        return None
+    return _requires_grad(out)
+
+
+def _requires_grad(out) -> bool:
+    if isinstance(out, (tuple, list)):
+        return any(_requires_grad(o) for o in out)
+    return isinstance(out, torch.Tensor) and out.requires_grad
 
 
 def _grad_tracked(args, kwargs):

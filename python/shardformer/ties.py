@@ -145,8 +145,9 @@ class Ties:
             return ("whole",)
         change = changes.get(id(owner))
         if change is not None and attr in change.params:
-            dim, layout = change.attrs["split_params"][attr]
-            return _shard_sig(dim, change.attrs["shard_plan"][layout])
+            attrs = getattr(change, "attrs", {})          # what the module becomes (ShardParams)
+            split = attrs.get("split_params", {}).get(attr)
+            return ("whole",) if split is None else _shard_sig(split[0], attrs["shard_plan"][split[1]])
         sharded = getattr(owner, "sharded_params", None)
         if isinstance(sharded, dict) and attr in sharded:
             dim, shard = sharded[attr]
@@ -187,8 +188,8 @@ def _layouts(module) -> dict:
 def find_ties(model: nn.Module, model_name: str, followers=()) -> Ties | None:
     """The parameters of `model` reachable under several names (None: no
     tie); `followers`: the policy's tie_followers()."""
-    names: dict[int, tuple[nn.Parameter, list[_Place]]] = {}
+    names: dict[int, tuple[nn.Parameter, list[str]]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), (p, []))[1].append(_Place(model, name))
-    groups = [(p, places) for p, places in names.values() if len(places) > 1]
+        names.setdefault(id(p), (p, []))[1].append(name)
+    groups = [(p, [_Place(model, n) for n in group]) for p, group in names.values() if len(group) > 1]
     return Ties(model, model_name, groups, followers) if groups else None

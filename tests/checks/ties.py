@@ -156,3 +156,59 @@ def different_styles_refused(ctx, dst: str, src: str) -> str:
                                     structure=True, names=(dst.rpartition(".")[0], src.rpartition(".")[0],
                                                            "Linear1D_Col", "Linear1D_Row"))
 
+
+
+# Pipeline parallelism, 4 layers on 2 stages (layers 0-1 | 2-3): ties inside a stage.
+PP_TIES = [
+    ("param", "model.layers.1.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight"),
+    ("module", "model.layers.3.self_attn.q_proj", "model.layers.2.self_attn.q_proj"),
+]
+
+
+def pipelined_ties_within_a_stage(ctx, tp: int) -> dict:
+    """PP=2 (x TP=tp over the 4 ranks) of a Llama whose ties stay inside a
+    stage: the pipelined loss and the state dict after one SGD step equal
+    the unsharded tied model's (pipeline.equals_unsharded on the tied
+    model), and every tie this rank holds is one object."""
+    from checks import pipeline
+
+    build, pipelined = pipeline.build, pipeline.pipelined
+
+    def tied_build(name, layers, **overrides):
+        return tie(build(name, layers, **overrides), PP_TIES)
+
+    held = []
+
+    def checked(*args, **kwargs):
+        ref, model, sm, shared = pipelined(*args, **kwargs)
+        for kind, dst, src in PP_TIES:
+            get = model.get_parameter if kind == "param" else model.get_submodule
+            try:
+                a, b = get(dst), get(src)
+            except AttributeError:
+                continue                          # the other stage's layers
+            assert a is b, f"{dst} is no longer {src} on pipeline stage {sm.stage}"
+            held.append(dst)
+        return ref, model, sm, shared
+
+    pipeline.build, pipeline.pipelined = tied_build, checked
+    try:
+        report = pipeline.equals_unsharded(ctx, "LlamaForCausalLM", 2, "1f1b", 2, tp=tp)
+    finally:
+        pipeline.build, pipeline.pipelined = build, pipelined
+    assert len(held) == 1, f"this rank holds {held}, expected one of the two ties"
+    return report
+
+
+def pipelined_tie_across_stages_refused(ctx) -> str:
+    """A tie between layers on different pipeline stages is refused by name
+    (both parameters, both stages), before anything changes."""
+    from checks import pipeline
+    from shardformer.pipeline import PipelineStageManager
+
+    tp_group, pp_group = pipeline.groups(ctx, 2, 2)
+    dst, src = "model.layers.2.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight"
+    model = tie(pipeline.build("LlamaForCausalLM", 4), [("param", dst, src)])
+    cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=PipelineStageManager(pp_group))
+    return parity.refused_unchanged(model, lambda: ShardFormer(cfg).optimize(model), "a tie across stages",
+                                    structure=True, names=(dst, src, "pipeline stages (0 and 1)"))

@@ -664,6 +664,8 @@ def plan_stages(model: nn.Module, split: StageSplit, manager, name: str, prefix:
         for pname, p in model.get_submodule(path).named_parameters(remove_duplicate=False):
             where.setdefault(id(p), {}).setdefault(vs, f"{path}.{pname}")
     plan.shared = [tuple(held[vs] for vs in sorted(held)) for held in where.values() if len(held) > 1]
+    if call_module is None:
+        _check_layer_ties(plan, lists, manager, name)
     layer_params = {id(p) for layers in lists for p in layers.parameters()}
     outside = {id(p) for path, _, _ in plan.placed for p in model.get_submodule(path).parameters()}
     if layer_params & outside:
@@ -674,6 +676,29 @@ def plan_stages(model: nn.Module, split: StageSplit, manager, name: str, prefix:
     plan.count = _checked_count(model, split, stacks[0], len(lists[0]), name)
     plan.batch_dims = dict(split.batch_dims)
     return plan
+
+
+def _check_layer_ties(plan: StagePlan, lists: list, manager, name: str) -> None:
+    """A parameter tied between layers (one object in two layers of the
+    list) must stay on one pipeline rank: there the tie holds (one
+    parameter, its gradient the sum of both layers'); across ranks each
+    stage would step its copy with its own layers' gradient alone.  The
+    schedules sum gradients over stages only for the tied sets outside the
+    layers (input embedding / LM head) and the modules they replicate, so a
+    tie across stages is refused, naming both parameters and stages."""
+    held: dict[int, dict[int, str]] = {}
+    for spec, layers in zip(plan.stacks, lists):
+        for j, layer in enumerate(layers):
+            stage = manager.stage_of(plan.virtual_stage_of(spec.start + j))
+            for pname, p in layer.named_parameters(remove_duplicate=False):
+                held.setdefault(id(p), {}).setdefault(stage, f"{spec.path}.{j}.{pname}")
+    for stages in held.values():
+        if len(stages) > 1:
+            (sa, a), (sb, b) = sorted(stages.items())[:2]
+            raise ValueError(
+                f"{name}: {a} and {b} are one parameter (tied), held by layers on different pipeline stages "
+                f"({sa} and {sb}); each stage would step its own copy with its own layers' gradient. Untie "
+                f"them, or place both layers on one stage (PipelineStageManager's num_layers_per_stage)")
 
 
 def _checked_count(model: nn.Module, split: StageSplit, stack: "_StackSpec", size: int, name: str) -> str:
