@@ -119,10 +119,26 @@ def _manifest(model: nn.Module, entries, n: int) -> dict:
             "files": [_rank_file(r, n) for r in range(n)], "tensors": tensors}
 
 
+def _refuse_pipeline(model: nn.Module, what: str) -> None:
+    """NotImplementedError for a model split into pipeline stages: the files
+    describe one tensor-parallel group's shards, and each stage's group holds
+    other tensors (save_pretrained / load_pretrained merge the stages)."""
+    from ..pipeline.stages import runtime_of
+
+    runtime = runtime_of(model)
+    if runtime is not None and runtime.manager.num_stages > 1:
+        raise NotImplementedError(
+            f"{type(model).__name__}: {what} is not available for a model split into "
+            f"{runtime.manager.num_stages} pipeline stages (each stage holds other tensors); use "
+            f"model.save_pretrained(dir), which merges the stages, and ShardFormer.from_pretrained or "
+            f"checkpoint.load_pretrained to load")
+
+
 def save_sharded(model: nn.Module, out_dir) -> None:
     """Every rank writes its own shards, the first rank the manifest (see the
     module docstring).  Collective over the model's tensor-parallel group."""
     refuse_expert_parallel(model, "save_sharded")
+    _refuse_pipeline(model, "save_sharded")
     name = type(model).__name__
     group = _sharded_group(model, "save_sharded")         # the default group: the world
     directory = save_target(out_dir, f"{name}: save_sharded")
@@ -350,6 +366,7 @@ def load_sharded(model: nn.Module, out_dir) -> None:
     """Load a save_sharded checkpoint into `model` as it is sharded now (any
     TP size, or unsharded); see the module docstring."""
     refuse_expert_parallel(model, "load_sharded")
+    _refuse_pipeline(model, "load_sharded")
     name = type(model).__name__
     directory = os.path.abspath(os.fspath(out_dir))
     group = _sharded_group(model, "load_sharded")        # the default group: the world; None: unsharded
