@@ -2,13 +2,17 @@
 resume at the same or another tensor-parallel size.
 
 save_sharded(model, out_dir) writes, collectively over the model's
-tensor-parallel group (the group holding global rank 0; replicas return):
+tensor-parallel group (the group holding global rank 0; replicas return;
+the default group of ShardConfig() is the world):
 
   * `rank{r:05d}-of-{n:05d}.safetensors` from every rank r of the n ranks:
     that rank's model.state_dict() as it is (each sharded tensor is the
     rank's shard: its ranges of the split dimension laid back to back, then
     the zero padding up to its length), tied tensors stored once, replicated
-    tensors in every file (so each rank can resume from its own file);
+    tensors in every file (so each rank can resume from its own file), and
+    in its metadata a record of what it holds: its rank and the TP size, and
+    for each tensor the stored shape, its ranges of the full tensor and the
+    CRC-32 of its bytes (integrity.py);
   * `shardformer_manifest.json`, once: for every state-dict name the key it
     is stored under, the full (HF) shape, the dtype, and for a sharded
     tensor the split dimension with every rank's DimShard ranges (offset,
@@ -26,9 +30,18 @@ the saved ranks' files that overlap the full ranges its own shards need
 (safetensors get_slice), preferring its own rank's file where the saved
 layout replicates indices, zero-fills its padding and converts the dtype.
 Every name, shape, dtype, file and stored shard is checked before anything
-is copied: one ValueError lists every problem and the model is untouched.
-Same TP size and the same layouts: each rank reads its own file only.
-No collectives: every rank reads on its own.
+is copied: each file's record against the manifest (its rank and size, each
+shard's place and shape), the manifest's keys and types, and the content's
+CRC-32s (each rank of the loading group verifies every size-th file, so that
+together they read each file once).  One ValueError lists every problem and
+the model is untouched.  The loading group agrees on the outcome (one small
+all-gather): where any rank found a problem every rank raises (the others a
+RuntimeError naming the ranks), none is left waiting.  Same TP size and the
+same layouts: each rank reads its own file only.
+
+A save into a directory holding a checkpoint of any format (HF or sharded)
+supersedes it: its weight files, indexes and manifest are not carried over
+(atomic.CHECKPOINT_FILES).
 """
 from __future__ import annotations
 
@@ -106,10 +119,26 @@ def _manifest(model: nn.Module, entries, n: int) -> dict:
             "files": [_rank_file(r, n) for r in range(n)], "tensors": tensors}
 
 
+def _refuse_pipeline(model: nn.Module, what: str) -> None:
+    """NotImplementedError for a model split into pipeline stages: the files
+    describe one tensor-parallel group's shards, and each stage's group holds
+    other tensors (save_pretrained / load_pretrained merge the stages)."""
+    from ..pipeline.stages import runtime_of
+
+    runtime = runtime_of(model)
+    if runtime is not None and runtime.manager.num_stages > 1:
+        raise NotImplementedError(
+            f"{type(model).__name__}: {what} is not available for a model split into "
+            f"{runtime.manager.num_stages} pipeline stages (each stage holds other tensors); use "
+            f"model.save_pretrained(dir), which merges the stages, and ShardFormer.from_pretrained or "
+            f"checkpoint.load_pretrained to load")
+
+
 def save_sharded(model: nn.Module, out_dir) -> None:
     """Every rank writes its own shards, the first rank the manifest (see the
     module docstring).  Collective over the model's tensor-parallel group."""
     refuse_expert_parallel(model, "save_sharded")
+    _refuse_pipeline(model, "save_sharded")
     name = type(model).__name__
     group = _sharded_group(model, "save_sharded")         # the default group: the world
     directory = save_target(out_dir, f"{name}: save_sharded")
@@ -337,6 +366,7 @@ def load_sharded(model: nn.Module, out_dir) -> None:
     """Load a save_sharded checkpoint into `model` as it is sharded now (any
     TP size, or unsharded); see the module docstring."""
     refuse_expert_parallel(model, "load_sharded")
+    _refuse_pipeline(model, "load_sharded")
     name = type(model).__name__
     directory = os.path.abspath(os.fspath(out_dir))
     group = _sharded_group(model, "load_sharded")        # the default group: the world; None: unsharded
