@@ -36,6 +36,7 @@ weights w_i, so any single differing token changes it.
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 from transformers import StoppingCriteria
@@ -167,6 +168,9 @@ def dist_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+_inside = threading.local()
+
+
 def lockstep_generate(model, groups: list, name: str):
     """model.generate (whatever is installed now: HF's, or lm_loss's gathering
     one) run in lock-step over `groups` (see the module doc)."""
@@ -176,14 +180,18 @@ def lockstep_generate(model, groups: list, name: str):
     def generate(*args, **kwargs):
         from transformers import StoppingCriteriaList
 
+        if getattr(_inside, "generate", False):     # a model's generate() calling a sub-model's: agreed already
+            return original(*args, **kwargs)
         device = next(model.parameters()).device
         check_call(groups, model, args, kwargs, name)
         criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
         criteria.append(TokensAgree(groups, name))
         saved = agree_generator(groups, device)
+        _inside.generate = True
         try:
             return original(*args, stopping_criteria=criteria, **kwargs)
         finally:
+            _inside.generate = False
             if saved is not None:
                 _set_generator_state(device, saved)
 
