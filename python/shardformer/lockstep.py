@@ -35,7 +35,7 @@ weights w_i, so any single differing token changes it.
 """
 from __future__ import annotations
 
-import functools
+import threading
 
 import torch
 from transformers import StoppingCriteria
@@ -167,27 +167,43 @@ def dist_rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def lockstep_generate(model, groups: list, name: str):
-    """model.generate (whatever is installed now: HF's, or lm_loss's gathering
-    one) run in lock-step over `groups` (see the module doc)."""
-    original = model.generate
+_inside = threading.local()
 
-    @functools.wraps(original)
-    def generate(*args, **kwargs):
+
+class LockstepGenerate:
+    """model.generate (whatever was installed before: HF's, or lm_loss's
+    gathering one, `inner`) run in lock-step over `groups` (see the module
+    doc).  A module-level class, not a closure, so a sharded model still
+    pickles and deep-copies (shardformer.pickling): a copy's generate() is
+    its own model's."""
+
+    def __init__(self, model, groups: list, name: str, inner=None):
+        self.model, self.groups, self.name, self.inner = model, groups, name, inner
+        self.__doc__ = type(model).generate.__doc__
+
+    def _original(self, *args, **kwargs):
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.model).generate(self.model, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
         from transformers import StoppingCriteriaList
 
+        if getattr(_inside, "generate", False):     # a model's generate() calling a sub-model's: agreed already
+            return self._original(*args, **kwargs)
+        model, groups = self.model, self.groups
         device = next(model.parameters()).device
-        check_call(groups, model, args, kwargs, name)
+        check_call(groups, model, args, kwargs, self.name)
         criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
-        criteria.append(TokensAgree(groups, name))
+        criteria.append(TokensAgree(groups, self.name))
         saved = agree_generator(groups, device)
+        _inside.generate = True
         try:
-            return original(*args, stopping_criteria=criteria, **kwargs)
+            return self._original(*args, stopping_criteria=criteria, **kwargs)
         finally:
+            _inside.generate = False
             if saved is not None:
                 _set_generator_state(device, saved)
-
-    return generate
 
 
 def install(model, groups: list, name: str) -> int:
@@ -199,6 +215,6 @@ def install(model, groups: list, name: str) -> int:
     count = 0
     for module in model.modules():
         if callable(getattr(type(module), "generate", None)) and hasattr(module, "generation_config"):
-            module.__dict__["generate"] = lockstep_generate(module, groups, name)
+            module.__dict__["generate"] = LockstepGenerate(module, groups, name, module.__dict__.get("generate"))
             count += 1
     return count

@@ -15,7 +15,7 @@ arrives blocks nothing and a later collective is not disturbed -- under
     shardformer/agree/<step>/<ranks of the group>/<n>/<global rank>
 
 where n counts this process's calls of (step, group).  It then waits
-for the other members' entries (one store wait, one multi_get):
+for the other members' entries (polling store.check, then one multi_get):
 
   * all there and equal: returns (a few store round trips, ~1 ms);
   * all there, some different: raises RuntimeError on every rank (each
@@ -35,7 +35,6 @@ from __future__ import annotations
 import os
 import threading
 import time
-from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -120,18 +119,17 @@ def agree(step: str, values: dict, group=None, timeout: float | None = None) -> 
     others = [r for r in ranks if r != me]
     keys = [f"{scope}/{n}/{r}" for r in others]
     deadline = time.monotonic() + limit
-    while True:             # in slices, so that Ctrl-C gets through within half a second
-        try:
-            store.wait(keys, timedelta(seconds=max(0.01, min(0.5, deadline - time.monotonic()))))
-            break
-        except RuntimeError:                      # DistStoreError: not all there yet
-            if time.monotonic() < deadline:
-                continue
-        missing = [r for r, key in zip(others, keys) if not store.check([key])]
-        if missing:
-            _withdraw(store, scope, n, me)
-            raise RuntimeError(_missing(step, missing, store, me, where, limit)) from None
-        break
+    pause = 0.001
+    # polled (store.check does not block; a store.wait that times out logs a c10d warning), so
+    # Ctrl-C gets through between checks
+    while not store.check(keys):
+        if time.monotonic() > deadline:
+            missing = [r for r, key in zip(others, keys) if not store.check([key])]
+            if missing:
+                _withdraw(store, scope, n, me)
+                raise RuntimeError(_missing(step, missing, store, me, where, limit))
+        time.sleep(pause)
+        pause = min(0.05, pause * 2)
     texts = [t.decode() for t in store.multi_get(keys)]
     if any(text != mine for text in texts):
         entries = {me: values, **{r: _parse(text) for r, text in zip(others, texts)}}

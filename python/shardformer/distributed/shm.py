@@ -80,6 +80,7 @@ import re
 import secrets
 import socket
 import threading
+import time
 import weakref
 
 import torch
@@ -308,6 +309,10 @@ def _serve(calls: queue.SimpleQueue) -> None:
         if item is None:
             return
         fn, args, handle = item
+        if _EXITING.is_set() and handle is not None:     # see _close_all: no new torch work at exit
+            handle._finish(error=RuntimeError("shm: the process is exiting; this queued call was not run"))
+            del item, fn, args, handle
+            continue
         try:
             result = fn(*args)
             if handle is not None:
@@ -464,6 +469,7 @@ class ShmCommunicator:
                 self._worker = threading.Thread(target=_serve, args=(self._queue,),
                                                 name="shardformer-shm", daemon=True)
                 self._worker.start()
+                _WORKERS.add(self._worker)
                 # Collected without close(): the capsule unmaps, this stops the worker.
                 weakref.finalize(self, self._queue.put, None)
             self._pending = handle
@@ -488,7 +494,7 @@ class ShmCommunicator:
     def _all_reduce_into(self, work, op, algo, t, user):
         _C.shm_all_reduce(self._comm, work, op, algo)
         if work is not t:
-            t.copy_(work)
+            _copy_back(t, work)
         return user
 
     def all_gather(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
@@ -514,7 +520,7 @@ class ShmCommunicator:
         work = out if out.is_contiguous() else torch.empty_like(out, memory_format=torch.contiguous_format)
         fn(self._comm, work, t, *extra)
         if work is not out:
-            out.copy_(work)
+            _copy_back(out, work)
         return user
 
     def broadcast(self, t: torch.Tensor, src: int, async_op: bool = False):
@@ -535,7 +541,7 @@ class ShmCommunicator:
     def _bytes_into(self, fn, work, peer, t, user):
         fn(self._comm, work, peer)
         if work is not t:
-            t.copy_(work)
+            _copy_back(t, work)
         return user
 
     def barrier(self, async_op: bool = False):
@@ -601,11 +607,42 @@ def forget(group=None) -> None:
     _COMMS.drop(key)
 
 
+_EXITING = threading.Event()
+_WORKERS: weakref.WeakSet = weakref.WeakSet()   # every async worker thread started (they end by themselves)
+_EXIT_JOIN_S = 10.0     # how long exit waits for a worker to finish the call it is running
+
+
+def _copy_back(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """A result copied into the caller's non-contiguous tensor, after the C
+    call: skipped once the process is exiting (see _close_all)."""
+    if not _EXITING.is_set():
+        dst.copy_(src)
+
+
 @atexit.register
 def _close_all() -> None:
-    """At exit: close every communicator, never waiting for a peer."""
+    """At exit: close every communicator, never waiting for a peer, and stop
+    the async workers before the interpreter finalizes.
+
+    A worker is a daemon thread; one still inside a torch operation when
+    the interpreter finalizes (torch releases the GIL inside every op) is
+    stopped by CPython with pthread_exit when it takes the GIL back, and the
+    unwinding through torch's C++ frames ends in std::terminate: SIGABRT,
+    "terminate called without an active exception" (issue 30; rare, as the
+    worker must be in an op at that moment: under load, where a thread is
+    preempted mid-op).  So, before finalization: no worker starts a torch
+    operation after this point (queued calls are skipped, the copy back
+    after a C call is skipped), and each worker is given _EXIT_JOIN_S to
+    finish what it is running and leave.  A worker still waiting for a peer
+    in the C core after that is left: it holds no C++ frame, and CPython's
+    pthread_exit unwinds C frames cleanly."""
+    _EXITING.set()
     for comm in list(_LIVE):
         try:
             comm.close()
         except Exception:  # noqa: BLE001 - exiting anyway
             pass
+    deadline = time.monotonic() + _EXIT_JOIN_S
+    for worker in list(_WORKERS):      # the closed communicators' too: they may still be running a call
+        if worker is not threading.current_thread():
+            worker.join(max(0.0, deadline - time.monotonic()))
