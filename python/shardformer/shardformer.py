@@ -58,6 +58,10 @@ class ShardFormer:
         interrupt) the model is left unchanged; where a change cannot be
         undone (see shardformer.sharder) the model is marked, and every later
         optimize() or forward on it raises "partially sharded ...; rebuild it".
+
+        A PEFT PeftModel with LoRA adapters: the HF model inside is sharded
+        by its policy and the adapters with their base layers; what cannot
+        be sharded is refused by name (shardformer.lora).
         """
         if not isinstance(model, nn.Module):
             raise TypeError(f"ShardFormer.optimize: expected a torch.nn.Module, got {type(model).__name__}")
