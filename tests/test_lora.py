@@ -60,12 +60,13 @@ def test_lora_dropout_in_training_is_one_unsharded_mask(pool, tp):
 
 
 def test_lora_example_runs_as_written(tmp_path):
-    """README's LoRA recipe: examples/lora_finetune.py under torchrun at TP=2 (it exits 1 unless the losses,
-    the adapter saved and loaded unsharded, and merge_and_unload agree with the unsharded run)."""
+    """README's LoRA recipe: examples/lora_finetune.py under torchrun at TP=2 (it exits 1 unless the adapters
+    are sharded and the losses, the adapter saved and loaded unsharded, and merge_and_unload agree with the
+    unsharded run)."""
     script = os.path.join(ROOT, "examples", "lora_finetune.py")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script,
            "--out", str(tmp_path)]
     out = run_killing_group(cmd, timeout=300)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-4000:]
-    assert text.count("-> OK") == 3 and (tmp_path / "adapter_model.safetensors").exists(), text[-4000:]
+    assert text.count("-> OK") == 4 and (tmp_path / "adapter_model.safetensors").exists(), text[-4000:]
