@@ -6,7 +6,7 @@ it does not need torch: tensors reach C through the DLPack protocol.
 import glob
 import os
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 
 import numpy
 
@@ -22,15 +22,15 @@ if os.environ.get("SHARDFORMER_ASAN") == "1":
     extra_compile_args += ["-O1", "-g", "-fsanitize=address", "-fno-omit-frame-pointer"]
     extra_link_args += ["-fsanitize=address"]
 
+# Every package under python/ and policies/ (the built-in policies install as
+# shardformer.policies), found rather than listed: a new subpackage is never left
+# out of the wheel.  tests/test_packaging.py checks the wheel against the tree.
+PACKAGES = find_packages("python", include=["shardformer", "shardformer.*"])
+POLICIES = ["shardformer.policies"] + [f"shardformer.policies.{p}" for p in find_packages("policies")]
+
 setup(
-    package_dir={"shardformer": "python/shardformer", "shardformer.policies": "policies"},
-    packages=[
-        "shardformer",
-        "shardformer.layer",
-        "shardformer.checkpoint",
-        "shardformer.distributed",
-        "shardformer.policies",
-    ],
+    package_dir={"": "python", "shardformer.policies": "policies"},
+    packages=PACKAGES + POLICIES,
     ext_modules=[
         Extension(
             "shardformer._C",

@@ -43,7 +43,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "python"))
 
 SIZES = {
     # ~300M parameters, ~1.2 GB fp32

@@ -32,7 +32,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "python"))
 
 
 def _steps(fn, warmup: int, iters: int, barrier) -> list[tuple[float, float]]:

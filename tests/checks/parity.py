@@ -107,6 +107,11 @@ def check_model(ctx, name: str, dtype_name: str = "float32", steps: int = 1, con
                          dtype=dtype, steps=steps, config=config)
 
 
+def check_zoo_model(ctx, name: str) -> dict:
+    """check_sharded for any zoo model as the zoo builds it by default (float32)."""
+    return check_sharded(ctx, lambda: zoo.build(name), zoo.make_inputs(name), name=name)
+
+
 def sharded_pair(ctx, model):
     """(model sharded over ctx.group in eval mode, an unsharded copy of it)."""
     model.eval()
