@@ -50,7 +50,9 @@ def rank_main(rank: int, out_dir: str) -> dict:
                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
     peft_model = get_peft_model(build_llama(), config)              # the same adapters on every rank
     reference = copy.deepcopy(peft_model) if rank == 0 else None
+    full = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
     ShardFormer(ShardConfig()).optimize(peft_model)                 # base layers and adapters, sharded
+    local = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
 
     batch = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
     models = [peft_model.train()] + ([reference.train()] if reference is not None else [])
@@ -76,19 +78,21 @@ def rank_main(rank: int, out_dir: str) -> dict:
     loaded = PeftModel.from_pretrained(build_llama(), out_dir).eval()    # plain PEFT, unsharded
     with torch.no_grad():
         loaded_logits = loaded(input_ids=batch).logits
-    return {"rank": 0, "losses": losses[0], "ref_losses": losses[1],
+    return {"rank": 0, "lora_params": (local, full), "losses": losses[0], "ref_losses": losses[1],
             "loss_err": max(abs(a - b) / abs(b) for a, b in zip(*losses)),
             "loaded_err": rel(loaded_logits, logits), "merged_err": rel(merged_logits, logits),
             "files": sorted(os.listdir(out_dir))}
 
 
 def report(r0: dict, world: int) -> int:
-    print(f"LoRA on a Llama sharded over {world} ranks; {STEPS} AdamW steps")
+    local, full = r0["lora_params"]
+    print(f"LoRA on a Llama sharded over {world} ranks: {local} of its {full} LoRA parameters on rank 0 "
+          f"-> {'OK' if local < full or world == 1 else 'NOT SHARDED'}; {STEPS} AdamW steps")
     print("  loss sharded:   " + " ".join(f"{v:.6f}" for v in r0["losses"]))
     print("  loss unsharded: " + " ".join(f"{v:.6f}" for v in r0["ref_losses"]))
     checks = {"losses": r0["loss_err"], "saved adapter in the unsharded base": r0["loaded_err"],
               "merge_and_unload": r0["merged_err"]}
-    ok = True
+    ok = local < full or world == 1
     for what, err in checks.items():
         ok &= err < TOL
         print(f"  {what}: max relative difference {err:.2e} -> {'OK' if err < TOL else 'MISMATCH'}")

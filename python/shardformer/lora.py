@@ -16,7 +16,9 @@ base the plan leaves alone keeps its adapter as it is (replicated, like the
 base).  Every PEFT module of the model must be a plain LoRA lora.Linear:
 other tuners (IA3, prefix tuning, ...), LoRA on embeddings or convolutions,
 modules_to_save, DoRA and the other LoRA variants are refused by name, never
-left unsharded.
+left unsharded; so are pipeline parallelism and the all_to_all / ring_attn
+sequence modes (split_gather works: the adapters' terms join the layers'
+partial products before the block's reduce-scatter).
 
 get_peft_model(sharded_model, config) (this module's) adds LoRA after
 optimize(): PEFT builds each adapter full size on a Linear1D_Col /
@@ -101,10 +103,11 @@ class LoraSharding:
             raise NotImplementedError(
                 f"{name}: holds PEFT modules; optimize() the PeftModel itself (what get_peft_model or "
                 f"PeftModel.from_pretrained returned): its save_pretrained must gather the sharded adapters")
-        if shard_config.pipeline_stage_manager is not None or shard_config.enable_sequence_parallelism:
-            what = "pipeline" if shard_config.pipeline_stage_manager is not None else "sequence"
+        sequence = shard_config.enable_sequence_parallelism and shard_config.sequence_parallelism_mode
+        if shard_config.pipeline_stage_manager is not None or sequence not in (False, "split_gather"):
+            what = "pipeline" if shard_config.pipeline_stage_manager is not None else f"{sequence} sequence"
             raise NotImplementedError(f"{name}: LoRA adapters with {what} parallelism are not supported; "
-                                      f"tensor parallelism is")
+                                      f"tensor parallelism is, and split_gather sequence parallelism")
         for adapter, config in model.peft_config.items():
             check_config(config, f"{name} adapter {adapter!r}")
         self.peft_model, self.shard_config = model, shard_config
@@ -138,7 +141,8 @@ class LoraSharding:
 
         subs = {op[1]: op for op in ops if op[0] == "sub"}
         for path in self.layers:
-            outer = [p for p in subs if path.startswith(p + ".")]
+            outer = [p for p in subs if path.startswith(p + ".")          # hooks on a kept module are fine
+                     and not hasattr(subs[p][4], "prepare_native_module")]
             if outer:
                 raise NotImplementedError(
                     f"{self.name}: {path}: the policy replaces {outer[0]} whole "

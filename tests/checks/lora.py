@@ -37,12 +37,12 @@ def build(dropout: float = 0.0, second: bool = False, name: str = NAME, **kw):
     return peft_model
 
 
-def shard_config(ctx, default_group: bool) -> ShardConfig:
+def shard_config(ctx, default_group: bool, **config) -> ShardConfig:
     """ShardConfig() (the world group: the pool's 4 ranks) or the pool's group of ctx.tp_size ranks."""
     if default_group:
         assert ctx.world_size == ctx.tp_size, "the default group is the world"
-        return ShardConfig()
-    return ShardConfig(tensor_parallel_process_group=ctx.group)
+        return ShardConfig(**config)
+    return ShardConfig(tensor_parallel_process_group=ctx.group, **config)
 
 
 def _trainable(model) -> list:
@@ -73,13 +73,13 @@ def _assert_sharded(peft_model, ref) -> float:
     return local / full
 
 
-def train_matches(ctx, default_group: bool = False, steps: int = 2, name: str = NAME) -> dict:
+def train_matches(ctx, default_group: bool = False, steps: int = 2, name: str = NAME, config=None) -> dict:
     """Loss, every LoRA gradient (the base frozen) and the outputs and LoRA
     weights after AdamW steps equal the unsharded PeftModel's."""
     tol = TOL[torch.float32]
     peft_model = build(name=name)
     ref = copy.deepcopy(peft_model)
-    ShardFormer(shard_config(ctx, default_group)).optimize(peft_model)
+    ShardFormer(shard_config(ctx, default_group, **(config or {}))).optimize(peft_model)
     fraction = _assert_sharded(peft_model, ref)
     inputs = zoo.make_inputs(name)
     peft_model.train(), ref.train()
@@ -224,8 +224,9 @@ def refusals(ctx) -> dict:
     refused("modules_to_save", build(modules_to_save=["lm_head"]), ("modules_to_save",))
     inner = build()
     refused("inner", inner.base_model.model, ("PeftModel",))
-    refused("sequence", build(), ("sequence",), ShardConfig(tensor_parallel_process_group=ctx.group,
-                                                            enable_sequence_parallelism=True))
+    refused("all_to_all", build(), ("all_to_all",), ShardConfig(
+        tensor_parallel_process_group=ctx.group, enable_tensor_parallelism=False,
+        enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all"))
     from shardformer.lora import get_peft_model as sharded_get_peft_model
 
     model = zoo.build(NAME)
@@ -296,3 +297,14 @@ def dropout_matches(ctx, p: float = 0.4) -> dict:
     ref_loss.backward()
     report["grad"] = compare_grads(peft_model, ref, f"{NAME} with lora_dropout={p}", tol)
     return report
+
+
+
+def gather_input_refused(ctx, name: str, config: dict) -> str:
+    """An adapter on a column layer that gathers its input rows itself
+    (GPT-2's c_attn with sequence overlap) is refused by path before
+    anything changes."""
+    peft_model = build(name=name)
+    cfg = shard_config(ctx, False, **config)
+    return refused_unchanged(peft_model, lambda: ShardFormer(cfg).optimize(peft_model), "gather_input",
+                             NotImplementedError, structure=True, names=("c_attn", "gather_input"))

@@ -194,11 +194,13 @@ class RowLoraLinear(_ParallelLoraLinear):
         return self.lora_A[adapter].weight, copy_to_tp_region(self.lora_B[adapter].weight, base.process_group)
 
 
-#: what each supported parallel base layer's adapters become (the most derived match wins)
+#: the parallel base layers that take adapters, and the class their lora.Linear becomes
 LORA_CLASSES = (ColumnLoraLinear, RowLoraLinear)
 
 
 def lora_class_for(base: nn.Module) -> type | None:
+    """The class of the adapters on `base` (None: a layer optimize() left
+    alone, whose lora.Linear stays as it is)."""
     for cls in LORA_CLASSES:
         if isinstance(base, cls.base_class):
             return cls
