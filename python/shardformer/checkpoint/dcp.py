@@ -48,8 +48,8 @@ Optimizer states follow their parameter: a state of the parameter's shape
 created (one step at learning rate 0 with zero gradients; the weights do
 not change) so that dcp.load has tensors to load into.
 
-Not covered (refused by name, before anything changes): pipeline stages
-and expert parallelism.  Sequence parallelism does not change parameters.
+Not covered (refused by name, before anything changes): pipeline stages,
+expert parallelism and ZeroRedundancyOptimizer (ZeRO-1).  Sequence parallelism does not change parameters.
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ from torch import nn
 
 from ..layer.expert_parallel import refuse_expert_parallel
 from ..layer.parallel_module import shard_of
-from .full import _named_tensors, _shard_info, load_full_state_dict
+from .full import _check_tensor, _named_tensors, _shard_info, load_full_state_dict
 
 __all__ = ["PlacedShard", "get_state_dict", "set_state_dict"]
 
@@ -185,6 +185,21 @@ def _refuse_layouts(model: nn.Module, what: str) -> None:
     refuse_expert_parallel(model, what)
 
 
+def _split_of(info: dict, t: torch.Tensor):
+    """(dim, DimShard) of the model's tensor `t`, or None when it is whole."""
+    return info[id(t)][:2] if id(t) in info else None
+
+
+def _refuse_optimizer(optimizer, what: str) -> None:
+    """NotImplementedError for optimizers whose state is not per parameter on every rank."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        raise NotImplementedError(
+            f"{what}: ZeroRedundancyOptimizer keeps each parameter's state on one data-parallel rank only; "
+            "its partitions are not covered yet (consolidate_state_dict() and a plain optimizer state dict)")
+
+
 def _param_names(model: nn.Module) -> dict[int, str]:
     """id(parameter) -> its first name in the model (torch's fqn of a tied parameter)."""
     return {id(p): name for name, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
@@ -226,9 +241,10 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     model_sd = {}
     for key, value in model.state_dict().items():
         t = tensors.get(key)
-        model_sd[key] = value if t is None else _placed(t, info.get(id(t)), key)
+        model_sd[key] = value if t is None else _placed(t, _split_of(info, t), key)
     if optimizer is None:
         return model_sd, {}
+    _refuse_optimizer(optimizer, "get_state_dict")
     names = _param_names(model)
     if not optimizer.state:
         _create_optimizer_state(optimizer)
@@ -241,7 +257,7 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
                 raise ValueError(f"get_state_dict: parameter group {i} of {type(optimizer).__name__} holds a "
                                  f"parameter of shape {tuple(p.shape)} that is not in {type(model).__name__}")
             fqns.append(fqn)
-            split = info.get(id(p))
+            split = _split_of(info, p)
             if p in optimizer.state:
                 state[fqn] = {k: _state_value(v, p, split, f"{fqn}.{k}", optimizer) for k, v in
                               optimizer.state[p].items()}
@@ -297,6 +313,8 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     problems, nothing changed); missing and unexpected model keys are
     problems, as in load_state_dict(strict=True)."""
     _refuse_layouts(model, "set_state_dict")
+    if optimizer is not None:
+        _refuse_optimizer(optimizer, "set_state_dict")
     info = _shard_info(model)
     tensors = dict(_named_tensors(model))
     expected = set(model.state_dict().keys())
@@ -306,10 +324,15 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
         if key not in expected:
             problems.append(f"{key}: not in {type(model).__name__}'s state dict")
         elif isinstance(value, PlacedShard):
-            local = _local_value(key, value, tensors[key], info.get(id(tensors[key])), problems)
+            local = _local_value(key, value, tensors[key], _split_of(info, tensors[key]), problems)
             placed.append((tensors[key], local))
         else:
-            full[key] = value
+            t = tensors.get(key)
+            problem = None if t is None else _check_tensor(key, value, t, _split_of(info, t))
+            if problem is None:
+                full[key] = value
+            else:
+                problems.append(problem)
     problems += [f"{key}: missing" for key in sorted(expected - set(model_state_dict))]
     optim = None
     if optimizer is not None and optim_state_dict is not None:
@@ -346,7 +369,7 @@ def _native_optim_state(model, optimizer, osd: Mapping, info: dict, problems: li
         ids = []
         for p, fqn in zip(group["params"], fqns):
             if fqn in saved_state:
-                split = info.get(id(p))
+                split = _split_of(info, p)
                 state[index] = {k: (_local_value(f"{fqn}.{k}", v, p, split, problems)
                                     if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
                                 for k, v in saved_state[fqn].items()}
