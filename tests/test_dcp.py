@@ -40,6 +40,7 @@ def test_dcp_round_trip_across_tp_sizes(pool, tmp_path, save_tp, load_tp):
         assert saved[0]["placed"] > 0 and saved[0]["moments"] == 2 * saved[0]["placed"], saved[0]
     reports = pool.run(checks.load_and_step, load_tp, NAME, directory, saved[0]["full"])
     assert all(r["step"] == 2.0 for r in reports), reports
+    print(f"dcp TP={save_tp} -> TP={load_tp}: errors after the next step {reports[0]}")
 
 
 def test_layouts_not_covered_and_bad_dicts_are_refused(pool):

@@ -224,6 +224,7 @@ def layouts_refused(ctx) -> list[str]:
     bad = dict(msd)
     del bad["lm_head.weight"]
     bad["model.norm.weight"] = torch.zeros(7)
+    names = ("lm_head.weight: missing", "model.norm.weight: shape [7], expected [96]")
     msgs.append(parity.refused_unchanged(model, lambda: set_state_dict(model, model_state_dict=bad), "a bad dict",
-                                         ValueError, names=("lm_head.weight: missing", "model.norm.weight: shape [7], expected [96]")))
+                                         ValueError, names=names))
     return msgs
