@@ -93,13 +93,14 @@ def _full(ctx, model) -> dict:
     return gather_full_state_dict(model) if ctx.tp_size > 1 else model.state_dict()
 
 
-def load_and_step(ctx, name: str, directory: str, saved: dict) -> dict:
+def load_and_step(ctx, name: str, directory: str, saved: dict, exact: bool = False) -> dict:
     """A model from another seed and a fresh AdamW at this TP size take the
     checkpoint (get_state_dict, dcp.load, set_state_dict): the weights are
     bit for bit the `saved` ones; after one more step here, the weights and
     logits equal the straight unsharded run after two steps (float32, within
     the tolerance plus twice the straight run's own error against float64:
-    AdamW's first steps divide by |gradient| + eps)."""
+    AdamW's first steps divide by |gradient| + eps); with `exact` (the TP
+    size that saved), bit for bit the run at this TP size that never stopped."""
     model = _model(ctx, name, seed=5)
     optimizer = _adamw(model)
     msd, osd = _state_dicts(ctx, model, optimizer)
@@ -121,6 +122,14 @@ def load_and_step(ctx, name: str, directory: str, saved: dict) -> dict:
         errs["logits"] = max(parity.check_outputs(f"{name} after the step", model(**inputs), ref(**inputs), TOL,
                                                   ref64(**inputs64)).values())
     errs["step"] = float(optimizer.state[next(iter(model.parameters()))]["step"])
+    if exact:                   # the saving layout: bit for bit the run that never stopped
+        straight = _model(ctx, name, seed=0)
+        straight_opt = _adamw(straight)
+        for _ in range(2):
+            _step(straight, straight_opt, inputs)
+        unbroken = _full(ctx, straight)
+        differ = [k for k in unbroken if not torch.equal(full[k], unbroken[k])]
+        assert not differ, f"{name}: the resumed run differs from the unbroken run at TP={ctx.tp_size}: {differ}"
     return errs
 
 
