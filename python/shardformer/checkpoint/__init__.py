@@ -11,13 +11,17 @@ save.py        save_pretrained / push_to_hub: an ordinary HF checkpoint from a
                sharded model, streamed tensor by tensor.
 sharded.py     save_sharded / load_sharded: every rank's own shards and a
                manifest; loads at the same or another TP size.
+dcp.py         get_state_dict / set_state_dict: state dicts (model and
+               optimizer) for torch.distributed.checkpoint, every split
+               tensor placed exactly (PlacedShard), reshardable on load.
 atomic.py      directories that appear complete or not at all (both savers).
 """
+from .dcp import PlacedShard, get_state_dict, set_state_dict
 from .full import _shard_info, gather_full_state_dict, load_full_state_dict  # noqa: F401
 from .pretrained import load_pretrained
 from .reader import CheckpointReader
 from .save import bind_hf_methods, push_to_hub, save_pretrained  # noqa: F401
 from .sharded import load_sharded, save_sharded
 
-__all__ = ["CheckpointReader", "gather_full_state_dict", "load_full_state_dict", "load_pretrained", "load_sharded",
-           "push_to_hub", "save_pretrained", "save_sharded"]
+__all__ = ["CheckpointReader", "PlacedShard", "gather_full_state_dict", "get_state_dict", "load_full_state_dict",
+           "load_pretrained", "load_sharded", "push_to_hub", "save_pretrained", "save_sharded", "set_state_dict"]

@@ -60,6 +60,7 @@ from ..layout import DimShard, Split
 from ..lazy import is_uninitialized, materialize
 from .moe import FusedExperts1D
 from .parallel_module import ShardPlan, shapes_only
+from .state_shard import layout_text
 
 #: Parameters of an expert-parallel layer carry this attribute: the EP group
 #: their experts are split over (data_parallel / average_gradients /
@@ -135,6 +136,14 @@ class ExpertParallelExperts(FusedExperts1D):
         self.exchanges = 0
         for p in (self.gate_up_proj, self.down_proj):
             setattr(p, EXPERT_GROUP_ATTR, expert_group)
+
+    def partial_params(self) -> dict[str, str]:
+        """Every expert parameter holds this rank's experts only (and, over TP, its part of each)."""
+        tp = super().partial_params()
+        if self.ep_size == 1:
+            return tp
+        experts = layout_text(0, self.expert_shard, "expert-parallel")
+        return {name: "; ".join(filter(None, (experts, tp.get(name)))) for name in self.split_params}
 
     def load_native(self, module: nn.Module) -> None:
         """This rank's block of experts, each cut over TP as FusedExperts1D does."""

@@ -33,6 +33,7 @@ from ..config import group_size_and_rank
 from ..distributed.mappings import _split_dim
 from ..lazy import is_lazy, is_uninitialized, materialize, materialize_like
 from ..layout import DimShard, SplitSpec
+from .state_shard import LocalShard, layout_text
 
 __all__ = ["ParallelModule", "ShardPlan", "check_param", "group_size_and_rank", "plan_directly", "shard_of"]
 
@@ -135,6 +136,24 @@ class ParallelModule(nn.Module):
     def sharded_params(self) -> dict[str, tuple[int, DimShard]]:
         return {name: (dim, self.shard_plan[layout]) for name, (dim, layout) in self.split_params.items()
                 if getattr(self, name, None) is not None}
+
+    def partial_params(self) -> dict[str, str]:
+        """Local parameter name -> how it is a part of a larger tensor (for
+        messages), for every parameter this rank holds only a part of."""
+        return {name: layout_text(dim, shard) for name, (dim, shard) in self.sharded_params.items()
+                if shard.tp_size > 1}
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        """nn.Module's, with each partial parameter's value a LocalShard
+        (a plain tensor that torch.distributed.checkpoint refuses: see
+        layer/state_shard.py)."""
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if keep_vars:
+            return
+        for name, layout in self.partial_params().items():
+            value = destination.get(prefix + name)
+            if isinstance(value, torch.Tensor) and not isinstance(value, LocalShard):
+                destination[prefix + name] = LocalShard(value, prefix + name, layout)
 
     @classmethod
     def plan_shard(cls, module, tp_size: int, rank: int, **kwargs) -> ShardPlan:
