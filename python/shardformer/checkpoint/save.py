@@ -73,6 +73,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..config import concrete_group
 from ..layer.expert_parallel import expert_shards
 from ..layer.parallel_module import ParallelModule
 from ..pickling import BoundMethod
@@ -380,12 +381,11 @@ class _Writer:
 class _Flags:
     """Small integers broadcast from the writing rank (global rank 0) to the
     group: the others stop gathering when it fails, and learn the outcome.
-    Over the model's group as _sharded_group gives it (the default group is
-    the world); an unsharded model's (None) has nothing to agree on."""
+    alone=True: a rank on its own (no collective, nothing to agree on)."""
 
-    def __init__(self, group):
-        self.group = group                    # None: the model is not sharded (each rank on its own)
-        self.active = group is not None and dist.is_initialized() and dist.get_world_size(group) > 1
+    def __init__(self, group, alone: bool = False):
+        self.group = group                    # None: the default group (every rank of the world)
+        self.active = not alone and dist.is_initialized() and dist.get_world_size(group) > 1
         self.device = "cpu"
         if self.active and dist.get_backend(group) == "nccl":
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -405,7 +405,7 @@ class _Flags:
         flag = torch.tensor([1 if failed else 0], dtype=torch.int32, device=self.device)
         flags = [torch.zeros_like(flag) for _ in range(dist.get_world_size(self.group))]
         dist.all_gather(flags, flag, group=self.group)
-        ranks = dist.get_process_group_ranks(self.group)
+        ranks = dist.get_process_group_ranks(concrete_group(self.group))
         return [ranks[i] for i, f in enumerate(flags) if int(f.item())]
 
     def agree(self, error: BaseException | None, what: str) -> None:

@@ -370,7 +370,7 @@ def load_sharded(model: nn.Module, out_dir) -> None:
     name = type(model).__name__
     directory = os.path.abspath(os.fspath(out_dir))
     group = _sharded_group(model, "load_sharded")        # the default group: the world; None: unsharded
-    flags = _Flags(group)
+    flags = _Flags(group, alone=group is None)        # an unsharded model: each rank loads on its own
     readers = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
     error = manifest = entries = None
     try:
