@@ -401,6 +401,47 @@ def scenario_sharder(i):
     shrinking.extend([("param", "a", nn.Linear(1, 1), lambda m: shrinking.clear()),
                       ("param", "b", nn.Linear(1, 1), lambda m: None)])
     assert _C.sharder_apply(shrinking, None) == 1
+    _sharder_built_callback()
+
+
+class SharedParent(nn.Module):
+    """Two blocks holding one `inner` module: its slot reached by two paths."""
+
+    def __init__(self):
+        super().__init__()
+        inner = Block()
+        self.blocks = nn.ModuleList([nn.Module(), nn.Module()])
+        self.blocks[0].inner = self.blocks[1].inner = inner
+
+
+def _sharder_built_callback():
+    """sharder_apply's `built` callback (the tie binding): it sees and may
+    edit the builds; what it raises comes out unchanged, the model as it
+    was; a slot under a parent shared by two paths is planned once."""
+    entries = {nn.Module: ((), (), (("inner.proj", Target, {}, True),), ())}
+    root = SharedParent()
+    ops, _ = _C.sharder_plan(root, "M", entries, 2, 1)
+    assert len(ops) == 1
+    seen = []
+
+    def edit(ops_seen, builds):
+        seen.append(len(builds))
+        builds[0] = builds[0][:4] + (nn.Linear(3, 3),)
+
+    assert _C.sharder_apply(ops, None, None, None, edit) == 1 and seen == [1]
+    assert isinstance(root.blocks[1].inner.proj, nn.Linear) and root.blocks[1].inner.proj.in_features == 3
+    root = SharedParent()
+    ops, _ = _C.sharder_plan(root, "M", entries, 2, 1)
+
+    def refuse(ops_seen, builds):
+        raise ValueError("tied two ways")
+
+    expect(ValueError, _C.sharder_apply, ops, None, None, [], refuse, match="tied two ways")
+    assert root.blocks[0].inner.proj.in_features == 2
+    ops, _ = _C.sharder_plan(SharedParent(), "M", entries, 2, 1)
+    expect(TypeError, _C.sharder_apply, ops, None, None, None, 3, match="built must be callable")
+    ops, _ = _C.sharder_plan(SharedParent(), "M", entries, 2, 1)
+    expect(RuntimeError, _C.sharder_apply, ops, None, None, None, lambda o, b: b.clear(), match="number of builds")
 
 
 def _attention_args(dtype, B=2, Hq=4, Hkv=2, Sq=37, Sk=70, D=13):

@@ -26,7 +26,9 @@ def test_ties_train_like_unsharded_tp2_default_group(pool2, lazy):
     pool2.run(ties.trains_like_unsharded, 2, "LlamaForCausalLM", lazy, True)
 
 
-@pytest.mark.parametrize("name", sorted(ties.TIES))
+# (Qwen3's ties are on modules the plan keeps, so they were one object before this check existed;
+# its test is the gradient's, above.)
+@pytest.mark.parametrize("name", ["LlamaForCausalLM", "MistralForCausalLM"])
 def test_tied_lazy_equals_eager(pool, name):
     pool.run(ties.lazy_equals_eager_tied, 2, name)
 
