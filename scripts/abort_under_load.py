@@ -15,6 +15,15 @@ abort when a rank exits by a signal or prints "terminate called"; its
 output is printed.  Exit status: 0 when no run aborted (or failed).
 
     .venv/bin/python scripts/abort_under_load.py --runs 50 --busy 2
+
+What the abort was (issue 30): "terminate called without an active
+exception" is CPython stopping a daemon thread with pthread_exit when it
+takes the GIL back during interpreter finalization while inside a torch op
+(torch releases the GIL in every op); the forced unwinding through torch's
+C++ frames calls std::terminate.  The daemon thread was the shm
+communicator's async worker; shardformer.distributed.shm._close_all stops it
+before finalization.  tests/test_exit_abort.py reproduces it every time on
+the code before the fix; this script is the statistical check under load.
 """
 from __future__ import annotations
 

@@ -7,8 +7,11 @@ thread is the shm communicator's async worker (sequence overlap, ring
 attention); shm._close_all now stops it before finalization.
 
 Each case runs two real rank processes (a gloo group, one shm segment) that
-leave the interpreter while the worker is busy, and checks both exit
-cleanly."""
+leave the interpreter while the worker is inside torch operations (with the
+group alive, or destroyed first), and checks both exit cleanly; before the
+fix both abort every time.  (An async collective left unwaited at exit hits
+the same window only sometimes: the worker must be in the copy back into a
+non-contiguous tensor at that moment.)"""
 import os
 import subprocess
 import sys
@@ -33,10 +36,6 @@ def torch_work(seconds):
 if case == "running":           # the worker is inside torch ops when the program ends
     comm._call(True, torch_work, 1.5)
     time.sleep(0.3)
-elif case == "queued":          # an async collective into a non-contiguous tensor, never waited for
-    t = torch.ones(64, 2048).t()
-    for _ in range(20):
-        comm.all_reduce(t, async_op=True)
 if case == "destroyed":         # the group destroyed first (its communicator closed), worker still busy
     comm._call(True, torch_work, 1.5)
     time.sleep(0.3)
@@ -53,7 +52,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("case", ["running", "queued", "destroyed"])
+@pytest.mark.parametrize("case", ["running", "destroyed"])
 def test_exit_with_a_busy_shm_worker_does_not_abort(case):
     port = str(_free_port())
     env = dict(os.environ, OMP_NUM_THREADS="1")
