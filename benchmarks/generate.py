@@ -585,14 +585,20 @@ def _by_op(recs: list, new_tokens: int) -> dict:
 def _by_position(recs: list, w: int) -> dict:
     """The timed decode steps' collectives by their place in a Llama decoder step: the embedding's
     all-reduce (first), the attention's (o_proj) and the MLP's (down_proj) all-reduce of each layer
-    (alternating), the LM head's all-gather (last): calls per step, median and mean us per call, ms per step."""
-    groups: dict = {"embedding": [], "attention o_proj": [], "mlp down_proj": [], "lm_head": []}
+    (alternating), the LM head's all-gather, then generate()'s lock-step check of the step's tokens
+    (shardformer.lockstep; a step of 2 + 2 x layers collectives has one more, odd, when it runs):
+    calls per step, median and mean us per call, ms per step."""
+    groups: dict = {"embedding": [], "attention o_proj": [], "mlp down_proj": [], "lm_head": [],
+                    "token check": []}
     steps = 0
     for r in recs:
         for calls in (r["coll_traces"] or [])[w:]:
             if len(calls) < 2:
                 continue
             steps += 1
+            if len(calls) % 2:
+                groups["token check"].append(calls[-1])
+                calls = calls[:-1]
             groups["embedding"].append(calls[0])
             groups["lm_head"].append(calls[-1])
             for i, dt in enumerate(calls[1:-1]):
@@ -689,9 +695,11 @@ def md_table(results: dict) -> str:
                 ranks = [p.get(place) for p in pos]
                 ms = "/".join(f"{x['ms_per_step']:.2f}" for x in ranks if x)
                 med = "/".join(f"{x['median_us']:.0f}" for x in ranks if x)
-                key = {"lm_head": "all_gather_into_tensor"}.get(place, "all_reduce")
+                # (the token check is timed in place only: its few numbers are not an isolated size)
+                key = {"lm_head": "all_gather_into_tensor", "token check": None}.get(place, "all_reduce")
                 # the decode step's size of that operation: the smallest seen (the prefill's are larger)
-                seen = sorted((int(k.split(":")[1]), v) for k, v in iso.items() if k.startswith(key + ":"))
+                seen = sorted((int(k.split(":")[1]), v) for k, v in iso.items()
+                              if key is not None and k.startswith(key + ":"))
                 iso_s = f"{seen[0][1]:.0f}" if seen else "-"
                 lines.append(f"| {name} | {r['batch']} | {r['config']}: {place} | {ranks[0]['calls_per_step']:.0f} | {ms} | "
                              f"{med} | {iso_s} |")

@@ -35,7 +35,7 @@ import warnings
 
 from torch import nn
 
-from . import _C, ddp_guard, input_check, lazy, lockstep, pickling
+from . import _C, ddp_guard, input_check, lazy, pickling
 from .checkpoint import bind_hf_methods
 from .config import ShardConfig, group_size_and_rank
 from .distributed.agree import agree, members
@@ -265,6 +265,8 @@ class ModelSharder:
             if losses is not None:               # the heads are in: their models' losses go to the shards
                 losses.install(self.model)
             if stages is None:                   # every rank of the groups decodes the same tokens
+                from . import lockstep           # (imports transformers: not at `import shardformer`)
+
                 lockstep.install(self.model, _decoding_groups(cfg), name)
             if tp_size > 1:                      # torch's generator: streams per rank, layerdrop agreed
                 index_of, folded, draws_replicated = policy.attention_data()
