@@ -108,11 +108,16 @@ def _destroy_groups_at_exit() -> None:
     """Destroy the process groups while the interpreter is still whole.
 
     A process that ends with its groups alive leaves their destruction to
-    interpreter finalization, when torch's C++ worker threads (gloo's) may
-    still be joinable or hold Python references: that ends in SIGABRT,
-    "terminate called without an active exception" (pytorch/pytorch#190489).
-    Registered by init_rank, so every rank it sets up exits cleanly however
-    its code returns; a no-op when the groups were destroyed already.
+    interpreter finalization.  Registered by init_rank, so every rank it sets
+    up tears its groups down in order however its code returns; a no-op when
+    the groups were destroyed already.
+
+    (The exit SIGABRT once blamed on this, "terminate called without an
+    active exception", was a daemon thread inside a torch op taking the GIL
+    back during finalization: CPython ends such a thread with pthread_exit,
+    whose forced unwind through torch's C++ frames calls std::terminate.
+    Ours was the shm communicator's async worker; shardformer.distributed.shm
+    stops it before finalization, tests/test_exit_abort.py.)
     """
     import torch.distributed as dist
 
