@@ -96,13 +96,15 @@ def fresh_venv(dist, tmp_path_factory):
     venv = home / "v"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     python = str(venv / "bin" / "python")
+    # The wheel first: with our site-packages on its path, pip would find a non-editable
+    # shardformer there (CI installs one) and take it as already installed.
+    subprocess.run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
+                    "--no-index", dist["wheel"]], check=True)
     site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                           check=True, capture_output=True, text=True).stdout.strip()
     ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
     with open(os.path.join(site, "_shardformer_test_deps.pth"), "w") as f:
         f.write("\n".join(sorted(ours)) + "\n")
-    subprocess.run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-deps",
-                    "--no-index", dist["wheel"]], check=True)
     return {"python": python, "home": str(home), "site": site}
 
 
