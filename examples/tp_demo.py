@@ -216,7 +216,7 @@ def plan_run(src: dict, path: str) -> dict:
     supported = supported_models()
     if key not in supported and cls.__qualname__ not in supported:
         raise SystemExit(f"{name}: architecture {cls_name} has no shardformer policy, so it cannot be sharded "
-                         "here (write a shardformer.Policy for it; README: 'Your own model')")
+                         "here (write a shardformer.Policy for it: docs/writing-policies.md)")
     if getattr(cls, "main_input_name", "input_ids") != "input_ids":
         raise SystemExit(f"{name}: architecture {cls_name} takes {cls.main_input_name!r}, not text; this demo "
                          "feeds token ids only (its tests shard it: tests/test_models*.py)")

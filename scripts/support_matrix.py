@@ -1,11 +1,13 @@
-"""Generate README's support matrix from the policy registry and the test results.
+"""Generate the support matrix of docs/supported-models.md from the policy registry and the test results.
 
     python scripts/support_matrix.py                  # run the model tests, print the table
-    python scripts/support_matrix.py --write README.md
-    python scripts/support_matrix.py --junit results.xml --write README.md
-    python scripts/support_matrix.py --junit all.xml --junit rerun.xml --write README.md
+    python scripts/support_matrix.py --write          # ... and write it into docs/supported-models.md
+    python scripts/support_matrix.py --junit results.xml --write
+    python scripts/support_matrix.py --junit all.xml --junit rerun.xml --write
         (a later file's test modules replace those modules' cases in the earlier ones:
         re-run one test file after a change without re-running the rest)
+    python scripts/support_matrix.py --junit results.xml --check
+        (exit 1 when the page's matrix is not what these results give)
 
 Rows are the model families of shardformer.autopolicy; a cell counts the
 classes of that family for which every test of that feature passed (and no
@@ -139,6 +141,9 @@ for _family in ("bloom", "falcon", "gpt_neo", "gptj", "swinv2"):
         "at the attention's own seam (it is outside transformers' AttentionInterface); in training with "
         "attention dropout > 0 the model's own attention runs (the kernel's dropout draws are not torch's)")
 BEGIN, END = "<!-- support-matrix:begin -->", "<!-- support-matrix:end -->"
+# The page that holds the matrix, between BEGIN and END (tests/test_docs.py checks its
+# footnotes and class list against the registry; mkdocs.yml puts it in the site).
+PAGE = os.path.join(ROOT, "docs", "supported-models.md")
 # every tests/test_models*.py (one per zoo module), and the other files holding the feature tests above
 TEST_FILES = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "tests", "test_models*.py"))) + [
     "tests/test_kernels.py", "tests/test_attention.py", "tests/test_optimizations.py", "tests/test_lazy.py",
@@ -301,30 +306,56 @@ def derived_section(junits: list[str]) -> str:
     return text
 
 
+def notes_and_classes(families: dict[str, list[str]], notes) -> str:
+    """What follows the table: the legend, the footnotes and the class list (no test results needed)."""
+    text = "A cell counts the classes of the family for which every test of that feature passed; "
+    text += "[n] refers to a note below.\n\n"
+    for (family, feature), (number, note) in notes.items():
+        text += f"{number}. {family}, {feature}: {note}\n"
+    return text + "\n" + class_list(families)
+
+
+def matrix(families: dict[str, list[str]], junits: list[str]) -> str:
+    """The whole generated section, as it stands between BEGIN and END."""
+    notes = footnotes(families)
+    text = table(families, outcomes(junits, {c for cs in families.values() for c in cs}), notes)
+    text += "\n\n" + notes_and_classes(families, notes)
+    derived = derived_section(junits)
+    if derived:
+        text += "\n\n" + derived
+    return text
+
+
+def page_section(path: str = PAGE) -> str:
+    """The text between BEGIN and END in `path` (without the newlines next to the markers)."""
+    with open(path) as f:
+        doc = f.read()
+    if BEGIN not in doc or END not in doc:
+        raise SystemExit(f"{path}: no {BEGIN} ... {END} section")
+    return doc.split(BEGIN, 1)[1].split(END, 1)[0].strip("\n")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--junit", action="append",
                    help="an existing pytest --junitxml file (default: run the model tests); may be repeated, "
                         "a later file's test modules replacing the earlier files' cases of those modules")
-    p.add_argument("--write", help="replace the section between the support-matrix markers in this file")
+    p.add_argument("--write", nargs="?", const=PAGE, metavar="FILE",
+                   help="replace the section between the support-matrix markers in FILE "
+                        "(default: docs/supported-models.md)")
+    p.add_argument("--check", nargs="?", const=PAGE, metavar="FILE",
+                   help="exit 1 unless FILE's section (default: docs/supported-models.md) is what the results give")
     args = p.parse_args()
     families = registry()
     junits = args.junit
     if not junits:
         junits = [os.path.join(tempfile.mkdtemp(), "results.xml")]
         run_tests(junits[0])
-    notes = footnotes(families)
-    text = table(families, outcomes(junits, {c for cs in families.values() for c in cs}), notes)
-    text += "\n\nA cell counts the classes of the family for which every test of that feature passed; "
-    text += "[n] refers to a note below.\n\n"
-    for (family, feature), (number, note) in notes.items():
-        text += f"{number}. {family}, {feature}: {note}\n"
-    text += "\n"
-    text += class_list(families)
-    derived = derived_section(junits)
-    if derived:
-        text += "\n\n" + derived
+    text = matrix(families, junits)
     print(text)
+    if args.check and page_section(args.check) != text:
+        raise SystemExit(f"{args.check}: the support matrix differs from these results; "
+                         f"python scripts/support_matrix.py --junit ... --write {args.check}")
     if args.write:
         with open(args.write) as f:
             doc = f.read()

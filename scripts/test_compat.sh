@@ -19,11 +19,11 @@ VENV=.venv-compat
 # The selection: every test whose outcome can depend on the transformers version, i.e. the suite
 # without the tests of the C core, the collectives, the layers and the launcher alone (asan, c_core,
 # all_to_all, comm_lifetime, collectives_under_load, shm_faults, shm_wait, kernel_faults, simd_paths,
-# launch, layers, ring_attention's kernel, exit_abort, the benchmarks' smoke run: none builds an HF
+# launch, layers, ring_attention's kernel, exit_abort, the benchmarks' smoke run, the docs build: none builds an HF
 # module), the wheel build (packaging) and the demo / pretrained checkpoints (those need
 # requirements-models.txt).  One line: tests/test_transformers_version.py reads it and checks that it
 # collects tests.
-SUBSET=(tests --ignore=tests/test_asan.py --ignore=tests/test_c_core.py --ignore=tests/test_packaging.py --ignore=tests/test_demo.py --ignore=tests/test_pretrained.py --ignore=tests/test_all_to_all.py --ignore=tests/test_comm_lifetime.py --ignore=tests/test_collectives_under_load.py --ignore=tests/test_shm_faults.py --ignore=tests/test_shm_wait.py --ignore=tests/test_kernel_faults.py --ignore=tests/test_simd_paths.py --ignore=tests/test_launch.py --ignore=tests/test_layers.py --ignore=tests/test_ring_attention.py --ignore=tests/test_exit_abort.py --ignore=tests/test_benchmarks.py)
+SUBSET=(tests --ignore=tests/test_asan.py --ignore=tests/test_c_core.py --ignore=tests/test_packaging.py --ignore=tests/test_demo.py --ignore=tests/test_pretrained.py --ignore=tests/test_all_to_all.py --ignore=tests/test_comm_lifetime.py --ignore=tests/test_collectives_under_load.py --ignore=tests/test_shm_faults.py --ignore=tests/test_shm_wait.py --ignore=tests/test_kernel_faults.py --ignore=tests/test_simd_paths.py --ignore=tests/test_launch.py --ignore=tests/test_layers.py --ignore=tests/test_ring_attention.py --ignore=tests/test_exit_abort.py --ignore=tests/test_benchmarks.py --ignore=tests/test_docs.py)
 
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"

@@ -60,7 +60,7 @@ def test_lora_dropout_in_training_is_one_unsharded_mask(pool, tp):
 
 
 def test_lora_example_runs_as_written(tmp_path):
-    """README's LoRA recipe: examples/lora_finetune.py under torchrun at TP=2 (it exits 1 unless the adapters
+    """docs/lora.md's recipe: examples/lora_finetune.py under torchrun at TP=2 (it exits 1 unless the adapters
     are sharded and the losses, the adapter saved and loaded unsharded, and merge_and_unload agree with the
     unsharded run)."""
     script = os.path.join(ROOT, "examples", "lora_finetune.py")

@@ -22,7 +22,7 @@ PIPELINED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", 
 FAMILIES = [c for f in PIPELINED for c in zoo.family_classes()[f] if c != "BeitForSemanticSegmentation"]
 
 
-# One test function per schedule: README's support matrix has a column per function (scripts/support_matrix.py).
+# One test function per schedule: docs/supported-models.md's support matrix has a column per function (scripts/support_matrix.py).
 @pytest.mark.parametrize("name", FAMILIES)
 def test_gpipe_equals_unsharded(pool, name):
     pool.run(check.equals_unsharded, 4, name, 2, "gpipe", 2)                  # two pipelines of 2 stages
@@ -239,7 +239,7 @@ def test_plan_sends_each_output_as_it_is_made(steps_of, v, p, m):
 
 @pytest.mark.parametrize("pp, tp, schedule", [(2, 1, "gpipe"), (2, 2, "1f1b"), (4, 1, "1f1b")])
 def test_custom_policy(pool, pp, tp, schedule):
-    """README's one line of data for a user's own Policy."""
+    """docs/pipeline.md's one line of data for a user's own Policy."""
     pool.run(check.custom_policy_equals_unsharded, 4, pp, tp, schedule)
 
 

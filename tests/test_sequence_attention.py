@@ -47,7 +47,7 @@ ALIBI_FAMILIES = ["BloomForCausalLM", "BloomForSequenceClassification", "BloomFo
                   "BloomForQuestionAnswering", "BloomModel"]
 
 
-# One test function per mode: README's support matrix has a column per function (scripts/support_matrix.py).
+# One test function per mode: docs/supported-models.md's support matrix has a column per function (scripts/support_matrix.py).
 @pytest.mark.parametrize("name", FAMILIES + OTHER_FAMILIES + ALBERT + WHISPER + T5 + SEAM_FAMILIES + ALIBI_FAMILIES)
 def test_all_to_all_equals_unsharded(pool, name):
     pool.run(check.equals_unsharded, 2, name, "all_to_all", 7)       # 7 tokens: padded inside

@@ -113,7 +113,7 @@ def test_sp_sam_odd_grid(pool, sp):
     pool.run(check.mm_equals_unsharded, sp, "SamVisionModel", "split_gather", None, {"image_size": 24})
 
 
-# One test function per mode: README's support matrix has a column per function (scripts/support_matrix.py).
+# One test function per mode: docs/supported-models.md's support matrix has a column per function (scripts/support_matrix.py).
 @pytest.mark.parametrize("sp", [2, 4])
 @pytest.mark.parametrize("name", SPLIT_GATHER)
 def test_sp_mm_equals_unsharded(pool, name, sp):

@@ -9,11 +9,10 @@ import re
 import pytest
 from torch import nn
 
+import doclinks
 import shardformer
 from checks import wrappers as check
 from shardformer import ShardConfig, ShardFormer
-
-README = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "README.md")
 
 
 @pytest.mark.parametrize("kind", ["peft_ia3", "lora_inside", "compiled", "compiled_child", "ddp", "data_parallel"])
@@ -44,10 +43,6 @@ def test_supported_predicate_bypasses_the_refusal():
         wrappers.SUPPORTED.pop()
 
 
-def _github_anchor(heading: str) -> str:
-    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
-
-
 def test_no_policy_error_leads_with_the_fix():
     class MyNet(nn.Module):
         def __init__(self):
@@ -62,10 +57,9 @@ def test_no_policy_error_leads_with_the_fix():
     assert "plan={" in lines[1] and "policy=MyPolicy()" in lines[2], message
     assert "shardformer.supported_models()" in lines[-1], message
     assert "LlamaForCausalLM" not in message
-    with open(README) as f:
-        anchors = {_github_anchor(line.lstrip("#")) for line in f if line.startswith("#")}
-    cited = re.findall(r"README\.md#([\w\-]+)", message)
-    assert len(cited) == 2 and set(cited) <= anchors, (cited, sorted(anchors))
+    page = os.path.join(doclinks.ROOT, "docs", "writing-policies.md")
+    cited = re.findall(r"docs/writing-policies\.md#([\w\-]+)", message)
+    assert len(cited) == 2 and set(cited) <= doclinks.anchors(page), (cited, sorted(doclinks.anchors(page)))
 
 
 def test_supported_models_public():

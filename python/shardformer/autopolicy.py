@@ -20,7 +20,7 @@ from ._versions import check_transformers_version
 from .policy import Policy
 
 _OVERRIDES: dict[str, tuple[str, str]] = {}   # register_policy
-README = "shardformer's README.md"   # the no-policy error points at its sections (GitHub anchors)
+DOCS = "docs/writing-policies.md"   # the no-policy error points at its sections (tests/test_wrappers.py checks the anchors)
 _GENERATED: dict[str, tuple[str, str]] | None = None
 
 
@@ -86,9 +86,9 @@ def get_autopolicy(model) -> Policy:
             "(config.base_model_tp_plan or the class's _tp_plan) to derive one from. Shard it with either\n"
             "  - a plan dict in transformers' notation: ShardFormer(shard_config).optimize(model, "
             "plan={'layers.*.mlp.up_proj': 'colwise', 'layers.*.mlp.down_proj': 'rowwise', ...}) "
-            f"(README: {README}#models-without-a-built-in-policy-the-models-own-plan), or\n"
+            f"(shardformer's {DOCS}#models-without-a-built-in-policy-the-models-own-plan), or\n"
             "  - a shardformer.Policy subclass: optimize(model, policy=MyPolicy()) "
-            f"(README: {README}#your-own-model-a-policy).\n"
+            f"(shardformer's {DOCS}#your-own-model-a-policy).\n"
             f"shardformer.supported_models() lists the {len(table)} model classes with a built-in policy."
         )
     family, policy_cls = found

@@ -26,7 +26,7 @@ from torch import nn
 
 _OPTIMIZE_FIRST = "optimize() the bare model first, then wrap the sharded model"
 _NO_LORA = ("optimize() the PeftModel itself (what get_peft_model returned): LoRA on linear layers is sharded with "
-            "the model (README 'LoRA (PEFT)'); other PEFT tuners and wrappers are not supported")
+            "the model (shardformer's docs/lora.md); other PEFT tuners and wrappers are not supported")
 _DP_FIX = ("optimize() the bare model first, then wrap it over the data-parallel group only: "
            "shardformer.data_parallel(model, shardformer.mesh(tp=...)) (DDP over mesh.dp), or FSDP2's "
            "fully_shard(model, mesh=mesh.device_mesh['dp'])")

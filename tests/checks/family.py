@@ -9,7 +9,7 @@ from shardformer.policies.shapes import DecoderShape
 
 
 def ten_line_family(ctx, name: str) -> dict:
-    """A family written as the README says a new Llama-shaped model is (Qwen2
+    """A family written as docs/writing-policies.md says a new Llama-shaped model is (Qwen2
     under another name), sharded, equals the unsharded model."""
     family = Family("qwen2-as-data", "qwen2.modeling_qwen2", DecoderShape, options={"prefix": "Qwen2"},
                     heads={"Qwen2Model": (), "Qwen2ForCausalLM": lm("lm_head"),
