@@ -44,7 +44,7 @@ def test_every_page_is_linked_from_readme():
     """Each page under docs/ is one click from the front page (the nav is mkdocs.yml's)."""
     linked = {file for file, _ in relative_links(README)}
     pages = {os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md"))}
-    assert pages - linked == set(), sorted(pages - linked)
+    assert len(pages) >= 10 and pages - linked == set(), sorted(pages - linked)
 
 
 def test_pointers_to_the_docs_resolve():
