@@ -4,6 +4,7 @@ start's two commands, every relative link resolving), the docs/ pages build with
 fails), every `docs/<page>.md#anchor` that the code hands to users exists, and the
 support matrix's footnotes and class list on docs/supported-models.md are what
 scripts/support_matrix.py makes of the registry."""
+import ast
 import glob
 import importlib.util
 import os
@@ -65,6 +66,12 @@ def test_pointers_to_the_docs_resolve():
 
 
 def test_mkdocs_build_strict(tmp_path):
+    """The site builds with every link, anchor and nav entry valid, and every Python example
+    on the front page and the pages is Python (it parses)."""
+    for path in [README] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md"))):
+        with open(path, encoding="utf-8") as f:
+            for block in re.findall(r"^```python\n(.*?)^```", f.read(), re.S | re.M):
+                ast.parse(block, filename=os.path.relpath(path, ROOT))
     if importlib.util.find_spec("mkdocs") is None:
         pytest.skip("mkdocs is not installed (requirements-dev.txt pins it): the site build is not checked")
     out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-f",
