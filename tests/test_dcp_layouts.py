@@ -39,9 +39,11 @@ def test_pipeline_stages_to_tp2_and_tp4(pool, tmp_path):
 
 
 def test_dp_tp_to_pipeline_stages(pool, tmp_path):
-    """DP=2 x TP=2 replicas -> TP=2 x PP=2; load_sharded of the replicas' save into the stages."""
+    """DP=2 x TP=2 replicas -> TP=2 x PP=2; load_sharded of the replicas' save (the TP format: one TP group's
+    files, ranks 0 and 1) into the stages, with the mesh in the manifest and without it (an older manifest)."""
     directory, saved, _ = _round_trip(pool, tmp_path, "llama", DP2TP2, [PP2TP2], sharded=True)
-    pool.run(checks.sharded_load, 4, "llama", PP2TP2, directory, saved["full"], DP2TP2)
+    rec = pool.run(checks.sharded_load, 4, "llama", PP2TP2, directory, saved["full"], DP2TP2, True)[0]
+    assert rec["ranks"] == [0, 1] and rec["sp"] == 1, rec
 
 
 def test_expert_parallel_ep2_to_ep4(pool, tmp_path):

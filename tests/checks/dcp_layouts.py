@@ -132,7 +132,7 @@ def train_and_save(ctx, arch: str, layout: dict, directory: str, sharded: bool =
         save_sharded(model, os.path.join(directory, "sharded"))
     placed = [k for k, v in msd.items() if isinstance(v, PlacedShard)]
     report = {"placed": len(placed), "keys": len(msd), "states": len(osd["state"]),
-              "multi": sum(len(msd[k].placements) > 1 for k in placed),
+              "multi": sum(len(getattr(msd[k], "placements", [None])) > 1 for k in placed),
               "full": _numpy(gather_full_state_dict(model))}
     return report
 
@@ -184,18 +184,29 @@ def load_and_step(ctx, arch: str, layout: dict, directory: str, saved: dict) -> 
     return _compare_step(ctx, arch, model, step, optimizer, saved)
 
 
-def sharded_load(ctx, arch: str, layout: dict, directory: str, saved: dict, saved_layout: dict) -> dict:
+def sharded_load(ctx, arch: str, layout: dict, directory: str, saved: dict, saved_layout: dict,
+                 drop_mesh: bool = False) -> dict:
     """The manifest of directory/sharded records the saving mesh; load_sharded
     of it into a model from another seed in `layout` gives the saved weights
-    bit for bit."""
-    with open(os.path.join(directory, "sharded", MANIFEST), encoding="utf-8") as f:
-        mesh_rec = json.load(f)["mesh"]
+    bit for bit.  drop_mesh: then again from the manifest without its mesh
+    (as written before the mesh was recorded)."""
+    path = os.path.join(directory, "sharded", MANIFEST)
+    with open(path, encoding="utf-8") as f:
+        manifest = json.load(f)
+    mesh_rec = manifest["mesh"]
     for dim in ("tp", "pp", "dp", "ep"):
         want = saved_layout.get(dim, 1) if dim != "ep" else saved_layout.get("ep") or 1
         assert mesh_rec[dim] == want, (dim, mesh_rec, saved_layout)
-    model, _ = _build(ctx, arch, layout, seed=5)
-    load_sharded(model, os.path.join(directory, "sharded"))
-    loaded = gather_full_state_dict(model)
-    differ = [k for k in saved if not torch.equal(loaded[k], torch.from_numpy(saved[k]))]
-    assert loaded.keys() == saved.keys() and not differ, f"load_sharded at {layout}: {differ}"
+    for old in (False, True) if drop_mesh else (False,):
+        if old:
+            dist.barrier()
+            if ctx.rank == 0:
+                with open(path, "w", encoding="utf-8") as f:
+                    json.dump({k: v for k, v in manifest.items() if k != "mesh"}, f)
+            dist.barrier()
+        model, _ = _build(ctx, arch, layout, seed=5 + old)
+        load_sharded(model, os.path.join(directory, "sharded"))
+        loaded = gather_full_state_dict(model)
+        differ = [k for k in saved if not torch.equal(loaded[k], torch.from_numpy(saved[k]))]
+        assert loaded.keys() == saved.keys() and not differ, f"load_sharded at {layout} (old: {old}): {differ}"
     return mesh_rec
