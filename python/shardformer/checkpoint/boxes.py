@@ -42,7 +42,7 @@ from torch import nn
 
 from ..config import concrete_group
 from ..layer.expert_parallel import expert_shards
-from .dcp import _first_held, _pieces, placements_of
+from .dcp import _first_held, _full_shape, _pieces, placements_of
 
 
 def is_general(model: nn.Module) -> bool:
@@ -127,11 +127,10 @@ def local_boxes(t: torch.Tensor, splits, write: bool) -> list[tuple[list, list, 
     return out
 
 
-def file_entries(model: nn.Module):
-    """[(names, tensor, splits)]: the persistent tensors, each once, with their split dimensions."""
+def entries(model: nn.Module, splits: dict) -> list:
+    """[(names, tensor, splits[id(tensor)] or None)]: the persistent tensors, each once."""
     from .full import _named_tensors
 
-    placements = placements_of(model)
     persistent = set(model.state_dict().keys())
     out: dict[int, tuple] = {}
     for name, t in _named_tensors(model):
@@ -140,15 +139,16 @@ def file_entries(model: nn.Module):
         if id(t) in out:
             out[id(t)][0].append(name)
         else:
-            out[id(t)] = ([name], t, placements.get(id(t)))
+            out[id(t)] = ([name], t, splits.get(id(t)))
     return list(out.values())
 
 
-def full_shape(t: torch.Tensor, splits) -> list[int]:
-    shape = list(t.shape)
-    for dim, shard in splits or ():
-        shape[dim] = shard.full
-    return shape
+def file_entries(model: nn.Module) -> list:
+    """entries() with every split dimension of each tensor ([(dim, DimShard), ...])."""
+    return entries(model, placements_of(model))
+
+
+full_shape = _full_shape
 
 
 def merge_records(parts: list) -> dict:

@@ -39,6 +39,16 @@ all-gather): where any rank found a problem every rank raises (the others a
 RuntimeError naming the ranks), none is left waiting.  Same TP size and the
 same layouts: each rank reads its own file only.
 
+Every layout.  A model with pipeline stages or expert-parallel layers is
+saved in the box format (boxes.py): the files come from the ranks reachable
+from global rank 0 through their TP, pipeline and EP groups, each tensor's
+record lists the boxes of the full tensor each file holds, and save_sharded
+/ load_sharded are collective over the world.  Any checkpoint loads into any
+layout (a TP-only manifest is read as boxes when the loading model has
+stages or experts).  The manifest's `mesh` records the saving layout: tp,
+pp, dp, ep, sp sizes, the world size and the saving ranks (a manifest
+without it, from before it was recorded, still loads).
+
 A save into a directory holding a checkpoint of any format (HF or sharded)
 supersedes it: its weight files, indexes and manifest are not carried over
 (atomic.CHECKPOINT_FILES).
@@ -57,7 +67,7 @@ from torch import nn
 
 from . import boxes
 from ..config import concrete_group
-from .full import _group_root, _named_tensors, _shard_info, problem_report
+from .full import _group_root, _shard_info, problem_report
 from .atomic import _fsync, _put_in_place, recover_directory, save_target
 from .integrity import file_problems, file_record, manifest_problems
 from .save import _Flags, _sharded_group
@@ -81,18 +91,7 @@ def _temp_name(directory: str, token: int) -> str:
 
 def _entries(model: nn.Module):
     """[(names, tensor, (dim, DimShard) | None)]: the persistent tensors, each once."""
-    info = _shard_info(model)
-    persistent = set(model.state_dict().keys())
-    out: dict[int, tuple] = {}
-    for name, t in _named_tensors(model):
-        if name not in persistent:
-            continue
-        if id(t) in out:
-            out[id(t)][0].append(name)
-        else:
-            split = info.get(id(t))
-            out[id(t)] = ([name], t, None if split is None else split[:2])
-    return list(out.values())
+    return boxes.entries(model, {key: split[:2] for key, split in _shard_info(model).items()})
 
 
 def _full_shape(t: torch.Tensor, split) -> list[int]:
