@@ -38,6 +38,11 @@ def test_pipeline_stages_to_tp2_and_tp4(pool, tmp_path):
     assert rec["pp"] == 2 and rec["tp"] == 2 and sorted(rec["ranks"]) == [0, 1, 2, 3], rec
 
 
+def test_pipeline_stages_with_different_optimizer_groups_refused(pool):
+    msgs = pool.run(checks.stages_disagree, 4)
+    assert all("lr" in m for m in msgs), msgs
+
+
 def test_dp_tp_to_pipeline_stages(pool, tmp_path):
     """DP=2 x TP=2 replicas -> TP=2 x PP=2; load_sharded of the replicas' save (the TP format: one TP group's
     files, ranks 0 and 1) into the stages, with the mesh in the manifest and without it (an older manifest)."""

@@ -30,6 +30,7 @@ from shardformer.pipeline import OneForwardOneBackwardSchedule
 from shardformer.pipeline.stages import runtime_of
 
 LR, WD = 1e-3, 0.1
+PP2TP2_LAYOUT = {"pp": 2, "tp": 2}
 TOL = parity.TOL[torch.float32]
 MODELS = {"llama": ("LlamaForCausalLM", {}),        # 6 heads, 2 KV heads, 90 MLP features, vocab 101
           "mixtral": ("MixtralForCausalLM", {"num_local_experts": 5})}   # 5 experts: uneven over EP 2 and 4
@@ -210,3 +211,14 @@ def sharded_load(ctx, arch: str, layout: dict, directory: str, saved: dict, save
         differ = [k for k in saved if not torch.equal(loaded[k], torch.from_numpy(saved[k]))]
         assert loaded.keys() == saved.keys() and not differ, f"load_sharded at {layout} (old: {old}): {differ}"
     return mesh_rec
+
+
+def stages_disagree(ctx) -> str:
+    """Pipeline stages whose optimizers have different hyperparameters (the
+    saved param_groups would name one stage's): get_state_dict raises on
+    every rank naming each stage's groups, before anything is saved."""
+    model, m = _build(ctx, "llama", PP2TP2_LAYOUT, seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR * (1 + m.coords["pp"]))
+    msg = parity.refused_unchanged(model, lambda: get_state_dict(model, optimizer), "stages that disagree",
+                                   ValueError, names=("get_state_dict", "stage 0", "stage 1", "pipeline"))
+    return msg
