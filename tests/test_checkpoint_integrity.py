@@ -120,11 +120,6 @@ def test_damaged_manifest_named(pool, tmp_path, damage, expect):
         assert path in msg and expect in msg, msg
 
 
-def test_pipeline_stages_refused(pool, tmp_path):
-    for msgs in pool.run(checks.pipelined_refused, 4, str(tmp_path / "sharded")):
-        assert all("2 pipeline stages" in m and "save_pretrained" in m for m in msgs), msgs
-
-
 # ---------------------------------------------------------------- superseded checkpoints (class 6)
 
 def test_save_supersedes_other_formats(pool, tmp_path):

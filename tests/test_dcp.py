@@ -44,5 +44,5 @@ def test_dcp_round_trip_across_tp_sizes(pool, tmp_path, save_tp, load_tp):
     print(f"dcp TP={save_tp} -> TP={load_tp}: errors after the next step {reports[0]}")
 
 
-def test_layouts_not_covered_and_bad_dicts_are_refused(pool):
-    pool.run(checks.layouts_refused, 4)
+def test_bad_dicts_are_refused(pool):
+    pool.run(checks.bad_dicts_refused, 4)

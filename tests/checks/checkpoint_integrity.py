@@ -124,18 +124,3 @@ def broadcast_weights_default_group(ctx) -> dict:
     with torch.no_grad():
         parity.check_outputs("broadcast_weights", model.eval()(**inputs), ref(**inputs), TOL)
     return {"tensors": len(got)}
-
-
-def pipelined_refused(ctx, directory: str) -> list[str]:
-    """save_sharded / load_sharded of a model split into pipeline stages
-    (pp=2 x tp=2) are refused on every rank before anything is written or
-    loaded (each stage's TP group holds other tensors)."""
-    from checks.pipeline import pipelined
-
-    _, model, _, _ = pipelined(ctx, "LlamaForCausalLM", 2, 2)
-    msgs = [parity.refused_unchanged(model, lambda: save_sharded(model, directory), "save_sharded of stages",
-                                     error=NotImplementedError),
-            parity.refused_unchanged(model, lambda: load_sharded(model, directory), "load_sharded of stages",
-                                     error=NotImplementedError)]
-    assert not os.path.exists(directory), os.listdir(directory)
-    return msgs

@@ -7,7 +7,11 @@ The signatures and meaning of torch.distributed.checkpoint.state_dict's:
 the dicts are handed to dcp.save / dcp.load (which load in place), and
 set_state_dict puts loaded values into the model and optimizer.  The
 optimizer dict has torch's layout: {"state": {fqn: {name: value}},
-"param_groups": [{hyperparameters..., "params": [fqn, ...]}]}.
+"param_groups": [{hyperparameters..., "params": [fqn, ...]}]}.  Every
+layout gives the keys of the unsharded model: tensor parallelism (TP), its
+data-parallel replicas, pipeline stages (PP), expert parallelism (EP),
+sequence parallelism (which changes no parameter) and ZeRO-1, so a
+checkpoint saved at one layout loads at any other.
 
 Placement.  A tensor split along dimension d over N ranks is a PlacedShard:
 a tensor of the full (HuggingFace) shape F whose only data on this rank are
@@ -17,30 +21,57 @@ uneven when heads or features do not divide, followed by zero rows of
 vocabulary padding), laid back to back in its local tensor L.  Piece j is
 the block of the full tensor at offset o_j along d (0 elsewhere) of size
 n_j along d (F elsewhere), and its data are L.narrow(d, p_j, n_j) with
-p_j = n_1 + ... + n_(j-1).  These are exactly DCP's chunks
-(ChunkStorageMetadata offsets/sizes), so the tensor answers DCP's hooks
-itself: __create_write_items__ (the pieces to write), __create_chunk_list__
-(the pieces to read) and __get_tensor_shard__ (a piece's data).  DTensor's
-Shard(d) cannot say this: it cuts d into ceil(F_d / N) blocks, one per rank,
-which is neither our uneven head splits, nor several ranges per rank, nor
-the padding.
+p_j = n_1 + ... + n_(j-1).  A tensor split along several dimensions (an
+expert-parallel layer's [E, 2I, H] experts: E over the EP group, 2I over
+TP) has as pieces the products of each dimension's pieces: the box at the
+offsets (o_j along d, o'_k along d') of sizes (n_j, n'_k), data
+L.narrow(d, p_j, n_j).narrow(d', p'_k, n'_k).  These are exactly DCP's
+chunks (ChunkStorageMetadata offsets/sizes), so the tensor answers DCP's
+hooks itself: __create_write_items__ (the pieces to write),
+__create_chunk_list__ (the pieces to read) and __get_tensor_shard__ (a
+piece's data).  DTensor's Shard(d) cannot say this: it cuts d into
+ceil(F_d / N) blocks, one per rank, which is neither our uneven head
+splits, nor several ranges per rank, nor the padding.
 
 Written once.  An index held by several ranks (a KV head replicated on the
 ranks that split its query heads) is written by the lowest of them only:
-rank r writes its ranges minus the union of ranks 0..r-1's, so the written
-pieces tile the full tensor exactly once (padding is never written).
-Replicated tensors (norms, unsplit biases, `step`) are plain tensors, and
-DCP's own de-duplication writes one copy; so do the copies of every
-data-parallel replica.
+along each split dimension rank r writes its ranges minus the union of
+ranks 0..r-1's, so the written pieces tile the full tensor exactly once
+(padding is never written; the groups of different dimensions are
+independent mesh axes, so the products tile it too).  Replicated tensors
+(norms, unsplit biases, `step`) are plain tensors, and DCP's own
+de-duplication writes one copy; so do the copies of every data-parallel
+replica, of expert-data-parallel replicas and of a module several pipeline
+stages hold.
+
+Pipeline stages.  A stage holds its layers under their global indices
+(pipeline/stages.py), so its keys are already the unsharded model's; each
+stage writes its own.  A Parameter tied across stages (input embeddings
+and LM head) is one Parameter per holding stage: each stage's model dict
+gives it under its own name (both names are in the unsharded state
+dict), and its optimizer state is keyed by the unsharded model's name of
+it (the first, as torch's get_state_dict does).  The optimizer's
+param_groups list, for each group, the parameters of every stage (one
+all-gather of names over the pipeline group), so the dict DCP writes once
+names them all.
+
+ZeRO-1 (torch's ZeroRedundancyOptimizer over the data-parallel group).
+Each rank's partition of the optimizer (`.optim`) holds the states of its
+own parameters only: the optimizer dict has those, keyed by their fqns
+and placed as their parameters, and param_groups name every parameter
+(ZeRO's own groups).  DCP writes each state from the rank that owns it;
+a load gives every rank the states of its partition, whatever layout or
+partition wrote them.
 
 Loading.  dcp.load reads into each piece the overlap of the saved chunks
-with it, whatever layout wrote them: another TP size, or an unsharded model
-(a plain model.state_dict() saved with dcp.save, a single chunk).  The
-pieces are views of the model's parameters and of the optimizer's states,
-so dcp.load fills them in place; set_state_dict then checks and puts what
-is not already there (hyperparameters, values from another dict).  A
-checkpoint of this kind loads into a plain unsharded model with DCP alone
-(dcp.load of model.state_dict(), or dcp_to_torch_save).
+with it, whatever layout wrote them: another TP size, other stages, other
+expert blocks, or an unsharded model (a plain model.state_dict() saved with
+dcp.save, a single chunk).  The pieces are views of the model's parameters
+and of the optimizer's states, so dcp.load fills them in place;
+set_state_dict then checks and puts what is not already there
+(hyperparameters, values from another dict).  A checkpoint of this kind
+loads into a plain unsharded model with DCP alone (dcp.load of
+model.state_dict(), or dcp_to_torch_save).
 
 Optimizer states follow their parameter: a state of the parameter's shape
 (AdamW's exp_avg, exp_avg_sq; SGD's momentum) has its placement; scalars
@@ -48,19 +79,23 @@ Optimizer states follow their parameter: a state of the parameter's shape
 created (one step at learning rate 0 with zero gradients; the weights do
 not change) so that dcp.load has tensors to load into.
 
-Not covered (refused by name, before anything changes): pipeline stages,
-expert parallelism and ZeroRedundancyOptimizer (ZeRO-1).  Sequence parallelism does not change parameters.
+Collectives: none for TP, EP and plain optimizers; the pipeline group's
+all-gather of parameter names (a pipelined model with an optimizer); for
+ZeRO-1, one all-reduce over its group deciding whether to create states
+(and then its step's broadcasts).  Every rank of those groups calls
+get_state_dict together.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping
 
 import torch
 from torch import nn
 
-from ..layer.expert_parallel import refuse_expert_parallel
+from ..layer.expert_parallel import expert_shards
 from ..layer.parallel_module import shard_of
-from .full import _check_tensor, _named_tensors, _shard_info, load_full_state_dict
+from .full import _check_tensor, _expert_blocks, _named_tensors, _shard_info, load_full_state_dict
 
 __all__ = ["PlacedShard", "get_state_dict", "set_state_dict"]
 
@@ -94,22 +129,53 @@ def _first_held(shard) -> list[tuple[int, int, int]]:
     return out
 
 
+def placements_of(model: nn.Module) -> dict[int, list[tuple[int, object]]]:
+    """id(tensor) -> [(dim, DimShard), ...]: the dimensions every split
+    tensor of the model is split along, over more than one rank or padded
+    (an expert-parallel parameter's experts, dim 0 over its EP group, then
+    its TP dimension; a vocabulary padded at TP=1).  Whole tensors are absent."""
+    out: dict[int, list] = {}
+    for key, (shard, _) in expert_shards(model).items():
+        if _placed_dim(shard):
+            out[key] = [(0, shard)]
+    for key, (dim, shard, _) in _shard_info(model).items():
+        if _placed_dim(shard):
+            out.setdefault(key, []).append((dim, shard))
+    return out
+
+
+def _placed_dim(shard) -> bool:
+    """Whether a dimension needs placing: split over several ranks, or padded."""
+    return shard.tp_size > 1 or shard.length != shard.full
+
+
+def _full_shape(t: torch.Tensor, splits) -> list[int]:
+    """The unsharded shape of the local tensor `t` split along `splits`."""
+    shape = list(t.shape)
+    for dim, shard in splits or ():
+        shape[dim] = shard.full
+    return shape
+
+
 class PlacedShard(torch.Tensor):
     """A tensor of the full shape of which this rank holds the pieces of
     `local` (see the module doc): what get_state_dict returns for a split
-    tensor.  Only DCP uses it as a tensor: it has the full size, dtype and
-    device; to_local() is this rank's shard; any other operation raises."""
+    tensor, split along `dim` (DimShard `shard`) and, for tensors split
+    along several dimensions, the further (dim, DimShard) pairs of `also`.
+    Only DCP uses it as a tensor: it has the full size, dtype and device;
+    to_local() is this rank's shard; any other operation raises."""
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, dim: int, shard, key: str):
-        shape = list(local.shape)
-        shape[dim] = shard.full
+    def __new__(cls, local: torch.Tensor, dim: int, shard, key: str, also=()):
+        splits = [(dim, shard), *also]
+        shape = _full_shape(local, splits)
         t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device,
                                                 requires_grad=False)
-        t._local, t._dim, t._shard, t._key = local, dim, shard, key
+        t._local, t._splits, t._key = local, splits, key
+        t._dim, t._shard = dim, shard
         return t
 
-    def __init__(self, local, dim, shard, key):
+    def __init__(self, local, dim, shard, key, also=()):
         super().__init__()
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -124,24 +190,32 @@ class PlacedShard(torch.Tensor):
 
     @property
     def placement(self) -> tuple[int, object]:
-        """(split dimension, DimShard)."""
+        """(split dimension, DimShard) of the first split dimension."""
         return self._dim, self._shard
 
-    def __repr__(self):
-        return (f"PlacedShard({self._key}: shape {tuple(self.shape)}, dim {self._dim}, "
-                f"ranges {list(self._shard.ranges)} of rank {self._shard.rank}/{self._shard.tp_size})")
+    @property
+    def placements(self) -> list[tuple[int, object]]:
+        """[(split dimension, DimShard), ...]: every split dimension."""
+        return list(self._splits)
 
-    def _chunks(self, pieces):
+    def __repr__(self):
+        where = ", ".join(f"dim {d} ranges {list(s.ranges)} of rank {s.rank}/{s.tp_size}" for d, s in self._splits)
+        return f"PlacedShard({self._key}: shape {tuple(self.shape)}, {where})"
+
+    def _chunks(self, which):
+        """[(ChunkStorageMetadata, local data)] of the products of each split
+        dimension's pieces (`which`: _pieces, or _first_held to write)."""
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
         out = []
-        for off, n, pos in pieces:
+        for combo in itertools.product(*(which(shard) for _, shard in self._splits)):
             offsets = [0] * self._local.dim()
-            offsets[self._dim] = off
             sizes = list(self._local.shape)
-            sizes[self._dim] = n
-            out.append((ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
-                        self._local.narrow(self._dim, pos, n)))
+            data = self._local
+            for (dim, _), (off, n, pos) in zip(self._splits, combo):
+                offsets[dim], sizes[dim] = off, n
+                data = data.narrow(dim, pos, n)
+            out.append((ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)), data))
         return out
 
     # DCP's hooks (torch.distributed.checkpoint.planner_helpers / utils)
@@ -152,57 +226,62 @@ class PlacedShard(torch.Tensor):
         props = TensorProperties.create_from_tensor(self._local)
         return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(chunk=chunk, properties=props, size=self.size()))
-                for chunk, _ in self._chunks(_first_held(self._shard))]
+                for chunk, _ in self._chunks(_first_held)]
 
     def __create_chunk_list__(self):
-        return [chunk for chunk, _ in self._chunks(_pieces(self._shard))]
+        return [chunk for chunk, _ in self._chunks(_pieces)]
 
     def __get_tensor_shard__(self, index):
-        for chunk, data in self._chunks(_pieces(self._shard)):
+        for chunk, data in self._chunks(_pieces):
             if chunk.offsets == index.offset:
                 return data
-        raise ValueError(f"{self._key}: rank {self._shard.rank} holds no piece at offset {list(index.offset)} "
-                         f"(its pieces: {[list(c.offsets) for c, _ in self._chunks(_pieces(self._shard))]})")
+        raise ValueError(f"{self._key}: this rank ({self!r}) holds no piece at offset {list(index.offset)} "
+                         f"(its pieces: {[list(c.offsets) for c, _ in self._chunks(_pieces)]})")
 
 
-def _placed(t: torch.Tensor, split, key: str):
+def _placed(t: torch.Tensor, splits, key: str):
     """`t` (detached) as a state-dict value: placed when split over several ranks."""
     t = t.detach()
-    if split is None or split[1].tp_size <= 1:
+    if not splits:
         return t
-    return PlacedShard(t, split[0], split[1], key)
+    (dim, shard), *also = splits
+    return PlacedShard(t, dim, shard, key, also)
 
 
-def _refuse_layouts(model: nn.Module, what: str) -> None:
-    """NotImplementedError for the layouts these state dicts do not describe yet."""
+def _pipeline(model: nn.Module):
+    """The model's StageRuntime when it is split into several pipeline stages, else None."""
     from ..pipeline.stages import runtime_of
 
     stages = runtime_of(model)
-    if stages is not None and stages.manager.num_stages > 1:
-        raise NotImplementedError(
-            f"{type(model).__name__}: {what} does not cover pipeline parallelism yet (the model is split into "
-            f"{stages.manager.num_stages} pipeline stages); use checkpoint.save_sharded / load_sharded")
-    refuse_expert_parallel(model, what)
+    return stages if stages is not None and stages.manager.num_stages > 1 else None
 
 
-def _split_of(info: dict, t: torch.Tensor):
-    """(dim, DimShard) of the model's tensor `t`, or None when it is whole."""
-    return info[id(t)][:2] if id(t) in info else None
-
-
-def _refuse_optimizer(optimizer, what: str) -> None:
-    """NotImplementedError for optimizers whose state is not per parameter on every rank."""
+def _zero_group(optimizer):
+    """(the local optimizer holding this rank's states, ZeRO's process group), or (optimizer, None)."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     if isinstance(optimizer, ZeroRedundancyOptimizer):
-        raise NotImplementedError(
-            f"{what}: ZeroRedundancyOptimizer keeps each parameter's state on one data-parallel rank only; "
-            "its partitions are not covered yet (consolidate_state_dict() and a plain optimizer state dict)")
+        return optimizer.optim, optimizer.process_group
+    return optimizer, None
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:
-    """id(parameter) -> its first name in the model (torch's fqn of a tied parameter)."""
-    return {id(p): name for name, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+    """id(parameter) -> its name in the unsharded model (torch's fqn: a tied
+    parameter's first name; a pipeline stage's copy of a Parameter tied
+    across stages gets the name the unsharded model gives it)."""
+    names = {id(p): name for name, p in reversed(list(model.named_parameters(remove_duplicate=False)))}
+    stages = _pipeline(model)
+    if stages is not None:
+        order = {k: i for i, k in enumerate(stages.plan.names)}
+        for tied in stages.plan.shared:
+            first = min(tied, key=lambda k: order.get(k, len(order)))
+            for name in tied:
+                try:
+                    p = model.get_parameter(name)
+                except AttributeError:       # held by another stage
+                    continue
+                names[id(p)] = first
+    return names
 
 
 def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
@@ -229,74 +308,127 @@ def _create_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 g["lr"] = lr
 
 
-def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[dict, dict]:
-    """(model_state_dict, optim_state_dict) of a sharded model for dcp.save /
-    dcp.load: split tensors are PlacedShards (views of this rank's data),
-    the others plain detached tensors; keys as in the unsharded model's
-    state_dict() and torch's optimizer state dict (module doc).  No
-    collectives.  optim_state_dict is {} without an optimizer."""
-    _refuse_layouts(model, "get_state_dict")
-    info = _shard_info(model)
-    tensors = dict(_named_tensors(model))
-    model_sd = {}
-    for key, value in model.state_dict().items():
-        t = tensors.get(key)
-        model_sd[key] = value if t is None else _placed(t, _split_of(info, t), key)
-    if optimizer is None:
-        return model_sd, {}
-    _refuse_optimizer(optimizer, "get_state_dict")
-    names = _param_names(model)
-    if not optimizer.state:
-        _create_optimizer_state(optimizer)
-    state, groups = {}, []
+def _needs_state(optimizer) -> bool:
+    """Whether the optimizer has no state yet; for ZeRO-1 the ranks of its
+    group decide together (a rank owning no parameter has none ever), since
+    its step is collective."""
+    local, group = _zero_group(optimizer)
+    if group is None and local is optimizer:
+        return not optimizer.state
+    import torch.distributed as dist
+
+    flag = torch.tensor([1 if any(p in local.state for g in local.param_groups for p in g["params"]) else 0])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return int(flag) == 0
+
+
+def _group_hyper(group: Mapping) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _all_group_names(model: nn.Module, optimizer, names: dict[int, str], what: str) -> list[list[str]]:
+    """For each parameter group of the optimizer (ZeRO-1: its own groups, which
+    hold every parameter), the fqns of its parameters; for a pipelined model
+    those of every stage, in stage order (the stages agree on the groups'
+    count and hyperparameters, or every rank raises naming the stages)."""
+    out = []
     for i, group in enumerate(optimizer.param_groups):
         fqns = []
         for p in group["params"]:
             fqn = names.get(id(p))
             if fqn is None:
-                raise ValueError(f"get_state_dict: parameter group {i} of {type(optimizer).__name__} holds a "
+                raise ValueError(f"{what}: parameter group {i} of {type(optimizer).__name__} holds a "
                                  f"parameter of shape {tuple(p.shape)} that is not in {type(model).__name__}")
             fqns.append(fqn)
-            split = _split_of(info, p)
-            if p in optimizer.state:
-                state[fqn] = {k: _state_value(v, p, split, f"{fqn}.{k}", optimizer) for k, v in
-                              optimizer.state[p].items()}
-        groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": fqns})
+        out.append(fqns)
+    stages = _pipeline(model)
+    if stages is None:
+        return out
+    import torch.distributed as dist
+
+    mine = {"names": out, "hyper": [repr(sorted(_group_hyper(g).items())) for g in optimizer.param_groups]}
+    every = [None] * stages.manager.num_stages
+    dist.all_gather_object(every, mine, group=stages.manager.group)
+    if any(e["hyper"] != every[0]["hyper"] for e in every):
+        raise ValueError(f"{what}({type(model).__name__}): the pipeline stages' {type(optimizer).__name__}s "
+                         f"differ in their parameter groups (count or hyperparameters): " + "; ".join(
+                             f"stage {s}: {e['hyper']}" for s, e in enumerate(every)))
+    merged = []
+    for i in range(len(out)):
+        seen: dict[str, None] = {}
+        for e in every:
+            seen.update(dict.fromkeys(e["names"][i]))
+        merged.append(list(seen))
+    return merged
+
+
+def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> tuple[dict, dict]:
+    """(model_state_dict, optim_state_dict) of a sharded model for dcp.save /
+    dcp.load: split tensors are PlacedShards (views of this rank's data),
+    the others plain detached tensors; keys as in the unsharded model's
+    state_dict() and torch's optimizer state dict (module doc).
+    optim_state_dict is {} without an optimizer.  Collectives: see the
+    module doc (none for a TP model with a plain optimizer)."""
+    placements = placements_of(model)
+    tensors = dict(_named_tensors(model))
+    model_sd = {}
+    for key, value in model.state_dict().items():
+        t = tensors.get(key)
+        model_sd[key] = value if t is None else _placed(t, placements.get(id(t)), key)
+    if optimizer is None:
+        return model_sd, {}
+    names = _param_names(model)
+    if _needs_state(optimizer):
+        _create_optimizer_state(optimizer)
+    group_names = _all_group_names(model, optimizer, names, "get_state_dict")
+    local, _ = _zero_group(optimizer)
+    state = {}
+    for group in local.param_groups:
+        for p in group["params"]:
+            if p in local.state:
+                fqn = names[id(p)]
+                state[fqn] = {k: _state_value(v, p, placements.get(id(p)), f"{fqn}.{k}", optimizer)
+                              for k, v in local.state[p].items()}
+    groups = [{**_group_hyper(g), "params": fqns} for g, fqns in zip(optimizer.param_groups, group_names)]
     return model_sd, {"state": state, "param_groups": groups}
 
 
-def _state_value(v, p: torch.Tensor, split, key: str, optimizer):
+def _state_value(v, p: torch.Tensor, splits, key: str, optimizer):
     """An optimizer state as a state-dict value: placed as its parameter when
     it has the parameter's shape, plain when the parameter is whole or the
     state is a scalar; anything else has no known placement."""
-    if not isinstance(v, torch.Tensor) or split is None or split[1].tp_size <= 1 or v.dim() == 0:
+    if not isinstance(v, torch.Tensor) or not splits or v.dim() == 0:
         return v.detach() if isinstance(v, torch.Tensor) else v
     if v.shape != p.shape:
         raise NotImplementedError(
             f"get_state_dict: {type(optimizer).__name__} state '{key}' has shape {tuple(v.shape)}, not its "
-            f"parameter's {tuple(p.shape)} (split along dimension {split[0]}): its placement is unknown")
-    return _placed(v, split, key)
+            f"parameter's {tuple(p.shape)} (split along dimensions {[d for d, _ in splits]}): its placement "
+            "is unknown")
+    return _placed(v, splits, key)
 
 
-def _local_value(key: str, value, t: torch.Tensor, split, problems: list):
-    """What goes into the tensor `t` (split: (dim, DimShard) or None) from
-    `value`: a PlacedShard's local data when its placement is t's, a plain
-    tensor's shard when it has the full shape, or the plain tensor itself;
-    None (with the reason in `problems`) when it does not fit."""
+def _layout(splits) -> list:
+    return [(d, list(s.ranges), s.length) for d, s in splits or ()]
+
+
+def _local_value(key: str, value, t: torch.Tensor, splits, problems: list):
+    """What goes into the tensor `t` (splits: [(dim, DimShard), ...] or None)
+    from `value`: a PlacedShard's local data when its placement is t's, a
+    plain tensor's shard when it has the full shape, or the plain tensor
+    itself; None (with the reason in `problems`) when it does not fit."""
     if isinstance(value, PlacedShard):
-        mine = None if split is None else (split[0], split[1].ranges, split[1].length)
-        theirs = (value._dim, value._shard.ranges, value._shard.length)
-        if mine != theirs or value._local.shape != t.shape:
-            problems.append(f"{key}: placed as dim {theirs[0]} ranges {list(theirs[1])}, this rank holds "
-                            + ("all of it" if split is None else f"dim {mine[0]} ranges {list(mine[1])}"))
+        if _layout(splits) != _layout(value._splits) or value._local.shape != t.shape:
+            problems.append(f"{key}: placed as {_layout(value._splits)} (dim, ranges, length), this rank holds "
+                            + (f"{_layout(splits)}" if splits else "all of it"))
             return None
         return value._local
     if not isinstance(value, torch.Tensor):
         problems.append(f"{key}: not a tensor ({type(value).__name__})")
         return None
-    if split is not None and value.dim() == t.dim() and value.shape[split[0]] == split[1].full \
-            and value.shape != t.shape:
-        return shard_of(value, split[0], split[1])
+    if splits and list(value.shape) == _full_shape(t, splits) and value.shape != t.shape:
+        for dim, shard in splits:
+            value = shard_of(value, dim, shard)
+        return value
     if value.shape != t.shape:
         problems.append(f"{key}: shape {list(value.shape)}, this rank's tensor is {list(t.shape)}")
         return None
@@ -312,23 +444,24 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     Every key and value is checked first (one ValueError lists all the
     problems, nothing changed); missing and unexpected model keys are
     problems, as in load_state_dict(strict=True)."""
-    _refuse_layouts(model, "set_state_dict")
-    if optimizer is not None:
-        _refuse_optimizer(optimizer, "set_state_dict")
     info = _shard_info(model)
-    tensors = dict(_named_tensors(model))
+    placements = placements_of(model)
+    named = list(_named_tensors(model))
+    tensors = dict(named)
     expected = set(model.state_dict().keys())
     problems: list[str] = []
     placed, full = [], {}
+    plain = _expert_blocks({k: v for k, v in model_state_dict.items() if not isinstance(v, PlacedShard)},
+                           named, expert_shards(model))
     for key, value in model_state_dict.items():
         if key not in expected:
             problems.append(f"{key}: not in {type(model).__name__}'s state dict")
         elif isinstance(value, PlacedShard):
-            local = _local_value(key, value, tensors[key], _split_of(info, tensors[key]), problems)
+            local = _local_value(key, value, tensors[key], placements.get(id(tensors[key])), problems)
             placed.append((tensors[key], local))
         else:
-            t = tensors.get(key)
-            problem = None if t is None else _check_tensor(key, value, t, _split_of(info, t))
+            t, value = tensors.get(key), plain[key]
+            problem = None if t is None else _check_tensor(key, value, t, info[id(t)][:2] if id(t) in info else None)
             if problem is None:
                 full[key] = value
             else:
@@ -336,7 +469,7 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     problems += [f"{key}: missing" for key in sorted(expected - set(model_state_dict))]
     optim = None
     if optimizer is not None and optim_state_dict is not None:
-        optim = _native_optim_state(model, optimizer, optim_state_dict, info, problems)
+        optim = _native_optim_state(model, optimizer, optim_state_dict, placements, problems)
     if problems:
         raise ValueError(f"set_state_dict({type(model).__name__}): the state dicts do not fit; nothing was "
                          f"loaded:\n  " + "\n  ".join(problems))
@@ -346,34 +479,44 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
         if local.data_ptr() != t.data_ptr():
             t.copy_(local)
     if optim is not None:
-        optimizer.load_state_dict(optim)
+        local, _ = _zero_group(optimizer)
+        local.load_state_dict(optim)
+        if local is not optimizer:         # ZeRO-1: its own groups' hyperparameters (its step copies them down)
+            for group, saved in zip(optimizer.param_groups, local.param_groups):
+                group.update(_group_hyper(saved))
 
 
-def _native_optim_state(model, optimizer, osd: Mapping, info: dict, problems: list) -> dict | None:
+def _native_optim_state(model, optimizer, osd: Mapping, placements: dict, problems: list) -> dict | None:
     """torch's optimizer.state_dict() form (parameters by index) of `osd`
-    (parameters by name), each state the local value for this rank."""
+    (parameters by name) for the optimizer holding this rank's states (ZeRO-1:
+    its partition), each state the local value for this rank.  A saved group
+    may name more parameters than this rank holds (other pipeline stages,
+    other ZeRO partitions), never fewer."""
     names = _param_names(model)
+    local, _ = _zero_group(optimizer)
     saved_groups = osd.get("param_groups", [])
     saved_state = osd.get("state", {})
-    if len(saved_groups) != len(optimizer.param_groups):
+    if len(saved_groups) != len(local.param_groups):
         problems.append(f"optimizer: {len(saved_groups)} parameter groups, {type(optimizer).__name__} has "
-                        f"{len(optimizer.param_groups)}")
+                        f"{len(local.param_groups)}")
         return None
     state, groups, index = {}, [], 0
-    for i, (group, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
+    for i, (group, saved) in enumerate(zip(local.param_groups, saved_groups)):
         fqns = [names.get(id(p)) for p in group["params"]]
-        if list(saved.get("params", [])) != fqns:
-            problems.append(f"optimizer: parameter group {i} holds {list(saved.get('params', []))[:4]}..., "
-                            f"{type(optimizer).__name__}'s holds {fqns[:4]}...")
+        have = set(saved.get("params", []))
+        lacking = [f for f in fqns if f not in have]
+        if lacking:
+            problems.append(f"optimizer: parameter group {i} of the state dict lacks {lacking[:4]} (it holds "
+                            f"{list(saved.get('params', []))[:4]}...), which {type(optimizer).__name__}'s holds")
             continue
         ids = []
         for p, fqn in zip(group["params"], fqns):
             if fqn in saved_state:
-                split = _split_of(info, p)
-                state[index] = {k: (_local_value(f"{fqn}.{k}", v, p, split, problems)
+                splits = placements.get(id(p))
+                state[index] = {k: (_local_value(f"{fqn}.{k}", v, p, splits, problems)
                                     if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
                                 for k, v in saved_state[fqn].items()}
             ids.append(index)
             index += 1
-        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+        groups.append({**_group_hyper(saved), "params": ids})
     return {"state": state, "param_groups": groups}

@@ -34,9 +34,13 @@ def crc32(t: torch.Tensor) -> int:
     return zlib.crc32(t.reshape(-1).view(torch.uint8).numpy())
 
 
-def file_record(rank: int, n: int, tensors: dict[str, torch.Tensor], ranges: dict[str, list | None]) -> dict:
-    """The safetensors metadata of rank `rank`'s file (of `n`)."""
+def file_record(rank: int, n: int, tensors: dict[str, torch.Tensor], ranges: dict[str, list | None],
+                pieces: dict[str, list] | None = None) -> dict:
+    """The safetensors metadata of rank `rank`'s file (of `n`); `pieces`: the
+    box format's pieces each tensor's data are written for (boxes.py)."""
     recs = {key: {"shape": list(t.shape), "ranges": ranges[key], "crc32": crc32(t)} for key, t in tensors.items()}
+    for key, p in (pieces or {}).items():
+        recs[key]["pieces"] = p
     return {"format": "pt", "rank": str(rank), "tp_size": str(n),
             RECORD: json.dumps({"rank": rank, "tp_size": n, "tensors": recs}, sort_keys=True)}
 
@@ -71,6 +75,11 @@ def manifest_problems(manifest) -> list[str]:
     bad = [f for f in files if not isinstance(f, str) or os.path.basename(f) != f or f in ("", ".", "..")]
     if bad:
         problems.append(f"'files' holds entries that are not file names: {bad[:3]}")
+    mesh = manifest.get("mesh")           # absent in manifests written before it was recorded
+    if mesh is not None and (not isinstance(mesh, dict) or not all(_is_int(mesh.get(k)) for k in
+                                                                    ("tp", "pp", "dp", "ep", "sp"))
+                             or not _int_list(mesh.get("ranks"))):
+        problems.append(f"'mesh' malformed ({mesh!r:.80})")
     for name, rec in manifest["tensors"].items():
         why = _record_problem(rec, n)
         if why:
@@ -86,6 +95,15 @@ def _record_problem(rec, n: int) -> str | None:
         return f"no {', '.join(map(repr, missing))}"
     if not isinstance(rec["key"], str) or not isinstance(rec["dtype"], str) or not _int_list(rec["shape"]):
         return "'key', 'dtype' or 'shape' malformed"
+    boxes = rec.get("files")
+    if boxes is not None:
+        if not isinstance(boxes, dict) or not all(
+                isinstance(v, dict) and _int_list(v.get("shape")) and isinstance(v.get("pieces"), list)
+                and str(f).isdigit() and int(f) < n
+                and all(isinstance(p, list) and len(p) == 3 and all(_int_list(x) and len(x) == len(rec["shape"])
+                                                                   for x in p) for p in v["pieces"])
+                for f, v in boxes.items()):
+            return f"'files' malformed ({boxes!r:.80})"
     s = rec["split"]
     if s is None:
         return None
@@ -141,6 +159,8 @@ def file_problems(fname: str, f, r: int, manifest: dict, stored: dict, verify: b
     keys = set(f.keys())
     records = rec.get("tensors")
     for key, (local, nm) in stored.items():
+        if local[r] is None:                       # the box format: a tensor this file does not hold
+            continue
         if key not in keys:
             out.append(f"{fname}: no tensor {key} (for {nm})")
             continue
@@ -156,7 +176,11 @@ def file_problems(fname: str, f, r: int, manifest: dict, stored: dict, verify: b
             continue
         split = manifest["tensors"][nm]["split"]
         expect = None if split is None else split["ranges"][r]
-        if trec.get("ranges") != expect:
+        listed = (manifest["tensors"][nm].get("files") or {}).get(str(r), {}).get("pieces", [])
+        if any(p not in (trec.get("pieces") or []) for p in listed):
+            out.append(f"{fname}: {key} holds the pieces {trec.get('pieces')} of the full tensor, the manifest "
+                       f"says file {r} holds {listed}")
+        elif trec.get("ranges") != expect:
             out.append(f"{fname}: {key} holds the full tensor's ranges {trec.get('ranges')}, the manifest "
                        f"says rank {r} holds {expect}")
         elif verify:

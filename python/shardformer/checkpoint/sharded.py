@@ -39,6 +39,16 @@ all-gather): where any rank found a problem every rank raises (the others a
 RuntimeError naming the ranks), none is left waiting.  Same TP size and the
 same layouts: each rank reads its own file only.
 
+Every layout.  A model with pipeline stages or expert-parallel layers is
+saved in the box format (boxes.py): the files come from the ranks reachable
+from global rank 0 through their TP, pipeline and EP groups, each tensor's
+record lists the boxes of the full tensor each file holds, and save_sharded
+/ load_sharded are collective over the world.  Any checkpoint loads into any
+layout (a TP-only manifest is read as boxes when the loading model has
+stages or experts).  The manifest's `mesh` records the saving layout: tp,
+pp, dp, ep, sp sizes, the world size and the saving ranks (a manifest
+without it, from before it was recorded, still loads).
+
 A save into a directory holding a checkpoint of any format (HF or sharded)
 supersedes it: its weight files, indexes and manifest are not carried over
 (atomic.CHECKPOINT_FILES).
@@ -55,8 +65,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..layer.expert_parallel import refuse_expert_parallel
-from .full import _group_root, _named_tensors, _shard_info, problem_report
+from . import boxes
+from ..config import concrete_group
+from .full import _group_root, _shard_info, problem_report
 from .atomic import _fsync, _put_in_place, recover_directory, save_target
 from .integrity import file_problems, file_record, manifest_problems
 from .save import _Flags, _sharded_group
@@ -80,18 +91,7 @@ def _temp_name(directory: str, token: int) -> str:
 
 def _entries(model: nn.Module):
     """[(names, tensor, (dim, DimShard) | None)]: the persistent tensors, each once."""
-    info = _shard_info(model)
-    persistent = set(model.state_dict().keys())
-    out: dict[int, tuple] = {}
-    for name, t in _named_tensors(model):
-        if name not in persistent:
-            continue
-        if id(t) in out:
-            out[id(t)][0].append(name)
-        else:
-            split = info.get(id(t))
-            out[id(t)] = ([name], t, None if split is None else split[:2])
-    return list(out.values())
+    return boxes.entries(model, {key: split[:2] for key, split in _shard_info(model).items()})
 
 
 def _full_shape(t: torch.Tensor, split) -> list[int]:
@@ -105,7 +105,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).split(".")[1]
 
 
-def _manifest(model: nn.Module, entries, n: int) -> dict:
+def _manifest(model: nn.Module, entries, n: int, ranks: list[int] | None) -> dict:
     tensors = {}
     for names, t, split in entries:
         rec = {"key": names[0], "shape": _full_shape(t, split), "dtype": _dtype_name(t.dtype), "split": None}
@@ -116,42 +116,55 @@ def _manifest(model: nn.Module, entries, n: int) -> dict:
         for name in names:
             tensors[name] = rec
     return {"format": FORMAT, "version": VERSION, "model_class": type(model).__name__, "tp_size": n,
-            "files": [_rank_file(r, n) for r in range(n)], "tensors": tensors}
+            "files": [_rank_file(r, n) for r in range(n)], "tensors": tensors,
+            "mesh": boxes.mesh_record(model, ranks)}
 
 
-def _refuse_pipeline(model: nn.Module, what: str) -> None:
-    """NotImplementedError for a model split into pipeline stages: the files
-    describe one tensor-parallel group's shards, and each stage's group holds
-    other tensors (save_pretrained / load_pretrained merge the stages)."""
-    from ..pipeline.stages import runtime_of
+def _general_manifest(model: nn.Module, parts: list, ranks: list[int]) -> dict:
+    """The manifest of a save in the box format (boxes.py): `parts`, each file's tensors."""
+    n = len(parts)
+    return {"format": FORMAT, "version": VERSION, "model_class": type(model).__name__, "tp_size": n,
+            "files": [_rank_file(r, n) for r in range(n)], "tensors": boxes.merge_records(parts),
+            "mesh": boxes.mesh_record(model, ranks)}
 
-    runtime = runtime_of(model)
-    if runtime is not None and runtime.manager.num_stages > 1:
-        raise NotImplementedError(
-            f"{type(model).__name__}: {what} is not available for a model split into "
-            f"{runtime.manager.num_stages} pipeline stages (each stage holds other tensors); use "
-            f"model.save_pretrained(dir), which merges the stages, and ShardFormer.from_pretrained or "
-            f"checkpoint.load_pretrained to load")
+
+def _general_part(entries) -> dict:
+    """This rank's file's tensors for the manifest: key -> (names, full shape, dtype, stored shape, pieces)."""
+    return {names[0]: (names, boxes.full_shape(t, splits), _dtype_name(t.dtype), list(t.shape),
+                       [[list(x) for x in box] for box in boxes.local_boxes(t, splits, write=True)])
+            for names, t, splits in entries}
 
 
 def save_sharded(model: nn.Module, out_dir) -> None:
     """Every rank writes its own shards, the first rank the manifest (see the
-    module docstring).  Collective over the model's tensor-parallel group."""
-    refuse_expert_parallel(model, "save_sharded")
-    _refuse_pipeline(model, "save_sharded")
+    module docstring).  Collective over the model's tensor-parallel group;
+    with pipeline stages or expert-parallel layers over the world (the files
+    then come from the ranks boxes.writers names)."""
     name = type(model).__name__
-    group = _sharded_group(model, "save_sharded")         # the default group: the world
+    general = boxes.is_general(model)
+    group = None if general else _sharded_group(model, "save_sharded")   # the default group: the world
     directory = save_target(out_dir, f"{name}: save_sharded")
     if _group_root(group) != 0:
         return
     distributed = dist.is_initialized()
     root = not distributed or dist.get_rank() == 0
-    if group is None:                        # not sharded: one file, from global rank 0
-        n, rank, writer = 1, 0, root
+    parts = None
+    if general:
+        ranks = boxes.writers(model)
+        writer = dist.get_rank() in ranks
+        n, rank = len(ranks), ranks.index(dist.get_rank()) if writer else -1
+        entries = boxes.file_entries(model)
+        part = _general_part(entries) if writer else None
+        gathered = [None] * dist.get_world_size() if root else None
+        dist.gather_object(part, gathered, dst=0)
+        parts = [gathered[r] for r in ranks] if root else None
+    elif group is None:                        # not sharded: one file, from global rank 0
+        n, rank, writer, ranks = 1, 0, root, [0]
+        entries = _entries(model)
     else:
         n, rank, writer = dist.get_world_size(group), dist.get_rank(group), True
+        ranks, entries = dist.get_process_group_ranks(concrete_group(group)), _entries(model)
     flags = _Flags(group)
-    entries = _entries(model)
     error, token = None, 0
     if root:
         try:
@@ -173,10 +186,15 @@ def save_sharded(model: nn.Module, out_dir) -> None:
             import safetensors.torch
 
             tensors = {names[0]: t.detach().contiguous().cpu() for names, t, _ in entries}
-            ranges = {names[0]: None if split is None else [list(r) for r in split[1].ranges]
-                      for names, _, split in entries}
+            if general:
+                ranges = {names[0]: None for names, _, _ in entries}
+                pieces = {key: rec[4] for key, rec in part.items()}
+            else:
+                ranges = {names[0]: None if split is None else [list(r) for r in split[1].ranges]
+                          for names, _, split in entries}
+                pieces = None
             path = os.path.join(tmp, _rank_file(rank, n))
-            safetensors.torch.save_file(tensors, path, metadata=file_record(rank, n, tensors, ranges))
+            safetensors.torch.save_file(tensors, path, metadata=file_record(rank, n, tensors, ranges, pieces))
             _fsync(path)
             del tensors
         except BaseException as e:  # noqa: BLE001
@@ -186,7 +204,8 @@ def save_sharded(model: nn.Module, out_dir) -> None:
         try:
             path = os.path.join(tmp, MANIFEST)
             with open(path, "w", encoding="utf-8") as f:
-                json.dump(_manifest(model, entries, n), f, indent=1, sort_keys=True)
+                manifest = _general_manifest(model, parts, ranks) if general else _manifest(model, entries, n, ranks)
+                json.dump(manifest, f, indent=1, sort_keys=True)
             if getattr(model, "config", None) is not None and hasattr(model.config, "save_pretrained"):
                 model.config.save_pretrained(tmp)
             _put_in_place(tmp, directory)
@@ -315,7 +334,7 @@ def _fill(t: torch.Tensor, split, rec: dict, files: _Files, prefer: int) -> None
 
 
 def _check(model_name: str, directory: str, manifest: dict, entries, persistent: set[str],
-           readers: tuple[int, int]) -> str:
+           readers: tuple[int, int], general: bool = False) -> str:
     """Every problem of loading `manifest` into the model, as one text ('' if
     none).  `readers` is (size, rank) of the ranks loading: each verifies the
     content of every size-th file, so that together they read each once."""
@@ -329,9 +348,10 @@ def _check(model_name: str, directory: str, manifest: dict, entries, persistent:
             rec = tensors.get(nm)
             if rec is None:
                 continue
-            shape = _full_shape(t, split)
+            shape = boxes.full_shape(t, split) if general else _full_shape(t, split)
             if list(rec["shape"]) != shape:
-                where = f" (dimension {split[0]} split over {split[1].tp_size} ranks)" if split else ""
+                splits = (split or []) if general else [split] if split else []
+                where = "".join(f" (dimension {d} split over {sh.tp_size} ranks)" for d, sh in splits)
                 wrong.append(f"{nm}: saved shape {rec['shape']}, the model's full shape is {shape}{where}")
                 continue
             saved = getattr(torch, rec["dtype"], None)
@@ -340,8 +360,12 @@ def _check(model_name: str, directory: str, manifest: dict, entries, persistent:
                              f"{_dtype_name(t.dtype)} without losing values")
                 continue
             s = rec["split"]
-            local = [list(rec["shape"])] * n if s is None else \
-                [[L if d == s["dim"] else x for d, x in enumerate(rec["shape"])] for L in s["lengths"]]
+            if rec.get("files") is not None:       # the box format: the files holding it
+                local = [rec["files"][str(i)]["shape"] if str(i) in rec["files"] else None for i in range(n)]
+            elif s is None:
+                local = [list(rec["shape"])] * n
+            else:
+                local = [[L if d == s["dim"] else x for d, x in enumerate(rec["shape"])] for L in s["lengths"]]
             stored[rec["key"]] = (local, nm)
     files = []
     size, me = readers
@@ -361,22 +385,32 @@ def _check(model_name: str, directory: str, manifest: dict, entries, persistent:
                           ("tensors that do not fit", wrong), ("file problems", files))
 
 
+def _known_keys(model: nn.Module) -> set[str]:
+    """The state-dict keys a checkpoint of the model may hold: the model's, and
+    for a pipeline stage the other stages' (the unsharded model's)."""
+    from ..pipeline.stages import runtime_of
+
+    stages = runtime_of(model)
+    return set(model.state_dict().keys()) | (set(stages.plan.names) if stages is not None else set())
+
+
 @torch.no_grad()
 def load_sharded(model: nn.Module, out_dir) -> None:
     """Load a save_sharded checkpoint into `model` as it is sharded now (any
     TP size, or unsharded); see the module docstring."""
-    refuse_expert_parallel(model, "load_sharded")
-    _refuse_pipeline(model, "load_sharded")
     name = type(model).__name__
     directory = os.path.abspath(os.fspath(out_dir))
-    group = _sharded_group(model, "load_sharded")        # the default group: the world; None: unsharded
-    flags = _Flags(group, alone=group is None)        # an unsharded model: each rank loads on its own
-    readers = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
+    general = boxes.is_general(model)                  # pipeline stages or experts: collective over the world
+    group = None if general else _sharded_group(model, "load_sharded")   # the default group: the world
+    alone = group is None and not general              # an unsharded model: each rank loads on its own
+    flags = _Flags(group, alone=alone)
+    readers = (1, 0) if alone else (dist.get_world_size(group), dist.get_rank(group))
     error = manifest = entries = None
     try:
         manifest = _read_manifest(name, directory)
-        entries = _entries(model)
-        problems = _check(name, directory, manifest, entries, set(model.state_dict().keys()), readers)
+        general = general or any(rec.get("files") is not None for rec in manifest["tensors"].values())
+        entries = boxes.file_entries(model) if general else _entries(model)
+        problems = _check(name, directory, manifest, entries, _known_keys(model), readers, general)
         if problems:
             raise ValueError(f"load_sharded({name}): {directory} (saved at TP={manifest['tp_size']}) does not "
                              f"fit the model; nothing was loaded:{problems}")
@@ -384,7 +418,13 @@ def load_sharded(model: nn.Module, out_dir) -> None:
         error = e
     flags.agree(error, f"load_sharded({name}) of {directory}: nothing was loaded; the checks")
     try:
-        _copy_in(manifest, entries, directory)
+        if general:
+            with contextlib.ExitStack() as stack:
+                files = _Files(directory, manifest["files"], stack)
+                for names, t, splits in entries:
+                    boxes.fill(t, splits, manifest["tensors"][names[0]], files, manifest["tp_size"])
+        else:
+            _copy_in(manifest, entries, directory)
     except BaseException as e:  # noqa: BLE001
         error = e
     flags.agree(error, f"load_sharded({name}) of {directory}: the model is partly loaded; reading the files")
