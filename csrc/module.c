@@ -371,7 +371,7 @@ PyDoc_STRVAR(sharder_plan_doc,
 "sharder_plan(root, model_name, policy, tp_size, rank) -> (ops, matched)\n\n"
 "Read and check the policy, walk the module tree, match policy entries,\n"
 "resolve and validate every substitution and its shard layouts; change\n"
-"nothing.  See csrc/sharder.c.");
+"nothing.  See csrc/sharder.h.");
 
 PyDoc_STRVAR(resolve_split_doc,
 "resolve_split(spec, full, tp_size, rank, what='dimension') -> DimShard fields\n\n"
@@ -435,6 +435,8 @@ PyMODINIT_FUNC PyInit__C(void)
     if (m && sf_register_comm(m) < 0)
         Py_CLEAR(m);
     if (m && sf_register_kernels(m) < 0)
+        Py_CLEAR(m);
+    if (m && sf_register_sharder(m) < 0)
         Py_CLEAR(m);
     return m;
 }

@@ -384,11 +384,16 @@ def scenario_sharder(i):
         expect(ValueError, _C.sharder_plan, Root(), "M", {Block: entry}, 1, 0, match=match)
     expect(TypeError, _C.sharder_apply, (), None)
     expect(TypeError, _C.sharder_apply, [])
-    for op in (42, (), ("attr",), (1, "p"), ("bogus", "p"), ("attr", "p", 1),
-               ("sub", "p", Root(), "x", Target, nn.Linear(1, 1), [], None),
-               ("sub", "p", Root(), "x", object, nn.Linear(1, 1), {}, None),
-               ("param", "p", nn.Linear(1, 1), 3), ("attr", "p", 3, "real", 1),
-               ("method", "p", 3, "f", fwd)):
+    def record(kind, path, owner=None, name=None, value=None, target=None, native=None,
+               kwargs=None, plan=None, change=None):
+        return _C.PlanOp((kind, path, owner, name, value, target, native, kwargs, plan, change))
+
+    for op in (42, (), ("attr", "p", 1, "x", 2), record("attr", "p"), record("bogus", "p"),
+               record("method", "p", Root(), 3, fwd),
+               record("sub", "p", Root(), "x", target=Target, native=nn.Linear(1, 1), kwargs=[]),
+               record("sub", "p", Root(), "x", target=object, native=nn.Linear(1, 1), kwargs={}),
+               record("param", "p", nn.Linear(1, 1), value=3), record("attr", "p", 3, "real", 1),
+               record("method", "p", 3, "f", fwd)):
         expect(RuntimeError, _C.sharder_apply, [op], None, match="applying the shard plan")
     # Regression: the policy entry dropped from the dict while planning.
     dropping = DROPPING
@@ -398,8 +403,8 @@ def scenario_sharder(i):
     assert len(ops) == 2
     # Regression: the op list shrinking while it is applied.
     shrinking = []
-    shrinking.extend([("param", "a", nn.Linear(1, 1), lambda m: shrinking.clear()),
-                      ("param", "b", nn.Linear(1, 1), lambda m: None)])
+    shrinking.extend([record("param", "a", nn.Linear(1, 1), value=lambda m: shrinking.clear()),
+                      record("param", "b", nn.Linear(1, 1), value=lambda m: None)])
     assert _C.sharder_apply(shrinking, None) == 1
     _sharder_built_callback()
 
@@ -426,7 +431,8 @@ def _sharder_built_callback():
 
     def edit(ops_seen, builds):
         seen.append(len(builds))
-        builds[0] = builds[0][:4] + (nn.Linear(3, 3),)
+        fields = dict(zip(_C.PlanOp.__match_args__, builds[0]), value=nn.Linear(3, 3))
+        builds[0] = _C.PlanOp(tuple(fields.values()))
 
     assert _C.sharder_apply(ops, None, None, None, edit) == 1 and seen == [1]
     assert isinstance(root.blocks[1].inner.proj, nn.Linear) and root.blocks[1].inner.proj.in_features == 3
