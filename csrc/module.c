@@ -20,6 +20,7 @@
 #include "tensor_view.h"
 
 int sf_register_comm(PyObject *m);
+int sf_register_nccl(PyObject *m);
 int sf_register_kernels(PyObject *m);
 
 PyDoc_STRVAR(split_units_doc,
@@ -433,6 +434,8 @@ PyMODINIT_FUNC PyInit__C(void)
     import_array();
     PyObject *m = PyModule_Create(&module_def);
     if (m && sf_register_comm(m) < 0)
+        Py_CLEAR(m);
+    if (m && sf_register_nccl(m) < 0)
         Py_CLEAR(m);
     if (m && sf_register_kernels(m) < 0)
         Py_CLEAR(m);

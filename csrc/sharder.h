@@ -20,7 +20,8 @@
  *   sharder_record.c   the plan record (sf_plan_op <-> PlanOp), errors in
  *                      context ("<Model>: <path>: <what>"), small helpers
  *   module.c           the _C module: layout/copy entry points, method table
- *   comm_module.c, comm/       collectives (CPU rings, shared memory)
+ *   comm_module.c, comm/       collectives: shared memory, reductions, CPU probe;
+ *   comm_nccl_module.c         the NCCL glue
  *   kernels_module.c, kernels/ fused kernels; cpu_features.c the CPU probes
  *   glue.c, tensor_view.c      DLPack in, sf_status -> Python exceptions out
  *

@@ -1484,7 +1484,7 @@ def test_one_cpu_probe():
     assert set(feats) == {"avx2", "fma", "f16c", "avx512f", "simd", "avx512"}
     assert feats["simd"] == (feats["avx2"] and feats["fma"] and feats["f16c"])
     assert feats["avx512"] == (feats["simd"] and feats["avx512f"])
-    assert _C.cpu_has_avx2() is _C.kernel_has_avx2() is feats["simd"]
+    assert _C.cpu_has_avx2() is feats["simd"] and not hasattr(_C, "kernel_has_avx2")
     try:
         with open("/proc/cpuinfo") as f:
             flags = next(line for line in f if line.startswith("flags")).split()
