@@ -1,7 +1,7 @@
 /*
  * layout_spec.c -- the split specs of shardformer.layout, resolved: the spec
- * data (tuples, below) read and cut into per-rank index ranges with the
- * arithmetic of layout.c.  Used by the planner (plan_shard requests, see
+ * data (tuples, below) read into sf_spec (layout.h) and cut into per-rank
+ * index ranges by layout.c's sf_spec_rank; the results as DimShard fields.  Used by the planner (plan_shard requests, see
  * sharder_walk.c) and by Python directly (resolve_split, resolve_plan).
  *
  * Split spec data (shardformer.layout.SplitSpec.data), a tuple per spec:
@@ -22,53 +22,28 @@
 #include "glue.h"
 #include "layout.h"
 
+/* A spec read from its tuple: the sf_spec tree, and the describe() strings
+ * (`keep`, a list) its nodes point into. */
 typedef struct {
-    sf_range *v;
-    Py_ssize_t n, cap;
-} range_list;
+    sf_spec root;
+    PyObject *keep;
+} spec_data;
 
-static int ranges_push(range_list *l, int64_t offset, int64_t length)
+static void spec_nodes_free(sf_spec *s)
 {
-    if (l->n == l->cap) {
-        /* cap * sizeof(sf_range) must fit in a Py_ssize_t (PyMem's limit). */
-        if (l->cap > PY_SSIZE_T_MAX / 2 / (Py_ssize_t)sizeof(sf_range)) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        Py_ssize_t cap = l->cap ? 2 * l->cap : 8;
-        sf_range *v = PyMem_Realloc(l->v, (size_t)cap * sizeof(sf_range));
-        if (v == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        l->v = v;
-        l->cap = cap;
+    if (s->segments != NULL) {
+        sf_spec *segs = (sf_spec *)s->segments;
+        for (int64_t i = 0; i < s->nsegments; i++)
+            spec_nodes_free(&segs[i]);
+        PyMem_Free(segs);
+        s->segments = NULL;
     }
-    l->v[l->n].offset = offset;
-    l->v[l->n].length = length;
-    l->n++;
-    return 0;
 }
 
-/* The kind of a spec tuple and its describe() string (both borrowed). */
-static int spec_head(PyObject *spec, const char **kind, PyObject **describe, Py_ssize_t nfields)
+static void spec_data_free(spec_data *d)
 {
-    if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) < 2 ||
-        !PyUnicode_Check(PyTuple_GET_ITEM(spec, 0))) {
-        PyErr_Format(PyExc_TypeError, "split spec data: expected (kind, describe, ...), got %.100s",
-                     Py_TYPE(spec)->tp_name);
-        return -1;
-    }
-    *kind = PyUnicode_AsUTF8(PyTuple_GET_ITEM(spec, 0));
-    if (*kind == NULL)
-        return -1;
-    *describe = PyTuple_GET_ITEM(spec, 1);
-    if (nfields >= 0 && PyTuple_GET_SIZE(spec) != nfields) {
-        PyErr_Format(PyExc_TypeError, "split spec data '%s': expected %zd fields, got %zd", *kind,
-                     nfields, PyTuple_GET_SIZE(spec));
-        return -1;
-    }
-    return 0;
+    spec_nodes_free(&d->root);
+    Py_CLEAR(d->keep);
 }
 
 static int spec_int(PyObject *spec, Py_ssize_t i, int64_t *out)
@@ -80,243 +55,108 @@ static int spec_int(PyObject *spec, Py_ssize_t i, int64_t *out)
     return 0;
 }
 
-static int layout_err(sf_status rc, const sf_error *err)
-{
-    return sf_set_pyerr(rc, err) ? -1 : 0;
-}
+static const struct {
+    const char *name;
+    sf_spec_kind kind;
+    Py_ssize_t nfields;
+} KINDS[] = {
+    {"split", SF_SPEC_SPLIT, 3},     {"vocab", SF_SPEC_VOCAB, 3},
+    {"heads", SF_SPEC_HEADS, 6},     {"grouped", SF_SPEC_GROUPED, 5},
+    {"fused", SF_SPEC_FUSED, 3},
+};
 
-static int spec_fields(PyObject *spec, const char *kind, Py_ssize_t n)
+/* Read the spec tuple `spec` into *s (its describe() string kept alive in
+ * `keep`); -1 with TypeError for a malformed tuple. */
+static int spec_read(PyObject *spec, sf_spec *s, PyObject *keep)
 {
-    if (PyTuple_GET_SIZE(spec) != n) {
-        PyErr_Format(PyExc_TypeError, "split spec data '%s': expected %zd fields, got %zd", kind,
-                     n, PyTuple_GET_SIZE(spec));
+    if (!PyTuple_Check(spec) || PyTuple_GET_SIZE(spec) < 2 ||
+        !PyUnicode_Check(PyTuple_GET_ITEM(spec, 0))) {
+        PyErr_Format(PyExc_TypeError, "split spec data: expected (kind, describe, ...), got %.100s",
+                     Py_TYPE(spec)->tp_name);
         return -1;
     }
-    return 0;
-}
-
-/* The segments tuple of a 'fused' spec (borrowed), or NULL with an exception. */
-static PyObject *fused_segments(PyObject *spec, const char *kind)
-{
-    if (spec_fields(spec, kind, 3) < 0)
-        return NULL;
+    const char *kind = PyUnicode_AsUTF8(PyTuple_GET_ITEM(spec, 0));
+    if (kind == NULL)
+        return -1;
+    size_t k = 0;
+    while (k < sizeof(KINDS) / sizeof(KINDS[0]) && strcmp(kind, KINDS[k].name) != 0)
+        k++;
+    if (k == sizeof(KINDS) / sizeof(KINDS[0])) {
+        PyErr_Format(PyExc_TypeError, "split spec data: unknown kind '%s'", kind);
+        return -1;
+    }
+    if (PyTuple_GET_SIZE(spec) != KINDS[k].nfields) {
+        PyErr_Format(PyExc_TypeError, "split spec data '%s': expected %zd fields, got %zd", kind,
+                     KINDS[k].nfields, PyTuple_GET_SIZE(spec));
+        return -1;
+    }
+    PyObject *describe = PyObject_Str(PyTuple_GET_ITEM(spec, 1));
+    int kept = describe ? PyList_Append(keep, describe) : -1;
+    Py_XDECREF(describe); /* `keep` holds it */
+    if (kept < 0 || (s->describe = PyUnicode_AsUTF8(describe)) == NULL)
+        return -1;
+    s->kind = KINDS[k].kind;
+    switch (s->kind) {
+    case SF_SPEC_SPLIT:
+    case SF_SPEC_VOCAB:
+        return spec_int(spec, 2, &s->unit);
+    case SF_SPEC_HEADS:
+        if (spec_int(spec, 5, &s->part) < 0)
+            return -1;
+        /* fall through */
+    case SF_SPEC_GROUPED:
+        return spec_int(spec, 2, &s->num_heads) < 0 || spec_int(spec, 3, &s->num_kv_heads) < 0 ||
+                       spec_int(spec, 4, &s->head_dim) < 0
+                   ? -1
+                   : 0;
+    case SF_SPEC_FUSED:
+        break;
+    }
     PyObject *segs = PyTuple_GET_ITEM(spec, 2);
     if (!PyTuple_Check(segs) || PyTuple_GET_SIZE(segs) == 0) {
         PyErr_SetString(PyExc_TypeError, "split spec data 'fused': segments must be a non-empty tuple");
-        return NULL;
-    }
-    return segs;
-}
-
-static int length_overflow(PyObject *describe)
-{
-    PyErr_Format(PyExc_OverflowError, "split spec %S: its length overflows int64", describe);
-    return -1;
-}
-
-/* The full length a spec describes, or -1 when it does not say. */
-static int spec_expected(PyObject *spec, int64_t *out)
-{
-    const char *kind;
-    PyObject *describe;
-    *out = -1;
-    if (spec_head(spec, &kind, &describe, -1) < 0)
         return -1;
-    if (strcmp(kind, "heads") == 0 || strcmp(kind, "grouped") == 0) {
-        int heads = kind[0] == 'h';
-        int64_t n, kv, hd, part = 0;
-        if (spec_fields(spec, kind, heads ? 6 : 5) < 0 || spec_int(spec, 2, &n) < 0 ||
-            spec_int(spec, 3, &kv) < 0 || spec_int(spec, 4, &hd) < 0 ||
-            (heads && spec_int(spec, 5, &part) < 0))
-            return -1;
-        if (hd > 0) {
-            int64_t units, kv2;
-            if (heads)
-                units = part ? kv : n;
-            else if (sf_mul_overflows(kv, 2, &kv2) || __builtin_add_overflow(n, kv2, &units))
-                return length_overflow(describe);
-            if (sf_mul_overflows(units, hd, out))
-                return length_overflow(describe);
-        }
-        return 0;
     }
-    if (strcmp(kind, "fused") == 0) {
-        PyObject *segs = fused_segments(spec, kind);
-        if (segs == NULL)
+    Py_ssize_t n = PyTuple_GET_SIZE(segs);
+    sf_spec *nodes = PyMem_Calloc((size_t)n, sizeof(sf_spec));
+    if (nodes == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    s->segments = nodes;
+    s->nsegments = n;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (Py_EnterRecursiveCall(" reading a fused split spec"))
             return -1;
-        int64_t sum = 0;
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(segs); i++) {
-            int64_t e;
-            if (spec_expected(PyTuple_GET_ITEM(segs, i), &e) < 0)
-                return -1;
-            if (e < 0)
-                return 0;
-            if (__builtin_add_overflow(sum, e, &sum))
-                return length_overflow(describe);
-        }
-        *out = sum;
+        int rc = spec_read(PyTuple_GET_ITEM(segs, i), &nodes[i], keep);
+        Py_LeaveRecursiveCall();
+        if (rc < 0)
+            return -1;
     }
     return 0;
 }
 
-/* Append the ranges that rank `r` of `tp` holds of a dimension of length
- * `full` cut by `spec` (offset by `base`) to *out; add its shard length. */
-static int spec_rank(PyObject *spec, int64_t full, int64_t base, int64_t tp, int64_t r,
-                     range_list *out, int64_t *length)
+/* Read a spec tuple into *d (spec_data_free it, also after a failure). */
+static int spec_data_read(PyObject *spec, spec_data *d)
 {
-    const char *kind;
-    PyObject *describe;
-    sf_error err = {0};
-    if (spec_head(spec, &kind, &describe, -1) < 0)
-        return -1;
-    if (strcmp(kind, "split") == 0) {
-        int64_t unit, start, count;
-        if (spec_fields(spec, kind, 3) < 0 || spec_int(spec, 2, &unit) < 0)
-            return -1;
-        if (unit < 1 || full % unit) {
-            PyErr_Format(PyExc_ValueError, "length %lld is not a multiple of the split unit %lld",
-                         (long long)full, (long long)unit);
-            return -1;
-        }
-        if (layout_err(sf_split_units(full / unit, tp, r, &start, &count, &err), &err) < 0)
-            return -1;
-        *length += count * unit;
-        return ranges_push(out, base + start * unit, count * unit);
-    }
-    if (strcmp(kind, "vocab") == 0) {
-        int64_t multiple, padded, start, per_rank, real;
-        if (spec_fields(spec, kind, 3) < 0 || spec_int(spec, 2, &multiple) < 0)
-            return -1;
-        if (layout_err(sf_vocab_layout(full, tp, r, multiple, &padded, &start, &per_rank, &real,
-                                       &err), &err) < 0)
-            return -1;
-        *length += per_rank;
-        return real ? ranges_push(out, base + start, real) : 0;
-    }
-    if (strcmp(kind, "heads") == 0) {
-        int64_t n, kv, hd, part, qs, qc, ks, kc;
-        if (spec_fields(spec, kind, 6) < 0 || spec_int(spec, 2, &n) < 0 ||
-            spec_int(spec, 3, &kv) < 0 || spec_int(spec, 4, &hd) < 0 || spec_int(spec, 5, &part) < 0)
-            return -1;
-        int64_t count = part ? kv : n;
-        if (count < 1 || full % count) {
-            PyErr_Format(PyExc_ValueError, "length %lld is not a multiple of the %lld %s heads",
-                         (long long)full, (long long)count, part ? "key/value" : "query");
-            return -1;
-        }
-        int64_t width = full / count;
-        if (layout_err(sf_heads_layout(n, kv, tp, r, &qs, &qc, &ks, &kc, &err), &err) < 0)
-            return -1;
-        int64_t start = part ? ks : qs, cnt = part ? kc : qc;
-        *length += cnt * width;
-        return ranges_push(out, base + start * width, cnt * width);
-    }
-    if (strcmp(kind, "grouped") == 0) {
-        int64_t n, kv, hd, qs, qc, ks, kc;
-        if (spec_fields(spec, kind, 5) < 0 || spec_int(spec, 2, &n) < 0 ||
-            spec_int(spec, 3, &kv) < 0 || spec_int(spec, 4, &hd) < 0)
-            return -1;
-        if (n < 1 || kv < 1 || n % kv) {
-            PyErr_Format(PyExc_ValueError,
-                         "num_attention_heads=%lld is not a positive multiple of num_kv_heads=%lld",
-                         (long long)n, (long long)kv);
-            return -1;
-        }
-        int64_t rows, kv2; /* q heads + a k and a v head per group */
-        if (sf_mul_overflows(kv, 2, &kv2) || __builtin_add_overflow(n, kv2, &rows))
-            return length_overflow(describe);
-        if (full % rows) {
-            PyErr_Format(PyExc_ValueError,
-                         "length %lld is not a multiple of the %lld grouped q/k/v heads",
-                         (long long)full, (long long)rows);
-            return -1;
-        }
-        int64_t width = full / rows, g = n / kv;
-        if (layout_err(sf_heads_layout(n, kv, tp, r, &qs, &qc, &ks, &kc, &err), &err) < 0)
-            return -1;
-        for (int64_t j = ks; j < ks + kc; j++) {
-            int64_t group = j * (g + 2) * width;
-            int64_t first = qs > j * g ? qs : j * g;
-            int64_t last = qs + qc < (j + 1) * g ? qs + qc : (j + 1) * g;
-            if (last > first && ranges_push(out, base + group + (first - j * g) * width,
-                                            (last - first) * width) < 0)
-                return -1;
-            if (ranges_push(out, base + group + g * width, 2 * width) < 0)
-                return -1;
-            *length += ((last > first ? last - first : 0) + 2) * width;
-        }
-        return 0;
-    }
-    if (strcmp(kind, "fused") == 0) {
-        PyObject *segs = fused_segments(spec, kind);
-        if (segs == NULL)
-            return -1;
-        Py_ssize_t nseg = PyTuple_GET_SIZE(segs), unknown = 0;
-        int64_t known_sum = 0;
-        int64_t *lens = PyMem_Calloc((size_t)nseg, sizeof(int64_t));
-        if (lens == NULL) {
-            PyErr_NoMemory();
-            return -1;
-        }
-        int rc = -1;
-        for (Py_ssize_t i = 0; i < nseg; i++) {
-            if (spec_expected(PyTuple_GET_ITEM(segs, i), &lens[i]) < 0)
-                goto fused_done;
-            if (lens[i] < 0)
-                unknown++;
-            else if (__builtin_add_overflow(known_sum, lens[i], &known_sum)) {
-                length_overflow(describe);
-                goto fused_done;
-            }
-        }
-        if (unknown == nseg) {
-            if (full % nseg) {
-                PyErr_Format(PyExc_ValueError,
-                             "length %lld is not divisible into %zd fused segments",
-                             (long long)full, nseg);
-                goto fused_done;
-            }
-            for (Py_ssize_t i = 0; i < nseg; i++)
-                lens[i] = full / nseg;
-        } else if (unknown > 0) {
-            int64_t rest = full - known_sum;
-            if (rest < 0 || rest % unknown) {
-                PyErr_Format(PyExc_ValueError, "length %lld cannot hold the fused segments %S",
-                             (long long)full, describe);
-                goto fused_done;
-            }
-            for (Py_ssize_t i = 0; i < nseg; i++)
-                if (lens[i] < 0)
-                    lens[i] = rest / unknown;
-        }
-        int64_t offset = base;
-        for (Py_ssize_t i = 0; i < nseg; i++) {
-            if (spec_rank(PyTuple_GET_ITEM(segs, i), lens[i], offset, tp, r, out, length) < 0)
-                goto fused_done;
-            offset += lens[i];
-        }
-        rc = 0;
-fused_done:
-        PyMem_Free(lens);
-        return rc;
-    }
-    PyErr_Format(PyExc_TypeError, "split spec data: unknown kind '%s'", kind);
-    return -1;
+    memset(d, 0, sizeof(*d));
+    d->keep = PyList_New(0);
+    return d->keep ? spec_read(spec, &d->root, d->keep) : -1;
 }
 
-static PyObject *ranges_tuple(const range_list *l)
+static PyObject *ranges_tuple(const sf_range_list *l)
 {
-    PyObject *t = PyTuple_New(l->n);
+    PyObject *t = PyTuple_New((Py_ssize_t)l->n);
     if (t == NULL)
         return NULL;
-    for (Py_ssize_t i = 0; i < l->n; i++) {
+    for (int64_t i = 0; i < l->n; i++) {
         PyObject *pair = Py_BuildValue("(LL)", (long long)l->v[i].offset,
                                        (long long)l->v[i].length);
         if (pair == NULL) {
             Py_DECREF(t);
             return NULL;
         }
-        PyTuple_SET_ITEM(t, i, pair);
+        PyTuple_SET_ITEM(t, (Py_ssize_t)i, pair);
     }
     return t;
 }
@@ -329,7 +169,7 @@ static PyObject *resolve_split(PyObject *spec, int64_t full, int64_t tp, int64_t
     sf_error err = {0};
     int64_t s, c;
     if (tp < 1 || rank < 0 || rank >= tp) { /* the layout's own message for a bad group */
-        layout_err(sf_split_units(1, tp, rank, &s, &c, &err), &err);
+        sf_set_pyerr(sf_split_units(1, tp, rank, &s, &c, &err), &err);
         if (!PyErr_Occurred())
             PyErr_Format(PyExc_ValueError, "rank=%lld outside [0, %lld)", (long long)rank,
                          (long long)tp);
@@ -339,30 +179,30 @@ static PyObject *resolve_split(PyObject *spec, int64_t full, int64_t tp, int64_t
         PyErr_Format(PyExc_ValueError, "%U=%lld: a length cannot be negative", what, (long long)full);
         return NULL;
     }
-    int64_t expected;
-    if (spec_expected(spec, &expected) < 0)
-        return NULL;
+    spec_data d;
+    PyObject *all_ranges = NULL, *all_lengths = NULL, *result = NULL;
+    int64_t expected, covered = 0, mine = 0;
+    if (spec_data_read(spec, &d) < 0 || sf_set_pyerr(sf_spec_expected(&d.root, &expected, &err), &err))
+        goto done;
     if (expected >= 0 && expected != full) {
-        PyErr_Format(PyExc_ValueError, "%U=%lld does not match %S = %lld", what, (long long)full,
-                     PyTuple_GET_ITEM(spec, 1), (long long)expected);
-        return NULL;
+        PyErr_Format(PyExc_ValueError, "%U=%lld does not match %s = %lld", what, (long long)full,
+                     d.root.describe, (long long)expected);
+        goto done;
     }
-    PyObject *all_ranges = PyTuple_New((Py_ssize_t)tp);
-    PyObject *all_lengths = PyTuple_New((Py_ssize_t)tp);
-    PyObject *result = NULL;
-    int64_t covered = 0, mine = 0;
+    all_ranges = PyTuple_New((Py_ssize_t)tp);
+    all_lengths = PyTuple_New((Py_ssize_t)tp);
     if (all_ranges == NULL || all_lengths == NULL)
         goto done;
     for (int64_t r = 0; r < tp; r++) {
-        range_list l = {0};
+        sf_range_list l = {0};
         int64_t length = 0;
-        int rc = spec_rank(spec, full, 0, tp, r, &l, &length);
-        PyObject *rt = rc == 0 ? ranges_tuple(&l) : NULL;
+        sf_status rc = sf_spec_rank(&d.root, full, 0, tp, r, &l, &length, &err);
+        PyObject *rt = sf_set_pyerr(rc, &err) ? NULL : ranges_tuple(&l);
         /* Only "covered > full" matters: stop adding once it holds (no overflow). */
-        for (Py_ssize_t i = 0; i < l.n && covered <= full; i++)
+        for (int64_t i = 0; i < l.n && covered <= full; i++)
             if (__builtin_add_overflow(covered, l.v[i].length, &covered))
                 covered = INT64_MAX;
-        PyMem_Free(l.v);
+        sf_range_list_free(&l);
         PyObject *len = rt ? PyLong_FromLongLong(length) : NULL;
         if (len == NULL) {
             Py_XDECREF(rt);
@@ -379,6 +219,7 @@ static PyObject *resolve_split(PyObject *spec, int64_t full, int64_t tp, int64_t
 done:
     Py_XDECREF(all_ranges);
     Py_XDECREF(all_lengths);
+    spec_data_free(&d);
     return result;
 }
 

@@ -59,6 +59,12 @@ def expect(exc, fn, *args, match=None, **kwargs):
     raise AssertionError(f"{fn.__name__}{args!r} did not raise {exc.__name__}")
 
 
+def record(kind, path, owner=None, name=None, value=None, target=None, native=None, kwargs=None,
+           plan=None, change=None):
+    """A plan record (_C.PlanOp) made by hand."""
+    return _C.PlanOp((kind, path, owner, name, value, target, native, kwargs, plan, change))
+
+
 # --- layout arithmetic --------------------------------------------------------
 
 def scenario_layout_math(i):
@@ -384,10 +390,6 @@ def scenario_sharder(i):
         expect(ValueError, _C.sharder_plan, Root(), "M", {Block: entry}, 1, 0, match=match)
     expect(TypeError, _C.sharder_apply, (), None)
     expect(TypeError, _C.sharder_apply, [])
-    def record(kind, path, owner=None, name=None, value=None, target=None, native=None,
-               kwargs=None, plan=None, change=None):
-        return _C.PlanOp((kind, path, owner, name, value, target, native, kwargs, plan, change))
-
     for op in (42, (), ("attr", "p", 1, "x", 2), record("attr", "p"), record("bogus", "p"),
                record("method", "p", Root(), 3, fwd),
                record("sub", "p", Root(), "x", target=Target, native=nn.Linear(1, 1), kwargs=[]),
@@ -875,9 +877,9 @@ elif MODE == "leaks":
             return IDENTITY
 
     HOST = Block()
-    OPS = [("attr", "a", HOST, "num_heads", 4), ("param", "p", HOST, lambda m: None),
-           ("sub", "s", HOST, "proj", Reuse, IDENTITY, {"k": 1}, (1, 2)),
-           ("method", "m", HOST, "forward", fwd)]
+    OPS = [record("attr", "a", HOST, "num_heads", 4), record("param", "p", HOST, value=lambda m: None),
+           record("sub", "s", HOST, "proj", target=Reuse, native=IDENTITY, kwargs={"k": 1}, plan=(1, 2)),
+           record("method", "m", HOST, "forward", fwd)]
     GATHER_OK = [[(0, 2)], [(2, 2)], [(4, 1)]]
 
     def raises_type_error(tp, r):
@@ -1054,10 +1056,10 @@ elif MODE == "leaks":
                                               {Block: ((), (), (), (("f", 3),))}, 1, 0),
         "sharder_apply": lambda: _C.sharder_apply(list(OPS), None),
         "sharder_apply/malformed": lambda: expect(RuntimeError, _C.sharder_apply,
-                                                  [OPS[0], ("sub", "p")], None),
+                                                  [OPS[0], record("sub", "p")], None),
         "sharder_apply/factory_missing": lambda: expect(
-            RuntimeError, _C.sharder_apply, [("sub", "s", HOST, "proj", object, IDENTITY, {},
-                                              None)], None),
+            RuntimeError, _C.sharder_apply, [record("sub", "s", HOST, "proj", target=object,
+                                                    native=IDENTITY, kwargs={})], None),
         "sharder_apply/type": lambda: expect(TypeError, _C.sharder_apply, (), None),
         "sharder_apply/adopt": lambda: _C.sharder_apply(list(OPS), None, lambda *a: None),
         "sharder_apply/adopt_type": lambda: expect(TypeError, _C.sharder_apply, [], None, 3),
