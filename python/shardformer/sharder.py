@@ -1,5 +1,5 @@
 """ModelSharder: sequences the policy hooks around the C sharder engine
-(csrc/sharder.c).
+(csrc/sharder.h: sharder_policy.c, sharder_walk.c, sharder_apply.c).
 
 The engine reads and checks the policy (ModulePolicyDescription data, the one
 place its shape is checked), walks the tree, matches, resolves suffixes and
