@@ -85,20 +85,16 @@ def _refused(module, form: str, whose: str, error: BaseException) -> None:
 def _run_probe(module, form: str, own, fused):
     """(want, got) = (own(), fused()) under no_grad and the same seed, or None
     when either raises one of PROBE_ERRORS (logged, see _refused)."""
+    results = []
     with torch.no_grad(), torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        try:
-            want = own()
-        except PROBE_ERRORS as e:
-            _refused(module, form, "its own forward", e)
-            return None
-        torch.manual_seed(0)
-        try:
-            got = fused()
-        except PROBE_ERRORS as e:
-            _refused(module, form, "the fused form", e)
-            return None
-    return want, got
+        for whose, call in (("its own forward", own), ("the fused form", fused)):
+            torch.manual_seed(0)
+            try:
+                results.append(call())
+            except PROBE_ERRORS as e:
+                _refused(module, form, whose, e)
+                return None
+    return tuple(results)
 
 
 def _form_name(fused) -> str:
