@@ -372,7 +372,8 @@ PyDoc_STRVAR(sharder_plan_doc,
 "sharder_plan(root, model_name, policy, tp_size, rank) -> (ops, matched)\n\n"
 "Read and check the policy, walk the module tree, match policy entries,\n"
 "resolve and validate every substitution and its shard layouts; change\n"
-"nothing.  See csrc/sharder.h.");
+"nothing.  ops is a list of PlanOp records (kind, path, owner, name, value,\n"
+"target, native, kwargs, plan, change).  See csrc/sharder.h.");
 
 PyDoc_STRVAR(resolve_split_doc,
 "resolve_split(spec, full, tp_size, rank, what='dimension') -> DimShard fields\n\n"
@@ -391,7 +392,9 @@ PyDoc_STRVAR(sharder_apply_doc,
 "in-place change) and bound method, calling adopt(path, native, replacement)\n"
 "for each, without touching the model; then swap them in, journaled, undoing\n"
 "the swaps in reverse if one fails.  `built(ops, builds)`, when given, sees\n"
-"(and may edit) the list of builds between the two phases; what it raises\n"
+"(and may edit) the list of builds -- PlanOp records with a sub's\n"
+"replacement in value, or its prepared change in change -- between the two\n"
+"phases; what it raises\n"
 "comes out unchanged.  `journal`, when given, is left holding the changes\n"
 "that could not be undone after a failure (empty on success).");
 
