@@ -368,7 +368,7 @@ def run_all(args):
                      and row.get("peak_growth_mib_torch") is not None else ""), flush=True)
     ops.set_num_threads(1)
     meta = {"torch": torch.__version__, "machine": platform.machine(), "cpus": os.cpu_count(),
-            "avx2": bool(__import__("shardformer._C", fromlist=["x"]).kernel_has_avx2()), "reps": args.reps,
+            "avx2": bool(__import__("shardformer._C", fromlist=["x"]).cpu_has_avx2()), "reps": args.reps,
             "timing": "median seconds of forward+backward (attention_causal_fwd: forward only, "
                       "no grad); ratio = torch / ours",
             "load_procs": args.load, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),

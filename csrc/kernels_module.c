@@ -773,13 +773,6 @@ static PyObject *py_pool_shutdown(PyObject *self, PyObject *noargs)
     Py_RETURN_NONE;
 }
 
-static PyObject *py_has_avx2(PyObject *self, PyObject *noargs)
-{
-    (void)self;
-    (void)noargs;
-    return PyBool_FromLong(sf_cpu_has_simd());
-}
-
 /* ---- dtype conversion, for tests ------------------------------------------ */
 
 static PyObject *py_convert(PyObject *self, PyObject *args)
@@ -847,8 +840,6 @@ static PyMethodDef kernel_methods[] = {
     {"kernel_pool_shutdown", py_pool_shutdown, METH_NOARGS,
      "kernel_pool_shutdown(): stop and join the kernels' worker threads (done at exit; the next "
      "parallel call makes new ones)."},
-    {"kernel_has_avx2", py_has_avx2, METH_NOARGS,
-     "kernel_has_avx2() -> bool: the SIMD kernels run here (same probe as cpu_has_avx2)."},
     {"kernel_convert", py_convert, METH_VARARGS,
      "kernel_convert(src, dst): dst = src converted between float32, float16 and bfloat16 the "
      "way the kernels do (csrc/half.h), for tests."},

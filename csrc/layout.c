@@ -3,6 +3,10 @@
  * it out.  Everything a sharded layer needs to know about its shape comes
  * from here, so the index math lives in exactly one place.
  *
+ * Split specs (sf_spec) are here too: how a dimension cut by a spec -- plain
+ * units, a padded vocabulary, attention heads, grouped q/k/v, fused segments
+ * -- falls to each rank.
+ *
  * Not here: anything Python.  The glue in module.c parses arguments, releases
  * the GIL and turns the error codes into exceptions.
  */
@@ -117,6 +121,193 @@ sf_status sf_vocab_layout(int64_t vocab, int64_t parts, int64_t rank, int64_t mu
         end = vocab;
     *real = end > *start ? end - *start : 0;
     return SF_OK;
+}
+
+/* ------------------------------------------------------------------------
+ * Split specs: a dimension cut by a spec (layout.h), rank by rank
+ * ---------------------------------------------------------------------- */
+
+void sf_range_list_free(sf_range_list *l)
+{
+    free(l->v);
+    l->v = NULL;
+    l->n = l->cap = 0;
+}
+
+static sf_status push_range(sf_range_list *l, int64_t offset, int64_t length, sf_error *err)
+{
+    if (l->n == l->cap) {
+        if (l->cap > INT64_MAX / 2 || (size_t)l->cap > SIZE_MAX / 2 / sizeof(sf_range))
+            FAIL(SF_ENOMEM, "too many ranges");
+        int64_t cap = l->cap ? 2 * l->cap : 8;
+        sf_range *v = realloc(l->v, (size_t)cap * sizeof(sf_range));
+        if (v == NULL)
+            FAIL(SF_ENOMEM, "out of memory for %" PRId64 " ranges", cap);
+        l->v = v;
+        l->cap = cap;
+    }
+    l->v[l->n].offset = offset;
+    l->v[l->n].length = length;
+    l->n++;
+    return SF_OK;
+}
+
+static sf_status length_overflow(const sf_spec *s, sf_error *err)
+{
+    FAIL(SF_EOVERFLOW, "split spec %s: its length overflows int64", s->describe);
+}
+
+sf_status sf_spec_expected(const sf_spec *s, int64_t *out, sf_error *err)
+{
+    *out = -1;
+    if (s->kind == SF_SPEC_HEADS || s->kind == SF_SPEC_GROUPED) {
+        if (s->head_dim > 0) {
+            int64_t units, kv2;
+            if (s->kind == SF_SPEC_HEADS)
+                units = s->part ? s->num_kv_heads : s->num_heads;
+            else if (sf_mul_overflows(s->num_kv_heads, 2, &kv2) ||
+                     __builtin_add_overflow(s->num_heads, kv2, &units))
+                return length_overflow(s, err);
+            if (sf_mul_overflows(units, s->head_dim, out))
+                return length_overflow(s, err);
+        }
+        return SF_OK;
+    }
+    if (s->kind == SF_SPEC_FUSED) {
+        int64_t sum = 0;
+        for (int64_t i = 0; i < s->nsegments; i++) {
+            int64_t e;
+            sf_status rc = sf_spec_expected(&s->segments[i], &e, err);
+            if (rc)
+                return rc;
+            if (e < 0)
+                return SF_OK;
+            if (__builtin_add_overflow(sum, e, &sum))
+                return length_overflow(s, err);
+        }
+        *out = sum;
+    }
+    return SF_OK;
+}
+
+/* The ranks' query / KV heads of a grouped [q heads of group 0 | k | v | q heads
+ * of group 1 | ...] layout, `width` indices per head. */
+static sf_status grouped_rank(const sf_spec *s, int64_t full, int64_t base, int64_t parts,
+                              int64_t rank, sf_range_list *out, int64_t *length, sf_error *err)
+{
+    int64_t n = s->num_heads, kv = s->num_kv_heads, qs, qc, ks, kc;
+    if (n < 1 || kv < 1 || n % kv)
+        FAIL(SF_EINVAL, "num_attention_heads=%" PRId64 " is not a positive multiple of "
+             "num_kv_heads=%" PRId64, n, kv);
+    int64_t rows, kv2; /* q heads + a k and a v head per group */
+    if (sf_mul_overflows(kv, 2, &kv2) || __builtin_add_overflow(n, kv2, &rows))
+        return length_overflow(s, err);
+    if (full % rows)
+        FAIL(SF_EINVAL, "length %" PRId64 " is not a multiple of the %" PRId64
+             " grouped q/k/v heads", full, rows);
+    int64_t width = full / rows, g = n / kv;
+    sf_status rc = sf_heads_layout(n, kv, parts, rank, &qs, &qc, &ks, &kc, err);
+    for (int64_t j = ks; rc == SF_OK && j < ks + kc; j++) {
+        int64_t group = j * (g + 2) * width;
+        int64_t first = qs > j * g ? qs : j * g;
+        int64_t last = qs + qc < (j + 1) * g ? qs + qc : (j + 1) * g;
+        if (last > first)
+            rc = push_range(out, base + group + (first - j * g) * width, (last - first) * width,
+                            err);
+        if (rc == SF_OK)
+            rc = push_range(out, base + group + g * width, 2 * width, err);
+        *length += ((last > first ? last - first : 0) + 2) * width;
+    }
+    return rc;
+}
+
+/* The lengths of a fused spec's segments in a dimension of length `full`:
+ * those the segments state, the rest sharing what is left equally. */
+static sf_status fused_lengths(const sf_spec *s, int64_t full, int64_t *lens, sf_error *err)
+{
+    int64_t nseg = s->nsegments, unknown = 0, known_sum = 0;
+    for (int64_t i = 0; i < nseg; i++) {
+        sf_status rc = sf_spec_expected(&s->segments[i], &lens[i], err);
+        if (rc)
+            return rc;
+        if (lens[i] < 0)
+            unknown++;
+        else if (__builtin_add_overflow(known_sum, lens[i], &known_sum))
+            return length_overflow(s, err);
+    }
+    if (unknown == nseg) {
+        if (full % nseg)
+            FAIL(SF_EINVAL, "length %" PRId64 " is not divisible into %" PRId64
+                 " fused segments", full, nseg);
+        for (int64_t i = 0; i < nseg; i++)
+            lens[i] = full / nseg;
+    } else if (unknown > 0) {
+        int64_t rest = full - known_sum;
+        if (rest < 0 || rest % unknown)
+            FAIL(SF_EINVAL, "length %" PRId64 " cannot hold the fused segments %s", full,
+                 s->describe);
+        for (int64_t i = 0; i < nseg; i++)
+            if (lens[i] < 0)
+                lens[i] = rest / unknown;
+    }
+    return SF_OK;
+}
+
+sf_status sf_spec_rank(const sf_spec *s, int64_t full, int64_t base, int64_t parts, int64_t rank,
+                       sf_range_list *out, int64_t *length, sf_error *err)
+{
+    sf_status rc;
+    switch (s->kind) {
+    case SF_SPEC_SPLIT: {
+        int64_t start, count;
+        if (s->unit < 1 || full % s->unit)
+            FAIL(SF_EINVAL, "length %" PRId64 " is not a multiple of the split unit %" PRId64,
+                 full, s->unit);
+        if ((rc = sf_split_units(full / s->unit, parts, rank, &start, &count, err)))
+            return rc;
+        *length += count * s->unit;
+        return push_range(out, base + start * s->unit, count * s->unit, err);
+    }
+    case SF_SPEC_VOCAB: {
+        int64_t padded, start, per_rank, real;
+        if ((rc = sf_vocab_layout(full, parts, rank, s->unit, &padded, &start, &per_rank, &real,
+                                  err)))
+            return rc;
+        *length += per_rank;
+        return real ? push_range(out, base + start, real, err) : SF_OK;
+    }
+    case SF_SPEC_HEADS: {
+        int64_t qs, qc, ks, kc, count = s->part ? s->num_kv_heads : s->num_heads;
+        if (count < 1 || full % count)
+            FAIL(SF_EINVAL, "length %" PRId64 " is not a multiple of the %" PRId64 " %s heads",
+                 full, count, s->part ? "key/value" : "query");
+        int64_t width = full / count;
+        if ((rc = sf_heads_layout(s->num_heads, s->num_kv_heads, parts, rank, &qs, &qc, &ks, &kc,
+                                  err)))
+            return rc;
+        int64_t start = s->part ? ks : qs, cnt = s->part ? kc : qc;
+        *length += cnt * width;
+        return push_range(out, base + start * width, cnt * width, err);
+    }
+    case SF_SPEC_GROUPED:
+        return grouped_rank(s, full, base, parts, rank, out, length, err);
+    case SF_SPEC_FUSED: {
+        if (s->nsegments < 1 || (size_t)s->nsegments > SIZE_MAX / sizeof(int64_t))
+            FAIL(SF_EINVAL, "split spec %s: a fused spec needs segments", s->describe);
+        int64_t *lens = calloc((size_t)s->nsegments, sizeof(int64_t));
+        if (lens == NULL)
+            FAIL(SF_ENOMEM, "out of memory for %" PRId64 " fused segments", s->nsegments);
+        rc = fused_lengths(s, full, lens, err);
+        int64_t offset = base;
+        for (int64_t i = 0; rc == SF_OK && i < s->nsegments; i++) {
+            rc = sf_spec_rank(&s->segments[i], lens[i], offset, parts, rank, out, length, err);
+            offset += lens[i];
+        }
+        free(lens);
+        return rc;
+    }
+    }
+    FAIL(SF_EINVAL, "split spec %s: unknown kind %d", s->describe, (int)s->kind);
 }
 
 /* Copy a box (all of shard's dims, with `dim` restricted to [s_off, s_off+len)

@@ -45,6 +45,43 @@ sf_status sf_vocab_layout(int64_t vocab, int64_t parts, int64_t rank, int64_t mu
                           int64_t *padded, int64_t *start, int64_t *per_rank, int64_t *real,
                           sf_error *err);
 
+/* A split spec: how one dimension is cut (shardformer.layout's SplitSpec).
+ *   SPLIT    equal runs of `unit` indices
+ *   VOCAB    a vocabulary padded to a multiple of parts * unit (sf_vocab_layout)
+ *   HEADS    the query (part 0) or KV (part 1) heads of sf_heads_layout
+ *   GROUPED  [q heads of KV group 0 | k | v | q heads of group 1 | ...]
+ *   FUSED    segments laid end to end, each cut by its own spec
+ * head_dim, when > 0, fixes the length the spec describes (HEADS, GROUPED). */
+typedef enum { SF_SPEC_SPLIT, SF_SPEC_VOCAB, SF_SPEC_HEADS, SF_SPEC_GROUPED, SF_SPEC_FUSED } sf_spec_kind;
+
+typedef struct sf_spec {
+    sf_spec_kind kind;
+    const char *describe;          /* the spec in words, for messages */
+    int64_t unit;                  /* SPLIT: the unit; VOCAB: the padding multiple */
+    int64_t num_heads, num_kv_heads, head_dim, part; /* HEADS, GROUPED */
+    const struct sf_spec *segments; /* FUSED */
+    int64_t nsegments;
+} sf_spec;
+
+/* A growable list of ranges (malloc'd; sf_range_list_free). */
+typedef struct {
+    sf_range *v;
+    int64_t n, cap;
+} sf_range_list;
+
+void sf_range_list_free(sf_range_list *l);
+
+/* The full length `spec` describes, or -1 in *out when it does not say
+ * (EOVERFLOW when it overflows int64). */
+sf_status sf_spec_expected(const sf_spec *spec, int64_t *out, sf_error *err);
+
+/* Append the ranges of a dimension of length `full` cut by `spec` that
+ * `rank` of `parts` holds, offset by `base`, to *out; add their count (with
+ * a vocabulary's padding rows) to *length.  EINVAL when `full` does not fit
+ * the spec, EOVERFLOW, ENOMEM. */
+sf_status sf_spec_rank(const sf_spec *spec, int64_t full, int64_t base, int64_t parts, int64_t rank,
+                       sf_range_list *out, int64_t *length, sf_error *err);
+
 /* Strided tensor descriptor for the copy kernel. */
 typedef struct {
     char *data;

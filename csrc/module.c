@@ -20,6 +20,7 @@
 #include "tensor_view.h"
 
 int sf_register_comm(PyObject *m);
+int sf_register_nccl(PyObject *m);
 int sf_register_kernels(PyObject *m);
 
 PyDoc_STRVAR(split_units_doc,
@@ -371,7 +372,8 @@ PyDoc_STRVAR(sharder_plan_doc,
 "sharder_plan(root, model_name, policy, tp_size, rank) -> (ops, matched)\n\n"
 "Read and check the policy, walk the module tree, match policy entries,\n"
 "resolve and validate every substitution and its shard layouts; change\n"
-"nothing.  See csrc/sharder.c.");
+"nothing.  ops is a list of PlanOp records (kind, path, owner, name, value,\n"
+"target, native, kwargs, plan, change).  See csrc/sharder.h.");
 
 PyDoc_STRVAR(resolve_split_doc,
 "resolve_split(spec, full, tp_size, rank, what='dimension') -> DimShard fields\n\n"
@@ -390,7 +392,9 @@ PyDoc_STRVAR(sharder_apply_doc,
 "in-place change) and bound method, calling adopt(path, native, replacement)\n"
 "for each, without touching the model; then swap them in, journaled, undoing\n"
 "the swaps in reverse if one fails.  `built(ops, builds)`, when given, sees\n"
-"(and may edit) the list of builds between the two phases; what it raises\n"
+"(and may edit) the list of builds -- PlanOp records with a sub's\n"
+"replacement in value, or its prepared change in change -- between the two\n"
+"phases; what it raises\n"
 "comes out unchanged.  `journal`, when given, is left holding the changes\n"
 "that could not be undone after a failure (empty on success).");
 
@@ -434,7 +438,11 @@ PyMODINIT_FUNC PyInit__C(void)
     PyObject *m = PyModule_Create(&module_def);
     if (m && sf_register_comm(m) < 0)
         Py_CLEAR(m);
+    if (m && sf_register_nccl(m) < 0)
+        Py_CLEAR(m);
     if (m && sf_register_kernels(m) < 0)
+        Py_CLEAR(m);
+    if (m && sf_register_sharder(m) < 0)
         Py_CLEAR(m);
     return m;
 }

@@ -59,6 +59,12 @@ def expect(exc, fn, *args, match=None, **kwargs):
     raise AssertionError(f"{fn.__name__}{args!r} did not raise {exc.__name__}")
 
 
+def record(kind, path, owner=None, name=None, value=None, target=None, native=None, kwargs=None,
+           plan=None, change=None):
+    """A plan record (_C.PlanOp) made by hand."""
+    return _C.PlanOp((kind, path, owner, name, value, target, native, kwargs, plan, change))
+
+
 # --- layout arithmetic --------------------------------------------------------
 
 def scenario_layout_math(i):
@@ -384,11 +390,12 @@ def scenario_sharder(i):
         expect(ValueError, _C.sharder_plan, Root(), "M", {Block: entry}, 1, 0, match=match)
     expect(TypeError, _C.sharder_apply, (), None)
     expect(TypeError, _C.sharder_apply, [])
-    for op in (42, (), ("attr",), (1, "p"), ("bogus", "p"), ("attr", "p", 1),
-               ("sub", "p", Root(), "x", Target, nn.Linear(1, 1), [], None),
-               ("sub", "p", Root(), "x", object, nn.Linear(1, 1), {}, None),
-               ("param", "p", nn.Linear(1, 1), 3), ("attr", "p", 3, "real", 1),
-               ("method", "p", 3, "f", fwd)):
+    for op in (42, (), ("attr", "p", 1, "x", 2), record("attr", "p"), record("bogus", "p"),
+               record("method", "p", Root(), 3, fwd),
+               record("sub", "p", Root(), "x", target=Target, native=nn.Linear(1, 1), kwargs=[]),
+               record("sub", "p", Root(), "x", target=object, native=nn.Linear(1, 1), kwargs={}),
+               record("param", "p", nn.Linear(1, 1), value=3), record("attr", "p", 3, "real", 1),
+               record("method", "p", 3, "f", fwd)):
         expect(RuntimeError, _C.sharder_apply, [op], None, match="applying the shard plan")
     # Regression: the policy entry dropped from the dict while planning.
     dropping = DROPPING
@@ -398,8 +405,8 @@ def scenario_sharder(i):
     assert len(ops) == 2
     # Regression: the op list shrinking while it is applied.
     shrinking = []
-    shrinking.extend([("param", "a", nn.Linear(1, 1), lambda m: shrinking.clear()),
-                      ("param", "b", nn.Linear(1, 1), lambda m: None)])
+    shrinking.extend([record("param", "a", nn.Linear(1, 1), value=lambda m: shrinking.clear()),
+                      record("param", "b", nn.Linear(1, 1), value=lambda m: None)])
     assert _C.sharder_apply(shrinking, None) == 1
     _sharder_built_callback()
 
@@ -426,7 +433,8 @@ def _sharder_built_callback():
 
     def edit(ops_seen, builds):
         seen.append(len(builds))
-        builds[0] = builds[0][:4] + (nn.Linear(3, 3),)
+        fields = dict(zip(_C.PlanOp.__match_args__, builds[0]), value=nn.Linear(3, 3))
+        builds[0] = _C.PlanOp(tuple(fields.values()))
 
     assert _C.sharder_apply(ops, None, None, None, edit) == 1 and seen == [1]
     assert isinstance(root.blocks[1].inner.proj, nn.Linear) and root.blocks[1].inner.proj.in_features == 3
@@ -869,9 +877,9 @@ elif MODE == "leaks":
             return IDENTITY
 
     HOST = Block()
-    OPS = [("attr", "a", HOST, "num_heads", 4), ("param", "p", HOST, lambda m: None),
-           ("sub", "s", HOST, "proj", Reuse, IDENTITY, {"k": 1}, (1, 2)),
-           ("method", "m", HOST, "forward", fwd)]
+    OPS = [record("attr", "a", HOST, "num_heads", 4), record("param", "p", HOST, value=lambda m: None),
+           record("sub", "s", HOST, "proj", target=Reuse, native=IDENTITY, kwargs={"k": 1}, plan=(1, 2)),
+           record("method", "m", HOST, "forward", fwd)]
     GATHER_OK = [[(0, 2)], [(2, 2)], [(4, 1)]]
 
     def raises_type_error(tp, r):
@@ -1048,10 +1056,10 @@ elif MODE == "leaks":
                                               {Block: ((), (), (), (("f", 3),))}, 1, 0),
         "sharder_apply": lambda: _C.sharder_apply(list(OPS), None),
         "sharder_apply/malformed": lambda: expect(RuntimeError, _C.sharder_apply,
-                                                  [OPS[0], ("sub", "p")], None),
+                                                  [OPS[0], record("sub", "p")], None),
         "sharder_apply/factory_missing": lambda: expect(
-            RuntimeError, _C.sharder_apply, [("sub", "s", HOST, "proj", object, IDENTITY, {},
-                                              None)], None),
+            RuntimeError, _C.sharder_apply, [record("sub", "s", HOST, "proj", target=object,
+                                                    native=IDENTITY, kwargs={})], None),
         "sharder_apply/type": lambda: expect(TypeError, _C.sharder_apply, (), None),
         "sharder_apply/adopt": lambda: _C.sharder_apply(list(OPS), None, lambda *a: None),
         "sharder_apply/adopt_type": lambda: expect(TypeError, _C.sharder_apply, [], None, 3),

@@ -910,8 +910,8 @@ def test_sharder_plan_and_apply_roundtrip():
     root = Root()
     ops, matched = _C.sharder_plan(root, "Root", entries_for_block(), 2, 1)
     assert matched == 2
-    assert [op[0] for op in ops] == ["attr", "param", "sub", "method"] * 2
-    assert ops[2][1] == "blocks.0.proj" and ops[2][-1] == ("plan", 2, 1, ("k",))
+    assert [op.kind for op in ops] == ["attr", "param", "sub", "method"] * 2
+    assert ops[2].path == "blocks.0.proj" and ops[2].plan == ("plan", 2, 1, ("k",))
     assert not hasattr(root.blocks[0], "touched") and root.blocks[0].num_heads == 8
     Target.calls.clear()
     assert _C.sharder_apply(ops, "pg") == 8
@@ -927,11 +927,11 @@ def test_sharder_plan_keys_by_name_and_star():
     root = Root()
     for key in ("Root", f"{Root.__module__}.Root"):
         ops, matched = _C.sharder_plan(root, "M", {key: entry}, 1, 0)
-        assert matched == 1 and [op[1] for op in ops] == []
+        assert matched == 1 and [op.path for op in ops] == []
     entry = ((), (), (("blocks.*.proj", Target, {}, False),), ())
     for key in ("Root", f"{Root.__module__}.Root"):
         ops, matched = _C.sharder_plan(root, "M", {key: entry}, 1, 0)
-        assert matched == 1 and [op[1] for op in ops] == ["blocks.0.proj", "blocks.1.proj"]
+        assert matched == 1 and [op.path for op in ops] == ["blocks.0.proj", "blocks.1.proj"]
     ops, _ = _C.sharder_plan(root, "M", {Root: ((), (), (("missing", Target, {}, True),), ())},
                              1, 0)
     assert ops == []
@@ -1012,16 +1012,44 @@ def test_sharder_apply_argument_types():
     assert _C.sharder_apply([], None) == 0
 
 
+def record(kind, path, owner=None, name=None, value=None, target=None, native=None, kwargs=None,
+           plan=None, change=None):
+    """A plan record (_C.PlanOp) made by hand."""
+    return _C.PlanOp((kind, path, owner, name, value, target, native, kwargs, plan, change))
+
+
+def test_plan_records_are_named():
+    """sharder_plan returns _C.PlanOp records read by field name; apply's
+    builds are records too (a sub's replacement in `value`)."""
+    root = Root()
+    ops, _ = _C.sharder_plan(root, "Root", entries_for_block(), 2, 1)
+    attr, param, sub, method = ops[:4]
+    assert all(isinstance(op, _C.PlanOp) for op in ops)
+    assert (attr.kind, attr.path, attr.owner, attr.name, attr.value) == (
+        "attr", "blocks.0.num_heads", root.blocks[0], "num_heads", 4)
+    assert (param.kind, param.owner, param.name, callable(param.value)) == ("param", root.blocks[0], None, True)
+    assert (sub.kind, sub.owner, sub.name, sub.target, sub.native, sub.kwargs, sub.value) == (
+        "sub", root.blocks[0], "proj", Target, root.blocks[0].proj, {"k": 1}, None)
+    assert (method.kind, method.name, method.value) == ("method", "forward", new_forward)
+    seen = []
+    _C.sharder_apply(ops, "pg", None, None, lambda o, builds: seen.extend(builds))
+    subs = [b for b in seen if b.kind == "sub"]
+    assert [type(b.value) for b in subs] == [nn.Identity] * 2 and all(b.change is None for b in subs)
+    assert all(b.value.__self__ is b.owner for b in seen if b.kind == "method")
+
+
 @pytest.mark.parametrize("op, pattern", [
-    (42, "malformed plan op"),
-    ((), "malformed plan op"),
-    (("attr",), "malformed plan op"),
-    ((1, "p"), "malformed plan op"),
-    (("attr", "p", 1), "unknown plan op 'attr'"),
-    (("bogus", "p"), "unknown plan op 'bogus'"),
-    (("sub", "p", Root(), "x", Target, nn.Linear(1, 1), [], None), "kwargs is not a dict"),
-    (("param", "p", nn.Linear(1, 1), 3), "not callable"),
-    (("attr", "p", 3, "real", 1), "attribute"),
+    (42, "malformed plan op: expected a shardformer._C.PlanOp, got int"),
+    (("attr", "p", 3, "real", 1), "expected a shardformer._C.PlanOp, got tuple"),
+    (record("attr", "p"), "'attr' op needs owner"),
+    (record("param", "p", nn.Linear(1, 1)), "'param' op needs value"),
+    (record("sub", "p", Root(), "x", native=nn.Linear(1, 1)), "'sub' op needs target"),
+    (record("method", "p", Root(), 3, len), "name must be a str"),
+    (record("bogus", "p"), "unknown plan op kind 'bogus'"),
+    (record("sub", "p", Root(), "x", target=Target, native=nn.Linear(1, 1), kwargs=[]),
+     "kwargs is not a dict"),
+    (record("param", "p", nn.Linear(1, 1), value=3), "not callable"),
+    (record("attr", "p", 3, "real", 1), "attribute"),
 ])
 def test_sharder_apply_malformed_ops(op, pattern):
     with pytest.raises(RuntimeError, match=f"applying the shard plan failed.*{pattern}"):
@@ -1073,7 +1101,8 @@ def test_regression_apply_list_shrinks():
     def clear(module):
         ops.clear()
 
-    ops.extend([("param", "a", nn.Linear(1, 1), clear), ("param", "b", nn.Linear(1, 1), clear)])
+    ops.extend([record("param", "a", nn.Linear(1, 1), value=clear),
+                record("param", "b", nn.Linear(1, 1), value=clear)])
     assert _C.sharder_apply(ops, None) == 1
 
 
@@ -1455,7 +1484,7 @@ def test_one_cpu_probe():
     assert set(feats) == {"avx2", "fma", "f16c", "avx512f", "simd", "avx512"}
     assert feats["simd"] == (feats["avx2"] and feats["fma"] and feats["f16c"])
     assert feats["avx512"] == (feats["simd"] and feats["avx512f"])
-    assert _C.cpu_has_avx2() is _C.kernel_has_avx2() is feats["simd"]
+    assert _C.cpu_has_avx2() is feats["simd"] and not hasattr(_C, "kernel_has_avx2")
     try:
         with open("/proc/cpuinfo") as f:
             flags = next(line for line in f if line.startswith("flags")).split()

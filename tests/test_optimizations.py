@@ -172,6 +172,37 @@ def test_lookalikes_are_refused_by_the_probe():
     assert norms == {"_Block.norm", "_Block.rms"} and mlps == {"_Gated"}
 
 
+class _NeedsMask(_Gated):
+    def forward(self, x, mask):   # the gated children, but a forward the probe input cannot call
+        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x)) * mask
+
+
+class _Broken(_Gated):
+    def forward(self, x):          # a bug, not a shape the probe guessed wrong
+        raise KeyError("no such cache entry")
+
+
+def _with_mlp(cls) -> nn.Module:
+    model = _Model()
+    for block in model.blocks:
+        block.mlp = cls(24)
+    return model
+
+
+def test_a_form_whose_probe_raises_is_logged_not_skipped_silently(caplog):
+    """A form refused because its probe raised is logged with the class, the
+    form and the exception; an exception that is not a probe mismatch
+    (PROBE_ERRORS) propagates instead of switching the kernel off."""
+    with caplog.at_level("INFO", logger="shardformer.optimizations"):
+        _, mlps = _switched(_with_mlp(_NeedsMask))
+    assert mlps == set()
+    said = [r.getMessage() for r in caplog.records if r.name == "shardformer.optimizations"]
+    assert any(m.startswith("_NeedsMask: fused form gated_mlp_forward") and "its own forward raised TypeError" in m
+               and "mask" in m for m in said), said
+    with pytest.raises(KeyError, match="no such cache entry"):
+        _switched(_with_mlp(_Broken))
+
+
 def test_a_custom_policy_gets_the_optimizations_without_a_line():
     model, ref = _Model(), _Model()
     sharded, _ = ShardFormer(FUSED).optimize(model, policy=_BlockPolicy())

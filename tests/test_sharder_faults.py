@@ -507,6 +507,16 @@ class _Refuses:
         raise AttributeError(f"{name} is read-only")
 
 
+def _op(kind, path, owner, name=None, value=None):
+    """A hand-made attr / param / method plan record."""
+    return _C.PlanOp((kind, path, owner, name, value, None, None, None, None, None))
+
+
+def _sub(path, parent, name, target, native):
+    """A hand-made sub-module plan record (no kwargs, no ShardPlan)."""
+    return _C.PlanOp(("sub", path, parent, name, None, target, native, {}, None, None))
+
+
 def test_apply_journal_undoes_swaps_in_reverse():
     """A setattr failing in the swap phase: the swaps before it are undone
     (a sub-module put back, an instance attribute over a class attribute and
@@ -516,10 +526,10 @@ def test_apply_journal_undoes_swaps_in_reverse():
     owner = _Owner()
 
     def ops():
-        return [("sub", "blocks.0", root.blocks, "0", _Identity, blocks[0], {}, None),
-                ("attr", "owner.value", owner, "value", "instance"),
-                ("method", "owner.forward", owner, "forward", lambda self: 1),
-                ("attr", "refuses.x", _Refuses(), "x", 1)]
+        return [_sub("blocks.0", root.blocks, "0", _Identity, blocks[0]),
+                _op("attr", "owner.value", owner, "value", "instance"),
+                _op("method", "owner.forward", owner, "forward", lambda self: 1),
+                _op("attr", "refuses.x", _Refuses(), "x", 1)]
 
     journal = []
     with pytest.raises(RuntimeError, match=r"refuses.x \(op 4 of 4\): x is read-only; every change was undone"):
@@ -570,17 +580,17 @@ def test_apply_in_place_changes():
     root = custom.ToyModel()
     fc1 = root.blocks[0].fc1
     journal = []
-    ops = [("sub", "blocks.0.fc1", root.blocks[0], "fc1", _InPlace, fc1, {}, None),
-           ("sub", "blocks.0.fc2", root.blocks[0], "fc2", object, root.blocks[0].fc2, {}, None)]
+    ops = [_sub("blocks.0.fc1", root.blocks[0], "fc1", _InPlace, fc1),
+           _sub("blocks.0.fc2", root.blocks[0], "fc2", object, root.blocks[0].fc2)]
     with pytest.raises(RuntimeError, match=r"changes that cannot be undone: blocks.0.fc1\) and must be rebuilt"):
         _C.sharder_apply(ops, None, None, journal)
     assert journal == [("inplace", "blocks.0.fc1")]
-    ops = [("sub", "blocks.0.fc2", root.blocks[0], "fc2", _Prepared, root.blocks[0].fc2, {}, None)]
+    ops = [_sub("blocks.0.fc2", root.blocks[0], "fc2", _Prepared, root.blocks[0].fc2)]
     with pytest.raises(KeyboardInterrupt):
         _C.sharder_apply(ops, None)
     assert _Prepared.log == ["rollback"] and not hasattr(root.blocks[0].fc2, "halfway")
-    ops = [("sub", "x", root, "x", type("NoCommit", (), {"prepare_native_module": staticmethod(
-        lambda m, g, **k: object())}), root.blocks[0], {}, None)]
+    ops = [_sub("x", root, "x", type("NoCommit", (), {"prepare_native_module": staticmethod(
+        lambda m, g, **k: object())}), root.blocks[0])]
     with pytest.raises(RuntimeError, match="must return an object with commit"):
         _C.sharder_apply(ops, None)
 

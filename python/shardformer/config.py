@@ -6,9 +6,6 @@ from typing import Any
 
 import torch.distributed as dist
 
-# Switches whose implementation has not landed yet, with where it is tracked.
-# Switching one on is an error rather than a silent no-op.
-_NOT_YET: dict[str, str] = {}
 SEQUENCE_PARALLEL_MODES = ("split_gather", "all_to_all", "ring_attn")
 SEQUENCE_PARALLEL_RECOMPUTE = (None, "selective")
 # Modes whose attention runs across the sequence split, over a group of their own.
@@ -173,12 +170,6 @@ class ShardConfig:
                 raise TypeError(f"ShardConfig.pipeline_stage_manager must be a shardformer.pipeline."
                                 f"PipelineStageManager, got {type(self.pipeline_stage_manager).__name__}")
             self._check_pipeline_groups()
-        for name, what in _NOT_YET.items():
-            if getattr(self, name):
-                reason = " (switched on by enable_all_optimization)" if self.enable_all_optimization \
-                    and name in ("enable_flash_attention", "enable_jit_fused") else ""
-                raise NotImplementedError(f"ShardConfig.{name}=True{reason}: {what} is not available "
-                                          "in this version of shardformer")
 
     def _check_pipeline_groups(self) -> None:
         """The pipeline group and the tensor- / sequence-parallel group of a

@@ -49,9 +49,9 @@ _HF_FLAGS = ("_is_hf_initialized",)
 def check_replaceable(model_name: str, ops: list) -> None:
     """Refuse plans that would drop run-time behaviour silently (before apply)."""
     for op in ops:
-        if not (isinstance(op, tuple) and len(op) == 8 and op[0] == "sub"):
+        if op.kind != "sub":
             continue
-        path, native = op[1], op[5]
+        path, native = op.path, op.native
         if isinstance(native, nn.Module) and "forward" in vars(native):
             raise ValueError(
                 f"{model_name}: {path}: {type(native).__name__}.forward is patched on the instance "

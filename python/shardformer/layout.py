@@ -2,7 +2,7 @@
 
 A *split spec* (Split, Heads.q / Heads.kv, Fused, Vocab) describes how one
 dimension of a weight is cut; policies pass one to a layer as `split=`.
-A spec is data: `spec.data` is a small tuple (see csrc/sharder.c) that the C
+A spec is data: `spec.data` is a small tuple (see csrc/layout_spec.c) that the C
 layout arithmetic reads directly, so the sharder resolves every layout in C
 without calling back into Python.  `spec.resolve(full, tp_size, rank)` is
 the same arithmetic for code outside the sharder (one `_C.resolve_split`
@@ -67,12 +67,12 @@ class DimShard:
 
 class SplitSpec(ABC):
     """Base class of split specs.  Subclasses say what they are as `data`
-    (the tuple the C layout arithmetic reads, see csrc/sharder.c)."""
+    (the tuple the C layout arithmetic reads, see csrc/layout_spec.c)."""
 
     @property
     @abstractmethod
     def data(self) -> tuple:
-        """(kind, description, fields...): see resolve_split in csrc/sharder.c."""
+        """(kind, description, fields...): see csrc/layout_spec.c."""
 
     def expected_full(self) -> int | None:
         """The full length this spec describes, when it knows it."""

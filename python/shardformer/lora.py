@@ -139,19 +139,19 @@ class LoraSharding:
         from .layer.linear import VocabParallelLMHead1D
         from .layer.lora import LORA_CLASSES
 
-        subs = {op[1]: op for op in ops if op[0] == "sub"}
+        subs = {op.path: op for op in ops if op.kind == "sub"}
         for path in self.layers:
             outer = [p for p in subs if path.startswith(p + ".")          # hooks on a kept module are fine
-                     and not hasattr(subs[p][4], "prepare_native_module")]
+                     and not hasattr(subs[p].target, "prepare_native_module")]
             if outer:
                 raise NotImplementedError(
                     f"{self.name}: {path}: the policy replaces {outer[0]} whole "
-                    f"({getattr(subs[outer[0]][4], '__name__', subs[outer[0]][4])}), so the LoRA adapter inside "
+                    f"({getattr(subs[outer[0]].target, '__name__', subs[outer[0]].target)}), so the LoRA adapter inside "
                     f"it cannot be kept; leave {path} out of target_modules")
             op = subs.get(path)
             if op is None:
                 continue
-            target, kwargs = op[4], op[6] or {}
+            target, kwargs = op.target, op.kwargs or {}
             usable = isinstance(target, type) and any(issubclass(target, c.base_class) for c in LORA_CLASSES) \
                 and not issubclass(target, VocabParallelLMHead1D) and not kwargs.get("gather_input")
             if not usable:

@@ -36,11 +36,21 @@ forms in eval mode, the kernel's dropout masks not being torch's) and must
 agree.  A module whose probe disagrees keeps its own forward.  Nothing
 here splits a tensor, so the same rules hold at any tensor-parallel size.
 
+A probe that raises is not a silent skip.  A module whose own computation
+raises one of PROBE_ERRORS on the probe input (a structural look-alike fed an
+input it does not take) is not of that form; a fused form that raises one of
+them where the module's own forward ran is refused too (Falcon's MLP has the
+children of a fused gated form, not its shapes).  Each refusal is logged
+(INFO, logger "shardformer.optimizations"), naming the class, the form and
+the exception.  Any other exception is a bug and propagates out of
+optimize(), before the model changes.
+
 Modules that the policy itself replaces (or that sit inside one it replaces)
 are left to the policy.
 """
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from contextlib import contextmanager
 
@@ -53,6 +63,42 @@ from .policy import ModulePolicyDescription
 from .policy import SubModuleReplacementDescription as Sub
 
 _EPS_NAMES = ("eps", "variance_epsilon", "epsilon")
+log = logging.getLogger(__name__)
+
+# What a module (or a fused form) raises on a probe input it does not take:
+# a wrong shape or dtype (RuntimeError, ValueError, IndexError), a missing or
+# extra argument or attribute (TypeError, AttributeError), an unsupported
+# configuration (NotImplementedError).  Caught, the form refused and logged;
+# any other exception propagates.
+PROBE_ERRORS = (RuntimeError, TypeError, ValueError, IndexError, AttributeError, NotImplementedError)
+
+
+def _refused(module, form: str, whose: str, error: BaseException) -> None:
+    """Log why `module`'s class does not get `form`: `whose` computation
+    raised `error` on the probe input."""
+    name = type(module).__qualname__ if isinstance(module, nn.Module) else getattr(
+        module, "__qualname__", type(module).__qualname__)
+    log.info("%s: fused form %s not used: %s raised %s: %s on the probe input",
+            name, form, whose, type(error).__name__, error)
+
+
+def _run_probe(module, form: str, own, fused):
+    """(want, got) = (own(), fused()) under no_grad and the same seed, or None
+    when either raises one of PROBE_ERRORS (logged, see _refused)."""
+    results = []
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
+        for whose, call in (("its own forward", own), ("the fused form", fused)):
+            torch.manual_seed(0)
+            try:
+                results.append(call())
+            except PROBE_ERRORS as e:
+                _refused(module, form, whose, e)
+                return None
+    return tuple(results)
+
+
+def _form_name(fused) -> str:
+    return getattr(fused, "__qualname__", repr(fused))
 
 
 def _eps(module) -> float | None:
@@ -137,7 +183,8 @@ def _norm_form(module) -> str | None:
         try:
             with torch.no_grad():
                 return type(module).forward(clone, inp.to(weight.device)).cpu()
-        except Exception:  # noqa: BLE001 - a module that cannot run on this probe is not a norm of ours
+        except PROBE_ERRORS as e:  # cannot run on this probe: not a norm of ours
+            _refused(module, "norm", "its own forward", e)
             return None
 
     xf = x.float()
@@ -199,7 +246,8 @@ def _act_kind(act) -> str | None:
     try:
         with torch.no_grad():
             y = act(x)
-    except Exception:  # noqa: BLE001
+    except PROBE_ERRORS as e:  # not an elementwise activation of a tensor
+        _refused(act, "activation", "its own forward", e)
         return None
     if not isinstance(y, torch.Tensor) or y.shape != x.shape:
         return None
@@ -417,14 +465,11 @@ def _method_forwards(module) -> dict:
         if n is None or method in out:
             continue
         x = torch.randn(2, 3, n, generator=torch.Generator().manual_seed(4321)).to(dtype=dtype, device=device)
-        try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)
-                want = getattr(type(module), method)(module, x)
-                torch.manual_seed(0)
-                got = fused(module, x)
-        except Exception:  # noqa: BLE001
+        ran = _run_probe(module, _form_name(fused), lambda: getattr(type(module), method)(module, x),
+                         lambda: fused(module, x))
+        if ran is None:
             continue
+        want, got = ran
         if _close(got, want, dtype):
             out[method] = fused
     return out
@@ -449,14 +494,10 @@ def _mlp_forward(module):
             continue
         dtype, device = params[0].dtype, params[0].device
         x = torch.randn(2, 3, n, generator=torch.Generator().manual_seed(4321)).to(dtype=dtype, device=device)
-        try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[]):
-                torch.manual_seed(0)
-                want = type(module).forward(module, x)
-                torch.manual_seed(0)
-                got = fused(module, x)
-        except Exception:  # noqa: BLE001 - a form that does not run is not this module's form
+        ran = _run_probe(module, _form_name(fused), lambda: type(module).forward(module, x), lambda: fused(module, x))
+        if ran is None:
             continue
+        want, got = ran
         if isinstance(want, tuple):
             continue
         if _close(got, want, dtype):
@@ -498,12 +539,12 @@ def _residual_forward(module):
         gen = torch.Generator().manual_seed(4321)
         x = torch.randn(2, 3, n, generator=gen).to(dtype=dtype, device=device)
         r = torch.randn(2, 3, m, generator=gen).to(dtype=dtype, device=device)
-        try:
-            with torch.no_grad(), _eval_mode(module):
-                want = type(module).forward(module, x, r)
-                got = fused(module, x, r)
-        except Exception:  # noqa: BLE001 - a form that does not run is not this module's form
+        with _eval_mode(module):
+            ran = _run_probe(module, _form_name(fused), lambda: type(module).forward(module, x, r),
+                             lambda: fused(module, x, r))
+        if ran is None:
             continue
+        want, got = ran
         if isinstance(want, tuple):
             continue
         if _close(got, want, dtype):

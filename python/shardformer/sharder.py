@@ -1,5 +1,5 @@
 """ModelSharder: sequences the policy hooks around the C sharder engine
-(csrc/sharder.c).
+(csrc/sharder.h: sharder_policy.c, sharder_walk.c, sharder_apply.c).
 
 The engine reads and checks the policy (ModulePolicyDescription data, the one
 place its shape is checked), walks the tree, matches, resolves suffixes and
@@ -55,8 +55,8 @@ BROKEN_MARK = "_shardformer_broken"
 def _optimization_ops(model, name: str, cfg: ShardConfig, ops: list, tp_size: int, rank: int) -> list:
     """The plan of the optimizations (fused norms, fused MLP activations) for
     the modules the policy's plan `ops` leaves alone (shardformer.optimizations)."""
-    replaced = {op[1] for op in ops if op[0] == "sub"}
-    methods = {op[1] for op in ops if op[0] == "method"}
+    replaced = {op.path for op in ops if op.kind == "sub"}
+    methods = {op.path for op in ops if op.kind == "method"}
     extra = optimization_policy(model, cfg, replaced, methods)
     if not extra:
         return []
@@ -71,7 +71,7 @@ def _check_expert_plan(name: str, policy, cfg: ShardConfig, ops: list) -> None:
         return
     from .layer.expert_parallel import ExpertParallelExperts
 
-    if not any(op[0] == "sub" and op[4] is ExpertParallelExperts for op in ops):
+    if not any(op.kind == "sub" and op.target is ExpertParallelExperts for op in ops):
         raise ValueError(f"{name}: ShardConfig.expert_parallel_process_group is set, but {type(policy).__name__} "
                          f"splits no mixture-of-experts block of {name} over it (the model has none, or its "
                          f"policy does not map expert parallelism); leave expert_parallel_process_group None")

@@ -86,12 +86,12 @@ class Ties:
         self._share_replacements(ops, builds)
         slots, changes = {}, {}
         for build in builds:
-            if not (isinstance(build, tuple) and build and build[0] == "sub"):
+            if build.kind != "sub":
                 continue
-            if len(build) == 5:
-                slots[(id(build[2]), build[3])] = build[4]
-            elif len(build) == 3 and isinstance(getattr(build[2], "params", None), dict):
-                changes[id(build[2].module)] = build[2]      # a prepared in-place shard (ShardParams)
+            if build.change is None:
+                slots[(id(build.owner), build.name)] = build.value
+            elif isinstance(getattr(build.change, "params", None), dict):
+                changes[id(build.change.module)] = build.change   # a prepared in-place shard (ShardParams)
         plans = []
         for original, places in self.groups:
             after = [(place, *self._after(place, slots, changes)) for place in places]
@@ -160,10 +160,9 @@ class Ties:
         built alike (same class and layouts); else refused by name."""
         first: dict[int, tuple] = {}
         for i, (op, build) in enumerate(zip(ops, builds)):
-            if not (isinstance(op, tuple) and len(op) == 8 and op[0] == "sub"
-                    and isinstance(build, tuple) and len(build) == 5):
+            if op.kind != "sub" or build.change is not None:
                 continue
-            native, replacement = op[5], build[4]
+            native, replacement = op.native, build.value
             seen = first.get(id(native))
             if seen is None:
                 first[id(native)] = (op, replacement)
@@ -171,11 +170,19 @@ class Ties:
             earlier_op, earlier = seen
             if type(earlier) is not type(replacement) or _layouts(earlier) != _layouts(replacement):
                 raise ValueError(
-                    f"{self.model_name}: {earlier_op[1]} and {op[1]} are one module ({type(native).__name__}, shared), but the shard "
-                    f"plan replaces them differently: {earlier_op[1]} by {type(earlier).__name__}, {op[1]} by "
+                    f"{self.model_name}: {earlier_op.path} and {op.path} are one module ({type(native).__name__}, shared), but the shard "
+                    f"plan replaces them differently: {earlier_op.path} by {type(earlier).__name__}, {op.path} by "
                     f"{type(replacement).__name__}{'' if type(earlier) is not type(replacement) else ' with other layouts'}; "
                     f"untie them (give each path its own module) or shard both paths the same way; nothing was changed")
-            builds[i] = build[:4] + (earlier,)
+            builds[i] = _with_value(build, earlier)
+
+
+def _with_value(build, value):
+    """The plan record `build` (a _C.PlanOp) with `value` (its replacement)
+    changed; a struct sequence is immutable and has no _replace."""
+    fields = dict(zip(type(build).__match_args__, build))
+    fields["value"] = value
+    return type(build)(tuple(fields.values()))
 
 
 def _layouts(module) -> dict:

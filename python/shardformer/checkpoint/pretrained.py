@@ -155,10 +155,6 @@ def _build_hf_mapping(model: nn.Module):
     return renamings, converters, rename_source_key
 
 
-def _natural(key: str):
-    return [(0, int(p), "") if p.isdigit() else (1, 0, p) for p in re.split(r"(\d+)", key)]
-
-
 @dataclass
 class _Sources:
     nodes: dict          # model key -> source (_Leaf / _Stack / _Cat)

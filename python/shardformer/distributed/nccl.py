@@ -37,10 +37,10 @@ def _load() -> tuple[bool, str]:
     if "ok" not in _state:
         path = os.environ.get("SHARDFORMER_NCCL_PATH") or None
         try:
-            code, where = _C.nccl_load(path)
-            _state.update(ok=True, code=code, where=where, why="")
+            code, _where = _C.nccl_load(path)       # (version code, the library's path)
+            _state.update(ok=True, code=code, why="")
         except OSError as e:
-            _state.update(ok=False, code=0, where="", why=f"NCCL cannot be loaded: {e}")
+            _state.update(ok=False, code=0, why=f"NCCL cannot be loaded: {e}")
     return _state["ok"], _state["why"]
 
 
@@ -64,11 +64,6 @@ def version() -> tuple[int, int, int] | None:
     if code >= 10000:  # NCCL >= 2.9 encodes major*10000 + minor*100 + patch
         return code // 10000, code % 10000 // 100, code % 100
     return code // 1000, code % 1000 // 100, code % 100
-
-
-def library_path() -> str:
-    _load()
-    return _state["where"]
 
 
 class NcclCommunicator:

@@ -7,7 +7,7 @@ layout (DimShard) of each split dimension.  Where it comes from:
     ShardConfig's group; for every replacement it calls
     `cls.plan_shard(native, tp_size, rank, **kwargs)` (Python checks that say
     what to split, as data: split specs and the lengths they cut), resolves
-    the layouts in C (csrc/sharder.c), and, once the whole model is planned,
+    the layouts in C (csrc/layout_spec.c, csrc/layout.c), and, once the whole model is planned,
     `cls.from_native_module(native, group, plan=plan, **kwargs)`.
   * a layer built directly (tests, benchmarks): `from_native_module(native,
     group, **kwargs)` or the constructor without a plan; `plan_for` is the one
