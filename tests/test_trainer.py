@@ -54,3 +54,17 @@ def test_sharded_trainer_equals_trainer(world_pool, reference, tmp_path, layout,
         _same_weights(f"rank {rank} weights resumed from checkpoint-2", r["resumed_weights"], reference)
     assert "shardformer_state" in results[0]["checkpoint"] and "model.safetensors" in results[0]["checkpoint"]
     assert results[0]["reload_error"] < 1e-5, results[0]["reload_error"]
+
+
+def test_plain_trainer_and_accelerate_refused(pool, tmp_path):
+    """Plain Trainer / accelerate's prepare() on a DP=2 x TP=2 model do not train silently: the DDP guard
+    (item 2) refuses the DDP they wrap over the whole world, naming the TP ranks and the fix; ShardedTrainer
+    refuses an unsharded model, a mesh that did not shard the model and a pipelined model, by name."""
+    for message in pool.run(check.plain_trainer_refused, 4, str(tmp_path)) + pool.run(check.accelerate_prepare_refused, 4):
+        assert "DistributedDataParallel over ranks [0, 1, 2, 3]" in message and "tensor-parallel" in message, message
+        assert "shardformer.data_parallel" in message, message
+    for r in pool.run(check.refusals, 4, str(tmp_path)):
+        assert "was not sharded by shardformer" in r["unsharded"], r
+        assert "split over the ranks" in r["mesh"] and "(tp)" in r["mesh"], r
+        assert "2 pipeline stages" in r["pipeline"] and "OneForwardOneBackwardSchedule" in r["pipeline"], r
+        assert all("docs/trainer.md" in m for m in r.values()), r

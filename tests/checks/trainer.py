@@ -160,6 +160,11 @@ def refusals(ctx, out_dir: str) -> dict:
         ShardedTrainer(model=model, args=args, train_dataset=dataset(), mesh=mesh(tp=4))
     except ValueError as e:
         out["mesh"] = str(e)
+    pipelined = ShardFormer(mesh(pp=2, tp=2).shard_config()).optimize(zoo.build(MODEL))[0]
+    try:
+        ShardedTrainer(model=pipelined, args=args, train_dataset=dataset())
+    except NotImplementedError as e:
+        out["pipeline"] = str(e)
     return out
 
 
