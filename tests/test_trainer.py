@@ -40,7 +40,7 @@ def _same_weights(what, got, reference):
                             parity.TOL[torch.float32])
 
 
-@pytest.mark.parametrize("layout, ranks", [("default", 2), ("mesh", 4)])
+@pytest.mark.parametrize("layout, ranks", [("default", 2), ("mesh", 4), ("sp", 4)])
 def test_sharded_trainer_equals_trainer(world_pool, reference, tmp_path, layout, ranks):
     """float64 on both sides, compared within float32's tolerance (the float64 runs agree to ~1e-14)."""
     results = world_pool(ranks).run(check.sharded_run, ranks, layout, str(tmp_path), "float64")

@@ -65,6 +65,9 @@ def _sharded(layout: str, dtype=torch.float32):
     model = zoo.build(MODEL, dtype)
     if layout == "default":                 # ShardConfig(): TP over the world, no DP
         return ShardFormer(ShardConfig()).optimize(model)[0], None
+    if layout == "sp":                      # all_to_all sequence parallelism over its own group, DP over the rest
+        m = mesh(sp=2)
+        return ShardFormer(m.shard_config()).optimize(model)[0], None     # the trainer finds the mesh itself
     m = mesh(tp=2)                          # dp = world / 2
     return ShardFormer(m.shard_config()).optimize(model)[0], m
 
@@ -86,7 +89,7 @@ def sharded_run(ctx, layout: str, out_dir: str, dtype_name: str = "float32") -> 
 
     dtype = getattr(torch, dtype_name)
     model, m = _sharded(layout, dtype)
-    dp = m.sizes["dp"] if m is not None else 1
+    dp = dist.get_world_size() // 2 if layout != "default" else 1
     args = training_args(out_dir, GLOBAL_BATCH // dp, save_strategy="steps", save_steps=2)
     trainer = ShardedTrainer(model=model, args=args, train_dataset=dataset(), mesh=m)
     trainer.train()

@@ -165,10 +165,18 @@ class PlacedShard(torch.Tensor):
                          f"(its pieces: {[list(c.offsets) for c, _ in self._chunks(_pieces(self._shard))]})")
 
 
+def _whole(split) -> bool:
+    """Whether a tensor with this (dim, DimShard) split (None: not split) is
+    the full tensor on this rank: not split, or "split" over one rank without
+    padding (a vocabulary padded for one rank, e.g. sequence parallelism
+    without TP, is not whole: its padding rows are not the model's)."""
+    return split is None or (split[1].tp_size <= 1 and split[1].length == split[1].full)
+
+
 def _placed(t: torch.Tensor, split, key: str):
-    """`t` (detached) as a state-dict value: placed when split over several ranks."""
+    """`t` (detached) as a state-dict value: placed unless it is whole (_whole)."""
     t = t.detach()
-    if split is None or split[1].tp_size <= 1:
+    if _whole(split):
         return t
     return PlacedShard(t, split[0], split[1], key)
 
@@ -269,7 +277,7 @@ def _state_value(v, p: torch.Tensor, split, key: str, optimizer):
     """An optimizer state as a state-dict value: placed as its parameter when
     it has the parameter's shape, plain when the parameter is whole or the
     state is a scalar; anything else has no known placement."""
-    if not isinstance(v, torch.Tensor) or split is None or split[1].tp_size <= 1 or v.dim() == 0:
+    if not isinstance(v, torch.Tensor) or _whole(split) or v.dim() == 0:
         return v.detach() if isinstance(v, torch.Tensor) else v
     if v.shape != p.shape:
         raise NotImplementedError(
