@@ -1,7 +1,7 @@
 """shardformer.integrations.ShardedTrainer (transformers.Trainer for a sharded
 model, issue 31 item 3): losses, grad norms and weights equal to the plain
 Trainer on the unsharded model over the same global batches, at TP=2
-(ShardConfig()) and DP=2 x TP=2 (shardformer.mesh), sharded checkpoints that
+(ShardConfig()), DP=2 x TP=2 (shardformer.mesh) and DP=2 x SP=2 (all_to_all, the mesh found by the trainer), sharded checkpoints that
 resume, save_model() that plain from_pretrained() loads; plain Trainer and
 accelerate's prepare() on a sharded model refused by the DDP guard; the
 recipes of docs/trainer.md run as written at DP=2 x TP=2."""
