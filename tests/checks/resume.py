@@ -125,13 +125,25 @@ def _unsharded_straight(dtype) -> tuple:
     return run.model.state_dict(), losses
 
 
+def _against_unsharded(full: dict, losses: list) -> dict:
+    """The full weights and the losses of steps 4..6 of the TP=2 -> TP=4
+    resume against the unsharded straight run: within the float32 tolerance
+    plus twice that run's own error against float64."""
+    exp, ref_losses = _unsharded_straight(torch.float32)
+    exp64, ref64_losses = _unsharded_straight(torch.float64)
+    for i, (a, b, b64) in enumerate(zip(losses, ref_losses[3:], ref64_losses[3:])):
+        parity.assert_close(f"{NAME} TP=2 -> TP=4: loss of step {4 + i}", torch.tensor(a), torch.tensor(b), TOL,
+                            torch.tensor(b64, dtype=torch.float64))
+    return {k: parity.assert_close(f"{NAME} TP=2 -> TP=4, after step 6: {k}", full[k], exp[k], TOL, exp64[k])
+            for k in exp}
+
+
 def second_half(rank: int, cases: list) -> dict:
     """In a new world of 4 processes: each case (layout, dropout, directory)
     builds its model from another seed, scrambles torch's generator, loads
     the checkpoint and trains steps 3..5.  tp2 runs on ranks 0 and 1.  The
-    case "world" (dropout off) is also compared here with the unsharded
-    straight run (float32, within the tolerance plus twice that run's own
-    error against float64)."""
+    case "world" (TP=4, dropout off) is compared here with the unsharded
+    straight run (_against_unsharded, on rank 0)."""
     pair = dist.new_group([0, 1])
     out = {}
     for layout, dropout, directory in cases:
@@ -144,18 +156,13 @@ def second_half(rank: int, cases: list) -> dict:
         assert state["step"] == 3 and len(state["extra"]["losses"]) == 3, state
         assert run.scheduler.last_epoch == 3, run.scheduler.last_epoch
         losses = run.train(range(3, 6))
-        result = {"losses": state["extra"]["losses"] + losses, "weights": run.local()}
+        result = {"extra": state["extra"]["losses"], "losses": losses, "weights": run.local()}
         if layout == "world":
-            full = gather_full_state_dict(run.model)
-            exp, ref_losses = _unsharded_straight(torch.float32)
-            exp64, ref64_losses = _unsharded_straight(torch.float64)
-            result["errors"] = {k: parity.assert_close(f"{NAME} TP=2 -> TP=4, after step 6: {k}", full[k], exp[k],
-                                                       TOL, exp64[k]) for k in exp}
-            for i, (a, b, b64) in enumerate(zip(losses, ref_losses[3:], ref64_losses[3:])):
-                parity.assert_close(f"{NAME} TP=2 -> TP=4: loss of step {4 + i}", torch.tensor(a),
-                                    torch.tensor(b), TOL, torch.tensor(b64, dtype=torch.float64))
             result["weights"] = None
-        out[f"{layout}"] = result
+            full = gather_full_state_dict(run.model)
+            if rank == 0:
+                result["errors"] = _against_unsharded(full, losses)
+        out[layout] = result
     return out
 
 
