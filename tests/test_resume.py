@@ -9,12 +9,18 @@ Another layout (TP=2 -> TP=4 with the plain ShardConfig(), dropout off):
 the next 3 steps equal the unsharded straight run within float tolerance.
 A save with a rank SIGKILLed mid-write leaves the previous checkpoint
 loadable; async_save overlaps the write with a training step and saves
-the state at the call; bad input is refused on every rank."""
+the state at the call; bad input is refused on every rank.  docs/resume.md's
+recipe runs as written."""
+import os
+import re
+
 import numpy as np
 import pytest
 
 from checks import resume as checks
 from shardformer.launch import RankError, spawn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_resume_exactly_in_new_processes(pool, tmp_path):
@@ -46,3 +52,12 @@ def test_killed_save_leaves_the_previous_checkpoint(pool2, tmp_path):
 def test_async_save_and_refusals(pool, tmp_path):
     reports = pool.run(checks.async_and_refusals, 2, str(tmp_path / "ckpt"))
     print("async save_state: the caller was blocked", reports[0]["blocked_s"], "s")
+
+
+def test_docs_recipe_runs_as_written(pool2, tmp_path):
+    text = open(os.path.join(ROOT, "docs", "resume.md")).read()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert blocks, "docs/resume.md has no python block"
+    script = tmp_path / "resume_recipe.py"
+    script.write_text(blocks[0])
+    pool2.run(checks.docs_recipe, 2, str(script), str(tmp_path / "ckpt"))

@@ -263,3 +263,21 @@ def async_and_refusals(ctx, directory: str) -> dict:
         messages["missing"] = str(e)
     assert "no checkpoint directory" in messages.get("missing", ""), messages
     return {"blocked_s": blocked, **messages}
+
+
+# ------------------------------------------------------------------ docs/resume.md
+
+def docs_recipe(ctx, path: str, directory: str) -> dict:
+    """docs/resume.md's script (its main(), as written, at TP = the world):
+    6 steps straight; 3 steps into `directory`, then a fresh main() that
+    resumes from it to step 6: the same 6 losses and weights, bit for bit."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("resume_recipe", path)
+    recipe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recipe)
+    straight = recipe.main(directory + "-straight", steps=6)
+    first = recipe.main(directory, steps=3)
+    resumed = recipe.main(directory, steps=6)
+    assert first == straight[:3] and resumed == straight, (first, resumed, straight)
+    return {"losses": straight}
