@@ -32,15 +32,16 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+from load import SIZES as _LOAD_SIZES  # noqa: E402 - benchmarks/load.py's models ("1g", "4g")
+
 SIZES = {
     "tiny": dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=False),
     # ~40M parameters, 0.16 GB fp32
-    "small": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
-                  num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False),
-    # ~300M parameters, ~1.2 GB fp32
-    "1g": dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=12,
-               num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False),
+    "small": dict(_LOAD_SIZES["1g"], hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                  num_attention_heads=8),
+    **_LOAD_SIZES,
 }
 
 
@@ -98,7 +99,6 @@ def main(argv=None) -> int:
     p.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary directory)")
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     args = p.parse_args(argv)
-    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
     from shardformer.launch import spawn
 
     directory = tempfile.mkdtemp(prefix="shardformer-ckpt-", dir=args.dir)

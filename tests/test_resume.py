@@ -12,6 +12,7 @@ loadable; async_save overlaps the write with a training step and saves
 the state at the call; bad input is refused on every rank.  docs/resume.md's
 recipe runs as written."""
 import os
+import pickle
 import re
 
 import numpy as np
@@ -23,14 +24,29 @@ from shardformer.launch import RankError, spawn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_resume_exactly_in_new_processes(pool, tmp_path):
-    cases = [("tp2", True, str(tmp_path / "tp2")), ("dp2tp2", True, str(tmp_path / "dp2tp2"))]
+@pytest.fixture(scope="module")
+def new_world(pool, tmp_path_factory):
+    """The first halves in the pool; one new world of 4 processes for the
+    resume halves, which then runs a save that kills rank 1 mid-write."""
+    tmp = tmp_path_factory.mktemp("resume")
+    cases = [("tp2", True, str(tmp / "tp2")), ("dp2tp2", True, str(tmp / "dp2tp2"))]
     straight = {layout: pool.run(checks.first_half, 2 if layout == "tp2" else 4, layout, dropout, d)
                 for layout, dropout, d in cases}
-    pool.run(checks.first_half, 2, "tp2", False, str(tmp_path / "tp2-nodrop"))
-    resumed = spawn(checks.second_half, 4, (cases + [("world", False, str(tmp_path / "tp2-nodrop"))],),
-                    timeout_s=300)
-    for layout, _, _ in cases:
+    pool.run(checks.first_half, 2, "tp2", False, str(tmp / "tp2-nodrop"))
+    killed = str(tmp / "killed")
+    with pytest.raises(RankError) as err:     # rank 1 dies; the others wait for its files until stopped
+        spawn(checks.second_half, 4, (cases + [("world", False, str(tmp / "tp2-nodrop"))], str(tmp), killed),
+              timeout_s=300, grace_s=3)
+    resumed = []
+    for rank in range(4):
+        assert (tmp / f"rank{rank}.pkl").exists(), str(err.value)
+        resumed.append(pickle.loads((tmp / f"rank{rank}.pkl").read_bytes()))
+    return {"cases": cases, "straight": straight, "resumed": resumed, "killed": killed, "error": err.value}
+
+
+def test_resume_exactly_in_new_processes(new_world):
+    straight, resumed = new_world["straight"], new_world["resumed"]
+    for layout, _, _ in new_world["cases"]:
         for rank, (a, b) in enumerate(zip(straight[layout], resumed)):
             got = b[layout]
             assert got["extra"] == straight[layout][0]["losses"][:3], (layout, rank)   # extra: the lowest rank's
@@ -40,12 +56,10 @@ def test_resume_exactly_in_new_processes(pool, tmp_path):
     print("TP=2 -> TP=4 relative errors after 3 more steps:", max(resumed[0]["world"]["errors"].values()))
 
 
-def test_killed_save_leaves_the_previous_checkpoint(pool2, tmp_path):
-    directory = str(tmp_path / "ckpt")
-    with pytest.raises(RankError) as err:
-        spawn(checks.save_then_killed, 2, (directory,), timeout_s=300, grace_s=3)   # rank 0 waits for rank 1's files until stopped
-    assert 1 in err.value.failures, str(err.value)
-    report = pool2.run(checks.load_after_kill, 2, directory)
+def test_killed_save_leaves_the_previous_checkpoint(new_world, pool):
+    failures = new_world["error"].failures
+    assert "exit code -9" in failures.get(1, ""), str(new_world["error"])     # SIGKILL
+    report = pool.run(checks.load_after_kill, 4, new_world["killed"])
     assert report[0]["leftovers"], "the killed save left no temporary directory: it was not killed mid-write"
 
 

@@ -20,6 +20,7 @@ optimizer) can carry over except through the checkpoint.
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 
 import numpy as np
@@ -138,12 +139,14 @@ def _against_unsharded(full: dict, losses: list) -> dict:
             for k in exp}
 
 
-def second_half(rank: int, cases: list) -> dict:
+def second_half(rank: int, cases: list, out_dir: str, kill_dir: str) -> None:
     """In a new world of 4 processes: each case (layout, dropout, directory)
     builds its model from another seed, scrambles torch's generator, loads
     the checkpoint and trains steps 3..5.  tp2 runs on ranks 0 and 1.  The
     case "world" (TP=4, dropout off) is compared here with the unsharded
-    straight run (_against_unsharded, on rank 0)."""
+    straight run (_against_unsharded, on rank 0).  Each rank's results go to
+    out_dir/rankR.pkl; then the same world runs save_then_killed (its last
+    act: rank 1 dies)."""
     pair = dist.new_group([0, 1])
     out = {}
     for layout, dropout, directory in cases:
@@ -163,16 +166,18 @@ def second_half(rank: int, cases: list) -> dict:
             if rank == 0:
                 result["errors"] = _against_unsharded(full, losses)
         out[layout] = result
-    return out
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(out, f)
+    save_then_killed(rank, kill_dir)
 
 
 # ------------------------------------------------------------------ atomic
 
 def save_then_killed(rank: int, directory: str) -> None:
-    """A world of 2 (plain ShardConfig()): one step and save_state (step 1);
+    """TP = the world (plain ShardConfig()): one step and save_state (step 1);
     one more step and save_state again, where rank 1 is SIGKILLed as soon
     as it has written (and fsynced) its first file."""
-    run = Run("world", None, seed=0, dropout=True)     # TP = the world (2 here)
+    run = Run("world", None, seed=0, dropout=True)
     torch.manual_seed(11)
     run.train(range(1))
     run.save(directory, 1)

@@ -51,13 +51,18 @@ killed at any point (SIGKILL of any rank mid-write) leaves the previous
 checkpoint under NAME; the next save removes the leftovers.
 
 Asynchronous.  With async_save=True every tensor is copied first (the
-training may change the originals right after the call), then a thread
-writes the copy through DCP over a process group of its own (gloo, the same
-ranks; collectives of the training on the other groups do not interleave
-with it) and puts it in place.  The call returns a SaveHandle; wait()
-blocks until the checkpoint is in place and raises what the writer raised.
-A later save_state or load_state waits for the pending save first.  The
-training is blocked for the copy only (benchmarks/checkpoint_state.py).
+training may change the originals right after the call) and the write is
+planned with the other ranks (DCP's planner: the only collectives, in the
+caller's thread); then a thread writes this rank's files, and the lowest
+rank's thread, once every rank has posted its records through the process
+group's store, writes DCP's metadata and puts the directory in place.  No
+collective runs beside the training's (a second gloo group made for the
+writer would need every rank of the world at its creation).  The call
+returns a SaveHandle; wait() blocks until the checkpoint is in place and
+raises what went wrong on any rank.  A later save_state or load_state waits
+for the pending save first.  The training is blocked for the copy and the
+plan only (benchmarks/checkpoint_state.py).  The synchronous save runs the
+same two parts in the caller's thread.
 
 Not kept: the dropout modules' recomputation keys (gradient checkpointing
 files them within one step's backward; a save falls between steps).
@@ -69,6 +74,7 @@ from __future__ import annotations
 import io
 import os
 import threading
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -363,7 +369,9 @@ def _read_local(directory: str, keys: list[str]) -> dict:
     from torch.distributed.checkpoint import FileSystemReader
 
     box = {k: b"" for k in keys}
-    dcp.load(box, storage_reader=FileSystemReader(directory), no_dist=True)
+    with warnings.catch_warnings():     # DCP warns that no_dist reads in one process: what is meant
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(box, storage_reader=FileSystemReader(directory), no_dist=True)
     return {k: _unblob(v) for k, v in box.items()}
 
 
@@ -396,13 +404,23 @@ def load_state(model: nn.Module, dir, optimizer: torch.optim.Optimizer | None = 
     _wait_pending()
     directory = os.path.realpath(os.path.abspath(os.fspath(dir)))
     ranks = _group_ranks(process_group)
-    layouts = _gather(process_group, _layout(inner))     # after it, every rank's pending save is in place
-    train, keys = _read_train(directory, who)
-    if optimizer is not None and not train["optimizer"]:
-        raise ValueError(f"{who}: {directory} was saved without an optimizer; load it with optimizer=None")
-    if lr_scheduler is not None and train["scheduler"] is None:
-        raise ValueError(f"{who}: {directory} was saved without a learning-rate scheduler; "
-                         "load it with lr_scheduler=None")
+    try:
+        train, keys = _read_train(directory, who)
+        if optimizer is not None and not train["optimizer"]:
+            raise ValueError(f"{who}: {directory} was saved without an optimizer; load it with optimizer=None")
+        if lr_scheduler is not None and train["scheduler"] is None:
+            raise ValueError(f"{who}: {directory} was saved without a learning-rate scheduler; "
+                             "load it with lr_scheduler=None")
+        error = None
+    except (OSError, ValueError) as e:
+        error = e
+    seen = _gather(process_group, (_layout(inner), None if error is None else str(error)))
+    if error is not None:
+        raise error
+    failed = [(r, msg) for r, (_, msg) in zip(ranks, seen) if msg is not None]
+    if failed:
+        raise RuntimeError(f"{who}: rank {failed[0][0]} cannot read the checkpoint: {failed[0][1]}")
+    layouts = [layout for layout, _ in seen]
     same = layouts == train["layout"]["of_rank"] and ranks == train["layout"]["ranks"]
     rng_key = _RNG.format(dist.get_rank() if same else train["layout"]["ranks"][0])
     if rng_key not in keys:
