@@ -221,7 +221,8 @@ def async_and_refusals(ctx, directory: str) -> dict:
     """TP=2 (explicit group): save_state(async_save=True) returns at once
     with a handle; a training step taken while it writes does not reach the
     checkpoint (it holds the state at the call, bit for bit: weights, AdamW
-    moments, scheduler); a second async save waits for the first.  Then bad
+    moments, scheduler); a second async save waits for the first; the
+    user's files in the directory stay, stale DCP files go.  Then bad
     input is refused on every rank before anything is written."""
     import time
 
@@ -241,11 +242,16 @@ def async_and_refusals(ctx, directory: str) -> dict:
     assert not differ, f"the asynchronous checkpoint differs from the state at the call: {differ}"
     for p_new, p_old in zip(again.model.parameters(), run.model.parameters()):
         assert torch.equal(again.optimizer.state[p_new]["exp_avg"], moments[id(p_old)])
+    if ctx.rank == 0:       # a file of the user's, and a DCP file of a save from a larger world
+        for name in ("notes.txt", "__7_0.distcp"):
+            open(os.path.join(directory, name), "w").close()
     h1 = run.save(directory, 3, async_save=True)
     h2 = run.save(directory, 4, async_save=True)     # waits for h1 first
     assert h1.done()
     h2.wait()
     assert Run("tp2", ctx.group, seed=7, dropout=True).load(directory)["step"] == 4
+    kept = sorted(os.listdir(directory))
+    assert "notes.txt" in kept and "__7_0.distcp" not in kept, kept    # carried over / superseded
 
     messages = {}
     fresh = directory + "-never"
