@@ -5,6 +5,8 @@ check that it learns exactly as the unsharded model does.
     torchrun --nproc_per_node 4 examples/train.py --tp 2 --pp 2     # tensor x pipeline (1F1B)
     python examples/train.py --dp 2 --tp 2                          # the same, processes started here
     python examples/train.py --quick                                # a small smoke run (CI)
+    torchrun ... examples/train.py --checkpoint CKPT --save-every 50 # training state every 50 steps
+    torchrun ... examples/train.py --resume CKPT/step_00050         # ... and on from there
 
 The text is the Python language reference shipped with every CPython
 (`pydoc_data.topics`, about 460 KB of English prose and code), tokenized with
@@ -23,6 +25,12 @@ innermost):
     of the whole model with shardformer.clip_grad_norm_;
   * global batch --batch sequences per step, split over the DP ranks, and over
     --microbatches micro-batches through the 1F1B schedule with --pp.
+With --checkpoint DIR --save-every N the whole training state (model,
+optimizer, scheduler, step, random state, the curve so far) is saved every N
+steps into DIR/step_NNNNN with shardformer.checkpoint.save_state
+(--async-save: written while training goes on); --resume DIR/step_NNNNN
+loads it (checkpoint.load_state) and trains on to --steps, exactly as the
+run that never stopped (docs/resume.md).
 Then two unsharded runs on the same global batches: one from the same seed
 (the curve the parallel run must follow) and one from another seed (how much
 two runs differ by their initialization alone); each runs on its own rank.
@@ -68,6 +76,12 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=10, help="warm-up steps of the learning rate")
     p.add_argument("--clip", type=float, default=1.0, help="max gradient norm (of the whole model)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint", metavar="DIR", default=None,
+                   help="save the training state into DIR/step_NNNNN every --save-every steps")
+    p.add_argument("--save-every", type=int, default=0, metavar="N", help="steps between saves (0: no saves)")
+    p.add_argument("--async-save", action="store_true", help="write the checkpoints while training goes on")
+    p.add_argument("--resume", metavar="DIR", default=None,
+                   help="a checkpoint of --checkpoint (DIR/step_NNNNN): load it and train on to --steps")
     p.add_argument("--out", default=None, help="directory for curves.json and loss.png "
                                                "(default: examples/results/train_<layout>)")
     p.add_argument("--no-reference", action="store_true", help="skip the unsharded runs and the checks")
@@ -76,6 +90,8 @@ def parse_args(argv=None):
     p.add_argument("--nprocs", type=int, default=None, help="without torchrun: processes to start "
                                                             "(default dp x tp x pp, dp 1 when not given)")
     args = p.parse_args(argv)
+    if bool(args.checkpoint) != bool(args.save_every):
+        p.error("--checkpoint DIR and --save-every N go together")
     if args.quick:
         for k, v in QUICK.items():
             if p.get_default(k.replace("-", "_")) == getattr(args, k):
@@ -159,7 +175,7 @@ def train_parallel(args, m, batches, held, vocab: int, log) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from shardformer import ShardFormer, average_gradients, clip_grad_norm_
+    from shardformer import ShardFormer, average_gradients, checkpoint, clip_grad_norm_
     from shardformer.pipeline import OneForwardOneBackwardSchedule
 
     model = build_model(args, vocab, args.seed)
@@ -174,9 +190,17 @@ def train_parallel(args, m, batches, held, vocab: int, log) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule_lr(args))
     share = args.batch // dp
-    losses, norms, t0 = [], [], time.perf_counter()
-    bar = log.progress(len(batches), "parallel")
+    losses, norms, start, pending = [], [], 0, None
+    if args.resume:
+        # in place, into the model inside DDP, the optimizer and the scheduler; the random state too
+        state = checkpoint.load_state(runner, args.resume, opt, sched)
+        start, losses, norms = state["step"], state["extra"]["losses"], state["extra"]["grad_norms"]
+        log(f"resumed from {args.resume} at step {start}")
+    t0 = time.perf_counter()
+    bar = log.progress(len(batches) - start, "parallel")
     for step, windows in enumerate(batches):
+        if step < start:
+            continue
         mine = as_inputs(windows[m.coords["dp"] * share:(m.coords["dp"] + 1) * share])
         opt.zero_grad(set_to_none=True)
         if schedule is not None:
@@ -196,6 +220,12 @@ def train_parallel(args, m, batches, held, vocab: int, log) -> dict:
         losses.append(float(loss))
         norms.append(float(norm))
         bar.update(loss=float(loss), norm=float(norm))
+        if args.save_every and (step + 1) % args.save_every == 0:
+            pending = checkpoint.save_state(runner, os.path.join(args.checkpoint, f"step_{step + 1:05d}"), opt, sched,
+                                            step=step + 1, extra={"losses": losses, "grad_norms": norms},
+                                            async_save=args.async_save)
+    if pending is not None:
+        pending.wait()
     bar.close()
     seconds = time.perf_counter() - t0
     held_loss = held_out_loss(model, schedule, held, m)

@@ -35,3 +35,26 @@ def test_torchrun_quick(tmp_path, nprocs, layout):
     assert len(result["parallel"]["losses"]) == result["args"]["steps"]
     assert result["parallel"]["losses"][-1] < result["parallel"]["losses"][0]      # it learns
     assert (tmp_path / "loss.png").stat().st_size > 10_000
+
+
+@pytest.mark.skipif(not HAVE_SMOLLM2, reason="SmolLM2's tokenizer is not installed (scripts/setup_env.sh installs it)")
+def test_resume(tmp_path):
+    """--checkpoint/--save-every/--resume at TP=2: a 4-step run saving its
+    state (asynchronously) after step 2 and step 4, then a new run resuming
+    from step 2's checkpoint: its steps 3 and 4 (losses and gradient norms)
+    and its held-out loss are bit for bit the straight run's."""
+    def launch(out, *flags):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", TRAIN, "--quick", "--tp", "2",
+               "--steps", "4", "--no-reference", "--out", str(out), *flags]
+        done = run_killing_group(cmd, timeout=600)
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+        return json.loads((out / "curves.json").read_text())["parallel"], done.stdout
+
+    ckpt = tmp_path / "ckpt"
+    straight, _ = launch(tmp_path / "straight", "--checkpoint", str(ckpt), "--save-every", "2", "--async-save")
+    assert sorted(os.listdir(ckpt)) == ["step_00002", "step_00004"], os.listdir(ckpt)
+    resumed, text = launch(tmp_path / "resumed", "--resume", str(ckpt / "step_00002"))
+    assert "resumed from" in text and "at step 2" in text, text[-2000:]
+    assert resumed["losses"] == straight["losses"] and resumed["grad_norms"] == straight["grad_norms"], \
+        (resumed["losses"], straight["losses"])
+    assert resumed["held_out"] == straight["held_out"]

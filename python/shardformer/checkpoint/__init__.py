@@ -14,6 +14,9 @@ sharded.py     save_sharded / load_sharded: every rank's own shards and a
 dcp.py         get_state_dict / set_state_dict: state dicts (model and
                optimizer) for torch.distributed.checkpoint, every split
                tensor placed exactly (PlacedShard), reshardable on load.
+state.py       save_state / load_state: the whole training state (model,
+               optimizer, scheduler, step, random state) through DCP,
+               atomic, optionally asynchronous; exact resume.
 atomic.py      directories that appear complete or not at all (both savers).
 """
 from .dcp import PlacedShard, get_state_dict, set_state_dict
@@ -22,6 +25,8 @@ from .pretrained import load_pretrained
 from .reader import CheckpointReader
 from .save import bind_hf_methods, push_to_hub, save_pretrained  # noqa: F401
 from .sharded import load_sharded, save_sharded
+from .state import SaveHandle, load_state, save_state
 
 __all__ = ["CheckpointReader", "PlacedShard", "gather_full_state_dict", "get_state_dict", "load_full_state_dict",
-           "load_pretrained", "load_sharded", "push_to_hub", "save_pretrained", "save_sharded", "set_state_dict"]
+           "load_pretrained", "load_sharded", "load_state", "push_to_hub", "save_pretrained", "save_sharded",
+           "save_state", "SaveHandle", "set_state_dict"]

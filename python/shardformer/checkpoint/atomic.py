@@ -35,11 +35,13 @@ import tempfile
 #: The files of a checkpoint of ours or HF's that a new save supersedes: HF's
 #: weights (model[.VARIANT][-00001-of-0000N].safetensors, pytorch_model...bin),
 #: their indexes (model.safetensors.index[.VARIANT].json, ...), and
-#: save_sharded's rank files and manifest.  Other files are the user's.
+#: save_sharded's rank files and manifest, torch.distributed.checkpoint's
+#: files (save_state: __R_N.distcp, .metadata).  Other files are the user's.
 CHECKPOINT_FILES = re.compile(
     r"(?:model|pytorch_model)(?:\.[\w-]+)?(?:-\d{5}-of-\d{5})?\.(?:safetensors|bin)"
     r"|(?:model\.safetensors|pytorch_model\.bin)\.index(?:\.[\w-]+)?\.json"
-    r"|rank\d{5}-of-\d{5}\.safetensors|shardformer_manifest\.json")
+    r"|rank\d{5}-of-\d{5}\.safetensors|shardformer_manifest\.json"
+    r"|__\d+_\d+\.distcp|\.metadata")
 
 
 def save_target(path, who: str) -> str:

@@ -1,0 +1,77 @@
+"""checkpoint.save_state / load_state: the whole training state (model,
+AdamW, LambdaLR, step, torch's generator and the TP dropout modules'),
+resumed in new processes.
+
+Same layout (TP=2 over an explicit group; DP=2 x TP=2 with DDP), dropout
+on: 6 steps straight equal, bit for bit (losses and every rank's weights),
+3 steps + save_state + a new world of processes + load_state + 3 steps.
+Another layout (TP=2 -> TP=4 with the plain ShardConfig(), dropout off):
+the next 3 steps equal the unsharded straight run within float tolerance.
+A save with a rank SIGKILLed mid-write leaves the previous checkpoint
+loadable; async_save overlaps the write with a training step and saves
+the state at the call; bad input is refused on every rank.  docs/resume.md's
+recipe runs as written."""
+import os
+import pickle
+import re
+
+import numpy as np
+import pytest
+
+from checks import resume as checks
+from shardformer.launch import RankError, spawn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def new_world(pool, tmp_path_factory):
+    """The first halves in the pool; one new world of 4 processes for the
+    resume halves, which then runs a save that kills rank 1 mid-write."""
+    tmp = tmp_path_factory.mktemp("resume")
+    cases = [("tp2", True, str(tmp / "tp2")), ("dp2tp2", True, str(tmp / "dp2tp2"))]
+    straight = {layout: pool.run(checks.first_half, 2 if layout == "tp2" else 4, layout, dropout, d)
+                for layout, dropout, d in cases}
+    pool.run(checks.first_half, 2, "tp2", False, str(tmp / "tp2-nodrop"))
+    killed = str(tmp / "killed")
+    with pytest.raises(RankError) as err:     # rank 1 dies; the others wait for its files until stopped
+        spawn(checks.second_half, 4, (cases + [("world", False, str(tmp / "tp2-nodrop"))], str(tmp), killed),
+              timeout_s=300, grace_s=3)
+    resumed = []
+    for rank in range(4):
+        assert (tmp / f"rank{rank}.pkl").exists(), str(err.value)
+        resumed.append(pickle.loads((tmp / f"rank{rank}.pkl").read_bytes()))
+    return {"cases": cases, "straight": straight, "resumed": resumed, "killed": killed, "error": err.value}
+
+
+def test_resume_exactly_in_new_processes(new_world):
+    straight, resumed = new_world["straight"], new_world["resumed"]
+    for layout, _, _ in new_world["cases"]:
+        for rank, (a, b) in enumerate(zip(straight[layout], resumed)):
+            got = b[layout]
+            assert got["extra"] == straight[layout][0]["losses"][:3], (layout, rank)   # extra: the lowest rank's
+            assert got["losses"] == a["losses"][3:], (layout, rank, got["losses"], a["losses"][3:])
+            differ = [k for k in a["weights"] if not np.array_equal(got["weights"][k], a["weights"][k])]
+            assert not differ, f"{layout} rank {rank}: weights differ from the straight run: {differ}"
+    print("TP=2 -> TP=4 relative errors after 3 more steps:", max(resumed[0]["world"]["errors"].values()))
+
+
+def test_killed_save_leaves_the_previous_checkpoint(new_world, pool):
+    failures = new_world["error"].failures
+    assert "exit code -9" in failures.get(1, ""), str(new_world["error"])     # SIGKILL
+    report = pool.run(checks.load_after_kill, 4, new_world["killed"])
+    assert report[0]["leftovers"], "the killed save left no temporary directory: it was not killed mid-write"
+
+
+def test_async_save_and_refusals(pool, tmp_path):
+    reports = pool.run(checks.async_and_refusals, 2, str(tmp_path / "ckpt"))
+    print("async save_state: the caller was blocked", reports[0]["blocked_s"], "s")
+
+
+def test_docs_recipe_runs_as_written(pool2, tmp_path):
+    text = open(os.path.join(ROOT, "docs", "resume.md")).read()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert blocks, "docs/resume.md has no python block"
+    script = tmp_path / "resume_recipe.py"
+    script.write_text(blocks[0])
+    pool2.run(checks.docs_recipe, 2, str(script), str(tmp_path / "ckpt"))
