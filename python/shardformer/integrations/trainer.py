@@ -35,8 +35,9 @@ unsharded Trainer's on the same global batches:
   * Checkpoints.  save_model() writes an ordinary HF checkpoint (the
     collective checkpoint.save_pretrained: every rank takes part, rank 0
     writes) that from_pretrained() loads unsharded.  Trainer's own
-    checkpoints (save_steps) add the model and optimizer state through DCP
-    (save_training_state: every split tensor placed exactly, reshardable)
+    checkpoints (save_steps) add the model, optimizer and dropout-generator
+    state through checkpoint.save_state (save_training_state: atomic, DCP
+    underneath, every split tensor placed exactly, reshardable)
     and the scheduler; resume_from_checkpoint reads them back
     (load_training_state), each rank its own shards.
 
@@ -69,23 +70,19 @@ SCHEDULER_NAME = "scheduler.pt"       # transformers' name for the scheduler's s
 
 
 def save_training_state(model, optimizer, directory: str) -> None:
-    """The model's and the optimizer's state of a sharded model, saved with
-    torch.distributed.checkpoint into `directory` (collective over the
-    world): every split tensor written once, loadable at another TP size."""
-    import torch.distributed.checkpoint as dcp
-
-    msd, osd = checkpoint.get_state_dict(model, optimizer)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=directory)
+    """The model's and the optimizer's state of a sharded model, and its
+    random state (torch's and the dropout generators'), saved with
+    checkpoint.save_state into `directory` (collective over the world, atomic,
+    DCP underneath): every split tensor written once, loadable at another
+    layout."""
+    checkpoint.save_state(model, directory, optimizer=optimizer)
 
 
 def load_training_state(model, optimizer, directory: str) -> None:
-    """save_training_state's model and optimizer state read back in place
-    (collective over the world), each rank reading its own shards."""
-    import torch.distributed.checkpoint as dcp
-
-    msd, osd = checkpoint.get_state_dict(model, optimizer)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=directory)
-    checkpoint.set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+    """save_training_state's state read back in place with
+    checkpoint.load_state (collective over the world), each rank reading its
+    own shards."""
+    checkpoint.load_state(model, directory, optimizer=optimizer)
 
 
 def _ranks(group) -> list[int]:
