@@ -31,13 +31,19 @@ opt-in cross-rank check's descriptor exchange of
 SHARDFORMER_CHECK_COLLECTIVES) belongs to the call that made it.  The user's
 own torch.distributed calls (from modules outside shardformer) are not
 counted; calls through `shardformer.distributed` are (they are ours).  Calls
-on a group of one rank communicate nothing and are not recorded.
+on a group of one rank communicate nothing and are not recorded.  Not seen:
+what torch runs in C++ on our behalf -- the bucketed gradient all-reduces
+of DistributedDataParallel (`shardformer.data_parallel` wraps the model in
+it; `shardformer.average_gradients` is ours and counted), and the
+collectives inside torch.distributed.checkpoint.
 
 How.  Nothing is hooked while no ledger is active: entering the first
 ledger replaces the methods and functions above by recording wrappers,
 leaving the last one puts the originals back (`hooked()` says which state
 holds).  So a program that never opens a ledger runs exactly the code it
-ran before -- no check, no extra call.  Ledgers nest: each records the calls
+ran before -- no check, no extra call.  The Communicator subclasses are
+found when the first ledger is entered (one defined while a ledger is
+active is hooked from the next).  Ledgers nest: each records the calls
 made while it is active (an outer one sees its inner ones' calls too).
 Recording is process-wide (every thread's calls), like the communicators.
 
@@ -369,7 +375,11 @@ class CommStats:
             if self in _ACTIVE:
                 raise RuntimeError("comm_stats(): this ledger is already active")
             if not _ACTIVE:
-                _install()
+                try:
+                    _install()
+                except BaseException:
+                    _uninstall()
+                    raise
             _ACTIVE.append(self)
             self.active = True
         return self
