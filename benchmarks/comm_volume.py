@@ -30,28 +30,35 @@ Minimum per rank and step (wire bytes):
                 all-reduce of N becomes a reduce-scatter + all-gather of n,
                 so the same wire bytes, plus the norms' weight gradients
                 summed over the split (2 per layer, h e each):
-                    (4L + 2) 2 (p-1) n + 3 b s e AR + AR(2L h e)
-  all_to_all    Ulysses (pure SP): per layer q, k, v and the attention
-                output change layout (heads <-> sequence) forward and back:
-                    4 x (p-1)/p x 2L (q + k + v + o bytes of b*s/p rows)
-                plus the gradient average of the replicated weights: AR(P)
-  ring_attn     ring attention (pure SP): per layer K/V of every other rank
-                forward and again backward, and the partial dK/dV of every
-                other rank's keys back to it (float32):
-                    L ((p-1) 2 KV + (p-1) dKV) + AR(P)
-                with KV = b (s/p) h_kv e, dKV = 2 b (s/p) h_kv 4 bytes
-  pp_1f1b       p stages, m micro-batches: each micro-batch's activation
-                [b, s, h] forward and its gradient backward, per stage boundary;
-                a middle stage sends both, an end stage one: m N per rank at p = 2
-  dp            one all-reduce of every gradient: AR(P)
-  ep            expert parallelism over all p ranks (mesh(dp=p, ep=p)): per
+                    (4L + 2) (RS(N) + AG(n)) + AR(3 b s e + 2L h e)
+                with RS(N) = AG(n) = (p-1) n on the wire
+  all_to_all    Ulysses (pure SP over p ranks): per layer q, k, v and the
+                attention output change layout (heads <-> sequence) forward and
+                back; the layers' weights are replicated, so their gradients
+                are summed over the group (shardformer does it in backward);
+                the embedding and the head run on the whole sequence, so the
+                embedding's rows are split (all-gather of the gradient) and the
+                head's input gathered:
+                    2L (p-1)/p (q + k + v + o bytes of b*s/p rows)
+                    + AR(P_layers) + 2 AG(N/p)
+  ring_attn     ring attention (pure SP): per layer the K/V of every other
+                rank forward and again backward, and the partial dK/dV of
+                every other rank's keys back to it (float32):
+                    L ((p-1) KV + (p-1) KV + (p-1) dKV) + AR(P_layers) + 2 AG(N/p)
+                with KV = 2 b (s/p) h_kv d e, dKV the same in float32
+  pp_1f1b       2 stages, m micro-batches: each micro-batch's activation
+                [b, s, h] one way and its gradient back; each rank sends m N
+  dp            one all-reduce of every gradient: AR(P)  (average_gradients)
+  ep            expert parallelism over the p ranks (mesh(dp=p, ep=p)): per
                 MoE layer the (token, slot) pairs routed to other ranks'
-                experts go there and come back, forward and backward:
-                    L x 4 x (p-1)/p x b s k h e  (uniform routing), plus
-                AR(P_dense) for the parameters outside the experts
+                experts go there and come back, forward and backward (counted
+                from the router's choices on this rank's tokens), and the
+                parameters outside the experts are averaged:
+                    4 (pairs routed away) h e + AR(P_dense)
 
-The excess in each mode is listed in the output (what the ledger's trace
-shows beyond the formula and why).  Projection: the step time on a link of
+The excess in each mode is listed in the output, each item with its size
+(what the ledger saw beyond the formula and why); "unexplained" is what is
+left of the measured bytes after the minimum and the items: 0 in every mode.  Projection: the step time on a link of
 --link-gbps (default 25 GB/s, a PCIe 4.0 x16 / 200 Gb/s network class
 ring bus bandwidth) with --latency-us per call: measured compute (the step's
 wall time minus the ledger's communication seconds) + calls x latency +

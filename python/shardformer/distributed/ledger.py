@@ -175,23 +175,17 @@ def _recording(fn, describe):
     return recorded
 
 
-# -- Communicator methods: (self, ...) with self.info.ranks
+# -- Communicator methods (ranks: self.info.ranks) and ShmCommunicator's (self.ranks)
 
-def _comm_kind(kind: str, size_of):
+def _method_kind(kind: str, size_of, ranks_of):
     def describe(args, kwargs, result):
-        return kind, tuple(args[0].info.ranks), size_of(args, kwargs)
+        return kind, tuple(ranks_of(args[0])), size_of(args, kwargs)
     return describe
 
 
-def _arg(i: int, name: str):
-    def get(args, kwargs):
-        return args[i] if len(args) > i else kwargs[name]
-    return get
-
-
 def _size(i: int, name: str):
-    get = _arg(i, name)
-    return lambda args, kwargs: _nbytes(get(args, kwargs))
+    """The bytes of argument i (or keyword `name`)."""
+    return lambda args, kwargs: _nbytes(args[i] if len(args) > i else kwargs[name])
 
 
 # method name -> (kind, bytes of the call); (self, t, ...) or (self, out, t)
@@ -204,23 +198,11 @@ _COMM_METHODS = {
     "send": ("send", _size(1, "t")),
     "recv": ("recv", _size(1, "t")),
 }
-# ShmCommunicator (shm.py): the same, under its own names; self.ranks
-_SHM_METHODS = {
-    "all_reduce": ("all_reduce", _size(1, "t")),
-    "all_gather": ("all_gather", _size(2, "t")),
-    "reduce_scatter": ("reduce_scatter", _size(1, "out")),
-    "all_to_all": ("all_to_all", _size(2, "t")),
-    "broadcast": ("broadcast", _size(1, "t")),
-    "send": ("send", _size(1, "t")),
-    "recv": ("recv", _size(1, "t")),
-    "barrier": ("barrier", lambda args, kwargs: 0),
-}
-
-
-def _shm_kind(kind: str, size_of):
-    def describe(args, kwargs, result):
-        return kind, tuple(args[0].ranks), size_of(args, kwargs)
-    return describe
+# shm.py's names for the same calls (same arguments), and its barrier
+_SHM_NAMES = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+              "all_to_all_single": "all_to_all"}
+_SHM_METHODS = dict({_SHM_NAMES.get(k, k): v for k, v in _COMM_METHODS.items()},
+                    barrier=("barrier", lambda args, kwargs: 0))
 
 
 # -- torch.distributed functions called from shardformer's modules
@@ -309,9 +291,10 @@ def _install() -> None:
         for name, (kind, size_of) in _COMM_METHODS.items():
             fn = cls.__dict__.get(name)
             if fn is not None and not getattr(fn, "__isabstractmethod__", False):
-                _hook(cls, name, _recording(fn, _comm_kind(kind, size_of)))
+                _hook(cls, name, _recording(fn, _method_kind(kind, size_of, lambda c: c.info.ranks)))
     for name, (kind, size_of) in _SHM_METHODS.items():
-        _hook(ShmCommunicator, name, _recording(ShmCommunicator.__dict__[name], _shm_kind(kind, size_of)))
+        _hook(ShmCommunicator, name, _recording(ShmCommunicator.__dict__[name],
+                                                _method_kind(kind, size_of, lambda c: c.ranks)))
     for name, (kind, size_of) in _DIST_FUNCTIONS.items():
         fn = getattr(dist, name, None)
         if fn is not None:
