@@ -33,3 +33,11 @@ def test_pipeline_send_recv(pool):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_bytes_convention(pool, tp):
     pool.run(check.collectives, tp)
+
+
+def test_comm_volume_accounting(pool2):
+    """benchmarks/comm_volume.py's accounting holds in every mode: the ledger's bytes are the minimum plus the
+    explained excess, to the byte (run on the pool's 2 ranks, not through the script's own processes)."""
+    modes = ["tp", "split_gather", "all_to_all", "ring_attn", "pp_1f1b", "dp", "ep"]
+    report = pool2.run(check.benchmark_accounting, 2, modes)
+    assert report[0]["dp"] == 1.0 and report[0]["all_to_all"] < 1.001

@@ -205,3 +205,27 @@ def collectives(ctx) -> dict:
         want["recv"] = (1, 12)
     _expect(s.summary(), want, f"collectives on {p} ranks, rank {r}")
     return {"backend": D.backend_for(t, g)}
+
+
+def benchmark_accounting(ctx, modes: list) -> dict:
+    """benchmarks/comm_volume.py's step of each mode (--quick sizes) on the
+    pool's ranks: every byte the ledger saw is the layout's minimum plus the
+    excess the script explains (nothing unexplained), and never less than
+    the minimum."""
+    import os
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "benchmarks")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import comm_volume
+
+    args = comm_volume._args(["--quick"])
+    out = {}
+    for mode in modes:
+        r = comm_volume.rank_main(ctx.rank, args, mode)
+        assert r["unexplained_bytes"] == 0, (f"{mode}: {r['unexplained_bytes']} of {r['wire_bytes']} wire bytes "
+                                             f"unexplained (minimum {r['minimum_bytes']}, {r['explained']})")
+        assert r["ratio"] >= 1.0, (mode, r["ratio"])
+        out[mode] = r["ratio"]
+    return out
