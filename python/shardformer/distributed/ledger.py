@@ -56,11 +56,12 @@ block of the collective's data, in bytes (numel * element size):
     all_to_all       the local input (all p blocks, its own included)
     broadcast        the tensor, on every rank (root or not)
     send / recv      the tensor
-    gather           the local input (torch.distributed.gather)
+    gather / scatter / reduce   torch.distributed's rooted calls: the local
+                     tensor (input of gather and reduce, output of scatter)
     barrier          0
 Object collectives (all_gather_object, broadcast_object_list,
 gather_object, scatter_object_list) are counted under all_gather,
-broadcast, gather and broadcast with the size of this rank's pickled object
+broadcast, gather and scatter with the size of this rank's pickled object
 (after the call, for a receiving rank).
 
 So a reduce-scatter followed by an all-gather of its result count the same
@@ -230,18 +231,18 @@ _DIST_FUNCTIONS = {
     "all_to_all_single": ("all_to_all", lambda a: _nbytes(a["input"])),
     "all_to_all": ("all_to_all", lambda a: sum(_nbytes(t) for t in a["input_tensor_list"])),
     "broadcast": ("broadcast", lambda a: _nbytes(a["tensor"])),
-    "reduce": ("all_reduce", lambda a: _nbytes(a["tensor"])),
+    "reduce": ("reduce", lambda a: _nbytes(a["tensor"])),
     "send": ("send", lambda a: _nbytes(a["tensor"])),
     "isend": ("send", lambda a: _nbytes(a["tensor"])),
     "recv": ("recv", lambda a: _nbytes(a["tensor"])),
     "irecv": ("recv", lambda a: _nbytes(a["tensor"])),
     "gather": ("gather", lambda a: _nbytes(a["tensor"])),
-    "scatter": ("broadcast", lambda a: _nbytes(a["tensor"])),
+    "scatter": ("scatter", lambda a: _nbytes(a["tensor"])),
     "barrier": ("barrier", lambda a: 0),
     "all_gather_object": ("all_gather", lambda a: _pickled(a["obj"])),
     "gather_object": ("gather", lambda a: _pickled(a["obj"])),
     "broadcast_object_list": ("broadcast", _objects("object_list")),
-    "scatter_object_list": ("broadcast", _objects("scatter_object_output_list")),
+    "scatter_object_list": ("scatter", _objects("scatter_object_output_list")),
 }
 
 
@@ -321,7 +322,7 @@ def wire_factor(kind: str, p: int) -> float:
         return 0.0
     return {"all_reduce": 2 * (p - 1) / p, "all_gather": p - 1, "reduce_scatter": p - 1,
             "all_to_all": (p - 1) / p, "broadcast": (p - 1) / p, "send": 1.0, "gather": (p - 1) / p,
-            }.get(kind, 0.0)
+            "scatter": (p - 1) / p, "reduce": (p - 1) / p}.get(kind, 0.0)
 
 
 def _human(n: float) -> str:
@@ -383,7 +384,8 @@ class CommStats:
 
     def summary(self, by_group: bool = False) -> dict:
         """{kind: {"calls": n, "bytes": b, "seconds": t}} for every kind of
-        KINDS (zeros when none ran) and any other kind seen (gather, barrier);
+        KINDS (zeros when none ran) and any other kind seen (gather, scatter,
+        reduce, barrier);
         by_group=True: {global ranks of the group (a tuple): {kind: {...}}}
         with the kinds that ran on that group."""
         with _LOCK:
