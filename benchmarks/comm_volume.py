@@ -202,7 +202,8 @@ def _batch(args, rows: int, seed: int):
 
 
 def _grad_bytes(model, keep=lambda name, p: True) -> int:
-    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if p.requires_grad and keep(name, p))
+    return sum(p.numel() * p.element_size() for name, p in model.named_parameters()
+               if p.requires_grad and keep(name, p))
 
 
 class _Routing:
@@ -357,13 +358,15 @@ def main(argv=None) -> dict:
                      "projected_step_s": proj, "projected_minimum_step_s": proj_min,
                      "summary": {k: v for k, v in worst["summary"].items() if v["calls"]}})
         r = rows[-1]
-        print(f"{mode:<13} {r['ratio']:.3f}x the minimum  (wire bytes per rank: "
-              f"{', '.join(f'{w:.0f}' for w in r['wire_bytes'])}; minimum {', '.join(f'{w:.0f}' for w in r['minimum_bytes'])}"
-              f" = {r['formula']})")
+        wire = ", ".join(f"{w:.0f}" for w in r["wire_bytes"])
+        least = ", ".join(f"{w:.0f}" for w in r["minimum_bytes"])
+        print(f"{mode:<13} {r['ratio']:.3f}x the minimum  (wire bytes per rank: {wire}; minimum {least} = "
+              f"{r['formula']})")
         for what, extra in r["explained"]:
             print(f"    excess {extra:>10.0f} B: {what}")
         left = max(abs(u) for u in r["unexplained_bytes"])
-        print(f"    unexplained: {left:.0f} B;  step {r['step_s'] * 1e3:.1f} ms here (comm {r['comm_s'] * 1e3:.1f} ms); "
+        print(f"    unexplained: {left:.0f} B;  step {r['step_s'] * 1e3:.1f} ms here "
+              f"(comm {r['comm_s'] * 1e3:.1f} ms); "
               f"projected on the link: {proj * 1e3:.2f} ms (at the minimum {proj_min * 1e3:.2f} ms)")
     result = {"args": vars(args), "link": link, "machine": platform.platform(), "modes": rows,
               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

@@ -288,6 +288,11 @@ def _install() -> None:
     from .communicator import Communicator
     from .shm import ShmCommunicator
 
+    missing = [f"Communicator.{n}" for n in _COMM_METHODS if not hasattr(Communicator, n)] + \
+        [f"ShmCommunicator.{n}" for n in _SHM_METHODS if n not in ShmCommunicator.__dict__]
+    if missing:   # a renamed method would go uncounted: say so rather than under-count
+        raise RuntimeError(f"comm_stats(): {', '.join(missing)} not found; update shardformer.distributed.ledger's "
+                           f"tables of the calls it records")
     for cls in _subclasses(Communicator):
         for name, (kind, size_of) in _COMM_METHODS.items():
             fn = cls.__dict__.get(name)
