@@ -5,6 +5,7 @@
 """
 from .autopolicy import supported_models
 from .config import ShardConfig
+from .distributed.ledger import comm_stats
 from .grad_norm import average_gradients, clip_grad_norm_, data_parallel
 from .lazy import lazy_init
 from .parallel_mesh import Mesh, mesh
@@ -25,6 +26,7 @@ __all__ = [
     "SubModuleReplacementDescription",
     "average_gradients",
     "clip_grad_norm_",
+    "comm_stats",
     "data_parallel",
     "lazy_init",
     "mesh",

@@ -8,6 +8,9 @@ virtual stage, the micro-batch's shapes) is preceded by a small header
 (dtype, rank, sizes); both sides cache it, so later messages under the same
 key travel alone.
 
+shardformer.comm_stats() counts every message, headers included, as the
+send / recv of that communicator.
+
 Sends and receives are blocking; the schedules order them so that they
 cannot deadlock (schedule.py, "Communication").
 """
