@@ -128,6 +128,28 @@ def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
                          f"{tuple(b.shape)} {b.dtype}")
 
 
+def _apply(name: str, *args):
+    """The autograd.Function of op `name` (below, EAGER) applied to args; while
+    torch.compile traces, the custom op that runs the same kernel
+    (compile_ops.TRACEABLE), which dynamo traces without a graph break."""
+    if torch.compiler.is_compiling():
+        return compile_ops.TRACEABLE[name](*args)
+    return EAGER[name].apply(*args)
+
+
+def _seed(seed, p: float):
+    """The dropout seed: `seed`, else one draw from torch's generator when p > 0
+    (0 otherwise).  While torch.compile traces, a 1-element int64 tensor
+    (drawn in the graph: no .item()), which the custom ops read."""
+    if torch.compiler.is_compiling():
+        if seed is not None:
+            return torch.tensor([int(seed)], dtype=torch.int64)
+        return torch.randint(0, 2**62, (1,)) if p > 0 else torch.zeros(1, dtype=torch.int64)
+    if seed is None:
+        return int(torch.randint(0, 2**62, (1,)).item()) if p > 0 else 0
+    return int(seed)
+
+
 # ---- normalization ----------------------------------------------------------
 
 # The kernel calls, shared by the autograd.Functions below (eager) and the
@@ -191,13 +213,13 @@ def _check_shape(x, normalized_shape, weight):
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5):
     """F.layer_norm over the last dimension, by the C kernel."""
     _check_shape(x, normalized_shape, weight)
-    return _Norm.apply(x, weight, bias, eps, False)
+    return _apply("norm", x, weight, bias, eps, False)
 
 
 def rms_norm(x, normalized_shape, weight=None, eps: float = 1e-6):
     """F.rms_norm over the last dimension (weight applied in float32), by the C kernel."""
     _check_shape(x, normalized_shape, weight)
-    return _Norm.apply(x, weight, None, eps, True)
+    return _apply("norm", x, weight, None, eps, True)
 
 
 # ---- elementwise ------------------------------------------------------------
@@ -240,7 +262,7 @@ def bias_gelu(x, bias=None, approximate: str = "none"):
     """gelu(x + bias) (bias over the last dimension, optional); approximate as in F.gelu."""
     if approximate not in ("none", "tanh"):
         raise ValueError(f"bias_gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
-    return _BiasGelu.apply(x, bias, approximate == "tanh")
+    return _apply("bias_gelu", x, bias, approximate == "tanh")
 
 
 def swiglu_fwd(gate, up):
@@ -274,7 +296,7 @@ class _SwiGLU(torch.autograd.Function):
 
 def swiglu(gate, up):
     """silu(gate) * up."""
-    return _SwiGLU.apply(gate, up)
+    return _apply("swiglu", gate, up)
 
 
 def bias_dropout_add_fwd(x, bias, residual, p, seed):
@@ -319,9 +341,7 @@ def bias_dropout_add(x, bias, residual, p: float = 0.0, training: bool = True, s
     p = float(p) if training else 0.0
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"bias_dropout_add: p must be in [0, 1], got {p}")
-    if seed is None:
-        seed = int(torch.randint(0, 2**62, (1,)).item()) if p > 0 else 0
-    return _BiasDropoutAdd.apply(x, bias, residual, p, int(seed))
+    return _apply("bias_dropout_add", x, bias, residual, p, _seed(seed, p))
 
 
 # ---- embedding --------------------------------------------------------------
@@ -377,7 +397,7 @@ def vocab_embedding(ids, weight, vocab_start: int = 0, vocab_real: int | None = 
     nn.Embedding does for the unsharded table (None: ids are not checked)."""
     real = weight.shape[0] if vocab_real is None else int(vocab_real)
     vocab = None if vocab_size is None else int(vocab_size)
-    return _VocabEmbedding.apply(ids, weight, int(vocab_start), real, padding_idx, vocab)
+    return _apply("vocab_embedding", ids, weight, int(vocab_start), real, padding_idx, vocab)
 
 
 # ---- cross-entropy halves ---------------------------------------------------
@@ -488,7 +508,7 @@ def check_qkv(q, k, v, who: str) -> None:
     and k / v [B, Hkv, Sk, D] (k and v the same shape), CPU tensors of one
     float dtype the kernels take, Hq a multiple of Hkv."""
     for t, what in ((q, "q"), (k, "k"), (v, "v")):
-        _data(t, f"{who} {what}")  # device / dtype checks
+        check_input(t, f"{who} {what}")  # device / dtype checks
         if t.dim() != 4:
             raise ValueError(f"{who} {what}: expected 4-D [B, H, S, D], got shape {tuple(t.shape)}")
     if q.dtype != k.dtype or q.dtype != v.dtype:
@@ -542,8 +562,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask
     p = float(dropout_p) if training else 0.0
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"attention: dropout_p must be in [0, 1], got {p}")
-    if seed is None:
-        seed = int(torch.randint(0, 2**62, (1,)).item()) if p > 0 else 0
+    seed = _seed(seed, p)
     if mask is not None:
         mask = _as_4d(mask, "attention mask", B, Hq, Sq, Sk)
         if mask.dtype.is_floating_point:
@@ -562,7 +581,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask
         if alibi_slopes.numel() != Hq:
             raise ValueError(f"attention: alibi_slopes has {alibi_slopes.numel()} elements, expected {Hq} "
                              "(one per query head)")
-    return _Attention.apply(q, k, v, bias, scale, bool(causal), window, alibi_slopes, mask, p, int(seed),
+    return _apply("attention", q, k, v, bias, scale, bool(causal), window, alibi_slopes, mask, p, seed,
                             check_softcap(softcap, "attention"))
 
 
@@ -621,3 +640,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     CALLS["skinny_linear"] += 1
     return y
 
+
+#: op name -> the autograd.Function that runs its kernel in eager mode
+EAGER = {"norm": _Norm, "bias_gelu": _BiasGelu, "swiglu": _SwiGLU, "bias_dropout_add": _BiasDropoutAdd,
+         "vocab_embedding": _VocabEmbedding, "attention": _Attention}
+
+from . import compile_ops  # noqa: E402 - registers the custom ops; it reads this module's functions
