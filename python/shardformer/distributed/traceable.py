@@ -58,15 +58,15 @@ def _fresh(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.library.custom_op(f"{_LIB}::all_reduce", mutates_args=())
-def all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
-    """Sum of x over the group, into a new tensor."""
+def all_reduce(x: torch.Tensor, group: str, op: str = "sum") -> torch.Tensor:
+    """Sum (or max) of x over the group, into a new tensor."""
     out = _fresh(x)
-    communicator_for(out, _group(group)).all_reduce(out)
+    communicator_for(out, _group(group)).all_reduce(out, op)
     return out
 
 
 @all_reduce.register_fake
-def _(x, group):
+def _(x, group, op="sum"):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
@@ -267,11 +267,35 @@ class _AllToAll(torch.autograd.Function):
         return _a2a(grad, gather_dim, scatter_dim, group, size), None, None, None, None
 
 
-# ---- the entries mappings.py calls while compiling ----------------------------------------
+# ---- the entries collectives.py and mappings.py call while compiling -----------------------
 
 def size_of(group) -> int:
     """The group's size at trace time (1 without torch.distributed)."""
     return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+
+
+def rank_of(group) -> int:
+    """This process's rank in the group at trace time (0 without torch.distributed)."""
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
+
+
+# The out-parameter collectives of collectives.py: the op's result copied
+# into the caller's tensor (functionalization makes that one more graph value).
+
+def all_reduce_into(t, group, op: str):
+    return t.copy_(all_reduce(t, group_name(group), op)) if size_of(group) > 1 else t
+
+
+def all_gather_into(out, t, group):
+    return out.copy_(all_gather(t, group_name(group), size_of(group)).view_as(out))
+
+
+def reduce_scatter_into(out, t, group):
+    return out.copy_(reduce_scatter(t, group_name(group), size_of(group)).view_as(out))
+
+
+def all_to_all_into(out, t, group):
+    return out.copy_(all_to_all(t, group_name(group)))
 
 
 def copy_to_tp_region(x, group):
