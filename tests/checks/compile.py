@@ -97,3 +97,35 @@ def decoder_layer_fullgraph(ctx, config: dict | None = None) -> dict:
     assert_close("compiled decoder layer input grad", x.grad, x_ref.grad, tol)
     compare_grads(layer, ref_layer, "compiled decoder layer", tol)
     return {"graphs": counter.frame_count}
+
+
+def _collectives(x, group):
+    """Every collective of shardformer.distributed on x ([p * 3, 5] on p ranks)."""
+    from shardformer import distributed as D
+
+    p, r = D.world_size(group), D.rank(group)
+    summed = D.all_reduce(x.clone(), group)
+    top = D.all_reduce(x * (r + 1), group, op="max")
+    gathered = x.new_empty((p * x.shape[0],) + tuple(x.shape[1:]))
+    D.all_gather_into_tensor(gathered, x, group)
+    scattered = x.new_empty((x.shape[0] // p,) + tuple(x.shape[1:]))
+    D.reduce_scatter_tensor(scattered, x, group)
+    swapped = torch.empty_like(x)
+    D.all_to_all_single(swapped, x, group)
+    return summed, top, gathered, scattered, swapped
+
+
+def collectives_fullgraph(ctx, default_group: bool = False) -> dict:
+    """shardformer.distributed's collectives called in a function compiled with
+    fullgraph=True (dynamo traces them as custom ops over the same
+    communicator) give exactly the eager results."""
+    torch._dynamo.reset()
+    group = None if default_group else ctx.group
+    x = torch.arange(ctx.tp_size * 3 * 5, dtype=torch.float32).reshape(-1, 5) * (ctx.rank + 1) / 7
+    counter = CompileCounterWithBackend("aot_eager")
+    got = torch.compile(_collectives, backend=counter, fullgraph=True)(x, group)
+    for what, a, b in zip(("all_reduce", "all_reduce max", "all_gather", "reduce_scatter", "all_to_all"),
+                          got, _collectives(x, group)):
+        if not torch.equal(a, b):
+            raise AssertionError(f"compiled {what} differs from eager: {a} vs {b}")
+    return {"graphs": counter.frame_count}
