@@ -83,6 +83,8 @@ def _reduce(x: torch.Tensor, comm) -> torch.Tensor:
 
 def _gather_dim(x: torch.Tensor, dim: int, shard: DimShard, group) -> torch.Tensor:
     """Full tensor along `dim` from every rank's shard (padding stripped)."""
+    if torch.compiler.is_compiling():
+        return traceable.gather_dim(x, dim, shard, group)
     x = x.movedim(dim, 0)
     chunk = shard.chunk
     if x.shape[0] < chunk:
@@ -266,8 +268,6 @@ def scatter_to_tp_region(x: torch.Tensor, dim: int, shard: DimShard, group=None)
     """Keep this rank's slice of `dim` forward; all-gather the gradient backward."""
     if shard.tp_size == 1:
         return x
-    if torch.compiler.is_compiling():
-        return traceable.scatter_to_tp_region(x, dim, shard, group)
     return _ScatterToTP.apply(x, dim, shard, group)
 
 
@@ -276,8 +276,6 @@ def gather_from_tp_region(x: torch.Tensor, dim: int, shard: DimShard, group=None
     padded shards reassembled); keep this rank's slice of the gradient backward."""
     if shard.tp_size == 1 and shard.real == shard.full and shard.length == shard.full:
         return x
-    if torch.compiler.is_compiling():
-        return traceable.gather_from_tp_region(x, dim, shard, group)
     return _GatherFromTP.apply(x, dim, shard, group)
 
 

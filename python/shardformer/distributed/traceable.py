@@ -135,9 +135,10 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-def _gather_dim(x, dim: int, shard: DimShard, group: str) -> torch.Tensor:
+def gather_dim(x, dim: int, shard: DimShard, group) -> torch.Tensor:
     """Full tensor along `dim` from every rank's shard, padding stripped
     (mappings._gather_dim, with the index built from torch ops)."""
+    group = group_name(group)
     x = x.movedim(dim, 0)
     chunk = max(shard.all_lengths)
     if x.shape[0] < chunk:
@@ -164,33 +165,6 @@ def _gather_index(shard: DimShard, chunk: int, device):
         return None
     pieces.sort()
     return torch.cat([torch.arange(pos, pos + n, device=device) for _, pos, n in pieces])
-
-
-def _split_dim(x, dim: int, shard: DimShard) -> torch.Tensor:
-    from .mappings import _split_dim as split
-    return split(x, dim, shard)
-
-
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, shard, group):
-        ctx.dim, ctx.shard, ctx.group = dim, shard, group
-        return _split_dim(x, dim, shard)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_dim(grad, ctx.dim, ctx.shard, ctx.group), None, None, None
-
-
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, shard, group):
-        ctx.dim, ctx.shard = dim, shard
-        return _gather_dim(x, dim, shard, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _split_dim(grad, ctx.dim, ctx.shard), None, None, None
 
 
 def _all_gather_seq(x, dim: int, group: str, size: int) -> torch.Tensor:
@@ -308,14 +282,6 @@ def reduce_from_tp_region(x, group):
     if size_of(group) == 1:
         return x
     return _ReduceFromTP.apply(x, group_name(group))
-
-
-def scatter_to_tp_region(x, dim, shard, group):
-    return _ScatterToTP.apply(x, dim, shard, group_name(group))
-
-
-def gather_from_tp_region(x, dim, shard, group):
-    return _GatherFromTP.apply(x, dim, shard, group_name(group))
 
 
 def gather_from_sequence_region(x, dim, group):
