@@ -282,8 +282,6 @@ def gather_from_tp_region(x: torch.Tensor, dim: int, shard: DimShard, group=None
 def gather_from_sequence_region(x: torch.Tensor, dim: int = 1, group=None) -> torch.Tensor:
     """Sequence-split -> replicated: all-gather along `dim` forward,
     reduce-scatter of the gradient backward."""
-    if torch.compiler.is_compiling():
-        return x if traceable.size_of(group) == 1 else traceable.gather_from_sequence_region(x, dim, group)
     if C.world_size(group) == 1:
         return x
     return _GatherFromSeq.apply(x, dim, group)
@@ -292,8 +290,6 @@ def gather_from_sequence_region(x: torch.Tensor, dim: int = 1, group=None) -> to
 def reduce_scatter_to_sequence_region(x: torch.Tensor, dim: int = 1, group=None) -> torch.Tensor:
     """Partial sums -> sequence-split: reduce-scatter along `dim` forward,
     all-gather of the gradient backward."""
-    if torch.compiler.is_compiling():
-        return x if traceable.size_of(group) == 1 else traceable.reduce_scatter_to_sequence_region(x, dim, group)
     if C.world_size(group) == 1:
         return x
     return _ReduceScatterToSeq.apply(x, dim, group)
@@ -304,8 +300,6 @@ def sync_replicated_grad(w: torch.Tensor, dim: int, shard: DimShard, group=None)
     ranks (KV heads replicated when there are fewer KV heads than ranks)."""
     if not shard.replicated:
         return w
-    if torch.compiler.is_compiling():
-        return traceable.sync_replicated_grad(w, dim, shard, group)
     return _SyncReplicatedGrad.apply(w, dim, shard, group)
 
 

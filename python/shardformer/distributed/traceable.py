@@ -1,13 +1,13 @@
-"""The region operators as torch.compile sees them: custom ops over our communicator.
+"""Collectives as torch.compile sees them: custom ops over our communicator.
 
-Eager code runs the operators of mappings.py, which reduce in place when
-nothing else reads the tensor (`_overwritable`: use counts), look the
-communicator up in a cache (a lock in shm.py) and call the backend from
-Python -- none of which dynamo can trace.  While torch.compile traces
-(`torch.compiler.is_compiling()`), mappings.py hands each operator to the
-twin below instead: the same collective and the same conjugate backward, but
+Eager collectives look the communicator up in a cache (a lock in shm.py) and
+call the backend from Python, and the region operators of mappings.py reduce
+in place when nothing else reads the tensor (`_overwritable`: use counts) --
+none of which dynamo can trace.  While torch.compile traces
+(`torch.compiler.is_compiling()`), collectives.py and mappings.py call this
+module instead:
 
-  * the collective is one opaque `torch.library` custom op,
+  * each collective is one opaque `torch.library` custom op,
     `shardformer::all_reduce` / `all_gather` / `reduce_scatter` /
     `all_to_all`, whose real implementation is the eager communicator of the
     group (shm, gloo or NCCL, chosen exactly as in eager: same cache, same
@@ -15,16 +15,19 @@ twin below instead: the same collective and the same conjugate backward, but
     output's shape from the group size alone;
   * the group travels as its name (a str, as functional collectives pass it;
     "" is the default group) and its size as an int, both fixed at trace time;
-  * out of place: each op returns a fresh tensor (the functional form the
-    compiler needs), never writing into its input.
+  * out of place: each op returns a new tensor (the functional form the
+    compiler needs); collectives.py's out-parameter calls copy it into the
+    caller's tensor, and the region operators that reduce in place in eager
+    (copy_to / reduce_from the TP region) and the all-to-all (which holds a
+    communicator in its autograd context) have twins here.  The others
+    (scatter / gather, sequence all-gather / reduce-scatter, replicated
+    gradients) are mappings.py's own, whose collectives are then these ops.
 
 Every op works along dimension 0 (the layout our communicators take); the
 movedim / pad / index_select around it are plain torch ops in the graph.
-Autograd goes through small autograd.Functions whose forward and backward
-each call one of the ops, which dynamo traces into the joint graph.
 
     op              forward                         output shape (p ranks)
-    all_reduce      sum over ranks                  x.shape
+    all_reduce      sum (or max) over ranks         x.shape
     all_gather      rank blocks stacked in order    [p * x.shape[0], ...]
     reduce_scatter  own block of the sum            [x.shape[0] // p, ...]
     all_to_all      block j to rank j               x.shape
@@ -167,61 +170,6 @@ def _gather_index(shard: DimShard, chunk: int, device):
     return torch.cat([torch.arange(pos, pos + n, device=device) for _, pos, n in pieces])
 
 
-def _all_gather_seq(x, dim: int, group: str, size: int) -> torch.Tensor:
-    return all_gather(x.movedim(dim, 0), group, size).movedim(0, dim)
-
-
-def _reduce_scatter_seq(x, dim: int, group: str, size: int) -> torch.Tensor:
-    if x.shape[dim] % size:
-        raise ValueError(f"sequence dimension {dim} of length {x.shape[dim]} is not divisible by "
-                         f"the tensor-parallel size {size}")
-    return reduce_scatter(x.movedim(dim, 0), group, size).movedim(0, dim)
-
-
-class _GatherFromSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group, size):
-        ctx.args = (dim, group, size)
-        return _all_gather_seq(x, dim, group, size)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, *ctx.args), None, None, None
-
-
-class _ReduceScatterToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group, size):
-        ctx.args = (dim, group, size)
-        return _reduce_scatter_seq(x, dim, group, size)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_seq(grad, *ctx.args), None, None, None
-
-
-class _SyncReplicatedGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, w, dim, shard, group):
-        ctx.dim, ctx.shard, ctx.group = dim, shard, group
-        return w.view_as(w)
-
-    @staticmethod
-    def backward(ctx, grad):
-        # rows scattered into a zero full-size buffer, summed over ranks: at
-        # each row, the sum over the ranks that hold it (mappings.py)
-        shard, dim = ctx.shard, ctx.dim
-        g = grad.movedim(dim, 0)
-        full = g.new_zeros((shard.full,) + tuple(g.shape[1:]))
-        pos = 0
-        for off, n in shard.ranges:
-            full[off:off + n] += g[pos:pos + n]
-            pos += n
-        full = all_reduce(full, ctx.group)
-        out = torch.cat([full[off:off + n] for off, n in shard.ranges], 0)
-        return out.movedim(0, dim), None, None, None
-
-
 def _a2a(x, scatter_dim: int, gather_dim: int, group: str, size: int) -> torch.Tensor:
     chunk = x.shape[scatter_dim] // size
     send = x.unflatten(scatter_dim, (size, chunk)).movedim(scatter_dim, 0)
@@ -282,18 +230,6 @@ def reduce_from_tp_region(x, group):
     if size_of(group) == 1:
         return x
     return _ReduceFromTP.apply(x, group_name(group))
-
-
-def gather_from_sequence_region(x, dim, group):
-    return _GatherFromSeq.apply(x, dim, group_name(group), size_of(group))
-
-
-def reduce_scatter_to_sequence_region(x, dim, group):
-    return _ReduceScatterToSeq.apply(x, dim, group_name(group), size_of(group))
-
-
-def sync_replicated_grad(w, dim, shard, group):
-    return _SyncReplicatedGrad.apply(w, dim, shard, group_name(group))
 
 
 def all_to_all_along(x, scatter_dim, gather_dim, group):
