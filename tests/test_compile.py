@@ -43,6 +43,9 @@ def test_collectives_fullgraph_default_group(pool2):
     assert all(r["graphs"] == 1 for r in pool2.run(checks.collectives_fullgraph, 2, True))
 
 
+@pytest.mark.skipif(os.environ.get("SHARDFORMER_COMPAT_SUBSET") == "1",
+                    reason="CI time: the one inductor build (~40-100 s) runs in the main suite; under the "
+                           "lower transformers the aot_eager tests above trace the same HF code")
 def test_docs_recipe_runs_as_written(tmp_path):
     """docs/compile.md's script (optimize, then the default torch.compile: inductor; the one
     inductor test), run as written on 2 ranks: at most 2 graph breaks per rank, the same loss on
