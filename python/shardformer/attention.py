@@ -48,6 +48,13 @@ NAME = "shardformer"
 
 #: calls served by the kernel, for tests and debugging
 CALLS = {"kernel": 0, "fallback": 0}
+
+
+def _count(what: str) -> None:
+    """CALLS[what] += 1, in eager mode only: under torch.compile a Python
+    counter in the graph would be a guard that fails at every call."""
+    if not torch.compiler.is_compiling():
+        CALLS[what] += 1
 _warned: set[str] = set()
 
 
@@ -179,7 +186,7 @@ def _fallback(module, query, key, value, attention_mask, scaling, dropout, is_ca
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if eager is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward as eager
-    CALLS["fallback"] += 1
+    _count("fallback")
     return eager(module, query, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)
 
 
@@ -200,7 +207,7 @@ def shardformer_attention(module, query, key, value, attention_mask, dropout: fl
         _warn_once(reason)
         return _fallback(module, query, key, value, attention_mask, scaling, dropout, causal, window, kwargs)
     bias = kwargs.get("position_bias")
-    CALLS["kernel"] += 1
+    _count("kernel")
     out = ops.attention(query, key, value, causal=causal, scale=scaling, mask=attention_mask, bias=bias,
                         window=window, dropout_p=float(dropout or 0.0), training=True,
                         softcap=kwargs.get("softcap"))
@@ -276,7 +283,7 @@ def own_attention(reason: str, original, args: tuple, kwargs: dict):
     """The model's own method for a call the kernel cannot serve (counted as a
     fallback, warned once per reason)."""
     _warn_once(reason)
-    CALLS["fallback"] += 1
+    _count("fallback")
     return original(*args, **kwargs)
 
 
@@ -308,7 +315,7 @@ def seam_kernel(q, k, v, *, scale: float, causal: bool = False, mask=None, bias=
     dtype's minimum) gets the model's forward, not its gradient (the
     log-sum-exp the backward recomputes from cannot resolve those scores);
     such rows reach nothing real and carry no loss in a padded batch."""
-    CALLS["kernel"] += 1
+    _count("kernel")
     return ops.attention(q, k, v, causal=causal, scale=scale, mask=mask, bias=bias, window=window,
                          dropout_p=float(dropout), training=True)
 

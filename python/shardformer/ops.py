@@ -89,13 +89,18 @@ def _data(t: torch.Tensor, what: str) -> torch.Tensor:
     passes its inputs through here first, so this is also where the kernels'
     thread count catches up with torch's (see set_num_threads)."""
     _follow_torch_threads()
+    check_input(t, what)
+    return t.detach().contiguous()
+
+
+def check_input(t: torch.Tensor, what: str) -> None:
+    """_data's checks alone (no C call: torch.compile traces it)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what}: expected a tensor, got {type(t).__name__}")
     if t.device.type != "cpu":
         raise ValueError(f"{what}: the C kernels run on CPU tensors, got device {t.device}")
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{what}: dtype must be float32, float16 or bfloat16, got {t.dtype}")
-    return t.detach().contiguous()
 
 
 def _param(p: torch.Tensor | None, n: int, what: str) -> torch.Tensor | None:
@@ -123,19 +128,62 @@ def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
                          f"{tuple(b.shape)} {b.dtype}")
 
 
+def _apply(name: str, *args):
+    """The autograd.Function of op `name` (below, EAGER) applied to args; while
+    torch.compile traces, the custom op that runs the same kernel
+    (compile_ops.TRACEABLE), which dynamo traces without a graph break."""
+    if torch.compiler.is_compiling():
+        return compile_ops.TRACEABLE[name](*args)
+    return EAGER[name].apply(*args)
+
+
+def _seed(seed, p: float):
+    """The dropout seed: `seed`, else one draw from torch's generator when p > 0
+    (0 otherwise).  While torch.compile traces, a 1-element int64 tensor
+    (drawn in the graph: no .item()), which the custom ops read."""
+    if torch.compiler.is_compiling():
+        if seed is not None:
+            return torch.tensor([int(seed)], dtype=torch.int64)
+        return torch.randint(0, 2**62, (1,)) if p > 0 else torch.zeros(1, dtype=torch.int64)
+    if seed is None:
+        return int(torch.randint(0, 2**62, (1,)).item()) if p > 0 else 0
+    return int(seed)
+
+
 # ---- normalization ----------------------------------------------------------
+
+# The kernel calls, shared by the autograd.Functions below (eager) and the
+# torch.library custom ops of compile_ops.py (torch.compile): each *_fwd /
+# *_bwd takes the op's tensors as given and returns new ones.
+
+def norm_fwd(x, weight, bias, eps, rms):
+    """(x, w) as the kernel read them, y, mean (None for rms) and rstd (float32, per row)."""
+    xd = _data(x, "rms_norm input" if rms else "layer_norm input")
+    n = xd.shape[-1] if xd.dim() else 1
+    w, b = _param(weight, n, "norm weight"), None if rms else _param(bias, n, "norm bias")
+    rows = math.prod(xd.shape[:-1])
+    y = torch.empty_like(xd)
+    mean = None if rms else torch.empty(rows, dtype=torch.float32)
+    rstd = torch.empty(rows, dtype=torch.float32)
+    _C.norm_forward(rms, xd, w, b, float(eps), y, mean, rstd)
+    return xd, w, y, mean, rstd
+
+
+def norm_bwd(dy, xd, w, mean, rstd, rms, want_dw, want_db):
+    """dx (x's dtype), and dw / db in float32 (None unless wanted)."""
+    dy = _data(dy, "norm grad").to(xd.dtype).contiguous()
+    dx = torch.empty_like(xd)
+    n = xd.shape[-1] if xd.dim() else 1
+    dw = torch.empty(n, dtype=torch.float32) if w is not None and want_dw else None
+    db = torch.empty(n, dtype=torch.float32) if want_db else None
+    _C.norm_backward(rms, dy, xd, w, mean, rstd, dx, dw, db)
+    return dx, dw, db
+
 
 class _Norm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, eps, rms):
-        xd = _data(x, "rms_norm input" if rms else "layer_norm input")
-        n = xd.shape[-1] if xd.dim() else 1
-        w, b = _param(weight, n, "norm weight"), None if rms else _param(bias, n, "norm bias")
-        rows = math.prod(xd.shape[:-1])
-        y = torch.empty_like(xd)
-        mean = None if rms else torch.empty(rows, dtype=torch.float32)
-        rstd = torch.empty(rows, dtype=torch.float32)
-        _C.norm_forward(rms, xd, w, b, float(eps), y, mean, rstd)
+        xd, w, y, mean, rstd = norm_fwd(x, weight, bias, eps, rms)
         ctx.save_for_backward(xd, w, mean, rstd)
         ctx.rms = rms
         ctx.wdtype = None if weight is None else weight.dtype
@@ -145,13 +193,8 @@ class _Norm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         xd, w, mean, rstd = ctx.saved_tensors
-        dy = _data(dy, "norm grad").to(xd.dtype).contiguous()
-        dx = torch.empty_like(xd)
-        n = xd.shape[-1] if xd.dim() else 1
-        dw = torch.empty(n, dtype=torch.float32) if w is not None and ctx.needs_input_grad[1] else None
-        db = torch.empty(n, dtype=torch.float32) if ctx.bdtype is not None and ctx.needs_input_grad[2] \
-            else None
-        _C.norm_backward(ctx.rms, dy, xd, w, mean, rstd, dx, dw, db)
+        dx, dw, db = norm_bwd(dy, xd, w, mean, rstd, ctx.rms, ctx.needs_input_grad[1],
+                              ctx.bdtype is not None and ctx.needs_input_grad[2])
         return (dx, None if dw is None else dw.to(ctx.wdtype), None if db is None else db.to(ctx.bdtype),
                 None, None)
 
@@ -170,25 +213,40 @@ def _check_shape(x, normalized_shape, weight):
 def layer_norm(x, normalized_shape, weight=None, bias=None, eps: float = 1e-5):
     """F.layer_norm over the last dimension, by the C kernel."""
     _check_shape(x, normalized_shape, weight)
-    return _Norm.apply(x, weight, bias, eps, False)
+    return _apply("norm", x, weight, bias, eps, False)
 
 
 def rms_norm(x, normalized_shape, weight=None, eps: float = 1e-6):
     """F.rms_norm over the last dimension (weight applied in float32), by the C kernel."""
     _check_shape(x, normalized_shape, weight)
-    return _Norm.apply(x, weight, None, eps, True)
+    return _apply("norm", x, weight, None, eps, True)
 
 
 # ---- elementwise ------------------------------------------------------------
 
+def bias_gelu_fwd(x, bias, tanh):
+    """(x, b) as the kernel read them, and y."""
+    xd = _data(x, "bias_gelu input")
+    n = xd.shape[-1] if xd.dim() else 1
+    b = _param(bias, n, "bias_gelu bias")
+    y = torch.empty_like(xd)
+    _C.bias_gelu_forward(xd, b, tanh, y)
+    return xd, b, y
+
+
+def bias_gelu_bwd(dy, xd, b, tanh, want_db):
+    """dx, and db in float32 (None unless wanted)."""
+    dy = _data(dy, "bias_gelu grad").to(xd.dtype).contiguous()
+    dx = torch.empty_like(xd)
+    db = torch.empty(b.numel(), dtype=torch.float32) if b is not None and want_db else None
+    _C.bias_gelu_backward(dy, xd, b, tanh, dx, db)
+    return dx, db
+
+
 class _BiasGelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, tanh):
-        xd = _data(x, "bias_gelu input")
-        n = xd.shape[-1] if xd.dim() else 1
-        b = _param(bias, n, "bias_gelu bias")
-        y = torch.empty_like(xd)
-        _C.bias_gelu_forward(xd, b, tanh, y)
+        xd, b, y = bias_gelu_fwd(x, bias, tanh)
         ctx.save_for_backward(xd, b)
         ctx.tanh, ctx.bdtype = tanh, None if bias is None else bias.dtype
         return y
@@ -196,11 +254,7 @@ class _BiasGelu(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         xd, b = ctx.saved_tensors
-        dy = _data(dy, "bias_gelu grad").to(xd.dtype).contiguous()
-        dx = torch.empty_like(xd)
-        db = torch.empty(b.numel(), dtype=torch.float32) if b is not None and ctx.needs_input_grad[1] \
-            else None
-        _C.bias_gelu_backward(dy, xd, b, ctx.tanh, dx, db)
+        dx, db = bias_gelu_bwd(dy, xd, b, ctx.tanh, ctx.needs_input_grad[1])
         return dx, None if db is None else db.to(ctx.bdtype), None
 
 
@@ -208,54 +262,76 @@ def bias_gelu(x, bias=None, approximate: str = "none"):
     """gelu(x + bias) (bias over the last dimension, optional); approximate as in F.gelu."""
     if approximate not in ("none", "tanh"):
         raise ValueError(f"bias_gelu: approximate must be 'none' or 'tanh', got {approximate!r}")
-    return _BiasGelu.apply(x, bias, approximate == "tanh")
+    return _apply("bias_gelu", x, bias, approximate == "tanh")
+
+
+def swiglu_fwd(gate, up):
+    """(gate, up) as the kernel read them, and y."""
+    g, u = _data(gate, "swiglu gate"), _data(up, "swiglu up")
+    _same(g, u, "swiglu(gate, up)")
+    y = torch.empty_like(g)
+    _C.swiglu_forward(g, u, y)
+    return g, u, y
+
+
+def swiglu_bwd(dy, g, u):
+    dy = _data(dy, "swiglu grad").to(g.dtype).contiguous()
+    dg, du = torch.empty_like(g), torch.empty_like(u)
+    _C.swiglu_backward(dy, g, u, dg, du)
+    return dg, du
 
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up):
-        g, u = _data(gate, "swiglu gate"), _data(up, "swiglu up")
-        _same(g, u, "swiglu(gate, up)")
-        y = torch.empty_like(g)
-        _C.swiglu_forward(g, u, y)
+        g, u, y = swiglu_fwd(gate, up)
         ctx.save_for_backward(g, u)
         return y
 
     @staticmethod
     def backward(ctx, dy):
         g, u = ctx.saved_tensors
-        dy = _data(dy, "swiglu grad").to(g.dtype).contiguous()
-        dg, du = torch.empty_like(g), torch.empty_like(u)
-        _C.swiglu_backward(dy, g, u, dg, du)
-        return dg, du
+        return swiglu_bwd(dy, g, u)
 
 
 def swiglu(gate, up):
     """silu(gate) * up."""
-    return _SwiGLU.apply(gate, up)
+    return _apply("swiglu", gate, up)
+
+
+def bias_dropout_add_fwd(x, bias, residual, p, seed):
+    """y, and n (x's last dimension)."""
+    xd, r = _data(x, "bias_dropout_add input"), _data(residual, "bias_dropout_add residual")
+    _same(xd, r, "bias_dropout_add(x, residual)")
+    n = xd.shape[-1] if xd.dim() else 1
+    b = _param(bias, n, "bias_dropout_add bias")
+    y = torch.empty_like(xd)
+    _C.bias_dropout_add_forward(xd, b, r, p, seed, y)
+    return y, n
+
+
+def bias_dropout_add_bwd(dy, dtype, n, p, seed, want_db):
+    """dx (in `dtype`), db in float32 (None unless wanted), and d residual (dy itself)."""
+    dy = _data(dy, "bias_dropout_add grad").to(dtype).contiguous()
+    dx = torch.empty_like(dy)
+    db = torch.empty(n, dtype=torch.float32) if want_db else None
+    _C.bias_dropout_add_backward(dy, p, seed, dx, db)
+    return dx, db, dy
 
 
 class _BiasDropoutAdd(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, residual, p, seed):
-        xd, r = _data(x, "bias_dropout_add input"), _data(residual, "bias_dropout_add residual")
-        _same(xd, r, "bias_dropout_add(x, residual)")
-        n = xd.shape[-1] if xd.dim() else 1
-        b = _param(bias, n, "bias_dropout_add bias")
-        y = torch.empty_like(xd)
-        _C.bias_dropout_add_forward(xd, b, r, p, seed, y)
+        y, n = bias_dropout_add_fwd(x, bias, residual, p, seed)
         ctx.p, ctx.seed, ctx.n = p, seed, n
         ctx.bdtype = None if bias is None else bias.dtype
-        ctx.xdtype = xd.dtype
+        ctx.xdtype = x.dtype
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        dy = _data(dy, "bias_dropout_add grad").to(ctx.xdtype).contiguous()
-        dx = torch.empty_like(dy)
-        db = torch.empty(ctx.n, dtype=torch.float32) if ctx.bdtype is not None and ctx.needs_input_grad[1] \
-            else None
-        _C.bias_dropout_add_backward(dy, ctx.p, ctx.seed, dx, db)
+        dx, db, dy = bias_dropout_add_bwd(dy, ctx.xdtype, ctx.n, ctx.p, ctx.seed,
+                                          ctx.bdtype is not None and ctx.needs_input_grad[1])
         return dx, None if db is None else db.to(ctx.bdtype), dy, None, None
 
 
@@ -265,38 +341,50 @@ def bias_dropout_add(x, bias, residual, p: float = 0.0, training: bool = True, s
     p = float(p) if training else 0.0
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"bias_dropout_add: p must be in [0, 1], got {p}")
-    if seed is None:
-        seed = int(torch.randint(0, 2**62, (1,)).item()) if p > 0 else 0
-    return _BiasDropoutAdd.apply(x, bias, residual, p, int(seed))
+    return _apply("bias_dropout_add", x, bias, residual, p, _seed(seed, p))
 
 
 # ---- embedding --------------------------------------------------------------
 
+def check_embedding(weight, vocab_real):
+    if weight.dim() != 2:
+        raise ValueError(f"embedding weight must be 2-D, got shape {tuple(weight.shape)}")
+    if not 0 <= vocab_real <= weight.shape[0]:
+        raise ValueError(f"vocab_real={vocab_real} outside [0, {weight.shape[0]}] (rows of the weight)")
+
+
+def embedding_fwd(ids, weight, vocab_start, vocab_real, vocab_size):
+    """(ids as int64, out); vocab_size None or -1: ids unchecked."""
+    w = _data(weight, "embedding weight")
+    check_embedding(w, vocab_real)
+    i = _ids(ids, "embedding ids")
+    out = torch.empty(*i.shape, w.shape[1], dtype=w.dtype)
+    # the id range is checked in the kernel's first pass (one min / max over the ids)
+    _C.embedding_forward(w, i, vocab_start, vocab_real, out, -1 if vocab_size is None else vocab_size)
+    return i, out
+
+
+def embedding_bwd(dout, i, vocab_start, vocab_real, padding_local, shape, dtype):
+    """dW in float32 (padding_local None or -1: no padding row)."""
+    dw = torch.zeros(shape, dtype=torch.float32)
+    dout = _data(dout, "embedding grad").to(dtype).contiguous()
+    _C.embedding_backward(dout, i, vocab_start, vocab_real, -1 if padding_local is None else padding_local, dw)
+    return dw
+
+
 class _VocabEmbedding(torch.autograd.Function):
     @staticmethod
     def forward(ctx, ids, weight, vocab_start, vocab_real, padding_local, vocab_size):
-        w = _data(weight, "embedding weight")
-        if w.dim() != 2:
-            raise ValueError(f"embedding weight must be 2-D, got shape {tuple(w.shape)}")
-        if not 0 <= vocab_real <= w.shape[0]:
-            raise ValueError(f"vocab_real={vocab_real} outside [0, {w.shape[0]}] (rows of the weight)")
-        i = _ids(ids, "embedding ids")
-        out = torch.empty(*i.shape, w.shape[1], dtype=w.dtype)
-        # the id range is checked in the kernel's first pass (one min / max over the ids)
-        _C.embedding_forward(w, i, vocab_start, vocab_real, out, -1 if vocab_size is None else vocab_size)
+        i, out = embedding_fwd(ids, weight, vocab_start, vocab_real, vocab_size)
         ctx.save_for_backward(i)
-        ctx.args = (vocab_start, vocab_real, padding_local, tuple(w.shape), w.dtype)
+        ctx.args = (vocab_start, vocab_real, padding_local, tuple(weight.shape), weight.dtype)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         (i,) = ctx.saved_tensors
-        vocab_start, vocab_real, padding_local, shape, dtype = ctx.args
-        dw = torch.zeros(shape, dtype=torch.float32)
-        dout = _data(dout, "embedding grad").to(dtype).contiguous()
-        _C.embedding_backward(dout, i, vocab_start, vocab_real,
-                              -1 if padding_local is None else padding_local, dw)
-        return None, dw.to(dtype), None, None, None, None
+        dw = embedding_bwd(dout, i, *ctx.args)
+        return None, dw.to(ctx.args[-1]), None, None, None, None
 
 
 def vocab_embedding(ids, weight, vocab_start: int = 0, vocab_real: int | None = None,
@@ -309,7 +397,7 @@ def vocab_embedding(ids, weight, vocab_start: int = 0, vocab_real: int | None = 
     nn.Embedding does for the unsharded table (None: ids are not checked)."""
     real = weight.shape[0] if vocab_real is None else int(vocab_real)
     vocab = None if vocab_size is None else int(vocab_size)
-    return _VocabEmbedding.apply(ids, weight, int(vocab_start), real, padding_idx, vocab)
+    return _apply("vocab_embedding", ids, weight, int(vocab_start), real, padding_idx, vocab)
 
 
 # ---- cross-entropy halves ---------------------------------------------------
@@ -340,21 +428,47 @@ def xent_grad(logits2d, labels1d, vocab_start, vocab_real, ignore_index, lse, sc
 
 # ---- attention --------------------------------------------------------------
 
+def attention_fwd(q, k, v, bias, scale, causal, window, alibi, mask, p, seed, softcap):
+    """(q, k, v, bias) as the kernel read them (bias as float32), out and lse
+    (float32 [B, H, Sq]); q's head size must be > 0."""
+    qd, kd, vd = _data(q, "attention q"), _data(k, "attention k"), _data(v, "attention v")
+    out = torch.empty_like(qd)
+    lse = torch.empty(qd.shape[:3], dtype=torch.float32)
+    bd = None if bias is None else bias.detach().float().contiguous()
+    _C.attention_forward(qd, kd, vd, out, lse, scale, causal, window, alibi, bd, mask, p, seed, softcap)
+    return qd, kd, vd, bd, out, lse
+
+
+def attention_bwd(dout, qd, kd, vd, out, lse, bd, alibi, mask, args, want_db):
+    """dq, dk, dv, and ds (float32 [B, H, Sq, Sk], the logits' gradient: None
+    unless want_db); args = (scale, causal, window, p, seed, softcap)."""
+    scale, causal, window, p, seed, softcap = args
+    dout = _data(dout, "attention grad").to(qd.dtype).contiguous()
+    dq, dk, dv = torch.empty_like(qd), torch.empty_like(kd), torch.empty_like(vd)
+    ds = torch.empty(*qd.shape[:3], kd.shape[2], dtype=torch.float32) if want_db else None
+    _C.attention_backward(qd, kd, vd, out, dout, lse, dq, dk, dv, ds, scale, causal, window, alibi,
+                          bd, mask, p, seed, softcap)
+    return dq, dk, dv, ds
+
+
+def bias_grad(ds, bias_shape, dtype):
+    """The logits' gradient summed over the dimensions the bias broadcasts."""
+    dims = [d for d in range(4) if bias_shape[d] == 1 and ds.shape[d] != 1]
+    return (ds.sum(dim=dims, keepdim=True) if dims else ds).to(dtype)
+
+
 class _Attention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, bias, scale, causal, window, alibi, mask, p, seed, softcap):
-        qd, kd, vd = _data(q, "attention q"), _data(k, "attention k"), _data(v, "attention v")
-        out = torch.empty_like(qd)
-        ctx.empty = qd.shape[-1] == 0
+        ctx.empty = q.shape[-1] == 0
         if ctx.empty:
             # head size 0: the result is empty, as torch's scaled_dot_product_attention
             # gives it; the kernel would walk all of Sq x Sk for nothing
-            ctx.shapes = (qd.shape, kd.shape, None if bias is None else bias.shape)
-            ctx.dtypes = (qd.dtype, None if bias is None else bias.dtype)
-            return out
-        lse = torch.empty(qd.shape[:3], dtype=torch.float32)
-        bd = None if bias is None else bias.detach().float().contiguous()
-        _C.attention_forward(qd, kd, vd, out, lse, scale, causal, window, alibi, bd, mask, p, seed, softcap)
+            ctx.shapes = (q.shape, k.shape, None if bias is None else bias.shape)
+            ctx.dtypes = (q.dtype, None if bias is None else bias.dtype)
+            return torch.empty_like(q, memory_format=torch.contiguous_format)
+        qd, kd, vd, bd, out, lse = attention_fwd(q, k, v, bias, scale, causal, window, alibi, mask, p, seed,
+                                                 softcap)
         ctx.save_for_backward(qd, kd, vd, out, lse, bd, alibi, mask)
         ctx.args = (scale, causal, window, p, seed, softcap)
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -368,18 +482,9 @@ class _Attention(torch.autograd.Function):
             return (torch.zeros(qs, dtype=dt), torch.zeros(ks, dtype=dt), torch.zeros(ks, dtype=dt), dbias,
                     None, None, None, None, None, None, None, None)
         qd, kd, vd, out, lse, bd, alibi, mask = ctx.saved_tensors
-        out = out.detach()
-        scale, causal, window, p, seed, softcap = ctx.args
-        dout = _data(dout, "attention grad").to(qd.dtype).contiguous()
-        dq, dk, dv = torch.empty_like(qd), torch.empty_like(kd), torch.empty_like(vd)
         want_db = bd is not None and ctx.needs_input_grad[3]
-        ds = torch.empty(*qd.shape[:3], kd.shape[2], dtype=torch.float32) if want_db else None
-        _C.attention_backward(qd, kd, vd, out, dout, lse, dq, dk, dv, ds, scale, causal, window, alibi,
-                              bd, mask, p, seed, softcap)
-        dbias = None
-        if want_db:
-            dims = [d for d in range(4) if bd.shape[d] == 1 and ds.shape[d] != 1]
-            dbias = (ds.sum(dim=dims, keepdim=True) if dims else ds).to(ctx.bias_dtype)
+        dq, dk, dv, ds = attention_bwd(dout, qd, kd, vd, out.detach(), lse, bd, alibi, mask, ctx.args, want_db)
+        dbias = bias_grad(ds, bd.shape, ctx.bias_dtype) if want_db else None
         return dq, dk, dv, dbias, None, None, None, None, None, None, None, None
 
 
@@ -403,7 +508,7 @@ def check_qkv(q, k, v, who: str) -> None:
     and k / v [B, Hkv, Sk, D] (k and v the same shape), CPU tensors of one
     float dtype the kernels take, Hq a multiple of Hkv."""
     for t, what in ((q, "q"), (k, "k"), (v, "v")):
-        _data(t, f"{who} {what}")  # device / dtype checks
+        check_input(t, f"{who} {what}")  # device / dtype checks
         if t.dim() != 4:
             raise ValueError(f"{who} {what}: expected 4-D [B, H, S, D], got shape {tuple(t.shape)}")
     if q.dtype != k.dtype or q.dtype != v.dtype:
@@ -457,8 +562,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask
     p = float(dropout_p) if training else 0.0
     if not 0.0 <= p <= 1.0:
         raise ValueError(f"attention: dropout_p must be in [0, 1], got {p}")
-    if seed is None:
-        seed = int(torch.randint(0, 2**62, (1,)).item()) if p > 0 else 0
+    seed = _seed(seed, p)
     if mask is not None:
         mask = _as_4d(mask, "attention mask", B, Hq, Sq, Sk)
         if mask.dtype.is_floating_point:
@@ -477,7 +581,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, mask
         if alibi_slopes.numel() != Hq:
             raise ValueError(f"attention: alibi_slopes has {alibi_slopes.numel()} elements, expected {Hq} "
                              "(one per query head)")
-    return _Attention.apply(q, k, v, bias, scale, bool(causal), window, alibi_slopes, mask, p, int(seed),
+    return _apply("attention", q, k, v, bias, scale, bool(causal), window, alibi_slopes, mask, p, seed,
                             check_softcap(softcap, "attention"))
 
 
@@ -536,3 +640,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     CALLS["skinny_linear"] += 1
     return y
 
+
+#: op name -> the autograd.Function that runs its kernel in eager mode
+EAGER = {"norm": _Norm, "bias_gelu": _BiasGelu, "swiglu": _SwiGLU, "bias_dropout_add": _BiasDropoutAdd,
+         "vocab_embedding": _VocabEmbedding, "attention": _Attention}
+
+from . import compile_ops  # noqa: E402 - registers the custom ops; it reads this module's functions

@@ -28,7 +28,10 @@ only use a communicator that already exists (they involve two ranks, which
 cannot set one up for the group).
 
 Each function below is one lookup and one call on the communicator, which
-holds the group's size and rank; every collective passes through it.  Ranks
+holds the group's size and rank; every collective passes through it.  While
+torch.compile traces, each is instead a custom op over that same
+communicator (traceable.py), out of place, its result copied into the
+caller's tensor.  Ranks
 that disagree on a collective (sizes, dtypes, operation, root) raise on every
 rank: the shm backend checks every call in C; for the torch and nccl backends
 `SHARDFORMER_CHECK_COLLECTIVES=1` (read once per group and device type, like
@@ -42,6 +45,7 @@ from __future__ import annotations
 
 import torch
 
+from . import traceable
 from .communicator import (  # noqa: F401 - the _*_single names: kept for tests and benchmarks
     BACKENDS,
     _all_gather_single,
@@ -72,26 +76,36 @@ def backend_for(t: torch.Tensor, group=None) -> str:
 
 def world_size(group=None) -> int:
     """Size of `group`; 1 when torch.distributed is not initialized."""
+    if torch.compiler.is_compiling():
+        return traceable.size_of(group)
     return group_info(group).size
 
 
 def rank(group=None) -> int:
     """This process's rank in `group`; 0 when torch.distributed is not initialized."""
+    if torch.compiler.is_compiling():
+        return traceable.rank_of(group)
     return group_info(group).rank
 
 
 def all_reduce(t: torch.Tensor, group=None, op: str = "sum") -> torch.Tensor:
     """In-place all-reduce of `t` over `group` (sum, or max); returns `t`."""
+    if torch.compiler.is_compiling():
+        return traceable.all_reduce_into(t, group, op)
     return communicator_for(t, group).all_reduce(t, op)
 
 
 def all_gather_into_tensor(out: torch.Tensor, t: torch.Tensor, group=None) -> torch.Tensor:
     """out = concat over ranks (in rank order) of `t`, along dimension 0."""
+    if torch.compiler.is_compiling():
+        return traceable.all_gather_into(out, t, group)
     return communicator_for(t, group).all_gather_into_tensor(out, t)
 
 
 def reduce_scatter_tensor(out: torch.Tensor, t: torch.Tensor, group=None) -> torch.Tensor:
     """out = rank i's chunk (along dimension 0) of the sum over ranks of `t`."""
+    if torch.compiler.is_compiling():
+        return traceable.reduce_scatter_into(out, t, group)
     return communicator_for(t, group).reduce_scatter_tensor(out, t)
 
 
@@ -100,6 +114,8 @@ def all_to_all_single(out: torch.Tensor, t: torch.Tensor, group=None) -> torch.T
     and dtype, dimension 0 of length p * c; rows [j*c, (j+1)*c) of `t` go to
     group rank j, and rows [i*c, (i+1)*c) of `out` come from group rank i.
     Arguments are checked (ValueError) before anything is sent; returns `out`."""
+    if torch.compiler.is_compiling():
+        return traceable.all_to_all_into(out, t, group)
     return communicator_for(t, group).all_to_all_single(out, t)
 
 

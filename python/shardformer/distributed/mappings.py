@@ -30,6 +30,7 @@ import torch
 
 from ..layout import DimShard
 from . import collectives as C
+from . import traceable
 from .communicator import parallel_communicator
 
 _increment_version = torch.autograd.graph.increment_version
@@ -82,6 +83,8 @@ def _reduce(x: torch.Tensor, comm) -> torch.Tensor:
 
 def _gather_dim(x: torch.Tensor, dim: int, shard: DimShard, group) -> torch.Tensor:
     """Full tensor along `dim` from every rank's shard (padding stripped)."""
+    if torch.compiler.is_compiling():
+        return traceable.gather_dim(x, dim, shard, group)
     x = x.movedim(dim, 0)
     chunk = shard.chunk
     if x.shape[0] < chunk:
@@ -233,6 +236,8 @@ class _SyncReplicatedGrad(torch.autograd.Function):
 def copy_to_tp_region(x: torch.Tensor, group=None) -> torch.Tensor:
     """Enter a parallel region from a replicated one: identity forward,
     all-reduce of the gradient backward (each rank contributed a partial dX)."""
+    if torch.compiler.is_compiling():
+        return traceable.copy_to_tp_region(x, group)
     if not (x.requires_grad and torch.is_grad_enabled()):
         return x  # no gradient will flow back: nothing to do either way
     comm = parallel_communicator(x, group)
@@ -249,7 +254,10 @@ def reduce_from_tp_region(x: torch.Tensor, group=None) -> torch.Tensor:
     when nothing else can read its memory -- no tensor saved for backward, no
     view, no other handle (see `_overwritable`), as for a fresh activation
     such as a matmul output -- and into one copy otherwise.  Gradients are
-    those of a sum over ranks either way (see `_reduce`)."""
+    those of a sum over ranks either way (see `_reduce`).  Under torch.compile:
+    out of place (distributed/traceable.py)."""
+    if torch.compiler.is_compiling():
+        return traceable.reduce_from_tp_region(x, group)
     comm = parallel_communicator(x, group)
     if comm is None:
         return x
@@ -350,12 +358,16 @@ def all_to_all_along(x: torch.Tensor, scatter_dim: int, gather_dim: int, group=N
     before anything is sent, when a dim is out of range or x.shape[scatter_dim]
     is not a multiple of p."""
     scatter_dim, gather_dim = _a2a_dims(x, scatter_dim, gather_dim)
-    comm = parallel_communicator(x, group)
-    if comm is None:
+    compiling = torch.compiler.is_compiling()
+    comm = None if compiling else parallel_communicator(x, group)
+    size = traceable.size_of(group) if compiling else 1 if comm is None else comm.size
+    if size == 1:
         return x
-    if x.shape[scatter_dim] % comm.size:
+    if x.shape[scatter_dim] % size:
         raise ValueError(
             f"all_to_all_along: scatter_dim={scatter_dim} of length {x.shape[scatter_dim]} "
             f"(shape {tuple(x.shape)}, gather_dim={gather_dim}) is not divisible by the group "
-            f"size {comm.size}")
+            f"size {size}")
+    if compiling:
+        return traceable.all_to_all_along(x, scatter_dim, gather_dim, group)
     return _AllToAll.apply(x, scatter_dim, gather_dim, comm)

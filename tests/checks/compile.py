@@ -1,0 +1,131 @@
+"""Rank-side checks of torch.compile on sharded models (docs/compile.md): the
+compiled sharded model against the unsharded HF model from the same seed.
+
+The backend is "aot_eager" (dynamo + AOTAutograd, no code generation): it
+traces through the custom ops' fake implementations and registered autograd
+as inductor does, in a fraction of the time on CPU.  Graphs are counted by
+a counting backend: graph breaks = graphs - 1."""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch._dynamo
+from torch._dynamo.testing import CompileCounterWithBackend
+
+from shardformer import ShardConfig, ShardFormer
+
+import zoo
+from checks.parity import TOL, assert_close, check_outputs, compare_grads
+
+NAME = "LlamaForCausalLM"
+
+
+def _pair(ctx, default_group: bool, config: dict | None, name: str = NAME):
+    """(the model sharded over ctx.group -- or the world with the plain
+    ShardConfig() --, an unsharded copy), both in training mode."""
+    torch.manual_seed(0)
+    model = zoo.build(name)
+    model.train()
+    ref = copy.deepcopy(model)
+    config = dict(config or {})
+    shard_config = ShardConfig(**config) if default_group else \
+        ShardConfig(tensor_parallel_process_group=ctx.group, **config)
+    sharded, _ = ShardFormer(shard_config=shard_config).optimize(model)
+    return sharded, ref
+
+
+def _sgd(*models):
+    for m in models:
+        with torch.no_grad():
+            for p in m.parameters():
+                if p.grad is not None:
+                    p -= 0.1 * p.grad
+                    p.grad = None
+
+
+def whole_model(ctx, default_group: bool = False, config: dict | None = None, steps: int = 2) -> dict:
+    """torch.compile(sharded) trains like the unsharded model: logits, loss and
+    every gradient at each of `steps` SGD steps; returns the graphs dynamo made
+    (and raises if the second step compiled anything new)."""
+    torch._dynamo.reset()
+    sharded, ref = _pair(ctx, default_group, config)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(sharded, backend=counter)
+    inputs = zoo.make_inputs(NAME)
+    tol = TOL[torch.float32]
+    graphs = []
+    for step in range(steps):
+        out, exp = compiled(**inputs), ref(**inputs)
+        check_outputs(f"compiled step {step}", out, exp, tol)
+        out.loss.backward()
+        exp.loss.backward()
+        compare_grads(sharded, ref, f"compiled step {step}", tol)
+        _sgd(sharded, ref)
+        graphs.append(counter.frame_count)
+    if graphs[-1] != graphs[0]:
+        raise AssertionError(f"the compiled model recompiled after its first step: {graphs} graphs")
+    return {"graphs": graphs[0], "ops": counter.op_count}
+
+
+def decoder_layer_fullgraph(ctx, config: dict | None = None) -> dict:
+    """One decoder layer of the sharded model compiles with fullgraph=True
+    (no graph break at all) and gives the unsharded layer's output and
+    gradients (its input's and every parameter's shard)."""
+    torch._dynamo.reset()
+    sharded, ref = _pair(ctx, False, config)
+    layer, ref_layer = sharded.model.layers[0], ref.model.layers[0]
+    seen = {}
+    for tag, model, module in (("sharded", sharded, layer), ("ref", ref, ref_layer)):
+        hook = module.register_forward_pre_hook(lambda m, a, k, tag=tag: seen.update({tag: (a, k)}),
+                                                with_kwargs=True)
+        with torch.no_grad():   # each model's own layer arguments (its attention's mask form)
+            model(**zoo.make_inputs(NAME), use_cache=False)
+        hook.remove()
+    (hidden,), kwargs = seen["sharded"]
+    ref_kwargs = seen["ref"][1]
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(layer, backend=counter, fullgraph=True)
+    x, x_ref = hidden.detach().clone().requires_grad_(), hidden.detach().clone().requires_grad_()
+    out, exp = compiled(x, **kwargs), ref_layer(x_ref, **ref_kwargs)
+    out, exp = (o[0] if isinstance(o, tuple) else o for o in (out, exp))
+    tol = TOL[torch.float32]
+    assert_close("compiled decoder layer output", out, exp, tol)
+    probe = torch.randn(exp.shape, generator=torch.Generator().manual_seed(5))
+    (out * probe).sum().backward()
+    (exp * probe).sum().backward()
+    assert_close("compiled decoder layer input grad", x.grad, x_ref.grad, tol)
+    compare_grads(layer, ref_layer, "compiled decoder layer", tol)
+    return {"graphs": counter.frame_count}
+
+
+def _collectives(x, group):
+    """Every collective of shardformer.distributed on x ([p * 3, 5] on p ranks)."""
+    from shardformer import distributed as D
+
+    p, r = D.world_size(group), D.rank(group)
+    summed = D.all_reduce(x.clone(), group)
+    top = D.all_reduce(x * (r + 1), group, op="max")
+    gathered = x.new_empty((p * x.shape[0],) + tuple(x.shape[1:]))
+    D.all_gather_into_tensor(gathered, x, group)
+    scattered = x.new_empty((x.shape[0] // p,) + tuple(x.shape[1:]))
+    D.reduce_scatter_tensor(scattered, x, group)
+    swapped = torch.empty_like(x)
+    D.all_to_all_single(swapped, x, group)
+    return summed, top, gathered, scattered, swapped
+
+
+def collectives_fullgraph(ctx, default_group: bool = False) -> dict:
+    """shardformer.distributed's collectives called in a function compiled with
+    fullgraph=True (dynamo traces them as custom ops over the same
+    communicator) give exactly the eager results."""
+    torch._dynamo.reset()
+    group = None if default_group else ctx.group
+    x = torch.arange(ctx.tp_size * 3 * 5, dtype=torch.float32).reshape(-1, 5) * (ctx.rank + 1) / 7
+    counter = CompileCounterWithBackend("aot_eager")
+    got = torch.compile(_collectives, backend=counter, fullgraph=True)(x, group)
+    for what, a, b in zip(("all_reduce", "all_reduce max", "all_gather", "reduce_scatter", "all_to_all"),
+                          got, _collectives(x, group)):
+        if not torch.equal(a, b):
+            raise AssertionError(f"compiled {what} differs from eager: {a} vs {b}")
+    return {"graphs": counter.frame_count}
