@@ -31,13 +31,20 @@ over the TP group when the model is sharded, step counts the module's calls.
 So (seed, step) of every module is its whole state, and together with
 torch's own generators (HF's dropouts, layer-drop, the RankStream draws)
 they make the masks after a resume the masks of the run that never stopped.
-`layout` is each rank's (TP size, TP rank, pipeline stage), gathered at save:
+`layout` is each rank's (TP size, TP rank, pipeline stage, layers of each
+stage, EP size, EP rank), gathered at save with the global ranks; the DP
+rank is not in it (replicas hold the same modules; which rows a rank reads
+is the data loader's).  "train" also keeps every dropout module's (seed,
+step) from the lowest rank that holds it, so a module of any stage has its
+record:
 
   * the same layout on load: every rank takes back its own generators
-    (exact resume: the same losses and weights, bit for bit);
-  * another layout (a TP or DP size, another world size): every rank takes
-    rank 0's generators (the TP groups keep agreeing, which a replicated
-    dropout needs).  The replicated-input dropouts draw the masks they
+    (exact resume: the same losses and weights, bit for bit, pipeline
+    stages included);
+  * another layout (a TP, DP, PP or EP size, another stage split, another
+    world size): every rank takes rank 0's torch generators and each
+    dropout module the merged record (the TP groups keep agreeing, which a
+    replicated dropout needs).  The replicated-input dropouts draw the masks they
     would have drawn; a parallel-input mask is per TP rank and per shard
     shape, so those masks are new draws of the same distribution, and the
     resumed run is a valid continuation rather than the same numbers.  With
@@ -64,10 +71,14 @@ for the pending save first.  The training is blocked for the copy and the
 plan only (benchmarks/checkpoint_state.py).  The synchronous save runs the
 same two parts in the caller's thread.
 
+Layouts.  The model and optimizer go through checkpoint.get_state_dict /
+set_state_dict (checkpoint.dcp), so every layout that DCP reshards resumes:
+TP, DP (DDP), pipeline stages (global keys), expert parallelism and ZeRO-1
+(torch's ZeroRedundancyOptimizer: its partitions follow their parameters),
+saved at one and loaded at another (docs/checkpoint_layouts.md).
+
 Not kept: the dropout modules' recomputation keys (gradient checkpointing
 files them within one step's backward; a save falls between steps).
-Pipeline stages, expert parallelism and ZeRO-1 are refused by
-checkpoint.get_state_dict (see docs/resume.md).
 """
 from __future__ import annotations
 
