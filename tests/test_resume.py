@@ -81,19 +81,25 @@ def test_resume_across_pipeline_expert_and_zero_layouts(pool, tmp_path):
     """save_state / load_state (in the pool) with pipeline stages (1F1B), expert parallelism (Mixtral,
     5 experts) and ZeRO-1, dropout off: DP=2 x TP=2 -> TP=2 x PP=2, TP=2 x PP=2 -> TP=4 (ShardConfig()),
     EP=2 x TP=2 -> EP=4, ZeRO-1 DP=2 x TP=2 -> TP=2 (explicit group): AdamW, LambdaLR and the step
-    restored, two more steps within tolerance of the unsharded straight run.  GPT-2 with dropout 0.1
-    (TP dropout modules on both stages): TP=2 x PP=2 -> TP=2 x PP=2 bit for bit the straight run of the
-    same layout; TP=2 x PP=2 -> TP=4 gives every dropout module, stage 1's included, its saved state."""
+    restored, two more steps within tolerance of the unsharded straight run.  Dropout 0.1, TP=2 x PP=2 ->
+    TP=2 x PP=2: Llama (attention dropout from torch's generator of each rank) bit for bit the straight
+    run of the same layout, each rank's generator its own; GPT-2 (TP dropout modules on both stages) -> TP=4: every dropout module, stage
+    1's included, gets its saved state."""
     from checks.dcp_layouts import DP2TP2, EP2, EP4, PP2TP2, TP2, TP4, ZERO
 
-    d = {k: str(tmp_path / k) for k in ("dp_tp", "pp", "pp_drop", "ep", "zero")}
-    saved = pool.run(checks.save_layouts, 4, [("llama", DP2TP2, d["dp_tp"], 0.0), ("llama", PP2TP2, d["pp"], 0.0),
-                                              ("gpt2", PP2TP2, d["pp_drop"], 0.1), ("mixtral", EP2, d["ep"], 0.0),
-                                              ("llama", ZERO, d["zero"], 0.0)])[0][d["pp_drop"]]
+    d = {k: str(tmp_path / k) for k in ("dp_tp", "pp", "pp_drop", "gpt2", "ep", "zero")}
+    saved = pool.run(checks.save_layouts, 4, [("llama", DP2TP2, d["dp_tp"], 0.0, False),
+                                              ("llama", PP2TP2, d["pp"], 0.0, False),
+                                              ("llama", PP2TP2, d["pp_drop"], 0.1, True),
+                                              ("gpt2", PP2TP2, d["gpt2"], 0.1, False),
+                                              ("mixtral", EP2, d["ep"], 0.0, False),
+                                              ("llama", ZERO, d["zero"], 0.0, False)])
+    exact = {**saved[0][d["pp_drop"]], "torch_rng": [r[d["pp_drop"]]["torch_rng"] for r in saved]}
+    saved = saved[0]
     errors = pool.run(checks.resume_layouts, 4, [("llama", PP2TP2, d["dp_tp"], 0.0, None),
                                                  ("llama", TP4, d["pp"], 0.0, None),
                                                  ("mixtral", EP4, d["ep"], 0.0, None),
-                                                 ("gpt2", PP2TP2, d["pp_drop"], 0.1, saved),
-                                                 ("gpt2", TP4, d["pp_drop"], 0.1, {"dropout": saved["dropout"]})])
+                                                 ("llama", PP2TP2, d["pp_drop"], 0.1, exact),
+                                                 ("gpt2", TP4, d["gpt2"], 0.1, saved[d["gpt2"]])])
     zero = pool.run(checks.resume_layouts, 2, [("llama", TP2, d["zero"], 0.0, None)])
     print("resume across layouts, max errors:", {**errors[0], **zero[0]})

@@ -326,25 +326,31 @@ def _dropout_states(model) -> dict:
 
 
 def save_layouts(ctx, cases: list) -> dict:
-    """Each case (arch, layout, directory, dropout): one step from seed 0 in
-    `layout` (torch seeded 11), then save_state (step 1).  A case with
-    dropout also trains the straight run of 3 steps in the same layout and
-    returns {"weights": its full weights (a same-layout resume must give
-    them bit for bit), "dropout": every TP dropout module's (seed, step) at
-    the save, over all ranks (a stage holds its own layers' modules)}."""
+    """Each case (arch, layout, directory, dropout, straight): one step from
+    seed 0 in `layout` (torch's generator seeded per rank, so a rank that
+    takes another's after the load draws other masks), then save_state
+    (step 1).  With dropout, returns {"dropout": every TP dropout module's
+    (seed, step) at the save, over all ranks (a stage holds its own layers'
+    modules)}, and with `straight` also "weights": the full weights of the
+    straight run of 3 steps in the same layout (a same-layout resume must
+    give them bit for bit) and "torch_rng": this rank's torch generator at
+    the save (a same-layout resume must give each rank its own)."""
     from checks import dcp_layouts as dl
 
     out = {}
-    for arch, layout, directory, dropout in cases:
+    for arch, layout, directory, dropout, straight in cases:
         group = dl._group(ctx, layout)
-        if dropout:
-            torch.manual_seed(11)
+        out[directory] = {}
+        if straight:
             model, _, _, _, train = _layout_run(ctx, arch, layout, 0, dropout)
+            torch.manual_seed(11 + ctx.rank)         # after zoo.build, which seeds it
             train(3)
-            out[directory] = {"weights": _full_numpy(model)}
-        torch.manual_seed(11)
+            out[directory]["weights"] = _full_numpy(model)
         model, wrapped, optimizer, scheduler, train = _layout_run(ctx, arch, layout, 0, dropout)
+        torch.manual_seed(11 + ctx.rank)
         train(1)
+        if straight:
+            out[directory]["torch_rng"] = torch.get_rng_state().numpy()
         save_state(wrapped, directory, optimizer, scheduler, step=1, extra={"layout": layout}, process_group=group)
         if dropout:
             records = [None] * ctx.world_size
@@ -363,7 +369,8 @@ def resume_layouts(ctx, cases: list) -> dict:
     unsharded straight run of 3 steps (AdamW, LambdaLR) within the float32
     tolerance plus twice its own error against float64 (Mixtral: 5% of the
     learning rate, as checks.dcp_layouts); "weights" (the same layout):
-    bit for bit the straight run's; "dropout" only (another layout, dropout
+    bit for bit the straight run's, and each rank's torch generator its
+    own at the save ("torch_rng": one per rank); "dropout" only (another layout, dropout
     on): after the load every TP dropout module has the (seed, step) it had
     at the save, whichever rank or stage held it."""
     from checks import dcp_layouts as dl
@@ -377,6 +384,9 @@ def resume_layouts(ctx, cases: list) -> dict:
         if expect is not None and "weights" not in expect:
             got = _dropout_states(model)
             assert got and got == {k: expect["dropout"][k] for k in got}, (got, expect["dropout"])
+        if expect is not None and "torch_rng" in expect:
+            assert np.array_equal(torch.get_rng_state().numpy(), expect["torch_rng"][ctx.rank]), \
+                f"rank {ctx.rank}: torch's generator after load_state at the same layout is not its own"
         train(2)
         local = optimizer.optim if layout.get("zero") else optimizer
         steps = {float(s["step"]) for s in local.state.values()}
