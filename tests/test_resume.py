@@ -10,7 +10,9 @@ the next 3 steps equal the unsharded straight run within float tolerance.
 A save with a rank SIGKILLed mid-write leaves the previous checkpoint
 loadable; async_save overlaps the write with a training step and saves
 the state at the call; bad input is refused on every rank.  docs/resume.md's
-recipe runs as written."""
+recipe runs as written.  Across pipeline-stage, expert-parallel and ZeRO-1
+layouts (in the pool): the next steps within tolerance of the unsharded
+straight run; TP x PP resumed at TP x PP bit for bit."""
 import os
 import pickle
 import re
@@ -82,9 +84,9 @@ def test_resume_across_pipeline_expert_and_zero_layouts(pool, tmp_path):
     5 experts) and ZeRO-1, dropout off: DP=2 x TP=2 -> TP=2 x PP=2, TP=2 x PP=2 -> TP=4 (ShardConfig()),
     EP=2 x TP=2 -> EP=4, ZeRO-1 DP=2 x TP=2 -> TP=2 (explicit group): AdamW, LambdaLR and the step
     restored, two more steps within tolerance of the unsharded straight run.  Dropout 0.1, TP=2 x PP=2 ->
-    TP=2 x PP=2: Llama (attention dropout from torch's generator of each rank) bit for bit the straight
-    run of the same layout, each rank's generator its own; GPT-2 (TP dropout modules on both stages) -> TP=4: every dropout module, stage
-    1's included, gets its saved state."""
+    TP=2 x PP=2: Llama (torch's generator seeded per rank) bit for bit the straight run of the same
+    layout, each rank's generator its own; GPT-2 (TP dropout modules on both stages) -> TP=4: every
+    dropout module, stage 1's included, gets its saved (seed, step)."""
     from checks.dcp_layouts import DP2TP2, EP2, EP4, PP2TP2, TP2, TP4, ZERO
 
     d = {k: str(tmp_path / k) for k in ("dp_tp", "pp", "pp_drop", "gpt2", "ep", "zero")}
