@@ -8,14 +8,8 @@ bit the saved ones and the next step equals the straight unsharded run
 import pytest
 
 from checks import dcp_layouts as checks
+from checks.dcp_layouts import DP2TP2, EP2, EP4, PP2TP2, TP2, TP4, ZERO
 
-TP2 = {"tp": 2, "ranks": 2}                      # explicit group of the first 2 ranks
-TP4 = {"tp": 4, "ranks": 4}                      # ShardConfig(): the world
-PP2TP2 = {"pp": 2, "tp": 2}
-DP2TP2 = {"dp": 2, "tp": 2}
-ZERO = {"dp": 2, "tp": 2, "zero": True}
-EP2 = {"dp": 2, "tp": 2, "ep": 2}
-EP4 = {"dp": 4, "ep": 4}
 
 
 def _round_trip(pool, tmp_path, arch, save, loads, sharded=False):

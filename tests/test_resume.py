@@ -10,7 +10,9 @@ the next 3 steps equal the unsharded straight run within float tolerance.
 A save with a rank SIGKILLed mid-write leaves the previous checkpoint
 loadable; async_save overlaps the write with a training step and saves
 the state at the call; bad input is refused on every rank.  docs/resume.md's
-recipe runs as written."""
+recipe runs as written.  Across pipeline-stage, expert-parallel and ZeRO-1
+layouts (in the pool): the next steps within tolerance of the unsharded
+straight run; TP x PP resumed at TP x PP bit for bit."""
 import os
 import pickle
 import re
@@ -75,3 +77,31 @@ def test_docs_recipe_runs_as_written(pool2, tmp_path):
     script = tmp_path / "resume_recipe.py"
     script.write_text(blocks[0])
     pool2.run(checks.docs_recipe, 2, str(script), str(tmp_path / "ckpt"))
+
+
+def test_resume_across_pipeline_expert_and_zero_layouts(pool, tmp_path):
+    """save_state / load_state (in the pool) with pipeline stages (1F1B), expert parallelism (Mixtral,
+    5 experts) and ZeRO-1, dropout off: DP=2 x TP=2 -> TP=2 x PP=2, TP=2 x PP=2 -> TP=4 (ShardConfig()),
+    EP=2 x TP=2 -> EP=4, ZeRO-1 DP=2 x TP=2 -> TP=2 (explicit group): AdamW, LambdaLR and the step
+    restored, two more steps within tolerance of the unsharded straight run.  Dropout 0.1, TP=2 x PP=2 ->
+    TP=2 x PP=2: Llama (torch's generator seeded per rank) bit for bit the straight run of the same
+    layout, each rank's generator its own; GPT-2 (TP dropout modules on both stages) -> TP=4: every
+    dropout module, stage 1's included, gets its saved (seed, step)."""
+    from checks.dcp_layouts import DP2TP2, EP2, EP4, PP2TP2, TP2, TP4, ZERO
+
+    d = {k: str(tmp_path / k) for k in ("dp_tp", "pp", "pp_drop", "gpt2", "ep", "zero")}
+    saved = pool.run(checks.save_layouts, 4, [("llama", DP2TP2, d["dp_tp"], 0.0, False),
+                                              ("llama", PP2TP2, d["pp"], 0.0, False),
+                                              ("llama", PP2TP2, d["pp_drop"], 0.1, True),
+                                              ("gpt2", PP2TP2, d["gpt2"], 0.1, False),
+                                              ("mixtral", EP2, d["ep"], 0.0, False),
+                                              ("llama", ZERO, d["zero"], 0.0, False)])
+    exact = {**saved[0][d["pp_drop"]], "torch_rng": [r[d["pp_drop"]]["torch_rng"] for r in saved]}
+    saved = saved[0]
+    errors = pool.run(checks.resume_layouts, 4, [("llama", PP2TP2, d["dp_tp"], 0.0, None),
+                                                 ("llama", TP4, d["pp"], 0.0, None),
+                                                 ("mixtral", EP4, d["ep"], 0.0, None),
+                                                 ("llama", PP2TP2, d["pp_drop"], 0.1, exact),
+                                                 ("gpt2", TP4, d["gpt2"], 0.1, saved[d["gpt2"]])])
+    zero = pool.run(checks.resume_layouts, 2, [("llama", TP2, d["zero"], 0.0, None)])
+    print("resume across layouts, max errors:", {**errors[0], **zero[0]})

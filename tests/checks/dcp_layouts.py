@@ -30,10 +30,17 @@ from shardformer.pipeline import OneForwardOneBackwardSchedule
 from shardformer.pipeline.stages import runtime_of
 
 LR, WD = 1e-3, 0.1
-PP2TP2_LAYOUT = {"pp": 2, "tp": 2}
+TP2 = {"tp": 2, "ranks": 2}                      # explicit group of the first 2 ranks
+TP4 = {"tp": 4, "ranks": 4}                      # ShardConfig(): the world
+PP2TP2 = PP2TP2_LAYOUT = {"pp": 2, "tp": 2}
+DP2TP2 = {"dp": 2, "tp": 2}
+ZERO = {"dp": 2, "tp": 2, "zero": True}
+EP2 = {"dp": 2, "tp": 2, "ep": 2}
+EP4 = {"dp": 4, "ep": 4}
 TOL = parity.TOL[torch.float32]
 MODELS = {"llama": ("LlamaForCausalLM", {}),        # 6 heads, 2 KV heads, 90 MLP features, vocab 101
-          "mixtral": ("MixtralForCausalLM", {"num_local_experts": 5})}   # 5 experts: uneven over EP 2 and 4
+          "mixtral": ("MixtralForCausalLM", {"num_local_experts": 5}),   # 5 experts: uneven over EP 2 and 4
+          "gpt2": ("GPT2LMHeadModel", {})}     # TP dropout modules (checks.resume), 6 heads, vocab 99
 
 
 def ranks(layout: dict) -> int:
@@ -49,10 +56,12 @@ def _batch(name: str) -> dict:
     return pp_checks.batch_of(name, 4)
 
 
-def _build(ctx, arch: str, layout: dict, seed: int):
-    """(sharded model, mesh or None) of `arch` from `seed` in `layout`."""
+def _build(ctx, arch: str, layout: dict, seed: int, dropout: float = 0.0):
+    """(sharded model, mesh or None) of `arch` from `seed` in `layout`, every
+    dropout probability `dropout` (0: the config's)."""
     name, overrides = MODELS[arch]
-    model = zoo.build(name, seed=seed, **overrides)
+    model = zoo.build_with_dropout(name, dropout, seed=seed, **overrides) if dropout else \
+        zoo.build(name, seed=seed, **overrides)
     model.train()
     if "ranks" in layout:                     # plain TP: the world's default group, or the first ranks'
         cfg = ShardConfig() if layout["ranks"] == ctx.world_size else \
@@ -92,12 +101,14 @@ def _trainer(model, m, layout: dict):
     return wrapped, step
 
 
-def _straight(arch: str, steps: int, dtype=torch.float32):
-    """The unsharded model from seed 0 after `steps` AdamW steps on the whole batch."""
+def _straight(arch: str, steps: int, dtype=torch.float32, lr_lambda=None):
+    """The unsharded model from seed 0 after `steps` AdamW steps on the whole
+    batch (with lr_lambda: under LambdaLR(lr_lambda))."""
     name, overrides = MODELS[arch]
     model = zoo.build(name, seed=0, dtype=dtype, **overrides)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda) if lr_lambda is not None else None
     batch = _batch(name)
     if dtype == torch.float64:
         batch = {k: v.double() if v.is_floating_point() else v for k, v in batch.items()}
@@ -105,6 +116,8 @@ def _straight(arch: str, steps: int, dtype=torch.float32):
         model(**batch).loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
     return model
 
 

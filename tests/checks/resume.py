@@ -292,3 +292,117 @@ def docs_recipe(ctx, path: str, directory: str) -> dict:
     resumed = recipe.main(directory, steps=6)
     assert first == straight[:3] and resumed == straight, (first, resumed, straight)
     return {"losses": straight}
+
+
+# ------------------------------------------------------------------ across layouts: PP, EP, ZeRO-1
+
+def _layout_run(ctx, arch: str, layout: dict, seed: int, dropout: float = 0.0):
+    """checks.dcp_layouts' model, trainer (1F1B for pipeline stages, DDP for
+    DP) and optimizer (AdamW, or ZeRO-1 with layout["zero"]) of `layout`,
+    with the warm-up LambdaLR.  Returns (model, wrapped, optimizer,
+    scheduler, train(n))."""
+    from checks import dcp_layouts as dl
+
+    model, m = dl._build(ctx, arch, layout, seed, dropout)
+    wrapped, step = dl._trainer(model, m, layout)
+    optimizer = dl._optimizer(model, layout, wrapped)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
+
+    def train(n: int) -> None:
+        for _ in range(n):
+            step(optimizer)
+            scheduler.step()
+    return model, wrapped, optimizer, scheduler, train
+
+
+def _full_numpy(model) -> dict:
+    return {k: v.numpy() for k, v in gather_full_state_dict(model).items()}
+
+
+def _dropout_states(model) -> dict:
+    from shardformer.layer.dropout import _SeededDropout
+
+    return {n: (m.seed, m.step) for n, m in model.named_modules() if isinstance(m, _SeededDropout)}
+
+
+def save_layouts(ctx, cases: list) -> dict:
+    """Each case (arch, layout, directory, dropout, straight): one step from
+    seed 0 in `layout` (torch's generator seeded per rank, so a rank that
+    takes another's after the load draws other masks), then save_state
+    (step 1).  With dropout, returns {"dropout": every TP dropout module's
+    (seed, step) at the save, over all ranks (a stage holds its own layers'
+    modules)}, and with `straight` also "weights": the full weights of the
+    straight run of 3 steps in the same layout (a same-layout resume must
+    give them bit for bit) and "torch_rng": this rank's torch generator at
+    the save (a same-layout resume must give each rank its own)."""
+    from checks import dcp_layouts as dl
+
+    out = {}
+    for arch, layout, directory, dropout, straight in cases:
+        group = dl._group(ctx, layout)
+        out[directory] = {}
+        if straight:
+            model, _, _, _, train = _layout_run(ctx, arch, layout, 0, dropout)
+            torch.manual_seed(11 + ctx.rank)         # after zoo.build, which seeds it
+            train(3)
+            out[directory]["weights"] = _full_numpy(model)
+        model, wrapped, optimizer, scheduler, train = _layout_run(ctx, arch, layout, 0, dropout)
+        torch.manual_seed(11 + ctx.rank)
+        train(1)
+        if straight:
+            out[directory]["torch_rng"] = torch.get_rng_state().numpy()
+        save_state(wrapped, directory, optimizer, scheduler, step=1, extra={"layout": layout}, process_group=group)
+        if dropout:
+            records = [None] * ctx.world_size
+            dist.all_gather_object(records, _dropout_states(model), group=group)
+            out[directory]["dropout"] = {k: v for r in records for k, v in r.items()}
+    return out
+
+
+def resume_layouts(ctx, cases: list) -> dict:
+    """Each case (arch, layout, directory, dropout, expect): a model from
+    seed 5 in `layout` with a fresh optimizer and scheduler, torch's
+    generator scrambled per rank, load_state of `directory`, two more
+    steps.  Then the optimizer's step and the scheduler are the saved ones
+    plus two and, by `expect` (save_layouts' record for the directory):
+    None (another layout, dropout off): the full weights equal the
+    unsharded straight run of 3 steps (AdamW, LambdaLR) within the float32
+    tolerance plus twice its own error against float64 (Mixtral: 5% of the
+    learning rate, as checks.dcp_layouts); "weights" (the same layout):
+    bit for bit the straight run's, and each rank's torch generator its
+    own at the save ("torch_rng": one per rank); "dropout" only (another layout, dropout
+    on): after the load every TP dropout module has the (seed, step) it had
+    at the save, whichever rank or stage held it."""
+    from checks import dcp_layouts as dl
+
+    errors = {}
+    for arch, layout, directory, dropout, expect in cases:
+        model, wrapped, optimizer, scheduler, train = _layout_run(ctx, arch, layout, 5, dropout)
+        torch.manual_seed(1000 + ctx.rank)
+        state = load_state(wrapped, directory, optimizer, scheduler, process_group=dl._group(ctx, layout))
+        assert state["step"] == 1 and "layout" in state["extra"], state
+        if expect is not None and "weights" not in expect:
+            got = _dropout_states(model)
+            assert got and got == {k: expect["dropout"][k] for k in got}, (got, expect["dropout"])
+        if expect is not None and "torch_rng" in expect:
+            assert np.array_equal(torch.get_rng_state().numpy(), expect["torch_rng"][ctx.rank]), \
+                f"rank {ctx.rank}: torch's generator after load_state at the same layout is not its own"
+        train(2)
+        local = optimizer.optim if layout.get("zero") else optimizer
+        steps = {float(s["step"]) for s in local.state.values()}
+        assert steps == {3.0} and scheduler.last_epoch == 3, (steps, scheduler.last_epoch)
+        full = gather_full_state_dict(model)
+        what = f"{dl.MODELS[arch][0]} {state['extra']['layout']} -> {layout}"
+        if expect is not None:
+            straight = expect.get("weights", {})
+            differ = [k for k in straight if not np.array_equal(full[k].numpy(), straight[k])]
+            assert not straight or full.keys() == straight.keys(), sorted(set(full) ^ set(straight))
+            assert not differ, f"{what}: differs from the straight run: {differ}"
+            errors[what] = 0.0
+            continue
+        exp, exp64 = (dl._straight(arch, 3, dtype, warmup).state_dict() for dtype in (torch.float32, torch.float64))
+        assert full.keys() == exp.keys(), sorted(set(full) ^ set(exp))
+        tol = (0.0, 0.05 * LR) if arch == "mixtral" else TOL
+        errors[what] = max(parity.assert_close(f"{what}, 2 steps after load_state: {k}", full[k], exp[k], tol,
+                                               exp64[k]) for k in exp)
+    return errors

@@ -31,13 +31,20 @@ over the TP group when the model is sharded, step counts the module's calls.
 So (seed, step) of every module is its whole state, and together with
 torch's own generators (HF's dropouts, layer-drop, the RankStream draws)
 they make the masks after a resume the masks of the run that never stopped.
-`layout` is each rank's (TP size, TP rank, pipeline stage), gathered at save:
+`layout` is each rank's (TP size, TP rank, pipeline stage, layers of each
+stage, EP size, EP rank), gathered at save with the global ranks; the DP
+rank is not in it (replicas hold the same modules; which rows a rank reads
+is the data loader's).  "train" also keeps every dropout module's (seed,
+step) from the lowest rank that holds it, so a module of any stage has its
+record:
 
   * the same layout on load: every rank takes back its own generators
-    (exact resume: the same losses and weights, bit for bit);
-  * another layout (a TP or DP size, another world size): every rank takes
-    rank 0's generators (the TP groups keep agreeing, which a replicated
-    dropout needs).  The replicated-input dropouts draw the masks they
+    (exact resume: the same losses and weights, bit for bit, pipeline
+    stages included);
+  * another layout (a TP, DP, PP or EP size, another stage split, another
+    world size): every rank takes rank 0's torch generators and each
+    dropout module the merged record (the TP groups keep agreeing, which a
+    replicated dropout needs).  The replicated-input dropouts draw the masks they
     would have drawn; a parallel-input mask is per TP rank and per shard
     shape, so those masks are new draws of the same distribution, and the
     resumed run is a valid continuation rather than the same numbers.  With
@@ -64,10 +71,14 @@ for the pending save first.  The training is blocked for the copy and the
 plan only (benchmarks/checkpoint_state.py).  The synchronous save runs the
 same two parts in the caller's thread.
 
+Layouts.  The model and optimizer go through checkpoint.get_state_dict /
+set_state_dict (checkpoint.dcp), so every layout that DCP reshards resumes:
+TP, DP (DDP), pipeline stages (global keys), expert parallelism and ZeRO-1
+(torch's ZeroRedundancyOptimizer: its partitions follow their parameters),
+saved at one and loaded at another (docs/checkpoint_layouts.md).
+
 Not kept: the dropout modules' recomputation keys (gradient checkpointing
 files them within one step's backward; a save falls between steps).
-Pipeline stages, expert parallelism and ZeRO-1 are refused by
-checkpoint.get_state_dict (see docs/resume.md).
 """
 from __future__ import annotations
 
@@ -120,20 +131,40 @@ def _dropouts(model: nn.Module) -> dict:
 
 
 def _layout(model: nn.Module) -> tuple:
-    """(TP size, TP rank, pipeline stage) of this rank's model."""
+    """(TP size, TP rank, pipeline stage, the layers of each stage [and
+    chunk], EP size, EP rank) of this rank's model: what decides which
+    modules a rank holds and which masks its dropout modules draw.  The DP rank is not part of it: replicas
+    hold the same modules, and the global rank is compared beside it."""
     from ..layer.parallel_module import ParallelModule
     from ..pipeline.stages import runtime_of
 
     tp = next(((m.tp_size, m.tp_rank) for m in model.modules() if isinstance(m, ParallelModule)), (1, 0))
+    ep = next(((m.ep_size, m.ep_rank) for m in model.modules() if hasattr(m, "ep_rank")), (1, 0))
     runtime = runtime_of(model)
-    stage = runtime.manager.stage if runtime is not None and hasattr(runtime.manager, "stage") else 0
-    return (int(tp[0]), int(tp[1]), int(stage))
+    manager = runtime.manager if runtime is not None else None
+    stage, split = (manager.stage, manager.num_layers_per_stage) if hasattr(manager, "num_stages") else (0, ())
+    return (int(tp[0]), int(tp[1]), int(stage), tuple(int(n) for n in split or ()), int(ep[0]), int(ep[1]))
+
+
+def _dropout_record(model: nn.Module) -> dict:
+    """{module name: (seed, step)} of this rank's TP dropout modules."""
+    return {name: (int(m.seed), int(m.step)) for name, m in _dropouts(model).items()}
+
+
+def _merged_dropouts(records: list[dict]) -> dict:
+    """Every module's (seed, step) from the lowest rank that holds it: a
+    pipeline stage holds its own layers' modules only."""
+    merged: dict = {}
+    for record in records:
+        for name, value in record.items():
+            merged.setdefault(name, value)
+    return merged
 
 
 def _rng_state(model: nn.Module) -> dict:
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     return {"cpu": torch.get_rng_state(), "cuda": cuda,
-            "dropout": {name: (int(m.seed), int(m.step)) for name, m in _dropouts(model).items()}}
+            "dropout": _dropout_record(model)}
 
 
 def _set_rng_state(model: nn.Module, state: dict) -> None:
@@ -338,12 +369,13 @@ def save_state(model: nn.Module, dir, optimizer: torch.optim.Optimizer | None = 
     _wait_pending()
     directory = save_target(dir, who)
     ranks = _group_ranks(process_group)
-    mine = (step, optimizer is not None, lr_scheduler is not None, _layout(inner))
+    mine = (step, optimizer is not None, lr_scheduler is not None, _layout(inner), _dropout_record(inner))
     seen = _gather(process_group, mine)
     _agree("the step", [s[0] for s in seen], ranks, who)
     _agree("whether an optimizer / scheduler is saved", [s[1:3] for s in seen], ranks, who)
     msd, osd = get_state_dict(inner, optimizer)
     train = {"step": step, "extra": extra, "layout": {"ranks": ranks, "of_rank": [s[3] for s in seen]},
+             "dropout": _merged_dropouts([s[4] for s in seen]),
              "scheduler": lr_scheduler.state_dict() if lr_scheduler is not None else None,
              "optimizer": optimizer is not None}
     state = {"model": msd, _RNG.format(dist.get_rank()): _blob(_rng_state(inner))}
@@ -427,6 +459,8 @@ def load_state(model: nn.Module, dir, optimizer: torch.optim.Optimizer | None = 
         raise ValueError(f"{who}: {directory} holds no random state '{rng_key}' (its keys: "
                          f"{sorted(k for k in keys if k.startswith('rng.'))[:4]}...)")
     rng = _read_local(directory, [rng_key])[rng_key]
+    if not same and "dropout" in train:     # every module's record, also those of the other stages
+        rng["dropout"] = train["dropout"]
     msd, osd = get_state_dict(inner, optimizer)
     state = {"model": msd}
     if optimizer is not None:
