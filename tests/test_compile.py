@@ -69,3 +69,21 @@ def test_docs_recipe_runs_as_written(tmp_path):
     exec(compile(eager, "recipe", "exec"), namespace)
     expected = namespace["train"](0)
     assert abs(losses[0] - expected) <= 1e-5 * abs(expected), (losses, expected)
+
+
+def test_dp2_tp2_ddp_compiled(pool):
+    """DP=2 x TP=2 (mesh, shardformer.data_parallel with several DDP buckets, then torch.compile):
+    loss and DDP-reduced gradients equal the unsharded model's on the global batch over 2 steps,
+    one graph per rank.  torch._dynamo.config.optimize_ddp=False: DDP's bucket hooks all-reduce as
+    eagerly (with the DDPOptimizer's graph split at 16 KiB buckets the embedding's gradient came out
+    wrong: docs/compile.md)."""
+    reports = pool.run(checks.dp_tp_ddp, 4, False)
+    assert all(r["graphs"] <= MAX_GRAPHS for r in reports), reports
+
+
+@pytest.mark.parametrize("mode", ["split_gather", "all_to_all", "ring_attn"])
+def test_sequence_parallel_compile_refused(pool2, mode):
+    """SP under torch.compile (default settings) stops with an error naming the model, the mode and the
+    fix, on both ranks; the same model eagerly equals the unsharded one."""
+    reports = pool2.run(checks.sequence_parallel_refused, 2, mode, mode == "split_gather")
+    assert len(reports) == 2, reports

@@ -35,7 +35,7 @@ import warnings
 
 from torch import nn
 
-from . import _C, ddp_guard, input_check, lazy, pickling
+from . import _C, compile_refusal, ddp_guard, input_check, lazy, pickling
 from .checkpoint import bind_hf_methods
 from .config import ShardConfig, group_size_and_rank
 from .distributed.agree import agree, members
@@ -285,6 +285,8 @@ class ModelSharder:
         why = pickling.refusal_reason(name, cfg, stages is not None)
         if why is not None:                      # torch.save(model) refused with the reason
             self.model.register_forward_pre_hook(pickling.PickleRefusal(why), prepend=True)
+        if cfg.enable_sequence_parallelism:      # torch.compile refused by name, before any other hook runs
+            compile_refusal.refuse_sequence_parallel_compile(self.model, name, cfg.sequence_parallelism_mode)
         for message in messages:                 # last: a warning turned error finds the model complete
             warnings.warn(message, stacklevel=4)
         return policy.get_shared_params() + (stages.shared_params if stages is not None else [])

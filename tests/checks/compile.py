@@ -129,3 +129,100 @@ def collectives_fullgraph(ctx, default_group: bool = False) -> dict:
         if not torch.equal(a, b):
             raise AssertionError(f"compiled {what} differs from eager: {a} vs {b}")
     return {"graphs": counter.frame_count}
+
+
+BUCKET_BYTES = 16 * 1024  # DDP buckets of the DP x TP check: several per rank on the tiny Llama
+
+
+def dp_tp_ddp(ctx, optimize_ddp: bool) -> dict:
+    """DP=2 x TP=2 on the 4 ranks (shardformer.mesh): the TP-sharded model in
+    DDP over mesh.dp (shardformer.data_parallel), then torch.compile.  Each
+    DP replica runs its own 2 rows of a 4-row global batch (both TP ranks of
+    a replica the same rows); the DP-averaged loss and every gradient after
+    DDP's all-reduce (the mean over the replicas) equal the unsharded
+    model's on the global batch, at each of 2 SGD steps.  optimize_ddp:
+    torch._dynamo.config.optimize_ddp (True: dynamo's DDPOptimizer splits
+    the graph at DDP's bucket boundaries, so each bucket's all-reduce can
+    start in backward while the earlier graphs' backward runs; False: one
+    graph, the all-reduces after the whole backward).  Returns the graphs
+    made, and the graph breaks dynamo reported (real breaks; DDPOptimizer's
+    splits are inside one frame's graph and are not breaks)."""
+    import torch.distributed as dist
+
+    from shardformer import data_parallel, mesh
+
+    from checks.hybrid import _split_rows
+    from checks.pipeline import batch_of
+
+    torch._dynamo.reset()
+    m = mesh(dp=2, tp=2)
+    torch.manual_seed(0)
+    model = zoo.build(NAME)
+    model.train()
+    ref = copy.deepcopy(model)
+    sharded, _ = ShardFormer(shard_config=m.shard_config()).optimize(model)
+    # small buckets: several all-reduces per backward (the tiny model would fit one 25 MB bucket)
+    ddp = data_parallel(sharded, m, bucket_cap_mb=BUCKET_BYTES / 2 ** 20)
+    counter = CompileCounterWithBackend("aot_eager")
+    breaks_before = _graph_breaks()
+    saved = torch._dynamo.config.optimize_ddp
+    torch._dynamo.config.optimize_ddp = optimize_ddp
+    try:
+        compiled = torch.compile(ddp, backend=counter)
+        batch = batch_of(NAME, 4)
+        mine = _split_rows(batch, 2, m.coords["dp"])
+        tol = TOL[torch.float32]
+        graphs = []
+        for step in range(2):
+            loss = compiled(**mine).loss
+            loss.backward()
+            ref_loss = ref(**batch).loss
+            ref_loss.backward()
+            total = loss.detach().clone()
+            dist.all_reduce(total, group=m.dp)
+            assert_close(f"DP x TP compiled step {step} loss", total / 2, ref_loss.detach(), tol)
+            compare_grads(sharded, ref, f"DP x TP compiled step {step}", tol)
+            _sgd(sharded, ref)
+            graphs.append(counter.frame_count)
+    finally:
+        torch._dynamo.config.optimize_ddp = saved
+    if graphs[-1] != graphs[0]:
+        raise AssertionError(f"the compiled DDP model recompiled after its first step: {graphs} graphs")
+    return {"graphs": graphs[0], "breaks": _graph_breaks() - breaks_before}
+
+
+def _graph_breaks() -> int:
+    """Graph breaks dynamo has counted in this process."""
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values())
+
+
+def sequence_parallel_refused(ctx, mode: str, default_group: bool = False) -> dict:
+    """Sequence parallelism (`mode`) under torch.compile: the compiled model's
+    forward raises naming the model, the mode and the fix (docs/compile.md),
+    on every rank, under the default torch.compile settings; the same model
+    eagerly still equals the unsharded model."""
+    torch._dynamo.reset()
+    config = {"enable_sequence_parallelism": True, "sequence_parallelism_mode": mode,
+              "enable_tensor_parallelism": mode == "split_gather"}
+    sharded, ref = _pair(ctx, default_group, config)
+    inputs = zoo.make_inputs(NAME)
+    compiled = torch.compile(sharded, backend="aot_eager")
+    try:
+        compiled(**inputs)
+    except Exception as e:  # dynamo wraps it (TorchRuntimeError); the message is ours
+        message = str(e)
+    else:
+        raise AssertionError(f"sequence parallelism ({mode}) ran under torch.compile without an error")
+    missing = [w for w in (NAME, f"sequence parallelism ({mode!r})", "torch.compile", "eagerly",
+                           "enable_sequence_parallelism=False", "docs/compile.md") if w not in message]
+    assert not missing, f"the refusal does not name {missing}: {message}"
+    torch._dynamo.reset()
+    tol = TOL[torch.float32]
+    out, exp = sharded(**inputs), ref(**inputs)
+    check_outputs(f"eager {mode} after the refusal", out, exp, tol)
+    out.loss.backward()
+    exp.loss.backward()
+    compare_grads(sharded, ref, f"eager {mode}", tol)
+    return {"message": message.splitlines()[0] if message else message}

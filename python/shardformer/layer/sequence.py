@@ -66,6 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import compile_refusal
 from .. import distributed as D
 from ..distributed.mappings import _all_gather_seq, gather_from_sequence_region, reduce_scatter_to_sequence_region
 from . import recompute
@@ -515,8 +516,11 @@ RECORDED_GATHERS = {"count": 0}
 
 def mark_rows(t, gather):
     """Mark tensor `t` (this rank's rows of a sequence) with `gather`, the
-    function that returns its full sequence; returns t."""
+    function that returns its full sequence; returns t.  Under torch.compile
+    (a sequence-parallel submodule compiled on its own) refused by name:
+    dynamo cannot trace the mark (compile_refusal)."""
     if isinstance(t, torch.Tensor):
+        compile_refusal.refuse(t, compile_refusal.sequence_parallel_message("a sequence-parallel module"))
         t.__dict__[_GATHER_MARK] = gather
     return t
 
