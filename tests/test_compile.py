@@ -81,6 +81,13 @@ def test_dp2_tp2_ddp_compiled(pool):
     assert all(r["graphs"] <= MAX_GRAPHS for r in reports), reports
 
 
+def test_dp2_tp2_ddp_optimizer_refused(pool):
+    """The same under torch's default optimize_ddp=True (DDPOptimizer): refused by name when the graph is
+    built, on every rank, never a silently wrong gradient."""
+    reports = pool.run(checks.dp_tp_ddp_optimizer_refused, 4)
+    assert len(reports) == 4, reports
+
+
 @pytest.mark.parametrize("mode", ["split_gather", "all_to_all", "ring_attn"])
 def test_sequence_parallel_compile_refused(pool2, mode):
     """SP under torch.compile (default settings) stops with an error naming the model, the mode and the

@@ -24,6 +24,7 @@ from __future__ import annotations
 import sys
 
 import torch.distributed as dist
+from torch import nn
 
 GUARD_ATTR = "_ddp_params_and_buffers_to_ignore"
 
@@ -33,16 +34,16 @@ def _ranks(group) -> list[int]:
 
 
 def _constructing_ddp(frame, depth: int = 6):
-    """The DistributedDataParallel whose __init__ is among the `depth` frames
-    above `frame`, or None."""
+    """(the DistributedDataParallel whose __init__ is among the `depth` frames
+    above `frame`, the module it wraps), or (None, None)."""
     from torch.nn.parallel import DistributedDataParallel
 
     while frame is not None and depth > 0:
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, DistributedDataParallel) and frame.f_code.co_name == "__init__":
-            return candidate
+            return candidate, frame.f_locals.get("module")
         frame, depth = frame.f_back, depth - 1
-    return None
+    return None, None
 
 
 class Guard:
@@ -55,9 +56,13 @@ class Guard:
         self.names = list(names)
 
     def __iter__(self):
-        ddp = _constructing_ddp(sys._getframe(1))
+        ddp, module = _constructing_ddp(sys._getframe(1))
         if ddp is not None:
             self.check(getattr(ddp, "process_group", None))
+            if isinstance(module, nn.Module):   # allowed: torch.compile of it must not use the DDPOptimizer
+                from .compile_refusal import refuse_ddp_optimizer_compile
+
+                refuse_ddp_optimizer_compile(module, self.model_name)
         return iter(self.names)
 
     def __len__(self) -> int:

@@ -226,3 +226,32 @@ def sequence_parallel_refused(ctx, mode: str, default_group: bool = False) -> di
     exp.loss.backward()
     compare_grads(sharded, ref, f"eager {mode}", tol)
     return {"message": message.splitlines()[0] if message else message}
+
+
+def dp_tp_ddp_optimizer_refused(ctx) -> dict:
+    """DP=2 x TP=2 in DDP over mesh.dp, torch.compile'd with torch's default
+    torch._dynamo.config.optimize_ddp=True (the DDPOptimizer, which gave a
+    wrong embedding gradient: dp_tp_ddp): the compile stops with an error
+    naming the model, the setting and the fix, on every rank; nothing runs."""
+    from shardformer import data_parallel, mesh
+
+    torch._dynamo.reset()
+    m = mesh(dp=2, tp=2)
+    torch.manual_seed(0)
+    sharded, _ = ShardFormer(shard_config=m.shard_config()).optimize(zoo.build(NAME))
+    ddp = data_parallel(sharded, m, bucket_cap_mb=BUCKET_BYTES / 2 ** 20)
+    saved = torch._dynamo.config.optimize_ddp
+    torch._dynamo.config.optimize_ddp = True
+    try:
+        torch.compile(ddp, backend="aot_eager")(**zoo.make_inputs(NAME))
+    except Exception as e:  # dynamo wraps it (TorchRuntimeError); the message is ours
+        message = str(e)
+    else:
+        raise AssertionError("DDP with the DDPOptimizer ran under torch.compile without an error")
+    finally:
+        torch._dynamo.config.optimize_ddp = saved
+    missing = [w for w in (NAME, "optimize_ddp", "= False", "DistributedDataParallel", "docs/compile.md")
+               if w not in message]
+    if missing:
+        raise AssertionError(f"the refusal does not name {missing}: {message[:1500]}")
+    return {"message": message[:200]}
