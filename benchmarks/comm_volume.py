@@ -73,7 +73,6 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

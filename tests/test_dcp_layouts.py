@@ -5,8 +5,6 @@ loaded at another; save_sharded / load_sharded for the same layouts, with
 the saving mesh in the manifest.  After the load the weights are bit for
 bit the saved ones and the next step equals the straight unsharded run
 (tests/checks/dcp_layouts.py)."""
-import pytest
-
 from checks import dcp_layouts as checks
 from checks.dcp_layouts import DP2TP2, EP2, EP4, PP2TP2, TP2, TP4, ZERO
 

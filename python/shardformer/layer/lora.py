@@ -48,8 +48,8 @@ import torch.nn.functional as F
 try:                                        # the optional extra: pip install "shardformer[peft]"
     from peft.tuners.lora import layer as peft_lora
 except ModuleNotFoundError as e:            # e.g. pkgutil.walk_packages over an install without it
-    raise ModuleNotFoundError(f"shardformer.layer.lora (LoRA on sharded models) needs peft, which is not "
-                              f"installed: pip install 'shardformer[peft]' (or peft>=0.21.2)") from e
+    raise ModuleNotFoundError("shardformer.layer.lora (LoRA on sharded models) needs peft, which is not "
+                              "installed: pip install 'shardformer[peft]' (or peft>=0.21.2)") from e
 from torch import nn
 
 from .. import distributed as D
