@@ -12,6 +12,7 @@ from .parallel_mesh import Mesh, mesh
 from .pickling import register as _register_pickling
 from .policy import ModulePolicyDescription, Policy, SubModuleReplacementDescription
 from .shardformer import ShardFormer
+from .verification import verify
 
 __version__ = "0.1.0"
 
@@ -31,4 +32,5 @@ __all__ = [
     "lazy_init",
     "mesh",
     "supported_models",
+    "verify",
 ]
