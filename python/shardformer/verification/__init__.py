@@ -117,14 +117,17 @@ def _in_place(build, inputs, shard_config, plan, policy, world_size, steps, rtol
     agree("verify", {"world_size": world_size, "steps": steps, "rtol": rtol, "plan": sorted((plan or {}).items()),
                      "policy": None if policy is None else getattr(policy, "__name__", type(policy).__name__)},
           group)
-    entries, raised, setup = run_checks(build, inputs, shard_config, plan, policy, steps, rtol)
-    # The ranks agree on whether (and where) the sharded model raised before any further collective.
-    agree("verify: the sharded model's forward", {"raised in": None if raised is None else raised[0]}, group)
+
+    def sync(stage: str, value) -> None:
+        # A rank that failed, or raised elsewhere, meets the others here: RuntimeError naming the ranks.
+        agree(f"verify: {stage}", {"outcome": value}, group)
+
+    entries, raised, setup = run_checks(build, inputs, shard_config, plan, policy, steps, rtol, sync)
     if raised is not None:
         entries = entries + [_raised_entry(raised)]
     gathered = [None] * size
-    dist.all_gather_object(gathered, entries, group=group)
-    return merge(setup, gathered)
+    dist.all_gather_object(gathered, (entries, setup), group=group)
+    return merge(gathered[0][1], [es for es, _ in gathered])   # the set-up line of the group's first rank
 
 
 def _rank_main(rank, build, inputs, shard_config, plan, policy, steps, rtol):

@@ -41,6 +41,8 @@ class Diff:
 def cut(full: torch.Tensor, dim: int, shard) -> torch.Tensor:
     """This rank's real (unpadded) part of `full` along `dim`: its ranges of the layout."""
     parts = [full.narrow(dim, off, n) for off, n in shard.ranges]
+    if not parts:                       # this rank holds padding only
+        return full.narrow(dim, 0, 0)
     return torch.cat(parts, dim) if len(parts) != 1 else parts[0]
 
 

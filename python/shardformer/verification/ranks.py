@@ -125,14 +125,32 @@ def describe(ref: nn.Module, model: nn.Module, tp: int, rtol: float, steps: int)
             f"rtol={rtol:g}, {steps} SGD step{'s' if steps != 1 else ''} (lr {LR})")
 
 
-def run_checks(build, inputs, shard_config: ShardConfig, plan, policy, steps: int, rtol: float):
-    """This rank's (entries, raised, setup line); see the module doc."""
-    ref, model = build_pair(build)
-    inputs = make_inputs(inputs)
+def _staged(sync, stage: str, fn):
+    """fn() on this rank, then `sync(stage, error)` on every rank (error:
+    None, or this rank's exception as text) before the next collective, so
+    one rank failing alone is an error naming the ranks, not a hang."""
+    try:
+        value = fn()
+    except Exception as e:
+        sync(stage, f"{type(e).__name__}: {e}")
+        raise
+    sync(stage, None)
+    return value
+
+
+def run_checks(build, inputs, shard_config: ShardConfig, plan, policy, steps: int, rtol: float, sync=None):
+    """This rank's (entries, raised, setup line); see the module doc.
+
+    `sync(stage, value)`, when given, is called by every rank at the points
+    where ranks could otherwise part: after the local set-up, after the
+    reference's run, after the sharded forward (value: the module it raised
+    in), and after the local comparisons.  Comparisons that fail on a rank
+    are held back until the collectives (backward, the SGD steps) are done."""
+    sync = sync or (lambda stage, value: None)
+    ref, model, inputs, policy = _staged(sync, "set-up", lambda: (*build_pair(build), make_inputs(inputs),
+                                                                 policy() if isinstance(policy, type) else policy))
     ref.eval()
     model.eval()
-    if isinstance(policy, type):
-        policy = policy()
     ShardFormer(shard_config=shard_config).optimize(model, policy=policy, plan=plan)
     from ..config import group_size_and_rank
 
@@ -141,32 +159,51 @@ def run_checks(build, inputs, shard_config: ShardConfig, plan, policy, steps: in
 
     recorder = Recorder(ref)
     probe: dict = {}
-    with _quiet_hooks():
-        exp = ref(**inputs)
-        ref_loss = loss_of(exp, probe)
-        ref_loss.backward()
-    recorder.remove()
+
+    def reference():
+        with _quiet_hooks():
+            exp = ref(**inputs)
+            ref_loss = loss_of(exp, probe)
+            ref_loss.backward()
+        recorder.remove()
+        return exp, ref_loss
+
+    exp, ref_loss = _staged(sync, "the unsharded model's run", reference)
 
     comparer = Comparer(model, recorder, rtol)
+    raised = None
     try:
         with _quiet_hooks():
             out = model(**inputs)
     except Exception as e:  # noqa: BLE001 - reported with the module it happened in
         path, order = comparer.raised_in()
+        raised = (path, order, f"{type(e).__name__}: {e}")
+    sync("the sharded model's forward", None if raised is None else f"raised in {raised[0] or '(model)'}")
+    if raised is not None:
         comparer.remove()
-        return comparer.entries, (path, order, f"{type(e).__name__}: {e}"), setup
+        return comparer.entries, raised, setup
+
+    held: list[Exception] = []
+
+    def local(fn) -> list:
+        try:
+            return fn()
+        except Exception as e:  # noqa: BLE001 - raised after the collectives, see the doc
+            held.append(e)
+            return []
+
     entries = comparer.entries
     layouts = [s for _, s, _ in _shard_info(model).values()]
-    entries += _output_entries(out, exp, "forward", MODEL_OUTPUT, "", rtol, layouts)
+    entries += local(lambda: _output_entries(out, exp, "forward", MODEL_OUTPUT, "", rtol, layouts))
     loss = loss_of(out, probe)
-    entries.append(Entry("loss", (LOSS, 0), "", "loss", diff(loss, ref_loss, rtol)))
+    entries += local(lambda: [Entry("loss", (LOSS, 0), "", "loss", diff(loss, ref_loss, rtol))])
     try:
         with _quiet_hooks():
             loss.backward()
     finally:
         comparer.remove()
-    entries += _param_entries(model, ref, "grads", (PARAM_GRAD,), lambda leaf: f"grad of {leaf}",
-                              comparer.first_fired, grad=True, rtol=rtol)
+    entries += local(lambda: _param_entries(model, ref, "grads", (PARAM_GRAD,), lambda leaf: f"grad of {leaf}",
+                                            comparer.first_fired, grad=True, rtol=rtol))
 
     opts = [torch.optim.SGD(m.parameters(), lr=LR) for m in (model, ref)]
     for step in range(steps):
@@ -178,11 +215,15 @@ def run_checks(build, inputs, shard_config: ShardConfig, plan, policy, steps: in
             opt.step()
     if steps:
         label = f" after {steps} step{'s' if steps != 1 else ''}"
-        entries += _param_entries(model, ref, "after_steps", (AFTER_STEPS, 0), lambda leaf: leaf + label,
-                                  comparer.first_fired, grad=False, rtol=rtol)
+        entries += local(lambda: _param_entries(model, ref, "after_steps", (AFTER_STEPS, 0),
+                                                lambda leaf: leaf + label, comparer.first_fired, grad=False,
+                                                rtol=rtol))
         with torch.no_grad():
             out2, exp2 = model(**inputs), ref(**inputs)
-        entries += [Entry(e.check, (AFTER_STEPS, 1) + e.order[1:], e.module, e.what, e.diff, e.note,
-                          missing=e.missing)
-                    for e in _output_entries(out2, exp2, "after_steps", AFTER_STEPS, label, rtol, layouts)]
+        entries += local(lambda: [
+            Entry(e.check, (AFTER_STEPS, 1) + e.order[1:], e.module, e.what, e.diff, e.note, missing=e.missing)
+            for e in _output_entries(out2, exp2, "after_steps", AFTER_STEPS, label, rtol, layouts)])
+    sync("the comparisons", f"{type(held[0]).__name__}: {held[0]}" if held else None)
+    if held:
+        raise held[0]
     return entries, None, setup
