@@ -114,8 +114,8 @@ def _build_failing_on_rank_1():
 def verify_one_rank_fails(ctx) -> str:
     """build() fails on rank 1 only: every rank gets an error naming the ranks (no hang)."""
     try:
-        verify(_build_failing_on_rank_1, llama_inputs, shard_config=ShardConfig(tensor_parallel_process_group=ctx.group),
-               world_size=ctx.tp_size)
+        config = ShardConfig(tensor_parallel_process_group=ctx.group)
+        verify(_build_failing_on_rank_1, llama_inputs, shard_config=config, world_size=ctx.tp_size)
     except (RuntimeError, OSError) as e:
         return f"{type(e).__name__}: {e}"
     raise AssertionError("verify did not fail")

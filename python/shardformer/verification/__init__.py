@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import math
 
-from .report import MODULE_OUTPUT, CheckResult, Entry, Mismatch, Report, merge
+from .report import CheckResult, Entry, Mismatch, Report, merge
 
 __all__ = ["CheckResult", "Mismatch", "Report", "VerifyError", "verify"]
 

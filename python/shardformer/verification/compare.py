@@ -35,7 +35,8 @@ class Diff:
     def text(self) -> str:
         shapes = (f"shape {list(self.shape)}" if self.shape == self.expected_shape
                   else f"shape {list(self.shape)} (full {list(self.expected_shape)})")
-        return f"max abs diff {self.max_abs:.3g}, max rel diff {self.max_rel:.3g} (max |ref| {self.scale:.3g}), {shapes}"
+        return (f"max abs diff {self.max_abs:.3g}, max rel diff {self.max_rel:.3g} (max |ref| {self.scale:.3g}), "
+                f"{shapes}")
 
 
 def cut(full: torch.Tensor, dim: int, shard) -> torch.Tensor:
