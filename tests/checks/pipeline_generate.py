@@ -14,7 +14,6 @@ import shardformer
 from checks.pipeline import build, groups
 from shardformer import ShardConfig, ShardFormer
 from shardformer.pipeline import PipelineStageManager, p2p
-from shardformer.pipeline import generate as pipeline_generate
 
 SAMPLING = dict(do_sample=True, top_k=20, top_p=0.9, temperature=0.7)
 
@@ -76,6 +75,7 @@ def generate_equals_unsharded(ctx, name: str, pp: int, tp: int = 1, layout: str 
         _same(got, exp, f"{name} {mode}", ctx)
         out[mode] = got.tolist()
     assert p2p.COUNTS["sent"] + p2p.COUNTS["received"] > moved, "no message crossed the stages"
+    out["cache"] = kv_cache_per_stage(model, sm, batch, base, out["greedy"])
     torch.manual_seed(100 + ctx.rank)
     before = torch.get_rng_state()
     with torch.no_grad():
@@ -105,6 +105,8 @@ def generate_equals_unsharded(ctx, name: str, pp: int, tp: int = 1, layout: str 
 def refusals(ctx) -> list[str]:
     """What pipelined generate() cannot do is refused by name on every rank,
     before any step runs (no message between the stages, no decoding step)."""
+    from shardformer.pipeline import generate as pipeline_generate
+
     _, model, _ = _pipelined(ctx, "LlamaForCausalLM", 2, 1, "groups", 4)
     batch = prompts()
     msgs = []
@@ -126,3 +128,37 @@ def refusals(ctx) -> list[str]:
         assert p2p.COUNTS["sent"] + p2p.COUNTS["received"] == moved and \
             pipeline_generate.COUNTS["steps"] == steps, f"{what}: something ran before the refusal"
     return msgs
+
+
+def kv_cache_per_stage(model, sm, batch: dict, base: dict, greedy: list) -> dict:
+    """With the KV cache, each stage's cache holds its own layers' keys and
+    values only (the others' entries store nothing), and after the prompt
+    only the new token's hidden states [B, 1, H] go to the next stage."""
+    from shardformer.pipeline.stages import runtime_of
+
+    sent, original = [], p2p.StageLink.send_message
+
+    def recording(link, message, to_stage, key, input_shape=None):
+        sent.append(tuple(message.shape))
+        return original(link, message, to_stage, key, input_shape)
+
+    p2p.StageLink.send_message = recording
+    try:
+        with torch.no_grad():
+            res = model.generate(**batch, **base, do_sample=False, return_dict_in_generate=True)
+    finally:
+        p2p.StageLink.send_message = original
+    assert res.sequences.tolist() == greedy, (res.sequences, greedy)
+    rows, width = batch["input_ids"].shape
+    held = runtime_of(model).plan.chunks[0]
+    lengths = {}
+    for i, layer in enumerate(res.past_key_values.layers):
+        lengths[i] = None if layer.keys is None else layer.keys.shape[-2]
+    want = {i: width + base["max_new_tokens"] - 1 if i in held else None for i in lengths}
+    assert lengths == want, f"stage {sm.stage} (layers {held.start}-{held.stop - 1}): cache lengths {lengths}"
+    if sm.stage < sm.num_stages - 1:
+        hidden = model.config.hidden_size if hasattr(model.config, "hidden_size") else model.config.n_embd
+        assert sent == [(rows, width, hidden)] + [(rows, 1, hidden)] * (base["max_new_tokens"] - 1), sent
+    else:
+        assert sent == [], sent
+    return {"sent": sent, "cache_lengths": lengths}
