@@ -67,7 +67,7 @@ __all__ = ["PipelineGenerate", "install", "refusal"]
 
 # Decoding steps this process ran through its stage (for tests: proof the pipeline ran them).
 COUNTS = {"steps": 0}
-DOCS = "docs/pipeline.md, \"generate\""
+DOCS = "docs/pipeline.md#generate"
 _MODES = ("greedy_search", "sample")
 _inside = threading.local()
 
@@ -115,7 +115,8 @@ class _HeldElsewhere:
     model's forward asks of an entry it may not hold (its past length, its
     mask sizes: the same for every layer of one kind in a step) from
     `twin`, an entry of this stage's layers of the same kind.  Calls that
-    change entries (reset, crop, reorder, offload) leave it as it is."""
+    change entries (reset, crop, reorder, offload, past recording) leave it
+    as it is; update, which only its own layer's attention would call, raises."""
 
     def __init__(self, twin, index: int, stage: int):
         self.__dict__.update(_twin=twin, _index=index, _stage=stage, keys=None, values=None, is_initialized=False)
@@ -139,7 +140,7 @@ class _HeldElsewhere:
     def _nothing(self, *args, **kwargs):
         return None
 
-    lazy_initialization = reset = crop = reorder_cache = offload = prefetch = _nothing
+    lazy_initialization = reset = crop = reorder_cache = offload = prefetch = activate_past_recording = _nothing
     batch_repeat_interleave = batch_select_indices = _nothing
 
 
@@ -211,7 +212,9 @@ class StageForward:
             logits = None
         else:
             logits = out["logits"] if isinstance(out, dict) else out.logits
-        logits = self._broadcast_logits(logits, (key, kwargs.get("logits_to_keep")), device)
+        keep = kwargs.get("logits_to_keep")          # an int, or the positions to keep (a tensor)
+        keep = keep if keep is None or isinstance(keep, int) else ("positions", len(keep))
+        logits = self._broadcast_logits(logits, (key, keep), device)
         if sm.stage == last:
             return out
         from transformers.modeling_outputs import CausalLMOutputWithPast

@@ -929,7 +929,7 @@ class StageRuntime:
                 f"{self.model_name}: pipeline stage {self.manager.stage} of {self.manager.num_stages} holds "
                 f"layers {[f'{r.start}-{r.stop - 1}' for r in self.plan.chunks]} only; run it through a schedule "
                 f"(shardformer.pipeline: schedule.forward(model, batch) or forward_backward_step), or call "
-                f"model.generate(...) on every rank (docs/pipeline.md, \"generate\")")
+                f"model.generate(...) on every rank (docs/pipeline.md#generate)")
 
     # -- applying the plan ------------------------------------------------------------
 
