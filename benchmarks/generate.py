@@ -423,6 +423,19 @@ def timed_generate(model, ids, new_tokens: int, timer: CollectiveTimer | None, p
             "coll_traces": traces, "tokens": out[:, ids.shape[1]:].tolist()}
 
 
+def timed_unsharded(full, ids, cname: str, first_round: bool, new_tokens: int, pad: int) -> dict:
+    """timed_generate of the unsharded model on rank 0 with the configuration's
+    threads ("unsharded-1t" / "-2t"; a warm-up run in the first round), back to 1 thread after."""
+    import torch
+
+    torch.set_num_threads(1 if cname == "unsharded-1t" else 2)
+    if first_round:
+        timed_generate(full, ids, 3, None, pad)
+    rec = timed_generate(full, ids, new_tokens, None, pad)
+    torch.set_num_threads(1)
+    return rec
+
+
 def isolated_latency(comm, by_key: dict, iters: int = 200) -> dict:
     """Back-to-back latency (median us) of each collective (method, bytes) seen in decode, on fresh buffers."""
     import torch
@@ -507,11 +520,7 @@ def rank_main(rank: int, name: str, path: str | None, args_d: dict) -> dict:
                             rec["isolated_us"] = isolated_latency(comm, timer.by_key)
                     else:
                         if rank == 0:
-                            torch.set_num_threads(1 if cname == "unsharded-1t" else 2)
-                            if rnd == 0:
-                                timed_generate(full, ids, 3, None, pad)
-                            rec.update(timed_generate(full, ids, args_d["new_tokens"], None, pad))
-                            torch.set_num_threads(1)
+                            rec.update(timed_unsharded(full, ids, cname, rnd == 0, args_d["new_tokens"], pad))
                         else:
                             c0 = time.process_time()
                         dist.barrier()          # the other ranks wait here, blocked
@@ -825,11 +834,7 @@ def pp_rank_main(rank: int, name: str, path: str | None, args_d: dict) -> dict:
                         dist.barrier()
                     rec.update(timed_generate(piped, ids, args_d["new_tokens"], None, pad))
                 elif rank == 0:
-                    torch.set_num_threads(1 if cname == "unsharded-1t" else 2)
-                    if rnd == 0:
-                        timed_generate(full, ids, 3, None, pad)
-                    rec.update(timed_generate(full, ids, args_d["new_tokens"], None, pad))
-                    torch.set_num_threads(1)
+                    rec.update(timed_unsharded(full, ids, cname, rnd == 0, args_d["new_tokens"], pad))
                 if cname != "pp":
                     dist.barrier()                     # the other ranks wait here, blocked
                 runs.append(rec)

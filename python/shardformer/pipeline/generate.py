@@ -61,6 +61,8 @@ import threading
 import torch
 
 from .. import distributed as D
+from .. import lockstep
+from ..lockstep import LockstepGenerate
 from .p2p import StageLink
 
 __all__ = ["PipelineGenerate", "install", "refusal"]
@@ -251,26 +253,17 @@ def _detached(message):
     return tuple(t.detach() for t in message) if isinstance(message, tuple) else message.detach()
 
 
-class PipelineGenerate:
+class PipelineGenerate(LockstepGenerate):
     """model.generate (whatever was installed before: HF's, or lm_loss's
     gathering one, `inner`) on a pipelined model, every rank calling it (see
-    the module doc).  A module-level class, not a closure: the model still
-    deep-copies."""
+    the module doc): lock-step's agreement, each step through the stages."""
 
     def __init__(self, model, groups: list, name: str, sequence_parallel: bool, inner=None):
-        self.model, self.groups, self.name, self.inner = model, groups, name, inner
+        super().__init__(model, groups, name, inner)
         self.sequence_parallel = sequence_parallel
-        self.__doc__ = type(model).generate.__doc__
-
-    def _original(self, *args, **kwargs):
-        if self.inner is not None:
-            return self.inner(*args, **kwargs)
-        return type(self.model).generate(self.model, *args, **kwargs)
 
     def __call__(self, *args, **kwargs):
         from transformers import StoppingCriteriaList
-
-        from .. import lockstep
 
         if getattr(_inside, "generate", False):
             raise RuntimeError(f"{self.name}.generate: called again inside a pipelined generate()")
