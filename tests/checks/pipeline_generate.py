@@ -108,20 +108,23 @@ def refusals(ctx) -> list[str]:
     from shardformer.pipeline import generate as pipeline_generate
 
     _, model, _ = _pipelined(ctx, "LlamaForCausalLM", 2, 1, "groups", 4)
+    _, t5, _ = _pipelined(ctx, "T5ForConditionalGeneration", 2, 1, "groups", 4)
     batch = prompts()
     msgs = []
-    cases = (("beam search (num_beams=2)", dict(num_beams=2)),
+    cases = (("T5ForConditionalGeneration is an encoder-decoder model", dict(model=t5)),
+             ("beam search (num_beams=2)", dict(num_beams=2)),
              ("beam sample (num_beams=2)", dict(num_beams=2, do_sample=True)),
              ("assisted generation", dict(prompt_lookup_num_tokens=2)),
              ("output_hidden_states=True", dict(output_hidden_states=True, return_dict_in_generate=True)),
              ("cache_implementation='static'", dict(cache_implementation="static")))
     for what, kwargs in cases:
         moved, steps = p2p.COUNTS["sent"] + p2p.COUNTS["received"], pipeline_generate.COUNTS["steps"]
+        which = kwargs.pop("model", model)
         try:
-            model.generate(**batch, max_new_tokens=2, pad_token_id=0, **kwargs)
+            which.generate(**batch, max_new_tokens=2, pad_token_id=0, **kwargs)
         except NotImplementedError as e:
             text = str(e)
-            assert what in text and "LlamaForCausalLM.generate" in text and "docs/pipeline.md" in text, text
+            assert what in text and f"{type(which).__name__}.generate" in text and "docs/pipeline.md" in text, text
             msgs.append(text)
         else:
             raise AssertionError(f"{what} was not refused")
