@@ -112,12 +112,16 @@ def parse_args(argv=None):
                         "cores (default 120, --quick 0)")
     p.add_argument("--timeout", type=float, default=3600.0)
     p.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/generate)")
+    p.add_argument("--pp", type=int, default=None, metavar="P",
+                   help="instead: generate() pipelined over P ranks (1 thread each) vs unsharded (see pp_main); "
+                        "writes results/generate_pp by default")
     args = p.parse_args(argv)
     q = args.quick
+    stem = "generate_pp" if args.pp else "generate"
     defaults = dict(models=["tiny"] if q else ["smollm2", "random300m"], batches=[1, 2] if q else [1, 8],
                     new_tokens=5 if q else 40, warmup_steps=1 if q else 6, rounds=1 if q else 2,
                     bw_mib=16 if q else 1024, wait_idle=0.0 if q else 120.0,
-                    out=os.path.join(RESULTS, "generate_quick" if q else "generate"))
+                    out=os.path.join(RESULTS, stem + "_quick" if q else stem))
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -419,6 +423,19 @@ def timed_generate(model, ids, new_tokens: int, timer: CollectiveTimer | None, p
             "coll_traces": traces, "tokens": out[:, ids.shape[1]:].tolist()}
 
 
+def timed_unsharded(full, ids, cname: str, first_round: bool, new_tokens: int, pad: int) -> dict:
+    """timed_generate of the unsharded model on rank 0 with the configuration's
+    threads ("unsharded-1t" / "-2t"; a warm-up run in the first round), back to 1 thread after."""
+    import torch
+
+    torch.set_num_threads(1 if cname == "unsharded-1t" else 2)
+    if first_round:
+        timed_generate(full, ids, 3, None, pad)
+    rec = timed_generate(full, ids, new_tokens, None, pad)
+    torch.set_num_threads(1)
+    return rec
+
+
 def isolated_latency(comm, by_key: dict, iters: int = 200) -> dict:
     """Back-to-back latency (median us) of each collective (method, bytes) seen in decode, on fresh buffers."""
     import torch
@@ -503,11 +520,7 @@ def rank_main(rank: int, name: str, path: str | None, args_d: dict) -> dict:
                             rec["isolated_us"] = isolated_latency(comm, timer.by_key)
                     else:
                         if rank == 0:
-                            torch.set_num_threads(1 if cname == "unsharded-1t" else 2)
-                            if rnd == 0:
-                                timed_generate(full, ids, 3, None, pad)
-                            rec.update(timed_generate(full, ids, args_d["new_tokens"], None, pad))
-                            torch.set_num_threads(1)
+                            rec.update(timed_unsharded(full, ids, cname, rnd == 0, args_d["new_tokens"], pad))
                         else:
                             c0 = time.process_time()
                         dist.barrier()          # the other ranks wait here, blocked
@@ -722,6 +735,8 @@ def main(argv=None) -> int:
     from shardformer.launch import spawn
 
     args = parse_args(argv)
+    if args.pp:
+        return pp_main(args)
     t_start = time.perf_counter()
     load_start = [round(x, 2) for x in os.getloadavg()]
     print(f"generate: models {args.models}, batches {args.batches}, {args.new_tokens} new tokens "
@@ -769,6 +784,137 @@ def main(argv=None) -> int:
                   f"tokens same as unsharded: {a['tokens_match_unsharded']}")
     print(f"wrote {args.out}.json and {args.out}.md ({results['wall_s']:.0f} s)")
     return 0
+
+
+# --------------------------------------------------------------------------- --pp: pipelined generate()
+
+PP_CONFIGS = ("unsharded-1t", "unsharded-2t", "pp")
+
+
+def pp_rank_main(rank: int, name: str, path: str | None, args_d: dict) -> dict:
+    """One rank of --pp: the model pipelined over all ranks (PipelineStageManager()
+    over the world, TP off, 1 thread per rank); rank 0 also holds the unsharded
+    model, timed while the other ranks wait in a barrier.  The configurations
+    interleave within each round, as in rank_main."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    from shardformer import ShardConfig, ShardFormer
+    from shardformer.pipeline import PipelineStageManager
+
+    transformers.logging.set_verbosity_error()
+    torch.set_num_threads(1)
+    config = model_config(name, path)
+    cfg = ShardConfig(pipeline_stage_manager=PipelineStageManager(), enable_tensor_parallelism=False)
+    if name == "smollm2":
+        piped, _ = ShardFormer(shard_config=cfg).from_pretrained(
+            transformers.LlamaForCausalLM, path, dtype=torch.float32, config=config, progress=None)
+        full = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True) \
+            if rank == 0 else None
+    else:
+        full = build_random(config)
+        piped, _ = ShardFormer(shard_config=cfg).optimize(copy.deepcopy(full) if rank == 0 else full)
+        full = full if rank == 0 else None
+    piped.eval()
+    base_ids, tok = prompt_ids(name, path, config.vocab_size, args_d["prompt_len"])
+    pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
+    runs = []
+    for rnd in range(args_d["rounds"]):
+        for batch in args_d["batches"]:
+            ids = base_ids.repeat(batch, 1)
+            for cname in PP_CONFIGS:
+                rec = {"round": rnd, "batch": batch, "config": cname}
+                if cname == "pp":
+                    dist.barrier()
+                    if rnd == 0:                       # warm-up: allocator, the first messages
+                        timed_generate(piped, ids, 3, None, pad)
+                        dist.barrier()
+                    rec.update(timed_generate(piped, ids, args_d["new_tokens"], None, pad))
+                elif rank == 0:
+                    rec.update(timed_unsharded(full, ids, cname, rnd == 0, args_d["new_tokens"], pad))
+                if cname != "pp":
+                    dist.barrier()                     # the other ranks wait here, blocked
+                runs.append(rec)
+    dist.barrier()
+    return {"rank": rank, "held_layers": len(piped.model.layers._modules), "runs": runs}
+
+
+def pp_summarize(name: str, ranks: list, args) -> list:
+    """Per batch and configuration: rank 0's median decode step after the
+    warm-up steps (all rounds), tokens/s = batch / median, the prefill, and
+    whether the tokens equal the unsharded model's."""
+    w, rows = args.warmup_steps, []
+    for batch in args.batches:
+        ref_tokens = None
+        for cname in PP_CONFIGS:
+            mine = [r for r in ranks[0]["runs"] if (r["batch"], r["config"]) == (batch, cname)]
+            steps = [s for r in mine for s in r["steps_s"][w:]]
+            med = statistics.median(steps)
+            row = {"model": name, "batch": batch, "config": cname, "median_ms": med * 1e3,
+                   "tokens_per_s": batch / med, "timed_steps": len(steps),
+                   "round_medians_ms": [statistics.median(r["steps_s"][w:]) * 1e3 for r in mine],
+                   "prefill_ms": statistics.median(r["prefill_s"] for r in mine) * 1e3,
+                   "tokens": mine[-1]["tokens"],
+                   "other_load_cores": [o for o in (_other_load([r]) for r in mine) if o is not None]}
+            ref_tokens = ref_tokens if ref_tokens is not None else row["tokens"]
+            row["tokens_match_unsharded"] = row["tokens"] == ref_tokens
+            rows.append(row)
+        best = max((r for r in rows if r["batch"] == batch and r["config"] != "pp"), key=lambda r: r["tokens_per_s"])
+        for r in rows:
+            if r["batch"] == batch:
+                r["vs_best_unsharded"] = r["tokens_per_s"] / best["tokens_per_s"]
+    return rows
+
+
+def pp_main(args) -> int:
+    """--pp P: tokens/s of generate() pipelined over P ranks vs the unsharded
+    model (1 and 2 threads), greedy, medians of the decode steps.  A decode
+    step passes through the stages one after the other, so pipelining one
+    generate() adds no parallelism: its use is a model too large for one
+    process's memory; the figure shows what the stage hops cost."""
+    from shardformer.launch import spawn
+
+    t_start = time.perf_counter()
+    load_start = [round(x, 2) for x in os.getloadavg()]
+    print(f"generate --pp {args.pp}: models {args.models}, batches {args.batches}, {args.new_tokens} new tokens "
+          f"({args.warmup_steps} warm-up steps), {args.rounds} round(s); load average {load_start}", flush=True)
+    results = {"args": vars(args), "loadavg_start": load_start, "rows": [], "held_layers": {}}
+    for name in args.models:
+        path = smollm2_path() if name == "smollm2" else None
+        wait_for_idle(args.wait_idle)
+        ranks = spawn(pp_rank_main, args.pp, args=(name, path, vars(args)), threads_per_rank=1,
+                      timeout_s=args.timeout)
+        results["rows"] += pp_summarize(name, ranks, args)
+        results["held_layers"][name] = [r["held_layers"] for r in ranks]
+    results.update(loadavg_end=[round(x, 2) for x in os.getloadavg()], wall_s=time.perf_counter() - t_start,
+                   cpu_count=os.cpu_count(), versions=_versions(),
+                   time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    lines = [f"# benchmarks/generate.py --pp {args.pp}: greedy generate() pipelined over {args.pp} ranks "
+             f"(1 thread each, shm) vs unsharded (1 and 2 threads), {results['cpu_count']} cores", "",
+             f"{results['time']}; medians over {args.rounds} round(s) x {args.new_tokens - 1 - args.warmup_steps} "
+             f"decode steps; load average {load_start} -> {results['loadavg_end']}; layers per stage "
+             f"{results['held_layers']}", "",
+             "| model | batch | config | ms/token | tokens/s | vs best unsharded | prefill ms | same tokens "
+             "| other load |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results["rows"]:
+        load = r["other_load_cores"]
+        config = f"pp{args.pp}" if r["config"] == "pp" else r["config"]
+        lines.append(f"| {r['model']} | {r['batch']} | {config} "
+                     f"| {r['median_ms']:.1f} | {r['tokens_per_s']:.1f} | {r['vs_best_unsharded']:.2f}x "
+                     f"| {r['prefill_ms']:.0f} | {r['tokens_match_unsharded']} "
+                     f"| {(statistics.median(load) if load else float('nan')):.2f} |")
+    md = "\n".join(lines)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out + ".json", "w") as f:
+        json.dump(results, f, indent=1, default=str)
+    with open(args.out + ".md", "w") as f:
+        f.write(md + "\n")
+    print(md)
+    print(f"wrote {args.out}.json and {args.out}.md ({results['wall_s']:.0f} s)")
+    return 0 if all(r["tokens_match_unsharded"] for r in results["rows"]) else 1
 
 
 def _bw_rank(rank: int, nbytes: int) -> dict:

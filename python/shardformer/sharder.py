@@ -268,6 +268,11 @@ class ModelSharder:
                 from . import lockstep           # (imports transformers: not at `import shardformer`)
 
                 lockstep.install(self.model, _decoding_groups(cfg), name)
+            else:                                # generate() through the stages (shardformer.pipeline.generate)
+                from .pipeline import generate as pipeline_generate
+
+                pipeline_generate.install(self.model, _decoding_groups(cfg) + [manager.group], name,
+                                          bool(cfg.enable_sequence_parallelism))
             if tp_size > 1:                      # torch's generator: streams per rank, layerdrop agreed
                 index_of, folded, draws_replicated = policy.attention_data()
                 guard_random_streams(self.model, group, rank, name, draws_replicated)

@@ -433,7 +433,7 @@ def refusals(ctx) -> list[str]:
     msgs = []
     ref, model, sm, _ = pipelined(ctx, "LlamaForCausalLM", 2, 1)
     batch = batch_of("LlamaForCausalLM")
-    for call in (lambda: model(**batch), lambda: model.generate(batch["input_ids"][:, :3], max_new_tokens=2)):
+    for call in (lambda: model(**batch),):          # generate() runs: tests/test_pipeline_generate.py
         try:
             call()
         except RuntimeError as e:

@@ -774,6 +774,7 @@ class StageRuntime:
         self.all_layers: list[StageLayers] = []
         self.chunk: int | None = None
         self.entry = None                            # the message the running chunk starts from
+        self.decoding = False                        # inside generate() (shardformer.pipeline.generate)
         self.entered = False
         # the tied sets this rank holds, {stage: parameter} (what optimize() returns as shared_params)
         self.shared_params: list[dict[int, nn.Parameter]] = []
@@ -814,13 +815,17 @@ class StageRuntime:
     def _first_hidden(self, entry):
         return entry[0] if isinstance(entry, tuple) else entry
 
-    def run(self, model: nn.Module, chunk: int, entry, kwargs: dict, input_shape: tuple | None = None):
+    def run(self, model: nn.Module, chunk: int, entry, kwargs: dict, input_shape: tuple | None = None,
+            call=None):
         """The model's forward on `kwargs` for this rank's `chunk`, starting
         from `entry` (None on the first virtual stage; a tensor, or a tuple
         of tensors when plan.tuples; `input_shape`: the first stage's layer
         input shape, default the entry's hidden states'): the model's output
         on the last virtual stage, else the chunk's output message.
-        Afterwards `input_shape` is the first stage's layer input shape."""
+        Afterwards `input_shape` is the first stage's layer input shape.
+        `call`: what runs the forward (default `model`, through its hooks;
+        generate() passes the model's own forward, its hooks having run on
+        the call generate made)."""
         for layers in self.all_layers:
             layers.active = chunk
         self.chunk, self.entry, self.entered = chunk, entry, False
@@ -836,7 +841,7 @@ class StageRuntime:
             kwargs = dict(kwargs, **{second.skip: (entry[-1],)})    # the first stack's output: not rerun
         restore = self._set_count(model)
         try:
-            out = model(**kwargs)
+            out = (model if call is None else call)(**kwargs)
         except StageExit as e:
             out = e.hidden
         finally:
@@ -919,12 +924,12 @@ class StageRuntime:
         return None
 
     def _refuse_outside(self, module, args, kwargs):
-        if self.chunk is None:
+        if self.chunk is None and not self.decoding:
             raise RuntimeError(
                 f"{self.model_name}: pipeline stage {self.manager.stage} of {self.manager.num_stages} holds "
                 f"layers {[f'{r.start}-{r.stop - 1}' for r in self.plan.chunks]} only; run it through a schedule "
-                f"(shardformer.pipeline: schedule.forward(model, batch) or forward_backward_step); generate() "
-                f"is not available under pipeline parallelism")
+                f"(shardformer.pipeline: schedule.forward(model, batch) or forward_backward_step), or call "
+                f"model.generate(...) on every rank (docs/pipeline.md#generate)")
 
     # -- applying the plan ------------------------------------------------------------
 
