@@ -108,7 +108,6 @@ refused.
 """
 from __future__ import annotations
 
-import copy
 import inspect
 import re
 
@@ -116,7 +115,7 @@ import torch
 from torch import nn
 
 from .family import SplitAttentionPolicy, sequence_mode_refused
-from .layout import Heads, PerRank
+from .layout import Heads
 from .plan import PlanContext, PlanError, replacement
 from .policy import ModulePolicyDescription, Policy, merge_policies
 from .policy import SubModuleReplacementDescription as Sub
@@ -432,7 +431,6 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         keeps the tie: the embeddings are split by vocabulary too (postprocess re-ties)."""
         from .layer import VocabParallelLMHead1D
 
-        self._tie = None
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
         inputs = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
         if head is None or inputs is None or head.weight is not inputs.weight:
@@ -446,7 +444,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         if head_sub.target_module is not VocabParallelLMHead1D:
             raise self._fail(matched[head_path][0], head_path,
                              "the LM head is tied to the input embeddings and can only be split by vocabulary")
-        self._tie = (in_path, head_path)
+        self.state.ties.append((in_path, head_path))    # re-tied by Policy.postprocess
         if in_path in by_path:
             return []
         return [self._vocab_embedding(in_path, inputs)]
@@ -626,7 +624,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
                 attrs[lead + name] = heads.local_width(heads.head_dim)
         config = getattr(module, "config", None)
         if config is not None and _CONFIG_READS.search(_forward_source(module)):
-            attrs[lead + "config"] = _local_config(config, heads)
+            attrs[lead + "config"] = heads.local_config(config)
         return attrs
 
 
@@ -792,10 +790,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
     def postprocess(self) -> nn.Module:
         from .policies.shapes import record_hidden_states
 
-        tie = getattr(self, "_tie", None)
-        if self.tensor_parallel and tie is not None:
-            self.tie_weight(*tie)
-        return record_hidden_states(self, self.model)
+        return record_hidden_states(self, super().postprocess())
 
 
 _SPLIT_LAYERS = ("Linear1D_Col", "Linear1D_Row", "FusedExperts1D")
@@ -866,18 +861,3 @@ def _forward_source(module: nn.Module) -> str:
         return inspect.getsource(type(module).forward)
     except (OSError, TypeError):
         return ""
-
-
-def _local_config(config, heads: Heads) -> PerRank:
-    """A per-rank copy of `config` with this rank's head counts."""
-    made = {}
-
-    def local(tp, rank):
-        if (tp, rank) not in made:
-            _, q, _, kv = heads.layout(tp, rank)
-            c = copy.copy(config)
-            c.num_attention_heads, c.num_key_value_heads = q, kv
-            made[(tp, rank)] = c
-        return made[(tp, rank)]
-
-    return PerRank(local, f"config with this rank's heads of {heads}")
