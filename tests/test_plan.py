@@ -108,7 +108,6 @@ def _plan_classes():
     """(family, model class) of every zoo model of a built-in family whose
     transformers config carries a tensor-parallel plan."""
     from shardformer.autopolicy import families
-    from shardformer.autopolicy import get_autopolicy
     from shardformer.derived_policy import resolve_tp_plan
 
     out = []
