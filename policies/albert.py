@@ -187,8 +187,7 @@ class AlbertShape(EncoderShape):
     pipeline_split = StageSplit("{prefix}Model", "encoder.albert_layer_groups", last=("pooler",),
                                 calls="num_hidden_layers")
 
-    def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return ("split_gather",) + self.split_attention_modes()
+    sp_modes = ("split_gather",)
 
     def layer_description(self, heads: Heads) -> ModulePolicyDescription:
         col, row = sp_linear_kwargs(self.shard_config)
@@ -200,7 +199,7 @@ class AlbertShape(EncoderShape):
                 *realize(rest, PlanContext(self), row=row, extra={"ffn": ffn})]
         if sp:
             subs += sp_layer_subs(["attention"], ["attention.LayerNorm", "full_layer_layer_norm"],
-                                  self.sequence_state)
+                                  self.state.sequence_state)
         return ModulePolicyDescription(
             attribute_replacement={"attention.num_attention_heads": heads.local_heads(),
                                    "attention.all_head_size": heads.local_width(heads.head_dim)},
@@ -213,14 +212,14 @@ class AlbertShape(EncoderShape):
 
             for module in self.model.modules():
                 if type(module).__name__ == "AlbertLayer":
-                    mark_layer_rows(module, self.sequence_state, self.shard_config.tensor_parallel_process_group)
+                    mark_layer_rows(module, self.state.sequence_state, self.shard_config.tensor_parallel_process_group)
         return model
 
     def body_policy(self):
         if not self.tensor_parallel:
             return {}
         sp = self.shard_config.sequence_parallel
-        self.sequence_state = _new_state() if sp else None
+        self.state.sequence_state = _new_state() if sp else None
         policy = {"AlbertLayer": self.layer_description(self.heads_layout()),
                   "AlbertEmbeddings": self.embeddings_description()}
         if sp:
@@ -231,7 +230,7 @@ class AlbertShape(EncoderShape):
             policy["AlbertTransformer"] = ModulePolicyDescription(sub_module_replacement=[
                 Sub("embedding_hidden_mapping_in", ReplicatedInParallelRegion)])
             policy["AlbertModel"] = ModulePolicyDescription(sub_module_replacement=[
-                Sub("encoder", EncoderEnds, kwargs={"state": self.sequence_state})])
+                Sub("encoder", EncoderEnds, kwargs={"state": self.state.sequence_state})])
         return policy
 
 

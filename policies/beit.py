@@ -95,7 +95,7 @@ class BeitShape(VisionShape):
             for layer in self.model.get_submodule(self.base_prefix()).layers:
                 if layer.relative_position_bias is not None:
                     FullLengthKwarg.from_native_module(layer.relative_position_bias, group, name="dim_size",
-                                                       state=self.sequence_state)
+                                                       state=self.state.sequence_state)
         return model
 
     def layer_scale_subs(self) -> list[Sub]:

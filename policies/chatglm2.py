@@ -189,8 +189,7 @@ class ChatGLM2Shape(FamilyPolicy):
                 "add_bias_linear=True: the sequence-parallel block reduce-scatters the row layers' outputs, "
                 "which would sum their biases over the ranks")
 
-    def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return ("split_gather",) + self.split_attention_modes()
+    sp_modes = ("split_gather",)
 
     def sequence_overlap_refusal(self) -> str:
         return (f"{self.layers_path()}.*: the GLMBlock's [S, B, H] input is gathered along dimension 0 before "

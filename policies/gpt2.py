@@ -51,7 +51,7 @@ class GPT2Shape(GPTBlockShape):
     def attention_replacements(self, heads: Heads) -> list[Sub]:
         col, row = sp_linear_kwargs(self.shard_config)
         if sp_overlap(self.shard_config):    # c_attn is the attention's only reader of its input
-            col = sp_gathering(col, self.sequence_state)
+            col = sp_gathering(col, self.state.sequence_state)
         return [Sub("attn.c_attn", GPT2FusedLinearConv1D_Col, kwargs={"split": heads.qkv, **col}),
                 Sub("attn.c_proj", GPT2FusedLinearConv1D_Row, kwargs={"split": heads.q, **row})]
 

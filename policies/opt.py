@@ -45,8 +45,7 @@ class OPTShape(SplitGatherMixin, FamilyPolicy):
     split_attention_at = ("OPTDecoder", "layers")
     pipeline_split = StageSplit("OPTDecoder", "layers", last=("final_layer_norm", "project_out"))
 
-    def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return ("split_gather",) + self.split_attention_modes()
+    sp_modes = ("split_gather",)
 
     def config_sanity_check(self):
         super().config_sanity_check()

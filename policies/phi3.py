@@ -11,28 +11,16 @@ num_key_value_heads set to the rank's counts.
 """
 from __future__ import annotations
 
-import copy
-
 from shardformer.family import Family
-from shardformer.layout import Heads, PerRank
+from shardformer.layout import Heads
 from shardformer.policies.shapes import DecoderShape, decoder_heads, text_config
 
 
 class Phi3Shape(DecoderShape):
     def attention_attributes(self, heads: Heads) -> dict:
-        config, local_configs = text_config(self.model), {}
-
-        def local_config(tp, rank):
-            if (tp, rank) not in local_configs:
-                _, q, _, kv = heads.layout(tp, rank)
-                local = copy.copy(config)
-                local.num_attention_heads, local.num_key_value_heads = q, kv
-                local_configs[(tp, rank)] = local
-            return local_configs[(tp, rank)]
-
         return dict(super().attention_attributes(heads), **{
             "self_attn.num_key_value_heads": heads.local_kv_heads(),
-            "self_attn.config": PerRank(local_config, f"config with this rank's heads of {heads}"),
+            "self_attn.config": heads.local_config(text_config(self.model)),
         })
 
 

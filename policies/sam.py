@@ -122,8 +122,7 @@ def _layer_forward_on_rows(state, group, layer, hidden_states):
 
 class SamShape(FamilyPolicy):
     attention_weights_folded = ("SamVisionAttention",)   # [B * heads, S, S]
-    def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return ("split_gather",)
+    sp_modes = ("split_gather",)
 
     def sequence_overlap_refusal(self) -> str:
         return ("vision_encoder.layers.*: the replaced layer forward gathers its grid rows (H of [B, H, W, C]) "

@@ -131,24 +131,23 @@ class DecoderShape(FamilyPolicy):
     split_attention_at = ("{prefix}{base_model}", "layers")
     pipeline_split = StageSplit("{prefix}{base_model}", "layers", last=("norm",))
 
-    def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return ("split_gather",) + self.split_attention_modes()
+    sp_modes = ("split_gather",)
+
+    #: enable_sequence_overlap with split_gather: the blocks' input gathers
+    #: overlap their column layers' matmuls (see sequence_parallel_replacements);
+    #: not for MoE (supports_sequence_overlap), whose router needs the gathered
+    #: tokens before any expert runs.
+    sequence_overlap = True
 
     def supports_sequence_overlap(self) -> bool:
-        """enable_sequence_overlap with split_gather: the blocks' input
-        gathers overlap their column layers' matmuls (see
-        sequence_parallel_replacements); not for MoE, whose router needs the
-        gathered tokens before any expert runs."""
-        return self.mlp != "moe"
+        return self.sequence_overlap and self.mlp != "moe"
 
-    def sequence_overlap_refusal(self) -> str:
-        return ("layers.*.mlp is a mixture of experts: its router picks each token's experts from the gathered "
-                "sequence, so no column matmul on this rank's rows can run while the block's input is gathered")
-
-    def supports_sequence_recompute(self) -> bool:
-        """sequence_parallel_recompute="selective": the split-gather layers
-        open a recompute scope (sequence_parallel_replacements)."""
-        return True
+    sequence_overlap_why = ("layers.*.mlp is a mixture of experts: its router picks each token's experts from the "
+                            "gathered sequence, so no column matmul on this rank's rows can run while the block's "
+                            "input is gathered")
+    #: sequence_parallel_recompute="selective": the split-gather layers open a
+    #: recompute scope (sequence_parallel_replacements).
+    sequence_recompute = True
 
     def postprocess(self):
         return record_hidden_states(self, super().postprocess())
@@ -366,8 +365,7 @@ class SplitGatherMixin:
 
     records_hidden_states = True      # sp_ends marks the layers' rows (ALBERT: mark_layer_rows)
 
-    def supports_sequence_overlap(self) -> bool:
-        return True
+    sequence_overlap = True
 
     def postprocess(self):
         return record_hidden_states(self, super().postprocess())
@@ -441,8 +439,7 @@ class EncoderShape(SplitGatherMixin, FamilyPolicy):
     split_attention_at = ("{prefix}Encoder", "layer")
     pipeline_split = StageSplit("{prefix}Model", "encoder.layer", last=("pooler",))
 
-    def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return ("split_gather",) + self.split_attention_modes()
+    sp_modes = ("split_gather",)
 
     def config_sanity_check(self):
         super().config_sanity_check()
@@ -470,7 +467,7 @@ class EncoderShape(SplitGatherMixin, FamilyPolicy):
             attentions = ["attention", "crossattention"] if cross else ["attention"]
             subs += sp_layer_subs([f"{a}.self" for a in attentions] + ([] if overlap else ["intermediate"]),
                                   [f"{a}.output.LayerNorm" for a in attentions] + ["output.LayerNorm"],
-                                  self.sequence_state)
+                                  self.state.sequence_state)
         return ModulePolicyDescription(attribute_replacement=attrs, sub_module_replacement=subs)
 
     def embeddings_description(self) -> ModulePolicyDescription:
@@ -479,12 +476,12 @@ class EncoderShape(SplitGatherMixin, FamilyPolicy):
     def body_policy(self):
         if not self.tensor_parallel:
             return {}
-        self.sequence_state = _new_state() if self.shard_config.sequence_parallel else None
+        self.state.sequence_state = _new_state() if self.shard_config.sequence_parallel else None
         policy = {f"{self.prefix}Layer": self.layer_description(self.heads_layout()),
                   f"{self.prefix}Embeddings": self.embeddings_description()}
         if self.shard_config.sequence_parallel:
             policy[f"{self.prefix}Encoder"] = ModulePolicyDescription(sub_module_replacement=sp_ends(
-                "layer", self.model.config.num_hidden_layers, self.sequence_state))
+                "layer", self.model.config.num_hidden_layers, self.state.sequence_state))
         return policy
 
 
@@ -535,8 +532,7 @@ class VisionShape(SplitGatherMixin, FamilyPolicy):
     split_attention_at = ("{prefix}Model", "layers")
     pipeline_split = StageSplit("{prefix}Model", "layers", last=("layernorm", "pooler"))
 
-    def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return ("split_gather",) + self.split_attention_modes()
+    sp_modes = ("split_gather",)
 
     def heads_layout(self) -> Heads:
         cfg = self.model.config
@@ -565,7 +561,7 @@ class VisionShape(SplitGatherMixin, FamilyPolicy):
         subs = self.layer_replacements(self.heads_layout())
         policy = {}
         if self.shard_config.sequence_parallel:
-            state = self.sequence_state = _new_state()
+            state = self.state.sequence_state = _new_state()
             layers = [m for m in self.model.modules() if type(m).__name__ == f"{self.prefix}Layer"]
             entered = ["attention"] + ([] if sp_overlap(self.shard_config) else ["mlp"])
             subs += sp_layer_subs(entered, self.sp_norms(layers[0]), state) + self.sp_layer_extras(layers[0], state)
@@ -618,11 +614,9 @@ class StageShape(VisionShape):
     split_attention_at = None
     pipeline_split = None            # layers grouped in stages of different widths
 
-    def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return ("split_gather",)
+    sp_modes = ("split_gather",)
 
-    def supports_sequence_overlap(self) -> bool:
-        return False
+    sequence_overlap = False
 
     def sequence_overlap_refusal(self) -> str:
         return (f"{self.encoder_prefix()}.layers.*.blocks.*: each block gathers its stage's rows into the "
@@ -739,8 +733,7 @@ class GPTBlockShape(SplitGatherMixin, FamilyPolicy):
     heads_attribute = "num_heads"
     mlp_names = ("c_fc", "c_proj")
 
-    def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return ("split_gather",) + self.split_attention_modes()
+    sp_modes = ("split_gather",)
 
     def blocks(self) -> list:
         """The model's `<prefix>Block` modules, in order."""
@@ -753,7 +746,7 @@ class GPTBlockShape(SplitGatherMixin, FamilyPolicy):
 
     def sequence_parallel_subs(self) -> tuple[list[Sub], list[Sub]]:
         """(block subs, `<prefix>Model` subs) of split-gather SP."""
-        state = self.sequence_state
+        state = self.state.sequence_state
         blocks = self.blocks()
         root = self.attention.split(".")[0]
         norms = parameterized_children(blocks[0], skip=(root, "mlp"))
@@ -781,7 +774,7 @@ class GPTBlockShape(SplitGatherMixin, FamilyPolicy):
     def body_policy(self):
         if not self.tensor_parallel:
             return {}
-        self.sequence_state = _new_state() if self.shard_config.sequence_parallel else None
+        self.state.sequence_state = _new_state() if self.shard_config.sequence_parallel else None
         heads, a = self.heads_layout(), self.attention
         ctx = PlanContext(self)
         block_subs = self.attention_replacements(heads) + realize(
@@ -838,8 +831,7 @@ class FusedQKVShape(SplitGatherMixin, FamilyPolicy):
     layer = "Block"
     pipeline_split = StageSplit("{prefix}Model", "h", last=("ln_f",))
 
-    def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return ("split_gather",) + self.split_attention_modes()
+    sp_modes = ("split_gather",)
 
     def residual_dropouts(self) -> tuple[float, tuple[str, ...]]:
         """(p, attributes under the layer holding p) of the functional residual

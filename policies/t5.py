@@ -137,8 +137,7 @@ class T5Shape(SplitGatherMixin, FamilyPolicy):
         return StageSplit(type(owner).__name__, "encoder.block", last=("encoder.final_layer_norm",), carry=bias,
                           then=decoder)
 
-    def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return ("split_gather",) + self.split_attention_modes()
+    sp_modes = ("split_gather",)
 
     def split_attention_modes(self) -> tuple[str, ...]:
         return ("all_to_all", "ring_attn")
@@ -258,15 +257,9 @@ class T5Shape(SplitGatherMixin, FamilyPolicy):
         return ties
 
     def preprocess(self):
-        self._ties = self._find_ties()
+        if self.tensor_parallel:                # re-tied by Policy.postprocess
+            self.state.ties += self._find_ties()
         return super().preprocess()
-
-    def postprocess(self):
-        super().postprocess()
-        if self.tensor_parallel:
-            for source, target in self._ties:
-                self.tie_weight(source, target)
-        return self.model
 
 
 FAMILY = Family("t5", "t5.modeling_t5", T5Shape, heads={

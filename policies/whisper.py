@@ -99,8 +99,7 @@ class WhisperShape(SplitGatherMixin, FamilyPolicy):
             return StageSplit("WhisperDecoder", "layers", last=("layer_norm",))
         return None
 
-    def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return ("split_gather",) + self.split_attention_modes()
+    sp_modes = ("split_gather",)
 
     def split_attention_modes(self) -> tuple[str, ...]:
         return ("all_to_all", "ring_attn")

@@ -108,7 +108,7 @@ def test_replicated_shared_expert_under_split_gather(pool, name, sp, seq):
 def test_shared_expert_found_in_the_forward():
     """Only a child that the block's forward adds to something runs beside the experts:
     SolarOpen's shared_experts; its router (gate) and experts are not added."""
-    from shardformer.derived_policy import _added_children
+    from shardformer.derived_rules import added_children as _added_children
 
     if "SolarOpen" not in available(["SolarOpen"]):
         pytest.skip("this transformers has no SolarOpenForCausalLM")

@@ -122,13 +122,14 @@ def test_builtin_plans_agree_with_transformers():
     """Family.tp_plan (our split in transformers' notation) against
     transformers' own resolved plan, for every built-in class that has one:
     the same modules split the same way, except the listed refinements."""
+    from shardformer.autopolicy import get_autopolicy
     from shardformer.derived_policy import resolve_tp_plan
 
     seen, families, disagreements = set(), set(), []
     pairs = _plan_classes()
     for fam, cls in pairs:
         model = zoo.build(cls)
-        theirs, ours = resolve_tp_plan(model), fam.tp_plan(model)
+        theirs, ours = resolve_tp_plan(model), fam.tp_plan(model, policy_of=get_autopolicy)
         families.add(fam.name)
         for path in sorted(set(theirs) | set(ours)):
             if theirs.get(path) == ours.get(path):

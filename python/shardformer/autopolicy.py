@@ -16,7 +16,9 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
+from . import family as _family
 from ._versions import check_transformers_version
+from .derived_policy import DerivedPolicy, has_tp_plan
 from .policy import Policy
 
 _OVERRIDES: dict[str, tuple[str, str]] = {}   # register_policy
@@ -32,8 +34,7 @@ def register_policy(key: str, family: str, policy_class: str) -> None:
 
 def families() -> list:
     """Every Family declared by the built-in policy files."""
-    from . import family as _family
-    from shardformer import policies
+    from shardformer import policies      # the package of the policy files, which import this module's parents
 
     found = []
     for info in sorted(pkgutil.iter_modules(policies.__path__), key=lambda i: i.name):
@@ -70,27 +71,37 @@ def _key_of(model) -> tuple[str, str]:
     return f"{cls.__module__}.{cls.__qualname__}", cls.__qualname__
 
 
-def get_autopolicy(model) -> Policy:
-    """A fresh policy instance for `model`, found by its class."""
-    check_transformers_version()
+def registered_class(model) -> type | None:
+    """The registered Policy class of `model`'s class (the registry, then
+    register_policy's entries), or None."""
     full, bare = _key_of(model)
     table = registry()
     found = table.get(full) or table.get(bare)
     if found is None:
-        from .derived_policy import DerivedPolicy, has_tp_plan
-
-        if has_tp_plan(model):      # built-in policies win; else the model's own plan
-            return DerivedPolicy()
-        raise ValueError(
-            f"{bare}: no built-in policy for {full}, and the model carries no tensor-parallel plan "
-            "(config.base_model_tp_plan or the class's _tp_plan) to derive one from. Shard it with either\n"
-            "  - a plan dict in transformers' notation: ShardFormer(shard_config).optimize(model, "
-            "plan={'layers.*.mlp.up_proj': 'colwise', 'layers.*.mlp.down_proj': 'rowwise', ...}) "
-            f"(shardformer's {DOCS}#models-without-a-built-in-policy-the-models-own-plan), or\n"
-            "  - a shardformer.Policy subclass: optimize(model, policy=MyPolicy()) "
-            f"(shardformer's {DOCS}#your-own-model-a-policy).\n"
-            f"shardformer.supported_models() lists the {len(table)} model classes with a built-in policy."
-        )
+        return None
     family, policy_cls = found
-    module = importlib.import_module(f"shardformer.policies.{family}")
-    return getattr(module, policy_cls)()
+    return getattr(importlib.import_module(f"shardformer.policies.{family}"), policy_cls)
+
+
+def get_autopolicy(model) -> Policy:
+    """A fresh policy instance for `model`, found by its class.  The policy is
+    given this registry (OptimizeState.policy_of) for the models it composes."""
+    check_transformers_version()
+    full, bare = _key_of(model)
+    cls = registered_class(model)
+    if cls is None:
+        if not has_tp_plan(model):      # built-in policies win; else the model's own plan
+            raise ValueError(
+                f"{bare}: no built-in policy for {full}, and the model carries no tensor-parallel plan "
+                "(config.base_model_tp_plan or the class's _tp_plan) to derive one from. Shard it with either\n"
+                "  - a plan dict in transformers' notation: ShardFormer(shard_config).optimize(model, "
+                "plan={'layers.*.mlp.up_proj': 'colwise', 'layers.*.mlp.down_proj': 'rowwise', ...}) "
+                f"(shardformer's {DOCS}#models-without-a-built-in-policy-the-models-own-plan), or\n"
+                "  - a shardformer.Policy subclass: optimize(model, policy=MyPolicy()) "
+                f"(shardformer's {DOCS}#your-own-model-a-policy).\n"
+                f"shardformer.supported_models() lists the {len(registry())} model classes with a built-in policy."
+            )
+        cls = DerivedPolicy
+    policy = cls()
+    policy.begin(get_autopolicy)
+    return policy

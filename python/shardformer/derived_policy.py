@@ -79,6 +79,9 @@ num_key_value_groups, and all_head_size / hidden_size / embed_dim when they
 are the query width); one whose forward reads head counts from `self.config`
 gets a per-rank copy of the config.  An LM head tied to the input embeddings
 stays tied: the input embeddings are then split by vocabulary as well.
+What is read from the module tree rather than from the plan (which module is
+an attention or a norm, head-count attributes, widths, forward sources) is
+in one place, shardformer.derived_rules, each rule with why it is a guess.
 
 Sequence and pipeline parallelism split around the layer list
 (DerivedPolicy.layer_stack): the one ModuleList that `base_model_pp_plan`
@@ -108,15 +111,13 @@ refused.
 """
 from __future__ import annotations
 
-import copy
-import inspect
 import re
 
-import torch
 from torch import nn
 
+from .derived_rules import added_children, attention_attributes, is_attention, is_mla, norm_like, side_of_norm
 from .family import SplitAttentionPolicy, sequence_mode_refused
-from .layout import Heads, PerRank
+from .layout import Heads
 from .plan import PlanContext, PlanError, replacement
 from .policy import ModulePolicyDescription, Policy, merge_policies
 from .policy import SubModuleReplacementDescription as Sub
@@ -182,9 +183,6 @@ def _text_config(model):
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
-_HEAD_ATTRS = {"num_heads": "q", "num_attention_heads": "q", "num_key_value_heads": "kv", "num_kv_heads": "kv",
-               "num_key_value_groups": "groups"}
-_WIDTH_ATTRS = ("all_head_size", "hidden_size", "embed_dim", "inner_dim")
 #: Children of an MLA attention that the plan leaves whole: the low-rank
 #: path, on replicated activations before the split layers (their gradients
 #: are full once the column layers' input copies have summed theirs), and
@@ -195,7 +193,6 @@ _MLA_LATENT = ("q_a_proj", "q_a_layernorm", "kv_a_layernorm", "indexer")
 _MLA = "mla_kv_a_proj"
 #: Our styles that split by attention heads (their module's attributes follow).
 _HEAD_STYLES = ("colwise_heads", "colwise_kv_heads", "colwise_per_head", "rowwise_heads")
-_CONFIG_READS = re.compile(r"config\.(num_attention_heads|num_key_value_heads|head_dim)")
 
 
 class DerivedPolicy(SplitAttentionPolicy, Policy):
@@ -358,11 +355,6 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
                     or getattr(cfg, "head_dim", None) or cfg.hidden_size // n)
         return Heads(n, kv, int(head_dim))
 
-    @staticmethod
-    def _is_attention(module: nn.Module) -> bool:
-        return ("Attention" in type(module).__name__ or hasattr(module, "head_dim")
-                or hasattr(module, "head_size"))
-
     # ---- the policy ----
 
     def module_policy(self) -> dict:
@@ -432,7 +424,6 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         keeps the tie: the embeddings are split by vocabulary too (postprocess re-ties)."""
         from .layer import VocabParallelLMHead1D
 
-        self._tie = None
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
         inputs = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
         if head is None or inputs is None or head.weight is not inputs.weight:
@@ -446,7 +437,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         if head_sub.target_module is not VocabParallelLMHead1D:
             raise self._fail(matched[head_path][0], head_path,
                              "the LM head is tied to the input embeddings and can only be split by vocabulary")
-        self._tie = (in_path, head_path)
+        self.state.ties.append((in_path, head_path))    # re-tied by Policy.postprocess
         if in_path in by_path:
             return []
         return [self._vocab_embedding(in_path, inputs)]
@@ -474,7 +465,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         or MLP block) and the attributes its forward needs per rank."""
         subs, attrs = [], {}
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
-        attention = self._is_attention(parent) and parent is not self.model
+        attention = is_attention(parent) and parent is not self.model
         heads = None
         split_heads = False
         mla = [p for p, (st, _) in siblings.items() if st == _MLA]
@@ -506,12 +497,12 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         if mla and not split_heads:
             raise self._fail(_MLA, mla[0], "its attention's projections are not split by heads (the plan "
                              "names no colwise q_b_proj / kv_b_proj)")
-        if split_heads and not mla and _is_mla(parent):
+        if split_heads and not mla and is_mla(parent):
             raise self._fail("colwise", parent_path, f"{type(parent).__name__} is multi-head latent attention "
                              "split by heads, but the plan does not name its kv_a_proj_with_mqa mla_kv_a_proj "
                              "(the shared rotary key's gradient would stay partial)")
         if split_heads:
-            attrs.update(self._attention_attributes(parent_path, parent, heads, widths=not mla))
+            attrs.update(attention_attributes(parent_path, parent, heads, widths=not mla))
         if any(style in ("colwise", "packed_colwise") for style, _ in siblings.values()):
             subs += self._between_split_layers(parent_path, parent, mla=bool(mla), siblings=siblings)
         return subs, attrs
@@ -588,7 +579,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
                                  f"children {unknown} beside its latent path {_MLA_LATENT} that the plan "
                                  "does not name (their inputs may be split by heads)")
             return []
-        if not self._is_attention(parent) and siblings:
+        if not is_attention(parent) and siblings:
             rest = [c for c in rest if not self._runs_outside_split(lead + c, getattr(parent, c), siblings)]
         return [Sub(lead + child, ReplicatedInParallelRegion) for child in rest]
 
@@ -599,36 +590,15 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         over the column layers' input width (a pre-norm block written with
         its linears as direct children).  A norm as wide as both their input
         and output cannot be placed: refused."""
-        if self._is_attention(child):
+        if is_attention(child):
             return True
-        weight = getattr(child, "weight", None)
-        if not _norm_like(child) or not isinstance(weight, torch.Tensor):
-            return False
         cols = [(st, m) for st, m in siblings.values() if st in ("colwise", "packed_colwise")]
-        widths_in = {m.weight.shape[1] for _, m in cols}
-        widths_out = {m.weight.shape[0] for _, m in cols}
-        width = weight.shape[-1]
-        if width in widths_in and width in widths_out:
+        side = side_of_norm(child, {m.weight.shape[1] for _, m in cols}, {m.weight.shape[0] for _, m in cols})
+        if side == "ambiguous":
             raise self._fail(cols[0][0], path, f"{type(child).__name__} is as wide as the split layers' input and "
-                             f"output ({width}), so whether it runs on split features cannot be told; put the "
-                             f"split layers in a module of their own (an MLP block)")
-        return width in widths_in
-
-    def _attention_attributes(self, path: str, module: nn.Module, heads: Heads, widths: bool = True) -> dict:
-        lead = f"{path}." if path else ""
-        values = {"q": heads.local_heads(), "kv": heads.local_kv_heads(), "groups": heads.local_groups()}
-        attrs = {}
-        for name, which in _HEAD_ATTRS.items():
-            if isinstance(getattr(module, name, None), int):
-                attrs[lead + name] = values[which]
-        for name in _WIDTH_ATTRS if widths else ():       # (latent attention reshapes with -1)
-            if getattr(module, name, None) == heads.num_heads * heads.head_dim:
-                attrs[lead + name] = heads.local_width(heads.head_dim)
-        config = getattr(module, "config", None)
-        if config is not None and _CONFIG_READS.search(_forward_source(module)):
-            attrs[lead + "config"] = _local_config(config, heads)
-        return attrs
-
+                             f"output ({child.weight.shape[-1]}), so whether it runs on split features cannot be "
+                             f"told; put the split layers in a module of their own (an MLP block)")
+        return side == "outside"
 
     # ---- sequence parallelism ----
     #
@@ -706,7 +676,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         for i, layer in enumerate(layers):
             users = [n for n, m in layer.named_modules() if _uses_registry(m)]
             if not users:
-                found = sorted({type(m).__name__ for m in layer.modules() if self._is_attention(m)})
+                found = sorted({type(m).__name__ for m in layer.modules() if is_attention(m)})
                 raise self._refused(f"{path}.{i}", f"{type(layer).__name__}'s attention ({found}) does not go "
                                     f"through transformers' AttentionInterface, where the split attention runs")
             sinks = next((f"{path}.{i}.{n}" for n, _ in layer.named_parameters() if n.endswith("sinks")), None)
@@ -735,7 +705,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
                 if any(s.target_module.__name__ in _SPLIT_LAYERS for s in inside):
                     added += self._sp_block(where, module, inside, planned, state)
                 elif where not in planned and any(True for _ in module.parameters()):
-                    if not _norm_like(module):
+                    if not norm_like(module):
                         raise self._refused(where, f"{type(module).__name__} holds parameters the plan does not "
                                             f"split and is not a norm: on this rank's rows it would see part of "
                                             f"the sequence")
@@ -767,7 +737,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
                    for child, m in self.model.get_submodule(s.suffix.rpartition(".")[0]).named_children()
                    if any(True for _ in m.parameters(recurse=False))}      # a router's own matrix
         added = {f"{block}.{child}" for block in {s.suffix.rpartition(".")[0] for s in experts}
-                 for child in _added_children(self.model.get_submodule(block))}
+                 for child in added_children(self.model.get_submodule(block))}
         seen: list[str] = []                   # replicated subtrees classified whole
         for path, m in module.named_modules(prefix=where):
             if any(path == p or path.startswith(p + ".") for p in seen + [s.suffix for s in inside]):
@@ -779,7 +749,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
                 out.append(Sub(path, RouterInSequenceParallel))
             elif path in added and path not in planned:     # output added to the experts' partial sums
                 out.append(Sub(path, SharedExpertInSequenceParallel))
-            elif not _norm_like(m):
+            elif not norm_like(m):
                 raise self._refused(path, f"{type(m).__name__} holds parameters the plan leaves replicated inside "
                                     f"a tensor-parallel block: its full output would be summed over the ranks by "
                                     f"the block's reduce-scatter (only a router, a norm, or a module beside the "
@@ -792,24 +762,10 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
     def postprocess(self) -> nn.Module:
         from .policies.shapes import record_hidden_states
 
-        tie = getattr(self, "_tie", None)
-        if self.tensor_parallel and tie is not None:
-            self.tie_weight(*tie)
-        return record_hidden_states(self, self.model)
+        return record_hidden_states(self, super().postprocess())
 
 
 _SPLIT_LAYERS = ("Linear1D_Col", "Linear1D_Row", "FusedExperts1D")
-
-
-def _norm_like(module: nn.Module) -> bool:
-    """A normalization (LayerNorm, RMSNorm, ...): acts on each row alone."""
-    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "Norm" in type(module).__name__
-
-
-def _is_mla(module: nn.Module) -> bool:
-    """A DeepSeek-V2-style latent attention: a joint KV down-projection and a
-    shared rotary key."""
-    return isinstance(getattr(module, "kv_a_proj_with_mqa", None), nn.Linear) and hasattr(module, "qk_rope_head_dim")
 
 
 def _generic(path: str) -> str:
@@ -837,7 +793,7 @@ def latent_attention_supplement(model: nn.Module, plan: dict[str, str]) -> dict[
     added: dict[str, str] = {}
     patterns = [_pattern(k) for k in plan]
     for path, module in model.named_modules():
-        if not (_is_mla(module) and isinstance(getattr(module, "kv_b_proj", None), nn.Linear)
+        if not (is_mla(module) and isinstance(getattr(module, "kv_b_proj", None), nn.Linear)
                 and isinstance(getattr(module, "o_proj", None), nn.Linear)
                 and any(isinstance(getattr(module, q, None), nn.Linear) for q in ("q_b_proj", "q_proj"))):
             continue
@@ -847,37 +803,3 @@ def latent_attention_supplement(model: nn.Module, plan: dict[str, str]) -> dict[
         added.update({f"{path}.{child}": style for child, style in MLA_ENTRIES.items()   # (exact paths: the
                       if isinstance(getattr(module, child, None), nn.Linear)})    # other layers may differ)
     return added
-
-
-def _added_children(block: nn.Module) -> list[str]:
-    """The children of `block` whose call its forward adds to something
-    (`x + self.child(...)` or `self.child(...) + x`), found in its source."""
-    source = _forward_source(block)
-    out = []
-    for child, _ in block.named_children():
-        call = rf"self\.{re.escape(child)}\((?:[^()]|\([^()]*\))*\)"
-        if re.search(rf"\+\s*{call}", source) or re.search(rf"{call}\s*\+", source):
-            out.append(child)
-    return out
-
-
-def _forward_source(module: nn.Module) -> str:
-    try:
-        return inspect.getsource(type(module).forward)
-    except (OSError, TypeError):
-        return ""
-
-
-def _local_config(config, heads: Heads) -> PerRank:
-    """A per-rank copy of `config` with this rank's head counts."""
-    made = {}
-
-    def local(tp, rank):
-        if (tp, rank) not in made:
-            _, q, _, kv = heads.layout(tp, rank)
-            c = copy.copy(config)
-            c.num_attention_heads, c.num_key_value_heads = q, kv
-            made[(tp, rank)] = c
-        return made[(tp, rank)]
-
-    return PerRank(local, f"config with this rank's heads of {heads}")

@@ -41,8 +41,10 @@ from typing import Any
 
 from torch import nn
 
+from .config import ShardConfig
 from .lm_loss import HOOK, LMLoss
-from .policy import Policy
+from .plan import PlanContext, hf_entries, replacement
+from .policy import ModulePolicyDescription, Policy, merge_policies
 from .policy import SubModuleReplacementDescription as Sub
 
 _HF = "transformers.models"
@@ -147,19 +149,20 @@ class Family:
         """{registry key: (family, policy class name)}."""
         return {self.registry_key(c): (self.name, f"{c}Policy") for c in self.heads}
 
-    def tp_plan(self, model: nn.Module, shard_config=None) -> dict[str, str]:
+    def tp_plan(self, model: nn.Module, shard_config=None, policy_of=None) -> dict[str, str]:
         """The tensor-parallel split this family's policy makes of `model` (one
         of its head classes), in transformers' notation: {module path pattern
         ("model.layers.*.self_attn.q_proj"): transformers style}
-        (FamilyPolicy.tp_plan; `shard_config` defaults to ShardConfig())."""
-        from .config import ShardConfig
-
+        (FamilyPolicy.tp_plan; `shard_config` defaults to ShardConfig()).
+        `policy_of`: the registry (shardformer.autopolicy.get_autopolicy), for
+        a family whose policy composes another's (Gemma 3's, BLIP-2's)."""
         name = type(model).__name__
         if name not in self.heads:
             raise ValueError(f"Family {self.name!r} has no policy for {name} (its classes: {', '.join(self.heads)})")
         policy = self.policy_classes()[f"{name}Policy"]()
         policy.set_model(model)
         policy.set_shard_config(shard_config if shard_config is not None else ShardConfig())
+        policy.begin(policy_of)
         return policy.tp_plan()
 
 
@@ -199,7 +202,6 @@ class SplitAttentionPolicy:
         `attention_seam` refuses (AttentionSeam.refuse: another attention
         implementation)."""
         from .layer.sequence_attention import SequenceAttentionParallel
-        from .policy import ModulePolicyDescription
 
         cfg, name = self.shard_config, type(self.model).__name__
         if not cfg.split_attention_mode or cfg.split_attention_mode not in self.split_attention_modes():
@@ -267,8 +269,6 @@ class FamilyPolicy(SplitAttentionPolicy, Policy):
         vocab_lm_head: "colwise_gather_output"), and moe_tp_experts adds
         its parameters' entries (gate_up_proj packed_colwise, down_proj
         rowwise) as transformers writes them."""
-        from .plan import hf_entries
-
         where: dict[str, set[str]] = {}
         for path, module in self.model.named_modules():
             where.setdefault(type(module).__name__, set()).add(re.sub(r"(^|\.)\d+(?=\.|$)", r"\1*", path))
@@ -286,8 +286,6 @@ class FamilyPolicy(SplitAttentionPolicy, Policy):
         return self.model.get_input_embeddings()
 
     def module_policy(self) -> dict:
-        from .policy import merge_policies
-
         policy = merge_policies(self.body_policy(), self.split_attention_policy())
         heads = self.active_heads()
         if self.tensor_parallel and heads:
@@ -296,16 +294,16 @@ class FamilyPolicy(SplitAttentionPolicy, Policy):
         return policy
 
     def head_replacement(self, head: Head) -> Sub:
-        from .plan import PlanContext, replacement
-
         return replacement(head.suffix, HEAD_STYLES[head.kind], PlanContext(self))
 
     def preprocess(self) -> nn.Module:
         # An LM head is re-tied after substitution exactly when HF tied it
         # (the same Parameter as the input embedding's), whatever the config says.
         embeddings = self.input_embeddings() if self.tensor_parallel else None
-        self._tied_heads = [h.suffix for h in self.active_heads() if h.kind == "lm" and embeddings is not None
-                            and self.model.get_submodule(h.suffix).weight is embeddings.weight]
+        if embeddings is not None:
+            source = self.path_of(embeddings)
+            self.state.ties += [(source, h.suffix) for h in self.active_heads() if h.kind == "lm"
+                                and self.model.get_submodule(h.suffix).weight is embeddings.weight]
         return super().preprocess()
 
     def tie_followers(self) -> list[tuple[nn.Module, str]]:
@@ -316,15 +314,11 @@ class FamilyPolicy(SplitAttentionPolicy, Policy):
         return own + super().tie_followers()
 
     def postprocess(self) -> nn.Module:
+        super().postprocess()                   # the ties recorded in preprocess (Policy.postprocess)
         if self.tensor_parallel:
             for head in self.active_heads():
-                if head.kind != "lm":
-                    continue
-                module = self.model.get_submodule(head.suffix)
-                if head.suffix in getattr(self, "_tied_heads", ()):
-                    module.weight = self.input_embeddings().weight
-                if head.bias_of is not None:    # HF keeps the decoder bias as the owner's `bias`
-                    setattr(self.model.get_submodule(head.bias_of), "bias", module.bias)
+                if head.kind == "lm" and head.bias_of is not None:  # HF keeps the decoder bias as the owner's `bias`
+                    setattr(self.model.get_submodule(head.bias_of), "bias", self.model.get_submodule(head.suffix).bias)
         return self.model
 
     def hf_class(self, name: str):

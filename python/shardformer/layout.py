@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Callable
 
+import copy
+
 import torch
 
 from . import _C
@@ -210,6 +212,22 @@ class Heads:
     def local_width(self, head_dim: int) -> PerRank:
         """This rank's query heads times `head_dim` (e.g. all_head_size)."""
         return HeadCount(self, HeadCount.QUERY, head_dim, f"width of {self}")
+
+    def local_config(self, config) -> PerRank:
+        """A per-rank shallow copy of a model `config` with this rank's
+        num_attention_heads and num_key_value_heads, for an attention whose
+        forward reads its head counts from `self.config`: one copy per
+        (tp_size, rank), shared by every layer of the rank."""
+        made = {}
+
+        def local(tp_size: int, rank: int):
+            if (tp_size, rank) not in made:
+                _, q, _, kv = self.layout(tp_size, rank)
+                made[(tp_size, rank)] = c = copy.copy(config)
+                c.num_attention_heads, c.num_key_value_heads = q, kv
+            return made[(tp_size, rank)]
+
+        return PerRank(local, f"config with this rank's heads of {self}")
 
 
 class HeadCount(PerRank):

@@ -76,12 +76,16 @@ HOOK = LMLoss()
 
 def declared(policy) -> LMLoss:
     """The LMLoss a policy (class or instance) declares: its LM head's, else
-    its `lm_loss` attribute, else "hook"."""
-    for head in getattr(policy, "heads", ()) or ():
-        if getattr(head, "kind", None) == "lm":
+    its `lm_loss` (shardformer.Policy declares both), else "hook"."""
+    for head in policy.heads:
+        if head.kind == "lm":
             return head.loss
-    value = getattr(policy, "lm_loss", None)
-    return value if isinstance(value, LMLoss) else HOOK
+    return policy.lm_loss if policy.lm_loss is not None else HOOK
+
+
+def declares_head(policy) -> bool:
+    """Whether a policy (class or instance) declares an LM head or an LM loss."""
+    return any(h.kind == "lm" for h in policy.heads) or policy.lm_loss is not None
 
 
 def _targets(labels: torch.Tensor, shift: bool, ignore_index: int, shift_labels) -> torch.Tensor:
@@ -179,21 +183,17 @@ class LMLossPlan:
     (and checked) before anything changes; `install` runs after the heads
     are swapped in."""
 
-    def __init__(self, model: nn.Module, policy, name: str):
+    def __init__(self, model: nn.Module, policy, name: str, policy_class_of):
+        """`policy_class_of(module)`: the registered Policy class of a module
+        inside `model` or None (shardformer.autopolicy.registered_class,
+        passed down by the sharder)."""
         from transformers import PreTrainedModel
-
-        from .autopolicy import registry
 
         self.name = name
         self.entries: list[_Entry] = []
-        table = registry()
         for path, module in model.named_modules():
-            if module is model:
-                rule, has_head = declared(policy), _declares_head(policy)
-            else:
-                cls = type(module)
-                found = table.get(f"{cls.__module__}.{cls.__qualname__}") or table.get(cls.__qualname__)
-                rule, has_head = _registered_rule(found)
+            found = policy if module is model else policy_class_of(module)
+            rule, has_head = (declared(found), declares_head(found)) if found is not None else (HOOK, False)
             hf = isinstance(module, PreTrainedModel)
             if not (has_head or (hf and module.get_output_embeddings() is not None)):
                 continue
@@ -227,22 +227,6 @@ class LMLossPlan:
                 module.__dict__["generate"] = _gathering_generate(module)
             changed += 1
         return changed
-
-
-def _declares_head(policy) -> bool:
-    return any(getattr(h, "kind", None) == "lm" for h in getattr(policy, "heads", ()) or ()) \
-        or isinstance(getattr(policy, "lm_loss", None), LMLoss)
-
-
-def _registered_rule(found) -> tuple[LMLoss, bool]:
-    """(rule, whether it declares an LM head) of a registered policy."""
-    if found is None:
-        return HOOK, False
-    import importlib
-
-    family, policy_cls = found
-    cls = getattr(importlib.import_module(f"shardformer.policies.{family}"), policy_cls)
-    return declared(cls), _declares_head(cls)
 
 
 def _decoder_inputs_maker(model, name: str):

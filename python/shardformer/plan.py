@@ -60,6 +60,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .layout import Fused, Heads
 from .policy import SubModuleReplacementDescription as Sub
 
 
@@ -93,15 +94,11 @@ def _embedding_kwargs(ctx: PlanContext) -> dict:
 
 
 def _per_head(ctx: PlanContext):
-    from .layout import Heads
-
     heads = _need_heads(ctx, "colwise_per_head")
     return Heads(heads.num_heads, heads.num_heads, 3 * heads.head_dim).q
 
 
 def _fused_halves(ctx: PlanContext):
-    from .layout import Fused
-
     return Fused.equal(2)
 
 

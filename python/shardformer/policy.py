@@ -10,11 +10,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from torch import nn
 
 from .config import ShardConfig
+
+if TYPE_CHECKING:
+    from .lm_loss import LMLoss
 
 
 @dataclass
@@ -61,11 +64,50 @@ class ModulePolicyDescription:
     method_replacement: dict[str, Callable] = field(default_factory=dict)
 
 
+@dataclass
+class OptimizeState:
+    """What one optimize() learns about its model between a policy's hooks.
+
+    The sharder makes one per optimize() (Policy.begin), the policy's hooks
+    read and write it through `policy.state`, and the sharder drops it when
+    the call ends (Policy.end): a policy instance keeps nothing of a model
+    between calls (but `model` / `shard_config`, the seed's API), so one
+    instance can shard two models, one after the other.
+
+    sequence_state  the model's shardformer.layer.sequence.SequenceState under
+                    split-gather SP (the sharder hands it to pipeline stages)
+    tied_heads      suffixes of the LM heads HF had tied to the input embedding
+                    (seen in preprocess, re-tied in postprocess)
+    ties            (source, target) module paths whose weights postprocess
+                    re-ties (policies with ties outside their heads)
+    sub_policies    {id(module): Policy} of the models composed inside this one
+    policy_of       module -> its registered Policy (shardformer.autopolicy),
+                    passed down by the caller so that no policy reaches up
+                    for the registry; None where no registry was given
+    """
+
+    sequence_state: Any = None
+    tied_heads: tuple[str, ...] = ()
+    ties: list[tuple[str, str]] = field(default_factory=list)
+    sub_policies: dict[int, "Policy"] = field(default_factory=dict)
+    policy_of: Callable[[nn.Module], "Policy"] | None = None
+
+
 class Policy(ABC):
     """Base class of model policies.  optimize() calls, in order:
-    set_model, set_shard_config, config_sanity_check, module_policy (then the
+    set_model, set_shard_config, begin, config_sanity_check, the capability
+    checks (sequence_parallel_modes, supports_sequence_overlap,
+    supports_sequence_recompute, pipeline_split), module_policy (then the
     sharder plans and validates), preprocess, (the sharder applies),
-    postprocess, get_shared_params."""
+    postprocess, get_shared_params, end.
+
+    This class declares everything the sharder, the LM loss
+    (shardformer.lm_loss) and the pipeline read from a policy.  Capabilities
+    are class data (`sp_modes`, `sequence_overlap`, `sequence_recompute`,
+    `pipeline_split`, ...) read through one accessor each
+    (`sequence_parallel_modes()`, `supports_sequence_overlap()`, ...); a
+    subclass sets the data, or overrides the accessor where the answer
+    depends on the model."""
 
     def __init__(self) -> None:
         self.model: nn.Module | None = None
@@ -78,6 +120,26 @@ class Policy(ABC):
         self.shard_config = shard_config
 
     @property
+    def state(self) -> OptimizeState:
+        """This optimize()'s OptimizeState (a fresh one when the policy is
+        used outside optimize(), e.g. Family.tp_plan)."""
+        state = self.__dict__.get("_optimize_state")
+        if state is None:
+            state = self.__dict__["_optimize_state"] = OptimizeState()
+        return state
+
+    def begin(self, policy_of: Callable[[nn.Module], "Policy"] | None = None) -> OptimizeState:
+        """Start one optimize(): a fresh OptimizeState, returned (the sharder
+        keeps it) and readable as `self.state` until end()."""
+        state = self.__dict__["_optimize_state"] = OptimizeState(policy_of=policy_of)
+        return state
+
+    def end(self) -> None:
+        """End the optimize() begun by begin(): the policy forgets its state
+        (and that of the policies composed in it)."""
+        self.__dict__.pop("_optimize_state", None)
+
+    @property
     def tp_size(self) -> int:
         return self.shard_config.tensor_parallel_size
 
@@ -85,12 +147,35 @@ class Policy(ABC):
     def process_group(self):
         return self.shard_config.tensor_parallel_process_group
 
+    # ---- Capabilities: data, each read by one accessor below. ----
+
+    #: The sequence_parallelism_modes this policy implements in its own layers
+    #: ("split_gather"); sequence_parallel_modes() adds split_attention_modes().
+    sp_modes: tuple[str, ...] = ()
+    #: Whether it implements ShardConfig.enable_sequence_overlap.
+    sequence_overlap: bool = False
+    #: Why it does not (the sharder's refusal) when sequence_overlap is False.
+    sequence_overlap_why: str = "its sequence-parallel blocks gather their input before the projections"
+    #: Whether it implements ShardConfig.sequence_parallel_recompute.
+    sequence_recompute: bool = False
     #: Where pipeline parallelism splits the model (a shardformer.pipeline.StageSplit:
     #: the module running the layers, its layer list, the children that run after
     #: them); None: the policy does not implement pipeline parallelism.
     pipeline_split = None
     #: Why pipeline_split is None, for the refusal ("" : not said).
     pipeline_refusal = ""
+    #: Class-name fillers of the pipeline's and the split attention's templates
+    #: ("{prefix}DecoderLayer", "{base_model}"): the family's options.
+    prefix: str = ""
+    base_model: str = ""
+    #: The heads of the model class (shardformer.family.Head: lm(), gathered(), ...).
+    heads: tuple = ()
+    #: How the model computes its LM loss when no `lm()` head says it
+    #: (shardformer.lm_loss.LMLoss; None: "hook").
+    lm_loss: "LMLoss | None" = None
+    #: For attention outside transformers' AttentionInterface: where flash
+    #: attention and the split attention run (shardformer.layer.sequence_attention.AttentionSeam).
+    attention_seam = None
     #: output_attentions under TP (shardformer.layer.attention_weights): the index of the
     #: attention weights in the output tuple of an attention class, where it is not 1.
     attention_weights_at: dict[str, int] = {}
@@ -117,24 +202,42 @@ class Policy(ABC):
         """Raise if the model's configuration is one this policy cannot shard."""
 
     def sequence_parallel_modes(self) -> tuple[str, ...]:
-        """The sequence_parallelism_modes this policy implements (none by
-        default: optimize() refuses SP for it, naming the policy and mode)."""
+        """The sequence_parallelism_modes this policy implements: `sp_modes`,
+        then split_attention_modes() (none by default: optimize() refuses SP
+        for it, naming the policy and mode)."""
+        own = tuple(self.sp_modes)
+        return own + tuple(m for m in self.split_attention_modes() if m not in own)
+
+    def split_attention_modes(self) -> tuple[str, ...]:
+        """The modes that split the sequence inside the attention ("all_to_all",
+        "ring_attn") this policy implements (shardformer.family.SplitAttentionPolicy)."""
         return ()
+
+    def sequence_parallel_refusal(self, mode: str) -> str:
+        """Why `mode` is not in sequence_parallel_modes() ("" : not said)."""
+        return ""
 
     def supports_sequence_overlap(self) -> bool:
         """Whether this policy implements ShardConfig.enable_sequence_overlap
-        (optimize() refuses the switch, naming the policy, when it does not)."""
-        return False
+        (`sequence_overlap`; optimize() refuses the switch, naming the policy,
+        when it does not)."""
+        return self.sequence_overlap
 
     def sequence_overlap_refusal(self) -> str:
         """Why this policy does not implement enable_sequence_overlap (the
         sharder's message when supports_sequence_overlap() is False)."""
-        return "its sequence-parallel blocks gather their input before the projections"
+        return self.sequence_overlap_why
 
     def supports_sequence_recompute(self) -> bool:
         """Whether this policy implements ShardConfig.sequence_parallel_recompute
-        (optimize() refuses it, naming the policy, when it does not)."""
-        return False
+        (`sequence_recompute`; optimize() refuses it, naming the policy, when
+        it does not)."""
+        return self.sequence_recompute
+
+    def active_heads(self) -> tuple:
+        """The heads this model has (`heads`; a policy drops optional ones, e.g.
+        a classifier HF makes an nn.Identity when num_labels=0)."""
+        return self.heads
 
     def preprocess(self) -> nn.Module:
         """Runs after validation, before substitution; must not fail and must
@@ -149,9 +252,21 @@ class Policy(ABC):
         """{module class or class name: ModulePolicyDescription}."""
 
     def postprocess(self) -> nn.Module:
-        """Runs after substitution (e.g. re-tie shared weights).  If it
-        raises, the model is marked partially sharded (see ModelSharder)."""
+        """Runs after substitution.  Here: the one way weights are re-tied,
+        state.ties ((source, target) module paths, recorded by module_policy
+        or preprocess), each target's `weight` made the source's again
+        (tie_weight).  If it raises, the model is marked partially sharded
+        (see ModelSharder)."""
+        for source, target in self.state.ties:
+            self.tie_weight(source, target)
         return self.model
+
+    def path_of(self, module: nn.Module) -> str:
+        """The dotted path of `module` in the bound model."""
+        for path, each in self.model.named_modules():
+            if each is module:
+                return path
+        raise ValueError(f"{type(self.model).__name__}: {type(module).__name__} is not a module of the model")
 
     def tie_followers(self) -> list[tuple[nn.Module, str]]:
         """(module, attribute) pairs, on modules this plan leaves alone,
@@ -160,7 +275,7 @@ class Policy(ABC):
         reads, such as HF's decoder bias kept as the prediction head's
         `bias`): the sharder's tie check (shardformer.ties) leaves them to
         it.  Default: those of the sub-policies (sub_policy)."""
-        return [f for inner in self.__dict__.get("_sub_policies", {}).values() for f in inner.tie_followers()]
+        return [f for inner in self.state.sub_policies.values() for f in inner.tie_followers()]
 
     def get_shared_params(self) -> list[dict[int, nn.Parameter]]:
         """Parameters shared across pipeline stages ({stage: param} per set)."""
@@ -190,13 +305,17 @@ class Policy(ABC):
         multimodal model's language model, say), bound to it and to this
         shard config: a policy composes it by merging its module_policy()
         (merge_policies) and forwarding its sanity check, pre- and
-        postprocess.  Made once per module."""
-        from .autopolicy import get_autopolicy
-
-        cache = self.__dict__.setdefault("_sub_policies", {})
-        inner = cache.get(id(module))
+        postprocess.  Made once per module and optimize(), from the registry
+        the caller passed down (OptimizeState.policy_of)."""
+        state = self.state
+        inner = state.sub_policies.get(id(module))
         if inner is None:
-            inner = cache[id(module)] = get_autopolicy(module)
+            if state.policy_of is None:
+                raise RuntimeError(f"{type(self).__name__}: composing the policy of {type(module).__name__} needs "
+                                   f"the policy registry: pass it down (Policy.begin(policy_of=shardformer.autopolicy.get_autopolicy); "
+                                   f"optimize() and get_autopolicy() do)")
+            inner = state.sub_policies[id(module)] = state.policy_of(module)
+            inner.begin(state.policy_of)
         inner.set_model(module)
         inner.set_shard_config(self.shard_config)
         return inner

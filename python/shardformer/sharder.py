@@ -36,6 +36,7 @@ import warnings
 from torch import nn
 
 from . import _C, compile_refusal, ddp_guard, input_check, lazy, pickling
+from .autopolicy import get_autopolicy, registered_class
 from .checkpoint import bind_hf_methods
 from .config import ShardConfig, group_size_and_rank
 from .distributed.agree import agree, members
@@ -168,16 +169,16 @@ class _AttentionSwitch:
         disable_seam(self.model)
 
 
-def _sequence_states(policy, model: nn.Module) -> list:
+def _sequence_states(state, model: nn.Module) -> list:
     """The sequence-parallel states of a sharded model (told the sequence
     length by a pipeline stage that starts from received rows): the split
-    policy's SequenceState and the hooked modules' (split_gather), the
-    SequenceSplit its attention modules share (all_to_all / ring_attn).
-    With policy None: the states of the modules under `model` only (one
-    stack of an encoder-decoder)."""
+    policy's SequenceState (in this optimize()'s OptimizeState) and the
+    hooked modules' (split_gather), the SequenceSplit its attention modules
+    share (all_to_all / ring_attn).  With state None: the states of the
+    modules under `model` only (one stack of an encoder-decoder)."""
     from .layer.sequence import STATE_MARK
 
-    states = [getattr(policy, "sequence_state", None)]
+    states = [state.sequence_state if state is not None else None]
     states += [m.__dict__.get(key) for m in model.modules() for key in (STATE_MARK, "_shardformer_sequence_split")]
     unique = {id(s): s for s in states if s is not None}
     return list(unique.values())
@@ -194,7 +195,10 @@ class ModelSharder:
 
     def shard(self) -> list[dict[int, nn.Parameter]]:
         with SERIAL:                            # one optimize() at a time in this process (see SERIAL)
-            return self._shard()
+            try:
+                return self._shard()
+            finally:                            # the policy keeps no state of this model (OptimizeState)
+                self.policy.end()
 
     def _shard(self) -> list[dict[int, nn.Parameter]]:
         model, policy, cfg = self.model, self.policy, self.shard_config
@@ -220,9 +224,10 @@ class ModelSharder:
                 check_same_model(model, each, name, what=what)
         policy.set_model(model)
         policy.set_shard_config(cfg)
+        state = policy.begin(get_autopolicy)    # the registry passed down, for the models it composes
         policy.config_sanity_check()
         if cfg.enable_sequence_parallelism and cfg.sequence_parallelism_mode not in policy.sequence_parallel_modes():
-            why = getattr(policy, "sequence_parallel_refusal", lambda mode: "")(cfg.sequence_parallelism_mode)
+            why = policy.sequence_parallel_refusal(cfg.sequence_parallelism_mode)
             raise NotImplementedError(
                 f"{name}: sequence parallelism mode {cfg.sequence_parallelism_mode!r} is not available for "
                 f"{type(policy).__name__} (it implements: {', '.join(policy.sequence_parallel_modes()) or 'none'})"
@@ -236,7 +241,7 @@ class ModelSharder:
                 f"{name}: sequence_parallel_recompute={cfg.sequence_parallel_recompute!r} is not available for "
                 f"{type(policy).__name__} (its layers open no selective-recompute scope); leave it None")
         stages = self._plan_stages(name) if manager is not None else None
-        losses = LMLossPlan(model, policy, name) if cfg.parallel_output and cfg.enable_tensor_parallelism else None
+        losses = LMLossPlan(model, policy, name, registered_class) if cfg.parallel_output and cfg.enable_tensor_parallelism else None
         module_policy = policy.module_policy()
         ops, matched = _C.sharder_plan(model, name, module_policy, tp_size, rank)
         if module_policy and matched == 0:
@@ -256,7 +261,7 @@ class ModelSharder:
             self.model = policy.postprocess()
             if stages is not None:              # after the TP swaps: drop what other stages hold
                 stages.apply(self.model)
-                stages.sequence_states = _sequence_states(policy, self.model)
+                stages.sequence_states = _sequence_states(state, self.model)
                 stages.stack_states = [_sequence_states(None, self.model.get_submodule(spec.module))
                                        for spec in stages.plan.stacks]
             lazy.materialize_module(self.model)  # the replicated parameters of a lazy_init() model
@@ -301,18 +306,16 @@ class ModelSharder:
         from .pipeline.stages import StageRuntime, plan_stages
 
         policy, manager = self.policy, self.shard_config.pipeline_stage_manager
-        split = getattr(policy, "pipeline_split", None)
+        split = policy.pipeline_split
         if split is None:
-            why = getattr(policy, "pipeline_refusal", "") or "its policy sets no pipeline_split"
+            why = policy.pipeline_refusal or "its policy sets no pipeline_split"
             raise NotImplementedError(f"{name}: pipeline parallelism is not available for {type(policy).__name__} "
                                       f"({why})")
-        plan = plan_stages(self.model, split, manager, name, prefix=getattr(policy, "prefix", ""),
-                           base_model=getattr(policy, "base_model", ""))
+        plan = plan_stages(self.model, split, manager, name, prefix=policy.prefix, base_model=policy.base_model)
         runtime = StageRuntime(plan, manager, name, self.shard_config.tensor_parallel_process_group)
         # an LM head whose class computes its loss itself (nn.CrossEntropyLoss, a mean per call):
         # the schedule must not hand it num_items_in_batch, which that loss ignores
-        heads = policy.active_heads() if hasattr(policy, "active_heads") else ()
-        runtime.own_mean_loss = any(h.kind == "lm" and h.loss.kind != "hook" for h in heads)
+        runtime.own_mean_loss = any(h.kind == "lm" and h.loss.kind != "hook" for h in policy.active_heads())
         return runtime
 
     def _apply(self, ops: list, name: str) -> Inheritance:
@@ -325,7 +328,7 @@ class ModelSharder:
         attention = _AttentionSwitch(model) if cfg.enable_flash_attention else None
         journal: list = []                       # what the engine changed and could not undo
         try:
-            enable_attention(model, cfg, getattr(self.policy, "attention_seam", None))
+            enable_attention(model, cfg, self.policy.attention_seam)
             self.policy.model = self.policy.preprocess()
             # bound in the builds, before the swaps (shardformer.ties)
             ties = find_ties(model, name, self.policy.tie_followers())

@@ -99,10 +99,10 @@ def exported_plan_round_trip(ctx, name: str) -> int:
     the same local shards (every state-dict tensor equal) and the same
     outputs; returns the number of tensors compared."""
     import zoo
-    from shardformer.autopolicy import families
+    from shardformer.autopolicy import families, get_autopolicy
 
     family = next(f for f in families() if name in f.heads)
-    plan = family.tp_plan(zoo.build(name))
+    plan = family.tp_plan(zoo.build(name), policy_of=get_autopolicy)
     builtin, derived = zoo.build(name).eval(), zoo.build(name).eval()
     shard_config = ShardConfig(tensor_parallel_process_group=ctx.group)
     ShardFormer(shard_config).optimize(builtin)
