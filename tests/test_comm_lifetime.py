@@ -32,7 +32,7 @@ from shardformer.launch import free_port, init_rank
 
 # 300: the usage is sampled after cycle 50 and after the last, so a leak shows once it exceeds the
 # tolerance over 250 cycles (one fd per 31 cycles; the leak this guards against was one segment and
-# ~5 fds every cycle).  1000 cycles cost CI ~30 s more for the same verdict.
+# ~5 fds every cycle).  1000 cycles made this the slowest set-up of the suite (42 s in CI).
 CYCLES = 300
 
 
