@@ -59,8 +59,10 @@ def tiny_llama_dir(path, safe=True):
     return str(path)
 
 
-@pytest.mark.parametrize("kind,extra", [("safetensors", []), ("safetensors", ["--all-optimization"]),
-                                        ("bin", ["--tp", "4"])], ids=["plain", "all_optimization", "bin_tp4"])
+# (CI time: no third case for safetensors without optimizations at TP=2: test_demo_random_init runs
+# that path, its checkpoint being safetensors, and --save DIR runs in both cases here.)
+@pytest.mark.parametrize("kind,extra", [("safetensors", ["--all-optimization"]), ("bin", ["--tp", "4"])],
+                         ids=["all_optimization", "bin_tp4"])
 def test_demo_on_local_checkpoint(tmp_path, kind, extra):
     """A local checkpoint loaded sharded, checked, fine-tuned, saved to --save DIR and reloaded with plain HF."""
     import json
@@ -96,10 +98,12 @@ def test_demo_on_local_checkpoint(tmp_path, kind, extra):
     assert any(not torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("mode", ["split_gather", "all_to_all", "ring_attn"])
+@pytest.mark.parametrize("mode", ["split_gather", "ring_attn"])
 def test_demo_sequence_parallel(tmp_path, mode):
     """--sp MODE on a local checkpoint: logits, greedy generation and the fine-tuning losses equal the
-    unsharded model's (the demo fails otherwise), and the save round-trips."""
+    unsharded model's (the demo fails otherwise), and the save round-trips.  (CI time: the demo
+    treats all_to_all exactly as ring_attn, TP off, so one of the two runs here; all_to_all itself
+    runs against the unsharded model in tests/test_sequence_attention.py.)"""
     ckpt = tiny_llama_dir(tmp_path / "ckpt")
     rc, out, both = run_demo("--model", ckpt, "--seq", "16", "--steps", "2", "--new-tokens", "3", "--sp", mode)
     assert rc == 0, both
@@ -111,10 +115,12 @@ def test_demo_sequence_parallel(tmp_path, mode):
     assert "demo: OK" in out
 
 
-@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
+@pytest.mark.parametrize("tp, pp", [(2, 2)])
 def test_demo_pipeline(tmp_path, tp, pp):
     """--pp 2 on a local checkpoint: the pipelined logits and 1F1B fine-tuning losses equal the unsharded
-    model's (the demo fails otherwise); generation is skipped by name; the save round-trips."""
+    model's (the demo fails otherwise); generation is skipped by name; the save round-trips.  (CI time:
+    TP=1 x PP=2 is not launched: the demo differs only in enable_tensor_parallelism=False, with which
+    tests/test_pipeline.py checks PP=2 for every family.)"""
     ckpt = tiny_llama_dir(tmp_path / "ckpt")
     rc, out, both = run_demo("--model", ckpt, "--seq", "16", "--steps", "2", "--new-tokens", "3",
                              "--tp", str(tp), "--pp", str(pp))

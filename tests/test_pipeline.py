@@ -23,6 +23,7 @@ FAMILIES = [c for f in PIPELINED for c in zoo.family_classes()[f] if c != "BeitF
 
 
 # One test function per schedule: docs/supported-models.md's support matrix has a column per function (scripts/support_matrix.py).
+@pytest.mark.compat_covered_by("test_1f1b_equals_unsharded")    # the same stage forwards, scheduled otherwise
 @pytest.mark.parametrize("name", FAMILIES)
 def test_gpipe_equals_unsharded(pool, name):
     pool.run(check.equals_unsharded, 4, name, 2, "gpipe", 2)                  # two pipelines of 2 stages
@@ -33,6 +34,7 @@ def test_1f1b_equals_unsharded(pool, name):
     pool.run(check.equals_unsharded, 4, name, 2, "1f1b", 4, 2)               # TP=2 x PP=2, 4 micro-batches
 
 
+@pytest.mark.compat_covered_by("test_1f1b_equals_unsharded")    # the same HF layers, in two chunks per rank
 @pytest.mark.parametrize("name", FAMILIES)
 def test_interleaved_equals_unsharded(pool, name):
     pool.run(check.equals_unsharded, 4, name, 2, "interleaved", 2, 1, 2)     # 2 chunks per rank
@@ -156,6 +158,7 @@ def _in_flight(steps) -> int:
     return peak
 
 
+@pytest.mark.transformers_independent      # the schedules' step lists alone
 @pytest.mark.parametrize("steps_of, v", [(S._gpipe_steps, 1), (S._one_f_one_b_steps, 1), (S._interleaved_steps, 2),
                                          (S._interleaved_steps, 3)])
 @pytest.mark.parametrize("p, m", [(1, 1), (2, 1), (2, 4), (3, 6), (4, 4), (4, 8), (4, 3)])
@@ -178,6 +181,7 @@ def test_plan_runs_every_step_once(steps_of, v, p, m):
         assert ab == ba, (a, b)
 
 
+@pytest.mark.transformers_independent      # the schedules' step lists alone
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8), (4, 4)])
 def test_1f1b_holds_fewer_activations_than_gpipe(p, m):
     for s in range(p):
@@ -185,6 +189,7 @@ def test_1f1b_holds_fewer_activations_than_gpipe(p, m):
         assert _in_flight(S._one_f_one_b_steps(s, p, 1, m)) == min(p - s, m)
 
 
+@pytest.mark.transformers_independent      # the schedules' step lists alone
 def test_stage_manager_layer_split():
     from shardformer.pipeline import PipelineStageManager
 
@@ -215,6 +220,7 @@ def test_gradient_checkpointing(pool, name, reentrant):
     pool.run(check.checkpointed_equals_unsharded, 4, name, 2, 1, reentrant)
 
 
+@pytest.mark.transformers_independent      # the schedules' step lists alone
 @pytest.mark.parametrize("steps_of, v", [(S._gpipe_steps, 1), (S._one_f_one_b_steps, 1), (S._interleaved_steps, 2)])
 @pytest.mark.parametrize("p, m", [(2, 4), (4, 8)])
 def test_plan_sends_each_output_as_it_is_made(steps_of, v, p, m):

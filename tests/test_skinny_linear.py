@@ -13,6 +13,10 @@ import torch.nn.functional as F
 from checks import skinny
 from shardformer import ShardConfig, ops
 
+# The compat run (scripts/test_compat.sh) leaves out the kernel against torch's linear; the
+# tests marked transformers_independent(False) run HF models' generate and stay.
+pytestmark = pytest.mark.transformers_independent
+
 
 def _ref(x, w, b):
     return F.linear(x.double(), w.double(), None if b is None else b.double())
@@ -88,6 +92,7 @@ def test_layer_takes_only_measured_shapes():
     assert not _skinny_applies(torch.randn(2, 16), w.requires_grad_(), None, 4)
 
 
+@pytest.mark.transformers_independent(False)
 def test_config_switch():
     assert ShardConfig().enable_skinny_linear is False
     assert ShardConfig(enable_all_optimization=True).enable_skinny_linear is True
@@ -101,6 +106,7 @@ GENERATE = ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Mixtr
             "BloomForCausalLM", "OPTForCausalLM", "Gemma2ForCausalLM"]
 
 
+@pytest.mark.transformers_independent(False)
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("name", GENERATE)
 def test_generate_through_kernel(pool, name, tp):
@@ -109,6 +115,7 @@ def test_generate_through_kernel(pool, name, tp):
     assert all(r["calls"] > 0 for r in res)
 
 
+@pytest.mark.transformers_independent(False)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_decode_step_logits(pool, tp, dtype):
@@ -118,6 +125,7 @@ def test_decode_step_logits(pool, tp, dtype):
     assert all((r["calls"] > 0) == (dtype == "float32") for r in res)
 
 
+@pytest.mark.transformers_independent(False)
 def test_training_does_not_use_kernel(pool):
     res = pool.run(skinny.training_untouched, 2, "LlamaForCausalLM")
     assert all(r["calls"] == 0 for r in res)

