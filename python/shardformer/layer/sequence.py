@@ -68,6 +68,7 @@ from torch import nn
 
 from .. import compile_refusal
 from .. import distributed as D
+from ..distributed.communicator import communicator_for
 from ..distributed.mappings import _all_gather_seq, gather_from_sequence_region, reduce_scatter_to_sequence_region
 from . import recompute
 from .parallel_module import ShardPlan, plan_directly
@@ -235,38 +236,20 @@ def token_dim(x: torch.Tensor) -> int:
     return SEQ_DIM if x.dim() > 2 else 0
 
 
-class _Done:
-    """The handle of a collective that ran synchronously."""
-
-    def wait(self, timeout=None):
-        return None
-
-
 def start_all_gather(out: torch.Tensor, t: torch.Tensor, group):
     """Start out = the ranks' `t` stacked along dim 0 (both contiguous);
-    returns (handle, overlapped).  On the shared-memory backend the
-    collective runs on its worker thread (async_op=True) while this thread
-    computes, until handle.wait(); on the other backends it has run already
-    when this returns (overlapped False)."""
-    from ..distributed.communicator import ShmBackend, communicator_for
-
+    returns (handle, overlapped): the communicator's async call, which runs
+    while this thread computes until handle.wait() where the backend allows
+    it (overlapped = the communicator's `overlaps`)."""
     comm = communicator_for(t, group)
-    if isinstance(comm, ShmBackend):
-        return comm.shm.all_gather(out, t, async_op=True), True
-    D.all_gather_into_tensor(out, t, group)
-    return _Done(), False
+    return comm.all_gather_into_tensor(out, t, async_op=True), comm.overlaps
 
 
 def start_reduce_scatter(out: torch.Tensor, t: torch.Tensor, group):
     """Start out = this rank's dim-0 chunk of the sum over ranks of `t`;
     (handle, overlapped) as start_all_gather."""
-    from ..distributed.communicator import _SHM_REDUCIBLE, ShmBackend, communicator_for
-
     comm = communicator_for(t, group)
-    if isinstance(comm, ShmBackend) and t.dtype in _SHM_REDUCIBLE:
-        return comm.shm.reduce_scatter(out, t, async_op=True), True
-    D.reduce_scatter_tensor(out, t, group)
-    return _Done(), False
+    return comm.reduce_scatter_tensor(out, t, async_op=True), comm.overlaps
 
 
 class _ReduceScatterDim0(torch.autograd.Function):
