@@ -63,13 +63,26 @@ import contextlib
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import compile_refusal
 from .. import distributed as D
-from ..distributed.communicator import communicator_for
-from ..distributed.mappings import _all_gather_seq, gather_from_sequence_region, reduce_scatter_to_sequence_region
+from ..distributed.mappings import (  # noqa: F401 - start_*, reduce_scatter_rows, token_dim: re-exported
+    SequenceRows,
+    _all_gather_seq,
+    copy_to_tp_region,
+    gather_from_sequence_region,
+    gather_sequence_rows,
+    keep_sequence_rows,
+    pad_to,
+    padded_length,
+    reduce_scatter_rows,
+    reduce_scatter_to_sequence_region,
+    split_sequence_rows,
+    start_all_gather,
+    start_reduce_scatter,
+    token_dim,
+)
 from . import recompute
 from .parallel_module import ShardPlan, plan_directly
 
@@ -114,62 +127,21 @@ class SequenceState:
         return self
 
 
-def _padded(x: torch.Tensor, n: int, dim: int = SEQ_DIM) -> torch.Tensor:
-    """x padded with zero rows along the sequence (`dim`) to a multiple of n."""
-    extra = -x.shape[dim] % n
-    if not extra:
-        return x
-    pad = [0, 0] * (x.dim() - 1 - dim) + [0, extra]
-    return F.pad(x, pad)
-
-
-class _Split(torch.autograd.Function):
-    """Forward: pad, keep this rank's rows.  Backward: all-gather the rows'
-    gradients, drop the padding."""
-
-    @staticmethod
-    def forward(ctx, x, group, length, dim=SEQ_DIM):
-        n, rank = D.world_size(group), D.rank(group)
-        ctx.group, ctx.length, ctx.dim = group, length, dim
-        x = _padded(x, n, dim)
-        chunk = x.shape[dim] // n
-        return x.narrow(dim, rank * chunk, chunk).contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        full = _all_gather(grad.contiguous(), ctx.group, ctx.dim)
-        return full.narrow(ctx.dim, 0, ctx.length), None, None, None
-
-
-class _Gather(torch.autograd.Function):
-    """Forward: all-gather, drop the padding.  Backward: this rank's rows of
-    the (replicated) gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group, length, dim=SEQ_DIM):
-        ctx.group, ctx.dim = group, dim
-        return _all_gather(x.contiguous(), group, dim).narrow(dim, 0, length)
-
-    @staticmethod
-    def backward(ctx, grad):
-        n, rank, dim = D.world_size(ctx.group), D.rank(ctx.group), ctx.dim
-        grad = _padded(grad, n, dim)
-        chunk = grad.shape[dim] // n
-        return grad.narrow(dim, rank * chunk, chunk).contiguous(), None, None, None
-
-
-def _all_gather(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:
-    return _all_gather_seq(x, dim, group)
+def _rows(state: SequenceState, group) -> SequenceRows:
+    """The layout of the forward in progress: contiguous blocks of the sequence padded to a multiple of p."""
+    return SequenceRows.even(group, state.length, state.dim)
 
 
 def split_sequence(x: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
+    """Full sequence -> this rank's rows, setting the forward's length (backward: all-gather)."""
     state.length = x.shape[state.dim]
     state.split_in_forward = True
-    return _Split.apply(x, group, state.length, state.dim)
+    return split_sequence_rows(x, _rows(state, group))
 
 
 def gather_sequence(x: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
-    return _Gather.apply(x, group, state.length, state.dim)
+    """This rank's rows -> full sequence (backward: this rank's rows of the replicated gradient)."""
+    return gather_sequence_rows(x, _rows(state, group))
 
 
 def block_input(x: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
@@ -182,7 +154,8 @@ def block_input(x: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
 def block_output(y: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
     """Partial sums over the full sequence -> this rank's rows of the sum:
     padded, reduce-scatter (backward: all-gather)."""
-    return reduce_scatter_to_sequence_region(_padded(y, D.world_size(group), state.dim), state.dim, group)
+    padded = padded_length(y.shape[state.dim], D.world_size(group))
+    return reduce_scatter_to_sequence_region(pad_to(y, padded, state.dim), state.dim, group)
 
 
 def split_rows(x: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
@@ -190,108 +163,18 @@ def split_rows(x: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
     an all-reduced row layer) -> this rank's rows along state.dim, padded as
     the split pads (backward: all-gather of the rows' gradients, padding
     dropped: the full gradient, as the all-reduce's identity backward needs)."""
-    return _Split.apply(x, group, state.length, state.dim)
-
-
-class _KeepRows(torch.autograd.Function):
-    """Forward: a full-sequence tensor (every rank's copy may differ, e.g. a
-    dropout mask per rank) -> this rank's rows, padded as _Split.  Backward:
-    the rows' gradient in place, zeros elsewhere (no collective: the
-    all-reduce that sums the ranks' rows sits upstream, sum_grad_over_ranks)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        n, rank = D.world_size(group), D.rank(group)
-        ctx.length = x.shape[SEQ_DIM]
-        x = _padded(x, n)
-        chunk = x.shape[SEQ_DIM] // n
-        ctx.start, ctx.padded = rank * chunk, x.shape[SEQ_DIM]
-        return x.narrow(SEQ_DIM, ctx.start, chunk).contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        shape = list(grad.shape)
-        shape[SEQ_DIM] = ctx.padded
-        full = grad.new_zeros(shape)
-        full.narrow(SEQ_DIM, ctx.start, grad.shape[SEQ_DIM]).copy_(grad)
-        return full.narrow(SEQ_DIM, 0, ctx.length), None
+    return split_sequence_rows(x, _rows(state, group))
 
 
 def keep_rows(x: torch.Tensor, group) -> torch.Tensor:
     """Full sequence -> this rank's rows (backward: zeros outside them)."""
-    return _KeepRows.apply(x, group)
+    return keep_sequence_rows(x, group)
 
 
 def sum_grad_over_ranks(y: torch.Tensor, group) -> torch.Tensor:
     """Identity forward; backward, the gradient all-reduced over the group
     (each rank's gradient covers only the rows that rank kept: keep_rows)."""
-    from ..distributed.mappings import copy_to_tp_region
-
     return copy_to_tp_region(y, group)
-
-
-def token_dim(x: torch.Tensor) -> int:
-    """The dimension of the tokens: SEQ_DIM of [batch, S, hidden], 0 of rows
-    flattened to [batch * S, hidden] (OPT's MLP)."""
-    return SEQ_DIM if x.dim() > 2 else 0
-
-
-def start_all_gather(out: torch.Tensor, t: torch.Tensor, group):
-    """Start out = the ranks' `t` stacked along dim 0 (both contiguous);
-    returns (handle, overlapped): the communicator's async call, which runs
-    while this thread computes until handle.wait() where the backend allows
-    it (overlapped = the communicator's `overlaps`)."""
-    comm = communicator_for(t, group)
-    return comm.all_gather_into_tensor(out, t, async_op=True), comm.overlaps
-
-
-def start_reduce_scatter(out: torch.Tensor, t: torch.Tensor, group):
-    """Start out = this rank's dim-0 chunk of the sum over ranks of `t`;
-    (handle, overlapped) as start_all_gather."""
-    comm = communicator_for(t, group)
-    return comm.reduce_scatter_tensor(out, t, async_op=True), comm.overlaps
-
-
-class _ReduceScatterDim0(torch.autograd.Function):
-    """Forward: reduce-scatter along dim 0 into a fresh tensor (not a view:
-    the caller may add to it in place, e.g. Falcon's mlp_output +=).
-    Backward: all-gather along dim 0."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        n = D.world_size(group)
-        out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
-        D.reduce_scatter_tensor(out, x.contiguous(), group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        n = D.world_size(ctx.group)
-        grad = grad.contiguous()
-        full = grad.new_empty((grad.shape[0] * n,) + tuple(grad.shape[1:]))
-        D.all_gather_into_tensor(full, grad, ctx.group)
-        return full, None
-
-
-def reduce_scatter_rows(y: torch.Tensor, group) -> torch.Tensor:
-    """Partial sums over all tokens -> this rank's rows of their sum, for a
-    row-parallel layer that leaves the region itself: padded with zero rows
-    to a multiple of p along token_dim(y), reduce-scatter (backward:
-    all-gather, padding dropped).  Flattened rows [B * S, hidden] come from
-    a [B, S', hidden] tensor already padded (S' = p * rows per rank), so they
-    divide p as they are, and reduce-scattering them along dim 0 gives each
-    rank back the rows it had (the all-gather before stacked them rank by
-    rank): only row-wise layers may run on such flattened rows."""
-    n = D.world_size(group)
-    if n == 1:
-        return y
-    dim = token_dim(y)
-    rows = y.movedim(dim, 0)                      # a view autograd tracks: the result may be changed in place
-    extra = -rows.shape[0] % n
-    if extra:
-        rows = F.pad(rows, [0, 0] * (rows.dim() - 1) + [0, extra])
-    return _ReduceScatterDim0.apply(rows, group).movedim(0, dim)
 
 
 class _Regathered:
@@ -311,7 +194,7 @@ class _Regathered:
     def get(self) -> torch.Tensor:
         if self.full is None:
             local = recompute.stored_value(self.local)
-            self.full = _all_gather(local, self.group, self.dim).narrow(self.dim, 0, self.length).contiguous()
+            self.full = _all_gather_seq(local, self.dim, self.group).narrow(self.dim, 0, self.length).contiguous()
             _Regathered.gathers += 1
         return self.full
 
@@ -567,8 +450,8 @@ def _mark_output(state: SequenceState, group, _module, _args, output) -> None:
 
 def _gatherer(state: SequenceState, group):
     """The gather of split_gather rows of the forward in progress (its length now)."""
-    length = state.length
-    return lambda t: _Gather.apply(t, group, length)
+    rows = SequenceRows.even(group, state.length)
+    return lambda t: gather_sequence_rows(t, rows)
 
 
 def refuse_recorded_hidden_states(model: nn.Module, name: str):
