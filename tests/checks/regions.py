@@ -64,3 +64,46 @@ def async_handles(ctx, backends: tuple) -> dict:
             assert torch.equal(got, torch.full((2, 2), float(prv)))
             report[backend] = calls
     return report
+
+
+def typed_layouts_equal_unsharded(ctx, name: str, default_config: bool = False, overlap: bool = False) -> dict:
+    """The zoo model `name` under split-gather SP with every region spelled
+    in the typed vocabulary: each SequenceParallelRegion the policy asks for
+    by role string is applied as layouts=as_layouts(role) instead (role=None),
+    so no role string reaches the hooks; the sharded model then matches the
+    unsharded one from the same seed (forward, loss, every gradient, after a
+    step; tests/checks/parity.py).  default_config: the plain ShardConfig()
+    (the world as the group); overlap: enable_sequence_overlap (a typed
+    block with overlap)."""
+    import copy
+
+    import zoo
+    from checks import parity
+    from checks.sequence import SP, cut_sequence
+    from shardformer import ShardConfig, ShardFormer
+    from shardformer.layer import sequence as seq
+
+    region = seq.SequenceParallelRegion
+    original = region.__dict__["prepare_native_module"]
+    typed = []
+
+    def prepare(cls, module, process_group=None, plan=None, role=None, layouts=None, **kwargs):
+        assert layouts is None and role is not None, (role, layouts)
+        layouts = seq.as_layouts(role)
+        typed.append(layouts)
+        return original.__func__(cls, module, process_group, plan=plan, layouts=layouts, **kwargs)
+
+    config = {**SP, "enable_sequence_overlap": overlap}
+    cfg = ShardConfig(**config) if default_config else ShardConfig(tensor_parallel_process_group=ctx.group, **config)
+    torch.manual_seed(0)
+    model = zoo.build(name).train()
+    ref = copy.deepcopy(model)
+    region.prepare_native_module = classmethod(prepare)
+    try:
+        ShardFormer(cfg).optimize(model)
+    finally:
+        region.prepare_native_module = original
+    hooks = [layouts for layouts in typed if layouts.layer]
+    assert typed and hooks, f"{name}: {len(typed)} typed regions, {len(hooks)} of them layers"
+    report = parity.compare_sharded(model, ref, cut_sequence(zoo.make_inputs(name), 7), f"{name} (typed layouts)")
+    return {**report, "regions": len(typed)}

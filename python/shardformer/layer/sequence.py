@@ -85,6 +85,19 @@ from ..distributed.mappings import (  # noqa: F401 - start_*, reduce_scatter_row
 )
 from . import recompute
 from .parallel_module import ShardPlan, plan_directly
+from .sequence_layout import (  # noqa: F401 - the typed vocabulary, re-exported
+    FULL,
+    FULL_PARTIAL_GRAD,
+    PARTIAL_SUM,
+    ROLE_LAYOUTS,
+    ROLES,
+    ROWS,
+    Layout,
+    Move,
+    Placement,
+    SequenceLayouts,
+    as_layouts,
+)
 
 SEQ_DIM = 1
 STATE_MARK = "_shardformer_sequence_state"     # a hooked module's SequenceState
@@ -245,58 +258,65 @@ def _on_output(output, fn):
 
 
 class SequenceParallelRegion:
-    """Hooks of one role on a module that stays as it is: `role="split"` (the
-    first decoder layer: its input is split), `"gather"` (the last decoder
-    layer: its output is gathered), `"block"` (attention or MLP: input
-    gathered, output reduce-scattered), `"enter"` (attention or MLP whose row
-    layer reduce-scatters itself, Linear1D_Row(reduce_scatter=True): input
-    gathered, saved as this rank's rows, output left as it is), `"rows"`
-    (a layer between the split and the gather: its output, this rank's rows,
-    marked for output_hidden_states, see mark_rows); for blocks
-    that reshape the whole sequence between their modules (Swin's windows):
-    `"enter_output"` (the module's output all-gathered, backward
-    reduce-scatter), `"sum_grad"` (output unchanged, its gradient
-    all-reduced in backward), `"leave"` (the input, a full-sequence tensor,
-    cut to this rank's rows; backward zeros elsewhere); for a layer that
-    reads its whole input before any of its modules runs and so runs whole,
-    the same on every rank (Swinv2's post-norm layer): `"gather_input"`
-    (its input, this rank's rows, all-gathered; backward: this rank's rows
-    of the replicated gradient) and `"split_output"` (its output, the full
-    sequence, cut to this rank's rows, setting the state's length; backward:
-    all-gather of the rows' gradients); kwarg
-    `state`: the model's SequenceState; `overlap=True` (role "block" only):
+    """Hooks that move a module's input and output between sequence layouts;
+    the module stays as it is.  `layouts=SequenceLayouts(input=Move(src, dst),
+    output=Move(src, dst), layer=...)` (layer/sequence_layout.py: the layouts,
+    the supported moves and the operator each one runs), or `role=`, a name
+    for one (ROLE_LAYOUTS) or a tuple of names whose moves combine:
+    `"split"` (the first decoder layer: its input is split), `"gather"` (the
+    last decoder layer: its output is gathered), `"block"` (attention or
+    MLP: input gathered, output reduce-scattered), `"enter"` (attention or
+    MLP whose row layer reduce-scatters itself, Linear1D_Row(reduce_scatter=True):
+    input gathered, output left as it is), `"rows"` (a layer between the
+    split and the gather: its output, this rank's rows, marked for
+    output_hidden_states), for blocks that reshape the whole sequence between
+    their modules (Swin's windows) `"enter_output"`, `"sum_grad"`, `"leave"`,
+    and for a layer that reads its whole input before any of its modules
+    runs (Swinv2's post-norm layer) `"gather_input"` and `"split_output"`.
+    A block's gathered input is saved for backward as this rank's rows only.
+    Kwarg `state`: the model's SequenceState; `overlap=True` (a block only):
     the input gather overlaps the module's column layers' matmuls
-    (linear.gather_block_input).  A module may take both "split" and
-    "gather" (one layer)."""
+    (linear.gather_block_input)."""
 
-    ROLES = ("split", "gather", "block", "enter", "rows", "enter_output", "sum_grad", "leave", "gather_input",
-             "split_output")
+    ROLES = ROLES
+
+    @staticmethod
+    def _layouts(role, layouts, overlap: bool) -> SequenceLayouts:
+        if (role is None) == (layouts is None):
+            raise ValueError(f"SequenceParallelRegion: give exactly one of role= and layouts=, got role={role!r}, "
+                             f"layouts={layouts!r} (docs/spregions.md)")
+        if layouts is not None and not isinstance(layouts, SequenceLayouts):
+            raise TypeError(f"SequenceParallelRegion: layouts must be a SequenceLayouts, got "
+                            f"{type(layouts).__name__} (docs/spregions.md)")
+        out = as_layouts(role if layouts is None else layouts)
+        if overlap and not out.is_block:
+            raise ValueError(f"SequenceParallelRegion: overlap=True needs a block (role 'block': input "
+                             f"{ROWS} -> {FULL_PARTIAL_GRAD}, output {PARTIAL_SUM} -> {ROWS}), got "
+                             f"{role if layouts is None else layouts!r}")
+        return out
 
     @classmethod
     def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, role=None, state=None, overlap: bool = False,
-                   **kwargs) -> ShardPlan:
-        if role not in cls.ROLES and not (isinstance(role, tuple) and set(role) <= set(cls.ROLES)):
-            raise ValueError(f"SequenceParallelRegion: role must be one of {cls.ROLES} (or a tuple of them), "
-                             f"got {role!r}")
+                   layouts=None, **kwargs) -> ShardPlan:
+        cls._layouts(role, layouts, overlap)
         if not isinstance(state, SequenceState):
             raise TypeError(f"SequenceParallelRegion: state must be a SequenceState, got {type(state).__name__}")
-        if overlap and role != "block":
-            raise ValueError(f"SequenceParallelRegion: overlap=True needs role 'block', got {role!r}")
         return ShardPlan(tp_size, rank)
 
     @classmethod
     def prepare_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
-                              role=None, state=None, overlap: bool = False, **kwargs) -> "_Hooks":
+                              role=None, state=None, overlap: bool = False, layouts=None, **kwargs) -> "_Hooks":
         if plan is None:
-            plan = plan_directly(cls, module, process_group, role=role, state=state, overlap=overlap)
-        roles = role if isinstance(role, tuple) else (role,)
-        return _Hooks(module, roles if plan.tp_size > 1 else (), state, process_group, overlap)
+            plan = plan_directly(cls, module, process_group, role=role, state=state, overlap=overlap,
+                                 layouts=layouts)
+        spec = cls._layouts(role, layouts, overlap)
+        return _Hooks(module, spec if plan.tp_size > 1 else None, state, process_group, overlap)
 
     @classmethod
     def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
-                           role=None, state=None, overlap: bool = False, **kwargs) -> nn.Module:
+                           role=None, state=None, overlap: bool = False, layouts=None, **kwargs) -> nn.Module:
         return cls.prepare_native_module(module, process_group, plan=plan, role=role, state=state,
-                                         overlap=overlap).commit()
+                                         overlap=overlap, layouts=layouts).commit()
 
 
 class FullLengthKwarg:
@@ -473,14 +493,16 @@ def _refuse_hidden_states(name: str, module, args, kwargs) -> None:
 
 
 class _Hooks:
-    """The forward hooks of some roles on `module`: registered by commit(),
-    removed by rollback().  The hooks are this object's methods (not
-    closures), so a model holding them pickles; `active` (the block's open
-    saved-tensor hooks) lives only within a forward and is not pickled."""
+    """The forward hooks of one module's SequenceLayouts (None: a group of
+    one, nothing to do): registered by commit(), removed by rollback().  The
+    hooks are this object's methods (not closures), so a model holding them
+    pickles; `active` (the block's open saved-tensor hooks) lives only within
+    a forward and is not pickled."""
 
-    def __init__(self, module: nn.Module, roles: tuple, state: SequenceState, group, overlap: bool = False):
-        self.module, self.roles, self.state, self.group = module, roles, state, group
-        self.overlap = overlap and "block" in roles
+    def __init__(self, module: nn.Module, layouts: SequenceLayouts | None, state: SequenceState, group,
+                 overlap: bool = False):
+        self.module, self.layouts, self.state, self.group = module, layouts, state, group
+        self.overlap = overlap and layouts is not None and layouts.is_block
         self.handles: list = []
         self.active: list = []
 
@@ -491,44 +513,58 @@ class _Hooks:
         self.__dict__.update(state, active=[])
 
     def commit(self) -> nn.Module:
-        m = self.module
-        if self.roles:
-            m.__dict__[STATE_MARK] = self.state     # found by a pipeline stage that starts past the split
-        if self.state.recompute == "selective" and {"split", "rows", "gather"} & set(self.roles):
+        m, spec = self.module, self.layouts
+        if spec is None:
+            return m
+        m.__dict__[STATE_MARK] = self.state     # found by a pipeline stage that starts past the split
+        if self.state.recompute == "selective" and spec.layer:
             self.handles += recompute.layer_scope_hooks(m)
-        pre_hooks = {"split": self._split_pre, "gather_input": self._gather_input_pre, "leave": self._leave_pre}
-        post_hooks = {"rows": self._rows_post, "gather": self._gather_post, "split_output": self._split_output_post,
-                      "enter_output": self._enter_output_post, "sum_grad": self._sum_grad_post}
-        if "split" in self.roles:
-            self.handles.append(m.register_forward_pre_hook(pre_hooks["split"], with_kwargs=True))
-        if "block" in self.roles or "enter" in self.roles:
+        if spec.input is not None and spec.input.saves_rows:
             self.handles.append(m.register_forward_pre_hook(self._block_pre, with_kwargs=True))
             self.handles.append(m.register_forward_hook(self._block_post, always_call=True))
-        for role in ("rows", "gather", "enter_output", "sum_grad"):
-            if role in self.roles:
-                self.handles.append(m.register_forward_hook(post_hooks[role]))
-        if "leave" in self.roles:
-            self.handles.append(m.register_forward_pre_hook(pre_hooks["leave"], with_kwargs=True))
-        # the roles of a layer that runs on the full sequence, replicated over the
-        # group, between layers that hold this rank's rows (Swinv2: policies/swinv2.py)
-        if "gather_input" in self.roles:
-            self.handles.append(m.register_forward_pre_hook(pre_hooks["gather_input"], with_kwargs=True))
-        if "split_output" in self.roles:
-            self.handles.append(m.register_forward_hook(post_hooks["split_output"]))
+        else:
+            if spec.input is not None:
+                self.handles.append(m.register_forward_pre_hook(self._input_pre, with_kwargs=True))
+            if spec.output is not None:
+                self.handles.append(m.register_forward_hook(self._output_post))
         return m
 
     def _mark(self, y):
         """y marked as this rank's rows of the forward in progress (mark_rows)."""
         return mark_rows(y, _gatherer(self.state, self.group))
 
-    def _split_pre(self, _module, args, kwargs):
-        """split: the first input cut to this rank's rows."""
+    def _move(self, move, x):
+        """x moved as `move` says (layer/sequence_layout.py's table); a layer's
+        rows (its boundary tensors in layout ROWS) marked for output_hidden_states."""
+        layer, op = self.layouts.layer, move.op
+        if layer and move.src == ROWS:
+            x = self._mark(x)
+        if op == "split":
+            x = split_sequence(x, self.state, self.group)
+        elif op == "gather":
+            x = gather_sequence(x, self.state, self.group)
+        elif op == "gather_partial_grad":
+            x = block_input(x, self.state, self.group)
+        elif op == "reduce_scatter":
+            x = block_output(x, self.state, self.group)
+        elif op == "sum_grad":
+            x = sum_grad_over_ranks(x, self.group)
+        elif op == "keep_rows":
+            x = keep_rows(x, self.group)
+        if layer and move.dst == ROWS and op != "rows":
+            x = self._mark(x)
+        return x
+
+    def _input_pre(self, _module, args, kwargs):
         x, rebuild = _first(args, kwargs)
-        return rebuild(self._mark(split_sequence(x, self.state, self.group)))
+        return rebuild(self._move(self.layouts.input, x))
+
+    def _output_post(self, _module, _args, output):
+        return _on_output(output, functools.partial(self._move, self.layouts.output))
 
     def _block_pre(self, module, args, kwargs):
-        """block / enter: the block's input gathered to the full sequence;
-        in training only this rank's rows of it are saved for backward."""
+        """A block's input gathered to the full sequence; in training only
+        this rank's rows of it are saved for backward."""
         x, rebuild = _first(args, kwargs)
         if self.overlap:
             from .linear import gather_block_input
@@ -543,46 +579,18 @@ class _Hooks:
         return rebuild(full)
 
     def _block_post(self, module, _args, output):
-        """block: the output reduce-scattered to this rank's rows ("enter":
-        left as it is); always called, so the saved-tensor scope closes."""
+        """The block's output moved (a block: reduce-scattered to this rank's
+        rows; "enter": left as it is); always called, so the saved-tensor
+        scope closes."""
         while self.active:
             self.active.pop().__exit__(None, None, None)
         if self.overlap:
             from .linear import release_block_input
 
             release_block_input(module)
-        if output is None or "block" not in self.roles:  # raised (always_call), or "enter": output as it is
+        if output is None or self.layouts.output is None:  # raised (always_call), or no output move
             return None
-        return _on_output(output, functools.partial(block_output, state=self.state, group=self.group))
-
-    def _rows_post(self, _module, _args, output):
-        return _on_output(output, self._mark)
-
-    def _gather_post(self, _module, _args, output):
-        return _on_output(output, lambda y: gather_sequence(self._mark(y), self.state, self.group))
-
-    def _gather_input_pre(self, _module, args, kwargs):
-        """gather_input (a layer on the full sequence): its input gathered;
-        the gather's backward keeps this rank's rows of the gradient every
-        rank computes in full and alike."""
-        x, rebuild = _first(args, kwargs)
-        return rebuild(gather_sequence(x, self.state, self.group))
-
-    def _split_output_post(self, _module, _args, output):
-        """split_output: the full output cut back to this rank's rows (backward:
-        the rows' gradients all-gathered)."""
-        return _on_output(output, lambda y: split_sequence(y, self.state, self.group))
-
-    def _enter_output_post(self, _module, _args, output):
-        """enter_output (Swin's windowed blocks: policies/shapes.py StageShape)."""
-        return _on_output(output, lambda y: block_input(y, self.state, self.group))
-
-    def _sum_grad_post(self, _module, _args, output):
-        return _on_output(output, lambda y: sum_grad_over_ranks(y, self.group))
-
-    def _leave_pre(self, _module, args, kwargs):
-        x, rebuild = _first(args, kwargs)
-        return rebuild(keep_rows(x, self.group))
+        return _on_output(output, functools.partial(self._move, self.layouts.output))
 
     def rollback(self) -> None:
         for handle in self.handles:
