@@ -27,9 +27,10 @@ this rank's rows only (the decoder layers' norms) get their gradients
 all-reduced (shardformer.layer.replicated).
 
 SequenceParallelRegion keeps the module it is applied to and adds the
-forward hooks (role "split", "gather", "block", "enter", "rows"; Swin's
-windowed blocks: "enter_output", "sum_grad", "leave", see
-policies/shapes.py StageShape); SequenceState carries the unpadded length S
+forward hooks that move its input and output between typed layouts
+(SequenceLayouts, layer/sequence_layout.py; the role strings "split",
+"gather", "block", "enter", "rows", and for Swin's windowed blocks
+"enter_output", "sum_grad", "leave", name them); SequenceState carries the unpadded length S
 from the split to the blocks of one forward.  output_hidden_states: the
 recorded states, this rank's rows, are marked and gathered in the model's
 output (mark_rows, record_full_hidden_states).
@@ -50,8 +51,8 @@ their gradients all-reduced, like the norms between blocks.
 
 With ShardConfig.enable_sequence_overlap a "block" (overlap=True: the
 Llama-shaped decoders) gathers its input through
-linear.gather_block_input: one all-gather, asynchronous on the shared-memory
-backend, runs while the block's column layers (q/k/v or qkv; gate/up or
+linear.gather_block_input: one all-gather, asynchronous where the
+communicator overlaps (shm, torch.distributed), runs while the block's column layers (q/k/v or qkv; gate/up or
 gate_up) multiply this rank's rows; then the other ranks' rows; the module
 gets the gathered sequence and its column layers return the outputs already
 computed.  Backward: one re-gather during the summed dX matmul, the
