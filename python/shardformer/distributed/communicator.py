@@ -12,7 +12,23 @@ one lookup.  A communicator has the same methods whatever its backend:
     all_to_all_single(out, t)          dim-0 chunk j of t to rank j; chunk i of out from rank i
     broadcast(t, src)                  in place, from group rank src
     send(t, dst) / recv(t, src)        point to point, group ranks
-    size, rank, backend ("shm" | "nccl" | "torch"), group
+    exchange(send, dst, recv, src)     send to dst while receiving from src (a ring step)
+    size, rank, backend ("shm" | "nccl" | "torch"), group, overlaps
+
+Asynchronous calls.  all_reduce, all_gather_into_tensor,
+reduce_scatter_tensor, send and recv take `async_op=True` on every backend
+and then return a handle whose wait() returns once the call is complete
+(exchange always does); the tensors may not be touched before.  What runs
+meanwhile depends on the backend, never on the caller: "shm" runs the call on
+the communicator's worker thread, "torch" hands it to torch.distributed
+(gloo's or NCCL's own threads / stream), "nccl" enqueues it on the current
+CUDA stream (the handle is complete at once: later work on that stream is
+ordered after it), a group of one rank has nothing to send.  `overlaps`
+says whether the host can compute while an async call moves data ("shm",
+"torch"): a layer asks it, never the backend's name (layer/sequence.py's
+start_all_gather, layer/ring_attention.py's ring).  send / recv take a
+`tag` (torch.distributed matches messages by it; shm and nccl run a pair's
+messages in issue order and ignore it).
 
 Backends:
 
@@ -107,6 +123,71 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _SHM_REDUCIBLE = frozenset(_shm.REDUCIBLE)
+
+
+# ---- wait handles ------------------------------------------------------------------
+
+class Done:
+    """The handle of a call that completed before it returned (a group of one
+    rank; NCCL, whose calls are ordered on the CUDA stream)."""
+
+    __slots__ = ()
+
+    def wait(self, timeout=None) -> None:
+        return None
+
+    def is_completed(self) -> bool:
+        return True
+
+
+DONE = Done()
+
+
+class TorchWork:
+    """A torch.distributed Work; `then` runs once it completes (the copy of a
+    contiguous buffer back into a strided output).  `keep` holds the
+    tensors the call reads until then."""
+
+    __slots__ = ("work", "then", "keep")
+
+    def __init__(self, work, then=None, keep=None):
+        self.work, self.then, self.keep = work, then, keep
+
+    def wait(self, timeout=None) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work, then, self.keep = None, self.then, None
+            if then is not None:
+                then()
+
+    def is_completed(self) -> bool:
+        return self.work is None or self.work.is_completed()
+
+
+class Both:
+    """Two handles waited on as one (an exchange's send and recv)."""
+
+    __slots__ = ("first", "second")
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def wait(self, timeout=None) -> None:
+        self.first.wait()
+        self.second.wait()
+
+    def is_completed(self) -> bool:
+        return self.first.is_completed() and self.second.is_completed()
+
+
+def _torch_async(call, t: torch.Tensor, read: bool = True) -> TorchWork:
+    """call(buffer) -> Work writing into `t`: on `t` itself when contiguous,
+    else on a contiguous buffer (holding t's values when `read`) copied back
+    when the work completes."""
+    if t.is_contiguous():
+        return TorchWork(call(t), keep=t)
+    buf = t.contiguous() if read else torch.empty_like(t, memory_format=torch.contiguous_format)
+    return TorchWork(call(buf), then=lambda: t.copy_(buf), keep=buf)
 
 
 def _forced() -> str | None:
@@ -256,6 +337,7 @@ class Communicator(ABC):
     """
 
     backend = ""
+    overlaps = False  # whether the host computes while an async_op call moves data
 
     def __init__(self, info: GroupInfo, device: str, forced: str | None):
         self.info = info
@@ -272,16 +354,19 @@ class Communicator(ABC):
         return self.info.group
 
     @abstractmethod
-    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """In-place reduction (sum or max) of `t` over the group."""
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", async_op: bool = False):
+        """In-place reduction (sum or max) of `t` over the group.  Returns `t`
+        (async_op: a handle, see "Asynchronous calls")."""
 
     @abstractmethod
-    def all_gather_into_tensor(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """out = the ranks' `t` concatenated along dimension 0, in rank order."""
+    def all_gather_into_tensor(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
+        """out = the ranks' `t` concatenated along dimension 0, in rank order.
+        Returns `out` (async_op: a handle)."""
 
     @abstractmethod
-    def reduce_scatter_tensor(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-        """out = this rank's dimension-0 chunk of the sum over ranks of `t`."""
+    def reduce_scatter_tensor(self, out: torch.Tensor, t: torch.Tensor, async_op: bool = False):
+        """out = this rank's dimension-0 chunk of the sum over ranks of `t`.
+        Returns `out` (async_op: a handle)."""
 
     @abstractmethod
     def all_to_all_single(self, out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
@@ -294,12 +379,36 @@ class Communicator(ABC):
         """In-place broadcast of `t` from group rank `src`."""
 
     @abstractmethod
-    def send(self, t: torch.Tensor, dst: int) -> None:
-        """Send `t` to group rank `dst`."""
+    def send(self, t: torch.Tensor, dst: int, async_op: bool = False, tag: int = 0):
+        """Send `t` to group rank `dst` (async_op: returns a handle)."""
 
     @abstractmethod
-    def recv(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        """Receive into `t` from group rank `src`."""
+    def recv(self, t: torch.Tensor, src: int, async_op: bool = False, tag: int = 0):
+        """Receive into `t` from group rank `src`.  Returns `t` (async_op: a handle)."""
+
+    def exchange(self, send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, tag: int = 0):
+        """Start sending `send` to group rank `dst` and receiving group rank
+        `src`'s message into `recv` (a ring step: dst = rank + 1, src = rank - 1,
+        or the reverse); returns one handle.  Neither buffer may be touched
+        before its wait().  Even ranks issue the send first, odd ranks the
+        receive: on a transport that runs a rank's calls one at a time in
+        issue order (shm's worker), a ring of any size then cannot deadlock
+        (some rank receives first and unblocks its left neighbour)."""
+        if self.rank % 2 == 0:
+            first = self.send(send, dst, async_op=True, tag=tag)
+            return Both(first, self.recv(recv, src, async_op=True, tag=tag))
+        first = self.recv(recv, src, async_op=True, tag=tag)
+        return Both(first, self.send(send, dst, async_op=True, tag=tag))
+
+    def torch_transport(self) -> "Communicator":
+        """A communicator of the same group and device on torch.distributed
+        (this one when it is): for point-to-point traffic that should use
+        gloo's kernel-buffered sockets even where shm runs the collectives
+        (layer/ring_attention.py's P2P = "torch")."""
+        transport = self.__dict__.get("_torch_transport")
+        if transport is None:
+            transport = self.__dict__["_torch_transport"] = TorchCommunicator(self.info, self.device, self.forced)
+        return transport
 
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} {self.backend} {self.device} rank {self.rank}/{self.size} "
@@ -314,20 +423,20 @@ class SoloCommunicator(Communicator):
         super().__init__(info, device, forced)
         self.backend = backend
 
-    def all_reduce(self, t, op="sum"):
+    def all_reduce(self, t, op="sum", async_op=False):
         if op != "sum" and op != "max":
             raise _bad_op(op)
-        return t
+        return DONE if async_op else t
 
-    def all_gather_into_tensor(self, out, t):
+    def all_gather_into_tensor(self, out, t, async_op=False):
         _check_gather(out, t, 1)
         out.copy_(t)
-        return out
+        return DONE if async_op else out
 
-    def reduce_scatter_tensor(self, out, t):
+    def reduce_scatter_tensor(self, out, t, async_op=False):
         _check_scatter(out, t, 1)
         out.copy_(t)
-        return out
+        return DONE if async_op else out
 
     def all_to_all_single(self, out, t):
         _check_all_to_all(out, t, 1)
@@ -338,11 +447,14 @@ class SoloCommunicator(Communicator):
         self.info.global_rank(src, "broadcast")
         return t
 
-    def send(self, t, dst):
+    def send(self, t, dst, async_op=False, tag=0):
         raise ValueError(f"send to rank {dst}: {self.info.label()} has one rank")
 
-    def recv(self, t, src):
+    def recv(self, t, src, async_op=False, tag=0):
         raise ValueError(f"recv from rank {src}: {self.info.label()} has one rank")
+
+    def torch_transport(self):
+        return self
 
 
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
@@ -352,11 +464,14 @@ class TorchCommunicator(Communicator):
     """torch.distributed on the group (gloo on CPU, NCCL on CUDA)."""
 
     backend = "torch"
+    overlaps = True
 
-    def all_reduce(self, t, op="sum"):
+    def all_reduce(self, t, op="sum", async_op=False):
         reduce_op = _TORCH_OPS.get(op)
         if reduce_op is None:
             raise _bad_op(op)
+        if async_op:
+            return _torch_async(lambda buf: dist.all_reduce(buf, op=reduce_op, group=self.group, async_op=True), t)
         if t.is_contiguous():
             dist.all_reduce(t, op=reduce_op, group=self.group)
         else:
@@ -365,14 +480,20 @@ class TorchCommunicator(Communicator):
             t.copy_(work)
         return t
 
-    def all_gather_into_tensor(self, out, t):
+    def all_gather_into_tensor(self, out, t, async_op=False):
         _check_gather(out, t, self.size)
-        _all_gather_single(out, t.contiguous(), group=self.group)
+        src = t.contiguous()
+        if async_op:
+            return TorchWork(_all_gather_single(out, src, group=self.group, async_op=True), keep=(out, src))
+        _all_gather_single(out, src, group=self.group)
         return out
 
-    def reduce_scatter_tensor(self, out, t):
+    def reduce_scatter_tensor(self, out, t, async_op=False):
         _check_scatter(out, t, self.size)
-        _reduce_scatter_single(out, t.contiguous(), group=self.group)
+        src = t.contiguous()
+        if async_op:
+            return TorchWork(_reduce_scatter_single(out, src, group=self.group, async_op=True), keep=(out, src))
+        _reduce_scatter_single(out, src, group=self.group)
         return out
 
     def all_to_all_single(self, out, t):
@@ -384,12 +505,21 @@ class TorchCommunicator(Communicator):
         dist.broadcast(t, self.info.global_rank(src, "broadcast"), group=self.group)
         return t
 
-    def send(self, t, dst):
-        dist.send(t.contiguous(), self.info.global_rank(dst, "send"), group=self.group)
+    def send(self, t, dst, async_op=False, tag=0):
+        peer, src = self.info.global_rank(dst, "send"), t.contiguous()
+        if async_op:
+            return TorchWork(dist.isend(src, peer, group=self.group, tag=tag), keep=src)
+        dist.send(src, peer, group=self.group, tag=tag)
 
-    def recv(self, t, src):
-        dist.recv(t, self.info.global_rank(src, "recv"), group=self.group)
+    def recv(self, t, src, async_op=False, tag=0):
+        peer = self.info.global_rank(src, "recv")
+        if async_op:
+            return _torch_async(lambda buf: dist.irecv(buf, peer, group=self.group, tag=tag), t, read=False)
+        dist.recv(t, peer, group=self.group, tag=tag)
         return t
+
+    def torch_transport(self):
+        return self
 
 
 _FALLBACK_OPS = ("all_reduce", "reduce_scatter")
@@ -401,6 +531,7 @@ class ShmBackend(Communicator):
     reduces the dtypes shm cannot; a forced one has none and raises for them."""
 
     backend = "shm"
+    overlaps = True
 
     def __init__(self, info, device, forced, comm: _shm.ShmCommunicator,
                  fallback: Communicator | None):
@@ -408,24 +539,24 @@ class ShmBackend(Communicator):
         self.shm = comm
         self.fallback = fallback
 
-    def all_reduce(self, t, op="sum"):
+    def all_reduce(self, t, op="sum", async_op=False):
         if op != "sum" and op != "max":
             raise _bad_op(op)
         if t.dtype in _SHM_REDUCIBLE or self.fallback is None:
-            return self.shm.all_reduce(t, op)
+            return self.shm.all_reduce(t, op, async_op=async_op)
         self._agree_on_fallback("all_reduce", t, op)
-        return self.fallback.all_reduce(t, op)
+        return self.fallback.all_reduce(t, op, async_op=async_op)
 
-    def all_gather_into_tensor(self, out, t):
+    def all_gather_into_tensor(self, out, t, async_op=False):
         _check_gather(out, t, self.size)
-        return self.shm.all_gather(out, t)
+        return self.shm.all_gather(out, t, async_op=async_op)
 
-    def reduce_scatter_tensor(self, out, t):
+    def reduce_scatter_tensor(self, out, t, async_op=False):
         _check_scatter(out, t, self.size)
         if t.dtype in _SHM_REDUCIBLE or self.fallback is None:
-            return self.shm.reduce_scatter(out, t)
+            return self.shm.reduce_scatter(out, t, async_op=async_op)
         self._agree_on_fallback("reduce_scatter", t, "sum")
-        return self.fallback.reduce_scatter_tensor(out, t)
+        return self.fallback.reduce_scatter_tensor(out, t, async_op=async_op)
 
     def all_to_all_single(self, out, t):
         _check_all_to_all(out, t, self.size)
@@ -458,11 +589,11 @@ class ShmBackend(Communicator):
     def broadcast(self, t, src):
         return self.shm.broadcast(t, src)
 
-    def send(self, t, dst):
-        self.shm.send(t, dst)
+    def send(self, t, dst, async_op=False, tag=0):
+        return self.shm.send(t, dst, async_op=async_op)
 
-    def recv(self, t, src):
-        return self.shm.recv(t, src)
+    def recv(self, t, src, async_op=False, tag=0):
+        return self.shm.recv(t, src, async_op=async_op)
 
 
 class NcclBackend(Communicator):
@@ -474,18 +605,21 @@ class NcclBackend(Communicator):
         super().__init__(info, device, forced)
         self.nccl = comm
 
-    def all_reduce(self, t, op="sum"):
+    def all_reduce(self, t, op="sum", async_op=False):
         if op != "sum" and op != "max":
             raise _bad_op(op)
-        return _into(t, lambda buf: self.nccl.all_reduce(buf, op))
+        _into(t, lambda buf: self.nccl.all_reduce(buf, op))
+        return DONE if async_op else t
 
-    def all_gather_into_tensor(self, out, t):
+    def all_gather_into_tensor(self, out, t, async_op=False):
         _check_gather(out, t, self.size)
-        return self.nccl.all_gather(out, t.contiguous())
+        self.nccl.all_gather(out, t.contiguous())
+        return DONE if async_op else out
 
-    def reduce_scatter_tensor(self, out, t):
+    def reduce_scatter_tensor(self, out, t, async_op=False):
         _check_scatter(out, t, self.size)
-        return self.nccl.reduce_scatter(out, t.contiguous())
+        self.nccl.reduce_scatter(out, t.contiguous())
+        return DONE if async_op else out
 
     def all_to_all_single(self, out, t):
         _check_all_to_all(out, t, self.size)
@@ -496,11 +630,13 @@ class NcclBackend(Communicator):
         self.info.global_rank(src, "broadcast")
         return _into(t, lambda buf: self.nccl.broadcast(buf, src))
 
-    def send(self, t, dst):
+    def send(self, t, dst, async_op=False, tag=0):
         self.nccl.send(t.contiguous(), dst)
+        return DONE if async_op else None
 
-    def recv(self, t, src):
-        return _into(t, lambda buf: self.nccl.recv(buf, src), read=False)
+    def recv(self, t, src, async_op=False, tag=0):
+        _into(t, lambda buf: self.nccl.recv(buf, src), read=False)
+        return DONE if async_op else t
 
 
 def _into(t: torch.Tensor, call, read: bool = True) -> torch.Tensor:
@@ -580,6 +716,7 @@ class CheckedCommunicator(Communicator):
         super().__init__(inner.info, inner.device, inner.forced)
         self.inner = inner
         self.backend = inner.backend
+        self.overlaps = inner.overlaps
         self.calls = 0  # collectives on this group so far (every rank counts the same)
 
     # -- the check ---------------------------------------------------------------
@@ -649,19 +786,19 @@ class CheckedCommunicator(Communicator):
 
     # -- the collectives -----------------------------------------------------------
 
-    def all_reduce(self, t, op="sum"):
+    def all_reduce(self, t, op="sum", async_op=False):
         code = _REDUCTION_CODE.get(op, -1)
         self._agree("all_reduce", t, code, error=_bad_op(op) if code < 0 else None)
-        return self.inner.all_reduce(t, op)
+        return self.inner.all_reduce(t, op, async_op=async_op)
 
-    def all_gather_into_tensor(self, out, t):
+    def all_gather_into_tensor(self, out, t, async_op=False):
         self._agree("all_gather_into_tensor", t, error=self._rejects(_check_gather, out, t, self.size))
-        return self.inner.all_gather_into_tensor(out, t)
+        return self.inner.all_gather_into_tensor(out, t, async_op=async_op)
 
-    def reduce_scatter_tensor(self, out, t):
+    def reduce_scatter_tensor(self, out, t, async_op=False):
         self._agree("reduce_scatter_tensor", t, _REDUCTION_CODE["sum"],
                     error=self._rejects(_check_scatter, out, t, self.size))
-        return self.inner.reduce_scatter_tensor(out, t)
+        return self.inner.reduce_scatter_tensor(out, t, async_op=async_op)
 
     def all_to_all_single(self, out, t):
         self._agree("all_to_all_single", t, error=self._rejects(_check_all_to_all, out, t, self.size))
@@ -672,13 +809,22 @@ class CheckedCommunicator(Communicator):
         self._agree("broadcast", t, root=src, error=error)
         return self.inner.broadcast(t, src)
 
-    def send(self, t, dst):
+    def send(self, t, dst, async_op=False, tag=0):
         self._swap("send", t, dst)
-        self.inner.send(t, dst)
+        return self.inner.send(t, dst, async_op=async_op, tag=tag)
 
-    def recv(self, t, src):
+    def recv(self, t, src, async_op=False, tag=0):
         self._swap("recv", t, src)
-        return self.inner.recv(t, src)
+        return self.inner.recv(t, src, async_op=async_op, tag=tag)
+
+    def exchange(self, send, dst, recv, src, tag=0):
+        """Unchecked: a ring's two directions may be issued in different
+        orders on different ranks, which a blocking descriptor swap per
+        message cannot follow (the messages themselves are told apart by tag)."""
+        return self.inner.exchange(send, dst, recv, src, tag=tag)
+
+    def torch_transport(self):
+        return self.inner.torch_transport()
 
     def __repr__(self) -> str:
         return f"<checked {self.inner!r}>"

@@ -16,12 +16,14 @@ code makes on this rank, whatever the backend:
     collectives.py, the pipeline's p2p.py (activations, gradients and their
     headers all go through `shardformer.distributed.send / recv`), data
     parallelism and grad_norm;
-  * calls made on an shm communicator directly (`ShmCommunicator` methods:
-    the sequence-parallel overlap's and ring attention's async_op calls);
+  * calls made on an shm communicator directly (`ShmCommunicator` methods;
+    shardformer's own asynchronous calls -- the sequence-parallel overlap's,
+    ring attention's exchanges -- go through the Communicator's async_op
+    methods and are counted there, once each);
   * calls of torch.distributed functions made from a module of the
     shardformer package (the dropout seed's broadcast, the pipeline's
     output metadata, checkpoint flags, the replica and input checks, the
-    shm / NCCL set-up, ring attention's isend / irecv on gloo).  They are
+    shm / NCCL set-up).  They are
     recorded here, not routed through a communicator: most are object
     collectives or run before a communicator exists.
 

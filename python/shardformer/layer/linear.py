@@ -26,15 +26,17 @@ from torch import nn
 from .. import distributed as D
 from .. import ops
 from ..distributed.mappings import (
+    _GatherRowsLinear,
     copy_to_tp_region,
     gather_from_tp_region,
     reduce_from_tp_region,
+    reduce_scatter_rows,
     scatter_to_tp_region,
     sync_replicated_grad,
+    token_dim,
 )
 from ..layout import Fused, Split, SplitSpec, Vocab
 from .parallel_module import ParallelModule, ShardPlan, check_param, shapes_only
-from .sequence import reduce_scatter_rows, start_all_gather, start_reduce_scatter, token_dim
 
 
 #: The calls ShardConfig.enable_skinny_linear sends to the C kernel: float32
@@ -263,133 +265,6 @@ class Linear1D_Col(_LinearShard):
         if self.gather_output:
             y = gather_from_tp_region(y, -1, self.shard, self.process_group)
         return y
-
-
-class _GatherRowsLinear(torch.autograd.Function):
-    """Linear1D_Col(gather_input=True) on rows laid out along dim 0: X0 is
-    this rank's s rows ([s, ..., in]); the output is the first `length` of
-    the n * s gathered rows times A_i^T (+ b_i), [length, ..., out_i].  Only
-    X0 is saved (see Linear1D_Col for the math).
-
-    Several column layers reading the same input (a Llama block's q/k/v or
-    gate/up, gather_block_input) share one gather: `params` is (A_1, b_1,
-    A_2, b_2, ...) (b_k None without a bias), the outputs are Y_1, Y_2, ...,
-    and backward re-gathers X once and reduce-scatters the one sum
-    dX = sum_k dY_k A_k.  `keep_full`: the gathered rows X[:length] come
-    first among the outputs (the block hands them to the module, which reads
-    their shape; a gradient they receive joins dX).
-
-    overlap=True (ShardConfig.enable_sequence_overlap), on a backend with
-    asynchronous collectives (shared memory):
-        forward:   the all-gather of the rows runs while this rank's own rows
-                   are multiplied (by every A_k); then the other ranks' rows
-        backward:  the re-gather of X runs while dX = sum_k dY_k A_k is
-                   computed; the reduce-scatter of dX runs while the
-                   dA_k = dY_k^T X are computed
-    `regathers` counts backward re-gathers, `overlapped` the forward and
-    backward passes that ran with collectives in flight (one per pass,
-    however many layers share it), `unused` the outputs gather_block_input
-    computed that their layer was not asked for (tests read all three)."""
-
-    regathers = 0
-    overlapped = 0
-    unused = 0
-
-    @staticmethod
-    def forward(ctx, x0, conv1d: bool, group, length, overlap: bool, keep_full: bool, *params):
-        ctx.set_materialize_grads(False)
-        n, r = D.world_size(group), D.rank(group)
-        x0 = x0.contiguous()
-        s = x0.shape[0]
-        length = n * s if length is None else length
-        weights, biases = params[0::2], params[1::2]
-
-        def mm(a, weight):
-            return a @ weight if conv1d else F.linear(a, weight)
-
-        full = x0.new_empty((n * s,) + tuple(x0.shape[1:]))
-        if overlap:
-            handle, overlapped = start_all_gather(full, x0, group)
-            lo, hi = min(r * s, length), min((r + 1) * s, length)
-            ys = []
-            for weight in weights:
-                out_features = weight.shape[1] if conv1d else weight.shape[0]
-                y = x0.new_empty((length,) + tuple(x0.shape[1:-1]) + (out_features,))
-                if hi > lo:
-                    y[lo:hi] = mm(x0[:hi - lo], weight)      # this rank's rows, while the others' arrive
-                ys.append(y)
-            handle.wait()
-            for y, weight in zip(ys, weights):
-                if lo > 0:
-                    y[:lo] = mm(full[:lo], weight)
-                if hi < length:
-                    y[hi:] = mm(full[hi:length], weight)
-            _GatherRowsLinear.overlapped += int(overlapped)
-        else:
-            D.all_gather_into_tensor(full, x0, group)
-            ys = [mm(full[:length], weight) for weight in weights]
-        for y, bias in zip(ys, biases):
-            if bias is not None:
-                y += bias
-        ctx.save_for_backward(x0, *weights)
-        ctx.conv1d, ctx.group, ctx.length, ctx.overlap, ctx.keep_full = conv1d, group, length, overlap, keep_full
-        ctx.has_bias = [b is not None for b in biases]
-        outs = ([full[:length]] if keep_full else []) + ys
-        return tuple(outs) if len(outs) > 1 else outs[0]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        x0, *weights = ctx.saved_tensors
-        group, length, conv1d = ctx.group, ctx.length, ctx.conv1d
-        n = D.world_size(group)
-        s = x0.shape[0]
-        gfull = grads[0] if ctx.keep_full else None
-        gys = list(grads[1:] if ctx.keep_full else grads)
-        gys = [None if g is None else g.contiguous() for g in gys]
-        want_x = ctx.needs_input_grad[0]
-        want_w = [ctx.needs_input_grad[6 + 2 * k] and g is not None for k, g in enumerate(gys)]
-        overlapped = False
-        full = handle_x = None
-        if any(want_w):                              # X again, for dA (in flight during dX when overlapping)
-            full = x0.new_empty((n * s,) + tuple(x0.shape[1:]))
-            if ctx.overlap:
-                handle_x, ov = start_all_gather(full, x0, group)
-                overlapped |= ov
-            else:
-                D.all_gather_into_tensor(full, x0, group)
-            _GatherRowsLinear.regathers += 1
-        gx = handle_dx = None
-        if want_x:
-            dx_full = x0.new_zeros((n * s,) + tuple(x0.shape[1:]))      # padding rows: no gradient
-            dx = dx_full[:length]                                       # this rank's share of dX
-            if gfull is not None:
-                dx += gfull
-            for g, weight in zip(gys, weights):
-                if g is not None:
-                    dx += g @ weight.t() if conv1d else g @ weight
-            gx = x0.new_empty(x0.shape)
-            if ctx.overlap:
-                handle_dx, ov = start_reduce_scatter(gx, dx_full, group)
-                overlapped |= ov
-            else:
-                D.reduce_scatter_tensor(gx, dx_full, group)
-        if handle_x is not None:
-            handle_x.wait()
-        f2 = full[:length].reshape(-1, full.shape[-1]) if full is not None else None
-        gparams = []
-        for k, (g, weight) in enumerate(zip(gys, weights)):
-            gw = gb = None
-            if g is not None:
-                g2 = g.reshape(-1, g.shape[-1])
-                if want_w[k]:                        # dA while the reduce-scatter of dX runs
-                    gw = f2.t() @ g2 if conv1d else g2.t() @ f2
-                if ctx.has_bias[k] and ctx.needs_input_grad[7 + 2 * k]:
-                    gb = g2.sum(0)
-            gparams += [gw, gb]
-        if handle_dx is not None:
-            handle_dx.wait()
-        _GatherRowsLinear.overlapped += int(overlapped)
-        return (gx, None, None, None, None, None, *gparams)
 
 
 def gather_block_input(module: nn.Module, x: torch.Tensor, state, group) -> torch.Tensor:

@@ -119,15 +119,14 @@ are already on their way; the accumulator's receive overlaps the next
 block's compute).
 
 Transport.  The K/V of a step go as one packed message ([2, B, Hkv, 2c, D]
-of the input dtype), the dk / dv accumulators as one float32 message.  On
-the shm backend (shardformer.distributed.shm) the sends and receives are its
-async_op calls, which run in issue order on the communicator's worker
-thread, one at a time: even ranks send before they receive and odd ranks
-receive before they send, so a ring of any size cannot deadlock (some rank
-receives first and unblocks its left neighbour).  On the torch backend
-(gloo), they are dist.isend / dist.irecv (same ordering, distinct tags per
-stream); module-level P2P = "torch" picks them on an shm group too.  Either
-way the computation of a block overlaps the transfer of the next step's K/V.
+of the input dtype), the dk / dv accumulators as one float32 message.  Each
+step is one `exchange` of the group's communicator (send to one neighbour,
+receive from the other, asynchronous on every backend, a tag per stream;
+communicator.py orders the pair so that a ring of any size cannot
+deadlock); module-level P2P = "torch" asks the communicator for its
+torch.distributed transport (gloo isend / irecv) even on an shm group.
+Either way the computation of a block overlaps the transfer of the next
+step's K/V.
 Only CPU tensors (the C kernel is CPU).  Inputs are checked before any
 communication; a rank failing in the middle of the ring (say, out of memory)
 leaves its peers waiting until the transport's timeout, as with any
@@ -175,7 +174,6 @@ import functools
 import math
 
 import torch
-import torch.distributed as dist
 from torch.autograd.function import once_differentiable
 
 from .. import _C
@@ -309,48 +307,32 @@ def _rows(t: torch.Tensor, which: str, c: int, dim: int = 2) -> torch.Tensor:
 # ---- transport ----------------------------------------------------------------------
 
 class _Ring:
-    """Asynchronous sends to rank+1 and receives from rank-1 of a group, on its
-    shm communicator (async_op calls, run in issue order by its worker) or on
-    torch.distributed (isend / irecv).  Even ranks send first, odd ranks
-    receive first, so the shm worker's one-call-at-a-time order cannot form a
-    cycle of waiting senders."""
+    """Asynchronous sends to rank+1 and receives from rank-1 of a group
+    (and back): the group's communicator's exchange(), or that of its
+    torch.distributed transport when P2P = "torch"."""
 
     def __init__(self, group, size: int, rank: int):
         self.size, self.rank = size, rank
         self.nxt, self.prv = (rank + 1) % size, (rank - 1) % size
         comm = get_communicator(group, "cpu")   # collective on a group's first use: every rank is here
-        inner = getattr(comm, "inner", comm)     # a CheckedCommunicator's wrapped one
         if P2P not in ("auto", "torch"):
             raise ValueError(f"ring_attention.P2P must be 'auto' or 'torch', got {P2P!r}")
-        self.shm = inner.shm if comm.backend == "shm" and P2P == "auto" else None
-        self.backend = "shm" if self.shm is not None else "torch"
-        self.group = comm.info.group
-        self.gnext = comm.info.global_rank(self.nxt, "ring send")
-        self.gprev = comm.info.global_rank(self.prv, "ring recv")
+        self.comm = comm.torch_transport() if P2P == "torch" else comm
+        self.backend = self.comm.backend          # for the counters only
 
-    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int, direction: int = 1) -> list:
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, tag: int, direction: int = 1):
         """Start sending `send` to rank+direction and receiving rank-direction's
-        into `recv` (direction +1 or -1); returns the handles to wait on
+        into `recv` (direction +1 or -1); returns the handle to wait on
         (neither buffer may be touched before)."""
         CALLS["messages"] += 1
-        send_first = self.rank % 2 == 0
+        CALLS["messages_torch"] += self.backend == "torch"
         to, frm = (self.nxt, self.prv) if direction == 1 else (self.prv, self.nxt)
-        gto, gfrm = (self.gnext, self.gprev) if direction == 1 else (self.gprev, self.gnext)
-        if self.shm is not None:
-            ops_ = [lambda: self.shm.send(send, to, async_op=True),
-                    lambda: self.shm.recv(recv, frm, async_op=True)]
-        else:
-            CALLS["messages_torch"] += 1
-            ops_ = [lambda: dist.isend(send, gto, group=self.group, tag=tag),
-                    lambda: dist.irecv(recv, gfrm, group=self.group, tag=tag)]
-        if not send_first:
-            ops_.reverse()
-        return [op() for op in ops_]
+        return self.comm.exchange(send, to, recv, frm, tag=tag)
 
     @staticmethod
-    def wait(handles) -> None:
-        for h in handles or ():
-            h.wait()
+    def wait(handle) -> None:
+        if handle is not None:
+            handle.wait()
 
 
 # per stream: K/V and dk/dv accumulators of the forward chain (+1) and the backward chain (-1)

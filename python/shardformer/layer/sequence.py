@@ -27,9 +27,10 @@ this rank's rows only (the decoder layers' norms) get their gradients
 all-reduced (shardformer.layer.replicated).
 
 SequenceParallelRegion keeps the module it is applied to and adds the
-forward hooks (role "split", "gather", "block", "enter", "rows"; Swin's
-windowed blocks: "enter_output", "sum_grad", "leave", see
-policies/shapes.py StageShape); SequenceState carries the unpadded length S
+forward hooks that move its input and output between typed layouts
+(SequenceLayouts, layer/sequence_layout.py; the role strings "split",
+"gather", "block", "enter", "rows", and for Swin's windowed blocks
+"enter_output", "sum_grad", "leave", name them); SequenceState carries the unpadded length S
 from the split to the blocks of one forward.  output_hidden_states: the
 recorded states, this rank's rows, are marked and gathered in the model's
 output (mark_rows, record_full_hidden_states).
@@ -50,8 +51,8 @@ their gradients all-reduced, like the norms between blocks.
 
 With ShardConfig.enable_sequence_overlap a "block" (overlap=True: the
 Llama-shaped decoders) gathers its input through
-linear.gather_block_input: one all-gather, asynchronous on the shared-memory
-backend, runs while the block's column layers (q/k/v or qkv; gate/up or
+linear.gather_block_input: one all-gather, asynchronous where the
+communicator overlaps (shm, torch.distributed), runs while the block's column layers (q/k/v or qkv; gate/up or
 gate_up) multiply this rank's rows; then the other ranks' rows; the module
 gets the gathered sequence and its column layers return the outputs already
 computed.  Backward: one re-gather during the summed dX matmul, the
@@ -63,14 +64,41 @@ import contextlib
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import compile_refusal
 from .. import distributed as D
-from ..distributed.mappings import _all_gather_seq, gather_from_sequence_region, reduce_scatter_to_sequence_region
+from ..distributed.mappings import (  # noqa: F401 - start_*, reduce_scatter_rows, token_dim: re-exported
+    SequenceRows,
+    _all_gather_seq,
+    copy_to_tp_region,
+    gather_from_sequence_region,
+    gather_sequence_rows,
+    keep_sequence_rows,
+    pad_to,
+    padded_length,
+    reduce_scatter_rows,
+    reduce_scatter_to_sequence_region,
+    split_sequence_rows,
+    start_all_gather,
+    start_reduce_scatter,
+    token_dim,
+)
 from . import recompute
 from .parallel_module import ShardPlan, plan_directly
+from .sequence_layout import (  # noqa: F401 - the typed vocabulary, re-exported
+    FULL,
+    FULL_PARTIAL_GRAD,
+    PARTIAL_SUM,
+    ROLE_LAYOUTS,
+    ROLES,
+    ROWS,
+    Layout,
+    Move,
+    Placement,
+    SequenceLayouts,
+    as_layouts,
+)
 
 SEQ_DIM = 1
 STATE_MARK = "_shardformer_sequence_state"     # a hooked module's SequenceState
@@ -113,62 +141,21 @@ class SequenceState:
         return self
 
 
-def _padded(x: torch.Tensor, n: int, dim: int = SEQ_DIM) -> torch.Tensor:
-    """x padded with zero rows along the sequence (`dim`) to a multiple of n."""
-    extra = -x.shape[dim] % n
-    if not extra:
-        return x
-    pad = [0, 0] * (x.dim() - 1 - dim) + [0, extra]
-    return F.pad(x, pad)
-
-
-class _Split(torch.autograd.Function):
-    """Forward: pad, keep this rank's rows.  Backward: all-gather the rows'
-    gradients, drop the padding."""
-
-    @staticmethod
-    def forward(ctx, x, group, length, dim=SEQ_DIM):
-        n, rank = D.world_size(group), D.rank(group)
-        ctx.group, ctx.length, ctx.dim = group, length, dim
-        x = _padded(x, n, dim)
-        chunk = x.shape[dim] // n
-        return x.narrow(dim, rank * chunk, chunk).contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        full = _all_gather(grad.contiguous(), ctx.group, ctx.dim)
-        return full.narrow(ctx.dim, 0, ctx.length), None, None, None
-
-
-class _Gather(torch.autograd.Function):
-    """Forward: all-gather, drop the padding.  Backward: this rank's rows of
-    the (replicated) gradient."""
-
-    @staticmethod
-    def forward(ctx, x, group, length, dim=SEQ_DIM):
-        ctx.group, ctx.dim = group, dim
-        return _all_gather(x.contiguous(), group, dim).narrow(dim, 0, length)
-
-    @staticmethod
-    def backward(ctx, grad):
-        n, rank, dim = D.world_size(ctx.group), D.rank(ctx.group), ctx.dim
-        grad = _padded(grad, n, dim)
-        chunk = grad.shape[dim] // n
-        return grad.narrow(dim, rank * chunk, chunk).contiguous(), None, None, None
-
-
-def _all_gather(x: torch.Tensor, group, dim: int = SEQ_DIM) -> torch.Tensor:
-    return _all_gather_seq(x, dim, group)
+def _rows(state: SequenceState, group) -> SequenceRows:
+    """The layout of the forward in progress: contiguous blocks of the sequence padded to a multiple of p."""
+    return SequenceRows.even(group, state.length, state.dim)
 
 
 def split_sequence(x: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
+    """Full sequence -> this rank's rows, setting the forward's length (backward: all-gather)."""
     state.length = x.shape[state.dim]
     state.split_in_forward = True
-    return _Split.apply(x, group, state.length, state.dim)
+    return split_sequence_rows(x, _rows(state, group))
 
 
 def gather_sequence(x: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
-    return _Gather.apply(x, group, state.length, state.dim)
+    """This rank's rows -> full sequence (backward: this rank's rows of the replicated gradient)."""
+    return gather_sequence_rows(x, _rows(state, group))
 
 
 def block_input(x: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
@@ -181,7 +168,8 @@ def block_input(x: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
 def block_output(y: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
     """Partial sums over the full sequence -> this rank's rows of the sum:
     padded, reduce-scatter (backward: all-gather)."""
-    return reduce_scatter_to_sequence_region(_padded(y, D.world_size(group), state.dim), state.dim, group)
+    padded = padded_length(y.shape[state.dim], D.world_size(group))
+    return reduce_scatter_to_sequence_region(pad_to(y, padded, state.dim), state.dim, group)
 
 
 def split_rows(x: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
@@ -189,126 +177,18 @@ def split_rows(x: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
     an all-reduced row layer) -> this rank's rows along state.dim, padded as
     the split pads (backward: all-gather of the rows' gradients, padding
     dropped: the full gradient, as the all-reduce's identity backward needs)."""
-    return _Split.apply(x, group, state.length, state.dim)
-
-
-class _KeepRows(torch.autograd.Function):
-    """Forward: a full-sequence tensor (every rank's copy may differ, e.g. a
-    dropout mask per rank) -> this rank's rows, padded as _Split.  Backward:
-    the rows' gradient in place, zeros elsewhere (no collective: the
-    all-reduce that sums the ranks' rows sits upstream, sum_grad_over_ranks)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        n, rank = D.world_size(group), D.rank(group)
-        ctx.length = x.shape[SEQ_DIM]
-        x = _padded(x, n)
-        chunk = x.shape[SEQ_DIM] // n
-        ctx.start, ctx.padded = rank * chunk, x.shape[SEQ_DIM]
-        return x.narrow(SEQ_DIM, ctx.start, chunk).contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        shape = list(grad.shape)
-        shape[SEQ_DIM] = ctx.padded
-        full = grad.new_zeros(shape)
-        full.narrow(SEQ_DIM, ctx.start, grad.shape[SEQ_DIM]).copy_(grad)
-        return full.narrow(SEQ_DIM, 0, ctx.length), None
+    return split_sequence_rows(x, _rows(state, group))
 
 
 def keep_rows(x: torch.Tensor, group) -> torch.Tensor:
     """Full sequence -> this rank's rows (backward: zeros outside them)."""
-    return _KeepRows.apply(x, group)
+    return keep_sequence_rows(x, group)
 
 
 def sum_grad_over_ranks(y: torch.Tensor, group) -> torch.Tensor:
     """Identity forward; backward, the gradient all-reduced over the group
     (each rank's gradient covers only the rows that rank kept: keep_rows)."""
-    from ..distributed.mappings import copy_to_tp_region
-
     return copy_to_tp_region(y, group)
-
-
-def token_dim(x: torch.Tensor) -> int:
-    """The dimension of the tokens: SEQ_DIM of [batch, S, hidden], 0 of rows
-    flattened to [batch * S, hidden] (OPT's MLP)."""
-    return SEQ_DIM if x.dim() > 2 else 0
-
-
-class _Done:
-    """The handle of a collective that ran synchronously."""
-
-    def wait(self, timeout=None):
-        return None
-
-
-def start_all_gather(out: torch.Tensor, t: torch.Tensor, group):
-    """Start out = the ranks' `t` stacked along dim 0 (both contiguous);
-    returns (handle, overlapped).  On the shared-memory backend the
-    collective runs on its worker thread (async_op=True) while this thread
-    computes, until handle.wait(); on the other backends it has run already
-    when this returns (overlapped False)."""
-    from ..distributed.communicator import ShmBackend, communicator_for
-
-    comm = communicator_for(t, group)
-    if isinstance(comm, ShmBackend):
-        return comm.shm.all_gather(out, t, async_op=True), True
-    D.all_gather_into_tensor(out, t, group)
-    return _Done(), False
-
-
-def start_reduce_scatter(out: torch.Tensor, t: torch.Tensor, group):
-    """Start out = this rank's dim-0 chunk of the sum over ranks of `t`;
-    (handle, overlapped) as start_all_gather."""
-    from ..distributed.communicator import _SHM_REDUCIBLE, ShmBackend, communicator_for
-
-    comm = communicator_for(t, group)
-    if isinstance(comm, ShmBackend) and t.dtype in _SHM_REDUCIBLE:
-        return comm.shm.reduce_scatter(out, t, async_op=True), True
-    D.reduce_scatter_tensor(out, t, group)
-    return _Done(), False
-
-
-class _ReduceScatterDim0(torch.autograd.Function):
-    """Forward: reduce-scatter along dim 0 into a fresh tensor (not a view:
-    the caller may add to it in place, e.g. Falcon's mlp_output +=).
-    Backward: all-gather along dim 0."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        n = D.world_size(group)
-        out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
-        D.reduce_scatter_tensor(out, x.contiguous(), group)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        n = D.world_size(ctx.group)
-        grad = grad.contiguous()
-        full = grad.new_empty((grad.shape[0] * n,) + tuple(grad.shape[1:]))
-        D.all_gather_into_tensor(full, grad, ctx.group)
-        return full, None
-
-
-def reduce_scatter_rows(y: torch.Tensor, group) -> torch.Tensor:
-    """Partial sums over all tokens -> this rank's rows of their sum, for a
-    row-parallel layer that leaves the region itself: padded with zero rows
-    to a multiple of p along token_dim(y), reduce-scatter (backward:
-    all-gather, padding dropped).  Flattened rows [B * S, hidden] come from
-    a [B, S', hidden] tensor already padded (S' = p * rows per rank), so they
-    divide p as they are, and reduce-scattering them along dim 0 gives each
-    rank back the rows it had (the all-gather before stacked them rank by
-    rank): only row-wise layers may run on such flattened rows."""
-    n = D.world_size(group)
-    if n == 1:
-        return y
-    dim = token_dim(y)
-    rows = y.movedim(dim, 0)                      # a view autograd tracks: the result may be changed in place
-    extra = -rows.shape[0] % n
-    if extra:
-        rows = F.pad(rows, [0, 0] * (rows.dim() - 1) + [0, extra])
-    return _ReduceScatterDim0.apply(rows, group).movedim(0, dim)
 
 
 class _Regathered:
@@ -328,7 +208,7 @@ class _Regathered:
     def get(self) -> torch.Tensor:
         if self.full is None:
             local = recompute.stored_value(self.local)
-            self.full = _all_gather(local, self.group, self.dim).narrow(self.dim, 0, self.length).contiguous()
+            self.full = _all_gather_seq(local, self.dim, self.group).narrow(self.dim, 0, self.length).contiguous()
             _Regathered.gathers += 1
         return self.full
 
@@ -379,58 +259,65 @@ def _on_output(output, fn):
 
 
 class SequenceParallelRegion:
-    """Hooks of one role on a module that stays as it is: `role="split"` (the
-    first decoder layer: its input is split), `"gather"` (the last decoder
-    layer: its output is gathered), `"block"` (attention or MLP: input
-    gathered, output reduce-scattered), `"enter"` (attention or MLP whose row
-    layer reduce-scatters itself, Linear1D_Row(reduce_scatter=True): input
-    gathered, saved as this rank's rows, output left as it is), `"rows"`
-    (a layer between the split and the gather: its output, this rank's rows,
-    marked for output_hidden_states, see mark_rows); for blocks
-    that reshape the whole sequence between their modules (Swin's windows):
-    `"enter_output"` (the module's output all-gathered, backward
-    reduce-scatter), `"sum_grad"` (output unchanged, its gradient
-    all-reduced in backward), `"leave"` (the input, a full-sequence tensor,
-    cut to this rank's rows; backward zeros elsewhere); for a layer that
-    reads its whole input before any of its modules runs and so runs whole,
-    the same on every rank (Swinv2's post-norm layer): `"gather_input"`
-    (its input, this rank's rows, all-gathered; backward: this rank's rows
-    of the replicated gradient) and `"split_output"` (its output, the full
-    sequence, cut to this rank's rows, setting the state's length; backward:
-    all-gather of the rows' gradients); kwarg
-    `state`: the model's SequenceState; `overlap=True` (role "block" only):
+    """Hooks that move a module's input and output between sequence layouts;
+    the module stays as it is.  `layouts=SequenceLayouts(input=Move(src, dst),
+    output=Move(src, dst), layer=...)` (layer/sequence_layout.py: the layouts,
+    the supported moves and the operator each one runs), or `role=`, a name
+    for one (ROLE_LAYOUTS) or a tuple of names whose moves combine:
+    `"split"` (the first decoder layer: its input is split), `"gather"` (the
+    last decoder layer: its output is gathered), `"block"` (attention or
+    MLP: input gathered, output reduce-scattered), `"enter"` (attention or
+    MLP whose row layer reduce-scatters itself, Linear1D_Row(reduce_scatter=True):
+    input gathered, output left as it is), `"rows"` (a layer between the
+    split and the gather: its output, this rank's rows, marked for
+    output_hidden_states), for blocks that reshape the whole sequence between
+    their modules (Swin's windows) `"enter_output"`, `"sum_grad"`, `"leave"`,
+    and for a layer that reads its whole input before any of its modules
+    runs (Swinv2's post-norm layer) `"gather_input"` and `"split_output"`.
+    A block's gathered input is saved for backward as this rank's rows only.
+    Kwarg `state`: the model's SequenceState; `overlap=True` (a block only):
     the input gather overlaps the module's column layers' matmuls
-    (linear.gather_block_input).  A module may take both "split" and
-    "gather" (one layer)."""
+    (linear.gather_block_input)."""
 
-    ROLES = ("split", "gather", "block", "enter", "rows", "enter_output", "sum_grad", "leave", "gather_input",
-             "split_output")
+    ROLES = ROLES
+
+    @staticmethod
+    def _layouts(role, layouts, overlap: bool) -> SequenceLayouts:
+        if (role is None) == (layouts is None):
+            raise ValueError(f"SequenceParallelRegion: give exactly one of role= and layouts=, got role={role!r}, "
+                             f"layouts={layouts!r} (docs/spregions.md)")
+        if layouts is not None and not isinstance(layouts, SequenceLayouts):
+            raise TypeError(f"SequenceParallelRegion: layouts must be a SequenceLayouts, got "
+                            f"{type(layouts).__name__} (docs/spregions.md)")
+        out = as_layouts(role if layouts is None else layouts)
+        if overlap and not out.is_block:
+            raise ValueError(f"SequenceParallelRegion: overlap=True needs a block (role 'block': input "
+                             f"{ROWS} -> {FULL_PARTIAL_GRAD}, output {PARTIAL_SUM} -> {ROWS}), got "
+                             f"{role if layouts is None else layouts!r}")
+        return out
 
     @classmethod
     def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, role=None, state=None, overlap: bool = False,
-                   **kwargs) -> ShardPlan:
-        if role not in cls.ROLES and not (isinstance(role, tuple) and set(role) <= set(cls.ROLES)):
-            raise ValueError(f"SequenceParallelRegion: role must be one of {cls.ROLES} (or a tuple of them), "
-                             f"got {role!r}")
+                   layouts=None, **kwargs) -> ShardPlan:
+        cls._layouts(role, layouts, overlap)
         if not isinstance(state, SequenceState):
             raise TypeError(f"SequenceParallelRegion: state must be a SequenceState, got {type(state).__name__}")
-        if overlap and role != "block":
-            raise ValueError(f"SequenceParallelRegion: overlap=True needs role 'block', got {role!r}")
         return ShardPlan(tp_size, rank)
 
     @classmethod
     def prepare_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
-                              role=None, state=None, overlap: bool = False, **kwargs) -> "_Hooks":
+                              role=None, state=None, overlap: bool = False, layouts=None, **kwargs) -> "_Hooks":
         if plan is None:
-            plan = plan_directly(cls, module, process_group, role=role, state=state, overlap=overlap)
-        roles = role if isinstance(role, tuple) else (role,)
-        return _Hooks(module, roles if plan.tp_size > 1 else (), state, process_group, overlap)
+            plan = plan_directly(cls, module, process_group, role=role, state=state, overlap=overlap,
+                                 layouts=layouts)
+        spec = cls._layouts(role, layouts, overlap)
+        return _Hooks(module, spec if plan.tp_size > 1 else None, state, process_group, overlap)
 
     @classmethod
     def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
-                           role=None, state=None, overlap: bool = False, **kwargs) -> nn.Module:
+                           role=None, state=None, overlap: bool = False, layouts=None, **kwargs) -> nn.Module:
         return cls.prepare_native_module(module, process_group, plan=plan, role=role, state=state,
-                                         overlap=overlap).commit()
+                                         overlap=overlap, layouts=layouts).commit()
 
 
 class FullLengthKwarg:
@@ -584,8 +471,8 @@ def _mark_output(state: SequenceState, group, _module, _args, output) -> None:
 
 def _gatherer(state: SequenceState, group):
     """The gather of split_gather rows of the forward in progress (its length now)."""
-    length = state.length
-    return lambda t: _Gather.apply(t, group, length)
+    rows = SequenceRows.even(group, state.length)
+    return lambda t: gather_sequence_rows(t, rows)
 
 
 def refuse_recorded_hidden_states(model: nn.Module, name: str):
@@ -607,14 +494,16 @@ def _refuse_hidden_states(name: str, module, args, kwargs) -> None:
 
 
 class _Hooks:
-    """The forward hooks of some roles on `module`: registered by commit(),
-    removed by rollback().  The hooks are this object's methods (not
-    closures), so a model holding them pickles; `active` (the block's open
-    saved-tensor hooks) lives only within a forward and is not pickled."""
+    """The forward hooks of one module's SequenceLayouts (None: a group of
+    one, nothing to do): registered by commit(), removed by rollback().  The
+    hooks are this object's methods (not closures), so a model holding them
+    pickles; `active` (the block's open saved-tensor hooks) lives only within
+    a forward and is not pickled."""
 
-    def __init__(self, module: nn.Module, roles: tuple, state: SequenceState, group, overlap: bool = False):
-        self.module, self.roles, self.state, self.group = module, roles, state, group
-        self.overlap = overlap and "block" in roles
+    def __init__(self, module: nn.Module, layouts: SequenceLayouts | None, state: SequenceState, group,
+                 overlap: bool = False):
+        self.module, self.layouts, self.state, self.group = module, layouts, state, group
+        self.overlap = overlap and layouts is not None and layouts.is_block
         self.handles: list = []
         self.active: list = []
 
@@ -625,44 +514,58 @@ class _Hooks:
         self.__dict__.update(state, active=[])
 
     def commit(self) -> nn.Module:
-        m = self.module
-        if self.roles:
-            m.__dict__[STATE_MARK] = self.state     # found by a pipeline stage that starts past the split
-        if self.state.recompute == "selective" and {"split", "rows", "gather"} & set(self.roles):
+        m, spec = self.module, self.layouts
+        if spec is None:
+            return m
+        m.__dict__[STATE_MARK] = self.state     # found by a pipeline stage that starts past the split
+        if self.state.recompute == "selective" and spec.layer:
             self.handles += recompute.layer_scope_hooks(m)
-        pre_hooks = {"split": self._split_pre, "gather_input": self._gather_input_pre, "leave": self._leave_pre}
-        post_hooks = {"rows": self._rows_post, "gather": self._gather_post, "split_output": self._split_output_post,
-                      "enter_output": self._enter_output_post, "sum_grad": self._sum_grad_post}
-        if "split" in self.roles:
-            self.handles.append(m.register_forward_pre_hook(pre_hooks["split"], with_kwargs=True))
-        if "block" in self.roles or "enter" in self.roles:
+        if spec.input is not None and spec.input.saves_rows:
             self.handles.append(m.register_forward_pre_hook(self._block_pre, with_kwargs=True))
             self.handles.append(m.register_forward_hook(self._block_post, always_call=True))
-        for role in ("rows", "gather", "enter_output", "sum_grad"):
-            if role in self.roles:
-                self.handles.append(m.register_forward_hook(post_hooks[role]))
-        if "leave" in self.roles:
-            self.handles.append(m.register_forward_pre_hook(pre_hooks["leave"], with_kwargs=True))
-        # the roles of a layer that runs on the full sequence, replicated over the
-        # group, between layers that hold this rank's rows (Swinv2: policies/swinv2.py)
-        if "gather_input" in self.roles:
-            self.handles.append(m.register_forward_pre_hook(pre_hooks["gather_input"], with_kwargs=True))
-        if "split_output" in self.roles:
-            self.handles.append(m.register_forward_hook(post_hooks["split_output"]))
+        else:
+            if spec.input is not None:
+                self.handles.append(m.register_forward_pre_hook(self._input_pre, with_kwargs=True))
+            if spec.output is not None:
+                self.handles.append(m.register_forward_hook(self._output_post))
         return m
 
     def _mark(self, y):
         """y marked as this rank's rows of the forward in progress (mark_rows)."""
         return mark_rows(y, _gatherer(self.state, self.group))
 
-    def _split_pre(self, _module, args, kwargs):
-        """split: the first input cut to this rank's rows."""
+    def _move(self, move, x):
+        """x moved as `move` says (layer/sequence_layout.py's table); a layer's
+        rows (its boundary tensors in layout ROWS) marked for output_hidden_states."""
+        layer, op = self.layouts.layer, move.op
+        if layer and move.src == ROWS:
+            x = self._mark(x)
+        if op == "split":
+            x = split_sequence(x, self.state, self.group)
+        elif op == "gather":
+            x = gather_sequence(x, self.state, self.group)
+        elif op == "gather_partial_grad":
+            x = block_input(x, self.state, self.group)
+        elif op == "reduce_scatter":
+            x = block_output(x, self.state, self.group)
+        elif op == "sum_grad":
+            x = sum_grad_over_ranks(x, self.group)
+        elif op == "keep_rows":
+            x = keep_rows(x, self.group)
+        if layer and move.dst == ROWS and op != "rows":
+            x = self._mark(x)
+        return x
+
+    def _input_pre(self, _module, args, kwargs):
         x, rebuild = _first(args, kwargs)
-        return rebuild(self._mark(split_sequence(x, self.state, self.group)))
+        return rebuild(self._move(self.layouts.input, x))
+
+    def _output_post(self, _module, _args, output):
+        return _on_output(output, functools.partial(self._move, self.layouts.output))
 
     def _block_pre(self, module, args, kwargs):
-        """block / enter: the block's input gathered to the full sequence;
-        in training only this rank's rows of it are saved for backward."""
+        """A block's input gathered to the full sequence; in training only
+        this rank's rows of it are saved for backward."""
         x, rebuild = _first(args, kwargs)
         if self.overlap:
             from .linear import gather_block_input
@@ -677,46 +580,18 @@ class _Hooks:
         return rebuild(full)
 
     def _block_post(self, module, _args, output):
-        """block: the output reduce-scattered to this rank's rows ("enter":
-        left as it is); always called, so the saved-tensor scope closes."""
+        """The block's output moved (a block: reduce-scattered to this rank's
+        rows; "enter": left as it is); always called, so the saved-tensor
+        scope closes."""
         while self.active:
             self.active.pop().__exit__(None, None, None)
         if self.overlap:
             from .linear import release_block_input
 
             release_block_input(module)
-        if output is None or "block" not in self.roles:  # raised (always_call), or "enter": output as it is
+        if output is None or self.layouts.output is None:  # raised (always_call), or no output move
             return None
-        return _on_output(output, functools.partial(block_output, state=self.state, group=self.group))
-
-    def _rows_post(self, _module, _args, output):
-        return _on_output(output, self._mark)
-
-    def _gather_post(self, _module, _args, output):
-        return _on_output(output, lambda y: gather_sequence(self._mark(y), self.state, self.group))
-
-    def _gather_input_pre(self, _module, args, kwargs):
-        """gather_input (a layer on the full sequence): its input gathered;
-        the gather's backward keeps this rank's rows of the gradient every
-        rank computes in full and alike."""
-        x, rebuild = _first(args, kwargs)
-        return rebuild(gather_sequence(x, self.state, self.group))
-
-    def _split_output_post(self, _module, _args, output):
-        """split_output: the full output cut back to this rank's rows (backward:
-        the rows' gradients all-gathered)."""
-        return _on_output(output, lambda y: split_sequence(y, self.state, self.group))
-
-    def _enter_output_post(self, _module, _args, output):
-        """enter_output (Swin's windowed blocks: policies/shapes.py StageShape)."""
-        return _on_output(output, lambda y: block_input(y, self.state, self.group))
-
-    def _sum_grad_post(self, _module, _args, output):
-        return _on_output(output, lambda y: sum_grad_over_ranks(y, self.group))
-
-    def _leave_pre(self, _module, args, kwargs):
-        x, rebuild = _first(args, kwargs)
-        return rebuild(keep_rows(x, self.group))
+        return _on_output(output, functools.partial(self._move, self.layouts.output))
 
     def rollback(self) -> None:
         for handle in self.handles:

@@ -93,7 +93,6 @@ base model's call before use_cache is dropped, and held while it runs).
 """
 from __future__ import annotations
 
-import copy
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -104,7 +103,7 @@ from torch import nn
 
 from .. import distributed as D
 from .. import packing
-from ..distributed.mappings import _all_gather_seq
+from ..distributed.mappings import SequenceRows, gather_heads, gather_sequence_rows, pad_to, split_sequence_rows
 from ..pickling import BoundMethod
 from .dropout import RankStream as _RankStream, may_draw
 from .parallel_module import ShardPlan
@@ -169,67 +168,23 @@ class SequenceSplit:
             self.start(full.shape[self.dim], full.device)
             self.entered = True
 
+    def layout(self) -> SequenceRows:
+        """The rows of the forward in progress, frozen (an autograd function
+        keeps the layout of its own forward)."""
+        return SequenceRows(self.group, self.length, self.padded, self.dim, self.rows, self.order)
+
     def local(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's rows (along `dim`) of a full-sequence tensor that every
         layer receives (rotary cos / sin), computed once per forward."""
         hit = self._local.get(id(t))
         if hit is not None and hit[0] is t:
             return hit[1]
-        out = _padded(t, self.padded, dim).index_select(dim, self.rows)
+        out = pad_to(t, self.padded, dim).index_select(dim, self.rows)
         self._local[id(t)] = (t, out)
         return out
 
     def __repr__(self) -> str:
         return f"SequenceSplit(mode={self.mode!r}, p={self.p}, active={self.active}, length={self.length})"
-
-
-def _padded(x: torch.Tensor, length: int, dim: int) -> torch.Tensor:
-    extra = length - x.shape[dim]
-    if extra <= 0:
-        return x
-    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, extra]
-    return F.pad(x, pad)
-
-
-def _gather_rows(x: torch.Tensor, group, order: torch.Tensor | None, dim: int = SEQ_DIM) -> torch.Tensor:
-    """All ranks' rows along `dim`, placed at their positions: S' along
-    `dim` (`order`: every rank's rows in all-gather order; None: contiguous)."""
-    gathered = _all_gather_seq(x.contiguous(), dim, group)
-    if order is None:
-        return gathered
-    full = torch.empty_like(gathered)
-    return full.index_copy_(dim, order, gathered)
-
-
-# The autograd functions keep the layout of their own forward (the state
-# moves on with the next forward, e.g. under gradient accumulation).
-
-class _Split(torch.autograd.Function):
-    """Forward: pad to S', keep this rank's rows.  Backward: all-gather the
-    rows' gradients into place, drop the padding."""
-
-    @staticmethod
-    def forward(ctx, x, state):
-        ctx.group, ctx.order, ctx.length, ctx.dim = state.group, state.order, state.length, state.dim
-        return _padded(x, state.padded, state.dim).index_select(state.dim, state.rows)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_rows(grad, ctx.group, ctx.order, ctx.dim).narrow(ctx.dim, 0, ctx.length), None
-
-
-class _Gather(torch.autograd.Function):
-    """Forward: all-gather the rows into place, drop the padding.
-    Backward: this rank's rows of the (replicated) gradient."""
-
-    @staticmethod
-    def forward(ctx, x, state):
-        ctx.rows, ctx.padded, ctx.dim = state.rows, state.padded, state.dim
-        return _gather_rows(x, state.group, state.order, state.dim).narrow(state.dim, 0, state.length)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _padded(grad, ctx.padded, ctx.dim).index_select(ctx.dim, ctx.rows), None
 
 
 # ---- attention ---------------------------------------------------------------
@@ -330,29 +285,7 @@ def _ulysses(state, module, query, key, value, attention_mask, kwargs):
         out = out[:, :, : query.shape[1]]
     if weights is None or not state.record_attentions:
         return out, None
-    return out, _GatherHeads.apply(weights, state.group, query.shape[1], state.length)
-
-
-class _GatherHeads(torch.autograd.Function):
-    """all_to_all's attention weights for output_attentions: each rank's
-    eager weights [B, H'/p, S', S'] (its heads over the whole padded
-    sequence) -> [B, H, S, S]: all-gathered along the heads, the appended
-    zero heads and the padded rows / keys dropped.  Backward: this rank's
-    heads of the gradient (the same on every rank), zeros on the padding."""
-
-    @staticmethod
-    def forward(ctx, w, group, heads, length):
-        ctx.group, ctx.local, ctx.shape = group, w.shape[1], tuple(w.shape)
-        full = _all_gather_seq(w.contiguous(), 1, group)
-        return full[:, :heads, :length, :length].contiguous()
-
-    @staticmethod
-    def backward(ctx, grad):
-        b, h, s, _ = grad.shape
-        rank = D.rank(ctx.group)
-        padded = grad.new_zeros((b, ctx.local * D.world_size(ctx.group), ctx.shape[2], ctx.shape[3]))
-        padded[:, :h, :s, :s] = grad
-        return padded[:, rank * ctx.local:(rank + 1) * ctx.local].contiguous(), None, None, None
+    return out, gather_heads(weights, state.group, query.shape[1], state.length)
 
 
 def _bias_heads(bias: torch.Tensor, state: SequenceSplit, heads: int, extra: int) -> torch.Tensor:
@@ -601,7 +534,7 @@ def local_heads(t: torch.Tensor | None, state: SequenceSplit, heads: int, dim: i
         raise ValueError(f"{state.name}: a per-head tensor of {t.shape[dim]} heads for {heads} attention heads")
     extra = -heads % state.p
     if extra:
-        t = _padded(t, heads + extra, dim)
+        t = pad_to(t, heads + extra, dim)
     return t.chunk(state.p, dim)[state.rank]
 
 
@@ -616,7 +549,7 @@ def additive(mask, dtype):
 def padded_keys(t: torch.Tensor | None, state: SequenceSplit):
     """A tensor over the key positions (last dim, the unpadded length)
     extended with zeros to the padded length S'."""
-    return None if t is None else _padded(t, state.padded, t.dim() - 1)
+    return None if t is None else pad_to(t, state.padded, t.dim() - 1)
 
 
 def ulysses(state: SequenceSplit, query, key, value, core: Callable, mask=None) -> torch.Tensor:
@@ -984,7 +917,7 @@ class _SplitHooks:
             x, rebuild = _layer_inputs(args, kwargs)
             _check_same_input(state, x)
             state.start(x.shape[state.dim], x.device)
-            return rebuild(mark_rows(_Split.apply(x, state), _recorded_gather(state)))
+            return rebuild(mark_rows(split_sequence_rows(x, state.layout()), _recorded_gather(state)))
 
         def mark_post(_module, _args, output):
             if not state.active:
@@ -1016,12 +949,12 @@ class _SplitHooks:
             if not state.active:
                 return None
             if hasattr(output, "last_hidden_state"):
-                output.last_hidden_state = _Gather.apply(output.last_hidden_state, state)
+                output.last_hidden_state = gather_sequence_rows(output.last_hidden_state, state.layout())
                 return output
             if isinstance(output, torch.Tensor):
-                return _Gather.apply(output, state)
+                return gather_sequence_rows(output, state.layout())
             if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
-                return (_Gather.apply(output[0], state),) + tuple(output[1:])
+                return (gather_sequence_rows(output[0], state.layout()),) + tuple(output[1:])
             raise TypeError(f"{state.name}: a decoder layer returned {type(output).__name__}; expected the "
                             f"hidden states (a tensor, or a tuple starting with one)")
 
@@ -1121,11 +1054,11 @@ def unsummed(t: torch.Tensor) -> torch.Tensor:
 def _recorded_gather(state: SequenceSplit):
     """The gather of a recorded hidden state of the forward in progress: its
     layout (rows, zigzag order, lengths) now, all-gathered and put in
-    sequence order (_Gather; backward: this rank's rows)."""
-    snapshot = copy.copy(state)
+    sequence order (gather_sequence_rows; backward: this rank's rows)."""
+    rows = state.layout()
 
     def gather(t: torch.Tensor) -> torch.Tensor:
-        return _Gather.apply(t, snapshot)
+        return gather_sequence_rows(t, rows)
 
     return gather
 
@@ -1133,7 +1066,7 @@ def _recorded_gather(state: SequenceSplit):
 def _refuse_recorded_outputs(base: nn.Module, kwargs: dict, state: SequenceSplit) -> None:
     """output_attentions in a split forward: all_to_all over eager attention
     returns every layer's weights [B, H, S, S] gathered over the heads
-    (_GatherHeads; state.record_attentions); ring_attn never builds them and
+    (gather_heads; state.record_attentions); ring_attn never builds them and
     all_to_all over another attention (SDPA, the C kernel) returns none:
     refused rather than come back empty.  Recorded hidden states come back
     full (mark_rows, and the policy's record_full_hidden_states)."""

@@ -1,23 +1,11 @@
-"""The region operators: every collective that autograd sees, as a conjugate pair.
+"""Tensor-parallel regions: replicated <-> split along the last (or any) dimension.
 
-Tensor-parallel layers move activations between three kinds of region:
-replicated (every rank holds the whole tensor), parallel (each rank holds a
-slice of the last dimension) and, with sequence parallelism, sequence-split.
-Each operator below is named after the transition it makes and does one
-collective forward and its conjugate backward:
-
-    operator                            forward            backward
-    copy_to_tp_region                   identity           all-reduce
-    reduce_from_tp_region               all-reduce         identity
-    scatter_to_tp_region                keep own slice     all-gather
-    gather_from_tp_region               all-gather         keep own slice
-    gather_from_sequence_region         all-gather (seq)   reduce-scatter (seq)
-    reduce_scatter_to_sequence_region   reduce-scatter     all-gather (seq)
-    sync_replicated_grad                identity           sum grads over ranks
-                                                           that hold the same rows
-    all_to_all_along                    all-to-all         all-to-all, the two
-                                        (scatter one dim,  dims swapped
-                                        gather another)
+    operator                forward            backward
+    copy_to_tp_region       identity           all-reduce
+    reduce_from_tp_region   all-reduce         identity (in place when nothing else reads x)
+    scatter_to_tp_region    keep own slice     all-gather
+    gather_from_tp_region   all-gather         keep own slice
+    sync_replicated_grad    identity           sum grads over ranks that hold the same rows
 
 Slices follow a `DimShard`, so uneven splits, padding and fused layouts
 gather back to exactly the full tensor.
@@ -28,10 +16,10 @@ import functools
 
 import torch
 
-from ..layout import DimShard
-from . import collectives as C
-from . import traceable
-from .communicator import parallel_communicator
+from ...layout import DimShard
+from .. import collectives as C
+from .. import traceable
+from ..communicator import parallel_communicator
 
 _increment_version = torch.autograd.graph.increment_version
 
@@ -163,53 +151,6 @@ class _GatherFromTP(torch.autograd.Function):
         return _split_dim(grad, ctx.dim, ctx.shard), None, None, None
 
 
-def _even_chunks(x: torch.Tensor, dim: int, n: int) -> None:
-    if x.shape[dim] % n:
-        raise ValueError(
-            f"sequence dimension {dim} of length {x.shape[dim]} is not divisible by "
-            f"the tensor-parallel size {n}"
-        )
-
-
-def _all_gather_seq(x, dim, group):
-    n = C.world_size(group)
-    x0 = x.movedim(dim, 0).contiguous()
-    buf = x0.new_empty((x0.shape[0] * n,) + tuple(x0.shape[1:]))
-    C.all_gather_into_tensor(buf, x0, group)
-    return buf.movedim(0, dim)
-
-
-def _reduce_scatter_seq(x, dim, group):
-    n = C.world_size(group)
-    _even_chunks(x, dim, n)
-    x0 = x.movedim(dim, 0).contiguous()
-    out = x0.new_empty((x0.shape[0] // n,) + tuple(x0.shape[1:]))
-    C.reduce_scatter_tensor(out, x0, group)
-    return out.movedim(0, dim)
-
-
-class _GatherFromSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _all_gather_seq(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_seq(grad, ctx.dim, ctx.group), None, None
-
-
-class _ReduceScatterToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return _reduce_scatter_seq(x, dim, group)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.dim, ctx.group), None, None
-
-
 class _SyncReplicatedGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w, dim, shard, group):
@@ -279,95 +220,9 @@ def gather_from_tp_region(x: torch.Tensor, dim: int, shard: DimShard, group=None
     return _GatherFromTP.apply(x, dim, shard, group)
 
 
-def gather_from_sequence_region(x: torch.Tensor, dim: int = 1, group=None) -> torch.Tensor:
-    """Sequence-split -> replicated: all-gather along `dim` forward,
-    reduce-scatter of the gradient backward."""
-    if C.world_size(group) == 1:
-        return x
-    return _GatherFromSeq.apply(x, dim, group)
-
-
-def reduce_scatter_to_sequence_region(x: torch.Tensor, dim: int = 1, group=None) -> torch.Tensor:
-    """Partial sums -> sequence-split: reduce-scatter along `dim` forward,
-    all-gather of the gradient backward."""
-    if C.world_size(group) == 1:
-        return x
-    return _ReduceScatterToSeq.apply(x, dim, group)
-
-
 def sync_replicated_grad(w: torch.Tensor, dim: int, shard: DimShard, group=None) -> torch.Tensor:
     """Identity forward; backward, sums the gradient of rows held by several
     ranks (KV heads replicated when there are fewer KV heads than ranks)."""
     if not shard.replicated:
         return w
     return _SyncReplicatedGrad.apply(w, dim, shard, group)
-
-
-# ---- all-to-all between two dimensions (Ulysses sequence parallelism) ----------------
-
-def _a2a_dims(x: torch.Tensor, scatter_dim: int, gather_dim: int) -> tuple[int, int]:
-    """The two dimensions, normalized against x's rank (ValueError when out of range)."""
-    nd = x.dim()
-    for name, d in (("scatter_dim", scatter_dim), ("gather_dim", gather_dim)):
-        if not -nd <= d < nd:
-            raise ValueError(f"all_to_all_along: {name}={d} is out of range for a tensor of shape "
-                             f"{tuple(x.shape)} ({nd} dimensions)")
-    return scatter_dim % nd, gather_dim % nd
-
-
-def _a2a(x: torch.Tensor, scatter_dim: int, gather_dim: int, comm) -> torch.Tensor:
-    """One all_to_all_single: cut `scatter_dim` into p chunks (chunk j to rank j),
-    concatenate the p received chunks along `gather_dim` in rank order.
-
-    The send buffer is x with `scatter_dim` unflattened into (p, chunk) and the
-    p moved to the front (one copy); what comes back has the sender's rank in
-    front, which is moved to just before `gather_dim` and flattened into it
-    (one more copy, none when gather_dim is 0)."""
-    p = comm.size
-    chunk = x.shape[scatter_dim] // p
-    send = x.unflatten(scatter_dim, (p, chunk)).movedim(scatter_dim, 0).contiguous()
-    recv = torch.empty_like(send)
-    comm.all_to_all_single(recv, send)
-    return recv.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scatter_dim, gather_dim, comm):
-        ctx.dims, ctx.comm = (scatter_dim, gather_dim), comm
-        return _a2a(x, scatter_dim, gather_dim, comm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        scatter_dim, gather_dim = ctx.dims
-        # The forward is a permutation of elements across ranks; its adjoint
-        # is the inverse permutation: the same exchange with the dims swapped.
-        return _a2a(grad, gather_dim, scatter_dim, ctx.comm), None, None, None
-
-
-def all_to_all_along(x: torch.Tensor, scatter_dim: int, gather_dim: int, group=None) -> torch.Tensor:
-    """Ulysses' exchange: cut `scatter_dim` of `x` into p equal chunks (p: the
-    group's size), send chunk j to group rank j, and concatenate the p chunks
-    received along `gather_dim`, in rank order.  Backward: the same exchange
-    with the two dims swapped.
-
-    E.g. q of shape [B, H, S/p, D] (sequence-split), scatter_dim=1 (heads),
-    gather_dim=2 (sequence) -> [B, H/p, S, D] (head-split); and back with
-    scatter_dim=2, gather_dim=1.  One all_to_all_single per call, on a
-    contiguous [p, ...] copy of x.  A group of one rank: x itself.  ValueError,
-    before anything is sent, when a dim is out of range or x.shape[scatter_dim]
-    is not a multiple of p."""
-    scatter_dim, gather_dim = _a2a_dims(x, scatter_dim, gather_dim)
-    compiling = torch.compiler.is_compiling()
-    comm = None if compiling else parallel_communicator(x, group)
-    size = traceable.size_of(group) if compiling else 1 if comm is None else comm.size
-    if size == 1:
-        return x
-    if x.shape[scatter_dim] % size:
-        raise ValueError(
-            f"all_to_all_along: scatter_dim={scatter_dim} of length {x.shape[scatter_dim]} "
-            f"(shape {tuple(x.shape)}, gather_dim={gather_dim}) is not divisible by the group "
-            f"size {size}")
-    if compiling:
-        return traceable.all_to_all_along(x, scatter_dim, gather_dim, group)
-    return _AllToAll.apply(x, scatter_dim, gather_dim, comm)
