@@ -323,8 +323,6 @@ def mapped_shards_equal_slices(ctx, directory: str, default_group: bool) -> dict
     every gradient equal the unsharded model's."""
     import transformers
 
-    from shardformer.checkpoint import mapped
-
     name = "LlamaForCausalLM"
     _save_hf(ctx, name, directory)
     threads = torch.get_num_threads()
@@ -336,6 +334,8 @@ def mapped_shards_equal_slices(ctx, directory: str, default_group: bool) -> dict
         torch.set_num_threads(threads)
     file = os.path.join(directory, "model.safetensors")
     assert _maps(file), f"{name}: {file} is not mapped: every shard was copied"
+    from shardformer.checkpoint import mapped
+
     aliased = set(mapped.mapped_files(model).get(os.path.realpath(file), []))
     expected = _expected_aliased(model)
     assert aliased == expected, (f"{name}: aliased {sorted(aliased - expected)} unexpectedly, "
@@ -366,13 +366,16 @@ def writes_never_reach_the_file(ctx, directory: str, default_group: bool) -> dic
     before); what was saved loads back equal to the trained model."""
     import transformers
 
-    from shardformer.checkpoint import load_sharded, mapped, save_pretrained, save_sharded
+    from shardformer.checkpoint import load_sharded, save_pretrained, save_sharded
 
     cls, cfg = transformers.LlamaForCausalLM, _cfg(ctx, default_group)
     _save_hf(ctx, "LlamaForCausalLM", directory)
     file = os.path.join(directory, "model.safetensors")
     original = _sha(file)
     model, _ = ShardFormer(cfg).from_pretrained(cls, directory, attn_implementation="eager")
+    assert _maps(file), f"{file} is not mapped: every shard was copied"
+    from shardformer.checkpoint import mapped
+
     aliased = mapped.mapped_files(model)[os.path.realpath(file)]
     before = {k: v.clone() for k, v in model.state_dict().items()}
     _trained_step(model.train())
