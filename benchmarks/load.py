@@ -29,7 +29,16 @@ error).
 
     .venv/bin/python benchmarks/load.py                  # 1g at TP=2 and 4
     .venv/bin/python benchmarks/load.py --size 4g --tp 4
-Results: benchmarks/results/load_<size>.json and a table on stdout.
+    .venv/bin/python benchmarks/load.py --size 05g --no-eager --busy
+Results: benchmarks/results/load_<size>[_busy].json and a table on stdout.
+
+ShardFormer.from_pretrained maps a shard that is one contiguous byte range
+of the file (mmap=True, the default) and copies the rest; "mmap=False" is
+the same call copying every shard, measured in the same run.  Goals (issue
+34): load + first forward <= 1.0x hf's, and peak growth per rank <= its
+shards + 64 MiB (the reader's window) + the largest single tensor; each
+printed met or NOT met.  --busy: one busy-looping process beside every
+measurement.
 """
 from __future__ import annotations
 
@@ -45,6 +54,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SIZES = {
+    # ~131M parameters, ~0.53 GB fp32
+    "05g": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=6, num_attention_heads=16,
+                num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False),
     # ~300M parameters, ~1.2 GB fp32
     "1g": dict(hidden_size=1536, intermediate_size=4096, num_hidden_layers=8, num_attention_heads=12,
                num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False),
@@ -117,17 +129,29 @@ def rank_eager(rank: int, path: str) -> dict:
     return r
 
 
-def rank_lazy(rank: int, path: str) -> dict:
+def rank_lazy(rank: int, path: str, mmap: bool = True) -> dict:
     import torch
     import transformers
     from shardformer import ShardConfig, ShardFormer
 
     cls = transformers.LlamaForCausalLM
     model, r = _measure(lambda: ShardFormer(ShardConfig()).from_pretrained(
-        cls, path, dtype=torch.float32, progress=False)[0])
+        cls, path, dtype=torch.float32, progress=False, mmap=mmap)[0])
     r["local_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    r["largest_tensor"] = max(p.numel() * p.element_size() for p in model.parameters())
     r["logits"] = r["logits"] if rank == 0 else None
     return r
+
+
+def rank_copy(rank: int, path: str) -> dict:
+    """ShardFormer.from_pretrained(mmap=False): every shard copied (the way
+    before aliasing), for the comparison in the same run."""
+    return rank_lazy(rank, path, mmap=False)
+
+
+def busy_process():
+    """One process spinning on a core beside the measurement (--busy)."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
 def make_checkpoint(size: str, directory: str) -> None:
@@ -197,7 +221,19 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "shardformer-load-bench"))
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    p.add_argument("--no-eager", action="store_true", help="skip the eager configurations")
+    p.add_argument("--busy", action="store_true", help="one busy-looping process beside every measurement")
     args = p.parse_args(argv)
+    busy = busy_process() if args.busy else None
+    try:
+        return _main(args)
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
+
+
+def _main(args) -> int:
 
     import torch
 
@@ -209,7 +245,8 @@ def main(argv=None) -> int:
     print(f"checkpoint {path}: {ckpt / 1e9:.2f} GB in {len(files)} safetensors file(s)", flush=True)
     warm_page_cache(path)
 
-    results = {"size": args.size, "checkpoint_bytes": ckpt, "config": SIZES[args.size], "repeats": args.repeats}
+    results = {"size": args.size, "checkpoint_bytes": ckpt, "config": SIZES[args.size], "repeats": args.repeats,
+               "busy_process": args.busy, "load_average": os.getloadavg()[0]}
     rows = []
     avail = available_bytes()
     hf_runs = run(rank_hf, 1, path, args.repeats)
@@ -219,20 +256,31 @@ def main(argv=None) -> int:
     reference = hf_runs[0][0]["logits"]
     for tp in args.tp:
         need = tp * max(hf["peak_growth_per_rank_first_forward"], 1.5 * ckpt)
-        if need < 0.8 * avail:
+        if args.no_eager:
+            eager = None
+        elif need < 0.8 * avail:
             eager = summarize(run(rank_eager, tp, path, args.repeats), ckpt)
         else:
             eager = {"would_need_bytes": need, "available_bytes": avail}
-        results[f"eager_tp{tp}"] = eager
-        rows.append(("eager from_pretrained + optimize", tp, eager, None))
-        lazy_runs = run(rank_lazy, tp, path, args.repeats)
-        lazy = summarize(lazy_runs, ckpt)
-        got = lazy_runs[0][0]["logits"]
-        err = ((got - reference).abs().max() / reference.abs().max()).item()
-        lazy["logits_rel_err_vs_hf"] = err
-        lazy["local_param_bytes"] = lazy_runs[0][0]["local_bytes"]
-        results[f"lazy_tp{tp}"] = lazy
-        rows.append(("ShardFormer.from_pretrained", tp, lazy, err))
+        if eager is not None:
+            results[f"eager_tp{tp}"] = eager
+            rows.append(("eager from_pretrained + optimize", tp, eager, None))
+        for key, fn, label in (("copy", rank_copy, "from_pretrained(mmap=False)"),
+                               ("lazy", rank_lazy, "ShardFormer.from_pretrained")):
+            lazy_runs = run(fn, tp, path, args.repeats)
+            lazy = summarize(lazy_runs, ckpt)
+            got = lazy_runs[0][0]["logits"]
+            err = ((got - reference).abs().max() / reference.abs().max()).item()
+            lazy["logits_rel_err_vs_hf"] = err
+            lazy["local_param_bytes"] = max(r["local_bytes"] for r in lazy_runs[0])
+            lazy["largest_tensor_bytes"] = max(r["largest_tensor"] for r in lazy_runs[0])
+            # the goal: peak growth per rank <= its shards + the reader's window + the largest tensor
+            lazy["peak_goal_bytes"] = lazy["local_param_bytes"] + (64 << 20) + lazy["largest_tensor_bytes"]
+            lazy["time_vs_hf_first_forward"] = lazy["seconds_first_forward"] / hf["seconds_first_forward"]
+            lazy["time_goal_met"] = lazy["time_vs_hf_first_forward"] <= 1.0
+            lazy["peak_goal_met"] = lazy["peak_growth_per_rank_first_forward"] <= lazy["peak_goal_bytes"]
+            results[f"{key}_tp{tp}"] = lazy
+            rows.append((label, tp, lazy, err))
 
     print(f"\nLlama {args.size} checkpoint: {ckpt / 1e9:.2f} GB (fp32); medians of {args.repeats} runs; "
           f"torch {torch.__version__}; page cache warm.  load = the call; +fwd = the call and a first "
@@ -250,8 +298,13 @@ def main(argv=None) -> int:
               f"{r['fraction_per_rank']:>6.2f} {r['fraction_per_rank_first_forward']:>6.2f} "
               f"{r['sum_over_ranks_first_forward'] / 1e9:>8.2f}GB {r['sum_fraction_first_forward']:>6.2f}  "
               + (f"{err:.1e}" if err is not None else ""))
+        if "peak_goal_bytes" in r:
+            print(f"{'':34} goals: time {r['time_vs_hf_first_forward']:.2f}x <= 1.00x "
+                  f"{'met' if r['time_goal_met'] else 'NOT met'}; peak/rank "
+                  f"{r['peak_growth_per_rank_first_forward'] / 1e6:.0f} MB <= shards + 64 MiB + largest tensor "
+                  f"{r['peak_goal_bytes'] / 1e6:.0f} MB {'met' if r['peak_goal_met'] else 'NOT met'}")
     os.makedirs(args.out, exist_ok=True)
-    out = os.path.join(args.out, f"load_{args.size}.json")
+    out = os.path.join(args.out, f"load_{args.size}{'_busy' if args.busy else ''}.json")
     with open(out, "w") as f:
         json.dump(results, f, indent=1)
     print(f"\nwritten {out}")

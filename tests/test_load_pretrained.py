@@ -109,3 +109,30 @@ def _minilm():
 def test_real_minilm_checkpoint(pool, tp):
     reports = pool.run(checks.minilm, tp, _minilm())
     assert all(r["forward"] < 1e-5 for r in reports), reports
+
+
+# ------------------------------------------------------------ mapped shards (issue 34 item 2)
+@pytest.mark.parametrize("tp, default_group", [(2, True), (4, False)])
+def test_mapped_shards_equal_the_unsharded_slices(pool, world_pool, tmp_path, tp, default_group):
+    """from_pretrained maps the shards that are one byte range of the file
+    (vocabulary 101: padded, so a padded rank copies its vocabulary shard)."""
+    ranks = world_pool(tp) if default_group else pool
+    reports = ranks.run(checks.mapped_shards_equal_slices, tp, str(tmp_path / "ckpt"), default_group)
+    assert all(r["forward"] < 1e-5 for r in reports), reports
+    # the last rank holds the vocabulary padding: its embedding is copied, the first rank's mapped
+    assert "model.embed_tokens.weight" in reports[0]["aliased"], reports[0]["aliased"]
+    assert "model.embed_tokens.weight" not in reports[-1]["aliased"], reports[-1]["aliased"]
+
+
+def test_writes_never_reach_the_mapped_file(pool2, tmp_path):
+    """An optimizer step, then save_pretrained and save_sharded into the
+    directory the model is mapped from: the checkpoint's bytes never change
+    under the model, the model's values never change under the save (TP=2,
+    the plain ShardConfig(); the TP=4 explicit group is the test above)."""
+    reports = pool2.run(checks.writes_never_reach_the_file, 2, str(tmp_path / "ckpt"), True)
+    assert all(r["changed"] > 0 for r in reports), reports
+
+
+def test_lazy_model_loads_mapped(pool, tmp_path):
+    reports = pool.run(checks.lazy_model_loads_mapped, 2, str(tmp_path / "ckpt"))
+    assert all("meta device" in r["meta"] for r in reports), reports

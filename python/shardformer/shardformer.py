@@ -87,7 +87,7 @@ class ShardFormer:
 
     def from_pretrained(self, model_class, path, *, dtype=None, torch_dtype=None, config=None,
                         policy: Policy | None = None, plan: dict[str, str] | None = None,
-                        progress: bool | None = None, **model_kwargs):
+                        progress: bool | None = None, mmap: bool = True, **model_kwargs):
         """Build `model_class` from the HF checkpoint directory `path`, shard
         it, and load each rank's slices; returns (model, shared_params), the
         model in eval mode as HF's from_pretrained returns it.
@@ -102,7 +102,11 @@ class ShardFormer:
         dtype; None or "auto" takes the checkpoint config's dtype (float32 if
         it names none).  config: a config to use instead of the
         checkpoint's.  policy / plan: as optimize()'s.  model_kwargs go to
-        `model_class.from_config`.  Collective over the tensor-parallel group,
+        `model_class.from_config`.  mmap (default True): a shard that is one
+        contiguous byte range of a safetensors file in the model's dtype is
+        not copied but mapped copy-on-write, as transformers maps the file
+        (load_pretrained's mmap; writes never reach the file; docs/load.md);
+        False copies every shard.  Collective over the tensor-parallel group,
         like optimize().  Not with ShardConfig.expert_parallel_process_group
         (NotImplementedError, before anything is read or built): build the
         model, optimize() it, and load_full_state_dict the checkpoint's tensors."""
@@ -116,9 +120,9 @@ class ShardFormer:
 
         with SERIAL:        # its broadcast and optimize() together, one call at a time (see sharder.SERIAL)
             return self._from_pretrained(model_class, path, dtype=dtype, torch_dtype=torch_dtype, config=config,
-                                         policy=policy, plan=plan, progress=progress, **model_kwargs)
+                                         policy=policy, plan=plan, progress=progress, mmap=mmap, **model_kwargs)
 
-    def _from_pretrained(self, model_class, path, *, dtype, torch_dtype, config, policy, plan, progress,
+    def _from_pretrained(self, model_class, path, *, dtype, torch_dtype, config, policy, plan, progress, mmap,
                          **model_kwargs):
         import torch
 
@@ -145,7 +149,7 @@ class ShardFormer:
         if left:                                # initialized here: the same values on every rank (rank 0's seeds)
             lazy.broadcast_recipes(model, self.shard_config.tensor_parallel_process_group)
         model, shared_params = self.optimize(model, policy=policy, plan=plan)
-        load_pretrained(model, path, strict=False, progress=progress)
+        load_pretrained(model, path, strict=False, progress=progress, mmap=mmap)
         if left:
             warnings.warn(f"{type(model).__name__}: {len(left)} parameters are not in the checkpoint {path} and "
                           f"were newly initialized: {', '.join(left[:10])}{' ...' if len(left) > 10 else ''}",

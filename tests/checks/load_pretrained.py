@@ -267,3 +267,176 @@ def minilm(ctx, model_dir: str) -> dict:
               "attention_mask": torch.ones(2, 12, dtype=torch.long)}
     inputs["attention_mask"][1, 9:] = 0
     return _same_as("all-MiniLM-L6-v2", model, ref, inputs)
+
+
+# ------------------------------------------------------------ mapped (aliased) shards
+def _maps(path: str) -> bool:
+    """Whether this process has `path` (a file) mapped (/proc/self/maps)."""
+    real = os.path.realpath(path)
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip("\n").endswith(" " + real) for line in f)
+
+
+def _sha(path_or_fd) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    if isinstance(path_or_fd, int):
+        os.lseek(path_or_fd, 0, os.SEEK_SET)
+        while chunk := os.read(path_or_fd, 1 << 20):
+            h.update(chunk)
+    else:
+        with open(path_or_fd, "rb") as f:
+            while chunk := f.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def _cfg(ctx, default_group: bool) -> ShardConfig:
+    return ShardConfig() if default_group else ShardConfig(tensor_parallel_process_group=ctx.group)
+
+
+def _expected_aliased(model) -> set[str]:
+    """The tensors whose shard is one contiguous row block of the file: the
+    replicated ones, and row (dim 0) shards without padding whose ranges
+    are back to back."""
+    info, out = _shard_info(model), set()
+    for key, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in info:
+            out.add(key)
+            continue
+        dim, shard, _ = info[id(t)]
+        runs = all(s == shard.ranges[0][0] + sum(n for _, n in shard.ranges[:i])
+                   for i, (s, _) in enumerate(shard.ranges))
+        if dim == 0 and shard.length == shard.real and runs:
+            out.add(key)
+    return out
+
+
+def mapped_shards_equal_slices(ctx, directory: str, default_group: bool) -> dict:
+    """ShardFormer.from_pretrained (Llama, vocabulary 101: padded at TP=2
+    and 4) maps the checkpoint instead of copying the shards that are one
+    byte range of it: the file is in this process's mappings, exactly the
+    replicated tensors and the unpadded row shards alias it, and every
+    tensor equals its slice of the unsharded model (padding zero).  The
+    column shards are copied by several threads at once.  Outputs and
+    every gradient equal the unsharded model's."""
+    import transformers
+
+    name = "LlamaForCausalLM"
+    _save_hf(ctx, name, directory)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(3)               # the column shards read by 3 threads
+    try:
+        model, _ = ShardFormer(_cfg(ctx, default_group)).from_pretrained(
+            transformers.LlamaForCausalLM, directory, attn_implementation="eager")
+    finally:
+        torch.set_num_threads(threads)
+    file = os.path.join(directory, "model.safetensors")
+    assert _maps(file), f"{name}: {file} is not mapped: every shard was copied"
+    from shardformer.checkpoint import mapped
+
+    aliased = set(mapped.mapped_files(model).get(os.path.realpath(file), []))
+    expected = _expected_aliased(model)
+    assert aliased == expected, (f"{name}: aliased {sorted(aliased - expected)} unexpectedly, "
+                                 f"copied {sorted(expected - aliased)} that could be mapped")
+    assert any(".q_proj." in k for k in aliased) and not any(".o_proj." in k for k in aliased), sorted(aliased)
+    ref = zoo.build(name).eval()
+    _holds(name, model, ref)
+    report = _same_as(name, model.train(), ref.train(), zoo.make_inputs(name))
+    report["aliased"] = sorted(aliased)
+    return report
+
+
+def _trained_step(model) -> None:
+    """One SGD step on the model's LM loss (every parameter written)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    inputs = zoo.make_inputs("LlamaForCausalLM")
+    parity.loss_of(model(**inputs), {}).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def writes_never_reach_the_file(ctx, directory: str, default_group: bool) -> dict:
+    """A model loaded mapped: an optimizer step changes its parameters and
+    not one byte of the checkpoint file; save_pretrained and then
+    save_sharded over the very directory it is mapped from leave the
+    model's values alone (no parameter maps the replaced files afterwards)
+    and the old file's bytes unchanged (read through a descriptor opened
+    before); what was saved loads back equal to the trained model."""
+    import transformers
+
+    from shardformer.checkpoint import load_sharded, save_pretrained, save_sharded
+
+    cls, cfg = transformers.LlamaForCausalLM, _cfg(ctx, default_group)
+    _save_hf(ctx, "LlamaForCausalLM", directory)
+    file = os.path.join(directory, "model.safetensors")
+    original = _sha(file)
+    model, _ = ShardFormer(cfg).from_pretrained(cls, directory, attn_implementation="eager")
+    assert _maps(file), f"{file} is not mapped: every shard was copied"
+    from shardformer.checkpoint import mapped
+
+    aliased = mapped.mapped_files(model)[os.path.realpath(file)]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _trained_step(model.train())
+    changed = [k for k in aliased if not torch.equal(model.state_dict()[k], before[k])]
+    assert changed, "the step changed no mapped parameter"
+    assert _sha(file) == original, f"{file} changed on disk after an optimizer step on the mapped model"
+    reread, _ = ShardFormer(cfg).from_pretrained(cls, directory, attn_implementation="eager", mmap=False)
+    assert all(torch.equal(v, before[k]) for k, v in reread.state_dict().items()), "the file reads back changed"
+
+    for save in ("save_pretrained", "save_sharded"):
+        fd = os.open(file, os.O_RDONLY)          # the file the model was mapped from, whatever the save does
+        try:
+            trained = {k: v.clone() for k, v in model.state_dict().items()}
+            save_pretrained(model, directory) if save == "save_pretrained" else save_sharded(model, directory)
+            assert _sha(fd) == original, f"{save} over the mapped checkpoint changed the old file's bytes"
+        finally:
+            os.close(fd)
+        now = model.state_dict()
+        assert all(torch.equal(now[k], trained[k]) for k in trained), f"{save} changed the model's values"
+        assert not mapped.mapped_files(model).get(os.path.realpath(file)), \
+            f"{save}: parameters still map the replaced {file}"
+        if save == "save_pretrained":
+            again, _ = ShardFormer(cfg).from_pretrained(cls, directory, attn_implementation="eager")
+        else:
+            again = zoo.build("LlamaForCausalLM", seed=1).eval()
+            ShardFormer(cfg).optimize(again)
+            load_sharded(again, directory)
+        got = again.state_dict()
+        assert all(torch.equal(got[k], trained[k]) for k in trained), f"{save}: saved values do not load back"
+        if save == "save_pretrained":                   # a model mapped from the new files, trained again
+            model, file = again, os.path.join(directory, "model.safetensors")
+            original = _sha(file)
+            _trained_step(model.train())
+            assert _sha(file) == original
+    return {"aliased": len(aliased), "changed": len(changed)}
+
+
+def lazy_model_loads_mapped(ctx, directory: str) -> dict:
+    """The lazy path by hand: a model built under lazy_init(), optimize()d
+    (its shards allocated, never written), then load_pretrained(mmap=True):
+    mapped shards, equal outputs and gradients to the unsharded model; a
+    meta-device model is still refused by name before anything is read."""
+    from shardformer import lazy_init
+
+    name = "LlamaForCausalLM"
+    _save_hf(ctx, name, directory)
+    with lazy_init():
+        model = zoo.build(name, seed=1).eval()
+    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
+    load_pretrained(model, directory, mmap=True)
+    assert _maps(os.path.join(directory, "model.safetensors"))
+    ref = zoo.build(name).eval()
+    _holds(name, model, ref)
+    report = _same_as(name, model, ref, zoo.make_inputs(name))
+    with torch.device("meta"):
+        meta = zoo.build(name, seed=1)
+    try:
+        load_pretrained(meta, directory, mmap=True)
+    except ValueError as e:
+        assert "meta device" in str(e), str(e)
+        report["meta"] = str(e).splitlines()[-1]
+    else:
+        raise AssertionError("a meta-device model was loaded without a word")
+    return report

@@ -17,10 +17,13 @@ dcp.py         get_state_dict / set_state_dict: state dicts (model and
 state.py       save_state / load_state: the whole training state (model,
                optimizer, scheduler, step, random state) through DCP,
                atomic, optionally asynchronous; exact resume.
+mapped.py      tensors over a checkpoint file's bytes, mapped copy-on-write
+               (what from_pretrained aliases), and materialize_mapped.
 atomic.py      directories that appear complete or not at all (both savers).
 """
 from .dcp import PlacedShard, get_state_dict, set_state_dict
 from .full import _shard_info, gather_full_state_dict, load_full_state_dict  # noqa: F401
+from .mapped import materialize_mapped
 from .pretrained import load_pretrained
 from .reader import CheckpointReader
 from .save import bind_hf_methods, push_to_hub, save_pretrained  # noqa: F401
@@ -28,5 +31,5 @@ from .sharded import load_sharded, save_sharded
 from .state import SaveHandle, load_state, save_state
 
 __all__ = ["CheckpointReader", "PlacedShard", "gather_full_state_dict", "get_state_dict", "load_full_state_dict",
-           "load_pretrained", "load_sharded", "load_state", "push_to_hub", "save_pretrained", "save_sharded",
-           "save_state", "SaveHandle", "set_state_dict"]
+           "load_pretrained", "load_sharded", "load_state", "materialize_mapped", "push_to_hub", "save_pretrained",
+           "save_sharded", "save_state", "SaveHandle", "set_state_dict"]

@@ -46,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..layer.expert_parallel import refuse_expert_parallel
+from . import mapped
 from .full import _named_tensors, _shard_info, problem_report
 from .reader import CheckpointReader
 
@@ -358,6 +359,68 @@ def plan_load(model: nn.Module, reader: CheckpointReader, strict: bool = True) -
 
 
 # ------------------------------------------------------------ filling
+def _row_block(item: _Item) -> tuple[str, int, int] | None:
+    """(checkpoint key, first row, rows) when item's tensor is exactly one
+    contiguous row block of one checkpoint tensor in the model's dtype on the
+    CPU: the whole tensor (replicated), or a shard along dimension 0 whose
+    ranges are back to back with no padding (a column-parallel weight's
+    output rows, a vocabulary shard).  Row r of a row-major [R, ...] tensor
+    is bytes [r*row, (r+1)*row) of its data, so such a shard is one byte
+    range of the file.  None for anything else (a column split, padding, a
+    dtype conversion, a tensor merged from several)."""
+    src, t = item.source, item.tensor
+    if not isinstance(src, _Leaf) or src.dtype != t.dtype or t.device.type != "cpu" or not src.shape:
+        return None
+    if item.split is None:
+        return src.key, 0, src.shape[0]
+    dim, shard = item.split
+    if dim != 0 or shard.length != shard.real or not shard.ranges:
+        return None
+    start, n = shard.ranges[0]
+    for s, k in shard.ranges[1:]:
+        if s != start + n:
+            return None
+        n += k
+    return src.key, start, n
+
+
+def alias(item: _Item, reader: CheckpointReader) -> bool:
+    """Make item's tensor a copy-on-write mapping of its bytes in the file
+    when they are one contiguous range (see _row_block and mapped.py);
+    False (nothing changed) where they are not."""
+    block = _row_block(item)
+    view = reader.mapped_rows(*block) if block is not None else None
+    if view is None or view.shape != item.tensor.shape:
+        return False
+    item.tensor.data = view
+    mapped.register(item.tensor, reader.file_of(block[0]))
+    return True
+
+
+def _copy_all(items: list, reader: CheckpointReader, done) -> None:
+    """fill() every item, several at a time where the reader allows: a
+    safetensors read maps its own block and torch's copy releases the GIL,
+    so torch.get_num_threads() threads copy at once, each within its share
+    of the reader's map budget (together still at most map_budget)."""
+    threads = min(len(items), torch.get_num_threads()) if reader.kind == "safetensors" else 1
+    if threads <= 1:
+        for item in items:
+            fill(item, reader)
+            done(item)
+        return
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    reader.block_budget = max(1, reader.map_budget // threads)
+    try:
+        with ThreadPoolExecutor(threads, thread_name_prefix="load_pretrained") as pool:
+            futures = {pool.submit(torch.no_grad()(fill), item, reader): item for item in items}
+            for f in as_completed(futures):
+                f.result()
+                done(futures[f])
+    finally:
+        reader.block_budget = reader.map_budget
+
+
 def fill(item: _Item, reader: CheckpointReader) -> None:
     """Copy item's values (this rank's shard of them) into its tensor."""
     t = item.tensor.detach()
@@ -391,7 +454,8 @@ def _bar(model, reader, items, progress):
 
 
 @torch.no_grad()
-def load_pretrained(model: nn.Module, path, strict: bool = True, progress: bool | None = None) -> nn.Module:
+def load_pretrained(model: nn.Module, path, strict: bool = True, progress: bool | None = None,
+                    mmap: bool = False) -> nn.Module:
     """Fill `model` (sharded by optimize(), or plain) from the HF checkpoint at
     `path` (a directory, or a .safetensors / .bin / index file), reading only
     this rank's slices of each sharded tensor.
@@ -401,15 +465,30 @@ def load_pretrained(model: nn.Module, path, strict: bool = True, progress: bool 
     and unexpected keys (the tensors that are present still must fit).
     progress: a tqdm bar on the first rank of the model's group; None shows
     it for checkpoints over 256 MiB.  Not collective: each rank reads alone.
+
+    mmap=True: a tensor whose values are one contiguous byte range of a
+    safetensors file in the model's dtype (a replicated tensor, a row shard)
+    is not copied: its `.data` becomes a copy-on-write mapping of those
+    bytes (mapped.py: writes never reach the file; the file must not be
+    rewritten in place while mapped, materialize_mapped() first).  Only for
+    a model nothing else holds views of (ShardFormer.from_pretrained passes
+    it).  The other tensors are copied, several at a time.
     Returns the model."""
     with CheckpointReader(path) as reader:
         items = plan_load(model, reader, strict=strict)
         bar = _bar(model, reader, items, progress)
+
+        def done(item):
+            if bar is not None:
+                bar.update(sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in item.source.leaves()))
         try:
+            copies = []
             for item in items:
-                fill(item, reader)
-                if bar is not None:
-                    bar.update(sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in item.source.leaves()))
+                if mmap and alias(item, reader):
+                    done(item)
+                else:
+                    copies.append(item)
+            _copy_all(copies, reader, done)
         finally:
             if bar is not None:
                 bar.close()

@@ -14,7 +14,17 @@ selected index ranges of one dimension of a tensor into a destination tensor
 shard of a tensor split along a dimension (its DimShard ranges back to back,
 zero padding after them).
 
-Memory.  The files are memory-mapped (safetensors' `safe_open`; for .bin,
+Safetensors files are read through mapped.map_range: each read maps
+just the rows it copies (copy-on-write, see mapped.py), copies them
+straight into the destination (one copy, converting the dtype on the way;
+torch's copy releases the GIL, so several threads read at once) and unmaps
+them; `mapped_rows` hands out such a mapping itself, for a caller that
+keeps it as a tensor's storage (pretrained.py aliases a shard that is one
+contiguous byte range of the file that way).  A block of rows touches at
+most `block_budget` bytes (map_budget unless a caller splits it between
+threads).
+
+Memory (.bin files).  The files are memory-mapped (safetensors' `safe_open`; for .bin,
 torch.load(mmap=True, weights_only=True)), and every page touched through a
 mapping counts in the process's resident set until the mapping is closed:
 a slice along a dimension other than the first touches every row of the
@@ -37,6 +47,8 @@ import math
 import os
 
 import torch
+
+from . import mapped
 
 # safetensors' dtype names -> torch dtypes (the ones this torch has)
 _ST_DTYPES = {
@@ -64,6 +76,16 @@ def _torch_dtype(name: str, where: str) -> torch.dtype:
     if dtype is None:
         raise ValueError(f"{where}: dtype {name} has no torch equivalent here")
     return dtype
+
+
+def _st_offsets(file: str) -> dict[str, int]:
+    """{tensor name: absolute byte offset of its data} of a safetensors file
+    (its header: an 8-byte little-endian length, then JSON with each
+    tensor's data_offsets relative to the end of the header)."""
+    with open(file, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    return {k: 8 + n + v["data_offsets"][0] for k, v in header.items() if k != "__metadata__"}
 
 
 def _resolve(path: str) -> tuple[str, list[str], dict[str, str] | None]:
@@ -153,6 +175,7 @@ class CheckpointReader:
         self.kind, self.files, weight_map = _resolve(self.path)
         self._meta: dict[str, tuple[tuple[int, ...], torch.dtype, str]] = {}
         self._nontensors: list[str] = []
+        self._offsets: dict[str, int] = {}      # safetensors: name -> byte offset of its data in its file
         for file in self.files:
             self._scan(file)
         if weight_map is not None:
@@ -161,6 +184,7 @@ class CheckpointReader:
                 raise ValueError(f"{self.path}: the index does not match the files for {len(wrong)} tensor(s): "
                                  f"{', '.join(wrong[:10])}")
         self._open: _Mapping | None = None
+        self.block_budget = self.map_budget
 
     # ----------------------------------------------------------- metadata
     def _scan(self, file: str) -> None:
@@ -173,11 +197,13 @@ class CheckpointReader:
             except Exception as e:  # noqa: BLE001 - safetensors' errors name no file
                 raise ValueError(f"{file}: not a readable safetensors checkpoint ({os.path.getsize(file)} bytes; "
                                  f"damaged or truncated?): {type(e).__name__}: {e}") from e
+            offsets = _st_offsets(file)
             with handle as f:
                 for name in f.keys():
                     s = f.get_slice(name)
                     dtype = _torch_dtype(s.get_dtype(), f"{file}: {name}")
                     self._add(name, tuple(s.get_shape()), dtype, file)
+                    self._offsets[name] = offsets[name]
             return
         for name, t in _load_bin(file).items():
             if isinstance(t, torch.Tensor):
@@ -235,7 +261,42 @@ class CheckpointReader:
         """Tensor `name` indexed by `index` (slices, one per leading dimension);
         `touch` is how many bytes of the file that reaches.  Every read goes
         through here."""
+        if self._aligned(name):
+            shape = self.shape(name)
+            if not shape:
+                return self._rows(name, None, None)
+            rows = index[0] if index else slice(0, shape[0])
+            block = self._rows(name, rows.start, rows.stop)
+            return block[(slice(None),) + index[1:]] if len(index) > 1 else block
         return self._mapping(self.file_of(name), touch).get(name, index)
+
+    def _aligned(self, name: str) -> bool:
+        """Whether safetensors tensor `name` starts at a multiple of its
+        dtype's size (then its rows map as tensors; safetensors writes
+        them so)."""
+        return name in self._offsets and self._offsets[name] % self.dtype(name).itemsize == 0
+
+    def _rows(self, name: str, start, stop) -> torch.Tensor:
+        """Rows [start, stop) of safetensors tensor `name`, mapped (None, None:
+        a 0-d tensor)."""
+        shape, dtype, file = self._meta[name]
+        if start is None:
+            return mapped.map_range(file, self._offsets[name], dtype.itemsize, dtype, shape)
+        row = self.nbytes(name) // max(shape[0], 1)
+        if row == 0 or stop == start:
+            return torch.empty((stop - start,) + shape[1:], dtype=dtype)
+        return mapped.map_range(file, self._offsets[name] + start * row, (stop - start) * row, dtype,
+                                (stop - start,) + shape[1:])
+
+    def mapped_rows(self, name: str, start: int, n: int) -> torch.Tensor | None:
+        """Rows [start, start + n) of tensor `name` as a writable tensor over
+        the file's own bytes (copy-on-write: writes never reach the file; see
+        mapped.py), or None where the file cannot be aliased (a .bin, an
+        empty or 0-d tensor, data not aligned to its dtype)."""
+        shape = self.shape(name)
+        if not self._aligned(name) or not shape or n <= 0 or math.prod(shape[1:]) == 0:
+            return None
+        return self._rows(name, start, start + n)
 
     def read_into(self, name: str, out: torch.Tensor, dim: int | None = None,
                   ranges=None) -> None:
@@ -249,7 +310,7 @@ class CheckpointReader:
             out.copy_(self._view(name, (), self.nbytes(name)))
             return
         row = self.nbytes(name) // max(shape[0], 1)     # bytes of one index of dim 0
-        rows_per_block = max(1, self.map_budget // max(row, 1))
+        rows_per_block = max(1, self.block_budget // max(row, 1))
         pos = 0
         for start, n in ranges:
             if dim == 0:

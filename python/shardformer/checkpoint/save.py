@@ -80,6 +80,7 @@ from ..pickling import BoundMethod
 from .atomic import _fsync, _make_temp, _put_in_place, recover_directory, save_target  # noqa: F401
 from .full import _gather_dim_to_root as _gather_to_root  # one gather-to-root (tests wrap it here)
 from .full import _group_root, _named_tensors, _shard_info, gather_full_state_dict
+from .mapped import materialize_mapped
 
 __all__ = ["bind_hf_methods", "push_to_hub", "save_pretrained", "recover_directory"]
 
@@ -547,6 +548,8 @@ def save_pretrained(model: nn.Module, save_directory, max_shard_size="2GB", *, p
     for unused in ("save_peft_format", "save_original_format", "distributed_checkpoint"):
         kwargs.pop(unused, None)
     directory = save_target(save_directory, f"{name}: save_pretrained")   # before anything is gathered
+    # No tensor keeps a file of the checkpoint this save replaces mapped (mapped.py).
+    materialize_mapped(model, directory)
     from ..pipeline.stages import runtime_of
 
     stages = runtime_of(model)

@@ -70,6 +70,7 @@ from ..config import concrete_group
 from .full import _group_root, _shard_info, problem_report
 from .atomic import _fsync, _put_in_place, recover_directory, save_target
 from .integrity import file_problems, file_record, manifest_problems
+from .mapped import materialize_mapped
 from .save import _Flags, _sharded_group
 
 __all__ = ["save_sharded", "load_sharded", "MANIFEST"]
@@ -144,6 +145,8 @@ def save_sharded(model: nn.Module, out_dir) -> None:
     general = boxes.is_general(model)
     group = None if general else _sharded_group(model, "save_sharded")   # the default group: the world
     directory = save_target(out_dir, f"{name}: save_sharded")
+    # No tensor keeps a file of the checkpoint this save replaces mapped (mapped.py).
+    materialize_mapped(model, directory)
     if _group_root(group) != 0:
         return
     distributed = dist.is_initialized()
