@@ -329,7 +329,7 @@ def mapped_shards_equal_slices(ctx, directory: str, default_group: bool) -> dict
     torch.set_num_threads(3)               # the column shards read by 3 threads
     try:
         model, _ = ShardFormer(_cfg(ctx, default_group)).from_pretrained(
-            transformers.LlamaForCausalLM, directory, attn_implementation="eager")
+            transformers.LlamaForCausalLM, directory, attn_implementation="eager", mmap=True)
     finally:
         torch.set_num_threads(threads)
     file = os.path.join(directory, "model.safetensors")
@@ -372,7 +372,7 @@ def writes_never_reach_the_file(ctx, directory: str, default_group: bool) -> dic
     _save_hf(ctx, "LlamaForCausalLM", directory)
     file = os.path.join(directory, "model.safetensors")
     original = _sha(file)
-    model, _ = ShardFormer(cfg).from_pretrained(cls, directory, attn_implementation="eager")
+    model, _ = ShardFormer(cfg).from_pretrained(cls, directory, attn_implementation="eager", mmap=True)
     assert _maps(file), f"{file} is not mapped: every shard was copied"
     from shardformer.checkpoint import mapped
 
