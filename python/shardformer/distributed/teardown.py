@@ -68,9 +68,10 @@ def _functions_of(module: types.ModuleType):
     """The module's own functions and the methods of its own classes."""
     name = module.__name__
     for value in list(vars(module).values()):
-        if isinstance(value, types.FunctionType) and value.__module__ == name:
+        kind = type(value)          # not isinstance: a deprecated alias warns when its __class__ is read
+        if kind is types.FunctionType and value.__module__ == name:
             yield value
-        elif isinstance(value, type) and value.__module__ == name:
+        elif issubclass(kind, type) and value.__module__ == name:
             for attr in list(vars(value).values()):
                 if isinstance(attr, (staticmethod, classmethod)):
                     attr = attr.__func__
