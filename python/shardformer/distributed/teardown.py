@@ -43,6 +43,7 @@ import contextlib
 import gc
 import sys
 import types
+import weakref
 
 
 def _process_group_type():
@@ -79,31 +80,33 @@ def _functions_of(module: types.ModuleType):
                     yield attr
 
 
-def _release_captured_groups(prefix: str = "torch.distributed") -> list[str]:
+def _release_captured_groups(prefix: str = "torch.distributed") -> list:
     """Reset to None every default argument, in the loaded modules named
     `prefix` or `prefix.*`, that holds a process group torch.distributed no
-    longer knows.  Returns the functions changed ("module.qualname")."""
+    longer knows.  Returns weak references to the groups released."""
     pg_type = _process_group_type()
     if pg_type is None:
         return []
     live = _live_groups()
+    released: dict[int, weakref.ref] = {}
 
     def stale(value) -> bool:
-        return isinstance(value, pg_type) and id(value) not in live
+        # type(), not isinstance: a deprecated alias among the defaults warns when its __class__ is read
+        if issubclass(type(value), pg_type) and id(value) not in live:
+            released.setdefault(id(value), weakref.ref(value))
+            return True
+        return False
 
-    changed = []
     for mod_name, module in list(sys.modules.items()):
         if module is None or not (mod_name == prefix or mod_name.startswith(prefix + ".")):
             continue
         for fn in _functions_of(module):
             defaults, kwdefaults = fn.__defaults__, fn.__kwdefaults__
-            if defaults and any(stale(v) for v in defaults):
-                fn.__defaults__ = tuple(None if stale(v) else v for v in defaults)
-                changed.append(f"{mod_name}.{fn.__qualname__}")
-            if kwdefaults and any(stale(v) for v in kwdefaults.values()):
-                fn.__kwdefaults__ = {k: (None if stale(v) else v) for k, v in kwdefaults.items()}
-                changed.append(f"{mod_name}.{fn.__qualname__}")
-    return changed
+            if defaults and any([stale(v) for v in defaults]):
+                fn.__defaults__ = tuple(None if id(v) in released else v for v in defaults)
+            if kwdefaults and any([stale(v) for v in kwdefaults.values()]):
+                fn.__kwdefaults__ = {k: (None if id(v) in released else v) for k, v in kwdefaults.items()}
+    return list(released.values())
 
 
 def release_groups() -> None:
@@ -122,8 +125,8 @@ def release_groups() -> None:
     from .. import parallel_mesh
 
     parallel_mesh.forget_meshes()
-    if _release_captured_groups():
-        gc.collect()       # a group also reachable from a reference cycle goes now, not at finalization
+    if any(ref() is not None for ref in _release_captured_groups()):
+        gc.collect()       # a released group still reachable from a reference cycle goes now, not at finalization
 
 
 def _at_exit() -> None:
