@@ -7,8 +7,8 @@ during interpreter finalization (a module's globals cleared, the final
 garbage collection) or not at all (then process exit tears the threads down
 under the static destructors), the process can die at exit with SIGABRT,
 "terminate called without an active exception": the exit output is right and
-the exit status is not.  Under load this was about one run in thirty of the
-torchrun sentence-embedding example (rank 0 or rank 1).
+the exit status is not.  Rare: once in 87 torchrun runs of the
+sentence-embedding example on a loaded 2-core machine, once in CI.
 
 Why a group outlives `dist.destroy_process_group()`: a module imported after
 `init_process_group` that names the group in a default argument,
