@@ -24,6 +24,13 @@ C++ frames calls std::terminate.  The daemon thread was the shm
 communicator's async worker; shardformer.distributed.shm._close_all stops it
 before finalization.  tests/test_exit_abort.py reproduces it every time on
 the code before the fix; this script is the statistical check under load.
+
+A second cause of the same message: a group that outlived
+dist.destroy_process_group() (its default argument captured by
+torch.distributed.nn.functional, imported after init by transformers here)
+so gloo's threads were joined during finalization or not at all;
+shardformer.distributed.teardown releases the groups at exit
+(tests/test_exit_abort.py::test_no_backend_thread_left_at_exit, docs/flake.md).
 """
 from __future__ import annotations
 

@@ -105,9 +105,10 @@ def test_spawn_rejects_bad_arguments():
 _EXIT_PROBE = r"""
 import atexit, sys
 import torch
-from shardformer.launch import free_port, init_rank
-# Registered before init_rank's handler, so (atexit runs last-in first-out) it runs after it.
+# Registered before shardformer's exit teardown (registered on import), so (atexit runs
+# last-in first-out) it runs after it.
 atexit.register(lambda: print("initialized at exit:", torch.distributed.is_initialized(), flush=True))
+from shardformer.launch import free_port, init_rank
 dist = init_rank(0, 1, free_port(), "gloo", timeout_s=30)
 g = dist.new_group([0])
 t = torch.ones(4)

@@ -6,6 +6,7 @@
 from .autopolicy import supported_models
 from .config import ShardConfig
 from .distributed.ledger import comm_stats
+from .distributed.teardown import register as _register_teardown
 from .grad_norm import average_gradients, clip_grad_norm_, data_parallel
 from .lazy import lazy_init
 from .parallel_mesh import Mesh, mesh
@@ -17,6 +18,7 @@ from .verification import verify
 __version__ = "0.1.0"
 
 _register_pickling()   # process groups pickle by reference (shardformer.pickling)
+_register_teardown()   # process groups end at exit before finalization (shardformer.distributed.teardown)
 
 __all__ = [
     "Mesh",

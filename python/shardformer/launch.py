@@ -27,7 +27,6 @@ torch is imported in the child processes and inside these functions only.
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import pickle
@@ -89,6 +88,8 @@ def init_rank(rank: int, world_size: int, port: int, backend: str = "gloo", time
     effect, so that one is the caller's), and initializes the default process
     group (`backend`, collective timeout `timeout_s`).  Returns
     torch.distributed.  Every rank of `spawn()` is set up by this function.
+    The groups are torn down at exit however the rank's code returns
+    (shardformer.distributed.teardown, registered on import).
     """
     os.environ.update(_rank_environ(rank, world_size, port))
     import datetime
@@ -100,30 +101,7 @@ def init_rank(rank: int, world_size: int, port: int, backend: str = "gloo", time
         torch.set_num_threads(threads)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
                             timeout=datetime.timedelta(seconds=timeout_s))
-    atexit.register(_destroy_groups_at_exit)
     return dist
-
-
-def _destroy_groups_at_exit() -> None:
-    """Destroy the process groups while the interpreter is still whole.
-
-    A process that ends with its groups alive leaves their destruction to
-    interpreter finalization.  Registered by init_rank, so every rank it sets
-    up tears its groups down in order however its code returns; a no-op when
-    the groups were destroyed already.
-
-    (The exit SIGABRT once blamed on this, "terminate called without an
-    active exception", was a daemon thread inside a torch op taking the GIL
-    back during finalization: CPython ends such a thread with pthread_exit,
-    whose forced unwind through torch's C++ frames calls std::terminate.
-    Ours was the shm communicator's async worker; shardformer.distributed.shm
-    stops it before finalization, tests/test_exit_abort.py.)
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
 
 
 def _dumps_callable(fn, args) -> bytes:

@@ -49,7 +49,13 @@ import torch.distributed as dist
 from .distributed.agree import agree
 
 DIMS = ("pp", "dp", "sp", "tp")
-_MESHES: dict = {}
+_MESHES: dict = {}     # (id(world), sizes, ep, backend) -> (world, Mesh): holds the groups strongly
+
+
+def forget_meshes() -> None:
+    """Drop the cached meshes (and with them the references to their groups);
+    the exit teardown calls it (shardformer.distributed.teardown)."""
+    _MESHES.clear()
 
 
 @dataclass(frozen=True, eq=False)

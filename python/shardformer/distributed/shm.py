@@ -73,7 +73,6 @@ than reduce-scatter + all-gather).
 """
 from __future__ import annotations
 
-import atexit
 import os
 import queue
 import re
@@ -619,9 +618,8 @@ def _copy_back(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src)
 
 
-@atexit.register
 def _close_all() -> None:
-    """At exit: close every communicator, never waiting for a peer, and stop
+    """At exit (called first by shardformer.distributed.teardown._at_exit): close every communicator, never waiting for a peer, and stop
     the async workers before the interpreter finalizes.
 
     A worker is a daemon thread; one still inside a torch operation when
