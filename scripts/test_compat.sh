@@ -23,7 +23,7 @@ VENV=.venv-compat
 # module), the wheel build (packaging) and the demo / pretrained checkpoints (those need
 # requirements-models.txt).  One line: tests/test_transformers_version.py reads it and checks that it
 # collects tests.
-SUBSET=(tests --ignore=tests/test_asan.py --ignore=tests/test_c_core.py --ignore=tests/test_packaging.py --ignore=tests/test_demo.py --ignore=tests/test_pretrained.py --ignore=tests/test_all_to_all.py --ignore=tests/test_comm_lifetime.py --ignore=tests/test_collectives_under_load.py --ignore=tests/test_shm_faults.py --ignore=tests/test_shm_wait.py --ignore=tests/test_kernel_faults.py --ignore=tests/test_simd_paths.py --ignore=tests/test_launch.py --ignore=tests/test_layers.py --ignore=tests/test_ring_attention.py --ignore=tests/test_exit_abort.py --ignore=tests/test_benchmarks.py --ignore=tests/test_docs.py)
+SUBSET=(tests --ignore=tests/test_asan.py --ignore=tests/test_c_core.py --ignore=tests/test_packaging.py --ignore=tests/test_demo.py --ignore=tests/test_pretrained.py --ignore=tests/test_all_to_all.py --ignore=tests/test_comm_lifetime.py --ignore=tests/test_collectives_under_load.py --ignore=tests/test_shm_faults.py --ignore=tests/test_shm_wait.py --ignore=tests/test_kernel_faults.py --ignore=tests/test_simd_paths.py --ignore=tests/test_launch.py --ignore=tests/test_layers.py --ignore=tests/test_ring_attention.py --ignore=tests/test_exit_abort.py --ignore=tests/test_benchmarks.py --ignore=tests/test_docs.py --ignore=tests/test_import_graph.py)
 
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"

@@ -105,7 +105,7 @@ from torch import nn
 from .. import distributed as D
 from .. import packing
 from ..distributed.mappings import _all_gather_seq
-from ..pickling import BoundMethod
+from ..pickling import BoundMethod, reference_of, register_reference, resolve_reference
 from .dropout import RankStream as _RankStream, may_draw
 from .parallel_module import ShardPlan
 from .replicated import _all_reduce_hook, has_grad_all_reduce
@@ -544,14 +544,22 @@ class AttentionSeam:
     def modules(self, root: nn.Module) -> list:
         return [m for m in root.modules() if type(m).__name__ == self.module]
 
+    def registered(self, module_name: str, attr: str) -> "AttentionSeam":
+        """This seam, declared as bound to the module-level name
+        `module_name`.`attr` (`SEAM = AttentionSeam(...).registered(__name__,
+        "SEAM")`), so that a model sharded with it pickles: the seam pickles
+        as that name (shardformer.pickling.register_reference)."""
+        return register_reference(self, module_name, attr)
+
     def __reduce__(self):
-        """Pickled by reference: the module-level name it is defined under
-        (its split / kernel are closures of the factory that made it)."""
-        home = _seam_home(self)
+        """Pickled by reference: the module-level name it was registered
+        under (its split / kernel are closures of the factory that made it)."""
+        home = reference_of(self)
         if home is None:
-            raise TypeError(f"the AttentionSeam of {self.module}.{self.method} cannot be pickled: it is not "
-                            f"defined at module level (a seam pickles as a reference to its module-level name)")
-        return _seam_at, home
+            raise TypeError(f"the AttentionSeam of {self.module}.{self.method} cannot be pickled: it was not "
+                            f"registered under a module-level name (SEAM = AttentionSeam(...).registered(__name__, "
+                            f"'SEAM'); docs/dag.md)")
+        return resolve_reference, home
 
     def refuse(self, model: nn.Module, mode: str, name: str) -> None:
         """Refuse, before anything changes: a model none of whose attention
@@ -699,25 +707,6 @@ def _equal_widths(attend, query, key, value, *args, scale, **kwargs):
     query, key = F.pad(query, (0, width - dk)), F.pad(key, (0, width - dk))
     out = attend(query, key, F.pad(value, (0, width - dv)), *args, scale=scale, **kwargs)
     return out[..., :dv]
-
-
-def _seam_home(seam: AttentionSeam) -> tuple[str, str] | None:
-    """(module name, attribute) of a module-level name bound to `seam`: the
-    policies' modules first, then every imported module."""
-    import sys
-
-    modules = sorted(sys.modules.items(), key=lambda kv: not kv[0].startswith("shardformer.policies."))
-    for module_name, module in modules:
-        for attr, value in list(getattr(module, "__dict__", {}).items()):
-            if value is seam:
-                return module_name, attr
-    return None
-
-
-def _seam_at(module_name: str, attr: str) -> AttentionSeam:
-    import importlib
-
-    return getattr(importlib.import_module(module_name), attr)
 
 
 def head_major_seam(module: str, *, scale: Callable, window: Callable = lambda m: 0, causal: bool = False,
