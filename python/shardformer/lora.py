@@ -161,20 +161,20 @@ class GatheredSave:
         self.peft_model = peft_model
 
     def __call__(self, save_directory, *args, is_main_process: bool = True, **kwargs):
-        from .checkpoint.full import _gather_dim_to_root, _shard_info
+        from .checkpoint.full import gather_dim_to_root, shard_info
 
         model = self.peft_model
         if "state_dict" in kwargs:
             raise ValueError(f"{type(model).__name__}.save_pretrained: state_dict= is not supported on a sharded "
                              f"model (the adapters are gathered from the shards)")
-        info = _shard_info(model)
+        info = shard_info(model)
         state = {}
         for key, t in model.state_dict(keep_vars=True).items():
             if "lora_" not in key:
                 continue
             if id(t) in info:
                 dim, shard, group = info[id(t)]
-                t = _gather_dim_to_root(t, dim, shard, group)
+                t = gather_dim_to_root(t, dim, shard, group)
             if t is not None:
                 state[key] = t.detach()
         main = is_main_process and (not dist.is_initialized() or dist.get_rank() == 0)

@@ -33,6 +33,7 @@ from ..distributed.mappings import (
     sync_replicated_grad,
 )
 from ..layout import Fused, Split, SplitSpec, Vocab
+from .dropout import DropoutForParallelInput
 from .parallel_module import ParallelModule, ShardPlan, check_param, shapes_only
 from .sequence import reduce_scatter_rows, start_all_gather, start_reduce_scatter, token_dim
 
@@ -504,7 +505,6 @@ class Linear1D_Row(_LinearShard):
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
         self.reduce_scatter = reduce_scatter
-        from .dropout import DropoutForParallelInput
 
         self.output_dropout = DropoutForParallelInput(dropout, process_group=process_group) if dropout else None
         self.input_dropout = (DropoutForParallelInput(input_dropout, process_group=process_group)

@@ -68,7 +68,10 @@ from torch import nn
 
 from .. import compile_refusal
 from .. import distributed as D
-from ..distributed.mappings import _all_gather_seq, gather_from_sequence_region, reduce_scatter_to_sequence_region
+from ..distributed.communicator import ShmBackend, _SHM_REDUCIBLE, communicator_for
+from ..distributed.mappings import (
+    _all_gather_seq, copy_to_tp_region, gather_from_sequence_region, reduce_scatter_to_sequence_region,
+)
 from . import recompute
 from .parallel_module import ShardPlan, plan_directly
 
@@ -224,8 +227,6 @@ def keep_rows(x: torch.Tensor, group) -> torch.Tensor:
 def sum_grad_over_ranks(y: torch.Tensor, group) -> torch.Tensor:
     """Identity forward; backward, the gradient all-reduced over the group
     (each rank's gradient covers only the rows that rank kept: keep_rows)."""
-    from ..distributed.mappings import copy_to_tp_region
-
     return copy_to_tp_region(y, group)
 
 
@@ -248,8 +249,6 @@ def start_all_gather(out: torch.Tensor, t: torch.Tensor, group):
     collective runs on its worker thread (async_op=True) while this thread
     computes, until handle.wait(); on the other backends it has run already
     when this returns (overlapped False)."""
-    from ..distributed.communicator import ShmBackend, communicator_for
-
     comm = communicator_for(t, group)
     if isinstance(comm, ShmBackend):
         return comm.shm.all_gather(out, t, async_op=True), True
@@ -260,8 +259,6 @@ def start_all_gather(out: torch.Tensor, t: torch.Tensor, group):
 def start_reduce_scatter(out: torch.Tensor, t: torch.Tensor, group):
     """Start out = this rank's dim-0 chunk of the sum over ranks of `t`;
     (handle, overlapped) as start_all_gather."""
-    from ..distributed.communicator import _SHM_REDUCIBLE, ShmBackend, communicator_for
-
     comm = communicator_for(t, group)
     if isinstance(comm, ShmBackend) and t.dtype in _SHM_REDUCIBLE:
         return comm.shm.reduce_scatter(out, t, async_op=True), True

@@ -102,13 +102,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import attention as sf_attention
 from .. import distributed as D
 from .. import packing
-from ..distributed.mappings import _all_gather_seq
+from ..attention import (
+    SEAM_MARK, uses_registry, own_attention, seam_kernel, seam_kernel_reason, shardformer_attention,
+    wants_weights,
+)
+from ..distributed.mappings import _all_gather_seq, all_to_all_along, copy_to_tp_region
 from ..pickling import BoundMethod, reference_of, register_reference, resolve_reference
 from .dropout import RankStream as _RankStream, may_draw
 from .parallel_module import ShardPlan
-from .replicated import _all_reduce_hook, has_grad_all_reduce
+from .replicated import all_reduce_hook, has_grad_all_reduce
+from .ring_attention import ring_attention, zigzag_rows
 from .sequence import mark_rows
 
 SEQ_DIM = 1
@@ -147,8 +153,6 @@ class SequenceSplit:
         multiple = 2 * self.p if self.mode == "ring_attn" else self.p
         self.length, self.padded = length, -(-length // multiple) * multiple
         if self.mode == "ring_attn":
-            from .ring_attention import zigzag_rows
-
             order = [zigzag_rows(self.padded, self.p, r) for r in range(self.p)]
             self.order = torch.cat(order).to(device)
             self.rows = order[self.rank].to(device)
@@ -305,8 +309,6 @@ def _heads_for_split(query, key, value, p: int):
 
 
 def _ulysses(state, module, query, key, value, attention_mask, kwargs):
-    from ..distributed.mappings import all_to_all_along
-
     q, k, v, groups, extra = _heads_for_split(query, key, value, state.p)
     # [B, H, S'/p, D] -> [B, H/p, S', D]: heads scattered (dim 1), sequence gathered (dim 2)
     q, k, v = (all_to_all_along(t, 1, 2, state.group) for t in (q, k, v))
@@ -391,15 +393,11 @@ def _cross(state, module, query, key, value, attention_mask, kwargs):
     with the wrapped implementation, no collective."""
     mask = _cross_mask(attention_mask, state)
     if state.mode == "ring_attn":
-        from ..attention import shardformer_attention
-
         return shardformer_attention(module, query, key, value, mask, **kwargs)
     return _inner_attention(state.inner, module)(module, query, key, value, mask, **kwargs)
 
 
 def _ring(state, module, query, key, value, attention_mask, kwargs):
-    from .ring_attention import ring_attention
-
     if kwargs.get("output_attentions"):
         raise NotImplementedError(f"{state.name}: ring_attn never builds the attention weights "
                                   f"(output_attentions=True)")
@@ -471,8 +469,6 @@ def split_attention(module, query, key, value, attention_mask, **kwargs):
     if not state.active:
         CALLS["unsplit"] += 1
         if state.mode == "ring_attn":      # the masks are the compact ones shardformer's attention reads
-            from ..attention import shardformer_attention
-
             return shardformer_attention(module, query, key, value, attention_mask, **kwargs)
         return _inner_attention(state.inner, module)(module, query, key, value, attention_mask, **kwargs)
     if module.__dict__.get(_CROSS_MARK):
@@ -491,8 +487,6 @@ def _implementation_name(mode: str, inner: str) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    from .. import attention as sf_attention
 
     name = f"shardformer_sp_{mode}_{inner}"
     if name not in ALL_ATTENTION_FUNCTIONS:
@@ -581,7 +575,6 @@ def _seam_method(module, *args, **kwargs):
     original = getattr(type(module), seam.method).__get__(module, type(module))
     if not state.active:
         CALLS["unsplit"] += 1
-        from ..attention import SEAM_MARK
 
         if SEAM_MARK in module.__dict__:            # enable_flash_attention: the seam's kernel
             return seam.kernel(module, original, args, kwargs)
@@ -636,8 +629,6 @@ def ulysses(state: SequenceSplit, query, key, value, core: Callable, mask=None) 
     sequence, gather heads) -> [B, H, S_r, D].  Heads not dividing p:
     _heads_for_split (key / value repeated to the query heads, zero heads
     appended and dropped after)."""
-    from ..distributed.mappings import all_to_all_along
-
     heads = query.shape[1]
     q, k, v, _groups, extra = _heads_for_split(query, key, value, state.p)
     q, k, v = (all_to_all_along(t.contiguous(), 1, 2, state.group) for t in (q, k, v))
@@ -682,8 +673,6 @@ def ring_rows(state: SequenceSplit, query, key, value, mask, *, scale: float, wi
     wider than the key heads (latent attention: k [.., 192], v [.., 128])
     are padded with zero columns to one width D (zeros leave q . k and P v
     unchanged; the scale is explicit) and the output cut back to v's width."""
-    from .ring_attention import ring_attention
-
     padding = causal_key_padding(mask, state)
     bias = None
     if key_bias is not None:
@@ -732,8 +721,6 @@ def head_major_seam(module: str, *, scale: Callable, window: Callable = lambda m
         return ring_rows(state, query, key, value, mask, scale=scale(mod), window=window(mod), dropout=p), None
 
     def kernel(mod, original, args, kwargs):
-        from ..attention import own_attention, seam_kernel, seam_kernel_reason, wants_weights
-
         query, key, value, mask = bind_args(args, kwargs, ("query", "key", "value", "attention_mask"))
         p = getattr(mod, dropout).p if mod.training else 0.0
         reason = seam_kernel_reason(mod, (query, key, value), p, wants_weights(mod))
@@ -870,13 +857,12 @@ class _SplitHooks:
 
     def _switch_attention(self) -> None:
         state = self.state
-        from ..attention import _uses_registry
 
         if state.seam is not None:
             self._replace_seam()
             return
 
-        named = [(n, m) for n, m in self.layers.named_modules() if _uses_registry(m)]
+        named = [(n, m) for n, m in self.layers.named_modules() if uses_registry(m)]
         users = [m for _, m in named]
         if not users:
             raise NotImplementedError(f"{state.name}: sequence_parallelism_mode={state.mode!r} needs attention "
@@ -1088,8 +1074,6 @@ def _encoder_states_summed(kwargs: dict, args: tuple, state: SequenceSplit) -> d
     """The base's `encoder_hidden_states` (full on every rank) through an
     identity whose backward all-reduces over the SP group: each rank's
     cross-attention rows give a partial gradient of it."""
-    from ..distributed.mappings import copy_to_tp_region
-
     states = kwargs.get("encoder_hidden_states")
     if states is None:
         if len(args) > 1:
@@ -1147,5 +1131,5 @@ def _ensure_grad_sync(layers: nn.Module, group) -> None:
     for p in layers.parameters():
         # by the hook itself, not a mark: torch.load restores a parameter's attributes, not its hooks
         if p.requires_grad and not has_grad_all_reduce(p, group):
-            p.register_hook(_all_reduce_hook(group))
+            p.register_hook(all_reduce_hook(group))
             p.__dict__[_SYNC_MARK] = (group,)
