@@ -16,9 +16,10 @@ The layering, leaf first.  A module may import its own layer and the layers
 below it; an arrow into a higher layer is an *upward arrow*:
 
     0 base        config (a leaf: it imports no shardformer module), layout,
-                  the _C glue (ops, compile_ops), versions, lazy init, the
-                  attention-seam registry (seams) and the small helpers every
-                  other layer uses (hashes, inherit, pickling, ...)
+                  the _C glue (ops, compile_ops), versions, lazy init,
+                  pickling (which holds the registry of objects pickled by
+                  name, e.g. attention seams) and the small helpers every
+                  other layer uses (hashes, inherit, packing, ...)
     1 distributed the communicators, the ledger, the region operators
                   (distributed/*), and the cross-rank checks built on them
                   (replicas, input_check, lockstep)
@@ -73,12 +74,12 @@ PACKAGE = "shardformer"
 # first pattern that matches decides; every module must match one.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("_C", "config", "layout", "_versions", "ops", "compile_ops", "hashes", "lazy", "inherit",
-              "compile_refusal", "packing", "ddp_guard", "ties", "wrappers", "pickling", "seams")),
+              "compile_refusal", "packing", "ddp_guard", "ties", "wrappers", "pickling")),
     ("distributed", ("distributed", "distributed.*", "replicas", "input_check", "lockstep")),
     ("layer", ("layer", "layer.*", "attention")),
     ("runtime", ("pipeline", "pipeline.*", "checkpoint", "checkpoint.*", "grad_norm", "parallel_mesh")),
-    ("policy", ("policy", "family", "plan", "autopolicy", "derived_policy", "lm_loss", "sharder", "optimizations",
-                "spec", "spec.*")),
+    ("policy", ("policy", "family", "plan", "autopolicy", "derived_policy", "derived_rules", "lm_loss", "sharder",
+                "optimizations", "spec", "spec.*")),
     ("policies", ("policies", "policies.*")),
     ("api", ("", "shardformer", "lora", "launch", "integrations", "integrations.*")),
 ]
