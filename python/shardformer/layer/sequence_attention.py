@@ -105,16 +105,12 @@ from torch import nn
 from .. import attention as sf_attention
 from .. import distributed as D
 from .. import packing
-from ..attention import (
-    SEAM_MARK, uses_registry, own_attention, seam_kernel, seam_kernel_reason, shardformer_attention,
-    wants_weights,
-)
 from ..distributed.mappings import _all_gather_seq, all_to_all_along, copy_to_tp_region
 from ..pickling import BoundMethod, reference_of, register_reference, resolve_reference
 from .dropout import RankStream as _RankStream, may_draw
 from .parallel_module import ShardPlan
 from .replicated import all_reduce_hook, has_grad_all_reduce
-from .ring_attention import ring_attention, zigzag_rows
+from . import ring_attention as ring   # looked up at each call (tests wrap ring.ring_attention)
 from .sequence import mark_rows
 
 SEQ_DIM = 1
@@ -153,7 +149,7 @@ class SequenceSplit:
         multiple = 2 * self.p if self.mode == "ring_attn" else self.p
         self.length, self.padded = length, -(-length // multiple) * multiple
         if self.mode == "ring_attn":
-            order = [zigzag_rows(self.padded, self.p, r) for r in range(self.p)]
+            order = [ring.zigzag_rows(self.padded, self.p, r) for r in range(self.p)]
             self.order = torch.cat(order).to(device)
             self.rows = order[self.rank].to(device)
         else:
@@ -393,7 +389,7 @@ def _cross(state, module, query, key, value, attention_mask, kwargs):
     with the wrapped implementation, no collective."""
     mask = _cross_mask(attention_mask, state)
     if state.mode == "ring_attn":
-        return shardformer_attention(module, query, key, value, mask, **kwargs)
+        return sf_attention.shardformer_attention(module, query, key, value, mask, **kwargs)
     return _inner_attention(state.inner, module)(module, query, key, value, mask, **kwargs)
 
 
@@ -426,7 +422,7 @@ def _ring(state, module, query, key, value, attention_mask, kwargs):
         padding = padding.expand(query.shape[0], state.padded)
     if bias is not None:
         CALLS["bias"] += 1
-    out = _equal_widths(ring_attention, query, key, value, state.group, scale=kwargs.get("scaling"),
+    out = _equal_widths(ring.ring_attention, query, key, value, state.group, scale=kwargs.get("scaling"),
                         causal=causal, key_padding=padding, window=int(window), bias=bias,   # global positions
                         softcap=kwargs.get("softcap"), dropout_p=dropout, documents=documents)
     return out.transpose(1, 2).contiguous(), None
@@ -469,7 +465,7 @@ def split_attention(module, query, key, value, attention_mask, **kwargs):
     if not state.active:
         CALLS["unsplit"] += 1
         if state.mode == "ring_attn":      # the masks are the compact ones shardformer's attention reads
-            return shardformer_attention(module, query, key, value, attention_mask, **kwargs)
+            return sf_attention.shardformer_attention(module, query, key, value, attention_mask, **kwargs)
         return _inner_attention(state.inner, module)(module, query, key, value, attention_mask, **kwargs)
     if module.__dict__.get(_CROSS_MARK):
         CALLS["cross"] += 1
@@ -576,7 +572,7 @@ def _seam_method(module, *args, **kwargs):
     if not state.active:
         CALLS["unsplit"] += 1
 
-        if SEAM_MARK in module.__dict__:            # enable_flash_attention: the seam's kernel
+        if sf_attention.SEAM_MARK in module.__dict__:   # enable_flash_attention: the seam's kernel
             return seam.kernel(module, original, args, kwargs)
         return original(*args, **kwargs)
     CALLS[state.mode] += 1
@@ -678,7 +674,7 @@ def ring_rows(state: SequenceSplit, query, key, value, mask, *, scale: float, wi
     if key_bias is not None:
         CALLS["bias"] += 1
         bias = key_bias.expand(key_bias.shape[0], key_bias.shape[1], state.padded, state.padded)
-    return _equal_widths(ring_attention, query, key, value, state.group, scale=scale, causal=True,
+    return _equal_widths(ring.ring_attention, query, key, value, state.group, scale=scale, causal=True,
                          key_padding=padding, window=int(window), dropout_p=float(dropout), bias=bias)
 
 
@@ -723,11 +719,11 @@ def head_major_seam(module: str, *, scale: Callable, window: Callable = lambda m
     def kernel(mod, original, args, kwargs):
         query, key, value, mask = bind_args(args, kwargs, ("query", "key", "value", "attention_mask"))
         p = getattr(mod, dropout).p if mod.training else 0.0
-        reason = seam_kernel_reason(mod, (query, key, value), p, wants_weights(mod))
+        reason = sf_attention.seam_kernel_reason(mod, (query, key, value), p, sf_attention.wants_weights(mod))
         if reason is not None:
-            return own_attention(reason, original, args, kwargs)
-        out = seam_kernel(query, key, value, scale=scale(mod), causal=causal, mask=mask, window=window(mod),
-                          dropout=p)
+            return sf_attention.own_attention(reason, original, args, kwargs)
+        out = sf_attention.seam_kernel(query, key, value, scale=scale(mod), causal=causal, mask=mask,
+                                       window=window(mod), dropout=p)
         return out, None
 
     return AttentionSeam(module, "_attn", split, row_kwargs, kernel=kernel)
@@ -862,7 +858,7 @@ class _SplitHooks:
             self._replace_seam()
             return
 
-        named = [(n, m) for n, m in self.layers.named_modules() if uses_registry(m)]
+        named = [(n, m) for n, m in self.layers.named_modules() if sf_attention.uses_registry(m)]
         users = [m for _, m in named]
         if not users:
             raise NotImplementedError(f"{state.name}: sequence_parallelism_mode={state.mode!r} needs attention "
