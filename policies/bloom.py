@@ -124,7 +124,8 @@ def kernel_attention(attention, original, args, kwargs):
     return _output(attention, context, residual), None
 
 
-SEAM = sa.AttentionSeam("BloomAttention", "forward", split_attention, kernel=kernel_attention)
+SEAM = sa.AttentionSeam("BloomAttention", "forward", split_attention,
+                        kernel=kernel_attention).registered(__name__, "SEAM")
 
 
 class BloomShape(FusedQKVShape):

@@ -146,7 +146,8 @@ def kernel_core_attention(core, original, args, kwargs):
 
 
 SEAM = sa.AttentionSeam("CoreAttention", "forward", split_core_attention,
-                        row_kwargs=("rope", "rotary_pos_emb"), seq_dim=0, kernel=kernel_core_attention)
+                        row_kwargs=("rope", "rotary_pos_emb"), seq_dim=0,
+                        kernel=kernel_core_attention).registered(__name__, "SEAM")
 
 PIPELINE = StageSplit("ChatGLMModel", "encoder.layers", last=("encoder.final_layernorm", "output_layer"),
                       count="num_layers", batch_dims=(("last_hidden_state", 1),))

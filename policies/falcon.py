@@ -209,7 +209,8 @@ def kernel_attention(attention, original, args, kwargs):
     return _merged(attention, context), None
 
 
-SEAM = sa.AttentionSeam("FalconAttention", "forward", split_attention, kernel=kernel_attention)
+SEAM = sa.AttentionSeam("FalconAttention", "forward", split_attention,
+                        kernel=kernel_attention).registered(__name__, "SEAM")
 
 
 class FalconShape(FusedQKVShape):

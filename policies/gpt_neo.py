@@ -44,7 +44,8 @@ def _window(attention) -> int:
     return attention.config.window_size if attention.attention_type == "local" else 0
 
 
-SEAM = head_major_seam("GPTNeoSelfAttention", scale=lambda attention: 1.0, window=_window, causal=True)
+SEAM = head_major_seam("GPTNeoSelfAttention", scale=lambda attention: 1.0, window=_window,
+                       causal=True).registered(__name__, "SEAM")
 
 FAMILY = Family("gpt_neo", "gpt_neo.modeling_gpt_neo", GPTBlockShape,
                 options={"prefix": "GPTNeo", "attention": "attn.attention", "heads_attribute": "num_heads",

@@ -38,7 +38,7 @@ from shardformer.layer.sequence_attention import head_major_seam
 from shardformer.policies.shapes import GPTBlockShape, gpt_heads
 
 SEAM = head_major_seam("GPTJAttention", scale=lambda attention: 1.0 / attention.scale_attn,
-                       row_kwargs=("position_ids",))
+                       row_kwargs=("position_ids",)).registered(__name__, "SEAM")
 
 FAMILY = Family("gptj", "gptj.modeling_gptj", GPTBlockShape,
                 options={"prefix": "GPTJ", "attention": "attn", "heads_attribute": "num_attention_heads",

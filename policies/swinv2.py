@@ -85,7 +85,8 @@ def _no_split(state, attention, original, args, kwargs):
     raise NotImplementedError(f"{state.name}: Swinv2 has no all_to_all / ring_attn split (StageShape refuses them)")
 
 
-SEAM = sa.AttentionSeam("Swinv2SelfAttention", "forward", _no_split, kernel=kernel_attention)
+SEAM = sa.AttentionSeam("Swinv2SelfAttention", "forward", _no_split,
+                        kernel=kernel_attention).registered(__name__, "SEAM")
 
 
 class Swinv2Shape(StageShape):

@@ -58,3 +58,19 @@ def test_missing_group_refused(pool):
 def test_pipeline_refused(pool):
     for message in pool.run(pickling.pipelined_refused, 4):
         assert "LlamaForCausalLM" in message and "pipeline" in message and "state_dict" in message, message
+
+
+def test_attention_seams_pickle_by_registered_name():
+    """A family's attention seam pickles as the module-level name it was
+    registered under (AttentionSeam.registered; no search of the imported
+    modules); an unregistered seam is refused, naming the seam and the fix."""
+    import pickle
+
+    from shardformer.layer.sequence_attention import AttentionSeam
+    from shardformer.policies import bloom, gptj
+
+    for seam in (bloom.SEAM, gptj.SEAM):
+        assert pickle.loads(pickle.dumps(seam)) is seam
+    loose = AttentionSeam("LooseAttention", "forward", split=lambda *a: None)
+    with pytest.raises(TypeError, match=r"LooseAttention\.forward .*not registered.*docs/dag\.md"):
+        pickle.dumps(loose)

@@ -3,6 +3,7 @@
     from shardformer import ShardConfig, ShardFormer
     model, shared_params = ShardFormer(shard_config=ShardConfig()).optimize(model)
 """
+from . import compile_ops as _compile_ops   # registers the kernels' custom ops (ops.TRACEABLE)
 from .autopolicy import supported_models
 from .config import ShardConfig
 from .distributed.ledger import comm_stats

@@ -230,9 +230,12 @@ def register() -> None:
     _registered = True
 
 
-def _uses_registry(module) -> bool:
+def uses_registry(module) -> bool:
     code = getattr(getattr(type(module), "forward", None), "__code__", None)
     return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
+
+
+_uses_registry = uses_registry   # its old name (derived_policy imports it)
 
 
 def enable(model) -> bool:
@@ -241,7 +244,7 @@ def enable(model) -> bool:
     switch to "shardformer"; a model with no such layer keeps its attention and
     says so.  Returns whether anything switched."""
     config = getattr(model, "config", None)
-    users = [m for m in model.modules() if _uses_registry(m)]
+    users = [m for m in model.modules() if uses_registry(m)]
     if config is None or not users:
         msg = (f"{type(model).__name__}: its attention does not go through transformers' "
                "AttentionInterface; enable_flash_attention keeps the model's own attention")

@@ -356,7 +356,8 @@ def _attention_apply(q, k, v, bias, scale, causal, window, alibi, mask, p, seed,
 
 
 #: op name (ops.EAGER) -> the traceable call with the same arguments as the
-#: eager autograd.Function's apply (ops._apply picks it while torch.compile traces)
+#: eager autograd.Function's apply (ops._apply picks it from ops.TRACEABLE
+#: while torch.compile traces)
 TRACEABLE = {
     "norm": _norm_apply,
     "bias_gelu": _bias_gelu_apply,
@@ -365,3 +366,4 @@ TRACEABLE = {
     "vocab_embedding": _vocab_embedding_apply,
     "attention": _attention_apply,
 }
+ops.TRACEABLE.update(TRACEABLE)

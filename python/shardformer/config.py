@@ -24,6 +24,17 @@ EXTRA_KWARGS_DEFAULTS = {
 }
 
 
+class StageManager:
+    """What ShardConfig.pipeline_stage_manager must be: the base of
+    shardformer.pipeline.PipelineStageManager (its one implementation),
+    declared here so that the config checks it without importing the
+    pipeline (config.py imports no other shardformer module).  It holds
+    `group`, `stage`, `num_stages`, `num_model_chunks` and
+    `num_layers_per_stage`."""
+
+    __slots__ = ()
+
+
 @dataclass
 class ShardConfig:
     """How to shard a model.
@@ -164,9 +175,7 @@ class ShardConfig:
             check_process_group(self.tensor_parallel_process_group)
         self._check_expert_parallelism()
         if self.pipeline_stage_manager is not None:
-            from .pipeline import PipelineStageManager
-
-            if not isinstance(self.pipeline_stage_manager, PipelineStageManager):
+            if not isinstance(self.pipeline_stage_manager, StageManager):
                 raise TypeError(f"ShardConfig.pipeline_stage_manager must be a shardformer.pipeline."
                                 f"PipelineStageManager, got {type(self.pipeline_stage_manager).__name__}")
             self._check_pipeline_groups()

@@ -25,6 +25,7 @@ import sys
 
 import torch.distributed as dist
 from torch import nn
+from .compile_refusal import refuse_ddp_optimizer_compile
 
 GUARD_ATTR = "_ddp_params_and_buffers_to_ignore"
 
@@ -60,8 +61,6 @@ class Guard:
         if ddp is not None:
             self.check(getattr(ddp, "process_group", None))
             if isinstance(module, nn.Module):   # allowed: torch.compile of it must not use the DDPOptimizer
-                from .compile_refusal import refuse_ddp_optimizer_compile
-
                 refuse_ddp_optimizer_compile(module, self.model_name)
         return iter(self.names)
 

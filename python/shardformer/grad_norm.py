@@ -37,8 +37,12 @@ import torch
 from torch import nn
 
 from . import ddp_guard
+from .checkpoint.full import shard_info
 from .distributed import collectives as C
+from .distributed.agree import members
 from .layer.expert_parallel import EXPERT_GROUP_ATTR, is_expert_param
+from .parallel_mesh import Mesh
+from .pipeline.stages import runtime_of
 
 _WEIGHTS: dict = {}
 
@@ -72,8 +76,6 @@ def _check_same_gradients(named: list, groups, device) -> None:
     so it is refused on every rank, naming the parameters and the ranks.
     One all-gather of (parameters, gradients, checksum of which) per group:
     3 int64."""
-    from .distributed.agree import members
-
     have = torch.tensor([t.grad is not None for _, t in named], dtype=torch.int64, device=device)
     weights = torch.arange(have.numel(), dtype=torch.int64, device=device) * 2 + 1
     mine = torch.stack([torch.tensor(have.numel(), device=device), have.sum(), (have * weights).sum()])
@@ -106,14 +108,11 @@ def _check_same_gradients(named: list, groups, device) -> None:
 def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     """The unsharded model's gradient norm (see the module doc), on every rank;
     a float64 scalar on the gradients' device."""
-    from .checkpoint.full import _shard_info
-    from .pipeline.stages import runtime_of
-
     p = float(norm_type)
     if not (p > 0):
         raise ValueError(f"clip_grad_norm_: norm_type must be > 0 (or inf), got {norm_type}")
     inf = math.isinf(p)
-    info = _shard_info(model)
+    info = shard_info(model)
     runtime = runtime_of(model)
     skip = set()
     if runtime is not None:           # tied or replicated across stages: counted on the lowest holder only
@@ -178,8 +177,6 @@ def _data_parallel_groups(model: nn.Module, group) -> tuple:
     """(DP group, expert_dp group or None) from a Mesh or a process group.
     A plain group is enough when the model has no expert-parallel parameters
     or its EP group spans the whole DP group; else the Mesh is needed."""
-    from .parallel_mesh import Mesh
-
     if isinstance(group, Mesh):
         if group.expert_dp is not None:
             return group.dp, group.expert_dp

@@ -37,7 +37,9 @@ import torch
 import torch.distributed as dist
 
 from . import _C
-from .replicas import _all_gather, _signed
+from .config import group_size_and_rank
+from .hashes import signed
+from .replicas import all_gather_ints
 
 _HASH_STEP = 0x9E3779B97F4A7C15 - (1 << 64)     # an odd int64 for the device checksum's position weights
 
@@ -95,8 +97,8 @@ def value_fingerprint(t: torch.Tensor) -> int:
         t = t.detach()
         if t.is_conj() or t.is_neg():
             t = t.resolve_conj().resolve_neg()
-        return _signed(_C.fingerprint(t.contiguous()))
-    return _signed(_device_checksum(t) & ((1 << 64) - 1))
+        return signed(_C.fingerprint(t.contiguous()))
+    return signed(_device_checksum(t) & ((1 << 64) - 1))
 
 
 def fingerprint(named: list[tuple[str, torch.Tensor]]) -> list[int]:
@@ -105,7 +107,7 @@ def fingerprint(named: list[tuple[str, torch.Tensor]]) -> list[int]:
     folded = 0
     for _, t in named:
         folded = (folded * 1000003 + value_fingerprint(t)) & ((1 << 64) - 1)
-    return [zlib.crc32(layout.encode()), _signed(folded), len(named)]
+    return [zlib.crc32(layout.encode()), signed(folded), len(named)]
 
 
 def _describe(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, tuple, str, int]]:
@@ -135,7 +137,7 @@ def check_same_inputs(named: list[tuple[str, torch.Tensor]], group, what: str, m
     same tensors (collective; no-op for one rank)."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
-    table = _all_gather(fingerprint(named), group)
+    table = all_gather_ints(fingerprint(named), group)
     if bool((table == table[0]).all()):
         return
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
@@ -192,8 +194,6 @@ def groups_of(cfg) -> list[tuple[object, str]]:
     (the pipeline's is added by the schedule): the tensor-parallel group when
     it splits the model or the sequence, and a sequence-parallel group of its
     own (all_to_all / ring_attn with tensor parallelism)."""
-    from .config import group_size_and_rank
-
     out = []
     tp = cfg.tensor_parallel_process_group
     if (cfg.enable_tensor_parallelism or cfg.sequence_group is tp) and group_size_and_rank(tp)[0] > 1:

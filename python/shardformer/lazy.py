@@ -66,8 +66,12 @@ import threading
 import weakref
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.overrides import TorchFunctionMode
+
+from .config import concrete_group
+from .hashes import tensor_hash
 
 __all__ = ["LazyParameter", "broadcast_recipes", "is_lazy", "lazy_init", "materialize",
            "materialize_module", "mark_uninitialized", "recipe_fingerprint"]
@@ -643,8 +647,6 @@ def recipe_fingerprint(t: torch.Tensor) -> int:
     """64-bit fingerprint of how a lazy tensor is built (its shape, dtype,
     start, steps and their recorded generator states): two ranks whose lazy
     models would materialize differently get different fingerprints."""
-    from .replicas import fingerprint
-
     h = hashlib.blake2b(digest_size=8)
 
     def feed(x):
@@ -652,7 +654,7 @@ def recipe_fingerprint(t: torch.Tensor) -> int:
             feed(("ref", x.recipe.shape, str(x.recipe.dtype), x.upto, len(x.chain)))
         elif isinstance(x, torch.Tensor):
             h.update(f"T{tuple(x.shape)}{x.dtype}".encode())
-            h.update(fingerprint(x).to_bytes(8, "little"))
+            h.update((recipe_fingerprint(x) if is_lazy(x) else tensor_hash(x)).to_bytes(8, "little"))
         elif isinstance(x, (tuple, list)):
             for v in x:
                 feed(v)
@@ -680,10 +682,6 @@ def recipe_fingerprint(t: torch.Tensor) -> int:
 def broadcast_recipes(model: nn.Module, group) -> None:
     """Give every rank of `group` rank 0's recipes for the lazy parameters
     (collective): what broadcast_weights does for materialized weights."""
-    import torch.distributed as dist
-
-    from .config import concrete_group
-
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return
     group = concrete_group(group)       # None: the world (get_global_rank needs the group itself)

@@ -41,6 +41,7 @@ import torch
 from transformers import StoppingCriteria
 
 from .distributed import collectives as C
+from .distributed.agree import members, name_ranks
 
 
 def _generator_state(device: torch.device) -> torch.Tensor:
@@ -92,8 +93,6 @@ class TokensAgree(StoppingCriteria):
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
     def _message(self, group, rows: list, last: torch.Tensor) -> str:
-        from .distributed.agree import members
-
         ranks = members(group)
         detail = ""
         if all(row[:2] == rows[0][:2] for row in rows):   # same shapes: every rank can gather the tokens
@@ -133,8 +132,6 @@ def _plain(value):
 def check_call(groups: list, model, args: tuple, kwargs: dict, name: str) -> None:
     """Step 0: the ranks of each group call generate() alike (see the module doc)."""
     import zlib
-
-    from .distributed.agree import members, name_ranks
 
     tensors = {k: v for k, v in kwargs.items() if isinstance(v, torch.Tensor)}
     settings = {k: v for k, v in kwargs.items() if k not in tensors}

@@ -27,61 +27,16 @@ is broadcast and every rank keeps its cut.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch.distributed as dist
 from torch import nn
 
+from .layer.lora_config import check_config
 from .sharder import SHARDED_MARK, _mark_broken
-
-#: PEFT config fields that add modules or variants the sharded layers do not implement
-_UNSUPPORTED_FIELDS = {
-    "use_dora": "DoRA (use_dora=True)",
-    "lora_bias": "lora_bias=True",
-    "modules_to_save": "modules_to_save (full trainable copies of modules)",
-    "trainable_token_indices": "trainable_token_indices",
-    "target_parameters": "target_parameters (LoRA on nn.Parameter targets)",
-    "layer_replication": "layer_replication",
-}
 
 
 def is_peft_model(model: nn.Module) -> bool:
     """Whether any module of `model` is PEFT's (no import of peft)."""
     return any(type(m).__module__.split(".", 1)[0] == "peft" for m in model.modules())
-
-
-#: init_lora_weights values whose initialization does not read the base weight
-#: (an adapter added to an already-sharded layer sees only this rank's shard of it)
-_WEIGHT_FREE_INITS = (True, False, "gaussian")
-
-
-def check_config(config, where: str, added: bool = False) -> None:
-    """Refuse, naming it, a PEFT config that is not plain LoRA: another tuner,
-    or LoRA with a variant or extra modules (_UNSUPPORTED_FIELDS, the fields
-    PEFT tags as LoRA variants, variant initializations such as EVA/CorDA).
-    added=True: for adapters added to an already-sharded model, whose
-    initialization must not read the base weight either."""
-    kind = getattr(getattr(config, "peft_type", None), "value", None) or type(config).__name__
-    if kind != "LORA":
-        raise NotImplementedError(
-            f"{where}: PEFT {kind} ({type(config).__name__}) adapters cannot be sharded; shardformer shards "
-            f"LoRA (LoraConfig) only")
-    bad = [what for name, what in _UNSUPPORTED_FIELDS.items() if getattr(config, name, None)]
-    for field in dataclasses.fields(config):
-        value = getattr(config, field.name)
-        if field.metadata.get("is_lora_variant") and value and field.name not in _UNSUPPORTED_FIELDS:
-            bad.append(f"the LoRA variant {field.name}")
-        if field.name == "init_lora_weights" and isinstance(value, str) and \
-                value in field.metadata.get("lora_variants", ()):
-            bad.append(f"the LoRA variant init_lora_weights={value!r}")
-    if bad:
-        raise NotImplementedError(f"{where}: {', '.join(bad)} is not supported on a sharded model; "
-                                  f"plain LoRA on linear layers is")
-    if added and config.init_lora_weights not in _WEIGHT_FREE_INITS:
-        raise NotImplementedError(
-            f"{where}: init_lora_weights={config.init_lora_weights!r} initializes the adapter from the base "
-            f"weight, which each rank of a sharded model holds only a shard of; add the adapter before "
-            f"optimize() (get_peft_model, then ShardFormer.optimize) or use init_lora_weights=True / 'gaussian'")
 
 
 def _parent(model: nn.Module, path: str) -> tuple[nn.Module, str]:
@@ -206,20 +161,20 @@ class GatheredSave:
         self.peft_model = peft_model
 
     def __call__(self, save_directory, *args, is_main_process: bool = True, **kwargs):
-        from .checkpoint.full import _gather_dim_to_root, _shard_info
+        from .checkpoint.full import gather_dim_to_root, shard_info
 
         model = self.peft_model
         if "state_dict" in kwargs:
             raise ValueError(f"{type(model).__name__}.save_pretrained: state_dict= is not supported on a sharded "
                              f"model (the adapters are gathered from the shards)")
-        info = _shard_info(model)
+        info = shard_info(model)
         state = {}
         for key, t in model.state_dict(keep_vars=True).items():
             if "lora_" not in key:
                 continue
             if id(t) in info:
                 dim, shard, group = info[id(t)]
-                t = _gather_dim_to_root(t, dim, shard, group)
+                t = gather_dim_to_root(t, dim, shard, group)
             if t is not None:
                 state[key] = t.detach()
         main = is_main_process and (not dist.is_initialized() or dist.get_rank() == 0)

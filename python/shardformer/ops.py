@@ -131,9 +131,10 @@ def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 def _apply(name: str, *args):
     """The autograd.Function of op `name` (below, EAGER) applied to args; while
     torch.compile traces, the custom op that runs the same kernel
-    (compile_ops.TRACEABLE), which dynamo traces without a graph break."""
+    (TRACEABLE, filled by compile_ops), which dynamo traces without a graph
+    break."""
     if torch.compiler.is_compiling():
-        return compile_ops.TRACEABLE[name](*args)
+        return TRACEABLE[name](*args)
     return EAGER[name].apply(*args)
 
 
@@ -645,4 +646,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 EAGER = {"norm": _Norm, "bias_gelu": _BiasGelu, "swiglu": _SwiGLU, "bias_dropout_add": _BiasDropoutAdd,
          "vocab_embedding": _VocabEmbedding, "attention": _Attention}
 
-from . import compile_ops  # noqa: E402 - registers the custom ops; it reads this module's functions
+#: op name -> the traceable custom-op call with the same arguments as EAGER's
+#: apply: registered by shardformer.compile_ops when it is imported (by the
+#: package root, so before any model is compiled), which builds the custom
+#: ops on this module's *_fwd / *_bwd functions.
+TRACEABLE: dict = {}

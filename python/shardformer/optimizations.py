@@ -59,6 +59,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops
+from .attention import enable, enable_seam
+from .layer import FusedLayerNorm, FusedRMSNorm
 from .policy import ModulePolicyDescription
 from .policy import SubModuleReplacementDescription as Sub
 
@@ -574,7 +576,6 @@ def optimization_policy(model: nn.Module, shard_config, replaced_paths: set[str]
     jit = shard_config.enable_jit_fused
     if not (norms or jit):
         return {}
-    from .layer import FusedLayerNorm, FusedRMSNorm
 
     policy: dict = {}
     if norms:
@@ -640,7 +641,5 @@ def enable_attention(model: nn.Module, shard_config, seam=None) -> None:
     at the family's seam (`seam`, an AttentionSeam with a kernel) when the
     model has its modules, else through transformers' registry."""
     if shard_config.enable_flash_attention:
-        from .attention import enable, enable_seam
-
         if not enable_seam(model, seam):
             enable(model)

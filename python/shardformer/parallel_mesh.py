@@ -46,16 +46,18 @@ from typing import Any
 
 import torch.distributed as dist
 
+from .config import ShardConfig
 from .distributed.agree import agree
+from .pipeline import PipelineStageManager
 
 DIMS = ("pp", "dp", "sp", "tp")
-_MESHES: dict = {}     # (id(world), sizes, ep, backend) -> (world, Mesh): holds the groups strongly
+MESHES: dict = {}     # (id(world), sizes, ep, backend) -> (world, Mesh): holds the groups strongly
 
 
 def forget_meshes() -> None:
     """Drop the cached meshes (and with them the references to their groups);
     the exit teardown calls it (shardformer.distributed.teardown)."""
-    _MESHES.clear()
+    MESHES.clear()
 
 
 @dataclass(frozen=True, eq=False)
@@ -84,14 +86,10 @@ class Mesh:
         num_model_chunks / num_layers_per_stage); with sp > 1 sequence
         parallelism over .sp (sequence_parallelism_mode, default
         "all_to_all"); with ep > 1 expert parallelism over .ep.  Other switches go to ShardConfig as they are."""
-        from .config import ShardConfig
-
         switches = dict(switches)
         chunks = switches.pop("num_model_chunks", 1)
         per_stage = switches.pop("num_layers_per_stage", None)
         if self.sizes["pp"] > 1:
-            from .pipeline import PipelineStageManager
-
             switches["pipeline_stage_manager"] = PipelineStageManager(self.pp, num_model_chunks=chunks,
                                                                       num_layers_per_stage=per_stage)
         if self.sizes["sp"] > 1:
@@ -186,7 +184,7 @@ def mesh(dp: int | None = None, pp: int = 1, tp: int = 1, sp: int = 1, *, ep: in
                          f"is a subgroup of the data-parallel group), got {ep!r}")
     sizes = {"pp": pp, "dp": dp, "sp": sp, "tp": tp}
     key = (id(dist.group.WORLD), tuple(sizes[d] for d in DIMS), ep, backend)
-    cached = _MESHES.get(key)
+    cached = MESHES.get(key)
     if cached is not None and cached[0] is dist.group.WORLD:
         return cached[1]
     coords = _coords(dist.get_rank(), sizes)
@@ -196,7 +194,7 @@ def mesh(dp: int | None = None, pp: int = 1, tp: int = 1, sp: int = 1, *, ep: in
     built = Mesh(sizes=sizes, coords=coords, dp=groups["dp"], pp=groups["pp"], sp=groups["sp"], tp=groups["tp"],
                  replicas=replicas, device_mesh=_device_mesh(sizes), ep=experts[0], expert_dp=experts[1],
                  ep_size=ep or 1)
-    _MESHES[key] = (dist.group.WORLD, built)
+    MESHES[key] = (dist.group.WORLD, built)
     return built
 
 

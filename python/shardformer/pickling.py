@@ -40,6 +40,7 @@ registered again by its holder at the loaded model's first forward.
 from __future__ import annotations
 
 import copyreg
+import importlib
 import inspect
 import types
 
@@ -103,6 +104,31 @@ class BoundMethod:
     def __repr__(self) -> str:
         return f"<shardformer bound {getattr(self.__func__, '__qualname__', self.__func__)!r} of " \
                f"{type(self.__self__).__name__}>"
+
+
+# id(obj) -> (obj, module name, attribute): the objects that pickle by name.
+# The object is held so that its id is never reused while registered.
+_REFERENCES: dict[int, tuple[object, str, str]] = {}
+
+
+def register_reference(obj, module_name: str, attr: str):
+    """Declare that `obj` is bound to the module-level name `module_name`.`attr`
+    (a module that imports without side effects), so that it pickles as that
+    name (reference_of / resolve_reference).  Returns obj, for
+    `NAME = register_reference(make(), __name__, "NAME")`."""
+    _REFERENCES[id(obj)] = (obj, module_name, attr)
+    return obj
+
+
+def reference_of(obj) -> tuple[str, str] | None:
+    """(module name, attribute) `obj` was registered under, or None."""
+    entry = _REFERENCES.get(id(obj))
+    return None if entry is None else entry[1:]
+
+
+def resolve_reference(module_name: str, attr: str):
+    """The object at `module_name`.`attr`, the module imported (unpickling)."""
+    return getattr(importlib.import_module(module_name), attr)
 
 
 def bind(function, owner) -> BoundMethod:

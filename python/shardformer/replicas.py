@@ -25,10 +25,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _C, lazy
+from . import lazy
 from .distributed import collectives
-
-_CHUNK_BYTES = 64 << 20   # device tensors are fingerprinted through the CPU in chunks
+from .hashes import signed, tensor_hash
 
 
 def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -45,21 +44,7 @@ def fingerprint(t: torch.Tensor) -> int:
     """64-bit fingerprint of a tensor's values (any device, any layout)."""
     if lazy.is_lazy(t):
         return lazy.recipe_fingerprint(t)   # how it will be built: seeds and recorded values
-    t = t.detach()
-    if t.device.type == "meta":
-        return 0                          # no values yet (lazy init): the structure check covers it
-    if t.device.type == "cpu":
-        return _C.fingerprint(t.contiguous())
-    flat = t.contiguous().view(-1)
-    step = max(1, _CHUNK_BYTES // max(1, t.element_size()))
-    h = 0
-    for i in range(0, flat.numel(), step):
-        h = _C.fingerprint(flat[i:i + step].cpu(), seed=h)
-    return h
-
-
-def _signed(h: int) -> int:
-    return h - (1 << 64) if h >= 1 << 63 else h
+    return tensor_hash(t)                   # (meta: 0, no values yet; the structure check covers it)
 
 
 def _comm_device(group) -> torch.device:
@@ -68,7 +53,7 @@ def _comm_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def _all_gather(values: list[int], group) -> torch.Tensor:
+def all_gather_ints(values: list[int], group) -> torch.Tensor:
     """[ranks, len(values)] int64 table of every rank's values."""
     local = torch.tensor(values, dtype=torch.int64, device=_comm_device(group))
     out = local.new_empty((dist.get_world_size(group) * local.numel(),))
@@ -90,7 +75,7 @@ def check_same_model(model: nn.Module, group, model_name: str, content: bool = T
     tensors = _tensors(model)
     layout = "\n".join(f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in tensors).encode()
     structure = int.from_bytes(hashlib.blake2b(layout, digest_size=8).digest(), "little")
-    table = _all_gather([_signed(structure), len(tensors)], group)
+    table = all_gather_ints([signed(structure), len(tensors)], group)
     if _differing_ranks(table[:, 0]):
         names = [None] * dist.get_world_size(group)
         dist.all_gather_object(names, [(n, tuple(t.shape), str(t.dtype)) for n, t in tensors], group=group)
@@ -109,7 +94,7 @@ def check_same_model(model: nn.Module, group, model_name: str, content: bool = T
             f"config (and checkpoint) on every rank before optimize()")
     if not content:
         return
-    table = _all_gather([_signed(fingerprint(t)) for _, t in tensors], group)
+    table = all_gather_ints([signed(fingerprint(t)) for _, t in tensors], group)
     bad = [(name, _differing_ranks(table[:, i])) for i, (name, _) in enumerate(tensors)]
     bad = [(name, ranks) for name, ranks in bad if ranks]
     if bad:

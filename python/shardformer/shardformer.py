@@ -6,19 +6,21 @@ import warnings
 
 from torch import nn
 
+from . import lazy
 from .autopolicy import get_autopolicy
+from .checkpoint import CheckpointReader
+from .checkpoint.pretrained import load_pretrained, plan_load
 from .config import ShardConfig
-from .lora import is_peft_model
+from .derived_policy import DerivedPolicy
+from .lora import LoraSharding, is_peft_model
 from .policy import Policy
-from .sharder import ModelSharder
+from .sharder import ModelSharder, SERIAL
 from .wrappers import refuse_wrappers
 
 
 def _plan_policy(model: nn.Module, policy, plan) -> Policy:
     """DerivedPolicy(plan) for optimize(plan=...), after checking that the
     plan is a {str: str} dict and that no policy was passed as well."""
-    from .derived_policy import DerivedPolicy
-
     name = type(model).__name__
     if policy is not None:
         raise TypeError(f"ShardFormer.optimize({name}): pass a policy or a plan, not both")
@@ -70,8 +72,6 @@ class ShardFormer:
             raise TypeError(f"ShardFormer.optimize: expected a torch.nn.Module, got {type(model).__name__}")
         adapters = None
         if is_peft_model(model):        # the HF model inside is sharded, its LoRA adapters with it
-            from .lora import LoraSharding
-
             adapters = LoraSharding(model, self.shard_config)   # refuses the PEFT forms it cannot shard
         target = model if adapters is None else adapters.model
         refuse_wrappers(target, claimed=None if adapters is None else adapters.claims)
@@ -118,7 +118,6 @@ class ShardFormer:
                 f"checkpoint's slices into an expert-parallel model (ShardConfig.expert_parallel_process_group) "
                 f"is not available; build the model, optimize() it and call "
                 f"shardformer.checkpoint.load_full_state_dict with the checkpoint's state dict")
-        from .sharder import SERIAL
 
         with SERIAL:        # its broadcast and optimize() together, one call at a time (see sharder.SERIAL)
             return self._from_pretrained(model_class, path, dtype=dtype, torch_dtype=torch_dtype, config=config,
@@ -127,10 +126,6 @@ class ShardFormer:
     def _from_pretrained(self, model_class, path, *, dtype, torch_dtype, config, policy, plan, progress, mmap,
                          **model_kwargs):
         import torch
-
-        from . import lazy
-        from .checkpoint import CheckpointReader
-        from .checkpoint.pretrained import load_pretrained, plan_load
 
         path = _local_checkpoint(os.fspath(path), type(self).__name__)
         if config is None:

@@ -22,13 +22,15 @@ mapped.py      tensors over a checkpoint file's bytes, mapped copy-on-write
 atomic.py      directories that appear complete or not at all (both savers).
 """
 from .dcp import PlacedShard, get_state_dict, set_state_dict
-from .full import _shard_info, gather_full_state_dict, load_full_state_dict  # noqa: F401
+from .full import gather_full_state_dict, load_full_state_dict, shard_info  # noqa: F401
 from .mapped import materialize_mapped
 from .pretrained import load_pretrained
 from .reader import CheckpointReader
 from .save import bind_hf_methods, push_to_hub, save_pretrained  # noqa: F401
 from .sharded import load_sharded, save_sharded
 from .state import SaveHandle, load_state, save_state
+
+_shard_info = shard_info   # the name tests and user code imported before it was public
 
 __all__ = ["CheckpointReader", "PlacedShard", "gather_full_state_dict", "get_state_dict", "load_full_state_dict",
            "load_pretrained", "load_sharded", "load_state", "materialize_mapped", "push_to_hub", "save_pretrained",

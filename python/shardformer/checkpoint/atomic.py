@@ -55,7 +55,7 @@ def save_target(path, who: str) -> str:
     return directory
 
 
-def _fsync(path: str, directory: bool = False) -> None:
+def fsync(path: str, directory: bool = False) -> None:
     fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0))
     try:
         os.fsync(fd)
@@ -69,8 +69,8 @@ def _fsync_tree(root: str) -> None:
         for f in files:
             p = os.path.join(path, f)
             if not os.path.islink(p):
-                _fsync(p)
-        _fsync(path, directory=True)
+                fsync(p)
+        fsync(path, directory=True)
 
 
 def _siblings(directory: str, kind: str) -> list[str]:
@@ -91,12 +91,12 @@ def recover_directory(directory) -> None:
     olds = _siblings(directory, "old")
     if olds and not os.path.lexists(directory):
         os.rename(olds.pop(), directory)
-        _fsync(os.path.dirname(directory), directory=True)
+        fsync(os.path.dirname(directory), directory=True)
     for stale in olds + _siblings(directory, "partial"):
         shutil.rmtree(stale, ignore_errors=True)
 
 
-def _make_temp(directory: str) -> str:
+def make_temp(directory: str) -> str:
     parent, base = os.path.split(directory)
     os.makedirs(parent, exist_ok=True)
     recover_directory(directory)
@@ -147,25 +147,25 @@ def _carry_over(old: str, new: str) -> None:
             _link_or_copy(entry.path, dst)
 
 
-def _put_in_place(tmp: str, directory: str) -> None:
+def put_in_place(tmp: str, directory: str) -> None:
     """Make the complete temporary directory `tmp` the checkpoint `directory`
     (see the module docstring for what a crash leaves at each step)."""
     parent = os.path.dirname(directory)
     if not os.path.lexists(directory):
         _fsync_tree(tmp)
         os.rename(tmp, directory)
-        _fsync(parent, directory=True)
+        fsync(parent, directory=True)
         return
     if not os.path.isdir(directory) or os.path.islink(directory):
         raise ValueError(f"save_pretrained: {directory} exists and is not a directory")
     _carry_over(directory, tmp)
     _fsync_tree(tmp)
     if _exchange(tmp, directory):
-        _fsync(parent, directory=True)
+        fsync(parent, directory=True)
         shutil.rmtree(tmp, ignore_errors=True)         # now the old checkpoint
         return
     old = os.path.join(parent, f".{os.path.basename(directory)}.old-{secrets.token_hex(4)}")
     os.rename(directory, old)
     os.rename(tmp, directory)
-    _fsync(parent, directory=True)
+    fsync(parent, directory=True)
     shutil.rmtree(old, ignore_errors=True)

@@ -42,13 +42,15 @@ from torch import nn
 
 from ..config import concrete_group
 from ..layer.expert_parallel import expert_shards
-from .dcp import _first_held, _full_shape, _pieces, placements_of
+from ..parallel_mesh import MESHES
+from ..pipeline.stages import runtime_of
+from .dcp import first_held, unsharded_shape, held_pieces, placements_of
+from .full import named_tensors
+from .save import sharded_group
 
 
 def is_general(model: nn.Module) -> bool:
     """Whether the model has pipeline stages or expert-parallel layers (the box format's layouts)."""
-    from ..pipeline.stages import runtime_of
-
     stages = runtime_of(model)
     return (stages is not None and stages.manager.num_stages > 1) or bool(expert_shards(model))
 
@@ -62,13 +64,10 @@ def _members(group) -> list[int]:
 def model_groups(model: nn.Module) -> dict:
     """{"tp": group, "pp": group, "ep": group} of the model on this rank (None where it has none;
     a missing TP group when nothing is split over TP)."""
-    from ..pipeline.stages import runtime_of
-    from .save import _sharded_group
-
     stages = runtime_of(model)
     experts = list(expert_shards(model).values())
     pp = stages.manager.group if stages is not None and stages.manager.num_stages > 1 else None
-    tp = _sharded_group(model, "save_sharded")
+    tp = sharded_group(model, "save_sharded")
     if tp is None and stages is not None:
         tp = stages.tp_group
     return {"tp": tp, "pp": pp, "ep": experts[0][1] if experts else None}
@@ -95,15 +94,13 @@ def mesh_record(model: nn.Module, ranks: list[int] | None) -> dict:
     """The layout the model is sharded in: the sizes tp, pp, dp, ep, sp (from
     the shardformer.mesh() whose groups the model uses, when there is one;
     else dp = world / (tp * pp), sp = 1) and the saving ranks."""
-    from ..parallel_mesh import _MESHES
-
     world = dist.get_world_size() if dist.is_initialized() else 1
     groups = model_groups(model)
     sizes = {dim: len(_members(g)) if g is not None else 1 for dim, g in groups.items()}
     rec = {"tp": sizes["tp"], "pp": sizes["pp"], "ep": sizes["ep"], "dp": world // (sizes["tp"] * sizes["pp"]),
            "sp": 1, "world": world}
     if dist.is_initialized():
-        for _, m in _MESHES.values():
+        for _, m in MESHES.values():
             if _members(m.tp) == _members(groups["tp"]) and m.sizes["pp"] == sizes["pp"] and \
                     (groups["ep"] is None or m.ep_size == sizes["ep"]):
                 rec.update(dp=m.sizes["dp"], sp=m.sizes["sp"])
@@ -117,7 +114,7 @@ def local_boxes(t: torch.Tensor, splits, write: bool) -> list[tuple[list, list, 
     all of them (write=False, what it loads) or those it writes first."""
     if not splits:
         return [([0] * t.dim(), list(t.shape), [0] * t.dim())]
-    which = _first_held if write else _pieces
+    which = first_held if write else held_pieces
     out = []
     for combo in itertools.product(*(which(shard) for _, shard in splits)):
         offsets, sizes, at = [0] * t.dim(), list(t.shape), [0] * t.dim()
@@ -129,11 +126,9 @@ def local_boxes(t: torch.Tensor, splits, write: bool) -> list[tuple[list, list, 
 
 def entries(model: nn.Module, splits: dict) -> list:
     """[(names, tensor, splits[id(tensor)] or None)]: the persistent tensors, each once."""
-    from .full import _named_tensors
-
     persistent = set(model.state_dict().keys())
     out: dict[int, tuple] = {}
-    for name, t in _named_tensors(model):
+    for name, t in named_tensors(model):
         if name not in persistent:
             continue
         if id(t) in out:
@@ -148,7 +143,7 @@ def file_entries(model: nn.Module) -> list:
     return entries(model, placements_of(model))
 
 
-full_shape = _full_shape
+full_shape = unsharded_shape
 
 
 def merge_records(parts: list) -> dict:

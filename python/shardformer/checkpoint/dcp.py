@@ -95,12 +95,13 @@ from torch import nn
 
 from ..layer.expert_parallel import expert_shards
 from ..layer.parallel_module import shard_of
-from .full import _check_tensor, _expert_blocks, _named_tensors, _shard_info, load_full_state_dict
+from ..pipeline.stages import runtime_of
+from .full import check_tensor, expert_blocks, named_tensors, shard_info, load_full_state_dict
 
 __all__ = ["PlacedShard", "get_state_dict", "set_state_dict"]
 
 
-def _pieces(shard) -> list[tuple[int, int, int]]:
+def held_pieces(shard) -> list[tuple[int, int, int]]:
     """This rank's ranges of the split dimension: [(offset in full, length, position in local)]."""
     out, pos = [], 0
     for off, n in shard.ranges:
@@ -110,11 +111,11 @@ def _pieces(shard) -> list[tuple[int, int, int]]:
     return out
 
 
-def _first_held(shard) -> list[tuple[int, int, int]]:
+def first_held(shard) -> list[tuple[int, int, int]]:
     """The parts of this rank's pieces that no lower rank holds (what it writes)."""
     lower = sorted((off, off + n) for ranges in shard.all_ranges[:shard.rank] for off, n in ranges if n > 0)
     out = []
-    for off, n, pos in _pieces(shard):
+    for off, n, pos in held_pieces(shard):
         start, end = off, off + n
         for lo, hi in lower:
             if hi <= start or lo >= end:
@@ -138,7 +139,7 @@ def placements_of(model: nn.Module) -> dict[int, list[tuple[int, object]]]:
     for key, (shard, _) in expert_shards(model).items():
         if _placed_dim(shard):
             out[key] = [(0, shard)]
-    for key, (dim, shard, _) in _shard_info(model).items():
+    for key, (dim, shard, _) in shard_info(model).items():
         if _placed_dim(shard):
             out.setdefault(key, []).append((dim, shard))
     return out
@@ -149,7 +150,7 @@ def _placed_dim(shard) -> bool:
     return shard.tp_size > 1 or shard.length != shard.full
 
 
-def _full_shape(t: torch.Tensor, splits) -> list[int]:
+def unsharded_shape(t: torch.Tensor, splits) -> list[int]:
     """The unsharded shape of the local tensor `t` split along `splits`."""
     shape = list(t.shape)
     for dim, shard in splits or ():
@@ -168,7 +169,7 @@ class PlacedShard(torch.Tensor):
     @staticmethod
     def __new__(cls, local: torch.Tensor, dim: int, shard, key: str, also=()):
         splits = [(dim, shard), *also]
-        shape = _full_shape(local, splits)
+        shape = unsharded_shape(local, splits)
         t = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=local.dtype, device=local.device,
                                                 requires_grad=False)
         t._local, t._splits, t._key = local, splits, key
@@ -204,7 +205,7 @@ class PlacedShard(torch.Tensor):
 
     def _chunks(self, which):
         """[(ChunkStorageMetadata, local data)] of the products of each split
-        dimension's pieces (`which`: _pieces, or _first_held to write)."""
+        dimension's pieces (`which`: held_pieces, or first_held to write)."""
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
         out = []
@@ -226,17 +227,17 @@ class PlacedShard(torch.Tensor):
         props = TensorProperties.create_from_tensor(self._local)
         return [WriteItem(index=MetadataIndex(fqn, chunk.offsets), type=WriteItemType.SHARD,
                           tensor_data=TensorWriteData(chunk=chunk, properties=props, size=self.size()))
-                for chunk, _ in self._chunks(_first_held)]
+                for chunk, _ in self._chunks(first_held)]
 
     def __create_chunk_list__(self):
-        return [chunk for chunk, _ in self._chunks(_pieces)]
+        return [chunk for chunk, _ in self._chunks(held_pieces)]
 
     def __get_tensor_shard__(self, index):
-        for chunk, data in self._chunks(_pieces):
+        for chunk, data in self._chunks(held_pieces):
             if chunk.offsets == index.offset:
                 return data
         raise ValueError(f"{self._key}: this rank ({self!r}) holds no piece at offset {list(index.offset)} "
-                         f"(its pieces: {[list(c.offsets) for c, _ in self._chunks(_pieces)]})")
+                         f"(its pieces: {[list(c.offsets) for c, _ in self._chunks(held_pieces)]})")
 
 
 def _placed(t: torch.Tensor, splits, key: str):
@@ -250,8 +251,6 @@ def _placed(t: torch.Tensor, splits, key: str):
 
 def _pipeline(model: nn.Module):
     """The model's StageRuntime when it is split into several pipeline stages, else None."""
-    from ..pipeline.stages import runtime_of
-
     stages = runtime_of(model)
     return stages if stages is not None and stages.manager.num_stages > 1 else None
 
@@ -370,7 +369,7 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     optim_state_dict is {} without an optimizer.  Collectives: see the
     module doc (none for a TP model with a plain optimizer)."""
     placements = placements_of(model)
-    tensors = dict(_named_tensors(model))
+    tensors = dict(named_tensors(model))
     model_sd = {}
     for key, value in model.state_dict().items():
         t = tensors.get(key)
@@ -425,7 +424,7 @@ def _local_value(key: str, value, t: torch.Tensor, splits, problems: list):
     if not isinstance(value, torch.Tensor):
         problems.append(f"{key}: not a tensor ({type(value).__name__})")
         return None
-    if splits and list(value.shape) == _full_shape(t, splits) and value.shape != t.shape:
+    if splits and list(value.shape) == unsharded_shape(t, splits) and value.shape != t.shape:
         for dim, shard in splits:
             value = shard_of(value, dim, shard)
         return value
@@ -444,14 +443,14 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     Every key and value is checked first (one ValueError lists all the
     problems, nothing changed); missing and unexpected model keys are
     problems, as in load_state_dict(strict=True)."""
-    info = _shard_info(model)
+    info = shard_info(model)
     placements = placements_of(model)
-    named = list(_named_tensors(model))
+    named = list(named_tensors(model))
     tensors = dict(named)
     expected = set(model.state_dict().keys())
     problems: list[str] = []
     placed, full = [], {}
-    plain = _expert_blocks({k: v for k, v in model_state_dict.items() if not isinstance(v, PlacedShard)},
+    plain = expert_blocks({k: v for k, v in model_state_dict.items() if not isinstance(v, PlacedShard)},
                            named, expert_shards(model))
     for key, value in model_state_dict.items():
         if key not in expected:
@@ -461,7 +460,7 @@ def set_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
             placed.append((tensors[key], local))
         else:
             t, value = tensors.get(key), plain[key]
-            problem = None if t is None else _check_tensor(key, value, t, info[id(t)][:2] if id(t) in info else None)
+            problem = None if t is None else check_tensor(key, value, t, info[id(t)][:2] if id(t) in info else None)
             if problem is None:
                 full[key] = value
             else:

@@ -29,9 +29,10 @@ from ..config import concrete_group
 from ..distributed.mappings import _gather_dim
 from ..layer.expert_parallel import expert_shards
 from ..layer.parallel_module import ParallelModule, shard_of
+from ..pipeline.stages import runtime_of
 
 
-def _shard_info(model: nn.Module) -> dict[int, tuple[int, object, object]]:
+def shard_info(model: nn.Module) -> dict[int, tuple[int, object, object]]:
     """id(parameter) -> (dim, DimShard, process_group) for every sharded
     parameter; the default group (a layer's None) is given as the world."""
     info = {}
@@ -44,12 +45,12 @@ def _shard_info(model: nn.Module) -> dict[int, tuple[int, object, object]]:
     return info
 
 
-def _named_tensors(model: nn.Module):
+def named_tensors(model: nn.Module):
     yield from model.named_parameters(remove_duplicate=False)
     yield from model.named_buffers(remove_duplicate=False)
 
 
-def _group_root(group) -> int:
+def group_root(group) -> int:
     """Global rank of the first rank of `group` (None: the default group)."""
     group = concrete_group(group)
     if group is None:
@@ -61,7 +62,7 @@ def _is_group_root(group) -> bool:
     return not dist.is_initialized() or dist.get_rank(group) == 0
 
 
-def _gather_dim_to_root(x: torch.Tensor, dim: int, shard, group, device=None) -> torch.Tensor | None:
+def gather_dim_to_root(x: torch.Tensor, dim: int, shard, group, device=None) -> torch.Tensor | None:
     """The full tensor (padding stripped, contiguous) on the group's first
     rank, on `device` (default: x's); None on the others, which send their
     shard.  The receiving rank holds one buffer of all shards plus the result."""
@@ -77,7 +78,7 @@ def _gather_dim_to_root(x: torch.Tensor, dim: int, shard, group, device=None) ->
         root = _is_group_root(group)
         buf = xs.new_empty((shard.chunk * tp,) + tuple(xs.shape[1:])) if root else None
         parts = list(buf.split(shard.chunk)) if root else None
-        dist.gather(xs, parts, dst=_group_root(group), group=group)
+        dist.gather(xs, parts, dst=group_root(group), group=group)
         if not root:
             return None
     shape = list(x.shape)
@@ -117,8 +118,6 @@ def gather_full_state_dict(model: nn.Module, rank0_only: bool = False,
     merged (collective over the pipeline group too): every stage gets the
     whole model's tensors, or with rank0_only the pipeline group's first
     rank only."""
-    from ..pipeline.stages import runtime_of
-
     stages = runtime_of(model)
     if stages is not None and stages.manager.num_stages > 1:
         mine = _gather_own(model, rank0_only, offload_to_cpu, stages.tp_group)
@@ -134,7 +133,7 @@ def _merge_stages(model: nn.Module, stages, mine: dict, rank0_only: bool) -> dic
     n = stages.manager.num_stages
     if rank0_only:
         parts = [None] * n if dist.get_rank(group) == 0 else None
-        dist.gather_object({k: t.cpu() for k, t in mine.items()}, parts, dst=_group_root(group), group=group)
+        dist.gather_object({k: t.cpu() for k, t in mine.items()}, parts, dst=group_root(group), group=group)
         if parts is None:
             return {}
     else:
@@ -159,7 +158,7 @@ def _gather_own(model: nn.Module, rank0_only: bool, offload_to_cpu: bool,
                 tp_group=None) -> dict[str, torch.Tensor]:
     """This rank's tensors, gathered over tensor parallelism (`tp_group`: the
     group whose first rank keeps them with rank0_only when nothing is sharded)."""
-    info = _shard_info(model)
+    info = shard_info(model)
     experts = expert_shards(model)
     persistent = set(model.state_dict().keys())
     groups = list({id(g): g for _, _, g in info.values()}.values()) or [tp_group]
@@ -167,7 +166,7 @@ def _gather_own(model: nn.Module, rank0_only: bool, offload_to_cpu: bool,
     keep = not rank0_only or all(_is_group_root(g) for g in groups)
     out: dict[str, torch.Tensor] = {}
     gathered: dict[int, torch.Tensor | None] = {}
-    for name, t in _named_tensors(model):
+    for name, t in named_tensors(model):
         if name not in persistent:
             continue
         if id(t) in experts:            # TP, then the experts over EP (all-gathers, kept on the roots)
@@ -184,7 +183,7 @@ def _gather_own(model: nn.Module, rank0_only: bool, offload_to_cpu: bool,
             if id(t) not in gathered:
                 dim, shard, group = info[id(t)]
                 if rank0_only:                  # a new contiguous tensor already: no copy of it
-                    gathered[id(t)] = _gather_dim_to_root(t, dim, shard, group,
+                    gathered[id(t)] = gather_dim_to_root(t, dim, shard, group,
                                                           device="cpu" if offload_to_cpu else None)
                 else:
                     gathered[id(t)] = _owned(_gather_dim(t.detach(), dim, shard, group), offload_to_cpu)
@@ -197,7 +196,7 @@ def _gather_own(model: nn.Module, rank0_only: bool, offload_to_cpu: bool,
     return out
 
 
-def _expert_blocks(state_dict: Mapping, tensors: list, experts: dict) -> Mapping:
+def expert_blocks(state_dict: Mapping, tensors: list, experts: dict) -> Mapping:
     """`state_dict` with each expert-parallel parameter's full tensor cut to
     this rank's experts along dim 0 (a new dict when any is; a tensor whose
     dim 0 is not the expert count is left for the shape check to report)."""
@@ -221,7 +220,7 @@ def problem_report(*sections: tuple[str, list[str]]) -> str:
     return "".join(_listed(label, items) for label, items in sections if items)
 
 
-def _check_tensor(name: str, full, t: torch.Tensor, split) -> str | None:
+def check_tensor(name: str, full, t: torch.Tensor, split) -> str | None:
     """Why `full` cannot be loaded into the model's tensor `t` (None: it can).
     `split` is (dim, DimShard) for a sharded parameter: its full shape is the
     shard's with the split dimension at its full length."""
@@ -258,22 +257,21 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
     if not isinstance(state_dict, Mapping):
         raise TypeError(f"load_full_state_dict: state_dict must be a mapping of names to tensors, "
                         f"got {type(state_dict).__name__}")
-    info = _shard_info(model)
-    tensors = list(_named_tensors(model))
-    state_dict = _expert_blocks(state_dict, tensors, expert_shards(model))
+    info = shard_info(model)
+    tensors = list(named_tensors(model))
+    state_dict = expert_blocks(state_dict, tensors, expert_shards(model))
     known = {name for name, _ in tensors}
     loads, wrong = [], []
     for name, t in tensors:
         if name not in state_dict:
             continue
         split = info[id(t)][:2] if id(t) in info else None
-        problem = _check_tensor(name, state_dict[name], t, split)
+        problem = check_tensor(name, state_dict[name], t, split)
         if problem is None:
             loads.append((t, state_dict[name], split))
         else:
             wrong.append(problem)
     missing = [name for name in model.state_dict() if name not in state_dict] if strict else []
-    from ..pipeline.stages import runtime_of
 
     stages = runtime_of(model)                  # a pipeline stage: other stages' keys are expected
     whole = set(stages.plan.names) if stages is not None else set()

@@ -46,8 +46,9 @@ import torch.distributed as dist
 from torch import nn
 
 from ..layer.expert_parallel import refuse_expert_parallel
+from ..pipeline.stages import runtime_of
 from . import mapped
-from .full import _named_tensors, _shard_info, problem_report
+from .full import named_tensors, shard_info, problem_report
 from .reader import CheckpointReader
 
 PROGRESS_BYTES = 256 << 20  # a progress bar by default above this checkpoint size
@@ -293,8 +294,6 @@ def _fit(item: _Item, origin: str) -> str | None:
 
 def _pipeline_aliases(model: nn.Module) -> dict[str, list[str]]:
     """{name: the other names of its tied set} across pipeline stages ({} without a pipeline)."""
-    from ..pipeline.stages import runtime_of
-
     stages = runtime_of(model)
     if stages is None:
         return {}
@@ -310,11 +309,11 @@ def plan_load(model: nn.Module, reader: CheckpointReader, strict: bool = True) -
     tensors to fill.  Raises one ValueError listing every problem (missing,
     unexpected, wrong shape or dtype, unreadable conversion), touching nothing."""
     refuse_expert_parallel(model, "loading a HF checkpoint's slices (load_pretrained)")
-    info = _shard_info(model)
+    info = shard_info(model)
     persistent = list(model.state_dict().keys())
     wanted = set(persistent)
     groups: dict[int, tuple[list[str], torch.Tensor]] = {}
-    for name, t in _named_tensors(model):
+    for name, t in named_tensors(model):
         if name in wanted and t is not None:
             groups.setdefault(id(t), ([], t))[0].append(name)
     # A pipeline stage holding one side of a tied pair (an LM head tied to the input
@@ -437,7 +436,7 @@ def _first_rank(model: nn.Module) -> bool:
     """Whether this process is the first rank of the model's tensor-parallel group."""
     if not dist.is_initialized():
         return True
-    groups = [g for _, _, g in _shard_info(model).values()]
+    groups = [g for _, _, g in shard_info(model).values()]
     return dist.get_rank(groups[0] if groups else None) == 0
 
 

@@ -77,9 +77,10 @@ from ..config import concrete_group
 from ..layer.expert_parallel import expert_shards
 from ..layer.parallel_module import ParallelModule
 from ..pickling import BoundMethod
-from .atomic import _fsync, _make_temp, _put_in_place, recover_directory, save_target  # noqa: F401
-from .full import _gather_dim_to_root as _gather_to_root  # one gather-to-root (tests wrap it here)
-from .full import _group_root, _named_tensors, _shard_info, gather_full_state_dict
+from ..pipeline.stages import runtime_of
+from .atomic import fsync, make_temp, put_in_place, recover_directory, save_target  # noqa: F401
+from .full import gather_dim_to_root as _gather_to_root  # one gather-to-root (tests wrap it here)
+from .full import group_root, named_tensors, shard_info, gather_full_state_dict
 from .mapped import materialize_mapped
 
 __all__ = ["bind_hf_methods", "push_to_hub", "save_pretrained", "recover_directory"]
@@ -154,11 +155,11 @@ def _save_entries(model: nn.Module) -> list[_Entry]:
     """The model's persistent tensors, each once, in state_dict order, minus
     `_keys_to_ignore_on_save`.  The same list on every rank of the group: it
     fixes the order of the gathers."""
-    info = _shard_info(model)
+    info = shard_info(model)
     persistent = set(model.state_dict().keys())
     ignore = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
     entries: dict[int, _Entry] = {}
-    for name, t in _named_tensors(model):
+    for name, t in named_tensors(model):
         if name not in persistent or name in ignore:
             continue
         if id(t) in entries:
@@ -201,7 +202,7 @@ def _kept_names(names: list[str], patterns: list[str]) -> list[str]:
 
 def _total_parameters(model: nn.Module) -> int:
     """Parameters of the unsharded model (tied ones once), as HF's num_parameters()."""
-    info = _shard_info(model)
+    info = shard_info(model)
     seen, total = set(), 0
     for _, p in model.named_parameters():
         if id(p) in seen:
@@ -300,7 +301,7 @@ def _write_file(tensors: dict[str, torch.Tensor], path: str, safe: bool, metadat
         own = {k: t if t.untyped_storage().nbytes() == t.numel() * t.element_size() else t.clone()
                for k, t in tensors.items()}
         torch.save(own, path)
-    _fsync(path)
+    fsync(path)
 
 
 class _Writer:
@@ -373,13 +374,13 @@ class _Writer:
         path = os.path.join(self.directory, self.names.index)
         with open(path, "w", encoding="utf-8") as f:
             f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
-        _fsync(path)
+        fsync(path)
         return written + [self.names.index]
 
 
 # ---------------------------------------------------------------- the group's protocol
 
-class _Flags:
+class SaveFlags:
     """Small integers broadcast from the writing rank (global rank 0) to the
     group: the others stop gathering when it fails, and learn the outcome.
     alone=True: a rank on its own (no collective, nothing to agree on)."""
@@ -395,7 +396,7 @@ class _Flags:
         if not self.active:
             return code
         flag = torch.tensor([code], dtype=dtype, device=self.device)
-        dist.broadcast(flag, src=_group_root(self.group), group=self.group)
+        dist.broadcast(flag, src=group_root(self.group), group=self.group)
         return int(flag.item())
 
     def failed_ranks(self, failed: bool) -> list[int]:
@@ -428,8 +429,8 @@ class _Flags:
         return int(flag.item())
 
 
-def _sharded_group(model: nn.Module, what: str = "save_pretrained"):
-    groups = {id(g): g for _, _, g in _shard_info(model).values()}
+def sharded_group(model: nn.Module, what: str = "save_pretrained"):
+    groups = {id(g): g for _, _, g in shard_info(model).values()}
     if len(groups) > 1:
         raise ValueError(f"{type(model).__name__}: {what}: the model is sharded over "
                          f"{len(groups)} different process groups; gather with gather_full_state_dict "
@@ -491,7 +492,7 @@ class _Session:
 
     def __init__(self, model, directory, limit, safe, variant, specs, total_bytes, progress):
         self.model, self.directory, self.variant = model, directory, variant
-        self.tmp = _make_temp(directory)
+        self.tmp = make_temp(directory)
         self.bar = None
         if progress or (progress is None and total_bytes > PROGRESS_BYTES):
             from tqdm.auto import tqdm
@@ -515,7 +516,7 @@ class _Session:
                                f"{sorted(self.pending)[:10]}")
         self.writer.finish(_total_parameters(self.model))
         _write_config(self.model, self.tmp)
-        _put_in_place(self.tmp, self.directory)
+        put_in_place(self.tmp, self.directory)
         self.close()
 
     def close(self) -> None:
@@ -550,14 +551,13 @@ def save_pretrained(model: nn.Module, save_directory, max_shard_size="2GB", *, p
     directory = save_target(save_directory, f"{name}: save_pretrained")   # before anything is gathered
     # No tensor keeps a file of the checkpoint this save replaces mapped (mapped.py).
     materialize_mapped(model, directory)
-    from ..pipeline.stages import runtime_of
 
     stages = runtime_of(model)
     if state_dict is None and ((stages is not None and stages.manager.num_stages > 1) or expert_shards(model)):
         # pipeline stages, or experts split over an EP group (other ranks than the TP group's):
         # the tensors merged on global rank 0, which writes them as a given dict
         state_dict = gather_full_state_dict(model, rank0_only=True, offload_to_cpu=True)
-    group = _sharded_group(model)
+    group = sharded_group(model)
     if state_dict is not None:
         _check_full(model, state_dict)
     if _custom_writer(model):
@@ -565,10 +565,10 @@ def save_pretrained(model: nn.Module, save_directory, max_shard_size="2GB", *, p
                                        dict(kwargs, max_shard_size=max_shard_size, variant=variant,
                                             push_to_hub=push))
     limit = _parse_size(max_shard_size, name)
-    if _group_root(group) != 0:                # a replica: the group holding global rank 0 writes
+    if group_root(group) != 0:                # a replica: the group holding global rank 0 writes
         return None
     root = not dist.is_initialized() or dist.get_rank() == 0
-    flags = _Flags(group)
+    flags = SaveFlags(group)
     entries = _save_entries(model) if state_dict is None else []
     error, session, hub = None, None, None
     if root and is_main:
@@ -683,7 +683,7 @@ def _save_with_class_writer(model, save_directory, group, state_dict, is_main, k
     after the directory)."""
     hf_save = type(model).save_pretrained
     directory = save_target(save_directory, f"{type(model).__name__}: save_pretrained")
-    writes = _group_root(group) == 0
+    writes = group_root(group) == 0
     if state_dict is None and writes:
         state_dict = gather_full_state_dict(model, rank0_only=True, offload_to_cpu=True)
     root = not dist.is_initialized() or dist.get_rank() == 0
@@ -693,10 +693,10 @@ def _save_with_class_writer(model, save_directory, group, state_dict, is_main, k
             if kwargs.get("push_to_hub"):
                 hf_save(model, directory, state_dict=state_dict, is_main_process=is_main, **kwargs)
             else:
-                tmp = _make_temp(directory)
+                tmp = make_temp(directory)
                 try:
                     hf_save(model, tmp, state_dict=state_dict, is_main_process=is_main, **kwargs)
-                    _put_in_place(tmp, directory)
+                    put_in_place(tmp, directory)
                 except BaseException:
                     shutil.rmtree(tmp, ignore_errors=True)
                     raise
@@ -704,7 +704,7 @@ def _save_with_class_writer(model, save_directory, group, state_dict, is_main, k
             error = e
     state_dict = None
     if writes:
-        failed = _Flags(group).send(1 if error is not None else 0)
+        failed = SaveFlags(group).send(1 if error is not None else 0)
         if error is None and failed:
             raise RuntimeError(f"{type(model).__name__}: save_pretrained failed on rank 0 "
                                f"(see its error); nothing complete was written to {directory}")

@@ -65,13 +65,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import boxes
 from ..config import concrete_group
-from .full import _group_root, _shard_info, problem_report
-from .atomic import _fsync, _put_in_place, recover_directory, save_target
+from ..pipeline.stages import runtime_of
+from . import boxes
+from .atomic import fsync, put_in_place, recover_directory, save_target
+from .full import group_root, shard_info, problem_report
 from .integrity import file_problems, file_record, manifest_problems
 from .mapped import materialize_mapped
-from .save import _Flags, _sharded_group
+from .save import SaveFlags, sharded_group
 
 __all__ = ["save_sharded", "load_sharded", "MANIFEST"]
 
@@ -92,7 +93,7 @@ def _temp_name(directory: str, token: int) -> str:
 
 def _entries(model: nn.Module):
     """[(names, tensor, (dim, DimShard) | None)]: the persistent tensors, each once."""
-    return boxes.entries(model, {key: split[:2] for key, split in _shard_info(model).items()})
+    return boxes.entries(model, {key: split[:2] for key, split in shard_info(model).items()})
 
 
 def _full_shape(t: torch.Tensor, split) -> list[int]:
@@ -143,11 +144,11 @@ def save_sharded(model: nn.Module, out_dir) -> None:
     then come from the ranks boxes.writers names)."""
     name = type(model).__name__
     general = boxes.is_general(model)
-    group = None if general else _sharded_group(model, "save_sharded")   # the default group: the world
+    group = None if general else sharded_group(model, "save_sharded")   # the default group: the world
     directory = save_target(out_dir, f"{name}: save_sharded")
     # No tensor keeps a file of the checkpoint this save replaces mapped (mapped.py).
     materialize_mapped(model, directory)
-    if _group_root(group) != 0:
+    if group_root(group) != 0:
         return
     distributed = dist.is_initialized()
     root = not distributed or dist.get_rank() == 0
@@ -167,7 +168,7 @@ def save_sharded(model: nn.Module, out_dir) -> None:
     else:
         n, rank, writer = dist.get_world_size(group), dist.get_rank(group), True
         ranks, entries = dist.get_process_group_ranks(concrete_group(group)), _entries(model)
-    flags = _Flags(group)
+    flags = SaveFlags(group)
     error, token = None, 0
     if root:
         try:
@@ -198,7 +199,7 @@ def save_sharded(model: nn.Module, out_dir) -> None:
                 pieces = None
             path = os.path.join(tmp, _rank_file(rank, n))
             safetensors.torch.save_file(tensors, path, metadata=file_record(rank, n, tensors, ranges, pieces))
-            _fsync(path)
+            fsync(path)
             del tensors
         except BaseException as e:  # noqa: BLE001
             error = e
@@ -211,7 +212,7 @@ def save_sharded(model: nn.Module, out_dir) -> None:
                 json.dump(manifest, f, indent=1, sort_keys=True)
             if getattr(model, "config", None) is not None and hasattr(model.config, "save_pretrained"):
                 model.config.save_pretrained(tmp)
-            _put_in_place(tmp, directory)
+            put_in_place(tmp, directory)
         except BaseException as e:  # noqa: BLE001
             error = e
     if root and (failed or error is not None):
@@ -391,8 +392,6 @@ def _check(model_name: str, directory: str, manifest: dict, entries, persistent:
 def _known_keys(model: nn.Module) -> set[str]:
     """The state-dict keys a checkpoint of the model may hold: the model's, and
     for a pipeline stage the other stages' (the unsharded model's)."""
-    from ..pipeline.stages import runtime_of
-
     stages = runtime_of(model)
     return set(model.state_dict().keys()) | (set(stages.plan.names) if stages is not None else set())
 
@@ -404,9 +403,9 @@ def load_sharded(model: nn.Module, out_dir) -> None:
     name = type(model).__name__
     directory = os.path.abspath(os.fspath(out_dir))
     general = boxes.is_general(model)                  # pipeline stages or experts: collective over the world
-    group = None if general else _sharded_group(model, "load_sharded")   # the default group: the world
+    group = None if general else sharded_group(model, "load_sharded")   # the default group: the world
     alone = group is None and not general              # an unsharded model: each rank loads on its own
-    flags = _Flags(group, alone=alone)
+    flags = SaveFlags(group, alone=alone)
     readers = (1, 0) if alone else (dist.get_world_size(group), dist.get_rank(group))
     error = manifest = entries = None
     try:

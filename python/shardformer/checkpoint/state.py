@@ -91,7 +91,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .atomic import _make_temp, _put_in_place, save_target
+from ..layer.dropout import SeededDropout
+from ..layer.parallel_module import ParallelModule
+from ..pipeline.stages import runtime_of
+from .atomic import make_temp, put_in_place, save_target
 from .dcp import PlacedShard, get_state_dict, set_state_dict
 
 __all__ = ["SaveHandle", "load_state", "save_state"]
@@ -125,9 +128,7 @@ def _unblob(data):
 
 
 def _dropouts(model: nn.Module) -> dict:
-    from ..layer.dropout import _SeededDropout
-
-    return {name: m for name, m in model.named_modules() if isinstance(m, _SeededDropout)}
+    return {name: m for name, m in model.named_modules() if isinstance(m, SeededDropout)}
 
 
 def _layout(model: nn.Module) -> tuple:
@@ -135,9 +136,6 @@ def _layout(model: nn.Module) -> tuple:
     chunk], EP size, EP rank) of this rank's model: what decides which
     modules a rank holds and which masks its dropout modules draw.  The DP rank is not part of it: replicas
     hold the same modules, and the global rank is compared beside it."""
-    from ..layer.parallel_module import ParallelModule
-    from ..pipeline.stages import runtime_of
-
     tp = next(((m.tp_size, m.tp_rank) for m in model.modules() if isinstance(m, ParallelModule)), (1, 0))
     ep = next(((m.ep_size, m.ep_rank) for m in model.modules() if hasattr(m, "ep_rank")), (1, 0))
     runtime = runtime_of(model)
@@ -286,7 +284,7 @@ class _Write:
         box, error = [None], None
         if self.root:
             try:
-                box[0] = _make_temp(self.directory)
+                box[0] = make_temp(self.directory)
             except BaseException as e:  # noqa: BLE001 - the others must not wait for a name
                 error = e
         dist.broadcast_object_list(box, src=self.ranks[0], group=self.group)
@@ -351,7 +349,7 @@ class _Write:
                 shutil.rmtree(self.tmp, ignore_errors=True)
                 return "; ".join(errors)
             self.writer.finish(metadata=self.metadata, results=[value for _, value in posted])
-            _put_in_place(self.tmp, self.directory)
+            put_in_place(self.tmp, self.directory)
             return "ok"
         except BaseException as e:  # noqa: BLE001 - every rank hears the outcome
             shutil.rmtree(self.tmp, ignore_errors=True)

@@ -88,6 +88,9 @@ import time
 
 import torch
 
+from .communicator import Communicator, group_info
+from .shm import ShmCommunicator
+
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "broadcast", "send", "recv")
 
 _ACTIVE: list = []          # the ledgers entered and not yet left, outermost first
@@ -249,8 +252,6 @@ _DIST_FUNCTIONS = {
 
 
 def _group_ranks(group) -> tuple:
-    from .communicator import group_info
-
     return tuple(group_info(group).ranks)
 
 
@@ -286,9 +287,6 @@ def _hook(owner, name: str, wrapper) -> None:
 
 def _install() -> None:
     import torch.distributed as dist
-
-    from .communicator import Communicator
-    from .shm import ShmCommunicator
 
     missing = [f"Communicator.{n}" for n in _COMM_METHODS if not hasattr(Communicator, n)] + \
         [f"ShmCommunicator.{n}" for n in _SHM_METHODS if n not in ShmCommunicator.__dict__]

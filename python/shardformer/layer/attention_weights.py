@@ -26,6 +26,7 @@ from torch import nn
 from .. import _C
 from ..distributed.mappings import gather_from_tp_region
 from ..layout import DimShard
+from .linear import Linear1D_Col
 from .parallel_module import ParallelModule
 
 _MARK = "_shardformer_gathers_attention_weights"
@@ -47,8 +48,6 @@ def projects_query_heads(module: nn.Module) -> bool:
     """Whether one of the module's direct children is a column-parallel
     projection split by query heads (q, or a fused qkv): the module computes
     attention on this rank's heads."""
-    from .linear import Linear1D_Col
-
     return any(isinstance(child, Linear1D_Col) and any(_heads_in(r[0]) is not None
                                                        for r in child.shard_plan.requests.values())
                for child in module.children())

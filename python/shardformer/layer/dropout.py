@@ -82,7 +82,7 @@ def _agreed_seed(process_group, tp_size: int) -> int:
     return int(seed.item())
 
 
-class _SeededDropout(ParallelModule):
+class SeededDropout(ParallelModule):
     per_rank_mask = False
 
     def __init__(self, p: float = 0.5, inplace: bool = False, process_group=None, seed: int | None = None,
@@ -152,13 +152,16 @@ class _SeededDropout(ParallelModule):
         return f"p={self.p}, inplace={self.inplace}"
 
 
-class DropoutForReplicatedInput(_SeededDropout):
+_SeededDropout = SeededDropout   # the name tests import (the class was private)
+
+
+class DropoutForReplicatedInput(SeededDropout):
     """Dropout on a tensor replicated over the TP group: the same mask on every rank."""
 
     per_rank_mask = False
 
 
-class DropoutForParallelInput(_SeededDropout):
+class DropoutForParallelInput(SeededDropout):
     """Dropout on a tensor split over the TP group: a different mask on each rank."""
 
     per_rank_mask = True

@@ -36,6 +36,7 @@ from ..distributed.mappings import (
     token_dim,
 )
 from ..layout import Fused, Split, SplitSpec, Vocab
+from .dropout import DropoutForParallelInput
 from .parallel_module import ParallelModule, ShardPlan, check_param, shapes_only
 
 
@@ -379,7 +380,6 @@ class Linear1D_Row(_LinearShard):
         self.input_is_parallel = input_is_parallel
         self.sequence_parallel = sequence_parallel
         self.reduce_scatter = reduce_scatter
-        from .dropout import DropoutForParallelInput
 
         self.output_dropout = DropoutForParallelInput(dropout, process_group=process_group) if dropout else None
         self.input_dropout = (DropoutForParallelInput(input_dropout, process_group=process_group)

@@ -56,6 +56,7 @@ from .. import distributed as D
 from ..distributed.mappings import copy_to_tp_region, sync_replicated_grad
 from .dropout import DropoutForParallelInput, DropoutForReplicatedInput
 from .linear import Linear1D_Col, Linear1D_Row, VocabParallelLMHead1D
+from .lora_config import check_config
 from .parallel_module import ParallelModule, shard_of
 
 class LoraFactor(nn.Linear, ParallelModule):
@@ -131,8 +132,6 @@ class _ParallelLoraLinear(peft_lora.Linear):
         """PEFT adding an adapter to an already-sharded layer: refused unless
         vanilla LoRA with a weight-free initialization (see check_config),
         then cut like the adapters of adopt()."""
-        from ..lora import check_config
-
         base = self.get_base_layer()
         where = f"{type(base).__name__} (adapter {adapter_name!r})"
         check_config(config, where, added=True)

@@ -49,7 +49,8 @@ from torch import nn
 
 from ..distributed.mappings import copy_to_tp_region, reduce_from_tp_region
 from ..layout import Fused, Split
-from .parallel_module import ParallelModule, ShardPlan, check_param, shapes_only
+from .parallel_module import ParallelModule, ShardPlan, check_param, plan_directly, shapes_only
+from .replicated import ReplicatedInParallelRegion
 
 
 class FusedExperts1D(ParallelModule):
@@ -157,16 +158,11 @@ class RouterInSequenceParallel:
 
     @classmethod
     def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, **kwargs) -> ShardPlan:
-        from .replicated import ReplicatedInParallelRegion
-
         return ReplicatedInParallelRegion.plan_shard(module, tp_size, rank)
 
     @classmethod
     def prepare_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
                               **kwargs) -> "_SyncAndOutputHook":
-        from .parallel_module import plan_directly
-        from .replicated import ReplicatedInParallelRegion
-
         if plan is None:
             plan = plan_directly(cls, module, process_group)
         sync = ReplicatedInParallelRegion.prepare_native_module(module, process_group, plan=plan)
@@ -188,16 +184,11 @@ class SharedExpertInSequenceParallel:
 
     @classmethod
     def plan_shard(cls, module: nn.Module, tp_size: int, rank: int, **kwargs) -> ShardPlan:
-        from .replicated import ReplicatedInParallelRegion
-
         return ReplicatedInParallelRegion.plan_shard(module, tp_size, rank)
 
     @classmethod
     def prepare_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
                               **kwargs) -> "_SyncAndOutputHook":
-        from .parallel_module import plan_directly
-        from .replicated import ReplicatedInParallelRegion
-
         if plan is None:
             plan = plan_directly(cls, module, process_group)
         sync = ReplicatedInParallelRegion.prepare_native_module(module, process_group, plan=plan)

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from .. import distributed as D
+from .attention_weights import projects_query_heads
 from .dropout import RankStream, may_draw
 
 _GUARD_MARK = "_shardformer_layerdrop_guard"
@@ -79,8 +80,6 @@ def guard_random_streams(model: nn.Module, group, rank: int, name: str,
     query heads (but the classes in `draws_replicated`), and the generator
     check on each stack with layerdrop; returns the number of attentions
     given a stream."""
-    from .attention_weights import projects_query_heads
-
     config = getattr(model, "config", None)
     attentions = [m for m in model.modules() if not getattr(m, _GUARD_MARK, False)
                   and type(m).__name__ not in draws_replicated and projects_query_heads(m)]

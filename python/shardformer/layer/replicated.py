@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .. import distributed as D
+from ..distributed.mappings import copy_to_tp_region
 from .parallel_module import ShardPlan, plan_directly
 
 _MARK = "_shardformer_grad_all_reduce"
@@ -38,7 +39,7 @@ class GradAllReduce:
         return grad
 
 
-def _all_reduce_hook(group) -> GradAllReduce:
+def all_reduce_hook(group) -> GradAllReduce:
     return GradAllReduce(group)
 
 
@@ -110,7 +111,7 @@ class _GradientSync:
             # paths) is prepared twice: one all-reduce of its summed gradient, not two.
             if has_grad_all_reduce(p, self.group):
                 continue
-            self.handles.append(p.register_hook(_all_reduce_hook(self.group)))
+            self.handles.append(p.register_hook(all_reduce_hook(self.group)))
             self.hooked.append(p)
             setattr(p, _MARK, True)
         if self.params:
@@ -123,7 +124,7 @@ class _GradientSync:
         not saved)."""
         for p in self.params:
             if not has_grad_all_reduce(p, self.group):
-                p.register_hook(_all_reduce_hook(self.group))
+                p.register_hook(all_reduce_hook(self.group))
 
     def rollback(self) -> None:
         for handle in self.handles:
@@ -182,8 +183,6 @@ class _RopeGradSync:
         self.handle = None
 
     def _hook(self, _module, _args, output: torch.Tensor) -> torch.Tensor:
-        from ..distributed.mappings import copy_to_tp_region
-
         latent, rope = output.split([output.shape[-1] - self.rope_dim, self.rope_dim], dim=-1)
         return torch.cat([latent, copy_to_tp_region(rope, self.group)], dim=-1)
 

@@ -101,13 +101,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .. import attention as sf_attention
 from .. import distributed as D
 from .. import packing
-from ..distributed.mappings import SequenceRows, gather_heads, gather_sequence_rows, pad_to, split_sequence_rows
-from ..pickling import BoundMethod
+from ..distributed.mappings import (SequenceRows, all_to_all_along, copy_to_tp_region, gather_heads,
+                                     gather_sequence_rows, pad_to, split_sequence_rows)
+from ..pickling import BoundMethod, reference_of, register_reference, resolve_reference
 from .dropout import RankStream as _RankStream, may_draw
 from .parallel_module import ShardPlan
-from .replicated import _all_reduce_hook, has_grad_all_reduce
+from .replicated import all_reduce_hook, has_grad_all_reduce
+from . import ring_attention as ring   # looked up at each call (tests wrap ring.ring_attention)
 from .sequence import mark_rows
 
 SEQ_DIM = 1
@@ -146,9 +149,7 @@ class SequenceSplit:
         multiple = 2 * self.p if self.mode == "ring_attn" else self.p
         self.length, self.padded = length, -(-length // multiple) * multiple
         if self.mode == "ring_attn":
-            from .ring_attention import zigzag_rows
-
-            order = [zigzag_rows(self.padded, self.p, r) for r in range(self.p)]
+            order = [ring.zigzag_rows(self.padded, self.p, r) for r in range(self.p)]
             self.order = torch.cat(order).to(device)
             self.rows = order[self.rank].to(device)
         else:
@@ -260,8 +261,6 @@ def _heads_for_split(query, key, value, p: int):
 
 
 def _ulysses(state, module, query, key, value, attention_mask, kwargs):
-    from ..distributed.mappings import all_to_all_along
-
     q, k, v, groups, extra = _heads_for_split(query, key, value, state.p)
     # [B, H, S'/p, D] -> [B, H/p, S', D]: heads scattered (dim 1), sequence gathered (dim 2)
     q, k, v = (all_to_all_along(t, 1, 2, state.group) for t in (q, k, v))
@@ -324,15 +323,11 @@ def _cross(state, module, query, key, value, attention_mask, kwargs):
     with the wrapped implementation, no collective."""
     mask = _cross_mask(attention_mask, state)
     if state.mode == "ring_attn":
-        from ..attention import shardformer_attention
-
-        return shardformer_attention(module, query, key, value, mask, **kwargs)
+        return sf_attention.shardformer_attention(module, query, key, value, mask, **kwargs)
     return _inner_attention(state.inner, module)(module, query, key, value, mask, **kwargs)
 
 
 def _ring(state, module, query, key, value, attention_mask, kwargs):
-    from .ring_attention import ring_attention
-
     if kwargs.get("output_attentions"):
         raise NotImplementedError(f"{state.name}: ring_attn never builds the attention weights "
                                   f"(output_attentions=True)")
@@ -361,7 +356,7 @@ def _ring(state, module, query, key, value, attention_mask, kwargs):
         padding = padding.expand(query.shape[0], state.padded)
     if bias is not None:
         CALLS["bias"] += 1
-    out = _equal_widths(ring_attention, query, key, value, state.group, scale=kwargs.get("scaling"),
+    out = _equal_widths(ring.ring_attention, query, key, value, state.group, scale=kwargs.get("scaling"),
                         causal=causal, key_padding=padding, window=int(window), bias=bias,   # global positions
                         softcap=kwargs.get("softcap"), dropout_p=dropout, documents=documents)
     return out.transpose(1, 2).contiguous(), None
@@ -404,9 +399,7 @@ def split_attention(module, query, key, value, attention_mask, **kwargs):
     if not state.active:
         CALLS["unsplit"] += 1
         if state.mode == "ring_attn":      # the masks are the compact ones shardformer's attention reads
-            from ..attention import shardformer_attention
-
-            return shardformer_attention(module, query, key, value, attention_mask, **kwargs)
+            return sf_attention.shardformer_attention(module, query, key, value, attention_mask, **kwargs)
         return _inner_attention(state.inner, module)(module, query, key, value, attention_mask, **kwargs)
     if module.__dict__.get(_CROSS_MARK):
         CALLS["cross"] += 1
@@ -424,8 +417,6 @@ def _implementation_name(mode: str, inner: str) -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    from .. import attention as sf_attention
 
     name = f"shardformer_sp_{mode}_{inner}"
     if name not in ALL_ATTENTION_FUNCTIONS:
@@ -477,14 +468,22 @@ class AttentionSeam:
     def modules(self, root: nn.Module) -> list:
         return [m for m in root.modules() if type(m).__name__ == self.module]
 
+    def registered(self, module_name: str, attr: str) -> "AttentionSeam":
+        """This seam, declared as bound to the module-level name
+        `module_name`.`attr` (`SEAM = AttentionSeam(...).registered(__name__,
+        "SEAM")`), so that a model sharded with it pickles: the seam pickles
+        as that name (shardformer.pickling.register_reference)."""
+        return register_reference(self, module_name, attr)
+
     def __reduce__(self):
-        """Pickled by reference: the module-level name it is defined under
-        (its split / kernel are closures of the factory that made it)."""
-        home = _seam_home(self)
+        """Pickled by reference: the module-level name it was registered
+        under (its split / kernel are closures of the factory that made it)."""
+        home = reference_of(self)
         if home is None:
-            raise TypeError(f"the AttentionSeam of {self.module}.{self.method} cannot be pickled: it is not "
-                            f"defined at module level (a seam pickles as a reference to its module-level name)")
-        return _seam_at, home
+            raise TypeError(f"the AttentionSeam of {self.module}.{self.method} cannot be pickled: it was not "
+                            f"registered under a module-level name (SEAM = AttentionSeam(...).registered(__name__, "
+                            f"'SEAM'); docs/dag.md)")
+        return resolve_reference, home
 
     def refuse(self, model: nn.Module, mode: str, name: str) -> None:
         """Refuse, before anything changes: a model none of whose attention
@@ -506,9 +505,8 @@ def _seam_method(module, *args, **kwargs):
     original = getattr(type(module), seam.method).__get__(module, type(module))
     if not state.active:
         CALLS["unsplit"] += 1
-        from ..attention import SEAM_MARK
 
-        if SEAM_MARK in module.__dict__:            # enable_flash_attention: the seam's kernel
+        if sf_attention.SEAM_MARK in module.__dict__:   # enable_flash_attention: the seam's kernel
             return seam.kernel(module, original, args, kwargs)
         return original(*args, **kwargs)
     CALLS[state.mode] += 1
@@ -561,8 +559,6 @@ def ulysses(state: SequenceSplit, query, key, value, core: Callable, mask=None) 
     sequence, gather heads) -> [B, H, S_r, D].  Heads not dividing p:
     _heads_for_split (key / value repeated to the query heads, zero heads
     appended and dropped after)."""
-    from ..distributed.mappings import all_to_all_along
-
     heads = query.shape[1]
     q, k, v, _groups, extra = _heads_for_split(query, key, value, state.p)
     q, k, v = (all_to_all_along(t.contiguous(), 1, 2, state.group) for t in (q, k, v))
@@ -607,14 +603,12 @@ def ring_rows(state: SequenceSplit, query, key, value, mask, *, scale: float, wi
     wider than the key heads (latent attention: k [.., 192], v [.., 128])
     are padded with zero columns to one width D (zeros leave q . k and P v
     unchanged; the scale is explicit) and the output cut back to v's width."""
-    from .ring_attention import ring_attention
-
     padding = causal_key_padding(mask, state)
     bias = None
     if key_bias is not None:
         CALLS["bias"] += 1
         bias = key_bias.expand(key_bias.shape[0], key_bias.shape[1], state.padded, state.padded)
-    return _equal_widths(ring_attention, query, key, value, state.group, scale=scale, causal=True,
+    return _equal_widths(ring.ring_attention, query, key, value, state.group, scale=scale, causal=True,
                          key_padding=padding, window=int(window), dropout_p=float(dropout), bias=bias)
 
 
@@ -632,25 +626,6 @@ def _equal_widths(attend, query, key, value, *args, scale, **kwargs):
     query, key = F.pad(query, (0, width - dk)), F.pad(key, (0, width - dk))
     out = attend(query, key, F.pad(value, (0, width - dv)), *args, scale=scale, **kwargs)
     return out[..., :dv]
-
-
-def _seam_home(seam: AttentionSeam) -> tuple[str, str] | None:
-    """(module name, attribute) of a module-level name bound to `seam`: the
-    policies' modules first, then every imported module."""
-    import sys
-
-    modules = sorted(sys.modules.items(), key=lambda kv: not kv[0].startswith("shardformer.policies."))
-    for module_name, module in modules:
-        for attr, value in list(getattr(module, "__dict__", {}).items()):
-            if value is seam:
-                return module_name, attr
-    return None
-
-
-def _seam_at(module_name: str, attr: str) -> AttentionSeam:
-    import importlib
-
-    return getattr(importlib.import_module(module_name), attr)
 
 
 def head_major_seam(module: str, *, scale: Callable, window: Callable = lambda m: 0, causal: bool = False,
@@ -676,15 +651,13 @@ def head_major_seam(module: str, *, scale: Callable, window: Callable = lambda m
         return ring_rows(state, query, key, value, mask, scale=scale(mod), window=window(mod), dropout=p), None
 
     def kernel(mod, original, args, kwargs):
-        from ..attention import own_attention, seam_kernel, seam_kernel_reason, wants_weights
-
         query, key, value, mask = bind_args(args, kwargs, ("query", "key", "value", "attention_mask"))
         p = getattr(mod, dropout).p if mod.training else 0.0
-        reason = seam_kernel_reason(mod, (query, key, value), p, wants_weights(mod))
+        reason = sf_attention.seam_kernel_reason(mod, (query, key, value), p, sf_attention.wants_weights(mod))
         if reason is not None:
-            return own_attention(reason, original, args, kwargs)
-        out = seam_kernel(query, key, value, scale=scale(mod), causal=causal, mask=mask, window=window(mod),
-                          dropout=p)
+            return sf_attention.own_attention(reason, original, args, kwargs)
+        out = sf_attention.seam_kernel(query, key, value, scale=scale(mod), causal=causal, mask=mask,
+                                       window=window(mod), dropout=p)
         return out, None
 
     return AttentionSeam(module, "_attn", split, row_kwargs, kernel=kernel)
@@ -814,13 +787,12 @@ class _SplitHooks:
 
     def _switch_attention(self) -> None:
         state = self.state
-        from ..attention import _uses_registry
 
         if state.seam is not None:
             self._replace_seam()
             return
 
-        named = [(n, m) for n, m in self.layers.named_modules() if _uses_registry(m)]
+        named = [(n, m) for n, m in self.layers.named_modules() if sf_attention.uses_registry(m)]
         users = [m for _, m in named]
         if not users:
             raise NotImplementedError(f"{state.name}: sequence_parallelism_mode={state.mode!r} needs attention "
@@ -1032,8 +1004,6 @@ def _encoder_states_summed(kwargs: dict, args: tuple, state: SequenceSplit) -> d
     """The base's `encoder_hidden_states` (full on every rank) through an
     identity whose backward all-reduces over the SP group: each rank's
     cross-attention rows give a partial gradient of it."""
-    from ..distributed.mappings import copy_to_tp_region
-
     states = kwargs.get("encoder_hidden_states")
     if states is None:
         if len(args) > 1:
@@ -1091,5 +1061,5 @@ def _ensure_grad_sync(layers: nn.Module, group) -> None:
     for p in layers.parameters():
         # by the hook itself, not a mark: torch.load restores a parameter's attributes, not its hooks
         if p.requires_grad and not has_grad_all_reduce(p, group):
-            p.register_hook(_all_reduce_hook(group))
+            p.register_hook(all_reduce_hook(group))
             p.__dict__[_SYNC_MARK] = (group,)

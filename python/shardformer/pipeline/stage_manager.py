@@ -19,13 +19,14 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..config import check_process_group, group_size_and_rank
+from ..config import StageManager, check_process_group, group_size_and_rank
+from ..distributed import backend_for
 from ..distributed.agree import agree, members
 
 __all__ = ["PipelineStageManager"]
 
 
-class PipelineStageManager:
+class PipelineStageManager(StageManager):
     """The pipeline over `pp_group` (None: the default group), as seen by this rank.
 
     stage           this rank's stage, 0 .. num_stages - 1 (its rank in pp_group)
@@ -60,8 +61,6 @@ class PipelineStageManager:
             num_layers_per_stage = tuple(counts)
         self.num_layers_per_stage = num_layers_per_stage
         if dist.is_available() and dist.is_initialized() and self.num_stages > 1:
-            from ..distributed import backend_for
-
             backend_for(torch.zeros(1), pp_group)   # the group's CPU communicator, for send / recv
 
     def __repr__(self) -> str:

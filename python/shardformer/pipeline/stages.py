@@ -111,6 +111,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from ..layer.sequence_attention import unsummed
 
 __all__ = ["StageSplit", "StageStack", "StagePlan", "StageLayers", "StageCalls", "StageAbsent", "StageExit",
            "StageRuntime",
@@ -476,8 +477,6 @@ def _source_sent(source):
     stack, sequence_attention.unsummed).  The next stage sends back the
     gradient of its own uses already summed over the group, which must not
     be summed again; this stage's uses reach the wrapper and are summed once."""
-    from ..layer.sequence_attention import unsummed
-
     return unsummed(source) if isinstance(source, torch.Tensor) else source
 
 
