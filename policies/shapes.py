@@ -37,7 +37,7 @@ blocks, the first layer splits its input along the sequence and the last
 gathers its output, and the layer's norms get their gradients all-reduced
 (shardformer.layer.sequence).  With enable_sequence_overlap, each block's
 one input all-gather runs while its column layers (q/k/v or qkv, gate/up or
-gate_up) multiply this rank's rows (shardformer.layer.linear.gather_block_input,
+gate_up) multiply this rank's rows (shardformer.layer.sequence.gather_block_input,
 which says why the attention's projections cannot gather inside).
 output_hidden_states=True records full-sequence states (record_hidden_states).
 
@@ -197,7 +197,7 @@ class DecoderShape(FamilyPolicy):
         this rank's rows, gradients all-reduced), the split and the gather.
         With enable_sequence_overlap (sp_overlap) the blocks take overlap=True:
         the block's gather is shared by its column layers and overlapped with
-        their matmuls of this rank's rows (linear.gather_block_input: the
+        their matmuls of this rank's rows (sequence.gather_block_input: the
         module still receives the gathered sequence, since HF's attention
         reads its shape before the projections); the row layers' partial
         sums leave through the block's reduce-scatter as without overlap."""

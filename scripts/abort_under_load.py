@@ -30,7 +30,7 @@ dist.destroy_process_group() (its default argument captured by
 torch.distributed.nn.functional, imported after init by transformers here)
 so gloo's threads were joined during finalization or not at all;
 shardformer.distributed.teardown releases the groups at exit
-(tests/test_exit_abort.py::test_no_backend_thread_left_at_exit, docs/flake.md).
+(tests/test_exit_abort.py::test_no_backend_thread_left_at_exit, docs/exit.md).
 """
 from __future__ import annotations
 

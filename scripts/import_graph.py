@@ -81,7 +81,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("policy", ("policy", "family", "plan", "autopolicy", "derived_policy", "derived_rules", "lm_loss", "sharder",
                 "optimizations", "spec", "spec.*")),
     ("policies", ("policies", "policies.*")),
-    ("api", ("", "shardformer", "lora", "launch", "integrations", "integrations.*")),
+    ("api", ("", "shardformer", "lora", "launch", "integrations", "integrations.*", "verification",
+             "verification.*", "__main__")),
 ]
 
 

@@ -47,6 +47,7 @@ from typing import Any
 import torch.distributed as dist
 
 from .config import ShardConfig
+from .distributed import teardown
 from .distributed.agree import agree
 from .pipeline import PipelineStageManager
 
@@ -58,6 +59,9 @@ def forget_meshes() -> None:
     """Drop the cached meshes (and with them the references to their groups);
     the exit teardown calls it (shardformer.distributed.teardown)."""
     MESHES.clear()
+
+
+teardown.on_release(forget_meshes)
 
 
 @dataclass(frozen=True, eq=False)

@@ -34,7 +34,7 @@ in order:
 
 A program that still needs the default group in an exit handler must
 register that handler after importing shardformer (handlers run last-in,
-first-out) or destroy the group itself.  See docs/flake.md.
+first-out) or destroy the group itself.  See docs/exit.md.
 """
 from __future__ import annotations
 
@@ -109,6 +109,19 @@ def _release_captured_groups(prefix: str = "torch.distributed") -> list:
     return list(released.values())
 
 
+#: Callables that drop a cache of groups held above this module (parallel_mesh
+#: registers its mesh cache): release_groups runs them after destroying the
+#: groups, so that nothing keeps a group alive into finalization.
+_FORGETTERS: list = []
+
+
+def on_release(forget) -> None:
+    """Have release_groups call `forget()` (no arguments) to drop the
+    references to process groups a higher module caches."""
+    if forget not in _FORGETTERS:
+        _FORGETTERS.append(forget)
+
+
 def release_groups() -> None:
     """Destroy the process groups (if still initialized) and drop every
     reference shardformer and the torch.distributed modules' defaults hold to
@@ -122,9 +135,8 @@ def release_groups() -> None:
     if dist.is_initialized():
         with contextlib.suppress(Exception):      # exiting: a failed teardown must not mask the exit status
             dist.destroy_process_group()
-    from .. import parallel_mesh
-
-    parallel_mesh.forget_meshes()
+    for forget in _FORGETTERS:
+        forget()
     if any(ref() is not None for ref in _release_captured_groups()):
         gc.collect()       # a released group still reachable from a reference cycle goes now, not at finalization
 

@@ -268,66 +268,6 @@ class Linear1D_Col(_LinearShard):
         return y
 
 
-def gather_block_input(module: nn.Module, x: torch.Tensor, state, group) -> torch.Tensor:
-    """The overlapped input gather of a sequence-parallel block (role
-    "block" with ShardConfig.enable_sequence_overlap, layer/sequence.py):
-    `x` is this rank's rows [batch, S/p, in] of the input of `module`
-    (a Llama attention or MLP).  One _GatherRowsLinear pass gathers the rows
-    (overlap: in flight while this rank's rows are multiplied) and computes
-    the output of every sequence-parallel column layer among the module's
-    children (q/k/v or qkv; gate/up or gate_up: they all read the block's
-    input) on the exact sequence; each layer keeps its output and returns it
-    when the module calls it with the returned tensor, X[:, :S] (full
-    sequence, gathered by the time this returns: the module reads its shape;
-    a layer called with anything else computes as usual, and a gradient
-    reaching X joins dX).  Backward: one re-gather, one reduce-scatter of
-    the summed dX (see _GatherRowsLinear).  Without such children: the plain
-    block gather (sequence.block_input).
-
-    Why at the block and not in the projections (as GPT-2's c_attn,
-    Linear1D_Col(gather_input=True)): HF's Llama-style attention reads
-    `input_shape = hidden_states.shape[:-1]` before its projections and
-    views their outputs as (*input_shape, -1, head_dim), and rotary
-    embeddings and the mask are built for the full sequence; a q/k/v that
-    gathered inside would hand it S rows for an input of S/p (a view with
-    -1 heads would even succeed, wrongly).  Handing the module an ungathered
-    or still-arriving tensor of the full shape is no option either (its
-    contents would be read before the collective completes).  So the module
-    gets the real gathered X, complete when the hook returns, and what
-    overlaps the all-gather is the projections' matmuls of this rank's own
-    rows, done before the module runs; the module's own projection calls
-    then return the precomputed outputs.  The MLP takes the same path
-    (gate/up or gate_up share the one gather), and both blocks keep the
-    module-level reduce-scatter of the row layer's partial sums (role
-    "block": o_proj / down_proj have no bias in these families)."""
-    from .sequence import SEQ_DIM, block_input
-
-    layers = [m for m in module.children()
-              if isinstance(m, Linear1D_Col) and m.sequence_parallel and not m.gather_input and not m.gather_output]
-    if not layers or D.world_size(group) == 1:
-        return block_input(x, state, group)
-    conv1d = {m.conv1d_layout for m in layers}
-    if len(conv1d) != 1:
-        raise ValueError(f"{type(module).__name__}: column layers of both weight layouts cannot share a gather")
-    params = []
-    for m in layers:
-        params += list(m._local_params())
-    outs = _GatherRowsLinear.apply(x.movedim(SEQ_DIM, 0), conv1d.pop(), group, state.length, True, True, *params)
-    full = outs[0].movedim(0, SEQ_DIM)
-    for m, y in zip(layers, outs[1:]):
-        m._precomputed = (full, y.movedim(0, SEQ_DIM))
-    return full
-
-
-def release_block_input(module: nn.Module) -> None:
-    """Drop the outputs gather_block_input computed for `module`'s layers
-    and the module did not ask for (the block's forward is over)."""
-    for m in module.children():
-        if getattr(m, "_precomputed", None) is not None:
-            m._precomputed = None
-            _GatherRowsLinear.unused += 1
-
-
 class Linear1D_Row(_LinearShard):
     """Row-parallel nn.Linear: Y = sum_i X_i A_i^T + b with A's input columns split.
 

@@ -51,7 +51,7 @@ their gradients all-reduced, like the norms between blocks.
 
 With ShardConfig.enable_sequence_overlap a "block" (overlap=True: the
 Llama-shaped decoders) gathers its input through
-linear.gather_block_input: one all-gather, asynchronous where the
+sequence.gather_block_input: one all-gather, asynchronous where the
 communicator overlaps (shm, torch.distributed), runs while the block's column layers (q/k/v or qkv; gate/up or
 gate_up) multiply this rank's rows; then the other ranks' rows; the module
 gets the gathered sequence and its column layers return the outputs already
@@ -69,6 +69,7 @@ from torch import nn
 from .. import compile_refusal
 from .. import distributed as D
 from ..distributed.mappings import (  # noqa: F401 - start_*, reduce_scatter_rows, token_dim: re-exported
+    _GatherRowsLinear,
     SequenceRows,
     _all_gather_seq,
     copy_to_tp_region,
@@ -85,6 +86,7 @@ from ..distributed.mappings import (  # noqa: F401 - start_*, reduce_scatter_row
     token_dim,
 )
 from . import recompute
+from .linear import Linear1D_Col
 from .parallel_module import ShardPlan, plan_directly
 from .sequence_layout import (  # noqa: F401 - the typed vocabulary, re-exported
     FULL,
@@ -191,6 +193,64 @@ def sum_grad_over_ranks(y: torch.Tensor, group) -> torch.Tensor:
     return copy_to_tp_region(y, group)
 
 
+def gather_block_input(module: nn.Module, x: torch.Tensor, state, group) -> torch.Tensor:
+    """The overlapped input gather of a sequence-parallel block (role
+    "block" with ShardConfig.enable_sequence_overlap, layer/sequence.py):
+    `x` is this rank's rows [batch, S/p, in] of the input of `module`
+    (a Llama attention or MLP).  One _GatherRowsLinear pass gathers the rows
+    (overlap: in flight while this rank's rows are multiplied) and computes
+    the output of every sequence-parallel column layer among the module's
+    children (q/k/v or qkv; gate/up or gate_up: they all read the block's
+    input) on the exact sequence; each layer keeps its output and returns it
+    when the module calls it with the returned tensor, X[:, :S] (full
+    sequence, gathered by the time this returns: the module reads its shape;
+    a layer called with anything else computes as usual, and a gradient
+    reaching X joins dX).  Backward: one re-gather, one reduce-scatter of
+    the summed dX (see _GatherRowsLinear).  Without such children: the plain
+    block gather (sequence.block_input).
+
+    Why at the block and not in the projections (as GPT-2's c_attn,
+    Linear1D_Col(gather_input=True)): HF's Llama-style attention reads
+    `input_shape = hidden_states.shape[:-1]` before its projections and
+    views their outputs as (*input_shape, -1, head_dim), and rotary
+    embeddings and the mask are built for the full sequence; a q/k/v that
+    gathered inside would hand it S rows for an input of S/p (a view with
+    -1 heads would even succeed, wrongly).  Handing the module an ungathered
+    or still-arriving tensor of the full shape is no option either (its
+    contents would be read before the collective completes).  So the module
+    gets the real gathered X, complete when the hook returns, and what
+    overlaps the all-gather is the projections' matmuls of this rank's own
+    rows, done before the module runs; the module's own projection calls
+    then return the precomputed outputs.  The MLP takes the same path
+    (gate/up or gate_up share the one gather), and both blocks keep the
+    module-level reduce-scatter of the row layer's partial sums (role
+    "block": o_proj / down_proj have no bias in these families)."""
+    layers = [m for m in module.children()
+              if isinstance(m, Linear1D_Col) and m.sequence_parallel and not m.gather_input and not m.gather_output]
+    if not layers or D.world_size(group) == 1:
+        return block_input(x, state, group)
+    conv1d = {m.conv1d_layout for m in layers}
+    if len(conv1d) != 1:
+        raise ValueError(f"{type(module).__name__}: column layers of both weight layouts cannot share a gather")
+    params = []
+    for m in layers:
+        params += list(m._local_params())
+    outs = _GatherRowsLinear.apply(x.movedim(SEQ_DIM, 0), conv1d.pop(), group, state.length, True, True, *params)
+    full = outs[0].movedim(0, SEQ_DIM)
+    for m, y in zip(layers, outs[1:]):
+        m._precomputed = (full, y.movedim(0, SEQ_DIM))
+    return full
+
+
+def release_block_input(module: nn.Module) -> None:
+    """Drop the outputs gather_block_input computed for `module`'s layers
+    and the module did not ask for (the block's forward is over)."""
+    for m in module.children():
+        if getattr(m, "_precomputed", None) is not None:
+            m._precomputed = None
+            _GatherRowsLinear.unused += 1
+
+
 class _Regathered:
     """This rank's rows of a block's gathered input, saved for backward in
     place of the full tensor; the first unpack all-gathers them again (every
@@ -277,7 +337,7 @@ class SequenceParallelRegion:
     A block's gathered input is saved for backward as this rank's rows only.
     Kwarg `state`: the model's SequenceState; `overlap=True` (a block only):
     the input gather overlaps the module's column layers' matmuls
-    (linear.gather_block_input)."""
+    (sequence.gather_block_input)."""
 
     ROLES = ROLES
 
@@ -285,10 +345,10 @@ class SequenceParallelRegion:
     def _layouts(role, layouts, overlap: bool) -> SequenceLayouts:
         if (role is None) == (layouts is None):
             raise ValueError(f"SequenceParallelRegion: give exactly one of role= and layouts=, got role={role!r}, "
-                             f"layouts={layouts!r} (docs/spregions.md)")
+                             f"layouts={layouts!r} (docs/sequence-layouts.md)")
         if layouts is not None and not isinstance(layouts, SequenceLayouts):
             raise TypeError(f"SequenceParallelRegion: layouts must be a SequenceLayouts, got "
-                            f"{type(layouts).__name__} (docs/spregions.md)")
+                            f"{type(layouts).__name__} (docs/sequence-layouts.md)")
         out = as_layouts(role if layouts is None else layouts)
         if overlap and not out.is_block:
             raise ValueError(f"SequenceParallelRegion: overlap=True needs a block (role 'block': input "
@@ -568,8 +628,6 @@ class _Hooks:
         this rank's rows of it are saved for backward."""
         x, rebuild = _first(args, kwargs)
         if self.overlap:
-            from .linear import gather_block_input
-
             full = gather_block_input(module, x, self.state, self.group)
         else:
             full = block_input(x, self.state, self.group)
@@ -586,8 +644,6 @@ class _Hooks:
         while self.active:
             self.active.pop().__exit__(None, None, None)
         if self.overlap:
-            from .linear import release_block_input
-
             release_block_input(module)
         if output is None or self.layouts.output is None:  # raised (always_call), or no output move
             return None

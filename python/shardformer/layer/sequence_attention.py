@@ -482,7 +482,7 @@ class AttentionSeam:
         if home is None:
             raise TypeError(f"the AttentionSeam of {self.module}.{self.method} cannot be pickled: it was not "
                             f"registered under a module-level name (SEAM = AttentionSeam(...).registered(__name__, "
-                            f"'SEAM'); docs/dag.md)")
+                            f"'SEAM'); docs/code-layers.md)")
         return resolve_reference, home
 
     def refuse(self, model: nn.Module, mode: str, name: str) -> None:

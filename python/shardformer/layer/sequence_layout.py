@@ -102,7 +102,7 @@ class Move:
         if (self.src, self.dst) not in MOVES:
             known = ", ".join(f"{a} -> {b}" for a, b in MOVES)
             raise ValueError(f"Move: no sequence-parallel operator takes {self.src} to {self.dst}; "
-                             f"supported: {known} (docs/spregions.md)")
+                             f"supported: {known} (docs/sequence-layouts.md)")
 
     @property
     def op(self) -> str:
@@ -135,7 +135,7 @@ class SequenceLayouts:
                 raise TypeError(f"SequenceLayouts: {side} must be a Move(src, dst) or None, "
                                 f"got {type(move).__name__}")
         if self.input is None and self.output is None:
-            raise ValueError("SequenceLayouts: neither an input nor an output move (docs/spregions.md)")
+            raise ValueError("SequenceLayouts: neither an input nor an output move (docs/sequence-layouts.md)")
         if self.output is not None and self.output.saves_rows and self.input is not None:
             raise ValueError(f"SequenceLayouts: output {self.output} with an input move {self.input} "
                              f"is not supported")
@@ -180,7 +180,7 @@ def as_layouts(role) -> SequenceLayouts:
     bad = [r for r in names if not isinstance(r, str) or r not in ROLE_LAYOUTS]
     if bad:
         raise ValueError(f"SequenceParallelRegion: role must be a SequenceLayouts, one of {ROLES} or a tuple "
-                         f"of them, got {role!r} (docs/spregions.md)")
+                         f"of them, got {role!r} (docs/sequence-layouts.md)")
     out = ROLE_LAYOUTS[names[0]]
     for name in names[1:]:
         out = out | ROLE_LAYOUTS[name]

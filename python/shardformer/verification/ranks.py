@@ -15,7 +15,7 @@ import warnings
 import torch
 from torch import nn
 
-from ..checkpoint.full import _shard_info
+from ..checkpoint.full import shard_info
 from ..config import ShardConfig
 from ..shardformer import ShardFormer
 from .compare import compare_maybe_sharded, cut, diff, float_tensors, loss_of
@@ -65,7 +65,7 @@ def _param_entries(model, ref, check: str, order0: tuple, label, first_fired: di
                    rtol: float) -> list[Entry]:
     """Every parameter (grad=False) or its gradient (grad=True) of the
     sharded `model` against `ref`'s, cut to this rank's shard."""
-    info = _shard_info(model)
+    info = shard_info(model)
     ref_params = dict(ref.named_parameters(remove_duplicate=False))
     entries = []
     for idx, (pname, p) in enumerate(model.named_parameters()):
@@ -193,7 +193,7 @@ def run_checks(build, inputs, shard_config: ShardConfig, plan, policy, steps: in
             return []
 
     entries = comparer.entries
-    layouts = [s for _, s, _ in _shard_info(model).values()]
+    layouts = [s for _, s, _ in shard_info(model).values()]
     entries += local(lambda: _output_entries(out, exp, "forward", MODEL_OUTPUT, "", rtol, layouts))
     loss = loss_of(out, probe)
     entries += local(lambda: [Entry("loss", (LOSS, 0), "", "loss", diff(loss, ref_loss, rtol))])

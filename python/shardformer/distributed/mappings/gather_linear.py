@@ -6,7 +6,7 @@ overlapped all-gather of sequence parallelism), as one autograd function.
                              during this rank's own rows'     reduce-scatter dX (async,
                              matmuls), Y_k = X A_k^T + b_k    during the dA_k matmuls)
 
-Linear1D_Col(gather_input=True) and layer/linear.py's gather_block_input
+Linear1D_Col(gather_input=True) and layer/sequence.py's gather_block_input
 apply it; the asynchronous calls are the communicator's (async_op=True),
 and whether they overlap the matmuls is its `overlaps`.
 """
