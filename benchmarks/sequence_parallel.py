@@ -8,6 +8,9 @@ length and configuration (--modes):
 
     tp            tensor parallelism alone over the ranks (the baseline)
     split_gather  TP + split-gather SP over the same group
+    overlap       split_gather with enable_sequence_overlap=True (a block's
+                  input all-gather in flight while this rank's rows are
+                  multiplied by the column layers; backward likewise)
     selective     split_gather with sequence_parallel_recompute="selective"
                   (the norms' x_hat and outputs, the SiLU output and the
                   SwiGLU product recomputed in backward, bit for bit)
@@ -70,6 +73,8 @@ def shard_config(mode: str):
         return ShardConfig()
     if mode == "split_gather":
         return ShardConfig(enable_sequence_parallelism=True)
+    if mode == "overlap":
+        return ShardConfig(enable_sequence_parallelism=True, enable_sequence_overlap=True)
     if mode == "selective":
         return ShardConfig(enable_sequence_parallelism=True, sequence_parallel_recompute="selective")
     return ShardConfig(enable_tensor_parallelism=False, enable_sequence_parallelism=True,
@@ -134,7 +139,7 @@ def rank_main(rank: int, args, mode: str, seq: int) -> dict:
             "activations": statistics.median(saved[-args.iters:]), "state": state}
 
 
-MODES = ("tp", "split_gather", "selective", "all_to_all", "ring_attn")
+MODES = ("tp", "split_gather", "overlap", "selective", "all_to_all", "ring_attn")
 
 
 def main(argv=None) -> int:
