@@ -72,5 +72,5 @@ def test_attention_seams_pickle_by_registered_name():
     for seam in (bloom.SEAM, gptj.SEAM):
         assert pickle.loads(pickle.dumps(seam)) is seam
     loose = AttentionSeam("LooseAttention", "forward", split=lambda *a: None)
-    with pytest.raises(TypeError, match=r"LooseAttention\.forward .*not registered.*docs/dag\.md"):
+    with pytest.raises(TypeError, match=r"LooseAttention\.forward .*not registered.*docs/code-layers\.md"):
         pickle.dumps(loose)
