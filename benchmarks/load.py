@@ -33,7 +33,7 @@ error).
 Results: benchmarks/results/load_<size>[_busy].json and a table on stdout.
 
 ShardFormer.from_pretrained maps a shard that is one contiguous byte range
-of the file (mmap=True, opt-in; the default is False) and copies the rest; "mmap=False" is
+of the file (mmap=True, the default) and copies the rest; "mmap=False" is
 the same call copying every shard, measured in the same run.  Goals (issue
 34): load + first forward <= 1.0x hf's, and peak growth per rank <= its
 shards + 64 MiB (the reader's window) + the largest single tensor; each

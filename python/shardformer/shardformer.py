@@ -87,7 +87,7 @@ class ShardFormer:
 
     def from_pretrained(self, model_class, path, *, dtype=None, torch_dtype=None, config=None,
                         policy: Policy | None = None, plan: dict[str, str] | None = None,
-                        progress: bool | None = None, mmap: bool = False, **model_kwargs):
+                        progress: bool | None = None, mmap: bool = True, **model_kwargs):
         """Build `model_class` from the HF checkpoint directory `path`, shard
         it, and load each rank's slices; returns (model, shared_params), the
         model in eval mode as HF's from_pretrained returns it.
@@ -102,13 +102,14 @@ class ShardFormer:
         dtype; None or "auto" takes the checkpoint config's dtype (float32 if
         it names none).  config: a config to use instead of the
         checkpoint's.  policy / plan: as optimize()'s.  model_kwargs go to
-        `model_class.from_config`.  mmap (default False: every shard
-        copied): True maps a shard that is one contiguous byte range of a
-        safetensors file in the model's dtype copy-on-write instead of
-        copying it (load_pretrained's mmap; writes never reach the file, but
-        a file rewritten in place under the mapping changes or kills the
-        model -- opt-in for that reason, and not faster on the runs measured
-        so far; docs/load.md).  Collective over the tensor-parallel group,
+        `model_class.from_config`.  mmap (default True): a shard that is one
+        contiguous byte range of a safetensors file in the model's dtype is
+        not copied but mapped copy-on-write, as transformers maps the file
+        (load_pretrained's mmap; writes never reach the file; the model's
+        save_pretrained / save_sharded materialize it before replacing the
+        directory; another tool rewriting the file in place needs
+        checkpoint.materialize_mapped(model) first: docs/load.md); False
+        copies every shard.  Collective over the tensor-parallel group,
         like optimize().  Not with ShardConfig.expert_parallel_process_group
         (NotImplementedError, before anything is read or built): build the
         model, optimize() it, and load_full_state_dict the checkpoint's tensors."""
