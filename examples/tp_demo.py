@@ -436,6 +436,7 @@ def rank_main(rank: int, args, plan) -> dict:
     sp = {} if not args.sp else {"enable_sequence_parallelism": True, "sequence_parallelism_mode": args.sp,
                                  "enable_tensor_parallelism": args.sp == "split_gather"}
     pp = {}
+    PIPELINE.clear()                                 # a process that runs the demo again starts afresh
     if args.pp > 1:                                  # TP innermost: TP {0..tp-1}, ...; pipelines {t, t+tp, ...}
         from shardformer.pipeline import OneForwardOneBackwardSchedule, PipelineStageManager
 
@@ -629,7 +630,10 @@ def finish(rank, result, ref):
     return result
 
 
-def main(argv=None) -> int:
+def main(argv=None, launch=None) -> int:
+    """The demo; exit status.  `launch(fn, nprocs, args=..., threads_per_rank=...)` starts the ranks
+    and returns their results by rank (default shardformer.launch.spawn: new local processes; the
+    tests pass their already started rank pool instead)."""
     from shardformer.launch import RankError, spawn
 
     t0 = time.perf_counter()
@@ -650,7 +654,7 @@ def main(argv=None) -> int:
               + "; every rank loads its shards of the checkpoint",
               flush=True)
         try:
-            results = spawn(rank_main, args.tp * args.pp, args=(args, plan), threads_per_rank=args.threads)
+            results = (launch or spawn)(rank_main, args.tp * args.pp, args=(args, plan), threads_per_rank=args.threads)
         except RankError as e:
             print(e.traceback, file=sys.stderr, flush=True)
             print(f"demo: FAILED on rank {e.rank} after {time.perf_counter() - t0:.0f} s: {e.message}", flush=True)

@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+from checks import demo as checks
 from launcher import run_killing_group
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,6 +31,38 @@ needs_smollm2 = pytest.mark.skipif(not HAVE_SMOLLM2, reason="SmolLM2 checkpoint 
 def run_demo(*args, timeout=600, env=None):
     out = run_killing_group([sys.executable, DEMO, *args], timeout=timeout, env=env)
     return out.returncode, out.stdout, out.stdout + out.stderr
+
+
+def demo_in_pool(world_pool, *argv, env=None):
+    """tp_demo.main(argv) in this process, its ranks run by the rank pool of their number
+    (checks/demo.py) instead of new processes; (exit status, stdout, stdout + stderr) as run_demo.
+    (CI time: each launch of the demo started 1 + N interpreters that import torch and
+    transformers; test_demo_default_is_pretrained_smollm2 and the failing-rank case stay real launches.)"""
+    import contextlib
+    import io
+
+    import tp_demo
+
+    def launch(fn, nprocs, args, threads_per_rank):
+        assert fn is tp_demo.rank_main, fn
+        runs = world_pool(nprocs).run(checks.rank_main, nprocs, *args)
+        for _, text in runs:
+            print(text, end="")
+        return [result for result, _ in runs]
+
+    out, err = io.StringIO(), io.StringIO()
+    old = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = tp_demo.main(list(argv), launch=launch)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return rc, out.getvalue(), out.getvalue() + err.getvalue()
 
 
 @pytest.fixture(scope="session")
@@ -63,7 +96,7 @@ def tiny_llama_dir(path, safe=True):
 # that path, its checkpoint being safetensors, and --save DIR runs in both cases here.)
 @pytest.mark.parametrize("kind,extra", [("safetensors", ["--all-optimization"]), ("bin", ["--tp", "4"])],
                          ids=["all_optimization", "bin_tp4"])
-def test_demo_on_local_checkpoint(tmp_path, kind, extra):
+def test_demo_on_local_checkpoint(tmp_path, kind, extra, world_pool):
     """A local checkpoint loaded sharded, checked, fine-tuned, saved to --save DIR and reloaded with plain HF."""
     import json
 
@@ -73,8 +106,8 @@ def test_demo_on_local_checkpoint(tmp_path, kind, extra):
     assert os.path.isfile(os.path.join(ckpt, "model.safetensors" if kind == "safetensors" else "pytorch_model.bin"))
     saved = tmp_path / "saved"
     env_json = tmp_path / "demo.json"
-    rc, out, both = run_demo("--model", ckpt, "--seq", "16", "--steps", "2", "--new-tokens", "3", "--save",
-                             str(saved), *extra, env=dict(os.environ, SHARDFORMER_DEMO_JSON=str(env_json)))
+    rc, out, both = demo_in_pool(world_pool, "--model", ckpt, "--seq", "16", "--steps", "2", "--new-tokens", "3",
+                                 "--save", str(saved), *extra, env={"SHARDFORMER_DEMO_JSON": str(env_json)})
     assert rc == 0, both
     tp = int(extra[extra.index("--tp") + 1]) if "--tp" in extra else 2
     assert out.count(f"loaded its shards at TP={tp} in") == tp and out.count("of the full model") == tp
@@ -99,13 +132,14 @@ def test_demo_on_local_checkpoint(tmp_path, kind, extra):
 
 
 @pytest.mark.parametrize("mode", ["split_gather", "ring_attn"])
-def test_demo_sequence_parallel(tmp_path, mode):
+def test_demo_sequence_parallel(tmp_path, mode, pool2):
     """--sp MODE on a local checkpoint: logits, greedy generation and the fine-tuning losses equal the
     unsharded model's (the demo fails otherwise), and the save round-trips.  (CI time: the demo
     treats all_to_all exactly as ring_attn, TP off, so one of the two runs here; all_to_all itself
     runs against the unsharded model in tests/test_sequence_attention.py.)"""
     ckpt = tiny_llama_dir(tmp_path / "ckpt")
-    rc, out, both = run_demo("--model", ckpt, "--seq", "16", "--steps", "2", "--new-tokens", "3", "--sp", mode)
+    rc, out, both = demo_in_pool(lambda n: pool2, "--model", ckpt, "--seq", "16", "--steps", "2", "--new-tokens", "3",
+                                 "--sp", mode)
     assert rc == 0, both
     layout = "TP=2, SP=2" if mode == "split_gather" else "TP=1, SP=2"
     assert out.count(f"loaded its shards at {layout} ({mode})") == 2, both
@@ -116,14 +150,14 @@ def test_demo_sequence_parallel(tmp_path, mode):
 
 
 @pytest.mark.parametrize("tp, pp", [(2, 2)])
-def test_demo_pipeline(tmp_path, tp, pp):
+def test_demo_pipeline(tmp_path, tp, pp, world_pool):
     """--pp 2 on a local checkpoint: the pipelined logits and 1F1B fine-tuning losses equal the unsharded
     model's (the demo fails otherwise); generation is skipped by name; the save round-trips.  (CI time:
     TP=1 x PP=2 is not launched: the demo differs only in enable_tensor_parallelism=False, with which
     tests/test_pipeline.py checks PP=2 for every family.)"""
     ckpt = tiny_llama_dir(tmp_path / "ckpt")
-    rc, out, both = run_demo("--model", ckpt, "--seq", "16", "--steps", "2", "--new-tokens", "3",
-                             "--tp", str(tp), "--pp", str(pp))
+    rc, out, both = demo_in_pool(world_pool, "--model", ckpt, "--seq", "16", "--steps", "2", "--new-tokens", "3",
+                                 "--tp", str(tp), "--pp", str(pp))
     assert rc == 0, both
     for stage in range(pp):
         assert out.count(f"loaded its shards at TP={tp}, PP={pp} (stage {stage})") == tp, both
@@ -239,15 +273,15 @@ def json_of(path):
         return json.load(f)
 
 
-def test_demo_random_init():
-    rc, out, both = run_demo("--random-init", "--seq", "16", "--steps", "2", "--new-tokens", "3")
+def test_demo_random_init(pool2):
+    rc, out, both = demo_in_pool(lambda n: pool2, "--random-init", "--seq", "16", "--steps", "2", "--new-tokens", "3")
     assert rc == 0, both
     assert "random-init Llama" in out and "-> OK" in out and "generated 3 tokens" in out and "demo: OK" in out
     assert "saved the random-init Llama (seed 0) as a temporary checkpoint" in out
     assert out.count("loaded its shards at TP=2 in") == 2
 
 
-def test_demo_forward_check_for_a_non_causal_checkpoint(tmp_path):
+def test_demo_forward_check_for_a_non_causal_checkpoint(tmp_path, pool2):
     """A BertModel checkpoint is not a causal LM: logits check only, no random LM head."""
     import transformers
 
@@ -256,7 +290,7 @@ def test_demo_forward_check_for_a_non_causal_checkpoint(tmp_path):
                                   attention_probs_dropout_prob=0.3)
     torch.manual_seed(0)
     transformers.BertModel(cfg).save_pretrained(tmp_path / "bert")
-    rc, out, both = run_demo("--model", str(tmp_path / "bert"), "--seq", "12")
+    rc, out, both = demo_in_pool(lambda n: pool2, "--model", str(tmp_path / "bert"), "--seq", "12")
     assert rc == 0, both
     assert "BertModel (forward check)" in out
     assert "logits vs unsharded" in out and "-> OK" in out
@@ -278,10 +312,16 @@ def test_demo_refuses_what_it_cannot_run(tmp_path, family):
                                                                            hidden_dim=64, vocab_size=100))
         expected = "architecture DistilBertModel has no shardformer policy"
     model.save_pretrained(tmp_path / family)
-    rc, out, both = run_demo("--model", str(tmp_path / family), timeout=120)
-    assert rc != 0
-    assert expected in both, both
-    assert "Traceback" not in both and "[rank" not in both     # refused before any rank starts
+    import tp_demo
+
+    def launch(*args, **kwargs):
+        raise AssertionError("refused too late: the demo started its ranks")
+
+    # (CI time: main() in this process: the refusal is a SystemExit raised before any rank starts,
+    # whose message is what the user's terminal shows, with no traceback.)
+    with pytest.raises(SystemExit) as refused:
+        tp_demo.main(["--model", str(tmp_path / family)], launch=launch)
+    assert isinstance(refused.value.code, str) and expected in refused.value.code, refused.value.code
 
 
 def test_demo_checkpoint_directory_errors(tmp_path, capsys):
@@ -313,7 +353,8 @@ def test_demo_finds_the_gguf_file_in_a_model_directory():
 
 
 def test_demo_reports_a_model_that_cannot_be_split(tmp_path):
-    """3 KV heads over 4 ranks cannot be split: every rank refuses, the demo says why and exits non-zero."""
+    """3 KV heads over 4 ranks cannot be split: every rank refuses, the demo says why and exits non-zero
+    (a real launch: the failing ranks' error reaches the demo through shardformer.launch.spawn)."""
     import transformers
 
     cfg = transformers.LlamaConfig(hidden_size=48, intermediate_size=64, num_hidden_layers=1, num_attention_heads=6,
