@@ -95,24 +95,32 @@ print(growth, sum(sizes), max(sizes))
 """
 
 
-def _peak_growth(mode: str) -> tuple[int, int, int]:
-    """(peak RSS growth of building a 180 MB Llama, its parameter bytes, its
-    largest parameter's bytes), in a fresh process."""
+@pytest.fixture(scope="module")
+def peak_growth() -> dict:
+    """{mode: (peak RSS growth of building a 180 MB Llama, its parameter bytes, its largest
+    parameter's bytes)} for the eager, exact and inexact builds, each in a fresh process.  (CI time:
+    the three processes run at once, and the eager one once for both parameters of the test.)"""
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-c", _GROWTH, mode], capture_output=True, text=True, check=True)
-    return tuple(int(v) for v in out.stdout.split()[-3:])
+    procs = {mode: subprocess.Popen([sys.executable, "-c", _GROWTH, mode], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for mode in ("eager", "exact", "inexact")}
+    out = {}
+    for mode, proc in procs.items():
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"the {mode} build failed:\n{stderr[-4000:]}"
+        out[mode] = tuple(int(v) for v in stdout.split()[-3:])
+    return out
 
 
 @pytest.mark.parametrize("exact", [True, False])
-def test_lazy_construction_allocates_no_parameter_storage(exact):
+def test_lazy_construction_allocates_no_parameter_storage(exact, peak_growth):
     """A 180 MB Llama built under lazy_init(): the peak RSS grows by at most
     the largest parameter (exact=True draws each parameter's random numbers
     once on a scratch tensor) plus a few MB of Python objects; the eager
     build grows by the whole model (each measured in a fresh process)."""
-    eager_growth, total, largest = _peak_growth("eager")
-    lazy_growth, lazy_total, _ = _peak_growth("exact" if exact else "inexact")
+    eager_growth, total, largest = peak_growth["eager"]
+    lazy_growth, lazy_total, _ = peak_growth["exact" if exact else "inexact"]
     assert lazy_total == total
     assert eager_growth > 0.9 * total, (eager_growth, total)
     limit = (1.2 * largest if exact else 0) + 24 * 2**20
