@@ -132,13 +132,13 @@ def test_demo_on_local_checkpoint(tmp_path, kind, extra, world_pool):
 
 
 @pytest.mark.parametrize("mode", ["split_gather", "ring_attn"])
-def test_demo_sequence_parallel(tmp_path, mode, pool2):
+def test_demo_sequence_parallel(tmp_path, mode, world_pool):
     """--sp MODE on a local checkpoint: logits, greedy generation and the fine-tuning losses equal the
     unsharded model's (the demo fails otherwise), and the save round-trips.  (CI time: the demo
     treats all_to_all exactly as ring_attn, TP off, so one of the two runs here; all_to_all itself
     runs against the unsharded model in tests/test_sequence_attention.py.)"""
     ckpt = tiny_llama_dir(tmp_path / "ckpt")
-    rc, out, both = demo_in_pool(lambda n: pool2, "--model", ckpt, "--seq", "16", "--steps", "2", "--new-tokens", "3",
+    rc, out, both = demo_in_pool(world_pool, "--model", ckpt, "--seq", "16", "--steps", "2", "--new-tokens", "3",
                                  "--sp", mode)
     assert rc == 0, both
     layout = "TP=2, SP=2" if mode == "split_gather" else "TP=1, SP=2"
@@ -273,15 +273,15 @@ def json_of(path):
         return json.load(f)
 
 
-def test_demo_random_init(pool2):
-    rc, out, both = demo_in_pool(lambda n: pool2, "--random-init", "--seq", "16", "--steps", "2", "--new-tokens", "3")
+def test_demo_random_init(world_pool):
+    rc, out, both = demo_in_pool(world_pool, "--random-init", "--seq", "16", "--steps", "2", "--new-tokens", "3")
     assert rc == 0, both
     assert "random-init Llama" in out and "-> OK" in out and "generated 3 tokens" in out and "demo: OK" in out
     assert "saved the random-init Llama (seed 0) as a temporary checkpoint" in out
     assert out.count("loaded its shards at TP=2 in") == 2
 
 
-def test_demo_forward_check_for_a_non_causal_checkpoint(tmp_path, pool2):
+def test_demo_forward_check_for_a_non_causal_checkpoint(tmp_path, world_pool):
     """A BertModel checkpoint is not a causal LM: logits check only, no random LM head."""
     import transformers
 
@@ -290,7 +290,7 @@ def test_demo_forward_check_for_a_non_causal_checkpoint(tmp_path, pool2):
                                   attention_probs_dropout_prob=0.3)
     torch.manual_seed(0)
     transformers.BertModel(cfg).save_pretrained(tmp_path / "bert")
-    rc, out, both = demo_in_pool(lambda n: pool2, "--model", str(tmp_path / "bert"), "--seq", "12")
+    rc, out, both = demo_in_pool(world_pool, "--model", str(tmp_path / "bert"), "--seq", "12")
     assert rc == 0, both
     assert "BertModel (forward check)" in out
     assert "logits vs unsharded" in out and "-> OK" in out
