@@ -51,17 +51,11 @@ def demo_in_pool(world_pool, *argv, env=None):
         return [result for result, _ in runs]
 
     out, err = io.StringIO(), io.StringIO()
-    old = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
-    try:
+    with pytest.MonkeyPatch.context() as patch:
+        for k, v in (env or {}).items():
+            patch.setenv(k, v)
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             rc = tp_demo.main(list(argv), launch=launch)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     return rc, out.getvalue(), out.getvalue() + err.getvalue()
 
 
