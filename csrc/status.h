@@ -19,6 +19,10 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#ifdef __cplusplus
+extern "C" {   /* the CUDA sources (C++) call these too */
+#endif
+
 typedef enum {
     SF_OK = 0,
     SF_EINVAL,       /* an argument's value is wrong             -> ValueError */
@@ -73,5 +77,9 @@ static inline int sf_size_add_overflows(size_t a, size_t b, size_t *out)
 {
     return __builtin_add_overflow(a, b, out);
 }
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif /* SHARDFORMER_STATUS_H */

@@ -32,7 +32,7 @@ stamp() {
     {
         echo "install=$INSTALL"
         ls requirements-dev.txt requirements-models.txt setup.py pyproject.toml scripts/setup_env.sh scripts/lib.sh 2>/dev/null
-        find csrc -type f \( -name '*.c' -o -name '*.h' \) 2>/dev/null | LC_ALL=C sort
+        find csrc -type f \( -name '*.c' -o -name '*.h' -o -name '*.cu' -o -name '*.cuh' \) 2>/dev/null | LC_ALL=C sort
         if [ "$INSTALL" = wheel ]; then find python policies -type f -name '*.py' 2>/dev/null | LC_ALL=C sort; fi
     } | while IFS= read -r f; do case "$f" in install=*) echo "$f" ;; *) printf '%s\n' "$f"; cat "$f" ;; esac; done \
       | sha256sum | cut -d' ' -f1

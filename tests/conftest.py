@@ -40,6 +40,7 @@ def pytest_configure(config):
                                        "transformers version; left out of the compat run (scripts/test_compat.sh)")
     config.addinivalue_line("markers", "compat_covered_by(name): test `name` of the same module reaches the same "
                                        "HF code; left out of the compat run while `name` runs")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
 
 
 def compat_dropped(items) -> list:

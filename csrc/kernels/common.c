@@ -15,50 +15,6 @@
 #define SFK_X86 1
 #endif
 
-/* ---- argument checks ------------------------------------------------------ */
-
-sf_status sfk_check_dtype(const char *fn, sfk_dtype t, sf_error *err)
-{
-    if (t != SFK_F32 && t != SFK_F16 && t != SFK_BF16)
-        return sf_fail(err, SF_ETYPE, "%s: element type %d is not float32 (%d), float16 (%d) or "
-                       "bfloat16 (%d)", fn, (int)t, SFK_F32, SFK_F16, SFK_BF16);
-    return SF_OK;
-}
-
-sf_status sfk_check_size(const char *fn, const char *name, int64_t value, sf_error *err)
-{
-    if (value < 0)
-        return sf_fail(err, SF_EINVAL, "%s: %s=%lld must be >= 0", fn, name, (long long)value);
-    return SF_OK;
-}
-
-sf_status sfk_check_ptr(const char *fn, const char *name, const void *p, int64_t count,
-                        sf_error *err)
-{
-    if (count > 0 && p == NULL)
-        return sf_fail(err, SF_EINVAL, "%s: %s is NULL but %lld elements are to be touched", fn,
-                       name, (long long)count);
-    return SF_OK;
-}
-
-sf_status sfk_no_memory(const char *fn, double bytes, sf_error *err)
-{
-    return sf_fail(err, SF_ENOMEM, "%s: out of memory (could not allocate %.0f bytes of scratch)",
-                   fn, bytes);
-}
-
-sf_status sfk_float_bytes(const char *fn, const char *what, int64_t count, int64_t per,
-                          size_t *bytes, sf_error *err)
-{
-    int64_t n;
-    if (count < 0 || per < 0 || sf_mul_overflows(count, per, &n) ||
-        sf_mul_overflows(n, (int64_t)sizeof(float), &n) || (uint64_t)n > (uint64_t)SIZE_MAX)
-        return sf_fail(err, SF_EOVERFLOW, "%s: the %s scratch (%lld x %lld floats) overflows "
-                       "int64", fn, what, (long long)count, (long long)per);
-    *bytes = (size_t)n;
-    return SF_OK;
-}
-
 sf_status sfk_convert(sfk_dtype from, const void *src, sfk_dtype to, void *dst, int64_t n,
                       sf_error *err)
 {

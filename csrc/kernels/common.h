@@ -18,22 +18,8 @@
 #include "half.h"
 #include "status.h"
 
-typedef enum { SFK_F32 = 0, SFK_F16 = 1, SFK_BF16 = 2 } sfk_dtype;
+#include "checks.h"          /* sfk_dtype and the argument checks */
 
-/* Argument checks shared by the kernels; `fn` names the kernel in messages.
- * sfk_check_dtype: t is one of the three types (ETYPE).
- * sfk_check_size:  value >= 0 (EINVAL: "fn: name=value must be >= 0").
- * sfk_check_ptr:   p != NULL when `count` > 0 elements are to be touched.
- * sfk_no_memory:   ENOMEM naming the kernel and the bytes it wanted. */
-sf_status sfk_check_dtype(const char *fn, sfk_dtype t, sf_error *err);
-sf_status sfk_check_size(const char *fn, const char *name, int64_t value, sf_error *err);
-sf_status sfk_check_ptr(const char *fn, const char *name, const void *p, int64_t count,
-                        sf_error *err);
-sf_status sfk_no_memory(const char *fn, double bytes, sf_error *err);
-/* count * per floats in bytes, into *bytes: EOVERFLOW naming the kernel and
- * `what` when that does not fit int64 / size_t (scratch sizes). */
-sf_status sfk_float_bytes(const char *fn, const char *what, int64_t count, int64_t per,
-                          size_t *bytes, sf_error *err);
 /* a * b for non-negative a, b, saturated at INT64_MAX (work estimates). */
 static inline int64_t sfk_sat_mul(int64_t a, int64_t b)
 {
@@ -48,31 +34,7 @@ static inline int64_t sfk_ceil_div(int64_t a, int64_t b) { return a / b + (a % b
 sf_status sfk_convert(sfk_dtype from, const void *src, sfk_dtype to, void *dst, int64_t n,
                       sf_error *err);
 
-/* Dropout draws, counter-based so backward redraws them instead of storing a
- * mask: row `row` gets a key hashed from (seed, row), and element j of the
- * row is kept when the top 24 bits of mix(key + j * golden) are >= p * 2^24.
- * Shared by bias-dropout-add and attention. */
-static inline uint32_t sfk_mix32(uint32_t h)
-{
-    h ^= h >> 16;
-    h *= 0x85ebca6bu;
-    h ^= h >> 13;
-    h *= 0xc2b2ae35u;
-    return h ^ (h >> 16);
-}
-
-static inline uint32_t sfk_dropout_key(uint64_t seed, int64_t row)
-{
-    uint32_t r = sfk_mix32((uint32_t)row * 0x9e3779b9u + (uint32_t)((uint64_t)row >> 32));
-    return sfk_mix32((uint32_t)seed ^ sfk_mix32((uint32_t)(seed >> 32) ^ r));
-}
-
-static inline int sfk_dropout_kept(uint32_t key, int64_t j, uint32_t thresh)
-{
-    return (sfk_mix32(key + (uint32_t)j * 0x9e3779b9u) >> 8) >= thresh;
-}
-
-static inline uint32_t sfk_dropout_threshold(float p) { return (uint32_t)((double)p * 16777216.0); }
+#include "dropout_hash.h"   /* the dropout draws (shared with csrc/cuda/) */
 
 /* dst[0:n] = src[0:n] as fp32. */
 void sfk_load(sfk_dtype t, const void *src, int64_t n, float *dst);

@@ -3,7 +3,16 @@
 Every op takes CPU tensors of float32, float16 or bfloat16 of any leading
 shape, computes in float32 and returns the input's dtype.  Non-contiguous
 inputs are copied to contiguous ones first; anything else (another device,
-an integer dtype, mismatched shapes) raises before any work.  Parameters
+an integer dtype, mismatched shapes) raises before any work.
+
+Device dispatch: the norms, bias_gelu, swiglu, bias_dropout_add,
+vocab_embedding and xent_stats / xent_grad also take CUDA tensors, which run
+the CUDA kernels of csrc/cuda/ (shardformer._cuda, imported on the first
+CUDA tensor; enqueued on torch's current stream of the tensor's device): the
+same functions, the same math.  A build without CUDA refuses them with a
+RuntimeError saying how to rebuild (kernels_for); fused_input(x) tells the
+fused modules whether to call the kernels or fall back to torch.  attention
+and skinny_linear are CPU only.  See docs/cuda.md.  Parameters
 (norm weights, biases) are handed to C as float32 and their gradients are
 cast back to the parameter's dtype.
 
@@ -31,6 +40,58 @@ import torch
 from . import _C
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+#: The error for a CUDA tensor when shardformer._cuda was not built.
+CUDA_MISSING = ("shardformer was built without CUDA (nvcc not found at build time); rebuild with "
+                "SHARDFORMER_CUDA=1 (see docs/cuda.md)")
+
+_cuda_ext = None
+
+
+def _cuda_module():
+    """shardformer._cuda, imported on first use; RuntimeError(CUDA_MISSING) when
+    the build had no CUDA toolkit."""
+    global _cuda_ext
+    if _cuda_ext is None:
+        try:
+            from . import _cuda
+        except ImportError as e:
+            raise RuntimeError(CUDA_MISSING) from e
+        _cuda_ext = _cuda
+    return _cuda_ext
+
+
+def cuda_built() -> bool:
+    """Whether shardformer._cuda was built (and loads); says nothing of a GPU."""
+    try:
+        _cuda_module()
+    except RuntimeError:
+        return False
+    return True
+
+
+class _OnStream:
+    """_cuda's functions with `stream` appended to every call: the call of the
+    _C function of the same name."""
+
+    def __init__(self, module, stream: int):
+        self._module, self._stream = module, int(stream)
+
+    def __getattr__(self, name):
+        fn = getattr(self._module, name)
+        return lambda *args: fn(*args, self._stream)
+
+
+def kernels_for(device: torch.device):
+    """The kernels for tensors on `device`: _C for CPU; for CUDA, _cuda's (the
+    extension imported now, RuntimeError(CUDA_MISSING) without it) bound to
+    torch's current stream on that device; ValueError for any other device."""
+    if device.type == "cpu":
+        return _C
+    if device.type == "cuda":
+        module = _cuda_module()
+        return _OnStream(module, torch.cuda.current_stream(device).cuda_stream)
+    raise ValueError(f"the kernels run on CPU or CUDA tensors, got device {device}")
 
 #: Calls that ran a kernel, by op, for ops that callers choose per call (tests
 #: read these to prove the kernel ran, not a fallback).
@@ -84,23 +145,30 @@ def _follow_torch_threads() -> None:
             _C.kernel_set_num_threads(n)
 
 
-def _data(t: torch.Tensor, what: str) -> torch.Tensor:
-    """`t` ready for C: detached, contiguous, CPU, a float dtype.  Every op
-    passes its inputs through here first, so this is also where the kernels'
-    thread count catches up with torch's (see set_num_threads)."""
+def _data(t: torch.Tensor, what: str, cuda: bool = True) -> torch.Tensor:
+    """`t` ready for the kernels: detached, contiguous, CPU (or CUDA, for the
+    ops with CUDA kernels: cuda=True), a float dtype.  Every op passes its
+    inputs through here first, so this is also where the kernels' thread
+    count catches up with torch's (see set_num_threads)."""
     _follow_torch_threads()
-    check_input(t, what)
+    check_input(t, what, cuda)
     return t.detach().contiguous()
 
 
-def check_input(t: torch.Tensor, what: str) -> None:
+def check_input(t: torch.Tensor, what: str, cuda: bool = True) -> None:
     """_data's checks alone (no C call: torch.compile traces it)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{what}: expected a tensor, got {type(t).__name__}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{what}: the C kernels run on CPU tensors, got device {t.device}")
+    _check_device(t, what, cuda)
     if t.dtype not in FLOAT_DTYPES:
         raise TypeError(f"{what}: dtype must be float32, float16 or bfloat16, got {t.dtype}")
+
+
+def _check_device(t: torch.Tensor, what: str, cuda: bool) -> None:
+    if t.device.type == "cpu" or (cuda and t.device.type == "cuda"):
+        return
+    where = "CPU or CUDA tensors" if cuda else "CPU tensors (this op has no CUDA kernel)"
+    raise ValueError(f"{what}: the kernels run on {where}, got device {t.device}")
 
 
 def _param(p: torch.Tensor | None, n: int, what: str) -> torch.Tensor | None:
@@ -115,8 +183,7 @@ def _param(p: torch.Tensor | None, n: int, what: str) -> torch.Tensor | None:
 
 
 def _ids(t: torch.Tensor, what: str) -> torch.Tensor:
-    if t.device.type != "cpu":
-        raise ValueError(f"{what}: the C kernels run on CPU tensors, got device {t.device}")
+    _check_device(t, what, True)
     if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
         raise TypeError(f"{what}: expected integer ids, got {t.dtype}")
     return t.detach().to(torch.int64).contiguous()
@@ -164,9 +231,9 @@ def norm_fwd(x, weight, bias, eps, rms):
     w, b = _param(weight, n, "norm weight"), None if rms else _param(bias, n, "norm bias")
     rows = math.prod(xd.shape[:-1])
     y = torch.empty_like(xd)
-    mean = None if rms else torch.empty(rows, dtype=torch.float32)
-    rstd = torch.empty(rows, dtype=torch.float32)
-    _C.norm_forward(rms, xd, w, b, float(eps), y, mean, rstd)
+    mean = None if rms else torch.empty(rows, dtype=torch.float32, device=xd.device)
+    rstd = torch.empty(rows, dtype=torch.float32, device=xd.device)
+    kernels_for(xd.device).norm_forward(rms, xd, w, b, float(eps), y, mean, rstd)
     return xd, w, y, mean, rstd
 
 
@@ -175,9 +242,9 @@ def norm_bwd(dy, xd, w, mean, rstd, rms, want_dw, want_db):
     dy = _data(dy, "norm grad").to(xd.dtype).contiguous()
     dx = torch.empty_like(xd)
     n = xd.shape[-1] if xd.dim() else 1
-    dw = torch.empty(n, dtype=torch.float32) if w is not None and want_dw else None
-    db = torch.empty(n, dtype=torch.float32) if want_db else None
-    _C.norm_backward(rms, dy, xd, w, mean, rstd, dx, dw, db)
+    dw = torch.empty(n, dtype=torch.float32, device=xd.device) if w is not None and want_dw else None
+    db = torch.empty(n, dtype=torch.float32, device=xd.device) if want_db else None
+    kernels_for(xd.device).norm_backward(rms, dy, xd, w, mean, rstd, dx, dw, db)
     return dx, dw, db
 
 
@@ -231,7 +298,7 @@ def bias_gelu_fwd(x, bias, tanh):
     n = xd.shape[-1] if xd.dim() else 1
     b = _param(bias, n, "bias_gelu bias")
     y = torch.empty_like(xd)
-    _C.bias_gelu_forward(xd, b, tanh, y)
+    kernels_for(xd.device).bias_gelu_forward(xd, b, tanh, y)
     return xd, b, y
 
 
@@ -239,8 +306,8 @@ def bias_gelu_bwd(dy, xd, b, tanh, want_db):
     """dx, and db in float32 (None unless wanted)."""
     dy = _data(dy, "bias_gelu grad").to(xd.dtype).contiguous()
     dx = torch.empty_like(xd)
-    db = torch.empty(b.numel(), dtype=torch.float32) if b is not None and want_db else None
-    _C.bias_gelu_backward(dy, xd, b, tanh, dx, db)
+    db = torch.empty(b.numel(), dtype=torch.float32, device=xd.device) if b is not None and want_db else None
+    kernels_for(xd.device).bias_gelu_backward(dy, xd, b, tanh, dx, db)
     return dx, db
 
 
@@ -271,14 +338,14 @@ def swiglu_fwd(gate, up):
     g, u = _data(gate, "swiglu gate"), _data(up, "swiglu up")
     _same(g, u, "swiglu(gate, up)")
     y = torch.empty_like(g)
-    _C.swiglu_forward(g, u, y)
+    kernels_for(g.device).swiglu_forward(g, u, y)
     return g, u, y
 
 
 def swiglu_bwd(dy, g, u):
     dy = _data(dy, "swiglu grad").to(g.dtype).contiguous()
     dg, du = torch.empty_like(g), torch.empty_like(u)
-    _C.swiglu_backward(dy, g, u, dg, du)
+    kernels_for(g.device).swiglu_backward(dy, g, u, dg, du)
     return dg, du
 
 
@@ -307,7 +374,7 @@ def bias_dropout_add_fwd(x, bias, residual, p, seed):
     n = xd.shape[-1] if xd.dim() else 1
     b = _param(bias, n, "bias_dropout_add bias")
     y = torch.empty_like(xd)
-    _C.bias_dropout_add_forward(xd, b, r, p, seed, y)
+    kernels_for(xd.device).bias_dropout_add_forward(xd, b, r, p, seed, y)
     return y, n
 
 
@@ -315,8 +382,8 @@ def bias_dropout_add_bwd(dy, dtype, n, p, seed, want_db):
     """dx (in `dtype`), db in float32 (None unless wanted), and d residual (dy itself)."""
     dy = _data(dy, "bias_dropout_add grad").to(dtype).contiguous()
     dx = torch.empty_like(dy)
-    db = torch.empty(n, dtype=torch.float32) if want_db else None
-    _C.bias_dropout_add_backward(dy, p, seed, dx, db)
+    db = torch.empty(n, dtype=torch.float32, device=dy.device) if want_db else None
+    kernels_for(dy.device).bias_dropout_add_backward(dy, p, seed, dx, db)
     return dx, db, dy
 
 
@@ -359,17 +426,17 @@ def embedding_fwd(ids, weight, vocab_start, vocab_real, vocab_size):
     w = _data(weight, "embedding weight")
     check_embedding(w, vocab_real)
     i = _ids(ids, "embedding ids")
-    out = torch.empty(*i.shape, w.shape[1], dtype=w.dtype)
+    out = torch.empty(*i.shape, w.shape[1], dtype=w.dtype, device=w.device)
     # the id range is checked in the kernel's first pass (one min / max over the ids)
-    _C.embedding_forward(w, i, vocab_start, vocab_real, out, -1 if vocab_size is None else vocab_size)
+    kernels_for(w.device).embedding_forward(w, i, vocab_start, vocab_real, out, -1 if vocab_size is None else vocab_size)
     return i, out
 
 
 def embedding_bwd(dout, i, vocab_start, vocab_real, padding_local, shape, dtype):
     """dW in float32 (padding_local None or -1: no padding row)."""
-    dw = torch.zeros(shape, dtype=torch.float32)
     dout = _data(dout, "embedding grad").to(dtype).contiguous()
-    _C.embedding_backward(dout, i, vocab_start, vocab_real, -1 if padding_local is None else padding_local, dw)
+    dw = torch.zeros(shape, dtype=torch.float32, device=dout.device)
+    kernels_for(dout.device).embedding_backward(dout, i, vocab_start, vocab_real, -1 if padding_local is None else padding_local, dw)
     return dw
 
 
@@ -409,10 +476,10 @@ def xent_stats(logits2d: torch.Tensor, labels1d: torch.Tensor, vocab_start: int,
     columns of a [rows, V_local] shard, read in one pass.  With vocab_size (the
     whole unpadded vocabulary), a label outside [0, vocab_size) other than
     ignore_index raises IndexError (checked by the kernel before any work)."""
-    rows = logits2d.shape[0]
-    mx, se, tg = (torch.empty(rows, dtype=torch.float32) for _ in range(3))
-    sz = torch.empty(rows, dtype=torch.float32) if need_sumz else None
-    _C.xent_forward(logits2d, labels1d, vocab_start, vocab_real, ignore_index, mx, se, tg, sz,
+    rows, dev = logits2d.shape[0], logits2d.device
+    mx, se, tg = (torch.empty(rows, dtype=torch.float32, device=dev) for _ in range(3))
+    sz = torch.empty(rows, dtype=torch.float32, device=dev) if need_sumz else None
+    kernels_for(dev).xent_forward(logits2d, labels1d, vocab_start, vocab_real, ignore_index, mx, se, tg, sz,
                     -1 if vocab_size is None else int(vocab_size))
     return mx, se, tg, sz
 
@@ -422,7 +489,7 @@ def xent_grad(logits2d, labels1d, vocab_start, vocab_real, ignore_index, lse, sc
     """scale[r] * (softmax - (1 - eps) onehot - eps / vocab) over the real columns,
     0 on padding columns; written into `out` (may be logits2d itself)."""
     out = torch.empty_like(logits2d) if out is None else out
-    _C.xent_backward(logits2d, labels1d, vocab_start, vocab_real, ignore_index,
+    kernels_for(logits2d.device).xent_backward(logits2d, labels1d, vocab_start, vocab_real, ignore_index,
                      lse.contiguous(), scale.contiguous(), float(eps), vocab, out)
     return out
 
@@ -432,7 +499,8 @@ def xent_grad(logits2d, labels1d, vocab_start, vocab_real, ignore_index, lse, sc
 def attention_fwd(q, k, v, bias, scale, causal, window, alibi, mask, p, seed, softcap):
     """(q, k, v, bias) as the kernel read them (bias as float32), out and lse
     (float32 [B, H, Sq]); q's head size must be > 0."""
-    qd, kd, vd = _data(q, "attention q"), _data(k, "attention k"), _data(v, "attention v")
+    qd, kd, vd = (_data(q, "attention q", False), _data(k, "attention k", False),
+                  _data(v, "attention v", False))
     out = torch.empty_like(qd)
     lse = torch.empty(qd.shape[:3], dtype=torch.float32)
     bd = None if bias is None else bias.detach().float().contiguous()
@@ -444,7 +512,7 @@ def attention_bwd(dout, qd, kd, vd, out, lse, bd, alibi, mask, args, want_db):
     """dq, dk, dv, and ds (float32 [B, H, Sq, Sk], the logits' gradient: None
     unless want_db); args = (scale, causal, window, p, seed, softcap)."""
     scale, causal, window, p, seed, softcap = args
-    dout = _data(dout, "attention grad").to(qd.dtype).contiguous()
+    dout = _data(dout, "attention grad", False).to(qd.dtype).contiguous()
     dq, dk, dv = torch.empty_like(qd), torch.empty_like(kd), torch.empty_like(vd)
     ds = torch.empty(*qd.shape[:3], kd.shape[2], dtype=torch.float32) if want_db else None
     _C.attention_backward(qd, kd, vd, out, dout, lse, dq, dk, dv, ds, scale, causal, window, alibi,
@@ -499,8 +567,7 @@ def _as_4d(t: torch.Tensor, what: str, B, H, Sq, Sk) -> torch.Tensor:
     if t.dim() != 4 or any(s not in (1, f) for s, f in zip(t.shape, (B, H, Sq, Sk))):
         raise ValueError(f"{what}: shape {tuple(t.shape)} does not broadcast to [B, H, Sq, Sk] = "
                          f"{[B, H, Sq, Sk]} (2-D [B, Sk], 3-D [H, Sq, Sk] or 4-D with dimensions 1 or full)")
-    if t.device.type != "cpu":
-        raise ValueError(f"{what}: the C kernels run on CPU tensors, got device {t.device}")
+    _check_device(t, what, False)
     return t
 
 
@@ -509,7 +576,7 @@ def check_qkv(q, k, v, who: str) -> None:
     and k / v [B, Hkv, Sk, D] (k and v the same shape), CPU tensors of one
     float dtype the kernels take, Hq a multiple of Hkv."""
     for t, what in ((q, "q"), (k, "k"), (v, "v")):
-        check_input(t, f"{who} {what}")  # device / dtype checks
+        check_input(t, f"{who} {what}", cuda=False)  # device / dtype checks
         if t.dim() != 4:
             raise ValueError(f"{who} {what}: expected 4-D [B, H, S, D], got shape {tuple(t.shape)}")
     if q.dtype != k.dtype or q.dtype != v.dtype:
@@ -611,9 +678,19 @@ def attention_dropout_mask(shape, p: float, seed: int, qpos=None, kpos=None, seq
 
 
 def kernel_input(x: torch.Tensor) -> bool:
-    """Whether the C kernels take `x`: a CPU tensor of a float dtype they compute
-    (FLOAT_DTYPES); the fused modules fall back to torch otherwise."""
+    """Whether the C (CPU) kernels take `x`: a CPU tensor of a float dtype they
+    compute (FLOAT_DTYPES); attention falls back to torch otherwise."""
     return x.device.type == "cpu" and x.dtype in FLOAT_DTYPES
+
+
+def fused_input(x: torch.Tensor) -> bool:
+    """Whether the ops with CUDA kernels (norms, bias_gelu, swiglu,
+    bias_dropout_add, vocab_embedding, cross-entropy) take `x`: a float tensor
+    on the CPU, or on a CUDA device when shardformer._cuda was built (without
+    it the fused modules fall back to torch on CUDA, as before)."""
+    if x.dtype not in FLOAT_DTYPES:
+        return False
+    return x.device.type == "cpu" or (x.device.type == "cuda" and cuda_built())
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -283,7 +283,7 @@ class _FusedForward:
 class _GeluMlp(_FusedForward):
     def __call__(self, module, hidden_states):
         h = getattr(module, self.up)(hidden_states)
-        h = ops.bias_gelu(h, None, self.approximate) if ops.kernel_input(h) else getattr(module, self.act)(h)
+        h = ops.bias_gelu(h, None, self.approximate) if ops.fused_input(h) else getattr(module, self.act)(h)
         if self.down is not None:
             h = getattr(module, self.down)(h)
         if self.dropout is not None:
@@ -300,7 +300,7 @@ def gelu_mlp_forward(up: str, act: str, down: str | None, dropout: str | None, a
 class _GatedMlp(_FusedForward):
     def __call__(self, module, x):
         g, u = getattr(module, self.gate)(x), getattr(module, self.up)(x)
-        h = ops.swiglu(g, u) if ops.kernel_input(g) else getattr(module, self.act)(g) * u
+        h = ops.swiglu(g, u) if ops.fused_input(g) else getattr(module, self.act)(g) * u
         return getattr(module, self.down)(h)
 
 
@@ -312,7 +312,7 @@ def gated_mlp_forward(gate: str, up: str, down: str, act: str):
 class _GatedGeluMlp(_FusedForward):
     def __call__(self, module, x):
         g, u = getattr(module, self.gate)(x), getattr(module, self.up)(x)
-        h = (ops.bias_gelu(g, None, self.approximate) if ops.kernel_input(g) else getattr(module, self.act)(g)) * u
+        h = (ops.bias_gelu(g, None, self.approximate) if ops.fused_input(g) else getattr(module, self.act)(g)) * u
         if self.dropout is not None:
             h = getattr(module, self.dropout)(h)
         w = getattr(getattr(module, self.down), "weight", None)
@@ -332,7 +332,7 @@ def gated_gelu_mlp_forward(gate: str, up: str, down: str, act: str, dropout: str
 class _FusedGatedMlp(_FusedForward):
     def __call__(self, module, x):
         g, u = getattr(module, self.gate_up)(x).chunk(2, dim=-1)
-        if ops.kernel_input(g):
+        if ops.fused_input(g):
             h = ops.swiglu(g.contiguous(), u.contiguous())
         else:
             h = (F.silu(g) if self.act is None else getattr(module, self.act)(g)) * u
@@ -356,7 +356,7 @@ class _DropoutAdd(_FusedForward):
     def __call__(self, module, hidden_states, input_tensor):
         h = getattr(module, self.dense)(hidden_states)
         drop = getattr(module, self.dropout)
-        if ops.kernel_input(h) and ops.kernel_input(input_tensor) and h.shape == input_tensor.shape \
+        if ops.fused_input(h) and ops.fused_input(input_tensor) and h.shape == input_tensor.shape \
                 and h.dtype == input_tensor.dtype:
             h = ops.bias_dropout_add(h, None, input_tensor, drop.p, drop.training)
         else:
@@ -373,10 +373,10 @@ def dropout_add_forward(dense: str, dropout: str, norm: str | None):
 class _GeluDropoutAdd(_FusedForward):
     def __call__(self, module, hidden_states, residual):
         h = getattr(module, self.up)(hidden_states)
-        h = ops.bias_gelu(h, None, self.approximate) if ops.kernel_input(h) else getattr(module, self.act)(h)
+        h = ops.bias_gelu(h, None, self.approximate) if ops.fused_input(h) else getattr(module, self.act)(h)
         h = getattr(module, self.down)(h)
         p = float(getattr(module, self.prob))
-        if ops.kernel_input(h) and ops.kernel_input(residual) and h.shape == residual.shape \
+        if ops.fused_input(h) and ops.fused_input(residual) and h.shape == residual.shape \
                 and h.dtype == residual.dtype:
             return ops.bias_dropout_add(h, None, residual, p, module.training)
         return residual + F.dropout(h, p=p, training=module.training)

@@ -121,9 +121,9 @@ class VocabParallelEmbedding1D(_EmbeddingShard):
         # An id outside [0, num_embeddings) is an IndexError, as in the unsharded
         # nn.Embedding (not a row of zeros): ids are the same on every rank, so
         # each checks them locally (one min / max pass), with no collective.
-        if self.weight.device.type == "cpu" and self.weight.dtype in ops.FLOAT_DTYPES:
-            # one pass in C: the id check, our rows looked up, other ids zeroed;
-            # backward scatter-adds
+        if ops.fused_input(self.weight):
+            # one pass in the kernel (C on CPU, CUDA on a GPU): the id check, our
+            # rows looked up, other ids zeroed; backward scatter-adds
             out = ops.vocab_embedding(input_ids, self.weight, self.vocab_start,
                                       self.vocab_end - self.vocab_start, self._local_padding_idx(),
                                       vocab_size=self.num_embeddings)

@@ -38,15 +38,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, labels, vocab_start, vocab_real, vocab_size, ignore_index,
                 label_smoothing, reduction, group, inplace):
-        on_cpu = logits.device.type == "cpu"
-        z = ops._data(logits, "cross_entropy_1d logits") if on_cpu else logits.detach().contiguous()
+        # the kernels (C on CPU, CUDA on a GPU with shardformer._cuda built), else torch ops
+        kernels = logits.device.type == "cpu" or ops.fused_input(logits)
+        z = ops._data(logits, "cross_entropy_1d logits") if kernels else logits.detach().contiguous()
         local_v = z.shape[-1]
         z2 = z.reshape(-1, local_v)
-        y = (ops._ids(labels, "cross_entropy_1d labels") if on_cpu
+        y = (ops._ids(labels, "cross_entropy_1d labels").to(z.device) if kernels
              else labels.detach().to(device=z.device, dtype=torch.int64).contiguous()).reshape(-1)
         eps = float(label_smoothing)
         # labels are the same on every rank: each checks them locally (IndexError), no collective
-        stats = ops.xent_stats if on_cpu else torch_xent_stats
+        stats = ops.xent_stats if kernels else torch_xent_stats
         mx, se, tg, sz = stats(z2, y, vocab_start, vocab_real, ignore_index, eps > 0, vocab_size=vocab_size)
         m = mx.clone()
         C.all_reduce(m, group, op="max")
@@ -84,14 +85,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         else:
             scale = grad.reshape(-1)
         scale = scale.masked_fill(ignored, 0.0).contiguous()
-        grad_fn = ops.xent_grad if z2.device.type == "cpu" else torch_xent_grad
+        grad_fn = ops.xent_grad if z2.device.type == "cpu" or ops.fused_input(z2) else torch_xent_grad
         g = grad_fn(z2, y, vocab_start, vocab_real, ignore_index, lse, scale, eps, vocab_size,
                     out=z2 if ctx.inplace else None)
         return g.reshape(ctx.shape), None, None, None, None, None, None, None, None, None
 
 
-# The same halves in torch ops, for logits on a device the C kernels do not
-# run on (CUDA): same arguments, same results as ops.xent_stats / xent_grad.
+# The same halves in torch ops, for logits on a device no kernel runs on (CUDA
+# in a build without shardformer._cuda): same arguments, same results as
+# ops.xent_stats / xent_grad.
 
 def torch_xent_stats(z2, y, vocab_start: int, vocab_real: int, ignore_index: int, need_sumz: bool,
                      vocab_size: int | None = None):

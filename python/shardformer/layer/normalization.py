@@ -2,9 +2,10 @@
 
 These replace HF's LayerNorms and hand-composed RMSNorms (e.g. LlamaRMSNorm's
 pow-mean-rsqrt chain) by one fused C kernel over the same parameters, forward
-and backward; nothing is sharded.  Inputs the kernels do not take (a
-normalized shape of several dimensions, a non-CPU device) go through
-F.layer_norm / F.rms_norm instead.
+and backward; nothing is sharded.  On CUDA the same ops run the CUDA kernels
+(shardformer._cuda, docs/cuda.md).  Inputs the kernels do not take (a
+normalized shape of several dimensions, another device, CUDA in a build
+without shardformer._cuda) go through F.layer_norm / F.rms_norm instead.
 
 Two variants keep HF's parameters as they are stored (so checkpoints stay HF's):
 
@@ -24,7 +25,7 @@ from .. import ops
 
 
 def _kernel_ok(x, normalized_shape) -> bool:
-    return len(normalized_shape) == 1 and ops.kernel_input(x)
+    return len(normalized_shape) == 1 and ops.fused_input(x)
 
 
 def _eps_of(module) -> float:
