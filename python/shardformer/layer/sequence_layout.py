@@ -155,18 +155,30 @@ class SequenceLayouts:
         return SequenceLayouts(self.input or other.input, self.output or other.output, self.layer or other.layer)
 
 
-#: the role strings (the policies' spelling), each a name for its SequenceLayouts
+#: The layouts the built-in policies use, by name (docs/sequence-layouts.md).
+SPLIT = SequenceLayouts(input=Move(FULL, ROWS), layer=True)             # the first layer: split its input
+GATHER = SequenceLayouts(output=Move(ROWS, FULL), layer=True)           # the last layer: gather its output
+MARK_ROWS = SequenceLayouts(output=Move(ROWS, ROWS), layer=True)        # a layer between: its rows marked
+BLOCK = SequenceLayouts(input=Move(ROWS, FULL_PARTIAL_GRAD), output=Move(PARTIAL_SUM, ROWS))
+ENTER = SequenceLayouts(input=Move(ROWS, FULL_PARTIAL_GRAD))            # row layers reduce-scatter themselves
+ENTER_OUTPUT = SequenceLayouts(output=Move(ROWS, FULL_PARTIAL_GRAD))
+SUM_GRAD = SequenceLayouts(output=Move(FULL, FULL_PARTIAL_GRAD))
+LEAVE = SequenceLayouts(input=Move(FULL_PARTIAL_GRAD, ROWS))
+GATHER_INPUT = SequenceLayouts(input=Move(ROWS, FULL))
+SPLIT_OUTPUT = SequenceLayouts(output=Move(FULL, ROWS))
+
+#: the role strings (the older spelling, still accepted from user policies), each a name for its SequenceLayouts
 ROLE_LAYOUTS = {
-    "split": SequenceLayouts(input=Move(FULL, ROWS), layer=True),
-    "gather": SequenceLayouts(output=Move(ROWS, FULL), layer=True),
-    "rows": SequenceLayouts(output=Move(ROWS, ROWS), layer=True),
-    "block": SequenceLayouts(input=Move(ROWS, FULL_PARTIAL_GRAD), output=Move(PARTIAL_SUM, ROWS)),
-    "enter": SequenceLayouts(input=Move(ROWS, FULL_PARTIAL_GRAD)),
-    "enter_output": SequenceLayouts(output=Move(ROWS, FULL_PARTIAL_GRAD)),
-    "sum_grad": SequenceLayouts(output=Move(FULL, FULL_PARTIAL_GRAD)),
-    "leave": SequenceLayouts(input=Move(FULL_PARTIAL_GRAD, ROWS)),
-    "gather_input": SequenceLayouts(input=Move(ROWS, FULL)),
-    "split_output": SequenceLayouts(output=Move(FULL, ROWS)),
+    "split": SPLIT,
+    "gather": GATHER,
+    "rows": MARK_ROWS,
+    "block": BLOCK,
+    "enter": ENTER,
+    "enter_output": ENTER_OUTPUT,
+    "sum_grad": SUM_GRAD,
+    "leave": LEAVE,
+    "gather_input": GATHER_INPUT,
+    "split_output": SPLIT_OUTPUT,
 }
 ROLES = tuple(ROLE_LAYOUTS)
 
