@@ -230,13 +230,13 @@ class ChatGLM2Shape(FamilyPolicy):
         sp = {"sequence_parallel": True} if self.shard_config.sequence_parallel else {}
         policy = {
             "GLMBlock": ModulePolicyDescription(
-                attribute_replacement={
-                    "self_attention.num_attention_heads_per_partition": heads.local_heads(),
-                    "self_attention.num_multi_query_groups_per_partition": heads.local_kv_heads(),
-                    "self_attention.projection_size": heads.local_width(d),
-                    "self_attention.core_attention.num_attention_heads_per_partition": heads.local_heads(),
-                    "self_attention.core_attention.hidden_size_per_partition": heads.local_width(d),
-                },
+                attribute_replacement=heads.attributes({
+                    "self_attention.num_attention_heads_per_partition": "heads",
+                    "self_attention.num_multi_query_groups_per_partition": "kv_heads",
+                    "self_attention.projection_size": "width",
+                    "self_attention.core_attention.num_attention_heads_per_partition": "heads",
+                    "self_attention.core_attention.hidden_size_per_partition": "width",
+                }),
                 sub_module_replacement=[
                     Sub("self_attention.query_key_value", FusedLinear1D_Col, kwargs={"split": heads.qkv, **sp}),
                     Sub("self_attention.dense", Linear1D_Row, kwargs={"split": heads.q, **sp}),

@@ -64,7 +64,7 @@ class OPTShape(SplitGatherMixin, FamilyPolicy):
         col, row = sp_linear_kwargs(self.shard_config)
         if sp and cfg.dropout:       # the layer's functional residual dropouts move into the row layers
             row = {**row, "dropout": float(cfg.dropout)}
-        attributes = {"self_attn.num_heads": heads.local_heads()}
+        attributes = heads.attributes({"self_attn.num_heads": "heads"})
         up = {**col, "gather_input": True, "overlap": sp_overlap(self.shard_config)} if sp else {}
         ctx = PlanContext(self)
         layer_subs = [*attention_by_heads("self_attn", heads, o="out_proj", col=col, row=row),

@@ -80,7 +80,7 @@ def vision_layer_description(vision_cfg, sp: bool = False) -> ModulePolicyDescri
     ]
     if vision_cfg.use_rel_pos:
         subs.append(Sub("attn", ReplicatedInParallelRegion, kwargs={"params": ("rel_pos_h", "rel_pos_w")}))
-    return ModulePolicyDescription(attribute_replacement={"attn.num_attention_heads": heads.local_heads()},
+    return ModulePolicyDescription(attribute_replacement=heads.attributes({"attn.num_attention_heads": "heads"}),
                                    sub_module_replacement=subs)
 
 
@@ -91,7 +91,7 @@ def mask_decoder_policy(decoder_cfg) -> dict:
     heads = Heads(decoder_cfg.num_attention_heads)
     return {
         "SamAttention": ModulePolicyDescription(
-            attribute_replacement={"num_attention_heads": heads.local_heads()},
+            attribute_replacement=heads.attributes({"num_attention_heads": "heads"}),
             sub_module_replacement=[Sub(f"{p}_proj", Linear1D_Col, kwargs={"split": heads.q}) for p in "qkv"] + [
                 Sub("out_proj", Linear1D_Row, kwargs={"split": heads.q})]),
         "SamTwoWayAttentionBlock": ModulePolicyDescription(sub_module_replacement=[

@@ -125,9 +125,12 @@ class DecoderShape(FamilyPolicy):
         kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         return Heads(cfg.num_attention_heads, kv, head_dim)
 
+    #: {dotted attribute under the decoder layer: what it holds} (Heads.attributes)
+    head_attributes = {"self_attn.num_key_value_groups": "groups"}
+
     def attention_attributes(self, heads: Heads) -> dict:
         """{dotted attribute under the decoder layer: per-rank value}."""
-        return {"self_attn.num_key_value_groups": heads.local_groups()}
+        return heads.attributes(self.head_attributes, text_config(self.model))
 
     split_attention_at = ("{prefix}{base_model}", "layers")
     pipeline_split = StageSplit("{prefix}{base_model}", "layers", last=("norm",))
@@ -363,8 +366,7 @@ def bert_attention(policy, prefix: str, heads: Heads, col: dict | None = None, r
     under split-gather SP)."""
     col, row = col or {}, row or {}
     kv_col = col if kv_col is None else kv_col
-    attrs = {f"{prefix}.self.num_attention_heads": heads.local_heads(),
-             f"{prefix}.self.all_head_size": heads.local_width(heads.head_dim)}
+    attrs = heads.attributes({f"{prefix}.self.num_attention_heads": "heads", f"{prefix}.self.all_head_size": "width"})
     plan = {f"{prefix}.self.query": "colwise_heads", f"{prefix}.self.key": "colwise_heads",
             f"{prefix}.self.value": "colwise_heads", f"{prefix}.self.dropout": "dropout_parallel",
             f"{prefix}.output.dense": "rowwise_heads", f"{prefix}.output.dropout": "dropout_residual"}
@@ -716,7 +718,7 @@ class GPTBlockShape(SplitGatherMixin, FamilyPolicy):
         return Heads(n, n, cfg.hidden_size // n)
 
     def attention_attributes(self, heads: Heads) -> dict:
-        return {f"{self.attention}.{self.heads_attribute}": heads.local_heads()}
+        return heads.attributes({f"{self.attention}.{self.heads_attribute}": "heads"})
 
     def attention_replacements(self, heads: Heads) -> list[Sub]:
         col, row = sp_linear_kwargs(self.shard_config)
@@ -819,7 +821,7 @@ class FusedQKVShape(SplitGatherMixin, FamilyPolicy):
         cfg = self.model.config
         n = cfg.num_attention_heads
         heads = Heads(n, n, cfg.hidden_size // n)
-        return heads, "colwise_per_head", {"self_attention.num_heads": heads.local_heads()}
+        return heads, "colwise_per_head", heads.attributes({"self_attention.num_heads": "heads"})
 
     def body_policy(self):
         if not self.tensor_parallel:

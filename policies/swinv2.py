@@ -145,8 +145,7 @@ class Swinv2Shape(StageShape):
         ]
 
     def block_attributes(self, heads: Heads) -> dict:
-        return {"attention.self.num_attention_heads": heads.local_heads(),
-                "attention.self.all_head_size": heads.local_width(heads.head_dim)}
+        return heads.attributes({"attention.self.num_attention_heads": "heads", "attention.self.all_head_size": "width"})
 
 
 FAMILY = Family("swinv2", "swinv2.modeling_swinv2", Swinv2Shape, options={"prefix": "Swinv2"}, heads={

@@ -204,7 +204,7 @@ class T5Shape(SplitGatherMixin, FamilyPolicy):
         drop = residual_dropout(self.shard_config)
         policy = {
             "T5Attention": ModulePolicyDescription(
-                attribute_replacement={"n_heads": heads.local_heads(), "inner_dim": heads.local_width(cfg.d_kv)},
+                attribute_replacement=heads.attributes({"n_heads": "heads", "inner_dim": "width"}),
                 sub_module_replacement=[
                     Sub("relative_attention_bias", Embedding1D,
                         kwargs={"split": Heads(cfg.num_heads).q, "gather_output": False}, ignore_if_not_exist=True),

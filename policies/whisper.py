@@ -159,8 +159,7 @@ class WhisperShape(SplitGatherMixin, FamilyPolicy):
         attrs, subs = {}, []
         for a in attns:
             kv = {} if a == "encoder_attn" else col     # the cross attention's k / v read the encoder output
-            attrs[f"{a}.num_heads"] = heads.local_heads()
-            attrs[f"{a}.embed_dim"] = heads.local_width(heads.head_dim)
+            attrs.update(heads.attributes({f"{a}.num_heads": "heads", f"{a}.embed_dim": "width"}))
             subs += [Sub(f"{a}.{p}_proj", Linear1D_Col, kwargs={"split": heads.q, **(col if p == "q" else kv)})
                      for p in "qkv"]
             subs.append(Sub(f"{a}.out_proj", Linear1D_Row, kwargs={"split": heads.q, **row}))
