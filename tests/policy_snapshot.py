@@ -72,6 +72,11 @@ def plain(value):
     return type(value).__name__
 
 
+#: "<model> <key>.<suffix>" of every region a built-in policy spelled with a
+#: role string in the last snapshot() (they spell layouts=; test_plan.py)
+ROLE_SPELLED: list[str] = []
+
+
 def family_classes() -> dict[str, str]:
     """{model class name: family name} of every built-in family."""
     from shardformer.autopolicy import families
@@ -96,6 +101,8 @@ def rows_of(name: str, config_kwargs: dict, overrides: dict | None = None) -> li
     for key, desc in sorted(description.items(), key=lambda kv: str(kv[0])):
         key = key if isinstance(key, str) else key.__name__
         for sub in desc.sub_module_replacement:
+            if "role" in (sub.kwargs or {}):
+                ROLE_SPELLED.append(f"{name} {key}.{sub.suffix}")
             rows.append(["sub", key, sub.suffix, plain(sub.target_module), layouts_of(plain(sub.kwargs or {})),
                          bool(sub.ignore_if_not_exist)])
         for attr, value in desc.attribute_replacement.items():
