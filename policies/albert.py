@@ -201,8 +201,8 @@ class AlbertShape(EncoderShape):
             subs += sp_layer_subs(["attention"], ["attention.LayerNorm", "full_layer_layer_norm"],
                                   self.state.sequence_state)
         return ModulePolicyDescription(
-            attribute_replacement={"attention.num_attention_heads": heads.local_heads(),
-                                   "attention.all_head_size": heads.local_width(heads.head_dim)},
+            attribute_replacement=heads.attributes({"attention.num_attention_heads": "heads",
+                                                    "attention.all_head_size": "width"}),
             sub_module_replacement=subs)
 
     def postprocess(self):

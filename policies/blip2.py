@@ -70,7 +70,7 @@ def vision_policy(vision_cfg) -> dict:
     heads = _heads(vision_cfg)
     return {
         "Blip2Attention": ModulePolicyDescription(
-            attribute_replacement={"num_heads": heads.local_heads()},
+            attribute_replacement=heads.attributes({"num_heads": "heads"}),
             sub_module_replacement=[Sub("qkv", Linear1D_Col, kwargs={"split": heads.qkv}),
                                     Sub("projection", Linear1D_Row, kwargs={"split": heads.q})],
             method_replacement={"forward": vision_attention_forward}),
@@ -90,8 +90,7 @@ def qformer_policy(qformer_cfg, vocab_kwargs: dict) -> dict:
     return {
         # Self and cross attention alike.
         "Blip2QFormerMultiHeadAttention": ModulePolicyDescription(
-            attribute_replacement={"num_attention_heads": heads.local_heads(),
-                                   "all_head_size": heads.local_width(heads.head_dim)},
+            attribute_replacement=heads.attributes({"num_attention_heads": "heads", "all_head_size": "width"}),
             sub_module_replacement=[Sub(p, Linear1D_Col, kwargs={"split": heads.q})
                                     for p in ("query", "key", "value")]),
         "Blip2QFormerAttention": ModulePolicyDescription(sub_module_replacement=[

@@ -87,8 +87,10 @@ import math
 from shardformer.family import Family, FamilyPolicy, lm, sequence_mode_refused
 from shardformer.layer import sequence_attention as sa
 from shardformer.layer import FusedLinear1D_Col, Linear1D_Row, VocabParallelEmbedding1D
+from shardformer.layer.sequence_layout import BLOCK, GATHER, SPLIT
 from shardformer.layout import Fused, Heads
 from shardformer.pipeline.stages import StageSplit
+from shardformer.plan import sequence_region, split_gather_layer
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
@@ -200,20 +202,15 @@ class ChatGLM2Shape(FamilyPolicy):
         """(GLMBlock subs, GLMTransformer subs) of split_gather: the blocks,
         the norms (gradients all-reduced), the split and the gather, along
         dimension 0."""
-        from shardformer.layer.replicated import ReplicatedInParallelRegion
-        from shardformer.layer.sequence import SequenceParallelRegion, SequenceState
+        from shardformer.layer.sequence import SequenceState
 
         state = SequenceState(dim=0)
-        block = {"role": "block", "state": state}
-        subs = [Sub("self_attention", SequenceParallelRegion, kwargs=block),
-                Sub("mlp", SequenceParallelRegion, kwargs=block),
-                Sub("input_layernorm", ReplicatedInParallelRegion),
-                Sub("post_attention_layernorm", ReplicatedInParallelRegion)]
+        subs = split_gather_layer({"self_attention": BLOCK, "mlp": BLOCK},
+                                  ("input_layernorm", "post_attention_layernorm"), state)
         last = len(self.model.get_submodule(self.layers_path())) - 1
         if last == 0:
-            return subs, [Sub("layers.0", SequenceParallelRegion, kwargs={"role": ("split", "gather"), "state": state})]
-        return subs, [Sub("layers.0", SequenceParallelRegion, kwargs={"role": "split", "state": state}),
-                      Sub(f"layers.{last}", SequenceParallelRegion, kwargs={"role": "gather", "state": state})]
+            return subs, [sequence_region("layers.0", SPLIT | GATHER, state)]
+        return subs, [sequence_region("layers.0", SPLIT, state), sequence_region(f"layers.{last}", GATHER, state)]
 
     def postprocess(self):
         model = super().postprocess()
@@ -233,13 +230,13 @@ class ChatGLM2Shape(FamilyPolicy):
         sp = {"sequence_parallel": True} if self.shard_config.sequence_parallel else {}
         policy = {
             "GLMBlock": ModulePolicyDescription(
-                attribute_replacement={
-                    "self_attention.num_attention_heads_per_partition": heads.local_heads(),
-                    "self_attention.num_multi_query_groups_per_partition": heads.local_kv_heads(),
-                    "self_attention.projection_size": heads.local_width(d),
-                    "self_attention.core_attention.num_attention_heads_per_partition": heads.local_heads(),
-                    "self_attention.core_attention.hidden_size_per_partition": heads.local_width(d),
-                },
+                attribute_replacement=heads.attributes({
+                    "self_attention.num_attention_heads_per_partition": "heads",
+                    "self_attention.num_multi_query_groups_per_partition": "kv_heads",
+                    "self_attention.projection_size": "width",
+                    "self_attention.core_attention.num_attention_heads_per_partition": "heads",
+                    "self_attention.core_attention.hidden_size_per_partition": "width",
+                }),
                 sub_module_replacement=[
                     Sub("self_attention.query_key_value", FusedLinear1D_Col, kwargs={"split": heads.qkv, **sp}),
                     Sub("self_attention.dense", Linear1D_Row, kwargs={"split": heads.q, **sp}),

@@ -236,14 +236,15 @@ class FalconShape(FusedQKVShape):
         n, head_dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
         if cfg.new_decoder_architecture:
             heads = Heads(n, cfg.num_kv_heads, head_dim)
-            qkv, kv_heads = "colwise_grouped_qkv", heads.local_kv_heads()
-        elif cfg.multi_query:
+            qkv, kv = "colwise_grouped_qkv", {"self_attention.num_kv_heads": "kv_heads"}
+        elif cfg.multi_query:       # one KV head, on every rank
             heads = Heads(n, 1, head_dim)
-            qkv, kv_heads = "colwise_qkv", 1
+            qkv, kv = "colwise_qkv", {}
         else:
             heads, qkv, _ = super().qkv_layout()
-            kv_heads = heads.local_heads()
-        return heads, qkv, {"self_attention.num_heads": heads.local_heads(), "self_attention.num_kv_heads": kv_heads}
+            kv = {"self_attention.num_kv_heads": "heads"}
+        attributes = heads.attributes({"self_attention.num_heads": "heads", **kv})
+        return heads, qkv, attributes if kv else {**attributes, "self_attention.num_kv_heads": 1}
 
 
 FAMILY = Family("falcon", "falcon.modeling_falcon", FalconShape, options={"prefix": "Falcon", "layer": "DecoderLayer"},

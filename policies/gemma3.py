@@ -81,7 +81,7 @@ def siglip_policy(vision_cfg) -> dict:
     heads = Heads(n, n, vision_cfg.hidden_size // n)
     return {
         _siglip().SiglipEncoderLayer: ModulePolicyDescription(
-            attribute_replacement={"self_attn.num_heads": heads.local_heads()},
+            attribute_replacement=heads.attributes({"self_attn.num_heads": "heads"}),
             sub_module_replacement=[
                 *attention_by_heads("self_attn", heads, o="out_proj"),
                 Sub("mlp.fc1", Linear1D_Col),

@@ -45,8 +45,7 @@ class GPT2Shape(GPTBlockShape):
                              "cross attention) is not supported by the GPT-2 policy")
 
     def attention_attributes(self, heads: Heads) -> dict:
-        width = heads.local_width(heads.head_dim)
-        return {"attn.num_heads": heads.local_heads(), "attn.split_size": width, "attn.embed_dim": width}
+        return heads.attributes({"attn.num_heads": "heads", "attn.split_size": "width", "attn.embed_dim": "width"})
 
     def attention_replacements(self, heads: Heads) -> list[Sub]:
         col, row = sp_linear_kwargs(self.shard_config)

@@ -35,9 +35,9 @@ from __future__ import annotations
 from shardformer.family import Family, FamilyPolicy
 from shardformer.layout import Heads
 from shardformer.pipeline.stages import StageSplit
-from shardformer.plan import PlanContext, realize
+from shardformer.plan import PlanContext, realize, split_gather_ends
 from shardformer.policies.shapes import (SplitGatherMixin, _new_state, attention_by_heads, gpt_heads,
-                                         parameterized_children, sp_ends, sp_layer_subs, sp_linear_kwargs, sp_overlap)
+                                         parameterized_children, sp_layer_subs, sp_linear_kwargs, sp_overlap)
 from shardformer.policy import ModulePolicyDescription
 
 
@@ -64,7 +64,7 @@ class OPTShape(SplitGatherMixin, FamilyPolicy):
         col, row = sp_linear_kwargs(self.shard_config)
         if sp and cfg.dropout:       # the layer's functional residual dropouts move into the row layers
             row = {**row, "dropout": float(cfg.dropout)}
-        attributes = {"self_attn.num_heads": heads.local_heads()}
+        attributes = heads.attributes({"self_attn.num_heads": "heads"})
         up = {**col, "gather_input": True, "overlap": sp_overlap(self.shard_config)} if sp else {}
         ctx = PlanContext(self)
         layer_subs = [*attention_by_heads("self_attn", heads, o="out_proj", col=col, row=row),
@@ -76,7 +76,7 @@ class OPTShape(SplitGatherMixin, FamilyPolicy):
             norms = parameterized_children(layers[0], skip=("self_attn", "fc1", "fc2"))
             attributes["dropout"] = 0.0
             layer_subs += sp_layer_subs(["self_attn"], norms, state)
-            decoder_subs += sp_ends("layers", len(layers), state)
+            decoder_subs += split_gather_ends("layers", len(layers), state)
         return {
             "OPTDecoderLayer": ModulePolicyDescription(attribute_replacement=attributes,
                                                        sub_module_replacement=layer_subs),

@@ -12,16 +12,12 @@ num_key_value_heads set to the rank's counts.
 from __future__ import annotations
 
 from shardformer.family import Family
-from shardformer.layout import Heads
-from shardformer.policies.shapes import DecoderShape, decoder_heads, text_config
+from shardformer.policies.shapes import DecoderShape, decoder_heads
 
 
 class Phi3Shape(DecoderShape):
-    def attention_attributes(self, heads: Heads) -> dict:
-        return dict(super().attention_attributes(heads), **{
-            "self_attn.num_key_value_heads": heads.local_kv_heads(),
-            "self_attn.config": heads.local_config(text_config(self.model)),
-        })
+    head_attributes = {**DecoderShape.head_attributes, "self_attn.num_key_value_heads": "kv_heads",
+                       "self_attn.config": "config"}
 
 
 FAMILY = Family("phi3", "phi3.modeling_phi3", Phi3Shape,

@@ -57,7 +57,9 @@ import functools
 from shardformer.family import Family, FamilyPolicy, sequence_mode_refused
 from shardformer.layer import Linear1D_Col, Linear1D_Row
 from shardformer.layer.replicated import ReplicatedInParallelRegion
+from shardformer.layer.sequence_layout import ENTER
 from shardformer.layout import Heads
+from shardformer.plan import split_gather_ends, split_gather_layer
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
@@ -78,7 +80,7 @@ def vision_layer_description(vision_cfg, sp: bool = False) -> ModulePolicyDescri
     ]
     if vision_cfg.use_rel_pos:
         subs.append(Sub("attn", ReplicatedInParallelRegion, kwargs={"params": ("rel_pos_h", "rel_pos_w")}))
-    return ModulePolicyDescription(attribute_replacement={"attn.num_attention_heads": heads.local_heads()},
+    return ModulePolicyDescription(attribute_replacement=heads.attributes({"attn.num_attention_heads": "heads"}),
                                    sub_module_replacement=subs)
 
 
@@ -89,7 +91,7 @@ def mask_decoder_policy(decoder_cfg) -> dict:
     heads = Heads(decoder_cfg.num_attention_heads)
     return {
         "SamAttention": ModulePolicyDescription(
-            attribute_replacement={"num_attention_heads": heads.local_heads()},
+            attribute_replacement=heads.attributes({"num_attention_heads": "heads"}),
             sub_module_replacement=[Sub(f"{p}_proj", Linear1D_Col, kwargs={"split": heads.q}) for p in "qkv"] + [
                 Sub("out_proj", Linear1D_Row, kwargs={"split": heads.q})]),
         "SamTwoWayAttentionBlock": ModulePolicyDescription(sub_module_replacement=[
@@ -140,17 +142,13 @@ class SamShape(FamilyPolicy):
     def sequence_parallel_policy(self, vision_cfg) -> dict:
         """The replaced layer forward, the norms' gradient all-reduce, the
         mlp's "enter" region and the split / gather at the encoder's ends."""
-        from shardformer.layer.replicated import ReplicatedInParallelRegion
-        from shardformer.layer.sequence import SequenceParallelRegion, SequenceState
-        from shardformer.policies.shapes import sp_ends
+        from shardformer.layer.sequence import SequenceState
 
         state = SequenceState()
         layer = ModulePolicyDescription(
-            sub_module_replacement=[Sub("mlp", SequenceParallelRegion, kwargs={"role": "enter", "state": state}),
-                                    Sub("layer_norm1", ReplicatedInParallelRegion),
-                                    Sub("layer_norm2", ReplicatedInParallelRegion)],
+            sub_module_replacement=split_gather_layer({"mlp": ENTER}, ("layer_norm1", "layer_norm2"), state),
             method_replacement={"forward": sequence_parallel_layer_forward(state, self.process_group)})
-        ends = sp_ends("layers", vision_cfg.num_hidden_layers, state)
+        ends = split_gather_ends("layers", vision_cfg.num_hidden_layers, state)
         return {"SamVisionLayer": layer, "SamVisionEncoder": ModulePolicyDescription(sub_module_replacement=ends)}
 
     def body_policy(self):

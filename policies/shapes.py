@@ -97,10 +97,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from shardformer.family import FamilyPolicy
+from shardformer.layer.sequence_layout import BLOCK, ENTER, ENTER_OUTPUT, LEAVE, SUM_GRAD
 from shardformer.layer.param_shard import ShardParams
 from shardformer.layout import Heads
 from shardformer.pipeline.stages import StageSplit
-from shardformer.plan import PlanContext, realize
+from shardformer.plan import PlanContext, realize, record_hidden_states, split_gather_ends, split_gather_layer
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
@@ -124,9 +125,12 @@ class DecoderShape(FamilyPolicy):
         kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         return Heads(cfg.num_attention_heads, kv, head_dim)
 
+    #: {dotted attribute under the decoder layer: what it holds} (Heads.attributes)
+    head_attributes = {"self_attn.num_key_value_groups": "groups"}
+
     def attention_attributes(self, heads: Heads) -> dict:
         """{dotted attribute under the decoder layer: per-rank value}."""
-        return {"self_attn.num_key_value_groups": heads.local_groups()}
+        return heads.attributes(self.head_attributes, text_config(self.model))
 
     split_attention_at = ("{prefix}{base_model}", "layers")
     pipeline_split = StageSplit("{prefix}{base_model}", "layers", last=("norm",))
@@ -201,19 +205,14 @@ class DecoderShape(FamilyPolicy):
         module still receives the gathered sequence, since HF's attention
         reads its shape before the projections); the row layers' partial
         sums leave through the block's reduce-scatter as without overlap."""
-        from shardformer.layer.replicated import ReplicatedInParallelRegion
-        from shardformer.layer.sequence import SequenceParallelRegion, SequenceState
+        from shardformer.layer.sequence import SequenceState
 
         state = SequenceState(recompute=self.shard_config.sequence_parallel_recompute)
         base = self.model.get_submodule(self.base_prefix()) if self.base_prefix() else self.model
         layers = base.layers
-        first = layers[0]
-        block = {"role": "block", "state": state, **({"overlap": True} if sp_overlap(self.shard_config) else {})}
-        subs = [Sub("self_attn", SequenceParallelRegion, kwargs=block),
-                Sub("mlp", SequenceParallelRegion, kwargs=block)]
-        subs += [Sub(child, ReplicatedInParallelRegion) for child, module in first.named_children()
-                 if child not in ("self_attn", "mlp") and any(True for _ in module.parameters())]
-        return subs, sp_ends("layers", len(layers), state)
+        norms = parameterized_children(layers[0], skip=("self_attn", "mlp"))
+        subs = split_gather_layer({"self_attn": BLOCK, "mlp": BLOCK}, norms, state, sp_overlap(self.shard_config))
+        return subs, split_gather_ends("layers", len(layers), state)
 
     def base_prefix(self) -> str:
         """The attribute path of the base model inside self.model ("" when it is the base model)."""
@@ -318,29 +317,11 @@ def sp_gathering(col: dict, state=None) -> dict:
 
 
 def sp_layer_subs(entered, norms, state) -> list[Sub]:
-    """The SP hooks inside one layer: the modules at `entered` take role
-    "enter" (input all-gathered along S), the modules at `norms` (used on
-    this rank's rows) get their parameter gradients all-reduced."""
-    from shardformer.layer.replicated import ReplicatedInParallelRegion
-    from shardformer.layer.sequence import SequenceParallelRegion
-
-    return ([Sub(path, SequenceParallelRegion, kwargs={"role": "enter", "state": state}) for path in entered]
-            + [Sub(path, ReplicatedInParallelRegion) for path in norms])
-
-
-def sp_ends(layers: str, count: int, state) -> list[Sub]:
-    """The split at `layers`.0's input and the gather at the last layer's
-    output (both on one module when there is one layer); the layers before
-    the last mark their outputs, this rank's rows, for output_hidden_states
-    (role "rows")."""
-    from shardformer.layer.sequence import SequenceParallelRegion
-
-    if count == 1:
-        return [Sub(f"{layers}.0", SequenceParallelRegion, kwargs={"role": ("split", "gather"), "state": state})]
-    return [Sub(f"{layers}.0", SequenceParallelRegion, kwargs={"role": ("split", "rows"), "state": state})] + [
-        Sub(f"{layers}.{i}", SequenceParallelRegion, kwargs={"role": "rows", "state": state})
-        for i in range(1, count - 1)] + [
-        Sub(f"{layers}.{count - 1}", SequenceParallelRegion, kwargs={"role": "gather", "state": state})]
+    """The SP hooks inside one layer whose row layers reduce-scatter
+    themselves: the modules at `entered` are ENTERed (input all-gathered
+    along S), the modules at `norms` (used on this rank's rows) get their
+    parameter gradients all-reduced (shardformer.plan.split_gather_layer)."""
+    return split_gather_layer(dict.fromkeys(entered, ENTER), norms, state)
 
 
 def parameterized_children(module, skip=()) -> list[str]:
@@ -363,30 +344,12 @@ class SplitGatherMixin:
     substitution output_hidden_states=True records full-sequence states
     (record_hidden_states) or, with records_hidden_states False, is refused."""
 
-    records_hidden_states = True      # sp_ends marks the layers' rows (ALBERT: mark_layer_rows)
+    records_hidden_states = True      # split_gather_ends marks the layers' rows (ALBERT: mark_layer_rows)
 
     sequence_overlap = True
 
     def postprocess(self):
         return record_hidden_states(self, super().postprocess())
-
-
-def record_hidden_states(policy, model):
-    """After substitution, output_hidden_states=True under sequence parallelism:
-    split_gather (TP group of 2 or more) records full-sequence hidden states
-    where the policy marks its layers' rows (`records_hidden_states`: sp_ends
-    marks them) and refuses them by name elsewhere; all_to_all / ring_attn
-    (shardformer.layer.sequence_attention marks the rows of every split
-    layer) always record them full.  See shardformer.layer.sequence.mark_rows."""
-    from shardformer.layer.sequence import record_full_hidden_states, refuse_recorded_hidden_states
-
-    cfg = policy.shard_config
-    split_gather = policy.tensor_parallel and cfg.sequence_parallel and policy.tp_size > 1
-    if cfg.split_attention_mode or (split_gather and getattr(policy, "records_hidden_states", True)):
-        record_full_hidden_states(model)
-    elif split_gather:
-        refuse_recorded_hidden_states(model, type(model).__name__)
-    return model
 
 
 # ---- EncoderShape: BERT-shaped encoders ----
@@ -403,8 +366,7 @@ def bert_attention(policy, prefix: str, heads: Heads, col: dict | None = None, r
     under split-gather SP)."""
     col, row = col or {}, row or {}
     kv_col = col if kv_col is None else kv_col
-    attrs = {f"{prefix}.self.num_attention_heads": heads.local_heads(),
-             f"{prefix}.self.all_head_size": heads.local_width(heads.head_dim)}
+    attrs = heads.attributes({f"{prefix}.self.num_attention_heads": "heads", f"{prefix}.self.all_head_size": "width"})
     plan = {f"{prefix}.self.query": "colwise_heads", f"{prefix}.self.key": "colwise_heads",
             f"{prefix}.self.value": "colwise_heads", f"{prefix}.self.dropout": "dropout_parallel",
             f"{prefix}.output.dense": "rowwise_heads", f"{prefix}.output.dropout": "dropout_residual"}
@@ -430,7 +392,7 @@ class EncoderShape(SplitGatherMixin, FamilyPolicy):
     Refused with chunk_size_feed_forward (HF would chunk this rank's rows)."""
 
     prefix = ""
-    records_hidden_states = True       # sp_ends marks the layers' rows
+    records_hidden_states = True       # split_gather_ends marks the layers' rows
     #: {suffix under `<prefix>Layer`: style} after the attention (bert_attention)
     MLP_PLAN = {"intermediate.dense": "colwise", "output.dense": "rowwise", "output.dropout": "dropout_residual"}
     #: {suffix under `<prefix>Embeddings`: style}
@@ -480,7 +442,7 @@ class EncoderShape(SplitGatherMixin, FamilyPolicy):
         policy = {f"{self.prefix}Layer": self.layer_description(self.heads_layout()),
                   f"{self.prefix}Embeddings": self.embeddings_description()}
         if self.shard_config.sequence_parallel:
-            policy[f"{self.prefix}Encoder"] = ModulePolicyDescription(sub_module_replacement=sp_ends(
+            policy[f"{self.prefix}Encoder"] = ModulePolicyDescription(sub_module_replacement=split_gather_ends(
                 "layer", self.model.config.num_hidden_layers, self.state.sequence_state))
         return policy
 
@@ -527,7 +489,7 @@ class VisionShape(SplitGatherMixin, FamilyPolicy):
     layernorm_before / layernorm_after get their gradients all-reduced."""
 
     prefix = ""
-    records_hidden_states = True       # sp_ends marks the layers' rows (Swin: the stages' outputs are full)
+    records_hidden_states = True       # split_gather_ends marks the layers' rows (Swin: the stages' outputs are full)
 
     split_attention_at = ("{prefix}Model", "layers")
     pipeline_split = StageSplit("{prefix}Model", "layers", last=("layernorm", "pooler"))
@@ -566,7 +528,7 @@ class VisionShape(SplitGatherMixin, FamilyPolicy):
             entered = ["attention"] + ([] if sp_overlap(self.shard_config) else ["mlp"])
             subs += sp_layer_subs(entered, self.sp_norms(layers[0]), state) + self.sp_layer_extras(layers[0], state)
             policy[f"{self.prefix}Model"] = ModulePolicyDescription(
-                sub_module_replacement=sp_ends("layers", len(layers), state))
+                sub_module_replacement=split_gather_ends("layers", len(layers), state))
         policy[f"{self.prefix}Layer"] = ModulePolicyDescription(sub_module_replacement=subs)
         return policy
 
@@ -647,17 +609,15 @@ class StageShape(VisionShape):
         """Split-gather SP of stage i (paths under the encoder): the block
         roles, the norms' gradient all-reduce, the split and the gather."""
         from shardformer.layer.replicated import ReplicatedInParallelRegion
-        from shardformer.layer.sequence import SequenceParallelRegion
 
         state = _new_state()           # one per stage: each has its own length
         blocks = f"layers.{i}.blocks"
-        roles = {"layernorm_before": "enter_output", "attention": "sum_grad", "drop_path": "leave", "mlp": "enter"}
-        subs = [Sub(f"{blocks}.*.{path}", SequenceParallelRegion, kwargs={"role": role, "state": state})
-                for path, role in roles.items()]
+        regions = {"layernorm_before": ENTER_OUTPUT, "attention": SUM_GRAD, "drop_path": LEAVE, "mlp": ENTER}
+        subs = split_gather_layer({f"{blocks}.*.{path}": layouts for path, layouts in regions.items()}, (), state)
         stage = self.model.get_submodule(self.encoder_prefix()).layers[i]
         norms = tuple(name for name, _ in stage.blocks.named_parameters() if ".layernorm_" in name)
         subs.append(Sub(blocks, ReplicatedInParallelRegion, kwargs={"params": norms}))
-        return subs + sp_ends(blocks, depth, state)
+        return subs + split_gather_ends(blocks, depth, state)
 
     def encoder_prefix(self) -> str:
         return next(name for name, m in self.model.named_modules() if type(m).__name__ == f"{self.prefix}Encoder")
@@ -750,7 +710,7 @@ class GPTBlockShape(SplitGatherMixin, FamilyPolicy):
         blocks = self.blocks()
         root = self.attention.split(".")[0]
         norms = parameterized_children(blocks[0], skip=(root, "mlp"))
-        return sp_layer_subs(self.sp_entered(), norms, state), sp_ends("h", len(blocks), state)
+        return sp_layer_subs(self.sp_entered(), norms, state), split_gather_ends("h", len(blocks), state)
 
     def heads_layout(self) -> Heads:
         cfg = self.model.config
@@ -758,7 +718,7 @@ class GPTBlockShape(SplitGatherMixin, FamilyPolicy):
         return Heads(n, n, cfg.hidden_size // n)
 
     def attention_attributes(self, heads: Heads) -> dict:
-        return {f"{self.attention}.{self.heads_attribute}": heads.local_heads()}
+        return heads.attributes({f"{self.attention}.{self.heads_attribute}": "heads"})
 
     def attention_replacements(self, heads: Heads) -> list[Sub]:
         col, row = sp_linear_kwargs(self.shard_config)
@@ -853,7 +813,7 @@ class FusedQKVShape(SplitGatherMixin, FamilyPolicy):
         layers = [m for m in self.model.modules() if type(m).__name__ == f"{self.prefix}{self.layer}"]
         norms = parameterized_children(layers[0], skip=("self_attention", "mlp"))
         entered = ["self_attention"] + ([] if overlap else ["mlp"])
-        return (attributes, subs + sp_layer_subs(entered, norms, state), sp_ends("h", len(layers), state))
+        return (attributes, subs + sp_layer_subs(entered, norms, state), split_gather_ends("h", len(layers), state))
 
     def qkv_layout(self) -> tuple[Heads, str, dict]:
         """(heads, plan style of query_key_value (shardformer.plan), {attention
@@ -861,7 +821,7 @@ class FusedQKVShape(SplitGatherMixin, FamilyPolicy):
         cfg = self.model.config
         n = cfg.num_attention_heads
         heads = Heads(n, n, cfg.hidden_size // n)
-        return heads, "colwise_per_head", {"self_attention.num_heads": heads.local_heads()}
+        return heads, "colwise_per_head", heads.attributes({"self_attention.num_heads": "heads"})
 
     def body_policy(self):
         if not self.tensor_parallel:

@@ -43,7 +43,9 @@ from shardformer.family import Family, gathered
 from shardformer.layer import sequence_attention as sa
 from shardformer.layer import DropoutForReplicatedInput, Linear1D_Col, Linear1D_Row
 from shardformer.layer.param_shard import ShardParams
+from shardformer.layer.sequence_layout import GATHER_INPUT, SPLIT_OUTPUT
 from shardformer.layout import Heads
+from shardformer.plan import sequence_region
 from shardformer.policies.shapes import StageShape
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
@@ -118,14 +120,14 @@ class Swinv2Shape(StageShape):
     def stage_sp_subs(self, i: int, depth: int) -> list[Sub]:
         """The roles of stage i's blocks (paths under the encoder); no norm
         gradient all-reduce: every parameter sees the full sequence."""
-        from shardformer.layer.sequence import SequenceParallelRegion, SequenceState
+        from shardformer.layer.sequence import SequenceState
 
         state = SequenceState()         # one per stage: each has its own length
-        roles = [()] * depth
-        if depth > 1:
-            roles = [("split_output",)] + [("gather_input", "split_output")] * (depth - 2) + [("gather_input",)]
-        return [Sub(f"layers.{i}.blocks.{j}", SequenceParallelRegion, kwargs={"role": role, "state": state})
-                for j, role in enumerate(roles) if role]
+        if depth == 1:
+            return []
+        inner = [GATHER_INPUT | SPLIT_OUTPUT] * (depth - 2)
+        return [sequence_region(f"layers.{i}.blocks.{j}", layouts, state)
+                for j, layouts in enumerate([SPLIT_OUTPUT, *inner, GATHER_INPUT])]
 
     def block_replacements(self, heads: Heads) -> list[Sub]:
         per_head = Heads(heads.num_heads, head_dim=1).q
@@ -143,8 +145,7 @@ class Swinv2Shape(StageShape):
         ]
 
     def block_attributes(self, heads: Heads) -> dict:
-        return {"attention.self.num_attention_heads": heads.local_heads(),
-                "attention.self.all_head_size": heads.local_width(heads.head_dim)}
+        return heads.attributes({"attention.self.num_attention_heads": "heads", "attention.self.all_head_size": "width"})
 
 
 FAMILY = Family("swinv2", "swinv2.modeling_swinv2", Swinv2Shape, options={"prefix": "Swinv2"}, heads={

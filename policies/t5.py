@@ -86,8 +86,9 @@ from shardformer.layer import (
     VocabParallelEmbedding1D,
 )
 from shardformer.layout import Heads
-from shardformer.plan import residual_dropout
-from shardformer.policies.shapes import SplitGatherMixin, _new_state, sp_ends, sp_overlap
+from shardformer.layer.sequence_layout import BLOCK
+from shardformer.plan import residual_dropout, split_gather_ends, split_gather_layer
+from shardformer.policies.shapes import SplitGatherMixin, _new_state, sp_overlap
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
@@ -171,8 +172,6 @@ class T5Shape(SplitGatherMixin, FamilyPolicy):
 
     def sequence_parallel_ends(self) -> dict:
         """{owner class: the split / gather of each stack and its blocks' regions}."""
-        from shardformer.layer.sequence import SequenceParallelRegion
-
         policy = {}
         overlap = sp_overlap(self.shard_config)
         for owner in self.model.modules():
@@ -185,13 +184,12 @@ class T5Shape(SplitGatherMixin, FamilyPolicy):
                 if stack is None:
                     continue
                 state = _new_state()
-                block = {"role": "block", "state": state, **({"overlap": True} if overlap else {})}
                 if stack.is_decoder:
                     regions = ["layer.0.SelfAttention", "layer.1.EncDecAttention", "layer.2.DenseReluDense"]
                 else:
                     regions = ["layer.0.SelfAttention", "layer.1.DenseReluDense"]
-                subs += [Sub(f"{stack_name}.block.*.{r}", SequenceParallelRegion, kwargs=block) for r in regions]
-                subs += sp_ends(f"{stack_name}.block", len(stack.block), state)
+                subs += split_gather_layer({f"{stack_name}.block.*.{r}": BLOCK for r in regions}, (), state, overlap)
+                subs += split_gather_ends(f"{stack_name}.block", len(stack.block), state)
             policy[cls] = ModulePolicyDescription(sub_module_replacement=subs)
         return policy
 
@@ -206,7 +204,7 @@ class T5Shape(SplitGatherMixin, FamilyPolicy):
         drop = residual_dropout(self.shard_config)
         policy = {
             "T5Attention": ModulePolicyDescription(
-                attribute_replacement={"n_heads": heads.local_heads(), "inner_dim": heads.local_width(cfg.d_kv)},
+                attribute_replacement=heads.attributes({"n_heads": "heads", "inner_dim": "width"}),
                 sub_module_replacement=[
                     Sub("relative_attention_bias", Embedding1D,
                         kwargs={"split": Heads(cfg.num_heads).q, "gather_output": False}, ignore_if_not_exist=True),

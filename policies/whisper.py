@@ -52,8 +52,9 @@ from __future__ import annotations
 from shardformer.family import Family, FamilyPolicy, lm
 from shardformer.layer import Linear1D_Col, Linear1D_Row, VocabParallelEmbedding1D
 from shardformer.layout import Heads
-from shardformer.policies.shapes import (SplitGatherMixin, _new_state, parameterized_children, sp_ends,
-                                         sp_layer_subs, sp_linear_kwargs, sp_overlap)
+from shardformer.plan import split_gather_ends
+from shardformer.policies.shapes import (SplitGatherMixin, _new_state, parameterized_children, sp_layer_subs,
+                                         sp_linear_kwargs, sp_overlap)
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
@@ -158,8 +159,7 @@ class WhisperShape(SplitGatherMixin, FamilyPolicy):
         attrs, subs = {}, []
         for a in attns:
             kv = {} if a == "encoder_attn" else col     # the cross attention's k / v read the encoder output
-            attrs[f"{a}.num_heads"] = heads.local_heads()
-            attrs[f"{a}.embed_dim"] = heads.local_width(heads.head_dim)
+            attrs.update(heads.attributes({f"{a}.num_heads": "heads", f"{a}.embed_dim": "width"}))
             subs += [Sub(f"{a}.{p}_proj", Linear1D_Col, kwargs={"split": heads.q, **(col if p == "q" else kv)})
                      for p in "qkv"]
             subs.append(Sub(f"{a}.out_proj", Linear1D_Row, kwargs={"split": heads.q, **row}))
@@ -192,7 +192,7 @@ class WhisperShape(SplitGatherMixin, FamilyPolicy):
             state = _new_state() if sp else None
             policy[layer_cls] = self.layer_description(layer_cls, n_heads, attns, state)
             policy[stack_cls] = ModulePolicyDescription(
-                sub_module_replacement=sp_ends("layers", len(stack.layers), state) if sp else [])
+                sub_module_replacement=split_gather_ends("layers", len(stack.layers), state) if sp else [])
         if "WhisperDecoder" in policy:
             policy["WhisperDecoder"].sub_module_replacement.insert(
                 0, Sub("embed_tokens", VocabParallelEmbedding1D, kwargs=self.vocab_kwargs()))

@@ -10,7 +10,12 @@ sorted, replacements in the order the policy gives them (the sharder
 applies them in that order).
 tests/data/policy_snapshot.json.gz holds the snapshot taken before the
 built-in shapes were written as plans (shardformer.plan); test_plan.py
-compares it with today's.  Regenerate only for an intended change:
+compares it with today's.  It predates the typed sequence layouts: a
+SequenceParallelRegion's `role` there (a role string or a tuple of them) and
+a `layouts=` value today are both compared as the SequenceLayouts they are
+(`layouts_of`; shardformer.layer.sequence_layout.as_layouts), so a policy
+that spells its regions either way gives the same rows.  Regenerate only
+for an intended change:
 
     cd tests && ../.venv/bin/python policy_snapshot.py
 """
@@ -47,12 +52,15 @@ def variants() -> dict[str, tuple[str, dict]]:
 def plain(value):
     """A JSON-able stand-in for a description value: split specs by their
     data, classes by name, per-run objects (sequence state) by type."""
+    from shardformer.layer.sequence_layout import SequenceLayouts
     from shardformer.layout import PerRank
 
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
     if isinstance(value, type):
         return value.__name__
+    if isinstance(value, SequenceLayouts):
+        return repr(value)
     if isinstance(value, PerRank):
         return f"PerRank({value.description})"
     if hasattr(value, "data") and type(value).__module__.startswith("shardformer.layout"):
@@ -62,6 +70,11 @@ def plain(value):
     if isinstance(value, dict):
         return {str(k): plain(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
     return type(value).__name__
+
+
+#: "<model> <key>.<suffix>" of every region a built-in policy spelled with a
+#: role string in the last snapshot() (they spell layouts=; test_plan.py)
+ROLE_SPELLED: list[str] = []
 
 
 def family_classes() -> dict[str, str]:
@@ -88,7 +101,9 @@ def rows_of(name: str, config_kwargs: dict, overrides: dict | None = None) -> li
     for key, desc in sorted(description.items(), key=lambda kv: str(kv[0])):
         key = key if isinstance(key, str) else key.__name__
         for sub in desc.sub_module_replacement:
-            rows.append(["sub", key, sub.suffix, plain(sub.target_module), plain(sub.kwargs or {}),
+            if "role" in (sub.kwargs or {}):
+                ROLE_SPELLED.append(f"{name} {key}.{sub.suffix}")
+            rows.append(["sub", key, sub.suffix, plain(sub.target_module), layouts_of(plain(sub.kwargs or {})),
                          bool(sub.ignore_if_not_exist)])
         for attr, value in desc.attribute_replacement.items():
             rows.append(["attr", key, attr, plain(value)])
@@ -96,10 +111,26 @@ def rows_of(name: str, config_kwargs: dict, overrides: dict | None = None) -> li
     return rows
 
 
+def layouts_of(kwargs: dict) -> dict:
+    """`kwargs` (plain) with a region's role strings written as the
+    SequenceLayouts they name: {"role": "block"} -> {"layouts":
+    "SequenceLayouts(input=Move(ROWS, FULL_PARTIAL_GRAD), ...)"}."""
+    from shardformer.layer.sequence_layout import as_layouts
+
+    if "role" not in kwargs:
+        return kwargs
+    role = kwargs["role"]
+    out = {k: v for k, v in kwargs.items() if k != "role"}
+    out["layouts"] = repr(as_layouts(tuple(role) if isinstance(role, list) else role))
+    return dict(sorted(out.items()))
+
+
 def load() -> dict:
-    """The stored snapshot."""
+    """The stored snapshot, its role strings read as layouts (layouts_of)."""
     with gzip.open(SNAPSHOT, "rt") as f:
-        return json.load(f)
+        data = json.load(f)
+    return {name: [row[:4] + [layouts_of(row[4])] + row[5:] if row[0] == "sub" else row for row in rows]
+            for name, rows in data.items()}
 
 
 def snapshot(classes=None) -> dict:

@@ -21,9 +21,12 @@ def test_builtin_descriptions_match_the_snapshot():
     """Every built-in family's zoo models, under TP, parallel_output and
     split-gather SP with and without overlap: the same replacements (suffix,
     layer class, kwargs, order) and attributes as before the shapes were
-    written as plans."""
+    written as plans; every sequence-parallel region in typed layouts
+    (layouts=, no role string: docs/sequence-layouts.md)."""
     old = policy_snapshot.load()
+    policy_snapshot.ROLE_SPELLED.clear()
     new = json.loads(json.dumps(policy_snapshot.snapshot()))
+    assert not policy_snapshot.ROLE_SPELLED, f"regions spelled by role: {policy_snapshot.ROLE_SPELLED[:5]}"
     assert set(new) == set(old), sorted(set(new) ^ set(old))[:10]
     differ = [k for k in old if old[k] != new[k]]
     assert not differ, f"{len(differ)} descriptions changed, e.g. {differ[:5]}"

@@ -118,7 +118,8 @@ from torch import nn
 from .derived_rules import added_children, attention_attributes, is_attention, is_mla, norm_like, side_of_norm
 from .family import SplitAttentionPolicy, sequence_mode_refused
 from .layout import Heads
-from .plan import PlanContext, PlanError, replacement
+from .layer.sequence_layout import BLOCK, ENTER, SequenceLayouts
+from .plan import PlanContext, PlanError, record_hidden_states, replacement, split_gather_ends, split_gather_layer
 from .policy import ModulePolicyDescription, Policy, merge_policies
 from .policy import SubModuleReplacementDescription as Sub
 
@@ -689,33 +690,34 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
     def _split_gather(self, subs: list) -> None:
         """Adds split-gather sequence parallelism to the tensor-parallel
         replacements `subs` (see the comment above)."""
-        from .layer.replicated import ReplicatedInParallelRegion
         from .layer.sequence import SequenceState
-        from .policies.shapes import sp_ends
 
         state = SequenceState()
         path = self.layers_path()
         layers = self.model.get_submodule(path)
         planned = {s.suffix for s in subs}
-        added = []
+        regions, norms, beside = {}, [], []
         for i, layer in enumerate(layers):
             for child, module in layer.named_children():
                 where = f"{path}.{i}.{child}"
                 inside = [s for s in subs if s.suffix == where or s.suffix.startswith(where + ".")]
                 if any(s.target_module.__name__ in _SPLIT_LAYERS for s in inside):
-                    added += self._sp_block(where, module, inside, planned, state)
+                    regions[where], found = self._sp_block(where, module, inside, planned)
+                    beside += found
                 elif where not in planned and any(True for _ in module.parameters()):
                     if not norm_like(module):
                         raise self._refused(where, f"{type(module).__name__} holds parameters the plan does not "
                                             f"split and is not a norm: on this rank's rows it would see part of "
                                             f"the sequence")
-                    added.append(Sub(where, ReplicatedInParallelRegion))
-        subs += added + sp_ends(path, len(layers), state)
+                    norms.append(where)
+        subs += split_gather_layer(regions, norms, state) + beside + split_gather_ends(path, len(layers), state)
 
-    def _sp_block(self, where: str, module: nn.Module, inside: list, planned: set, state) -> list:
-        """The region of one child of a layer holding split layers."""
+    def _sp_block(self, where: str, module: nn.Module, inside: list, planned: set) -> tuple[SequenceLayouts, list]:
+        """(the layouts of one child of a layer holding split layers: BLOCK,
+        or ENTER where its row layers have a bias and reduce-scatter
+        themselves; the substitutions of the replicated modules inside it
+        that run beside the split ones)."""
         from .layer.moe import RouterInSequenceParallel, SharedExpertInSequenceParallel
-        from .layer.sequence import SequenceParallelRegion
 
         latent = [s.suffix for s in inside if s.target_module.__name__ == "SharedRopeKeyProjection"]
         if latent:
@@ -732,7 +734,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
                 s.kwargs = dict(s.kwargs or {}, sequence_parallel=True)
                 if biased and s in rows:
                     s.kwargs["reduce_scatter"] = True
-        out = [Sub(where, SequenceParallelRegion, kwargs={"role": "enter" if biased else "block", "state": state})]
+        out = []
         routers = {f"{s.suffix.rpartition('.')[0]}.{child}" for s in experts
                    for child, m in self.model.get_submodule(s.suffix.rpartition(".")[0]).named_children()
                    if any(True for _ in m.parameters(recurse=False))}      # a router's own matrix
@@ -755,13 +757,11 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
                                     f"the block's reduce-scatter (only a router, a norm, or a module beside the "
                                     f"experts whose output the block's forward adds to theirs, `... + "
                                     f"self.<name>(...)`, run there)")
-        return out
+        return (ENTER if biased else BLOCK), out
 
     # ---- after the swaps ----
 
     def postprocess(self) -> nn.Module:
-        from .policies.shapes import record_hidden_states
-
         return record_hidden_states(self, super().postprocess())
 
 

@@ -48,9 +48,9 @@ from torch import nn
 
 from .layout import Heads
 
-#: Integer attributes of an attention holding head counts: which count (Heads: q, kv, groups).
-HEAD_ATTRS = {"num_heads": "q", "num_attention_heads": "q", "num_key_value_heads": "kv", "num_kv_heads": "kv",
-              "num_key_value_groups": "groups"}
+#: Integer attributes of an attention holding head counts: which count (Heads.attributes).
+HEAD_ATTRS = {"num_heads": "heads", "num_attention_heads": "heads", "num_key_value_heads": "kv_heads",
+              "num_kv_heads": "kv_heads", "num_key_value_groups": "groups"}
 #: Attributes of an attention that may hold the query width (heads * head_dim).
 WIDTH_ATTRS = ("all_head_size", "hidden_size", "embed_dim", "inner_dim")
 _CONFIG_READS = re.compile(r"config\.(num_attention_heads|num_key_value_heads|head_dim)")
@@ -117,15 +117,10 @@ def attention_attributes(path: str, module: nn.Module, heads: Heads, widths: boo
     (not with `widths`: a latent attention reshapes with -1), and a per-rank
     config when its forward reads head counts from it."""
     lead = f"{path}." if path else ""
-    values = {"q": heads.local_heads(), "kv": heads.local_kv_heads(), "groups": heads.local_groups()}
-    attrs = {}
-    for name, which in HEAD_ATTRS.items():
-        if isinstance(getattr(module, name, None), int):
-            attrs[lead + name] = values[which]
-    for name in WIDTH_ATTRS if widths else ():
-        if getattr(module, name, None) == heads.num_heads * heads.head_dim:
-            attrs[lead + name] = heads.local_width(heads.head_dim)
+    counts = {lead + name: kind for name, kind in HEAD_ATTRS.items() if isinstance(getattr(module, name, None), int)}
+    counts.update({lead + name: "width" for name in (WIDTH_ATTRS if widths else ())
+                   if getattr(module, name, None) == heads.num_heads * heads.head_dim})
     config = getattr(module, "config", None)
     if config is not None and reads_head_counts(module):
-        attrs[lead + "config"] = heads.local_config(config)
-    return attrs
+        counts[lead + "config"] = "config"
+    return heads.attributes(counts, config)

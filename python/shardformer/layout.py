@@ -199,6 +199,32 @@ class Heads:
         """Fused rows grouped per KV head: [q_1 .. q_g | k | v] for each group."""
         return GroupedQKV(self)
 
+    #: what a per-rank head attribute holds (Heads.attributes)
+    COUNTS = ("heads", "kv_heads", "groups", "width", "config")
+
+    def attributes(self, counts: dict, config=None) -> dict:
+        """{attribute: this rank's value} for {attribute: what it holds}, the
+        one place per-rank head attributes are made (the built-in policies
+        name theirs, DerivedPolicy finds them on the module:
+        shardformer.derived_rules).  With q / kv this rank's query / KV heads
+        (layout()) and d = head_dim:
+
+            "heads"     q                       (local_heads)
+            "kv_heads"  kv                      (local_kv_heads)
+            "groups"    q / kv                  (local_groups: num_key_value_groups)
+            "width"     q * d                   (local_width: all_head_size, embed_dim, ...)
+            "config"    a copy of `config` with this rank's q and kv (local_config)
+
+        An unknown kind raises ValueError naming the attribute."""
+        bad = {name: kind for name, kind in counts.items() if kind not in self.COUNTS}
+        if bad:
+            raise ValueError(f"Heads.attributes: {bad} is not one of {self.COUNTS}")
+        if "config" in counts.values() and config is None:
+            raise ValueError(f"Heads.attributes: {[n for n, k in counts.items() if k == 'config']} needs the config")
+        made = {"heads": self.local_heads, "kv_heads": self.local_kv_heads, "groups": self.local_groups,
+                "width": lambda: self.local_width(self.head_dim), "config": lambda: self.local_config(config)}
+        return {name: made[kind]() for name, kind in counts.items()}
+
     def local_heads(self) -> PerRank:
         return HeadCount(self, HeadCount.QUERY, 1, f"query heads of {self}")
 

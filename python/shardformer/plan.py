@@ -60,6 +60,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .layer.replicated import ReplicatedInParallelRegion
+from .layer.sequence import SequenceParallelRegion, record_full_hidden_states, refuse_recorded_hidden_states
+from .layer.sequence_layout import BLOCK, GATHER, MARK_ROWS, SPLIT, SequenceLayouts
 from .layout import Fused, Heads
 from .policy import SubModuleReplacementDescription as Sub
 
@@ -225,3 +228,64 @@ def hf_entries(path: str, style: str) -> dict[str, str]:
     if s.hf is None:
         return {}
     return {path: s.hf, **{f"{path}.{param}": hf for param, hf in s.hf_params}}
+
+
+# ---- split-gather sequence parallelism: the regions of a layer stack ----
+#
+# Every policy (the built-in shapes and DerivedPolicy) writes its split-gather
+# sequence parallelism with the two functions below, in typed layouts
+# (shardformer.layer.sequence_layout, docs/sequence-layouts.md).  With S the
+# sequence, p the group size and a layer stack `layers.0 .. layers.{n-1}`:
+#
+#   layers.0 input            FULL -> ROWS   (SPLIT: pad S to a multiple of p, keep S/p rows)
+#   layers.i output, i < n-1  ROWS -> ROWS   (MARK_ROWS: marked for output_hidden_states)
+#   layers.{n-1} output       ROWS -> FULL   (GATHER: all-gather, padding dropped)
+#   a region in a layer       its SequenceLayouts, e.g. BLOCK: input ROWS -> FULL_PARTIAL_GRAD
+#                             (all-gather; backward reduce-scatter), output PARTIAL_SUM -> ROWS
+#                             (reduce-scatter of the row layers' partial sums)
+#   a replicated module       runs on this rank's rows: sum_r dW_r all-reduced in backward
+#                             (ReplicatedInParallelRegion)
+
+
+def sequence_region(path: str, layouts: SequenceLayouts, state, overlap: bool = False) -> Sub:
+    """The module at `path` moved by `layouts` (SequenceParallelRegion) in the
+    model's SequenceState `state`; `overlap`: a BLOCK's input gather overlaps
+    its column layers' matmuls."""
+    kwargs = {"layouts": layouts, "state": state}
+    return Sub(path, SequenceParallelRegion, kwargs={**kwargs, "overlap": True} if overlap else kwargs)
+
+
+def split_gather_layer(regions: dict[str, SequenceLayouts], replicated, state, overlap: bool = False) -> list[Sub]:
+    """The split-gather substitutions inside one layer: each `regions` path
+    moved by its layouts (`overlap` on the BLOCKs), then each `replicated`
+    path (a norm on this rank's rows) with its gradients all-reduced."""
+    return ([sequence_region(path, layouts, state, overlap and layouts == BLOCK) for path, layouts in regions.items()]
+            + [Sub(path, ReplicatedInParallelRegion) for path in replicated])
+
+
+def split_gather_ends(layers: str, count: int, state) -> list[Sub]:
+    """The split at `layers`.0's input and the gather at the last layer's
+    output (both on one module when there is one layer); the layers before
+    the last mark their outputs, this rank's rows, for output_hidden_states."""
+    if count == 1:
+        return [sequence_region(f"{layers}.0", SPLIT | GATHER, state)]
+    return ([sequence_region(f"{layers}.0", SPLIT | MARK_ROWS, state)]
+            + [sequence_region(f"{layers}.{i}", MARK_ROWS, state) for i in range(1, count - 1)]
+            + [sequence_region(f"{layers}.{count - 1}", GATHER, state)])
+
+
+def record_hidden_states(policy, model):
+    """After substitution, output_hidden_states=True under sequence parallelism:
+    split_gather (TP group of 2 or more) records full-sequence hidden states
+    where the policy marks its layers' rows (`records_hidden_states`:
+    split_gather_ends marks them) and refuses them by name elsewhere;
+    all_to_all / ring_attn (shardformer.layer.sequence_attention marks the
+    rows of every split layer) always record them full.  See
+    shardformer.layer.sequence.mark_rows."""
+    cfg = policy.shard_config
+    split_gather = policy.tensor_parallel and cfg.sequence_parallel and policy.tp_size > 1
+    if cfg.split_attention_mode or (split_gather and getattr(policy, "records_hidden_states", True)):
+        record_full_hidden_states(model)
+    elif split_gather:
+        refuse_recorded_hidden_states(model, type(model).__name__)
+    return model

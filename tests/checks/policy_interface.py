@@ -98,3 +98,43 @@ def user_policy_capabilities(ctx) -> dict:
         out[who] = parity.check_sharded(ctx, lambda: zoo.build(NAME), zoo.make_inputs(NAME), name=f"{NAME}/{who}",
                                         config=SP, policy=cls())
     return out
+
+
+def role_spelled_user_policy(ctx, default_group: bool) -> dict:
+    """A user's policy written before the typed layouts (issue 33): its
+    split-gather regions spelled with role strings ("block", ("split",
+    "rows"), "rows", "gather") still shard Llama like the unsharded model
+    (forward, loss, gradients, an SGD step; 7 tokens: uneven rows), and each
+    role warns once, naming the layouts constant to write instead."""
+    import warnings
+
+    from checks.sequence import cut_sequence
+    from shardformer.layer.replicated import ReplicatedInParallelRegion
+    from shardformer.layer.sequence import SequenceParallelRegion, SequenceState
+    from shardformer.policy import SubModuleReplacementDescription as Sub
+
+    class RoleSpelled(LlamaForCausalLMPolicy):
+        def sequence_parallel_replacements(self):
+            state = SequenceState()
+            block = {"role": "block", "state": state}
+            layer = [Sub("self_attn", SequenceParallelRegion, kwargs=block),
+                     Sub("mlp", SequenceParallelRegion, kwargs=block),
+                     Sub("input_layernorm", ReplicatedInParallelRegion),
+                     Sub("post_attention_layernorm", ReplicatedInParallelRegion)]
+            n = len(self.model.model.layers)
+            ends = ([Sub("layers.0", SequenceParallelRegion, kwargs={"role": ("split", "rows"), "state": state})]
+                    + [Sub(f"layers.{i}", SequenceParallelRegion, kwargs={"role": "rows", "state": state})
+                       for i in range(1, n - 1)]
+                    + [Sub(f"layers.{n - 1}", SequenceParallelRegion, kwargs={"role": "gather", "state": state})])
+            return layer, ends
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", DeprecationWarning)
+        model, ref = _sharded(ctx, RoleSpelled(), SP, default_group, num_hidden_layers=3)
+    said = sorted({str(w.message) for w in caught if issubclass(w.category, DeprecationWarning)})
+    for role, constant in (("'block'", "BLOCK"), ("('split', 'rows')", "SPLIT | MARK_ROWS"), ("'rows'", "MARK_ROWS"),
+                           ("'gather'", "GATHER")):
+        assert any(f"role={role}) is deprecated: write layouts={constant} " in m and "docs/sequence-layouts.md" in m
+                   for m in said), (role, said)
+    report = parity.compare_sharded(model, ref, cut_sequence(zoo.make_inputs(NAME), 7), f"{NAME} (role strings)")
+    return {**report, "warnings": len(said)}

@@ -67,10 +67,9 @@ def async_handles(ctx, backends: tuple) -> dict:
 
 
 def typed_layouts_equal_unsharded(ctx, name: str, default_config: bool = False, overlap: bool = False) -> dict:
-    """The zoo model `name` under split-gather SP with every region spelled
-    in the typed vocabulary: each SequenceParallelRegion the policy asks for
-    by role string is applied as layouts=as_layouts(role) instead (role=None),
-    so no role string reaches the hooks; the sharded model then matches the
+    """The zoo model `name` under split-gather SP: the built-in policy asks
+    for every SequenceParallelRegion in the typed vocabulary (layouts=, no
+    role string reaches the hooks), and the sharded model matches the
     unsharded one from the same seed (forward, loss, every gradient, after a
     step; tests/checks/parity.py).  default_config: the plain ShardConfig()
     (the world as the group); overlap: enable_sequence_overlap (a typed
@@ -88,8 +87,8 @@ def typed_layouts_equal_unsharded(ctx, name: str, default_config: bool = False, 
     typed = []
 
     def prepare(cls, module, process_group=None, plan=None, role=None, layouts=None, **kwargs):
-        assert layouts is None and role is not None, (role, layouts)
-        layouts = seq.as_layouts(role)
+        assert role is None and isinstance(layouts, seq.SequenceLayouts), \
+            f"{name}: a region asked for by role={role!r}, layouts={layouts!r}"
         typed.append(layouts)
         return original.__func__(cls, module, process_group, plan=plan, layouts=layouts, **kwargs)
 

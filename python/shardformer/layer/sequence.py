@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 
 import torch
 from torch import nn
@@ -100,6 +101,7 @@ from .sequence_layout import (  # noqa: F401 - the typed vocabulary, re-exported
     Placement,
     SequenceLayouts,
     as_layouts,
+    role_spelled_as_layouts,
 )
 
 SEQ_DIM = 1
@@ -350,6 +352,10 @@ class SequenceParallelRegion:
             raise TypeError(f"SequenceParallelRegion: layouts must be a SequenceLayouts, got "
                             f"{type(layouts).__name__} (docs/sequence-layouts.md)")
         out = as_layouts(role if layouts is None else layouts)
+        if layouts is None and not isinstance(role, SequenceLayouts):
+            warnings.warn(f"SequenceParallelRegion(role={role!r}) is deprecated: write layouts="
+                          f"{role_spelled_as_layouts(role)} (shardformer.layer.sequence_layout; "
+                          f"docs/sequence-layouts.md)", DeprecationWarning, stacklevel=4)
         if overlap and not out.is_block:
             raise ValueError(f"SequenceParallelRegion: overlap=True needs a block (role 'block': input "
                              f"{ROWS} -> {FULL_PARTIAL_GRAD}, output {PARTIAL_SUM} -> {ROWS}), got "

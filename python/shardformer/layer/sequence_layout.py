@@ -39,9 +39,15 @@ FULL_PARTIAL_GRAD keeps only this rank's rows of the gathered input for
 backward (re-gathered when backward needs them), since the full-sequence
 input never outlives its forward.
 
-The ten role strings the policies use are names for SequenceLayouts
-(ROLE_LAYOUTS), kept as aliases: role="block" is
-SequenceLayouts(input=Move(ROWS, FULL_PARTIAL_GRAD), output=Move(PARTIAL_SUM, ROWS)).
+The layouts the built-in policies use are named constants (SPLIT, GATHER,
+MARK_ROWS, BLOCK, ENTER, ENTER_OUTPUT, SUM_GRAD, LEAVE, GATHER_INPUT,
+SPLIT_OUTPUT; `a | b` puts both on one module: the first of several layers
+is SPLIT | MARK_ROWS), and shardformer.plan.split_gather_layer /
+split_gather_ends write a layer stack's regions with them.  The ten role
+strings of earlier policies are names for the same values (ROLE_LAYOUTS:
+role="block" is BLOCK, SequenceLayouts(input=Move(ROWS, FULL_PARTIAL_GRAD),
+output=Move(PARTIAL_SUM, ROWS))); SequenceParallelRegion still takes them,
+with a DeprecationWarning naming the constant to write instead.
 Adding a layout is one row of MOVES (and its operator) or one
 SequenceLayouts value in a policy: no new hook code.
 """
@@ -155,20 +161,43 @@ class SequenceLayouts:
         return SequenceLayouts(self.input or other.input, self.output or other.output, self.layer or other.layer)
 
 
-#: the role strings (the policies' spelling), each a name for its SequenceLayouts
+#: The layouts the built-in policies use, by name (docs/sequence-layouts.md).
+SPLIT = SequenceLayouts(input=Move(FULL, ROWS), layer=True)             # the first layer: split its input
+GATHER = SequenceLayouts(output=Move(ROWS, FULL), layer=True)           # the last layer: gather its output
+MARK_ROWS = SequenceLayouts(output=Move(ROWS, ROWS), layer=True)        # a layer between: its rows marked
+BLOCK = SequenceLayouts(input=Move(ROWS, FULL_PARTIAL_GRAD), output=Move(PARTIAL_SUM, ROWS))
+ENTER = SequenceLayouts(input=Move(ROWS, FULL_PARTIAL_GRAD))            # row layers reduce-scatter themselves
+ENTER_OUTPUT = SequenceLayouts(output=Move(ROWS, FULL_PARTIAL_GRAD))
+SUM_GRAD = SequenceLayouts(output=Move(FULL, FULL_PARTIAL_GRAD))
+LEAVE = SequenceLayouts(input=Move(FULL_PARTIAL_GRAD, ROWS))
+GATHER_INPUT = SequenceLayouts(input=Move(ROWS, FULL))
+SPLIT_OUTPUT = SequenceLayouts(output=Move(FULL, ROWS))
+
+#: the role strings (the older spelling, still accepted from user policies), each a name for its SequenceLayouts
 ROLE_LAYOUTS = {
-    "split": SequenceLayouts(input=Move(FULL, ROWS), layer=True),
-    "gather": SequenceLayouts(output=Move(ROWS, FULL), layer=True),
-    "rows": SequenceLayouts(output=Move(ROWS, ROWS), layer=True),
-    "block": SequenceLayouts(input=Move(ROWS, FULL_PARTIAL_GRAD), output=Move(PARTIAL_SUM, ROWS)),
-    "enter": SequenceLayouts(input=Move(ROWS, FULL_PARTIAL_GRAD)),
-    "enter_output": SequenceLayouts(output=Move(ROWS, FULL_PARTIAL_GRAD)),
-    "sum_grad": SequenceLayouts(output=Move(FULL, FULL_PARTIAL_GRAD)),
-    "leave": SequenceLayouts(input=Move(FULL_PARTIAL_GRAD, ROWS)),
-    "gather_input": SequenceLayouts(input=Move(ROWS, FULL)),
-    "split_output": SequenceLayouts(output=Move(FULL, ROWS)),
+    "split": SPLIT,
+    "gather": GATHER,
+    "rows": MARK_ROWS,
+    "block": BLOCK,
+    "enter": ENTER,
+    "enter_output": ENTER_OUTPUT,
+    "sum_grad": SUM_GRAD,
+    "leave": LEAVE,
+    "gather_input": GATHER_INPUT,
+    "split_output": SPLIT_OUTPUT,
 }
 ROLES = tuple(ROLE_LAYOUTS)
+#: the name of each role's layouts constant above (the deprecation message)
+ROLE_CONSTANTS = {"split": "SPLIT", "gather": "GATHER", "rows": "MARK_ROWS", "block": "BLOCK", "enter": "ENTER",
+                  "enter_output": "ENTER_OUTPUT", "sum_grad": "SUM_GRAD", "leave": "LEAVE",
+                  "gather_input": "GATHER_INPUT", "split_output": "SPLIT_OUTPUT"}
+
+
+def role_spelled_as_layouts(role) -> str:
+    """How `role` (a role string or a tuple of them) is written in layouts:
+    ("split", "rows") -> "SPLIT | MARK_ROWS"."""
+    names = role if isinstance(role, tuple) else (role,)
+    return " | ".join(ROLE_CONSTANTS[name] for name in names)
 
 
 def as_layouts(role) -> SequenceLayouts:
