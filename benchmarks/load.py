@@ -52,6 +52,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import load_phases  # noqa: E402
 
 SIZES = {
     # ~131M parameters, ~0.53 GB fp32
@@ -80,11 +82,26 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def _measure(load, forward: bool = True) -> tuple[object, dict]:
+def _measure(load, forward: bool = True, profile=None) -> tuple[object, dict]:
     """load() measured: seconds and peak RSS growth (bytes over the idle
     VmRSS) of the load, then of the load plus a first forward of IDS (which
     touches every weight: transformers' from_pretrained maps the checkpoint
-    and reads it only then)."""
+    and reads it only then).  profile: the phases (load_phases.py) to count
+    in the same run, or None."""
+    import contextlib
+    import gc
+
+    import torch
+
+    phases = load_phases.Phases(profile) if profile else None
+    with phases if phases else contextlib.nullcontext():
+        model, r = _measured(load, forward, phases)
+    if phases:
+        r["profile"] = phases.result()
+    return model, r
+
+
+def _measured(load, forward, phases):
     import gc
 
     import torch
@@ -96,24 +113,31 @@ def _measure(load, forward: bool = True) -> tuple[object, dict]:
     model = load()
     r = {"idle": idle, "seconds": time.perf_counter() - t0, "growth": _status("VmHWM") - idle}
     if forward:
-        with torch.no_grad():
+        with torch.no_grad(), phases.phase("first forward") if phases else _null():
             r["logits"] = model(torch.tensor(IDS)).logits.float()
         r["seconds_first_forward"] = time.perf_counter() - t0
         r["growth_first_forward"] = _status("VmHWM") - idle
     return model, r
 
 
-def rank_hf(rank: int, path: str) -> dict:
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
+def rank_hf(rank: int, path: str, profile: bool = False) -> dict:
     import torch
     import transformers
     importlib.import_module("shardformer")      # the same imports in every configuration
 
     cls = transformers.LlamaForCausalLM        # imported before the measurement, in every configuration
-    _, r = _measure(lambda: cls.from_pretrained(path, dtype=torch.float32))
+    _, r = _measure(lambda: cls.from_pretrained(path, dtype=torch.float32),
+                    profile=load_phases.HF_PHASES if profile else None)
     return r
 
 
-def rank_eager(rank: int, path: str) -> dict:
+def rank_eager(rank: int, path: str, profile: bool = False) -> dict:
     import torch
     import transformers
     from shardformer import ShardConfig, ShardFormer
@@ -129,24 +153,25 @@ def rank_eager(rank: int, path: str) -> dict:
     return r
 
 
-def rank_lazy(rank: int, path: str, mmap: bool = True) -> dict:
+def rank_lazy(rank: int, path: str, profile: bool = False, mmap: bool = True) -> dict:
     import torch
     import transformers
     from shardformer import ShardConfig, ShardFormer
 
     cls = transformers.LlamaForCausalLM
     model, r = _measure(lambda: ShardFormer(ShardConfig()).from_pretrained(
-        cls, path, dtype=torch.float32, progress=False, mmap=mmap)[0])
+        cls, path, dtype=torch.float32, progress=False, mmap=mmap)[0],
+        profile=load_phases.LAZY_PHASES if profile else None)
     r["local_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
     r["largest_tensor"] = max(p.numel() * p.element_size() for p in model.parameters())
     r["logits"] = r["logits"] if rank == 0 else None
     return r
 
 
-def rank_copy(rank: int, path: str) -> dict:
+def rank_copy(rank: int, path: str, profile: bool = False) -> dict:
     """ShardFormer.from_pretrained(mmap=False): every shard copied (the way
     before aliasing), for the comparison in the same run."""
-    return rank_lazy(rank, path, mmap=False)
+    return rank_lazy(rank, path, profile, mmap=False)
 
 
 def busy_process():
@@ -191,10 +216,21 @@ def available_bytes() -> int:
     return 0
 
 
-def run(fn, nprocs: int, path: str, repeats: int) -> list[list[dict]]:
+def run(fn, nprocs: int, path: str, repeats: int, profile: bool = False) -> list[list[dict]]:
     from shardformer.launch import spawn
 
-    return [spawn(fn, nprocs, (path,), threads_per_rank=1) for _ in range(repeats)]
+    return [spawn(fn, nprocs, (path, profile), threads_per_rank=1) for _ in range(repeats)]
+
+
+def slowest_rank(ranks: list[dict]) -> dict:
+    """The profile of the rank whose load took the most CPU seconds."""
+    return max((r["profile"] for r in ranks),
+               key=lambda p: p["phases"].get("from_pretrained", {}).get("cpu_seconds", 0))
+
+
+def profile_of(runs: list[list[dict]]) -> list[dict]:
+    """Every run's slowest-rank profile (for the JSON)."""
+    return [slowest_rank(ranks) for ranks in runs]
 
 
 def summarize(runs: list[list[dict]], ckpt: int) -> dict:
@@ -223,6 +259,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     p.add_argument("--no-eager", action="store_true", help="skip the eager configurations")
     p.add_argument("--busy", action="store_true", help="one busy-looping process beside every measurement")
+    p.add_argument("--profile", action="store_true",
+                   help="per phase (build, plan, optimize, alias, copy, first forward): wall and CPU seconds, "
+                        "page faults, bytes aliased / copied (benchmarks/load_phases.py), printed and in the JSON")
     args = p.parse_args(argv)
     busy = busy_process() if args.busy else None
     try:
@@ -249,9 +288,13 @@ def _main(args) -> int:
                "busy_process": args.busy, "load_average": os.getloadavg()[0]}
     rows = []
     avail = available_bytes()
-    hf_runs = run(rank_hf, 1, path, args.repeats)
+    hf_runs = run(rank_hf, 1, path, args.repeats, args.profile)
     hf = summarize(hf_runs, ckpt)
     results["hf"] = hf
+    profiles = []
+    if args.profile:
+        hf["profile"] = profile_of(hf_runs)
+        profiles.append(("hf from_pretrained, unsharded", hf_runs))
     rows.append(("hf from_pretrained, unsharded", 1, hf, None))
     reference = hf_runs[0][0]["logits"]
     for tp in args.tp:
@@ -259,7 +302,7 @@ def _main(args) -> int:
         if args.no_eager:
             eager = None
         elif need < 0.8 * avail:
-            eager = summarize(run(rank_eager, tp, path, args.repeats), ckpt)
+            eager = summarize(run(rank_eager, tp, path, args.repeats, args.profile), ckpt)
         else:
             eager = {"would_need_bytes": need, "available_bytes": avail}
         if eager is not None:
@@ -267,7 +310,7 @@ def _main(args) -> int:
             rows.append(("eager from_pretrained + optimize", tp, eager, None))
         for key, fn, label in (("copy", rank_copy, "from_pretrained(mmap=False)"),
                                ("lazy", rank_lazy, "ShardFormer.from_pretrained")):
-            lazy_runs = run(fn, tp, path, args.repeats)
+            lazy_runs = run(fn, tp, path, args.repeats, args.profile)
             lazy = summarize(lazy_runs, ckpt)
             got = lazy_runs[0][0]["logits"]
             err = ((got - reference).abs().max() / reference.abs().max()).item()
@@ -279,6 +322,9 @@ def _main(args) -> int:
             lazy["time_vs_hf_first_forward"] = lazy["seconds_first_forward"] / hf["seconds_first_forward"]
             lazy["time_goal_met"] = lazy["time_vs_hf_first_forward"] <= 1.0
             lazy["peak_goal_met"] = lazy["peak_growth_per_rank_first_forward"] <= lazy["peak_goal_bytes"]
+            if args.profile:
+                lazy["profile"] = profile_of(lazy_runs)
+                profiles.append((f"{label} TP={tp}", lazy_runs))
             results[f"{key}_tp{tp}"] = lazy
             rows.append((label, tp, lazy, err))
 
@@ -303,6 +349,11 @@ def _main(args) -> int:
                   f"{'met' if r['time_goal_met'] else 'NOT met'}; peak/rank "
                   f"{r['peak_growth_per_rank_first_forward'] / 1e6:.0f} MB <= shards + 64 MiB + largest tensor "
                   f"{r['peak_goal_bytes'] / 1e6:.0f} MB {'met' if r['peak_goal_met'] else 'NOT met'}")
+    if profiles:
+        print("\nwhere the time goes (--profile; medians; per run the rank with the most CPU seconds; CPU s "
+              "counts all threads, user + system; a phase nested in another counts in both):")
+        for label, runs_ in profiles:
+            print(load_phases.report(label, [slowest_rank(ranks) for ranks in runs_]))
     os.makedirs(args.out, exist_ok=True)
     out = os.path.join(args.out, f"load_{args.size}{'_busy' if args.busy else ''}.json")
     with open(out, "w") as f:

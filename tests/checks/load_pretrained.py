@@ -297,9 +297,9 @@ def _cfg(ctx, default_group: bool) -> ShardConfig:
 
 
 def _expected_aliased(model) -> set[str]:
-    """The tensors whose shard is one contiguous row block of the file: the
-    replicated ones, and row (dim 0) shards without padding whose ranges
-    are back to back."""
+    """The tensors whose shard is one contiguous range of one dimension of
+    the file's tensor: the replicated ones, and shards (rows or columns)
+    without padding whose ranges are back to back."""
     info, out = _shard_info(model), set()
     for key, t in model.state_dict(keep_vars=True).items():
         if id(t) not in info:
@@ -308,19 +308,27 @@ def _expected_aliased(model) -> set[str]:
         dim, shard, _ = info[id(t)]
         runs = all(s == shard.ranges[0][0] + sum(n for _, n in shard.ranges[:i])
                    for i, (s, _) in enumerate(shard.ranges))
-        if dim == 0 and shard.length == shard.real and runs:
+        if shard.length == shard.real and runs:
             out.add(key)
     return out
+
+
+def ctx_full_width(model, key: str) -> int:
+    """The unsharded width (input features) of linear weight `key`."""
+    module = model.get_submodule(key.rsplit(".", 1)[0])
+    return module.in_features
 
 
 def mapped_shards_equal_slices(ctx, directory: str, default_group: bool) -> dict:
     """ShardFormer.from_pretrained (Llama, vocabulary 101: padded at TP=2
     and 4) maps the checkpoint instead of copying the shards that are one
-    byte range of it: the file is in this process's mappings, exactly the
-    replicated tensors and the unpadded row shards alias it, and every
+    contiguous range of one dimension of it: the file is in this process's
+    mappings, exactly the replicated tensors and the unpadded row and
+    column shards alias it (a column shard of o_proj / down_proj as a
+    strided view: its rows' stride is the full input width), and every
     tensor equals its slice of the unsharded model (padding zero).  The
-    column shards are copied by several threads at once.  Outputs and
-    every gradient equal the unsharded model's."""
+    padded vocabulary shard is copied, by several threads at once.  Outputs
+    and every gradient equal the unsharded model's."""
     import transformers
 
     name = "LlamaForCausalLM"
@@ -340,7 +348,13 @@ def mapped_shards_equal_slices(ctx, directory: str, default_group: bool) -> dict
     expected = _expected_aliased(model)
     assert aliased == expected, (f"{name}: aliased {sorted(aliased - expected)} unexpectedly, "
                                  f"copied {sorted(expected - aliased)} that could be mapped")
-    assert any(".q_proj." in k for k in aliased) and not any(".o_proj." in k for k in aliased), sorted(aliased)
+    assert any(".q_proj." in k for k in aliased) and any(".o_proj." in k for k in aliased), sorted(aliased)
+    params = dict(model.named_parameters())
+    for key in ("model.layers.0.self_attn.o_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        w, full = params[key], ctx_full_width(model, key)
+        assert w.stride() == (full, 1) and not w.is_contiguous(), (
+            f"{key}: a column shard {tuple(w.shape)} should be a view of the mapped ({w.shape[0]}, {full}) "
+            f"tensor (strides ({full}, 1)), got strides {w.stride()}")
     ref = zoo.build(name).eval()
     _holds(name, model, ref)
     report = _same_as(name, model.train(), ref.train(), zoo.make_inputs(name))

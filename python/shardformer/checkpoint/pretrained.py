@@ -358,41 +358,56 @@ def plan_load(model: nn.Module, reader: CheckpointReader, strict: bool = True) -
 
 
 # ------------------------------------------------------------ filling
-def _row_block(item: _Item) -> tuple[str, int, int] | None:
-    """(checkpoint key, first row, rows) when item's tensor is exactly one
-    contiguous row block of one checkpoint tensor in the model's dtype on the
-    CPU: the whole tensor (replicated), or a shard along dimension 0 whose
-    ranges are back to back with no padding (a column-parallel weight's
-    output rows, a vocabulary shard).  Row r of a row-major [R, ...] tensor
-    is bytes [r*row, (r+1)*row) of its data, so such a shard is one byte
-    range of the file.  None for anything else (a column split, padding, a
-    dtype conversion, a tensor merged from several)."""
+def _block(item: _Item) -> tuple[str, int, int, int] | None:
+    """(checkpoint key, dim, first index, count) when item's tensor is one
+    contiguous range [first, first + count) of one dimension of one
+    checkpoint tensor, in the model's dtype, on the CPU: the whole tensor
+    (replicated: dim 0, all of it), or a shard whose ranges are back to back
+    with no padding.  Such a tensor is a view of the file's bytes: for a
+    row-major tensor of shape (d0, ..., dn), element (i0, ..., in) sits at
+    byte itemsize * sum_k i_k * stride_k with stride_k = prod(d_{k+1..n});
+    along dim 0 the range is one byte range (a column-parallel weight's
+    output rows, a vocabulary shard); along dim d > 0 it is every row's
+    bytes [first * stride_d, (first + count) * stride_d), i.e.
+    mapping.narrow(d, first, count) (a row-parallel weight's input columns:
+    strides (in, 1) for an (out, in / tp) shard, which BLAS reads in place
+    with leading dimension `in`).  None for anything else (padding, a dtype
+    conversion, ranges with gaps, a tensor merged from several)."""
     src, t = item.source, item.tensor
     if not isinstance(src, _Leaf) or src.dtype != t.dtype or t.device.type != "cpu" or not src.shape:
         return None
     if item.split is None:
-        return src.key, 0, src.shape[0]
+        return src.key, 0, 0, src.shape[0]
     dim, shard = item.split
-    if dim != 0 or shard.length != shard.real or not shard.ranges:
+    if shard.length != shard.real or not shard.ranges:
         return None
     start, n = shard.ranges[0]
     for s, k in shard.ranges[1:]:
         if s != start + n:
             return None
         n += k
-    return src.key, start, n
+    return src.key, dim, start, n
 
 
 def alias(item: _Item, reader: CheckpointReader) -> bool:
     """Make item's tensor a copy-on-write mapping of its bytes in the file
-    when they are one contiguous range (see _row_block and mapped.py);
-    False (nothing changed) where they are not."""
-    block = _row_block(item)
-    view = reader.mapped_rows(*block) if block is not None else None
+    when it is one contiguous range of one dimension (see _block and
+    mapped.py): a contiguous tensor for a range of dim 0, a strided view of
+    the mapped tensor for a range of another dimension.  False (nothing
+    changed) where it is not."""
+    block = _block(item)
+    if block is None:
+        return False
+    key, dim, start, n = block
+    if dim == 0:
+        view = reader.mapped_rows(key, start, n)
+    else:
+        whole = reader.mapped_rows(key, 0, reader.shape(key)[0])
+        view = None if whole is None else whole.narrow(dim, start, n)
     if view is None or view.shape != item.tensor.shape:
         return False
     item.tensor.data = view
-    mapped.register(item.tensor, reader.file_of(block[0]))
+    mapped.register(item.tensor, reader.file_of(key))
     return True
 
 
@@ -465,11 +480,13 @@ def load_pretrained(model: nn.Module, path, strict: bool = True, progress: bool 
     progress: a tqdm bar on the first rank of the model's group; None shows
     it for checkpoints over 256 MiB.  Not collective: each rank reads alone.
 
-    mmap=True: a tensor whose values are one contiguous byte range of a
-    safetensors file in the model's dtype (a replicated tensor, a row shard)
-    is not copied: its `.data` becomes a copy-on-write mapping of those
-    bytes (mapped.py: writes never reach the file; the file must not be
-    rewritten in place while mapped, materialize_mapped() first).  Only for
+    mmap=True: a tensor whose values are one contiguous range of one
+    dimension of a safetensors tensor in the model's dtype (a replicated
+    tensor, a row shard, a column shard without padding) is not copied: its
+    `.data` becomes a copy-on-write mapping of those bytes, a strided view
+    for a column shard (mapped.py: writes never reach the file; the file
+    must not be rewritten in place while mapped, materialize_mapped()
+    first).  Only for
     a model nothing else holds views of (ShardFormer.from_pretrained passes
     it).  The other tensors are copied, several at a time.
     Returns the model."""

@@ -53,9 +53,12 @@ SKINNY_MAX_ROWS = 4
 
 
 def _skinny_applies(x: torch.Tensor, weight: torch.Tensor, bias, max_rows: int) -> bool:
-    """A call the skinny kernel takes: CPU, float32, SKINNY_MIN_ROWS to
+    """A call the skinny kernel takes: CPU, float32, a contiguous weight (a
+    column shard mapped from a checkpoint is a strided view, which F.linear
+    reads in place and the kernel would copy per call), SKINNY_MIN_ROWS to
     max_rows rows, no gradient to record."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and weight.is_contiguous()
             and x.dim() > 0 and SKINNY_MIN_ROWS * x.shape[-1] <= x.numel() <= max_rows * x.shape[-1]
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad))))
