@@ -1,6 +1,6 @@
 """Pipeline parallelism on 4 CPU ranks: step time, measured bubble against
-the theoretical one, and per-stage activation memory of GPipe, 1F1B and
-interleaved 1F1B, same run.
+the theoretical one, and per-stage activation memory of GPipe, 1F1B,
+interleaved 1F1B and the zero-bubble schedules ZB-H1 and ZB-V, same run.
 
 A LlamaForCausalLM (default: hidden 512, 8 heads / 8 KV heads, intermediate
 1376, 8 layers, vocab 8000, seq 256, fp32, micro-batch 1 row, global batch
@@ -12,25 +12,34 @@ m rows) on 4 CPU processes (one thread each), for each layout (--layouts):
               ranks each have a core, so its bubble measures the schedule
 
 each schedule (--schedules: gpipe, 1f1b, interleaved with 2 model chunks a
-rank) and each micro-batch count m (--m), forward_backward_step on the
-model's own loss after `--warmup` untimed steps, `--iters` timed steps.
+rank, zb-h1, zb-v with 2 chunks a rank folded in a V) and each micro-batch
+count m (--m), forward_backward_step on the model's own loss after
+`--warmup` untimed steps, `--iters` timed steps.
 
   step       the slowest rank's wall time of forward_backward_step (ranks
              start together after a barrier), median over the steps.
   x unsh     step / the unsharded step: the whole model (same seed) doing
              forward + backward of the same m-row batch in one process, one
              thread, run alone (in its own process, before the pipelines).
-  bubble     measured per rank: 1 - busy / step, where busy is the wall time
-             the rank spent inside its F steps (the model forward of a chunk:
-             StageRuntime.run, wrapped on the instance from this script) and
-             its B steps (torch.autograd.backward, wrapped in the rank
-             processes) -- TP collectives inside a layer count as busy; the
+  bubble     measured per rank from its timeline (PipelineSchedule.timeline:
+             the start and end of every F, B and W step): 1 - busy / step,
+             where busy is the time inside F steps (a chunk's forward and,
+             on the last virtual stage, the loss), B steps (the backward) and
+             W steps (the deferred weight gradients of the zero-bubble
+             schedules) -- TP collectives inside a layer count as busy; the
              rest (p2p send / recv waits, the loss broadcast, the schedule's
              bookkeeping) is bubble.  Median over steps, then median (and
-             range) over the ranks.  "theory": (p-1)/(m+p-1), interleaved
-             (p-1)/(v m+p-1) with v=2, which assumes equal stages: here the
-             last stage also runs the norm, the LM head (hidden x vocab) and
-             the loss, the first one the embedding, so stages are unequal.
+             range) over the ranks.
+  theory     the schedule's formula for equal stages and F = B = W:
+             GPipe / 1F1B (p-1)/(m+p-1), interleaved (p-1)/(v m+p-1) with
+             v=2, ZB-H1 (p-1)/(3m+p-1), ZB-V about (p-1)/(6m+p-1);
+  unit-time  the bubble of the schedule's own step lists run with every F,
+             B and W of a chunk taking one unit (B two without the split)
+             and free messages (zero_bubble.ideal_bubble), the largest stage.
+             Both assume equal stages: here the last virtual stage also runs
+             the norm, the LM head (hidden x vocab) and the loss, the first
+             one the embedding, so stages are unequal (under ZB-V both sit on
+             stage 0).
   act        activation memory of the step: the largest heap in use (glibc
              mallinfo2, sequence_parallel._heap_in_use) sampled after every
              decoder layer's forward (forward hooks), at the end of every F
@@ -55,6 +64,8 @@ depend on the load; step times do (re-run to see their spread).
 
     .venv/bin/python benchmarks/pipeline.py            # the default run (~10 min on 2 cores)
     .venv/bin/python benchmarks/pipeline.py --quick    # a smaller model, m=4 only
+    .venv/bin/python benchmarks/pipeline.py --schedules 1f1b zb-h1 zb-v --layouts pp2 pp4 \
+        --json benchmarks/results/pipeline_zb.json        # the zero-bubble schedules against 1F1B
 Results: benchmarks/results/pipeline_4ranks.json (--json) and a table on stdout.
 """
 from __future__ import annotations
@@ -73,8 +84,11 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 from sequence_parallel import _heap_in_use  # noqa: E402
 
 LAYOUTS = {"pp4": (4, 1), "tp2pp2": (2, 2), "pp2": (2, 1)}   # name -> (pp, tp); ranks = pp * tp
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-CHUNKS = {"gpipe": 1, "1f1b": 1, "interleaved": 2}
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v")
+# schedule -> (chunks a rank, PipelineStageManager layout): one set of rank processes per pair
+MANAGER = {"gpipe": (1, "loop"), "1f1b": (1, "loop"), "interleaved": (2, "loop"), "zb-h1": (1, "loop"),
+           "zb-v": (2, "v")}
+CHUNKS = {name: chunks for name, (chunks, _) in MANAGER.items()}
 
 
 def _llama_config(args):
@@ -144,8 +158,8 @@ def unsharded_main(rank: int, args, ms) -> dict:
     return out
 
 
-def rank_main(rank: int, args, layout: str, chunks: int, runs) -> list:
-    """One layout and chunk count in fresh processes: every (schedule, m) of `runs` on one model."""
+def rank_main(rank: int, args, layout: str, manager: tuple, runs) -> list:
+    """One layout and (chunks, chunk layout) in fresh processes: every (schedule, m) of `runs` on one model."""
     import gc
 
     import torch
@@ -154,11 +168,13 @@ def rank_main(rank: int, args, layout: str, chunks: int, runs) -> list:
 
     from shardformer import ShardConfig, ShardFormer
     from shardformer.pipeline import (GPipeSchedule, InterleavedSchedule, OneForwardOneBackwardSchedule,
-                                      PipelineStageManager, runtime_of)
+                                      PipelineStageManager, ZeroBubbleSchedule, ZeroBubbleVSchedule, runtime_of,
+                                      weight_grads)
 
     pp, tp = LAYOUTS[layout]
     tp_group, pp_group = _groups(pp, tp)
-    sm = PipelineStageManager(pp_group, num_model_chunks=chunks)
+    chunks, chain = manager
+    sm = PipelineStageManager(pp_group, num_model_chunks=chunks, layout=chain)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(_llama_config(args))
     model.train()
@@ -182,7 +198,6 @@ def rank_main(rank: int, args, layout: str, chunks: int, runs) -> list:
                 return fn(*a, **kw)
             finally:
                 if probe["on"]:
-                    probe["busy"] += time.perf_counter() - t0
                     probe["busy_cpu"] += time.thread_time() - c0
                 sample()                              # F: its output (and what it saved) is alive here
         return wrapped
@@ -190,14 +205,17 @@ def rank_main(rank: int, args, layout: str, chunks: int, runs) -> list:
     rt = runtime_of(model)
     rt.run = timed(rt.run)                            # F steps (instance attribute; the class is untouched)
     torch.autograd.backward = timed(torch.autograd.backward, before_hook=sample)   # B steps, this process only
+    weight_grads.apply = timed(weight_grads.apply)                                 # W steps
     for mod in model.modules():
         if type(mod).__name__ == "LlamaDecoderLayer":
             mod.register_forward_hook(lambda *_: sample())
 
-    classes = {"gpipe": GPipeSchedule, "1f1b": OneForwardOneBackwardSchedule, "interleaved": InterleavedSchedule}
+    classes = {"gpipe": GPipeSchedule, "1f1b": OneForwardOneBackwardSchedule, "interleaved": InterleavedSchedule,
+               "zb-h1": ZeroBubbleSchedule, "zb-v": ZeroBubbleVSchedule}
     results = []
     for name, m in runs:
         sched = classes[name](sm, num_microbatches=m)
+        timelines = []
         ids = _batch(args, m)
         batch = {"input_ids": ids, "labels": ids}
         steps = []
@@ -207,10 +225,16 @@ def rank_main(rank: int, args, layout: str, chunks: int, runs) -> list:
             dist.barrier()
             before = _heap_in_use()
             probe.update(on=True, busy=0.0, busy_cpu=0.0, peak=before)
+            sched.timeline = []
             t0, c0 = time.perf_counter(), time.process_time()
             out = sched.forward_backward_step(model, batch)
             wall, cpu = time.perf_counter() - t0, time.process_time() - c0
             probe["on"] = False
+            probe["busy"] = sum(end - start for _, _, _, start, end in sched.timeline)
+            if k >= args.warmup:
+                timelines.append([(kind, c, i, round(start - t0, 6), round(end - t0, 6))
+                                  for kind, c, i, start, end in sched.timeline])
+            sched.timeline = None
             if k >= args.warmup:
                 steps.append({"wall": wall, "cpu": cpu, "busy": probe["busy"], "busy_cpu": probe["busy_cpu"],
                               "act": probe["peak"] - before, "loss": float(out["loss"])})
@@ -221,12 +245,25 @@ def rank_main(rank: int, args, layout: str, chunks: int, runs) -> list:
                         "chunks": chunks, "step_slowest": statistics.median(slowest.tolist()),
                         "wall": med("wall"), "cpu": med("cpu"), "busy": med("busy"), "busy_cpu": med("busy_cpu"),
                         "bubble": statistics.median(1 - s["busy"] / s["wall"] for s in steps),
-                        "act": med("act"), "loss": steps[-1]["loss"]})
+                        "act": med("act"), "loss": steps[-1]["loss"], "timeline": timelines[-1]})
     return results
 
 
-def theory(p: int, m: int, v: int) -> float:
-    return (p - 1) / (v * m + p - 1)
+def theory(name: str, p: int, m: int) -> float:
+    """The schedule's formula (docstring, "theory")."""
+    work = {"zb-h1": 3 * m, "zb-v": 6 * m, "interleaved": 2 * m}.get(name, m)
+    return (p - 1) / (work + p - 1)
+
+
+def unit_time(name: str, p: int, m: int) -> float:
+    """The largest stage's bubble of the schedule's step lists in unit time (docstring, "unit-time")."""
+    from shardformer.pipeline import schedule as S
+    from shardformer.pipeline import zero_bubble as Z
+
+    steps = {"gpipe": S._gpipe_steps, "1f1b": S._one_f_one_b_steps, "interleaved": S._interleaved_steps,
+             "zb-h1": Z._zb_h1_steps, "zb-v": Z._zb_v_steps}[name]
+    chunks, chain = MANAGER[name]
+    return max(Z.ideal_bubble(steps, p, chunks, m, chain, split=name.startswith("zb")))
 
 
 QUICK = dict(hidden=256, heads=4, kv_heads=4, intermediate=688, layers=8, vocab=2000, seq=128, m=[4], iters=2)
@@ -263,6 +300,8 @@ def main(argv=None) -> int:
         bad = [m for m in args.m if "interleaved" in args.schedules and m % pp]
         if bad:
             p.error(f"interleaved needs m to be a multiple of PP={pp} ({layout}); got m={bad}")
+        if "zb-v" in args.schedules and min(args.m) < pp:
+            p.error(f"zb-v needs m >= PP={pp} ({layout}); got m={min(args.m)}")
 
     import torch
     import transformers
@@ -274,10 +313,10 @@ def main(argv=None) -> int:
     base = spawn(unsharded_main, 1, (args, args.m), threads_per_rank=1)[0]
     rows = []
     for layout in args.layouts:
-        for chunks in sorted({CHUNKS[s] for s in args.schedules}):
-            runs = [(s, m) for s in args.schedules if CHUNKS[s] == chunks for m in args.m]
+        for manager in sorted({MANAGER[s] for s in args.schedules}):
+            runs = [(s, m) for s in args.schedules if MANAGER[s] == manager for m in args.m]
             pp, tp = LAYOUTS[layout]
-            per_rank = spawn(rank_main, pp * tp, (args, layout, chunks, runs), threads_per_rank=1)
+            per_rank = spawn(rank_main, pp * tp, (args, layout, manager, runs), threads_per_rank=1)
             for j, (name, m) in enumerate(runs):
                 ranks = [per_rank[r][j] for r in range(pp * tp)]
                 v = CHUNKS[name]
@@ -289,24 +328,26 @@ def main(argv=None) -> int:
                     "layout": layout, "schedule": name, "pp": pp, "tp": tp, "chunks": v, "m": m,
                     "step_s": step, "unsharded_s": base[m]["seconds"], "x_unsharded": step / base[m]["seconds"],
                     "bubble_median": statistics.median(bubbles), "bubble_min": min(bubbles),
-                    "bubble_max": max(bubbles), "bubble_theory": theory(pp, m, v),
+                    "bubble_max": max(bubbles), "bubble_theory": theory(name, pp, m),
+                    "bubble_unit_time": unit_time(name, pp, m),
                     "act_stage0": max(r["act"] for r in first), "act_last": max(r["act"] for r in last),
                     "act_unsharded": base[m]["activations"],
                     "loss": ranks[0]["loss"], "loss_unsharded": base[m]["loss"],
                     "loss_diff": abs(ranks[0]["loss"] - base[m]["loss"]),
                     "ranks": [{k: r[k] for k in ("rank", "stage", "wall", "cpu", "busy", "busy_cpu", "bubble",
-                                                 "act", "loss")} for r in ranks]})
+                                                 "act", "loss", "timeline")} for r in ranks]})
     elapsed = time.perf_counter() - t_start
 
     print(f"LlamaForCausalLM hidden {args.hidden}, {args.layers} layers, {args.heads}/{args.kv_heads} heads, "
           f"intermediate {args.intermediate}, vocab {args.vocab}, seq {args.seq}, fp32, micro-batch {args.mbs} row(s); "
           f"pp*tp CPU ranks x 1 thread on {os.cpu_count()} cores; medians of {args.iters} steps")
     print(f"{'layout':>7} {'schedule':>11} {'p':>2} {'tp':>2} {'m':>3} {'step ms':>8} {'unsh ms':>8} {'x unsh':>6} "
-          f"{'bubble (min-max)':>18} {'theory':>6} {'act s0 MiB':>10} {'act last':>8} {'loss diff':>9}")
+          f"{'bubble (min-max)':>18} {'theory':>6} {'unit':>6} {'act s0 MiB':>10} {'act last':>8} {'loss diff':>9}")
     for r in rows:
         print(f"{r['layout']:>7} {r['schedule']:>11} {r['pp']:>2} {r['tp']:>2} {r['m']:>3} {r['step_s'] * 1e3:>8.0f} "
               f"{r['unsharded_s'] * 1e3:>8.0f} {r['x_unsharded']:>6.2f} "
               f"{r['bubble_median']:>6.3f} ({r['bubble_min']:.2f}-{r['bubble_max']:.2f}) {r['bubble_theory']:>6.3f} "
+              f"{r['bubble_unit_time']:>6.3f} "
               f"{r['act_stage0'] / 2**20:>10.1f} {r['act_last'] / 2**20:>8.1f} {r['loss_diff']:>9.1e}")
     print("unsharded activations (full batch, after the forward): "
           + ", ".join(f"m={m}: {base[m]['activations'] / 2**20:.0f} MiB" for m in args.m))

@@ -184,7 +184,7 @@ def compare_grads(sharded, ref, name: str, tol: tuple[float, float], ref64=None)
     of the float64 `ref64`'s, when given); returns the worst relative error."""
     ref64_params = dict(ref64.named_parameters()) if ref64 is not None else {}
     info = _shard_info(sharded)
-    ref_params = dict(ref.named_parameters())
+    ref_params = dict(ref.named_parameters(remove_duplicate=False))   # a tied weight under each of its names
     worst = 0.0
     for pname, p in sharded.named_parameters():
         rp = ref_params[pname]

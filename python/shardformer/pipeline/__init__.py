@@ -13,10 +13,13 @@ stage_manager.py  which stage this rank is; the layers of each stage
 stages.py         the split of a model (policy data: StageSplit) and one stage's run
 p2p.py            activations and gradients between stages
 schedule.py       GPipe, 1F1B, interleaved 1F1B
+zero_bubble.py    ZB-H1 and ZB-V (backward split into B and W)
+weight_grads.py   the linears' weight gradients deferred from B to W
 """
 from .schedule import GPipeSchedule, InterleavedSchedule, OneForwardOneBackwardSchedule, PipelineSchedule
 from .stage_manager import PipelineStageManager
 from .stages import StageSplit, StageStack, runtime_of
+from .zero_bubble import ZeroBubbleSchedule, ZeroBubbleVSchedule
 
 __all__ = ["PipelineStageManager", "PipelineSchedule", "GPipeSchedule", "OneForwardOneBackwardSchedule",
-           "InterleavedSchedule", "StageSplit", "StageStack", "runtime_of"]
+           "InterleavedSchedule", "ZeroBubbleSchedule", "ZeroBubbleVSchedule", "StageSplit", "StageStack", "runtime_of"]

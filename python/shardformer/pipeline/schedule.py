@@ -55,8 +55,10 @@ taken on the user's batch, its use_cache included, and held for each forward
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import time
 import zlib
 
 import torch
@@ -65,7 +67,8 @@ from .. import distributed as D
 from .. import packing
 from ..input_check import CHECK_ATTR
 from .p2p import StageLink
-from .stage_manager import PipelineStageManager
+from . import weight_grads
+from .stage_manager import PipelineStageManager, chain_position, stage_running
 from .stages import runtime_of
 
 # Replicated parameters whose gradients this process summed over their stages (for tests: proof it ran).
@@ -76,9 +79,11 @@ __all__ = ["PipelineSchedule", "GPipeSchedule", "OneForwardOneBackwardSchedule",
 
 # ---- the plan ---------------------------------------------------------------------------
 
-def _plan(steps_of, p: int, v: int, m: int, with_backward: bool):
-    """[rank] -> list of ("F" | "B", chunk, mb) and ("send" | "recv" | "local", peer, message) in the
-    order that rank runs them (see the module docstring).  message: ("act" | "grad", vs, mb)."""
+def _plan(steps_of, p: int, v: int, m: int, with_backward: bool, layout: str = "loop"):
+    """[rank] -> list of ("F" | "B" | "W", chunk, mb) and ("send" | "recv" | "local", peer, message) in
+    the order that rank runs them (see the module docstring).  message: ("act" | "grad", vs, mb).
+    `layout`: how chunks map to virtual stages (PipelineStageManager.layout); a W step needs and
+    sends nothing (its B ran earlier on the same rank)."""
     V = p * v
     lists = [steps_of(s, p, v, m) if with_backward else [st for st in steps_of(s, p, v, m) if st[0] == "F"]
              for s in range(p)]
@@ -92,18 +97,18 @@ def _plan(steps_of, p: int, v: int, m: int, with_backward: bool):
             if pos[s] == len(lists[s]):
                 continue
             kind, c, i = lists[s][pos[s]]
-            vs = c * p + s
+            vs = chain_position(s, c, p, layout)
             need = (("act", vs - 1, i) if vs > 0 else None) if kind == "F" else \
-                   (("grad", vs + 1, i) if vs < V - 1 else None)
+                   (("grad", vs + 1, i) if vs < V - 1 and kind == "B" else None)
             if need is not None and need not in arrived:
                 continue                              # waits for a later tick
             out[s].append((kind, c, i))
             pos[s] += 1
             ran = True
             if kind == "F" and vs < V - 1:
-                produced.append((s, (vs + 1) % p, ("act", vs, i)))
+                produced.append((s, stage_running(vs + 1, p, layout), ("act", vs, i)))
             if kind == "B" and vs > 0:
-                produced.append((s, (vs - 1) % p, ("grad", vs, i)))
+                produced.append((s, stage_running(vs - 1, p, layout), ("grad", vs, i)))
         if not ran:
             raise RuntimeError(f"pipeline schedule {steps_of.__name__}: the step lists deadlock (p={p}, v={v}, m={m})")
         for src, dst, msg in produced:                # the tick's transfers, one global order
@@ -148,8 +153,8 @@ def _interleaved_steps(s: int, p: int, v: int, m: int):
 
 
 @functools.lru_cache(maxsize=64)
-def _cached_plan(steps_of, p, v, m, with_backward):
-    return _plan(steps_of, p, v, m, with_backward)
+def _cached_plan(steps_of, p, v, m, with_backward, layout="loop"):
+    return _plan(steps_of, p, v, m, with_backward, layout)
 
 
 # ---- the schedules ----------------------------------------------------------------------
@@ -160,6 +165,8 @@ class PipelineSchedule:
 
     name = "pipeline"
     _steps = staticmethod(_gpipe_steps)
+    splits_backward = False      # True: B computes input gradients only, W the linears' weight gradients
+    timeline = None              # a list: every F / B / W step appends (kind, chunk, mb, start, end), perf_counter
 
     def __init__(self, stage_manager: PipelineStageManager, num_microbatches: int) -> None:
         if not isinstance(stage_manager, PipelineStageManager):
@@ -206,7 +213,7 @@ class PipelineSchedule:
         if rt is None:
             raise ValueError(f"{type(self).__name__}: {name} is not pipelined; shard it with "
                              f"ShardConfig(pipeline_stage_manager=...) first")
-        if rt.manager is not sm and (rt.manager.group is not sm.group or
+        if rt.manager is not sm and (rt.manager.group is not sm.group or rt.manager.layout != sm.layout or
                                      rt.manager.num_model_chunks != sm.num_model_chunks):
             raise ValueError(f"{type(self).__name__}: {name} was pipelined with another stage manager ({rt.manager})")
         if not isinstance(batch, dict):
@@ -227,12 +234,17 @@ class PipelineSchedule:
         packed = packing.unsharded_packs(model, batch)   # the unsharded model's masking, decided on the user's batch
         p, v, m = sm.num_stages, sm.num_model_chunks, len(micro)
         V = p * v
-        plan = _cached_plan(self._steps, p, v, m, backward)[sm.stage]
+        plan = _cached_plan(self._steps, p, v, m, backward, sm.layout)[sm.stage]
         inbox, outbox, saved, losses, outputs = {}, {}, {}, [], []
         shapes = {}                                      # message -> the first stage's layer input shape
         grad_on = torch.is_grad_enabled() and backward
+        split = grad_on and self.splits_backward         # B: input gradients; W: the linears' weight gradients
+        sinks = {}                                       # (chunk, mb) -> the deferred products (weight_grads)
+        timeline = self.timeline
         for step in plan:
             kind = step[0]
+            if timeline is not None and kind in ("F", "B", "W"):
+                t0 = time.perf_counter()
             if kind == "recv":
                 _, peer, msg = step
                 key = (msg[0], msg[1], sig)
@@ -252,7 +264,8 @@ class PipelineSchedule:
                     for t in _tensors(entry):
                         if t.is_floating_point():
                             t.requires_grad_(True)
-                with torch.set_grad_enabled(grad_on), packing.held(packed):
+                with torch.set_grad_enabled(grad_on), packing.held(packed), \
+                        _deferring(sinks.setdefault((c, i), []) if split else None):
                     out = rt.run(model, c, entry, dict(micro[i], **extra), shapes.pop(("act", vs - 1, i), None))
                 if vs == V - 1:
                     if return_outputs:
@@ -265,23 +278,29 @@ class PipelineSchedule:
                     outbox[("act", vs, i)] = _detached(out)
                     shapes[("act", vs, i)] = rt.input_shape
                     saved[(c, i)] = (out, entry)
+            elif kind == "W":                            # the weight gradients B left in the sink
+                weight_grads.apply(sinks.pop(step[1:]))
             else:                                        # "B"
                 _, c, i = step
                 vs = sm.virtual_stage(c)
                 out, entry = saved.pop((c, i))
-                if vs == V - 1:
-                    if out.requires_grad:
-                        torch.autograd.backward(out)
-                else:
-                    grad = inbox.pop(("grad", vs + 1, i))
-                    pairs = [(o, g) for o, g in zip(_tensors(out), _tensors(grad)) if o.requires_grad]
-                    if pairs:
-                        torch.autograd.backward([o for o, _ in pairs], grad_tensors=[g for _, g in pairs])
+                with _deferring(sinks[(c, i)] if split else None):   # a checkpointed layer recomputes here
+                    if vs == V - 1:
+                        if out.requires_grad:
+                            torch.autograd.backward(out)
+                    else:
+                        grad = inbox.pop(("grad", vs + 1, i))
+                        pairs = [(o, g) for o, g in zip(_tensors(out), _tensors(grad)) if o.requires_grad]
+                        if pairs:
+                            torch.autograd.backward([o for o, _ in pairs], grad_tensors=[g for _, g in pairs])
                 if vs > 0:
                     grads = tuple(e.grad if e.grad is not None else torch.zeros_like(e) for e in _tensors(entry))
                     outbox[("grad", vs, i)] = grads if isinstance(entry, tuple) else grads[0]
-        if inbox or outbox:
-            raise RuntimeError(f"{name}: pipeline messages left over after the schedule ({list(inbox) + list(outbox)})")
+            if timeline is not None and kind in ("F", "B", "W"):
+                timeline.append((kind, step[1], step[2], t0, time.perf_counter()))
+        if inbox or outbox or any(sinks.values()):
+            raise RuntimeError(f"{name}: pipeline messages or weight gradients left over after the schedule "
+                               f"({list(inbox) + list(outbox) + [k for k, v in sinks.items() if v]})")
         if backward:
             self._sum_over_holders(rt)
         result = {"loss": None, "outputs": None}
@@ -440,6 +459,9 @@ class InterleavedSchedule(PipelineSchedule):
 
     def _check_chunks(self) -> None:
         sm = self.stage_manager
+        if sm.layout != "loop":
+            raise ValueError(f"InterleavedSchedule: the stage manager folds its chunks in a V (layout={sm.layout!r}); "
+                             f"use ZeroBubbleVSchedule, or PipelineStageManager(..., layout='loop')")
         if self.num_microbatches % sm.num_stages:
             raise ValueError(f"InterleavedSchedule: num_microbatches={self.num_microbatches} must be a multiple of "
                              f"the {sm.num_stages} pipeline stages")
@@ -460,6 +482,11 @@ def _device_of(model) -> torch.device:
     for t in model.parameters():
         return t.device
     return torch.device("cpu")
+
+
+def _deferring(sink):
+    """weight_grads.deferring(sink), or nothing with sink None."""
+    return contextlib.nullcontext() if sink is None else weight_grads.deferring(sink)
 
 
 def _tensors(message) -> tuple:

@@ -13,6 +13,11 @@ Layers are split over the virtual stages in order: `num_layers_per_stage`
 given, else evenly, with the remainder going to the stages nearest the
 middle of the chain (the first stage also runs the embeddings and the last
 one the head, so they get the fewer layers).
+
+`layout="v"` (two chunks per rank, for ZeroBubbleVSchedule) folds the chain
+into a V instead: chunk 0 of stage s is virtual stage s, chunk 1 is virtual
+stage 2p-1-s, so the chain goes down the stages and comes back up, and
+stage 0 holds both the first virtual stage (embeddings) and the last (head).
 """
 from __future__ import annotations
 
@@ -33,6 +38,8 @@ class PipelineStageManager(StageManager):
     num_stages      p, the size of pp_group
     num_model_chunks  v, the chunks (virtual stages) each rank holds
     num_layers_per_stage  None, or the layer count of each of the v*p virtual stages
+    layout          "loop" (chunk c of stage s is virtual stage c*p + s) or
+                    "v" (2 chunks: s, then 2p-1-s; see the module docstring)
 
     Made by every rank of pp_group at the same point (it sets up the
     group's point-to-point transport, a collective over the group); the
@@ -40,14 +47,22 @@ class PipelineStageManager(StageManager):
     counts (shardformer.distributed.agree), raising naming the ranks that
     differ rather than waiting."""
 
-    def __init__(self, pp_group=None, num_model_chunks: int = 1, num_layers_per_stage=None) -> None:
+    def __init__(self, pp_group=None, num_model_chunks: int = 1, num_layers_per_stage=None,
+                 layout: str = "loop") -> None:
         if pp_group is not None:
             check_process_group(pp_group)
         if isinstance(num_model_chunks, bool) or not isinstance(num_model_chunks, int) or num_model_chunks < 1:
             raise ValueError(f"PipelineStageManager: num_model_chunks must be an int >= 1, got {num_model_chunks!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"PipelineStageManager: layout must be one of {LAYOUTS}, got {layout!r}")
+        if layout == "v" and num_model_chunks != 2:
+            raise ValueError(f"PipelineStageManager: layout='v' folds the chain once: it needs num_model_chunks=2, "
+                             f"got {num_model_chunks} (docs/pipeline.md#zero-bubble-schedules)")
         if dist.is_available() and dist.is_initialized():    # before anything waits on the group
             agree("PipelineStageManager", {"pp_group": members(pp_group), "num_model_chunks": num_model_chunks,
-                                           "num_layers_per_stage": _plain(num_layers_per_stage)}, pp_group)
+                                           "num_layers_per_stage": _plain(num_layers_per_stage),
+                                           "layout": layout}, pp_group)
+        self.layout = layout
         self.group = pp_group
         self.num_stages, self.stage = group_size_and_rank(pp_group)
         self.num_model_chunks = num_model_chunks
@@ -65,15 +80,16 @@ class PipelineStageManager(StageManager):
 
     def __repr__(self) -> str:
         return (f"PipelineStageManager(stage={self.stage}, num_stages={self.num_stages}, "
-                f"num_model_chunks={self.num_model_chunks})")
+                f"num_model_chunks={self.num_model_chunks}{', layout=v' if self.layout == 'v' else ''})")
 
     @property
     def num_virtual_stages(self) -> int:
         return self.num_stages * self.num_model_chunks
 
     def virtual_stage(self, chunk: int = 0) -> int:
-        """The position in the chain of this rank's chunk `chunk`: chunk * p + stage."""
-        return chunk * self.num_stages + self.stage
+        """The position in the chain of this rank's chunk `chunk`: chunk * p + stage
+        (layout "v": stage for chunk 0, 2p - 1 - stage for chunk 1)."""
+        return chain_position(self.stage, chunk, self.num_stages, self.layout)
 
     def is_first_stage(self, chunk: int = 0) -> bool:
         """Whether this rank's `chunk` is the chain's first virtual stage (it runs the embeddings)."""
@@ -86,7 +102,7 @@ class PipelineStageManager(StageManager):
 
     def stage_of(self, virtual_stage: int) -> int:
         """The stage (rank in pp_group) that runs `virtual_stage`."""
-        return virtual_stage % self.num_stages
+        return stage_running(virtual_stage, self.num_stages, self.layout)
 
     def distribute_layers(self, num_layers: int, where: str = "model") -> list[int]:
         """The layer count of each virtual stage (see the module docstring);
@@ -112,6 +128,23 @@ class PipelineStageManager(StageManager):
         starts = [sum(counts[:k]) for k in range(len(counts))]
         return [range(starts[k], starts[k] + counts[k])
                 for k in (self.virtual_stage(c) for c in range(self.num_model_chunks))]
+
+
+LAYOUTS = ("loop", "v")
+
+
+def chain_position(stage: int, chunk: int, p: int, layout: str = "loop") -> int:
+    """The virtual stage of `chunk` on `stage` among p stages."""
+    if layout == "v":
+        return stage if chunk == 0 else 2 * p - 1 - stage
+    return chunk * p + stage
+
+
+def stage_running(virtual_stage: int, p: int, layout: str = "loop") -> int:
+    """The stage that runs `virtual_stage` (the inverse of chain_position over the chunks)."""
+    if layout == "v":
+        return virtual_stage if virtual_stage < p else 2 * p - 1 - virtual_stage
+    return virtual_stage % p
 
 
 def _plain(value):
