@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import zoo
-from zoo import gemma3mm
+from zoo import gemma3mm, vision
 from checks import parity
 from checks.optimizations import counting_kernels
 from shardformer import ShardConfig, ShardFormer
@@ -70,6 +70,8 @@ def build(name: str, layers: int, **overrides):
                                                    "WhisperForCausalLM": 1}.get(name, layers // 2))
         decoder = layers if name == "WhisperForCausalLM" else 1 if encoder == layers else layers - encoder
         key, overrides, layers = "encoder_layers", dict(overrides, decoder_layers=decoder), encoder
+    if name == "SamModel":                    # the vision encoder's layers: the stack
+        key, layers = "vision_config", dict(vision.SAM_VISION, num_hidden_layers=layers)
     if name in gemma3mm.MODELS:               # the text model's layers
         key, layers = "text_config", dict(overrides.pop("text_config", {}), num_hidden_layers=layers)
     model = zoo.build(name, **{key: layers}, **overrides)

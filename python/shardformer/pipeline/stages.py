@@ -169,9 +169,12 @@ class StageSplit:
             runs module i*G//N of the G modules (N calls, N a multiple of G); the
             stages split the calls, and a module called on several stages is
             replicated on them (see the module docstring); one stack only (no `then`)
-    everywhere  children of the owner whose output every stage's layers read (BEiT's
-            shared relative position bias, computed before the layers and passed
-            to all of them): replicated on every stage, each running it itself;
+    everywhere  children (or Parameters) of the owner, or else of the model, whose
+            output every stage's forward reads (BEiT's shared relative position
+            bias, computed before the layers and passed to all of them; SAM's
+            absolute positions added to the stand-in embeddings and its image-wide
+            positional embedding, computed before the vision encoder): replicated
+            on every stage, each running it itself;
             their gradients are summed over the stages like a replicated module's
             (a name the model lacks is skipped)
     count   "": the forward iterates over the layer list (or slices it).  Else the
@@ -549,6 +552,8 @@ def _child_paths(module: nn.Module, prefix: str):
 
 
 def _has_params(module: nn.Module) -> bool:
+    if isinstance(module, nn.Parameter):
+        return True
     return any(True for _ in module.parameters())
 
 
@@ -604,18 +609,12 @@ def plan_stages(model: nn.Module, split: StageSplit, manager, name: str, prefix:
     chunks = manager.layer_ranges(total, f"{name}: {where_layers}")
     if call_module is not None:
         holders = _module_holders(manager, call_module, f"{name}: {where_layers}")
-    for path, m in ((owner_path, owner), ("", model)):
-        direct = [n for n, _ in m.named_parameters(recurse=False)]
+    everywhere = _everywhere_paths(model, owner_path, split.everywhere)
+    for path, m in ((owner_path, owner), ("", model)):        # a Parameter replicated everywhere may be direct
+        direct = [n for n, _ in m.named_parameters(recurse=False) if join(path, n) not in everywhere]
         if direct:
             raise ValueError(f"{name}: {path or type(model).__name__} holds parameters {direct} directly; "
                              f"pipeline parallelism places whole sub-modules on stages")
-    everywhere = []
-    for path in (join(owner_path, s) for s in split.everywhere):
-        try:
-            model.get_submodule(path)
-        except AttributeError:
-            continue                                # optional (BEiT without a shared bias table)
-        everywhere.append(path)
 
     def existing(paths) -> set:
         out = set()
@@ -671,10 +670,35 @@ def plan_stages(model: nn.Module, split: StageSplit, manager, name: str, prefix:
         raise ValueError(f"{name}: a parameter of {where_layers} is also held outside the layers; "
                          f"pipeline parallelism cannot place it on one stage")
     plan.call_module, plan.holders = call_module, holders
-    plan.everywhere = [path for path in everywhere if _has_params(model.get_submodule(path))]
+    plan.everywhere = [path for path in everywhere if _has_params(_module_or_param(model, path))]
     plan.count = _checked_count(model, split, stacks[0], len(lists[0]), name)
     plan.batch_dims = dict(split.batch_dims)
     return plan
+
+
+def _module_or_param(model: nn.Module, path: str):
+    """The sub-module or Parameter at `path` (AttributeError when neither)."""
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return model.get_parameter(path)
+
+
+def _everywhere_paths(model: nn.Module, owner_path: str, names) -> list[str]:
+    """StageSplit.everywhere as full paths: each name is a sub-module or a
+    Parameter under the owner, or else under the model (SAM's image-wide
+    positional embedding, computed by SamModel before its vision encoder); a
+    name the model lacks is skipped (BEiT without a shared bias table)."""
+    out = []
+    for rel in names:
+        for path in (f"{owner_path}.{rel}" if owner_path else rel, rel):
+            try:
+                _module_or_param(model, path)
+            except AttributeError:
+                continue
+            out.append(path)
+            break
+    return out
 
 
 def _check_layer_ties(plan: StagePlan, lists: list, manager, name: str) -> None:
@@ -956,8 +980,10 @@ class StageRuntime:
                 self._shared_names.append((tuple(sorted(held)), mine, f"tied.{index}"))
         if sm.num_stages > 1:
             every = tuple(range(sm.num_stages))
-            self._replicated_names += [(every, f"{path}.{pname}") for path in plan.everywhere
-                                       for pname, _ in model.get_submodule(path).named_parameters()]
+            for path in plan.everywhere:
+                held = _module_or_param(model, path)
+                self._replicated_names += [(every, path)] if isinstance(held, nn.Parameter) else \
+                    [(every, f"{path}.{pname}") for pname, _ in held.named_parameters()]
         for path, role, vs in plan.placed:
             if self._mine(vs):
                 if role == "first" and sm.num_model_chunks > 1:
