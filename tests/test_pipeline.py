@@ -17,7 +17,7 @@ PIPELINED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", 
              "gpt_neo", "gptj", "bloom", "falcon", "opt", "bert", "roberta", "ernie", "albert", "vit", "beit",
              "t5", "whisper", "chatglm2")
 # Families whose stack is a vision encoder (SAM: the neck, prompt encoder and mask decoder on the last stage).
-PIPELINED_VISION = ("sam",)
+PIPELINED_VISION = ("sam", "blip2")
 # Gemma 3's multimodal classes: the text model's layers split, the vision tower on every stage (test_gemma3_multimodal_*).
 # ChatGLM2: a forward looping over a layer count (test_chatglm2_*).
 # BEiT's segmentation head reads several layers' hidden states (refused: test_beit_segmentation_refused).
