@@ -110,6 +110,32 @@ class Blip2Shape(FamilyPolicy):
 
     parts: tuple[str, ...] = ("vision", "qformer")
 
+    @property
+    def pipeline_split(self):
+        """Where the stages split (shardformer.pipeline.stages), by what the class holds:
+
+            a vision encoder    its layers (vision_model.encoder.layers) are the stack; the
+                                post-layernorm, the Q-Former, the projections and any language
+                                model run on the last stage, which every micro-batch's text
+                                inputs reach (each stage is given the whole micro-batch)
+            a Q-Former only     its layers (encoder.layer); Blip2TextModelWithProjection's
+                                text embeddings run on the first stage, its projection on the last
+
+        The query tokens (a Parameter of the model, read by the Q-Former on the last stage) are
+        on every stage, their gradient summed over them (zeros but the last's).  docs/pipeline.md
+        (BLIP-2) says why the vision encoder, not the language model, is the stack."""
+        from shardformer.pipeline.stages import StageSplit
+
+        model = getattr(self, "model", None)
+        if model is None or hasattr(model, "vision_model") or type(model).__name__ == "Blip2VisionModel":
+            return StageSplit("Blip2VisionModel", "encoder.layers", last=("post_layernorm",),
+                              everywhere=("query_tokens",))
+        # the Q-Former's encoder loops `for i in range(self.config.num_hidden_layers): self.layer[i]`
+        if type(model).__name__ == "Blip2TextModelWithProjection":
+            return StageSplit("Blip2TextModelWithProjection", "qformer.encoder.layer", last=("text_projection",),
+                              everywhere=("query_tokens",), count="config.num_hidden_layers")
+        return StageSplit("Blip2QFormerModel", "encoder.layer", count="config.num_hidden_layers")
+
     def language_policy(self) -> Policy | None:
         """The registered policy of the language model, bound to it."""
         lm = getattr(self.model, "language_model", None)

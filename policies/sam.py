@@ -55,6 +55,7 @@ from __future__ import annotations
 import functools
 
 from shardformer.family import Family, FamilyPolicy, sequence_mode_refused
+from shardformer.pipeline.stages import StageSplit
 from shardformer.layer import Linear1D_Col, Linear1D_Row
 from shardformer.layer.replicated import ReplicatedInParallelRegion
 from shardformer.layer.sequence_layout import ENTER
@@ -125,6 +126,13 @@ def _layer_forward_on_rows(state, group, layer, hidden_states):
 class SamShape(FamilyPolicy):
     attention_weights_folded = ("SamVisionAttention",)   # [B * heads, S, S]
     sp_modes = ("split_gather",)
+    # The vision encoder's layers are the stack (most of SAM's compute); the neck runs on the last stage,
+    # and so does everything SamModel runs after the encoder (prompt encoder, mask decoder), every stage
+    # being given the micro-batch's prompts.  The absolute positions (a Parameter of the encoder, added to
+    # the patch embedding's stand-in) and the image-wide positional embedding (computed by SamModel before
+    # the encoder, tied to the prompt encoder's) run on every stage, their gradients summed over them.
+    pipeline_split = StageSplit("SamVisionEncoder", "layers", last=("neck",),
+                                everywhere=("pos_embed", "shared_image_embedding"))
 
     def sequence_overlap_refusal(self) -> str:
         return ("vision_encoder.layers.*: the replaced layer forward gathers its grid rows (H of [B, H, W, C]) "

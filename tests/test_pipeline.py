@@ -16,10 +16,12 @@ from shardformer.pipeline import schedule as S
 PIPELINED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "glm", "phi3", "mixtral", "gpt2",
              "gpt_neo", "gptj", "bloom", "falcon", "opt", "bert", "roberta", "ernie", "albert", "vit", "beit",
              "t5", "whisper", "chatglm2")
+# Families whose stack is a vision encoder (SAM: the neck, prompt encoder and mask decoder on the last stage).
+PIPELINED_VISION = ("sam", "blip2")
 # Gemma 3's multimodal classes: the text model's layers split, the vision tower on every stage (test_gemma3_multimodal_*).
 # ChatGLM2: a forward looping over a layer count (test_chatglm2_*).
 # BEiT's segmentation head reads several layers' hidden states (refused: test_beit_segmentation_refused).
-FAMILIES = [c for f in PIPELINED for c in zoo.family_classes()[f] if c != "BeitForSemanticSegmentation"]
+FAMILIES = [c for f in PIPELINED + PIPELINED_VISION for c in zoo.family_classes()[f] if c != "BeitForSemanticSegmentation"]
 
 
 # One test function per schedule: docs/supported-models.md's support matrix has a column per function (scripts/support_matrix.py).

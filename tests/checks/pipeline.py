@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import zoo
-from zoo import gemma3mm
+from zoo import gemma3mm, vision
 from checks import parity
 from checks.optimizations import counting_kernels
 from shardformer import ShardConfig, ShardFormer
@@ -70,6 +70,12 @@ def build(name: str, layers: int, **overrides):
                                                    "WhisperForCausalLM": 1}.get(name, layers // 2))
         decoder = layers if name == "WhisperForCausalLM" else 1 if encoder == layers else layers - encoder
         key, overrides, layers = "encoder_layers", dict(overrides, decoder_layers=decoder), encoder
+    if name == "SamModel":                    # the vision encoder's layers: the stack
+        key, layers = "vision_config", dict(vision.SAM_VISION, num_hidden_layers=layers)
+    if name.startswith("Blip2") and name not in ("Blip2VisionModel", "Blip2QFormerModel"):
+        cfg = vision.MODELS[name][2]          # the vision encoder's layers, or the Q-Former's without one
+        key = "qformer_config" if name == "Blip2TextModelWithProjection" else "vision_config"
+        layers = dict(cfg[key], num_hidden_layers=layers)
     if name in gemma3mm.MODELS:               # the text model's layers
         key, layers = "text_config", dict(overrides.pop("text_config", {}), num_hidden_layers=layers)
     model = zoo.build(name, **{key: layers}, **overrides)
@@ -80,7 +86,8 @@ def build(name: str, layers: int, **overrides):
 def batch_of(name: str, rows: int = 4) -> dict:
     """`rows` rows: the zoo's 2-row batches from seeds 1, 2, ..., concatenated."""
     parts = [zoo.make_inputs(name, seed=1 + k) for k in range(rows // 2)]
-    return {k: torch.cat([p[k] for p in parts], 0) for k in parts[0]}
+    return {k: torch.cat([p[k] for p in parts], 0) if isinstance(parts[0][k], torch.Tensor) else parts[0][k]
+            for k in parts[0]}      # a flag (BLIP-2 retrieval's use_image_text_matching_head) as it is
 
 
 def pipelined(ctx, name: str, pp: int, tp: int = 1, chunks: int = 1, layers: int = 4, num_layers_per_stage=None,
@@ -124,7 +131,8 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
                                        sp_mode=sp_mode, dtype=torch.float32 if own_loss else torch.float64,
                                        **overrides)
     if not own_loss:
-        batch = {k: t.double() if t.is_floating_point() else t for k, t in batch.items()}
+        batch = {k: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                 for k, t in batch.items()}
         # labels of the selected positions only (BEiT's masked patches) do not split into micro-batches;
         # the projection criterion does not read them
         if "labels" in batch and batch["labels"].shape[0] != rows:
@@ -216,8 +224,8 @@ def _check_layer_count(model, m: int, name: str, before: int) -> int:
         assert positions == 0, (name, positions)
         return 0
     assert positions == m * sum(len(r) for r in plan.chunks), (name, positions, m, plan.chunks)
-    holder = model.get_submodule(plan.stacks[0].module)
-    assert getattr(holder, plan.count) == plan.total, (name, getattr(holder, plan.count), plan.total)
+    holder, attr = stages_module._count_holder(model.get_submodule(plan.stacks[0].module), plan.count)
+    assert getattr(holder, attr) == plan.total, (name, getattr(holder, attr), plan.total)
     return positions
 
 

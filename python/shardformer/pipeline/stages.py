@@ -77,6 +77,21 @@ forward hook), one that starts in the second stack does not run the first
 held by modules on several stages (a shared embedding) is one tied set,
 its gradient summed over them.
 
+Hidden states read after the layers (StageSplit.reads: BEiT's segmentation
+head reads the hidden states of its out_indices layers).  Hidden state k is
+the input of layer k (k = the layer count: the last layer's output), HF's
+output_hidden_states numbering.  Each one read is recorded where it is
+computed (a forward pre-hook on layer k) and travels on to the last stage in
+every message after it, as extra tensors: a message leaving a chunk that
+ends before layer e is (hidden states, hidden state k for each read k < e),
+in increasing k.  Its gradient comes back with the message's, the sender's
+backward adding it to that of the layers it fed.  On the last stage the
+owner's output (HF's output.hidden_states, captured for the layers that
+stage ran) is rebuilt to the whole model's numbering: entry k is the
+received tensor where k is read before the stage's first layer, the stage's
+own capture from there on, None for an entry no stage sends (nothing reads
+it).
+
 Sequence parallelism inside the stages (every SP mode; each stack splits
 on its own, at its first layer, and gathers after its last): a message's
 hidden states are this rank's rows of the stack's padded sequence, split
@@ -169,18 +184,27 @@ class StageSplit:
             runs module i*G//N of the G modules (N calls, N a multiple of G); the
             stages split the calls, and a module called on several stages is
             replicated on them (see the module docstring); one stack only (no `then`)
-    everywhere  children of the owner whose output every stage's layers read (BEiT's
-            shared relative position bias, computed before the layers and passed
-            to all of them): replicated on every stage, each running it itself;
+    everywhere  children (or Parameters) of the owner, or else of the model, whose
+            output every stage's forward reads (BEiT's shared relative position
+            bias, computed before the layers and passed to all of them; SAM's
+            absolute positions added to the stand-in embeddings and its image-wide
+            positional embedding, computed before the vision encoder): replicated
+            on every stage, each running it itself;
             their gradients are summed over the stages like a replicated module's
             (a name the model lacks is skipped)
     count   "": the forward iterates over the layer list (or slices it).  Else the
-            attribute of the module holding the list ("num_layers") that its forward
+            attribute of the module holding the list ("num_layers"; dotted:
+            "config.num_hidden_layers", the BLIP-2 Q-Former's) that its forward
             loops over, `for i in range(self.count): self.layers[i]`: while a chunk
             runs, the stage sets it to the chunk's layer count n and indexing the
             list with i in 0..n-1 gives the chunk's i-th layer (global index
             chunk start + i); afterwards the attribute is the model's again; one
             stack only (no `then`, no `calls`)
+    reads   indices k of the stack's hidden states (the input of layer k; the layer
+            count: the last layer's output) that the forward reads after the layers
+            (BEiT segmentation's out_indices): they travel to the last stage in the
+            messages, where the owner's output.hidden_states holds them at their
+            indices (see the module docstring); one stack only (no `then`, `calls`)
     batch_dims  (output field, dimension) pairs: outputs of the model whose batch
             dimension is not 0 (ChatGLM2's last_hidden_state, [seq, batch, hidden]:
             ("last_hidden_state", 1)); the schedules concatenate the micro-batches'
@@ -196,6 +220,7 @@ class StageSplit:
     everywhere: tuple[str, ...] = ()
     count: str = ""
     batch_dims: tuple[tuple[str, int], ...] = ()
+    reads: tuple[int, ...] = ()
 
 
 class StageExit(BaseException):
@@ -451,6 +476,7 @@ class _ChunkEdge:
                         raise RuntimeError(f"{rt.model_name}: {type(self._layer).__name__} takes no argument "
                                            f"{arg!r} (pipeline split carry)")
                     bound.arguments[arg] = rt.entry[1 + k]
+                rt.receive_reads(len(spec.carry))
                 # Sequence parallelism: the received hidden states are this rank's rows (split on the
                 # stack's first stage); `computed`, from the stand-ins, has the stack's full length
                 for state in rt.states_of(spec):
@@ -463,6 +489,7 @@ class _ChunkEdge:
             parts += tuple(out[i] for _, i in spec.carry)
             if spec.source:
                 parts += (_source_sent(bound.arguments.get(spec.source)),)
+            parts += rt.reads_sent(index + 1)
             if any(not isinstance(t, torch.Tensor) for t in parts):
                 raise RuntimeError(f"{rt.model_name}: pipeline chunk {rt.chunk} ends at layer {index} with "
                                    f"a message part that is not a tensor ({[type(t).__name__ for t in parts]})")
@@ -513,11 +540,16 @@ class StagePlan:
     everywhere: list[str] = dataclasses.field(default_factory=list)  # StageSplit.everywhere, with parameters
     count: str = ""                   # StageSplit.count: the attribute the forward loops over
     batch_dims: dict[str, int] = dataclasses.field(default_factory=dict)  # StageSplit.batch_dims
+    reads: tuple[int, ...] = ()       # StageSplit.reads, checked and sorted
 
     @property
     def tuples(self) -> bool:
-        """Whether the messages between stages are tuples of tensors (carry or two stacks)."""
-        return len(self.stacks) > 1 or bool(self.stacks[0].carry)
+        """Whether the messages between stages are tuples of tensors (carry, two stacks, reads)."""
+        return len(self.stacks) > 1 or bool(self.stacks[0].carry) or bool(self.reads)
+
+    def reads_before(self, layer: int) -> list[int]:
+        """The read hidden states a message into `layer` carries (k < layer)."""
+        return [k for k in self.reads if k < layer]
 
     def virtual_stage_of(self, layer: int) -> int:
         """The virtual stage running `layer` (an index in the concatenated list)."""
@@ -549,6 +581,8 @@ def _child_paths(module: nn.Module, prefix: str):
 
 
 def _has_params(module: nn.Module) -> bool:
+    if isinstance(module, nn.Parameter):
+        return True
     return any(True for _ in module.parameters())
 
 
@@ -604,18 +638,12 @@ def plan_stages(model: nn.Module, split: StageSplit, manager, name: str, prefix:
     chunks = manager.layer_ranges(total, f"{name}: {where_layers}")
     if call_module is not None:
         holders = _module_holders(manager, call_module, f"{name}: {where_layers}")
-    for path, m in ((owner_path, owner), ("", model)):
-        direct = [n for n, _ in m.named_parameters(recurse=False)]
+    everywhere = _everywhere_paths(model, owner_path, split.everywhere)
+    for path, m in ((owner_path, owner), ("", model)):        # a Parameter replicated everywhere may be direct
+        direct = [n for n, _ in m.named_parameters(recurse=False) if join(path, n) not in everywhere]
         if direct:
             raise ValueError(f"{name}: {path or type(model).__name__} holds parameters {direct} directly; "
                              f"pipeline parallelism places whole sub-modules on stages")
-    everywhere = []
-    for path in (join(owner_path, s) for s in split.everywhere):
-        try:
-            model.get_submodule(path)
-        except AttributeError:
-            continue                                # optional (BEiT without a shared bias table)
-        everywhere.append(path)
 
     def existing(paths) -> set:
         out = set()
@@ -671,10 +699,52 @@ def plan_stages(model: nn.Module, split: StageSplit, manager, name: str, prefix:
         raise ValueError(f"{name}: a parameter of {where_layers} is also held outside the layers; "
                          f"pipeline parallelism cannot place it on one stage")
     plan.call_module, plan.holders = call_module, holders
-    plan.everywhere = [path for path in everywhere if _has_params(model.get_submodule(path))]
+    plan.everywhere = [path for path in everywhere if _has_params(_module_or_param(model, path))]
     plan.count = _checked_count(model, split, stacks[0], len(lists[0]), name)
     plan.batch_dims = dict(split.batch_dims)
+    plan.reads = _checked_reads(split, total, name, where_layers)
     return plan
+
+
+def _checked_reads(split: StageSplit, total: int, name: str, where: str) -> tuple[int, ...]:
+    """split.reads as sorted indices 0..total (a negative k counts from the
+    end, as a tuple index does); ValueError for one out of range, or with a
+    second stack or repeated calls (one list of distinct layers only)."""
+    if not split.reads:
+        return ()
+    if split.then is not None or split.calls is not None:
+        raise ValueError(f"{name}: a pipeline split reading hidden states after the layers (reads={split.reads!r}) "
+                         f"takes one list of distinct layers, not a second stack or repeated calls")
+    bad = [k for k in split.reads if isinstance(k, bool) or not isinstance(k, int) or not -(total + 1) <= k <= total]
+    if bad:
+        raise ValueError(f"{name}: pipeline split reads hidden states {bad} of {where}, which has {total + 1} "
+                         f"(0..{total}: the input of each of its {total} layers, then the last one's output)")
+    return tuple(sorted({k % (total + 1) for k in split.reads}))
+
+
+def _module_or_param(model: nn.Module, path: str):
+    """The sub-module or Parameter at `path` (AttributeError when neither)."""
+    try:
+        return model.get_submodule(path)
+    except AttributeError:
+        return model.get_parameter(path)
+
+
+def _everywhere_paths(model: nn.Module, owner_path: str, names) -> list[str]:
+    """StageSplit.everywhere as full paths: each name is a sub-module or a
+    Parameter under the owner, or else under the model (SAM's image-wide
+    positional embedding, computed by SamModel before its vision encoder); a
+    name the model lacks is skipped (BEiT without a shared bias table)."""
+    out = []
+    for rel in names:
+        for path in (f"{owner_path}.{rel}" if owner_path else rel, rel):
+            try:
+                _module_or_param(model, path)
+            except AttributeError:
+                continue
+            out.append(path)
+            break
+    return out
 
 
 def _check_layer_ties(plan: StagePlan, lists: list, manager, name: str) -> None:
@@ -709,12 +779,22 @@ def _checked_count(model: nn.Module, split: StageSplit, stack: "_StackSpec", siz
     if split.then is not None or split.calls is not None:
         raise ValueError(f"{name}: a pipeline split whose forward loops over a layer count (count={split.count!r}) "
                          f"takes one list of distinct layers, not a second stack or repeated calls")
-    holder = model.get_submodule(stack.module)
-    value = getattr(holder, split.count, None)
+    holder, attr = _count_holder(model.get_submodule(stack.module), split.count)
+    value = getattr(holder, attr, None)
     if isinstance(value, bool) or not isinstance(value, int) or value != size:
         raise ValueError(f"{name}: pipeline parallelism sets {stack.module or type(model).__name__}.{split.count} "
                          f"to each chunk's layer count; it is {value!r}, expected the {size} layers of {stack.path}")
     return split.count
+
+
+def _count_holder(module: nn.Module, count: str):
+    """(object, attribute) of StageSplit.count under `module`: a dotted name
+    reaches through attributes ("config.num_hidden_layers": the Q-Former's
+    encoder loops over its config's layer count)."""
+    *path, attr = count.split(".")
+    for part in path:
+        module = getattr(module, part, None)
+    return module, attr
 
 
 def _call_modules(model: nn.Module, attribute: str, num_modules: int, name: str, layers_path: str) -> tuple[int, ...]:
@@ -793,6 +873,8 @@ class StageRuntime:
         # the same per stack (plan.stacks order; two stacks have a state each): a chunk entering one
         # stack tells that stack's states only
         self.stack_states: list[list] = []
+        # StageSplit.reads: {k: hidden state k} recorded or received in the running chunk
+        self.taps: dict[int, torch.Tensor] = {}
 
     # -- the schedule's side ----------------------------------------------------------
 
@@ -814,6 +896,48 @@ class StageRuntime:
     def _first_hidden(self, entry):
         return entry[0] if isinstance(entry, tuple) else entry
 
+    # -- StageSplit.reads ------------------------------------------------------------------
+
+    def receive_reads(self, skip: int) -> None:
+        """The read hidden states in the received message (after the hidden
+        states and `skip` carried tensors), for the running chunk."""
+        ks = self.plan.reads_before(self.chunk_range().start)
+        if ks:
+            self.taps.update(zip(ks, self.entry[1 + skip:1 + skip + len(ks)]))
+
+    def reads_sent(self, end: int) -> tuple:
+        """The read hidden states a message leaving before layer `end`
+        carries.  Each is a view, so that one the chunk received and sends on
+        unchanged takes its gradient through the graph to the received tensor."""
+        out = []
+        for k in self.plan.reads_before(end):
+            if k not in self.taps:
+                raise RuntimeError(f"{self.model_name}: pipeline chunk {self.chunk} has no hidden state {k} of "
+                                   f"{self.plan.layers_path} to send on (StageSplit.reads)")
+            out.append(self.taps[k].view_as(self.taps[k]))
+        return tuple(out)
+
+    def _record_read(self, k: int):
+        """Forward pre-hook of layer k: its input is hidden state k."""
+        def hook(module, args, kwargs):
+            if self.chunk is not None:
+                self.taps[k] = args[0] if args else kwargs["hidden_states"]
+        return hook
+
+    def _full_hidden_states(self, module, args, output):
+        """Forward hook on the owner (StageSplit.reads): on the last stage,
+        output.hidden_states (captured for the layers this stage ran) in the
+        whole model's numbering; see the module docstring."""
+        if self.chunk is None or not self.manager.is_last_stage(self.chunk):
+            return None
+        local = getattr(output, "hidden_states", None)
+        if local is None:
+            return None
+        start = self.chunk_range().start
+        full = [self.taps.get(k) for k in range(start)] + list(local)
+        output["hidden_states"] = tuple(full)
+        return output
+
     def run(self, model: nn.Module, chunk: int, entry, kwargs: dict, input_shape: tuple | None = None,
             call=None):
         """The model's forward on `kwargs` for this rank's `chunk`, starting
@@ -828,6 +952,7 @@ class StageRuntime:
         for layers in self.all_layers:
             layers.active = chunk
         self.chunk, self.entry, self.entered = chunk, entry, False
+        self.taps = {}
         for layers in self.all_layers:
             layers.begin()
         for state in self.sequence_states:
@@ -858,7 +983,7 @@ class StageRuntime:
         the running chunk's; returns what puts the model's back."""
         if not self.plan.count:
             return lambda: None
-        holder, attr = model.get_submodule(self.plan.stacks[0].module), self.plan.count
+        holder, attr = _count_holder(model.get_submodule(self.plan.stacks[0].module), self.plan.count)
         saved = getattr(holder, attr)
         setattr(holder, attr, len(self.chunk_range()))
         return lambda: setattr(holder, attr, saved)
@@ -956,8 +1081,10 @@ class StageRuntime:
                 self._shared_names.append((tuple(sorted(held)), mine, f"tied.{index}"))
         if sm.num_stages > 1:
             every = tuple(range(sm.num_stages))
-            self._replicated_names += [(every, f"{path}.{pname}") for path in plan.everywhere
-                                       for pname, _ in model.get_submodule(path).named_parameters()]
+            for path in plan.everywhere:
+                held = _module_or_param(model, path)
+                self._replicated_names += [(every, path)] if isinstance(held, nn.Parameter) else \
+                    [(every, f"{path}.{pname}") for pname, _ in held.named_parameters()]
         for path, role, vs in plan.placed:
             if self._mine(vs):
                 if role == "first" and sm.num_model_chunks > 1:
@@ -970,6 +1097,11 @@ class StageRuntime:
         self.layers = self.all_layers[0]
         if len(plan.stacks) > 1:
             model.get_submodule(plan.stacks[0].module).register_forward_hook(self._stack_exit)
+        if plan.reads:
+            for k in plan.reads:
+                if k < plan.total and str(k) in self.layers._modules:
+                    self.layers._modules[str(k)].register_forward_pre_hook(self._record_read(k), with_kwargs=True)
+            model.get_submodule(plan.owner_path).register_forward_hook(self._full_hidden_states)
         model.register_forward_pre_hook(self._refuse_outside, with_kwargs=True, prepend=True)
         model.__dict__[RUNTIME] = self
 
