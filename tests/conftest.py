@@ -40,6 +40,16 @@ def pytest_configure(config):
                                        "transformers version; left out of the compat run (scripts/test_compat.sh)")
     config.addinivalue_line("markers", "compat_covered_by(name): test `name` of the same module reaches the same "
                                        "HF code; left out of the compat run while `name` runs")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu") is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False); scripts/device_check.sh runs "
+                        "these on one (docs/gpu.md)")
 
 
 def compat_dropped(items) -> list:
