@@ -62,8 +62,10 @@ def lazy_pretrained(ctx, name: str, directory: str) -> dict:
     device = cuda_rank(ctx)
     cls = getattr(transformers, name)
     config = transformers.AutoConfig.from_pretrained(directory)
+    build = getattr(cls, "from_config", None) or cls._from_config      # transformers 5.x: _from_config
+    torch.manual_seed(0)                   # the ranks' recipes agree (optimize() checks the replicas)
     with lazy_init():
-        model = cls.from_config(config, **_impl(name))
+        model = build(config, **_impl(name))
     model.to(device)
     model, _ = ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
     on = {p.device for p in model.parameters()}
