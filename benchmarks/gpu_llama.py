@@ -123,6 +123,19 @@ def measure(name: str, args) -> dict:
             "loss": per_rank[0]["loss"], "device": per_rank[0]["device"]}
 
 
+def document(results: dict, args, shape: dict, torch) -> dict:
+    """The JSON: every configuration measured so far, with its ratios to the original."""
+    base = results["original"]
+    for r in results.values():
+        r["step_ratio"] = r["step_s"]["median"] / base["step_s"]["median"]
+        r["peak_ratio"] = max(r["peak_bytes_per_rank"]) / max(base["peak_bytes_per_rank"])
+        r["loss_rel_err"] = abs(r["loss"] - base["loss"]) / max(abs(base["loss"]), 1e-12)
+        r["loss_ok"] = r["loss_rel_err"] <= LOSS_RTOL
+    return {"benchmark": "gpu_llama", "device": base["device"], "torch": torch.__version__,
+            "cuda": torch.version.cuda, "dtype": "bfloat16", "config": shape, "quick": args.quick,
+            "loss_rtol": LOSS_RTOL, "results": results}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=2048)
@@ -134,7 +147,7 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--iters", type=int, default=6)
     p.add_argument("--configs", default=",".join(CONFIGS))
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--quick", action="store_true", help="1 layer, N_CTX 512, 3 steps: a smoke run")
@@ -152,24 +165,22 @@ def main(argv=None) -> int:
         return 2
     configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in configs if c not in CONFIGS]
-    if unknown or "original" not in configs:
-        p.error(f"--configs: {unknown or 'original (the baseline) missing'}; choose among {', '.join(CONFIGS)}")
+    if unknown or not configs or configs[0] != "original":
+        p.error(f"--configs: {unknown or 'the baseline, original, must come first'}; choose among {', '.join(CONFIGS)}")
+    shape = {k: getattr(args, k) for k in ("hidden", "heads", "kv_heads", "intermediate", "layers", "vocab", "seq",
+                                           "batch", "warmup", "iters")}
+    outs = [DEFAULT_OUT] + args.out
     results = {}
-    for name in configs:
+    for name in configs:              # the JSON is rewritten after each: a run cut short keeps what it measured
         t0 = time.perf_counter()
         results[name] = measure(name, args)
         print(f"gpu_llama: {name} measured in {time.perf_counter() - t0:.0f} s", flush=True)
+        doc = document(results, args, shape, torch)
+        for path in outs:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(doc, f, indent=1)
     base = results["original"]
-    for name, r in results.items():
-        r["step_ratio"] = r["step_s"]["median"] / base["step_s"]["median"]
-        r["peak_ratio"] = max(r["peak_bytes_per_rank"]) / max(base["peak_bytes_per_rank"])
-        r["loss_rel_err"] = abs(r["loss"] - base["loss"]) / max(abs(base["loss"]), 1e-12)
-        r["loss_ok"] = r["loss_rel_err"] <= LOSS_RTOL
-    shape = {k: getattr(args, k) for k in ("hidden", "heads", "kv_heads", "intermediate", "layers", "vocab", "seq",
-                                           "batch", "warmup", "iters")}
-    doc = {"benchmark": "gpu_llama", "device": base["device"], "torch": torch.__version__,
-           "cuda": torch.version.cuda, "dtype": "bfloat16", "config": shape, "quick": args.quick,
-           "loss_rtol": LOSS_RTOL, "results": results}
     gib = 2 ** 30
     print(f"\nLlama {args.layers} layers, hidden {args.hidden}, N_CTX {args.seq}, batch {args.batch}, bf16 on "
           f"{base['device']} (step: median of {args.iters}; peak: max_memory_allocated per rank)")
@@ -179,11 +190,6 @@ def main(argv=None) -> int:
         print(f"{name:<10} {r['ranks']:>5} {r['step_s']['median'] * 1e3:>9.1f} {r['step_ratio']:>7.2f} "
               f"{max(r['peak_bytes_per_rank']) / gib:>14.2f} {r['peak_ratio']:>7.2f} "
               f"{max(r['param_bytes_per_rank']) / gib:>16.2f} {str(r['loss_ok']):>8}")
-    outs = [DEFAULT_OUT] + args.out
-    for path in outs:
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=1)
     print(f"gpu_llama: wrote {', '.join(outs)}")
     return 0 if all(r["loss_ok"] for r in results.values()) else 1
 
