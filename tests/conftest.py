@@ -43,6 +43,15 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
 
 
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu") is not None:
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs a CUDA GPU (torch.cuda.is_available() is False); scripts/device_check.sh runs "
+                        "these on one (docs/gpu.md)")
+
+
 def compat_dropped(items) -> list:
     """The items the compat run leaves out (see COMPAT_SUBSET above)."""
     dropped = set()

@@ -34,6 +34,8 @@ def assert_close(what: str, a: torch.Tensor, b: torch.Tensor, tol: tuple[float, 
     if a.shape != b.shape:
         raise AssertionError(f"{what}: shape {tuple(a.shape)} != expected {tuple(b.shape)}")
     rtol, atol = tol
+    b = b.to(a.device)                       # a gathered CPU copy against a model's CUDA tensor, or back
+    b64 = None if b64 is None else b64.to(a.device)
     diff = (a.detach().double() - b.detach().double()).abs().max().item() if a.numel() else 0.0
     scale = b.detach().abs().max().item() if b.numel() else 0.0
     own = 0.0 if b64 is None or not b.numel() else (b.detach().double() - b64.detach()).abs().max().item()
@@ -61,7 +63,7 @@ def loss_of(out, probe: dict[str, torch.Tensor]) -> torch.Tensor:
             g = torch.Generator().manual_seed(1234 + len(probe))
             probe[k] = torch.randn(v.shape, generator=g, dtype=torch.float32)
         dt = torch.float64 if v.dtype == torch.float64 else torch.float32
-        total = total + (v.to(dt) * probe[k].to(dt)).sum()
+        total = total + (v.to(dt) * probe[k].to(v.device, dt)).sum()
     return total
 
 
@@ -148,8 +150,15 @@ def generate_matches(ctx, name: str, new_tokens: int = 6):
     return {"tokens": got.tolist(), "local_kv_heads": keys.shape[1]}
 
 
+def to_device(inputs: dict, device) -> dict:
+    """`inputs` with every tensor on `device` (None: unchanged)."""
+    if device is None:
+        return inputs
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
+
 def check_sharded(ctx, build, inputs: dict, name: str, dtype=torch.float32, steps: int = 1, config=None,
-                  policy=None, fp64_floor: bool = False, reference=None, plan=None) -> dict:
+                  policy=None, fp64_floor: bool = False, reference=None, plan=None, device=None) -> dict:
     """Forward, loss, every gradient and the outputs after SGD steps of
     build() sharded over ctx.group, against build() unsharded.  Returns the
     max relative errors seen; raises AssertionError on any mismatch.
@@ -161,9 +170,14 @@ def check_sharded(ctx, build, inputs: dict, name: str, dtype=torch.float32, step
     (see the zoo that asks for it); every other model gets the plain tolerance.
 
     reference: the unsharded model to compare with (default: a copy of build()'s).
-    policy / plan: passed to optimize()."""
+    policy / plan: passed to optimize().  device: where the model (built on
+    CPU from the seed, then moved), the reference and the inputs run (None: CPU)."""
     torch.manual_seed(0)
     model = build()
+    if device is not None:
+        model.to(device)
+        inputs = to_device(inputs, device)
+        reference = None if reference is None else reference.to(device)
     model.train()
     ref = copy.deepcopy(model) if reference is None else reference.train()
     ref64 = copy.deepcopy(ref).double() if fp64_floor and dtype == torch.float32 else None

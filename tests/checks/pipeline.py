@@ -115,12 +115,14 @@ def pipelined(ctx, name: str, pp: int, tp: int = 1, chunks: int = 1, layers: int
 
 def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1, chunks: int = 1,
                      layers: int = 4, padded: bool = False, rows: int = 4, config=None, sp_mode: str | None = None,
-                     seq: int | None = None, num_layers_per_stage=None, **overrides) -> dict:
+                     seq: int | None = None, num_layers_per_stage=None, device=None, **overrides) -> dict:
     """Loss of one forward_backward_step equals the unsharded model's
     full-batch loss; after one SGD step on both, the gathered full state dict
     equals the reference's.  Messages between stages were sent (counted).
     sp_mode: sequence parallelism inside the stages (see pipelined); seq:
-    the batch cut to its first `seq` tokens."""
+    the batch cut to its first `seq` tokens; device: where the stages, the
+    reference and the batch run (None: CPU; both models are built on CPU
+    from the seed, then moved)."""
     batch = batch_of(name, rows)
     if seq is not None:
         batch, overrides = cut_to(name, batch, seq, overrides)
@@ -130,6 +132,10 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
     ref, model, sm, shared = pipelined(ctx, name, pp, tp, chunks, layers, num_layers_per_stage, config=config,
                                        sp_mode=sp_mode, dtype=torch.float32 if own_loss else torch.float64,
                                        **overrides)
+    if device is not None:
+        ref.to(device)
+        model.to(device)
+        batch = parity.to_device(batch, device)
     if not own_loss:
         batch = {k: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
                  for k, t in batch.items()}

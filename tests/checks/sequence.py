@@ -38,16 +38,17 @@ def cut_sequence(inputs: dict, seq: int | None) -> dict:
 
 
 def sp_equals_unsharded(ctx, name: str, seq: int | None = None, config=None, overrides=None,
-                        dtype_name: str = "float32") -> dict:
+                        dtype_name: str = "float32", device=None) -> dict:
     """check_sharded (forward, loss, every gradient, outputs after a step;
     bf16: forward) with sequence parallelism on; `seq`: the input length
     (cut_sequence; odd lengths are padded inside); `overrides`: model config
-    values (zoo.build).  The report's "seq": the token ids' length run."""
+    values (zoo.build); device: where it runs (check_sharded's).  The
+    report's "seq": the token ids' length run."""
     dtype = getattr(torch, dtype_name)
     inputs = cut_sequence(zoo.make_inputs(name), seq)
     dtype_arg = () if dtype == torch.float32 else (dtype,)      # zoo.vision's build takes no dtype
     report = parity.check_sharded(ctx, lambda: zoo.build(name, *dtype_arg, **(overrides or {})), inputs, name=name,
-                                  dtype=dtype, config={**SP, **(config or {})})
+                                  dtype=dtype, config={**SP, **(config or {})}, device=device)
     if "input_ids" in inputs:
         report["seq"] = inputs["input_ids"].shape[-1]
     return report
@@ -172,13 +173,16 @@ def overlap_config(ctx) -> ShardConfig:
     return ShardConfig(tensor_parallel_process_group=ctx.group, enable_sequence_overlap=True, **SP)
 
 
-def sp_overlap_equals_unsharded(ctx, name: str, seq: int | None = None, blocks: int = 0) -> dict:
+def sp_overlap_equals_unsharded(ctx, name: str, seq: int | None = None, blocks: int = 0, device=None) -> dict:
     """enable_sequence_overlap: the same guarantees as sp_equals_unsharded
     (forward, loss, every gradient, after a step), and on the shared-memory
     backend every gathering column layer ran its collectives in flight in
     both forwards and the backward (_GatherRowsLinear.overlapped).  `blocks`:
     the overlapped blocks per layer (Llama-shaped: 2, attention and MLP,
-    whose column layers share one gather: one pass each, not one per layer)."""
+    whose column layers share one gather: one pass each, not one per layer).
+    device: where the model, the reference and the inputs run (None: CPU);
+    on CUDA the collectives are asynchronous on every backend, so every
+    pass must have overlapped there too."""
     import copy
 
     from shardformer.distributed import backend_for
@@ -189,6 +193,9 @@ def sp_overlap_equals_unsharded(ctx, name: str, seq: int | None = None, blocks: 
     cfg = overlap_config(ctx)
     torch.manual_seed(0)
     model = zoo.build(name).train()
+    if device is not None:
+        model.to(device)
+        inputs = parity.to_device(inputs, device)
     ref = copy.deepcopy(model)
     ShardFormer(cfg).optimize(model)
     gathering = [m for m in model.modules() if isinstance(m, Linear1D_Col) and getattr(m, "overlap", False)]
@@ -199,8 +206,8 @@ def sp_overlap_equals_unsharded(ctx, name: str, seq: int | None = None, blocks: 
     ran = _GatherRowsLinear.overlapped - before
     # every output a block's overlapped gather computed was the one its layer returned
     assert _GatherRowsLinear.unused == unused, f"{name}: {_GatherRowsLinear.unused - unused} precomputed outputs unused"
-    backend = backend_for(torch.empty(1), ctx.group)
-    if backend == "shm":   # 2 forwards (before and after the step) and 1 backward per layer
+    backend = backend_for(torch.empty(1, device=device), ctx.group)
+    if backend == "shm" or device is not None:   # 2 forwards (before and after the step) and 1 backward per layer
         assert ran == 3 * units, f"{name}: {ran} overlapped passes, expected {3 * units}"
     return {**report, "overlapped": ran, "backend": backend}
 

@@ -52,12 +52,13 @@ def sp_config(mode: str, **extra) -> dict:
 
 
 def equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, config=None, padded: bool = False,
-                     overrides: dict | None = None) -> dict:
+                     overrides: dict | None = None, device=None) -> dict:
     """check_sharded (forward, loss, every gradient, outputs after a step)
     with the sequence split over ctx.group (TP off); the split attention ran
     once per layer per forward (counted).  padded: one batch row left-padded.
     overrides: of the zoo config (a variant of the family); its key
-    "attn_implementation" is set on the built model's config instead."""
+    "attn_implementation" is set on the built model's config instead.
+    device: where it runs (check_sharded's)."""
     inputs = _trim(zoo.make_inputs(name), seq)
     if name == "T5ForSequenceClassification":
         inputs["input_ids"][:, -1] = 1                # the EOS whose decoder state is pooled, cut by _trim
@@ -67,7 +68,7 @@ def equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, config=N
         inputs["attention_mask"] = mask
     before = sa.CALLS[mode]
     report = parity.check_sharded(ctx, lambda: _build(name, overrides), inputs, name=name,
-                                  config=sp_config(mode, **(config or {})))
+                                  config=sp_config(mode, **(config or {})), device=device)
     calls = sa.CALLS[mode] - before
     assert calls > 0, f"{name}: the {mode} attention never ran"
     report["split_calls"] = calls

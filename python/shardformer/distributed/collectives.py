@@ -11,9 +11,12 @@ tensor's device type (communicator.py), one per (group, device type):
 `SHARDFORMER_COMM=torch|shm|nccl` forces a backend; forcing one that cannot
 run raises (with the reason) rather than falling back, so a benchmark never
 measures the wrong thing.  Left alone, CPU tensors of a group whose ranks
-all mapped one shared-memory segment use "shm", CUDA tensors use "nccl" when
-NCCL loads, and everything else uses "torch".  An auto-picked "shm" hands the
-dtypes it cannot reduce (bool, int8, ...) to torch.distributed.
+all mapped one shared-memory segment use "shm", and everything else --
+CUDA tensors included -- uses "torch" (the group's own backend: NCCL, or
+gloo, through CPU memory for the operations gloo cannot run on CUDA
+tensors; see communicator.py, "CUDA tensors", and docs/gpu.md).  The direct
+NCCL path is chosen with SHARDFORMER_COMM=nccl.  An auto-picked "shm" hands
+the dtypes it cannot reduce (bool, int8, ...) to torch.distributed.
 
 The variable is read once per (group, device type), when the group's first
 collective on that device type creates its communicator; later changes are

@@ -21,9 +21,10 @@ and then return a handle whose wait() returns once the call is complete
 (exchange always does); the tensors may not be touched before.  What runs
 meanwhile depends on the backend, never on the caller: "shm" runs the call on
 the communicator's worker thread, "torch" hands it to torch.distributed
-(gloo's or NCCL's own threads / stream), "nccl" enqueues it on the current
-CUDA stream (the handle is complete at once: later work on that stream is
-ordered after it), a group of one rank has nothing to send.  `overlaps`
+(gloo's or NCCL's own threads / stream; torch's Work.wait() orders the
+current stream after it), "nccl" enqueues it on a side CUDA stream whose
+handle's wait() orders the stream current then after it (streams.py), a
+group of one rank has nothing to send.  `overlaps`
 says whether the host can compute while an async call moves data ("shm",
 "torch"): a layer asks it, never the backend's name (layer/sequence.py's
 start_all_gather, layer/ring_attention.py's ring).  send / recv take a
@@ -34,7 +35,17 @@ Backends:
 
     "shm"    ShmCommunicator (shm.py): CPU ranks of a group on one host
     "nccl"   NcclCommunicator (nccl.py): CUDA tensors, direct NCCL calls
-    "torch"  torch.distributed (gloo on CPU, NCCL on CUDA); works everywhere
+    "torch"  torch.distributed (gloo on CPU, NCCL or gloo on CUDA); works everywhere
+
+CUDA tensors.  The "torch" backend hands CUDA tensors to the group's own
+torch.distributed backend for CUDA (`cuda_transport`).  NCCL runs every
+operation on them.  gloo runs only all_reduce and broadcast on CUDA tensors
+(torch's documentation, "Backends"); for the others (all_gather,
+reduce_scatter, all_to_all, send, recv) a StagedTorchCommunicator copies
+the inputs into pinned CPU buffers, runs the operation there and copies the
+result back (`staged_ops`; two ranks sharing one GPU must use gloo, as
+NCCL refuses two ranks on one device).  A group whose backend has nothing
+for CUDA ("cpu:gloo") stages every operation.  See docs/gpu.md.
 
 Choosing.  `SHARDFORMER_COMM=torch|shm|nccl` forces a backend; it is read
 ONCE per (group, device type), when that communicator is created, and never
@@ -44,8 +55,9 @@ never run some collectives on one backend and some on another), and
 switch backends call `reset_communicators()` on every rank (see below).
 Forcing a backend that cannot run raises with the reason; it never falls
 back, so a benchmark never measures the wrong thing.  Left alone, CPU tensors
-of a group whose ranks all mapped one shared-memory segment use "shm", CUDA
-tensors use "nccl" when NCCL loads, and everything else uses "torch".  An
+of a group whose ranks all mapped one shared-memory segment use "shm", and
+everything else (CUDA tensors included) uses "torch"; the direct NCCL path
+runs only when SHARDFORMER_COMM=nccl asks for it.  An
 auto-picked shm communicator hands the dtypes shm cannot reduce (bool, int8,
 ...) to torch.distributed (a per-dtype decision inside the communicator,
 checked first by a small shm all-gather of what every rank hands over, so
@@ -114,6 +126,7 @@ import torch.distributed as dist
 
 from . import nccl as _nccl
 from . import shm as _shm
+from .streams import SideStream
 
 BACKENDS = ("torch", "shm", "nccl")
 ENV = "SHARDFORMER_COMM"
@@ -129,7 +142,7 @@ _SHM_REDUCIBLE = frozenset(_shm.REDUCIBLE)
 
 class Done:
     """The handle of a call that completed before it returned (a group of one
-    rank; NCCL, whose calls are ordered on the CUDA stream)."""
+    rank; a blocking call's async form)."""
 
     __slots__ = ()
 
@@ -407,7 +420,7 @@ class Communicator(ABC):
         (layer/ring_attention.py's P2P = "torch")."""
         transport = self.__dict__.get("_torch_transport")
         if transport is None:
-            transport = self.__dict__["_torch_transport"] = TorchCommunicator(self.info, self.device, self.forced)
+            transport = self.__dict__["_torch_transport"] = torch_communicator(self.info, self.device, self.forced)
         return transport
 
     def __repr__(self) -> str:
@@ -522,6 +535,147 @@ class TorchCommunicator(Communicator):
         return self
 
 
+# ---- torch.distributed backends that cannot move CUDA tensors themselves ----------------
+
+# What torch.distributed's gloo backend runs on CUDA tensors (torch's docs, "Backends":
+# broadcast and all_reduce; send, recv, all_gather, reduce_scatter, all_to_all not).
+_GLOO_CUDA_OPS = frozenset({"all_reduce", "broadcast"})
+_ALL_OPS = frozenset({"all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
+                      "all_to_all_single", "send", "recv"})
+
+
+def cuda_transport(group) -> str:
+    """The name of the torch.distributed backend that moves `group`'s CUDA
+    tensors: "nccl", "gloo", ... or "" when the group has none for CUDA."""
+    return transport_for_cuda(str(dist.get_backend(group)))
+
+
+def transport_for_cuda(backend: str) -> str:
+    """The CUDA entry of a torch.distributed backend name: "gloo" -> "gloo",
+    "cpu:gloo,cuda:nccl" -> "nccl", "cpu:gloo" -> "" (none)."""
+    name = backend.strip().lower()
+    if ":" not in name:
+        return name
+    by_device = dict(pair.strip().split(":", 1) for pair in name.split(",") if ":" in pair)
+    return by_device.get("cuda", "")
+
+
+def staged_ops(group, device: str) -> frozenset:
+    """The operations a torch communicator of `group` on `device` stages
+    through CPU memory: none on CPU or when NCCL moves the CUDA tensors; on
+    gloo, those it cannot run on CUDA tensors; every one without a CUDA backend."""
+    if device != "cuda":
+        return frozenset()
+    transport = cuda_transport(group)
+    if transport == "gloo":
+        return _ALL_OPS - _GLOO_CUDA_OPS
+    return _ALL_OPS if transport == "" else frozenset()
+
+
+def torch_communicator(info: GroupInfo, device: str, forced: str | None) -> "TorchCommunicator":
+    """torch.distributed on the group for `device`: staged through CPU memory
+    for the operations its backend cannot run on that device (see StagedTorchCommunicator)."""
+    staged = staged_ops(info.group, device) if info.size > 1 else frozenset()
+    if staged:
+        return StagedTorchCommunicator(info, device, forced, staged)
+    return TorchCommunicator(info, device, forced)
+
+
+def _host(t: torch.Tensor, read: bool = True) -> torch.Tensor:
+    """A contiguous CPU copy of `t` (pinned when `t` is on CUDA; with `read`
+    holding t's values: the copy waits for the kernels writing `t`)."""
+    buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+    if read:
+        buf.copy_(t)                              # blocking device-to-host copy
+    return buf
+
+
+class Then:
+    """A handle followed by `then()` (the copy of a host buffer back to the
+    device) when waited on: the copy runs on the stream current at wait()."""
+
+    __slots__ = ("inner", "then")
+
+    def __init__(self, inner, then):
+        self.inner, self.then = inner, then
+
+    def wait(self, timeout=None) -> None:
+        if self.inner is not None:
+            self.inner.wait()
+            then, self.inner, self.then = self.then, None, None
+            then()
+
+    def is_completed(self) -> bool:
+        return self.inner is None or self.inner.is_completed()
+
+
+class StagedTorchCommunicator(TorchCommunicator):
+    """torch.distributed whose backend cannot run some operations on the
+    device's tensors (gloo with CUDA tensors: see _GLOO_CUDA_OPS): those go
+    through pinned CPU buffers.  The inputs are copied to the host (a
+    blocking copy, after the kernels that wrote them), the operation runs on
+    the CPU copies, and the result is copied back to the device, without
+    blocking, on the stream current when the call returns (blocking calls)
+    or when its handle is waited on (async_op).  The values are those of
+    the direct operation; only the route differs.  `staged`: the operations
+    routed so (the others run directly on the device's tensors)."""
+
+    def __init__(self, info, device, forced, staged: frozenset):
+        super().__init__(info, device, forced)
+        self.staged = staged
+
+    @staticmethod
+    def _back(result, dst: torch.Tensor, buf: torch.Tensor, async_op: bool):
+        """Copy the host result `buf` into `dst` once `result` (the host call's
+        return: a handle when async_op) is complete."""
+        def copy_back():
+            dst.copy_(buf, non_blocking=True)
+        if async_op:
+            return Then(result, copy_back)
+        copy_back()
+        return dst
+
+    def all_reduce(self, t, op="sum", async_op=False):
+        if "all_reduce" not in self.staged:
+            return super().all_reduce(t, op, async_op)
+        buf = _host(t)
+        return self._back(super().all_reduce(buf, op, async_op), t, buf, async_op)
+
+    def broadcast(self, t, src):
+        if "broadcast" not in self.staged:
+            return super().broadcast(t, src)
+        buf = _host(t)
+        return self._back(super().broadcast(buf, src), t, buf, False)
+
+    def all_gather_into_tensor(self, out, t, async_op=False):
+        _check_gather(out, t, self.size)
+        buf = _host(out, read=False)
+        return self._back(super().all_gather_into_tensor(buf, _host(t), async_op), out, buf, async_op)
+
+    def reduce_scatter_tensor(self, out, t, async_op=False):
+        _check_scatter(out, t, self.size)
+        buf = _host(out, read=False)
+        return self._back(super().reduce_scatter_tensor(buf, _host(t), async_op), out, buf, async_op)
+
+    def all_to_all_single(self, out, t):
+        _check_all_to_all(out, t, self.size)
+        buf = _host(out, read=False)
+        return self._back(super().all_to_all_single(buf, _host(t)), out, buf, False)
+
+    def send(self, t, dst, async_op=False, tag=0):
+        return super().send(_host(t), dst, async_op=async_op, tag=tag)
+
+    def recv(self, t, src, async_op=False, tag=0):
+        buf = _host(t, read=False)
+        return self._back(super().recv(buf, src, async_op=async_op, tag=tag), t, buf, async_op)
+
+    def torch_transport(self):
+        return self
+
+    def __repr__(self) -> str:
+        return super().__repr__()[:-1] + f", staged through CPU: {', '.join(sorted(self.staged))}>"
+
+
 _FALLBACK_OPS = ("all_reduce", "reduce_scatter")
 _OPS = ("sum", "max")
 
@@ -597,29 +751,39 @@ class ShmBackend(Communicator):
 
 
 class NcclBackend(Communicator):
-    """The group's NcclCommunicator (nccl.py): calls on the current CUDA stream."""
+    """The group's NcclCommunicator (nccl.py).  A blocking call is enqueued on
+    the caller's current CUDA stream (later work on it is ordered after);
+    an async_op call on the communicator's side stream, ordered after the
+    caller's stream, its handle's wait() ordering the stream current then
+    after it (streams.py), so the caller's kernels run while it moves data."""
 
     backend = "nccl"
+    overlaps = True
 
     def __init__(self, info, device, forced, comm):
         super().__init__(info, device, forced)
         self.nccl = comm
+        self.side = SideStream()
+
+    def _run(self, call, anchor: torch.Tensor, tensors, async_op: bool, result):
+        """call() now on the current stream, or (async_op) on the side stream: a handle."""
+        if async_op:
+            return self.side.run(call, anchor.device, tensors)
+        call()
+        return result
 
     def all_reduce(self, t, op="sum", async_op=False):
         if op != "sum" and op != "max":
             raise _bad_op(op)
-        _into(t, lambda buf: self.nccl.all_reduce(buf, op))
-        return DONE if async_op else t
+        return self._run(lambda: _into(t, lambda buf: self.nccl.all_reduce(buf, op)), t, (t,), async_op, t)
 
     def all_gather_into_tensor(self, out, t, async_op=False):
         _check_gather(out, t, self.size)
-        self.nccl.all_gather(out, t.contiguous())
-        return DONE if async_op else out
+        return self._run(lambda: self.nccl.all_gather(out, t.contiguous()), t, (out, t), async_op, out)
 
     def reduce_scatter_tensor(self, out, t, async_op=False):
         _check_scatter(out, t, self.size)
-        self.nccl.reduce_scatter(out, t.contiguous())
-        return DONE if async_op else out
+        return self._run(lambda: self.nccl.reduce_scatter(out, t.contiguous()), t, (out, t), async_op, out)
 
     def all_to_all_single(self, out, t):
         _check_all_to_all(out, t, self.size)
@@ -631,12 +795,11 @@ class NcclBackend(Communicator):
         return _into(t, lambda buf: self.nccl.broadcast(buf, src))
 
     def send(self, t, dst, async_op=False, tag=0):
-        self.nccl.send(t.contiguous(), dst)
-        return DONE if async_op else None
+        return self._run(lambda: self.nccl.send(t.contiguous(), dst), t, (t,), async_op, None)
 
     def recv(self, t, src, async_op=False, tag=0):
-        _into(t, lambda buf: self.nccl.recv(buf, src), read=False)
-        return DONE if async_op else t
+        return self._run(lambda: _into(t, lambda buf: self.nccl.recv(buf, src), read=False), t, (t,),
+                         async_op, t)
 
 
 def _into(t: torch.Tensor, call, read: bool = True) -> torch.Tensor:
@@ -868,7 +1031,7 @@ def _create(info: GroupInfo, device: str, setup: bool) -> Communicator | None:
     if info.size == 1:
         return SoloCommunicator(info, device, forced, forced or "torch")
     if forced == "torch":
-        return TorchCommunicator(info, device, forced)
+        return torch_communicator(info, device, forced)
     if forced == "shm":
         comm = _shm.communicator(group) if setup else _shm.existing(group)
         if comm is None:
@@ -890,12 +1053,7 @@ def _create(info: GroupInfo, device: str, setup: bool) -> Communicator | None:
             return ShmBackend(info, device, forced, comm, TorchCommunicator(info, device, forced))
         if not setup and _shm.reason(group) is None:
             return None  # shm not tried yet: a later collective may still set it up
-        return TorchCommunicator(info, device, forced)
-    if device == "cuda" and _nccl.available()[0]:
-        if not setup:
-            return None
-        return NcclBackend(info, device, forced, _nccl.communicator(group))
-    return TorchCommunicator(info, device, forced)
+    return torch_communicator(info, device, forced)
 
 
 def _get(group, device: str, setup: bool = True) -> Communicator | None:
@@ -967,7 +1125,7 @@ def existing_communicator(t: torch.Tensor, group=None) -> Communicator:
     dev = _tensor_device(t)
     comm = _cached(group, dev) or _get(group, dev, setup=False)
     if comm is None:
-        return _maybe_checked(TorchCommunicator(group_info(group), dev, None))
+        return _maybe_checked(torch_communicator(group_info(group), dev, None))
     return comm
 
 

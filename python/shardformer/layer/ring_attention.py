@@ -191,7 +191,8 @@ __all__ = ["ring_attention", "zigzag_rows", "padded_length_for", "CALLS", "reset
 P2P = "auto"
 
 CALLS = {"forward": 0, "backward": 0, "kernel_forward": 0, "kernel_backward": 0,
-         "blocks": 0, "skipped": 0, "masked": 0, "messages": 0, "messages_torch": 0, "unvisited": 0}
+         "blocks": 0, "skipped": 0, "masked": 0, "messages": 0, "messages_torch": 0, "unvisited": 0,
+         "cuda_on_cpu": 0}   # calls with CUDA tensors, run on CPU copies
 
 
 def reset_counters() -> None:
@@ -763,6 +764,16 @@ def ring_attention(q, k, v, group=None, *, scale: float | None = None, causal: b
     equality of its rows' and columns' documents into its mask (the
     block-diagonal mask of packed sequences, never built whole).
     """
+    if isinstance(q, torch.Tensor) and q.is_cuda:
+        # The blocks run on the C kernels, which take CPU tensors: the ring runs on CPU copies
+        # (differentiable copies: the gradients come back to q, k, v and bias on their device),
+        # its messages on the group's CPU communicator; the output goes back to q's device.
+        # Exact, not fast: docs/gpu.md.
+        cpu = [t.cpu() if isinstance(t, torch.Tensor) else t for t in (q, k, v, key_padding, bias, documents)]
+        CALLS["cuda_on_cpu"] += 1
+        out = ring_attention(*cpu[:3], group, scale=scale, causal=causal, key_padding=cpu[3], softcap=softcap,
+                             dropout_p=dropout_p, window=window, seed=seed, bias=cpu[4], documents=cpu[5])
+        return out.to(q.device)
     cap = ops.check_softcap(softcap, "ring_attention")
     dropout_p = float(dropout_p or 0.0)
     if not 0.0 <= dropout_p <= 1.0:

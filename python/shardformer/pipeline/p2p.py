@@ -1,10 +1,11 @@
 """Activations and gradients between pipeline stages.
 
 Each message goes through shardformer.distributed.send / recv over the
-pipeline group (shm on one host, NCCL for CUDA tensors, torch.distributed
-otherwise).  The receiver must know the shape and dtype it receives: the
-first message under a key (the schedule's description of it: kind, sending
-virtual stage, the micro-batch's shapes) is preceded by a small header
+pipeline group (shm for CPU tensors on one host, otherwise torch.distributed
+or, with SHARDFORMER_COMM=nccl, direct NCCL calls for CUDA tensors).  The
+receiver must know the shape and dtype it receives: the first message under
+a key (the schedule's description of it: kind, sending virtual stage, the
+micro-batch's shapes) is preceded by a small header
 (dtype, rank, sizes); both sides cache it, so later messages under the same
 key travel alone.
 
