@@ -106,11 +106,6 @@ NOT_SUPPORTED = {
     ("mixtral", "jit fused"):
         "Mixtral's experts are the policy's expert-parallel module (replaced by the policy, "
         "which the optimizations leave alone)",
-    ("opt", "jit fused"):
-        "OPT's feed-forward is ReLU (no kernel) and written inline in OPTDecoderLayer",
-    ("whisper", "jit fused"):
-        "Whisper's feed-forward and residual dropout-adds are written inline in its encoder / decoder "
-        "layers, no MLP module to switch",
     ("sam", "jit fused"):
         "SamModel's MLP class (SamMLPBlock) is GeLU in the vision encoder and ReLU in the mask "
         "decoder, so one forward cannot replace the class's; SamVisionModel gets it",
