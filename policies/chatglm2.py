@@ -35,8 +35,10 @@ the model's own rotary table and mask; input_layernorm,
 post_attention_layernorm, the hidden dropouts and the residual adds run on
 this rank's rows (a dropout mask per rank; the norms' gradients
 all-reduced).  Refused by name: add_bias_linear=True (the row layers'
-biases would be summed over the ranks by the block's reduce-scatter) and
-enable_sequence_overlap.
+biases would be summed over the ranks by the block's reduce-scatter).
+With enable_sequence_overlap each block's gather of [S/p, batch, hidden]
+rows along dimension 0 overlaps query_key_value's / dense_h_to_4h's matmuls
+of this rank's rows (gather_block_input, with the state's dim 0).
 
 all_to_all / ring_attn: the attention is remote code outside transformers'
 AttentionInterface, so the split runs at a seam (AttentionSeam) on
@@ -89,6 +91,7 @@ from shardformer.layer import sequence_attention as sa
 from shardformer.layer import FusedLinear1D_Col, Linear1D_Row, VocabParallelEmbedding1D
 from shardformer.layout import Fused, Heads
 from shardformer.pipeline.stages import StageSplit
+from shardformer.policies.shapes import sp_overlap
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
@@ -192,9 +195,8 @@ class ChatGLM2Shape(FamilyPolicy):
 
     sp_modes = ("split_gather",)
 
-    def sequence_overlap_refusal(self) -> str:
-        return (f"{self.layers_path()}.*: the GLMBlock's [S, B, H] input is gathered along dimension 0 before "
-                f"query_key_value / dense_h_to_4h; the overlapped gather takes batch-first [B, S/p, H] rows")
+    # enable_sequence_overlap: each block's gather along dimension 0 overlaps its column layers' matmuls
+    sequence_overlap = True
 
     def sequence_parallel_subs(self) -> tuple[list, list]:
         """(GLMBlock subs, GLMTransformer subs) of split_gather: the blocks,
@@ -204,7 +206,7 @@ class ChatGLM2Shape(FamilyPolicy):
         from shardformer.layer.sequence import SequenceParallelRegion, SequenceState
 
         state = SequenceState(dim=0)
-        block = {"role": "block", "state": state}
+        block = {"role": "block", "state": state, **({"overlap": True} if sp_overlap(self.shard_config) else {})}
         subs = [Sub("self_attention", SequenceParallelRegion, kwargs=block),
                 Sub("mlp", SequenceParallelRegion, kwargs=block),
                 Sub("input_layernorm", ReplicatedInParallelRegion),

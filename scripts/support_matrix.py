@@ -61,9 +61,6 @@ NOT_SUPPORTED = {
         "SamModel's mask decoder attention goes through the kernel; the vision encoder's "
         "(SamVisionAttention, with decomposed relative positions) is computed by the layer itself, "
         "so SamVisionModel keeps it",
-    ("chatglm2", "sequence overlap"):
-        "the GLMBlock gathers its [S, B, H] input along dimension 0 before query_key_value / dense_h_to_4h; "
-        "the overlapped gather takes batch-first rows (refused by name)",
     ("mixtral", "sequence overlap"):
         "the MoE block's router picks each token's experts from the gathered sequence, so no column matmul "
         "on a rank's rows can run during the gather (refused by name)",
