@@ -35,8 +35,10 @@ the model's own rotary table and mask; input_layernorm,
 post_attention_layernorm, the hidden dropouts and the residual adds run on
 this rank's rows (a dropout mask per rank; the norms' gradients
 all-reduced).  Refused by name: add_bias_linear=True (the row layers'
-biases would be summed over the ranks by the block's reduce-scatter) and
-enable_sequence_overlap.
+biases would be summed over the ranks by the block's reduce-scatter).
+With enable_sequence_overlap each block's gather of [S/p, batch, hidden]
+rows along dimension 0 overlaps query_key_value's / dense_h_to_4h's matmuls
+of this rank's rows (gather_block_input, with the state's dim 0).
 
 all_to_all / ring_attn: the attention is remote code outside transformers'
 AttentionInterface, so the split runs at a seam (AttentionSeam) on
@@ -91,6 +93,7 @@ from shardformer.layer.sequence_layout import BLOCK, GATHER, SPLIT
 from shardformer.layout import Fused, Heads
 from shardformer.pipeline.stages import StageSplit
 from shardformer.plan import sequence_region, split_gather_layer
+from shardformer.policies.shapes import sp_overlap
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
@@ -194,9 +197,8 @@ class ChatGLM2Shape(FamilyPolicy):
 
     sp_modes = ("split_gather",)
 
-    def sequence_overlap_refusal(self) -> str:
-        return (f"{self.layers_path()}.*: the GLMBlock's [S, B, H] input is gathered along dimension 0 before "
-                f"query_key_value / dense_h_to_4h; the overlapped gather takes batch-first [B, S/p, H] rows")
+    # enable_sequence_overlap: each block's gather along dimension 0 overlaps its column layers' matmuls
+    sequence_overlap = True
 
     def sequence_parallel_subs(self) -> tuple[list, list]:
         """(GLMBlock subs, GLMTransformer subs) of split_gather: the blocks,
@@ -206,7 +208,8 @@ class ChatGLM2Shape(FamilyPolicy):
 
         state = SequenceState(dim=0)
         subs = split_gather_layer({"self_attention": BLOCK, "mlp": BLOCK},
-                                  ("input_layernorm", "post_attention_layernorm"), state)
+                                  ("input_layernorm", "post_attention_layernorm"), state,
+                                  overlap=sp_overlap(self.shard_config))
         last = len(self.model.get_submodule(self.layers_path())) - 1
         if last == 0:
             return subs, [sequence_region("layers.0", SPLIT | GATHER, state)]

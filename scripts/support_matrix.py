@@ -61,9 +61,6 @@ NOT_SUPPORTED = {
         "SamModel's mask decoder attention goes through the kernel; the vision encoder's "
         "(SamVisionAttention, with decomposed relative positions) is computed by the layer itself, "
         "so SamVisionModel keeps it",
-    ("chatglm2", "sequence overlap"):
-        "the GLMBlock gathers its [S, B, H] input along dimension 0 before query_key_value / dense_h_to_4h; "
-        "the overlapped gather takes batch-first rows (refused by name)",
     ("mixtral", "sequence overlap"):
         "the MoE block's router picks each token's experts from the gathered sequence, so no column matmul "
         "on a rank's rows can run during the gather (refused by name)",
@@ -106,11 +103,6 @@ NOT_SUPPORTED = {
     ("mixtral", "jit fused"):
         "Mixtral's experts are the policy's expert-parallel module (replaced by the policy, "
         "which the optimizations leave alone)",
-    ("opt", "jit fused"):
-        "OPT's feed-forward is ReLU (no kernel) and written inline in OPTDecoderLayer",
-    ("whisper", "jit fused"):
-        "Whisper's feed-forward and residual dropout-adds are written inline in its encoder / decoder "
-        "layers, no MLP module to switch",
     ("sam", "jit fused"):
         "SamModel's MLP class (SamMLPBlock) is GeLU in the vision encoder and ReLU in the mask "
         "decoder, so one forward cannot replace the class's; SamVisionModel gets it",

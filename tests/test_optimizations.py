@@ -275,12 +275,76 @@ def test_fused_dropout_add_drops_in_training_mode():
     assert not torch.allclose(out(h, r), out_ref(h, r))
 
 
+def test_inline_residual_layers_get_the_fused_layer_form():
+    # OPT's and Whisper's layers write their residual blocks inline: the whole layer's
+    # forward is switched (RESIDUAL_LAYER_FORMS); a look-alike whose forward differs is refused.
+    from transformers.models.opt.modeling_opt import OPTDecoderLayer
+
+    _, mlps = _switched(zoo.build("OPTForCausalLM"))
+    assert mlps == {"OPTDecoderLayer"}, mlps
+    _, mlps = _switched(zoo.build("WhisperForConditionalGeneration"))
+    assert mlps == {"WhisperEncoderLayer", "WhisperDecoderLayer"}, mlps
+
+    class ScaledResidual(OPTDecoderLayer):
+        def forward(self, hidden_states, **kwargs):
+            return 2 * super().forward(hidden_states, **kwargs)
+
+    model = zoo.build("OPTForCausalLM")
+    model.model.decoder.layers[0] = ScaledResidual(model.config, 0)
+    _, mlps = _switched(model)
+    assert "ScaledResidual" not in mlps and "OPTDecoderLayer" in mlps, mlps
+
+
+@pytest.mark.parametrize("name", ["OPTForCausalLM", "WhisperForConditionalGeneration"])
+def test_fused_layer_form_in_training_mode(name):
+    # Training mode, every dropout at 0.5: the kernel draws the residual masks from torch's
+    # generator (the same seed, the same output and gradients), drops (differs from eval),
+    # and at p = 0 equals HF's layer in training mode, gradients too.
+    model = zoo.build_with_dropout(name, 0.5)
+    for m in model.modules():
+        if isinstance(getattr(m, "layerdrop", None), float):
+            m.layerdrop = 0.0                  # every layer runs (LayerDrop would skip whole layers)
+    ref = copy.deepcopy(model)
+    # TP off: one process, the vocabulary unpadded, so every gradient compares as it is
+    sharded, _ = ShardFormer(ShardConfig(enable_tensor_parallelism=False, enable_jit_fused=True)).optimize(model)
+    inputs = zoo.make_inputs(name)
+    sharded.train()
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(3)
+        sharded.zero_grad()
+        with optimizations.counting_kernels() as calls:
+            loss = sharded(**inputs).loss
+        loss.backward()
+        runs.append((loss.detach(), [p.grad.clone() for p in sharded.parameters() if p.grad is not None]))
+        assert calls["bias_dropout_add"] > 0, calls
+    torch.testing.assert_close(runs[0], runs[1], rtol=0, atol=0)
+    sharded.eval()
+    assert not torch.allclose(runs[0][0], sharded(**inputs).loss.detach())
+    for m in (*sharded.modules(), *ref.modules()):
+        for attr in ("dropout", "activation_dropout", "attention_dropout"):
+            if isinstance(getattr(m, attr, None), float):
+                setattr(m, attr, 0.0)
+            elif isinstance(getattr(m, attr, None), nn.Dropout):
+                getattr(m, attr).p = 0.0
+    sharded.train(), ref.train()
+    sharded.zero_grad()
+    out, out_ref = sharded(**inputs), ref(**inputs)
+    torch.testing.assert_close(out.logits, out_ref.logits, rtol=1e-5, atol=1e-5)
+    out.loss.backward()
+    out_ref.loss.backward()
+    for (n, p), q in zip(sharded.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=n)
+
+
 FAMILIES = zoo.family_classes()
 FIRST = {family: classes[0] for family, classes in sorted(FAMILIES.items())}
 # Second configurations that show a form a family's default test config does not
 # reach: T5 v1.1's gated GeLU (the zoo's T5 classes are v1.0, ReLU, but for QA);
-# Falcon's parallel norms (new decoder architecture; optimizations.VARIANTS).
-VARIANTS = {"t5": ["T5ForConditionalGeneration/v1.1"], "falcon": ["FalconForCausalLM/parallel_norms"]}
+# Falcon's parallel norms (new decoder architecture; optimizations.VARIANTS); OPT's post-norm
+# layers (the fused layer form's other branch).
+VARIANTS = {"t5": ["T5ForConditionalGeneration/v1.1"], "falcon": ["FalconForCausalLM/parallel_norms"],
+            "opt": ["OPTForCausalLM/post_norm"]}
 FAMILY_OF = {name: family for family, classes in FAMILIES.items() for name in classes + VARIANTS.get(family, [])}
 # Every class at TP=2, the first class of each family (and the variants) at TP=4.
 CASES = [(name, 2) for name in FAMILY_OF] + [(name, 4) for name in list(FIRST.values()) +

@@ -19,6 +19,10 @@ model that has one of these forms gets it, in every family.
         residual   [norm](r + dropout(dense(h))) (BERT-style *Output, ViTOutput),
                    r + dropout_p(down(gelu(up(h)))) (BLOOM's MLP) -> bias_dropout_add kernel
                    (the dropout's own p, in training mode too: the kernel draws its mask)
+        layer      a layer whose residual blocks are inline in its forward (OPT's,
+                   Whisper's; RESIDUAL_LAYER_FORMS): every r + dropout_p(block(h))
+                   -> bias_dropout_add kernel, a GeLU activation -> bias_gelu kernel
+                   (shardformer.layer.fused_residual)
     enable_flash_attention
         every layer that looks its attention up in transformers' registry
         (shardformer.attention.enable); a family whose attention is outside
@@ -26,7 +30,7 @@ model that has one of these forms gets it, in every family.
 
 A module is a candidate by its structure (attribute names, parameter shapes;
 see NORM_FORMS, GELU_FORMS, GATED_FORMS, GATED_GELU_FORMS, FUSED_GATED_FORMS,
-METHOD_GELU_FORMS, DROPOUT_ADD_FORMS, GELU_DROPOUT_ADD_FORMS) and is switched
+METHOD_GELU_FORMS, DROPOUT_ADD_FORMS, GELU_DROPOUT_ADD_FORMS, RESIDUAL_LAYER_FORMS) and is switched
 only after a probe: the module's own forward and the fused one run on the same random input
 (norms: every instance, with random weights, so that Gemma's (1 + w) scaling is
 told apart from w, with rows small enough that eps matters, last-dimension
@@ -50,6 +54,7 @@ are left to the policy.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -61,6 +66,7 @@ from torch import nn
 from . import ops
 from .attention import enable, enable_seam
 from .layer import FusedLayerNorm, FusedRMSNorm
+from .layer.fused_residual import RESIDUAL_LAYER_FORMS, ResidualLayerForward
 from .policy import ModulePolicyDescription
 from .policy import SubModuleReplacementDescription as Sub
 
@@ -477,10 +483,35 @@ def _method_forwards(module) -> dict:
     return out
 
 
+def _layer_candidates(module):
+    """The ResidualLayerForward of every RESIDUAL_LAYER_FORMS form whose structure
+    `module` has (not yet probed): the attention, feed-forward and norm children,
+    a float residual dropout probability, and an activation module (GeLU: by the
+    kernel; any other: the layer's own)."""
+    children = dict(module.named_children())
+    for form in RESIDUAL_LAYER_FORMS:
+        norm_a, attn, norm_c, cross, norm_f, fc1, act, act_p, fc2, p, pre_flag = form
+        if not all(n in children for n in (norm_a, attn, norm_f, fc1, fc2)) or not callable(getattr(module, act, None)):
+            continue
+        if not _is_prob(getattr(module, p, None)):
+            continue
+        kind = _act_kind(getattr(module, act))
+        approximate = {"gelu": "none", "gelu_tanh": "tanh"}.get(kind, "")
+        yield ResidualLayerForward(form, cross=norm_c in children and cross in children,
+                                   act_dropout=_is_prob(getattr(module, act_p, None)),
+                                   pre_norm_flag=isinstance(getattr(module, pre_flag, None), bool),
+                                   approximate=approximate)
+
+
+def _is_prob(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _form_names(module) -> tuple[str, ...]:
     """The forms `module`'s structure and activations match, by name."""
     return (tuple(f.__qualname__ + repr(getattr(f, "approximate", "")) for f, _ in _mlp_candidates(module))
             + tuple(f.__qualname__ + repr(getattr(f, "approximate", "")) for f, _, _ in _residual_candidates(module))
+            + tuple(f.__qualname__ + repr(f.approximate) for f in _layer_candidates(module))
             + tuple(f.__qualname__ + repr(getattr(f, "approximate", "")) for _, f, _ in _method_candidates(module)))
 
 
@@ -504,7 +535,7 @@ def _mlp_forward(module):
             continue
         if _close(got, want, dtype):
             return fused
-    return _residual_forward(module)
+    return _residual_forward(module) or _layer_forward(module)
 
 
 def _linear_out(module) -> int | None:
@@ -550,6 +581,39 @@ def _residual_forward(module):
         if isinstance(want, tuple):
             continue
         if _close(got, want, dtype):
+            return fused
+    return None
+
+
+def _layer_forward(module):
+    """The fused ResidualLayerForward for `module`'s class, or None: the first
+    RESIDUAL_LAYER_FORMS form whose output equals the layer's own forward (eval
+    mode; [2, 3, H] hidden states, no mask, no cache; a layer with a
+    cross-attention also with [2, 4, H] encoder states)."""
+    params = list(module.parameters())
+    if not params:
+        return None
+    dtype, device = params[0].dtype, params[0].device
+    for fused in _layer_candidates(module):
+        n = _linear_in(getattr(module, fused.fc1))
+        if n is None:
+            continue
+        gen = torch.Generator().manual_seed(4321)
+        x = torch.randn(2, 3, n, generator=gen).to(dtype=dtype, device=device)
+        # attention_mask=None where the forward names one (Whisper's encoder layer has no default)
+        base = {"attention_mask": None} if "attention_mask" in inspect.signature(type(module).forward).parameters \
+            else {}
+        probes = [base]
+        if fused.has_cross:
+            enc = torch.randn(2, 4, n, generator=gen).to(dtype=dtype, device=device)
+            probes.append({**base, "encoder_hidden_states": enc})
+        ok = True
+        for kwargs in probes:
+            with _eval_mode(module):
+                ran = _run_probe(module, _form_name(fused), lambda: type(module).forward(module, x, **kwargs),
+                                 lambda: fused(module, x, **kwargs))
+            ok = ok and ran is not None and not isinstance(ran[0], tuple) and _close(ran[1], ran[0], dtype)
+        if ok:
             return fused
     return None
 

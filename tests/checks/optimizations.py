@@ -53,6 +53,8 @@ VARIANTS = {
     # Falcon's new decoder architecture: two norms in parallel (ln_attn, ln_mlp), 2 KV heads
     "FalconForCausalLM/parallel_norms": ("FalconForCausalLM", {"new_decoder_architecture": True, "num_kv_heads": 2,
                                                                "multi_query": False}),
+    # OPT-350m's post-norm layers (do_layer_norm_before=False): the fused layer form's other branch
+    "OPTForCausalLM/post_norm": ("OPTForCausalLM", {"do_layer_norm_before": False}),
 }
 
 

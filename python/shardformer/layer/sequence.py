@@ -199,7 +199,9 @@ def gather_block_input(module: nn.Module, x: torch.Tensor, state, group) -> torc
     """The overlapped input gather of a sequence-parallel block (role
     "block" with ShardConfig.enable_sequence_overlap, layer/sequence.py):
     `x` is this rank's rows [batch, S/p, in] of the input of `module`
-    (a Llama attention or MLP).  One _GatherRowsLinear pass gathers the rows
+    (a Llama attention or MLP), or [S/p, batch, in] where the sequence is
+    dimension 0 (state.dim = 0: ChatGLM2's GLMBlock); the rows are gathered
+    along state.dim.  One _GatherRowsLinear pass gathers the rows
     (overlap: in flight while this rank's rows are multiplied) and computes
     the output of every sequence-parallel column layer among the module's
     children (q/k/v or qkv; gate/up or gate_up: they all read the block's
@@ -237,10 +239,11 @@ def gather_block_input(module: nn.Module, x: torch.Tensor, state, group) -> torc
     params = []
     for m in layers:
         params += list(m._local_params())
-    outs = _GatherRowsLinear.apply(x.movedim(SEQ_DIM, 0), conv1d.pop(), group, state.length, True, True, *params)
-    full = outs[0].movedim(0, SEQ_DIM)
+    dim = state.dim                  # the sequence's dimension: 1 of [batch, S, in], 0 of ChatGLM2's [S, batch, in]
+    outs = _GatherRowsLinear.apply(x.movedim(dim, 0), conv1d.pop(), group, state.length, True, True, *params)
+    full = outs[0].movedim(0, dim)
     for m, y in zip(layers, outs[1:]):
-        m._precomputed = (full, y.movedim(0, SEQ_DIM))
+        m._precomputed = (full, y.movedim(0, dim))
     return full
 
 
