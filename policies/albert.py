@@ -27,7 +27,7 @@ the modules once and act on every repetition: the encoder
 sequence) and gathers the last_hidden_state of its output (pooler and heads
 see the full sequence); in between every repetition runs on this rank's
 rows.  embedding_hidden_mapping_in runs on the rows (gradients
-all-reduced).  AlbertAttention takes role "enter" (input all-gathered,
+all-reduced).  AlbertAttention takes layouts ENTER (input all-gathered,
 saved as this rank's rows) and, since its residual add and post-norm are
 inside the module, its forward is replaced (albert_attention_forward): q/k/v
 read the gathered input, dense reduce-scatters and adds its bias on this
@@ -83,7 +83,7 @@ def _rows_of(full: torch.Tensor, size: int, rank: int) -> torch.Tensor:
 
 def albert_attention_forward(self, hidden_states: torch.Tensor, attention_mask=None, **kwargs):
     """AlbertAttention.forward under split-gather SP: `hidden_states` is the
-    full sequence (the module's "enter" hook gathered it); this rank's heads
+    full sequence (the module's ENTER hook gathered it); this rank's heads
     attend over it, dense returns this rank's rows of the sum (plus its
     bias), and the residual adds this rank's rows of the input."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -105,7 +105,7 @@ class EncoderEnds:
     """The split of a module's input and the gather of its output's first
     tensor (or a ModelOutput's last_hidden_state) along the sequence, for an
     encoder whose layers are reused (ALBERT): both ends on the encoder
-    module itself (role "split" + "gather" of shardformer.layer.sequence,
+    module itself (SPLIT | GATHER of shardformer.layer.sequence,
     for a module that returns a ModelOutput)."""
 
     @classmethod

@@ -5,7 +5,7 @@ down projection row-parallel) and the router mlp.gate stays replicated, so all
 ranks route alike.
 
 Split-gather sequence parallelism: the DecoderShape layout (self_attn and
-mlp "block" regions, the norms on this rank's rows, split at layers.0 and
+mlp BLOCK regions, the norms on this rank's rows, split at layers.0 and
 gathered after the last layer), with the MoE block as the mlp region: the
 router mlp.gate runs on the gathered tokens (replicated; its gradients,
 partial on each rank, all-reduced, and the router logits handed out for the

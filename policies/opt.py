@@ -15,7 +15,7 @@ word_embed_proj_dim != hidden_size) stay replicated.
 Split-gather sequence parallelism (policies/shapes.py, sp_linear_kwargs):
 the hidden states are split along the sequence from decoder.layers.0 to
 the last layer (gathered after it: final_layer_norm, project_out and the
-heads see the full sequence).  self_attn takes role "enter" (input
+heads see the full sequence).  self_attn takes layouts ENTER (input
 all-gathered, padding dropped: the causal attention and the KV cache see
 the whole sequence); the MLP is no module of its own and runs on rows
 flattened to [B * S/p, hidden], so fc1 gathers its input rows itself

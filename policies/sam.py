@@ -41,7 +41,7 @@ runs, with Xr this rank's rows:
                                        plain row-parallel layer (all-reduce, then its bias)
     this rank's rows of the sum        (backward: all-gather of the rows' gradients)
     residual add, layer_norm2          on this rank's rows
-    mlp                                role "enter": input all-gathered, lin1 reads it,
+    mlp                                ENTER: input all-gathered, lin1 reads it,
                                        lin2 reduce-scatters along H and adds its bias
 
 The relative position tables are added to the scores of every window on
@@ -149,7 +149,7 @@ class SamShape(FamilyPolicy):
 
     def sequence_parallel_policy(self, vision_cfg) -> dict:
         """The replaced layer forward, the norms' gradient all-reduce, the
-        mlp's "enter" region and the split / gather at the encoder's ends."""
+        mlp's ENTER region and the split / gather at the encoder's ends."""
         from shardformer.layer.sequence import SequenceState
 
         state = SequenceState()

@@ -274,11 +274,11 @@ def decoder_heads(prefix: str, *, base: str = "Model", qa: bool = True, token: b
 # GPT-2, BERT, GPT-Neo, GPT-J, BLOOM: the row layer's output passes a bias and
 # a residual dropout (and, in BERT, the residual add and the post-norm)
 # inside the attention / MLP module, so the sum over ranks has to happen at
-# the row layer, not at the module's output (DecoderShape's "block" role).
-# Megatron's layout (shardformer.layer.sequence, role "enter"):
+# the row layer, not at the module's output (DecoderShape's BLOCK).
+# Megatron's layout (shardformer.layer.sequence, ENTER):
 #
 #   between layers          hidden states split along the sequence: this rank's rows
-#   attention / MLP module  role "enter": input all-gathered along S (backward:
+#   attention / MLP module  ENTER: input all-gathered along S (backward:
 #                           reduce-scatter of dX), saved as local rows, re-gathered once
 #   column layers           sequence_parallel=True: no copy_to_tp_region
 #   row layers              reduce_scatter=True: reduce-scatter of the partial sums
@@ -305,7 +305,7 @@ def sp_overlap(shard_config) -> bool:
     projection (and GPT-2's c_attn) gathers its own input rows, overlapping
     the all-gather with its matmul and, backward, the reduce-scatter of dX
     with dW (Linear1D_Col gather_input=True, overlap=True) instead of the
-    module's "enter" gather.  DecoderShape: every block's gather, shared by
+    module's ENTER gather.  DecoderShape: every block's gather, shared by
     its column layers (SequenceParallelRegion overlap=True)."""
     return bool(shard_config.sequence_parallel and getattr(shard_config, "enable_sequence_overlap", False))
 
@@ -379,8 +379,8 @@ class EncoderShape(SplitGatherMixin, FamilyPolicy):
     the hidden states are split at the first `<prefix>Layer` (the embeddings,
     with their positions, token types and dropout, run before it on the full
     sequence) and gathered after the last one (pooler and heads see the full
-    sequence).  In each layer attention.self and intermediate take role
-    "enter" (the attention mask is bidirectional: the gathered sequence is
+    sequence).  In each layer attention.self and intermediate take layouts
+    ENTER (the attention mask is bidirectional: the gathered sequence is
     the whole one); attention.output.dense and output.dense reduce-scatter
     and add their bias on this rank's rows; their dropouts draw a mask per
     rank; the post-norms attention.output.LayerNorm and output.LayerNorm run
@@ -561,7 +561,7 @@ class StageShape(VisionShape):
                            output) cut to this rank's rows ("leave", backward
                            zeros elsewhere: the "sum_grad" all-reduce adds the
                            ranks' rows, each masked by its own rank's dropout)
-        mlp                role "enter" (input all-gathered); fc2 reduce-scatters
+        mlp                ENTER (input all-gathered); fc2 reduce-scatters
                            and adds its bias on this rank's rows
         norms              gradients all-reduced (ReplicatedInParallelRegion
                            on the stage's `blocks`, dotted parameter names)
@@ -672,7 +672,7 @@ class GPTBlockShape(SplitGatherMixin, FamilyPolicy):
     Split-gather sequence parallelism (the layout above sp_linear_kwargs):
     the hidden states are split at h.0 (after the embeddings and their
     dropout, on the full sequence) and gathered after the last block (ln_f
-    and the heads see the full sequence).  <attn> and mlp take role "enter"
+    and the heads see the full sequence).  <attn> and mlp take layouts ENTER
     (input all-gathered: the causal attention sees the whole sequence, the
     KV cache holds it); the row layers (out_proj, mlp.<down>) reduce-scatter
     and add their bias on this rank's rows; resid_dropout and mlp.dropout
@@ -700,7 +700,7 @@ class GPTBlockShape(SplitGatherMixin, FamilyPolicy):
         return [m for m in self.model.modules() if type(m).__name__ == f"{self.prefix}Block"]
 
     def sp_entered(self) -> list[str]:
-        """The modules that gather their input (role "enter"): with overlap
+        """The modules that gather their input (ENTER): with overlap
         the MLP's up projection gathers its rows itself."""
         return [self.attention] + ([] if sp_overlap(self.shard_config) else ["mlp"])
 
@@ -768,7 +768,7 @@ class FusedQKVShape(SplitGatherMixin, FamilyPolicy):
 
     Split-gather sequence parallelism (the layout above sp_linear_kwargs):
     the hidden states are split at h.0 and gathered after the last layer;
-    self_attention and mlp take role "enter" (the ALiBi bias and the causal
+    self_attention and mlp take layouts ENTER (the ALiBi bias and the causal
     mask are built by the model for the whole sequence, which the gathered
     attention input is); query_key_value and dense_h_to_4h read the gathered
     input; dense and dense_4h_to_h reduce-scatter and add their bias on this

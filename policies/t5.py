@@ -27,17 +27,17 @@ at block.0 (after the embeddings and the stack's dropout, full sequence)
 and gathered after its last block (final_layer_norm, dropout and the heads
 see the full sequence).  Inside a block:
 
-    layer.0.SelfAttention       role "block": input all-gathered along S (the
+    layer.0.SelfAttention       BLOCK: input all-gathered along S (the
                                 attention, its mask and the relative position
                                 bias, built from the gathered length in block
                                 0 and passed on, cover the whole sequence),
                                 o's partial sums reduce-scattered at the output
-    layer.1.EncDecAttention     role "block" (decoder): the query rows gathered
+    layer.1.EncDecAttention     BLOCK (decoder): the query rows gathered
                                 the same way; k and v read the encoder output,
                                 which is the full sequence on every rank
                                 (gathered after the encoder): plain column
                                 layers (gradient all-reduced), as under TP
-    layer.-1.DenseReluDense     role "block" (wi / wi_0, wi_1 read the gathered
+    layer.-1.DenseReluDense     BLOCK (wi / wi_0, wi_1 read the gathered
                                 input; wo's partial sums reduce-scattered)
     q (and k, v of self attention), wi*   Linear1D_Col(sequence_parallel=True)
     o, wo                       Linear1D_Row(sequence_parallel=True): T5 has no

@@ -23,7 +23,7 @@ hidden states are split at layers.0 (after conv1, conv2, the positional
 embedding and the dropout, on the full sequence) and gathered after its
 last layer (layer_norm and the heads see the full sequence); the decoder's
 likewise (after its token and position embeddings; the causal mask is built
-for the full sequence).  self_attn and encoder_attn take role "enter" (the
+for the full sequence).  self_attn and encoder_attn take layouts ENTER (the
 query input all-gathered; encoder_attn's k_proj / v_proj read the encoder
 output, full on every rank: plain column layers, gradient all-reduced);
 fc1 gathers its input rows itself (Linear1D_Col gather_input=True; with

@@ -611,11 +611,11 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
     # (shardformer.layer.sequence): its input all-gathered along the sequence
     # (backward: reduce-scatter), its column / row layers take
     # sequence_parallel=True, and either
-    #   role "block"  the row layers return partial sums and the region's
-    #                 output is reduce-scattered (backward: all-gathered), or
-    #   role "enter"  where a row layer has a bias: the row layers
-    #                 reduce-scatter themselves and add the bias on this
-    #                 rank's rows;
+    #   BLOCK   the row layers return partial sums and the region's
+    #           output is reduce-scattered (backward: all-gathered), or
+    #   ENTER   where a row layer has a bias: the row layers
+    #           reduce-scatter themselves and add the bias on this
+    #           rank's rows;
     # a MoE block's experts return partial sums (FusedExperts1D
     # sequence_parallel=True), so its router's gradients are partial and get
     # all-reduced (RouterInSequenceParallel).  The layer's other parameterized

@@ -284,7 +284,7 @@ def record_hidden_states(policy, model):
     shardformer.layer.sequence.mark_rows."""
     cfg = policy.shard_config
     split_gather = policy.tensor_parallel and cfg.sequence_parallel and policy.tp_size > 1
-    if cfg.split_attention_mode or (split_gather and getattr(policy, "records_hidden_states", True)):
+    if cfg.split_attention_mode or (split_gather and policy.records_hidden_states):
         record_full_hidden_states(model)
     elif split_gather:
         refuse_recorded_hidden_states(model, type(model).__name__)

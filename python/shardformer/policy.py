@@ -158,6 +158,10 @@ class Policy(ABC):
     sequence_overlap_why: str = "its sequence-parallel blocks gather their input before the projections"
     #: Whether it implements ShardConfig.sequence_parallel_recompute.
     sequence_recompute: bool = False
+    #: Under split_gather, whether its layers' rows are marked (plan.split_gather_ends)
+    #: so that output_hidden_states=True returns full sequences; False: refused by name
+    #: (plan.record_hidden_states).
+    records_hidden_states: bool = True
     #: Where pipeline parallelism splits the model (a shardformer.pipeline.StageSplit:
     #: the module running the layers, its layer list, the children that run after
     #: them); None: the policy does not implement pipeline parallelism.
