@@ -46,18 +46,23 @@ CUDA_MISSING = ("shardformer was built without CUDA (nvcc not found at build tim
                 "SHARDFORMER_CUDA=1 (see docs/cuda.md)")
 
 _cuda_ext = None
+_cuda_import_error: ImportError | None = None   # the import failed once: not tried again
 
 
 def _cuda_module():
     """shardformer._cuda, imported on first use; RuntimeError(CUDA_MISSING) when
     the build had no CUDA toolkit."""
-    global _cuda_ext
+    global _cuda_ext, _cuda_import_error
     if _cuda_ext is None:
-        try:
-            from . import _cuda
-        except ImportError as e:
-            raise RuntimeError(CUDA_MISSING) from e
-        _cuda_ext = _cuda
+        if _cuda_import_error is None:
+            try:
+                from . import _cuda
+            except ImportError as e:
+                _cuda_import_error = e
+            else:
+                _cuda_ext = _cuda
+                return _cuda_ext
+        raise RuntimeError(CUDA_MISSING) from _cuda_import_error
     return _cuda_ext
 
 
