@@ -259,7 +259,6 @@ static inline int take_embedding_backward(views *vs, PyObject *args, kcall *k)
            want_numel(vs, t[0], "dout", nout) ? -1 : 0;
 }
 
-#define DATA(v) ((v) ? (v)->data : NULL)
 #define I64P(v) ((const int64_t *)(v)->data)
 
 #endif /* SHARDFORMER_KERNEL_CALLS_H */
