@@ -38,7 +38,7 @@ below it; an arrow into a higher layer is an *upward arrow*:
 
 A package's `__init__` sits in the layer of its package, except the top
 package (`shardformer`), which is the API.  `shardformer._C` (the C
-extension) is a base leaf.
+extension) and `shardformer._cuda` (the CUDA one) are base leaves.
 
 Importing `a.b.c` runs `a/__init__` and `a/b/__init__` first, so for the
 circles an arrow into `a.b.c` also implies arrows into those packages
@@ -73,7 +73,7 @@ PACKAGE = "shardformer"
 # (layer name, module patterns relative to `shardformer`), leaf first.  The
 # first pattern that matches decides; every module must match one.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("_C", "config", "layout", "_versions", "ops", "compile_ops", "hashes", "lazy", "inherit",
+    ("base", ("_C", "_cuda", "config", "layout", "_versions", "ops", "compile_ops", "hashes", "lazy", "inherit",
               "compile_refusal", "packing", "ddp_guard", "ties", "wrappers", "pickling")),
     ("distributed", ("distributed", "distributed.*", "replicas", "input_check", "lockstep")),
     ("layer", ("layer", "layer.*", "attention")),
@@ -121,6 +121,7 @@ def discover(root: str) -> dict[str, str]:
                 mod = parts if name == "__init__.py" else parts + [name[:-3]]
                 found[".".join([prefix] + mod)] = os.path.join(dirpath, name)
     found[PACKAGE + "._C"] = "<extension>"
+    found[PACKAGE + "._cuda"] = "<extension>"   # built only with the CUDA toolkit (docs/cuda.md)
     return found
 
 

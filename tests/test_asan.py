@@ -98,7 +98,7 @@ def _libasan():
 def asan_build(tmp_path_factory):
     libasan = _libasan()
     base = tmp_path_factory.mktemp("asan_build")
-    env = dict(os.environ, SHARDFORMER_ASAN="1")
+    env = dict(os.environ, SHARDFORMER_ASAN="1", SHARDFORMER_CUDA="0")   # _C alone (docs/cuda.md)
     proc = subprocess.run(
         [sys.executable, "setup.py", "-q", "build_ext", "--build-lib", str(base / "lib"),
          "--build-temp", str(base / "tmp")],

@@ -65,6 +65,7 @@ def test_cuda_tensor_refused_when_built_without_cuda(monkeypatch):
 
     # the state of a build without the extension: nothing loaded, the import fails
     monkeypatch.setattr(ops, "_cuda_ext", None)
+    monkeypatch.setattr(ops, "_cuda_import_error", None)
     monkeypatch.delattr(shardformer, "_cuda", raising=False)
     monkeypatch.setitem(sys.modules, "shardformer._cuda", None)
     with pytest.raises(RuntimeError, match=re.escape(

@@ -86,7 +86,7 @@ def test_xent_stats_and_grad_match_torch(dtype):
     got = ops.xent_stats(z, y, start, real, -100, True, vocab_size=vocab)
     want = torch_xent_stats(z, y, start, real, -100, True, vocab_size=vocab)
     for name, a, b in zip(("max", "sumexp", "target", "sumz"), got, want):
-        close(a, b, 1e-5 if name != "sumz" else 1e-4, name)       # fp32 statistics of the same values
+        close(a, b, 2e-5 if name != "sumz" else 1e-4, name)       # fp32 statistics of the same values
     lse = got[0] + got[1].log()
     scale = torch.rand(z.shape[0], device=DEV)
     scale[0] = 0.0                                                # the ignored row

@@ -29,8 +29,9 @@ UPWARD = {
     "shardformer.autopolicy (policy) -> shardformer.policies (policies)",
 }
 #: levels reached (main 32fde9d: 144 function-level imports, 49 private names crossing modules;
-#: after issue 33's merge: 80 and 20)
-MAX_FUNCTION_LEVEL = 80
+#: after issue 33's merge: 80 and 20; + 1 function-level import since: ops imports the CUDA
+#: extension on the first CUDA tensor, by design, so a CPU-only run never loads it)
+MAX_FUNCTION_LEVEL = 81
 MAX_PRIVATE = 20
 
 
@@ -68,7 +69,7 @@ def test_the_graph_of_a_small_tree(tmp_path, monkeypatch):
     package's __init__ (implied by importing one of its modules), a
     function-level arrow, an upward arrow, a private name, a typing-only
     import left out, and a module in no layer refused by name."""
-    monkeypatch.setattr(import_graph, "LAYERS", [("low", ("_C", "config", "pkg", "pkg.*")), ("high", ("", "top"))])
+    monkeypatch.setattr(import_graph, "LAYERS", [("low", ("_C", "_cuda", "config", "pkg", "pkg.*")), ("high", ("", "top"))])
     root = _tree(tmp_path, {
         "python/shardformer/__init__.py": "from .top import run\n",
         "python/shardformer/config.py": """\
@@ -91,6 +92,6 @@ def test_the_graph_of_a_small_tree(tmp_path, monkeypatch):
     assert rep["function"] == ["shardformer.config:6 -> shardformer.top"]
     assert rep["private"] == ["shardformer.config:6 <- shardformer.top._hidden"]
 
-    monkeypatch.setattr(import_graph, "LAYERS", [("low", ("_C", "config"))])
+    monkeypatch.setattr(import_graph, "LAYERS", [("low", ("_C", "_cuda", "config"))])
     with pytest.raises(ValueError, match=r"shardformer.pkg, shardformer.pkg.a, shardformer.pkg.b, shardformer.top in no layer"):
         import_graph.report(import_graph.build(root))

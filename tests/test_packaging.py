@@ -38,8 +38,11 @@ def _tree_modules() -> set[str]:
 def dist(tmp_path_factory):
     """The sdist, and the wheel built from that sdist (as `python -m build` does)."""
     out = tmp_path_factory.mktemp("dist")
+    # SHARDFORMER_CUDA=0: the CPU package (what a machine without nvcc builds); the CI install
+    # builds the CUDA extension once already (tests/test_cuda_build.py checks it there), and a
+    # second nvcc pass here would cost CI its time again.
     subprocess.run([sys.executable, "-m", "build", "--no-isolation", "-o", str(out), ROOT], check=True,
-                   cwd=str(out), capture_output=True)
+                   cwd=str(out), capture_output=True, env=dict(os.environ, SHARDFORMER_CUDA="0"))
     files = sorted(os.listdir(out))
     wheels = [f for f in files if f.endswith(".whl")]
     sdists = [f for f in files if f.endswith(".tar.gz")]
@@ -53,6 +56,7 @@ def test_wheel_holds_every_module_of_the_tree(dist):
     assert not missing, f"the wheel lacks {missing}"
     assert "shardformer/pipeline/stages.py" in names
     assert any(n.startswith("shardformer/_C.") and n.endswith(".so") for n in names)
+    assert not any(n.startswith("shardformer/_cuda.") for n in names), "SHARDFORMER_CUDA=0 built _cuda"
     assert not any(n.startswith(("tests/", "python/", "policies/")) for n in names), sorted(names)[:10]
 
 
@@ -63,7 +67,7 @@ def test_sdist_holds_what_the_build_needs(dist):
                    "python/shardformer/pipeline/stages.py"):
         assert needed in names, needed
     sources = {os.path.relpath(os.path.join(d, f), ROOT) for d, _, fs in os.walk(os.path.join(ROOT, "csrc"))
-               for f in fs if f.endswith((".c", ".h"))}
+               for f in fs if f.endswith((".c", ".h", ".cu", ".cuh"))}
     assert not sources - names, sorted(sources - names)
 
 

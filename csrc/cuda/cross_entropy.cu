@@ -81,23 +81,13 @@ struct XentGrad {
     }
 };
 
+/* the CPU kernels' checks (kernels/checks.h), and rows x n within int64 */
 sf_status check(const char *fn, sfk_dtype t, int64_t rows, int64_t n, int64_t real,
                 int64_t vocab_start, const void *logits, const int64_t *labels, sf_error *err)
 {
-    sf_status rc;
-    if ((rc = sfk_check_dtype(fn, t, err)) || (rc = sfk_check_size(fn, "rows", rows, err)) ||
-        (rc = sfk_check_size(fn, "n", n, err)) ||
-        (rc = sfk_check_size(fn, "vocab_start", vocab_start, err)))
-        return rc;
-    if (real < 0 || real > n)
-        return sf_fail(err, SF_EINVAL, "%s: vocab_real=%lld outside [0, %lld] (the logits have "
-                       "%lld columns)", fn, (long long)real, (long long)n, (long long)n);
     int64_t total;
-    if ((rc = sfk_check_ptr(fn, "labels", labels, rows, err)) ||
-        (rc = sfk_check_ptr(fn, "logits", logits, n > 0 ? rows : 0, err)) ||
-        (rc = elements(fn, rows, n, &total, err)))
-        return rc;
-    return SF_OK;
+    sf_status rc = sfk_check_xent_args(fn, t, rows, n, real, vocab_start, logits, labels, err);
+    return rc ? rc : elements(fn, rows, n, &total, err);
 }
 
 }  // namespace

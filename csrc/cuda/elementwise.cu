@@ -154,20 +154,11 @@ struct BdaBwd {
     __device__ void operator()(int64_t i) const { store(dx, i, f.at(i)); }
 };
 
+/* the CPU kernels' checks (kernels/checks.h), and rows x n within int64 into *total */
 sf_status check(const char *fn, sfk_dtype t, int64_t rows, int64_t n, int64_t *total, sf_error *err)
 {
-    sf_status rc;
-    if ((rc = sfk_check_dtype(fn, t, err)) || (rc = sfk_check_size(fn, "rows", rows, err)) ||
-        (rc = sfk_check_size(fn, "n", n, err)) || (rc = elements(fn, rows, n, total, err)))
-        return rc;
-    return SF_OK;
-}
-
-sf_status check_p(const char *fn, float p, sf_error *err)
-{
-    if (!(p >= 0.0f && p <= 1.0f))
-        return sf_fail(err, SF_EINVAL, "%s: p=%g outside [0, 1]", fn, (double)p);
-    return SF_OK;
+    sf_status rc = sfk_check_elementwise_args(fn, t, rows, n, err);
+    return rc ? rc : elements(fn, rows, n, total, err);
 }
 
 /* db zeroed when there is no element (rows or n 0), as on the CPU */
@@ -260,7 +251,7 @@ extern "C" sf_status sfc_bias_dropout_add_forward(sfk_dtype t, const void *x, co
     static const char fn[] = "bias_dropout_add_forward (CUDA)";
     int64_t total;
     sf_status rc;
-    if ((rc = check(fn, t, rows, n, &total, err)) || (rc = check_p(fn, p, err)) ||
+    if ((rc = check(fn, t, rows, n, &total, err)) || (rc = sfk_check_dropout_p(fn, p, err)) ||
         (rc = sfk_check_ptr(fn, "x", x, total, err)) ||
         (rc = sfk_check_ptr(fn, "residual", res, total, err)) ||
         (rc = sfk_check_ptr(fn, "y", y, total, err)))
@@ -279,7 +270,7 @@ extern "C" sf_status sfc_bias_dropout_add_backward(sfk_dtype t, const void *dy, 
     static const char fn[] = "bias_dropout_add_backward (CUDA)";
     int64_t total;
     sf_status rc;
-    if ((rc = check(fn, t, rows, n, &total, err)) || (rc = check_p(fn, p, err)) ||
+    if ((rc = check(fn, t, rows, n, &total, err)) || (rc = sfk_check_dropout_p(fn, p, err)) ||
         (rc = sfk_check_ptr(fn, "dy", dy, total, err)) || (rc = sfk_check_ptr(fn, "dx", dx, total, err)))
         return rc;
     if (total == 0) return zero_db(fn, db, n, stream, err);

@@ -48,19 +48,13 @@ struct ScatterAdd {
     }
 };
 
+/* the CPU kernels' checks (kernels/checks.h), and count x d within int64 */
 sf_status check(const char *fn, sfk_dtype t, int64_t d, int64_t real, int64_t count,
                 int64_t vocab_start, const int64_t *ids, sf_error *err)
 {
-    sf_status rc;
     int64_t total;
-    if ((rc = sfk_check_dtype(fn, t, err)) || (rc = sfk_check_size(fn, "d", d, err)) ||
-        (rc = sfk_check_size(fn, "vocab_real", real, err)) ||
-        (rc = sfk_check_size(fn, "vocab_start", vocab_start, err)) ||
-        (rc = sfk_check_size(fn, "count", count, err)) ||
-        (rc = sfk_check_ptr(fn, "ids", ids, count, err)) ||
-        (rc = elements(fn, count, d, &total, err)))
-        return rc;
-    return SF_OK;
+    sf_status rc = sfk_check_embedding_args(fn, t, d, real, count, vocab_start, ids, err);
+    return rc ? rc : elements(fn, count, d, &total, err);
 }
 
 }  // namespace

@@ -16,6 +16,7 @@
 
 #include "cuda/kernels.h"
 #include "kernel_args.h"
+#include "kernel_calls.h"
 
 /* Every tensor of the call on one CUDA device: *dev.  -1 with ValueError
  * naming the two arguments and their devices. */
@@ -51,6 +52,25 @@ static int one_device(views *vs, int *dev)
     Py_END_ALLOW_THREADS                                                      \
     return finish(&vs, rc, &err)
 
+/* take(vs, args, k) (kernel_calls.h) on the call's arguments less the last,
+ * the stream, which goes to *stream.  -1 with an exception. */
+static int take_cuda(int (*take)(views *, PyObject *, kcall *), views *vs, PyObject *args, kcall *k,
+                     unsigned long long *stream)
+{
+    const Py_ssize_t n = PyTuple_GET_SIZE(args);
+    if (n < 1) {
+        PyErr_Format(PyExc_TypeError, "%s: expected the kernel's arguments and a CUDA stream", vs->fn);
+        return -1;
+    }
+    *stream = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(args, n - 1));
+    if (*stream == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    PyObject *rest = PyTuple_GetSlice(args, 0, n - 1);
+    if (!rest) return -1;
+    const int rc = take(vs, rest, k);
+    Py_DECREF(rest);
+    return rc;
+}
+
 #define VIEWS(name) views vs = {.fn = name " (CUDA)", .device = SF_TAKE_CUDA}
 
 /* ---- cross-entropy ------------------------------------------------------ */
@@ -58,56 +78,27 @@ static int one_device(views *vs, int *dev)
 static PyObject *py_xent_forward(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *o[6];
-    long long vstart, real, ignore, vocab;
-    unsigned long long s;
-    if (!PyArg_ParseTuple(args, "OOLLLOOOOLK:xent_forward", &o[0], &o[1], &vstart, &real, &ignore,
-                          &o[2], &o[3], &o[4], &o[5], &vocab, &s))
-        return NULL;
     VIEWS("xent_forward");
-    sf_view *z, *y, *mx, *se, *tg, *sz;
-    if (arg(&vs, o[0], "logits", IN, &z) || arg(&vs, o[1], "labels", I64, &y) ||
-        arg(&vs, o[2], "max", F32_OUT, &mx) || arg(&vs, o[3], "sumexp", F32_OUT, &se) ||
-        arg(&vs, o[4], "target", F32_OUT, &tg) || arg(&vs, o[5], "sumz", F32_OUT_OPT, &sz))
-        return fail(&vs);
-    int64_t n = last_dim(z), rows = 0;
-    if (lead_rows(&vs, z, &rows)) return fail(&vs);
-    if (want_numel(&vs, y, "labels", rows) || want_numel(&vs, mx, "max", rows) ||
-        want_numel(&vs, se, "sumexp", rows) || want_numel(&vs, tg, "target", rows) ||
-        want_numel(&vs, sz, "sumz", rows))
-        return fail(&vs);
-    RUN_CUDA(sfc_xent_forward(kdtype(z), z->data, rows, n, real, (const int64_t *)y->data, vstart,
-                              ignore, vocab, FLOATP(mx), FLOATP(se), FLOATP(tg), FLOATP(sz),
+    kcall k = {0};
+    sf_view **t = k.t;
+    unsigned long long s;
+    if (take_cuda(take_xent_forward, &vs, args, &k, &s)) return fail(&vs);
+    RUN_CUDA(sfc_xent_forward(kdtype(t[0]), t[0]->data, k.rows, k.n, k.i[1], I64P(t[1]), k.i[0], k.i[2], k.i[3],
+                         FLOATP(t[2]), FLOATP(t[3]), FLOATP(t[4]), FLOATP(t[5]),
                               STREAM(s), &err));
 }
 
 static PyObject *py_xent_backward(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *o[5];
-    long long vstart, real, ignore, vocab;
-    float eps;
-    unsigned long long s;
-    if (!PyArg_ParseTuple(args, "OOLLLOOfLOK:xent_backward", &o[0], &o[1], &vstart, &real, &ignore,
-                          &o[2], &o[3], &eps, &vocab, &o[4], &s))
-        return NULL;
     VIEWS("xent_backward");
-    sf_view *z, *y, *lse, *sc, *g;
-    if (arg(&vs, o[0], "logits", IN, &z) || arg(&vs, o[1], "labels", I64, &y) ||
-        arg(&vs, o[2], "lse", F32, &lse) || arg(&vs, o[3], "scale", F32, &sc) ||
-        arg(&vs, o[4], "grad", OUT, &g))
-        return fail(&vs);
-    int64_t n = last_dim(z), rows = 0;
-    if (lead_rows(&vs, z, &rows)) return fail(&vs);
-    if (want_numel(&vs, y, "labels", rows) || want_numel(&vs, lse, "lse", rows) ||
-        want_numel(&vs, sc, "scale", rows) || want_numel(&vs, g, "grad", z->numel) ||
-        same_dtype(&vs, z, "logits", g, "grad"))
-        return fail(&vs);
-    vs.same_ok[0] = z;                       /* the gradient may overwrite the logits */
-    vs.same_ok[1] = g;
-    RUN_CUDA(sfc_xent_backward(kdtype(z), z->data, g->data, rows, n, real, (const int64_t *)y->data,
-                               vstart, ignore, FLOATP(lse), FLOATP(sc), eps, vocab, STREAM(s),
-                               &err));
+    kcall k = {0};
+    sf_view **t = k.t;
+    unsigned long long s;
+    if (take_cuda(take_xent_backward, &vs, args, &k, &s)) return fail(&vs);
+    RUN_CUDA(sfc_xent_backward(kdtype(t[0]), t[0]->data, t[4]->data, k.rows, k.n, k.i[1], I64P(t[1]), k.i[0],
+                          k.i[2], FLOATP(t[2]), FLOATP(t[3]), k.f, k.i[3],
+                              STREAM(s), &err));
 }
 
 /* ---- norms -------------------------------------------------------------- */
@@ -115,56 +106,27 @@ static PyObject *py_xent_backward(PyObject *self, PyObject *args)
 static PyObject *py_norm_forward(PyObject *self, PyObject *args)
 {
     (void)self;
-    int rms;
-    float eps;
-    PyObject *o[6];
-    unsigned long long s;
-    if (!PyArg_ParseTuple(args, "pOOOfOOOK:norm_forward", &rms, &o[0], &o[1], &o[2], &eps, &o[3],
-                          &o[4], &o[5], &s))
-        return NULL;
     VIEWS("norm_forward");
-    sf_view *x, *w, *b, *y, *mu, *rs;
-    if (arg(&vs, o[0], "x", IN, &x) || arg(&vs, o[1], "weight", F32_OPT, &w) ||
-        arg(&vs, o[2], "bias", F32_OPT, &b) || arg(&vs, o[3], "y", OUT, &y) ||
-        arg(&vs, o[4], "mean", F32_OUT_OPT, &mu) || arg(&vs, o[5], "rstd", F32_OUT, &rs))
-        return fail(&vs);
-    int64_t n = last_dim(x), rows = 0;
-    if (lead_rows(&vs, x, &rows)) return fail(&vs);
-    if (want_numel(&vs, w, "weight", n) || want_numel(&vs, b, "bias", n) ||
-        want_numel(&vs, y, "y", x->numel) || same_dtype(&vs, x, "x", y, "y") ||
-        want_numel(&vs, mu, "mean", rows) || want_numel(&vs, rs, "rstd", rows))
-        return fail(&vs);
-    RUN_CUDA(sfc_norm_forward(rms, kdtype(x), x->data, rows, n, FLOATP(w), FLOATP(b), eps, y->data,
-                              FLOATP(mu), FLOATP(rs), STREAM(s), &err));
+    kcall k = {0};
+    sf_view **t = k.t;
+    unsigned long long s;
+    if (take_cuda(take_norm_forward, &vs, args, &k, &s)) return fail(&vs);
+    RUN_CUDA(sfc_norm_forward(k.flag, kdtype(t[0]), t[0]->data, k.rows, k.n, FLOATP(t[1]), FLOATP(t[2]), k.f,
+                         t[3]->data, FLOATP(t[4]), FLOATP(t[5]),
+                              STREAM(s), &err));
 }
 
 static PyObject *py_norm_backward(PyObject *self, PyObject *args)
 {
     (void)self;
-    int rms;
-    PyObject *o[8];
-    unsigned long long s;
-    if (!PyArg_ParseTuple(args, "pOOOOOOOOK:norm_backward", &rms, &o[0], &o[1], &o[2], &o[3], &o[4],
-                          &o[5], &o[6], &o[7], &s))
-        return NULL;
     VIEWS("norm_backward");
-    sf_view *dy, *x, *w, *mu, *rs, *dx, *dw, *db;
-    if (arg(&vs, o[0], "dy", IN, &dy) || arg(&vs, o[1], "x", IN, &x) ||
-        arg(&vs, o[2], "weight", F32_OPT, &w) ||
-        arg(&vs, o[3], "mean", SF_DT_F32, rms ? SF_TAKE_OPTIONAL : 0, &mu) ||
-        arg(&vs, o[4], "rstd", F32, &rs) || arg(&vs, o[5], "dx", OUT, &dx) ||
-        arg(&vs, o[6], "dweight", F32_OUT_OPT, &dw) || arg(&vs, o[7], "dbias", F32_OUT_OPT, &db))
-        return fail(&vs);
-    int64_t n = last_dim(x), rows = 0;
-    if (lead_rows(&vs, x, &rows)) return fail(&vs);
-    if (want_numel(&vs, dy, "dy", x->numel) || want_numel(&vs, dx, "dx", x->numel) ||
-        same_dtype(&vs, x, "x", dy, "dy") || same_dtype(&vs, x, "x", dx, "dx") ||
-        want_numel(&vs, w, "weight", n) || want_numel(&vs, dw, "dweight", n) ||
-        want_numel(&vs, db, "dbias", n) || want_numel(&vs, mu, "mean", rows) ||
-        want_numel(&vs, rs, "rstd", rows))
-        return fail(&vs);
-    RUN_CUDA(sfc_norm_backward(rms, kdtype(x), dy->data, x->data, rows, n, FLOATP(w), FLOATP(mu),
-                               FLOATP(rs), dx->data, FLOATP(dw), FLOATP(db), STREAM(s), &err));
+    kcall k = {0};
+    sf_view **t = k.t;
+    unsigned long long s;
+    if (take_cuda(take_norm_backward, &vs, args, &k, &s)) return fail(&vs);
+    RUN_CUDA(sfc_norm_backward(k.flag, kdtype(t[1]), t[0]->data, t[1]->data, k.rows, k.n, FLOATP(t[2]),
+                          FLOATP(t[3]), FLOATP(t[4]), t[5]->data, FLOATP(t[6]), FLOATP(t[7]),
+                              STREAM(s), &err));
 }
 
 /* ---- elementwise -------------------------------------------------------- */
@@ -172,135 +134,77 @@ static PyObject *py_norm_backward(PyObject *self, PyObject *args)
 static PyObject *py_bias_gelu_forward(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *o[3];
-    int approx;
-    unsigned long long s;
-    if (!PyArg_ParseTuple(args, "OOpOK:bias_gelu_forward", &o[0], &o[1], &approx, &o[2], &s))
-        return NULL;
     VIEWS("bias_gelu_forward");
-    sf_view *x, *b, *y;
-    if (arg(&vs, o[0], "x", IN, &x) || arg(&vs, o[1], "bias", F32_OPT, &b) ||
-        arg(&vs, o[2], "y", OUT, &y))
-        return fail(&vs);
-    int64_t n = last_dim(x), rows = 0;
-    if (lead_rows(&vs, x, &rows)) return fail(&vs);
-    if (want_numel(&vs, b, "bias", n) || want_numel(&vs, y, "y", x->numel) ||
-        same_dtype(&vs, x, "x", y, "y"))
-        return fail(&vs);
-    RUN_CUDA(sfc_bias_gelu_forward(kdtype(x), x->data, FLOATP(b), rows, n, approx, y->data,
-                                   STREAM(s), &err));
+    kcall k = {0};
+    sf_view **t = k.t;
+    unsigned long long s;
+    if (take_cuda(take_bias_gelu_forward, &vs, args, &k, &s)) return fail(&vs);
+    RUN_CUDA(sfc_bias_gelu_forward(kdtype(t[0]), t[0]->data, FLOATP(t[1]), k.rows, k.n, k.flag, t[2]->data,
+                              STREAM(s), &err));
 }
 
 static PyObject *py_bias_gelu_backward(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *o[5];
-    int approx;
-    unsigned long long s;
-    if (!PyArg_ParseTuple(args, "OOOpOOK:bias_gelu_backward", &o[0], &o[1], &o[2], &approx, &o[3],
-                          &o[4], &s))
-        return NULL;
     VIEWS("bias_gelu_backward");
-    sf_view *dy, *x, *b, *dx, *db;
-    if (arg(&vs, o[0], "dy", IN, &dy) || arg(&vs, o[1], "x", IN, &x) ||
-        arg(&vs, o[2], "bias", F32_OPT, &b) || arg(&vs, o[3], "dx", OUT, &dx) ||
-        arg(&vs, o[4], "dbias", F32_OUT_OPT, &db))
-        return fail(&vs);
-    int64_t n = last_dim(x), rows = 0;
-    if (lead_rows(&vs, x, &rows)) return fail(&vs);
-    if (want_numel(&vs, b, "bias", n) || want_numel(&vs, db, "dbias", n) ||
-        want_numel(&vs, dy, "dy", x->numel) || want_numel(&vs, dx, "dx", x->numel) ||
-        same_dtype(&vs, x, "x", dy, "dy") || same_dtype(&vs, x, "x", dx, "dx"))
-        return fail(&vs);
-    RUN_CUDA(sfc_bias_gelu_backward(kdtype(x), dy->data, x->data, FLOATP(b), rows, n, approx,
-                                    dx->data, FLOATP(db), STREAM(s), &err));
+    kcall k = {0};
+    sf_view **t = k.t;
+    unsigned long long s;
+    if (take_cuda(take_bias_gelu_backward, &vs, args, &k, &s)) return fail(&vs);
+    RUN_CUDA(sfc_bias_gelu_backward(kdtype(t[1]), t[0]->data, t[1]->data, FLOATP(t[2]), k.rows, k.n, k.flag,
+                               t[3]->data, FLOATP(t[4]),
+                              STREAM(s), &err));
 }
 
 static PyObject *py_swiglu_forward(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *o[3];
-    unsigned long long s;
-    if (!PyArg_ParseTuple(args, "OOOK:swiglu_forward", &o[0], &o[1], &o[2], &s))
-        return NULL;
     VIEWS("swiglu_forward");
-    sf_view *g, *u, *y;
-    if (arg(&vs, o[0], "gate", IN, &g) || arg(&vs, o[1], "up", IN, &u) ||
-        arg(&vs, o[2], "y", OUT, &y))
-        return fail(&vs);
-    if (want_numel(&vs, u, "up", g->numel) || want_numel(&vs, y, "y", g->numel) ||
-        same_dtype(&vs, g, "gate", u, "up") || same_dtype(&vs, g, "gate", y, "y"))
-        return fail(&vs);
-    RUN_CUDA(sfc_swiglu_forward(kdtype(g), g->data, u->data, g->numel, y->data, STREAM(s), &err));
+    kcall k = {0};
+    sf_view **t = k.t;
+    unsigned long long s;
+    if (take_cuda(take_swiglu_forward, &vs, args, &k, &s)) return fail(&vs);
+    RUN_CUDA(sfc_swiglu_forward(kdtype(t[0]), t[0]->data, t[1]->data, t[0]->numel, t[2]->data,
+                              STREAM(s), &err));
 }
 
 static PyObject *py_swiglu_backward(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *o[5];
-    unsigned long long s;
-    if (!PyArg_ParseTuple(args, "OOOOOK:swiglu_backward", &o[0], &o[1], &o[2], &o[3], &o[4], &s))
-        return NULL;
     VIEWS("swiglu_backward");
-    sf_view *dy, *g, *u, *dg, *du;
-    if (arg(&vs, o[0], "dy", IN, &dy) || arg(&vs, o[1], "gate", IN, &g) ||
-        arg(&vs, o[2], "up", IN, &u) || arg(&vs, o[3], "dgate", OUT, &dg) ||
-        arg(&vs, o[4], "dup", OUT, &du))
-        return fail(&vs);
-    if (want_numel(&vs, dy, "dy", g->numel) || want_numel(&vs, u, "up", g->numel) ||
-        want_numel(&vs, dg, "dgate", g->numel) || want_numel(&vs, du, "dup", g->numel) ||
-        same_dtype(&vs, g, "gate", dy, "dy") || same_dtype(&vs, g, "gate", u, "up") ||
-        same_dtype(&vs, g, "gate", dg, "dgate") || same_dtype(&vs, g, "gate", du, "dup"))
-        return fail(&vs);
-    RUN_CUDA(sfc_swiglu_backward(kdtype(g), dy->data, g->data, u->data, g->numel, dg->data,
-                                 du->data, STREAM(s), &err));
+    kcall k = {0};
+    sf_view **t = k.t;
+    unsigned long long s;
+    if (take_cuda(take_swiglu_backward, &vs, args, &k, &s)) return fail(&vs);
+    RUN_CUDA(sfc_swiglu_backward(kdtype(t[1]), t[0]->data, t[1]->data, t[2]->data, t[1]->numel, t[3]->data,
+                            t[4]->data,
+                              STREAM(s), &err));
 }
 
 static PyObject *py_bda_forward(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *o[4];
-    float p;
-    unsigned long long seed, s;
-    if (!PyArg_ParseTuple(args, "OOOfKOK:bias_dropout_add_forward", &o[0], &o[1], &o[2], &p, &seed,
-                          &o[3], &s))
-        return NULL;
     VIEWS("bias_dropout_add_forward");
-    sf_view *x, *b, *r, *y;
-    if (arg(&vs, o[0], "x", IN, &x) || arg(&vs, o[1], "bias", F32_OPT, &b) ||
-        arg(&vs, o[2], "residual", IN, &r) || arg(&vs, o[3], "y", OUT, &y))
-        return fail(&vs);
-    int64_t n = last_dim(x), rows = 0;
-    if (lead_rows(&vs, x, &rows)) return fail(&vs);
-    if (want_numel(&vs, b, "bias", n) || want_numel(&vs, r, "residual", x->numel) ||
-        want_numel(&vs, y, "y", x->numel) || same_dtype(&vs, x, "x", r, "residual") ||
-        same_dtype(&vs, x, "x", y, "y"))
-        return fail(&vs);
-    RUN_CUDA(sfc_bias_dropout_add_forward(kdtype(x), x->data, FLOATP(b), r->data, rows, n, p, seed,
-                                          y->data, STREAM(s), &err));
+    kcall k = {0};
+    sf_view **t = k.t;
+    unsigned long long s;
+    if (take_cuda(take_bda_forward, &vs, args, &k, &s)) return fail(&vs);
+    RUN_CUDA(sfc_bias_dropout_add_forward(kdtype(t[0]), t[0]->data, FLOATP(t[1]), t[2]->data, k.rows, k.n, k.f,
+                                     k.seed, t[3]->data,
+                              STREAM(s), &err));
 }
 
 static PyObject *py_bda_backward(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *o[3];
-    float p;
-    unsigned long long seed, s;
-    if (!PyArg_ParseTuple(args, "OfKOOK:bias_dropout_add_backward", &o[0], &p, &seed, &o[1], &o[2],
-                          &s))
-        return NULL;
     VIEWS("bias_dropout_add_backward");
-    sf_view *dy, *dx, *db;
-    if (arg(&vs, o[0], "dy", IN, &dy) || arg(&vs, o[1], "dx", OUT, &dx) ||
-        arg(&vs, o[2], "dbias", F32_OUT_OPT, &db))
-        return fail(&vs);
-    int64_t n = last_dim(dy), rows = 0;
-    if (lead_rows(&vs, dy, &rows)) return fail(&vs);
-    if (want_numel(&vs, dx, "dx", dy->numel) || want_numel(&vs, db, "dbias", n) ||
-        same_dtype(&vs, dy, "dy", dx, "dx"))
-        return fail(&vs);
-    RUN_CUDA(sfc_bias_dropout_add_backward(kdtype(dy), dy->data, rows, n, p, seed, dx->data,
-                                           FLOATP(db), STREAM(s), &err));
+    kcall k = {0};
+    sf_view **t = k.t;
+    unsigned long long s;
+    if (take_cuda(take_bda_backward, &vs, args, &k, &s)) return fail(&vs);
+    RUN_CUDA(sfc_bias_dropout_add_backward(kdtype(t[0]), t[0]->data, k.rows, k.n, k.f, k.seed, t[1]->data,
+                                      FLOATP(t[2]),
+                              STREAM(s), &err));
 }
 
 /* ---- embedding ---------------------------------------------------------- */
@@ -308,55 +212,27 @@ static PyObject *py_bda_backward(PyObject *self, PyObject *args)
 static PyObject *py_embedding_forward(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *o[3];
-    long long vstart, real, vocab;
-    unsigned long long s;
-    if (!PyArg_ParseTuple(args, "OOLLOLK:embedding_forward", &o[0], &o[1], &vstart, &real, &o[2],
-                          &vocab, &s))
-        return NULL;
     VIEWS("embedding_forward");
-    sf_view *w, *ids, *out;
-    if (arg(&vs, o[0], "weight", IN, &w) || arg(&vs, o[1], "ids", I64, &ids) ||
-        arg(&vs, o[2], "out", OUT, &out))
-        return fail(&vs);
-    if (w->ndim != 2 || real < 0 || real > w->shape[0]) {
-        PyErr_Format(PyExc_ValueError, "%s: weight must be 2-D with at least vocab_real=%lld rows, "
-                     "got %d-D", vs.fn, real, w->ndim);
-        return fail(&vs);
-    }
-    int64_t d = w->shape[1], nout;
-    if (mul(&vs, "ids x embedding size", ids->numel, d, &nout) ||
-        want_numel(&vs, out, "out", nout) || same_dtype(&vs, w, "weight", out, "out"))
-        return fail(&vs);
-    RUN_CUDA(sfc_embedding_forward(kdtype(w), w->data, d, real, (const int64_t *)ids->data,
-                                   ids->numel, vstart, vocab, out->data, STREAM(s), &err));
+    kcall k = {0};
+    sf_view **t = k.t;
+    unsigned long long s;
+    if (take_cuda(take_embedding_forward, &vs, args, &k, &s)) return fail(&vs);
+    RUN_CUDA(sfc_embedding_forward(kdtype(t[0]), t[0]->data, k.n, k.i[1], I64P(t[1]), t[1]->numel, k.i[0],
+                              k.i[2], t[2]->data,
+                              STREAM(s), &err));
 }
 
 static PyObject *py_embedding_backward(PyObject *self, PyObject *args)
 {
     (void)self;
-    PyObject *o[3];
-    long long vstart, real, pad;
-    unsigned long long s;
-    if (!PyArg_ParseTuple(args, "OOLLLOK:embedding_backward", &o[0], &o[1], &vstart, &real, &pad,
-                          &o[2], &s))
-        return NULL;
     VIEWS("embedding_backward");
-    sf_view *dout, *ids, *dw;
-    if (arg(&vs, o[0], "dout", IN, &dout) || arg(&vs, o[1], "ids", I64, &ids) ||
-        arg(&vs, o[2], "dweight", F32_OUT, &dw))
-        return fail(&vs);
-    if (dw->ndim != 2 || real < 0 || real > dw->shape[0]) {
-        PyErr_Format(PyExc_ValueError, "%s: dweight must be 2-D with at least vocab_real=%lld "
-                     "rows, got %d-D", vs.fn, real, dw->ndim);
-        return fail(&vs);
-    }
-    int64_t d = dw->shape[1], nout;
-    if (mul(&vs, "ids x embedding size", ids->numel, d, &nout) ||
-        want_numel(&vs, dout, "dout", nout))
-        return fail(&vs);
-    RUN_CUDA(sfc_embedding_backward(kdtype(dout), dout->data, (const int64_t *)ids->data,
-                                    ids->numel, d, real, vstart, pad, FLOATP(dw), STREAM(s), &err));
+    kcall k = {0};
+    sf_view **t = k.t;
+    unsigned long long s;
+    if (take_cuda(take_embedding_backward, &vs, args, &k, &s)) return fail(&vs);
+    RUN_CUDA(sfc_embedding_backward(kdtype(t[0]), t[0]->data, I64P(t[1]), t[1]->numel, k.n, k.i[1], k.i[0],
+                               k.i[2], FLOATP(t[2]),
+                              STREAM(s), &err));
 }
 
 static PyObject *py_device_count(PyObject *self, PyObject *args)

@@ -88,17 +88,13 @@ struct NormParamGrad {
     }
 };
 
+/* the CPU kernels' checks (kernels/checks.h), and rows x n within int64 */
 sf_status check(const char *fn, sfk_dtype t, int64_t rows, int64_t n, const void *x,
                 const float *rstd, sf_error *err)
 {
-    sf_status rc;
-    if ((rc = sfk_check_dtype(fn, t, err)) || (rc = sfk_check_size(fn, "rows", rows, err)) ||
-        (rc = sfk_check_size(fn, "n", n, err)) ||
-        (rc = sfk_check_ptr(fn, "x", x, n > 0 ? rows : 0, err)) ||
-        (rc = sfk_check_ptr(fn, "rstd", rstd, rows, err)))
-        return rc;
     int64_t total;
-    return elements(fn, rows, n, &total, err);
+    sf_status rc = sfk_check_norm_args(fn, t, rows, n, x, rstd, err);
+    return rc ? rc : elements(fn, rows, n, &total, err);
 }
 
 }  // namespace

@@ -48,3 +48,64 @@ sf_status sfk_float_bytes(const char *fn, const char *what, int64_t count, int64
     *bytes = (size_t)n;
     return SF_OK;
 }
+
+/* ---- the checks of each kernel family, CPU and CUDA (see checks.h) ---- */
+
+sf_status sfk_check_norm_args(const char *fn, sfk_dtype t, int64_t rows, int64_t n, const void *x,
+                       const float *rstd, sf_error *err)
+{
+    sf_status rc;
+    if ((rc = sfk_check_dtype(fn, t, err)) || (rc = sfk_check_size(fn, "rows", rows, err)) ||
+        (rc = sfk_check_size(fn, "n", n, err)) ||
+        (rc = sfk_check_ptr(fn, "x", x, n > 0 ? rows : 0, err)) ||
+        (rc = sfk_check_ptr(fn, "rstd", rstd, rows, err)))
+        return rc;
+    return SF_OK;
+}
+
+sf_status sfk_check_xent_args(const char *fn, sfk_dtype t, int64_t rows, int64_t n, int64_t real,
+                       int64_t vocab_start, const void *logits, const int64_t *labels,
+                       sf_error *err)
+{
+    sf_status rc;
+    if ((rc = sfk_check_dtype(fn, t, err)) || (rc = sfk_check_size(fn, "rows", rows, err)) ||
+        (rc = sfk_check_size(fn, "n", n, err)) ||
+        (rc = sfk_check_size(fn, "vocab_start", vocab_start, err)))
+        return rc;
+    if (real < 0 || real > n)
+        return sf_fail(err, SF_EINVAL, "%s: vocab_real=%lld outside [0, %lld] (the logits have "
+                       "%lld columns)", fn, (long long)real, (long long)n, (long long)n);
+    if ((rc = sfk_check_ptr(fn, "labels", labels, rows, err)) ||
+        (rc = sfk_check_ptr(fn, "logits", logits, n > 0 ? rows : 0, err)))
+        return rc;
+    return SF_OK;
+}
+
+sf_status sfk_check_embedding_args(const char *fn, sfk_dtype t, int64_t d, int64_t real, int64_t count,
+                       int64_t vocab_start, const int64_t *ids, sf_error *err)
+{
+    sf_status rc;
+    if ((rc = sfk_check_dtype(fn, t, err)) || (rc = sfk_check_size(fn, "d", d, err)) ||
+        (rc = sfk_check_size(fn, "vocab_real", real, err)) ||
+        (rc = sfk_check_size(fn, "vocab_start", vocab_start, err)) ||
+        (rc = sfk_check_size(fn, "count", count, err)) ||
+        (rc = sfk_check_ptr(fn, "ids", ids, count, err)))
+        return rc;
+    return SF_OK;
+}
+
+sf_status sfk_check_elementwise_args(const char *fn, sfk_dtype t, int64_t rows, int64_t n, sf_error *err)
+{
+    sf_status rc;
+    if ((rc = sfk_check_dtype(fn, t, err)) || (rc = sfk_check_size(fn, "rows", rows, err)) ||
+        (rc = sfk_check_size(fn, "n", n, err)))
+        return rc;
+    return SF_OK;
+}
+
+sf_status sfk_check_dropout_p(const char *fn, float p, sf_error *err)
+{
+    if (!(p >= 0.0f && p <= 1.0f))
+        return sf_fail(err, SF_EINVAL, "%s: p=%g outside [0, 1]", fn, (double)p);
+    return SF_OK;
+}

@@ -32,6 +32,24 @@ sf_status sfk_no_memory(const char *fn, double bytes, sf_error *err);
 sf_status sfk_float_bytes(const char *fn, const char *what, int64_t count, int64_t per,
                           size_t *bytes, sf_error *err);
 
+/* The argument checks of each kernel family, shared by the CPU kernels and
+ * their CUDA forms (so both refuse the same input with the same message):
+ *   norm:        dtype, rows / n >= 0, x and rstd present
+ *   xent:        dtype, rows / n / vocab_start >= 0, vocab_real in [0, n],
+ *                labels and logits present
+ *   embedding:   dtype, d / vocab_real / vocab_start / count >= 0, ids present
+ *   elementwise: dtype, rows / n >= 0
+ *   dropout_p:   p in [0, 1] */
+sf_status sfk_check_norm_args(const char *fn, sfk_dtype t, int64_t rows, int64_t n, const void *x,
+                       const float *rstd, sf_error *err);
+sf_status sfk_check_xent_args(const char *fn, sfk_dtype t, int64_t rows, int64_t n, int64_t real,
+                       int64_t vocab_start, const void *logits, const int64_t *labels,
+                       sf_error *err);
+sf_status sfk_check_embedding_args(const char *fn, sfk_dtype t, int64_t d, int64_t real, int64_t count,
+                       int64_t vocab_start, const int64_t *ids, sf_error *err);
+sf_status sfk_check_elementwise_args(const char *fn, sfk_dtype t, int64_t rows, int64_t n, sf_error *err);
+sf_status sfk_check_dropout_p(const char *fn, float p, sf_error *err);
+
 #ifdef __cplusplus
 }
 #endif

@@ -144,24 +144,6 @@ static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
     free(buf);
 }
 
-static sf_status check(const char *fn, sfk_dtype t, int64_t rows, int64_t n, int64_t real,
-                       int64_t vocab_start, const void *logits, const int64_t *labels,
-                       sf_error *err)
-{
-    sf_status rc;
-    if ((rc = sfk_check_dtype(fn, t, err)) || (rc = sfk_check_size(fn, "rows", rows, err)) ||
-        (rc = sfk_check_size(fn, "n", n, err)) ||
-        (rc = sfk_check_size(fn, "vocab_start", vocab_start, err)))
-        return rc;
-    if (real < 0 || real > n)
-        return sf_fail(err, SF_EINVAL, "%s: vocab_real=%lld outside [0, %lld] (the logits have "
-                       "%lld columns)", fn, (long long)real, (long long)n, (long long)n);
-    if ((rc = sfk_check_ptr(fn, "labels", labels, rows, err)) ||
-        (rc = sfk_check_ptr(fn, "logits", logits, n > 0 ? rows : 0, err)))
-        return rc;
-    return SF_OK;
-}
-
 sf_status sfk_xent_forward(sfk_dtype t, const void *logits, int64_t rows, int64_t n, int64_t real,
                            const int64_t *labels, int64_t vocab_start, int64_t ignore_index,
                            int64_t vocab, float *max, float *sumexp, float *target, float *sumz,
@@ -169,7 +151,7 @@ sf_status sfk_xent_forward(sfk_dtype t, const void *logits, int64_t rows, int64_
 {
     static const char fn[] = "xent_forward";
     sf_status rc;
-    if ((rc = check(fn, t, rows, n, real, vocab_start, logits, labels, err)) ||
+    if ((rc = sfk_check_xent_args(fn, t, rows, n, real, vocab_start, logits, labels, err)) ||
         (rc = sfk_check_ptr(fn, "max", max, rows, err)) ||
         (rc = sfk_check_ptr(fn, "sumexp", sumexp, rows, err)) ||
         (rc = sfk_check_ptr(fn, "target", target, rows, err)) ||
@@ -189,7 +171,7 @@ sf_status sfk_xent_backward(sfk_dtype t, const void *logits, void *grad, int64_t
 {
     static const char fn[] = "xent_backward";
     sf_status rc;
-    if ((rc = check(fn, t, rows, n, real, vocab_start, logits, labels, err)) ||
+    if ((rc = sfk_check_xent_args(fn, t, rows, n, real, vocab_start, logits, labels, err)) ||
         (rc = sfk_check_size(fn, "vocab", vocab, err)) ||
         (rc = sfk_check_ptr(fn, "lse", lse, rows, err)) ||
         (rc = sfk_check_ptr(fn, "scale", scale, rows, err)) ||

@@ -434,22 +434,6 @@ CLONES static void bda_rows(void *arg, int64_t r0, int64_t r1, int tid)
 
 /* ---- drivers ------------------------------------------------------------ */
 
-static sf_status check(const char *fn, sfk_dtype t, int64_t rows, int64_t n, sf_error *err)
-{
-    sf_status rc;
-    if ((rc = sfk_check_dtype(fn, t, err)) || (rc = sfk_check_size(fn, "rows", rows, err)) ||
-        (rc = sfk_check_size(fn, "n", n, err)))
-        return rc;
-    return SF_OK;
-}
-
-static sf_status check_p(const char *fn, float p, sf_error *err)
-{
-    if (!(p >= 0.0f && p <= 1.0f))
-        return sf_fail(err, SF_EINVAL, "%s: p=%g outside [0, 1]", fn, (double)p);
-    return SF_OK;
-}
-
 /* Run fn over rows with per-thread bias-gradient partials summed into db;
  * `bufs` is the number of [n] fp32 row buffers each thread allocates.  With
  * no element to compute (rows or n 0) it returns at once, db zeroed: an
@@ -489,7 +473,7 @@ sf_status sfk_bias_gelu_forward(sfk_dtype t, const void *x, const float *b, int6
     static const char fn[] = "bias_gelu_forward";
     const int64_t any = rows > 0 && n > 0;
     sf_status rc;
-    if ((rc = check(fn, t, rows, n, err)) || (rc = sfk_check_ptr(fn, "x", x, any, err)) ||
+    if ((rc = sfk_check_elementwise_args(fn, t, rows, n, err)) || (rc = sfk_check_ptr(fn, "x", x, any, err)) ||
         (rc = sfk_check_ptr(fn, "y", y, any, err)))
         return rc;
     ew_ctx c = {.t = t, .a = x, .o1 = y, .bias = b, .n = n, .flag = tanh_approx};
@@ -503,7 +487,7 @@ sf_status sfk_bias_gelu_backward(sfk_dtype t, const void *dy, const void *x, con
     static const char fn[] = "bias_gelu_backward";
     const int64_t any = rows > 0 && n > 0;
     sf_status rc;
-    if ((rc = check(fn, t, rows, n, err)) || (rc = sfk_check_ptr(fn, "dy", dy, any, err)) ||
+    if ((rc = sfk_check_elementwise_args(fn, t, rows, n, err)) || (rc = sfk_check_ptr(fn, "dy", dy, any, err)) ||
         (rc = sfk_check_ptr(fn, "x", x, any, err)) || (rc = sfk_check_ptr(fn, "dx", dx, any, err)))
         return rc;
     ew_ctx c = {.t = t, .a = dy, .b2 = x, .o1 = dx, .bias = b, .n = n, .flag = tanh_approx};
@@ -515,7 +499,7 @@ sf_status sfk_swiglu_forward(sfk_dtype t, const void *gate, const void *up, int6
 {
     static const char fn[] = "swiglu_forward";
     sf_status rc;
-    if ((rc = check(fn, t, 0, numel, err)) || (rc = sfk_check_ptr(fn, "gate", gate, numel, err)) ||
+    if ((rc = sfk_check_elementwise_args(fn, t, 0, numel, err)) || (rc = sfk_check_ptr(fn, "gate", gate, numel, err)) ||
         (rc = sfk_check_ptr(fn, "up", up, numel, err)) || (rc = sfk_check_ptr(fn, "y", y, numel, err)))
         return rc;
     ew_ctx c = {.t = t, .b2 = gate, .c3 = up, .o1 = y, .n = CHUNK, .numel = numel};
@@ -527,7 +511,7 @@ sf_status sfk_swiglu_backward(sfk_dtype t, const void *dy, const void *gate, con
 {
     static const char fn[] = "swiglu_backward";
     sf_status rc;
-    if ((rc = check(fn, t, 0, numel, err)) || (rc = sfk_check_ptr(fn, "dy", dy, numel, err)) ||
+    if ((rc = sfk_check_elementwise_args(fn, t, 0, numel, err)) || (rc = sfk_check_ptr(fn, "dy", dy, numel, err)) ||
         (rc = sfk_check_ptr(fn, "gate", gate, numel, err)) ||
         (rc = sfk_check_ptr(fn, "up", up, numel, err)) ||
         (rc = sfk_check_ptr(fn, "dgate", dgate, numel, err)) ||
@@ -545,7 +529,7 @@ sf_status sfk_bias_dropout_add_forward(sfk_dtype t, const void *x, const float *
     static const char fn[] = "bias_dropout_add_forward";
     const int64_t any = rows > 0 && n > 0;
     sf_status rc;
-    if ((rc = check(fn, t, rows, n, err)) || (rc = check_p(fn, p, err)) ||
+    if ((rc = sfk_check_elementwise_args(fn, t, rows, n, err)) || (rc = sfk_check_dropout_p(fn, p, err)) ||
         (rc = sfk_check_ptr(fn, "x", x, any, err)) ||
         (rc = sfk_check_ptr(fn, "residual", res, any, err)) ||
         (rc = sfk_check_ptr(fn, "y", y, any, err)))
@@ -560,7 +544,7 @@ sf_status sfk_bias_dropout_add_backward(sfk_dtype t, const void *dy, int64_t row
     static const char fn[] = "bias_dropout_add_backward";
     const int64_t any = rows > 0 && n > 0;
     sf_status rc;
-    if ((rc = check(fn, t, rows, n, err)) || (rc = check_p(fn, p, err)) ||
+    if ((rc = sfk_check_elementwise_args(fn, t, rows, n, err)) || (rc = sfk_check_dropout_p(fn, p, err)) ||
         (rc = sfk_check_ptr(fn, "dy", dy, any, err)) || (rc = sfk_check_ptr(fn, "dx", dx, any, err)))
         return rc;
     ew_ctx c = {.t = t, .a = dy, .o1 = dx, .n = n, .p = p, .seed = seed};

@@ -36,19 +36,6 @@ static void lookup_rows(void *arg, int64_t i0, int64_t i1, int tid)
     }
 }
 
-static sf_status check(const char *fn, sfk_dtype t, int64_t d, int64_t real, int64_t count,
-                       int64_t vocab_start, const int64_t *ids, sf_error *err)
-{
-    sf_status rc;
-    if ((rc = sfk_check_dtype(fn, t, err)) || (rc = sfk_check_size(fn, "d", d, err)) ||
-        (rc = sfk_check_size(fn, "vocab_real", real, err)) ||
-        (rc = sfk_check_size(fn, "vocab_start", vocab_start, err)) ||
-        (rc = sfk_check_size(fn, "count", count, err)) ||
-        (rc = sfk_check_ptr(fn, "ids", ids, count, err)))
-        return rc;
-    return SF_OK;
-}
-
 /* Every id in [0, vocab): one min / max pass, then ERANGE (IndexError) naming
  * the id furthest outside, with the message HF models give. */
 static sf_status check_ids(const char *fn, const int64_t *ids, int64_t count, int64_t vocab,
@@ -75,7 +62,7 @@ sf_status sfk_embedding_forward(sfk_dtype t, const void *weight, int64_t d, int6
     static const char fn[] = "embedding_forward";
     const int64_t rows = d > 0 ? count : 0;
     sf_status rc;
-    if ((rc = check(fn, t, d, real, count, vocab_start, ids, err)) ||
+    if ((rc = sfk_check_embedding_args(fn, t, d, real, count, vocab_start, ids, err)) ||
         (rc = sfk_check_ptr(fn, "out", out, rows, err)) ||
         (rc = sfk_check_ptr(fn, "weight", weight, rows > 0 ? real : 0, err)) ||
         (vocab >= 0 && (rc = check_ids(fn, ids, count, vocab, err))))
@@ -95,7 +82,7 @@ sf_status sfk_embedding_backward(sfk_dtype t, const void *dout, const int64_t *i
     const int64_t rows = d > 0 ? count : 0;
     sf_status rc;
     size_t bytes;
-    if ((rc = check(fn, t, d, real, count, vocab_start, ids, err)) ||
+    if ((rc = sfk_check_embedding_args(fn, t, d, real, count, vocab_start, ids, err)) ||
         (rc = sfk_check_ptr(fn, "dout", dout, rows, err)) ||
         (rc = sfk_check_ptr(fn, "dweight", dweight, rows > 0 ? real : 0, err)))
         return rc;

@@ -118,25 +118,13 @@ static void backward_rows(void *arg, int64_t r0, int64_t r1, int tid)
     free(buf);
 }
 
-static sf_status check(const char *fn, sfk_dtype t, int64_t rows, int64_t n, const void *x,
-                       const float *rstd, sf_error *err)
-{
-    sf_status rc;
-    if ((rc = sfk_check_dtype(fn, t, err)) || (rc = sfk_check_size(fn, "rows", rows, err)) ||
-        (rc = sfk_check_size(fn, "n", n, err)) ||
-        (rc = sfk_check_ptr(fn, "x", x, n > 0 ? rows : 0, err)) ||
-        (rc = sfk_check_ptr(fn, "rstd", rstd, rows, err)))
-        return rc;
-    return SF_OK;
-}
-
 sf_status sfk_norm_forward(int rms, sfk_dtype t, const void *x, int64_t rows, int64_t n,
                            const float *w, const float *b, float eps, void *y, float *mean,
                            float *rstd, sf_error *err)
 {
     static const char fn[] = "norm_forward";
     sf_status rc;
-    if ((rc = check(fn, t, rows, n, x, rstd, err)) ||
+    if ((rc = sfk_check_norm_args(fn, t, rows, n, x, rstd, err)) ||
         (rc = sfk_check_ptr(fn, "y", y, n > 0 ? rows : 0, err)))
         return rc;
     if (rows == 0)
@@ -163,7 +151,7 @@ sf_status sfk_norm_backward(int rms, sfk_dtype t, const void *dy, const void *x,
 {
     static const char fn[] = "norm_backward";
     sf_status rc;
-    if ((rc = check(fn, t, rows, n, x, rstd, err)) ||
+    if ((rc = sfk_check_norm_args(fn, t, rows, n, x, rstd, err)) ||
         (rc = sfk_check_ptr(fn, "dy", dy, n > 0 ? rows : 0, err)) ||
         (rc = sfk_check_ptr(fn, "dx", dx, n > 0 ? rows : 0, err)) ||
         (!rms && (rc = sfk_check_ptr(fn, "mean (LayerNorm)", mean, rows, err))))

@@ -46,18 +46,23 @@ CUDA_MISSING = ("shardformer was built without CUDA (nvcc not found at build tim
                 "SHARDFORMER_CUDA=1 (see docs/cuda.md)")
 
 _cuda_ext = None
+_cuda_import_error: ImportError | None = None   # the import failed once: not tried again
 
 
 def _cuda_module():
     """shardformer._cuda, imported on first use; RuntimeError(CUDA_MISSING) when
     the build had no CUDA toolkit."""
-    global _cuda_ext
+    global _cuda_ext, _cuda_import_error
     if _cuda_ext is None:
-        try:
-            from . import _cuda
-        except ImportError as e:
-            raise RuntimeError(CUDA_MISSING) from e
-        _cuda_ext = _cuda
+        if _cuda_import_error is None:
+            try:
+                from . import _cuda
+            except ImportError as e:
+                _cuda_import_error = e
+            else:
+                _cuda_ext = _cuda
+                return _cuda_ext
+        raise RuntimeError(CUDA_MISSING) from _cuda_import_error
     return _cuda_ext
 
 
@@ -687,10 +692,24 @@ def fused_input(x: torch.Tensor) -> bool:
     """Whether the ops with CUDA kernels (norms, bias_gelu, swiglu,
     bias_dropout_add, vocab_embedding, cross-entropy) take `x`: a float tensor
     on the CPU, or on a CUDA device when shardformer._cuda was built (without
-    it the fused modules fall back to torch on CUDA, as before)."""
+    it the fused modules fall back to torch on CUDA, as before) and the card is
+    one the kernels are built for (CUDA_MIN_CAPABILITY and newer)."""
     if x.dtype not in FLOAT_DTYPES:
         return False
-    return x.device.type == "cpu" or (x.device.type == "cuda" and cuda_built())
+    return x.device.type == "cpu" or (x.device.type == "cuda" and cuda_built() and _cuda_arch_ok(x.device))
+
+
+#: The oldest compute capability the CUDA kernels are built for (setup.py: sm_90 code and
+#: compute_90 PTX, which newer cards compile); older cards keep torch's ops in the fused modules.
+CUDA_MIN_CAPABILITY = (9, 0)
+_arch_ok: dict = {}
+
+
+def _cuda_arch_ok(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _arch_ok:
+        _arch_ok[index] = torch.cuda.get_device_capability(index) >= CUDA_MIN_CAPABILITY
+    return _arch_ok[index]
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
