@@ -334,11 +334,12 @@ def test_beit_shared_bias(pool, pp, schedule, chunks):
     pool.run(check.equals_unsharded, 4, "BeitModel/shared_bias", pp, schedule, 2, 1, chunks)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_beit_segmentation_pp4(pool, schedule):
+@pytest.mark.parametrize("schedule, default", [("gpipe", True), ("1f1b", False)])
+def test_beit_segmentation_pp4(pool, schedule, default):
     """PP=4, one layer per stage: the decode head reads hidden states 0..3 (out_indices 1..4), each sent on
-    from the stage computing it to the last in ever longer messages, their gradients back."""
-    report = pool.run(check.equals_unsharded, 4, "BeitForSemanticSegmentation", 4, schedule, 2)
+    from the stage computing it to the last in ever longer messages, their gradients back.  GPipe over the
+    default group (PipelineStageManager(), a plain ShardConfig), 1F1B over explicit groups."""
+    report = pool.run(check.equals_unsharded, 4, "BeitForSemanticSegmentation", 4, schedule, 2, default=default)
     assert all(r["tuples"] > 0 for r in report), report
 
 

@@ -91,11 +91,14 @@ def batch_of(name: str, rows: int = 4) -> dict:
 
 
 def pipelined(ctx, name: str, pp: int, tp: int = 1, chunks: int = 1, layers: int = 4, num_layers_per_stage=None,
-              config=None, sp_mode: str | None = None, **overrides):
+              config=None, sp_mode: str | None = None, default: bool = False, **overrides):
     """(reference, pipelined model, stage manager, shared params).  sp_mode:
     sequence parallelism in each stage over the inner group of `tp` ranks
-    ("split_gather": with TP over it; "all_to_all" / "ring_attn": TP off)."""
-    tp_group, pp_group = groups(ctx, pp, tp)
+    ("split_gather": with TP over it; "all_to_all" / "ring_attn": TP off).
+    default: PipelineStageManager() over the world and a plain ShardConfig
+    (its default group), TP off."""
+    tp_group, pp_group = (None, None) if default else groups(ctx, pp, tp)
+    assert not default or (pp == ctx.world_size and tp == 1 and sp_mode is None), (pp, tp, sp_mode)
     torch.manual_seed(0)
     model = build(name, layers, **overrides)
     model.train()
@@ -107,15 +110,19 @@ def pipelined(ctx, name: str, pp: int, tp: int = 1, chunks: int = 1, layers: int
         config.update(enable_sequence_parallelism=True, sequence_parallelism_mode=sp_mode)
         if sp_mode != "split_gather":
             config["sequence_parallel_process_group"], tensor_parallel = tp_group, False
-    cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm,
-                      enable_tensor_parallelism=tensor_parallel, **config)
+    if default:
+        cfg = ShardConfig(pipeline_stage_manager=sm, enable_tensor_parallelism=False, **config)
+    else:
+        cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm,
+                          enable_tensor_parallelism=tensor_parallel, **config)
     model, shared = ShardFormer(shard_config=cfg).optimize(model)
     return ref, model, sm, shared
 
 
 def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1, chunks: int = 1,
                      layers: int = 4, padded: bool = False, rows: int = 4, config=None, sp_mode: str | None = None,
-                     seq: int | None = None, num_layers_per_stage=None, **overrides) -> dict:
+                     seq: int | None = None, num_layers_per_stage=None, default: bool = False,
+                     **overrides) -> dict:
     """Loss of one forward_backward_step equals the unsharded model's
     full-batch loss; after one SGD step on both, the gathered full state dict
     equals the reference's.  Messages between stages were sent (counted).
@@ -133,7 +140,7 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
     # projection of the outputs, in float64 (a sum over every output: float32 rounding would show).
     own_loss = "labels" in batch and not any(k in name for k in ("DoubleHeads", "MaskedImageModeling"))
     ref, model, sm, shared = pipelined(ctx, name, pp, tp, chunks, layers, num_layers_per_stage, config=config,
-                                       sp_mode=sp_mode, dtype=torch.float32 if own_loss else torch.float64,
+                                       sp_mode=sp_mode, default=default, dtype=torch.float32 if own_loss else torch.float64,
                                        **overrides)
     if not own_loss:
         batch = {k: t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
