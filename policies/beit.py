@@ -75,6 +75,13 @@ class BeitShape(VisionShape):
         reads = ()
         if model is not None and type(model).__name__ == "BeitForSemanticSegmentation":
             reads = tuple(i - 1 for i in model.config.out_indices)
+            cfg = getattr(self, "shard_config", None)
+            if cfg is not None and cfg.enable_sequence_parallelism:
+                raise NotImplementedError(
+                    f"BeitForSemanticSegmentation: pipeline parallelism with sequence parallelism "
+                    f"({cfg.sequence_parallelism_mode}) is not available: the hidden states "
+                    f"{sorted(set(reads))} of {self.base_prefix()}.layers that the decode head reads would "
+                    f"travel as each rank's rows, and the head needs whole ones (docs/pipeline.md)")
         return StageSplit("{prefix}Model", "layers", last=("layernorm", "pooler"), everywhere=("shared_position_bias",),
                           reads=reads)
 

@@ -703,7 +703,8 @@ def repeated_calls_refusals(ctx) -> list[str]:
 def beit_segmentation_bad_reads(ctx) -> str:
     """BeitForSemanticSegmentation pruned to 2 layers, its out_indices still
     1..4: the decode head would read hidden state 3 of 0..2; refused by name,
-    with the numbers, before anything changes."""
+    with the numbers, before anything changes.  So is the segmentation model
+    with sequence parallelism inside the stages."""
     tp_group, pp_group = groups(ctx, 2, 1)
     model = build("BeitForSemanticSegmentation", 4)
     del model.beit.layers[2:]
@@ -712,7 +713,15 @@ def beit_segmentation_bad_reads(ctx) -> str:
     msg = parity.refused_unchanged(model, lambda: ShardFormer(shard_config=cfg).optimize(model),
                                    "a BEiT segmentation pipeline", ValueError, structure=True)
     assert "BeitForSemanticSegmentation" in msg and "beit.layers" in msg and "[3]" in msg and "0..2" in msg, msg
-    return msg
+    # with split_gather sequence parallelism (TP=2 x PP=2): refused by name too
+    tp_group, pp_group = groups(ctx, 2, 2)
+    model = build("BeitForSemanticSegmentation", 4)
+    cfg = ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=PipelineStageManager(pp_group),
+                      enable_sequence_parallelism=True, sequence_parallelism_mode="split_gather")
+    sp = parity.refused_unchanged(model, lambda: ShardFormer(shard_config=cfg).optimize(model),
+                                  "a BEiT segmentation pipeline with SP", NotImplementedError, structure=True)
+    assert "BeitForSemanticSegmentation" in sp and "split_gather" in sp and "[0, 1, 2, 3]" in sp, sp
+    return msg + "\n" + sp
 
 
 def encoder_decoder_refusals(ctx) -> list[str]:
