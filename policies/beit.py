@@ -37,8 +37,8 @@ is computed in BeitModel before the layers and added to every layer's
 scores: it is placed on every stage (StageSplit.everywhere), each stage
 runs it, and its gradient, which on each stage holds that stage's layers'
 contributions, is summed over the stages after backward.
-BeitForSemanticSegmentation is refused (its decode head reads several
-layers' hidden states).
+BeitForSemanticSegmentation's decode head reads several layers' hidden
+states: they travel to the last stage in the messages (StageSplit.reads).
 """
 from __future__ import annotations
 
@@ -67,17 +67,23 @@ class BeitShape(VisionShape):
         """The layers split over the stages like ViT's; the shared bias table
         (use_shared_relative_position_bias: BeitModel.shared_position_bias,
         built before the layers and added to every layer's scores) runs on
-        every stage, its gradients summed over them.  Refused for semantic
-        segmentation, whose decode head reads the hidden states of several
-        layers (out_indices), which stay on the stages that computed them."""
+        every stage, its gradients summed over them.  Semantic segmentation's
+        decode head reads the hidden states i - 1 for i in out_indices
+        (BeitForSemanticSegmentation.forward: encoder_hidden_states[i - 1]):
+        they travel to the last stage in the messages (StageSplit.reads)."""
         model = getattr(self, "model", None)
+        reads = ()
         if model is not None and type(model).__name__ == "BeitForSemanticSegmentation":
-            raise NotImplementedError(
-                f"BeitForSemanticSegmentation: pipeline parallelism is not available: its decode head "
-                f"(decode_head, fpn1..fpn4) reads the hidden states of {self.base_prefix()}.layers "
-                f"{list(model.config.out_indices)} (out_indices), which stay on the pipeline stages that run those "
-                f"layers; only the last layer's output reaches the last stage")
-        return StageSplit("{prefix}Model", "layers", last=("layernorm", "pooler"), everywhere=("shared_position_bias",))
+            reads = tuple(i - 1 for i in model.config.out_indices)
+            cfg = getattr(self, "shard_config", None)
+            if cfg is not None and cfg.enable_sequence_parallelism:
+                raise NotImplementedError(
+                    f"BeitForSemanticSegmentation: pipeline parallelism with sequence parallelism "
+                    f"({cfg.sequence_parallelism_mode}) is not available: the hidden states "
+                    f"{sorted(set(reads))} of {self.base_prefix()}.layers that the decode head reads would "
+                    f"travel as each rank's rows, and the head needs whole ones (docs/pipeline.md)")
+        return StageSplit("{prefix}Model", "layers", last=("layernorm", "pooler"), everywhere=("shared_position_bias",),
+                          reads=reads)
 
     def sp_norms(self, layer) -> list[str]:
         # the bias table is split by heads (ShardParams): complete per rank, no all-reduce

@@ -575,6 +575,9 @@ class StageShape(VisionShape):
 
     split_attention_at = None
     pipeline_split = None            # layers grouped in stages of different widths
+    pipeline_refusal = ("its blocks sit in nested lists (encoder.layers[i].blocks), one per resolution, with a "
+                        "patch merging between them, which StageSplit's one flat layer list does not express; "
+                        "see docs/pipeline.md#limits")
 
     sp_modes = ("split_gather",)
 

@@ -20,8 +20,8 @@ PIPELINED = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", 
 PIPELINED_VISION = ("sam", "blip2")
 # Gemma 3's multimodal classes: the text model's layers split, the vision tower on every stage (test_gemma3_multimodal_*).
 # ChatGLM2: a forward looping over a layer count (test_chatglm2_*).
-# BEiT's segmentation head reads several layers' hidden states (refused: test_beit_segmentation_refused).
-FAMILIES = [c for f in PIPELINED + PIPELINED_VISION for c in zoo.family_classes()[f] if c != "BeitForSemanticSegmentation"]
+# BEiT's segmentation head reads several layers' hidden states: they travel in the messages (StageSplit.reads).
+FAMILIES = [c for f in PIPELINED + PIPELINED_VISION for c in zoo.family_classes()[f]]
 
 
 # One test function per schedule: docs/supported-models.md's support matrix has a column per function (scripts/support_matrix.py).
@@ -334,8 +334,17 @@ def test_beit_shared_bias(pool, pp, schedule, chunks):
     pool.run(check.equals_unsharded, 4, "BeitModel/shared_bias", pp, schedule, 2, 1, chunks)
 
 
-def test_beit_segmentation_refused(pool):
-    pool.run(check.beit_segmentation_refused, 4)
+@pytest.mark.parametrize("schedule, default", [("gpipe", True), ("1f1b", False)])
+def test_beit_segmentation_pp4(pool, schedule, default):
+    """PP=4, one layer per stage: the decode head reads hidden states 0..3 (out_indices 1..4), each sent on
+    from the stage computing it to the last in ever longer messages, their gradients back.  GPipe over the
+    default group (PipelineStageManager(), a plain ShardConfig), 1F1B over explicit groups."""
+    report = pool.run(check.equals_unsharded, 4, "BeitForSemanticSegmentation", 4, schedule, 2, default=default)
+    assert all(r["tuples"] > 0 for r in report), report
+
+
+def test_beit_segmentation_bad_reads(pool):
+    pool.run(check.beit_segmentation_bad_reads, 4)
 
 
 # ChatGLM2 (zoo.chatglm2, remote-code style): GLMTransformer runs `for i in range(self.num_layers)` over
