@@ -22,6 +22,11 @@ embeddings (tied between shared_image_embedding and the prompt encoder), the
 vision neck, the mask decoder's output tokens, upscaling convolutions and
 hypernetwork / IoU MLPs are small and stay replicated.
 
+enable_flash_attention: the vision encoder's SamVisionAttention at its seam
+(VISION_SEAM, kernel_vision_attention: the decomposed relative positions as
+the kernel's additive bias), the mask decoder's SamAttention through
+transformers' registry.
+
 SamVisionModel is the vision encoder alone (its config is the vision
 config); SamModel adds the mask decoder (config.mask_decoder_config).
 
@@ -56,6 +61,7 @@ import functools
 
 from shardformer.family import Family, FamilyPolicy, sequence_mode_refused
 from shardformer.layer import Linear1D_Col, Linear1D_Row
+from shardformer.layer import sequence_attention as sa
 from shardformer.layer.replicated import ReplicatedInParallelRegion
 from shardformer.layout import Heads
 from shardformer.policy import ModulePolicyDescription
@@ -120,8 +126,53 @@ def _layer_forward_on_rows(state, group, layer, hidden_states):
     return x + layer.mlp(layer.layer_norm2(x))
 
 
+def kernel_vision_attention(attention, original, args, kwargs):
+    """SamVisionAttention.forward with the C kernel (enable_flash_attention):
+    hidden_states [B, H, W, C] (a window, or the whole grid) -> (proj(context)
+    [B, H, W, C], None).  With q, k, v [B, heads, H W, d] from attn.qkv (this
+    rank's heads under TP) and scale d^-1/2:
+
+        context = softmax(scale q k^T + R) v,   R[b, h, (i, j), (k, l)] = q_(i,j) . Rh[i, k] + q_(i,j) . Rw[j, l]
+
+    R, the decomposed relative positions, is the layer's own
+    get_decomposed_rel_pos of the unscaled queries (the tables rel_pos_h /
+    rel_pos_w interpolated to the window), handed to the kernel as its
+    additive bias: the kernel's bias gradient carries it back to q and the
+    tables.  The weights asked for (output_attentions, or recorded by
+    transformers' output capturing), attention dropout in training, or tensors
+    the kernel does not take: the layer's own forward."""
+    from shardformer.attention import own_attention, seam_kernel, seam_kernel_reason, weights_recorded
+
+    hidden, weights = sa.bind_args(args, kwargs, ("hidden_states", "output_attentions"))
+    reason = seam_kernel_reason(attention, (hidden,), float(attention.dropout), bool(weights) or weights_recorded())
+    if reason is not None:
+        return own_attention(reason, original, args, kwargs)
+    batch, height, width, _ = hidden.shape
+    heads, rows = attention.num_attention_heads, height * width
+    query, key, value = attention.qkv(hidden).reshape(batch, rows, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    bias = None
+    if attention.use_rel_pos:
+        bias = attention.get_decomposed_rel_pos(query.reshape(batch * heads, rows, -1), attention.rel_pos_h,
+                                                attention.rel_pos_w, (height, width), (height, width))
+        bias = bias.reshape(batch, heads, rows, rows)
+    context = seam_kernel(query, key, value, scale=attention.scale, bias=bias)      # [B, heads, H W, d]
+    context = context.reshape(batch, heads, height, width, -1).permute(0, 2, 3, 1, 4).reshape(batch, height, width, -1)
+    return attention.proj(context), None
+
+
+def _no_split(state, attention, original, args, kwargs):
+    raise NotImplementedError(f"{state.name}: SAM has no all_to_all / ring_attn split (SamShape refuses them)")
+
+
+# enable_flash_attention only: the vision encoder's attention (its own, with decomposed relative positions)
+# at its forward; the mask decoder's SamAttention goes through transformers' registry
+VISION_SEAM = sa.AttentionSeam("SamVisionAttention", "forward", _no_split,
+                               kernel=kernel_vision_attention).registered(__name__, "VISION_SEAM")
+
+
 class SamShape(FamilyPolicy):
     attention_weights_folded = ("SamVisionAttention",)   # [B * heads, S, S]
+    attention_seam = VISION_SEAM
     sp_modes = ("split_gather",)
 
     def sequence_overlap_refusal(self) -> str:

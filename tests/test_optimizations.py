@@ -6,6 +6,7 @@ the fused kernels counted as having run."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -337,6 +338,45 @@ def test_fused_layer_form_in_training_mode(name):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=n)
 
 
+def test_sam_vision_attention_kernel_and_its_fallbacks():
+    # SamVisionAttention at its seam: the decomposed relative positions are the kernel's additive
+    # bias (equal outputs and gradients, the tables' too); weights recorded by transformers' output
+    # capturing (output_attentions=True never reaches the layer) and attention dropout in training
+    # run the layer's own attention, one fallback per layer.
+    from shardformer import attention as sf_attention
+
+    torch.manual_seed(0)
+    model = zoo.build_with_dropout("SamVisionModel", 0.2).eval()
+    ref = copy.deepcopy(model)
+    sharded, _ = ShardFormer(ShardConfig(enable_tensor_parallelism=False, enable_flash_attention=True)).optimize(model)
+    inputs = zoo.make_inputs("SamVisionModel")
+    layers = len(ref.vision_encoder.layers) if hasattr(ref, "vision_encoder") else ref.config.num_hidden_layers
+    with optimizations.counting_kernels(("attention",)) as calls:
+        out = sharded(**inputs).last_hidden_state
+    assert calls["attention"] == layers, calls
+    out_ref = ref(**inputs).last_hidden_state
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(out)
+    out.backward(g)
+    out_ref.backward(g)
+    for (n, p), q in zip(sharded.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=n)
+    assert any("rel_pos" in n and p.grad.abs().sum() > 0 for n, p in sharded.named_parameters())
+    with warnings.catch_warnings(), torch.no_grad():     # (warned once per reason and process)
+        warnings.simplefilter("ignore")
+        fallback = sf_attention.CALLS["fallback"]
+        got, want = sharded(**inputs, output_attentions=True), ref(**inputs, output_attentions=True)
+    assert sf_attention.CALLS["fallback"] - fallback == layers
+    assert len(got.attentions) == layers
+    torch.testing.assert_close(got.attentions, want.attentions, rtol=1e-5, atol=1e-6)
+    sharded.train()
+    fallback = sf_attention.CALLS["fallback"]
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        sharded(**inputs)
+    assert sf_attention.CALLS["fallback"] - fallback == layers
+
+
 FAMILIES = zoo.family_classes()
 FIRST = {family: classes[0] for family, classes in sorted(FAMILIES.items())}
 # Second configurations that show a form a family's default test config does not
@@ -366,8 +406,7 @@ def _matrix_notes():
 
 NOT_SUPPORTED = _matrix_notes()
 # Classes of a footnoted (family, column) that do get the kernel (the footnote says which).
-PARTIAL = {("sam", "flash attention"): {"SamModel"},
-           ("sam", "jit fused"): {"SamVisionModel"},
+PARTIAL = {("sam", "jit fused"): {"SamVisionModel"},
            ("t5", "jit fused"): {"T5ForQuestionAnswering", "T5ForConditionalGeneration/v1.1"}}
 KERNELS = {"fused normalization": ("layer_norm", "rms_norm"),
            "jit fused": ("swiglu", "bias_gelu", "bias_dropout_add"),

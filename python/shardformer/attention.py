@@ -290,6 +290,19 @@ def own_attention(reason: str, original, args: tuple, kwargs: dict):
     return original(*args, **kwargs)
 
 
+def weights_recorded() -> bool:
+    """Whether transformers' output capturing collects attention weights in the
+    forward now running (a model whose layers do not take output_attentions
+    records each attention module's weights output by a hook: SAM's vision
+    encoder): a seam kernel must then return the weights, i.e. fall back."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:          # transformers without output capturing: the layers take output_attentions
+        return False
+    collected = _active_collector.get()
+    return isinstance(collected, dict) and "attentions" in collected
+
+
 def seam_kernel_reason(module, tensors, dropout: float = 0.0, output_attentions: bool = False) -> str | None:
     """Why the kernel cannot serve a seam call, or None: attention dropout
     `dropout` active (module in training), the weights asked for, tensors the
