@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import functools
 
+from shardformer.attention import own_attention, seam_kernel, seam_kernel_reason, weights_recorded
 from shardformer.family import Family, FamilyPolicy, sequence_mode_refused
 from shardformer.layer import Linear1D_Col, Linear1D_Row
 from shardformer.layer import sequence_attention as sa
@@ -141,8 +142,6 @@ def kernel_vision_attention(attention, original, args, kwargs):
     tables.  The weights asked for (output_attentions, or recorded by
     transformers' output capturing), attention dropout in training, or tensors
     the kernel does not take: the layer's own forward."""
-    from shardformer.attention import own_attention, seam_kernel, seam_kernel_reason, weights_recorded
-
     hidden, weights = sa.bind_args(args, kwargs, ("hidden_states", "output_attentions"))
     reason = seam_kernel_reason(attention, (hidden,), float(attention.dropout), bool(weights) or weights_recorded())
     if reason is not None:
