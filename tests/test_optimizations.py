@@ -276,7 +276,23 @@ def test_fused_dropout_add_drops_in_training_mode():
     assert not torch.allclose(out(h, r), out_ref(h, r))
 
 
-def test_inline_residual_layers_get_the_fused_layer_form():
+@pytest.fixture
+def one_thread():
+    """torch and the kernels on one thread for this in-process test: tiny tensors gain nothing from
+    more, and on the loaded 2-core CI machine the idle workers' spinning costs seconds a pass."""
+    from shardformer import ops
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ops.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+        ops.set_num_threads(None)
+
+
+def test_inline_residual_layers_get_the_fused_layer_form(one_thread):
     # OPT's and Whisper's layers write their residual blocks inline: the whole layer's
     # forward is switched (RESIDUAL_LAYER_FORMS); a look-alike whose forward differs is refused.
     from transformers.models.opt.modeling_opt import OPTDecoderLayer
@@ -297,7 +313,7 @@ def test_inline_residual_layers_get_the_fused_layer_form():
 
 
 @pytest.mark.parametrize("name", ["OPTForCausalLM", "WhisperForConditionalGeneration"])
-def test_fused_layer_form_in_training_mode(name):
+def test_fused_layer_form_in_training_mode(name, one_thread):
     # Training mode, every dropout at 0.5: the kernel draws the residual masks from torch's
     # generator (the same seed, the same output and gradients), drops (differs from eval),
     # and at p = 0 equals HF's layer in training mode, gradients too.
@@ -338,7 +354,7 @@ def test_fused_layer_form_in_training_mode(name):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=n)
 
 
-def test_sam_vision_attention_kernel_and_its_fallbacks():
+def test_sam_vision_attention_kernel_and_its_fallbacks(one_thread):
     # SamVisionAttention at its seam: the decomposed relative positions are the kernel's additive
     # bias (equal outputs and gradients, the tables' too); weights recorded by transformers' output
     # capturing (output_attentions=True never reaches the layer) and attention dropout in training
