@@ -165,8 +165,9 @@ def _no_split(state, attention, original, args, kwargs):
 
 # enable_flash_attention only: the vision encoder's attention (its own, with decomposed relative positions)
 # at its forward; the mask decoder's SamAttention goes through transformers' registry
-VISION_SEAM = sa.AttentionSeam("SamVisionAttention", "forward", _no_split,
-                               kernel=kernel_vision_attention).registered(__name__, "VISION_SEAM")
+# (the SDPA subclass, what from_pretrained builds by default, computes the same)
+VISION_SEAM = sa.AttentionSeam("SamVisionAttention", "forward", _no_split, kernel=kernel_vision_attention,
+                               kernel_also=("SamVisionSdpaAttention",)).registered(__name__, "VISION_SEAM")
 
 
 class SamShape(FamilyPolicy):

@@ -391,6 +391,18 @@ def test_sam_vision_attention_kernel_and_its_fallbacks(one_thread):
         warnings.simplefilter("ignore")
         sharded(**inputs)
     assert sf_attention.CALLS["fallback"] - fallback == layers
+    # the SDPA implementation (from_pretrained's default) is served alike
+    config = copy.deepcopy(ref.config)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    sdpa = type(ref)(config).eval()
+    assert "SamVisionSdpaAttention" in {type(m).__name__ for m in sdpa.modules()}
+    sdpa_ref = copy.deepcopy(sdpa)
+    sharded, _ = ShardFormer(ShardConfig(enable_tensor_parallelism=False, enable_flash_attention=True)).optimize(sdpa)
+    with optimizations.counting_kernels(("attention",)) as calls, torch.no_grad():
+        out = sharded(**inputs).last_hidden_state
+    assert calls["attention"] == layers, calls
+    torch.testing.assert_close(out, sdpa_ref(**inputs).last_hidden_state, rtol=1e-5, atol=1e-5)
 
 
 FAMILIES = zoo.family_classes()

@@ -367,7 +367,7 @@ def enable_seam(model, seam) -> bool:
     """Route the attention of the seam's modules through the kernel (the
     seam's `kernel`); a seam below forward also gets a forward recording
     whether the weights are asked for.  Returns whether any module switched."""
-    modules = seam.modules(model) if seam is not None and seam.kernel is not None else []
+    modules = seam.kernel_modules(model) if seam is not None and seam.kernel is not None else []
     if not modules:
         return False
     for m in modules:
