@@ -49,8 +49,10 @@ runs, with Xr this rank's rows:
     mlp                                role "enter": input all-gathered, lin1 reads it,
                                        lin2 reduce-scatters along H and adds its bias
 
-The relative position tables are added to the scores of every window on
-the gathered grid, as unsplit.  The mask decoder runs unsplit (its tokens
+With enable_sequence_overlap, attn.qkv's output is computed during the
+all-gather (gather_block_input: this rank's rows first) and cut into windows
+after it (see _layer_forward_on_rows).  The relative position tables are
+added to the scores of every window on the gathered grid, as unsplit.  The mask decoder runs unsplit (its tokens
 attend to the whole image embedding).  all_to_all / ring_attn are refused
 by name: SAM's attention is not transformers' AttentionInterface, and its
 decomposed relative positions are added inside it per (query, key) pair.
@@ -59,12 +61,15 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 from shardformer.attention import own_attention, seam_kernel, seam_kernel_reason, weights_recorded
 from shardformer.family import Family, FamilyPolicy, sequence_mode_refused
 from shardformer.layer import Linear1D_Col, Linear1D_Row
 from shardformer.layer import sequence_attention as sa
 from shardformer.layer.replicated import ReplicatedInParallelRegion
 from shardformer.layout import Heads
+from shardformer.policies.shapes import sp_overlap
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
@@ -104,23 +109,57 @@ def mask_decoder_policy(decoder_cfg) -> dict:
     }
 
 
-def sequence_parallel_layer_forward(state, group):
+def sequence_parallel_layer_forward(state, group, overlap: bool = False):
     """SamVisionLayer.forward on this rank's rows of the patch grid (the
     steps in the module docstring); `state`: the encoder's SequenceState
-    (dim 1: the grid rows), `group`: the tensor-parallel group.  A partial
-    of a module-level function, so the model pickles."""
-    return functools.partial(_layer_forward_on_rows, state, group)
+    (dim 1: the grid rows), `group`: the tensor-parallel group, `overlap`:
+    enable_sequence_overlap.  A partial of a module-level function, so the
+    model pickles."""
+    return functools.partial(_layer_forward_on_rows, state, group, overlap)
 
 
-def _layer_forward_on_rows(state, group, layer, hidden_states):
-    from shardformer.layer.sequence import block_input, split_rows
+def _padded_with(y, window: int, fill):
+    """y [B, H, W, n] padded at the bottom / right to multiples of `window`
+    with rows equal to `fill` [n]: what a projection gives the zero rows
+    window_partition pads its input with (its bias, or 0)."""
+    batch, height, width, n = y.shape
+    pad_h, pad_w = (-height) % window, (-width) % window
+    if pad_w:
+        y = torch.cat([y, fill.expand(batch, height, pad_w, n)], dim=2)
+    if pad_h:
+        y = torch.cat([y, fill.expand(batch, pad_h, width + pad_w, n)], dim=1)
+    return y
+
+
+def _layer_forward_on_rows(state, group, overlap, layer, hidden_states):
+    """With `overlap`, attn.qkv's output is computed while the grid rows are
+    gathered (gather_block_input: this rank's rows first, each arriving chunk
+    as it lands): LayerNorm and the projection act per token and window
+    partitioning only permutes (and pads) tokens, so projecting before
+    partitioning equals partitioning before projecting, the padded tokens'
+    projections being qkv's bias.  The windows of the projected grid are
+    handed to attn.qkv as its precomputed output for the windows of the
+    gathered grid."""
+    from shardformer.layer.sequence import block_input, gather_block_input, release_block_input, split_rows
 
     residual = hidden_states                                   # [B, H'/p, W, C]
-    x = block_input(layer.layer_norm1(hidden_states), state, group)   # [B, H, W, C]
-    if layer.window_size > 0:
-        height, width = x.shape[1], x.shape[2]
-        x, padding_shape = layer.window_partition(x, layer.window_size)
-    x, _ = layer.attn(hidden_states=x)
+    normed = layer.layer_norm1(hidden_states)
+    qkv = layer.attn.qkv
+    x = gather_block_input(layer.attn, normed, state, group) if overlap else block_input(normed, state, group)
+    try:
+        if layer.window_size > 0:
+            height, width = x.shape[1], x.shape[2]
+            pre = qkv._precomputed if overlap else None
+            x, padding_shape = layer.window_partition(x, layer.window_size)
+            if pre is not None and pre[0] is not None:
+                bias = qkv._local_params()[1]
+                fill = bias if bias is not None else pre[1].new_zeros(pre[1].shape[-1])
+                windows, _ = layer.window_partition(_padded_with(pre[1], layer.window_size, fill), layer.window_size)
+                qkv._precomputed = (x, windows)
+        x, _ = layer.attn(hidden_states=x)
+    finally:
+        if overlap:
+            release_block_input(layer.attn)
     if layer.window_size > 0:
         x = layer.window_unpartition(x, layer.window_size, padding_shape, (height, width))
     x = residual + split_rows(x, state, group)
@@ -175,10 +214,8 @@ class SamShape(FamilyPolicy):
     attention_seam = VISION_SEAM
     sp_modes = ("split_gather",)
 
-    def sequence_overlap_refusal(self) -> str:
-        return ("vision_encoder.layers.*: the replaced layer forward gathers its grid rows (H of [B, H, W, C]) "
-                "and cuts the gathered grid into windows before attn.qkv runs; the overlapped gather takes "
-                "sequence rows read directly by column layers")
+    # enable_sequence_overlap: attn.qkv projects the grid rows while they are gathered (_layer_forward_on_rows)
+    sequence_overlap = True
 
     def config_sanity_check(self):
         cfg, name = self.shard_config, type(self.model).__name__
@@ -200,7 +237,8 @@ class SamShape(FamilyPolicy):
             sub_module_replacement=[Sub("mlp", SequenceParallelRegion, kwargs={"role": "enter", "state": state}),
                                     Sub("layer_norm1", ReplicatedInParallelRegion),
                                     Sub("layer_norm2", ReplicatedInParallelRegion)],
-            method_replacement={"forward": sequence_parallel_layer_forward(state, self.process_group)})
+            method_replacement={"forward": sequence_parallel_layer_forward(state, self.process_group,
+                                                                           sp_overlap(self.shard_config))})
         ends = sp_ends("layers", vision_cfg.num_hidden_layers, state)
         return {"SamVisionLayer": layer, "SamVisionEncoder": ModulePolicyDescription(sub_module_replacement=ends)}
 

@@ -74,9 +74,6 @@ NOT_SUPPORTED = {
     ("sam", "sequence parallel (ring_attn)"):
         "SamVisionAttention adds decomposed relative positions inside its own attention, outside "
         "transformers' AttentionInterface (refused by name; split_gather works)",
-    ("sam", "sequence overlap"):
-        "the vision layer gathers its grid rows and cuts the gathered grid into windows before attn.qkv "
-        "(refused by name)",
     ("blip2", "sequence parallel (split_gather)"):
         "the language model's sequence is split (OPT, T5); the classes without a language model "
         "(vision, Q-Former, retrieval) are refused by name",
