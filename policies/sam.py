@@ -22,6 +22,11 @@ embeddings (tied between shared_image_embedding and the prompt encoder), the
 vision neck, the mask decoder's output tokens, upscaling convolutions and
 hypernetwork / IoU MLPs are small and stay replicated.
 
+enable_flash_attention: the vision encoder's SamVisionAttention at its seam
+(VISION_SEAM, kernel_vision_attention: the decomposed relative positions as
+the kernel's additive bias), the mask decoder's SamAttention through
+transformers' registry.
+
 SamVisionModel is the vision encoder alone (its config is the vision
 config); SamModel adds the mask decoder (config.mask_decoder_config).
 
@@ -44,8 +49,10 @@ runs, with Xr this rank's rows:
     mlp                                ENTER: input all-gathered, lin1 reads it,
                                        lin2 reduce-scatters along H and adds its bias
 
-The relative position tables are added to the scores of every window on
-the gathered grid, as unsplit.  The mask decoder runs unsplit (its tokens
+With enable_sequence_overlap, attn.qkv's output is computed during the
+all-gather (gather_block_input: this rank's rows first) and cut into windows
+after it (see _layer_forward_on_rows).  The relative position tables are
+added to the scores of every window on the gathered grid, as unsplit.  The mask decoder runs unsplit (its tokens
 attend to the whole image embedding).  all_to_all / ring_attn are refused
 by name: SAM's attention is not transformers' AttentionInterface, and its
 decomposed relative positions are added inside it per (query, key) pair.
@@ -54,13 +61,18 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
+from shardformer.attention import own_attention, seam_kernel, seam_kernel_reason, weights_recorded
 from shardformer.family import Family, FamilyPolicy, sequence_mode_refused
 from shardformer.pipeline.stages import StageSplit
 from shardformer.layer import Linear1D_Col, Linear1D_Row
+from shardformer.layer import sequence_attention as sa
 from shardformer.layer.replicated import ReplicatedInParallelRegion
 from shardformer.layer.sequence_layout import ENTER
 from shardformer.layout import Heads
 from shardformer.plan import split_gather_ends, split_gather_layer
+from shardformer.policies.shapes import sp_overlap
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
@@ -100,31 +112,109 @@ def mask_decoder_policy(decoder_cfg) -> dict:
     }
 
 
-def sequence_parallel_layer_forward(state, group):
+def sequence_parallel_layer_forward(state, group, overlap: bool = False):
     """SamVisionLayer.forward on this rank's rows of the patch grid (the
     steps in the module docstring); `state`: the encoder's SequenceState
-    (dim 1: the grid rows), `group`: the tensor-parallel group.  A partial
-    of a module-level function, so the model pickles."""
-    return functools.partial(_layer_forward_on_rows, state, group)
+    (dim 1: the grid rows), `group`: the tensor-parallel group, `overlap`:
+    enable_sequence_overlap.  A partial of a module-level function, so the
+    model pickles."""
+    return functools.partial(_layer_forward_on_rows, state, group, overlap)
 
 
-def _layer_forward_on_rows(state, group, layer, hidden_states):
-    from shardformer.layer.sequence import block_input, split_rows
+def _padded_with(y, window: int, fill):
+    """y [B, H, W, n] padded at the bottom / right to multiples of `window`
+    with rows equal to `fill` [n]: what a projection gives the zero rows
+    window_partition pads its input with (its bias, or 0)."""
+    batch, height, width, n = y.shape
+    pad_h, pad_w = (-height) % window, (-width) % window
+    if pad_w:
+        y = torch.cat([y, fill.expand(batch, height, pad_w, n)], dim=2)
+    if pad_h:
+        y = torch.cat([y, fill.expand(batch, pad_h, width + pad_w, n)], dim=1)
+    return y
+
+
+def _layer_forward_on_rows(state, group, overlap, layer, hidden_states):
+    """With `overlap`, attn.qkv's output is computed while the grid rows are
+    gathered (gather_block_input: this rank's rows first, each arriving chunk
+    as it lands): LayerNorm and the projection act per token and window
+    partitioning only permutes (and pads) tokens, so projecting before
+    partitioning equals partitioning before projecting, the padded tokens'
+    projections being qkv's bias.  The windows of the projected grid are
+    handed to attn.qkv as its precomputed output for the windows of the
+    gathered grid."""
+    from shardformer.layer.sequence import block_input, gather_block_input, release_block_input, split_rows
 
     residual = hidden_states                                   # [B, H'/p, W, C]
-    x = block_input(layer.layer_norm1(hidden_states), state, group)   # [B, H, W, C]
-    if layer.window_size > 0:
-        height, width = x.shape[1], x.shape[2]
-        x, padding_shape = layer.window_partition(x, layer.window_size)
-    x, _ = layer.attn(hidden_states=x)
+    normed = layer.layer_norm1(hidden_states)
+    qkv = layer.attn.qkv
+    x = gather_block_input(layer.attn, normed, state, group) if overlap else block_input(normed, state, group)
+    try:
+        if layer.window_size > 0:
+            height, width = x.shape[1], x.shape[2]
+            pre = qkv._precomputed if overlap else None
+            x, padding_shape = layer.window_partition(x, layer.window_size)
+            if pre is not None and pre[0] is not None:
+                bias = qkv._local_params()[1]
+                fill = bias if bias is not None else pre[1].new_zeros(pre[1].shape[-1])
+                windows, _ = layer.window_partition(_padded_with(pre[1], layer.window_size, fill), layer.window_size)
+                qkv._precomputed = (x, windows)
+        x, _ = layer.attn(hidden_states=x)
+    finally:
+        if overlap:
+            release_block_input(layer.attn)
     if layer.window_size > 0:
         x = layer.window_unpartition(x, layer.window_size, padding_shape, (height, width))
     x = residual + split_rows(x, state, group)
     return x + layer.mlp(layer.layer_norm2(x))
 
 
+def kernel_vision_attention(attention, original, args, kwargs):
+    """SamVisionAttention.forward with the C kernel (enable_flash_attention):
+    hidden_states [B, H, W, C] (a window, or the whole grid) -> (proj(context)
+    [B, H, W, C], None).  With q, k, v [B, heads, H W, d] from attn.qkv (this
+    rank's heads under TP) and scale d^-1/2:
+
+        context = softmax(scale q k^T + R) v,   R[b, h, (i, j), (k, l)] = q_(i,j) . Rh[i, k] + q_(i,j) . Rw[j, l]
+
+    R, the decomposed relative positions, is the layer's own
+    get_decomposed_rel_pos of the unscaled queries (the tables rel_pos_h /
+    rel_pos_w interpolated to the window), handed to the kernel as its
+    additive bias: the kernel's bias gradient carries it back to q and the
+    tables.  The weights asked for (output_attentions, or recorded by
+    transformers' output capturing), attention dropout in training, or tensors
+    the kernel does not take: the layer's own forward."""
+    hidden, weights = sa.bind_args(args, kwargs, ("hidden_states", "output_attentions"))
+    reason = seam_kernel_reason(attention, (hidden,), float(attention.dropout), bool(weights) or weights_recorded())
+    if reason is not None:
+        return own_attention(reason, original, args, kwargs)
+    batch, height, width, _ = hidden.shape
+    heads, rows = attention.num_attention_heads, height * width
+    query, key, value = attention.qkv(hidden).reshape(batch, rows, 3, heads, -1).permute(2, 0, 3, 1, 4).unbind(0)
+    bias = None
+    if attention.use_rel_pos:
+        bias = attention.get_decomposed_rel_pos(query.reshape(batch * heads, rows, -1), attention.rel_pos_h,
+                                                attention.rel_pos_w, (height, width), (height, width))
+        bias = bias.reshape(batch, heads, rows, rows)
+    context = seam_kernel(query, key, value, scale=attention.scale, bias=bias)      # [B, heads, H W, d]
+    context = context.reshape(batch, heads, height, width, -1).permute(0, 2, 3, 1, 4).reshape(batch, height, width, -1)
+    return attention.proj(context), None
+
+
+def _no_split(state, attention, original, args, kwargs):
+    raise NotImplementedError(f"{state.name}: SAM has no all_to_all / ring_attn split (SamShape refuses them)")
+
+
+# enable_flash_attention only: the vision encoder's attention (its own, with decomposed relative positions)
+# at its forward; the mask decoder's SamAttention goes through transformers' registry
+# (the SDPA subclass, what from_pretrained builds by default, computes the same)
+VISION_SEAM = sa.AttentionSeam("SamVisionAttention", "forward", _no_split, kernel=kernel_vision_attention,
+                               kernel_also=("SamVisionSdpaAttention",)).registered(__name__, "VISION_SEAM")
+
+
 class SamShape(FamilyPolicy):
     attention_weights_folded = ("SamVisionAttention",)   # [B * heads, S, S]
+    attention_seam = VISION_SEAM
     sp_modes = ("split_gather",)
     # The vision encoder's layers are the stack (most of SAM's compute); the neck runs on the last stage,
     # and so does everything SamModel runs after the encoder (prompt encoder, mask decoder), every stage
@@ -134,10 +224,8 @@ class SamShape(FamilyPolicy):
     pipeline_split = StageSplit("SamVisionEncoder", "layers", last=("neck",),
                                 everywhere=("pos_embed", "shared_image_embedding"))
 
-    def sequence_overlap_refusal(self) -> str:
-        return ("vision_encoder.layers.*: the replaced layer forward gathers its grid rows (H of [B, H, W, C]) "
-                "and cuts the gathered grid into windows before attn.qkv runs; the overlapped gather takes "
-                "sequence rows read directly by column layers")
+    # enable_sequence_overlap: attn.qkv projects the grid rows while they are gathered (_layer_forward_on_rows)
+    sequence_overlap = True
 
     def config_sanity_check(self):
         cfg, name = self.shard_config, type(self.model).__name__
@@ -155,7 +243,8 @@ class SamShape(FamilyPolicy):
         state = SequenceState()
         layer = ModulePolicyDescription(
             sub_module_replacement=split_gather_layer({"mlp": ENTER}, ("layer_norm1", "layer_norm2"), state),
-            method_replacement={"forward": sequence_parallel_layer_forward(state, self.process_group)})
+            method_replacement={"forward": sequence_parallel_layer_forward(state, self.process_group,
+                                                                           sp_overlap(self.shard_config))})
         ends = split_gather_ends("layers", vision_cfg.num_hidden_layers, state)
         return {"SamVisionLayer": layer, "SamVisionEncoder": ModulePolicyDescription(sub_module_replacement=ends)}
 

@@ -57,10 +57,6 @@ FEATURES = {
 # getting a kernel must not call it (test_nothing_fused_where_no_kernel_fits), so a
 # footnote cannot outlive its reason.
 NOT_SUPPORTED = {
-    ("sam", "flash attention"):
-        "SamModel's mask decoder attention goes through the kernel; the vision encoder's "
-        "(SamVisionAttention, with decomposed relative positions) is computed by the layer itself, "
-        "so SamVisionModel keeps it",
     ("mixtral", "sequence overlap"):
         "the MoE block's router picks each token's experts from the gathered sequence, so no column matmul "
         "on a rank's rows can run during the gather (refused by name)",
@@ -78,9 +74,6 @@ NOT_SUPPORTED = {
     ("sam", "sequence parallel (ring_attn)"):
         "SamVisionAttention adds decomposed relative positions inside its own attention, outside "
         "transformers' AttentionInterface (refused by name; split_gather works)",
-    ("sam", "sequence overlap"):
-        "the vision layer gathers its grid rows and cuts the gathered grid into windows before attn.qkv "
-        "(refused by name)",
     ("blip2", "sequence parallel (split_gather)"):
         "the language model's sequence is split (OPT, T5); the classes without a language model "
         "(vision, Q-Former, retrieval) are refused by name",

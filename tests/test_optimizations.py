@@ -6,6 +6,7 @@ the fused kernels counted as having run."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -275,7 +276,23 @@ def test_fused_dropout_add_drops_in_training_mode():
     assert not torch.allclose(out(h, r), out_ref(h, r))
 
 
-def test_inline_residual_layers_get_the_fused_layer_form():
+@pytest.fixture
+def one_thread():
+    """torch and the kernels on one thread for this in-process test: tiny tensors gain nothing from
+    more, and on the loaded 2-core CI machine the idle workers' spinning costs seconds a pass."""
+    from shardformer import ops
+
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ops.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(saved)
+        ops.set_num_threads(None)
+
+
+def test_inline_residual_layers_get_the_fused_layer_form(one_thread):
     # OPT's and Whisper's layers write their residual blocks inline: the whole layer's
     # forward is switched (RESIDUAL_LAYER_FORMS); a look-alike whose forward differs is refused.
     from transformers.models.opt.modeling_opt import OPTDecoderLayer
@@ -296,7 +313,7 @@ def test_inline_residual_layers_get_the_fused_layer_form():
 
 
 @pytest.mark.parametrize("name", ["OPTForCausalLM", "WhisperForConditionalGeneration"])
-def test_fused_layer_form_in_training_mode(name):
+def test_fused_layer_form_in_training_mode(name, one_thread):
     # Training mode, every dropout at 0.5: the kernel draws the residual masks from torch's
     # generator (the same seed, the same output and gradients), drops (differs from eval),
     # and at p = 0 equals HF's layer in training mode, gradients too.
@@ -337,6 +354,57 @@ def test_fused_layer_form_in_training_mode(name):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-5, msg=n)
 
 
+def test_sam_vision_attention_kernel_and_its_fallbacks(one_thread):
+    # SamVisionAttention at its seam: the decomposed relative positions are the kernel's additive
+    # bias (equal outputs and gradients, the tables' too); weights recorded by transformers' output
+    # capturing (output_attentions=True never reaches the layer) and attention dropout in training
+    # run the layer's own attention, one fallback per layer.
+    from shardformer import attention as sf_attention
+
+    torch.manual_seed(0)
+    model = zoo.build_with_dropout("SamVisionModel", 0.2).eval()
+    ref = copy.deepcopy(model)
+    sharded, _ = ShardFormer(ShardConfig(enable_tensor_parallelism=False, enable_flash_attention=True)).optimize(model)
+    inputs = zoo.make_inputs("SamVisionModel")
+    layers = len(ref.vision_encoder.layers) if hasattr(ref, "vision_encoder") else ref.config.num_hidden_layers
+    with optimizations.counting_kernels(("attention",)) as calls:
+        out = sharded(**inputs).last_hidden_state
+    assert calls["attention"] == layers, calls
+    out_ref = ref(**inputs).last_hidden_state
+    torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
+    g = torch.randn_like(out)
+    out.backward(g)
+    out_ref.backward(g)
+    for (n, p), q in zip(sharded.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=n)
+    assert any("rel_pos" in n and p.grad.abs().sum() > 0 for n, p in sharded.named_parameters())
+    with warnings.catch_warnings(), torch.no_grad():     # (warned once per reason and process)
+        warnings.simplefilter("ignore")
+        fallback = sf_attention.CALLS["fallback"]
+        got, want = sharded(**inputs, output_attentions=True), ref(**inputs, output_attentions=True)
+    assert sf_attention.CALLS["fallback"] - fallback == layers
+    assert len(got.attentions) == layers
+    torch.testing.assert_close(got.attentions, want.attentions, rtol=1e-5, atol=1e-6)
+    sharded.train()
+    fallback = sf_attention.CALLS["fallback"]
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        sharded(**inputs)
+    assert sf_attention.CALLS["fallback"] - fallback == layers
+    # the SDPA implementation (from_pretrained's default) is served alike
+    config = copy.deepcopy(ref.config)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    sdpa = type(ref)(config).eval()
+    assert "SamVisionSdpaAttention" in {type(m).__name__ for m in sdpa.modules()}
+    sdpa_ref = copy.deepcopy(sdpa)
+    sharded, _ = ShardFormer(ShardConfig(enable_tensor_parallelism=False, enable_flash_attention=True)).optimize(sdpa)
+    with optimizations.counting_kernels(("attention",)) as calls, torch.no_grad():
+        out = sharded(**inputs).last_hidden_state
+    assert calls["attention"] == layers, calls
+    torch.testing.assert_close(out, sdpa_ref(**inputs).last_hidden_state, rtol=1e-5, atol=1e-5)
+
+
 FAMILIES = zoo.family_classes()
 FIRST = {family: classes[0] for family, classes in sorted(FAMILIES.items())}
 # Second configurations that show a form a family's default test config does not
@@ -366,8 +434,7 @@ def _matrix_notes():
 
 NOT_SUPPORTED = _matrix_notes()
 # Classes of a footnoted (family, column) that do get the kernel (the footnote says which).
-PARTIAL = {("sam", "flash attention"): {"SamModel"},
-           ("sam", "jit fused"): {"SamVisionModel"},
+PARTIAL = {("sam", "jit fused"): {"SamVisionModel"},
            ("t5", "jit fused"): {"T5ForQuestionAnswering", "T5ForConditionalGeneration/v1.1"}}
 KERNELS = {"fused normalization": ("layer_norm", "rms_norm"),
            "jit fused": ("swiglu", "bias_gelu", "bias_dropout_add"),

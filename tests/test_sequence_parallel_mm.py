@@ -41,12 +41,14 @@ def test_mm_padded_batch(pool, name, mode, sp):
 
 
 # ChatGLM2's GLMBlock gathers its [S/p, B, H] rows along dimension 0: one overlapped pass per block
-# (self_attention: query_key_value; mlp: dense_h_to_4h) and layer, in 2 forwards and 1 backward (2 layers)
-OVERLAP_PASSES = {name: 3 * 2 * 2 for name in CHATGLM2}
+# (self_attention: query_key_value; mlp: dense_h_to_4h) and layer, in 2 forwards and 1 backward (2 layers);
+# SAM's vision layers project the grid rows by attn.qkv as they arrive, then cut the projected grid into
+# windows (layer 0 windowed, layer 1 global): one pass per layer
+OVERLAP_PASSES = {**{name: 3 * 2 * 2 for name in CHATGLM2}, **{name: 3 * 2 for name in SAM}}
 
 
 @pytest.mark.parametrize("sp", [2, 4])
-@pytest.mark.parametrize("name", GEMMA3 + BLIP2 + BLIP2_T5 + CHATGLM2)
+@pytest.mark.parametrize("name", GEMMA3 + BLIP2 + BLIP2_T5 + CHATGLM2 + SAM)
 def test_sp_overlap_mm_equals_unsharded(pool, name, sp):
     results = pool.run(check.mm_equals_unsharded, sp, name, "split_gather", SEQ.get(name), None, 0,
                        {"enable_sequence_overlap": True})
@@ -95,16 +97,6 @@ def test_mm_hidden_states_refused(pool, name, mode, hows):
     pool.run(check.mm_hidden_states_refused, 2, name, mode, hows)
 
 
-# (model, a fragment of the policy's reason)
-OVERLAP_REFUSED = [("SamVisionModel", "cuts the gathered grid into windows"),
-                   ("SamModel", "cuts the gathered grid into windows")]
-
-
-@pytest.mark.parametrize("name,reason", OVERLAP_REFUSED, ids=[n for n, _ in OVERLAP_REFUSED])
-def test_mm_overlap_refused(pool, name, reason):
-    pool.run(check.mm_overlap_refused, 2, name, reason)
-
-
 @pytest.mark.parametrize("sp", [2, 4])
 @pytest.mark.parametrize("mode", ["split_gather", "all_to_all"])
 def test_gemma3_image_blocks(pool, mode, sp):
@@ -113,9 +105,14 @@ def test_gemma3_image_blocks(pool, mode, sp):
 
 # SAM's patch grid of 3 x 3 (a 24-pixel image in 8-pixel patches): 3 rows over 2 or 4 ranks, padded inside;
 # window_size 2 pads the grid to windows inside HF's layer too
+# (overlap: the projected grid padded to windows with qkv's bias rows, as the zero rows HF pads with project)
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("sp", [2, 4])
-def test_sp_sam_odd_grid(pool, sp):
-    pool.run(check.mm_equals_unsharded, sp, "SamVisionModel", "split_gather", None, {"image_size": 24})
+def test_sp_sam_odd_grid(pool, sp, overlap):
+    results = pool.run(check.mm_equals_unsharded, sp, "SamVisionModel", "split_gather", None, {"image_size": 24}, 0,
+                       {"enable_sequence_overlap": overlap})
+    if overlap and results[0]["backend"] == "shm":
+        assert all(r["overlapped"] == OVERLAP_PASSES["SamVisionModel"] for r in results), results
 
 
 # One test function per mode: docs/supported-models.md's support matrix has a column per function (scripts/support_matrix.py).

@@ -290,6 +290,19 @@ def own_attention(reason: str, original, args: tuple, kwargs: dict):
     return original(*args, **kwargs)
 
 
+def weights_recorded() -> bool:
+    """Whether transformers' output capturing collects attention weights in the
+    forward now running (a model whose layers do not take output_attentions
+    records each attention module's weights output by a hook: SAM's vision
+    encoder): a seam kernel must then return the weights, i.e. fall back."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:          # transformers without output capturing: the layers take output_attentions
+        return False
+    collected = _active_collector.get()
+    return isinstance(collected, dict) and "attentions" in collected
+
+
 def seam_kernel_reason(module, tensors, dropout: float = 0.0, output_attentions: bool = False) -> str | None:
     """Why the kernel cannot serve a seam call, or None: attention dropout
     `dropout` active (module in training), the weights asked for, tensors the
@@ -354,7 +367,7 @@ def enable_seam(model, seam) -> bool:
     """Route the attention of the seam's modules through the kernel (the
     seam's `kernel`); a seam below forward also gets a forward recording
     whether the weights are asked for.  Returns whether any module switched."""
-    modules = seam.modules(model) if seam is not None and seam.kernel is not None else []
+    modules = seam.kernel_modules(model) if seam is not None and seam.kernel is not None else []
     if not modules:
         return False
     for m in modules:

@@ -64,7 +64,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops
-from .attention import enable, enable_seam
+from .attention import enable, enable_seam, uses_registry
 from .layer import FusedLayerNorm, FusedRMSNorm
 from .layer.fused_residual import RESIDUAL_LAYER_FORMS, ResidualLayerForward
 from .policy import ModulePolicyDescription
@@ -703,7 +703,10 @@ def optimization_policy(model: nn.Module, shard_config, replaced_paths: set[str]
 def enable_attention(model: nn.Module, shard_config, seam=None) -> None:
     """Route the model's attention through the C kernel (enable_flash_attention):
     at the family's seam (`seam`, an AttentionSeam with a kernel) when the
-    model has its modules, else through transformers' registry."""
+    model has its modules, and through transformers' registry when it has none
+    or has layers that look their attention up there too."""
     if shard_config.enable_flash_attention:
-        if not enable_seam(model, seam):
+        # a model with both (SAM: the vision encoder's attention at its seam, the
+        # mask decoder's in the registry) gets both
+        if not enable_seam(model, seam) or any(uses_registry(m) for m in model.modules()):
             enable(model)

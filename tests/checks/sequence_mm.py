@@ -209,18 +209,6 @@ def mm_refused(ctx, name: str, mode: str, what: str, overrides: dict | None = No
     return _refused_unchanged(ctx, model, config_for(mode), (type(model).__name__, repr(mode), what))
 
 
-def mm_overlap_refused(ctx, name: str, reason: str) -> str:
-    """split_gather with enable_sequence_overlap is refused naming the model
-    class, the switch, the policy and its reason (`reason`, a fragment of the
-    policy's sequence_overlap_refusal), the model unchanged."""
-    from shardformer.autopolicy import get_autopolicy
-
-    model = zoo.build(name)
-    policy = type(get_autopolicy(model)).__name__
-    return _refused_unchanged(ctx, model, {**config_for("split_gather"), "enable_sequence_overlap": True},
-                              (type(model).__name__, "enable_sequence_overlap", policy, reason))
-
-
 def mm_hidden_states_refused(ctx, name: str, mode: str, hows: tuple = ("call", "config")) -> str:
     """output_hidden_states=True (in the call, or in the top-level config)
     raises NotImplementedError naming the model rather than returning one

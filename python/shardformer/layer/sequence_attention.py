@@ -455,7 +455,8 @@ class AttentionSeam:
     method computed with the C attention kernel (enable_flash_attention;
     shardformer.attention.enable_seam), returning what `original` returns;
     it calls shardformer.attention.own_attention where the kernel cannot
-    give the model's result.  Under all_to_all / ring_attn an unsplit
+    give the model's result.  `kernel_also`: more class names the kernel
+    serves (kernel_modules), the split never.  Under all_to_all / ring_attn an unsplit
     forward (a KV cache) runs it too."""
 
     module: str
@@ -464,9 +465,17 @@ class AttentionSeam:
     row_kwargs: tuple[str, ...] = ()
     seq_dim: int = SEQ_DIM
     kernel: Callable | None = None
+    kernel_also: tuple[str, ...] = ()
 
     def modules(self, root: nn.Module) -> list:
         return [m for m in root.modules() if type(m).__name__ == self.module]
+
+    def kernel_modules(self, root: nn.Module) -> list:
+        """The modules `kernel` serves: `module`'s, and those of the classes
+        `kernel_also` names (other implementations of the same attention with
+        the same method signature, e.g. an SDPA subclass; not split)."""
+        names = (self.module, *self.kernel_also)
+        return [m for m in root.modules() if type(m).__name__ in names]
 
     def registered(self, module_name: str, attr: str) -> "AttentionSeam":
         """This seam, declared as bound to the module-level name
