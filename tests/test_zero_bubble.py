@@ -26,6 +26,7 @@ def test_pp2_equals_unsharded(pool, name, schedule):
     assert all(r["deferred"] > 0 for r in report), report
 
 
+@pytest.mark.compat_covered_by("test_pp2_equals_unsharded")    # the same HF layers, over more stages
 @pytest.mark.parametrize("schedule, layers", [("zb-h1", 4), ("zb-v", 8)])
 def test_pp4_default_group(pool, schedule, layers):
     """PipelineStageManager() over the world, ShardConfig's default group; 8 micro-batches, uneven stages
@@ -34,6 +35,7 @@ def test_pp4_default_group(pool, schedule, layers):
              True)
 
 
+@pytest.mark.compat_covered_by("test_pp2_equals_unsharded")    # the same HF layers, TP-sharded
 @pytest.mark.parametrize("schedule, m", [("zb-h1", 8), ("zb-v", 4)])
 @pytest.mark.parametrize("name", ["LlamaForCausalLM", "GPT2LMHeadModel"])
 def test_tp2_pp2(pool, name, schedule, m):
