@@ -17,6 +17,12 @@ micro-batch) in the schedule's order:
 Both bubbles are (p-1)/(m+p-1) of the step for GPipe and 1F1B, and
 (p-1)/(v m + p-1) for interleaved.
 
+The zero-bubble schedules (zero_bubble.py) add W steps: their B computes
+the input gradients only, and W(chunk, mb) the weight gradients of the
+linear products that B left in a sink (weight_grads.py).  W needs and sends
+no message.  Virtual stage of chunk c on stage s: c*p + s, or for a stage
+manager with layout "v" s (c = 0) and 2p-1-s (c = 1).
+
 Communication.  The activation of F(c, i) goes to the next virtual stage's
 F, the gradient of B(c, i) w.r.t. the chunk's input to the previous virtual
 stage's B.  Sends and receives are blocking (shardformer.distributed.send /
