@@ -44,6 +44,13 @@ def test_tp2_pp2(pool, name, schedule, m):
     pool.run(check.equals_unsharded, 4, name, 2, schedule, m, 2, how="mesh" if schedule == "zb-v" else "groups")
 
 
+@pytest.mark.parametrize("schedule, reentrant", [("zb-h1", False), ("zb-v", True)])
+def test_gradient_checkpointing(pool, schedule, reentrant):
+    """HF's gradient checkpointing inside the stages: the layers recompute in B; the schedules then defer
+    nothing (every gradient in B) and still equal the unsharded model."""
+    pool.run(check.equals_unsharded, 4, "LlamaForCausalLM", 2, schedule, 4, reentrant=reentrant)
+
+
 # ---- without processes -----------------------------------------------------------------
 
 def _in_flight(steps) -> int:

@@ -244,7 +244,10 @@ class PipelineSchedule:
         inbox, outbox, saved, losses, outputs = {}, {}, {}, [], []
         shapes = {}                                      # message -> the first stage's layer input shape
         grad_on = torch.is_grad_enabled() and backward
-        split = grad_on and self.splits_backward         # B: input gradients; W: the linears' weight gradients
+        # B: input gradients; W: the linears' weight gradients.  Not under gradient checkpointing: a layer
+        # recomputed in B must save what its forward saved, and torch.utils.checkpoint's recomputation does
+        # not see the deferring mode, so there every weight gradient stays in B (the W steps find nothing).
+        split = grad_on and self.splits_backward and not getattr(model, "is_gradient_checkpointing", False)
         sinks = {}                                       # (chunk, mb) -> the deferred products (weight_grads)
         timeline = self.timeline
         for step in plan:
@@ -285,12 +288,12 @@ class PipelineSchedule:
                     shapes[("act", vs, i)] = rt.input_shape
                     saved[(c, i)] = (out, entry)
             elif kind == "W":                            # the weight gradients B left in the sink
-                weight_grads.apply(sinks.pop(step[1:]))
+                weight_grads.apply(sinks.pop(step[1:], []))
             else:                                        # "B"
                 _, c, i = step
                 vs = sm.virtual_stage(c)
                 out, entry = saved.pop((c, i))
-                with _deferring(sinks[(c, i)] if split else None):   # a checkpointed layer recomputes here
+                with _deferring(sinks[(c, i)] if split else None):
                     if vs == V - 1:
                         if out.requires_grad:
                             torch.autograd.backward(out)
