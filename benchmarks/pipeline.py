@@ -288,9 +288,11 @@ def main(argv=None) -> int:
     p.add_argument("--json", default=None,
                    help="output path (default benchmarks/results/pipeline_4ranks[_quick].json)")
     args = p.parse_args(argv)
-    if args.quick:
+    if args.quick:                       # the preset, except for the options given on the command line
+        given = {a[2:].split("=")[0].replace("-", "_") for a in (sys.argv[1:] if argv is None else argv)
+                 if a.startswith("--")}
         for k, val in QUICK.items():
-            if getattr(args, k) == p.get_default(k):
+            if k not in given:
                 setattr(args, k, val)
     if args.json is None:
         args.json = os.path.join(ROOT, "benchmarks", "results",

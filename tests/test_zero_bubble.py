@@ -3,7 +3,7 @@ ZeroBubbleVSchedule: ZB-V, two chunks per stage folded in a V).  Against the
 unsharded HF model from the same seed, over two SGD-with-momentum steps: the
 loss, every gradient and the stepped model, at PP=2 (two pipelines on 4
 ranks) for Llama, GPT-2, BERT and T5, PP=4 over the default group with 8
-micro-batches, and TP=2 x PP=2.  Without processes: the step lists (every
+micro-batches, and TP=2 x PP=2 (ZB-V's from shardformer.mesh).  Without processes: the step lists (every
 step once, W after its B, the in-flight bound, the unit-time bubbles), the
 B / W split of the linear products on its own, and the refusals."""
 import pytest
@@ -26,18 +26,29 @@ def test_pp2_equals_unsharded(pool, name, schedule):
     assert all(r["deferred"] > 0 for r in report), report
 
 
+@pytest.mark.compat_covered_by("test_pp2_equals_unsharded")    # the same HF layers, over more stages
 @pytest.mark.parametrize("schedule, layers", [("zb-h1", 4), ("zb-v", 8)])
 def test_pp4_default_group(pool, schedule, layers):
     """PipelineStageManager() over the world, ShardConfig's default group; 8 micro-batches, uneven stages
     for ZB-H1 (5 layers over 4 stages)."""
     pool.run(check.equals_unsharded, 4, "LlamaForCausalLM", 4, schedule, 8, 1, layers + (schedule == "zb-h1"),
-             True)
+             "default")
 
 
+@pytest.mark.compat_covered_by("test_pp2_equals_unsharded")    # the same HF layers, TP-sharded
 @pytest.mark.parametrize("schedule, m", [("zb-h1", 8), ("zb-v", 4)])
 @pytest.mark.parametrize("name", ["LlamaForCausalLM", "GPT2LMHeadModel"])
 def test_tp2_pp2(pool, name, schedule, m):
-    pool.run(check.equals_unsharded, 4, name, 2, schedule, m, 2)
+    """Explicit groups for ZB-H1; ZB-V from shardformer.mesh(pp=2, tp=2).shard_config(num_model_chunks=2,
+    pipeline_layout="v")."""
+    pool.run(check.equals_unsharded, 4, name, 2, schedule, m, 2, how="mesh" if schedule == "zb-v" else "groups")
+
+
+@pytest.mark.parametrize("schedule, reentrant", [("zb-h1", False), ("zb-v", True)])
+def test_gradient_checkpointing(pool, schedule, reentrant):
+    """HF's gradient checkpointing inside the stages: the layers recompute in B; the schedules then defer
+    nothing (every gradient in B) and still equal the unsharded model."""
+    pool.run(check.equals_unsharded, 4, "LlamaForCausalLM", 2, schedule, 4, reentrant=reentrant)
 
 
 # ---- without processes -----------------------------------------------------------------

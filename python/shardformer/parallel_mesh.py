@@ -87,15 +87,17 @@ class Mesh:
     def shard_config(self, **switches):
         """A ShardConfig using these groups: tensor_parallel_process_group =
         .tp; with pp > 1 a PipelineStageManager over .pp (switches may carry
-        num_model_chunks / num_layers_per_stage); with sp > 1 sequence
+        num_model_chunks / num_layers_per_stage / pipeline_layout, the
+        manager's layout: "v" for ZeroBubbleVSchedule); with sp > 1 sequence
         parallelism over .sp (sequence_parallelism_mode, default
         "all_to_all"); with ep > 1 expert parallelism over .ep.  Other switches go to ShardConfig as they are."""
         switches = dict(switches)
         chunks = switches.pop("num_model_chunks", 1)
         per_stage = switches.pop("num_layers_per_stage", None)
+        layout = switches.pop("pipeline_layout", "loop")
         if self.sizes["pp"] > 1:
             switches["pipeline_stage_manager"] = PipelineStageManager(self.pp, num_model_chunks=chunks,
-                                                                      num_layers_per_stage=per_stage)
+                                                                      num_layers_per_stage=per_stage, layout=layout)
         if self.sizes["sp"] > 1:
             switches.setdefault("enable_sequence_parallelism", True)
             switches.setdefault("sequence_parallelism_mode", "all_to_all")

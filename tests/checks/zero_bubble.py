@@ -13,6 +13,7 @@ import inspect
 
 import torch
 
+import shardformer
 from checks import parity
 from checks.pipeline import batch_of, build, groups
 from shardformer import ShardConfig, ShardFormer
@@ -23,15 +24,19 @@ SCHEDULES = {"zb-h1": (ZeroBubbleSchedule, 1, "loop"), "zb-v": (ZeroBubbleVSched
 TOL = parity.TOL[torch.float32]
 
 
-def _pipelined(ctx, name: str, pp: int, tp: int, schedule: str, layers: int, default: bool):
-    """(reference, pipelined model, stage manager).  default: PipelineStageManager over the
-    world and ShardConfig's default groups (TP off: the world is the pipeline)."""
+def _pipelined(ctx, name: str, pp: int, tp: int, schedule: str, layers: int, how: str):
+    """(reference, pipelined model, stage manager).  how: "groups" (explicit TP / PP groups,
+    checks.pipeline.groups), "default" (PipelineStageManager over the world and ShardConfig's
+    default groups, TP off: the world is the pipeline), "mesh" (shardformer.mesh(pp=, tp=))."""
     _, chunks, layout = SCHEDULES[schedule]
     torch.manual_seed(0)
     model = build(name, layers)
     model.train()
     ref = copy.deepcopy(model)
-    if default:
+    if how == "mesh":
+        cfg = shardformer.mesh(pp=pp, tp=tp).shard_config(num_model_chunks=chunks, pipeline_layout=layout)
+        sm = cfg.pipeline_stage_manager
+    elif how == "default":
         assert tp == 1 and pp == ctx.world_size
         sm = PipelineStageManager(num_model_chunks=chunks, layout=layout)
         cfg = ShardConfig(pipeline_stage_manager=sm, enable_tensor_parallelism=False)
@@ -45,9 +50,13 @@ def _pipelined(ctx, name: str, pp: int, tp: int, schedule: str, layers: int, def
 
 
 def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1, layers: int = 4,
-                     default: bool = False, steps: int = 2) -> dict:
-    """See the module docstring.  Returns the worst relative errors and the split's counts."""
-    ref, model, sm = _pipelined(ctx, name, pp, tp, schedule, layers, default)
+                     how: str = "groups", steps: int = 2, reentrant: bool | None = None) -> dict:
+    """See the module docstring.  reentrant: HF's gradient checkpointing on the pipelined model
+    (torch.utils.checkpoint's reentrant or non-reentrant form; the layers recompute in B, and
+    nothing is deferred).  Returns the worst relative errors and the split's counts."""
+    ref, model, sm = _pipelined(ctx, name, pp, tp, schedule, layers, how)
+    if reentrant is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     batch = batch_of(name, m if m % 2 == 0 else 2 * m)
     assert "labels" in batch, f"{name}: the zoo batch has no labels"
     runner = SCHEDULES[schedule][0](sm, num_microbatches=m)
@@ -77,8 +86,11 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
                                                                  TOL))
     deferred = weight_grads.COUNTS["deferred"] - before["deferred"]
     applied = weight_grads.COUNTS["applied"] - before["applied"]
-    assert deferred > 0 and applied == deferred, \
-        f"{name}: stage {sm.stage}: {deferred} linear products deferred, {applied} weight gradients applied"
+    if reentrant is None:
+        assert deferred > 0 and applied == deferred, \
+            f"{name}: stage {sm.stage}: {deferred} linear products deferred, {applied} weight gradients applied"
+    else:                                        # checkpointed layers: every gradient in B
+        assert deferred == applied == 0, (deferred, applied)
     kinds = [k for k, *_ in runner.timeline]
     assert kinds.count("W") == kinds.count("B") == steps * m * sm.num_model_chunks, kinds
     return dict(worst, deferred=deferred, stage=sm.stage)

@@ -17,6 +17,12 @@ micro-batch) in the schedule's order:
 Both bubbles are (p-1)/(m+p-1) of the step for GPipe and 1F1B, and
 (p-1)/(v m + p-1) for interleaved.
 
+The zero-bubble schedules (zero_bubble.py) add W steps: their B computes
+the input gradients only, and W(chunk, mb) the weight gradients of the
+linear products that B left in a sink (weight_grads.py).  W needs and sends
+no message.  Virtual stage of chunk c on stage s: c*p + s, or for a stage
+manager with layout "v" s (c = 0) and 2p-1-s (c = 1).
+
 Communication.  The activation of F(c, i) goes to the next virtual stage's
 F, the gradient of B(c, i) w.r.t. the chunk's input to the previous virtual
 stage's B.  Sends and receives are blocking (shardformer.distributed.send /
@@ -238,7 +244,10 @@ class PipelineSchedule:
         inbox, outbox, saved, losses, outputs = {}, {}, {}, [], []
         shapes = {}                                      # message -> the first stage's layer input shape
         grad_on = torch.is_grad_enabled() and backward
-        split = grad_on and self.splits_backward         # B: input gradients; W: the linears' weight gradients
+        # B: input gradients; W: the linears' weight gradients.  Not under gradient checkpointing: a layer
+        # recomputed in B must save what its forward saved, and torch.utils.checkpoint's recomputation does
+        # not see the deferring mode, so there every weight gradient stays in B (the W steps find nothing).
+        split = grad_on and self.splits_backward and not getattr(model, "is_gradient_checkpointing", False)
         sinks = {}                                       # (chunk, mb) -> the deferred products (weight_grads)
         timeline = self.timeline
         for step in plan:
@@ -279,12 +288,12 @@ class PipelineSchedule:
                     shapes[("act", vs, i)] = rt.input_shape
                     saved[(c, i)] = (out, entry)
             elif kind == "W":                            # the weight gradients B left in the sink
-                weight_grads.apply(sinks.pop(step[1:]))
+                weight_grads.apply(sinks.pop(step[1:], []))
             else:                                        # "B"
                 _, c, i = step
                 vs = sm.virtual_stage(c)
                 out, entry = saved.pop((c, i))
-                with _deferring(sinks[(c, i)] if split else None):   # a checkpointed layer recomputes here
+                with _deferring(sinks[(c, i)] if split else None):
                     if vs == V - 1:
                         if out.requires_grad:
                             torch.autograd.backward(out)

@@ -24,8 +24,10 @@ Everything else -- norms, embeddings, a linear whose bias or weight is not a
 plain leaf (TP's replicated rows), a weight with hooks (the all-reduce of a
 parameter replicated over a sequence-parallel group) -- gets its gradient in
 the B pass, unchanged.  The products are caught with a TorchFunctionMode,
-so no module is rewritten; the mode stays on in the B pass too, so a
-checkpointed layer recomputed there runs the same products.
+so no module is rewritten.  Under gradient checkpointing the schedules do
+not defer (a layer recomputed in B must save what its forward saved, and
+the recomputation does not run under the mode): every gradient is then
+computed in B.
 """
 from __future__ import annotations
 
