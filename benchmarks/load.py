@@ -107,17 +107,31 @@ def _measured(load, forward, phases):
     import torch
 
     gc.collect()
-    idle = _status("VmRSS")
+    idle, idle_pss = _status("VmRSS"), _pss()
     _reset_peak()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     model = load()
-    r = {"idle": idle, "seconds": time.perf_counter() - t0, "growth": _status("VmHWM") - idle}
+    r = {"idle": idle, "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
+         "growth": _status("VmHWM") - idle}
     if forward:
         with torch.no_grad(), phases.phase("first forward") if phases else _null():
             r["logits"] = model(torch.tensor(IDS)).logits.float()
         r["seconds_first_forward"] = time.perf_counter() - t0
+        r["cpu_seconds_first_forward"] = time.process_time() - c0
         r["growth_first_forward"] = _status("VmHWM") - idle
+        r["pss_growth_first_forward"] = _pss() - idle_pss
     return model, r
+
+
+def _pss() -> int:
+    """This process's proportional set size: private pages, plus each page
+    it shares (a checkpoint file's page cache mapped by several ranks)
+    divided by the number of processes mapping it."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _null():

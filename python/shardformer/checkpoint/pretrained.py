@@ -166,9 +166,13 @@ class _Sources:
 
 
 def _map_keys(model: nn.Module, reader: CheckpointReader, model_keys) -> _Sources:
-    """Which checkpoint tensor(s) each model key comes from."""
-    mapping = _hf_mapping(model)
+    """Which checkpoint tensor(s) each model key comes from.  A checkpoint
+    whose every key already names a model tensor (what this transformers'
+    save_pretrained writes for most models) is read as is, without building
+    transformers' conversion mapping (hundreds of patterns, compiled once
+    per process: ~30 ms)."""
     meta = dict.fromkeys(model_keys, True)
+    mapping = None if all(key in meta for key in reader.keys()) else _hf_mapping(model)
     prefix = getattr(model, "base_model_prefix", None) or None
     direct: dict[str, list[str]] = {}
     merged: dict[str, tuple[object, dict[str, list[tuple[int | None, str]]]]] = {}
