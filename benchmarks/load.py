@@ -32,9 +32,10 @@ error).
     .venv/bin/python benchmarks/load.py --size 05g --no-eager --busy
 Results: benchmarks/results/load_<size>[_busy].json and a table on stdout.
 
-ShardFormer.from_pretrained maps a shard that is one contiguous byte range
-of the file (mmap=True, the default) and copies the rest; "mmap=False" is
-the same call copying every shard, measured in the same run.  Goals (issue
+ShardFormer.from_pretrained maps a shard that is one contiguous range of
+one dimension of a tensor in the file (mmap=True, the default: rows as byte
+ranges, columns as strided views) and copies the rest; mmap="rows" maps
+only byte ranges, mmap=False copies every shard; all three in the same run.  Goals (issue
 34): load + first forward <= 1.0x hf's, and peak growth per rank <= its
 shards + 64 MiB (the reader's window) + the largest single tensor; each
 printed met or NOT met.  --busy: one busy-looping process beside every
@@ -188,6 +189,12 @@ def rank_copy(rank: int, path: str, profile: bool = False) -> dict:
     return rank_lazy(rank, path, profile, mmap=False)
 
 
+def rank_rows(rank: int, path: str, profile: bool = False) -> dict:
+    """ShardFormer.from_pretrained(mmap="rows"): byte ranges mapped, column
+    shards copied (the smaller peak per rank)."""
+    return rank_lazy(rank, path, profile, mmap="rows")
+
+
 def busy_process():
     """One process spinning on a core beside the measurement (--busy)."""
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -323,6 +330,7 @@ def _main(args) -> int:
             results[f"eager_tp{tp}"] = eager
             rows.append(("eager from_pretrained + optimize", tp, eager, None))
         for key, fn, label in (("copy", rank_copy, "from_pretrained(mmap=False)"),
+                               ("rows", rank_rows, 'from_pretrained(mmap="rows")'),
                                ("lazy", rank_lazy, "ShardFormer.from_pretrained")):
             lazy_runs = run(fn, tp, path, args.repeats, args.profile)
             lazy = summarize(lazy_runs, ckpt)
