@@ -108,8 +108,8 @@ class Phases:
             return
         alias, fill, map_range = pretrained.alias, pretrained.fill, mapped.map_range
 
-        def counted_alias(item, reader):
-            ok = alias(item, reader)
+        def counted_alias(item, reader, *a, **k):
+            ok = alias(item, reader, *a, **k)
             if ok:
                 self.counts["aliased_bytes"] += item.tensor.nbytes
             return ok
