@@ -32,9 +32,10 @@ error).
     .venv/bin/python benchmarks/load.py --size 05g --no-eager --busy
 Results: benchmarks/results/load_<size>[_busy].json and a table on stdout.
 
-ShardFormer.from_pretrained maps a shard that is one contiguous byte range
-of the file (mmap=True, the default) and copies the rest; "mmap=False" is
-the same call copying every shard, measured in the same run.  Goals (issue
+ShardFormer.from_pretrained maps a shard that is one contiguous range of
+one dimension of a tensor in the file (mmap=True, the default: rows as byte
+ranges, columns as strided views) and copies the rest; mmap="rows" maps
+only byte ranges, mmap=False copies every shard; all three in the same run.  Goals (issue
 34): load + first forward <= 1.0x hf's, and peak growth per rank <= its
 shards + 64 MiB (the reader's window) + the largest single tensor; each
 printed met or NOT met.  --busy: one busy-looping process beside every
@@ -107,17 +108,31 @@ def _measured(load, forward, phases):
     import torch
 
     gc.collect()
-    idle = _status("VmRSS")
+    idle, idle_pss = _status("VmRSS"), _pss()
     _reset_peak()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     model = load()
-    r = {"idle": idle, "seconds": time.perf_counter() - t0, "growth": _status("VmHWM") - idle}
+    r = {"idle": idle, "seconds": time.perf_counter() - t0, "cpu_seconds": time.process_time() - c0,
+         "growth": _status("VmHWM") - idle}
     if forward:
         with torch.no_grad(), phases.phase("first forward") if phases else _null():
             r["logits"] = model(torch.tensor(IDS)).logits.float()
         r["seconds_first_forward"] = time.perf_counter() - t0
+        r["cpu_seconds_first_forward"] = time.process_time() - c0
         r["growth_first_forward"] = _status("VmHWM") - idle
+        r["pss_growth_first_forward"] = _pss() - idle_pss
     return model, r
+
+
+def _pss() -> int:
+    """This process's proportional set size: private pages, plus each page
+    it shares (a checkpoint file's page cache mapped by several ranks)
+    divided by the number of processes mapping it."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    return 0
 
 
 def _null():
@@ -172,6 +187,12 @@ def rank_copy(rank: int, path: str, profile: bool = False) -> dict:
     """ShardFormer.from_pretrained(mmap=False): every shard copied (the way
     before aliasing), for the comparison in the same run."""
     return rank_lazy(rank, path, profile, mmap=False)
+
+
+def rank_rows(rank: int, path: str, profile: bool = False) -> dict:
+    """ShardFormer.from_pretrained(mmap="rows"): byte ranges mapped, column
+    shards copied (the smaller peak per rank)."""
+    return rank_lazy(rank, path, profile, mmap="rows")
 
 
 def busy_process():
@@ -309,6 +330,7 @@ def _main(args) -> int:
             results[f"eager_tp{tp}"] = eager
             rows.append(("eager from_pretrained + optimize", tp, eager, None))
         for key, fn, label in (("copy", rank_copy, "from_pretrained(mmap=False)"),
+                               ("rows", rank_rows, 'from_pretrained(mmap="rows")'),
                                ("lazy", rank_lazy, "ShardFormer.from_pretrained")):
             lazy_runs = run(fn, tp, path, args.repeats, args.profile)
             lazy = summarize(lazy_runs, ckpt)

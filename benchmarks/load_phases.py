@@ -7,7 +7,9 @@ of the process (user + system, all threads: under load the wall time
 stretches, the CPU time much less), minor and major page faults (each
 minor fault is one mapping of a page, or with fault-around up to 16, of a
 file the kernel already holds), and for the loader its byte counts: bytes
-aliased (mapped, no copy), bytes copied, mmap calls.  Phases nest (a phase
+aliased (mapped, no copy), bytes copied, mmap calls, and how many lazy
+parameters were built from their init recipe (0: none initialized and
+then overwritten) or only allocated.  Phases nest (a phase
 inside another counts in both); `report()` lists them in the order they
 first ran, indented by depth.
 """
@@ -87,7 +89,16 @@ class Phases:
             else:
                 self._patch(owner, attr, self._wrap(label, raw))
         self._count_bytes()
+        self._lazy0 = self._lazy_stats()
         return self
+
+    @staticmethod
+    def _lazy_stats() -> dict:
+        try:
+            from shardformer import lazy
+        except ImportError:
+            return {}
+        return dict(lazy.stats)
 
     def _count_bytes(self):
         """Bytes aliased / copied by load_pretrained and mmap calls of the reader."""
@@ -97,8 +108,8 @@ class Phases:
             return
         alias, fill, map_range = pretrained.alias, pretrained.fill, mapped.map_range
 
-        def counted_alias(item, reader):
-            ok = alias(item, reader)
+        def counted_alias(item, reader, *a, **k):
+            ok = alias(item, reader, *a, **k)
             if ok:
                 self.counts["aliased_bytes"] += item.tensor.nbytes
             return ok
@@ -125,7 +136,8 @@ class Phases:
 
     def result(self) -> dict:
         keys = ("calls", "seconds", "cpu_seconds", "minor_faults", "major_faults", "depth")
-        return {"phases": {k: dict(zip(keys, v)) for k, v in self.rows.items()}, **self.counts}
+        lazy = {k: v - self._lazy0.get(k, 0) for k, v in self._lazy_stats().items()}
+        return {"phases": {k: dict(zip(keys, v)) for k, v in self.rows.items()}, **self.counts, "lazy": lazy}
 
 
 class _Block:
@@ -162,4 +174,10 @@ def report(name: str, results: list[dict]) -> str:
     if c.get("aliased_bytes") or c.get("copied_bytes"):
         lines.append(f"  bytes aliased {c['aliased_bytes'] / 1e6:.1f} MB, copied {c['copied_bytes'] / 1e6:.1f} MB, "
                      f"mmap calls {c['mmap_calls']}")
+    lazy = c.get("lazy") or {}
+    if lazy:
+        built, allocated = lazy.get("built_bytes", 0) / 1e6, lazy.get("allocated_bytes", 0) / 1e6
+        lines.append(f"  lazy parameters: {lazy.get('built', 0)} built from their init ({built:.1f} MB: "
+                     f"initialized, then overwritten if the checkpoint holds them), {lazy.get('allocated', 0)} "
+                     f"only allocated ({allocated:.1f} MB, never touched when mapped)")
     return "\n".join(lines)

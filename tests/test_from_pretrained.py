@@ -80,3 +80,34 @@ def test_missing_checkpoint_is_named(tmp_path, monkeypatch):
     missing = str(tmp_path / "no-such-checkpoint")
     with pytest.raises(FileNotFoundError, match="no-such-checkpoint.*not a local checkpoint directory"):
         ShardFormer(ShardConfig()).from_pretrained(transformers.LlamaForCausalLM, missing)
+
+
+_FRESH = """
+import sys
+import transformers
+from transformers import conversion_mapping
+from shardformer import ShardConfig, ShardFormer
+
+model, _ = ShardFormer(ShardConfig()).from_pretrained(transformers.LlamaForCausalLM, sys.argv[1])
+policies = sorted(k for k, m in list(sys.modules.items())
+                  if k.startswith("shardformer.policies.") and (hasattr(m, "FAMILY") or hasattr(m, "FAMILIES")))
+assert policies == ["shardformer.policies.llama"], f"policy files imported: {policies}"
+built = conversion_mapping._checkpoint_conversion_mapping_cache is not None
+assert not built, "transformers' conversion mapping was built for a checkpoint holding the model's own names"
+print("ok")
+"""
+
+
+def test_fresh_process_reads_only_what_it_needs(saved):
+    """A fresh process (what a user's first from_pretrained is): the policy
+    registry imports the one policy file named after the model's package
+    (not every file), and a checkpoint whose keys are the model's own names
+    is read without building transformers' conversion mapping (issue 34
+    item 2: both were a fixed cost of every load)."""
+    import os
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _FRESH, saved("LlamaForCausalLM")], capture_output=True, text=True,
+                         timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]

@@ -133,6 +133,13 @@ def test_writes_never_reach_the_mapped_file(pool2, tmp_path):
     assert all(r["changed"] > 0 for r in reports), reports
 
 
+def test_mapped_rows_only(pool2, tmp_path):
+    """mmap="rows" maps only byte ranges (column shards copied, compact);
+    a bad mmap value is refused by name (TP=2, plain ShardConfig())."""
+    reports = pool2.run(checks.mapped_rows_only, 2, str(tmp_path / "ckpt"))
+    assert all(r["aliased"] > 0 for r in reports), reports
+
+
 def test_lazy_model_loads_mapped(pool, tmp_path):
     reports = pool.run(checks.lazy_model_loads_mapped, 2, str(tmp_path / "ckpt"))
     assert all("meta device" in r["meta"] for r in reports), reports

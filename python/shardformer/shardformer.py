@@ -9,7 +9,7 @@ from torch import nn
 from . import lazy
 from .autopolicy import get_autopolicy
 from .checkpoint import CheckpointReader
-from .checkpoint.pretrained import load_pretrained, plan_load
+from .checkpoint.pretrained import load_pretrained, mmap_mode, plan_load
 from .config import ShardConfig
 from .derived_policy import DerivedPolicy
 from .lora import LoraSharding, is_peft_model
@@ -87,7 +87,7 @@ class ShardFormer:
 
     def from_pretrained(self, model_class, path, *, dtype=None, torch_dtype=None, config=None,
                         policy: Policy | None = None, plan: dict[str, str] | None = None,
-                        progress: bool | None = None, mmap: bool = True, **model_kwargs):
+                        progress: bool | None = None, mmap: bool | str = True, **model_kwargs):
         """Build `model_class` from the HF checkpoint directory `path`, shard
         it, and load each rank's slices; returns (model, shared_params), the
         model in eval mode as HF's from_pretrained returns it.
@@ -103,13 +103,17 @@ class ShardFormer:
         it names none).  config: a config to use instead of the
         checkpoint's.  policy / plan: as optimize()'s.  model_kwargs go to
         `model_class.from_config`.  mmap (default True): a shard that is one
-        contiguous byte range of a safetensors file in the model's dtype is
+        contiguous range of one dimension of a safetensors tensor in the
+        model's dtype (rows: one byte range; columns: a strided view) is
         not copied but mapped copy-on-write, as transformers maps the file
         (load_pretrained's mmap; writes never reach the file; the model's
         save_pretrained / save_sharded materialize it before replacing the
         directory; another tool rewriting the file in place needs
         checkpoint.materialize_mapped(model) first: docs/load.md); False
-        copies every shard.  Collective over the tensor-parallel group,
+        copies every shard; "rows" maps only the shards that are one byte
+        range of the file and copies the column shards (which mmap=True maps
+        as strided views: a smaller peak per rank, compact copies for
+        training).  Collective over the tensor-parallel group,
         like optimize().  Not with ShardConfig.expert_parallel_process_group
         (NotImplementedError, before anything is read or built): build the
         model, optimize() it, and load_full_state_dict the checkpoint's tensors."""
@@ -120,6 +124,7 @@ class ShardFormer:
                 f"is not available; build the model, optimize() it and call "
                 f"shardformer.checkpoint.load_full_state_dict with the checkpoint's state dict")
 
+        mmap_mode(mmap, f"ShardFormer.from_pretrained({getattr(model_class, '__name__', model_class)})")
         with SERIAL:        # its broadcast and optimize() together, one call at a time (see sharder.SERIAL)
             return self._from_pretrained(model_class, path, dtype=dtype, torch_dtype=torch_dtype, config=config,
                                          policy=policy, plan=plan, progress=progress, mmap=mmap, **model_kwargs)

@@ -10,7 +10,9 @@ when the last tensor over the mapping is freed.  This is how transformers
 loads a safetensors file (safetensors maps it); a rank whose shard of a
 tensor is one contiguous byte range of the file (a row block of a row-major
 tensor: a column-parallel weight's output rows, a vocabulary shard, a
-replicated tensor) holds its parameter this way with no copy at all.
+replicated tensor) holds its parameter this way with no copy at all, and
+a column shard (a row-parallel weight's input columns) as a strided view
+of its whole tensor's mapping.
 
 Writes never reach the file.  The mapping is MAP_PRIVATE with PROT_WRITE:
 the first write to a page (an optimizer step, `p.data.mul_`, anything) makes
@@ -110,7 +112,7 @@ def materialize_mapped(model: nn.Module, directory=None) -> int:
                 continue
             if root is not None and os.path.dirname(entry[0]) != root:
                 continue
-            t.data = t.data.clone()
+            t.data = t.data.clone(memory_format=torch.contiguous_format)   # a column view: its shard only
             delattr(t, _ATTR)
             done += 1
     return done

@@ -118,18 +118,22 @@ def agree(step: str, values: dict, group=None, timeout: float | None = None) -> 
     limit = timeout_s() if timeout is None else timeout
     others = [r for r in ranks if r != me]
     keys = [f"{scope}/{n}/{r}" for r in others]
-    deadline = time.monotonic() + limit
-    pause = 0.001
+    start = time.monotonic()
+    deadline = start + limit
     # polled (store.check does not block; a store.wait that times out logs a c10d warning), so
-    # Ctrl-C gets through between checks
+    # Ctrl-C gets through between checks: every millisecond for the first 0.2 s (ranks a few
+    # milliseconds apart go on together, not up to a doubled pause later), then backing off to 50 ms
+    pause = 0.001
     while not store.check(keys):
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline:
             missing = [r for r, key in zip(others, keys) if not store.check([key])]
             if missing:
                 _withdraw(store, scope, n, me)
                 raise RuntimeError(_missing(step, missing, store, me, where, limit))
         time.sleep(pause)
-        pause = min(0.05, pause * 2)
+        if now - start > 0.2:
+            pause = min(0.05, pause * 2)
     texts = [t.decode() for t in store.multi_get(keys)]
     if any(text != mine for text in texts):
         entries = {me: values, **{r: _parse(text) for r, text in zip(others, texts)}}
