@@ -32,10 +32,10 @@ error).
     .venv/bin/python benchmarks/load.py --size 05g --no-eager --busy
 Results: benchmarks/results/load_<size>[_busy].json and a table on stdout.
 
-ShardFormer.from_pretrained maps a shard that is one contiguous range of
-one dimension of a tensor in the file (mmap=True, the default: rows as byte
-ranges, columns as strided views) and copies the rest; mmap="rows" maps
-only byte ranges, mmap=False copies every shard; all three in the same run.  Goals (issue
+ShardFormer.from_pretrained maps a shard that is
+one byte range of the file (mmap="rows", the default) and copies the
+column shards compactly; mmap=True maps those too, as strided views (key
+"lazy" in the JSON); mmap=False copies every shard; all three in the same run.  Goals (issue
 34): load + first forward <= 1.0x hf's, and peak growth per rank <= its
 shards + 64 MiB (the reader's window) + the largest single tensor; each
 printed met or NOT met.  --busy: one busy-looping process beside every
@@ -330,8 +330,8 @@ def _main(args) -> int:
             results[f"eager_tp{tp}"] = eager
             rows.append(("eager from_pretrained + optimize", tp, eager, None))
         for key, fn, label in (("copy", rank_copy, "from_pretrained(mmap=False)"),
-                               ("rows", rank_rows, 'from_pretrained(mmap="rows")'),
-                               ("lazy", rank_lazy, "ShardFormer.from_pretrained")):
+                               ("rows", rank_rows, 'from_pretrained (mmap="rows", default)'),
+                               ("lazy", rank_lazy, "from_pretrained(mmap=True)")):
             lazy_runs = run(fn, tp, path, args.repeats, args.profile)
             lazy = summarize(lazy_runs, ckpt)
             got = lazy_runs[0][0]["logits"]

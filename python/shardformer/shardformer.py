@@ -87,7 +87,7 @@ class ShardFormer:
 
     def from_pretrained(self, model_class, path, *, dtype=None, torch_dtype=None, config=None,
                         policy: Policy | None = None, plan: dict[str, str] | None = None,
-                        progress: bool | None = None, mmap: bool | str = True, **model_kwargs):
+                        progress: bool | None = None, mmap: bool | str = "rows", **model_kwargs):
         """Build `model_class` from the HF checkpoint directory `path`, shard
         it, and load each rank's slices; returns (model, shared_params), the
         model in eval mode as HF's from_pretrained returns it.
@@ -102,18 +102,19 @@ class ShardFormer:
         dtype; None or "auto" takes the checkpoint config's dtype (float32 if
         it names none).  config: a config to use instead of the
         checkpoint's.  policy / plan: as optimize()'s.  model_kwargs go to
-        `model_class.from_config`.  mmap (default True): a shard that is one
-        contiguous range of one dimension of a safetensors tensor in the
-        model's dtype (rows: one byte range; columns: a strided view) is
-        not copied but mapped copy-on-write, as transformers maps the file
-        (load_pretrained's mmap; writes never reach the file; the model's
-        save_pretrained / save_sharded materialize it before replacing the
-        directory; another tool rewriting the file in place needs
-        checkpoint.materialize_mapped(model) first: docs/load.md); False
-        copies every shard; "rows" maps only the shards that are one byte
-        range of the file and copies the column shards (which mmap=True maps
-        as strided views: a smaller peak per rank, compact copies for
-        training).  Collective over the tensor-parallel group,
+        `model_class.from_config`.  mmap (default "rows"): a shard that is one
+        byte range of a safetensors tensor in the model's dtype (rows: the
+        column-parallel weights, replicated tensors) is not copied but mapped
+        copy-on-write, as transformers maps the file, and the column shards
+        (row-parallel weights) are copied compactly; True maps the column
+        shards too, as strided views of the whole mapped tensor (faster to
+        load, but each rank's resident set counts the whole tensor, the first
+        optimizer step copies every page of it, and decode skips the skinny
+        kernel for those layers: for inference on a machine short of time,
+        not memory); False copies every shard.  Writes never reach the file;
+        the model's save_pretrained / save_sharded materialize it before
+        replacing the directory; another tool rewriting the file in place
+        needs checkpoint.materialize_mapped(model) first: docs/load.md.  Collective over the tensor-parallel group,
         like optimize().  Not with ShardConfig.expert_parallel_process_group
         (NotImplementedError, before anything is read or built): build the
         model, optimize() it, and load_full_state_dict the checkpoint's tensors."""
