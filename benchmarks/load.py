@@ -90,9 +90,6 @@ def _measure(load, forward: bool = True, profile=None) -> tuple[object, dict]:
     and reads it only then).  profile: the phases (load_phases.py) to count
     in the same run, or None."""
     import contextlib
-    import gc
-
-    import torch
 
     phases = load_phases.Phases(profile) if profile else None
     with phases if phases else contextlib.nullcontext():

@@ -193,7 +193,7 @@ def rank_main(rank: int, args, layout: str, manager: tuple, runs) -> list:
         def wrapped(*a, **kw):
             if before_hook:
                 before_hook()
-            t0, c0 = time.perf_counter(), time.thread_time()
+            c0 = time.thread_time()
             try:
                 return fn(*a, **kw)
             finally:
