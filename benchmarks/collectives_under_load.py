@@ -1,7 +1,7 @@
 """All-reduce latency of the shm backend against gloo while other processes load the cores.
 
 The shm backend waits for its peers in user space: it spins briefly, then
-yields the core, then sleeps in growing steps (csrc/comm/shm.c, wait_step);
+yields the core, then sleeps in growing steps (csrc/comm/shm_wait.c, wait_step);
 gloo blocks in the kernel on a socket.  A wait that spins can steal the core
 a peer needs once the machine is oversubscribed, so this measures both under
 N busy-loop processes (`--load 0 1 2`; this machine has 2 cores, and the

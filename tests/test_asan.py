@@ -203,7 +203,9 @@ def test_warning_check_covers_csrc():
     rel = [os.path.relpath(p, ROOT) for p in CSRC]
     for must in ("csrc/module.c", "csrc/status.c", "csrc/glue.c", "csrc/cpu_features.c",
                  "csrc/kernels/attention.c", "csrc/kernels/common.c", "csrc/comm/nccl.c",
-                 "csrc/comm/shm.c", "csrc/comm/reduce.c"):
+                 "csrc/comm/shm_segment.c", "csrc/comm/shm_wait.c",
+                 "csrc/comm/shm_barrier.c", "csrc/comm/shm_collectives.c", "csrc/comm/shm_p2p.c",
+                 "csrc/comm/reduce.c"):
         assert must in rel, (must, rel)
     assert any(r.startswith("csrc/kernels/") for r in rel)
     assert any(r.startswith("csrc/comm/") for r in rel)

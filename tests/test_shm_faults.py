@@ -1,4 +1,4 @@
-"""Faults of the shared-memory collectives (csrc/comm/shm.c, csrc/comm_module.c):
+"""Faults of the shared-memory collectives (csrc/comm/shm_*.c, csrc/comm_module.c):
 ranks that call different things, sizes that overflow, forged segment
 headers, Ctrl-C inside a wait, a timeout on one rank, and a communicator
 closed while a call is in flight.

@@ -1,5 +1,5 @@
 """The shm backend's waits: spin, yield, then sleep on a futex that the
-peer's store wakes (csrc/comm/shm.c, "Waiting").  The counts prove the sleep
+peer's store wakes (csrc/comm/shm_wait.c, "Waiting").  The counts prove the sleep
 and the wake happened; no timing is asserted (see
 benchmarks/collectives_under_load.py for the latencies)."""
 import sys

@@ -55,7 +55,7 @@ segment per group that was destroyed while the program still references it,
 until the program drops the reference or creates another communicator.  A new
 `init_process_group` after `destroy_process_group()` gets fresh communicators.
 
-Threads.  The C side (csrc/comm/shm.c) does the work with the GIL released;
+Threads.  The C side (csrc/comm/shm_*.c) does the work with the GIL released;
 one call runs in a communicator at a time.  Calls with `async_op=True` run on
 one worker thread per communicator, in issue order, and return a `Handle`; a
 blocking call first waits for them.  `close()` may be called from any thread
