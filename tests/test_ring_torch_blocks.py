@@ -85,3 +85,8 @@ def test_ring_attn_torch_blocks_equal_unsharded(pool, sp):
              ("sliding_window_equals_unsharded", ("MistralForCausalLM", "ring_attn", 3, 7, True)),
              ("equals_unsharded", ("BloomForCausalLM", "ring_attn", 7))]
     pool.run(checks.models_equal_unsharded, sp, cases)
+
+
+def test_ring_attn_torch_blocks_default_group(pool):
+    """The plain ShardConfig() (default group = the 4-rank world)."""
+    pool.run(checks.llama_default_group, 4)

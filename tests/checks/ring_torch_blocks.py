@@ -5,9 +5,13 @@ counters showing that no block ran on the C kernel."""
 from __future__ import annotations
 
 import contextlib
+import copy
 
+import zoo
+from checks import parity
 from checks import ring_attention as ring_checks
 from checks import sequence_attention as seq_checks
+from shardformer import ShardConfig, ShardFormer
 from shardformer.layer import ring_attention as ra
 
 
@@ -44,3 +48,14 @@ def models_equal_unsharded(ctx, cases: list) -> list:
         with torch_blocks():
             out.append(getattr(seq_checks, fn)(ctx, *args))
     return out
+
+
+def llama_default_group(ctx, seq: int = 7) -> dict:
+    """Llama sharded with the plain ShardConfig (the default group = the world)
+    in ring_attn mode, its blocks in torch's ops, equals the unsharded copy."""
+    model = zoo.build("LlamaForCausalLM").train()
+    ref = copy.deepcopy(model)
+    inputs = seq_checks._trim(zoo.make_inputs("LlamaForCausalLM"), seq)
+    with torch_blocks():
+        ShardFormer(shard_config=ShardConfig(**seq_checks.sp_config("ring_attn"))).optimize(model)
+        return parity.compare_sharded(model, ref, inputs, "LlamaForCausalLM ring_attn ShardConfig()")
