@@ -576,6 +576,23 @@ def _as_4d(t: torch.Tensor, what: str, B, H, Sq, Sk) -> torch.Tensor:
     return t
 
 
+def visible_pairs(Sq: int, Sk: int, causal: bool, window: int, device=None) -> torch.Tensor:
+    """bool [Sq, Sk]: the (query i, key j) pairs the attention kernel's causal
+    flag and window leave visible, with off = Sk - Sq (bottom-right aligned):
+    causal: j <= i + off; window W > 0: i + off - j < W, and without causal
+    masking also j - (i + off) < W."""
+    i = torch.arange(Sq, device=device)[:, None] + (Sk - Sq)
+    j = torch.arange(Sk, device=device)[None, :]
+    vis = torch.ones(Sq, Sk, dtype=torch.bool, device=device)
+    if causal:
+        vis &= j <= i
+    if window:
+        vis &= (i - j) < window
+        if not causal:
+            vis &= (j - i) < window
+    return vis
+
+
 def check_qkv(q, k, v, who: str, cuda: bool = False) -> None:
     """The checks every attention entry makes before any work: q [B, Hq, Sq, D]
     and k / v [B, Hkv, Sk, D] (k and v the same shape), CPU tensors (or CUDA:

@@ -43,17 +43,7 @@ __all__ = ["block_forward", "block_backward"]
 def _visible(Sq: int, Sk: int, causal: bool, window: int, mask, device) -> torch.Tensor | None:
     """bool [.., Sq, Sk]: the pairs not masked by causality, the window and
     `mask` (uint8, nonzero = attend, broadcastable to [B, H, Sq, Sk]); None: all."""
-    vis = None
-    if causal or window:
-        i = torch.arange(Sq, device=device).unsqueeze(1) + (Sk - Sq)
-        j = torch.arange(Sk, device=device).unsqueeze(0)
-        vis = torch.ones(Sq, Sk, dtype=torch.bool, device=device)
-        if causal:
-            vis &= j <= i
-        if window:
-            vis &= (i - j) < window
-            if not causal:
-                vis &= (j - i) < window
+    vis = ops.visible_pairs(Sq, Sk, causal, window, device) if causal or window else None
     if mask is not None:
         m = mask.to(device) != 0
         vis = m if vis is None else (m & vis)
