@@ -167,16 +167,7 @@ def _fallback(module, query, key, value, attention_mask, scaling, dropout, is_ca
     if mask is not None and not isinstance(mask, torch.Tensor):
         pass                                   # e.g. a flex BlockMask: the model's own business
     elif mask is None or mask.dim() == 2:
-        i = torch.arange(Sq, device=query.device)[:, None] + (Sk - Sq)
-        j = torch.arange(Sk, device=query.device)[None, :]
-        vis = torch.ones(Sq, Sk, dtype=torch.bool, device=query.device)
-        if is_causal:
-            vis &= j <= i
-        if window:
-            vis &= (i - j) < window
-            if not is_causal:
-                vis &= (j - i) < window
-        vis = vis[None, None].expand(B, 1, Sq, Sk)
+        vis = ops.visible_pairs(Sq, Sk, is_causal, window, query.device)[None, None].expand(B, 1, Sq, Sk)
         if mask is not None:
             vis = vis & mask.to(torch.bool)[:, None, None, :]
         mask = vis

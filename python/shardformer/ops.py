@@ -576,12 +576,32 @@ def _as_4d(t: torch.Tensor, what: str, B, H, Sq, Sk) -> torch.Tensor:
     return t
 
 
-def check_qkv(q, k, v, who: str) -> None:
+def visible_pairs(Sq: int, Sk: int, causal: bool, window: int, device=None) -> torch.Tensor:
+    """bool [Sq, Sk]: the (query i, key j) pairs the attention kernel's causal
+    flag and window leave visible, with off = Sk - Sq (bottom-right aligned):
+    causal: j <= i + off; window W > 0: i + off - j < W, and without causal
+    masking also j - (i + off) < W."""
+    i = torch.arange(Sq, device=device)[:, None] + (Sk - Sq)
+    j = torch.arange(Sk, device=device)[None, :]
+    vis = torch.ones(Sq, Sk, dtype=torch.bool, device=device)
+    if causal:
+        vis &= j <= i
+    if window:
+        vis &= (i - j) < window
+        if not causal:
+            vis &= (j - i) < window
+    return vis
+
+
+def check_qkv(q, k, v, who: str, cuda: bool = False) -> None:
     """The checks every attention entry makes before any work: q [B, Hq, Sq, D]
-    and k / v [B, Hkv, Sk, D] (k and v the same shape), CPU tensors of one
-    float dtype the kernels take, Hq a multiple of Hkv."""
+    and k / v [B, Hkv, Sk, D] (k and v the same shape), CPU tensors (or CUDA:
+    cuda=True, for ring attention's torch-ops blocks) of one float dtype the
+    kernels take, on one device, Hq a multiple of Hkv."""
     for t, what in ((q, "q"), (k, "k"), (v, "v")):
-        check_input(t, f"{who} {what}", cuda=False)  # device / dtype checks
+        check_input(t, f"{who} {what}", cuda=cuda)  # device / dtype checks
+        if t.device != q.device:
+            raise ValueError(f"{who}: q is on {q.device} but {what} on {t.device}")
         if t.dim() != 4:
             raise ValueError(f"{who} {what}: expected 4-D [B, H, S, D], got shape {tuple(t.shape)}")
     if q.dtype != k.dtype or q.dtype != v.dtype:

@@ -127,7 +127,13 @@ deadlock); module-level P2P = "torch" asks the communicator for its
 torch.distributed transport (gloo isend / irecv) even on an shm group.
 Either way the computation of a block overlaps the transfer of the next
 step's K/V.
-Only CPU tensors (the C kernel is CPU).  Inputs are checked before any
+Devices.  CPU tensors run each block on the C kernel; tensors on any other
+device (CUDA) run it in torch's ops on that device (ring_blocks.py: the same
+block contract, forward and the final-lse backward), the K/V and dk / dv
+messages on the group's communicator for that device; only the [B, S'] key
+padding / documents and the blocks' uint8 masks are built on the CPU and
+moved.  BLOCKS = "torch" forces the torch-ops blocks on CPU (tests).
+Inputs are checked before any
 communication; a rank failing in the middle of the ring (say, out of memory)
 leaves its peers waiting until the transport's timeout, as with any
 collective.
@@ -180,6 +186,7 @@ from .. import _C
 from .. import distributed as D
 from .. import ops
 from ..distributed.communicator import get_communicator
+from . import ring_blocks
 
 __all__ = ["ring_attention", "zigzag_rows", "padded_length_for", "CALLS", "reset_counters"]
 
@@ -190,9 +197,21 @@ __all__ = ["ring_attention", "zigzag_rows", "padded_length_for", "CALLS", "reset
 # which can matter when the ranks oversubscribe the cores).
 P2P = "auto"
 
+# How a block is computed: "auto" = the C kernel for CPU tensors, torch's ops
+# (ring_blocks.py, the same block contract) for tensors on any other device;
+# "torch" = torch's ops on CPU too (for tests of the torch-ops path on CPU).
+BLOCKS = "auto"
+
+
+def _torch_blocks(t: torch.Tensor) -> bool:
+    """Whether the blocks of a ring over `t` run in torch's ops (BLOCKS)."""
+    if BLOCKS not in ("auto", "torch"):
+        raise ValueError(f"ring_attention.BLOCKS must be 'auto' or 'torch', got {BLOCKS!r}")
+    return BLOCKS == "torch" or t.device.type != "cpu"
+
 CALLS = {"forward": 0, "backward": 0, "kernel_forward": 0, "kernel_backward": 0,
          "blocks": 0, "skipped": 0, "masked": 0, "messages": 0, "messages_torch": 0, "unvisited": 0,
-         "cuda_on_cpu": 0}   # calls with CUDA tensors, run on CPU copies
+         "torch_forward": 0, "torch_backward": 0}   # blocks computed in torch's ops (ring_blocks)
 
 
 def reset_counters() -> None:
@@ -312,10 +331,10 @@ class _Ring:
     (and back): the group's communicator's exchange(), or that of its
     torch.distributed transport when P2P = "torch"."""
 
-    def __init__(self, group, size: int, rank: int):
+    def __init__(self, group, size: int, rank: int, device="cpu"):
         self.size, self.rank = size, rank
         self.nxt, self.prv = (rank + 1) % size, (rank - 1) % size
-        comm = get_communicator(group, "cpu")   # collective on a group's first use: every rank is here
+        comm = get_communicator(group, device)   # collective on a group's first use: every rank is here
         if P2P not in ("auto", "torch"):
             raise ValueError(f"ring_attention.P2P must be 'auto' or 'torch', got {P2P!r}")
         self.comm = comm.torch_transport() if P2P == "torch" else comm
@@ -491,7 +510,7 @@ def _bias_block(bias, qg: torch.Tensor, kg: torch.Tensor) -> torch.Tensor | None
     of the whole-sequence bias [1 | B, H, S', S'], as contiguous float32."""
     if bias is None:
         return None
-    return bias.index_select(2, qg).index_select(3, kg).float().contiguous()
+    return bias.index_select(2, qg.to(bias.device)).index_select(3, kg.to(bias.device)).float().contiguous()
 
 
 def _add_bias_grad(dbias: torch.Tensor, ds: torch.Tensor, qg: torch.Tensor, kg: torch.Tensor) -> None:
@@ -500,7 +519,7 @@ def _add_bias_grad(dbias: torch.Tensor, ds: torch.Tensor, qg: torch.Tensor, kg: 
     if dbias.shape[0] == 1 and ds.shape[0] != 1:
         ds = ds.sum(dim=0, keepdim=True)
     S = dbias.shape[-1]
-    flat = (qg[:, None] * S + kg[None, :]).reshape(-1)
+    flat = (qg[:, None] * S + kg[None, :]).reshape(-1).to(dbias.device)
     dbias.view(*dbias.shape[:2], S * S).index_add_(2, flat, ds.reshape(*ds.shape[:2], -1))
 
 
@@ -510,7 +529,7 @@ class _Bias:
 
     def __init__(self, bias: torch.Tensor, S_pad: int, p: int, c: int, want_grad: bool = False):
         self.bias, self.S_pad, self.p, self.c, self.cache = bias, S_pad, p, c, {}
-        self.grad = torch.zeros(bias.shape, dtype=torch.float32) if want_grad else None
+        self.grad = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if want_grad else None
 
     def rows(self, rank: int, which: str) -> torch.Tensor:
         key = (rank, which)
@@ -573,14 +592,19 @@ def _backward_blocks(r, j, p, c, S_pad, cur, qd, o, dout, lse, dq, half, args) -
                           (("q", qd), ("o", o), ("dout", dout), ("lse", lse)))
         kb = _rows(cur[0], krows, c).contiguous()
         vb = _rows(cur[1], krows, c).contiguous()
-        dqb, dkb, dvb = torch.empty_like(qb), torch.empty_like(kb), torch.empty_like(vb)
         want_db = bias is not None and bias.grad is not None
-        ds = torch.empty(*qb.shape[:3], kb.shape[2], dtype=torch.float32) if want_db else None
-        _C.attention_backward(qb, kb, vb, ob, db, lb, dqb, dkb, dvb, ds, scale, blk_causal,
-                              blk_window, None, None if bias is None else bias.block(r, j, qrows, krows),
-                              step.mask(qrows, krows, band), *(drop or (0.0, 0)), softcap,
-                              *_positions(drop, r, j, p, c, qrows, krows))
-        CALLS["kernel_backward"] += 1
+        bblk = None if bias is None else bias.block(r, j, qrows, krows)
+        mask, pos = step.mask(qrows, krows, band), _positions(drop, r, j, p, c, qrows, krows)
+        if _torch_blocks(qb):
+            dqb, dkb, dvb, ds = ring_blocks.block_backward(qb, kb, vb, ob, db, lb, scale, blk_causal, blk_window,
+                                                           bblk, mask, drop, softcap, pos, want_db)
+            CALLS["torch_backward"] += 1
+        else:
+            dqb, dkb, dvb = torch.empty_like(qb), torch.empty_like(kb), torch.empty_like(vb)
+            ds = torch.empty(*qb.shape[:3], kb.shape[2], dtype=torch.float32) if want_db else None
+            _C.attention_backward(qb, kb, vb, ob, db, lb, dqb, dkb, dvb, ds, scale, blk_causal,
+                                  blk_window, None, bblk, mask, *(drop or (0.0, 0)), softcap, *pos)
+            CALLS["kernel_backward"] += 1
         if want_db:
             bias.add_grad(ds, r, j, qrows, krows)
         _rows(dq, qrows, c).add_(dqb)
@@ -597,7 +621,7 @@ def _chain_backward(ring, r, p, c, S_pad, kf, kb, qd, kd, vd, o, dout, lse, dq, 
     for owner r - k + h - 1 (forward chain) received at hop h-1 plus its own
     partial, so that after hop k every owner holds the sum over the ranks
     its K/V visited.  Returns (dk, dv) of our own K/V, float32."""
-    own = torch.zeros((2, *kd.shape), dtype=torch.float32)
+    own = torch.zeros((2, *kd.shape), dtype=torch.float32, device=kd.device)
     partial = {1: {}, -1: {}}
     steps = _schedule(r, p, kf, kb)
     for (chain, t, owner), (_j, cur) in zip(steps, _travel(ring, r, p, kf, kb, kd, vd)):
@@ -627,11 +651,13 @@ class _RingAttention(torch.autograd.Function):
         B, Hq, n, Dh = qd.shape
         c = n // 2
         S_pad = n * p
-        ring = _Ring(group, p, r) if p > 1 else None
+        ring = _Ring(group, p, r, qd.device) if p > 1 else None
         CALLS["forward"] += 1
 
-        o_acc = torch.zeros(qd.shape, dtype=torch.float32)              # running (o, lse), float32;
-        lse_acc = torch.full(qd.shape[:3], -math.inf, dtype=torch.float32)   # -inf: nothing seen yet
+        dev = qd.device
+        o_acc = torch.zeros(qd.shape, dtype=torch.float32, device=dev)      # running (o, lse), float32;
+        lse_acc = torch.full(qd.shape[:3], -math.inf, dtype=torch.float32, device=dev)  # -inf: none yet
+        in_torch = _torch_blocks(qd)
         half = _Halves(c)
         bd = None if bias is None else bias.detach()
         blocks = None if bd is None else _Bias(bd, S_pad, p, c)
@@ -641,13 +667,18 @@ class _RingAttention(torch.autograd.Function):
                 qb = half("q", qd, qrows)
                 kb = _rows(cur[0], krows, c).contiguous()
                 vb = _rows(cur[1], krows, c).contiguous()
-                ob = torch.empty_like(qb)
-                lb = torch.empty(qb.shape[:3], dtype=torch.float32)
-                _C.attention_forward(qb, kb, vb, ob, lb, scale, blk_causal, blk_window, None,
-                                     None if blocks is None else blocks.block(r, j, qrows, krows),
-                                     step.mask(qrows, krows, band), *(drop or (0.0, 0)),
-                                     softcap, *_positions(drop, r, j, p, c, qrows, krows))
-                CALLS["kernel_forward"] += 1
+                bblk = None if blocks is None else blocks.block(r, j, qrows, krows)
+                mask, pos = step.mask(qrows, krows, band), _positions(drop, r, j, p, c, qrows, krows)
+                if in_torch:
+                    ob, lb = ring_blocks.block_forward(qb, kb, vb, scale, blk_causal, blk_window, bblk,
+                                                       mask, drop, softcap, pos)
+                    CALLS["torch_forward"] += 1
+                else:
+                    ob = torch.empty_like(qb)
+                    lb = torch.empty(qb.shape[:3], dtype=torch.float32)
+                    _C.attention_forward(qb, kb, vb, ob, lb, scale, blk_causal, blk_window, None, bblk,
+                                         mask, *(drop or (0.0, 0)), softcap, *pos)
+                    CALLS["kernel_forward"] += 1
                 _merge(_rows(o_acc, qrows, c), _rows(lse_acc, qrows, c), ob, lb)
         lse = lse_acc.masked_fill_(lse_acc == -math.inf, math.inf)   # kernel convention: all masked = +inf
         o = o_acc.to(qd.dtype)
@@ -666,11 +697,11 @@ class _RingAttention(torch.autograd.Function):
         B, Hq, n, Dh = qd.shape
         c = n // 2
         S_pad = n * p
-        ring = _Ring(group, p, r) if p > 1 else None
+        ring = _Ring(group, p, r, qd.device) if p > 1 else None
         CALLS["backward"] += 1
 
         half = _Halves(c)
-        dq = torch.zeros(qd.shape, dtype=torch.float32)
+        dq = torch.zeros(qd.shape, dtype=torch.float32, device=qd.device)
         bias = None if bd is None else _Bias(bd, S_pad, p, c, want_grad=ctx.needs_input_grad[11])
         args = ctx.args + (bias,)
         dt = qd.dtype
@@ -684,7 +715,7 @@ class _RingAttention(torch.autograd.Function):
             return dq.to(dt), dk.to(dt), dv.to(dt), None, None, None, None, None, None, None, None, bias_grad()
         cur = torch.stack([kd, vd]) if p > 1 else (kd, vd)
         spare = torch.empty_like(cur) if p > 1 else None
-        acc = torch.zeros((2, *kd.shape), dtype=torch.float32)  # dk, dv of the K/V held (owner j)
+        acc = torch.zeros((2, *kd.shape), dtype=torch.float32, device=kd.device)  # dk, dv of owner j
         acc_next = torch.empty_like(acc) if p > 1 else None
         acc_handles = None
         for s in range(p):
@@ -718,7 +749,7 @@ def ring_attention(q, k, v, group=None, *, scale: float | None = None, causal: b
 
     q [B, Hq, 2c, D], k / v [B, Hkv, 2c, D] (Hq a multiple of Hkv): this
     rank's local rows, chunks r and 2p-1-r of the padded sequence of
-    S' = 2cp rows (zigzag_rows(S', p, r)); CPU float32 / float16 / bfloat16,
+    S' = 2cp rows (zigzag_rows(S', p, r)); CPU or CUDA float32 / float16 / bfloat16,
     the same shapes on every rank.  Returns o [B, Hq, 2c, D] (the input's
     dtype): full attention over the whole sequence, restricted to this rank's
     rows (see the module docstring for the math):
@@ -764,23 +795,13 @@ def ring_attention(q, k, v, group=None, *, scale: float | None = None, causal: b
     equality of its rows' and columns' documents into its mask (the
     block-diagonal mask of packed sequences, never built whole).
     """
-    if isinstance(q, torch.Tensor) and q.is_cuda:
-        # The blocks run on the C kernels, which take CPU tensors: the ring runs on CPU copies
-        # (differentiable copies: the gradients come back to q, k, v and bias on their device),
-        # its messages on the group's CPU communicator; the output goes back to q's device.
-        # Exact, not fast: docs/gpu.md.
-        cpu = [t.cpu() if isinstance(t, torch.Tensor) else t for t in (q, k, v, key_padding, bias, documents)]
-        CALLS["cuda_on_cpu"] += 1
-        out = ring_attention(*cpu[:3], group, scale=scale, causal=causal, key_padding=cpu[3], softcap=softcap,
-                             dropout_p=dropout_p, window=window, seed=seed, bias=cpu[4], documents=cpu[5])
-        return out.to(q.device)
     cap = ops.check_softcap(softcap, "ring_attention")
     dropout_p = float(dropout_p or 0.0)
     if not 0.0 <= dropout_p <= 1.0:
         raise ValueError(f"ring_attention: dropout_p must be in [0, 1], got {dropout_p}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise TypeError(f"ring_attention: seed must be an int or None, got {type(seed).__name__}")
-    ops.check_qkv(q, k, v, "ring_attention")
+    ops.check_qkv(q, k, v, "ring_attention", cuda=True)
     B, Hq, n, Dh = q.shape
     if k.shape[2] != n:
         raise ValueError(f"ring_attention: q {tuple(q.shape)} and k {tuple(k.shape)} differ in local rows")
@@ -798,9 +819,8 @@ def ring_attention(q, k, v, group=None, *, scale: float | None = None, causal: b
         if tuple(key_padding.shape) != (B, S_pad):
             raise ValueError(f"ring_attention: key_padding of shape {tuple(key_padding.shape)}, expected "
                              f"[B, S'] = [{B}, {S_pad}] (the full padded sequence: {p} ranks x {n} rows)")
-        if key_padding.device.type != "cpu":
-            raise ValueError(f"ring_attention: key_padding is on {key_padding.device}, expected CPU")
-        kp = key_padding.contiguous().view(torch.uint8)
+        # [B, S'] of bytes: the blocks' masks are cut from it on the CPU (ring_blocks moves them)
+        kp = key_padding.cpu().contiguous().view(torch.uint8)
     W = math.inf
     if window is not None:
         if isinstance(window, bool) or int(window) != window or window < 0:
@@ -815,8 +835,8 @@ def ring_attention(q, k, v, group=None, *, scale: float | None = None, causal: b
         if bias.dim() != 4 or bias.shape[0] not in (1, B) or tuple(bias.shape[1:]) != (Hq, S_pad, S_pad):
             raise ValueError(f"ring_attention: bias of shape {tuple(bias.shape)}, expected [1 or {B}, {Hq}, "
                              f"{S_pad}, {S_pad}] (the whole padded sequence)")
-        if bias.device.type != "cpu":
-            raise ValueError(f"ring_attention: bias is on {bias.device}, expected CPU")
+        if bias.device != q.device:
+            raise ValueError(f"ring_attention: bias is on {bias.device}, expected q's device {q.device}")
     docs = None
     if documents is not None:
         if not isinstance(documents, torch.Tensor) or documents.dtype.is_floating_point or \
@@ -826,9 +846,7 @@ def ring_attention(q, k, v, group=None, *, scale: float | None = None, causal: b
         if tuple(documents.shape) != (B, S_pad):
             raise ValueError(f"ring_attention: documents of shape {tuple(documents.shape)}, expected [B, S'] = "
                              f"[{B}, {S_pad}] (the full padded sequence: {p} ranks x {n} rows)")
-        if documents.device.type != "cpu":
-            raise ValueError(f"ring_attention: documents are on {documents.device}, expected CPU")
-        docs = documents.to(torch.int64).contiguous()
+        docs = documents.cpu().to(torch.int64).contiguous()   # [B, S']: masks are cut from it on the CPU
     scale = 1.0 / math.sqrt(Dh) if scale is None else float(scale)
     drop = None
     if dropout_p > 0:
