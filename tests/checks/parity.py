@@ -158,7 +158,8 @@ def to_device(inputs: dict, device) -> dict:
 
 
 def check_sharded(ctx, build, inputs: dict, name: str, dtype=torch.float32, steps: int = 1, config=None,
-                  policy=None, fp64_floor: bool = False, reference=None, plan=None, device=None) -> dict:
+                  policy=None, fp64_floor: bool = False, reference=None, plan=None, device=None,
+                  default_group: bool = False) -> dict:
     """Forward, loss, every gradient and the outputs after SGD steps of
     build() sharded over ctx.group, against build() unsharded.  Returns the
     max relative errors seen; raises AssertionError on any mismatch.
@@ -171,7 +172,9 @@ def check_sharded(ctx, build, inputs: dict, name: str, dtype=torch.float32, step
 
     reference: the unsharded model to compare with (default: a copy of build()'s).
     policy / plan: passed to optimize().  device: where the model (built on
-    CPU from the seed, then moved), the reference and the inputs run (None: CPU)."""
+    CPU from the seed, then moved), the reference and the inputs run (None: CPU).
+    default_group: the plain ShardConfig (no group given: the world, so
+    ctx.group must span it), instead of ctx.group passed explicitly."""
     torch.manual_seed(0)
     model = build()
     if device is not None:
@@ -183,7 +186,8 @@ def check_sharded(ctx, build, inputs: dict, name: str, dtype=torch.float32, step
     ref64 = copy.deepcopy(ref).double() if fp64_floor and dtype == torch.float32 else None
     inputs64 = _double(inputs) if ref64 is not None else None
     full_numel = sum(p.numel() for p in ref.parameters())
-    shard_config = ShardConfig(tensor_parallel_process_group=ctx.group, **(config or {}))
+    group = {} if default_group else {"tensor_parallel_process_group": ctx.group}
+    shard_config = ShardConfig(**group, **(config or {}))
     sharded, _ = ShardFormer(shard_config=shard_config).optimize(model, policy=policy, plan=plan)
     local_numel = sum(p.numel() for p in sharded.parameters())
     report = {"tp": ctx.tp_size, "param_fraction": local_numel / full_numel}

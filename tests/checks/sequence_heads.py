@@ -1,0 +1,49 @@
+"""Rank-side check of tests/test_sequence_heads.py: every head class of a
+family under one sequence-parallel mode, in one pool call.
+
+Each class is built from the seed, sharded with the plain ShardConfig (no
+group given: the world of the two-rank pool) and compared with its unsharded
+copy by parity.check_sharded: forward outputs, loss, every gradient (each
+rank's shard of the reference's) and the outputs after an SGD step.  The
+text inputs are cut to an odd length (7 tokens over 2 ranks: padded to 8
+inside), so a head that reads one position of the sequence (the last
+non-padding token of sequence classification, [CLS] of a pooler, the
+multiple-choice rows [batch * choices, S]) reads it from the full sequence,
+not from one rank's rows.
+"""
+from __future__ import annotations
+
+import zoo
+from checks import parity
+from checks.sequence import cut_sequence
+from shardformer.layer import sequence_attention as sa
+
+
+def config_of(mode: str) -> dict:
+    """The ShardConfig arguments of `mode`: split_gather runs on the tensor-
+    parallel blocks (TP on); all_to_all / ring_attn split the sequence over
+    the same ranks with TP off (their SP group is then the TP group)."""
+    if mode == "split_gather":
+        return {"enable_sequence_parallelism": True}
+    return {"enable_tensor_parallelism": False, "enable_sequence_parallelism": True,
+            "sequence_parallelism_mode": mode}
+
+
+def heads_equal_unsharded(ctx, mode: str, names: list, seq: int | None = 7) -> dict:
+    """check_sharded for every class in `names` under `mode` with the plain
+    ShardConfig; all_to_all / ring_attn: the split attention ran in each
+    (counted).  Returns {class: its report}.  A mismatch raises naming the
+    class and the tensor (check_sharded's message)."""
+    assert ctx.world_size == ctx.tp_size, "the plain ShardConfig splits over the world: run on world_pool(n)"
+    reports = {}
+    for name in names:
+        inputs = zoo.make_inputs(name)
+        inputs = cut_sequence(inputs, seq if "input_ids" in inputs else None)
+        before = sa.CALLS.get(mode, 0)
+        report = parity.check_sharded(ctx, lambda: zoo.build(name), inputs, name=f"{name} ({mode})",
+                                      config=config_of(mode), default_group=True)
+        if mode != "split_gather":
+            report["split_calls"] = sa.CALLS[mode] - before
+            assert report["split_calls"] > 0, f"{name}: the {mode} attention never ran"
+        reports[name] = report
+    return reports
