@@ -102,6 +102,16 @@ for _family in ("swin", "swinv2"):
             "with a patch merging between them; a split by block needs one stack over several lists whose "
             "messages change shape at each merging, which StageSplit (one flat list, or two stacks) does not "
             "express yet")
+# BEiT, Swin, Swinv2: all_to_all / ring_attn refused by name (tests/test_sequence_parallel_more.py
+# test_sp_vision_modes_refused)
+for _column in ("sequence parallel (all_to_all)", "sequence parallel (ring_attn)"):
+    NOT_SUPPORTED[("beit", _column)] = (
+        "refused by name: BEiT adds its relative position bias to the [S, S] scores inside its own attention, "
+        "which this mode never builds (split_gather works)")
+    for _family in ("swin", "swinv2"):
+        NOT_SUPPORTED[(_family, _column)] = (
+            "refused by name: each block's windowed attention reads the gathered (height, width) map, shifted "
+            "and cut into windows, not a sequence this mode could split across its attention (split_gather works)")
 # (family, column) -> a condition of the cell's tests
 CAVEATS = {
     ("gemma2", "flash attention"):
@@ -132,6 +142,7 @@ PAGE = os.path.join(ROOT, "docs", "supported-models.md")
 TEST_FILES = sorted(os.path.relpath(f, ROOT) for f in glob.glob(os.path.join(ROOT, "tests", "test_models*.py"))) + [
     "tests/test_kernels.py", "tests/test_attention.py", "tests/test_optimizations.py", "tests/test_lazy.py",
     "tests/test_from_pretrained.py", "tests/test_sequence_parallel.py", "tests/test_sequence_attention.py",
+    "tests/test_sequence_heads.py",
     "tests/test_sequence_parallel_more.py", "tests/test_sequence_parallel_mm.py", "tests/test_pipeline.py", "tests/test_lm_loss.py",
     "tests/test_derived_policy.py", "tests/test_derived_sequence.py"]
 
