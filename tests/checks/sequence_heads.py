@@ -17,6 +17,8 @@ import zoo
 from checks import parity
 from checks.sequence import cut_sequence
 from shardformer.layer import sequence_attention as sa
+from shardformer.layer.linear import _GatherRowsLinear
+from shardformer.layer.sequence import _Regathered
 
 
 def config_of(mode: str) -> dict:
@@ -29,21 +31,29 @@ def config_of(mode: str) -> dict:
             "sequence_parallelism_mode": mode}
 
 
+def _split_ran(mode: str) -> int:
+    """A counter that grows only when the sequence was split: split_gather's
+    blocks re-gathering their saved rows in backward, the split attention
+    calls of all_to_all / ring_attn."""
+    if mode == "split_gather":
+        return _Regathered.gathers + _GatherRowsLinear.regathers
+    return sa.CALLS[mode]
+
+
 def heads_equal_unsharded(ctx, mode: str, names: list, seq: int | None = 7) -> dict:
     """check_sharded for every class in `names` under `mode` with the plain
-    ShardConfig; all_to_all / ring_attn: the split attention ran in each
-    (counted).  Returns {class: its report}.  A mismatch raises naming the
-    class and the tensor (check_sharded's message)."""
+    ShardConfig, and the sequence was split in each (_split_ran grew).
+    Returns {class: its report}.  A mismatch raises naming the class and the
+    tensor (check_sharded's message)."""
     assert ctx.world_size == ctx.tp_size, "the plain ShardConfig splits over the world: run on world_pool(n)"
     reports = {}
     for name in names:
         inputs = zoo.make_inputs(name)
         inputs = cut_sequence(inputs, seq if "input_ids" in inputs else None)
-        before = sa.CALLS.get(mode, 0)
+        before = _split_ran(mode)
         report = parity.check_sharded(ctx, lambda: zoo.build(name), inputs, name=f"{name} ({mode})",
                                       config=config_of(mode), default_group=True)
-        if mode != "split_gather":
-            report["split_calls"] = sa.CALLS[mode] - before
-            assert report["split_calls"] > 0, f"{name}: the {mode} attention never ran"
+        report["split_ran"] = _split_ran(mode) - before
+        assert report["split_ran"] > 0, f"{name}: {mode} never split the sequence"
         reports[name] = report
     return reports
