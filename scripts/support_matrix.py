@@ -121,9 +121,6 @@ CAVEATS = {
     ("beit", "sequence overlap"):
         "BeitForSemanticSegmentation not counted: its decode head does not read the last layer's output, so "
         "that layer's backward never runs and the test's exact count of overlapped passes does not apply",
-    ("gpt2", "sequence overlap"):
-        "GPT2DoubleHeadsModel not counted: its mc_token_ids point at positions of the full-length prompt, "
-        "which the test's odd-length cut removes",
     ("falcon", "sequence parallel (ring_attn)"):
         "rotary Falcon (the zoo's config; the other fused layouts, SDPA and ALiBi in "
         "test_falcon_variants)",

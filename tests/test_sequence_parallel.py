@@ -164,7 +164,7 @@ OVERLAP = ["GPT2LMHeadModel", "BertForMaskedLM", "OPTForCausalLM", "BloomForCaus
            "GPTJForQuestionAnswering", "GPTJModel", "OPTForQuestionAnswering", "OPTModel", "BloomForQuestionAnswering",
            "BloomForSequenceClassification", "BloomModel", "FalconForQuestionAnswering", "FalconForTokenClassification",
            "FalconModel", "RobertaForCausalLM", "BertForMultipleChoice", "ErnieForMultipleChoice",
-           "RobertaForMultipleChoice"]
+           "RobertaForMultipleChoice", "GPT2DoubleHeadsModel"]
 # the vision encoders (their mlp's up projection gathers): the patch tokens and [CLS], padded inside.
 # (BeitForSemanticSegmentation's decode head reads hidden_states[0..3], not the last layer's output, so that
 # layer's backward never runs and the exact pass count of the check does not apply; not listed)
