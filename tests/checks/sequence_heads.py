@@ -13,6 +13,8 @@ not from one rank's rows.
 """
 from __future__ import annotations
 
+import torch
+
 import zoo
 from checks import parity
 from checks.sequence import cut_sequence
@@ -29,6 +31,28 @@ def config_of(mode: str) -> dict:
         return {"enable_sequence_parallelism": True}
     return {"enable_tensor_parallelism": False, "enable_sequence_parallelism": True,
             "sequence_parallelism_mode": mode}
+
+
+def right_padded(inputs: dict, pad: int | None, keep: int = 4) -> dict:
+    """`inputs` with the first row (of each choice: ids [batch, (choices,) S])
+    right-padded after `keep` tokens: those ids set to `pad`, their
+    attention_mask 0 (a mask of ones made where there was none).  Its last
+    real token then lies in rank 0's rows (7 tokens over 2 ranks: 4 each)
+    while the other row's lies in the last rank's: a head that reads the last
+    non-padding token (sequence classification) must find each.  keep=4: the
+    zoo's shortest sliding window (Gemma 3's 4) still reaches a real key from
+    every padding query (a query whose every visible key is padding gets each
+    attention implementation's own convention, docs/sequence-parallelism.md).
+    Unchanged without input_ids or a pad id."""
+    ids = inputs.get("input_ids")
+    if ids is None or pad is None or ids.shape[-1] <= keep:
+        return inputs
+    ids = ids.clone()
+    ids[0, ..., keep:] = pad
+    mask = inputs.get("attention_mask")
+    mask = torch.ones_like(ids) if mask is None else mask.clone()
+    mask[0, ..., keep:] = 0
+    return {**inputs, "input_ids": ids, "attention_mask": mask}
 
 
 def _split_ran(mode: str) -> int:
@@ -48,10 +72,12 @@ def heads_equal_unsharded(ctx, mode: str, names: list, seq: int | None = 7) -> d
     assert ctx.world_size == ctx.tp_size, "the plain ShardConfig splits over the world: run on world_pool(n)"
     reports = {}
     for name in names:
+        model = zoo.build(name)
         inputs = zoo.make_inputs(name)
         inputs = cut_sequence(inputs, seq if "input_ids" in inputs else None)
+        inputs = right_padded(inputs, getattr(model.config, "pad_token_id", None))
         before = _split_ran(mode)
-        report = parity.check_sharded(ctx, lambda: zoo.build(name), inputs, name=f"{name} ({mode})",
+        report = parity.check_sharded(ctx, lambda: model, inputs, name=f"{name} ({mode})",
                                       config=config_of(mode), default_group=True)
         report["split_ran"] = _split_ran(mode) - before
         assert report["split_ran"] > 0, f"{name}: {mode} never split the sequence"
