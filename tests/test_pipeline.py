@@ -347,6 +347,35 @@ def test_beit_segmentation_bad_reads(pool):
     pool.run(check.beit_segmentation_bad_reads, 4)
 
 
+# Swin and Swinv2: the layer list is encoder.layers (one Swin stage: blocks, then the patch merging); the stages
+# before a chunk run in shapes only (StageSplit.shaped_layers), so the encoder halves input_dimensions as unsharded,
+# and each pipeline edge carries [batch, H*W, C] at its own resolution.  The three classes of a family share one
+# pool call; the matrix columns count them (scripts/support_matrix.py FEATURES).
+SWIN = {f: zoo.family_classes()[f] for f in ("swin", "swinv2")}
+
+
+def _swin_params():
+    return [pytest.param(c, id="-".join(c)) for c in SWIN.values()]
+
+
+@pytest.mark.compat_covered_by("test_swin_1f1b_equals_unsharded")     # the same stage forwards, scheduled otherwise
+@pytest.mark.parametrize("classes", _swin_params())
+def test_swin_gpipe_equals_unsharded(pool, classes):
+    """PP=4 over the default group (PipelineStageManager(), a plain ShardConfig): one Swin stage per rank."""
+    pool.run(check.swin_classes_equal_unsharded, 4, classes, "gpipe", default=True)
+
+
+@pytest.mark.parametrize("classes", _swin_params())
+def test_swin_1f1b_equals_unsharded(pool, classes):
+    pool.run(check.swin_classes_equal_unsharded, 4, classes, "1f1b", 2, m=4)        # TP=2 x PP=2
+
+
+@pytest.mark.compat_covered_by("test_swin_1f1b_equals_unsharded")     # the same Swin stages, two chunks per rank
+@pytest.mark.parametrize("classes", _swin_params())
+def test_swin_interleaved_equals_unsharded(pool, classes):
+    pool.run(check.swin_classes_equal_unsharded, 4, classes, "interleaved", 1, 2)   # 4 Swin stages, 2 chunks
+
+
 # ChatGLM2 (zoo.chatglm2, remote-code style): GLMTransformer runs `for i in range(self.num_layers)` over
 # self.layers[i]; each stage sets num_layers to its chunk's count (StageSplit.count: every layer run is got by
 # its chunk position, counted) and the stages pass [seq, batch, hidden]; ChatGLMModel's last_hidden_state is

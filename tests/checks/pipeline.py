@@ -840,3 +840,34 @@ def chatglm2_refusals(ctx) -> list[str]:
     assert name in msg and "pre_seq_len=3" in msg and "transformer.prefix_encoder" in msg, msg
     msgs.append(msg)
     return msgs
+
+
+# Swin / Swinv2 (StageSplit.shaped_layers): the Swin stages of encoder.layers are the layer list, by the
+# number of virtual stages.  2: 3 Swin stages (8x8, 4x4, 2x2 patches), uneven: one pipeline stage holds two,
+# the edge after the first patch merging.  4 (PP=4, or PP=2 x 2 chunks): the zoo's "/stages4" models, 4 Swin
+# stages (16x16 .. 2x2 patches) of one block, one per virtual stage, so every edge of the chain crosses a
+# merging (messages [B, 256, 40], [B, 64, 80], [B, 16, 160]).
+SWIN_3STAGES = dict(depths=[2, 1, 1], num_heads=[5, 10, 20], encoder_stride=16)   # 2x2 patches out: x16 = 32 pixels
+
+
+def swin_classes_equal_unsharded(ctx, classes, schedule: str, tp: int = 1, chunks: int = 1, m: int = 2,
+                                 default: bool = False) -> list[dict]:
+    """equals_unsharded for each class of `classes` (one pool call, the set-up
+    shared), at PP=2 (PP=4 with `default`: PipelineStageManager() and a plain
+    ShardConfig over the default group); each stage past the first ran the Swin stages before its
+    chunk in shapes only, each chunk's first one took the received message."""
+    reports = []
+    pp = ctx.world_size if default else 2
+    for name in classes:
+        before = stages_module.COUNTS["shaped_layers"]
+        # config.num_hidden_layers is Swin's num_layers: the Swin stage count
+        if pp * chunks == 4:
+            report = equals_unsharded(ctx, f"{name}/stages4", pp, schedule, m, tp, chunks, 4, default=default)
+        else:
+            report = equals_unsharded(ctx, name, pp, schedule, m, tp, chunks, 3, default=default, **SWIN_3STAGES)
+        shaped = stages_module.COUNTS["shaped_layers"] - before
+        sm_stage = ctx.rank // tp % pp if not default else ctx.rank
+        if sm_stage > 0 or chunks > 1:
+            assert shaped > 0, f"{name}: stage {sm_stage} ran no Swin stage in shapes only"
+        reports.append(dict(report, name=name, shaped=shaped))
+    return reports
