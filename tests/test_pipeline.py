@@ -367,7 +367,8 @@ def test_swin_gpipe_equals_unsharded(pool, classes):
 
 @pytest.mark.parametrize("classes", _swin_params())
 def test_swin_1f1b_equals_unsharded(pool, classes):
-    pool.run(check.swin_classes_equal_unsharded, 4, classes, "1f1b", 2, m=4)        # TP=2 x PP=2
+    """TP=2 x PP=2, 4 micro-batches; and output_hidden_states / output_attentions refused on every rank."""
+    pool.run(check.swin_classes_equal_unsharded, 4, classes, "1f1b", 2, m=4, refusals=True)
 
 
 @pytest.mark.compat_covered_by("test_swin_1f1b_equals_unsharded")     # the same Swin stages, two chunks per rank

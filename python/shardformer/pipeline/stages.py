@@ -971,6 +971,25 @@ class StageRuntime:
 
     # -- the schedule's side ----------------------------------------------------------
 
+    def refuse_outputs(self, model: nn.Module, batch: dict) -> None:
+        """NotImplementedError for outputs a StageSplit.shaped_layers split
+        cannot give (on every rank: the batch is the one the stages agreed on,
+        checked before any step): output_hidden_states and output_attentions,
+        asked in the batch or the config.  The layers before the last stage's
+        chunk ran elsewhere, and in shapes only on it, so their hidden states
+        (Swin's hidden_states and reshaped_hidden_states) and attentions are
+        not on the last stage."""
+        if not self.plan.layer_shadows:
+            return
+        config = getattr(model, "config", None)
+        asked = [k for k in ("output_hidden_states", "output_attentions")
+                 if batch.get(k, getattr(config, k, False))]
+        if asked:
+            raise NotImplementedError(
+                f"{self.model_name}: {' and '.join(asked)} under pipeline parallelism: the stages before the last "
+                f"one's chunk of {self.plan.layers_path} run elsewhere (in shapes only on the last stage), so their "
+                f"hidden states and attentions are not on the last stage; leave them False (docs/pipeline.md#swin-and-swinv2)")
+
     def chunk_range(self) -> range:
         """The running chunk's layers (indices in the concatenated list)."""
         return self.plan.chunks[self.chunk]
