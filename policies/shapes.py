@@ -574,10 +574,11 @@ class StageShape(VisionShape):
     different lengths)."""
 
     split_attention_at = None
-    pipeline_split = None            # layers grouped in stages of different widths
-    pipeline_refusal = ("its blocks sit in nested lists (encoder.layers[i].blocks), one per resolution, with a "
-                        "patch merging between them, which StageSplit's one flat layer list does not express; "
-                        "see docs/pipeline.md#limits")
+    # Pipeline stages split the list of Swin stages (encoder.layers: blocks, then the patch merging).
+    # The encoder halves input_dimensions after each merging, so the stages before a chunk run in
+    # shapes only (shaped_layers); the embeddings return (patches, (height, width)): a shaped stand-in.
+    pipeline_split = StageSplit("{prefix}Model", "encoder.layers", last=("layernorm", "pooler"),
+                                shaped=("embeddings",), shaped_layers=True)
 
     sp_modes = ("split_gather",)
 

@@ -46,9 +46,9 @@ FEATURES = {
                          "test_sp_overlap_mm_equals_unsharded"),
     "sequence parallel (all_to_all)": ("test_all_to_all_equals_unsharded", "test_all_to_all_mm_equals_unsharded"),
     "sequence parallel (ring_attn)": ("test_ring_attn_equals_unsharded", "test_ring_attn_mm_equals_unsharded"),
-    "pipeline (GPipe)": ("test_gpipe_equals_unsharded",),
-    "pipeline (1F1B, TP=2)": ("test_1f1b_equals_unsharded",),
-    "pipeline (interleaved)": ("test_interleaved_equals_unsharded",),
+    "pipeline (GPipe)": ("test_gpipe_equals_unsharded", "test_swin_gpipe_equals_unsharded"),
+    "pipeline (1F1B, TP=2)": ("test_1f1b_equals_unsharded", "test_swin_1f1b_equals_unsharded"),
+    "pipeline (interleaved)": ("test_interleaved_equals_unsharded", "test_swin_interleaved_equals_unsharded"),
     "loss on vocabulary shards (parallel_output)": ("test_loss_on_vocabulary_shards",),
 }
 # (family, column) -> why the family's classes (all of them, or those the cell does
@@ -94,14 +94,6 @@ NOT_SUPPORTED = {
         "T5 v1.0 feed-forwards are ReLU (no kernel); the v1.1 / Flan-T5 gated GeLU "
         "(T5DenseGatedActDense) gets it: the classes counted are those tested with a v1.1 config",
 }
-# Swin / Swinv2 under pipeline parallelism: refused by name (SwinShape.pipeline_refusal)
-for _family in ("swin", "swinv2"):
-    for _column in ("pipeline (GPipe)", "pipeline (1F1B, TP=2)", "pipeline (interleaved)"):
-        NOT_SUPPORTED[(_family, _column)] = (
-            "refused by name: the blocks sit in nested lists (encoder.layers[i].blocks), one per resolution, "
-            "with a patch merging between them; a split by block needs one stack over several lists whose "
-            "messages change shape at each merging, which StageSplit (one flat list, or two stacks) does not "
-            "express yet")
 # BEiT, Swin, Swinv2: all_to_all / ring_attn refused by name (tests/test_sequence_parallel_more.py
 # test_sp_vision_modes_refused)
 for _column in ("sequence parallel (all_to_all)", "sequence parallel (ring_attn)"):

@@ -347,6 +347,66 @@ def test_beit_segmentation_bad_reads(pool):
     pool.run(check.beit_segmentation_bad_reads, 4)
 
 
+# Swin and Swinv2: the layer list is encoder.layers (one Swin stage: blocks, then the patch merging); the stages
+# before a chunk run in shapes only (StageSplit.shaped_layers), so the encoder halves input_dimensions as unsharded,
+# and each pipeline edge carries [batch, H*W, C] at its own resolution.  The three classes of a family share one
+# pool call; the matrix columns count them (scripts/support_matrix.py FEATURES).
+SWIN = {f: zoo.family_classes()[f] for f in ("swin", "swinv2")}
+
+
+def _swin_params():
+    return [pytest.param(c, id="-".join(c)) for c in SWIN.values()]
+
+
+def test_shaped_layers_plan():
+    """Process-free (one stage): the stand-in of a layer before the chunk (StageSplit.shaped_layers) gives zeros
+    shaped like the layer's output, its non-tensor outputs as computed, no gradient, and runs none of the layer's
+    hooks; shaped_layers with repeated calls or a layer count is refused, naming the model."""
+    import dataclasses
+
+    import torch
+    from shardformer.autopolicy import get_autopolicy
+    from shardformer.pipeline import PipelineStageManager
+    from shardformer.pipeline.stages import _ShapedLayer, plan_stages
+
+    model = zoo.build("Swinv2Model")
+    split, sm = get_autopolicy(model).pipeline_split, PipelineStageManager()
+    fired = []
+    model.encoder.layers[0].register_forward_hook(lambda *a: fired.append("before"))
+    plan = plan_stages(model, split, sm, "Swinv2Model", prefix="Swinv2")
+    model.encoder.layers[0].register_forward_hook(lambda *a: fired.append("after"))
+    hidden = torch.randn(3, 64, 40, requires_grad=True)
+    out = _ShapedLayer(plan.layer_shadows[0], 0)(hidden, (8, 8))
+    assert fired == [], fired                        # neither the hook there at planning nor one added later
+    real = model.encoder.layers[0](hidden, (8, 8))
+    assert fired == ["before", "after"], fired
+    assert out[0].shape == real[0].shape == (3, 16, 80) and not out[0].any() and not out[0].requires_grad
+    assert out[2] == real[2] == (8, 8, 4, 4)         # Swinv2's output dimensions, as computed
+    assert next(plan.layer_shadows[0].parameters()).is_meta
+    for bad in (dict(count="num_layers"), dict(calls="num_layers")):
+        with pytest.raises(ValueError, match="Swinv2Model: .*shaped_layers=True"):
+            plan_stages(model, dataclasses.replace(split, **bad), sm, "Swinv2Model", prefix="Swinv2")
+
+
+@pytest.mark.compat_covered_by("test_swin_1f1b_equals_unsharded")     # the same stage forwards, scheduled otherwise
+@pytest.mark.parametrize("classes", _swin_params())
+def test_swin_gpipe_equals_unsharded(pool, classes):
+    """PP=4 over the default group (PipelineStageManager(), a plain ShardConfig): one Swin stage per rank."""
+    pool.run(check.swin_classes_equal_unsharded, 4, classes, "gpipe", default=True)
+
+
+@pytest.mark.parametrize("classes", _swin_params())
+def test_swin_1f1b_equals_unsharded(pool, classes):
+    """TP=2 x PP=2, 4 micro-batches; and output_hidden_states / output_attentions refused on every rank."""
+    pool.run(check.swin_classes_equal_unsharded, 4, classes, "1f1b", 2, m=4, refusals=True)
+
+
+@pytest.mark.compat_covered_by("test_swin_1f1b_equals_unsharded")     # the same Swin stages, two chunks per rank
+@pytest.mark.parametrize("classes", _swin_params())
+def test_swin_interleaved_equals_unsharded(pool, classes):
+    pool.run(check.swin_classes_equal_unsharded, 4, classes, "interleaved", 1, 2)   # 4 Swin stages, 2 chunks
+
+
 # ChatGLM2 (zoo.chatglm2, remote-code style): GLMTransformer runs `for i in range(self.num_layers)` over
 # self.layers[i]; each stage sets num_layers to its chunk's count (StageSplit.count: every layer run is got by
 # its chunk position, counted) and the stages pass [seq, batch, hidden]; ChatGLMModel's last_hidden_state is

@@ -515,16 +515,20 @@ def refusals(ctx) -> list[str]:
         raise AssertionError("2 layers were split over 4 stages")
     assert [n for n, _ in small.named_parameters()] == names
     small(**batch)                                   # still the whole model
-    # a family without a stage split: refused by name, model unchanged
+    # a policy without a stage split (every built-in family has one): refused by name, model unchanged
+    from shardformer.autopolicy import get_autopolicy
+
     swin = zoo.build("SwinForImageClassification")
+    policy = get_autopolicy(swin)
+    policy.pipeline_split, policy.pipeline_refusal = None, "a test's policy without a stage split"
     try:
         ShardFormer(ShardConfig(tensor_parallel_process_group=tp_group, pipeline_stage_manager=sm4,
-                                enable_tensor_parallelism=False)).optimize(swin)
+                                enable_tensor_parallelism=False)).optimize(swin, policy=policy)
     except NotImplementedError as e:
-        assert "SwinForImageClassification" in str(e) and "pipeline" in str(e), e
+        assert "SwinForImageClassification" in str(e) and "without a stage split" in str(e), e
         msgs.append(str(e))
     else:
-        raise AssertionError("Swin was pipelined")
+        raise AssertionError("a policy without a stage split was pipelined")
     assert not any(type(m).__name__ == "StageLayers" for m in swin.modules())
     return msgs
 
@@ -840,3 +844,62 @@ def chatglm2_refusals(ctx) -> list[str]:
     assert name in msg and "pre_seq_len=3" in msg and "transformer.prefix_encoder" in msg, msg
     msgs.append(msg)
     return msgs
+
+
+# Swin / Swinv2 (StageSplit.shaped_layers): the Swin stages of encoder.layers are the layer list, by the
+# number of virtual stages.  2: 3 Swin stages (8x8, 4x4, 2x2 patches), uneven: one pipeline stage holds two,
+# the edge after the first patch merging.  4 (PP=4, or PP=2 x 2 chunks): the zoo's "/stages4" models, 4 Swin
+# stages (16x16 .. 2x2 patches) of one block, one per virtual stage, so every edge of the chain crosses a
+# merging (messages [B, 256, 40], [B, 64, 80], [B, 16, 160]).
+SWIN_3STAGES = dict(depths=[2, 1, 1], num_heads=[5, 10, 20], encoder_stride=16)   # 2x2 patches out: x16 = 32 pixels
+
+
+def swin_classes_equal_unsharded(ctx, classes, schedule: str, tp: int = 1, chunks: int = 1, m: int = 2,
+                                 default: bool = False, refusals: bool = False) -> list[dict]:
+    """equals_unsharded for each class of `classes` (one pool call, the set-up
+    shared), at PP=2 (PP=4 with `default`: PipelineStageManager() and a plain
+    ShardConfig over the default group); each stage past the first ran the Swin stages before its
+    chunk in shapes only, each chunk's first one took the received message.
+    refusals: then the outputs a Swin pipeline cannot give are refused
+    (_swin_output_refusals)."""
+    reports = []
+    pp = ctx.world_size if default else 2
+    for name in classes:
+        before = stages_module.COUNTS.get("shaped_layers", 0)
+        # config.num_hidden_layers is Swin's num_layers: the Swin stage count
+        if pp * chunks == 4:
+            report = equals_unsharded(ctx, f"{name}/stages4", pp, schedule, m, tp, chunks, 4, default=default)
+        else:
+            report = equals_unsharded(ctx, name, pp, schedule, m, tp, chunks, 3, default=default, **SWIN_3STAGES)
+        shaped = stages_module.COUNTS.get("shaped_layers", 0) - before
+        sm_stage = ctx.rank // tp % pp if not default else ctx.rank
+        if sm_stage > 0 or chunks > 1:
+            assert shaped > 0, f"{name}: stage {sm_stage} ran no Swin stage in shapes only"
+        reports.append(dict(report, name=name, shaped=shaped))
+    if refusals:
+        _swin_output_refusals(ctx, classes[0], schedule, tp)
+    return reports
+
+
+def _swin_output_refusals(ctx, name: str, schedule: str, tp: int) -> None:
+    """output_hidden_states / output_attentions (in the batch, or the config)
+    raise NotImplementedError naming them on every rank, before any message."""
+    _, model, sm, _ = pipelined(ctx, name, 2, tp, layers=3, **SWIN_3STAGES)
+    runner = SCHEDULES[schedule](sm, num_microbatches=2)
+    sent = p2p.COUNTS["sent"]
+    for asked, batch in (("output_hidden_states", dict(batch_of(name), output_hidden_states=True)),
+                         ("output_attentions", dict(batch_of(name), output_attentions=True))):
+        try:
+            runner.forward(model, batch)
+        except NotImplementedError as e:
+            assert asked in str(e) and name in str(e) and "encoder.layers" in str(e), str(e)
+        else:
+            raise AssertionError(f"{name}: {asked} under pipeline parallelism was not refused")
+    model.config.output_hidden_states = True
+    try:
+        runner.forward(model, batch_of(name))
+    except NotImplementedError as e:
+        assert "output_hidden_states" in str(e), str(e)
+    else:
+        raise AssertionError(f"{name}: config.output_hidden_states under pipeline parallelism was not refused")
+    assert p2p.COUNTS["sent"] == sent, f"{name}: a refused step sent messages"

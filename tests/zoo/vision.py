@@ -26,6 +26,9 @@ SWIN = dict(image_size=IMAGE, patch_size=4, num_channels=CHANNELS, embed_dim=40,
             window_size=2, mlp_ratio=1.5, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
             drop_path_rate=0.0, num_labels=3, encoder_stride=8)
 SWINV2 = dict(SWIN)
+# Four Swin stages (16x16, 8x8, 4x4, 2x2 patches: patch 2), one block each: a pipeline of 4 virtual
+# stages (tests/test_pipeline.py) holds one Swin stage each, every edge after a patch merging.
+SWIN_STAGES4 = dict(SWIN, patch_size=2, depths=[1, 1, 1, 1], num_heads=[5, 10, 20, 40], encoder_stride=16)
 # The SAM and BLIP-2 vision configs default to initializer_range=1e-10, which
 # leaves the vision encoders ~0 and their gradients ~1e-22: set HF's usual 0.02.
 # SAM: vision encoder 5 heads (windowed layer 0, global layer 1, relative positions),
@@ -73,6 +76,11 @@ MODELS = {
     "Swinv2Model": ("Swinv2Model", "Swinv2Config", SWINV2, "pixels"),
     "Swinv2ForImageClassification": ("Swinv2ForImageClassification", "Swinv2Config", SWINV2, "image_cls"),
     "Swinv2ForMaskedImageModeling": ("Swinv2ForMaskedImageModeling", "Swinv2Config", SWINV2, "mim"),
+    **{f"{cls}/stages4": (cls, cfg, SWIN_STAGES4, kind) for cls, cfg, _, kind in (
+        ("SwinModel", "SwinConfig", None, "pixels"), ("SwinForImageClassification", "SwinConfig", None, "image_cls"),
+        ("SwinForMaskedImageModeling", "SwinConfig", None, "mim"), ("Swinv2Model", "Swinv2Config", None, "pixels"),
+        ("Swinv2ForImageClassification", "Swinv2Config", None, "image_cls"),
+        ("Swinv2ForMaskedImageModeling", "Swinv2Config", None, "mim"))},
     "SamModel": ("SamModel", "SamConfig", SAM, "sam"),
     "SamVisionModel": ("SamVisionModel", "SamVisionConfig", SAM_VISION, "pixels"),
     "Blip2Model": ("Blip2Model", "Blip2Config", BLIP2, "blip2"),

@@ -230,6 +230,7 @@ class PipelineSchedule:
                            if isinstance(t, torch.Tensor)))
         rows = next(t.shape[0] for t in batch.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
         self._agree(sig, rows, backward, name, device)
+        rt.refuse_outputs(model, batch)                  # the batch is agreed: every rank raises alike
         check = model.__dict__.get(CHECK_ATTR)      # the stages and TP ranks given one batch (shardformer.input_check)
         if check is not None:
             check.step((), batch, extra=((sm.group, "pipeline"),) if sm.num_stages > 1 else ())

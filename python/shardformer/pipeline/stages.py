@@ -134,7 +134,8 @@ __all__ = ["StageSplit", "StageStack", "StagePlan", "StageLayers", "StageCalls",
 
 RUNTIME = "_shardformer_pipeline"
 # Layers a forward looping over a layer count got by their chunk position (StageSplit.count; for tests).
-COUNTS = {"chunk_positions": 0}
+# StageSplit.shaped_layers: layers run in shapes only before a chunk (for tests).
+COUNTS = {"chunk_positions": 0, "shaped_layers": 0}
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,19 @@ class StageSplit:
             (BEiT segmentation's out_indices): they travel to the last stage in the
             messages, where the owner's output.hidden_states holds them at their
             indices (see the module docstring); one stack only (no `then`, `calls`)
+    shaped_layers  False: the forward hands each layer the previous one's hidden
+            states and nothing else that a layer changes.  True: it also carries state
+            from layer to layer that it works out from what each layer returns (Swin's
+            stage loop halves input_dimensions after each patch merging, and a stage's
+            input is [batch, H*W, C] at that stage's resolution).  Then the layers
+            before the running chunk are not skipped: the forward gets each as a
+            stand-in that runs the layer's meta copy (made before tensor parallelism
+            replaces anything: shapes only, no compute, no communication) and returns
+            zeros shaped like the layer's output, with its non-tensor outputs as
+            computed; so the chunk's first layer is called with the unsharded
+            forward's state, and its computed input has the received message's shape.
+            The messages change shape at each stage edge (each edge has its own
+            header).  One stack only (no `then`, `calls`, `count`)
     batch_dims  (output field, dimension) pairs: outputs of the model whose batch
             dimension is not 0 (ChatGLM2's last_hidden_state, [seq, batch, hidden]:
             ("last_hidden_state", 1)); the schedules concatenate the micro-batches'
@@ -221,6 +235,7 @@ class StageSplit:
     count: str = ""
     batch_dims: tuple[tuple[str, int], ...] = ()
     reads: tuple[int, ...] = ()
+    shaped_layers: bool = False
 
 
 class StageExit(BaseException):
@@ -304,13 +319,22 @@ class StageLayers(nn.ModuleList):
         return _ChunkEdge(layer, self.__dict__["_runtime"], enter, leave, self.__dict__.get("_spec"), i) \
             if enter or leave else layer
 
+    def _before(self) -> list:
+        """StageSplit.shaped_layers: the layers before the running chunk, as
+        _ShapedLayer stand-ins (none without it)."""
+        shadows = self.__dict__.get("_shadows")
+        if not shadows:
+            return []
+        return [_ShapedLayer(shadows[i], i) for i in range(self._running().start)]
+
     def __iter__(self):
-        return iter([self._yielded(i) for i in self._running()])
+        return iter(self._before() + [self._yielded(i) for i in self._running()])
 
     def __getitem__(self, idx):
         if isinstance(idx, slice):
             wanted = set(range(self._total)[idx])
-            return [self._yielded(i) for i in self._running() if i in wanted]
+            return [s for s in self._before() if s._index in wanted] + \
+                [self._yielded(i) for i in self._running() if i in wanted]
         if self.__dict__.get("_positional") and self.active is not None:
             return self._chunk_position(idx)
         i = idx + self._total if isinstance(idx, int) and idx < 0 else idx
@@ -541,6 +565,8 @@ class StagePlan:
     count: str = ""                   # StageSplit.count: the attribute the forward loops over
     batch_dims: dict[str, int] = dataclasses.field(default_factory=dict)  # StageSplit.batch_dims
     reads: tuple[int, ...] = ()       # StageSplit.reads, checked and sorted
+    # StageSplit.shaped_layers: a hook-free meta copy of every layer, made before any TP swap
+    layer_shadows: list = dataclasses.field(default_factory=list)
 
     @property
     def tuples(self) -> bool:
@@ -573,6 +599,67 @@ def _meta_shadow(module: nn.Module) -> nn.Module:
                        for n, b in module._buffers.items()}
     shadow._modules = {n: None if c is None else _meta_shadow(c) for n, c in module._modules.items()}
     return shadow
+
+
+def _without_hooks(shadow: nn.Module) -> nn.Module:
+    """`shadow` (a _meta_shadow) with no forward hooks anywhere in its tree:
+    the hook dicts it shares with the real modules (HF's output recorders,
+    shardformer's own) are for real activations, not shapes."""
+    from collections import OrderedDict
+
+    for m in shadow.modules():
+        for attr in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                     "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):
+            if attr in m.__dict__:
+                m.__dict__[attr] = OrderedDict()
+    return shadow
+
+
+def _map_tensors(fn, x):
+    """`x` with fn applied to every tensor in it (through tuples, lists and dicts)."""
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, (tuple, list)):
+        out = [_map_tensors(fn, v) for v in x]
+        return type(x)(*out) if hasattr(x, "_fields") else type(x)(out)
+    if isinstance(x, dict):
+        out = copy.copy(x)
+        for k, v in x.items():
+            out[k] = _map_tensors(fn, v)
+        return out
+    return x
+
+
+def shape_run(shadow: nn.Module, args, kwargs):
+    """What a module would return on (args, kwargs), in shapes only: its meta
+    copy `shadow` runs on the arguments' meta images (no compute, no
+    communication), and every tensor of the output becomes zeros of its shape
+    and dtype on the arguments' device; non-tensor outputs (Swin's
+    (height, width)) are as computed."""
+    found = []
+    _map_tensors(found.append, (args, kwargs))
+    device = found[0].device if found else torch.device("cpu")
+    meta = (lambda t: t.detach().to("meta"))
+    with torch.no_grad():
+        out = shadow(*_map_tensors(meta, args), **_map_tensors(meta, kwargs))
+    return _map_tensors(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=device), out)
+
+
+class _ShapedLayer:
+    """Layer `index`, before the running chunk, as the forward of a
+    StageSplit.shaped_layers model gets it: calling it gives zeros shaped
+    like the layer's output (shape_run on its meta copy); every attribute is
+    the meta copy's (Swin's encoder asks a stage for its `downsample`)."""
+
+    def __init__(self, shadow: nn.Module, index: int):
+        self.__dict__.update(_shadow=shadow, _index=index)
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["_shadow"], name)
+
+    def __call__(self, *args, **kwargs):
+        COUNTS["shaped_layers"] += 1
+        return shape_run(self.__dict__["_shadow"], args, kwargs)
 
 
 def _child_paths(module: nn.Module, prefix: str):
@@ -703,6 +790,12 @@ def plan_stages(model: nn.Module, split: StageSplit, manager, name: str, prefix:
     plan.count = _checked_count(model, split, stacks[0], len(lists[0]), name)
     plan.batch_dims = dict(split.batch_dims)
     plan.reads = _checked_reads(split, total, name, where_layers)
+    if split.shaped_layers:
+        if split.then is not None or split.calls is not None or split.count:
+            raise ValueError(f"{name}: a pipeline split running the layers before each chunk in shapes only "
+                             f"(shaped_layers=True) takes one list of distinct layers iterated by the forward, "
+                             f"not a second stack, repeated calls or a layer count")
+        plan.layer_shadows = [_without_hooks(_meta_shadow(layer)) for layer in lists[0]]
     return plan
 
 
@@ -878,6 +971,25 @@ class StageRuntime:
 
     # -- the schedule's side ----------------------------------------------------------
 
+    def refuse_outputs(self, model: nn.Module, batch: dict) -> None:
+        """NotImplementedError for outputs a StageSplit.shaped_layers split
+        cannot give (on every rank: the batch is the one the stages agreed on,
+        checked before any step): output_hidden_states and output_attentions,
+        asked in the batch or the config.  The layers before the last stage's
+        chunk ran elsewhere, and in shapes only on it, so their hidden states
+        (Swin's hidden_states and reshaped_hidden_states) and attentions are
+        not on the last stage."""
+        if not self.plan.layer_shadows:
+            return
+        config = getattr(model, "config", None)
+        asked = [k for k in ("output_hidden_states", "output_attentions")
+                 if batch.get(k, getattr(config, k, False))]
+        if asked:
+            raise NotImplementedError(
+                f"{self.model_name}: {' and '.join(asked)} under pipeline parallelism: the stages before the last "
+                f"one's chunk of {self.plan.layers_path} run elsewhere (in shapes only on the last stage), so their "
+                f"hidden states and attentions are not on the last stage; leave them False (docs/pipeline.md#swin-and-swinv2)")
+
     def chunk_range(self) -> range:
         """The running chunk's layers (indices in the concatenated list)."""
         return self.plan.chunks[self.chunk]
@@ -1010,17 +1122,11 @@ class StageRuntime:
         hidden = self._first_hidden(self.entry)
         return torch.zeros(self.input_shape, dtype=hidden.dtype, device=hidden.device)
 
-    def shaped_stand_in(self, shadow: nn.Module, args, kwargs) -> torch.Tensor:
+    def shaped_stand_in(self, shadow: nn.Module, args, kwargs):
         """Zeros shaped like the output the module (its meta copy `shadow`)
-        would give on these arguments (StageSplit.shaped)."""
-        def meta(x):
-            return x.to("meta") if isinstance(x, torch.Tensor) else x
-        out = shadow(*[meta(a) for a in args], **{k: meta(v) for k, v in kwargs.items()})
-        if not isinstance(out, torch.Tensor):
-            raise RuntimeError(f"{self.model_name}: a shaped pipeline stand-in gave a {type(out).__name__}")
-        device = next((a.device for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)),
-                      torch.device("cpu"))
-        return torch.zeros(out.shape, dtype=out.dtype, device=device)
+        would give on these arguments, its non-tensor outputs as computed
+        (StageSplit.shaped; Swin's embeddings return (tensor, (height, width)))."""
+        return shape_run(shadow, args, kwargs)
 
     # -- the redirections ---------------------------------------------------------------
 
@@ -1130,6 +1236,7 @@ class StageRuntime:
         layers.__dict__["_runtime"] = self
         layers.__dict__["_spec"] = spec
         layers.__dict__["_positional"] = bool(self.plan.count)
+        layers.__dict__["_shadows"] = self.plan.layer_shadows
         edges = {}
         last_stack = spec is self.plan.stacks[-1]
         for c, (r, mine) in enumerate(zip(self.plan.chunks, local)):
