@@ -169,13 +169,9 @@ def test_sp_moe_eval_with_dropout(pool):
     pool.run(sequence_more.sp_eval_with_dropout, 4, "MixtralForCausalLM")
 
 
-# (model, a fragment of the policy's reason): MoE routes the gathered tokens; Swin / Swinv2 window their stages
+# (model, a fragment of the policy's reason): MoE routes the gathered tokens
 OVERLAP_REFUSED = [("MixtralForCausalLM", "router picks each token's experts"),
-                   ("MixtralModel", "router picks each token's experts"),
-                   ("SwinForImageClassification", "shifted and cut into windows"),
-                   ("SwinModel", "shifted and cut into windows"),
-                   ("Swinv2ForImageClassification", "shifted and cut into windows"),
-                   ("Swinv2ForMaskedImageModeling", "shifted and cut into windows")]
+                   ("MixtralModel", "router picks each token's experts")]
 
 
 @pytest.mark.parametrize("name,reason", OVERLAP_REFUSED, ids=[n for n, _ in OVERLAP_REFUSED])
@@ -217,6 +213,29 @@ VISION = [(n, None, None) for n in BEIT + ["Swinv2Model"]] + [(n, 36, SWIN_ODD.g
 def test_sp_vision_windows_and_bias_equal_unsharded(pool, name, image, overrides, tp):
     reports = pool.run(sequence_more.sp_vision_equals_unsharded, tp, name, image, overrides)
     assert reports[0]["rows"] != reports[0]["tokens"]          # the blocks ran on rows
+
+
+# enable_sequence_overlap on the windowed blocks (layer/window_overlap.py): q/k/v of the whole map computed
+# while its rows are gathered, then cut into the block's (padded, shifted) windows.  Swin gathers every
+# block's layernorm_before output, Swinv2 the input of every block but a stage's first (post-norm, whole
+# blocks); each gather is one overlapped pass per forward (two) and backward (one).  36 pixels: 81 then
+# 25 tokens, uneven over 2 and 4 ranks, padded to 2 x 2 windows inside the blocks; 5 / 10 heads.
+WINDOW_OVERLAP = [(n, 36, SWIN_ODD.get(n)) for n in SWIN + SWINV2] + [("Swinv2Model", None, None)]
+
+
+def _gathers(name: str, overrides) -> int:
+    depths = (overrides or {}).get("depths", [2, 2])
+    return sum(depths) if name.startswith("Swin") and not name.startswith("Swinv2") else sum(d - 1 for d in depths)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name,image,overrides", WINDOW_OVERLAP, ids=[c[0] for c in WINDOW_OVERLAP])
+def test_sp_overlap_equals_unsharded(pool, name, image, overrides, tp):
+    reports = pool.run(sequence_more.sp_vision_equals_unsharded, tp, name, image, overrides, None, True)
+    for r in reports:
+        assert r["unused"] == 0, (name, r)
+        if r["backend"] == "shm":
+            assert r["overlapped"] == 3 * _gathers(name, overrides), (name, r)
 
 
 @pytest.mark.parametrize("tp", [2, 4])
