@@ -113,7 +113,9 @@ class Swinv2Shape(StageShape):
     Forward and backward are plain TP's inside each block; what is split is
     the activation kept between blocks (1/p of it).  A stage of one block
     has nothing between blocks and runs as plain TP.  all_to_all / ring_attn
-    and enable_sequence_overlap are refused (StageShape)."""
+    are refused (StageShape).  enable_sequence_overlap: blocks.1 .. d-1
+    gather their input by one overlapped pass that also computes q/k/v of
+    the map (layer/window_overlap.py, gather_at=None)."""
 
     attention_seam = SEAM       # enable_flash_attention only (kernel_attention)
 

@@ -60,12 +60,6 @@ NOT_SUPPORTED = {
     ("mixtral", "sequence overlap"):
         "the MoE block's router picks each token's experts from the gathered sequence, so no column matmul "
         "on a rank's rows can run during the gather (refused by name)",
-    ("swin", "sequence overlap"):
-        "each block gathers its stage's rows into the (height, width) map, shifted and cut into windows "
-        "before any projection, stages of different lengths (refused by name)",
-    ("swinv2", "sequence overlap"):
-        "each block gathers its stage's rows into the (height, width) map, shifted and cut into windows "
-        "before any projection, stages of different lengths (refused by name)",
     ("blip2", "sequence overlap"):
         "with an OPT or T5 language model; the classes without a language model are refused by name",
     ("sam", "sequence parallel (all_to_all)"):

@@ -12,7 +12,7 @@ generate() equal for the seq2seq / causal LMs; gradient checkpointing and
 enable_sequence_overlap equal too (Mixtral refuses overlap); the
 configurations that cannot work refused by name.  BEiT, Swin and Swinv2
 (per stage; Swinv2's post-norm blocks run whole, the states between them
-split) likewise; the vision models' all_to_all / ring_attn refused.
+split) likewise, with enable_sequence_overlap; the vision models' all_to_all / ring_attn refused.
 output_hidden_states=True under every mode (split_gather, all_to_all,
 ring_attn) records the unsharded model's full-sequence states."""
 import pytest
@@ -248,7 +248,7 @@ def test_sp_vision_beit_interpolated_bias(pool, tp):
 @pytest.mark.parametrize("name,mode,overlap", [
     ("BeitForImageClassification", "all_to_all", False), ("BeitForImageClassification", "ring_attn", False),
     ("SwinForImageClassification", "all_to_all", False), ("SwinForImageClassification", "ring_attn", False),
-    # enable_sequence_overlap: test_sp_overlap_refused
+    # enable_sequence_overlap on Swin / Swinv2: test_sp_overlap_equals_unsharded
     ("Swinv2ForMaskedImageModeling", "all_to_all", False), ("Swinv2ForImageClassification", "ring_attn", False)])
 def test_sp_vision_modes_refused(pool, name, mode, overlap):
     pool.run(sequence_more.sp_mode_refused_unchanged, 2, name, mode, overlap)
