@@ -54,8 +54,8 @@ all-gather (gather_block_input: this rank's rows first) and cut into windows
 after it (see _layer_forward_on_rows).  The relative position tables are
 added to the scores of every window on the gathered grid, as unsplit.  The mask decoder runs unsplit (its tokens
 attend to the whole image embedding).  all_to_all / ring_attn are refused
-by name: SAM's attention is not transformers' AttentionInterface, and its
-decomposed relative positions are added inside it per (query, key) pair.
+by name: the layers cut their grid into windows before the attention, so
+the grid rows split over the ranks would cut windows (not implemented).
 """
 from __future__ import annotations
 
@@ -232,8 +232,9 @@ class SamShape(FamilyPolicy):
         if cfg.split_attention_mode:
             raise sequence_mode_refused(
                 name, "vision_encoder.layers.*.attn", cfg.split_attention_mode,
-                "SAM's vision attention does not go through transformers' AttentionInterface and adds its "
-                "decomposed relative positions inside it; use 'split_gather'")
+                "SAM's vision layers cut their [B, H, W, C] grid into windows before the attention (which adds "
+                "decomposed relative positions per window), so a split of the grid rows would cut windows "
+                "across ranks; not implemented (docs/sequence-parallelism.md); use 'split_gather'")
 
     def sequence_parallel_policy(self, vision_cfg) -> dict:
         """The replaced layer forward, the norms' gradient all-reduce, the

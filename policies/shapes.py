@@ -569,9 +569,15 @@ class StageShape(VisionShape):
     The attention half moves an all-gather and an all-reduce (backward: an
     all-reduce and a reduce-scatter) instead of Megatron's all-gather and
     reduce-scatter: its output leaves in window order, which the block
-    reorders to the sequence only after the dropout.  enable_sequence_overlap
-    and all_to_all / ring_attn are refused (windowed attention over stages of
-    different lengths)."""
+    reorders to the sequence only after the dropout.  all_to_all / ring_attn
+    are refused (windowed attention over stages of different lengths).
+
+    enable_sequence_overlap (sp_overlap): layernorm_before's output is
+    gathered by one overlapped pass that also computes q/k/v of the whole
+    map in sequence order, this rank's rows while the others' arrive; the
+    windows handed to the attention get those outputs reordered by the
+    block's own pad / shift / partition (layer/window_overlap.py: the
+    projections act per token, the windowing only moves tokens)."""
 
     split_attention_at = None
     # Pipeline stages split the list of Swin stages (encoder.layers: blocks, then the patch merging).
@@ -582,12 +588,7 @@ class StageShape(VisionShape):
 
     sp_modes = ("split_gather",)
 
-    sequence_overlap = False
-
-    def sequence_overlap_refusal(self) -> str:
-        return (f"{self.encoder_prefix()}.layers.*.blocks.*: each block gathers its stage's rows into the "
-                f"(height, width) map, shifted and cut into windows before any projection, and each stage has "
-                f"its own length; the overlapped gather needs column layers reading the rows in sequence order")
+    sequence_overlap = True
 
     def sequence_parallel_refusal(self, mode: str) -> str:
         """Why `mode` is refused (the sharder's message)."""
@@ -617,7 +618,13 @@ class StageShape(VisionShape):
         state = _new_state()           # one per stage: each has its own length
         blocks = f"layers.{i}.blocks"
         regions = {"layernorm_before": ENTER_OUTPUT, "attention": SUM_GRAD, "drop_path": LEAVE, "mlp": ENTER}
+        overlap = sp_overlap(self.shard_config)
+        if overlap:                    # the norm's output gathered by the overlapped pass instead
+            del regions["layernorm_before"]
         subs = split_gather_layer({f"{blocks}.*.{path}": layouts for path, layouts in regions.items()}, (), state)
+        if overlap:
+            self.state.window_overlaps.update({f"{self.encoder_prefix()}.{blocks}.{j}": (
+                state, "layernorm_before", "attention") for j in range(depth)})
         stage = self.model.get_submodule(self.encoder_prefix()).layers[i]
         norms = tuple(name for name, _ in stage.blocks.named_parameters() if ".layernorm_" in name)
         subs.append(Sub(blocks, ReplicatedInParallelRegion, kwargs={"params": norms}))
@@ -625,6 +632,19 @@ class StageShape(VisionShape):
 
     def encoder_prefix(self) -> str:
         return next(name for name, m in self.model.named_modules() if type(m).__name__ == f"{self.prefix}Encoder")
+
+    def postprocess(self):
+        """After the plan, enable_sequence_overlap's hooks on the blocks that
+        stage_sp_subs listed (OptimizeState.window_overlaps; the blocks take
+        the split / gather replacements of their own)."""
+        from shardformer.layer.window_overlap import WindowedGatherOverlap
+
+        model = super().postprocess()
+        group = self.shard_config.tensor_parallel_process_group
+        for path, (state, gather_at, attention) in self.state.window_overlaps.items():
+            WindowedGatherOverlap.from_native_module(self.model.get_submodule(path), group, state=state,
+                                                     gather_at=gather_at, attention=attention)
+        return model
 
     def body_policy(self):
         if not self.tensor_parallel:

@@ -23,7 +23,9 @@ Split-gather sequence parallelism: per stage (StageShape's layout): each
 stage's patch tokens are split along the sequence between its first and
 last block; patch merging, the final norm, the pooler and the heads run on
 the full sequence; inside a block the windowed attention reads the gathered
-(H, W) map.  all_to_all / ring_attn and enable_sequence_overlap are refused.
+(H, W) map.  all_to_all / ring_attn are refused.  enable_sequence_overlap:
+q/k/v of the map computed during the gather, then reordered into the
+windows (StageShape, layer/window_overlap.py).
 """
 from shardformer.family import Family, gathered
 from shardformer.policies.shapes import StageShape

@@ -46,7 +46,7 @@ from shardformer.layer.param_shard import ShardParams
 from shardformer.layer.sequence_layout import GATHER_INPUT, SPLIT_OUTPUT
 from shardformer.layout import Heads
 from shardformer.plan import sequence_region
-from shardformer.policies.shapes import StageShape
+from shardformer.policies.shapes import StageShape, sp_overlap
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
 
@@ -113,7 +113,9 @@ class Swinv2Shape(StageShape):
     Forward and backward are plain TP's inside each block; what is split is
     the activation kept between blocks (1/p of it).  A stage of one block
     has nothing between blocks and runs as plain TP.  all_to_all / ring_attn
-    and enable_sequence_overlap are refused (StageShape)."""
+    are refused (StageShape).  enable_sequence_overlap: blocks.1 .. d-1
+    gather their input by one overlapped pass that also computes q/k/v of
+    the map (layer/window_overlap.py, gather_at=None)."""
 
     attention_seam = SEAM       # enable_flash_attention only (kernel_attention)
 
@@ -125,6 +127,10 @@ class Swinv2Shape(StageShape):
         state = SequenceState()         # one per stage: each has its own length
         if depth == 1:
             return []
+        if sp_overlap(self.shard_config):           # blocks 1..d-1 gather their input overlapped instead
+            self.state.window_overlaps.update({f"{self.encoder_prefix()}.layers.{i}.blocks.{j}": (
+                state, None, "attention.self") for j in range(1, depth)})
+            return [sequence_region(f"layers.{i}.blocks.{j}", SPLIT_OUTPUT, state) for j in range(depth - 1)]
         inner = [GATHER_INPUT | SPLIT_OUTPUT] * (depth - 2)
         return [sequence_region(f"layers.{i}.blocks.{j}", layouts, state)
                 for j, layouts in enumerate([SPLIT_OUTPUT, *inner, GATHER_INPUT])]

@@ -60,20 +60,16 @@ NOT_SUPPORTED = {
     ("mixtral", "sequence overlap"):
         "the MoE block's router picks each token's experts from the gathered sequence, so no column matmul "
         "on a rank's rows can run during the gather (refused by name)",
-    ("swin", "sequence overlap"):
-        "each block gathers its stage's rows into the (height, width) map, shifted and cut into windows "
-        "before any projection, stages of different lengths (refused by name)",
-    ("swinv2", "sequence overlap"):
-        "each block gathers its stage's rows into the (height, width) map, shifted and cut into windows "
-        "before any projection, stages of different lengths (refused by name)",
     ("blip2", "sequence overlap"):
         "with an OPT or T5 language model; the classes without a language model are refused by name",
     ("sam", "sequence parallel (all_to_all)"):
-        "SamVisionAttention adds decomposed relative positions inside its own attention, outside "
-        "transformers' AttentionInterface (refused by name; split_gather works)",
+        "not implemented yet (refused by name; split_gather works): the vision layers take [B, H, W, C] "
+        "grids and cut them into windows before their attention, so a split of the grid rows needs the "
+        "layer's forward replaced (q/k/v exchanged by heads before the windowing), not only the attention's",
     ("sam", "sequence parallel (ring_attn)"):
-        "SamVisionAttention adds decomposed relative positions inside its own attention, outside "
-        "transformers' AttentionInterface (refused by name; split_gather works)",
+        "not implemented yet (refused by name; split_gather works): the global layers could ring their "
+        "row blocks with the relative-position bias block by block, but the windowed layers' windows "
+        "straddle the ranks' grid rows and would need their rows exchanged first",
     ("blip2", "sequence parallel (split_gather)"):
         "the language model's sequence is split (OPT, T5); the classes without a language model "
         "(vision, Q-Former, retrieval) are refused by name",
@@ -87,9 +83,6 @@ NOT_SUPPORTED = {
     ("mixtral", "jit fused"):
         "Mixtral's experts are the policy's expert-parallel module (replaced by the policy, "
         "which the optimizations leave alone)",
-    ("sam", "jit fused"):
-        "SamModel's MLP class (SamMLPBlock) is GeLU in the vision encoder and ReLU in the mask "
-        "decoder, so one forward cannot replace the class's; SamVisionModel gets it",
     ("t5", "jit fused"):
         "T5 v1.0 feed-forwards are ReLU (no kernel); the v1.1 / Flan-T5 gated GeLU "
         "(T5DenseGatedActDense) gets it: the classes counted are those tested with a v1.1 config",

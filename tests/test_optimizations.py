@@ -434,8 +434,7 @@ def _matrix_notes():
 
 NOT_SUPPORTED = _matrix_notes()
 # Classes of a footnoted (family, column) that do get the kernel (the footnote says which).
-PARTIAL = {("sam", "jit fused"): {"SamVisionModel"},
-           ("t5", "jit fused"): {"T5ForQuestionAnswering", "T5ForConditionalGeneration/v1.1"}}
+PARTIAL = {("t5", "jit fused"): {"T5ForQuestionAnswering", "T5ForConditionalGeneration/v1.1"}}
 KERNELS = {"fused normalization": ("layer_norm", "rms_norm"),
            "jit fused": ("swiglu", "bias_gelu", "bias_dropout_add"),
            "flash attention": ("attention",)}
@@ -483,6 +482,12 @@ def test_fused_normalization_every_family(pool, name, tp):
 def test_jit_fused_every_family(pool, name, tp):
     calls = _report(pool, name, tp)["calls"]
     assert calls["swiglu"] + calls["bias_gelu"] + calls["bias_dropout_add"] > 0, (name, calls)
+
+
+# SamModel's SamMLPBlock: GeLU (the kernel) in the vision encoder, ReLU (torch's) in the mask decoder
+@pytest.mark.parametrize("tp", [2, 4])
+def test_jit_fused_sam_mlp_each_activation(pool, tp):
+    pool.run(optimizations.sam_mlp_each_activation, tp)
 
 
 @pytest.mark.parametrize("name, tp", _cases("flash attention"))

@@ -12,7 +12,7 @@ generate() equal for the seq2seq / causal LMs; gradient checkpointing and
 enable_sequence_overlap equal too (Mixtral refuses overlap); the
 configurations that cannot work refused by name.  BEiT, Swin and Swinv2
 (per stage; Swinv2's post-norm blocks run whole, the states between them
-split) likewise; the vision models' all_to_all / ring_attn refused.
+split) likewise, with enable_sequence_overlap; the vision models' all_to_all / ring_attn refused.
 output_hidden_states=True under every mode (split_gather, all_to_all,
 ring_attn) records the unsharded model's full-sequence states."""
 import pytest
@@ -169,13 +169,9 @@ def test_sp_moe_eval_with_dropout(pool):
     pool.run(sequence_more.sp_eval_with_dropout, 4, "MixtralForCausalLM")
 
 
-# (model, a fragment of the policy's reason): MoE routes the gathered tokens; Swin / Swinv2 window their stages
+# (model, a fragment of the policy's reason): MoE routes the gathered tokens
 OVERLAP_REFUSED = [("MixtralForCausalLM", "router picks each token's experts"),
-                   ("MixtralModel", "router picks each token's experts"),
-                   ("SwinForImageClassification", "shifted and cut into windows"),
-                   ("SwinModel", "shifted and cut into windows"),
-                   ("Swinv2ForImageClassification", "shifted and cut into windows"),
-                   ("Swinv2ForMaskedImageModeling", "shifted and cut into windows")]
+                   ("MixtralModel", "router picks each token's experts")]
 
 
 @pytest.mark.parametrize("name,reason", OVERLAP_REFUSED, ids=[n for n, _ in OVERLAP_REFUSED])
@@ -219,6 +215,29 @@ def test_sp_vision_windows_and_bias_equal_unsharded(pool, name, image, overrides
     assert reports[0]["rows"] != reports[0]["tokens"]          # the blocks ran on rows
 
 
+# enable_sequence_overlap on the windowed blocks (layer/window_overlap.py): q/k/v of the whole map computed
+# while its rows are gathered, then cut into the block's (padded, shifted) windows.  Swin gathers every
+# block's layernorm_before output, Swinv2 the input of every block but a stage's first (post-norm, whole
+# blocks); each gather is one overlapped pass per forward (two) and backward (one).  36 pixels: 81 then
+# 25 tokens, uneven over 2 and 4 ranks, padded to 2 x 2 windows inside the blocks; 5 / 10 heads.
+WINDOW_OVERLAP = [(n, 36, SWIN_ODD.get(n)) for n in SWIN + SWINV2] + [("Swinv2Model", None, None)]
+
+
+def _gathers(name: str, overrides) -> int:
+    depths = (overrides or {}).get("depths", [2, 2])
+    return sum(depths) if name.startswith("Swin") and not name.startswith("Swinv2") else sum(d - 1 for d in depths)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+@pytest.mark.parametrize("name,image,overrides", WINDOW_OVERLAP, ids=[c[0] for c in WINDOW_OVERLAP])
+def test_sp_overlap_equals_unsharded(pool, name, image, overrides, tp):
+    reports = pool.run(sequence_more.sp_vision_equals_unsharded, tp, name, image, overrides, None, True)
+    for r in reports:
+        assert r["unused"] == 0, (name, r)
+        if r["backend"] == "shm":
+            assert r["overlapped"] == 3 * _gathers(name, overrides), (name, r)
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 def test_sp_vision_beit_interpolated_bias(pool, tp):
     # 40 pixels: 25 patches + [CLS]; the 4 x 4 tables interpolated to 5 x 5, the bias to the full 26 tokens
@@ -229,7 +248,7 @@ def test_sp_vision_beit_interpolated_bias(pool, tp):
 @pytest.mark.parametrize("name,mode,overlap", [
     ("BeitForImageClassification", "all_to_all", False), ("BeitForImageClassification", "ring_attn", False),
     ("SwinForImageClassification", "all_to_all", False), ("SwinForImageClassification", "ring_attn", False),
-    # enable_sequence_overlap: test_sp_overlap_refused
+    # enable_sequence_overlap on Swin / Swinv2: test_sp_overlap_equals_unsharded
     ("Swinv2ForMaskedImageModeling", "all_to_all", False), ("Swinv2ForImageClassification", "ring_attn", False)])
 def test_sp_vision_modes_refused(pool, name, mode, overlap):
     pool.run(sequence_more.sp_mode_refused_unchanged, 2, name, mode, overlap)

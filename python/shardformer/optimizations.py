@@ -16,6 +16,9 @@ model that has one of these forms gets it, in every family.
                                                                  -> bias_gelu kernel
         GeLU feed-forward methods (METHOD_GELU_FORMS: ALBERT's AlbertLayer.ff_chunk)
                                                                  -> bias_gelu kernel
+        one GeLU structure, per-instance activations (SAM's SamMLPBlock: GeLU
+                   and ReLU instances)  -> bias_gelu kernel where GeLU, the
+                   instance's own activation elsewhere (_InstanceActMlp)
         residual   [norm](r + dropout(dense(h))) (BERT-style *Output, ViTOutput),
                    r + dropout_p(down(gelu(up(h)))) (BLOOM's MLP) -> bias_dropout_add kernel
                    (the dropout's own p, in training mode too: the kernel draws its mask)
@@ -56,6 +59,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 from collections import OrderedDict
 from contextlib import contextmanager
 
@@ -295,6 +299,84 @@ class _GeluMlp(_FusedForward):
         if self.dropout is not None:
             h = getattr(module, self.dropout)(h)
         return h
+
+
+class _InstanceActMlp(_FusedForward):
+    """[dropout](down(act(up(x)))) for a class whose instances differ in their
+    activation (SAM's SamMLPBlock: GeLU in the vision encoder, ReLU in the
+    mask decoder): each instance's own activation, probed at its first call
+    (kind): GeLU (exact or tanh) by the bias_gelu kernel, any
+    other activation (ReLU) by the module's own callable (torch's; no C
+    kernel fuses a lone ReLU)."""
+
+    def __call__(self, module, hidden_states):
+        h = getattr(module, self.up)(hidden_states)
+        kind = self.kind(getattr(module, self.act))
+        if kind in ("gelu", "gelu_tanh") and ops.fused_input(h):
+            h = ops.bias_gelu(h, None, "tanh" if kind == "gelu_tanh" else "none")
+        else:
+            h = getattr(module, self.act)(h)
+        if self.down is not None:
+            h = getattr(module, self.down)(h)
+        if self.dropout is not None:
+            h = getattr(module, self.dropout)(h)
+        return h
+
+
+    def kind(self, fn) -> str | None:
+        """_act_kind(fn), probed once per activation object (weakly kept)."""
+        kinds = self.__dict__.get("_kinds")
+        if kinds is None:
+            kinds = self.__dict__["_kinds"] = weakref.WeakKeyDictionary()
+        try:
+            found = kinds.get(fn, _UNSEEN)
+        except TypeError:                   # not weakly referable: probed every call
+            return _act_kind(fn)
+        if found is _UNSEEN:
+            found = kinds[fn] = _act_kind(fn)
+        return found
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_kinds"}
+
+
+_UNSEEN = object()
+
+
+def instance_act_mlp_forward(up: str, act: str, down: str | None, dropout: str | None):
+    """forward = [dropout](down(act(up(x)))), each instance's GeLU by the C kernel."""
+    return _InstanceActMlp(f"instance_act_mlp_forward[{up}->{act}->{down}]", up=up, act=act, down=down,
+                           dropout=dropout)
+
+
+def _mixed_act_forward(modules: list):
+    """The forward of a class whose instances (`modules`) share one GELU_FORMS
+    structure but not one activation (some GeLU, the others anything
+    elementwise, such as ReLU): _InstanceActMlp, if on every instance it
+    equals the instance's own forward on a random input; else None."""
+    if not all(_probe_ok(m) for m in modules):
+        return None
+    for up, act, down, dropout in GELU_FORMS:
+        names = [n for n in (up, down, dropout) if n is not None]
+        if not all(n in dict(m.named_children()) and hasattr(m, act) for m in modules for n in names):
+            continue
+        if not any(_act_kind(getattr(m, act)) in ("gelu", "gelu_tanh") for m in modules):
+            continue
+        fused = instance_act_mlp_forward(up, act, down, dropout)
+        ok = True
+        for m in modules:
+            n, params = _linear_in(getattr(m, up)), list(m.parameters())
+            if n is None or not params:
+                ok = False
+                break
+            x = torch.randn(2, 3, n, generator=torch.Generator().manual_seed(4321)).to(params[0].dtype)
+            ran = _run_probe(m, _form_name(fused), lambda: type(m).forward(m, x), lambda: fused(m, x))
+            if ran is None or isinstance(ran[0], tuple) or not _close(ran[1], ran[0], params[0].dtype):
+                ok = False
+                break
+        if ok:
+            return fused
+    return None
 
 
 def gelu_mlp_forward(up: str, act: str, down: str | None, dropout: str | None, approximate: str):
@@ -688,9 +770,15 @@ def optimization_policy(model: nn.Module, shard_config, replaced_paths: set[str]
             if any(_under(p, replaced_paths) or p in method_paths for p in paths):
                 continue
             # One forward replaces the class's: every instance must have the
-            # same form (SAM's MLP class is GeLU in one tower, ReLU in the other).
+            # same form, or (SAM's MLP class, GeLU in one tower, ReLU in the
+            # other) one structure whose forward reads each instance's activation.
             forms = {_form_names(model.get_submodule(p)) for p in paths}
-            if len(forms) != 1 or not next(iter(forms)):
+            if len(forms) != 1:             # instances of one MLP structure, GeLU and not: each its own
+                mixed = _mixed_act_forward([model.get_submodule(p) for p in paths])
+                if mixed is not None:
+                    policy.setdefault(cls, ModulePolicyDescription()).method_replacement["forward"] = mixed
+                continue
+            if not next(iter(forms)):
                 continue
             first = model.get_submodule(paths[0])
             fused = _mlp_forward(first)

@@ -84,6 +84,10 @@ class OptimizeState:
     policy_of       module -> its registered Policy (shardformer.autopolicy),
                     passed down by the caller so that no policy reaches up
                     for the registry; None where no registry was given
+    window_overlaps {block path: (SequenceState, gather_at, attention)} of the
+                    windowed blocks whose overlapped gather the policy's
+                    postprocess hooks on (layer/window_overlap.py: the blocks
+                    take other replacements of their own)
     """
 
     sequence_state: Any = None
@@ -91,6 +95,7 @@ class OptimizeState:
     ties: list[tuple[str, str]] = field(default_factory=list)
     sub_policies: dict[int, "Policy"] = field(default_factory=dict)
     policy_of: Callable[[nn.Module], "Policy"] | None = None
+    window_overlaps: dict[str, tuple] = field(default_factory=dict)
 
 
 class Policy(ABC):

@@ -247,3 +247,28 @@ def seam_kernel_generate(ctx, name: str, overrides: dict | None = None) -> list:
         got = parity.greedy_matches(model, ref, {"input_ids": parity.prompt_ids()}, name, 5)
     assert calls["attention"] >= 5 * model.config.num_hidden_layers, (name, calls)
     return got.tolist()
+
+
+def sam_mlp_each_activation(ctx) -> dict:
+    """SamModel with enable_jit_fused (at TP = the world: the plain
+    ShardConfig()): its MLP class SamMLPBlock, GeLU in the vision encoder and
+    ReLU in the mask decoder, gets one forward that runs each instance's own
+    activation, the GeLU by the bias_gelu kernel: exactly one kernel call per
+    vision layer per forward (two forwards: before and after the step), none
+    for the mask decoder's ReLU blocks; equal to the unsharded model (forward,
+    loss, every gradient, after a step)."""
+    from shardformer import ShardConfig, ShardFormer
+
+    torch.manual_seed(0)
+    model = zoo.build("SamModel").train()
+    ref = copy.deepcopy(model)
+    group = {} if ctx.tp_size == ctx.world_size else {"tensor_parallel_process_group": ctx.group}
+    sharded, _ = ShardFormer(ShardConfig(enable_jit_fused=True, **group)).optimize(model)
+    mlps = [m for m in sharded.modules() if type(m).__name__ == "SamMLPBlock"]
+    relu = [m for m in mlps if isinstance(m.act, torch.nn.ReLU)]
+    assert relu and len(relu) < len(mlps), f"SamModel: {len(relu)} ReLU MLPs of {len(mlps)}"
+    with counting_kernels(("bias_gelu",)) as calls:
+        errors = parity.compare_sharded(sharded, ref, zoo.make_inputs("SamModel"), "SamModel (jit fused)")
+    layers = sharded.config.vision_config.num_hidden_layers
+    assert calls["bias_gelu"] == 2 * layers, f"SamModel: {calls['bias_gelu']} bias_gelu calls, expected 2 x {layers}"
+    return {"calls": dict(calls), "errors": errors}

@@ -395,14 +395,20 @@ def _count_rows(model, kinds: tuple[str, ...]) -> list:
 
 
 def sp_vision_equals_unsharded(ctx, name: str, image: int | None = None, overrides: dict | None = None,
-                               extra: dict | None = None) -> dict:
+                               extra: dict | None = None, overlap: bool = False) -> dict:
     """check_sharded with split-gather SP for a vision model at `image` pixels
     (config image_size too), `extra` call kwargs (interpolate_pos_encoding):
     forward, loss, every gradient and after a step equal the unsharded
     model.  Then, no_grad, proves the split ran: every block (BEiT's layers,
     Swin's blocks of every stage) got ceil(S / tp) rows, S its stage's token
     count; Swinv2 (whole blocks): every block but a stage's last returned
-    ceil(S / tp) rows, the last the full S."""
+    ceil(S / tp) rows, the last the full S.  `overlap`: with
+    enable_sequence_overlap; report["overlapped"] counts the overlapped
+    passes of check_sharded (two forwards, one backward) on the shared-memory
+    backend, report["unused"] the projections computed and not asked for."""
+    from shardformer.distributed import backend_for
+    from shardformer.layer.linear import _GatherRowsLinear
+
     overrides = dict(overrides or {})
     if image is not None:
         overrides.setdefault("image_size", image)
@@ -410,10 +416,24 @@ def sp_vision_equals_unsharded(ctx, name: str, image: int | None = None, overrid
     inputs.update(extra or {})
     # Swinv2Model's float32 rounding floor (zoo.vision.FP64_FLOOR): judged against float64 as its TP test is
     fp64 = name in getattr(zoo.module_of(name), "FP64_FLOOR", ())
+    config = {**SP, "enable_sequence_overlap": True} if overlap else dict(SP)
+    before, unused = _GatherRowsLinear.overlapped, _GatherRowsLinear.unused
     report = parity.check_sharded(ctx, lambda: zoo.build(name, **overrides), inputs, name=name,
-                                  config=dict(SP), fp64_floor=fp64)
+                                  config=config, fp64_floor=fp64)
+    if overlap:
+        report.update(overlapped=_GatherRowsLinear.overlapped - before, unused=_GatherRowsLinear.unused - unused,
+                      backend=backend_for(torch.empty(1), ctx.group))
     model = zoo.build(name, **overrides)
-    _shard(ctx, model)
+    if overlap and ctx.tp_size == ctx.world_size:     # the plain ShardConfig(): the default group, the world
+        torch.manual_seed(0)
+        model = zoo.build(name, **overrides).train()
+        ref = copy.deepcopy(model)
+        ShardFormer(ShardConfig(enable_sequence_overlap=True, **SP)).optimize(model)
+        ref64 = copy.deepcopy(ref).double() if fp64 else None
+        parity.compare_sharded(model, ref, inputs, f"{name} (overlap, default group)", ref64=ref64,
+                               inputs64=parity._double(inputs) if fp64 else None)
+    else:
+        _shard(ctx, model, **({"enable_sequence_overlap": True} if overlap else {}))
     if "Swinv2" in name:
         return {**report, **_swinv2_rows(ctx, model, inputs)}
     seen = _count_rows(model, ("BeitLayer", "SwinLayer"))
