@@ -71,6 +71,7 @@ import torch
 
 from .. import distributed as D
 from .. import packing
+from ..distributed.agree import members
 from ..input_check import CHECK_ATTR
 from .p2p import StageLink
 from . import weight_grads
@@ -230,6 +231,7 @@ class PipelineSchedule:
                            if isinstance(t, torch.Tensor)))
         rows = next(t.shape[0] for t in batch.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
         self._agree(sig, rows, backward, name, device)
+        self._agree_with_peers(rt.lockstep_groups, backward, name, device)
         check = model.__dict__.get(CHECK_ATTR)      # the stages and TP ranks given one batch (shardformer.input_check)
         if check is not None:
             check.step((), batch, extra=((sm.group, "pipeline"),) if sm.num_stages > 1 else ())
@@ -354,6 +356,30 @@ class PipelineSchedule:
             rows = [", ".join(f"{f}={int(x)}" for f, x in zip(fields, row)) for row in table.tolist()]
             raise ValueError(f"{type(self).__name__}: {name}: the pipeline's ranks disagree on the step "
                              f"(crc32 for names and shapes):\n" + "\n".join(f"  stage {s}: {r}" for s, r in enumerate(rows)))
+
+    def _agree_with_peers(self, groups, backward: bool, name: str, device) -> None:
+        """The ranks of each group in `groups` ((group, what) pairs: the
+        stage's expert-parallel group, whose exchanges run inside each
+        forward and backward) run the same steps in the same order: the same
+        schedule, micro-batch count, chunks and forward-only / backward.
+        Their batches may differ (other data); the steps may not, or one
+        rank's exchange would wait on a peer running another step.  One
+        small all-gather per group; a disagreement raises naming the ranks."""
+        for group, what in groups:
+            mine = torch.tensor([zlib.crc32(type(self).__name__.encode()), self.num_microbatches,
+                                 self.stage_manager.num_model_chunks, int(backward)], dtype=torch.int64)
+            if device.type != "cpu":
+                D.backend_for(torch.zeros(1, device=device), group)
+            ranks = members(group)
+            table = torch.empty((len(ranks), mine.numel()), dtype=torch.int64)
+            D.all_gather_into_tensor(table, mine[None], group)
+            if not bool((table == table[0]).all()):
+                fields = ("schedule (crc32)", "num_microbatches", "num_model_chunks", "backward")
+                rows = [", ".join(f"{f}={int(x)}" for f, x in zip(fields, row)) for row in table.tolist()]
+                raise ValueError(f"{type(self).__name__}: {name}: the ranks of the {what} group run other "
+                                 f"pipeline steps, and its exchanges would wait on each other (every pipeline "
+                                 f"must run the same schedule; docs/parallel-modes.md#combining-modes):\n"
+                                 + "\n".join(f"  global rank {r}: {row}" for r, row in zip(ranks, rows)))
 
     def _forward_kwargs(self, model, batch: dict, criterion) -> dict:
         params = _forward_params(type(model))
