@@ -374,8 +374,10 @@ class PipelineSchedule:
             table = torch.empty((len(ranks), mine.numel()), dtype=torch.int64)
             D.all_gather_into_tensor(table, mine[None], group)
             if not bool((table == table[0]).all()):
-                fields = ("schedule (crc32)", "num_microbatches", "num_model_chunks", "backward")
-                rows = [", ".join(f"{f}={int(x)}" for f, x in zip(fields, row)) for row in table.tolist()]
+                names = {zlib.crc32(c.__name__.encode()): c.__name__ for c in _subclasses(PipelineSchedule)}
+                fields = ("num_microbatches", "num_model_chunks", "backward")
+                rows = [f"{names.get(row[0], f'schedule crc32 {row[0]}')}, "
+                        + ", ".join(f"{f}={int(x)}" for f, x in zip(fields, row[1:])) for row in table.tolist()]
                 raise ValueError(f"{type(self).__name__}: {name}: the ranks of the {what} group run other "
                                  f"pipeline steps, and its exchanges would wait on each other (every pipeline "
                                  f"must run the same schedule; docs/parallel-modes.md#combining-modes):\n"
@@ -511,6 +513,14 @@ def _forward_params(cls) -> frozenset:
     if any(prm.kind == prm.VAR_KEYWORD for prm in sig.parameters.values()):
         names.add("**")
     return frozenset(names)
+
+
+def _subclasses(cls) -> list:
+    """cls and every subclass of it defined so far (the schedules a peer may run)."""
+    out = [cls]
+    for sub in cls.__subclasses__():
+        out += _subclasses(sub)
+    return out
 
 
 def _device_of(model) -> torch.device:
