@@ -60,7 +60,8 @@ def test_lazy_init_equals_eager(pool, dp, tp, ep):
 
 def test_refusals(pool):
     messages = pool.run(check.refusals, 4)[0]
-    assert any("pipeline_stage_manager" in m for m in messages), messages
+    assert any("pipeline_stage_manager" in m and "expert_parallel_process_group" in m and "share ranks [0, 1, 2, 3]"
+               in m for m in messages), messages
     assert any("sequence parallelism" in m for m in messages), messages
 
 

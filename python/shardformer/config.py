@@ -107,7 +107,11 @@ class ShardConfig:
         shardformer.mesh(..., ep=k).ep.  None: experts are split over TP
         only.  Train with shardformer.data_parallel (or average_gradients
         with the mesh), which keep expert parameters out of the DP
-        all-reduce.  Refused with pipeline or sequence parallelism.
+        all-reduce.  With a pipeline_stage_manager its ranks are ranks of
+        one stage (mesh(pp=, dp=, ep=) builds such groups) and every
+        pipeline runs the same schedule: the exchanges of a micro-batch
+        meet in the same step (the schedule checks that the EP ranks run
+        the same one).  Refused with sequence parallelism.
     check_inputs_every: the sharded model compares a fingerprint of its
         inputs across the ranks that must be given the same batch (tensor-
         parallel, sequence-parallel and pipeline groups) on its first forward
@@ -181,10 +185,11 @@ class ShardConfig:
             self._check_pipeline_groups()
 
     def _check_pipeline_groups(self) -> None:
-        """The pipeline group and the tensor- / sequence-parallel group of a
-        rank meet in that rank only (stages hold different layers; the ranks of
-        one stage split them): a group used for both would have every rank
-        wait on itself, so it is refused by name."""
+        """The pipeline group and the tensor- / sequence- / expert-parallel
+        group of a rank meet in that rank only (stages hold different layers;
+        the ranks of one stage split them, or exchange their tokens): a group
+        used for both would have every rank wait on itself, so it is refused
+        by name."""
         manager = self.pipeline_stage_manager
         if manager.num_stages < 2 or not dist.is_available() or not dist.is_initialized():
             return
@@ -195,6 +200,8 @@ class ShardConfig:
         if self.split_attention_mode and (not self.enable_tensor_parallelism
                                           or self.sequence_group is not self.tensor_parallel_process_group):
             inner.append(("sequence_parallel_process_group", self.sequence_group))
+        if self.expert_parallel_process_group is not None:
+            inner.append(("expert_parallel_process_group", self.expert_parallel_process_group))
         for name, group in inner:
             ranks = _group_ranks(group)
             shared = sorted(pp & set(ranks))
@@ -203,16 +210,14 @@ class ShardConfig:
                     f"ShardConfig: the pipeline_stage_manager's group (global ranks {sorted(pp)}) and {name}"
                     f"{'' if group is not None else ' (None: the default group)'} (global ranks {ranks}) share "
                     f"ranks {shared}; pipeline stages and the ranks that split one stage must be different ranks "
-                    f"(shardformer.mesh(pp=..., tp=...) builds such groups: .pp and .tp)")
+                    f"(shardformer.mesh(pp=..., tp=..., sp=..., dp=..., ep=...) builds such groups: .pp, .tp, .sp, "
+                    f".ep; docs/parallel-modes.md#combining-modes)")
 
     def _check_expert_parallelism(self) -> None:
         group = self.expert_parallel_process_group
         if group is None:
             return
         check_process_group(group)
-        if self.pipeline_stage_manager is not None:
-            raise NotImplementedError("ShardConfig: expert_parallel_process_group with pipeline_stage_manager is "
-                                      "not supported (the dispatch exchange is not scheduled across stages)")
         if self.enable_sequence_parallelism:
             raise NotImplementedError(f"ShardConfig: expert_parallel_process_group with sequence parallelism "
                                       f"({self.sequence_parallelism_mode!r}) is not supported")

@@ -313,6 +313,8 @@ class ModelSharder:
                                       f"({why})")
         plan = plan_stages(self.model, split, manager, name, prefix=policy.prefix, base_model=policy.base_model)
         runtime = StageRuntime(plan, manager, name, self.shard_config.tensor_parallel_process_group)
+        if self.shard_config.expert_parallel_process_group is not None:
+            runtime.lockstep_groups.append((self.shard_config.expert_parallel_process_group, "expert-parallel"))
         # an LM head whose class computes its loss itself (nn.CrossEntropyLoss, a mean per call):
         # the schedule must not hand it num_items_in_batch, which that loss ignores
         runtime.own_mean_loss = any(h.kind == "lm" and h.loss.kind != "hook" for h in policy.active_heads())

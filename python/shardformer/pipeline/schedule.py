@@ -71,6 +71,7 @@ import torch
 
 from .. import distributed as D
 from .. import packing
+from ..distributed.agree import members, name_ranks
 from ..input_check import CHECK_ATTR
 from .p2p import StageLink
 from . import weight_grads
@@ -229,7 +230,15 @@ class PipelineSchedule:
         sig = tuple(sorted((k, tuple(t.shape), str(t.dtype)) for k, t in micro[0].items()
                            if isinstance(t, torch.Tensor)))
         rows = next(t.shape[0] for t in batch.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
-        self._agree(sig, rows, backward, name, device)
+        # every all-gather runs on every rank before any raises: a rank leaving after the first
+        # would leave its EP peers (or its stages) waiting in the next
+        problems = [self._agree(sig, rows, backward, name, device),
+                    *self._agree_with_peers(rt.lockstep_groups, backward, name, device)]
+        problem = next((p for p in problems if p is not None), None)
+        if rt.lockstep_groups:
+            problem = self._spread(problem, [(sm.group, "pipeline")] + rt.lockstep_groups, name) or problem
+        if problem is not None:
+            raise ValueError(problem)
         rt.refuse_outputs(model, batch)                  # the batch is agreed: every rank raises alike
         check = model.__dict__.get(CHECK_ATTR)      # the stages and TP ranks given one batch (shardformer.input_check)
         if check is not None:
@@ -338,11 +347,12 @@ class PipelineSchedule:
         size = B // m
         return [{k: (t[i * size:(i + 1) * size] if k in sizes else t) for k, t in batch.items()} for i in range(m)]
 
-    def _agree(self, sig, batch_size: int, backward: bool, name: str, device) -> None:
-        """Every rank of the pipeline runs the same schedule on the same shapes (one small all-gather)."""
+    def _agree(self, sig, batch_size: int, backward: bool, name: str, device) -> str | None:
+        """Every rank of the pipeline runs the same schedule on the same shapes
+        (one small all-gather); the error message when they do not, else None."""
         sm = self.stage_manager
         if sm.num_stages == 1:
-            return
+            return None
         if device.type != "cpu":                 # the group's communicator for this device type (collective)
             D.backend_for(torch.zeros(1, device=device), sm.group)
         mine = torch.tensor([zlib.crc32(type(self).__name__.encode()), self.num_microbatches,
@@ -353,8 +363,63 @@ class PipelineSchedule:
         if not bool((table == table[0]).all()):
             fields = ("schedule", "num_microbatches", "num_model_chunks", "batch size", "backward", "input shapes")
             rows = [", ".join(f"{f}={int(x)}" for f, x in zip(fields, row)) for row in table.tolist()]
-            raise ValueError(f"{type(self).__name__}: {name}: the pipeline's ranks disagree on the step "
-                             f"(crc32 for names and shapes):\n" + "\n".join(f"  stage {s}: {r}" for s, r in enumerate(rows)))
+            return (f"{type(self).__name__}: {name}: the pipeline's ranks disagree on the step "
+                    f"(crc32 for names and shapes):\n" + "\n".join(f"  stage {s}: {r}" for s, r in enumerate(rows)))
+        return None
+
+    def _agree_with_peers(self, groups, backward: bool, name: str, device) -> list:
+        """The ranks of each group in `groups` ((group, what) pairs: the
+        stage's expert-parallel group, whose exchanges run inside each
+        forward and backward) run the same steps in the same order: the same
+        schedule, micro-batch count, chunks and forward-only / backward.
+        Their batches may differ (other data); the steps may not, or one
+        rank's exchange would wait on a peer running another step.  One
+        small all-gather per group; returns per group the error message
+        naming the ranks when they disagree, else None."""
+        problems = []
+        for group, what in groups:
+            mine = torch.tensor([zlib.crc32(type(self).__name__.encode()), self.num_microbatches,
+                                 self.stage_manager.num_model_chunks, int(backward)], dtype=torch.int64)
+            if device.type != "cpu":
+                D.backend_for(torch.zeros(1, device=device), group)
+            ranks = members(group)
+            table = torch.empty((len(ranks), mine.numel()), dtype=torch.int64)
+            D.all_gather_into_tensor(table, mine[None], group)
+            problems.append(None)
+            if not bool((table == table[0]).all()):
+                names = {zlib.crc32(c.__name__.encode()): c.__name__ for c in _subclasses(PipelineSchedule)}
+                fields = ("num_microbatches", "num_model_chunks", "backward")
+                rows = [f"{names.get(row[0], f'schedule crc32 {row[0]}')}, "
+                        + ", ".join(f"{f}={int(x)}" for f, x in zip(fields, row[1:])) for row in table.tolist()]
+                problems[-1] = (f"{type(self).__name__}: {name}: the ranks of the {what} group run other "
+                                f"pipeline steps, and its exchanges would wait on each other (every pipeline "
+                                f"must run the same schedule; docs/parallel-modes.md#combining-modes):\n"
+                                + "\n".join(f"  global rank {r}: {row}" for r, row in zip(ranks, rows)))
+        return problems
+
+    def _spread(self, problem: str | None, groups, name: str) -> str | None:
+        """A refusal found on some ranks, made known to every rank that would
+        wait on them: one int64 all-gathered over the pipeline group, then
+        over each EP group (pipeline, EP: every stage of every pipeline
+        joined to a refusing rank by a stage or an exchange learns of it).
+        Returns None where nothing was refused, the rank's own problem where
+        it has one, else a message naming the ranks that refused."""
+        bad = problem is not None
+        named: list[int] = []
+        me = torch.distributed.get_rank()
+        for group, what in groups:
+            ranks = members(group)
+            flags = torch.empty(len(ranks), dtype=torch.int64)
+            D.all_gather_into_tensor(flags, torch.tensor([int(bad)], dtype=torch.int64), group)
+            found = [r for r, f in zip(ranks, flags.tolist()) if f and r != me]
+            named += [r for r in found if r not in named]
+            bad = bad or bool(found)
+        if not bad or problem is not None:
+            return problem
+        return (f"{type(self).__name__}: {name}: global {name_ranks(sorted(named))} refused this step (their "
+                f"pipeline's stages or expert-parallel peers run other steps; the error there says which), and "
+                f"this rank would wait on them; every pipeline must run the same schedule "
+                f"(docs/parallel-modes.md#combining-modes)")
 
     def _forward_kwargs(self, model, batch: dict, criterion) -> dict:
         params = _forward_params(type(model))
@@ -486,6 +551,14 @@ def _forward_params(cls) -> frozenset:
     if any(prm.kind == prm.VAR_KEYWORD for prm in sig.parameters.values()):
         names.add("**")
     return frozenset(names)
+
+
+def _subclasses(cls) -> list:
+    """cls and every subclass of it defined so far (the schedules a peer may run)."""
+    out = [cls]
+    for sub in cls.__subclasses__():
+        out += _subclasses(sub)
+    return out
 
 
 def _device_of(model) -> torch.device:

@@ -942,6 +942,9 @@ class StageRuntime:
         self.plan = plan
         self.messages_are_tuples = plan.tuples
         self.own_mean_loss = False                   # the model's loss ignores num_items_in_batch (sharder)
+        # groups beyond the pipeline whose ranks must run the same schedule steps, as (group, what): the
+        # expert-parallel group, whose token exchanges run inside each forward and backward (sharder)
+        self.lockstep_groups: list = []
         self.layers: StageLayers | None = None       # the first stack's
         self.all_layers: list[StageLayers] = []
         self.chunk: int | None = None
