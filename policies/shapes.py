@@ -96,7 +96,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardformer.family import FamilyPolicy
+from shardformer.family import FamilyPolicy, SpecPolicy, spec_capabilities
 from shardformer.layer.sequence_layout import BLOCK, ENTER, ENTER_OUTPUT, LEAVE, SUM_GRAD
 from shardformer.layer.param_shard import ShardParams
 from shardformer.layout import Heads
@@ -104,14 +104,14 @@ from shardformer.pipeline.stages import StageSplit
 from shardformer.plan import PlanContext, realize, record_hidden_states, split_gather_ends, split_gather_layer
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
+from shardformer.spec import Entry, HeadsFrom, ModuleSpec, PolicySpec, Refusal, SplitGatherSpec
 
 
-def text_config(model):
-    cfg = model.config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+class DecoderShape(SpecPolicy):
+    """A spec factory: build_spec() is the family's PolicySpec, made from
+    its options (class attributes set from Family.options) alone; the one
+    interpreter (shardformer.plan.interpret) turns it into replacements."""
 
-
-class DecoderShape(FamilyPolicy):
     prefix = ""
     base_model = "Model"
     mlp = "split"
@@ -119,18 +119,8 @@ class DecoderShape(FamilyPolicy):
     qk_norm = False
     embed_scale = False
 
-    def heads_layout(self) -> Heads:
-        cfg = text_config(self.model)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        return Heads(cfg.num_attention_heads, kv, head_dim)
-
     #: {dotted attribute under the decoder layer: what it holds} (Heads.attributes)
     head_attributes = {"self_attn.num_key_value_groups": "groups"}
-
-    def attention_attributes(self, heads: Heads) -> dict:
-        """{dotted attribute under the decoder layer: per-rank value}."""
-        return heads.attributes(self.head_attributes, text_config(self.model))
 
     split_attention_at = ("{prefix}{base_model}", "layers")
     pipeline_split = StageSplit("{prefix}{base_model}", "layers", last=("norm",))
@@ -138,28 +128,14 @@ class DecoderShape(FamilyPolicy):
     sp_modes = ("split_gather",)
 
     #: enable_sequence_overlap with split_gather: the blocks' input gathers
-    #: overlap their column layers' matmuls (see sequence_parallel_replacements);
-    #: not for MoE (supports_sequence_overlap), whose router needs the gathered
-    #: tokens before any expert runs.
+    #: overlap their column layers' matmuls (the spec's SplitGatherSpec.overlap);
+    #: not for MoE, whose router needs the gathered tokens before any expert runs.
     sequence_overlap = True
-
-    def supports_sequence_overlap(self) -> bool:
-        return self.sequence_overlap and self.mlp != "moe"
-
     sequence_overlap_why = ("layers.*.mlp is a mixture of experts: its router picks each token's experts from the "
                             "gathered sequence, so no column matmul on this rank's rows can run while the block's "
                             "input is gathered")
-    #: sequence_parallel_recompute="selective": the split-gather layers open a
-    #: recompute scope (sequence_parallel_replacements).
+    #: sequence_parallel_recompute="selective": the split-gather layers open a recompute scope.
     sequence_recompute = True
-
-    def postprocess(self):
-        return record_hidden_states(self, super().postprocess())
-
-    @property
-    def sp(self) -> dict:
-        """The kwargs that put a Linear layer in sequence-parallel mode (or none)."""
-        return {"sequence_parallel": True} if self.shard_config.sequence_parallel else {}
 
     def attention_plan(self) -> dict[str, str]:
         """{suffix under the decoder layer: style} of the attention (shardformer.plan)."""
@@ -181,77 +157,41 @@ class DecoderShape(FamilyPolicy):
             {"mlp.gate_proj": "colwise", "mlp.up_proj": "colwise"}
         return {**up, "mlp.down_proj": "rowwise"}
 
-    def attention_replacements(self, heads: Heads) -> list[Sub]:
-        return realize(self.attention_plan(), PlanContext(self, heads), col=self.sp, row=self.sp)
+    def mlp_entries(self) -> tuple[Entry, ...]:
+        """The MLP's entries: the plan, or with mlp="moe" the experts split by
+        TP (sequence_parallel=True under SP, the router then
+        RouterInSequenceParallel) or, with an expert-parallel group, by experts."""
+        if self.mlp != "moe":
+            return tuple(Entry(k, v) for k, v in self.mlp_plan().items())
+        return (Entry("mlp.experts", self.mlp_plan()["mlp.experts"], when=("no_expert_parallel",), sp_always=True),
+                Entry("mlp.experts", "moe_ep_experts", when=("expert_parallel",)),
+                Entry("mlp.gate", "moe_router_sequence_parallel", when=("sequence_parallel", "no_expert_parallel")))
 
-    def mlp_replacements(self) -> list[Sub]:
-        ep = self.shard_config.expert_parallel_process_group if self.mlp == "moe" else None
-        plan = {"mlp.experts": "moe_ep_experts"} if ep is not None else self.mlp_plan()
-        subs = realize(plan, PlanContext(self), col=self.sp, row=self.sp)
-        if self.mlp == "moe" and ep is None and self.shard_config.sequence_parallel:
-            from shardformer.layer.moe import RouterInSequenceParallel
-
-            subs = [replace(s, kwargs={**s.kwargs, "sequence_parallel": True}) for s in subs]
-            subs.append(Sub("mlp.gate", RouterInSequenceParallel))
-        return subs
-
-    def sequence_parallel_replacements(self) -> tuple[list[Sub], list[Sub]]:
-        """(decoder-layer subs, base-model subs) of split-gather sequence
-        parallelism: the blocks, the layer's other parameters (norms: used on
-        this rank's rows, gradients all-reduced), the split and the gather.
-        With enable_sequence_overlap (sp_overlap) the blocks take overlap=True:
-        the block's gather is shared by its column layers and overlapped with
-        their matmuls of this rank's rows (sequence.gather_block_input: the
-        module still receives the gathered sequence, since HF's attention
-        reads its shape before the projections); the row layers' partial
-        sums leave through the block's reduce-scatter as without overlap."""
-        from shardformer.layer.sequence import SequenceState
-
-        state = SequenceState(recompute=self.shard_config.sequence_parallel_recompute)
-        base = self.model.get_submodule(self.base_prefix()) if self.base_prefix() else self.model
-        layers = base.layers
-        norms = parameterized_children(layers[0], skip=("self_attn", "mlp"))
-        subs = split_gather_layer({"self_attn": BLOCK, "mlp": BLOCK}, norms, state, sp_overlap(self.shard_config))
-        return subs, split_gather_ends("layers", len(layers), state)
-
-    def base_prefix(self) -> str:
-        """The attribute path of the base model inside self.model ("" when it is the base model)."""
-        for name, module in self.model.named_modules():
-            if type(module).__name__ == f"{self.prefix}{self.base_model}":
-                return name
-        raise ValueError(f"{type(self.model).__name__}: no {self.prefix}{self.base_model} module")
-
-    def config_sanity_check(self):
-        cfg = text_config(self.model)
-        if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
-            raise ValueError(f"{type(self.model).__name__}: pretraining_tp={cfg.pretraining_tp} is not supported "
-                             "(set it to 1)")
-        jitter = getattr(cfg, "router_jitter_noise", 0.0) if self.mlp == "moe" else 0.0
-        if (self.tensor_parallel or self.shard_config.expert_parallel_process_group is not None) and jitter:
-            raise ValueError(f"{type(self.model).__name__}: router_jitter_noise={jitter} is not supported: "
-                             "each rank would draw its own noise and route tokens differently (set it to 0)")
-
-    def body_policy(self):
-        if not self.tensor_parallel:
-            return {}
-        heads = self.heads_layout()
-        scale = None
-        if self.embed_scale:
-            native = self.model.get_input_embeddings()
-            scale = float(getattr(native, "scalar_embed_scale", text_config(self.model).hidden_size ** 0.5))
-        layer_subs = self.attention_replacements(heads) + self.mlp_replacements()
-        base_subs = realize({"embed_tokens": "embedding_rowwise"}, PlanContext(self, embed_scale=scale))
-        if self.shard_config.sequence_parallel:
-            sp_layer, sp_base = self.sequence_parallel_replacements()
-            layer_subs, base_subs = layer_subs + sp_layer, base_subs + sp_base
-        return {
-            f"{self.prefix}DecoderLayer": ModulePolicyDescription(
-                attribute_replacement=self.attention_attributes(heads),
-                sub_module_replacement=layer_subs,
-            ),
-            f"{self.prefix}{self.base_model}": ModulePolicyDescription(sub_module_replacement=base_subs),
-        }
-
+    def build_spec(self) -> PolicySpec:
+        layer, base = f"{self.prefix}DecoderLayer", f"{self.prefix}{self.base_model}"
+        moe = self.mlp == "moe"
+        refusals = (Refusal("pretraining_tp", allowed=(None, 1), default=1,
+                            message="{model}: pretraining_tp={value} is not supported (set it to 1)"),)
+        if moe:
+            refusals += (Refusal("router_jitter_noise", allowed=(0, None), default=0.0,
+                                 when=("tensor_or_expert_parallel",),
+                                 message="{model}: router_jitter_noise={value} is not supported: each rank would "
+                                         "draw its own noise and route tokens differently (set it to 0)"),)
+        owner, layers = self.split_attention_at
+        capabilities = replace(spec_capabilities(self), sequence_overlap=self.sequence_overlap and not moe,
+                               split_attention_at=(owner.format(prefix=self.prefix, base_model=self.base_model),
+                                                   layers))
+        return PolicySpec(
+            name=self.family.name if self.family is not None else layer,
+            modules=(ModuleSpec(layer, tuple(Entry(k, v) for k, v in self.attention_plan().items())
+                                + self.mlp_entries(), attributes=tuple(self.head_attributes.items())),
+                     ModuleSpec(base, (Entry("embed_tokens", "embedding_rowwise"),), embed_scale=self.embed_scale)),
+            heads=HeadsFrom(),
+            split_gather=SplitGatherSpec(base, "layers", layer, (("self_attn", BLOCK), ("mlp", BLOCK)),
+                                         overlap=True, skip=("self_attn", "mlp")),
+            capabilities=capabilities,
+            refusals=refusals,
+        )
 
 # The head classes of a Llama-shaped decoder, by what transformers defines for it.
 def decoder_heads(prefix: str, *, base: str = "Model", qa: bool = True, token: bool = True) -> dict:

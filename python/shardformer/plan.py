@@ -46,6 +46,9 @@ everywhere.  With W a Linear weight [out, in] and X [.., in]:
                                                        over TP inside (shardformer.layer.expert_parallel)
   mla_kv_a_proj           SharedRopeKeyProjection      nothing: latent attention's joint KV down-projection,
                                                        the shared rotary key's gradient all-reduced bwd
+  moe_router_sequence_    RouterInSequenceParallel     nothing: a MoE router on the gathered tokens under
+    parallel                                           split-gather SP, gradients all-reduced, its logits'
+                                                       gradient 1/p (shardformer.layer.moe)
   dropout_parallel        DropoutForParallelInput      a mask per rank (on this rank's heads or rows)
   dropout_replicated      DropoutForReplicatedInput    one mask on every rank (replicated activations)
   dropout_residual        either of the two above      after a row layer: replicated under TP, this
@@ -64,6 +67,7 @@ from .layer.replicated import ReplicatedInParallelRegion
 from .layer.sequence import SequenceParallelRegion, record_full_hidden_states, refuse_recorded_hidden_states
 from .layer.sequence_layout import BLOCK, GATHER, MARK_ROWS, SPLIT, SequenceLayouts
 from .layout import Fused, Heads
+from .policy import ModulePolicyDescription, Policy
 from .policy import SubModuleReplacementDescription as Sub
 
 
@@ -160,6 +164,7 @@ _LAYERS = {
     "SharedRopeKeyProjection": _layer(".replicated", "SharedRopeKeyProjection"),
     "FusedExperts1D": _layer(".moe", "FusedExperts1D"),
     "ExpertParallelExperts": _layer(".expert_parallel", "ExpertParallelExperts"),
+    "RouterInSequenceParallel": _layer(".moe", "RouterInSequenceParallel"),
 }
 
 STYLES: dict[str, Style] = {s.name: s for s in (
@@ -185,6 +190,7 @@ STYLES: dict[str, Style] = {s.name: s for s in (
     Style("moe_ep_experts", "ExpertParallelExperts",
           lambda c: {"expert_group": c.policy.shard_config.expert_parallel_process_group}),
     Style("mla_kv_a_proj", "SharedRopeKeyProjection", hf="mla_kv_a_proj"),
+    Style("moe_router_sequence_parallel", "RouterInSequenceParallel"),
     Style("dropout_parallel", "DropoutForParallelInput"),
     Style("dropout_replicated", "DropoutForReplicatedInput"),
     Style("dropout_residual", _residual_dropout),
@@ -289,3 +295,132 @@ def record_hidden_states(policy, model):
     elif split_gather:
         refuse_recorded_hidden_states(model, type(model).__name__)
     return model
+
+
+# ---- the interpreter of a PolicySpec (shardformer.spec) ----
+#
+# interpret() is the one place a spec becomes replacements.  Per ModuleSpec
+# (one module class): its entries whose conditions hold, realized by their
+# styles (column / row styles with sequence_parallel=True under split-gather
+# SP when the module says sp_linear, an entry with sp_always whatever its
+# kind); its attributes, this rank's head counts (Heads.attributes); then
+# the spec's split-gather regions: the layer class's regions and replicated
+# norms (split_gather_layer), the owner's split and gather (split_gather_ends).
+
+
+def conditions(shard_config) -> frozenset[str]:
+    """The spec conditions (shardformer.spec.CONDITIONS) that hold under `shard_config`."""
+    tp = bool(shard_config.enable_tensor_parallelism)
+    ep = shard_config.expert_parallel_process_group is not None
+    held = {"tensor_parallel": tp, "sequence_parallel": bool(tp and shard_config.sequence_parallel),
+            "expert_parallel": ep, "no_expert_parallel": not ep, "tensor_or_expert_parallel": tp or ep}
+    return frozenset(name for name, on in held.items() if on)
+
+
+class ShardView:
+    """What the styles read of a policy (PlanContext.policy) when a spec is
+    interpreted without one: the shard config and its vocabulary kwargs."""
+
+    def __init__(self, shard_config):
+        self.shard_config = shard_config
+
+    vocab_kwargs = Policy.vocab_kwargs
+    lm_head_kwargs = Policy.lm_head_kwargs
+
+
+def text_config(model):
+    """The model's text config (a multimodal config's get_text_config(), else its config)."""
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def spec_heads(spec, model) -> Heads | None:
+    """The attention's Heads, read from the (text) config where spec.heads says; None without."""
+    where = spec.heads
+    if where is None:
+        return None
+    cfg = text_config(model)
+    n = getattr(cfg, where.num_heads)
+    kv = (getattr(cfg, where.kv_heads, None) if where.kv_heads else None) or n
+    dim = (getattr(cfg, where.head_dim, None) if where.head_dim else None) or getattr(cfg, where.hidden) // n
+    return Heads(n, kv, dim)
+
+
+def refuse(spec, model, shard_config) -> None:
+    """Raise the first of spec.refusals that applies (before anything changes):
+    its error type with its message, the model class, attribute and value
+    filled in."""
+    held = conditions(shard_config)
+    cfg = text_config(model)
+    for r in spec.refusals:
+        value = getattr(cfg, r.attribute, r.default)
+        if set(r.when) <= held and value not in r.allowed:
+            error = {"ValueError": ValueError, "NotImplementedError": NotImplementedError}[r.error]
+            raise error(r.message.format(model=type(model).__name__, attribute=r.attribute, value=value))
+
+
+def _embed_scale(module_spec, model) -> float | None:
+    if not module_spec.embed_scale:
+        return None
+    native = model.get_input_embeddings()
+    return float(getattr(native, "scalar_embed_scale", text_config(model).hidden_size ** 0.5))
+
+
+def _find(model, class_name: str, spec) -> list:
+    found = [m for m in model.modules() if type(m).__name__ == class_name]
+    if not found:
+        raise PlanError(f"{type(model).__name__}: policy spec {spec.name!r} names {class_name}, which the model "
+                        f"does not have")
+    return found
+
+
+def _parameterized_children(module, skip) -> tuple[str, ...]:
+    return tuple(name for name, child in module.named_children()
+                 if name not in skip and any(True for _ in child.parameters()))
+
+
+def _split_gather(spec, model, shard_config, state) -> dict[str, list[Sub]]:
+    """{class name: subs} of the spec's split-gather sequence parallelism
+    (the layer's regions and replicated norms; the owner's split and gather)."""
+    from .layer.sequence import SequenceState
+
+    sg = spec.split_gather
+    seq = state.sequence_state = SequenceState(recompute=shard_config.sequence_parallel_recompute)
+    owner = _find(model, sg.owner, spec)[0]
+    layers = owner.get_submodule(sg.layers)
+    norms = _parameterized_children(layers[0], sg.skip)
+    overlap = sg.overlap and bool(getattr(shard_config, "enable_sequence_overlap", False))
+    return {sg.layer: split_gather_layer(dict(sg.regions), norms, seq, overlap),
+            sg.owner: split_gather_ends(sg.layers, len(layers), seq)}
+
+
+def interpret(spec, model, shard_config, state, policy=None) -> dict:
+    """{class name: ModulePolicyDescription} of `spec` (shardformer.spec.PolicySpec)
+    on `model` under `shard_config`; `state` (the optimize()'s OptimizeState)
+    receives the SequenceState of split-gather SP and the spec's ties.
+    `policy`: what the styles read (vocabulary kwargs; default a ShardView of
+    the shard config).  Nothing when tensor parallelism is off."""
+    held = conditions(shard_config)
+    if "tensor_parallel" not in held:
+        return {}
+    view = policy if policy is not None else ShardView(shard_config)
+    heads = spec_heads(spec, model)
+    sp = {"sequence_parallel": True} if "sequence_parallel" in held else {}
+    out = {}
+    for m in spec.modules:
+        ctx = PlanContext(view, heads, _embed_scale(m, model))
+        entries = [e for e in m.entries if set(e.when) <= held]
+        linear = sp if m.sp_linear else {}
+        subs = realize({e.suffix: e.style for e in entries}, ctx, col=linear, row=linear,
+                       extra={e.suffix: sp for e in entries if e.sp_always})
+        attrs = {}
+        if m.attributes:
+            if heads is None:
+                raise PlanError(f"policy spec {spec.name!r}: {m.key} sets head attributes but the spec reads no heads")
+            attrs = heads.attributes(dict(m.attributes), text_config(model))
+        out[m.key] = ModulePolicyDescription(attribute_replacement=attrs, sub_module_replacement=subs)
+    if "sequence_parallel" in held and spec.split_gather is not None:
+        for key, subs in _split_gather(spec, model, shard_config, state).items():
+            out.setdefault(key, ModulePolicyDescription()).sub_module_replacement.extend(subs)
+    state.ties += [tie for tie in spec.ties if tie not in state.ties]
+    return out
