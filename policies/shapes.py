@@ -101,7 +101,8 @@ from shardformer.layer.sequence_layout import BLOCK, ENTER, ENTER_OUTPUT, LEAVE,
 from shardformer.layer.param_shard import ShardParams
 from shardformer.layout import Heads
 from shardformer.pipeline.stages import StageSplit
-from shardformer.plan import PlanContext, realize, record_hidden_states, split_gather_ends, split_gather_layer
+from shardformer.plan import (PlanContext, interpret, realize, record_hidden_states, split_gather_ends,
+                              split_gather_layer, split_gather_subs)
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 from shardformer.spec import Entry, HeadsFrom, ModuleSpec, PolicySpec, Refusal, SplitGatherSpec
@@ -177,10 +178,11 @@ class DecoderShape(SpecPolicy):
                                  when=("tensor_or_expert_parallel",),
                                  message="{model}: router_jitter_noise={value} is not supported: each rank would "
                                          "draw its own noise and route tokens differently (set it to 0)"),)
-        owner, layers = self.split_attention_at
+        at = self.split_attention_at
+        if at is not None:                   # the class names filled in from the options
+            at = (at[0].format(prefix=self.prefix, base_model=self.base_model), at[1])
         capabilities = replace(spec_capabilities(self), sequence_overlap=self.sequence_overlap and not moe,
-                               split_attention_at=(owner.format(prefix=self.prefix, base_model=self.base_model),
-                                                   layers))
+                               split_attention_at=at)
         return PolicySpec(
             name=self.family.name if self.family is not None else layer,
             modules=(ModuleSpec(layer, tuple(Entry(k, v) for k, v in self.attention_plan().items())
@@ -192,6 +194,26 @@ class DecoderShape(SpecPolicy):
             capabilities=capabilities,
             refusals=refusals,
         )
+
+    def sequence_parallel_replacements(self) -> tuple[list[Sub], list[Sub]]:
+        """(decoder-layer subs, base-model subs) of split-gather SP: the
+        spec's (shardformer.plan.split_gather_subs).  A subclass that
+        overrides this (a policy written before the specs) has its own
+        subs used instead (body_policy)."""
+        sg = self.build_spec().split_gather
+        subs = split_gather_subs(self.build_spec(), self.model, self.shard_config, self.state)
+        return subs[sg.layer], subs[sg.owner]
+
+    def body_policy(self) -> dict:
+        if type(self).sequence_parallel_replacements is DecoderShape.sequence_parallel_replacements:
+            return super().body_policy()
+        spec = self.build_spec()                 # the spec's split-gather replaced by the override's subs
+        policy = interpret(replace(spec, split_gather=None), self.model, self.shard_config, self.state, self)
+        if policy and self.shard_config.sequence_parallel:
+            layer_subs, base_subs = self.sequence_parallel_replacements()
+            policy[spec.split_gather.layer].sub_module_replacement.extend(layer_subs)
+            policy[spec.split_gather.owner].sub_module_replacement.extend(base_subs)
+        return policy
 
 # The head classes of a Llama-shaped decoder, by what transformers defines for it.
 def decoder_heads(prefix: str, *, base: str = "Model", qa: bool = True, token: bool = True) -> dict:

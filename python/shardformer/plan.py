@@ -379,7 +379,7 @@ def _parameterized_children(module, skip) -> tuple[str, ...]:
                  if name not in skip and any(True for _ in child.parameters()))
 
 
-def _split_gather(spec, model, shard_config, state) -> dict[str, list[Sub]]:
+def split_gather_subs(spec, model, shard_config, state) -> dict[str, list[Sub]]:
     """{class name: subs} of the spec's split-gather sequence parallelism
     (the layer's regions and replicated norms; the owner's split and gather)."""
     from .layer.sequence import SequenceState
@@ -420,7 +420,7 @@ def interpret(spec, model, shard_config, state, policy=None) -> dict:
             attrs = heads.attributes(dict(m.attributes), text_config(model))
         out[m.key] = ModulePolicyDescription(attribute_replacement=attrs, sub_module_replacement=subs)
     if "sequence_parallel" in held and spec.split_gather is not None:
-        for key, subs in _split_gather(spec, model, shard_config, state).items():
+        for key, subs in split_gather_subs(spec, model, shard_config, state).items():
             out.setdefault(key, ModulePolicyDescription()).sub_module_replacement.extend(subs)
     state.ties += [tie for tie in spec.ties if tie not in state.ties]
     return out
