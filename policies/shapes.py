@@ -105,7 +105,7 @@ from shardformer.plan import (PlanContext, interpret, realize, record_hidden_sta
                               split_gather_layer, split_gather_subs)
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
-from shardformer.spec import Entry, HeadsFrom, ModuleSpec, PolicySpec, Refusal, SplitGatherSpec
+from shardformer.spec import Attribute, Entry, HeadsFrom, ModuleSpec, PolicySpec, Refusal, Region, SplitGatherSpec
 
 
 class DecoderShape(SpecPolicy):
@@ -164,7 +164,7 @@ class DecoderShape(SpecPolicy):
         RouterInSequenceParallel) or, with an expert-parallel group, by experts."""
         if self.mlp != "moe":
             return tuple(Entry(k, v) for k, v in self.mlp_plan().items())
-        return (Entry("mlp.experts", self.mlp_plan()["mlp.experts"], when=("no_expert_parallel",), sp_always=True),
+        return (Entry("mlp.experts", self.mlp_plan()["mlp.experts"], when=("no_expert_parallel",), sp="col"),
                 Entry("mlp.experts", "moe_ep_experts", when=("expert_parallel",)),
                 Entry("mlp.gate", "moe_router_sequence_parallel", when=("sequence_parallel", "no_expert_parallel")))
 
@@ -178,11 +178,7 @@ class DecoderShape(SpecPolicy):
                                  when=("tensor_or_expert_parallel",),
                                  message="{model}: router_jitter_noise={value} is not supported: each rank would "
                                          "draw its own noise and route tokens differently (set it to 0)"),)
-        at = self.split_attention_at
-        if at is not None:                   # the class names filled in from the options
-            at = (at[0].format(prefix=self.prefix, base_model=self.base_model), at[1])
-        capabilities = replace(spec_capabilities(self), sequence_overlap=self.sequence_overlap and not moe,
-                               split_attention_at=at)
+        capabilities = replace(spec_capabilities(self), sequence_overlap=self.sequence_overlap and not moe)
         return PolicySpec(
             name=self.family.name if self.family is not None else layer,
             modules=(ModuleSpec(layer, tuple(Entry(k, v) for k, v in self.attention_plan().items())
@@ -316,27 +312,23 @@ class SplitGatherMixin:
 
 # ---- EncoderShape: BERT-shaped encoders ----
 
-def bert_attention(policy, prefix: str, heads: Heads, col: dict | None = None, row: dict | None = None,
-                   kv_col: dict | None = None) -> tuple[dict, list[Sub]]:
-    """(attributes, sub-module replacements) of one BERT-style attention block
-    at `prefix` (`attention` or `crossattention`): Q/K/V column-parallel by
-    head, output dense row-parallel (all-reduce forward).  `col` / `row`:
-    extra kwargs of the column / row layers (sequence parallelism,
-    sp_linear_kwargs), `kv_col` those of key and value when they differ (a
-    cross attention's keys come from the replicated encoder states); the
-    output dropout is a residual one (dropout_residual: a mask per rank
-    under split-gather SP)."""
-    col, row = col or {}, row or {}
-    kv_col = col if kv_col is None else kv_col
-    attrs = heads.attributes({f"{prefix}.self.num_attention_heads": "heads", f"{prefix}.self.all_head_size": "width"})
-    plan = {f"{prefix}.self.query": "colwise_heads", f"{prefix}.self.key": "colwise_heads",
-            f"{prefix}.self.value": "colwise_heads", f"{prefix}.self.dropout": "dropout_parallel",
-            f"{prefix}.output.dense": "rowwise_heads", f"{prefix}.output.dropout": "dropout_residual"}
-    extra = {f"{prefix}.self.query": col, f"{prefix}.self.key": kv_col, f"{prefix}.self.value": kv_col}
-    return attrs, realize(plan, PlanContext(policy, heads), row=row, extra=extra)
+def bert_attention_spec(prefix: str, when: tuple[str, ...] = (), attributes: bool = False) -> tuple:
+    """bert_attention as spec rows: the Entry rows of the attention at
+    `prefix` (a cross attention's key / value, reading the replicated
+    encoder states, take no SP kwargs), or with `attributes` its Attribute
+    rows; each under the conditions `when`."""
+    if attributes:
+        return (Attribute(f"{prefix}.self.num_attention_heads", "heads", when),
+                Attribute(f"{prefix}.self.all_head_size", "width", when))
+    kv = "" if prefix == "crossattention" else None
+    return (Entry(f"{prefix}.self.query", "colwise_heads", when), Entry(f"{prefix}.self.key", "colwise_heads", when, kv),
+            Entry(f"{prefix}.self.value", "colwise_heads", when, kv),
+            Entry(f"{prefix}.self.dropout", "dropout_parallel", when),
+            Entry(f"{prefix}.output.dense", "rowwise_heads", when),
+            Entry(f"{prefix}.output.dropout", "dropout_residual", when))
 
 
-class EncoderShape(SplitGatherMixin, FamilyPolicy):
+class EncoderShape(SpecPolicy):
     """Split-gather sequence parallelism (the layout above sp_linear_kwargs):
     the hidden states are split at the first `<prefix>Layer` (the embeddings,
     with their positions, token types and dropout, run before it on the full
@@ -351,7 +343,8 @@ class EncoderShape(SplitGatherMixin, FamilyPolicy):
     while its key / value read the replicated encoder states as under TP.
     With enable_sequence_overlap, intermediate.dense gathers its input rows
     itself, the all-gather overlapping its matmul (sp_overlap).
-    Refused with chunk_size_feed_forward (HF would chunk this rank's rows)."""
+    Refused with chunk_size_feed_forward (HF would chunk this rank's rows).
+    A spec factory (build_spec(), interpreted by shardformer.plan.interpret)."""
 
     prefix = ""
     records_hidden_states = True       # split_gather_ends marks the layers' rows
@@ -364,49 +357,38 @@ class EncoderShape(SplitGatherMixin, FamilyPolicy):
     pipeline_split = StageSplit("{prefix}Model", "encoder.layer", last=("pooler",))
 
     sp_modes = ("split_gather",)
-
-    def config_sanity_check(self):
-        super().config_sanity_check()
-        if self.shard_config.sequence_parallel and getattr(self.model.config, "chunk_size_feed_forward", 0):
-            raise NotImplementedError(
-                f"{type(self.model).__name__}: sequence parallelism (split_gather) with chunk_size_feed_forward="
-                f"{self.model.config.chunk_size_feed_forward} is not available (set it to 0)")
+    sequence_overlap = True            # intermediate.dense gathers its own rows (Entry sp="gather")
 
     def heads_layout(self) -> Heads:
         cfg = self.model.config
         return Heads(cfg.num_attention_heads, cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads)
 
-    def layer_description(self, heads: Heads) -> ModulePolicyDescription:
-        col, row = sp_linear_kwargs(self.shard_config)
-        cross = getattr(self.model.config, "add_cross_attention", False)
-        attrs, subs = bert_attention(self, "attention", heads, col, row)
-        if cross:
-            cross_attrs, cross_subs = bert_attention(self, "crossattention", heads, col, row, kv_col={})
-            attrs.update(cross_attrs)
-            subs += cross_subs
-        overlap = sp_overlap(self.shard_config)
-        subs += realize(self.MLP_PLAN, PlanContext(self), row=row,
-                        extra={"intermediate.dense": sp_gathering(col) if overlap else col})
-        if self.shard_config.sequence_parallel:
-            attentions = ["attention", "crossattention"] if cross else ["attention"]
-            subs += sp_layer_subs([f"{a}.self" for a in attentions] + ([] if overlap else ["intermediate"]),
-                                  [f"{a}.output.LayerNorm" for a in attentions] + ["output.LayerNorm"],
-                                  self.state.sequence_state)
-        return ModulePolicyDescription(attribute_replacement=attrs, sub_module_replacement=subs)
-
     def embeddings_description(self) -> ModulePolicyDescription:
         return ModulePolicyDescription(sub_module_replacement=realize(self.EMBEDDINGS_PLAN, PlanContext(self)))
 
-    def body_policy(self):
-        if not self.tensor_parallel:
-            return {}
-        self.state.sequence_state = _new_state() if self.shard_config.sequence_parallel else None
-        policy = {f"{self.prefix}Layer": self.layer_description(self.heads_layout()),
-                  f"{self.prefix}Embeddings": self.embeddings_description()}
-        if self.shard_config.sequence_parallel:
-            policy[f"{self.prefix}Encoder"] = ModulePolicyDescription(sub_module_replacement=split_gather_ends(
-                "layer", self.model.config.num_hidden_layers, self.state.sequence_state))
-        return policy
+    def build_spec(self) -> PolicySpec:
+        layer, p = f"{self.prefix}Layer", self.prefix
+        cross = ("config:add_cross_attention",)
+        entries, attributes = bert_attention_spec("attention"), bert_attention_spec("attention", attributes=True)
+        entries += bert_attention_spec("crossattention", when=cross)
+        attributes += bert_attention_spec("crossattention", when=cross, attributes=True)
+        entries += tuple(Entry(k, v, sp="gather" if k == "intermediate.dense" else None)
+                         for k, v in self.MLP_PLAN.items())
+        regions = (Region("attention.self", ENTER), Region("crossattention.self", ENTER, cross),
+                   Region("intermediate", ENTER, ("no_overlap",)), Region("attention.output.LayerNorm"),
+                   Region("crossattention.output.LayerNorm", when=cross), Region("output.LayerNorm"))
+        return PolicySpec(
+            name=self.family.name if self.family is not None else layer,
+            modules=(ModuleSpec(layer, entries, attributes, sp_linear="rows"),
+                     ModuleSpec(f"{p}Embeddings", tuple(Entry(k, v) for k, v in self.EMBEDDINGS_PLAN.items()))),
+            heads=HeadsFrom(kv_heads=None, head_dim=None),
+            split_gather=SplitGatherSpec(f"{p}Encoder", "layer", layer, regions, overlap=False),
+            capabilities=spec_capabilities(self),
+            refusals=(Refusal("chunk_size_feed_forward", allowed=(0, None), default=0, when=("sequence_parallel",),
+                              error="NotImplementedError",
+                              message="{model}: sequence parallelism (split_gather) with chunk_size_feed_forward="
+                                      "{value} is not available (set it to 0)"),),
+        )
 
 
 # ---- VisionShape / StageShape: ViT-style layers, Swin-style stages ----

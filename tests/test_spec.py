@@ -21,6 +21,8 @@ from shardformer.spec import Capabilities, Entry, ModuleSpec, PolicySpec, Refusa
 #: every family whose policies are DecoderShape's spec factory
 DECODERS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
             "Gemma2ForCausalLM", "GlmForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM")
+#: and EncoderShape's
+ENCODERS = ("BertForMaskedLM", "RobertaForMaskedLM", "ErnieForMaskedLM")
 
 
 def _policy(name: str):
@@ -33,20 +35,24 @@ def _policy(name: str):
     return policy
 
 
-@pytest.mark.parametrize("name", DECODERS)
+@pytest.mark.parametrize("name", DECODERS + ENCODERS)
 def test_builtin_spec_is_frozen_data(name):
     """A family's spec: built from its options alone, equal and of equal hash
-    when built twice, immutable, printed with its styles and class names."""
+    when built twice, immutable, printed with its styles and class names;
+    the policy's capability answers are the spec's fields."""
     policy = _policy(name)
     spec = policy.build_spec()
     assert spec == type(policy)().build_spec() and hash(spec) == hash(type(policy)().build_spec())
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.name = "other"
-    prefix = name.removesuffix("ForCausalLM")
-    assert f"{prefix}DecoderLayer" in repr(spec) and "rowwise_heads" in repr(spec)
+    prefix = name.removesuffix("ForCausalLM").removesuffix("ForMaskedLM")
+    layer = f"{prefix}DecoderLayer" if name in DECODERS else f"{prefix}Layer"
+    assert f"ModuleSpec(key='{layer}'" in repr(spec) and "rowwise_heads" in repr(spec)
     assert spec.capabilities.sequence_overlap is (name != "MixtralForCausalLM")
     assert policy.supports_sequence_overlap() is spec.capabilities.sequence_overlap
-    assert spec.capabilities.split_attention_at == (f"{prefix}Model", "layers")
+    assert policy.sequence_parallel_modes() == ("split_gather", "all_to_all", "ring_attn")
+    assert spec.capabilities.split_attention_at == ((f"{prefix}Model", "layers") if name in DECODERS
+                                                    else (f"{prefix}Encoder", "layer"))
 
 
 def test_interpret_is_the_shapes_body():
@@ -63,8 +69,12 @@ def test_interpret_is_the_shapes_body():
 def test_bad_specs_refused_by_name():
     with pytest.raises(SpecError, match=r"Entry\('q'\): unknown condition\(s\) \['sometimes'\]"):
         Entry("q", "colwise", when=("sometimes",))
-    with pytest.raises(SpecError, match=r"ModuleSpec\('L'\): attribute kind\(s\) \[\('a.n', 'halves'\)\]"):
+    with pytest.raises(SpecError, match=r"Attribute\('a.n'\): kind 'halves' not in"):
         ModuleSpec("L", attributes=(("a.n", "halves"),))
+    with pytest.raises(SpecError, match=r"Entry\('q'\): sp='rows' is not one of"):
+        Entry("q", "colwise", sp="rows")
+    with pytest.raises(SpecError, match=r"ModuleSpec\('L'\): sp_linear='cols' is not one of"):
+        ModuleSpec("L", sp_linear="cols")
     with pytest.raises(SpecError, match=r"module class\(es\) \['L'\] given more than once"):
         PolicySpec("x", (ModuleSpec("L"), ModuleSpec("L")))
     with pytest.raises(SpecError, match="does not name 'split_gather'"):

@@ -339,8 +339,13 @@ _CAPABILITY_FIELDS = {"sp_modes": "sp_modes", "split_attention_at": "split_atten
 
 def spec_capabilities(policy) -> Capabilities:
     """A policy's capability fields (sp_modes, sequence_overlap, ...) as
-    spec Capabilities: what a shape's spec factory states."""
-    return Capabilities(**{cap: getattr(policy, name) for cap, name in _CAPABILITY_FIELDS.items()})
+    spec Capabilities: what a shape's spec factory states, the class names
+    of split_attention_at filled from its options ("{prefix}Model")."""
+    fields = {cap: getattr(policy, name) for cap, name in _CAPABILITY_FIELDS.items()}
+    at = fields["split_attention_at"]
+    if at is not None:
+        fields["split_attention_at"] = (at[0].format(prefix=policy.prefix, base_model=policy.base_model), at[1])
+    return Capabilities(**fields)
 
 
 class SpecPolicy(FamilyPolicy):

@@ -68,6 +68,7 @@ from .layer.sequence import SequenceParallelRegion, record_full_hidden_states, r
 from .layer.sequence_layout import BLOCK, GATHER, MARK_ROWS, SPLIT, SequenceLayouts
 from .layout import Fused, Heads
 from .policy import ModulePolicyDescription, Policy
+from .spec import SP_LINEAR
 from .policy import SubModuleReplacementDescription as Sub
 
 
@@ -308,13 +309,47 @@ def record_hidden_states(policy, model):
 # norms (split_gather_layer), the owner's split and gather (split_gather_ends).
 
 
-def conditions(shard_config) -> frozenset[str]:
-    """The spec conditions (shardformer.spec.CONDITIONS) that hold under `shard_config`."""
+def conditions(shard_config, model=None) -> frozenset[str]:
+    """The spec conditions (shardformer.spec.CONDITIONS) that hold under
+    `shard_config`; with `model`, "config:<attribute>" for every attribute
+    of its text config a spec names (a truthy value)."""
     tp = bool(shard_config.enable_tensor_parallelism)
     ep = shard_config.expert_parallel_process_group is not None
-    held = {"tensor_parallel": tp, "sequence_parallel": bool(tp and shard_config.sequence_parallel),
-            "expert_parallel": ep, "no_expert_parallel": not ep, "tensor_or_expert_parallel": tp or ep}
-    return frozenset(name for name, on in held.items() if on)
+    sp = bool(tp and shard_config.sequence_parallel)
+    overlap = sp and bool(getattr(shard_config, "enable_sequence_overlap", False))
+    held = {"tensor_parallel": tp, "sequence_parallel": sp, "expert_parallel": ep, "no_expert_parallel": not ep,
+            "tensor_or_expert_parallel": tp or ep, "overlap": overlap, "no_overlap": sp and not overlap}
+    names = {name for name, on in held.items() if on}
+    if model is not None:                 # the config attributes the conditions may name, read on demand
+        names.add(_ConfigOf(text_config(model)))
+    return frozenset(names)
+
+
+class _ConfigOf:
+    """The model's config among the held conditions: holds() reads a
+    "config:<attribute>" condition from it."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+
+def holds(when, held: frozenset) -> bool:
+    """Whether every condition of `when` is in `held` (conditions(); a
+    "config:<attribute>" condition: that attribute of the model's config is truthy)."""
+    cfg = next((c.cfg for c in held if isinstance(c, _ConfigOf)), None)
+    return all(bool(getattr(cfg, c[7:], False)) if c.startswith("config:") else c in held for c in when)
+
+
+def sp_kwargs(name: str, held: frozenset[str]) -> dict:
+    """The kwargs of shardformer.spec.SP_KWARGS entry `name` under the conditions `held`."""
+    if "sequence_parallel" not in held or not name:
+        return {}
+    kwargs = {"sequence_parallel": True}
+    if name == "row":
+        kwargs["reduce_scatter"] = True
+    if name == "gather" and "overlap" in held:
+        kwargs.update(gather_input=True, overlap=True)
+    return kwargs
 
 
 class ShardView:
@@ -350,11 +385,11 @@ def refuse(spec, model, shard_config) -> None:
     """Raise the first of spec.refusals that applies (before anything changes):
     its error type with its message, the model class, attribute and value
     filled in."""
-    held = conditions(shard_config)
+    held = conditions(shard_config, model)
     cfg = text_config(model)
     for r in spec.refusals:
         value = getattr(cfg, r.attribute, r.default)
-        if set(r.when) <= held and value not in r.allowed:
+        if holds(r.when, held) and value not in r.allowed:
             error = {"ValueError": ValueError, "NotImplementedError": NotImplementedError}[r.error]
             raise error(r.message.format(model=type(model).__name__, attribute=r.attribute, value=value))
 
@@ -384,13 +419,15 @@ def split_gather_subs(spec, model, shard_config, state) -> dict[str, list[Sub]]:
     (the layer's regions and replicated norms; the owner's split and gather)."""
     from .layer.sequence import SequenceState
 
-    sg = spec.split_gather
+    sg, held = spec.split_gather, conditions(shard_config, model)
     seq = state.sequence_state = SequenceState(recompute=shard_config.sequence_parallel_recompute)
     owner = _find(model, sg.owner, spec)[0]
     layers = owner.get_submodule(sg.layers)
-    norms = _parameterized_children(layers[0], sg.skip)
-    overlap = sg.overlap and bool(getattr(shard_config, "enable_sequence_overlap", False))
-    return {sg.layer: split_gather_layer(dict(sg.regions), norms, seq, overlap),
+    regions = [r for r in sg.regions if holds(r.when, held)]
+    norms = (tuple(r.path for r in regions if r.layouts is None) if sg.skip is None
+             else _parameterized_children(layers[0], sg.skip))
+    moved = {r.path: r.layouts for r in regions if r.layouts is not None}
+    return {sg.layer: split_gather_layer(moved, norms, seq, sg.overlap and "overlap" in held),
             sg.owner: split_gather_ends(sg.layers, len(layers), seq)}
 
 
@@ -400,24 +437,24 @@ def interpret(spec, model, shard_config, state, policy=None) -> dict:
     receives the SequenceState of split-gather SP and the spec's ties.
     `policy`: what the styles read (vocabulary kwargs; default a ShardView of
     the shard config).  Nothing when tensor parallelism is off."""
-    held = conditions(shard_config)
+    held = conditions(shard_config, model)
     if "tensor_parallel" not in held:
         return {}
     view = policy if policy is not None else ShardView(shard_config)
     heads = spec_heads(spec, model)
-    sp = {"sequence_parallel": True} if "sequence_parallel" in held else {}
     out = {}
     for m in spec.modules:
         ctx = PlanContext(view, heads, _embed_scale(m, model))
-        entries = [e for e in m.entries if set(e.when) <= held]
-        linear = sp if m.sp_linear else {}
-        subs = realize({e.suffix: e.style for e in entries}, ctx, col=linear, row=linear,
-                       extra={e.suffix: sp for e in entries if e.sp_always})
-        attrs = {}
-        if m.attributes:
+        entries = [e for e in m.entries if holds(e.when, held)]
+        by_kind = dict(zip(("col", "row"), SP_LINEAR[m.sp_linear]))
+        subs = realize({e.suffix: e.style for e in entries}, ctx, extra={
+            e.suffix: sp_kwargs(e.sp if e.sp is not None else by_kind.get(style_of(e.style).kind, ""), held)
+            for e in entries})
+        attrs, rows = {}, [a for a in m.attributes if holds(a.when, held)]
+        if rows:
             if heads is None:
                 raise PlanError(f"policy spec {spec.name!r}: {m.key} sets head attributes but the spec reads no heads")
-            attrs = heads.attributes(dict(m.attributes), text_config(model))
+            attrs = heads.attributes({a.name: a.kind for a in rows}, text_config(model))
         out[m.key] = ModulePolicyDescription(attribute_replacement=attrs, sub_module_replacement=subs)
     if "sequence_parallel" in held and spec.split_gather is not None:
         for key, subs in split_gather_subs(spec, model, shard_config, state).items():

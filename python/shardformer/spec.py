@@ -23,6 +23,19 @@ Conditions (`Entry.when`, `Refusal.when`), each a name of CONDITIONS:
     expert_parallel        ShardConfig.expert_parallel_process_group is set
     no_expert_parallel     it is not
     tensor_or_expert_parallel   either of the two parallelisms that split weights
+    overlap / no_overlap   split-gather SP with / without enable_sequence_overlap
+    config:<attribute>     the model's (text) config has <attribute> set truthy
+                           ("config:add_cross_attention")
+
+Sequence-parallel kwargs (`Entry.sp`, `ModuleSpec.sp_linear`), what a layer
+takes under split-gather SP (SP_KWARGS; shardformer.plan.sp_kwargs):
+
+    ""       nothing
+    "col"    sequence_parallel=True: the input arrives gathered (no copy to the TP region)
+    "row"    sequence_parallel=True, reduce_scatter=True: the partial sums
+             reduce-scattered along the sequence, the bias added on this rank's rows
+    "gather" "col", and with enable_sequence_overlap the layer gathers its input
+             rows itself, overlapping the all-gather with its matmul
 """
 from __future__ import annotations
 
@@ -31,7 +44,12 @@ from typing import Any
 
 #: The conditions an Entry or a Refusal may name (see the module docstring).
 CONDITIONS = ("tensor_parallel", "sequence_parallel", "expert_parallel", "no_expert_parallel",
-              "tensor_or_expert_parallel")
+              "tensor_or_expert_parallel", "overlap", "no_overlap")
+
+#: The sequence-parallel kwargs an Entry may name (see the module docstring).
+SP_KWARGS = ("", "col", "row", "gather")
+#: ModuleSpec.sp_linear: the SP kwargs of its (column, row) styles.
+SP_LINEAR = {"": ("", ""), "block": ("col", "col"), "rows": ("col", "row")}
 
 #: The kinds of per-rank head attribute (shardformer.layout.Heads.attributes).
 HEAD_KINDS = ("heads", "kv_heads", "groups", "width", "config")
@@ -42,7 +60,7 @@ class SpecError(ValueError):
 
 
 def _check_when(owner: str, when: tuple[str, ...]) -> None:
-    bad = [c for c in when if c not in CONDITIONS]
+    bad = [c for c in when if c not in CONDITIONS and not c.startswith("config:")]
     if bad:
         raise SpecError(f"{owner}: unknown condition(s) {bad} (known: {', '.join(CONDITIONS)})")
 
@@ -52,18 +70,48 @@ class Entry:
     """The module at `suffix` (dotted, under the module of the class; `*`
     matches every child of a list) becomes `style` (shardformer.plan.STYLES).
     `when`: conditions that must all hold (else the entry is skipped).
-    `sp_always`: under split-gather SP the layer takes sequence_parallel=True
-    whatever its style's kind (column and row styles take it anyway, when the
-    module's `sp_linear` says so).  An unknown style is refused by
+    `sp`: its kwargs under split-gather SP (SP_KWARGS); None: by its style's
+    kind, as the module's `sp_linear` says.  An unknown style is refused by
     shardformer.plan.interpret, naming the known ones."""
 
     suffix: str
     style: str
     when: tuple[str, ...] = ()
-    sp_always: bool = False
+    sp: str | None = None
 
     def __post_init__(self):
         _check_when(f"Entry({self.suffix!r})", self.when)
+        if self.sp is not None and self.sp not in SP_KWARGS:
+            raise SpecError(f"Entry({self.suffix!r}): sp={self.sp!r} is not one of {SP_KWARGS}")
+
+
+@dataclass(frozen=True)
+class Attribute:
+    """The attribute `name` (dotted, under the module) set to this rank's
+    value of the heads' `kind` (HEAD_KINDS), when the conditions `when` hold."""
+
+    name: str
+    kind: str
+    when: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        _check_when(f"Attribute({self.name!r})", self.when)
+        if self.kind not in HEAD_KINDS:
+            raise SpecError(f"Attribute({self.name!r}): kind {self.kind!r} not in {HEAD_KINDS}")
+
+
+@dataclass(frozen=True)
+class Region:
+    """A module of a layer under split-gather SP: moved by `layouts` (a
+    SequenceLayouts: ENTER, BLOCK, ...) or, with layouts None, run on this
+    rank's rows with its gradients all-reduced (a norm); when `when` holds."""
+
+    path: str
+    layouts: Any = None
+    when: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        _check_when(f"Region({self.path!r})", self.when)
 
 
 @dataclass(frozen=True)
@@ -83,23 +131,26 @@ class ModuleSpec:
     """What happens inside every module of class `key` (a class name).
 
     entries     the replacements, in order (Entry)
-    attributes  (dotted attribute, kind) pairs set to this rank's value of
-                the heads (HEAD_KINDS; shardformer.layout.Heads.attributes)
-    sp_linear   under split-gather SP, the column and row styles take
-                sequence_parallel=True
+    attributes  Attribute rows (or (dotted attribute, kind) pairs) set to this
+                rank's value of the heads (shardformer.layout.Heads.attributes)
+    sp_linear   the SP kwargs of its column and row styles (SP_LINEAR): "block"
+                (both sequence_parallel=True: the module's BLOCK region
+                reduce-scatters), "rows" (the row layers reduce-scatter
+                themselves), "" (none)
     embed_scale an embedding_rowwise entry is scaled like the model's input
                 embedding (Gemma: sqrt(hidden), or its scalar_embed_scale)"""
 
     key: str
     entries: tuple[Entry, ...] = ()
-    attributes: tuple[tuple[str, str], ...] = ()
-    sp_linear: bool = True
+    attributes: tuple[Attribute, ...] = ()
+    sp_linear: str = "block"
     embed_scale: bool = False
 
     def __post_init__(self):
-        bad = [(a, k) for a, k in self.attributes if k not in HEAD_KINDS]
-        if bad:
-            raise SpecError(f"ModuleSpec({self.key!r}): attribute kind(s) {bad} not in {HEAD_KINDS}")
+        rows = tuple(a if isinstance(a, Attribute) else Attribute(*a) for a in self.attributes)
+        object.__setattr__(self, "attributes", rows)      # pairs read as Attribute rows
+        if self.sp_linear not in SP_LINEAR:
+            raise SpecError(f"ModuleSpec({self.key!r}): sp_linear={self.sp_linear!r} is not one of {tuple(SP_LINEAR)}")
 
 
 @dataclass(frozen=True)
@@ -109,13 +160,15 @@ class SplitGatherSpec:
     owner      class name of the module holding the layer list
     layers     path of the layer list under the owner
     layer      class name of the layers
-    regions    (path under a layer, SequenceLayouts) pairs: the modules moved
-               by their layouts (BLOCK: all-gather in, reduce-scatter out)
+    regions    Region rows (or (path under a layer, SequenceLayouts) pairs): the
+               modules moved by their layouts (BLOCK: all-gather in,
+               reduce-scatter out), then the norms (layouts None)
     overlap    under enable_sequence_overlap the BLOCK regions overlap their
                input gather with their column layers' matmuls
-    skip       children of a layer that hold no replicated parameters; every
-               other child of the first layer that has parameters (its norms)
-               runs on this rank's rows, gradients all-reduced
+    skip       None: the norms are the Regions without layouts.  Else children
+               of a layer that hold no replicated parameters: every other
+               child of the first layer that has parameters (its norms) runs
+               on this rank's rows, gradients all-reduced
 
     The first layer splits its input, the last gathers its output, those
     between mark their rows (shardformer.plan.split_gather_ends)."""
@@ -123,9 +176,13 @@ class SplitGatherSpec:
     owner: str
     layers: str
     layer: str
-    regions: tuple[tuple[str, Any], ...]
+    regions: tuple[Region, ...]
     overlap: bool = True
-    skip: tuple[str, ...] = ()
+    skip: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        rows = tuple(r if isinstance(r, Region) else Region(*r) for r in self.regions)
+        object.__setattr__(self, "regions", rows)            # pairs read as Region rows
 
 
 @dataclass(frozen=True)
