@@ -99,6 +99,7 @@ from dataclasses import replace
 from shardformer.family import FamilyPolicy, SpecPolicy, spec_capabilities
 from shardformer.layer.sequence_layout import BLOCK, ENTER, ENTER_OUTPUT, LEAVE, SUM_GRAD
 from shardformer.layer.param_shard import ShardParams
+from shardformer.layer.sequence import SequenceState
 from shardformer.layout import Heads
 from shardformer.pipeline.stages import StageSplit
 from shardformer.plan import (PlanContext, interpret, realize, record_hidden_states, split_gather_ends,
@@ -288,9 +289,9 @@ def parameterized_children(module, skip=()) -> list[str]:
             if name not in skip and any(True for _ in child.parameters())]
 
 
-def _new_state():
-    from shardformer.layer.sequence import SequenceState
-
+def new_sequence_state():
+    """A fresh SequenceState (the sequence length of one split-gather stack,
+    shared by its regions and the layers that drop its padding)."""
     return SequenceState()
 
 
@@ -321,7 +322,8 @@ def bert_attention_spec(prefix: str, when: tuple[str, ...] = (), attributes: boo
         return (Attribute(f"{prefix}.self.num_attention_heads", "heads", when),
                 Attribute(f"{prefix}.self.all_head_size", "width", when))
     kv = "" if prefix == "crossattention" else None
-    return (Entry(f"{prefix}.self.query", "colwise_heads", when), Entry(f"{prefix}.self.key", "colwise_heads", when, kv),
+    return (Entry(f"{prefix}.self.query", "colwise_heads", when),
+            Entry(f"{prefix}.self.key", "colwise_heads", when, kv),
             Entry(f"{prefix}.self.value", "colwise_heads", when, kv),
             Entry(f"{prefix}.self.dropout", "dropout_parallel", when),
             Entry(f"{prefix}.output.dense", "rowwise_heads", when),
@@ -467,7 +469,7 @@ class VisionShape(SplitGatherMixin, FamilyPolicy):
         subs = self.layer_replacements(self.heads_layout())
         policy = {}
         if self.shard_config.sequence_parallel:
-            state = self.state.sequence_state = _new_state()
+            state = self.state.sequence_state = new_sequence_state()
             layers = [m for m in self.model.modules() if type(m).__name__ == f"{self.prefix}Layer"]
             entered = ["attention"] + ([] if sp_overlap(self.shard_config) else ["mlp"])
             subs += sp_layer_subs(entered, self.sp_norms(layers[0]), state) + self.sp_layer_extras(layers[0], state)
@@ -557,7 +559,7 @@ class StageShape(VisionShape):
         roles, the norms' gradient all-reduce, the split and the gather."""
         from shardformer.layer.replicated import ReplicatedInParallelRegion
 
-        state = _new_state()           # one per stage: each has its own length
+        state = new_sequence_state()           # one per stage: each has its own length
         blocks = f"layers.{i}.blocks"
         regions = {"layernorm_before": ENTER_OUTPUT, "attention": SUM_GRAD, "drop_path": LEAVE, "mlp": ENTER}
         subs = split_gather_layer({f"{blocks}.*.{path}": layouts for path, layouts in regions.items()}, (), state)
@@ -681,7 +683,7 @@ class GPTBlockShape(SplitGatherMixin, FamilyPolicy):
     def body_policy(self):
         if not self.tensor_parallel:
             return {}
-        self.state.sequence_state = _new_state() if self.shard_config.sequence_parallel else None
+        self.state.sequence_state = new_sequence_state() if self.shard_config.sequence_parallel else None
         heads, a = self.heads_layout(), self.attention
         ctx = PlanContext(self)
         block_subs = self.attention_replacements(heads) + realize(
@@ -756,7 +758,7 @@ class FusedQKVShape(SplitGatherMixin, FamilyPolicy):
                  "self_attention.dense": row, "mlp.dense_4h_to_h": row}
         subs = [replace(s, kwargs={**(s.kwargs or {}), **kinds.get(s.suffix, {})}) for s in subs]
         attributes = {**attributes, **{a: 0.0 for a in attrs}}
-        state = _new_state()
+        state = new_sequence_state()
         layers = [m for m in self.model.modules() if type(m).__name__ == f"{self.prefix}{self.layer}"]
         norms = parameterized_children(layers[0], skip=("self_attention", "mlp"))
         entered = ["self_attention"] + ([] if overlap else ["mlp"])

@@ -97,10 +97,11 @@ def test_bad_specs_refused_by_name():
         interpret(bad, model, sp, OptimizeState())
 
 
-@pytest.mark.parametrize("tp,default_group", [(2, False), (4, True)])
-def test_user_spec_matches_unsharded(pool, tp, default_group):
-    reports = pool.run(S.user_spec_shards, tp, default_group)
-    assert len(reports) == tp and all(set(r) == {"tp", "split_gather", "overlap"} for r in reports)
+@pytest.mark.parametrize("tp,default_group,tags", [(2, False, ("tp", "overlap")), (4, True, ("tp", "split_gather"))])
+def test_user_spec_matches_unsharded(pool, tp, default_group, tags):
+    """TP=2 over an explicit group (TP; SP with overlap), TP=4 with the plain ShardConfig() (TP; SP)."""
+    reports = pool.run(S.user_spec_shards, tp, default_group, tags)
+    assert len(reports) == tp and all(set(r) == set(tags) for r in reports)
 
 
 def test_user_spec_refusals(pool):

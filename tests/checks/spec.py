@@ -31,8 +31,8 @@ def user_llama_spec() -> PolicySpec:
                  ModuleSpec("LlamaModel", (Entry("embed_tokens", "embedding_rowwise"),)),
                  ModuleSpec("LlamaForCausalLM", (Entry("lm_head", "vocab_lm_head"),))),
         heads=HeadsFrom(),
-        split_gather=SplitGatherSpec("LlamaModel", "layers", "LlamaDecoderLayer", (("self_attn", BLOCK), ("mlp", BLOCK)),
-                                     skip=("self_attn", "mlp")),
+        split_gather=SplitGatherSpec("LlamaModel", "layers", "LlamaDecoderLayer",
+                                     (("self_attn", BLOCK), ("mlp", BLOCK)), skip=("self_attn", "mlp")),
         ties=(("model.embed_tokens", "lm_head"),),
         capabilities=Capabilities(sp_modes=("split_gather",), sequence_overlap=True, sequence_recompute=True),
         refusals=(Refusal("pretraining_tp", allowed=(None, 1), default=1,
@@ -40,16 +40,22 @@ def user_llama_spec() -> PolicySpec:
     )
 
 
-def user_spec_shards(ctx, default_group: bool) -> dict:
-    """The user's spec under TP, under split-gather SP and under SP with
-    overlap: each the unsharded model's forward, loss, gradients and SGD step;
-    the LM head re-tied to the embedding (spec.ties)."""
+#: The configurations of user_spec_shards, by name.
+CONFIGS = {"tp": {}, "split_gather": {"enable_sequence_parallelism": True},
+           "overlap": {"enable_sequence_parallelism": True, "enable_sequence_overlap": True}}
+
+
+def user_spec_shards(ctx, default_group: bool, tags: tuple[str, ...]) -> dict:
+    """The user's spec under the configurations `tags` (CONFIGS: TP,
+    split-gather SP, SP with overlap): each the unsharded model's forward,
+    loss, gradients and SGD step; the LM head re-tied to the embedding
+    (spec.ties)."""
     group = {} if default_group else {"tensor_parallel_process_group": ctx.group}
     inputs = {k: v % UNEVEN["vocab_size"] if k in ("input_ids", "labels") else v
               for k, v in zoo.make_inputs(NAME).items()}
     reports = {}
-    for tag, extra in (("tp", {}), ("split_gather", {"enable_sequence_parallelism": True}),
-                       ("overlap", {"enable_sequence_parallelism": True, "enable_sequence_overlap": True})):
+    for tag in tags:
+        extra = CONFIGS[tag]
         model = zoo.build(NAME, **UNEVEN).train()
         ref = copy.deepcopy(model)
         ShardFormer(shard_config=ShardConfig(**group, **extra)).optimize(model, policy=SpecPolicy(user_llama_spec()))
@@ -66,7 +72,8 @@ def user_spec_refuses(ctx) -> dict:
     data = parity.refused_unchanged(model, lambda: shard.optimize(model, policy=SpecPolicy(user_llama_spec())),
                                     "a refusal as data", structure=True,
                                     names=("LlamaForCausalLM", "pretraining_tp=2", "user-llama"))
-    sp = ShardFormer(shard_config=ShardConfig(tensor_parallel_process_group=ctx.group, enable_sequence_parallelism=True))
+    sp = ShardFormer(shard_config=ShardConfig(tensor_parallel_process_group=ctx.group,
+                                              enable_sequence_parallelism=True))
     tp_only = dataclasses.replace(user_llama_spec(), split_gather=None, capabilities=Capabilities())
     model = zoo.build(NAME)
     mode = parity.refused_unchanged(model, lambda: sp.optimize(model, policy=SpecPolicy(tp_only)),
