@@ -1,12 +1,14 @@
 """Shapes shared by several families: how each kind of body is split.
 
-A shape is a FamilyPolicy subclass whose `body_policy()` reads the family's
-options (class attributes set from `Family.options`) and the model's config.
-Its tensor-parallel split is a plan, {suffix: style} (DecoderShape.
-attention_plan / mlp_plan, EncoderShape.MLP_PLAN, bert_attention,
-attention_by_heads, ...), built by shardformer.plan.realize, the interpreter
-DerivedPolicy uses too; the tables below name the layers the styles become.
-Sequence-parallel regions, kernels and pipeline splits are added around it.
+A shape is a FamilyPolicy subclass reading the family's options (class
+attributes set from `Family.options`).  DecoderShape and EncoderShape are
+spec factories (shardformer.family.SpecPolicy): `build_spec()` makes the
+family's PolicySpec (shardformer.spec: styles per suffix, head attributes,
+split-gather regions in typed layouts, capabilities, refusals) from the
+options alone, and shardformer.plan.interpret, the one interpreter, turns
+it into replacements.  The other shapes still write `body_policy()` in code
+with the same plan functions (realize, attention_by_heads,
+split_gather_layer, ...); the tables below name the layers the styles become.
 Families only name their shape, options and head classes (policies/<family>.py);
 heads, the registry and the optimizations (fused norms, fused MLP
 activations, flash attention: applied by the sharder by module type, see

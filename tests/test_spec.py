@@ -14,7 +14,7 @@ import zoo
 from checks import spec as S
 from shardformer import ShardConfig
 from shardformer.family import SpecPolicy
-from shardformer.plan import PlanError, interpret
+from shardformer.plan import PlanError, interpret, refuse
 from shardformer.policy import OptimizeState
 from shardformer.spec import Capabilities, Entry, ModuleSpec, PolicySpec, Refusal, SpecError, SplitGatherSpec
 
@@ -90,6 +90,11 @@ def test_bad_specs_refused_by_name():
     bad = PolicySpec("no-heads", (ModuleSpec("LlamaDecoderLayer", attributes=(("self_attn.n", "heads"),)),))
     with pytest.raises(PlanError, match="'no-heads': LlamaDecoderLayer sets head attributes"):
         interpret(bad, model, ShardConfig(), OptimizeState())
+    no_po = PolicySpec("no-po", (), capabilities=Capabilities(parallel_output=False))
+    with pytest.raises(NotImplementedError, match="LlamaForCausalLM: parallel_output=True is not available for policy "
+                                                  "spec 'no-po'"):
+        refuse(no_po, model, ShardConfig(parallel_output=True))
+    refuse(no_po, model, ShardConfig())
     sp = ShardConfig(enable_sequence_parallelism=True)
     bad = PolicySpec("absent", (), split_gather=SplitGatherSpec("OPTDecoder", "layers", "L", ()),
                      capabilities=Capabilities(sp_modes=("split_gather",)))

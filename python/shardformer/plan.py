@@ -384,8 +384,13 @@ def spec_heads(spec, model) -> Heads | None:
 def refuse(spec, model, shard_config) -> None:
     """Raise the first of spec.refusals that applies (before anything changes):
     its error type with its message, the model class, attribute and value
-    filled in."""
+    filled in; parallel_output=True under TP where the spec's capabilities
+    say its LM heads do not honour it."""
     held = conditions(shard_config, model)
+    if "tensor_parallel" in held and shard_config.parallel_output and not spec.capabilities.parallel_output:
+        raise NotImplementedError(f"{type(model).__name__}: parallel_output=True is not available for policy spec "
+                                  f"{spec.name!r} (its capabilities say parallel_output=False); see "
+                                  f"docs/writing-policies.md")
     cfg = text_config(model)
     for r in spec.refusals:
         value = getattr(cfg, r.attribute, r.default)
