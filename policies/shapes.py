@@ -604,7 +604,7 @@ def gpt_heads(prefix: str, *, token: bool = True) -> dict:
     return heads
 
 
-class GPTBlockShape(SplitGatherMixin, FamilyPolicy):
+class GPTBlockShape(SpecPolicy):
     """A GPT-style decoder (GPT-Neo, GPT-J; GPT-2 by subclass, policies/gpt2.py).
     Per block (`<prefix>Block`, h.*), with <attn> the attention module:
 
@@ -635,7 +635,8 @@ class GPTBlockShape(SplitGatherMixin, FamilyPolicy):
 
     Options: prefix ("GPTNeo"), attention (path of the attention module under
     the block: "attn.attention"), heads_attribute ("num_heads"), mlp_names
-    ((up, down): ("c_fc", "c_proj")).
+    ((up, down): ("c_fc", "c_proj")).  A spec factory (build_spec(); GPT-2
+    overrides its attention and MLP rows).
     """
 
     prefix = ""
@@ -645,63 +646,46 @@ class GPTBlockShape(SplitGatherMixin, FamilyPolicy):
     mlp_names = ("c_fc", "c_proj")
 
     sp_modes = ("split_gather",)
+    sequence_overlap = True            # mlp.<up> gathers its own rows (Entry sp="gather")
 
-    def blocks(self) -> list:
-        """The model's `<prefix>Block` modules, in order."""
-        return [m for m in self.model.modules() if type(m).__name__ == f"{self.prefix}Block"]
+    def attention_entries(self) -> tuple[Entry, ...]:
+        """The attention's projections: q / k / v by heads, out_proj by the same heads."""
+        a = self.attention
+        return (Entry(f"{a}.q_proj", "colwise_heads"), Entry(f"{a}.k_proj", "colwise_heads"),
+                Entry(f"{a}.v_proj", "colwise_heads"), Entry(f"{a}.out_proj", "rowwise_heads"))
 
-    def sp_entered(self) -> list[str]:
-        """The modules that gather their input (ENTER): with overlap
-        the MLP's up projection gathers its rows itself."""
-        return [self.attention] + ([] if sp_overlap(self.shard_config) else ["mlp"])
-
-    def sequence_parallel_subs(self) -> tuple[list[Sub], list[Sub]]:
-        """(block subs, `<prefix>Model` subs) of split-gather SP."""
-        state = self.state.sequence_state
-        blocks = self.blocks()
-        root = self.attention.split(".")[0]
-        norms = parameterized_children(blocks[0], skip=(root, "mlp"))
-        return sp_layer_subs(self.sp_entered(), norms, state), split_gather_ends("h", len(blocks), state)
-
-    def heads_layout(self) -> Heads:
-        cfg = self.model.config
-        n = cfg.num_attention_heads
-        return Heads(n, n, cfg.hidden_size // n)
-
-    def attention_attributes(self, heads: Heads) -> dict:
-        return heads.attributes({f"{self.attention}.{self.heads_attribute}": "heads"})
-
-    def attention_replacements(self, heads: Heads) -> list[Sub]:
-        col, row = sp_linear_kwargs(self.shard_config)
-        return attention_by_heads(self.attention, heads, o="out_proj", col=col, row=row)
-
-    def mlp_replacements(self) -> list[Sub]:
+    def mlp_entries(self) -> tuple[Entry, ...]:
+        """The MLP's up (gathering its own rows with overlap) and down projections."""
         up, down = self.mlp_names
-        col, row = sp_linear_kwargs(self.shard_config)
-        up_kwargs = sp_gathering(col) if sp_overlap(self.shard_config) else col
-        return realize({f"mlp.{up}": "colwise", f"mlp.{down}": "rowwise"}, PlanContext(self), row=row,
-                       extra={f"mlp.{up}": up_kwargs})
+        return Entry(f"mlp.{up}", "colwise", sp="gather"), Entry(f"mlp.{down}", "rowwise")
 
-    def body_policy(self):
-        if not self.tensor_parallel:
-            return {}
-        self.state.sequence_state = new_sequence_state() if self.shard_config.sequence_parallel else None
-        heads, a = self.heads_layout(), self.attention
-        ctx = PlanContext(self)
-        block_subs = self.attention_replacements(heads) + realize(
-            {f"{a}.attn_dropout": "dropout_parallel", f"{a}.resid_dropout": "dropout_residual"}, ctx) + \
-            self.mlp_replacements() + realize({"mlp.dropout": "dropout_residual"}, ctx)
-        model_subs = realize({"wte": "embedding_rowwise", "drop": "dropout_replicated"}, ctx)
-        if self.shard_config.sequence_parallel:
-            sp_block, sp_model = self.sequence_parallel_subs()
-            block_subs, model_subs = block_subs + sp_block, model_subs + sp_model
-        return {
-            f"{self.prefix}Block": ModulePolicyDescription(
-                attribute_replacement=self.attention_attributes(heads),
-                sub_module_replacement=block_subs,
-            ),
-            f"{self.prefix}Model": ModulePolicyDescription(sub_module_replacement=model_subs),
-        }
+    def attention_attribute_rows(self) -> tuple[Attribute, ...]:
+        return (Attribute(f"{self.attention}.{self.heads_attribute}", "heads"),)
+
+    def entered(self) -> tuple[Region, ...]:
+        """The modules that gather their input (ENTER) under split-gather SP:
+        with overlap, the MLP's up projection gathers its rows itself."""
+        return Region(self.attention, ENTER), Region("mlp", ENTER, ("no_overlap",))
+
+    def build_spec(self) -> PolicySpec:
+        a, block, model = self.attention, f"{self.prefix}Block", f"{self.prefix}Model"
+        entries = (self.attention_entries() + (Entry(f"{a}.attn_dropout", "dropout_parallel"),
+                                               Entry(f"{a}.resid_dropout", "dropout_residual"))
+                   + self.mlp_entries() + (Entry("mlp.dropout", "dropout_residual"),))
+        return PolicySpec(
+            name=self.family.name if self.family is not None else block,
+            modules=(ModuleSpec(block, entries, self.attention_attribute_rows(), sp_linear="rows"),
+                     ModuleSpec(model, (Entry("wte", "embedding_rowwise"), Entry("drop", "dropout_replicated")))),
+            heads=HeadsFrom(kv_heads=None, head_dim=None),
+            split_gather=SplitGatherSpec(model, "h", block, self.entered(), overlap=False,
+                                         skip=(a.split(".")[0], "mlp")),
+            capabilities=spec_capabilities(self),
+            refusals=self.refusals(),
+        )
+
+    def refusals(self) -> tuple[Refusal, ...]:
+        """The configurations the family refuses (none here)."""
+        return ()
 
 
 class FusedQKVShape(SplitGatherMixin, FamilyPolicy):

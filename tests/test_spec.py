@@ -23,6 +23,9 @@ DECODERS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3
             "Gemma2ForCausalLM", "GlmForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM")
 #: and EncoderShape's
 ENCODERS = ("BertForMaskedLM", "RobertaForMaskedLM", "ErnieForMaskedLM")
+#: and GPTBlockShape's: (model, its layer class, the owner of split_attention_at's layers)
+GPT_BLOCKS = {"GPT2LMHeadModel": ("GPT2Block", "GPT2Model"), "GPTNeoForCausalLM": ("GPTNeoBlock", "GPTNeoModel"),
+              "GPTJForCausalLM": ("GPTJBlock", "GPTJModel")}
 
 
 def _policy(name: str):
@@ -35,7 +38,7 @@ def _policy(name: str):
     return policy
 
 
-@pytest.mark.parametrize("name", DECODERS + ENCODERS)
+@pytest.mark.parametrize("name", DECODERS + ENCODERS + tuple(GPT_BLOCKS))
 def test_builtin_spec_is_frozen_data(name):
     """A family's spec: built from its options alone, equal and of equal hash
     when built twice, immutable, printed with its styles and class names;
@@ -46,13 +49,14 @@ def test_builtin_spec_is_frozen_data(name):
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.name = "other"
     prefix = name.removesuffix("ForCausalLM").removesuffix("ForMaskedLM")
-    layer = f"{prefix}DecoderLayer" if name in DECODERS else f"{prefix}Layer"
-    assert f"ModuleSpec(key='{layer}'" in repr(spec) and "rowwise_heads" in repr(spec)
+    layer, at = ((f"{prefix}DecoderLayer", (f"{prefix}Model", "layers")) if name in DECODERS else
+                 (f"{prefix}Layer", (f"{prefix}Encoder", "layer")) if name in ENCODERS else
+                 (GPT_BLOCKS[name][0], (GPT_BLOCKS[name][1], "h")))
+    assert f"ModuleSpec(key='{layer}'" in repr(spec) and "rowwise" in repr(spec)
     assert spec.capabilities.sequence_overlap is (name != "MixtralForCausalLM")
     assert policy.supports_sequence_overlap() is spec.capabilities.sequence_overlap
     assert policy.sequence_parallel_modes() == ("split_gather", "all_to_all", "ring_attn")
-    assert spec.capabilities.split_attention_at == ((f"{prefix}Model", "layers") if name in DECODERS
-                                                    else (f"{prefix}Encoder", "layer"))
+    assert spec.capabilities.split_attention_at == at
 
 
 def test_interpret_is_the_shapes_body():

@@ -49,6 +49,11 @@ everywhere.  With W a Linear weight [out, in] and X [.., in]:
   moe_router_sequence_    RouterInSequenceParallel     nothing: a MoE router on the gathered tokens under
     parallel                                           split-gather SP, gradients all-reduced, its logits'
                                                        gradient 1/p (shardformer.layer.moe)
+  conv1d_colwise_qkv      GPT2FusedLinearConv1D_Col    HF's transposed Conv1D [in, out] with a fused [q | k | v]
+                                                       output: each part by its heads (GPT-2's c_attn)
+  conv1d_rowwise_heads    GPT2FusedLinearConv1D_Row    a Conv1D's input rows by the same query heads
+  conv1d_colwise /        GPT2FusedLinearConv1D_Col /  a Conv1D's output / input features evenly
+    conv1d_rowwise          _Row
   dropout_parallel        DropoutForParallelInput      a mask per rank (on this rank's heads or rows)
   dropout_replicated      DropoutForReplicatedInput    one mask on every rank (replicated activations)
   dropout_residual        either of the two above      after a row layer: replicated under TP, this
@@ -64,9 +69,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .layer.replicated import ReplicatedInParallelRegion
-from .layer.sequence import SequenceParallelRegion, record_full_hidden_states, refuse_recorded_hidden_states
+from .layer.sequence import (SequenceParallelRegion, SequenceState, record_full_hidden_states,
+                             refuse_recorded_hidden_states)
 from .layer.sequence_layout import BLOCK, GATHER, MARK_ROWS, SPLIT, SequenceLayouts
-from .layout import Fused, Heads
+from .layout import Fused, Heads, Split
 from .policy import ModulePolicyDescription, Policy
 from .spec import SP_LINEAR
 from .policy import SubModuleReplacementDescription as Sub
@@ -166,6 +172,8 @@ _LAYERS = {
     "FusedExperts1D": _layer(".moe", "FusedExperts1D"),
     "ExpertParallelExperts": _layer(".expert_parallel", "ExpertParallelExperts"),
     "RouterInSequenceParallel": _layer(".moe", "RouterInSequenceParallel"),
+    "GPT2FusedLinearConv1D_Col": _layer("", "GPT2FusedLinearConv1D_Col"),
+    "GPT2FusedLinearConv1D_Row": _layer("", "GPT2FusedLinearConv1D_Row"),
 }
 
 STYLES: dict[str, Style] = {s.name: s for s in (
@@ -192,6 +200,12 @@ STYLES: dict[str, Style] = {s.name: s for s in (
           lambda c: {"expert_group": c.policy.shard_config.expert_parallel_process_group}),
     Style("mla_kv_a_proj", "SharedRopeKeyProjection", hf="mla_kv_a_proj"),
     Style("moe_router_sequence_parallel", "RouterInSequenceParallel"),
+    Style("conv1d_colwise_qkv", "GPT2FusedLinearConv1D_Col",
+          lambda c: {"split": _need_heads(c, "conv1d_colwise_qkv").qkv}, "col"),
+    Style("conv1d_rowwise_heads", "GPT2FusedLinearConv1D_Row",
+          lambda c: {"split": _need_heads(c, "conv1d_rowwise_heads").q}, "row"),
+    Style("conv1d_colwise", "GPT2FusedLinearConv1D_Col", lambda c: {"split": Split()}, "col"),
+    Style("conv1d_rowwise", "GPT2FusedLinearConv1D_Row", lambda c: {"split": Split()}, "row"),
     Style("dropout_parallel", "DropoutForParallelInput"),
     Style("dropout_replicated", "DropoutForReplicatedInput"),
     Style("dropout_residual", _residual_dropout),
@@ -340,15 +354,19 @@ def holds(when, held: frozenset) -> bool:
     return all(bool(getattr(cfg, c[7:], False)) if c.startswith("config:") else c in held for c in when)
 
 
-def sp_kwargs(name: str, held: frozenset[str]) -> dict:
-    """The kwargs of shardformer.spec.SP_KWARGS entry `name` under the conditions `held`."""
+def sp_kwargs(name: str, held: frozenset[str], state=None) -> dict:
+    """The kwargs of shardformer.spec.SP_KWARGS entry `name` under the
+    conditions `held`; `state`: the SequenceState a "gather_exact" layer
+    drops the padding by."""
     if "sequence_parallel" not in held or not name:
         return {}
     kwargs = {"sequence_parallel": True}
     if name == "row":
         kwargs["reduce_scatter"] = True
-    if name == "gather" and "overlap" in held:
+    if name in ("gather", "gather_exact") and "overlap" in held:
         kwargs.update(gather_input=True, overlap=True)
+        if name == "gather_exact":
+            kwargs["sequence_state"] = state
     return kwargs
 
 
@@ -422,10 +440,10 @@ def _parameterized_children(module, skip) -> tuple[str, ...]:
 def split_gather_subs(spec, model, shard_config, state) -> dict[str, list[Sub]]:
     """{class name: subs} of the spec's split-gather sequence parallelism
     (the layer's regions and replicated norms; the owner's split and gather)."""
-    from .layer.sequence import SequenceState
-
     sg, held = spec.split_gather, conditions(shard_config, model)
-    seq = state.sequence_state = SequenceState(recompute=shard_config.sequence_parallel_recompute)
+    seq = state.sequence_state
+    if seq is None:
+        seq = state.sequence_state = SequenceState(recompute=shard_config.sequence_parallel_recompute)
     owner = _find(model, sg.owner, spec)[0]
     layers = owner.get_submodule(sg.layers)
     regions = [r for r in sg.regions if holds(r.when, held)]
@@ -447,13 +465,16 @@ def interpret(spec, model, shard_config, state, policy=None) -> dict:
         return {}
     view = policy if policy is not None else ShardView(shard_config)
     heads = spec_heads(spec, model)
+    if "sequence_parallel" in held and spec.split_gather is not None:   # this call's sequence state
+        state.sequence_state = SequenceState(recompute=shard_config.sequence_parallel_recompute)
     out = {}
     for m in spec.modules:
         ctx = PlanContext(view, heads, _embed_scale(m, model))
         entries = [e for e in m.entries if holds(e.when, held)]
         by_kind = dict(zip(("col", "row"), SP_LINEAR[m.sp_linear]))
         subs = realize({e.suffix: e.style for e in entries}, ctx, extra={
-            e.suffix: sp_kwargs(e.sp if e.sp is not None else by_kind.get(style_of(e.style).kind, ""), held)
+            e.suffix: sp_kwargs(e.sp if e.sp is not None else by_kind.get(style_of(e.style).kind, ""), held,
+                                state.sequence_state)
             for e in entries})
         attrs, rows = {}, [a for a in m.attributes if holds(a.when, held)]
         if rows:

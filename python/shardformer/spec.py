@@ -36,6 +36,8 @@ takes under split-gather SP (SP_KWARGS; shardformer.plan.sp_kwargs):
              reduce-scattered along the sequence, the bias added on this rank's rows
     "gather" "col", and with enable_sequence_overlap the layer gathers its input
              rows itself, overlapping the all-gather with its matmul
+    "gather_exact"  "gather", the gathered rows cut to the exact sequence
+             (padding dropped: an attention's fused projection)
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ CONDITIONS = ("tensor_parallel", "sequence_parallel", "expert_parallel", "no_exp
               "tensor_or_expert_parallel", "overlap", "no_overlap")
 
 #: The sequence-parallel kwargs an Entry may name (see the module docstring).
-SP_KWARGS = ("", "col", "row", "gather")
+SP_KWARGS = ("", "col", "row", "gather", "gather_exact")
 #: ModuleSpec.sp_linear: the SP kwargs of its (column, row) styles.
 SP_LINEAR = {"": ("", ""), "block": ("col", "col"), "rows": ("col", "row")}
 
