@@ -1,8 +1,8 @@
 """Shapes shared by several families: how each kind of body is split.
 
 A shape is a FamilyPolicy subclass reading the family's options (class
-attributes set from `Family.options`).  DecoderShape and EncoderShape are
-spec factories (shardformer.family.SpecPolicy): `build_spec()` makes the
+attributes set from `Family.options`).  DecoderShape, EncoderShape and
+GPTBlockShape are spec factories (shardformer.family.SpecPolicy): `build_spec()` makes the
 family's PolicySpec (shardformer.spec: styles per suffix, head attributes,
 split-gather regions in typed layouts, capabilities, refusals) from the
 options alone, and shardformer.plan.interpret, the one interpreter, turns
