@@ -65,7 +65,7 @@ from shardformer.family import Family, gathered, lm, replicated_dropout
 from shardformer.layout import Heads
 from shardformer.pipeline.stages import StageSplit
 from shardformer.plan import PlanContext, realize
-from shardformer.policies.shapes import (EncoderShape, _new_state, attention_by_heads, sp_layer_subs,
+from shardformer.policies.shapes import (EncoderShape, attention_by_heads, new_sequence_state, sp_layer_subs,
                                          sp_linear_kwargs, sp_overlap)
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
@@ -219,7 +219,7 @@ class AlbertShape(EncoderShape):
         if not self.tensor_parallel:
             return {}
         sp = self.shard_config.sequence_parallel
-        self.state.sequence_state = _new_state() if sp else None
+        self.state.sequence_state = new_sequence_state() if sp else None
         policy = {"AlbertLayer": self.layer_description(self.heads_layout()),
                   "AlbertEmbeddings": self.embeddings_description()}
         if sp:

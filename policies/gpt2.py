@@ -30,39 +30,33 @@ GPT-2 as a decoder with cross attention (add_cross_attention) is refused.
 from __future__ import annotations
 
 from shardformer.family import Family, gathered, lm
-from shardformer.layer import GPT2FusedLinearConv1D_Col, GPT2FusedLinearConv1D_Row
-from shardformer.layout import Heads, Split
-from shardformer.policies.shapes import GPTBlockShape, sp_gathering, sp_linear_kwargs, sp_overlap
-from shardformer.policy import SubModuleReplacementDescription as Sub
+from shardformer.layer.sequence_layout import ENTER
+from shardformer.policies.shapes import GPTBlockShape
+from shardformer.spec import Attribute, Entry, Refusal, Region
 
 
 class GPT2Shape(GPTBlockShape):
     split_attention_at = ("GPT2Model", "h")
 
-    def config_sanity_check(self):
-        if self.tensor_parallel and getattr(self.model.config, "add_cross_attention", False):
-            raise ValueError(f"{type(self.model).__name__}: add_cross_attention=True (GPT-2 as a decoder with "
-                             "cross attention) is not supported by the GPT-2 policy")
+    def refusals(self):
+        return (Refusal("add_cross_attention", allowed=(False, None), default=False, when=("tensor_parallel",),
+                        message="{model}: add_cross_attention={value} (GPT-2 as a decoder with cross attention) is "
+                                "not supported by the GPT-2 policy"),)
 
-    def attention_attributes(self, heads: Heads) -> dict:
-        return heads.attributes({"attn.num_heads": "heads", "attn.split_size": "width", "attn.embed_dim": "width"})
+    def attention_attribute_rows(self):
+        return (Attribute("attn.num_heads", "heads"), Attribute("attn.split_size", "width"),
+                Attribute("attn.embed_dim", "width"))
 
-    def attention_replacements(self, heads: Heads) -> list[Sub]:
-        col, row = sp_linear_kwargs(self.shard_config)
-        if sp_overlap(self.shard_config):    # c_attn is the attention's only reader of its input
-            col = sp_gathering(col, self.state.sequence_state)
-        return [Sub("attn.c_attn", GPT2FusedLinearConv1D_Col, kwargs={"split": heads.qkv, **col}),
-                Sub("attn.c_proj", GPT2FusedLinearConv1D_Row, kwargs={"split": heads.q, **row})]
+    def attention_entries(self):
+        # with overlap c_attn, the attention's only reader of its input, gathers the exact sequence itself
+        return (Entry("attn.c_attn", "conv1d_colwise_qkv", sp="gather_exact"),
+                Entry("attn.c_proj", "conv1d_rowwise_heads"))
 
-    def mlp_replacements(self) -> list[Sub]:
-        col, row = sp_linear_kwargs(self.shard_config)
-        if sp_overlap(self.shard_config):
-            col = sp_gathering(col)
-        return [Sub("mlp.c_fc", GPT2FusedLinearConv1D_Col, kwargs={"split": Split(), **col}),
-                Sub("mlp.c_proj", GPT2FusedLinearConv1D_Row, kwargs={"split": Split(), **row})]
+    def mlp_entries(self):
+        return Entry("mlp.c_fc", "conv1d_colwise", sp="gather"), Entry("mlp.c_proj", "conv1d_rowwise")
 
-    def sp_entered(self) -> list[str]:
-        return [] if sp_overlap(self.shard_config) else ["attn", "mlp"]
+    def entered(self):
+        return Region("attn", ENTER, ("no_overlap",)), Region("mlp", ENTER, ("no_overlap",))
 
 
 FAMILY = Family("gpt2", "gpt2.modeling_gpt2", GPT2Shape, options={"prefix": "GPT2"}, heads={

@@ -36,7 +36,7 @@ from shardformer.family import Family, FamilyPolicy
 from shardformer.layout import Heads
 from shardformer.pipeline.stages import StageSplit
 from shardformer.plan import PlanContext, realize, split_gather_ends
-from shardformer.policies.shapes import (SplitGatherMixin, _new_state, attention_by_heads, gpt_heads,
+from shardformer.policies.shapes import (SplitGatherMixin, attention_by_heads, gpt_heads, new_sequence_state,
                                          parameterized_children, sp_layer_subs, sp_linear_kwargs, sp_overlap)
 from shardformer.policy import ModulePolicyDescription
 
@@ -71,7 +71,7 @@ class OPTShape(SplitGatherMixin, FamilyPolicy):
                       *realize({"fc1": "colwise", "fc2": "rowwise"}, ctx, row=row, extra={"fc1": up})]
         decoder_subs = realize({"embed_tokens": "embedding_rowwise"}, ctx)
         if sp:
-            state = _new_state()
+            state = new_sequence_state()
             layers = [m for m in self.model.modules() if type(m).__name__ == "OPTDecoderLayer"]
             norms = parameterized_children(layers[0], skip=("self_attn", "fc1", "fc2"))
             attributes["dropout"] = 0.0

@@ -1,12 +1,14 @@
 """Shapes shared by several families: how each kind of body is split.
 
-A shape is a FamilyPolicy subclass whose `body_policy()` reads the family's
-options (class attributes set from `Family.options`) and the model's config.
-Its tensor-parallel split is a plan, {suffix: style} (DecoderShape.
-attention_plan / mlp_plan, EncoderShape.MLP_PLAN, bert_attention,
-attention_by_heads, ...), built by shardformer.plan.realize, the interpreter
-DerivedPolicy uses too; the tables below name the layers the styles become.
-Sequence-parallel regions, kernels and pipeline splits are added around it.
+A shape is a FamilyPolicy subclass reading the family's options (class
+attributes set from `Family.options`).  DecoderShape, EncoderShape and
+GPTBlockShape are spec factories (shardformer.family.SpecPolicy): `build_spec()` makes the
+family's PolicySpec (shardformer.spec: styles per suffix, head attributes,
+split-gather regions in typed layouts, capabilities, refusals) from the
+options alone, and shardformer.plan.interpret, the one interpreter, turns
+it into replacements.  The other shapes still write `body_policy()` in code
+with the same plan functions (realize, attention_by_heads,
+split_gather_layer, ...); the tables below name the layers the styles become.
 Families only name their shape, options and head classes (policies/<family>.py);
 heads, the registry and the optimizations (fused norms, fused MLP
 activations, flash attention: applied by the sharder by module type, see
@@ -96,22 +98,24 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardformer.family import FamilyPolicy
+from shardformer.family import FamilyPolicy, SpecPolicy, spec_capabilities
 from shardformer.layer.sequence_layout import BLOCK, ENTER, ENTER_OUTPUT, LEAVE, SUM_GRAD
 from shardformer.layer.param_shard import ShardParams
+from shardformer.layer.sequence import SequenceState
 from shardformer.layout import Heads
 from shardformer.pipeline.stages import StageSplit
-from shardformer.plan import PlanContext, realize, record_hidden_states, split_gather_ends, split_gather_layer
+from shardformer.plan import (PlanContext, interpret, realize, record_hidden_states, split_gather_ends,
+                              split_gather_layer, split_gather_subs)
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
+from shardformer.spec import Attribute, Entry, HeadsFrom, ModuleSpec, PolicySpec, Refusal, Region, SplitGatherSpec
 
 
-def text_config(model):
-    cfg = model.config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+class DecoderShape(SpecPolicy):
+    """A spec factory: build_spec() is the family's PolicySpec, made from
+    its options (class attributes set from Family.options) alone; the one
+    interpreter (shardformer.plan.interpret) turns it into replacements."""
 
-
-class DecoderShape(FamilyPolicy):
     prefix = ""
     base_model = "Model"
     mlp = "split"
@@ -119,18 +123,8 @@ class DecoderShape(FamilyPolicy):
     qk_norm = False
     embed_scale = False
 
-    def heads_layout(self) -> Heads:
-        cfg = text_config(self.model)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        return Heads(cfg.num_attention_heads, kv, head_dim)
-
     #: {dotted attribute under the decoder layer: what it holds} (Heads.attributes)
     head_attributes = {"self_attn.num_key_value_groups": "groups"}
-
-    def attention_attributes(self, heads: Heads) -> dict:
-        """{dotted attribute under the decoder layer: per-rank value}."""
-        return heads.attributes(self.head_attributes, text_config(self.model))
 
     split_attention_at = ("{prefix}{base_model}", "layers")
     pipeline_split = StageSplit("{prefix}{base_model}", "layers", last=("norm",))
@@ -138,28 +132,14 @@ class DecoderShape(FamilyPolicy):
     sp_modes = ("split_gather",)
 
     #: enable_sequence_overlap with split_gather: the blocks' input gathers
-    #: overlap their column layers' matmuls (see sequence_parallel_replacements);
-    #: not for MoE (supports_sequence_overlap), whose router needs the gathered
-    #: tokens before any expert runs.
+    #: overlap their column layers' matmuls (the spec's SplitGatherSpec.overlap);
+    #: not for MoE, whose router needs the gathered tokens before any expert runs.
     sequence_overlap = True
-
-    def supports_sequence_overlap(self) -> bool:
-        return self.sequence_overlap and self.mlp != "moe"
-
     sequence_overlap_why = ("layers.*.mlp is a mixture of experts: its router picks each token's experts from the "
                             "gathered sequence, so no column matmul on this rank's rows can run while the block's "
                             "input is gathered")
-    #: sequence_parallel_recompute="selective": the split-gather layers open a
-    #: recompute scope (sequence_parallel_replacements).
+    #: sequence_parallel_recompute="selective": the split-gather layers open a recompute scope.
     sequence_recompute = True
-
-    def postprocess(self):
-        return record_hidden_states(self, super().postprocess())
-
-    @property
-    def sp(self) -> dict:
-        """The kwargs that put a Linear layer in sequence-parallel mode (or none)."""
-        return {"sequence_parallel": True} if self.shard_config.sequence_parallel else {}
 
     def attention_plan(self) -> dict[str, str]:
         """{suffix under the decoder layer: style} of the attention (shardformer.plan)."""
@@ -181,77 +161,58 @@ class DecoderShape(FamilyPolicy):
             {"mlp.gate_proj": "colwise", "mlp.up_proj": "colwise"}
         return {**up, "mlp.down_proj": "rowwise"}
 
-    def attention_replacements(self, heads: Heads) -> list[Sub]:
-        return realize(self.attention_plan(), PlanContext(self, heads), col=self.sp, row=self.sp)
+    def mlp_entries(self) -> tuple[Entry, ...]:
+        """The MLP's entries: the plan, or with mlp="moe" the experts split by
+        TP (sequence_parallel=True under SP, the router then
+        RouterInSequenceParallel) or, with an expert-parallel group, by experts."""
+        if self.mlp != "moe":
+            return tuple(Entry(k, v) for k, v in self.mlp_plan().items())
+        return (Entry("mlp.experts", self.mlp_plan()["mlp.experts"], when=("no_expert_parallel",), sp="col"),
+                Entry("mlp.experts", "moe_ep_experts", when=("expert_parallel",)),
+                Entry("mlp.gate", "moe_router_sequence_parallel", when=("sequence_parallel", "no_expert_parallel")))
 
-    def mlp_replacements(self) -> list[Sub]:
-        ep = self.shard_config.expert_parallel_process_group if self.mlp == "moe" else None
-        plan = {"mlp.experts": "moe_ep_experts"} if ep is not None else self.mlp_plan()
-        subs = realize(plan, PlanContext(self), col=self.sp, row=self.sp)
-        if self.mlp == "moe" and ep is None and self.shard_config.sequence_parallel:
-            from shardformer.layer.moe import RouterInSequenceParallel
-
-            subs = [replace(s, kwargs={**s.kwargs, "sequence_parallel": True}) for s in subs]
-            subs.append(Sub("mlp.gate", RouterInSequenceParallel))
-        return subs
+    def build_spec(self) -> PolicySpec:
+        layer, base = f"{self.prefix}DecoderLayer", f"{self.prefix}{self.base_model}"
+        moe = self.mlp == "moe"
+        refusals = (Refusal("pretraining_tp", allowed=(None, 1), default=1,
+                            message="{model}: pretraining_tp={value} is not supported (set it to 1)"),)
+        if moe:
+            refusals += (Refusal("router_jitter_noise", allowed=(0, None), default=0.0,
+                                 when=("tensor_or_expert_parallel",),
+                                 message="{model}: router_jitter_noise={value} is not supported: each rank would "
+                                         "draw its own noise and route tokens differently (set it to 0)"),)
+        capabilities = replace(spec_capabilities(self), sequence_overlap=self.sequence_overlap and not moe)
+        return PolicySpec(
+            name=self.family.name if self.family is not None else layer,
+            modules=(ModuleSpec(layer, tuple(Entry(k, v) for k, v in self.attention_plan().items())
+                                + self.mlp_entries(), attributes=tuple(self.head_attributes.items())),
+                     ModuleSpec(base, (Entry("embed_tokens", "embedding_rowwise"),), embed_scale=self.embed_scale)),
+            heads=HeadsFrom(),
+            split_gather=SplitGatherSpec(base, "layers", layer, (("self_attn", BLOCK), ("mlp", BLOCK)),
+                                         overlap=True, skip=("self_attn", "mlp")),
+            capabilities=capabilities,
+            refusals=refusals,
+        )
 
     def sequence_parallel_replacements(self) -> tuple[list[Sub], list[Sub]]:
-        """(decoder-layer subs, base-model subs) of split-gather sequence
-        parallelism: the blocks, the layer's other parameters (norms: used on
-        this rank's rows, gradients all-reduced), the split and the gather.
-        With enable_sequence_overlap (sp_overlap) the blocks take overlap=True:
-        the block's gather is shared by its column layers and overlapped with
-        their matmuls of this rank's rows (sequence.gather_block_input: the
-        module still receives the gathered sequence, since HF's attention
-        reads its shape before the projections); the row layers' partial
-        sums leave through the block's reduce-scatter as without overlap."""
-        from shardformer.layer.sequence import SequenceState
+        """(decoder-layer subs, base-model subs) of split-gather SP: the
+        spec's (shardformer.plan.split_gather_subs).  A subclass that
+        overrides this (a policy written before the specs) has its own
+        subs used instead (body_policy)."""
+        sg = self.build_spec().split_gather
+        subs = split_gather_subs(self.build_spec(), self.model, self.shard_config, self.state)
+        return subs[sg.layer], subs[sg.owner]
 
-        state = SequenceState(recompute=self.shard_config.sequence_parallel_recompute)
-        base = self.model.get_submodule(self.base_prefix()) if self.base_prefix() else self.model
-        layers = base.layers
-        norms = parameterized_children(layers[0], skip=("self_attn", "mlp"))
-        subs = split_gather_layer({"self_attn": BLOCK, "mlp": BLOCK}, norms, state, sp_overlap(self.shard_config))
-        return subs, split_gather_ends("layers", len(layers), state)
-
-    def base_prefix(self) -> str:
-        """The attribute path of the base model inside self.model ("" when it is the base model)."""
-        for name, module in self.model.named_modules():
-            if type(module).__name__ == f"{self.prefix}{self.base_model}":
-                return name
-        raise ValueError(f"{type(self.model).__name__}: no {self.prefix}{self.base_model} module")
-
-    def config_sanity_check(self):
-        cfg = text_config(self.model)
-        if getattr(cfg, "pretraining_tp", 1) not in (None, 1):
-            raise ValueError(f"{type(self.model).__name__}: pretraining_tp={cfg.pretraining_tp} is not supported "
-                             "(set it to 1)")
-        jitter = getattr(cfg, "router_jitter_noise", 0.0) if self.mlp == "moe" else 0.0
-        if (self.tensor_parallel or self.shard_config.expert_parallel_process_group is not None) and jitter:
-            raise ValueError(f"{type(self.model).__name__}: router_jitter_noise={jitter} is not supported: "
-                             "each rank would draw its own noise and route tokens differently (set it to 0)")
-
-    def body_policy(self):
-        if not self.tensor_parallel:
-            return {}
-        heads = self.heads_layout()
-        scale = None
-        if self.embed_scale:
-            native = self.model.get_input_embeddings()
-            scale = float(getattr(native, "scalar_embed_scale", text_config(self.model).hidden_size ** 0.5))
-        layer_subs = self.attention_replacements(heads) + self.mlp_replacements()
-        base_subs = realize({"embed_tokens": "embedding_rowwise"}, PlanContext(self, embed_scale=scale))
-        if self.shard_config.sequence_parallel:
-            sp_layer, sp_base = self.sequence_parallel_replacements()
-            layer_subs, base_subs = layer_subs + sp_layer, base_subs + sp_base
-        return {
-            f"{self.prefix}DecoderLayer": ModulePolicyDescription(
-                attribute_replacement=self.attention_attributes(heads),
-                sub_module_replacement=layer_subs,
-            ),
-            f"{self.prefix}{self.base_model}": ModulePolicyDescription(sub_module_replacement=base_subs),
-        }
-
+    def body_policy(self) -> dict:
+        if type(self).sequence_parallel_replacements is DecoderShape.sequence_parallel_replacements:
+            return super().body_policy()
+        spec = self.build_spec()                 # the spec's split-gather replaced by the override's subs
+        policy = interpret(replace(spec, split_gather=None), self.model, self.shard_config, self.state, self)
+        if policy and self.shard_config.sequence_parallel:
+            layer_subs, base_subs = self.sequence_parallel_replacements()
+            policy[spec.split_gather.layer].sub_module_replacement.extend(layer_subs)
+            policy[spec.split_gather.owner].sub_module_replacement.extend(base_subs)
+        return policy
 
 # The head classes of a Llama-shaped decoder, by what transformers defines for it.
 def decoder_heads(prefix: str, *, base: str = "Model", qa: bool = True, token: bool = True) -> dict:
@@ -330,9 +291,9 @@ def parameterized_children(module, skip=()) -> list[str]:
             if name not in skip and any(True for _ in child.parameters())]
 
 
-def _new_state():
-    from shardformer.layer.sequence import SequenceState
-
+def new_sequence_state():
+    """A fresh SequenceState (the sequence length of one split-gather stack,
+    shared by its regions and the layers that drop its padding)."""
     return SequenceState()
 
 
@@ -354,27 +315,24 @@ class SplitGatherMixin:
 
 # ---- EncoderShape: BERT-shaped encoders ----
 
-def bert_attention(policy, prefix: str, heads: Heads, col: dict | None = None, row: dict | None = None,
-                   kv_col: dict | None = None) -> tuple[dict, list[Sub]]:
-    """(attributes, sub-module replacements) of one BERT-style attention block
-    at `prefix` (`attention` or `crossattention`): Q/K/V column-parallel by
-    head, output dense row-parallel (all-reduce forward).  `col` / `row`:
-    extra kwargs of the column / row layers (sequence parallelism,
-    sp_linear_kwargs), `kv_col` those of key and value when they differ (a
-    cross attention's keys come from the replicated encoder states); the
-    output dropout is a residual one (dropout_residual: a mask per rank
-    under split-gather SP)."""
-    col, row = col or {}, row or {}
-    kv_col = col if kv_col is None else kv_col
-    attrs = heads.attributes({f"{prefix}.self.num_attention_heads": "heads", f"{prefix}.self.all_head_size": "width"})
-    plan = {f"{prefix}.self.query": "colwise_heads", f"{prefix}.self.key": "colwise_heads",
-            f"{prefix}.self.value": "colwise_heads", f"{prefix}.self.dropout": "dropout_parallel",
-            f"{prefix}.output.dense": "rowwise_heads", f"{prefix}.output.dropout": "dropout_residual"}
-    extra = {f"{prefix}.self.query": col, f"{prefix}.self.key": kv_col, f"{prefix}.self.value": kv_col}
-    return attrs, realize(plan, PlanContext(policy, heads), row=row, extra=extra)
+def bert_attention_spec(prefix: str, when: tuple[str, ...] = (), attributes: bool = False) -> tuple:
+    """bert_attention as spec rows: the Entry rows of the attention at
+    `prefix` (a cross attention's key / value, reading the replicated
+    encoder states, take no SP kwargs), or with `attributes` its Attribute
+    rows; each under the conditions `when`."""
+    if attributes:
+        return (Attribute(f"{prefix}.self.num_attention_heads", "heads", when),
+                Attribute(f"{prefix}.self.all_head_size", "width", when))
+    kv = "" if prefix == "crossattention" else None
+    return (Entry(f"{prefix}.self.query", "colwise_heads", when),
+            Entry(f"{prefix}.self.key", "colwise_heads", when, kv),
+            Entry(f"{prefix}.self.value", "colwise_heads", when, kv),
+            Entry(f"{prefix}.self.dropout", "dropout_parallel", when),
+            Entry(f"{prefix}.output.dense", "rowwise_heads", when),
+            Entry(f"{prefix}.output.dropout", "dropout_residual", when))
 
 
-class EncoderShape(SplitGatherMixin, FamilyPolicy):
+class EncoderShape(SpecPolicy):
     """Split-gather sequence parallelism (the layout above sp_linear_kwargs):
     the hidden states are split at the first `<prefix>Layer` (the embeddings,
     with their positions, token types and dropout, run before it on the full
@@ -389,7 +347,8 @@ class EncoderShape(SplitGatherMixin, FamilyPolicy):
     while its key / value read the replicated encoder states as under TP.
     With enable_sequence_overlap, intermediate.dense gathers its input rows
     itself, the all-gather overlapping its matmul (sp_overlap).
-    Refused with chunk_size_feed_forward (HF would chunk this rank's rows)."""
+    Refused with chunk_size_feed_forward (HF would chunk this rank's rows).
+    A spec factory (build_spec(), interpreted by shardformer.plan.interpret)."""
 
     prefix = ""
     records_hidden_states = True       # split_gather_ends marks the layers' rows
@@ -402,49 +361,38 @@ class EncoderShape(SplitGatherMixin, FamilyPolicy):
     pipeline_split = StageSplit("{prefix}Model", "encoder.layer", last=("pooler",))
 
     sp_modes = ("split_gather",)
-
-    def config_sanity_check(self):
-        super().config_sanity_check()
-        if self.shard_config.sequence_parallel and getattr(self.model.config, "chunk_size_feed_forward", 0):
-            raise NotImplementedError(
-                f"{type(self.model).__name__}: sequence parallelism (split_gather) with chunk_size_feed_forward="
-                f"{self.model.config.chunk_size_feed_forward} is not available (set it to 0)")
+    sequence_overlap = True            # intermediate.dense gathers its own rows (Entry sp="gather")
 
     def heads_layout(self) -> Heads:
         cfg = self.model.config
         return Heads(cfg.num_attention_heads, cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads)
 
-    def layer_description(self, heads: Heads) -> ModulePolicyDescription:
-        col, row = sp_linear_kwargs(self.shard_config)
-        cross = getattr(self.model.config, "add_cross_attention", False)
-        attrs, subs = bert_attention(self, "attention", heads, col, row)
-        if cross:
-            cross_attrs, cross_subs = bert_attention(self, "crossattention", heads, col, row, kv_col={})
-            attrs.update(cross_attrs)
-            subs += cross_subs
-        overlap = sp_overlap(self.shard_config)
-        subs += realize(self.MLP_PLAN, PlanContext(self), row=row,
-                        extra={"intermediate.dense": sp_gathering(col) if overlap else col})
-        if self.shard_config.sequence_parallel:
-            attentions = ["attention", "crossattention"] if cross else ["attention"]
-            subs += sp_layer_subs([f"{a}.self" for a in attentions] + ([] if overlap else ["intermediate"]),
-                                  [f"{a}.output.LayerNorm" for a in attentions] + ["output.LayerNorm"],
-                                  self.state.sequence_state)
-        return ModulePolicyDescription(attribute_replacement=attrs, sub_module_replacement=subs)
-
     def embeddings_description(self) -> ModulePolicyDescription:
         return ModulePolicyDescription(sub_module_replacement=realize(self.EMBEDDINGS_PLAN, PlanContext(self)))
 
-    def body_policy(self):
-        if not self.tensor_parallel:
-            return {}
-        self.state.sequence_state = _new_state() if self.shard_config.sequence_parallel else None
-        policy = {f"{self.prefix}Layer": self.layer_description(self.heads_layout()),
-                  f"{self.prefix}Embeddings": self.embeddings_description()}
-        if self.shard_config.sequence_parallel:
-            policy[f"{self.prefix}Encoder"] = ModulePolicyDescription(sub_module_replacement=split_gather_ends(
-                "layer", self.model.config.num_hidden_layers, self.state.sequence_state))
-        return policy
+    def build_spec(self) -> PolicySpec:
+        layer, p = f"{self.prefix}Layer", self.prefix
+        cross = ("config:add_cross_attention",)
+        entries, attributes = bert_attention_spec("attention"), bert_attention_spec("attention", attributes=True)
+        entries += bert_attention_spec("crossattention", when=cross)
+        attributes += bert_attention_spec("crossattention", when=cross, attributes=True)
+        entries += tuple(Entry(k, v, sp="gather" if k == "intermediate.dense" else None)
+                         for k, v in self.MLP_PLAN.items())
+        regions = (Region("attention.self", ENTER), Region("crossattention.self", ENTER, cross),
+                   Region("intermediate", ENTER, ("no_overlap",)), Region("attention.output.LayerNorm"),
+                   Region("crossattention.output.LayerNorm", when=cross), Region("output.LayerNorm"))
+        return PolicySpec(
+            name=self.family.name if self.family is not None else layer,
+            modules=(ModuleSpec(layer, entries, attributes, sp_linear="rows"),
+                     ModuleSpec(f"{p}Embeddings", tuple(Entry(k, v) for k, v in self.EMBEDDINGS_PLAN.items()))),
+            heads=HeadsFrom(kv_heads=None, head_dim=None),
+            split_gather=SplitGatherSpec(f"{p}Encoder", "layer", layer, regions, overlap=False),
+            capabilities=spec_capabilities(self),
+            refusals=(Refusal("chunk_size_feed_forward", allowed=(0, None), default=0, when=("sequence_parallel",),
+                              error="NotImplementedError",
+                              message="{model}: sequence parallelism (split_gather) with chunk_size_feed_forward="
+                                      "{value} is not available (set it to 0)"),),
+        )
 
 
 # ---- VisionShape / StageShape: ViT-style layers, Swin-style stages ----
@@ -523,7 +471,7 @@ class VisionShape(SplitGatherMixin, FamilyPolicy):
         subs = self.layer_replacements(self.heads_layout())
         policy = {}
         if self.shard_config.sequence_parallel:
-            state = self.state.sequence_state = _new_state()
+            state = self.state.sequence_state = new_sequence_state()
             layers = [m for m in self.model.modules() if type(m).__name__ == f"{self.prefix}Layer"]
             entered = ["attention"] + ([] if sp_overlap(self.shard_config) else ["mlp"])
             subs += sp_layer_subs(entered, self.sp_norms(layers[0]), state) + self.sp_layer_extras(layers[0], state)
@@ -615,7 +563,7 @@ class StageShape(VisionShape):
         roles, the norms' gradient all-reduce, the split and the gather."""
         from shardformer.layer.replicated import ReplicatedInParallelRegion
 
-        state = _new_state()           # one per stage: each has its own length
+        state = new_sequence_state()           # one per stage: each has its own length
         blocks = f"layers.{i}.blocks"
         regions = {"layernorm_before": ENTER_OUTPUT, "attention": SUM_GRAD, "drop_path": LEAVE, "mlp": ENTER}
         overlap = sp_overlap(self.shard_config)
@@ -677,7 +625,7 @@ def gpt_heads(prefix: str, *, token: bool = True) -> dict:
     return heads
 
 
-class GPTBlockShape(SplitGatherMixin, FamilyPolicy):
+class GPTBlockShape(SpecPolicy):
     """A GPT-style decoder (GPT-Neo, GPT-J; GPT-2 by subclass, policies/gpt2.py).
     Per block (`<prefix>Block`, h.*), with <attn> the attention module:
 
@@ -708,7 +656,8 @@ class GPTBlockShape(SplitGatherMixin, FamilyPolicy):
 
     Options: prefix ("GPTNeo"), attention (path of the attention module under
     the block: "attn.attention"), heads_attribute ("num_heads"), mlp_names
-    ((up, down): ("c_fc", "c_proj")).
+    ((up, down): ("c_fc", "c_proj")).  A spec factory (build_spec(); GPT-2
+    overrides its attention and MLP rows).
     """
 
     prefix = ""
@@ -718,63 +667,46 @@ class GPTBlockShape(SplitGatherMixin, FamilyPolicy):
     mlp_names = ("c_fc", "c_proj")
 
     sp_modes = ("split_gather",)
+    sequence_overlap = True            # mlp.<up> gathers its own rows (Entry sp="gather")
 
-    def blocks(self) -> list:
-        """The model's `<prefix>Block` modules, in order."""
-        return [m for m in self.model.modules() if type(m).__name__ == f"{self.prefix}Block"]
+    def attention_entries(self) -> tuple[Entry, ...]:
+        """The attention's projections: q / k / v by heads, out_proj by the same heads."""
+        a = self.attention
+        return (Entry(f"{a}.q_proj", "colwise_heads"), Entry(f"{a}.k_proj", "colwise_heads"),
+                Entry(f"{a}.v_proj", "colwise_heads"), Entry(f"{a}.out_proj", "rowwise_heads"))
 
-    def sp_entered(self) -> list[str]:
-        """The modules that gather their input (ENTER): with overlap
-        the MLP's up projection gathers its rows itself."""
-        return [self.attention] + ([] if sp_overlap(self.shard_config) else ["mlp"])
-
-    def sequence_parallel_subs(self) -> tuple[list[Sub], list[Sub]]:
-        """(block subs, `<prefix>Model` subs) of split-gather SP."""
-        state = self.state.sequence_state
-        blocks = self.blocks()
-        root = self.attention.split(".")[0]
-        norms = parameterized_children(blocks[0], skip=(root, "mlp"))
-        return sp_layer_subs(self.sp_entered(), norms, state), split_gather_ends("h", len(blocks), state)
-
-    def heads_layout(self) -> Heads:
-        cfg = self.model.config
-        n = cfg.num_attention_heads
-        return Heads(n, n, cfg.hidden_size // n)
-
-    def attention_attributes(self, heads: Heads) -> dict:
-        return heads.attributes({f"{self.attention}.{self.heads_attribute}": "heads"})
-
-    def attention_replacements(self, heads: Heads) -> list[Sub]:
-        col, row = sp_linear_kwargs(self.shard_config)
-        return attention_by_heads(self.attention, heads, o="out_proj", col=col, row=row)
-
-    def mlp_replacements(self) -> list[Sub]:
+    def mlp_entries(self) -> tuple[Entry, ...]:
+        """The MLP's up (gathering its own rows with overlap) and down projections."""
         up, down = self.mlp_names
-        col, row = sp_linear_kwargs(self.shard_config)
-        up_kwargs = sp_gathering(col) if sp_overlap(self.shard_config) else col
-        return realize({f"mlp.{up}": "colwise", f"mlp.{down}": "rowwise"}, PlanContext(self), row=row,
-                       extra={f"mlp.{up}": up_kwargs})
+        return Entry(f"mlp.{up}", "colwise", sp="gather"), Entry(f"mlp.{down}", "rowwise")
 
-    def body_policy(self):
-        if not self.tensor_parallel:
-            return {}
-        self.state.sequence_state = _new_state() if self.shard_config.sequence_parallel else None
-        heads, a = self.heads_layout(), self.attention
-        ctx = PlanContext(self)
-        block_subs = self.attention_replacements(heads) + realize(
-            {f"{a}.attn_dropout": "dropout_parallel", f"{a}.resid_dropout": "dropout_residual"}, ctx) + \
-            self.mlp_replacements() + realize({"mlp.dropout": "dropout_residual"}, ctx)
-        model_subs = realize({"wte": "embedding_rowwise", "drop": "dropout_replicated"}, ctx)
-        if self.shard_config.sequence_parallel:
-            sp_block, sp_model = self.sequence_parallel_subs()
-            block_subs, model_subs = block_subs + sp_block, model_subs + sp_model
-        return {
-            f"{self.prefix}Block": ModulePolicyDescription(
-                attribute_replacement=self.attention_attributes(heads),
-                sub_module_replacement=block_subs,
-            ),
-            f"{self.prefix}Model": ModulePolicyDescription(sub_module_replacement=model_subs),
-        }
+    def attention_attribute_rows(self) -> tuple[Attribute, ...]:
+        return (Attribute(f"{self.attention}.{self.heads_attribute}", "heads"),)
+
+    def entered(self) -> tuple[Region, ...]:
+        """The modules that gather their input (ENTER) under split-gather SP:
+        with overlap, the MLP's up projection gathers its rows itself."""
+        return Region(self.attention, ENTER), Region("mlp", ENTER, ("no_overlap",))
+
+    def build_spec(self) -> PolicySpec:
+        a, block, model = self.attention, f"{self.prefix}Block", f"{self.prefix}Model"
+        entries = (self.attention_entries() + (Entry(f"{a}.attn_dropout", "dropout_parallel"),
+                                               Entry(f"{a}.resid_dropout", "dropout_residual"))
+                   + self.mlp_entries() + (Entry("mlp.dropout", "dropout_residual"),))
+        return PolicySpec(
+            name=self.family.name if self.family is not None else block,
+            modules=(ModuleSpec(block, entries, self.attention_attribute_rows(), sp_linear="rows"),
+                     ModuleSpec(model, (Entry("wte", "embedding_rowwise"), Entry("drop", "dropout_replicated")))),
+            heads=HeadsFrom(kv_heads=None, head_dim=None),
+            split_gather=SplitGatherSpec(model, "h", block, self.entered(), overlap=False,
+                                         skip=(a.split(".")[0], "mlp")),
+            capabilities=spec_capabilities(self),
+            refusals=self.refusals(),
+        )
+
+    def refusals(self) -> tuple[Refusal, ...]:
+        """The configurations the family refuses (none here)."""
+        return ()
 
 
 class FusedQKVShape(SplitGatherMixin, FamilyPolicy):
@@ -833,7 +765,7 @@ class FusedQKVShape(SplitGatherMixin, FamilyPolicy):
                  "self_attention.dense": row, "mlp.dense_4h_to_h": row}
         subs = [replace(s, kwargs={**(s.kwargs or {}), **kinds.get(s.suffix, {})}) for s in subs]
         attributes = {**attributes, **{a: 0.0 for a in attrs}}
-        state = _new_state()
+        state = new_sequence_state()
         layers = [m for m in self.model.modules() if type(m).__name__ == f"{self.prefix}{self.layer}"]
         norms = parameterized_children(layers[0], skip=("self_attention", "mlp"))
         entered = ["self_attention"] + ([] if overlap else ["mlp"])

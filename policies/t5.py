@@ -88,7 +88,7 @@ from shardformer.layer import (
 from shardformer.layout import Heads
 from shardformer.layer.sequence_layout import BLOCK
 from shardformer.plan import residual_dropout, split_gather_ends, split_gather_layer
-from shardformer.policies.shapes import SplitGatherMixin, _new_state, sp_overlap
+from shardformer.policies.shapes import SplitGatherMixin, new_sequence_state, sp_overlap
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
@@ -183,7 +183,7 @@ class T5Shape(SplitGatherMixin, FamilyPolicy):
                 stack = getattr(owner, stack_name, None)
                 if stack is None:
                     continue
-                state = _new_state()
+                state = new_sequence_state()
                 if stack.is_decoder:
                     regions = ["layer.0.SelfAttention", "layer.1.EncDecAttention", "layer.2.DenseReluDense"]
                 else:

@@ -53,8 +53,8 @@ from shardformer.family import Family, FamilyPolicy, lm
 from shardformer.layer import Linear1D_Col, Linear1D_Row, VocabParallelEmbedding1D
 from shardformer.layout import Heads
 from shardformer.plan import split_gather_ends
-from shardformer.policies.shapes import (SplitGatherMixin, _new_state, parameterized_children, sp_layer_subs,
-                                         sp_linear_kwargs, sp_overlap)
+from shardformer.policies.shapes import (SplitGatherMixin, new_sequence_state, parameterized_children,
+                                         sp_layer_subs, sp_linear_kwargs, sp_overlap)
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
 
@@ -189,7 +189,7 @@ class WhisperShape(SplitGatherMixin, FamilyPolicy):
             stack = next((m for m in self.model.modules() if type(m).__name__ == stack_cls), None)
             if stack is None:
                 continue
-            state = _new_state() if sp else None
+            state = new_sequence_state() if sp else None
             policy[layer_cls] = self.layer_description(layer_cls, n_heads, attns, state)
             policy[stack_cls] = ModulePolicyDescription(
                 sub_module_replacement=split_gather_ends("layers", len(stack.layers), state) if sp else [])

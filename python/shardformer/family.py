@@ -43,9 +43,10 @@ from torch import nn
 
 from .config import ShardConfig
 from .lm_loss import HOOK, LMLoss
-from .plan import PlanContext, hf_entries, replacement
+from .plan import PlanContext, hf_entries, interpret, record_hidden_states, refuse, replacement
 from .policy import ModulePolicyDescription, Policy, merge_policies
 from .policy import SubModuleReplacementDescription as Sub
+from .spec import Capabilities, PolicySpec
 
 _HF = "transformers.models"
 
@@ -326,3 +327,78 @@ class FamilyPolicy(SplitAttentionPolicy, Policy):
         import importlib
 
         return getattr(importlib.import_module(f"{_HF}.{self.family.hf_module}"), name)
+
+
+#: The Capabilities fields a SpecPolicy answers from its spec, and the Policy
+#: field (read by the sharder, the pipeline and plan.record_hidden_states) each fills.
+_CAPABILITY_FIELDS = {"sp_modes": "sp_modes", "split_attention_at": "split_attention_at",
+                      "sequence_overlap": "sequence_overlap", "overlap_refusal": "sequence_overlap_why",
+                      "sequence_recompute": "sequence_recompute", "pipeline_split": "pipeline_split",
+                      "pipeline_refusal": "pipeline_refusal", "records_hidden_states": "records_hidden_states"}
+
+
+def spec_capabilities(policy) -> Capabilities:
+    """A policy's capability fields (sp_modes, sequence_overlap, ...) as
+    spec Capabilities: what a shape's spec factory states, the class names
+    of split_attention_at filled from its options ("{prefix}Model")."""
+    fields = {cap: getattr(policy, name) for cap, name in _CAPABILITY_FIELDS.items()}
+    at = fields["split_attention_at"]
+    if at is not None:
+        fields["split_attention_at"] = (at[0].format(prefix=policy.prefix, base_model=policy.base_model), at[1])
+    return Capabilities(**fields)
+
+
+class SpecPolicy(FamilyPolicy):
+    """A Policy that is a PolicySpec (shardformer.spec): module_policy() is
+    shardformer.plan.interpret of `build_spec()` (plus the split attention
+    of spec.capabilities.split_attention_at and the heads), the sanity check
+    its refusals (plan.refuse), every capability the spec's field.
+
+    Give the spec as `SpecPolicy(spec)` (a user's policy, see
+    docs/writing-policies.md) or as a class's `build_spec()` (the built-in
+    shapes: policies/shapes.py DecoderShape builds it from the family's
+    options).  The answers come from the spec of the bound model's
+    options, so a subclass overrides build_spec(), never the accessors."""
+
+    spec: PolicySpec | None = None
+
+    def __init__(self, spec: PolicySpec | None = None) -> None:
+        super().__init__()
+        if spec is not None:
+            if not isinstance(spec, PolicySpec):
+                raise TypeError(f"SpecPolicy: expected a shardformer.spec.PolicySpec, got {type(spec).__name__}")
+            self.spec = spec
+            for cap, name in _CAPABILITY_FIELDS.items():     # what the sharder and the pipeline read
+                setattr(self, name, getattr(spec.capabilities, cap))
+
+    def build_spec(self) -> PolicySpec:
+        """This policy's PolicySpec (default: the one it was made with)."""
+        if self.spec is None:
+            raise TypeError(f"{type(self).__name__}: a SpecPolicy needs a PolicySpec (SpecPolicy(spec)) or a "
+                            f"build_spec() method")
+        return self.spec
+
+    def config_sanity_check(self) -> None:
+        refuse(self.build_spec(), self.model, self.shard_config)
+
+    def sequence_parallel_modes(self) -> tuple[str, ...]:
+        own = tuple(self.build_spec().capabilities.sp_modes)
+        return own + tuple(m for m in self.split_attention_modes() if m not in own)
+
+    def split_attention_modes(self) -> tuple[str, ...]:
+        return ("all_to_all", "ring_attn") if self.build_spec().capabilities.split_attention_at else ()
+
+    def supports_sequence_overlap(self) -> bool:
+        return self.build_spec().capabilities.sequence_overlap
+
+    def sequence_overlap_refusal(self) -> str:
+        return self.build_spec().capabilities.overlap_refusal
+
+    def supports_sequence_recompute(self) -> bool:
+        return self.build_spec().capabilities.sequence_recompute
+
+    def body_policy(self) -> dict:
+        return interpret(self.build_spec(), self.model, self.shard_config, self.state, self)
+
+    def postprocess(self) -> nn.Module:
+        return record_hidden_states(self, super().postprocess())

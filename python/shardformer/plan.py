@@ -46,6 +46,14 @@ everywhere.  With W a Linear weight [out, in] and X [.., in]:
                                                        over TP inside (shardformer.layer.expert_parallel)
   mla_kv_a_proj           SharedRopeKeyProjection      nothing: latent attention's joint KV down-projection,
                                                        the shared rotary key's gradient all-reduced bwd
+  moe_router_sequence_    RouterInSequenceParallel     nothing: a MoE router on the gathered tokens under
+    parallel                                           split-gather SP, gradients all-reduced, its logits'
+                                                       gradient 1/p (shardformer.layer.moe)
+  conv1d_colwise_qkv      GPT2FusedLinearConv1D_Col    HF's transposed Conv1D [in, out] with a fused [q | k | v]
+                                                       output: each part by its heads (GPT-2's c_attn)
+  conv1d_rowwise_heads    GPT2FusedLinearConv1D_Row    a Conv1D's input rows by the same query heads
+  conv1d_colwise /        GPT2FusedLinearConv1D_Col /  a Conv1D's output / input features evenly
+    conv1d_rowwise          _Row
   dropout_parallel        DropoutForParallelInput      a mask per rank (on this rank's heads or rows)
   dropout_replicated      DropoutForReplicatedInput    one mask on every rank (replicated activations)
   dropout_residual        either of the two above      after a row layer: replicated under TP, this
@@ -61,9 +69,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .layer.replicated import ReplicatedInParallelRegion
-from .layer.sequence import SequenceParallelRegion, record_full_hidden_states, refuse_recorded_hidden_states
+from .layer.sequence import (SequenceParallelRegion, SequenceState, record_full_hidden_states,
+                             refuse_recorded_hidden_states)
 from .layer.sequence_layout import BLOCK, GATHER, MARK_ROWS, SPLIT, SequenceLayouts
-from .layout import Fused, Heads
+from .layout import Fused, Heads, Split
+from .policy import ModulePolicyDescription, Policy
+from .spec import SP_LINEAR
 from .policy import SubModuleReplacementDescription as Sub
 
 
@@ -160,6 +171,9 @@ _LAYERS = {
     "SharedRopeKeyProjection": _layer(".replicated", "SharedRopeKeyProjection"),
     "FusedExperts1D": _layer(".moe", "FusedExperts1D"),
     "ExpertParallelExperts": _layer(".expert_parallel", "ExpertParallelExperts"),
+    "RouterInSequenceParallel": _layer(".moe", "RouterInSequenceParallel"),
+    "GPT2FusedLinearConv1D_Col": _layer("", "GPT2FusedLinearConv1D_Col"),
+    "GPT2FusedLinearConv1D_Row": _layer("", "GPT2FusedLinearConv1D_Row"),
 }
 
 STYLES: dict[str, Style] = {s.name: s for s in (
@@ -185,6 +199,13 @@ STYLES: dict[str, Style] = {s.name: s for s in (
     Style("moe_ep_experts", "ExpertParallelExperts",
           lambda c: {"expert_group": c.policy.shard_config.expert_parallel_process_group}),
     Style("mla_kv_a_proj", "SharedRopeKeyProjection", hf="mla_kv_a_proj"),
+    Style("moe_router_sequence_parallel", "RouterInSequenceParallel"),
+    Style("conv1d_colwise_qkv", "GPT2FusedLinearConv1D_Col",
+          lambda c: {"split": _need_heads(c, "conv1d_colwise_qkv").qkv}, "col"),
+    Style("conv1d_rowwise_heads", "GPT2FusedLinearConv1D_Row",
+          lambda c: {"split": _need_heads(c, "conv1d_rowwise_heads").q}, "row"),
+    Style("conv1d_colwise", "GPT2FusedLinearConv1D_Col", lambda c: {"split": Split()}, "col"),
+    Style("conv1d_rowwise", "GPT2FusedLinearConv1D_Row", lambda c: {"split": Split()}, "row"),
     Style("dropout_parallel", "DropoutForParallelInput"),
     Style("dropout_replicated", "DropoutForReplicatedInput"),
     Style("dropout_residual", _residual_dropout),
@@ -289,3 +310,180 @@ def record_hidden_states(policy, model):
     elif split_gather:
         refuse_recorded_hidden_states(model, type(model).__name__)
     return model
+
+
+# ---- the interpreter of a PolicySpec (shardformer.spec) ----
+#
+# interpret() is the one place a spec becomes replacements.  Per ModuleSpec
+# (one module class): its entries whose conditions hold, realized by their
+# styles (column / row styles with sequence_parallel=True under split-gather
+# SP when the module says sp_linear, an entry with sp_always whatever its
+# kind); its attributes, this rank's head counts (Heads.attributes); then
+# the spec's split-gather regions: the layer class's regions and replicated
+# norms (split_gather_layer), the owner's split and gather (split_gather_ends).
+
+
+def conditions(shard_config, model=None) -> frozenset[str]:
+    """The spec conditions (shardformer.spec.CONDITIONS) that hold under
+    `shard_config`; with `model`, "config:<attribute>" for every attribute
+    of its text config a spec names (a truthy value)."""
+    tp = bool(shard_config.enable_tensor_parallelism)
+    ep = shard_config.expert_parallel_process_group is not None
+    sp = bool(tp and shard_config.sequence_parallel)
+    overlap = sp and bool(getattr(shard_config, "enable_sequence_overlap", False))
+    held = {"tensor_parallel": tp, "sequence_parallel": sp, "expert_parallel": ep, "no_expert_parallel": not ep,
+            "tensor_or_expert_parallel": tp or ep, "overlap": overlap, "no_overlap": sp and not overlap}
+    names = {name for name, on in held.items() if on}
+    if model is not None:                 # the config attributes the conditions may name, read on demand
+        names.add(_ConfigOf(text_config(model)))
+    return frozenset(names)
+
+
+class _ConfigOf:
+    """The model's config among the held conditions: holds() reads a
+    "config:<attribute>" condition from it."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+
+
+def holds(when, held: frozenset) -> bool:
+    """Whether every condition of `when` is in `held` (conditions(); a
+    "config:<attribute>" condition: that attribute of the model's config is truthy)."""
+    cfg = next((c.cfg for c in held if isinstance(c, _ConfigOf)), None)
+    return all(bool(getattr(cfg, c[7:], False)) if c.startswith("config:") else c in held for c in when)
+
+
+def sp_kwargs(name: str, held: frozenset[str], state=None) -> dict:
+    """The kwargs of shardformer.spec.SP_KWARGS entry `name` under the
+    conditions `held`; `state`: the SequenceState a "gather_exact" layer
+    drops the padding by."""
+    if "sequence_parallel" not in held or not name:
+        return {}
+    kwargs = {"sequence_parallel": True}
+    if name == "row":
+        kwargs["reduce_scatter"] = True
+    if name in ("gather", "gather_exact") and "overlap" in held:
+        kwargs.update(gather_input=True, overlap=True)
+        if name == "gather_exact":
+            kwargs["sequence_state"] = state
+    return kwargs
+
+
+class ShardView:
+    """What the styles read of a policy (PlanContext.policy) when a spec is
+    interpreted without one: the shard config and its vocabulary kwargs."""
+
+    def __init__(self, shard_config):
+        self.shard_config = shard_config
+
+    vocab_kwargs = Policy.vocab_kwargs
+    lm_head_kwargs = Policy.lm_head_kwargs
+
+
+def text_config(model):
+    """The model's text config (a multimodal config's get_text_config(), else its config)."""
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def spec_heads(spec, model) -> Heads | None:
+    """The attention's Heads, read from the (text) config where spec.heads says; None without."""
+    where = spec.heads
+    if where is None:
+        return None
+    cfg = text_config(model)
+    n = getattr(cfg, where.num_heads)
+    kv = (getattr(cfg, where.kv_heads, None) if where.kv_heads else None) or n
+    dim = (getattr(cfg, where.head_dim, None) if where.head_dim else None) or getattr(cfg, where.hidden) // n
+    return Heads(n, kv, dim)
+
+
+def refuse(spec, model, shard_config) -> None:
+    """Raise the first of spec.refusals that applies (before anything changes):
+    its error type with its message, the model class, attribute and value
+    filled in; parallel_output=True under TP where the spec's capabilities
+    say its LM heads do not honour it."""
+    held = conditions(shard_config, model)
+    if "tensor_parallel" in held and shard_config.parallel_output and not spec.capabilities.parallel_output:
+        raise NotImplementedError(f"{type(model).__name__}: parallel_output=True is not available for policy spec "
+                                  f"{spec.name!r} (its capabilities say parallel_output=False); see "
+                                  f"docs/writing-policies.md")
+    cfg = text_config(model)
+    for r in spec.refusals:
+        value = getattr(cfg, r.attribute, r.default)
+        if holds(r.when, held) and value not in r.allowed:
+            error = {"ValueError": ValueError, "NotImplementedError": NotImplementedError}[r.error]
+            raise error(r.message.format(model=type(model).__name__, attribute=r.attribute, value=value))
+
+
+def _embed_scale(module_spec, model) -> float | None:
+    if not module_spec.embed_scale:
+        return None
+    native = model.get_input_embeddings()
+    return float(getattr(native, "scalar_embed_scale", text_config(model).hidden_size ** 0.5))
+
+
+def _find(model, class_name: str, spec) -> list:
+    found = [m for m in model.modules() if type(m).__name__ == class_name]
+    if not found:
+        raise PlanError(f"{type(model).__name__}: policy spec {spec.name!r} names {class_name}, which the model "
+                        f"does not have")
+    return found
+
+
+def _parameterized_children(module, skip) -> tuple[str, ...]:
+    return tuple(name for name, child in module.named_children()
+                 if name not in skip and any(True for _ in child.parameters()))
+
+
+def split_gather_subs(spec, model, shard_config, state) -> dict[str, list[Sub]]:
+    """{class name: subs} of the spec's split-gather sequence parallelism
+    (the layer's regions and replicated norms; the owner's split and gather)."""
+    sg, held = spec.split_gather, conditions(shard_config, model)
+    seq = state.sequence_state
+    if seq is None:
+        seq = state.sequence_state = SequenceState(recompute=shard_config.sequence_parallel_recompute)
+    owner = _find(model, sg.owner, spec)[0]
+    layers = owner.get_submodule(sg.layers)
+    regions = [r for r in sg.regions if holds(r.when, held)]
+    norms = (tuple(r.path for r in regions if r.layouts is None) if sg.skip is None
+             else _parameterized_children(layers[0], sg.skip))
+    moved = {r.path: r.layouts for r in regions if r.layouts is not None}
+    return {sg.layer: split_gather_layer(moved, norms, seq, sg.overlap and "overlap" in held),
+            sg.owner: split_gather_ends(sg.layers, len(layers), seq)}
+
+
+def interpret(spec, model, shard_config, state, policy=None) -> dict:
+    """{class name: ModulePolicyDescription} of `spec` (shardformer.spec.PolicySpec)
+    on `model` under `shard_config`; `state` (the optimize()'s OptimizeState)
+    receives the SequenceState of split-gather SP and the spec's ties.
+    `policy`: what the styles read (vocabulary kwargs; default a ShardView of
+    the shard config).  Nothing when tensor parallelism is off."""
+    held = conditions(shard_config, model)
+    if "tensor_parallel" not in held:
+        return {}
+    view = policy if policy is not None else ShardView(shard_config)
+    heads = spec_heads(spec, model)
+    if "sequence_parallel" in held and spec.split_gather is not None:   # this call's sequence state
+        state.sequence_state = SequenceState(recompute=shard_config.sequence_parallel_recompute)
+    out = {}
+    for m in spec.modules:
+        ctx = PlanContext(view, heads, _embed_scale(m, model))
+        entries = [e for e in m.entries if holds(e.when, held)]
+        by_kind = dict(zip(("col", "row"), SP_LINEAR[m.sp_linear]))
+        subs = realize({e.suffix: e.style for e in entries}, ctx, extra={
+            e.suffix: sp_kwargs(e.sp if e.sp is not None else by_kind.get(style_of(e.style).kind, ""), held,
+                                state.sequence_state)
+            for e in entries})
+        attrs, rows = {}, [a for a in m.attributes if holds(a.when, held)]
+        if rows:
+            if heads is None:
+                raise PlanError(f"policy spec {spec.name!r}: {m.key} sets head attributes but the spec reads no heads")
+            attrs = heads.attributes({a.name: a.kind for a in rows}, text_config(model))
+        out[m.key] = ModulePolicyDescription(attribute_replacement=attrs, sub_module_replacement=subs)
+    if "sequence_parallel" in held and spec.split_gather is not None:
+        for key, subs in split_gather_subs(spec, model, shard_config, state).items():
+            out.setdefault(key, ModulePolicyDescription()).sub_module_replacement.extend(subs)
+    state.ties += [tie for tie in spec.ties if tie not in state.ties]
+    return out

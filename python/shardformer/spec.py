@@ -1,0 +1,273 @@
+"""PolicySpec: a policy as one frozen piece of data.
+
+A spec says what a policy does to a model without code: which module of
+each class becomes which parallel layer (a style of shardformer.plan's
+table), which attributes take this rank's head counts, where split-gather
+sequence parallelism splits and gathers the hidden states, which weights are
+re-tied, what the policy can do (capabilities) and which configurations it
+refuses (refusals, message templates).  Every field is a string, a number, a
+tuple or another frozen dataclass of this module (or a typed layout,
+shardformer.layer.sequence_layout, or a StageSplit), so a spec is hashable,
+compares by value and prints as what it is.
+
+shardformer.plan.interpret(spec, model, shard_config, state) is the one
+place a spec becomes replacements ({class name: ModulePolicyDescription});
+shardformer.plan.refuse(spec, model, shard_config) raises its refusals.  A
+built-in shape is a spec factory (policies/shapes.py DecoderShape.spec()),
+and SpecPolicy runs any spec as a Policy: docs/writing-policies.md.
+
+Conditions (`Entry.when`, `Refusal.when`), each a name of CONDITIONS:
+
+    tensor_parallel        ShardConfig.enable_tensor_parallelism
+    sequence_parallel      split-gather sequence parallelism is on
+    expert_parallel        ShardConfig.expert_parallel_process_group is set
+    no_expert_parallel     it is not
+    tensor_or_expert_parallel   either of the two parallelisms that split weights
+    overlap / no_overlap   split-gather SP with / without enable_sequence_overlap
+    config:<attribute>     the model's (text) config has <attribute> set truthy
+                           ("config:add_cross_attention")
+
+Sequence-parallel kwargs (`Entry.sp`, `ModuleSpec.sp_linear`), what a layer
+takes under split-gather SP (SP_KWARGS; shardformer.plan.sp_kwargs):
+
+    ""       nothing
+    "col"    sequence_parallel=True: the input arrives gathered (no copy to the TP region)
+    "row"    sequence_parallel=True, reduce_scatter=True: the partial sums
+             reduce-scattered along the sequence, the bias added on this rank's rows
+    "gather" "col", and with enable_sequence_overlap the layer gathers its input
+             rows itself, overlapping the all-gather with its matmul
+    "gather_exact"  "gather", the gathered rows cut to the exact sequence
+             (padding dropped: an attention's fused projection)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+#: The conditions an Entry or a Refusal may name (see the module docstring).
+CONDITIONS = ("tensor_parallel", "sequence_parallel", "expert_parallel", "no_expert_parallel",
+              "tensor_or_expert_parallel", "overlap", "no_overlap")
+
+#: The sequence-parallel kwargs an Entry may name (see the module docstring).
+SP_KWARGS = ("", "col", "row", "gather", "gather_exact")
+#: ModuleSpec.sp_linear: the SP kwargs of its (column, row) styles.
+SP_LINEAR = {"": ("", ""), "block": ("col", "col"), "rows": ("col", "row")}
+
+#: The kinds of per-rank head attribute (shardformer.layout.Heads.attributes).
+HEAD_KINDS = ("heads", "kv_heads", "groups", "width", "config")
+
+
+class SpecError(ValueError):
+    """A PolicySpec that is not well formed (raised when it is built)."""
+
+
+def _check_when(owner: str, when: tuple[str, ...]) -> None:
+    bad = [c for c in when if c not in CONDITIONS and not c.startswith("config:")]
+    if bad:
+        raise SpecError(f"{owner}: unknown condition(s) {bad} (known: {', '.join(CONDITIONS)})")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """The module at `suffix` (dotted, under the module of the class; `*`
+    matches every child of a list) becomes `style` (shardformer.plan.STYLES).
+    `when`: conditions that must all hold (else the entry is skipped).
+    `sp`: its kwargs under split-gather SP (SP_KWARGS); None: by its style's
+    kind, as the module's `sp_linear` says.  An unknown style is refused by
+    shardformer.plan.interpret, naming the known ones."""
+
+    suffix: str
+    style: str
+    when: tuple[str, ...] = ()
+    sp: str | None = None
+
+    def __post_init__(self):
+        _check_when(f"Entry({self.suffix!r})", self.when)
+        if self.sp is not None and self.sp not in SP_KWARGS:
+            raise SpecError(f"Entry({self.suffix!r}): sp={self.sp!r} is not one of {SP_KWARGS}")
+
+
+@dataclass(frozen=True)
+class Attribute:
+    """The attribute `name` (dotted, under the module) set to this rank's
+    value of the heads' `kind` (HEAD_KINDS), when the conditions `when` hold."""
+
+    name: str
+    kind: str
+    when: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        _check_when(f"Attribute({self.name!r})", self.when)
+        if self.kind not in HEAD_KINDS:
+            raise SpecError(f"Attribute({self.name!r}): kind {self.kind!r} not in {HEAD_KINDS}")
+
+
+@dataclass(frozen=True)
+class Region:
+    """A module of a layer under split-gather SP: moved by `layouts` (a
+    SequenceLayouts: ENTER, BLOCK, ...) or, with layouts None, run on this
+    rank's rows with its gradients all-reduced (a norm); when `when` holds."""
+
+    path: str
+    layouts: Any = None
+    when: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        _check_when(f"Region({self.path!r})", self.when)
+
+
+@dataclass(frozen=True)
+class HeadsFrom:
+    """Where the attention's head counts sit in the model's (text) config:
+    num_heads, kv_heads (None or absent: num_heads) and head_dim (None or
+    absent: hidden // num_heads)."""
+
+    num_heads: str = "num_attention_heads"
+    kv_heads: str | None = "num_key_value_heads"
+    head_dim: str | None = "head_dim"
+    hidden: str = "hidden_size"
+
+
+@dataclass(frozen=True)
+class ModuleSpec:
+    """What happens inside every module of class `key` (a class name).
+
+    entries     the replacements, in order (Entry)
+    attributes  Attribute rows (or (dotted attribute, kind) pairs) set to this
+                rank's value of the heads (shardformer.layout.Heads.attributes)
+    sp_linear   the SP kwargs of its column and row styles (SP_LINEAR): "block"
+                (both sequence_parallel=True: the module's BLOCK region
+                reduce-scatters), "rows" (the row layers reduce-scatter
+                themselves), "" (none)
+    embed_scale an embedding_rowwise entry is scaled like the model's input
+                embedding (Gemma: sqrt(hidden), or its scalar_embed_scale)"""
+
+    key: str
+    entries: tuple[Entry, ...] = ()
+    attributes: tuple[Attribute, ...] = ()
+    sp_linear: str = "block"
+    embed_scale: bool = False
+
+    def __post_init__(self):
+        rows = tuple(a if isinstance(a, Attribute) else Attribute(*a) for a in self.attributes)
+        object.__setattr__(self, "attributes", rows)      # pairs read as Attribute rows
+        if self.sp_linear not in SP_LINEAR:
+            raise SpecError(f"ModuleSpec({self.key!r}): sp_linear={self.sp_linear!r} is not one of {tuple(SP_LINEAR)}")
+
+
+@dataclass(frozen=True)
+class SplitGatherSpec:
+    """Split-gather sequence parallelism of one layer stack, as layouts.
+
+    owner      class name of the module holding the layer list
+    layers     path of the layer list under the owner
+    layer      class name of the layers
+    regions    Region rows (or (path under a layer, SequenceLayouts) pairs): the
+               modules moved by their layouts (BLOCK: all-gather in,
+               reduce-scatter out), then the norms (layouts None)
+    overlap    under enable_sequence_overlap the BLOCK regions overlap their
+               input gather with their column layers' matmuls
+    skip       None: the norms are the Regions without layouts.  Else children
+               of a layer that hold no replicated parameters: every other
+               child of the first layer that has parameters (its norms) runs
+               on this rank's rows, gradients all-reduced
+
+    The first layer splits its input, the last gathers its output, those
+    between mark their rows (shardformer.plan.split_gather_ends)."""
+
+    owner: str
+    layers: str
+    layer: str
+    regions: tuple[Region, ...]
+    overlap: bool = True
+    skip: tuple[str, ...] | None = None
+
+    def __post_init__(self):
+        rows = tuple(r if isinstance(r, Region) else Region(*r) for r in self.regions)
+        object.__setattr__(self, "regions", rows)            # pairs read as Region rows
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A configuration the policy refuses, as data: when every condition of
+    `when` holds and the config attribute `attribute` (read from the text
+    config, `default` when absent) is not one of `allowed`, optimize()
+    raises `error` (ValueError or NotImplementedError) with `message`
+    formatted with {model} (the model class), {attribute} and {value}."""
+
+    attribute: str
+    allowed: tuple = ()
+    default: Any = None
+    when: tuple[str, ...] = ()
+    message: str = "{model}: {attribute}={value} is not supported"
+    error: str = "ValueError"
+
+    def __post_init__(self):
+        _check_when(f"Refusal({self.attribute!r})", self.when)
+        if self.error not in ("ValueError", "NotImplementedError"):
+            raise SpecError(f"Refusal({self.attribute!r}): error must be ValueError or NotImplementedError, "
+                            f"got {self.error!r}")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What the policy implements (the sharder's questions, answered as data).
+
+    sp_modes               sequence_parallelism_modes in its own layers ("split_gather")
+    split_attention_at     (owner class, layer list) where all_to_all / ring_attn
+                           split the attention; None: those modes are not available
+    sequence_overlap       enable_sequence_overlap; `overlap_refusal` says why not
+    sequence_recompute     sequence_parallel_recompute
+    pipeline_split         a StageSplit, or None (`pipeline_refusal` says why)
+    parallel_output        ShardConfig(parallel_output=True) is honoured by its LM heads
+    records_hidden_states  output_hidden_states=True under split_gather records
+                           full-sequence states (else it is refused by name)"""
+
+    sp_modes: tuple[str, ...] = ()
+    split_attention_at: tuple[str, str] | None = None
+    sequence_overlap: bool = False
+    overlap_refusal: str = "its sequence-parallel blocks gather their input before the projections"
+    sequence_recompute: bool = False
+    pipeline_split: Any = None
+    pipeline_refusal: str = ""
+    parallel_output: bool = True
+    records_hidden_states: bool = True
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    """A whole policy as data (see the module docstring).
+
+    name          what the spec is of ("llama"): named in its errors
+    modules       the ModuleSpecs, one per module class
+    heads         where the head counts are read (HeadsFrom), None: no head attributes / styles
+    split_gather  the split-gather SP of the layer stack (SplitGatherSpec), or None
+    ties          (source path, target path) pairs whose target `weight` is made the
+                  source's after substitution (besides the LM heads HF had tied)
+    capabilities  Capabilities
+    refusals      Refusal rows, checked before anything changes"""
+
+    name: str
+    modules: tuple[ModuleSpec, ...]
+    heads: HeadsFrom | None = None
+    split_gather: SplitGatherSpec | None = None
+    ties: tuple[tuple[str, str], ...] = ()
+    capabilities: Capabilities = Capabilities()
+    refusals: tuple[Refusal, ...] = ()
+
+    def __post_init__(self):
+        keys = [m.key for m in self.modules]
+        twice = sorted({k for k in keys if keys.count(k) > 1})
+        if twice:
+            raise SpecError(f"PolicySpec {self.name!r}: module class(es) {twice} given more than once")
+        if self.split_gather is not None and "split_gather" not in self.capabilities.sp_modes:
+            raise SpecError(f"PolicySpec {self.name!r}: split_gather is set but capabilities.sp_modes "
+                            f"{self.capabilities.sp_modes} does not name 'split_gather'")
+
+    def module(self, key: str) -> ModuleSpec:
+        """The ModuleSpec of class `key`; KeyError naming the known ones."""
+        for m in self.modules:
+            if m.key == key:
+                return m
+        raise KeyError(f"PolicySpec {self.name!r} has no module {key!r} (it has: "
+                       f"{', '.join(m.key for m in self.modules)})")

@@ -1,0 +1,82 @@
+"""Rank-side checks of a policy written as a PolicySpec (tests/test_spec.py):
+a user's hand-written spec of Llama, run by SpecPolicy, shards like the
+unsharded model under TP and split-gather SP, and its refusals fire before
+the model changes.  Each function runs on every rank of the pool."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import zoo
+from checks import parity
+from shardformer import ShardConfig, ShardFormer
+from shardformer.family import SpecPolicy
+from shardformer.layer.sequence_layout import BLOCK
+from shardformer.spec import Capabilities, Entry, HeadsFrom, ModuleSpec, PolicySpec, Refusal, SplitGatherSpec
+
+NAME = "LlamaForCausalLM"
+# Uneven sizes: 5 query / 5 KV heads and a vocabulary of 77 over 2 or 4 ranks; the LM head tied.
+UNEVEN = dict(num_attention_heads=5, num_key_value_heads=5, head_dim=12, hidden_size=60, intermediate_size=70,
+              vocab_size=77, num_hidden_layers=3, tie_word_embeddings=True)
+
+
+def user_llama_spec() -> PolicySpec:
+    """Llama as a user would write it, every piece as data."""
+    layer = (Entry("self_attn.q_proj", "colwise_heads"), Entry("self_attn.k_proj", "colwise_kv_heads"),
+             Entry("self_attn.v_proj", "colwise_kv_heads"), Entry("self_attn.o_proj", "rowwise_heads"),
+             Entry("mlp.gate_proj", "colwise"), Entry("mlp.up_proj", "colwise"), Entry("mlp.down_proj", "rowwise"))
+    return PolicySpec(
+        name="user-llama",
+        modules=(ModuleSpec("LlamaDecoderLayer", layer, attributes=(("self_attn.num_key_value_groups", "groups"),)),
+                 ModuleSpec("LlamaModel", (Entry("embed_tokens", "embedding_rowwise"),)),
+                 ModuleSpec("LlamaForCausalLM", (Entry("lm_head", "vocab_lm_head"),))),
+        heads=HeadsFrom(),
+        split_gather=SplitGatherSpec("LlamaModel", "layers", "LlamaDecoderLayer",
+                                     (("self_attn", BLOCK), ("mlp", BLOCK)), skip=("self_attn", "mlp")),
+        ties=(("model.embed_tokens", "lm_head"),),
+        capabilities=Capabilities(sp_modes=("split_gather",), sequence_overlap=True, sequence_recompute=True),
+        refusals=(Refusal("pretraining_tp", allowed=(None, 1), default=1,
+                          message="{model}: {attribute}={value} is not supported by user-llama (set it to 1)"),),
+    )
+
+
+#: The configurations of user_spec_shards, by name.
+CONFIGS = {"tp": {}, "split_gather": {"enable_sequence_parallelism": True},
+           "overlap": {"enable_sequence_parallelism": True, "enable_sequence_overlap": True}}
+
+
+def user_spec_shards(ctx, default_group: bool, tags: tuple[str, ...]) -> dict:
+    """The user's spec under the configurations `tags` (CONFIGS: TP,
+    split-gather SP, SP with overlap): each the unsharded model's forward,
+    loss, gradients and SGD step; the LM head re-tied to the embedding
+    (spec.ties)."""
+    group = {} if default_group else {"tensor_parallel_process_group": ctx.group}
+    inputs = {k: v % UNEVEN["vocab_size"] if k in ("input_ids", "labels") else v
+              for k, v in zoo.make_inputs(NAME).items()}
+    reports = {}
+    for tag in tags:
+        extra = CONFIGS[tag]
+        model = zoo.build(NAME, **UNEVEN).train()
+        ref = copy.deepcopy(model)
+        ShardFormer(shard_config=ShardConfig(**group, **extra)).optimize(model, policy=SpecPolicy(user_llama_spec()))
+        assert model.lm_head.weight is model.model.embed_tokens.weight, f"{tag}: LM head not re-tied"
+        reports[tag] = parity.compare_sharded(model, ref, inputs, f"user spec {tag}")
+    return reports
+
+
+def user_spec_refuses(ctx) -> dict:
+    """A spec's Refusal raised with its numbers, and a mode its capabilities
+    lack refused naming the modes it has, both before the model changes."""
+    shard = ShardFormer(shard_config=ShardConfig(tensor_parallel_process_group=ctx.group))
+    model = zoo.build(NAME, pretraining_tp=2)
+    data = parity.refused_unchanged(model, lambda: shard.optimize(model, policy=SpecPolicy(user_llama_spec())),
+                                    "a refusal as data", structure=True,
+                                    names=("LlamaForCausalLM", "pretraining_tp=2", "user-llama"))
+    sp = ShardFormer(shard_config=ShardConfig(tensor_parallel_process_group=ctx.group,
+                                              enable_sequence_parallelism=True))
+    tp_only = dataclasses.replace(user_llama_spec(), split_gather=None, capabilities=Capabilities())
+    model = zoo.build(NAME)
+    mode = parity.refused_unchanged(model, lambda: sp.optimize(model, policy=SpecPolicy(tp_only)),
+                                    "a mode the capabilities lack", NotImplementedError, structure=True,
+                                    names=("'split_gather'", "it implements: none"))
+    return {"data": data, "mode": mode}

@@ -1,0 +1,118 @@
+"""A policy as one frozen declarative spec (shardformer.spec.PolicySpec),
+interpreted in one place (shardformer.plan.interpret): the built-in shapes'
+specs are data (frozen, hashable, printable, equal when built twice), bad
+specs are refused by name, and a user's hand-written spec shards Llama like
+the unsharded model (TP=2 over an explicit group, TP=4 with the plain
+ShardConfig(); uneven heads and vocabulary; TP, split-gather SP, overlap)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import zoo
+from checks import spec as S
+from shardformer import ShardConfig
+from shardformer.family import SpecPolicy
+from shardformer.plan import PlanError, interpret, refuse
+from shardformer.policy import OptimizeState
+from shardformer.spec import Capabilities, Entry, ModuleSpec, PolicySpec, Refusal, SpecError, SplitGatherSpec
+
+#: every family whose policies are DecoderShape's spec factory
+DECODERS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "GemmaForCausalLM",
+            "Gemma2ForCausalLM", "GlmForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM")
+#: and EncoderShape's
+ENCODERS = ("BertForMaskedLM", "RobertaForMaskedLM", "ErnieForMaskedLM")
+#: and GPTBlockShape's: (model, its layer class, the owner of split_attention_at's layers)
+GPT_BLOCKS = {"GPT2LMHeadModel": ("GPT2Block", "GPT2Model"), "GPTNeoForCausalLM": ("GPTNeoBlock", "GPTNeoModel"),
+              "GPTJForCausalLM": ("GPTJBlock", "GPTJModel")}
+
+
+def _policy(name: str):
+    from shardformer.autopolicy import get_autopolicy
+
+    model = zoo.build(name)
+    policy = get_autopolicy(model)
+    policy.set_model(model)
+    policy.set_shard_config(ShardConfig())
+    return policy
+
+
+@pytest.mark.parametrize("name", DECODERS + ENCODERS + tuple(GPT_BLOCKS))
+def test_builtin_spec_is_frozen_data(name):
+    """A family's spec: built from its options alone, equal and of equal hash
+    when built twice, immutable, printed with its styles and class names;
+    the policy's capability answers are the spec's fields."""
+    policy = _policy(name)
+    spec = policy.build_spec()
+    assert spec == type(policy)().build_spec() and hash(spec) == hash(type(policy)().build_spec())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        spec.name = "other"
+    prefix = name.removesuffix("ForCausalLM").removesuffix("ForMaskedLM")
+    layer, at = ((f"{prefix}DecoderLayer", (f"{prefix}Model", "layers")) if name in DECODERS else
+                 (f"{prefix}Layer", (f"{prefix}Encoder", "layer")) if name in ENCODERS else
+                 (GPT_BLOCKS[name][0], (GPT_BLOCKS[name][1], "h")))
+    assert f"ModuleSpec(key='{layer}'" in repr(spec) and "rowwise" in repr(spec)
+    assert spec.capabilities.sequence_overlap is (name != "MixtralForCausalLM")
+    assert policy.supports_sequence_overlap() is spec.capabilities.sequence_overlap
+    assert policy.sequence_parallel_modes() == ("split_gather", "all_to_all", "ring_attn")
+    assert spec.capabilities.split_attention_at == at
+
+
+def test_interpret_is_the_shapes_body():
+    """DecoderShape's body is interpret(its spec): the same descriptions."""
+    policy = _policy("LlamaForCausalLM")
+    ours = interpret(policy.build_spec(), policy.model, policy.shard_config, OptimizeState())
+    body = policy.body_policy()
+    assert list(ours) == list(body) == ["LlamaDecoderLayer", "LlamaModel"]
+    for key in ours:
+        assert [(s.suffix, s.target_module, s.style) for s in ours[key].sub_module_replacement] == \
+            [(s.suffix, s.target_module, s.style) for s in body[key].sub_module_replacement]
+
+
+def test_bad_specs_refused_by_name():
+    with pytest.raises(SpecError, match=r"Entry\('q'\): unknown condition\(s\) \['sometimes'\]"):
+        Entry("q", "colwise", when=("sometimes",))
+    with pytest.raises(SpecError, match=r"Attribute\('a.n'\): kind 'halves' not in"):
+        ModuleSpec("L", attributes=(("a.n", "halves"),))
+    with pytest.raises(SpecError, match=r"Entry\('q'\): sp='rows' is not one of"):
+        Entry("q", "colwise", sp="rows")
+    with pytest.raises(SpecError, match=r"ModuleSpec\('L'\): sp_linear='cols' is not one of"):
+        ModuleSpec("L", sp_linear="cols")
+    with pytest.raises(SpecError, match=r"module class\(es\) \['L'\] given more than once"):
+        PolicySpec("x", (ModuleSpec("L"), ModuleSpec("L")))
+    with pytest.raises(SpecError, match="does not name 'split_gather'"):
+        PolicySpec("x", (), split_gather=SplitGatherSpec("M", "layers", "L", ()))
+    with pytest.raises(SpecError, match="error must be ValueError or NotImplementedError, got 'KeyError'"):
+        Refusal("a", error="KeyError")
+    with pytest.raises(TypeError, match="expected a shardformer.spec.PolicySpec, got dict"):
+        SpecPolicy({"q_proj": "colwise"})
+    model = zoo.build("LlamaForCausalLM")
+    bad = PolicySpec("typo", (ModuleSpec("LlamaDecoderLayer", (Entry("mlp.up_proj", "colwize"),)),))
+    with pytest.raises(PlanError, match="unknown tensor-parallel style 'colwize'.*colwise"):
+        interpret(bad, model, ShardConfig(), OptimizeState())
+    bad = PolicySpec("no-heads", (ModuleSpec("LlamaDecoderLayer", attributes=(("self_attn.n", "heads"),)),))
+    with pytest.raises(PlanError, match="'no-heads': LlamaDecoderLayer sets head attributes"):
+        interpret(bad, model, ShardConfig(), OptimizeState())
+    no_po = PolicySpec("no-po", (), capabilities=Capabilities(parallel_output=False))
+    with pytest.raises(NotImplementedError, match="LlamaForCausalLM: parallel_output=True is not available for policy "
+                                                  "spec 'no-po'"):
+        refuse(no_po, model, ShardConfig(parallel_output=True))
+    refuse(no_po, model, ShardConfig())
+    sp = ShardConfig(enable_sequence_parallelism=True)
+    bad = PolicySpec("absent", (), split_gather=SplitGatherSpec("OPTDecoder", "layers", "L", ()),
+                     capabilities=Capabilities(sp_modes=("split_gather",)))
+    with pytest.raises(PlanError, match="LlamaForCausalLM: policy spec 'absent' names OPTDecoder"):
+        interpret(bad, model, sp, OptimizeState())
+
+
+@pytest.mark.parametrize("tp,default_group,tags", [(2, False, ("tp", "overlap")), (4, True, ("tp", "split_gather"))])
+def test_user_spec_matches_unsharded(pool, tp, default_group, tags):
+    """TP=2 over an explicit group (TP; SP with overlap), TP=4 with the plain ShardConfig() (TP; SP)."""
+    reports = pool.run(S.user_spec_shards, tp, default_group, tags)
+    assert len(reports) == tp and all(set(r) == set(tags) for r in reports)
+
+
+def test_user_spec_refusals(pool):
+    reports = pool.run(S.user_spec_refuses, 2)
+    assert "sequence parallelism mode 'split_gather' is not available for SpecPolicy" in reports[0]["mode"]
