@@ -34,8 +34,9 @@ modules are not the plain sharded ones (LoRA, fused norms, sequence
 parallelism, ...), an activation other than SiLU, hooks of the user's on
 the modules the step skips.  Per call: gradients enabled or training mode,
 inputs_embeds, more than one new token, no cache or an empty one (prefill),
-a cache layer other than HF's DynamicLayer, a sliding window the sequence
-has outgrown, output_attentions / output_hidden_states, other keywords.
+a cache layer other than HF's DynamicLayer / DynamicSlidingWindowLayer, a
+full cache layer whose sliding window the sequence has outgrown,
+output_attentions / output_hidden_states, other keywords.
 
 See docs/decode.md.
 """
@@ -174,7 +175,7 @@ def _foreign_hooks(model) -> list[str]:
 
 def _call_refusal(model, kwargs: dict) -> str | None:
     """Why this call is not a decode step the fast path computes (None: it is)."""
-    from transformers.cache_utils import DynamicCache, DynamicLayer
+    from transformers.cache_utils import DynamicCache
 
     unknown = sorted(set(kwargs) - _KNOWN_KWARGS)
     if unknown:
@@ -190,8 +191,8 @@ def _call_refusal(model, kwargs: dict) -> str | None:
         return "not one new token per sequence (prefill, or inputs_embeds)"
     if type(cache) is not DynamicCache or kwargs.get("use_cache") is False:
         return f"cache is {type(cache).__name__}, not a DynamicCache in use"
-    if len(cache.layers) != model.config.num_hidden_layers or any(type(c) is not DynamicLayer for c in cache.layers):
-        return "cache layers are not HF's DynamicLayer (one per layer)"
+    if len(cache.layers) != model.config.num_hidden_layers or any(type(c) not in _cache_layers() for c in cache.layers):
+        return "cache layers are not HF's DynamicLayer / DynamicSlidingWindowLayer (one per layer)"
     past = cache.get_seq_length()
     if past == 0:
         return "empty cache (prefill)"
@@ -204,6 +205,12 @@ def _call_refusal(model, kwargs: dict) -> str | None:
     return None
 
 
+def _cache_layers() -> tuple:
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    return DynamicLayer, DynamicSlidingWindowLayer
+
+
 class DecodeFastPath:
     """model.forward of a sharded Llama-shaped model: decode steps inside
     generate() run `step` (the module doc's math), everything else HF's
@@ -212,6 +219,7 @@ class DecodeFastPath:
 
     def __init__(self, model, group, name: str):
         self.model, self.group, self.name = model, group, name
+        self.enabled = True                 # set_fast_decode: False sends every call to HF's forward
         self.fast = 0
         self.fallback: collections.Counter = collections.Counter()
         self._layers = None
@@ -224,7 +232,7 @@ class DecodeFastPath:
     def __call__(self, *args, **kwargs):
         from .lockstep import _inside
 
-        if not getattr(_inside, "generate", False):
+        if not (self.enabled and getattr(_inside, "generate", False)):
             return self._hf(args, kwargs)
         if not self._checked:
             self._off = _structure_refusal(self.model)
@@ -246,10 +254,22 @@ class DecodeFastPath:
         return self._layers
 
     def _window_refusal(self, kwargs) -> str | None:
-        total = kwargs["past_key_values"].get_seq_length() + 1
+        """A sliding window w sees the last w positions (HF: key j visible from
+        query i when i - w < j <= i).  HF's DynamicSlidingWindowLayer keeps
+        the last w - 1 and returns them with the new one: exactly those, so
+        the step attends to what update() returns.  A full DynamicLayer
+        returns everything: exact only while the sequence fits the window."""
+        full, sliding = _cache_layers()
+        cache = kwargs["past_key_values"]
+        total = cache.get_seq_length() + 1
         for layer in self.layers():
-            if layer.window is not None and total > layer.window:
-                return f"sequence of {total} past the sliding window of {layer.window}"
+            held = cache.layers[layer.index]
+            if type(held) is sliding:
+                if getattr(held, "record_past", False) or getattr(held, "sliding_window", None) != layer.window:
+                    return (f"layer {layer.index}: cache window {getattr(held, 'sliding_window', None)} "
+                            f"(or recording its past) where the attention's is {layer.window}")
+            elif layer.window is not None and total > layer.window:
+                return f"sequence of {total} past the sliding window of {layer.window} of a full cache layer"
         return None
 
     @torch.no_grad()
@@ -285,8 +305,8 @@ class DecodeFastPath:
             kv = keys.shape[1]
             qg = q.reshape(batch, kv, L.groups, d)                             # query heads of each KV head
             scores = torch.matmul(qg, keys.transpose(2, 3)) * L.scaling       # [B, kv_i, groups, L]
-            if bias is not None:
-                scores = scores + bias
+            if bias is not None:                                            # the positions update() returned
+                scores = scores + bias[..., -keys.shape[2]:]
             probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
             o = torch.matmul(probs, values).reshape(batch, 1, -1)           # [B, 1, H_i d]
             y = C.all_reduce(L.o._matmul(o, L.o.weight, None), group)
@@ -323,6 +343,17 @@ def stats(model) -> dict:
     if not path._checked:
         path._off, path._checked = _structure_refusal(model), True
     return {"fast": path.fast, "fallback": dict(path.fallback), "off": path._off}
+
+
+def set_fast_decode(model, on: bool = True) -> None:
+    """Switch the fast path of the generating model `model` on or off (off:
+    every call HF's forward, uncounted), e.g. to time both on one model
+    (benchmarks/generate.py's tp2-hf).  Raises ValueError where it is not
+    installed."""
+    path = model.__dict__.get("forward")
+    if not isinstance(path, DecodeFastPath):
+        raise ValueError(f"{type(model).__name__} has no decode fast path: {stats(model)['off']}")
+    path.enabled = bool(on)
 
 
 def reset_stats(model) -> None:
