@@ -4,8 +4,12 @@ What it measures, per model and batch size (default batches 1 and 8):
 
   unsharded-1t   the unsharded model on rank 0 with torch.set_num_threads(1)
   unsharded-2t   the same with 2 threads (the better of the two is the baseline)
-  tp2            ShardFormer TP=2 over both ranks (gloo group; collectives on the
-                 backend shardformer picks: shm), 1 thread per rank
+  tp2-hf         ShardFormer TP=2 over both ranks (gloo group; collectives on the
+                 backend shardformer picks: shm), 1 thread per rank, each decode
+                 step through HF's module forwards (shardformer.decode off)
+  tp2            the same sharded model with its decode fast path
+                 (shardformer.decode: one lean loop over the shards per step;
+                 ShardConfig.enable_fast_decode, the default)
   tp2-skinny     the same sharded model with ShardConfig.enable_skinny_linear's
                  kernel switched on (decode steps' linear layers through
                  shardformer.ops.skinny_linear instead of torch's matmul)
@@ -84,8 +88,10 @@ RESULTS = os.path.join(HERE, "results")
 TP_SIZE = 2
 GOAL_SPEEDUP = 1.4        # TP=2 tokens/s / best unsharded tokens/s at batch 1 ...
 GOAL_BW_FRACTION = 0.85   # ... or within 15% of the bandwidth limit
-CONFIGS = ("unsharded-1t", "unsharded-2t", "tp2", "tp2-skinny")
-TP_CONFIGS = ("tp2", "tp2-skinny")   # the same sharded model; -skinny: ShardConfig.enable_skinny_linear's kernel on
+CONFIGS = ("unsharded-1t", "unsharded-2t", "tp2-hf", "tp2", "tp2-skinny")
+# the same sharded model; -hf: the decode fast path off (HF's module forwards per step);
+# -skinny: ShardConfig.enable_skinny_linear's kernel on (with the fast path)
+TP_CONFIGS = ("tp2-hf", "tp2", "tp2-skinny")
 COMM_METHODS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast")
 
 RANDOM300M = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=20, num_attention_heads=16,
@@ -473,6 +479,7 @@ def rank_main(rank: int, name: str, path: str | None, args_d: dict) -> dict:
     import torch.distributed as dist
     import transformers
 
+    from shardformer.decode import set_fast_decode
     from shardformer.distributed import backend_for, get_communicator
     from shardformer.layer.linear import set_skinny_linear
 
@@ -509,6 +516,7 @@ def rank_main(rank: int, name: str, path: str | None, args_d: dict) -> dict:
                     rec = {"round": rnd, "batch": batch, "kind": kind, "config": cname}
                     if cname in TP_CONFIGS:
                         set_skinny_linear(sharded, cname == "tp2-skinny")
+                        set_fast_decode(sharded, cname != "tp2-hf")
                         dist.barrier()
                         if rnd == 0:       # warm-up: allocator, caches, the first collectives
                             timed_generate(sharded, ids, 3, None, pad)

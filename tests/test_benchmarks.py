@@ -20,16 +20,16 @@ def test_generate_benchmark_quick(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     res = json.loads((tmp_path / "generate.json").read_text())
     md = (tmp_path / "generate.md").read_text()
-    # batches 1 and 2: 4 configurations, and 5 places of collectives for each of the 2 TP ones
-    assert md.count("| tiny |") == 2 * 4 + 2 * 2 * 5
+    # batches 1 and 2: 5 configurations, and 5 places of collectives for each of the 3 TP ones
+    assert md.count("| tiny |") == 2 * 5 + 2 * 3 * 5
     rows = res["models"]["tiny"]["rows"]
     seen = {(r["kind"], r["batch"], r["config"]) for r in rows}
     assert seen == {(k, b, c) for k in ("real", "skeleton") for b in (1, 2)
-                    for c in ("unsharded-1t", "unsharded-2t", "tp2", "tp2-skinny")}
+                    for c in ("unsharded-1t", "unsharded-2t", "tp2-hf", "tp2", "tp2-skinny")}
     for r in rows:
         assert r["timed_steps"] >= 1 and r["tokens_per_s"] > 0
         assert len(r["tokens"]) == r["batch"] and all(len(t) == 5 for t in r["tokens"])
-        if r["config"] in ("tp2", "tp2-skinny"):
+        if r["config"] in ("tp2-hf", "tp2", "tp2-skinny"):
             # 2 layers: 2 all-reduces each, the embedding's all-reduce, the LM head's all-gather,
             # and generate()'s lock-step check of the step's tokens (shardformer.lockstep)
             assert r["collective_calls_per_step"] == 7

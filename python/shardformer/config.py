@@ -62,6 +62,12 @@ class ShardConfig:
         rate for those shapes (shardformer.layer.linear.SKINNY_MIN_ROWS /
         SKINNY_MAX_ROWS say where and why).  Results equal torch's up to fp32
         rounding.
+    enable_fast_decode: generate() of a tensor-parallel Llama-shaped model
+        (Llama, Mistral, Qwen2/3) runs each decode step as one lean loop over
+        the layers' shards (shardformer.decode) instead of HF's module
+        forwards; exact (HF's math), and only where it applies: every other
+        call takes HF's forward (shardformer.decode.stats says which and
+        why; docs/decode.md).  False: always HF's forward.
     enable_sequence_parallelism: split the hidden states along the sequence
         between the tensor-parallel blocks (shardformer.layer.sequence), so
         norms, dropouts and residuals hold 1/tp of the activations;
@@ -128,6 +134,7 @@ class ShardConfig:
     enable_flash_attention: bool = False
     enable_jit_fused: bool = False
     enable_skinny_linear: bool = False
+    enable_fast_decode: bool = True
     enable_sequence_parallelism: bool = False
     enable_sequence_overlap: bool = False
     sequence_parallelism_mode: str | None = None
@@ -141,7 +148,7 @@ class ShardConfig:
 
     def __post_init__(self):
         for name in ("enable_tensor_parallelism", "enable_fused_normalization", "enable_flash_attention",
-                     "enable_jit_fused", "enable_skinny_linear", "enable_sequence_parallelism",
+                     "enable_jit_fused", "enable_skinny_linear", "enable_fast_decode", "enable_sequence_parallelism",
                      "enable_sequence_overlap",
                      "enable_all_optimization", "parallel_output"):
             if not isinstance(getattr(self, name), bool):

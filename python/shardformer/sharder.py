@@ -273,6 +273,11 @@ class ModelSharder:
                 from . import lockstep           # (imports transformers: not at `import shardformer`)
 
                 lockstep.install(self.model, _decoding_groups(cfg), name)
+                if (tp_size > 1 and cfg.enable_fast_decode and cfg.enable_tensor_parallelism
+                        and not cfg.enable_sequence_parallelism):
+                    from . import decode         # decode steps of Llama-shaped models without HF's per-op Python
+
+                    decode.install(self.model, group, name)
             else:                                # generate() through the stages (shardformer.pipeline.generate)
                 from .pipeline import generate as pipeline_generate
 

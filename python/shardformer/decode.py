@@ -1,0 +1,364 @@
+"""The decode fast path: one lean step per generated token of a sharded Llama-shaped model.
+
+A decode step of HF's LlamaForCausalLM enters ~15 module forwards per layer
+(norms, projections, attention interface, MLP, activations), each through
+nn.Module.__call__ and its hook machinery, on every rank, for every token.
+The math is small: for one new token x (hidden h, batch B, rank i of p, the
+attention heads H_i and MLP features F_i of rank i):
+
+    a   = rms(x) * g1                       rms(v) = v / sqrt(mean(v^2) + eps)
+    q_i = a Wq_i^T (+ bq_i), k_i, v_i alike    column shards: this rank's heads
+    q_i, k_i <- rope(q_i, k_i; cos, sin)      HF's own rotary module gives cos, sin
+    K_i, V_i = cache.update(k_i, v_i, layer)  HF's cache object (generate's bookkeeping holds)
+    o_i = softmax(q_i K_i^T * scale + mask) V_i    per head, KV heads repeated for GQA
+    x   = x + all_reduce_i(o_i Wo_i^T) (+ bo)  row shard: one all-reduce
+    m   = rms(x) * g2
+    x   = x + all_reduce_i((silu(m Wg_i^T) * (m Wu_i^T)) Wd_i^T)   one all-reduce
+
+and after the layers the final norm and the vocabulary-parallel LM head
+(all-gathered logits).  Qwen3's per-head q/k norms (rms over head_dim, before
+rope) and Qwen2's q/k/v biases are part of the same step.
+
+DecodeFastPath replaces the model's forward (as an instance attribute, like
+lockstep's generate) and runs that step, reading the shards of the model's
+own modules, for calls that are a decode step inside generate() on a
+supported model; every other call (prefill, training, a forward outside
+generate(), an option the step does not compute) goes to HF's forward,
+counted with its reason.  The step is HF's math in the same order and
+dtypes, so its logits equal HF's up to float rounding (tests/test_decode.py
+checks every step's logits and the tokens against the unsharded model).
+
+What switches it off for the whole model (`stats(model)["off"]`, checked
+once): a model type other than llama / mistral / qwen2 / qwen3, layers whose
+modules are not the plain sharded ones (LoRA, fused norms, sequence
+parallelism, ...), an activation other than SiLU, hooks of the user's on
+the modules the step skips.  Per call: gradients enabled or training mode,
+inputs_embeds, more than one new token, no cache or an empty one (prefill),
+a cache layer other than HF's DynamicLayer / DynamicSlidingWindowLayer, a
+full cache layer whose sliding window the sequence has outgrown,
+output_attentions / output_hidden_states, other keywords.
+
+See docs/decode.md.
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+import torch.nn.functional as F
+
+from .distributed import collectives as C
+
+#: model_type values whose decoder layer is the Llama layer (RMSNorm,
+#: rope attention, SwiGLU MLP), the only layer the step computes
+SUPPORTED_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+#: decode-step keywords the step understands; any other goes to HF's forward
+_KNOWN_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "past_key_values", "use_cache",
+                           "return_dict", "logits_to_keep", "cache_position", "output_attentions",
+                           "output_hidden_states"})
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's Llama RMSNorm: weight * (x / sqrt(mean(x^2) + eps)), computed in float32."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, rotate_half([x1, x2]) = [-x2, x1] (HF's rope)."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class _Layer:
+    """What the step reads of one decoder layer: shards, norms and sizes."""
+
+    __slots__ = ("ln1", "eps1", "ln2", "eps2", "q", "k", "v", "o", "gate", "up", "down", "q_norm", "k_norm",
+                 "head_dim", "groups", "scaling", "window", "index")
+
+    def __init__(self, layer, config, index: int):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.ln1, self.eps1 = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
+        self.ln2, self.eps2 = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
+        self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        norms = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
+        self.q_norm, self.k_norm = [(m.weight, m.variance_epsilon) if m is not None else None for m in norms]
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
+        self.groups = attn.num_key_value_groups
+        self.index = attn.layer_idx
+        if hasattr(attn, "sliding_window"):
+            self.window = attn.sliding_window
+        else:
+            self.window = getattr(config, "sliding_window", None)
+
+
+def _structure_refusal(model) -> str | None:
+    """Why the step cannot compute this model (None: it can)."""
+    from .layer.linear import Linear1D_Col, Linear1D_Row, VocabParallelLMHead1D
+
+    config = getattr(model, "config", None)
+    kind = getattr(config, "model_type", None)
+    if kind not in SUPPORTED_TYPES:
+        return f"model_type {kind!r} is not one of {SUPPORTED_TYPES}"
+    base = getattr(model, "model", None)
+    if base is None or not all(hasattr(base, a) for a in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return f"{type(model).__name__} has no .model with embed_tokens, layers, norm and rotary_emb"
+    head = getattr(model, "lm_head", None)
+    if type(head) is not VocabParallelLMHead1D or not head.gather_output:
+        return f"lm_head is {type(head).__name__}, not a VocabParallelLMHead1D gathering the logits"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"hidden_act {getattr(config, 'hidden_act', None)!r} is not 'silu'"
+    if len(base.layers) != config.num_hidden_layers:
+        return f"{len(base.layers)} layers held, config says {config.num_hidden_layers}"
+    for n, layer in enumerate(base.layers):
+        where = f"model.layers.{n}"
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        for path, module, cls in (("self_attn.q_proj", getattr(attn, "q_proj", None), Linear1D_Col),
+                                  ("self_attn.k_proj", getattr(attn, "k_proj", None), Linear1D_Col),
+                                  ("self_attn.v_proj", getattr(attn, "v_proj", None), Linear1D_Col),
+                                  ("self_attn.o_proj", getattr(attn, "o_proj", None), Linear1D_Row),
+                                  ("mlp.gate_proj", getattr(mlp, "gate_proj", None), Linear1D_Col),
+                                  ("mlp.up_proj", getattr(mlp, "up_proj", None), Linear1D_Col),
+                                  ("mlp.down_proj", getattr(mlp, "down_proj", None), Linear1D_Row)):
+            if type(module) is not cls:
+                return f"{where}.{path} is {type(module).__name__}, not a plain {cls.__name__}"
+            if cls is Linear1D_Col and (module.gather_output or module.sequence_parallel or module.conv1d_layout):
+                return f"{where}.{path} gathers its output or is sequence-parallel"
+            if cls is Linear1D_Row and (module.sequence_parallel or not module.input_is_parallel
+                                        or module.input_dropout is not None or module.conv1d_layout):
+                return f"{where}.{path} is sequence-parallel, scatters its input or has an input dropout"
+        norms = [("input_layernorm", getattr(layer, "input_layernorm", None)),
+                 ("post_attention_layernorm", getattr(layer, "post_attention_layernorm", None))]
+        norms += [(f"self_attn.{a}", getattr(attn, a)) for a in ("q_norm", "k_norm") if hasattr(attn, a)]
+        for path, norm in norms:
+            if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
+                return f"{where}.{path} is {type(norm).__name__}, not HF's RMSNorm"
+        if not type(mlp.act_fn).__name__.startswith("SiLU"):
+            return f"{where}.mlp.act_fn is {type(mlp.act_fn).__name__}, not SiLU"
+        if attn.q_proj.weight.shape[0] != attn.k_proj.weight.shape[0] * attn.num_key_value_groups:
+            return (f"{where}.self_attn: {attn.q_proj.weight.shape[0]} local query rows are not "
+                    f"{attn.num_key_value_groups} x {attn.k_proj.weight.shape[0]} key rows")
+    if not type(base.norm).__name__.endswith("RMSNorm"):
+        return f"model.norm is {type(base.norm).__name__}, not HF's RMSNorm"
+    hooked = _foreign_hooks(model)
+    if hooked:
+        return f"forward hooks on {hooked[:3]} (the step would skip them)"
+    return None
+
+
+def _foreign_hooks(model) -> list[str]:
+    """Modules the step skips that carry hooks other than the sharder's own
+    (the per-layer random streams, inert in eval; the attention-weights
+    gathering, whose weights a decode step discards; the re-registration of
+    gradient hooks of replicated parameters, which a step without
+    gradients does not need)."""
+    from .layer.attention_weights import _Gathering
+    from .layer.rank_streams import _StreamPerLayer
+    from .layer.replicated import _GradientSync
+
+    def ours(hook) -> bool:
+        return isinstance(getattr(hook, "__self__", hook), (_StreamPerLayer, _Gathering, _GradientSync))
+
+    found = []
+    for name, module in model.model.named_modules():
+        if name in ("", "embed_tokens", "rotary_emb"):     # called through their own __call__
+            continue
+        hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
+        if any(not ours(h) for h in hooks):
+            found.append(f"model.{name}")
+    return found
+
+
+def _call_refusal(model, kwargs: dict) -> str | None:
+    """Why this call is not a decode step the fast path computes (None: it is)."""
+    from transformers.cache_utils import DynamicCache
+
+    unknown = sorted(set(kwargs) - _KNOWN_KWARGS)
+    if unknown:
+        return f"keywords {unknown}"
+    if torch.is_grad_enabled() or model.training:
+        return "gradients enabled or training mode"
+    if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
+        return "output_attentions / output_hidden_states"
+    if kwargs.get("return_dict") is False:
+        return "return_dict=False"
+    ids, cache = kwargs.get("input_ids"), kwargs.get("past_key_values")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[1] != 1:
+        return "not one new token per sequence (prefill, or inputs_embeds)"
+    if type(cache) is not DynamicCache or kwargs.get("use_cache") is False:
+        return f"cache is {type(cache).__name__}, not a DynamicCache in use"
+    if len(cache.layers) != model.config.num_hidden_layers or any(type(c) not in _cache_layers() for c in cache.layers):
+        return "cache layers are not HF's DynamicLayer / DynamicSlidingWindowLayer (one per layer)"
+    past = cache.get_seq_length()
+    if past == 0:
+        return "empty cache (prefill)"
+    mask = kwargs.get("attention_mask")
+    if mask is not None and (mask.dim() != 2 or tuple(mask.shape) != (ids.shape[0], past + 1)):
+        return f"attention_mask of shape {tuple(mask.shape)}, not [batch, cached + 1]"
+    pos = kwargs.get("position_ids")
+    if pos is not None and (pos.dim() != 2 or pos.shape[1] != 1):
+        return f"position_ids of shape {tuple(pos.shape)}"
+    return None
+
+
+def _cache_layers() -> tuple:
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+
+    return DynamicLayer, DynamicSlidingWindowLayer
+
+
+class DecodeFastPath:
+    """model.forward of a sharded Llama-shaped model: decode steps inside
+    generate() run `step` (the module doc's math), everything else HF's
+    forward.  A module-level class held in the model's __dict__, so the
+    model still pickles and deep-copies (the copy's forward is its own)."""
+
+    def __init__(self, model, group, name: str):
+        self.model, self.group, self.name = model, group, name
+        self.enabled = True                 # set_fast_decode: False sends every call to HF's forward
+        self.fast = 0
+        self.fallback: collections.Counter = collections.Counter()
+        self._layers = None
+        self._off: str | None = None
+        self._checked = False
+
+    def _hf(self, args, kwargs):
+        return type(self.model).forward(self.model, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        from .lockstep import _inside
+
+        if not (self.enabled and getattr(_inside, "generate", False)):
+            return self._hf(args, kwargs)
+        if not self._checked:
+            self._off = _structure_refusal(self.model)
+            self._checked = True
+        why = self._off or ("positional arguments" if args else _call_refusal(self.model, kwargs))
+        if why is None:
+            why = self._window_refusal(kwargs)
+        if why is not None:
+            self.fallback[why] += 1
+            return self._hf(args, kwargs)
+        self.fast += 1
+        return self.step(kwargs["input_ids"], kwargs["past_key_values"], kwargs.get("attention_mask"),
+                         kwargs.get("position_ids"))
+
+    def layers(self) -> list[_Layer]:
+        if self._layers is None:
+            config = self.model.config
+            self._layers = [_Layer(layer, config, n) for n, layer in enumerate(self.model.model.layers)]
+        return self._layers
+
+    def _window_refusal(self, kwargs) -> str | None:
+        """A sliding window w sees the last w positions (HF: key j visible from
+        query i when i - w < j <= i).  HF's DynamicSlidingWindowLayer keeps
+        the last w - 1 and returns them with the new one: exactly those, so
+        the step attends to what update() returns.  A full DynamicLayer
+        returns everything: exact only while the sequence fits the window."""
+        full, sliding = _cache_layers()
+        cache = kwargs["past_key_values"]
+        total = cache.get_seq_length() + 1
+        for layer in self.layers():
+            held = cache.layers[layer.index]
+            if type(held) is sliding:
+                if getattr(held, "record_past", False) or getattr(held, "sliding_window", None) != layer.window:
+                    return (f"layer {layer.index}: cache window {getattr(held, 'sliding_window', None)} "
+                            f"(or recording its past) where the attention's is {layer.window}")
+            elif layer.window is not None and total > layer.window:
+                return f"sequence of {total} past the sliding window of {layer.window} of a full cache layer"
+        return None
+
+    @torch.no_grad()
+    def step(self, ids: torch.Tensor, cache, mask: torch.Tensor | None, position_ids: torch.Tensor | None):
+        """One token per sequence through every layer (module doc); returns
+        HF's CausalLMOutputWithPast with the gathered logits [B, 1, vocab]."""
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        base, group = self.model.model, self.group
+        past = cache.get_seq_length()
+        if position_ids is None:       # HF's LlamaModel: positions continue the cache
+            position_ids = torch.full((1, 1), past, dtype=torch.long, device=ids.device)
+        x = base.embed_tokens(ids)                                         # [B, 1, h]
+        cos, sin = base.rotary_emb(x, position_ids=position_ids)           # [B or 1, 1, d]
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        bias = None
+        if mask is not None and not bool(mask.all()):                      # padding: additive mask [B, 1, 1, L]
+            bias = torch.zeros(mask.shape, dtype=x.dtype, device=x.device)
+            bias.masked_fill_(mask == 0, torch.finfo(x.dtype).min)
+            bias = bias[:, None, None, :]
+        batch = ids.shape[0]
+        for L in self.layers():
+            d = L.head_dim
+            a = rms_norm(x, L.ln1, L.eps1)
+            q = L.q._matmul(a, L.q.weight, L.q.bias).view(batch, 1, -1, d)
+            k = L.k._matmul(a, L.k.weight, L.k.bias).view(batch, 1, -1, d)
+            v = L.v._matmul(a, L.v.weight, L.v.bias).view(batch, 1, -1, d).transpose(1, 2)
+            if L.q_norm is not None:
+                q = rms_norm(q, *L.q_norm)
+                k = rms_norm(k, *L.k_norm)
+            q, k = rope(q.transpose(1, 2), cos, sin), rope(k.transpose(1, 2), cos, sin)
+            keys, values = cache.update(k, v, L.index)                      # [B, kv_i, L, d]
+            kv = keys.shape[1]
+            qg = q.reshape(batch, kv, L.groups, d)                             # query heads of each KV head
+            scores = torch.matmul(qg, keys.transpose(2, 3)) * L.scaling       # [B, kv_i, groups, L]
+            if bias is not None:                                            # the positions update() returned
+                scores = scores + bias[..., -keys.shape[2]:]
+            probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            o = torch.matmul(probs, values).reshape(batch, 1, -1)           # [B, 1, H_i d]
+            y = C.all_reduce(L.o._matmul(o, L.o.weight, None), group)
+            x = x + (y if L.o.bias is None else y + L.o.bias)
+            m = rms_norm(x, L.ln2, L.eps2)
+            g = F.silu(L.gate._matmul(m, L.gate.weight, L.gate.bias)) * L.up._matmul(m, L.up.weight, L.up.bias)
+            y = C.all_reduce(L.down._matmul(g, L.down.weight, None), group)
+            x = x + (y if L.down.bias is None else y + L.down.bias)
+        x = rms_norm(x, base.norm.weight, base.norm.variance_epsilon)
+        logits = self.model.lm_head(x)
+        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+
+
+def install(model, group, name: str) -> int:
+    """Put a DecodeFastPath as the forward of every model in the tree that
+    generates (has generate() and generation_config) and has a config; returns how many."""
+    count = 0
+    for module in model.modules():
+        if callable(getattr(type(module), "generate", None)) and hasattr(module, "config") \
+                and hasattr(module, "generation_config") and "forward" not in module.__dict__:
+            module.__dict__["forward"] = DecodeFastPath(module, group, name)
+            count += 1
+    return count
+
+
+def stats(model) -> dict:
+    """{"fast": decode steps the fast path ran, "fallback": {reason: calls
+    inside generate() sent to HF's forward}, "off": why the model never
+    takes it (None: it can)} for the generating model `model`."""
+    path = model.__dict__.get("forward")
+    if not isinstance(path, DecodeFastPath):
+        return {"fast": 0, "fallback": {}, "off": "not installed (ShardConfig(enable_fast_decode=False), "
+                                                  "pipeline stages, or a group of one rank)"}
+    if not path._checked:
+        path._off, path._checked = _structure_refusal(model), True
+    return {"fast": path.fast, "fallback": dict(path.fallback), "off": path._off}
+
+
+def set_fast_decode(model, on: bool = True) -> None:
+    """Switch the fast path of the generating model `model` on or off (off:
+    every call HF's forward, uncounted), e.g. to time both on one model
+    (benchmarks/generate.py's tp2-hf).  Raises ValueError where it is not
+    installed."""
+    path = model.__dict__.get("forward")
+    if not isinstance(path, DecodeFastPath):
+        raise ValueError(f"{type(model).__name__} has no decode fast path: {stats(model)['off']}")
+    path.enabled = bool(on)
+
+
+def reset_stats(model) -> None:
+    """Zero the counters of stats(model)."""
+    path = model.__dict__.get("forward")
+    if isinstance(path, DecodeFastPath):
+        path.fast = 0
+        path.fallback.clear()
