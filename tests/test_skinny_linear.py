@@ -179,7 +179,13 @@ def test_layer_takes_only_measured_shapes():
         assert [_skinny_applies(torch.randn(m, 16), w, None, 4) for m in (1, 2, 3, 4, 5)] == \
             [False, True, True, True, False]
         assert _skinny_applies(torch.randn(2, 1, 16), w, None, 4)
-        assert not _skinny_applies(torch.randn(2, 16).bfloat16(), w.bfloat16(), None, 4)
+        # a column slice (strided rows) is read in place; a transposed weight is not
+        assert _skinny_applies(torch.randn(2, 16), torch.randn(8, 40)[:, 3:19], None, 4)
+        assert not _skinny_applies(torch.randn(2, 16), torch.randn(16, 8).T, None, 4)
+        # bfloat16 from one row where its path is AVX512-BF16, else never; float16 never
+        bf16 = [_skinny_applies(torch.randn(m, 16).bfloat16(), w.bfloat16(), None, 4) for m in (1, 2, 4, 5)]
+        assert bf16 == ([True, True, True, False] if _features()["avx512_bf16"] else [False] * 4)
+        assert not any(_skinny_applies(torch.randn(m, 16).half(), w.half(), None, 4) for m in (1, 2, 4))
     assert not _skinny_applies(torch.randn(2, 16), w.requires_grad_(), None, 4)
 
 
@@ -210,10 +216,30 @@ def test_generate_through_kernel(pool, name, tp):
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_decode_step_logits(pool, tp, dtype):
-    """float32 decode steps of 2 sequences run the kernel; bfloat16 ones stay
-    with torch (measured faster there), checked on logits."""
+    """float32 decode steps of 2 sequences run the kernel, bfloat16 ones too
+    where its path is AVX512-BF16 (else they stay with torch, measured faster
+    there), checked on logits."""
     res = pool.run(skinny.decode_logits_match, tp, "LlamaForCausalLM", dtype)
-    assert all((r["calls"] > 0) == (dtype == "float32") for r in res)
+    assert all((r["calls"] > 0) == (dtype == "float32" or _features()["avx512_bf16"]) for r in res)
+
+
+@pytest.mark.transformers_independent(False)
+@pytest.mark.parametrize("default_group", [True, False])
+def test_bf16_batch1_decode_tp2(world_pool, pool, default_group):
+    """TP=2 greedy decoding of one sequence in bfloat16 through the kernel's
+    AVX512-BF16 path equals the unsharded model (plain ShardConfig() on a
+    2-rank world, and an explicit group of the 4-rank pool)."""
+    ranks = world_pool(2) if default_group else pool
+    res = ranks.run(skinny.bf16_batch1_decode, 2, "LlamaForCausalLM", default_group)
+    assert all(r["tokens"] == res[0]["tokens"] for r in res)
+
+
+@pytest.mark.transformers_independent(False)
+def test_mapped_strided_shards_through_kernel(pool2, tmp_path):
+    """from_pretrained(mmap=True) keeps row-parallel weights as strided views
+    of the mapped checkpoint; decoding reads them in place through the kernel."""
+    res = pool2.run(skinny.mapped_column_shards_decode, 2, str(tmp_path / "ckpt"))
+    assert all(r["strided"] > 0 for r in res), res
 
 
 @pytest.mark.transformers_independent(False)
