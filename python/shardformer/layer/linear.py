@@ -53,12 +53,14 @@ SKINNY_MIN_ROWS = 2
 SKINNY_MAX_ROWS = 4
 
 #: bfloat16 goes to the kernel from one row (batch-1 decoding) to
-#: SKINNY_MAX_ROWS, on CPUs where its path is AVX512-BF16 (vdpbf16ps: median
-#: 1.18-1.26x torch over the shapes at 1 to 4 rows, benchmarks/skinny_linear.py);
-#: its AVX2 path (bf16 widened by shifts) measured slower than torch from 2 rows
-#: (0.55-0.72x), so without AVX512-BF16 bfloat16 stays with torch.  float16
-#: stays with torch: the kernel's F16C path was slower at 1-2 rows (0.62-0.72x)
-#: and only ahead from 4.
+#: SKINNY_MAX_ROWS, on CPUs where its path is AVX512-BF16 (vdpbf16ps): median
+#: over the shapes 1.09 / 0.97 / 1.14x torch at 1 / 2 / 4 rows in one run, 1.26 /
+#: 1.18 / 1.23x in another (benchmarks/skinny_linear.py, one thread, machine
+#: loaded: results/skinny_linear_paths.json), and 0.48-0.68x the time of the
+#: fastest float32 product of the same layer.  Its AVX2 path (bf16 widened by
+#: shifts) measured 0.58-0.72x torch from 2 rows, so without AVX512-BF16
+#: bfloat16 stays with torch.  float16 stays with torch: the kernel's F16C path
+#: measured 0.48-0.62x at 1 row and 0.72-0.73x at 2, ahead only from 4.
 SKINNY_MIN_ROWS_BF16 = 1
 
 
