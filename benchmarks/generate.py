@@ -20,6 +20,8 @@ loaded sharded by ShardFormer.from_pretrained) and "random300m" (a Llama built
 from a LlamaConfig with seed 0: hidden 1024, 20 layers, 16 heads / 8 KV heads,
 intermediate 2816, vocab 32000, untied: 302M parameters).  --quick: a tiny
 random Llama and a few tokens (a smoke run, for tests/test_benchmarks.py).
+--dtype bfloat16 / float16: every model in that dtype (default float32), results
+in generate_<dtype>.* by default.
 
 Everything runs in one launch per model (shardformer.launch.spawn, 2 ranks):
 while rank 0 runs the unsharded model the other rank waits in a gloo barrier
@@ -117,6 +119,8 @@ def parse_args(argv=None):
                    help="before each phase wait up to this many seconds for other processes to use < 0.15 "
                         "cores (default 120, --quick 0)")
     p.add_argument("--timeout", type=float, default=3600.0)
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+                   help="the models' dtype (weights, activations, cache); default float32")
     p.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/generate)")
     p.add_argument("--pp", type=int, default=None, metavar="P",
                    help="instead: generate() pipelined over P ranks (1 thread each) vs unsharded (see pp_main); "
@@ -127,7 +131,8 @@ def parse_args(argv=None):
     defaults = dict(models=["tiny"] if q else ["smollm2", "random300m"], batches=[1, 2] if q else [1, 8],
                     new_tokens=5 if q else 40, warmup_steps=1 if q else 6, rounds=1 if q else 2,
                     bw_mib=16 if q else 1024, wait_idle=0.0 if q else 120.0,
-                    out=os.path.join(RESULTS, stem + "_quick" if q else stem))
+                    out=os.path.join(RESULTS, (stem + "_quick" if q else stem)
+                                     + ("" if args.dtype == "float32" else "_" + args.dtype)))
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -234,12 +239,12 @@ def skeleton_config(config):
                        tie_word_embeddings=config.tie_word_embeddings, rms_norm_eps=config.rms_norm_eps)
 
 
-def build_random(config):
+def build_random(config, dtype: str = "float32"):
     import torch
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(torch.float32).eval()
+    return LlamaForCausalLM(config).to(getattr(torch, dtype)).eval()
 
 
 def touched_bytes(model) -> int:
@@ -273,8 +278,9 @@ def parallel_layer_counts(model) -> dict:
     return counts
 
 
-def load_models(rank: int, name: str, path: str | None, skeleton: bool) -> dict:
-    """{'real': (unsharded or None, sharded), 'skeleton': ...}: rank 0 holds both, others the sharded one."""
+def load_models(rank: int, name: str, path: str | None, skeleton: bool, dtype: str = "float32") -> dict:
+    """{'real': (unsharded or None, sharded), 'skeleton': ...}: rank 0 holds both, others the sharded one;
+    every model in `dtype` (--dtype)."""
     import copy
 
     import torch
@@ -289,20 +295,20 @@ def load_models(rank: int, name: str, path: str | None, skeleton: bool) -> dict:
     t0 = time.perf_counter()
     if name == "smollm2":
         sharded, _ = ShardFormer(shard_config=cfg).from_pretrained(
-            transformers.LlamaForCausalLM, path, dtype=torch.float32, config=config, progress=None)
+            transformers.LlamaForCausalLM, path, dtype=getattr(torch, dtype), config=config, progress=None)
         full = None
         if rank == 0:
-            full = transformers.LlamaForCausalLM.from_pretrained(path, dtype=torch.float32,
+            full = transformers.LlamaForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
                                                                  local_files_only=True)
     else:
-        full = build_random(config)
+        full = build_random(config, dtype)
         sharded = copy.deepcopy(full) if rank == 0 else full
         sharded, _ = ShardFormer(shard_config=cfg).optimize(sharded)
         if rank != 0:
             full = None
     models["real"] = (full.eval() if full is not None else None, sharded.eval(), time.perf_counter() - t0)
     if skeleton:
-        sk = build_random(skeleton_config(config))
+        sk = build_random(skeleton_config(config), dtype)
         sk_full = copy.deepcopy(sk) if rank == 0 else None
         sk_sharded, _ = ShardFormer(shard_config=cfg).optimize(sk)
         models["skeleton"] = (sk_full, sk_sharded.eval(), 0.0)
@@ -485,7 +491,7 @@ def rank_main(rank: int, name: str, path: str | None, args_d: dict) -> dict:
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
-    models = load_models(rank, name, path, not args_d["no_skeleton"])
+    models = load_models(rank, name, path, not args_d["no_skeleton"], args_d["dtype"])
     comm = get_communicator(dist.group.WORLD, "cpu")
     backend = backend_for(torch.zeros(1), dist.group.WORLD)
     timer = CollectiveTimer()

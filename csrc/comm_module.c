@@ -611,12 +611,15 @@ static PyObject *py_cpu_features(PyObject *self, PyObject *noargs)
     (void)self;
     (void)noargs;
     unsigned f = sf_cpu_features();
-    return Py_BuildValue("{s:O,s:O,s:O,s:O,s:O,s:O}", "avx2", f & SF_CPU_AVX2 ? Py_True : Py_False,
+    return Py_BuildValue("{s:O,s:O,s:O,s:O,s:O,s:O,s:O,s:O,s:O}", "avx2", f & SF_CPU_AVX2 ? Py_True : Py_False,
                          "fma", f & SF_CPU_FMA ? Py_True : Py_False, "f16c",
                          f & SF_CPU_F16C ? Py_True : Py_False, "avx512f",
-                         f & SF_CPU_AVX512F ? Py_True : Py_False, "simd",
+                         f & SF_CPU_AVX512F ? Py_True : Py_False, "avx512bw",
+                         f & SF_CPU_AVX512BW ? Py_True : Py_False, "avx512bf16",
+                         f & SF_CPU_AVX512BF16 ? Py_True : Py_False, "simd",
                          sf_cpu_has_simd() ? Py_True : Py_False, "avx512",
-                         sf_cpu_has_avx512() ? Py_True : Py_False);
+                         sf_cpu_has_avx512() ? Py_True : Py_False, "avx512_bf16",
+                         sf_cpu_has_avx512_bf16() ? Py_True : Py_False);
 }
 
 static PyMethodDef comm_methods[] = {

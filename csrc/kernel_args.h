@@ -38,15 +38,21 @@ static inline void drop(views *vs)
     vs->n = 0;
 }
 
-/* sf_take `obj` as argument `name` (dtypes SF_DT_*, flags SF_TAKE_*) into the
- * next slot of vs; *out is the view, or NULL for None when SF_TAKE_OPTIONAL.
- * -1 with an exception. */
+/* Not an sf_take flag: the argument need not be contiguous, its caller
+ * checks the layout it reads (skinny_linear's weight: rows of unit stride,
+ * any distance apart). */
+#define ARG_STRIDED (1u << 16)
+
+/* sf_take `obj` as argument `name` (dtypes SF_DT_*, flags SF_TAKE_* and
+ * ARG_STRIDED) into the next slot of vs; *out is the view, or NULL for None
+ * when SF_TAKE_OPTIONAL.  -1 with an exception. */
 static inline int arg(views *vs, PyObject *obj, const char *name, unsigned dtypes, unsigned flags,
                sf_view **out)
 {
     *out = NULL;
     sf_view *v = &vs->v[vs->n];
-    int rc = sf_take(vs->fn, obj, name, dtypes, flags | SF_TAKE_CONTIGUOUS | vs->device, v);
+    const unsigned take = flags & ARG_STRIDED ? flags & ~ARG_STRIDED : flags | SF_TAKE_CONTIGUOUS;
+    int rc = sf_take(vs->fn, obj, name, dtypes, take | vs->device, v);
     if (rc < 0) return -1;
     if (rc == 0) {
         snprintf(vs->label[vs->n], sizeof(vs->label[0]), "%s", name);
@@ -70,7 +76,8 @@ static inline int same_memory(const sf_view *a, const sf_view *b)
 
 /* No output shares a byte with another tensor of the call (input or output),
  * except the pair in vs->same_ok when it is exactly the same memory.  The
- * views are contiguous (arg), so comparing extents is exact.  -1 with
+ * views are contiguous (arg), so comparing extents is exact (conservative
+ * for an ARG_STRIDED input: its gaps count as its memory).  -1 with
  * ValueError naming both. */
 static inline int no_overlap(views *vs)
 {

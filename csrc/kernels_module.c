@@ -79,17 +79,21 @@ static PyObject *py_norm_backward(PyObject *self, PyObject *args)
 
 /* ---- linear on few rows -------------------------------------------------- */
 
-/* skinny_linear(x [..., k], weight [n, k], bias [n] fp32 or None, y [..., n]):
- * y = x weight^T + bias over the m rows of x (the leading dimensions). */
+/* skinny_linear(x [..., k], weight [n, k], bias [n] fp32 or None, y [..., n], path=0):
+ * y = x weight^T + bias over the m rows of x (the leading dimensions).  The
+ * weight's rows may lie any distance >= k apart (unit stride within a row):
+ * a column slice of a wider tensor is read in place.  path: sfk_linear_path
+ * (0 auto, 1 portable, 2 avx2, 3 avx512_bf16). */
 static PyObject *py_skinny_linear(PyObject *self, PyObject *args)
 {
     (void)self;
     PyObject *o[4];
-    if (!PyArg_ParseTuple(args, "OOOO:skinny_linear", &o[0], &o[1], &o[2], &o[3]))
+    int path = SFK_LIN_AUTO;
+    if (!PyArg_ParseTuple(args, "OOOO|i:skinny_linear", &o[0], &o[1], &o[2], &o[3], &path))
         return NULL;
     views vs = {.fn = "skinny_linear"};
     sf_view *x, *w, *b, *y;
-    if (arg(&vs, o[0], "x", IN, &x) || arg(&vs, o[1], "weight", IN, &w) ||
+    if (arg(&vs, o[0], "x", IN, &x) || arg(&vs, o[1], "weight", SF_DT_FLOAT, ARG_STRIDED, &w) ||
         arg(&vs, o[2], "bias", F32_OPT, &b) || arg(&vs, o[3], "y", OUT, &y))
         return fail(&vs);
     if (w->ndim != 2) {
@@ -98,6 +102,15 @@ static PyObject *py_skinny_linear(PyObject *self, PyObject *args)
         return fail(&vs);
     }
     const int64_t n = w->shape[0], k = w->shape[1];
+    /* rows ldw elements apart; a dimension of size <= 1 has no stride to read */
+    const int64_t ldw = n > 1 && k > 0 ? w->strides[0] : k;
+    if (w->numel > 0 && ((k > 1 && w->strides[1] != 1) || ldw < k)) {
+        PyErr_Format(PyExc_ValueError, "skinny_linear: weight [%lld, %lld] has strides (%lld, %lld): the kernel "
+                     "reads rows of unit stride at least %lld elements apart; pass weight.contiguous()",
+                     (long long)n, (long long)k, (long long)w->strides[0], (long long)w->strides[1],
+                     (long long)k);
+        return fail(&vs);
+    }
     int64_t m = 0, mn = 0;
     if (lead_rows(&vs, x, &m)) return fail(&vs);
     if (last_dim(x) != k) {
@@ -110,7 +123,24 @@ static PyObject *py_skinny_linear(PyObject *self, PyObject *args)
         want_numel(&vs, b, "bias", n) || same_dtype(&vs, x, "x", w, "weight") ||
         same_dtype(&vs, x, "x", y, "y"))
         return fail(&vs);
-    RUN(sfk_skinny_linear(kdtype(x), x->data, w->data, FLOATP(b), m, n, k, y->data, &err));
+    RUN(sfk_skinny_linear(kdtype(x), x->data, w->data, ldw, FLOATP(b), m, n, k, y->data,
+                          (sfk_linear_path)path, &err));
+}
+
+/* skinny_linear_path(dtype) -> the sfk_linear_path AUTO runs for it here:
+ * dtype 0 float32, 1 float16, 2 bfloat16. */
+static PyObject *py_skinny_linear_path(PyObject *self, PyObject *arg_)
+{
+    (void)self;
+    const long d = PyLong_AsLong(arg_);
+    if (d == -1 && PyErr_Occurred()) return NULL;
+    if (d < 0 || d > 2) {
+        PyErr_Format(PyExc_ValueError, "skinny_linear_path: dtype code %ld is not 0 (float32), 1 (float16) or "
+                     "2 (bfloat16)", d);
+        return NULL;
+    }
+    const sfk_dtype t = d == 0 ? SFK_F32 : d == 1 ? SFK_F16 : SFK_BF16;
+    return PyLong_FromLong((long)sfk_skinny_linear_auto(t));
 }
 
 /* ---- elementwise -------------------------------------------------------- */
@@ -494,7 +524,10 @@ static PyMethodDef kernel_methods[] = {
      "bias_gelu_forward(x, bias|None, tanh_approx, y)"},
     {"bias_gelu_backward", py_bias_gelu_backward, METH_VARARGS,
      "bias_gelu_backward(dy, x, bias|None, tanh_approx, dx, dbias|None)"},
-    {"skinny_linear", py_skinny_linear, METH_VARARGS, "skinny_linear(x, weight, bias, y): y = x weight^T + bias"},
+    {"skinny_linear", py_skinny_linear, METH_VARARGS,
+     "skinny_linear(x, weight, bias, y, path=0): y = x weight^T + bias"},
+    {"skinny_linear_path", py_skinny_linear_path, METH_O,
+     "skinny_linear_path(dtype_code) -> the path the kernel takes by default"},
     {"swiglu_forward", py_swiglu_forward, METH_VARARGS, "swiglu_forward(gate, up, y)"},
     {"swiglu_backward", py_swiglu_backward, METH_VARARGS,
      "swiglu_backward(dy, gate, up, dgate, dup)"},

@@ -807,17 +807,27 @@ def scenario_shm_all_to_all(i):
 
 def scenario_skinny_linear(i):
     """ops.skinny_linear over every dtype, ragged sizes (rows of W past the
-    last block of 4, in_features past the last vector of 8 / 16), 1 to 9 rows,
-    with and without bias, empty sizes with huge others, and its refusals:
-    mismatched sizes, an output over an input."""
+    last block of 4, in_features past the last vector of 8 / 16 / 32), 1 to 9
+    rows, with and without bias, on every path this CPU has, with contiguous
+    and row-strided weights, empty sizes with huge others, and its refusals:
+    mismatched sizes, an output over an input, a layout or path it cannot take."""
     from shardformer import ops
 
     dtype = (torch.float32, torch.bfloat16, torch.float16)[i % 3]
     m, n, k = 1 + i % 9, 1 + (i * 7) % 23, 1 + (i * 5) % 41
     x, w, b = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype), torch.randn(n)
+    feats = _C.cpu_features()
+    paths = ["auto", "portable"] + (["avx2"] if feats["simd"] else []) + \
+        (["avx512_bf16"] if feats["avx512_bf16"] and dtype == torch.bfloat16 else [])
+    # a column slice that ends where its allocation ends: a read past a row's k weights is caught
+    wide = torch.randn(n, k + 3).to(dtype)
     with torch.no_grad():
         y = ops.skinny_linear(x, w, b if i % 2 else None)
         assert y.shape == (m, n) and bool(torch.isfinite(y).all())
+        for path in paths:
+            for weight in (w, wide[:, 3:]):
+                y = ops.skinny_linear(x, weight, b if i % 2 else None, path=path)
+                assert y.shape == (m, n) and bool(torch.isfinite(y).all()), path
         assert ops.skinny_linear(torch.empty(0, 2**40, dtype=dtype), torch.empty(0, 2**40, dtype=dtype)).shape == (0, 0)
         ops.skinny_linear(torch.empty(3, 0, dtype=dtype), torch.empty(2**20, 0, dtype=dtype))
     expect(ValueError, _C.skinny_linear, x, w, None, torch.empty(m, n + 1, dtype=dtype), match="y has")
@@ -825,6 +835,11 @@ def scenario_skinny_linear(i):
            match="takes")
     xw = torch.randn(4, 4)
     expect(ValueError, _C.skinny_linear, xw[:1], torch.randn(4, 4), None, xw[:1], match="overlaps")
+    expect(ValueError, _C.skinny_linear, x, torch.randn(k, n).to(dtype).T if k > 1 and n > 1 else w[:, :0], None,
+           torch.empty(m, n, dtype=dtype), match="strides" if k > 1 and n > 1 else "takes")
+    expect(ValueError, _C.skinny_linear, x, w, None, torch.empty(m, n, dtype=dtype), 7, match="path=7")
+    if dtype != torch.bfloat16:
+        expect(ValueError, _C.skinny_linear, x, w, None, torch.empty(m, n, dtype=dtype), 3, match="bfloat16 only")
 
 
 SCENARIOS = [scenario_layout_math, scenario_copy_place_torch, scenario_copy_place_numpy,
@@ -914,7 +929,13 @@ elif MODE == "leaks":
     A2A_BIG_OUT, A2A_SHORT = torch.empty(3000), torch.empty(6)
     A2A_ROBUF = torch.zeros(20)
     A2A_COPY = copy_of(F32_CUDA_12)
+    SK_X, SK_WIDE, SK_Y = torch.randn(2, 20).bfloat16(), torch.randn(9, 27).bfloat16(), torch.empty(2, 9).bfloat16()
+    SK_T = torch.randn(20, 9).bfloat16().T
     cases = {
+        "skinny_linear/strided": lambda: _C.skinny_linear(SK_X, SK_WIDE[:, 7:], None, SK_Y),
+        "skinny_linear/strided_portable": lambda: _C.skinny_linear(SK_X, SK_WIDE[:, 7:], None, SK_Y, 1),
+        "skinny_linear/transposed": lambda: expect(ValueError, _C.skinny_linear, SK_X, SK_T, None, SK_Y),
+        "skinny_linear/path": lambda: expect(ValueError, _C.skinny_linear, SK_X, SK_WIDE[:, 7:], None, SK_Y, 9),
         "shm_all_to_all": lambda: _C.shm_all_to_all(A2A_COMM, A2A_OUT, A2A_T),
         "shm_all_to_all/in_place": lambda: _C.shm_all_to_all(A2A_COMM, A2A_T, A2A_T),
         "shm_all_to_all/rounds": lambda: _C.shm_all_to_all(A2A_COMM, A2A_BIG_OUT, A2A_BIG),

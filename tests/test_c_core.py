@@ -1481,17 +1481,21 @@ def test_half_round_trip_keeps_nan_payloads(dt):
 
 def test_one_cpu_probe():
     feats = _C.cpu_features()
-    assert set(feats) == {"avx2", "fma", "f16c", "avx512f", "simd", "avx512"}
+    assert set(feats) == {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512bf16", "simd", "avx512",
+                          "avx512_bf16"}
     assert feats["simd"] == (feats["avx2"] and feats["fma"] and feats["f16c"])
     assert feats["avx512"] == (feats["simd"] and feats["avx512f"])
+    assert feats["avx512_bf16"] == (feats["avx512"] and feats["avx512bw"] and feats["avx512bf16"])
     assert _C.cpu_has_avx2() is feats["simd"] and not hasattr(_C, "kernel_has_avx2")
     try:
         with open("/proc/cpuinfo") as f:
             flags = next(line for line in f if line.startswith("flags")).split()
     except (OSError, StopIteration):
         return
-    for name in ("avx2", "fma", "f16c", "avx512f"):
-        assert feats[name] == (name in flags), name
+    # the probe's names, /proc/cpuinfo's
+    for name, flag in (("avx2", "avx2"), ("fma", "fma"), ("f16c", "f16c"), ("avx512f", "avx512f"),
+                       ("avx512bw", "avx512bw"), ("avx512bf16", "avx512_bf16")):
+        assert feats[name] == (flag in flags), name
 
 
 def test_one_dimension_limit():

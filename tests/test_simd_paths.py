@@ -2,8 +2,8 @@
 
 The kernels pick AVX-512, AVX2+FMA+F16C or portable C at run time
 (csrc/cpu_features.c), so the machine running the suite exercises only its
-widest path.  SHARDFORMER_SIMD caps the choice ("avx2": no AVX-512; "none":
-the portable C); here the single-process kernel tests run again in a
+widest path.  SHARDFORMER_SIMD caps the choice ("avx512": no AVX512-BF16;
+"avx2": no AVX-512; "none": the portable C); here the single-process kernel tests run again in a
 subprocess under each cap: the same accuracy bounds against torch and float64
 hold on every path."""
 from __future__ import annotations
@@ -26,14 +26,21 @@ KERNEL_TESTS = [
 
 @pytest.fixture(scope="module")
 def features() -> dict:
-    """{cap: _C.cpu_features() under SHARDFORMER_SIMD=cap} for "" (no cap), "avx2" and "none".
-    A capped answer comes from a fresh process (the cap is read when the library loads); the two
-    run at once, and the uncapped one is this process's own where nothing caps it here.
-    (CI time: four processes one after another before.)"""
-    code = "from shardformer import _C; print(_C.cpu_features())"
+    """{cap: _C.cpu_features() under SHARDFORMER_SIMD=cap} for "" (no cap), "avx512", "avx2" and "none".
+    A capped answer comes from a fresh process (the cap is read when the library loads) that loads
+    the extension module alone; they run at once, and the uncapped one is this process's own where
+    nothing caps it here.  (CI time: four processes one after another before, then each importing
+    torch.)"""
+    # the extension alone, without importing shardformer (and torch): a fraction of a second each
+    code = ("import glob, importlib.machinery, importlib.util, os; "
+            "d = importlib.util.find_spec('shardformer').submodule_search_locations[0]; "
+            "so = glob.glob(os.path.join(d, '_C.*.so'))[0]; "
+            "loader = importlib.machinery.ExtensionFileLoader('shardformer._C', so); "
+            "m = loader.create_module(importlib.util.spec_from_loader('shardformer._C', loader)); "
+            "loader.exec_module(m); print(m.cpu_features())")
     procs = {cap: subprocess.Popen([sys.executable, "-c", code], env=dict(os.environ, SHARDFORMER_SIMD=cap),
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for cap in ("avx2", "none") + (("",) if os.environ.get("SHARDFORMER_SIMD") else ())}
+             for cap in ("avx512", "avx2", "none") + (("",) if os.environ.get("SHARDFORMER_SIMD") else ())}
     out = {}
     if not os.environ.get("SHARDFORMER_SIMD"):
         from shardformer import _C
@@ -49,7 +56,11 @@ def features() -> dict:
 def test_cap_is_applied(features):
     assert features["none"]["simd"] is False
     avx2 = features["avx2"]
-    assert avx2["avx512"] is False and avx2["avx512f"] is False
+    assert avx2["avx512"] is False and avx2["avx512f"] is False and avx2["avx512_bf16"] is False
+    # "avx512": AVX-512 kept, AVX512-BF16 left out (the skinny kernel's bf16 falls back to AVX2)
+    avx512 = features["avx512"]
+    assert avx512["avx512_bf16"] is False and avx512["avx512bf16"] is False
+    assert avx512["avx512"] == features[""]["avx512"]
 
 
 @pytest.mark.parametrize("cap", ["avx2", "none"])

@@ -5,6 +5,10 @@
  * block is read from memory once: its rows are dotted with rows i, i+1 of x
  * together (8 fp32 accumulators, 8 lanes each), and the next pairs of x rows
  * find the block in the cache.  Threads take contiguous runs of blocks.
+ * Rows of W are ldw elements apart (a column slice of a wider tensor is read
+ * in place).  The bf16 path on AVX512-BF16 dots the block with up to four x
+ * rows at once, straight from bf16 (no widened copy of x): see linear.h for
+ * its accuracy contract.
  */
 #include "linear.h"
 
@@ -19,17 +23,19 @@
 
 typedef struct {
     sfk_dtype t;
-    const float *x;      /* [m, k] fp32 (x itself, or its widened copy) */
+    sfk_linear_path path; /* resolved: never AUTO */
+    const float *x;      /* [m, k] fp32 (x itself, or its widened copy); NULL on AVX512_BF16 */
+    const uint16_t *xh;  /* [m, k] x as given, bf16 (the AVX512_BF16 path) */
     const void *w;       /* [n, k] of t */
     const float *b;      /* [n] or NULL */
     void *y;             /* [m, n] of t */
     float *sums;         /* per thread [m, ROWS_PER_BLOCK]: one block's dot products */
-    int64_t m, n, k;
+    int64_t m, n, k, ldw;
 } lin_ctx;
 
 static const void *w_row(const lin_ctx *c, int64_t j)
 {
-    return (const char *)c->w + (size_t)(j * c->k) * (size_t)sfk_size(c->t);
+    return (const char *)c->w + (size_t)(j * c->ldw) * (size_t)sfk_size(c->t);
 }
 
 static float widen(sfk_dtype t, const void *row, int64_t l)
@@ -208,23 +214,67 @@ static void widen_x(sfk_dtype t, const void *x, int64_t m, int64_t k, int deinte
     }
 LIN_BLOCK_FN(block_f32, SFK_F32)
 LIN_BLOCK_FN(block_f16, SFK_F16)
+
+#define LIN_BF16X __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+/* 32 bf16 from p (the first `left` of them when left < 32, zeros after) as
+ * the pairs vdpbf16ps takes. */
+LIN_BF16X static inline __m512bh load32_bf16(const uint16_t *p, int64_t left)
+{
+    if (left >= 32) return (__m512bh)_mm512_loadu_si512(p);
+    return (__m512bh)_mm512_maskz_loadu_epi16((__mmask32)((1u << left) - 1u), p);
+}
+
+/* The block's 4 rows (wr) dotted with MR rows of x from x0 (k apart):
+ * out[i * ROWS_PER_BLOCK + r] = x_i . W_r.  Per 32 weights of a row, one
+ * vdpbf16ps per x row adds 16 pairs of products to 16 fp32 lanes; MR x 4
+ * accumulators.  MR is a constant at each call (inlined, unrolled). */
+LIN_BF16X static inline __attribute__((always_inline)) void
+rows_bf16x(const uint16_t *const *wr, const uint16_t *x0, int64_t k, const int mr, float *out)
+{
+    __m512 acc[4][ROWS_PER_BLOCK];
+    for (int i = 0; i < mr; i++)
+        for (int r = 0; r < ROWS_PER_BLOCK; r++) acc[i][r] = _mm512_setzero_ps();
+    for (int64_t l = 0; l < k; l += 32) {
+        const int64_t left = k - l;
+        __m512bh w[ROWS_PER_BLOCK];
+        for (int r = 0; r < ROWS_PER_BLOCK; r++) w[r] = load32_bf16(wr[r] + l, left);
+        for (int i = 0; i < mr; i++) {
+            const __m512bh xv = load32_bf16(x0 + i * k + l, left);
+            for (int r = 0; r < ROWS_PER_BLOCK; r++) acc[i][r] = _mm512_dpbf16_ps(acc[i][r], w[r], xv);
+        }
+    }
+    for (int i = 0; i < mr; i++)
+        for (int r = 0; r < ROWS_PER_BLOCK; r++) out[i * ROWS_PER_BLOCK + r] = _mm512_reduce_add_ps(acc[i][r]);
+}
+
+LIN_BF16X static void block_bf16x(const lin_ctx *c, const void *const *wr, float *out)
+{
+    const uint16_t *w16[ROWS_PER_BLOCK];
+    for (int r = 0; r < ROWS_PER_BLOCK; r++) w16[r] = wr[r];
+    int64_t i = 0;
+    for (; i + 4 <= c->m; i += 4) rows_bf16x(w16, c->xh + i * c->k, c->k, 4, out + i * ROWS_PER_BLOCK);
+    if (i + 2 <= c->m) {
+        rows_bf16x(w16, c->xh + i * c->k, c->k, 2, out + i * ROWS_PER_BLOCK);
+        i += 2;
+    }
+    if (i < c->m) rows_bf16x(w16, c->xh + i * c->k, c->k, 1, out + i * ROWS_PER_BLOCK);
+}
 #endif
 
 static void blocks(void *arg, int64_t b0, int64_t b1, int tid)
 {
     const lin_ctx *c = arg;
     float *out = c->sums + (size_t)tid * (size_t)c->m * ROWS_PER_BLOCK;
-#ifdef LIN_X86
-    const int simd = sf_cpu_has_simd();
-#endif
     for (int64_t blk = b0; blk < b1; blk++) {
         const int64_t j0 = blk * ROWS_PER_BLOCK;
         const int rows = (int)(c->n - j0 < ROWS_PER_BLOCK ? c->n - j0 : ROWS_PER_BLOCK);
 #ifdef LIN_X86
-        if (simd) {
+        if (c->path != SFK_LIN_PORTABLE) {
             const void *wr[ROWS_PER_BLOCK];
             for (int r = 0; r < ROWS_PER_BLOCK; r++) wr[r] = w_row(c, j0 + (r < rows ? r : 0));
-            if (c->t == SFK_F32) block_f32(c, wr, out);
+            if (c->path == SFK_LIN_AVX512_BF16) block_bf16x(c, wr, out);
+            else if (c->t == SFK_F32) block_f32(c, wr, out);
             else if (c->t == SFK_BF16) bf16_rows(c, wr, out);
             else block_f16(c, wr, out);
         } else
@@ -238,44 +288,103 @@ static void blocks(void *arg, int64_t b0, int64_t b1, int tid)
     }
 }
 
-sf_status sfk_skinny_linear(sfk_dtype t, const void *x, const void *w, const float *b, int64_t m,
-                            int64_t n, int64_t k, void *y, sf_error *err)
+sfk_linear_path sfk_skinny_linear_auto(sfk_dtype t)
+{
+#ifdef LIN_X86
+    if (t == SFK_BF16 && sf_cpu_has_avx512_bf16()) return SFK_LIN_AVX512_BF16;
+    if (sf_cpu_has_simd()) return SFK_LIN_AVX2;
+#else
+    (void)t;
+#endif
+    return SFK_LIN_PORTABLE;
+}
+
+static const char *path_name(sfk_linear_path p)
+{
+    switch (p) {
+    case SFK_LIN_AUTO: return "auto";
+    case SFK_LIN_PORTABLE: return "portable";
+    case SFK_LIN_AVX2: return "avx2";
+    case SFK_LIN_AVX512_BF16: return "avx512_bf16";
+    }
+    return "?";
+}
+
+/* `path` as run for dtype t: AUTO resolved; a forced path the CPU lacks, or
+ * AVX512_BF16 for another dtype, refused. */
+static sf_status resolve_path(const char *fn, sfk_dtype t, sfk_linear_path path, sfk_linear_path *out,
+                              sf_error *err)
+{
+    int have;
+    switch (path) {
+    case SFK_LIN_AUTO: *out = sfk_skinny_linear_auto(t); return SF_OK;
+    case SFK_LIN_PORTABLE: have = 1; break;
+    case SFK_LIN_AVX2: have = sf_cpu_has_simd(); break;
+    case SFK_LIN_AVX512_BF16:
+        if (t != SFK_BF16)
+            return sf_fail(err, SF_EINVAL, "%s: path avx512_bf16 takes bfloat16 only, got %s", fn,
+                           t == SFK_F32 ? "float32" : "float16");
+        have = sf_cpu_has_avx512_bf16();
+        break;
+    default:
+        return sf_fail(err, SF_EINVAL, "%s: path=%d is not one of auto (0), portable (1), avx2 (2), "
+                       "avx512_bf16 (3)", fn, (int)path);
+    }
+#ifndef LIN_X86
+    have = path == SFK_LIN_PORTABLE;
+#endif
+    if (!have)
+        return sf_fail(err, SF_EINVAL, "%s: path %s is not available: this CPU (or SHARDFORMER_SIMD) lacks "
+                       "its instructions (_C.cpu_features() lists them)", fn, path_name(path));
+    *out = path;
+    return SF_OK;
+}
+
+sf_status sfk_skinny_linear(sfk_dtype t, const void *x, const void *w, int64_t ldw, const float *b,
+                            int64_t m, int64_t n, int64_t k, void *y, sfk_linear_path path,
+                            sf_error *err)
 {
     static const char fn[] = "skinny_linear";
     sf_status rc;
-    int64_t mk, nk, mn;
+    int64_t mk, wspan, mn;
+    sfk_linear_path run;
     if ((rc = sfk_check_dtype(fn, t, err)) || (rc = sfk_check_size(fn, "m", m, err)) ||
-        (rc = sfk_check_size(fn, "n", n, err)) || (rc = sfk_check_size(fn, "k", k, err)))
+        (rc = sfk_check_size(fn, "n", n, err)) || (rc = sfk_check_size(fn, "k", k, err)) ||
+        (rc = resolve_path(fn, t, path, &run, err)))
         return rc;
-    if (sf_mul_overflows(m, k, &mk) || sf_mul_overflows(n, k, &nk) || sf_mul_overflows(m, n, &mn))
-        return sf_fail(err, SF_EOVERFLOW, "%s: m=%lld, n=%lld, k=%lld: a product of the sizes overflows int64",
-                       fn, (long long)m, (long long)n, (long long)k);
-    if ((rc = sfk_check_ptr(fn, "x", x, mk, err)) || (rc = sfk_check_ptr(fn, "weight", w, nk, err)) ||
+    if (ldw < k)
+        return sf_fail(err, SF_EINVAL, "%s: the weight's row stride ldw=%lld is below its row length k=%lld "
+                       "(rows would overlap)", fn, (long long)ldw, (long long)k);
+    /* W spans (n - 1) ldw + k elements */
+    if (sf_mul_overflows(m, k, &mk) || sf_mul_overflows(m, n, &mn) ||
+        (n > 0 && (sf_mul_overflows(n - 1, ldw, &wspan) || wspan > INT64_MAX - k)))
+        return sf_fail(err, SF_EOVERFLOW, "%s: m=%lld, n=%lld, k=%lld, ldw=%lld: a product of the sizes "
+                       "overflows int64", fn, (long long)m, (long long)n, (long long)k, (long long)ldw);
+    wspan = n > 0 ? wspan + k : 0;
+    if ((rc = sfk_check_ptr(fn, "x", x, mk, err)) || (rc = sfk_check_ptr(fn, "weight", w, wspan, err)) ||
         (rc = sfk_check_ptr(fn, "y", y, mn, err)))
         return rc;
     if (mn == 0)
         return SF_OK;
-    /* x widened to fp32 once (it is read n / 4 times); each thread's block sums */
+    /* x widened to fp32 once (it is read n / 4 times), except on the
+     * AVX512_BF16 path, which reads it as bf16; each thread's block sums */
     const int64_t nblocks = sfk_ceil_div(n, ROWS_PER_BLOCK);
     const int nt = k == 0 ? 1 : sfk_threads_for(nblocks, sfk_sat_mul(ROWS_PER_BLOCK * m, k));
+    const int widened = t != SFK_F32 && run != SFK_LIN_AVX512_BF16;
     size_t xbytes = 0, sbytes = 0;
-    if ((t != SFK_F32 && (rc = sfk_float_bytes(fn, "x", m, k, &xbytes, err))) ||
+    if ((widened && (rc = sfk_float_bytes(fn, "x", m, k, &xbytes, err))) ||
         (rc = sfk_float_bytes(fn, "block sums", m, ROWS_PER_BLOCK * (int64_t)nt, &sbytes, err)))
         return rc;
-    float *wide = t == SFK_F32 ? NULL : malloc(xbytes ? xbytes : 1);
+    float *wide = widened ? malloc(xbytes ? xbytes : 1) : NULL;
     float *sums = malloc(sbytes);
-    if ((t != SFK_F32 && !wide) || !sums) {
+    if ((widened && !wide) || !sums) {
         free(wide);
         free(sums);
         return sfk_no_memory(fn, (double)(xbytes + sbytes), err);
     }
-#ifdef LIN_X86
-    const int deinterleave = t == SFK_BF16 && sf_cpu_has_simd();
-#else
-    const int deinterleave = 0;
-#endif
-    if (wide) widen_x(t, x, m, k, deinterleave, wide);
-    lin_ctx c = {.t = t, .x = wide ? wide : x, .w = w, .b = b, .y = y, .sums = sums, .m = m, .n = n, .k = k};
+    if (wide) widen_x(t, x, m, k, t == SFK_BF16 && run == SFK_LIN_AVX2, wide);
+    lin_ctx c = {.t = t, .path = run, .x = wide ? wide : (t == SFK_F32 ? x : NULL), .xh = x, .w = w,
+                 .b = b, .y = y, .sums = sums, .m = m, .n = n, .k = k, .ldw = ldw};
     if (k == 0) {                                  /* empty sums: y = b (or 0) */
         for (int64_t i = 0; i < m; i++)
             for (int64_t j = 0; j < n; j++) {

@@ -55,13 +55,14 @@ class ShardConfig:
         transformers' AttentionInterface; other layers keep theirs (with a warning).
     enable_jit_fused: fused C kernels for the MLP activations.
     enable_skinny_linear: the tensor-parallel linear layers (and LM heads)
-        called on 2 to 4 rows in float32 without gradients, as in a decode
-        step of 2 to 4 sequences (torch.no_grad or inference mode, CPU), read
-        their weight shard through the C kernel shardformer.ops.skinny_linear
-        instead of torch's matmul, which reads the weights at about half the
-        rate for those shapes (shardformer.layer.linear.SKINNY_MIN_ROWS /
-        SKINNY_MAX_ROWS say where and why).  Results equal torch's up to fp32
-        rounding.
+        called on 2 to 4 rows in float32 (1 to 4 in bfloat16 where the CPU
+        has AVX512-BF16) without gradients, as in a decode step of 1 to 4
+        sequences (torch.no_grad or inference mode, CPU), read their weight
+        shard through the C kernel shardformer.ops.skinny_linear instead of
+        torch's matmul, which reads the weights at about half the rate for
+        those shapes (shardformer.layer.linear.skinny_min_rows says where and
+        why); a memory-mapped column shard (a strided view) is read in place.
+        Results equal torch's up to fp32 rounding of the sums.
     enable_fast_decode: generate() of a tensor-parallel Llama-shaped model
         (Llama, Mistral, Qwen2/3) runs each decode step as one lean loop over
         the layers' shards (shardformer.decode) instead of HF's module

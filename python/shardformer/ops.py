@@ -29,7 +29,8 @@ cast back to the parameter's dtype.
     attention(q, k, v, ...)       softmax(scale q k^T + bias + masks) v, flash style
                                   (never an [Sq, Sk] matrix); see attention()
     skinny_linear(x, W, b)        y = x W^T + b on few rows (decoding), without autograd:
-                                  W streamed once at the memory's read rate
+                                  W streamed once at the memory's read rate, read in
+                                  place when its rows are strided (a column slice)
 """
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ def kernels_for(device: torch.device):
 
 #: Calls that ran a kernel, by op, for ops that callers choose per call (tests
 #: read these to prove the kernel ran, not a fallback).
-CALLS = {"skinny_linear": 0}
+CALLS = {"skinny_linear": 0, "skinny_linear_strided": 0}
 
 
 # Threads the kernels use: torch's intra-op count unless set_num_threads pinned one.
@@ -732,16 +733,45 @@ def _cuda_arch_ok(device: torch.device) -> bool:
     return _arch_ok[index]
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+#: skinny_linear's paths (csrc/kernels/linear.h: sfk_linear_path), by name
+SKINNY_PATHS = {"auto": 0, "portable": 1, "avx2": 2, "avx512_bf16": 3}
+_DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
+def skinny_linear_path(dtype: torch.dtype) -> str:
+    """The path skinny_linear takes for `dtype` on this CPU by default:
+    "avx512_bf16" (bfloat16 where the CPU has AVX512-BF16), "avx2" or
+    "portable" (see SHARDFORMER_SIMD in docs/kernels.md)."""
+    code = _C.skinny_linear_path(_DTYPE_CODE[dtype])
+    return next(name for name, c in SKINNY_PATHS.items() if c == code)
+
+
+def _rows_in_place(weight: torch.Tensor) -> bool:
+    """A 2-D weight whose rows the kernel reads where they are: unit stride
+    within a row, rows at least a row apart (contiguous, or a column slice
+    W_full[:, a:b] of a wider row-major tensor)."""
+    if weight.dim() != 2 or weight.numel() == 0:
+        return True
+    n, k = weight.shape
+    return (k == 1 or weight.stride(1) == 1) and (n == 1 or weight.stride(0) >= k)
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                  path: str = "auto") -> torch.Tensor:
     """y = x weight^T + bias for x [..., k], weight [n, k] (nn.Linear's layout),
     bias [n] or None: the C kernel for few rows (csrc/kernels/linear.h), which
-    reads the weight once at the memory's rate; fp32 sums, x's dtype out.
+    reads the weight once at the memory's rate; fp32 sums, x's dtype out.  A
+    weight whose rows are strided (a column slice of a wider tensor, as a
+    memory-mapped row-parallel shard is) is read in place, not copied
+    (counted in CALLS["skinny_linear_strided"]).
 
     For inference: it records nothing for autograd, so it raises when a
     gradient would be needed (grad mode on and x or weight requiring one).
     Any number of rows is computed right; past a few (a decode step's), torch's
     blocked matmul is the faster one, which is why callers choose per call
-    (shardformer.layer.linear: ShardConfig.enable_skinny_linear)."""
+    (shardformer.layer.linear: ShardConfig.enable_skinny_linear).  path: one of
+    SKINNY_PATHS, "auto" the widest this CPU has (skinny_linear_path); a path
+    the CPU lacks is refused (ValueError), for tests and benchmarks."""
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
                                     (bias is not None and bias.requires_grad)):
         raise RuntimeError("skinny_linear: a gradient is required (grad mode on and an input requires grad); "
@@ -751,10 +781,15 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                         f"float32 / float16 / bfloat16, the same")
     if x.dim() == 0:
         raise ValueError("skinny_linear: x is a scalar; it needs a last dimension of in_features")
+    if path not in SKINNY_PATHS:
+        raise ValueError(f"skinny_linear: path={path!r} is not one of {sorted(SKINNY_PATHS)}")
     y = torch.empty(x.shape[:-1] + (weight.shape[0],), dtype=x.dtype, device=x.device)
     b = None if bias is None else bias.detach().to(torch.float32).contiguous()
-    _C.skinny_linear(x.detach().contiguous(), weight.detach().contiguous(), b, y)
+    strided = not weight.is_contiguous() and _rows_in_place(weight)
+    w = weight.detach() if strided else weight.detach().contiguous()
+    _C.skinny_linear(x.detach().contiguous(), w, b, y, SKINNY_PATHS[path])
     CALLS["skinny_linear"] += 1
+    CALLS["skinny_linear_strided"] += strided
     return y
 
 

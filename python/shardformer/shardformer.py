@@ -109,9 +109,9 @@ class ShardFormer:
         (row-parallel weights) are copied compactly; True maps the column
         shards too, as strided views of the whole mapped tensor (faster to
         load, but each rank's resident set counts the whole tensor, the first
-        optimizer step copies every page of it, and decode skips the skinny
-        kernel for those layers: for inference on a machine short of time,
-        not memory); False copies every shard.  Writes never reach the file;
+        optimizer step copies every page of it; decoding reads the views in
+        place, the skinny kernel included: for inference on a machine short
+        of time, not memory); False copies every shard.  Writes never reach the file;
         the model's save_pretrained / save_sharded materialize it before
         replacing the directory; another tool rewriting the file in place
         needs checkpoint.materialize_mapped(model) first: docs/load.md.  Collective over the tensor-parallel group,

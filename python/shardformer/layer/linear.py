@@ -17,6 +17,7 @@ per-head and padded (vocabulary) layouts all go through the same code.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -47,19 +48,41 @@ from .parallel_module import ParallelModule, ShardPlan, check_param, shapes_only
 #: and a 302M Llama): 1.18-1.99x torch at 2 rows, 0.88-2.31x at 4, where torch
 #: switches from its one-row product to a blocked matmul that reads the
 #: weights at half the rate; at 1 row torch's own product is as fast (0.84-1.10x),
-#: past 4 rows it wins, and in bfloat16 it wins at every row count (0.53-1.07x).
+#: past 4 rows it wins.
 SKINNY_MIN_ROWS = 2
 SKINNY_MAX_ROWS = 4
 
+#: bfloat16 goes to the kernel from one row (batch-1 decoding) to
+#: SKINNY_MAX_ROWS, on CPUs where its path is AVX512-BF16 (vdpbf16ps): median
+#: over the shapes 1.09 / 0.97 / 1.14x torch at 1 / 2 / 4 rows in one run, 1.26 /
+#: 1.18 / 1.23x in another (benchmarks/skinny_linear.py, one thread, machine
+#: loaded: results/skinny_linear_paths.json), and 0.48-0.68x the time of the
+#: fastest float32 product of the same layer.  Its AVX2 path (bf16 widened by
+#: shifts) measured 0.58-0.72x torch from 2 rows, so without AVX512-BF16
+#: bfloat16 stays with torch.  float16 stays with torch: the kernel's F16C path
+#: measured 0.48-0.62x at 1 row and 0.72-0.73x at 2, ahead only from 4.
+SKINNY_MIN_ROWS_BF16 = 1
+
+
+@functools.lru_cache(maxsize=None)
+def skinny_min_rows(dtype: torch.dtype) -> int | None:
+    """The fewest rows of a call of `dtype` the kernel takes on this CPU (up
+    to SKINNY_MAX_ROWS), None when that dtype stays with torch."""
+    if dtype == torch.float32:
+        return SKINNY_MIN_ROWS
+    if dtype == torch.bfloat16 and ops.skinny_linear_path(torch.bfloat16) == "avx512_bf16":
+        return SKINNY_MIN_ROWS_BF16
+    return None
+
 
 def _skinny_applies(x: torch.Tensor, weight: torch.Tensor, bias, max_rows: int) -> bool:
-    """A call the skinny kernel takes: CPU, float32, a contiguous weight (a
-    column shard mapped from a checkpoint is a strided view, which F.linear
-    reads in place and the kernel would copy per call), SKINNY_MIN_ROWS to
-    max_rows rows, no gradient to record."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
-            and weight.is_contiguous()
-            and x.dim() > 0 and SKINNY_MIN_ROWS * x.shape[-1] <= x.numel() <= max_rows * x.shape[-1]
+    """A call the skinny kernel takes: CPU, a dtype it serves here
+    (skinny_min_rows) with its fewest rows to max_rows rows, a weight whose
+    rows it reads in place (contiguous, or a column shard mapped from a
+    checkpoint: a strided view of the whole tensor), no gradient to record."""
+    low = skinny_min_rows(x.dtype) if x.device.type == "cpu" and weight.dtype == x.dtype else None
+    return (low is not None and weight.device.type == "cpu" and ops._rows_in_place(weight)
+            and x.dim() > 0 and low * x.shape[-1] <= x.numel() <= max_rows * x.shape[-1]
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad))))
 
