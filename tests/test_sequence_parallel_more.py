@@ -230,7 +230,7 @@ def _gathers(name: str, overrides) -> int:
 
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("name,image,overrides", WINDOW_OVERLAP, ids=[c[0] for c in WINDOW_OVERLAP])
-def test_sp_overlap_equals_unsharded(pool, name, image, overrides, tp):
+def test_sp_window_overlap_equals_unsharded(pool, name, image, overrides, tp):
     reports = pool.run(sequence_more.sp_vision_equals_unsharded, tp, name, image, overrides, None, True)
     for r in reports:
         assert r["unused"] == 0, (name, r)
@@ -248,7 +248,7 @@ def test_sp_vision_beit_interpolated_bias(pool, tp):
 @pytest.mark.parametrize("name,mode,overlap", [
     ("BeitForImageClassification", "all_to_all", False), ("BeitForImageClassification", "ring_attn", False),
     ("SwinForImageClassification", "all_to_all", False), ("SwinForImageClassification", "ring_attn", False),
-    # enable_sequence_overlap on Swin / Swinv2: test_sp_overlap_equals_unsharded
+    # enable_sequence_overlap on Swin / Swinv2: test_sp_window_overlap_equals_unsharded
     ("Swinv2ForMaskedImageModeling", "all_to_all", False), ("Swinv2ForImageClassification", "ring_attn", False)])
 def test_sp_vision_modes_refused(pool, name, mode, overlap):
     pool.run(sequence_more.sp_mode_refused_unchanged, 2, name, mode, overlap)
