@@ -35,7 +35,7 @@ CATEGORIES = ("matmul", "attention", "loss", "embedding", "copies", "collectives
 
 _COLLECTIVE_WORDS = ("c10d", "allreduce", "all_reduce", "all_gather", "allgather", "reduce_scatter",
                      "wait_tensor", "gloo", "broadcast", "all_to_all", "alltoall")
-_ATTENTION_WORDS = ("scaled_dot_product", "flash_attention", "efficient_attention", "ring_attn",
+_ATTENTION_WORDS = ("scaled_dot_product", "scaleddotproduct", "flash_attention", "efficient_attention", "ring_attn",
                     "fused_attention")
 _LOSS_WORDS = ("cross_entropy", "nll_loss", "log_softmax", "logsoftmax", "nllloss")
 _EMBEDDING_WORDS = ("embedding",)
