@@ -142,18 +142,23 @@ def _category(evs: list[dict], i: int) -> str:
 def ledger_of(evs: list[dict], wall_s: float, collective_s: float = 0.0) -> dict:
     """Split a profiled step of `wall_s` seconds into CATEGORIES, {cat: seconds}.
 
-    Each event's self time (its duration minus its children's) goes to one
-    category; "python" is the wall time no op covers on the step's main thread.
+    Each event's self time (its duration minus its children's) on the step's
+    thread (the one whose ops cover most of it; CPU backward runs there too)
+    goes to one category; "python" is the wall time no op covers on that
+    thread.  Ops on other threads (e.g. gloo's worker running DTensor's
+    collectives) overlap the step and are left out: the step waits for them
+    in its own ops (wait_tensor).
     `collective_s` (e.g. from shardformer.comm_stats()) is the time the step's
     collectives took when they run outside torch's ops (shardformer's shm
     backend): what the profile counted as collectives is topped up to it,
     taken from autograd frames and python, where such calls run."""
     led = {c: 0.0 for c in CATEGORIES}
-    for i, e in enumerate(evs):
-        led[_category(evs, i)] += e["self_us"] * 1e-6
     main_tid = max({e.get("tid") for e in evs}, key=lambda t: sum(float(e["dur"]) for e in evs
                                                                     if e.get("tid") == t and e["parent"] is None),
                    default=None)
+    for i, e in enumerate(evs):
+        if e.get("tid") == main_tid:       # other threads' ops (a backend's worker) overlap the step
+            led[_category(evs, i)] += e["self_us"] * 1e-6
     covered = sum(float(e["dur"]) for e in evs if e["parent"] is None and e.get("tid") == main_tid) * 1e-6
     led["python"] = max(0.0, wall_s - covered)
     extra = max(0.0, collective_s - led["collectives"])
