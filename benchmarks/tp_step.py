@@ -75,7 +75,8 @@ TP_SIZE = 2
 LOSS_RTOL = 1e-4
 GRAD_RTOL = 1e-3
 GOAL_PARAM_FRACTION = 0.55
-GOAL_STEP_RATIO = 0.8
+GOAL_STEP_RATIO = 0.7   # issue 34: the step at <= 0.7x DTensor's
+GOAL_FLOOR_RATIO = 1.05  # issue 34: the step at <= 1.05x the rank's matmuls replayed alone
 GOAL_STEP_RATIO_UNSHARDED = 0.9   # parallel_output + all optimizations vs the unsharded 2-thread step
 QUIET_LOAD = 0.25  # a timed step is "quiet" when other processes used fewer cores than this
 
@@ -101,6 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="DTensor variant(s): vocabulary-parallel embed/lm_head, replicated, or both")
     p.add_argument("--skip", nargs="*", default=[], choices=("shardformer", "dtensor"),
                    help="configurations to leave out")
+    p.add_argument("--only", nargs="*", default=None,
+                   help="run only these TP configurations (names as in the table), besides the baseline")
     p.add_argument("--wait-idle", type=float, default=None,
                    help="before each configuration wait up to this many seconds for other load to stop "
                         "(0: no wait; default 120, --quick: 0)")
@@ -281,15 +284,32 @@ def machine_busy_s() -> float | None:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def run_steps(model, input_ids, warmup: int, iters: int, sync, on_step0=None) -> dict:
+def run_steps(model, input_ids, warmup: int, iters: int, sync, on_step0=None, comm_stats=None) -> dict:
     """Forward+backward steps; per-step wall and process-CPU times (s), losses, and
-    the machine's busy CPU seconds over the timed phase (to tell other load apart)."""
-    times, cpu, busy, losses = [], [], [], []
-    phase = {}
-    for step in range(warmup + iters):
+    the machine's busy CPU seconds over the timed phase (to tell other load apart).
+
+    Between the warm-up and the timed steps one untimed step runs under
+    torch.profiler (step_floor.profile_step): its matmuls become the floor
+    replay, its time the ledger.  Each timed step is followed (after `sync`) by
+    one timed replay of those matmuls alone, so step and floor alternate."""
+    import step_floor
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        return model(input_ids=input_ids, labels=input_ids).loss
+
+    times, cpu, busy, losses, floor = [], [], [], [], []
+    phase, prof, replay = {}, None, None
+    for i in range(warmup + iters):
+        if i == warmup:
+            sync()
+            prof = step_floor.profile_step(lambda: step().backward(), comm_stats)
+            replay = step_floor.FloorReplay(prof.pop("matmuls"))
+            sync()
+            replay.run()   # its operands' first touch
         model.zero_grad(set_to_none=True)
         sync()
-        if step == warmup:
+        if i == warmup:
             phase = {"wall0": time.perf_counter(), "cpu0": time.process_time(), "busy0": machine_busy_s()}
         b0, t0, c0 = machine_busy_s(), time.perf_counter(), time.process_time()
         loss = model(input_ids=input_ids, labels=input_ids).loss
@@ -297,20 +317,22 @@ def run_steps(model, input_ids, warmup: int, iters: int, sync, on_step0=None) ->
         t1, c1, b1 = time.perf_counter(), time.process_time(), machine_busy_s()
         loss = loss.detach()
         losses.append(float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss))
-        if step >= warmup:
+        if i >= warmup:
             times.append(t1 - t0)
             cpu.append(c1 - c0)
             busy.append(None if b0 is None or b1 is None else b1 - b0)
-        if step == 0 and on_step0 is not None:
+            sync()
+            floor.append(replay.run())
+        if i == 0 and on_step0 is not None:
             on_step0()
     busy1 = machine_busy_s()
     timed = {"wall_s": time.perf_counter() - phase["wall0"], "cpu_s": time.process_time() - phase["cpu0"],
              "machine_busy_s": None if busy1 is None or phase["busy0"] is None else busy1 - phase["busy0"]}
     return {"times_s": times, "cpu_times_s": cpu, "machine_busy_s": busy, "losses": losses,
-            "timed_phase": timed}
+            "timed_phase": timed, "floor_times_s": floor, "profile": prof, "floor_calls": len(replay.calls)}
 
 
-def measure(model_fn, sizes: dict, threads: int, sync) -> dict:
+def measure(model_fn, sizes: dict, threads: int, sync, comm_stats=None) -> dict:
     """Build (via model_fn), then time; everything a process reports about itself."""
     import torch
 
@@ -328,7 +350,7 @@ def measure(model_fn, sizes: dict, threads: int, sync) -> dict:
     input_ids = make_inputs(sizes)
     grads = {}
     run = run_steps(model, input_ids, sizes["warmup"], sizes["iters"], sync,
-                    on_step0=lambda: grads.update(grad_sq_by_name(model, full_shapes)))
+                    on_step0=lambda: grads.update(grad_sq_by_name(model, full_shapes)), comm_stats=comm_stats)
     rec.update(run)
     rec["grad_sq"] = grads
     rec["maxrss_steps_mb"] = maxrss_mb()
@@ -371,7 +393,10 @@ def tp_worker(rank: int, mode: str, sizes: dict) -> dict:
         info["maxrss_after_build_mb"] = maxrss_mb()
         return model, info
 
-    rec = measure(model_fn, sizes, threads=1, sync=dist.barrier)
+    import shardformer
+
+    rec = measure(model_fn, sizes, threads=1, sync=dist.barrier,
+                  comm_stats=shardformer.comm_stats if mode in SHARDFORMER_MODES else None)
     dist.barrier()
     return rec
 
@@ -460,8 +485,28 @@ def cpu_load(per_rank: list) -> dict:
             "other_load_cores": None if busy is None else max(0.0, busy - ours) / wall}
 
 
+def floor_stats(per_rank: list) -> dict:
+    """The floor: per timed step, the slowest rank's matmul replay (ms), and the
+    step / floor ratio, the median over the interleaved (step, replay) pairs.
+    The ledger is each rank's profiled step split by step_floor.CATEGORIES."""
+    import step_floor
+
+    steps = [max(ts) * 1e3 for ts in zip(*(r["times_s"] for r in per_rank))]
+    floors = [max(ts) * 1e3 for ts in zip(*(r["floor_times_s"] for r in per_rank))]
+    ledgers = [{"profiled_step_ms": r["profile"]["wall_s"] * 1e3,
+                "ms": {c: r["profile"]["ledger_s"][c] * 1e3 for c in step_floor.CATEGORIES}}
+               for r in per_rank]
+    flops = per_rank[0]["profile"]["matmul_flops"]
+    med = statistics.median(floors)
+    return {"floor_ms": floors, "floor_median_ms": med,
+            "floor_ratio": statistics.median(a / b for a, b in zip(steps, floors)),
+            "floor_calls": per_rank[0]["floor_calls"], "floor_gflop_per_rank": flops / 1e9,
+            "floor_gflops_per_s": flops / 1e6 / med, "ledger_per_rank": ledgers}
+
+
 def summarize(name: str, per_rank: list, base: dict | None) -> dict:
-    s = {"config": name, "ranks": len(per_rank), **step_stats(per_rank), **cpu_load(per_rank),
+    s = {"config": name, "ranks": len(per_rank), **step_stats(per_rank), **floor_stats(per_rank),
+         **cpu_load(per_rank),
          "param_mb_per_rank": [r["param_bytes"] / 2**20 for r in per_rank],
          "peak_rss_mb_per_rank": [r["peak_rss_mb"] for r in per_rank],
          "step_peak_rss_mb_per_rank": [r["maxrss_steps_mb"] if r["peak_reset"] else None for r in per_rank],
@@ -501,6 +546,24 @@ def print_table(rows: list, unsharded_mb: float, dtensor_ms: float | None) -> No
               f"{_fmt(r['quiet_median_ms']) + ' (' + str(r['quiet_steps']) + '/' + str(len(r['steps_ms'])) + ')':>17}")
 
 
+def print_floor(rows: list) -> None:
+    """The step against its matmul floor, and the ledger of the rest (rank 0's profiled step)."""
+    import step_floor
+
+    print(f"\n{'configuration':<22}{'step ms':>9}{'floor ms':>10}{'step/floor':>12}{'matmuls':>9}"
+          f"{'GFLOP/rank':>12}{'floor GFLOP/s':>15}")
+    for r in rows:
+        print(f"{r['config']:<22}{r['median_ms']:>9.1f}{r['floor_median_ms']:>10.1f}{r['floor_ratio']:>12.3f}"
+              f"{r['floor_calls']:>9}{r['floor_gflop_per_rank']:>12.2f}{r['floor_gflops_per_s']:>15.1f}")
+    print("\nledger of one profiled step (rank 0; the profiler's own cost falls in python / autograd frames), "
+          "ms (% of that step):")
+    for r in rows:
+        led = r["ledger_per_rank"][0]
+        ms = {c: v / 1e3 for c, v in led["ms"].items()}
+        print(f"  {r['config']:<20} step {led['profiled_step_ms']:.1f} ms: "
+              + step_floor.format_ledger(ms, led["profiled_step_ms"] / 1e3))
+
+
 def print_checks(rows: list) -> None:
     base = rows[0]
     print(f"\nbaseline loss (step 0): {base['loss_step0']:.8f}")
@@ -536,6 +599,11 @@ def main(argv=None) -> int:
             modes.append("dtensor")
         if args.dtensor_vocab in ("replicated", "both"):
             modes.append("dtensor-repvocab")
+    if args.only is not None:
+        unknown = sorted(set(args.only) - set(SHARDFORMER_MODES) - {"dtensor", "dtensor-repvocab"})
+        if unknown:
+            raise SystemExit(f"tp_step: unknown configuration(s) {unknown} in --only")
+        modes = [m for m in modes if m in args.only]
     failures = {}
     for mode in modes:
         idle[mode] = _wait(args.wait_idle)
@@ -560,9 +628,14 @@ def main(argv=None) -> int:
     if noisy:
         print(f"\nWARNING: other processes used > {QUIET_LOAD} cores during the timed steps of {', '.join(noisy)}: "
               "those timings are inflated (see 'other load')")
+    print_floor(rows)
     print_checks(rows)
 
     summary = {}
+    for r in rows:
+        summary[f"floor_ratio_{r['config']}"] = r["floor_ratio"]
+        print(f"{r['config']} step / its matmul floor = {r['floor_ratio']:.3f}"
+              + (f" (goal <= {GOAL_FLOOR_RATIO})" if r["config"].startswith("shardformer") else ""))
     sf = by_name.get("shardformer")
     if sf:
         frac = max(sf["param_mb_per_rank"]) / unsharded_mb
@@ -600,7 +673,8 @@ def main(argv=None) -> int:
           f"(2 cores, possibly shared)")
 
     result = {"sizes": sizes, "tp_size": TP_SIZE, "unsharded_param_bytes": unsharded_bytes,
-              "goals": {"param_fraction": GOAL_PARAM_FRACTION, "step_ratio_vs_dtensor": GOAL_STEP_RATIO},
+              "goals": {"param_fraction": GOAL_PARAM_FRACTION, "step_ratio_vs_dtensor": GOAL_STEP_RATIO,
+                        "floor_ratio": GOAL_FLOOR_RATIO},
               "summary": summary, "failures": failures, "rows": rows, "wait_for_idle": idle,
               "parent_maxrss_mb": maxrss_mb(), "python": sys.version.split()[0],
               "versions": _versions(), "cpu_count": os.cpu_count(),

@@ -41,3 +41,29 @@ def test_generate_benchmark_quick(tmp_path):
         assert a["tokens_match_unsharded"], key
     bw = res["bandwidth"]
     assert bw["1t"] > 0 and bw["2t"] > 0 and bw["tp_total"] > 0
+
+
+def test_tp_step_floor_quick(tmp_path):
+    """benchmarks/tp_step.py at a tiny size, the baseline and one TP configuration: each row has its
+    matmul floor (3 products per linear layer + the rotary bmm, replayed after every timed step) and a
+    ledger that accounts for the whole profiled step; the TP loss equals the unsharded one."""
+    out = tmp_path / "tp_step.json"
+    script = os.path.join(ROOT, "benchmarks", "tp_step.py")
+    p = run_killing_group([sys.executable, script, "--quick", "--hidden", "64", "--heads", "4", "--layers", "1",
+                           "--vocab", "256", "--seq", "16", "--iters", "2", "--only", "shardformer-fused-po",
+                           "--out", str(out)], timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = json.loads(out.read_text())
+    rows = {r["config"]: r for r in res["rows"]}
+    assert set(rows) == {"baseline", "shardformer-fused-po"}
+    assert rows["shardformer-fused-po"]["loss_ok"] and rows["shardformer-fused-po"]["grad_check"]["ok"]
+    for name, r in rows.items():
+        assert r["floor_calls"] == 3 * 8 + 1, (name, r["floor_calls"])    # q k v o gate up down lm_head
+        assert len(r["floor_ms"]) == 2 and r["floor_median_ms"] > 0 and r["floor_ratio"] > 0
+        assert res["summary"][f"floor_ratio_{name}"] == r["floor_ratio"]
+        for led in r["ledger_per_rank"]:
+            assert abs(sum(led["ms"].values()) - led["profiled_step_ms"]) < 1e-6 * led["profiled_step_ms"], led
+    # TP=2 halves every linear layer: half the baseline's matmul FLOPs, to rounding of the rotary bmm
+    assert abs(rows["shardformer-fused-po"]["floor_gflop_per_rank"] * 2 - rows["baseline"]["floor_gflop_per_rank"]) \
+        < 1e-3 * rows["baseline"]["floor_gflop_per_rank"]
+    assert "step / its matmul floor" in p.stdout and "ledger of one profiled step" in p.stdout
