@@ -551,3 +551,10 @@ def test_encdec_sequence_overlap_in_stages(pool, name):
     the stage edge inside the decoder."""
     pool.run(check.equals_unsharded, 4, name, 2, "1f1b", 2, tp=2, sp_mode="split_gather", seq=7,
              config={"enable_sequence_overlap": True}, **ENC_DEC_SP_SPLITS["mid_decoder"])
+
+
+def test_per_layer_outputs_refused(pool):
+    """output_hidden_states / output_attentions under PP: refused by name for a decoder LM (plain
+    ShardConfig(), PP=4), GPT-2 at TP=2 x PP=2, BERT interleaved, T5, ViT zero-bubble (one pool call)."""
+    msgs = pool.run(check.per_layer_outputs_refused, 4)
+    assert len(msgs[0]) == 16 and all(len(m) == len(msgs[0]) for m in msgs), msgs

@@ -903,3 +903,79 @@ def _swin_output_refusals(ctx, name: str, schedule: str, tp: int) -> None:
     else:
         raise AssertionError(f"{name}: config.output_hidden_states under pipeline parallelism was not refused")
     assert p2p.COUNTS["sent"] == sent, f"{name}: a refused step sent messages"
+
+
+# (class, schedule, tp, chunks, default ShardConfig) per family kind: decoder LMs, an encoder,
+# an encoder-decoder, a vision encoder; every schedule, TP=2 x PP=2 and the plain ShardConfig()
+PER_LAYER_CASES = (("LlamaForCausalLM", "gpipe", 1, 1, True), ("GPT2LMHeadModel", "1f1b", 2, 1, False),
+                   ("BertForMaskedLM", "interleaved", 1, 2, False), ("T5ForConditionalGeneration", "1f1b", 1, 1, False),
+                   ("ViTForImageClassification", "zb-h1", 1, 1, False))
+
+
+def _runner(schedule: str, sm, m: int = 2):
+    from shardformer.pipeline import ZeroBubbleSchedule
+
+    return ZeroBubbleSchedule(sm, num_microbatches=m) if schedule == "zb-h1" else SCHEDULES[schedule](sm, num_microbatches=m)
+
+
+def per_layer_outputs_refused(ctx) -> list[str]:
+    """output_hidden_states / output_attentions under pipeline parallelism
+    (the unsharded model returns one entry per layer, the last stage holds
+    its own layers' only): for each PER_LAYER_CASES family and schedule, in
+    the batch (forward and forward_backward_step) or in the model's config,
+    NotImplementedError on every rank naming the class and the flag, before
+    any message between the stages and with the parameters untouched.  A
+    batch that asks for nothing still runs and its return_dict=False tuple
+    equals the unsharded model's (use_cache=False: the stages run without a
+    cache).  Stages that disagree on a flag: ValueError naming the stages."""
+    import time
+
+    msgs = []
+    for name, schedule, tp, chunks, default in PER_LAYER_CASES:
+        pp = ctx.world_size if default else 2
+        ref, model, sm, _ = pipelined(ctx, name, pp, tp, chunks, default=default)
+        runner = _runner(schedule, sm)
+        batch = batch_of(name)
+        before = {k: t.detach().clone() for k, t in model.state_dict().items()}
+        sent = p2p.COUNTS["sent"]
+        asks = [(flag, dict(batch, **{flag: True}), call) for flag in ("output_hidden_states", "output_attentions")
+                for call in ("forward", "forward_backward_step")]
+        model.config.output_attentions = True
+        asks.append(("config.output_attentions", batch, "forward"))
+        for flag, b, call in asks:
+            try:
+                getattr(runner, call)(model, b)
+            except NotImplementedError as e:
+                assert name in str(e) and f"{flag}=True" in str(e) and "docs/pipeline.md" in str(e), str(e)
+                msgs.append(str(e))
+            else:
+                raise AssertionError(f"{name} ({schedule}): {flag} under pipeline parallelism was not refused ({call})")
+        model.config.output_attentions = False
+        assert p2p.COUNTS["sent"] == sent, f"{name}: a refused step sent messages"
+        after = model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before), f"{name}: a refused step changed the model"
+        # output_hidden_states=False in the batch overrides the config's True, as for the unsharded model
+        model.config.output_hidden_states = True
+        ref.config.output_hidden_states = True
+        plain = dict(batch, output_hidden_states=False, return_dict=False)
+        if name == "GPT2LMHeadModel":                     # one real step per family would cost CI time
+            model.eval()
+            ref.eval()
+            got = runner.forward(model, plain)
+            exp = ref(**plain, use_cache=False)
+            assert isinstance(got, tuple) and len(got) == len(exp), (len(got), len(exp))
+            for k, (g, e) in enumerate(zip(got, exp)):
+                parity.assert_close(f"{name} return_dict=False [{k}] on stage {sm.stage}", g, e, TOL)
+    # the stages disagree (stage 0 asks): every rank raises within seconds, naming the stages
+    _, model, sm, _ = pipelined(ctx, "LlamaForCausalLM", ctx.world_size, default=True)
+    batch = batch_of("LlamaForCausalLM")
+    start = time.monotonic()
+    try:
+        GPipeSchedule(sm, num_microbatches=2).forward(model, dict(batch, output_hidden_states=sm.stage == 0))
+    except ValueError as e:
+        assert "disagree" in str(e) and all(f"stage {s}" in str(e) for s in range(sm.num_stages)), str(e)
+        msgs.append(str(e))
+    else:
+        raise AssertionError("stages disagreeing on output_hidden_states were not caught")
+    assert time.monotonic() - start < 10, time.monotonic() - start
+    return msgs
