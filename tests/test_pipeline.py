@@ -558,3 +558,9 @@ def test_per_layer_outputs_refused(pool):
     ShardConfig(), PP=4), GPT-2 at TP=2 x PP=2, BERT interleaved, T5, ViT zero-bubble (one pool call)."""
     msgs = pool.run(check.per_layer_outputs_refused, 4)
     assert len(msgs[0]) == 16 and all(len(m) == len(msgs[0]) for m in msgs), msgs
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_swin_split_gather_in_stages(pool, overlap):
+    """Swin / Swinv2, split_gather (and its overlap) inside the pipeline stages, TP=2 x PP=2."""
+    pool.run(check.swin_sequence_parallel_in_stages, 4, overlap)
