@@ -557,7 +557,7 @@ def test_per_layer_outputs_refused(pool):
     """output_hidden_states / output_attentions under PP: refused by name for a decoder LM (plain
     ShardConfig(), PP=4), GPT-2 at TP=2 x PP=2, BERT interleaved, T5, ViT zero-bubble (one pool call)."""
     msgs = pool.run(check.per_layer_outputs_refused, 4)
-    assert len(msgs[0]) == 16 and all(len(m) == len(msgs[0]) for m in msgs), msgs
+    assert len(msgs[0]) >= 17 and all(len(m) == len(msgs[0]) for m in msgs), msgs
 
 
 @pytest.mark.parametrize("overlap", [False, True])

@@ -928,8 +928,9 @@ def per_layer_outputs_refused(ctx) -> list[str]:
     NotImplementedError on every rank naming the class and the flag, before
     any message between the stages and with the parameters untouched.  A
     batch that asks for nothing still runs and its return_dict=False tuple
-    equals the unsharded model's (use_cache=False: the stages run without a
-    cache).  Stages that disagree on a flag: ValueError naming the stages."""
+    equals the unsharded model's with use_cache=False (the stages run without
+    a cache: return_dict=False with use_cache=True, from the config too, is
+    refused).  Stages that disagree on a flag: ValueError naming the stages."""
     import time
 
     msgs = []
@@ -960,11 +961,21 @@ def per_layer_outputs_refused(ctx) -> list[str]:
         model.config.output_hidden_states = True
         ref.config.output_hidden_states = True
         plain = dict(batch, output_hidden_states=False, return_dict=False)
+        if "use_cache" in inspect.signature(type(model).forward).parameters and model.config.use_cache:
+            # the stages run without a cache: a tuple lacking the unsharded model's cache is refused
+            try:
+                runner.forward(model, plain)
+            except NotImplementedError as e:
+                assert name in str(e) and "return_dict=False with use_cache=True" in str(e), str(e)
+                msgs.append(str(e))
+            else:
+                raise AssertionError(f"{name}: return_dict=False with the config's use_cache=True was not refused")
+            plain["use_cache"] = False
         if name == "GPT2LMHeadModel":                     # one real step per family would cost CI time
             model.eval()
             ref.eval()
             got = runner.forward(model, plain)
-            exp = ref(**plain, use_cache=False)
+            exp = ref(**plain)
             assert isinstance(got, tuple) and len(got) == len(exp), (len(got), len(exp))
             for k, (g, e) in enumerate(zip(got, exp)):
                 parity.assert_close(f"{name} return_dict=False [{k}] on stage {sm.stage}", g, e, TOL)

@@ -923,6 +923,7 @@ def _module_holders(manager, call_module: tuple[int, ...], where: str) -> dict[i
 OUTPUT_FLAGS = ("output_hidden_states", "output_attentions")
 DOCS_OUTPUTS = "docs/pipeline.md#per-layer-outputs"
 DOCS_OUTPUTS_SWIN = "docs/pipeline.md#swin-and-swinv2"
+TUPLE_WITH_CACHE = "return_dict=False with use_cache=True"
 
 
 class StageRuntime:
@@ -981,10 +982,12 @@ class StageRuntime:
     # -- the schedule's side ----------------------------------------------------------
 
     def outputs_asked(self, model: nn.Module, batch: dict) -> tuple[str, ...]:
-        """The per-layer outputs `batch` asks of `model` that a pipeline does
-        not give (OUTPUT_FLAGS set True in the batch, or in the model's config
-        where the batch leaves them out), as "flag=True" or "config.flag=True".
-        The schedules agree on it over the stages before refuse_outputs."""
+        """The outputs `batch` asks of `model` that a pipeline does not give:
+        the per-layer ones (OUTPUT_FLAGS set True in the batch, or in the
+        model's config where the batch leaves them out), as "flag=True" or
+        "config.flag=True", and TUPLE_WITH_CACHE (a tuple output that would
+        hold a cache).  The schedules agree on it over the stages before
+        refuse_outputs."""
         config = getattr(model, "config", None)
         asked = []
         for flag in OUTPUT_FLAGS:
@@ -993,6 +996,12 @@ class StageRuntime:
                     asked.append(f"{flag}=True")
             elif getattr(config, flag, False):
                 asked.append(f"config.{flag}=True")
+        # the stages run without a cache (the schedules pass use_cache=False): a tuple would lack the
+        # cache the unsharded model returns, and every later entry would move up one place
+        if "use_cache" in inspect.signature(type(model).forward).parameters \
+                and not batch.get("return_dict", getattr(config, "return_dict", True)) \
+                and batch.get("use_cache", getattr(config, "use_cache", False)):
+            asked.append(TUPLE_WITH_CACHE)
         return tuple(asked)
 
     def refuse_outputs(self, model: nn.Module, batch: dict, asked: tuple[str, ...] | None = None) -> None:
@@ -1009,7 +1018,13 @@ class StageRuntime:
         asked = self.outputs_asked(model, batch) if asked is None else asked
         if not asked:
             return
-        layers = self.plan.layers_path
+        layers, flags = self.plan.layers_path, [a for a in asked if a != TUPLE_WITH_CACHE]
+        if not flags:
+            raise NotImplementedError(
+                f"{self.model_name}: {TUPLE_WITH_CACHE} (in the batch or the config) under pipeline parallelism: "
+                f"the stages run without a cache, so the output tuple would lack past_key_values and every entry "
+                f"after it would move up one place against the unsharded model's; pass use_cache=False (the "
+                f"unsharded model's tuple without a cache) or return_dict=True ({DOCS_OUTPUTS})")
         why = (f"the stages before the last one's chunk of {layers} run elsewhere (in shapes only on the last "
                f"stage), so their hidden states and attentions are not on the last stage; leave them False "
                f"({DOCS_OUTPUTS_SWIN})" if self.plan.layer_shadows else
@@ -1017,7 +1032,7 @@ class StageRuntime:
                f"messages between stages carry the activation alone, so the last stage cannot return one entry "
                f"per layer as the unsharded model does; leave them False and read per-layer outputs from an "
                f"unsharded or tensor-parallel-only forward ({DOCS_OUTPUTS})")
-        raise NotImplementedError(f"{self.model_name}: {' and '.join(asked)} under pipeline parallelism "
+        raise NotImplementedError(f"{self.model_name}: {' and '.join(flags)} under pipeline parallelism "
                                   f"({self.manager.num_stages} stages): {why}")
 
     def chunk_range(self) -> range:
