@@ -57,7 +57,11 @@ Caches.  Every stage runs the model without a KV cache (use_cache=False).
 The unsharded model's mask can depend on the cache (packed documents in the
 position_ids are masked block-diagonally only without one): that decision is
 taken on the user's batch, its use_cache included, and held for each forward
-(shardformer.packing).
+(shardformer.packing).  So the outputs hold no past_key_values, and a tuple
+output (return_dict=False) with use_cache=True is refused
+(StageRuntime.refuse_outputs), as are the per-layer outputs
+(output_hidden_states / output_attentions), whose entries each stage makes
+for its own layers only.
 """
 from __future__ import annotations
 
