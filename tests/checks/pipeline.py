@@ -999,6 +999,47 @@ def swin_sequence_parallel_in_stages(ctx, overlap: bool) -> list[dict]:
     inside the stages (and enable_sequence_overlap when `overlap`): the loss
     and the state after one SGD step equal the unsharded model's (equals_unsharded;
     Swin stages of 2, 1, 1 blocks: the first stage's blocks on rows)."""
+    from shardformer.layer.linear import _GatherRowsLinear
+
     config = {"enable_sequence_overlap": True} if overlap else None
-    return [equals_unsharded(ctx, name, 2, "1f1b", 2, 2, 1, 3, False, 4, config, "split_gather", **SWIN_3STAGES)
-            for name in ("SwinForImageClassification", "Swinv2ForImageClassification")]
+    reports = []
+    for name in ("SwinForImageClassification", "Swinv2ForImageClassification"):
+        # the rows (dim 1) each Swin block was given and returned, here and in the reference (global hooks
+        # run before a block's own: the input before its gather, the output before its split)
+        rows: list[int] = []
+
+        def record(module, args, out=None):
+            if type(module).__name__ in ("SwinLayer", "Swinv2Layer"):
+                rows.extend(t.shape[1] for t in (args[0] if args else None, out[0] if out else None)
+                            if isinstance(t, torch.Tensor))
+        handles = [torch.nn.modules.module.register_module_forward_pre_hook(record),
+                   torch.nn.modules.module.register_module_forward_hook(record)]
+        overlapped = _GatherRowsLinear.overlapped
+        try:
+            report = equals_unsharded(ctx, name, 2, "1f1b", 2, 2, 1, 3, False, 4, config, "split_gather",
+                                      **SWIN_3STAGES)
+        finally:
+            for handle in handles:
+                handle.remove()
+        # the blocks ran on this rank's rows: fewer than the unsharded model's tokens at any Swin stage
+        # (Swinv2's post-norm blocks are given rows but for a Swin stage's first: the second pipeline
+        # stage's Swin stages of one block run whole, plain TP)
+        stage = ctx.rank // 2 % 2
+        if not name.startswith("Swinv2") or stage == 0:
+            split = [r for r in rows if r not in _swin_tokens(name)]
+            assert split, f"{name}: no Swin block on stage {stage} was given rows (rows: {rows})"
+        if overlap:
+            assert _GatherRowsLinear.overlapped > overlapped or stage == 1 and name.startswith("Swinv2"), \
+                f"{name}: no overlapped gather ran on stage {stage}"
+        reports.append(dict(report, rows=rows))
+    return reports
+
+
+def _swin_tokens(name: str) -> set[int]:
+    """The token counts of the Swin stages of the SWIN_3STAGES model at the zoo's image size."""
+    config = build(name, 3, **SWIN_3STAGES).config
+    side, counts = config.image_size // config.patch_size, set()
+    for _ in config.depths:
+        counts.add(side * side)
+        side = (side + 1) // 2
+    return counts
