@@ -917,7 +917,8 @@ PER_LAYER_CASES = (("LlamaForCausalLM", "gpipe", 1, 1, True), ("GPT2LMHeadModel"
 def _runner(schedule: str, sm, m: int = 2):
     from shardformer.pipeline import ZeroBubbleSchedule
 
-    return ZeroBubbleSchedule(sm, num_microbatches=m) if schedule == "zb-h1" else SCHEDULES[schedule](sm, num_microbatches=m)
+    cls = ZeroBubbleSchedule if schedule == "zb-h1" else SCHEDULES[schedule]
+    return cls(sm, num_microbatches=m)
 
 
 def per_layer_outputs_refused(ctx) -> list[str]:
