@@ -551,3 +551,16 @@ def test_encdec_sequence_overlap_in_stages(pool, name):
     the stage edge inside the decoder."""
     pool.run(check.equals_unsharded, 4, name, 2, "1f1b", 2, tp=2, sp_mode="split_gather", seq=7,
              config={"enable_sequence_overlap": True}, **ENC_DEC_SP_SPLITS["mid_decoder"])
+
+
+def test_per_layer_outputs_refused(pool):
+    """output_hidden_states / output_attentions under PP: refused by name for a decoder LM (plain
+    ShardConfig(), PP=4), GPT-2 at TP=2 x PP=2, BERT interleaved, T5, ViT zero-bubble (one pool call)."""
+    msgs = pool.run(check.per_layer_outputs_refused, 4)
+    assert len(msgs[0]) >= 17 and all(len(m) == len(msgs[0]) for m in msgs), msgs
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_swin_split_gather_in_stages(pool, overlap):
+    """Swin / Swinv2, split_gather (and its overlap) inside the pipeline stages, TP=2 x PP=2."""
+    pool.run(check.swin_sequence_parallel_in_stages, 4, overlap)

@@ -184,13 +184,15 @@ def equals_unsharded(ctx, name: str, pp: int, schedule: str, m: int, tp: int = 1
     runner = SCHEDULES[schedule](sm, num_microbatches=m)
     with counting_kernels() as calls:
         out = runner.forward_backward_step(model, batch, criterion=criterion)
-    if sp_mode is not None and sm.stage > 0:
+    if sp_mode is not None and sm.stage > 0 and not runtime_of(model).plan.layer_shadows:   # not Swin's shapes
         _received_rows(name, model, runner.link, batch, sp_mode, tp)
     if sp_mode in sequence_attention.MODES:
         assert sequence_attention.CALLS[sp_mode] > split_before[sp_mode], f"{name}: the {sp_mode} attention never ran"
         if runtime_of(model).plan.tuples:
             _split_attention_calls(name, model, split_before, m, sp_mode)
-    if sp_mode == "split_gather":                 # the blocks' saved rows gathered again in backward
+    # the blocks' saved rows gathered again in backward (Swinv2's post-norm blocks run whole: their input is
+    # gathered in forward and its gradient split, nothing saved in rows)
+    if sp_mode == "split_gather" and not name.startswith("Swinv2"):
         assert _regathers() > regathers_before, f"{name}: no split_gather block ran on stage {sm.stage}"
     if (config or {}).get("enable_all_optimization"):
         assert sum(calls.values()) > 0, f"{name}: no fused kernel ran on stage {sm.stage}"
@@ -903,3 +905,142 @@ def _swin_output_refusals(ctx, name: str, schedule: str, tp: int) -> None:
     else:
         raise AssertionError(f"{name}: config.output_hidden_states under pipeline parallelism was not refused")
     assert p2p.COUNTS["sent"] == sent, f"{name}: a refused step sent messages"
+
+
+# (class, schedule, tp, chunks, default ShardConfig) per family kind: decoder LMs, an encoder,
+# an encoder-decoder, a vision encoder; every schedule, TP=2 x PP=2 and the plain ShardConfig()
+PER_LAYER_CASES = (("LlamaForCausalLM", "gpipe", 1, 1, True), ("GPT2LMHeadModel", "1f1b", 2, 1, False),
+                   ("BertForMaskedLM", "interleaved", 1, 2, False), ("T5ForConditionalGeneration", "1f1b", 1, 1, False),
+                   ("ViTForImageClassification", "zb-h1", 1, 1, False))
+
+
+def _runner(schedule: str, sm, m: int = 2):
+    from shardformer.pipeline import ZeroBubbleSchedule
+
+    cls = ZeroBubbleSchedule if schedule == "zb-h1" else SCHEDULES[schedule]
+    return cls(sm, num_microbatches=m)
+
+
+def per_layer_outputs_refused(ctx) -> list[str]:
+    """output_hidden_states / output_attentions under pipeline parallelism
+    (the unsharded model returns one entry per layer, the last stage holds
+    its own layers' only): for each PER_LAYER_CASES family and schedule, in
+    the batch (forward and forward_backward_step) or in the model's config,
+    NotImplementedError on every rank naming the class and the flag, before
+    any message between the stages and with the parameters untouched.  A
+    batch that asks for nothing still runs and its return_dict=False tuple
+    equals the unsharded model's with use_cache=False (the stages run without
+    a cache: return_dict=False with use_cache=True, from the config too, is
+    refused).  Stages that disagree on a flag: ValueError naming the stages."""
+    import time
+
+    msgs = []
+    for name, schedule, tp, chunks, default in PER_LAYER_CASES:
+        pp = ctx.world_size if default else 2
+        ref, model, sm, _ = pipelined(ctx, name, pp, tp, chunks, default=default)
+        runner = _runner(schedule, sm)
+        batch = batch_of(name)
+        before = {k: t.detach().clone() for k, t in model.state_dict().items()}
+        sent = p2p.COUNTS["sent"]
+        asks = [(flag, dict(batch, **{flag: True}), call) for flag in ("output_hidden_states", "output_attentions")
+                for call in ("forward", "forward_backward_step")]
+        model.config.output_attentions = True
+        asks.append(("config.output_attentions", batch, "forward"))
+        for flag, b, call in asks:
+            try:
+                getattr(runner, call)(model, b)
+            except NotImplementedError as e:
+                assert name in str(e) and f"{flag}=True" in str(e) and "docs/pipeline.md" in str(e), str(e)
+                msgs.append(str(e))
+            else:
+                raise AssertionError(f"{name} ({schedule}): {flag} under pipeline parallelism was not refused ({call})")
+        model.config.output_attentions = False
+        assert p2p.COUNTS["sent"] == sent, f"{name}: a refused step sent messages"
+        after = model.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before), f"{name}: a refused step changed the model"
+        # output_hidden_states=False in the batch overrides the config's True, as for the unsharded model
+        model.config.output_hidden_states = True
+        ref.config.output_hidden_states = True
+        plain = dict(batch, output_hidden_states=False, return_dict=False)
+        if "use_cache" in inspect.signature(type(model).forward).parameters and model.config.use_cache:
+            # the stages run without a cache: a tuple lacking the unsharded model's cache is refused
+            try:
+                runner.forward(model, plain)
+            except NotImplementedError as e:
+                assert name in str(e) and "return_dict=False with use_cache=True" in str(e), str(e)
+                msgs.append(str(e))
+            else:
+                raise AssertionError(f"{name}: return_dict=False with the config's use_cache=True was not refused")
+            plain["use_cache"] = False
+        if name == "GPT2LMHeadModel":                     # one real step per family would cost CI time
+            model.eval()
+            ref.eval()
+            got = runner.forward(model, plain)
+            exp = ref(**plain)
+            assert isinstance(got, tuple) and len(got) == len(exp), (len(got), len(exp))
+            for k, (g, e) in enumerate(zip(got, exp)):
+                parity.assert_close(f"{name} return_dict=False [{k}] on stage {sm.stage}", g, e, TOL)
+    # the stages disagree (stage 0 asks): every rank raises within seconds, naming the stages
+    _, model, sm, _ = pipelined(ctx, "LlamaForCausalLM", ctx.world_size, default=True)
+    batch = batch_of("LlamaForCausalLM")
+    start = time.monotonic()
+    try:
+        GPipeSchedule(sm, num_microbatches=2).forward(model, dict(batch, output_hidden_states=sm.stage == 0))
+    except ValueError as e:
+        assert "disagree" in str(e) and all(f"stage {s}" in str(e) for s in range(sm.num_stages)), str(e)
+        msgs.append(str(e))
+    else:
+        raise AssertionError("stages disagreeing on output_hidden_states were not caught")
+    assert time.monotonic() - start < 10, time.monotonic() - start
+    return msgs
+
+
+def swin_sequence_parallel_in_stages(ctx, overlap: bool) -> list[dict]:
+    """Swin and Swinv2 at TP=2 x PP=2 with split_gather sequence parallelism
+    inside the stages (and enable_sequence_overlap when `overlap`): the loss
+    and the state after one SGD step equal the unsharded model's (equals_unsharded;
+    Swin stages of 2, 1, 1 blocks: the first stage's blocks on rows)."""
+    from shardformer.layer.linear import _GatherRowsLinear
+
+    config = {"enable_sequence_overlap": True} if overlap else None
+    reports = []
+    for name in ("SwinForImageClassification", "Swinv2ForImageClassification"):
+        # the rows (dim 1) each Swin block was given and returned, here and in the reference (global hooks
+        # run before a block's own: the input before its gather, the output before its split)
+        rows: list[int] = []
+
+        def record(module, args, out=None):
+            if type(module).__name__ in ("SwinLayer", "Swinv2Layer"):
+                rows.extend(t.shape[1] for t in (args[0] if args else None, out[0] if out else None)
+                            if isinstance(t, torch.Tensor))
+        handles = [torch.nn.modules.module.register_module_forward_pre_hook(record),
+                   torch.nn.modules.module.register_module_forward_hook(record)]
+        overlapped = _GatherRowsLinear.overlapped
+        try:
+            report = equals_unsharded(ctx, name, 2, "1f1b", 2, 2, 1, 3, False, 4, config, "split_gather",
+                                      **SWIN_3STAGES)
+        finally:
+            for handle in handles:
+                handle.remove()
+        # the blocks ran on this rank's rows: fewer than the unsharded model's tokens at any Swin stage
+        # (Swinv2's post-norm blocks are given rows but for a Swin stage's first: the second pipeline
+        # stage's Swin stages of one block run whole, plain TP)
+        stage = ctx.rank // 2 % 2
+        if not name.startswith("Swinv2") or stage == 0:
+            split = [r for r in rows if r not in _swin_tokens(name)]
+            assert split, f"{name}: no Swin block on stage {stage} was given rows (rows: {rows})"
+        if overlap:
+            assert _GatherRowsLinear.overlapped > overlapped or stage == 1 and name.startswith("Swinv2"), \
+                f"{name}: no overlapped gather ran on stage {stage}"
+        reports.append(dict(report, rows=rows))
+    return reports
+
+
+def _swin_tokens(name: str) -> set[int]:
+    """The token counts of the Swin stages of the SWIN_3STAGES model at the zoo's image size."""
+    config = build(name, 3, **SWIN_3STAGES).config
+    side, counts = config.image_size // config.patch_size, set()
+    for _ in config.depths:
+        counts.add(side * side)
+        side = (side + 1) // 2
+    return counts

@@ -57,7 +57,11 @@ Caches.  Every stage runs the model without a KV cache (use_cache=False).
 The unsharded model's mask can depend on the cache (packed documents in the
 position_ids are masked block-diagonally only without one): that decision is
 taken on the user's batch, its use_cache included, and held for each forward
-(shardformer.packing).
+(shardformer.packing).  So the outputs hold no past_key_values, and a tuple
+output (return_dict=False) with use_cache=True is refused
+(StageRuntime.refuse_outputs), as are the per-layer outputs
+(output_hidden_states / output_attentions), whose entries each stage makes
+for its own layers only.
 """
 from __future__ import annotations
 
@@ -229,6 +233,11 @@ class PipelineSchedule:
         device = _device_of(model)
         sig = tuple(sorted((k, tuple(t.shape), str(t.dtype)) for k, t in micro[0].items()
                            if isinstance(t, torch.Tensor)))
+        # the per-layer outputs asked (refused below): in the agreed signature, so that every stage
+        # raises alike or the stages' disagreement is named
+        asked = rt.outputs_asked(model, batch)
+        if asked:
+            sig = sig + (("asked", asked),)
         rows = next(t.shape[0] for t in batch.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
         # every all-gather runs on every rank before any raises: a rank leaving after the first
         # would leave its EP peers (or its stages) waiting in the next
@@ -239,7 +248,7 @@ class PipelineSchedule:
             problem = self._spread(problem, [(sm.group, "pipeline")] + rt.lockstep_groups, name) or problem
         if problem is not None:
             raise ValueError(problem)
-        rt.refuse_outputs(model, batch)                  # the batch is agreed: every rank raises alike
+        rt.refuse_outputs(model, batch, asked)           # agreed over the stages: every rank raises alike
         check = model.__dict__.get(CHECK_ATTR)      # the stages and TP ranks given one batch (shardformer.input_check)
         if check is not None:
             check.step((), batch, extra=((sm.group, "pipeline"),) if sm.num_stages > 1 else ())
@@ -361,7 +370,8 @@ class PipelineSchedule:
         table = torch.empty((sm.num_stages, mine.numel()), dtype=torch.int64)
         D.all_gather_into_tensor(table, mine[None], sm.group)
         if not bool((table == table[0]).all()):
-            fields = ("schedule", "num_microbatches", "num_model_chunks", "batch size", "backward", "input shapes")
+            fields = ("schedule", "num_microbatches", "num_model_chunks", "batch size", "backward",
+                      "input shapes and flags")
             rows = [", ".join(f"{f}={int(x)}" for f, x in zip(fields, row)) for row in table.tolist()]
             return (f"{type(self).__name__}: {name}: the pipeline's ranks disagree on the step "
                     f"(crc32 for names and shapes):\n" + "\n".join(f"  stage {s}: {r}" for s, r in enumerate(rows)))

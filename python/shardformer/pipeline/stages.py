@@ -919,6 +919,13 @@ def _module_holders(manager, call_module: tuple[int, ...], where: str) -> dict[i
     return {g: tuple(sorted(stages)) for g, stages in sorted(holders.items())}
 
 
+# Per-layer outputs a pipelined forward does not give (StageRuntime.refuse_outputs).
+OUTPUT_FLAGS = ("output_hidden_states", "output_attentions")
+DOCS_OUTPUTS = "docs/pipeline.md#per-layer-outputs"
+DOCS_OUTPUTS_SWIN = "docs/pipeline.md#swin-and-swinv2"
+TUPLE_WITH_CACHE = "return_dict=False with use_cache=True"
+
+
 class StageRuntime:
     """One pipelined model's state on this rank: what runs, and the
     activation handed to the running chunk.  Attached to the model
@@ -974,24 +981,59 @@ class StageRuntime:
 
     # -- the schedule's side ----------------------------------------------------------
 
-    def refuse_outputs(self, model: nn.Module, batch: dict) -> None:
-        """NotImplementedError for outputs a StageSplit.shaped_layers split
-        cannot give (on every rank: the batch is the one the stages agreed on,
-        checked before any step): output_hidden_states and output_attentions,
-        asked in the batch or the config.  The layers before the last stage's
-        chunk ran elsewhere, and in shapes only on it, so their hidden states
-        (Swin's hidden_states and reshaped_hidden_states) and attentions are
-        not on the last stage."""
-        if not self.plan.layer_shadows:
-            return
+    def outputs_asked(self, model: nn.Module, batch: dict) -> tuple[str, ...]:
+        """The outputs `batch` asks of `model` that a pipeline does not give:
+        the per-layer ones (OUTPUT_FLAGS set True in the batch, or in the
+        model's config where the batch leaves them out), as "flag=True" or
+        "config.flag=True", and TUPLE_WITH_CACHE (a tuple output that would
+        hold a cache).  The schedules agree on it over the stages before
+        refuse_outputs."""
         config = getattr(model, "config", None)
-        asked = [k for k in ("output_hidden_states", "output_attentions")
-                 if batch.get(k, getattr(config, k, False))]
-        if asked:
+        asked = []
+        for flag in OUTPUT_FLAGS:
+            if flag in batch:
+                if batch[flag]:
+                    asked.append(f"{flag}=True")
+            elif getattr(config, flag, False):
+                asked.append(f"config.{flag}=True")
+        # the stages run without a cache (the schedules pass use_cache=False): a tuple would lack the
+        # cache the unsharded model returns, and every later entry would move up one place
+        if "use_cache" in inspect.signature(type(model).forward).parameters \
+                and not batch.get("return_dict", getattr(config, "return_dict", True)) \
+                and batch.get("use_cache", getattr(config, "use_cache", False)):
+            asked.append(TUPLE_WITH_CACHE)
+        return tuple(asked)
+
+    def refuse_outputs(self, model: nn.Module, batch: dict, asked: tuple[str, ...] | None = None) -> None:
+        """NotImplementedError for output_hidden_states / output_attentions
+        (outputs_asked; `asked`: its value, already agreed over the stages),
+        on every rank alike, before any message.  Every family: hidden state
+        k (k = 0..L, the embeddings' output and each layer's) and layer k's
+        attention weights are made on the stage holding layer k, and a
+        message between stages carries the activation (and StageSplit's
+        carry / reads) only, so the last stage's output would hold its own
+        layers' entries alone (the schedules would then drop those tuples
+        from the gathered outputs).  A Swin split (StageSplit.shaped_layers)
+        runs the earlier Swin stages in shapes only, so neither exists there."""
+        asked = self.outputs_asked(model, batch) if asked is None else asked
+        if not asked:
+            return
+        layers, flags = self.plan.layers_path, [a for a in asked if a != TUPLE_WITH_CACHE]
+        if not flags:
             raise NotImplementedError(
-                f"{self.model_name}: {' and '.join(asked)} under pipeline parallelism: the stages before the last "
-                f"one's chunk of {self.plan.layers_path} run elsewhere (in shapes only on the last stage), so their "
-                f"hidden states and attentions are not on the last stage; leave them False (docs/pipeline.md#swin-and-swinv2)")
+                f"{self.model_name}: {TUPLE_WITH_CACHE} (in the batch or the config) under pipeline parallelism: "
+                f"the stages run without a cache, so the output tuple would lack past_key_values and every entry "
+                f"after it would move up one place against the unsharded model's; pass use_cache=False (the "
+                f"unsharded model's tuple without a cache) or return_dict=True ({DOCS_OUTPUTS})")
+        why = (f"the stages before the last one's chunk of {layers} run elsewhere (in shapes only on the last "
+               f"stage), so their hidden states and attentions are not on the last stage; leave them False "
+               f"({DOCS_OUTPUTS_SWIN})" if self.plan.layer_shadows else
+               f"each stage makes the hidden states and attentions of its own layers of {layers} only, and the "
+               f"messages between stages carry the activation alone, so the last stage cannot return one entry "
+               f"per layer as the unsharded model does; leave them False and read per-layer outputs from an "
+               f"unsharded or tensor-parallel-only forward ({DOCS_OUTPUTS})")
+        raise NotImplementedError(f"{self.model_name}: {' and '.join(flags)} under pipeline parallelism "
+                                  f"({self.manager.num_stages} stages): {why}")
 
     def chunk_range(self) -> range:
         """The running chunk's layers (indices in the concatenated list)."""
