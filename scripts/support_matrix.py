@@ -103,9 +103,6 @@ CAVEATS = {
         "tested with attn_logit_softcapping=0.05 (a cap that changes the tiny test model's logits), "
         "soft-capped by the kernel",
     ("mistral", "flash attention"): "with a sliding window (4) shorter than the test's sequences",
-    ("beit", "sequence overlap"):
-        "BeitForSemanticSegmentation not counted: its decode head does not read the last layer's output, so "
-        "that layer's backward never runs and the test's exact count of overlapped passes does not apply",
     ("falcon", "sequence parallel (ring_attn)"):
         "rotary Falcon (the zoo's config; the other fused layouts, SDPA and ALiBi in "
         "test_falcon_variants)",
