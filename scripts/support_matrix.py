@@ -83,9 +83,6 @@ NOT_SUPPORTED = {
     ("mixtral", "jit fused"):
         "Mixtral's experts are the policy's expert-parallel module (replaced by the policy, "
         "which the optimizations leave alone)",
-    ("t5", "jit fused"):
-        "T5 v1.0 feed-forwards are ReLU (no kernel); the v1.1 / Flan-T5 gated GeLU "
-        "(T5DenseGatedActDense) gets it: the classes counted are those tested with a v1.1 config",
 }
 # BEiT, Swin, Swinv2: all_to_all / ring_attn refused by name (tests/test_sequence_parallel_more.py
 # test_sp_vision_modes_refused)
