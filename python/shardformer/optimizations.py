@@ -493,13 +493,13 @@ SUBLAYER_DROPOUT_ADD_FORMS = (("layer_norm", "SelfAttention", "dropout", (("atte
 
 class _SublayerDropoutAdd(_FusedForward):
     def __call__(self, module, *args, **kwargs):
-        own = type(module).forward
-        params = inspect.signature(own).bind(module, *args, **kwargs).arguments
+        sig = inspect.signature(type(module).forward)
+        params = sig.bind(module, *args, **kwargs).arguments
         names = list(params)
         residual = params[names[1]]                  # the parameter after self: the layer's input
         call = {}
         for name in names[2:]:
-            if inspect.signature(own).parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            if sig.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
                 call.update(params[name])
             else:
                 call[dict(self.renames).get(name, name)] = params[name]
