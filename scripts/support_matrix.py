@@ -84,9 +84,6 @@ NOT_SUPPORTED = {
     ("mixtral", "jit fused"):
         "Mixtral's experts are the policy's expert-parallel module (replaced by the policy, "
         "which the optimizations leave alone)",
-    ("t5", "jit fused"):
-        "T5 v1.0 feed-forwards are ReLU (no kernel); the v1.1 / Flan-T5 gated GeLU "
-        "(T5DenseGatedActDense) gets it: the classes counted are those tested with a v1.1 config",
 }
 # BEiT, Swin, Swinv2: all_to_all / ring_attn refused by name (tests/test_sequence_parallel_more.py
 # test_sp_vision_modes_refused)
@@ -104,9 +101,6 @@ CAVEATS = {
         "tested with attn_logit_softcapping=0.05 (a cap that changes the tiny test model's logits), "
         "soft-capped by the kernel",
     ("mistral", "flash attention"): "with a sliding window (4) shorter than the test's sequences",
-    ("beit", "sequence overlap"):
-        "BeitForSemanticSegmentation not counted: its decode head does not read the last layer's output, so "
-        "that layer's backward never runs and the test's exact count of overlapped passes does not apply",
     ("falcon", "sequence parallel (ring_attn)"):
         "rotary Falcon (the zoo's config; the other fused layouts, SDPA and ALiBi in "
         "test_falcon_variants)",

@@ -434,7 +434,7 @@ def _matrix_notes():
 
 NOT_SUPPORTED = _matrix_notes()
 # Classes of a footnoted (family, column) that do get the kernel (the footnote says which).
-PARTIAL = {("t5", "jit fused"): {"T5ForQuestionAnswering", "T5ForConditionalGeneration/v1.1"}}
+PARTIAL: dict[tuple[str, str], set[str]] = {}
 KERNELS = {"fused normalization": ("layer_norm", "rms_norm"),
            "jit fused": ("swiglu", "bias_gelu", "bias_dropout_add"),
            "flash attention": ("attention",)}
@@ -482,6 +482,20 @@ def test_fused_normalization_every_family(pool, name, tp):
 def test_jit_fused_every_family(pool, name, tp):
     calls = _report(pool, name, tp)["calls"]
     assert calls["swiglu"] + calls["bias_gelu"] + calls["bias_dropout_add"] > 0, (name, calls)
+
+
+# T5's residual sublayers (T5LayerSelfAttention, T5LayerCrossAttention, T5LayerFF) end in
+# r + dropout(sublayer(norm(r))): one bias_dropout_add each per forward, in v1.0 (ReLU feed-forward) and
+# v1.1 (gated GeLU) alike, so exactly two per sublayer over the two compared forwards.
+T5_SUBLAYERS = ("T5LayerSelfAttention", "T5LayerCrossAttention", "T5LayerFF")
+
+
+@pytest.mark.parametrize("name, tp", [c for c in CASES if FAMILY_OF[c[0]] == "t5"],
+                         ids=[i for c, i in zip(CASES, IDS) if FAMILY_OF[c[0]] == "t5"])
+def test_jit_fused_t5_residual_adds(pool, name, tp):
+    sublayers = sum(type(m).__name__ in T5_SUBLAYERS for m in optimizations.build(name).modules())
+    calls = _report(pool, name, tp)["calls"]
+    assert sublayers and calls["bias_dropout_add"] == 2 * sublayers, (name, tp, sublayers, calls)
 
 
 # SamModel's SamMLPBlock: GeLU (the kernel) in the vision encoder, ReLU (torch's) in the mask decoder

@@ -22,6 +22,9 @@ model that has one of these forms gets it, in every family.
         residual   [norm](r + dropout(dense(h))) (BERT-style *Output, ViTOutput),
                    r + dropout_p(down(gelu(up(h)))) (BLOOM's MLP) -> bias_dropout_add kernel
                    (the dropout's own p, in training mode too: the kernel draws its mask)
+        sublayer   r + dropout(sublayer(norm(r), ...)) (T5's T5LayerSelfAttention,
+                   T5LayerCrossAttention, T5LayerFF; SUBLAYER_DROPOUT_ADD_FORMS)
+                   -> bias_dropout_add kernel
         layer      a layer whose residual blocks are inline in its forward (OPT's,
                    Whisper's; RESIDUAL_LAYER_FORMS): every r + dropout_p(block(h))
                    -> bias_dropout_add kernel, a GeLU activation -> bias_gelu kernel
@@ -33,7 +36,8 @@ model that has one of these forms gets it, in every family.
 
 A module is a candidate by its structure (attribute names, parameter shapes;
 see NORM_FORMS, GELU_FORMS, GATED_FORMS, GATED_GELU_FORMS, FUSED_GATED_FORMS,
-METHOD_GELU_FORMS, DROPOUT_ADD_FORMS, GELU_DROPOUT_ADD_FORMS, RESIDUAL_LAYER_FORMS) and is switched
+METHOD_GELU_FORMS, DROPOUT_ADD_FORMS, GELU_DROPOUT_ADD_FORMS, RESIDUAL_LAYER_FORMS,
+SUBLAYER_DROPOUT_ADD_FORMS) and is switched
 only after a probe: the module's own forward and the fused one run on the same random input
 (norms: every instance, with random weights, so that Gemma's (1 + w) scaling is
 told apart from w, with rows small enough that eps matters, last-dimension
@@ -477,6 +481,87 @@ def gelu_dropout_add_forward(up: str, act: str, down: str, prob: str, approximat
                            approximate=approximate)
 
 
+# (norm, sublayer, dropout module, {the layer's argument: the sublayer's}): a layer whose forward is
+#       r + dropout(sublayer(norm(r), ...))  [, the sublayer's other outputs]      T5's T5LayerSelfAttention,
+# T5LayerCrossAttention (their attention_mask is T5Attention's mask), T5LayerFF.  The sublayer is called
+# as the layer calls it; its own forms (T5 v1.1's gated GeLU) are switched on their own.  T5 v1.0's
+# DenseReluDense (wo(dropout(relu(wi(x))))) has no kernel: its projections have no bias to fuse and ReLU none.
+SUBLAYER_DROPOUT_ADD_FORMS = (("layer_norm", "SelfAttention", "dropout", (("attention_mask", "mask"),)),
+                              ("layer_norm", "EncDecAttention", "dropout", (("attention_mask", "mask"),)),
+                              ("layer_norm", "DenseReluDense", "dropout", ()))
+
+
+class _SublayerDropoutAdd(_FusedForward):
+    def __call__(self, module, *args, **kwargs):
+        sig = inspect.signature(type(module).forward)
+        params = sig.bind(module, *args, **kwargs).arguments
+        names = list(params)
+        residual = params[names[1]]                  # the parameter after self: the layer's input
+        call = {}
+        for name in names[2:]:
+            if sig.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+                call.update(params[name])
+            else:
+                call[dict(self.renames).get(name, name)] = params[name]
+        out = getattr(module, self.sublayer)(getattr(module, self.norm)(residual), **call)
+        h, rest = (out[0], tuple(out[1:])) if isinstance(out, tuple) else (out, None)
+        drop = getattr(module, self.dropout)
+        if ops.fused_input(h) and ops.fused_input(residual) and h.shape == residual.shape \
+                and h.dtype == residual.dtype:
+            h = ops.bias_dropout_add(h, None, residual, drop.p, drop.training)
+        else:
+            h = residual + drop(h)
+        return h if rest is None else (h, *rest)
+
+
+def sublayer_dropout_add_forward(norm: str, sublayer: str, dropout: str, renames: tuple):
+    """forward(r, ...) = r + dropout(sublayer(norm(r), ...)) [, the sublayer's other outputs]:
+    the dropout and the residual add in one C kernel (bias_dropout_add)."""
+    return _SublayerDropoutAdd(f"sublayer_dropout_add_forward[{norm}->{sublayer}->{dropout}]", norm=norm,
+                               sublayer=sublayer, dropout=dropout, renames=renames)
+
+
+def _sublayer_candidates(module):
+    """The fused forward of every SUBLAYER_DROPOUT_ADD_FORMS form whose structure `module` has (not yet probed)."""
+    children = dict(module.named_children())
+    for norm, sublayer, dropout, renames in SUBLAYER_DROPOUT_ADD_FORMS:
+        if norm in children and sublayer in children and isinstance(children.get(dropout), nn.Dropout):
+            yield sublayer_dropout_add_forward(norm, sublayer, dropout, renames)
+
+
+def _sublayer_forward(module):
+    """The fused forward for `module`'s class, or None: the first SUBLAYER_DROPOUT_ADD_FORMS
+    form whose outputs equal the layer's own forward (eval mode; [2, 3, H] hidden states,
+    H the norm's width, and [2, 4, H] states for each other tensor argument it requires:
+    T5LayerCrossAttention's key_value_states)."""
+    params = list(module.parameters())
+    if not params:
+        return None
+    dtype, device = params[0].dtype, params[0].device
+    for fused in _sublayer_candidates(module):
+        w = _param(getattr(module, fused.norm), "weight")
+        if w is None or w.dim() != 1:
+            continue
+        gen = torch.Generator().manual_seed(4321)
+        x = torch.randn(2, 3, w.shape[0], generator=gen).to(dtype=dtype, device=device)
+        required = [p for p in list(inspect.signature(type(module).forward).parameters.values())[2:]
+                    if p.default is inspect.Parameter.empty and p.kind is p.POSITIONAL_OR_KEYWORD]
+        kwargs = {p.name: torch.randn(2, 4, w.shape[0], generator=gen).to(dtype=dtype, device=device)
+                  for p in required}
+        with _eval_mode(module):
+            ran = _run_probe(module, _form_name(fused), lambda: type(module).forward(module, x, **kwargs),
+                             lambda: fused(module, x, **kwargs))
+        if ran is None:
+            continue
+        want, got = ran
+        want, got = (want, got) if isinstance(want, tuple) else ((want,), (got,))
+        if not isinstance(got, tuple) or len(got) != len(want) or not isinstance(want[0], torch.Tensor):
+            continue
+        if all((a is None and b is None) or _close(b, a, dtype) for a, b in zip(want, got)):
+            return fused
+    return None
+
+
 def _residual_candidates(module):
     """(fused forward(h, residual), input projection, output projection) for
     every residual form whose structure `module` has (not yet probed)."""
@@ -594,6 +679,7 @@ def _form_names(module) -> tuple[str, ...]:
     return (tuple(f.__qualname__ + repr(getattr(f, "approximate", "")) for f, _ in _mlp_candidates(module))
             + tuple(f.__qualname__ + repr(getattr(f, "approximate", "")) for f, _, _ in _residual_candidates(module))
             + tuple(f.__qualname__ + repr(f.approximate) for f in _layer_candidates(module))
+            + tuple(f.__qualname__ for f in _sublayer_candidates(module))
             + tuple(f.__qualname__ + repr(getattr(f, "approximate", "")) for _, f, _ in _method_candidates(module)))
 
 
@@ -617,7 +703,7 @@ def _mlp_forward(module):
             continue
         if _close(got, want, dtype):
             return fused
-    return _residual_forward(module) or _layer_forward(module)
+    return _residual_forward(module) or _layer_forward(module) or _sublayer_forward(module)
 
 
 def _linear_out(module) -> int | None:

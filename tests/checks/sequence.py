@@ -1,6 +1,8 @@
 """Rank-side checks of split-gather sequence parallelism (tests/test_sequence_parallel.py)."""
 from __future__ import annotations
 
+import re
+
 import torch
 
 import zoo
@@ -198,7 +200,7 @@ def sp_overlap_equals_unsharded(ctx, name: str, seq: int | None = None, blocks: 
         inputs = parity.to_device(inputs, device)
     ref = copy.deepcopy(model)
     ShardFormer(cfg).optimize(model)
-    gathering = [m for m in model.modules() if isinstance(m, Linear1D_Col) and getattr(m, "overlap", False)]
+    gathering = {n: m for n, m in model.named_modules() if isinstance(m, Linear1D_Col) and getattr(m, "overlap", False)}
     units = len(gathering) + blocks * model.config.num_hidden_layers
     assert units, f"{name}: no column layer gathers its input with overlap"
     before, unused = _GatherRowsLinear.overlapped, _GatherRowsLinear.unused
@@ -206,9 +208,19 @@ def sp_overlap_equals_unsharded(ctx, name: str, seq: int | None = None, blocks: 
     ran = _GatherRowsLinear.overlapped - before
     # every output a block's overlapped gather computed was the one its layer returned
     assert _GatherRowsLinear.unused == unused, f"{name}: {_GatherRowsLinear.unused - unused} precomputed outputs unused"
+    # the backward passes: those of the gathering layers whose weight the unsharded model's loss reaches
+    # (all of them, except where a head reads no later layer: BeitForSemanticSegmentation's reads
+    # hidden_states[i - 1] for i in out_indices, so the layers past max(out_indices) - 1 get no gradient)
+    backward = len(gathering) - sum(ref.get_submodule(n).weight.grad is None for n in gathering) + blocks * model.config.num_hidden_layers
+    starved = {n for n in gathering if ref.get_submodule(n).weight.grad is None}
+    if starved:   # only the layers a multi-level head never reads (it reads hidden_states[i - 1], i in out_indices)
+        out_indices = getattr(model.config, "out_indices", None) or [len(gathering) + 1]
+        unread = {n for n in gathering if int(re.search(r"\.layers?\.(\d+)\.", n).group(1)) >= max(out_indices) - 1}
+        assert starved == unread, f"{name}: no gradient reached {sorted(starved)}, out_indices {out_indices} leave {sorted(unread)}"
     backend = backend_for(torch.empty(1, device=device), ctx.group)
-    if backend == "shm" or device is not None:   # 2 forwards (before and after the step) and 1 backward per layer
-        assert ran == 3 * units, f"{name}: {ran} overlapped passes, expected {3 * units}"
+    if backend == "shm" or device is not None:   # 2 forwards (before and after the step), 1 backward per layer reached
+        expected = 2 * units + backward
+        assert ran == expected, f"{name}: {ran} overlapped passes, expected {expected} ({units} layers, {backward} backwards)"
     return {**report, "overlapped": ran, "backend": backend}
 
 
