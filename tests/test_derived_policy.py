@@ -250,7 +250,7 @@ def test_translated_plan_is_a_policy_spec():
     assert (embed.style, embed.kwargs) == ("embedding_rowwise", (("embed_scale", 8.0),))
 
 
-@pytest.mark.parametrize("tp,names", [(2, SPEC_NAMES), (4, SPEC_NAMES[:1])])
+@pytest.mark.parametrize("tp,names", [(2, SPEC_NAMES[1:]), (4, SPEC_NAMES[:1])])
 def test_translated_spec_runs_as_spec_policy(pool, tp, names):
     reports = pool.run(D.spec_policy_matches, tp, names)
     assert all(set(r) == set(names) and all(v["tp"] == tp for v in r.values()) for r in reports)
