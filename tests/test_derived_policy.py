@@ -220,3 +220,42 @@ def test_all_optimizations_on_latent_attention(pool, name):
     heads differ in size, which the C kernel does not take)."""
     calls = pool.run(D.with_all_optimizations, 2, name)[0]["calls"]
     assert calls["rms_norm"] > 0 and calls["swiglu"] > 0, calls
+
+
+# A derived policy is a translation: the model's plan (and the rules of shardformer.derived_rules) become a
+# PolicySpec, which SpecPolicy runs alone: latent attention (its rope_dim kwarg), 6 heads uneven at TP=4,
+# experts, a scaled embedding tied to the LM head, GPT-NeoX's fused per-head qkv.
+SPEC_NAMES = tuple(D.available(["DeepseekV2-qproj-6heads", "VaultGemma"], D.MODELS))
+
+
+def test_translated_plan_is_a_policy_spec():
+    from shardformer.layout import Heads
+    from shardformer.spec import PolicySpec
+
+    spec = D.translated_spec("DeepseekV2-qproj-6heads")
+    assert isinstance(spec, PolicySpec) and spec == D.translated_spec("DeepseekV2-qproj-6heads")
+    assert hash(spec) == hash(D.translated_spec("DeepseekV2-qproj-6heads"))      # frozen data, by value
+    (module,) = spec.modules
+    assert module.key == "DeepseekV2ForCausalLM" and "derived" in spec.name
+    by_path = {e.suffix: e for e in module.entries}
+    kv_a = by_path["model.layers.0.self_attn.kv_a_proj_with_mqa"]
+    assert (kv_a.style, kv_a.kwargs) == ("mla_kv_a_proj", (("rope_dim", 8),))
+    assert by_path["model.layers.0.self_attn.q_proj"].heads == Heads(6, 6, 20)       # qk_nope 12 + qk_rope 8
+    assert {a.name: a.kind for a in module.attributes if a.name.startswith("model.layers.0.")} == {
+        "model.layers.0.self_attn.num_heads": "heads", "model.layers.0.self_attn.num_key_value_groups": "groups"}
+    assert all(a.heads == Heads(6, 6, 20) for a in module.attributes)
+    tied = D.translated_spec("VaultGemma")
+    assert tied.ties == (("model.embed_tokens", "lm_head"),)
+    embed = next(e for e in tied.modules[0].entries if e.suffix == "model.embed_tokens")
+    assert (embed.style, embed.kwargs) == ("embedding_rowwise", (("embed_scale", 8.0),))
+
+
+@pytest.mark.parametrize("tp,names", [(2, SPEC_NAMES[1:]), (4, SPEC_NAMES[:1])])
+def test_translated_spec_runs_as_spec_policy(pool, tp, names):
+    reports = pool.run(D.spec_policy_matches, tp, names)
+    assert all(set(r) == set(names) and all(v["tp"] == tp for v in r.values()) for r in reports)
+
+
+def test_translated_spec_default_group(pool2):
+    reports = pool2.run(D.spec_policy_matches, 2, ("GPTNeoX-6heads",), True)
+    assert all(r["GPTNeoX-6heads"]["tp"] == 2 for r in reports)

@@ -115,13 +115,14 @@ import re
 
 from torch import nn
 
-from .derived_rules import added_children, attention_attributes, is_attention, is_mla, norm_like, side_of_norm
+from .derived_rules import added_children, attention_counts, is_attention, is_mla, norm_like, side_of_norm
 from .family import SplitAttentionPolicy, sequence_mode_refused
 from .layout import Heads
 from .layer.sequence_layout import BLOCK, ENTER, SequenceLayouts
-from .plan import PlanContext, PlanError, record_hidden_states, replacement, split_gather_ends, split_gather_layer
+from .plan import PlanError, interpret, record_hidden_states, split_gather_ends, split_gather_layer
 from .policy import ModulePolicyDescription, Policy, merge_policies
 from .policy import SubModuleReplacementDescription as Sub
+from .spec import Attribute, Entry, ModuleSpec, PolicySpec
 
 #: The styles DerivedPolicy maps (see the module docstring).
 SUPPORTED_STYLES = (
@@ -365,11 +366,28 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         return merge_policies(policy, self.split_attention_policy())
 
     def _tensor_parallel_policy(self) -> dict:
+        """The tensor-parallel replacements: translate() run through
+        shardformer.plan.interpret, the interpreter of the built-in shapes'
+        specs (keyed by the model's class, where split_gather adds its regions)."""
         if not self.tensor_parallel:
             return {}
+        spec = self.translate()
+        described = interpret(spec, self.model, self.shard_config, self.state, self)
+        return {type(self.model): described[type(self.model).__name__]}
+
+    def translate(self) -> PolicySpec:
+        """The plan in force (full_plan) as a PolicySpec: one ModuleSpec for
+        the model's class, an Entry per module the plan splits (its style of
+        shardformer.plan chosen by the rules of shardformer.derived_rules:
+        head styles inside an attention, the vocabulary LM head, ...), with
+        each attention's Heads on its entries and head-count Attribute rows,
+        and the LM head's tie to the input embeddings.  Refuses, naming the
+        style, path and model, what it cannot honour (before anything changes).
+        Split-gather sequence parallelism is added around the interpreted
+        replacements (_split_gather), not part of the spec yet."""
         matched = self.matched()
         self.plan_paths = set(matched)
-        subs, attrs = [], {}
+        entries, attrs = [], []
         parents: dict[str, list[str]] = {}
         for path in matched:
             parents.setdefault(path.rpartition(".")[0], []).append(path)
@@ -381,13 +399,13 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
             if style == "ep_router":     # the router stays replicated: ExpertParallelExperts dispatches
                 continue
             if style == "moe_tp_experts":
-                subs.append(self._experts(path, module, matched))
+                entries.append(self._experts(path, module, matched))
             elif style == "replicated_with_grad_allreduce":
                 if not any(True for _ in module.parameters()):
                     raise self._fail(style, path, f"{type(module).__name__} has no parameters")
-                subs.append(replacement(path, style, PlanContext(self)))
+                entries.append(Entry(path, style))
             elif isinstance(module, nn.Embedding):
-                subs.append(self._embedding(path, style, module))
+                entries.append(self._embedding(path, style, module))
             elif style in _COL or style in _ROW or style == _MLA:
                 parent_path = path.rpartition(".")[0]
                 if parent_path in done:
@@ -395,9 +413,9 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
                 siblings = {p: matched[p] for p in parents[parent_path] if matched[p][0] in _COL + _ROW + (_MLA,)
                             and not isinstance(matched[p][1], nn.Embedding)}
                 parent = self.model.get_submodule(parent_path) if parent_path else self.model
-                s, a = self._linears(parent_path, parent, siblings)
-                subs += s
-                attrs.update(a)
+                e, a = self._linears(parent_path, parent, siblings)
+                entries += e
+                attrs += a
                 done.add(parent_path)
                 done.update(siblings)
             elif style == "grouped_gemm":
@@ -405,45 +423,46 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
                                  f"module; {type(module).__name__} is not inside one")
             else:
                 raise self._fail(style, path, f"{style} needs an nn.Embedding, {type(module).__name__} is not one")
-        subs += self._tied_embedding(matched, subs)
-        return {type(self.model): ModulePolicyDescription(attribute_replacement=attrs, sub_module_replacement=subs)}
+        tied, ties = self._tied_embedding(matched, entries)
+        name = type(self.model).__name__
+        return PolicySpec(f"{name} (derived from its tensor-parallel plan)",
+                          (ModuleSpec(name, tuple(entries + tied), tuple(attrs), sp_linear=""),), ties=ties)
 
-    def _embedding(self, path: str, style: str, module: nn.Embedding) -> Sub:
+    def _embedding(self, path: str, style: str, module: nn.Embedding) -> Entry:
         if style not in ("embedding_rowwise", "rowwise", "rowwise_split_input", "rowwise_rep"):
             raise self._fail(style, path, "an nn.Embedding is split only by vocabulary (embedding_rowwise)")
         return self._vocab_embedding(path, module)
 
-    def _vocab_embedding(self, path: str, module: nn.Module) -> Sub:
+    def _vocab_embedding(self, path: str, module: nn.Module) -> Entry:
         """embedding_rowwise at `path`, keeping the module's embed scale."""
         scale = getattr(module, "scalar_embed_scale", None)
         if scale is None and getattr(module, "embed_scale", None) is not None:
             scale = float(module.embed_scale)
-        return replacement(path, "embedding_rowwise", PlanContext(self, embed_scale=scale))
+        return Entry(path, "embedding_rowwise", kwargs=() if scale is None else (("embed_scale", float(scale)),))
 
-    def _tied_embedding(self, matched: dict, subs: list[Sub]) -> list[Sub]:
-        """An LM head split by vocabulary that HF tied to the input embeddings
-        keeps the tie: the embeddings are split by vocabulary too (postprocess re-ties)."""
-        from .layer import VocabParallelLMHead1D
-
+    def _tied_embedding(self, matched: dict, entries: list[Entry]) -> tuple[list[Entry], tuple]:
+        """(entries, ties): an LM head split by vocabulary that HF tied to the
+        input embeddings keeps the tie: the embeddings are split by vocabulary
+        too, and the spec's tie re-ties them after substitution."""
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
         inputs = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
         if head is None or inputs is None or head.weight is not inputs.weight:
-            return []
+            return [], ()
         paths = {id(m): p for p, m in self.model.named_modules()}
         head_path, in_path = paths.get(id(head)), paths.get(id(inputs))
-        by_path = {s.suffix: s for s in subs}
-        head_sub = by_path.get(head_path)
-        if head_sub is None:
-            return []
-        if head_sub.target_module is not VocabParallelLMHead1D:
+        by_path = {e.suffix: e for e in entries}
+        head_entry = by_path.get(head_path)
+        if head_entry is None:
+            return [], ()
+        if head_entry.style != "vocab_lm_head":
             raise self._fail(matched[head_path][0], head_path,
                              "the LM head is tied to the input embeddings and can only be split by vocabulary")
-        self.state.ties.append((in_path, head_path))    # re-tied by Policy.postprocess
+        ties = ((in_path, head_path),)        # re-tied by Policy.postprocess
         if in_path in by_path:
-            return []
-        return [self._vocab_embedding(in_path, inputs)]
+            return [], ties
+        return [self._vocab_embedding(in_path, inputs)], ties
 
-    def _experts(self, path: str, module: nn.Module, matched: dict) -> Sub:
+    def _experts(self, path: str, module: nn.Module, matched: dict) -> Entry:
         inner = {p[len(path) + 1:]: s for p, (s, _) in matched.items() if p.startswith(path + ".")}
         generic = _generic(path)
         for key, style in self.full_plan().items():          # parameter entries (experts.gate_up_proj: packed_colwise)
@@ -459,12 +478,12 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
             raise self._fail("moe_tp_experts", path, f"{type(module).__name__} does not hold fused "
                              "[E, 2I, H] gate_up_proj and [E, H, I] down_proj parameters")
         ep = self.shard_config.expert_parallel_process_group
-        return replacement(path, "moe_tp_experts" if ep is None else "moe_ep_experts", PlanContext(self))
+        return Entry(path, "moe_tp_experts" if ep is None else "moe_ep_experts")
 
-    def _linears(self, parent_path: str, parent: nn.Module, siblings: dict) -> tuple[list[Sub], dict]:
-        """The replacements of the Linear layers of one module (an attention
-        or MLP block) and the attributes its forward needs per rank."""
-        subs, attrs = [], {}
+    def _linears(self, parent_path: str, parent: nn.Module, siblings: dict) -> tuple[list[Entry], list[Attribute]]:
+        """The entries of the Linear layers of one module (an attention or
+        MLP block) and the Attribute rows its forward needs per rank."""
+        subs, attrs = [], []
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
         attention = is_attention(parent) and parent is not self.model
         heads = None
@@ -492,9 +511,9 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         for path, (style, module) in siblings.items():
             if not isinstance(module, nn.Linear):
                 raise self._fail(style, path, f"{type(module).__name__} is not an nn.Linear")
-            ours, ctx, extra = self._linear_style(path, style, module, parent, heads, head)
+            ours, own, extra = self._linear_style(path, style, module, parent, heads, head)
             split_heads = split_heads or ours in _HEAD_STYLES
-            subs.append(replacement(path, ours, ctx, extra))
+            subs.append(Entry(path, ours, heads=own, kwargs=tuple((extra or {}).items())))
         if mla and not split_heads:
             raise self._fail(_MLA, mla[0], "its attention's projections are not split by heads (the plan "
                              "names no colwise q_b_proj / kv_b_proj)")
@@ -503,43 +522,43 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
                              "split by heads, but the plan does not name its kv_a_proj_with_mqa mla_kv_a_proj "
                              "(the shared rotary key's gradient would stay partial)")
         if split_heads:
-            attrs.update(attention_attributes(parent_path, parent, heads, widths=not mla))
+            attrs += [Attribute(name, kind, heads=heads)
+                      for name, kind in attention_counts(parent_path, parent, heads, widths=not mla).items()]
         if any(style in ("colwise", "packed_colwise") for style, _ in siblings.values()):
             subs += self._between_split_layers(parent_path, parent, mla=bool(mla), siblings=siblings)
         return subs, attrs
 
     def _linear_style(self, path: str, style: str, module: nn.Linear, parent: nn.Module, heads: Heads | None,
-                      head: nn.Module | None) -> tuple[str, PlanContext, dict | None]:
-        """(our style (shardformer.plan), its context, extra kwargs) of one
+                      head: nn.Module | None) -> tuple[str, Heads | None, dict | None]:
+        """(our style (shardformer.plan), the heads it splits by, extra kwargs) of one
         Linear the plan names `style`: a colwise / rowwise inside an
         attention becomes the head style its width says (query heads, KV
         heads, or whole heads of a fused per-head layout); the output
         embeddings' gathered style becomes the vocabulary-parallel LM head."""
-        ctx = PlanContext(self, heads)
         if style == _MLA:
-            return "mla_kv_a_proj", ctx, {"rope_dim": parent.qk_rope_head_dim}
+            return "mla_kv_a_proj", heads, {"rope_dim": parent.qk_rope_head_dim}
         if style in ("packed_colwise", "packed_rowwise"):
-            return style, ctx, None
+            return style, heads, None
         if style in ("colwise_gather_output", "colwise_rep"):
-            return ("vocab_lm_head" if module is head else "colwise_gather_output"), ctx, None
+            return ("vocab_lm_head" if module is head else "colwise_gather_output"), heads, None
         if style in ("rowwise_split_input", "rowwise_rep"):
-            return "rowwise_split_input", ctx, None
+            return "rowwise_split_input", heads, None
         if heads is None:
-            return style, ctx, None
+            return style, heads, None
         out_f, in_f = module.weight.shape
         width = out_f if style == "colwise" else in_f
         n, kv, hd = heads.num_heads, heads.kv_heads, heads.head_dim
         if width == n * hd:
-            return ("colwise_heads" if style == "colwise" else "rowwise_heads"), ctx, None
+            return ("colwise_heads" if style == "colwise" else "rowwise_heads"), heads, None
         if width == kv * hd:
             if style == "rowwise" and kv != n:
                 raise self._fail(style, path, "a row-parallel input split by KV heads is not supported")
-            return ("colwise_kv_heads" if style == "colwise" else "rowwise_heads"), ctx, None
+            return ("colwise_kv_heads" if style == "colwise" else "rowwise_heads"), heads, None
         if n == kv and width == 3 * n * hd and style == "colwise":     # [q_h k_h v_h] per head (GPT-NeoX)
-            return "colwise_per_head", ctx, None
+            return "colwise_per_head", heads, None
         if n == kv and width % n == 0:       # other per-head blocks: whole blocks of width / n
             block = Heads(n, n, width // n)
-            return ("colwise_heads" if style == "colwise" else "rowwise_heads"), PlanContext(self, block), None
+            return ("colwise_heads" if style == "colwise" else "rowwise_heads"), block, None
         raise self._fail(style, path, f"{width} features are not a whole number of the attention's heads ({heads})")
 
     def _mla_heads(self, parent_path: str, parent: nn.Module, kv_a_path: str) -> Heads:
@@ -559,7 +578,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         return Heads(parent.num_heads, parent.num_heads, parent.qk_nope_head_dim + parent.qk_rope_head_dim)
 
     def _between_split_layers(self, parent_path: str, parent: nn.Module, mla: bool = False,
-                              siblings: dict | None = None) -> list[Sub]:
+                              siblings: dict | None = None) -> list[Entry]:
         """The other parameterized children of a module whose column layers
         leave their output split (an activation with parameters, a per-head
         norm the plan does not name): they act on this rank's features, so
@@ -567,8 +586,6 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         replicated_with_grad_allreduce does.  In a latent attention (`mla`)
         they run before the split instead, on replicated activations
         (_MLA_LATENT): they stay as they are, and any other child is refused."""
-        from .layer.replicated import ReplicatedInParallelRegion
-
         lead = f"{parent_path}." if parent_path else ""
         named = self.plan_paths
         rest = [child for child, module in parent.named_children()
@@ -582,7 +599,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
             return []
         if not is_attention(parent) and siblings:
             rest = [c for c in rest if not self._runs_outside_split(lead + c, getattr(parent, c), siblings)]
-        return [Sub(lead + child, ReplicatedInParallelRegion) for child in rest]
+        return [Entry(lead + child, "replicated_with_grad_allreduce") for child in rest]
 
     def _runs_outside_split(self, path: str, child: nn.Module, siblings: dict) -> bool:
         """Whether a child of a block (not an attention) that holds split

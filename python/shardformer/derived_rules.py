@@ -111,16 +111,16 @@ def side_of_norm(norm: nn.Module, widths_in: set[int], widths_out: set[int]) -> 
     return "outside" if width in widths_in else None
 
 
-def attention_attributes(path: str, module: nn.Module, heads: Heads, widths: bool = True) -> dict:
-    """{dotted attribute under the model: per-rank value} for an attention
-    split by `heads`: its HEAD_ATTRS, its WIDTH_ATTRS equal to the query width
-    (not with `widths`: a latent attention reshapes with -1), and a per-rank
-    config when its forward reads head counts from it."""
+def attention_counts(path: str, module: nn.Module, heads: Heads, widths: bool = True) -> dict:
+    """{dotted attribute under the model: what it holds (Heads.attributes'
+    kinds)} for an attention split by `heads`: its HEAD_ATTRS, its
+    WIDTH_ATTRS equal to the query width (not with `widths`: a latent
+    attention reshapes with -1), and "config" (a per-rank copy of the config
+    it holds) when its forward reads head counts from it."""
     lead = f"{path}." if path else ""
     counts = {lead + name: kind for name, kind in HEAD_ATTRS.items() if isinstance(getattr(module, name, None), int)}
     counts.update({lead + name: "width" for name in (WIDTH_ATTRS if widths else ())
                    if getattr(module, name, None) == heads.num_heads * heads.head_dim})
-    config = getattr(module, "config", None)
-    if config is not None and reads_head_counts(module):
+    if getattr(module, "config", None) is not None and reads_head_counts(module):
         counts[lead + "config"] = "config"
-    return heads.attributes(counts, config)
+    return counts

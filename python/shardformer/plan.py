@@ -454,6 +454,32 @@ def split_gather_subs(spec, model, shard_config, state) -> dict[str, list[Sub]]:
             sg.owner: split_gather_ends(sg.layers, len(layers), seq)}
 
 
+def _attributes(spec, module_spec, rows, heads, model) -> dict:
+    """{attribute: this rank's value} of the Attribute rows of one ModuleSpec:
+    the rows without heads follow the spec's heads (a "config" row copies the
+    model's text config); those with their own heads follow them, one group
+    per module holding them (a "config" row copies the config that module
+    holds now, found on the first module of the class)."""
+    groups: dict = {}
+    for a in rows:
+        key = (None, "") if a.heads is None else (a.heads, a.name.rpartition(".")[0])
+        groups.setdefault(key, {})[a.name] = a.kind
+    out = {}
+    for (own, holder), counts in groups.items():
+        if own is None:
+            if heads is None:
+                raise PlanError(f"policy spec {spec.name!r}: {module_spec.key} sets head attributes but the spec "
+                                f"reads no heads")
+            out.update(heads.attributes(counts, text_config(model)))
+            continue
+        config = None
+        if "config" in counts.values():
+            first = _find(model, module_spec.key, spec)[0]
+            config = getattr(first.get_submodule(holder) if holder else first, "config", None)
+        out.update(own.attributes(counts, config))
+    return out
+
+
 def interpret(spec, model, shard_config, state, policy=None) -> dict:
     """{class name: ModulePolicyDescription} of `spec` (shardformer.spec.PolicySpec)
     on `model` under `shard_config`; `state` (the optimize()'s OptimizeState)
@@ -469,19 +495,19 @@ def interpret(spec, model, shard_config, state, policy=None) -> dict:
         state.sequence_state = SequenceState(recompute=shard_config.sequence_parallel_recompute)
     out = {}
     for m in spec.modules:
-        ctx = PlanContext(view, heads, _embed_scale(m, model))
-        entries = [e for e in m.entries if holds(e.when, held)]
+        scale = _embed_scale(m, model)
+        entries = {}                       # by suffix, as a plan dict: a later entry replaces an earlier one
+        for e in m.entries:
+            if holds(e.when, held):
+                entries[e.suffix] = e
         by_kind = dict(zip(("col", "row"), SP_LINEAR[m.sp_linear]))
-        subs = realize({e.suffix: e.style for e in entries}, ctx, extra={
-            e.suffix: sp_kwargs(e.sp if e.sp is not None else by_kind.get(style_of(e.style).kind, ""), held,
-                                state.sequence_state)
-            for e in entries})
-        attrs, rows = {}, [a for a in m.attributes if holds(a.when, held)]
-        if rows:
-            if heads is None:
-                raise PlanError(f"policy spec {spec.name!r}: {m.key} sets head attributes but the spec reads no heads")
-            attrs = heads.attributes({a.name: a.kind for a in rows}, text_config(model))
-        out[m.key] = ModulePolicyDescription(attribute_replacement=attrs, sub_module_replacement=subs)
+        subs = [replacement(e.suffix, e.style, PlanContext(view, heads if e.heads is None else e.heads, scale),
+                            {**sp_kwargs(e.sp if e.sp is not None else by_kind.get(style_of(e.style).kind, ""),
+                                         held, state.sequence_state), **dict(e.kwargs)})
+                for e in entries.values()]
+        rows = [a for a in m.attributes if holds(a.when, held)]
+        out[m.key] = ModulePolicyDescription(attribute_replacement=_attributes(spec, m, rows, heads, model),
+                                             sub_module_replacement=subs)
     if "sequence_parallel" in held and spec.split_gather is not None:
         for key, subs in split_gather_subs(spec, model, shard_config, state).items():
             out.setdefault(key, ModulePolicyDescription()).sub_module_replacement.extend(subs)

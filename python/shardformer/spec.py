@@ -74,12 +74,18 @@ class Entry:
     `when`: conditions that must all hold (else the entry is skipped).
     `sp`: its kwargs under split-gather SP (SP_KWARGS); None: by its style's
     kind, as the module's `sp_linear` says.  An unknown style is refused by
-    shardformer.plan.interpret, naming the known ones."""
+    shardformer.plan.interpret, naming the known ones.
+    `heads`: this entry's heads (a shardformer.layout.Heads), in place of
+    the spec's (a plan translated from a model: each attention its own);
+    `kwargs`: (name, value) pairs added to the style's kwargs (applied last).
+    """
 
     suffix: str
     style: str
     when: tuple[str, ...] = ()
     sp: str | None = None
+    heads: Any = None
+    kwargs: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self):
         _check_when(f"Entry({self.suffix!r})", self.when)
@@ -90,11 +96,15 @@ class Entry:
 @dataclass(frozen=True)
 class Attribute:
     """The attribute `name` (dotted, under the module) set to this rank's
-    value of the heads' `kind` (HEAD_KINDS), when the conditions `when` hold."""
+    value of the heads' `kind` (HEAD_KINDS), when the conditions `when` hold.
+    `heads`: the Heads it follows, in place of the spec's; a "config" row
+    with its own heads copies the config the attribute holds (an attention's
+    own), one without the model's text config."""
 
     name: str
     kind: str
     when: tuple[str, ...] = ()
+    heads: Any = None
 
     def __post_init__(self):
         _check_when(f"Attribute({self.name!r})", self.when)

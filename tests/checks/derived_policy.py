@@ -332,3 +332,27 @@ def supplemented_fractions(ctx, name: str) -> dict:
         sharded, _ = ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model, policy=policy)
         fractions[which] = sum(p.numel() for p in sharded.parameters()) / full
     return fractions
+
+
+def translated_spec(name: str, shard_config=None):
+    """DerivedPolicy.translate() of zoo-less model `name` (MODELS): the
+    PolicySpec its plan becomes, built on a model of its own (a spec is
+    data: paths, styles, Heads, attribute rows, ties)."""
+    from shardformer.derived_policy import DerivedPolicy
+
+    policy = DerivedPolicy()
+    policy.set_model(build(name))
+    policy.set_shard_config(shard_config or ShardConfig())
+    return policy.translate()
+
+
+def spec_policy_matches(ctx, names: tuple[str, ...], default_group: bool = False) -> dict:
+    """Each model of `names` sharded by SpecPolicy(its translated spec), with
+    no DerivedPolicy involved, against the unsharded model: forward, loss,
+    every gradient and an SGD step (parity.check_sharded).  {name: report}."""
+    from shardformer.family import SpecPolicy
+
+    return {name: parity.check_sharded(ctx, lambda: build(name), make_inputs(name), name=f"{name} (translated spec)",
+                                       policy=SpecPolicy(translated_spec(name)), fp64_floor=name in FP64_FLOOR,
+                                       default_group=default_group)
+            for name in names}
