@@ -156,12 +156,8 @@ def _foreign_hooks(model) -> list[str]:
     gathering, whose weights a decode step discards; the re-registration of
     gradient hooks of replicated parameters, which a step without
     gradients does not need)."""
-    from .layer.attention_weights import _Gathering
-    from .layer.rank_streams import _StreamPerLayer
-    from .layer.replicated import _GradientSync
-
-    def ours(hook) -> bool:
-        return isinstance(getattr(hook, "__self__", hook), (_StreamPerLayer, _Gathering, _GradientSync))
+    def ours(hook) -> bool:       # the hook classes say so themselves (INERT_IN_DECODE)
+        return getattr(type(getattr(hook, "__self__", hook)), "INERT_IN_DECODE", False)
 
     found = []
     for name, module in model.model.named_modules():
@@ -230,9 +226,9 @@ class DecodeFastPath:
         return type(self.model).forward(self.model, *args, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        from .lockstep import _inside
+        from .lockstep import inside_generate
 
-        if not (self.enabled and getattr(_inside, "generate", False)):
+        if not (self.enabled and inside_generate()):
             return self._hf(args, kwargs)
         if not self._checked:
             self._off = _structure_refusal(self.model)

@@ -167,6 +167,12 @@ def dist_rank() -> int:
 _inside = threading.local()
 
 
+def inside_generate() -> bool:
+    """True while this thread runs a lock-step generate() (a decode step's
+    forward, e.g. shardformer.decode's fast path, may take that as its cue)."""
+    return getattr(_inside, "generate", False)
+
+
 class LockstepGenerate:
     """model.generate (whatever was installed before: HF's, or lm_loss's
     gathering one, `inner`) run in lock-step over `groups` (see the module

@@ -97,6 +97,9 @@ class _Gathering:
     the head dimension in forward, this rank's slice of the gradient in
     backward).  A class, not a closure, so the model pickles."""
 
+    #: shardformer.decode's fast step may skip this hook (see decode._foreign_hooks)
+    INERT_IN_DECODE = True
+
     def __init__(self, shard: DimShard, group, index: int, folded: bool):
         self.shard, self.group, self.index, self.folded = shard, group, index, folded
 

@@ -113,6 +113,9 @@ class _StreamPerLayer:
     forwards in progress (nested under recomputation); it is empty between
     forwards and is not pickled."""
 
+    #: shardformer.decode's fast step may skip this hook (see decode._foreign_hooks)
+    INERT_IN_DECODE = True
+
     def __init__(self, rank: int, config):
         self.rank, self.config = rank, config
         self.streams: list[RankStream] = []

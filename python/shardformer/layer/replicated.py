@@ -100,6 +100,9 @@ class _GradientSync:
     """The gradient all-reduce hooks of some parameters of `module`, registered
     by commit() and removed again by rollback()."""
 
+    #: shardformer.decode's fast step may skip this hook (see decode._foreign_hooks)
+    INERT_IN_DECODE = True
+
     def __init__(self, module: nn.Module, params: list, group):
         self.module, self.params, self.group = module, params, group
         self.handles: list = []
