@@ -23,7 +23,8 @@ random Llama and a few tokens (a smoke run, for tests/test_benchmarks.py).
 --dtype bfloat16 / float16: every model in that dtype (default float32), results
 in generate_<dtype>.* by default.
 
-Everything runs in one launch per model (shardformer.launch.spawn, 2 ranks):
+Everything runs in one launch per model (shardformer.launch.spawn, 2 ranks;
+--quick: one launch for the bandwidth phases and the model, no idle wait):
 while rank 0 runs the unsharded model the other rank waits in a gloo barrier
 (blocked, not spinning).  Rounds interleave the configurations
 (1t, 2t, tp2 for each batch, --rounds times), so they see the same machine.
@@ -756,22 +757,36 @@ def main(argv=None) -> int:
     print(f"generate: models {args.models}, batches {args.batches}, {args.new_tokens} new tokens "
           f"({args.warmup_steps} warm-up steps), {args.rounds} round(s); load average {load_start}", flush=True)
     nbytes = args.bw_mib << 20
-    idle = {"bandwidth-start": wait_for_idle(args.wait_idle)}
-    bws = [spawn(_bw_rank, TP_SIZE, args=(nbytes,), threads_per_rank=1, timeout_s=600)[0]]
-    print("bandwidth (start): " + _fmt_bw(bws[0]), flush=True)
     results = {"args": vars(args), "loadavg_start": load_start, "models": {}}
-    for name in args.models:
-        path = smollm2_path() if name == "smollm2" else None
-        idle[name] = wait_for_idle(args.wait_idle)
-        print(f"running {name} ...", flush=True)
+    if args.quick:
+        # One launch for the bandwidth phases and the models (the same functions the separate
+        # launches below run): the smoke run's time is mostly the launches' start-ups.
+        idle = {}
+        models = [(name, smollm2_path() if name == "smollm2" else None) for name in args.models]
         t0 = time.perf_counter()
-        ranks = spawn(rank_main, TP_SIZE, args=(name, path, vars(args)), threads_per_rank=1,
+        ranks = spawn(_one_launch_rank, TP_SIZE, args=(models, vars(args), nbytes), threads_per_rank=1,
                       timeout_s=args.timeout)
-        results["models"][name] = summarize(name, ranks, args)
-        print(f"  {name}: {time.perf_counter() - t0:.0f} s", flush=True)
-    idle["bandwidth-end"] = wait_for_idle(args.wait_idle)
-    bws.append(spawn(_bw_rank, TP_SIZE, args=(nbytes,), threads_per_rank=1, timeout_s=600)[0])
-    print("bandwidth (end): " + _fmt_bw(bws[1]), flush=True)
+        bws = ranks[0]["bandwidth"]
+        for name, _ in models:
+            results["models"][name] = summarize(name, [rk["models"][name] for rk in ranks], args)
+        print(f"bandwidth (start): {_fmt_bw(bws[0])}\nbandwidth (end): {_fmt_bw(bws[1])}\n"
+              f"  {', '.join(args.models)}: {time.perf_counter() - t0:.0f} s (one launch)", flush=True)
+    else:
+        idle = {"bandwidth-start": wait_for_idle(args.wait_idle)}
+        bws = [spawn(_bw_rank, TP_SIZE, args=(nbytes,), threads_per_rank=1, timeout_s=600)[0]]
+        print("bandwidth (start): " + _fmt_bw(bws[0]), flush=True)
+        for name in args.models:
+            path = smollm2_path() if name == "smollm2" else None
+            idle[name] = wait_for_idle(args.wait_idle)
+            print(f"running {name} ...", flush=True)
+            t0 = time.perf_counter()
+            ranks = spawn(rank_main, TP_SIZE, args=(name, path, vars(args)), threads_per_rank=1,
+                          timeout_s=args.timeout)
+            results["models"][name] = summarize(name, ranks, args)
+            print(f"  {name}: {time.perf_counter() - t0:.0f} s", flush=True)
+        idle["bandwidth-end"] = wait_for_idle(args.wait_idle)
+        bws.append(spawn(_bw_rank, TP_SIZE, args=(nbytes,), threads_per_rank=1, timeout_s=600)[0])
+        print("bandwidth (end): " + _fmt_bw(bws[1]), flush=True)
     bw = {k: statistics.median([b[k] for b in bws]) for k in ("1t", "2t", "tp_total")}
     results["bandwidth"] = bw
     results["bandwidth_runs"] = bws
@@ -933,6 +948,15 @@ def pp_main(args) -> int:
 
 def _bw_rank(rank: int, nbytes: int) -> dict:
     return bandwidth_phase(rank, nbytes)
+
+
+def _one_launch_rank(rank: int, models: list, args_d: dict, nbytes: int) -> dict:
+    """--quick: bandwidth_phase, rank_main of each (name, path) in `models`, bandwidth_phase again,
+    in one launch (the full run launches each apart, waiting for an idle machine before each)."""
+    bws = [bandwidth_phase(rank, nbytes)]
+    out = {name: rank_main(rank, name, path, args_d) for name, path in models}
+    bws.append(bandwidth_phase(rank, nbytes))
+    return {"bandwidth": bws, "models": out}
 
 
 def _fmt_bw(b: dict) -> str:

@@ -1,18 +1,20 @@
-"""examples/train.py in its --quick size: DP=2 x TP=2 x PP=2 on 8 processes
-launched as a user would (torchrun), and DP=2 x TP=2 (DDP) on the 4 ranks of
-the test pool, train a Llama from scratch on the Python reference text; the
-curve must follow the unsharded same-seed run closer than two unsharded seeds
-follow each other, the held-out losses must agree, and the save_pretrained
-checkpoint must load back in plain transformers with the same held-out loss
-(the script exits 1 otherwise).  The DP=2 x TP=2 run also saves its training
-state, and a second run resumes it.
+"""examples/train.py in its --quick size: DP=2 x TP=2 x PP=2 on the 8 ranks of
+the 8-rank pool, DP=2 x TP=2 (DDP) on the 4 ranks of the test pool, and TP=2
+launched as a user would (torchrun, 2 processes), train a Llama from scratch on
+the Python reference text; the curve must follow the unsharded same-seed run
+closer than two unsharded seeds follow each other, the held-out losses must
+agree, and the save_pretrained checkpoint must load back in plain transformers
+with the same held-out loss (the script exits 1 otherwise).  The DP=2 x TP=2
+run also saves its training state, and a second run resumes it.
 
-(CI time: one torchrun launch covers the script's torchrun entry (main()); the
-DP=2 x TP=2 runs call the same train.run(rank, args) that a torchrun rank calls,
-in the pool's already started processes (two launches of 4 processes were ~70 s
-of start-up on 2 cores).  TP=2 x PP=2 alone is not launched: the 8-process run
-has both, and tests/test_hybrid.py checks TP x PP and DP x PP step for step; the
-resume runs at DP=2 x TP=2, so the save / resume goes through DDP as well.)"""
+(CI time: one torchrun launch of 2 processes covers the script's torchrun entry
+(main()); the layouts call the same train.run(rank, args) that a torchrun rank
+calls, in the pools' already started processes: the DP x TP x PP run was an
+8-process torchrun launch (~56 s in CI, mostly 9 start-ups importing torch and
+transformers) and now shares world_pool(8) with tests/test_combos.py.  TP=2 x
+PP=2 alone is not run: the 8-rank run has both, and tests/test_hybrid.py checks
+TP x PP and DP x PP step for step; the resume runs at DP=2 x TP=2, so the save /
+resume goes through DDP as well.)"""
 import importlib.util
 import json
 import os
@@ -52,18 +54,28 @@ def assert_trains_as_unsharded(result, text, out):
 
 
 @NEEDS_TOKENIZER
-def test_torchrun_quick_dp_tp_pp(tmp_path):
-    """8 processes: DP x TP x PP at once, DDP replaced by average_gradients around the pipeline."""
-    result, text = launch(8, tmp_path, "--dp", "2", "--tp", "2", "--pp", "2")
+def test_torchrun_quick_tp(tmp_path):
+    """The script's torchrun entry (main(): init_process_group from torchrun's variables, run(),
+    destroy_process_group) on 2 processes at TP=2; the layouts themselves run in the pools below."""
+    result, text = launch(2, tmp_path, "--tp", "2")
     assert_trains_as_unsharded(result, text, tmp_path)
 
 
 def in_pool(pool, out, *flags):
-    """examples/train.py --quick on the 4 ranks of the pool; (curves.json, rank 0's output)."""
-    runs = pool.run(checks.run_train, 4, ["--quick", "--out", str(out), *flags])
+    """examples/train.py --quick on all the ranks of `pool`; (curves.json, rank 0's output)."""
+    n = pool.world_size
+    runs = pool.run(checks.run_train, n, ["--quick", "--out", str(out), *flags])
     status, text = runs[0]
-    assert [s for s, _ in runs] == [0] * 4, text[-4000:]
+    assert [s for s, _ in runs] == [0] * n, text[-4000:]
     return json.loads((out / "curves.json").read_text()), text
+
+
+@NEEDS_TOKENIZER
+def test_quick_dp_tp_pp_on_8_ranks(tmp_path, world_pool):
+    """8 ranks: DP x TP x PP at once, DDP replaced by average_gradients around the pipeline (the
+    8-rank pool that tests/test_combos.py uses too: one start-up for both)."""
+    result, text = in_pool(world_pool(8), tmp_path, "--dp", "2", "--tp", "2", "--pp", "2")
+    assert_trains_as_unsharded(result, text, tmp_path)
 
 
 @NEEDS_TOKENIZER
