@@ -43,6 +43,7 @@ See docs/decode.md.
 from __future__ import annotations
 
 import collections
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -222,6 +223,13 @@ class DecodeFastPath:
         self._off: str | None = None
         self._checked = False
 
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The model's own forward's: generate() reads forward's parameters to
+        choose the inputs it builds (e.g. position_ids, which RoBERTa computes
+        itself from the padding when not given)."""
+        return inspect.signature(type(self.model).forward.__get__(self.model))
+
     def _hf(self, args, kwargs):
         return type(self.model).forward(self.model, *args, **kwargs)
 
@@ -318,11 +326,14 @@ class DecodeFastPath:
 
 def install(model, group, name: str) -> int:
     """Put a DecodeFastPath as the forward of every model in the tree that
-    generates (has generate() and generation_config) and has a config; returns how many."""
+    generates (has generate() and generation_config) and whose config is of a
+    SUPPORTED_TYPES model; returns how many.  Other models keep their forward
+    untouched."""
     count = 0
     for module in model.modules():
-        if callable(getattr(type(module), "generate", None)) and hasattr(module, "config") \
-                and hasattr(module, "generation_config") and "forward" not in module.__dict__:
+        if callable(getattr(type(module), "generate", None)) and hasattr(module, "generation_config") \
+                and getattr(getattr(module, "config", None), "model_type", None) in SUPPORTED_TYPES \
+                and "forward" not in module.__dict__:
             module.__dict__["forward"] = DecodeFastPath(module, group, name)
             count += 1
     return count
@@ -334,8 +345,9 @@ def stats(model) -> dict:
     takes it (None: it can)} for the generating model `model`."""
     path = model.__dict__.get("forward")
     if not isinstance(path, DecodeFastPath):
-        return {"fast": 0, "fallback": {}, "off": "not installed (ShardConfig(enable_fast_decode=False), "
-                                                  "pipeline stages, or a group of one rank)"}
+        return {"fast": 0, "fallback": {}, "off": "not installed (a model_type outside SUPPORTED_TYPES, "
+                                                  "ShardConfig(enable_fast_decode=False), pipeline stages, "
+                                                  "or a group of one rank)"}
     if not path._checked:
         path._off, path._checked = _structure_refusal(model), True
     return {"fast": path.fast, "fallback": dict(path.fallback), "off": path._off}
