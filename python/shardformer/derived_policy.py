@@ -120,7 +120,7 @@ from .family import SplitAttentionPolicy, sequence_mode_refused
 from .layout import Heads
 from .layer.sequence_layout import BLOCK, ENTER, SequenceLayouts
 from .plan import PlanError, interpret, record_hidden_states, split_gather_ends, split_gather_layer
-from .policy import ModulePolicyDescription, Policy, merge_policies
+from .policy import Policy, merge_policies
 from .policy import SubModuleReplacementDescription as Sub
 from .spec import Attribute, Entry, ModuleSpec, PolicySpec
 
