@@ -116,11 +116,10 @@ def test_sp_refused_where_not_implemented():
     from shardformer import ShardConfig, ShardFormer
 
     # T5, Whisper, ALBERT, Mixtral, BEiT, Swin, Swinv2: tests/test_sequence_parallel_more.py.  Swinv2's
-    # windowed blocks take split_gather whole, without the overlapped gather
+    # windowed blocks take split_gather (and its overlap: test_sp_window_overlap_equals_unsharded), not
+    # the modes that split attention
     for name in ("Swinv2ForImageClassification",):
         model = zoo.build(name)
-        with pytest.raises(NotImplementedError, match="enable_sequence_overlap is not available for"):
-            ShardFormer(ShardConfig(enable_sequence_parallelism=True, enable_sequence_overlap=True)).optimize(model)
         with pytest.raises(NotImplementedError, match="'all_to_all' is not available for.*windows"):
             ShardFormer(ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode="all_to_all",
                                     enable_tensor_parallelism=False)).optimize(model)
