@@ -334,8 +334,8 @@ def conditions(shard_config, model=None) -> frozenset[str]:
     held = {"tensor_parallel": tp, "sequence_parallel": sp, "expert_parallel": ep, "no_expert_parallel": not ep,
             "tensor_or_expert_parallel": tp or ep, "overlap": overlap, "no_overlap": sp and not overlap}
     names = {name for name, on in held.items() if on}
-    if model is not None:                 # the config attributes the conditions may name, read on demand
-        names.add(_ConfigOf(text_config(model)))
+    if getattr(model, "config", None) is not None:   # the config attributes the conditions may name, read on
+        names.add(_ConfigOf(text_config(model)))     # demand (a plan dict's model may have no config)
     return frozenset(names)
 
 
