@@ -49,12 +49,15 @@ static inline int sfk_size(sfk_dtype t) { return t == SFK_F32 ? 4 : 2; }
 #include <immintrin.h>
 /* The vector exp under sfk_exp, for kernels that fuse it into their own
  * AVX2 loops (call only where sf_cpu_has_simd()). */
-/* exp(x) = 2^k e^r, k = round(x / ln2), |r| <= ln2/2; e^r by its Taylor
- * polynomial to degree 6 (relative error < 2e-7 on that interval).  Below
- * -87.3 the result flushes to 0 (covers -inf). */
-__attribute__((target("avx2,fma"))) static inline __m256 sfk_exp8(__m256 x)
+/* exp(x) 2^s = 2^(k + s) e^r, k = round(x / ln2), |r| <= ln2/2; e^r by its
+ * Taylor polynomial to degree 6 (relative error < 2e-7 on that interval).
+ * Lanes below x_min give 0 (covers -inf); the caller keeps
+ * x_min >= -(126 + s) ln2 so that 2^(k + s) is a normal float.  s > 0 lets
+ * a kernel carry a result that would be subnormal at scale 2^s and round it
+ * once at the end (bias-GeLU's left tail). */
+__attribute__((target("avx2,fma"))) static inline __m256 sfk_exp8_pow2(__m256 x, int s, float x_min)
 {
-    const __m256 hi = _mm256_set1_ps(88.37f), lo = _mm256_set1_ps(-87.33f);
+    const __m256 hi = _mm256_set1_ps(88.37f), lo = _mm256_set1_ps(x_min);
     __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
     x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
     __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
@@ -68,16 +71,19 @@ __attribute__((target("avx2,fma"))) static inline __m256 sfk_exp8(__m256 x)
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127 + s)), 23);
     __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
     return _mm256_andnot_ps(under, y);
 }
 
-/* sfk_exp8's reduction and polynomial at AVX-512 width (call only where
- * sf_cpu_has_avx512()); lanes below -87.3 flush to 0. */
-__attribute__((target("avx512f"))) static inline __m512 sfk_exp16(__m512 x)
+/* exp(x); below -87.3 (where exp(x) leaves the normal floats) it flushes to 0. */
+__attribute__((target("avx2,fma"))) static inline __m256 sfk_exp8(__m256 x) { return sfk_exp8_pow2(x, 0, -87.33f); }
+
+/* sfk_exp8_pow2's reduction and polynomial at AVX-512 width (call only
+ * where sf_cpu_has_avx512()): exp(x) 2^s, lanes below x_min give 0. */
+__attribute__((target("avx512f"))) static inline __m512 sfk_exp16_pow2(__m512 x, int s, float x_min)
 {
-    const __m512 hi = _mm512_set1_ps(88.37f), lo = _mm512_set1_ps(-87.33f);
+    const __m512 hi = _mm512_set1_ps(88.37f), lo = _mm512_set1_ps(x_min);
     const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
     x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
     const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
@@ -91,9 +97,12 @@ __attribute__((target("avx512f"))) static inline __m512 sfk_exp16(__m512 x)
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127)), 23);
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(k), _mm512_set1_epi32(127 + s)), 23);
     return _mm512_maskz_mul_ps((__mmask16)~under, p, _mm512_castsi512_ps(e));
 }
+
+/* exp(x) at AVX-512 width; lanes below -87.3 flush to 0. */
+__attribute__((target("avx512f"))) static inline __m512 sfk_exp16(__m512 x) { return sfk_exp16_pow2(x, 0, -87.33f); }
 #endif
 
 /* dst[i] = exp(src[i]); exp(-inf) = 0.  AVX2 where the CPU has it. */

@@ -66,7 +66,7 @@ static inline float sig_from(float e) { return 1.0f / (1.0f + e); }
 static inline float one_minus_sig_from(float e) { return 1.0f / (1.0f + 1.0f / e); }
 
 /* Phi(u) = (1 + erf(u / sqrt 2)) / 2 from e = exp(-fl(u^2) / 2), by the same
- * erfc form as the SIMD path (gelu_phi8, below): z = |u| / sqrt 2,
+ * erfc form as the SIMD path (gelu_erf8, below): z = |u| / sqrt 2,
  * t = 2 / (2 + z), erfc(z) = t exp(-z^2) Q(t) with the same fitted degree-8
  * Q (relative accuracy over the whole left tail), and e corrected for the
  * rounding of u^2 (*gauss = exp(-u^2 / 2), for the gradient).  Reflected by
@@ -168,11 +168,22 @@ CLONES static void gelu_grad(float *restrict g, const float *restrict dy, const 
  * (1 - lo), lo = (u^2 - fl(u^2)) / 2 exact by FMA, so that the rounding of
  * u^2 (up to 8e-6 relative at |u| = 13) does not reach the tail.  Both the
  * output and the gradient come from the one exponential:
- * phi(u) = exp(-u^2 / 2) / sqrt(2 pi).  Max error against float64 over
- * u in [-14, 14] and the tails: see tests/test_kernels.py::test_gelu_erf_accuracy. */
-EW_AVX2 static inline __m256 gelu_phi8(__m256 u, __m256 *gauss)
+ * phi(u) = exp(-u^2 / 2) / sqrt(2 pi).  Left tail: exp(-u^2 / 2) leaves the
+ * normal floats at |u| = 13.2 while Phi(u) and gelu'(u) = Phi(u) + u phi(u)
+ * stay normal to |u| = 13.3, so the exponential and the tail terms are
+ * carried at scale 2^GELU_TAIL_SCALE and each result rounded once when
+ * scaled back (subnormal results correctly rounded, not flushed).  Max error
+ * against float64 over u in [-14, 14] and the tails: see
+ * tests/test_kernels.py::test_gelu_erf_accuracy. */
+#define GELU_TAIL_SCALE 64
+#define GELU_EXP_MIN (-131.0f)          /* >= -(126 + 64) ln2; exp(-131) 2^-64 underflows anyway */
+#define GELU_UNSCALE 5.42101086242752217e-20f   /* 2^-64 */
+
+/* y = u Phi(u) and, where d is given, d = gelu'(u) = Phi(u) + u phi(u). */
+EW_AVX2 static inline __m256 gelu_erf8(__m256 u, __m256 *d)
 {
     const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f);
+    const __m256 unscale = _mm256_set1_ps(GELU_UNSCALE);
     const __m256 z = _mm256_mul_ps(_mm256_andnot_ps(sign, u), _mm256_set1_ps(SQRT1_2));
     const __m256 t = _mm256_div_ps(_mm256_set1_ps(2.0f), _mm256_add_ps(_mm256_set1_ps(2.0f), z));
     __m256 q = _mm256_set1_ps(-5.938686803e-02f);
@@ -186,54 +197,59 @@ EW_AVX2 static inline __m256 gelu_phi8(__m256 u, __m256 *gauss)
     q = _mm256_fmadd_ps(q, t, _mm256_set1_ps(2.820843458e-01f));
     const __m256 uu = _mm256_mul_ps(u, u);
     const __m256 lo = _mm256_mul_ps(_mm256_fmsub_ps(u, u, uu), half);
-    __m256 e = sfk_exp8(_mm256_mul_ps(uu, _mm256_set1_ps(-0.5f)));
-    e = _mm256_fnmadd_ps(e, lo, e);                              /* exp(-u^2 / 2) */
-    *gauss = e;
-    const __m256 tail = _mm256_mul_ps(_mm256_mul_ps(half, t), _mm256_mul_ps(q, e));   /* erfc(z) / 2 */
-    return _mm256_blendv_ps(_mm256_sub_ps(_mm256_set1_ps(1.0f), tail), tail, u);   /* sign of u */
+    __m256 es = sfk_exp8_pow2(_mm256_mul_ps(uu, _mm256_set1_ps(-0.5f)), GELU_TAIL_SCALE, GELU_EXP_MIN);
+    es = _mm256_fnmadd_ps(es, lo, es);                            /* exp(-u^2 / 2) 2^64 */
+    const __m256 tails = _mm256_mul_ps(_mm256_mul_ps(half, t), _mm256_mul_ps(q, es));  /* erfc(z) / 2 2^64 */
+    const __m256 tail = _mm256_mul_ps(tails, unscale);
+    /* the sign bit of u picks the left tail */
+    const __m256 y = _mm256_blendv_ps(_mm256_mul_ps(u, _mm256_sub_ps(_mm256_set1_ps(1.0f), tail)),
+                                      _mm256_mul_ps(_mm256_mul_ps(u, tails), unscale), u);
+    if (d) {
+        const __m256 ues = _mm256_mul_ps(u, es);                  /* u phi(u) sqrt(2 pi) 2^64 */
+        const __m256 right = _mm256_fmadd_ps(ues, _mm256_set1_ps(INV_SQRT_2PI * GELU_UNSCALE),
+                                             _mm256_sub_ps(_mm256_set1_ps(1.0f), tail));
+        const __m256 left = _mm256_mul_ps(_mm256_fmadd_ps(ues, _mm256_set1_ps(INV_SQRT_2PI), tails), unscale);
+        *d = _mm256_blendv_ps(right, left, u);
+    }
+    return y;
 }
 
 /* y = gelu(x + b) (b may be NULL); the last n % 8 through a padded vector. */
 EW_AVX2 static void gelu_erf_fwd_avx2(float *y, const float *x, const float *b, int64_t n)
 {
-    __m256 g;
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 u = _mm256_loadu_ps(x + i);
         if (b) u = _mm256_add_ps(u, _mm256_loadu_ps(b + i));
-        _mm256_storeu_ps(y + i, _mm256_mul_ps(u, gelu_phi8(u, &g)));
+        _mm256_storeu_ps(y + i, gelu_erf8(u, NULL));
     }
     if (i < n) {
         float buf[8] = {0};
         for (int64_t k = i; k < n; k++) buf[k - i] = b ? x[k] + b[k] : x[k];
-        __m256 u = _mm256_loadu_ps(buf);
-        _mm256_storeu_ps(buf, _mm256_mul_ps(u, gelu_phi8(u, &g)));
+        _mm256_storeu_ps(buf, gelu_erf8(_mm256_loadu_ps(buf), NULL));
         for (int64_t k = i; k < n; k++) y[k] = buf[k - i];
     }
 }
 
-/* g = dy * (Phi(u) + u phi(u)), u = x + b; db += g when given. */
+/* g = dy * gelu'(u), u = x + b; db += g when given. */
 EW_AVX2 static void gelu_erf_bwd_avx2(float *gout, const float *dy, const float *x, const float *b,
                                       float *db, int64_t n)
 {
-    const __m256 k = _mm256_set1_ps(INV_SQRT_2PI);
-    __m256 e;
+    __m256 d;
     int64_t i = 0;
     for (; i + 8 <= n; i += 8) {
         __m256 u = _mm256_loadu_ps(x + i);
         if (b) u = _mm256_add_ps(u, _mm256_loadu_ps(b + i));
-        const __m256 p = gelu_phi8(u, &e);
-        const __m256 g = _mm256_mul_ps(_mm256_loadu_ps(dy + i),
-                                       _mm256_fmadd_ps(_mm256_mul_ps(u, e), k, p));
+        (void)gelu_erf8(u, &d);
+        const __m256 g = _mm256_mul_ps(_mm256_loadu_ps(dy + i), d);
         _mm256_storeu_ps(gout + i, g);
         if (db) _mm256_storeu_ps(db + i, _mm256_add_ps(_mm256_loadu_ps(db + i), g));
     }
     for (; i < n; i++) {
         float bu[8] = {0};
         bu[0] = b ? x[i] + b[i] : x[i];
-        const __m256 u = _mm256_loadu_ps(bu);
-        const __m256 p = gelu_phi8(u, &e);
-        _mm256_storeu_ps(bu, _mm256_fmadd_ps(_mm256_mul_ps(u, e), k, p));
+        (void)gelu_erf8(_mm256_loadu_ps(bu), &d);
+        _mm256_storeu_ps(bu, d);
         gout[i] = dy[i] * bu[0];
         if (db) db[i] += gout[i];
     }
@@ -241,14 +257,15 @@ EW_AVX2 static void gelu_erf_bwd_avx2(float *gout, const float *dy, const float 
 #define EW_HAVE_AVX2 1
 
 /* The same erf form, 16 lanes wide (AVX-512F), where the CPU has it: the
- * arithmetic of gelu_phi8 lane for lane (same polynomial, same exp and the
+ * arithmetic of gelu_erf8 lane for lane (same polynomial, same exp and the
  * same correction of u^2's rounding), so both paths give the same results;
  * the ragged end of a row through masked loads and stores. */
 #define EW_AVX512 __attribute__((target("avx512f")))
 
-EW_AVX512 static inline __m512 gelu_phi16(__m512 u, __m512 *gauss)
+/* gelu_erf8 at 16 lanes: y = u Phi(u) and, where d is given, gelu'(u). */
+EW_AVX512 static inline __m512 gelu_erf16(__m512 u, __m512 *d)
 {
-    const __m512 half = _mm512_set1_ps(0.5f);
+    const __m512 half = _mm512_set1_ps(0.5f), unscale = _mm512_set1_ps(GELU_UNSCALE);
     const __m512 z = _mm512_mul_ps(_mm512_abs_ps(u), _mm512_set1_ps(SQRT1_2));
     const __m512 t = _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(_mm512_set1_ps(2.0f), z));
     __m512 q = _mm512_set1_ps(-5.938686803e-02f);
@@ -262,40 +279,46 @@ EW_AVX512 static inline __m512 gelu_phi16(__m512 u, __m512 *gauss)
     q = _mm512_fmadd_ps(q, t, _mm512_set1_ps(2.820843458e-01f));
     const __m512 uu = _mm512_mul_ps(u, u);
     const __m512 lo = _mm512_mul_ps(_mm512_fmsub_ps(u, u, uu), half);
-    __m512 e = sfk_exp16(_mm512_mul_ps(uu, _mm512_set1_ps(-0.5f)));
-    e = _mm512_fnmadd_ps(e, lo, e);
-    *gauss = e;
-    const __m512 tail = _mm512_mul_ps(_mm512_mul_ps(half, t), _mm512_mul_ps(q, e));
-    /* the sign bit of u picks erfc(z) / 2, as blendv does in gelu_phi8 */
+    __m512 es = sfk_exp16_pow2(_mm512_mul_ps(uu, _mm512_set1_ps(-0.5f)), GELU_TAIL_SCALE, GELU_EXP_MIN);
+    es = _mm512_fnmadd_ps(es, lo, es);
+    const __m512 tails = _mm512_mul_ps(_mm512_mul_ps(half, t), _mm512_mul_ps(q, es));
+    const __m512 tail = _mm512_mul_ps(tails, unscale);
+    /* the sign bit of u picks the left tail, as blendv does in gelu_erf8 */
     const __mmask16 neg = _mm512_test_epi32_mask(_mm512_castps_si512(u), _mm512_set1_epi32((int)0x80000000u));
-    return _mm512_mask_blend_ps(neg, _mm512_sub_ps(_mm512_set1_ps(1.0f), tail), tail);
+    const __m512 y = _mm512_mask_blend_ps(neg, _mm512_mul_ps(u, _mm512_sub_ps(_mm512_set1_ps(1.0f), tail)),
+                                          _mm512_mul_ps(_mm512_mul_ps(u, tails), unscale));
+    if (d) {
+        const __m512 ues = _mm512_mul_ps(u, es);
+        const __m512 right = _mm512_fmadd_ps(ues, _mm512_set1_ps(INV_SQRT_2PI * GELU_UNSCALE),
+                                             _mm512_sub_ps(_mm512_set1_ps(1.0f), tail));
+        const __m512 left = _mm512_mul_ps(_mm512_fmadd_ps(ues, _mm512_set1_ps(INV_SQRT_2PI), tails), unscale);
+        *d = _mm512_mask_blend_ps(neg, right, left);
+    }
+    return y;
 }
 
 static inline __mmask16 ew_mask(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u); }
 
 EW_AVX512 static void gelu_erf_fwd_avx512(float *y, const float *x, const float *b, int64_t n)
 {
-    __m512 g;
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = ew_mask(n - i);
         __m512 u = _mm512_maskz_loadu_ps(m, x + i);
         if (b) u = _mm512_add_ps(u, _mm512_maskz_loadu_ps(m, b + i));
-        _mm512_mask_storeu_ps(y + i, m, _mm512_mul_ps(u, gelu_phi16(u, &g)));
+        _mm512_mask_storeu_ps(y + i, m, gelu_erf16(u, NULL));
     }
 }
 
 EW_AVX512 static void gelu_erf_bwd_avx512(float *gout, const float *dy, const float *x, const float *b,
                                           float *db, int64_t n)
 {
-    const __m512 k = _mm512_set1_ps(INV_SQRT_2PI);
-    __m512 e;
+    __m512 d;
     for (int64_t i = 0; i < n; i += 16) {
         const __mmask16 m = ew_mask(n - i);
         __m512 u = _mm512_maskz_loadu_ps(m, x + i);
         if (b) u = _mm512_add_ps(u, _mm512_maskz_loadu_ps(m, b + i));
-        const __m512 p = gelu_phi16(u, &e);
-        const __m512 g = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, dy + i),
-                                       _mm512_fmadd_ps(_mm512_mul_ps(u, e), k, p));
+        (void)gelu_erf16(u, &d);
+        const __m512 g = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, dy + i), d);
         _mm512_mask_storeu_ps(gout + i, m, g);
         if (db) _mm512_mask_storeu_ps(db + i, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, db + i), g));
     }
