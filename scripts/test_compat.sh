@@ -38,6 +38,51 @@ VENV=.venv-compat
 # reads it and checks that it collects tests.
 SUBSET=(tests --ignore=tests/test_asan.py --ignore=tests/test_c_core.py --ignore=tests/test_packaging.py --ignore=tests/test_demo.py --ignore=tests/test_pretrained.py --ignore=tests/test_all_to_all.py --ignore=tests/test_comm_lifetime.py --ignore=tests/test_collectives_under_load.py --ignore=tests/test_shm_faults.py --ignore=tests/test_shm_wait.py --ignore=tests/test_kernel_faults.py --ignore=tests/test_simd_paths.py --ignore=tests/test_launch.py --ignore=tests/test_layers.py --ignore=tests/test_ring_attention.py --ignore=tests/test_exit_abort.py --ignore=tests/test_benchmarks.py --ignore=tests/test_docs.py --ignore=tests/test_comm.py --ignore=tests/test_comm_stats.py --ignore=tests/test_checkpoint_integrity.py --ignore=tests/test_dcp.py --ignore=tests/test_dcp_layouts.py --ignore=tests/test_resume.py --ignore=tests/test_sharder_faults.py --ignore=tests/test_replicas.py --ignore=tests/test_import_graph.py --ignore=tests/test_cuda_kernels.py --ignore=tests/test_cuda_build.py --ignore=tests/test_cuda_streams.py --ignore=tests/test_device_check.py --ignore=tests/test_suite_integrity.py)
 
+# A fresh .venv-compat starts as a copy of .venv's packages (hard links: no bytes copied), so that
+# pip replaces only what requirements-compat.txt pins differently (transformers) instead of
+# unpacking torch a second time (most of the venv's first install).  Only where .venv runs the same
+# interpreter; shardformer itself is left out (installed editable below).  Extra packages .venv has
+# (matplotlib, mkdocs) stay: the compat subset runs no test that needs them or their absence.
+seed_from_main_venv() {
+    local src dst
+    [ -x .venv/bin/python ] || return 0
+    [ "$(.venv/bin/python --version 2>&1)" = "$("$VENV/bin/python" --version 2>&1)" ] || return 0
+    src=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    dst=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    [ -e "$dst/torch" ] && return 0            # not a fresh venv: pip brings it up to date below
+    # hard links only within one file system: probe with one file first
+    ln "$src/../../../pyvenv.cfg" "$dst/.link-probe" 2>/dev/null || return 0
+    rm -f "$dst/.link-probe"
+    echo "test_compat: seeding $VENV from .venv's packages (hard links)"
+    find "$src" -mindepth 1 -maxdepth 1 ! -name 'shardformer*' ! -name '__editable__*shardformer*' \
+        ! -name 'pip' ! -name 'pip-*' ! -name 'setuptools*' ! -name 'pkg_resources' ! -name '_distutils_hack' ! -name 'distutils-precedence.pth' -print0 | xargs -0 -r cp -al -t "$dst" 2>/dev/null || true
+    # What .venv holds beyond requirements-compat.txt and its dependencies (the pretrained checkpoints,
+    # matplotlib, mkdocs ...) goes again: the compat venv holds what its requirements say, no more.
+    local extra
+    extra=$("$VENV/bin/python" - requirements-compat.txt <<'PYEOF'
+import importlib.metadata as md, re, sys
+from packaging.requirements import Requirement
+def norm(n): return re.sub(r"[-_.]+", "-", n).lower()
+dists = {norm(d.metadata["Name"]): d for d in md.distributions()}
+lines = [l.split("#")[0].strip() for l in open(sys.argv[1])]
+todo, seen = [norm(Requirement(l).name) for l in lines if l] + ["pip", "setuptools"], set()
+while todo:
+    n = todo.pop()
+    if n in seen or n not in dists:
+        continue
+    seen.add(n)
+    for r in dists[n].requires or []:
+        req = Requirement(r)
+        if req.marker is None or req.marker.evaluate({"extra": ""}):
+            todo.append(norm(req.name))
+print(" ".join(sorted(set(dists) - seen)))
+PYEOF
+) || extra=""
+    if [ -n "$extra" ]; then
+        # shellcheck disable=SC2086
+        "$VENV/bin/python" -m pip uninstall -q -y $extra 2>&1 | quiet_pip || true
+    fi
+}
 if [ ! -x "$VENV/bin/python" ]; then
     "$PY" -m venv "$VENV"
 fi
@@ -58,6 +103,7 @@ if [ "$(cat "$VENV/.shardformer-stamp" 2>/dev/null || true)" != "$stamp" ] || ! 
     t0=$SECONDS
     echo "test_compat: installing requirements-compat.txt into $VENV"
     rm -f "$VENV/.shardformer-stamp"
+    seed_from_main_venv
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check --upgrade pip 2>&1 | quiet_pip || true
     "$VENV/bin/python" -m pip install -q --disable-pip-version-check -r requirements-compat.txt 2>&1 | quiet_pip
     echo "test_compat: building shardformer into $VENV (pip install -e .) ($(( SECONDS - t0 )) s)"
