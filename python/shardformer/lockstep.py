@@ -35,6 +35,7 @@ weights w_i, so any single differing token changes it.
 """
 from __future__ import annotations
 
+import itertools
 import threading
 
 import torch
@@ -165,12 +166,20 @@ def dist_rank() -> int:
 
 
 _inside = threading.local()
+_calls = itertools.count(1)      # one number per outermost lock-step generate() call, process-wide
 
 
 def inside_generate() -> bool:
     """True while this thread runs a lock-step generate() (a decode step's
     forward, e.g. shardformer.decode's fast path, may take that as its cue)."""
     return getattr(_inside, "generate", False)
+
+
+def generate_call() -> int:
+    """The number of the lock-step generate() call this thread runs (0:
+    none), unique in the process: a decode step's forward re-checks what it
+    relies on once per call (shardformer.decode)."""
+    return getattr(_inside, "call", 0) if getattr(_inside, "generate", False) else 0
 
 
 class LockstepGenerate:
@@ -200,7 +209,7 @@ class LockstepGenerate:
         criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
         criteria.append(TokensAgree(groups, self.name))
         saved = agree_generator(groups, device)
-        _inside.generate = True
+        _inside.generate, _inside.call = True, next(_calls)
         try:
             return self._original(*args, stopping_criteria=criteria, **kwargs)
         finally:
