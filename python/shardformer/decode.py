@@ -311,6 +311,10 @@ class DecodeFastPath:
         self._objects: list = []
         self._call = None                   # the lockstep.generate_call() the check was made for
 
+    def __getstate__(self) -> dict:
+        """A copy (pickle, deepcopy) checks its model afresh at its first call."""
+        return dict(self.__dict__, _layers=None, _off=None, _key=None, _objects=[], _call=None)
+
     @property
     def __signature__(self) -> inspect.Signature:
         """The model's own forward's: generate() reads forward's parameters to
