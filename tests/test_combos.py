@@ -41,6 +41,16 @@ def test_ep_pp(pool):
     assert [r[0]["experts_here"] for r in reports] == [2, 2, 2, 2]
 
 
+def test_ep_pp_generate_and_checkpoints(pool, tmp_path):
+    """EP=2 x PP=2: generate() with other rows and lengths per pipeline,
+    save_sharded / load_sharded and DCP round trips equal the unsharded
+    model (checks.combos.ep_pp_generate_and_checkpoints)."""
+    out = pool.run(check.ep_pp_generate_and_checkpoints, 4, str(tmp_path))
+    assert [len(r["greedy"]) for r in out] == [3, 2, 3, 2]            # rank = 2 * stage + pipeline
+    assert [len(r["greedy"][0]) for r in out] == [9, 12, 9, 12]        # 6 + 3 and 6 + 6 tokens
+    assert all("synced_gpus=False" in r["refused"] and "expert" in r["refused"] for r in out), out[0]["refused"]
+
+
 def test_ep_peers_running_other_schedules_refused(pool):
     reports = pool.run(check.ep_pp_disagree, 4)
     assert all(r["seconds"] < 10 for r in reports), [r["seconds"] for r in reports]

@@ -6,8 +6,12 @@ seeded differently), with GQA (KV heads fewer than ranks: Qwen3's 1, Llama's
 2 at TP=4), uneven heads and vocabulary (101), left padding, q/k/v biases
 and tied embeddings (Qwen2), per-head q/k norms (Qwen3) and a sliding window
 the sequence outgrows (Mistral); every decode step counted as the fast
-path's, so a silent fallback fails.  Where it does not apply, HF's forward
-runs, counted with its reason."""
+path's, so a silent fallback fails; the same with enable_all_optimization
+(FusedRMSNorm norms, run by the step through their own forward).  Where it
+does not apply, HF's forward runs, counted with its reason, and the check
+holds for every generate() call: hooks (per module or global) added and a
+submodule replaced after a first generate() send the steps to HF's forward,
+counted; a norm replaced by another of its kind is read afresh."""
 from __future__ import annotations
 
 import pytest
@@ -40,7 +44,33 @@ def test_fast_decode_default_group(world_pool, tp):
 def test_fast_decode_falls_back_counted(pool):
     hidden = pool.run(check.fallback_equals_hf, 2, "LlamaForCausalLM", "hidden")[0]
     assert hidden["fast"] == 0 and hidden["fallback"] == {"output_attentions / output_hidden_states": 6}, hidden
-    fused = pool.run(check.fallback_equals_hf, 2, "LlamaForCausalLM", "fused")[0]
-    assert fused["fast"] == 0 and "model.layers.0.input_layernorm is FusedRMSNorm" in fused["off"], fused
     off = pool.run(check.fallback_equals_hf, 2, "LlamaForCausalLM", "disabled")[0]
     assert off["fast"] == 0 and "enable_fast_decode=False" in off["off"], off
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_fast_decode_all_optimization(pool, tp):
+    """enable_all_optimization's FusedRMSNorm (and flash attention, fused
+    SwiGLU, skinny linear) keep the fast path: Llama (sampled, padded) and
+    Qwen3 (per-head q/k norms)."""
+    cases = [("LlamaForCausalLM", "sample", True, None), ("Qwen3ForCausalLM", "greedy", False, None)]
+    out = pool.run(check.cases_equal_hf, tp, cases, dict(enable_all_optimization=True))
+    assert all(o == out[0] for o in out)
+    assert all(case["fast"] == 5 and case["fused_norms"] > 0 for case in out[0]), out[0]
+
+
+def test_fast_decode_rechecked_each_generate(world_pool):
+    """TP=2, plain ShardConfig(): changes after a first generate() are seen
+    by the next one (checks.decode.changed_after_generate)."""
+    out = world_pool(2).run(check.changed_after_generate, 2)
+    stats = out[0]
+    assert all(s == 5 for s in stats["steps"]), stats["steps"]
+    for case in ("first", "norm replaced"):
+        assert stats[case]["off"] is None and stats[case]["fast"] == 5, (case, stats[case])
+    expected = {"hooks": "forward hooks on ['model.layers.0.mlp', 'model.layers.1.post_attention_layernorm']",
+                "global hook": "global module forward hooks",
+                "act_fn replaced": "model.layers.0.mlp.act_fn is GELU, not SiLU"}
+    for case, reason in expected.items():
+        s = stats[case]
+        assert s["fast"] == 0 and reason in s["off"], (case, s)
+        assert list(s["fallback"].values()) == [6] and reason in next(iter(s["fallback"])), (case, s)

@@ -28,11 +28,22 @@ counted with its reason.  The step is HF's math in the same order and
 dtypes, so its logits equal HF's up to float rounding (tests/test_decode.py
 checks every step's logits and the tokens against the unsharded model).
 
-What switches it off for the whole model (`stats(model)["off"]`, checked
-once): a model type other than llama / mistral / qwen2 / qwen3, layers whose
-modules are not the plain sharded ones (LoRA, fused norms, sequence
-parallelism, ...), an activation other than SiLU, hooks of the user's on
-the modules the step skips.  Per call: gradients enabled or training mode,
+The norms run through their modules' own forward (HF's RMSNorm, or
+FusedRMSNorm of enable_fused_normalization / enable_all_optimization),
+without nn.Module.__call__.
+
+What switches it off for the model (`stats(model)["off"]`, every decode step
+then counted under that reason): a model type other than llama / mistral /
+qwen2 / qwen3, layers whose modules are not the plain sharded ones (LoRA,
+sequence parallelism, ...), an activation other than SiLU, and on the
+modules the step does not call as modules (the base model and everything
+under it but the embedding and the rotary module): forward hooks of the
+user's, global module forward hooks, a forward set on an instance, training
+mode.  That check holds for every generate() call: a fingerprint of the
+modules (identity, class, hooks, training flag, parameters' identity, dtype
+and device) and of the global hooks is taken at each call's first step, and
+the model is checked again, its modules taken afresh, where it changed (a
+hook added after a first generate(), LoRA wrapped in, .half()).  Per call: gradients enabled or training mode,
 inputs_embeds, more than one new token, no cache or an empty one (prefill),
 a cache layer other than HF's DynamicLayer / DynamicSlidingWindowLayer, a
 full cache layer whose sliding window the sequence has outgrown,
@@ -60,34 +71,34 @@ _KNOWN_KWARGS = frozenset({"input_ids", "attention_mask", "position_ids", "past_
                            "output_hidden_states"})
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's Llama RMSNorm: weight * (x / sqrt(mean(x^2) + eps)), computed in float32."""
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
-
-
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x * cos + rotate_half(x) * sin, rotate_half([x1, x2]) = [-x2, x1] (HF's rope)."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
-class _Layer:
-    """What the step reads of one decoder layer: shards, norms and sizes."""
+def _own_forward(module):
+    """The module's own forward, bound, without nn.Module.__call__ (whose
+    hooks the check found absent): HF's RMSNorm computes rms(x) * g in
+    float32 as the module doc says, shardformer's FusedRMSNorm the same math
+    through its kernel; the step computes exactly what the layer would."""
+    return type(module).forward.__get__(module)
 
-    __slots__ = ("ln1", "eps1", "ln2", "eps2", "q", "k", "v", "o", "gate", "up", "down", "q_norm", "k_norm",
+
+class _Layer:
+    """What the step reads of one decoder layer: its modules and sizes,
+    taken afresh at each generate() call (DecodeFastPath._refresh)."""
+
+    __slots__ = ("ln1", "ln2", "q", "k", "v", "o", "gate", "up", "down", "q_norm", "k_norm",
                  "head_dim", "groups", "scaling", "window", "index")
 
     def __init__(self, layer, config, index: int):
         attn, mlp = layer.self_attn, layer.mlp
-        self.ln1, self.eps1 = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
-        self.ln2, self.eps2 = layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon
+        self.ln1, self.ln2 = _own_forward(layer.input_layernorm), _own_forward(layer.post_attention_layernorm)
         self.q, self.k, self.v, self.o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
         self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         norms = [getattr(attn, n, None) for n in ("q_norm", "k_norm")]
-        self.q_norm, self.k_norm = [(m.weight, m.variance_epsilon) if m is not None else None for m in norms]
+        self.q_norm, self.k_norm = [_own_forward(m) if m is not None else None for m in norms]
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
         self.groups = attn.num_key_value_groups
         self.index = attn.layer_idx
@@ -95,6 +106,19 @@ class _Layer:
             self.window = attn.sliding_window
         else:
             self.window = getattr(config, "sliding_window", None)
+
+
+def _rms_norm_refusal(path: str, norm) -> str | None:
+    """None where `norm` is an RMS norm whose own forward the step may call:
+    HF's (a class named *RMSNorm with variance_epsilon) or shardformer's
+    FusedRMSNorm (enable_fused_normalization)."""
+    from .layer.normalization import FusedRMSNorm
+
+    if type(norm) is FusedRMSNorm:
+        return None
+    if type(norm).__name__.endswith("RMSNorm") and hasattr(norm, "variance_epsilon"):
+        return None
+    return f"{path} is {type(norm).__name__}, not HF's RMSNorm or FusedRMSNorm"
 
 
 def _structure_refusal(model) -> str | None:
@@ -136,38 +160,100 @@ def _structure_refusal(model) -> str | None:
                  ("post_attention_layernorm", getattr(layer, "post_attention_layernorm", None))]
         norms += [(f"self_attn.{a}", getattr(attn, a)) for a in ("q_norm", "k_norm") if hasattr(attn, a)]
         for path, norm in norms:
-            if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
-                return f"{where}.{path} is {type(norm).__name__}, not HF's RMSNorm"
+            why = _rms_norm_refusal(f"{where}.{path}", norm)
+            if why is not None:
+                return why
         if not type(mlp.act_fn).__name__.startswith("SiLU"):
             return f"{where}.mlp.act_fn is {type(mlp.act_fn).__name__}, not SiLU"
         if attn.q_proj.weight.shape[0] != attn.k_proj.weight.shape[0] * attn.num_key_value_groups:
             return (f"{where}.self_attn: {attn.q_proj.weight.shape[0]} local query rows are not "
                     f"{attn.num_key_value_groups} x {attn.k_proj.weight.shape[0]} key rows")
-    if not type(base.norm).__name__.endswith("RMSNorm"):
-        return f"model.norm is {type(base.norm).__name__}, not HF's RMSNorm"
-    hooked = _foreign_hooks(model)
+    why = _rms_norm_refusal("model.norm", base.norm)
+    if why is not None:
+        return why
+    return _skipped_refusal(model)
+
+
+def _inert(hook) -> bool:
+    """A hook of the sharder's own that a decode step may skip (the per-layer
+    random streams, inert in eval; the attention-weights gathering, whose
+    weights a decode step discards; the re-registration of gradient hooks of
+    replicated parameters, which a step without gradients does not need):
+    the hook classes say so themselves (INERT_IN_DECODE)."""
+    return getattr(type(getattr(hook, "__self__", hook)), "INERT_IN_DECODE", False)
+
+
+def _sharders(forward) -> bool:
+    """A forward the sharder set on an instance (a policy's method
+    replacement, enable_jit_fused's fused MLP): a shardformer BoundMethod of
+    a shardformer function, the same math as the class's forward."""
+    from .pickling import BoundMethod
+
+    return isinstance(forward, BoundMethod) and \
+        getattr(forward.__func__, "__module__", "").startswith("shardformer.")
+
+
+def _skipped(model):
+    """(path, module) of every module whose __call__ the step does not enter:
+    the base model and everything under it but the embedding and the rotary
+    module (called as modules, hooks and all).  The generating model itself
+    and its lm_head are called as modules too."""
+    for name, module in model.model.named_modules():
+        if name.split(".")[0] in ("embed_tokens", "rotary_emb"):
+            continue
+        yield ("model." + name).rstrip("."), module
+
+
+def _skipped_refusal(model) -> str | None:
+    """Why the step, which enters no __call__ of the skipped modules, would
+    compute something else than HF's forward (None: it would not): forward
+    (pre-)hooks on them or global module hooks (torch.nn.modules.module.
+    register_module_forward_hook / _pre_hook) other than the sharder's inert
+    ones, a forward set on a module instance other than the sharder's, a
+    module in training mode (dropout)."""
+    from torch.nn.modules import module as nn_module
+
+    global_hooks = [*nn_module._global_forward_pre_hooks.values(), *nn_module._global_forward_hooks.values()]
+    if any(not _inert(h) for h in global_hooks):
+        return ("global module forward hooks (torch.nn.modules.module.register_module_forward_hook / _pre_hook; "
+                "the step would skip them)")
+    hooked, patched, training = [], [], []
+    for path, module in _skipped(model):
+        if any(not _inert(h) for h in (*module._forward_pre_hooks.values(), *module._forward_hooks.values())):
+            hooked.append(path)
+        if "forward" in module.__dict__ and not _sharders(module.__dict__["forward"]):
+            patched.append(path)
+        if module.training:
+            training.append(path)
     if hooked:
         return f"forward hooks on {hooked[:3]} (the step would skip them)"
+    if patched:
+        return f"a forward set on the instances {patched[:3]} (the step would skip it)"
+    if training:
+        return f"training mode of {training[:3]}"
     return None
 
 
-def _foreign_hooks(model) -> list[str]:
-    """Modules the step skips that carry hooks other than the sharder's own
-    (the per-layer random streams, inert in eval; the attention-weights
-    gathering, whose weights a decode step discards; the re-registration of
-    gradient hooks of replicated parameters, which a step without
-    gradients does not need)."""
-    def ours(hook) -> bool:       # the hook classes say so themselves (INERT_IN_DECODE)
-        return getattr(type(getattr(hook, "__self__", hook)), "INERT_IN_DECODE", False)
+def _fingerprint(model) -> tuple[tuple, list]:
+    """What the step's check depends on, taken once per generate() call:
+    every module of the generating model (identity, class, instance forward,
+    training flag, the handles of its forward (pre-)hooks) with its
+    parameters (identity, dtype, device), and the global module hooks.
+    Returns (key, objects): equal keys, the same check result; `objects`
+    keeps the modules and parameters alive so that no id is reused while the
+    key is held."""
+    from torch.nn.modules import module as nn_module
 
-    found = []
-    for name, module in model.model.named_modules():
-        if name in ("", "embed_tokens", "rotary_emb"):     # called through their own __call__
-            continue
-        hooks = [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]
-        if any(not ours(h) for h in hooks):
-            found.append(f"model.{name}")
-    return found
+    key = [tuple(nn_module._global_forward_pre_hooks), tuple(nn_module._global_forward_hooks)]
+    objects = []
+    for name, module in model.named_modules():
+        params = [p for p in module._parameters.values() if p is not None]
+        objects.append(module)
+        objects.extend(params)
+        key.append((name, id(module), type(module), id(module.__dict__.get("forward")), module.training,
+                    tuple(module._forward_pre_hooks), tuple(module._forward_hooks),
+                    tuple((id(p), p.dtype, p.device) for p in params)))
+    return tuple(key), objects
 
 
 def _call_refusal(model, kwargs: dict) -> str | None:
@@ -219,9 +305,15 @@ class DecodeFastPath:
         self.enabled = True                 # set_fast_decode: False sends every call to HF's forward
         self.fast = 0
         self.fallback: collections.Counter = collections.Counter()
-        self._layers = None
+        self._layers: list | None = None
         self._off: str | None = None
-        self._checked = False
+        self._key: tuple | None = None      # _fingerprint of the last check, and what keeps its ids unique
+        self._objects: list = []
+        self._call = None                   # the lockstep.generate_call() the check was made for
+
+    def __getstate__(self) -> dict:
+        """A copy (pickle, deepcopy) checks its model afresh at its first call."""
+        return dict(self.__dict__, _layers=None, _off=None, _key=None, _objects=[], _call=None)
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -233,14 +325,27 @@ class DecodeFastPath:
     def _hf(self, args, kwargs):
         return type(self.model).forward(self.model, *args, **kwargs)
 
-    def __call__(self, *args, **kwargs):
-        from .lockstep import inside_generate
-
-        if not (self.enabled and inside_generate()):
-            return self._hf(args, kwargs)
-        if not self._checked:
+    def refresh(self) -> str | None:
+        """Check the model again where its fingerprint changed (a hook
+        registered, a module replaced or wrapped, a training flag, dtype or
+        device changed since the last check) and take the layers' modules
+        afresh; returns why the step cannot run (None: it can)."""
+        key, objects = _fingerprint(self.model)
+        if key != self._key:
             self._off = _structure_refusal(self.model)
-            self._checked = True
+            self._key, self._objects = key, objects
+        self._layers = None
+        return self._off
+
+    def __call__(self, *args, **kwargs):
+        from .lockstep import generate_call
+
+        call = generate_call() if self.enabled else 0
+        if not call:
+            return self._hf(args, kwargs)
+        if call != self._call:                # once per generate() call, not per step
+            self.refresh()
+            self._call = call
         why = self._off or ("positional arguments" if args else _call_refusal(self.model, kwargs))
         if why is None:
             why = self._window_refusal(kwargs)
@@ -297,13 +402,13 @@ class DecodeFastPath:
         batch = ids.shape[0]
         for L in self.layers():
             d = L.head_dim
-            a = rms_norm(x, L.ln1, L.eps1)
+            a = L.ln1(x)
             q = L.q._matmul(a, L.q.weight, L.q.bias).view(batch, 1, -1, d)
             k = L.k._matmul(a, L.k.weight, L.k.bias).view(batch, 1, -1, d)
             v = L.v._matmul(a, L.v.weight, L.v.bias).view(batch, 1, -1, d).transpose(1, 2)
             if L.q_norm is not None:
-                q = rms_norm(q, *L.q_norm)
-                k = rms_norm(k, *L.k_norm)
+                q = L.q_norm(q)
+                k = L.k_norm(k)
             q, k = rope(q.transpose(1, 2), cos, sin), rope(k.transpose(1, 2), cos, sin)
             keys, values = cache.update(k, v, L.index)                      # [B, kv_i, L, d]
             kv = keys.shape[1]
@@ -315,11 +420,11 @@ class DecodeFastPath:
             o = torch.matmul(probs, values).reshape(batch, 1, -1)           # [B, 1, H_i d]
             y = C.all_reduce(L.o._matmul(o, L.o.weight, None), group)
             x = x + (y if L.o.bias is None else y + L.o.bias)
-            m = rms_norm(x, L.ln2, L.eps2)
+            m = L.ln2(x)
             g = F.silu(L.gate._matmul(m, L.gate.weight, L.gate.bias)) * L.up._matmul(m, L.up.weight, L.up.bias)
             y = C.all_reduce(L.down._matmul(g, L.down.weight, None), group)
             x = x + (y if L.down.bias is None else y + L.down.bias)
-        x = rms_norm(x, base.norm.weight, base.norm.variance_epsilon)
+        x = _own_forward(base.norm)(x)
         logits = self.model.lm_head(x)
         return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
 
@@ -348,9 +453,7 @@ def stats(model) -> dict:
         return {"fast": 0, "fallback": {}, "off": "not installed (a model_type outside SUPPORTED_TYPES, "
                                                   "ShardConfig(enable_fast_decode=False), pipeline stages, "
                                                   "or a group of one rank)"}
-    if not path._checked:
-        path._off, path._checked = _structure_refusal(model), True
-    return {"fast": path.fast, "fallback": dict(path.fallback), "off": path._off}
+    return {"fast": path.fast, "fallback": dict(path.fallback), "off": path.refresh()}
 
 
 def set_fast_decode(model, on: bool = True) -> None:

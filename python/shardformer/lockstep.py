@@ -32,9 +32,22 @@ A sharded model's generate() therefore:
 
 The checksum of a row's last token t_i is sum_i t_i * w_i with fixed odd
 weights w_i, so any single differing token changes it.
+
+Expert parallelism.  The ranks of an expert-parallel group hold different
+experts and decode different rows (they are data-parallel ranks): each
+step's MoE layers exchange tokens among them (all_to_all), so every peer
+must run a forward in every step, also after its own rows have stopped
+(eos, another max_new_tokens, another prompt length) -- else the peers that
+go on wait forever on the one that left.  generate() there runs HF's
+`synced_gpus=True` loop: each step all-reduces "am I finished" over the
+world (one float), and a rank whose rows are done keeps running forwards
+(their outputs discarded, its sequences untouched) until every rank is
+done; every rank of the world calls generate().  The inputs may differ
+between EP peers; `synced_gpus=False` is refused by name (docs/parallel-modes.md).
 """
 from __future__ import annotations
 
+import itertools
 import threading
 
 import torch
@@ -165,12 +178,20 @@ def dist_rank() -> int:
 
 
 _inside = threading.local()
+_calls = itertools.count(1)      # one number per outermost lock-step generate() call, process-wide
 
 
 def inside_generate() -> bool:
     """True while this thread runs a lock-step generate() (a decode step's
     forward, e.g. shardformer.decode's fast path, may take that as its cue)."""
     return getattr(_inside, "generate", False)
+
+
+def generate_call() -> int:
+    """The number of the lock-step generate() call this thread runs (0:
+    none), unique in the process: a decode step's forward re-checks what it
+    relies on once per call (shardformer.decode)."""
+    return getattr(_inside, "call", 0) if getattr(_inside, "generate", False) else 0
 
 
 class LockstepGenerate:
@@ -180,9 +201,24 @@ class LockstepGenerate:
     pickles and deep-copies (shardformer.pickling): a copy's generate() is
     its own model's."""
 
-    def __init__(self, model, groups: list, name: str, inner=None):
+    def __init__(self, model, groups: list, name: str, inner=None, experts=None):
         self.model, self.groups, self.name, self.inner = model, groups, name, inner
+        self.experts = experts if experts is not None and C.world_size(experts) > 1 else None
         self.__doc__ = type(model).generate.__doc__
+
+    def synced(self, kwargs: dict) -> dict:
+        """kwargs with HF's synced_gpus=True where an expert-parallel group
+        exchanges tokens in every step (module doc); refuses synced_gpus=False there."""
+        experts = getattr(self, "experts", None)       # None in a wrapper pickled before it existed
+        if experts is None:
+            return kwargs
+        if kwargs.get("synced_gpus") is False:
+            raise ValueError(
+                f"{self.name}.generate with synced_gpus=False under expert parallelism (an expert-parallel group "
+                f"of global ranks {members(experts)}): its ranks decode different rows but exchange tokens "
+                f"in every step's MoE layers, so a rank whose rows stop first would leave the others waiting; "
+                f"leave synced_gpus unset (docs/parallel-modes.md)")
+        return dict(kwargs, synced_gpus=True)
 
     def _original(self, *args, **kwargs):
         if self.inner is not None:
@@ -197,10 +233,11 @@ class LockstepGenerate:
         model, groups = self.model, self.groups
         device = next(model.parameters()).device
         check_call(groups, model, args, kwargs, self.name)
+        kwargs = self.synced(kwargs)
         criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
         criteria.append(TokensAgree(groups, self.name))
         saved = agree_generator(groups, device)
-        _inside.generate = True
+        _inside.generate, _inside.call = True, next(_calls)
         try:
             return self._original(*args, stopping_criteria=criteria, **kwargs)
         finally:
@@ -209,15 +246,19 @@ class LockstepGenerate:
                 _set_generator_state(device, saved)
 
 
-def install(model, groups: list, name: str) -> int:
+def install(model, groups: list, name: str, experts=None) -> int:
     """Wrap generate() of every generating model in the tree (groups of one
-    rank left out; nothing to do without any); returns how many."""
+    rank left out; nothing to do without any, nor an expert-parallel group
+    `experts` of more than one); returns how many."""
     groups = [g for g in groups if C.world_size(g) > 1]
-    if not groups:
+    if experts is not None and C.world_size(experts) < 2:
+        experts = None
+    if not groups and experts is None:
         return 0
     count = 0
     for module in model.modules():
         if callable(getattr(type(module), "generate", None)) and hasattr(module, "generation_config"):
-            module.__dict__["generate"] = LockstepGenerate(module, groups, name, module.__dict__.get("generate"))
+            module.__dict__["generate"] = LockstepGenerate(module, groups, name, module.__dict__.get("generate"),
+                                                           experts)
             count += 1
     return count

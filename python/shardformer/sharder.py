@@ -272,7 +272,7 @@ class ModelSharder:
             if stages is None:                   # every rank of the groups decodes the same tokens
                 from . import lockstep           # (imports transformers: not at `import shardformer`)
 
-                lockstep.install(self.model, _decoding_groups(cfg), name)
+                lockstep.install(self.model, _decoding_groups(cfg), name, cfg.expert_parallel_process_group)
                 if (tp_size > 1 and cfg.enable_fast_decode and cfg.enable_tensor_parallelism
                         and not cfg.enable_sequence_parallelism):
                     from . import decode         # decode steps of Llama-shaped models without HF's per-op Python
@@ -282,7 +282,7 @@ class ModelSharder:
                 from .pipeline import generate as pipeline_generate
 
                 pipeline_generate.install(self.model, _decoding_groups(cfg) + [manager.group], name,
-                                          bool(cfg.enable_sequence_parallelism))
+                                          bool(cfg.enable_sequence_parallelism), cfg.expert_parallel_process_group)
             if tp_size > 1:                      # torch's generator: streams per rank, layerdrop agreed
                 index_of, folded, draws_replicated = policy.attention_data()
                 guard_random_streams(self.model, group, rank, name, draws_replicated)

@@ -20,6 +20,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from checks import expert_parallel as ep_check
 from checks import packed, parity
@@ -191,6 +192,76 @@ def ep_pp_disagree(ctx) -> dict:
     assert all(p.grad is None and torch.equal(p, before[n]) for n, p in model.named_parameters()), \
         "a parameter changed before the refusal"
     return {"message": message, "seconds": took}
+
+
+def _ep_pp_model(seed: int):
+    """Mixtral (4 experts, 3 layers) from `seed` in eval mode."""
+    torch.manual_seed(seed)
+    return pipe.build("MixtralForCausalLM", LAYERS, num_local_experts=4).eval()
+
+
+def ep_pp_generate_and_checkpoints(ctx, directory: str) -> dict:
+    """EP=2 x PP=2 on 4 ranks, ShardConfig from mesh(pp=2, dp=2, ep=2) (the
+    world), Mixtral with 4 experts, 3 layers over 2 stages, in eval mode.
+
+    generate(): each pipeline decodes its own rows -- pipeline 0 three
+    left-padded prompts and 3 new tokens, pipeline 1 the last two and 6 --
+    greedy and sampled (every rank seeded 100 + rank): every rank's tokens
+    equal the unsharded model's generate() on its pipeline's rows (sampled:
+    seeded as the pipeline's first rank).  Pipeline 0 stops 3 steps early and
+    keeps stepping (HF's synced_gpus loop) so that the MoE exchanges of its
+    EP peer are met; generate(synced_gpus=False) is refused by name before
+    any step.  Checkpoints: save_sharded, then load_sharded into the model of
+    another seed at this layout; get_state_dict + dcp.save, then dcp.load +
+    set_state_dict into the model of another seed: each loaded model's
+    gathered state dict is bit for bit the unsharded model's."""
+    from checks.pipeline_generate import prompts
+    from shardformer.checkpoint import get_state_dict, load_sharded, save_sharded, set_state_dict
+
+    m = mesh(pp=2, dp=2, ep=2)
+    d = m.coords["dp"]
+    model = _ep_pp_model(0)
+    ref = copy.deepcopy(model)
+    model, _ = ShardFormer(m.shard_config()).optimize(model)
+    assert any(isinstance(mod, ExpertParallelExperts) for mod in model.modules()), "no expert-parallel layer"
+    batch = {k: v[d:] for k, v in prompts().items()}
+    base = dict(max_new_tokens=3 + 3 * d, pad_token_id=0)
+    first = min(m.ranks("pp"))
+    out = {}
+
+    def generate(mdl, what: str, **kwargs) -> list:
+        with torch.no_grad():
+            torch.manual_seed(100 + ctx.rank)
+            got = mdl.generate(**batch, **base, **kwargs)
+            torch.manual_seed(100 + first)
+            exp = ref.generate(**batch, **base, **kwargs)
+        assert torch.equal(got, exp), f"{what}: rank {ctx.rank} (pipeline {d}) decoded\n{got}\nunsharded\n{exp}"
+        return got.tolist()
+
+    out["greedy"] = generate(model, "EP x PP greedy", do_sample=False)
+    out["sampled"] = generate(model, "EP x PP sampled", do_sample=True, top_k=0, top_p=1.0)
+    out["refused"] = parity.refused_unchanged(
+        model, lambda: model.generate(**batch, **base, do_sample=False, synced_gpus=False),
+        "generate(synced_gpus=False) under EP x PP")
+    expected = ref.state_dict()
+
+    def loaded(mdl, what: str) -> None:
+        full = gather_full_state_dict(mdl)
+        differ = [k for k, v in expected.items() if not torch.equal(full[k], v)]
+        assert full.keys() == expected.keys() and not differ, f"{what}: {differ or sorted(set(full) ^ set(expected))}"
+
+    save_sharded(model, f"{directory}/sharded")
+    other, _ = ShardFormer(m.shard_config()).optimize(_ep_pp_model(1))
+    load_sharded(other, f"{directory}/sharded")
+    loaded(other, "save_sharded / load_sharded")
+    msd, _ = get_state_dict(model)
+    dcp.save({"model": msd}, checkpoint_id=f"{directory}/dcp")
+    other, _ = ShardFormer(m.shard_config()).optimize(_ep_pp_model(1))
+    msd, _ = get_state_dict(other)
+    dcp.load({"model": msd}, checkpoint_id=f"{directory}/dcp")
+    set_state_dict(other, model_state_dict=msd)
+    loaded(other, "get_state_dict / dcp.save / dcp.load / set_state_dict")
+    return out
 
 
 def eight_ranks(ctx, cases, ep_schedules) -> dict:

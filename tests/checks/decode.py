@@ -9,6 +9,7 @@ import torch
 import zoo
 from checks.parity import TOL, assert_close, prompt_ids
 from shardformer import ShardConfig, ShardFormer, decode
+from shardformer.layer.normalization import FusedRMSNorm
 
 MODES = {
     "greedy": dict(do_sample=False),
@@ -31,14 +32,21 @@ def _build(name: str, window: int | None = None):
 
 
 def generate_equals_hf(ctx, name: str, mode: str = "greedy", default_group: bool = False,
-                       padded: bool = False, window: int | None = None) -> dict:
+                       padded: bool = False, window: int | None = None, options: dict | None = None) -> dict:
     """generate() of the sharded model (rank i seeded 100 + i) returns the
     tokens and every step's logits of the unsharded model's (seeded 100),
     with every decode step run by the fast path (stats counted).  padded:
-    row 0 left-padded by 2; window: a sliding window (5 + 6 tokens outgrow 7)."""
+    row 0 left-padded by 2; window: a sliding window (5 + 6 tokens outgrow 7);
+    options: more ShardConfig switches (enable_all_optimization: every norm
+    the optimizations replace is a FusedRMSNorm, run by the step)."""
     model, ref = _build(name, window)
-    config = ShardConfig() if default_group else ShardConfig(tensor_parallel_process_group=ctx.group)
+    options = options or {}
+    config = ShardConfig(**options) if default_group else \
+        ShardConfig(tensor_parallel_process_group=ctx.group, **options)
     ShardFormer(config).optimize(model)
+    fused = sum(isinstance(m, FusedRMSNorm) for m in model.modules())
+    if options.get("enable_all_optimization") or options.get("enable_fused_normalization"):
+        assert fused >= 2 * model.config.num_hidden_layers + 1, f"{name}: {fused} FusedRMSNorm modules"
     prompt = prompt_ids()
     mask = torch.ones_like(prompt)
     if padded:                               # left padding: row 0 starts two tokens late
@@ -59,33 +67,87 @@ def generate_equals_hf(ctx, name: str, mode: str = "greedy", default_group: bool
     assert stats["off"] is None, f"{name}: fast path off: {stats['off']}"
     assert stats["fast"] == steps, f"{name}: {stats['fast']} of {steps} decode steps took the fast path: {stats}"
     assert sum(stats["fallback"].values()) == 1, f"{name}: {stats}"
-    return {"tokens": got.sequences.tolist(), "fast": stats["fast"]}
+    return {"tokens": got.sequences.tolist(), "fast": stats["fast"], "fused_norms": fused}
 
 
-def explore(ctx, name):
-    torch.manual_seed(0)
-    model = zoo.build(name).eval()
-    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group)).optimize(model)
-    orig = model.forward
-    def spy(*a, **k):
-        if ctx.rank == 0:
-            print({kk: (tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__) for kk, v in k.items()})
-        return orig(*a, **k)
-    model.__dict__["forward"] = spy
-    with torch.no_grad():
-        model.generate(prompt_ids(), attention_mask=torch.ones(2, 5, dtype=torch.long), max_new_tokens=3, pad_token_id=0)
-    model.__dict__["forward"] = orig
-    return decode.stats(model)
+def cases_equal_hf(ctx, cases, options: dict) -> list[dict]:
+    """generate_equals_hf(name, mode, padded=, window=, options=) for each
+    case of `cases`, in one pool call."""
+    return [generate_equals_hf(ctx, name, mode, padded=padded, window=window, options=options)
+            for name, mode, padded, window in cases]
+
+
+def _scale_output(module, args, output):
+    return output * 1.5
+
+
+def _halve_input(module, args):
+    return (args[0] * 0.5,) + tuple(args[1:])
+
+
+def changed_after_generate(ctx) -> dict:
+    """TP=ctx.tp_size over ShardConfig() (the world): after a first
+    generate() that took the fast path, each change below is made to the
+    sharded model and to the unsharded one alike; the next generate() equals
+    the unsharded model's (tokens and every step's logits), with the decode
+    steps counted under the reason the fast path stepped aside (forward
+    hook and pre-hook, a global module hook, a replaced activation), or (the
+    hooks removed and a norm replaced by another RMSNorm) taken by the fast
+    path, reading the modules the model holds now.  Returns stats per change."""
+    from torch.nn.modules.module import register_module_forward_hook
+    from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
+
+    model, ref = _build("LlamaForCausalLM")
+    ShardFormer(ShardConfig()).optimize(model)
+    prompt = prompt_ids()
+    mask = torch.ones_like(prompt)
+    steps = []
+
+    def both(what: str) -> dict:
+        decode.reset_stats(model)
+        got = _generate(model, prompt, mask, MODES["greedy"])
+        exp = _generate(ref, prompt, mask, MODES["greedy"])
+        assert torch.equal(got.sequences, exp.sequences), \
+            f"{what}: rank {ctx.rank} decoded\n{got.sequences}\nHF\n{exp.sequences}\n{decode.stats(model)}"
+        for step, (a, b) in enumerate(zip(got.logits, exp.logits)):
+            assert_close(f"{what}: logits of step {step}", a, b, TOL[torch.float32])
+        steps.append(len(exp.logits) - 1)
+        return decode.stats(model)
+
+    out = {"first": both("first generate()")}
+    pairs = [(m, m.model.layers[0]) for m in (model, ref)]
+    handles = [layer.mlp.register_forward_hook(_scale_output) for _, layer in pairs]
+    handles += [m.model.layers[1].post_attention_layernorm.register_forward_pre_hook(_halve_input) for m, _ in pairs]
+    out["hooks"] = both("a forward hook on model.layers.0.mlp, a forward pre-hook on "
+                        "model.layers.1.post_attention_layernorm")
+    for h in handles:
+        h.remove()
+    handle = register_module_forward_hook(lambda m, a, o: o * 1.5 if isinstance(m, LlamaMLP) else None)
+    try:
+        out["global hook"] = both("a global module forward hook scaling the MLPs' outputs")
+    finally:
+        handle.remove()
+    for m, layer in pairs:
+        layer.mlp.act_fn = torch.nn.GELU().eval()
+    out["act_fn replaced"] = both("model.layers.0.mlp.act_fn replaced by GELU")
+    torch.manual_seed(3)
+    norm = LlamaRMSNorm(ref.config.hidden_size, eps=ref.config.rms_norm_eps).eval()
+    torch.nn.init.uniform_(norm.weight, -2.0, 2.0)
+    for m, layer in pairs:
+        layer.mlp.act_fn = torch.nn.SiLU().eval()
+        m.model.layers[1].input_layernorm = copy.deepcopy(norm)
+    out["norm replaced"] = both("hooks removed, model.layers.1.input_layernorm replaced by another LlamaRMSNorm")
+    out["steps"] = steps
+    return out
 
 
 def fallback_equals_hf(ctx, name: str, how: str) -> dict:
     """Where the step does not apply, generate() still equals HF's through
     HF's forward, and stats() says why: "hidden" -- output_hidden_states
-    (every call HF's, counted per call); "fused" -- fused norms (not HF's
-    RMSNorm modules): the model off, named by module path; "disabled" --
+    (every call HF's, counted per call); "disabled" --
     ShardConfig(enable_fast_decode=False): not installed."""
     model, ref = _build(name)
-    options = {"fused": dict(enable_fused_normalization=True), "disabled": dict(enable_fast_decode=False)}
+    options = {"disabled": dict(enable_fast_decode=False)}
     ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **options.get(how, {}))).optimize(model)
     prompt = prompt_ids()
     extra = dict(MODES["greedy"], output_hidden_states=how == "hidden")

@@ -258,8 +258,8 @@ class PipelineGenerate(LockstepGenerate):
     gathering one, `inner`) on a pipelined model, every rank calling it (see
     the module doc): lock-step's agreement, each step through the stages."""
 
-    def __init__(self, model, groups: list, name: str, sequence_parallel: bool, inner=None):
-        super().__init__(model, groups, name, inner)
+    def __init__(self, model, groups: list, name: str, sequence_parallel: bool, inner=None, experts=None):
+        super().__init__(model, groups, name, inner, experts)
         self.sequence_parallel = sequence_parallel
 
     def __call__(self, *args, **kwargs):
@@ -278,6 +278,7 @@ class PipelineGenerate(LockstepGenerate):
         why = refusal(model, self.name, kwargs, self.sequence_parallel)
         if why is not None:
             raise NotImplementedError(why)
+        kwargs = self.synced(kwargs)               # expert parallelism: every EP peer steps until all are done
         criteria = StoppingCriteriaList(kwargs.pop("stopping_criteria", None) or [])
         criteria.append(lockstep.TokensAgree(groups, self.name))
         saved = lockstep.agree_generator(groups, device)
@@ -293,14 +294,15 @@ class PipelineGenerate(LockstepGenerate):
                 lockstep._set_generator_state(device, saved)
 
 
-def install(model, groups: list, name: str, sequence_parallel: bool) -> bool:
+def install(model, groups: list, name: str, sequence_parallel: bool, experts=None) -> bool:
     """Give the pipelined `model` (when it generates) its pipelined generate().
-    `groups`: every group whose ranks decode together (TP, SP, pipeline)."""
+    `groups`: every group whose ranks decode together (TP, SP, pipeline);
+    `experts`: the expert-parallel group (lockstep's module doc)."""
     if not (callable(getattr(type(model), "generate", None)) and hasattr(model, "generation_config")):
         return False
     from ..distributed import collectives as C
 
     groups = [g for g in groups if C.world_size(g) > 1]
     model.__dict__["generate"] = PipelineGenerate(model, groups, name, sequence_parallel,
-                                                  model.__dict__.get("generate"))
+                                                  model.__dict__.get("generate"), experts)
     return True
