@@ -370,6 +370,7 @@ class SpecPolicy(FamilyPolicy):
             self.spec = spec
             for cap, name in _CAPABILITY_FIELDS.items():     # what the sharder and the pipeline read
                 setattr(self, name, getattr(spec.capabilities, cap))
+            self.split_attention_options = dict(spec.capabilities.split_attention_options)
 
     def build_spec(self) -> PolicySpec:
         """This policy's PolicySpec (default: the one it was made with)."""
@@ -387,6 +388,9 @@ class SpecPolicy(FamilyPolicy):
 
     def split_attention_modes(self) -> tuple[str, ...]:
         return ("all_to_all", "ring_attn") if self.build_spec().capabilities.split_attention_at else ()
+
+    def sequence_parallel_refusal(self, mode: str) -> str:
+        return self.build_spec().capabilities.sp_refusal
 
     def supports_sequence_overlap(self) -> bool:
         return self.build_spec().capabilities.sequence_overlap

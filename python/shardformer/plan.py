@@ -49,6 +49,9 @@ everywhere.  With W a Linear weight [out, in] and X [.., in]:
   moe_router_sequence_    RouterInSequenceParallel     nothing: a MoE router on the gathered tokens under
     parallel                                           split-gather SP, gradients all-reduced, its logits'
                                                        gradient 1/p (shardformer.layer.moe)
+  moe_shared_expert_      SharedExpertInSequenceParallel  nothing: a replicated module whose output a MoE
+    sequence_parallel                                  block adds to its experts' partial sums under
+                                                       split-gather SP: output / p, gradients all-reduced
   conv1d_colwise_qkv      GPT2FusedLinearConv1D_Col    HF's transposed Conv1D [in, out] with a fused [q | k | v]
                                                        output: each part by its heads (GPT-2's c_attn)
   conv1d_rowwise_heads    GPT2FusedLinearConv1D_Row    a Conv1D's input rows by the same query heads
@@ -172,6 +175,7 @@ _LAYERS = {
     "FusedExperts1D": _layer(".moe", "FusedExperts1D"),
     "ExpertParallelExperts": _layer(".expert_parallel", "ExpertParallelExperts"),
     "RouterInSequenceParallel": _layer(".moe", "RouterInSequenceParallel"),
+    "SharedExpertInSequenceParallel": _layer(".moe", "SharedExpertInSequenceParallel"),
     "GPT2FusedLinearConv1D_Col": _layer("", "GPT2FusedLinearConv1D_Col"),
     "GPT2FusedLinearConv1D_Row": _layer("", "GPT2FusedLinearConv1D_Row"),
 }
@@ -200,6 +204,7 @@ STYLES: dict[str, Style] = {s.name: s for s in (
           lambda c: {"expert_group": c.policy.shard_config.expert_parallel_process_group}),
     Style("mla_kv_a_proj", "SharedRopeKeyProjection", hf="mla_kv_a_proj"),
     Style("moe_router_sequence_parallel", "RouterInSequenceParallel"),
+    Style("moe_shared_expert_sequence_parallel", "SharedExpertInSequenceParallel"),
     Style("conv1d_colwise_qkv", "GPT2FusedLinearConv1D_Col",
           lambda c: {"split": _need_heads(c, "conv1d_colwise_qkv").qkv}, "col"),
     Style("conv1d_rowwise_heads", "GPT2FusedLinearConv1D_Row",
@@ -450,8 +455,16 @@ def split_gather_subs(spec, model, shard_config, state) -> dict[str, list[Sub]]:
     norms = (tuple(r.path for r in regions if r.layouts is None) if sg.skip is None
              else _parameterized_children(layers[0], sg.skip))
     moved = {r.path: r.layouts for r in regions if r.layouts is not None}
-    return {sg.layer: split_gather_layer(moved, norms, seq, sg.overlap and "overlap" in held),
-            sg.owner: split_gather_ends(sg.layers, len(layers), seq)}
+    out = {sg.layer: split_gather_layer(moved, norms, seq, sg.overlap and "overlap" in held)
+           + _beside_subs(sg.beside, held, shard_config)}
+    out.setdefault(sg.owner, []).extend(split_gather_ends(sg.layers, len(layers), seq))
+    return out
+
+
+def _beside_subs(entries, held: frozenset, shard_config) -> list[Sub]:
+    """The replacements of SplitGatherSpec.beside whose conditions hold."""
+    ctx = PlanContext(ShardView(shard_config))
+    return [replacement(e.suffix, e.style, ctx, dict(e.kwargs)) for e in entries if holds(e.when, held)]
 
 
 def _attributes(spec, module_spec, rows, heads, model) -> dict:
