@@ -43,7 +43,7 @@ from torch import nn
 
 from .config import ShardConfig
 from .lm_loss import HOOK, LMLoss
-from .plan import PlanContext, hf_entries, interpret, record_hidden_states, refuse, replacement
+from .plan import PlanContext, hf_entries, interpret, record_hidden_states, record_ties, refuse, replacement
 from .policy import ModulePolicyDescription, Policy, merge_policies
 from .policy import SubModuleReplacementDescription as Sub
 from .spec import Capabilities, PolicySpec
@@ -299,12 +299,12 @@ class FamilyPolicy(SplitAttentionPolicy, Policy):
 
     def preprocess(self) -> nn.Module:
         # An LM head is re-tied after substitution exactly when HF tied it
-        # (the same Parameter as the input embedding's), whatever the config says.
+        # (the same Parameter as the input embedding's), whatever the config
+        # says: shardformer.plan.record_ties, the one way ties are recorded.
         embeddings = self.input_embeddings() if self.tensor_parallel else None
         if embeddings is not None:
             source = self.path_of(embeddings)
-            self.state.ties += [(source, h.suffix) for h in self.active_heads() if h.kind == "lm"
-                                and self.model.get_submodule(h.suffix).weight is embeddings.weight]
+            record_ties(self.state, self.model, [(source, h.suffix) for h in self.active_heads() if h.kind == "lm"])
         return super().preprocess()
 
     def tie_followers(self) -> list[tuple[nn.Module, str]]:

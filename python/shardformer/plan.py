@@ -524,5 +524,44 @@ def interpret(spec, model, shard_config, state, policy=None) -> dict:
     if "sequence_parallel" in held and spec.split_gather is not None:
         for key, subs in split_gather_subs(spec, model, shard_config, state).items():
             out.setdefault(key, ModulePolicyDescription()).sub_module_replacement.extend(subs)
-    state.ties += [tie for tie in spec.ties if tie not in state.ties]
+    record_ties(state, model, spec.ties, f"policy spec {spec.name!r}")
     return out
+
+
+# ---- ties: the one way a policy's re-ties are recorded ----
+#
+# A tie (source, target) says: after substitution, the target module's
+# `weight` is the source's Parameter again (Policy.postprocess re-ties
+# state.ties).  Every policy records its ties through record_ties: the spec's
+# ties (interpret; DerivedPolicy.translate writes the LM head's), the LM heads
+# of a family (FamilyPolicy.preprocess), T5's shared embeddings.  A tie is
+# taken from the model itself: recorded only when the model holds the two
+# weights as one Parameter before substitution (transformers' tie_weights()
+# made them one, as the model's _tied_weights_keys and config declare: an LM
+# head with tie_word_embeddings=False stays untied), and once.
+
+
+def held_ties(model, pairs, owner: str = "") -> list[tuple[str, str]]:
+    """The (source, target) module paths of `pairs` whose `weight` `model`
+    holds as one Parameter now (its own ties).  A path that names no module
+    of the model is refused (PlanError naming `owner`, the path and the
+    model), before anything changes."""
+    held = []
+    for source, target in pairs:
+        modules = []
+        for path in (source, target):
+            try:
+                modules.append(model.get_submodule(path))
+            except AttributeError:
+                raise PlanError(f"{type(model).__name__}: {owner or 'a policy'} ties {target!r} to {source!r}, but "
+                                f"{path!r} is not a module of {type(model).__name__}") from None
+        weight = getattr(modules[0], "weight", None)
+        if weight is not None and getattr(modules[1], "weight", None) is weight:
+            held.append((source, target))
+    return held
+
+
+def record_ties(state, model, pairs, owner: str = "") -> None:
+    """Add to state.ties (re-tied by Policy.postprocess) each pair of `pairs`
+    that the model ties now (held_ties), unless it is recorded already."""
+    state.ties += [tie for tie in dict.fromkeys(held_ties(model, pairs, owner)) if tie not in state.ties]
