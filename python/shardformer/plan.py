@@ -444,7 +444,9 @@ def _parameterized_children(module, skip) -> tuple[str, ...]:
 
 def split_gather_subs(spec, model, shard_config, state) -> dict[str, list[Sub]]:
     """{class name: subs} of the spec's split-gather sequence parallelism
-    (the layer's regions and replicated norms; the owner's split and gather)."""
+    (the layer's regions, replicated norms and the modules beside the split
+    layers; the owner's split and gather: one list where the layer's class
+    is the owner's)."""
     sg, held = spec.split_gather, conditions(shard_config, model)
     seq = state.sequence_state
     if seq is None:
