@@ -87,7 +87,7 @@ from shardformer.layer import (
 )
 from shardformer.layout import Heads
 from shardformer.layer.sequence_layout import BLOCK
-from shardformer.plan import residual_dropout, split_gather_ends, split_gather_layer
+from shardformer.plan import record_ties, residual_dropout, split_gather_ends, split_gather_layer
 from shardformer.policies.shapes import SplitGatherMixin, new_sequence_state, sp_overlap
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
@@ -256,7 +256,7 @@ class T5Shape(SplitGatherMixin, FamilyPolicy):
 
     def preprocess(self):
         if self.tensor_parallel:                # re-tied by Policy.postprocess
-            self.state.ties += self._find_ties()
+            record_ties(self.state, self.model, self._find_ties())
         return super().preprocess()
 
 

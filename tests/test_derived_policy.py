@@ -250,12 +250,71 @@ def test_translated_plan_is_a_policy_spec():
     assert (embed.style, embed.kwargs) == ("embedding_rowwise", (("embed_scale", 8.0),))
 
 
-@pytest.mark.parametrize("tp,names", [(2, SPEC_NAMES[1:]), (4, SPEC_NAMES[:1])])
-def test_translated_spec_runs_as_spec_policy(pool, tp, names):
-    reports = pool.run(D.spec_policy_matches, tp, names)
-    assert all(set(r) == set(names) and all(v["tp"] == tp for v in r.values()) for r in reports)
+# Split-gather SP from the translated spec alone: SolarOpen at TP=4 over 9 rows (uneven; BLOCK regions, its
+# router and shared expert beside the experts), GPT-NeoX at TP=2 with the plain ShardConfig() (ENTER: biased rows).
+SP_SPEC_NAMES = tuple(D.available(["SolarOpen"], D.MODELS))
+
+
+@pytest.mark.parametrize("tp,names,sp", [(2, SPEC_NAMES[1:], ()), (4, SPEC_NAMES[:1], SP_SPEC_NAMES)])
+def test_translated_spec_runs_as_spec_policy(pool, tp, names, sp):
+    reports = pool.run(D.spec_policy_matches, tp, names, False, sp, 9)
+    keys = set(names) | {f"{n} split_gather" for n in sp}
+    assert all(set(r) == keys and all(v["tp"] == tp for v in r.values()) for r in reports)
 
 
 def test_translated_spec_default_group(pool2):
-    reports = pool2.run(D.spec_policy_matches, 2, ("GPTNeoX-6heads",), True)
-    assert all(r["GPTNeoX-6heads"]["tp"] == 2 for r in reports)
+    reports = pool2.run(D.spec_policy_matches, 2, ("GPTNeoX-6heads",), True, ("GPTNeoX-6heads",))
+    assert all(r["GPTNeoX-6heads"]["tp"] == 2 and r["GPTNeoX-6heads split_gather"]["split_calls"] > 0
+               for r in reports)
+
+
+def test_translated_split_gather_and_capabilities_are_spec_data():
+    """translate() under split-gather SP: its regions, the modules beside the split layers and the SP kwargs
+    of the split layers are spec data (Region, SplitGatherSpec.beside, Entry.sp), its capabilities the
+    spec's Capabilities, equal to what DerivedPolicy answers; no state is left on the policy."""
+    from shardformer import ShardConfig
+    from shardformer.derived_policy import DerivedPolicy
+    from shardformer.family import SpecPolicy
+    from shardformer.layer.sequence_layout import BLOCK, ENTER
+
+    sp = ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode="split_gather")
+    neox = D.translated_spec("GPTNeoX-6heads", sp)
+    sg = neox.split_gather
+    assert (sg.owner, sg.layers, sg.layer, sg.overlap) == ("GPTNeoXForCausalLM", "gpt_neox.layers",
+                                                           "GPTNeoXForCausalLM", False)
+    regions = {r.path: r.layouts for r in sg.regions}
+    assert regions["gpt_neox.layers.1.attention"] == ENTER and regions["gpt_neox.layers.0.mlp"] == ENTER
+    assert regions["gpt_neox.layers.0.input_layernorm"] is None          # a norm on this rank's rows
+    sp_of = {e.suffix: e.sp for e in neox.modules[0].entries}
+    assert (sp_of["gpt_neox.layers.0.mlp.dense_h_to_4h"], sp_of["gpt_neox.layers.0.mlp.dense_4h_to_h"]) == (
+        "col", "row")
+    assert neox.capabilities.sp_modes == ("split_gather",) and neox.capabilities.pipeline_split.layers == "layers"
+    assert neox.capabilities.split_attention_at == ("GPTNeoXModel", "layers")
+    assert D.translated_spec("GPTNeoX-6heads").split_gather is None      # SP off: no regions
+    if SP_SPEC_NAMES:
+        solar = D.translated_spec("SolarOpen", sp).split_gather
+        assert {r.layouts for r in solar.regions if r.layouts is not None} == {BLOCK}
+        assert {e.suffix: e.style for e in solar.beside if ".0." in e.suffix} == {
+            "model.layers.0.mlp.gate": "moe_router_sequence_parallel",
+            "model.layers.0.mlp.shared_experts": "moe_shared_expert_sequence_parallel"}
+    for name in D.available(["GPTNeoX-6heads", "HrmText"], D.MODELS):     # HrmText: two layer lists
+        policy = DerivedPolicy()
+        policy.set_model(D.build(name))
+        policy.set_shard_config(ShardConfig())
+        policy.begin()                                                  # the state lives in OptimizeState
+        before = set(vars(policy))
+        spec = policy.translate()
+        policy.module_policy()
+        assert set(vars(policy)) == before, f"{name}: state left on the policy: {set(vars(policy)) - before}"
+        spec_policy = SpecPolicy(spec)
+        spec_policy.set_model(policy.model)
+        spec_policy.set_shard_config(policy.shard_config)
+        for ask in ("sequence_parallel_modes", "split_attention_modes"):
+            assert getattr(spec_policy, ask)() == getattr(policy, ask)(), (name, ask)
+        assert spec_policy.sequence_parallel_refusal("split_gather") == policy.sequence_parallel_refusal("x")
+        assert (spec_policy.pipeline_split, spec_policy.pipeline_refusal) == (policy.pipeline_split,
+                                                                             policy.pipeline_refusal)
+    if "HrmText" in D.available(["HrmText"], D.MODELS):
+        assert "H_module.layers" in spec.capabilities.sp_refusal and spec.capabilities.sp_modes == ()
+        with pytest.raises(NotImplementedError, match="HrmTextForCausalLM.*split_gather.*L_module.layers"):
+            D.translated_spec("HrmText", sp)

@@ -106,9 +106,11 @@ def test_bad_specs_refused_by_name():
         interpret(bad, model, sp, OptimizeState())
 
 
-@pytest.mark.parametrize("tp,default_group,tags", [(2, False, ("tp", "overlap")), (4, True, ("tp", "split_gather"))])
+@pytest.mark.parametrize("tp,default_group,tags", [(2, False, ("tp", "overlap", "untied")),
+                                                   (4, True, ("tp", "split_gather"))])
 def test_user_spec_matches_unsharded(pool, tp, default_group, tags):
-    """TP=2 over an explicit group (TP; SP with overlap), TP=4 with the plain ShardConfig() (TP; SP)."""
+    """TP=2 over an explicit group (TP; SP with overlap; TP on a model whose LM head is untied, which the spec's
+    tie must leave untied), TP=4 with the plain ShardConfig() (TP; SP)."""
     reports = pool.run(S.user_spec_shards, tp, default_group, tags)
     assert len(reports) == tp and all(set(r) == set(tags) for r in reports)
 
@@ -116,3 +118,35 @@ def test_user_spec_matches_unsharded(pool, tp, default_group, tags):
 def test_user_spec_refusals(pool):
     reports = pool.run(S.user_spec_refuses, 2)
     assert "sequence parallelism mode 'split_gather' is not available for SpecPolicy" in reports[0]["mode"]
+
+
+def test_ties_taken_from_the_model_once():
+    """One way to record a tie (shardformer.plan.record_ties): a spec's ties and a family's LM-head rule both
+    keep a tie only where the model holds one Parameter, once; a tie naming no module is refused by name
+    before anything changes."""
+    from shardformer.autopolicy import get_autopolicy
+
+    pair = ("model.embed_tokens", "lm_head")
+    for tie in (True, False):
+        model = zoo.build("LlamaForCausalLM", tie_word_embeddings=tie)
+        base = type(get_autopolicy(model))
+
+        class Declared(base):              # the built-in policy, its spec also naming the LM head's tie
+            def build_spec(self):
+                return dataclasses.replace(super().build_spec(), ties=(pair,))
+
+        for policy in (Declared(), SpecPolicy(S.user_llama_spec())):
+            policy.set_model(model)
+            policy.set_shard_config(ShardConfig())
+            policy.begin()
+            policy.module_policy()
+            policy.preprocess()
+            assert policy.state.ties == ([pair] if tie else []), (type(policy).__name__, tie, policy.state.ties)
+    missing = dataclasses.replace(S.user_llama_spec(), ties=(("model.embed", "lm_head"),))
+    policy = SpecPolicy(missing)
+    policy.set_model(model)
+    policy.set_shard_config(ShardConfig())
+    policy.begin()
+    with pytest.raises(PlanError, match="LlamaForCausalLM: policy spec 'user-llama' ties 'lm_head' to "
+                                        "'model.embed', but 'model.embed' is not a module"):
+        policy.module_policy()

@@ -97,7 +97,7 @@ split_gather: each child of a layer holding split layers is a region of
 shardformer.layer.sequence (input all-gathered along S, backward
 reduce-scatter; output reduce-scattered, backward all-gather), the norms
 between them run on this rank's rows (gradients all-reduced), see
-DerivedPolicy._split_gather.  Refused by name, before the model changes:
+DerivedPolicy.split_gather_spec.  Refused by name, before the model changes:
 layer types other than attention (linear attention, recurrent mixers), a
 convolution along the sequence, attention outside the interface and attention
 sinks (all_to_all, ring_attn), and under split_gather a layer child
@@ -112,17 +112,17 @@ refused.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 from torch import nn
 
 from .derived_rules import added_children, attention_counts, is_attention, is_mla, norm_like, side_of_norm
 from .family import SplitAttentionPolicy, sequence_mode_refused
 from .layout import Heads
-from .layer.sequence_layout import BLOCK, ENTER, SequenceLayouts
-from .plan import PlanError, interpret, record_hidden_states, split_gather_ends, split_gather_layer
+from .layer.sequence_layout import BLOCK, ENTER
+from .plan import PlanError, interpret, record_hidden_states, style_of
 from .policy import Policy, merge_policies
-from .policy import SubModuleReplacementDescription as Sub
-from .spec import Attribute, Entry, ModuleSpec, PolicySpec
+from .spec import Attribute, Capabilities, Entry, ModuleSpec, PolicySpec, Region, SplitGatherSpec
 
 #: The styles DerivedPolicy maps (see the module docstring).
 SUPPORTED_STYLES = (
@@ -210,23 +210,53 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         self.plan = dict(plan) if plan is not None else None
         self.strict = strict
 
-    @property
-    def pipeline_split(self):
-        """The stage split around the layer list (layer_stack): the children
-        of the base model after it run on the last stage (those before it,
-        with parameters, on the first).  None when there is no single layer
-        list (pipeline_refusal says why; pipeline parallelism is refused)."""
+    def capabilities(self) -> Capabilities:
+        """What this policy can do with the bound model, as the spec's data
+        (translate() puts it in the PolicySpec; the accessors below read it).
+        Everything splits around the layer list (layer_stack): split_gather,
+        all_to_all / ring_attn on that ModuleList (position_ids cut to this
+        rank's rows for layers that read positions themselves: Ministral 3's
+        attention scale; the rotary cos / sin most pass are cut by the split
+        itself), and the pipeline's StageSplit (the base model's children
+        after the list run on the last stage, those before it with
+        parameters on the first).  Without one layer list: none of them,
+        each refusal saying why (no_layer_list).  No overlap, no recompute."""
         from .pipeline.stages import StageSplit
 
-        stack = self.layer_stack()
+        stack, why = self._stack_and_reason()
         if stack is None:
-            return None
+            return Capabilities(pipeline_refusal=why, sp_refusal=f"{why}: sequence parallelism splits around the "
+                                                                 f"layer list")
         base, after, layers = stack
-        return StageSplit(type(base).__name__, layers, last=after)
+        owner = type(base).__name__
+        return Capabilities(sp_modes=("split_gather",), split_attention_at=(owner, layers),
+                            split_attention_options=(("row_kwargs", ("position_ids",)),),
+                            pipeline_split=StageSplit(owner, layers, last=after))
+
+    # The Policy capability fields, answered from capabilities() (no state kept on the policy).
+
+    @property
+    def sp_modes(self) -> tuple[str, ...]:
+        return self.capabilities().sp_modes
+
+    @property
+    def split_attention_at(self) -> tuple[str, str] | None:
+        return self.capabilities().split_attention_at
+
+    @property
+    def split_attention_options(self) -> dict:
+        return dict(self.capabilities().split_attention_options)
+
+    @property
+    def pipeline_split(self):
+        return self.capabilities().pipeline_split
 
     @property
     def pipeline_refusal(self) -> str:
-        return self.no_layer_list()
+        return self.capabilities().pipeline_refusal
+
+    def sequence_parallel_refusal(self, mode: str) -> str:
+        return self.capabilities().sp_refusal
 
     def layer_stack(self) -> tuple[nn.Module, tuple[str, ...], str] | None:
         """(the base model, its children that run after the layers, the
@@ -360,20 +390,15 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
     # ---- the policy ----
 
     def module_policy(self) -> dict:
-        policy = self._tensor_parallel_policy()
-        if self.tensor_parallel and self.shard_config.sequence_parallel:
-            self._split_gather(policy[type(self.model)].sub_module_replacement)
+        """translate() run through shardformer.plan.interpret, the one
+        interpreter of every spec (tensor parallelism and its split-gather
+        regions, keyed by the model's class), plus all_to_all / ring_attn
+        on the layer list."""
+        policy = {}
+        if self.tensor_parallel:
+            described = interpret(self.translate(), self.model, self.shard_config, self.state, self)
+            policy = {type(self.model): described[type(self.model).__name__]}
         return merge_policies(policy, self.split_attention_policy())
-
-    def _tensor_parallel_policy(self) -> dict:
-        """The tensor-parallel replacements: translate() run through
-        shardformer.plan.interpret, the interpreter of the built-in shapes'
-        specs (keyed by the model's class, where split_gather adds its regions)."""
-        if not self.tensor_parallel:
-            return {}
-        spec = self.translate()
-        described = interpret(spec, self.model, self.shard_config, self.state, self)
-        return {type(self.model): described[type(self.model).__name__]}
 
     def translate(self) -> PolicySpec:
         """The plan in force (full_plan) as a PolicySpec: one ModuleSpec for
@@ -381,12 +406,13 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         shardformer.plan chosen by the rules of shardformer.derived_rules:
         head styles inside an attention, the vocabulary LM head, ...), with
         each attention's Heads on its entries and head-count Attribute rows,
-        and the LM head's tie to the input embeddings.  Refuses, naming the
-        style, path and model, what it cannot honour (before anything changes).
-        Split-gather sequence parallelism is added around the interpreted
-        replacements (_split_gather), not part of the spec yet."""
+        and the LM head's tie to the input embeddings; under split-gather
+        sequence parallelism its regions (split_gather_spec) and the entries
+        inside them with their SP kwargs; the capabilities (capabilities()).
+        Refuses, naming the style, path and model, what it cannot honour
+        (before anything changes)."""
         matched = self.matched()
-        self.plan_paths = set(matched)
+        named = set(matched)
         entries, attrs = [], []
         parents: dict[str, list[str]] = {}
         for path in matched:
@@ -413,7 +439,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
                 siblings = {p: matched[p] for p in parents[parent_path] if matched[p][0] in _COL + _ROW + (_MLA,)
                             and not isinstance(matched[p][1], nn.Embedding)}
                 parent = self.model.get_submodule(parent_path) if parent_path else self.model
-                e, a = self._linears(parent_path, parent, siblings)
+                e, a = self._linears(parent_path, parent, siblings, named)
                 entries += e
                 attrs += a
                 done.add(parent_path)
@@ -424,9 +450,15 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
             else:
                 raise self._fail(style, path, f"{style} needs an nn.Embedding, {type(module).__name__} is not one")
         tied, ties = self._tied_embedding(matched, entries)
-        name = type(self.model).__name__
+        entries, name, caps = entries + tied, type(self.model).__name__, self.capabilities()
+        split_gather = None
+        if self.tensor_parallel and self.shard_config.sequence_parallel:
+            if "split_gather" not in caps.sp_modes:
+                raise self._refused(name, caps.sp_refusal)
+            entries, split_gather = self.split_gather_spec(entries)
         return PolicySpec(f"{name} (derived from its tensor-parallel plan)",
-                          (ModuleSpec(name, tuple(entries + tied), tuple(attrs), sp_linear=""),), ties=ties)
+                          (ModuleSpec(name, tuple(entries), tuple(attrs), sp_linear=""),),
+                          split_gather=split_gather, ties=ties, capabilities=caps)
 
     def _embedding(self, path: str, style: str, module: nn.Embedding) -> Entry:
         if style not in ("embedding_rowwise", "rowwise", "rowwise_split_input", "rowwise_rep"):
@@ -480,9 +512,11 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         ep = self.shard_config.expert_parallel_process_group
         return Entry(path, "moe_tp_experts" if ep is None else "moe_ep_experts")
 
-    def _linears(self, parent_path: str, parent: nn.Module, siblings: dict) -> tuple[list[Entry], list[Attribute]]:
+    def _linears(self, parent_path: str, parent: nn.Module, siblings: dict,
+                 named: set[str]) -> tuple[list[Entry], list[Attribute]]:
         """The entries of the Linear layers of one module (an attention or
-        MLP block) and the Attribute rows its forward needs per rank."""
+        MLP block) and the Attribute rows its forward needs per rank
+        (`named`: the module paths the plan names)."""
         subs, attrs = [], []
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
         attention = is_attention(parent) and parent is not self.model
@@ -525,7 +559,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
             attrs += [Attribute(name, kind, heads=heads)
                       for name, kind in attention_counts(parent_path, parent, heads, widths=not mla).items()]
         if any(style in ("colwise", "packed_colwise") for style, _ in siblings.values()):
-            subs += self._between_split_layers(parent_path, parent, mla=bool(mla), siblings=siblings)
+            subs += self._between_split_layers(parent_path, parent, named, mla=bool(mla), siblings=siblings)
         return subs, attrs
 
     def _linear_style(self, path: str, style: str, module: nn.Linear, parent: nn.Module, heads: Heads | None,
@@ -577,7 +611,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
                              f"{parent.num_heads}: latent attention expands the keys to every query head")
         return Heads(parent.num_heads, parent.num_heads, parent.qk_nope_head_dim + parent.qk_rope_head_dim)
 
-    def _between_split_layers(self, parent_path: str, parent: nn.Module, mla: bool = False,
+    def _between_split_layers(self, parent_path: str, parent: nn.Module, named: set[str], mla: bool = False,
                               siblings: dict | None = None) -> list[Entry]:
         """The other parameterized children of a module whose column layers
         leave their output split (an activation with parameters, a per-head
@@ -587,7 +621,6 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         they run before the split instead, on replicated activations
         (_MLA_LATENT): they stay as they are, and any other child is refused."""
         lead = f"{parent_path}." if parent_path else ""
-        named = self.plan_paths
         rest = [child for child, module in parent.named_children()
                 if lead + child not in named and any(True for _ in module.parameters())]
         if mla:        # latent attention: the low-rank path stays whole; anything else is unknown
@@ -639,21 +672,6 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
     # children (its norms) run on this rank's rows: gradients all-reduced.
     # The first layer splits its input, the last gathers its output.
 
-    def sequence_parallel_modes(self) -> tuple[str, ...]:
-        return ("split_gather",) + self.split_attention_modes() if self.layer_stack() is not None else ()
-
-    def sequence_parallel_refusal(self, mode: str) -> str:
-        return f"{self.no_layer_list()}: sequence parallelism splits around the layer list"
-
-    def split_attention_modes(self) -> tuple[str, ...]:
-        return ("all_to_all", "ring_attn") if self.layer_stack() is not None else ()
-
-    def split_attention_targets(self) -> list:
-        base, _, layers = self.layer_stack()
-        # position_ids: this rank's rows, for layers that read positions themselves (Ministral 3's
-        # attention scale); the rotary cos / sin that most pass are cut by the split itself
-        return [(type(base), layers, base, {"row_kwargs": ("position_ids",)})]
-
     def layers_path(self) -> str:
         """The dotted path of the layer ModuleList in the model."""
         base, _, layers = self.layer_stack()
@@ -668,7 +686,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         run: layer types other than (sliding-window) attention, convolutions
         along the sequence, and under all_to_all / ring_attn what
         _check_split_attention names (split_gather's refusals come while
-        planning: _split_gather)."""
+        planning: split_gather_spec)."""
         if not self.shard_config.enable_sequence_parallelism or self.layer_stack() is None:
             return
         path = self.layers_path()
@@ -704,77 +722,83 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
                        "own heads after the exchange")
                 raise self._refused(sinks, f"attention sinks (a learned logit per head in every softmax): {why}")
 
-    def _split_gather(self, subs: list) -> None:
-        """Adds split-gather sequence parallelism to the tensor-parallel
-        replacements `subs` (see the comment above)."""
-        from .layer.sequence import SequenceState
-
-        state = SequenceState()
+    def split_gather_spec(self, entries: list[Entry]) -> tuple[list[Entry], SplitGatherSpec]:
+        """Split-gather sequence parallelism of the layer list as spec data:
+        (`entries` with the SP kwargs of those inside a region, the
+        SplitGatherSpec).  Each child of a layer that holds layers the plan
+        splits is a Region (its layouts: _sp_block), every other child with
+        parameters a norm Region (layouts None: this rank's rows, gradients
+        all-reduced; anything else with parameters is refused).  Paths run
+        from the model through each layer (the spec's `layer` is the
+        model's class), since the layers may differ (dense and MoE layers,
+        row layers with and without a bias)."""
         path = self.layers_path()
         layers = self.model.get_submodule(path)
-        planned = {s.suffix for s in subs}
-        regions, norms, beside = {}, [], []
+        planned = {e.suffix for e in entries}
+        sp = {}                                   # suffix -> its SP kwargs (shardformer.spec.SP_KWARGS)
+        regions, norms, beside = [], [], []
         for i, layer in enumerate(layers):
             for child, module in layer.named_children():
                 where = f"{path}.{i}.{child}"
-                inside = [s for s in subs if s.suffix == where or s.suffix.startswith(where + ".")]
-                if any(s.target_module.__name__ in _SPLIT_LAYERS for s in inside):
-                    regions[where], found = self._sp_block(where, module, inside, planned)
+                inside = [e for e in entries if e.suffix == where or e.suffix.startswith(where + ".")]
+                if any(_layer_name(e.style) in _SPLIT_LAYERS for e in inside):
+                    layouts, rows_scatter, found = self._sp_block(where, module, inside, planned)
+                    regions.append(Region(where, layouts))
+                    sp.update({e.suffix: "row" if rows_scatter and _layer_name(e.style) == "Linear1D_Row" else "col"
+                               for e in inside if _layer_name(e.style) in _SPLIT_LAYERS})
                     beside += found
                 elif where not in planned and any(True for _ in module.parameters()):
                     if not norm_like(module):
                         raise self._refused(where, f"{type(module).__name__} holds parameters the plan does not "
                                             f"split and is not a norm: on this rank's rows it would see part of "
                                             f"the sequence")
-                    norms.append(where)
-        subs += split_gather_layer(regions, norms, state) + beside + split_gather_ends(path, len(layers), state)
+                    norms.append(Region(where))
+        name = type(self.model).__name__
+        entries = [replace(e, sp=sp[e.suffix]) if e.suffix in sp else e for e in entries]
+        return entries, SplitGatherSpec(name, path, name, tuple(regions + norms), overlap=False, beside=tuple(beside))
 
-    def _sp_block(self, where: str, module: nn.Module, inside: list, planned: set) -> tuple[SequenceLayouts, list]:
+    def _sp_block(self, where: str, module: nn.Module, inside: list[Entry],
+                  planned: set) -> tuple[object, bool, list[Entry]]:
         """(the layouts of one child of a layer holding split layers: BLOCK,
         or ENTER where its row layers have a bias and reduce-scatter
-        themselves; the substitutions of the replicated modules inside it
-        that run beside the split ones)."""
-        from .layer.moe import RouterInSequenceParallel, SharedExpertInSequenceParallel
-
-        latent = [s.suffix for s in inside if s.target_module.__name__ == "SharedRopeKeyProjection"]
+        themselves; whether they do; the Entry rows of the replicated modules
+        inside it that run beside the split ones: a MoE block's router, whose
+        gradients are partial beside experts returning partial sums, and a
+        module whose output the block adds to the experts' (a shared expert))."""
+        latent = [e.suffix for e in inside if _layer_name(e.style) == "SharedRopeKeyProjection"]
         if latent:
             raise self._refused(latent[0], "the latent attention's shared projection (mla_kv_a_proj) is kept whole "
                                 "on every rank: on the gathered sequence its input gradient, already the full "
                                 "one on every rank, would be summed again by the block's reduce-scatter")
-        rows = [s for s in inside if s.target_module.__name__ == "Linear1D_Row"]
-        experts = [s for s in inside if s.target_module.__name__ == "FusedExperts1D"]
-        biased = [s.suffix for s in rows if getattr(self.model.get_submodule(s.suffix), "bias", None) is not None]
+        rows = [e for e in inside if _layer_name(e.style) == "Linear1D_Row"]
+        experts = [e for e in inside if _layer_name(e.style) == "FusedExperts1D"]
+        biased = [e.suffix for e in rows if getattr(self.model.get_submodule(e.suffix), "bias", None) is not None]
         if biased and experts:
             raise self._refused(where, f"row layers with a bias ({biased}) beside experts returning partial sums")
-        for s in inside:
-            if s.target_module.__name__ in _SPLIT_LAYERS:
-                s.kwargs = dict(s.kwargs or {}, sequence_parallel=True)
-                if biased and s in rows:
-                    s.kwargs["reduce_scatter"] = True
         out = []
-        routers = {f"{s.suffix.rpartition('.')[0]}.{child}" for s in experts
-                   for child, m in self.model.get_submodule(s.suffix.rpartition(".")[0]).named_children()
+        routers = {f"{e.suffix.rpartition('.')[0]}.{child}" for e in experts
+                   for child, m in self.model.get_submodule(e.suffix.rpartition(".")[0]).named_children()
                    if any(True for _ in m.parameters(recurse=False))}      # a router's own matrix
-        added = {f"{block}.{child}" for block in {s.suffix.rpartition(".")[0] for s in experts}
+        added = {f"{block}.{child}" for block in {e.suffix.rpartition(".")[0] for e in experts}
                  for child in added_children(self.model.get_submodule(block))}
         seen: list[str] = []                   # replicated subtrees classified whole
         for path, m in module.named_modules(prefix=where):
-            if any(path == p or path.startswith(p + ".") for p in seen + [s.suffix for s in inside]):
+            if any(path == p or path.startswith(p + ".") for p in seen + [e.suffix for e in inside]):
                 continue
-            if any(s.suffix.startswith(path + ".") for s in inside) or not any(True for _ in m.parameters()):
+            if any(e.suffix.startswith(path + ".") for e in inside) or not any(True for _ in m.parameters()):
                 continue                           # holds split layers (look inside), or nothing to train
             seen.append(path)
             if path in routers and path not in planned:    # beside the experts: partial gradients
-                out.append(Sub(path, RouterInSequenceParallel))
+                out.append(Entry(path, "moe_router_sequence_parallel"))
             elif path in added and path not in planned:     # output added to the experts' partial sums
-                out.append(Sub(path, SharedExpertInSequenceParallel))
+                out.append(Entry(path, "moe_shared_expert_sequence_parallel"))
             elif not norm_like(m):
                 raise self._refused(path, f"{type(m).__name__} holds parameters the plan leaves replicated inside "
                                     f"a tensor-parallel block: its full output would be summed over the ranks by "
                                     f"the block's reduce-scatter (only a router, a norm, or a module beside the "
                                     f"experts whose output the block's forward adds to theirs, `... + "
                                     f"self.<name>(...)`, run there)")
-        return (ENTER if biased else BLOCK), out
+        return (ENTER if biased else BLOCK), bool(biased), out
 
     # ---- after the swaps ----
 
@@ -783,6 +807,12 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
 
 
 _SPLIT_LAYERS = ("Linear1D_Col", "Linear1D_Row", "FusedExperts1D")
+
+
+def _layer_name(style: str) -> str:
+    """The layer class name a style of shardformer.plan becomes ("" where it is chosen per config)."""
+    layer = style_of(style).layer
+    return layer if isinstance(layer, str) else ""
 
 
 def _generic(path: str) -> str:

@@ -43,7 +43,7 @@ from torch import nn
 
 from .config import ShardConfig
 from .lm_loss import HOOK, LMLoss
-from .plan import PlanContext, hf_entries, interpret, record_hidden_states, refuse, replacement
+from .plan import PlanContext, hf_entries, interpret, record_hidden_states, record_ties, refuse, replacement
 from .policy import ModulePolicyDescription, Policy, merge_policies
 from .policy import SubModuleReplacementDescription as Sub
 from .spec import Capabilities, PolicySpec
@@ -299,12 +299,12 @@ class FamilyPolicy(SplitAttentionPolicy, Policy):
 
     def preprocess(self) -> nn.Module:
         # An LM head is re-tied after substitution exactly when HF tied it
-        # (the same Parameter as the input embedding's), whatever the config says.
+        # (the same Parameter as the input embedding's), whatever the config
+        # says: shardformer.plan.record_ties, the one way ties are recorded.
         embeddings = self.input_embeddings() if self.tensor_parallel else None
         if embeddings is not None:
             source = self.path_of(embeddings)
-            self.state.ties += [(source, h.suffix) for h in self.active_heads() if h.kind == "lm"
-                                and self.model.get_submodule(h.suffix).weight is embeddings.weight]
+            record_ties(self.state, self.model, [(source, h.suffix) for h in self.active_heads() if h.kind == "lm"])
         return super().preprocess()
 
     def tie_followers(self) -> list[tuple[nn.Module, str]]:
@@ -370,6 +370,7 @@ class SpecPolicy(FamilyPolicy):
             self.spec = spec
             for cap, name in _CAPABILITY_FIELDS.items():     # what the sharder and the pipeline read
                 setattr(self, name, getattr(spec.capabilities, cap))
+            self.split_attention_options = dict(spec.capabilities.split_attention_options)
 
     def build_spec(self) -> PolicySpec:
         """This policy's PolicySpec (default: the one it was made with)."""
@@ -387,6 +388,9 @@ class SpecPolicy(FamilyPolicy):
 
     def split_attention_modes(self) -> tuple[str, ...]:
         return ("all_to_all", "ring_attn") if self.build_spec().capabilities.split_attention_at else ()
+
+    def sequence_parallel_refusal(self, mode: str) -> str:
+        return self.build_spec().capabilities.sp_refusal
 
     def supports_sequence_overlap(self) -> bool:
         return self.build_spec().capabilities.sequence_overlap

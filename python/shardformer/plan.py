@@ -49,6 +49,9 @@ everywhere.  With W a Linear weight [out, in] and X [.., in]:
   moe_router_sequence_    RouterInSequenceParallel     nothing: a MoE router on the gathered tokens under
     parallel                                           split-gather SP, gradients all-reduced, its logits'
                                                        gradient 1/p (shardformer.layer.moe)
+  moe_shared_expert_      SharedExpertInSequenceParallel  nothing: a replicated module whose output a MoE
+    sequence_parallel                                  block adds to its experts' partial sums under
+                                                       split-gather SP: output / p, gradients all-reduced
   conv1d_colwise_qkv      GPT2FusedLinearConv1D_Col    HF's transposed Conv1D [in, out] with a fused [q | k | v]
                                                        output: each part by its heads (GPT-2's c_attn)
   conv1d_rowwise_heads    GPT2FusedLinearConv1D_Row    a Conv1D's input rows by the same query heads
@@ -172,6 +175,7 @@ _LAYERS = {
     "FusedExperts1D": _layer(".moe", "FusedExperts1D"),
     "ExpertParallelExperts": _layer(".expert_parallel", "ExpertParallelExperts"),
     "RouterInSequenceParallel": _layer(".moe", "RouterInSequenceParallel"),
+    "SharedExpertInSequenceParallel": _layer(".moe", "SharedExpertInSequenceParallel"),
     "GPT2FusedLinearConv1D_Col": _layer("", "GPT2FusedLinearConv1D_Col"),
     "GPT2FusedLinearConv1D_Row": _layer("", "GPT2FusedLinearConv1D_Row"),
 }
@@ -200,6 +204,7 @@ STYLES: dict[str, Style] = {s.name: s for s in (
           lambda c: {"expert_group": c.policy.shard_config.expert_parallel_process_group}),
     Style("mla_kv_a_proj", "SharedRopeKeyProjection", hf="mla_kv_a_proj"),
     Style("moe_router_sequence_parallel", "RouterInSequenceParallel"),
+    Style("moe_shared_expert_sequence_parallel", "SharedExpertInSequenceParallel"),
     Style("conv1d_colwise_qkv", "GPT2FusedLinearConv1D_Col",
           lambda c: {"split": _need_heads(c, "conv1d_colwise_qkv").qkv}, "col"),
     Style("conv1d_rowwise_heads", "GPT2FusedLinearConv1D_Row",
@@ -439,7 +444,9 @@ def _parameterized_children(module, skip) -> tuple[str, ...]:
 
 def split_gather_subs(spec, model, shard_config, state) -> dict[str, list[Sub]]:
     """{class name: subs} of the spec's split-gather sequence parallelism
-    (the layer's regions and replicated norms; the owner's split and gather)."""
+    (the layer's regions, replicated norms and the modules beside the split
+    layers; the owner's split and gather: one list where the layer's class
+    is the owner's)."""
     sg, held = spec.split_gather, conditions(shard_config, model)
     seq = state.sequence_state
     if seq is None:
@@ -450,8 +457,16 @@ def split_gather_subs(spec, model, shard_config, state) -> dict[str, list[Sub]]:
     norms = (tuple(r.path for r in regions if r.layouts is None) if sg.skip is None
              else _parameterized_children(layers[0], sg.skip))
     moved = {r.path: r.layouts for r in regions if r.layouts is not None}
-    return {sg.layer: split_gather_layer(moved, norms, seq, sg.overlap and "overlap" in held),
-            sg.owner: split_gather_ends(sg.layers, len(layers), seq)}
+    out = {sg.layer: split_gather_layer(moved, norms, seq, sg.overlap and "overlap" in held)
+           + _beside_subs(sg.beside, held, shard_config)}
+    out.setdefault(sg.owner, []).extend(split_gather_ends(sg.layers, len(layers), seq))
+    return out
+
+
+def _beside_subs(entries, held: frozenset, shard_config) -> list[Sub]:
+    """The replacements of SplitGatherSpec.beside whose conditions hold."""
+    ctx = PlanContext(ShardView(shard_config))
+    return [replacement(e.suffix, e.style, ctx, dict(e.kwargs)) for e in entries if holds(e.when, held)]
 
 
 def _attributes(spec, module_spec, rows, heads, model) -> dict:
@@ -511,5 +526,44 @@ def interpret(spec, model, shard_config, state, policy=None) -> dict:
     if "sequence_parallel" in held and spec.split_gather is not None:
         for key, subs in split_gather_subs(spec, model, shard_config, state).items():
             out.setdefault(key, ModulePolicyDescription()).sub_module_replacement.extend(subs)
-    state.ties += [tie for tie in spec.ties if tie not in state.ties]
+    record_ties(state, model, spec.ties, f"policy spec {spec.name!r}")
     return out
+
+
+# ---- ties: the one way a policy's re-ties are recorded ----
+#
+# A tie (source, target) says: after substitution, the target module's
+# `weight` is the source's Parameter again (Policy.postprocess re-ties
+# state.ties).  Every policy records its ties through record_ties: the spec's
+# ties (interpret; DerivedPolicy.translate writes the LM head's), the LM heads
+# of a family (FamilyPolicy.preprocess), T5's shared embeddings.  A tie is
+# taken from the model itself: recorded only when the model holds the two
+# weights as one Parameter before substitution (transformers' tie_weights()
+# made them one, as the model's _tied_weights_keys and config declare: an LM
+# head with tie_word_embeddings=False stays untied), and once.
+
+
+def held_ties(model, pairs, owner: str = "") -> list[tuple[str, str]]:
+    """The (source, target) module paths of `pairs` whose `weight` `model`
+    holds as one Parameter now (its own ties).  A path that names no module
+    of the model is refused (PlanError naming `owner`, the path and the
+    model), before anything changes."""
+    held = []
+    for source, target in pairs:
+        modules = []
+        for path in (source, target):
+            try:
+                modules.append(model.get_submodule(path))
+            except AttributeError:
+                raise PlanError(f"{type(model).__name__}: {owner or 'a policy'} ties {target!r} to {source!r}, but "
+                                f"{path!r} is not a module of {type(model).__name__}") from None
+        weight = getattr(modules[0], "weight", None)
+        if weight is not None and getattr(modules[1], "weight", None) is weight:
+            held.append((source, target))
+    return held
+
+
+def record_ties(state, model, pairs, owner: str = "") -> None:
+    """Add to state.ties (re-tied by Policy.postprocess) each pair of `pairs`
+    that the model ties now (held_ties), unless it is recorded already."""
+    state.ties += [tie for tie in dict.fromkeys(held_ties(model, pairs, owner)) if tie not in state.ties]

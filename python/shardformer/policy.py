@@ -76,10 +76,10 @@ class OptimizeState:
 
     sequence_state  the model's shardformer.layer.sequence.SequenceState under
                     split-gather SP (the sharder hands it to pipeline stages)
-    tied_heads      suffixes of the LM heads HF had tied to the input embedding
-                    (seen in preprocess, re-tied in postprocess)
     ties            (source, target) module paths whose weights postprocess
-                    re-ties (policies with ties outside their heads)
+                    re-ties: the model's own ties, recorded once each by
+                    shardformer.plan.record_ties (a spec's ties, the LM heads
+                    HF had tied to the input embedding)
     sub_policies    {id(module): Policy} of the models composed inside this one
     policy_of       module -> its registered Policy (shardformer.autopolicy),
                     passed down by the caller so that no policy reaches up
@@ -91,7 +91,6 @@ class OptimizeState:
     """
 
     sequence_state: Any = None
-    tied_heads: tuple[str, ...] = ()
     ties: list[tuple[str, str]] = field(default_factory=list)
     sub_policies: dict[int, "Policy"] = field(default_factory=dict)
     policy_of: Callable[[nn.Module], "Policy"] | None = None

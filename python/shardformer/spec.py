@@ -181,7 +181,15 @@ class SplitGatherSpec:
                of a layer that hold no replicated parameters: every other
                child of the first layer that has parameters (its norms) runs
                on this rank's rows, gradients all-reduced
+    beside     Entry rows (paths like the regions'), realized after the regions
+               and norms: replicated modules inside a region that run on its
+               gathered sequence beside the split layers (a MoE router,
+               moe_router_sequence_parallel; a shared expert added to the
+               experts' partial sums, moe_shared_expert_sequence_parallel)
 
+    `layer` may be the owner's own class: the region paths then run from
+    the owner through each layer ("model.layers.0.mlp"), for a stack whose
+    layers differ (dense and MoE layers; DerivedPolicy.translate writes it so).
     The first layer splits its input, the last gathers its output, those
     between mark their rows (shardformer.plan.split_gather_ends)."""
 
@@ -191,10 +199,14 @@ class SplitGatherSpec:
     regions: tuple[Region, ...]
     overlap: bool = True
     skip: tuple[str, ...] | None = None
+    beside: tuple[Entry, ...] = ()
 
     def __post_init__(self):
         rows = tuple(r if isinstance(r, Region) else Region(*r) for r in self.regions)
         object.__setattr__(self, "regions", rows)            # pairs read as Region rows
+        bad = [e for e in self.beside if not isinstance(e, Entry)]
+        if bad:
+            raise SpecError(f"SplitGatherSpec({self.owner!r}): beside takes Entry rows, got {bad[0]!r}")
 
 
 @dataclass(frozen=True)
@@ -231,7 +243,11 @@ class Capabilities:
     pipeline_split         a StageSplit, or None (`pipeline_refusal` says why)
     parallel_output        ShardConfig(parallel_output=True) is honoured by its LM heads
     records_hidden_states  output_hidden_states=True under split_gather records
-                           full-sequence states (else it is refused by name)"""
+                           full-sequence states (else it is refused by name)
+    split_attention_options  (name, value) pairs, extra kwargs of
+                           SequenceAttentionParallel at split_attention_at
+    sp_refusal             why a sequence_parallelism_mode outside sp_modes is
+                           refused ("" : not said)"""
 
     sp_modes: tuple[str, ...] = ()
     split_attention_at: tuple[str, str] | None = None
@@ -242,6 +258,8 @@ class Capabilities:
     pipeline_refusal: str = ""
     parallel_output: bool = True
     records_hidden_states: bool = True
+    split_attention_options: tuple[tuple[str, Any], ...] = ()
+    sp_refusal: str = ""
 
 
 @dataclass(frozen=True)

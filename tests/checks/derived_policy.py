@@ -346,13 +346,35 @@ def translated_spec(name: str, shard_config=None):
     return policy.translate()
 
 
-def spec_policy_matches(ctx, names: tuple[str, ...], default_group: bool = False) -> dict:
+def spec_policy_matches(ctx, names: tuple[str, ...], default_group: bool = False,
+                        split_gather: tuple[str, ...] = (), seq: int = 7) -> dict:
     """Each model of `names` sharded by SpecPolicy(its translated spec), with
     no DerivedPolicy involved, against the unsharded model: forward, loss,
-    every gradient and an SGD step (parity.check_sharded).  {name: report}."""
+    every gradient and an SGD step (parity.check_sharded).  Those of
+    `split_gather` also with split-gather sequence parallelism from the same
+    spec data (a [2, seq] batch), the split path run on every region.
+    {name or "<name> split_gather": report}."""
+    from checks import derived_sequence as S
     from shardformer.family import SpecPolicy
 
-    return {name: parity.check_sharded(ctx, lambda: build(name), make_inputs(name), name=f"{name} (translated spec)",
-                                       policy=SpecPolicy(translated_spec(name)), fp64_floor=name in FP64_FLOOR,
-                                       default_group=default_group)
-            for name in names}
+    out = {name: parity.check_sharded(ctx, lambda: build(name), make_inputs(name), name=f"{name} (translated spec)",
+                                      policy=SpecPolicy(translated_spec(name)), fp64_floor=name in FP64_FLOOR,
+                                      default_group=default_group)
+           for name in names}
+    sp = {"enable_sequence_parallelism": True, "sequence_parallelism_mode": "split_gather"}
+    for name in split_gather:
+        spec, holder = translated_spec(name, ShardConfig(**sp)), {}
+        assert spec.split_gather is not None, f"{name}: its translated spec has no split-gather regions"
+
+        def fresh():
+            holder["model"] = build(name)
+            return holder["model"]
+
+        before = S._split_calls("split_gather")
+        report = parity.check_sharded(ctx, fresh, S.inputs_of(name, seq), name=f"{name} split_gather (translated "
+                                      f"spec)", policy=SpecPolicy(spec), config=sp, fp64_floor=name in FP64_FLOOR,
+                                      default_group=default_group)
+        calls, expected = S._split_calls("split_gather") - before, S._expected_calls(holder["model"], "split_gather")
+        assert expected > 0 and calls == expected, f"{name}: the split path ran {calls} times, expected {expected}"
+        out[f"{name} split_gather"] = dict(report, split_calls=calls)
+    return out
