@@ -108,7 +108,8 @@ from shardformer.plan import (PlanContext, interpret, realize, record_hidden_sta
                               split_gather_layer, split_gather_subs)
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
-from shardformer.spec import Attribute, Entry, HeadsFrom, ModuleSpec, PolicySpec, Refusal, Region, SplitGatherSpec
+from shardformer.spec import (Attribute, Entry, HeadsFrom, ModuleSpec, PolicySpec, Refusal, Region, Setting,
+                              SplitGatherSpec)
 
 
 class DecoderShape(SpecPolicy):
@@ -709,7 +710,7 @@ class GPTBlockShape(SpecPolicy):
         return ()
 
 
-class FusedQKVShape(SplitGatherMixin, FamilyPolicy):
+class FusedQKVShape(SpecPolicy):
     """A BLOOM-shaped decoder (BLOOM; Falcon by subclass, policies/falcon.py).
     Per layer (`<prefix><layer>`, h.*):
 
@@ -741,6 +742,10 @@ class FusedQKVShape(SplitGatherMixin, FamilyPolicy):
     BLOOM's and Falcon's attention forward, see their policy files).
 
     Options: prefix ("Bloom"), layer (layer class suffix: "Block", "DecoderLayer").
+    A spec factory (build_spec(), interpreted by shardformer.plan.interpret):
+    the fused projection's split and the attention's per-rank attributes
+    come from qkv_layout(), the moved dropout from residual_dropouts(), both
+    read from the bound model's config (a subclass overrides either).
     """
 
     prefix = ""
@@ -748,28 +753,12 @@ class FusedQKVShape(SplitGatherMixin, FamilyPolicy):
     pipeline_split = StageSplit("{prefix}Model", "h", last=("ln_f",))
 
     sp_modes = ("split_gather",)
+    sequence_overlap = True            # mlp.dense_h_to_4h gathers its own rows (Entry sp="gather")
 
     def residual_dropouts(self) -> tuple[float, tuple[str, ...]]:
         """(p, attributes under the layer holding p) of the functional residual
         dropouts after the row layers."""
         return float(self.model.config.hidden_dropout), ("self_attention.hidden_dropout", "mlp.hidden_dropout")
-
-    def sequence_parallel_description(self, attributes: dict, subs: list[Sub]) -> tuple[dict, list[Sub], list[Sub]]:
-        """(layer attributes, layer subs, `<prefix>Model` subs) with split-gather SP."""
-        col, row = sp_linear_kwargs(self.shard_config)
-        p, attrs = self.residual_dropouts()
-        if p:
-            row = {**row, "dropout": p}
-        overlap = sp_overlap(self.shard_config)
-        kinds = {"self_attention.query_key_value": col, "mlp.dense_h_to_4h": sp_gathering(col) if overlap else col,
-                 "self_attention.dense": row, "mlp.dense_4h_to_h": row}
-        subs = [replace(s, kwargs={**(s.kwargs or {}), **kinds.get(s.suffix, {})}) for s in subs]
-        attributes = {**attributes, **{a: 0.0 for a in attrs}}
-        state = new_sequence_state()
-        layers = [m for m in self.model.modules() if type(m).__name__ == f"{self.prefix}{self.layer}"]
-        norms = parameterized_children(layers[0], skip=("self_attention", "mlp"))
-        entered = ["self_attention"] + ([] if overlap else ["mlp"])
-        return (attributes, subs + sp_layer_subs(entered, norms, state), split_gather_ends("h", len(layers), state))
 
     def qkv_layout(self) -> tuple[Heads, str, dict]:
         """(heads, plan style of query_key_value (shardformer.plan), {attention
@@ -779,22 +768,35 @@ class FusedQKVShape(SplitGatherMixin, FamilyPolicy):
         heads = Heads(n, n, cfg.hidden_size // n)
         return heads, "colwise_per_head", heads.attributes({"self_attention.num_heads": "heads"})
 
-    def body_policy(self):
-        if not self.tensor_parallel:
-            return {}
+    def build_spec(self) -> PolicySpec:
+        """The layer's entries (the fused projection split as qkv_layout()
+        says, dense by the same heads), its attributes (qkv_layout()'s, and
+        under split-gather SP residual_dropouts()' set to 0 while the row
+        layers draw p on their rows), the embedding, the split-gather regions."""
+        layer, model = f"{self.prefix}{self.layer}", f"{self.prefix}Model"
         heads, qkv, attributes = self.qkv_layout()
-        ctx = PlanContext(self, heads)
-        subs = realize({"self_attention.query_key_value": qkv, "self_attention.dense": "rowwise_heads",
-                        "self_attention.attention_dropout": "dropout_parallel",
-                        "mlp.dense_h_to_4h": "colwise", "mlp.dense_4h_to_h": "rowwise"}, ctx)
-        model_subs = realize({"word_embeddings": "embedding_rowwise"}, ctx)
-        if self.shard_config.sequence_parallel:
-            attributes, subs, sp_model = self.sequence_parallel_description(attributes, subs)
-            model_subs += sp_model
-        return {
-            f"{self.prefix}{self.layer}": ModulePolicyDescription(
-                attribute_replacement=attributes,
-                sub_module_replacement=subs,
-            ),
-            f"{self.prefix}Model": ModulePolicyDescription(sub_module_replacement=model_subs),
-        }
+        p, dropouts = self.residual_dropouts()
+        entries = (Entry("self_attention.query_key_value", qkv, heads=heads),
+                   Entry("self_attention.dense", "rowwise_heads", heads=heads),
+                   Entry("self_attention.attention_dropout", "dropout_parallel"),
+                   Entry("mlp.dense_h_to_4h", "colwise", sp="gather"), Entry("mlp.dense_4h_to_h", "rowwise"))
+        if p:            # under split-gather SP the row layers draw the residual dropout (these replace the two above)
+            sp, drop = ("sequence_parallel",), (("dropout", p),)
+            entries += (Entry("self_attention.dense", "rowwise_heads", sp, heads=heads, kwargs=drop),
+                        Entry("mlp.dense_4h_to_h", "rowwise", sp, kwargs=drop))
+        settings = (tuple(Setting(name, value) for name, value in attributes.items())
+                    + tuple(Setting(name, 0.0, ("sequence_parallel",)) for name in dropouts))
+        return PolicySpec(
+            name=self.family.name if self.family is not None else layer,
+            modules=(ModuleSpec(layer, entries, settings, sp_linear="rows"),
+                     ModuleSpec(model, (Entry("word_embeddings", "embedding_rowwise"),))),
+            split_gather=SplitGatherSpec(model, "h", layer, (Region("self_attention", ENTER),
+                                                             Region("mlp", ENTER, ("no_overlap",))),
+                                         overlap=False, skip=("self_attention", "mlp")),
+            capabilities=spec_capabilities(self),
+            refusals=self.refusals(),
+        )
+
+    def refusals(self) -> tuple[Refusal, ...]:
+        """The configurations the family refuses (none here)."""
+        return ()
