@@ -473,7 +473,17 @@ def split_gather_subs(spec, model, shard_config, state) -> dict[str, list[Sub]]:
              else _parameterized_children(layers[0], sg.skip))
     moved = {r.path: r.layouts for r in regions if r.layouts is not None}
     return {sg.layer: split_gather_layer(moved, norms, seq, sg.overlap and "overlap" in held),
-            sg.owner: split_gather_ends(sg.layers, len(layers), seq)}
+            sg.owner: split_gather_ends(sg.layers, len(layers), seq) + replicated_params(layers, sg.layers, sg.params)}
+
+
+def replicated_params(stack, path: str, names: tuple[str, ...]) -> list[Sub]:
+    """A layer list's parameters used on this rank's rows: those of `stack`
+    (the ModuleList at `path`) whose name under a layer is, or starts with a
+    child in, `names` (dotted, "0.lambda_1", "1.layernorm_before.weight"),
+    their gradients all-reduced by one ReplicatedInParallelRegion on the
+    list; none when no layer has one."""
+    found = tuple(name for name, _ in stack.named_parameters() if name.split(".")[1] in names) if names else ()
+    return [Sub(path, ReplicatedInParallelRegion, kwargs={"params": found})] if found else []
 
 
 def stack_subs(row, model, owner: str, held: frozenset, state) -> list[Sub]:
@@ -493,10 +503,7 @@ def stack_subs(row, model, owner: str, held: frozenset, state) -> list[Sub]:
         state.window_overlaps.update({f"{where}.{j}": (seq, row.overlap.gather_at, row.overlap.attention)
                                       for j in range(row.overlap.first, row.depth)})
     subs = split_gather_layer({f"{blocks}.*.{r.path}": r.layouts for r in row.regions if holds(r.when, held)}, (), seq)
-    if row.params:
-        names = tuple(name for name, _ in model.get_submodule(where).named_parameters()
-                      if name.split(".")[1] in row.params)
-        subs.append(Sub(blocks, ReplicatedInParallelRegion, kwargs={"params": names}))
+    subs += replicated_params(model.get_submodule(where), blocks, row.params)
     if row.ends == "split_gather":
         return subs + split_gather_ends(blocks, row.depth, seq)
     if row.depth == 1:                       # rows_between: nothing lies between blocks

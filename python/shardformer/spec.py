@@ -185,6 +185,9 @@ class SplitGatherSpec:
                of a layer that hold no replicated parameters: every other
                child of the first layer that has parameters (its norms) runs
                on this rank's rows, gradients all-reduced
+    params     names of the layers' own parameters (or children) used on this
+               rank's rows (BEiT's layer scales lambda_1 / lambda_2): one
+               ReplicatedInParallelRegion on the layer list, gradients all-reduced
 
     The first layer splits its input, the last gathers its output, those
     between mark their rows (shardformer.plan.split_gather_ends)."""
@@ -195,6 +198,7 @@ class SplitGatherSpec:
     regions: tuple[Region, ...]
     overlap: bool = True
     skip: tuple[str, ...] | None = None
+    params: tuple[str, ...] = ()
 
     def __post_init__(self):
         rows = tuple(r if isinstance(r, Region) else Region(*r) for r in self.regions)
