@@ -1,14 +1,18 @@
 """Shapes shared by several families: how each kind of body is split.
 
 A shape is a FamilyPolicy subclass reading the family's options (class
-attributes set from `Family.options`).  DecoderShape, EncoderShape and
-GPTBlockShape are spec factories (shardformer.family.SpecPolicy): `build_spec()` makes the
-family's PolicySpec (shardformer.spec: styles per suffix, head attributes,
-split-gather regions in typed layouts, capabilities, refusals) from the
-options alone, and shardformer.plan.interpret, the one interpreter, turns
-it into replacements.  The other shapes still write `body_policy()` in code
-with the same plan functions (realize, attention_by_heads,
-split_gather_layer, ...); the tables below name the layers the styles become.
+attributes set from `Family.options`).  Every shape here is a spec factory
+(shardformer.family.SpecPolicy): `build_spec()` makes the family's
+PolicySpec (shardformer.spec: styles per suffix, head attributes,
+split-gather regions in typed layouts, capabilities, refusals), and
+shardformer.plan.interpret, the one interpreter, turns it into
+replacements.  DecoderShape, EncoderShape and GPTBlockShape build it from
+the options alone; FusedQKVShape, VisionShape and StageShape also read the
+bound model's config (Falcon's fused layout, BEiT's layer scales, Swin's
+stages).  The bespoke families (policies/opt.py, albert.py, t5.py, ...)
+still write `body_policy()` in code with the plan functions (realize,
+attention_by_heads, split_gather_layer, ...); the tables below name the
+layers the styles become.
 Families only name their shape, options and head classes (policies/<family>.py);
 heads, the registry and the optimizations (fused norms, fused MLP
 activations, flash attention: applied by the sharder by module type, see
@@ -298,8 +302,8 @@ def new_sequence_state():
 
 
 class SplitGatherMixin:
-    """Mixed into the shapes whose row layers reduce-scatter themselves
-    (EncoderShape, GPTBlockShape, FusedQKVShape, VisionShape, OPT): they
+    """Mixed into the hand-written shapes whose row layers reduce-scatter
+    themselves (OPT, T5, Whisper; the spec factories answer from their spec): they
     implement ShardConfig.enable_sequence_overlap (supports_sequence_overlap:
     a sharder may refuse the switch for policies without it), and after
     substitution output_hidden_states=True records full-sequence states

@@ -71,10 +71,10 @@ from typing import Any, Callable
 from .layer.replicated import ReplicatedInParallelRegion
 from .layer.sequence import (SequenceParallelRegion, SequenceState, record_full_hidden_states,
                              refuse_recorded_hidden_states)
-from .layer.sequence_layout import BLOCK, GATHER, MARK_ROWS, SPLIT, SequenceLayouts
+from .layer.sequence_layout import BLOCK, GATHER, GATHER_INPUT, MARK_ROWS, SPLIT, SPLIT_OUTPUT, SequenceLayouts
 from .layout import Fused, Heads, Split
 from .policy import ModulePolicyDescription, Policy
-from .spec import SP_LINEAR, Attribute
+from .spec import SP_LINEAR, Attribute, Setting, Stack
 from .policy import SubModuleReplacementDescription as Sub
 
 
@@ -494,8 +494,6 @@ def stack_subs(row, model, owner: str, held: frozenset, state) -> list[Sub]:
     WindowOverlap listed in the optimize()'s `state.window_overlaps` (hooked
     in after substitution: install_window_overlaps).  One SequenceState per
     stack: each has its own length."""
-    from .layer.sequence_layout import GATHER_INPUT, SPLIT_OUTPUT
-
     seq, blocks = SequenceState(), row.path
     where = f"{owner}.{blocks}" if owner else blocks
     overlapped = row.overlap is not None and "overlap" in held
@@ -538,8 +536,6 @@ def _entry_subs(spec, m, e, model, held, state, ctx: PlanContext, by_kind: dict)
     """The substitutions of one row of a ModuleSpec's entries: an Entry's
     replacement (skipped where the model lacks an optional module: ignore_if_not_exist),
     or a Stack's split-gather substitutions."""
-    from .spec import Stack
-
     if isinstance(e, Stack):
         return stack_subs(e, model, _module_path(model, m.key, spec), held, state)
     sub = replacement(e.suffix, e.style, ctx, {**sp_kwargs(e.sp if e.sp is not None else
@@ -552,8 +548,6 @@ def _entry_subs(spec, m, e, model, held, state, ctx: PlanContext, by_kind: dict)
 
 def _settings(rows) -> dict:
     """{attribute: value} of a ModuleSpec's Setting rows (shardformer.spec.Setting)."""
-    from .spec import Setting
-
     return {a.name: a.value for a in rows if isinstance(a, Setting)}
 
 

@@ -80,3 +80,69 @@ def user_spec_refuses(ctx) -> dict:
                                     "a mode the capabilities lack", NotImplementedError, structure=True,
                                     names=("'split_gather'", "it implements: none"))
     return {"data": data, "mode": mode}
+
+
+# ---- user subclasses of the fused-QKV and vision shapes (issue 33: their specs built from the shape's methods) ----
+
+#: (zoo name, config overrides) per shape: 5 heads (uneven over 2 and 4 ranks; Swin's first stage has 5)
+SHAPE_MODELS = {"fused_qkv": ("BloomForCausalLM", dict(n_head=5, hidden_size=60)),
+                "vision": ("ViTForImageClassification", dict(num_attention_heads=5, hidden_size=40)),
+                "stage": ("SwinForImageClassification", {})}
+
+
+def shape_subclasses(called: list) -> dict:
+    """{shape: a user subclass of its family's policy} each overriding one
+    method the shape's spec factory reads, recording its calls in `called`:
+    FusedQKVShape.qkv_layout (the fused projection's split), VisionShape.heads_layout
+    and StageShape.block_attributes (which the Swin family leaves empty: the
+    subclass sets every block's attention.num_attention_heads to this rank's count)."""
+    from shardformer.policies.swin import SwinForImageClassificationPolicy
+    from shardformer.policies.bloom import BloomForCausalLMPolicy
+    from shardformer.policies.vit import ViTForImageClassificationPolicy
+
+    class MyBloom(BloomForCausalLMPolicy):
+        def qkv_layout(self):
+            called.append("qkv_layout")
+            return super().qkv_layout()
+
+    class MyViT(ViTForImageClassificationPolicy):
+        def heads_layout(self):
+            called.append("heads_layout")
+            return super().heads_layout()
+
+    class MySwin(SwinForImageClassificationPolicy):
+        def block_attributes(self, heads):
+            called.append("block_attributes")
+            return heads.attributes({"attention.num_attention_heads": "heads"})
+
+    return {"fused_qkv": MyBloom, "vision": MyViT, "stage": MySwin}
+
+
+def shape_overrides_shard(ctx, default_group: bool, config: dict) -> dict:
+    """Each shape's user subclass (shape_subclasses) under `config`: its
+    override is read by the spec factory and shards the model like the
+    unsharded one (forward, loss, every gradient, an SGD step); Swin's
+    blocks hold this rank's head count."""
+    reports = {}
+    for shape, (name, overrides) in SHAPE_MODELS.items():
+        called: list = []
+        cls = shape_subclasses(called)[shape]
+        reports[shape] = parity.check_sharded(ctx, lambda: zoo.build(name, **overrides), zoo.make_inputs(name),
+                                              name=f"{name} ({cls.__name__})", config=config, policy=cls(),
+                                              default_group=default_group)
+        assert called, f"{cls.__name__}: the override was never called"
+        reports[shape]["called"] = sorted(set(called))
+    return reports
+
+
+def shape_specs() -> dict:
+    """Each shape's spec of its user subclass (shape_subclasses) on one
+    model, unsharded: {shape: (spec, the override's calls)}."""
+    out = {}
+    for shape, (name, overrides) in SHAPE_MODELS.items():
+        called: list = []
+        policy = shape_subclasses(called)[shape]()
+        policy.set_model(zoo.build(name, **overrides))
+        policy.set_shard_config(ShardConfig())
+        out[shape] = (policy.build_spec(), called)
+    return out
