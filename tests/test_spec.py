@@ -118,37 +118,14 @@ def test_user_spec_refusals(pool):
     assert "sequence parallelism mode 'split_gather' is not available for SpecPolicy" in reports[0]["mode"]
 
 
-def test_shape_specs_read_subclass_overrides():
-    """FusedQKVShape, VisionShape and StageShape are spec factories too: a
-    user subclass's override of the method each reads (qkv_layout,
-    heads_layout, block_attributes) is in its spec; the window overlap and
-    the stages' split-gather are Stack rows, Swin's bias tables a style."""
-    from shardformer.spec import Setting, Stack
-
-    specs = S.shape_specs()
-    (bloom, c1), (vit, c2), (swin, c3) = specs["fused_qkv"], specs["vision"], specs["stage"]
-    assert (c1, c2, c3[:1]) == (["qkv_layout"], ["heads_layout"], ["block_attributes"])
-    qkv = bloom.module("BloomBlock").entries[0]
-    assert (qkv.suffix, qkv.style, qkv.heads.num_heads) == ("self_attention.query_key_value", "colwise_per_head", 5)
-    assert [r.name for r in bloom.module("BloomBlock").attributes] == [
-        "self_attention.num_heads", "self_attention.hidden_dropout", "mlp.hidden_dropout"]
-    assert vit.module("ViTLayer").entries[0].heads.num_heads == 5
-    encoder = swin.module("SwinEncoder")
-    stacks = [e for e in encoder.entries if isinstance(e, Stack)]
-    assert [(s.path, s.depth, s.overlap.gather_at) for s in stacks] == [("layers.0.blocks", 2, "layernorm_before"),
-                                                                       ("layers.1.blocks", 2, "layernorm_before")]
-    assert [a.name for a in encoder.attributes if isinstance(a, Setting)] == [
-        f"layers.{i}.blocks.{j}.attention.num_attention_heads" for i in (0, 1) for j in (0, 1)]
-    assert "bias_table_heads" in repr(encoder)
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        stacks[0].depth = 3
-
-
 @pytest.mark.parametrize("tp,default_group,config", [
     (2, False, {"enable_sequence_parallelism": True, "enable_sequence_overlap": True}), (4, True, {})])
 def test_shape_subclass_overrides_match_unsharded(pool, tp, default_group, config):
-    """Each shape's user subclass shards like the unsharded model: TP=2 over
-    an explicit group with split-gather SP and overlap (Swin's window-overlap
-    pass), TP=4 with the plain ShardConfig(); 5 heads (uneven)."""
+    """FusedQKVShape, VisionShape and StageShape are spec factories too: a
+    user subclass's override of the method each reads (qkv_layout,
+    heads_layout, block_attributes) is in its spec, and the subclass shards
+    like the unsharded model: TP=2 over an explicit group with split-gather
+    SP and overlap (Swin's window-overlap pass), TP=4 with the plain
+    ShardConfig(); 5 heads (uneven)."""
     reports = pool.run(S.shape_overrides_shard, tp, default_group, config)
     assert len(reports) == tp and all(set(r) == {"fused_qkv", "vision", "stage"} for r in reports)

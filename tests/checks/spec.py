@@ -120,9 +120,10 @@ def shape_subclasses(called: list) -> dict:
 
 def shape_overrides_shard(ctx, default_group: bool, config: dict) -> dict:
     """Each shape's user subclass (shape_subclasses) under `config`: its
-    override is read by the spec factory and shards the model like the
-    unsharded one (forward, loss, every gradient, an SGD step); Swin's
-    blocks hold this rank's head count."""
+    override is read by the shape's spec factory (check_shape_specs) and the
+    model shards like the unsharded one (forward, loss, every gradient, an
+    SGD step); Swin's blocks hold this rank's head count."""
+    check_shape_specs()
     reports = {}
     for shape, (name, overrides) in SHAPE_MODELS.items():
         called: list = []
@@ -131,18 +132,42 @@ def shape_overrides_shard(ctx, default_group: bool, config: dict) -> dict:
                                               name=f"{name} ({cls.__name__})", config=config, policy=cls(),
                                               default_group=default_group)
         assert called, f"{cls.__name__}: the override was never called"
-        reports[shape]["called"] = sorted(set(called))
     return reports
 
 
-def shape_specs() -> dict:
-    """Each shape's spec of its user subclass (shape_subclasses) on one
-    model, unsharded: {shape: (spec, the override's calls)}."""
-    out = {}
+def check_shape_specs() -> None:
+    """Each shape's spec of its user subclass (shape_subclasses), bound to
+    one model: the override's rows are in it (BLOOM's qkv entry with the
+    override's heads, ViT's heads, a Setting per Swin block); the window
+    overlap and the stages' split-gather are Stack rows, frozen."""
+    import dataclasses
+
+    from shardformer.spec import Setting, Stack
+
+    specs = {}
     for shape, (name, overrides) in SHAPE_MODELS.items():
         called: list = []
         policy = shape_subclasses(called)[shape]()
         policy.set_model(zoo.build(name, **overrides))
         policy.set_shard_config(ShardConfig())
-        out[shape] = (policy.build_spec(), called)
-    return out
+        specs[shape] = (policy.build_spec(), called)
+    (bloom, c1), (vit, c2), (swin, c3) = specs["fused_qkv"], specs["vision"], specs["stage"]
+    assert (c1, c2, c3[:1]) == (["qkv_layout"], ["heads_layout"], ["block_attributes"]), (c1, c2, c3)
+    qkv = bloom.module("BloomBlock").entries[0]
+    assert (qkv.suffix, qkv.style, qkv.heads.num_heads) == ("self_attention.query_key_value", "colwise_per_head", 5)
+    assert [r.name for r in bloom.module("BloomBlock").attributes] == [
+        "self_attention.num_heads", "self_attention.hidden_dropout", "mlp.hidden_dropout"]
+    assert vit.module("ViTLayer").entries[0].heads.num_heads == 5
+    encoder = swin.module("SwinEncoder")
+    stacks = [e for e in encoder.entries if isinstance(e, Stack)]
+    assert [(s.path, s.depth, s.overlap.gather_at) for s in stacks] == [("layers.0.blocks", 2, "layernorm_before"),
+                                                                       ("layers.1.blocks", 2, "layernorm_before")]
+    assert [a.name for a in encoder.attributes if isinstance(a, Setting)] == [
+        f"layers.{i}.blocks.{j}.attention.num_attention_heads" for i in (0, 1) for j in (0, 1)]
+    assert "bias_table_heads" in repr(encoder)
+    try:
+        stacks[0].depth = 3
+    except dataclasses.FrozenInstanceError:
+        pass
+    else:
+        raise AssertionError("a Stack row is not frozen")
