@@ -115,6 +115,16 @@ from shardformer.spec import (Attribute, Capabilities, Entry, HeadsFrom, ModuleS
                               Setting, SplitGatherSpec, Stack, WindowOverlap)
 
 
+def refuse_replaced_hooks(cls: type, replaced: dict[str, str]) -> None:
+    """A subclass defining a method its shape no longer reads (it returned
+    replacement descriptions; the shape is a spec factory now) is refused
+    when the class is made, naming the method that replaces it."""
+    for old, new in replaced.items():
+        if old in cls.__dict__:
+            raise TypeError(f"{cls.__qualname__}.{old}() is no longer read by {cls.__mro__[1].__name__}'s spec "
+                            f"factory: override {new} instead (docs/writing-policies.md)")
+
+
 class DecoderShape(SpecPolicy):
     """A spec factory: build_spec() is the family's PolicySpec, made from
     its options (class attributes set from Family.options) alone; the one
@@ -447,6 +457,11 @@ class VisionShape(SpecPolicy):
     sp_modes = ("split_gather",)
     sequence_overlap = True            # mlp.fc1 gathers its own rows (Entry sp="gather")
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        refuse_replaced_hooks(cls, {"layer_replacements": "layer_entries()", "sp_layer_extras": "layer_params()",
+                                    "block_replacements": "block_entries()", "stage_sp_subs": "stage_stack()"})
+
     def heads_layout(self) -> Heads:
         cfg = self.model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -754,6 +769,10 @@ class FusedQKVShape(SpecPolicy):
     prefix = ""
     layer = "Block"
     pipeline_split = StageSplit("{prefix}Model", "h", last=("ln_f",))
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        refuse_replaced_hooks(cls, {"sequence_parallel_description": "qkv_layout() / residual_dropouts()"})
 
     sp_modes = ("split_gather",)
     sequence_overlap = True            # mlp.dense_h_to_4h gathers its own rows (Entry sp="gather")

@@ -165,6 +165,14 @@ def check_shape_specs() -> None:
     assert [a.name for a in encoder.attributes if isinstance(a, Setting)] == [
         f"layers.{i}.blocks.{j}.attention.num_attention_heads" for i in (0, 1) for j in (0, 1)]
     assert "bias_table_heads" in repr(encoder)
+    from shardformer.policies.vit import ViTModelPolicy
+
+    try:
+        type("Old", (ViTModelPolicy,), {"layer_replacements": lambda self, heads: []})
+    except TypeError as e:
+        assert "Old.layer_replacements() is no longer read" in str(e) and "layer_entries()" in str(e), e
+    else:
+        raise AssertionError("a subclass overriding a removed hook was not refused")
     try:
         stacks[0].depth = 3
     except dataclasses.FrozenInstanceError:
