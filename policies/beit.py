@@ -42,17 +42,11 @@ states: they travel to the last stage in the messages (StageSplit.reads).
 """
 from __future__ import annotations
 
-from torch import nn
-
-from shardformer.family import Family, gathered
-from shardformer.layer.param_shard import ShardParams
-from shardformer.layer.replicated import ReplicatedInParallelRegion
+from shardformer.family import Family, gathered, spec_capabilities
 from shardformer.layer.sequence import FullLengthKwarg
-from shardformer.layout import Heads
 from shardformer.pipeline.stages import StageSplit
-from shardformer.policies.shapes import VisionShape, bias_table_split
-from shardformer.policy import ModulePolicyDescription
-from shardformer.policy import SubModuleReplacementDescription as Sub
+from shardformer.policies.shapes import VisionShape
+from shardformer.spec import Entry
 
 
 class BeitShape(VisionShape):
@@ -62,21 +56,22 @@ class BeitShape(VisionShape):
     refused by name (no split_attention_at)."""
 
     split_attention_at = None
-    @property
-    def pipeline_split(self):
+
+    def stage_split(self, refuse: bool) -> StageSplit:
         """The layers split over the stages like ViT's; the shared bias table
         (use_shared_relative_position_bias: BeitModel.shared_position_bias,
         built before the layers and added to every layer's scores) runs on
         every stage, its gradients summed over them.  Semantic segmentation's
         decode head reads the hidden states i - 1 for i in out_indices
         (BeitForSemanticSegmentation.forward: encoder_hidden_states[i - 1]):
-        they travel to the last stage in the messages (StageSplit.reads)."""
+        they travel to the last stage in the messages (StageSplit.reads);
+        with `refuse`, sequence parallelism with them is refused."""
         model = getattr(self, "model", None)
         reads = ()
         if model is not None and type(model).__name__ == "BeitForSemanticSegmentation":
             reads = tuple(i - 1 for i in model.config.out_indices)
             cfg = getattr(self, "shard_config", None)
-            if cfg is not None and cfg.enable_sequence_parallelism:
+            if refuse and cfg is not None and cfg.enable_sequence_parallelism:
                 raise NotImplementedError(
                     f"BeitForSemanticSegmentation: pipeline parallelism with sequence parallelism "
                     f"({cfg.sequence_parallelism_mode}) is not available: the hidden states "
@@ -84,6 +79,14 @@ class BeitShape(VisionShape):
                     f"travel as each rank's rows, and the head needs whole ones (docs/pipeline.md)")
         return StageSplit("{prefix}Model", "layers", last=("layernorm", "pooler"), everywhere=("shared_position_bias",),
                           reads=reads)
+
+    @property
+    def pipeline_split(self):
+        """stage_split(refuse=True): read by the pipeline."""
+        return self.stage_split(refuse=True)
+
+    def capabilities(self):
+        return spec_capabilities(self, pipeline_split=self.stage_split(refuse=False))
 
     def sp_norms(self, layer) -> list[str]:
         # the bias table is split by heads (ShardParams): complete per rank, no all-reduce
@@ -104,33 +107,20 @@ class BeitShape(VisionShape):
                                                        state=self.state.sequence_state)
         return model
 
-    def layer_scale_subs(self) -> list[Sub]:
+    def layer_params(self) -> tuple[str, ...]:
         """Under split-gather SP: the layer scales layers.*.lambda_1 / lambda_2
         (parameters of each layer, with layer_scale_init_value > 0) multiply
         this rank's rows, so their gradients are all-reduced."""
-        layers = self.model.get_submodule(self.base_prefix()).layers
-        scales = tuple(f"{i}.{n}" for i, layer in enumerate(layers) for n in ("lambda_1", "lambda_2")
-                       if isinstance(getattr(layer, n), nn.Parameter))
-        # on the ModuleList: its layers take other replacements (the split, the gather)
-        return [Sub("layers", ReplicatedInParallelRegion, kwargs={"params": scales})] if scales else []
+        return ("lambda_1", "lambda_2")
 
     def base_prefix(self) -> str:
         return next(name for name, m in self.model.named_modules() if type(m).__name__ == "BeitModel")
 
-    def layer_replacements(self, heads: Heads) -> list[Sub]:
-        return super().layer_replacements(heads) + [
-            Sub("relative_position_bias", ShardParams, kwargs=bias_table_split(heads.num_heads),
-                ignore_if_not_exist=True)]
+    def layer_entries(self):
+        return super().layer_entries() + (Entry("relative_position_bias", "bias_table_heads", optional=True),)
 
-    def body_policy(self):
-        policy = super().body_policy()
-        if self.tensor_parallel:
-            heads = self.model.config.num_attention_heads
-            subs = [Sub("shared_position_bias", ShardParams, kwargs=bias_table_split(heads), ignore_if_not_exist=True)]
-            if self.shard_config.sequence_parallel:      # VisionShape's split and gather, the layer scales
-                subs += policy["BeitModel"].sub_module_replacement + self.layer_scale_subs()
-            policy["BeitModel"] = ModulePolicyDescription(sub_module_replacement=subs)
-        return policy
+    def model_entries(self):
+        return (Entry("shared_position_bias", "bias_table_heads", optional=True),)
 
 
 FAMILY = Family("beit", "beit.modeling_beit", BeitShape, options={"prefix": "Beit"}, heads={

@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from shardformer.family import Family
 from shardformer.layer import sequence_attention as sa
 from shardformer.policies.shapes import FusedQKVShape, gpt_heads
+from shardformer.spec import Refusal
 
 
 def local_alibi(hf_build, q_start: int, q_count: int):
@@ -133,11 +134,10 @@ class BloomShape(FusedQKVShape):
     split_attention_at = ("BloomModel", "h")
     attention_seam = SEAM
 
-    def config_sanity_check(self):
-        cfg = self.model.config
-        if cfg.pretraining_tp > 1 and cfg.slow_but_exact:
-            raise ValueError(f"{type(self.model).__name__}: pretraining_tp={cfg.pretraining_tp} with "
-                             "slow_but_exact=True is not supported (set slow_but_exact=False)")
+    def refusals(self):
+        return (Refusal("pretraining_tp", allowed=(None, 0, 1), default=1, when=("config:slow_but_exact",),
+                        message="{model}: pretraining_tp={value} with slow_but_exact=True is not supported (set "
+                                "slow_but_exact=False)"),)
 
     def body_policy(self):
         policy = super().body_policy()

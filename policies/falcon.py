@@ -73,6 +73,7 @@ from shardformer.family import Family
 from shardformer.layer import sequence_attention as sa
 from shardformer.layout import Heads
 from shardformer.policies.shapes import FusedQKVShape, gpt_heads
+from shardformer.spec import Refusal
 
 
 def _heads_major(attention, hidden):
@@ -217,11 +218,14 @@ class FalconShape(FusedQKVShape):
     split_attention_at = ("FalconModel", "h")
     attention_seam = SEAM
 
+    def refusals(self):
+        return (Refusal("alibi", allowed=(False, None), default=False, when=("tensor_parallel",),
+                        message="{model}: alibi={value} is not supported by the Falcon policy (FalconModel builds "
+                                "the ALiBi bias for all heads inside its forward)"),)
+
     def config_sanity_check(self):
+        super().config_sanity_check()            # the refusals above
         cfg = self.model.config
-        if self.tensor_parallel and cfg.alibi:
-            raise ValueError(f"{type(self.model).__name__}: alibi=True is not supported by the Falcon policy "
-                             "(FalconModel builds the ALiBi bias for all heads inside its forward)")
         if self.shard_config.sequence_parallel and (cfg.hidden_dropout or cfg.attention_dropout):
             raise NotImplementedError(
                 f"{type(self.model).__name__}: sequence parallelism (split_gather) with hidden_dropout="

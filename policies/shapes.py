@@ -1,14 +1,18 @@
 """Shapes shared by several families: how each kind of body is split.
 
 A shape is a FamilyPolicy subclass reading the family's options (class
-attributes set from `Family.options`).  DecoderShape, EncoderShape and
-GPTBlockShape are spec factories (shardformer.family.SpecPolicy): `build_spec()` makes the
-family's PolicySpec (shardformer.spec: styles per suffix, head attributes,
-split-gather regions in typed layouts, capabilities, refusals) from the
-options alone, and shardformer.plan.interpret, the one interpreter, turns
-it into replacements.  The other shapes still write `body_policy()` in code
-with the same plan functions (realize, attention_by_heads,
-split_gather_layer, ...); the tables below name the layers the styles become.
+attributes set from `Family.options`).  Every shape here is a spec factory
+(shardformer.family.SpecPolicy): `build_spec()` makes the family's
+PolicySpec (shardformer.spec: styles per suffix, head attributes,
+split-gather regions in typed layouts, capabilities, refusals), and
+shardformer.plan.interpret, the one interpreter, turns it into
+replacements.  DecoderShape, EncoderShape and GPTBlockShape build it from
+the options alone; FusedQKVShape, VisionShape and StageShape also read the
+bound model's config (Falcon's fused layout, BEiT's layer scales, Swin's
+stages).  The bespoke families (policies/opt.py, albert.py, t5.py, ...)
+still write `body_policy()` in code with the plan functions (realize,
+attention_by_heads, split_gather_layer, ...); the tables below name the
+layers the styles become.
 Families only name their shape, options and head classes (policies/<family>.py);
 heads, the registry and the optimizations (fused norms, fused MLP
 activations, flash attention: applied by the sharder by module type, see
@@ -98,17 +102,27 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardformer.family import FamilyPolicy, SpecPolicy, spec_capabilities
+from shardformer.family import SpecPolicy, spec_capabilities
 from shardformer.layer.sequence_layout import BLOCK, ENTER, ENTER_OUTPUT, LEAVE, SUM_GRAD
-from shardformer.layer.param_shard import ShardParams
 from shardformer.layer.sequence import SequenceState
 from shardformer.layout import Heads
 from shardformer.pipeline.stages import StageSplit
-from shardformer.plan import (PlanContext, interpret, realize, record_hidden_states, split_gather_ends,
+from shardformer.plan import (PlanContext, install_window_overlaps, interpret, realize, record_hidden_states,
                               split_gather_layer, split_gather_subs)
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
-from shardformer.spec import Attribute, Entry, HeadsFrom, ModuleSpec, PolicySpec, Refusal, Region, SplitGatherSpec
+from shardformer.spec import (Attribute, Capabilities, Entry, HeadsFrom, ModuleSpec, PolicySpec, Refusal, Region,
+                              Setting, SplitGatherSpec, Stack, WindowOverlap)
+
+
+def refuse_replaced_hooks(cls: type, replaced: dict[str, str]) -> None:
+    """A subclass defining a method its shape no longer reads (it returned
+    replacement descriptions; the shape is a spec factory now) is refused
+    when the class is made, naming the method that replaces it."""
+    for old, new in replaced.items():
+        if old in cls.__dict__:
+            raise TypeError(f"{cls.__qualname__}.{old}() is no longer read by {cls.__mro__[1].__name__}'s spec "
+                            f"factory: override {new} instead (docs/writing-policies.md)")
 
 
 class DecoderShape(SpecPolicy):
@@ -298,8 +312,8 @@ def new_sequence_state():
 
 
 class SplitGatherMixin:
-    """Mixed into the shapes whose row layers reduce-scatter themselves
-    (EncoderShape, GPTBlockShape, FusedQKVShape, VisionShape, OPT): they
+    """Mixed into the hand-written shapes whose row layers reduce-scatter
+    themselves (OPT, T5, Whisper; the spec factories answer from their spec): they
     implement ShardConfig.enable_sequence_overlap (supports_sequence_overlap:
     a sharder may refuse the switch for policies without it), and after
     substitution output_hidden_states=True records full-sequence states
@@ -409,12 +423,6 @@ def attention_by_heads(prefix: str, heads: Heads, q: str = "q_proj", k: str = "k
     return realize(plan, PlanContext(None, heads), col=col, row=row)
 
 
-def bias_table_split(num_heads: int) -> dict:
-    """ShardParams kwargs: a relative position bias table [distances, heads]
-    split by columns with the heads; each rank builds the bias of its own heads."""
-    return {"params": {"relative_position_bias_table": (1, Heads(num_heads, head_dim=1).q)}}
-
-
 def stage_heads(cfg) -> list[Heads]:
     """One Heads spec per Swin stage (head_dim from the stage width)."""
     out = []
@@ -426,7 +434,7 @@ def stage_heads(cfg) -> list[Heads]:
     return out
 
 
-class VisionShape(SplitGatherMixin, FamilyPolicy):
+class VisionShape(SpecPolicy):
     """Split-gather sequence parallelism (the layout above sp_linear_kwargs;
     ViT, not BEiT or the Swin stages): the patch tokens (with [CLS]) are
     split along the sequence from layers.0 to the last layer (embeddings,
@@ -434,7 +442,11 @@ class VisionShape(SplitGatherMixin, FamilyPolicy):
     all-gather their input (bidirectional attention over the whole
     sequence); o_proj and fc2 reduce-scatter and add their bias on this
     rank's rows; the layer's dropout then draws a mask per rank and
-    layernorm_before / layernorm_after get their gradients all-reduced."""
+    layernorm_before / layernorm_after get their gradients all-reduced.
+    With enable_sequence_overlap, mlp.fc1 gathers its input rows itself.
+
+    A spec factory (build_spec()): the layer's entries (layer_entries(),
+    split by heads_layout()), the norms sp_norms() names, the regions."""
 
     prefix = ""
     records_hidden_states = True       # split_gather_ends marks the layers' rows (Swin: the stages' outputs are full)
@@ -443,42 +455,59 @@ class VisionShape(SplitGatherMixin, FamilyPolicy):
     pipeline_split = StageSplit("{prefix}Model", "layers", last=("layernorm", "pooler"))
 
     sp_modes = ("split_gather",)
+    sequence_overlap = True            # mlp.fc1 gathers its own rows (Entry sp="gather")
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        refuse_replaced_hooks(cls, {"layer_replacements": "layer_entries()", "sp_layer_extras": "layer_params()",
+                                    "block_replacements": "block_entries()", "stage_sp_subs": "stage_stack()"})
 
     def heads_layout(self) -> Heads:
         cfg = self.model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         return Heads(cfg.num_attention_heads, cfg.num_attention_heads, head_dim)
 
-    def layer_replacements(self, heads: Heads) -> list[Sub]:
-        col, row = sp_linear_kwargs(self.shard_config)
-        up = sp_gathering(col) if sp_overlap(self.shard_config) else col
-        plan = {"mlp.fc1": "colwise", "mlp.fc2": "rowwise", "dropout": "dropout_residual"}
-        return attention_by_heads("attention", heads, col=col, row=row) + realize(
-            plan, PlanContext(self), row=row, extra={"mlp.fc1": up})
+    def layer_entries(self) -> tuple[Entry, ...]:
+        """The entries under one `<prefix>Layer`: q/k/v by heads, o_proj by the
+        same heads, the MLP, the residual dropout."""
+        return (Entry("attention.q_proj", "colwise_heads"), Entry("attention.k_proj", "colwise_heads"),
+                Entry("attention.v_proj", "colwise_heads"), Entry("attention.o_proj", "rowwise_heads"),
+                Entry("mlp.fc1", "colwise", sp="gather"), Entry("mlp.fc2", "rowwise"),
+                Entry("dropout", "dropout_residual"))
 
     def sp_norms(self, layer) -> list[str]:
         """The children of one `<prefix>Layer` used on this rank's rows whose
         gradients are all-reduced under split-gather SP: its norms."""
         return parameterized_children(layer, skip=("attention", "mlp"))
 
-    def sp_layer_extras(self, layer, state) -> list[Sub]:
-        """More split-gather SP replacements inside each layer (none here)."""
-        return []
+    def model_entries(self) -> tuple[Entry, ...]:
+        """Entries on `<prefix>Model` (none here)."""
+        return ()
 
-    def body_policy(self):
-        if not self.tensor_parallel:
-            return {}
-        subs = self.layer_replacements(self.heads_layout())
-        policy = {}
-        if self.shard_config.sequence_parallel:
-            state = self.state.sequence_state = new_sequence_state()
-            layers = [m for m in self.model.modules() if type(m).__name__ == f"{self.prefix}Layer"]
-            entered = ["attention"] + ([] if sp_overlap(self.shard_config) else ["mlp"])
-            subs += sp_layer_subs(entered, self.sp_norms(layers[0]), state) + self.sp_layer_extras(layers[0], state)
-            policy[f"{self.prefix}Model"] = ModulePolicyDescription(
-                sub_module_replacement=split_gather_ends("layers", len(layers), state))
-        policy[f"{self.prefix}Layer"] = ModulePolicyDescription(sub_module_replacement=subs)
-        return policy
+    def layer_params(self) -> tuple[str, ...]:
+        """Parameters of each layer used on this rank's rows under split-gather
+        SP besides the norms (SplitGatherSpec.params; none here)."""
+        return ()
+
+    def capabilities(self) -> Capabilities:
+        return spec_capabilities(self)
+
+    def build_spec(self) -> PolicySpec:
+        layer, model = f"{self.prefix}Layer", f"{self.prefix}Model"
+        heads = self.heads_layout()
+        first = next(m for m in self.model.modules() if type(m).__name__ == layer)
+        regions = ((Region("attention", ENTER), Region("mlp", ENTER, ("no_overlap",)))
+                   + tuple(Region(name) for name in self.sp_norms(first)))
+        modules = (ModuleSpec(layer, tuple(replace(e, heads=e.heads or heads) for e in self.layer_entries()),
+                              sp_linear="rows"),)
+        if self.model_entries():
+            modules += (ModuleSpec(model, tuple(replace(e, heads=e.heads or heads) for e in self.model_entries())),)
+        return PolicySpec(
+            name=self.family.name if self.family is not None else layer,
+            modules=modules,
+            split_gather=SplitGatherSpec(model, "layers", layer, regions, overlap=False, params=self.layer_params()),
+            capabilities=self.capabilities(),
+        )
 
     def active_heads(self):
         # num_labels=0: HF's classifier is an nn.Identity, nothing to split.
@@ -525,7 +554,12 @@ class StageShape(VisionShape):
     map in sequence order, this rank's rows while the others' arrive; the
     windows handed to the attention get those outputs reordered by the
     block's own pad / shift / partition (layer/window_overlap.py: the
-    projections act per token, the windowing only moves tokens)."""
+    projections act per token, the windowing only moves tokens).
+
+    A spec factory (build_spec()): one ModuleSpec on `<prefix>Encoder`, per
+    stage i the block's entries (block_entries()) at layers.i.blocks.* with
+    the stage's heads, its attributes (block_attributes()) on every block,
+    and its split-gather as a Stack row (stage_stack())."""
 
     split_attention_at = None
     # Pipeline stages split the list of Swin stages (encoder.layers: blocks, then the patch merging).
@@ -535,8 +569,9 @@ class StageShape(VisionShape):
                                 shaped=("embeddings",), shaped_layers=True)
 
     sp_modes = ("split_gather",)
-
     sequence_overlap = True
+    #: ModuleSpec.sp_linear of the blocks: "rows" (fc2 reduce-scatters), "" (whole blocks: Swinv2)
+    sp_linear = "rows"
 
     def sequence_parallel_refusal(self, mode: str) -> str:
         """Why `mode` is refused (the sharder's message)."""
@@ -544,70 +579,54 @@ class StageShape(VisionShape):
                 f"(height, width) map, reordered by shifts, and each stage has its own length; {mode} "
                 f"splits one sequence's attention over the ranks, which windows do not have")
 
-    def block_replacements(self, heads: Heads) -> list[Sub]:
-        """Replacements of one block of a stage with `heads` (paths under the block)."""
-        sp = self.shard_config.sequence_parallel
-        col = {"sequence_parallel": True} if sp else {}
-        mlp_col, mlp_row = sp_linear_kwargs(self.shard_config)
-        mlp = realize({"mlp.fc1": "colwise", "mlp.fc2": "rowwise", "dropout": "dropout_residual"},
-                      PlanContext(self), col=mlp_col, row=mlp_row)
-        return attention_by_heads("attention", heads, col=col) + [
-            Sub("attention.relative_position_bias", ShardParams, kwargs=bias_table_split(heads.num_heads))] + mlp
+    def block_entries(self) -> tuple[Entry, ...]:
+        """The entries under one block (split by the stage's heads): q/k/v
+        reading the gathered windows, o_proj all-reducing, the bias table by
+        heads, the MLP (fc2 reduce-scatters under SP), the dropout."""
+        return (Entry("attention.q_proj", "colwise_heads"), Entry("attention.k_proj", "colwise_heads"),
+                Entry("attention.v_proj", "colwise_heads"), Entry("attention.o_proj", "rowwise_heads", sp=""),
+                Entry("attention.relative_position_bias", "bias_table_heads"),
+                Entry("mlp.fc1", "colwise"), Entry("mlp.fc2", "rowwise"), Entry("dropout", "dropout_residual"))
 
     def block_attributes(self, heads: Heads) -> dict:
         """{attribute under one block: per-rank value}."""
         return {}
 
-    def stage_sp_subs(self, i: int, depth: int) -> list[Sub]:
-        """Split-gather SP of stage i (paths under the encoder): the block
-        roles, the norms' gradient all-reduce, the split and the gather."""
-        from shardformer.layer.replicated import ReplicatedInParallelRegion
-
-        state = new_sequence_state()           # one per stage: each has its own length
-        blocks = f"layers.{i}.blocks"
-        regions = {"layernorm_before": ENTER_OUTPUT, "attention": SUM_GRAD, "drop_path": LEAVE, "mlp": ENTER}
-        overlap = sp_overlap(self.shard_config)
-        if overlap:                    # the norm's output gathered by the overlapped pass instead
-            del regions["layernorm_before"]
-        subs = split_gather_layer({f"{blocks}.*.{path}": layouts for path, layouts in regions.items()}, (), state)
-        if overlap:
-            self.state.window_overlaps.update({f"{self.encoder_prefix()}.{blocks}.{j}": (
-                state, "layernorm_before", "attention") for j in range(depth)})
-        stage = self.model.get_submodule(self.encoder_prefix()).layers[i]
-        norms = tuple(name for name, _ in stage.blocks.named_parameters() if ".layernorm_" in name)
-        subs.append(Sub(blocks, ReplicatedInParallelRegion, kwargs={"params": norms}))
-        return subs + split_gather_ends(blocks, depth, state)
+    def stage_stack(self, i: int, depth: int) -> Stack:
+        """Split-gather SP of stage i (a Stack at layers.i.blocks): the block
+        regions (module docstring), the norms' gradient all-reduce, the split
+        and the gather; with overlap layernorm_before's output is gathered by
+        the window-overlap pass instead of its region."""
+        regions = (Region("layernorm_before", ENTER_OUTPUT, ("no_overlap",)), Region("attention", SUM_GRAD),
+                   Region("drop_path", LEAVE), Region("mlp", ENTER))
+        return Stack(f"layers.{i}.blocks", depth, regions, params=("layernorm_before", "layernorm_after"),
+                     overlap=WindowOverlap("attention", gather_at="layernorm_before"))
 
     def encoder_prefix(self) -> str:
         return next(name for name, m in self.model.named_modules() if type(m).__name__ == f"{self.prefix}Encoder")
 
     def postprocess(self):
-        """After the plan, enable_sequence_overlap's hooks on the blocks that
-        stage_sp_subs listed (OptimizeState.window_overlaps; the blocks take
-        the split / gather replacements of their own)."""
-        from shardformer.layer.window_overlap import WindowedGatherOverlap
-
+        """After the plan, enable_sequence_overlap's hooks on the blocks the
+        stages' WindowOverlap listed (OptimizeState.window_overlaps)."""
         model = super().postprocess()
-        group = self.shard_config.tensor_parallel_process_group
-        for path, (state, gather_at, attention) in self.state.window_overlaps.items():
-            WindowedGatherOverlap.from_native_module(self.model.get_submodule(path), group, state=state,
-                                                     gather_at=gather_at, attention=attention)
+        install_window_overlaps(self.model, self.shard_config, self.state)
         return model
 
-    def body_policy(self):
-        if not self.tensor_parallel:
-            return {}
+    def build_spec(self) -> PolicySpec:
         cfg = self.model.config
-        subs, attrs = [], {}
+        rows, settings = (), ()
         for i, heads in enumerate(stage_heads(cfg)):
-            subs += [replace(s, suffix=f"layers.{i}.blocks.*.{s.suffix}") for s in self.block_replacements(heads)]
-            if self.shard_config.sequence_parallel:
-                subs += self.stage_sp_subs(i, cfg.depths[i])
-            block_attrs = self.block_attributes(heads)
-            for j in range(cfg.depths[i]):
-                attrs.update({f"layers.{i}.blocks.{j}.{k}": v for k, v in block_attrs.items()})
-        return {f"{self.prefix}Encoder": ModulePolicyDescription(attribute_replacement=attrs,
-                                                                 sub_module_replacement=subs)}
+            at, depth = f"layers.{i}.blocks", cfg.depths[i]
+            rows += tuple(replace(e, suffix=f"{at}.*.{e.suffix}", heads=e.heads or heads) for e in self.block_entries())
+            rows += (self.stage_stack(i, depth),)
+            block = self.block_attributes(heads)
+            settings += tuple(Setting(f"{at}.{j}.{k}", v) for j in range(depth) for k, v in block.items())
+        encoder = f"{self.prefix}Encoder"
+        return PolicySpec(
+            name=self.family.name if self.family is not None else encoder,
+            modules=(ModuleSpec(encoder, rows, settings, sp_linear=self.sp_linear),),
+            capabilities=self.capabilities(),
+        )
 
 
 # The head classes of a GPT-style decoder (GPT-Neo, GPT-J, OPT, BLOOM, Falcon).
@@ -709,7 +728,7 @@ class GPTBlockShape(SpecPolicy):
         return ()
 
 
-class FusedQKVShape(SplitGatherMixin, FamilyPolicy):
+class FusedQKVShape(SpecPolicy):
     """A BLOOM-shaped decoder (BLOOM; Falcon by subclass, policies/falcon.py).
     Per layer (`<prefix><layer>`, h.*):
 
@@ -741,35 +760,27 @@ class FusedQKVShape(SplitGatherMixin, FamilyPolicy):
     BLOOM's and Falcon's attention forward, see their policy files).
 
     Options: prefix ("Bloom"), layer (layer class suffix: "Block", "DecoderLayer").
+    A spec factory (build_spec(), interpreted by shardformer.plan.interpret):
+    the fused projection's split and the attention's per-rank attributes
+    come from qkv_layout(), the moved dropout from residual_dropouts(), both
+    read from the bound model's config (a subclass overrides either).
     """
 
     prefix = ""
     layer = "Block"
     pipeline_split = StageSplit("{prefix}Model", "h", last=("ln_f",))
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        refuse_replaced_hooks(cls, {"sequence_parallel_description": "qkv_layout() / residual_dropouts()"})
+
     sp_modes = ("split_gather",)
+    sequence_overlap = True            # mlp.dense_h_to_4h gathers its own rows (Entry sp="gather")
 
     def residual_dropouts(self) -> tuple[float, tuple[str, ...]]:
         """(p, attributes under the layer holding p) of the functional residual
         dropouts after the row layers."""
         return float(self.model.config.hidden_dropout), ("self_attention.hidden_dropout", "mlp.hidden_dropout")
-
-    def sequence_parallel_description(self, attributes: dict, subs: list[Sub]) -> tuple[dict, list[Sub], list[Sub]]:
-        """(layer attributes, layer subs, `<prefix>Model` subs) with split-gather SP."""
-        col, row = sp_linear_kwargs(self.shard_config)
-        p, attrs = self.residual_dropouts()
-        if p:
-            row = {**row, "dropout": p}
-        overlap = sp_overlap(self.shard_config)
-        kinds = {"self_attention.query_key_value": col, "mlp.dense_h_to_4h": sp_gathering(col) if overlap else col,
-                 "self_attention.dense": row, "mlp.dense_4h_to_h": row}
-        subs = [replace(s, kwargs={**(s.kwargs or {}), **kinds.get(s.suffix, {})}) for s in subs]
-        attributes = {**attributes, **{a: 0.0 for a in attrs}}
-        state = new_sequence_state()
-        layers = [m for m in self.model.modules() if type(m).__name__ == f"{self.prefix}{self.layer}"]
-        norms = parameterized_children(layers[0], skip=("self_attention", "mlp"))
-        entered = ["self_attention"] + ([] if overlap else ["mlp"])
-        return (attributes, subs + sp_layer_subs(entered, norms, state), split_gather_ends("h", len(layers), state))
 
     def qkv_layout(self) -> tuple[Heads, str, dict]:
         """(heads, plan style of query_key_value (shardformer.plan), {attention
@@ -779,22 +790,35 @@ class FusedQKVShape(SplitGatherMixin, FamilyPolicy):
         heads = Heads(n, n, cfg.hidden_size // n)
         return heads, "colwise_per_head", heads.attributes({"self_attention.num_heads": "heads"})
 
-    def body_policy(self):
-        if not self.tensor_parallel:
-            return {}
+    def build_spec(self) -> PolicySpec:
+        """The layer's entries (the fused projection split as qkv_layout()
+        says, dense by the same heads), its attributes (qkv_layout()'s, and
+        under split-gather SP residual_dropouts()' set to 0 while the row
+        layers draw p on their rows), the embedding, the split-gather regions."""
+        layer, model = f"{self.prefix}{self.layer}", f"{self.prefix}Model"
         heads, qkv, attributes = self.qkv_layout()
-        ctx = PlanContext(self, heads)
-        subs = realize({"self_attention.query_key_value": qkv, "self_attention.dense": "rowwise_heads",
-                        "self_attention.attention_dropout": "dropout_parallel",
-                        "mlp.dense_h_to_4h": "colwise", "mlp.dense_4h_to_h": "rowwise"}, ctx)
-        model_subs = realize({"word_embeddings": "embedding_rowwise"}, ctx)
-        if self.shard_config.sequence_parallel:
-            attributes, subs, sp_model = self.sequence_parallel_description(attributes, subs)
-            model_subs += sp_model
-        return {
-            f"{self.prefix}{self.layer}": ModulePolicyDescription(
-                attribute_replacement=attributes,
-                sub_module_replacement=subs,
-            ),
-            f"{self.prefix}Model": ModulePolicyDescription(sub_module_replacement=model_subs),
-        }
+        p, dropouts = self.residual_dropouts()
+        entries = (Entry("self_attention.query_key_value", qkv, heads=heads),
+                   Entry("self_attention.dense", "rowwise_heads", heads=heads),
+                   Entry("self_attention.attention_dropout", "dropout_parallel"),
+                   Entry("mlp.dense_h_to_4h", "colwise", sp="gather"), Entry("mlp.dense_4h_to_h", "rowwise"))
+        if p:            # under split-gather SP the row layers draw the residual dropout (these replace the two above)
+            sp, drop = ("sequence_parallel",), (("dropout", p),)
+            entries += (Entry("self_attention.dense", "rowwise_heads", sp, heads=heads, kwargs=drop),
+                        Entry("mlp.dense_4h_to_h", "rowwise", sp, kwargs=drop))
+        settings = (tuple(Setting(name, value) for name, value in attributes.items())
+                    + tuple(Setting(name, 0.0, ("sequence_parallel",)) for name in dropouts))
+        return PolicySpec(
+            name=self.family.name if self.family is not None else layer,
+            modules=(ModuleSpec(layer, entries, settings, sp_linear="rows"),
+                     ModuleSpec(model, (Entry("word_embeddings", "embedding_rowwise"),))),
+            split_gather=SplitGatherSpec(model, "h", layer, (Region("self_attention", ENTER),
+                                                             Region("mlp", ENTER, ("no_overlap",))),
+                                         overlap=False, skip=("self_attention", "mlp")),
+            capabilities=spec_capabilities(self),
+            refusals=self.refusals(),
+        )
+
+    def refusals(self) -> tuple[Refusal, ...]:
+        """The configurations the family refuses (none here)."""
+        return ()

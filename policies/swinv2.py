@@ -41,13 +41,9 @@ import torch.nn.functional as F
 
 from shardformer.family import Family, gathered
 from shardformer.layer import sequence_attention as sa
-from shardformer.layer import DropoutForReplicatedInput, Linear1D_Col, Linear1D_Row
-from shardformer.layer.param_shard import ShardParams
-from shardformer.layer.sequence_layout import GATHER_INPUT, SPLIT_OUTPUT
 from shardformer.layout import Heads
-from shardformer.plan import sequence_region
-from shardformer.policies.shapes import StageShape, sp_overlap
-from shardformer.policy import SubModuleReplacementDescription as Sub
+from shardformer.policies.shapes import StageShape
+from shardformer.spec import Entry, Stack, WindowOverlap
 
 
 def _position_bias(attention) -> torch.Tensor:
@@ -119,36 +115,23 @@ class Swinv2Shape(StageShape):
 
     attention_seam = SEAM       # enable_flash_attention only (kernel_attention)
 
-    def stage_sp_subs(self, i: int, depth: int) -> list[Sub]:
-        """The roles of stage i's blocks (paths under the encoder); no norm
-        gradient all-reduce: every parameter sees the full sequence."""
-        from shardformer.layer.sequence import SequenceState
+    sp_linear = ""              # whole blocks: their column / row layers as plain TP
 
-        state = SequenceState()         # one per stage: each has its own length
-        if depth == 1:
-            return []
-        if sp_overlap(self.shard_config):           # blocks 1..d-1 gather their input overlapped instead
-            self.state.window_overlaps.update({f"{self.encoder_prefix()}.layers.{i}.blocks.{j}": (
-                state, None, "attention.self") for j in range(1, depth)})
-            return [sequence_region(f"layers.{i}.blocks.{j}", SPLIT_OUTPUT, state) for j in range(depth - 1)]
-        inner = [GATHER_INPUT | SPLIT_OUTPUT] * (depth - 2)
-        return [sequence_region(f"layers.{i}.blocks.{j}", layouts, state)
-                for j, layouts in enumerate([SPLIT_OUTPUT, *inner, GATHER_INPUT])]
+    def stage_stack(self, i: int, depth: int) -> Stack:
+        """The roles of stage i's blocks: only what lies between them is this
+        rank's rows (ends "rows_between"); no norm gradient all-reduce: every
+        parameter sees the full sequence.  With overlap blocks 1..d-1 gather
+        their input by the window-overlap pass (gather_at None)."""
+        return Stack(f"layers.{i}.blocks", depth, ends="rows_between",
+                     overlap=WindowOverlap("attention.self", first=1))
 
-    def block_replacements(self, heads: Heads) -> list[Sub]:
-        per_head = Heads(heads.num_heads, head_dim=1).q
-        return [
-            Sub("attention.self.query", Linear1D_Col, kwargs={"split": heads.q}),
-            Sub("attention.self.key", Linear1D_Col, kwargs={"split": heads.q}),
-            Sub("attention.self.value", Linear1D_Col, kwargs={"split": heads.q}),
-            Sub("attention.self.continuous_position_bias_mlp.2", Linear1D_Col,
-                kwargs={"split": per_head, "gather_output": False}),
-            Sub("attention.self", ShardParams, kwargs={"params": {"logit_scale": (0, per_head)}}),
-            Sub("attention.output.dense", Linear1D_Row, kwargs={"split": heads.q}),
-            Sub("intermediate.dense", Linear1D_Col),
-            Sub("output.dense", Linear1D_Row),
-            Sub("output.dropout", DropoutForReplicatedInput),
-        ]
+    def block_entries(self):
+        return (Entry("attention.self.query", "colwise_heads"), Entry("attention.self.key", "colwise_heads"),
+                Entry("attention.self.value", "colwise_heads"),
+                Entry("attention.self.continuous_position_bias_mlp.2", "colwise_head_rows"),
+                Entry("attention.self", "logit_scale_heads"), Entry("attention.output.dense", "rowwise_heads"),
+                Entry("intermediate.dense", "colwise"), Entry("output.dense", "rowwise"),
+                Entry("output.dropout", "dropout_replicated"))
 
     def block_attributes(self, heads: Heads) -> dict:
         return heads.attributes({"attention.self.num_attention_heads": "heads", "attention.self.all_head_size": "width"})

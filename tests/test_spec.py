@@ -150,3 +150,14 @@ def test_ties_taken_from_the_model_once():
     with pytest.raises(PlanError, match="LlamaForCausalLM: policy spec 'user-llama' ties 'lm_head' to "
                                         "'model.embed', but 'model.embed' is not a module"):
         policy.module_policy()
+@pytest.mark.parametrize("tp,default_group,config", [
+    (2, False, {"enable_sequence_parallelism": True, "enable_sequence_overlap": True}), (4, True, {})])
+def test_shape_subclass_overrides_match_unsharded(pool, tp, default_group, config):
+    """FusedQKVShape, VisionShape and StageShape are spec factories too: a
+    user subclass's override of the method each reads (qkv_layout,
+    heads_layout, block_attributes) is in its spec, and the subclass shards
+    like the unsharded model: TP=2 over an explicit group with split-gather
+    SP and overlap (Swin's window-overlap pass), TP=4 with the plain
+    ShardConfig(); 5 heads (uneven)."""
+    reports = pool.run(S.shape_overrides_shard, tp, default_group, config)
+    assert len(reports) == tp and all(set(r) == {"fused_qkv", "vision", "stage"} for r in reports)

@@ -337,11 +337,12 @@ _CAPABILITY_FIELDS = {"sp_modes": "sp_modes", "split_attention_at": "split_atten
                       "pipeline_refusal": "pipeline_refusal", "records_hidden_states": "records_hidden_states"}
 
 
-def spec_capabilities(policy) -> Capabilities:
+def spec_capabilities(policy, **given) -> Capabilities:
     """A policy's capability fields (sp_modes, sequence_overlap, ...) as
     spec Capabilities: what a shape's spec factory states, the class names
-    of split_attention_at filled from its options ("{prefix}Model")."""
-    fields = {cap: getattr(policy, name) for cap, name in _CAPABILITY_FIELDS.items()}
+    of split_attention_at filled from its options ("{prefix}Model");
+    `given`: Capabilities fields stated instead of read from the policy."""
+    fields = {cap: given[cap] if cap in given else getattr(policy, name) for cap, name in _CAPABILITY_FIELDS.items()}
     at = fields["split_attention_at"]
     if at is not None:
         fields["split_attention_at"] = (at[0].format(prefix=policy.prefix, base_model=policy.base_model), at[1])

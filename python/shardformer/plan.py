@@ -74,10 +74,10 @@ from typing import Any, Callable
 from .layer.replicated import ReplicatedInParallelRegion
 from .layer.sequence import (SequenceParallelRegion, SequenceState, record_full_hidden_states,
                              refuse_recorded_hidden_states)
-from .layer.sequence_layout import BLOCK, GATHER, MARK_ROWS, SPLIT, SequenceLayouts
+from .layer.sequence_layout import BLOCK, GATHER, GATHER_INPUT, MARK_ROWS, SPLIT, SPLIT_OUTPUT, SequenceLayouts
 from .layout import Fused, Heads, Split
 from .policy import ModulePolicyDescription, Policy
-from .spec import SP_LINEAR
+from .spec import SP_LINEAR, Attribute, Setting, Stack
 from .policy import SubModuleReplacementDescription as Sub
 
 
@@ -215,6 +215,28 @@ STYLES: dict[str, Style] = {s.name: s for s in (
     Style("dropout_replicated", "DropoutForReplicatedInput"),
     Style("dropout_residual", _residual_dropout),
 )}
+
+
+
+# ---- per-head parameters of the vision shapes: one row per head (BEiT, Swin, Swinv2) ----
+
+def _head_rows(ctx: PlanContext, style: str):
+    """The split of a tensor with one row (or column) per head: the heads' own, head_dim 1."""
+    return Heads(_need_heads(ctx, style).num_heads, head_dim=1).q
+
+
+_LAYERS["ShardParams"] = _layer(".param_shard", "ShardParams")
+STYLES.update({s.name: s for s in (
+    # a relative position bias table [distances, heads]: columns by heads; each rank builds its heads' bias
+    Style("bias_table_heads", "ShardParams",
+          lambda c: {"params": {"relative_position_bias_table": (1, _head_rows(c, "bias_table_heads"))}}),
+    # a per-head parameter [heads, ...] (Swinv2's logit_scale): rows by heads
+    Style("logit_scale_heads", "ShardParams",
+          lambda c: {"params": {"logit_scale": (0, _head_rows(c, "logit_scale_heads"))}}),
+    # a Linear whose output features are the heads (Swinv2's bias MLP): rows by heads, output left split
+    Style("colwise_head_rows", "Linear1D_Col",
+          lambda c: {"split": _head_rows(c, "colwise_head_rows"), "gather_output": False}, "col"),
+)})
 
 
 def style_of(name: str) -> Style:
@@ -459,7 +481,8 @@ def split_gather_subs(spec, model, shard_config, state) -> dict[str, list[Sub]]:
     moved = {r.path: r.layouts for r in regions if r.layouts is not None}
     out = {sg.layer: split_gather_layer(moved, norms, seq, sg.overlap and "overlap" in held)
            + _beside_subs(sg.beside, held, shard_config)}
-    out.setdefault(sg.owner, []).extend(split_gather_ends(sg.layers, len(layers), seq))
+    out.setdefault(sg.owner, []).extend(split_gather_ends(sg.layers, len(layers), seq)
+                                        + replicated_params(layers, sg.layers, sg.params))
     return out
 
 
@@ -467,6 +490,81 @@ def _beside_subs(entries, held: frozenset, shard_config) -> list[Sub]:
     """The replacements of SplitGatherSpec.beside whose conditions hold."""
     ctx = PlanContext(ShardView(shard_config))
     return [replacement(e.suffix, e.style, ctx, dict(e.kwargs)) for e in entries if holds(e.when, held)]
+
+
+def replicated_params(stack, path: str, names: tuple[str, ...]) -> list[Sub]:
+    """A layer list's parameters used on this rank's rows: those of `stack`
+    (the ModuleList at `path`) whose name under a layer is, or starts with a
+    child in, `names` (dotted, "0.lambda_1", "1.layernorm_before.weight"),
+    their gradients all-reduced by one ReplicatedInParallelRegion on the
+    list; none when no layer has one."""
+    found = tuple(name for name, _ in stack.named_parameters() if name.split(".")[1] in names) if names else ()
+    return [Sub(path, ReplicatedInParallelRegion, kwargs={"params": found})] if found else []
+
+
+def stack_subs(row, model, owner: str, held: frozenset, state) -> list[Sub]:
+    """The split-gather substitutions of one shardformer.spec.Stack (paths
+    under its ModuleSpec's module, at `owner` in `model`) under the
+    conditions `held`: its regions on every block, its norms' gradient
+    all-reduce, its ends; under enable_sequence_overlap the blocks of its
+    WindowOverlap listed in the optimize()'s `state.window_overlaps` (hooked
+    in after substitution: install_window_overlaps).  One SequenceState per
+    stack: each has its own length."""
+    seq, blocks = SequenceState(), row.path
+    where = f"{owner}.{blocks}" if owner else blocks
+    overlapped = row.overlap is not None and "overlap" in held
+    if overlapped:
+        state.window_overlaps.update({f"{where}.{j}": (seq, row.overlap.gather_at, row.overlap.attention)
+                                      for j in range(row.overlap.first, row.depth)})
+    subs = split_gather_layer({f"{blocks}.*.{r.path}": r.layouts for r in row.regions if holds(r.when, held)}, (), seq)
+    subs += replicated_params(model.get_submodule(where), blocks, row.params)
+    if row.ends == "split_gather":
+        return subs + split_gather_ends(blocks, row.depth, seq)
+    if row.depth == 1:                       # rows_between: nothing lies between blocks
+        return subs
+    gather = None if overlapped else GATHER_INPUT        # the overlapped pass gathers blocks 1..d-1's input
+    inner = SPLIT_OUTPUT if gather is None else gather | SPLIT_OUTPUT
+    layouts = [SPLIT_OUTPUT] + [inner] * (row.depth - 2) + [gather]
+    return subs + [sequence_region(f"{blocks}.{j}", lay, seq) for j, lay in enumerate(layouts) if lay is not None]
+
+
+def install_window_overlaps(model, shard_config, state) -> None:
+    """After substitution: the WindowedGatherOverlap hooks of the blocks a
+    Stack's WindowOverlap listed (OptimizeState.window_overlaps: {block path:
+    (SequenceState, gather_at, attention)})."""
+    from .layer.window_overlap import WindowedGatherOverlap
+
+    group = shard_config.tensor_parallel_process_group
+    for path, (seq, gather_at, attention) in state.window_overlaps.items():
+        WindowedGatherOverlap.from_native_module(model.get_submodule(path), group, state=seq, gather_at=gather_at,
+                                                 attention=attention)
+
+
+def _module_path(model, class_name: str, spec) -> str:
+    """The path of the (first) module of class `class_name` in `model`."""
+    for path, m in model.named_modules():
+        if type(m).__name__ == class_name:
+            return path
+    _find(model, class_name, spec)          # raises, naming the class
+
+
+def _entry_subs(spec, m, e, model, held, state, ctx: PlanContext, by_kind: dict) -> list[Sub]:
+    """The substitutions of one row of a ModuleSpec's entries: an Entry's
+    replacement (skipped where the model lacks an optional module: ignore_if_not_exist),
+    or a Stack's split-gather substitutions."""
+    if isinstance(e, Stack):
+        return stack_subs(e, model, _module_path(model, m.key, spec), held, state)
+    sub = replacement(e.suffix, e.style, ctx, {**sp_kwargs(e.sp if e.sp is not None else
+                                                         by_kind.get(style_of(e.style).kind, ""),
+                                                         held, state.sequence_state), **dict(e.kwargs)})
+    if e.optional:
+        sub.ignore_if_not_exist = True
+    return [sub]
+
+
+def _settings(rows) -> dict:
+    """{attribute: value} of a ModuleSpec's Setting rows (shardformer.spec.Setting)."""
+    return {a.name: a.value for a in rows if isinstance(a, Setting)}
 
 
 def _attributes(spec, module_spec, rows, heads, model) -> dict:
@@ -516,12 +614,12 @@ def interpret(spec, model, shard_config, state, policy=None) -> dict:
             if holds(e.when, held):
                 entries[e.suffix] = e
         by_kind = dict(zip(("col", "row"), SP_LINEAR[m.sp_linear]))
-        subs = [replacement(e.suffix, e.style, PlanContext(view, heads if e.heads is None else e.heads, scale),
-                            {**sp_kwargs(e.sp if e.sp is not None else by_kind.get(style_of(e.style).kind, ""),
-                                         held, state.sequence_state), **dict(e.kwargs)})
-                for e in entries.values()]
+        subs = [sub for e in entries.values() for sub in _entry_subs(
+            spec, m, e, model, held, state, PlanContext(view, heads if getattr(e, "heads", None) is None else e.heads,
+                                                        scale), by_kind)]
         rows = [a for a in m.attributes if holds(a.when, held)]
-        out[m.key] = ModulePolicyDescription(attribute_replacement=_attributes(spec, m, rows, heads, model),
+        attributes = _attributes(spec, m, [a for a in rows if isinstance(a, Attribute)], heads, model)
+        out[m.key] = ModulePolicyDescription(attribute_replacement={**attributes, **_settings(rows)},
                                              sub_module_replacement=subs)
     if "sequence_parallel" in held and spec.split_gather is not None:
         for key, subs in split_gather_subs(spec, model, shard_config, state).items():

@@ -78,6 +78,7 @@ class Entry:
     `heads`: this entry's heads (a shardformer.layout.Heads), in place of
     the spec's (a plan translated from a model: each attention its own);
     `kwargs`: (name, value) pairs added to the style's kwargs (applied last).
+    `optional`: a module the model may not have (BEiT's bias tables) is skipped.
     """
 
     suffix: str
@@ -86,6 +87,7 @@ class Entry:
     sp: str | None = None
     heads: Any = None
     kwargs: tuple[tuple[str, Any], ...] = ()
+    optional: bool = False
 
     def __post_init__(self):
         _check_when(f"Entry({self.suffix!r})", self.when)
@@ -142,9 +144,11 @@ class HeadsFrom:
 class ModuleSpec:
     """What happens inside every module of class `key` (a class name).
 
-    entries     the replacements, in order (Entry)
+    entries     the replacements, in order (Entry; a Stack row: a stack's
+                split-gather SP, its replacements where the row stands)
     attributes  Attribute rows (or (dotted attribute, kind) pairs) set to this
-                rank's value of the heads (shardformer.layout.Heads.attributes)
+                rank's value of the heads (shardformer.layout.Heads.attributes);
+                Setting rows set to their value
     sp_linear   the SP kwargs of its column and row styles (SP_LINEAR): "block"
                 (both sequence_parallel=True: the module's BLOCK region
                 reduce-scatters), "rows" (the row layers reduce-scatter
@@ -159,7 +163,7 @@ class ModuleSpec:
     embed_scale: bool = False
 
     def __post_init__(self):
-        rows = tuple(a if isinstance(a, Attribute) else Attribute(*a) for a in self.attributes)
+        rows = tuple(a if isinstance(a, (Attribute, Setting)) else Attribute(*a) for a in self.attributes)
         object.__setattr__(self, "attributes", rows)      # pairs read as Attribute rows
         if self.sp_linear not in SP_LINEAR:
             raise SpecError(f"ModuleSpec({self.key!r}): sp_linear={self.sp_linear!r} is not one of {tuple(SP_LINEAR)}")
@@ -186,6 +190,9 @@ class SplitGatherSpec:
                gathered sequence beside the split layers (a MoE router,
                moe_router_sequence_parallel; a shared expert added to the
                experts' partial sums, moe_shared_expert_sequence_parallel)
+    params     names of the layers' own parameters (or children) used on this
+               rank's rows (BEiT's layer scales lambda_1 / lambda_2): one
+               ReplicatedInParallelRegion on the layer list, gradients all-reduced
 
     `layer` may be the owner's own class: the region paths then run from
     the owner through each layer ("model.layers.0.mlp"), for a stack whose
@@ -200,6 +207,7 @@ class SplitGatherSpec:
     overlap: bool = True
     skip: tuple[str, ...] | None = None
     beside: tuple[Entry, ...] = ()
+    params: tuple[str, ...] = ()
 
     def __post_init__(self):
         rows = tuple(r if isinstance(r, Region) else Region(*r) for r in self.regions)
@@ -299,3 +307,86 @@ class PolicySpec:
                 return m
         raise KeyError(f"PolicySpec {self.name!r} has no module {key!r} (it has: "
                        f"{', '.join(m.key for m in self.modules)})")
+
+
+# ---- rows of the fused-QKV and vision shapes (policies/shapes.py) ----
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The attribute `name` (dotted, under the module) set to `value` when the
+    conditions `when` hold: a constant (BLOOM's residual dropout probability,
+    0.0 under split-gather SP, where the row layers draw it) or a value the
+    spec's factory computed (a shardformer.layout.PerRank head count)."""
+
+    name: str
+    value: Any
+    when: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        _check_when(f"Setting({self.name!r})", self.when)
+
+
+@dataclass(frozen=True)
+class WindowOverlap:
+    """enable_sequence_overlap of windowed blocks (Swin): blocks `first` ..
+    depth-1 of a Stack gather their input rows by one overlapped pass that
+    also computes the q/k/v projections of the whole (height, width) map in
+    sequence order, reordered into windows by the block's own pad / shift /
+    partition (shardformer.layer.window_overlap.WindowedGatherOverlap).
+    `gather_at`: the child of the block whose output is the gathered map
+    (None: the block's input); `attention`: the module whose projections run
+    in the pass."""
+
+    attention: str
+    gather_at: str | None = None
+    first: int = 0
+
+
+#: Stack.ends: how a stack's blocks meet the sequence (see Stack).
+STACK_ENDS = ("split_gather", "rows_between")
+
+
+@dataclass(frozen=True)
+class Stack:
+    """Split-gather sequence parallelism of one stack of blocks inside a
+    module (a Swin stage: each stage has its own sequence length, so each
+    its own SequenceState), a row among its ModuleSpec's entries: its
+    replacements come where it stands.  With S the stage's sequence and p the
+    group size:
+
+    path     the blocks' ModuleList under the module ("layers.0.blocks")
+    depth    the number of blocks
+    regions  Region rows under every block (`path`.*.<region path>) moved by
+             their layouts
+    params   names of the blocks' children whose parameters are used on this
+             rank's rows (the norms): one ReplicatedInParallelRegion on the
+             stack, its gradients all-reduced, listing their dotted names
+    ends     "split_gather": blocks.0 splits its input (S -> S/p rows, padded),
+             the last block gathers its output (split_gather_ends);
+             "rows_between": every block runs on the full sequence, only what
+             lies between blocks is split: blocks.0 cuts its output to this
+             rank's rows, the next gather their input and cut their output,
+             the last gathers its input (one block: nothing)
+    overlap  a WindowOverlap under enable_sequence_overlap, or None
+    when     the conditions of the whole row (default: split-gather SP)"""
+
+    path: str
+    depth: int
+    regions: tuple[Region, ...] = ()
+    params: tuple[str, ...] = ()
+    ends: str = "split_gather"
+    overlap: WindowOverlap | None = None
+    when: tuple[str, ...] = ("sequence_parallel",)
+
+    def __post_init__(self):
+        _check_when(f"Stack({self.path!r})", self.when)
+        rows = tuple(r if isinstance(r, Region) else Region(*r) for r in self.regions)
+        object.__setattr__(self, "regions", rows)            # pairs read as Region rows
+        if self.ends not in STACK_ENDS:
+            raise SpecError(f"Stack({self.path!r}): ends={self.ends!r} is not one of {STACK_ENDS}")
+
+    @property
+    def suffix(self) -> str:
+        """Its key among the entries (a stack is one row per path)."""
+        return f"{self.path}#stack"

@@ -83,3 +83,102 @@ def user_spec_refuses(ctx) -> dict:
                                     "a mode the capabilities lack", NotImplementedError, structure=True,
                                     names=("'split_gather'", "it implements: none"))
     return {"data": data, "mode": mode}
+
+
+# ---- user subclasses of the fused-QKV and vision shapes (issue 33: their specs built from the shape's methods) ----
+
+#: (zoo name, config overrides) per shape: 5 heads (uneven over 2 and 4 ranks; Swin's first stage has 5)
+SHAPE_MODELS = {"fused_qkv": ("BloomForCausalLM", dict(n_head=5, hidden_size=60)),
+                "vision": ("ViTForImageClassification", dict(num_attention_heads=5, hidden_size=40)),
+                "stage": ("SwinForImageClassification", {})}
+
+
+def shape_subclasses(called: list) -> dict:
+    """{shape: a user subclass of its family's policy} each overriding one
+    method the shape's spec factory reads, recording its calls in `called`:
+    FusedQKVShape.qkv_layout (the fused projection's split), VisionShape.heads_layout
+    and StageShape.block_attributes (which the Swin family leaves empty: the
+    subclass sets every block's attention.num_attention_heads to this rank's count)."""
+    from shardformer.policies.swin import SwinForImageClassificationPolicy
+    from shardformer.policies.bloom import BloomForCausalLMPolicy
+    from shardformer.policies.vit import ViTForImageClassificationPolicy
+
+    class MyBloom(BloomForCausalLMPolicy):
+        def qkv_layout(self):
+            called.append("qkv_layout")
+            return super().qkv_layout()
+
+    class MyViT(ViTForImageClassificationPolicy):
+        def heads_layout(self):
+            called.append("heads_layout")
+            return super().heads_layout()
+
+    class MySwin(SwinForImageClassificationPolicy):
+        def block_attributes(self, heads):
+            called.append("block_attributes")
+            return heads.attributes({"attention.num_attention_heads": "heads"})
+
+    return {"fused_qkv": MyBloom, "vision": MyViT, "stage": MySwin}
+
+
+def shape_overrides_shard(ctx, default_group: bool, config: dict) -> dict:
+    """Each shape's user subclass (shape_subclasses) under `config`: its
+    override is read by the shape's spec factory (check_shape_specs) and the
+    model shards like the unsharded one (forward, loss, every gradient, an
+    SGD step); Swin's blocks hold this rank's head count."""
+    check_shape_specs()
+    reports = {}
+    for shape, (name, overrides) in SHAPE_MODELS.items():
+        called: list = []
+        cls = shape_subclasses(called)[shape]
+        reports[shape] = parity.check_sharded(ctx, lambda: zoo.build(name, **overrides), zoo.make_inputs(name),
+                                              name=f"{name} ({cls.__name__})", config=config, policy=cls(),
+                                              default_group=default_group)
+        assert called, f"{cls.__name__}: the override was never called"
+    return reports
+
+
+def check_shape_specs() -> None:
+    """Each shape's spec of its user subclass (shape_subclasses), bound to
+    one model: the override's rows are in it (BLOOM's qkv entry with the
+    override's heads, ViT's heads, a Setting per Swin block); the window
+    overlap and the stages' split-gather are Stack rows, frozen."""
+    import dataclasses
+
+    from shardformer.spec import Setting, Stack
+
+    specs = {}
+    for shape, (name, overrides) in SHAPE_MODELS.items():
+        called: list = []
+        policy = shape_subclasses(called)[shape]()
+        policy.set_model(zoo.build(name, **overrides))
+        policy.set_shard_config(ShardConfig())
+        specs[shape] = (policy.build_spec(), called)
+    (bloom, c1), (vit, c2), (swin, c3) = specs["fused_qkv"], specs["vision"], specs["stage"]
+    assert (c1, c2, c3[:1]) == (["qkv_layout"], ["heads_layout"], ["block_attributes"]), (c1, c2, c3)
+    qkv = bloom.module("BloomBlock").entries[0]
+    assert (qkv.suffix, qkv.style, qkv.heads.num_heads) == ("self_attention.query_key_value", "colwise_per_head", 5)
+    assert [r.name for r in bloom.module("BloomBlock").attributes] == [
+        "self_attention.num_heads", "self_attention.hidden_dropout", "mlp.hidden_dropout"]
+    assert vit.module("ViTLayer").entries[0].heads.num_heads == 5
+    encoder = swin.module("SwinEncoder")
+    stacks = [e for e in encoder.entries if isinstance(e, Stack)]
+    assert [(s.path, s.depth, s.overlap.gather_at) for s in stacks] == [("layers.0.blocks", 2, "layernorm_before"),
+                                                                       ("layers.1.blocks", 2, "layernorm_before")]
+    assert [a.name for a in encoder.attributes if isinstance(a, Setting)] == [
+        f"layers.{i}.blocks.{j}.attention.num_attention_heads" for i in (0, 1) for j in (0, 1)]
+    assert "bias_table_heads" in repr(encoder)
+    from shardformer.policies.vit import ViTModelPolicy
+
+    try:
+        type("Old", (ViTModelPolicy,), {"layer_replacements": lambda self, heads: []})
+    except TypeError as e:
+        assert "Old.layer_replacements() is no longer read" in str(e) and "layer_entries()" in str(e), e
+    else:
+        raise AssertionError("a subclass overriding a removed hook was not refused")
+    try:
+        stacks[0].depth = 3
+    except dataclasses.FrozenInstanceError:
+        pass
+    else:
+        raise AssertionError("a Stack row is not frozen")
