@@ -125,6 +125,9 @@ class SequenceState:
         # stage whose split comes before its layers (ALBERT: at the encoder's input) then
         # sends the unsplit layer-input shape, S = length, to the later stages
         self.split_in_forward = False
+        # the row layout of the forward in progress, where it is not contiguous blocks of the
+        # sequence (None): a SequenceRows with `order`, e.g. segment_rows (BLIP-2's Q-Former)
+        self.layout: SequenceRows | None = None
 
     def begin(self) -> None:
         """A forward starts (a pipeline stage's run): no split has run in it yet."""
@@ -146,7 +149,10 @@ class SequenceState:
 
 
 def _rows(state: SequenceState, group) -> SequenceRows:
-    """The layout of the forward in progress: contiguous blocks of the sequence padded to a multiple of p."""
+    """The layout of the forward in progress: state.layout where one is set, else
+    contiguous blocks of the sequence padded to a multiple of p."""
+    if state.layout is not None:
+        return state.layout
     return SequenceRows.even(group, state.length, state.dim)
 
 
@@ -166,7 +172,10 @@ def block_input(x: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
     """Sequence-split -> full sequence: all-gather (backward: reduce-scatter), padding dropped."""
     # contiguous: the all-gather's [S, batch, hidden] layout seen as [batch, S, hidden] is not
     # (the layers would copy it anyway), and the saved-tensor hooks recognise it by its storage
-    return gather_from_sequence_region(x, state.dim, group).narrow(state.dim, 0, state.length).contiguous()
+    gathered = gather_from_sequence_region(x, state.dim, group)
+    if state.layout is not None:            # rows in another order (segment_rows): put in sequence order
+        return state.layout.in_sequence(gathered).contiguous()
+    return gathered.narrow(state.dim, 0, state.length).contiguous()
 
 
 def block_output(y: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
@@ -265,15 +274,20 @@ class _Regathered:
 
     gathers = 0
 
-    def __init__(self, local, length: int, group, dim: int = SEQ_DIM):
-        # local: the rows, or their Recipe under selective recompute (recompute.stored_value)
-        self.local, self.length, self.group, self.dim = local, length, group, dim
+    def __init__(self, local, length: int, group, dim: int = SEQ_DIM, layout: SequenceRows | None = None):
+        # local: the rows, or their Recipe under selective recompute (recompute.stored_value);
+        # layout: the rows' order where it is not contiguous blocks (SequenceState.layout)
+        self.local, self.length, self.group, self.dim, self.layout = local, length, group, dim, layout
         self.full: torch.Tensor | None = None
 
     def get(self) -> torch.Tensor:
         if self.full is None:
             local = recompute.stored_value(self.local)
-            self.full = _all_gather_seq(local, self.dim, self.group).narrow(self.dim, 0, self.length).contiguous()
+            gathered = _all_gather_seq(local, self.dim, self.group)
+            if self.layout is not None:
+                self.full = self.layout.in_sequence(gathered).contiguous()
+            else:
+                self.full = gathered.narrow(self.dim, 0, self.length).contiguous()
             _Regathered.gathers += 1
         return self.full
 
@@ -290,10 +304,10 @@ def _save_rows_only(full: torch.Tensor, local: torch.Tensor, state: SequenceStat
     key = (full.data_ptr(), full.numel(), full.dtype)      # full is contiguous (block_input)
     scope = recompute.active_scope()
     if scope is not None:
-        holder = _Regathered(scope.stored(local), state.length, group, state.dim)
+        holder = _Regathered(scope.stored(local), state.length, group, state.dim, state.layout)
         scope.aliases[key] = holder.get
         return contextlib.nullcontext()
-    holder = _Regathered(local.detach(), state.length, group, state.dim)
+    holder = _Regathered(local.detach(), state.length, group, state.dim, state.layout)
 
     def pack(t):
         if isinstance(t, torch.Tensor) and t.is_contiguous() and (t.data_ptr(), t.numel(), t.dtype) == key:
@@ -540,7 +554,7 @@ def _mark_output(state: SequenceState, group, _module, _args, output) -> None:
 
 def _gatherer(state: SequenceState, group):
     """The gather of split_gather rows of the forward in progress (its length now)."""
-    rows = SequenceRows.even(group, state.length)
+    rows = state.layout if state.layout is not None else SequenceRows.even(group, state.length)
     return lambda t: gather_sequence_rows(t, rows)
 
 
