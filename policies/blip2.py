@@ -57,9 +57,9 @@ model is refused them by name, as is a mode the language model's policy lacks.
 """
 from __future__ import annotations
 
-import torch
-
 from dataclasses import replace
+
+import torch
 
 from shardformer.family import Family, FamilyPolicy, gathered, sequence_mode_refused
 from shardformer.layer import DropoutForReplicatedInput, Linear1D_Col, Linear1D_Row, VocabParallelEmbedding1D
@@ -161,8 +161,8 @@ def qformer_sp_policy(qformer_cfg, vocab_kwargs: dict, shard_config) -> dict:
     # replicated image features, as under TP
     layer = [Sub(f"attention.attention.{p}", Linear1D_Col, kwargs={**qkv, **col}) for p in ("query", "key", "value")]
     maybe = [Sub("crossattention.attention.query", Linear1D_Col, kwargs={**qkv, **col}),
-              Sub("crossattention.attention.key", Linear1D_Col, kwargs=qkv),
-              Sub("crossattention.attention.value", Linear1D_Col, kwargs=qkv)]
+             Sub("crossattention.attention.key", Linear1D_Col, kwargs=qkv),
+             Sub("crossattention.attention.value", Linear1D_Col, kwargs=qkv)]
     for up, down, segment, always in (("intermediate_query", "output_query", "query", True),
                                       ("intermediate", "output", "text", False)):
         subs = [Sub(f"{up}.dense", Linear1D_Col, kwargs=sp_gathering(col) if overlap else col),
@@ -240,6 +240,11 @@ class Blip2Shape(FamilyPolicy):
         if not cfg.enable_sequence_parallelism:
             return
         name, mode = type(self.model).__name__, cfg.sequence_parallelism_mode
+        if cfg.sequence_parallel and cfg.pipeline_stage_manager is not None:
+            raise NotImplementedError(
+                f"{name}: sequence_parallelism_mode='split_gather' with pipeline parallelism is not available: "
+                f"the vision encoder's and the Q-Former's layers would be split over the stages while their "
+                f"sequence is split at their first layer (docs/sequence-parallelism.md, BLIP-2)")
         if inner is None and mode != "split_gather":
             raise sequence_mode_refused(name, "vision_model / qformer", mode,
                                         f"{mode} applies to the language model, and this class has none "

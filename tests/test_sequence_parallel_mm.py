@@ -184,6 +184,11 @@ def test_mm_refused(pool, name, mode, what):
     pool.run(check.mm_refused, 2, name, mode, what)
 
 
+# BLIP-2's split_gather splits its vision encoder and Q-Former at their first layer: not over pipeline stages
+def test_blip2_split_gather_in_stages_refused(pool):
+    pool.run(check.mm_refused_in_stages, 2, "Blip2ForImageTextRetrieval")
+
+
 @pytest.mark.parametrize("name,mode", CHATGLM2_SPLIT, ids=[f"{n}-{m}" for n, m in CHATGLM2_SPLIT])
 def test_chatglm2_training_dropout_masks(pool, name, mode):
     # hidden_dropout on this rank's rows: a different mask per rank (the per-rank stream of the split layers)

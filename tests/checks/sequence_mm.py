@@ -209,6 +209,16 @@ def mm_refused(ctx, name: str, mode: str, what: str, overrides: dict | None = No
     return _refused_unchanged(ctx, model, config_for(mode), (type(model).__name__, repr(mode), what))
 
 
+def mm_refused_in_stages(ctx, name: str) -> str:
+    """split_gather with a pipeline_stage_manager (two stages) is refused naming
+    the class, the mode and pipeline parallelism, the model unchanged."""
+    from shardformer.pipeline import PipelineStageManager
+
+    model = zoo.build(name)
+    config = {**SP, "pipeline_stage_manager": PipelineStageManager(ctx.group)}
+    return _refused_unchanged(ctx, model, config, (type(model).__name__, "'split_gather'", "pipeline parallelism"))
+
+
 def mm_hidden_states_refused(ctx, name: str, mode: str, hows: tuple = ("call", "config")) -> str:
     """output_hidden_states=True (in the call, or in the top-level config)
     raises NotImplementedError naming the model rather than returning one

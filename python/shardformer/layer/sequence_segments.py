@@ -71,11 +71,10 @@ class Segments:
         lengths = (first, full.shape[1] - first)
         for state, n in zip(self.segments.values(), lengths):
             state.length = n
-        p = D.world_size(group)
         self.whole.length = full.shape[1]
         self.whole.layout = segment_rows(group, lengths)
         self.whole.split_in_forward = True
-        self.local_first = -(-first // p) if first else 0
+        self.local_first = -(-first // D.world_size(group)) if first else 0
 
 
 class SegmentSplit:
