@@ -184,14 +184,15 @@ def mm_generate_matches(ctx, name: str, mode: str, new_tokens: int = 5, override
     return parity.greedy_matches(model, ref, inputs, name, new_tokens).tolist()
 
 
-def _refused_unchanged(ctx, model, config: dict, words: tuple) -> str:
-    """optimize(model) with `config` raises NotImplementedError containing
-    every one of `words`, and leaves every tensor and module of the model as
-    it was; returns the message."""
+def _refused_unchanged(ctx, model, config: dict, words: tuple, group=None) -> str:
+    """optimize(model) with `config` (over ctx.group, or `group`) raises
+    NotImplementedError containing every one of `words`, and leaves every
+    tensor and module of the model as it was; returns the message."""
     before = {k: v.clone() for k, v in model.state_dict().items()}
     modules = [type(m) for m in model.modules()]
     try:
-        ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **config)).optimize(model)
+        ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group if group is None else group,
+                                **config)).optimize(model)
     except NotImplementedError as e:
         message = str(e)
     else:
@@ -210,13 +211,16 @@ def mm_refused(ctx, name: str, mode: str, what: str, overrides: dict | None = No
 
 
 def mm_refused_in_stages(ctx, name: str) -> str:
-    """split_gather with a pipeline_stage_manager (two stages) is refused naming
-    the class, the mode and pipeline parallelism, the model unchanged."""
+    """split_gather with a pipeline_stage_manager (TP=2 x PP=2, mesh) is refused
+    naming the class, the mode and pipeline parallelism, the model unchanged."""
+    from shardformer import mesh
     from shardformer.pipeline import PipelineStageManager
 
+    m = mesh(pp=2, tp=2)
     model = zoo.build(name)
-    config = {**SP, "pipeline_stage_manager": PipelineStageManager(ctx.group)}
-    return _refused_unchanged(ctx, model, config, (type(model).__name__, "'split_gather'", "pipeline parallelism"))
+    config = {**SP, "pipeline_stage_manager": PipelineStageManager(m.pp)}
+    return _refused_unchanged(ctx, model, config, (type(model).__name__, "'split_gather'", "pipeline parallelism"),
+                              group=m.tp)
 
 
 def mm_hidden_states_refused(ctx, name: str, mode: str, hows: tuple = ("call", "config")) -> str:
@@ -343,7 +347,9 @@ def blip2_parts_equal_unsharded(ctx, names: list, overlap: bool = False, plain: 
     shared-memory backend, every gathering column layer (the vision mlp.fc1,
     the Q-Former's intermediate_query / intermediate.dense) that the
     forward reaches ran one overlapped pass in each of the two forwards and
-    one in the backward, as the ViT / BERT checks count them."""
+    one in the backward, as the ViT / BERT checks count them.  On 4 ranks
+    with the plain ShardConfig and no overlap, split_gather with pipeline
+    stages is refused too (mm_refused_in_stages)."""
     from shardformer.distributed import backend_for
     from shardformer.layer import Linear1D_Col
     from shardformer.layer.linear import _GatherRowsLinear
@@ -377,4 +383,6 @@ def blip2_parts_equal_unsharded(ctx, names: list, overlap: bool = False, plain: 
                 f"{name}: {ran} overlapped passes, expected {3 * len(reached)} ({len(reached)} layers)"
             report.update(overlapped=ran, backend=backend)
         reports[name] = report
+    if plain and not overlap and ctx.world_size == 4:       # the same ranks as TP=2 x PP=2
+        reports["in_stages"] = mm_refused_in_stages(ctx, "Blip2ForImageTextRetrieval")
     return reports
