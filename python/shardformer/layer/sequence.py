@@ -322,13 +322,16 @@ def _save_rows_only(full: torch.Tensor, local: torch.Tensor, state: SequenceStat
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
-def _first(args, kwargs):
+def first_input(args, kwargs):
+    """(a hook's first input: args[0] or kwargs["hidden_states"], a function
+    rebuilding (args, kwargs) with a new value in its place)."""
     if args:
         return args[0], lambda v: ((v,) + tuple(args[1:]), kwargs)
     return kwargs["hidden_states"], lambda v: (args, {**kwargs, "hidden_states": v})
 
 
-def _on_output(output, fn):
+def on_output(output, fn):
+    """`output` (a tensor, or a tuple starting with one) with fn applied to that tensor."""
     if isinstance(output, torch.Tensor):
         return fn(output)
     if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
@@ -424,12 +427,12 @@ class FullLengthKwarg:
 
     @classmethod
     def prepare_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
-                              name=None, state=None, **kwargs) -> "_PreHook":
+                              name=None, state=None, **kwargs) -> "PreHook":
         if plan is None:
             plan = plan_directly(cls, module, process_group, name=name, state=state)
 
         pre = functools.partial(_full_length_pre, name, state)
-        return _PreHook(module, pre if plan.tp_size > 1 else None)
+        return PreHook(module, pre if plan.tp_size > 1 else None)
 
     @classmethod
     def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
@@ -444,7 +447,7 @@ def _full_length_pre(name: str, state: SequenceState, _module, args, call_kwargs
     return args, {**call_kwargs, name: state.length}
 
 
-class _PreHook:
+class PreHook:
     """One forward pre-hook (with kwargs) on `module`: registered by commit(),
     removed by rollback(); none when `pre` is None (a group of one)."""
 
@@ -544,15 +547,15 @@ def mark_layer_rows(module: nn.Module, state: SequenceState, group) -> list:
 
 
 def _mark_input(state: SequenceState, group, _module, args, kwargs) -> None:
-    x, _ = _first(args, kwargs)
-    mark_rows(x, _gatherer(state, group))
+    x, _ = first_input(args, kwargs)
+    mark_rows(x, rows_gatherer(state, group))
 
 
 def _mark_output(state: SequenceState, group, _module, _args, output) -> None:
-    mark_rows(output if isinstance(output, torch.Tensor) else output[0], _gatherer(state, group))
+    mark_rows(output if isinstance(output, torch.Tensor) else output[0], rows_gatherer(state, group))
 
 
-def _gatherer(state: SequenceState, group):
+def rows_gatherer(state: SequenceState, group):
     """The gather of split_gather rows of the forward in progress (its length now)."""
     rows = state.layout if state.layout is not None else SequenceRows.even(group, state.length)
     return lambda t: gather_sequence_rows(t, rows)
@@ -615,7 +618,7 @@ class _Hooks:
 
     def _mark(self, y):
         """y marked as this rank's rows of the forward in progress (mark_rows)."""
-        return mark_rows(y, _gatherer(self.state, self.group))
+        return mark_rows(y, rows_gatherer(self.state, self.group))
 
     def _move(self, move, x):
         """x moved as `move` says (layer/sequence_layout.py's table); a layer's
@@ -640,16 +643,16 @@ class _Hooks:
         return x
 
     def _input_pre(self, _module, args, kwargs):
-        x, rebuild = _first(args, kwargs)
+        x, rebuild = first_input(args, kwargs)
         return rebuild(self._move(self.layouts.input, x))
 
     def _output_post(self, _module, _args, output):
-        return _on_output(output, functools.partial(self._move, self.layouts.output))
+        return on_output(output, functools.partial(self._move, self.layouts.output))
 
     def _block_pre(self, module, args, kwargs):
         """A block's input gathered to the full sequence; in training only
         this rank's rows of it are saved for backward."""
-        x, rebuild = _first(args, kwargs)
+        x, rebuild = first_input(args, kwargs)
         if self.overlap:
             full = gather_block_input(module, x, self.state, self.group)
         else:
@@ -670,7 +673,7 @@ class _Hooks:
             release_block_input(module)
         if output is None or self.layouts.output is None:  # raised (always_call), or no output move
             return None
-        return _on_output(output, functools.partial(self._move, self.layouts.output))
+        return on_output(output, functools.partial(self._move, self.layouts.output))
 
     def rollback(self) -> None:
         for handle in self.handles:

@@ -45,7 +45,7 @@ from torch import nn
 from .. import distributed as D
 from ..distributed.mappings import gather_sequence_rows, segment_rows, split_sequence_rows
 from .parallel_module import ShardPlan, plan_directly
-from .sequence import SequenceState, _first, _gatherer, _on_output, mark_rows
+from .sequence import PreHook, SequenceState, first_input, mark_rows, on_output, rows_gatherer
 
 
 class Segments:
@@ -122,19 +122,19 @@ class _SegmentHooks:
 
     def _pre(self, _module, args, kwargs):
         seg = self.segments
-        x, rebuild = _first(args, kwargs)
+        x, rebuild = first_input(args, kwargs)
         if self.first:
             seg.begin(x, int(kwargs.get(self.kwarg) or 0), self.group)
             x = split_sequence_rows(x, seg.whole.layout)
-        mark_rows(x, _gatherer(seg.whole, self.group))
+        mark_rows(x, rows_gatherer(seg.whole, self.group))
         args, kwargs = rebuild(x)
         return args, {**kwargs, self.kwarg: seg.local_first}
 
     def _post(self, _module, _args, output):
         whole = self.segments.whole
         if self.last:
-            return _on_output(output, lambda y: gather_sequence_rows(y, whole.layout))
-        _on_output(output, functools.partial(mark_rows, gather=_gatherer(whole, self.group)))
+            return on_output(output, lambda y: gather_sequence_rows(y, whole.layout))
+        on_output(output, functools.partial(mark_rows, gather=rows_gatherer(whole, self.group)))
         return None
 
 
@@ -154,10 +154,10 @@ class GatherOrderInput:
 
     @classmethod
     def prepare_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
-                              state=None, **kwargs) -> "_OrderHook":
+                              state=None, **kwargs) -> PreHook:
         if plan is None:
             plan = plan_directly(cls, module, process_group, state=state)
-        return _OrderHook(module, state if plan.tp_size > 1 else None)
+        return PreHook(module, functools.partial(_to_gather_order, state) if plan.tp_size > 1 else None)
 
     @classmethod
     def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
@@ -165,20 +165,7 @@ class GatherOrderInput:
         return cls.prepare_native_module(module, process_group, plan=plan, **kwargs).commit()
 
 
-class _OrderHook:
-    def __init__(self, module, state: SequenceState | None):
-        self.module, self.state, self.handle = module, state, None
-
-    def commit(self) -> nn.Module:
-        if self.state is not None:
-            self.handle = self.module.register_forward_pre_hook(self._pre, with_kwargs=True)
-        return self.module
-
-    def rollback(self) -> None:
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
-
-    def _pre(self, _module, args, kwargs):
-        x, rebuild = _first(args, kwargs)
-        return rebuild(self.state.layout.in_gather_order(x))
+def _to_gather_order(state: SequenceState, _module, args, kwargs):
+    """GatherOrderInput's pre-hook: the first input put in all-gather order."""
+    x, rebuild = first_input(args, kwargs)
+    return rebuild(state.layout.in_gather_order(x))
