@@ -61,8 +61,6 @@ NOT_SUPPORTED = {
     ("mixtral", "sequence overlap"):
         "the MoE block's router picks each token's experts from the gathered sequence, so no column matmul "
         "on a rank's rows can run during the gather (refused by name)",
-    ("blip2", "sequence overlap"):
-        "with an OPT or T5 language model; the classes without a language model are refused by name",
     ("sam", "sequence parallel (all_to_all)"):
         "not implemented yet (refused by name; split_gather works): the vision layers take [B, H, W, C] "
         "grids and cut them into windows before their attention, so a split of the grid rows needs the "
@@ -71,9 +69,6 @@ NOT_SUPPORTED = {
         "not implemented yet (refused by name; split_gather works): the global layers could ring their "
         "row blocks with the relative-position bias block by block, but the windowed layers' windows "
         "straddle the ranks' grid rows and would need their rows exchanged first",
-    ("blip2", "sequence parallel (split_gather)"):
-        "the language model's sequence is split (OPT, T5); the classes without a language model "
-        "(vision, Q-Former, retrieval) are refused by name",
     ("blip2", "sequence parallel (all_to_all)"):
         "with an OPT or T5 language model; the classes without a language model are refused by name",
     ("blip2", "sequence parallel (ring_attn)"):

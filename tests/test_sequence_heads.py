@@ -34,7 +34,7 @@ def _base(names) -> set:
 COVERED = {
     "split_gather": _base(split_gather.FAMILIES) | _base(["ViTForImageClassification", "ViTModel",
                                                           "ViTForMaskedImageModeling"])
-    | _base(more.CASES) | _base(more.VISION) | _base(mm.SPLIT_GATHER),
+    | _base(more.CASES) | _base(more.VISION) | _base(mm.SPLIT_GATHER) | _base(mm.BLIP2_PARTS),
     "all_to_all": _base(attention.FAMILIES + attention.OTHER_FAMILIES + attention.ALBERT + attention.WHISPER
                         + attention.T5 + attention.SEAM_FAMILIES + attention.ALIBI_FAMILIES) | _base(mm.ALL_TO_ALL),
     "ring_attn": _base(attention.FAMILIES + attention.OTHER_FAMILIES + attention.ALBERT + attention.WHISPER
@@ -43,14 +43,16 @@ COVERED = {
 
 # (family, mode) -> why the mode refuses those classes (None: every class of the family)
 REFUSED = {
-    **{("blip2", m): "the classes without a language model (vision, Q-Former, retrieval) have no sequence to split"
-       for m in MODES},
+    **{("blip2", m): "the classes without a language model (vision, Q-Former, retrieval) have no language model's "
+                     "sequence to split (split_gather splits their vision encoder and Q-Former)"
+       for m in ("all_to_all", "ring_attn")},
     **{(f, m): "attention outside transformers' AttentionInterface with a bias on the [S, S] scores "
                "(relative positions, windows) that all_to_all / ring_attn never build"
        for f in ("beit", "swin", "swinv2", "sam") for m in ("all_to_all", "ring_attn")},
 }
 REFUSED_CLASSES = {("blip2", m): {"Blip2ForImageTextRetrieval", "Blip2QFormerModel", "Blip2TextModelWithProjection",
-                                  "Blip2VisionModel", "Blip2VisionModelWithProjection"} for m in MODES}
+                                  "Blip2VisionModel", "Blip2VisionModelWithProjection"}
+                   for m in ("all_to_all", "ring_attn")}
 REFUSED_CLASSES[("gemma3", "ring_attn")] = {"Gemma3ForConditionalGeneration", "Gemma3Model",
                                             "Gemma3ForSequenceClassification"}
 

@@ -19,6 +19,14 @@ BLIP2_T5 = ["Blip2ForConditionalGeneration/t5"]
 CHATGLM2 = ["ChatGLMForConditionalGeneration", "ChatGLMModel"]
 SAM = ["SamVisionModel", "SamModel"]
 SPLIT_GATHER = GEMMA3 + BLIP2 + BLIP2_T5 + CHATGLM2 + SAM
+# BLIP-2 without a language model (split_gather and overlap): the vision encoder's 17 patch tokens and the
+# Q-Former's [queries; text] split in one pool call for all classes (the test id names each, for the matrix):
+# retrieval with image-text matching (4 queries + 5 text tokens in one sequence) and contrastive ("/itc": the
+# queries and the text in two Q-Former calls), Blip2QFormerModel with 3 queries
+BLIP2_PARTS = ["Blip2VisionModel", "Blip2VisionModelWithProjection", "Blip2QFormerModel", "Blip2ForImageTextRetrieval",
+               "Blip2ForImageTextRetrieval/itc", "Blip2TextModelWithProjection"]
+BLIP2_PARTS_ID = "-".join(BLIP2_PARTS)
+PARTS = pytest.param(BLIP2_PARTS_ID, id=BLIP2_PARTS_ID)
 ALL_TO_ALL = GEMMA3 + BLIP2 + BLIP2_T5 + CHATGLM2
 RING = BLIP2 + BLIP2_T5 + CHATGLM2
 # odd lengths: Gemma 3's prompt cut to 9 of 10 tokens (images whole); BLIP-2's is 4 queries + 5 text = 9
@@ -48,8 +56,11 @@ OVERLAP_PASSES = {**{name: 3 * 2 * 2 for name in CHATGLM2}, **{name: 3 * 2 for n
 
 
 @pytest.mark.parametrize("sp", [2, 4])
-@pytest.mark.parametrize("name", GEMMA3 + BLIP2 + BLIP2_T5 + CHATGLM2 + SAM)
+@pytest.mark.parametrize("name", GEMMA3 + BLIP2 + BLIP2_T5 + CHATGLM2 + SAM + [PARTS])
 def test_sp_overlap_mm_equals_unsharded(pool, name, sp):
+    if name == BLIP2_PARTS_ID:      # the gathering layers' overlapped passes counted inside
+        pool.run(check.blip2_parts_equal_unsharded, sp, BLIP2_PARTS, True, sp == 4)
+        return
     results = pool.run(check.mm_equals_unsharded, sp, name, "split_gather", SEQ.get(name), None, 0,
                        {"enable_sequence_overlap": True})
     assert all(r["overlapped"] > 0 for r in results) or results[0]["backend"] != "shm"
@@ -117,8 +128,12 @@ def test_sp_sam_odd_grid(pool, sp, overlap):
 
 # One test function per mode: docs/supported-models.md's support matrix has a column per function (scripts/support_matrix.py).
 @pytest.mark.parametrize("sp", [2, 4])
-@pytest.mark.parametrize("name", SPLIT_GATHER)
+@pytest.mark.parametrize("name", SPLIT_GATHER + [PARTS])
 def test_sp_mm_equals_unsharded(pool, name, sp):
+    if name == BLIP2_PARTS_ID:      # every class in one call: TP=4 with the plain ShardConfig, TP=2 with a group;
+        # at TP=4 the same call checks that split_gather with pipeline stages is refused (checks.sequence_mm)
+        pool.run(check.blip2_parts_equal_unsharded, sp, BLIP2_PARTS, False, sp == 4)
+        return
     pool.run(check.mm_equals_unsharded, sp, name, "split_gather", SEQ.get(name))
 
 
@@ -162,7 +177,7 @@ def test_mm_generate(pool, name, mode, sp):
 @pytest.mark.parametrize("name,mode,what", [
     ("Gemma3ForConditionalGeneration", "ring_attn", "model.language_model"),
     ("Gemma3Model", "ring_attn", "token_type_ids"),
-    ("Blip2VisionModel", "split_gather", "vision_model / qformer"),
+    ("Blip2VisionModel", "all_to_all", "vision_model / qformer"),
     ("Blip2ForImageTextRetrieval", "all_to_all", "has none"),
     ("Blip2QFormerModel", "ring_attn", "vision_model / qformer"),
 ])

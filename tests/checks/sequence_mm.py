@@ -184,14 +184,15 @@ def mm_generate_matches(ctx, name: str, mode: str, new_tokens: int = 5, override
     return parity.greedy_matches(model, ref, inputs, name, new_tokens).tolist()
 
 
-def _refused_unchanged(ctx, model, config: dict, words: tuple) -> str:
-    """optimize(model) with `config` raises NotImplementedError containing
-    every one of `words`, and leaves every tensor and module of the model as
-    it was; returns the message."""
+def _refused_unchanged(ctx, model, config: dict, words: tuple, group=None) -> str:
+    """optimize(model) with `config` (over ctx.group, or `group`) raises
+    NotImplementedError containing every one of `words`, and leaves every
+    tensor and module of the model as it was; returns the message."""
     before = {k: v.clone() for k, v in model.state_dict().items()}
     modules = [type(m) for m in model.modules()]
     try:
-        ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **config)).optimize(model)
+        ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group if group is None else group,
+                                **config)).optimize(model)
     except NotImplementedError as e:
         message = str(e)
     else:
@@ -207,6 +208,19 @@ def mm_refused(ctx, name: str, mode: str, what: str, overrides: dict | None = No
     `what` (the module path or the reason), the model unchanged."""
     model = zoo.build(name, **(overrides or {}))
     return _refused_unchanged(ctx, model, config_for(mode), (type(model).__name__, repr(mode), what))
+
+
+def mm_refused_in_stages(ctx, name: str) -> str:
+    """split_gather with a pipeline_stage_manager (TP=2 x PP=2, mesh) is refused
+    naming the class, the mode and pipeline parallelism, the model unchanged."""
+    from shardformer import mesh
+    from shardformer.pipeline import PipelineStageManager
+
+    m = mesh(pp=2, tp=2)
+    model = zoo.build(name)
+    config = {**SP, "pipeline_stage_manager": PipelineStageManager(m.pp)}
+    return _refused_unchanged(ctx, model, config, (type(model).__name__, "'split_gather'", "pipeline parallelism"),
+                              group=m.tp)
 
 
 def mm_hidden_states_refused(ctx, name: str, mode: str, hows: tuple = ("call", "config")) -> str:
@@ -289,3 +303,86 @@ def gemma3_image_blocks_equal(ctx, name: str, mode: str, seq: int | None = None)
     key = "logits" if "logits" in with_blocks else "last_hidden_state"
     assert not torch.allclose(with_blocks[key], causal_only[key]), f"{name}: token_type_ids change nothing"
     return mm_equals_unsharded(ctx, name, mode, seq)
+
+
+# BLIP-2 without a language model: the vision encoder's and the Q-Former's layers split (policies/blip2.py).
+# The stacks whose layer inputs are counted, and what each Q-Former call of one forward holds: (queries, text).
+_BLIP2_STACKS = {"vision": "encoder.layers", "qformer": "encoder.layer"}
+_BLIP2_QFORMER_CALLS = {
+    "Blip2VisionModel": (), "Blip2VisionModelWithProjection": ((4, 0),), "Blip2QFormerModel": ((3, 0),),
+    "Blip2ForImageTextRetrieval": ((4, 5),), "Blip2ForImageTextRetrieval/itc": ((4, 0), (0, 5)),
+    "Blip2TextModelWithProjection": ((0, 5),),
+}
+
+
+def _blip2_inputs(name: str) -> dict:
+    """zoo.make_inputs(name); Blip2QFormerModel's query_embeds cut to 3 rows (uneven over 2 and 4 ranks)."""
+    inputs = zoo.make_inputs(name)
+    if name == "Blip2QFormerModel":
+        inputs["query_embeds"] = inputs["query_embeds"][:, :3].contiguous()
+    return inputs
+
+
+def _watch_stacks(model) -> dict:
+    """{stack: the row counts entering each of its layers after the first}, filled by pre-hooks."""
+    seen = {}
+    for module in model.modules():
+        kind = {"Blip2VisionModel": "vision", "Blip2QFormerModel": "qformer"}.get(type(module).__name__)
+        if kind is None:
+            continue
+        rows = seen.setdefault(kind, [])
+        for layer in list(module.get_submodule(_BLIP2_STACKS[kind]))[1:]:
+            layer.register_forward_pre_hook(lambda _m, a, k, rows=rows: rows.append(a[0].shape[1]), with_kwargs=True)
+    return seen
+
+
+def blip2_parts_equal_unsharded(ctx, names: list, overlap: bool = False, plain: bool = False) -> dict:
+    """The BLIP-2 classes without a language model under split_gather (and
+    enable_sequence_overlap) equal the unsharded model (compare_sharded:
+    forward, loss, every gradient, outputs after an SGD step), sharded with
+    the plain ShardConfig (`plain`: ctx.group is the world) or ctx.group.
+    Between the layers each rank held its rows only: the vision encoder's
+    17 patch tokens as ceil(17 / p); each Q-Former call's Q queries and T
+    text tokens as ceil(Q / p) + ceil(T / p).  With overlap on the
+    shared-memory backend, every gathering column layer (the vision mlp.fc1,
+    the Q-Former's intermediate_query / intermediate.dense) that the
+    forward reaches ran one overlapped pass in each of the two forwards and
+    one in the backward, as the ViT / BERT checks count them.  On 4 ranks
+    with the plain ShardConfig and no overlap, split_gather with pipeline
+    stages is refused too (mm_refused_in_stages)."""
+    from shardformer.distributed import backend_for
+    from shardformer.layer import Linear1D_Col
+    from shardformer.layer.linear import _GatherRowsLinear
+
+    assert not plain or ctx.world_size == ctx.tp_size, "the plain ShardConfig splits over the world"
+    p, reports = ctx.tp_size, {}
+    group = {} if plain else {"tensor_parallel_process_group": ctx.group}
+    for name in names:
+        torch.manual_seed(0)
+        model = zoo.build(name).train()
+        ref = copy.deepcopy(model)
+        config = ShardConfig(**group, **SP, enable_sequence_overlap=overlap)
+        ShardFormer(config).optimize(model)
+        seen = _watch_stacks(model)
+        before = _GatherRowsLinear.overlapped
+        report = parity.compare_sharded(model, ref, _blip2_inputs(name), f"{name} (split_gather, TP={p})")
+        calls = _BLIP2_QFORMER_CALLS[name]
+        if name.startswith(("Blip2Vision", "Blip2ForImageTextRetrieval")):
+            assert set(seen["vision"]) == {-(-17 // p)}, f"{name}: vision layer inputs of {seen['vision']} rows"
+        want = sorted(-(-q // p) + -(-t // p) for q, t in calls for _ in range(2))     # 2 forwards, 1 later layer
+        if calls:
+            assert sorted(seen["qformer"]) == want, f"{name}: Q-Former layer inputs of {seen['qformer']}, expected {want}"
+        if overlap:
+            gathering = [n for n, m in model.named_modules() if isinstance(m, Linear1D_Col) and m.overlap]
+            reached = [n for n in gathering if ref.get_submodule(n).weight.grad is not None]
+            expected_reached = 2 * (name.startswith(("Blip2Vision", "Blip2ForImageTextRetrieval"))
+                                    + any(q for q, _ in calls) + any(t for _, t in calls))
+            assert len(reached) == expected_reached, f"{name}: gathering layers reached {reached}"
+            ran, backend = _GatherRowsLinear.overlapped - before, backend_for(torch.empty(1), ctx.group)
+            assert backend != "shm" or ran == 3 * len(reached), \
+                f"{name}: {ran} overlapped passes, expected {3 * len(reached)} ({len(reached)} layers)"
+            report.update(overlapped=ran, backend=backend)
+        reports[name] = report
+    if plain and not overlap and ctx.world_size == 4:       # the same ranks as TP=2 x PP=2
+        reports["in_stages"] = mm_refused_in_stages(ctx, "Blip2ForImageTextRetrieval")
+    return reports

@@ -125,6 +125,9 @@ class SequenceState:
         # stage whose split comes before its layers (ALBERT: at the encoder's input) then
         # sends the unsplit layer-input shape, S = length, to the later stages
         self.split_in_forward = False
+        # the row layout of the forward in progress, where it is not contiguous blocks of the
+        # sequence (None): a SequenceRows with `order`, e.g. segment_rows (BLIP-2's Q-Former)
+        self.layout: SequenceRows | None = None
 
     def begin(self) -> None:
         """A forward starts (a pipeline stage's run): no split has run in it yet."""
@@ -146,7 +149,10 @@ class SequenceState:
 
 
 def _rows(state: SequenceState, group) -> SequenceRows:
-    """The layout of the forward in progress: contiguous blocks of the sequence padded to a multiple of p."""
+    """The layout of the forward in progress: state.layout where one is set, else
+    contiguous blocks of the sequence padded to a multiple of p."""
+    if state.layout is not None:
+        return state.layout
     return SequenceRows.even(group, state.length, state.dim)
 
 
@@ -166,7 +172,10 @@ def block_input(x: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
     """Sequence-split -> full sequence: all-gather (backward: reduce-scatter), padding dropped."""
     # contiguous: the all-gather's [S, batch, hidden] layout seen as [batch, S, hidden] is not
     # (the layers would copy it anyway), and the saved-tensor hooks recognise it by its storage
-    return gather_from_sequence_region(x, state.dim, group).narrow(state.dim, 0, state.length).contiguous()
+    gathered = gather_from_sequence_region(x, state.dim, group)
+    if state.layout is not None:            # rows in another order (segment_rows): put in sequence order
+        return state.layout.in_sequence(gathered).contiguous()
+    return gathered.narrow(state.dim, 0, state.length).contiguous()
 
 
 def block_output(y: torch.Tensor, state: SequenceState, group) -> torch.Tensor:
@@ -265,15 +274,20 @@ class _Regathered:
 
     gathers = 0
 
-    def __init__(self, local, length: int, group, dim: int = SEQ_DIM):
-        # local: the rows, or their Recipe under selective recompute (recompute.stored_value)
-        self.local, self.length, self.group, self.dim = local, length, group, dim
+    def __init__(self, local, length: int, group, dim: int = SEQ_DIM, layout: SequenceRows | None = None):
+        # local: the rows, or their Recipe under selective recompute (recompute.stored_value);
+        # layout: the rows' order where it is not contiguous blocks (SequenceState.layout)
+        self.local, self.length, self.group, self.dim, self.layout = local, length, group, dim, layout
         self.full: torch.Tensor | None = None
 
     def get(self) -> torch.Tensor:
         if self.full is None:
             local = recompute.stored_value(self.local)
-            self.full = _all_gather_seq(local, self.dim, self.group).narrow(self.dim, 0, self.length).contiguous()
+            gathered = _all_gather_seq(local, self.dim, self.group)
+            if self.layout is not None:
+                self.full = self.layout.in_sequence(gathered).contiguous()
+            else:
+                self.full = gathered.narrow(self.dim, 0, self.length).contiguous()
             _Regathered.gathers += 1
         return self.full
 
@@ -290,10 +304,10 @@ def _save_rows_only(full: torch.Tensor, local: torch.Tensor, state: SequenceStat
     key = (full.data_ptr(), full.numel(), full.dtype)      # full is contiguous (block_input)
     scope = recompute.active_scope()
     if scope is not None:
-        holder = _Regathered(scope.stored(local), state.length, group, state.dim)
+        holder = _Regathered(scope.stored(local), state.length, group, state.dim, state.layout)
         scope.aliases[key] = holder.get
         return contextlib.nullcontext()
-    holder = _Regathered(local.detach(), state.length, group, state.dim)
+    holder = _Regathered(local.detach(), state.length, group, state.dim, state.layout)
 
     def pack(t):
         if isinstance(t, torch.Tensor) and t.is_contiguous() and (t.data_ptr(), t.numel(), t.dtype) == key:
@@ -308,13 +322,16 @@ def _save_rows_only(full: torch.Tensor, local: torch.Tensor, state: SequenceStat
     return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
 
 
-def _first(args, kwargs):
+def first_input(args, kwargs):
+    """(a hook's first input: args[0] or kwargs["hidden_states"], a function
+    rebuilding (args, kwargs) with a new value in its place)."""
     if args:
         return args[0], lambda v: ((v,) + tuple(args[1:]), kwargs)
     return kwargs["hidden_states"], lambda v: (args, {**kwargs, "hidden_states": v})
 
 
-def _on_output(output, fn):
+def on_output(output, fn):
+    """`output` (a tensor, or a tuple starting with one) with fn applied to that tensor."""
     if isinstance(output, torch.Tensor):
         return fn(output)
     if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
@@ -410,12 +427,12 @@ class FullLengthKwarg:
 
     @classmethod
     def prepare_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
-                              name=None, state=None, **kwargs) -> "_PreHook":
+                              name=None, state=None, **kwargs) -> "PreHook":
         if plan is None:
             plan = plan_directly(cls, module, process_group, name=name, state=state)
 
         pre = functools.partial(_full_length_pre, name, state)
-        return _PreHook(module, pre if plan.tp_size > 1 else None)
+        return PreHook(module, pre if plan.tp_size > 1 else None)
 
     @classmethod
     def from_native_module(cls, module: nn.Module, process_group=None, plan: ShardPlan | None = None,
@@ -430,7 +447,7 @@ def _full_length_pre(name: str, state: SequenceState, _module, args, call_kwargs
     return args, {**call_kwargs, name: state.length}
 
 
-class _PreHook:
+class PreHook:
     """One forward pre-hook (with kwargs) on `module`: registered by commit(),
     removed by rollback(); none when `pre` is None (a group of one)."""
 
@@ -530,17 +547,17 @@ def mark_layer_rows(module: nn.Module, state: SequenceState, group) -> list:
 
 
 def _mark_input(state: SequenceState, group, _module, args, kwargs) -> None:
-    x, _ = _first(args, kwargs)
-    mark_rows(x, _gatherer(state, group))
+    x, _ = first_input(args, kwargs)
+    mark_rows(x, rows_gatherer(state, group))
 
 
 def _mark_output(state: SequenceState, group, _module, _args, output) -> None:
-    mark_rows(output if isinstance(output, torch.Tensor) else output[0], _gatherer(state, group))
+    mark_rows(output if isinstance(output, torch.Tensor) else output[0], rows_gatherer(state, group))
 
 
-def _gatherer(state: SequenceState, group):
+def rows_gatherer(state: SequenceState, group):
     """The gather of split_gather rows of the forward in progress (its length now)."""
-    rows = SequenceRows.even(group, state.length)
+    rows = state.layout if state.layout is not None else SequenceRows.even(group, state.length)
     return lambda t: gather_sequence_rows(t, rows)
 
 
@@ -601,7 +618,7 @@ class _Hooks:
 
     def _mark(self, y):
         """y marked as this rank's rows of the forward in progress (mark_rows)."""
-        return mark_rows(y, _gatherer(self.state, self.group))
+        return mark_rows(y, rows_gatherer(self.state, self.group))
 
     def _move(self, move, x):
         """x moved as `move` says (layer/sequence_layout.py's table); a layer's
@@ -626,16 +643,16 @@ class _Hooks:
         return x
 
     def _input_pre(self, _module, args, kwargs):
-        x, rebuild = _first(args, kwargs)
+        x, rebuild = first_input(args, kwargs)
         return rebuild(self._move(self.layouts.input, x))
 
     def _output_post(self, _module, _args, output):
-        return _on_output(output, functools.partial(self._move, self.layouts.output))
+        return on_output(output, functools.partial(self._move, self.layouts.output))
 
     def _block_pre(self, module, args, kwargs):
         """A block's input gathered to the full sequence; in training only
         this rank's rows of it are saved for backward."""
-        x, rebuild = _first(args, kwargs)
+        x, rebuild = first_input(args, kwargs)
         if self.overlap:
             full = gather_block_input(module, x, self.state, self.group)
         else:
@@ -656,7 +673,7 @@ class _Hooks:
             release_block_input(module)
         if output is None or self.layouts.output is None:  # raised (always_call), or no output move
             return None
-        return _on_output(output, functools.partial(self._move, self.layouts.output))
+        return on_output(output, functools.partial(self._move, self.layouts.output))
 
     def rollback(self) -> None:
         for handle in self.handles:

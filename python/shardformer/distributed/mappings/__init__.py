@@ -50,6 +50,7 @@ from .sequence import (
     padded_length,
     reduce_scatter_rows,
     reduce_scatter_to_sequence_region,
+    segment_rows,
     split_sequence_rows,
     token_dim,
 )
@@ -73,6 +74,7 @@ __all__ = [
     "gather_sequence_rows",
     "keep_sequence_rows",
     "pad_to",
+    "segment_rows",
     "padded_length",
     "reduce_from_tp_region",
     "reduce_scatter_rows",

@@ -151,6 +151,51 @@ class SequenceRows:
             return gathered
         return torch.empty_like(gathered).index_copy_(self.dim, self.order, gathered)
 
+    def in_sequence(self, gathered: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows in all-gather order (padded) -> the `length`
+        real rows in sequence order; differentiable (index_select: the
+        gradient goes back to the gathered positions, zeros to the padding)."""
+        if self.order is None:
+            return gathered.narrow(self.dim, 0, self.length)
+        where = torch.argsort(self.order.to(gathered.device))[:self.length]
+        return gathered.index_select(self.dim, where)
+
+    def in_gather_order(self, full: torch.Tensor) -> torch.Tensor:
+        """The inverse of in_sequence: the `length` rows in sequence order ->
+        padded with zero rows and put in all-gather order, so a reduce-scatter
+        along `dim` leaves each rank its own rows; differentiable."""
+        full = pad_to(full, self.padded, self.dim)
+        return full if self.order is None else full.index_select(self.dim, self.order.to(full.device))
+
+
+def segment_rows(group, lengths: tuple[int, ...], dim: int = SEQ_DIM) -> SequenceRows:
+    """A sequence made of consecutive segments (BLIP-2's Q-Former: [queries;
+    text]) with each segment split over the group on its own: segment k of
+    length L_k is padded to p * c_k rows (c_k = ceil(L_k / p)) and rank r
+    holds rows [r c_k, (r+1) c_k) of each, the segments one after the other.
+    The padded sequence is the real rows in order, then every padding row,
+    so its first sum(L_k) rows are the sequence.  With one segment (or all
+    others empty) this is SequenceRows.even."""
+    p, r = C.world_size(group), C.rank(group)
+    total = sum(lengths)
+    nonempty = [n for n in lengths if n]
+    if len(nonempty) <= 1:
+        return SequenceRows.even(group, total, dim)
+    start, pad_at = 0, total                        # padding rows take the positions after the sequence
+    chunks = [padded_length(n, p) // p for n in lengths]
+    positions = [[] for _ in range(p)]
+    for n, c in zip(lengths, chunks):
+        for q in range(p):
+            for i in range(q * c, (q + 1) * c):
+                if i < n:
+                    positions[q].append(start + i)
+                else:
+                    positions[q].append(pad_at)
+                    pad_at += 1
+        start += n
+    order = torch.tensor([i for rows in positions for i in rows], dtype=torch.long)
+    return SequenceRows(group, total, pad_at, dim, rows=torch.tensor(positions[r], dtype=torch.long), order=order)
+
 
 class _SplitRows(torch.autograd.Function):
     """Forward: pad, keep this rank's rows.  Backward: all-gather the rows'
