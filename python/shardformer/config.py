@@ -21,6 +21,10 @@ EXTRA_KWARGS_DEFAULTS = {
     # Broadcast rank 0's parameters and buffers to the group before sharding,
     # so the other ranks' weights do not matter.
     "broadcast_weights": False,
+    # With gathered logits (parallel_output=False), a model called with labels
+    # computes its LM loss on the vocabulary shards and gathers the logits for
+    # its output only (shardformer.lm_loss); False: HF's loss on the gathered logits.
+    "loss_on_shards": True,
 }
 
 
@@ -167,7 +171,7 @@ class ShardConfig:
         if unknown:
             raise ValueError(f"ShardConfig.extra_kwargs: unknown keys {sorted(unknown)}; "
                              f"known: {sorted(EXTRA_KWARGS_DEFAULTS)}")
-        for key in ("check_replicas", "broadcast_weights"):
+        for key in ("check_replicas", "broadcast_weights", "loss_on_shards"):
             if not isinstance(self.extra_kwargs.get(key, False), bool):
                 raise TypeError(f"ShardConfig.extra_kwargs[{key!r}] must be a bool, "
                                 f"got {self.extra_kwargs[key]!r}")
