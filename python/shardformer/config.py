@@ -108,7 +108,10 @@ class ShardConfig:
         computes its loss on those shards (cross_entropy_1d: HF's label
         shift, ignore_index and num_items_in_batch kept; shardformer.lm_loss),
         so no rank ever holds [batch, seq, vocab].  generate() gathers the
-        logits it needs as before.
+        logits it needs as before.  With gathered logits (False, the default)
+        a model called with `labels` computes the same loss on its shards
+        too and gathers the logits only for its output (extra_kwargs
+        loss_on_shards=False: HF's loss on the gathered logits).
     expert_parallel_process_group: expert parallelism for mixture-of-experts
         blocks (shardformer.layer.expert_parallel): each rank of this group
         owns a contiguous block of every MoE block's experts (still split
