@@ -325,13 +325,16 @@ def _gathering_forward(model, head):
     model's loss_function or _loss_forward), then the output's logits are
     all-gathered; the model is run with return_dict=True and its output
     turned into a tuple after when the caller asked for one.  Without labels,
-    or inside an outer model's call that already switched the head, the call
-    is the model's own."""
+    inside an outer model's call that already switched the head, or under
+    torch.compile (dynamo guards on the head's mode), the call is the
+    model's own."""
     inner = model.__dict__.get("forward") or type(model).forward.__get__(model)
     signature = inspect.signature(type(model).forward)
 
     @functools.wraps(type(model).forward)
     def forward(*args, **kwargs):
+        if torch.compiler.is_compiling():   # switching the head's mode would recompile every step
+            return inner(*args, **kwargs)
         call = _call_arguments(signature, model, args, kwargs)
         if call.get("labels") is None or not head.gather_output:
             return inner(*args, **kwargs)
