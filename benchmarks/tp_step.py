@@ -11,6 +11,9 @@ vocab 32000, seq 512, batch 2, fp32) with fixed-seed weights:
                 C shared-memory backend).  Two variants: "shardformer-gloo" forces
                 them through torch.distributed (SHARDFORMER_COMM=torch),
                 "shardformer-fused" adds enable_all_optimization (C kernels),
+                "shardformer-fullloss" computes HF's loss on the gathered logits
+                (extra_kwargs loss_on_shards=False; the default computes it on the
+                vocabulary shards and gathers the logits for the output only),
                 and "shardformer-po" / "shardformer-fused-po" add
                 parallel_output=True (the loss on each rank's vocabulary
                 shard: no logits all-gather, no full-vocabulary softmax)
@@ -229,6 +232,9 @@ SHARDFORMER_MODES = {
     "shardformer": (None, {}),                      # collectives on the backend picked (shm)
     "shardformer-gloo": ("torch", {}),              # collectives forced through torch.distributed
     "shardformer-fused": (None, {"enable_all_optimization": True}),   # shm + the C kernels
+    # gathered logits with HF's loss on them (every rank's full-vocabulary softmax): the
+    # behaviour before the loss went to the vocabulary shards with gathered logits too
+    "shardformer-fullloss": (None, {"extra_kwargs": {"loss_on_shards": False}}),
     # the loss on each rank's vocabulary shard: no [batch, seq, vocab] logits gather
     "shardformer-po": (None, {"parallel_output": True}),
     "shardformer-fused-po": (None, {"enable_all_optimization": True, "parallel_output": True}),

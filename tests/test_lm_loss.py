@@ -156,3 +156,20 @@ def test_torch_halves_equal_the_c_kernels(vocab_start, vocab_real, eps):
                                ops.xent_grad(z, y, vocab_start, vocab_real, -100, lse, scale, eps, 12))
     with pytest.raises(IndexError):
         L.torch_xent_stats(z, torch.full((9,), 12), vocab_start, vocab_real, -100, False, vocab_size=12)
+
+
+# (zoo name, num_items_in_batch, return_dict): a causal hook, a masked hook, a masked head with a
+# sentence-level loss beside it (kind "masked", also=...), a seq2seq model, a tuple output
+GATHERED_CASES = [("LlamaForCausalLM", True, None), ("BertForMaskedLM", False, None),
+                  ("BertForPreTraining", False, None), ("T5ForConditionalGeneration", False, None),
+                  ("GPT2LMHeadModel", False, False)]
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gathered_logits_loss_on_shards(pool, tp):
+    """parallel_output=False (gathered logits) called with labels: the loss on the vocabulary shards (the
+    C vocabulary-parallel cross-entropy; the ledger counts its two all-reduces and a single logits
+    all-gather), the returned logits gathered off the loss path, loss, logits and every gradient equal
+    to unsharded; TP=4 with the plain ShardConfig() (its group is the 4-rank world), TP=2 explicit."""
+    cases = GATHERED_CASES if tp == 2 else GATHERED_CASES[:2] + GATHERED_CASES[3:4]   # CI time: 3 kinds at TP=4
+    pool.run(check.gathered_loss_on_shards, tp, cases, tp == 4)

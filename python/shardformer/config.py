@@ -21,6 +21,10 @@ EXTRA_KWARGS_DEFAULTS = {
     # Broadcast rank 0's parameters and buffers to the group before sharding,
     # so the other ranks' weights do not matter.
     "broadcast_weights": False,
+    # With gathered logits (parallel_output=False), a model called with labels
+    # computes its LM loss on the vocabulary shards and gathers the logits for
+    # its output only (shardformer.lm_loss); False: HF's loss on the gathered logits.
+    "loss_on_shards": True,
 }
 
 
@@ -104,7 +108,10 @@ class ShardConfig:
         computes its loss on those shards (cross_entropy_1d: HF's label
         shift, ignore_index and num_items_in_batch kept; shardformer.lm_loss),
         so no rank ever holds [batch, seq, vocab].  generate() gathers the
-        logits it needs as before.
+        logits it needs as before.  With gathered logits (False, the default)
+        a model called with `labels` computes the same loss on its shards
+        too and gathers the logits only for its output (extra_kwargs
+        loss_on_shards=False: HF's loss on the gathered logits).
     expert_parallel_process_group: expert parallelism for mixture-of-experts
         blocks (shardformer.layer.expert_parallel): each rank of this group
         owns a contiguous block of every MoE block's experts (still split
@@ -167,7 +174,7 @@ class ShardConfig:
         if unknown:
             raise ValueError(f"ShardConfig.extra_kwargs: unknown keys {sorted(unknown)}; "
                              f"known: {sorted(EXTRA_KWARGS_DEFAULTS)}")
-        for key in ("check_replicas", "broadcast_weights"):
+        for key in ("check_replicas", "broadcast_weights", "loss_on_shards"):
             if not isinstance(self.extra_kwargs.get(key, False), bool):
                 raise TypeError(f"ShardConfig.extra_kwargs[{key!r}] must be a bool, "
                                 f"got {self.extra_kwargs[key]!r}")

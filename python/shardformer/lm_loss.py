@@ -35,6 +35,16 @@ Every PreTrainedModel in the tree that owns an output embedding gets this
 ("hook" unless its class's policy says otherwise): a multimodal model that
 computes the loss of its language model's logits (BLIP-2) is covered too.
 generate() switches the heads back to gathering for its duration.
+
+Gathered logits (parallel_output=False, the default) take the same path
+whenever the model is called with `labels`: the head returns its shard for
+that call, the loss above is computed on it, and only then are the output's
+logits all-gathered (backward: each rank keeps its own columns, no
+collective).  The loss therefore never reads the gathered logits: no rank
+computes the full-vocabulary softmax or its [tokens, vocab] gradient; the
+logits returned still equal the unsharded model's and carry gradients if the
+caller builds a loss of its own on them.  A model the shards cannot serve
+(the refusals below) keeps HF's loss on the gathered logits.
 """
 from __future__ import annotations
 
@@ -120,14 +130,19 @@ class VocabParallelLMLoss:
     ForCausalLMLoss's rules when `shift`, else ForMaskedLMLoss's.  HF's
     `vocab_size` argument is checked against the head's vocabulary."""
 
-    def __init__(self, head, shift: bool, model_name: str):
-        self.head, self.shift, self.model_name = head, shift, model_name
+    def __init__(self, head, shift: bool, model_name: str, fallback=None):
+        """`fallback`: HF's own loss function, for logits the head gathered
+        (a call the gathering forward did not switch to shards)."""
+        self.head, self.shift, self.model_name, self.fallback = head, shift, model_name, fallback
 
     def __call__(self, logits, labels, vocab_size=None, num_items_in_batch=None, ignore_index: int = -100,
                  shift_labels=None, **kwargs):
         if vocab_size is not None and int(vocab_size) != self.head.vocab_size:
             raise ValueError(f"{self.model_name}: the loss was asked for vocab_size={vocab_size} but the LM head's "
                              f"vocabulary is {self.head.vocab_size}")
+        if self.head.gather_output and self.fallback is not None:     # full logits: HF's rule on them
+            return self.fallback(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                                 ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
         return vocab_parallel_loss(self.head, logits, labels, shift=self.shift, num_items_in_batch=num_items_in_batch,
                                    ignore_index=ignore_index, shift_labels=shift_labels)
 
@@ -183,14 +198,20 @@ class LMLossPlan:
     (and checked) before anything changes; `install` runs after the heads
     are swapped in."""
 
-    def __init__(self, model: nn.Module, policy, name: str, policy_class_of):
+    def __init__(self, model: nn.Module, policy, name: str, policy_class_of, gathered: bool = False):
         """`policy_class_of(module)`: the registered Policy class of a module
         inside `model` or None (shardformer.autopolicy.registered_class,
-        passed down by the sharder)."""
+        passed down by the sharder).  `gathered` (parallel_output=False):
+        the loss goes to the shards only when the model is called with
+        labels, the output's logits gathered after it (the module doc); a
+        model the shards cannot serve is left to HF's loss, not refused."""
         from transformers import PreTrainedModel
 
         self.name = name
+        self.gathered = gathered
         self.entries: list[_Entry] = []
+        if gathered and not _honours_shards(policy):
+            return
         for path, module in model.named_modules():
             found = policy if module is model else policy_class_of(module)
             rule, has_head = (declared(found), declares_head(found)) if found is not None else (HOOK, False)
@@ -199,9 +220,16 @@ class LMLossPlan:
                 continue
             if rule.kind == "hook" and not hf:
                 continue        # no loss_function to redirect: the model's own forward decides
-            shift = _hf_rule(module, path, name) if rule.kind == "hook" else rule.kind == "causal"
-            if rule.kind == "seq2seq":
-                _decoder_inputs_maker(module, name)      # refuses a model it cannot make them for
+            try:
+                shift = _hf_rule(module, path, name) if rule.kind == "hook" else rule.kind == "causal"
+                if rule.kind == "seq2seq":
+                    _decoder_inputs_maker(module, name)      # refuses a model it cannot make them for
+            except NotImplementedError:
+                if not gathered:
+                    raise
+                continue                                     # HF's loss on the gathered logits
+            if gathered and not _takes_return_dict(type(module)):
+                continue                                     # a tuple output: its logits could not be found
             self.entries.append(_Entry(path, rule, shift))
 
     def install(self, model: nn.Module) -> int:
@@ -212,18 +240,23 @@ class LMLossPlan:
         changed = 0
         for entry in self.entries:
             module = model.get_submodule(entry.path)
-            heads = [m for m in module.modules() if isinstance(m, VocabParallelLMHead1D) and not m.gather_output]
+            heads = [m for m in module.modules() if isinstance(m, VocabParallelLMHead1D)
+                     and m.gather_output == self.gathered and (m.tp_size > 1 or not self.gathered)]
             if not heads:       # tensor parallelism off, or another pipeline stage holds the head
                 continue
             if len(heads) > 1:
+                if self.gathered:
+                    continue    # which head's logits the loss reads is unknown: HF's loss on gathered logits
                 raise ValueError(f"{self.name}: parallel_output=True: {type(module).__name__} holds {len(heads)} "
                                  f"vocabulary-parallel LM heads; its loss would be ambiguous")
             label = f"{self.name}.{entry.path}" if entry.path else self.name
             if entry.rule.kind == "hook":
-                module.loss_function = VocabParallelLMLoss(heads[0], entry.shift, label)
+                module.loss_function = VocabParallelLMLoss(heads[0], entry.shift, label, module.loss_function)
             else:
                 module.__dict__["forward"] = _loss_forward(module, heads[0], entry.rule, label)
-            if callable(getattr(type(module), "generate", None)):
+            if self.gathered:
+                module.__dict__["forward"] = _gathering_forward(module, heads[0])
+            elif callable(getattr(type(module), "generate", None)):
                 module.__dict__["generate"] = _gathering_generate(module)
             changed += 1
         return changed
@@ -241,6 +274,88 @@ def _decoder_inputs_maker(model, name: str):
                               f"from its labels; use parallel_output=False")
 
 
+def _honours_shards(policy) -> bool:
+    """Whether a policy's LM heads honour parallel_output (a PolicySpec's
+    capabilities may say they do not; hand-written policies do)."""
+    build_spec = getattr(policy, "build_spec", None)
+    return not callable(build_spec) or build_spec().capabilities.parallel_output
+
+
+def _takes_return_dict(cls) -> bool:
+    signature = inspect.signature(cls.forward)
+    return "return_dict" in signature.parameters or any(
+        p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+
+
+def _call_arguments(signature: inspect.Signature, model, args, kwargs) -> dict:
+    """The call's arguments by name (var-keyword arguments flattened in)."""
+    bound = signature.bind(model, *args, **kwargs).arguments
+    bound.pop(next(iter(signature.parameters)))         # self
+    extra = bound.pop(next((p.name for p in signature.parameters.values()
+                            if p.kind is inspect.Parameter.VAR_KEYWORD), "\0"), {})
+    return {**bound, **extra}
+
+
+#: Output fields holding an LM head's logits (BERT's pretraining head: prediction_logits).
+LOGIT_FIELDS = ("logits", "prediction_logits")
+
+
+def _gather_logits(out, head, done: dict):
+    """Gather every logits field of `out` (nested model outputs too, e.g.
+    BLIP-2's language_model_outputs) that holds `head`'s shard; returns how
+    many were gathered.  `done`: id(shard) -> gathered, so a tensor held
+    twice is gathered once."""
+    from .distributed.mappings import gather_from_tp_region
+
+    count = 0
+    for key, value in list(out.items()):
+        if torch.is_tensor(value) and key in LOGIT_FIELDS and value.shape[-1] == head.shard.length:
+            if id(value) not in done:
+                done[id(value)] = gather_from_tp_region(value, -1, head.shard, head.process_group)
+            out[key] = done[id(value)]
+            count += 1
+        elif hasattr(value, "items") and not torch.is_tensor(value):
+            count += _gather_logits(value, head, done)
+    return count
+
+
+def _gathering_forward(model, head):
+    """model.forward under parallel_output=False: called with `labels`, the
+    head returns its shard for the call, the loss is computed on it (the
+    model's loss_function or _loss_forward), then the output's logits are
+    all-gathered; the model is run with return_dict=True and its output
+    turned into a tuple after when the caller asked for one.  Without labels,
+    inside an outer model's call that already switched the head, or under
+    torch.compile (dynamo guards on the head's mode), the call is the
+    model's own."""
+    inner = model.__dict__.get("forward") or type(model).forward.__get__(model)
+    signature = inspect.signature(type(model).forward)
+
+    @functools.wraps(type(model).forward)
+    def forward(*args, **kwargs):
+        if torch.compiler.is_compiling():   # switching the head's mode would recompile every step
+            return inner(*args, **kwargs)
+        call = _call_arguments(signature, model, args, kwargs)
+        if call.get("labels") is None or not head.gather_output:
+            return inner(*args, **kwargs)
+        want_dict = call.pop("return_dict", None)
+        if want_dict is None:
+            want_dict = getattr(getattr(model, "config", None), "return_dict", True)
+        call["return_dict"] = True
+        head.gather_output = False
+        try:
+            out = inner(**call)
+        finally:
+            head.gather_output = True
+        if not hasattr(out, "items") or _gather_logits(out, head, {}) == 0:
+            raise RuntimeError(f"{type(model).__name__}: called with labels, the LM head's logits were computed on "
+                               f"vocabulary shards for the loss but the output ({type(out).__name__}) holds no field "
+                               f"{' or '.join(LOGIT_FIELDS)} of {head.shard.length} columns to gather")
+        return out if want_dict or not hasattr(out, "to_tuple") else out.to_tuple()
+
+    return forward
+
+
 def _loss_forward(model, head, rule: LMLoss, name: str):
     """model.forward computing the loss on `head`'s shards (kinds causal,
     masked, seq2seq): HF's forward runs without the labels, then the loss
@@ -248,16 +363,11 @@ def _loss_forward(model, head, rule: LMLoss, name: str):
     original = type(model).forward.__get__(model)
     signature = inspect.signature(type(model).forward)
     make_decoder_inputs = _decoder_inputs_maker(model, name) if rule.kind == "seq2seq" else None
-    takes_return_dict = "return_dict" in signature.parameters or any(
-        p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
+    takes_return_dict = _takes_return_dict(type(model))
 
     @functools.wraps(type(model).forward)
     def forward(*args, **kwargs):
-        bound = signature.bind(model, *args, **kwargs).arguments
-        bound.pop(next(iter(signature.parameters)))         # self
-        extra = bound.pop(next((p.name for p in signature.parameters.values()
-                                if p.kind is inspect.Parameter.VAR_KEYWORD), "\0"), {})
-        call = {**bound, **extra}
+        call = _call_arguments(signature, model, args, kwargs)
         labels = call.pop("labels", None)
         side = call.pop(rule.also[0], None) if rule.also else None
         if labels is None:

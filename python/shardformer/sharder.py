@@ -241,7 +241,10 @@ class ModelSharder:
                 f"{name}: sequence_parallel_recompute={cfg.sequence_parallel_recompute!r} is not available for "
                 f"{type(policy).__name__} (its layers open no selective-recompute scope); leave it None")
         stages = self._plan_stages(name) if manager is not None else None
-        losses = LMLossPlan(model, policy, name, registered_class) if cfg.parallel_output and cfg.enable_tensor_parallelism else None
+        # the LM loss on the vocabulary shards (with gathered logits too, when called with labels)
+        losses = LMLossPlan(model, policy, name, registered_class, gathered=not cfg.parallel_output) \
+            if cfg.enable_tensor_parallelism and (cfg.parallel_output or (tp_size > 1 and cfg.option("loss_on_shards"))) \
+            else None
         module_policy = policy.module_policy()
         ops, matched = _C.sharder_plan(model, name, module_policy, tp_size, rank)
         if module_policy and matched == 0:

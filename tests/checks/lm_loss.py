@@ -125,3 +125,68 @@ def refuses_own_loss(ctx, name: str) -> str:
     """optimize(parallel_output=True) refuses a class whose forward computes its
     loss without self.loss_function, before anything changes."""
     return _refused_unchanged(ctx, zoo.build(name), name)
+
+
+def gathered_loss_on_shards(ctx, cases: list, default_group: bool = False) -> dict:
+    """ShardConfig() with gathered logits (parallel_output=False), called with
+    labels: the loss is computed on the rank's vocabulary shard (the C
+    vocabulary-parallel cross-entropy once forward and once backward; no
+    full-vocabulary softmax), the output's logits are the gathered unsharded
+    ones and the loss does not depend on them (no [tokens, vocab] gradient in
+    its backward).  Counted in the ledger: the labelled forward makes exactly
+    the unlabelled forward's collectives plus the cross-entropy's two
+    all-reduces (a max and the stacked sums: 3 floats per row), so the
+    logits are all-gathered once.  Loss, logits and every gradient of
+    loss + a loss of the caller's own on the returned logits equal the
+    unsharded model's.  `cases`: (zoo name, with num_items_in_batch,
+    return_dict); labels get ignore_index (-100) at the first two positions.
+    default_group: the plain ShardConfig() (the world is the group)."""
+    from shardformer import comm_stats
+
+    report = {}
+    for name, num_items, return_dict in cases:
+        torch.manual_seed(0)
+        model = zoo.build(name).train()
+        ref = copy.deepcopy(model)
+        inputs = dict(zoo.make_inputs(name))
+        labels = inputs["labels"].clone()
+        labels[..., :2] = -100
+        inputs["labels"] = labels
+        extra = {} if return_dict is None else {"return_dict": return_dict}
+        if num_items:
+            extra["num_items_in_batch"] = torch.tensor(int((labels[..., 1:] != -100).sum()) + 3)
+        cfg = ShardConfig() if default_group else ShardConfig(tensor_parallel_process_group=ctx.group)
+        ShardFormer(cfg).optimize(model)
+        head = _head(model)
+        assert head.gather_output and head.tp_size == ctx.tp_size, f"{name}: the head does not gather"
+        unlabelled = {k: v for k, v in inputs.items() if k != "labels"}
+        if "decoder_input_ids" not in unlabelled and hasattr(model, "prepare_decoder_input_ids_from_labels"):
+            unlabelled["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels)
+        model(**unlabelled)                          # the first call's one-time checks (input agreement)
+        with comm_stats() as plain:
+            model(**unlabelled)
+        with counting_xent() as calls:
+            with comm_stats() as stats:
+                out = model(**inputs, **extra)
+            loss, logits = _loss(out), _logits(out)
+            assert logits.shape[-1] == head.vocab_size, f"{name}: returned logits {tuple(logits.shape)} not gathered"
+            assert torch.autograd.grad(loss, logits, retain_graph=True, allow_unused=True)[0] is None, \
+                f"{name}: the loss reads the gathered logits"
+            rows = labels.numel()
+            got, base = stats.summary(), plain.summary()
+            count = {k: (v["calls"], v["bytes"]) for k, v in got.items()}
+            want = {k: (v["calls"], v["bytes"]) for k, v in base.items()}
+            ar = want.get("all_reduce", (0, 0))
+            want["all_reduce"] = (ar[0] + 2, ar[1] + 3 * 4 * rows)
+            assert count == want, f"{name}: labelled forward collectives {count}; expected {want}"
+            own = logits.float().square().mean() * 0.5           # the caller's own loss on the returned logits
+            (loss + own).backward()
+        assert calls == {"xent_stats": 1, "xent_grad": 1}, f"{name}: vocabulary-parallel cross-entropy calls {calls}"
+        exp = ref(**inputs, **extra)
+        ref_loss, ref_logits = _loss(exp), _logits(exp)
+        (ref_loss + ref_logits.float().square().mean() * 0.5).backward()
+        tol = TOL[torch.float32]
+        report[name] = {"loss": assert_close(f"{name} loss", loss, ref_loss, tol),
+                        "logits": assert_close(f"{name} logits", logits, ref_logits, tol),
+                        "grad": compare_grads(model, ref, name, tol)}
+    return report
