@@ -302,6 +302,7 @@ class DecodeFastPath:
 
     def __init__(self, model, group, name: str):
         self.model, self.group, self.name = model, group, name
+        self.inner = model.__dict__.get("forward")   # what other calls run (None: the class's forward)
         self.enabled = True                 # set_fast_decode: False sends every call to HF's forward
         self.fast = 0
         self.fallback: collections.Counter = collections.Counter()
@@ -323,6 +324,8 @@ class DecodeFastPath:
         return inspect.signature(type(self.model).forward.__get__(self.model))
 
     def _hf(self, args, kwargs):
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
         return type(self.model).forward(self.model, *args, **kwargs)
 
     def refresh(self) -> str | None:
@@ -429,6 +432,14 @@ class DecodeFastPath:
         return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
 
 
+def _wrappable(forward) -> bool:
+    """Whether the fast path may take the model's forward: the class's own
+    (None), or a forward tagged WRAPPABLE_IN_DECODE (lm_loss.GatheringForward:
+    the loss on vocabulary shards when called with labels, which a decode
+    step never has), which the fast path's other calls go through."""
+    return forward is None or getattr(type(forward), "WRAPPABLE_IN_DECODE", False)
+
+
 def install(model, group, name: str) -> int:
     """Put a DecodeFastPath as the forward of every model in the tree that
     generates (has generate() and generation_config) and whose config is of a
@@ -438,7 +449,7 @@ def install(model, group, name: str) -> int:
     for module in model.modules():
         if callable(getattr(type(module), "generate", None)) and hasattr(module, "generation_config") \
                 and getattr(getattr(module, "config", None), "model_type", None) in SUPPORTED_TYPES \
-                and "forward" not in module.__dict__:
+                and _wrappable(module.__dict__.get("forward")):
             module.__dict__["forward"] = DecodeFastPath(module, group, name)
             count += 1
     return count

@@ -253,9 +253,9 @@ class LMLossPlan:
             if entry.rule.kind == "hook":
                 module.loss_function = VocabParallelLMLoss(heads[0], entry.shift, label, module.loss_function)
             else:
-                module.__dict__["forward"] = _loss_forward(module, heads[0], entry.rule, label)
+                module.__dict__["forward"] = LossForward(module, heads[0], entry.rule, label)
             if self.gathered:
-                module.__dict__["forward"] = _gathering_forward(module, heads[0])
+                module.__dict__["forward"] = GatheringForward(module, heads[0])
             elif callable(getattr(type(module), "generate", None)):
                 module.__dict__["generate"] = _gathering_generate(module)
             changed += 1
@@ -319,32 +319,49 @@ def _gather_logits(out, head, done: dict):
     return count
 
 
-def _gathering_forward(model, head):
+class GatheringForward:
     """model.forward under parallel_output=False: called with `labels`, the
     head returns its shard for the call, the loss is computed on it (the
-    model's loss_function or _loss_forward), then the output's logits are
+    model's loss_function or LossForward), then the output's logits are
     all-gathered; the model is run with return_dict=True and its output
     turned into a tuple after when the caller asked for one.  Without labels,
     inside an outer model's call that already switched the head, or under
     torch.compile (dynamo guards on the head's mode), the call is the
-    model's own."""
-    inner = model.__dict__.get("forward") or type(model).forward.__get__(model)
-    signature = inspect.signature(type(model).forward)
+    model's own.  A module-level class held in the model's __dict__ (not a
+    closure), so the model still pickles and deep-copies: the copy's
+    forward is its own (shardformer.pickling)."""
 
-    @functools.wraps(type(model).forward)
-    def forward(*args, **kwargs):
+    #: shardformer.decode's fast path may wrap it: a decode step passes no labels
+    WRAPPABLE_IN_DECODE = True
+
+    def __init__(self, model, head):
+        self.model, self.head = model, head
+        self.inner = model.__dict__.get("forward")      # a LossForward, or None: the class's forward
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        """The model's own forward's (generate() reads which inputs it takes)."""
+        return inspect.signature(type(self.model).forward.__get__(self.model))
+
+    def _inner(self, *args, **kwargs):
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.model).forward(self.model, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        model, head = self.model, self.head
         if torch.compiler.is_compiling():   # switching the head's mode would recompile every step
-            return inner(*args, **kwargs)
-        call = _call_arguments(signature, model, args, kwargs)
+            return self._inner(*args, **kwargs)
+        call = _call_arguments(inspect.signature(type(model).forward), model, args, kwargs)
         if call.get("labels") is None or not head.gather_output:
-            return inner(*args, **kwargs)
+            return self._inner(*args, **kwargs)
         want_dict = call.pop("return_dict", None)
         if want_dict is None:
             want_dict = getattr(getattr(model, "config", None), "return_dict", True)
         call["return_dict"] = True
         head.gather_output = False
         try:
-            out = inner(**call)
+            out = self._inner(**call)
         finally:
             head.gather_output = True
         if not hasattr(out, "items") or _gather_logits(out, head, {}) == 0:
@@ -353,35 +370,40 @@ def _gathering_forward(model, head):
                                f"{' or '.join(LOGIT_FIELDS)} of {head.shard.length} columns to gather")
         return out if want_dict or not hasattr(out, "to_tuple") else out.to_tuple()
 
-    return forward
 
-
-def _loss_forward(model, head, rule: LMLoss, name: str):
+class LossForward:
     """model.forward computing the loss on `head`'s shards (kinds causal,
     masked, seq2seq): HF's forward runs without the labels, then the loss
-    is added to its output as HF would have placed it."""
-    original = type(model).forward.__get__(model)
-    signature = inspect.signature(type(model).forward)
-    make_decoder_inputs = _decoder_inputs_maker(model, name) if rule.kind == "seq2seq" else None
-    takes_return_dict = _takes_return_dict(type(model))
+    is added to its output as HF would have placed it.  A module-level class
+    (not a closure), so the model pickles and deep-copies."""
 
-    @functools.wraps(type(model).forward)
-    def forward(*args, **kwargs):
-        call = _call_arguments(signature, model, args, kwargs)
+    def __init__(self, model, head, rule: LMLoss, name: str):
+        self.model, self.head, self.rule, self.name = model, head, rule, name
+        if rule.kind == "seq2seq":
+            _decoder_inputs_maker(model, name)          # refused now, by name, not at the first call
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return inspect.signature(type(self.model).forward.__get__(self.model))
+
+    def __call__(self, *args, **kwargs):
+        model, head, rule = self.model, self.head, self.rule
+        original = type(model).forward.__get__(model)
+        call = _call_arguments(inspect.signature(type(model).forward), model, args, kwargs)
         labels = call.pop("labels", None)
         side = call.pop(rule.also[0], None) if rule.also else None
         if labels is None:
             if side is not None:
                 call[rule.also[0]] = side
             return original(**call)
-        if make_decoder_inputs is not None and call.get("decoder_input_ids") is None \
+        if rule.kind == "seq2seq" and call.get("decoder_input_ids") is None \
                 and call.get("decoder_inputs_embeds") is None:
-            call["decoder_input_ids"] = make_decoder_inputs(labels)
+            call["decoder_input_ids"] = _decoder_inputs_maker(model, self.name)(labels)
         want_dict = call.pop("return_dict", None)
         if want_dict is None:
             want_dict = getattr(getattr(model, "config", None), "return_dict", True)
         num_items = call.pop("num_items_in_batch", None)
-        if takes_return_dict:
+        if _takes_return_dict(type(model)):
             call["return_dict"] = True
         out = original(**call)
         logits = out["logits"] if "logits" in out else out["prediction_logits"]
@@ -394,8 +416,6 @@ def _loss_forward(model, head, rule: LMLoss, name: str):
         if loss is not None:
             out = type(out)(loss=loss, **{k: v for k, v in out.items() if k != "loss"})
         return out if want_dict or not hasattr(out, "to_tuple") else out.to_tuple()
-
-    return forward
 
 
 def _gathering_generate(model):
