@@ -319,6 +319,10 @@ def _gather_logits(out, head, done: dict):
     return count
 
 
+#: logits dtypes of the vocabulary-parallel cross-entropy kernels
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 class GatheringForward:
     """model.forward under parallel_output=False: called with `labels`, the
     head returns its shard for the call, the loss is computed on it (the
@@ -353,8 +357,8 @@ class GatheringForward:
         if torch.compiler.is_compiling():   # switching the head's mode would recompile every step
             return self._inner(*args, **kwargs)
         call = _call_arguments(inspect.signature(type(model).forward), model, args, kwargs)
-        if call.get("labels") is None or not head.gather_output:
-            return self._inner(*args, **kwargs)
+        if call.get("labels") is None or not head.gather_output or head.weight.dtype not in _KERNEL_DTYPES:
+            return self._inner(*args, **kwargs)     # (float64: HF's loss, the cross-entropy kernel takes 32 / 16 bits)
         want_dict = call.pop("return_dict", None)
         if want_dict is None:
             want_dict = getattr(getattr(model, "config", None), "return_dict", True)
