@@ -393,6 +393,8 @@ class LossForward:
     def __call__(self, *args, **kwargs):
         model, head, rule = self.model, self.head, self.rule
         original = type(model).forward.__get__(model)
+        if head.gather_output:      # the head gathers (GatheringForward's fallbacks: float64, torch.compile):
+            return original(*args, **kwargs)    # HF's own loss on the whole logits, as VocabParallelLMLoss does
         call = _call_arguments(inspect.signature(type(model).forward), model, args, kwargs)
         labels = call.pop("labels", None)
         side = call.pop(rule.also[0], None) if rule.also else None
