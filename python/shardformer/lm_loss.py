@@ -281,8 +281,15 @@ def _honours_shards(policy) -> bool:
     return not callable(build_spec) or build_spec().capabilities.parallel_output
 
 
+@functools.lru_cache(maxsize=None)
+def _forward_signature(cls) -> inspect.Signature:
+    """The signature of cls.forward, read once per class (the loss forwards
+    bind every call's arguments with it: a training step's hot path)."""
+    return inspect.signature(cls.forward)
+
+
 def _takes_return_dict(cls) -> bool:
-    signature = inspect.signature(cls.forward)
+    signature = _forward_signature(cls)
     return "return_dict" in signature.parameters or any(
         p.kind is inspect.Parameter.VAR_KEYWORD for p in signature.parameters.values())
 
@@ -356,7 +363,7 @@ class GatheringForward:
         model, head = self.model, self.head
         if torch.compiler.is_compiling():   # switching the head's mode would recompile every step
             return self._inner(*args, **kwargs)
-        call = _call_arguments(inspect.signature(type(model).forward), model, args, kwargs)
+        call = _call_arguments(_forward_signature(type(model)), model, args, kwargs)
         if call.get("labels") is None or not head.gather_output or head.weight.dtype not in _KERNEL_DTYPES:
             return self._inner(*args, **kwargs)     # (float64: HF's loss, the cross-entropy kernel takes 32 / 16 bits)
         want_dict = call.pop("return_dict", None)
@@ -395,7 +402,7 @@ class LossForward:
         original = type(model).forward.__get__(model)
         if head.gather_output:      # the head gathers (GatheringForward's fallbacks: float64, torch.compile):
             return original(*args, **kwargs)    # HF's own loss on the whole logits, as VocabParallelLMLoss does
-        call = _call_arguments(inspect.signature(type(model).forward), model, args, kwargs)
+        call = _call_arguments(_forward_signature(type(model)), model, args, kwargs)
         labels = call.pop("labels", None)
         side = call.pop(rule.also[0], None) if rule.also else None
         if labels is None:
