@@ -30,11 +30,11 @@ from shardformer.distributed import communicator as cm
 from shardformer.distributed import shm
 from shardformer.launch import free_port, init_rank
 
-# 120: the usage is sampled after cycle 20 and after the last, so a leak shows once it exceeds the
-# tolerance over 100 cycles (one fd per 12 cycles; the leak this guards against was one segment and
-# ~5 fds every cycle).  1000 cycles made this the slowest set-up of the suite (42 s in CI), 300 still
-# 25 s; each cycle is a gloo group's creation (a store round trip), not our code.
-CYCLES = 120
+# 60: the usage is sampled after cycle 20 and after the last; measured here the fd count is flat over
+# 240 cycles (gloo's own groups and ours alike), so more than 2 fds gained over 40 cycles is a leak (the
+# leak this guards against was one segment and ~5 fds every cycle).  Each cycle is a gloo group's
+# creation (a store round trip), not our code: 1000 cycles took 42 s in CI.
+CYCLES = 60
 
 
 def _usage() -> tuple[int, int]:
@@ -163,7 +163,7 @@ def test_group_create_destroy_soak(lifetime):
         s = res["soak"]
         (maps20, fds20), (maps_end, fds_end) = s[20], s[CYCLES]
         assert maps_end <= 1 and maps_end - maps20 <= 1, (r, s)
-        assert fds_end - fds20 <= 8, (r, s)
+        assert fds_end - fds20 <= 2, (r, s)
 
 
 def test_destroyed_group_still_referenced(lifetime):
