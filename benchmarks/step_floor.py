@@ -195,7 +195,7 @@ def profile_step(step_fn, collective_stats=None) -> dict:
 
 # --------------------------------------------------------------------------- replay
 
-_DTYPES = {"float": "float32", "double": "float64", "c10::BFloat16": "bfloat16", "c10::Half": "float16",
+WIRE_DTYPES = {"float": "float32", "double": "float64", "c10::BFloat16": "bfloat16", "c10::Half": "float16",
            "BFloat16": "bfloat16", "Half": "float16"}
 
 
@@ -219,7 +219,7 @@ class FloorReplay:
             shape, strides, tname = spec
             key = (shape, strides, tname)
             if key not in made:
-                dtype = getattr(torch, _DTYPES.get(tname, tname))
+                dtype = getattr(torch, WIRE_DTYPES.get(tname, tname))
                 span = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
                 base = torch.randn(span, generator=g).to(dtype)
                 made[key] = base.as_strided(shape, strides)

@@ -43,6 +43,7 @@ enable_flash_attention: BloomAttention.forward with the C kernel
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -50,13 +51,20 @@ import torch.nn.functional as F
 from shardformer.family import Family
 from shardformer.layer import sequence_attention as sa
 from shardformer.policies.shapes import FusedQKVShape, gpt_heads
-from shardformer.spec import Refusal
+from shardformer.spec import Method, Refusal
 
 
 def local_alibi(hf_build, q_start: int, q_count: int):
     """BloomModel.build_alibi_tensor keeping heads [q_start, q_start + q_count)
     (a partial of a module-level function, so the model pickles)."""
     return functools.partial(_local_alibi, hf_build, q_start, q_count)
+
+
+def alibi_method(hf_build, heads, site):
+    """build_alibi_tensor on this rank (a shardformer.spec.Method's make, given
+    its MethodSite): the global bias cut to the query heads this rank holds."""
+    q_start, q_count, _, _ = heads.layout(site.size, site.rank)
+    return local_alibi(hf_build, q_start, q_count)
 
 
 def _local_alibi(hf_build, q_start: int, q_count: int, model, attention_mask, num_heads, dtype):
@@ -139,14 +147,15 @@ class BloomShape(FusedQKVShape):
                         message="{model}: pretraining_tp={value} with slow_but_exact=True is not supported (set "
                                 "slow_but_exact=False)"),)
 
-    def body_policy(self):
-        policy = super().body_policy()
-        if self.tensor_parallel:
-            heads, _, _ = self.qkv_layout()
-            q_start, q_count, _, _ = heads.layout(self.tp_size, self.shard_config.tensor_parallel_rank)
-            policy["BloomModel"].method_replacement["build_alibi_tensor"] = \
-                local_alibi(self.hf_class("build_alibi_tensor"), q_start, q_count)
-        return policy
+    def build_spec(self):
+        """FusedQKVShape's spec, BloomModel's build_alibi_tensor a Method row
+        keeping this rank's heads (alibi_method)."""
+        spec = super().build_spec()
+        heads = next(e.heads for e in spec.module("BloomBlock").entries if e.suffix == "self_attention.query_key_value")
+        make = functools.partial(alibi_method, self.hf_class("build_alibi_tensor"), heads)
+        alibi = Method("build_alibi_tensor", make)
+        return replace(spec, modules=tuple(replace(m, attributes=m.attributes + (alibi,)) if m.key == "BloomModel"
+                                           else m for m in spec.modules))
 
 
 FAMILY = Family("bloom", "bloom.modeling_bloom", BloomShape, options={"prefix": "Bloom", "layer": "Block"},

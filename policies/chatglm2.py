@@ -86,16 +86,11 @@ from __future__ import annotations
 
 import math
 
-from shardformer.family import Family, FamilyPolicy, lm, sequence_mode_refused
+from shardformer.family import Family, SpecPolicy, lm, sequence_mode_refused, spec_capabilities
 from shardformer.layer import sequence_attention as sa
-from shardformer.layer import FusedLinear1D_Col, Linear1D_Row, VocabParallelEmbedding1D
-from shardformer.layer.sequence_layout import BLOCK, GATHER, SPLIT
-from shardformer.layout import Fused, Heads
+from shardformer.layer.sequence_layout import BLOCK
 from shardformer.pipeline.stages import StageSplit
-from shardformer.plan import sequence_region, split_gather_layer
-from shardformer.policies.shapes import sp_overlap
-from shardformer.policy import ModulePolicyDescription
-from shardformer.policy import SubModuleReplacementDescription as Sub
+from shardformer.spec import Entry, HeadsFrom, ModuleSpec, PolicySpec, Refusal, SplitGatherSpec
 
 
 def _own_core(core, original, q, k, v):
@@ -158,103 +153,81 @@ PIPELINE = StageSplit("ChatGLMModel", "encoder.layers", last=("encoder.final_lay
                       count="num_layers", batch_dims=(("last_hidden_state", 1),))
 
 
-class ChatGLM2Shape(FamilyPolicy):
+class ChatGLM2Shape(SpecPolicy):
+    """A spec factory (build_spec(), interpreted by shardformer.plan.interpret):
+    the GLMBlock's entries and head attributes, the embedding, the refusals
+    and split-gather SP along dimension 0, from the bound model's config."""
+
     # all_to_all / ring_attn: the layers of the encoder, split at CoreAttention (SEAM); the base is the model
     # (its config carries the dropout probabilities the per-rank dropout streams read)
     split_attention_at = ("ChatGLMModel", "encoder.layers")
     attention_seam = SEAM
     pipeline_split = PIPELINE
+    sp_modes = ("split_gather",)
+    # enable_sequence_overlap: each block's gather along dimension 0 overlaps its column layers' matmuls
+    sequence_overlap = True
+    # output_hidden_states=True under split_gather is refused by name (the layers' rows are not marked:
+    # split_gather_ends(mark=False))
+    records_hidden_states = False
 
-    def config_sanity_check(self):
-        if getattr(self.model.config, "original_rope", True) is False:
-            raise ValueError(f"{type(self.model).__name__}: original_rope=False is not supported")
-        self.check_sequence_mode()
-        self.check_pipeline()
-
-    def check_pipeline(self) -> None:
-        """P-tuning v2 (config.pre_seq_len) refused under pipeline parallelism:
-        ChatGLMModel's prefix_encoder makes every layer's prefix keys and
-        values before the first layer, which the first stage alone would hold."""
-        manager, cfg = self.shard_config.pipeline_stage_manager, self.model.config
-        if manager is not None and manager.num_stages > 1 and getattr(cfg, "pre_seq_len", None):
-            glm = "transformer." if hasattr(self.model, "transformer") else ""
-            raise NotImplementedError(
-                f"{type(self.model).__name__}: pipeline parallelism is not available with pre_seq_len="
-                f"{cfg.pre_seq_len} (p-tuning): {glm}prefix_encoder computes the prefix keys and values of every "
-                f"layer of {glm}encoder.layers before the first one, on the first stage only")
+    #: {attribute under GLMBlock: what it holds} (shardformer.layout.Heads.attributes)
+    head_attributes = {
+        "self_attention.num_attention_heads_per_partition": "heads",
+        "self_attention.num_multi_query_groups_per_partition": "kv_heads",
+        "self_attention.projection_size": "width",
+        "self_attention.core_attention.num_attention_heads_per_partition": "heads",
+        "self_attention.core_attention.hidden_size_per_partition": "width",
+    }
 
     def layers_path(self) -> str:
         return "transformer.encoder.layers" if hasattr(self.model, "transformer") else "encoder.layers"
 
-    def check_sequence_mode(self) -> None:
-        cfg, name = self.shard_config, type(self.model).__name__
-        mode = cfg.sequence_parallelism_mode
-        if cfg.sequence_parallel and getattr(self.model.config, "add_bias_linear", False):
-            raise sequence_mode_refused(
-                name, f"{self.layers_path()}.*.self_attention.dense / mlp.dense_4h_to_h", mode,
-                "add_bias_linear=True: the sequence-parallel block reduce-scatters the row layers' outputs, "
-                "which would sum their biases over the ranks")
+    def block_entries(self) -> tuple[Entry, ...]:
+        """GLMBlock's replacements: the fused [q | k | v] by heads (the KV
+        groups replicated when fewer than ranks), dense by the same heads,
+        the packed [gate | up] halves, dense_4h_to_h."""
+        return (Entry("self_attention.query_key_value", "fused_colwise_qkv"),
+                Entry("self_attention.dense", "rowwise_heads"),
+                Entry("mlp.dense_h_to_4h", "fused_packed_colwise"),
+                Entry("mlp.dense_4h_to_h", "rowwise"))
 
-    sp_modes = ("split_gather",)
+    def refusals(self) -> tuple[Refusal, ...]:
+        """original_rope=False; add_bias_linear=True under split_gather (the
+        block's reduce-scatter would sum the row layers' biases over the
+        ranks); pre_seq_len (p-tuning) under pipeline parallelism
+        (ChatGLMModel's prefix_encoder makes every layer's prefix keys and
+        values before the first layer, which the first stage alone holds)."""
+        glm = "transformer." if hasattr(self.model, "transformer") else ""
+        mode = self.shard_config.sequence_parallelism_mode if self.shard_config is not None else None
+        return (
+            Refusal("original_rope", allowed=(True, None), default=True),
+            Refusal("add_bias_linear", allowed=(False, None), default=False, when=("sequence_parallel",),
+                    error="NotImplementedError",
+                    message=str(sequence_mode_refused(
+                        "{model}", f"{glm}encoder.layers.*.self_attention.dense / mlp.dense_4h_to_h", mode,
+                        "add_bias_linear=True: the sequence-parallel block reduce-scatters the row layers' "
+                        "outputs, which would sum their biases over the ranks"))),
+            Refusal("pre_seq_len", allowed=(None, 0), when=("pipeline_parallel",), error="NotImplementedError",
+                    message="{model}: pipeline parallelism is not available with {attribute}={value} (p-tuning): "
+                            f"{glm}prefix_encoder computes the prefix keys and values of every layer of "
+                            f"{glm}encoder.layers before the first one, on the first stage only"),
+        )
 
-    # enable_sequence_overlap: each block's gather along dimension 0 overlaps its column layers' matmuls
-    sequence_overlap = True
-
-    def sequence_parallel_subs(self) -> tuple[list, list]:
-        """(GLMBlock subs, GLMTransformer subs) of split_gather: the blocks,
-        the norms (gradients all-reduced), the split and the gather, along
-        dimension 0."""
-        from shardformer.layer.sequence import SequenceState
-
-        state = SequenceState(dim=0)
-        subs = split_gather_layer({"self_attention": BLOCK, "mlp": BLOCK},
-                                  ("input_layernorm", "post_attention_layernorm"), state,
-                                  overlap=sp_overlap(self.shard_config))
-        last = len(self.model.get_submodule(self.layers_path())) - 1
-        if last == 0:
-            return subs, [sequence_region("layers.0", SPLIT | GATHER, state)]
-        return subs, [sequence_region("layers.0", SPLIT, state), sequence_region(f"layers.{last}", GATHER, state)]
-
-    def postprocess(self):
-        model = super().postprocess()
-        if self.tensor_parallel and self.shard_config.sequence_parallel and self.tp_size > 1:
-            from shardformer.layer.sequence import refuse_recorded_hidden_states
-
-            refuse_recorded_hidden_states(self.model, type(self.model).__name__)
-        return model
-
-    def body_policy(self):
-        if not self.tensor_parallel:
-            return {}
+    def build_spec(self) -> PolicySpec:
         cfg = self.model.config
-        d = cfg.kv_channels
-        groups = cfg.multi_query_group_num if cfg.multi_query_attention else cfg.num_attention_heads
-        heads = Heads(cfg.num_attention_heads, groups, d)
-        sp = {"sequence_parallel": True} if self.shard_config.sequence_parallel else {}
-        policy = {
-            "GLMBlock": ModulePolicyDescription(
-                attribute_replacement=heads.attributes({
-                    "self_attention.num_attention_heads_per_partition": "heads",
-                    "self_attention.num_multi_query_groups_per_partition": "kv_heads",
-                    "self_attention.projection_size": "width",
-                    "self_attention.core_attention.num_attention_heads_per_partition": "heads",
-                    "self_attention.core_attention.hidden_size_per_partition": "width",
-                }),
-                sub_module_replacement=[
-                    Sub("self_attention.query_key_value", FusedLinear1D_Col, kwargs={"split": heads.qkv, **sp}),
-                    Sub("self_attention.dense", Linear1D_Row, kwargs={"split": heads.q, **sp}),
-                    Sub("mlp.dense_h_to_4h", FusedLinear1D_Col, kwargs={"split": Fused.equal(2), **sp}),
-                    Sub("mlp.dense_4h_to_h", Linear1D_Row, kwargs=sp),
-                ],
-            ),
-            "ChatGLMModel": ModulePolicyDescription(sub_module_replacement=[
-                Sub("embedding.word_embeddings", VocabParallelEmbedding1D, kwargs=self.vocab_kwargs())]),
-        }
-        if sp:
-            block_subs, encoder_subs = self.sequence_parallel_subs()
-            policy["GLMBlock"].sub_module_replacement.extend(block_subs)
-            policy["GLMTransformer"] = ModulePolicyDescription(sub_module_replacement=encoder_subs)
-        return policy
+        return PolicySpec(
+            name="chatglm2",
+            modules=(ModuleSpec("GLMBlock", self.block_entries(), attributes=tuple(self.head_attributes.items())),
+                     ModuleSpec("ChatGLMModel", (Entry("embedding.word_embeddings", "embedding_rowwise"),))),
+            heads=HeadsFrom(kv_heads="multi_query_group_num" if cfg.multi_query_attention else None,
+                            head_dim="kv_channels"),
+            split_gather=SplitGatherSpec("GLMTransformer", "layers", "GLMBlock",
+                                         (("self_attention", BLOCK), ("mlp", BLOCK),
+                                          ("input_layernorm", None), ("post_attention_layernorm", None)),
+                                         dim=0, marks=False),
+            capabilities=spec_capabilities(self),
+            refusals=self.refusals(),
+        )
 
     def input_embeddings(self):
         # The remote code has no get_input_embeddings(): found by path.

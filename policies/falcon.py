@@ -219,18 +219,17 @@ class FalconShape(FusedQKVShape):
     attention_seam = SEAM
 
     def refusals(self):
+        """ALiBi under TP (FalconModel builds the bias for all heads inside its
+        forward); split_gather with either residual dropout (functional calls on
+        the split rows, which the row layers cannot draw: one message for both)."""
         return (Refusal("alibi", allowed=(False, None), default=False, when=("tensor_parallel",),
                         message="{model}: alibi={value} is not supported by the Falcon policy (FalconModel builds "
-                                "the ALiBi bias for all heads inside its forward)"),)
-
-    def config_sanity_check(self):
-        super().config_sanity_check()            # the refusals above
-        cfg = self.model.config
-        if self.shard_config.sequence_parallel and (cfg.hidden_dropout or cfg.attention_dropout):
-            raise NotImplementedError(
-                f"{type(self.model).__name__}: sequence parallelism (split_gather) with hidden_dropout="
-                f"{cfg.hidden_dropout} / attention_dropout={cfg.attention_dropout} is not available (Falcon's "
-                f"residual dropouts are functional calls on the split rows; set both to 0)")
+                                "the ALiBi bias for all heads inside its forward)"),
+                Refusal("hidden_dropout", also=("attention_dropout",), allowed=(0, None), default=0.0,
+                        when=("sequence_parallel",), error="NotImplementedError",
+                        message="{model}: sequence parallelism (split_gather) with hidden_dropout={hidden_dropout} / "
+                                "attention_dropout={attention_dropout} is not available (Falcon's residual dropouts "
+                                "are functional calls on the split rows; set both to 0)"))
 
     def residual_dropouts(self):
         return 0.0, ()          # in the decoder layer, refused above when > 0

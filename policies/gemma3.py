@@ -52,12 +52,12 @@ from __future__ import annotations
 
 
 from shardformer.family import Family, FamilyPolicy, gathered, lm, sequence_mode_refused
-from shardformer.layer import Linear1D_Col, Linear1D_Row
 from shardformer.layout import Heads
 from shardformer.pipeline.stages import StageSplit
-from shardformer.policies.shapes import DecoderShape, attention_by_heads
-from shardformer.policy import ModulePolicyDescription, Policy, merge_policies
-from shardformer.policy import SubModuleReplacementDescription as Sub
+from shardformer.plan import interpret
+from shardformer.policies.shapes import DecoderShape
+from shardformer.policy import Policy, merge_policies
+from shardformer.spec import Attribute, Entry, ModuleSpec, PolicySpec
 
 TEXT = Family("gemma3", "gemma3.modeling_gemma3", DecoderShape,
               options={"prefix": "Gemma3", "base_model": "TextModel", "qk_norm": True, "embed_scale": True},
@@ -67,27 +67,18 @@ TEXT = Family("gemma3", "gemma3.modeling_gemma3", DecoderShape,
 
 # ---- the multimodal models: SigLIP vision tower + projector + the text model above ----
 
-def _siglip():
-    from transformers.models.siglip import modeling_siglip
-
-    return modeling_siglip
-
-
-def siglip_policy(vision_cfg) -> dict:
+def siglip_module(vision_cfg) -> ModuleSpec:
     """SigLIP encoder layers split by attention heads (uneven allowed) and MLP
-    features.  SiglipAttention reshapes by head_dim with -1 heads, so only the
-    (informational) num_heads attribute changes per rank."""
+    features, unsplit along the sequence (sp_linear "").  SiglipAttention
+    reshapes by head_dim with -1 heads, so only the (informational)
+    num_heads attribute changes per rank."""
     n = vision_cfg.num_attention_heads
     heads = Heads(n, n, vision_cfg.hidden_size // n)
-    return {
-        _siglip().SiglipEncoderLayer: ModulePolicyDescription(
-            attribute_replacement=heads.attributes({"self_attn.num_heads": "heads"}),
-            sub_module_replacement=[
-                *attention_by_heads("self_attn", heads, o="out_proj"),
-                Sub("mlp.fc1", Linear1D_Col),
-                Sub("mlp.fc2", Linear1D_Row),
-            ]),
-    }
+    return ModuleSpec("SiglipEncoderLayer", tuple(
+        Entry(f"self_attn.{p}_proj", "colwise_heads", heads=heads) for p in "qkv") + (
+        Entry("self_attn.out_proj", "rowwise_heads", heads=heads),
+        Entry("mlp.fc1", "colwise"), Entry("mlp.fc2", "rowwise")),
+        attributes=(Attribute("self_attn.num_heads", "heads", heads=heads),), sp_linear="")
 
 
 # The text model's layers split over the stages; its embeddings on the first, its norm and the heads on the
@@ -128,8 +119,13 @@ class Gemma3MultimodalShape(FamilyPolicy):
     def supports_sequence_overlap(self) -> bool:
         return self.language_policy().supports_sequence_overlap()
 
+    def build_spec(self) -> PolicySpec:
+        """The vision tower's part as a PolicySpec (the text model is composed:
+        its own policy, language_policy())."""
+        return PolicySpec("gemma3", (siglip_module(self.model.config.vision_config),))
+
     def body_policy(self):
-        policy = siglip_policy(self.model.config.vision_config) if self.tensor_parallel else {}
+        policy = interpret(self.build_spec(), self.model, self.shard_config, self.state, self)
         return merge_policies(policy, self.language_policy().module_policy())
 
     def preprocess(self):

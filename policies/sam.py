@@ -60,56 +60,17 @@ the grid rows split over the ranks would cut windows (not implemented).
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 
 from shardformer.attention import own_attention, seam_kernel, seam_kernel_reason, weights_recorded
-from shardformer.family import Family, FamilyPolicy, sequence_mode_refused
-from shardformer.pipeline.stages import StageSplit
-from shardformer.layer import Linear1D_Col, Linear1D_Row
+from shardformer.family import Family, SpecPolicy, spec_capabilities
 from shardformer.layer import sequence_attention as sa
-from shardformer.layer.replicated import ReplicatedInParallelRegion
 from shardformer.layer.sequence_layout import ENTER
 from shardformer.layout import Heads
-from shardformer.plan import split_gather_ends, split_gather_layer
-from shardformer.policies.shapes import sp_overlap
-from shardformer.policy import ModulePolicyDescription
-from shardformer.policy import SubModuleReplacementDescription as Sub
-
-
-def vision_layer_description(vision_cfg, sp: bool = False) -> ModulePolicyDescription:
-    """SamVisionLayer: fused-qkv attention with decomposed relative positions,
-    MLP; `sp`: the column layers read a gathered input and lin2
-    reduce-scatters (split_gather, see the module docstring)."""
-    n = vision_cfg.num_attention_heads
-    heads = Heads(n, n, vision_cfg.hidden_size // n)
-    col = {"sequence_parallel": True} if sp else {}
-    row = {"sequence_parallel": True, "reduce_scatter": True} if sp else {}
-    subs = [
-        Sub("attn.qkv", Linear1D_Col, kwargs={"split": heads.qkv, **col}),
-        Sub("attn.proj", Linear1D_Row, kwargs={"split": heads.q}),
-        Sub("mlp.lin1", Linear1D_Col, kwargs=col),
-        Sub("mlp.lin2", Linear1D_Row, kwargs=row),
-    ]
-    if vision_cfg.use_rel_pos:
-        subs.append(Sub("attn", ReplicatedInParallelRegion, kwargs={"params": ("rel_pos_h", "rel_pos_w")}))
-    return ModulePolicyDescription(attribute_replacement=heads.attributes({"attn.num_attention_heads": "heads"}),
-                                   sub_module_replacement=subs)
-
-
-def mask_decoder_policy(decoder_cfg) -> dict:
-    """The mask decoder's two-way transformer.  One head count for every
-    SamAttention; head_dim differs between the self attention (hidden / n)
-    and the downsampled cross attentions."""
-    heads = Heads(decoder_cfg.num_attention_heads)
-    return {
-        "SamAttention": ModulePolicyDescription(
-            attribute_replacement=heads.attributes({"num_attention_heads": "heads"}),
-            sub_module_replacement=[Sub(f"{p}_proj", Linear1D_Col, kwargs={"split": heads.q}) for p in "qkv"] + [
-                Sub("out_proj", Linear1D_Row, kwargs={"split": heads.q})]),
-        "SamTwoWayAttentionBlock": ModulePolicyDescription(sub_module_replacement=[
-            Sub("mlp.lin1", Linear1D_Col), Sub("mlp.lin2", Linear1D_Row)]),
-    }
+from shardformer.pipeline.stages import StageSplit
+from shardformer.spec import Attribute, Entry, Method, ModuleSpec, PolicySpec, SplitGatherSpec
 
 
 def sequence_parallel_layer_forward(state, group, overlap: bool = False):
@@ -119,6 +80,13 @@ def sequence_parallel_layer_forward(state, group, overlap: bool = False):
     enable_sequence_overlap.  A partial of a module-level function, so the
     model pickles."""
     return functools.partial(_layer_forward_on_rows, state, group, overlap)
+
+
+def layer_forward_method(site):
+    """The spec's Method row making SamVisionLayer.forward under split_gather
+    (shardformer.spec.MethodSite: the spec's sequence state, the group,
+    whether enable_sequence_overlap holds)."""
+    return sequence_parallel_layer_forward(site.sequence_state, site.group, "overlap" in site.held)
 
 
 def _padded_with(y, window: int, fill):
@@ -212,7 +180,12 @@ VISION_SEAM = sa.AttentionSeam("SamVisionAttention", "forward", _no_split, kerne
                                kernel_also=("SamVisionSdpaAttention",)).registered(__name__, "VISION_SEAM")
 
 
-class SamShape(FamilyPolicy):
+class SamShape(SpecPolicy):
+    """A spec factory (build_spec(), interpreted by shardformer.plan.interpret):
+    the vision layer and the mask decoder's attentions split by their own
+    heads (read from the bound model's sub-configs), split-gather SP of the
+    vision encoder with its layer forward a Method row."""
+
     attention_weights_folded = ("SamVisionAttention",)   # [B * heads, S, S]
     attention_seam = VISION_SEAM
     sp_modes = ("split_gather",)
@@ -223,54 +196,56 @@ class SamShape(FamilyPolicy):
     # the encoder, tied to the prompt encoder's) run on every stage, their gradients summed over them.
     pipeline_split = StageSplit("SamVisionEncoder", "layers", last=("neck",),
                                 everywhere=("pos_embed", "shared_image_embedding"))
-
     # enable_sequence_overlap: attn.qkv projects the grid rows while they are gathered (_layer_forward_on_rows)
     sequence_overlap = True
+    # output_hidden_states=True under split_gather is refused by name
+    records_hidden_states = False
+    sp_refusal = ("vision_encoder.layers.*.attn: SAM's vision layers cut their [B, H, W, C] grid into windows "
+                  "before the attention (which adds decomposed relative positions per window), so a split of the "
+                  "grid rows would cut windows across ranks; not implemented (docs/sequence-parallelism.md); use "
+                  "'split_gather'")
 
-    def config_sanity_check(self):
-        cfg, name = self.shard_config, type(self.model).__name__
-        if cfg.split_attention_mode:
-            raise sequence_mode_refused(
-                name, "vision_encoder.layers.*.attn", cfg.split_attention_mode,
-                "SAM's vision layers cut their [B, H, W, C] grid into windows before the attention (which adds "
-                "decomposed relative positions per window), so a split of the grid rows would cut windows "
-                "across ranks; not implemented (docs/sequence-parallelism.md); use 'split_gather'")
+    def vision_module(self, vision_cfg) -> ModuleSpec:
+        """SamVisionLayer: the fused [q | k | v] by heads, proj by the same
+        heads (a plain row layer even under split_gather: the layer forward
+        cuts this rank's rows of its sum), the MLP (lin2 reduce-scatters
+        under split_gather), the relative position tables replicated with
+        their gradients all-reduced; num_attention_heads this rank's."""
+        n = vision_cfg.num_attention_heads
+        heads = Heads(n, n, vision_cfg.hidden_size // n)
+        rel_pos = (Entry("attn", "replicated_with_grad_allreduce",
+                         kwargs=(("params", ("rel_pos_h", "rel_pos_w")),)),) if vision_cfg.use_rel_pos else ()
+        return ModuleSpec("SamVisionLayer", (
+            Entry("attn.qkv", "colwise_qkv", heads=heads), Entry("attn.proj", "rowwise_heads", heads=heads, sp=""),
+            Entry("mlp.lin1", "colwise"), Entry("mlp.lin2", "rowwise")) + rel_pos,
+            attributes=(Attribute("attn.num_attention_heads", "heads", heads=heads),
+                        Method("forward", layer_forward_method, when=("sequence_parallel", "tensor_parallel_ranks"))),
+            sp_linear="rows")
 
-    def sequence_parallel_policy(self, vision_cfg) -> dict:
-        """The replaced layer forward, the norms' gradient all-reduce, the
-        mlp's ENTER region and the split / gather at the encoder's ends."""
-        from shardformer.layer.sequence import SequenceState
+    def mask_decoder_modules(self, decoder_cfg) -> tuple[ModuleSpec, ...]:
+        """The mask decoder's two-way transformer, unsplit along the
+        sequence.  One head count for every SamAttention; head_dim differs
+        between the self attention (hidden / n) and the downsampled cross
+        attentions, so the projections split by whole heads of any width."""
+        heads = Heads(decoder_cfg.num_attention_heads)
+        return (ModuleSpec("SamAttention", tuple(Entry(f"{p}_proj", "colwise_heads", heads=heads) for p in "qkv")
+                           + (Entry("out_proj", "rowwise_heads", heads=heads),),
+                           attributes=(Attribute("num_attention_heads", "heads", heads=heads),), sp_linear=""),
+                ModuleSpec("SamTwoWayAttentionBlock", (Entry("mlp.lin1", "colwise"), Entry("mlp.lin2", "rowwise")),
+                           sp_linear=""))
 
-        state = SequenceState()
-        layer = ModulePolicyDescription(
-            sub_module_replacement=split_gather_layer({"mlp": ENTER}, ("layer_norm1", "layer_norm2"), state),
-            method_replacement={"forward": sequence_parallel_layer_forward(state, self.process_group,
-                                                                           sp_overlap(self.shard_config))})
-        ends = split_gather_ends("layers", vision_cfg.num_hidden_layers, state)
-        return {"SamVisionLayer": layer, "SamVisionEncoder": ModulePolicyDescription(sub_module_replacement=ends)}
-
-    def body_policy(self):
-        if not self.tensor_parallel:
-            return {}
+    def build_spec(self) -> PolicySpec:
         cfg = self.model.config
         vision_cfg = getattr(cfg, "vision_config", cfg)
-        sp = self.shard_config.sequence_parallel
-        policy = {"SamVisionLayer": vision_layer_description(vision_cfg, sp)}
-        if hasattr(cfg, "mask_decoder_config"):
-            policy.update(mask_decoder_policy(cfg.mask_decoder_config))
-        if sp and self.tp_size > 1:         # one rank: nothing to split (the layers' hooks stay off too)
-            from shardformer.policy import merge_policies
-
-            merge_policies(policy, self.sequence_parallel_policy(vision_cfg))
-        return policy
-
-    def postprocess(self):
-        model = super().postprocess()
-        if self.tensor_parallel and self.shard_config.sequence_parallel and self.tp_size > 1:
-            from shardformer.layer.sequence import refuse_recorded_hidden_states
-
-            refuse_recorded_hidden_states(self.model, type(self.model).__name__)
-        return model
+        decoder = self.mask_decoder_modules(cfg.mask_decoder_config) if hasattr(cfg, "mask_decoder_config") else ()
+        return PolicySpec(
+            name="sam",
+            modules=(self.vision_module(vision_cfg),) + decoder,
+            split_gather=SplitGatherSpec("SamVisionEncoder", "layers", "SamVisionLayer",
+                                         (("mlp", ENTER), ("layer_norm1", None), ("layer_norm2", None)),
+                                         overlap=False, when=("tensor_parallel_ranks",)),
+            capabilities=replace(spec_capabilities(self), sp_refusal=self.sp_refusal),
+        )
 
 
 FAMILY = Family("sam", "sam.modeling_sam", SamShape, heads={"SamModel": (), "SamVisionModel": ()})

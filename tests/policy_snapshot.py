@@ -6,8 +6,8 @@ with parallel_output; with split-gather sequence parallelism, with and
 without overlap) and writes each replacement as (configuration, model
 class, policy key, suffix, layer class, kwargs) and each attribute as
 (configuration, model class, policy key, attribute, value): policy keys
-sorted, replacements in the order the policy gives them (the sharder
-applies them in that order).
+sorted by class name (by_key), replacements in the order the policy gives
+them (the sharder applies them in that order).
 tests/data/policy_snapshot.json.gz holds the snapshot taken before the
 built-in shapes were written as plans (shardformer.plan); test_plan.py
 compares it with today's.  It predates the typed sequence layouts: a
@@ -98,7 +98,7 @@ def rows_of(name: str, config_kwargs: dict, overrides: dict | None = None) -> li
     except Exception as e:       # a configuration the family refuses: the refusal is the snapshot
         return [["refused", type(e).__name__]]
     rows = []
-    for key, desc in sorted(description.items(), key=lambda kv: str(kv[0])):
+    for key, desc in description.items():
         key = key if isinstance(key, str) else key.__name__
         for sub in desc.sub_module_replacement:
             if "role" in (sub.kwargs or {}):
@@ -108,7 +108,16 @@ def rows_of(name: str, config_kwargs: dict, overrides: dict | None = None) -> li
         for attr, value in desc.attribute_replacement.items():
             rows.append(["attr", key, attr, plain(value)])
         rows.append(["methods", key, sorted(desc.method_replacement), len(desc.param_replacement)])
-    return rows
+    return by_key(rows)
+
+
+def by_key(rows: list) -> list:
+    """`rows` ordered by their policy key's class name, each key's rows in
+    their order (a stable sort): a key spelled as a class or as its name
+    (a spec's ModuleSpec) takes the same place.  The stored snapshot sorted
+    keys by str(key), which puts class keys ("<class ...>") first; load()
+    reorders it the same way, changing no row."""
+    return sorted(rows, key=lambda row: row[1] if row[0] in ("sub", "attr", "methods") else "")
 
 
 def layouts_of(kwargs: dict) -> dict:
@@ -129,7 +138,7 @@ def load() -> dict:
     """The stored snapshot, its role strings read as layouts (layouts_of)."""
     with gzip.open(SNAPSHOT, "rt") as f:
         data = json.load(f)
-    return {name: [row[:4] + [layouts_of(row[4])] + row[5:] if row[0] == "sub" else row for row in rows]
+    return {name: by_key([row[:4] + [layouts_of(row[4])] + row[5:] if row[0] == "sub" else row for row in rows])
             for name, rows in data.items()}
 
 

@@ -173,7 +173,7 @@ def rank_collectives(ctx, dtype_name: str, n: int, workspace: int | None) -> str
             # reduce-scatter: n elements per rank out of p*n
             big = _inputs(r, p * n, dt, integral, seed=1)
             want = torch.empty(n, dtype=dt)
-            coll._reduce_scatter_single(want, big, group=group)
+            coll.reduce_scatter_flat(want, big, group=group)
             got = torch.empty(n, dtype=dt)
             comm.reduce_scatter(got, big)
             what = f"reduce_scatter {dtype_name} n={n}"
@@ -183,7 +183,7 @@ def rank_collectives(ctx, dtype_name: str, n: int, workspace: int | None) -> str
         # The bytes-moving collectives.
         x = _inputs(r, n, dt, True, seed=2)
         want = torch.empty(p * n, dtype=dt)
-        coll._all_gather_single(want, x, group=group)
+        coll.all_gather_flat(want, x, group=group)
         got = torch.empty(p * n, dtype=dt)
         comm.all_gather(got, x)
         _check(f"all_gather {dtype_name} n={n}", got, want, True)

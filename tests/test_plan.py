@@ -87,6 +87,10 @@ REFINEMENTS = (
      "Gemma 3 multimodal: the SigLIP tower split by heads; transformers' plan covers the language model only"),
     (r"vision_tower\.encoder\.layers\.\*\.self_attn\.out_proj$", None, "rowwise",
      "Gemma 3 multimodal: the SigLIP tower's output projection, input split by the same heads"),
+    (r"vision_tower\.encoder\.layers\.\*\.mlp\.fc1$", None, "colwise",
+     "Gemma 3 multimodal: the SigLIP tower's MLP features (its spec names the style, so the export shows it)"),
+    (r"vision_tower\.encoder\.layers\.\*\.mlp\.fc2$", None, "rowwise",
+     "Gemma 3 multimodal: the SigLIP tower's MLP down projection, input split by the same features"),
     (r"self_attn\.qkv_proj$", "colwise_gather_output", "colwise",
      "Phi-3: the fused [q | k | v] split per part by heads (colwise_qkv); transformers gathers the "
      "projection and keeps its output whole"),

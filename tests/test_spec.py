@@ -158,6 +158,43 @@ def test_shape_subclass_overrides_match_unsharded(pool, tp, default_group, confi
     heads_layout, block_attributes) is in its spec, and the subclass shards
     like the unsharded model: TP=2 over an explicit group with split-gather
     SP and overlap (Swin's window-overlap pass), TP=4 with the plain
-    ShardConfig(); 5 heads (uneven)."""
+    ShardConfig(); 5 heads (uneven).  Two bespoke families too (ChatGLM2,
+    SAM: spec factories since issue 33's spec6 branch), each subclass
+    overriding one row of its spec (checks/spec.py bespoke_subclasses)."""
     reports = pool.run(S.shape_overrides_shard, tp, default_group, config)
-    assert len(reports) == tp and all(set(r) == {"fused_qkv", "vision", "stage"} for r in reports)
+    assert len(reports) == tp and all(set(r) == {"fused_qkv", "vision", "stage", "chatglm2", "sam"} for r in reports)
+
+
+def test_bespoke_rows_as_data():
+    """The rows issue 33's spec6 branch added, on one process: Falcon's two
+    dropouts refused by one Refusal row (Refusal.also) naming both values
+    before anything changes; SAM's layer forward a Method row, made only on a
+    group of two or more ranks (tensor_parallel_ranks: nothing on one rank);
+    BLOOM's build_alibi_tensor a Method row on BloomModel."""
+    from shardformer.autopolicy import get_autopolicy
+    from shardformer.plan import conditions
+    from shardformer.spec import Method
+
+    def bound(name, shard_config, **overrides):
+        model = zoo.build(name, **overrides)
+        policy = get_autopolicy(model)
+        policy.set_model(model)
+        policy.set_shard_config(shard_config)
+        policy.begin()
+        return policy, model
+
+    sp = ShardConfig(enable_sequence_parallelism=True)
+    policy, model = bound("FalconForCausalLM", sp, hidden_dropout=0.25, attention_dropout=0.5)
+    with pytest.raises(NotImplementedError, match=r"FalconForCausalLM: sequence parallelism \(split_gather\) with "
+                                                  r"hidden_dropout=0.25 / attention_dropout=0.5 is not available"):
+        refuse(policy.build_spec(), model, sp)
+    refuse(policy.build_spec(), model, ShardConfig())          # under TP alone: nothing refused
+    policy, model = bound("SamVisionModel", sp)
+    rows = policy.build_spec().module("SamVisionLayer").attributes
+    assert [(r.name, r.when) for r in rows if isinstance(r, Method)] == [
+        ("forward", ("sequence_parallel", "tensor_parallel_ranks"))]
+    assert "tensor_parallel_ranks" not in conditions(sp, model)
+    assert policy.module_policy()["SamVisionLayer"].method_replacement == {}
+    policy, _ = bound("BloomForCausalLM", ShardConfig())
+    assert [r.name for r in policy.build_spec().module("BloomModel").attributes] == ["build_alibi_tensor"]
+    assert list(policy.module_policy()["BloomModel"].method_replacement) == ["build_alibi_tensor"]

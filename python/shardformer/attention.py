@@ -226,7 +226,6 @@ def uses_registry(module) -> bool:
     return code is not None and "ALL_ATTENTION_FUNCTIONS" in code.co_names
 
 
-_uses_registry = uses_registry   # its old name (derived_policy imports it)
 
 
 def enable(model) -> bool:

@@ -706,11 +706,11 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
             self._check_split_attention(path, layers)
 
     def _check_split_attention(self, path: str, layers: nn.ModuleList) -> None:
-        from .attention import _uses_registry
+        from .attention import uses_registry
 
         mode = self.shard_config.split_attention_mode
         for i, layer in enumerate(layers):
-            users = [n for n, m in layer.named_modules() if _uses_registry(m)]
+            users = [n for n, m in layer.named_modules() if uses_registry(m)]
             if not users:
                 found = sorted({type(m).__name__ for m in layer.modules() if is_attention(m)})
                 raise self._refused(f"{path}.{i}", f"{type(layer).__name__}'s attention ({found}) does not go "

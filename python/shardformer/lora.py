@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .layer.lora_config import check_config
-from .sharder import SHARDED_MARK, _mark_broken
+from .sharder import SHARDED_MARK, mark_broken
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -146,7 +146,7 @@ class LoraSharding:
             self._put(lora=True)
             self.peft_model.save_pretrained = GatheredSave(self.peft_model)
         except BaseException as e:
-            _mark_broken(self.model, self.name, e)
+            mark_broken(self.model, self.name, e)
             raise
         return shared
 

@@ -77,7 +77,7 @@ from .layer.sequence import (SequenceParallelRegion, SequenceState, record_full_
 from .layer.sequence_layout import BLOCK, GATHER, GATHER_INPUT, MARK_ROWS, SPLIT, SPLIT_OUTPUT, SequenceLayouts
 from .layout import Fused, Heads, Split
 from .policy import ModulePolicyDescription, Policy
-from .spec import SP_LINEAR, Attribute, Setting, Stack
+from .spec import SP_LINEAR, Attribute, Method, MethodSite, Setting, Stack
 from .policy import SubModuleReplacementDescription as Sub
 
 
@@ -239,6 +239,22 @@ STYLES.update({s.name: s for s in (
 )})
 
 
+# ---- fused column layers of the bespoke families (ChatGLM2) ----
+#
+# FusedLinear1D_Col is Linear1D_Col whose rows are several projections one
+# after another: each rank keeps its slice of every segment.
+
+_LAYERS["FusedLinear1D_Col"] = _layer("", "FusedLinear1D_Col")
+STYLES.update({s.name: s for s in (
+    # a fused [q | k | v] projection as FusedLinear1D_Col: each part by its heads (ChatGLM2's query_key_value)
+    Style("fused_colwise_qkv", "FusedLinear1D_Col", lambda c: {"split": _need_heads(c, "fused_colwise_qkv").qkv},
+          "col", "colwise"),
+    # a packed [gate | up] projection as FusedLinear1D_Col: each half split (ChatGLM2's dense_h_to_4h)
+    Style("fused_packed_colwise", "FusedLinear1D_Col", lambda c: {"split": _fused_halves(c)}, "col",
+          "packed_colwise"),
+)})
+
+
 def style_of(name: str) -> Style:
     """The Style called `name`; PlanError naming the known ones otherwise."""
     try:
@@ -311,12 +327,16 @@ def split_gather_layer(regions: dict[str, SequenceLayouts], replicated, state, o
             + [Sub(path, ReplicatedInParallelRegion) for path in replicated])
 
 
-def split_gather_ends(layers: str, count: int, state) -> list[Sub]:
+def split_gather_ends(layers: str, count: int, state, mark: bool = True) -> list[Sub]:
     """The split at `layers`.0's input and the gather at the last layer's
-    output (both on one module when there is one layer); the layers before
-    the last mark their outputs, this rank's rows, for output_hidden_states."""
+    output (both on one module when there is one layer); with `mark`, the
+    layers before the last mark their outputs, this rank's rows, for
+    output_hidden_states (a spec whose capabilities say
+    records_hidden_states=False marks none: those states are refused)."""
     if count == 1:
         return [sequence_region(f"{layers}.0", SPLIT | GATHER, state)]
+    if not mark:
+        return [sequence_region(f"{layers}.0", SPLIT, state), sequence_region(f"{layers}.{count - 1}", GATHER, state)]
     return ([sequence_region(f"{layers}.0", SPLIT | MARK_ROWS, state)]
             + [sequence_region(f"{layers}.{i}", MARK_ROWS, state) for i in range(1, count - 1)]
             + [sequence_region(f"{layers}.{count - 1}", GATHER, state)])
@@ -358,7 +378,10 @@ def conditions(shard_config, model=None) -> frozenset[str]:
     ep = shard_config.expert_parallel_process_group is not None
     sp = bool(tp and shard_config.sequence_parallel)
     overlap = sp and bool(getattr(shard_config, "enable_sequence_overlap", False))
-    held = {"tensor_parallel": tp, "sequence_parallel": sp, "expert_parallel": ep, "no_expert_parallel": not ep,
+    manager = getattr(shard_config, "pipeline_stage_manager", None)
+    pp = manager is not None and manager.num_stages > 1
+    held = {"pipeline_parallel": pp, "tensor_parallel_ranks": tp and shard_config.tensor_parallel_size > 1,
+            "tensor_parallel": tp, "sequence_parallel": sp, "expert_parallel": ep, "no_expert_parallel": not ep,
             "tensor_or_expert_parallel": tp or ep, "overlap": overlap, "no_overlap": sp and not overlap}
     names = {name for name, on in held.items() if on}
     if getattr(model, "config", None) is not None:   # the config attributes the conditions may name, read on
@@ -438,10 +461,11 @@ def refuse(spec, model, shard_config) -> None:
                                   f"docs/writing-policies.md")
     cfg = text_config(model)
     for r in spec.refusals:
-        value = getattr(cfg, r.attribute, r.default)
-        if holds(r.when, held) and value not in r.allowed:
+        values = {name: getattr(cfg, name, r.default) for name in (r.attribute, *r.also)}
+        if holds(r.when, held) and any(v not in r.allowed for v in values.values()):
             error = {"ValueError": ValueError, "NotImplementedError": NotImplementedError}[r.error]
-            raise error(r.message.format(model=type(model).__name__, attribute=r.attribute, value=value))
+            raise error(r.message.format(**values, model=type(model).__name__, attribute=r.attribute,
+                                         value=values[r.attribute]))
 
 
 def _embed_scale(module_spec, model) -> float | None:
@@ -472,7 +496,7 @@ def split_gather_subs(spec, model, shard_config, state) -> dict[str, list[Sub]]:
     sg, held = spec.split_gather, conditions(shard_config, model)
     seq = state.sequence_state
     if seq is None:
-        seq = state.sequence_state = SequenceState(recompute=shard_config.sequence_parallel_recompute)
+        seq = state.sequence_state = SequenceState(sg.dim, recompute=shard_config.sequence_parallel_recompute)
     owner = _find(model, sg.owner, spec)[0]
     layers = owner.get_submodule(sg.layers)
     regions = [r for r in sg.regions if holds(r.when, held)]
@@ -481,7 +505,8 @@ def split_gather_subs(spec, model, shard_config, state) -> dict[str, list[Sub]]:
     moved = {r.path: r.layouts for r in regions if r.layouts is not None}
     out = {sg.layer: split_gather_layer(moved, norms, seq, sg.overlap and "overlap" in held)
            + _beside_subs(sg.beside, held, shard_config)}
-    out.setdefault(sg.owner, []).extend(split_gather_ends(sg.layers, len(layers), seq)
+    out.setdefault(sg.owner, []).extend(split_gather_ends(sg.layers, len(layers), seq,
+                                                          sg.marks)
                                         + replicated_params(layers, sg.layers, sg.params))
     return out
 
@@ -562,6 +587,25 @@ def _entry_subs(spec, m, e, model, held, state, ctx: PlanContext, by_kind: dict)
     return [sub]
 
 
+def split_gather_on(spec, held: frozenset) -> bool:
+    """Whether the spec's split-gather SP applies under the conditions `held`
+    (split-gather SP on, the SplitGatherSpec's own conditions holding)."""
+    sg = spec.split_gather
+    return sg is not None and "sequence_parallel" in held and holds(sg.when, held)
+
+
+def _methods(rows, spec, model, shard_config, state, heads, held) -> dict:
+    """{method: replacement} of a ModuleSpec's Method rows (shardformer.spec.Method)
+    whose conditions hold, each made by its `make` from a MethodSite."""
+    rows = [a for a in rows if isinstance(a, Method)]
+    if not rows:
+        return {}
+    site = MethodSite(shard_config, shard_config.tensor_parallel_process_group, shard_config.tensor_parallel_size,
+                      shard_config.tensor_parallel_rank, model, heads,
+                      state.sequence_state if split_gather_on(spec, held) else None, held)
+    return {a.name: a.make(site) for a in rows}
+
+
 def _settings(rows) -> dict:
     """{attribute: value} of a ModuleSpec's Setting rows (shardformer.spec.Setting)."""
     return {a.name: a.value for a in rows if isinstance(a, Setting)}
@@ -604,8 +648,8 @@ def interpret(spec, model, shard_config, state, policy=None) -> dict:
         return {}
     view = policy if policy is not None else ShardView(shard_config)
     heads = spec_heads(spec, model)
-    if "sequence_parallel" in held and spec.split_gather is not None:   # this call's sequence state
-        state.sequence_state = SequenceState(recompute=shard_config.sequence_parallel_recompute)
+    if split_gather_on(spec, held):                                     # this call's sequence state
+        state.sequence_state = SequenceState(spec.split_gather.dim, recompute=shard_config.sequence_parallel_recompute)
     out = {}
     for m in spec.modules:
         scale = _embed_scale(m, model)
@@ -620,8 +664,10 @@ def interpret(spec, model, shard_config, state, policy=None) -> dict:
         rows = [a for a in m.attributes if holds(a.when, held)]
         attributes = _attributes(spec, m, [a for a in rows if isinstance(a, Attribute)], heads, model)
         out[m.key] = ModulePolicyDescription(attribute_replacement={**attributes, **_settings(rows)},
-                                             sub_module_replacement=subs)
-    if "sequence_parallel" in held and spec.split_gather is not None:
+                                             sub_module_replacement=subs,
+                                             method_replacement=_methods(rows, spec, model, shard_config, state,
+                                                                         heads, held))
+    if split_gather_on(spec, held):
         for key, subs in split_gather_subs(spec, model, shard_config, state).items():
             out.setdefault(key, ModulePolicyDescription()).sub_module_replacement.extend(subs)
     record_ties(state, model, spec.ties, f"policy spec {spec.name!r}")

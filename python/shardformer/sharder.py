@@ -115,7 +115,7 @@ def _refuse_broken(module: nn.Module, _args) -> None:
     raise RuntimeError(module.__dict__[BROKEN_MARK])
 
 
-def _mark_broken(model: nn.Module, name: str, error: BaseException) -> None:
+def mark_broken(model: nn.Module, name: str, error: BaseException) -> None:
     """Mark `model` as left partially sharded by a failed optimize(): every
     later optimize() and forward raises, naming the original error."""
     if BROKEN_MARK in model.__dict__:
@@ -293,7 +293,7 @@ class ModelSharder:
             messages = inheritance.finish(self.model, name)
             bind_hf_methods(self.model)
         except BaseException as e:
-            _mark_broken(model, name, e)        # the swaps are in: a postprocess cannot be undone
+            mark_broken(model, name, e)        # the swaps are in: a postprocess cannot be undone
             raise
         object.__setattr__(self.model, SHARDED_MARK, True)
         # the ranks that must be given one batch compare their inputs; DDP may not span ranks holding other shards
@@ -349,7 +349,7 @@ class ModelSharder:
                 set_skinny_linear(model)
         except BaseException as e:
             if journal:
-                _mark_broken(model, name, e)
+                mark_broken(model, name, e)
             else:
                 inheritance.undo()
                 if attention is not None:

@@ -24,6 +24,8 @@ Conditions (`Entry.when`, `Refusal.when`), each a name of CONDITIONS:
     no_expert_parallel     it is not
     tensor_or_expert_parallel   either of the two parallelisms that split weights
     overlap / no_overlap   split-gather SP with / without enable_sequence_overlap
+    pipeline_parallel      ShardConfig.pipeline_stage_manager has more than one stage
+    tensor_parallel_ranks  tensor parallelism over a group of 2 or more ranks
     config:<attribute>     the model's (text) config has <attribute> set truthy
                            ("config:add_cross_attention")
 
@@ -46,7 +48,8 @@ from typing import Any
 
 #: The conditions an Entry or a Refusal may name (see the module docstring).
 CONDITIONS = ("tensor_parallel", "sequence_parallel", "expert_parallel", "no_expert_parallel",
-              "tensor_or_expert_parallel", "overlap", "no_overlap")
+              "tensor_or_expert_parallel", "overlap", "no_overlap", "pipeline_parallel",
+              "tensor_parallel_ranks")
 
 #: The sequence-parallel kwargs an Entry may name (see the module docstring).
 SP_KWARGS = ("", "col", "row", "gather", "gather_exact")
@@ -148,7 +151,7 @@ class ModuleSpec:
                 split-gather SP, its replacements where the row stands)
     attributes  Attribute rows (or (dotted attribute, kind) pairs) set to this
                 rank's value of the heads (shardformer.layout.Heads.attributes);
-                Setting rows set to their value
+                Setting rows set to their value; Method rows replace a method
     sp_linear   the SP kwargs of its column and row styles (SP_LINEAR): "block"
                 (both sequence_parallel=True: the module's BLOCK region
                 reduce-scatters), "rows" (the row layers reduce-scatter
@@ -163,7 +166,7 @@ class ModuleSpec:
     embed_scale: bool = False
 
     def __post_init__(self):
-        rows = tuple(a if isinstance(a, (Attribute, Setting)) else Attribute(*a) for a in self.attributes)
+        rows = tuple(a if isinstance(a, (Attribute, Setting, Method)) else Attribute(*a) for a in self.attributes)
         object.__setattr__(self, "attributes", rows)      # pairs read as Attribute rows
         if self.sp_linear not in SP_LINEAR:
             raise SpecError(f"ModuleSpec({self.key!r}): sp_linear={self.sp_linear!r} is not one of {tuple(SP_LINEAR)}")
@@ -193,6 +196,13 @@ class SplitGatherSpec:
     params     names of the layers' own parameters (or children) used on this
                rank's rows (BEiT's layer scales lambda_1 / lambda_2): one
                ReplicatedInParallelRegion on the layer list, gradients all-reduced
+    dim        the sequence dimension of the hidden states between the layers
+               (1: [batch, S, hidden]; ChatGLM2 runs [S, batch, hidden]: 0)
+    marks      the layers before the last mark their output rows for
+               output_hidden_states (shardformer.plan.split_gather_ends);
+               False: no marks (ChatGLM2, whose capabilities refuse those states)
+    when       conditions of the whole split-gather SP besides
+               "sequence_parallel" (SAM: "tensor_parallel_ranks", none on one rank)
 
     `layer` may be the owner's own class: the region paths then run from
     the owner through each layer ("model.layers.0.mlp"), for a stack whose
@@ -208,10 +218,14 @@ class SplitGatherSpec:
     skip: tuple[str, ...] | None = None
     beside: tuple[Entry, ...] = ()
     params: tuple[str, ...] = ()
+    dim: int = 1
+    marks: bool = True
+    when: tuple[str, ...] = ()
 
     def __post_init__(self):
         rows = tuple(r if isinstance(r, Region) else Region(*r) for r in self.regions)
         object.__setattr__(self, "regions", rows)            # pairs read as Region rows
+        _check_when(f"SplitGatherSpec({self.owner!r})", self.when)
         bad = [e for e in self.beside if not isinstance(e, Entry)]
         if bad:
             raise SpecError(f"SplitGatherSpec({self.owner!r}): beside takes Entry rows, got {bad[0]!r}")
@@ -223,7 +237,10 @@ class Refusal:
     `when` holds and the config attribute `attribute` (read from the text
     config, `default` when absent) is not one of `allowed`, optimize()
     raises `error` (ValueError or NotImplementedError) with `message`
-    formatted with {model} (the model class), {attribute} and {value}."""
+    formatted with {model} (the model class), {attribute} and {value}.
+    `also`: more config attributes refused the same way (any of them outside
+    `allowed` refuses; Falcon's two dropouts in one message); the message
+    may name every attribute's value by its name ({hidden_dropout})."""
 
     attribute: str
     allowed: tuple = ()
@@ -231,6 +248,7 @@ class Refusal:
     when: tuple[str, ...] = ()
     message: str = "{model}: {attribute}={value} is not supported"
     error: str = "ValueError"
+    also: tuple[str, ...] = ()
 
     def __post_init__(self):
         _check_when(f"Refusal({self.attribute!r})", self.when)
@@ -390,3 +408,43 @@ class Stack:
     def suffix(self) -> str:
         """Its key among the entries (a stack is one row per path)."""
         return f"{self.path}#stack"
+
+
+# ---- rows of the bespoke families (policies/chatglm2.py, sam.py, bloom.py) ----
+
+
+@dataclass(frozen=True)
+class MethodSite:
+    """What a Method's `make` is given: the shard config, the
+    tensor-parallel group, its size and this rank, the model, the spec's
+    heads (a shardformer.layout.Heads, or None), the SequenceState of the
+    spec's split-gather SP (None when it is off) and the conditions held
+    (shardformer.plan.conditions)."""
+
+    shard_config: Any
+    group: Any
+    size: int
+    rank: int
+    model: Any
+    heads: Any
+    sequence_state: Any
+    held: frozenset
+
+
+@dataclass(frozen=True)
+class Method:
+    """The method `name` ("forward") of every
+    module of the class replaced by `make(site)` (a MethodSite), when the
+    conditions `when` hold.  `make` is a module-level function returning a
+    module-level function or a functools.partial of one, so the sharded
+    model pickles (SAM's layer forward on this rank's grid rows; BLOOM's
+    ALiBi builder keeping this rank's heads)."""
+
+    name: str
+    make: Any
+    when: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        _check_when(f"Method({self.name!r})", self.when)
+        if not callable(self.make):
+            raise SpecError(f"Method({self.name!r}): make must be callable, got {type(self.make).__name__}")

@@ -257,7 +257,7 @@ def dropout_matches(ctx, p: float = 0.4) -> dict:
     unsharded mask (column layers: the same mask over X on every rank; row
     layers: each rank's own over its features), so the unsharded model fed
     those masks has the same loss and LoRA gradients."""
-    from shardformer.distributed.mappings import _gather_dim
+    from shardformer.distributed.mappings import gather_along
 
     tol = TOL[torch.float32]
     peft_model = build(dropout=p)
@@ -287,7 +287,7 @@ def dropout_matches(ctx, p: float = 0.4) -> dict:
             all(torch.equal(g, gathered[0]) for g in gathered)
         if type(layer).__name__ == "RowLoraLinear":          # this rank's features: the full mask gathered
             base = layer.get_base_layer()
-            keep = _gather_dim(keep, keep.dim() - 1, base.shard, base.process_group)
+            keep = gather_along(keep, keep.dim() - 1, base.shard, base.process_group)
         ref_layers[path].lora_dropout["default"] = _Replayed(keep, p)
     assert same == {"ColumnLoraLinear": True, "RowLoraLinear": False}, \
         f"masks equal across ranks by layer kind: {same} (expected column: the same, row: per rank)"

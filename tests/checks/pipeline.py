@@ -266,7 +266,7 @@ def _regathers() -> int:
     (the plain region's, and enable_sequence_overlap's gather_block_input)."""
     from shardformer.layer import linear
 
-    return sequence._Regathered.gathers + linear._GatherRowsLinear.regathers
+    return sequence._Regathered.gathers + linear.GatherRowsLinear.regathers
 
 
 def cut_to(name: str, batch: dict, seq: int, overrides: dict) -> tuple[dict, dict]:
@@ -1000,7 +1000,7 @@ def swin_sequence_parallel_in_stages(ctx, overlap: bool) -> list[dict]:
     inside the stages (and enable_sequence_overlap when `overlap`): the loss
     and the state after one SGD step equal the unsharded model's (equals_unsharded;
     Swin stages of 2, 1, 1 blocks: the first stage's blocks on rows)."""
-    from shardformer.layer.linear import _GatherRowsLinear
+    from shardformer.layer.linear import GatherRowsLinear
 
     config = {"enable_sequence_overlap": True} if overlap else None
     reports = []
@@ -1015,7 +1015,7 @@ def swin_sequence_parallel_in_stages(ctx, overlap: bool) -> list[dict]:
                             if isinstance(t, torch.Tensor))
         handles = [torch.nn.modules.module.register_module_forward_pre_hook(record),
                    torch.nn.modules.module.register_module_forward_hook(record)]
-        overlapped = _GatherRowsLinear.overlapped
+        overlapped = GatherRowsLinear.overlapped
         try:
             report = equals_unsharded(ctx, name, 2, "1f1b", 2, 2, 1, 3, False, 4, config, "split_gather",
                                       **SWIN_3STAGES)
@@ -1030,7 +1030,7 @@ def swin_sequence_parallel_in_stages(ctx, overlap: bool) -> list[dict]:
             split = [r for r in rows if r not in _swin_tokens(name)]
             assert split, f"{name}: no Swin block on stage {stage} was given rows (rows: {rows})"
         if overlap:
-            assert _GatherRowsLinear.overlapped > overlapped or stage == 1 and name.startswith("Swinv2"), \
+            assert GatherRowsLinear.overlapped > overlapped or stage == 1 and name.startswith("Swinv2"), \
                 f"{name}: no overlapped gather ran on stage {stage}"
         reports.append(dict(report, rows=rows))
     return reports

@@ -179,7 +179,7 @@ def sp_overlap_equals_unsharded(ctx, name: str, seq: int | None = None, blocks: 
     """enable_sequence_overlap: the same guarantees as sp_equals_unsharded
     (forward, loss, every gradient, after a step), and on the shared-memory
     backend every gathering column layer ran its collectives in flight in
-    both forwards and the backward (_GatherRowsLinear.overlapped).  `blocks`:
+    both forwards and the backward (GatherRowsLinear.overlapped).  `blocks`:
     the overlapped blocks per layer (Llama-shaped: 2, attention and MLP,
     whose column layers share one gather: one pass each, not one per layer).
     device: where the model, the reference and the inputs run (None: CPU);
@@ -189,7 +189,7 @@ def sp_overlap_equals_unsharded(ctx, name: str, seq: int | None = None, blocks: 
 
     from shardformer.distributed import backend_for
     from shardformer.layer import Linear1D_Col
-    from shardformer.layer.linear import _GatherRowsLinear
+    from shardformer.layer.linear import GatherRowsLinear
 
     inputs = cut_sequence(zoo.make_inputs(name), seq)
     cfg = overlap_config(ctx)
@@ -203,11 +203,11 @@ def sp_overlap_equals_unsharded(ctx, name: str, seq: int | None = None, blocks: 
     gathering = {n: m for n, m in model.named_modules() if isinstance(m, Linear1D_Col) and getattr(m, "overlap", False)}
     units = len(gathering) + blocks * model.config.num_hidden_layers
     assert units, f"{name}: no column layer gathers its input with overlap"
-    before, unused = _GatherRowsLinear.overlapped, _GatherRowsLinear.unused
+    before, unused = GatherRowsLinear.overlapped, GatherRowsLinear.unused
     report = parity.compare_sharded(model, ref, inputs, f"{name} (overlap)")
-    ran = _GatherRowsLinear.overlapped - before
+    ran = GatherRowsLinear.overlapped - before
     # every output a block's overlapped gather computed was the one its layer returned
-    assert _GatherRowsLinear.unused == unused, f"{name}: {_GatherRowsLinear.unused - unused} precomputed outputs unused"
+    assert GatherRowsLinear.unused == unused, f"{name}: {GatherRowsLinear.unused - unused} precomputed outputs unused"
     # the backward passes: those of the gathering layers whose weight the unsharded model's loss reaches
     # (all of them, except where a head reads no later layer: BeitForSemanticSegmentation's reads
     # hidden_states[i - 1] for i in out_indices, so the layers past max(out_indices) - 1 get no gradient)
@@ -339,9 +339,9 @@ def sp_linear_layers(ctx, seq: int, overlap: bool, conv1d: bool = False) -> dict
     parity.assert_close("row dX", z_local.grad, shard_of(z.grad, -1, row.shard), tol)
     parity.assert_close("row dW", row.weight.grad, shard_of(row_native.weight.grad, 1 - w_dim, row.shard), tol)
     parity.assert_close("row db (all-reduced over the ranks' rows)", row.bias.grad, row_native.bias.grad, tol)
-    from shardformer.layer.linear import _GatherRowsLinear
+    from shardformer.layer.linear import GatherRowsLinear
 
-    report["overlapped_total"] = _GatherRowsLinear.overlapped
+    report["overlapped_total"] = GatherRowsLinear.overlapped
     return report
 
 
@@ -373,11 +373,11 @@ def check_split_dropout_step(ctx, name: str, masks: dict, out) -> dict:
 def backward_regathers(model, inputs: dict) -> int:
     """The re-gathers of saved block inputs in one backward of `model`
     (none in a no_grad forward, asserted)."""
-    from shardformer.layer.linear import _GatherRowsLinear
+    from shardformer.layer.linear import GatherRowsLinear
     from shardformer.layer.sequence import _Regathered
 
     def regathers():
-        return _Regathered.gathers + _GatherRowsLinear.regathers
+        return _Regathered.gathers + GatherRowsLinear.regathers
 
     before = regathers()
     with torch.no_grad():

@@ -19,7 +19,7 @@ import zoo
 from checks import parity
 from checks.sequence import cut_sequence
 from shardformer.layer import sequence_attention as sa
-from shardformer.layer.linear import _GatherRowsLinear
+from shardformer.layer.linear import GatherRowsLinear
 from shardformer.layer.sequence import _Regathered
 
 
@@ -60,7 +60,7 @@ def _split_ran(mode: str) -> int:
     blocks re-gathering their saved rows in backward, the split attention
     calls of all_to_all / ring_attn."""
     if mode == "split_gather":
-        return _Regathered.gathers + _GatherRowsLinear.regathers
+        return _Regathered.gathers + GatherRowsLinear.regathers
     return sa.CALLS[mode]
 
 

@@ -112,7 +112,7 @@ def mm_equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, overr
     on the shared-memory backend the overlapped gathers ran: counted, in
     both forwards and the backward, so a multiple of 3)."""
     from shardformer.distributed import backend_for
-    from shardformer.layer.linear import _GatherRowsLinear
+    from shardformer.layer.linear import GatherRowsLinear
 
     torch.manual_seed(0)
     model = zoo.build(name, **(overrides or {})).train()
@@ -123,7 +123,7 @@ def mm_equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, overr
     inputs = mm_inputs(name, seq, overrides)
     if pad:
         inputs = right_padded(inputs, pad)
-    before, overlapped = dict(sa.CALLS), _GatherRowsLinear.overlapped
+    before, overlapped = dict(sa.CALLS), GatherRowsLinear.overlapped
     # Gemma3Model's rounding-level gradients (zoo.gemma3mm.FP64_FLOOR): judged against float64 as check_sharded does
     fp64 = name in getattr(zoo.module_of(name), "FP64_FLOOR", ())
     ref64 = copy.deepcopy(ref).double() if fp64 else None
@@ -136,7 +136,7 @@ def mm_equals_unsharded(ctx, name: str, mode: str, seq: int | None = None, overr
         assert calls > 0, f"{name}: the {mode} attention never ran"
         report["split_calls"] = calls
     if config.get("enable_sequence_overlap"):
-        ran, backend = _GatherRowsLinear.overlapped - overlapped, backend_for(torch.empty(1), ctx.group)
+        ran, backend = GatherRowsLinear.overlapped - overlapped, backend_for(torch.empty(1), ctx.group)
         assert backend != "shm" or (ran > 0 and ran % 3 == 0), f"{name}: {ran} overlapped passes"
         report.update(overlapped=ran, backend=backend)
     report["rows"] = rows
@@ -352,7 +352,7 @@ def blip2_parts_equal_unsharded(ctx, names: list, overlap: bool = False, plain: 
     stages is refused too (mm_refused_in_stages)."""
     from shardformer.distributed import backend_for
     from shardformer.layer import Linear1D_Col
-    from shardformer.layer.linear import _GatherRowsLinear
+    from shardformer.layer.linear import GatherRowsLinear
 
     assert not plain or ctx.world_size == ctx.tp_size, "the plain ShardConfig splits over the world"
     p, reports = ctx.tp_size, {}
@@ -364,7 +364,7 @@ def blip2_parts_equal_unsharded(ctx, names: list, overlap: bool = False, plain: 
         config = ShardConfig(**group, **SP, enable_sequence_overlap=overlap)
         ShardFormer(config).optimize(model)
         seen = _watch_stacks(model)
-        before = _GatherRowsLinear.overlapped
+        before = GatherRowsLinear.overlapped
         report = parity.compare_sharded(model, ref, _blip2_inputs(name), f"{name} (split_gather, TP={p})")
         calls = _BLIP2_QFORMER_CALLS[name]
         if name.startswith(("Blip2Vision", "Blip2ForImageTextRetrieval")):
@@ -378,7 +378,7 @@ def blip2_parts_equal_unsharded(ctx, names: list, overlap: bool = False, plain: 
             expected_reached = 2 * (name.startswith(("Blip2Vision", "Blip2ForImageTextRetrieval"))
                                     + any(q for q, _ in calls) + any(t for _, t in calls))
             assert len(reached) == expected_reached, f"{name}: gathering layers reached {reached}"
-            ran, backend = _GatherRowsLinear.overlapped - before, backend_for(torch.empty(1), ctx.group)
+            ran, backend = GatherRowsLinear.overlapped - before, backend_for(torch.empty(1), ctx.group)
             assert backend != "shm" or ran == 3 * len(reached), \
                 f"{name}: {ran} overlapped passes, expected {3 * len(reached)} ({len(reached)} layers)"
             report.update(overlapped=ran, backend=backend)

@@ -321,7 +321,7 @@ def sp_overlap_equals_unsharded(ctx, name: str, overrides: dict | None = None, s
     and backward."""
     from shardformer.distributed import backend_for
     from shardformer.layer import Linear1D_Col
-    from shardformer.layer.linear import _GatherRowsLinear
+    from shardformer.layer.linear import GatherRowsLinear
 
     torch.manual_seed(0)
     model = zoo.build(name, **(overrides or {})).train()
@@ -335,9 +335,9 @@ def sp_overlap_equals_unsharded(ctx, name: str, overrides: dict | None = None, s
     for m in units:
         m.register_forward_hook(lambda *a: calls.append(1))
     assert units, f"{name}: no column layer gathers its input with overlap"
-    before = _GatherRowsLinear.overlapped
+    before = GatherRowsLinear.overlapped
     report = parity.compare_sharded(model, ref, sp_inputs(name, seq, overrides), f"{name} (overlap)")
-    ran = _GatherRowsLinear.overlapped - before
+    ran = GatherRowsLinear.overlapped - before
     backend = backend_for(torch.empty(1), ctx.group)
     per_forward = len(calls) // 2              # two forwards (before and after the step), one backward
     if backend == "shm":
@@ -407,7 +407,7 @@ def sp_vision_equals_unsharded(ctx, name: str, image: int | None = None, overrid
     passes of check_sharded (two forwards, one backward) on the shared-memory
     backend, report["unused"] the projections computed and not asked for."""
     from shardformer.distributed import backend_for
-    from shardformer.layer.linear import _GatherRowsLinear
+    from shardformer.layer.linear import GatherRowsLinear
 
     overrides = dict(overrides or {})
     if image is not None:
@@ -417,11 +417,11 @@ def sp_vision_equals_unsharded(ctx, name: str, image: int | None = None, overrid
     # Swinv2Model's float32 rounding floor (zoo.vision.FP64_FLOOR): judged against float64 as its TP test is
     fp64 = name in getattr(zoo.module_of(name), "FP64_FLOOR", ())
     config = {**SP, "enable_sequence_overlap": True} if overlap else dict(SP)
-    before, unused = _GatherRowsLinear.overlapped, _GatherRowsLinear.unused
+    before, unused = GatherRowsLinear.overlapped, GatherRowsLinear.unused
     report = parity.check_sharded(ctx, lambda: zoo.build(name, **overrides), inputs, name=name,
                                   config=config, fp64_floor=fp64)
     if overlap:
-        report.update(overlapped=_GatherRowsLinear.overlapped - before, unused=_GatherRowsLinear.unused - unused,
+        report.update(overlapped=GatherRowsLinear.overlapped - before, unused=GatherRowsLinear.unused - unused,
                       backend=backend_for(torch.empty(1), ctx.group))
     model = zoo.build(name, **overrides)
     if overlap and ctx.tp_size == ctx.world_size:     # the plain ShardConfig(): the default group, the world

@@ -90,7 +90,11 @@ def user_spec_refuses(ctx) -> dict:
 #: (zoo name, config overrides) per shape: 5 heads (uneven over 2 and 4 ranks; Swin's first stage has 5)
 SHAPE_MODELS = {"fused_qkv": ("BloomForCausalLM", dict(n_head=5, hidden_size=60)),
                 "vision": ("ViTForImageClassification", dict(num_attention_heads=5, hidden_size=40)),
-                "stage": ("SwinForImageClassification", {})}
+                "stage": ("SwinForImageClassification", {}),
+                # the bespoke families' spec factories: 6 heads over 2 KV groups (ChatGLM2), 6 heads in SAM's
+                # mask decoder: uneven over 4 ranks; SAM's vision layers run split-gather SP through a Method row
+                "chatglm2": ("ChatGLMForConditionalGeneration", {}),
+                "sam": ("SamModel", {})}
 
 
 def shape_subclasses(called: list) -> dict:
@@ -118,7 +122,36 @@ def shape_subclasses(called: list) -> dict:
             called.append("block_attributes")
             return heads.attributes({"attention.num_attention_heads": "heads"})
 
-    return {"fused_qkv": MyBloom, "vision": MyViT, "stage": MySwin}
+    return {"fused_qkv": MyBloom, "vision": MyViT, "stage": MySwin, **bespoke_subclasses(called)}
+
+
+def bespoke_subclasses(called: list) -> dict:
+    """User subclasses of two bespoke families' policies, each overriding one
+    spec row: ChatGLM2's packed [gate | up] projection (the block_entries()
+    its spec factory reads) as packed_colwise, a Linear1D_Col, in place of
+    fused_packed_colwise; SAM's vision attn.qkv (a row of build_spec()'s
+    spec, replaced with dataclasses.replace) as fused_colwise_qkv, a
+    FusedLinear1D_Col, in place of colwise_qkv.  The same split either way."""
+    from shardformer.policies.chatglm2 import ChatGLMForConditionalGenerationPolicy
+    from shardformer.policies.sam import SamModelPolicy
+
+    class MyChatGLM2(ChatGLMForConditionalGenerationPolicy):
+        def block_entries(self):
+            called.append("block_entries")
+            return tuple(Entry(e.suffix, "packed_colwise") if e.suffix == "mlp.dense_h_to_4h" else e
+                         for e in super().block_entries())
+
+    class MySam(SamModelPolicy):
+        def build_spec(self):
+            called.append("build_spec")
+            spec = super().build_spec()
+            layer = spec.module("SamVisionLayer")
+            entries = tuple(dataclasses.replace(e, style="fused_colwise_qkv") if e.suffix == "attn.qkv" else e
+                            for e in layer.entries)
+            return dataclasses.replace(spec, modules=tuple(dataclasses.replace(m, entries=entries) if m is layer
+                                                           else m for m in spec.modules))
+
+    return {"chatglm2": MyChatGLM2, "sam": MySam}
 
 
 def shape_overrides_shard(ctx, default_group: bool, config: dict) -> dict:
@@ -155,7 +188,18 @@ def check_shape_specs() -> None:
         policy.set_shard_config(ShardConfig())
         specs[shape] = (policy.build_spec(), called)
     (bloom, c1), (vit, c2), (swin, c3) = specs["fused_qkv"], specs["vision"], specs["stage"]
-    assert (c1, c2, c3[:1]) == (["qkv_layout"], ["heads_layout"], ["block_attributes"]), (c1, c2, c3)
+    (glm, c4), (sam, c5) = specs["chatglm2"], specs["sam"]
+    assert (c1, c2, c3[:1], c4, c5) == (["qkv_layout"], ["heads_layout"], ["block_attributes"], ["block_entries"],
+                                        ["build_spec"]), (c1, c2, c3, c4, c5)
+    assert [(e.suffix, e.style) for e in glm.module("GLMBlock").entries] == [
+        ("self_attention.query_key_value", "fused_colwise_qkv"), ("self_attention.dense", "rowwise_heads"),
+        ("mlp.dense_h_to_4h", "packed_colwise"), ("mlp.dense_4h_to_h", "rowwise")]
+    assert (glm.split_gather.dim, glm.split_gather.marks, glm.heads.kv_heads) == (0, False, "multi_query_group_num")
+    vision = sam.module("SamVisionLayer")
+    assert [e.style for e in vision.entries[:2]] == ["fused_colwise_qkv", "rowwise_heads"], vision.entries
+    assert [(type(a).__name__, a.name) for a in vision.attributes] == [("Attribute", "attn.num_attention_heads"),
+                                                                      ("Method", "forward")]
+    assert sam.split_gather.when == ("tensor_parallel_ranks",)
     qkv = bloom.module("BloomBlock").entries[0]
     assert (qkv.suffix, qkv.style, qkv.heads.num_heads) == ("self_attention.query_key_value", "colwise_per_head", 5)
     assert [r.name for r in bloom.module("BloomBlock").attributes] == [

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..config import concrete_group
-from ..distributed.mappings import _gather_dim
+from ..distributed.mappings import gather_along
 from ..layer.expert_parallel import expert_shards
 from ..layer.parallel_module import ParallelModule, shard_of
 from ..pipeline.stages import runtime_of
@@ -174,9 +174,9 @@ def _gather_own(model: nn.Module, rank0_only: bool, offload_to_cpu: bool,
                 full = t.detach()
                 if id(t) in info:
                     dim, shard, group = info[id(t)]
-                    full = _gather_dim(full, dim, shard, group)
+                    full = gather_along(full, dim, shard, group)
                 shard, group = experts[id(t)]
-                gathered[id(t)] = _owned(_gather_dim(full, 0, shard, group), offload_to_cpu)
+                gathered[id(t)] = _owned(gather_along(full, 0, shard, group), offload_to_cpu)
             if keep:
                 out[name] = gathered[id(t)]
         elif id(t) in info:
@@ -186,7 +186,7 @@ def _gather_own(model: nn.Module, rank0_only: bool, offload_to_cpu: bool,
                     gathered[id(t)] = gather_dim_to_root(t, dim, shard, group,
                                                           device="cpu" if offload_to_cpu else None)
                 else:
-                    gathered[id(t)] = _owned(_gather_dim(t.detach(), dim, shard, group), offload_to_cpu)
+                    gathered[id(t)] = _owned(gather_along(t.detach(), dim, shard, group), offload_to_cpu)
             if keep and gathered[id(t)] is not None:
                 out[name] = gathered[id(t)]
         elif keep:

@@ -49,10 +49,10 @@ from __future__ import annotations
 import torch
 
 from . import traceable
-from .communicator import (  # noqa: F401 - the _*_single names: kept for tests and benchmarks
+from .communicator import (  # noqa: F401 - all_gather_flat, reduce_scatter_flat: for tests and benchmarks
     BACKENDS,
-    _all_gather_single,
-    _reduce_scatter_single,
+    all_gather_flat,
+    reduce_scatter_flat,
     check_unchanged,
     communicator_for,
     existing_communicator,

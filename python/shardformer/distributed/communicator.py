@@ -131,9 +131,10 @@ from .streams import SideStream
 BACKENDS = ("torch", "shm", "nccl")
 ENV = "SHARDFORMER_COMM"
 
-# torch renamed the flat-tensor collectives (2.13 deprecates the old names).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch renamed the flat-tensor collectives (2.13 deprecates the old names): the one
+# spelling of each this torch has (out, in, group=, async_op=), for the torch backend, tests and benchmarks.
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _SHM_REDUCIBLE = frozenset(_shm.REDUCIBLE)
 
@@ -497,16 +498,16 @@ class TorchCommunicator(Communicator):
         _check_gather(out, t, self.size)
         src = t.contiguous()
         if async_op:
-            return TorchWork(_all_gather_single(out, src, group=self.group, async_op=True), keep=(out, src))
-        _all_gather_single(out, src, group=self.group)
+            return TorchWork(all_gather_flat(out, src, group=self.group, async_op=True), keep=(out, src))
+        all_gather_flat(out, src, group=self.group)
         return out
 
     def reduce_scatter_tensor(self, out, t, async_op=False):
         _check_scatter(out, t, self.size)
         src = t.contiguous()
         if async_op:
-            return TorchWork(_reduce_scatter_single(out, src, group=self.group, async_op=True), keep=(out, src))
-        _reduce_scatter_single(out, src, group=self.group)
+            return TorchWork(reduce_scatter_flat(out, src, group=self.group, async_op=True), keep=(out, src))
+        reduce_scatter_flat(out, src, group=self.group)
         return out
 
     def all_to_all_single(self, out, t):

@@ -140,7 +140,7 @@ class _ReduceFromTP(torch.autograd.Function):
 
 def gather_dim(x, dim: int, shard: DimShard, group) -> torch.Tensor:
     """Full tensor along `dim` from every rank's shard, padding stripped
-    (mappings._gather_dim, with the index built from torch ops)."""
+    (mappings.gather_along, with the index built from torch ops)."""
     group = group_name(group)
     x = x.movedim(dim, 0)
     chunk = max(shard.all_lengths)

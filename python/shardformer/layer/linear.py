@@ -27,7 +27,7 @@ from torch import nn
 from .. import distributed as D
 from .. import ops
 from ..distributed.mappings import (
-    _GatherRowsLinear,
+    GatherRowsLinear,
     copy_to_tp_region,
     gather_from_tp_region,
     reduce_from_tp_region,
@@ -218,7 +218,7 @@ class Linear1D_Col(_LinearShard):
     follow.  With `sequence_state` (the model's SequenceState; [batch, S/p,
     in] input) only the first S rows are computed: the exact sequence, for an
     attention whose only input is this layer's output (GPT-2's c_attn).
-    `overlap=True`: the collectives overlap the matmuls (_GatherRowsLinear;
+    `overlap=True`: the collectives overlap the matmuls (GatherRowsLinear;
     ShardConfig.enable_sequence_overlap).
 
     In a sequence-parallel "block" with overlap (Llama-shaped decoders), the
@@ -283,7 +283,7 @@ class Linear1D_Col(_LinearShard):
         if self.gather_input and self.tp_size > 1:
             dim = token_dim(x)
             length = self.sequence_state.length if self.sequence_state is not None else None
-            y = _GatherRowsLinear.apply(x.movedim(dim, 0), self.conv1d_layout, self.process_group,
+            y = GatherRowsLinear.apply(x.movedim(dim, 0), self.conv1d_layout, self.process_group,
                                         length, self.overlap, False, weight, bias).movedim(0, dim)
         else:
             y = self._matmul(x, weight, bias)

@@ -30,7 +30,7 @@ from torch import nn
 
 from .. import _C
 from ..config import group_size_and_rank
-from ..distributed.mappings import _split_dim
+from ..distributed.mappings import split_along
 from ..lazy import is_lazy, is_uninitialized, materialize, materialize_like
 from ..layout import DimShard, SplitSpec
 from .state_shard import LocalShard, layout_text
@@ -106,7 +106,7 @@ def shard_of(full: torch.Tensor, dim: int, shard: DimShard) -> torch.Tensor:
         full = materialize(full)
     full = full.detach()
     if full.device.type != "cpu":
-        return _split_dim(full, dim, shard).clone()
+        return split_along(full, dim, shard).clone()
     shape = list(full.shape)
     shape[dim] = shard.length
     out = torch.empty(shape, dtype=full.dtype, device=full.device)

@@ -70,9 +70,9 @@ from torch import nn
 from .. import compile_refusal
 from .. import distributed as D
 from ..distributed.mappings import (  # noqa: F401 - start_*, reduce_scatter_rows, token_dim: re-exported
-    _GatherRowsLinear,
+    GatherRowsLinear,
     SequenceRows,
-    _all_gather_seq,
+    all_gather_even,
     copy_to_tp_region,
     gather_from_sequence_region,
     gather_sequence_rows,
@@ -210,7 +210,7 @@ def gather_block_input(module: nn.Module, x: torch.Tensor, state, group) -> torc
     `x` is this rank's rows [batch, S/p, in] of the input of `module`
     (a Llama attention or MLP), or [S/p, batch, in] where the sequence is
     dimension 0 (state.dim = 0: ChatGLM2's GLMBlock); the rows are gathered
-    along state.dim.  One _GatherRowsLinear pass gathers the rows
+    along state.dim.  One GatherRowsLinear pass gathers the rows
     (overlap: in flight while this rank's rows are multiplied) and computes
     the output of every sequence-parallel column layer among the module's
     children (q/k/v or qkv; gate/up or gate_up: they all read the block's
@@ -219,7 +219,7 @@ def gather_block_input(module: nn.Module, x: torch.Tensor, state, group) -> torc
     sequence, gathered by the time this returns: the module reads its shape;
     a layer called with anything else computes as usual, and a gradient
     reaching X joins dX).  Backward: one re-gather, one reduce-scatter of
-    the summed dX (see _GatherRowsLinear).  Without such children: the plain
+    the summed dX (see GatherRowsLinear).  Without such children: the plain
     block gather (sequence.block_input).
 
     Why at the block and not in the projections (as GPT-2's c_attn,
@@ -249,7 +249,7 @@ def gather_block_input(module: nn.Module, x: torch.Tensor, state, group) -> torc
     for m in layers:
         params += list(m._local_params())
     dim = state.dim                  # the sequence's dimension: 1 of [batch, S, in], 0 of ChatGLM2's [S, batch, in]
-    outs = _GatherRowsLinear.apply(x.movedim(dim, 0), conv1d.pop(), group, state.length, True, True, *params)
+    outs = GatherRowsLinear.apply(x.movedim(dim, 0), conv1d.pop(), group, state.length, True, True, *params)
     full = outs[0].movedim(0, dim)
     for m, y in zip(layers, outs[1:]):
         m._precomputed = (full, y.movedim(0, dim))
@@ -262,7 +262,7 @@ def release_block_input(module: nn.Module) -> None:
     for m in module.children():
         if getattr(m, "_precomputed", None) is not None:
             m._precomputed = None
-            _GatherRowsLinear.unused += 1
+            GatherRowsLinear.unused += 1
 
 
 class _Regathered:
@@ -283,7 +283,7 @@ class _Regathered:
     def get(self) -> torch.Tensor:
         if self.full is None:
             local = recompute.stored_value(self.local)
-            gathered = _all_gather_seq(local, self.dim, self.group)
+            gathered = all_gather_even(local, self.dim, self.group)
             if self.layout is not None:
                 self.full = self.layout.in_sequence(gathered).contiguous()
             else:

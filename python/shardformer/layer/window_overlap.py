@@ -14,7 +14,7 @@ moves tokens, and each P_k acts per token, so
                          = b_k                (a padding token: P_k(0))
 
 So P_k(X) is computed in sequence order while the rows are gathered (one
-_GatherRowsLinear pass: this rank's rows multiplied while the others' are in
+GatherRowsLinear pass: this rank's rows multiplied while the others' are in
 flight, then theirs), and the windows the block hands its attention get
 P_k(X) indexed by pi.  pi is computed once per (H, W, w, s) by running the
 block's own padding (maybe_pad), the roll and the model's own
@@ -35,8 +35,8 @@ Where the gather sits:
         then holds it once.
 
 Backward: one re-gather of X for the weight gradients, one reduce-scatter
-of dX (_GatherRowsLinear), both overlapped.  A projection the block does not
-call keeps its output unused (counted in _GatherRowsLinear.unused).
+of dX (GatherRowsLinear), both overlapped.  A projection the block does not
+call keeps its output unused (counted in GatherRowsLinear.unused).
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from .. import distributed as D
-from ..distributed.mappings import _GatherRowsLinear
+from ..distributed.mappings import GatherRowsLinear
 from .linear import Linear1D_Col
 from .parallel_module import ShardPlan, plan_directly
 
@@ -126,7 +126,7 @@ class _Hooks:
         params = []
         for m in layers:
             params += list(m._local_params())
-        outs = _GatherRowsLinear.apply(rows.movedim(1, 0), False, self.group, self.state.length, True, True,
+        outs = GatherRowsLinear.apply(rows.movedim(1, 0), False, self.group, self.state.length, True, True,
                                        *params)
         full = outs[0].movedim(0, 1)
         self.pending = (self.dims, [y.movedim(0, 1) for y in outs[1:]], layers)
@@ -170,7 +170,7 @@ class _Hooks:
         for m in attention.children():
             if getattr(m, "_precomputed", None) is not None:
                 m._precomputed = None
-                _GatherRowsLinear.unused += 1
+                GatherRowsLinear.unused += 1
         self.pending = None
         return None
 

@@ -233,17 +233,17 @@ class StageForward:
         if key not in self.logit_shapes:
             header = torch.zeros(5, dtype=torch.int64, device=device)
             if sm.stage == last:
-                from .p2p import _DTYPES
+                from .p2p import WIRE_DTYPES
 
                 if logits.dim() != 3:
                     raise RuntimeError(f"{self.name}.generate: the last stage's logits have shape "
                                        f"{tuple(logits.shape)}, expected [batch, positions, vocabulary]")
-                header[0] = _DTYPES.index(logits.dtype)
+                header[0] = WIRE_DTYPES.index(logits.dtype)
                 header[1:4] = torch.tensor(logits.shape)
             D.broadcast(header, last, sm.group)
-            from .p2p import _DTYPES
+            from .p2p import WIRE_DTYPES
 
-            self.logit_shapes[key] = (_DTYPES[int(header[0])], tuple(int(x) for x in header[1:4]))
+            self.logit_shapes[key] = (WIRE_DTYPES[int(header[0])], tuple(int(x) for x in header[1:4]))
         dtype, shape = self.logit_shapes[key]
         buf = logits.contiguous() if sm.stage == last else torch.empty(shape, dtype=dtype, device=device)
         return D.broadcast(buf, last, sm.group)

@@ -23,8 +23,10 @@ from .. import distributed as D
 
 __all__ = ["StageLink"]
 
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
-           torch.int16, torch.int8, torch.uint8, torch.bool)
+#: The dtypes a stage link sends, by their code in the header (a tensor's
+#: dtype travels as its index here; pipeline.generate's logits header too).
+WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64, torch.int32,
+               torch.int16, torch.int8, torch.uint8, torch.bool)
 _MAX_DIMS = 8
 # Messages sent / received by this process, by kind (for tests: proof the traffic ran).
 COUNTS = {"sent": 0, "received": 0, "headers": 0}
@@ -45,10 +47,10 @@ class StageLink:
         layer input shape, for the receiver's stand-ins; default t's)."""
         if key not in self._sent:
             input_shape = tuple(t.shape) if input_shape is None else tuple(input_shape)
-            if t.dtype not in _DTYPES or t.dim() > _MAX_DIMS or len(input_shape) > _MAX_DIMS:
+            if t.dtype not in WIRE_DTYPES or t.dim() > _MAX_DIMS or len(input_shape) > _MAX_DIMS:
                 raise ValueError(f"pipeline: cannot send a {t.dtype} tensor of {t.dim()} dimensions between stages")
             header = torch.zeros(3 + 2 * _MAX_DIMS, dtype=torch.int64)
-            header[0], header[1], header[2] = _DTYPES.index(t.dtype), t.dim(), len(input_shape)
+            header[0], header[1], header[2] = WIRE_DTYPES.index(t.dtype), t.dim(), len(input_shape)
             header[3:3 + t.dim()] = torch.tensor(t.shape, dtype=torch.int64)
             header[3 + _MAX_DIMS:3 + _MAX_DIMS + len(input_shape)] = torch.tensor(input_shape, dtype=torch.int64)
             D.send(header.to(t.device), to_stage, self.group)
@@ -61,10 +63,10 @@ class StageLink:
         if key not in self._shapes:
             header = D.recv(torch.zeros(3 + 2 * _MAX_DIMS, dtype=torch.int64, device=device), from_stage, self.group)
             code, ndim, nfull = int(header[0]), int(header[1]), int(header[2])
-            if not (0 <= code < len(_DTYPES) and 0 <= ndim <= _MAX_DIMS and 0 <= nfull <= _MAX_DIMS):
+            if not (0 <= code < len(WIRE_DTYPES) and 0 <= ndim <= _MAX_DIMS and 0 <= nfull <= _MAX_DIMS):
                 raise RuntimeError(f"pipeline: a malformed message header from stage {from_stage}: "
                                    f"{header.tolist()}")
-            self._shapes[key] = (tuple(int(x) for x in header[3:3 + ndim]), _DTYPES[code],
+            self._shapes[key] = (tuple(int(x) for x in header[3:3 + ndim]), WIRE_DTYPES[code],
                                  tuple(int(x) for x in header[3 + _MAX_DIMS:3 + _MAX_DIMS + nfull]))
         shape, dtype, _ = self._shapes[key]
         out = D.recv(torch.empty(shape, dtype=dtype, device=device), from_stage, self.group)

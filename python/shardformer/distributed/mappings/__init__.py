@@ -30,7 +30,7 @@ per family:
     all_to_all_along                    all-to-all (scatter one  all-to-all, the two
                                         dim, gather another)     dims swapped
     gather_heads                        all-gather (heads)       keep own heads
-    _GatherRowsLinear                   all-gather X, X A^T      re-gather X, reduce-scatter dX
+    GatherRowsLinear                   all-gather X, X A^T      re-gather X, reduce-scatter dX
 
 Every collective runs on the group's communicator (communicator.py), and
 asynchronous ones through its async_op calls: no operator here or in
@@ -38,11 +38,11 @@ layer/ asks which backend it runs on.  The ring attention kernel
 (layer/ring_attention.py) keeps its autograd function next to the flash
 kernel it drives; its K/V travel by the communicator's `exchange`.
 """
-from .gather_linear import _GatherRowsLinear, start_all_gather, start_reduce_scatter
+from .gather_linear import GatherRowsLinear, start_all_gather, start_reduce_scatter
 from .heads import all_to_all_along, gather_heads
 from .sequence import (
     SequenceRows,
-    _all_gather_seq,
+    all_gather_even,
     gather_from_sequence_region,
     gather_sequence_rows,
     keep_sequence_rows,
@@ -55,8 +55,8 @@ from .sequence import (
     token_dim,
 )
 from .tensor import (
-    _gather_dim,
-    _split_dim,
+    gather_along,
+    split_along,
     copy_to_tp_region,
     gather_from_tp_region,
     reduce_from_tp_region,

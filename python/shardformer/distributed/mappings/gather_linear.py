@@ -2,7 +2,7 @@
 overlapped all-gather of sequence parallelism), as one autograd function.
 
     operator                 forward                          backward
-    _GatherRowsLinear        all-gather the rows (async,      re-gather X (async, during dX),
+    GatherRowsLinear        all-gather the rows (async,      re-gather X (async, during dX),
                              during this rank's own rows'     reduce-scatter dX (async,
                              matmuls), Y_k = X A_k^T + b_k    during the dA_k matmuls)
 
@@ -35,7 +35,7 @@ def start_reduce_scatter(out: torch.Tensor, t: torch.Tensor, group):
     return comm.reduce_scatter_tensor(out, t, async_op=True), comm.overlaps
 
 
-class _GatherRowsLinear(torch.autograd.Function):
+class GatherRowsLinear(torch.autograd.Function):
     """Linear1D_Col(gather_input=True) on rows laid out along dim 0: X0 is
     this rank's s rows ([s, ..., in]); the output is the first `length` of
     the n * s gathered rows times A_i^T (+ b_i), [length, ..., out_i].  Only
@@ -94,7 +94,7 @@ class _GatherRowsLinear(torch.autograd.Function):
                     y[:lo] = mm(full[:lo], weight)
                 if hi < length:
                     y[hi:] = mm(full[hi:length], weight)
-            _GatherRowsLinear.overlapped += int(overlapped)
+            GatherRowsLinear.overlapped += int(overlapped)
         else:
             C.all_gather_into_tensor(full, x0, group)
             ys = [mm(full[:length], weight) for weight in weights]
@@ -127,7 +127,7 @@ class _GatherRowsLinear(torch.autograd.Function):
                 overlapped |= ov
             else:
                 C.all_gather_into_tensor(full, x0, group)
-            _GatherRowsLinear.regathers += 1
+            GatherRowsLinear.regathers += 1
         gx = handle_dx = None
         if want_x:
             dx_full = x0.new_zeros((n * s,) + tuple(x0.shape[1:]))      # padding rows: no gradient
@@ -158,5 +158,5 @@ class _GatherRowsLinear(torch.autograd.Function):
             gparams += [gw, gb]
         if handle_dx is not None:
             handle_dx.wait()
-        _GatherRowsLinear.overlapped += int(overlapped)
+        GatherRowsLinear.overlapped += int(overlapped)
         return (gx, None, None, None, None, None, *gparams)

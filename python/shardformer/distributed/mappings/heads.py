@@ -14,7 +14,7 @@ import torch
 from .. import collectives as C
 from .. import traceable
 from ..communicator import parallel_communicator
-from .sequence import _all_gather_seq
+from .sequence import all_gather_even
 
 
 def _a2a_dims(x: torch.Tensor, scatter_dim: int, gather_dim: int) -> tuple[int, int]:
@@ -95,7 +95,7 @@ class _GatherHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w, group, heads, length):
         ctx.group, ctx.local, ctx.shape = group, w.shape[1], tuple(w.shape)
-        full = _all_gather_seq(w.contiguous(), 1, group)
+        full = all_gather_even(w.contiguous(), 1, group)
         return full[:, :heads, :length, :length].contiguous()
 
     @staticmethod

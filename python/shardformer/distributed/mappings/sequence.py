@@ -45,7 +45,9 @@ def _even_chunks(x: torch.Tensor, dim: int, n: int) -> None:
         )
 
 
-def _all_gather_seq(x, dim, group):
+def all_gather_even(x, dim, group):
+    """The n equal parts of every rank's `x` concatenated along `dim` in
+    rank order ([.., s, ..] -> [.., n s, ..]; no padding dropped)."""
     n = C.world_size(group)
     x0 = x.movedim(dim, 0).contiguous()
     buf = x0.new_empty((x0.shape[0] * n,) + tuple(x0.shape[1:]))
@@ -66,7 +68,7 @@ class _GatherFromSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, group):
         ctx.dim, ctx.group = dim, group
-        return _all_gather_seq(x, dim, group)
+        return all_gather_even(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -81,7 +83,7 @@ class _ReduceScatterToSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.dim, ctx.group), None, None
+        return all_gather_even(grad, ctx.dim, ctx.group), None, None
 
 
 
@@ -146,7 +148,7 @@ class SequenceRows:
     def full(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's rows all-gathered and put in sequence order: the
         padded sequence (padded rows along dim)."""
-        gathered = _all_gather_seq(x.contiguous(), self.dim, self.group)
+        gathered = all_gather_even(x.contiguous(), self.dim, self.group)
         if self.order is None:
             return gathered
         return torch.empty_like(gathered).index_copy_(self.dim, self.order, gathered)

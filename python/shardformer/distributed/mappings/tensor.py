@@ -69,7 +69,7 @@ def _reduce(x: torch.Tensor, comm) -> torch.Tensor:
     return x
 
 
-def _gather_dim(x: torch.Tensor, dim: int, shard: DimShard, group) -> torch.Tensor:
+def gather_along(x: torch.Tensor, dim: int, shard: DimShard, group) -> torch.Tensor:
     """Full tensor along `dim` from every rank's shard (padding stripped)."""
     if torch.compiler.is_compiling():
         return traceable.gather_dim(x, dim, shard, group)
@@ -102,7 +102,7 @@ def _is_identity(shard: DimShard) -> bool:
     return pos == shard.full
 
 
-def _split_dim(x: torch.Tensor, dim: int, shard: DimShard) -> torch.Tensor:
+def split_along(x: torch.Tensor, dim: int, shard: DimShard) -> torch.Tensor:
     """This rank's shard of a full tensor along `dim` (padding zero-filled)."""
     pieces = [x.narrow(dim, off, n) for off, n in shard.ranges]
     pad = shard.length - shard.real
@@ -133,22 +133,22 @@ class _ScatterToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, shard, group):
         ctx.dim, ctx.shard, ctx.group = dim, shard, group
-        return _split_dim(x, dim, shard)
+        return split_along(x, dim, shard)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gather_dim(grad, ctx.dim, ctx.shard, ctx.group), None, None, None
+        return gather_along(grad, ctx.dim, ctx.shard, ctx.group), None, None, None
 
 
 class _GatherFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, shard, group):
         ctx.dim, ctx.shard = dim, shard
-        return _gather_dim(x, dim, shard, group)
+        return gather_along(x, dim, shard, group)
 
     @staticmethod
     def backward(ctx, grad):
-        return _split_dim(grad, ctx.dim, ctx.shard), None, None, None
+        return split_along(grad, ctx.dim, ctx.shard), None, None, None
 
 
 class _SyncReplicatedGrad(torch.autograd.Function):
