@@ -402,11 +402,15 @@ class EncoderShape(SpecPolicy):
             heads=HeadsFrom(kv_heads=None, head_dim=None),
             split_gather=SplitGatherSpec(f"{p}Encoder", "layer", layer, regions, overlap=False),
             capabilities=spec_capabilities(self),
-            refusals=(Refusal("chunk_size_feed_forward", allowed=(0, None), default=0, when=("sequence_parallel",),
-                              error="NotImplementedError",
-                              message="{model}: sequence parallelism (split_gather) with chunk_size_feed_forward="
-                                      "{value} is not available (set it to 0)"),),
+            refusals=self.refusals(),
         )
+
+    def refusals(self) -> tuple[Refusal, ...]:
+        """chunk_size_feed_forward under split-gather SP (HF would chunk this rank's rows)."""
+        return (Refusal("chunk_size_feed_forward", allowed=(0, None), default=0, when=("sequence_parallel",),
+                        error="NotImplementedError",
+                        message="{model}: sequence parallelism (split_gather) with chunk_size_feed_forward="
+                                "{value} is not available (set it to 0)"),)
 
 
 # ---- VisionShape / StageShape: ViT-style layers, Swin-style stages ----

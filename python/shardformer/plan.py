@@ -77,7 +77,7 @@ from .layer.sequence import (SequenceParallelRegion, SequenceState, record_full_
 from .layer.sequence_layout import BLOCK, GATHER, GATHER_INPUT, MARK_ROWS, SPLIT, SPLIT_OUTPUT, SequenceLayouts
 from .layout import Fused, Heads, Split
 from .policy import ModulePolicyDescription, Policy
-from .spec import SP_LINEAR, Attribute, Setting, Stack
+from .spec import SP_LINEAR, Attribute, Method, Setting, Stack
 from .policy import SubModuleReplacementDescription as Sub
 
 
@@ -239,6 +239,18 @@ STYLES.update({s.name: s for s in (
 )})
 
 
+# ---- the bespoke families' rows (policies/t5.py, albert.py) ----
+
+_LAYERS["Embedding1D"] = _layer("", "Embedding1D")
+_LAYERS["EncoderEnds"] = _layer(".sequence_ends", "EncoderEnds")
+STYLES.update({s.name: s for s in (
+    # an embedding whose columns are the heads (T5's relative position bias table [buckets, heads]): its
+    # columns split by the same heads, not gathered: each rank looks up the bias of its own heads
+    Style("embedding_heads", "Embedding1D",
+          lambda c: {"split": Heads(_need_heads(c, "embedding_heads").num_heads).q, "gather_output": False}),
+)})
+
+
 def style_of(name: str) -> Style:
     """The Style called `name`; PlanError naming the known ones otherwise."""
     try:
@@ -394,6 +406,8 @@ def sp_kwargs(name: str, held: frozenset[str], state=None) -> dict:
         kwargs.update(gather_input=True, overlap=True)
         if name == "gather_exact":
             kwargs["sequence_state"] = state
+    if name == "gather_rows":
+        kwargs.update(gather_input=True, overlap="overlap" in held)
     return kwargs
 
 
@@ -464,15 +478,19 @@ def _parameterized_children(module, skip) -> tuple[str, ...]:
                  if name not in skip and any(True for _ in child.parameters()))
 
 
-def split_gather_subs(spec, model, shard_config, state) -> dict[str, list[Sub]]:
+def split_gather_subs(spec, model, shard_config, state, sg=None) -> dict[str, list[Sub]]:
     """{class name: subs} of the spec's split-gather sequence parallelism
     (the layer's regions, replicated norms and the modules beside the split
     layers; the owner's split and gather: one list where the layer's class
-    is the owner's)."""
-    sg, held = spec.split_gather, conditions(shard_config, model)
-    seq = state.sequence_state
-    if seq is None:
-        seq = state.sequence_state = SequenceState(recompute=shard_config.sequence_parallel_recompute)
+    is the owner's).  `sg`: one of spec.stacks (its own SequenceState) in
+    place of spec.split_gather (the optimize()'s state.sequence_state)."""
+    held = conditions(shard_config, model)
+    if sg is not None and sg is not spec.split_gather:
+        seq = SequenceState(recompute=shard_config.sequence_parallel_recompute)
+    else:
+        sg, seq = spec.split_gather, state.sequence_state
+        if seq is None:
+            seq = state.sequence_state = SequenceState(recompute=shard_config.sequence_parallel_recompute)
     owner = _find(model, sg.owner, spec)[0]
     layers = owner.get_submodule(sg.layers)
     regions = [r for r in sg.regions if holds(r.when, held)]
@@ -481,8 +499,9 @@ def split_gather_subs(spec, model, shard_config, state) -> dict[str, list[Sub]]:
     moved = {r.path: r.layouts for r in regions if r.layouts is not None}
     out = {sg.layer: split_gather_layer(moved, norms, seq, sg.overlap and "overlap" in held)
            + _beside_subs(sg.beside, held, shard_config)}
-    out.setdefault(sg.owner, []).extend(split_gather_ends(sg.layers, len(layers), seq)
-                                        + replicated_params(layers, sg.layers, sg.params))
+    ends = (split_gather_ends(sg.layers, len(layers), seq) if sg.ends == "layers"
+            else [Sub(sg.layers, _LAYERS["EncoderEnds"](), kwargs={"state": seq})])
+    out.setdefault(sg.owner, []).extend(ends + replicated_params(layers, sg.layers, sg.params))
     return out
 
 
@@ -562,6 +581,11 @@ def _entry_subs(spec, m, e, model, held, state, ctx: PlanContext, by_kind: dict)
     return [sub]
 
 
+def _methods(rows) -> dict:
+    """{method name: function} of a ModuleSpec's Method rows (shardformer.spec.Method)."""
+    return {a.name: a.function for a in rows if isinstance(a, Method)}
+
+
 def _settings(rows) -> dict:
     """{attribute: value} of a ModuleSpec's Setting rows (shardformer.spec.Setting)."""
     return {a.name: a.value for a in rows if isinstance(a, Setting)}
@@ -608,6 +632,8 @@ def interpret(spec, model, shard_config, state, policy=None) -> dict:
         state.sequence_state = SequenceState(recompute=shard_config.sequence_parallel_recompute)
     out = {}
     for m in spec.modules:
+        if not holds(m.when, held):
+            continue
         scale = _embed_scale(m, model)
         entries = {}                       # by suffix, as a plan dict: a later entry replaces an earlier one
         for e in m.entries:
@@ -620,10 +646,11 @@ def interpret(spec, model, shard_config, state, policy=None) -> dict:
         rows = [a for a in m.attributes if holds(a.when, held)]
         attributes = _attributes(spec, m, [a for a in rows if isinstance(a, Attribute)], heads, model)
         out[m.key] = ModulePolicyDescription(attribute_replacement={**attributes, **_settings(rows)},
-                                             sub_module_replacement=subs)
+                                             sub_module_replacement=subs, method_replacement=_methods(rows))
     if "sequence_parallel" in held and spec.split_gather is not None:
-        for key, subs in split_gather_subs(spec, model, shard_config, state).items():
-            out.setdefault(key, ModulePolicyDescription()).sub_module_replacement.extend(subs)
+        for sg in (spec.split_gather,) + spec.stacks:
+            for key, subs in split_gather_subs(spec, model, shard_config, state, sg).items():
+                out.setdefault(key, ModulePolicyDescription()).sub_module_replacement.extend(subs)
     record_ties(state, model, spec.ties, f"policy spec {spec.name!r}")
     return out
 

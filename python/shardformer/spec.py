@@ -38,6 +38,14 @@ takes under split-gather SP (SP_KWARGS; shardformer.plan.sp_kwargs):
              rows itself, overlapping the all-gather with its matmul
     "gather_exact"  "gather", the gathered rows cut to the exact sequence
              (padding dropped: an attention's fused projection)
+    "gather_rows"   "col", and the layer always gathers its input rows itself
+             (gather_input=True), overlapping the all-gather with its matmul
+             under enable_sequence_overlap (an MLP that is no module of its
+             own: OPT's and Whisper's fc1, ALBERT's ffn)
+
+The rows of the bespoke families (OPT, ALBERT, T5, Whisper; the block at the
+end of this module): `Method` (a method of the module's class replaced),
+`ModuleSpec.when`, `SplitGatherSpec.ends="module"` and `PolicySpec.stacks`.
 """
 from __future__ import annotations
 
@@ -49,7 +57,7 @@ CONDITIONS = ("tensor_parallel", "sequence_parallel", "expert_parallel", "no_exp
               "tensor_or_expert_parallel", "overlap", "no_overlap")
 
 #: The sequence-parallel kwargs an Entry may name (see the module docstring).
-SP_KWARGS = ("", "col", "row", "gather", "gather_exact")
+SP_KWARGS = ("", "col", "row", "gather", "gather_exact", "gather_rows")
 #: ModuleSpec.sp_linear: the SP kwargs of its (column, row) styles.
 SP_LINEAR = {"": ("", ""), "block": ("col", "col"), "rows": ("col", "row")}
 
@@ -148,22 +156,27 @@ class ModuleSpec:
                 split-gather SP, its replacements where the row stands)
     attributes  Attribute rows (or (dotted attribute, kind) pairs) set to this
                 rank's value of the heads (shardformer.layout.Heads.attributes);
-                Setting rows set to their value
+                Setting rows set to their value; Method rows replace a method
     sp_linear   the SP kwargs of its column and row styles (SP_LINEAR): "block"
                 (both sequence_parallel=True: the module's BLOCK region
                 reduce-scatters), "rows" (the row layers reduce-scatter
                 themselves), "" (none)
     embed_scale an embedding_rowwise entry is scaled like the model's input
-                embedding (Gemma: sqrt(hidden), or its scalar_embed_scale)"""
+                embedding (Gemma: sqrt(hidden), or its scalar_embed_scale)
+    when        conditions of the whole module: when one does not hold the
+                class gets no description at all (ALBERT's attention forward,
+                replaced only under split-gather SP)"""
 
     key: str
     entries: tuple[Entry, ...] = ()
     attributes: tuple[Attribute, ...] = ()
     sp_linear: str = "block"
     embed_scale: bool = False
+    when: tuple[str, ...] = ()
 
     def __post_init__(self):
-        rows = tuple(a if isinstance(a, (Attribute, Setting)) else Attribute(*a) for a in self.attributes)
+        _check_when(f"ModuleSpec({self.key!r})", self.when)
+        rows = tuple(a if isinstance(a, (Attribute, Setting, Method)) else Attribute(*a) for a in self.attributes)
         object.__setattr__(self, "attributes", rows)      # pairs read as Attribute rows
         if self.sp_linear not in SP_LINEAR:
             raise SpecError(f"ModuleSpec({self.key!r}): sp_linear={self.sp_linear!r} is not one of {tuple(SP_LINEAR)}")
@@ -193,6 +206,10 @@ class SplitGatherSpec:
     params     names of the layers' own parameters (or children) used on this
                rank's rows (BEiT's layer scales lambda_1 / lambda_2): one
                ReplicatedInParallelRegion on the layer list, gradients all-reduced
+    ends       where the sequence is split and gathered (SPLIT_ENDS): "layers",
+               at the first and last layer of the list; "module", at the input
+               and output of the one module at `layers` (an encoder whose
+               layers are reused, ALBERT's: shardformer.layer.sequence_ends.EncoderEnds)
 
     `layer` may be the owner's own class: the region paths then run from
     the owner through each layer ("model.layers.0.mlp"), for a stack whose
@@ -208,10 +225,13 @@ class SplitGatherSpec:
     skip: tuple[str, ...] | None = None
     beside: tuple[Entry, ...] = ()
     params: tuple[str, ...] = ()
+    ends: str = "layers"
 
     def __post_init__(self):
         rows = tuple(r if isinstance(r, Region) else Region(*r) for r in self.regions)
         object.__setattr__(self, "regions", rows)            # pairs read as Region rows
+        if self.ends not in SPLIT_ENDS:
+            raise SpecError(f"SplitGatherSpec({self.owner!r}): ends={self.ends!r} is not one of {SPLIT_ENDS}")
         bad = [e for e in self.beside if not isinstance(e, Entry)]
         if bad:
             raise SpecError(f"SplitGatherSpec({self.owner!r}): beside takes Entry rows, got {bad[0]!r}")
@@ -278,6 +298,9 @@ class PolicySpec:
     modules       the ModuleSpecs, one per module class
     heads         where the head counts are read (HeadsFrom), None: no head attributes / styles
     split_gather  the split-gather SP of the layer stack (SplitGatherSpec), or None
+    stacks        more SplitGatherSpecs, one per further layer stack, each with
+                  its own SequenceState (an encoder-decoder's decoder: Whisper,
+                  T5); split_gather is then the first stack
     ties          (source path, target path) pairs whose target `weight` is made the
                   source's after substitution (besides the LM heads HF had tied)
     capabilities  Capabilities
@@ -290,8 +313,11 @@ class PolicySpec:
     ties: tuple[tuple[str, str], ...] = ()
     capabilities: Capabilities = Capabilities()
     refusals: tuple[Refusal, ...] = ()
+    stacks: tuple[SplitGatherSpec, ...] = ()
 
     def __post_init__(self):
+        if self.stacks and self.split_gather is None:
+            raise SpecError(f"PolicySpec {self.name!r}: stacks are given but split_gather (the first stack) is not")
         keys = [m.key for m in self.modules]
         twice = sorted({k for k in keys if keys.count(k) > 1})
         if twice:
@@ -343,6 +369,9 @@ class WindowOverlap:
     first: int = 0
 
 
+#: SplitGatherSpec.ends: where a layer stack's sequence is split and gathered.
+SPLIT_ENDS = ("layers", "module")
+
 #: Stack.ends: how a stack's blocks meet the sequence (see Stack).
 STACK_ENDS = ("split_gather", "rows_between")
 
@@ -390,3 +419,24 @@ class Stack:
     def suffix(self) -> str:
         """Its key among the entries (a stack is one row per path)."""
         return f"{self.path}#stack"
+
+
+# ---- rows of the bespoke families (policies/opt.py, albert.py, t5.py, whisper.py) ----
+
+
+@dataclass(frozen=True)
+class Method:
+    """The method `name` of every module of the ModuleSpec's class replaced
+    by `function` (a module-level function, so the model pickles) when the
+    conditions `when` hold: a forward that has to run differently on this
+    rank's rows (ALBERT's attention, whose residual add and post-norm sit
+    inside the module, under split-gather SP).  A row of ModuleSpec.attributes."""
+
+    name: str
+    function: Any
+    when: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        _check_when(f"Method({self.name!r})", self.when)
+        if not callable(self.function):
+            raise SpecError(f"Method({self.name!r}): function must be callable, got {self.function!r}")
