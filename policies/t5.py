@@ -9,7 +9,7 @@ embeddings and LM head.
                                              the bias of its own heads (first layer only)
     DenseReluDense.wi (wi_0, wi_1)           Linear1D_Col
     DenseReluDense.wo                        Linear1D_Row (all-reduce forward)
-    shared, {encoder,decoder}.embed_tokens   VocabParallelEmbedding1D, re-tied after sharding
+    shared, {encoder,decoder}.embed_tokens   VocabParallelEmbedding1D, still one Parameter (spec ties)
     lm_head                                  VocabParallelLMHead1D (tied to shared when HF ties it;
                                              transformers 5 always ties, and scales the decoder
                                              output by d_model**-0.5 unless the config was made

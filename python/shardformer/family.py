@@ -24,7 +24,7 @@ Heads are split by kind (the plan styles of shardformer.plan, HEAD_STYLES):
 
     lm(suffix)          VocabParallelLMHead1D: the vocabulary (output rows) split,
                         logits gathered unless ShardConfig(parallel_output=True);
-                        re-tied to the input embeddings when HF had tied them;
+                        still tied to the input embeddings when HF had tied them;
                         `bias_of` names a module whose `bias` HF ties to the head's
     gathered(suffix)    Linear1D_Col with gather_output: a small classifier, its
                         labels split (any count) and all-gathered forward
@@ -298,7 +298,7 @@ class FamilyPolicy(SplitAttentionPolicy, Policy):
         return replacement(head.suffix, HEAD_STYLES[head.kind], PlanContext(self))
 
     def preprocess(self) -> nn.Module:
-        # An LM head is re-tied after substitution exactly when HF tied it
+        # An LM head's tie is recorded (and checked after substitution) exactly when HF tied it
         # (the same Parameter as the input embedding's), whatever the config
         # says: shardformer.plan.record_ties, the one way ties are recorded.
         embeddings = self.input_embeddings() if self.tensor_parallel else None

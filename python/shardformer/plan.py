@@ -655,11 +655,12 @@ def interpret(spec, model, shard_config, state, policy=None) -> dict:
     return out
 
 
-# ---- ties: the one way a policy's re-ties are recorded ----
+# ---- ties: the one way a policy's ties are recorded ----
 #
 # A tie (source, target) says: after substitution, the target module's
-# `weight` is the source's Parameter again (Policy.postprocess re-ties
-# state.ties).  Every policy records its ties through record_ties: the spec's
+# `weight` is still the source's Parameter.  The engine keeps it (every
+# Parameter held under several names is bound as one in the replacements,
+# shardformer.ties); Policy.postprocess checks state.ties.  Every policy records its ties through record_ties: the spec's
 # ties (interpret; DerivedPolicy.translate writes the LM head's), the LM heads
 # of a family (FamilyPolicy.preprocess), T5's shared embeddings.  A tie is
 # taken from the model itself: recorded only when the model holds the two
@@ -689,6 +690,6 @@ def held_ties(model, pairs, owner: str = "") -> list[tuple[str, str]]:
 
 
 def record_ties(state, model, pairs, owner: str = "") -> None:
-    """Add to state.ties (re-tied by Policy.postprocess) each pair of `pairs`
+    """Add to state.ties (checked by Policy.postprocess) each pair of `pairs`
     that the model ties now (held_ties), unless it is recorded already."""
     state.ties += [tie for tie in dict.fromkeys(held_ties(model, pairs, owner)) if tie not in state.ties]
