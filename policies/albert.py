@@ -138,7 +138,8 @@ class AlbertShape(EncoderShape):
         forward (albert_attention_forward), the mapping-in's gradient
         all-reduce and the split / gather around the encoder (ends="module")."""
         sp = ("sequence_parallel",)
-        attributes = (Attribute("attention.num_attention_heads", "heads"), Attribute("attention.all_head_size", "width"))
+        attributes = (Attribute("attention.num_attention_heads", "heads"),
+                      Attribute("attention.all_head_size", "width"))
         regions = (Region("attention", ENTER), Region("attention.LayerNorm"), Region("full_layer_layer_norm"))
         return PolicySpec(
             name=self.family.name if self.family is not None else "albert",

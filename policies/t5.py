@@ -50,7 +50,7 @@ The region hooks sit on paths under the modules that own the stacks
 T5ForQuestionAnswering), since T5Stack is one class for both stacks and each
 stack needs its own state (a recomputed encoder block in backward must not
 read the decoder's length).  output_hidden_states records both stacks'
-full-sequence states (SplitGatherMixin).  With enable_sequence_overlap the three regions take
+full-sequence states (shardformer.plan.record_hidden_states).  With enable_sequence_overlap the three regions take
 overlap=True (shardformer.layer.sequence.gather_block_input): the block's one
 all-gather is in flight while this rank's rows go through its
 sequence-parallel column layers (q, k, v; the cross attention's q; wi or

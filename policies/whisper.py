@@ -34,7 +34,7 @@ becomes 0 and p moves into out_proj / fc2 (Linear1D_Row dropout=p: a mask
 per rank, on this rank's rows).  The layer norms run on this rank's rows
 (gradients all-reduced).  Refused: encoder_layerdrop / decoder_layerdrop > 0
 (a skipped first or last layer would skip the split or the gather).
-output_hidden_states records full-sequence states (SplitGatherMixin), which
+output_hidden_states records full-sequence states (shardformer.plan.record_hidden_states), which
 audio classification's use_weighted_layer_sum reads.
 
 all_to_all / ring_attn (shardformer.layer.sequence_attention): the

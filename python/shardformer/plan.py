@@ -660,9 +660,10 @@ def interpret(spec, model, shard_config, state, policy=None) -> dict:
 # A tie (source, target) says: after substitution, the target module's
 # `weight` is still the source's Parameter.  The engine keeps it (every
 # Parameter held under several names is bound as one in the replacements,
-# shardformer.ties); Policy.postprocess checks state.ties.  Every policy records its ties through record_ties: the spec's
-# ties (interpret; DerivedPolicy.translate writes the LM head's), the LM heads
-# of a family (FamilyPolicy.preprocess), T5's shared embeddings.  A tie is
+# shardformer.ties); Policy.postprocess checks state.ties.  Every policy
+# records its ties through record_ties: the spec's ties (interpret;
+# DerivedPolicy.translate writes the LM head's, T5's factory its shared
+# embeddings'), the LM heads of a family (FamilyPolicy.preprocess).  A tie is
 # taken from the model itself: recorded only when the model holds the two
 # weights as one Parameter before substitution (transformers' tie_weights()
 # made them one, as the model's _tied_weights_keys and config declare: an LM
