@@ -139,6 +139,7 @@ class T5Shape(SpecPolicy):
                           then=decoder)
 
     sp_modes = ("split_gather",)
+    sequence_overlap = True         # the blocks' regions overlap their one input gather (SplitGatherSpec.overlap)
 
     def split_attention_modes(self) -> tuple[str, ...]:
         return ("all_to_all", "ring_attn")

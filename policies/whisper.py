@@ -101,6 +101,7 @@ class WhisperShape(SpecPolicy):
         return None
 
     sp_modes = ("split_gather",)
+    sequence_overlap = True         # fc1 gathers its own rows (Entry sp="gather_rows")
 
     def split_attention_modes(self) -> tuple[str, ...]:
         return ("all_to_all", "ring_attn")

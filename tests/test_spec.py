@@ -194,6 +194,7 @@ def test_bespoke_specs_are_data():
         assert spec == policy.build_spec() and hash(spec) == hash(policy.build_spec())
         with pytest.raises(dataclasses.FrozenInstanceError):
             spec.name = "other"
+        assert spec.capabilities.sequence_overlap and policy.supports_sequence_overlap(), name
         specs[name] = spec
     opt, albert, t5, whisper = specs.values()
     assert [e.sp for e in opt.module("OPTDecoderLayer").entries if e.suffix == "fc1"] == ["gather_rows"]
