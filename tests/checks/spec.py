@@ -239,68 +239,86 @@ def bespoke_overrides_shard(ctx, default_group: bool) -> dict:
     """Each bespoke family's user subclass (bespoke_subclasses): its override
     is read by the family's spec factory, the modules it keeps whole stay
     nn.Linear, the rest is split, and the model shards like the unsharded one
-    (forward, loss, every gradient, an SGD step); then ties_kept_without_retying."""
+    (forward, loss, every gradient, an SGD step), its ties held; then
+    ties_kept_without_retying for the other families.  Policy.tie_weight is
+    unavailable throughout (no policy re-ties: issue 33 item 2)."""
     from torch import nn
 
     from shardformer.layer import Linear1D_Col
 
     reports = {}
-    for family, name in BESPOKE_MODELS.items():
-        called: list = []
-        cls = bespoke_subclasses(called)[family]
-        kept: dict = {}
+    with no_retying():
+        for family, name in BESPOKE_MODELS.items():
+            called: list = []
+            cls = bespoke_subclasses(called)[family]
+            kept: dict = {}
 
-        def build():
-            model = zoo.build(name)
-            kept["model"] = model
-            return model
+            def build():
+                kept["model"] = model = zoo.build(name)
+                kept["ties"] = ties_of(model)
+                return model
 
-        reports[family] = parity.check_sharded(ctx, build, zoo.make_inputs(name), name=f"{name} ({cls.__name__})",
-                                               policy=cls(), default_group=default_group)
-        assert called, f"{cls.__name__}: the override was never called"
-        model = kept["model"]
-        whole = [p for p in KEPT_WHOLE[family] if type(model.get_submodule(p)) is not nn.Linear]
-        assert not whole, f"{cls.__name__}: {whole} were split, though the subclass's spec keeps them whole"
-        assert any(isinstance(m, Linear1D_Col) for m in model.modules()), f"{cls.__name__}: nothing was split"
-    reports["ties"] = ties_kept_without_retying(ctx, default_group)
+            reports[family] = parity.check_sharded(ctx, build, zoo.make_inputs(name), name=f"{name} ({cls.__name__})",
+                                                   policy=cls(), default_group=default_group)
+            assert called, f"{cls.__name__}: the override was never called"
+            model = kept["model"]
+            whole = [p for p in KEPT_WHOLE[family] if type(model.get_submodule(p)) is not nn.Linear]
+            assert not whole, f"{cls.__name__}: {whole} were split, though the subclass's spec keeps them whole"
+            assert any(isinstance(m, Linear1D_Col) for m in model.modules()), f"{cls.__name__}: nothing was split"
+            assert kept["ties"] and not untied(model, kept["ties"]), f"{name}: untied {untied(model, kept['ties'])}"
+        reports["ties"] = ties_kept_without_retying(ctx, default_group)
     return reports
 
 
-#: one model with ties (one Parameter under several names) of every built-in family that has one
-TIED_MODELS = ("AlbertForMaskedLM", "BertForMaskedLM", "Blip2ForConditionalGeneration", "BloomForCausalLM",
-               "ErnieForCausalLM", "FalconForCausalLM", "GPT2DoubleHeadsModel", "GPTNeoForCausalLM",
-               "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GemmaForCausalLM", "OPTForCausalLM", "Qwen2ForCausalLM",
-               "RobertaForCausalLM", "SamModel", "T5ForConditionalGeneration", "WhisperForConditionalGeneration")
+#: one model with ties (one Parameter under several names) of every other built-in family that has one
+#: (OPT, ALBERT, T5, Whisper: BESPOKE_MODELS)
+TIED_MODELS = ("BertForMaskedLM", "Blip2ForConditionalGeneration", "BloomForCausalLM", "ErnieForCausalLM",
+               "FalconForCausalLM", "GPT2DoubleHeadsModel", "GPTNeoForCausalLM", "Gemma2ForCausalLM",
+               "Gemma3ForCausalLM", "GemmaForCausalLM", "Qwen2ForCausalLM", "RobertaForCausalLM", "SamModel")
+
+
+class no_retying:
+    """Within it, Policy.tie_weight raises (naming the policy and the names it would re-tie)."""
+
+    def __enter__(self):
+        from shardformer.policy import Policy
+
+        def refuse(policy, source, target, name="weight"):
+            raise AssertionError(f"{type(policy).__name__} re-tied {target}.{name} to {source}.{name}")
+
+        self.saved, Policy.tie_weight = Policy.tie_weight, refuse
+
+    def __exit__(self, *exc):
+        from shardformer.policy import Policy
+
+        Policy.tie_weight = self.saved
+
+
+def ties_of(model) -> list[list[str]]:
+    """The parameter names of `model` that share one Parameter, per Parameter held under two or more."""
+    names: dict = {}
+    for path, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(path)
+    return [paths for paths in names.values() if len(paths) > 1]
+
+
+def untied(model, ties) -> list:
+    """The groups of `ties` (ties_of before optimize()) that `model` no longer holds as one Parameter."""
+    after = dict(model.named_parameters(remove_duplicate=False))
+    return [paths for paths in ties if len({id(after[p]) for p in paths}) != 1]
 
 
 def ties_kept_without_retying(ctx, default_group: bool) -> dict:
     """Every tie of every model of TIED_MODELS (the names holding one
-    Parameter before optimize()) holds one Parameter after it, with
-    Policy.tie_weight unavailable: the engine binds ties by Parameter
-    identity, no policy has to re-tie (issue 33 item 2)."""
-    from collections import defaultdict
-
-    from shardformer.policy import Policy
-
-    def refuse(self, source, target, name="weight"):
-        raise AssertionError(f"{type(self).__name__} re-tied {target}.{name} to {source}.{name}")
-
+    Parameter before optimize()) holds one Parameter after it, under
+    no_retying(): the engine binds ties by Parameter identity (shardformer.ties)."""
     group = {} if default_group else {"tensor_parallel_process_group": ctx.group}
-    counts, saved = {}, Policy.tie_weight
-    Policy.tie_weight = refuse
-    try:
-        for name in TIED_MODELS:
-            model = zoo.build(name)
-            names = defaultdict(list)
-            for path, p in model.named_parameters(remove_duplicate=False):
-                names[id(p)].append(path)
-            ties = [paths for paths in names.values() if len(paths) > 1]
-            assert ties, f"{name}: the zoo model has no tie"
-            ShardFormer(shard_config=ShardConfig(**group)).optimize(model)
-            after = dict(model.named_parameters(remove_duplicate=False))
-            untied = [paths for paths in ties if len({id(after[p]) for p in paths}) != 1]
-            assert not untied, f"{name}: untied after optimize(): {untied}"
-            counts[name] = len(ties)
-    finally:
-        Policy.tie_weight = saved
+    counts = {}
+    for name in TIED_MODELS:
+        model = zoo.build(name)
+        ties = ties_of(model)
+        assert ties, f"{name}: the zoo model has no tie"
+        ShardFormer(shard_config=ShardConfig(**group)).optimize(model)
+        assert not untied(model, ties), f"{name}: untied after optimize(): {untied(model, ties)}"
+        counts[name] = len(ties)
     return counts
