@@ -103,7 +103,12 @@ def _attention(at: str, kv_sp: str | None = None) -> tuple[Entry, ...]:
 
 
 class T5Shape(SpecPolicy):
+    """A spec factory (build_spec(), interpreted by shardformer.plan.interpret):
+    the rows of every T5 module class, one split-gather stack per T5Stack of
+    the bound model (stacks()), the shared embeddings' ties (ties())."""
+
     attention_weights_at = {"T5Attention": 2}     # (output, position_bias, weights)
+
     @property
     def pipeline_split(self):
         """Pipeline stages over [encoder.block | decoder.block] of the module
