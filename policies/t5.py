@@ -74,11 +74,14 @@ each block lands on this rank's query rows.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
 from shardformer.family import Family, SpecPolicy, gathered, lm, replicated_dropout, spec_capabilities
 from shardformer.layer.sequence_layout import BLOCK
-from shardformer.spec import Attribute, Entry, HeadsFrom, ModuleSpec, PolicySpec, Region, SplitGatherSpec
+from shardformer.spec import (Attribute, Entry, HeadsFrom, ModuleSpec, PolicySpec, Region, SplitAttention,
+                              SplitGatherSpec)
 
 # Modules that may share the weight of a model's `shared` embedding (the LM
 # head's tie is FamilyPolicy's, by identity with the input embeddings).
@@ -146,28 +149,6 @@ class T5Shape(SpecPolicy):
     sp_modes = ("split_gather",)
     sequence_overlap = True         # the blocks' regions overlap their one input gather (SplitGatherSpec.overlap)
 
-    def split_attention_modes(self) -> tuple[str, ...]:
-        return ("all_to_all", "ring_attn")
-
-    def split_attention_targets(self) -> list:
-        """all_to_all / ring_attn over each stack's `block` (base: the T5Stack): the
-        first block's relative position bias built for the whole padded
-        sequence (compute_bias, see shardformer.layer.sequence_attention),
-        the decoder's EncDecAttention rows attending to the whole encoder
-        output."""
-        owner = next((m for m in self.model.modules() if type(m).__name__ in _OWNERS), None)
-        if owner is None:
-            raise ValueError(f"{type(self.model).__name__}: no T5 module owning the stacks ({', '.join(_OWNERS)})")
-        targets = []
-        for stack_name in ("encoder", "decoder"):
-            stack = getattr(owner, stack_name, None)
-            if stack is None:
-                continue
-            cross = ("EncDecAttention",) if stack.is_decoder else ()
-            targets.append((type(owner).__name__, f"{stack_name}.block", stack,
-                            {"cross": cross, "full_bias": "compute_bias"}))
-        return targets
-
     def stacks(self) -> list[tuple[str, str]]:
         """(owner class, stack name) of every stack of the bound model: the
         first module of each class in _OWNERS, its `encoder` and `decoder`."""
@@ -222,8 +203,20 @@ class T5Shape(SpecPolicy):
             split_gather=stacks[0] if stacks else None,
             stacks=stacks[1:],
             ties=self.ties(),
-            capabilities=spec_capabilities(self),
+            capabilities=replace(spec_capabilities(self), split_attention_stacks=self.split_attention_stacks()),
         )
+
+    def split_attention_stacks(self) -> tuple[SplitAttention, ...]:
+        """all_to_all / ring_attn over each stack's `block` (base: the T5Stack)
+        of the first module owning the stacks: the first block's relative
+        position bias built for the whole padded sequence (compute_bias, see
+        shardformer.layer.sequence_attention), the decoder's EncDecAttention
+        rows attending to the whole encoder output."""
+        stacks = self.stacks()
+        return tuple(SplitAttention(cls, f"{name}.block", name,
+                                    (("cross", ("EncDecAttention",) if name == "decoder" else ()),
+                                     ("full_bias", "compute_bias")))
+                     for cls, name in stacks if cls == stacks[0][0])
 
 
 FAMILY = Family("t5", "t5.modeling_t5", T5Shape, heads={

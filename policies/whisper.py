@@ -49,10 +49,12 @@ use_weighted_layer_sum in these two modes.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from shardformer.family import Family, SpecPolicy, lm, spec_capabilities
 from shardformer.layer.sequence_layout import ENTER
 from shardformer.layout import Heads
-from shardformer.spec import Attribute, Entry, ModuleSpec, PolicySpec, Region, Setting, SplitGatherSpec
+from shardformer.spec import Attribute, Entry, ModuleSpec, PolicySpec, Region, Setting, SplitAttention, SplitGatherSpec
 
 #: (stack class, layer class, config attribute of its head count, its attentions) of the two stacks
 STACKS = (("WhisperEncoder", "WhisperEncoderLayer", "encoder_attention_heads", ("self_attn",)),
@@ -102,22 +104,6 @@ class WhisperShape(SpecPolicy):
 
     sp_modes = ("split_gather",)
     sequence_overlap = True         # fc1 gathers its own rows (Entry sp="gather_rows")
-
-    def split_attention_modes(self) -> tuple[str, ...]:
-        return ("all_to_all", "ring_attn")
-
-    def split_attention_targets(self) -> list:
-        """all_to_all / ring_attn over each stack's `layers` (base: the
-        WhisperEncoder / WhisperDecoder): the encoder after its conv front
-        end and positions (bidirectional, padded keys masked), the decoder
-        after its token and position embeddings (causal), its encoder_attn
-        rows attending to the whole encoder output."""
-        targets = []
-        for stack_cls, cross in (("WhisperEncoder", ()), ("WhisperDecoder", ("encoder_attn",))):
-            stack = next((m for m in self.model.modules() if type(m).__name__ == stack_cls), None)
-            if stack is not None:
-                targets.append((stack_cls, "layers", stack, {"cross": cross}))
-        return targets
 
     def config_sanity_check(self):
         super().config_sanity_check()
@@ -181,7 +167,11 @@ class WhisperShape(SpecPolicy):
     def build_spec(self) -> PolicySpec:
         """One ModuleSpec per layer class of the stacks the bound model has
         (each its own heads), the decoder's token embedding, the audio
-        classifier's split head (`split_head`), one split-gather stack each."""
+        classifier's split head (`split_head`), one split-gather stack each;
+        all_to_all / ring_attn over each stack's `layers` (the encoder after
+        its conv front end and positions, bidirectional with padded keys
+        masked; the decoder after its token and position embeddings, causal,
+        its encoder_attn rows attending to the whole encoder output)."""
         cfg = self.model.config
         present = {type(m).__name__ for m in self.model.modules()}
         modules, stacks = (), ()
@@ -202,7 +192,9 @@ class WhisperShape(SpecPolicy):
             modules=modules,
             split_gather=stacks[0] if stacks else None,
             stacks=stacks[1:],
-            capabilities=spec_capabilities(self),
+            capabilities=replace(spec_capabilities(self), split_attention_stacks=tuple(
+                SplitAttention(stack_cls, "layers", options=(("cross", attns[1:]),))
+                for stack_cls, _, _, attns in STACKS if stack_cls in present)),
         )
 
 

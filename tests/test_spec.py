@@ -205,6 +205,10 @@ def test_bespoke_specs_are_data():
     assert [(s.owner, s.layer) for s in (whisper.split_gather,) + whisper.stacks] == [
         ("WhisperEncoder", "WhisperEncoderLayer"), ("WhisperDecoder", "WhisperDecoderLayer")]
     assert whisper.module("WhisperDecoderLayer").entries[0].heads.num_heads == 6
+    assert [(r.owner, r.layers, dict(r.options)["cross"]) for r in whisper.capabilities.split_attention_stacks] == [
+        ("WhisperEncoder", "layers", ()), ("WhisperDecoder", "layers", ("encoder_attn",))]
+    assert [(r.layers, r.base) for r in t5.capabilities.split_attention_stacks] == [
+        ("encoder.block", "encoder"), ("decoder.block", "decoder")]
     method = albert.module("AlbertAttention")
     assert method.when == ("sequence_parallel",) and isinstance(method.attributes[0], Method)
     assert albert.split_gather.ends == "module"

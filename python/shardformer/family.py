@@ -388,7 +388,25 @@ class SpecPolicy(FamilyPolicy):
         return own + tuple(m for m in self.split_attention_modes() if m not in own)
 
     def split_attention_modes(self) -> tuple[str, ...]:
-        return ("all_to_all", "ring_attn") if self.build_spec().capabilities.split_attention_at else ()
+        caps = self.build_spec().capabilities
+        return ("all_to_all", "ring_attn") if caps.split_attention_at or caps.split_attention_stacks else ()
+
+    def split_attention_targets(self) -> list:
+        """The targets of the spec's split_attention_stacks (SplitAttention
+        rows: each owner class's first module, its base), else the one of
+        split_attention_at."""
+        rows = self.build_spec().capabilities.split_attention_stacks
+        if not rows:
+            return super().split_attention_targets()
+        targets = []
+        for row in rows:
+            owner = next((m for m in self.model.modules() if type(m).__name__ == row.owner), None)
+            if owner is None:
+                raise ValueError(f"{type(self.model).__name__}: no {row.owner} module for sequence parallelism over "
+                                 f"{row.layers}")
+            targets.append((row.owner, row.layers, owner.get_submodule(row.base) if row.base else owner,
+                            dict(row.options)))
+        return targets
 
     def sequence_parallel_refusal(self, mode: str) -> str:
         return self.build_spec().capabilities.sp_refusal

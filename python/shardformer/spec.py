@@ -275,7 +275,10 @@ class Capabilities:
     split_attention_options  (name, value) pairs, extra kwargs of
                            SequenceAttentionParallel at split_attention_at
     sp_refusal             why a sequence_parallelism_mode outside sp_modes is
-                           refused ("" : not said)"""
+                           refused ("" : not said)
+    split_attention_stacks SplitAttention rows, one per layer stack all_to_all /
+                           ring_attn split on its own (an encoder-decoder), in
+                           place of split_attention_at"""
 
     sp_modes: tuple[str, ...] = ()
     split_attention_at: tuple[str, str] | None = None
@@ -288,6 +291,7 @@ class Capabilities:
     records_hidden_states: bool = True
     split_attention_options: tuple[tuple[str, Any], ...] = ()
     sp_refusal: str = ""
+    split_attention_stacks: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -440,3 +444,20 @@ class Method:
         _check_when(f"Method({self.name!r})", self.when)
         if not callable(self.function):
             raise SpecError(f"Method({self.name!r}): function must be callable, got {self.function!r}")
+
+
+@dataclass(frozen=True)
+class SplitAttention:
+    """One layer stack that all_to_all / ring_attn split on its own
+    (Capabilities.split_attention_stacks): the first module of class `owner`
+    calls the ModuleList at `layers` (a path under it); `base` is the path
+    under the owner of the module whose forward runs the stack ("" : the
+    owner); `options`, (name, value) pairs, are extra kwargs of
+    SequenceAttentionParallel (`cross`: the attentions reading the whole
+    encoder output, `full_bias`: the method building the position bias for
+    the whole sequence, shardformer.layer.sequence_attention)."""
+
+    owner: str
+    layers: str
+    base: str = ""
+    options: tuple[tuple[str, Any], ...] = ()
