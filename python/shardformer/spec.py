@@ -45,7 +45,8 @@ takes under split-gather SP (SP_KWARGS; shardformer.plan.sp_kwargs):
 
 The rows of the bespoke families (OPT, ALBERT, T5, Whisper; the block at the
 end of this module): `Method` (a method of the module's class replaced),
-`ModuleSpec.when`, `SplitGatherSpec.ends="module"` and `PolicySpec.stacks`.
+`ModuleSpec.when`, `SplitGatherSpec.ends="module"`, `PolicySpec.stacks` and
+`SplitAttention` (Capabilities.split_attention_stacks).
 """
 from __future__ import annotations
 
