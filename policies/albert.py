@@ -58,17 +58,17 @@ received rows again.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 
-from shardformer.family import Family, gathered, lm, replicated_dropout
-from shardformer.layout import Heads
+from shardformer.family import Family, gathered, lm, replicated_dropout, spec_capabilities
+from shardformer.layer.sequence import mark_layer_rows
+from shardformer.layer.sequence_layout import ENTER
 from shardformer.pipeline.stages import StageSplit
-from shardformer.plan import PlanContext, realize
-from shardformer.policies.shapes import (EncoderShape, attention_by_heads, new_sequence_state, sp_layer_subs,
-                                         sp_linear_kwargs, sp_overlap)
-from shardformer.policy import ModulePolicyDescription
-from shardformer.policy import SubModuleReplacementDescription as Sub
+from shardformer.policies.shapes import EncoderShape
+from shardformer.spec import Attribute, Entry, HeadsFrom, Method, ModuleSpec, PolicySpec, Region, SplitGatherSpec
 
 
 def _rows_of(full: torch.Tensor, size: int, rank: int) -> torch.Tensor:
@@ -101,73 +101,6 @@ def albert_attention_forward(self, hidden_states: torch.Tensor, attention_mask=N
     return self.LayerNorm(rows + out), weights
 
 
-class EncoderEnds:
-    """The split of a module's input and the gather of its output's first
-    tensor (or a ModelOutput's last_hidden_state) along the sequence, for an
-    encoder whose layers are reused (ALBERT): both ends on the encoder
-    module itself (SPLIT | GATHER of shardformer.layer.sequence,
-    for a module that returns a ModelOutput)."""
-
-    @classmethod
-    def plan_shard(cls, module, tp_size: int, rank: int, state=None, **kwargs):
-        from shardformer.layer.parallel_module import ShardPlan
-        from shardformer.layer.sequence import SequenceState
-
-        if not isinstance(state, SequenceState):
-            raise TypeError(f"EncoderEnds: state must be a SequenceState, got {type(state).__name__}")
-        return ShardPlan(tp_size, rank)
-
-    @classmethod
-    def prepare_native_module(cls, module, process_group=None, plan=None, state=None, **kwargs):
-        from shardformer.layer.parallel_module import plan_directly
-
-        if plan is None:
-            plan = plan_directly(cls, module, process_group, state=state)
-        return _EndHooks(module, state, process_group, active=plan.tp_size > 1)
-
-    @classmethod
-    def from_native_module(cls, module, process_group=None, plan=None, state=None, **kwargs):
-        return cls.prepare_native_module(module, process_group, plan=plan, state=state).commit()
-
-
-class _EndHooks:
-    def __init__(self, module, state, group, active: bool):
-        self.module, self.state, self.group, self.active = module, state, group, active
-        self.handles: list = []
-
-    def commit(self):
-        if not self.active:
-            return self.module
-        self.handles = [self.module.register_forward_pre_hook(self.split_input, with_kwargs=True),
-                        self.module.register_forward_hook(self.gather_output)]
-        return self.module
-
-    def split_input(self, _module, args, kwargs):
-        """The encoder's input hidden states cut to this rank's rows (methods,
-        not closures: the model pickles)."""
-        from shardformer.layer.sequence import split_sequence
-
-        if args:
-            return (split_sequence(args[0], self.state, self.group),) + tuple(args[1:]), kwargs
-        return args, {**kwargs, "hidden_states": split_sequence(kwargs["hidden_states"], self.state, self.group)}
-
-    def gather_output(self, _module, _args, output):
-        """The encoder's output rows gathered to the full sequence."""
-        from shardformer.layer.sequence import gather_sequence
-
-        if isinstance(output, torch.Tensor):
-            return gather_sequence(output, self.state, self.group)
-        if isinstance(output, tuple):
-            return (gather_sequence(output[0], self.state, self.group),) + tuple(output[1:])
-        output.last_hidden_state = gather_sequence(output.last_hidden_state, self.state, self.group)
-        return output
-
-    def rollback(self):
-        for handle in self.handles:
-            handle.remove()
-        self.handles.clear()
-
-
 class AlbertShape(EncoderShape):
     """Split-gather SP: the split and the gather on the encoder (EncoderEnds);
     every call of a shared AlbertLayer marks its input and output rows for
@@ -189,49 +122,47 @@ class AlbertShape(EncoderShape):
 
     sp_modes = ("split_gather",)
 
-    def layer_description(self, heads: Heads) -> ModulePolicyDescription:
-        col, row = sp_linear_kwargs(self.shard_config)
-        sp = self.shard_config.sequence_parallel
-        ffn = {**col, "gather_input": True, "overlap": sp_overlap(self.shard_config)} if sp else col
-        rest = {"attention.output_dropout": "dropout_residual", "ffn": "colwise", "ffn_output": "rowwise",
-                "dropout": "dropout_replicated"}                # (dropout: unused by AlbertLayer.forward)
-        subs = [*attention_by_heads("attention", heads, q="query", k="key", v="value", o="dense", col=col, row=row),
-                *realize(rest, PlanContext(self), row=row, extra={"ffn": ffn})]
-        if sp:
-            subs += sp_layer_subs(["attention"], ["attention.LayerNorm", "full_layer_layer_norm"],
-                                  self.state.sequence_state)
-        return ModulePolicyDescription(
-            attribute_replacement=heads.attributes({"attention.num_attention_heads": "heads",
-                                                    "attention.all_head_size": "width"}),
-            sub_module_replacement=subs)
+    def layer_entries(self) -> tuple[Entry, ...]:
+        """The entries under one AlbertLayer: query / key / value by heads,
+        dense by the same heads, the residual dropout, ffn (gathering its own
+        input rows under SP: the MLP is no module) and ffn_output."""
+        return (Entry("attention.query", "colwise_heads"), Entry("attention.key", "colwise_heads"),
+                Entry("attention.value", "colwise_heads"), Entry("attention.dense", "rowwise_heads"),
+                Entry("attention.output_dropout", "dropout_residual"), Entry("ffn", "colwise", sp="gather_rows"),
+                Entry("ffn_output", "rowwise"),
+                Entry("dropout", "dropout_replicated"))        # (dropout: unused by AlbertLayer.forward)
+
+    def build_spec(self) -> PolicySpec:
+        """The layer (layer_entries(), this rank's head attributes), the
+        embeddings (EncoderShape's), and under split-gather SP the attention's
+        forward (albert_attention_forward), the mapping-in's gradient
+        all-reduce and the split / gather around the encoder (ends="module")."""
+        sp = ("sequence_parallel",)
+        attributes = (Attribute("attention.num_attention_heads", "heads"),
+                      Attribute("attention.all_head_size", "width"))
+        regions = (Region("attention", ENTER), Region("attention.LayerNorm"), Region("full_layer_layer_norm"))
+        return PolicySpec(
+            name=self.family.name if self.family is not None else "albert",
+            modules=(ModuleSpec("AlbertLayer", self.layer_entries(), attributes, sp_linear="rows"),
+                     ModuleSpec("AlbertEmbeddings", tuple(Entry(k, v) for k, v in self.EMBEDDINGS_PLAN.items())),
+                     ModuleSpec("AlbertAttention", attributes=(Method.fixed("forward", albert_attention_forward),), when=sp),
+                     ModuleSpec("AlbertTransformer", (Entry("embedding_hidden_mapping_in",
+                                                            "replicated_with_grad_allreduce"),), when=sp)),
+            heads=HeadsFrom(kv_heads=None, head_dim=None),
+            split_gather=SplitGatherSpec("AlbertModel", "encoder", "AlbertLayer", regions, overlap=False,
+                                         ends="module"),
+            capabilities=replace(spec_capabilities(self),
+                                 split_attention_options=tuple(self.split_attention_options.items())),
+            refusals=self.refusals(),
+        )
 
     def postprocess(self):
         model = super().postprocess()
         if self.tensor_parallel and self.shard_config.sequence_parallel and self.tp_size > 1:
-            from shardformer.layer.sequence import mark_layer_rows
-
             for module in self.model.modules():
                 if type(module).__name__ == "AlbertLayer":
                     mark_layer_rows(module, self.state.sequence_state, self.shard_config.tensor_parallel_process_group)
         return model
-
-    def body_policy(self):
-        if not self.tensor_parallel:
-            return {}
-        sp = self.shard_config.sequence_parallel
-        self.state.sequence_state = new_sequence_state() if sp else None
-        policy = {"AlbertLayer": self.layer_description(self.heads_layout()),
-                  "AlbertEmbeddings": self.embeddings_description()}
-        if sp:
-            from shardformer.layer.replicated import ReplicatedInParallelRegion
-
-            policy["AlbertAttention"] = ModulePolicyDescription(
-                method_replacement={"forward": albert_attention_forward})
-            policy["AlbertTransformer"] = ModulePolicyDescription(sub_module_replacement=[
-                Sub("embedding_hidden_mapping_in", ReplicatedInParallelRegion)])
-            policy["AlbertModel"] = ModulePolicyDescription(sub_module_replacement=[
-                Sub("encoder", EncoderEnds, kwargs={"state": self.state.sequence_state})])
-        return policy
 
 
 # Both call nn.CrossEntropyLoss themselves; pre-training adds the sentence-order loss.

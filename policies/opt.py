@@ -12,7 +12,7 @@ OPTAttention reshapes the query by self.num_heads, so that becomes this
 rank's head count.  Learned positions and project_in / project_out (when
 word_embed_proj_dim != hidden_size) stay replicated.
 
-Split-gather sequence parallelism (policies/shapes.py, sp_linear_kwargs):
+Split-gather sequence parallelism (the layout above sp_linear_kwargs in policies/shapes.py):
 the hidden states are split along the sequence from decoder.layers.0 to
 the last layer (gathered after it: final_layer_norm, project_out and the
 heads see the full sequence).  self_attn takes layouts ENTER (input
@@ -32,56 +32,55 @@ on this rank's rows (gradients all-reduced).  Refused with layerdrop > 0
 """
 from __future__ import annotations
 
-from shardformer.family import Family, FamilyPolicy
-from shardformer.layout import Heads
+from shardformer.family import Family, SpecPolicy, spec_capabilities
+from shardformer.layer.sequence_layout import ENTER
 from shardformer.pipeline.stages import StageSplit
-from shardformer.plan import PlanContext, realize, split_gather_ends
-from shardformer.policies.shapes import (SplitGatherMixin, attention_by_heads, gpt_heads, new_sequence_state,
-                                         parameterized_children, sp_layer_subs, sp_linear_kwargs, sp_overlap)
-from shardformer.policy import ModulePolicyDescription
+from shardformer.policies.shapes import gpt_heads
+from shardformer.spec import (Attribute, Entry, HeadsFrom, ModuleSpec, PolicySpec, Refusal, Region, Setting,
+                              SplitGatherSpec)
 
 
-class OPTShape(SplitGatherMixin, FamilyPolicy):
+class OPTShape(SpecPolicy):
+    """A spec factory (build_spec(), interpreted by shardformer.plan.interpret):
+    the layer's entries (attention_entries(), mlp_entries()), the embedding,
+    the split-gather regions; the residual dropout probability is read from
+    the bound model's config."""
+
     split_attention_at = ("OPTDecoder", "layers")
     pipeline_split = StageSplit("OPTDecoder", "layers", last=("final_layer_norm", "project_out"))
 
     sp_modes = ("split_gather",)
+    sequence_overlap = True                 # fc1 gathers its own rows (Entry sp="gather_rows")
 
-    def config_sanity_check(self):
-        super().config_sanity_check()
-        layerdrop = getattr(self.model.config, "layerdrop", 0.0)
-        if self.shard_config.sequence_parallel and layerdrop:
-            raise NotImplementedError(f"{type(self.model).__name__}: sequence parallelism (split_gather) with "
-                                      f"layerdrop={layerdrop} is not available (set layerdrop=0)")
+    def attention_entries(self) -> tuple[Entry, ...]:
+        """q / k / v by heads, out_proj by the same heads."""
+        return (Entry("self_attn.q_proj", "colwise_heads"), Entry("self_attn.k_proj", "colwise_heads"),
+                Entry("self_attn.v_proj", "colwise_heads"), Entry("self_attn.out_proj", "rowwise_heads"))
 
-    def body_policy(self):
-        if not self.tensor_parallel:
-            return {}
-        cfg = self.model.config
-        n = cfg.num_attention_heads
-        heads = Heads(n, n, cfg.hidden_size // n)
-        sp = self.shard_config.sequence_parallel
-        col, row = sp_linear_kwargs(self.shard_config)
-        if sp and cfg.dropout:       # the layer's functional residual dropouts move into the row layers
-            row = {**row, "dropout": float(cfg.dropout)}
-        attributes = heads.attributes({"self_attn.num_heads": "heads"})
-        up = {**col, "gather_input": True, "overlap": sp_overlap(self.shard_config)} if sp else {}
-        ctx = PlanContext(self)
-        layer_subs = [*attention_by_heads("self_attn", heads, o="out_proj", col=col, row=row),
-                      *realize({"fc1": "colwise", "fc2": "rowwise"}, ctx, row=row, extra={"fc1": up})]
-        decoder_subs = realize({"embed_tokens": "embedding_rowwise"}, ctx)
-        if sp:
-            state = new_sequence_state()
-            layers = [m for m in self.model.modules() if type(m).__name__ == "OPTDecoderLayer"]
-            norms = parameterized_children(layers[0], skip=("self_attn", "fc1", "fc2"))
-            attributes["dropout"] = 0.0
-            layer_subs += sp_layer_subs(["self_attn"], norms, state)
-            decoder_subs += split_gather_ends("layers", len(layers), state)
-        return {
-            "OPTDecoderLayer": ModulePolicyDescription(attribute_replacement=attributes,
-                                                       sub_module_replacement=layer_subs),
-            "OPTDecoder": ModulePolicyDescription(sub_module_replacement=decoder_subs),
-        }
+    def mlp_entries(self) -> tuple[Entry, ...]:
+        """fc1 (gathering its own input rows under SP: the MLP is no module) and fc2."""
+        return Entry("fc1", "colwise", sp="gather_rows"), Entry("fc2", "rowwise")
+
+    def build_spec(self) -> PolicySpec:
+        entries = self.attention_entries() + self.mlp_entries()
+        p = float(getattr(self.model.config, "dropout", 0.0) or 0.0)
+        if p:        # under split-gather SP the row layers draw the layer's residual dropout on their rows
+            drop, sp = (("dropout", p),), ("sequence_parallel",)
+            entries += tuple(Entry(e.suffix, e.style, sp, kwargs=drop) for e in entries if e.style.startswith("row"))
+        attributes = (Attribute("self_attn.num_heads", "heads"), Setting("dropout", 0.0, ("sequence_parallel",)))
+        return PolicySpec(
+            name=self.family.name if self.family is not None else "opt",
+            modules=(ModuleSpec("OPTDecoderLayer", entries, attributes, sp_linear="rows"),
+                     ModuleSpec("OPTDecoder", (Entry("embed_tokens", "embedding_rowwise"),))),
+            heads=HeadsFrom(kv_heads=None, head_dim=None),
+            split_gather=SplitGatherSpec("OPTDecoder", "layers", "OPTDecoderLayer", (Region("self_attn", ENTER),),
+                                         overlap=False, skip=("self_attn", "fc1", "fc2")),
+            capabilities=spec_capabilities(self),
+            refusals=(Refusal("layerdrop", allowed=(0, None), default=0.0, when=("sequence_parallel",),
+                              error="NotImplementedError",
+                              message="{model}: sequence parallelism (split_gather) with layerdrop={value} is not "
+                                      "available (set layerdrop=0)"),),
+        )
 
 
 FAMILY = Family("opt", "opt.modeling_opt", OPTShape, heads=gpt_heads("OPT", token=False))

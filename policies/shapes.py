@@ -9,10 +9,11 @@ shardformer.plan.interpret, the one interpreter, turns it into
 replacements.  DecoderShape, EncoderShape and GPTBlockShape build it from
 the options alone; FusedQKVShape, VisionShape and StageShape also read the
 bound model's config (Falcon's fused layout, BEiT's layer scales, Swin's
-stages).  The bespoke families (policies/opt.py, albert.py, t5.py, ...)
-still write `body_policy()` in code with the plan functions (realize,
-attention_by_heads, split_gather_layer, ...); the tables below name the
-layers the styles become.
+stages); so do the bespoke families OPT, ALBERT, T5 and Whisper
+(policies/opt.py, albert.py, t5.py, whisper.py).  ChatGLM2, SAM, BLIP-2 and
+Gemma 3's multimodal model still write `body_policy()` in code with the plan
+functions (realize, attention_by_heads, split_gather_layer, ...); the tables
+below name the layers the styles become.
 Families only name their shape, options and head classes (policies/<family>.py);
 heads, the registry and the optimizations (fused norms, fused MLP
 activations, flash attention: applied by the sharder by module type, see
@@ -92,7 +93,7 @@ Both vision shapes split a `classifier` head only where the model has one
 GPTBlockShape, a GPT-style decoder (GPT-Neo, GPT-J; GPT-2 overrides its
 attention and MLP), and FusedQKVShape, a BLOOM-shaped decoder with one fused
 query_key_value (BLOOM; Falcon overrides its qkv layout): see their
-docstrings.  These, EncoderShape and OPT (policies/opt.py) take split-gather
+docstrings.  These, EncoderShape, OPT and Whisper take split-gather
 sequence parallelism with row layers that reduce-scatter themselves (their
 biases and residual dropouts sit inside the attention / MLP modules): the
 layout is described above sp_linear_kwargs.  gpt_heads() names the head
@@ -107,7 +108,7 @@ from shardformer.layer.sequence_layout import BLOCK, ENTER, ENTER_OUTPUT, LEAVE,
 from shardformer.layer.sequence import SequenceState
 from shardformer.layout import Heads
 from shardformer.pipeline.stages import StageSplit
-from shardformer.plan import (PlanContext, install_window_overlaps, interpret, realize, record_hidden_states,
+from shardformer.plan import (PlanContext, install_window_overlaps, interpret, realize,
                               split_gather_layer, split_gather_subs)
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
@@ -311,22 +312,6 @@ def new_sequence_state():
     return SequenceState()
 
 
-class SplitGatherMixin:
-    """Mixed into the hand-written shapes whose row layers reduce-scatter
-    themselves (OPT, T5, Whisper; the spec factories answer from their spec): they
-    implement ShardConfig.enable_sequence_overlap (supports_sequence_overlap:
-    a sharder may refuse the switch for policies without it), and after
-    substitution output_hidden_states=True records full-sequence states
-    (record_hidden_states) or, with records_hidden_states False, is refused."""
-
-    records_hidden_states = True      # split_gather_ends marks the layers' rows (ALBERT: mark_layer_rows)
-
-    sequence_overlap = True
-
-    def postprocess(self):
-        return record_hidden_states(self, super().postprocess())
-
-
 # ---- EncoderShape: BERT-shaped encoders ----
 
 def bert_attention_spec(prefix: str, when: tuple[str, ...] = (), attributes: bool = False) -> tuple:
@@ -402,11 +387,15 @@ class EncoderShape(SpecPolicy):
             heads=HeadsFrom(kv_heads=None, head_dim=None),
             split_gather=SplitGatherSpec(f"{p}Encoder", "layer", layer, regions, overlap=False),
             capabilities=spec_capabilities(self),
-            refusals=(Refusal("chunk_size_feed_forward", allowed=(0, None), default=0, when=("sequence_parallel",),
-                              error="NotImplementedError",
-                              message="{model}: sequence parallelism (split_gather) with chunk_size_feed_forward="
-                                      "{value} is not available (set it to 0)"),),
+            refusals=self.refusals(),
         )
+
+    def refusals(self) -> tuple[Refusal, ...]:
+        """chunk_size_feed_forward under split-gather SP (HF would chunk this rank's rows)."""
+        return (Refusal("chunk_size_feed_forward", allowed=(0, None), default=0, when=("sequence_parallel",),
+                        error="NotImplementedError",
+                        message="{model}: sequence parallelism (split_gather) with chunk_size_feed_forward="
+                                "{value} is not available (set it to 0)"),)
 
 
 # ---- VisionShape / StageShape: ViT-style layers, Swin-style stages ----

@@ -9,7 +9,7 @@ embeddings and LM head.
                                              the bias of its own heads (first layer only)
     DenseReluDense.wi (wi_0, wi_1)           Linear1D_Col
     DenseReluDense.wo                        Linear1D_Row (all-reduce forward)
-    shared, {encoder,decoder}.embed_tokens   VocabParallelEmbedding1D, re-tied after sharding
+    shared, {encoder,decoder}.embed_tokens   VocabParallelEmbedding1D, still one Parameter (spec ties)
     lm_head                                  VocabParallelLMHead1D (tied to shared when HF ties it;
                                              transformers 5 always ties, and scales the decoder
                                              output by d_model**-0.5 unless the config was made
@@ -50,7 +50,7 @@ The region hooks sit on paths under the modules that own the stacks
 T5ForQuestionAnswering), since T5Stack is one class for both stacks and each
 stack needs its own state (a recomputed encoder block in backward must not
 read the decoder's length).  output_hidden_states records both stacks'
-full-sequence states (SplitGatherMixin).  With enable_sequence_overlap the three regions take
+full-sequence states (shardformer.plan.record_hidden_states).  With enable_sequence_overlap the three regions take
 overlap=True (shardformer.layer.sequence.gather_block_input): the block's one
 all-gather is in flight while this rank's rows go through its
 sequence-parallel column layers (q, k, v; the cross attention's q; wi or
@@ -74,23 +74,14 @@ each block lands on this rank's query rows.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from torch import nn
 
-from shardformer.family import Family, FamilyPolicy, gathered, lm, replicated_dropout
-from shardformer.layer import (
-    DropoutForParallelInput,
-    DropoutForReplicatedInput,
-    Embedding1D,
-    Linear1D_Col,
-    Linear1D_Row,
-    VocabParallelEmbedding1D,
-)
-from shardformer.layout import Heads
+from shardformer.family import Family, SpecPolicy, gathered, lm, replicated_dropout, spec_capabilities
 from shardformer.layer.sequence_layout import BLOCK
-from shardformer.plan import record_ties, residual_dropout, split_gather_ends, split_gather_layer
-from shardformer.policies.shapes import SplitGatherMixin, new_sequence_state, sp_overlap
-from shardformer.policy import ModulePolicyDescription
-from shardformer.policy import SubModuleReplacementDescription as Sub
+from shardformer.spec import (Attribute, Entry, HeadsFrom, ModuleSpec, PolicySpec, Region, SplitAttention,
+                              SplitGatherSpec)
 
 # Modules that may share the weight of a model's `shared` embedding (the LM
 # head's tie is FamilyPolicy's, by identity with the input embeddings).
@@ -101,9 +92,26 @@ _TIED = ("encoder.embed_tokens", "decoder.embed_tokens")
 # and token models hold a T5Model / T5EncoderModel as `transformer`).
 _OWNERS = ("T5Model", "T5EncoderModel", "T5ForConditionalGeneration", "T5ForQuestionAnswering")
 
+#: The blocks' regions under split-gather SP, per stack (paths under a T5Block).
+_REGIONS = {"encoder": ("layer.0.SelfAttention", "layer.1.DenseReluDense"),
+            "decoder": ("layer.0.SelfAttention", "layer.1.EncDecAttention", "layer.2.DenseReluDense")}
 
-class T5Shape(SplitGatherMixin, FamilyPolicy):
+
+def _attention(at: str, kv_sp: str | None = None) -> tuple[Entry, ...]:
+    """q, k, v, o of the T5Attention at `at` (under its T5Layer*), split by
+    heads; `kv_sp`: the SP kwargs of k and v (the cross attention's read the
+    encoder output, full on every rank: none)."""
+    return (Entry(f"{at}.q", "colwise_heads"), Entry(f"{at}.k", "colwise_heads", sp=kv_sp),
+            Entry(f"{at}.v", "colwise_heads", sp=kv_sp), Entry(f"{at}.o", "rowwise_heads"))
+
+
+class T5Shape(SpecPolicy):
+    """A spec factory (build_spec(), interpreted by shardformer.plan.interpret):
+    the rows of every T5 module class, one split-gather stack per T5Stack of
+    the bound model (stacks()), the shared embeddings' ties (ties())."""
+
     attention_weights_at = {"T5Attention": 2}     # (output, position_bias, weights)
+
     @property
     def pipeline_split(self):
         """Pipeline stages over [encoder.block | decoder.block] of the module
@@ -139,125 +147,76 @@ class T5Shape(SplitGatherMixin, FamilyPolicy):
                           then=decoder)
 
     sp_modes = ("split_gather",)
+    sequence_overlap = True         # the blocks' regions overlap their one input gather (SplitGatherSpec.overlap)
 
-    def split_attention_modes(self) -> tuple[str, ...]:
-        return ("all_to_all", "ring_attn")
-
-    def split_attention_targets(self) -> list:
-        """all_to_all / ring_attn over each stack's `block` (base: the T5Stack): the
-        first block's relative position bias built for the whole padded
-        sequence (compute_bias, see shardformer.layer.sequence_attention),
-        the decoder's EncDecAttention rows attending to the whole encoder
-        output."""
-        owner = next((m for m in self.model.modules() if type(m).__name__ in _OWNERS), None)
-        if owner is None:
-            raise ValueError(f"{type(self.model).__name__}: no T5 module owning the stacks ({', '.join(_OWNERS)})")
-        targets = []
-        for stack_name in ("encoder", "decoder"):
-            stack = getattr(owner, stack_name, None)
-            if stack is None:
-                continue
-            cross = ("EncDecAttention",) if stack.is_decoder else ()
-            targets.append((type(owner).__name__, f"{stack_name}.block", stack,
-                            {"cross": cross, "full_bias": "compute_bias"}))
-        return targets
-
-    def attention_description(self, heads: Heads, attention: str, col: dict, row: dict, kv_col: dict) -> list[Sub]:
-        """q, k, v, o of the T5Attention at `attention` (under its T5Layer*):
-        `col` / `row` the extra kwargs of q and o, `kv_col` those of k and v."""
-        return [Sub(f"{attention}.q", Linear1D_Col, kwargs={"split": heads.q, **col}),
-                Sub(f"{attention}.k", Linear1D_Col, kwargs={"split": heads.q, **kv_col}),
-                Sub(f"{attention}.v", Linear1D_Col, kwargs={"split": heads.q, **kv_col}),
-                Sub(f"{attention}.o", Linear1D_Row, kwargs={"split": heads.q, **row})]
-
-    def sequence_parallel_ends(self) -> dict:
-        """{owner class: the split / gather of each stack and its blocks' regions}."""
-        policy = {}
-        overlap = sp_overlap(self.shard_config)
+    def stacks(self) -> list[tuple[str, str]]:
+        """(owner class, stack name) of every stack of the bound model: the
+        first module of each class in _OWNERS, its `encoder` and `decoder`."""
+        out, seen = [], set()
         for owner in self.model.modules():
             cls = type(owner).__name__
-            if cls not in _OWNERS or cls in policy:
-                continue
-            subs = []
-            for stack_name in ("encoder", "decoder"):
-                stack = getattr(owner, stack_name, None)
-                if stack is None:
-                    continue
-                state = new_sequence_state()
-                if stack.is_decoder:
-                    regions = ["layer.0.SelfAttention", "layer.1.EncDecAttention", "layer.2.DenseReluDense"]
-                else:
-                    regions = ["layer.0.SelfAttention", "layer.1.DenseReluDense"]
-                subs += split_gather_layer({f"{stack_name}.block.*.{r}": BLOCK for r in regions}, (), state, overlap)
-                subs += split_gather_ends(f"{stack_name}.block", len(stack.block), state)
-            policy[cls] = ModulePolicyDescription(sub_module_replacement=subs)
-        return policy
+            if cls in _OWNERS and cls not in seen:
+                seen.add(cls)
+                out += [(cls, name) for name in ("encoder", "decoder") if getattr(owner, name, None) is not None]
+        return out
 
-    def body_policy(self):
-        if not self.tensor_parallel:
-            return {}
-        cfg = self.model.config
-        heads = Heads(cfg.num_heads, cfg.num_heads, cfg.d_kv)
-        sp = self.shard_config.sequence_parallel
-        # T5 has no biases: with SP the row layers leave partial sums to the blocks' reduce-scatter
-        col = row = {"sequence_parallel": True} if sp else {}
-        drop = residual_dropout(self.shard_config)
-        policy = {
-            "T5Attention": ModulePolicyDescription(
-                attribute_replacement=heads.attributes({"n_heads": "heads", "inner_dim": "width"}),
-                sub_module_replacement=[
-                    Sub("relative_attention_bias", Embedding1D,
-                        kwargs={"split": Heads(cfg.num_heads).q, "gather_output": False}, ignore_if_not_exist=True),
-                ]),
-            "T5LayerSelfAttention": ModulePolicyDescription(sub_module_replacement=[
-                *self.attention_description(heads, "SelfAttention", col, row, col), Sub("dropout", drop)]),
-            # the cross attention's keys and values read the encoder output (full sequence, replicated)
-            "T5LayerCrossAttention": ModulePolicyDescription(sub_module_replacement=[
-                *self.attention_description(heads, "EncDecAttention", col, row, {}), Sub("dropout", drop)]),
-            "T5LayerFF": ModulePolicyDescription(sub_module_replacement=[Sub("dropout", drop)]),
-            "T5DenseActDense": ModulePolicyDescription(sub_module_replacement=[
-                Sub("wi", Linear1D_Col, kwargs=col), Sub("wo", Linear1D_Row, kwargs=row),
-                Sub("dropout", DropoutForParallelInput)]),
-            "T5DenseGatedActDense": ModulePolicyDescription(sub_module_replacement=[
-                Sub("wi_0", Linear1D_Col, kwargs=col), Sub("wi_1", Linear1D_Col, kwargs=col),
-                Sub("wo", Linear1D_Row, kwargs=row), Sub("dropout", DropoutForParallelInput)]),
-            "T5Stack": ModulePolicyDescription(sub_module_replacement=[Sub("dropout", DropoutForReplicatedInput)]),
-        }
-        if sp:
-            from shardformer.layer.replicated import ReplicatedInParallelRegion
-
-            for cls in ("T5LayerSelfAttention", "T5LayerCrossAttention", "T5LayerFF"):
-                policy[cls].sub_module_replacement.append(Sub("layer_norm", ReplicatedInParallelRegion))
-        for cls in _OWNERS:
-            policy[cls] = ModulePolicyDescription(sub_module_replacement=[
-                Sub(name, VocabParallelEmbedding1D, kwargs=self.vocab_kwargs(), ignore_if_not_exist=True)
-                for name in ("shared", "encoder.embed_tokens", "decoder.embed_tokens")])
-        if sp:
-            for cls, desc in self.sequence_parallel_ends().items():
-                policy[cls].sub_module_replacement += desc.sub_module_replacement
-        return policy
-
-    def _find_ties(self) -> list[tuple[str, str]]:
-        """(source, target) module paths whose weights are one Parameter now."""
+    def ties(self) -> tuple[tuple[str, str], ...]:
+        """(source, target) module paths of the `shared` embeddings' ties: each
+        stack's embed_tokens (shardformer.plan.record_ties keeps those the
+        model holds as one Parameter)."""
         ties = []
         for path, module in self.model.named_modules():
-            shared = getattr(module, "shared", None)
-            if not isinstance(shared, nn.Embedding):
-                continue
-            prefix = f"{path}." if path else ""
-            for name in _TIED:
-                try:
-                    target = module.get_submodule(name)
-                except AttributeError:
-                    continue
-                if getattr(target, "weight", None) is shared.weight:
-                    ties.append((f"{prefix}shared", f"{prefix}{name}"))
-        return ties
+            if isinstance(getattr(module, "shared", None), nn.Embedding):
+                prefix = f"{path}." if path else ""
+                ties += [(f"{prefix}shared", f"{prefix}{name}") for name in _TIED
+                         if getattr(module, name.split(".")[0], None) is not None]
+        return tuple(ties)
 
-    def preprocess(self):
-        if self.tensor_parallel:                # re-tied by Policy.postprocess
-            record_ties(self.state, self.model, self._find_ties())
-        return super().preprocess()
+    def build_spec(self) -> PolicySpec:
+        """The attention, feed-forward and dropout rows of every T5 module
+        class, the embeddings on the modules owning the stacks, one
+        split-gather stack per T5Stack (its regions' paths from the owner
+        through each block), the shared embeddings' ties."""
+        sp = ("sequence_parallel",)
+        norm = (Entry("layer_norm", "replicated_with_grad_allreduce", sp),)
+        residual = (Entry("dropout", "dropout_residual"),)
+        modules = (
+            ModuleSpec("T5Attention", (Entry("relative_attention_bias", "embedding_heads", optional=True),),
+                       (Attribute("n_heads", "heads"), Attribute("inner_dim", "width"))),
+            ModuleSpec("T5LayerSelfAttention", _attention("SelfAttention") + residual + norm),
+            ModuleSpec("T5LayerCrossAttention", _attention("EncDecAttention", kv_sp="") + residual + norm),
+            ModuleSpec("T5LayerFF", residual + norm),
+            ModuleSpec("T5DenseActDense", (Entry("wi", "colwise"), Entry("wo", "rowwise"),
+                                           Entry("dropout", "dropout_parallel"))),
+            ModuleSpec("T5DenseGatedActDense", (Entry("wi_0", "colwise"), Entry("wi_1", "colwise"),
+                                                Entry("wo", "rowwise"), Entry("dropout", "dropout_parallel"))),
+            ModuleSpec("T5Stack", (Entry("dropout", "dropout_replicated"),)),
+        ) + tuple(ModuleSpec(cls, tuple(Entry(name, "embedding_rowwise", optional=True)
+                                        for name in ("shared",) + _TIED)) for cls in _OWNERS)
+        stacks = tuple(SplitGatherSpec(cls, f"{name}.block", cls,
+                                       tuple(Region(f"{name}.block.*.{r}", BLOCK) for r in _REGIONS[name]))
+                       for cls, name in self.stacks())
+        return PolicySpec(
+            name=self.family.name if self.family is not None else "t5",
+            modules=modules,
+            heads=HeadsFrom("num_heads", kv_heads=None, head_dim="d_kv", hidden="d_model"),
+            split_gather=stacks[0] if stacks else None,
+            stacks=stacks[1:],
+            ties=self.ties(),
+            capabilities=replace(spec_capabilities(self), split_attention_stacks=self.split_attention_stacks()),
+        )
+
+    def split_attention_stacks(self) -> tuple[SplitAttention, ...]:
+        """all_to_all / ring_attn over each stack's `block` (base: the T5Stack)
+        of the first module owning the stacks: the first block's relative
+        position bias built for the whole padded sequence (compute_bias, see
+        shardformer.layer.sequence_attention), the decoder's EncDecAttention
+        rows attending to the whole encoder output."""
+        stacks = self.stacks()
+        return tuple(SplitAttention(cls, f"{name}.block", name,
+                                    (("cross", ("EncDecAttention",) if name == "decoder" else ()),
+                                     ("full_bias", "compute_bias")))
+                     for cls, name in stacks if cls == stacks[0][0])
 
 
 FAMILY = Family("t5", "t5.modeling_t5", T5Shape, heads={

@@ -34,7 +34,7 @@ becomes 0 and p moves into out_proj / fc2 (Linear1D_Row dropout=p: a mask
 per rank, on this rank's rows).  The layer norms run on this rank's rows
 (gradients all-reduced).  Refused: encoder_layerdrop / decoder_layerdrop > 0
 (a skipped first or last layer would skip the split or the gather).
-output_hidden_states records full-sequence states (SplitGatherMixin), which
+output_hidden_states records full-sequence states (shardformer.plan.record_hidden_states), which
 audio classification's use_weighted_layer_sum reads.
 
 all_to_all / ring_attn (shardformer.layer.sequence_attention): the
@@ -49,17 +49,19 @@ use_weighted_layer_sum in these two modes.
 """
 from __future__ import annotations
 
-from shardformer.family import Family, FamilyPolicy, lm
-from shardformer.layer import Linear1D_Col, Linear1D_Row, VocabParallelEmbedding1D
+from dataclasses import replace
+
+from shardformer.family import Family, SpecPolicy, lm, spec_capabilities
+from shardformer.layer.sequence_layout import ENTER
 from shardformer.layout import Heads
-from shardformer.plan import split_gather_ends
-from shardformer.policies.shapes import (SplitGatherMixin, new_sequence_state, parameterized_children,
-                                         sp_layer_subs, sp_linear_kwargs, sp_overlap)
-from shardformer.policy import ModulePolicyDescription
-from shardformer.policy import SubModuleReplacementDescription as Sub
+from shardformer.spec import Attribute, Entry, ModuleSpec, PolicySpec, Region, Setting, SplitAttention, SplitGatherSpec
+
+#: (stack class, layer class, config attribute of its head count, its attentions) of the two stacks
+STACKS = (("WhisperEncoder", "WhisperEncoderLayer", "encoder_attention_heads", ("self_attn",)),
+          ("WhisperDecoder", "WhisperDecoderLayer", "decoder_attention_heads", ("self_attn", "encoder_attn")))
 
 
-class WhisperShape(SplitGatherMixin, FamilyPolicy):
+class WhisperShape(SpecPolicy):
     """Option `split_head`: (column, row) module names of a head split by
     features rather than gathered (WhisperForAudioClassification's projector
     and classifier)."""
@@ -101,22 +103,7 @@ class WhisperShape(SplitGatherMixin, FamilyPolicy):
         return None
 
     sp_modes = ("split_gather",)
-
-    def split_attention_modes(self) -> tuple[str, ...]:
-        return ("all_to_all", "ring_attn")
-
-    def split_attention_targets(self) -> list:
-        """all_to_all / ring_attn over each stack's `layers` (base: the
-        WhisperEncoder / WhisperDecoder): the encoder after its conv front
-        end and positions (bidirectional, padded keys masked), the decoder
-        after its token and position embeddings (causal), its encoder_attn
-        rows attending to the whole encoder output."""
-        targets = []
-        for stack_cls, cross in (("WhisperEncoder", ()), ("WhisperDecoder", ("encoder_attn",))):
-            stack = next((m for m in self.model.modules() if type(m).__name__ == stack_cls), None)
-            if stack is not None:
-                targets.append((stack_cls, "layers", stack, {"cross": cross}))
-        return targets
+    sequence_overlap = True         # fc1 gathers its own rows (Entry sp="gather_rows")
 
     def config_sanity_check(self):
         super().config_sanity_check()
@@ -148,63 +135,67 @@ class WhisperShape(SplitGatherMixin, FamilyPolicy):
                                       f"hidden states, which hold this rank's rows only in this mode (split_gather "
                                       f"gathers them)")
 
-    def layer_description(self, layer_cls: str, n_heads: int, attns: tuple[str, ...], state) -> \
-            ModulePolicyDescription:
+    def layer_spec(self, layer_cls: str, heads: Heads, attns: tuple[str, ...]) -> ModuleSpec:
+        """The rows of one layer class: each attention's q / k / v by `heads`
+        (the cross attention's k / v read the encoder output: no SP kwargs)
+        and out_proj by the same heads, fc1 gathering its own input rows
+        under SP (the MLP is no module), fc2; the functional residual dropout
+        (`dropout`) moves into the row layers under SP and the activation
+        dropout (`activation_dropout`, on fc1's split features) into fc2,
+        each attribute set to 0."""
         cfg = self.model.config
-        heads = Heads(n_heads, n_heads, cfg.d_model // n_heads)
-        col, row = sp_linear_kwargs(self.shard_config)
-        sp = self.shard_config.sequence_parallel
-        if sp and cfg.dropout:      # the functional residual dropouts move into the row layers
-            row = {**row, "dropout": float(cfg.dropout)}
-        attrs, subs = {}, []
+        entries, attributes = (), ()
         for a in attns:
-            kv = {} if a == "encoder_attn" else col     # the cross attention's k / v read the encoder output
-            attrs.update(heads.attributes({f"{a}.num_heads": "heads", f"{a}.embed_dim": "width"}))
-            subs += [Sub(f"{a}.{p}_proj", Linear1D_Col, kwargs={"split": heads.q, **(col if p == "q" else kv)})
-                     for p in "qkv"]
-            subs.append(Sub(f"{a}.out_proj", Linear1D_Row, kwargs={"split": heads.q, **row}))
-        fc1 = {**col, "gather_input": True, "overlap": sp_overlap(self.shard_config)} if sp else {}
-        fc2 = row
-        if cfg.activation_dropout:  # on fc1's split features: a mask per rank, drawn in fc2 (attribute -> 0)
-            fc2 = {**row, "input_dropout": float(cfg.activation_dropout)}
-            attrs["activation_dropout"] = 0.0
-        subs += [Sub("fc1", Linear1D_Col, kwargs=fc1), Sub("fc2", Linear1D_Row, kwargs=fc2)]
-        if sp:
-            attrs["dropout"] = 0.0
-            layer = next(m for m in self.model.modules() if type(m).__name__ == layer_cls)
-            norms = parameterized_children(layer, skip=attns + ("fc1", "fc2"))
-            subs += sp_layer_subs(list(attns), norms, state)
-        return ModulePolicyDescription(attribute_replacement=attrs, sub_module_replacement=subs)
+            kv = "" if a == "encoder_attn" else None
+            entries += (Entry(f"{a}.q_proj", "colwise_heads", heads=heads),
+                        Entry(f"{a}.k_proj", "colwise_heads", sp=kv, heads=heads),
+                        Entry(f"{a}.v_proj", "colwise_heads", sp=kv, heads=heads),
+                        Entry(f"{a}.out_proj", "rowwise_heads", heads=heads))
+            attributes += (Attribute(f"{a}.num_heads", "heads", heads=heads),
+                           Attribute(f"{a}.embed_dim", "width", heads=heads))
+        act = (("input_dropout", float(cfg.activation_dropout)),) if cfg.activation_dropout else ()
+        entries += (Entry("fc1", "colwise", sp="gather_rows"), Entry("fc2", "rowwise", kwargs=act))
+        if cfg.dropout:
+            drop = (("dropout", float(cfg.dropout)),)
+            entries += tuple(Entry(e.suffix, e.style, ("sequence_parallel",), heads=e.heads, kwargs=drop + e.kwargs)
+                             for e in entries if e.style.startswith("row"))
+        if act:
+            attributes += (Setting("activation_dropout", 0.0),)
+        attributes += (Setting("dropout", 0.0, ("sequence_parallel",)),)
+        return ModuleSpec(layer_cls, entries, attributes, sp_linear="rows")
 
-    def body_policy(self):
-        if not self.tensor_parallel:
-            return {}
+    def build_spec(self) -> PolicySpec:
+        """One ModuleSpec per layer class of the stacks the bound model has
+        (each its own heads), the decoder's token embedding, the audio
+        classifier's split head (`split_head`), one split-gather stack each;
+        all_to_all / ring_attn over each stack's `layers` (the encoder after
+        its conv front end and positions, bidirectional with padded keys
+        masked; the decoder after its token and position embeddings, causal,
+        its encoder_attn rows attending to the whole encoder output)."""
         cfg = self.model.config
-        sp = self.shard_config.sequence_parallel
-        policy = {}
-        stacks = (("WhisperEncoder", "WhisperEncoderLayer", cfg.encoder_attention_heads, ("self_attn",)),
-                  ("WhisperDecoder", "WhisperDecoderLayer", cfg.decoder_attention_heads,
-                   ("self_attn", "encoder_attn")))
-        for stack_cls, layer_cls, n_heads, attns in stacks:
-            stack = next((m for m in self.model.modules() if type(m).__name__ == stack_cls), None)
-            if stack is None:
+        present = {type(m).__name__ for m in self.model.modules()}
+        modules, stacks = (), ()
+        for stack_cls, layer_cls, heads_at, attns in STACKS:
+            if stack_cls not in present:
                 continue
-            state = new_sequence_state() if sp else None
-            policy[layer_cls] = self.layer_description(layer_cls, n_heads, attns, state)
-            policy[stack_cls] = ModulePolicyDescription(
-                sub_module_replacement=split_gather_ends("layers", len(stack.layers), state) if sp else [])
-        if "WhisperDecoder" in policy:
-            policy["WhisperDecoder"].sub_module_replacement.insert(
-                0, Sub("embed_tokens", VocabParallelEmbedding1D, kwargs=self.vocab_kwargs()))
-        return {k: v for k, v in policy.items() if v.sub_module_replacement or v.attribute_replacement}
-
-    def module_policy(self):
-        policy = super().module_policy()
-        if self.tensor_parallel and self.split_head is not None:
+            n = getattr(cfg, heads_at)
+            modules += (self.layer_spec(layer_cls, Heads(n, n, cfg.d_model // n), attns),)
+            stacks += (SplitGatherSpec(stack_cls, "layers", layer_cls, tuple(Region(a, ENTER) for a in attns),
+                                       overlap=False, skip=attns + ("fc1", "fc2")),)
+        if "WhisperDecoder" in present:
+            modules += (ModuleSpec("WhisperDecoder", (Entry("embed_tokens", "embedding_rowwise"),)),)
+        if self.split_head is not None:
             col, row = self.split_head
-            self.append_or_create_submodule_replacement([Sub(col, Linear1D_Col), Sub(row, Linear1D_Row)],
-                                                        policy, self.model_class)
-        return policy
+            modules += (ModuleSpec(self.model_class, (Entry(col, "colwise", sp=""), Entry(row, "rowwise", sp=""))),)
+        return PolicySpec(
+            name=self.family.name if self.family is not None else "whisper",
+            modules=modules,
+            split_gather=stacks[0] if stacks else None,
+            stacks=stacks[1:],
+            capabilities=replace(spec_capabilities(self), split_attention_stacks=tuple(
+                SplitAttention(stack_cls, "layers", options=(("cross", attns[1:]),))
+                for stack_cls, _, _, attns in STACKS if stack_cls in present)),
+        )
 
 
 FAMILY = Family("whisper", "whisper.modeling_whisper", WhisperShape, heads={

@@ -198,3 +198,67 @@ def test_bespoke_rows_as_data():
     policy, _ = bound("BloomForCausalLM", ShardConfig())
     assert [r.name for r in policy.build_spec().module("BloomModel").attributes] == ["build_alibi_tensor"]
     assert list(policy.module_policy()["BloomModel"].method_replacement) == ["build_alibi_tensor"]
+
+
+@pytest.mark.parametrize("tp,default_group", [(2, False), (4, True)])
+def test_bespoke_family_subclass_matches_unsharded(pool, tp, default_group):
+    """OPT, ALBERT, T5 and Whisper are spec factories: a user subclass of each
+    overriding one row of its spec (one MLP kept whole) shards like the
+    unsharded model, at TP=2 over an explicit group and TP=4 with the plain
+    ShardConfig() (6 heads and vocabularies of 99 / 101: uneven); and every
+    tie of these four and of a model of each other family with ties holds
+    after optimize() with Policy.tie_weight unavailable (the engine keeps
+    ties; no policy re-ties)."""
+    reports = pool.run(S.bespoke_overrides_shard, tp, default_group)
+    assert len(reports) == tp and all(set(r) == {"opt", "albert", "t5", "whisper", "ties"} for r in reports)
+    assert len(reports[0]["ties"]) == len(S.TIED_MODELS) and reports[0]["ties"]["BertForMaskedLM"] == 2
+
+
+def test_bespoke_specs_are_data():
+    """Each bespoke family's spec (bound to its model): frozen and hashable,
+    equal when built twice, with the rows of the vocabulary it added: T5's
+    two split-gather stacks (encoder, decoder: each its own SequenceState)
+    and its shared embeddings' ties, Whisper's stacks with each layer's
+    own heads, ALBERT's attention forward (Method, only under split-gather SP)
+    and the split / gather around its encoder (ends="module"), OPT's fc1
+    gathering its own rows (sp="gather_rows")."""
+    from shardformer.layer.sequence_ends import EncoderEnds
+    from shardformer.spec import Method
+
+    specs = {}
+    for name in S.BESPOKE_MODELS.values():
+        policy = _policy(name)
+        spec = policy.build_spec()
+        assert spec == policy.build_spec() and hash(spec) == hash(policy.build_spec())
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            spec.name = "other"
+        assert spec.capabilities.sequence_overlap and policy.supports_sequence_overlap(), name
+        specs[name] = spec
+    opt, albert, t5, whisper = specs.values()
+    assert [e.sp for e in opt.module("OPTDecoderLayer").entries if e.suffix == "fc1"] == ["gather_rows"]
+    assert [(s.owner, s.layers) for s in (t5.split_gather,) + t5.stacks] == [
+        ("T5ForConditionalGeneration", "encoder.block"), ("T5ForConditionalGeneration", "decoder.block")]
+    assert t5.ties == (("shared", "encoder.embed_tokens"), ("shared", "decoder.embed_tokens"))
+    assert [(s.owner, s.layer) for s in (whisper.split_gather,) + whisper.stacks] == [
+        ("WhisperEncoder", "WhisperEncoderLayer"), ("WhisperDecoder", "WhisperDecoderLayer")]
+    assert whisper.module("WhisperDecoderLayer").entries[0].heads.num_heads == 6
+    assert [(r.owner, r.layers, dict(r.options)["cross"]) for r in whisper.capabilities.split_attention_stacks] == [
+        ("WhisperEncoder", "layers", ()), ("WhisperDecoder", "layers", ("encoder_attn",))]
+    assert [(r.layers, r.base) for r in t5.capabilities.split_attention_stacks] == [
+        ("encoder.block", "encoder"), ("decoder.block", "decoder")]
+    method = albert.module("AlbertAttention")
+    assert method.when == ("sequence_parallel",) and isinstance(method.attributes[0], Method)
+    assert albert.split_gather.ends == "module"
+    policy = _policy("AlbertForMaskedLM")
+    policy.begin()
+    assert "AlbertAttention" not in policy.module_policy()
+    policy.set_shard_config(ShardConfig(enable_sequence_parallelism=True))
+    described = policy.module_policy()
+    assert list(described["AlbertAttention"].method_replacement) == ["forward"]
+    assert [s.target_module for s in described["AlbertModel"].sub_module_replacement] == [EncoderEnds]
+    with pytest.raises(SpecError, match=r"SplitGatherSpec\('M'\): ends='list' is not one of"):
+        SplitGatherSpec("M", "layers", "L", (), ends="list")
+    with pytest.raises(SpecError, match=r"Method\('forward'\): function must be callable"):
+        Method.fixed("forward", "albert_attention_forward")
+    with pytest.raises(SpecError, match="stacks are given but split_gather"):
+        PolicySpec("x", (), stacks=(SplitGatherSpec("M", "layers", "L", ()),))

@@ -475,7 +475,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
     def _tied_embedding(self, matched: dict, entries: list[Entry]) -> tuple[list[Entry], tuple]:
         """(entries, ties): an LM head split by vocabulary that HF tied to the
         input embeddings keeps the tie: the embeddings are split by vocabulary
-        too, and the spec's tie re-ties them after substitution."""
+        too, and the spec records the tie (the engine keeps it: shardformer.ties)."""
         head = self.model.get_output_embeddings() if hasattr(self.model, "get_output_embeddings") else None
         inputs = self.model.get_input_embeddings() if hasattr(self.model, "get_input_embeddings") else None
         if head is None or inputs is None or head.weight is not inputs.weight:
@@ -489,7 +489,7 @@ class DerivedPolicy(SplitAttentionPolicy, Policy):
         if head_entry.style != "vocab_lm_head":
             raise self._fail(matched[head_path][0], head_path,
                              "the LM head is tied to the input embeddings and can only be split by vocabulary")
-        ties = ((in_path, head_path),)        # re-tied by Policy.postprocess
+        ties = ((in_path, head_path),)        # checked by Policy.postprocess
         if in_path in by_path:
             return [], ties
         return [self._vocab_embedding(in_path, inputs)], ties

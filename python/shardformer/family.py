@@ -24,7 +24,7 @@ Heads are split by kind (the plan styles of shardformer.plan, HEAD_STYLES):
 
     lm(suffix)          VocabParallelLMHead1D: the vocabulary (output rows) split,
                         logits gathered unless ShardConfig(parallel_output=True);
-                        re-tied to the input embeddings when HF had tied them;
+                        still tied to the input embeddings when HF had tied them;
                         `bias_of` names a module whose `bias` HF ties to the head's
     gathered(suffix)    Linear1D_Col with gather_output: a small classifier, its
                         labels split (any count) and all-gathered forward
@@ -298,7 +298,7 @@ class FamilyPolicy(SplitAttentionPolicy, Policy):
         return replacement(head.suffix, HEAD_STYLES[head.kind], PlanContext(self))
 
     def preprocess(self) -> nn.Module:
-        # An LM head is re-tied after substitution exactly when HF tied it
+        # An LM head's tie is recorded (and checked after substitution) exactly when HF tied it
         # (the same Parameter as the input embedding's), whatever the config
         # says: shardformer.plan.record_ties, the one way ties are recorded.
         embeddings = self.input_embeddings() if self.tensor_parallel else None
@@ -388,7 +388,25 @@ class SpecPolicy(FamilyPolicy):
         return own + tuple(m for m in self.split_attention_modes() if m not in own)
 
     def split_attention_modes(self) -> tuple[str, ...]:
-        return ("all_to_all", "ring_attn") if self.build_spec().capabilities.split_attention_at else ()
+        caps = self.build_spec().capabilities
+        return ("all_to_all", "ring_attn") if caps.split_attention_at or caps.split_attention_stacks else ()
+
+    def split_attention_targets(self) -> list:
+        """The targets of the spec's split_attention_stacks (SplitAttention
+        rows: each owner class's first module, its base), else the one of
+        split_attention_at."""
+        rows = self.build_spec().capabilities.split_attention_stacks
+        if not rows:
+            return super().split_attention_targets()
+        targets = []
+        for row in rows:
+            owner = next((m for m in self.model.modules() if type(m).__name__ == row.owner), None)
+            if owner is None:
+                raise ValueError(f"{type(self.model).__name__}: no {row.owner} module for sequence parallelism over "
+                                 f"{row.layers}")
+            targets.append((row.owner, row.layers, owner.get_submodule(row.base) if row.base else owner,
+                            dict(row.options)))
+        return targets
 
     def sequence_parallel_refusal(self, mode: str) -> str:
         return self.build_spec().capabilities.sp_refusal

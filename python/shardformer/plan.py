@@ -255,6 +255,18 @@ STYLES.update({s.name: s for s in (
 )})
 
 
+# ---- the bespoke families' rows (policies/t5.py, albert.py) ----
+
+_LAYERS["Embedding1D"] = _layer("", "Embedding1D")
+_LAYERS["EncoderEnds"] = _layer(".sequence_ends", "EncoderEnds")
+STYLES.update({s.name: s for s in (
+    # an embedding whose columns are the heads (T5's relative position bias table [buckets, heads]): its
+    # columns split by the same heads, not gathered: each rank looks up the bias of its own heads
+    Style("embedding_heads", "Embedding1D",
+          lambda c: {"split": Heads(_need_heads(c, "embedding_heads").num_heads).q, "gather_output": False}),
+)})
+
+
 def style_of(name: str) -> Style:
     """The Style called `name`; PlanError naming the known ones otherwise."""
     try:
@@ -417,6 +429,8 @@ def sp_kwargs(name: str, held: frozenset[str], state=None) -> dict:
         kwargs.update(gather_input=True, overlap=True)
         if name == "gather_exact":
             kwargs["sequence_state"] = state
+    if name == "gather_rows":
+        kwargs.update(gather_input=True, overlap="overlap" in held)
     return kwargs
 
 
@@ -488,15 +502,19 @@ def _parameterized_children(module, skip) -> tuple[str, ...]:
                  if name not in skip and any(True for _ in child.parameters()))
 
 
-def split_gather_subs(spec, model, shard_config, state) -> dict[str, list[Sub]]:
+def split_gather_subs(spec, model, shard_config, state, sg=None) -> dict[str, list[Sub]]:
     """{class name: subs} of the spec's split-gather sequence parallelism
     (the layer's regions, replicated norms and the modules beside the split
     layers; the owner's split and gather: one list where the layer's class
-    is the owner's)."""
-    sg, held = spec.split_gather, conditions(shard_config, model)
-    seq = state.sequence_state
-    if seq is None:
-        seq = state.sequence_state = SequenceState(sg.dim, recompute=shard_config.sequence_parallel_recompute)
+    is the owner's).  `sg`: one of spec.stacks (its own SequenceState) in
+    place of spec.split_gather (the optimize()'s state.sequence_state)."""
+    held = conditions(shard_config, model)
+    if sg is not None and sg is not spec.split_gather:
+        seq = SequenceState(sg.dim, recompute=shard_config.sequence_parallel_recompute)
+    else:
+        sg, seq = spec.split_gather, state.sequence_state
+        if seq is None:
+            seq = state.sequence_state = SequenceState(sg.dim, recompute=shard_config.sequence_parallel_recompute)
     owner = _find(model, sg.owner, spec)[0]
     layers = owner.get_submodule(sg.layers)
     regions = [r for r in sg.regions if holds(r.when, held)]
@@ -505,9 +523,9 @@ def split_gather_subs(spec, model, shard_config, state) -> dict[str, list[Sub]]:
     moved = {r.path: r.layouts for r in regions if r.layouts is not None}
     out = {sg.layer: split_gather_layer(moved, norms, seq, sg.overlap and "overlap" in held)
            + _beside_subs(sg.beside, held, shard_config)}
-    out.setdefault(sg.owner, []).extend(split_gather_ends(sg.layers, len(layers), seq,
-                                                          sg.marks)
-                                        + replicated_params(layers, sg.layers, sg.params))
+    ends = (split_gather_ends(sg.layers, len(layers), seq, sg.marks) if sg.ends == "layers"
+            else [Sub(sg.layers, _LAYERS["EncoderEnds"](), kwargs={"state": seq})])
+    out.setdefault(sg.owner, []).extend(ends + replicated_params(layers, sg.layers, sg.params))
     return out
 
 
@@ -652,6 +670,8 @@ def interpret(spec, model, shard_config, state, policy=None) -> dict:
         state.sequence_state = SequenceState(spec.split_gather.dim, recompute=shard_config.sequence_parallel_recompute)
     out = {}
     for m in spec.modules:
+        if not holds(m.when, held):
+            continue
         scale = _embed_scale(m, model)
         entries = {}                       # by suffix, as a plan dict: a later entry replaces an earlier one
         for e in m.entries:
@@ -668,19 +688,22 @@ def interpret(spec, model, shard_config, state, policy=None) -> dict:
                                              method_replacement=_methods(rows, spec, model, shard_config, state,
                                                                          heads, held))
     if split_gather_on(spec, held):
-        for key, subs in split_gather_subs(spec, model, shard_config, state).items():
-            out.setdefault(key, ModulePolicyDescription()).sub_module_replacement.extend(subs)
+        for sg in (spec.split_gather,) + tuple(s for s in spec.stacks if holds(s.when, held)):
+            for key, subs in split_gather_subs(spec, model, shard_config, state, sg).items():
+                out.setdefault(key, ModulePolicyDescription()).sub_module_replacement.extend(subs)
     record_ties(state, model, spec.ties, f"policy spec {spec.name!r}")
     return out
 
 
-# ---- ties: the one way a policy's re-ties are recorded ----
+# ---- ties: the one way a policy's ties are recorded ----
 #
 # A tie (source, target) says: after substitution, the target module's
-# `weight` is the source's Parameter again (Policy.postprocess re-ties
-# state.ties).  Every policy records its ties through record_ties: the spec's
-# ties (interpret; DerivedPolicy.translate writes the LM head's), the LM heads
-# of a family (FamilyPolicy.preprocess), T5's shared embeddings.  A tie is
+# `weight` is still the source's Parameter.  The engine keeps it (every
+# Parameter held under several names is bound as one in the replacements,
+# shardformer.ties); Policy.postprocess checks state.ties.  Every policy
+# records its ties through record_ties: the spec's ties (interpret;
+# DerivedPolicy.translate writes the LM head's, T5's factory its shared
+# embeddings'), the LM heads of a family (FamilyPolicy.preprocess).  A tie is
 # taken from the model itself: recorded only when the model holds the two
 # weights as one Parameter before substitution (transformers' tie_weights()
 # made them one, as the model's _tied_weights_keys and config declare: an LM
@@ -708,6 +731,6 @@ def held_ties(model, pairs, owner: str = "") -> list[tuple[str, str]]:
 
 
 def record_ties(state, model, pairs, owner: str = "") -> None:
-    """Add to state.ties (re-tied by Policy.postprocess) each pair of `pairs`
+    """Add to state.ties (checked by Policy.postprocess) each pair of `pairs`
     that the model ties now (held_ties), unless it is recorded already."""
     state.ties += [tie for tie in dict.fromkeys(held_ties(model, pairs, owner)) if tie not in state.ties]

@@ -77,7 +77,7 @@ class OptimizeState:
     sequence_state  the model's shardformer.layer.sequence.SequenceState under
                     split-gather SP (the sharder hands it to pipeline stages)
     ties            (source, target) module paths whose weights postprocess
-                    re-ties: the model's own ties, recorded once each by
+                    checks are still one: the model's own ties, recorded once each by
                     shardformer.plan.record_ties (a spec's ties, the LM heads
                     HF had tied to the input embedding)
     sub_policies    {id(module): Policy} of the models composed inside this one
@@ -260,13 +260,20 @@ class Policy(ABC):
         """{module class or class name: ModulePolicyDescription}."""
 
     def postprocess(self) -> nn.Module:
-        """Runs after substitution.  Here: the one way weights are re-tied,
-        state.ties ((source, target) module paths, recorded by module_policy
-        or preprocess), each target's `weight` made the source's again
-        (tie_weight).  If it raises, the model is marked partially sharded
-        (see ModelSharder)."""
+        """Runs after substitution.  Here: the ties the policy recorded
+        (state.ties, (source, target) module paths: shardformer.plan.record_ties)
+        are checked, not made.  The engine already bound them: every
+        Parameter the model held under several names before substitution is
+        one Parameter in the replacements before they are swapped in
+        (shardformer.ties, by identity), so each target's `weight` is its
+        source's; one that is not raises, naming both paths.  If it raises,
+        the model is marked partially sharded (see ModelSharder)."""
         for source, target in self.state.ties:
-            self.tie_weight(source, target)
+            held = getattr(self.model.get_submodule(source), "weight", None)
+            if getattr(self.model.get_submodule(target), "weight", None) is not held:
+                raise RuntimeError(f"{type(self.model).__name__}: {target}.weight is no longer {source}.weight after "
+                                   f"substitution, though the model tied them (shardformer.ties binds ties by "
+                                   f"Parameter identity)")
         return self.model
 
     def path_of(self, module: nn.Module) -> str:

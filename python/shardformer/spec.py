@@ -40,6 +40,15 @@ takes under split-gather SP (SP_KWARGS; shardformer.plan.sp_kwargs):
              rows itself, overlapping the all-gather with its matmul
     "gather_exact"  "gather", the gathered rows cut to the exact sequence
              (padding dropped: an attention's fused projection)
+    "gather_rows"   "col", and the layer always gathers its input rows itself
+             (gather_input=True), overlapping the all-gather with its matmul
+             under enable_sequence_overlap (an MLP that is no module of its
+             own: OPT's and Whisper's fc1, ALBERT's ffn)
+
+The rows of the bespoke families (OPT, ALBERT, T5, Whisper; the block at the
+end of this module): `Method` (a method of the module's class replaced),
+`ModuleSpec.when`, `SplitGatherSpec.ends="module"`, `PolicySpec.stacks` and
+`SplitAttention` (Capabilities.split_attention_stacks).
 """
 from __future__ import annotations
 
@@ -52,7 +61,7 @@ CONDITIONS = ("tensor_parallel", "sequence_parallel", "expert_parallel", "no_exp
               "tensor_parallel_ranks")
 
 #: The sequence-parallel kwargs an Entry may name (see the module docstring).
-SP_KWARGS = ("", "col", "row", "gather", "gather_exact")
+SP_KWARGS = ("", "col", "row", "gather", "gather_exact", "gather_rows")
 #: ModuleSpec.sp_linear: the SP kwargs of its (column, row) styles.
 SP_LINEAR = {"": ("", ""), "block": ("col", "col"), "rows": ("col", "row")}
 
@@ -157,15 +166,20 @@ class ModuleSpec:
                 reduce-scatters), "rows" (the row layers reduce-scatter
                 themselves), "" (none)
     embed_scale an embedding_rowwise entry is scaled like the model's input
-                embedding (Gemma: sqrt(hidden), or its scalar_embed_scale)"""
+                embedding (Gemma: sqrt(hidden), or its scalar_embed_scale)
+    when        conditions of the whole module: when one does not hold the
+                class gets no description at all (ALBERT's attention forward,
+                replaced only under split-gather SP)"""
 
     key: str
     entries: tuple[Entry, ...] = ()
     attributes: tuple[Attribute, ...] = ()
     sp_linear: str = "block"
     embed_scale: bool = False
+    when: tuple[str, ...] = ()
 
     def __post_init__(self):
+        _check_when(f"ModuleSpec({self.key!r})", self.when)
         rows = tuple(a if isinstance(a, (Attribute, Setting, Method)) else Attribute(*a) for a in self.attributes)
         object.__setattr__(self, "attributes", rows)      # pairs read as Attribute rows
         if self.sp_linear not in SP_LINEAR:
@@ -203,6 +217,10 @@ class SplitGatherSpec:
                False: no marks (ChatGLM2, whose capabilities refuse those states)
     when       conditions of the whole split-gather SP besides
                "sequence_parallel" (SAM: "tensor_parallel_ranks", none on one rank)
+    ends       where the sequence is split and gathered (SPLIT_ENDS): "layers",
+               at the first and last layer of the list; "module", at the input
+               and output of the one module at `layers` (an encoder whose
+               layers are reused, ALBERT's: shardformer.layer.sequence_ends.EncoderEnds)
 
     `layer` may be the owner's own class: the region paths then run from
     the owner through each layer ("model.layers.0.mlp"), for a stack whose
@@ -221,11 +239,14 @@ class SplitGatherSpec:
     dim: int = 1
     marks: bool = True
     when: tuple[str, ...] = ()
+    ends: str = "layers"
 
     def __post_init__(self):
         rows = tuple(r if isinstance(r, Region) else Region(*r) for r in self.regions)
         object.__setattr__(self, "regions", rows)            # pairs read as Region rows
         _check_when(f"SplitGatherSpec({self.owner!r})", self.when)
+        if self.ends not in SPLIT_ENDS:
+            raise SpecError(f"SplitGatherSpec({self.owner!r}): ends={self.ends!r} is not one of {SPLIT_ENDS}")
         bad = [e for e in self.beside if not isinstance(e, Entry)]
         if bad:
             raise SpecError(f"SplitGatherSpec({self.owner!r}): beside takes Entry rows, got {bad[0]!r}")
@@ -273,7 +294,10 @@ class Capabilities:
     split_attention_options  (name, value) pairs, extra kwargs of
                            SequenceAttentionParallel at split_attention_at
     sp_refusal             why a sequence_parallelism_mode outside sp_modes is
-                           refused ("" : not said)"""
+                           refused ("" : not said)
+    split_attention_stacks SplitAttention rows, one per layer stack all_to_all /
+                           ring_attn split on its own (an encoder-decoder), in
+                           place of split_attention_at"""
 
     sp_modes: tuple[str, ...] = ()
     split_attention_at: tuple[str, str] | None = None
@@ -286,6 +310,7 @@ class Capabilities:
     records_hidden_states: bool = True
     split_attention_options: tuple[tuple[str, Any], ...] = ()
     sp_refusal: str = ""
+    split_attention_stacks: tuple = ()
 
 
 @dataclass(frozen=True)
@@ -296,6 +321,9 @@ class PolicySpec:
     modules       the ModuleSpecs, one per module class
     heads         where the head counts are read (HeadsFrom), None: no head attributes / styles
     split_gather  the split-gather SP of the layer stack (SplitGatherSpec), or None
+    stacks        more SplitGatherSpecs, one per further layer stack, each with
+                  its own SequenceState (an encoder-decoder's decoder: Whisper,
+                  T5); split_gather is then the first stack
     ties          (source path, target path) pairs whose target `weight` is made the
                   source's after substitution (besides the LM heads HF had tied)
     capabilities  Capabilities
@@ -308,8 +336,11 @@ class PolicySpec:
     ties: tuple[tuple[str, str], ...] = ()
     capabilities: Capabilities = Capabilities()
     refusals: tuple[Refusal, ...] = ()
+    stacks: tuple[SplitGatherSpec, ...] = ()
 
     def __post_init__(self):
+        if self.stacks and self.split_gather is None:
+            raise SpecError(f"PolicySpec {self.name!r}: stacks are given but split_gather (the first stack) is not")
         keys = [m.key for m in self.modules]
         twice = sorted({k for k in keys if keys.count(k) > 1})
         if twice:
@@ -361,6 +392,9 @@ class WindowOverlap:
     first: int = 0
 
 
+#: SplitGatherSpec.ends: where a layer stack's sequence is split and gathered.
+SPLIT_ENDS = ("layers", "module")
+
 #: Stack.ends: how a stack's blocks meet the sequence (see Stack).
 STACK_ENDS = ("split_gather", "rows_between")
 
@@ -410,7 +444,7 @@ class Stack:
         return f"{self.path}#stack"
 
 
-# ---- rows of the bespoke families (policies/chatglm2.py, sam.py, bloom.py) ----
+# ---- rows of the bespoke families (policies/opt.py, albert.py, t5.py, whisper.py, chatglm2.py, sam.py, bloom.py) ----
 
 
 @dataclass(frozen=True)
@@ -432,13 +466,27 @@ class MethodSite:
 
 
 @dataclass(frozen=True)
+class SameMethod:
+    """A Method's `make` that gives `function` itself whatever the site
+    (Method.fixed)."""
+
+    function: Any
+
+    def __call__(self, site: MethodSite) -> Any:
+        return self.function
+
+
+@dataclass(frozen=True)
 class Method:
-    """The method `name` ("forward") of every
-    module of the class replaced by `make(site)` (a MethodSite), when the
-    conditions `when` hold.  `make` is a module-level function returning a
-    module-level function or a functools.partial of one, so the sharded
-    model pickles (SAM's layer forward on this rank's grid rows; BLOOM's
-    ALiBi builder keeping this rank's heads)."""
+    """The method `name` ("forward") of every module of the ModuleSpec's
+    class replaced by `make(site)` (a MethodSite), when the conditions `when`
+    hold; a row of ModuleSpec.attributes.  `make` is a module-level function
+    returning a module-level function or a functools.partial of one, so the
+    sharded model pickles (SAM's layer forward on this rank's grid rows;
+    BLOOM's ALiBi builder keeping this rank's heads).  Method.fixed(name,
+    function) replaces it by one function on every rank (ALBERT's attention,
+    whose residual add and post-norm sit inside the module, under
+    split-gather SP)."""
 
     name: str
     make: Any
@@ -448,3 +496,27 @@ class Method:
         _check_when(f"Method({self.name!r})", self.when)
         if not callable(self.make):
             raise SpecError(f"Method({self.name!r}): make must be callable, got {type(self.make).__name__}")
+
+    @classmethod
+    def fixed(cls, name: str, function: Any, when: tuple[str, ...] = ()) -> "Method":
+        """The method `name` replaced by `function` itself on every rank."""
+        if not callable(function):
+            raise SpecError(f"Method({name!r}): function must be callable, got {function!r}")
+        return cls(name, SameMethod(function), when)
+
+
+@dataclass(frozen=True)
+class SplitAttention:
+    """One layer stack that all_to_all / ring_attn split on its own
+    (Capabilities.split_attention_stacks): the first module of class `owner`
+    calls the ModuleList at `layers` (a path under it); `base` is the path
+    under the owner of the module whose forward runs the stack ("" : the
+    owner); `options`, (name, value) pairs, are extra kwargs of
+    SequenceAttentionParallel (`cross`: the attentions reading the whole
+    encoder output, `full_bias`: the method building the position bias for
+    the whole sequence, shardformer.layer.sequence_attention)."""
+
+    owner: str
+    layers: str
+    base: str = ""
+    options: tuple[tuple[str, Any], ...] = ()

@@ -226,3 +226,143 @@ def check_shape_specs() -> None:
         pass
     else:
         raise AssertionError("a Stack row is not frozen")
+
+
+# ---- the bespoke families as specs (issue 33: OPT, ALBERT, T5, Whisper) and ties kept without re-tying ----
+
+#: the model of each bespoke family a user subclass shards (each ties its LM head / shared embeddings;
+#: 6 heads: uneven over 4 ranks; vocabularies 99 / 101: uneven over 2 and 4)
+BESPOKE_MODELS = {"opt": "OPTForCausalLM", "albert": "AlbertForMaskedLM", "t5": "T5ForConditionalGeneration",
+                  "whisper": "WhisperForConditionalGeneration"}
+#: per family: the module paths the user subclass leaves whole (its MLP of the first layer's class)
+KEPT_WHOLE = {"opt": ("model.decoder.layers.0.fc1", "model.decoder.layers.1.fc2"),
+              "albert": ("albert.encoder.albert_layer_groups.0.albert_layers.0.ffn",),
+              "t5": ("encoder.block.0.layer.1.DenseReluDense.wi", "decoder.block.1.layer.2.DenseReluDense.wo"),
+              "whisper": ("model.encoder.layers.0.fc1", "model.encoder.layers.1.fc2")}
+
+
+def bespoke_subclasses(called: list) -> dict:
+    """{family: a user subclass of its built-in policy} overriding one row
+    of its spec, each keeping one MLP whole (replicated): OPT's mlp_entries(),
+    ALBERT's layer_entries() (ffn / ffn_output dropped), Whisper's layer_spec()
+    of the encoder layer, T5's build_spec() (the ReLU feed-forward's ModuleSpec
+    dropped).  Each records its call in `called`."""
+    from shardformer.policies.albert import AlbertForMaskedLMPolicy
+    from shardformer.policies.opt import OPTForCausalLMPolicy
+    from shardformer.policies.t5 import T5ForConditionalGenerationPolicy
+    from shardformer.policies.whisper import WhisperForConditionalGenerationPolicy
+
+    class MyOPT(OPTForCausalLMPolicy):
+        def mlp_entries(self):
+            called.append("mlp_entries")
+            return ()
+
+    class MyAlbert(AlbertForMaskedLMPolicy):
+        def layer_entries(self):
+            called.append("layer_entries")
+            return tuple(e for e in super().layer_entries() if e.suffix not in ("ffn", "ffn_output"))
+
+    class MyT5(T5ForConditionalGenerationPolicy):
+        def build_spec(self):
+            called.append("build_spec")
+            spec = super().build_spec()
+            return dataclasses.replace(spec, modules=tuple(m for m in spec.modules if m.key != "T5DenseActDense"))
+
+    class MyWhisper(WhisperForConditionalGenerationPolicy):
+        def layer_spec(self, layer_cls, heads, attns):
+            called.append("layer_spec")
+            spec = super().layer_spec(layer_cls, heads, attns)
+            if layer_cls != "WhisperEncoderLayer":
+                return spec
+            return dataclasses.replace(spec, entries=tuple(e for e in spec.entries if e.suffix not in ("fc1", "fc2")))
+
+    return {"opt": MyOPT, "albert": MyAlbert, "t5": MyT5, "whisper": MyWhisper}
+
+
+def bespoke_overrides_shard(ctx, default_group: bool) -> dict:
+    """Each bespoke family's user subclass (bespoke_subclasses): its override
+    is read by the family's spec factory, the modules it keeps whole stay
+    nn.Linear, the rest is split, and the model shards like the unsharded one
+    (forward, loss, every gradient, an SGD step), its ties held; then
+    ties_kept_without_retying for the other families.  Policy.tie_weight is
+    unavailable throughout (no policy re-ties: issue 33 item 2)."""
+    from torch import nn
+
+    from shardformer.layer import Linear1D_Col
+
+    reports = {}
+    with no_retying():
+        for family, name in BESPOKE_MODELS.items():
+            called: list = []
+            cls = bespoke_subclasses(called)[family]
+            kept: dict = {}
+
+            def build():
+                kept["model"] = model = zoo.build(name)
+                kept["ties"] = ties_of(model)
+                return model
+
+            reports[family] = parity.check_sharded(ctx, build, zoo.make_inputs(name), name=f"{name} ({cls.__name__})",
+                                                   policy=cls(), default_group=default_group)
+            assert called, f"{cls.__name__}: the override was never called"
+            model = kept["model"]
+            whole = [p for p in KEPT_WHOLE[family] if type(model.get_submodule(p)) is not nn.Linear]
+            assert not whole, f"{cls.__name__}: {whole} were split, though the subclass's spec keeps them whole"
+            assert any(isinstance(m, Linear1D_Col) for m in model.modules()), f"{cls.__name__}: nothing was split"
+            assert kept["ties"] and not untied(model, kept["ties"]), f"{name}: untied {untied(model, kept['ties'])}"
+        reports["ties"] = ties_kept_without_retying(ctx, default_group)
+    return reports
+
+
+#: one model with ties (one Parameter under several names) of every other built-in family that has one
+#: (OPT, ALBERT, T5, Whisper: BESPOKE_MODELS)
+TIED_MODELS = ("BertForMaskedLM", "Blip2ForConditionalGeneration", "BloomForCausalLM", "ErnieForCausalLM",
+               "FalconForCausalLM", "GPT2DoubleHeadsModel", "GPTNeoForCausalLM", "Gemma2ForCausalLM",
+               "Gemma3ForCausalLM", "GemmaForCausalLM", "Qwen2ForCausalLM", "RobertaForCausalLM", "SamModel")
+
+
+class no_retying:
+    """Within it, Policy.tie_weight raises (naming the policy and the names it would re-tie)."""
+
+    def __enter__(self):
+        from shardformer.policy import Policy
+
+        def refuse(policy, source, target, name="weight"):
+            raise AssertionError(f"{type(policy).__name__} re-tied {target}.{name} to {source}.{name}")
+
+        self.saved, Policy.tie_weight = Policy.tie_weight, refuse
+
+    def __exit__(self, *exc):
+        from shardformer.policy import Policy
+
+        Policy.tie_weight = self.saved
+
+
+def ties_of(model) -> list[list[str]]:
+    """The parameter names of `model` that share one Parameter, per Parameter held under two or more."""
+    names: dict = {}
+    for path, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(path)
+    return [paths for paths in names.values() if len(paths) > 1]
+
+
+def untied(model, ties) -> list:
+    """The groups of `ties` (ties_of before optimize()) that `model` no longer holds as one Parameter."""
+    after = dict(model.named_parameters(remove_duplicate=False))
+    return [paths for paths in ties if len({id(after[p]) for p in paths}) != 1]
+
+
+def ties_kept_without_retying(ctx, default_group: bool) -> dict:
+    """Every tie of every model of TIED_MODELS (the names holding one
+    Parameter before optimize()) holds one Parameter after it, under
+    no_retying(): the engine binds ties by Parameter identity (shardformer.ties)."""
+    group = {} if default_group else {"tensor_parallel_process_group": ctx.group}
+    counts = {}
+    for name in TIED_MODELS:
+        model = zoo.build(name)
+        ties = ties_of(model)
+        assert ties, f"{name}: the zoo model has no tie"
+        ShardFormer(shard_config=ShardConfig(**group)).optimize(model)
+        assert not untied(model, ties), f"{name}: untied after optimize(): {untied(model, ties)}"
+        counts[name] = len(ties)
+    return counts
