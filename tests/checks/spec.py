@@ -241,7 +241,7 @@ KEPT_WHOLE = {"opt": ("model.decoder.layers.0.fc1", "model.decoder.layers.1.fc2"
               "whisper": ("model.encoder.layers.0.fc1", "model.encoder.layers.1.fc2")}
 
 
-def bespoke_subclasses(called: list) -> dict:
+def bespoke_family_subclasses(called: list) -> dict:
     """{family: a user subclass of its built-in policy} overriding one row
     of its spec, each keeping one MLP whole (replicated): OPT's mlp_entries(),
     ALBERT's layer_entries() (ffn / ffn_output dropped), Whisper's layer_spec()
@@ -280,7 +280,7 @@ def bespoke_subclasses(called: list) -> dict:
 
 
 def bespoke_overrides_shard(ctx, default_group: bool) -> dict:
-    """Each bespoke family's user subclass (bespoke_subclasses): its override
+    """Each bespoke family's user subclass (bespoke_family_subclasses): its override
     is read by the family's spec factory, the modules it keeps whole stay
     nn.Linear, the rest is split, and the model shards like the unsharded one
     (forward, loss, every gradient, an SGD step), its ties held; then
@@ -294,7 +294,7 @@ def bespoke_overrides_shard(ctx, default_group: bool) -> dict:
     with no_retying():
         for family, name in BESPOKE_MODELS.items():
             called: list = []
-            cls = bespoke_subclasses(called)[family]
+            cls = bespoke_family_subclasses(called)[family]
             kept: dict = {}
 
             def build():
