@@ -1,0 +1,128 @@
+"""Rank-side checks of a failing stage (tests/test_pipefail.py).
+
+One rank raises in the middle of a pipeline step (a forward hook on one of
+its decoder layers raising at micro-batch 2, in the forward or, through a
+hook on the layer's output, in the backward): that rank must re-raise its
+own exception (same type) with shardformer's note, and every other rank a
+PeerFailed naming the failing rank, its exception and where, within seconds
+(the times go back to the driver, which compares them across ranks).  Then
+the same schedule runs a good step on the same model: its loss and every
+gradient equal the unsharded HF model's from the same seed."""
+from __future__ import annotations
+
+import inspect
+import time
+
+import torch
+
+from checks import parity
+from checks.pipeline import batch_of
+from checks.zero_bubble import _pipelined
+from shardformer.distributed.failures import PeerFailed
+from shardformer.pipeline import (GPipeSchedule, InterleavedSchedule, OneForwardOneBackwardSchedule,
+                                  ZeroBubbleSchedule, ZeroBubbleVSchedule)
+
+NAME = "LlamaForCausalLM"
+M = 4                  # micro-batches; the hook raises at micro-batch BAD_MB
+BAD_MB = 2
+# schedule -> (class, chunks, layout)
+SCHEDULES = {"gpipe": (GPipeSchedule, 1, "loop"), "1f1b": (OneForwardOneBackwardSchedule, 1, "loop"),
+             "zb-h1": (ZeroBubbleSchedule, 1, "loop"), "interleaved": (InterleavedSchedule, 2, "loop"),
+             "zb-v": (ZeroBubbleVSchedule, 2, "v")}
+
+
+class StageBoom(Exception):
+    """The user's exception, raised on the failing rank only."""
+
+
+def _held_layer(model):
+    """The first decoder layer this rank holds (its chunk 0's first)."""
+    for module in model.modules():
+        if type(module).__name__ == "LlamaDecoderLayer" and any(True for _ in module.parameters()):
+            return module
+    raise AssertionError("no decoder layer on this rank")
+
+
+def _raising_hook(phase: str, raised: dict):
+    """A forward hook raising StageBoom at micro-batch BAD_MB: in its forward,
+    or (phase "backward") when the gradient of that call's output arrives."""
+    calls = [0]
+
+    def boom(*_):
+        raised["t"] = time.time()
+        raise StageBoom(f"bad value at micro-batch {BAD_MB} ({phase})")
+
+    def hook(module, args, out):
+        calls[0] += 1
+        if calls[0] != BAD_MB + 1:
+            return None
+        if phase == "forward":
+            boom()
+        (out if isinstance(out, torch.Tensor) else out[0]).register_hook(boom)
+        return None
+    return hook
+
+
+def _one_failure(ctx, runner, model, batch, bad: int, phase: str, schedule: str) -> dict:
+    """Run the step with rank `bad` raising; what this rank saw, checked."""
+    raised: dict = {}
+    handle = _held_layer(model).register_forward_hook(_raising_hook(phase, raised)) if ctx.rank == bad else None
+    t0 = time.time()
+    try:
+        runner.forward_backward_step(model, batch)
+    except BaseException as e:  # noqa: BLE001 - the check looks at whatever came
+        error = e
+    else:
+        raise AssertionError(f"{schedule}: rank {ctx.rank}: the step with rank {bad} raising returned")
+    finally:
+        if handle is not None:
+            handle.remove()
+    caught = time.time()
+    text = str(error)
+    if ctx.rank == bad:
+        assert type(error) is StageBoom, f"{schedule}: the failing rank raised {type(error).__name__}: {text}"
+        notes = " ".join(getattr(error, "__notes__", []))
+        assert "shardformer" in notes and f"global rank {bad} raised this" in notes, notes
+        assert f"micro-batch {BAD_MB}" in notes and f"{SCHEDULES[schedule][0].name} schedule" in notes, notes
+        return {"raised": raised["t"], "caught": caught, "start": t0}
+    assert isinstance(error, PeerFailed), f"{schedule}: rank {ctx.rank}: {type(error).__name__}: {text}"
+    assert error.ranks == [bad], (error.ranks, text)
+    for part in (f"global rank {bad} raised", "StageBoom", f"bad value at micro-batch {BAD_MB} ({phase})",
+                 f"{phase} of micro-batch {BAD_MB}", f"{SCHEDULES[schedule][0].name} schedule",
+                 f"global rank {ctx.rank} stopped waiting"):
+        assert part in text, f"{schedule}: rank {ctx.rank}: {part!r} not in: {text}"
+    return {"caught": caught, "start": t0}
+
+
+def _good_step(runner, model, ref, batch, tag: str) -> float:
+    """A step with good input after the failure: loss and gradients equal the unsharded model's."""
+    for mdl in (model, ref):
+        mdl.zero_grad(set_to_none=True)
+    out = runner.forward_backward_step(model, batch)
+    no_cache = {"use_cache": False} if "use_cache" in inspect.signature(type(ref).forward).parameters else {}
+    exp = ref(**batch, **no_cache)
+    exp.loss.backward()
+    err = parity.assert_close(f"{tag} loss after a failed step", out["loss"], exp.loss.detach(), parity.TOL[torch.float32])
+    return max(err, parity.compare_grads(model, ref, f"{tag} after a failed step", parity.TOL[torch.float32]))
+
+
+def failing_stage(ctx, pp: int, how: str, bad: int, cases, tp: int = 1) -> list[dict]:
+    """For each (schedule, phase) of `cases`: rank `bad` raises at micro-batch
+    BAD_MB (see the module doc), then a good step equals unsharded.  One model
+    per (chunks, layout), reused by the schedules that share it.  Returns, per
+    case, this rank's times (time.time(): `raised` on the failing rank,
+    `caught` everywhere) and the good step's worst relative error."""
+    built: dict = {}
+    batch = batch_of(NAME, 2 * M)
+    out = []
+    for schedule, phase in cases:
+        cls, chunks, layout = SCHEDULES[schedule]
+        if (chunks, layout) not in built:
+            built[(chunks, layout)] = _pipelined(ctx, NAME, pp, tp, schedule, max(4, pp * chunks), how,
+                                                 shape=(chunks, layout))
+        ref, model, sm = built[(chunks, layout)]
+        runner = cls(sm, num_microbatches=M)
+        seen = _one_failure(ctx, runner, model, batch, bad, phase, schedule)
+        seen["good"] = _good_step(runner, model, ref, batch, f"{NAME} ({schedule}, pp={pp}, tp={tp}, {how})")
+        out.append(dict(seen, schedule=schedule, phase=phase))
+    return out
