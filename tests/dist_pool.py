@@ -158,7 +158,7 @@ class RankPool:
                     errors.append(f"--- rank {r} ---\n{value}")
             if pending and time.time() > limit:
                 self.stop(stuck=pending)  # restart the pool on the next call
-                why = f"{GRACE_S:g} s after rank {errors[0][4:].split()[0]} failed" if errors else f"{seconds:g} s"
+                why = f"{GRACE_S:g} s after rank {errors[0].split()[2]} failed" if errors else f"{seconds:g} s"
                 errors.append(f"ranks {sorted(pending)} did not finish within {why} (killed; pool restarted)")
                 break
         if errors:

@@ -1,9 +1,9 @@
 """A stage that raises in the middle of a pipeline step (shardformer.distributed.failures):
 the failing rank re-raises its own exception with a note, every peer raises PeerFailed naming
 it, its exception and where, within seconds (never a hang), and a following good step equals
-the unsharded model.  Every schedule, a failure in the forward and one in the backward; 2 ranks
-with the plain ShardConfig() (PipelineStageManager over the world), 4 ranks with an explicit
-pipeline group and TP=2 x PP=2 (the tensor-parallel peer learns of it in its all-reduce and
+the unsharded model.  A batch only one rank is given, a failure in the forward and one in the backward; 2 ranks
+with the plain ShardConfig() (PipelineStageManager over the world) and every schedule, 4 ranks
+with an explicit pipeline group (the two-chunk schedules: one model each) and TP=2 x PP=2 (the tensor-parallel peer learns of it in its all-reduce and
 passes it on to its own pipeline).  Each pool call is limited to 60 s: on a regression the
 peers hang, and the call fails then rather than after the pool's 240 s."""
 import pytest
@@ -21,14 +21,14 @@ def _assert_prompt(report, bad: int):
 
 
 def test_failing_stage_2_ranks_default_group(pool2):
-    cases = [(s, "forward") for s in check.SCHEDULES] + [("1f1b", "backward"), ("zb-v", "backward")]
+    cases = [("1f1b", "batch")] + [(s, "forward") for s in check.SCHEDULES] + [("1f1b", "backward")]
     report = pool2.run_within(LIMIT_S, check.failing_stage, 2, 2, "default", 1, cases)
     _assert_prompt(report, 1)
 
 
 @pytest.mark.compat_covered_by("test_failing_stage_2_ranks_default_group")   # the same HF layers
 def test_failing_stage_4_ranks_explicit_groups(pool):
-    cases = [(s, "forward") for s in check.SCHEDULES] + [("interleaved", "backward")]
+    cases = [("interleaved", "batch"), ("interleaved", "backward"), ("zb-v", "forward"), ("zb-v", "backward")]
     report = pool.run_within(LIMIT_S, check.failing_stage, 4, 4, "groups", 1, cases)
     _assert_prompt(report, 1)
     report = pool.run_within(LIMIT_S, check.failing_stage, 4, 2, "groups", 1, [("1f1b", "forward")], tp=2)
