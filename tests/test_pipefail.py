@@ -1,11 +1,12 @@
 """A stage that raises in the middle of a pipeline step (shardformer.distributed.failures):
 the failing rank re-raises its own exception with a note, every peer raises PeerFailed naming
 it, its exception and where, within seconds (never a hang), and a following good step equals
-the unsharded model.  A batch only one rank is given, a failure in the forward and one in the backward; 2 ranks
-with the plain ShardConfig() (PipelineStageManager over the world) and every schedule, 4 ranks
-with an explicit pipeline group (the two-chunk schedules: one model each) and TP=2 x PP=2 (the tensor-parallel peer learns of it in its all-reduce and
-passes it on to its own pipeline).  Each pool call is limited to 60 s: on a regression the
-peers hang, and the call fails then rather than after the pool's 240 s."""
+the unsharded model.  Cases: a batch only one rank is given, a failure in the forward, one in
+the backward.  2 ranks: the plain ShardConfig() (PipelineStageManager over the world), every
+schedule.  4 ranks: an explicit pipeline group (the two-chunk schedules, one model each), and
+TP=2 x PP=2 (the tensor-parallel peer learns of it in its all-reduce and passes it on to its
+own pipeline).  Each pool call is limited to 60 s: on a regression the peers hang, and the
+call fails then rather than after the pool's 240 s."""
 import pytest
 
 from checks import pipefail as check
