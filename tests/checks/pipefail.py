@@ -114,23 +114,68 @@ def _good_step(runner, model, ref, batch, tag: str) -> float:
     return max(err, parity.compare_grads(model, ref, f"{tag} after a failed step", parity.TOL[torch.float32]))
 
 
-def failing_stage(ctx, pp: int, how: str, bad: int, cases, tp: int = 1) -> list[dict]:
-    """For each (schedule, phase) of `cases`: rank `bad` raises at micro-batch
+def _failing_generate(ctx, model, ref, bad: int) -> dict:
+    """generate() with rank `bad` raising at decoding step BAD_MB + 1 (its layer's
+    third call: the prefill, then two new tokens), then a greedy generate() equal
+    to the unsharded model's."""
+    from checks.pipeline_generate import prompts
+
+    model.eval()
+    ref.eval()
+    batch, kwargs = prompts(), dict(max_new_tokens=5, pad_token_id=0, do_sample=False)
+    raised: dict = {}
+    handle = _held_layer(model).register_forward_hook(_raising_hook("forward", raised)) if ctx.rank == bad else None
+    try:
+        with torch.no_grad():
+            model.generate(**batch, **kwargs)
+    except BaseException as e:  # noqa: BLE001 - the check looks at whatever came
+        error = e
+    else:
+        raise AssertionError(f"generate: rank {ctx.rank}: rank {bad} raising, generate() returned")
+    finally:
+        if handle is not None:
+            handle.remove()
+    caught, text = time.time(), str(error)
+    step = f"decoding step {BAD_MB + 1}"
+    if ctx.rank == bad:
+        notes = " ".join(getattr(error, "__notes__", []))
+        assert type(error) is StageBoom and f"generate, stage {bad}" in notes and step in notes, (text, notes)
+    else:
+        assert type(error).__name__ == "PeerFailed", f"generate: rank {ctx.rank}: {type(error).__name__}: {text}"
+        for part in (f"global rank {bad} raised", "StageBoom", step, f"global rank {ctx.rank} stopped waiting"):
+            assert part in text, f"generate: rank {ctx.rank}: {part!r} not in: {text}"
+    with torch.no_grad():
+        got, exp = model.generate(**batch, **kwargs), ref.generate(**batch, **kwargs)
+    assert torch.equal(got, exp), f"generate after a failure: rank {ctx.rank} decoded\n{got}\nunsharded\n{exp}"
+    model.train()
+    ref.train()
+    return {"raised": raised.get("t"), "caught": caught, "good": 0.0}
+
+
+def failing_stage(ctx, bad: int, runs) -> list[dict]:
+    """For each (pp, tp, how, cases) of `runs` (how: checks.zero_bubble._pipelined's)
+    and each (schedule, phase) of its cases: rank `bad` raises at micro-batch
     BAD_MB (see the module doc), then a good step equals unsharded.  One model
-    per (chunks, layout), reused by the schedules that share it.  Returns, per
-    case, this rank's times (time.time(): `raised` on the failing rank,
+    per (chunks, layout) and run, reused by the schedules that share it; a case
+    ("generate", _) runs _failing_generate on the one-chunk model.  Returns,
+    per case, this rank's times (time.time(): `raised` on the failing rank,
     `caught` everywhere) and the good step's worst relative error."""
-    built: dict = {}
     batch = batch_of(NAME, 2 * M)
     out = []
-    for schedule, phase in cases:
-        cls, chunks, layout = SCHEDULES[schedule]
-        if (chunks, layout) not in built:
-            built[(chunks, layout)] = _pipelined(ctx, NAME, pp, tp, schedule, max(4, pp * chunks), how,
-                                                 shape=(chunks, layout))
-        ref, model, sm = built[(chunks, layout)]
-        runner = cls(sm, num_microbatches=M)
-        seen = _one_failure(ctx, runner, model, batch, bad, phase, schedule)
-        seen["good"] = _good_step(runner, model, ref, batch, f"{NAME} ({schedule}, pp={pp}, tp={tp}, {how})")
-        out.append(dict(seen, schedule=schedule, phase=phase))
+    for pp, tp, how, cases in runs:
+        built: dict = {}
+        for schedule, phase in cases:
+            if schedule == "generate":                  # on the one-chunk model of an earlier case
+                ref, model, _ = built[(1, "loop")]
+                out.append(dict(_failing_generate(ctx, model, ref, bad), schedule=schedule, phase=phase))
+                continue
+            cls, chunks, layout = SCHEDULES[schedule]
+            if (chunks, layout) not in built:
+                built[(chunks, layout)] = _pipelined(ctx, NAME, pp, tp, schedule, max(4, pp * chunks), how,
+                                                     shape=(chunks, layout))
+            ref, model, sm = built[(chunks, layout)]
+            runner = cls(sm, num_microbatches=M)
+            seen = _one_failure(ctx, runner, model, batch, bad, phase, schedule)
+            seen["good"] = _good_step(runner, model, ref, batch, f"{NAME} ({schedule}, pp={pp}, tp={tp}, {how})")
+            out.append(dict(seen, schedule=schedule, phase=phase))
     return out
