@@ -3,7 +3,8 @@ the failing rank re-raises its own exception with a note, every peer raises Peer
 it, its exception and where, within seconds (never a hang), and a following good step equals
 the unsharded model.  Cases: a batch only one rank is given, a failure in the forward, one in
 the backward, one in generate().  2 ranks: the plain ShardConfig() (PipelineStageManager over
-the world), every schedule.  4 ranks: an explicit pipeline group (1F1B, ZB-V); and TP=2 x PP=2 (the tensor-parallel peer learns of it in its all-reduce and passes it on to its own
+the world), every schedule.  4 ranks: an explicit pipeline group (1F1B, ZB-V); and TP=2 x PP=2
+(the tensor-parallel peer learns of it in its all-reduce and passes it on to its own
 pipeline).  One pool call per world size, limited to 60 s: on a regression the peers hang,
 and the call fails then rather than after the pool's 240 s."""
 import pytest

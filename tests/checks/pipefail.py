@@ -72,20 +72,14 @@ def _one_failure(ctx, runner, model, batch, bad: int, phase: str, schedule: str)
     if phase == "batch" and ctx.rank == bad:          # a batch only this rank sees: one row short
         batch = {k: t[1:] if isinstance(t, torch.Tensor) else t for k, t in batch.items()}
     t0 = raised["t"] = time.time()
-    try:
-        runner.forward_backward_step(model, batch)
-    except BaseException as e:  # noqa: BLE001 - the check looks at whatever came
-        error = e
-    else:
-        raise AssertionError(f"{schedule}: rank {ctx.rank}: the step with rank {bad} raising returned")
-    finally:
-        if handle is not None:
-            handle.remove()
-    caught = time.time()
+    error, caught = _raised_by(lambda: runner.forward_backward_step(model, batch), handle,
+                               f"{schedule}: rank {ctx.rank}: the step with rank {bad} raising")
     text = str(error)
-    exc, message, where = (("ValueError", f"batch size {2 * M - 1} does not split", "schedule, stage") if phase == "batch"
-                           else ("StageBoom", f"bad value at micro-batch {BAD_MB} ({phase})",
-                                 f"{phase} of micro-batch {BAD_MB}"))
+    if phase == "batch":
+        exc, message, where = "ValueError", f"batch size {2 * M - 1} does not split", "schedule, stage"
+    else:
+        exc, message = "StageBoom", f"bad value at micro-batch {BAD_MB} ({phase})"
+        where = f"{phase} of micro-batch {BAD_MB}"
     if ctx.rank == bad:
         assert type(error).__name__ == exc, f"{schedule}: the failing rank raised {type(error).__name__}: {text}"
         notes = " ".join(getattr(error, "__notes__", []))
@@ -93,13 +87,32 @@ def _one_failure(ctx, runner, model, batch, bad: int, phase: str, schedule: str)
         assert where in notes and f"{SCHEDULES[schedule][0].name} schedule" in notes, notes
         return {"raised": raised["t"], "caught": caught, "start": t0}
     # by name: the check also runs against a shardformer without it (where the peers hang instead)
-    assert type(error).__name__ == "PeerFailed" and isinstance(error, RuntimeError), \
-        f"{schedule}: rank {ctx.rank}: {type(error).__name__}: {text}"
-    assert error.ranks == [bad], (error.ranks, text)
-    for part in (f"global rank {bad} raised", exc, message, where, f"{SCHEDULES[schedule][0].name} schedule",
-                 f"global rank {ctx.rank} stopped waiting"):
-        assert part in text, f"{schedule}: rank {ctx.rank}: {part!r} not in: {text}"
+    _check_peer(error, ctx.rank, bad, schedule, (exc, message, where, f"{SCHEDULES[schedule][0].name} schedule"))
     return {"caught": caught, "start": t0}
+
+
+def _raised_by(call, handle, what: str) -> tuple[BaseException, float]:
+    """(what call() raised, the time it came); the hook's handle removed."""
+    try:
+        call()
+    except BaseException as e:  # noqa: BLE001 - the check looks at whatever came
+        return e, time.time()
+    else:
+        raise AssertionError(f"{what} returned")
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def _check_peer(error: BaseException, rank: int, bad: int, what: str, parts) -> None:
+    """A peer's error: PeerFailed naming rank `bad`, holding each of `parts`."""
+    text = str(error)
+    # by name: the check also runs against a shardformer without it (where the peers hang instead)
+    assert type(error).__name__ == "PeerFailed" and isinstance(error, RuntimeError), \
+        f"{what}: rank {rank}: {type(error).__name__}: {text}"
+    assert error.ranks == [bad], (error.ranks, text)
+    for part in (f"global rank {bad} raised", f"global rank {rank} stopped waiting", *parts):
+        assert part in text, f"{what}: rank {rank}: {part!r} not in: {text}"
 
 
 def _good_step(runner, model, ref, batch, tag: str) -> float:
@@ -110,8 +123,9 @@ def _good_step(runner, model, ref, batch, tag: str) -> float:
     no_cache = {"use_cache": False} if "use_cache" in inspect.signature(type(ref).forward).parameters else {}
     exp = ref(**batch, **no_cache)
     exp.loss.backward()
-    err = parity.assert_close(f"{tag} loss after a failed step", out["loss"], exp.loss.detach(), parity.TOL[torch.float32])
-    return max(err, parity.compare_grads(model, ref, f"{tag} after a failed step", parity.TOL[torch.float32]))
+    tol = parity.TOL[torch.float32]
+    err = parity.assert_close(f"{tag} loss after a failed step", out["loss"], exp.loss.detach(), tol)
+    return max(err, parity.compare_grads(model, ref, f"{tag} after a failed step", tol))
 
 
 def _failing_generate(ctx, model, ref, bad: int) -> dict:
@@ -125,25 +139,15 @@ def _failing_generate(ctx, model, ref, bad: int) -> dict:
     batch, kwargs = prompts(), dict(max_new_tokens=5, pad_token_id=0, do_sample=False)
     raised: dict = {}
     handle = _held_layer(model).register_forward_hook(_raising_hook("forward", raised)) if ctx.rank == bad else None
-    try:
-        with torch.no_grad():
-            model.generate(**batch, **kwargs)
-    except BaseException as e:  # noqa: BLE001 - the check looks at whatever came
-        error = e
-    else:
-        raise AssertionError(f"generate: rank {ctx.rank}: rank {bad} raising, generate() returned")
-    finally:
-        if handle is not None:
-            handle.remove()
-    caught, text = time.time(), str(error)
+    with torch.no_grad():
+        error, caught = _raised_by(lambda: model.generate(**batch, **kwargs), handle,
+                                   f"generate: rank {ctx.rank}: rank {bad} raising, generate()")
     step = f"decoding step {BAD_MB + 1}"
     if ctx.rank == bad:
         notes = " ".join(getattr(error, "__notes__", []))
-        assert type(error) is StageBoom and f"generate, stage {bad}" in notes and step in notes, (text, notes)
+        assert type(error) is StageBoom and f"generate, stage {bad}" in notes and step in notes, (error, notes)
     else:
-        assert type(error).__name__ == "PeerFailed", f"generate: rank {ctx.rank}: {type(error).__name__}: {text}"
-        for part in (f"global rank {bad} raised", "StageBoom", step, f"global rank {ctx.rank} stopped waiting"):
-            assert part in text, f"generate: rank {ctx.rank}: {part!r} not in: {text}"
+        _check_peer(error, ctx.rank, bad, "generate", ("StageBoom", step))
     with torch.no_grad():
         got, exp = model.generate(**batch, **kwargs), ref.generate(**batch, **kwargs)
     assert torch.equal(got, exp), f"generate after a failure: rank {ctx.rank} decoded\n{got}\nunsharded\n{exp}"

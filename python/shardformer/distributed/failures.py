@@ -46,6 +46,7 @@ import secrets
 import torch.distributed as dist
 
 from . import communicator as _comm
+from .agree import _store as _agree_store
 from . import shm as _shm
 
 __all__ = ["PeerFailed", "guard"]
@@ -69,8 +70,9 @@ class PeerFailed(RuntimeError):
 
 
 def _store():
+    """The default group's store (agree.py's), or None where there is none."""
     try:
-        return dist.distributed_c10d._get_default_store()
+        return _agree_store()
     except (AttributeError, RuntimeError, ValueError):
         return None
 
@@ -152,7 +154,8 @@ def _peer_failure(comms, what: str, where: str) -> PeerFailed | None:
         if account is not None:
             story = _describe(account)
         elif why == RAISED:
-            story = f"global rank {comm.ranks[who]} raised (its account did not reach the store in {READ_TIMEOUT_S:g} s)"
+            story = (f"global rank {comm.ranks[who]} raised (its account did not reach the store in "
+                     f"{READ_TIMEOUT_S:g} s)")
         else:
             story = f"global rank {comm.ranks[who]} {_REASONS.get(why, f'failed (reason {why})')}"
         ranks = [account["rank"] if account is not None else comm.ranks[who]]

@@ -288,9 +288,13 @@ class PipelineGenerate(LockstepGenerate):
         forward = StageForward(model, rt, self.name)
         model.__dict__["forward"] = forward
         rt.decoding, _inside.generate = True, True
-        where = lambda: f"generate, stage {rt.manager.stage} of {rt.manager.num_stages}, decoding step {forward.steps}"  # noqa: E731
+        sm, experts = rt.manager, getattr(self, "experts", None)
+
+        def where() -> str:            # for failures.guard: this rank's place when something raised
+            return f"generate, stage {sm.stage} of {sm.num_stages}, decoding step {forward.steps}"
+
         try:
-            with failures.guard(list(groups) + [rt.manager.group] + [g for g in [getattr(self, "experts", None)] if g is not None],
+            with failures.guard(list(groups) + [sm.group] + ([experts] if experts is not None else []),
                                 f"{self.name}.generate", where):
                 return self._original(*args, stopping_criteria=criteria, **kwargs)
         finally:
