@@ -2,7 +2,7 @@
 the failing rank re-raises its own exception with a note, every peer raises PeerFailed naming
 it, its exception and where, within seconds (never a hang), and a following good step equals
 the unsharded model.  Cases: a batch only one rank is given, a failure in the forward, one in
-the backward, one in generate().  2 ranks: the plain ShardConfig() (PipelineStageManager over
+the backward, one in schedule.forward(), one in generate().  2 ranks: the plain ShardConfig() (PipelineStageManager over
 the world), every schedule.  4 ranks: an explicit pipeline group (1F1B, ZB-V); and TP=2 x PP=2
 (the tensor-parallel peer learns of it in its all-reduce and passes it on to its own
 pipeline).  One pool call per world size, limited to 60 s: on a regression the peers hang,
@@ -22,8 +22,8 @@ def _assert_prompt(report, bad: int):
 
 
 def test_failing_stage_2_ranks_default_group(pool2):
-    cases = [("1f1b", "batch")] + [(s, "forward") for s in check.SCHEDULES] + [("1f1b", "backward"),
-                                                                                ("generate", "forward")]
+    cases = [("1f1b", "batch")] + [(s, "forward") for s in check.SCHEDULES] + [
+        ("1f1b", "backward"), ("gpipe", "inference"), ("generate", "forward")]
     report = pool2.run_within(LIMIT_S, check.failing_stage, 2, 1, [(2, 1, "default", cases)])
     _assert_prompt(report, 1)
 

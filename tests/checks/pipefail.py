@@ -2,7 +2,8 @@
 
 One rank raises in the middle of a pipeline step (a forward hook on one of
 its decoder layers raising at micro-batch 2, in the forward or, through a
-hook on the layer's output, in the backward; or, phase "batch", a batch
+hook on the layer's output, in the backward; phase "inference": in the
+forward of schedule.forward(); or, phase "batch", a batch
 that only this rank is given, one row short, refused before the step's
 first collective): that rank must re-raise its
 own exception (same type) with shardformer's note, and every other rank a
@@ -57,7 +58,7 @@ def _raising_hook(phase: str, raised: dict):
         calls[0] += 1
         if calls[0] != BAD_MB + 1:
             return None
-        if phase == "forward":
+        if phase != "backward":
             boom()
         (out if isinstance(out, torch.Tensor) else out[0]).register_hook(boom)
         return None
@@ -72,14 +73,15 @@ def _one_failure(ctx, runner, model, batch, bad: int, phase: str, schedule: str)
     if phase == "batch" and ctx.rank == bad:          # a batch only this rank sees: one row short
         batch = {k: t[1:] if isinstance(t, torch.Tensor) else t for k, t in batch.items()}
     t0 = raised["t"] = time.time()
-    error, caught = _raised_by(lambda: runner.forward_backward_step(model, batch), handle,
+    step = runner.forward if phase == "inference" else runner.forward_backward_step
+    error, caught = _raised_by(lambda: step(model, batch), handle,
                                f"{schedule}: rank {ctx.rank}: the step with rank {bad} raising")
     text = str(error)
     if phase == "batch":
         exc, message, where = "ValueError", f"batch size {2 * M - 1} does not split", "schedule, stage"
     else:
         exc, message = "StageBoom", f"bad value at micro-batch {BAD_MB} ({phase})"
-        where = f"{phase} of micro-batch {BAD_MB}"
+        where = f"{'forward' if phase == 'inference' else phase} of micro-batch {BAD_MB}"
     if ctx.rank == bad:
         assert type(error).__name__ == exc, f"{schedule}: the failing rank raised {type(error).__name__}: {text}"
         notes = " ".join(getattr(error, "__notes__", []))

@@ -555,6 +555,10 @@ class PipelineSchedule:
         import torch.distributed as dist
 
         mine = dict(_items(merged)) if sm.stage == last else {}
+        # the last stage's word first, through the group's communicator: a failure there (which
+        # failures.guard turns into an abort) reaches the other stages here, where the wait checks
+        # for it, and not in the object broadcast below, whose wait does not
+        D.broadcast(torch.zeros(1, dtype=torch.int64, device=device), last, sm.group)
         meta = [(type(merged), [(k, tuple(t.shape), t.dtype) for k, t in mine.items()])]
         dist.broadcast_object_list(meta, src=dist.get_global_rank(sm.group, last) if sm.group is not None
                                    else last, group=sm.group)
