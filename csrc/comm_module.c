@@ -244,6 +244,35 @@ static PyObject *py_shm_info(PyObject *self, PyObject *cap)
                          "futex_wakes", (unsigned long long)sf_shm_wakes(c));
 }
 
+static PyObject *py_shm_abort(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *cap;
+    unsigned long long token;
+    if (!PyArg_ParseTuple(args, "OK:shm_abort", &cap, &token))
+        return NULL;
+    shm_box *b = shm_box_of(cap);
+    if (!b)
+        return NULL;
+    if (token == 0)
+        return PyErr_Format(PyExc_ValueError, "shm_abort: the token must be nonzero");
+    sf_shm_abort(b->comm, (uint64_t)token);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_shm_abort_record(PyObject *self, PyObject *cap)
+{
+    (void)self;
+    shm_box *b = shm_box_of(cap);
+    if (!b)
+        return NULL;
+    int rank, why;
+    uint64_t token;
+    if (!sf_shm_abort_record(b->comm, &rank, &why, &token))
+        Py_RETURN_NONE;
+    return Py_BuildValue("(iiK)", rank, why, (unsigned long long)token);
+}
+
 /* ---- shm: running a call -------------------------------------------------- */
 
 typedef enum { SHM_ALL_REDUCE, SHM_ALL_GATHER, SHM_REDUCE_SCATTER, SHM_BROADCAST, SHM_SEND,
@@ -632,6 +661,10 @@ static PyMethodDef comm_methods[] = {
     {"shm_configure", py_shm_configure, METH_VARARGS,
      "shm_configure(comm, label, timeout_s, oneshot_max_bytes)"},
     {"shm_info", py_shm_info, METH_O, "shm_info(comm) -> dict"},
+    {"shm_abort", py_shm_abort, METH_VARARGS,
+     "shm_abort(comm, token): this rank failed; every wait of every rank fails now (token: nonzero)."},
+    {"shm_abort_record", py_shm_abort_record, METH_O,
+     "shm_abort_record(comm) -> None or (rank, why, token): the group's first failure."},
     {"shm_all_reduce", py_shm_all_reduce, METH_VARARGS,
      "shm_all_reduce(comm, t, op='sum', algo=0): in place; algo 1 one-shot, 2 RS+AG."},
     {"shm_all_gather", py_shm_all_gather, METH_VARARGS,

@@ -10,8 +10,11 @@ Arguments and results cross pipes by pickle: pass NumPy arrays or plain
 values, not torch tensors (those would travel as shared-memory handles).
 
 A rank that raises sends its traceback back; the pool then waits briefly for
-the others and restarts itself if any is stuck in a collective, so one
-failing test never hangs the suite.
+the others (GRACE_S) and restarts itself if any is stuck in a collective, so
+one failing test never hangs the suite.  A stuck rank cannot read the stop
+message, so it is killed at once rather than waited for; `run_within(s, ...)`
+gives one call a shorter limit than call_timeout (a test that would hang on
+a regression fails in s seconds, not 240).
 """
 from __future__ import annotations
 
@@ -75,6 +78,9 @@ def _worker(rank: int, world_size: int, port: int, conn) -> None:
     os._exit(0)
 
 
+GRACE_S = 20.0     # how long the other ranks may still take once one rank failed
+
+
 class RankPool:
     def __init__(self, world_size: int = 4, call_timeout: float = 240.0):
         self.world_size = world_size
@@ -98,7 +104,11 @@ class RankPool:
                 raise RuntimeError(f"rank {r} did not start within 300 s")
             c.recv()
 
-    def stop(self) -> None:
+    def stop(self, stuck=()) -> None:
+        """Stop every rank: the ranks in `stuck` (in a collective, deaf to the
+        stop message) are killed at once, the others leave cleanly."""
+        for r in stuck:
+            self.procs[r].kill()
         for c in self.conns:
             try:
                 c.send(None)
@@ -114,6 +124,10 @@ class RankPool:
 
     def run(self, fn, tp_size: int, *args, **kwargs) -> list:
         """Run fn(ctx, *args, **kwargs) on ranks [0, tp_size); results by rank."""
+        return self.run_within(self.call_timeout, fn, tp_size, *args, **kwargs)
+
+    def run_within(self, seconds: float, fn, tp_size: int, *args, **kwargs) -> list:
+        """run(), failing (and restarting the pool) when the call takes longer than `seconds`."""
         if tp_size > self.world_size:
             raise ValueError(f"tp_size={tp_size} > pool size {self.world_size}")
         if not self.procs or not all(p.is_alive() for p in self.procs):
@@ -123,11 +137,14 @@ class RankPool:
         for c in self.conns:
             c.send(msg)
         results, errors = [None] * self.world_size, []
-        deadline = time.time() + self.call_timeout
+        deadline = time.time() + seconds
         pending = set(range(self.world_size))
+        first_error = None
         while pending:
-            # After a failure, the other ranks get a short grace period.
-            limit = min(deadline, (time.time() + 20) if errors else deadline)
+            # after a failure the other ranks get GRACE_S from the first error on (fixed, not sliding)
+            if errors and first_error is None:
+                first_error = time.time()
+            limit = min(deadline, first_error + GRACE_S) if first_error is not None else deadline
             ready = [r for r in pending if self.conns[r].poll(0.05)]
             for r in ready:
                 try:
@@ -140,8 +157,9 @@ class RankPool:
                 else:
                     errors.append(f"--- rank {r} ---\n{value}")
             if pending and time.time() > limit:
-                self.stop()  # stuck ranks: restart the pool on the next call
-                errors.append(f"ranks {sorted(pending)} did not finish (pool restarted)")
+                self.stop(stuck=pending)  # restart the pool on the next call
+                why = f"{GRACE_S:g} s after rank {errors[0].split()[2]} failed" if errors else f"{seconds:g} s"
+                errors.append(f"ranks {sorted(pending)} did not finish within {why} (killed; pool restarted)")
                 break
         if errors:
             raise AssertionError(f"{fn.__name__} failed on the rank pool:\n" + "\n".join(errors))

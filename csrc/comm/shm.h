@@ -55,7 +55,9 @@
  *       abort record, and every wait of every rank fails within a few
  *       milliseconds: SF_ETIMEOUT naming that rank and the ranks it waited
  *       for when it timed out, SF_EPEER ("rank 1 was interrupted") otherwise.
- *   A timeout or an interrupt (on any rank) breaks the communicator for the
+ *   sf_shm_abort (a rank whose own code raised outside any call) aborts
+ *   the same way, SF_EPEER "rank 1 raised".
+ *   A timeout, an interrupt or an abort (on any rank) breaks the communicator for the
  *   whole group: every later call fails at once with SF_EPEER naming the
  *   rank and the reason.  A mismatch does not break it.
  *
@@ -125,6 +127,20 @@ double sf_shm_timeout(const sf_shm *c);
 uint64_t sf_shm_sleeps(const sf_shm *c);
 uint64_t sf_shm_wakes(const sf_shm *c);
 size_t sf_shm_segment_bytes(const sf_shm *c);
+
+/* This rank failed outside any call (its caller raised): break the
+ * communicator for the whole group, as a timeout would, so that every wait
+ * of every rank fails within milliseconds with SF_EPEER ("rank 1 raised").
+ * `token` (nonzero) is kept with the record for the peers to read: the
+ * caller's key for its own account of the failure (shardformer keeps it in
+ * the torch.distributed store).  The first failure of a group is the one
+ * recorded; a later call changes nothing but this rank's state. */
+void sf_shm_abort(sf_shm *c, uint64_t token);
+/* The group's abort record: 0 when no rank broke it, else 1 with the rank
+ * that did (*rank), the reason (*why: 1 timeout, 2 interrupt, 3 out of
+ * step, 4 raised) and, for 4, its token (*token; else the ranks it waited
+ * for, a bit mask). */
+int sf_shm_abort_record(const sf_shm *c, int *rank, int *why, uint64_t *token);
 
 /* In-place all-reduce of n elements at buf. */
 sf_status sf_shm_all_reduce(sf_shm *c, void *buf, size_t n, sf_red_dtype t, sf_red_op op,

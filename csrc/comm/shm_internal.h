@@ -60,7 +60,9 @@ typedef struct {
 } header;
 
 /* Why a rank broke the communicator (the abort record's reason). */
-enum { WHY_NONE = 0, WHY_TIMEOUT = 1, WHY_INTERRUPT = 2, WHY_DESYNC = 3 };
+/* WHY_RAISED: the rank's own code raised (sf_shm_abort); its missing[] word holds
+ * the caller's token instead of a rank mask. */
+enum { WHY_NONE = 0, WHY_TIMEOUT = 1, WHY_INTERRUPT = 2, WHY_DESYNC = 3, WHY_RAISED = 4 };
 
 typedef struct {
     _Atomic uint64_t word; /* 0, or (reason << 32) | (rank + 1) of the first failure */

@@ -57,6 +57,24 @@ void shm_raise_abort(sf_shm *c, int why, uint64_t missing)
     shm_wake_peers(c);        /* sleepers see the abort now, not at their next poll */
 }
 
+void sf_shm_abort(sf_shm *c, uint64_t token)
+{
+    if (c)
+        shm_raise_abort(c, WHY_RAISED, token ? token : 1);
+}
+
+int sf_shm_abort_record(const sf_shm *c, int *rank, int *why, uint64_t *token)
+{
+    uint64_t word = c ? atomic_load_explicit(&c->abort->word, memory_order_acquire) : 0;
+    int who = (int)(word & 0xffffffffu) - 1;
+    if (word == 0 || who < 0 || who >= c->nranks)
+        return 0;
+    *rank = who;
+    *why = (int)(word >> 32);
+    *token = atomic_load_explicit(&c->abort->missing[who], memory_order_relaxed);
+    return 1;
+}
+
 /* "rank 1 was interrupted", "rank 0 timed out waiting for ranks that did not
  * arrive: 2"; the reason code in *why (WHY_NONE when no rank failed). */
 static void abort_story(const sf_shm *c, char *buf, size_t n, int *why)
@@ -83,6 +101,9 @@ static void abort_story(const sf_shm *c, char *buf, size_t n, int *why)
         break;
     case WHY_INTERRUPT:
         snprintf(buf, n, "rank %d%s was interrupted", who, self);
+        break;
+    case WHY_RAISED:
+        snprintf(buf, n, "rank %d%s raised an exception (its own error says which, where)", who, self);
         break;
     case WHY_DESYNC:
         snprintf(buf, n, "rank %d%s found the group out of step with rank%s", who, self, ranks);

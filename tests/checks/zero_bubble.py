@@ -24,11 +24,12 @@ SCHEDULES = {"zb-h1": (ZeroBubbleSchedule, 1, "loop"), "zb-v": (ZeroBubbleVSched
 TOL = parity.TOL[torch.float32]
 
 
-def _pipelined(ctx, name: str, pp: int, tp: int, schedule: str, layers: int, how: str):
+def _pipelined(ctx, name: str, pp: int, tp: int, schedule: str, layers: int, how: str, shape=None):
     """(reference, pipelined model, stage manager).  how: "groups" (explicit TP / PP groups,
     checks.pipeline.groups), "default" (PipelineStageManager over the world and ShardConfig's
-    default groups, TP off: the world is the pipeline), "mesh" (shardformer.mesh(pp=, tp=))."""
-    _, chunks, layout = SCHEDULES[schedule]
+    default groups, TP off: the world is the pipeline), "mesh" (shardformer.mesh(pp=, tp=)).
+    shape: (chunks, layout) instead of the zero-bubble schedule's."""
+    _, chunks, layout = (None, *shape) if shape is not None else SCHEDULES[schedule]
     torch.manual_seed(0)
     model = build(name, layers)
     model.train()

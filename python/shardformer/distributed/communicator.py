@@ -1151,6 +1151,18 @@ def communicators() -> list[Communicator]:
     return out
 
 
+def forget_group(group) -> None:
+    """Drop `group`'s communicators (every device type) and close its shm
+    segment: the next collective on the group sets up new ones (a collective:
+    every rank of the group must forget it at the same point of its program,
+    e.g. after one failed step; shardformer.distributed.failures)."""
+    owner = group_info(group).group
+    _CACHE.drop(owner)
+    if group is not owner:
+        _CACHE.drop(group)
+    _shm.forget(owner)
+
+
 def reset_communicators() -> None:
     """Forget every choice: the next collective on a group chooses its backend
     again (re-reading SHARDFORMER_COMM and SHARDFORMER_CHECK_COLLECTIVES).  For tests and benchmarks that switch

@@ -428,6 +428,23 @@ class ShmCommunicator:
             calls.put((_C.shm_close, (self._comm,), None))
             calls.put(None)
 
+    def abort(self, token: int) -> None:
+        """This rank failed outside any call (its code raised): break the
+        communicator for the whole group, so that every rank's waits, now and
+        later, fail within milliseconds naming this rank.  `token` (nonzero)
+        travels with the record (abort_record).  Never waits; any thread."""
+        self._check_open()
+        _C.shm_abort(self._comm, int(token))
+
+    def abort_record(self) -> tuple[int, int, int] | None:
+        """The group's first failure: None, or (group rank, reason, token);
+        reason 1 timeout, 2 interrupt, 3 out of step, 4 raised (abort(); token
+        is its token, else the bit mask of the ranks it waited for).  A
+        closed communicator reads None."""
+        if self._closed:
+            return None
+        return _C.shm_abort_record(self._comm)
+
     # -- running calls in order --------------------------------------------------
 
     def _closed_error(self) -> RuntimeError:

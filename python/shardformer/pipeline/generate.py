@@ -61,6 +61,7 @@ import threading
 import torch
 
 from .. import distributed as D
+from ..distributed import failures
 from .. import lockstep
 from ..lockstep import LockstepGenerate
 from .p2p import StageLink
@@ -183,10 +184,12 @@ class StageForward:
         self.__signature__ = inspect.signature(self.original)
         self.link = StageLink(runtime.manager)
         self.logit_shapes: dict = {}
+        self.steps = 0                               # decoding steps begun (for failures.guard's where)
 
     def __call__(self, **kwargs):
         model, rt = self.model, self.rt
         sm = rt.manager
+        self.steps += 1
         last = sm.num_stages - 1
         tokens = kwargs.get("input_ids")
         if tokens is None:
@@ -285,8 +288,15 @@ class PipelineGenerate(LockstepGenerate):
         forward = StageForward(model, rt, self.name)
         model.__dict__["forward"] = forward
         rt.decoding, _inside.generate = True, True
+        sm, experts = rt.manager, getattr(self, "experts", None)
+
+        def where() -> str:            # for failures.guard: this rank's place when something raised
+            return f"generate, stage {sm.stage} of {sm.num_stages}, decoding step {forward.steps}"
+
         try:
-            return self._original(*args, stopping_criteria=criteria, **kwargs)
+            with failures.guard(list(groups) + [sm.group] + ([experts] if experts is not None else []),
+                                f"{self.name}.generate", where):
+                return self._original(*args, stopping_criteria=criteria, **kwargs)
         finally:
             rt.decoding, _inside.generate = False, False
             del model.__dict__["forward"]

@@ -75,6 +75,7 @@ import torch
 
 from .. import distributed as D
 from .. import packing
+from ..distributed import failures
 from ..distributed.agree import members, name_ranks
 from ..input_check import CHECK_ATTR
 from .p2p import StageLink
@@ -219,6 +220,43 @@ class PipelineSchedule:
     # -- the step -------------------------------------------------------------------------
 
     def _run(self, model, batch, criterion, backward: bool, return_loss: bool, return_outputs: bool) -> dict:
+        """_step under failures.guard: a rank raising inside it stops its peers
+        (pipeline, tensor-parallel, expert-parallel groups) within
+        milliseconds with a PeerFailed naming it and where (docs/pipeline.md,
+        "When a stage fails"); every rank then starts its messages afresh."""
+        rt = runtime_of(model)
+        if rt is None or self.stage_manager.num_stages == 1:
+            return self._step(model, batch, criterion, backward, return_loss, return_outputs)
+        self._at = "start"
+        groups = [self.stage_manager.group] + ([rt.tp_group] if rt.tp_group is not None else []) + \
+            [g for g, _ in rt.lockstep_groups]
+        try:
+            with failures.guard(groups, f"{type(self).__name__}: {type(model).__name__}", self._where):
+                return self._step(model, batch, criterion, backward, return_loss, return_outputs)
+        except BaseException:
+            if self._at != "agreed":               # a failure: headers sent may never have been received
+                self.link = StageLink(self.stage_manager)
+            raise
+
+    def _where(self) -> str | None:
+        """Where this rank is in the step (for failures.guard); None inside the
+        agreed refusals, which every rank raises alike."""
+        at, sm = self._at, self.stage_manager
+        if at == "agreed":
+            return None
+        head = f"{self.name} schedule, stage {sm.stage} of {sm.num_stages}"
+        if isinstance(at, str):
+            return f"{head}, {at}"
+        kind = at[0]
+        if kind in ("send", "recv"):
+            what, vs, mb = at[2]
+            return (f"{head}, {'sending' if kind == 'send' else 'receiving'} the "
+                    f"{'activation' if what == 'act' else 'gradient'} of micro-batch {mb} "
+                    f"{'to' if kind == 'send' else 'from'} stage {at[1]}")
+        step = {"F": "forward", "B": "backward", "W": "weight gradients"}[kind] if kind in "FBW" else kind
+        return f"{head}, {step} of micro-batch {at[2]} (chunk {at[1]})"
+
+    def _step(self, model, batch, criterion, backward: bool, return_loss: bool, return_outputs: bool) -> dict:
         sm, name = self.stage_manager, type(model).__name__
         rt = runtime_of(model)
         if rt is None:
@@ -243,6 +281,7 @@ class PipelineSchedule:
         # would leave its EP peers (or its stages) waiting in the next
         problems = [self._agree(sig, rows, backward, name, device),
                     *self._agree_with_peers(rt.lockstep_groups, backward, name, device)]
+        self._at = "agreed"                      # from here to the input check every rank raises alike
         problem = next((p for p in problems if p is not None), None)
         if rt.lockstep_groups:
             problem = self._spread(problem, [(sm.group, "pipeline")] + rt.lockstep_groups, name) or problem
@@ -255,6 +294,7 @@ class PipelineSchedule:
         if backward and criterion is None and "labels" not in batch:
             raise ValueError(f"{type(self).__name__}: {name}: criterion=None uses the model's own loss, but the "
                              f"batch has no 'labels'; add them or pass criterion(outputs, micro_batch)")
+        self._at = "before the first micro-batch"
         extra = self._forward_kwargs(model, batch, criterion)
         packed = packing.unsharded_packs(model, batch)   # the unsharded model's masking, decided on the user's batch
         p, v, m = sm.num_stages, sm.num_model_chunks, len(micro)
@@ -270,6 +310,7 @@ class PipelineSchedule:
         sinks = {}                                       # (chunk, mb) -> the deferred products (weight_grads)
         timeline = self.timeline
         for step in plan:
+            self._at = step
             kind = step[0]
             if timeline is not None and kind in ("F", "B", "W"):
                 t0 = time.perf_counter()
@@ -329,6 +370,7 @@ class PipelineSchedule:
         if inbox or outbox or any(sinks.values()):
             raise RuntimeError(f"{name}: pipeline messages or weight gradients left over after the schedule "
                                f"({list(inbox) + list(outbox) + [k for k, v in sinks.items() if v]})")
+        self._at = "after the last micro-batch (shared gradients, loss, outputs)"
         if backward:
             self._sum_over_holders(rt)
         result = {"loss": None, "outputs": None}
@@ -513,6 +555,10 @@ class PipelineSchedule:
         import torch.distributed as dist
 
         mine = dict(_items(merged)) if sm.stage == last else {}
+        # the last stage's word first, through the group's communicator: a failure there (which
+        # failures.guard turns into an abort) reaches the other stages here, where the wait checks
+        # for it, and not in the object broadcast below, whose wait does not
+        D.broadcast(torch.zeros(1, dtype=torch.int64, device=device), last, sm.group)
         meta = [(type(merged), [(k, tuple(t.shape), t.dtype) for k, t in mine.items()])]
         dist.broadcast_object_list(meta, src=dist.get_global_rank(sm.group, last) if sm.group is not None
                                    else last, group=sm.group)

@@ -1,0 +1,195 @@
+"""A rank that raises inside a step: an error on every peer within seconds.
+
+A pipeline step (or generate()) runs collectives and point-to-point
+transfers over a few groups: the pipeline group, each stage's
+tensor-parallel group, the expert-parallel groups.  When one rank raises in
+the middle of it (a bad micro-batch only the last stage sees, a user's hook,
+a shape error, an out-of-memory), its peers are waiting for a message that
+will never come.  `guard(groups, what, where)` runs a step so that instead:
+
+  * the failing rank writes an account of its failure -- global rank,
+    exception type and message, where (what the caller's `where()` says:
+    schedule, stage, micro-batch, forward / backward) -- into the
+    torch.distributed store under a fresh random token, then aborts the
+    shm communicator of every group of the step with that token
+    (ShmCommunicator.abort: the segment's abort record, which every wait
+    of every rank checks at least every 15 ms), and re-raises its own
+    exception unchanged, with a note saying what it did;
+  * a peer's wait fails at once; seeing the record (a rank of the group
+    raised, with a token) it reads the account from the store (it was
+    written before the abort) and raises PeerFailed naming the failing
+    rank, its exception and where, and where this rank was waiting.
+
+Cost on the hot path: nothing per call (the waits already check the abort
+record in their slow path); a try block around the step.
+
+Afterwards.  Every rank of each aborted group drops the group's
+communicators (communicator.forget_group): the next collective on the group
+sets up a fresh segment, as on first use, so the next step with good input
+runs as if nothing had happened -- provided every rank of the group runs
+it (each of them got an exception from this step).  The gradients the
+failed step accumulated are partial: zero them before the next step.
+
+What this does not reach: groups whose collectives go through
+torch.distributed (SHARDFORMER_COMM=torch, ranks on several hosts, CUDA
+tensors), and a rank that fails before a group's first collective (its
+communicator's set-up is torch.distributed's): there peers wait until the
+transport's own timeout.  See docs/pipeline.md, "When a stage fails".
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import secrets
+
+import torch.distributed as dist
+
+from . import communicator as _comm
+from .agree import _store as _agree_store
+from . import shm as _shm
+
+__all__ = ["PeerFailed", "guard"]
+
+PREFIX = "shardformer/failed/"
+RAISED = 4                 # the abort record's reason for ShmCommunicator.abort (csrc/comm/shm_internal.h)
+READ_TIMEOUT_S = 5.0       # how long a peer waits for the failing rank's account in the store
+_REASONS = {1: "timed out", 2: "was interrupted", 3: "found the group out of step"}
+
+
+class PeerFailed(RuntimeError):
+    """Another rank of a group this rank ran a step with raised; this rank
+    stopped waiting for it.  `ranks`: the failing global rank(s);
+    `account`: what the failing rank recorded (rank, type, message, where),
+    or None when it did not raise (a timeout or an interrupt there)."""
+
+    def __init__(self, message: str, ranks: list[int], account: dict | None):
+        super().__init__(message)
+        self.ranks = ranks
+        self.account = account
+
+
+def _store():
+    """The default group's store (agree.py's), or None where there is none."""
+    try:
+        return _agree_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+
+
+def _shm_comms(groups) -> list:
+    """(group, ShmCommunicator) of the groups that have one (of several ranks)."""
+    out, seen = [], set()
+    for group in groups:
+        comm = _shm.existing(group)
+        if comm is not None and not comm.closed and id(comm) not in seen:
+            seen.add(id(comm))
+            out.append((group, comm))
+    return out
+
+
+def _reset(comms) -> None:
+    """Drop the aborted groups' communicators (and only theirs: a group
+    without an shm communicator keeps its choice, which its peers keep too)."""
+    for group, comm in comms:
+        if comm.abort_record() is not None:
+            _comm.forget_group(group)
+
+
+def _account_of(store, token: int) -> dict | None:
+    if store is None:
+        return None
+    key = PREFIX + f"{token:x}"
+    try:
+        store.wait([key], datetime.timedelta(seconds=READ_TIMEOUT_S))
+        return json.loads(store.get(key).decode())
+    except (RuntimeError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def _describe(account: dict) -> str:
+    return (f"global rank {account['rank']} raised {account['type']}: {account['message']} "
+            f"({account['where']})")
+
+
+def _publish(account: dict, comms) -> None:
+    """Write `account` under a fresh token, then abort every communicator of
+    `comms` not aborted yet with it (the peers' waits end within ~15 ms)."""
+    token = secrets.randbits(63) | 1
+    store = _store()
+    if store is not None:
+        with contextlib.suppress(RuntimeError, ValueError):
+            store.set(PREFIX + f"{token:x}", json.dumps(account))
+    for _, comm in comms:
+        if comm.abort_record() is None:
+            with contextlib.suppress(RuntimeError, ValueError):
+                comm.abort(token)
+
+
+def _own_failure(error: BaseException, comms, what: str, where: str) -> None:
+    """Record this rank's failure, abort the groups' communicators, add a note."""
+    me = dist.get_rank()
+    message = str(error)
+    if len(message) > 2000:
+        message = message[:2000] + " ..."
+    _publish({"rank": me, "type": f"{type(error).__module__}.{type(error).__qualname__}",
+              "message": message, "where": where}, comms)
+    told = "; ".join(comm.label for _, comm in comms) or "no shm group"
+    error.add_note(f"shardformer: {what}: global rank {me} raised this ({where}); its peers were told "
+                   f"({told}) and raise PeerFailed naming it; the groups' communicators are set up "
+                   f"again by the next collective (docs/pipeline.md#when-a-stage-fails)")
+
+
+def _peer_failure(comms, what: str, where: str) -> PeerFailed | None:
+    """The PeerFailed for a wait that another rank's abort ended (that
+    rank's account passed on to this rank's other groups), or None when no
+    group of the step was aborted by another rank."""
+    store = _store()
+    for _, comm in comms:
+        record = comm.abort_record()
+        if record is None or record[0] == comm.rank:
+            continue
+        who, why, token = record
+        account = _account_of(store, token) if why == RAISED else None
+        if account is not None:
+            story = _describe(account)
+        elif why == RAISED:
+            story = (f"global rank {comm.ranks[who]} raised (its account did not reach the store in "
+                     f"{READ_TIMEOUT_S:g} s)")
+        else:
+            story = f"global rank {comm.ranks[who]} {_REASONS.get(why, f'failed (reason {why})')}"
+        ranks = [account["rank"] if account is not None else comm.ranks[who]]
+        _publish(account or {"rank": ranks[0], "type": "no exception", "message": story, "where": comm.label},
+                 comms)
+        return PeerFailed(f"{what}: {story}; global rank {dist.get_rank()} stopped waiting for it ({where}; "
+                          f"{comm.label}).  Every rank of the group got an error from this step; zero the "
+                          f"gradients and run the next step on every rank (docs/pipeline.md#when-a-stage-fails)",
+                          ranks, account)
+    return None
+
+
+@contextlib.contextmanager
+def guard(groups, what: str, where):
+    """Run the body as one step over `groups` (see the module doc; None: the
+    default group).
+    `what`: names the step in messages ("OneForwardOneBackwardSchedule:
+    LlamaForCausalLM"); `where()`: this rank's position in it, asked only
+    when something raised; None there means every rank raises this error
+    alike (an agreed refusal): it passes untouched."""
+    try:
+        yield
+    except PeerFailed:
+        raise
+    except BaseException as error:
+        at = where() if dist.is_initialized() else None
+        if at is None:
+            raise
+        comms = _shm_comms(groups)
+        ours = isinstance(error, (RuntimeError, OSError)) and any(c.label in str(error) for _, c in comms)
+        peer = _peer_failure(comms, what, at) if ours else None
+        if peer is None:
+            _own_failure(error, comms, what, at)
+        _reset(comms)
+        if peer is not None:
+            raise peer from error
+        raise

@@ -1,0 +1,187 @@
+"""Rank-side checks of a failing stage (tests/test_pipefail.py).
+
+One rank raises in the middle of a pipeline step (a forward hook on one of
+its decoder layers raising at micro-batch 2, in the forward or, through a
+hook on the layer's output, in the backward; phase "inference": in the
+forward of schedule.forward(); or, phase "batch", a batch
+that only this rank is given, one row short, refused before the step's
+first collective): that rank must re-raise its
+own exception (same type) with shardformer's note, and every other rank a
+PeerFailed naming the failing rank, its exception and where, within seconds
+(the times go back to the driver, which compares them across ranks).  Then
+the same schedule runs a good step on the same model: its loss and every
+gradient equal the unsharded HF model's from the same seed."""
+from __future__ import annotations
+
+import inspect
+import time
+
+import torch
+
+from checks import parity
+from checks.pipeline import batch_of
+from checks.zero_bubble import _pipelined
+from shardformer.pipeline import (GPipeSchedule, InterleavedSchedule, OneForwardOneBackwardSchedule,
+                                  ZeroBubbleSchedule, ZeroBubbleVSchedule)
+
+NAME = "LlamaForCausalLM"
+M = 4                  # micro-batches; the hook raises at micro-batch BAD_MB
+BAD_MB = 2
+# schedule -> (class, chunks, layout)
+SCHEDULES = {"gpipe": (GPipeSchedule, 1, "loop"), "1f1b": (OneForwardOneBackwardSchedule, 1, "loop"),
+             "zb-h1": (ZeroBubbleSchedule, 1, "loop"), "interleaved": (InterleavedSchedule, 2, "loop"),
+             "zb-v": (ZeroBubbleVSchedule, 2, "v")}
+
+
+class StageBoom(Exception):
+    """The user's exception, raised on the failing rank only."""
+
+
+def _held_layer(model):
+    """The first decoder layer this rank holds (its chunk 0's first)."""
+    for module in model.modules():
+        if type(module).__name__ == "LlamaDecoderLayer" and any(True for _ in module.parameters()):
+            return module
+    raise AssertionError("no decoder layer on this rank")
+
+
+def _raising_hook(phase: str, raised: dict):
+    """A forward hook raising StageBoom at micro-batch BAD_MB: in its forward,
+    or (phase "backward") when the gradient of that call's output arrives."""
+    calls = [0]
+
+    def boom(*_):
+        raised["t"] = time.time()
+        raise StageBoom(f"bad value at micro-batch {BAD_MB} ({phase})")
+
+    def hook(module, args, out):
+        calls[0] += 1
+        if calls[0] != BAD_MB + 1:
+            return None
+        if phase != "backward":
+            boom()
+        (out if isinstance(out, torch.Tensor) else out[0]).register_hook(boom)
+        return None
+    return hook
+
+
+def _one_failure(ctx, runner, model, batch, bad: int, phase: str, schedule: str) -> dict:
+    """Run the step with rank `bad` raising; what this rank saw, checked."""
+    raised: dict = {}
+    hook = phase != "batch" and ctx.rank == bad
+    handle = _held_layer(model).register_forward_hook(_raising_hook(phase, raised)) if hook else None
+    if phase == "batch" and ctx.rank == bad:          # a batch only this rank sees: one row short
+        batch = {k: t[1:] if isinstance(t, torch.Tensor) else t for k, t in batch.items()}
+    t0 = raised["t"] = time.time()
+    step = runner.forward if phase == "inference" else runner.forward_backward_step
+    error, caught = _raised_by(lambda: step(model, batch), handle,
+                               f"{schedule}: rank {ctx.rank}: the step with rank {bad} raising")
+    text = str(error)
+    if phase == "batch":
+        exc, message, where = "ValueError", f"batch size {2 * M - 1} does not split", "schedule, stage"
+    else:
+        exc, message = "StageBoom", f"bad value at micro-batch {BAD_MB} ({phase})"
+        where = f"{'forward' if phase == 'inference' else phase} of micro-batch {BAD_MB}"
+    if ctx.rank == bad:
+        assert type(error).__name__ == exc, f"{schedule}: the failing rank raised {type(error).__name__}: {text}"
+        notes = " ".join(getattr(error, "__notes__", []))
+        assert "shardformer" in notes and f"global rank {bad} raised this" in notes, notes
+        assert where in notes and f"{SCHEDULES[schedule][0].name} schedule" in notes, notes
+        return {"raised": raised["t"], "caught": caught, "start": t0}
+    # by name: the check also runs against a shardformer without it (where the peers hang instead)
+    _check_peer(error, ctx.rank, bad, schedule, (exc, message, where, f"{SCHEDULES[schedule][0].name} schedule"))
+    return {"caught": caught, "start": t0}
+
+
+def _raised_by(call, handle, what: str) -> tuple[BaseException, float]:
+    """(what call() raised, the time it came); the hook's handle removed."""
+    try:
+        call()
+    except BaseException as e:  # noqa: BLE001 - the check looks at whatever came
+        return e, time.time()
+    else:
+        raise AssertionError(f"{what} returned")
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def _check_peer(error: BaseException, rank: int, bad: int, what: str, parts) -> None:
+    """A peer's error: PeerFailed naming rank `bad`, holding each of `parts`."""
+    text = str(error)
+    # by name: the check also runs against a shardformer without it (where the peers hang instead)
+    assert type(error).__name__ == "PeerFailed" and isinstance(error, RuntimeError), \
+        f"{what}: rank {rank}: {type(error).__name__}: {text}"
+    assert error.ranks == [bad], (error.ranks, text)
+    for part in (f"global rank {bad} raised", f"global rank {rank} stopped waiting", *parts):
+        assert part in text, f"{what}: rank {rank}: {part!r} not in: {text}"
+
+
+def _good_step(runner, model, ref, batch, tag: str) -> float:
+    """A step with good input after the failure: loss and gradients equal the unsharded model's."""
+    for mdl in (model, ref):
+        mdl.zero_grad(set_to_none=True)
+    out = runner.forward_backward_step(model, batch)
+    no_cache = {"use_cache": False} if "use_cache" in inspect.signature(type(ref).forward).parameters else {}
+    exp = ref(**batch, **no_cache)
+    exp.loss.backward()
+    tol = parity.TOL[torch.float32]
+    err = parity.assert_close(f"{tag} loss after a failed step", out["loss"], exp.loss.detach(), tol)
+    return max(err, parity.compare_grads(model, ref, f"{tag} after a failed step", tol))
+
+
+def _failing_generate(ctx, model, ref, bad: int) -> dict:
+    """generate() with rank `bad` raising at decoding step BAD_MB + 1 (its layer's
+    third call: the prefill, then two new tokens), then a greedy generate() equal
+    to the unsharded model's."""
+    from checks.pipeline_generate import prompts
+
+    model.eval()
+    ref.eval()
+    batch, kwargs = prompts(), dict(max_new_tokens=5, pad_token_id=0, do_sample=False)
+    raised: dict = {}
+    handle = _held_layer(model).register_forward_hook(_raising_hook("forward", raised)) if ctx.rank == bad else None
+    with torch.no_grad():
+        error, caught = _raised_by(lambda: model.generate(**batch, **kwargs), handle,
+                                   f"generate: rank {ctx.rank}: rank {bad} raising, generate()")
+    step = f"decoding step {BAD_MB + 1}"
+    if ctx.rank == bad:
+        notes = " ".join(getattr(error, "__notes__", []))
+        assert type(error) is StageBoom and f"generate, stage {bad}" in notes and step in notes, (error, notes)
+    else:
+        _check_peer(error, ctx.rank, bad, "generate", ("StageBoom", step))
+    with torch.no_grad():
+        got, exp = model.generate(**batch, **kwargs), ref.generate(**batch, **kwargs)
+    assert torch.equal(got, exp), f"generate after a failure: rank {ctx.rank} decoded\n{got}\nunsharded\n{exp}"
+    model.train()
+    ref.train()
+    return {"raised": raised.get("t"), "caught": caught, "good": 0.0}
+
+
+def failing_stage(ctx, bad: int, runs) -> list[dict]:
+    """For each (pp, tp, how, cases) of `runs` (how: checks.zero_bubble._pipelined's)
+    and each (schedule, phase) of its cases: rank `bad` raises at micro-batch
+    BAD_MB (see the module doc), then a good step equals unsharded.  One model
+    per (chunks, layout) and run, reused by the schedules that share it; a case
+    ("generate", _) runs _failing_generate on the one-chunk model.  Returns,
+    per case, this rank's times (time.time(): `raised` on the failing rank,
+    `caught` everywhere) and the good step's worst relative error."""
+    batch = batch_of(NAME, 2 * M)
+    out = []
+    for pp, tp, how, cases in runs:
+        built: dict = {}
+        for schedule, phase in cases:
+            if schedule == "generate":                  # on the one-chunk model of an earlier case
+                ref, model, _ = built[(1, "loop")]
+                out.append(dict(_failing_generate(ctx, model, ref, bad), schedule=schedule, phase=phase))
+                continue
+            cls, chunks, layout = SCHEDULES[schedule]
+            if (chunks, layout) not in built:
+                built[(chunks, layout)] = _pipelined(ctx, NAME, pp, tp, schedule, max(4, pp * chunks), how,
+                                                     shape=(chunks, layout))
+            ref, model, sm = built[(chunks, layout)]
+            runner = cls(sm, num_microbatches=M)
+            seen = _one_failure(ctx, runner, model, batch, bad, phase, schedule)
+            seen["good"] = _good_step(runner, model, ref, batch, f"{NAME} ({schedule}, pp={pp}, tp={tp}, {how})")
+            out.append(dict(seen, schedule=schedule, phase=phase))
+    return out
