@@ -13,6 +13,7 @@ from .collectives import (
     world_size,
 )
 from .communicator import Communicator, get_communicator, reset_communicators
+from .failures import PeerFailed
 from .mappings import (
     all_to_all_along,
     copy_to_tp_region,
@@ -36,6 +37,7 @@ __all__ = [
     "send",
     "world_size",
     "Communicator",
+    "PeerFailed",
     "get_communicator",
     "reset_communicators",
     "all_to_all_along",

@@ -68,7 +68,10 @@ def members(group) -> list[int]:
     return list(dist.get_process_group_ranks(group))
 
 
-def _store():
+def default_store():
+    """The default group's key-value store (the rendezvous store): records
+    that must travel without a collective (agreement checks, a failing
+    rank's account in shardformer.distributed.failures) go through it."""
     from torch.distributed import distributed_c10d
 
     return distributed_c10d._get_default_store()
@@ -111,7 +114,7 @@ def agree(step: str, values: dict, group=None, timeout: float | None = None) -> 
     with _LOCK:
         n = _COUNTS.get(scope, 0) + 1
         _COUNTS[scope] = n
-    store = _store()
+    store = default_store()
     mine = repr(values)
     store.set(f"{scope}/{n}/{me}", mine)
     store.set(f"{_PREFIX}/last/{me}", f"{step} over {where} ({_render(values)})")

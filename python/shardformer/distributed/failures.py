@@ -46,7 +46,7 @@ import secrets
 import torch.distributed as dist
 
 from . import communicator as _comm
-from .agree import _store as _agree_store
+from .agree import default_store
 from . import shm as _shm
 
 __all__ = ["PeerFailed", "guard"]
@@ -72,7 +72,7 @@ class PeerFailed(RuntimeError):
 def _store():
     """The default group's store (agree.py's), or None where there is none."""
     try:
-        return _agree_store()
+        return default_store()
     except (AttributeError, RuntimeError, ValueError):
         return None
 
