@@ -33,12 +33,25 @@ CASES = [
 def test_fast_decode_equals_hf(pool, name, mode, padded, window, tp):
     out = pool.run(check.generate_equals_hf, tp, name, mode, padded=padded, window=window)
     assert all(o == out[0] for o in out)
+    _assert_c_step(out[0], window)
+
+
+def _assert_c_step(case: dict, window) -> None:
+    """Every fast step ran the C layer loop, or (a sliding-window cache) the
+    Python step, counted with its reason."""
+    if window is None:
+        assert case["c_step"] == case["fast"] and not case["python_step"], case
+    else:
+        assert case["c_step"] == 0, case
+        assert case["python_step"] == {"cache layer DynamicSlidingWindowLayer (the C step keeps full caches)":
+                                       case["fast"]}, case
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_fast_decode_default_group(world_pool, tp):
     out = world_pool(tp).run(check.generate_equals_hf, tp, "LlamaForCausalLM", "sample", default_group=True)
     assert all(o == out[0] for o in out)
+    _assert_c_step(out[0], None)
 
 
 def test_fast_decode_falls_back_counted(pool):
@@ -57,6 +70,8 @@ def test_fast_decode_all_optimization(pool, tp):
     out = pool.run(check.cases_equal_hf, tp, cases, dict(enable_all_optimization=True))
     assert all(o == out[0] for o in out)
     assert all(case["fast"] == 5 and case["fused_norms"] > 0 for case in out[0]), out[0]
+    for case in out[0]:
+        _assert_c_step(case, None)
 
 
 def test_fast_decode_rechecked_each_generate(world_pool):

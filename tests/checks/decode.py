@@ -67,7 +67,8 @@ def generate_equals_hf(ctx, name: str, mode: str = "greedy", default_group: bool
     assert stats["off"] is None, f"{name}: fast path off: {stats['off']}"
     assert stats["fast"] == steps, f"{name}: {stats['fast']} of {steps} decode steps took the fast path: {stats}"
     assert sum(stats["fallback"].values()) == 1, f"{name}: {stats}"
-    return {"tokens": got.sequences.tolist(), "fast": stats["fast"], "fused_norms": fused}
+    return {"tokens": got.sequences.tolist(), "fast": stats["fast"], "fused_norms": fused,
+            "c_step": stats["c_step"], "python_step": stats["python_step"]}
 
 
 def cases_equal_hf(ctx, cases, options: dict) -> list[dict]:
