@@ -11,7 +11,11 @@ path's, so a silent fallback fails; the same with enable_all_optimization
 does not apply, HF's forward runs, counted with its reason, and the check
 holds for every generate() call: hooks (per module or global) added and a
 submodule replaced after a first generate() send the steps to HF's forward,
-counted; a norm replaced by another of its kind is read afresh."""
+counted; a norm replaced by another of its kind is read afresh.  The fast
+steps run the C layer loop (shardformer.decode_native; stats count it):
+weights written in place are packed again, a cache extended by HF's forward
+between two fast steps is taken back, the all-reduces made from C are in
+shardformer.comm_stats()."""
 from __future__ import annotations
 
 import pytest
@@ -80,8 +84,13 @@ def test_fast_decode_rechecked_each_generate(world_pool):
     out = world_pool(2).run(check.changed_after_generate, 2)
     stats = out[0]
     assert all(s == 5 for s in stats["steps"]), stats["steps"]
-    for case in ("first", "norm replaced"):
+    for case in ("first", "norm replaced", "weights written"):
         assert stats[case]["off"] is None and stats[case]["fast"] == 5, (case, stats[case])
+        assert stats[case]["c_step"] == 5, (case, stats[case])
+    # two of the five decode steps ran HF's forward (uncounted); the C step took the cache back from HF
+    assert stats["hf between"]["fast"] == 3 and stats["hf between"]["c_step"] == 3, stats["hf between"]
+    # the C step's all-reduces are in the ledger: 2 per layer per step (besides the embedding's and the prefill's)
+    assert stats["first"]["all_reduces"] >= 2 * stats["first"]["layers"] * 5, stats["first"]
     expected = {"hooks": "forward hooks on ['model.layers.0.mlp', 'model.layers.1.post_attention_layernorm']",
                 "global hook": "global module forward hooks",
                 "act_fn replaced": "model.layers.0.mlp.act_fn is GELU, not SiLU"}

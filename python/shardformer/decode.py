@@ -313,6 +313,7 @@ class DecodeFastPath:
         self._objects: list = []
         self._call = None                   # the lockstep.generate_call() the check was made for
         self.native = NativeStep()          # the C layer loop (decode_native.py)
+        self.native_enabled = True          # set_native_decode: False runs every fast step in Python
         self.c_steps = 0                    # fast steps the C loop ran
         self.python_steps: collections.Counter = collections.Counter()   # reason -> fast steps run in Python
 
@@ -364,7 +365,8 @@ class DecodeFastPath:
         self.fast += 1
         args = (kwargs["input_ids"], kwargs["past_key_values"], kwargs.get("attention_mask"),
                 kwargs.get("position_ids"))
-        why = self.native.refusal(self.layers(), self.group, self.model.model.embed_tokens.weight, args[1])
+        why = self.native.refusal(self.layers(), self.group, self.model.model.embed_tokens.weight, args[1]) \
+            if self.native_enabled else "the C step switched off (set_native_decode)"
         if why is not None:
             self.python_steps[why] += 1
             return self.step(*args)
@@ -495,6 +497,17 @@ def set_fast_decode(model, on: bool = True) -> None:
     if not isinstance(path, DecodeFastPath):
         raise ValueError(f"{type(model).__name__} has no decode fast path: {stats(model)['off']}")
     path.enabled = bool(on)
+
+
+def set_native_decode(model, on: bool = True) -> None:
+    """Let the fast path of `model` run its steps through the C layer loop
+    (on, the default) or always through the Python step (off, counted under
+    stats()["python_step"]), e.g. to time both (benchmarks/generate.py's
+    tp2-py).  Raises ValueError where the fast path is not installed."""
+    path = model.__dict__.get("forward")
+    if not isinstance(path, DecodeFastPath):
+        raise ValueError(f"{type(model).__name__} has no decode fast path: {stats(model)['off']}")
+    path.native_enabled = bool(on)
 
 
 def reset_stats(model) -> None:
