@@ -89,6 +89,7 @@ def test_fast_decode_rechecked_each_generate(world_pool):
         assert stats[case]["c_step"] == 5, (case, stats[case])
     # two of the five decode steps ran HF's forward (uncounted); the C step took the cache back from HF
     assert stats["hf between"]["fast"] == 3 and stats["hf between"]["c_step"] == 3, stats["hf between"]
+    assert stats["kv_buffers_left"] == 0, stats
     # the C step's all-reduces are in the ledger: 2 per layer per step (besides the embedding's and the prefill's)
     assert stats["first"]["all_reduces"] >= 2 * stats["first"]["layers"] * 5, stats["first"]
     expected = {"hooks": "forward hooks on ['model.layers.0.mlp', 'model.layers.1.post_attention_layernorm']",

@@ -39,6 +39,8 @@ them).
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from . import _C
@@ -78,6 +80,12 @@ def _flat(t):
     return None if t is None else t.detach().contiguous()
 
 
+def _release(step_ref, cache_ref) -> None:
+    step = step_ref()
+    if step is not None:
+        step._release(cache_ref)
+
+
 class NativeStep:
     """The C step of one DecodeFastPath: packed weights, the KV buffers and
     the _C plan over both (module doc)."""
@@ -92,6 +100,7 @@ class NativeStep:
         self._views: list = []      # (keys view, values view) set on each HF cache layer
         self._plan = None
         self._static: str | None = "not prepared"
+        self._cache = None          # weak reference to the DynamicCache the buffers hold
 
     def __getstate__(self) -> dict:
         return {}
@@ -181,11 +190,25 @@ class NativeStep:
             keep.append(row)
         self._plan = _C.decode_plan(sizes, rows, keep)
 
+    def _release(self, cache_ref) -> None:
+        """The cache the buffers served is gone (generate() returned and its
+        caller dropped the output): free the buffers, unless a newer cache
+        took them over."""
+        if self._cache is cache_ref:
+            self._k, self._v, self._views, self._plan = [], [], [], None
+            self._batch = self._cap = 0
+            self._cache = None
+
     def _sync_cache(self, layers, cache, batch: int, past: int) -> None:
         """Make the buffers hold HF's cache of `past` positions with room for
         one more: seed them from HF's tensors where a layer does not hold the
-        views set last step; grow (doubling) when full."""
+        views set last step; grow (doubling) when full.  The buffers live as
+        long as the cache object they serve (weakref.finalize), so a finished
+        generate() leaves no KV memory behind."""
         P = self._packed
+        if self._cache is None or self._cache() is not cache:
+            self._cache = weakref.ref(cache)
+            weakref.finalize(cache, _release, weakref.ref(self), self._cache)
         stale = [n for n, L in enumerate(layers)
                  if n >= len(self._views) or batch != self._batch
                  or cache.layers[L.index].keys is not self._views[n][0]
@@ -237,7 +260,7 @@ class NativeStep:
         self._views = []
         for n, L in enumerate(layers):
             held = cache.layers[L.index]
-            held.keys, held.values = self._k[n][:, :, :past + 1], self._v[n][:, :, :past + 1]
+            held.keys, held.values = self._k[n].narrow(2, 0, past + 1), self._v[n].narrow(2, 0, past + 1)
             self._views.append((held.keys, held.values))
         if _ledger.hooked():
             _ledger.record_native("all_reduce", tuple(comm.shm.ranks), x.numel() * x.element_size(),

@@ -3,6 +3,7 @@ of the sharded model against the unsharded HF model from the same seed."""
 from __future__ import annotations
 
 import copy
+import gc
 
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
@@ -165,6 +166,8 @@ def changed_after_generate(ctx) -> dict:
     out["weights written"] = both("k_proj of layer 0 and up_proj of layer 1 scaled in place")
     out["hf between"] = both("HF's forward for decode steps 2 and 3 (fast path off, then on again)",
                              dict(logits_processor=LogitsProcessorList([_Toggle(model)])))
+    gc.collect()                             # the outputs (and their caches) are gone: so are the C step's buffers
+    out["kv_buffers_left"] = len(model.__dict__["forward"].native._k)
     out["steps"] = steps
     return out
 
