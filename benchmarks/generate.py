@@ -117,6 +117,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup-steps", type=int, default=None, help="decode steps left out of the median (default 6)")
     p.add_argument("--prompt-len", type=int, default=32, help="prompt tokens of the random models")
     p.add_argument("--rounds", type=int, default=None, help="interleaved repetitions (default 2, --quick 1)")
+    p.add_argument("--configs", nargs="+", choices=CONFIGS, default=None,
+                   help="configurations to time (default all; unsharded-1t and -2t are always kept)")
     p.add_argument("--no-skeleton", action="store_true", help="skip the tiny-dimension skeleton models")
     p.add_argument("--bw-mib", type=int, default=None, help="read-bandwidth buffer per process (default 1024)")
     p.add_argument("--wait-idle", type=float, default=None,
@@ -142,6 +144,8 @@ def parse_args(argv=None):
             setattr(args, k, v)
     if args.out.endswith(".json"):
         args.out = args.out[:-5]
+    picked = set(args.configs or CONFIGS) | {"unsharded-1t", "unsharded-2t"}
+    args.configs = [c for c in CONFIGS if c in picked]
     if args.new_tokens < args.warmup_steps + 2:
         p.error("--new-tokens must exceed --warmup-steps + 1 (at least one timed decode step)")
     return args
@@ -522,7 +526,7 @@ def rank_main(rank: int, name: str, path: str | None, args_d: dict) -> dict:
                 ids = base_ids.repeat(batch, 1)
                 if kind == "skeleton":
                     ids = ids % sharded.config.vocab_size
-                for cname in CONFIGS:
+                for cname in args_d["configs"]:
                     rec = {"round": rnd, "batch": batch, "kind": kind, "config": cname}
                     if cname in TP_CONFIGS:
                         set_skinny_linear(sharded, cname == "tp2-skinny")
@@ -558,7 +562,7 @@ def summarize(name: str, ranks: list, args) -> dict:
     rows = []
     for kind in dict.fromkeys(r["kind"] for r in ranks[0]["runs"]):
         for batch in args.batches:
-            for cname in CONFIGS:
+            for cname in args.configs:
                 recs = [[r for r in rk["runs"] if (r["kind"], r["batch"], r["config"]) == (kind, batch, cname)]
                         for rk in ranks]
                 mine = recs[0]
@@ -671,10 +675,10 @@ def analyse(model: dict, bw: dict) -> dict:
             cname: batch * (bw["tp_total"] / TP_SIZE) / max(r["bytes_per_step_per_rank"]),
             "unsharded-1t": batch * bw["1t"] / u1["bytes_per_step_per_rank"][0],
             "unsharded-2t": batch * bw["2t"] / u2["bytes_per_step_per_rank"][0]}
-        sk = {c: get.get(("skeleton", batch, c)) for c in CONFIGS}
+        sk = {c: get.get(("skeleton", batch, c)) for c in CONFIGS if ("real", batch, c) in get}
         if kind == "real" and all(sk.values()):
-            a["overhead_ms"] = {c: sk[c]["median_ms"] for c in CONFIGS}
-            a["overhead_share"] = {c: sk[c]["median_ms"] / get[(kind, batch, c)]["median_ms"] for c in CONFIGS}
+            a["overhead_ms"] = {c: sk[c]["median_ms"] for c in sk}
+            a["overhead_share"] = {c: sk[c]["median_ms"] / get[(kind, batch, c)]["median_ms"] for c in sk}
             sk_coll = max(sk[cname]["collective_ms_per_step_per_rank"])
             a["tp2_skeleton_collective_ms"] = sk_coll
             a["tp2_extra_python_ms_vs_unsharded_1t"] = sk[cname]["median_ms"] - sk_coll - sk["unsharded-1t"]["median_ms"]

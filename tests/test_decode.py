@@ -63,6 +63,10 @@ def test_fast_decode_falls_back_counted(pool):
     assert hidden["fast"] == 0 and hidden["fallback"] == {"output_attentions / output_hidden_states": 6}, hidden
     off = pool.run(check.fallback_equals_hf, 2, "LlamaForCausalLM", "disabled")[0]
     assert off["fast"] == 0 and "enable_fast_decode=False" in off["off"], off
+    torch_comm = pool.run(check.fallback_equals_hf, 2, "LlamaForCausalLM", "torch")[0]
+    assert torch_comm["fast"] == 5 and torch_comm["c_step"] == 0, torch_comm
+    assert list(torch_comm["python_step"].values()) == [5], torch_comm
+    assert "not the shm backend" in next(iter(torch_comm["python_step"])), torch_comm
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -176,13 +176,18 @@ def fallback_equals_hf(ctx, name: str, how: str) -> dict:
     """Where the step does not apply, generate() still equals HF's through
     HF's forward, and stats() says why: "hidden" -- output_hidden_states
     (every call HF's, counted per call); "disabled" --
-    ShardConfig(enable_fast_decode=False): not installed."""
+    ShardConfig(enable_fast_decode=False): not installed; "torch" -- the
+    group's collectives on torch.distributed (SHARDFORMER_COMM=torch): the
+    fast path's Python step, not the C loop (which calls shm from C)."""
+    from checks.ring_attention import _backend
+
     model, ref = _build(name)
     options = {"disabled": dict(enable_fast_decode=False)}
-    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **options.get(how, {}))).optimize(model)
-    prompt = prompt_ids()
-    extra = dict(MODES["greedy"], output_hidden_states=how == "hidden")
-    got = _generate(model, prompt, torch.ones_like(prompt), extra)
+    with _backend("torch" if how == "torch" else None):
+        ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **options.get(how, {}))).optimize(model)
+        prompt = prompt_ids()
+        extra = dict(MODES["greedy"], output_hidden_states=how == "hidden")
+        got = _generate(model, prompt, torch.ones_like(prompt), extra)
     exp = _generate(ref, prompt, torch.ones_like(prompt), extra)
     assert torch.equal(got.sequences, exp.sequences), f"{name} {how}:\n{got.sequences}\nHF\n{exp.sequences}"
     for step, (a, b) in enumerate(zip(got.logits, exp.logits)):
