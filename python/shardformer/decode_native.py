@@ -43,7 +43,7 @@ import weakref
 
 import torch
 
-from . import _C
+from . import _C, ops
 from .distributed import communicator as _comm
 from .distributed import ledger as _ledger
 
@@ -255,6 +255,7 @@ class NativeStep:
         if mask is not None:
             mask = mask.to(torch.int64).contiguous()
         comm = _comm.communicator_for(x, fast.group)
+        ops.follow_torch_threads()
         seconds = comm.shm.run_native(_C.decode_step, self._plan, x, cos.float().contiguous(),
                                       sin.float().contiguous(), mask, past)
         self._views = []
