@@ -328,10 +328,12 @@ static int poll_signals(void *ctx)
     return r < 0;
 }
 
-/* Run one call on the communicator of `cap` with the GIL released, polling
- * for signals.  0, or -1 with an exception: the call's (sf_set_pyerr), or
- * the one a signal handler raised (KeyboardInterrupt, ...), unchanged. */
-static int shm_run(PyObject *cap, const shm_call *a)
+/* Run fn(comm, ctx, err) on the communicator of `cap` with the GIL released,
+ * polling for signals: one call, or a C loop that makes many (the decode
+ * step, decode_module.c).  0, or -1 with an exception: the call's
+ * (sf_set_pyerr), or the one a signal handler raised (KeyboardInterrupt,
+ * ...), unchanged. */
+int sf_shm_run_native(PyObject *cap, sf_shm_native_fn fn, void *ctx)
 {
     /* Looked up again: taking the tensors ran Python code (__dlpack__). */
     shm_box *b = shm_box_of(cap);
@@ -348,7 +350,7 @@ static int shm_run(PyObject *cap, const shm_call *a)
     b->inflight++;
     PyThreadState *saved = PyEval_SaveThread();
     sf_shm_set_poll(c, poll_signals, &saved);
-    sf_status rc = shm_dispatch(c, a, &err);
+    sf_status rc = fn(c, ctx, &err);
     sf_shm_set_poll(c, NULL, NULL);
     PyEval_RestoreThread(saved);
     b->inflight--;
@@ -360,6 +362,17 @@ static int shm_run(PyObject *cap, const shm_call *a)
     int res = sf_set_pyerr(rc, &err);
     Py_DECREF(cap); /* last: b is not touched after this */
     return res;
+}
+
+static sf_status shm_dispatch_native(sf_shm *c, void *ctx, sf_error *err)
+{
+    return shm_dispatch(c, ctx, err);
+}
+
+/* One call of the collectives below (sf_shm_run_native). */
+static int shm_run(PyObject *cap, const shm_call *a)
+{
+    return sf_shm_run_native(cap, shm_dispatch_native, (void *)a);
 }
 
 /* ---- shm: collectives ---------------------------------------------------- */

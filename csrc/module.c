@@ -22,6 +22,7 @@
 int sf_register_comm(PyObject *m);
 int sf_register_nccl(PyObject *m);
 int sf_register_kernels(PyObject *m);
+int sf_register_decode(PyObject *m);
 
 PyDoc_STRVAR(split_units_doc,
 "split_units(units, parts, rank) -> (start, count)\n\n"
@@ -439,6 +440,8 @@ PyMODINIT_FUNC PyInit__C(void)
     if (m && sf_register_comm(m) < 0)
         Py_CLEAR(m);
     if (m && sf_register_nccl(m) < 0)
+        Py_CLEAR(m);
+    if (m && sf_register_decode(m) < 0)
         Py_CLEAR(m);
     if (m && sf_register_kernels(m) < 0)
         Py_CLEAR(m);

@@ -77,7 +77,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
               "compile_refusal", "packing", "ddp_guard", "ties", "wrappers", "pickling")),
     ("distributed", ("distributed", "distributed.*", "replicas", "input_check", "lockstep")),
     ("layer", ("layer", "layer.*", "attention")),
-    ("runtime", ("pipeline", "pipeline.*", "decode", "checkpoint", "checkpoint.*", "grad_norm", "parallel_mesh")),
+    ("runtime", ("pipeline", "pipeline.*", "decode", "decode_native", "checkpoint", "checkpoint.*", "grad_norm", "parallel_mesh")),
     ("policy", ("policy", "family", "plan", "autopolicy", "derived_policy", "derived_rules", "lm_loss", "sharder",
                 "optimizations", "spec", "spec.*")),
     ("policies", ("policies", "policies.*")),

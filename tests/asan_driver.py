@@ -842,10 +842,68 @@ def scenario_skinny_linear(i):
         expect(ValueError, _C.skinny_linear, x, w, None, torch.empty(m, n, dtype=dtype), 3, match="bfloat16 only")
 
 
+def _decode_case(i):
+    """One layer's decode_plan arguments (B 2, h 16, 4 query / 2 KV heads of
+    8, F 24, 3 cached positions, room for 6): with biases and q/k norms on
+    odd i; and x, cos, sin, mask."""
+    g = torch.Generator().manual_seed(i)
+    r = lambda *s: torch.randn(*s, generator=g) * 0.3  # noqa: E731
+    B, h, H, K, d, F, cap, past = 2, 16, 4, 2, 8, 24, 6, 3
+    odd = i % 2 == 1
+    kc, vc = r(B, K, cap, d), r(B, K, cap, d)
+    row = (1 + r(h), 1e-6, 1 + r(h), 1e-5, r((H + 2 * K) * d, h), r((H + 2 * K) * d) if odd else None,
+           1 + r(d) if odd else None, 1 + r(d) if odd else None, 1e-6, r(h, H * d), r(h) if odd else None,
+           r(2 * F, h), r(2 * F) if odd else None, r(h, F), r(h) if odd else None, kc, vc, d ** -0.5)
+    mask = torch.ones(B, past + 1, dtype=torch.int64)
+    mask[0, 0] = 0
+    return (B, h, H, K, d, F, cap), row, r(B, h), r(1, d), r(1, d), mask, past
+
+
+def _decode_reference(row, x, cos, sin, mask, past, H, K, d, F):
+    """decode.h's math in torch, one layer, one rank (the reduce is the identity)."""
+    ln1, e1, ln2, e2, wqkv, bqkv, qn, kn, qe, wo, bo, wgu, bgu, wd, bd, kc, vc, scale = row
+    rms = lambda v, w, e: v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + e) * w  # noqa: E731
+    rot = lambda u: torch.cat((-u[..., d // 2:], u[..., :d // 2]), -1)  # noqa: E731
+    B = x.shape[0]
+    qkv = torch.nn.functional.linear(rms(x, ln1, e1), wqkv, bqkv)
+    q, k, v = qkv[:, :H * d].view(B, H, d), qkv[:, H * d:(H + K) * d].view(B, K, d), qkv[:, (H + K) * d:].view(B, K, d)
+    if qn is not None:
+        q, k = rms(q, qn, qe), rms(k, kn, qe)
+    q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
+    kc, vc = kc.clone(), vc.clone()
+    kc[:, :, past], vc[:, :, past] = k, v
+    keys, vals = kc[:, :, :past + 1].repeat_interleave(H // K, 1), vc[:, :, :past + 1].repeat_interleave(H // K, 1)
+    s = torch.einsum("bhd,bhtd->bht", q, keys) * scale + (mask[:, None, :] == 0) * torch.finfo(torch.float32).min
+    o = torch.einsum("bht,bhtd->bhd", s.softmax(-1), vals).reshape(B, H * d)
+    x = x + (o @ wo.T + (bo if bo is not None else 0))
+    gu = torch.nn.functional.linear(rms(x, ln2, e2), wgu, bgu)
+    x = x + (torch.nn.functional.silu(gu[:, :F]) * gu[:, F:]) @ wd.T + (bd if bd is not None else 0)
+    return x, kc, vc
+
+
+def scenario_decode_step(i):
+    """decode_plan / decode_step on a group of one rank: one layer equals
+    the torch reference (x and the cache's new position); sizes that do not
+    fit are refused by name."""
+    comm = shm_group(1, 4096)[0]
+    sizes, row, x, cos, sin, mask, past = _decode_case(i)
+    B, h, H, K, d, F, cap = sizes
+    want, kc, vc = _decode_reference(row, x, cos, sin, mask, past, H, K, d, F)
+    plan = _C.decode_plan(sizes, [row], [row])
+    got = x.clone()
+    assert isinstance(_C.decode_step(comm, plan, got, cos, sin, mask, past), float)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (got - want).abs().max()
+    assert torch.allclose(row[15], kc, atol=1e-6) and torch.allclose(row[16], vc, atol=1e-6)
+    expect(ValueError, _C.decode_step, comm, plan, got, cos, sin, mask, cap, match="outside the plan's cache")
+    expect(ValueError, _C.decode_step, comm, plan, got[:1], cos, sin, mask, past, match="x has")
+    expect(ValueError, _C.decode_plan, (B, h + 1, H, K, d, F, cap), [row], [row], match="layer 0 ln1")
+    expect(ValueError, _C.decode_plan, (B, h, H, K, d, F, 0), [row], [row], match="outside")
+
+
 SCENARIOS = [scenario_layout_math, scenario_copy_place_torch, scenario_copy_place_numpy,
              scenario_copy_errors, scenario_gather_index, scenario_tensor_info,
              scenario_sharder, scenario_attention, scenario_kernel_pool, scenario_status,
-             scenario_faults, scenario_shm_all_to_all, scenario_skinny_linear]
+             scenario_faults, scenario_shm_all_to_all, scenario_skinny_linear, scenario_decode_step]
 
 if MODE == "asan":
     for scenario in SCENARIOS:
@@ -931,7 +989,18 @@ elif MODE == "leaks":
     A2A_COPY = copy_of(F32_CUDA_12)
     SK_X, SK_WIDE, SK_Y = torch.randn(2, 20).bfloat16(), torch.randn(9, 27).bfloat16(), torch.empty(2, 9).bfloat16()
     SK_T = torch.randn(20, 9).bfloat16().T
+    DEC_SIZES, DEC_ROW, DEC_X, DEC_COS, DEC_SIN, DEC_MASK, DEC_PAST = _decode_case(1)
+    DEC_PLAN = _C.decode_plan(DEC_SIZES, [DEC_ROW], [DEC_ROW])
     cases = {
+        "decode_plan/ok": lambda: _C.decode_plan(DEC_SIZES, [DEC_ROW], [DEC_ROW]),
+        "decode_plan/size": lambda: expect(ValueError, _C.decode_plan, DEC_SIZES[:6] + (0,), [DEC_ROW], [DEC_ROW]),
+        "decode_plan/layer": lambda: expect(ValueError, _C.decode_plan, (2, 17) + DEC_SIZES[2:], [DEC_ROW], []),
+        "decode_step/ok": lambda: _C.decode_step(A2A_COMM, DEC_PLAN, DEC_X.clone(), DEC_COS, DEC_SIN, DEC_MASK,
+                                                 DEC_PAST),
+        "decode_step/past": lambda: expect(ValueError, _C.decode_step, A2A_COMM, DEC_PLAN, DEC_X, DEC_COS, DEC_SIN,
+                                           DEC_MASK, 6),
+        "decode_step/mask": lambda: expect(ValueError, _C.decode_step, A2A_COMM, DEC_PLAN, DEC_X, DEC_COS, DEC_SIN,
+                                           DEC_MASK[:1], DEC_PAST),
         "skinny_linear/strided": lambda: _C.skinny_linear(SK_X, SK_WIDE[:, 7:], None, SK_Y),
         "skinny_linear/strided_portable": lambda: _C.skinny_linear(SK_X, SK_WIDE[:, 7:], None, SK_Y, 1),
         "skinny_linear/transposed": lambda: expect(ValueError, _C.skinny_linear, SK_X, SK_T, None, SK_Y),

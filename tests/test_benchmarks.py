@@ -20,23 +20,25 @@ def test_generate_benchmark_quick(tmp_path):
     assert p.returncode == 0, p.stdout + p.stderr
     res = json.loads((tmp_path / "generate.json").read_text())
     md = (tmp_path / "generate.md").read_text()
-    # batches 1 and 2: 5 configurations, and 5 places of collectives for each of the 3 TP ones
-    assert md.count("| tiny |") == 2 * 5 + 2 * 3 * 5
+    # batches 1 and 2: 5 configurations, and the places of collectives of the 3 TP ones (tp2: the
+    # layers' all-reduces are made inside the C loop, not seen by the benchmark's timer)
+    assert md.count("| tiny |") == 2 * 5 + 2 * (5 + 5 + 3)
     rows = res["models"]["tiny"]["rows"]
     seen = {(r["kind"], r["batch"], r["config"]) for r in rows}
     assert seen == {(k, b, c) for k in ("real", "skeleton") for b in (1, 2)
-                    for c in ("unsharded-1t", "unsharded-2t", "tp2-hf", "tp2", "tp2-skinny")}
+                    for c in ("unsharded-1t", "unsharded-2t", "tp2-hf", "tp2-py", "tp2")}
     for r in rows:
         assert r["timed_steps"] >= 1 and r["tokens_per_s"] > 0
         assert len(r["tokens"]) == r["batch"] and all(len(t) == 5 for t in r["tokens"])
-        if r["config"] in ("tp2-hf", "tp2", "tp2-skinny"):
-            # 2 layers: 2 all-reduces each, the embedding's all-reduce, the LM head's all-gather,
-            # and generate()'s lock-step check of the step's tokens (shardformer.lockstep)
-            assert r["collective_calls_per_step"] == 7
+        if r["config"] in ("tp2-hf", "tp2-py", "tp2"):
+            # 2 layers: 2 all-reduces each (inside the C loop for tp2), the embedding's all-reduce,
+            # the LM head's all-gather, and generate()'s lock-step check of the step's tokens
+            layers = {} if r["config"] == "tp2" else {"attention o_proj": 2, "mlp down_proj": 2}
+            assert r["collective_calls_per_step"] == 3 + sum(layers.values())
             assert len(r["collective_share_per_rank"]) == 2
             for per_rank in r["collectives_by_position"]:
                 assert {k: v["calls_per_step"] for k, v in per_rank.items()} == {
-                    "embedding": 1, "attention o_proj": 2, "mlp down_proj": 2, "lm_head": 1, "token check": 1}
+                    "embedding": 1, "lm_head": 1, "token check": 1, **layers}
     for key, a in res["models"]["tiny"]["analysis"].items():
         assert a["tokens_match_unsharded"], key
     bw = res["bandwidth"]

@@ -11,7 +11,11 @@ path's, so a silent fallback fails; the same with enable_all_optimization
 does not apply, HF's forward runs, counted with its reason, and the check
 holds for every generate() call: hooks (per module or global) added and a
 submodule replaced after a first generate() send the steps to HF's forward,
-counted; a norm replaced by another of its kind is read afresh."""
+counted; a norm replaced by another of its kind is read afresh.  The fast
+steps run the C layer loop (shardformer.decode_native; stats count it):
+weights written in place are packed again, a cache extended by HF's forward
+between two fast steps is taken back, the all-reduces made from C are in
+shardformer.comm_stats()."""
 from __future__ import annotations
 
 import pytest
@@ -33,12 +37,25 @@ CASES = [
 def test_fast_decode_equals_hf(pool, name, mode, padded, window, tp):
     out = pool.run(check.generate_equals_hf, tp, name, mode, padded=padded, window=window)
     assert all(o == out[0] for o in out)
+    _assert_c_step(out[0], window)
+
+
+def _assert_c_step(case: dict, window) -> None:
+    """Every fast step ran the C layer loop, or (a sliding-window cache) the
+    Python step, counted with its reason."""
+    if window is None:
+        assert case["c_step"] == case["fast"] and not case["python_step"], case
+    else:
+        assert case["c_step"] == 0, case
+        assert case["python_step"] == {"cache layer DynamicSlidingWindowLayer (the C step keeps full caches)":
+                                       case["fast"]}, case
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_fast_decode_default_group(world_pool, tp):
     out = world_pool(tp).run(check.generate_equals_hf, tp, "LlamaForCausalLM", "sample", default_group=True)
     assert all(o == out[0] for o in out)
+    _assert_c_step(out[0], None)
 
 
 def test_fast_decode_falls_back_counted(pool):
@@ -46,6 +63,10 @@ def test_fast_decode_falls_back_counted(pool):
     assert hidden["fast"] == 0 and hidden["fallback"] == {"output_attentions / output_hidden_states": 6}, hidden
     off = pool.run(check.fallback_equals_hf, 2, "LlamaForCausalLM", "disabled")[0]
     assert off["fast"] == 0 and "enable_fast_decode=False" in off["off"], off
+    torch_comm = pool.run(check.fallback_equals_hf, 2, "LlamaForCausalLM", "torch")[0]
+    assert torch_comm["fast"] == 5 and torch_comm["c_step"] == 0, torch_comm
+    assert list(torch_comm["python_step"].values()) == [5], torch_comm
+    assert "not the shm backend" in next(iter(torch_comm["python_step"])), torch_comm
 
 
 @pytest.mark.parametrize("tp", [2, 4])
@@ -57,6 +78,8 @@ def test_fast_decode_all_optimization(pool, tp):
     out = pool.run(check.cases_equal_hf, tp, cases, dict(enable_all_optimization=True))
     assert all(o == out[0] for o in out)
     assert all(case["fast"] == 5 and case["fused_norms"] > 0 for case in out[0]), out[0]
+    for case in out[0]:
+        _assert_c_step(case, None)
 
 
 def test_fast_decode_rechecked_each_generate(world_pool):
@@ -65,8 +88,14 @@ def test_fast_decode_rechecked_each_generate(world_pool):
     out = world_pool(2).run(check.changed_after_generate, 2)
     stats = out[0]
     assert all(s == 5 for s in stats["steps"]), stats["steps"]
-    for case in ("first", "norm replaced"):
+    for case in ("first", "norm replaced", "weights written"):
         assert stats[case]["off"] is None and stats[case]["fast"] == 5, (case, stats[case])
+        assert stats[case]["c_step"] == 5, (case, stats[case])
+    # two of the five decode steps ran HF's forward (uncounted); the C step took the cache back from HF
+    assert stats["hf between"]["fast"] == 3 and stats["hf between"]["c_step"] == 3, stats["hf between"]
+    assert stats["kv_buffers_left"] == 0, stats
+    # the C step's all-reduces are in the ledger: 2 per layer per step (besides the embedding's and the prefill's)
+    assert stats["first"]["all_reduces"] >= 2 * stats["first"]["layers"] * 5, stats["first"]
     expected = {"hooks": "forward hooks on ['model.layers.0.mlp', 'model.layers.1.post_attention_layernorm']",
                 "global hook": "global module forward hooks",
                 "act_fn replaced": "model.layers.0.mlp.act_fn is GELU, not SiLU"}

@@ -59,6 +59,7 @@ import inspect
 import torch
 import torch.nn.functional as F
 
+from .decode_native import NativeStep
 from .distributed import collectives as C
 
 #: model_type values whose decoder layer is the Llama layer (RMSNorm,
@@ -311,10 +312,15 @@ class DecodeFastPath:
         self._key: tuple | None = None      # _fingerprint of the last check, and what keeps its ids unique
         self._objects: list = []
         self._call = None                   # the lockstep.generate_call() the check was made for
+        self.native = NativeStep()          # the C layer loop (decode_native.py)
+        self.native_enabled = True          # set_native_decode: False runs every fast step in Python
+        self.c_steps = 0                    # fast steps the C loop ran
+        self.python_steps: collections.Counter = collections.Counter()   # reason -> fast steps run in Python
 
     def __getstate__(self) -> dict:
         """A copy (pickle, deepcopy) checks its model afresh at its first call."""
-        return dict(self.__dict__, _layers=None, _off=None, _key=None, _objects=[], _call=None)
+        return dict(self.__dict__, _layers=None, _off=None, _key=None, _objects=[], _call=None,
+                    native=NativeStep())
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -347,7 +353,8 @@ class DecodeFastPath:
         if not call:
             return self._hf(args, kwargs)
         if call != self._call:                # once per generate() call, not per step
-            self.refresh()
+            if self.refresh() is None:
+                self.native.prepare(self.layers(), self.model.model.embed_tokens.weight)
             self._call = call
         why = self._off or ("positional arguments" if args else _call_refusal(self.model, kwargs))
         if why is None:
@@ -356,8 +363,15 @@ class DecodeFastPath:
             self.fallback[why] += 1
             return self._hf(args, kwargs)
         self.fast += 1
-        return self.step(kwargs["input_ids"], kwargs["past_key_values"], kwargs.get("attention_mask"),
-                         kwargs.get("position_ids"))
+        args = (kwargs["input_ids"], kwargs["past_key_values"], kwargs.get("attention_mask"),
+                kwargs.get("position_ids"))
+        why = self.native.refusal(self.layers(), self.group, self.model.model.embed_tokens.weight, args[1]) \
+            if self.native_enabled else "the C step switched off (set_native_decode)"
+        if why is not None:
+            self.python_steps[why] += 1
+            return self.step(*args)
+        self.c_steps += 1
+        return self.finish(self.native.run(self, *args), args[1])
 
     def layers(self) -> list[_Layer]:
         if self._layers is None:
@@ -388,8 +402,6 @@ class DecodeFastPath:
     def step(self, ids: torch.Tensor, cache, mask: torch.Tensor | None, position_ids: torch.Tensor | None):
         """One token per sequence through every layer (module doc); returns
         HF's CausalLMOutputWithPast with the gathered logits [B, 1, vocab]."""
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
         base, group = self.model.model, self.group
         past = cache.get_seq_length()
         if position_ids is None:       # HF's LlamaModel: positions continue the cache
@@ -427,9 +439,15 @@ class DecodeFastPath:
             g = F.silu(L.gate._matmul(m, L.gate.weight, L.gate.bias)) * L.up._matmul(m, L.up.weight, L.up.bias)
             y = C.all_reduce(L.down._matmul(g, L.down.weight, None), group)
             x = x + (y if L.down.bias is None else y + L.down.bias)
-        x = _own_forward(base.norm)(x)
-        logits = self.model.lm_head(x)
-        return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+        return self.finish(x, cache)
+
+    def finish(self, x: torch.Tensor, cache):
+        """The final norm and the LM head on the last hidden states [B, 1, h]:
+        HF's CausalLMOutputWithPast with the gathered logits [B, 1, vocab]."""
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        x = _own_forward(self.model.model.norm)(x)
+        return CausalLMOutputWithPast(logits=self.model.lm_head(x), past_key_values=cache)
 
 
 def _wrappable(forward) -> bool:
@@ -456,15 +474,18 @@ def install(model, group, name: str) -> int:
 
 
 def stats(model) -> dict:
-    """{"fast": decode steps the fast path ran, "fallback": {reason: calls
+    """{"fast": decode steps the fast path ran, "c_step": those of them the C
+    layer loop ran (decode_native.py), "python_step": {reason: those the
+    Python step ran instead}, "fallback": {reason: calls
     inside generate() sent to HF's forward}, "off": why the model never
     takes it (None: it can)} for the generating model `model`."""
     path = model.__dict__.get("forward")
     if not isinstance(path, DecodeFastPath):
-        return {"fast": 0, "fallback": {}, "off": "not installed (a model_type outside SUPPORTED_TYPES, "
-                                                  "ShardConfig(enable_fast_decode=False), pipeline stages, "
-                                                  "or a group of one rank)"}
-    return {"fast": path.fast, "fallback": dict(path.fallback), "off": path.refresh()}
+        return {"fast": 0, "c_step": 0, "python_step": {}, "fallback": {},
+                "off": "not installed (a model_type outside SUPPORTED_TYPES, ShardConfig(enable_fast_decode=False), "
+                       "pipeline stages, or a group of one rank)"}
+    return {"fast": path.fast, "c_step": path.c_steps, "python_step": dict(path.python_steps),
+            "fallback": dict(path.fallback), "off": path.refresh()}
 
 
 def set_fast_decode(model, on: bool = True) -> None:
@@ -478,9 +499,21 @@ def set_fast_decode(model, on: bool = True) -> None:
     path.enabled = bool(on)
 
 
+def set_native_decode(model, on: bool = True) -> None:
+    """Let the fast path of `model` run its steps through the C layer loop
+    (on, the default) or always through the Python step (off, counted under
+    stats()["python_step"]), e.g. to time both (benchmarks/generate.py's
+    tp2-py).  Raises ValueError where the fast path is not installed."""
+    path = model.__dict__.get("forward")
+    if not isinstance(path, DecodeFastPath):
+        raise ValueError(f"{type(model).__name__} has no decode fast path: {stats(model)['off']}")
+    path.native_enabled = bool(on)
+
+
 def reset_stats(model) -> None:
     """Zero the counters of stats(model)."""
     path = model.__dict__.get("forward")
     if isinstance(path, DecodeFastPath):
-        path.fast = 0
+        path.fast = path.c_steps = 0
         path.fallback.clear()
+        path.python_steps.clear()

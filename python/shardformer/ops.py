@@ -151,6 +151,13 @@ def _follow_torch_threads() -> None:
             _C.kernel_set_num_threads(n)
 
 
+def follow_torch_threads() -> None:
+    """The kernels' thread count catches up with torch's (unless pinned by
+    set_num_threads): what every op does first, for callers that reach the
+    kernels without an op (the decode step's C loop)."""
+    _follow_torch_threads()
+
+
 def _data(t: torch.Tensor, what: str, cuda: bool = True) -> torch.Tensor:
     """`t` ready for the kernels: detached, contiguous, CPU (or CUDA, for the
     ops with CUDA kernels: cuda=True), a float dtype.  Every op passes its

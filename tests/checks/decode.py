@@ -3,9 +3,12 @@ of the sharded model against the unsharded HF model from the same seed."""
 from __future__ import annotations
 
 import copy
+import gc
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
+import shardformer
 import zoo
 from checks.parity import TOL, assert_close, prompt_ids
 from shardformer import ShardConfig, ShardFormer, decode
@@ -67,7 +70,8 @@ def generate_equals_hf(ctx, name: str, mode: str = "greedy", default_group: bool
     assert stats["off"] is None, f"{name}: fast path off: {stats['off']}"
     assert stats["fast"] == steps, f"{name}: {stats['fast']} of {steps} decode steps took the fast path: {stats}"
     assert sum(stats["fallback"].values()) == 1, f"{name}: {stats}"
-    return {"tokens": got.sequences.tolist(), "fast": stats["fast"], "fused_norms": fused}
+    return {"tokens": got.sequences.tolist(), "fast": stats["fast"], "fused_norms": fused,
+            "c_step": stats["c_step"], "python_step": stats["python_step"]}
 
 
 def cases_equal_hf(ctx, cases, options: dict) -> list[dict]:
@@ -75,6 +79,21 @@ def cases_equal_hf(ctx, cases, options: dict) -> list[dict]:
     case of `cases`, in one pool call."""
     return [generate_equals_hf(ctx, name, mode, padded=padded, window=window, options=options)
             for name, mode, padded, window in cases]
+
+
+class _Toggle(LogitsProcessor):
+    """Switches the fast path off after the first decode step and on again
+    two steps later: HF's forward extends the cache in between, and the C
+    step must take it from HF's cache layers."""
+
+    def __init__(self, model):
+        self.model, self.calls = model, 0
+
+    def __call__(self, input_ids, scores):
+        self.calls += 1
+        if self.calls in (2, 4):
+            decode.set_fast_decode(self.model, self.calls == 4)
+        return scores
 
 
 def _scale_output(module, args, output):
@@ -103,9 +122,9 @@ def changed_after_generate(ctx) -> dict:
     mask = torch.ones_like(prompt)
     steps = []
 
-    def both(what: str) -> dict:
+    def both(what: str, extra: dict | None = None) -> dict:
         decode.reset_stats(model)
-        got = _generate(model, prompt, mask, MODES["greedy"])
+        got = _generate(model, prompt, mask, dict(MODES["greedy"], **(extra or {})))
         exp = _generate(ref, prompt, mask, MODES["greedy"])
         assert torch.equal(got.sequences, exp.sequences), \
             f"{what}: rank {ctx.rank} decoded\n{got.sequences}\nHF\n{exp.sequences}\n{decode.stats(model)}"
@@ -114,7 +133,10 @@ def changed_after_generate(ctx) -> dict:
         steps.append(len(exp.logits) - 1)
         return decode.stats(model)
 
-    out = {"first": both("first generate()")}
+    with shardformer.comm_stats() as ledger:
+        out = {"first": both("first generate()")}
+    out["first"]["all_reduces"] = ledger.summary().get("all_reduce", {}).get("calls", 0)
+    out["first"]["layers"] = model.config.num_hidden_layers
     pairs = [(m, m.model.layers[0]) for m in (model, ref)]
     handles = [layer.mlp.register_forward_hook(_scale_output) for _, layer in pairs]
     handles += [m.model.layers[1].post_attention_layernorm.register_forward_pre_hook(_halve_input) for m, _ in pairs]
@@ -137,6 +159,15 @@ def changed_after_generate(ctx) -> dict:
         layer.mlp.act_fn = torch.nn.SiLU().eval()
         m.model.layers[1].input_layernorm = copy.deepcopy(norm)
     out["norm replaced"] = both("hooks removed, model.layers.1.input_layernorm replaced by another LlamaRMSNorm")
+    with torch.no_grad():                    # in place: same Parameter, same fingerprint, a new version
+        for m in (model, ref):
+            m.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+            m.model.layers[1].mlp.up_proj.weight.mul_(0.5)
+    out["weights written"] = both("k_proj of layer 0 and up_proj of layer 1 scaled in place")
+    out["hf between"] = both("HF's forward for decode steps 2 and 3 (fast path off, then on again)",
+                             dict(logits_processor=LogitsProcessorList([_Toggle(model)])))
+    gc.collect()                             # the outputs (and their caches) are gone: so are the C step's buffers
+    out["kv_buffers_left"] = len(model.__dict__["forward"].native._k)
     out["steps"] = steps
     return out
 
@@ -145,13 +176,18 @@ def fallback_equals_hf(ctx, name: str, how: str) -> dict:
     """Where the step does not apply, generate() still equals HF's through
     HF's forward, and stats() says why: "hidden" -- output_hidden_states
     (every call HF's, counted per call); "disabled" --
-    ShardConfig(enable_fast_decode=False): not installed."""
+    ShardConfig(enable_fast_decode=False): not installed; "torch" -- the
+    group's collectives on torch.distributed (SHARDFORMER_COMM=torch): the
+    fast path's Python step, not the C loop (which calls shm from C)."""
+    from checks.ring_attention import _backend
+
     model, ref = _build(name)
     options = {"disabled": dict(enable_fast_decode=False)}
-    ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **options.get(how, {}))).optimize(model)
-    prompt = prompt_ids()
-    extra = dict(MODES["greedy"], output_hidden_states=how == "hidden")
-    got = _generate(model, prompt, torch.ones_like(prompt), extra)
+    with _backend("torch" if how == "torch" else None):
+        ShardFormer(ShardConfig(tensor_parallel_process_group=ctx.group, **options.get(how, {}))).optimize(model)
+        prompt = prompt_ids()
+        extra = dict(MODES["greedy"], output_hidden_states=how == "hidden")
+        got = _generate(model, prompt, torch.ones_like(prompt), extra)
     exp = _generate(ref, prompt, torch.ones_like(prompt), extra)
     assert torch.equal(got.sequences, exp.sequences), f"{name} {how}:\n{got.sequences}\nHF\n{exp.sequences}"
     for step, (a, b) in enumerate(zip(got.logits, exp.logits)):

@@ -118,6 +118,16 @@ def _record(kind: str, ranks: tuple, nbytes: int, seconds: float, targets: list,
 _OWN = ("shardformer.distributed.", "shardformer.layer.sequence", "torch.", "functools")
 
 
+def record_native(kind: str, ranks: tuple, nbytes: int, seconds: float, calls: int) -> None:
+    """Record `calls` calls of `kind`, `nbytes` each, that C code made itself
+    (the decode step's all-reduces, decode_native.py) in the open ledgers."""
+    if len(ranks) < 2:
+        return
+    with _LOCK:
+        targets = list(_ACTIVE)
+    _record(kind, ranks, nbytes * calls, seconds, targets, calls)
+
+
 def _caller() -> str:
     """'module:line function' of the innermost frame outside the communication
     layers (the code that asked for the call: a layer, a schedule, ...)."""

@@ -492,6 +492,16 @@ class ShmCommunicator:
             self._queue.put((self._run, (fn, args), handle))
         return handle
 
+    def run_native(self, fn, *args):
+        """fn(capsule, *args): a C entry point that makes its own calls on this
+        communicator with the GIL released (the decode step's layer loop,
+        _C.decode_step), run as one blocking call: after the async calls
+        issued before it, never beside another call."""
+        self._check_open()
+        if self._pending is not None:
+            self._drain()
+        return self._run(lambda *a: fn(self._comm, *a), args)
+
     # -- collectives ---------------------------------------------------------------
 
     @staticmethod
