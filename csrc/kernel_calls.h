@@ -259,6 +259,30 @@ static inline int take_embedding_backward(views *vs, PyObject *args, kcall *k)
            want_numel(vs, t[0], "dout", nout) ? -1 : 0;
 }
 
+/* embedding_grad(dout, ids, vocab_start, vocab_real, padding_local, dweight): t = dout, ids,
+ * dweight (dout's dtype, every row written); i = vstart, real, pad; k->n = d, k->rows = rows */
+static inline int take_embedding_grad(views *vs, PyObject *args, kcall *k)
+{
+    PyObject *o[3];
+    if (!PyArg_ParseTuple(args, "OOLLLO:embedding_grad", &o[0], &o[1], &k->i[0], &k->i[1],
+                          &k->i[2], &o[2]))
+        return -1;
+    sf_view **t = k->t;
+    if (arg(vs, o[0], "dout", IN, &t[0]) || arg(vs, o[1], "ids", I64, &t[1]) ||
+        arg(vs, o[2], "dweight", OUT, &t[2]))
+        return -1;
+    if (t[2]->ndim != 2 || k->i[1] < 0 || k->i[1] > t[2]->shape[0]) {
+        PyErr_Format(PyExc_ValueError, "%s: dweight must be 2-D with at least vocab_real=%lld rows, "
+                     "got %d-D", vs->fn, k->i[1], t[2]->ndim);
+        return -1;
+    }
+    int64_t nout;
+    k->n = t[2]->shape[1];
+    k->rows = t[2]->shape[0];
+    return mul(vs, "ids x embedding size", t[1]->numel, k->n, &nout) ||
+           want_numel(vs, t[0], "dout", nout) || same_dtype(vs, t[0], "dout", t[2], "dweight") ? -1 : 0;
+}
+
 #define I64P(v) ((const int64_t *)(v)->data)
 
 #endif /* SHARDFORMER_KERNEL_CALLS_H */
