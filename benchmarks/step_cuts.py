@@ -23,6 +23,7 @@ A step's time is the slower rank's; medians over the iterations.  Ledgers
 (step_floor.ledger_of) of one profiled fused-po step before and after.
 
     .venv/bin/python benchmarks/step_cuts.py [--iters 7] [--layers 2] [--out ...]
+    .venv/bin/python benchmarks/step_cuts.py --pieces 15   # the cut pieces alone, one process
 
 Results: benchmarks/results/tp_step_cuts.json, with the load average.
 """
@@ -156,6 +157,49 @@ def worker(rank: int, sizes: dict, iters: int, warmup: int) -> dict:
             "comm_fused_po": {"after": comm_after.summary(), "before": comm_before.summary()}}
 
 
+def pieces(sizes: dict, reps: int) -> dict:
+    """The cut pieces alone in this process (one thread), before / after interleaved, medians in ms:
+    the embedding's backward (a [V/p, h] table, batch * seq ids) and the cross-entropy's forward +
+    backward on a [batch * seq, V/p] logit shard (one rank: no collective)."""
+    import torch
+
+    from shardformer import ops
+    from shardformer.layer import cross_entropy_1d
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    v, h, n = sizes["vocab"] // 2, sizes["hidden"], sizes["batch"] * sizes["seq"]
+    w = torch.randn(v, h, generator=g).requires_grad_()
+    ids = torch.randint(0, v, (n,), generator=g)
+    dout = torch.randn(n, h, generator=g)
+    z = torch.randn(n, v, generator=g).requires_grad_()
+    labels = torch.randint(0, v, (n,), generator=g)
+
+    def embedding():
+        w.grad = None
+        ops.vocab_embedding(ids, w, 0, v).backward(dout)
+
+    def xent():
+        z.grad = None
+        cross_entropy_1d(z, labels, vocab_size=v).backward()
+
+    out = {}
+    for name, fn in (("embedding backward", embedding), ("cross-entropy fwd+bwd", xent)):
+        fn()
+        with before_cuts():
+            fn()
+        t = {"after": [], "before": []}
+        for _ in range(reps):
+            for which in ("before", "after"):
+                ctx = before_cuts() if which == "before" else contextlib.nullcontext()
+                with ctx:
+                    t0 = time.perf_counter()
+                    fn()
+                    t[which].append((time.perf_counter() - t0) * 1e3)
+        out[name] = {k: statistics.median(x) for k, x in t.items()}
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=7)
@@ -164,10 +208,25 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--pieces", type=int, default=0, metavar="REPS",
+                   help="only time the cut pieces alone in this process, REPS interleaved pairs")
     p.add_argument("--out", default=os.path.join(HERE, "results", "tp_step_cuts.json"))
     args = p.parse_args(argv)
     sizes = dict(tp_step.FULL, layers=args.layers, hidden=args.hidden, vocab=args.vocab, seq=args.seq,
                  seed=0, heads=8, kv_heads=8, intermediate=max(64, int(round(args.hidden * 2.75 / 64)) * 64))
+    if args.pieces:
+        load0 = os.getloadavg()
+        res = pieces(sizes, args.pieces)
+        print(f"pieces, {args.pieces} interleaved pairs, medians (load average {load0} -> {os.getloadavg()}):")
+        for k, r in res.items():
+            print(f"  {k:24s} before {r['before']:7.1f} ms   after {r['after']:7.1f} ms   "
+                  f"after/before {r['after'] / r['before']:.2f}")
+        path = args.out.replace(".json", "_pieces.json")
+        with open(path, "w") as f:
+            json.dump({"sizes": sizes, "reps": args.pieces, "load_average": [load0, os.getloadavg()],
+                       "median_ms": res}, f, indent=1)
+        print("wrote", path)
+        return 0
     load0 = os.getloadavg()
     t0 = time.time()
     per_rank = tp_step.launch(worker, 2, (sizes, args.iters, args.warmup), 3600)
