@@ -165,7 +165,8 @@ def ledger_of(evs: list[dict], wall_s: float, collective_s: float = 0.0) -> dict
     `collective_s` (e.g. from shardformer.comm_stats()) is the time the step's
     collectives took when they run outside torch's ops (shardformer's shm
     backend): what the profile counted as collectives is topped up to it,
-    taken from autograd frames and python, where such calls run."""
+    taken from autograd frames, python and then the loss (whose Function
+    runs one all-gather), where such calls run."""
     led = {c: 0.0 for c in CATEGORIES}
     main_tid = max({e.get("tid") for e in evs}, key=lambda t: sum(float(e["dur"]) for e in evs
                                                                     if e.get("tid") == t and e["parent"] is None),
@@ -176,7 +177,7 @@ def ledger_of(evs: list[dict], wall_s: float, collective_s: float = 0.0) -> dict
     covered = sum(float(e["dur"]) for e in evs if e["parent"] is None and e.get("tid") == main_tid) * 1e-6
     led["python"] = max(0.0, wall_s - covered)
     extra = max(0.0, collective_s - led["collectives"])
-    for c in ("autograd frames", "python"):
+    for c in ("autograd frames", "python", "loss"):   # the vocabulary-parallel loss gathers its statistics
         take = min(extra, led[c])
         led[c] -= take
         led["collectives"] += take
