@@ -14,8 +14,10 @@ loss) is what can be cut.  This module
   the same shapes, strides (so the same transposes) and dtypes: the floor;
 * splits the profiled step's wall time into a ledger (:func:`ledger_of`):
   matmul, attention, loss, embedding, copies, collectives, other aten ops
-  (norms, activations, elementwise), autograd's node frames, and the Python
-  between ops, in ms and as a share of the step.
+  (norms, activations, elementwise), fused kernels (shardformer's C norms /
+  activations / dropout-add; its C attention, loss and embedding go to those
+  rows), autograd's node frames, and the Python between ops, in ms and as a
+  share of the step.
 
 The floor ratio of a step is ``step time / floor time``, both measured in the
 same processes, interleaved, so that other load on the machine hits both.
@@ -31,7 +33,17 @@ MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
 
 # Ledger categories, in print order.  Every microsecond of the profiled step is in exactly one.
 CATEGORIES = ("matmul", "attention", "loss", "embedding", "copies", "collectives", "other aten ops",
-              "autograd frames", "python")
+              "fused kernels", "autograd frames", "python")
+
+# shardformer's autograd.Functions over its C kernels (shardformer.ops, layer/loss.py): the
+# profiler records each as an event of the Function's name (its backward: name + "Backward")
+# whose self time is the kernel's own compute, not autograd's frame.  Each goes to the category
+# the same work has in torch ops (attention, loss, embedding), the norms / activations /
+# dropout-add to "fused kernels".
+_KERNEL_FUNCTIONS = {"_Attention": "attention", "_VocabParallelCrossEntropy": "loss",
+                     "_VocabEmbedding": "embedding", "_Norm": "fused kernels", "_BiasGelu": "fused kernels",
+                     "_SwiGLU": "fused kernels", "_BiasDropoutAdd": "fused kernels"}
+_KERNEL_FUNCTIONS.update({k + "Backward": v for k, v in list(_KERNEL_FUNCTIONS.items())})
 
 _COLLECTIVE_WORDS = ("c10d", "allreduce", "all_reduce", "all_gather", "allgather", "reduce_scatter",
                      "wait_tensor", "gloo", "broadcast", "all_to_all", "alltoall")
@@ -126,6 +138,8 @@ def _category(evs: list[dict], i: int) -> str:
         return "matmul"
     chain, j = [], i
     while j is not None:
+        if evs[j]["name"] in _KERNEL_FUNCTIONS:      # a C kernel's Function (or an op inside it)
+            return _KERNEL_FUNCTIONS[evs[j]["name"]]
         chain.append(evs[j]["name"].lower())
         j = evs[j]["parent"]
     for words, cat in ((_COLLECTIVE_WORDS, "collectives"), (_ATTENTION_WORDS, "attention"),
@@ -151,7 +165,8 @@ def ledger_of(evs: list[dict], wall_s: float, collective_s: float = 0.0) -> dict
     `collective_s` (e.g. from shardformer.comm_stats()) is the time the step's
     collectives took when they run outside torch's ops (shardformer's shm
     backend): what the profile counted as collectives is topped up to it,
-    taken from autograd frames and python, where such calls run."""
+    taken from autograd frames, python and then the loss (whose Function
+    runs one all-gather), where such calls run."""
     led = {c: 0.0 for c in CATEGORIES}
     main_tid = max({e.get("tid") for e in evs}, key=lambda t: sum(float(e["dur"]) for e in evs
                                                                     if e.get("tid") == t and e["parent"] is None),
@@ -162,7 +177,7 @@ def ledger_of(evs: list[dict], wall_s: float, collective_s: float = 0.0) -> dict
     covered = sum(float(e["dur"]) for e in evs if e["parent"] is None and e.get("tid") == main_tid) * 1e-6
     led["python"] = max(0.0, wall_s - covered)
     extra = max(0.0, collective_s - led["collectives"])
-    for c in ("autograd frames", "python"):
+    for c in ("autograd frames", "python", "loss"):   # the vocabulary-parallel loss gathers its statistics
         take = min(extra, led[c])
         led[c] -= take
         led["collectives"] += take

@@ -236,17 +236,18 @@ static inline int take_embedding_forward(views *vs, PyObject *args, kcall *k)
            want_numel(vs, t[2], "out", nout) || same_dtype(vs, t[0], "weight", t[2], "out") ? -1 : 0;
 }
 
-/* embedding_backward(dout, ids, vocab_start, vocab_real, padding_local, dweight): t = dout, ids,
- * dweight; i = vstart, real, pad; k->n = d (dweight's columns) */
-static inline int take_embedding_backward(views *vs, PyObject *args, kcall *k)
+/* embedding_backward / embedding_grad(dout, ids, vocab_start, vocab_real, padding_local, dweight):
+ * t = dout, ids, dweight; i = vstart, real, pad; k->n = d (dweight's columns), k->rows = its rows.
+ * backward's dweight is float32 (summed into), grad's has dout's dtype (every row written). */
+static inline int take_embedding_dweight(views *vs, PyObject *args, kcall *k, const char *format,
+                                         int dout_dtype)
 {
     PyObject *o[3];
-    if (!PyArg_ParseTuple(args, "OOLLLO:embedding_backward", &o[0], &o[1], &k->i[0], &k->i[1],
-                          &k->i[2], &o[2]))
+    if (!PyArg_ParseTuple(args, format, &o[0], &o[1], &k->i[0], &k->i[1], &k->i[2], &o[2]))
         return -1;
     sf_view **t = k->t;
     if (arg(vs, o[0], "dout", IN, &t[0]) || arg(vs, o[1], "ids", I64, &t[1]) ||
-        arg(vs, o[2], "dweight", F32_OUT, &t[2]))
+        arg(vs, o[2], "dweight", dout_dtype ? SF_DT_FLOAT : SF_DT_F32, SF_TAKE_WRITE, &t[2]))
         return -1;
     if (t[2]->ndim != 2 || k->i[1] < 0 || k->i[1] > t[2]->shape[0]) {
         PyErr_Format(PyExc_ValueError, "%s: dweight must be 2-D with at least vocab_real=%lld rows, "
@@ -255,8 +256,20 @@ static inline int take_embedding_backward(views *vs, PyObject *args, kcall *k)
     }
     int64_t nout;
     k->n = t[2]->shape[1];
+    k->rows = t[2]->shape[0];
     return mul(vs, "ids x embedding size", t[1]->numel, k->n, &nout) ||
-           want_numel(vs, t[0], "dout", nout) ? -1 : 0;
+           want_numel(vs, t[0], "dout", nout) ||
+           (dout_dtype && same_dtype(vs, t[0], "dout", t[2], "dweight")) ? -1 : 0;
+}
+
+static inline int take_embedding_backward(views *vs, PyObject *args, kcall *k)
+{
+    return take_embedding_dweight(vs, args, k, "OOLLLO:embedding_backward", 0);
+}
+
+static inline int take_embedding_grad(views *vs, PyObject *args, kcall *k)
+{
+    return take_embedding_dweight(vs, args, k, "OOLLLO:embedding_grad", 1);
 }
 
 #define I64P(v) ((const int64_t *)(v)->data)

@@ -233,6 +233,17 @@ static PyObject *py_embedding_backward(PyObject *self, PyObject *args)
                                k.i[2], FLOATP(t[2]), &err));
 }
 
+static PyObject *py_embedding_grad(PyObject *self, PyObject *args)
+{
+    (void)self;
+    views vs = {.fn = "embedding_grad"};
+    kcall k = {0};
+    sf_view **t = k.t;
+    if (take_embedding_grad(&vs, args, &k)) return fail(&vs);
+    RUN(sfk_embedding_grad(kdtype(t[0]), t[0]->data, I64P(t[1]), t[1]->numel, k.n, k.rows, k.i[1], k.i[0],
+                           k.i[2], t[2]->data, &err));
+}
+
 /* ---- attention ---------------------------------------------------------- */
 
 /* `v` (optional) as a bias / mask read at (b, h, i, j) of [B, H, Sq, Sk]:
@@ -540,6 +551,9 @@ static PyMethodDef kernel_methods[] = {
      "an id outside [0, vocab) is an IndexError."},
     {"embedding_backward", py_embedding_backward, METH_VARARGS,
      "embedding_backward(dout, ids, vocab_start, vocab_real, padding_local, dweight)"},
+    {"embedding_grad", py_embedding_grad, METH_VARARGS,
+     "embedding_grad(dout, ids, vocab_start, vocab_real, padding_local, dweight): every row of dweight "
+     "(dout's dtype) written: the fp32 sum of its ids' dout rows, rounded once, or 0."},
     {"attention_forward", py_attention_forward, METH_VARARGS,
      "attention_forward(q, k, v, out, lse, scale, causal, window, alibi_slopes|None, bias|None, "
      "mask|None, dropout, seed[, softcap|None, qpos|None, kpos|None, drop_seq]): flash-style "

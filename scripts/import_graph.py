@@ -73,8 +73,8 @@ PACKAGE = "shardformer"
 # (layer name, module patterns relative to `shardformer`), leaf first.  The
 # first pattern that matches decides; every module must match one.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("_C", "_cuda", "config", "layout", "_versions", "ops", "compile_ops", "hashes", "lazy", "inherit",
-              "compile_refusal", "packing", "ddp_guard", "ties", "wrappers", "pickling")),
+    ("base", ("_C", "_cuda", "config", "layout", "_versions", "ops", "recycled", "compile_ops", "hashes", "lazy",
+              "inherit", "compile_refusal", "packing", "ddp_guard", "ties", "wrappers", "pickling")),
     ("distributed", ("distributed", "distributed.*", "replicas", "input_check", "lockstep")),
     ("layer", ("layer", "layer.*", "attention")),
     ("runtime", ("pipeline", "pipeline.*", "decode", "decode_native", "checkpoint", "checkpoint.*", "grad_norm", "parallel_mesh")),

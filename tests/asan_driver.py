@@ -651,6 +651,11 @@ def scenario_faults(i):
                         vocab_size=2**40 + 10)
     _C.embedding_backward(torch.empty(0, HUGE, dtype=torch.bfloat16), torch.zeros(0, dtype=torch.int64),
                           0, 0, -1, torch.empty(0, HUGE))
+    _C.embedding_grad(torch.empty(0, HUGE, dtype=torch.bfloat16), torch.zeros(0, dtype=torch.int64),
+                      0, 0, -1, torch.empty(0, HUGE, dtype=torch.bfloat16))
+    dw = torch.full((10, 5), float("nan"), dtype=dtype)   # every row written: ids repeat, miss, hit padding
+    _C.embedding_grad(torch.randn(6, 5).to(dtype), torch.tensor([3, 1, 3, 12, 0, 3]), 1, 8, 2, dw)
+    assert not torch.isnan(dw).any()
     ops.xent_stats(torch.empty(0, 2**60), torch.zeros(0, dtype=torch.int64), 0, 2**60, -100, True, 2**60)
     ops.xent_grad(torch.empty(0, 2**60), torch.zeros(0, dtype=torch.int64), 0, 2**60, -100,
                   torch.empty(0), torch.empty(0), 0.1, 2**60)

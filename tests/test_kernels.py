@@ -232,6 +232,41 @@ def test_vocab_embedding(dtype):
     close(w.grad, expect, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_embedding_grad_recycled_and_bit_equal(dtype, monkeypatch):
+    """The weight gradient is written into a recycled buffer (shardformer.recycled: no fresh
+    zeroed [V/p, h] tensor per step) and is bit-equal to summing into float32 zeros and
+    rounding once; a gradient the caller still holds (or a view of it) is never reused, and the
+    second step's gradient takes the first's memory once the caller let go of it."""
+    from shardformer import _C, recycled
+
+    monkeypatch.setattr(recycled, "MIN_BYTES", 0)       # this small table goes through the pool too
+    torch.manual_seed(0)
+    w = torch.randn(40, 33).to(dtype).requires_grad_()  # rows [5, 5 + 37) ours, 3 padding rows
+    ids = torch.randint(0, 50, (6, 9))
+    ids[0, :4] = 7                                       # one row hit four times: the sum's order
+    g = torch.randn(6, 9, 33).to(dtype)
+    ref = torch.zeros(40, 33)
+    _C.embedding_backward(g.reshape(-1, 33), ids.flatten(), 5, 37, 4, ref)
+    ref = ref.to(dtype)
+    grads, before = [], dict(recycled.STATS)
+    for step in range(3):
+        w.grad = None
+        ops.vocab_embedding(ids, w, 5, 37, padding_idx=4).backward(g)
+        assert torch.equal(w.grad, ref) and w.grad.dtype == dtype, f"step {step}"
+        grads.append(w.grad if step == 0 else w.grad.data_ptr())
+        if step == 0:
+            held = w.grad[1:]                           # the caller keeps a view: its memory stays its own
+            w.grad.fill_(float("nan"))                 # a dirty buffer for whoever reuses it later
+    assert grads[1] != grads[0].data_ptr()             # step 0's memory still held: not reused
+    assert torch.isnan(held).all()
+    del held, grads[0]
+    w.grad = None
+    ops.vocab_embedding(ids, w, 5, 37, padding_idx=4).backward(g)
+    assert torch.equal(w.grad, ref)
+    assert recycled.STATS["reused"] > before["reused"]
+
+
 def test_vocab_embedding_empty_and_bad():
     w = torch.randn(4, 3, requires_grad=True)
     out = ops.vocab_embedding(torch.zeros(0, dtype=torch.int64), w)

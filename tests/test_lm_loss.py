@@ -168,8 +168,8 @@ GATHERED_CASES = [("LlamaForCausalLM", True, None), ("BertForMaskedLM", False, N
 @pytest.mark.parametrize("tp", [2, 4])
 def test_gathered_logits_loss_on_shards(pool, tp):
     """parallel_output=False (gathered logits) called with labels: the loss on the vocabulary shards (the
-    C vocabulary-parallel cross-entropy; the ledger counts its two all-reduces and a single logits
-    all-gather), the returned logits gathered off the loss path, loss, logits and every gradient equal
-    to unsharded; TP=4 with the plain ShardConfig() (its group is the 4-rank world), TP=2 explicit."""
+    C vocabulary-parallel cross-entropy; the ledger counts its ONE collective, an all-gather of 3
+    floats per row, and a single logits all-gather), the returned logits gathered off the loss path,
+    loss, logits and every gradient equal to unsharded; TP=4 with the plain ShardConfig() (its group is the 4-rank world), TP=2 explicit."""
     cases = GATHERED_CASES if tp == 2 else GATHERED_CASES[:2] + GATHERED_CASES[3:4]   # CI time: 3 kinds at TP=4
     pool.run(check.gathered_loss_on_shards, tp, cases, tp == 4)

@@ -1,11 +1,14 @@
 /*
  * embedding.c -- vocabulary-parallel embedding lookup and its scatter-add
  * (see embedding.h).  Forward copies rows (split over threads by ids);
- * backward runs on one thread, since two ids may hit the same row.
+ * backward runs on one thread, since two ids may hit the same row; grad
+ * links each row's ids into a list first, then splits the rows over threads
+ * (each row written by one thread only).
  */
 #include "embedding.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 typedef struct {
     sfk_dtype t;
@@ -100,5 +103,81 @@ sf_status sfk_embedding_backward(sfk_dtype t, const void *dout, const int64_t *i
         for (int64_t j = 0; j < d; j++) w[j] += g[j];
     }
     free(buf);
+    return SF_OK;
+}
+
+typedef struct {
+    sfk_dtype t;
+    const void *dout;
+    const int64_t *head, *next;   /* row k's ids: head[k], next[head[k]], ... (-1 ends) */
+    void *dw;
+    float *scratch;                /* per thread: 2 d floats (the sum, a converted dout row) */
+    int64_t d, real;
+} grad_ctx;
+
+static void write_grad_rows(void *arg, int64_t r0, int64_t r1, int tid)
+{
+    grad_ctx *c = arg;
+    const size_t row = (size_t)c->d * (size_t)sfk_size(c->t);
+    float *acc = c->scratch + (size_t)tid * 2 * (size_t)c->d, *buf = acc + c->d;
+    for (int64_t k = r0; k < r1; k++) {
+        char *o = (char *)c->dw + (size_t)k * row;
+        int64_t i = k < c->real ? c->head[k] : -1;
+        if (i < 0) {
+            memset(o, 0, row);
+            continue;
+        }
+        /* fp32 rows sum in place; 16-bit ones in acc, rounded once at the end */
+        float *w = c->t == SFK_F32 ? (float *)o : acc;
+        for (int64_t j = 0; j < c->d; j++) w[j] = 0.0f;
+        for (; i >= 0; i = c->next[i]) {
+            const float *g = sfk_row(c->t, c->dout, i, c->d, buf);
+            for (int64_t j = 0; j < c->d; j++) w[j] += g[j];
+        }
+        if (c->t != SFK_F32) sfk_store(c->t, acc, c->d, o);
+    }
+}
+
+sf_status sfk_embedding_grad(sfk_dtype t, const void *dout, const int64_t *ids, int64_t count,
+                             int64_t d, int64_t rows, int64_t real, int64_t vocab_start,
+                             int64_t padding_local, void *dweight, sf_error *err)
+{
+    static const char fn[] = "embedding_grad";
+    sf_status rc;
+    size_t links, sums;
+    if ((rc = sfk_check_embedding_args(fn, t, d, real, count, vocab_start, ids, err)) ||
+        (rc = sfk_check_size(fn, "rows", rows, err)) ||
+        (rc = sfk_check_ptr(fn, "dout", dout, d > 0 ? count : 0, err)) ||
+        (rc = sfk_check_ptr(fn, "dweight", dweight, d > 0 ? rows : 0, err)))
+        return rc;
+    if (real > rows)
+        return sf_fail(err, SF_EINVAL, "%s: vocab_real=%lld is more than the %lld rows of dweight", fn,
+                       (long long)real, (long long)rows);
+    if (d == 0 || rows == 0)
+        return SF_OK;                          /* nothing to write */
+    const int nt = sfk_threads_for(rows, d);
+    if ((rc = sfk_float_bytes(fn, "id links", real + count, 2, &links, err)) ||
+        (rc = sfk_float_bytes(fn, "row sums", d, 2 * (int64_t)nt, &sums, err)))
+        return rc;
+    /* links: head[real] then next[count], int64 (2 floats' bytes each) */
+    int64_t *head = malloc(links + sizeof(int64_t));   /* never malloc(0) */
+    float *scratch = malloc(sums);
+    if (!head || !scratch) {
+        free(head);
+        free(scratch);
+        return sfk_no_memory(fn, (double)links + (double)sums, err);
+    }
+    int64_t *next = head + real;
+    for (int64_t k = 0; k < real; k++) head[k] = -1;
+    for (int64_t i = count - 1; i >= 0; i--) {   /* pushed in reverse: each list ascends */
+        const int64_t k = local_row(ids[i], vocab_start, real);
+        if (k < 0 || k == padding_local) continue;
+        next[i] = head[k];
+        head[k] = i;
+    }
+    grad_ctx c = {t, dout, head, next, dweight, scratch, d, real};
+    sfk_parallel_rows(rows, nt, write_grad_rows, &c);
+    free(head);
+    free(scratch);
     return SF_OK;
 }

@@ -261,7 +261,7 @@ def vocab_embedding_backward(dout: Tensor, ids: Tensor, rows: int, vocab_start: 
 
 @vocab_embedding_backward.register_fake
 def _(dout, ids, rows, vocab_start, vocab_real, padding_local):
-    return dout.new_empty((rows, dout.shape[-1]), dtype=torch.float32)
+    return dout.new_empty((rows, dout.shape[-1]))
 
 
 def _vocab_embedding_setup(ctx, inputs, output):
@@ -274,7 +274,7 @@ def _vocab_embedding_setup(ctx, inputs, output):
 def _vocab_embedding_backward(ctx, dout):
     (ids,) = ctx.saved_tensors
     dw = vocab_embedding_backward(dout.to(ctx.wdtype), ids, *ctx.args)
-    return None, dw.to(ctx.wdtype), None, None, None, None
+    return None, dw, None, None, None, None
 
 
 vocab_embedding.register_autograd(_vocab_embedding_backward, setup_context=_vocab_embedding_setup)

@@ -38,7 +38,7 @@ import math
 
 import torch
 
-from . import _C
+from . import _C, recycled
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -446,11 +446,20 @@ def embedding_fwd(ids, weight, vocab_start, vocab_real, vocab_size):
 
 
 def embedding_bwd(dout, i, vocab_start, vocab_real, padding_local, shape, dtype):
-    """dW in float32 (padding_local None or -1: no padding row)."""
+    """dW [shape] of the weight's dtype: each row the float32 sum (in token
+    order) of the dout rows of the ids that hit it, rounded once; 0 for the
+    rest (padding_local None or -1: no padding row).  On the CPU the kernel
+    writes every row of a recycled buffer (shardformer.recycled: no fresh
+    zeroed [V/p, h] tensor per step); CUDA sums into float32 zeros."""
     dout = _data(dout, "embedding grad").to(dtype).contiguous()
+    pad = -1 if padding_local is None else padding_local
+    if dout.device.type == "cpu":
+        dw = recycled.empty(shape, dtype)
+        _C.embedding_grad(dout, i, vocab_start, vocab_real, pad, dw)
+        return dw
     dw = torch.zeros(shape, dtype=torch.float32, device=dout.device)
-    kernels_for(dout.device).embedding_backward(dout, i, vocab_start, vocab_real, -1 if padding_local is None else padding_local, dw)
-    return dw
+    kernels_for(dout.device).embedding_backward(dout, i, vocab_start, vocab_real, pad, dw)
+    return dw.to(dtype)
 
 
 class _VocabEmbedding(torch.autograd.Function):
@@ -464,8 +473,7 @@ class _VocabEmbedding(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         (i,) = ctx.saved_tensors
-        dw = embedding_bwd(dout, i, *ctx.args)
-        return None, dw.to(ctx.args[-1]), None, None, None, None
+        return None, embedding_bwd(dout, i, *ctx.args), None, None, None, None
 
 
 def vocab_embedding(ids, weight, vocab_start: int = 0, vocab_real: int | None = None,
@@ -501,7 +509,7 @@ def xent_grad(logits2d, labels1d, vocab_start, vocab_real, ignore_index, lse, sc
               out=None):
     """scale[r] * (softmax - (1 - eps) onehot - eps / vocab) over the real columns,
     0 on padding columns; written into `out` (may be logits2d itself)."""
-    out = torch.empty_like(logits2d) if out is None else out
+    out = recycled.empty(logits2d.shape, logits2d.dtype, logits2d.device) if out is None else out
     kernels_for(logits2d.device).xent_backward(logits2d, labels1d, vocab_start, vocab_real, ignore_index,
                      lse.contiguous(), scale.contiguous(), float(eps), vocab, out)
     return out

@@ -133,10 +133,11 @@ def gathered_loss_on_shards(ctx, cases: list, default_group: bool = False) -> di
     vocabulary-parallel cross-entropy once forward and once backward; no
     full-vocabulary softmax), the output's logits are the gathered unsharded
     ones and the loss does not depend on them (no [tokens, vocab] gradient in
-    its backward).  Counted in the ledger: the labelled forward makes exactly
-    the unlabelled forward's collectives plus the cross-entropy's two
-    all-reduces (a max and the stacked sums: 3 floats per row), so the
-    logits are all-gathered once.  Loss, logits and every gradient of
+    its backward).  Counted in the ledger:
+    the labelled forward makes exactly the unlabelled forward's collectives
+    plus the cross-entropy's ONE all-gather of its per-row statistics (3
+    floats per row: max, sum-exp, target logit), so the logits are
+    all-gathered once and the loss adds a single collective.  Loss, logits and every gradient of
     loss + a loss of the caller's own on the returned logits equal the
     unsharded model's.  `cases`: (zoo name, with num_items_in_batch,
     return_dict); labels get ignore_index (-100) at the first two positions.
@@ -176,8 +177,8 @@ def gathered_loss_on_shards(ctx, cases: list, default_group: bool = False) -> di
             got, base = stats.summary(), plain.summary()
             count = {k: (v["calls"], v["bytes"]) for k, v in got.items()}
             want = {k: (v["calls"], v["bytes"]) for k, v in base.items()}
-            ar = want.get("all_reduce", (0, 0))
-            want["all_reduce"] = (ar[0] + 2, ar[1] + 3 * 4 * rows)
+            ag = want.get("all_gather", (0, 0))   # the cross-entropy's ONE collective: 3 floats per row
+            want["all_gather"] = (ag[0] + 1, ag[1] + 3 * 4 * rows)
             assert count == want, f"{name}: labelled forward collectives {count}; expected {want}"
             own = logits.float().square().mean() * 0.5           # the caller's own loss on the returned logits
             (loss + own).backward()

@@ -2,15 +2,30 @@
 
 Logits z [N, V] are split by columns: rank i holds z[:, V_i] for its
 vocabulary rows V_i (plus padding columns, which are ignored).  Without
-gathering z:
+gathering z, each rank reads its shard once for, per row,
 
-    m     = max over ranks of max_j z_j              (all-reduce max)
-    S     = sum over ranks of sum_j exp(z_j - m)     (all-reduce sum)
-    z_y   = the target logit, from the rank that holds y (all-reduce sum)
+    m_i   = max_{j in V_i} z_j
+    s_i   = sum_{j in V_i} exp(z_j - m_i)      (the sum-exp at its own max)
+    t_i   = z_y if y is in V_i, else 0
+    u_i   = sum_{j in V_i} z_j                 (only with label smoothing)
+
+and ONE all-gather per step brings every rank's (m_i, s_i, t_i[, u_i]) to
+every rank, which combines them locally, in rank order:
+
+    m     = max_i m_i
+    S     = sum_i s_i exp(m_i - m)             (= sum_j exp(z_j - m); a rank
+                                                with no real column has
+                                                m_i = -inf, s_i = 0: adds 0)
+    z_y   = sum_i t_i                          (one rank holds y)
     loss  = log S - (z_y - m)
 
+Every rank combines the same gathered numbers in the same order, so every
+rank gets bit-identical statistics.  (Two all-reduces would do it too: the
+max first, then the sums rescaled to it; the gather needs one round trip
+for the same bytes sent per rank.)
+
 Label smoothing eps mixes in the mean log-probability over the *global*
-vocabulary V (all-reduce of the local sums of z), not the local shard:
+vocabulary V (sum_i u_i), not the local shard:
 
     loss = (1 - eps) * nll + eps * (log S + m - mean_j z_j)
 
@@ -27,9 +42,9 @@ from ..distributed import collectives as C
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Forward: the C kernel reads each row of the shard once for its local
-    max, sum-exp, target logit (and sum of logits when smoothing); two small
-    all-reduces combine them (max of the maxima, then the sum of the
-    rescaled sum-exps, target logits and logit sums stacked together).
+    max, sum-exp, target logit (and sum of logits when smoothing); one
+    all-gather of those k = 3 (4) floats per row brings every rank's to all,
+    and combine_stats reduces them locally (see the module doc).
     Backward: the C kernel writes g * (softmax - (1-eps) onehot - eps/V) for
     the real columns and 0 for padding into one new tensor, the gradient (or
     into the logits themselves with inplace_backward); only the logits and a
@@ -49,16 +64,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # labels are the same on every rank: each checks them locally (IndexError), no collective
         stats = ops.xent_stats if kernels else torch_xent_stats
         mx, se, tg, sz = stats(z2, y, vocab_start, vocab_real, ignore_index, eps > 0, vocab_size=vocab_size)
-        m = mx.clone()
-        C.all_reduce(m, group, op="max")
-        # exp(mx - m) is 0 for a shard with no real column (mx = -inf)
-        parts = [se * torch.exp(mx - m), tg] + ([sz] if sz is not None else [])
-        stacked = torch.stack(parts)
-        C.all_reduce(stacked, group)
-        lse = m + stacked[0].log()
-        loss = lse - stacked[1]
+        lse, z_y, sum_z = combine_stats(gather_stats(mx, se, tg, sz, group))
+        loss = lse - z_y
         if eps > 0:
-            loss = (1 - eps) * loss + eps * (lse - stacked[2] / vocab_size)
+            loss = (1 - eps) * loss + eps * (lse - sum_z / vocab_size)
         ignored = y == ignore_index
         loss = loss.masked_fill(ignored, 0.0)
         count = (~ignored).sum()
@@ -89,6 +98,30 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         g = grad_fn(z2, y, vocab_start, vocab_real, ignore_index, lse, scale, eps, vocab_size,
                     out=z2 if ctx.inplace else None)
         return g.reshape(ctx.shape), None, None, None, None, None, None, None, None, None
+
+
+def gather_stats(mx, se, tg, sz, group) -> torch.Tensor:
+    """Every rank's per-row statistics, [p, k, rows] (k = 3, or 4 with the
+    logit sums sz), in rank order: ONE all-gather of this rank's [k, rows]."""
+    local = torch.stack([mx, se, tg] + ([sz] if sz is not None else []))
+    p = C.world_size(group)
+    if p == 1:
+        return local.unsqueeze(0)
+    out = local.new_empty((p * local.shape[0], local.shape[1]))
+    C.all_gather_into_tensor(out, local, group)
+    return out.view(p, *local.shape)
+
+
+def combine_stats(stats: torch.Tensor):
+    """(lse, z_y, sum_z or None) per row from gather_stats' [p, k, rows]:
+    m = max_i m_i, lse = m + log sum_i s_i exp(m_i - m), z_y = sum_i t_i,
+    sum_z = sum_i u_i (the module doc).  exp(m_i - m) is 0 for a rank whose
+    shard has no real column (m_i = -inf, s_i = 0); m itself is finite
+    whenever some rank holds a real column."""
+    mx, se, tg = stats[:, 0], stats[:, 1], stats[:, 2]
+    m = mx.amax(dim=0)
+    lse = m + (se * torch.exp(mx - m)).sum(dim=0).log()
+    return lse, tg.sum(dim=0), stats[:, 3].sum(dim=0) if stats.shape[1] > 3 else None
 
 
 # The same halves in torch ops, for logits on a device no kernel runs on (CUDA
