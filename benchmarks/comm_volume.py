@@ -142,10 +142,15 @@ def accounting(mode: str, a, p: int, m: dict) -> tuple[float, str, list]:
     N = b * s * h * E
     d = h // a.heads
     loss = 3 * b * s * E                           # vocabulary-parallel loss: max, sum-exp, target per row
+    # the loss's statistics travel as ONE all-gather (each rank's 3 floats per row, (p - 1) 3bs e on the wire)
+    # where two all-reduces would carry AR(3bs e): equal at p = 2, more bytes for one collective fewer above
+    loss_gather = ("the loss's row statistics are all-gathered in one collective (layer/loss.py) instead of "
+                   "two all-reduces: AG(3bs e) - AR(3bs e)", (p - 1) * loss - _ar(loss, p))
     if mode == "tp":
         return (_ar((4 * L + 2) * N + loss, p), "AR((4L+2) N + 3bs e)",
                 [("backward all-reduces dX once per column-parallel linear fed by the replicated input "
-                  "(q, k, v; gate, up: 5 per layer) instead of once per block (2): 3L AR(N)", _ar(3 * L * N, p))])
+                  "(q, k, v; gate, up: 5 per layer) instead of once per block (2): 3L AR(N)", _ar(3 * L * N, p)),
+                 loss_gather])
     if mode == "split_gather":
         rs_ag = 2 * (p - 1) / p * N                # a reduce-scatter of N + an all-gather of N/p
         return ((4 * L + 2) * rs_ag + _ar(loss + 2 * L * h * E, p), "(4L+2) (RS(N) + AG(N/p)) + AR(3bs e + 2L h e)",
@@ -154,7 +159,8 @@ def accounting(mode: str, a, p: int, m: dict) -> tuple[float, str, list]:
                  ("the embedding reduces with an all-reduce of N and then splits, not a reduce-scatter",
                   _ar(N, p) - (p - 1) / p * N),
                  ("the LM head's input gradient is all-reduced (N) before its split, not reduce-scattered",
-                  _ar(N, p) - (p - 1) / p * N)])
+                  _ar(N, p) - (p - 1) / p * N),
+                 loss_gather])
     if mode in ("all_to_all", "ring_attn"):
         rows = b * s / p
         around = 2 * (p - 1) / p * N              # the embedding's rows split (AG backward) and the head's gather

@@ -11,8 +11,9 @@ its loss from those shards, with HF's own rules:
     loss      sum_n CE(z_n, t_n) / N,  N = num_items_in_batch when HF passes it
               (gradient accumulation), else the count of t_n != ignore_index
 
-CE over the shards is cross_entropy_1d (all-reduces of a max and of three
-sums per row; the gradient is softmax - onehot written into each shard).
+CE over the shards is cross_entropy_1d (one all-gather of each rank's row
+max, sum-exp at that max and target logit; the gradient is softmax - onehot
+written into each shard).
 
 How HF reaches the loss differs by class, and that is policy data (LMLoss,
 on the family's `lm()` head):

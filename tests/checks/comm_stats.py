@@ -42,9 +42,10 @@ def _sizes(model, x, tp: int) -> SimpleNamespace:
     KV heads (TP=4 > 2), every k_proj / v_proj row is also another rank's, and
     their weight gradients are summed over the group in backward
     (mappings.sync_replicated_grad, the whole [kv * d, h] tensor): 2 per layer.
-    loss_ar / loss_bytes: the LM loss on the vocabulary shards (lm_loss, with
-    gathered logits too), an all-reduce of the row maxima and one of the
-    stacked sum-exps and target logits: 3 floats per token, forward only."""
+    loss_bytes: the LM loss on the vocabulary shards (lm_loss, with gathered
+    logits too): ONE all-gather of each rank's per-row (max, sum-exp at that
+    max, target logit), 3 floats per token from this rank, forward only
+    (layer/loss.py)."""
     cfg = model.config
     b, s = x["input_ids"].shape
     vocab_local = model.get_output_embeddings().weight.shape[0]     # this rank's (padded) vocabulary rows
@@ -53,7 +54,7 @@ def _sizes(model, x, tp: int) -> SimpleNamespace:
     return SimpleNamespace(L=L, N=b * s * cfg.hidden_size * F32, h=cfg.hidden_size * F32,
                            logits=b * s * vocab_local * F32, kv_ar=kv_ar,
                            kv_bytes=kv_ar * kv * cfg.head_dim * cfg.hidden_size * F32,
-                           loss_ar=2, loss_bytes=3 * b * s * F32)
+                           loss_bytes=3 * b * s * F32)
 
 
 def _assert_no_hooks() -> None:
@@ -104,7 +105,7 @@ def tp_llama(ctx, default_group: bool = False) -> dict:
     """Megatron TP: forward, one all-reduce of [b, s, h] after the vocabulary-
     parallel embedding and after each layer's o_proj and down_proj (1 + 2L),
     one all-gather of the logits (b * s * this rank's vocabulary rows), the
-    loss's two all-reduces on the vocabulary shards (_sizes);
+    loss's one all-gather of row statistics on the vocabulary shards (_sizes);
     backward, one all-reduce of dX per column-parallel linear fed by the
     replicated hidden states -- q, k, v, gate, up: 5 per layer -- and one
     for the LM head (5L + 1).  Nothing else."""
@@ -113,13 +114,12 @@ def tp_llama(ctx, default_group: bool = False) -> dict:
     both, back, s = _step(model, ref, x, f"{NAME} tp={ctx.tp_size}")
     fwd_ar, bwd_ar = 1 + 2 * n.L, 5 * n.L + 1
     _expect(back, {"all_reduce": (bwd_ar + n.kv_ar, bwd_ar * n.N + n.kv_bytes)}, "backward")
-    _expect(both, {"all_reduce": (fwd_ar + bwd_ar + n.kv_ar + n.loss_ar,
-                                  (fwd_ar + bwd_ar) * n.N + n.kv_bytes + n.loss_bytes),
-                   "all_gather": (1, n.logits)}, "forward + backward")
+    _expect(both, {"all_reduce": (fwd_ar + bwd_ar + n.kv_ar, (fwd_ar + bwd_ar) * n.N + n.kv_bytes),
+                   "all_gather": (2, n.logits + n.loss_bytes)}, "forward + backward")
     ranks = tuple(range(ctx.tp_size))
     groups = s.summary(by_group=True)
     assert list(groups) == [ranks], f"groups {list(groups)}, expected [{ranks}]"
-    assert groups[ranks]["all_reduce"]["calls"] == fwd_ar + bwd_ar + n.kv_ar + n.loss_ar, groups
+    assert groups[ranks]["all_reduce"]["calls"] == fwd_ar + bwd_ar + n.kv_ar, groups
     assert all(v["seconds"] > 0 for v in groups[ranks].values()), groups
     table = str(s)
     assert "all_reduce" in table and f"[{','.join(map(str, ranks))}]" in table, table
@@ -144,9 +144,8 @@ def split_gather(ctx) -> dict:
     _expect(back, {"all_reduce": (1 + blocks + n.kv_ar, n.N + blocks * n.h + n.kv_bytes),
                    "all_gather": (2 * blocks + 1, (2 * blocks + 1) * rows),
                    "reduce_scatter": (blocks, blocks * rows)}, "backward")
-    _expect(both, {"all_reduce": (2 + blocks + n.kv_ar + n.loss_ar,
-                                  2 * n.N + blocks * n.h + n.kv_bytes + n.loss_bytes),
-                   "all_gather": (3 * blocks + 3, (3 * blocks + 2) * rows + n.logits),
+    _expect(both, {"all_reduce": (2 + blocks + n.kv_ar, 2 * n.N + blocks * n.h + n.kv_bytes),
+                   "all_gather": (3 * blocks + 4, (3 * blocks + 2) * rows + n.logits + n.loss_bytes),
                    "reduce_scatter": (2 * blocks, 2 * blocks * rows)}, "forward + backward")
     return {"blocks": blocks}
 
