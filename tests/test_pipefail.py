@@ -5,7 +5,9 @@ the unsharded model.  Cases: a batch only one rank is given, a failure in the fo
 the backward, one in schedule.forward(), one in generate().  2 ranks: the plain ShardConfig() (PipelineStageManager over
 the world), every schedule.  4 ranks: an explicit pipeline group (1F1B, ZB-V); and TP=2 x PP=2
 (the tensor-parallel peer learns of it in its all-reduce and passes it on to its own
-pipeline).  One pool call per world size, limited to 60 s: on a regression the peers hang,
+pipeline).  Without a pipeline (shardformer.step_guard): TP=2 over the plain ShardConfig() and
+TP=4 over an explicit group with split_gather sequence parallelism, a hook raising in forward()
+on one rank.  One pool call per world size, limited to 60 s: on a regression the peers hang,
 and the call fails then rather than after the pool's 240 s."""
 import pytest
 
@@ -24,7 +26,8 @@ def _assert_prompt(report, bad: int):
 def test_failing_stage_2_ranks_default_group(pool2):
     cases = [("1f1b", "batch")] + [(s, "forward") for s in check.SCHEDULES] + [
         ("1f1b", "backward"), ("gpipe", "inference"), ("generate", "forward")]
-    report = pool2.run_within(LIMIT_S, check.failing_stage, 2, 1, [(2, 1, "default", cases)])
+    report = pool2.run_within(LIMIT_S, check.failing_stage, 2, 1, [(2, 1, "default", cases),
+                                                                   (1, 2, "default", [("tp", "forward")])])
     _assert_prompt(report, 1)
 
 
@@ -34,5 +37,6 @@ def test_failing_stage_4_ranks_explicit_groups(pool):
     # 2-rank call runs each): the 10 s this file may add to CI leave no room for five models here
     cases = [("1f1b", "batch"), ("1f1b", "forward"), ("zb-v", "forward"), ("zb-v", "backward")]
     report = pool.run_within(LIMIT_S, check.failing_stage, 4, 1, [(4, 1, "groups", cases),
-                                                                  (2, 2, "groups", [("1f1b", "forward")])])
+                                                                  (2, 2, "groups", [("1f1b", "forward")]),
+                                                                  (1, 4, "sp", [("tp", "forward")])])
     _assert_prompt(report, 1)

@@ -35,7 +35,7 @@ import warnings
 
 from torch import nn
 
-from . import _C, compile_refusal, ddp_guard, input_check, lazy, pickling
+from . import _C, compile_refusal, ddp_guard, input_check, lazy, pickling, step_guard
 from .autopolicy import get_autopolicy, registered_class
 from .checkpoint import bind_hf_methods
 from .config import ShardConfig, group_size_and_rank
@@ -274,6 +274,10 @@ class ModelSharder:
                 losses.install(self.model)
             if stages is None:                   # every rank of the groups decodes the same tokens
                 from . import lockstep           # (imports transformers: not at `import shardformer`)
+
+                # a rank raising in forward() / generate() stops its peers (step_guard); lockstep and
+                # the fast decode path wrap what it put
+                step_guard.install(self.model, cfg, name)
 
                 lockstep.install(self.model, _decoding_groups(cfg), name, cfg.expert_parallel_process_group)
                 if (tp_size > 1 and cfg.enable_fast_decode and cfg.enable_tensor_parallelism

@@ -13,14 +13,16 @@ the same schedule runs a good step on the same model: its loss and every
 gradient equal the unsharded HF model's from the same seed."""
 from __future__ import annotations
 
+import copy
 import inspect
 import time
 
 import torch
 
 from checks import parity
-from checks.pipeline import batch_of
+from checks.pipeline import batch_of, build, groups
 from checks.zero_bubble import _pipelined
+from shardformer import ShardConfig, ShardFormer
 from shardformer.pipeline import (GPipeSchedule, InterleavedSchedule, OneForwardOneBackwardSchedule,
                                   ZeroBubbleSchedule, ZeroBubbleVSchedule)
 
@@ -158,6 +160,57 @@ def _failing_generate(ctx, model, ref, bad: int) -> dict:
     return {"raised": raised.get("t"), "caught": caught, "good": 0.0}
 
 
+def _tensor_parallel(ctx, how: str):
+    """(reference, model sharded over the world at TP=world): how "default" the plain
+    ShardConfig(), "sp" an explicit group with split_gather sequence parallelism."""
+    torch.manual_seed(0)
+    model = build(NAME, 2)
+    model.train()
+    ref = copy.deepcopy(model)
+    cfg = ShardConfig() if how == "default" else ShardConfig(
+        tensor_parallel_process_group=groups(ctx, 1, ctx.world_size)[0], enable_sequence_parallelism=True,
+        sequence_parallelism_mode="split_gather")
+    model, _ = ShardFormer(shard_config=cfg).optimize(model)
+    return ref, model
+
+
+def _failing_forward(ctx, how: str, bad: int, batch) -> dict:
+    """No pipeline (shardformer.step_guard): a forward hook on rank `bad`'s first decoder layer
+    raises in forward(); rank `bad` re-raises it with the note, every peer raises PeerFailed
+    naming it (not a wait until the shm timeout); then a good forward / backward equals unsharded."""
+    ref, model = _tensor_parallel(ctx, how)
+    raised: dict = {}
+
+    def boom(*_):
+        raised["t"] = time.time()
+        raise StageBoom("bad value in a tensor-parallel forward")
+
+    handle = _held_layer(model).register_forward_hook(boom) if ctx.rank == bad else None
+    t0 = raised["t"] = time.time()
+    error, caught = _raised_by(lambda: model(**batch).loss.backward(), handle,
+                               f"TP={ctx.world_size} ({how}): rank {ctx.rank}: rank {bad} raising in forward()")
+    where = "forward() call 1 of"
+    if ctx.rank == bad:
+        notes = " ".join(getattr(error, "__notes__", []))
+        assert type(error) is StageBoom, f"the failing rank raised {type(error).__name__}: {error}"
+        assert f"global rank {bad} raised this" in notes and where in notes, notes
+        seen = {"raised": raised["t"], "caught": caught, "start": t0}
+    else:
+        _check_peer(error, ctx.rank, bad, f"TP={ctx.world_size} ({how})",
+                    ("StageBoom: bad value in a tensor-parallel forward", where))
+        seen = {"caught": caught, "start": t0}
+    for mdl in (model, ref):
+        mdl.zero_grad(set_to_none=True)
+    tag = f"{NAME} (TP={ctx.world_size}, {how})"
+    out, exp = model(**batch), ref(**batch)
+    out.loss.backward()
+    exp.loss.backward()
+    tol = parity.TOL[torch.float32]
+    err = parity.assert_close(f"{tag} loss after a failed forward", out.loss.detach(), exp.loss.detach(), tol)
+    seen["good"] = max(err, parity.compare_grads(model, ref, f"{tag} after a failed forward", tol))
+    return dict(seen, schedule=f"tp-{how}", phase="forward")
+
+
 def failing_stage(ctx, bad: int, runs) -> list[dict]:
     """For each (pp, tp, how, cases) of `runs` (how: checks.zero_bubble._pipelined's)
     and each (schedule, phase) of its cases: rank `bad` raises at micro-batch
@@ -171,6 +224,9 @@ def failing_stage(ctx, bad: int, runs) -> list[dict]:
     for pp, tp, how, cases in runs:
         built: dict = {}
         for schedule, phase in cases:
+            if schedule == "tp":                       # no pipeline: TP over the world (pp, tp unused)
+                out.append(_failing_forward(ctx, how, bad, batch))
+                continue
             if schedule == "generate":                  # on the one-chunk model of an earlier case
                 ref, model, _ = built[(1, "loop")]
                 out.append(dict(_failing_generate(ctx, model, ref, bad), schedule=schedule, phase=phase))

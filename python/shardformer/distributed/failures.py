@@ -30,6 +30,12 @@ runs as if nothing had happened -- provided every rank of the group runs
 it (each of them got an exception from this step).  The gradients the
 failed step accumulated are partial: zero them before the next step.
 
+The store holds at most SLOTS accounts: a failure takes the next slot of a
+ring (a counter in the store), the token names the slot, and the account
+records its token; a peer reading a slot another failure has since taken
+finds another token there and says the account was lost, so a long job
+leaves at most SLOTS keys behind however many steps fail.
+
 What this does not reach: groups whose collectives go through
 torch.distributed (SHARDFORMER_COMM=torch, ranks on several hosts, CUDA
 tensors), and a rank that fails before a group's first collective (its
@@ -52,6 +58,8 @@ from . import shm as _shm
 __all__ = ["PeerFailed", "guard"]
 
 PREFIX = "shardformer/failed/"
+SLOTS = 16                 # accounts kept in the store at once (a ring; module doc)
+HANDLED = "_shardformer_failure_told"   # set on an exception whose peers were told (an outer guard passes it on)
 RAISED = 4                 # the abort record's reason for ShmCommunicator.abort (csrc/comm/shm_internal.h)
 READ_TIMEOUT_S = 5.0       # how long a peer waits for the failing rank's account in the store
 _REASONS = {1: "timed out", 2: "was interrupted", 3: "found the group out of step"}
@@ -96,15 +104,23 @@ def _reset(comms) -> None:
             _comm.forget_group(group)
 
 
+def _slot_key(token: int) -> str:
+    """The store key of the ring slot `token` names (bits 1..4)."""
+    return PREFIX + str((token >> 1) % SLOTS)
+
+
 def _account_of(store, token: int) -> dict | None:
+    """The account written with `token`, or None (no store, not written in
+    READ_TIMEOUT_S, or its slot since taken by another failure)."""
     if store is None:
         return None
-    key = PREFIX + f"{token:x}"
+    key = _slot_key(token)
     try:
         store.wait([key], datetime.timedelta(seconds=READ_TIMEOUT_S))
-        return json.loads(store.get(key).decode())
+        account = json.loads(store.get(key).decode())
     except (RuntimeError, ValueError, UnicodeDecodeError):
         return None
+    return account if isinstance(account, dict) and account.get("token") == token else None
 
 
 def _describe(account: dict) -> str:
@@ -113,14 +129,22 @@ def _describe(account: dict) -> str:
 
 
 def _publish(account: dict, comms) -> None:
-    """Write `account` under a fresh token, then abort every communicator of
-    `comms` not aborted yet with it (the peers' waits end within ~15 ms)."""
-    token = secrets.randbits(63) | 1
+    """Write `account` under a fresh token in the next ring slot, then abort
+    every communicator of `comms` not aborted yet with it (the peers' waits
+    end within ~15 ms).  Nothing is written when every one is aborted already."""
+    pending = [comm for _, comm in comms if comm.abort_record() is None]
+    if not pending:
+        return
     store = _store()
+    slot = secrets.randbelow(SLOTS)
     if store is not None:
         with contextlib.suppress(RuntimeError, ValueError):
-            store.set(PREFIX + f"{token:x}", json.dumps(account))
-    for _, comm in comms:
+            slot = (store.add(PREFIX + "next", 1) - 1) % SLOTS
+    token = (secrets.randbits(58) << 5) | (slot << 1) | 1
+    if store is not None:
+        with contextlib.suppress(RuntimeError, ValueError):
+            store.set(_slot_key(token), json.dumps(dict(account, token=token)))
+    for comm in pending:
         if comm.abort_record() is None:
             with contextlib.suppress(RuntimeError, ValueError):
                 comm.abort(token)
@@ -181,6 +205,8 @@ def guard(groups, what: str, where):
     except PeerFailed:
         raise
     except BaseException as error:
+        if getattr(error, HANDLED, False):      # an inner guard (forward() inside generate()) told the peers
+            raise
         at = where() if dist.is_initialized() else None
         if at is None:
             raise
@@ -191,5 +217,8 @@ def guard(groups, what: str, where):
             _own_failure(error, comms, what, at)
         _reset(comms)
         if peer is not None:
+            setattr(peer, HANDLED, True)
             raise peer from error
+        with contextlib.suppress(AttributeError, TypeError):
+            setattr(error, HANDLED, True)
         raise
