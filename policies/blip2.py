@@ -259,13 +259,21 @@ class Blip2Shape(FamilyPolicy):
         modules, stacks = (), ()
         if "vision" in self.parts:
             vision = getattr(cfg, "vision_config", cfg)
-            modules += vision_modules(vision)
+            modules += self.vision_modules(vision)
             stacks += (vision_split_gather(vision),)
         if "qformer" in self.parts:
-            modules += qformer_modules(getattr(cfg, "qformer_config", cfg))
+            modules += self.qformer_modules(getattr(cfg, "qformer_config", cfg))
             stacks += (qformer_split_gather(),)
         return PolicySpec("blip2", modules, split_gather=stacks[0], stacks=stacks[1:],
                           capabilities=Capabilities(sp_modes=("split_gather",)))
+
+    def vision_modules(self, vision_cfg) -> tuple[ModuleSpec, ...]:
+        """The vision encoder's ModuleSpecs (module-level vision_modules), for a subclass to override."""
+        return vision_modules(vision_cfg)
+
+    def qformer_modules(self, qformer_cfg) -> tuple[ModuleSpec, ...]:
+        """The Q-Former's ModuleSpecs (module-level qformer_modules), for a subclass to override."""
+        return qformer_modules(qformer_cfg)
 
     def body_policy(self):
         policy = interpret(self.build_spec(), self.model, self.shard_config, self.state, self)

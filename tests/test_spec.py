@@ -159,10 +159,13 @@ def test_shape_subclass_overrides_match_unsharded(pool, tp, default_group, confi
     like the unsharded model: TP=2 over an explicit group with split-gather
     SP and overlap (Swin's window-overlap pass), TP=4 with the plain
     ShardConfig(); 5 heads (uneven).  Two bespoke families too (ChatGLM2,
-    SAM: spec factories since issue 33's spec6 branch), each subclass
-    overriding one row of its spec (checks/spec.py bespoke_subclasses)."""
+    SAM: spec factories since issue 33's spec6 branch; BLIP-2 since its
+    blip2spec branch: vision encoder and Q-Former split segment by segment),
+    each subclass overriding one row of its spec (checks/spec.py
+    bespoke_subclasses)."""
     reports = pool.run(S.shape_overrides_shard, tp, default_group, config)
-    assert len(reports) == tp and all(set(r) == {"fused_qkv", "vision", "stage", "chatglm2", "sam"} for r in reports)
+    assert len(reports) == tp and all(set(r) == {"fused_qkv", "vision", "stage", "chatglm2", "sam", "blip2"}
+                                      for r in reports)
 
 
 def test_bespoke_rows_as_data():
