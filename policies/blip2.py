@@ -59,11 +59,11 @@ from __future__ import annotations
 
 import torch
 
-from shardformer.family import Family, FamilyPolicy, gathered, sequence_mode_refused
+from shardformer.family import ComposedPolicy, Family, gathered, sequence_mode_refused
 from shardformer.layer.sequence_layout import ENTER
 from shardformer.layout import Heads
-from shardformer.plan import interpret, record_hidden_states
-from shardformer.policy import Policy, merge_policies
+from shardformer.plan import record_hidden_states
+from shardformer.policy import Policy
 from shardformer.spec import (GATHER_ORDER, Attribute, Capabilities, Entry, Method, ModuleSpec, PolicySpec, Region,
                               SplitGatherSpec)
 
@@ -174,9 +174,9 @@ def qformer_split_gather() -> SplitGatherSpec:
                            overlap=False, ends="segments", segments=("query", "text"))
 
 
-class Blip2Shape(FamilyPolicy):
+class Blip2Shape(ComposedPolicy):
     """Option `parts`: what the model holds ("vision", "qformer"); a
-    language_model is composed in when present."""
+    language_model is composed in when present (PolicySpec.compose)."""
 
     parts: tuple[str, ...] = ("vision", "qformer")
 
@@ -207,15 +207,12 @@ class Blip2Shape(FamilyPolicy):
         return StageSplit("Blip2QFormerModel", "encoder.layer", count="config.num_hidden_layers")
 
     def language_policy(self) -> Policy | None:
-        """The registered policy of the language model, bound to it."""
-        lm = getattr(self.model, "language_model", None)
-        return None if lm is None else self.sub_policy(lm)
+        """The registered policy of the language model, bound to it (None without one)."""
+        return next(iter(self.composed_policies()), None)
 
     def config_sanity_check(self):
-        inner = self.language_policy()
-        if inner is not None:
-            inner.config_sanity_check()
-        self.check_sequence_mode(inner)
+        super().config_sanity_check()
+        self.check_sequence_mode(self.language_policy())
 
     def check_sequence_mode(self, inner: Policy | None) -> None:
         """Refuse all_to_all / ring_attn without a language model, or a mode
@@ -241,20 +238,13 @@ class Blip2Shape(FamilyPolicy):
                                         f"{type(inner).__name__} implements "
                                         f"{', '.join(inner.sequence_parallel_modes()) or 'no mode'}")
 
-    def sequence_parallel_modes(self) -> tuple[str, ...]:
-        """The language model's modes (split_gather without one)."""
-        inner = self.language_policy()
-        return ("split_gather",) if inner is None else inner.sequence_parallel_modes()
-
-    def supports_sequence_overlap(self) -> bool:
-        inner = self.language_policy()
-        return inner is None or inner.supports_sequence_overlap()
-
     def build_spec(self) -> PolicySpec:
         """The vision encoder's and the Q-Former's part as a PolicySpec, by the
-        parts the class holds (the language model is composed: its own
-        policy, language_policy()).  With both, the vision encoder's stack is
-        the first split-gather stack and the Q-Former's the second."""
+        parts the class holds; the language model, where the class has one, is
+        composed (its own registered policy: language_policy()); without one
+        split_gather (with overlap) is the only mode.  With both parts, the
+        vision encoder's stack is the first split-gather stack and the
+        Q-Former's the second."""
         cfg = self.model.config
         modules, stacks = (), ()
         if "vision" in self.parts:
@@ -264,8 +254,8 @@ class Blip2Shape(FamilyPolicy):
         if "qformer" in self.parts:
             modules += self.qformer_modules(getattr(cfg, "qformer_config", cfg))
             stacks += (qformer_split_gather(),)
-        return PolicySpec("blip2", modules, split_gather=stacks[0], stacks=stacks[1:],
-                          capabilities=Capabilities(sp_modes=("split_gather",)))
+        return PolicySpec("blip2", modules, split_gather=stacks[0], stacks=stacks[1:], compose=("language_model",),
+                          capabilities=Capabilities(sp_modes=("split_gather",), sequence_overlap=True))
 
     def vision_modules(self, vision_cfg) -> tuple[ModuleSpec, ...]:
         """The vision encoder's ModuleSpecs (module-level vision_modules), for a subclass to override."""
@@ -275,26 +265,10 @@ class Blip2Shape(FamilyPolicy):
         """The Q-Former's ModuleSpecs (module-level qformer_modules), for a subclass to override."""
         return qformer_modules(qformer_cfg)
 
-    def body_policy(self):
-        policy = interpret(self.build_spec(), self.model, self.shard_config, self.state, self)
-        inner = self.language_policy()
-        if inner is not None:
-            merge_policies(policy, inner.module_policy())
-        return policy
-
-    def preprocess(self):
-        inner = self.language_policy()
-        if inner is not None:
-            inner.preprocess()
-        return super().preprocess()
-
     def postprocess(self):
         """The language model's postprocess, then output_hidden_states=True under
         split-gather SP recording the vision encoder's and Q-Former's full
         sequences (their layers mark their rows: record_hidden_states)."""
-        inner = self.language_policy()
-        if inner is not None:
-            inner.postprocess()
         return record_hidden_states(self, super().postprocess())
 
 

@@ -362,7 +362,14 @@ class PolicySpec:
     ties          (source path, target path) pairs whose target `weight` is made the
                   source's after substitution (besides the LM heads HF had tied)
     capabilities  Capabilities
-    refusals      Refusal rows, checked before anything changes"""
+    refusals      Refusal rows, checked before anything changes
+    compose       paths of models inside this one (a multimodal model's
+                  language model) each sharded by its own registered policy,
+                  composed in (shardformer.family.ComposedPolicy: its
+                  replacements merged after the spec's, its sanity check,
+                  pre- and postprocess run, its sequence-parallel modes and
+                  overlap answering for the whole); a path the bound model
+                  lacks is skipped (a BLIP-2 class without a language model)"""
 
     name: str
     modules: tuple[ModuleSpec, ...]
@@ -372,6 +379,7 @@ class PolicySpec:
     capabilities: Capabilities = Capabilities()
     refusals: tuple[Refusal, ...] = ()
     stacks: tuple[SplitGatherSpec, ...] = ()
+    compose: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.stacks and self.split_gather is None:

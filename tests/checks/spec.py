@@ -256,7 +256,8 @@ def check_blip2_spec(spec) -> None:
                if isinstance(r, Region) and r.layouts is not None]
     assert regions == [("intermediate_query", "query"), ("attention.attention", None), ("attention.output", None),
                        ("intermediate", "text"), ("crossattention.attention", "query")], regions
-    assert spec.module("Blip2QFormerLayer").entries[11].layouts == GATHER_ORDER
+    order = [r for r in spec.module("Blip2QFormerLayer").entries if getattr(r, "layouts", None) == GATHER_ORDER]
+    assert [r.path for r in order] == ["attention.output"], order
     assert [type(a).__name__ for a in spec.module("Blip2Attention").attributes] == ["Attribute", "Method"]
     assert isinstance(spec.module("Blip2Attention").attributes[1], Method)
 
