@@ -394,30 +394,35 @@ def conditions(shard_config, model=None) -> frozenset[str]:
     sp = bool(tp and shard_config.sequence_parallel)
     overlap = sp and bool(getattr(shard_config, "enable_sequence_overlap", False))
     manager = getattr(shard_config, "pipeline_stage_manager", None)
+    any_sp = bool(getattr(shard_config, "enable_sequence_parallelism", False))
+    mode = getattr(shard_config, "sequence_parallelism_mode", None)
     pp = manager is not None and manager.num_stages > 1
     held = {"pipeline_parallel": pp, "tensor_parallel_ranks": tp and shard_config.tensor_parallel_size > 1,
             "tensor_parallel": tp, "sequence_parallel": sp, "expert_parallel": ep, "no_expert_parallel": not ep,
             "tensor_or_expert_parallel": tp or ep, "overlap": overlap, "no_overlap": sp and not overlap,
-            "no_sequence_parallel": tp and not sp}
+            "no_sequence_parallel": tp and not sp, "pipeline_stages": manager is not None,
+            "any_sequence_parallel": any_sp, "split_attention": any_sp and mode in ("all_to_all", "ring_attn")}
     names = {name for name, on in held.items() if on}
-    if getattr(model, "config", None) is not None:   # the config attributes the conditions may name, read on
-        names.add(_ConfigOf(text_config(model)))     # demand (a plan dict's model may have no config)
-    return frozenset(names)
+    if model is not None:                            # the config / model attributes the conditions may name,
+        names.add(_ConfigOf(text_config(model) if getattr(model, "config", None) is not None else None, model))
+    return frozenset(names)                          # read on demand (a plan dict's model may have no config)
 
 
 class _ConfigOf:
-    """The model's config among the held conditions: holds() reads a
-    "config:<attribute>" condition from it."""
+    """The model and its config among the held conditions: holds() reads a
+    "config:<attribute>" condition from the config, "model:<attribute>" from the model."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, model=None):
         self.cfg = cfg
+        self.model = model
 
 
 def holds(when, held: frozenset) -> bool:
     """Whether every condition of `when` is in `held` (conditions(); a
     "config:<attribute>" condition: that attribute of the model's config is truthy)."""
-    cfg = next((c.cfg for c in held if isinstance(c, _ConfigOf)), None)
-    return all(bool(getattr(cfg, c[7:], False)) if c.startswith("config:") else c in held for c in when)
+    of = next((c for c in held if isinstance(c, _ConfigOf)), _ConfigOf(None))
+    return all(bool(getattr(of.cfg, c[7:], False)) if c.startswith("config:") else
+               hasattr(of.model, c[6:]) if c.startswith("model:") else c in held for c in when)
 
 
 def sp_kwargs(name: str, held: frozenset[str], state=None) -> dict:
@@ -483,7 +488,7 @@ def refuse(spec, model, shard_config) -> None:
         if holds(r.when, held) and any(v not in r.allowed for v in values.values()):
             error = {"ValueError": ValueError, "NotImplementedError": NotImplementedError}[r.error]
             raise error(r.message.format(**values, model=type(model).__name__, attribute=r.attribute,
-                                         value=values[r.attribute]))
+                                         value=values[r.attribute], mode=shard_config.sequence_parallelism_mode))
 
 
 def _embed_scale(module_spec, model) -> float | None:

@@ -27,8 +27,13 @@ Conditions (`Entry.when`, `Refusal.when`), each a name of CONDITIONS:
     overlap / no_overlap   split-gather SP with / without enable_sequence_overlap
     pipeline_parallel      ShardConfig.pipeline_stage_manager has more than one stage
     tensor_parallel_ranks  tensor parallelism over a group of 2 or more ranks
+    pipeline_stages        ShardConfig.pipeline_stage_manager is set (any number of stages)
+    any_sequence_parallel  ShardConfig.enable_sequence_parallelism, any mode, with or without TP
+    split_attention        it is on with mode all_to_all or ring_attn
     config:<attribute>     the model's (text) config has <attribute> set truthy
                            ("config:add_cross_attention")
+    model:<attribute>      the model has the attribute <attribute> (Whisper's
+                           "model:layer_weights", which only the audio classifier has)
 
 Sequence-parallel kwargs (`Entry.sp`, `ModuleSpec.sp_linear`), what a layer
 takes under split-gather SP (SP_KWARGS; shardformer.plan.sp_kwargs):
@@ -59,7 +64,8 @@ from typing import Any
 #: The conditions an Entry or a Refusal may name (see the module docstring).
 CONDITIONS = ("tensor_parallel", "sequence_parallel", "expert_parallel", "no_expert_parallel",
               "tensor_or_expert_parallel", "overlap", "no_overlap", "pipeline_parallel",
-              "tensor_parallel_ranks", "no_sequence_parallel")
+              "tensor_parallel_ranks", "no_sequence_parallel", "pipeline_stages", "any_sequence_parallel",
+              "split_attention")
 
 #: The sequence-parallel kwargs an Entry may name (see the module docstring).
 SP_KWARGS = ("", "col", "row", "gather", "gather_exact", "gather_rows")
@@ -75,7 +81,7 @@ class SpecError(ValueError):
 
 
 def _check_when(owner: str, when: tuple[str, ...]) -> None:
-    bad = [c for c in when if c not in CONDITIONS and not c.startswith("config:")]
+    bad = [c for c in when if c not in CONDITIONS and not c.startswith(("config:", "model:"))]
     if bad:
         raise SpecError(f"{owner}: unknown condition(s) {bad} (known: {', '.join(CONDITIONS)})")
 
@@ -293,7 +299,8 @@ class Refusal:
     `when` holds and the config attribute `attribute` (read from the text
     config, `default` when absent) is not one of `allowed`, optimize()
     raises `error` (ValueError or NotImplementedError) with `message`
-    formatted with {model} (the model class), {attribute} and {value}.
+    formatted with {model} (the model class), {attribute}, {value} and
+    {mode} (ShardConfig.sequence_parallelism_mode).
     `also`: more config attributes refused the same way (any of them outside
     `allowed` refuses; Falcon's two dropouts in one message); the message
     may name every attribute's value by its name ({hidden_dropout})."""
