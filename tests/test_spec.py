@@ -173,7 +173,9 @@ def test_bespoke_rows_as_data():
     dropouts refused by one Refusal row (Refusal.also) naming both values
     before anything changes; SAM's layer forward a Method row, made only on a
     group of two or more ranks (tensor_parallel_ranks: nothing on one rank);
-    BLOOM's build_alibi_tensor a Method row on BloomModel."""
+    BLOOM's build_alibi_tensor a Method row on BloomModel.  Whisper's
+    refusals as Refusal rows (blip2spec branch); a SpecPolicy refuses a spec
+    that composes other models' policies (BLIP-2's)."""
     from shardformer.autopolicy import get_autopolicy
     from shardformer.plan import conditions
     from shardformer.spec import Method
@@ -201,6 +203,22 @@ def test_bespoke_rows_as_data():
     policy, _ = bound("BloomForCausalLM", ShardConfig())
     assert [r.name for r in policy.build_spec().module("BloomModel").attributes] == ["build_alibi_tensor"]
     assert list(policy.module_policy()["BloomModel"].method_replacement) == ["build_alibi_tensor"]
+    # issue 33 blip2spec: Whisper's refusals as Refusal rows (model:<attribute>, split_attention, {mode})
+    ring = ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode="ring_attn",
+                       enable_tensor_parallelism=False)
+    policy, model = bound("WhisperForAudioClassification", ring, use_weighted_layer_sum=True)
+    rows = [(r.attribute, r.when) for r in policy.build_spec().refusals if r.attribute == "use_weighted_layer_sum"]
+    assert rows == [("use_weighted_layer_sum", ("pipeline_stages", "model:layer_weights")),
+                    ("use_weighted_layer_sum", ("split_attention", "model:layer_weights"))], rows
+    with pytest.raises(NotImplementedError, match=r"WhisperForAudioClassification: sequence parallelism \(ring_attn\) "
+                                                  r"with use_weighted_layer_sum=True"):
+        refuse(policy.build_spec(), model, ring)
+    policy, model = bound("WhisperForConditionalGeneration", ring, use_weighted_layer_sum=True)
+    refuse(policy.build_spec(), model, ring)                   # no layer_weights: nothing refused
+    from shardformer.family import SpecPolicy
+    with pytest.raises(TypeError, match="policy spec 'blip2' composes \\['language_model'\\]; .*ComposedPolicy"):
+        policy, model = bound("Blip2ForConditionalGeneration", ShardConfig())
+        SpecPolicy(policy.build_spec())
 
 
 @pytest.mark.parametrize("tp,default_group", [(2, False), (4, True)])
