@@ -54,6 +54,13 @@ splits every part of the model, each in its own SequenceState:
 all_to_all / ring_attn split the language model only (the vision encoder and
 Q-Former run unsplit, under TP where it is on); a class without a language
 model is refused them by name, as is a mode the language model's policy lacks.
+
+All of it is one PolicySpec (Blip2Shape.build_spec, run by
+shardformer.plan.interpret): the vision encoder the first split-gather
+stack, the Q-Former a segmented one (SplitGatherSpec.segments, its Region
+rows among the layer's entries), the language model composed
+(PolicySpec.compose, shardformer.family.ComposedPolicy); see
+docs/writing-policies.md.
 """
 from __future__ import annotations
 
