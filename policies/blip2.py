@@ -54,23 +54,27 @@ splits every part of the model, each in its own SequenceState:
 all_to_all / ring_attn split the language model only (the vision encoder and
 Q-Former run unsplit, under TP where it is on); a class without a language
 model is refused them by name, as is a mode the language model's policy lacks.
+
+All of it is one PolicySpec (Blip2Shape.build_spec, run by
+shardformer.plan.interpret): the vision encoder the first split-gather
+stack, the Q-Former a segmented one (SplitGatherSpec.segments, its Region
+rows among the layer's entries), the language model composed
+(PolicySpec.compose, shardformer.family.ComposedPolicy); see
+docs/writing-policies.md.
 """
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
-from shardformer.family import Family, FamilyPolicy, gathered, sequence_mode_refused
-from shardformer.layer import DropoutForReplicatedInput, Linear1D_Col, Linear1D_Row, VocabParallelEmbedding1D
-from shardformer.layer.replicated import ReplicatedInParallelRegion
+from shardformer.family import ComposedPolicy, Family, gathered, sequence_mode_refused
 from shardformer.layer.sequence_layout import ENTER
-from shardformer.layer.sequence_segments import GatherOrderInput, Segments, SegmentSplit
 from shardformer.layout import Heads
-from shardformer.plan import record_hidden_states, residual_dropout, sequence_region, split_gather_ends
-from shardformer.policies.shapes import new_sequence_state, sp_gathering, sp_layer_subs, sp_linear_kwargs, sp_overlap
-from shardformer.policy import ModulePolicyDescription, Policy, merge_policies
-from shardformer.policy import SubModuleReplacementDescription as Sub
+from shardformer.plan import record_hidden_states
+from shardformer.policy import Policy
+from shardformer.spec import (GATHER_ORDER, Attribute, Capabilities, Entry, Method, ModuleSpec, PolicySpec, Region,
+                              SplitGatherSpec)
+
+SP = ("sequence_parallel",)
 
 
 def vision_attention_forward(self, hidden_states: torch.Tensor, **kwargs):
@@ -92,107 +96,94 @@ def _heads(cfg) -> Heads:
     return Heads(n, n, cfg.hidden_size // n)
 
 
-def vision_policy(vision_cfg, col: dict | None = None, row: dict | None = None) -> dict:
-    """The vision encoder under TP; `col` / `row`: the attention's column / row
-    layer kwargs under split-gather SP (sp_linear_kwargs)."""
+def vision_modules(vision_cfg) -> tuple[ModuleSpec, ...]:
+    """The vision encoder's rows: the attention's fused qkv by heads (the bias
+    [q_bias | 0 | v_bias] cut the same way), its projection by the same heads,
+    its forward reshaping by head_dim; the MLP by features (under split-gather
+    SP fc1 gathers its own rows with enable_sequence_overlap)."""
     heads = _heads(vision_cfg)
-    return {
-        "Blip2Attention": ModulePolicyDescription(
-            attribute_replacement=heads.attributes({"num_heads": "heads"}),
-            sub_module_replacement=[Sub("qkv", Linear1D_Col, kwargs={"split": heads.qkv, **(col or {})}),
-                                    Sub("projection", Linear1D_Row, kwargs={"split": heads.q, **(row or {})})],
-            method_replacement={"forward": vision_attention_forward}),
-        "Blip2EncoderLayer": ModulePolicyDescription(sub_module_replacement=[
-            Sub("mlp.fc1", Linear1D_Col), Sub("mlp.fc2", Linear1D_Row)]),
-    }
+    return (ModuleSpec("Blip2Attention", (Entry("qkv", "colwise_qkv", heads=heads),
+                                          Entry("projection", "rowwise_heads", heads=heads)),
+                       attributes=(Attribute("num_heads", "heads", heads=heads),
+                                   Method.fixed("forward", vision_attention_forward)), sp_linear="rows"),
+            ModuleSpec("Blip2EncoderLayer", (Entry("mlp.fc1", "colwise", sp="gather"), Entry("mlp.fc2", "rowwise")),
+                       sp_linear="rows"))
 
 
-def qformer_policy(qformer_cfg, vocab_kwargs: dict) -> dict:
+def vision_split_gather(vision_cfg) -> SplitGatherSpec:
+    """ViT's layout (policies/shapes.py VisionShape) on the vision encoder: the
+    patch tokens with [CLS] split from encoder.layers.0 to the last layer;
+    self_attn (and mlp, without overlap) gather their input, layer_norm1 /
+    layer_norm2 run on the rows."""
+    return SplitGatherSpec("Blip2VisionModel", "encoder.layers", "Blip2EncoderLayer", (
+        Region("self_attn", ENTER), Region("mlp", ENTER, ("no_overlap",)), Region("layer_norm1"),
+        Region("layer_norm2")), overlap=False)
+
+
+def qformer_feed_forward(up: str, down: str, segment: str, optional: bool) -> tuple:
+    """One Q-Former feed-forward (the queries' or the text's) as entry rows:
+    `up`.dense by features (gathering its own rows with overlap, else `up`
+    gathers `segment`'s rows), `down`.dense reduce-scattering, its dropout
+    and LayerNorm on this rank's rows under split-gather SP."""
+    return (Entry(f"{up}.dense", "colwise", sp="gather", optional=optional),
+            Entry(f"{down}.dense", "rowwise", optional=optional),
+            Entry(f"{down}.dropout", "dropout_residual", optional=optional),
+            Region(f"{down}.LayerNorm", when=SP, optional=optional),
+            Region(up, ENTER, ("no_overlap",), segment=segment, optional=optional))
+
+
+def qformer_layer_entries(qformer_cfg) -> tuple:
+    """The Blip2QFormerLayer rows.  Under TP its feed-forwards (the text one
+    exists with use_qformer_text_input: optional); under split-gather SP
+    also its attentions' projections (the cross attention every
+    cross_attention_frequency layers: optional; its key / value read the
+    replicated image features, as under TP) and the regions of BERT's layout
+    per segment: the self attention gathers the whole sequence in order, the
+    cross attention and the query feed-forward the queries, the text
+    feed-forward the text."""
     heads = _heads(qformer_cfg)
-    # The text feed-forward (intermediate / output) exists with use_qformer_text_input.
-    feed_forward = [Sub("intermediate_query.dense", Linear1D_Col), Sub("output_query.dense", Linear1D_Row),
-                    Sub("output_query.dropout", DropoutForReplicatedInput)]
-    feed_forward += [Sub(s, cls, ignore_if_not_exist=True) for s, cls in (
-        ("intermediate.dense", Linear1D_Col), ("output.dense", Linear1D_Row),
-        ("output.dropout", DropoutForReplicatedInput))]
-    return {
-        # Self and cross attention alike.
-        "Blip2QFormerMultiHeadAttention": ModulePolicyDescription(
-            attribute_replacement=heads.attributes({"num_attention_heads": "heads", "all_head_size": "width"}),
-            sub_module_replacement=[Sub(p, Linear1D_Col, kwargs={"split": heads.q})
-                                    for p in ("query", "key", "value")]),
-        "Blip2QFormerAttention": ModulePolicyDescription(sub_module_replacement=[
-            Sub("output.dense", Linear1D_Row, kwargs={"split": heads.q}),
-            Sub("output.dropout", DropoutForReplicatedInput)]),
-        "Blip2QFormerLayer": ModulePolicyDescription(sub_module_replacement=feed_forward),
-        "Blip2QFormerModel": ModulePolicyDescription(sub_module_replacement=[
-            Sub("dropout", DropoutForReplicatedInput)]),
-        "Blip2TextEmbeddings": ModulePolicyDescription(sub_module_replacement=[
-            Sub("word_embeddings", VocabParallelEmbedding1D, kwargs=vocab_kwargs)]),
-    }
+    attention = tuple(Entry(f"attention.attention.{p}", "colwise_heads", SP, heads=heads)
+                      for p in ("query", "key", "value"))
+    cross = (Entry("crossattention.attention.query", "colwise_heads", SP, heads=heads, optional=True),
+             Entry("crossattention.attention.key", "colwise_heads", SP, sp="", heads=heads, optional=True),
+             Entry("crossattention.attention.value", "colwise_heads", SP, sp="", heads=heads, optional=True))
+    return (attention + qformer_feed_forward("intermediate_query", "output_query", "query", False)
+            + (Region("attention.attention", ENTER, SP), Region("attention.output", GATHER_ORDER, SP),
+               Region("attention.output.LayerNorm", when=SP))
+            + cross + qformer_feed_forward("intermediate", "output", "text", True)
+            + (Region("crossattention.attention", ENTER, SP, segment="query", optional=True),
+               Region("crossattention.output.LayerNorm", when=SP, optional=True)))
 
 
-def vision_sp_policy(vision_cfg, shard_config) -> dict:
-    """vision_policy under split-gather SP (VisionShape's layout, see the module docstring)."""
-    col, row = sp_linear_kwargs(shard_config)
-    overlap = sp_overlap(shard_config)
-    state = new_sequence_state()
-    layer = [Sub("mlp.fc1", Linear1D_Col, kwargs=sp_gathering(col) if overlap else col),
-             Sub("mlp.fc2", Linear1D_Row, kwargs=row)]
-    layer += sp_layer_subs(["self_attn"] + ([] if overlap else ["mlp"]), ["layer_norm1", "layer_norm2"], state)
-    policy = vision_policy(vision_cfg, col, row)
-    policy["Blip2EncoderLayer"] = ModulePolicyDescription(sub_module_replacement=layer)
-    policy["Blip2VisionModel"] = ModulePolicyDescription(
-        sub_module_replacement=split_gather_ends("encoder.layers", vision_cfg.num_hidden_layers, state))
-    return policy
-
-
-def qformer_sp_policy(qformer_cfg, vocab_kwargs: dict, shard_config) -> dict:
-    """qformer_policy under split-gather SP: the sequence [queries; text] split
-    segment by segment (layer/sequence_segments.py, the module docstring)."""
+def qformer_modules(qformer_cfg) -> tuple[ModuleSpec, ...]:
+    """The Q-Former's rows: self and cross attention alike split by heads
+    (query / key / value, output.dense), the feed-forwards by features, the
+    text embeddings by vocabulary, the dropouts on its hidden states with one
+    mask (or, after a row layer under split-gather SP, a mask per rank)."""
     heads = _heads(qformer_cfg)
-    col, row = sp_linear_kwargs(shard_config)
-    overlap = sp_overlap(shard_config)
-    seg = Segments(("query", "text"))
-    dropout = residual_dropout(shard_config)
-    qkv = {"split": heads.q}
-    # `maybe`: what only some layers hold (the cross attention every cross_attention_frequency layers,
-    # the text feed-forward with use_qformer_text_input); the cross attention's key / value read the
-    # replicated image features, as under TP
-    layer = [Sub(f"attention.attention.{p}", Linear1D_Col, kwargs={**qkv, **col}) for p in ("query", "key", "value")]
-    maybe = [Sub("crossattention.attention.query", Linear1D_Col, kwargs={**qkv, **col}),
-             Sub("crossattention.attention.key", Linear1D_Col, kwargs=qkv),
-             Sub("crossattention.attention.value", Linear1D_Col, kwargs=qkv)]
-    for up, down, segment, always in (("intermediate_query", "output_query", "query", True),
-                                      ("intermediate", "output", "text", False)):
-        subs = [Sub(f"{up}.dense", Linear1D_Col, kwargs=sp_gathering(col) if overlap else col),
-                Sub(f"{down}.dense", Linear1D_Row, kwargs=row), Sub(f"{down}.dropout", dropout),
-                Sub(f"{down}.LayerNorm", ReplicatedInParallelRegion)]
-        if not overlap:
-            subs.append(sequence_region(up, ENTER, seg[segment]))
-        (layer if always else maybe).extend(subs)
-    layer += [sequence_region("attention.attention", ENTER, seg.whole),
-              Sub("attention.output", GatherOrderInput, kwargs={"state": seg.whole}),
-              Sub("attention.output.LayerNorm", ReplicatedInParallelRegion)]
-    maybe += [sequence_region("crossattention.attention", ENTER, seg["query"]),
-              Sub("crossattention.output.LayerNorm", ReplicatedInParallelRegion)]
-    layer += [replace(s, ignore_if_not_exist=True) for s in maybe]
-    n = qformer_cfg.num_hidden_layers
-    policy = qformer_policy(qformer_cfg, vocab_kwargs)
-    policy["Blip2QFormerMultiHeadAttention"] = ModulePolicyDescription(
-        attribute_replacement=heads.attributes({"num_attention_heads": "heads", "all_head_size": "width"}))
-    policy["Blip2QFormerAttention"] = ModulePolicyDescription(sub_module_replacement=[
-        Sub("output.dense", Linear1D_Row, kwargs={"split": heads.q, **row}), Sub("output.dropout", dropout)])
-    policy["Blip2QFormerLayer"] = ModulePolicyDescription(sub_module_replacement=layer)
-    policy["Blip2QFormerEncoder"] = ModulePolicyDescription(sub_module_replacement=[
-        Sub(f"layer.{i}", SegmentSplit, kwargs={"segments": seg, "first": i == 0, "last": i == n - 1})
-        for i in range(n)])
-    return policy
+    return (
+        ModuleSpec("Blip2QFormerMultiHeadAttention", tuple(
+            Entry(p, "colwise_heads", ("no_sequence_parallel",), heads=heads) for p in ("query", "key", "value")),
+            attributes=(Attribute("num_attention_heads", "heads", heads=heads),
+                        Attribute("all_head_size", "width", heads=heads))),
+        ModuleSpec("Blip2QFormerAttention", (Entry("output.dense", "rowwise_heads", heads=heads),
+                                             Entry("output.dropout", "dropout_residual")), sp_linear="rows"),
+        ModuleSpec("Blip2QFormerLayer", qformer_layer_entries(qformer_cfg), sp_linear="rows"),
+        ModuleSpec("Blip2QFormerModel", (Entry("dropout", "dropout_replicated"),)),
+        ModuleSpec("Blip2TextEmbeddings", (Entry("word_embeddings", "embedding_rowwise"),)))
 
 
-class Blip2Shape(FamilyPolicy):
+def qformer_split_gather() -> SplitGatherSpec:
+    """The Q-Former's sequence [queries; text] split segment by segment
+    (layer/sequence_segments.py), each layer called with this rank's query
+    count; its regions stand among the Blip2QFormerLayer entries."""
+    return SplitGatherSpec("Blip2QFormerEncoder", "layer", "Blip2QFormerLayer", (),
+                           overlap=False, ends="segments", segments=("query", "text"))
+
+
+class Blip2Shape(ComposedPolicy):
     """Option `parts`: what the model holds ("vision", "qformer"); a
-    language_model is composed in when present."""
+    language_model is composed in when present (PolicySpec.compose)."""
 
     parts: tuple[str, ...] = ("vision", "qformer")
 
@@ -223,15 +214,12 @@ class Blip2Shape(FamilyPolicy):
         return StageSplit("Blip2QFormerModel", "encoder.layer", count="config.num_hidden_layers")
 
     def language_policy(self) -> Policy | None:
-        """The registered policy of the language model, bound to it."""
-        lm = getattr(self.model, "language_model", None)
-        return None if lm is None else self.sub_policy(lm)
+        """The registered policy of the language model, bound to it (None without one)."""
+        return next(iter(self.composed_policies()), None)
 
     def config_sanity_check(self):
-        inner = self.language_policy()
-        if inner is not None:
-            inner.config_sanity_check()
-        self.check_sequence_mode(inner)
+        super().config_sanity_check()
+        self.check_sequence_mode(self.language_policy())
 
     def check_sequence_mode(self, inner: Policy | None) -> None:
         """Refuse all_to_all / ring_attn without a language model, or a mode
@@ -257,44 +245,37 @@ class Blip2Shape(FamilyPolicy):
                                         f"{type(inner).__name__} implements "
                                         f"{', '.join(inner.sequence_parallel_modes()) or 'no mode'}")
 
-    def sequence_parallel_modes(self) -> tuple[str, ...]:
-        """The language model's modes (split_gather without one)."""
-        inner = self.language_policy()
-        return ("split_gather",) if inner is None else inner.sequence_parallel_modes()
-
-    def supports_sequence_overlap(self) -> bool:
-        inner = self.language_policy()
-        return inner is None or inner.supports_sequence_overlap()
-
-    def body_policy(self):
+    def build_spec(self) -> PolicySpec:
+        """The vision encoder's and the Q-Former's part as a PolicySpec, by the
+        parts the class holds; the language model, where the class has one, is
+        composed (its own registered policy: language_policy()); without one
+        split_gather (with overlap) is the only mode.  With both parts, the
+        vision encoder's stack is the first split-gather stack and the
+        Q-Former's the second."""
         cfg = self.model.config
-        policy = {}
-        sp = self.shard_config.sequence_parallel
-        if self.tensor_parallel:
-            vision, qformer = getattr(cfg, "vision_config", cfg), getattr(cfg, "qformer_config", cfg)
-            if "vision" in self.parts:
-                merge_policies(policy, vision_sp_policy(vision, self.shard_config) if sp else vision_policy(vision))
-            if "qformer" in self.parts:
-                merge_policies(policy, qformer_sp_policy(qformer, self.vocab_kwargs(), self.shard_config) if sp
-                               else qformer_policy(qformer, self.vocab_kwargs()))
-        inner = self.language_policy()
-        if inner is not None:
-            merge_policies(policy, inner.module_policy())
-        return policy
+        modules, stacks = (), ()
+        if "vision" in self.parts:
+            vision = getattr(cfg, "vision_config", cfg)
+            modules += self.vision_modules(vision)
+            stacks += (vision_split_gather(vision),)
+        if "qformer" in self.parts:
+            modules += self.qformer_modules(getattr(cfg, "qformer_config", cfg))
+            stacks += (qformer_split_gather(),)
+        return PolicySpec("blip2", modules, split_gather=stacks[0], stacks=stacks[1:], compose=("language_model",),
+                          capabilities=Capabilities(sp_modes=("split_gather",), sequence_overlap=True))
 
-    def preprocess(self):
-        inner = self.language_policy()
-        if inner is not None:
-            inner.preprocess()
-        return super().preprocess()
+    def vision_modules(self, vision_cfg) -> tuple[ModuleSpec, ...]:
+        """The vision encoder's ModuleSpecs (module-level vision_modules), for a subclass to override."""
+        return vision_modules(vision_cfg)
+
+    def qformer_modules(self, qformer_cfg) -> tuple[ModuleSpec, ...]:
+        """The Q-Former's ModuleSpecs (module-level qformer_modules), for a subclass to override."""
+        return qformer_modules(qformer_cfg)
 
     def postprocess(self):
         """The language model's postprocess, then output_hidden_states=True under
         split-gather SP recording the vision encoder's and Q-Former's full
         sequences (their layers mark their rows: record_hidden_states)."""
-        inner = self.language_policy()
-        if inner is not None:
-            inner.postprocess()
         return record_hidden_states(self, super().postprocess())
 
 

@@ -51,12 +51,11 @@ The attention masks come from token_type_ids, which every stage is given.
 from __future__ import annotations
 
 
-from shardformer.family import Family, FamilyPolicy, gathered, lm, sequence_mode_refused
+from shardformer.family import ComposedPolicy, Family, gathered, lm, sequence_mode_refused
 from shardformer.layout import Heads
 from shardformer.pipeline.stages import StageSplit
-from shardformer.plan import interpret
 from shardformer.policies.shapes import DecoderShape
-from shardformer.policy import Policy, merge_policies
+from shardformer.policy import Policy
 from shardformer.spec import Attribute, Entry, ModuleSpec, PolicySpec
 
 TEXT = Family("gemma3", "gemma3.modeling_gemma3", DecoderShape,
@@ -87,54 +86,36 @@ MM_PIPELINE = StageSplit("Gemma3Model", "language_model.layers", last=("language
                          everywhere=("vision_tower", "multi_modal_projector"))
 
 
-class Gemma3MultimodalShape(FamilyPolicy):
+class Gemma3MultimodalShape(ComposedPolicy):
     """Gemma3Model and the heads around it: the SigLIP tower split here, the
     text model by its own registered policy (Gemma3TextModelPolicy), bound to
-    it.  Option `base`: path of the Gemma3Model inside the model ("" for
-    Gemma3Model itself)."""
+    it and composed in (PolicySpec.compose).  Option `base`: path of the
+    Gemma3Model inside the model ("" for Gemma3Model itself)."""
 
     base = "model"
     pipeline_split = MM_PIPELINE
 
-    def gemma3_model(self):
-        return self.model.get_submodule(self.base) if self.base else self.model
+    def language_path(self) -> str:
+        return f"{self.base}.language_model" if self.base else "language_model"
 
     def language_policy(self) -> Policy:
-        return self.sub_policy(self.gemma3_model().language_model)
+        return self.sub_policy(self.model.get_submodule(self.language_path()))
 
     def config_sanity_check(self):
-        self.language_policy().config_sanity_check()
+        super().config_sanity_check()
         if self.shard_config.split_attention_mode == "ring_attn":
-            path = f"{self.base + '.' if self.base else ''}language_model"
             raise sequence_mode_refused(
-                type(self.model).__name__, path, "ring_attn",
+                type(self.model).__name__, self.language_path(), "ring_attn",
                 "Gemma 3 lets the tokens of one image attend to each other in both directions "
                 "(token_type_ids), a mask the ring kernel (causal, key padding, sliding window) cannot "
                 "express; use 'all_to_all' or 'split_gather'")
 
-    def sequence_parallel_modes(self) -> tuple[str, ...]:
-        """The text model's modes (ring_attn is refused by name earlier, in config_sanity_check)."""
-        return self.language_policy().sequence_parallel_modes()
-
-    def supports_sequence_overlap(self) -> bool:
-        return self.language_policy().supports_sequence_overlap()
-
     def build_spec(self) -> PolicySpec:
-        """The vision tower's part as a PolicySpec (the text model is composed:
-        its own policy, language_policy())."""
-        return PolicySpec("gemma3", (siglip_module(self.model.config.vision_config),))
-
-    def body_policy(self):
-        policy = interpret(self.build_spec(), self.model, self.shard_config, self.state, self)
-        return merge_policies(policy, self.language_policy().module_policy())
-
-    def preprocess(self):
-        self.language_policy().preprocess()
-        return super().preprocess()
-
-    def postprocess(self):
-        self.language_policy().postprocess()
-        return super().postprocess()
+        """The vision tower's part as a PolicySpec; the text model composed
+        (its own policy, language_policy(); ring_attn is refused by name in
+        config_sanity_check)."""
+        return PolicySpec("gemma3", (siglip_module(self.model.config.vision_config),),
+                          compose=(self.language_path(),))
 
 
 MULTIMODAL = Family("gemma3", "gemma3.modeling_gemma3", Gemma3MultimodalShape, options={"base": "model"},

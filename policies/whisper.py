@@ -54,9 +54,12 @@ from dataclasses import replace
 from shardformer.family import Family, SpecPolicy, lm, spec_capabilities
 from shardformer.layer.sequence_layout import ENTER
 from shardformer.layout import Heads
-from shardformer.spec import Attribute, Entry, ModuleSpec, PolicySpec, Region, Setting, SplitAttention, SplitGatherSpec
+from shardformer.spec import (Attribute, Entry, ModuleSpec, PolicySpec, Refusal, Region, Setting, SplitAttention,
+                              SplitGatherSpec)
 
 #: (stack class, layer class, config attribute of its head count, its attentions) of the two stacks
+#: the config attributes of Whisper's LayerDrop, refused under pipeline stages and sequence parallelism
+LAYERDROPS = ("encoder_layerdrop", "decoder_layerdrop")
 STACKS = (("WhisperEncoder", "WhisperEncoderLayer", "encoder_attention_heads", ("self_attn",)),
           ("WhisperDecoder", "WhisperDecoderLayer", "decoder_attention_heads", ("self_attn", "encoder_attn")))
 
@@ -105,35 +108,28 @@ class WhisperShape(SpecPolicy):
     sp_modes = ("split_gather",)
     sequence_overlap = True         # fc1 gathers its own rows (Entry sp="gather_rows")
 
-    def config_sanity_check(self):
-        super().config_sanity_check()
-        cfg, name = self.model.config, type(self.model).__name__
-        mode = self.shard_config.sequence_parallelism_mode
-        if self.shard_config.pipeline_stage_manager is not None:
-            for key in ("encoder_layerdrop", "decoder_layerdrop"):
-                if getattr(cfg, key, 0.0):
-                    raise NotImplementedError(f"{name}: pipeline parallelism with {key}={getattr(cfg, key)} is not "
-                                              f"available for Whisper (model.encoder.layers / model.decoder.layers): "
-                                              f"a skipped first or last layer of a stage would skip the hand-over "
-                                              f"between stages (set it to 0)")
-            if getattr(cfg, "use_weighted_layer_sum", False) and hasattr(self.model, "layer_weights"):
-                raise NotImplementedError(f"{name}: pipeline parallelism with use_weighted_layer_sum=True is not "
-                                          f"available for Whisper: the weighted sum reads every encoder layer's "
-                                          f"hidden states, which live on different stages")
-        if not self.shard_config.enable_sequence_parallelism:
-            return
-        for key in ("encoder_layerdrop", "decoder_layerdrop"):
-            if getattr(cfg, key, 0.0):
-                raise NotImplementedError(f"{name}: sequence parallelism ({mode}) with {key}="
-                                          f"{getattr(cfg, key)} is not available for Whisper: a skipped first or "
-                                          f"last layer would skip the split or the gather, and each rank would "
-                                          f"skip different layers (set it to 0)")
-        if mode != "split_gather" and getattr(cfg, "use_weighted_layer_sum", False) \
-                and hasattr(self.model, "layer_weights"):
-            raise NotImplementedError(f"{name}: sequence parallelism ({mode}) with use_weighted_layer_sum="
-                                      f"True is not available for Whisper: the weighted sum reads every layer's "
-                                      f"hidden states, which hold this rank's rows only in this mode (split_gather "
-                                      f"gathers them)")
+    def refusals(self) -> tuple[Refusal, ...]:
+        """What Whisper refuses, as data: a layerdrop (a skipped first or last
+        layer) under pipeline stages or any sequence parallelism;
+        use_weighted_layer_sum on the audio classifier (the class with
+        layer_weights) under pipeline stages or all_to_all / ring_attn."""
+        no = "NotImplementedError"
+        weighted = ("use_weighted_layer_sum", (False, None), False)
+        return tuple(Refusal(key, (0.0, None), 0.0, ("pipeline_stages",), (
+            "{model}: pipeline parallelism with {attribute}={value} is not available for Whisper "
+            "(model.encoder.layers / model.decoder.layers): a skipped first or last layer of a stage would skip "
+            "the hand-over between stages (set it to 0)"), no) for key in LAYERDROPS) + (
+            Refusal(*weighted, ("pipeline_stages", "model:layer_weights"), (
+                "{model}: pipeline parallelism with use_weighted_layer_sum=True is not available for Whisper: the "
+                "weighted sum reads every encoder layer's hidden states, which live on different stages"), no),
+        ) + tuple(Refusal(key, (0.0, None), 0.0, ("any_sequence_parallel",), (
+            "{model}: sequence parallelism ({mode}) with {attribute}={value} is not available for Whisper: a "
+            "skipped first or last layer would skip the split or the gather, and each rank would skip different "
+            "layers (set it to 0)"), no) for key in LAYERDROPS) + (
+            Refusal(*weighted, ("split_attention", "model:layer_weights"), (
+                "{model}: sequence parallelism ({mode}) with use_weighted_layer_sum=True is not available for "
+                "Whisper: the weighted sum reads every layer's hidden states, which hold this rank's rows only in "
+                "this mode (split_gather gathers them)"), no),)
 
     def layer_spec(self, layer_cls: str, heads: Heads, attns: tuple[str, ...]) -> ModuleSpec:
         """The rows of one layer class: each attention's q / k / v by `heads`
@@ -192,6 +188,7 @@ class WhisperShape(SpecPolicy):
             modules=modules,
             split_gather=stacks[0] if stacks else None,
             stacks=stacks[1:],
+            refusals=self.refusals(),
             capabilities=replace(spec_capabilities(self), split_attention_stacks=tuple(
                 SplitAttention(stack_cls, "layers", options=(("cross", attns[1:]),))
                 for stack_cls, _, _, attns in STACKS if stack_cls in present)),

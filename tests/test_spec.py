@@ -159,10 +159,13 @@ def test_shape_subclass_overrides_match_unsharded(pool, tp, default_group, confi
     like the unsharded model: TP=2 over an explicit group with split-gather
     SP and overlap (Swin's window-overlap pass), TP=4 with the plain
     ShardConfig(); 5 heads (uneven).  Two bespoke families too (ChatGLM2,
-    SAM: spec factories since issue 33's spec6 branch), each subclass
-    overriding one row of its spec (checks/spec.py bespoke_subclasses)."""
+    SAM: spec factories since issue 33's spec6 branch; BLIP-2 since its
+    blip2spec branch: vision encoder and Q-Former split segment by segment),
+    each subclass overriding one row of its spec (checks/spec.py
+    bespoke_subclasses)."""
     reports = pool.run(S.shape_overrides_shard, tp, default_group, config)
-    assert len(reports) == tp and all(set(r) == {"fused_qkv", "vision", "stage", "chatglm2", "sam"} for r in reports)
+    assert len(reports) == tp and all(set(r) == {"fused_qkv", "vision", "stage", "chatglm2", "sam", "blip2"}
+                                      for r in reports)
 
 
 def test_bespoke_rows_as_data():
@@ -170,7 +173,9 @@ def test_bespoke_rows_as_data():
     dropouts refused by one Refusal row (Refusal.also) naming both values
     before anything changes; SAM's layer forward a Method row, made only on a
     group of two or more ranks (tensor_parallel_ranks: nothing on one rank);
-    BLOOM's build_alibi_tensor a Method row on BloomModel."""
+    BLOOM's build_alibi_tensor a Method row on BloomModel.  Whisper's
+    refusals as Refusal rows (blip2spec branch); a SpecPolicy refuses a spec
+    that composes other models' policies (BLIP-2's)."""
     from shardformer.autopolicy import get_autopolicy
     from shardformer.plan import conditions
     from shardformer.spec import Method
@@ -198,6 +203,22 @@ def test_bespoke_rows_as_data():
     policy, _ = bound("BloomForCausalLM", ShardConfig())
     assert [r.name for r in policy.build_spec().module("BloomModel").attributes] == ["build_alibi_tensor"]
     assert list(policy.module_policy()["BloomModel"].method_replacement) == ["build_alibi_tensor"]
+    # issue 33 blip2spec: Whisper's refusals as Refusal rows (model:<attribute>, split_attention, {mode})
+    ring = ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode="ring_attn",
+                       enable_tensor_parallelism=False)
+    policy, model = bound("WhisperForAudioClassification", ring, use_weighted_layer_sum=True)
+    rows = [(r.attribute, r.when) for r in policy.build_spec().refusals if r.attribute == "use_weighted_layer_sum"]
+    assert rows == [("use_weighted_layer_sum", ("pipeline_stages", "model:layer_weights")),
+                    ("use_weighted_layer_sum", ("split_attention", "model:layer_weights"))], rows
+    with pytest.raises(NotImplementedError, match=r"WhisperForAudioClassification: sequence parallelism \(ring_attn\) "
+                                                  r"with use_weighted_layer_sum=True"):
+        refuse(policy.build_spec(), model, ring)
+    policy, model = bound("WhisperForConditionalGeneration", ring, use_weighted_layer_sum=True)
+    refuse(policy.build_spec(), model, ring)                   # no layer_weights: nothing refused
+    from shardformer.family import SpecPolicy
+    with pytest.raises(TypeError, match="policy spec 'blip2' composes \\['language_model'\\]; .*ComposedPolicy"):
+        policy, model = bound("Blip2ForConditionalGeneration", ShardConfig())
+        SpecPolicy(policy.build_spec())
 
 
 @pytest.mark.parametrize("tp,default_group", [(2, False), (4, True)])

@@ -329,6 +329,58 @@ class FamilyPolicy(SplitAttentionPolicy, Policy):
         return getattr(importlib.import_module(f"{_HF}.{self.family.hf_module}"), name)
 
 
+class ComposedPolicy(FamilyPolicy):
+    """A policy whose spec (`build_spec()`) composes the policies of models
+    inside the model (PolicySpec.compose: a multimodal model's language
+    model, found in the registry by its class and bound to it): the spec's
+    replacements (shardformer.plan.interpret) and then each composed
+    policy's, their sanity checks, pre- and postprocess run with this one's;
+    the sequence-parallel modes and enable_sequence_overlap are the first
+    composed policy's (the language model's: sequence parallelism splits its
+    sequence), the spec's capabilities without one."""
+
+    def build_spec(self) -> PolicySpec:
+        raise NotImplementedError(f"{type(self).__name__}: a ComposedPolicy states its PolicySpec in build_spec()")
+
+    def composed_policies(self) -> list[Policy]:
+        """The registered policies of the spec's composed models the bound model has, bound to them."""
+        found = []
+        for path in self.build_spec().compose:
+            try:
+                found.append(self.sub_policy(self.model.get_submodule(path)))
+            except AttributeError:
+                continue                     # a class without that model (PolicySpec.compose)
+        return found
+
+    def config_sanity_check(self) -> None:
+        for inner in self.composed_policies():
+            inner.config_sanity_check()
+
+    def sequence_parallel_modes(self) -> tuple[str, ...]:
+        inner = self.composed_policies()
+        return inner[0].sequence_parallel_modes() if inner else tuple(self.build_spec().capabilities.sp_modes)
+
+    def supports_sequence_overlap(self) -> bool:
+        inner = self.composed_policies()
+        return inner[0].supports_sequence_overlap() if inner else self.build_spec().capabilities.sequence_overlap
+
+    def body_policy(self) -> dict:
+        policy = interpret(self.build_spec(), self.model, self.shard_config, self.state, self)
+        for inner in self.composed_policies():
+            merge_policies(policy, inner.module_policy())
+        return policy
+
+    def preprocess(self) -> nn.Module:
+        for inner in self.composed_policies():
+            inner.preprocess()
+        return super().preprocess()
+
+    def postprocess(self) -> nn.Module:
+        for inner in self.composed_policies():
+            inner.postprocess()
+        return super().postprocess()
+
+
 #: The Capabilities fields a SpecPolicy answers from its spec, and the Policy
 #: field (read by the sharder, the pipeline and plan.record_hidden_states) each fills.
 _CAPABILITY_FIELDS = {"sp_modes": "sp_modes", "split_attention_at": "split_attention_at",
@@ -368,6 +420,10 @@ class SpecPolicy(FamilyPolicy):
         if spec is not None:
             if not isinstance(spec, PolicySpec):
                 raise TypeError(f"SpecPolicy: expected a shardformer.spec.PolicySpec, got {type(spec).__name__}")
+            if spec.compose:
+                raise TypeError(f"SpecPolicy: policy spec {spec.name!r} composes {list(spec.compose)}; a spec that "
+                                f"composes other models' policies is run by a shardformer.family.ComposedPolicy "
+                                f"subclass (its build_spec()), see docs/writing-policies.md")
             self.spec = spec
             for cap, name in _CAPABILITY_FIELDS.items():     # what the sharder and the pipeline read
                 setattr(self, name, getattr(spec.capabilities, cap))

@@ -77,7 +77,7 @@ from .layer.sequence import (SequenceParallelRegion, SequenceState, record_full_
 from .layer.sequence_layout import BLOCK, GATHER, GATHER_INPUT, MARK_ROWS, SPLIT, SPLIT_OUTPUT, SequenceLayouts
 from .layout import Fused, Heads, Split
 from .policy import ModulePolicyDescription, Policy
-from .spec import SP_LINEAR, Attribute, Method, MethodSite, Setting, Stack
+from .spec import GATHER_ORDER, SP_LINEAR, Attribute, Method, MethodSite, Region, Setting, Stack
 from .policy import SubModuleReplacementDescription as Sub
 
 
@@ -259,6 +259,9 @@ STYLES.update({s.name: s for s in (
 
 _LAYERS["Embedding1D"] = _layer("", "Embedding1D")
 _LAYERS["EncoderEnds"] = _layer(".sequence_ends", "EncoderEnds")
+_LAYERS["Segments"] = _layer(".sequence_segments", "Segments")
+_LAYERS["SegmentSplit"] = _layer(".sequence_segments", "SegmentSplit")
+_LAYERS["GatherOrderInput"] = _layer(".sequence_segments", "GatherOrderInput")
 STYLES.update({s.name: s for s in (
     # an embedding whose columns are the heads (T5's relative position bias table [buckets, heads]): its
     # columns split by the same heads, not gathered: each rank looks up the bias of its own heads
@@ -391,29 +394,35 @@ def conditions(shard_config, model=None) -> frozenset[str]:
     sp = bool(tp and shard_config.sequence_parallel)
     overlap = sp and bool(getattr(shard_config, "enable_sequence_overlap", False))
     manager = getattr(shard_config, "pipeline_stage_manager", None)
+    any_sp = bool(getattr(shard_config, "enable_sequence_parallelism", False))
+    mode = getattr(shard_config, "sequence_parallelism_mode", None)
     pp = manager is not None and manager.num_stages > 1
     held = {"pipeline_parallel": pp, "tensor_parallel_ranks": tp and shard_config.tensor_parallel_size > 1,
             "tensor_parallel": tp, "sequence_parallel": sp, "expert_parallel": ep, "no_expert_parallel": not ep,
-            "tensor_or_expert_parallel": tp or ep, "overlap": overlap, "no_overlap": sp and not overlap}
+            "tensor_or_expert_parallel": tp or ep, "overlap": overlap, "no_overlap": sp and not overlap,
+            "no_sequence_parallel": tp and not sp, "pipeline_stages": manager is not None,
+            "any_sequence_parallel": any_sp, "split_attention": any_sp and mode in ("all_to_all", "ring_attn")}
     names = {name for name, on in held.items() if on}
-    if getattr(model, "config", None) is not None:   # the config attributes the conditions may name, read on
-        names.add(_ConfigOf(text_config(model)))     # demand (a plan dict's model may have no config)
-    return frozenset(names)
+    if model is not None:                            # the config / model attributes the conditions may name,
+        names.add(_ConfigOf(text_config(model) if getattr(model, "config", None) is not None else None, model))
+    return frozenset(names)                          # read on demand (a plan dict's model may have no config)
 
 
 class _ConfigOf:
-    """The model's config among the held conditions: holds() reads a
-    "config:<attribute>" condition from it."""
+    """The model and its config among the held conditions: holds() reads a
+    "config:<attribute>" condition from the config, "model:<attribute>" from the model."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, model=None):
         self.cfg = cfg
+        self.model = model
 
 
 def holds(when, held: frozenset) -> bool:
     """Whether every condition of `when` is in `held` (conditions(); a
     "config:<attribute>" condition: that attribute of the model's config is truthy)."""
-    cfg = next((c.cfg for c in held if isinstance(c, _ConfigOf)), None)
-    return all(bool(getattr(cfg, c[7:], False)) if c.startswith("config:") else c in held for c in when)
+    of = next((c for c in held if isinstance(c, _ConfigOf)), _ConfigOf(None))
+    return all(bool(getattr(of.cfg, c[7:], False)) if c.startswith("config:") else
+               hasattr(of.model, c[6:]) if c.startswith("model:") else c in held for c in when)
 
 
 def sp_kwargs(name: str, held: frozenset[str], state=None) -> dict:
@@ -479,7 +488,7 @@ def refuse(spec, model, shard_config) -> None:
         if holds(r.when, held) and any(v not in r.allowed for v in values.values()):
             error = {"ValueError": ValueError, "NotImplementedError": NotImplementedError}[r.error]
             raise error(r.message.format(**values, model=type(model).__name__, attribute=r.attribute,
-                                         value=values[r.attribute]))
+                                         value=values[r.attribute], mode=shard_config.sequence_parallelism_mode))
 
 
 def _embed_scale(module_spec, model) -> float | None:
@@ -502,29 +511,90 @@ def _parameterized_children(module, skip) -> tuple[str, ...]:
                  if name not in skip and any(True for _ in child.parameters()))
 
 
-def split_gather_subs(spec, model, shard_config, state, sg=None) -> dict[str, list[Sub]]:
-    """{class name: subs} of the spec's split-gather sequence parallelism
-    (the layer's regions, replicated norms and the modules beside the split
-    layers; the owner's split and gather: one list where the layer's class
-    is the owner's).  `sg`: one of spec.stacks (its own SequenceState) in
-    place of spec.split_gather (the optimize()'s state.sequence_state)."""
-    held = conditions(shard_config, model)
-    if sg is not None and sg is not spec.split_gather:
-        seq = SequenceState(sg.dim, recompute=shard_config.sequence_parallel_recompute)
+def stack_states(spec, held: frozenset, shard_config, state) -> list:
+    """(SplitGatherSpec, its state) of the spec's split-gather stacks whose
+    conditions hold (none when its split-gather SP is off): the first's
+    SequenceState is the optimize()'s `state.sequence_state` (made here),
+    each further stack has its own; a segmented stack (ends="segments") a
+    shardformer.layer.sequence_segments.Segments, the whole sequence's state
+    the optimize()'s when it is the first."""
+    if not split_gather_on(spec, held):
+        return []
+    out = []
+    for sg in (spec.split_gather,) + tuple(s for s in spec.stacks if holds(s.when, held)):
+        if sg.ends == "segments":
+            seq = _LAYERS["Segments"]()(sg.segments)
+        else:
+            seq = SequenceState(sg.dim, recompute=shard_config.sequence_parallel_recompute)
+        if not out:
+            state.sequence_state = seq.whole if sg.ends == "segments" else seq
+        out.append((sg, seq))
+    return out
+
+
+def region_state(sg, seq, segment: str | None):
+    """The SequenceState a Region of stack `sg` (its state `seq`) moves by:
+    the stack's own, or in a segmented stack its `segment`'s (None: the whole
+    sequence); PlanError naming the stack's segments otherwise."""
+    if sg.ends != "segments":
+        if segment is not None:
+            raise PlanError(f"{sg.owner}.{sg.layers}: a region names segment {segment!r}, but the stack is not "
+                            f"segmented (SplitGatherSpec.segments)")
+        return seq
+    if segment is None:
+        return seq.whole
+    if segment not in sg.segments:
+        raise PlanError(f"{sg.owner}.{sg.layers}: a region names segment {segment!r}, not one of the stack's "
+                        f"segments {sg.segments}")
+    return seq[segment]
+
+
+def region_sub(region, seq) -> Sub:
+    """The replacement of one Region in the SequenceState `seq`: moved by its
+    layouts, put in gather order (GATHER_ORDER) or, without layouts, run on
+    this rank's rows with its gradients all-reduced."""
+    if region.layouts is None:
+        sub = Sub(region.path, ReplicatedInParallelRegion)
+    elif region.layouts == GATHER_ORDER:
+        sub = Sub(region.path, _LAYERS["GatherOrderInput"](), kwargs={"state": seq})
     else:
-        sg, seq = spec.split_gather, state.sequence_state
-        if seq is None:
-            seq = state.sequence_state = SequenceState(sg.dim, recompute=shard_config.sequence_parallel_recompute)
+        sub = sequence_region(region.path, region.layouts, seq)
+    if region.optional:
+        sub.ignore_if_not_exist = True
+    return sub
+
+
+def split_gather_subs(spec, model, shard_config, state, sg=None, seq=None) -> dict[str, list[Sub]]:
+    """{class name: subs} of one split-gather stack `sg` (default
+    spec.split_gather) in its state `seq` (stack_states; default the
+    optimize()'s `state.sequence_state`, made when there is none): the
+    layer's regions, replicated norms and the modules beside the split
+    layers; the owner's split and gather (one list where the layer's class
+    is the owner's; a segmented stack: each layer split segment by segment)."""
+    held = conditions(shard_config, model)
+    if sg is None:
+        sg = spec.split_gather
+    if seq is None:
+        if state.sequence_state is None:
+            state.sequence_state = SequenceState(sg.dim, recompute=shard_config.sequence_parallel_recompute)
+        seq = state.sequence_state
     owner = _find(model, sg.owner, spec)[0]
     layers = owner.get_submodule(sg.layers)
     regions = [r for r in sg.regions if holds(r.when, held)]
     norms = (tuple(r.path for r in regions if r.layouts is None) if sg.skip is None
              else _parameterized_children(layers[0], sg.skip))
     moved = {r.path: r.layouts for r in regions if r.layouts is not None}
-    out = {sg.layer: split_gather_layer(moved, norms, seq, sg.overlap and "overlap" in held)
+    whole = region_state(sg, seq, None)
+    out = {sg.layer: split_gather_layer(moved, norms, whole, sg.overlap and "overlap" in held)
            + _beside_subs(sg.beside, held, shard_config)}
-    ends = (split_gather_ends(sg.layers, len(layers), seq, sg.marks) if sg.ends == "layers"
-            else [Sub(sg.layers, _LAYERS["EncoderEnds"](), kwargs={"state": seq})])
+    if sg.ends == "layers":
+        ends = split_gather_ends(sg.layers, len(layers), seq, sg.marks)
+    elif sg.ends == "module":
+        ends = [Sub(sg.layers, _LAYERS["EncoderEnds"](), kwargs={"state": seq})]
+    else:
+        n = len(layers)
+        ends = [Sub(f"{sg.layers}.{i}", _LAYERS["SegmentSplit"](),
+                    kwargs={"segments": seq, "first": i == 0, "last": i == n - 1}) for i in range(n)]
     out.setdefault(sg.owner, []).extend(ends + replicated_params(layers, sg.layers, sg.params))
     return out
 
@@ -591,12 +661,16 @@ def _module_path(model, class_name: str, spec) -> str:
     _find(model, class_name, spec)          # raises, naming the class
 
 
-def _entry_subs(spec, m, e, model, held, state, ctx: PlanContext, by_kind: dict) -> list[Sub]:
+def _entry_subs(spec, m, e, model, held, state, ctx: PlanContext, by_kind: dict, stacks) -> list[Sub]:
     """The substitutions of one row of a ModuleSpec's entries: an Entry's
     replacement (skipped where the model lacks an optional module: ignore_if_not_exist),
-    or a Stack's split-gather substitutions."""
+    a Stack's split-gather substitutions, or a Region of the split-gather
+    stack whose layer class is the module's (`stacks`: stack_states; none
+    where that stack is off)."""
     if isinstance(e, Stack):
         return stack_subs(e, model, _module_path(model, m.key, spec), held, state)
+    if isinstance(e, Region):
+        return [region_sub(e, region_state(sg, seq, e.segment)) for sg, seq in stacks if sg.layer == m.key][:1]
     sub = replacement(e.suffix, e.style, ctx, {**sp_kwargs(e.sp if e.sp is not None else
                                                          by_kind.get(style_of(e.style).kind, ""),
                                                          held, state.sequence_state), **dict(e.kwargs)})
@@ -666,8 +740,7 @@ def interpret(spec, model, shard_config, state, policy=None) -> dict:
         return {}
     view = policy if policy is not None else ShardView(shard_config)
     heads = spec_heads(spec, model)
-    if split_gather_on(spec, held):                                     # this call's sequence state
-        state.sequence_state = SequenceState(spec.split_gather.dim, recompute=shard_config.sequence_parallel_recompute)
+    stacks = stack_states(spec, held, shard_config, state)          # this call's sequence states
     out = {}
     for m in spec.modules:
         if not holds(m.when, held):
@@ -680,17 +753,16 @@ def interpret(spec, model, shard_config, state, policy=None) -> dict:
         by_kind = dict(zip(("col", "row"), SP_LINEAR[m.sp_linear]))
         subs = [sub for e in entries.values() for sub in _entry_subs(
             spec, m, e, model, held, state, PlanContext(view, heads if getattr(e, "heads", None) is None else e.heads,
-                                                        scale), by_kind)]
+                                                        scale), by_kind, stacks)]
         rows = [a for a in m.attributes if holds(a.when, held)]
         attributes = _attributes(spec, m, [a for a in rows if isinstance(a, Attribute)], heads, model)
         out[m.key] = ModulePolicyDescription(attribute_replacement={**attributes, **_settings(rows)},
                                              sub_module_replacement=subs,
                                              method_replacement=_methods(rows, spec, model, shard_config, state,
                                                                          heads, held))
-    if split_gather_on(spec, held):
-        for sg in (spec.split_gather,) + tuple(s for s in spec.stacks if holds(s.when, held)):
-            for key, subs in split_gather_subs(spec, model, shard_config, state, sg).items():
-                out.setdefault(key, ModulePolicyDescription()).sub_module_replacement.extend(subs)
+    for sg, seq in stacks:
+        for key, subs in split_gather_subs(spec, model, shard_config, state, sg, seq).items():
+            out.setdefault(key, ModulePolicyDescription()).sub_module_replacement.extend(subs)
     record_ties(state, model, spec.ties, f"policy spec {spec.name!r}")
     return out
 

@@ -20,14 +20,20 @@ Conditions (`Entry.when`, `Refusal.when`), each a name of CONDITIONS:
 
     tensor_parallel        ShardConfig.enable_tensor_parallelism
     sequence_parallel      split-gather sequence parallelism is on
+    no_sequence_parallel   tensor parallelism without split-gather sequence parallelism
     expert_parallel        ShardConfig.expert_parallel_process_group is set
     no_expert_parallel     it is not
     tensor_or_expert_parallel   either of the two parallelisms that split weights
     overlap / no_overlap   split-gather SP with / without enable_sequence_overlap
     pipeline_parallel      ShardConfig.pipeline_stage_manager has more than one stage
     tensor_parallel_ranks  tensor parallelism over a group of 2 or more ranks
+    pipeline_stages        ShardConfig.pipeline_stage_manager is set (any number of stages)
+    any_sequence_parallel  ShardConfig.enable_sequence_parallelism, any mode, with or without TP
+    split_attention        it is on with mode all_to_all or ring_attn
     config:<attribute>     the model's (text) config has <attribute> set truthy
                            ("config:add_cross_attention")
+    model:<attribute>      the model has the attribute <attribute> (Whisper's
+                           "model:layer_weights", which only the audio classifier has)
 
 Sequence-parallel kwargs (`Entry.sp`, `ModuleSpec.sp_linear`), what a layer
 takes under split-gather SP (SP_KWARGS; shardformer.plan.sp_kwargs):
@@ -58,7 +64,8 @@ from typing import Any
 #: The conditions an Entry or a Refusal may name (see the module docstring).
 CONDITIONS = ("tensor_parallel", "sequence_parallel", "expert_parallel", "no_expert_parallel",
               "tensor_or_expert_parallel", "overlap", "no_overlap", "pipeline_parallel",
-              "tensor_parallel_ranks")
+              "tensor_parallel_ranks", "no_sequence_parallel", "pipeline_stages", "any_sequence_parallel",
+              "split_attention")
 
 #: The sequence-parallel kwargs an Entry may name (see the module docstring).
 SP_KWARGS = ("", "col", "row", "gather", "gather_exact", "gather_rows")
@@ -74,7 +81,7 @@ class SpecError(ValueError):
 
 
 def _check_when(owner: str, when: tuple[str, ...]) -> None:
-    bad = [c for c in when if c not in CONDITIONS and not c.startswith("config:")]
+    bad = [c for c in when if c not in CONDITIONS and not c.startswith(("config:", "model:"))]
     if bad:
         raise SpecError(f"{owner}: unknown condition(s) {bad} (known: {', '.join(CONDITIONS)})")
 
@@ -126,18 +133,40 @@ class Attribute:
             raise SpecError(f"Attribute({self.name!r}): kind {self.kind!r} not in {HEAD_KINDS}")
 
 
+#: Region.layouts of a module that takes an attention's output (the whole
+#: sequence, in sequence order) into a row layer that reduce-scatters it: its
+#: input put in all-gather order (shardformer.layer.sequence_segments.GatherOrderInput).
+GATHER_ORDER = "gather_order"
+
+
 @dataclass(frozen=True)
 class Region:
     """A module of a layer under split-gather SP: moved by `layouts` (a
-    SequenceLayouts: ENTER, BLOCK, ...) or, with layouts None, run on this
-    rank's rows with its gradients all-reduced (a norm); when `when` holds."""
+    SequenceLayouts: ENTER, BLOCK, ...; or GATHER_ORDER) or, with layouts
+    None, run on this rank's rows with its gradients all-reduced (a norm);
+    when `when` holds.
+
+    A Region may also stand among a ModuleSpec's entries, its replacement
+    where it stands (between the Entry rows), in the SequenceState of the
+    split-gather stack whose `layer` is that ModuleSpec's class (skipped
+    when that stack's split-gather SP is off).  `segment`: in a segmented
+    stack (SplitGatherSpec.segments) the segment whose rows the region
+    gathers (None: the whole sequence, in order); `optional`: a module only
+    some layers hold (skipped where it is missing)."""
 
     path: str
     layouts: Any = None
     when: tuple[str, ...] = ()
+    segment: str | None = None
+    optional: bool = False
 
     def __post_init__(self):
         _check_when(f"Region({self.path!r})", self.when)
+
+    @property
+    def suffix(self) -> str:
+        """Its key among a ModuleSpec's entries (one region per path)."""
+        return f"{self.path}#region"
 
 
 @dataclass(frozen=True)
@@ -157,7 +186,8 @@ class ModuleSpec:
     """What happens inside every module of class `key` (a class name).
 
     entries     the replacements, in order (Entry; a Stack row: a stack's
-                split-gather SP, its replacements where the row stands)
+                split-gather SP, its replacements where the row stands; a
+                Region row: a split-gather region where it stands, see Region)
     attributes  Attribute rows (or (dotted attribute, kind) pairs) set to this
                 rank's value of the heads (shardformer.layout.Heads.attributes);
                 Setting rows set to their value; Method rows replace a method
@@ -220,7 +250,14 @@ class SplitGatherSpec:
     ends       where the sequence is split and gathered (SPLIT_ENDS): "layers",
                at the first and last layer of the list; "module", at the input
                and output of the one module at `layers` (an encoder whose
-               layers are reused, ALBERT's: shardformer.layer.sequence_ends.EncoderEnds)
+               layers are reused, ALBERT's: shardformer.layer.sequence_ends.EncoderEnds);
+               "segments", segment by segment (`segments`)
+    segments   the names of the contiguous segments of the stack's sequence
+               ("query", "text": BLIP-2's Q-Former), with ends="segments": each
+               segment split over the ranks on its own, every layer told this
+               rank's rows of the first (shardformer.layer.sequence_segments:
+               Segments, SegmentSplit); the Region rows name the segment they
+               gather (Region.segment)
 
     `layer` may be the owner's own class: the region paths then run from
     the owner through each layer ("model.layers.0.mlp"), for a stack whose
@@ -240,6 +277,7 @@ class SplitGatherSpec:
     marks: bool = True
     when: tuple[str, ...] = ()
     ends: str = "layers"
+    segments: tuple[str, ...] = ()
 
     def __post_init__(self):
         rows = tuple(r if isinstance(r, Region) else Region(*r) for r in self.regions)
@@ -247,6 +285,9 @@ class SplitGatherSpec:
         _check_when(f"SplitGatherSpec({self.owner!r})", self.when)
         if self.ends not in SPLIT_ENDS:
             raise SpecError(f"SplitGatherSpec({self.owner!r}): ends={self.ends!r} is not one of {SPLIT_ENDS}")
+        if (self.ends == "segments") != bool(self.segments):
+            raise SpecError(f"SplitGatherSpec({self.owner!r}): segments={self.segments!r} go with "
+                            f"ends='segments' and only with it (ends={self.ends!r})")
         bad = [e for e in self.beside if not isinstance(e, Entry)]
         if bad:
             raise SpecError(f"SplitGatherSpec({self.owner!r}): beside takes Entry rows, got {bad[0]!r}")
@@ -258,7 +299,8 @@ class Refusal:
     `when` holds and the config attribute `attribute` (read from the text
     config, `default` when absent) is not one of `allowed`, optimize()
     raises `error` (ValueError or NotImplementedError) with `message`
-    formatted with {model} (the model class), {attribute} and {value}.
+    formatted with {model} (the model class), {attribute}, {value} and
+    {mode} (ShardConfig.sequence_parallelism_mode).
     `also`: more config attributes refused the same way (any of them outside
     `allowed` refuses; Falcon's two dropouts in one message); the message
     may name every attribute's value by its name ({hidden_dropout})."""
@@ -327,7 +369,14 @@ class PolicySpec:
     ties          (source path, target path) pairs whose target `weight` is made the
                   source's after substitution (besides the LM heads HF had tied)
     capabilities  Capabilities
-    refusals      Refusal rows, checked before anything changes"""
+    refusals      Refusal rows, checked before anything changes
+    compose       paths of models inside this one (a multimodal model's
+                  language model) each sharded by its own registered policy,
+                  composed in (shardformer.family.ComposedPolicy: its
+                  replacements merged after the spec's, its sanity check,
+                  pre- and postprocess run, its sequence-parallel modes and
+                  overlap answering for the whole); a path the bound model
+                  lacks is skipped (a BLIP-2 class without a language model)"""
 
     name: str
     modules: tuple[ModuleSpec, ...]
@@ -337,6 +386,7 @@ class PolicySpec:
     capabilities: Capabilities = Capabilities()
     refusals: tuple[Refusal, ...] = ()
     stacks: tuple[SplitGatherSpec, ...] = ()
+    compose: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.stacks and self.split_gather is None:
@@ -393,7 +443,7 @@ class WindowOverlap:
 
 
 #: SplitGatherSpec.ends: where a layer stack's sequence is split and gathered.
-SPLIT_ENDS = ("layers", "module")
+SPLIT_ENDS = ("layers", "module", "segments")
 
 #: Stack.ends: how a stack's blocks meet the sequence (see Stack).
 STACK_ENDS = ("split_gather", "rows_between")

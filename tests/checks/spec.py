@@ -94,7 +94,9 @@ SHAPE_MODELS = {"fused_qkv": ("BloomForCausalLM", dict(n_head=5, hidden_size=60)
                 # the bespoke families' spec factories: 6 heads over 2 KV groups (ChatGLM2), 6 heads in SAM's
                 # mask decoder: uneven over 4 ranks; SAM's vision layers run split-gather SP through a Method row
                 "chatglm2": ("ChatGLMForConditionalGeneration", {}),
-                "sam": ("SamModel", {})}
+                "sam": ("SamModel", {}),
+                # BLIP-2's spec factory: its vision encoder and its Q-Former split segment by segment under SP
+                "blip2": ("Blip2ForImageTextRetrieval", {})}
 
 
 def shape_subclasses(called: list) -> dict:
@@ -131,9 +133,12 @@ def bespoke_subclasses(called: list) -> dict:
     its spec factory reads) as packed_colwise, a Linear1D_Col, in place of
     fused_packed_colwise; SAM's vision attn.qkv (a row of build_spec()'s
     spec, replaced with dataclasses.replace) as fused_colwise_qkv, a
-    FusedLinear1D_Col, in place of colwise_qkv.  The same split either way."""
+    FusedLinear1D_Col, in place of colwise_qkv.  The same split either way.
+    BLIP-2's Q-Former text embeddings (a ModuleSpec of the qformer_modules()
+    its spec factory reads) kept whole: replicated on every rank."""
     from shardformer.policies.chatglm2 import ChatGLMForConditionalGenerationPolicy
     from shardformer.policies.sam import SamModelPolicy
+    from shardformer.policies.blip2 import Blip2ForImageTextRetrievalPolicy
 
     class MyChatGLM2(ChatGLMForConditionalGenerationPolicy):
         def block_entries(self):
@@ -151,7 +156,12 @@ def bespoke_subclasses(called: list) -> dict:
             return dataclasses.replace(spec, modules=tuple(dataclasses.replace(m, entries=entries) if m is layer
                                                            else m for m in spec.modules))
 
-    return {"chatglm2": MyChatGLM2, "sam": MySam}
+    class MyBlip2(Blip2ForImageTextRetrievalPolicy):
+        def qformer_modules(self, qformer_cfg):
+            called.append("qformer_modules")
+            return tuple(m for m in super().qformer_modules(qformer_cfg) if m.key != "Blip2TextEmbeddings")
+
+    return {"chatglm2": MyChatGLM2, "sam": MySam, "blip2": MyBlip2}
 
 
 def shape_overrides_shard(ctx, default_group: bool, config: dict) -> dict:
@@ -188,9 +198,10 @@ def check_shape_specs() -> None:
         policy.set_shard_config(ShardConfig())
         specs[shape] = (policy.build_spec(), called)
     (bloom, c1), (vit, c2), (swin, c3) = specs["fused_qkv"], specs["vision"], specs["stage"]
-    (glm, c4), (sam, c5) = specs["chatglm2"], specs["sam"]
-    assert (c1, c2, c3[:1], c4, c5) == (["qkv_layout"], ["heads_layout"], ["block_attributes"], ["block_entries"],
-                                        ["build_spec"]), (c1, c2, c3, c4, c5)
+    (glm, c4), (sam, c5), (blip2, c6) = specs["chatglm2"], specs["sam"], specs["blip2"]
+    assert (c1, c2, c3[:1], c4, c5, c6) == (["qkv_layout"], ["heads_layout"], ["block_attributes"], ["block_entries"],
+                                            ["build_spec"], ["qformer_modules"]), (c1, c2, c3, c4, c5, c6)
+    check_blip2_spec(blip2)
     assert [(e.suffix, e.style) for e in glm.module("GLMBlock").entries] == [
         ("self_attention.query_key_value", "fused_colwise_qkv"), ("self_attention.dense", "rowwise_heads"),
         ("mlp.dense_h_to_4h", "packed_colwise"), ("mlp.dense_4h_to_h", "rowwise")]
@@ -226,6 +237,29 @@ def check_shape_specs() -> None:
         pass
     else:
         raise AssertionError("a Stack row is not frozen")
+
+
+def check_blip2_spec(spec) -> None:
+    """BLIP-2's spec (issue 33 item 1): the user subclass dropped the Q-Former
+    text embeddings; the vision encoder is the first split-gather stack, the
+    Q-Former a second one split segment by segment, whose regions stand among
+    the layer's entries, each naming its segment; the vision attention's
+    forward a Method row."""
+    from shardformer.spec import GATHER_ORDER, Method, Region
+
+    keys = [m.key for m in spec.modules]
+    assert "Blip2TextEmbeddings" not in keys and "Blip2QFormerLayer" in keys, keys
+    assert (spec.split_gather.owner, spec.split_gather.ends) == ("Blip2VisionModel", "layers"), spec.split_gather
+    (qformer,) = spec.stacks
+    assert (qformer.owner, qformer.ends, qformer.segments) == ("Blip2QFormerEncoder", "segments", ("query", "text"))
+    regions = [(r.path, r.segment) for r in spec.module("Blip2QFormerLayer").entries
+               if isinstance(r, Region) and r.layouts is not None]
+    assert regions == [("intermediate_query", "query"), ("attention.attention", None), ("attention.output", None),
+                       ("intermediate", "text"), ("crossattention.attention", "query")], regions
+    order = [r for r in spec.module("Blip2QFormerLayer").entries if getattr(r, "layouts", None) == GATHER_ORDER]
+    assert [r.path for r in order] == ["attention.output"], order
+    assert [type(a).__name__ for a in spec.module("Blip2Attention").attributes] == ["Attribute", "Method"]
+    assert isinstance(spec.module("Blip2Attention").attributes[1], Method)
 
 
 # ---- the bespoke families as specs (issue 33: OPT, ALBERT, T5, Whisper) and ties kept without re-tying ----
