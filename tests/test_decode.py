@@ -19,6 +19,7 @@ shardformer.comm_stats()."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from checks import decode as check
 
@@ -53,9 +54,16 @@ def _assert_c_step(case: dict, window) -> None:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_fast_decode_default_group(world_pool, tp):
-    out = world_pool(tp).run(check.generate_equals_hf, tp, "LlamaForCausalLM", "sample", default_group=True)
+    """Plain ShardConfig(): Llama fp32 (sampled) and bf16 (greedy, left
+    padded; Qwen2's q/k/v biases) through the C step, tokens equal and
+    logits within bf16's tolerance of the unsharded bf16 model's."""
+    cases = [("LlamaForCausalLM", "sample", False, None),
+             ("LlamaForCausalLM", "greedy", True, None, torch.bfloat16),
+             ("Qwen2ForCausalLM", "greedy", False, None, torch.bfloat16)]
+    out = world_pool(tp).run(check.cases_equal_hf, tp, cases, {}, default_group=True)
     assert all(o == out[0] for o in out)
-    _assert_c_step(out[0], None)
+    for case in out[0]:
+        _assert_c_step(case, None)
 
 
 def test_fast_decode_falls_back_counted(pool):
