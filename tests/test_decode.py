@@ -13,9 +13,10 @@ holds for every generate() call: hooks (per module or global) added and a
 submodule replaced after a first generate() send the steps to HF's forward,
 counted; a norm replaced by another of its kind is read afresh.  The fast
 steps run the C layer loop (shardformer.decode_native; stats count it):
-weights written in place are packed again, a cache extended by HF's forward
+weights written in place are read afresh, a cache extended by HF's forward
 between two fast steps is taken back, the all-reduces made from C are in
-shardformer.comm_stats()."""
+shardformer.comm_stats(); bf16 models run the C step too (tokens equal, logits
+within bf16's tolerance of the unsharded bf16 model's)."""
 from __future__ import annotations
 
 import pytest
