@@ -3,11 +3,13 @@
  *
  *   decode_plan(sizes, layers, keep) -> plan
  *       sizes = (batch, hidden, heads, kv_heads, head_dim, ffn, cap); layers:
- *       one tuple per layer (ln1, eps1, ln2, eps2, wqkv, bqkv|None,
- *       q_norm|None, k_norm|None, qk_eps, wo, bo|None, wgu, bgu|None, wd,
- *       bd|None, k_cache, v_cache, scale).  Every tensor goes through the
- *       one DLPack gate (fp32, CPU, contiguous; the caches writable) and its
- *       size is checked against `sizes` here, once; the plan keeps their
+ *       one tuple per layer (ln1, eps1, ln2, eps2, wq, wk, wv, bq|None,
+ *       bk|None, bv|None, q_norm|None, k_norm|None, qk_eps, wo, bo|None, wg,
+ *       wu, bg|None, bu|None, wd, bd|None, k_cache, v_cache, scale).  The
+ *       step's type is layer 0's wq's (fp32, bf16 or fp16): the weights,
+ *       norms and caches must all have it, the biases are fp32.  Every
+ *       tensor goes through the one DLPack gate (CPU, contiguous; the
+ *       caches writable) and its size is checked against `sizes` here, once; the plan keeps their
  *       data pointers and holds a reference to `keep` (the caller's list of
  *       those tensors), so their memory outlives the plan.
  *   decode_step(comm, plan, x, cos, sin, mask|None, past) -> seconds
@@ -32,7 +34,7 @@
 #include "tensor_view.h"
 
 #define PLAN_CAPSULE "shardformer.decode_plan"
-#define LAYER_ITEMS 18
+#define LAYER_ITEMS 24
 
 typedef struct {
     sfk_decode_step sizes;       /* batch .. cap; the per-step fields are filled per call */
@@ -52,17 +54,18 @@ static void plan_free(PyObject *cap)
     PyMem_Free(p);
 }
 
-/* The data pointer of `obj` (fp32, CPU, contiguous; writable when `write`)
- * with exactly `numel` elements; *out = NULL for None when `optional`.
- * 0, or -1 with an exception naming layer n's argument. */
-static int take_f32(PyObject *obj, int64_t n, const char *name, int64_t numel, int write, int optional,
-                    float **out)
+/* The data pointer of `obj` (CPU, contiguous, of a dtype in `dtypes`;
+ * writable when `write`) with exactly `numel` elements; *out = NULL for
+ * None when `optional`.  0, or -1 with an exception naming layer n's
+ * argument. */
+static int take_tensor(PyObject *obj, int64_t n, const char *name, unsigned dtypes, int64_t numel, int write,
+                       int optional, void **out)
 {
     char label[96];
     snprintf(label, sizeof(label), "layer %lld %s", (long long)n, name);
     sf_view v;
     unsigned flags = SF_TAKE_CONTIGUOUS | (write ? SF_TAKE_WRITE : 0) | (optional ? SF_TAKE_OPTIONAL : 0);
-    int rc = sf_take("decode_plan", obj, label, SF_DT_F32, flags, &v);
+    int rc = sf_take("decode_plan", obj, label, dtypes, flags, &v);
     *out = NULL;
     if (rc < 0) return -1;
     if (rc == 1) return 0;
@@ -72,7 +75,7 @@ static int take_f32(PyObject *obj, int64_t n, const char *name, int64_t numel, i
         sf_view_release(&v);
         return -1;
     }
-    *out = (float *)v.data;
+    *out = v.data;
     sf_view_release(&v);            /* the memory stays: `keep` holds the tensor */
     return 0;
 }
@@ -88,8 +91,9 @@ static int take_float(PyObject *obj, int64_t n, const char *name, float *out)
     return 0;
 }
 
-/* Layer n's tuple into *l, every size checked against s. */
-static int take_layer(PyObject *t, int64_t n, const sfk_decode_step *s, sfk_decode_layer *l)
+/* Layer n's tuple into *l, every size checked against s; the weights, the
+ * norms and the caches of s->dtype (`dt`, an SF_DT_* bit), the biases fp32. */
+static int take_layer(PyObject *t, int64_t n, const sfk_decode_step *s, unsigned dt, sfk_decode_layer *l)
 {
     if (!PyTuple_Check(t) || PyTuple_GET_SIZE(t) != LAYER_ITEMS) {
         PyErr_Format(PyExc_TypeError, "decode_plan: layer %lld must be a tuple of %d items", (long long)n,
@@ -97,27 +101,52 @@ static int take_layer(PyObject *t, int64_t n, const sfk_decode_step *s, sfk_deco
         return -1;
     }
     const int64_t h = s->hidden, d = s->head_dim, hq = s->heads * d, hk = s->kv_heads * d, F = s->ffn;
-    const int64_t nqkv = hq + 2 * hk, cache = s->batch * s->kv_heads * s->cap * d;
+    const int64_t cache = s->batch * s->kv_heads * s->cap * d;
+    const unsigned f = SF_DT_F32;
     PyObject **it = &PyTuple_GET_ITEM(t, 0);
-    float *p[15];
-    if (take_f32(it[0], n, "ln1", h, 0, 0, &p[0]) || take_float(it[1], n, "eps1", &l->eps1) ||
-        take_f32(it[2], n, "ln2", h, 0, 0, &p[1]) || take_float(it[3], n, "eps2", &l->eps2) ||
-        take_f32(it[4], n, "wqkv", nqkv * h, 0, 0, &p[2]) || take_f32(it[5], n, "bqkv", nqkv, 0, 1, &p[3]) ||
-        take_f32(it[6], n, "q_norm", d, 0, 1, &p[4]) || take_f32(it[7], n, "k_norm", d, 0, 1, &p[5]) ||
-        take_float(it[8], n, "qk_eps", &l->qk_eps) || take_f32(it[9], n, "wo", h * hq, 0, 0, &p[6]) ||
-        take_f32(it[10], n, "bo", h, 0, 1, &p[7]) || take_f32(it[11], n, "wgu", 2 * F * h, 0, 0, &p[8]) ||
-        take_f32(it[12], n, "bgu", 2 * F, 0, 1, &p[9]) || take_f32(it[13], n, "wd", h * F, 0, 0, &p[10]) ||
-        take_f32(it[14], n, "bd", h, 0, 1, &p[11]) || take_f32(it[15], n, "k_cache", cache, 1, 0, &p[12]) ||
-        take_f32(it[16], n, "v_cache", cache, 1, 0, &p[13]) || take_float(it[17], n, "scale", &l->scale))
+    /* the tensors in tuple order (None at the floats) */
+    static const char *const names[LAYER_ITEMS] = {
+        "ln1", NULL, "ln2", NULL, "wq", "wk", "wv", "bq", "bk", "bv", "q_norm", "k_norm", NULL,
+        "wo", "bo", "wg", "wu", "bg", "bu", "wd", "bd", "k_cache", "v_cache", NULL};
+    const int64_t numel[LAYER_ITEMS] = {h, 0, h, 0, hq * h, hk * h, hk * h, hq, hk, hk, d, d, 0,
+                                        h * hq, h, F * h, F * h, F, F, h * F, h, cache, cache, 0};
+    const unsigned types[LAYER_ITEMS] = {dt, 0, dt, 0, dt, dt, dt, f, f, f, dt, dt, 0,
+                                         dt, f, dt, dt, f, f, dt, f, dt, dt, 0};
+    /* optional: biases and the q / k norms; written: the caches */
+    const char optional[LAYER_ITEMS] = {0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 0, 0, 1, 0, 0, 1, 1, 0, 1, 0, 0, 0};
+    void *p[LAYER_ITEMS] = {0};
+    for (int i = 0; i < LAYER_ITEMS; i++)
+        if (names[i] && take_tensor(it[i], n, names[i], types[i], numel[i], i == 21 || i == 22, optional[i],
+                                    &p[i]))
+            return -1;
+    if (take_float(it[1], n, "eps1", &l->eps1) || take_float(it[3], n, "eps2", &l->eps2) ||
+        take_float(it[12], n, "qk_eps", &l->qk_eps) || take_float(it[23], n, "scale", &l->scale))
         return -1;
-    if ((p[4] == NULL) != (p[5] == NULL)) {
+    if ((p[10] == NULL) != (p[11] == NULL)) {
         PyErr_Format(PyExc_ValueError, "decode_plan: layer %lld has a q_norm without a k_norm or the reverse",
                      (long long)n);
         return -1;
     }
-    l->ln1 = p[0], l->ln2 = p[1], l->wqkv = p[2], l->bqkv = p[3], l->q_norm = p[4], l->k_norm = p[5];
-    l->wo = p[6], l->bo = p[7], l->wgu = p[8], l->bgu = p[9], l->wd = p[10], l->bd = p[11];
-    l->k_cache = p[12], l->v_cache = p[13];
+    l->ln1 = p[0], l->ln2 = p[2], l->wq = p[4], l->wk = p[5], l->wv = p[6];
+    l->bq = p[7], l->bk = p[8], l->bv = p[9], l->q_norm = p[10], l->k_norm = p[11];
+    l->wo = p[13], l->bo = p[14], l->wg = p[15], l->wu = p[16], l->bg = p[17], l->bu = p[18];
+    l->wd = p[19], l->bd = p[20], l->k_cache = p[21], l->v_cache = p[22];
+    return 0;
+}
+
+/* The step's type: layer 0's wq dtype (fp32, bf16 or fp16). */
+static int plan_dtype(PyObject *layers, sfk_dtype *t, unsigned *bit)
+{
+    PyObject *row = PyList_GET_SIZE(layers) ? PyList_GET_ITEM(layers, 0) : NULL;
+    *t = SFK_F32, *bit = SF_DT_F32;
+    if (!row || !PyTuple_Check(row) || PyTuple_GET_SIZE(row) != LAYER_ITEMS) return 0;  /* take_layer says */
+    sf_view v;
+    if (sf_take("decode_plan", PyTuple_GET_ITEM(row, 4), "layer 0 wq", SF_DT_F32 | SF_DT_BF16 | SF_DT_F16, 0,
+                &v) < 0)
+        return -1;
+    *bit = sf_dtype_bit(v.dtype);
+    *t = *bit == SF_DT_BF16 ? SFK_BF16 : *bit == SF_DT_F16 ? SFK_F16 : SFK_F32;
+    sf_view_release(&v);
     return 0;
 }
 
@@ -135,11 +164,14 @@ static PyObject *py_decode_plan(PyObject *self, PyObject *args)
         if (z[i] <= 0 || z[i] > (1LL << 31))
             return PyErr_Format(PyExc_ValueError, "decode_plan: size %d is %lld, outside [1, 2^31] (sizes: "
                                 "batch, hidden, heads, kv_heads, head_dim, ffn, cap)", i, z[i]);
+    sfk_dtype t;
+    unsigned bit;
+    if (plan_dtype(layers, &t, &bit)) return NULL;
     const Py_ssize_t nl = PyList_GET_SIZE(layers);
     plan *p = PyMem_Malloc(sizeof(plan) + (size_t)nl * sizeof(sfk_decode_layer));
     if (!p) return PyErr_NoMemory();
     memset(p, 0, sizeof(plan));
-    p->sizes = (sfk_decode_step){.batch = z[0], .hidden = z[1], .heads = z[2], .kv_heads = z[3],
+    p->sizes = (sfk_decode_step){.dtype = t, .batch = z[0], .hidden = z[1], .heads = z[2], .kv_heads = z[3],
                                  .head_dim = z[4], .ffn = z[5], .cap = z[6]};
     int64_t elems;
     if (sf_mul_overflows(z[0] * z[3], z[4] * z[6], &elems)) {
@@ -148,7 +180,7 @@ static PyObject *py_decode_plan(PyObject *self, PyObject *args)
     }
     p->nlayers = nl;
     for (Py_ssize_t n = 0; n < nl; n++)
-        if (take_layer(PyList_GET_ITEM(layers, n), n, &p->sizes, &p->layers[n])) {
+        if (take_layer(PyList_GET_ITEM(layers, n), n, &p->sizes, bit, &p->layers[n])) {
             PyMem_Free(p);
             return NULL;
         }
@@ -261,7 +293,7 @@ done:
 static PyMethodDef decode_methods[] = {
     {"decode_plan", py_decode_plan, METH_VARARGS,
      "decode_plan((batch, hidden, heads, kv_heads, head_dim, ffn, cap), layers, keep) -> plan: the "
-     "layers' fp32 tensors checked and held (csrc/decode_module.c)."},
+     "layers' tensors (fp32, bf16 or fp16) checked and held (csrc/decode_module.c)."},
     {"decode_step", py_decode_step, METH_VARARGS,
      "decode_step(shm_comm, plan, x, cos, sin, mask|None, past) -> seconds in all-reduces: x [batch, "
      "hidden] in place through every layer of the plan, GIL released."},

@@ -850,28 +850,34 @@ def scenario_skinny_linear(i):
 def _decode_case(i):
     """One layer's decode_plan arguments (B 2, h 16, 4 query / 2 KV heads of
     8, F 24, 3 cached positions, room for 6): with biases and q/k norms on
-    odd i; and x, cos, sin, mask."""
+    odd i, weights and cache in bf16 for i % 4 >= 2 (biases fp32); and x,
+    cos, sin, mask (fp32 values of the weights' type)."""
     g = torch.Generator().manual_seed(i)
-    r = lambda *s: torch.randn(*s, generator=g) * 0.3  # noqa: E731
+    t = torch.bfloat16 if i % 4 >= 2 else torch.float32
+    r = lambda *s: (torch.randn(*s, generator=g) * 0.3).to(t)  # noqa: E731
+    b = lambda *s: torch.randn(*s, generator=g) * 0.3 if odd else None  # noqa: E731
     B, h, H, K, d, F, cap, past = 2, 16, 4, 2, 8, 24, 6, 3
     odd = i % 2 == 1
     kc, vc = r(B, K, cap, d), r(B, K, cap, d)
-    row = (1 + r(h), 1e-6, 1 + r(h), 1e-5, r((H + 2 * K) * d, h), r((H + 2 * K) * d) if odd else None,
-           1 + r(d) if odd else None, 1 + r(d) if odd else None, 1e-6, r(h, H * d), r(h) if odd else None,
-           r(2 * F, h), r(2 * F) if odd else None, r(h, F), r(h) if odd else None, kc, vc, d ** -0.5)
+    row = (1 + r(h), 1e-6, 1 + r(h), 1e-5, r(H * d, h), r(K * d, h), r(K * d, h), b(H * d), b(K * d), b(K * d),
+           1 + r(d) if odd else None, 1 + r(d) if odd else None, 1e-6, r(h, H * d), b(h),
+           r(F, h), r(F, h), b(F), b(F), r(h, F), b(h), kc, vc, d ** -0.5)
     mask = torch.ones(B, past + 1, dtype=torch.int64)
     mask[0, 0] = 0
-    return (B, h, H, K, d, F, cap), row, r(B, h), r(1, d), r(1, d), mask, past
+    f = lambda *s: r(*s).float()  # noqa: E731
+    return (B, h, H, K, d, F, cap), row, f(B, h), f(1, d), f(1, d), mask, past
 
 
 def _decode_reference(row, x, cos, sin, mask, past, H, K, d, F):
-    """decode.h's math in torch, one layer, one rank (the reduce is the identity)."""
-    ln1, e1, ln2, e2, wqkv, bqkv, qn, kn, qe, wo, bo, wgu, bgu, wd, bd, kc, vc, scale = row
+    """decode.h's math in fp32 torch, one layer, one rank (the reduce is the identity)."""
+    row = [v.float() if isinstance(v, torch.Tensor) else v for v in row]
+    ln1, e1, ln2, e2, wq, wk, wv, bq, bk, bv, qn, kn, qe, wo, bo, wg, wu, bg, bu, wd, bd, kc, vc, scale = row
     rms = lambda v, w, e: v * torch.rsqrt(v.pow(2).mean(-1, keepdim=True) + e) * w  # noqa: E731
     rot = lambda u: torch.cat((-u[..., d // 2:], u[..., :d // 2]), -1)  # noqa: E731
+    lin = torch.nn.functional.linear
     B = x.shape[0]
-    qkv = torch.nn.functional.linear(rms(x, ln1, e1), wqkv, bqkv)
-    q, k, v = qkv[:, :H * d].view(B, H, d), qkv[:, H * d:(H + K) * d].view(B, K, d), qkv[:, (H + K) * d:].view(B, K, d)
+    a = rms(x, ln1, e1)
+    q, k, v = lin(a, wq, bq).view(B, H, d), lin(a, wk, bk).view(B, K, d), lin(a, wv, bv).view(B, K, d)
     if qn is not None:
         q, k = rms(q, qn, qe), rms(k, kn, qe)
     q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
@@ -881,15 +887,15 @@ def _decode_reference(row, x, cos, sin, mask, past, H, K, d, F):
     s = torch.einsum("bhd,bhtd->bht", q, keys) * scale + (mask[:, None, :] == 0) * torch.finfo(torch.float32).min
     o = torch.einsum("bht,bhtd->bhd", s.softmax(-1), vals).reshape(B, H * d)
     x = x + (o @ wo.T + (bo if bo is not None else 0))
-    gu = torch.nn.functional.linear(rms(x, ln2, e2), wgu, bgu)
-    x = x + (torch.nn.functional.silu(gu[:, :F]) * gu[:, F:]) @ wd.T + (bd if bd is not None else 0)
+    m = rms(x, ln2, e2)
+    x = x + (torch.nn.functional.silu(lin(m, wg, bg)) * lin(m, wu, bu)) @ wd.T + (bd if bd is not None else 0)
     return x, kc, vc
 
 
 def scenario_decode_step(i):
     """decode_plan / decode_step on a group of one rank: one layer equals
-    the torch reference (x and the cache's new position); sizes that do not
-    fit are refused by name."""
+    the fp32 torch reference (x and the cache's new position; bf16: within
+    bf16's roundings); sizes and types that do not fit are refused by name."""
     comm = shm_group(1, 4096)[0]
     sizes, row, x, cos, sin, mask, past = _decode_case(i)
     B, h, H, K, d, F, cap = sizes
@@ -897,12 +903,16 @@ def scenario_decode_step(i):
     plan = _C.decode_plan(sizes, [row], [row])
     got = x.clone()
     assert isinstance(_C.decode_step(comm, plan, got, cos, sin, mask, past), float)
-    assert torch.allclose(got, want, atol=1e-5, rtol=1e-4), (got - want).abs().max()
-    assert torch.allclose(row[15], kc, atol=1e-6) and torch.allclose(row[16], vc, atol=1e-6)
+    tol = (1e-5, 1e-4) if row[4].dtype == torch.float32 else (6e-2, 3e-2)
+    assert torch.allclose(got, want, atol=tol[0], rtol=tol[1]), (got - want).abs().max()
+    assert torch.allclose(row[21].float(), kc, atol=tol[0] / 5, rtol=tol[1]), (row[21].float() - kc).abs().max()
+    assert torch.allclose(row[22].float(), vc, atol=tol[0] / 5, rtol=tol[1])
     expect(ValueError, _C.decode_step, comm, plan, got, cos, sin, mask, cap, match="outside the plan's cache")
     expect(ValueError, _C.decode_step, comm, plan, got[:1], cos, sin, mask, past, match="x has")
     expect(ValueError, _C.decode_plan, (B, h + 1, H, K, d, F, cap), [row], [row], match="layer 0 ln1")
     expect(ValueError, _C.decode_plan, (B, h, H, K, d, F, 0), [row], [row], match="outside")
+    other = row[:5] + (row[5].to(torch.float16),) + row[6:]
+    expect(TypeError, _C.decode_plan, sizes, [other], [other], match="layer 0 wk")
 
 
 SCENARIOS = [scenario_layout_math, scenario_copy_place_torch, scenario_copy_place_numpy,

@@ -13,12 +13,14 @@ holds for every generate() call: hooks (per module or global) added and a
 submodule replaced after a first generate() send the steps to HF's forward,
 counted; a norm replaced by another of its kind is read afresh.  The fast
 steps run the C layer loop (shardformer.decode_native; stats count it):
-weights written in place are packed again, a cache extended by HF's forward
+weights written in place are read afresh, a cache extended by HF's forward
 between two fast steps is taken back, the all-reduces made from C are in
-shardformer.comm_stats()."""
+shardformer.comm_stats(); bf16 models run the C step too (tokens equal, logits
+within bf16's tolerance of the unsharded bf16 model's)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from checks import decode as check
 
@@ -53,9 +55,16 @@ def _assert_c_step(case: dict, window) -> None:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_fast_decode_default_group(world_pool, tp):
-    out = world_pool(tp).run(check.generate_equals_hf, tp, "LlamaForCausalLM", "sample", default_group=True)
+    """Plain ShardConfig(): Llama fp32 (sampled), and a bf16 model through
+    the C step (TP=2: Llama, greedy, left padded; TP=4: Qwen2, q/k/v
+    biases), tokens equal and logits within bf16's tolerance of
+    the unsharded bf16 model's."""
+    bf16 = ("LlamaForCausalLM", "greedy", True, None) if tp == 2 else ("Qwen2ForCausalLM", "greedy", False, None)
+    cases = [("LlamaForCausalLM", "sample", False, None), bf16 + (torch.bfloat16,)]
+    out = world_pool(tp).run(check.cases_equal_hf, tp, cases, {}, default_group=True)
     assert all(o == out[0] for o in out)
-    _assert_c_step(out[0], None)
+    for case in out[0]:
+        _assert_c_step(case, None)
 
 
 def test_fast_decode_falls_back_counted(pool):

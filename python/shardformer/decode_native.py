@@ -14,11 +14,10 @@ every layer runs (the math of decode.py's docstring; kernels/decode.h):
 with both all-reduces made from C on the group's shm communicator.
 
 What it keeps (NativeStep, one per fast path):
-  * the packed weights: per layer Wqkv = cat(Wq_i, Wk_i, Wv_i) and Wgu =
-    cat(Wg_i, Wu_i) (this rank's rows; copies, so the attention's and the
-    MLP's column shards are held twice) and their biases; the norms' weights
-    and the row shards Wo_i, Wd_i are read in place.  Packed at the first
-    C step and again when any parameter it reads was replaced or written in
+  * no copy of the weights: the plan points at the modules' own shards
+    (q, k, v, o, gate, up, down and the norms), read in place, so writes
+    to them are seen; biases of 16-bit models as fp32 copies.  The plan is
+    built again when any parameter it reads was replaced or written in
     place (its data pointer or version counter changed: checked once per
     generate() call);
   * the KV cache: per layer K, V [B, Hk_i, cap, d] buffers it owns, the
@@ -29,8 +28,8 @@ What it keeps (NativeStep, one per fast path):
     the buffers are seeded again from HF's tensors.
 
 Where it cannot run (`refusal`), the Python fast step runs, counted in
-`decode.stats(model)["python_step"]` with the reason: weights or cache not
-float32, a sliding-window cache layer, a group whose communicator is not the
+`decode.stats(model)["python_step"]` with the reason: weights not all of
+one type among float32, bfloat16, float16, a sliding-window cache layer, a group whose communicator is not the
 shm backend (torch.distributed, NCCL, the checked communicator of
 SHARDFORMER_CHECK_COLLECTIVES), a norm with an offset.  With a
 `shardformer.comm_stats()` ledger open, the step's all-reduces are recorded
@@ -68,16 +67,17 @@ def _sources(layer) -> list:
     return [p for m in mods for p in (m.weight, getattr(m, "bias", None)) if p is not None]
 
 
-def _cat_bias(*mods):
-    biases = [m.bias for m in mods]
-    if all(b is None for b in biases):
-        return None
-    return torch.cat([b.detach() if b is not None else m.weight.new_zeros(m.weight.shape[0])
-                      for b, m in zip(biases, mods)]).float().contiguous()
-
-
 def _flat(t):
     return None if t is None else t.detach().contiguous()
+
+
+def _bias(module):
+    """The module's bias as the C step reads it: fp32 (a copy for 16-bit weights)."""
+    b = getattr(module, "bias", None)
+    return None if b is None else b.detach().float().contiguous()
+
+
+_TYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _release(step_ref, cache_ref) -> None:
@@ -87,8 +87,10 @@ def _release(step_ref, cache_ref) -> None:
 
 
 class NativeStep:
-    """The C step of one DecodeFastPath: packed weights, the KV buffers and
-    the _C plan over both (module doc)."""
+    """The C step of one DecodeFastPath: the layers' tensors, the KV buffers
+    and the _C plan over both (module doc).  bf16 / fp16 models: the weights
+    and the cache in their type, the step's values in fp32 rounded to it
+    where HF's modules round (kernels/decode.h)."""
 
     def __init__(self):
         self._key = None            # (data_ptr, _version) of every source parameter when packed
@@ -116,13 +118,15 @@ class NativeStep:
         written since the last packing (its data pointer or version changed).
         `weight`: the embedding's, whose dtype and device the hidden states have."""
         self._static = None
-        if weight.dtype != torch.float32 or weight.device.type != "cpu":
-            self._static = f"hidden states of {weight.dtype} on {weight.device} (the C step computes float32 on the CPU)"
+        if weight.dtype not in _TYPES or weight.device.type != "cpu":
+            self._static = (f"hidden states of {weight.dtype} on {weight.device} (the C step computes float32, "
+                            f"bfloat16 or float16 on the CPU)")
             return
         for layer in layers:
             for p in _sources(layer):
-                if p.dtype != torch.float32:
-                    self._static = f"layer {layer.index}: a weight of {p.dtype} (the C step computes float32)"
+                if p.dtype != weight.dtype:
+                    self._static = (f"layer {layer.index}: a weight of {p.dtype} in a model of {weight.dtype} "
+                                    f"(the C step takes one type)")
                     return
             for norm in (layer.ln1, layer.ln2, layer.q_norm, layer.k_norm):
                 why = norm is not None and _norm_refusal(norm.__self__)
@@ -154,21 +158,23 @@ class NativeStep:
     # -- packing, caches, the plan ----------------------------------------------------
 
     def _pack(self, layers) -> list:
+        """Per layer what the plan reads: the modules' own weights (no copy
+        where they are contiguous, as the sharder leaves them) and fp32 biases."""
         packed = []
         for L in layers:
-            wqkv = torch.cat([L.q.weight.detach(), L.k.weight.detach(), L.v.weight.detach()]).contiguous()
-            wgu = torch.cat([L.gate.weight.detach(), L.up.weight.detach()]).contiguous()
             qn = L.q_norm.__self__ if L.q_norm is not None else None
             kn = L.k_norm.__self__ if L.k_norm is not None else None
             packed.append(dict(
                 ln1=_flat(L.ln1.__self__.weight), eps1=_eps(L.ln1.__self__),
                 ln2=_flat(L.ln2.__self__.weight), eps2=_eps(L.ln2.__self__),
-                wqkv=wqkv, bqkv=_cat_bias(L.q, L.k, L.v),
+                wq=_flat(L.q.weight), wk=_flat(L.k.weight), wv=_flat(L.v.weight),
+                bq=_bias(L.q), bk=_bias(L.k), bv=_bias(L.v),
                 q_norm=_flat(qn.weight) if qn is not None else None,
                 k_norm=_flat(kn.weight) if kn is not None else None,
                 qk_eps=_eps(qn) if qn is not None else 0.0,
-                wo=_flat(L.o.weight), bo=_flat(L.o.bias), wgu=wgu, bgu=_cat_bias(L.gate, L.up),
-                wd=_flat(L.down.weight), bd=_flat(L.down.bias), scale=float(L.scaling),
+                wo=_flat(L.o.weight), bo=_bias(L.o), wg=_flat(L.gate.weight), wu=_flat(L.up.weight),
+                bg=_bias(L.gate), bu=_bias(L.up), wd=_flat(L.down.weight), bd=_bias(L.down),
+                scale=float(L.scaling), dtype=L.q.weight.dtype,
                 heads=L.q.weight.shape[0] // L.head_dim, kv_heads=L.k.weight.shape[0] // L.head_dim,
                 head_dim=L.head_dim, ffn=L.gate.weight.shape[0]))
         return packed
@@ -183,9 +189,9 @@ class NativeStep:
             if (p["heads"], p["kv_heads"], p["head_dim"], p["ffn"]) != sizes[2:6]:
                 raise ValueError(f"decode: layer {n} has (heads, kv_heads, head_dim, ffn) "
                                  f"{(p['heads'], p['kv_heads'], p['head_dim'], p['ffn'])}, layer 0 {sizes[2:6]}")
-            row = (p["ln1"], p["eps1"], p["ln2"], p["eps2"], p["wqkv"], p["bqkv"], p["q_norm"], p["k_norm"],
-                   p["qk_eps"], p["wo"], p["bo"], p["wgu"], p["bgu"], p["wd"], p["bd"], self._k[n], self._v[n],
-                   p["scale"])
+            row = tuple(p[k] for k in ("ln1", "eps1", "ln2", "eps2", "wq", "wk", "wv", "bq", "bk", "bv",
+                                       "q_norm", "k_norm", "qk_eps", "wo", "bo", "wg", "wu", "bg", "bu",
+                                       "wd", "bd")) + (self._k[n], self._v[n], p["scale"])
             rows.append(row)
             keep.append(row)
         self._plan = _C.decode_plan(sizes, rows, keep)
@@ -219,7 +225,7 @@ class NativeStep:
             self._k, self._v = [], []
             for n, p in enumerate(P):
                 shape = (batch, p["kv_heads"], cap, p["head_dim"])
-                k, v = torch.empty(shape), torch.empty(shape)
+                k, v = torch.empty(shape, dtype=p["dtype"]), torch.empty(shape, dtype=p["dtype"])
                 if olds[n] is not None and n not in stale:
                     k[:, :, :past].copy_(olds[n][0][:, :, :past])
                     v[:, :, :past].copy_(olds[n][1][:, :, :past])
@@ -251,7 +257,8 @@ class NativeStep:
         cos, sin = base.rotary_emb(x, position_ids=position_ids)           # [B or 1, 1, d]
         batch, hidden = x.shape[0], x.shape[-1]
         self._sync_cache(layers, cache, batch, past)
-        x = x.reshape(batch, hidden).contiguous()
+        dtype = x.dtype
+        x = x.reshape(batch, hidden).float().contiguous()                 # values of dtype, in fp32
         if mask is not None:
             mask = mask.to(torch.int64).contiguous()
         comm = _comm.communicator_for(x, fast.group)
@@ -266,4 +273,4 @@ class NativeStep:
         if _ledger.hooked():
             _ledger.record_native("all_reduce", tuple(comm.shm.ranks), x.numel() * x.element_size(),
                                   seconds, 2 * len(layers))
-        return x.view(batch, 1, hidden)
+        return x.view(batch, 1, hidden).to(dtype)

@@ -26,23 +26,25 @@ def _generate(model, prompt, mask, kwargs):
                               output_logits=True, return_dict_in_generate=True, **kwargs)
 
 
-def _build(name: str, window: int | None = None):
+def _build(name: str, window: int | None = None, dtype: torch.dtype = torch.float32):
     torch.manual_seed(0)
-    model = zoo.build(name).eval()
+    model = zoo.build(name).eval().to(dtype)
     if window is not None:                   # shared by every module's config: HF's masks and caches follow
         model.config.sliding_window = window
     return model, copy.deepcopy(model)
 
 
 def generate_equals_hf(ctx, name: str, mode: str = "greedy", default_group: bool = False,
-                       padded: bool = False, window: int | None = None, options: dict | None = None) -> dict:
+                       padded: bool = False, window: int | None = None, options: dict | None = None,
+                       dtype: torch.dtype = torch.float32) -> dict:
     """generate() of the sharded model (rank i seeded 100 + i) returns the
     tokens and every step's logits of the unsharded model's (seeded 100),
     with every decode step run by the fast path (stats counted).  padded:
     row 0 left-padded by 2; window: a sliding window (5 + 6 tokens outgrow 7);
     options: more ShardConfig switches (enable_all_optimization: every norm
-    the optimizations replace is a FusedRMSNorm, run by the step)."""
-    model, ref = _build(name, window)
+    the optimizations replace is a FusedRMSNorm, run by the step); dtype:
+    both models in it (bf16: logits within TOL[bfloat16] of HF's)."""
+    model, ref = _build(name, window, dtype)
     options = options or {}
     config = ShardConfig(**options) if default_group else \
         ShardConfig(tensor_parallel_process_group=ctx.group, **options)
@@ -64,7 +66,7 @@ def generate_equals_hf(ctx, name: str, mode: str = "greedy", default_group: bool
     assert torch.equal(got.sequences, exp.sequences), \
         f"{name} {mode}: rank {ctx.rank} decoded\n{got.sequences}\nHF\n{exp.sequences}"
     for step, (a, b) in enumerate(zip(got.logits, exp.logits)):
-        assert_close(f"{name} {mode} logits of step {step}", a, b, TOL[torch.float32])
+        assert_close(f"{name} {mode} {dtype} logits of step {step}", a, b, TOL[dtype])
     stats = decode.stats(model)
     steps = len(exp.logits) - 1              # the first is the prefill, HF's forward
     assert stats["off"] is None, f"{name}: fast path off: {stats['off']}"
@@ -74,11 +76,12 @@ def generate_equals_hf(ctx, name: str, mode: str = "greedy", default_group: bool
             "c_step": stats["c_step"], "python_step": stats["python_step"]}
 
 
-def cases_equal_hf(ctx, cases, options: dict) -> list[dict]:
-    """generate_equals_hf(name, mode, padded=, window=, options=) for each
-    case of `cases`, in one pool call."""
-    return [generate_equals_hf(ctx, name, mode, padded=padded, window=window, options=options)
-            for name, mode, padded, window in cases]
+def cases_equal_hf(ctx, cases, options: dict, default_group: bool = False) -> list[dict]:
+    """generate_equals_hf(name, mode, padded=, window=, options=, dtype=) for
+    each case (name, mode, padded, window[, dtype]) of `cases`, in one pool call."""
+    return [generate_equals_hf(ctx, *case[:2], padded=case[2], window=case[3], options=options,
+                               default_group=default_group, dtype=case[4] if len(case) > 4 else torch.float32)
+            for case in cases]
 
 
 class _Toggle(LogitsProcessor):
