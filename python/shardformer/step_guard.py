@@ -22,7 +22,9 @@ import inspect
 
 import torch
 
+from .config import group_size_and_rank
 from .distributed import failures
+from .input_check import groups_of as input_groups
 
 
 class _Guarded:
@@ -33,6 +35,7 @@ class _Guarded:
 
     def __init__(self, model, groups: list, name: str):
         self.model, self.groups, self.name = model, groups, name
+        self.what = f"{type(model).__name__}.{self.method}()"     # the step's name in messages
         self.inner = model.__dict__.get(self.method)
         self.calls = 0
 
@@ -53,7 +56,7 @@ class _Guarded:
         if torch.compiler.is_compiling():       # no try block in a traced graph: the call as it was
             return self._original(*args, **kwargs)
         self.calls += 1
-        with failures.guard(self.groups, f"{type(self.model).__name__}.{self.method}()", self._where):
+        with failures.guard(self.groups, self.what, self._where):
             return self._original(*args, **kwargs)
 
 
@@ -76,9 +79,6 @@ def groups_of(cfg) -> list:
     """The groups whose ranks run one forward of the sharded model together
     (of more than one rank): tensor-parallel, sequence-parallel when it is
     another group, expert-parallel."""
-    from .config import group_size_and_rank
-    from .input_check import groups_of as input_groups
-
     out = [group for group, _ in input_groups(cfg)]
     experts = cfg.expert_parallel_process_group
     if experts is not None and experts not in out and group_size_and_rank(experts)[0] > 1:
