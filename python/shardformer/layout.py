@@ -268,6 +268,16 @@ class HeadCount(PerRank):
         self.__shardformer_heads__ = (heads.num_heads, heads.kv_heads, which, factor)
         super().__init__(self._count, describe)
 
+    def __eq__(self, other) -> bool:
+        """Equal by value (the heads, which count, the factor): a spec holding
+        it (a Setting row) compares equal across builds."""
+        if not isinstance(other, HeadCount):
+            return NotImplemented
+        return self.__shardformer_heads__ == other.__shardformer_heads__
+
+    def __hash__(self) -> int:
+        return hash(self.__shardformer_heads__)
+
     def _count(self, tp_size: int, rank: int) -> int:
         num_heads, kv_heads, which, factor = self.__shardformer_heads__
         _, qc, _, kc = _C.heads_layout(num_heads, kv_heads, tp_size, rank)

@@ -58,6 +58,7 @@ end of this module): `Method` (a method of the module's class replaced),
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -527,6 +528,26 @@ class SameMethod:
 
 
 @dataclass(frozen=True)
+class Partial:
+    """`function` with its leading arguments `args` and keywords `keywords`
+    ((name, value) pairs) fixed: functools.partial as a value.  A partial
+    compares by identity, so two builds of one spec would differ; a Method
+    row reads a functools.partial `make` as this (equal when the function,
+    arguments and keywords are), and it pickles like the partial."""
+
+    function: Any
+    args: tuple = ()
+    keywords: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def of(cls, made: functools.partial) -> "Partial":
+        return cls(made.func, tuple(made.args), tuple(sorted(made.keywords.items())))
+
+    def __call__(self, *args, **kwargs) -> Any:
+        return self.function(*self.args, *args, **{**dict(self.keywords), **kwargs})
+
+
+@dataclass(frozen=True)
 class Method:
     """The method `name` ("forward") of every module of the ModuleSpec's
     class replaced by `make(site)` (a MethodSite), when the conditions `when`
@@ -546,6 +567,8 @@ class Method:
         _check_when(f"Method({self.name!r})", self.when)
         if not callable(self.make):
             raise SpecError(f"Method({self.name!r}): make must be callable, got {type(self.make).__name__}")
+        if isinstance(self.make, functools.partial):   # compared by value (Partial), not by identity
+            object.__setattr__(self, "make", Partial.of(self.make))
 
     @classmethod
     def fixed(cls, name: str, function: Any, when: tuple[str, ...] = ()) -> "Method":
