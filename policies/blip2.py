@@ -66,13 +66,12 @@ from __future__ import annotations
 
 import torch
 
-from shardformer.family import ComposedPolicy, Family, gathered, sequence_mode_refused
+from shardformer.family import ComposedPolicy, Family, gathered
 from shardformer.layer.sequence_layout import ENTER
 from shardformer.layout import Heads
 from shardformer.plan import record_hidden_states
-from shardformer.policy import Policy
-from shardformer.spec import (GATHER_ORDER, Attribute, Capabilities, Entry, Method, ModuleSpec, PolicySpec, Region,
-                              SplitGatherSpec)
+from shardformer.spec import (GATHER_ORDER, Attribute, Capabilities, Entry, Method, ModuleSpec, PolicySpec, Refusal,
+                              Region, SplitGatherSpec)
 
 SP = ("sequence_parallel",)
 
@@ -181,6 +180,18 @@ def qformer_split_gather() -> SplitGatherSpec:
                            overlap=False, ends="segments", segments=("query", "text"))
 
 
+#: Sequence modes refused as data: split_gather under pipeline stages; all_to_all / ring_attn without a
+#: language model ("not_composed"; with one, ComposedPolicy refuses a mode its policy lacks).
+REFUSALS = (
+    Refusal("", when=("mode:split_gather", "pipeline_stages"), error="NotImplementedError", message=(
+        "{model}: sequence_parallelism_mode='split_gather' with pipeline parallelism is not available: the vision "
+        "encoder's and the Q-Former's layers would be split over the stages while their sequence is split at "
+        "their first layer (docs/sequence-parallelism.md, BLIP-2)")),
+    Refusal("", when=("split_attention", "not_composed"), error="NotImplementedError", message=(
+        "{model}: sequence_parallelism_mode='{mode}' is not available for vision_model / qformer: {mode} applies "
+        "to the language model, and this class has none (split_gather splits its vision encoder and Q-Former)")))
+
+
 class Blip2Shape(ComposedPolicy):
     """Option `parts`: what the model holds ("vision", "qformer"); a
     language_model is composed in when present (PolicySpec.compose)."""
@@ -213,42 +224,10 @@ class Blip2Shape(ComposedPolicy):
                               everywhere=("query_tokens",), count="config.num_hidden_layers")
         return StageSplit("Blip2QFormerModel", "encoder.layer", count="config.num_hidden_layers")
 
-    def language_policy(self) -> Policy | None:
-        """The registered policy of the language model, bound to it (None without one)."""
-        return next(iter(self.composed_policies()), None)
-
-    def config_sanity_check(self):
-        super().config_sanity_check()
-        self.check_sequence_mode(self.language_policy())
-
-    def check_sequence_mode(self, inner: Policy | None) -> None:
-        """Refuse all_to_all / ring_attn without a language model, or a mode
-        the language model's policy does not implement."""
-        cfg = self.shard_config
-        if not cfg.enable_sequence_parallelism:
-            return
-        name, mode = type(self.model).__name__, cfg.sequence_parallelism_mode
-        if cfg.sequence_parallel and cfg.pipeline_stage_manager is not None:
-            raise NotImplementedError(
-                f"{name}: sequence_parallelism_mode='split_gather' with pipeline parallelism is not available: "
-                f"the vision encoder's and the Q-Former's layers would be split over the stages while their "
-                f"sequence is split at their first layer (docs/sequence-parallelism.md, BLIP-2)")
-        if inner is None and mode != "split_gather":
-            raise sequence_mode_refused(name, "vision_model / qformer", mode,
-                                        f"{mode} applies to the language model, and this class has none "
-                                        f"(split_gather splits its vision encoder and Q-Former)")
-        if inner is None:
-            return
-        if mode not in inner.sequence_parallel_modes():
-            lm = type(self.model.language_model).__name__
-            raise sequence_mode_refused(name, f"language_model ({lm})", mode,
-                                        f"{type(inner).__name__} implements "
-                                        f"{', '.join(inner.sequence_parallel_modes()) or 'no mode'}")
-
     def build_spec(self) -> PolicySpec:
         """The vision encoder's and the Q-Former's part as a PolicySpec, by the
         parts the class holds; the language model, where the class has one, is
-        composed (its own registered policy: language_policy()); without one
+        composed (its own registered policy, found by ComposedPolicy); without one
         split_gather (with overlap) is the only mode.  With both parts, the
         vision encoder's stack is the first split-gather stack and the
         Q-Former's the second."""
@@ -262,7 +241,8 @@ class Blip2Shape(ComposedPolicy):
             modules += self.qformer_modules(getattr(cfg, "qformer_config", cfg))
             stacks += (qformer_split_gather(),)
         return PolicySpec("blip2", modules, split_gather=stacks[0], stacks=stacks[1:], compose=("language_model",),
-                          capabilities=Capabilities(sp_modes=("split_gather",), sequence_overlap=True))
+                          capabilities=Capabilities(sp_modes=("split_gather",), sequence_overlap=True),
+                          refusals=REFUSALS)
 
     def vision_modules(self, vision_cfg) -> tuple[ModuleSpec, ...]:
         """The vision encoder's ModuleSpecs (module-level vision_modules), for a subclass to override."""

@@ -51,12 +51,11 @@ The attention masks come from token_type_ids, which every stage is given.
 from __future__ import annotations
 
 
-from shardformer.family import ComposedPolicy, Family, gathered, lm, sequence_mode_refused
+from shardformer.family import ComposedPolicy, Family, gathered, lm
 from shardformer.layout import Heads
 from shardformer.pipeline.stages import StageSplit
 from shardformer.policies.shapes import DecoderShape
-from shardformer.policy import Policy
-from shardformer.spec import Attribute, Entry, ModuleSpec, PolicySpec
+from shardformer.spec import Attribute, Entry, ModuleSpec, PolicySpec, Refusal
 
 TEXT = Family("gemma3", "gemma3.modeling_gemma3", DecoderShape,
               options={"prefix": "Gemma3", "base_model": "TextModel", "qk_norm": True, "embed_scale": True},
@@ -98,24 +97,16 @@ class Gemma3MultimodalShape(ComposedPolicy):
     def language_path(self) -> str:
         return f"{self.base}.language_model" if self.base else "language_model"
 
-    def language_policy(self) -> Policy:
-        return self.sub_policy(self.model.get_submodule(self.language_path()))
-
-    def config_sanity_check(self):
-        super().config_sanity_check()
-        if self.shard_config.split_attention_mode == "ring_attn":
-            raise sequence_mode_refused(
-                type(self.model).__name__, self.language_path(), "ring_attn",
-                "Gemma 3 lets the tokens of one image attend to each other in both directions "
-                "(token_type_ids), a mask the ring kernel (causal, key padding, sliding window) cannot "
-                "express; use 'all_to_all' or 'split_gather'")
-
     def build_spec(self) -> PolicySpec:
         """The vision tower's part as a PolicySpec; the text model composed
-        (its own policy, language_policy(); ring_attn is refused by name in
-        config_sanity_check)."""
+        (its own registered policy; ring_attn refused by a Refusal row)."""
         return PolicySpec("gemma3", (siglip_module(self.model.config.vision_config),),
-                          compose=(self.language_path(),))
+                          compose=(self.language_path(),), refusals=(Refusal(
+                              "", when=("mode:ring_attn",), error="NotImplementedError", message=(
+                                  "{model}: sequence_parallelism_mode='ring_attn' is not available for "
+                                  f"{self.language_path()}: Gemma 3 lets the tokens of one image attend to each "
+                                  "other in both directions (token_type_ids), a mask the ring kernel (causal, key "
+                                  "padding, sliding window) cannot express; use 'all_to_all' or 'split_gather'")),))
 
 
 MULTIMODAL = Family("gemma3", "gemma3.modeling_gemma3", Gemma3MultimodalShape, options={"base": "model"},

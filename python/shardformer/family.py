@@ -43,7 +43,7 @@ from torch import nn
 
 from .config import ShardConfig
 from .lm_loss import HOOK, LMLoss
-from .plan import PlanContext, hf_entries, interpret, record_hidden_states, record_ties, refuse, replacement
+from .plan import PlanContext, has_module, hf_entries, interpret, record_hidden_states, record_ties, refuse, replacement
 from .policy import ModulePolicyDescription, Policy, merge_policies
 from .policy import SubModuleReplacementDescription as Sub
 from .spec import Capabilities, PolicySpec
@@ -343,18 +343,29 @@ class ComposedPolicy(FamilyPolicy):
         raise NotImplementedError(f"{type(self).__name__}: a ComposedPolicy states its PolicySpec in build_spec()")
 
     def composed_policies(self) -> list[Policy]:
-        """The registered policies of the spec's composed models the bound model has, bound to them."""
-        found = []
-        for path in self.build_spec().compose:
-            try:
-                found.append(self.sub_policy(self.model.get_submodule(path)))
-            except AttributeError:
-                continue                     # a class without that model (PolicySpec.compose)
-        return found
+        """The registered policies of the spec's composed models the bound model
+        has (a class without one skips it: PolicySpec.compose), bound to them."""
+        return [self.sub_policy(self.model.get_submodule(path)) for path in self.build_spec().compose
+                if has_module(self.model, path)]
 
     def config_sanity_check(self) -> None:
-        for inner in self.composed_policies():
-            inner.config_sanity_check()
+        """The composed policies' checks, the spec's refusals (plan.refuse: the
+        conditions "composed" / "not_composed" say whether the model has one),
+        then a sequence_parallelism_mode the composed model's policy does not
+        implement refused by name (its path and class)."""
+        inner = self.composed_policies()
+        for policy in inner:
+            policy.config_sanity_check()
+        spec = self.build_spec()
+        refuse(spec, self.model, self.shard_config)
+        cfg = self.shard_config
+        for path, policy in zip((p for p in spec.compose if has_module(self.model, p)), inner):
+            if cfg.enable_sequence_parallelism and cfg.sequence_parallelism_mode not in policy.sequence_parallel_modes():
+                raise sequence_mode_refused(type(self.model).__name__,
+                                            f"{path} ({type(self.model.get_submodule(path)).__name__})",
+                                            cfg.sequence_parallelism_mode,
+                                            f"{type(policy).__name__} implements "
+                                            f"{', '.join(policy.sequence_parallel_modes()) or 'no mode'}")
 
     def sequence_parallel_modes(self) -> tuple[str, ...]:
         inner = self.composed_policies()

@@ -403,6 +403,8 @@ def conditions(shard_config, model=None) -> frozenset[str]:
             "no_sequence_parallel": tp and not sp, "pipeline_stages": manager is not None,
             "any_sequence_parallel": any_sp, "split_attention": any_sp and mode in ("all_to_all", "ring_attn")}
     names = {name for name, on in held.items() if on}
+    if any_sp:
+        names.add(f"mode:{mode}")
     if model is not None:                            # the config / model attributes the conditions may name,
         names.add(_ConfigOf(text_config(model) if getattr(model, "config", None) is not None else None, model))
     return frozenset(names)                          # read on demand (a plan dict's model may have no config)
@@ -415,6 +417,22 @@ class _ConfigOf:
     def __init__(self, cfg, model=None):
         self.cfg = cfg
         self.model = model
+
+
+def spec_conditions(spec, model, shard_config) -> frozenset:
+    """conditions() of `model` under `shard_config`, and "composed" (the model
+    has one of spec.compose's models) or "not_composed"."""
+    composed = any(has_module(model, path) for path in spec.compose)
+    return conditions(shard_config, model) | {"composed" if composed else "not_composed"}
+
+
+def has_module(model, path: str) -> bool:
+    """Whether `model` has a module at the dotted `path`."""
+    try:
+        model.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
 
 
 def holds(when, held: frozenset) -> bool:
@@ -477,18 +495,18 @@ def refuse(spec, model, shard_config) -> None:
     its error type with its message, the model class, attribute and value
     filled in; parallel_output=True under TP where the spec's capabilities
     say its LM heads do not honour it."""
-    held = conditions(shard_config, model)
+    held = spec_conditions(spec, model, shard_config)
     if "tensor_parallel" in held and shard_config.parallel_output and not spec.capabilities.parallel_output:
         raise NotImplementedError(f"{type(model).__name__}: parallel_output=True is not available for policy spec "
                                   f"{spec.name!r} (its capabilities say parallel_output=False); see "
                                   f"docs/writing-policies.md")
     cfg = text_config(model)
     for r in spec.refusals:
-        values = {name: getattr(cfg, name, r.default) for name in (r.attribute, *r.also)}
-        if holds(r.when, held) and any(v not in r.allowed for v in values.values()):
+        values = {name: getattr(cfg, name, r.default) for name in (r.attribute, *r.also) if name}
+        if holds(r.when, held) and (not r.attribute or any(v not in r.allowed for v in values.values())):
             error = {"ValueError": ValueError, "NotImplementedError": NotImplementedError}[r.error]
             raise error(r.message.format(**values, model=type(model).__name__, attribute=r.attribute,
-                                         value=values[r.attribute], mode=shard_config.sequence_parallelism_mode))
+                                         value=values.get(r.attribute), mode=shard_config.sequence_parallelism_mode))
 
 
 def _embed_scale(module_spec, model) -> float | None:

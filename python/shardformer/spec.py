@@ -34,6 +34,11 @@ Conditions (`Entry.when`, `Refusal.when`), each a name of CONDITIONS:
                            ("config:add_cross_attention")
     model:<attribute>      the model has the attribute <attribute> (Whisper's
                            "model:layer_weights", which only the audio classifier has)
+    mode:<mode>            sequence parallelism is on with sequence_parallelism_mode
+                           <mode> ("mode:ring_attn"), with or without TP
+    composed               the model has one of the spec's composed models
+                           (PolicySpec.compose: BLIP-2's language_model)
+    not_composed           it has none of them (a BLIP-2 class without a language model)
 
 Sequence-parallel kwargs (`Entry.sp`, `ModuleSpec.sp_linear`), what a layer
 takes under split-gather SP (SP_KWARGS; shardformer.plan.sp_kwargs):
@@ -66,7 +71,7 @@ from typing import Any
 CONDITIONS = ("tensor_parallel", "sequence_parallel", "expert_parallel", "no_expert_parallel",
               "tensor_or_expert_parallel", "overlap", "no_overlap", "pipeline_parallel",
               "tensor_parallel_ranks", "no_sequence_parallel", "pipeline_stages", "any_sequence_parallel",
-              "split_attention")
+              "split_attention", "composed", "not_composed")
 
 #: The sequence-parallel kwargs an Entry may name (see the module docstring).
 SP_KWARGS = ("", "col", "row", "gather", "gather_exact", "gather_rows")
@@ -82,7 +87,7 @@ class SpecError(ValueError):
 
 
 def _check_when(owner: str, when: tuple[str, ...]) -> None:
-    bad = [c for c in when if c not in CONDITIONS and not c.startswith(("config:", "model:"))]
+    bad = [c for c in when if c not in CONDITIONS and not c.startswith(("config:", "model:", "mode:"))]
     if bad:
         raise SpecError(f"{owner}: unknown condition(s) {bad} (known: {', '.join(CONDITIONS)})")
 
@@ -301,7 +306,9 @@ class Refusal:
     config, `default` when absent) is not one of `allowed`, optimize()
     raises `error` (ValueError or NotImplementedError) with `message`
     formatted with {model} (the model class), {attribute}, {value} and
-    {mode} (ShardConfig.sequence_parallelism_mode).
+    {mode} (ShardConfig.sequence_parallelism_mode).  `attribute` "" : no
+    config attribute, the conditions alone refuse (BLIP-2's split_gather
+    under pipeline stages: when=("mode:split_gather", "pipeline_stages")).
     `also`: more config attributes refused the same way (any of them outside
     `allowed` refuses; Falcon's two dropouts in one message); the message
     may name every attribute's value by its name ({hidden_dropout})."""
