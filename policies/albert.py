@@ -64,11 +64,10 @@ import torch
 import torch.nn.functional as F
 
 from shardformer.family import Family, gathered, lm, replicated_dropout, spec_capabilities
-from shardformer.layer.sequence import mark_layer_rows
 from shardformer.layer.sequence_layout import ENTER
 from shardformer.pipeline.stages import StageSplit
 from shardformer.policies.shapes import EncoderShape
-from shardformer.spec import Attribute, Entry, HeadsFrom, Method, ModuleSpec, PolicySpec, Region, SplitGatherSpec
+from shardformer.spec import Attribute, Entry, HeadsFrom, Hook, Method, ModuleSpec, PolicySpec, Region, SplitGatherSpec
 
 
 def _rows_of(full: torch.Tensor, size: int, rank: int) -> torch.Tensor:
@@ -136,14 +135,16 @@ class AlbertShape(EncoderShape):
         """The layer (layer_entries(), this rank's head attributes), the
         embeddings (EncoderShape's), and under split-gather SP the attention's
         forward (albert_attention_forward), the mapping-in's gradient
-        all-reduce and the split / gather around the encoder (ends="module")."""
+        all-reduce, the split / gather around the encoder (ends="module") and
+        every call of the shared layer marking its rows (a Hook row)."""
         sp = ("sequence_parallel",)
         attributes = (Attribute("attention.num_attention_heads", "heads"),
                       Attribute("attention.all_head_size", "width"))
         regions = (Region("attention", ENTER), Region("attention.LayerNorm"), Region("full_layer_layer_norm"))
         return PolicySpec(
             name=self.family.name if self.family is not None else "albert",
-            modules=(ModuleSpec("AlbertLayer", self.layer_entries(), attributes, sp_linear="rows"),
+            modules=(ModuleSpec("AlbertLayer", self.layer_entries() + (Hook("", "mark_layer_rows"),), attributes,
+                                sp_linear="rows"),
                      ModuleSpec("AlbertEmbeddings", tuple(Entry(k, v) for k, v in self.EMBEDDINGS_PLAN.items())),
                      ModuleSpec("AlbertAttention", attributes=(Method.fixed("forward", albert_attention_forward),), when=sp),
                      ModuleSpec("AlbertTransformer", (Entry("embedding_hidden_mapping_in",
@@ -155,14 +156,6 @@ class AlbertShape(EncoderShape):
                                  split_attention_options=tuple(self.split_attention_options.items())),
             refusals=self.refusals(),
         )
-
-    def postprocess(self):
-        model = super().postprocess()
-        if self.tensor_parallel and self.shard_config.sequence_parallel and self.tp_size > 1:
-            for module in self.model.modules():
-                if type(module).__name__ == "AlbertLayer":
-                    mark_layer_rows(module, self.state.sequence_state, self.shard_config.tensor_parallel_process_group)
-        return model
 
 
 # Both call nn.CrossEntropyLoss themselves; pre-training adds the sentence-order loss.

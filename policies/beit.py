@@ -43,10 +43,9 @@ states: they travel to the last stage in the messages (StageSplit.reads).
 from __future__ import annotations
 
 from shardformer.family import Family, gathered, spec_capabilities
-from shardformer.layer.sequence import FullLengthKwarg
 from shardformer.pipeline.stages import StageSplit
 from shardformer.policies.shapes import VisionShape
-from shardformer.spec import Entry
+from shardformer.spec import Entry, Hook
 
 
 class BeitShape(VisionShape):
@@ -96,17 +95,6 @@ class BeitShape(VisionShape):
         return (f"{self.base_prefix()}.layers.*.attention adds a relative position bias [heads, S, S] to "
                 f"the full scores, which {mode} never builds (it splits the sequence inside the attention)")
 
-    def postprocess(self):
-        model = super().postprocess()
-        if self.tensor_parallel and self.shard_config.sequence_parallel and self.tp_size > 1:
-            # after the plan: the tables already take ShardParams (one replacement per path)
-            group = self.shard_config.tensor_parallel_process_group
-            for layer in self.model.get_submodule(self.base_prefix()).layers:
-                if layer.relative_position_bias is not None:
-                    FullLengthKwarg.from_native_module(layer.relative_position_bias, group, name="dim_size",
-                                                       state=self.state.sequence_state)
-        return model
-
     def layer_params(self) -> tuple[str, ...]:
         """Under split-gather SP: the layer scales layers.*.lambda_1 / lambda_2
         (parameters of each layer, with layer_scale_init_value > 0) multiply
@@ -117,7 +105,11 @@ class BeitShape(VisionShape):
         return next(name for name, m in self.model.named_modules() if type(m).__name__ == "BeitModel")
 
     def layer_entries(self):
-        return super().layer_entries() + (Entry("relative_position_bias", "bias_table_heads", optional=True),)
+        """VisionShape's, the bias table split by heads and, under split-gather
+        SP, told the full length (dim_size) on top of that (a Hook row)."""
+        return super().layer_entries() + (
+            Entry("relative_position_bias", "bias_table_heads", optional=True),
+            Hook("relative_position_bias", "full_length_kwarg", (("name", "dim_size"),), optional=True))
 
     def model_entries(self):
         return (Entry("shared_position_bias", "bias_table_heads", optional=True),)

@@ -66,12 +66,13 @@ from __future__ import annotations
 
 import torch
 
-from shardformer.family import ComposedPolicy, Family, gathered
+from shardformer.family import ComposedPolicy, Family, gathered, spec_stage_split
 from shardformer.layer.sequence_layout import ENTER
 from shardformer.layout import Heads
+from shardformer.pipeline.stages import StageSplit
 from shardformer.plan import record_hidden_states
 from shardformer.spec import (GATHER_ORDER, Attribute, Capabilities, Entry, Method, ModuleSpec, PolicySpec, Refusal,
-                              Region, SplitGatherSpec)
+                              Region, SplitGatherSpec, SplitWhen)
 
 SP = ("sequence_parallel",)
 
@@ -192,37 +193,34 @@ REFUSALS = (
         "to the language model, and this class has none (split_gather splits its vision encoder and Q-Former)")))
 
 
+# Where the stages split (shardformer.pipeline.stages), by what the class holds:
+#
+#     a vision encoder    its layers (vision_model.encoder.layers) are the stack; the post-layernorm, the
+#                         Q-Former, the projections and any language model run on the last stage, which every
+#                         micro-batch's text inputs reach (each stage is given the whole micro-batch)
+#     a Q-Former only     its layers (encoder.layer); Blip2TextModelWithProjection's text embeddings run on the
+#                         first stage, its projection on the last
+#
+# The query tokens (a Parameter of the model, read by the Q-Former on the last stage) are on every stage, their
+# gradient summed over them (zeros but the last's).  docs/pipeline.md (BLIP-2) says why the vision encoder, not
+# the language model, is the stack.  The Q-Former's encoder loops `for i in range(config.num_hidden_layers)`.
+PIPELINE_SPLITS = (
+    SplitWhen(("Blip2VisionModel",), StageSplit("Blip2VisionModel", "encoder.layers", last=("post_layernorm",),
+                                                everywhere=("query_tokens",))),
+    SplitWhen(("Blip2TextModelWithProjection",), StageSplit(
+        "Blip2TextModelWithProjection", "qformer.encoder.layer", last=("text_projection",),
+        everywhere=("query_tokens",), count="config.num_hidden_layers")),
+    SplitWhen(("Blip2QFormerModel",), StageSplit("Blip2QFormerModel", "encoder.layer",
+                                                 count="config.num_hidden_layers")))
+
+
 class Blip2Shape(ComposedPolicy):
     """Option `parts`: what the model holds ("vision", "qformer"); a
     language_model is composed in when present (PolicySpec.compose)."""
 
     parts: tuple[str, ...] = ("vision", "qformer")
 
-    @property
-    def pipeline_split(self):
-        """Where the stages split (shardformer.pipeline.stages), by what the class holds:
-
-            a vision encoder    its layers (vision_model.encoder.layers) are the stack; the
-                                post-layernorm, the Q-Former, the projections and any language
-                                model run on the last stage, which every micro-batch's text
-                                inputs reach (each stage is given the whole micro-batch)
-            a Q-Former only     its layers (encoder.layer); Blip2TextModelWithProjection's
-                                text embeddings run on the first stage, its projection on the last
-
-        The query tokens (a Parameter of the model, read by the Q-Former on the last stage) are
-        on every stage, their gradient summed over them (zeros but the last's).  docs/pipeline.md
-        (BLIP-2) says why the vision encoder, not the language model, is the stack."""
-        from shardformer.pipeline.stages import StageSplit
-
-        model = getattr(self, "model", None)
-        if model is None or hasattr(model, "vision_model") or type(model).__name__ == "Blip2VisionModel":
-            return StageSplit("Blip2VisionModel", "encoder.layers", last=("post_layernorm",),
-                              everywhere=("query_tokens",))
-        # the Q-Former's encoder loops `for i in range(self.config.num_hidden_layers): self.layer[i]`
-        if type(model).__name__ == "Blip2TextModelWithProjection":
-            return StageSplit("Blip2TextModelWithProjection", "qformer.encoder.layer", last=("text_projection",),
-                              everywhere=("query_tokens",), count="config.num_hidden_layers")
-        return StageSplit("Blip2QFormerModel", "encoder.layer", count="config.num_hidden_layers")
+    pipeline_split = property(spec_stage_split)       # the spec's SplitWhen rows (PIPELINE_SPLITS)
 
     def build_spec(self) -> PolicySpec:
         """The vision encoder's and the Q-Former's part as a PolicySpec, by the
@@ -241,7 +239,8 @@ class Blip2Shape(ComposedPolicy):
             modules += self.qformer_modules(getattr(cfg, "qformer_config", cfg))
             stacks += (qformer_split_gather(),)
         return PolicySpec("blip2", modules, split_gather=stacks[0], stacks=stacks[1:], compose=("language_model",),
-                          capabilities=Capabilities(sp_modes=("split_gather",), sequence_overlap=True),
+                          capabilities=Capabilities(sp_modes=("split_gather",), sequence_overlap=True,
+                                                    pipeline_split=PIPELINE_SPLITS),
                           refusals=REFUSALS)
 
     def vision_modules(self, vision_cfg) -> tuple[ModuleSpec, ...]:

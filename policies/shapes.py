@@ -487,10 +487,12 @@ class VisionShape(SpecPolicy):
         first = next(m for m in self.model.modules() if type(m).__name__ == layer)
         regions = ((Region("attention", ENTER), Region("mlp", ENTER, ("no_overlap",)))
                    + tuple(Region(name) for name in self.sp_norms(first)))
-        modules = (ModuleSpec(layer, tuple(replace(e, heads=e.heads or heads) for e in self.layer_entries()),
-                              sp_linear="rows"),)
+        def headed(e):                           # an Entry without heads takes the layer's (a Hook row: none)
+            return replace(e, heads=e.heads or heads) if isinstance(e, Entry) else e
+
+        modules = (ModuleSpec(layer, tuple(map(headed, self.layer_entries())), sp_linear="rows"),)
         if self.model_entries():
-            modules += (ModuleSpec(model, tuple(replace(e, heads=e.heads or heads) for e in self.model_entries())),)
+            modules += (ModuleSpec(model, tuple(map(headed, self.model_entries()))),)
         return PolicySpec(
             name=self.family.name if self.family is not None else layer,
             modules=modules,

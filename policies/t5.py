@@ -78,10 +78,12 @@ from dataclasses import replace
 
 from torch import nn
 
-from shardformer.family import Family, SpecPolicy, gathered, lm, replicated_dropout, spec_capabilities
+from shardformer.family import (Family, SpecPolicy, gathered, lm, replicated_dropout, spec_capabilities,
+                                spec_stage_split)
 from shardformer.layer.sequence_layout import BLOCK
+from shardformer.pipeline.stages import StageSplit, StageStack
 from shardformer.spec import (Attribute, Entry, HeadsFrom, ModuleSpec, PolicySpec, Region, SplitAttention,
-                              SplitGatherSpec)
+                              SplitGatherSpec, SplitWhen)
 
 # Modules that may share the weight of a model's `shared` embedding (the LM
 # head's tie is FamilyPolicy's, by identity with the input embeddings).
@@ -105,6 +107,35 @@ def _attention(at: str, kv_sp: str | None = None) -> tuple[Entry, ...]:
             Entry(f"{at}.v", "colwise_heads", sp=kv_sp), Entry(f"{at}.o", "rowwise_heads"))
 
 
+def _stage_split(owner: str, decoder: bool) -> StageSplit:
+    """Pipeline stages over [encoder.block | decoder.block] of the module
+    owning the stacks (shardformer.pipeline.stages): block 0 of each stack
+    computes the relative position bias and later blocks take it as an
+    argument, so the bias (output 1; the decoder's cross-attention bias,
+    output 2) travels with the hidden states and its gradient comes back
+    to the stage holding the bias table.  encoder.final_layer_norm sits
+    with the encoder's last block; decoder.embed_tokens (the shared
+    embedding, tied) with the decoder's first, its gradient summed with
+    the other stages holding that Parameter (shared, the LM head).
+    Stages past the encoder get its output in the message and pass it as
+    encoder_outputs (the encoder is not run there).  With sequence
+    parallelism (every mode) the hidden states travel as this rank's
+    rows of their stack, the biases (whole sequence) and the encoder
+    output (gathered) whole (shardformer.pipeline.stages)."""
+    bias = (("position_bias", 1),)
+    heads = ("lm_head", "qa_outputs")
+    if not decoder:
+        return StageSplit(owner, "encoder.block", last=("encoder.final_layer_norm",) + heads, carry=bias)
+    then = StageStack("decoder.block", first=("decoder.embed_tokens",), last=("decoder.final_layer_norm",) + heads,
+                      carry=bias + (("encoder_decoder_position_bias", 2),), source="encoder_hidden_states",
+                      skip="encoder_outputs")
+    return StageSplit(owner, "encoder.block", last=("encoder.final_layer_norm",), carry=bias, then=then)
+
+
+#: The split of each owner class (the first module of a class in _OWNERS): T5EncoderModel has no decoder.
+PIPELINE_SPLITS = tuple(SplitWhen((owner,), _stage_split(owner, owner != "T5EncoderModel")) for owner in _OWNERS)
+
+
 class T5Shape(SpecPolicy):
     """A spec factory (build_spec(), interpreted by shardformer.plan.interpret):
     the rows of every T5 module class, one split-gather stack per T5Stack of
@@ -112,39 +143,7 @@ class T5Shape(SpecPolicy):
 
     attention_weights_at = {"T5Attention": 2}     # (output, position_bias, weights)
 
-    @property
-    def pipeline_split(self):
-        """Pipeline stages over [encoder.block | decoder.block] of the module
-        owning the stacks (shardformer.pipeline.stages): block 0 of each stack
-        computes the relative position bias and later blocks take it as an
-        argument, so the bias (output 1; the decoder's cross-attention bias,
-        output 2) travels with the hidden states and its gradient comes back
-        to the stage holding the bias table.  encoder.final_layer_norm sits
-        with the encoder's last block; decoder.embed_tokens (the shared
-        embedding, tied) with the decoder's first, its gradient summed with
-        the other stages holding that Parameter (shared, the LM head).
-        Stages past the encoder get its output in the message and pass it as
-        encoder_outputs (the encoder is not run there).  With sequence
-        parallelism (every mode) the hidden states travel as this rank's
-        rows of their stack, the biases (whole sequence) and the encoder
-        output (gathered) whole (shardformer.pipeline.stages)."""
-        from shardformer.pipeline.stages import StageSplit, StageStack
-
-        model = getattr(self, "model", None)
-        owner = next((m for m in model.modules() if type(m).__name__ in _OWNERS), None) if model is not None else None
-        if owner is None:
-            return None
-        bias = (("position_bias", 1),)
-        heads = ("lm_head", "qa_outputs")
-        if getattr(owner, "decoder", None) is None:
-            return StageSplit(type(owner).__name__, "encoder.block", last=("encoder.final_layer_norm",) + heads,
-                              carry=bias)
-        decoder = StageStack("decoder.block", first=("decoder.embed_tokens",),
-                             last=("decoder.final_layer_norm",) + heads,
-                             carry=bias + (("encoder_decoder_position_bias", 2),),
-                             source="encoder_hidden_states", skip="encoder_outputs")
-        return StageSplit(type(owner).__name__, "encoder.block", last=("encoder.final_layer_norm",), carry=bias,
-                          then=decoder)
+    pipeline_split = property(spec_stage_split)       # the spec's SplitWhen rows (PIPELINE_SPLITS)
 
     sp_modes = ("split_gather",)
     sequence_overlap = True         # the blocks' regions overlap their one input gather (SplitGatherSpec.overlap)
@@ -203,7 +202,8 @@ class T5Shape(SpecPolicy):
             split_gather=stacks[0] if stacks else None,
             stacks=stacks[1:],
             ties=self.ties(),
-            capabilities=replace(spec_capabilities(self), split_attention_stacks=self.split_attention_stacks()),
+            capabilities=replace(spec_capabilities(self, pipeline_split=PIPELINE_SPLITS),
+                                 split_attention_stacks=self.split_attention_stacks()),
         )
 
     def split_attention_stacks(self) -> tuple[SplitAttention, ...]:

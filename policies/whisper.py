@@ -51,17 +51,38 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardformer.family import Family, SpecPolicy, lm, spec_capabilities
+from shardformer.family import Family, SpecPolicy, lm, spec_capabilities, spec_stage_split
 from shardformer.layer.sequence_layout import ENTER
 from shardformer.layout import Heads
+from shardformer.pipeline.stages import StageSplit, StageStack
 from shardformer.spec import (Attribute, Entry, ModuleSpec, PolicySpec, Refusal, Region, Setting, SplitAttention,
-                              SplitGatherSpec)
+                              SplitGatherSpec, SplitWhen)
 
 #: (stack class, layer class, config attribute of its head count, its attentions) of the two stacks
 #: the config attributes of Whisper's LayerDrop, refused under pipeline stages and sequence parallelism
 LAYERDROPS = ("encoder_layerdrop", "decoder_layerdrop")
 STACKS = (("WhisperEncoder", "WhisperEncoderLayer", "encoder_attention_heads", ("self_attn",)),
           ("WhisperDecoder", "WhisperDecoderLayer", "decoder_attention_heads", ("self_attn", "encoder_attn")))
+
+
+# Pipeline stages over [encoder.layers | decoder.layers] of the WhisperModel (shardformer.pipeline.stages), or
+# over the one stack of WhisperForCausalLM (the decoder) and WhisperForAudioClassification (the encoder).  The
+# conv front end and the encoder positions sit on the first stage; a later stage stands in for them with zeros
+# shaped like their outputs (`shaped`: the convolutions' output is transposed before the layers).
+# encoder.layer_norm sits with the encoder's last layer; the decoder's embed_tokens (tied with proj_out:
+# gradients summed over the two stages) and embed_positions with the decoder's first.  Stages past the encoder
+# take its output from the message and pass it as encoder_outputs.  With sequence parallelism (every mode) the
+# hidden states travel as this rank's rows of their stack, the encoder output (gathered after the encoder) whole.
+_FRONT = ("conv1", "conv2", "embed_positions")
+PIPELINE_SPLITS = (
+    SplitWhen(("WhisperModel",), StageSplit(
+        "WhisperModel", "encoder.layers", last=("encoder.layer_norm",), shaped=tuple(f"encoder.{m}" for m in _FRONT),
+        then=StageStack("decoder.layers", first=("decoder.embed_tokens", "decoder.embed_positions"),
+                        last=("decoder.layer_norm",), source="encoder_hidden_states", skip="encoder_outputs"))),
+    SplitWhen(("WhisperEncoder",), StageSplit("WhisperEncoder", "layers", last=("layer_norm",), shaped=_FRONT),
+              lacks=("WhisperDecoder",)),
+    SplitWhen(("WhisperDecoder",), StageSplit("WhisperDecoder", "layers", last=("layer_norm",)),
+              lacks=("WhisperEncoder",)))
 
 
 class WhisperShape(SpecPolicy):
@@ -71,39 +92,7 @@ class WhisperShape(SpecPolicy):
 
     split_head: tuple[str, str] | None = None
 
-    @property
-    def pipeline_split(self):
-        """Pipeline stages over [encoder.layers | decoder.layers] of the
-        WhisperModel (shardformer.pipeline.stages), or over the one stack of
-        WhisperForCausalLM (the decoder) and WhisperForAudioClassification
-        (the encoder).  The conv front end and the encoder positions sit on
-        the first stage; a later stage stands in for them with zeros shaped
-        like their outputs (`shaped`: the convolutions' output is transposed
-        before the layers).  encoder.layer_norm sits with the encoder's last
-        layer; the decoder's embed_tokens (tied with proj_out: gradients
-        summed over the two stages) and embed_positions with the decoder's
-        first.  Stages past the encoder take its output from the message and
-        pass it as encoder_outputs.  With sequence parallelism (every mode)
-        the hidden states travel as this rank's rows of their stack, the
-        encoder output (gathered after the encoder) whole."""
-        from shardformer.pipeline.stages import StageSplit, StageStack
-
-        model = getattr(self, "model", None)
-        if model is None:
-            return None
-        classes = {type(m).__name__ for m in model.modules()}
-        front = ("conv1", "conv2", "embed_positions")
-        if "WhisperModel" in classes:
-            decoder = StageStack("decoder.layers", first=("decoder.embed_tokens", "decoder.embed_positions"),
-                                 last=("decoder.layer_norm",), source="encoder_hidden_states",
-                                 skip="encoder_outputs")
-            return StageSplit("WhisperModel", "encoder.layers", last=("encoder.layer_norm",), then=decoder,
-                              shaped=tuple(f"encoder.{m}" for m in front))
-        if "WhisperEncoder" in classes and "WhisperDecoder" not in classes:
-            return StageSplit("WhisperEncoder", "layers", last=("layer_norm",), shaped=front)
-        if "WhisperDecoder" in classes and "WhisperEncoder" not in classes:
-            return StageSplit("WhisperDecoder", "layers", last=("layer_norm",))
-        return None
+    pipeline_split = property(spec_stage_split)       # the spec's SplitWhen rows (PIPELINE_SPLITS)
 
     sp_modes = ("split_gather",)
     sequence_overlap = True         # fc1 gathers its own rows (Entry sp="gather_rows")
@@ -189,9 +178,10 @@ class WhisperShape(SpecPolicy):
             split_gather=stacks[0] if stacks else None,
             stacks=stacks[1:],
             refusals=self.refusals(),
-            capabilities=replace(spec_capabilities(self), split_attention_stacks=tuple(
-                SplitAttention(stack_cls, "layers", options=(("cross", attns[1:]),))
-                for stack_cls, _, _, attns in STACKS if stack_cls in present)),
+            capabilities=replace(spec_capabilities(self, pipeline_split=PIPELINE_SPLITS),
+                                 split_attention_stacks=tuple(
+                                     SplitAttention(stack_cls, "layers", options=(("cross", attns[1:]),))
+                                     for stack_cls, _, _, attns in STACKS if stack_cls in present)),
         )
 
 

@@ -43,7 +43,8 @@ from torch import nn
 
 from .config import ShardConfig
 from .lm_loss import HOOK, LMLoss
-from .plan import PlanContext, has_module, hf_entries, interpret, record_hidden_states, record_ties, refuse, replacement
+from .plan import (PlanContext, has_module, hf_entries, install_hooks, interpret, record_hidden_states, record_ties,
+                   refuse, replacement, stage_split)
 from .policy import ModulePolicyDescription, Policy, merge_policies
 from .policy import SubModuleReplacementDescription as Sub
 from .spec import Capabilities, PolicySpec
@@ -316,6 +317,7 @@ class FamilyPolicy(SplitAttentionPolicy, Policy):
 
     def postprocess(self) -> nn.Module:
         super().postprocess()                   # the ties recorded in preprocess (Policy.postprocess)
+        install_hooks(self.model, self.shard_config, self.state)      # the spec's Hook rows
         if self.tensor_parallel:
             for head in self.active_heads():
                 if head.kind == "lm" and head.bias_of is not None:  # HF keeps the decoder bias as the owner's `bias`
@@ -410,6 +412,16 @@ def spec_capabilities(policy, **given) -> Capabilities:
     if at is not None:
         fields["split_attention_at"] = (at[0].format(prefix=policy.prefix, base_model=policy.base_model), at[1])
     return Capabilities(**fields)
+
+
+def spec_stage_split(policy):
+    """A policy's pipeline_split read from its spec (plan.stage_split of
+    capabilities.pipeline_split on the bound model; None before a model is
+    bound): `pipeline_split = property(spec_stage_split)` in a class whose
+    spec states SplitWhen rows."""
+    if getattr(policy, "model", None) is None:
+        return None
+    return stage_split(policy.build_spec().capabilities.pipeline_split, policy.model)
 
 
 class SpecPolicy(FamilyPolicy):

@@ -77,7 +77,7 @@ from .layer.sequence import (SequenceParallelRegion, SequenceState, record_full_
 from .layer.sequence_layout import BLOCK, GATHER, GATHER_INPUT, MARK_ROWS, SPLIT, SPLIT_OUTPUT, SequenceLayouts
 from .layout import Fused, Heads, Split
 from .policy import ModulePolicyDescription, Policy
-from .spec import GATHER_ORDER, SP_LINEAR, Attribute, Method, MethodSite, Region, Setting, Stack
+from .spec import GATHER_ORDER, SP_LINEAR, Attribute, Hook, Method, MethodSite, Region, Setting, Stack
 from .policy import SubModuleReplacementDescription as Sub
 
 
@@ -671,6 +671,61 @@ def install_window_overlaps(model, shard_config, state) -> None:
                                                  attention=attention)
 
 
+def _mark_layer_rows(module, group, state):
+    from .layer.sequence import mark_layer_rows
+
+    return mark_layer_rows(module, state, group)
+
+
+def _full_length_kwarg(module, group, state, name: str):
+    from .layer.sequence import FullLengthKwarg
+
+    return FullLengthKwarg.from_native_module(module, group, name=name, state=state)
+
+
+#: The hooks of shardformer.spec.Hook rows: name -> install(module, group, state, **kwargs).
+HOOKS: dict[str, Callable] = {"mark_layer_rows": _mark_layer_rows, "full_length_kwarg": _full_length_kwarg}
+
+
+def hook_rows(spec, m, e, model, stacks, state) -> list:
+    """Record a Hook row `e` of ModuleSpec `m` in state.hooks, one per module
+    of the class, in the SequenceState of the split-gather stack whose layer
+    class it is (none where that stack is off); no substitutions."""
+    seqs = [region_state(sg, seq, None) for sg, seq in stacks if sg.layer == m.key][:1]
+    state.hooks += [(module, e, seq) for seq in seqs for module in _find(model, m.key, spec)]
+    return []
+
+
+def install_hooks(model, shard_config, state) -> None:
+    """After substitution: the hooks state.hooks recorded (hook_rows), each on
+    what now sits at its row's path under its module (a replacement
+    included); an optional row's missing module is skipped.  Consumed: a
+    second call installs nothing."""
+    group = shard_config.tensor_parallel_process_group
+    rows, state.hooks = state.hooks, []
+    for module, row, seq in rows:
+        try:
+            target = module.get_submodule(row.path) if row.path else module
+        except AttributeError:
+            if row.optional:
+                continue
+            raise PlanError(f"{type(model).__name__}: a Hook row names {row.path!r} under {type(module).__name__}, "
+                            f"which has no such module") from None
+        HOOKS[row.hook](target, group, seq, **dict(row.kwargs))
+
+
+def stage_split(split, model):
+    """The StageSplit that Capabilities.pipeline_split gives `model`: itself,
+    or of a tuple of shardformer.spec.SplitWhen rows the split of the first
+    whose classes the model holds (None: no row holds, or no model)."""
+    if not isinstance(split, tuple):
+        return split
+    if model is None:
+        return None
+    classes = {type(m).__name__ for m in model.modules()}
+    return next((row.split for row in split if set(row.has) <= classes and not classes & set(row.lacks)), None)
+
+
 def _module_path(model, class_name: str, spec) -> str:
     """The path of the (first) module of class `class_name` in `model`."""
     for path, m in model.named_modules():
@@ -689,6 +744,8 @@ def _entry_subs(spec, m, e, model, held, state, ctx: PlanContext, by_kind: dict,
         return stack_subs(e, model, _module_path(model, m.key, spec), held, state)
     if isinstance(e, Region):
         return [region_sub(e, region_state(sg, seq, e.segment)) for sg, seq in stacks if sg.layer == m.key][:1]
+    if isinstance(e, Hook):
+        return hook_rows(spec, m, e, model, stacks, state)
     sub = replacement(e.suffix, e.style, ctx, {**sp_kwargs(e.sp if e.sp is not None else
                                                          by_kind.get(style_of(e.style).kind, ""),
                                                          held, state.sequence_state), **dict(e.kwargs)})

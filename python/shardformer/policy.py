@@ -88,6 +88,10 @@ class OptimizeState:
                     windowed blocks whose overlapped gather the policy's
                     postprocess hooks on (layer/window_overlap.py: the blocks
                     take other replacements of their own)
+    hooks           (module, path, hook, kwargs, SequenceState) of the spec's Hook
+                    rows (shardformer.spec.Hook), installed after substitution
+                    on what then sits at `path` under `module`
+                    (shardformer.plan.install_hooks)
     """
 
     sequence_state: Any = None
@@ -95,6 +99,7 @@ class OptimizeState:
     sub_policies: dict[int, "Policy"] = field(default_factory=dict)
     policy_of: Callable[[nn.Module], "Policy"] | None = None
     window_overlaps: dict[str, tuple] = field(default_factory=dict)
+    hooks: list[tuple] = field(default_factory=list)
 
 
 class Policy(ABC):

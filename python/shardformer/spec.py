@@ -193,7 +193,8 @@ class ModuleSpec:
 
     entries     the replacements, in order (Entry; a Stack row: a stack's
                 split-gather SP, its replacements where the row stands; a
-                Region row: a split-gather region where it stands, see Region)
+                Region row: a split-gather region where it stands, see Region;
+                a Hook row: a hook on a module after substitution, see Hook)
     attributes  Attribute rows (or (dotted attribute, kind) pairs) set to this
                 rank's value of the heads (shardformer.layout.Heads.attributes);
                 Setting rows set to their value; Method rows replace a method
@@ -337,7 +338,9 @@ class Capabilities:
                            split the attention; None: those modes are not available
     sequence_overlap       enable_sequence_overlap; `overlap_refusal` says why not
     sequence_recompute     sequence_parallel_recompute
-    pipeline_split         a StageSplit, or None (`pipeline_refusal` says why)
+    pipeline_split         a StageSplit, a tuple of SplitWhen rows (a split per
+                           kind of model: the first whose classes it has), or
+                           None (`pipeline_refusal` says why)
     parallel_output        ShardConfig(parallel_output=True) is honoured by its LM heads
     records_hidden_states  output_hidden_states=True under split_gather records
                            full-sequence states (else it is refused by name)
@@ -583,6 +586,60 @@ class Method:
         if not callable(function):
             raise SpecError(f"Method({name!r}): function must be callable, got {function!r}")
         return cls(name, SameMethod(function), when)
+
+
+@dataclass(frozen=True)
+class SplitWhen:
+    """A row of Capabilities.pipeline_split for a family whose classes split
+    differently (an encoder-decoder and its encoder alone): `split` (a
+    StageSplit) for a model holding a module of every class in `has` and
+    of none in `lacks`.  Of several rows the first that holds is the split
+    (shardformer.plan.stage_split); none: no split (refused by name)."""
+
+    has: tuple[str, ...]
+    split: Any
+    lacks: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Hook:
+    """A row among a ModuleSpec's entries: after substitution, the module at
+    `path` under every module of the class ("" : the module itself), as it
+    is then (the replacement another row made of it, or the module), gets
+    the hook `hook` (a name of shardformer.plan.HOOKS) in the SequenceState
+    of the split-gather stack whose `layer` is that class, when the
+    conditions `when` hold (default: split-gather SP over 2 or more ranks).
+    It composes with a replacement: the replacement's forward is what the
+    hook wraps.  `kwargs`: (name, value) pairs the hook takes; `optional`: a
+    module only some models hold (BEiT's per-layer bias table, None with
+    the shared one) is skipped where it is missing.
+
+        mark_layer_rows    its input and output are this rank's rows, marked
+                           for output_hidden_states (ALBERT's shared layer,
+                           between a split and a gather on the encoder)
+        full_length_kwarg  its calls' keyword `name` set to the full sequence
+                           length (BEiT's bias table: dim_size; it sits in
+                           the gathered attention, which needs [heads, S, S])"""
+
+    path: str
+    hook: str
+    kwargs: tuple[tuple[str, Any], ...] = ()
+    when: tuple[str, ...] = ("sequence_parallel", "tensor_parallel_ranks")
+    optional: bool = False
+
+    def __post_init__(self):
+        _check_when(f"Hook({self.path!r})", self.when)
+        if self.hook not in HOOK_NAMES:
+            raise SpecError(f"Hook({self.path!r}): hook {self.hook!r} is not one of {HOOK_NAMES}")
+
+    @property
+    def suffix(self) -> str:
+        """Its key among a ModuleSpec's entries (one hook of a kind per path)."""
+        return f"{self.path}#hook:{self.hook}"
+
+
+#: The hooks a Hook row may name (shardformer.plan.HOOKS installs them).
+HOOK_NAMES = ("mark_layer_rows", "full_length_kwarg")
 
 
 @dataclass(frozen=True)
