@@ -32,8 +32,9 @@ UPWARD = {
 #: after issue 33's merge: 80 and 20; + 1 function-level import since: ops imports the CUDA
 #: extension on the first CUDA tensor, by design, so a CPU-only run never loads it; private names
 #: crossing modules 17 -> 0 since: each made public, documented, in its module; function-level
-#: imports 54 after the bespoke families became specs, the ceiling lowered to it)
-MAX_FUNCTION_LEVEL = 54
+#: imports 54 after the bespoke families became specs, the ceiling lowered to it; 51 after the last
+#: code paths of issue 33 became spec rows: the pipeline splits' StageSplit imported at the top)
+MAX_FUNCTION_LEVEL = 51
 MAX_PRIVATE = 0
 
 

@@ -283,3 +283,78 @@ def test_bespoke_specs_are_data():
         Method.fixed("forward", "albert_attention_forward")
     with pytest.raises(SpecError, match="stacks are given but split_gather"):
         PolicySpec("x", (), stacks=(SplitGatherSpec("M", "layers", "L", ()),))
+
+
+def test_last_code_paths_as_data():
+    """Issue 33's leftovers as spec rows, on one process: specs holding Method
+    (a functools.partial make) and Setting (a per-rank head count) rows equal
+    across builds, a changed row unequal; BLIP-2's and Gemma 3's sequence-mode
+    refusals as Refusal rows (conditions mode:<mode>, composed / not_composed),
+    raised with their messages; ALBERT's row marking and BEiT's full-length
+    kwarg as Hook rows, recorded per module under split-gather SP only; the
+    pipeline splits of T5 / Whisper / BLIP-2 as SplitWhen rows giving the
+    bound model's StageSplit."""
+    import types
+
+    from shardformer.family import ComposedPolicy
+    from shardformer.plan import stage_split
+    from shardformer.spec import Hook, Method, Partial, Setting, SplitWhen
+
+    for name, key in (("BloomForCausalLM", "BloomModel"), ("FalconForCausalLM", "FalconDecoderLayer"),
+                      ("Swinv2ForImageClassification", "Swinv2Encoder")):
+        a, b = _policy(name).build_spec(), _policy(name).build_spec()
+        assert a == b and hash(a) == hash(b), name
+        rows = a.module(key).attributes
+        assert any(isinstance(r, (Method, Setting)) for r in rows), name
+        changed = tuple(dataclasses.replace(r, name=r.name + "_x") if i == 0 else r for i, r in enumerate(rows))
+        other = dataclasses.replace(a, modules=tuple(dataclasses.replace(m, attributes=changed) if m.key == key
+                                                     else m for m in a.modules))
+        assert other != a, name
+    alibi = _policy("BloomForCausalLM").build_spec().module("BloomModel").attributes[0]
+    assert isinstance(alibi.make, Partial) and alibi != dataclasses.replace(
+        alibi, make=dataclasses.replace(alibi.make, args=alibi.make.args[:1] + (None,)))
+
+    def checked(name, mode, stages=False, tp=False):
+        policy = _policy(name)
+        cfg = ShardConfig(enable_sequence_parallelism=True, sequence_parallelism_mode=mode, enable_tensor_parallelism=tp)
+        if stages:
+            object.__setattr__(cfg, "pipeline_stage_manager", types.SimpleNamespace(num_stages=2))
+        policy.set_shard_config(cfg)
+        assert isinstance(policy, ComposedPolicy)
+        policy.config_sanity_check()
+
+    with pytest.raises(NotImplementedError, match=r"^Blip2VisionModel: sequence_parallelism_mode='split_gather' with "
+                                                  r"pipeline parallelism is not available: the vision encoder's"):
+        checked("Blip2VisionModel", "split_gather", stages=True, tp=True)
+    with pytest.raises(NotImplementedError, match=r"^Blip2QFormerModel: sequence_parallelism_mode='ring_attn' is not "
+                                                  r"available for vision_model / qformer: ring_attn applies to the "
+                                                  r"language model, and this class has none \(split_gather"):
+        checked("Blip2QFormerModel", "ring_attn")
+    checked("Blip2ForConditionalGeneration", "all_to_all")               # composed: the language model takes it
+    with pytest.raises(NotImplementedError, match=r"^Gemma3Model: sequence_parallelism_mode='ring_attn' is not "
+                                                  r"available for language_model: Gemma 3 lets the tokens"):
+        checked("Gemma3Model", "ring_attn")
+    whens = [r.when for r in _policy("Blip2VisionModel").build_spec().refusals]
+    assert whens == [("mode:split_gather", "pipeline_stages"), ("split_attention", "not_composed")]
+
+    albert = _policy("AlbertForMaskedLM")
+    assert Hook("", "mark_layer_rows") in albert.build_spec().module("AlbertLayer").entries
+    beit = _policy("BeitForImageClassification")
+    assert [e.hook for e in beit.build_spec().module("BeitLayer").entries if isinstance(e, Hook)] == [
+        "full_length_kwarg"]
+    for policy in (albert, beit):
+        policy.begin()
+        policy.module_policy()
+        assert policy.state.hooks == [], type(policy).__name__           # TP alone: no hooks
+    with pytest.raises(SpecError, match=r"Hook\('x'\): hook 'wrap' is not one of"):
+        Hook("x", "wrap")
+
+    for name in ("T5ForConditionalGeneration", "T5EncoderModel", "WhisperForConditionalGeneration",
+                 "WhisperForAudioClassification", "Blip2QFormerModel", "Blip2ForConditionalGeneration"):
+        policy = _policy(name)
+        rows = policy.build_spec().capabilities.pipeline_split
+        assert all(isinstance(r, SplitWhen) for r in rows), name
+        split = stage_split(rows, policy.model)
+        assert split is not None and split == policy.pipeline_split, name
+    assert _policy("T5EncoderModel").pipeline_split.then is None
+    assert _policy("Blip2QFormerModel").pipeline_split.owner == "Blip2QFormerModel"

@@ -72,8 +72,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from .layer.replicated import ReplicatedInParallelRegion
-from .layer.sequence import (SequenceParallelRegion, SequenceState, record_full_hidden_states,
-                             refuse_recorded_hidden_states)
+from .layer.sequence import (FullLengthKwarg, SequenceParallelRegion, SequenceState, mark_layer_rows,
+                             record_full_hidden_states, refuse_recorded_hidden_states)
 from .layer.sequence_layout import BLOCK, GATHER, GATHER_INPUT, MARK_ROWS, SPLIT, SPLIT_OUTPUT, SequenceLayouts
 from .layout import Fused, Heads, Split
 from .policy import ModulePolicyDescription, Policy
@@ -672,14 +672,10 @@ def install_window_overlaps(model, shard_config, state) -> None:
 
 
 def _mark_layer_rows(module, group, state):
-    from .layer.sequence import mark_layer_rows
-
     return mark_layer_rows(module, state, group)
 
 
 def _full_length_kwarg(module, group, state, name: str):
-    from .layer.sequence import FullLengthKwarg
-
     return FullLengthKwarg.from_native_module(module, group, name=name, state=state)
 
 
