@@ -278,8 +278,8 @@ def _decoder_inputs_maker(model, name: str):
 def _honours_shards(policy) -> bool:
     """Whether a policy's LM heads honour parallel_output (a PolicySpec's
     capabilities may say they do not; hand-written policies do)."""
-    build_spec = getattr(policy, "build_spec", None)
-    return not callable(build_spec) or build_spec().capabilities.parallel_output
+    spec = policy.build_spec()
+    return spec is None or spec.capabilities.parallel_output
 
 
 @functools.lru_cache(maxsize=None)

@@ -214,6 +214,11 @@ class Policy(ABC):
     def config_sanity_check(self) -> None:
         """Raise if the model's configuration is one this policy cannot shard."""
 
+    def build_spec(self):
+        """This policy's shardformer.spec.PolicySpec; None: a hand-written
+        policy, no spec (its LM heads honour parallel_output)."""
+        return None
+
     def sequence_parallel_modes(self) -> tuple[str, ...]:
         """The sequence_parallelism_modes this policy implements: `sp_modes`,
         then split_attention_modes() (none by default: optimize() refuses SP
