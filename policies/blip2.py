@@ -70,7 +70,6 @@ from shardformer.family import ComposedPolicy, Family, gathered, spec_stage_spli
 from shardformer.layer.sequence_layout import ENTER
 from shardformer.layout import Heads
 from shardformer.pipeline.stages import StageSplit
-from shardformer.plan import record_hidden_states
 from shardformer.spec import (GATHER_ORDER, Attribute, Capabilities, Entry, Method, ModuleSpec, PolicySpec, Refusal,
                               Region, SplitGatherSpec, SplitWhen)
 
@@ -251,11 +250,6 @@ class Blip2Shape(ComposedPolicy):
         """The Q-Former's ModuleSpecs (module-level qformer_modules), for a subclass to override."""
         return qformer_modules(qformer_cfg)
 
-    def postprocess(self):
-        """The language model's postprocess, then output_hidden_states=True under
-        split-gather SP recording the vision encoder's and Q-Former's full
-        sequences (their layers mark their rows: record_hidden_states)."""
-        return record_hidden_states(self, super().postprocess())
 
 
 _HF = "blip_2.modeling_blip_2"

@@ -108,7 +108,7 @@ from shardformer.layer.sequence_layout import BLOCK, ENTER, ENTER_OUTPUT, LEAVE,
 from shardformer.layer.sequence import SequenceState
 from shardformer.layout import Heads
 from shardformer.pipeline.stages import StageSplit
-from shardformer.plan import (PlanContext, install_window_overlaps, interpret, realize,
+from shardformer.plan import (PlanContext, interpret, realize,
                               split_gather_layer, split_gather_subs)
 from shardformer.policy import ModulePolicyDescription
 from shardformer.policy import SubModuleReplacementDescription as Sub
@@ -595,13 +595,6 @@ class StageShape(VisionShape):
 
     def encoder_prefix(self) -> str:
         return next(name for name, m in self.model.named_modules() if type(m).__name__ == f"{self.prefix}Encoder")
-
-    def postprocess(self):
-        """After the plan, enable_sequence_overlap's hooks on the blocks the
-        stages' WindowOverlap listed (OptimizeState.window_overlaps)."""
-        model = super().postprocess()
-        install_window_overlaps(self.model, self.shard_config, self.state)
-        return model
 
     def build_spec(self) -> PolicySpec:
         cfg = self.model.config

@@ -43,8 +43,8 @@ from torch import nn
 
 from .config import ShardConfig
 from .lm_loss import HOOK, LMLoss
-from .plan import (PlanContext, has_module, hf_entries, install_hooks, interpret, record_hidden_states, record_ties,
-                   refuse, replacement, stage_split)
+from .plan import (PlanContext, has_module, hf_entries, install_hooks, install_window_overlaps, interpret,
+                   record_hidden_states, record_ties, refuse, replacement, stage_split)
 from .policy import ModulePolicyDescription, Policy, merge_policies
 from .policy import SubModuleReplacementDescription as Sub
 from .spec import Capabilities, PolicySpec
@@ -318,6 +318,7 @@ class FamilyPolicy(SplitAttentionPolicy, Policy):
     def postprocess(self) -> nn.Module:
         super().postprocess()                   # the ties recorded in preprocess (Policy.postprocess)
         install_hooks(self.model, self.shard_config, self.state)      # the spec's Hook rows
+        install_window_overlaps(self.model, self.shard_config, self.state)   # its Stack rows' WindowOverlap
         if self.tensor_parallel:
             for head in self.active_heads():
                 if head.kind == "lm" and head.bias_of is not None:  # HF keeps the decoder bias as the owner's `bias`
@@ -389,9 +390,14 @@ class ComposedPolicy(FamilyPolicy):
         return super().preprocess()
 
     def postprocess(self) -> nn.Module:
+        """The composed policies' postprocess, then this one's; a spec with
+        split-gather stacks of its own (BLIP-2's vision encoder and Q-Former)
+        records their full sequences for output_hidden_states=True
+        (plan.record_hidden_states)."""
         for inner in self.composed_policies():
             inner.postprocess()
-        return super().postprocess()
+        model = super().postprocess()
+        return record_hidden_states(self, model) if self.build_spec().split_gather is not None else model
 
 
 #: The Capabilities fields a SpecPolicy answers from its spec, and the Policy

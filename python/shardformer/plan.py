@@ -662,11 +662,12 @@ def stack_subs(row, model, owner: str, held: frozenset, state) -> list[Sub]:
 def install_window_overlaps(model, shard_config, state) -> None:
     """After substitution: the WindowedGatherOverlap hooks of the blocks a
     Stack's WindowOverlap listed (OptimizeState.window_overlaps: {block path:
-    (SequenceState, gather_at, attention)})."""
+    (SequenceState, gather_at, attention)}), once: the list is consumed."""
     from .layer.window_overlap import WindowedGatherOverlap
 
     group = shard_config.tensor_parallel_process_group
-    for path, (seq, gather_at, attention) in state.window_overlaps.items():
+    overlaps, state.window_overlaps = state.window_overlaps, {}        # consumed: installed once
+    for path, (seq, gather_at, attention) in overlaps.items():
         WindowedGatherOverlap.from_native_module(model.get_submodule(path), group, state=seq, gather_at=gather_at,
                                                  attention=attention)
 
