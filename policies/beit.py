@@ -42,10 +42,12 @@ states: they travel to the last stage in the messages (StageSplit.reads).
 """
 from __future__ import annotations
 
-from shardformer.family import Family, gathered, spec_capabilities
+from dataclasses import replace
+
+from shardformer.family import Family, gathered, spec_capabilities, spec_stage_split
 from shardformer.pipeline.stages import StageSplit
 from shardformer.policies.shapes import VisionShape
-from shardformer.spec import Entry, Hook
+from shardformer.spec import Entry, Hook, PolicySpec, Refusal
 
 
 class BeitShape(VisionShape):
@@ -56,36 +58,36 @@ class BeitShape(VisionShape):
 
     split_attention_at = None
 
-    def stage_split(self, refuse: bool) -> StageSplit:
+    pipeline_split = property(spec_stage_split)       # the spec's StageSplit (capabilities())
+
+    def decode_reads(self) -> tuple[int, ...]:
+        """The hidden states a decode head reads (BeitForSemanticSegmentation.forward:
+        encoder_hidden_states[i - 1] for i in config.out_indices); none without one."""
+        return tuple(i - 1 for i in self.model.config.out_indices) if hasattr(self.model, "decode_head") else ()
+
+    def capabilities(self):
         """The layers split over the stages like ViT's; the shared bias table
         (use_shared_relative_position_bias: BeitModel.shared_position_bias,
         built before the layers and added to every layer's scores) runs on
-        every stage, its gradients summed over them.  Semantic segmentation's
-        decode head reads the hidden states i - 1 for i in out_indices
-        (BeitForSemanticSegmentation.forward: encoder_hidden_states[i - 1]):
-        they travel to the last stage in the messages (StageSplit.reads);
-        with `refuse`, sequence parallelism with them is refused."""
-        model = getattr(self, "model", None)
-        reads = ()
-        if model is not None and type(model).__name__ == "BeitForSemanticSegmentation":
-            reads = tuple(i - 1 for i in model.config.out_indices)
-            cfg = getattr(self, "shard_config", None)
-            if refuse and cfg is not None and cfg.enable_sequence_parallelism:
-                raise NotImplementedError(
-                    f"BeitForSemanticSegmentation: pipeline parallelism with sequence parallelism "
-                    f"({cfg.sequence_parallelism_mode}) is not available: the hidden states "
-                    f"{sorted(set(reads))} of {self.base_prefix()}.layers that the decode head reads would "
-                    f"travel as each rank's rows, and the head needs whole ones (docs/pipeline.md)")
-        return StageSplit("{prefix}Model", "layers", last=("layernorm", "pooler"), everywhere=("shared_position_bias",),
-                          reads=reads)
+        every stage, its gradients summed over them; the hidden states a
+        decode head reads (decode_reads()) travel to the last stage in the
+        messages (StageSplit.reads)."""
+        return spec_capabilities(self, pipeline_split=StageSplit(
+            "{prefix}Model", "layers", last=("layernorm", "pooler"), everywhere=("shared_position_bias",),
+            reads=self.decode_reads()))
 
-    @property
-    def pipeline_split(self):
-        """stage_split(refuse=True): read by the pipeline."""
-        return self.stage_split(refuse=True)
-
-    def capabilities(self):
-        return spec_capabilities(self, pipeline_split=self.stage_split(refuse=False))
+    def build_spec(self) -> PolicySpec:
+        """VisionShape's spec; with a decode head, split-gather SP under
+        pipeline stages refused (a Refusal row): the hidden states it reads
+        would travel as each rank's rows."""
+        spec, reads = super().build_spec(), self.decode_reads()
+        if not reads:
+            return spec
+        return replace(spec, refusals=spec.refusals + (Refusal(
+            "", when=("pipeline_stages", "model:decode_head", "mode:split_gather"), error="NotImplementedError",
+            message=(f"{{model}}: pipeline parallelism with sequence parallelism ({{mode}}) is not available: the "
+                     f"hidden states {sorted(set(reads))} of {self.base_prefix()}.layers that the decode head reads "
+                     f"would travel as each rank's rows, and the head needs whole ones (docs/pipeline.md)")),))
 
     def sp_norms(self, layer) -> list[str]:
         # the bias table is split by heads (ShardParams): complete per rank, no all-reduce

@@ -293,7 +293,7 @@ def test_last_code_paths_as_data():
     raised with their messages; ALBERT's row marking and BEiT's full-length
     kwarg as Hook rows, recorded per module under split-gather SP only; the
     pipeline splits of T5 / Whisper / BLIP-2 as SplitWhen rows giving the
-    bound model's StageSplit."""
+    bound model's StageSplit, BEiT's in its spec with its refusal a row."""
     import types
 
     from shardformer.family import ComposedPolicy
@@ -356,5 +356,9 @@ def test_last_code_paths_as_data():
         assert all(isinstance(r, SplitWhen) for r in rows), name
         split = stage_split(rows, policy.model)
         assert split is not None and split == policy.pipeline_split, name
+    seg = _policy("BeitForSemanticSegmentation")            # the decode head's reads in the spec's split, its refusal a row
+    assert seg.build_spec().capabilities.pipeline_split.reads == seg.pipeline_split.reads == (0, 1, 2, 3)
+    assert [r.when for r in seg.build_spec().refusals] == [("pipeline_stages", "model:decode_head", "mode:split_gather")]
+    assert _policy("BeitModel").build_spec().refusals == ()
     assert _policy("T5EncoderModel").pipeline_split.then is None
     assert _policy("Blip2QFormerModel").pipeline_split.owner == "Blip2QFormerModel"
