@@ -103,7 +103,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from shardformer.family import SpecPolicy, spec_capabilities
+from shardformer.family import SpecPolicy, gathered, lm, spec_capabilities
 from shardformer.layer.sequence_layout import BLOCK, ENTER, ENTER_OUTPUT, LEAVE, SUM_GRAD
 from shardformer.layer.sequence import SequenceState
 from shardformer.layout import Heads
@@ -234,8 +234,6 @@ def decoder_heads(prefix: str, *, base: str = "Model", qa: bool = True, token: b
     """{class name: heads}: the base model, ForCausalLM (vocabulary-parallel LM head),
     ForSequenceClassification / ForTokenClassification ("score") and
     ForQuestionAnswering ("qa_outputs"), gathered."""
-    from shardformer.family import gathered, lm
-
     heads = {f"{prefix}{base}": (), f"{prefix}ForCausalLM": lm("lm_head"),
              f"{prefix}ForSequenceClassification": gathered("score")}
     if token:
@@ -618,8 +616,6 @@ def gpt_heads(prefix: str, *, token: bool = True) -> dict:
     """{class name: heads}: the base model, ForCausalLM (vocabulary-parallel LM head),
     ForSequenceClassification ("score"), ForTokenClassification ("classifier") and
     ForQuestionAnswering ("qa_outputs"), gathered."""
-    from shardformer.family import gathered, lm
-
     heads = {f"{prefix}Model": (), f"{prefix}ForCausalLM": lm("lm_head"),
              f"{prefix}ForSequenceClassification": gathered("score")}
     if token:

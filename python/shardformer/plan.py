@@ -71,10 +71,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .layer.dropout import DropoutForParallelInput, DropoutForReplicatedInput
 from .layer.replicated import ReplicatedInParallelRegion
 from .layer.sequence import (FullLengthKwarg, SequenceParallelRegion, SequenceState, mark_layer_rows,
                              record_full_hidden_states, refuse_recorded_hidden_states)
 from .layer.sequence_layout import BLOCK, GATHER, GATHER_INPUT, MARK_ROWS, SPLIT, SPLIT_OUTPUT, SequenceLayouts
+from .layer.window_overlap import WindowedGatherOverlap
 from .layout import Fused, Heads, Split
 from .policy import ModulePolicyDescription, Policy
 from .spec import GATHER_ORDER, SP_LINEAR, Attribute, Hook, Method, MethodSite, Region, Setting, Stack
@@ -124,8 +126,6 @@ def residual_dropout(shard_config) -> type:
     the replicated output under TP (DropoutForReplicatedInput, one mask), on
     this rank's rows under split-gather SP (DropoutForParallelInput, a mask
     per rank)."""
-    from .layer import DropoutForParallelInput, DropoutForReplicatedInput
-
     return DropoutForParallelInput if shard_config.sequence_parallel else DropoutForReplicatedInput
 
 
@@ -663,8 +663,6 @@ def install_window_overlaps(model, shard_config, state) -> None:
     """After substitution: the WindowedGatherOverlap hooks of the blocks a
     Stack's WindowOverlap listed (OptimizeState.window_overlaps: {block path:
     (SequenceState, gather_at, attention)}), once: the list is consumed."""
-    from .layer.window_overlap import WindowedGatherOverlap
-
     group = shard_config.tensor_parallel_process_group
     overlaps, state.window_overlaps = state.window_overlaps, {}        # consumed: installed once
     for path, (seq, gather_at, attention) in overlaps.items():
