@@ -83,7 +83,9 @@ typedef struct {
     uint64_t bytes; /* bytes of the call's tensor argument */
     uint32_t dtype; /* sf_shm_dtype */
     int32_t root;   /* broadcast root, else -1 */
-    uint8_t kind, op, algo, pad[5];
+    uint8_t kind, op, algo;
+    uint8_t phase;  /* sf_shm_phase the caller set: forward or backward (autograd) */
+    uint8_t pad[4];
 } desc;
 
 /* Rank r's line: its barrier count and its two descriptor slots (slot
@@ -124,6 +126,7 @@ struct sf_shm {
     uint64_t calls;   /* collective calls this rank has announced */
     unsigned phase;   /* which workspace half the next chunk uses */
     int announce;     /* the next barrier publishes and checks `next` */
+    unsigned call_phase; /* sf_shm_phase of the calls from now on (sf_shm_set_phase) */
     desc next;
     uint64_t sent[SF_SHM_MAX_RANKS], received[SF_SHM_MAX_RANKS]; /* messages per peer */
     double timeout_s;

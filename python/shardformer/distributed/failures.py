@@ -48,6 +48,7 @@ import contextlib
 import datetime
 import json
 import secrets
+import threading
 
 import torch.distributed as dist
 
@@ -63,6 +64,7 @@ HANDLED = "_shardformer_failure_told"   # set on an exception whose peers were t
 RAISED = 4                 # the abort record's reason for ShmCommunicator.abort (csrc/comm/shm_internal.h)
 READ_TIMEOUT_S = 5.0       # how long a peer waits for the failing rank's account in the store
 _REASONS = {1: "timed out", 2: "was interrupted", 3: "found the group out of step"}
+_inside = threading.local()  # .depth: guarded steps this thread is in
 
 
 class PeerFailed(RuntimeError):
@@ -164,7 +166,7 @@ def _own_failure(error: BaseException, comms, what: str, where: str) -> None:
                    f"again by the next collective (docs/pipeline.md#when-a-stage-fails)")
 
 
-def _peer_failure(comms, what: str, where: str) -> PeerFailed | None:
+def _peer_failure(comms, what: str, where: str, tell_others: bool = True) -> PeerFailed | None:
     """The PeerFailed for a wait that another rank's abort ended (that
     rank's account passed on to this rank's other groups), or None when no
     group of the step was aborted by another rank."""
@@ -183,13 +185,31 @@ def _peer_failure(comms, what: str, where: str) -> PeerFailed | None:
         else:
             story = f"global rank {comm.ranks[who]} {_REASONS.get(why, f'failed (reason {why})')}"
         ranks = [account["rank"] if account is not None else comm.ranks[who]]
-        _publish(account or {"rank": ranks[0], "type": "no exception", "message": story, "where": comm.label},
-                 comms)
+        if tell_others:
+            _publish(account or {"rank": ranks[0], "type": "no exception", "message": story,
+                                 "where": comm.label}, comms)
         return PeerFailed(f"{what}: {story}; global rank {dist.get_rank()} stopped waiting for it ({where}; "
                           f"{comm.label}).  Every rank of the group got an error from this step; zero the "
                           f"gradients and run the next step on every rank (docs/pipeline.md#when-a-stage-fails)",
                           ranks, account)
     return None
+
+
+def _outside_a_step(comm, error: RuntimeError) -> PeerFailed | None:
+    """shm.on_peer_failure: a call outside any guarded step (a collective of
+    loss.backward()) failed because another rank aborted its group: the
+    PeerFailed naming that rank (its account passed on to no other group:
+    the next guarded forward() sets the groups up again, step_guard)."""
+    if getattr(_inside, "depth", 0) or comm.label not in str(error) or not dist.is_initialized():
+        return None
+    record = comm.abort_record()
+    if record is None or record[1] != RAISED or record[0] == comm.rank:
+        return None
+    where = "in backward" if _shm.in_backward() else "outside a guarded step"
+    return _peer_failure([(None, comm)], "a collective", where, tell_others=False)
+
+
+_shm.on_peer_failure = _outside_a_step
 
 
 @contextlib.contextmanager
@@ -200,6 +220,7 @@ def guard(groups, what: str, where):
     LlamaForCausalLM"); `where()`: this rank's position in it, asked only
     when something raised; None there means every rank raises this error
     alike (an agreed refusal): it passes untouched."""
+    _inside.depth = getattr(_inside, "depth", 0) + 1
     try:
         yield
     except PeerFailed:
@@ -222,3 +243,5 @@ def guard(groups, what: str, where):
         with contextlib.suppress(AttributeError, TypeError):
             setattr(error, HANDLED, True)
         raise
+    finally:
+        _inside.depth -= 1
