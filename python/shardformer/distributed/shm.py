@@ -592,6 +592,8 @@ class ShmCommunicator:
         return self._call(async_op, _C.shm_barrier, self._comm)
 
 
+#: called first at exit with the open communicators (distributed.failures)
+at_exit: list = []
 #: set by distributed.failures: (communicator, the RuntimeError a call raised) -> the
 #: PeerFailed to raise instead (a peer's abort reached a call outside any guarded step,
 #: e.g. in loss.backward()), or None
@@ -690,6 +692,11 @@ def _close_all() -> None:
     finish what it is running and leave.  A worker still waiting for a peer
     in the C core after that is left: it holds no C++ frame, and CPython's
     pthread_exit unwinds C frames cleanly."""
+    for hook in at_exit:              # failures: tell peers that wait for this rank
+        try:
+            hook(list(_LIVE))
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
     _EXITING.set()
     for comm in list(_LIVE):
         try:
