@@ -32,14 +32,14 @@ const char *shm_dtype_name(sf_shm_dtype d)
     return sf_dtype_name(t);
 }
 
-/* "all_reduce(sum, 16 bytes, float32, one-shot) in forward" */
+/* "all_reduce(sum, 16 bytes, float32, one-shot)"; with_phase: "... in backward" */
 static void describe_call(const desc *d, char *buf, size_t n);
 
-static void describe(const desc *d, char *buf, size_t n)
+static void describe(const desc *d, int with_phase, char *buf, size_t n)
 {
     char call[160];
     describe_call(d, call, sizeof(call));
-    snprintf(buf, n, "%s in %s", call, d->phase ? "backward" : "forward");
+    snprintf(buf, n, "%s%s", call, !with_phase ? "" : d->phase ? " in backward" : " in forward");
 }
 
 static void describe_call(const desc *d, char *buf, size_t n)
@@ -128,8 +128,9 @@ static sf_status verify(sf_shm *c, uint64_t target, sf_error *err)
         }
         if (r > 0 && !same_call(&d0, &d)) {
             char a[192], b[192], at[48] = "";
-            describe(&d0, a, sizeof(a));
-            describe(&d, b, sizeof(b));
+            int phases = d0.phase != d.phase; /* named where they differ (a skipped backward) */
+            describe(&d0, phases, a, sizeof(a));
+            describe(&d, phases, b, sizeof(b));
             if (d.call != d0.call)
                 snprintf(at, sizeof(at), " as its call #%llu", (unsigned long long)d.call);
             return sf_fail(err, SF_EMISMATCH,
