@@ -13,11 +13,11 @@ peers' gradients would hold that rank's activations).  Two mechanisms:
     backward; shm.in_backward) in the descriptor its first barrier checks:
     a forward call never pairs with a backward call; both ranks raise a
     collective mismatch naming both ranks and both calls.
-  * `BackwardStarted`, an identity autograd Function over the outputs of
-    every guarded forward() that need a gradient: its backward runs first
-    in the model's backward ("started", call N) and queues an autograd
-    callback that runs when the whole backward has finished ("finished");
-    autograd skips that callback when the backward raises.  So at the next
+  * `BackwardStarted`, a gradient hook on the outputs of every guarded
+    forward() that need a gradient: it runs first in the model's backward
+    ("started", call N) and queues an autograd callback that runs when the
+    whole backward has finished ("finished"); autograd skips that callback
+    when the backward raises.  So at the next
     forward(), a rank whose backward of call N started and did not finish
     knows it raised, and `settle()` runs before anything else:
       - a group already aborted by another rank (this rank's backward
@@ -36,7 +36,7 @@ peers' gradients would hold that rank's activations).  Two mechanisms:
         collective), that peer's next forward() fails, so this rank's
         forward() raises too and every rank skips the same two steps.
 
-Cost per forward(): one autograd node and one callback per backward.
+Cost: a hook per output needing a gradient, one callback per backward.
 """
 from __future__ import annotations
 
@@ -52,50 +52,41 @@ __all__ = ["BackwardStarted", "mark_outputs", "settle"]
 POLL_S = 0.001            # how often settle() reads the peers' state
 
 
-class BackwardStarted(torch.autograd.Function):
-    """Identity over a forward()'s outputs: its backward records that the
-    backward of call `n` started on `watch`, and queues the callback that
-    records it finished."""
+class BackwardStarted:
+    """A gradient hook on a forward()'s outputs: when the backward of call `n`
+    reaches one of them (the first thing that backward does), it records on
+    `watch` that the backward started, and queues the autograd callback that
+    records it finished (autograd runs it only when the whole backward did).
+    A hook, not an autograd node: the outputs stay what they were (in-place
+    ops on them, as transformers.Trainer's `loss *= scale`, keep working)."""
 
-    @staticmethod
-    def forward(ctx, watch, n, *tensors):
-        ctx.watch, ctx.n = watch, n
-        ctx.set_materialize_grads(False)
-        return tuple(t.view_as(t) for t in tensors)
+    __slots__ = ("watch", "n")
 
-    @staticmethod
-    def backward(ctx, *grads):
-        watch, n = ctx.watch, ctx.n
-        watch.open_backward = n
+    def __init__(self, watch, n: int):
+        self.watch, self.n = watch, n
 
-        def finished():
-            if watch.open_backward == n:
-                watch.open_backward = None
-        torch.autograd.Variable._execution_engine.queue_callback(finished)
-        return (None, None, *grads)
+    def __call__(self, grad):
+        watch, n = self.watch, self.n
+        if watch.open_backward != n:
+            watch.open_backward = n
+            torch.autograd.Variable._execution_engine.queue_callback(self.finished)
+        return None
 
-
-def _needs_grad(value) -> bool:
-    return isinstance(value, torch.Tensor) and value.requires_grad
+    def finished(self) -> None:
+        if self.watch.open_backward == self.n:
+            self.watch.open_backward = None
 
 
 def mark_outputs(watch, n: int, out):
-    """`out` (a tensor, a tuple / list, or a ModelOutput) with its tensors
-    that need a gradient passed through one BackwardStarted node."""
-    if isinstance(out, torch.Tensor):
-        return BackwardStarted.apply(watch, n, out)[0] if out.requires_grad else out
-    if isinstance(out, dict):                        # ModelOutput: its setitem keeps the attribute too
-        keys = [k for k, v in out.items() if _needs_grad(v)]
-        if keys:
-            for k, v in zip(keys, BackwardStarted.apply(watch, n, *(out[k] for k in keys))):
-                out[k] = v
-        return out
-    if isinstance(out, (tuple, list)) and any(_needs_grad(v) for v in out):
-        idx = [i for i, v in enumerate(out) if _needs_grad(v)]
-        items = list(out)
-        for i, v in zip(idx, BackwardStarted.apply(watch, n, *(out[i] for i in idx))):
-            items[i] = v
-        return type(out)(items) if not hasattr(out, "_fields") else type(out)(*items)
+    """`out` (a tensor, a tuple / list, or a ModelOutput) with a BackwardStarted
+    hook on each of its tensors that need a gradient; returned as it was."""
+    values = [out] if isinstance(out, torch.Tensor) else list(out.values()) if isinstance(out, dict) else \
+        list(out) if isinstance(out, (tuple, list)) else []
+    hook = None
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            hook = hook or BackwardStarted(watch, n)
+            value.register_hook(hook)
     return out
 
 

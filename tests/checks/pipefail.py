@@ -217,8 +217,9 @@ def _failing_forward(ctx, ref, model, how: str, bad: int, batch) -> dict:
 # phases of _failing_backward: where rank `bad`'s loss.backward() raises (backward_watch):
 # "backward" at its first decoder layer's output gradient (its peers wait in that layer's
 # all-reduce); "late" at the embeddings' output gradient, after its last collective (its peers
-# finish the backward); "loss" at the loss's gradient, before the backward reaches the model (its
-# next forward's first all-reduce meets the peers' first backward all-reduce, of the same size)
+# finish the backward); "loss" in the caller's own loss computed from the logits, before the
+# backward reaches the model's outputs (its next forward's first call meets the peers' first
+# backward call)
 BACKWARD_PHASES = ("backward", "late", "loss")
 
 
@@ -246,10 +247,11 @@ def _failing_backward(ctx, ref, model, how: str, bad: int, batch, phase: str) ->
         mdl.zero_grad(set_to_none=True)
     t0 = raised["t"] = time.time()
     out = model(**batch)
+    loss = out.logits.float().square().mean() if phase == "loss" else out.loss   # "loss": the caller's own
     if ctx.rank == bad and phase == "loss":
-        out.loss.register_hook(boom)
+        loss.register_hook(boom)
     try:
-        out.loss.backward()
+        loss.backward()
     except BaseException as e:  # noqa: BLE001 - looked at below
         error, caught = e, time.time()
     else:
