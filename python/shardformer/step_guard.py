@@ -14,7 +14,9 @@ communicators are set up afresh by the next collective (see failures).
 The wrappers are module-level classes held in the model's __dict__ (not
 closures), so the model pickles and deep-copies; a forward() called by
 generate() is guarded once (the inner guard marks the exception told).
-Cost per call: a try block.
+Cost per call: a try block.  A backward that raised (the caller's
+loss.backward(), outside the guard) is settled at the next forward():
+shardformer.backward_watch.
 """
 from __future__ import annotations
 

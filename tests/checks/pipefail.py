@@ -288,39 +288,24 @@ def _failing_backward(ctx, ref, model, how: str, bad: int, batch, phase: str) ->
     return dict(seen, schedule=f"tp-{how}", phase=phase)
 
 
-class _AllReduceGrad(torch.autograd.Function):
-    """Identity forward; backward all-reduces the gradient over `comm` (a
-    column-parallel layer's input gradient, reduced to its simplest)."""
-
-    @staticmethod
-    def forward(ctx, comm, x):
-        ctx.comm = comm
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        ctx.comm.all_reduce(grad)
-        return None, grad
-
-
 def _phase_pairing(ctx, bad: int) -> dict:
-    """The pairing itself, on the group's shm communicator: every rank but `bad`
-    all-reduces a gradient in backward while rank `bad` (its backward skipped) all-reduces
-    a forward tensor of the same size and dtype.  Before the phase tag the two summed
+    """The pairing itself, through the tensor-parallel region operators over the default
+    group: every rank but `bad` all-reduces a gradient in backward (copy_to_tp_region's)
+    while rank `bad` (its backward skipped) all-reduces a forward tensor of the same size
+    and dtype (reduce_from_tp_region's).  Before the phase tag the two summed
     silently (the backward's gradient came back holding rank `bad`'s activations); now
     every rank raises a collective mismatch naming both ranks and both calls.  The
     group's communicator is dropped afterwards (every rank), as after any failed step."""
-    from shardformer.distributed import communicator, shm
+    from shardformer.distributed import communicator
+    from shardformer.distributed.mappings.tensor import copy_to_tp_region, reduce_from_tp_region
 
-    comm = shm.communicator(None)
     t0 = time.time()
     if ctx.rank == bad:
-        got = torch.full((96,), 5.0)
-        error, caught = _raised_by(lambda: comm.all_reduce(got), None, f"pairing: rank {bad}'s forward all_reduce")
+        error, caught = _raised_by(lambda: reduce_from_tp_region(torch.full((96,), 5.0)), None,
+                                   f"pairing: rank {bad}'s forward all_reduce")
     else:
         x = torch.ones(96, requires_grad=True)
-        error, caught = _raised_by(lambda: _AllReduceGrad.apply(comm, x).sum().backward(), None,
+        error, caught = _raised_by(lambda: copy_to_tp_region(x).sum().backward(), None,
                                    f"pairing: rank {ctx.rank}'s backward all_reduce")
     text = str(error)
     for part in ("collective mismatch", "in forward", "in backward", "all_reduce(sum, 384 bytes, float32"):

@@ -36,6 +36,13 @@ records its token; a peer reading a slot another failure has since taken
 finds another token there and says the account was lost, so a long job
 leaves at most SLOTS keys behind however many steps fail.
 
+Outside a step: a call outside any guard (a collective of loss.backward())
+that a peer's abort ended raises PeerFailed too (shm.on_peer_failure;
+shardformer.backward_watch tells the peers of a backward that raised); a
+process leaving with an uncaught exception, or while a peer waits for it,
+aborts its groups at exit with its account (_at_exit); one leaving without
+Python (os._exit, a signal) is found by the waiting peers' pid check.
+
 What this does not reach: groups whose collectives go through
 torch.distributed (SHARDFORMER_COMM=torch, ranks on several hosts, CUDA
 tensors), and a rank that fails before a group's first collective (its
