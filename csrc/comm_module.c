@@ -273,6 +273,42 @@ static PyObject *py_shm_abort_record(PyObject *self, PyObject *cap)
     return Py_BuildValue("(iiK)", rank, why, (unsigned long long)token);
 }
 
+static PyObject *py_shm_set_phase(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *cap;
+    int phase;
+    if (!PyArg_ParseTuple(args, "Op:shm_set_phase", &cap, &phase))
+        return NULL;
+    shm_box *b = shm_box_of(cap);
+    if (!b)
+        return NULL;
+    sf_shm_set_phase(b->comm, (unsigned)phase);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_shm_rank_states(PyObject *self, PyObject *cap)
+{
+    (void)self;
+    shm_box *b = shm_box_of(cap);
+    if (!b)
+        return NULL;
+    int n = sf_shm_nranks(b->comm);
+    PyObject *out = PyList_New(n);
+    for (int r = 0; out && r < n; r++) {
+        uint64_t seq;
+        unsigned phase;
+        sf_shm_rank_state(b->comm, r, &seq, &phase);
+        PyObject *item = Py_BuildValue("(KO)", (unsigned long long)seq, phase ? Py_True : Py_False);
+        if (!item) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, r, item);
+    }
+    return out;
+}
+
 /* ---- shm: running a call -------------------------------------------------- */
 
 typedef enum { SHM_ALL_REDUCE, SHM_ALL_GATHER, SHM_REDUCE_SCATTER, SHM_BROADCAST, SHM_SEND,
@@ -676,6 +712,10 @@ static PyMethodDef comm_methods[] = {
     {"shm_info", py_shm_info, METH_O, "shm_info(comm) -> dict"},
     {"shm_abort", py_shm_abort, METH_VARARGS,
      "shm_abort(comm, token): this rank failed; every wait of every rank fails now (token: nonzero)."},
+    {"shm_set_phase", py_shm_set_phase, METH_VARARGS,
+     "shm_set_phase(comm, backward): the phase the next calls' descriptors carry (forward: False)."},
+    {"shm_rank_states", py_shm_rank_states, METH_O,
+     "shm_rank_states(comm) -> [(barriers entered, last call in backward)] per group rank."},
     {"shm_abort_record", py_shm_abort_record, METH_O,
      "shm_abort_record(comm) -> None or (rank, why, token): the group's first failure."},
     {"shm_all_reduce", py_shm_all_reduce, METH_VARARGS,

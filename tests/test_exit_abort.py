@@ -122,3 +122,69 @@ def test_no_backend_thread_left_at_exit(case):
     lines = [ln for ln in report.splitlines() if ln.startswith("threads at exit:")]
     assert len(lines) == 2, report
     assert not any("gloo" in ln or "tcpstore" in ln for ln in lines), report
+
+
+# A rank that leaves while its peer waits for it (shardformer.distributed.failures._at_exit, the
+# pid check of csrc/comm/shm_wait.c): world of 4, rank 0 shares a two-rank group (and its shm
+# communicator) with each of ranks 1..3 and waits in an all_reduce over each in turn; rank k leaves
+# its own way once rank 0 waits.  Rank 0's wait must end within 5 s with PeerFailed naming k.
+# (os._exit is SIGKILL's case for the peer: no Python runs, the process is gone; a fifth process
+# would cost CI its imports.)
+EXITS = {1: "uncaught", 2: "sys.exit", 3: "SIGKILL"}
+EXITING_RANK = r'''
+import os, signal, sys, time
+import torch, torch.distributed as dist
+rank, port = int(sys.argv[1]), sys.argv[2]
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+from shardformer.distributed import shm
+from shardformer.distributed.failures import PeerFailed
+store = dist.distributed_c10d._get_default_store()
+groups = {k: dist.new_group([0, k]) for k in range(1, 4)}
+comms = {k: shm.communicator(g) for k, g in groups.items() if rank in (0, k)}
+t = torch.ones(64)
+if rank == 0:
+    for k in range(1, 4):
+        store.set(f"go/{k}", "1")
+        start = time.time()
+        try:
+            comms[k].all_reduce(t)
+            print(f"case {k}: returned", flush=True)
+        except Exception as e:
+            ok = isinstance(e, PeerFailed) and e.ranks == [k]
+            print(f"case {k}: {time.time() - start:.2f} s {'PeerFailed' if ok else type(e).__name__}: {e}", flush=True)
+    os._exit(0)
+store.wait([f"go/{rank}"])
+time.sleep(0.3)                       # rank 0 waits in the all_reduce by now
+if rank == 1:
+    raise ValueError("bad shard on rank 1")
+if rank == 2:
+    sys.exit(3)
+os.kill(os.getpid(), signal.SIGKILL)
+'''
+
+
+def test_a_rank_that_exits_is_named_by_its_waiting_peer():
+    """An uncaught exception, sys.exit() and SIGKILL on one rank while its peer waits
+    for it in an shm all_reduce: the peer raises PeerFailed naming that rank (and the exception
+    where Python still ran) within BOUND_S, not after SHARDFORMER_SHM_TIMEOUT (20 s here; 300 s
+    by default).  Failed before: rank 0 timed out after 20 s in every case."""
+    bound_s = 5.0
+    port = str(_free_port())
+    env = dict(os.environ, OMP_NUM_THREADS="1", SHARDFORMER_SHM_TIMEOUT="20")
+    procs = [subprocess.Popen([sys.executable, "-c", EXITING_RANK, str(r), port], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(4)]
+    try:
+        out = procs[0].communicate(timeout=150)[0]
+    finally:
+        for p in procs[1:]:
+            p.kill()
+            p.communicate()
+    cases = {int(ln.split()[1].rstrip(":")): ln for ln in out.splitlines() if ln.startswith("case ")}
+    assert sorted(cases) == [1, 2, 3], out
+    expect = {1: "global rank 1 raised builtins.ValueError: bad shard on rank 1",
+              2: "global rank 2 raised exit: the process exited (sys.exit or the end of its program)",
+              3: "global rank 3 exited (its process is gone"}
+    for k, line in cases.items():
+        assert "PeerFailed" in line and expect[k] in line, f"{EXITS[k]}: {line}"
+        assert float(line.split()[2]) <= bound_s, f"{EXITS[k]}: {line}"

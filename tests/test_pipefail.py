@@ -15,6 +15,7 @@ from checks import pipefail as check
 
 LIMIT_S = 60
 BOUND_S = 5.0        # a peer's error after the failing rank raised
+TP_BACKWARD = [("tp", phase) for phase in check.BACKWARD_PHASES]   # loss.backward() raising on one rank
 
 
 def _assert_prompt(report, bad: int):
@@ -27,7 +28,7 @@ def test_failing_stage_2_ranks_default_group(pool2):
     cases = [("1f1b", "batch")] + [(s, "forward") for s in check.SCHEDULES] + [
         ("1f1b", "backward"), ("gpipe", "inference"), ("generate", "forward")]
     report = pool2.run_within(LIMIT_S, check.failing_stage, 2, 1, [(2, 1, "default", cases),
-                                                                   (1, 2, "default", [("tp", "forward")])])
+                                                                   (1, 2, "default", [("shm", "pairing"), ("tp", "forward")] + TP_BACKWARD)])
     _assert_prompt(report, 1)
 
 
@@ -38,5 +39,5 @@ def test_failing_stage_4_ranks_explicit_groups(pool):
     cases = [("1f1b", "batch"), ("1f1b", "forward"), ("zb-v", "forward"), ("zb-v", "backward")]
     report = pool.run_within(LIMIT_S, check.failing_stage, 4, 1, [(4, 1, "groups", cases),
                                                                   (2, 2, "groups", [("1f1b", "forward")]),
-                                                                  (1, 4, "sp", [("tp", "forward")])])
+                                                                  (1, 4, "sp", [("tp", "forward")] + TP_BACKWARD)])
     _assert_prompt(report, 1)

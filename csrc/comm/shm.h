@@ -142,6 +142,17 @@ void sf_shm_abort(sf_shm *c, uint64_t token);
  * for, a bit mask). */
 int sf_shm_abort_record(const sf_shm *c, int *rank, int *why, uint64_t *token);
 
+/* The phase of this rank's collective calls from now on: 0 forward, 1
+ * backward (the caller says which: inside autograd's backward or not).  It
+ * travels in the call's descriptor, so a forward call on one rank never
+ * pairs with a backward call of the same kind and size on another (a rank
+ * that skipped the rest of a backward): the call fails on every rank with
+ * SF_EMISMATCH naming both ranks and both calls. */
+void sf_shm_set_phase(sf_shm *c, unsigned phase);
+/* Where group rank r stands: the barriers it entered (*seq) and the phase of
+ * the call whose descriptor it published last (*phase; 0 before any). */
+void sf_shm_rank_state(const sf_shm *c, int r, uint64_t *seq, unsigned *phase);
+
 /* In-place all-reduce of n elements at buf. */
 sf_status sf_shm_all_reduce(sf_shm *c, void *buf, size_t n, sf_red_dtype t, sf_red_op op,
                             sf_ar_algo algo, sf_error *err);

@@ -32,8 +32,17 @@ const char *shm_dtype_name(sf_shm_dtype d)
     return sf_dtype_name(t);
 }
 
-/* "all_reduce(sum, 16 bytes, float32, one-shot)" */
-static void describe(const desc *d, char *buf, size_t n)
+/* "all_reduce(sum, 16 bytes, float32, one-shot)"; with_phase: "... in backward" */
+static void describe_call(const desc *d, char *buf, size_t n);
+
+static void describe(const desc *d, int with_phase, char *buf, size_t n)
+{
+    char call[160];
+    describe_call(d, call, sizeof(call));
+    snprintf(buf, n, "%s%s", call, !with_phase ? "" : d->phase ? " in backward" : " in forward");
+}
+
+static void describe_call(const desc *d, char *buf, size_t n)
 {
     unsigned long long b = (unsigned long long)d->bytes;
     switch (d->kind) {
@@ -88,13 +97,15 @@ void shm_announce(sf_shm *c, unsigned kind, uint64_t bytes, sf_shm_dtype dt, uns
     c->next.kind = (uint8_t)kind;
     c->next.op = (uint8_t)op;
     c->next.algo = (uint8_t)algo;
+    c->next.phase = (uint8_t)c->call_phase;
     c->announce = 1;
 }
 
 static int same_call(const desc *a, const desc *b)
 {
     return a->call == b->call && a->kind == b->kind && a->bytes == b->bytes &&
-           a->dtype == b->dtype && a->op == b->op && a->root == b->root && a->algo == b->algo;
+           a->dtype == b->dtype && a->op == b->op && a->root == b->root && a->algo == b->algo &&
+           a->phase == b->phase;
 }
 
 /* After the first barrier of a call: every rank's descriptor for this
@@ -117,8 +128,9 @@ static sf_status verify(sf_shm *c, uint64_t target, sf_error *err)
         }
         if (r > 0 && !same_call(&d0, &d)) {
             char a[192], b[192], at[48] = "";
-            describe(&d0, a, sizeof(a));
-            describe(&d, b, sizeof(b));
+            int phases = d0.phase != d.phase; /* named where they differ (a skipped backward) */
+            describe(&d0, phases, a, sizeof(a));
+            describe(&d, phases, b, sizeof(b));
             if (d.call != d0.call)
                 snprintf(at, sizeof(at), " as its call #%llu", (unsigned long long)d.call);
             return sf_fail(err, SF_EMISMATCH,
@@ -163,6 +175,20 @@ sf_status shm_barrier(sf_shm *c, const char *what, sf_error *err)
 sf_status shm_finish(sf_shm *c, const char *what, sf_error *err)
 {
     return c->announce ? shm_barrier(c, what, err) : SF_OK;
+}
+
+void sf_shm_set_phase(sf_shm *c, unsigned phase)
+{
+    if (c)
+        c->call_phase = phase ? 1u : 0u;
+}
+
+void sf_shm_rank_state(const sf_shm *c, int r, uint64_t *seq, unsigned *phase)
+{
+    const rank_line *line = &c->ranks[r];
+    uint64_t s = atomic_load_explicit(&line->seq, memory_order_acquire);
+    *seq = s;
+    *phase = s ? line->slot[s & 1].phase : 0u;
 }
 
 sf_status sf_shm_barrier(sf_shm *c, sf_error *err)

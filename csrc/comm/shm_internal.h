@@ -62,7 +62,9 @@ typedef struct {
 /* Why a rank broke the communicator (the abort record's reason). */
 /* WHY_RAISED: the rank's own code raised (sf_shm_abort); its missing[] word holds
  * the caller's token instead of a rank mask. */
-enum { WHY_NONE = 0, WHY_TIMEOUT = 1, WHY_INTERRUPT = 2, WHY_DESYNC = 3, WHY_RAISED = 4 };
+/* WHY_EXITED: a waiting rank found peers' processes gone; missing[] holds them. */
+enum { WHY_NONE = 0, WHY_TIMEOUT = 1, WHY_INTERRUPT = 2, WHY_DESYNC = 3, WHY_RAISED = 4,
+       WHY_EXITED = 5 };
 
 typedef struct {
     _Atomic uint64_t word; /* 0, or (reason << 32) | (rank + 1) of the first failure */
@@ -83,7 +85,9 @@ typedef struct {
     uint64_t bytes; /* bytes of the call's tensor argument */
     uint32_t dtype; /* sf_shm_dtype */
     int32_t root;   /* broadcast root, else -1 */
-    uint8_t kind, op, algo, pad[5];
+    uint8_t kind, op, algo;
+    uint8_t phase;  /* sf_shm_phase the caller set: forward or backward (autograd) */
+    uint8_t pad[4];
 } desc;
 
 /* Rank r's line: its barrier count and its two descriptor slots (slot
@@ -91,7 +95,9 @@ typedef struct {
 typedef struct {
     _Atomic uint64_t seq;
     desc slot[2];
-    char pad[LINE - sizeof(uint64_t) - 2 * sizeof(desc)];
+    uint64_t pidns;  /* the inode of r's pid namespace (0: unknown), written by r at set-up */
+    int32_t pid;     /* r's process, for peers that wait for r (shm_gone_ranks) */
+    char pad[LINE - 2 * sizeof(uint64_t) - 2 * sizeof(desc) - sizeof(int32_t)];
 } rank_line;
 
 /* The sender's line of an ordered pair: chunks posted and the header of the
@@ -124,6 +130,7 @@ struct sf_shm {
     uint64_t calls;   /* collective calls this rank has announced */
     unsigned phase;   /* which workspace half the next chunk uses */
     int announce;     /* the next barrier publishes and checks `next` */
+    unsigned call_phase; /* sf_shm_phase of the calls from now on (sf_shm_set_phase) */
     desc next;
     uint64_t sent[SF_SHM_MAX_RANKS], received[SF_SHM_MAX_RANKS]; /* messages per peer */
     double timeout_s;
@@ -136,6 +143,12 @@ struct sf_shm {
 };
 
 /* ---- waiting (shm_wait.c) ------------------------------------------------ */
+
+/* Record this process in its rank line (pid, pid namespace): at set-up. */
+void shm_register_self(sf_shm *c);
+/* The ranks (bit q) whose processes are gone: peers in this rank's pid
+ * namespace whose pid no longer exists or is a zombie. */
+uint64_t shm_gone_ranks(const sf_shm *c);
 
 /* Backoff state for one wait: spin, then yield the core, then sleep on the
  * wake word (Linux) or with a growing interval capped at 100 us. */

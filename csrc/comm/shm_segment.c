@@ -147,6 +147,7 @@ sf_status sf_shm_create(const char *name, int nranks, size_t workspace, size_t p
     h->p2p = c->p2p;
     h->total = c->total;
     h->nonce = nonce;
+    shm_register_self(c);
     atomic_thread_fence(memory_order_release);
     h->magic = MAGIC;
     *out = c;
@@ -220,6 +221,7 @@ sf_status sf_shm_attach(const char *name, int nranks, int rank, uint64_t nonce, 
     c->base = p;
     c->total = total;
     place(c, &L);
+    shm_register_self(c);
     *out = c;
     return SF_OK;
 }

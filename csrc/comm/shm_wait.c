@@ -15,8 +15,13 @@
 #define _GNU_SOURCE
 #include "shm_internal.h"
 
+#include <errno.h>
 #include <sched.h>
+#include <signal.h>
 #include <stdio.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/types.h>
 #include <time.h>
 #include <unistd.h>
 #ifdef __linux__
@@ -40,6 +45,55 @@ static void format_ranks(uint64_t mask, int nranks, char *buf, size_t n)
     }
     if (len == 0)
         snprintf(buf, n, " none");
+}
+
+/* ---- peers' processes ----------------------------------------------------------- */
+
+static uint64_t pid_namespace(void)
+{
+    struct stat st;
+    return stat("/proc/self/ns/pid", &st) == 0 ? (uint64_t)st.st_ino : 0;
+}
+
+void shm_register_self(sf_shm *c)
+{
+    c->ranks[c->rank].pidns = pid_namespace();
+    c->ranks[c->rank].pid = (int32_t)getpid();
+}
+
+/* Whether process pid is gone: no such process, or a zombie (exited, not yet
+ * reaped by its parent). */
+static int process_gone(int32_t pid)
+{
+    if (pid <= 0)
+        return 0;
+    if (kill((pid_t)pid, 0) != 0)
+        return errno == ESRCH;
+#ifdef __linux__
+    char path[64], buf[512];
+    snprintf(path, sizeof(path), "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    size_t n = fread(buf, 1, sizeof(buf) - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    const char *close_paren = strrchr(buf, ')');
+    return close_paren && close_paren[1] == ' ' && (close_paren[2] == 'Z' || close_paren[2] == 'X');
+#else
+    return 0;
+#endif
+}
+
+uint64_t shm_gone_ranks(const sf_shm *c)
+{
+    uint64_t mine = c->ranks[c->rank].pidns, gone = 0;
+    if (mine == 0)
+        return 0;
+    for (int q = 0; q < c->nranks; q++)
+        if (q != c->rank && c->ranks[q].pidns == mine && process_gone(c->ranks[q].pid))
+            gone |= (uint64_t)1 << q;
+    return gone;
 }
 
 /* ---- the abort record ------------------------------------------------------------ */
@@ -107,6 +161,10 @@ static void abort_story(const sf_shm *c, char *buf, size_t n, int *why)
         break;
     case WHY_DESYNC:
         snprintf(buf, n, "rank %d%s found the group out of step with rank%s", who, self, ranks);
+        break;
+    case WHY_EXITED:
+        snprintf(buf, n, "rank%s exited (its process is gone; rank %d%s found it waiting for it)",
+                 ranks, who, self);
         break;
     default:
         snprintf(buf, n, "rank %d%s failed (reason %d)", who, self, *why);
@@ -260,9 +318,14 @@ int shm_wait_step(waiter *w, sf_shm *c, _Atomic uint64_t *a, uint64_t target)
     }
     if (atomic_load_explicit(&c->abort->word, memory_order_acquire))
         return W_ABORT;
-    if (c->poll && t >= w->next_poll) {
+    if (t >= w->next_poll) {
         w->next_poll = t + POLL_S;
-        if (c->poll(c->poll_ctx))
+        uint64_t gone = shm_gone_ranks(c); /* a peer killed, or gone through os._exit */
+        if (gone) {
+            shm_raise_abort(c, WHY_EXITED, gone);
+            return W_ABORT;
+        }
+        if (c->poll && c->poll(c->poll_ctx))
             return W_INTR;
     }
     return t > w->deadline ? W_TIMEOUT : W_WAIT;

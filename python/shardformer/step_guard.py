@@ -14,7 +14,9 @@ communicators are set up afresh by the next collective (see failures).
 The wrappers are module-level classes held in the model's __dict__ (not
 closures), so the model pickles and deep-copies; a forward() called by
 generate() is guarded once (the inner guard marks the exception told).
-Cost per call: a try block.
+Cost per call: a try block.  A backward that raised (the caller's
+loss.backward(), outside the guard) is settled at the next forward():
+shardformer.backward_watch.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import inspect
 
 import torch
 
+from . import backward_watch
 from .config import group_size_and_rank
 from .distributed import failures
 from .input_check import groups_of as input_groups
@@ -38,6 +41,7 @@ class _Guarded:
         self.what = f"{type(model).__name__}.{self.method}()"     # the step's name in messages
         self.inner = model.__dict__.get(self.method)
         self.calls = 0
+        self.open_backward = None   # the call whose backward started and has not finished (backward_watch)
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -55,9 +59,14 @@ class _Guarded:
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():       # no try block in a traced graph: the call as it was
             return self._original(*args, **kwargs)
+        if self.open_backward is not None:      # that backward raised here (or on a peer)
+            backward_watch.settle(self, self.groups, self.what, self.name)
         self.calls += 1
         with failures.guard(self.groups, self.what, self._where):
-            return self._original(*args, **kwargs)
+            out = self._original(*args, **kwargs)
+        if self.method == "forward" and torch.is_grad_enabled():
+            out = backward_watch.mark_outputs(self, self.calls, out)
+        return out
 
 
 class GuardedForward(_Guarded):

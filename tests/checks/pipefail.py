@@ -174,11 +174,22 @@ def _tensor_parallel(ctx, how: str):
     return ref, model
 
 
-def _failing_forward(ctx, how: str, bad: int, batch) -> dict:
+def _good_tp_step(model, ref, batch, tag: str) -> float:
+    """A forward / backward with good input: loss and gradients equal the unsharded model's."""
+    for mdl in (model, ref):
+        mdl.zero_grad(set_to_none=True)
+    out, exp = model(**batch), ref(**batch)
+    out.loss.backward()
+    exp.loss.backward()
+    tol = parity.TOL[torch.float32]
+    err = parity.assert_close(f"{tag} loss", out.loss.detach(), exp.loss.detach(), tol)
+    return max(err, parity.compare_grads(model, ref, tag, tol))
+
+
+def _failing_forward(ctx, ref, model, how: str, bad: int, batch) -> dict:
     """No pipeline (shardformer.step_guard): a forward hook on rank `bad`'s first decoder layer
     raises in forward(); rank `bad` re-raises it with the note, every peer raises PeerFailed
     naming it (not a wait until the shm timeout); then a good forward / backward equals unsharded."""
-    ref, model = _tensor_parallel(ctx, how)
     raised: dict = {}
 
     def boom(*_):
@@ -199,16 +210,111 @@ def _failing_forward(ctx, how: str, bad: int, batch) -> dict:
         _check_peer(error, ctx.rank, bad, f"TP={ctx.world_size} ({how})",
                     ("StageBoom: bad value in a tensor-parallel forward", where))
         seen = {"caught": caught, "start": t0}
+    seen["good"] = _good_tp_step(model, ref, batch, f"{NAME} (TP={ctx.world_size}, {how}) after a failed forward")
+    return dict(seen, schedule=f"tp-{how}", phase="forward")
+
+
+# phases of _failing_backward: where rank `bad`'s loss.backward() raises (backward_watch):
+# "backward" at its first decoder layer's output gradient (its peers wait in that layer's
+# all-reduce); "late" at the embeddings' output gradient, after its last collective (its peers
+# finish the backward); "loss" in the caller's own loss computed from the logits, before the
+# backward reaches the model's outputs (its next forward's first call meets the peers' first
+# backward call)
+BACKWARD_PHASES = ("backward", "late", "loss")
+
+
+def _failing_backward(ctx, ref, model, how: str, bad: int, batch, phase: str) -> dict:
+    """No pipeline: rank `bad`'s loss.backward() raises (a gradient hook; where: BACKWARD_AT),
+    the caller catches it and goes on with its next forward() (the "skip the bad batch" loop).
+    Never a silent pairing of that forward with the peers' backward, never a wait for the shm
+    timeout: every rank gets an error from that step, the peers within seconds, naming rank
+    `bad`; then a good forward / backward equals unsharded."""
+    raised: dict = {}
+    tag = f"TP={ctx.world_size} ({how}), backward raising ({phase}): rank {ctx.rank}"
+
+    def boom(*_):
+        raised["t"] = time.time()
+        raise StageBoom(f"bad gradient ({phase})")
+
+    def on_output_grad(module, args, output):
+        (output if isinstance(output, torch.Tensor) else output[0]).register_hook(boom)
+
+    handles = []
+    if ctx.rank == bad and phase != "loss":
+        at = _held_layer(model) if phase == "backward" else model.get_input_embeddings()
+        handles.append(at.register_forward_hook(on_output_grad))
     for mdl in (model, ref):
         mdl.zero_grad(set_to_none=True)
-    tag = f"{NAME} (TP={ctx.world_size}, {how})"
-    out, exp = model(**batch), ref(**batch)
-    out.loss.backward()
-    exp.loss.backward()
-    tol = parity.TOL[torch.float32]
-    err = parity.assert_close(f"{tag} loss after a failed forward", out.loss.detach(), exp.loss.detach(), tol)
-    seen["good"] = max(err, parity.compare_grads(model, ref, f"{tag} after a failed forward", tol))
-    return dict(seen, schedule=f"tp-{how}", phase="forward")
+    t0 = raised["t"] = time.time()
+    out = model(**batch)
+    loss = out.logits.float().square().mean() if phase == "loss" else out.loss   # "loss": the caller's own
+    if ctx.rank == bad and phase == "loss":
+        loss.register_hook(boom)
+    try:
+        loss.backward()
+    except BaseException as e:  # noqa: BLE001 - looked at below
+        error, caught = e, time.time()
+    else:
+        error, caught = None, time.time()
+    finally:
+        for h in handles:
+            h.remove()
+    seen = {"start": t0, "caught": caught}
+    nxt = None
+    if ctx.rank == bad:
+        assert type(error) is StageBoom, f"{tag}: {type(error).__name__}: {error}"
+        seen["raised"] = raised["t"]
+        if phase != "backward":                       # its next forward() fails too (all skip it)
+            nxt, _ = _raised_by(lambda: model(**batch), None, f"{tag}: the next forward()")
+    elif phase == "late":                             # the peers finished; their next forward() fails
+        assert error is None, f"{tag}: {type(error).__name__}: {error}"
+        nxt, seen["caught"] = _raised_by(lambda: model(**batch), None, f"{tag}: the next forward()")
+        _check_peer(nxt, ctx.rank, bad, tag, ("an exception in backward",
+                                              "backward of forward() call", f"raised on global rank {bad}"))
+    elif phase == "backward":
+        _check_peer(error, ctx.rank, bad, tag, ("an exception in backward",
+                                                "backward of forward() call", f"raised on global rank {bad}",
+                                                "in backward"))
+    else:
+        assert error is not None, f"{tag}: the peers' backward returned (paired with rank {bad}'s forward?)"
+    if phase == "loss":                               # a mismatch naming both ranks and both calls
+        text = str(error if ctx.rank != bad else nxt)
+        for part in ("collective mismatch", "in forward", "in backward", f"rank {bad} called"):
+            assert part in text, f"{tag}: {part!r} not in: {text}"
+    if phase == "late" and ctx.rank == bad:
+        text = str(nxt)
+        assert f"raised on global rank {bad} after its last collective" in text and "finished that backward" in text, text
+    seen["good"] = _good_tp_step(model, ref, batch, f"{NAME} ({tag}) the step after")
+    return dict(seen, schedule=f"tp-{how}", phase=phase)
+
+
+def _phase_pairing(ctx, bad: int) -> dict:
+    """The pairing itself, through the tensor-parallel region operators over the default
+    group: every rank but `bad` all-reduces a gradient in backward (copy_to_tp_region's)
+    while rank `bad` (its backward skipped) all-reduces a forward tensor of the same size
+    and dtype (reduce_from_tp_region's).  Before the phase tag the two summed
+    silently (the backward's gradient came back holding rank `bad`'s activations); now
+    every rank raises a collective mismatch naming both ranks and both calls.  The
+    group's communicator is dropped afterwards (every rank), as after any failed step."""
+    from shardformer.distributed import communicator
+    from shardformer.distributed.mappings.tensor import copy_to_tp_region, reduce_from_tp_region
+
+    t0 = time.time()
+    if ctx.rank == bad:
+        error, caught = _raised_by(lambda: reduce_from_tp_region(torch.full((96,), 5.0)), None,
+                                   f"pairing: rank {bad}'s forward all_reduce")
+    else:
+        x = torch.ones(96, requires_grad=True)
+        error, caught = _raised_by(lambda: copy_to_tp_region(x).sum().backward(), None,
+                                   f"pairing: rank {ctx.rank}'s backward all_reduce")
+    text = str(error)
+    for part in ("collective mismatch", "in forward", "in backward", "all_reduce(sum, 384 bytes, float32"):
+        assert part in text, f"pairing: rank {ctx.rank}: {part!r} not in: {text}"
+    assert f"rank {bad} called" in text or f"rank 0 called all_reduce(sum, 384 bytes, float32, one-shot) in " \
+        f"{'forward' if bad == 0 else 'backward'}" in text, text
+    communicator.forget_group(None)
+    return {"start": t0, "caught": caught, "good": 0.0, **({"raised": t0} if ctx.rank == bad else {}),
+            "schedule": "shm", "phase": "pairing"}
 
 
 def failing_stage(ctx, bad: int, runs) -> list[dict]:
@@ -224,8 +330,15 @@ def failing_stage(ctx, bad: int, runs) -> list[dict]:
     for pp, tp, how, cases in runs:
         built: dict = {}
         for schedule, phase in cases:
+            if schedule == "shm":                      # the pairing itself, on the world's communicator
+                out.append(_phase_pairing(ctx, bad))
+                continue
             if schedule == "tp":                       # no pipeline: TP over the world (pp, tp unused)
-                out.append(_failing_forward(ctx, how, bad, batch))
+                if "tp" not in built:
+                    built["tp"] = _tensor_parallel(ctx, how)
+                ref, model = built["tp"]
+                out.append(_failing_forward(ctx, ref, model, how, bad, batch) if phase == "forward" else
+                           _failing_backward(ctx, ref, model, how, bad, batch, phase))
                 continue
             if schedule == "generate":                  # on the one-chunk model of an earlier case
                 ref, model, _ = built[(1, "loop")]

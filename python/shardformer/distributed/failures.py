@@ -36,6 +36,13 @@ records its token; a peer reading a slot another failure has since taken
 finds another token there and says the account was lost, so a long job
 leaves at most SLOTS keys behind however many steps fail.
 
+Outside a step: a call outside any guard (a collective of loss.backward())
+that a peer's abort ended raises PeerFailed too (shm.on_peer_failure;
+shardformer.backward_watch tells the peers of a backward that raised); a
+process leaving with an uncaught exception, or while a peer waits for it,
+aborts its groups at exit with its account (_at_exit); one leaving without
+Python (os._exit, a signal) is found by the waiting peers' pid check.
+
 What this does not reach: groups whose collectives go through
 torch.distributed (SHARDFORMER_COMM=torch, ranks on several hosts, CUDA
 tensors), and a rank that fails before a group's first collective (its
@@ -48,6 +55,8 @@ import contextlib
 import datetime
 import json
 import secrets
+import sys
+import threading
 
 import torch.distributed as dist
 
@@ -61,8 +70,10 @@ PREFIX = "shardformer/failed/"
 SLOTS = 16                 # accounts kept in the store at once (a ring; module doc)
 HANDLED = "_shardformer_failure_told"   # set on an exception whose peers were told (an outer guard passes it on)
 RAISED = 4                 # the abort record's reason for ShmCommunicator.abort (csrc/comm/shm_internal.h)
+EXITED = 5                 # ... when a waiting rank found a peer's process gone (its token: their ranks' mask)
 READ_TIMEOUT_S = 5.0       # how long a peer waits for the failing rank's account in the store
 _REASONS = {1: "timed out", 2: "was interrupted", 3: "found the group out of step"}
+_inside = threading.local()  # .depth: guarded steps this thread is in
 
 
 class PeerFailed(RuntimeError):
@@ -164,17 +175,24 @@ def _own_failure(error: BaseException, comms, what: str, where: str) -> None:
                    f"again by the next collective (docs/pipeline.md#when-a-stage-fails)")
 
 
-def _peer_failure(comms, what: str, where: str) -> PeerFailed | None:
+def _peer_failure(comms, what: str, where: str, tell_others: bool = True) -> PeerFailed | None:
     """The PeerFailed for a wait that another rank's abort ended (that
     rank's account passed on to this rank's other groups), or None when no
     group of the step was aborted by another rank."""
     store = _store()
     for _, comm in comms:
         record = comm.abort_record()
-        if record is None or record[0] == comm.rank:
+        if record is None or (record[0] == comm.rank and record[1] != EXITED):
             continue
         who, why, token = record
         account = _account_of(store, token) if why == RAISED else None
+        if why == EXITED:
+            gone = [comm.ranks[q] for q in range(comm.size) if token >> q & 1]
+            story = (f"global rank{'s' if len(gone) > 1 else ''} {', '.join(map(str, gone))} exited "
+                     f"(its process is gone: killed, or os._exit)")
+            return PeerFailed(f"{what}: {story}; global rank {dist.get_rank()} stopped waiting for it "
+                              f"({where}; {comm.label}).  The job cannot go on without it: restart it "
+                              f"(docs/pipeline.md#when-a-stage-fails)", gone, None)
         if account is not None:
             story = _describe(account)
         elif why == RAISED:
@@ -183,13 +201,76 @@ def _peer_failure(comms, what: str, where: str) -> PeerFailed | None:
         else:
             story = f"global rank {comm.ranks[who]} {_REASONS.get(why, f'failed (reason {why})')}"
         ranks = [account["rank"] if account is not None else comm.ranks[who]]
-        _publish(account or {"rank": ranks[0], "type": "no exception", "message": story, "where": comm.label},
-                 comms)
+        if tell_others:
+            _publish(account or {"rank": ranks[0], "type": "no exception", "message": story,
+                                 "where": comm.label}, comms)
         return PeerFailed(f"{what}: {story}; global rank {dist.get_rank()} stopped waiting for it ({where}; "
                           f"{comm.label}).  Every rank of the group got an error from this step; zero the "
                           f"gradients and run the next step on every rank (docs/pipeline.md#when-a-stage-fails)",
                           ranks, account)
     return None
+
+
+def _outside_a_step(comm, error: RuntimeError) -> PeerFailed | None:
+    """shm.on_peer_failure: a call outside any guarded step (a collective of
+    loss.backward()) failed because another rank aborted its group: the
+    PeerFailed naming that rank (its account passed on to no other group:
+    the next guarded forward() sets the groups up again, step_guard)."""
+    if getattr(_inside, "depth", 0) or comm.label not in str(error) or not dist.is_initialized():
+        return None
+    record = comm.abort_record()
+    if record is None or not (record[1] == EXITED or (record[1] == RAISED and record[0] != comm.rank)):
+        return None
+    where = "in backward" if _shm.in_backward() else "outside a guarded step"
+    return _peer_failure([(None, comm)], "a collective", where, tell_others=False)
+
+
+_shm.on_peer_failure = _outside_a_step
+
+_uncaught: list = []       # the exception this process is exiting with (_excepthook)
+
+
+def _excepthook(kind, value, tb, _previous=sys.excepthook):
+    """sys.excepthook: remember the exception the process exits with (for
+    _at_exit's account), then the hook that was there."""
+    _uncaught.append(value)
+    _previous(kind, value, tb)
+
+
+def _at_exit(comms) -> None:
+    """shm.at_exit: this process is leaving.  With an uncaught exception:
+    every open group is aborted with its account (peers raise PeerFailed
+    naming this rank and the exception).  Otherwise (sys.exit, the end of
+    the program): only the groups in which a peer already waits for this
+    rank (it entered a call this rank never will).  A process that leaves
+    without running Python (os._exit, a signal) is found by its peers'
+    waits instead (the pid check of csrc/comm/shm_wait.c)."""
+    if not dist.is_initialized():
+        return
+    live = [(None, comm) for comm in comms if not comm.closed]
+    if not _uncaught:
+        live = [(g, comm) for g, comm in live if _waited_for(comm)]
+    if not live:
+        return
+    error = _uncaught[-1] if _uncaught else None
+    if error is not None:
+        kind, message = f"{type(error).__module__}.{type(error).__qualname__}", str(error)[:2000]
+    else:
+        kind, message = "exit", "the process exited (sys.exit or the end of its program)"
+    _publish({"rank": dist.get_rank(), "type": kind, "message": message,
+              "where": "an uncaught exception: the process exited" if error is not None else
+              "while its peers waited for it in a collective"}, live)
+
+
+def _waited_for(comm) -> bool:
+    """Whether a peer of `comm` waits in a call this rank has not entered."""
+    states = comm.rank_states()
+    mine = states[comm.rank][0]
+    return any(seq > mine for seq, _ in states)
+
+
+sys.excepthook = _excepthook
+_shm.at_exit.append(_at_exit)
 
 
 @contextlib.contextmanager
@@ -200,6 +281,7 @@ def guard(groups, what: str, where):
     LlamaForCausalLM"); `where()`: this rank's position in it, asked only
     when something raised; None there means every rank raises this error
     alike (an agreed refusal): it passes untouched."""
+    _inside.depth = getattr(_inside, "depth", 0) + 1
     try:
         yield
     except PeerFailed:
@@ -222,3 +304,5 @@ def guard(groups, what: str, where):
         with contextlib.suppress(AttributeError, TypeError):
             setattr(error, HANDLED, True)
         raise
+    finally:
+        _inside.depth -= 1

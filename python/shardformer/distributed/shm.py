@@ -353,6 +353,7 @@ class ShmCommunicator:
         self._worker: threading.Thread | None = None
         self._pending: Handle | None = None
         self._lock = threading.Lock()  # one call in the C communicator at a time
+        self._backward = False         # the phase last handed to C (shm_set_phase)
         # _closed, _queue and _worker change together; reentrant: a garbage
         # collection inside may close this communicator (its group collected).
         self._state = threading.RLock()
@@ -436,6 +437,12 @@ class ShmCommunicator:
         self._check_open()
         _C.shm_abort(self._comm, int(token))
 
+    def rank_states(self) -> list[tuple[int, bool]]:
+        """Per group rank: (barriers it entered, whether the call it published
+        last runs in backward).  Read from the segment; never waits."""
+        self._check_open()
+        return _C.shm_rank_states(self._comm)
+
     def abort_record(self) -> tuple[int, int, int] | None:
         """The group's first failure: None, or (group rank, reason, token);
         reason 1 timeout, 2 interrupt, 3 out of step, 4 raised (abort(); token
@@ -461,22 +468,33 @@ class ShmCommunicator:
             pending._done.wait()
             self._pending = None
 
-    def _run(self, fn, args):
+    def _run(self, fn, args, backward: bool = False):
         with self._lock:
             try:
+                if backward is not self._backward:
+                    _C.shm_set_phase(self._comm, backward)
+                    self._backward = backward
                 return fn(*args)
             except ValueError as e:
                 # closed by another thread after this call's check: _C says "closed"
                 if self._closed and "closed" in str(e):
                     raise self._closed_error() from e
                 raise
+            except RuntimeError as e:
+                told = on_peer_failure(self, e) if on_peer_failure is not None else None
+                if told is not None:
+                    raise told from e
+                raise
 
     def _call(self, async_op: bool, fn, *args):
         self._check_open()
+        # the call's phase travels in its descriptor (sf_shm_set_phase): a forward call never
+        # pairs with a backward one on another rank
+        backward = in_backward()
         if not async_op:
             if self._pending is not None:
                 self._drain()
-            return self._run(fn, args)
+            return self._run(fn, args, backward)
         handle = Handle()
         with self._state:
             self._check_open()
@@ -489,7 +507,7 @@ class ShmCommunicator:
                 # Collected without close(): the capsule unmaps, this stops the worker.
                 weakref.finalize(self, self._queue.put, None)
             self._pending = handle
-            self._queue.put((self._run, (fn, args), handle))
+            self._queue.put((self._run, (fn, args, backward), handle))
         return handle
 
     def run_native(self, fn, *args):
@@ -500,7 +518,7 @@ class ShmCommunicator:
         self._check_open()
         if self._pending is not None:
             self._drain()
-        return self._run(lambda *a: fn(self._comm, *a), args)
+        return self._run(lambda *a: fn(self._comm, *a), args, in_backward())
 
     # -- collectives ---------------------------------------------------------------
 
@@ -572,6 +590,19 @@ class ShmCommunicator:
 
     def barrier(self, async_op: bool = False):
         return self._call(async_op, _C.shm_barrier, self._comm)
+
+
+#: called first at exit with the open communicators (distributed.failures)
+at_exit: list = []
+#: set by distributed.failures: (communicator, the RuntimeError a call raised) -> the
+#: PeerFailed to raise instead (a peer's abort reached a call outside any guarded step,
+#: e.g. in loss.backward()), or None
+on_peer_failure = None
+
+
+def in_backward() -> bool:
+    """Whether this thread runs inside autograd's backward (a graph task)."""
+    return torch._C._current_graph_task_id() != -1
 
 
 def host_identity() -> str:
@@ -661,6 +692,11 @@ def _close_all() -> None:
     finish what it is running and leave.  A worker still waiting for a peer
     in the C core after that is left: it holds no C++ frame, and CPython's
     pthread_exit unwinds C frames cleanly."""
+    for hook in at_exit:              # failures: tell peers that wait for this rank
+        try:
+            hook(list(_LIVE))
+        except Exception:  # noqa: BLE001 - exiting anyway
+            pass
     _EXITING.set()
     for comm in list(_LIVE):
         try:
