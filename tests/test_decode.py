@@ -65,6 +65,17 @@ def test_fast_decode_default_group(world_pool, tp):
     assert all(o == out[0] for o in out)
     for case in out[0]:
         _assert_c_step(case, None)
+    kept = world_pool(tp).run(check.kept_caches_equal_hf, tp, default_group=True)[0]
+    # 5 decode steps for each prompt, 6 for each continuation (its one uncached token is a decode step too)
+    assert kept["c_step"] == kept["fast"] == 22, kept
+
+
+def test_fast_decode_kept_caches_explicit_group(pool):
+    """Two groups of 2 on 4 ranks: a kept past_key_values is not written by
+    later generate() calls (checks.decode.kept_caches_equal_hf)."""
+    kept = pool.run(check.kept_caches_equal_hf, 2)[0]
+    # 5 decode steps for each prompt, 6 for each continuation (its one uncached token is a decode step too)
+    assert kept["c_step"] == kept["fast"] == 22, kept
 
 
 def test_fast_decode_falls_back_counted(pool):

@@ -327,6 +327,35 @@ def test_cross_entropy_padding_columns_and_all_ignored():
     assert torch.all(z.grad == 0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_nan_propagates(dtype):
+    """A NaN logit or attention score gives NaN, as torch does, wherever it
+    sits (the vector exp's clamp and the vector max once turned it into a
+    number: a NaN in the first 16 columns of a row was dropped from the
+    loss, its gradient and the attention's softmax, silently)."""
+    from shardformer.layer import cross_entropy_1d
+
+    torch.manual_seed(0)
+    z = torch.randn(4, 40).to(dtype)
+    z[1, 5] = float("nan")                       # inside the vector body
+    z[2, 37] = float("nan")                      # in the scalar tail
+    z[3, :] = float("nan")                       # a whole row
+    y = torch.tensor([0, 9, 3, 7])
+    zs, zr = z.clone().requires_grad_(), z.clone().requires_grad_()
+    loss = cross_entropy_1d(zs, y, vocab_size=40, reduction="none")
+    ref = F.cross_entropy(zr.float(), y, reduction="none")
+    assert torch.equal(loss.isnan(), ref.isnan()), (loss, ref)
+    loss.sum().backward()
+    ref.sum().backward()
+    assert torch.equal(zs.grad.isnan(), zr.grad.isnan()), (zs.grad.isnan().sum(1), zr.grad.isnan().sum(1))
+    q, k, v = (torch.randn(1, 2, 3, 8).to(dtype), torch.randn(1, 2, 40, 8).to(dtype),
+               torch.randn(1, 2, 40, 8).to(dtype))
+    k[0, 0, 3, 1] = float("nan")                 # every score of head 0 with key 3
+    out = ops.attention(q, k, v)
+    exp = F.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    assert torch.equal(out.isnan(), exp.isnan()), out.isnan().sum((0, 2, 3))
+
+
 def test_cross_entropy_non_contiguous_and_bad():
     from shardformer.layer import cross_entropy_1d
 

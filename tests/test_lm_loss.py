@@ -173,3 +173,10 @@ def test_gathered_logits_loss_on_shards(pool, tp):
     loss, logits and every gradient equal to unsharded; TP=4 with the plain ShardConfig() (its group is the 4-rank world), TP=2 explicit."""
     cases = GATHERED_CASES if tp == 2 else GATHERED_CASES[:2] + GATHERED_CASES[3:4]   # CI time: 3 kinds at TP=4
     pool.run(check.gathered_loss_on_shards, tp, cases, tp == 4)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_nan_logit_stays_nan(world_pool, tp):
+    """A NaN logit column gives a NaN loss, as unsharded (checks.lm_loss.nan_logit_stays_nan)."""
+    out = world_pool(tp).run(check.nan_logit_stays_nan, tp)
+    assert all(o == out[0] for o in out), out

@@ -14,3 +14,10 @@ def test_late_peer_wakes_the_sleeper(pool):
     early, late = pool.run(check.late_peer, 2)
     assert early["sleeps"] >= 1, early
     assert late["wakes"] >= 1, late
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="futex waits and SIGSTOP are Linux-only")
+def test_abort_after_arrival_fails_the_next_call_not_this_one(pool):
+    rank0 = pool.run(check.abort_after_arrival, 2)[0]
+    assert rank0["barrier"] == "returned", rank0
+    assert "rank 1" in rank0["next"] and "broken" in rank0["next"], rank0

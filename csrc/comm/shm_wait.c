@@ -275,7 +275,7 @@ void shm_wait_init(waiter *w)
 
 /* One backoff step of a wait for *a >= target.  The abort record, the poll
  * callback (every POLL_S) and the clock are checked every 64 steps while
- * yielding, and after every sleep. */
+ * yielding, and after every sleep, each only while *a is short of target. */
 int shm_wait_step(waiter *w, sf_shm *c, _Atomic uint64_t *a, uint64_t target)
 {
     unsigned i = w->iter;
@@ -316,6 +316,13 @@ int shm_wait_step(waiter *w, sf_shm *c, _Atomic uint64_t *a, uint64_t target)
         w->deadline = t + c->timeout_s;
         w->next_poll = t + POLL_S;
     }
+    /* The counter may have arrived while this rank slept, and a peer that
+     * left the finished call raised (an abort) before this rank woke: the
+     * call is complete here too, so it succeeds (the caller's loop sees the
+     * counter); the abort fails this rank's next call instead.  Failing it
+     * would break a call every rank finished, outside any step's guard. */
+    if (atomic_load_explicit(a, memory_order_acquire) >= target)
+        return W_WAIT;
     if (atomic_load_explicit(&c->abort->word, memory_order_acquire))
         return W_ABORT;
     if (t >= w->next_poll) {

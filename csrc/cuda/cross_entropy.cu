@@ -36,8 +36,10 @@ __global__ void xent_fwd(const T *logits, int64_t rows, int64_t n, int64_t real,
     for (int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
         const T *row = logits + r * n;
         float m = -INFINITY, s = 0.0f, sz = 0.0f;
+        bool nan = false;                     /* a NaN logit: the row's sum-exp is NaN (torch's) */
         for (int64_t j = threadIdx.x; j < real; j += blockDim.x) {
             const float z = load(row, j);
+            nan = nan || z != z;
             if (z > m) {
                 s = s * expf(m - z) + 1.0f;   /* exp(-inf) = 0 when m was -inf */
                 m = z;
@@ -47,7 +49,7 @@ __global__ void xent_fwd(const T *logits, int64_t rows, int64_t n, int64_t real,
             sz += z;
         }
         const float bm = block_max(m, shm);
-        const float bs = block_sum(m == -INFINITY ? 0.0f : s * expf(m - bm), shm);
+        const float bs = block_sum(nan ? NAN : m == -INFINITY ? 0.0f : s * expf(m - bm), shm);
         const float bz = sumz ? block_sum(sz, shm) : 0.0f;
         if (threadIdx.x == 0) {
             max[r] = bm;

@@ -500,7 +500,8 @@ static void forward_rows(void *arg, int64_t r0, int64_t r1, int tid)
             tile_logits(&unit, b, h, i0, ni, j0, nj, Q, Kt + j0 * D, BK, S, NULL);
             for (int64_t i = 0; i < ni; i++) {
                 float *s = S + i * BK;
-                const float mnew = fmaxf(m[i], sfk_max(s, nj));
+                const float bm = sfk_max(s, nj);   /* NaN where a score is: the row's result is NaN */
+                const float mnew = bm != bm ? bm : fmaxf(m[i], bm);
                 if (mnew == -INFINITY) {           /* nothing visible yet */
                     memset(s, 0, (size_t)nj * sizeof(float));
                     continue;
@@ -521,7 +522,7 @@ static void forward_rows(void *arg, int64_t r0, int64_t r1, int tid)
         for (int64_t i = 0; i < ni; i++) {
             const float rl = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
             for (int64_t d = 0; d < D; d++) acc[i * D + d] *= rl;
-            c->lse[bh * a->Sq + i0 + i] = l[i] > 0.0f ? m[i] + logf(l[i]) : INFINITY;
+            c->lse[bh * a->Sq + i0 + i] = l[i] > 0.0f ? m[i] + logf(l[i]) : l[i] != l[i] ? l[i] : INFINITY;
         }
         sfk_store(t, acc, ni * D, (char *)c->o + (size_t)((bh * a->Sq + i0) * D) * (size_t)sfk_size(t));
     }

@@ -71,6 +71,9 @@ const float *sfk_row(sfk_dtype t, const void *base, int64_t row, int64_t n, floa
 
 /* ---- exp ---------------------------------------------------------------- */
 
+/* r or x, whichever is larger; NaN once either is NaN (torch's max) */
+static inline float max_nan(float r, float x) { return x > r || x != x ? x : r; }
+
 #ifdef SFK_X86
 #define AVX2 __attribute__((target("avx2,fma")))
 
@@ -120,14 +123,19 @@ AVX2 static float sum_exp_avx2(const float *x, int64_t n, float shift)
 
 AVX2 static float max_avx2(const float *x, int64_t n)
 {
-    __m256 m = _mm256_set1_ps(-INFINITY);
+    __m256 m = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
     int64_t i = 0;
-    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+    for (; i + 8 <= n; i += 8) {
+        const __m256 v = _mm256_loadu_ps(x + i);
+        m = _mm256_max_ps(m, v);
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    if (_mm256_movemask_ps(nan)) return NAN;
     float b[8];
     _mm256_storeu_ps(b, m);
     float r = -INFINITY;
-    for (int j = 0; j < 8; j++) r = b[j] > r ? b[j] : r;
-    for (; i < n; i++) r = x[i] > r ? x[i] : r;
+    for (int j = 0; j < 8; j++) r = max_nan(r, b[j]);
+    for (; i < n; i++) r = max_nan(r, x[i]);
     return r;
 }
 #endif
@@ -164,7 +172,7 @@ float sfk_max(const float *x, int64_t n)
     if (sf_cpu_has_simd()) return max_avx2(x, n);
 #endif
     float r = -INFINITY;
-    for (int64_t i = 0; i < n; i++) r = x[i] > r ? x[i] : r;
+    for (int64_t i = 0; i < n; i++) r = max_nan(r, x[i]);
     return r;
 }
 

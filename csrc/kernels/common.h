@@ -59,7 +59,9 @@ __attribute__((target("avx2,fma"))) static inline __m256 sfk_exp8_pow2(__m256 x,
 {
     const __m256 hi = _mm256_set1_ps(88.37f), lo = _mm256_set1_ps(x_min);
     __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
-    x = _mm256_min_ps(_mm256_max_ps(x, lo), hi);
+    /* clamp to [lo, hi]; max_ps / min_ps return their second operand when
+     * either is NaN, so x goes second: a NaN stays NaN (exp(NaN) = NaN), not lo */
+    x = _mm256_min_ps(hi, _mm256_max_ps(lo, x));
     __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693145751953125f), x);
@@ -85,7 +87,7 @@ __attribute__((target("avx512f"))) static inline __m512 sfk_exp16_pow2(__m512 x,
 {
     const __m512 hi = _mm512_set1_ps(88.37f), lo = _mm512_set1_ps(x_min);
     const __mmask16 under = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-    x = _mm512_min_ps(_mm512_max_ps(x, lo), hi);
+    x = _mm512_min_ps(hi, _mm512_max_ps(lo, x));     /* NaN stays NaN (as in sfk_exp8_pow2) */
     const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693145751953125f), x);
@@ -111,7 +113,7 @@ void sfk_exp(const float *src, float *dst, int64_t n);
 /* dst = scale * exp(src - shift) - off, in one pass (dst may be src). */
 void sfk_scaled_exp(const float *src, float *dst, int64_t n, float shift, float scale, float off);
 float sfk_sum_exp(const float *x, int64_t n, float shift);
-float sfk_max(const float *x, int64_t n);    /* -inf for n == 0 */
+float sfk_max(const float *x, int64_t n);    /* -inf for n == 0, NaN where any x is NaN */
 
 /* Row-parallel driver: fn(ctx, r0, r1, tid) over [0, rows) split in
  * contiguous chunks, one per thread.  Threads are used only when

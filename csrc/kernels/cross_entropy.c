@@ -66,7 +66,7 @@ static void forward_rows(void *arg, int64_t r0, int64_t r1, int tid)
             if (buf) { sfk_load(c->t, row + (size_t)j0 * es, len, buf); z = buf; }
             else z = (const float *)row + j0;
             float bm = sfk_max(z, len);
-            if (bm > m) {
+            if (bm > m || bm != bm) {           /* a NaN logit makes the row's statistics NaN */
                 if (s != 0.0f) s *= expf(m - bm);
                 m = bm;
             }

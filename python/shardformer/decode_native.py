@@ -25,7 +25,10 @@ What it keeps (NativeStep, one per fast path):
     K[:, :, :L], V[:, :, :L] of them, so generate()'s bookkeeping (and any
     later HF forward) sees the same cache.  Where a layer's keys / values are
     not the views it set (a prefill, HF's forward ran in between, a reorder)
-    the buffers are seeded again from HF's tensors.
+    the buffers are seeded again from HF's tensors.  The buffers serve one
+    DynamicCache: another cache (a new generate(), a deep copy of a kept
+    past_key_values) gets new ones, so a cache the caller keeps is never
+    written by another's steps.
 
 Where it cannot run (`refusal`), the Python fast step runs, counted in
 `decode.stats(model)["python_step"]` with the reason: weights not all of
@@ -213,6 +216,12 @@ class NativeStep:
         generate() leaves no KV memory behind."""
         P = self._packed
         if self._cache is None or self._cache() is not cache:
+            # Buffers belong to one cache: the one they served may still be
+            # alive (a past_key_values kept by the caller, to continue or to
+            # deep-copy as a prefix) and its layers hold views of them, so a
+            # new cache never writes into them: it gets buffers of its own.
+            self._k, self._v, self._views, self._plan = [], [], [], None
+            self._batch = self._cap = 0
             self._cache = weakref.ref(cache)
             weakref.finalize(cache, _release, weakref.ref(self), self._cache)
         stale = [n for n, L in enumerate(layers)

@@ -196,3 +196,45 @@ def fallback_equals_hf(ctx, name: str, how: str) -> dict:
     for step, (a, b) in enumerate(zip(got.logits, exp.logits)):
         assert_close(f"{name} {how} logits of step {step}", a, b, TOL[torch.float32])
     return decode.stats(model)
+
+
+def _continue(model, out, **kwargs) -> object:
+    """generate() continued from `out`'s sequences and the cache `kwargs` gives
+    (default: `out`'s own past_key_values)."""
+    kwargs.setdefault("past_key_values", out.past_key_values)
+    seq = out.sequences
+    return _generate(model, seq, torch.ones_like(seq), dict(MODES["greedy"], **kwargs))
+
+
+def kept_caches_equal_hf(ctx, default_group: bool = False) -> dict:
+    """Caches the caller keeps stay its own (Llama, batch 2, row 0 left
+    padded): generate() A keeps its past_key_values; a fresh prompt is
+    generated, a deep copy of A's cache continued (HF's prefix-reuse
+    pattern), and A continued last.  Every result equals the unsharded model's doing the same,
+    and A's cache tensors after all that equal what they were (the fast
+    path's KV buffers of one cache are never written by another's steps)."""
+    model, ref = _build("LlamaForCausalLM")
+    config = ShardConfig() if default_group else ShardConfig(tensor_parallel_process_group=ctx.group)
+    ShardFormer(config).optimize(model)
+    prompt, other = prompt_ids(), prompt_ids(7)
+    mask = torch.ones_like(prompt)
+    prompt[0, :2] = 0
+    mask[0, :2] = 0
+    decode.reset_stats(model)
+    runs = {}
+    for tag, m in (("sharded", model), ("hf", ref)):
+        a = _generate(m, prompt, mask, MODES["greedy"])
+        kept = [(layer.keys.clone(), layer.values.clone()) for layer in a.past_key_values.layers]
+        runs[tag] = dict(a=a, fresh=_generate(m, other, torch.ones_like(other), MODES["greedy"]))
+        runs[tag]["copy"] = _continue(m, a, past_key_values=copy.deepcopy(a.past_key_values))
+        for n, (layer, (k, v)) in enumerate(zip(a.past_key_values.layers, kept)):
+            assert torch.equal(layer.keys, k) and torch.equal(layer.values, v), \
+                f"{tag}: rank {ctx.rank}: layer {n} of a kept past_key_values changed by later generate() calls"
+        runs[tag]["continued"] = _continue(m, a)
+    for what in ("a", "copy", "fresh", "continued"):
+        got, exp = runs["sharded"][what], runs["hf"][what]
+        assert torch.equal(got.sequences, exp.sequences), \
+            f"kept caches, {what}: rank {ctx.rank} decoded\n{got.sequences}\nHF\n{exp.sequences}"
+        for step, (x, y) in enumerate(zip(got.logits, exp.logits)):
+            assert_close(f"kept caches, {what}: logits of step {step}", x, y, TOL[torch.float32])
+    return decode.stats(model)

@@ -191,3 +191,30 @@ def gathered_loss_on_shards(ctx, cases: list, default_group: bool = False) -> di
                         "logits": assert_close(f"{name} logits", logits, ref_logits, tol),
                         "grad": compare_grads(model, ref, name, tol)}
     return report
+
+
+def nan_logit_stays_nan(ctx, name: str = "LlamaForCausalLM") -> dict:
+    """Plain ShardConfig() (the loss on vocabulary shards): one LM-head row
+    of NaN -- a column of NaN logits inside rank 1's shard, in the kernel's
+    vector body -- gives a NaN loss and NaN logit gradients, as the unsharded
+    model does (the vector exp turned the NaN into ~0, so the sharded loss
+    was finite and training went on).  The row is one of a token not in
+    the batch (a tied embedding's row is not read)."""
+    torch.manual_seed(0)
+    model = zoo.build(name).train()
+    inputs = zoo.make_inputs(name)
+    head_rows = model.lm_head.weight.shape[0]
+    local = -(-head_rows // ctx.tp_size)
+    used = set(inputs["input_ids"].flatten().tolist())
+    row = next(local + j for j in range(16) if local + j not in used)
+    with torch.no_grad():
+        model.lm_head.weight[row] = float("nan")
+    ref = copy.deepcopy(model)
+    ShardFormer(ShardConfig()).optimize(model)
+    with counting_xent() as calls:
+        loss = model(**inputs).loss
+    exp = ref(**inputs).loss
+    assert calls.get("xent_stats") == 1, f"{name}: the loss did not run on the shards: {calls}"
+    assert bool(exp.isnan()), f"{name}: the unsharded loss is {exp} with a NaN logit column"
+    assert bool(loss.isnan()), f"{name}: rank {ctx.rank}: loss {loss} with NaN logits in column {row}; HF {exp}"
+    return {"row": row, "loss": str(loss.item())}
