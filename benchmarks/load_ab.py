@@ -6,7 +6,8 @@ between two trees taken at different times means little on a busy machine).
 
 Each measurement is a fresh set of processes (benchmarks/load.py's rank
 functions) with PYTHONPATH=<tree>/python, so each tree runs its own
-shardformer (its C extension built in place); the order is hf, base,
+shardformer (its C extension built in place), with --mmap (default
+"rows", from_pretrained's default); the order is hf, base,
 candidate, repeated.  Printed: medians of the slowest rank's wall seconds
 and CPU seconds (user + system) of load + first forward, each tree against
 hf, and the load average before and after.
@@ -29,16 +30,16 @@ sys.path.insert(0, {here!r})
 import load
 from shardformer.launch import spawn
 fn = getattr(load, {fn!r})
-ranks = spawn(fn, {tp}, ({path!r}, False), threads_per_rank=1)
+ranks = spawn(fn, {tp}, ({path!r}, False) + {extra!r}, threads_per_rank=1)
 keys = ("seconds", "seconds_first_forward", "cpu_seconds", "cpu_seconds_first_forward", "growth_first_forward",
         "pss_growth_first_forward")
 print("RESULT" + json.dumps([{{k: r.get(k) for k in keys}} for r in ranks]))
 """
 
 
-def measure(tree: str, fn: str, tp: int, path: str) -> dict:
+def measure(tree: str, fn: str, tp: int, path: str, extra: tuple = ()) -> dict:
     env = dict(os.environ, PYTHONPATH=os.path.join(tree, "python"))
-    out = subprocess.run([sys.executable, "-c", _CHILD.format(here=HERE, fn=fn, tp=tp, path=path)], env=env,
+    out = subprocess.run([sys.executable, "-c", _CHILD.format(here=HERE, fn=fn, tp=tp, path=path, extra=extra)], env=env,
                          capture_output=True, text=True, check=False)
     line = next((ln for ln in out.stdout.splitlines() if ln.startswith("RESULT")), None)
     if line is None:
@@ -55,6 +56,8 @@ def main(argv=None) -> int:
     p.add_argument("--dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "shardformer-load-bench"))
     p.add_argument("--tp", type=int, nargs="+", default=[2])
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--mmap", default="rows", choices=("rows", "True", "False"),
+                   help='ShardFormer.from_pretrained(mmap=...) of both trees (default "rows", its default)')
     args = p.parse_args(argv)
     sys.path.insert(0, HERE)
     import load
@@ -62,13 +65,14 @@ def main(argv=None) -> int:
     path = os.path.join(args.dir, f"llama-{args.size}")
     load.make_checkpoint(args.size, path)
     load.warm_page_cache(path)
-    print(f"load average before: {os.getloadavg()}", flush=True)
+    mmap = ({"True": True, "False": False}.get(args.mmap, args.mmap),)
+    print(f"load average before: {os.getloadavg()}; mmap={mmap[0]!r}", flush=True)
     for tp in args.tp:
         runs = {"hf": [], "base": [], "candidate": []}
         for _ in range(args.repeats):
             runs["hf"].append(measure(args.candidate, "rank_hf", 1, path))
-            runs["base"].append(measure(args.base, "rank_lazy", tp, path))
-            runs["candidate"].append(measure(args.candidate, "rank_lazy", tp, path))
+            runs["base"].append(measure(args.base, "rank_lazy", tp, path, mmap))
+            runs["candidate"].append(measure(args.candidate, "rank_lazy", tp, path, mmap))
         med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in runs.items()}
         hf = med["hf"]
         print(f"TP={tp}, {args.repeats} alternating runs, medians (slowest rank):")

@@ -89,6 +89,8 @@ from transformers import conversion_mapping
 from shardformer import ShardConfig, ShardFormer
 
 model, _ = ShardFormer(ShardConfig()).from_pretrained(transformers.LlamaForCausalLM, sys.argv[1])
+# the vocabulary-parallel loss plan (what every TP > 1 load runs) asks the registry about every submodule
+model, _ = ShardFormer(ShardConfig(parallel_output=True)).from_pretrained(transformers.LlamaForCausalLM, sys.argv[1])
 policies = sorted(k for k, m in list(sys.modules.items())
                   if k.startswith("shardformer.policies.") and (hasattr(m, "FAMILY") or hasattr(m, "FAMILIES")))
 assert policies == ["shardformer.policies.llama"], f"policy files imported: {policies}"
@@ -111,3 +113,29 @@ def test_fresh_process_reads_only_what_it_needs(saved):
     out = subprocess.run([sys.executable, "-c", _FRESH, saved("LlamaForCausalLM")], capture_output=True, text=True,
                          timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stdout[-2000:] + out.stderr[-4000:]
+
+
+def test_registry_names_models_only():
+    """autopolicy answers a layer of torch / transformers (not a
+    PreTrainedModel) "no policy" without importing the policy files; that
+    holds because every class the built-in policy files declare by full name
+    is a transformers PreTrainedModel, and no bare name (remote code) is a
+    torch.nn or transformers class name."""
+    import importlib
+
+    import torch
+    import transformers
+
+    from shardformer import autopolicy
+
+    wrong = []
+    for key in autopolicy.registry():
+        module, _, name = key.rpartition(".")
+        if not module:
+            if hasattr(torch.nn, key) or hasattr(transformers, key):
+                wrong.append(key)
+            continue
+        cls = getattr(importlib.import_module(module), name)
+        if not (module.startswith("transformers.") and issubclass(cls, transformers.PreTrainedModel)):
+            wrong.append(key)
+    assert wrong == [], f"registry entries a layer's class could match: {wrong}"

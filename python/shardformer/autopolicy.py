@@ -97,9 +97,25 @@ def _own_family(full: str) -> tuple[str, str] | None:
     return None
 
 
+def _never_registered(model) -> bool:
+    """True when no built-in entry can name `model`'s class, answered without
+    importing the ~30 policy files: the policy files declare transformers'
+    PreTrainedModel classes by full name, and remote-code models by bare
+    name (tests/test_from_pretrained.py checks both), so a class of torch,
+    transformers or shardformer that is not a PreTrainedModel (a layer:
+    LlamaDecoderLayer, nn.Linear) has none.  register_policy's entries may
+    name any class: with any of them the caller looks them up."""
+    if _OVERRIDES or type(model).__module__.split(".", 1)[0] not in ("torch", "transformers", "shardformer"):
+        return False
+    return not any(c.__name__ == "PreTrainedModel" and c.__module__ == "transformers.modeling_utils"
+                   for c in type(model).__mro__)
+
+
 def registered_class(model) -> type | None:
     """The registered Policy class of `model`'s class (the registry, then
     register_policy's entries), or None."""
+    if _never_registered(model):
+        return None
     full, bare = _key_of(model)
     found = _own_family(full) if _GENERATED is None and not _OVERRIDES else None
     if found is None:
