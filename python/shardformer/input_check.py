@@ -36,7 +36,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import _C, replica_drift
 from .config import group_size_and_rank
 from .hashes import signed
 from .replicas import all_gather_ints
@@ -168,9 +168,13 @@ class InputCheck:
         self.calls += 1
         return self.every > 0 and (self.calls - 1) % self.every == 0
 
-    def step(self, args: tuple, kwargs: dict, extra: tuple = ()) -> None:
+    def step(self, args: tuple, kwargs: dict, extra: tuple = (), model=None) -> None:
         """Check this call's inputs over the model's groups and `extra`
-        ((group, what) pairs) when due."""
+        ((group, what) pairs) when due, and before that, when
+        replica_drift.due, that the ranks of the model's groups still hold
+        the same whole parameters (shardformer.replica_drift)."""
+        if model is not None and replica_drift.due(self.calls + 1, self.every):
+            replica_drift.check_whole_parameters(model, self.groups, self.model_name, self.calls + 1)
         if not self.due():
             return
         named = named_inputs(args, kwargs)
@@ -178,7 +182,7 @@ class InputCheck:
             check_same_inputs(named, group, what, self.model_name, self.calls)
 
     def __call__(self, module, args, kwargs):
-        self.step(args, kwargs)
+        self.step(args, kwargs, model=module)
 
 
 try:                                 # run eagerly under torch.compile (the counter is Python state)
