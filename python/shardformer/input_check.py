@@ -157,8 +157,9 @@ class InputCheck:
     Called as a forward pre-hook (with kwargs) of the model; a pipelined
     model's schedule calls step() instead (shardformer.pipeline.schedule)."""
 
-    def __init__(self, model_name: str, groups: list[tuple[object, str]], every: int):
+    def __init__(self, model_name: str, groups: list[tuple[object, str]], every: int, whole=None):
         self.model_name = model_name
+        self.whole = whole                   # model -> its whole (not split) (name, parameter) pairs
         self.groups = groups
         self.every = every
         self.calls = 0
@@ -173,8 +174,8 @@ class InputCheck:
         ((group, what) pairs) when due, and before that, when
         replica_drift.due, that the ranks of the model's groups still hold
         the same whole parameters (shardformer.replica_drift)."""
-        if model is not None and replica_drift.due(self.calls + 1, self.every):
-            replica_drift.check_whole_parameters(model, self.groups, self.model_name, self.calls + 1)
+        if model is not None and self.whole is not None and replica_drift.due(self.calls + 1, self.every):
+            replica_drift.check_whole_parameters(self.whole(model), self.groups, self.model_name, self.calls + 1)
         if not self.due():
             return
         named = named_inputs(args, kwargs)
@@ -208,14 +209,16 @@ def groups_of(cfg) -> list[tuple[object, str]]:
     return out
 
 
-def install(model, cfg, name: str, pipelined: bool) -> None:
+def install(model, cfg, name: str, pipelined: bool, whole=None) -> None:
     """Give the sharded `model` its input check (ShardConfig.check_inputs_every;
     nothing when 0 or when no group must agree): a forward pre-hook, or for a
-    pipelined model the object its schedule calls."""
+    pipelined model the object its schedule calls.  `whole(model)`: the
+    (name, parameter) pairs every rank of the groups holds whole, compared
+    by shardformer.replica_drift."""
     groups = groups_of(cfg)
     if cfg.check_inputs_every == 0 or not (groups or pipelined):
         return
-    check = InputCheck(name, groups, cfg.check_inputs_every)
+    check = InputCheck(name, groups, cfg.check_inputs_every, whole)
     model.__dict__[CHECK_ATTR] = check
     if not pipelined:
         model.register_forward_pre_hook(check, with_kwargs=True, prepend=True)

@@ -21,16 +21,16 @@ tensor-parallel and sequence-parallel groups, one all-gather of one int64,
 before forward calls 2, 3, 5, 9, 17, 33, 65 (call 1 + 2^k, so the first
 optimizer steps are covered whatever the gradient accumulation) and then
 on the input check's schedule (every ShardConfig.check_inputs_every calls;
-0 turns both off).  On a difference every rank raises RuntimeError naming
+0 turns both off).  Which parameters are whole is the runtime's knowledge
+(shardformer.grad_norm.whole_parameters, the ones its norm counts once); the
+sharder hands that function to the input check (input_check.install).  On a difference every rank raises RuntimeError naming
 the first parameters that differ, the ranks on each side, and the fix.
 """
 from __future__ import annotations
 
 import torch.distributed as dist
 
-from .checkpoint.full import shard_info
 from .hashes import signed, tensor_hash
-from .layer.expert_parallel import is_expert_param
 from .replicas import all_gather_ints
 
 DOCS = "docs/training.md"
@@ -52,18 +52,11 @@ def due(call: int, every: int) -> bool:
     return (k < every and k & (k - 1) == 0) or k % every == 0
 
 
-def whole_parameters(model) -> list:
-    """(name, parameter) of the parameters this rank holds whole (not split
-    over a tensor-parallel group, not an expert's), each once."""
-    split = shard_info(model)
-    return [(n, t) for n, t in model.named_parameters() if id(t) not in split and not is_expert_param(t)]
-
-
-def check_whole_parameters(model, groups: list, model_name: str, call: int) -> None:
+def check_whole_parameters(named: list, groups: list, model_name: str, call: int) -> None:
     """Raise RuntimeError on every rank of each group in `groups` ((group,
-    what) pairs) unless its ranks hold the same whole parameters
-    (collective over each group)."""
-    named = whole_parameters(model)
+    what) pairs) unless its ranks hold the same whole parameters `named`
+    ((name, parameter) pairs: shardformer.grad_norm.whole_parameters of the
+    model; collective over each group)."""
     prints = [signed(tensor_hash(t)) for _, t in named]
     folded = 0
     for h in prints:
