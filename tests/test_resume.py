@@ -105,3 +105,11 @@ def test_resume_across_pipeline_expert_and_zero_layouts(pool, tmp_path):
                                                  ("gpt2", TP4, d["gpt2"], 0.1, saved[d["gpt2"]])])
     zero = pool.run(checks.resume_layouts, 2, [("llama", TP2, d["zero"], 0.0, None)])
     print("resume across layouts, max errors:", {**errors[0], **zero[0]})
+
+
+def test_save_between_accumulated_micro_batches(pool, tmp_path):
+    """The accumulated gradients are part of the saved state: a resume between
+    two micro-batches steps to the straight run's weights (TP=2); under DDP's
+    no_sync() (DP=2 x TP=2) the save is refused by name."""
+    pool.run(checks.accumulation_mid_cycle, 2, str(tmp_path / "mid"))
+    pool.run(checks.accumulation_no_sync_refused, 4, str(tmp_path / "no_sync"))
