@@ -21,12 +21,15 @@ tensor-parallel and sequence-parallel groups, one all-gather of one int64,
 before forward calls 2, 3, 5, 9, 17, 33, 65 (call 1 + 2^k, so the first
 optimizer steps are covered whatever the gradient accumulation) and then
 on the input check's schedule (every ShardConfig.check_inputs_every calls;
-0 turns both off).  Which parameters are whole is the runtime's knowledge
+0 turns both off).  Ranks of a group holding other parameters (names or
+shapes: pipeline stages the group spans) have nothing to compare.  Which parameters are whole is the runtime's knowledge
 (shardformer.grad_norm.whole_parameters, the ones its norm counts once); the
 sharder hands that function to the input check (input_check.install).  On a difference every rank raises RuntimeError naming
 the first parameters that differ, the ranks on each side, and the fix.
 """
 from __future__ import annotations
+
+import zlib
 
 import torch.distributed as dist
 
@@ -58,19 +61,17 @@ def check_whole_parameters(named: list, groups: list, model_name: str, call: int
     ((name, parameter) pairs: shardformer.grad_norm.whole_parameters of the
     model; collective over each group)."""
     prints = [signed(tensor_hash(t)) for _, t in named]
+    layout = zlib.crc32(";".join(f"{n}:{tuple(t.shape)}" for n, t in named).encode())
     folded = 0
     for h in prints:
         folded = (folded * 1000003 + h) & ((1 << 64) - 1)
     for group, what in groups:
         if dist.get_world_size(group) < 2:
             continue
-        summary = all_gather_ints([signed(folded), len(named)], group)
-        if bool((summary == summary[0]).all()):
-            continue
+        summary = all_gather_ints([layout, signed(folded)], group)
+        if bool((summary == summary[0]).all()) or not bool((summary[:, 0] == summary[0, 0]).all()):
+            continue           # equal, or other parameters (pipeline stages sharing the group): nothing to compare
         ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-        if not bool((summary[:, 1] == summary[0, 1]).all()):      # other parameters: no common table
-            raise RuntimeError(f"{model_name}: the ranks {ranks} of the {what} group hold different numbers of whole "
-                               f"parameters ({summary[:, 1].tolist()}) before forward call {call}; see {DOCS}")
         table = all_gather_ints(prints, group)
         odd = [i for i in range(len(named)) if not bool((table[:, i] == table[0, i]).all())]
         shown = []
