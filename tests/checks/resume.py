@@ -326,10 +326,10 @@ def _dropout_states(model) -> dict:
 
 
 def save_layouts(ctx, cases: list) -> dict:
-    """Each case (arch, layout, directory, dropout, straight): one step from
-    seed 0 in `layout` (torch's generator seeded per rank, so a rank that
-    takes another's after the load draws other masks), then save_state
-    (step 1).  With dropout, returns {"dropout": every TP dropout module's
+    """Each case (arch, layout, directory, dropout, straight[, async_save]):
+    one step from seed 0 in `layout` (torch's generator seeded per rank, so
+    a rank that takes another's after the load draws other masks), then
+    save_state (step 1; with async_save, asynchronous, waited for).  With dropout, returns {"dropout": every TP dropout module's
     (seed, step) at the save, over all ranks (a stage holds its own layers'
     modules)}, and with `straight` also "weights": the full weights of the
     straight run of 3 steps in the same layout (a same-layout resume must
@@ -338,7 +338,7 @@ def save_layouts(ctx, cases: list) -> dict:
     from checks import dcp_layouts as dl
 
     out = {}
-    for arch, layout, directory, dropout, straight in cases:
+    for arch, layout, directory, dropout, straight, *asynchronous in cases:
         group = dl._group(ctx, layout)
         out[directory] = {}
         if straight:
@@ -351,7 +351,10 @@ def save_layouts(ctx, cases: list) -> dict:
         train(1)
         if straight:
             out[directory]["torch_rng"] = torch.get_rng_state().numpy()
-        save_state(wrapped, directory, optimizer, scheduler, step=1, extra={"layout": layout}, process_group=group)
+        handle = save_state(wrapped, directory, optimizer, scheduler, step=1, extra={"layout": layout},
+                            process_group=group, async_save=bool(asynchronous and asynchronous[0]))
+        if handle is not None:
+            handle.wait()
         if dropout:
             records = [None] * ctx.world_size
             dist.all_gather_object(records, _dropout_states(model), group=group)

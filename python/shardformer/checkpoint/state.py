@@ -241,9 +241,9 @@ def _agree(what: str, values: list, ranks: list[int], who: str) -> None:
 
 def _copy(value):
     """A copy of a state-dict value that the training cannot change (async save)."""
-    if isinstance(value, PlacedShard):
-        dim, shard = value.placement
-        return PlacedShard(value.to_local().detach().clone(), dim, shard, value._key)
+    if isinstance(value, PlacedShard):         # every split kept: experts are split over EP and TP
+        (dim, shard), *also = value.placements
+        return PlacedShard(value.to_local().detach().clone(), dim, shard, value._key, also)
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, dict):
