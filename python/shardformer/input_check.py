@@ -36,12 +36,11 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from . import _C, replica_drift
+from . import replica_drift
 from .config import group_size_and_rank
-from .hashes import signed
+from .hashes import signed, value_fingerprint
 from .replicas import all_gather_ints
 
-_HASH_STEP = 0x9E3779B97F4A7C15 - (1 << 64)     # an odd int64 for the device checksum's position weights
 
 FIX = ("Every rank of a tensor-parallel (or sequence-parallel, or pipeline) group must be given the same batch. "
        "The likely cause: a data-parallel wrapper or sampler spanning those ranks - torch's DistributedSampler or "
@@ -73,32 +72,6 @@ def named_inputs(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
     for k, v in kwargs.items():
         _tensors(v, k, out)
     return out
-
-
-def _device_checksum(t: torch.Tensor) -> int:
-    """An exact integer checksum of `t`'s bytes, computed on its device:
-    sum_i w_i * x_i over int64 words x_i (wrapping), with position weights
-    w_i = (i + 1) * an odd constant, so permuted rows differ too."""
-    flat = t.detach().contiguous().reshape(-1)
-    if flat.is_complex():
-        flat = torch.view_as_real(flat).reshape(-1)
-    if flat.is_floating_point():
-        flat = flat.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[flat.element_size()])
-    words = flat.to(torch.int64)
-    weights = (torch.arange(1, words.numel() + 1, device=words.device, dtype=torch.int64) * _HASH_STEP)
-    return int((words * weights).sum().item()) ^ words.numel()
-
-
-def value_fingerprint(t: torch.Tensor) -> int:
-    """64-bit fingerprint of a tensor's values (signed, for an int64 table)."""
-    if t.device.type == "meta" or t.numel() == 0:
-        return 0
-    if t.device.type == "cpu":
-        t = t.detach()
-        if t.is_conj() or t.is_neg():
-            t = t.resolve_conj().resolve_neg()
-        return signed(_C.fingerprint(t.contiguous()))
-    return signed(_device_checksum(t) & ((1 << 64) - 1))
 
 
 def fingerprint(named: list[tuple[str, torch.Tensor]]) -> list[int]:

@@ -16,7 +16,8 @@ its own min(1, c / n_r).  A plain GradScaler (per-rank inf checks) or an
 optimizer configured per rank do the same.
 
 So the sharded model compares one 64-bit fingerprint of those parameters'
-bytes (shardformer.hashes.tensor_hash of each, folded) across its
+bytes (shardformer.hashes.value_fingerprint of each, folded: C on the
+CPU, an exact integer checksum on an accelerator, no copy to the host) across its
 tensor-parallel and sequence-parallel groups, one all-gather of one int64,
 before forward calls 2, 3, 5, 9, 17, 33, 65 (call 1 + 2^k, so the first
 optimizer steps are covered whatever the gradient accumulation) and then
@@ -33,7 +34,7 @@ import zlib
 
 import torch.distributed as dist
 
-from .hashes import signed, tensor_hash
+from .hashes import signed, value_fingerprint
 from .replicas import all_gather_ints
 
 DOCS = "docs/training.md"
@@ -60,7 +61,7 @@ def check_whole_parameters(named: list, groups: list, model_name: str, call: int
     what) pairs) unless its ranks hold the same whole parameters `named`
     ((name, parameter) pairs: shardformer.grad_norm.whole_parameters of the
     model; collective over each group)."""
-    prints = [signed(tensor_hash(t)) for _, t in named]
+    prints = [value_fingerprint(t) for _, t in named]
     layout = zlib.crc32(";".join(f"{n}:{tuple(t.shape)}" for n, t in named).encode())
     folded = 0
     for h in prints:
