@@ -18,7 +18,7 @@ optimizer configured per rank do the same.
 So the sharded model compares one 64-bit fingerprint of those parameters'
 bytes (shardformer.hashes.value_fingerprint of each, folded: C on the
 CPU, an exact integer checksum on an accelerator, no copy to the host) across its
-tensor-parallel and sequence-parallel groups, one all-gather of one int64,
+tensor-parallel and sequence-parallel groups, one all-gather of two int64 (the names and shapes, the values),
 before forward calls 2, 3, 5, 9, 17, 33, 65 (call 1 + 2^k, so the first
 optimizer steps are covered whatever the gradient accumulation) and then
 on the input check's schedule (every ShardConfig.check_inputs_every calls;
