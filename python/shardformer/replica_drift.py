@@ -16,16 +16,18 @@ its own min(1, c / n_r).  A plain GradScaler (per-rank inf checks) or an
 optimizer configured per rank do the same.
 
 So the sharded model compares one 64-bit fingerprint of those parameters'
-bytes (shardformer.hashes.value_fingerprint of each, folded: C on the
-CPU, an exact integer checksum on an accelerator, no copy to the host) across its
-tensor-parallel and sequence-parallel groups, one all-gather of two int64 (the names and shapes, the values),
-before forward calls 2, 3, 5, 9, 17, 33, 65 (call 1 + 2^k, so the first
-optimizer steps are covered whatever the gradient accumulation) and then
-on the input check's schedule (every ShardConfig.check_inputs_every calls;
-0 turns both off).  Ranks of a group holding other parameters (names or
-shapes: pipeline stages the group spans) have nothing to compare.  Which parameters are whole is the runtime's knowledge
-(shardformer.grad_norm.whole_parameters, the ones its norm counts once); the
-sharder hands that function to the input check (input_check.install).  On a difference every rank raises RuntimeError naming
+bytes (shardformer.hashes.value_fingerprint of each, folded: C on the CPU,
+an exact integer checksum on an accelerator, no copy to the host) across its
+tensor-parallel and sequence-parallel groups, one all-gather of two int64
+(the names and shapes, the values), before forward calls 2, 3, 5, 9, 17, 33,
+65 (call 1 + 2^k, so the first optimizer steps are covered whatever the
+gradient accumulation) and then on the input check's schedule (every
+ShardConfig.check_inputs_every calls; 0 turns both off). Ranks of a group
+holding other parameters (names or shapes: pipeline stages the group spans)
+have nothing to compare. Which parameters are whole is the runtime's
+knowledge (shardformer.grad_norm.whole_parameters, the ones its norm counts
+once); the sharder hands that function to the input check
+(input_check.install). On a difference every rank raises RuntimeError naming
 the first parameters that differ, the ranks on each side, and the fix.
 """
 from __future__ import annotations
