@@ -327,14 +327,16 @@ def _dropout_states(model) -> dict:
 
 def save_layouts(ctx, cases: list) -> dict:
     """Each case (arch, layout, directory, dropout, straight[, async_save]):
-    one step from seed 0 in `layout` (torch's generator seeded per rank, so
-    a rank that takes another's after the load draws other masks), then
-    save_state (step 1; with async_save, asynchronous, waited for).  With
-    dropout, returns {"dropout": every TP dropout module's (seed, step) at
-    the save, over all ranks (a stage holds its own layers' modules)}, and with `straight` also "weights": the full weights of the
-    straight run of 3 steps in the same layout (a same-layout resume must
-    give them bit for bit) and "torch_rng": this rank's torch generator at
-    the save (a same-layout resume must give each rank its own)."""
+    one step from seed 0 in `layout` (torch's generator seeded per rank,
+    so a rank that takes another's after the load draws other masks),
+    then save_state (step 1; with async_save, asynchronous, waited for).
+    With dropout, returns {"dropout": every TP dropout module's (seed,
+    step) at the save, over all ranks (a stage holds its own layers'
+    modules)}, and with `straight` also "weights": the full weights of
+    the straight run of 3 steps in the same layout (a same-layout resume
+    must give them bit for bit) and "torch_rng": this rank's torch
+    generator at the save (a same-layout resume must give each rank its
+    own)."""
     from checks import dcp_layouts as dl
 
     out = {}
