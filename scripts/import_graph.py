@@ -22,7 +22,8 @@ below it; an arrow into a higher layer is an *upward arrow*:
                   other layer uses (hashes, inherit, packing, ...)
     1 distributed the communicators, the ledger, the region operators
                   (distributed/*), and the cross-rank checks built on them
-                  (replicas, input_check, lockstep, step_guard, backward_watch)
+                  (replicas, replica_drift, input_check, lockstep, step_guard,
+                  backward_watch)
     2 layer       the parallel modules (layer/*) and the attention kernels'
                   glue (attention)
     3 runtime     what runs a sharded model and its state, reading layers and
@@ -75,8 +76,8 @@ PACKAGE = "shardformer"
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("_C", "_cuda", "config", "layout", "_versions", "ops", "recycled", "compile_ops", "hashes", "lazy",
               "inherit", "compile_refusal", "packing", "ddp_guard", "ties", "wrappers", "pickling")),
-    ("distributed", ("distributed", "distributed.*", "replicas", "input_check", "lockstep", "step_guard",
-                     "backward_watch")),
+    ("distributed", ("distributed", "distributed.*", "replicas", "replica_drift", "input_check", "lockstep",
+                     "step_guard", "backward_watch")),
     ("layer", ("layer", "layer.*", "attention")),
     ("runtime", ("pipeline", "pipeline.*", "decode", "decode_native", "checkpoint", "checkpoint.*", "grad_norm", "parallel_mesh")),
     ("policy", ("policy", "family", "plan", "autopolicy", "derived_policy", "derived_rules", "lm_loss", "sharder",

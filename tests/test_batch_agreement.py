@@ -68,3 +68,12 @@ def test_trainer_and_accelerate_refused(tmp_path):
     pytest.importorskip("accelerate")
     out = spawn(check.trainers_refused, 2, args=(str(tmp_path),))
     assert out[0].keys() == {"ddp", "trainer", "accelerate"}
+
+
+@pytest.mark.parametrize("tp,plain", [(2, False), (4, True)])
+def test_torch_clip_grad_norm_drift_caught(pool, tp, plain):
+    """torch.nn.utils.clip_grad_norm_ on a sharded model makes the ranks' whole
+    parameters drift apart: the next forward raises, naming them
+    (shardformer.replica_drift); shardformer.clip_grad_norm_ trains on."""
+    reports = pool.run(check.torch_clip_drift, tp, plain)
+    assert all(r["drift"] == reports[0]["drift"] for r in reports), "every rank raises the same error"

@@ -82,7 +82,8 @@ def test_docs_recipe_runs_as_written(pool2, tmp_path):
 def test_resume_across_pipeline_expert_and_zero_layouts(pool, tmp_path):
     """save_state / load_state (in the pool) with pipeline stages (1F1B), expert parallelism (Mixtral,
     5 experts) and ZeRO-1, dropout off: DP=2 x TP=2 -> TP=2 x PP=2, TP=2 x PP=2 -> TP=4 (ShardConfig()),
-    EP=2 x TP=2 -> EP=4, ZeRO-1 DP=2 x TP=2 -> TP=2 (explicit group): AdamW, LambdaLR and the step
+    EP=2 x TP=2 -> EP=4 (saved asynchronously: expert weights split along two dimensions), ZeRO-1
+    DP=2 x TP=2 -> TP=2 (explicit group): AdamW, LambdaLR and the step
     restored, two more steps within tolerance of the unsharded straight run.  Dropout 0.1, TP=2 x PP=2 ->
     TP=2 x PP=2: Llama (torch's generator seeded per rank) bit for bit the straight run of the same
     layout, each rank's generator its own; GPT-2 (TP dropout modules on both stages) -> TP=4: every
@@ -94,7 +95,7 @@ def test_resume_across_pipeline_expert_and_zero_layouts(pool, tmp_path):
                                               ("llama", PP2TP2, d["pp"], 0.0, False),
                                               ("llama", PP2TP2, d["pp_drop"], 0.1, True),
                                               ("gpt2", PP2TP2, d["gpt2"], 0.1, False),
-                                              ("mixtral", EP2, d["ep"], 0.0, False),
+                                              ("mixtral", EP2, d["ep"], 0.0, False, True),     # async
                                               ("llama", ZERO, d["zero"], 0.0, False)])
     exact = {**saved[0][d["pp_drop"]], "torch_rng": [r[d["pp_drop"]]["torch_rng"] for r in saved]}
     saved = saved[0]
@@ -105,3 +106,11 @@ def test_resume_across_pipeline_expert_and_zero_layouts(pool, tmp_path):
                                                  ("gpt2", TP4, d["gpt2"], 0.1, saved[d["gpt2"]])])
     zero = pool.run(checks.resume_layouts, 2, [("llama", TP2, d["zero"], 0.0, None)])
     print("resume across layouts, max errors:", {**errors[0], **zero[0]})
+
+
+def test_save_between_accumulated_micro_batches(pool, tmp_path):
+    """The accumulated gradients are part of the saved state: a resume between
+    two micro-batches steps to the straight run's weights (TP=2); under DDP's
+    no_sync() (DP=2 x TP=2) the save is refused by name."""
+    pool.run(checks.accumulation_mid_cycle, 2, str(tmp_path / "mid"))
+    pool.run(checks.accumulation_no_sync_refused, 4, str(tmp_path / "no_sync"))

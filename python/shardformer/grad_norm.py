@@ -105,6 +105,15 @@ def _check_same_gradients(named: list, groups, device) -> None:
             f"run the same backward (a gradient left None, or set to None, on some ranks only)")
 
 
+def whole_parameters(model: nn.Module) -> list:
+    """(name, parameter) of the parameters this rank holds whole: not split
+    over a tensor-parallel group and not an expert's (the ones the norm
+    counts once; shardformer.replica_drift checks that the ranks' copies stay
+    equal)."""
+    split = shard_info(model)
+    return [(n, t) for n, t in model.named_parameters() if id(t) not in split and not is_expert_param(t)]
+
+
 def grad_norm(model: nn.Module, norm_type: float = 2.0) -> torch.Tensor:
     """The unsharded model's gradient norm (see the module doc), on every rank;
     a float64 scalar on the gradients' device."""

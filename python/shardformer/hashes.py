@@ -17,9 +17,10 @@ import torch
 
 from . import _C
 
-__all__ = ["signed", "tensor_hash"]
+__all__ = ["signed", "tensor_hash", "value_fingerprint"]
 
 _CHUNK_BYTES = 64 << 20   # device tensors are fingerprinted through the CPU in chunks
+_HASH_STEP = 0x9E3779B97F4A7C15 - (1 << 64)     # an odd int64 for the device checksum's position weights
 
 
 def tensor_hash(t: torch.Tensor) -> int:
@@ -41,3 +42,29 @@ def tensor_hash(t: torch.Tensor) -> int:
 def signed(h: int) -> int:
     """The unsigned 64-bit `h` as the signed int64 with the same bits."""
     return h - (1 << 64) if h >= 1 << 63 else h
+
+
+def _device_checksum(t: torch.Tensor) -> int:
+    """An exact integer checksum of `t`'s bytes, computed on its device:
+    sum_i w_i * x_i over int64 words x_i (wrapping), with position weights
+    w_i = (i + 1) * an odd constant, so permuted rows differ too."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if flat.is_floating_point():
+        flat = flat.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[flat.element_size()])
+    words = flat.to(torch.int64)
+    weights = (torch.arange(1, words.numel() + 1, device=words.device, dtype=torch.int64) * _HASH_STEP)
+    return int((words * weights).sum().item()) ^ words.numel()
+
+
+def value_fingerprint(t: torch.Tensor) -> int:
+    """64-bit fingerprint of a tensor's values (signed, for an int64 table)."""
+    if t.device.type == "meta" or t.numel() == 0:
+        return 0
+    if t.device.type == "cpu":
+        t = t.detach()
+        if t.is_conj() or t.is_neg():
+            t = t.resolve_conj().resolve_neg()
+        return signed(_C.fingerprint(t.contiguous()))
+    return signed(_device_checksum(t) & ((1 << 64) - 1))

@@ -36,12 +36,11 @@ import zlib
 import torch
 import torch.distributed as dist
 
-from . import _C
+from . import replica_drift
 from .config import group_size_and_rank
-from .hashes import signed
+from .hashes import signed, value_fingerprint
 from .replicas import all_gather_ints
 
-_HASH_STEP = 0x9E3779B97F4A7C15 - (1 << 64)     # an odd int64 for the device checksum's position weights
 
 FIX = ("Every rank of a tensor-parallel (or sequence-parallel, or pipeline) group must be given the same batch. "
        "The likely cause: a data-parallel wrapper or sampler spanning those ranks - torch's DistributedSampler or "
@@ -73,32 +72,6 @@ def named_inputs(args: tuple, kwargs: dict) -> list[tuple[str, torch.Tensor]]:
     for k, v in kwargs.items():
         _tensors(v, k, out)
     return out
-
-
-def _device_checksum(t: torch.Tensor) -> int:
-    """An exact integer checksum of `t`'s bytes, computed on its device:
-    sum_i w_i * x_i over int64 words x_i (wrapping), with position weights
-    w_i = (i + 1) * an odd constant, so permuted rows differ too."""
-    flat = t.detach().contiguous().reshape(-1)
-    if flat.is_complex():
-        flat = torch.view_as_real(flat).reshape(-1)
-    if flat.is_floating_point():
-        flat = flat.view({8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[flat.element_size()])
-    words = flat.to(torch.int64)
-    weights = (torch.arange(1, words.numel() + 1, device=words.device, dtype=torch.int64) * _HASH_STEP)
-    return int((words * weights).sum().item()) ^ words.numel()
-
-
-def value_fingerprint(t: torch.Tensor) -> int:
-    """64-bit fingerprint of a tensor's values (signed, for an int64 table)."""
-    if t.device.type == "meta" or t.numel() == 0:
-        return 0
-    if t.device.type == "cpu":
-        t = t.detach()
-        if t.is_conj() or t.is_neg():
-            t = t.resolve_conj().resolve_neg()
-        return signed(_C.fingerprint(t.contiguous()))
-    return signed(_device_checksum(t) & ((1 << 64) - 1))
 
 
 def fingerprint(named: list[tuple[str, torch.Tensor]]) -> list[int]:
@@ -157,8 +130,9 @@ class InputCheck:
     Called as a forward pre-hook (with kwargs) of the model; a pipelined
     model's schedule calls step() instead (shardformer.pipeline.schedule)."""
 
-    def __init__(self, model_name: str, groups: list[tuple[object, str]], every: int):
+    def __init__(self, model_name: str, groups: list[tuple[object, str]], every: int, whole=None):
         self.model_name = model_name
+        self.whole = whole                   # model -> its whole (not split) (name, parameter) pairs
         self.groups = groups
         self.every = every
         self.calls = 0
@@ -168,9 +142,13 @@ class InputCheck:
         self.calls += 1
         return self.every > 0 and (self.calls - 1) % self.every == 0
 
-    def step(self, args: tuple, kwargs: dict, extra: tuple = ()) -> None:
+    def step(self, args: tuple, kwargs: dict, extra: tuple = (), model=None) -> None:
         """Check this call's inputs over the model's groups and `extra`
-        ((group, what) pairs) when due."""
+        ((group, what) pairs) when due, and before that, when
+        replica_drift.due, that the ranks of the model's groups still hold
+        the same whole parameters (shardformer.replica_drift)."""
+        if model is not None and self.whole is not None and replica_drift.due(self.calls + 1, self.every):
+            replica_drift.check_whole_parameters(self.whole(model), self.groups, self.model_name, self.calls + 1)
         if not self.due():
             return
         named = named_inputs(args, kwargs)
@@ -178,7 +156,7 @@ class InputCheck:
             check_same_inputs(named, group, what, self.model_name, self.calls)
 
     def __call__(self, module, args, kwargs):
-        self.step(args, kwargs)
+        self.step(args, kwargs, model=module)
 
 
 try:                                 # run eagerly under torch.compile (the counter is Python state)
@@ -204,14 +182,16 @@ def groups_of(cfg) -> list[tuple[object, str]]:
     return out
 
 
-def install(model, cfg, name: str, pipelined: bool) -> None:
+def install(model, cfg, name: str, pipelined: bool, whole=None) -> None:
     """Give the sharded `model` its input check (ShardConfig.check_inputs_every;
     nothing when 0 or when no group must agree): a forward pre-hook, or for a
-    pipelined model the object its schedule calls."""
+    pipelined model the object its schedule calls.  `whole(model)`: the
+    (name, parameter) pairs every rank of the groups holds whole, compared
+    by shardformer.replica_drift."""
     groups = groups_of(cfg)
     if cfg.check_inputs_every == 0 or not (groups or pipelined):
         return
-    check = InputCheck(name, groups, cfg.check_inputs_every)
+    check = InputCheck(name, groups, cfg.check_inputs_every, whole)
     model.__dict__[CHECK_ATTR] = check
     if not pipelined:
         model.register_forward_pre_hook(check, with_kwargs=True, prepend=True)

@@ -40,6 +40,7 @@ from .autopolicy import get_autopolicy, registered_class
 from .checkpoint import bind_hf_methods
 from .config import ShardConfig, group_size_and_rank
 from .distributed.agree import agree, members
+from .grad_norm import whole_parameters
 from .inherit import Inheritance, check_replaceable
 from .layer.attention_weights import gather_attention_weights
 from .layer.rank_streams import guard_random_streams
@@ -301,7 +302,7 @@ class ModelSharder:
             raise
         object.__setattr__(self.model, SHARDED_MARK, True)
         # the ranks that must be given one batch compare their inputs; DDP may not span ranks holding other shards
-        input_check.install(self.model, cfg, name, pipelined=stages is not None)
+        input_check.install(self.model, cfg, name, pipelined=stages is not None, whole=whole_parameters)
         ddp_guard.install(self.model, name, ([(group, "tensor-parallel")] if cfg.enable_tensor_parallelism else [])
                           + ([(manager.group, "pipeline")] if stages is not None else []))
         why = pickling.refusal_reason(name, cfg, stages is not None)

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
+import shardformer
 from shardformer import ShardConfig, ShardFormer, data_parallel, mesh
 
 import zoo
@@ -21,10 +22,10 @@ def _ids(seed: int, rows: int = 2, cols: int = 7) -> torch.Tensor:
     return torch.randint(3, 90, (rows, cols), generator=torch.Generator().manual_seed(seed))
 
 
-def _refused(call, *expect: str) -> str:
+def _refused(call, *expect: str, error: type = ValueError) -> str:
     try:
         call()
-    except ValueError as e:
+    except error as e:
         message = str(e)
     else:
         raise AssertionError("not refused")
@@ -256,3 +257,43 @@ def trainers_refused(rank: int, tmp: str) -> dict:
     changed = [k for k, v in model.state_dict().items() if not torch.equal(v, before[k])]
     assert not changed, f"the refused wrappers changed {changed}"
     return out
+
+
+def torch_clip_drift(ctx, plain: bool) -> dict:
+    """torch.nn.utils.clip_grad_norm_ on a sharded Llama: each rank clips by
+    the norm of its own shards, so the whole copies (norm weights) drift
+    apart; the next forward (call 2) raises on every rank naming them, the
+    ranks and shardformer.clip_grad_norm_.  The same loop with
+    shardformer.clip_grad_norm_ raises nothing over 4 steps (forward calls
+    2, 3 and 5 compare) and gives the unsharded model's losses, with torch's
+    clip on the unsharded model.  plain: ShardConfig() (TP = the world)."""
+    torch.manual_seed(0)
+    model = zoo.build("LlamaForCausalLM")
+    ref = copy.deepcopy(model)
+    fresh = copy.deepcopy(model)
+    cfg = (lambda: ShardConfig()) if plain else (lambda: ShardConfig(tensor_parallel_process_group=ctx.group))
+    ShardFormer(cfg()).optimize(model)
+    ids = _ids(0, rows=2, cols=9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(input_ids=ids, labels=ids).loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)       # the norm of this rank's shards
+    opt.step()
+    report = {"drift": _refused(lambda: model(input_ids=ids, labels=ids), "forward call 2",
+                                        "'model.layers.0.input_layernorm.weight'", "torch.nn.utils.clip_grad_norm_",
+                                        "shardformer.clip_grad_norm_", "docs/training.md",
+                                        " vs ".join(f"ranks [{r}]" for r in range(ctx.tp_size)), error=RuntimeError)}
+    ShardFormer(cfg()).optimize(fresh)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (fresh, ref)]
+    for step in range(4):
+        losses = []
+        for m, o in zip((fresh, ref), opts):
+            loss = m(input_ids=ids, labels=ids).loss
+            loss.backward()
+            (shardformer.clip_grad_norm_(m, 0.05) if m is fresh else torch.nn.utils.clip_grad_norm_(m.parameters(),
+                                                                                                   0.05))
+            o.step()
+            o.zero_grad()
+            losses.append(loss.detach())
+        parity.assert_close(f"loss at step {step}", losses[0], losses[1], TOL)
+    return report
+

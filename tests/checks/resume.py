@@ -326,19 +326,21 @@ def _dropout_states(model) -> dict:
 
 
 def save_layouts(ctx, cases: list) -> dict:
-    """Each case (arch, layout, directory, dropout, straight): one step from
-    seed 0 in `layout` (torch's generator seeded per rank, so a rank that
-    takes another's after the load draws other masks), then save_state
-    (step 1).  With dropout, returns {"dropout": every TP dropout module's
-    (seed, step) at the save, over all ranks (a stage holds its own layers'
-    modules)}, and with `straight` also "weights": the full weights of the
-    straight run of 3 steps in the same layout (a same-layout resume must
-    give them bit for bit) and "torch_rng": this rank's torch generator at
-    the save (a same-layout resume must give each rank its own)."""
+    """Each case (arch, layout, directory, dropout, straight[, async_save]):
+    one step from seed 0 in `layout` (torch's generator seeded per rank,
+    so a rank that takes another's after the load draws other masks),
+    then save_state (step 1; with async_save, asynchronous, waited for).
+    With dropout, returns {"dropout": every TP dropout module's (seed,
+    step) at the save, over all ranks (a stage holds its own layers'
+    modules)}, and with `straight` also "weights": the full weights of
+    the straight run of 3 steps in the same layout (a same-layout resume
+    must give them bit for bit) and "torch_rng": this rank's torch
+    generator at the save (a same-layout resume must give each rank its
+    own)."""
     from checks import dcp_layouts as dl
 
     out = {}
-    for arch, layout, directory, dropout, straight in cases:
+    for arch, layout, directory, dropout, straight, *asynchronous in cases:
         group = dl._group(ctx, layout)
         out[directory] = {}
         if straight:
@@ -351,7 +353,10 @@ def save_layouts(ctx, cases: list) -> dict:
         train(1)
         if straight:
             out[directory]["torch_rng"] = torch.get_rng_state().numpy()
-        save_state(wrapped, directory, optimizer, scheduler, step=1, extra={"layout": layout}, process_group=group)
+        handle = save_state(wrapped, directory, optimizer, scheduler, step=1, extra={"layout": layout},
+                            process_group=group, async_save=bool(asynchronous and asynchronous[0]))
+        if handle is not None:
+            handle.wait()
         if dropout:
             records = [None] * ctx.world_size
             dist.all_gather_object(records, _dropout_states(model), group=group)
@@ -406,3 +411,76 @@ def resume_layouts(ctx, cases: list) -> dict:
         errors[what] = max(parity.assert_close(f"{what}, 2 steps after load_state: {k}", full[k], exp[k], tol,
                                                exp64[k]) for k in exp)
     return errors
+
+
+def _micro(run: Run, step: int, half: int):
+    """The backward of half `half` (0 or 1) of batch(step)'s rows, the loss
+    halved: two of them accumulate the gradient of the whole batch (DP=2:
+    each replica its own row)."""
+    rows = slice(run.dp_rank, run.dp_rank + 1) if run.layout == "dp2tp2" else slice(half, None, 2)
+    inputs = {k: v[rows] for k, v in batch(step).items()}
+    (parity.loss_of(run.runner(**inputs), {}) / 2).backward()
+
+
+def _accumulated_step(run: Run, step: int, directory: str | None = None) -> Run:
+    """One optimizer step over two accumulated micro-batches; with
+    `directory`, saved after the first and resumed in a new Run (another
+    seed) that takes the second: the Run that steps is returned."""
+    _micro(run, step, 0)
+    if directory is not None:
+        run.save(directory, step)
+        run = Run(run.layout, run.group, seed=7, dropout=False)
+        assert run.load(directory)["step"] == step
+    _micro(run, step, 1)
+    run.optimizer.step()
+    run.scheduler.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    return run
+
+
+def accumulation_mid_cycle(ctx, directory: str) -> dict:
+    """save_state between two micro-batches of a gradient accumulation (TP=2,
+    explicit group, AdamW after one full step): the accumulated gradients are
+    saved and load_state hands them back, so the resumed step's weights are
+    those of the run that never stopped, bit for bit, and the unsharded
+    model's within the float32 tolerance plus twice its own error against
+    float64 (as _against_unsharded).  DP=2 x TP=2 under DDP's no_sync(), where
+    the replicas' gradients differ, is refused by name before anything is
+    written."""
+    straight, resumed = (Run("tp2", ctx.group, seed=0, dropout=False) for _ in range(2))
+    ref, ref64 = Run("plain", None, seed=0, dropout=False), Run("plain", None, seed=0, dropout=False,
+                                                                 dtype=torch.float64)
+    for run in (straight, resumed, ref, ref64):
+        _accumulated_step(run, 0)
+    for run in (straight, ref, ref64):
+        _accumulated_step(run, 1)
+    resumed = _accumulated_step(resumed, 1, directory)
+    want = straight.local()
+    differ = [k for k, v in resumed.local().items() if not np.array_equal(v, want[k])]
+    assert not differ, f"the step resumed between micro-batches differs from the straight run: {differ[:4]}"
+    full = gather_full_state_dict(resumed.model)
+    if ctx.rank == 0:
+        exp64 = ref64.model.state_dict()
+        for k, v in ref.model.state_dict().items():
+            parity.assert_close(f"resumed {k}", full[k], v, TOL, exp64[k])
+    return {}
+
+
+def accumulation_no_sync_refused(ctx, directory: str) -> str:
+    """DP=2 x TP=2: save_state under DDP's no_sync(), the replicas holding
+    different gradients, raises ValueError on every rank naming the ranks;
+    nothing is written."""
+    run = Run("dp2tp2", None, seed=0, dropout=False)
+    with run.runner.no_sync():
+        _micro(run, 0, 0)
+    try:
+        run.save(directory, 0)
+    except ValueError as e:
+        message = str(e)
+    else:
+        raise AssertionError("a save under no_sync() was not refused")
+    assert "replicas hold different gradients" in message, message
+    assert ("[0] vs [2]" in message) or ("[1] vs [3]" in message), message
+    assert "no_sync()" in message, message
+    assert not os.path.exists(directory), "a refused save wrote something"
+    return message

@@ -392,6 +392,45 @@ def get_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     return model_sd, {"state": state, "param_groups": groups}
 
 
+def gradient_state_dict(model: nn.Module, saved: set | None = None) -> dict:
+    """The gradients of a sharded model as a state dict for dcp.save /
+    dcp.load, keyed and placed as get_state_dict keys and places their
+    parameters (a split gradient is a PlacedShard of this rank's rows).
+    saved=None: the parameters holding a gradient, views of it (to save);
+    else the keys in `saved`, as fresh zero tensors for dcp.load to fill
+    (set_gradients then hands them to the parameters)."""
+    placements = placements_of(model)
+    tensors = dict(named_tensors(model))
+    out = {}
+    for key in model.state_dict().keys():
+        t = tensors.get(key)
+        if not isinstance(t, nn.Parameter):
+            continue
+        if saved is None and t.grad is not None:
+            out[key] = _placed(t.grad, placements.get(id(t)), key)
+        elif saved is not None and key in saved:
+            out[key] = _placed(torch.zeros_like(t), placements.get(id(t)), key)
+    return out
+
+
+def set_gradients(model: nn.Module, gradients: Mapping) -> None:
+    """Each parameter's .grad from gradient_state_dict(model, saved) after
+    dcp.load (copied into an existing gradient, so DDP's bucket views stay);
+    a parameter without an entry is left without a gradient (None)."""
+    tensors = dict(named_tensors(model))
+    given = {id(tensors[key]): value for key, value in gradients.items()}
+    for p in model.parameters():
+        value = given.get(id(p))
+        if value is None:
+            p.grad = None
+            continue
+        local = value.to_local() if isinstance(value, PlacedShard) else value
+        if p.grad is not None and p.grad.shape == local.shape:
+            p.grad.copy_(local)
+        else:
+            p.grad = local.detach().clone()
+
+
 def _state_value(v, p: torch.Tensor, splits, key: str, optimizer):
     """An optimizer state as a state-dict value: placed as its parameter when
     it has the parameter's shape, plain when the parameter is whole or the

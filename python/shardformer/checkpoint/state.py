@@ -19,6 +19,15 @@ state dict
     "rng.rankNNNNN"    global rank NNNNN's generators: torch's CPU generator,
                        the CUDA generators (when CUDA is initialized), and
                        every tensor-parallel dropout module's (seed, step)
+    "grads"            the gradients the parameters hold at the save (placed
+                       as "model"; only when some are not None): a save
+                       between the micro-batches of a gradient accumulation
+                       resumes with the sum so far.  load_state sets them
+                       back, and leaves a parameter without a saved gradient
+                       with none.  Under DDP the replicas must hold the same
+                       gradients (they differ under no_sync(), where one
+                       copy would resume every replica with the first's):
+                       ValueError naming the ranks, before anything is written.
 
 "train" is the same on every rank and written once (DCP's de-duplication of
 replicated values); the step must agree on every rank (ValueError naming the
@@ -95,11 +104,14 @@ from ..layer.dropout import SeededDropout
 from ..layer.parallel_module import ParallelModule
 from ..pipeline.stages import runtime_of
 from .atomic import make_temp, put_in_place, save_target
-from .dcp import PlacedShard, get_state_dict, set_state_dict
+from ..hashes import signed, tensor_hash
+from ..replicas import all_gather_ints
+from .dcp import PlacedShard, get_state_dict, gradient_state_dict, set_gradients, set_state_dict
 
 __all__ = ["SaveHandle", "load_state", "save_state"]
 
 _TRAIN = "train"
+_GRADS = "grads"
 _RNG = "rng.rank{:05d}"
 _pending: list[SaveHandle] = []
 _WRITE_TIMEOUT_S = 1800.0    # how long the lowest rank waits for the others' files
@@ -112,6 +124,33 @@ def _unwrap(model: nn.Module) -> nn.Module:
     while isinstance(model, (DistributedDataParallel, DataParallel)):
         model = model.module
     return model
+
+
+def _check_replica_gradients(model: nn.Module, who: str) -> None:
+    """ValueError unless the data-parallel replicas of DDP `model` hold the
+    same gradients (one int64 fingerprint all-gathered over DDP's group).
+    They differ in the middle of a gradient accumulation under no_sync():
+    the checkpoint keeps one copy of each gradient, so such a save would
+    resume every replica with the first one's."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not isinstance(model, DistributedDataParallel) or dist.get_world_size(model.process_group) < 2:
+        return
+    folded = 0
+    for p in _unwrap(model).parameters():
+        h = 0 if p.grad is None else tensor_hash(p.grad)
+        folded = (folded * 1000003 + h + 1) & ((1 << 64) - 1)
+    seen = all_gather_ints([signed(folded)], model.process_group)[:, 0].tolist()
+    if len(set(seen)) > 1:
+        ranks = dist.get_process_group_ranks(model.process_group)
+        groups: dict = {}
+        for r, h in zip(ranks, seen):
+            groups.setdefault(h, []).append(r)
+        raise ValueError(f"{who}: the data-parallel replicas hold different gradients (ranks "
+                         f"{' vs '.join(str(g) for g in groups.values())}): a save in the middle of a gradient "
+                         f"accumulation under DDP's no_sync(), whose gradients are not averaged yet. Save after "
+                         f"the micro-batch that synchronizes them (or after the optimizer step); nothing was "
+                         f"written; see docs/resume.md")
 
 
 def _blob(obj) -> bytes:
@@ -202,9 +241,9 @@ def _agree(what: str, values: list, ranks: list[int], who: str) -> None:
 
 def _copy(value):
     """A copy of a state-dict value that the training cannot change (async save)."""
-    if isinstance(value, PlacedShard):
-        dim, shard = value.placement
-        return PlacedShard(value.to_local().detach().clone(), dim, shard, value._key)
+    if isinstance(value, PlacedShard):         # every split kept: experts are split over EP and TP
+        (dim, shard), *also = value.placements
+        return PlacedShard(value.to_local().detach().clone(), dim, shard, value._key, also)
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
     if isinstance(value, dict):
@@ -371,6 +410,7 @@ def save_state(model: nn.Module, dir, optimizer: torch.optim.Optimizer | None = 
     seen = _gather(process_group, mine)
     _agree("the step", [s[0] for s in seen], ranks, who)
     _agree("whether an optimizer / scheduler is saved", [s[1:3] for s in seen], ranks, who)
+    _check_replica_gradients(model, who)
     msd, osd = get_state_dict(inner, optimizer)
     train = {"step": step, "extra": extra, "layout": {"ranks": ranks, "of_rank": [s[3] for s in seen]},
              "dropout": _merged_dropouts([s[4] for s in seen]),
@@ -381,6 +421,9 @@ def save_state(model: nn.Module, dir, optimizer: torch.optim.Optimizer | None = 
         state[_TRAIN] = _blob(train)
     if optimizer is not None:
         state["optim"] = osd
+    grads = gradient_state_dict(inner)
+    if grads:                                  # accumulated gradients (a save between micro-batches)
+        state[_GRADS] = grads
     write = _Write(_copy(state) if async_save else state, directory, process_group, who)
     write.plan()
     if not async_save:
@@ -463,8 +506,13 @@ def load_state(model: nn.Module, dir, optimizer: torch.optim.Optimizer | None = 
     state = {"model": msd}
     if optimizer is not None:
         state["optim"] = osd
+    prefix = _GRADS + "."
+    grads = gradient_state_dict(inner, {k[len(prefix):] for k in keys if k.startswith(prefix)})
+    if grads:
+        state[_GRADS] = grads
     dcp.load(state, checkpoint_id=directory, process_group=process_group)
     set_state_dict(inner, optimizer, model_state_dict=msd, optim_state_dict=osd if optimizer is not None else None)
+    set_gradients(inner, grads)
     if lr_scheduler is not None:
         lr_scheduler.load_state_dict(train["scheduler"])
     _set_rng_state(inner, rng)

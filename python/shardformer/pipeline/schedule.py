@@ -290,7 +290,7 @@ class PipelineSchedule:
         rt.refuse_outputs(model, batch, asked)           # agreed over the stages: every rank raises alike
         check = model.__dict__.get(CHECK_ATTR)      # the stages and TP ranks given one batch (shardformer.input_check)
         if check is not None:
-            check.step((), batch, extra=((sm.group, "pipeline"),) if sm.num_stages > 1 else ())
+            check.step((), batch, extra=((sm.group, "pipeline"),) if sm.num_stages > 1 else (), model=model)
         if backward and criterion is None and "labels" not in batch:
             raise ValueError(f"{type(self).__name__}: {name}: criterion=None uses the model's own loss, but the "
                              f"batch has no 'labels'; add them or pass criterion(outputs, micro_batch)")
