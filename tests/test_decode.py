@@ -47,6 +47,7 @@ def _assert_c_step(case: dict, window) -> None:
     Python step, counted with its reason."""
     if window is None:
         assert case["c_step"] == case["fast"] and not case["python_step"], case
+        assert not case["python_ends"], case         # the embedding, final norm and LM head in C too
     else:
         assert case["c_step"] == 0, case
         assert case["python_step"] == {"cache layer DynamicSlidingWindowLayer (the C step keeps full caches)":

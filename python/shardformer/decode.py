@@ -316,6 +316,7 @@ class DecodeFastPath:
         self.native_enabled = True          # set_native_decode: False runs every fast step in Python
         self.c_steps = 0                    # fast steps the C loop ran
         self.python_steps: collections.Counter = collections.Counter()   # reason -> fast steps run in Python
+        self.python_ends: collections.Counter = collections.Counter()    # reason -> C steps whose end ran in Python
 
     def __getstate__(self) -> dict:
         """A copy (pickle, deepcopy) checks its model afresh at its first call."""
@@ -354,7 +355,7 @@ class DecodeFastPath:
             return self._hf(args, kwargs)
         if call != self._call:                # once per generate() call, not per step
             if self.refresh() is None:
-                self.native.prepare(self.layers(), self.model.model.embed_tokens.weight)
+                self.native.prepare(self.layers(), self.model.model.embed_tokens.weight, self.model, self.group)
             self._call = call
         why = self._off or ("positional arguments" if args else _call_refusal(self.model, kwargs))
         if why is None:
@@ -371,7 +372,15 @@ class DecodeFastPath:
             self.python_steps[why] += 1
             return self.step(*args)
         self.c_steps += 1
-        return self.finish(self.native.run(self, *args), args[1])
+        for why in self.native.ends_refusal:
+            if why is not None:
+                self.python_ends[why] += 1
+        x, logits = self.native.run(self, *args)
+        if logits is None:
+            return self.finish(x, args[1])
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        return CausalLMOutputWithPast(logits=logits, past_key_values=args[1])
 
     def layers(self) -> list[_Layer]:
         if self._layers is None:
@@ -475,17 +484,18 @@ def install(model, group, name: str) -> int:
 
 def stats(model) -> dict:
     """{"fast": decode steps the fast path ran, "c_step": those of them the C
-    layer loop ran (decode_native.py), "python_step": {reason: those the
-    Python step ran instead}, "fallback": {reason: calls
+    step ran (decode_native.py), "python_step": {reason: those the
+    Python step ran instead}, "python_ends": {reason: C steps whose embedding
+    or final norm + LM head ran as modules instead}, "fallback": {reason: calls
     inside generate() sent to HF's forward}, "off": why the model never
     takes it (None: it can)} for the generating model `model`."""
     path = model.__dict__.get("forward")
     if not isinstance(path, DecodeFastPath):
-        return {"fast": 0, "c_step": 0, "python_step": {}, "fallback": {},
+        return {"fast": 0, "c_step": 0, "python_step": {}, "python_ends": {}, "fallback": {},
                 "off": "not installed (a model_type outside SUPPORTED_TYPES, ShardConfig(enable_fast_decode=False), "
                        "pipeline stages, or a group of one rank)"}
     return {"fast": path.fast, "c_step": path.c_steps, "python_step": dict(path.python_steps),
-            "fallback": dict(path.fallback), "off": path.refresh()}
+            "python_ends": dict(path.python_ends), "fallback": dict(path.fallback), "off": path.refresh()}
 
 
 def set_fast_decode(model, on: bool = True) -> None:
@@ -517,3 +527,4 @@ def reset_stats(model) -> None:
         path.fast = path.c_steps = 0
         path.fallback.clear()
         path.python_steps.clear()
+        path.python_ends.clear()

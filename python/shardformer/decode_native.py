@@ -1,17 +1,30 @@
 """The decode step's layer loop in C: csrc/kernels/decode.c through _C.decode_step.
 
 DecodeFastPath (decode.py) hands a decode step here when the C step can
-compute it.  Per step, in Python: the embedding and the rotary module (as
-modules), the cache bookkeeping, one _C.decode_step call, and after it the
-final norm and the LM head.  Inside that one call, with the GIL released,
-every layer runs (the math of decode.py's docstring; kernels/decode.h):
+compute it.  Per step, in Python: the rotary module (as a module), the cache
+bookkeeping and one _C.decode_step call.  Inside that one call, with the GIL
+released, the whole forward runs (the math of decode.py's docstring;
+kernels/decode.h):
 
-    a = rms(x) g1;  [q k v] = a Wqkv^T (+ b);  (q, k per-head norms);  rope
-    K[:, :, past] = k, V[:, :, past] = v;  o = softmax(q K^T s + mask) V  (GQA)
-    x += all_reduce(o Wo^T) (+ bo);  m = rms(x) g2;  [g u] = m Wgu^T (+ b)
-    x += all_reduce((silu(g) u) Wd^T) (+ bd)
+    x = all_reduce(E_i[ids])        the vocabulary-parallel lookup: the id's row
+                                    on the rank holding it, 0 elsewhere
+    per layer:
+      a = rms(x) g1;  q, k, v = a Wq^T, a Wk^T, a Wv^T (+ b);  (q, k norms);  rope
+      K[:, :, past] = k, V[:, :, past] = v;  o = softmax(q K^T s + mask) V  (GQA)
+      x += all_reduce(o Wo^T) (+ bo);  m = rms(x) g2;  g, u = m Wg^T, m Wu^T (+ b)
+      x += all_reduce((silu(g) u) Wd^T) (+ bd)
+    z_i = rms(x) gN W_i^T (+ b_i)    this rank's vocabulary rows (padding included)
+    logits = all_gather(z_i), each rank's real columns placed at their
+             vocabulary offsets (its padding dropped: the Python gather's order)
 
-with both all-reduces made from C on the group's shm communicator.
+with every collective made from C on the group's shm communicator.  The
+embedding runs in C where model.model.embed_tokens is a plain
+VocabParallelEmbedding1D (no hooks, no scale) and the rotary module has no
+hooks; the final norm and the head where model.lm_head is a plain
+VocabParallelLMHead1D without hooks.  Otherwise that end runs as a module,
+as the Python step runs it, counted in `stats(model)["python_ends"]` with
+the reason.  The head's weight may be the embedding's (tied): both are
+read in place.
 
 What it keeps (NativeStep, one per fast path):
   * no copy of the weights: the plan points at the modules' own shards
@@ -32,9 +45,10 @@ Where it cannot run (`refusal`), the Python fast step runs, counted in
 one type among float32, bfloat16, float16, a sliding-window cache layer, a group whose communicator is not the
 shm backend (torch.distributed, NCCL, the checked communicator of
 SHARDFORMER_CHECK_COLLECTIVES), a norm with an offset.  With a
-`shardformer.comm_stats()` ledger open, the step's all-reduces are recorded
-there (2 per layer, [B, h] fp32 each, with the time the C loop spent in
-them).
+`shardformer.comm_stats()` ledger open, the step's collectives are recorded
+there: the all-reduces (2 per layer and the embedding's, [B, h] fp32 each)
+and the logits' all-gather ([B, chunk] of the model's type from each rank),
+with the time the C step spent in them.
 """
 from __future__ import annotations
 
@@ -80,6 +94,48 @@ def _bias(module):
 _TYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def _plain_refusal(path: str, module) -> str | None:
+    """Why the C step may not run `module`'s math itself (None: it may): it
+    carries forward (pre-)hooks other than the sharder's inert ones, a
+    forward set on the instance, or is in training mode."""
+    from .decode import _inert, _sharders
+
+    if any(not _inert(h) for h in (*module._forward_pre_hooks.values(), *module._forward_hooks.values())):
+        return f"forward hooks on {path}"
+    if "forward" in module.__dict__ and not _sharders(module.__dict__["forward"]):
+        return f"a forward set on {path}"
+    if module.training:
+        return f"{path} in training mode"
+    return None
+
+
+def _ends_refusals(model, group, dtype) -> tuple[str | None, str | None]:
+    """(why the embedding, why the final norm + LM head cannot run in the C
+    step), None where they can (module doc)."""
+    from .layer.embedding import VocabParallelEmbedding1D
+    from .layer.linear import VocabParallelLMHead1D
+
+    base, head = model.model, model.lm_head
+    comm = _comm.communicator_for(base.embed_tokens.weight, group)
+    embed = base.embed_tokens
+    why_embed = (_plain_refusal("model.model.embed_tokens", embed) or _plain_refusal("model.model.rotary_emb",
+                                                                                     base.rotary_emb))
+    if why_embed is None and type(embed) is not VocabParallelEmbedding1D:
+        why_embed = f"model.model.embed_tokens is {type(embed).__name__}, not a VocabParallelEmbedding1D"
+    elif why_embed is None and embed.embed_scale is not None:
+        why_embed = f"model.model.embed_tokens scales its rows by {embed.embed_scale}"
+    elif why_embed is None and (embed.weight.dtype != dtype or
+                                _comm.communicator_for(embed.weight, embed.process_group) is not comm):
+        why_embed = "model.model.embed_tokens: another dtype or another group than the layers'"
+    why_head = _plain_refusal("model.lm_head", head) or _norm_refusal(base.norm)
+    if why_head is None and (type(head) is not VocabParallelLMHead1D or not head.gather_output):
+        why_head = f"model.lm_head is {type(head).__name__}, not a VocabParallelLMHead1D gathering the logits"
+    elif why_head is None and (head.weight.dtype != dtype or base.norm.weight.dtype != dtype or
+                               _comm.communicator_for(head.weight, head.process_group) is not comm):
+        why_head = "model.lm_head or model.model.norm: another dtype or another group than the layers'"
+    return why_embed, why_head
+
+
 def _release(step_ref, cache_ref) -> None:
     step = step_ref()
     if step is not None:
@@ -103,6 +159,9 @@ class NativeStep:
         self._plan = None
         self._static: str | None = "not prepared"
         self._cache = None          # weak reference to the DynamicCache the buffers hold
+        self._ends: tuple = (None, None)   # (embedding, head) modules the C step runs, None: Python's
+        self.ends_refusal: tuple = ("not prepared", "not prepared")
+        self._x = None              # [B, h] fp32: the hidden states the C step embeds into
 
     def __getstate__(self) -> dict:
         return {}
@@ -112,12 +171,14 @@ class NativeStep:
 
     # -- when it can run -------------------------------------------------------------
 
-    def prepare(self, layers, weight: torch.Tensor) -> None:
+    def prepare(self, layers, weight: torch.Tensor, model=None, group=None) -> None:
         """Once per generate() call: what the step's weights allow (dtype,
-        norms), and packing again where a source parameter was replaced or
-        written since the last packing (its data pointer or version changed).
+        norms), which ends of `model` it runs (_ends_refusals), and packing
+        again where a source parameter was replaced or written since the
+        last packing (its data pointer or version changed).
         `weight`: the embedding's, whose dtype and device the hidden states have."""
         self._static = None
+        self.ends_refusal = ("no model given", "no model given")
         if weight.dtype not in _TYPES or weight.device.type != "cpu":
             self._static = (f"hidden states of {weight.dtype} on {weight.device} (the C step computes float32, "
                             f"bfloat16 or float16 on the CPU)")
@@ -133,7 +194,19 @@ class NativeStep:
                 if why:
                     self._static = f"layer {layer.index}: {why}"
                     return
-        key = tuple((p.data_ptr(), p._version) for layer in layers for p in _sources(layer))
+        ends = (None, None)
+        if model is not None:
+            self.ends_refusal = _ends_refusals(model, group, weight.dtype)
+            ends = (model.model.embed_tokens if self.ends_refusal[0] is None else None,
+                    (model.model.norm, model.lm_head) if self.ends_refusal[1] is None else None)
+        sources = [p for layer in layers for p in _sources(layer)]
+        if ends[0] is not None:
+            sources.append(ends[0].weight)
+        if ends[1] is not None:
+            sources += [p for m in ends[1] for p in (m.weight, getattr(m, "bias", None)) if p is not None]
+        key = (tuple((p.data_ptr(), p._version) for p in sources),
+               tuple(id(m) for m in (ends[0], *(ends[1] or (None, None)))))
+        self._ends = ends
         if key != self._key:
             self._packed, self._plan, self._key = None, None, key
 
@@ -194,14 +267,39 @@ class NativeStep:
                                        "wd", "bd")) + (self._k[n], self._v[n], p["scale"])
             rows.append(row)
             keep.append(row)
-        self._plan = _C.decode_plan(sizes, rows, keep)
+        ends = self._ends_args(hidden)
+        keep.append(ends)
+        self._plan = _C.decode_plan(sizes, rows, keep, ends)
+
+    def _ends_args(self, hidden: int):
+        """decode_plan's `ends` (csrc/decode_module.c) for the ends the C step
+        runs (self._ends), None when it runs neither."""
+        embed, tail = self._ends
+        if embed is None and tail is None:
+            return None
+        args = [None, 0, 0, 0, None, 0.0, None, None, 0, 1, ()]
+        if embed is not None:
+            args[0:4] = [_flat(embed.weight), embed.vocab_start, embed.vocab_end - embed.vocab_start,
+                         embed.num_embeddings]
+        if tail is not None:
+            norm, head = tail
+            shard = head.shard
+            args[3] = shard.full
+            args[4:6] = [_flat(norm.weight), _eps(norm)]
+            args[6:8] = [_flat(head.weight), _bias(head)]
+            args[8:11] = [shard.chunk, shard.tp_size,
+                          tuple((r, off, n) for r, ranges in enumerate(shard.all_ranges) for off, n in ranges)]
+        if embed is not None and tail is not None and embed.num_embeddings != args[3]:
+            raise ValueError(f"decode: the embedding's vocabulary {embed.num_embeddings} is not the head's "
+                             f"{args[3]}")
+        return tuple(args)
 
     def _release(self, cache_ref) -> None:
         """The cache the buffers served is gone (generate() returned and its
         caller dropped the output): free the buffers, unless a newer cache
         took them over."""
         if self._cache is cache_ref:
-            self._k, self._v, self._views, self._plan = [], [], [], None
+            self._k, self._v, self._views, self._plan, self._x = [], [], [], None, None
             self._batch = self._cap = 0
             self._cache = None
 
@@ -242,9 +340,9 @@ class NativeStep:
     # -- the step --------------------------------------------------------------------
 
     def run(self, fast, ids: torch.Tensor, cache, mask, position_ids):
-        """One decode step (module doc); returns the last hidden states
-        [B, 1, h] after the final norm's input (the caller runs the norm and
-        the head)."""
+        """One decode step (module doc); returns (the last hidden states
+        [B, 1, h], the final norm's input, when the caller runs the head; the
+        logits [B, 1, V] when the C step ran it)."""
         layers = fast.layers()
         base = fast.model.model
         past = cache.get_seq_length()
@@ -253,18 +351,29 @@ class NativeStep:
             self._plan = None
         if position_ids is None:
             position_ids = torch.full((1, 1), past, dtype=torch.long, device=ids.device)
-        x = base.embed_tokens(ids)                                         # [B, 1, h]
+        dtype, batch, hidden = base.embed_tokens.weight.dtype, ids.shape[0], layers[0].q.weight.shape[1]
+        in_c, tail = self._ends[0] is not None, self._ends[1] is not None
+        if in_c:     # the rotary module reads only the dtype and device of its input
+            x = torch.empty((batch, 1, 0), dtype=dtype)
+        else:
+            x = base.embed_tokens(ids)                                     # [B, 1, h]
         cos, sin = base.rotary_emb(x, position_ids=position_ids)           # [B or 1, 1, d]
-        batch, hidden = x.shape[0], x.shape[-1]
         self._sync_cache(layers, cache, batch, past)
-        dtype = x.dtype
-        x = x.reshape(batch, hidden).float().contiguous()                 # values of dtype, in fp32
+        if in_c:
+            if self._x is None or self._x.shape[0] != batch:
+                self._x = torch.empty((batch, hidden), dtype=torch.float32)
+            x, ids = self._x, ids.reshape(batch).to(torch.int64).contiguous()
+        else:
+            x, ids = x.reshape(batch, hidden).float().contiguous(), None   # values of dtype, in fp32
+        vocab = self._ends[1][1].shard.full if tail else 0
+        logits = torch.empty((batch, 1, vocab), dtype=dtype) if tail else None
         if mask is not None:
             mask = mask.to(torch.int64).contiguous()
         comm = _comm.communicator_for(x, fast.group)
         ops.follow_torch_threads()
-        seconds = comm.shm.run_native(_C.decode_step, self._plan, x, cos.float().contiguous(),
-                                      sin.float().contiguous(), mask, past)
+        seconds, gather_s = comm.shm.run_native(_C.decode_step, self._plan, x, cos.float().contiguous(),
+                                                sin.float().contiguous(), mask, past, ids,
+                                                logits.view(batch, vocab) if tail else None)
         self._views = []
         for n, L in enumerate(layers):
             held = cache.layers[L.index]
@@ -272,5 +381,10 @@ class NativeStep:
             self._views.append((held.keys, held.values))
         if _ledger.hooked():
             _ledger.record_native("all_reduce", tuple(comm.shm.ranks), x.numel() * x.element_size(),
-                                  seconds, 2 * len(layers))
-        return x.view(batch, 1, hidden).to(dtype)
+                                  seconds, 2 * len(layers) + in_c)
+            if tail:
+                _ledger.record_native("all_gather", tuple(comm.shm.ranks),
+                                      batch * self._ends[1][1].shard.chunk * logits.element_size(), gather_s, 1)
+        if tail:
+            return None, logits
+        return x.view(batch, 1, hidden).to(dtype), None

@@ -73,7 +73,7 @@ def generate_equals_hf(ctx, name: str, mode: str = "greedy", default_group: bool
     assert stats["fast"] == steps, f"{name}: {stats['fast']} of {steps} decode steps took the fast path: {stats}"
     assert sum(stats["fallback"].values()) == 1, f"{name}: {stats}"
     return {"tokens": got.sequences.tolist(), "fast": stats["fast"], "fused_norms": fused,
-            "c_step": stats["c_step"], "python_step": stats["python_step"]}
+            "c_step": stats["c_step"], "python_step": stats["python_step"], "python_ends": stats["python_ends"]}
 
 
 def cases_equal_hf(ctx, cases, options: dict, default_group: bool = False) -> list[dict]:
