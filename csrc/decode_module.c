@@ -262,7 +262,7 @@ static int take_ends(PyObject *obj, const sfk_decode_step *s, unsigned dt, sfk_d
                           &bias, &chunk, &nranks, &ranges))
         return -1;
     const int64_t h = s->hidden;
-    if (vocab <= 0 || vocab > (1LL << 31) || nranks <= 0 || nranks > 4096 || chunk < 0 || chunk > vocab) {
+    if (vocab <= 0 || vocab > (1LL << 31) || nranks <= 0 || nranks > 4096 || chunk < 0 || chunk > (1LL << 31)) {
         PyErr_Format(PyExc_ValueError, "decode_plan: ends vocab %lld, %d ranks, chunk %lld out of range", vocab,
                      nranks, chunk);
         return -1;
