@@ -12,6 +12,8 @@ What it measures, per model and batch size (default batches 1 and 8):
   tp2            the same sharded model with its decode fast path as it runs by
                  default: the C layer loop (shardformer.decode_native; every layer
                  in one C call, both all-reduces from C)
+  tp2-layers     the C step of the layers alone: the embedding, final norm and LM head
+                 as modules (set_native_decode(ends=False); the C step before it took them)
   tp2-skinny     the same sharded model with ShardConfig.enable_skinny_linear's
                  kernel switched on (decode steps' linear layers through
                  shardformer.ops.skinny_linear instead of torch's matmul)
@@ -102,11 +104,11 @@ TP_SIZE = 2
 GOAL_SPEEDUP = 2.0        # TP=2 tokens/s / best unsharded tokens/s at batch 1 (issue 34: SmolLM2) ...
 GOAL_BW_FRACTION = 0.85   # ... or within 15% of the bandwidth limit
 DTYPES = ("float32", "bfloat16", "float16")
-CONFIGS = ("unsharded-1t", "unsharded-2t", "tp2-hf", "tp2-py", "tp2", "tp2-skinny")
+CONFIGS = ("unsharded-1t", "unsharded-2t", "tp2-hf", "tp2-py", "tp2-layers", "tp2", "tp2-skinny")
 # the same sharded model; -hf: the decode fast path off (HF's module forwards per step);
 # -py: the fast path's Python step (its C layer loop off); tp2: the fast path as it runs
 # by default (the C layer loop); -skinny: ShardConfig.enable_skinny_linear's kernel on
-TP_CONFIGS = ("tp2-hf", "tp2-py", "tp2", "tp2-skinny")
+TP_CONFIGS = ("tp2-hf", "tp2-py", "tp2-layers", "tp2", "tp2-skinny")
 COMM_METHODS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast")
 
 RANDOM300M = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=20, num_attention_heads=16,
@@ -161,7 +163,7 @@ def parse_args(argv=None):
     if args.out.endswith(".json"):
         args.out = args.out[:-5]
     # --quick leaves tp2-skinny out: with the C loop it changes only the LM head's product
-    picked = set(args.configs or (c for c in CONFIGS if not (q and c == "tp2-skinny"))) | {"unsharded-1t", "unsharded-2t"}
+    picked = set(args.configs or (c for c in CONFIGS if not (q and c in ("tp2-skinny", "tp2-layers")))) | {"unsharded-1t", "unsharded-2t"}
     args.configs = [c for c in CONFIGS if c in picked]
     if args.new_tokens < args.warmup_steps + 2:
         p.error("--new-tokens must exceed --warmup-steps + 1 (at least one timed decode step)")
@@ -558,7 +560,7 @@ def rank_main(rank: int, name: str, path: str | None, args_d: dict) -> dict:
                         if cname in TP_CONFIGS:
                             set_skinny_linear(sharded, cname == "tp2-skinny")
                             set_fast_decode(sharded, cname != "tp2-hf")
-                            set_native_decode(sharded, cname != "tp2-py")
+                            set_native_decode(sharded, cname != "tp2-py", ends=cname != "tp2-layers")
                             dist.barrier()
                             if rnd == 0:       # warm-up: allocator, caches, the first collectives
                                 timed_generate(sharded, ids, 3, None, pad)

@@ -509,15 +509,21 @@ def set_fast_decode(model, on: bool = True) -> None:
     path.enabled = bool(on)
 
 
-def set_native_decode(model, on: bool = True) -> None:
-    """Let the fast path of `model` run its steps through the C layer loop
-    (on, the default) or always through the Python step (off, counted under
+def set_native_decode(model, on: bool = True, ends: bool = True) -> None:
+    """Let the fast path of `model` run its steps through the C step (on, the
+    default) or always through the Python step (off, counted under
     stats()["python_step"]), e.g. to time both (benchmarks/generate.py's
-    tp2-py).  Raises ValueError where the fast path is not installed."""
+    tp2-py); ends=False keeps the embedding, final norm and LM head out of
+    the C step (run as modules, counted under stats()["python_ends"]; the
+    C step of the layers alone: benchmarks/generate.py's tp2-layers).
+    Raises ValueError where the fast path is not installed."""
     path = model.__dict__.get("forward")
     if not isinstance(path, DecodeFastPath):
         raise ValueError(f"{type(model).__name__} has no decode fast path: {stats(model)['off']}")
     path.native_enabled = bool(on)
+    if path.native.ends_enabled != bool(ends):
+        path.native.ends_enabled = bool(ends)
+        path._call = None                    # the next step prepares the C step's ends afresh
 
 
 def reset_stats(model) -> None:

@@ -162,6 +162,7 @@ class NativeStep:
         self._ends: tuple = (None, None)   # (embedding, head) modules the C step runs, None: Python's
         self.ends_refusal: tuple = ("not prepared", "not prepared")
         self._x = None              # [B, h] fp32: the hidden states the C step embeds into
+        self.ends_enabled = True    # set_native_decode(ends=False): both ends as modules
 
     def __getstate__(self) -> dict:
         return {}
@@ -196,7 +197,9 @@ class NativeStep:
                     return
         ends = (None, None)
         if model is not None:
-            self.ends_refusal = _ends_refusals(model, group, weight.dtype)
+            self.ends_refusal = _ends_refusals(model, group, weight.dtype) if self.ends_enabled else \
+                ("the embedding kept out of the C step (set_native_decode(ends=False))",
+                 "the final norm and LM head kept out of the C step (set_native_decode(ends=False))")
             ends = (model.model.embed_tokens if self.ends_refusal[0] is None else None,
                     (model.model.norm, model.lm_head) if self.ends_refusal[1] is None else None)
         sources = [p for layer in layers for p in _sources(layer)]
