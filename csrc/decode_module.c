@@ -73,30 +73,39 @@ static void plan_free(PyObject *cap)
     plan_dealloc(p);
 }
 
-/* The data pointer of `obj` (CPU, contiguous, of a dtype in `dtypes`;
- * writable when `write`) with exactly `numel` elements; *out = NULL for
- * None when `optional`.  0, or -1 with an exception naming layer n's
- * argument. */
+/* The data pointer of `obj` (a tensor through the DLPack gate with
+ * `flags`, of a dtype in `dtypes`), named `label` in errors: *out its data
+ * (NULL for None when optional), *numel its elements; with expect >= 0
+ * exactly that many.  0, or -1 with an exception.  The memory outlives the
+ * view: the plan's `keep` holds the tensor. */
+static int take_checked(PyObject *obj, const char *label, unsigned dtypes, unsigned flags, int64_t expect,
+                        void **out, int64_t *numel)
+{
+    sf_view v;
+    *out = NULL, *numel = 0;
+    int rc = sf_take("decode_plan", obj, label, dtypes, flags, &v);
+    if (rc != 0) return rc < 0 ? -1 : 0;
+    if (expect >= 0 && v.numel != expect) {
+        PyErr_Format(PyExc_ValueError, "decode_plan: %s has %lld elements, expected %lld", label,
+                     (long long)v.numel, (long long)expect);
+        sf_view_release(&v);
+        return -1;
+    }
+    *out = v.data, *numel = v.numel;
+    sf_view_release(&v);
+    return 0;
+}
+
+/* Layer n's tensor `name` (contiguous; writable when `write`; None allowed
+ * when `optional`) with exactly `numel` elements (take_checked). */
 static int take_tensor(PyObject *obj, int64_t n, const char *name, unsigned dtypes, int64_t numel, int write,
                        int optional, void **out)
 {
     char label[96];
+    int64_t got;
     snprintf(label, sizeof(label), "layer %lld %s", (long long)n, name);
-    sf_view v;
     unsigned flags = SF_TAKE_CONTIGUOUS | (write ? SF_TAKE_WRITE : 0) | (optional ? SF_TAKE_OPTIONAL : 0);
-    int rc = sf_take("decode_plan", obj, label, dtypes, flags, &v);
-    *out = NULL;
-    if (rc < 0) return -1;
-    if (rc == 1) return 0;
-    if (v.numel != numel) {
-        PyErr_Format(PyExc_ValueError, "decode_plan: %s has %lld elements, expected %lld", label,
-                     (long long)v.numel, (long long)numel);
-        sf_view_release(&v);
-        return -1;
-    }
-    *out = v.data;
-    sf_view_release(&v);            /* the memory stays: `keep` holds the tensor */
-    return 0;
+    return take_checked(obj, label, dtypes, flags, numel, out, &got);
 }
 
 static int take_float(PyObject *obj, int64_t n, const char *name, float *out)
@@ -169,26 +178,12 @@ static int plan_dtype(PyObject *layers, sfk_dtype *t, unsigned *bit)
     return 0;
 }
 
-/* A tensor of the ends (take_tensor's checks, labelled "ends <name>"):
- * *out its data (NULL for None), *numel its elements; with expect >= 0
- * exactly that many. */
+/* A tensor of the ends, None allowed (take_checked, labelled "ends <name>"). */
 static int take_end(PyObject *obj, const char *name, unsigned dtypes, int64_t expect, void **out, int64_t *numel)
 {
-    sf_view v;
     char label[64];
     snprintf(label, sizeof(label), "ends %s", name);
-    *out = NULL, *numel = 0;
-    int rc = sf_take("decode_plan", obj, label, dtypes, SF_TAKE_CONTIGUOUS | SF_TAKE_OPTIONAL, &v);
-    if (rc != 0) return rc < 0 ? -1 : 0;
-    if (expect >= 0 && v.numel != expect) {
-        PyErr_Format(PyExc_ValueError, "decode_plan: %s has %lld elements, expected %lld", label,
-                     (long long)v.numel, (long long)expect);
-        sf_view_release(&v);
-        return -1;
-    }
-    *out = v.data, *numel = v.numel;
-    sf_view_release(&v);            /* the memory stays: `keep` holds the tensor */
-    return 0;
+    return take_checked(obj, label, dtypes, SF_TAKE_CONTIGUOUS | SF_TAKE_OPTIONAL, expect, out, numel);
 }
 
 /* The ranges of the head's gather into e: (rank, offset, count) triples,
