@@ -66,7 +66,8 @@ def _eps(norm) -> float:
                  else norm.variance_epsilon)
 
 
-def _norm_refusal(norm) -> str | None:
+def norm_refusal(norm) -> str | None:
+    """Why the C step cannot compute RMSNorm `norm` (None: it can)."""
     if getattr(norm, "offset", 0.0):
         return f"{type(norm).__name__} with offset {norm.offset}"
     return None
@@ -92,48 +93,6 @@ def _bias(module):
 
 
 _TYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _plain_refusal(path: str, module) -> str | None:
-    """Why the C step may not run `module`'s math itself (None: it may): it
-    carries forward (pre-)hooks other than the sharder's inert ones, a
-    forward set on the instance, or is in training mode."""
-    from .decode import _inert, _sharders
-
-    if any(not _inert(h) for h in (*module._forward_pre_hooks.values(), *module._forward_hooks.values())):
-        return f"forward hooks on {path}"
-    if "forward" in module.__dict__ and not _sharders(module.__dict__["forward"]):
-        return f"a forward set on {path}"
-    if module.training:
-        return f"{path} in training mode"
-    return None
-
-
-def _ends_refusals(model, group, dtype) -> tuple[str | None, str | None]:
-    """(why the embedding, why the final norm + LM head cannot run in the C
-    step), None where they can (module doc)."""
-    from .layer.embedding import VocabParallelEmbedding1D
-    from .layer.linear import VocabParallelLMHead1D
-
-    base, head = model.model, model.lm_head
-    comm = _comm.communicator_for(base.embed_tokens.weight, group)
-    embed = base.embed_tokens
-    why_embed = (_plain_refusal("model.model.embed_tokens", embed) or _plain_refusal("model.model.rotary_emb",
-                                                                                     base.rotary_emb))
-    if why_embed is None and type(embed) is not VocabParallelEmbedding1D:
-        why_embed = f"model.model.embed_tokens is {type(embed).__name__}, not a VocabParallelEmbedding1D"
-    elif why_embed is None and embed.embed_scale is not None:
-        why_embed = f"model.model.embed_tokens scales its rows by {embed.embed_scale}"
-    elif why_embed is None and (embed.weight.dtype != dtype or
-                                _comm.communicator_for(embed.weight, embed.process_group) is not comm):
-        why_embed = "model.model.embed_tokens: another dtype or another group than the layers'"
-    why_head = _plain_refusal("model.lm_head", head) or _norm_refusal(base.norm)
-    if why_head is None and (type(head) is not VocabParallelLMHead1D or not head.gather_output):
-        why_head = f"model.lm_head is {type(head).__name__}, not a VocabParallelLMHead1D gathering the logits"
-    elif why_head is None and (head.weight.dtype != dtype or base.norm.weight.dtype != dtype or
-                               _comm.communicator_for(head.weight, head.process_group) is not comm):
-        why_head = "model.lm_head or model.model.norm: another dtype or another group than the layers'"
-    return why_embed, why_head
 
 
 def _release(step_ref, cache_ref) -> None:
@@ -172,11 +131,12 @@ class NativeStep:
 
     # -- when it can run -------------------------------------------------------------
 
-    def prepare(self, layers, weight: torch.Tensor, model=None, group=None) -> None:
+    def prepare(self, layers, weight: torch.Tensor, model=None, ends_refusal: tuple = (None, None)) -> None:
         """Once per generate() call: what the step's weights allow (dtype,
-        norms), which ends of `model` it runs (_ends_refusals), and packing
-        again where a source parameter was replaced or written since the
-        last packing (its data pointer or version changed).
+        norms), which ends of `model` it runs (those whose `ends_refusal`,
+        (embedding, final norm + head), is None: decode.py's checks), and
+        packing again where a source parameter was replaced or written since
+        the last packing (its data pointer or version changed).
         `weight`: the embedding's, whose dtype and device the hidden states have."""
         self._static = None
         self.ends_refusal = ("no model given", "no model given")
@@ -191,13 +151,13 @@ class NativeStep:
                                     f"(the C step takes one type)")
                     return
             for norm in (layer.ln1, layer.ln2, layer.q_norm, layer.k_norm):
-                why = norm is not None and _norm_refusal(norm.__self__)
+                why = norm is not None and norm_refusal(norm.__self__)
                 if why:
                     self._static = f"layer {layer.index}: {why}"
                     return
         ends = (None, None)
         if model is not None:
-            self.ends_refusal = _ends_refusals(model, group, weight.dtype) if self.ends_enabled else \
+            self.ends_refusal = tuple(ends_refusal) if self.ends_enabled else \
                 ("the embedding kept out of the C step (set_native_decode(ends=False))",
                  "the final norm and LM head kept out of the C step (set_native_decode(ends=False))")
             ends = (model.model.embed_tokens if self.ends_refusal[0] is None else None,
