@@ -12,6 +12,8 @@ What it measures, per model and batch size (default batches 1 and 8):
   tp2            the same sharded model with its decode fast path as it runs by
                  default: the C layer loop (shardformer.decode_native; every layer
                  in one C call, both all-reduces from C)
+  tp2-layers     the C step of the layers alone: the embedding, final norm and LM head
+                 as modules (set_native_decode(ends=False); the C step before it took them)
   tp2-skinny     the same sharded model with ShardConfig.enable_skinny_linear's
                  kernel switched on (decode steps' linear layers through
                  shardformer.ops.skinny_linear instead of torch's matmul)
@@ -23,7 +25,13 @@ from a LlamaConfig with seed 0: hidden 1024, 20 layers, 16 heads / 8 KV heads,
 intermediate 2816, vocab 32000, untied: 302M parameters).  --quick: a tiny
 random Llama and a few tokens (a smoke run, for tests/test_benchmarks.py).
 --dtype bfloat16 / float16: every model in that dtype (default float32), results
-in generate_<dtype>.* by default.
+in generate_<dtype>.* by default.  --dtypes float32 bfloat16 float16: every model
+in each of them, loaded once per dtype in the same launch, the rounds alternating
+the dtypes (round r: every configuration in float32, then in bfloat16, ...), so
+the dtypes see the same machine; results per dtype under "<model>/<dtype>".
+--busy: one busy process (a Python loop spinning one core) runs beside the whole
+run, started before the first phase and stopped after the last; the JSON ("busy")
+and the Markdown header say so, with the CPU seconds it used.
 
 Everything runs in one launch per model (shardformer.launch.spawn, 2 ranks;
 --quick: one launch for the bandwidth phases and the model, no idle wait):
@@ -95,11 +103,12 @@ RESULTS = os.path.join(HERE, "results")
 TP_SIZE = 2
 GOAL_SPEEDUP = 2.0        # TP=2 tokens/s / best unsharded tokens/s at batch 1 (issue 34: SmolLM2) ...
 GOAL_BW_FRACTION = 0.85   # ... or within 15% of the bandwidth limit
-CONFIGS = ("unsharded-1t", "unsharded-2t", "tp2-hf", "tp2-py", "tp2", "tp2-skinny")
+DTYPES = ("float32", "bfloat16", "float16")
+CONFIGS = ("unsharded-1t", "unsharded-2t", "tp2-hf", "tp2-py", "tp2-layers", "tp2", "tp2-skinny")
 # the same sharded model; -hf: the decode fast path off (HF's module forwards per step);
 # -py: the fast path's Python step (its C layer loop off); tp2: the fast path as it runs
 # by default (the C layer loop); -skinny: ShardConfig.enable_skinny_linear's kernel on
-TP_CONFIGS = ("tp2-hf", "tp2-py", "tp2", "tp2-skinny")
+TP_CONFIGS = ("tp2-hf", "tp2-py", "tp2-layers", "tp2", "tp2-skinny")
 COMM_METHODS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "broadcast")
 
 RANDOM300M = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=20, num_attention_heads=16,
@@ -127,27 +136,34 @@ def parse_args(argv=None):
                    help="before each phase wait up to this many seconds for other processes to use < 0.15 "
                         "cores (default 120, --quick 0)")
     p.add_argument("--timeout", type=float, default=3600.0)
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32",
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="the models' dtype (weights, activations, cache); default float32")
+    p.add_argument("--dtypes", nargs="+", choices=DTYPES, default=None,
+                   help="several dtypes in one run, the rounds alternating them (overrides --dtype)")
+    p.add_argument("--busy", action="store_true",
+                   help="one busy process (one core spinning) beside the whole run, recorded in the results")
     p.add_argument("--out", default=None, help="writes OUT.json and OUT.md (default results/generate)")
     p.add_argument("--pp", type=int, default=None, metavar="P",
                    help="instead: generate() pipelined over P ranks (1 thread each) vs unsharded (see pp_main); "
                         "writes results/generate_pp by default")
     args = p.parse_args(argv)
     q = args.quick
+    args.dtypes = list(dict.fromkeys(args.dtypes or [args.dtype]))
+    args.dtype = args.dtypes[0]
     stem = "generate_pp" if args.pp else "generate"
+    suffix = "".join("_" + d for d in args.dtypes if len(args.dtypes) > 1 or d != "float32") + \
+        ("_busy" if args.busy else "")
     defaults = dict(models=["tiny"] if q else ["smollm2", "random300m"], batches=[1, 2] if q else [1, 8],
                     new_tokens=5 if q else 40, warmup_steps=1 if q else 6, rounds=1 if q else 2,
                     bw_mib=16 if q else 1024, wait_idle=0.0 if q else 120.0,
-                    out=os.path.join(RESULTS, (stem + "_quick" if q else stem)
-                                     + ("" if args.dtype == "float32" else "_" + args.dtype)))
+                    out=os.path.join(RESULTS, (stem + "_quick" if q else stem) + suffix))
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
     if args.out.endswith(".json"):
         args.out = args.out[:-5]
     # --quick leaves tp2-skinny out: with the C loop it changes only the LM head's product
-    picked = set(args.configs or (c for c in CONFIGS if not (q and c == "tp2-skinny"))) | {"unsharded-1t", "unsharded-2t"}
+    picked = set(args.configs or (c for c in CONFIGS if not (q and c in ("tp2-skinny", "tp2-layers")))) | {"unsharded-1t", "unsharded-2t"}
     args.configs = [c for c in CONFIGS if c in picked]
     if args.new_tokens < args.warmup_steps + 2:
         p.error("--new-tokens must exceed --warmup-steps + 1 (at least one timed decode step)")
@@ -492,6 +508,8 @@ def isolated_latency(comm, by_key: dict, iters: int = 200) -> dict:
 # --------------------------------------------------------------------------- one model, all configurations
 
 def rank_main(rank: int, name: str, path: str | None, args_d: dict) -> dict:
+    """Every configuration of model `name` in each of args_d["dtypes"]: {dtype: {"info", "runs"}}; the
+    rounds alternate the dtypes (the module doc)."""
     import torch
     import torch.distributed as dist
     import transformers
@@ -502,59 +520,74 @@ def rank_main(rank: int, name: str, path: str | None, args_d: dict) -> dict:
 
     transformers.logging.set_verbosity_error()
     torch.set_num_threads(1)
-    models = load_models(rank, name, path, not args_d["no_skeleton"], args_d["dtype"])
+    by_dtype = {dt: load_models(rank, name, path, not args_d["no_skeleton"], dt) for dt in args_d["dtypes"]}
     comm = get_communicator(dist.group.WORLD, "cpu")
     backend = backend_for(torch.zeros(1), dist.group.WORLD)
     timer = CollectiveTimer()
     timer.install(comm)
-    real_full, real_sharded, load_s = models["real"]
-    config = real_sharded.config
+    out = {}
+    for dt, models in by_dtype.items():
+        real_full, real_sharded, load_s = models["real"]
+        config = real_sharded.config
+        info = {"rank": rank, "backend": backend, "load_s": load_s, "dtype": dt,
+                "touched_bytes": {k: touched_bytes(m[1]) for k, m in models.items()},
+                "params": {k: param_count(m[1]) for k, m in models.items()},
+                "parallel_layers": parallel_layer_counts(real_sharded)}
+        if rank == 0:
+            info["touched_bytes_unsharded"] = {k: touched_bytes(m[0]) for k, m in models.items()}
+            info["params_unsharded"] = {k: param_count(m[0]) for k, m in models.items()}
+            info["config"] = {k: getattr(config, k) for k in ("hidden_size", "intermediate_size",
+                                                               "num_hidden_layers", "num_attention_heads",
+                                                               "num_key_value_heads", "vocab_size",
+                                                               "tie_word_embeddings")}
+        out[dt] = {"info": info, "runs": []}
+    config = next(iter(by_dtype.values()))["real"][1].config
     base_ids, tok = prompt_ids(name, path, config.vocab_size, args_d["prompt_len"])
     pad = tok.pad_token_id if tok is not None and tok.pad_token_id is not None else 0
-    info = {"rank": rank, "backend": backend, "load_s": load_s,
-            "touched_bytes": {k: touched_bytes(m[1]) for k, m in models.items()},
-            "params": {k: param_count(m[1]) for k, m in models.items()},
-            "parallel_layers": parallel_layer_counts(real_sharded)}
     if rank == 0:
-        info["touched_bytes_unsharded"] = {k: touched_bytes(m[0]) for k, m in models.items()}
-        info["params_unsharded"] = {k: param_count(m[0]) for k, m in models.items()}
-        info["prompt_len"] = base_ids.shape[1]
-        info["config"] = {k: getattr(config, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                                           "num_attention_heads", "num_key_value_heads",
-                                                           "vocab_size", "tie_word_embeddings")}
-    runs = []     # one record per timed generate
+        for o in out.values():
+            o["info"]["prompt_len"] = base_ids.shape[1]
     for rnd in range(args_d["rounds"]):
-        for batch in args_d["batches"]:
-            for kind, (full, sharded, _) in models.items():
-                ids = base_ids.repeat(batch, 1)
-                if kind == "skeleton":
-                    ids = ids % sharded.config.vocab_size
-                for cname in args_d["configs"]:
-                    rec = {"round": rnd, "batch": batch, "kind": kind, "config": cname}
-                    if cname in TP_CONFIGS:
-                        set_skinny_linear(sharded, cname == "tp2-skinny")
-                        set_fast_decode(sharded, cname != "tp2-hf")
-                        set_native_decode(sharded, cname != "tp2-py")
-                        dist.barrier()
-                        if rnd == 0:       # warm-up: allocator, caches, the first collectives
-                            timed_generate(sharded, ids, 3, None, pad)
+        for dt, models in by_dtype.items():
+            runs = out[dt]["runs"]     # one record per timed generate
+            for batch in args_d["batches"]:
+                for kind, (full, sharded, _) in models.items():
+                    ids = base_ids.repeat(batch, 1)
+                    if kind == "skeleton":
+                        ids = ids % sharded.config.vocab_size
+                    for cname in args_d["configs"]:
+                        rec = {"round": rnd, "batch": batch, "kind": kind, "config": cname, "dtype": dt}
+                        if cname in TP_CONFIGS:
+                            set_skinny_linear(sharded, cname == "tp2-skinny")
+                            set_fast_decode(sharded, cname != "tp2-hf")
+                            set_native_decode(sharded, cname != "tp2-py", ends=cname != "tp2-layers")
                             dist.barrier()
-                        timer.reset_keys()
-                        rec.update(timed_generate(sharded, ids, args_d["new_tokens"], timer, pad))
-                        rec["coll_by_key"] = {f"{k[0]}:{k[1]}": v for k, v in timer.by_key.items()}
-                        if rnd == 0:
-                            rec["isolated_us"] = isolated_latency(comm, timer.by_key)
-                    else:
-                        if rank == 0:
-                            rec.update(timed_unsharded(full, ids, cname, rnd == 0, args_d["new_tokens"], pad))
+                            if rnd == 0:       # warm-up: allocator, caches, the first collectives
+                                timed_generate(sharded, ids, 3, None, pad)
+                                dist.barrier()
+                            timer.reset_keys()
+                            rec.update(timed_generate(sharded, ids, args_d["new_tokens"], timer, pad))
+                            rec["coll_by_key"] = {f"{k[0]}:{k[1]}": v for k, v in timer.by_key.items()}
+                            if rnd == 0:
+                                rec["isolated_us"] = isolated_latency(comm, timer.by_key)
                         else:
-                            c0 = time.process_time()
-                        dist.barrier()          # the other ranks wait here, blocked
-                        if rank != 0:
-                            rec["waiting_cpu_s"] = time.process_time() - c0
-                    runs.append(rec)
+                            if rank == 0:
+                                rec.update(timed_unsharded(full, ids, cname, rnd == 0, args_d["new_tokens"],
+                                                           pad))
+                            else:
+                                c0 = time.process_time()
+                            dist.barrier()          # the other ranks wait here, blocked
+                            if rank != 0:
+                                rec["waiting_cpu_s"] = time.process_time() - c0
+                        runs.append(rec)
     dist.barrier()
-    return {"info": info, "runs": runs}
+    return out
+
+
+def model_key(name: str, dtype: str, dtypes: list) -> str:
+    """The results' key of model `name` in `dtype`: the name alone for a run of one dtype (as before
+    --dtypes), "<name>/<dtype>" for several."""
+    return name if len(dtypes) == 1 else f"{name}/{dtype}"
 
 
 # --------------------------------------------------------------------------- summary
@@ -632,9 +665,12 @@ def _by_position(recs: list, w: int) -> dict:
     steps = 0
     for r in recs:
         for calls in (r["coll_traces"] or [])[w:]:
-            if len(calls) < 2:
+            if not calls:
                 continue
             steps += 1
+            if len(calls) == 1:                  # the C step: every collective of the step made from C
+                groups["token check"].append(calls[0])
+                continue
             if len(calls) % 2:
                 groups["token check"].append(calls[-1])
                 calls = calls[:-1]
@@ -751,19 +787,51 @@ def write_outputs(results: dict, out: str) -> str:
     with open(out + ".json", "w") as f:
         json.dump(results, f, indent=1, default=str)
     with open(out + ".md", "w") as f:
+        busy = results.get("busy", {})
+        beside = (f"; **one busy process beside the whole run** (one core spinning, {busy['cpu_s']:.0f} CPU s)"
+                  if busy.get("processes") and busy.get("cpu_s") is not None else
+                  "; one busy process beside the whole run" if busy.get("processes") else "")
         f.write(f"# benchmarks/generate.py: greedy decode, TP=2 (2 ranks x 1 thread, shm) vs unsharded "
                 f"(1 and 2 threads), {results['cpu_count']} cores\n\n{results['time']}; medians over "
-                f"{a['rounds']} round(s) x {a['new_tokens'] - 1 - a['warmup_steps']} decode steps\n\n{md}\n")
+                f"{a['rounds']} round(s) x {a['new_tokens'] - 1 - a['warmup_steps']} decode steps; dtypes "
+                f"{' '.join(a['dtypes'])} (rounds alternating){beside}\n\n{md}\n")
     return md
 
 
 def main(argv=None) -> int:
-    from shardformer.launch import spawn
-
     args = parse_args(argv)
     if args.pp:
         return pp_main(args)
     t_start = time.perf_counter()
+    busy = start_busy() if args.busy else None
+    try:
+        return _run(args, t_start, busy)
+    finally:
+        if busy is not None:
+            busy.kill()
+            busy.wait()
+
+
+def start_busy():
+    """--busy: one process spinning one core (a bare Python loop) until the run ends."""
+    import subprocess
+
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+
+
+def busy_cpu_s(proc) -> float | None:
+    """CPU seconds the busy process has used (/proc/<pid>/stat: utime + stime)."""
+    try:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def _run(args, t_start: float, busy) -> int:
+    from shardformer.launch import spawn
+
     load_start = [round(x, 2) for x in os.getloadavg()]
     print(f"generate: models {args.models}, batches {args.batches}, {args.new_tokens} new tokens "
           f"({args.warmup_steps} warm-up steps), {args.rounds} round(s); load average {load_start}", flush=True)
@@ -779,23 +847,27 @@ def main(argv=None) -> int:
                       timeout_s=args.timeout)
         bws = ranks[0]["bandwidth"]
         for name, _ in models:
-            results["models"][name] = summarize(name, [rk["models"][name] for rk in ranks], args)
+            for dt in args.dtypes:
+                results["models"][model_key(name, dt, args.dtypes)] = summarize(
+                    name, [rk["models"][name][dt] for rk in ranks], args)
         print(f"bandwidth (start): {_fmt_bw(bws[0])}\nbandwidth (end): {_fmt_bw(bws[1])}\n"
               f"  {', '.join(args.models)}: {time.perf_counter() - t0:.0f} s (one launch)", flush=True)
     else:
-        idle = {"bandwidth-start": wait_for_idle(args.wait_idle)}
+        idle = {"bandwidth-start": wait_for_idle(args.wait_idle, 0.15 + (busy is not None))}
         bws = [spawn(_bw_rank, TP_SIZE, args=(nbytes,), threads_per_rank=1, timeout_s=600)[0]]
         print("bandwidth (start): " + _fmt_bw(bws[0]), flush=True)
         for name in args.models:
             path = smollm2_path() if name == "smollm2" else None
-            idle[name] = wait_for_idle(args.wait_idle)
+            idle[name] = wait_for_idle(args.wait_idle, 0.15 + (busy is not None))
             print(f"running {name} ...", flush=True)
             t0 = time.perf_counter()
             ranks = spawn(rank_main, TP_SIZE, args=(name, path, vars(args)), threads_per_rank=1,
                           timeout_s=args.timeout)
-            results["models"][name] = summarize(name, ranks, args)
+            for dt in args.dtypes:
+                results["models"][model_key(name, dt, args.dtypes)] = summarize(name, [rk[dt] for rk in ranks],
+                                                                                  args)
             print(f"  {name}: {time.perf_counter() - t0:.0f} s", flush=True)
-        idle["bandwidth-end"] = wait_for_idle(args.wait_idle)
+        idle["bandwidth-end"] = wait_for_idle(args.wait_idle, 0.15 + (busy is not None))
         bws.append(spawn(_bw_rank, TP_SIZE, args=(nbytes,), threads_per_rank=1, timeout_s=600)[0])
         print("bandwidth (end): " + _fmt_bw(bws[1]), flush=True)
     bw = {k: statistics.median([b[k] for b in bws]) for k in ("1t", "2t", "tp_total")}
@@ -806,6 +878,9 @@ def main(argv=None) -> int:
     results["wait_for_idle"] = idle
     results["loadavg_end"] = [round(x, 2) for x in os.getloadavg()]
     results["wall_s"] = time.perf_counter() - t_start
+    results["busy"] = {"processes": 0} if busy is None else {
+        "processes": 1, "what": "python -c 'while True: pass' (one core spinning), beside the whole run",
+        "cpu_s": busy_cpu_s(busy), "wall_s": results["wall_s"]}
     results["cpu_count"] = os.cpu_count()
     results["versions"] = _versions()
     results["time"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())

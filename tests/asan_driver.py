@@ -892,6 +892,29 @@ def _decode_reference(row, x, cos, sin, mask, past, H, K, d, F):
     return x, kc, vc
 
 
+def _decode_ends(i, t, h, B):
+    """decode_plan's ends for a group of one rank (vocabulary 5, this rank's
+    shard holding [3, 5) then [0, 3), 6 head rows (one padding) in a gather
+    block of 7, a head bias on odd i), ids [B] and the fp32 torch logits
+    function of the last hidden states."""
+    g = torch.Generator().manual_seed(100 + i)
+    r = lambda *s: (torch.randn(*s, generator=g) * 0.3).to(t)  # noqa: E731
+    emb, norm, head = r(6, h), 1 + r(h), r(6, h)
+    bias = torch.randn(6, generator=g) * 0.3 if i % 2 else None
+    ends = (emb, 0, 5, 5, norm, 1e-6, head, bias, 7, 1, ((0, 3, 2), (0, 0, 3)))
+    ids = torch.tensor([4, 0, 2][:B], dtype=torch.int64)
+    order = [3, 4, 0, 1, 2]                  # vocabulary index of each real shard row
+
+    def logits(x):
+        a = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm.float()
+        z = torch.nn.functional.linear(a, head.float(), bias)[:, :5]
+        out = torch.empty_like(z)
+        out[:, order] = z
+        return out
+
+    return ends, ids, emb.float()[ids], logits
+
+
 def scenario_decode_step(i):
     """decode_plan / decode_step on a group of one rank: one layer equals
     the fp32 torch reference (x and the cache's new position; bf16: within
@@ -902,7 +925,7 @@ def scenario_decode_step(i):
     want, kc, vc = _decode_reference(row, x, cos, sin, mask, past, H, K, d, F)
     plan = _C.decode_plan(sizes, [row], [row])
     got = x.clone()
-    assert isinstance(_C.decode_step(comm, plan, got, cos, sin, mask, past), float)
+    assert len(_C.decode_step(comm, plan, got, cos, sin, mask, past)) == 2   # seconds: all-reduces, gather
     tol = (1e-5, 1e-4) if row[4].dtype == torch.float32 else (6e-2, 3e-2)
     assert torch.allclose(got, want, atol=tol[0], rtol=tol[1]), (got - want).abs().max()
     assert torch.allclose(row[21].float(), kc, atol=tol[0] / 5, rtol=tol[1]), (row[21].float() - kc).abs().max()
@@ -913,6 +936,27 @@ def scenario_decode_step(i):
     expect(ValueError, _C.decode_plan, (B, h, H, K, d, F, 0), [row], [row], match="outside")
     other = row[:5] + (row[5].to(torch.float16),) + row[6:]
     expect(TypeError, _C.decode_plan, sizes, [other], [other], match="layer 0 wk")
+    # the ends: the embedding of ids, the final norm, the head and the (one-rank) gather in the same call
+    ends, ids, x0, logits_of = _decode_ends(i, row[4].dtype, h, B)
+    row = row[:21] + (row[21].clone(), row[22].clone()) + row[23:]
+    want, _, _ = _decode_reference(row, x0, cos, sin, mask, past, H, K, d, F)
+    plan = _C.decode_plan(sizes, [row], [row, ends], ends)
+    got, logits = torch.empty(B, h), torch.empty(B, 5, dtype=row[4].dtype)
+    assert len(_C.decode_step(comm, plan, got, cos, sin, mask, past, ids, logits)) == 2
+    assert torch.allclose(got, want, atol=tol[0], rtol=tol[1]), (got - want).abs().max()
+    exp = logits_of(got)
+    assert torch.allclose(logits.float(), exp, atol=tol[0] * 5, rtol=tol[1]), (logits.float() - exp).abs().max()
+    expect(IndexError, _C.decode_step, comm, plan, got, cos, sin, mask, past, ids + 5, logits, match="index 9")
+    expect(ValueError, _C.decode_step, comm, plan, got, cos, sin, mask, past, ids[:1], None, match="ids has")
+    expect(ValueError, _C.decode_step, comm, plan, got, cos, sin, mask, past, None, logits[:1], match="logits has")
+    plain = _C.decode_plan(sizes, [row], [row])
+    expect(ValueError, _C.decode_step, comm, plain, got, cos, sin, mask, past, ids, None, match="without an embedding")
+    expect(ValueError, _C.decode_step, comm, plain, got, cos, sin, mask, past, None, logits, match="without a head")
+    bad = {"two ranges": ends[:10] + (((0, 0, 3), (0, 2, 3)),), "cover": ends[:10] + (((0, 0, 3),),),
+           "in order": ends[:10] + (((0, 3, 2), (1, 0, 3)),), "block": ends[:8] + (5,) + ends[9:],
+           "cannot hold": (ends[0], 3) + ends[2:], "without a norm": ends[:4] + (None,) + ends[5:]}
+    for match, e in bad.items():
+        expect(ValueError, _C.decode_plan, sizes, [row], [row, e], e, match=match)
 
 
 SCENARIOS = [scenario_layout_math, scenario_copy_place_torch, scenario_copy_place_numpy,
@@ -1006,12 +1050,22 @@ elif MODE == "leaks":
     SK_T = torch.randn(20, 9).bfloat16().T
     DEC_SIZES, DEC_ROW, DEC_X, DEC_COS, DEC_SIN, DEC_MASK, DEC_PAST = _decode_case(1)
     DEC_PLAN = _C.decode_plan(DEC_SIZES, [DEC_ROW], [DEC_ROW])
+    DEC_ENDS, DEC_IDS, _, _ = _decode_ends(1, DEC_ROW[4].dtype, DEC_SIZES[1], DEC_SIZES[0])
+    DEC_FULL = _C.decode_plan(DEC_SIZES, [DEC_ROW], [DEC_ROW, DEC_ENDS], DEC_ENDS)
+    DEC_LOGITS = torch.empty(DEC_SIZES[0], 5)
+    DEC_BAD = DEC_ENDS[:10] + (((0, 0, 3), (0, 2, 3)),)
     cases = {
         "decode_plan/ok": lambda: _C.decode_plan(DEC_SIZES, [DEC_ROW], [DEC_ROW]),
         "decode_plan/size": lambda: expect(ValueError, _C.decode_plan, DEC_SIZES[:6] + (0,), [DEC_ROW], [DEC_ROW]),
         "decode_plan/layer": lambda: expect(ValueError, _C.decode_plan, (2, 17) + DEC_SIZES[2:], [DEC_ROW], []),
         "decode_step/ok": lambda: _C.decode_step(A2A_COMM, DEC_PLAN, DEC_X.clone(), DEC_COS, DEC_SIN, DEC_MASK,
                                                  DEC_PAST),
+        "decode_plan/ends": lambda: _C.decode_plan(DEC_SIZES, [DEC_ROW], [DEC_ROW], DEC_ENDS),
+        "decode_plan/ranges": lambda: expect(ValueError, _C.decode_plan, DEC_SIZES, [DEC_ROW], [], DEC_BAD),
+        "decode_step/ends": lambda: _C.decode_step(A2A_COMM, DEC_FULL, DEC_X.clone(), DEC_COS, DEC_SIN, DEC_MASK,
+                                                   DEC_PAST, DEC_IDS, DEC_LOGITS),
+        "decode_step/ids": lambda: expect(IndexError, _C.decode_step, A2A_COMM, DEC_FULL, DEC_X.clone(), DEC_COS,
+                                          DEC_SIN, DEC_MASK, DEC_PAST, DEC_IDS - 1, DEC_LOGITS),
         "decode_step/past": lambda: expect(ValueError, _C.decode_step, A2A_COMM, DEC_PLAN, DEC_X, DEC_COS, DEC_SIN,
                                            DEC_MASK, 6),
         "decode_step/mask": lambda: expect(ValueError, _C.decode_step, A2A_COMM, DEC_PLAN, DEC_X, DEC_COS, DEC_SIN,

@@ -47,6 +47,7 @@ def _assert_c_step(case: dict, window) -> None:
     Python step, counted with its reason."""
     if window is None:
         assert case["c_step"] == case["fast"] and not case["python_step"], case
+        assert not case["python_ends"], case         # the embedding, final norm and LM head in C too
     else:
         assert case["c_step"] == 0, case
         assert case["python_step"] == {"cache layer DynamicSlidingWindowLayer (the C step keeps full caches)":
@@ -55,12 +56,13 @@ def _assert_c_step(case: dict, window) -> None:
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_fast_decode_default_group(world_pool, tp):
-    """Plain ShardConfig(): Llama fp32 (sampled), and a bf16 model through
-    the C step (TP=2: Llama, greedy, left padded; TP=4: Qwen2, q/k/v
-    biases), tokens equal and logits within bf16's tolerance of
-    the unsharded bf16 model's."""
-    bf16 = ("LlamaForCausalLM", "greedy", True, None) if tp == 2 else ("Qwen2ForCausalLM", "greedy", False, None)
-    cases = [("LlamaForCausalLM", "sample", False, None), bf16 + (torch.bfloat16,)]
+    """Plain ShardConfig(): Llama fp32 (sampled), and a bf16 and an fp16
+    model through the C step, embedding and head included (TP=2: Llama,
+    greedy, left padded; TP=4: Qwen2, q/k/v biases, tied head; vocabulary
+    101 over 2 or 4 ranks, padded), tokens equal and logits within the
+    16-bit type's tolerance of the unsharded model's in that type."""
+    half = ("LlamaForCausalLM", "greedy", True, None) if tp == 2 else ("Qwen2ForCausalLM", "greedy", False, None)
+    cases = [("LlamaForCausalLM", "sample", False, None), half + (torch.bfloat16,), half + (torch.float16,)]
     out = world_pool(tp).run(check.cases_equal_hf, tp, cases, {}, default_group=True)
     assert all(o == out[0] for o in out)
     for case in out[0]:
@@ -108,14 +110,20 @@ def test_fast_decode_rechecked_each_generate(world_pool):
     out = world_pool(2).run(check.changed_after_generate, 2)
     stats = out[0]
     assert all(s == 5 for s in stats["steps"]), stats["steps"]
-    for case in ("first", "norm replaced", "weights written"):
+    for case in ("first", "norm replaced", "weights written", "ends hooked", "ends back"):
         assert stats[case]["off"] is None and stats[case]["fast"] == 5, (case, stats[case])
         assert stats[case]["c_step"] == 5, (case, stats[case])
+        if case != "ends hooked":
+            assert stats[case]["python_ends"] == {}, (case, stats[case])
+    # hooked ends run as modules (HF's hooks see them), counted per C step
+    assert stats["ends hooked"]["python_ends"] == {"forward hooks on model.model.embed_tokens": 5,
+                                                  "forward hooks on model.lm_head": 5}, stats["ends hooked"]
     # two of the five decode steps ran HF's forward (uncounted); the C step took the cache back from HF
     assert stats["hf between"]["fast"] == 3 and stats["hf between"]["c_step"] == 3, stats["hf between"]
     assert stats["kv_buffers_left"] == 0, stats
     # the C step's all-reduces are in the ledger: 2 per layer per step (besides the embedding's and the prefill's)
-    assert stats["first"]["all_reduces"] >= 2 * stats["first"]["layers"] * 5, stats["first"]
+    assert stats["first"]["all_reduces"] >= (2 * stats["first"]["layers"] + 1) * 5, stats["first"]
+    assert stats["first"]["all_gathers"] >= 5, stats["first"]     # the logits' gather, made from C
     expected = {"hooks": "forward hooks on ['model.layers.0.mlp', 'model.layers.1.post_attention_layernorm']",
                 "global hook": "global module forward hooks",
                 "act_fn replaced": "model.layers.0.mlp.act_fn is GELU, not SiLU"}

@@ -290,3 +290,68 @@ sf_status sfk_decode_layers(const sfk_decode_step *s, const sfk_decode_layer *la
     free(mem);
     return rc;
 }
+
+sf_status sfk_decode_embed(const sfk_decode_step *s, const sfk_decode_ends *e, const int64_t *ids, float *x,
+                           sf_error *err)
+{
+    const int64_t B = s->batch, h = s->hidden;
+    if (!e->embed || !s->reduce) return sf_fail(err, SF_EINVAL, "decode_step: no embedding or no reduce");
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t row = ids[b] - e->embed_start;
+        if (row >= 0 && row < e->embed_real)
+            sfk_load(s->dtype, (const char *)e->embed + (size_t)(row * h) * (size_t)sfk_size(s->dtype), h,
+                     x + b * h);
+        else
+            memset(x + b * h, 0, (size_t)h * sizeof(float));
+    }
+    return s->reduce(s->reduce_ctx, x, B * h, err);
+}
+
+/* Rank r's [B, chunk] block of the gathered buffer: its real columns to
+ * their offsets of the logits (the ranges), its padding dropped. */
+static void assemble(const sfk_decode_step *s, const sfk_decode_ends *e, const char *gathered, char *logits)
+{
+    const int64_t B = s->batch, V = e->vocab, C = e->chunk;
+    const size_t sz = (size_t)sfk_size(s->dtype);
+    int64_t rank = -1, pos = 0;
+    for (int64_t i = 0; i < e->nranges; i++) {
+        const int64_t r = e->ranges[3 * i], off = e->ranges[3 * i + 1], n = e->ranges[3 * i + 2];
+        if (r != rank) rank = r, pos = 0;
+        for (int64_t b = 0; b < B; b++)
+            memcpy(logits + (size_t)(b * V + off) * sz, gathered + (size_t)((r * B + b) * C + pos) * sz,
+                   (size_t)n * sz);
+        pos += n;
+    }
+}
+
+sf_status sfk_decode_logits(const sfk_decode_step *s, const sfk_decode_ends *e, const float *x, void *logits,
+                            sf_error *err)
+{
+    const sfk_dtype t = s->dtype;
+    const int64_t B = s->batch, h = s->hidden, R = e->head_rows, C = e->chunk;
+    const size_t sz = (size_t)sfk_size(t);
+    if (!e->head || !e->norm || !e->gather || R > C)
+        return sf_fail(err, SF_EINVAL, "decode_step: no head, norm or gather, or %lld head rows above the "
+                       "gather's %lld", (long long)R, (long long)C);
+    /* y [B, h] fp32, rstd [B], y as t [B, h] (16-bit t) */
+    float *y = malloc((size_t)(2 * B * h + B) * sizeof(float));
+    if (!y) return sf_fail(err, SF_ENOMEM, "decode_step: %lld floats of scratch", (long long)(2 * B * h + B));
+    void *yt = y + B * h + B;
+    sf_status rc = rms(t, x, B, h, e->norm, e->norm_eps, y, y + B * h, err);
+    char *own = e->work, *gathered = own + (size_t)(B * C) * sz;
+    if (rc == SF_OK) {
+        if (t != SFK_F32) sfk_store(t, y, B * h, yt);     /* exact: y holds values of t */
+        rc = sfk_skinny_linear(t, t == SFK_F32 ? (const void *)y : yt, e->head, h, e->head_bias, B, R, h, own,
+                               SFK_LIN_AUTO, err);
+    }
+    free(y);
+    if (rc != SF_OK) return rc;
+    if (R < C)                                          /* rows of R to rows of C, from the last: padding 0 */
+        for (int64_t b = B - 1; b >= 0; b--) {
+            memmove(own + (size_t)(b * C) * sz, own + (size_t)(b * R) * sz, (size_t)R * sz);
+            memset(own + (size_t)(b * C + R) * sz, 0, (size_t)(C - R) * sz);
+        }
+    if ((rc = e->gather(e->gather_ctx, gathered, own, (int64_t)((size_t)(B * C) * sz), err)) != SF_OK) return rc;
+    assemble(s, e, gathered, logits);
+    return SF_OK;
+}

@@ -38,8 +38,17 @@
  * status and message.  Plain C over pointers and sizes: no Python here
  * (kernels_module.c holds the glue).
  *
- * Not here: the embedding, the rotary table, the final norm and the LM head
- * (the caller's, before and after), sliding windows.
+ * The ends of the step (sfk_decode_ends, optional: the caller's where absent):
+ *   embedding  x[b] = E_i[id_b - v0] where v0 <= id_b < v0 + real_i, else 0,
+ *              then reduce(x): the vocabulary-parallel lookup, each id's row
+ *              on exactly one rank, so the sum is that row, exactly;
+ *   head       z = r(rms(x) gN) W_i^T (+ b), W_i this rank's rows [rows_i, h]
+ *              (padding rows included), as t; every rank's z [B, chunk]
+ *              (rows_i <= chunk, the rest zero) all-gathered, and the logits
+ *              [B, V] assembled from each rank's real columns: rank r's
+ *              ranges (offset, count) of the vocabulary, laid back to back
+ *              in its shard, go to those offsets; its padding is dropped.
+ * Not here: the rotary table (the caller's), sliding windows.
  */
 #ifndef SHARDFORMER_KERNELS_DECODE_H
 #define SHARDFORMER_KERNELS_DECODE_H
@@ -48,6 +57,8 @@
 
 /* In-place sum of buf[0:n] over the ranks. */
 typedef sf_status (*sfk_reduce_fn)(void *ctx, float *buf, int64_t n, sf_error *err);
+/* out[r * bytes : (r + 1) * bytes] = rank r's in[0:bytes], every rank r. */
+typedef sf_status (*sfk_gather_fn)(void *ctx, void *out, const void *in, int64_t bytes, sf_error *err);
 
 /* One layer's weights and its cache, of the step's type t (fp32, bf16 or
  * fp16; the biases fp32), contiguous; NULL where absent.  q, k, v and gate,
@@ -80,6 +91,36 @@ typedef struct {
     sfk_reduce_fn reduce;
     void *reduce_ctx;
 } sfk_decode_step;
+
+/* The embedding and the final norm + LM head of the step (decode.h's top),
+ * of the step's type t (the head's bias fp32); `embed` / `head` NULL where
+ * the caller runs that end. */
+typedef struct {
+    const void *embed;                 /* [embed_rows, h]: this rank's vocabulary rows */
+    int64_t embed_start, embed_real;   /* ids in [embed_start, embed_start + embed_real) are here */
+    int64_t vocab;                     /* V: ids in [0, V), logits [B, V] */
+    const void *norm;                  /* [h] the final RMSNorm's weight */
+    float norm_eps;
+    const void *head;                  /* [head_rows, h] */
+    const float *head_bias;            /* [head_rows] or NULL */
+    int64_t head_rows, chunk;          /* chunk: the most rows any rank holds (the gather's block) */
+    int nranks;
+    const int64_t *ranges;             /* nranges (rank, offset, count), rank-major, in shard order */
+    int64_t nranges;
+    void *work;                        /* (nranks + 1) B chunk elements of t */
+    sfk_gather_fn gather;
+    void *gather_ctx;
+} sfk_decode_ends;
+
+/* x [B, h] = the rows of ids [B] (decode.h's embedding), summed over the
+ * ranks with s->reduce.  The ids must lie in [0, V) (the caller checks). */
+sf_status sfk_decode_embed(const sfk_decode_step *s, const sfk_decode_ends *e, const int64_t *ids, float *x,
+                           sf_error *err);
+
+/* logits [B, V] of t from the last hidden states x [B, h] (decode.h's
+ * head): the final norm, this rank's product, the gather, the assembly. */
+sf_status sfk_decode_logits(const sfk_decode_step *s, const sfk_decode_ends *e, const float *x, void *logits,
+                            sf_error *err);
 
 /* x [B, h] in place through layers[0:nlayers]; the caches gain position
  * `past`.  EINVAL for sizes that do not fit (past >= cap, heads not a

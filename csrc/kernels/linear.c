@@ -8,7 +8,8 @@
  * Rows of W are ldw elements apart (a column slice of a wider tensor is read
  * in place).  The bf16 path on AVX512-BF16 dots the block with up to four x
  * rows at once, straight from bf16 (no widened copy of x): see linear.h for
- * its accuracy contract.
+ * its accuracy contract.  fp16 weights on the SIMD path are widened 16 at a
+ * time (AVX-512F's vcvtph2ps on zmm) where the CPU has AVX-512, else 8.
  */
 #include "linear.h"
 
@@ -31,6 +32,7 @@ typedef struct {
     void *y;             /* [m, n] of t */
     float *sums;         /* per thread [m, ROWS_PER_BLOCK]: one block's dot products */
     int64_t m, n, k, ldw;
+    int wide16;          /* fp16 on the SIMD path with AVX-512F: 16-lane widening (block_f16x) */
 } lin_ctx;
 
 static const void *w_row(const lin_ctx *c, int64_t j)
@@ -215,6 +217,43 @@ static void widen_x(sfk_dtype t, const void *x, int64_t m, int64_t k, int deinte
 LIN_BLOCK_FN(block_f32, SFK_F32)
 LIN_BLOCK_FN(block_f16, SFK_F16)
 
+#define LIN_AVX512F __attribute__((target("avx512f,avx2,fma,f16c")))
+
+/* fp16 weights on AVX-512F: 16 at a time (one 32-byte load widened by the
+ * 16-lane vcvtph2ps), the block's 4 rows dotted with x rows i, i+1 together
+ * (8 accumulators of 16 lanes); the rest of k as the scalar path. */
+LIN_AVX512F static void block_f16x(const lin_ctx *c, const void *const *wr, float *out)
+{
+    const int64_t k = c->k;
+    const uint16_t *w[ROWS_PER_BLOCK];
+    for (int r = 0; r < ROWS_PER_BLOCK; r++) w[r] = wr[r];
+    for (int64_t i = 0; i < c->m; i += 2) {
+        const int two = i + 1 < c->m;
+        const float *x0 = c->x + i * k, *x1 = two ? x0 + k : x0;
+        __m512 a[ROWS_PER_BLOCK], b[ROWS_PER_BLOCK];
+        for (int r = 0; r < ROWS_PER_BLOCK; r++) a[r] = b[r] = _mm512_setzero_ps();
+        int64_t l = 0;
+        for (; l + 16 <= k; l += 16) {
+            const __m512 p = _mm512_loadu_ps(x0 + l), q = _mm512_loadu_ps(x1 + l);
+            for (int r = 0; r < ROWS_PER_BLOCK; r++) {
+                const __m512 v = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w[r] + l)));
+                a[r] = _mm512_fmadd_ps(v, p, a[r]);
+                b[r] = _mm512_fmadd_ps(v, q, b[r]);
+            }
+        }
+        for (int r = 0; r < ROWS_PER_BLOCK; r++) {
+            float s = _mm512_reduce_add_ps(a[r]), t = _mm512_reduce_add_ps(b[r]);
+            for (int64_t j = l; j < k; j++) {
+                const float v = sf_f16_to_f32(w[r][j]);
+                s += x0[j] * v;
+                t += x1[j] * v;
+            }
+            out[i * ROWS_PER_BLOCK + r] = s;
+            if (two) out[(i + 1) * ROWS_PER_BLOCK + r] = t;
+        }
+    }
+}
+
 #define LIN_BF16X __attribute__((target("avx512f,avx512bw,avx512bf16")))
 
 /* 32 bf16 from p (the first `left` of them when left < 32, zeros after) as
@@ -276,6 +315,7 @@ static void blocks(void *arg, int64_t b0, int64_t b1, int tid)
             if (c->path == SFK_LIN_AVX512_BF16) block_bf16x(c, wr, out);
             else if (c->t == SFK_F32) block_f32(c, wr, out);
             else if (c->t == SFK_BF16) bf16_rows(c, wr, out);
+            else if (c->wide16) block_f16x(c, wr, out);
             else block_f16(c, wr, out);
         } else
 #endif
@@ -384,7 +424,8 @@ sf_status sfk_skinny_linear(sfk_dtype t, const void *x, const void *w, int64_t l
     }
     if (wide) widen_x(t, x, m, k, t == SFK_BF16 && run == SFK_LIN_AVX2, wide);
     lin_ctx c = {.t = t, .path = run, .x = wide ? wide : (t == SFK_F32 ? x : NULL), .xh = x, .w = w,
-                 .b = b, .y = y, .sums = sums, .m = m, .n = n, .k = k, .ldw = ldw};
+                 .b = b, .y = y, .sums = sums, .m = m, .n = n, .k = k, .ldw = ldw,
+                 .wide16 = t == SFK_F16 && run == SFK_LIN_AVX2 && sf_cpu_has_avx512()};
     if (k == 0) {                                  /* empty sums: y = b (or 0) */
         for (int64_t i = 0; i < m; i++)
             for (int64_t j = 0; j < n; j++) {

@@ -59,8 +59,11 @@ import inspect
 import torch
 import torch.nn.functional as F
 
-from .decode_native import NativeStep
+from .decode_native import NativeStep, norm_refusal
 from .distributed import collectives as C
+from .distributed import communicator as _comm
+from .layer.embedding import VocabParallelEmbedding1D
+from .layer.linear import Linear1D_Col, Linear1D_Row, VocabParallelLMHead1D
 
 #: model_type values whose decoder layer is the Llama layer (RMSNorm,
 #: rope attention, SwiGLU MLP), the only layer the step computes
@@ -124,8 +127,6 @@ def _rms_norm_refusal(path: str, norm) -> str | None:
 
 def _structure_refusal(model) -> str | None:
     """Why the step cannot compute this model (None: it can)."""
-    from .layer.linear import Linear1D_Col, Linear1D_Row, VocabParallelLMHead1D
-
     config = getattr(model, "config", None)
     kind = getattr(config, "model_type", None)
     if kind not in SUPPORTED_TYPES:
@@ -295,6 +296,43 @@ def _cache_layers() -> tuple:
     return DynamicLayer, DynamicSlidingWindowLayer
 
 
+def _plain_refusal(path: str, module) -> str | None:
+    """Why the C step (decode_native.py) may not run `module`'s math itself (None: it may): it
+    carries forward (pre-)hooks other than the sharder's inert ones, a
+    forward set on the instance, or is in training mode."""
+    if any(not _inert(h) for h in (*module._forward_pre_hooks.values(), *module._forward_hooks.values())):
+        return f"forward hooks on {path}"
+    if "forward" in module.__dict__ and not _sharders(module.__dict__["forward"]):
+        return f"a forward set on {path}"
+    if module.training:
+        return f"{path} in training mode"
+    return None
+
+
+def _ends_refusals(model, group, dtype) -> tuple[str | None, str | None]:
+    """(why the embedding, why the final norm + LM head cannot run in the C
+    step), None where they can (decode_native.py's module doc)."""
+    base, head = model.model, model.lm_head
+    comm = _comm.communicator_for(base.embed_tokens.weight, group)
+    embed = base.embed_tokens
+    why_embed = (_plain_refusal("model.model.embed_tokens", embed) or _plain_refusal("model.model.rotary_emb",
+                                                                                     base.rotary_emb))
+    if why_embed is None and type(embed) is not VocabParallelEmbedding1D:
+        why_embed = f"model.model.embed_tokens is {type(embed).__name__}, not a VocabParallelEmbedding1D"
+    elif why_embed is None and embed.embed_scale is not None:
+        why_embed = f"model.model.embed_tokens scales its rows by {embed.embed_scale}"
+    elif why_embed is None and (embed.weight.dtype != dtype or
+                                _comm.communicator_for(embed.weight, embed.process_group) is not comm):
+        why_embed = "model.model.embed_tokens: another dtype or another group than the layers'"
+    why_head = _plain_refusal("model.lm_head", head) or norm_refusal(base.norm)
+    if why_head is None and (type(head) is not VocabParallelLMHead1D or not head.gather_output):
+        why_head = f"model.lm_head is {type(head).__name__}, not a VocabParallelLMHead1D gathering the logits"
+    elif why_head is None and (head.weight.dtype != dtype or base.norm.weight.dtype != dtype or
+                               _comm.communicator_for(head.weight, head.process_group) is not comm):
+        why_head = "model.lm_head or model.model.norm: another dtype or another group than the layers'"
+    return why_embed, why_head
+
+
 class DecodeFastPath:
     """model.forward of a sharded Llama-shaped model: decode steps inside
     generate() run `step` (the module doc's math), everything else HF's
@@ -316,6 +354,7 @@ class DecodeFastPath:
         self.native_enabled = True          # set_native_decode: False runs every fast step in Python
         self.c_steps = 0                    # fast steps the C loop ran
         self.python_steps: collections.Counter = collections.Counter()   # reason -> fast steps run in Python
+        self.python_ends: collections.Counter = collections.Counter()    # reason -> C steps whose end ran in Python
 
     def __getstate__(self) -> dict:
         """A copy (pickle, deepcopy) checks its model afresh at its first call."""
@@ -354,7 +393,9 @@ class DecodeFastPath:
             return self._hf(args, kwargs)
         if call != self._call:                # once per generate() call, not per step
             if self.refresh() is None:
-                self.native.prepare(self.layers(), self.model.model.embed_tokens.weight)
+                weight = self.model.model.embed_tokens.weight
+                self.native.prepare(self.layers(), weight, self.model,
+                                    _ends_refusals(self.model, self.group, weight.dtype))
             self._call = call
         why = self._off or ("positional arguments" if args else _call_refusal(self.model, kwargs))
         if why is None:
@@ -371,7 +412,15 @@ class DecodeFastPath:
             self.python_steps[why] += 1
             return self.step(*args)
         self.c_steps += 1
-        return self.finish(self.native.run(self, *args), args[1])
+        for why in self.native.ends_refusal:
+            if why is not None:
+                self.python_ends[why] += 1
+        x, logits = self.native.run(self, *args)
+        if logits is None:
+            return self.finish(x, args[1])
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        return CausalLMOutputWithPast(logits=logits, past_key_values=args[1])
 
     def layers(self) -> list[_Layer]:
         if self._layers is None:
@@ -475,17 +524,18 @@ def install(model, group, name: str) -> int:
 
 def stats(model) -> dict:
     """{"fast": decode steps the fast path ran, "c_step": those of them the C
-    layer loop ran (decode_native.py), "python_step": {reason: those the
-    Python step ran instead}, "fallback": {reason: calls
+    step ran (decode_native.py), "python_step": {reason: those the
+    Python step ran instead}, "python_ends": {reason: C steps whose embedding
+    or final norm + LM head ran as modules instead}, "fallback": {reason: calls
     inside generate() sent to HF's forward}, "off": why the model never
     takes it (None: it can)} for the generating model `model`."""
     path = model.__dict__.get("forward")
     if not isinstance(path, DecodeFastPath):
-        return {"fast": 0, "c_step": 0, "python_step": {}, "fallback": {},
+        return {"fast": 0, "c_step": 0, "python_step": {}, "python_ends": {}, "fallback": {},
                 "off": "not installed (a model_type outside SUPPORTED_TYPES, ShardConfig(enable_fast_decode=False), "
                        "pipeline stages, or a group of one rank)"}
     return {"fast": path.fast, "c_step": path.c_steps, "python_step": dict(path.python_steps),
-            "fallback": dict(path.fallback), "off": path.refresh()}
+            "python_ends": dict(path.python_ends), "fallback": dict(path.fallback), "off": path.refresh()}
 
 
 def set_fast_decode(model, on: bool = True) -> None:
@@ -499,15 +549,21 @@ def set_fast_decode(model, on: bool = True) -> None:
     path.enabled = bool(on)
 
 
-def set_native_decode(model, on: bool = True) -> None:
-    """Let the fast path of `model` run its steps through the C layer loop
-    (on, the default) or always through the Python step (off, counted under
+def set_native_decode(model, on: bool = True, ends: bool = True) -> None:
+    """Let the fast path of `model` run its steps through the C step (on, the
+    default) or always through the Python step (off, counted under
     stats()["python_step"]), e.g. to time both (benchmarks/generate.py's
-    tp2-py).  Raises ValueError where the fast path is not installed."""
+    tp2-py); ends=False keeps the embedding, final norm and LM head out of
+    the C step (run as modules, counted under stats()["python_ends"]; the
+    C step of the layers alone: benchmarks/generate.py's tp2-layers).
+    Raises ValueError where the fast path is not installed."""
     path = model.__dict__.get("forward")
     if not isinstance(path, DecodeFastPath):
         raise ValueError(f"{type(model).__name__} has no decode fast path: {stats(model)['off']}")
     path.native_enabled = bool(on)
+    if path.native.ends_enabled != bool(ends):
+        path.native.ends_enabled = bool(ends)
+        path._call = None                    # the next step prepares the C step's ends afresh
 
 
 def reset_stats(model) -> None:
@@ -517,3 +573,4 @@ def reset_stats(model) -> None:
         path.fast = path.c_steps = 0
         path.fallback.clear()
         path.python_steps.clear()
+        path.python_ends.clear()

@@ -1,17 +1,30 @@
 """The decode step's layer loop in C: csrc/kernels/decode.c through _C.decode_step.
 
 DecodeFastPath (decode.py) hands a decode step here when the C step can
-compute it.  Per step, in Python: the embedding and the rotary module (as
-modules), the cache bookkeeping, one _C.decode_step call, and after it the
-final norm and the LM head.  Inside that one call, with the GIL released,
-every layer runs (the math of decode.py's docstring; kernels/decode.h):
+compute it.  Per step, in Python: the rotary module (as a module), the cache
+bookkeeping and one _C.decode_step call.  Inside that one call, with the GIL
+released, the whole forward runs (the math of decode.py's docstring;
+kernels/decode.h):
 
-    a = rms(x) g1;  [q k v] = a Wqkv^T (+ b);  (q, k per-head norms);  rope
-    K[:, :, past] = k, V[:, :, past] = v;  o = softmax(q K^T s + mask) V  (GQA)
-    x += all_reduce(o Wo^T) (+ bo);  m = rms(x) g2;  [g u] = m Wgu^T (+ b)
-    x += all_reduce((silu(g) u) Wd^T) (+ bd)
+    x = all_reduce(E_i[ids])        the vocabulary-parallel lookup: the id's row
+                                    on the rank holding it, 0 elsewhere
+    per layer:
+      a = rms(x) g1;  q, k, v = a Wq^T, a Wk^T, a Wv^T (+ b);  (q, k norms);  rope
+      K[:, :, past] = k, V[:, :, past] = v;  o = softmax(q K^T s + mask) V  (GQA)
+      x += all_reduce(o Wo^T) (+ bo);  m = rms(x) g2;  g, u = m Wg^T, m Wu^T (+ b)
+      x += all_reduce((silu(g) u) Wd^T) (+ bd)
+    z_i = rms(x) gN W_i^T (+ b_i)    this rank's vocabulary rows (padding included)
+    logits = all_gather(z_i), each rank's real columns placed at their
+             vocabulary offsets (its padding dropped: the Python gather's order)
 
-with both all-reduces made from C on the group's shm communicator.
+with every collective made from C on the group's shm communicator.  The
+embedding runs in C where model.model.embed_tokens is a plain
+VocabParallelEmbedding1D (no hooks, no scale) and the rotary module has no
+hooks; the final norm and the head where model.lm_head is a plain
+VocabParallelLMHead1D without hooks.  Otherwise that end runs as a module,
+as the Python step runs it, counted in `stats(model)["python_ends"]` with
+the reason.  The head's weight may be the embedding's (tied): both are
+read in place.
 
 What it keeps (NativeStep, one per fast path):
   * no copy of the weights: the plan points at the modules' own shards
@@ -35,9 +48,10 @@ Where it cannot run (`refusal`), the Python fast step runs, counted in
 one type among float32, bfloat16, float16, a sliding-window cache layer, a group whose communicator is not the
 shm backend (torch.distributed, NCCL, the checked communicator of
 SHARDFORMER_CHECK_COLLECTIVES), a norm with an offset.  With a
-`shardformer.comm_stats()` ledger open, the step's all-reduces are recorded
-there (2 per layer, [B, h] fp32 each, with the time the C loop spent in
-them).
+`shardformer.comm_stats()` ledger open, the step's collectives are recorded
+there: the all-reduces (2 per layer and the embedding's, [B, h] fp32 each)
+and the logits' all-gather ([B, chunk] of the model's type from each rank),
+with the time the C step spent in them.
 """
 from __future__ import annotations
 
@@ -55,7 +69,8 @@ def _eps(norm) -> float:
                  else norm.variance_epsilon)
 
 
-def _norm_refusal(norm) -> str | None:
+def norm_refusal(norm) -> str | None:
+    """Why the C step cannot compute RMSNorm `norm` (None: it can)."""
     if getattr(norm, "offset", 0.0):
         return f"{type(norm).__name__} with offset {norm.offset}"
     return None
@@ -106,6 +121,10 @@ class NativeStep:
         self._plan = None
         self._static: str | None = "not prepared"
         self._cache = None          # weak reference to the DynamicCache the buffers hold
+        self._ends: tuple = (None, None)   # (embedding, head) modules the C step runs, None: Python's
+        self.ends_refusal: tuple = ("not prepared", "not prepared")
+        self._x = None              # [B, h] fp32: the hidden states the C step embeds into
+        self.ends_enabled = True    # set_native_decode(ends=False): both ends as modules
 
     def __getstate__(self) -> dict:
         return {}
@@ -115,12 +134,15 @@ class NativeStep:
 
     # -- when it can run -------------------------------------------------------------
 
-    def prepare(self, layers, weight: torch.Tensor) -> None:
+    def prepare(self, layers, weight: torch.Tensor, model=None, ends_refusal: tuple = (None, None)) -> None:
         """Once per generate() call: what the step's weights allow (dtype,
-        norms), and packing again where a source parameter was replaced or
-        written since the last packing (its data pointer or version changed).
+        norms), which ends of `model` it runs (those whose `ends_refusal`,
+        (embedding, final norm + head), is None: decode.py's checks), and
+        packing again where a source parameter was replaced or written since
+        the last packing (its data pointer or version changed).
         `weight`: the embedding's, whose dtype and device the hidden states have."""
         self._static = None
+        self.ends_refusal = ("no model given", "no model given")
         if weight.dtype not in _TYPES or weight.device.type != "cpu":
             self._static = (f"hidden states of {weight.dtype} on {weight.device} (the C step computes float32, "
                             f"bfloat16 or float16 on the CPU)")
@@ -132,11 +154,25 @@ class NativeStep:
                                     f"(the C step takes one type)")
                     return
             for norm in (layer.ln1, layer.ln2, layer.q_norm, layer.k_norm):
-                why = norm is not None and _norm_refusal(norm.__self__)
+                why = norm is not None and norm_refusal(norm.__self__)
                 if why:
                     self._static = f"layer {layer.index}: {why}"
                     return
-        key = tuple((p.data_ptr(), p._version) for layer in layers for p in _sources(layer))
+        ends = (None, None)
+        if model is not None:
+            self.ends_refusal = tuple(ends_refusal) if self.ends_enabled else \
+                ("the embedding kept out of the C step (set_native_decode(ends=False))",
+                 "the final norm and LM head kept out of the C step (set_native_decode(ends=False))")
+            ends = (model.model.embed_tokens if self.ends_refusal[0] is None else None,
+                    (model.model.norm, model.lm_head) if self.ends_refusal[1] is None else None)
+        sources = [p for layer in layers for p in _sources(layer)]
+        if ends[0] is not None:
+            sources.append(ends[0].weight)
+        if ends[1] is not None:
+            sources += [p for m in ends[1] for p in (m.weight, getattr(m, "bias", None)) if p is not None]
+        key = (tuple((p.data_ptr(), p._version) for p in sources),
+               tuple(id(m) for m in (ends[0], *(ends[1] or (None, None)))))
+        self._ends = ends
         if key != self._key:
             self._packed, self._plan, self._key = None, None, key
 
@@ -197,14 +233,39 @@ class NativeStep:
                                        "wd", "bd")) + (self._k[n], self._v[n], p["scale"])
             rows.append(row)
             keep.append(row)
-        self._plan = _C.decode_plan(sizes, rows, keep)
+        ends = self._ends_args(hidden)
+        keep.append(ends)
+        self._plan = _C.decode_plan(sizes, rows, keep, ends)
+
+    def _ends_args(self, hidden: int):
+        """decode_plan's `ends` (csrc/decode_module.c) for the ends the C step
+        runs (self._ends), None when it runs neither."""
+        embed, tail = self._ends
+        if embed is None and tail is None:
+            return None
+        args = [None, 0, 0, 0, None, 0.0, None, None, 0, 1, ()]
+        if embed is not None:
+            args[0:4] = [_flat(embed.weight), embed.vocab_start, embed.vocab_end - embed.vocab_start,
+                         embed.num_embeddings]
+        if tail is not None:
+            norm, head = tail
+            shard = head.shard
+            args[3] = shard.full
+            args[4:6] = [_flat(norm.weight), _eps(norm)]
+            args[6:8] = [_flat(head.weight), _bias(head)]
+            args[8:11] = [shard.chunk, shard.tp_size,
+                          tuple((r, off, n) for r, ranges in enumerate(shard.all_ranges) for off, n in ranges)]
+        if embed is not None and tail is not None and embed.num_embeddings != args[3]:
+            raise ValueError(f"decode: the embedding's vocabulary {embed.num_embeddings} is not the head's "
+                             f"{args[3]}")
+        return tuple(args)
 
     def _release(self, cache_ref) -> None:
         """The cache the buffers served is gone (generate() returned and its
         caller dropped the output): free the buffers, unless a newer cache
         took them over."""
         if self._cache is cache_ref:
-            self._k, self._v, self._views, self._plan = [], [], [], None
+            self._k, self._v, self._views, self._plan, self._x = [], [], [], None, None
             self._batch = self._cap = 0
             self._cache = None
 
@@ -251,9 +312,9 @@ class NativeStep:
     # -- the step --------------------------------------------------------------------
 
     def run(self, fast, ids: torch.Tensor, cache, mask, position_ids):
-        """One decode step (module doc); returns the last hidden states
-        [B, 1, h] after the final norm's input (the caller runs the norm and
-        the head)."""
+        """One decode step (module doc); returns (the last hidden states
+        [B, 1, h], the final norm's input, when the caller runs the head; the
+        logits [B, 1, V] when the C step ran it)."""
         layers = fast.layers()
         base = fast.model.model
         past = cache.get_seq_length()
@@ -262,18 +323,29 @@ class NativeStep:
             self._plan = None
         if position_ids is None:
             position_ids = torch.full((1, 1), past, dtype=torch.long, device=ids.device)
-        x = base.embed_tokens(ids)                                         # [B, 1, h]
+        dtype, batch, hidden = base.embed_tokens.weight.dtype, ids.shape[0], layers[0].q.weight.shape[1]
+        in_c, tail = self._ends[0] is not None, self._ends[1] is not None
+        if in_c:     # the rotary module reads only the dtype and device of its input
+            x = torch.empty((batch, 1, 0), dtype=dtype)
+        else:
+            x = base.embed_tokens(ids)                                     # [B, 1, h]
         cos, sin = base.rotary_emb(x, position_ids=position_ids)           # [B or 1, 1, d]
-        batch, hidden = x.shape[0], x.shape[-1]
         self._sync_cache(layers, cache, batch, past)
-        dtype = x.dtype
-        x = x.reshape(batch, hidden).float().contiguous()                 # values of dtype, in fp32
+        if in_c:
+            if self._x is None or self._x.shape[0] != batch:
+                self._x = torch.empty((batch, hidden), dtype=torch.float32)
+            x, ids = self._x, ids.reshape(batch).to(torch.int64).contiguous()
+        else:
+            x, ids = x.reshape(batch, hidden).float().contiguous(), None   # values of dtype, in fp32
+        vocab = self._ends[1][1].shard.full if tail else 0
+        logits = torch.empty((batch, 1, vocab), dtype=dtype) if tail else None
         if mask is not None:
             mask = mask.to(torch.int64).contiguous()
         comm = _comm.communicator_for(x, fast.group)
         ops.follow_torch_threads()
-        seconds = comm.shm.run_native(_C.decode_step, self._plan, x, cos.float().contiguous(),
-                                      sin.float().contiguous(), mask, past)
+        seconds, gather_s = comm.shm.run_native(_C.decode_step, self._plan, x, cos.float().contiguous(),
+                                                sin.float().contiguous(), mask, past, ids,
+                                                logits.view(batch, vocab) if tail else None)
         self._views = []
         for n, L in enumerate(layers):
             held = cache.layers[L.index]
@@ -281,5 +353,10 @@ class NativeStep:
             self._views.append((held.keys, held.values))
         if _ledger.hooked():
             _ledger.record_native("all_reduce", tuple(comm.shm.ranks), x.numel() * x.element_size(),
-                                  seconds, 2 * len(layers))
-        return x.view(batch, 1, hidden).to(dtype)
+                                  seconds, 2 * len(layers) + in_c)
+            if tail:
+                _ledger.record_native("all_gather", tuple(comm.shm.ranks),
+                                      batch * self._ends[1][1].shard.chunk * logits.element_size(), gather_s, 1)
+        if tail:
+            return None, logits
+        return x.view(batch, 1, hidden).to(dtype), None

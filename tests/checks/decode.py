@@ -73,7 +73,7 @@ def generate_equals_hf(ctx, name: str, mode: str = "greedy", default_group: bool
     assert stats["fast"] == steps, f"{name}: {stats['fast']} of {steps} decode steps took the fast path: {stats}"
     assert sum(stats["fallback"].values()) == 1, f"{name}: {stats}"
     return {"tokens": got.sequences.tolist(), "fast": stats["fast"], "fused_norms": fused,
-            "c_step": stats["c_step"], "python_step": stats["python_step"]}
+            "c_step": stats["c_step"], "python_step": stats["python_step"], "python_ends": stats["python_ends"]}
 
 
 def cases_equal_hf(ctx, cases, options: dict, default_group: bool = False) -> list[dict]:
@@ -115,7 +115,10 @@ def changed_after_generate(ctx) -> dict:
     steps counted under the reason the fast path stepped aside (forward
     hook and pre-hook, a global module hook, a replaced activation), or (the
     hooks removed and a norm replaced by another RMSNorm) taken by the fast
-    path, reading the modules the model holds now.  Returns stats per change."""
+    path, reading the modules the model holds now; hooks on the LM head and
+    the embedding keep the C step for the layers, those two ends run as
+    modules (counted), and in C again once the hooks are gone.  Returns
+    stats per change."""
     from torch.nn.modules.module import register_module_forward_hook
     from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
@@ -139,6 +142,7 @@ def changed_after_generate(ctx) -> dict:
     with shardformer.comm_stats() as ledger:
         out = {"first": both("first generate()")}
     out["first"]["all_reduces"] = ledger.summary().get("all_reduce", {}).get("calls", 0)
+    out["first"]["all_gathers"] = ledger.summary().get("all_gather", {}).get("calls", 0)
     out["first"]["layers"] = model.config.num_hidden_layers
     pairs = [(m, m.model.layers[0]) for m in (model, ref)]
     handles = [layer.mlp.register_forward_hook(_scale_output) for _, layer in pairs]
@@ -167,6 +171,12 @@ def changed_after_generate(ctx) -> dict:
             m.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
             m.model.layers[1].mlp.up_proj.weight.mul_(0.5)
     out["weights written"] = both("k_proj of layer 0 and up_proj of layer 1 scaled in place")
+    handles = [m.lm_head.register_forward_hook(_scale_output) for m in (model, ref)]
+    handles += [m.model.embed_tokens.register_forward_hook(_scale_output) for m in (model, ref)]
+    out["ends hooked"] = both("forward hooks on lm_head and model.embed_tokens: the C step runs the layers only")
+    for h in handles:
+        h.remove()
+    out["ends back"] = both("the hooks on lm_head and model.embed_tokens removed")
     out["hf between"] = both("HF's forward for decode steps 2 and 3 (fast path off, then on again)",
                              dict(logits_processor=LogitsProcessorList([_Toggle(model)])))
     gc.collect()                             # the outputs (and their caches) are gone: so are the C step's buffers
