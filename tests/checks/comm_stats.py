@@ -20,6 +20,7 @@ from checks import pipeline as pipeline_checks
 import shardformer
 from shardformer import ShardConfig, ShardFormer
 from shardformer import distributed as D
+from shardformer import input_check, replica_drift
 from shardformer.distributed import communicator, ledger, shm
 from shardformer.layer import dropout, sequence
 from shardformer.pipeline import OneForwardOneBackwardSchedule
@@ -54,7 +55,15 @@ def _sizes(model, x, tp: int) -> SimpleNamespace:
     return SimpleNamespace(L=L, N=b * s * cfg.hidden_size * F32, h=cfg.hidden_size * F32,
                            logits=b * s * vocab_local * F32, kv_ar=kv_ar,
                            kv_bytes=kv_ar * kv * cfg.head_dim * cfg.hidden_size * F32,
-                           loss_bytes=3 * b * s * F32)
+                           loss_bytes=3 * b * s * F32, drift=_drift_due(model))
+
+
+def _drift_due(model) -> int:
+    """1 when the next forward starts with the whole-parameter check (shardformer.replica_drift: ONE all-gather of
+    two int64 over the model's group, before forward calls 2, 3, 5, 9, ... -- the measured step here is call 2),
+    else 0."""
+    check = model.__dict__.get(input_check.CHECK_ATTR)
+    return int(check is not None and replica_drift.due(check.calls + 1, check.every))
 
 
 def _assert_no_hooks() -> None:
@@ -108,14 +117,16 @@ def tp_llama(ctx, default_group: bool = False) -> dict:
     loss's one all-gather of row statistics on the vocabulary shards (_sizes);
     backward, one all-reduce of dX per column-parallel linear fed by the
     replicated hidden states -- q, k, v, gate, up: 5 per layer -- and one
-    for the LM head (5L + 1).  Nothing else."""
+    for the LM head (5L + 1).  And, this being forward call 2, the whole
+    parameters' check (one all-gather of 16 bytes, shardformer.replica_drift).
+    Nothing else."""
     model, ref, x = _prepared(ctx, dict(enable_flash_attention=True), default_group)
     n = _sizes(model, x, ctx.tp_size)
     both, back, s = _step(model, ref, x, f"{NAME} tp={ctx.tp_size}")
     fwd_ar, bwd_ar = 1 + 2 * n.L, 5 * n.L + 1
     _expect(back, {"all_reduce": (bwd_ar + n.kv_ar, bwd_ar * n.N + n.kv_bytes)}, "backward")
     _expect(both, {"all_reduce": (fwd_ar + bwd_ar + n.kv_ar, (fwd_ar + bwd_ar) * n.N + n.kv_bytes),
-                   "all_gather": (2, n.logits + n.loss_bytes)}, "forward + backward")
+                   "all_gather": (2 + n.drift, n.logits + n.loss_bytes + 16 * n.drift)}, "forward + backward")
     ranks = tuple(range(ctx.tp_size))
     groups = s.summary(by_group=True)
     assert list(groups) == [ranks], f"groups {list(groups)}, expected [{ranks}]"
@@ -145,7 +156,8 @@ def split_gather(ctx) -> dict:
                    "all_gather": (2 * blocks + 1, (2 * blocks + 1) * rows),
                    "reduce_scatter": (blocks, blocks * rows)}, "backward")
     _expect(both, {"all_reduce": (2 + blocks + n.kv_ar, 2 * n.N + blocks * n.h + n.kv_bytes),
-                   "all_gather": (3 * blocks + 4, (3 * blocks + 2) * rows + n.logits + n.loss_bytes),
+                   "all_gather": (3 * blocks + 4 + n.drift,
+                                  (3 * blocks + 2) * rows + n.logits + n.loss_bytes + 16 * n.drift),
                    "reduce_scatter": (2 * blocks, 2 * blocks * rows)}, "forward + backward")
     return {"blocks": blocks}
 
