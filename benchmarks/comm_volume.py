@@ -252,7 +252,7 @@ def _setup(mode: str, args):
 
     p, rank = dist.get_world_size(), dist.get_rank()
     # check_inputs_every=0: the ranks' agreement checks (the batch's fingerprint, and the whole parameters'
-    # one 16-byte all-gather before forward calls 2, 3, 5, 9, ... and every 100th: shardformer.replica_drift)
+    # one 16-byte all-gather before forward call 2 and every 100th: shardformer.replica_drift)
     # are not the layout's communication, and would make the measured steps differ from each other
     opt = dict(enable_flash_attention=True, check_inputs_every=0)
     if mode == "pp_1f1b":

@@ -20,4 +20,6 @@ def test_late_peer_wakes_the_sleeper(pool):
 def test_abort_after_arrival_fails_the_next_call_not_this_one(pool):
     rank0 = pool.run(check.abort_after_arrival, 2)[0]
     assert rank0["barrier"] == "returned", rank0
-    assert "rank 1" in rank0["next"] and "broken" in rank0["next"], rank0
+    # the next call is refused naming rank 1 (a PeerFailed: rank 1 aborted with a token no account was written
+    # under, so the message says its account did not reach the store)
+    assert "rank 1" in rank0["next"] and "raised" in rank0["next"], rank0

@@ -19,10 +19,13 @@ So the sharded model compares one 64-bit fingerprint of those parameters'
 bytes (shardformer.hashes.value_fingerprint of each, folded: C on the CPU,
 an exact integer checksum on an accelerator, no copy to the host) across its
 tensor-parallel and sequence-parallel groups, one all-gather of two int64
-(the names and shapes, the values), before forward calls 2, 3, 5, 9, 17, 33,
-65 (call 1 + 2^k, so the first optimizer steps are covered whatever the
-gradient accumulation) and then on the input check's schedule (every
-ShardConfig.check_inputs_every calls; 0 turns both off). Ranks of a group
+(the names and shapes, the values), before forward call 2 (after the first
+step) and then on the input check's schedule (every
+ShardConfig.check_inputs_every calls; 0 turns both off).  Not at more calls
+early on: a rank whose backward raised in the caller's own loss makes one
+forward call more than its peers (docs/pipeline.md#when-a-stage-fails), and
+a check due on a call count the ranks no longer share would meet another
+collective. Ranks of a group
 holding other parameters (names or shapes: pipeline stages the group spans)
 have nothing to compare. Which parameters are whole is the runtime's
 knowledge (shardformer.grad_norm.whole_parameters, the ones its norm counts
@@ -51,11 +54,11 @@ FIX = ("They receive the same gradients on every rank and stay equal under a cor
 
 def due(call: int, every: int) -> bool:
     """True before forward call `call` (1-based) when the parameters are
-    compared: calls 1 + 2^k below 1 + every, then every `every` calls."""
+    compared: call 2 (after the first step), then every `every` calls."""
     if every <= 0 or call < 2:
         return False
     k = call - 1
-    return (k < every and k & (k - 1) == 0) or k % every == 0
+    return k == 1 or k % every == 0
 
 
 def check_whole_parameters(named: list, groups: list, model_name: str, call: int) -> None:

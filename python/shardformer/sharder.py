@@ -303,6 +303,7 @@ class ModelSharder:
         object.__setattr__(self.model, SHARDED_MARK, True)
         # the ranks that must be given one batch compare their inputs; DDP may not span ranks holding other shards
         input_check.install(self.model, cfg, name, pipelined=stages is not None, whole=whole_parameters)
+        step_guard.settle_before_other_hooks(self.model)
         ddp_guard.install(self.model, name, ([(group, "tensor-parallel")] if cfg.enable_tensor_parallelism else [])
                           + ([(manager.group, "pipeline")] if stages is not None else []))
         why = pickling.refusal_reason(name, cfg, stages is not None)

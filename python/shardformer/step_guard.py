@@ -53,14 +53,20 @@ class _Guarded:
             return self.inner(*args, **kwargs)
         return getattr(type(self.model), self.method)(self.model, *args, **kwargs)
 
+    def settle(self) -> None:
+        """Before this call's first collective: a backward of this model that
+        started and did not finish on this rank (it raised here, or a peer's
+        failure ended it) is settled with the peers first (backward_watch)."""
+        if self.open_backward is not None:
+            backward_watch.settle(self, self.groups, self.what, self.name)
+
     def _where(self) -> str:
         return f"{self.method}() call {self.calls} of {self.name}"
 
     def __call__(self, *args, **kwargs):
         if torch.compiler.is_compiling():       # no try block in a traced graph: the call as it was
             return self._original(*args, **kwargs)
-        if self.open_backward is not None:      # that backward raised here (or on a peer)
-            backward_watch.settle(self, self.groups, self.what, self.name)
+        self.settle()
         self.calls += 1
         with failures.guard(self.groups, self.what, self._where):
             out = self._original(*args, **kwargs)
@@ -93,6 +99,23 @@ def groups_of(cfg) -> list:
     if experts is not None and experts not in out and group_size_and_rank(experts)[0] > 1:
         out.append(experts)
     return out
+
+
+def _settle_hook(module, args, kwargs):
+    """Forward pre-hook run before every other (the input check's and the
+    whole parameters' collectives, shardformer.input_check): settles an
+    unfinished backward first, so no collective of the new call can meet a
+    peer still waiting in that backward."""
+    guarded = module.__dict__.get("forward")
+    if isinstance(guarded, GuardedForward) and not torch.compiler.is_compiling():
+        guarded.settle()
+
+
+def settle_before_other_hooks(model) -> None:
+    """Called by the sharder after the model's other forward pre-hooks are
+    installed (input_check.install): _settle_hook runs first."""
+    if isinstance(model.__dict__.get("forward"), GuardedForward):
+        model.register_forward_pre_hook(_settle_hook, with_kwargs=True, prepend=True)
 
 
 def install(model, cfg, name: str) -> bool:

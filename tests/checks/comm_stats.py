@@ -60,7 +60,7 @@ def _sizes(model, x, tp: int) -> SimpleNamespace:
 
 def _drift_due(model) -> int:
     """1 when the next forward starts with the whole-parameter check (shardformer.replica_drift: ONE all-gather of
-    two int64 over the model's group, before forward calls 2, 3, 5, 9, ... -- the measured step here is call 2),
+    two int64 over the model's group, before forward call 2 and every check_inputs_every -- the measured step here is call 2),
     else 0."""
     check = model.__dict__.get(input_check.CHECK_ATTR)
     return int(check is not None and replica_drift.due(check.calls + 1, check.every))
