@@ -163,7 +163,8 @@ def gathered_loss_on_shards(ctx, cases: list, default_group: bool = False) -> di
         unlabelled = {k: v for k, v in inputs.items() if k != "labels"}
         if "decoder_input_ids" not in unlabelled and hasattr(model, "prepare_decoder_input_ids_from_labels"):
             unlabelled["decoder_input_ids"] = model.prepare_decoder_input_ids_from_labels(labels)
-        model(**unlabelled)                          # the first call's one-time checks (input agreement)
+        for _ in range(2):      # the first calls' checks: input agreement (call 1), whole parameters (call 2)
+            model(**unlabelled)
         with comm_stats() as plain:
             model(**unlabelled)
         with counting_xent() as calls:
