@@ -182,6 +182,16 @@ def groups_of(cfg) -> list[tuple[object, str]]:
     return out
 
 
+def skip_whole_parameters(model) -> None:
+    """Turn off the sharded `model`'s whole-parameter comparison
+    (shardformer.replica_drift), keeping its input check: for
+    shardformer.verify, which compares every parameter with the unsharded
+    model's after its steps itself and reports where they part."""
+    check = model.__dict__.get(CHECK_ATTR)
+    if check is not None:
+        check.whole = None
+
+
 def install(model, cfg, name: str, pipelined: bool, whole=None) -> None:
     """Give the sharded `model` its input check (ShardConfig.check_inputs_every;
     nothing when 0 or when no group must agree): a forward pre-hook, or for a

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..checkpoint.full import shard_info
 from ..config import ShardConfig
+from ..input_check import skip_whole_parameters
 from ..shardformer import ShardFormer
 from .compare import compare_maybe_sharded, cut, diff, float_tensors, loss_of
 from .report import AFTER_STEPS, LOSS, MODEL_OUTPUT, PARAM_GRAD, Entry
@@ -152,6 +153,7 @@ def run_checks(build, inputs, shard_config: ShardConfig, plan, policy, steps: in
     ref.eval()
     model.eval()
     ShardFormer(shard_config=shard_config).optimize(model, policy=policy, plan=plan)
+    skip_whole_parameters(model)     # whole parameters that part are found below, after the steps, with their module
     from ..config import group_size_and_rank
 
     tp, _ = group_size_and_rank(shard_config.tensor_parallel_process_group)
