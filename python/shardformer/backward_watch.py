@@ -26,7 +26,7 @@ peers' gradients would hold that rank's activations).  Two mechanisms:
         (a collective it did not join): it waits until each has entered
         one and reads its phase.  It writes its account ("the backward of
         forward() call N raised on global rank R") to the store and aborts
-        the groups (failures._publish): a peer waiting in the backward
+        the groups (failures.publish): a peer waiting in the backward
         raises PeerFailed there (shm.on_peer_failure), a peer waiting in
         its next forward() raises PeerFailed from its guard.  Every rank
         then drops the communicators.  When every peer was waiting in the
@@ -118,17 +118,17 @@ def settle(watch, groups, what: str, name: str) -> None:
     when this forward may run; raises RuntimeError when a peer finished that
     backward (so that every rank skips the same steps)."""
     n, watch.open_backward = watch.open_backward, None
-    comms = failures._shm_comms(groups)
+    comms = failures.shm_comms(groups)
     if any(comm.abort_record() is not None for _, comm in comms):   # a peer's failure, or told already
-        failures._reset(comms)
+        failures.reset_comms(comms)
         return
     where = f"backward of {what.split('.')[-1]} call {n} of {name}"
     peers = _peers_blocked(comms)
     me = dist.get_rank()
-    failures._publish({"rank": me, "type": "an exception in backward",
+    failures.publish({"rank": me, "type": "an exception in backward",
                        "message": f"the backward of {what} call {n} raised on global rank {me} "
                                   f"(caught by the caller, which went on)", "where": where}, comms)
-    failures._reset(comms)
+    failures.reset_comms(comms)
     done = sorted(r for r, in_backward in (peers or {}).items() if not in_backward)
     if done:
         raise RuntimeError(

@@ -96,7 +96,7 @@ def _store():
         return None
 
 
-def _shm_comms(groups) -> list:
+def shm_comms(groups) -> list:
     """(group, ShmCommunicator) of the groups that have one (of several ranks)."""
     out, seen = [], set()
     for group in groups:
@@ -107,7 +107,7 @@ def _shm_comms(groups) -> list:
     return out
 
 
-def _reset(comms) -> None:
+def reset_comms(comms) -> None:
     """Drop the aborted groups' communicators (and only theirs: a group
     without an shm communicator keeps its choice, which its peers keep too)."""
     for group, comm in comms:
@@ -139,7 +139,7 @@ def _describe(account: dict) -> str:
             f"({account['where']})")
 
 
-def _publish(account: dict, comms) -> None:
+def publish(account: dict, comms) -> None:
     """Write `account` under a fresh token in the next ring slot, then abort
     every communicator of `comms` not aborted yet with it (the peers' waits
     end within ~15 ms).  Nothing is written when every one is aborted already."""
@@ -167,7 +167,7 @@ def _own_failure(error: BaseException, comms, what: str, where: str) -> None:
     message = str(error)
     if len(message) > 2000:
         message = message[:2000] + " ..."
-    _publish({"rank": me, "type": f"{type(error).__module__}.{type(error).__qualname__}",
+    publish({"rank": me, "type": f"{type(error).__module__}.{type(error).__qualname__}",
               "message": message, "where": where}, comms)
     told = "; ".join(comm.label for _, comm in comms) or "no shm group"
     error.add_note(f"shardformer: {what}: global rank {me} raised this ({where}); its peers were told "
@@ -202,7 +202,7 @@ def _peer_failure(comms, what: str, where: str, tell_others: bool = True) -> Pee
             story = f"global rank {comm.ranks[who]} {_REASONS.get(why, f'failed (reason {why})')}"
         ranks = [account["rank"] if account is not None else comm.ranks[who]]
         if tell_others:
-            _publish(account or {"rank": ranks[0], "type": "no exception", "message": story,
+            publish(account or {"rank": ranks[0], "type": "no exception", "message": story,
                                  "where": comm.label}, comms)
         return PeerFailed(f"{what}: {story}; global rank {dist.get_rank()} stopped waiting for it ({where}; "
                           f"{comm.label}).  Every rank of the group got an error from this step; zero the "
@@ -257,7 +257,7 @@ def _at_exit(comms) -> None:
         kind, message = f"{type(error).__module__}.{type(error).__qualname__}", str(error)[:2000]
     else:
         kind, message = "exit", "the process exited (sys.exit or the end of its program)"
-    _publish({"rank": dist.get_rank(), "type": kind, "message": message,
+    publish({"rank": dist.get_rank(), "type": kind, "message": message,
               "where": "an uncaught exception: the process exited" if error is not None else
               "while its peers waited for it in a collective"}, live)
 
@@ -292,12 +292,12 @@ def guard(groups, what: str, where):
         at = where() if dist.is_initialized() else None
         if at is None:
             raise
-        comms = _shm_comms(groups)
+        comms = shm_comms(groups)
         ours = isinstance(error, (RuntimeError, OSError)) and any(c.label in str(error) for _, c in comms)
         peer = _peer_failure(comms, what, at) if ours else None
         if peer is None:
             _own_failure(error, comms, what, at)
-        _reset(comms)
+        reset_comms(comms)
         if peer is not None:
             setattr(peer, HANDLED, True)
             raise peer from error
